@@ -1,0 +1,3 @@
+"""torchgrain: fast, deterministic, key-value data loading for PyTorch."""
+
+__version__ = "0.1.0"

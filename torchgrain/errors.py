@@ -1,0 +1,44 @@
+"""Exception types raised by torchgrain.
+
+Every error about data names the file, the shard and the record index it concerns,
+so a failure inside a DataLoader worker deep in a long job can be traced to a byte
+range on disk.
+
+Example:
+    >>> import torchgrain as tg
+    >>> try:
+    ...     tg.ArrayRecordSource("/nonexistent/dir")
+    ... except tg.DatasetNotFoundError as e:
+    ...     print(type(e).__name__)
+    DatasetNotFoundError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CorruptDataError",
+    "DatasetNotFoundError",
+    "RecordDecodeError",
+    "SchemaMismatchError",
+    "TorchgrainError",
+]
+
+
+class TorchgrainError(Exception):
+    """Base class of every torchgrain error."""
+
+
+class DatasetNotFoundError(TorchgrainError, FileNotFoundError):
+    """A path, directory or glob matched no readable shard."""
+
+
+class CorruptDataError(TorchgrainError, ValueError):
+    """A shard is truncated, not of the expected format, or fails an integrity check."""
+
+
+class RecordDecodeError(CorruptDataError):
+    """A record's bytes could not be decoded by the chosen codec."""
+
+
+class SchemaMismatchError(TorchgrainError, ValueError):
+    """Shards of one dataset have incompatible schemas."""

@@ -1,0 +1,127 @@
+"""Resolve user-given paths (directory, glob, file, list, fsspec URL) to shard files.
+
+Sources accept any of these, local or remote; this module turns them into a sorted,
+de-duplicated list of concrete file paths plus the fsspec filesystem that reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from torchgrain.errors import DatasetNotFoundError
+
+PathLike = str | os.PathLike
+
+
+def get_filesystem(
+    path: PathLike, storage_options: dict[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Return ``(filesystem, path_without_protocol)`` for a local path or fsspec URL.
+
+    Example:
+        >>> fs, p = get_filesystem("/tmp")
+        >>> fs.protocol[0] in ("file", "local")
+        True
+    """
+    return url_to_fs(os.fspath(path), **(storage_options or {}))
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """True when ``fs`` is the local filesystem.
+
+    Example:
+        >>> is_local(get_filesystem("/tmp")[0])
+        True
+    """
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ("file", "local") for p in protocols)
+
+
+def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """Give back a URL that fsspec can open again (keeps the protocol for remote files)."""
+    if is_local(fs):
+        return path
+    return fs.unstrip_protocol(path)
+
+
+def _has_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
+def expand_paths(
+    paths: PathLike | Sequence[PathLike],
+    *,
+    suffixes: Iterable[str],
+    storage_options: dict[str, Any] | None = None,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+    kind: str = "shard",
+) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """Expand a directory, glob, file, or list of them into sorted shard paths.
+
+    A directory is searched recursively for files whose name contains one of
+    ``suffixes`` (so ``.array_record`` also finds ``x.array_record-00000-of-00008``).
+    Hidden files and files starting with ``_`` or ``.`` are skipped.
+
+    Raises:
+        DatasetNotFoundError: when a path does not exist or nothing matches.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = tempfile.mkdtemp()
+        >>> _ = pathlib.Path(d, "a.parquet").write_bytes(b"")
+        >>> fs, files = expand_paths(d, suffixes=[".parquet"])
+        >>> [pathlib.Path(f).name for f in files]
+        ['a.parquet']
+    """
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not items:
+        raise DatasetNotFoundError(f"no {kind} paths given")
+    suffixes = tuple(suffixes)
+    fs = filesystem
+    out: list[str] = []
+    for item in items:
+        item = os.fspath(item)
+        if filesystem is None:
+            item_fs, stripped = get_filesystem(item, storage_options)
+        else:
+            item_fs, stripped = filesystem, filesystem._strip_protocol(item)
+        if fs is None:
+            fs = item_fs
+        if _has_glob(stripped):
+            found = sorted(p for p in item_fs.glob(stripped) if item_fs.isfile(p))
+            if not found:
+                raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
+            out.extend(_unstrip(item_fs, p) for p in found)
+        elif item_fs.isdir(stripped):
+            found = sorted(
+                p
+                for p in item_fs.find(stripped)
+                if _is_data_file(p, suffixes)
+            )
+            if not found:
+                raise DatasetNotFoundError(
+                    f"directory {item!r} holds no {kind} file (looked for names containing "
+                    f"{', '.join(suffixes)})"
+                )
+            out.extend(_unstrip(item_fs, p) for p in found)
+        elif item_fs.isfile(stripped):
+            out.append(_unstrip(item_fs, stripped))
+        else:
+            raise DatasetNotFoundError(f"{kind} path {item!r} does not exist")
+    assert fs is not None
+    # Keep the first occurrence of each path, preserving the order given.
+    seen: set[str] = set()
+    unique = [p for p in out if not (p in seen or seen.add(p))]
+    return fs, unique
+
+
+def _is_data_file(path: str, suffixes: tuple[str, ...]) -> bool:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if name.startswith((".", "_")):
+        return False
+    return any(s in name for s in suffixes)

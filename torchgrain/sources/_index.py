@@ -1,0 +1,125 @@
+"""ShardIndex: global record index -> (shard, local row) through a prefix-sum array.
+
+The whole mapping lives in one int64 numpy array of ``num_shards + 1`` offsets, so a
+dataset of a billion records over 10,000 shards costs 80 KB of index, shares
+copy-on-write pages with forked workers untouched, and pickles small.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class ShardIndex:
+    """Maps global record indices to ``(shard, row)`` pairs.
+
+    Args:
+        counts: number of records in each shard, in dataset order.
+
+    Example:
+        >>> idx = ShardIndex([3, 0, 2])
+        >>> len(idx), idx.num_shards
+        (5, 3)
+        >>> shards, rows = idx.locate([0, 2, 3, 4])
+        >>> shards.tolist(), rows.tolist()
+        ([0, 0, 2, 2], [0, 2, 0, 1])
+    """
+
+    __slots__ = ("offsets",)
+
+    def __init__(self, counts: Sequence[int] | np.ndarray) -> None:
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.ndim != 1:
+            raise ValueError("counts must be one-dimensional")
+        if (counts < 0).any():
+            raise ValueError("shard record counts must be >= 0")
+        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        offsets.setflags(write=False)
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Records per shard (int64 array)."""
+        return np.diff(self.offsets)
+
+    def check(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Validate indices and return them as an int64 array.
+
+        Raises:
+            IndexError: for a negative or out-of-range index (no wrap-around).
+            TypeError: for a non-integer index.
+        """
+        arr = np.asarray(indices)
+        if arr.dtype == object or arr.dtype.kind not in "iu":
+            if arr.size == 0:
+                return np.zeros(0, dtype=np.int64)
+            bad = [i for i in np.ravel(arr) if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
+            if bad or arr.dtype.kind not in "iuO":
+                raise TypeError(f"record indices must be integers, got {bad[:1] or arr.dtype}")
+        arr = arr.astype(np.int64, copy=False).reshape(-1)
+        n = len(self)
+        if arr.size and (arr.min() < 0 or arr.max() >= n):
+            bad_i = int(arr[(arr < 0) | (arr >= n)][0])
+            raise IndexError(f"record index {bad_i} out of range for a dataset of {n} records")
+        return arr
+
+    def locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(shard_ids, local_rows)`` for valid global indices (vectorised)."""
+        arr = self.check(indices)
+        shards = np.searchsorted(self.offsets, arr, side="right") - 1
+        return shards, arr - self.offsets[shards]
+
+    def locate_one(self, index: int) -> tuple[int, int]:
+        """Scalar fast path of :meth:`locate`."""
+        if not isinstance(index, numbers.Integral) or isinstance(index, bool):
+            raise TypeError(f"record index must be an integer, got {type(index).__name__}")
+        index = int(index)
+        n = int(self.offsets[-1])
+        if index < 0 or index >= n:
+            raise IndexError(f"record index {index} out of range for a dataset of {n} records")
+        shard = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return shard, index - int(self.offsets[shard])
+
+    def __getstate__(self):
+        return self.offsets
+
+    def __setstate__(self, offsets):
+        self.offsets = offsets
+
+    def __repr__(self) -> str:
+        return f"ShardIndex(num_shards={self.num_shards}, num_records={len(self)})"
+
+
+def group_by_shard(
+    shards: np.ndarray, rows: np.ndarray
+) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Group positions of a request by shard.
+
+    Returns a list of ``(shard, rows_in_request_order, positions)``, where
+    ``positions`` are the places in the original request those rows fill.
+
+    Example:
+        >>> g = group_by_shard(np.array([1, 0, 1]), np.array([5, 7, 2]))
+        >>> [(s, r.tolist(), p.tolist()) for s, r, p in g]
+        [(0, [7], [1]), (1, [5, 2], [0, 2])]
+    """
+    if len(shards) == 0:
+        return []
+    order = np.argsort(shards, kind="stable")
+    sorted_shards = shards[order]
+    cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
+    groups = []
+    for pos in np.split(order, cuts):
+        groups.append((int(shards[pos[0]]), rows[pos], pos))
+    return groups
