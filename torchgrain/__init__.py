@@ -1,3 +1,40 @@
-"""torchgrain: fast, deterministic, key-value data loading for PyTorch."""
+"""torchgrain: fast, deterministic, key-value data loading for PyTorch.
+
+Example:
+    >>> import tempfile, numpy as np, torch, torchgrain as tg
+    >>> d = tempfile.mkdtemp()
+    >>> _ = tg.write_array_record([{"x": np.full(2, i, np.int64)} for i in range(6)], d)
+    >>> ds = tg.Dataset(tg.ArrayRecordSource(d))
+    >>> loader = torch.utils.data.DataLoader(ds, batch_size=3, shuffle=False)
+    >>> [b["x"][:, 0].tolist() for b in loader]
+    [[0, 1, 2], [3, 4, 5]]
+"""
+
+from torchgrain.dataset import Dataset, record_rng
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    SchemaMismatchError,
+    TorchgrainError,
+)
+from torchgrain.sources._index import ShardIndex
+from torchgrain.sources.arrayrecord import ArrayRecordSource
+from torchgrain.sources.codecs import register_codec
+from torchgrain.writers import write_array_record
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "ArrayRecordSource",
+    "CorruptDataError",
+    "Dataset",
+    "DatasetNotFoundError",
+    "RecordDecodeError",
+    "SchemaMismatchError",
+    "ShardIndex",
+    "TorchgrainError",
+    "record_rng",
+    "register_codec",
+    "write_array_record",
+]

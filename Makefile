@@ -1,0 +1,17 @@
+# The two quick-start commands (see README): `make demo` and `make test`.
+VENV ?= .venv
+export VENV
+
+.PHONY: demo test setup lint bench
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/torchgrain demo
+
+test:
+	bash scripts/test.sh
+
+lint: setup
+	$(VENV)/bin/python -m ruff check torchgrain tests benchmarks
+	$(VENV)/bin/python -m ruff format --check torchgrain tests benchmarks

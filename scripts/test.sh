@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set everything up, then lint and run the whole test suite (doctests included).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+VENV=${VENV:-.venv}
+"$VENV/bin/python" -m ruff check torchgrain tests benchmarks || exit 1
+"$VENV/bin/python" -m pytest --doctest-modules torchgrain tests "$@"
+rc=$?
+if [ "$rc" -eq 5 ]; then
+  echo "test: pytest collected no tests: failing" >&2
+  exit 1
+fi
+exit "$rc"

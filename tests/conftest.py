@@ -1,0 +1,41 @@
+"""Shared fixtures: small datasets generated into tmp dirs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile("ci")
+
+# Keep worker start-up cheap and reproducible on small CI machines.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def make_records(n: int, *, seed: int = 0, image_shape=(4, 4, 3)) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "image": rng.integers(0, 255, image_shape, dtype=np.uint8),
+            "label": i % 7,
+            "id": f"r{i}",
+            "score": float(i) / 3,
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture
+def small_dataset(tmp_path):
+    """100 records in 3 shards, returns (directory, records)."""
+    import torchgrain as tg
+
+    recs = make_records(100)
+    d = tmp_path / "ds"
+    tg.write_array_record(recs, d, num_shards=3)
+    return str(d), recs

@@ -1,0 +1,193 @@
+import glob
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+import torchgrain as tg
+from tests.conftest import make_records
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
+
+
+def same_record(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], np.ndarray):
+            np.testing.assert_array_equal(a[k], b[k])
+            assert a[k].dtype == b[k].dtype
+        else:
+            assert a[k] == b[k]
+
+
+def test_write_then_read_preserves_order_and_values(small_dataset):
+    d, recs = small_dataset
+    src = tg.ArrayRecordSource(d)
+    assert len(src) == 100 and src.num_shards == 3
+    assert sorted(src.index.counts.tolist()) == [33, 33, 34]
+    for i in (0, 1, 33, 34, 66, 67, 99):
+        same_record(src[i], recs[i])
+    assert src.keys == ["image", "label", "id", "score"]
+    assert src.schema == {"image": "uint8[4,4,3]", "label": "int", "id": "str", "score": "float"}
+    assert src.codec.name == "msgpack"
+
+
+def test_getitems_returns_request_order_with_duplicates(small_dataset):
+    d, recs = small_dataset
+    src = tg.ArrayRecordSource(d)
+    req = [99, 0, 50, 0, 34, 33, 99]
+    for i, rec in zip(req, src.__getitems__(req)):
+        same_record(rec, recs[i])
+    assert src.__getitems__([]) == []
+    assert len(src.__getitems__(np.array([5, 6], dtype=np.uint32))) == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 100, 10**12])
+def test_out_of_range_and_negative_indices_raise_index_error(small_dataset, bad):
+    src = tg.ArrayRecordSource(small_dataset[0])
+    with pytest.raises(IndexError, match=str(bad)):
+        src[bad]
+    with pytest.raises(IndexError):
+        src.__getitems__([0, bad])
+
+
+@pytest.mark.parametrize("bad", [1.0, "3", None, True])
+def test_non_integer_indices_raise_type_error(small_dataset, bad):
+    src = tg.ArrayRecordSource(small_dataset[0])
+    with pytest.raises(TypeError):
+        src[bad]
+    with pytest.raises(TypeError):
+        src.__getitems__([0, bad])
+
+
+def test_iterator_input_is_dealt_round_robin(tmp_path):
+    recs = make_records(10)
+    tg.write_array_record(iter(recs), tmp_path, num_shards=3)
+    src = tg.ArrayRecordSource(tmp_path)
+    assert src.index.counts.tolist() == [4, 3, 3]
+    # shard 0 holds records 0, 3, 6, 9
+    assert [src[i]["id"] for i in range(4)] == ["r0", "r3", "r6", "r9"]
+
+
+def test_more_shards_than_records(tmp_path):
+    tg.write_array_record(make_records(2), tmp_path, num_shards=5)
+    src = tg.ArrayRecordSource(tmp_path)
+    assert len(src) == 2 and src.num_shards == 5
+    assert [src[i]["id"] for i in range(2)] == ["r0", "r1"]
+
+
+def test_no_temporary_files_left_and_refuses_overwrite(small_dataset):
+    d, _ = small_dataset
+    names = sorted(os.listdir(d))
+    assert names == [
+        "data-00000-of-00003.array_record",
+        "data-00001-of-00003.array_record",
+        "data-00002-of-00003.array_record",
+        "torchgrain.json",
+    ]
+    with pytest.raises(FileExistsError):
+        tg.write_array_record(make_records(3), d)
+    tg.write_array_record(make_records(3), d, overwrite=True, num_shards=1)
+    assert len(tg.ArrayRecordSource(d)) == 3
+    assert len(glob.glob(os.path.join(d, "*.array_record"))) == 1
+
+
+def test_failed_write_leaves_no_dataset(tmp_path):
+    def records():
+        yield {"x": 1}
+        raise RuntimeError("source broke")
+
+    with pytest.raises(RuntimeError):
+        tg.write_array_record(records(), tmp_path / "out", num_shards=2)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_unencodable_value_names_the_record(tmp_path):
+    with pytest.raises(TypeError, match="record 1"):
+        tg.write_array_record([{"x": 1}, {"x": object()}], tmp_path)
+
+
+def test_opening_without_manifest_glob_file_and_list(small_dataset):
+    d, recs = small_dataset
+    files = sorted(glob.glob(os.path.join(d, "*.array_record")))
+    by_glob = tg.ArrayRecordSource(os.path.join(d, "*.array_record"))
+    by_list = tg.ArrayRecordSource(files)
+    by_file = tg.ArrayRecordSource(files[1])
+    assert len(by_glob) == len(by_list) == 100
+    assert len(by_file) == 33
+    same_record(by_glob[77], recs[77])
+    same_record(by_file[0], recs[33])
+    assert by_glob.codec.name == "msgpack"  # sniffed
+    os.unlink(os.path.join(d, "torchgrain.json"))
+    no_manifest = tg.ArrayRecordSource(d)
+    assert len(no_manifest) == 100
+    same_record(no_manifest[50], recs[50])
+    assert no_manifest.schema["image"] == "uint8[4,4,3]"
+
+
+def test_raw_codec_and_foreign_files(tmp_path):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    path = str(tmp_path / "foreign.array_record")
+    w = ArrayRecordWriter(path, "group_size:1")
+    for i in range(5):
+        w.write(b"\x0a" + bytes([i]) * 3)
+    w.close()
+    src = tg.ArrayRecordSource(path)
+    assert src.codec.name == "raw"
+    assert src[2] == {"bytes": b"\x0a\x02\x02\x02"}
+    assert src.keys == ["bytes"]
+    with pytest.raises(RecordDecodeError, match=r"record 2 .*foreign.array_record.*row 2"):
+        tg.ArrayRecordSource(path, codec="msgpack")[2]
+
+
+def test_source_pickles_small_and_works_after_unpickling(small_dataset):
+    d, recs = small_dataset
+    src = tg.ArrayRecordSource(d)
+    src[0]
+    blob = pickle.dumps(src)
+    assert len(blob) < 4096
+    same_record(pickle.loads(blob)[42], recs[42])
+
+
+def test_missing_paths_raise_dataset_not_found(tmp_path):
+    with pytest.raises(DatasetNotFoundError, match="does not exist"):
+        tg.ArrayRecordSource(tmp_path / "nope")
+    with pytest.raises(DatasetNotFoundError, match="holds no ArrayRecord"):
+        tg.ArrayRecordSource(tmp_path)
+    with pytest.raises(DatasetNotFoundError, match="matched no"):
+        tg.ArrayRecordSource(str(tmp_path / "*.array_record"))
+
+
+def test_manifest_pointing_to_missing_shard(small_dataset):
+    d, _ = small_dataset
+    os.unlink(os.path.join(d, "data-00002-of-00003.array_record"))
+    with pytest.raises(DatasetNotFoundError, match="data-00002-of-00003"):
+        tg.ArrayRecordSource(d)
+
+
+def test_corrupt_manifest(small_dataset):
+    d, _ = small_dataset
+    with open(os.path.join(d, "torchgrain.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CorruptDataError, match=r"torchgrain\.json"):
+        tg.ArrayRecordSource(d)
+
+
+def test_not_an_array_record_file(tmp_path):
+    p = tmp_path / "fake.array_record"
+    p.write_bytes(b"hello world" * 100)
+    with pytest.raises(CorruptDataError, match=r"fake\.array_record"):
+        len(tg.ArrayRecordSource(p))
+
+
+def test_group_size_and_compression_options(tmp_path):
+    recs = make_records(50)
+    for comp in ("zstd", "snappy", "brotli", "uncompressed"):
+        d = tmp_path / comp
+        tg.write_array_record(recs, d, num_shards=2, group_size=8, compression=comp)
+        src = tg.ArrayRecordSource(d)
+        for i, rec in zip(range(0, 50, 7), src.__getitems__(list(range(0, 50, 7)))):
+            same_record(rec, recs[i])
+    with pytest.raises(ValueError):
+        tg.write_array_record(recs, tmp_path / "x", compression="lz4")

@@ -1,0 +1,5 @@
+import sys
+
+from torchgrain.cli import main
+
+sys.exit(main())

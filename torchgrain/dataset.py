@@ -1,0 +1,255 @@
+"""Dataset: a lazily loaded, map-style ``torch.utils.data.Dataset`` over a source.
+
+Transforms are recorded, not applied eagerly: ``Dataset(src).map(f).random_map(g)``
+returns a new Dataset whose ``__getitems__`` reads a whole batch from the source in one
+call (grouped by shard) and then runs ``f`` and ``g`` on each record.
+
+Random transforms get a :class:`numpy.random.Generator` derived from
+``(seed, epoch, record index, transform position)`` only, so augmentation is identical
+whatever the number of DataLoader workers, the batch size, the prefetch depth or the
+point a run was resumed from, and differs between epochs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import multiprocessing.context
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+__all__ = ["Dataset", "record_rng"]
+
+_MASK64 = (1 << 64) - 1
+
+
+_RNG_PERSON = b"torchgrain.rng"
+_SEED_SEQUENCE = np.random.SeedSequence(0)
+_tls = threading.local()
+
+
+def _pcg_state(seed: int, epoch: int, index: int, stream: int) -> dict[str, Any]:
+    """Hash (seed, epoch, index, stream) into a full 128-bit PCG64 state and increment."""
+    msg = b"".join(
+        (v & _MASK64).to_bytes(8, "little")
+        for v in (seed, seed >> 64, epoch, epoch >> 64, index, stream)
+    )
+    d = hashlib.blake2b(msg, digest_size=32, person=_RNG_PERSON).digest()
+    return {
+        "bit_generator": "PCG64",
+        "state": {
+            "state": int.from_bytes(d[:16], "little"),
+            "inc": int.from_bytes(d[16:], "little") | 1,
+        },
+        "has_uint32": 0,
+        "uinteger": 0,
+    }
+
+
+def record_rng(seed: int, epoch: int, index: int, stream: int = 0) -> np.random.Generator:
+    """The generator ``random_map`` hands to its function for one record.
+
+    Derived from ``(seed, epoch, index, stream)`` alone, by hashing (BLAKE2b) into a full
+    PCG64 state, never from global random state. Seeds may be any 128-bit integer;
+    ``stream`` tells apart several random transforms in one chain.
+
+    Example:
+        >>> a = record_rng(0, 1, 42).integers(1 << 30)
+        >>> b = record_rng(0, 1, 42).integers(1 << 30)
+        >>> bool(a == b), bool(a == record_rng(0, 2, 42).integers(1 << 30))
+        (True, False)
+    """
+    bg = np.random.PCG64(_SEED_SEQUENCE)
+    bg.state = _pcg_state(seed, epoch, index, stream)
+    return np.random.Generator(bg)
+
+
+def _record_rng_fast(seed: int, epoch: int, index: int, stream: int) -> np.random.Generator:
+    """Same stream as :func:`record_rng`, re-using one bit generator per thread.
+
+    The generator is only valid during the transform call it is passed to (the next
+    record re-seeds it); this saves ~5 us per record over building a fresh one.
+    """
+    bg = getattr(_tls, "bg", None)
+    if bg is None:
+        bg = _tls.bg = np.random.PCG64(_SEED_SEQUENCE)
+    bg.state = _pcg_state(seed, epoch, index, stream)
+    return np.random.Generator(bg)
+
+
+class _EpochCell:
+    """The current epoch, shared with DataLoader worker processes.
+
+    Persistent workers keep the Dataset they were started with, so a plain attribute
+    set in the main process would never reach them. The value lives in a shared-memory
+    int64 that forked workers inherit and spawned workers receive while being started;
+    pickled any other way (e.g. ``copy.deepcopy``), the cell becomes a private copy.
+    """
+
+    __slots__ = ("_shared", "_value")
+
+    def __init__(self, epoch: int = 0) -> None:
+        self._value = int(epoch)
+        try:
+            self._shared = multiprocessing.RawValue("q", int(epoch))
+        except OSError:  # pragma: no cover - no shared memory available
+            self._shared = None
+
+    def get(self) -> int:
+        return int(self._shared.value) if self._shared is not None else self._value
+
+    def set(self, epoch: int) -> None:
+        self._value = int(epoch)
+        if self._shared is not None:
+            self._shared.value = int(epoch)
+
+    def __getstate__(self) -> tuple[int, Any]:
+        spawning = multiprocessing.context.get_spawning_popen() is not None
+        return self.get(), (self._shared if spawning else None)
+
+    def __setstate__(self, state: tuple[int, Any]) -> None:
+        self._value, self._shared = state
+
+
+class Dataset(torch.utils.data.Dataset):
+    """Map-style dataset over a torchgrain source (or anything indexable with a length).
+
+    Args:
+        source: an :class:`~torchgrain.ArrayRecordSource`, :class:`~torchgrain.ParquetSource`
+            or any object with ``__len__`` and ``__getitem__`` (``__getitems__`` is used
+            when present, for batched reads).
+
+    Example:
+        >>> import tempfile, numpy as np, torch, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": np.full(3, i, np.float32)} for i in range(8)], d)
+        >>> def jitter(rec, rng):
+        ...     return {"x": rec["x"] + rng.normal(size=3).astype(np.float32)}
+        >>> ds = tg.Dataset(tg.ArrayRecordSource(d)).map(lambda r: {"x": r["x"] * 2})
+        >>> ds = ds.random_map(jitter, seed=0)
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=4)
+        >>> next(iter(loader))["x"].shape
+        torch.Size([4, 3])
+        >>> bool((ds[3]["x"] == ds[3]["x"]).all())   # same seed, epoch, index: same result
+        True
+    """
+
+    def __init__(self, source: Any) -> None:
+        if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
+            raise TypeError("source must have __len__ and __getitem__")
+        self._source = source
+        self._ops: tuple[tuple[Any, ...], ...] = ()
+        self._epoch = _EpochCell(0)
+
+    # ---------------------------------------------------------- composition
+    def _derive(self, op: tuple[Any, ...]) -> Dataset:
+        child = Dataset.__new__(Dataset)
+        child._source = self._source
+        child._ops = (*self._ops, op)
+        child._epoch = _EpochCell(self._epoch.get())
+        return child
+
+    def map(self, fn: Callable[[dict[str, Any]], Any]) -> Dataset:
+        """Return a Dataset that applies ``fn(record)`` to every record.
+
+        Example:
+            >>> ds = Dataset([{"a": 1}, {"a": 2}]).map(lambda r: r["a"] * 10)
+            >>> ds[1]
+            20
+        """
+        if not callable(fn):
+            raise TypeError("map needs a callable")
+        return self._derive(("map", fn))
+
+    def random_map(
+        self, fn: Callable[[Any, np.random.Generator], Any], *, seed: int = 0
+    ) -> Dataset:
+        """Return a Dataset that applies ``fn(record, rng)`` with a per-record generator.
+
+        ``rng`` is derived from ``(seed, epoch, record index)``; the epoch is the one set
+        with :meth:`set_epoch`, which torchgrain samplers call from their own
+        ``set_epoch``. Seeds may be any 64-bit (or larger) integer. The generator is
+        only valid during the call (it is re-seeded for the next record); keep no
+        reference to it.
+
+        Example:
+            >>> ds = Dataset(list(range(4))).random_map(lambda r, rng: r + rng.random(), seed=7)
+            >>> ds[2] == ds[2], 2 < ds[2] < 3
+            (True, True)
+        """
+        if not callable(fn):
+            raise TypeError("random_map needs a callable")
+        if not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
+        stream = sum(1 for op in self._ops if op[0] == "random_map")
+        return self._derive(("random_map", fn, int(seed), stream))
+
+    # ---------------------------------------------------------------- epoch
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch random transforms use (also reaches running DataLoader workers)."""
+        self._epoch.set(epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.get()
+
+    # ------------------------------------------------------------- contract
+    @property
+    def source(self) -> Any:
+        return self._source
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    @property
+    def keys(self) -> list[str]:
+        """Keys of the source's records (before transforms)."""
+        return list(getattr(self._source, "keys", []))
+
+    @property
+    def schema(self) -> dict[str, str]:
+        """Schema of the source's records (before transforms)."""
+        return dict(getattr(self._source, "schema", {}))
+
+    def block_offsets(self) -> np.ndarray:
+        """Block boundaries of the source, for :class:`~torchgrain.BlockShuffleSampler`."""
+        fn = getattr(self._source, "block_offsets", None)
+        if fn is None:
+            raise TypeError(f"{type(self._source).__name__} does not expose block boundaries")
+        return fn()
+
+    def __getitem__(self, index: int) -> Any:
+        rec = self._source[index]
+        if self._ops:
+            rec = self._apply(rec, int(index), self._epoch.get())
+        return rec
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        get_many = getattr(self._source, "__getitems__", None)
+        if get_many is not None:
+            records = get_many(indices)
+        else:
+            records = [self._source[i] for i in indices]
+        if self._ops:
+            epoch = self._epoch.get()
+            records = [self._apply(r, int(i), epoch) for r, i in zip(records, indices)]
+        return records
+
+    def _apply(self, rec: Any, index: int, epoch: int) -> Any:
+        for op in self._ops:
+            if op[0] == "map":
+                rec = op[1](rec)
+            else:
+                _, fn, seed, stream = op
+                rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+        return rec
+
+    def __repr__(self) -> str:
+        ops = "".join(
+            f".{op[0]}({getattr(op[1], '__name__', type(op[1]).__name__)})" for op in self._ops
+        )
+        return f"Dataset({self._source!r}){ops}"
