@@ -21,6 +21,7 @@ from torchgrain.errors import (
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
+from torchgrain.diagnostics import stats, timed
 from torchgrain.writers import write_array_record
 
 __version__ = "0.1.0"
@@ -36,5 +37,7 @@ __all__ = [
     "TorchgrainError",
     "record_rng",
     "register_codec",
+    "stats",
+    "timed",
     "write_array_record",
 ]
