@@ -481,9 +481,10 @@ def test_cuda_break_releases_device_memory():
     batches = [torch.ones(1 << 20) for _ in range(20)]
     it = iter(CudaPrefetcher(batches, device="cuda", depth=3))
     first = next(it)
-    assert wait_until(lambda: it._state.produced == 4)  # 1 consumed + depth in flight
+    state = it._state
+    assert wait_until(lambda s=state: s.produced == 4)  # 1 consumed + depth in flight
     assert torch.cuda.memory_allocated() > base
-    del it, first
+    del it, first, state
     torch.cuda.synchronize()
     gc.collect()
     assert not prefetch_threads()
