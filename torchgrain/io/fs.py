@@ -98,7 +98,11 @@ def expand_paths(
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
             out.extend(_unstrip(item_fs, p) for p in found)
         elif item_fs.isdir(stripped):
-            found = sorted(p for p in item_fs.find(stripped) if _is_data_file(p, suffixes))
+            found = sorted(
+                p
+                for p in item_fs.find(stripped)
+                if _is_data_file(p, suffixes)
+            )
             if not found:
                 raise DatasetNotFoundError(
                     f"directory {item!r} holds no {kind} file (looked for names containing "

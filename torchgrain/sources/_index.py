@@ -64,11 +64,7 @@ class ShardIndex:
         if arr.dtype == object or arr.dtype.kind not in "iu":
             if arr.size == 0:
                 return np.zeros(0, dtype=np.int64)
-            bad = [
-                i
-                for i in np.ravel(arr)
-                if not isinstance(i, numbers.Integral) or isinstance(i, bool)
-            ]
+            bad = [i for i in np.ravel(arr) if not isinstance(i, numbers.Integral) or isinstance(i, bool)]
             if bad or arr.dtype.kind not in "iuO":
                 raise TypeError(f"record indices must be integers, got {bad[:1] or arr.dtype}")
         arr = arr.astype(np.int64, copy=False).reshape(-1)
