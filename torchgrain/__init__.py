@@ -11,6 +11,7 @@ Example:
 """
 
 from torchgrain.dataset import Dataset, record_rng
+from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
@@ -18,10 +19,10 @@ from torchgrain.errors import (
     SchemaMismatchError,
     TorchgrainError,
 )
+from torchgrain.prefetch import CudaPrefetcher
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
-from torchgrain.diagnostics import stats, timed
 from torchgrain.writers import write_array_record
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayRecordSource",
     "CorruptDataError",
+    "CudaPrefetcher",
     "Dataset",
     "DatasetNotFoundError",
     "RecordDecodeError",

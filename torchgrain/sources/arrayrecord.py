@@ -11,13 +11,13 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.sources._index import ShardIndex, group_by_shard
 from torchgrain.sources.arrayrecord_file import ArrayRecordFile, read_num_records
 from torchgrain.sources.codecs import Codec, describe_value, get_codec, sniff_codec
 from torchgrain.sources.manifest import Manifest, read_manifest
-from torchgrain.diagnostics import COUNTER, local_counters
 
 __all__ = ["ArrayRecordSource"]
 
