@@ -149,7 +149,7 @@ def _open_stream(
     """Open ``path`` for reading; returns (stream of record bytes, underlying file)."""
     raw = fs.open(path, "rb")
     if compression == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw
+        return _GzipStream(raw, path), raw
     if compression == "zlib":
         return _ZlibStream(raw, path), raw
     return raw, raw
@@ -200,6 +200,27 @@ class _ZlibStream(io.RawIOBase):
                 self._d = zlib.decompressobj()
                 self._fresh = True
         return b"".join(parts)
+
+
+class _GzipStream(io.RawIOBase):
+    """gzip decompression that reports bad or truncated data as CorruptDataError."""
+
+    def __init__(self, raw: IO[bytes], name: str) -> None:
+        self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
+        self._name = name
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._gz.read(size)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+            raise CorruptDataError(f"{self._name}: bad or truncated gzip data ({e})") from e
+
+    def close(self) -> None:
+        self._gz.close()
+        super().close()
 
 
 def _resolve(
@@ -288,10 +309,7 @@ def _iter_stream(stream: IO[bytes], name: str, size: int | None, verify: bool) -
                 f"{name}: length checksum mismatch in the record at byte offset {offset}"
             )
         if size is not None and length > size - offset - _FRAME_OVERHEAD:
-            raise CorruptDataError(
-                f"{name}: record at byte offset {offset} claims {length} bytes but only "
-                f"{max(size - offset - _FRAME_OVERHEAD, 0)} remain in the file"
-            )
+            raise _too_long(name, offset, length, size)
         end = pos + _HEADER_SIZE + length + 4
         if end > len(buf):
             # The record runs past the buffer: read exactly what is missing, in bounded
@@ -379,6 +397,14 @@ def index_tfrecord(
     return np.asarray(offsets, dtype=np.int64)
 
 
+def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataError:
+    left = max(size - offset - _FRAME_OVERHEAD, 0)
+    return CorruptDataError(
+        f"{name}: truncated record (or corrupt length) at byte offset {offset}: the length "
+        f"field says {length} data bytes, the file has room for {left}"
+    )
+
+
 def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> None:
     if len(head) < _HEADER_SIZE:
         raise CorruptDataError(
@@ -391,10 +417,7 @@ def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> 
             f"{name}: length checksum mismatch in the record at byte offset {off}"
         )
     if length > size - off - _FRAME_OVERHEAD:
-        raise CorruptDataError(
-            f"{name}: record at byte offset {off} claims {length} bytes but only "
-            f"{max(size - off - _FRAME_OVERHEAD, 0)} remain in the file"
-        )
+        raise _too_long(name, off, length, size)
 
 
 def _index_buffered(f: Any, name: str, size: int, verify: bool, offsets: list[int]) -> None:
@@ -459,10 +482,7 @@ def read_tfrecord_at(
         end = None
     if end is not None:
         if length > end - offset - _FRAME_OVERHEAD:
-            raise CorruptDataError(
-                f"{label}: record at byte offset {offset} claims {length} bytes but only "
-                f"{max(end - offset - _FRAME_OVERHEAD, 0)} remain in the file"
-            )
+            raise _too_long(label, offset, length, end)
         f.seek(offset + _HEADER_SIZE)
     body = f.read(length + 4)
     if len(body) < length + 4:
