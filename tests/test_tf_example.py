@@ -313,3 +313,12 @@ def test_codec_protocol():
     assert clone.decode(data) == {"label": 3}
     with pytest.raises(RecordDecodeError):
         codec.decode(b"\x0a\x05")
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_float_bits_preserved(n):
+    bits = np.array([0x7FA00001, 0xFFC12345, 0x00000001][:n], dtype="<u4")  # NaN payloads
+    data = _ld(1, _entry(b"f", _ld(2, _ld(1, bits.tobytes()))))
+    got = decode_tf_example(data)["f"]
+    assert got.dtype == np.float32
+    assert got.view(np.uint32).tolist() == bits.tolist()

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -282,20 +283,123 @@ def _finish(buf: bytes, feat: _Feature, squeeze: bool) -> Any:
     return arr
 
 
+_SLOW = object()  # the fast path saw a layout it does not handle
+_I64_ONE = np.zeros(1, dtype=np.int64)
+_F32_ONE = np.zeros(1, dtype=np.float32)
+_U32 = struct.Struct("<I")
+
+
+def _fast_list(kind_tag: int, buf: bytes, s: int, e: int) -> Any:
+    """Decode the one list message of a canonically encoded ``Feature`` in ``buf[s:e]``.
+
+    Handles what serializers write (one packed run; bytes values in order) and returns
+    ``_SLOW`` for anything else, before consuming anything, so the general parser can
+    take over from the same position with the same result.
+    """
+    if kind_tag == 0x0A:  # bytes_list
+        values = []
+        while s < e:
+            if buf[s] != 0x0A:
+                return _SLOW
+            ve, vs = _length(buf, s + 1, e)
+            values.append(buf[vs:ve])
+            s = ve
+        return values
+    if s == e:
+        return np.empty(0, dtype=np.float32 if kind_tag == 0x12 else np.int64)
+    if buf[s] != 0x0A:
+        return _SLOW
+    de, ds = _length(buf, s + 1, e)
+    if de != e:
+        return _SLOW
+    if kind_tag == 0x12:  # float_list, packed
+        n = de - ds
+        if n & 3:
+            raise _err("packed float list length is not a multiple of 4", ds)
+        if n == 4:
+            # Copying a 1-element template is several times cheaper than frombuffer +
+            # copy; the bits go in as uint32 so NaN payloads survive unchanged.
+            arr = _F32_ONE.copy()
+            arr.view(np.uint32)[0] = _U32.unpack_from(buf, ds)[0]
+            return arr
+        return np.frombuffer(buf, dtype=_F32, count=n >> 2, offset=ds).astype(np.float32)
+    # int64_list, packed
+    if de - ds <= 10 and buf[de - 1] < 0x80:
+        v, p = _varint(buf, ds, de)
+        if p == de:  # exactly one value: the common scalar feature
+            arr = _I64_ONE.copy()
+            arr[0] = v - (1 << 64) if v & _SIGN64 else v
+            return arr
+    return _packed_varints(buf, ds, de)
+
+
 def _parse_features(
     buf: bytes,
     pos: int,
     end: int,
-    out: dict[str, _Feature],
+    out: dict[str, Any],
     keys: Collection[str] | None,
+    squeeze: bool,
 ) -> None:
     depth = 2  # Example -> Features
     while pos < end:
-        tag, pos = _tag(buf, pos, end)
-        if tag != 0x0A:
-            pos = _skip(buf, pos, end, tag, depth)
-            continue
-        entry_end, pos = _length(buf, pos, end)
+        if buf[pos] == 0x0A:
+            pos += 1
+        else:
+            tag, pos = _tag(buf, pos, end)
+            if tag != 0x0A:
+                pos = _skip(buf, pos, end, tag, depth)
+                continue
+        # Lengths below 128 (one byte) are decoded inline: this loop runs once per
+        # feature and function calls dominate its cost.
+        n = buf[pos] if pos < end else 0x80
+        if n < 0x80 and pos + 1 + n <= end:
+            pos += 1
+            entry_end = pos + n
+        else:
+            entry_end, pos = _length(buf, pos, end)
+        # Fast path for the layout every serializer writes: key, then a Feature holding
+        # exactly one list. Anything else falls through to the general parser, which
+        # starts again from the same position.
+        if pos < entry_end and buf[pos] == 0x0A:
+            p = pos + 1
+            n = buf[p] if p < entry_end else 0x80
+            if n < 0x80 and p + 1 + n <= entry_end:
+                ks = p + 1
+                ke = ks + n
+            else:
+                ke, ks = _length(buf, p, entry_end)
+            if ke < entry_end and buf[ke] == 0x12:
+                p = ke + 1
+                n = buf[p] if p < entry_end else 0x80
+                if n < 0x80 and p + 1 + n <= entry_end:
+                    fs = p + 1
+                    fe = fs + n
+                else:
+                    fe, fs = _length(buf, p, entry_end)
+                if fe == entry_end:
+                    try:
+                        key = buf[ks:ke].decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise _err("feature name is not valid UTF-8", ks) from None
+                    if keys is not None and key not in keys:
+                        pos = entry_end
+                        continue
+                    value: Any = _SLOW
+                    if fs == fe:
+                        value = []  # no kind set
+                    else:
+                        kt = buf[fs]
+                        if kt in (0x0A, 0x12, 0x1A):
+                            le, ls = _length(buf, fs + 1, fe)
+                            if le == fe:
+                                value = _fast_list(kt, buf, ls, le)
+                    if value is not _SLOW:
+                        if squeeze and len(value) == 1:
+                            value = value[0]
+                        out[key] = value
+                        pos = entry_end
+                        continue
         # One map entry: key = 1 (string), value = 2 (Feature). Fields may come in any
         # order or repeat, so collect the value ranges first and parse them once the
         # key is known (and wanted).
@@ -330,7 +434,7 @@ def _parse_features(
             if more:
                 for s, e in more:
                     _parse_feature(buf, s, e, feat, depth + 2)
-        out[key] = feat  # a repeated key replaces the earlier entry, as in a proto map
+        out[key] = _finish(buf, feat, squeeze)  # a repeated key replaces, as in a map
 
 
 def decode_tf_example(
@@ -357,20 +461,20 @@ def decode_tf_example(
     """
     buf = data if type(data) is bytes else bytes(data)
     end = len(buf)
-    feats: dict[str, _Feature] = {}
+    feats: dict[str, Any] = {}
     pos = 0
     try:
         while pos < end:
             tag, pos = _tag(buf, pos, end)
             if tag == 0x0A:
                 sub_end, pos = _length(buf, pos, end)
-                _parse_features(buf, pos, sub_end, feats, keys)
+                _parse_features(buf, pos, sub_end, feats, keys, squeeze)
                 pos = sub_end
             else:
                 pos = _skip(buf, pos, end, tag, 1)
     except IndexError:  # pragma: no cover - every read is bounds-checked first
         raise _err("unexpected end of data", pos) from None
-    return {k: _finish(buf, f, squeeze) for k, f in feats.items()}
+    return feats
 
 
 # --------------------------------------------------------------------------- encoding
