@@ -144,7 +144,7 @@ def bench_scan(mb: int, seconds: float) -> list[dict]:
         ("iter_tfrecord, CRCs verified", lambda: scan(plain, True), mbs, n),
         ("iter_tfrecord, verify=False", lambda: scan(plain, False), mbs, n),
         ("iter_tfrecord, gzip, verified", lambda: scan(gz, True), gz_raw / 1e6, max(1, n // 8)),
-        ("index_tfrecord (headers only)", lambda: index_tfrecord(plain), mbs, n),
+        ("index_tfrecord (offsets)", lambda: index_tfrecord(plain), mbs, n),
     ):
         r = rate(fn, 1, seconds)
         rows.append(

@@ -352,10 +352,11 @@ def index_tfrecord(
 ) -> np.ndarray:
     """Byte offsets of every record of an uncompressed TFRecord file.
 
-    Reads only the 12-byte headers (seeking over the data), so indexing costs one
-    small read per record. ``verify`` checks each length's CRC, which catches a
-    corrupted length before it can send the scan astray; data CRCs are checked when
-    the record is read.
+    Walks the 12-byte record headers without decoding data: local files are read
+    in 4 MiB blocks (records larger than a block are seeked over), remote files with
+    one small ranged read per record. ``verify`` checks each length's CRC, which
+    catches a corrupted length before it can send the walk astray; data CRCs are
+    checked when a record is read (:func:`read_tfrecord_at`).
 
     Returns:
         int64 array: ``offsets[i]`` is where record ``i``'s header starts; its data
