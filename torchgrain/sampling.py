@@ -177,23 +177,23 @@ def _permute(
     are gathered across the whole input so the extra passes are not dominated by
     per-call overhead. Per-element ``n``/``keys``/``a``/``c`` (arrays) are supported.
     """
-    per_elem = isinstance(n, np.ndarray)
+
+    def take(v: Any, idx: Any) -> Any:
+        return v[..., idx] if isinstance(v, np.ndarray) else v
+
     out = np.empty(x.shape, dtype=_U64)
     for s in range(0, x.size, _SLICE):
         sl = slice(s, s + _SLICE)
-        if per_elem:
-            out[sl] = _feistel_once(x[sl], keys[:, sl], a[sl], c[sl], inverse)
-        else:
-            out[sl] = _feistel_once(x[sl], keys, a, c, inverse)
+        out[sl] = _feistel_once(
+            x[sl], keys[:, sl] if keys.ndim == 2 else keys, take(a, sl), take(c, sl), inverse
+        )
     bad = np.flatnonzero(out >= n)
     while bad.size:
         for s in range(0, bad.size, _SLICE):
             idx = bad[s : s + _SLICE]
-            if per_elem:
-                out[idx] = _feistel_once(out[idx], keys[:, idx], a[idx], c[idx], inverse)
-            else:
-                out[idx] = _feistel_once(out[idx], keys, a, c, inverse)
-        bad = bad[out[bad] >= (n[bad] if per_elem else n)]
+            k = keys[:, idx] if keys.ndim == 2 else keys
+            out[idx] = _feistel_once(out[idx], k, take(a, idx), take(c, idx), inverse)
+        bad = bad[out[bad] >= take(n, bad)]
     return out
 
 
