@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -426,9 +427,11 @@ class _ResumableSampler(Sampler[int]):
             hook(self.epoch)
 
     def __iter__(self) -> Iterator[int]:
-        return self._generate()
+        # chain() hands out the ints of each chunk's list iterator at C speed; the
+        # Python generator below only runs once per chunk.
+        return itertools.chain.from_iterable(self._chunks())
 
-    def _generate(self) -> Iterator[int]:
+    def _chunks(self) -> Iterator[Iterator[int]]:
         # A generator body runs at the first next(), so iterators created and dropped
         # without being advanced (torchdata's StatefulDataLoader makes one before
         # loading state) do not consume a pending resume position.
@@ -444,8 +447,9 @@ class _ResumableSampler(Sampler[int]):
         for s in range(start, count, _ITER_CHUNK):
             chunk = self._indices_in(layout, s, min(s + _ITER_CHUNK, count)).tolist()
             it = iter(chunk)
+            # Keep the list iterator: its __length_hint__ says how far the consumer got.
             self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
-            yield from it
+            yield it
 
     def _drawn(self) -> int:
         """Position reached by the latest iteration (draws made, incl. the resume offset)."""
