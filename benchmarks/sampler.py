@@ -296,7 +296,8 @@ def main() -> None:
             "mean_abs_jump_over_n",
             "lag1_corr",
             "distinct_blocks_per_256",
-            "decodes_per_block",
+            "decodes_per_block_lru8",
+            "decodes_per_block_lru32",
         ],
     )
 

@@ -641,3 +641,62 @@ def test_same_world_resume_after_elastic_is_exact():
     u = GlobalShuffleSampler(n, num_replicas=3, rank=1)
     u.load_state_dict(t.state_dict())
     assert head + list(u) == full
+
+
+def test_epoch_reaches_real_dataset_in_persistent_workers():
+    import torchgrain as tg
+
+    ds = tg.Dataset(list(range(40))).random_map(
+        lambda r, rng: [r, int(rng.integers(1 << 30))], seed=1
+    )
+    sampler = tg.GlobalShuffleSampler(ds, num_replicas=2, rank=0, seed=3)
+    loader = DataLoader(ds, batch_size=5, sampler=sampler, num_workers=2, persistent_workers=True)
+    per_epoch = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert ds.epoch == epoch
+        rows = [r for b in loader for r in zip(b[0].tolist(), b[1].tolist())]
+        assert [i for i, _ in rows] == sampler.indices().tolist()
+        per_epoch.append(dict(rows))
+    # The random transform saw each epoch: same records, different draws.
+    common = per_epoch[0].keys() & per_epoch[1].keys()
+    assert common and all(per_epoch[0][i] != per_epoch[1][i] for i in common)
+    # Loading a state puts the dataset back to the saved epoch.
+    state = sampler.state_dict()
+    sampler.set_epoch(7)
+    sampler.load_state_dict(state)
+    assert ds.epoch == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["global", "block"]),
+    n=st.integers(0, 300),
+    old_w=st.integers(1, 6),
+    new_w=st.integers(1, 6),
+    frac=st.floats(0, 1),
+    drop_old=st.booleans(),
+    drop_new=st.booleans(),
+)
+def test_property_elastic_resume(kind, n, old_w, new_w, frac, drop_old, drop_new):
+    data = n if kind == "global" else random_offsets(np.random.default_rng(n), n // 5 + 1, 9)
+    total = dataset_len(kind, data)
+    per_old = total // old_w if drop_old else -(-total // old_w)
+    pos = int(frac * per_old)
+    consumed, parts = _elastic(kind, data, old_w, new_w, pos, drop_old, drop_new)
+    rest = set(range(total)) - set(consumed)
+    got = collections.Counter(itertools.chain(*parts))
+    assert len({len(p) for p in parts}) == 1
+    if drop_new:
+        assert set(got) <= rest
+        assert all(v == 1 for v in got.values()) and len(rest) - len(got) < new_w
+    else:
+        # Everything not yet consumed, plus fewer than new_w padding repeats (which,
+        # as in DistributedSampler, may repeat samples consumed before the resume).
+        assert rest <= set(got) and 0 <= sum(got.values()) - len(rest) < new_w
+    if old_w == new_w and drop_old == drop_new:
+        # Same world: each rank continues exactly.
+        for r in range(new_w):
+            s = make(kind, data, num_replicas=new_w, rank=r, seed=8, drop_last=drop_new)
+            s.set_epoch(1)
+            assert parts[r] == list(s)[pos:]
