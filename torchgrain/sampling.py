@@ -386,6 +386,8 @@ class _ResumableSampler(Sampler[int]):
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """This rank's dataset indices at its positions ``[start, stop)``, as int64.
 
+        The range is clipped to ``[0, len(self)]`` like a slice.
+
         Positions count this rank's draws in the current epoch, ``0 .. len(self)``
         (after a resume onto a different world size, the resumed pass's own
         positions). ``list(sampler) == sampler.indices(0, len(sampler)).tolist()``
@@ -486,6 +488,21 @@ class _ResumableSampler(Sampler[int]):
             for epoch in range(sampler.epoch, epochs):
                 sampler.set_epoch(epoch)        # same epoch: keeps the position
                 for batch in loader: ...        # continues with the next batch
+
+        With ``num_workers > 0`` use ``step * batch_size`` counted by the loop, not
+        ``state_dict()`` alone. With ``drop_last=True`` on the DataLoader the count
+        is still ``step * batch_size``; a final partial batch may be counted in full
+        (values past the end of the epoch mean "finished").
+
+        Resume recipe with ``torchdata.stateful_dataloader.StatefulDataLoader``
+        (it stores this sampler's state inside its own)::
+
+            ckpt = {"loader": loader.state_dict(), "epoch": epoch, ...}
+            # restore: same sampler arguments (any world size), then
+            loader.load_state_dict(ckpt["loader"])
+            for epoch in range(ckpt["epoch"], epochs):
+                sampler.set_epoch(epoch)
+                for batch in loader: ...
 
         Example:
             >>> s = GlobalShuffleSampler(100, num_replicas=1, rank=0, seed=1)
@@ -652,6 +669,9 @@ class GlobalShuffleSampler(_ResumableSampler):
       positions as a numpy array.
     * If ``dataset_or_length`` has a callable ``set_epoch``, :meth:`set_epoch` and
       :meth:`load_state_dict` call it, so per-epoch random transforms follow.
+    * Arguments after the dataset are keyword-only.
+
+    Memory: O(1) in N (round keys and one chunk of 65,536 indices being iterated).
 
     Args:
         dataset_or_length: a sized dataset, or its length as an int.
