@@ -308,6 +308,8 @@ class Dataset(torch.utils.data.Dataset):
     def _apply_many(self, records: Sequence[Any], indices: Sequence[int], epoch: int) -> list[Any]:
         """Run the ops: per-record ops record by record, each map_batch on the whole list."""
         ops, start = self._ops, 0
+        if all(op[0] != "map_batch" for op in ops):  # the common case, kept lean
+            return [self._apply(r, int(i), epoch, ops) for r, i in zip(records, indices)]
         for k, op in enumerate(ops):
             if op[0] == "map_batch":
                 if k > start:

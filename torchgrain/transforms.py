@@ -338,8 +338,8 @@ def decode_image(key: str = "image", *, mode: str = "RGB", backend: str = "auto"
     """A ``Dataset.map`` callable decoding encoded image bytes under ``key`` to HWC uint8.
 
     ``backend="auto"`` uses OpenCV (``cv2.imdecode``) when installed, which decoded
-    512x512 JPEGs ~1.3x faster than Pillow here (``benchmarks/decode_image.py``), and
-    Pillow otherwise.
+    JPEGs 1.3-1.6x and PNGs 1.05-1.25x faster than Pillow here (one thread, see
+    ``benchmarks/decode_image.py``), and Pillow otherwise.
 
     Example:
         >>> import cv2, numpy as np, torchgrain as tg
