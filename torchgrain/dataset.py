@@ -281,6 +281,7 @@ class Dataset(torch.utils.data.Dataset):
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
         counters = local_counters()
+        before = counters.copy()
         t0 = time.perf_counter()
         if single:
             records = [self._source[indices[0]]]
@@ -299,7 +300,7 @@ class Dataset(torch.utils.data.Dataset):
             counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
         counters[COUNTER["records"]] += len(records)
         counters[COUNTER["batches"]] += 1
-        self._stats.publish()
+        self._stats.publish(counters - before)
         return records
 
     def _apply(self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...]) -> Any:
