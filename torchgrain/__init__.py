@@ -21,6 +21,7 @@ from torchgrain.errors import (
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
+from torchgrain.sources.parquet import ParquetSource
 from torchgrain.writers import write_array_record
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "CorruptDataError",
     "Dataset",
     "DatasetNotFoundError",
+    "ParquetSource",
     "RecordDecodeError",
     "SchemaMismatchError",
     "ShardIndex",
