@@ -388,7 +388,8 @@ class ParquetSource:
         if not self._file_fields:
             return []
         if st.cache.max_bytes == 0:
-            # No cache: convert only the requested rows.
+            # No cache: convert only the requested rows (the lookup only counts the miss).
+            st.cache.get(group)
             table = self._decode(st, group, index)
             taken = table.take(pa.array(rows))
             cols = [_convert(c) for c in taken.columns]
