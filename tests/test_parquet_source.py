@@ -251,7 +251,7 @@ def test_batches_match_arrow_property(tmp_path_factory, sizes, rg, requests, cac
 
 # ------------------------------------------------------------------- layouts
 def test_request_order_duplicates_and_shards(tmp_path):
-    d, full = make_sharded(tmp_path, [7, 0, 12, 1, 5], rg=3)
+    d, _ = make_sharded(tmp_path, [7, 0, 12, 1, 5], rg=3)
     src = tg.ParquetSource(d)
     assert len(src) == 25 and src.num_shards == 5
     assert src.index.counts.tolist() == [7, 0, 12, 1, 5]
@@ -477,20 +477,20 @@ def test_corrupt_or_foreign_files_name_the_file(tmp_path):
     d, _ = make_sharded(tmp_path, [4, 4])
     bad = tmp_path / "ds" / "part-999.parquet"
     bad.write_bytes(b"this is not parquet at all, not even close")
-    with pytest.raises(tg.CorruptDataError, match="part-999.parquet"):
+    with pytest.raises(tg.CorruptDataError, match=r"part-999\.parquet"):
         tg.ParquetSource(d)
     empty = tmp_path / "ds" / "part-999.parquet"
     empty.write_bytes(b"")
-    with pytest.raises(tg.CorruptDataError, match="part-999.parquet"):
+    with pytest.raises(tg.CorruptDataError, match=r"part-999\.parquet"):
         tg.ParquetSource(d)
     good = tmp_path / "ds" / "part-000.parquet"
     data = good.read_bytes()
     bad.write_bytes(data[:-20])  # truncated footer
-    with pytest.raises(tg.CorruptDataError, match="part-999.parquet"):
+    with pytest.raises(tg.CorruptDataError, match=r"part-999\.parquet"):
         tg.ParquetSource(d)
     bad.write_bytes(data[: len(data) // 2] + b"\x00" * 8 + data[len(data) // 2 + 8 :])
     # Either the footer or a page fails to decode, and the error names the file.
-    with pytest.raises(tg.CorruptDataError, match="part-999.parquet"):
+    with pytest.raises(tg.CorruptDataError, match=r"part-999\.parquet"):
         src = tg.ParquetSource(d)
         src.__getitems__(range(len(src)))
 
