@@ -11,6 +11,7 @@ Example:
 """
 
 from torchgrain.dataset import Dataset, record_rng
+from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
@@ -18,6 +19,7 @@ from torchgrain.errors import (
     SchemaMismatchError,
     TorchgrainError,
 )
+from torchgrain.prefetch import CudaPrefetcher
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
@@ -29,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayRecordSource",
     "CorruptDataError",
+    "CudaPrefetcher",
     "Dataset",
     "DatasetNotFoundError",
     "ParquetSource",
@@ -38,5 +41,7 @@ __all__ = [
     "TorchgrainError",
     "record_rng",
     "register_codec",
+    "stats",
+    "timed",
     "write_array_record",
 ]

@@ -16,11 +16,14 @@ import hashlib
 import multiprocessing
 import multiprocessing.context
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch.utils.data
+
+from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
 
 __all__ = ["Dataset", "record_rng"]
 
@@ -144,6 +147,7 @@ class Dataset(torch.utils.data.Dataset):
         self._source = source
         self._ops: tuple[tuple[Any, ...], ...] = ()
         self._epoch = _EpochCell(0)
+        self._stats = PipelineStats()
 
     # ---------------------------------------------------------- composition
     def _derive(self, op: tuple[Any, ...]) -> Dataset:
@@ -151,6 +155,7 @@ class Dataset(torch.utils.data.Dataset):
         child._source = self._source
         child._ops = (*self._ops, op)
         child._epoch = _EpochCell(self._epoch.get())
+        child._stats = PipelineStats()
         return child
 
     def map(self, fn: Callable[[dict[str, Any]], Any]) -> Dataset:
@@ -223,20 +228,32 @@ class Dataset(torch.utils.data.Dataset):
         return fn()
 
     def __getitem__(self, index: int) -> Any:
-        rec = self._source[index]
-        if self._ops:
-            rec = self._apply(rec, int(index), self._epoch.get())
-        return rec
+        return self._fetch([index], single=True)[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        get_many = getattr(self._source, "__getitems__", None)
-        if get_many is not None:
-            records = get_many(indices)
+        return self._fetch(indices)
+
+    def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
+        counters = local_counters()
+        t0 = time.perf_counter()
+        if single:
+            records = [self._source[indices[0]]]
         else:
-            records = [self._source[i] for i in indices]
+            get_many = getattr(self._source, "__getitems__", None)
+            if get_many is not None:
+                records = get_many(indices)
+            else:
+                records = [self._source[i] for i in indices]
+        t1 = time.perf_counter()
+        if not getattr(self._source, "reports_stats", False):
+            counters[COUNTER["read_seconds"]] += t1 - t0
         if self._ops:
             epoch = self._epoch.get()
             records = [self._apply(r, int(i), epoch) for r, i in zip(records, indices)]
+            counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
+        counters[COUNTER["records"]] += len(records)
+        counters[COUNTER["batches"]] += 1
+        self._stats.publish()
         return records
 
     def _apply(self, rec: Any, index: int, epoch: int) -> Any:

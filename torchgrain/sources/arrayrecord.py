@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import posixpath
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import fsspec
 import numpy as np
 
+from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.sources._index import ShardIndex, group_by_shard
@@ -53,6 +55,9 @@ class ArrayRecordSource:
         >>> [r["label"] for r in src.__getitems__([9, 0, 5])]
         [9, 0, 5]
     """
+
+    #: Tells :class:`~torchgrain.Dataset` that this source times its own reads.
+    reports_stats = True
 
     def __init__(
         self,
@@ -157,8 +162,7 @@ class ArrayRecordSource:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard, row = self.index.locate_one(index)
-        data = self._read(shard, [row], index)[0]
-        return self._decode(data, shard, row, index)
+        return self._read_decode(shard, [row], [index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Read a batch: each shard is read once, records come back in request order."""
@@ -168,9 +172,9 @@ class ArrayRecordSource:
         shards, rows = self.index.locate(idx)
         out: list[Any] = [None] * len(idx)
         for shard, shard_rows, positions in group_by_shard(shards, rows):
-            blobs = self._read(shard, shard_rows, int(idx[positions[0]]))
-            for p, row, data in zip(positions.tolist(), shard_rows.tolist(), blobs):
-                out[p] = self._decode(data, shard, row, int(idx[p]))
+            records = self._read_decode(shard, shard_rows, idx[positions].tolist())
+            for p, rec in zip(positions.tolist(), records):
+                out[p] = rec
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -191,26 +195,41 @@ class ArrayRecordSource:
                 f.close()
 
     # ---------------------------------------------------------------- helpers
-    def _read(self, shard: int, rows: Sequence[int] | np.ndarray, index: int) -> list[bytes]:
+    def _read_decode(
+        self, shard: int, rows: Sequence[int] | np.ndarray, indices: list[int]
+    ) -> list[dict[str, Any]]:
+        """Read rows of one shard (one call) and decode them; errors name file and index."""
+        counters = local_counters()
+        t0 = time.perf_counter()
         try:
-            return self._file(shard).read(rows)
+            blobs = self._file(shard).read(rows)
         except CorruptDataError as e:
-            msg = f"{e} (shard {shard} of {self.num_shards}, reading record index {index})"
-            raise type(e)(msg) from e
+            raise type(e)(
+                f"{e} (shard {shard} of {self.num_shards}, reading record index {indices[0]})"
+            ) from e
+        t1 = time.perf_counter()
+        counters[COUNTER["bytes_read"]] += sum(len(b) for b in blobs)
+        counters[COUNTER["read_seconds"]] += t1 - t0
+        decode = self.codec.decode
+        try:
+            out = [decode(b) for b in blobs]
+        except Exception:
+            # Find the culprit (the fast path above does not track positions).
+            for b, row, index in zip(blobs, np.asarray(rows).tolist(), indices):
+                self._decode_one(b, shard, row, index)
+            raise
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        return out
 
-    def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
+    def _decode_one(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
         try:
             return self.codec.decode(data)
-        except RecordDecodeError as e:
-            raise RecordDecodeError(
-                f"cannot decode record {index} (shard {shard} {self.paths[shard]!r}, row {row}) "
-                f"with codec {self.codec.name!r}: {e}"
-            ) from None
         except Exception as e:
+            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
             raise RecordDecodeError(
                 f"cannot decode record {index} (shard {shard} {self.paths[shard]!r}, row {row}) "
-                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {type(e).__name__}: {e}"
-            ) from e
+                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
+            ) from (None if isinstance(e, RecordDecodeError) else e)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
