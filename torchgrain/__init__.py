@@ -10,6 +10,7 @@ Example:
     [[0, 1, 2], [3, 4, 5]]
 """
 
+from torchgrain.convert import convert
 from torchgrain.dataset import Dataset, record_rng
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
@@ -39,6 +40,7 @@ __all__ = [
     "SchemaMismatchError",
     "ShardIndex",
     "TorchgrainError",
+    "convert",
     "record_rng",
     "register_codec",
     "stats",
