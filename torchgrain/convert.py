@@ -438,6 +438,10 @@ class _ArrayRecordOut:
             self._w.close()
             self._w = None
 
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
 
 class _ParquetOut:
     def __init__(self, path: str, compression: str, row_group_bytes: int) -> None:
@@ -491,6 +495,12 @@ class _ParquetOut:
             self._writer.close()
             self._writer = None
 
+    def abort(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            self._writer = None
+
 
 def verify_shard(path: str, num_records: int, checksum: str | None = None) -> None:
     """Check a written shard's record count (and record checksum, for ArrayRecord).
@@ -504,7 +514,7 @@ def verify_shard(path: str, num_records: int, checksum: str | None = None) -> No
         >>> m = tg.convert(tg.write_array_record([{"a": 1}], d + "/in"), d + "/out")
         >>> verify_shard(f"{d}/out/{m.shards[0].path}", 1, m.shards[0].checksum)
     """
-    if path.endswith(".parquet"):
+    if ".parquet" in os.path.basename(path):
         import pyarrow.parquet as pq
 
         n = pq.read_metadata(path).num_rows
@@ -615,7 +625,7 @@ def _run_task(job: _Job, task: _Task) -> dict[str, Any]:
             for shard, start, stop in task.pieces:
                 where = f"input shard {shard} ({inp.paths[shard]!r})"
                 k = start
-                for rec, size in _records(inp, shard, start, stop):
+                for rec, size in _records(inp, shard, start, stop, job.to == "array_record"):
                     if job.to == "array_record":
                         if isinstance(rec, dict):
                             try:
@@ -637,8 +647,9 @@ def _run_task(job: _Job, task: _Task) -> dict[str, Any]:
                     k += 1
                     report.add(size)
             out.close()
-        finally:
-            out.close()
+        except BaseException:
+            out.abort()
+            raise
         report.flush()
         if task.expected is not None and count != task.expected:
             raise CorruptDataError(
@@ -667,13 +678,15 @@ def _run_task(job: _Job, task: _Task) -> dict[str, Any]:
     }
 
 
-def _records(inp: _Input, shard: int, start: int, stop: int | None) -> Iterator[tuple[Any, int]]:
-    """(record, input bytes) pairs: msgpack bytes when passing through, else dicts."""
+def _records(
+    inp: _Input, shard: int, start: int, stop: int | None, bytes_ok: bool
+) -> Iterator[tuple[Any, int]]:
+    """(record, input bytes) pairs: msgpack bytes when they can pass through, else dicts."""
     if inp.format == "parquet":
         for rec in inp.iter_dicts(shard, start, stop):
             yield rec, 0
         return
-    if inp.passthrough:
+    if inp.passthrough and bytes_ok:
         for data in inp.iter_bytes(shard, start, stop):
             yield data, len(data)
         return
