@@ -378,7 +378,7 @@ def records_to_table(records: Sequence[dict[str, Any]]) -> Any:
         values = [r.get(k) for r in records]
         try:
             arrays.append(_column(values))
-        except (TypeError, ValueError, pa.ArrowException) as e:
+        except (TypeError, ValueError, OverflowError, pa.ArrowException) as e:
             raise TypeError(f"cannot store key {k!r} in Parquet: {e}") from e
     return pa.Table.from_arrays(arrays, names=list(keys))
 
@@ -421,6 +421,10 @@ def _column(values: list[Any]) -> Any:
             else:
                 out = pa.ListArray.from_arrays(pa.array(offsets), out)
         return out
+    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+        # Python ints: int64 unless a value needs uint64 (msgpack keeps both ranges).
+        if max(present) > np.iinfo(np.int64).max:
+            return pa.array(values, pa.uint64())
     return pa.array(values)
 
 
@@ -954,6 +958,10 @@ def convert(
         "codec": getattr(inp.codec, "name", None) if inp.codec is not None else None,
         "row_group_bytes": row_group_bytes if to == "parquet" else None,
     }
+    if is_local(inp._fs()) and any(
+        os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
+    ):
+        raise ValueError(f"{root} holds input files: write the conversion to another directory")
     journal = _Journal(root)
     with _locked(journal):
         fingerprint = _fingerprint(inp, options)
@@ -976,7 +984,6 @@ def convert(
                 )
             if old is not None:
                 _remove_outputs(root, {"tasks": [{"name": s.path} for s in old.shards]})
-                os.unlink(os.path.join(root, MANIFEST_NAME))
         _remove_temps(root)
         ctx = _mp_context()
         pool: futures.ProcessPoolExecutor | None = None
