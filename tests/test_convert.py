@@ -64,7 +64,9 @@ def value_table(n: int, offset: int = 0) -> pa.Table:
             "flag": pa.array(i % 2 == 0),
             "text": pa.array([f"héllo {k}" if k % 4 else None for k in i]),
             "blob": pa.array([bytes([k % 256]) * (k % 5) for k in i], pa.binary()),
-            "vec": pa.array([np.arange(k % 4, dtype=np.float32) for k in i], pa.list_(pa.float32())),
+            "vec": pa.array(
+                [np.arange(k % 4, dtype=np.float32) for k in i], pa.list_(pa.float32())
+            ),
             "mat": pa.array(
                 [[[k, k + 1], [k + 2, k + 3]] for k in i], pa.list_(pa.list_(pa.int16()))
             ),
@@ -104,8 +106,9 @@ def test_num_shards_contiguous_and_match_shards(parquet_dir, tmp_path):
     b = tg.convert(parquet_dir, tmp_path / "b", match_shards=True)
     assert [s.num_records for s in a.shards] == [33, 33, 34]
     assert len(b.shards) == 4
-    ra, rb = all_records(tg.ArrayRecordSource(tmp_path / "a")), all_records(
-        tg.ArrayRecordSource(tmp_path / "b")
+    ra, rb = (
+        all_records(tg.ArrayRecordSource(tmp_path / "a")),
+        all_records(tg.ArrayRecordSource(tmp_path / "b")),
     )
     for k, (x, y) in enumerate(zip(ra, rb)):
         assert_same(x, y, f"record {k}")

@@ -421,10 +421,10 @@ def _column(values: list[Any]) -> Any:
             else:
                 out = pa.ListArray.from_arrays(pa.array(offsets), out)
         return out
-    if present and all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+    ints = present and all(isinstance(v, int) and not isinstance(v, bool) for v in present)
+    if ints and max(present) > np.iinfo(np.int64).max:
         # Python ints: int64 unless a value needs uint64 (msgpack keeps both ranges).
-        if max(present) > np.iinfo(np.int64).max:
-            return pa.array(values, pa.uint64())
+        return pa.array(values, pa.uint64())
     return pa.array(values)
 
 
@@ -958,9 +958,7 @@ def convert(
         "codec": getattr(inp.codec, "name", None) if inp.codec is not None else None,
         "row_group_bytes": row_group_bytes if to == "parquet" else None,
     }
-    if is_local(inp._fs()) and any(
-        os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
-    ):
+    if is_local(inp._fs()) and any(os.path.dirname(os.path.abspath(p)) == root for p in inp.paths):
         raise ValueError(f"{root} holds input files: write the conversion to another directory")
     journal = _Journal(root)
     with _locked(journal):
