@@ -198,38 +198,33 @@ def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
     return ("raw",)
 
 
-_DECODER: Any = None
+def _decode_pil(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im)
+
+
+def _decode_cv2(data: bytes) -> np.ndarray:
+    import cv2
+
+    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if arr is None:
+        raise ValueError("OpenCV cannot decode the image")
+    if arr.ndim == 3 and arr.shape[2] >= 3:  # OpenCV is BGR(A)
+        arr = arr[..., [2, 1, 0, *range(3, arr.shape[2])]]
+    return arr
 
 
 def _image_decoder() -> Any:
     """PNG/JPEG bytes -> ndarray with Pillow, else OpenCV, else None."""
-    global _DECODER
-    if _DECODER is not None:
-        return _DECODER or None
-    try:
-        from PIL import Image
-
-        def pil(data: bytes) -> np.ndarray:
-            with Image.open(io.BytesIO(data)) as im:
-                return np.asarray(im)
-
-        _DECODER = pil
-    except ImportError:
+    for module, fn in (("PIL.Image", _decode_pil), ("cv2", _decode_cv2)):
         try:
-            import cv2
-
-            def opencv(data: bytes) -> np.ndarray:
-                arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
-                if arr is None:
-                    raise ValueError("OpenCV cannot decode the image")
-                if arr.ndim == 3 and arr.shape[2] >= 3:  # OpenCV is BGR(A)
-                    arr = arr[..., [2, 1, 0, *range(3, arr.shape[2])]]
-                return arr
-
-            _DECODER = opencv
+            __import__(module)
         except ImportError:
-            _DECODER = False
-    return _DECODER or None
+            continue
+        return fn
+    return None
 
 
 class TFDSCodec:
