@@ -80,7 +80,7 @@ _SNAPPY = 0x73  # 's'
 _COMPRESSIONS = {_NONE: "none", _BROTLI: "brotli", _ZSTD: "zstd", _SNAPPY: "snappy"}
 
 _HEADER = struct.Struct("<5Q")  # header_hash, data_size, data_hash, type|num_records, decoded
-_U64 = struct.Struct("<Q")
+_BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
 
 # How many bytes at the end of a remote file to fetch in the first request: the
 # postscript (64 KiB) plus, usually, the whole footer, so opening costs one round trip.
@@ -91,6 +91,10 @@ _REMOTE_GAP = 1 << 16
 
 class TransposedChunkError(CorruptDataError, NotImplementedError):
     """The file holds transposed chunks (writer option ``transpose``), which are not supported."""
+
+
+class _ChunkDecodeError(ValueError):
+    """Internal: bytes failed a check; re-raised as CorruptDataError naming file and chunk."""
 
 
 def _phys_end(pos: int, size: int) -> int:
@@ -127,7 +131,7 @@ def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
     shift = 0
     while True:
         if pos >= end or shift > 63:
-            raise ValueError("truncated or overlong varint")
+            raise _ChunkDecodeError("truncated or overlong varint")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
@@ -219,10 +223,6 @@ class _Footer:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
-
-
-class _ChunkDecodeError(Exception):
-    """Internal: a chunk failed a check; turned into CorruptDataError with context."""
 
 
 class ArrayRecordFile:
@@ -464,9 +464,27 @@ class ArrayRecordFile:
                 f"chunk at offset {pos} with {data_size} data bytes runs past its end ({bound})"
             )
         data = _strip_block_headers(buf[hdr_end - pos : data_end - pos], hdr_end)
+        if self._verify:
+            self._verify_block_headers(buf, pos, data_end)
         if self._verify and riegeli_hash(data) != data_hash:
             raise _ChunkDecodeError(f"chunk data at offset {pos} fails its checksum")
         return type_num & 0xFF, type_num >> 8, decoded, data
+
+    @staticmethod
+    def _verify_block_headers(buf: memoryview, pos: int, end: int) -> None:
+        """Check the hash and back-pointer of every block header inside [pos, end)."""
+        b = -(-pos // _BLOCK) * _BLOCK
+        while b < end:
+            header = buf[b - pos : b - pos + _BLOCK_HEADER]
+            stored, previous_chunk, _ = _BLOCK_HEADER_STRUCT.unpack(header)
+            if riegeli_hash(header[8:]) != stored:
+                raise _ChunkDecodeError(f"block header at offset {b} fails its checksum")
+            if previous_chunk != b - pos:
+                raise _ChunkDecodeError(
+                    f"block header at offset {b} says its chunk starts at "
+                    f"{b - previous_chunk}, not {pos}"
+                )
+            b += _BLOCK
 
     def _decompress(self, ctype: int, comp: Any, limit: int, exact: bool) -> Any:
         """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``."""
