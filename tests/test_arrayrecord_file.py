@@ -189,6 +189,24 @@ def test_lazy_and_small_pickle(files, records):
     assert f.read([7]) == [records[7]]  # reopens after close
 
 
+@pytest.mark.parametrize("opt", ["group_size:1", "group_size:100,snappy"])
+def test_vectorised_footer_parse_matches_general_parser(files, opt):
+    f = ArrayRecordFile(files[opt])
+    offsets = f.chunk_offsets
+    fo = f._footer
+    view = f._local_view()
+    _, n, decoded, data = f._chunk_payload(
+        view[fo.footer_offset : fo.file_size - BLOCK], fo.footer_offset
+    )
+    values, bounds = f._decode_simple(data, n, decoded)
+    fast = f._parse_entries(values, np.asarray(bounds), vectorised=True)
+    slow = f._parse_entries(values, np.asarray(bounds), vectorised=False)
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(fast[0], offsets)
+    assert int(fast[2].sum()) == f.num_records
+
+
 def test_empty_file(tmp_path):
     path = write_cpp(str(tmp_path / "e.array_record"), [], "group_size:1")
     f = ArrayRecordFile(path)
