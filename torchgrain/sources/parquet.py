@@ -329,14 +329,9 @@ class ParquetSource:
         cuts = np.flatnonzero(np.diff(groups)) + 1
         starts = [0, *cuts.tolist()]
         ends = [*cuts.tolist(), n]
-
-        st = self._state()
         file_cols: list[list[Any]] = [[] for _ in self._file_fields]
-        for s, e in zip(starts, ends):
-            g = int(groups[s])
-            values = self._read_rows(st, g, rows[s:e], int(idx[order[s]]))
-            for out, vals in zip(file_cols, values):
-                out.extend(vals)
+        if file_cols:
+            self._gather_groups(groups, rows.tolist(), starts, ends, idx, order, file_cols)
         shards = self._rg_shard[groups]
         key_cols: list[list[Any]] = []
         for key, pos in zip(self._keys, self._file_pos):
@@ -344,16 +339,14 @@ class ParquetSource:
                 key_cols.append(file_cols[pos])
             else:
                 key_cols.append(self._part_values[key][shards].tolist())
-        keys = self._keys
-        if key_cols:
-            records = [dict(zip(keys, vals)) for vals in zip(*key_cols)]
-        else:
-            records = [{} for _ in range(n)]
-        if np.all(order[1:] > order[:-1]):
-            return records
-        out: list[Any] = [None] * n
-        for p, rec in zip(order.tolist(), records):
-            out[p] = rec
+        # Fill the records column by column: about 2x faster than building each dict
+        # from a zip of its values. ``in_group_order`` lists the same dicts in the
+        # order the columns were gathered in.
+        out: list[dict[str, Any]] = [{} for _ in range(n)]
+        in_group_order = [out[p] for p in order.tolist()]
+        for key, col in zip(self._keys, key_cols):
+            for rec, value in zip(in_group_order, col):
+                rec[key] = value
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -381,22 +374,50 @@ class ParquetSource:
         st.cache.clear()
 
     # ---------------------------------------------------------------- reading
-    def _read_rows(
-        self, st: _ProcessState, group: int, rows: np.ndarray, index: int
-    ) -> list[list[Any]]:
-        """Values of ``rows`` of row group ``group``, one list per file column."""
-        if not self._file_fields:
-            return []
-        if st.cache.max_bytes == 0:
-            # No cache: convert only the requested rows (the lookup only counts the miss).
-            st.cache.get(group)
-            table = self._decode(st, group, index)
-            taken = table.take(pa.array(rows))
-            cols = [_convert(c) for c in taken.columns]
-            every = np.arange(len(rows))
-            return [_gather(c, every) for c in cols]
-        cols = st.cache.get_or_load(group, lambda: self._load(st, group, index))
-        return [_gather(c, rows) for c in cols]
+    def _gather_groups(
+        self,
+        groups: np.ndarray,
+        rows: list[int],
+        starts: list[int],
+        ends: list[int],
+        idx: np.ndarray,
+        order: np.ndarray,
+        file_cols: list[list[Any]],
+    ) -> None:
+        """Append the values of ``rows`` (sorted by row group) to ``file_cols``.
+
+        A global shuffle touches a different row group for almost every record, so the
+        one-row case avoids building per-group lists.
+        """
+        st = self._state()
+        cache = st.cache
+        cached = cache.max_bytes > 0
+        for s, e in zip(starts, ends):
+            g = int(groups[s])
+            if cached:
+                cols = cache.get(g)
+                if cols is None:
+                    cols, nbytes = self._load(st, g, int(idx[order[s]]))
+                    cache.put(g, cols, nbytes)
+                wanted = rows[s:e]
+            else:
+                cache.get(g)  # counts the decode as a miss
+                table = self._decode(st, g, int(idx[order[s]]))
+                # No cache: convert only the requested rows.
+                table = table.take(pa.array(rows[s:e], type=pa.int64()))
+                cols = [_convert(c) for c in table.columns]
+                wanted = list(range(e - s))
+            if len(wanted) == 1:
+                r = wanted[0]
+                for out, c in zip(file_cols, cols):
+                    out.append(c.values[r] if c.plain else c.get(r))
+            else:
+                for out, c in zip(file_cols, cols):
+                    if c.plain:
+                        values = c.values
+                        out.extend([values[r] for r in wanted])
+                    else:
+                        out.extend(c.take(wanted))
 
     def _load(self, st: _ProcessState, group: int, index: int) -> tuple[list[_Column], int]:
         table = self._decode(st, group, index)
@@ -665,28 +686,45 @@ def arrow_type_name(t: pa.DataType) -> str:
 
 # ------------------------------------------------------------------ conversion
 class _Column:
-    """One decoded column of a row group, ready to gather rows from.
+    """One decoded column of a row group, converted once, ready to gather rows from.
 
-    ``kind`` says how to gather: ``"tolist"`` (a numpy array whose ``tolist()`` gives
-    the Python values), ``"items"`` (numpy datetime/timedelta arrays and 2-D+ arrays:
-    one numpy scalar or fresh row array per record), ``"copy"`` (an object array of
-    read-only numpy views, copied per record), ``"struct"`` and ``"arrow"`` (anything
-    else: ``to_pylist`` of the taken rows).
+    ``plain`` columns hold a Python list of final, immutable values (numbers, str,
+    bytes, None, numpy datetime64 scalars...), gathered by plain list indexing, which
+    keeps a global shuffle (about one row per row group per batch) cheap. Other
+    columns build a fresh value per record: ``"copy"`` (numpy arrays, copied so that
+    callers may write to them), ``"struct"`` (dicts from converted children) and
+    ``"arrow"`` (anything else, through ``to_pylist``).
     """
 
-    __slots__ = ("data", "kind", "nbytes")
+    __slots__ = ("kind", "nbytes", "plain", "values")
 
-    def __init__(self, kind: str, data: Any, nbytes: int) -> None:
+    def __init__(self, kind: str, values: Any, nbytes: int) -> None:
         self.kind = kind
-        self.data = data
+        self.plain = kind == "plain"
+        self.values = values
         self.nbytes = int(nbytes)
 
+    def get(self, r: int) -> Any:
+        return self.take([r])[0]
 
-def _object_array(values: list[Any]) -> np.ndarray:
-    arr = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):  # element-wise: numpy would broadcast nested arrays
-        arr[i] = v
-    return arr
+    def take(self, rows: list[int]) -> list[Any]:
+        values = self.values
+        kind = self.kind
+        if kind == "plain":
+            return [values[r] for r in rows]
+        if kind == "copy":
+            return [_copy_value(values[r]) for r in rows]
+        if kind == "struct":
+            names, children, valid = values
+            if not names:
+                out: list[Any] = [{} for _ in rows]
+            else:
+                cols = [c.take(rows) for c in children]
+                out = [dict(zip(names, vals)) for vals in zip(*cols)]
+            if valid is not None:
+                out = [rec if valid[r] else None for rec, r in zip(out, rows)]
+            return out
+        return values.take(pa.array(rows, type=pa.int64())).to_pylist()
 
 
 def _null_mask(arr: pa.Array) -> np.ndarray | None:
@@ -695,64 +733,74 @@ def _null_mask(arr: pa.Array) -> np.ndarray | None:
     return arr.is_null().to_numpy(zero_copy_only=False)
 
 
-_NUMPY_KINDS = "biufcmM"
+def _with_nulls(values: list[Any], mask: np.ndarray | None) -> list[Any]:
+    if mask is not None:
+        for i in np.flatnonzero(mask).tolist():
+            values[i] = None
+    return values
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_temporal(t: pa.DataType) -> bool:
+    return pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+# Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
+_PYLIST_TYPES = (
+    pa.types.is_string,
+    pa.types.is_large_string,
+    pa.types.is_binary,
+    pa.types.is_large_binary,
+    pa.types.is_fixed_size_binary,
+    pa.types.is_decimal,
+    pa.types.is_time,
+)
 
 
 def _convert(col: pa.ChunkedArray | pa.Array) -> _Column:
-    """Convert a column to a gatherable form, column-wise (no per-cell pyarrow scalars)."""
+    """Convert a column column-wise (no per-cell pyarrow scalars) for gathering."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
     n = len(arr)
-    size = arr.nbytes
+    # Python lists cost a pointer per value plus the value object (small for numbers).
+    overhead = n * _PY_OBJECT_BYTES
     if pa.types.is_null(t):
-        return _Column("tolist", np.full(n, None, dtype=object), n * 8)
-    simple = (
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_date(t)
-        or pa.types.is_duration(t)
-    )
-    if simple:
+        return _Column("plain", [None] * n, n * 8)
+    if _is_number(t):
         mask = _null_mask(arr)
-        temporal = not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
-        if mask is None:
-            values = arr.to_numpy(zero_copy_only=False)
-            return _Column("items" if temporal else "tolist", values, values.nbytes)
-        values = arr.fill_null(False if pa.types.is_boolean(t) else 0)
-        values = values.to_numpy(zero_copy_only=False)
-        obj = _object_array(list(values) if temporal else values.tolist())
-        obj[mask] = None
-        return _Column("tolist", obj, size + n * _PY_OBJECT_BYTES)
-    if (
-        pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_time(t)
-    ):
-        values = arr.to_numpy(zero_copy_only=False)
-        return _Column("tolist", values, size + n * _PY_OBJECT_BYTES)
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        if mask is not None:
+            arr = arr.fill_null(False if pa.types.is_boolean(t) else 0)
+        values = arr.to_numpy(zero_copy_only=False).tolist()
+        return _Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
+    if _is_temporal(t):
+        # numpy scalars keep the unit (nanoseconds included); Python datetime cannot.
+        mask = _null_mask(arr)  # nulls come out of to_numpy as NaT, then become None
+        values = list(arr.to_numpy(zero_copy_only=False))
+        return _Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
+    if any(is_type(t) for is_type in _PYLIST_TYPES):
+        return _Column("plain", arr.to_pylist(), arr.nbytes + overhead)
+    if _is_list(t):
         converted = _lists_to_numpy(arr)
         if converted is not None:
             return converted
     elif pa.types.is_struct(t):
         children = [_convert(c) for c in arr.flatten()]
         names = [f.name for f in t]
-        valid = None if arr.null_count == 0 else ~_null_mask(arr)
-        return _Column(
-            "struct",
-            (names, children, valid),
-            sum(c.nbytes for c in children) + n * _PY_OBJECT_BYTES,
-        )
-    return _Column("arrow", arr, size + n * _PY_OBJECT_BYTES)
+        mask = _null_mask(arr)
+        valid = None if mask is None else (~mask).tolist()
+        nbytes = sum(c.nbytes for c in children) + overhead
+        return _Column("struct", (names, children, valid), nbytes)
+    return _Column("arrow", arr, arr.nbytes + overhead)
 
 
 def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
@@ -767,42 +815,34 @@ def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
 def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
     """A numeric/bool/temporal child as numpy, or None when numpy cannot hold it."""
     t = arr.type
-    numeric = (
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_date(t)
-        or pa.types.is_duration(t)
-    )
-    if not numeric or arr.null_count:
+    if not (_is_number(t) or _is_temporal(t)) or arr.null_count:
         return None
     values = arr.to_numpy(zero_copy_only=False)
-    if values.dtype.kind not in _NUMPY_KINDS:
+    if values.dtype.kind not in "biufmM":
         return None
     values.setflags(write=False)
     return values
 
 
 def _lists_to_numpy(arr: pa.Array) -> _Column | None:
-    """List columns of numbers as per-row numpy arrays (2-D where rectangular)."""
+    """List columns of numbers as per-row numpy arrays (2-D where rectangular).
+
+    Rows are read-only views of one buffer here; ``take`` copies them, so callers get
+    writable arrays that do not alias the cache.
+    """
     n = len(arr)
     mask = _null_mask(arr)
     outer, child = _list_offsets(arr)
-    ct = child.type
-    nested = pa.types.is_list(ct) or pa.types.is_large_list(ct) or pa.types.is_fixed_size_list(ct)
-    if not nested:
+    bounds = outer.tolist()
+    if not _is_list(child.type):
         leaf = _leaf_numpy(child)
         if leaf is None:
             return None
-        if pa.types.is_fixed_size_list(arr.type) and mask is None:
+        if pa.types.is_fixed_size_list(arr.type):
             k = arr.type.list_size
-            start = int(outer[0])
-            mat = leaf[start : start + n * k].reshape(n, k)
-            return _Column("items", mat, mat.nbytes)
-        bounds = outer.tolist()
-        rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
-        nbytes = leaf.nbytes
+            rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
+        else:
+            rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
     else:
         if child.null_count:
             return None
@@ -810,32 +850,24 @@ def _lists_to_numpy(arr: pa.Array) -> _Column | None:
         leaf = _leaf_numpy(grandchild)
         if leaf is None:
             return None
-        if (
-            pa.types.is_fixed_size_list(arr.type)
-            and pa.types.is_fixed_size_list(ct)
-            and mask is None
-        ):
-            a, b = arr.type.list_size, ct.list_size
-            start = int(inner[outer[0]])
-            cube = leaf[start : start + n * a * b].reshape(n, a, b)
-            return _Column("items", cube, cube.nbytes)
-        lengths = np.diff(inner)
-        bounds = outer.tolist()
-        rows = []
-        for i in range(n):
-            lo, hi = bounds[i], bounds[i + 1]
-            lens = lengths[lo:hi]
-            if hi == lo:
-                rows.append(leaf[0:0].reshape(0, 0))
-            elif (lens == lens[0]).all():
-                rows.append(leaf[int(inner[lo]) : int(inner[hi])].reshape(hi - lo, int(lens[0])))
-            else:
-                rows.append([leaf[int(inner[j]) : int(inner[j + 1])] for j in range(lo, hi)])
-        nbytes = leaf.nbytes
-    if mask is not None:
-        for i in np.flatnonzero(mask).tolist():
-            rows[i] = None
-    return _Column("copy", _object_array(rows), nbytes + n * 2 * _PY_OBJECT_BYTES)
+        if pa.types.is_fixed_size_list(arr.type) and pa.types.is_fixed_size_list(child.type):
+            a, b = arr.type.list_size, child.type.list_size
+            start = int(inner[bounds[0]])
+            rows = list(leaf[start : start + n * a * b].reshape(n, a, b))
+        else:
+            lengths = np.diff(inner)
+            rows = []
+            for i in range(n):
+                lo, hi = bounds[i], bounds[i + 1]
+                lens = lengths[lo:hi]
+                if hi == lo:
+                    rows.append(leaf[0:0].reshape(0, 0))
+                elif (lens == lens[0]).all():
+                    part = leaf[int(inner[lo]) : int(inner[hi])]
+                    rows.append(part.reshape(hi - lo, int(lens[0])))
+                else:
+                    rows.append([leaf[int(inner[j]) : int(inner[j + 1])] for j in range(lo, hi)])
+    return _Column("copy", _with_nulls(rows, mask), leaf.nbytes + n * 2 * _PY_OBJECT_BYTES)
 
 
 def _copy_value(v: Any) -> Any:
@@ -844,28 +876,6 @@ def _copy_value(v: Any) -> Any:
     if isinstance(v, np.ndarray):
         return v.copy()
     return [a.copy() for a in v]
-
-
-def _gather(col: _Column, rows: np.ndarray) -> list[Any]:
-    """The values of ``rows`` (local row numbers) of a converted column."""
-    kind = col.kind
-    if kind == "tolist":
-        return col.data[rows].tolist()
-    if kind == "items":
-        return list(col.data[rows])
-    if kind == "copy":
-        return [_copy_value(v) for v in col.data[rows].tolist()]
-    if kind == "struct":
-        names, children, valid = col.data
-        values = [_gather(c, rows) for c in children]
-        out: list[Any] = [dict(zip(names, vals)) for vals in zip(*values)]
-        if not names:
-            out = [{} for _ in range(len(rows))]
-        if valid is not None:
-            ok = valid[rows]
-            out = [rec if good else None for rec, good in zip(out, ok.tolist())]
-        return out
-    return col.data.take(pa.array(rows)).to_pylist()
 
 
 def _close_reader(pf: pq.ParquetFile, handle: Any) -> None:
