@@ -43,7 +43,7 @@ _INT_RE = re.compile(r"-?(0|[1-9][0-9]*)")
 _MAX_OPEN_FILES = 64
 # Rough cost of one Python object held in a cached row group (object header + pointer),
 # added to the Arrow buffer size when charging the cache.
-_PY_OBJECT_BYTES = 64
+_PY_OBJECT_BYTES = 48
 _FOOTER_THREADS = 16
 # Per-process state inherited through fork is kept referenced (never freed) in the
 # child: releasing it would write to every inherited page (refcounts, allocator
@@ -386,27 +386,41 @@ class ParquetSource:
     ) -> None:
         """Append the values of ``rows`` (sorted by row group) to ``file_cols``.
 
-        A global shuffle touches a different row group for almost every record, so the
-        one-row case avoids building per-group lists.
+        A row group is cached in two steps. The first read decodes it, caches the Arrow
+        table and converts only the requested rows; a later read (reuse is now proven)
+        converts the whole row group to Python values once and caches those instead.
+        So a global shuffle whose row groups fall out of the cache before being read
+        again pays one decode and a few rows' conversion per row group, and a
+        block-local or cache-resident read pays one full conversion per row group.
         """
         st = self._state()
         cache = st.cache
         cached = cache.max_bytes > 0
         for s, e in zip(starts, ends):
             g = int(groups[s])
-            if cached:
-                cols = cache.get(g)
-                if cols is None:
-                    cols, nbytes = self._load(st, g, int(idx[order[s]]))
-                    cache.put(g, cols, nbytes)
-                wanted = rows[s:e]
-            else:
-                cache.get(g)  # counts the decode as a miss
+            wanted = rows[s:e]
+            entry = cache.get(g)  # also counts a miss when caching is off
+            if entry is None:
                 table = self._decode(st, g, int(idx[order[s]]))
-                # No cache: convert only the requested rows.
-                table = table.take(pa.array(rows[s:e], type=pa.int64()))
-                cols = [_convert(c) for c in table.columns]
-                wanted = list(range(e - s))
+                if cached:
+                    num_rows = table.num_rows
+                    if 4 * len(wanted) >= num_rows:  # most of it is needed now
+                        entry = _RowGroup(table=None, columns=_convert_table(table))
+                    else:
+                        entry = _RowGroup(table=table, columns=None)
+                    cache.put(g, entry, entry.nbytes)
+                if entry is None or entry.columns is None:
+                    taken = table.take(pa.array(wanted, type=pa.int64()))
+                    cols = _convert_table(taken)
+                    wanted = list(range(len(wanted)))
+                else:
+                    cols = entry.columns
+            else:
+                if entry.columns is None:
+                    entry.columns = _convert_table(entry.table)
+                    entry.table = None
+                    cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
+                cols = entry.columns
             if len(wanted) == 1:
                 r = wanted[0]
                 for out, c in zip(file_cols, cols):
@@ -418,11 +432,6 @@ class ParquetSource:
                         out.extend([values[r] for r in wanted])
                     else:
                         out.extend(c.take(wanted))
-
-    def _load(self, st: _ProcessState, group: int, index: int) -> tuple[list[_Column], int]:
-        table = self._decode(st, group, index)
-        cols = [_convert(c) for c in table.columns]
-        return cols, sum(c.nbytes for c in cols)
 
     def _decode(self, st: _ProcessState, group: int, index: int) -> pa.Table:
         shard = int(self._rg_shard[group])
@@ -692,7 +701,7 @@ class _Column:
     bytes, None, numpy datetime64 scalars...), gathered by plain list indexing, which
     keeps a global shuffle (about one row per row group per batch) cheap. Other
     columns build a fresh value per record: ``"copy"`` (numpy arrays, copied so that
-    callers may write to them), ``"struct"`` (dicts from converted children) and
+    callers may write to them), ``"lists"`` (Python lists, shallow-copied), ``"struct"`` (dicts from converted children) and
     ``"arrow"`` (anything else, through ``to_pylist``).
     """
 
@@ -714,6 +723,8 @@ class _Column:
             return [values[r] for r in rows]
         if kind == "copy":
             return [_copy_value(values[r]) for r in rows]
+        if kind == "lists":  # lists of immutable values: a shallow copy is private
+            return [None if values[r] is None else list(values[r]) for r in rows]
         if kind == "struct":
             names, children, valid = values
             if not names:
@@ -727,10 +738,78 @@ class _Column:
         return values.take(pa.array(rows, type=pa.int64())).to_pylist()
 
 
+class _RowGroup:
+    """A cached row group: its decoded Arrow table, or its converted columns."""
+
+    __slots__ = ("columns", "table")
+
+    def __init__(self, table: pa.Table | None, columns: list[_Column] | None) -> None:
+        self.table = table
+        self.columns = columns
+
+    @property
+    def nbytes(self) -> int:
+        if self.columns is not None:
+            return sum(c.nbytes for c in self.columns)
+        assert self.table is not None
+        return int(self.table.nbytes)
+
+
+def _convert_table(table: pa.Table) -> list[_Column]:
+    return [_convert(c) for c in table.columns]
+
+
+# Arrow buffers are read straight into numpy here: ``Array.to_numpy`` imports pandas on
+# first use (~0.3 s), which every DataLoader worker would pay again at each epoch.
+def _bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """Arrow's little-endian bitmap as a bool array of ``n`` values from bit ``offset``."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    return np.unpackbits(raw, bitorder="little", count=offset + n)[offset:].view(np.bool_)
+
+
 def _null_mask(arr: pa.Array) -> np.ndarray | None:
     if arr.null_count == 0:
         return None
-    return arr.is_null().to_numpy(zero_copy_only=False)
+    if pa.types.is_null(arr.type):
+        return np.ones(len(arr), dtype=bool)
+    return ~_bits(arr.buffers()[0], arr.offset, len(arr))
+
+
+def _numpy_dtype(t: pa.DataType) -> tuple[np.dtype, np.dtype | None]:
+    """(storage dtype, dtype to view/cast as) of a fixed-width number or temporal type."""
+    if pa.types.is_integer(t):
+        kind = "i" if pa.types.is_signed_integer(t) else "u"
+        return np.dtype(f"<{kind}{t.bit_width // 8}"), None
+    if pa.types.is_floating(t):
+        return np.dtype(f"<f{t.bit_width // 8}"), None
+    if pa.types.is_timestamp(t):
+        return np.dtype("<i8"), np.dtype(f"datetime64[{t.unit}]")
+    if pa.types.is_duration(t):
+        return np.dtype("<i8"), np.dtype(f"timedelta64[{t.unit}]")
+    if pa.types.is_date32(t):
+        return np.dtype("<i4"), np.dtype("datetime64[D]")
+    if pa.types.is_date64(t):
+        return np.dtype("<i8"), np.dtype("datetime64[ms]")
+    raise TypeError(f"no numpy dtype for {t}")
+
+
+def _primitive_numpy(arr: pa.Array) -> np.ndarray:
+    """Values of a bool/number/temporal array (whatever sits in null slots)."""
+    n = len(arr)
+    buf = arr.buffers()[1]
+    boolean = pa.types.is_boolean(arr.type)
+    if buf is None:  # no data buffer (e.g. all null): the values are never looked at
+        storage = np.dtype(bool) if boolean else _numpy_dtype(arr.type)[0]
+        buf = np.zeros((arr.offset + n) * storage.itemsize, dtype=np.uint8)
+    if boolean:
+        return _bits(buf, arr.offset, n)
+    storage, view = _numpy_dtype(arr.type)
+    values = np.frombuffer(buf, dtype=storage, count=arr.offset + n)[arr.offset :]
+    if view is None:
+        return values
+    if view.itemsize == storage.itemsize:
+        return values.view(view)
+    return values.astype(view)
 
 
 def _with_nulls(values: list[Any], mask: np.ndarray | None) -> list[Any]:
@@ -778,19 +857,21 @@ def _convert(col: pa.ChunkedArray | pa.Array) -> _Column:
         return _Column("plain", [None] * n, n * 8)
     if _is_number(t):
         mask = _null_mask(arr)
-        if mask is not None:
-            arr = arr.fill_null(False if pa.types.is_boolean(t) else 0)
-        values = arr.to_numpy(zero_copy_only=False).tolist()
+        values = _primitive_numpy(arr).tolist()
         return _Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
     if _is_temporal(t):
         # numpy scalars keep the unit (nanoseconds included); Python datetime cannot.
-        mask = _null_mask(arr)  # nulls come out of to_numpy as NaT, then become None
-        values = list(arr.to_numpy(zero_copy_only=False))
+        mask = _null_mask(arr)
+        values = list(_primitive_numpy(arr))
         return _Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
     if any(is_type(t) for is_type in _PYLIST_TYPES):
         return _Column("plain", arr.to_pylist(), arr.nbytes + overhead)
     if _is_list(t):
         converted = _lists_to_numpy(arr)
+        if converted is not None:
+            return converted
+    elif pa.types.is_map(t):
+        converted = _maps_to_python(arr)
         if converted is not None:
             return converted
     elif pa.types.is_struct(t):
@@ -809,46 +890,59 @@ def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
         k = arr.type.list_size
         offsets = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
         return offsets, arr.values
-    return arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), arr.values
+    dtype = np.int64 if pa.types.is_large_list(arr.type) else np.int32
+    offsets = np.frombuffer(arr.buffers()[1], dtype=dtype, count=arr.offset + len(arr) + 1)
+    return offsets[arr.offset :].astype(np.int64), arr.values
 
 
 def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
-    """A numeric/bool/temporal child as numpy, or None when numpy cannot hold it."""
+    """A numeric/bool/temporal child as numpy (null slots undefined), else None."""
     t = arr.type
-    if not (_is_number(t) or _is_temporal(t)) or arr.null_count:
+    if not (_is_number(t) or _is_temporal(t)):
         return None
-    values = arr.to_numpy(zero_copy_only=False)
-    if values.dtype.kind not in "biufmM":
-        return None
+    values = _primitive_numpy(arr)
     values.setflags(write=False)
     return values
+
+
+def _nulls_only_in_null_rows(
+    child: pa.Array, outer: np.ndarray, n: int, mask: np.ndarray | None
+) -> bool:
+    """True when every null item of ``child`` lies in a null row (e.g. fixed-size lists)."""
+    child_mask = _null_mask(child)
+    if child_mask is None:
+        return True
+    pos = np.flatnonzero(child_mask)
+    owner = np.searchsorted(outer, pos, side="right") - 1
+    owner = owner[(owner >= 0) & (owner < n) & (pos < outer[-1])]
+    return mask is not None and bool(mask[owner].all())
 
 
 def _lists_to_numpy(arr: pa.Array) -> _Column | None:
     """List columns of numbers as per-row numpy arrays (2-D where rectangular).
 
     Rows are read-only views of one buffer here; ``take`` copies them, so callers get
-    writable arrays that do not alias the cache.
+    writable arrays that do not alias the cache. Lists whose items are not numbers, or
+    hold nulls, become Python lists.
     """
     n = len(arr)
     mask = _null_mask(arr)
     outer, child = _list_offsets(arr)
     bounds = outer.tolist()
+    leaf = None
     if not _is_list(child.type):
         leaf = _leaf_numpy(child)
-        if leaf is None:
-            return None
+        if leaf is None or not _nulls_only_in_null_rows(child, outer, n, mask):
+            return _lists_to_python(arr, mask, bounds, child)
         if pa.types.is_fixed_size_list(arr.type):
             k = arr.type.list_size
             rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
         else:
             rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
     else:
-        if child.null_count:
-            return None
         inner, grandchild = _list_offsets(child)
         leaf = _leaf_numpy(grandchild)
-        if leaf is None:
+        if leaf is None or child.null_count or grandchild.null_count:
             return None
         if pa.types.is_fixed_size_list(arr.type) and pa.types.is_fixed_size_list(child.type):
             a, b = arr.type.list_size, child.type.list_size
@@ -868,6 +962,35 @@ def _lists_to_numpy(arr: pa.Array) -> _Column | None:
                 else:
                     rows.append([leaf[int(inner[j]) : int(inner[j + 1])] for j in range(lo, hi)])
     return _Column("copy", _with_nulls(rows, mask), leaf.nbytes + n * 2 * _PY_OBJECT_BYTES)
+
+
+def _lists_to_python(
+    arr: pa.Array, mask: np.ndarray | None, bounds: list[int], child: pa.Array
+) -> _Column | None:
+    """Lists of strings, bytes, or numbers with null items, as Python lists."""
+    values = _convert(child)
+    if not values.plain:
+        return None
+    items = values.values
+    n = len(arr)
+    rows: list[Any] = [items[bounds[i] : bounds[i + 1]] for i in range(n)]
+    return _Column("lists", _with_nulls(rows, mask), values.nbytes + n * _PY_OBJECT_BYTES)
+
+
+def _maps_to_python(arr: pa.MapArray) -> _Column | None:
+    """Map columns as lists of ``(key, value)`` tuples, like ``to_pylist``."""
+    n = len(arr)
+    mask = _null_mask(arr)
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=arr.offset + n + 1)
+    bounds = offsets[arr.offset :].tolist()
+    key_arr, item_arr = arr.values.flatten()
+    keys, items = _convert(key_arr), _convert(item_arr)
+    if not (keys.plain and items.plain):
+        return None
+    pairs = list(zip(keys.values, items.values))
+    rows: list[Any] = [pairs[bounds[i] : bounds[i + 1]] for i in range(n)]
+    nbytes = keys.nbytes + items.nbytes + (len(pairs) + n) * _PY_OBJECT_BYTES
+    return _Column("lists", _with_nulls(rows, mask), nbytes)
 
 
 def _copy_value(v: Any) -> Any:
