@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -112,15 +113,26 @@ def passthrough(batch: list[Any]) -> list[Any]:
 
 
 # ------------------------------------------------------------------- measuring
+def cpu_seconds() -> float:
+    """CPU time of this process plus its finished children (DataLoader workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_loader(
     dataset: Any,
     *,
     sampler: Any = None,
     workers: int,
     batch_size: int,
+    epochs: int = 1,
     budget: float | None = None,
-) -> tuple[float, int, np.ndarray]:
-    """Rows/s of one pass (or of ``budget`` seconds), rows read, and the ids seen."""
+) -> dict[str, Any]:
+    """Rows/s of each epoch (persistent workers), CPU seconds of all, and the ids seen.
+
+    With ``budget``, one epoch is cut after that many seconds.
+    """
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
@@ -130,17 +142,29 @@ def run_loader(
         collate_fn=passthrough,
         multiprocessing_context="fork" if workers else None,
         prefetch_factor=4 if workers else None,
+        persistent_workers=workers > 0,
     )
-    ids = []
-    n = 0
-    t0 = time.perf_counter()
-    for batch in loader:
-        n += len(batch)
-        ids.append(np.fromiter((r["id"] for r in batch), np.int64, len(batch)))
-        if budget is not None and time.perf_counter() - t0 >= budget:
-            break
-    dt = time.perf_counter() - t0
-    return n / dt, n, np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    cpu0 = cpu_seconds()
+    rates, ids, total = [], [], 0
+    for epoch in range(epochs):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        seen = []
+        n = 0
+        t0 = time.perf_counter()
+        for batch in loader:
+            n += len(batch)
+            seen.append(np.fromiter((r["id"] for r in batch), np.int64, len(batch)))
+            if budget is not None and time.perf_counter() - t0 >= budget:
+                break
+        rates.append(n / (time.perf_counter() - t0))
+        ids.append(np.concatenate(seen) if seen else np.zeros(0, np.int64))
+        total += n
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()  # joins the workers, so their CPU time is counted
+    cpu = cpu_seconds() - cpu0
+    return {"rates": rates, "rows": total, "cpu_s": cpu, "ids": ids}
 
 
 def check_epoch(name: str, ids: np.ndarray, rows: int) -> None:
@@ -168,6 +192,7 @@ def main() -> None:
     ap.add_argument("--row-bytes", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--window", type=int, default=8, help="BlockShuffleSampler window")
+    ap.add_argument("--epochs", type=int, default=2, help="epochs per loader (persistent workers)")
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--naive-seconds", type=float, default=8.0)
     ap.add_argument(
@@ -202,41 +227,62 @@ def main() -> None:
         )
         results: list[dict[str, Any]] = []
 
-        def add(path: str, w: int | None, rate: float, rows: int, **extra: Any) -> None:
-            results.append({"path": path, "workers": w, "rows_per_s": rate, "rows": rows, **extra})
+        def add(path: str, w: int | None, run: dict[str, Any], **extra: Any) -> None:
+            rates = run["rates"]
+            row = {
+                "path": path,
+                "workers": w,
+                "rows_per_s": rates[0],
+                "rows_per_s_epoch2": rates[1] if len(rates) > 1 else None,
+                "rows": run["rows"],
+                "cpu_s": run["cpu_s"],
+                "rows_per_cpu_s": run["rows"] / run["cpu_s"] if run["cpu_s"] else None,
+                **extra,
+            }
+            results.append(row)
             more = "".join(f", {k}={v:.3g}" for k, v in extra.items() if v is not None)
-            print(f"  {path:<21} workers={w!s:<4} {rate:>10,.0f} rows/s  ({rows} rows{more})")
+            e2 = f"{rates[1]:>10,.0f}" if len(rates) > 1 else " " * 10
+            print(
+                f"  {path:<21} workers={w!s:<4} {rates[0]:>10,.0f} {e2} rows/s  "
+                f"{row['rows_per_cpu_s'] or 0:>9,.0f} rows/cpu-s  ({run['rows']} rows{more})"
+            )
 
-        print("running:")
-        add("scan", None, scan(files, args.batch_size, rows_too=True), args.rows)
-        add("scan-decode", None, scan(files, args.batch_size, rows_too=False), args.rows)
+        def scan_run(rows_too: bool) -> dict[str, Any]:
+            cpu0 = cpu_seconds()
+            rate = scan(files, args.batch_size, rows_too)
+            return {"rates": [rate], "rows": args.rows, "cpu_s": cpu_seconds() - cpu0}
+
+        print("running:                            epoch 1    epoch 2")
+        add("scan", None, scan_run(True))
+        add("scan-decode", None, scan_run(False))
+        ep = args.epochs
 
         for w in workers:
             naive = NaiveParquetDataset(files)
             perm = torch.randperm(len(naive), generator=torch.Generator().manual_seed(0))
-            rate, n, _ = run_loader(
+            run = run_loader(
                 naive,
                 sampler=perm.tolist(),
                 workers=w,
                 batch_size=args.batch_size,
                 budget=args.naive_seconds,
             )
-            add("naive", w, rate, n)
+            add("naive", w, run)
 
             src = tg.ParquetSource(root, cache_bytes=args.global_cache_mib << 20)
             ds = tg.Dataset(src)
-            rate, n, ids = run_loader(
-                ds, sampler=GlobalShuffleSampler(ds, seed=0), workers=w, batch_size=args.batch_size
-            )
-            check_epoch("tg-global", ids, args.rows)
+            sampler = GlobalShuffleSampler(ds, seed=0)
+            run = run_loader(ds, sampler=sampler, workers=w, batch_size=args.batch_size, epochs=ep)
+            for ids in run["ids"]:
+                check_epoch("tg-global", ids, args.rows)
             decodes = src.cache_info().misses if w == 0 else None
-            add("tg-global", w, rate, n, row_group_decodes=decodes)
+            add("tg-global", w, run, row_group_decodes=decodes)
 
             if w == 0 and args.small_cache_mib:
                 # The same global shuffle when the decoded data does not fit the cache.
                 src = tg.ParquetSource(root, cache_bytes=args.small_cache_mib << 20)
                 ds = tg.Dataset(src)
-                rate, n, _ = run_loader(
+                run = run_loader(
                     ds,
                     sampler=GlobalShuffleSampler(ds, seed=0),
                     workers=w,
@@ -244,22 +290,17 @@ def main() -> None:
                     budget=args.naive_seconds,
                 )
                 info = src.cache_info()
-                add(
-                    "tg-global-small-cache",
-                    w,
-                    rate,
-                    n,
-                    cache_mib=args.small_cache_mib,
-                    hit_rate=info.hits / max(1, info.hits + info.misses),
-                )
+                hit_rate = info.hits / max(1, info.hits + info.misses)
+                add("tg-global-small", w, run, cache_mib=args.small_cache_mib, hit_rate=hit_rate)
 
             src = tg.ParquetSource(root)
             ds = tg.Dataset(src)
             sampler = BlockShuffleSampler(ds, window=args.window, seed=0)
-            rate, n, ids = run_loader(ds, sampler=sampler, workers=w, batch_size=args.batch_size)
-            check_epoch("tg-block", ids, args.rows)
+            run = run_loader(ds, sampler=sampler, workers=w, batch_size=args.batch_size, epochs=ep)
+            for ids in run["ids"]:
+                check_epoch("tg-block", ids, args.rows)
             decodes = src.cache_info().misses if w == 0 else None
-            add("tg-block", w, rate, n, row_group_decodes=decodes)
+            add("tg-block", w, run, row_group_decodes=decodes)
 
         hf_prepare = None
         if not args.skip_hf:
@@ -275,50 +316,57 @@ def main() -> None:
                 print(f"  hf: from_parquet conversion took {hf_prepare:.1f} s (not counted)")
                 hf = hf.shuffle(seed=0)
                 for w in workers:
-                    rate, n, ids = run_loader(hf, workers=w, batch_size=args.batch_size)
-                    check_epoch("hf", ids, args.rows)
-                    add("hf", w, rate, n)
+                    run = run_loader(hf, workers=w, batch_size=args.batch_size, epochs=ep)
+                    for ids in run["ids"]:
+                        check_epoch("hf", ids, args.rows)
+                    add("hf", w, run)
 
-        def best(path: str, w: int | None) -> float | None:
+        def get(path: str, w: int | None, key: str = "rows_per_s") -> float | None:
             for r in results:
                 if r["path"] == path and r["workers"] == w:
-                    return r["rows_per_s"]
+                    return r[key]
             return None
 
-        scan_rate = best("scan", None)
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return a / b if a and b else None
+
+        scan_rate = get("scan", None)
         table = []
         for w in workers:
-            g, b, nv, h = (best(p, w) for p in ("tg-global", "tg-block", "naive", "hf"))
+            nv, h, g, b = (get(p, w) for p in ("naive", "hf", "tg-global", "tg-block"))
+            h2, g2, b2 = (get(p, w, "rows_per_s_epoch2") for p in ("hf", "tg-global", "tg-block"))
+            hc, gc, bc = (get(p, w, "rows_per_cpu_s") for p in ("hf", "tg-global", "tg-block"))
             table.append(
                 {
                     "workers": w,
                     "naive": nv,
+                    "hf": h,
                     "tg-global": g,
                     "tg-block": b,
-                    "hf": h,
-                    "global/naive": g / nv,
-                    "block/scan": b / scan_rate,
-                    "global/hf": g / h if h else None,
-                    "block/hf": b / h if h else None,
+                    "hf e2": h2,
+                    "global e2": g2,
+                    "block e2": b2,
+                    "global/naive": ratio(g, nv),
+                    "block/scan": ratio(b, scan_rate),
+                    "global/hf": ratio(g, h),
+                    "block/hf": ratio(b, h),
+                    "global/hf e2": ratio(g2, h2),
+                    "global/hf cpu": ratio(gc, hc),
+                    "block/hf cpu": ratio(bc, hc),
                 }
             )
-        print(f"\nrows/s (scan, one process: {scan_rate:,.0f} rows/s; ", end="")
-        print(f"decode only: {best('scan-decode', None):,.0f} rows/s)")
-        print_table(
-            table,
-            [
-                "workers",
-                "naive",
-                "tg-global",
-                "tg-block",
-                "hf",
-                "global/naive",
-                "block/scan",
-                "global/hf",
-                "block/hf",
-            ],
+        print(
+            f"\nrows/s, epoch 1 unless marked e2 (scan, one process: {scan_rate:,.0f} rows/s; "
+            f"decode only: {get('scan-decode', None):,.0f} rows/s)"
         )
-        print("targets: block/scan >= 0.5, global/naive >= 20, global/hf and block/hf >= 1")
+        cols = list(table[0])
+        print_table(table, cols[:8])
+        print()
+        print_table(table, [cols[0], *cols[8:]])
+        print(
+            "targets: block/scan >= 0.5, global/naive >= 20, global/hf and block/hf >= 1\n"
+            "(cpu: rows per CPU-second of the main process and its workers, both epochs)"
+        )
 
         payload = {
             "config": vars(args),
@@ -342,7 +390,7 @@ def plot(table: list[dict[str, Any]], scan_rate: float) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    paths = ["naive", "hf", "tg-global", "tg-block"]
+    paths = ["naive", "hf", "tg-global", "tg-block"]  # epoch 1
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(table)
     for k, row in enumerate(table):

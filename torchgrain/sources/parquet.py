@@ -326,12 +326,9 @@ class ParquetSource:
         rows = idx - self._rg_offsets[groups]
         order = np.argsort(groups, kind="stable")
         groups, rows = groups[order], rows[order]
-        cuts = np.flatnonzero(np.diff(groups)) + 1
-        starts = [0, *cuts.tolist()]
-        ends = [*cuts.tolist(), n]
-        file_cols: list[list[Any]] = [[] for _ in self._file_fields]
-        if file_cols:
-            self._gather_groups(groups, rows.tolist(), starts, ends, idx, order, file_cols)
+        file_cols: list[list[Any]] = []
+        if self._file_fields:
+            file_cols = self._gather(groups, rows, idx[order])
         shards = self._rg_shard[groups]
         key_cols: list[list[Any]] = []
         for key, pos in zip(self._keys, self._file_pos):
@@ -374,17 +371,8 @@ class ParquetSource:
         st.cache.clear()
 
     # ---------------------------------------------------------------- reading
-    def _gather_groups(
-        self,
-        groups: np.ndarray,
-        rows: list[int],
-        starts: list[int],
-        ends: list[int],
-        idx: np.ndarray,
-        order: np.ndarray,
-        file_cols: list[list[Any]],
-    ) -> None:
-        """Append the values of ``rows`` (sorted by row group) to ``file_cols``.
+    def _gather(self, groups: np.ndarray, rows: np.ndarray, indices: np.ndarray) -> list[list[Any]]:
+        """Values of ``rows`` of ``groups`` (sorted by group), one list per file column.
 
         A row group is cached in two steps. The first read decodes it, caches the Arrow
         table and converts only the requested rows; a later read (reuse is now proven)
@@ -393,45 +381,52 @@ class ParquetSource:
         again pays one decode and a few rows' conversion per row group, and a
         block-local or cache-resident read pays one full conversion per row group.
         """
+        n = len(groups)
+        cuts = np.flatnonzero(np.diff(groups)) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        ends = [*cuts.tolist(), n]
+        distinct = groups[starts].tolist()
         st = self._state()
         cache = st.cache
-        cached = cache.max_bytes > 0
-        for s, e in zip(starts, ends):
-            g = int(groups[s])
-            wanted = rows[s:e]
-            entry = cache.get(g)  # also counts a miss when caching is off
+        entries = cache.get_many(distinct)  # counts a miss per absent group
+        local = rows.tolist()  # row of each value in its group's columns
+        group_cols: list[list[_Column]] = []
+        for k, entry in enumerate(entries):
+            g, s, e = distinct[k], starts[k], ends[k]
             if entry is None:
-                table = self._decode(st, g, int(idx[order[s]]))
-                if cached:
-                    num_rows = table.num_rows
-                    if 4 * len(wanted) >= num_rows:  # most of it is needed now
+                table = self._decode(st, g, int(indices[s]))
+                if cache.max_bytes > 0:
+                    if 4 * (e - s) >= table.num_rows:  # most of it is needed now
                         entry = _RowGroup(table=None, columns=_convert_table(table))
                     else:
                         entry = _RowGroup(table=table, columns=None)
                     cache.put(g, entry, entry.nbytes)
                 if entry is None or entry.columns is None:
-                    taken = table.take(pa.array(wanted, type=pa.int64()))
-                    cols = _convert_table(taken)
-                    wanted = list(range(len(wanted)))
-                else:
-                    cols = entry.columns
+                    taken = table.take(pa.array(local[s:e], type=pa.int64()))
+                    group_cols.append(_convert_table(taken))
+                    local[s:e] = range(e - s)
+                    continue
+            elif entry.columns is None:
+                entry.columns = _convert_table(entry.table)
+                entry.table = None
+                cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
+            group_cols.append(entry.columns)
+
+        # One pass per column over the whole batch: with a global shuffle nearly every
+        # row comes from a different row group, so per-group work would dominate.
+        which = np.repeat(np.arange(len(distinct)), np.diff([*starts, n])).tolist()
+        out: list[list[Any]] = []
+        for j in range(len(self._file_fields)):
+            cols = [gc[j] for gc in group_cols]
+            if all(c.plain for c in cols):
+                lists = [c.values for c in cols]
+                out.append([lists[k][r] for k, r in zip(which, local)])
             else:
-                if entry.columns is None:
-                    entry.columns = _convert_table(entry.table)
-                    entry.table = None
-                    cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
-                cols = entry.columns
-            if len(wanted) == 1:
-                r = wanted[0]
-                for out, c in zip(file_cols, cols):
-                    out.append(c.values[r] if c.plain else c.get(r))
-            else:
-                for out, c in zip(file_cols, cols):
-                    if c.plain:
-                        values = c.values
-                        out.extend([values[r] for r in wanted])
-                    else:
-                        out.extend(c.take(wanted))
+                values: list[Any] = []
+                for c, s, e in zip(cols, starts, ends):
+                    values.extend(c.take(local[s:e]))
+                out.append(values)
+        return out
 
     def _decode(self, st: _ProcessState, group: int, index: int) -> pa.Table:
         shard = int(self._rg_shard[group])
