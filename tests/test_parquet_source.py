@@ -641,3 +641,56 @@ def test_reading_does_not_import_pandas(tmp_path):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# ------------------------------------------------------------------ samplers
+def _decodes_seen(tmp_path, sampler_kind, cache_bytes, num_workers):
+    """Max row-group decodes per DataLoader worker over one epoch, and the ids read."""
+    sampling = pytest.importorskip("torchgrain.sampling")
+    d, _ = make_sharded(tmp_path, [40, 25, 55], rg=10, name=f"s-{sampler_kind}-{cache_bytes}")
+    src = tg.ParquetSource(d, cache_bytes=cache_bytes)
+
+    def tag(rec):
+        info = torch.utils.data.get_worker_info()
+        rec["worker"] = info.id if info is not None else -1
+        rec["decodes"] = src.cache_info().misses  # this process's source (forked copy)
+        return rec
+
+    ds = tg.Dataset(src).map(tag)
+    if sampler_kind == "block":
+        sampler = sampling.BlockShuffleSampler(ds, window=2, num_replicas=1, rank=0, seed=3)
+    else:
+        sampler = sampling.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=3)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=8,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=lambda b: b,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    recs = [r for batch in loader for r in batch]
+    per_worker = {}
+    for r in recs:
+        per_worker[r["worker"]] = max(per_worker.get(r["worker"], 0), r["decodes"])
+    return per_worker, [r["id"] for r in recs], src.num_row_groups
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_block_shuffle_decodes_each_row_group_once_per_worker(tmp_path, num_workers):
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "block", 1 << 20, num_workers)
+    assert sorted(ids) == list(range(120)) and ids != sorted(ids)
+    assert len(per_worker) == max(1, num_workers)
+    assert all(n <= num_rgs for n in per_worker.values()), per_worker
+    # A cache holding a window (2 row groups) is enough for block-local order.
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "block", 3 * 2000, 0)
+    assert sorted(ids) == list(range(120))
+    assert per_worker[-1] <= num_rgs + 2
+
+
+def test_global_shuffle_needs_the_cache(tmp_path):
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "global", 1 << 20, 0)
+    assert sorted(ids) == list(range(120)) and per_worker[-1] == num_rgs
+    # Without a cache, every batch decodes each row group it touches.
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "global", 0, 0)
+    assert sorted(ids) == list(range(120)) and per_worker[-1] > 4 * num_rgs
