@@ -72,8 +72,9 @@ class ParquetSource:
             file, a list of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
         columns: the columns to read (default: all). Only these columns' pages are read
             and decoded; partition keys may be listed too.
-        cache_bytes: budget of this process's row-group cache, in decoded bytes
-            (default 256 MiB; ``0`` disables it). Each DataLoader worker has its own.
+        cache_bytes: budget of this process's row-group cache, in bytes of decoded data
+            (default 256 MiB; ``0`` disables it). Each DataLoader worker has its own;
+            :meth:`cache_info` reports hits, misses (= row-group decodes) and evictions.
         filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
@@ -121,6 +122,19 @@ class ParquetSource:
     * anything else (``int64`` vs ``string``, ``int64`` vs ``double``, ``uint64`` vs
       ``int64``, different timestamp units, different list item types...) raises
       :class:`~torchgrain.SchemaMismatchError` naming both files and the column.
+
+    Caching and access order: a row group is decoded whole, so the cost of a read
+    depends on how often its row group is already in the cache. The first read of a
+    row group caches its Arrow table and converts only the rows asked for; a second
+    read converts the whole row group to Python values once (charged at their
+    estimated size), after which rows are gathered without decoding. With
+    :class:`~torchgrain.BlockShuffleSampler` a worker needs about ``window`` row groups
+    of cache and decodes each row group about once per epoch. With
+    :class:`~torchgrain.GlobalShuffleSampler` nearly every record of a batch comes from
+    a different row group: it is fast only while the decoded data (about its Arrow
+    size plus ~48 bytes per value) fits in every worker's ``cache_bytes``; beyond that,
+    each record costs a row-group decode, and a block shuffle (or converting to
+    ArrayRecord) is the better choice.
 
     Opening reads only the files' footers (in parallel). No file handle is kept in
     the pickled state: each process opens its own readers on first use, and a forked
