@@ -120,12 +120,14 @@ class PipelineStats:
     def snapshot(self) -> np.ndarray:
         return self._table().copy()
 
-    def __getstate__(self) -> Any:
+    def __getstate__(self) -> tuple[Any]:
         spawning = multiprocessing.context.get_spawning_popen() is not None
-        return self._shared if spawning else None
+        # A tuple, never a bare None: pickle skips __setstate__ for a None state,
+        # which would leave the slot unset.
+        return (self._shared if spawning else None,)
 
-    def __setstate__(self, shared: Any) -> None:
-        self._shared = shared
+    def __setstate__(self, state: tuple[Any]) -> None:
+        (self._shared,) = state
 
 
 @dataclass
