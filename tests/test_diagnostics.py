@@ -65,3 +65,14 @@ def test_pickled_or_copied_dataset_still_reads_and_counts():
         assert clone[3] in (3, 4) and clone.__getitems__([1, 2]) in ([1, 2], [2, 3])
         assert tg.stats(clone).total["records"] == 3
     assert tg.stats(ds).total["records"] == 0
+
+
+def test_timed_loop_left_early_still_reports_its_wall_time():
+    ds = tg.Dataset(list(range(40)))
+    it = tg.timed(DataLoader(ds, batch_size=4))
+    for step, _ in enumerate(it):
+        if step == 2:
+            break
+    rep = tg.stats(it)
+    assert rep.consumer["batches"] == 3
+    assert it.wall_seconds > 0 and rep.wait_fraction is not None
