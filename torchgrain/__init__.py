@@ -15,6 +15,7 @@ from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
     RecordDecodeError,
+    RemoteIOError,
     SchemaMismatchError,
     TorchgrainError,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "Dataset",
     "DatasetNotFoundError",
     "RecordDecodeError",
+    "RemoteIOError",
     "SchemaMismatchError",
     "ShardIndex",
     "TorchgrainError",

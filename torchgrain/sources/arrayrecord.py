@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import pickle
 import posixpath
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -12,6 +16,8 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
+from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources._index import ShardIndex, group_by_shard
 from torchgrain.sources.arrayrecord_file import ArrayRecordFile, read_num_records
 from torchgrain.sources.codecs import Codec, describe_value, get_codec, sniff_codec
@@ -20,6 +26,10 @@ from torchgrain.sources.manifest import Manifest, read_manifest
 __all__ = ["ArrayRecordSource"]
 
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
+DEFAULT_CACHE_BYTES = 16 * 2**30
+# Readers of cached local copies kept open per process. Eviction only unlinks files, so
+# an open reader would pin an evicted copy's disk blocks: keep few of them open.
+_MAX_OPEN_CACHED = 32
 
 
 class ArrayRecordSource:
@@ -35,11 +45,25 @@ class ArrayRecordSource:
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         filesystem: an fsspec filesystem to use instead of inferring one.
         verify_checksums: verify Riegeli chunk hashes on every read.
+        cache_dir: a local directory (or a :class:`~torchgrain.io.shard_cache.ShardCache`)
+            for whole copies of *remote* shards: each shard is downloaded once (by one
+            worker of the machine) and read locally after. Local shards are never cached.
+        cache_bytes: byte budget of ``cache_dir`` (least recently used shards go first).
+        io_threads: threads per process that read the shards of one remote batch
+            concurrently, overlapping request latency (1 = sequential). Local shards
+            are always read in the calling thread.
+        retry: retry policy for remote reads and downloads (default
+            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff).
 
     Opening reads the manifest (one small file) or, without one, every shard's footer
     (in parallel). No file handle is kept in the object: each process opens its own
     readers on first use, so the source is safe to use before forking DataLoader
-    workers, pickles small, and works with ``spawn``/``forkserver``.
+    workers, pickles small, and works with ``spawn``/``forkserver``. A forked worker
+    also gets its own fsspec filesystem instance (async filesystems such as s3fs are
+    bound to the event loop of the process that created them).
+
+    Remote reading: ``src.io_stats`` counts remote reads, retries and, with a cache,
+    the cache's hits, misses and bytes fetched (per process).
 
     Example:
         >>> import tempfile, numpy as np, torchgrain as tg
@@ -62,18 +86,43 @@ class ArrayRecordSource:
         storage_options: dict[str, Any] | None = None,
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
+        cache_dir: str | os.PathLike | ShardCache | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        io_threads: int = 8,
+        retry: RetryPolicy | None = None,
     ) -> None:
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
         self._verify = verify_checksums
+        self._retry = retry or RetryPolicy()
+        self.io_threads = int(io_threads)
         manifest, fs, files = self._resolve(paths, storage_options, filesystem)
         self._fs = fs
+        self._remote = not is_local(fs)
         self.paths: list[str] = files
+        self.cache: ShardCache | None = None
+        if self._remote and cache_dir is not None:
+            self.cache = (
+                cache_dir
+                if isinstance(cache_dir, ShardCache)
+                else ShardCache(cache_dir, max_bytes=cache_bytes, retry=self._retry)
+            )
+        self._init_process_state()
         if manifest is not None:
             counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
+        elif self._remote:
+            counts = retry_call(
+                read_num_records,
+                files,
+                filesystem=fs,
+                url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else files[0],
+                policy=self._retry,
+                what="reading shard footers",
+            )
         else:
             counts = read_num_records(files, filesystem=fs)
         self.index = ShardIndex(counts)
         self.manifest = manifest
-        self._files: list[ArrayRecordFile | None] = [None] * len(files)
         if codec == "auto":
             codec = manifest.codec if manifest is not None else self._sniff()
         self.codec: Codec = get_codec(codec)
@@ -121,16 +170,82 @@ class ArrayRecordSource:
         shard, row = self.index.locate_one(0)
         return sniff_codec(self._file(shard).read([row])[0])
 
+    def _init_process_state(self) -> None:
+        """Readers, thread pool and counters belong to one process: (re)create them."""
+        self._pid = os.getpid()
+        self._files: list[ArrayRecordFile | None] = [None] * len(self.paths)
+        self._cached_open: OrderedDict[int, tuple[str, int, ArrayRecordFile]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._io = {"remote_reads": 0, "retries": 0}
+
+    def _check_fork(self) -> None:
+        if self._pid != os.getpid():
+            # Inherited through fork: the parent's readers, threads and (for async
+            # filesystems) event loop do not exist here. Unpickling a filesystem
+            # builds a new instance (fsspec's instance cache is per process).
+            if self._remote:
+                self._fs = pickle.loads(pickle.dumps(self._fs))
+            self._init_process_state()
+
     def _file(self, shard: int) -> ArrayRecordFile:
+        self._check_fork()
+        if self.cache is not None:
+            return self._cached_file(shard)
         f = self._files[shard]
         if f is None:
             f = ArrayRecordFile(
                 self.paths[shard],
-                filesystem=None if is_local(self._fs) else self._fs,
+                filesystem=self._fs if self._remote else None,
                 verify_checksums=self._verify,
             )
             self._files[shard] = f
         return f
+
+    def _cached_file(self, shard: int) -> ArrayRecordFile:
+        """A reader of the local copy of remote ``shard`` (fetched on first access)."""
+        assert self.cache is not None
+        info = self.manifest.shards[shard] if self.manifest is not None else None
+        for _ in range(3):
+            # fetch() refreshes the copy's access time (LRU) and checks it exists.
+            path = self.cache.fetch(
+                self.paths[shard],
+                filesystem=self._fs,
+                size=info.num_bytes if info is not None and info.num_bytes >= 0 else None,
+                checksum=info.checksum if info is not None else None,
+            )
+            try:
+                ino = os.stat(path).st_ino
+                with self._lock:
+                    entry = self._cached_open.get(shard)
+                    if entry is not None and entry[:2] == (path, ino):
+                        self._cached_open.move_to_end(shard)
+                        return entry[2]
+                f = ArrayRecordFile(path, verify_checksums=self._verify)
+                f.num_records  # noqa: B018 - opens the file now: later eviction only unlinks
+            except FileNotFoundError:
+                continue  # evicted by another process between fetch and open: fetch again
+            with self._lock:
+                old = self._cached_open.pop(shard, None)
+                self._cached_open[shard] = (path, ino, f)
+                while len(self._cached_open) > _MAX_OPEN_CACHED:
+                    old_lru = self._cached_open.popitem(last=False)[1][2]
+                    old_lru.close()
+            if old is not None:
+                old[2].close()
+            return f
+        raise DatasetNotFoundError(
+            f"the cached copy of shard {shard} ({self.paths[shard]!r}) in "
+            f"{self.cache.directory} kept disappearing: is cache_bytes far too small?"
+        )
+
+    @property
+    def io_stats(self) -> dict[str, int]:
+        """Remote I/O counters of this process (cache counters included when caching)."""
+        out = dict(self._io)
+        if self.cache is not None:
+            out.update({f"cache_{k}": v for k, v in self.cache.stats.items()})
+        return out
 
     # ------------------------------------------------------------ the contract
     def __len__(self) -> int:
@@ -167,8 +282,16 @@ class ArrayRecordSource:
             return []
         shards, rows = self.index.locate(idx)
         out: list[Any] = [None] * len(idx)
-        for shard, shard_rows, positions in group_by_shard(shards, rows):
-            blobs = self._read(shard, shard_rows, int(idx[positions[0]]))
+        groups = group_by_shard(shards, rows)
+        if self._remote and self.io_threads > 1 and len(groups) > 1:
+            # Remote shards: one request (or one download) per shard, all in flight at
+            # once so their latencies overlap (tf.data's parallel interleave).
+            results = self._thread_pool().map(
+                lambda g: self._read(g[0], g[1], int(idx[g[2][0]])), groups
+            )
+        else:
+            results = (self._read(g[0], g[1], int(idx[g[2][0]])) for g in groups)
+        for (shard, shard_rows, positions), blobs in zip(groups, results):
             for p, row, data in zip(positions.tolist(), shard_rows.tolist(), blobs):
                 out[p] = self._decode(data, shard, row, int(idx[p]))
         return out
@@ -186,14 +309,43 @@ class ArrayRecordSource:
 
     def close(self) -> None:
         """Close any open readers of this process (they reopen on next use)."""
+        self._check_fork()
         for f in self._files:
             if f is not None:
                 f.close()
+        with self._lock:
+            cached = [e[2] for e in self._cached_open.values()]
+            self._cached_open.clear()
+        for f in cached:
+            f.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     # ---------------------------------------------------------------- helpers
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        self._check_fork()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="torchgrain-io")
+            return self._pool
+
     def _read(self, shard: int, rows: Sequence[int] | np.ndarray, index: int) -> list[bytes]:
         try:
-            return self._file(shard).read(rows)
+            if not self._remote:
+                return self._file(shard).read(rows)
+            if self.cache is not None:
+                # Downloads retry inside the cache; the copy is then a local file.
+                return self._file(shard).read(rows)
+            with self._lock:
+                self._io["remote_reads"] += 1
+            return retry_call(
+                lambda: self._file(shard).read(rows),
+                url=self.paths[shard],
+                policy=self._retry,
+                what=f"range read of shard {shard} (record index {index})",
+                on_retry=self._count_retry,
+            )
         except CorruptDataError as e:
             msg = f"{e} (shard {shard} of {self.num_shards}, reading record index {index})"
             raise type(e)(msg) from e
@@ -212,10 +364,19 @@ class ArrayRecordSource:
                 f"with codec {getattr(self.codec, 'name', self.codec)!r}: {type(e).__name__}: {e}"
             ) from e
 
+    def _count_retry(self, attempt: int, exc: BaseException) -> None:
+        with self._lock:
+            self._io["retries"] += 1
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_files"] = [None] * len(self.paths)  # readers are per process
+        for k in ("_files", "_cached_open", "_lock", "_pool", "_io", "_pid"):
+            del state[k]  # readers, threads and counters are per process
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process_state()
 
     def __repr__(self) -> str:
         return (
