@@ -52,8 +52,20 @@ class _Handler(BaseHTTPRequestHandler):
         srv = self.server.owner
         rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         srv._count(self.command, rel)
-        if srv.latency_s:
-            time.sleep(srv.latency_s)
+        with srv._lock:
+            srv._inflight += 1
+            srv.max_inflight = max(srv.max_inflight, srv._inflight)
+        try:
+            if srv.latency_s:
+                time.sleep(srv.latency_s)
+            self._respond(body)
+        finally:
+            with srv._lock:
+                srv._inflight -= 1
+
+    def _respond(self, body: bool) -> None:
+        srv = self.server.owner
+        rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         fault = srv._take_fault()
         if fault == "503":
             self._send_plain(503, b"slow down")
@@ -107,12 +119,15 @@ class _Handler(BaseHTTPRequestHandler):
             n = end - start
             if fault == "truncate":
                 n //= 2
+            step = 1 << 16 if srv.rate_bytes_per_s else 1 << 20
             while n > 0:
-                block = f.read(min(n, 1 << 20))
+                block = f.read(min(n, step))
                 if not block:
                     break
                 self.wfile.write(block)
                 n -= len(block)
+                if srv.rate_bytes_per_s:
+                    time.sleep(len(block) / srv.rate_bytes_per_s)
         if fault == "truncate":
             self.close_connection = True
 
@@ -153,13 +168,19 @@ class RangeHTTPServer:
     """Serve ``root`` over HTTP on 127.0.0.1 in a background thread.
 
     Attributes you may change while it runs: ``latency_s`` (delay before each
-    response). Use :meth:`fail_next` to inject faults and :attr:`requests` /
-    :meth:`gets` to count what clients asked for.
+    response) and ``rate_bytes_per_s`` (throttle bodies; 0 = unlimited). Use
+    :meth:`fail_next` to inject faults, :attr:`requests` / :meth:`gets` to count what
+    clients asked for, and :attr:`max_inflight` for the most requests served at once.
     """
 
-    def __init__(self, root: str | os.PathLike, *, latency_s: float = 0.0) -> None:
+    def __init__(
+        self, root: str | os.PathLike, *, latency_s: float = 0.0, rate_bytes_per_s: float = 0
+    ) -> None:
         self.root = os.path.realpath(os.fspath(root))
         self.latency_s = latency_s
+        self.rate_bytes_per_s = rate_bytes_per_s
+        self.max_inflight = 0
+        self._inflight = 0
         self.requests: Counter[tuple[str, str]] = Counter()
         self._faults: list[str] = []
         self._lock = threading.Lock()
@@ -203,6 +224,7 @@ class RangeHTTPServer:
     def reset_counts(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.max_inflight = 0
 
     def close(self) -> None:
         self._httpd.shutdown()

@@ -209,6 +209,24 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _describe(exc: BaseException) -> str:
+    """Name the transient failure itself, not a wrapper that hides it (fsspec's HTTP
+    filesystem reports a 503 on ``info()`` as a FileNotFoundError)."""
+    status = http_status(exc)
+    culprit = exc
+    for e in _chain(exc):
+        if (status is not None and http_status(e) == status) or (
+            status is None
+            and (
+                isinstance(e, (ConnectionError, TimeoutError))
+                or any(t.__name__ in _TRANSIENT_NAMES for t in type(e).__mro__)
+            )
+        ):
+            culprit = e
+    text = f"{type(culprit).__name__}: {culprit}"
+    return f"HTTP {status}, {text}" if status is not None else text
+
+
 def _permanent(exc: BaseException, url: str, what: str) -> BaseException | None:
     """A clearer exception for errors no retry can fix, or None to re-raise as is."""
     status = http_status(exc)
@@ -275,8 +293,7 @@ def retry_call(
             if attempt == policy.attempts:
                 raise RemoteIOError(
                     f"{what} of {url} failed after {attempt} attempt"
-                    f"{'s' if attempt > 1 else ''} (transient errors; last: "
-                    f"{type(e).__name__}: {e})"
+                    f"{'s' if attempt > 1 else ''} (transient errors; last: {_describe(e)})"
                 ) from e
             if on_retry is not None:
                 on_retry(attempt, e)
