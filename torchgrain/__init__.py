@@ -11,6 +11,7 @@ Example:
 """
 
 from torchgrain.dataset import Dataset, record_rng
+from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
@@ -19,24 +20,53 @@ from torchgrain.errors import (
     SchemaMismatchError,
     TorchgrainError,
 )
+from torchgrain.prefetch import CudaPrefetcher
+from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
+from torchgrain.transforms import (
+    Albumentations,
+    LabelToIndex,
+    MaskTokens,
+    RandomImageTransform,
+    RenameKeys,
+    SelectKeys,
+    ToTensor,
+    decode_image,
+    stack_key,
+    unstack_key,
+)
 from torchgrain.writers import write_array_record
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Albumentations",
     "ArrayRecordSource",
+    "BlockShuffleSampler",
     "CorruptDataError",
+    "CudaPrefetcher",
     "Dataset",
     "DatasetNotFoundError",
+    "GlobalShuffleSampler",
+    "LabelToIndex",
+    "MaskTokens",
+    "RandomImageTransform",
     "RecordDecodeError",
     "RemoteIOError",
+    "RenameKeys",
     "SchemaMismatchError",
+    "SelectKeys",
     "ShardIndex",
+    "ToTensor",
     "TorchgrainError",
+    "decode_image",
     "record_rng",
     "register_codec",
+    "stack_key",
+    "stats",
+    "timed",
+    "unstack_key",
     "write_array_record",
 ]

@@ -6,6 +6,7 @@ import os
 import pickle
 import posixpath
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -77,6 +79,9 @@ class ArrayRecordSource:
         >>> [r["label"] for r in src.__getitems__([9, 0, 5])]
         [9, 0, 5]
     """
+
+    #: Tells :class:`~torchgrain.Dataset` that this source times its own reads.
+    reports_stats = True
 
     def __init__(
         self,
@@ -272,8 +277,7 @@ class ArrayRecordSource:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard, row = self.index.locate_one(index)
-        data = self._read(shard, [row], index)[0]
-        return self._decode(data, shard, row, index)
+        return self._read_decode(shard, [row], [index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Read a batch: each shard is read once, records come back in request order."""
@@ -287,13 +291,13 @@ class ArrayRecordSource:
             # Remote shards: one request (or one download) per shard, all in flight at
             # once so their latencies overlap (tf.data's parallel interleave).
             results = self._thread_pool().map(
-                lambda g: self._read(g[0], g[1], int(idx[g[2][0]])), groups
+                lambda g: self._read_decode(g[0], g[1], idx[g[2]].tolist()), groups
             )
         else:
-            results = (self._read(g[0], g[1], int(idx[g[2][0]])) for g in groups)
-        for (shard, shard_rows, positions), blobs in zip(groups, results):
-            for p, row, data in zip(positions.tolist(), shard_rows.tolist(), blobs):
-                out[p] = self._decode(data, shard, row, int(idx[p]))
+            results = (self._read_decode(g[0], g[1], idx[g[2]].tolist()) for g in groups)
+        for (_shard, _rows, positions), records in zip(groups, results):
+            for p, rec in zip(positions.tolist(), records):
+                out[p] = rec
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -331,38 +335,55 @@ class ArrayRecordSource:
             return self._pool
 
     def _read(self, shard: int, rows: Sequence[int] | np.ndarray, index: int) -> list[bytes]:
-        try:
-            if not self._remote:
-                return self._file(shard).read(rows)
-            if self.cache is not None:
-                # Downloads retry inside the cache; the copy is then a local file.
-                return self._file(shard).read(rows)
-            with self._lock:
-                self._io["remote_reads"] += 1
-            return retry_call(
-                lambda: self._file(shard).read(rows),
-                url=self.paths[shard],
-                policy=self._retry,
-                what=f"range read of shard {shard} (record index {index})",
-                on_retry=self._count_retry,
-            )
-        except CorruptDataError as e:
-            msg = f"{e} (shard {shard} of {self.num_shards}, reading record index {index})"
-            raise type(e)(msg) from e
+        """Raw records of one shard (one call); remote range reads are retried."""
+        if not self._remote or self.cache is not None:
+            # Local files, or local copies (downloads retry inside the cache).
+            return self._file(shard).read(rows)
+        with self._lock:
+            self._io["remote_reads"] += 1
+        return retry_call(
+            lambda: self._file(shard).read(rows),
+            url=self.paths[shard],
+            policy=self._retry,
+            what=f"range read of shard {shard} (record index {index})",
+            on_retry=self._count_retry,
+        )
 
-    def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
+    def _read_decode(
+        self, shard: int, rows: Sequence[int] | np.ndarray, indices: list[int]
+    ) -> list[dict[str, Any]]:
+        """Read rows of one shard (one call) and decode them; errors name file and index."""
+        counters = local_counters()
+        t0 = time.perf_counter()
+        try:
+            blobs = self._read(shard, rows, indices[0])
+        except CorruptDataError as e:
+            raise type(e)(
+                f"{e} (shard {shard} of {self.num_shards}, reading record index {indices[0]})"
+            ) from e
+        t1 = time.perf_counter()
+        counters[COUNTER["bytes_read"]] += sum(len(b) for b in blobs)
+        counters[COUNTER["read_seconds"]] += t1 - t0
+        decode = self.codec.decode
+        try:
+            out = [decode(b) for b in blobs]
+        except Exception:
+            # Find the culprit (the fast path above does not track positions).
+            for b, row, index in zip(blobs, np.asarray(rows).tolist(), indices):
+                self._decode_one(b, shard, row, index)
+            raise
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        return out
+
+    def _decode_one(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
         try:
             return self.codec.decode(data)
-        except RecordDecodeError as e:
-            raise RecordDecodeError(
-                f"cannot decode record {index} (shard {shard} {self.paths[shard]!r}, row {row}) "
-                f"with codec {self.codec.name!r}: {e}"
-            ) from None
         except Exception as e:
+            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
             raise RecordDecodeError(
                 f"cannot decode record {index} (shard {shard} {self.paths[shard]!r}, row {row}) "
-                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {type(e).__name__}: {e}"
-            ) from e
+                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
+            ) from (None if isinstance(e, RecordDecodeError) else e)
 
     def _count_retry(self, attempt: int, exc: BaseException) -> None:
         with self._lock:
