@@ -18,10 +18,11 @@ Layout and safety rules (all processes of a machine may share one directory):
   two workers (threads or processes) asking for the same missing shard fetch it
   once; the second waits and then finds it.
 * Eviction (least recently used first, by the access time that every hit refreshes)
-  runs under ``DIR/.locks/evict.lock`` and only ever unlinks: a reader that has the
+  runs under ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being
+  fetched or opened by :meth:`ShardCache.fetch_open`), and only ever unlinks: a reader that has the
   file open (or mapped) keeps reading it, POSIX frees the blocks when it closes.
   In-flight downloads reserve their size (it is in the temp name), so concurrent
-  downloads do not overshoot the budget together.
+  downloads do not overshot the budget together.
 
 The cache assumes shards are immutable: the same URL always holds the same bytes
 (write a changed dataset to a new path, or give checksums in the manifest).
@@ -37,8 +38,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -47,6 +48,8 @@ from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
 
 __all__ = ["ShardCache"]
+
+T = TypeVar("T")
 
 _TMP_PREFIX = ".tmp-"
 _LOCK_DIR = ".locks"
@@ -126,6 +129,7 @@ class ShardCache:
         self.retry = retry or RetryPolicy()
         os.makedirs(os.path.join(self.directory, _LOCK_DIR), exist_ok=True)
         self._stats_lock = threading.Lock()
+        self._paths: dict[tuple[str, str | None], str] = {}
         self.stats: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries"),
             0,
@@ -134,6 +138,7 @@ class ShardCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_stats_lock"]
+        state["_paths"] = {}
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
         return state
 
@@ -154,8 +159,32 @@ class ShardCache:
             ...     "-x.array_record")
             True
         """
-        name = _SAFE_NAME.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
-        return os.path.join(self.directory, f"{_key(url, checksum)}-{name}")
+        path = self._paths.get((url, checksum))
+        if path is None:
+            name = _SAFE_NAME.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
+            path = os.path.join(self.directory, f"{_key(url, checksum)}-{name}")
+            self._paths[(url, checksum)] = path
+        return path
+
+    def lookup(
+        self, url: str, *, size: int | None = None, checksum: str | None = None
+    ) -> tuple[str, int] | None:
+        """``(path, inode)`` of a complete cached copy of ``url`` (a hit), else None.
+
+        A hit refreshes the copy's access time (its LRU position) and is counted; a
+        miss downloads nothing and is not counted (see :meth:`fetch`).
+
+        Example:
+            >>> import tempfile
+            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).lookup("s3://b/x") is None
+            True
+        """
+        path = self.local_path(url, checksum=checksum)
+        st = self._hit(path, size)
+        if st is None:
+            return None
+        self._count(hits=1)
+        return path, st.st_ino
 
     def fetch(
         self,
@@ -176,6 +205,10 @@ class ShardCache:
             checksum: ``"[algo:]hexdigest"`` (hashlib name, default ``sha256``) checked
                 before the copy is published.
 
+        The copy may be evicted by another process at any time after this returns;
+        open it at once, or use :meth:`fetch_open`, which opens it before any eviction
+        can touch it.
+
         Raises:
             DatasetNotFoundError / PermissionError: the object is missing / forbidden.
             RemoteIOError: transient failures outlasted the retry policy.
@@ -183,14 +216,53 @@ class ShardCache:
             ValueError: the file is larger than the whole cache budget.
         """
         path = self.local_path(url, checksum=checksum)
-        if self._hit(path, size):
+        if self._hit(path, size) is not None:
             self._count(hits=1)
             return path
+        return self._fetch_locked(url, path, filesystem, size, checksum, None)[0]
+
+    def fetch_open(
+        self,
+        url: str,
+        opener: Callable[[str], T],
+        *,
+        filesystem: fsspec.AbstractFileSystem | None = None,
+        size: int | None = None,
+        checksum: str | None = None,
+    ) -> tuple[str, int, T]:
+        """Like :meth:`fetch`, then ``opener(path)`` while the copy cannot be evicted.
+
+        Returns ``(path, inode, opener(path))``. Eviction skips files whose shard lock
+        is held, and this holds it until ``opener`` returns: a reader that opens (or
+        maps) the file in ``opener`` keeps it readable for as long as it likes.
+
+        Example:
+            >>> import tempfile, fsspec
+            >>> fsspec.filesystem("memory").pipe("/bucket/s1", b"abc")
+            >>> c = ShardCache(tempfile.mkdtemp(), max_bytes=10)
+            >>> _, _, f = c.fetch_open("memory://bucket/s1", lambda p: open(p, "rb"))
+            >>> f.read(), f.close()
+            (b'abc', None)
+        """
+        path = self.local_path(url, checksum=checksum)
+        return self._fetch_locked(url, path, filesystem, size, checksum, opener)
+
+    def _fetch_locked(
+        self,
+        url: str,
+        path: str,
+        filesystem: fsspec.AbstractFileSystem | None,
+        size: int | None,
+        checksum: str | None,
+        opener: Callable[[str], T] | None,
+    ) -> tuple[str, int, T | None]:
+        waited = self._hit(path, size) is None
         with self._flock(self._lock_path(path)):
             # Another worker may have fetched it while we waited for the lock.
-            if self._hit(path, size):
-                self._count(hits=1, waits=1)
-                return path
+            st = self._hit(path, size)
+            if st is not None:
+                self._count(hits=1, waits=int(waited))
+                return path, st.st_ino, opener(path) if opener else None
             self._remove_stale_tmp(path)
             fs = filesystem
             if fs is None:
@@ -245,7 +317,12 @@ class ShardCache:
                     os.unlink(tmp)
                 raise
             self._count(misses=1, bytes_fetched=size)
-            return path
+            ino = os.stat(path).st_ino
+            obj = opener(path) if opener else None
+        # Downloads that ran concurrently may together have overshot the budget
+        # (they could not evict each other while in flight): settle it now.
+        self._make_room(keep=path)
+        return path, ino, obj
 
     def total_bytes(self) -> int:
         """Bytes of complete files in the cache now (all processes).
@@ -278,22 +355,22 @@ class ShardCache:
     def _on_retry(self, attempt: int, exc: BaseException) -> None:
         self._count(retries=1)
 
-    def _hit(self, path: str, size: int | None) -> bool:
+    def _hit(self, path: str, size: int | None) -> os.stat_result | None:
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return False
+            return None
         if size is not None and size >= 0 and st.st_size != size:
             # A copy of another size (the remote changed, or the manifest did):
             # never serve it; the caller refetches under the shard lock.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            return False
+            return None
         now = time.time()
         if now - st.st_atime > _TOUCH_INTERVAL:
             with contextlib.suppress(FileNotFoundError):
                 os.utime(path, (now, st.st_mtime))
-        return True
+        return st
 
     def _lock_path(self, path: str) -> str:
         return os.path.join(self.directory, _LOCK_DIR, os.path.basename(path) + ".lock")
@@ -382,9 +459,13 @@ class ShardCache:
                     break
                 if p == keep:
                     continue
-                try:
-                    os.unlink(p)  # readers holding it open keep reading (POSIX)
-                except FileNotFoundError:
-                    continue
+                # A held shard lock means a download or a fetch_open() is using it.
+                with self._flock(self._lock_path(p), blocking=False) as free:
+                    if not free:
+                        continue
+                    try:
+                        os.unlink(p)  # readers holding it open keep reading (POSIX)
+                    except FileNotFoundError:
+                        continue
                 total -= size
                 self._count(evictions=1, bytes_evicted=size)

@@ -207,42 +207,72 @@ class ArrayRecordSource:
             self._files[shard] = f
         return f
 
+    def _cache_key(self, shard: int) -> tuple[str, int | None, str | None]:
+        info = self.manifest.shards[shard] if self.manifest is not None else None
+        if info is None:
+            return self.paths[shard], None, None
+        return self.paths[shard], (info.num_bytes if info.num_bytes >= 0 else None), info.checksum
+
+    def _is_cached(self, shard: int) -> bool:
+        assert self.cache is not None
+        url, _, checksum = self._cache_key(shard)
+        return os.path.exists(self.cache.local_path(url, checksum=checksum))
+
+    def _open_local(self, path: str) -> ArrayRecordFile:
+        f = ArrayRecordFile(path, verify_checksums=self._verify)
+        try:
+            f.num_records  # noqa: B018 - opens (maps) it now: later eviction only unlinks
+        except BaseException:
+            f.close()
+            raise
+        return f
+
     def _cached_file(self, shard: int) -> ArrayRecordFile:
         """A reader of the local copy of remote ``shard`` (fetched on first access)."""
         assert self.cache is not None
-        info = self.manifest.shards[shard] if self.manifest is not None else None
-        for _ in range(3):
-            # fetch() refreshes the copy's access time (LRU) and checks it exists.
-            path = self.cache.fetch(
-                self.paths[shard],
-                filesystem=self._fs,
-                size=info.num_bytes if info is not None and info.num_bytes >= 0 else None,
-                checksum=info.checksum if info is not None else None,
-            )
-            try:
-                ino = os.stat(path).st_ino
-                with self._lock:
-                    entry = self._cached_open.get(shard)
-                    if entry is not None and entry[:2] == (path, ino):
-                        self._cached_open.move_to_end(shard)
-                        return entry[2]
-                f = ArrayRecordFile(path, verify_checksums=self._verify)
-                f.num_records  # noqa: B018 - opens the file now: later eviction only unlinks
-            except FileNotFoundError:
-                continue  # evicted by another process between fetch and open: fetch again
+        url, size, checksum = self._cache_key(shard)
+        # A hit refreshes the copy's access time (its LRU position).
+        hit = self.cache.lookup(url, size=size, checksum=checksum)
+        f = None
+        if hit is not None:
             with self._lock:
-                old = self._cached_open.pop(shard, None)
-                self._cached_open[shard] = (path, ino, f)
-                while len(self._cached_open) > _MAX_OPEN_CACHED:
-                    old_lru = self._cached_open.popitem(last=False)[1][2]
-                    old_lru.close()
-            if old is not None:
-                old[2].close()
-            return f
-        raise DatasetNotFoundError(
-            f"the cached copy of shard {shard} ({self.paths[shard]!r}) in "
-            f"{self.cache.directory} kept disappearing: is cache_bytes far too small?"
-        )
+                entry = self._cached_open.get(shard)
+                if entry is not None and entry[:2] == hit:
+                    self._cached_open.move_to_end(shard)
+                    return entry[2]
+            try:
+                f = self._open_local(hit[0])
+            except FileNotFoundError:
+                f = None  # evicted just now: fetch it again below
+        if f is None:
+            path, ino, f = self.cache.fetch_open(
+                url, self._open_local, filesystem=self._fs, size=size, checksum=checksum
+            )
+            hit = (path, ino)
+        assert hit is not None
+        with self._lock:
+            old = self._cached_open.pop(shard, None)
+            self._cached_open[shard] = (*hit, f)
+            while len(self._cached_open) > _MAX_OPEN_CACHED:
+                self._cached_open.popitem(last=False)[1][2].close()
+        if old is not None:
+            old[2].close()
+        return f
+
+    def _close_evicted(self) -> None:
+        """Close readers whose cached copy was evicted: they pin its disk blocks."""
+        stale = []
+        with self._lock:
+            for shard, (path, ino, f) in list(self._cached_open.items()):
+                try:
+                    if os.stat(path).st_ino == ino:
+                        continue
+                except FileNotFoundError:
+                    pass
+                del self._cached_open[shard]
+                stale.append(f)
+        for f in stale:
+            f.close()
 
     @property
     def io_stats(self) -> dict[str, int]:
@@ -287,17 +317,34 @@ class ArrayRecordSource:
         shards, rows = self.index.locate(idx)
         out: list[Any] = [None] * len(idx)
         groups = group_by_shard(shards, rows)
-        if self._remote and self.io_threads > 1 and len(groups) > 1:
-            # Remote shards: one request (or one download) per shard, all in flight at
-            # once so their latencies overlap (tf.data's parallel interleave).
+        parallel = self._remote and self.io_threads > 1 and len(groups) > 1
+        opened: dict[int, ArrayRecordFile] = {}
+        if parallel and self.cache is not None:
+            # Download the shards missing from the cache concurrently; then every read
+            # is local, and local reads are fastest in this thread. The readers opened
+            # here serve this batch even if a concurrent download evicts their file
+            # meanwhile (eviction only unlinks), so no shard is fetched twice per batch.
+            missing = [g[0] for g in groups if not self._is_cached(g[0])]
+            if missing:
+                # Open the cached ones first, before the downloads can evict them.
+                opened = {g[0]: self._file(g[0]) for g in groups if g[0] not in missing}
+                opened.update(zip(missing, self._thread_pool().map(self._file, missing)))
+            parallel = False
+        if parallel:
+            # Remote shards: one request per shard, all in flight at once so that
+            # their latencies overlap (tf.data's parallel interleave).
             results = self._thread_pool().map(
                 lambda g: self._read_decode(g[0], g[1], idx[g[2]].tolist()), groups
             )
         else:
-            results = (self._read_decode(g[0], g[1], idx[g[2]].tolist()) for g in groups)
+            results = (
+                self._read_decode(g[0], g[1], idx[g[2]].tolist(), opened.get(g[0])) for g in groups
+            )
         for (_shard, _rows, positions), records in zip(groups, results):
             for p, rec in zip(positions.tolist(), records):
                 out[p] = rec
+        if opened:
+            self._close_evicted()
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -334,11 +381,17 @@ class ArrayRecordSource:
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="torchgrain-io")
             return self._pool
 
-    def _read(self, shard: int, rows: Sequence[int] | np.ndarray, index: int) -> list[bytes]:
+    def _read(
+        self,
+        shard: int,
+        rows: Sequence[int] | np.ndarray,
+        index: int,
+        reader: ArrayRecordFile | None = None,
+    ) -> list[bytes]:
         """Raw records of one shard (one call); remote range reads are retried."""
         if not self._remote or self.cache is not None:
             # Local files, or local copies (downloads retry inside the cache).
-            return self._file(shard).read(rows)
+            return (reader or self._file(shard)).read(rows)
         with self._lock:
             self._io["remote_reads"] += 1
         return retry_call(
@@ -350,13 +403,17 @@ class ArrayRecordSource:
         )
 
     def _read_decode(
-        self, shard: int, rows: Sequence[int] | np.ndarray, indices: list[int]
+        self,
+        shard: int,
+        rows: Sequence[int] | np.ndarray,
+        indices: list[int],
+        reader: ArrayRecordFile | None = None,
     ) -> list[dict[str, Any]]:
         """Read rows of one shard (one call) and decode them; errors name file and index."""
         counters = local_counters()
         t0 = time.perf_counter()
         try:
-            blobs = self._read(shard, rows, indices[0])
+            blobs = self._read(shard, rows, indices[0], reader)
         except CorruptDataError as e:
             raise type(e)(
                 f"{e} (shard {shard} of {self.num_shards}, reading record index {indices[0]})"
