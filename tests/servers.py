@@ -25,6 +25,7 @@ import posixpath
 import re
 import socket
 import struct
+import sys
 import threading
 import time
 import urllib.parse
@@ -162,6 +163,12 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
     owner: RangeHTTPServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Clients hang up mid-body all the time (cancelled reads, injected faults);
+        # that is not a server error worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class RangeHTTPServer:
