@@ -10,6 +10,7 @@ Example:
     [[0, 1, 2], [3, 4, 5]]
 """
 
+from torchgrain.convert import convert
 from torchgrain.dataset import Dataset, record_rng
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
@@ -25,6 +26,7 @@ from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
+from torchgrain.sources.parquet import ParquetSource
 from torchgrain.transforms import (
     Albumentations,
     LabelToIndex,
@@ -52,6 +54,7 @@ __all__ = [
     "GlobalShuffleSampler",
     "LabelToIndex",
     "MaskTokens",
+    "ParquetSource",
     "RandomImageTransform",
     "RecordDecodeError",
     "RemoteIOError",
@@ -61,6 +64,7 @@ __all__ = [
     "ShardIndex",
     "ToTensor",
     "TorchgrainError",
+    "convert",
     "decode_image",
     "record_rng",
     "register_codec",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import multiprocessing.context
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,15 +33,20 @@ _MASK64 = (1 << 64) - 1
 
 
 _RNG_PERSON = b"torchgrain.rng"
+_PACK6 = struct.Struct("<6Q").pack
 _SEED_SEQUENCE = np.random.SeedSequence(0)
 _tls = threading.local()
 
 
 def _pcg_state(seed: int, epoch: int, index: int, stream: int) -> dict[str, Any]:
     """Hash (seed, epoch, index, stream) into a full 128-bit PCG64 state and increment."""
-    msg = b"".join(
-        (v & _MASK64).to_bytes(8, "little")
-        for v in (seed, seed >> 64, epoch, epoch >> 64, index, stream)
+    msg = _PACK6(
+        seed & _MASK64,
+        (seed >> 64) & _MASK64,
+        epoch & _MASK64,
+        (epoch >> 64) & _MASK64,
+        index & _MASK64,
+        stream & _MASK64,
     )
     d = hashlib.blake2b(msg, digest_size=32, person=_RNG_PERSON).digest()
     return {
@@ -275,6 +281,7 @@ class Dataset(torch.utils.data.Dataset):
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
         counters = local_counters()
+        before = counters.copy()
         t0 = time.perf_counter()
         if single:
             records = [self._source[indices[0]]]
@@ -293,16 +300,24 @@ class Dataset(torch.utils.data.Dataset):
             counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
         counters[COUNTER["records"]] += len(records)
         counters[COUNTER["batches"]] += 1
-        self._stats.publish()
+        self._stats.publish(counters - before)
         return records
 
     def _apply(self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...]) -> Any:
-        for op in ops:
-            if op[0] == "map":
-                rec = op[1](rec)
-            else:
-                _, fn, seed, stream = op
-                rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+        op: tuple[Any, ...] = ()
+        try:
+            for op in ops:
+                if op[0] == "map":
+                    rec = op[1](rec)
+                else:
+                    _, fn, seed, stream = op
+                    rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+        except Exception as e:
+            # Name the record: the transform itself never sees its index.
+            if hasattr(e, "add_note"):
+                name = getattr(op[1], "__name__", type(op[1]).__name__)
+                e.add_note(f"in {op[0]}({name}) of record index {index} (epoch {epoch})")
+            raise
         return rec
 
     def _apply_many(self, records: Sequence[Any], indices: Sequence[int], epoch: int) -> list[Any]:
