@@ -11,6 +11,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import time
 
@@ -432,3 +433,33 @@ def test_killed_download_leaves_no_complete_looking_file(http, tmp_path):
     with open(cache.fetch(url), "rb") as f:
         assert f.read() == payload
     assert not [f for f in os.listdir(cache_dir) if f.startswith(".tmp-")]  # cleaned up
+
+
+# ----------------------------------------------------------------------- Parquet
+def test_s3_parquet_with_workers_and_faults(s3, http, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    client, endpoint = s3
+    d = tmp_path / "pq"
+    d.mkdir()
+    for k in range(3):
+        t = pa.table({"x": np.arange(k * 20, k * 20 + 20), "s": [f"r{i}" for i in range(20)]})
+        pq.write_table(t, d / f"part-{k}.parquet", row_group_size=7)
+    _upload(client, "bkt-pq", str(d), "train")
+    src = tg.ParquetSource("s3://bkt-pq/train", storage_options={"endpoint_url": endpoint})
+    assert len(src) == 60 and src[25]["x"] == 25  # used in the parent first
+    loader = torch.utils.data.DataLoader(
+        tg.Dataset(src),
+        batch_size=7,
+        num_workers=2,
+        multiprocessing_context="fork",
+        collate_fn=lambda b: b,
+    )
+    assert [r["x"] for b in loader for r in b] == list(range(60))
+
+    # Over HTTP, transient faults on row-group reads are retried.
+    srv, root = http
+    shutil.copytree(d, os.path.join(root, "pq"))
+    hsrc = tg.ParquetSource([f"{srv.url}/pq/part-{k}.parquet" for k in range(3)])
+    srv.fail_next(6, "503")
+    assert [r["x"] for r in hsrc.__getitems__(list(range(60)))] == list(range(60))

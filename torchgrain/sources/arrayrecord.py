@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import pickle
 import posixpath
 import threading
 import time
@@ -17,7 +16,12 @@ import numpy as np
 
 from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
-from torchgrain.io.fs import expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import (
+    expand_paths,
+    filesystem_for_this_process,
+    get_filesystem,
+    is_local,
+)
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources._index import ShardIndex, group_by_shard
@@ -196,8 +200,7 @@ class ArrayRecordSource:
             # Inherited through fork: the parent's readers, threads and (for async
             # filesystems) event loop do not exist here. Unpickling a filesystem
             # builds a new instance (fsspec's instance cache is per process).
-            if self._remote:
-                self._fs = pickle.loads(pickle.dumps(self._fs))
+            self._fs = filesystem_for_this_process(self._fs)
             self._init_process_state()
 
     def _file(self, shard: int) -> ArrayRecordFile:
