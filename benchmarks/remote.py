@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--io-threads", type=int, default=8)
     p.add_argument("--batches", type=int, default=24, help="timed batches per remote mode")
-    p.add_argument("--epochs", type=int, default=4, help="warm epochs timed (cache vs local)")
+    p.add_argument("--epochs", type=int, default=6, help="warm epochs timed (cache vs local)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--big-shard-mb", type=int, default=64)
     args = p.parse_args()

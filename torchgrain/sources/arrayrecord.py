@@ -37,6 +37,9 @@ DEFAULT_CACHE_BYTES = 16 * 2**30
 # Readers of cached local copies kept open per process. Eviction only unlinks files, so
 # an open reader would pin an evicted copy's disk blocks: keep few of them open.
 _MAX_OPEN_CACHED = 32
+# How long an open reader of a cached copy is trusted without a stat() of the copy
+# (the cache's LRU clock has the same 1 s resolution).
+_RECHECK_SECONDS = 1.0
 
 
 class ArrayRecordSource:
@@ -190,7 +193,8 @@ class ArrayRecordSource:
         """Readers, thread pool and counters belong to one process: (re)create them."""
         self._pid = os.getpid()
         self._files: list[ArrayRecordFile | None] = [None] * len(self.paths)
-        self._cached_open: OrderedDict[int, tuple[str, int, ArrayRecordFile]] = OrderedDict()
+        # shard -> [local path, inode, reader, time of the last existence check]
+        self._cached_open: OrderedDict[int, list[Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._io = {"remote_reads": 0, "retries": 0}
@@ -225,6 +229,9 @@ class ArrayRecordSource:
 
     def _is_cached(self, shard: int) -> bool:
         assert self.cache is not None
+        entry = self._cached_open.get(shard)
+        if entry is not None and time.monotonic() - entry[3] < _RECHECK_SECONDS:
+            return True
         url, _, checksum = self._cache_key(shard)
         return os.path.exists(self.cache.local_path(url, checksum=checksum))
 
@@ -240,6 +247,13 @@ class ArrayRecordSource:
     def _cached_file(self, shard: int) -> ArrayRecordFile:
         """A reader of the local copy of remote ``shard`` (fetched on first access)."""
         assert self.cache is not None
+        now = time.monotonic()
+        with self._lock:
+            entry = self._cached_open.get(shard)
+            if entry is not None and now - entry[3] < _RECHECK_SECONDS:
+                # Checked a moment ago: skip the stat() (the hot path of warm epochs).
+                # Were the copy evicted since, the open reader still reads it.
+                return entry[2]
         url, size, checksum = self._cache_key(shard)
         # A hit refreshes the copy's access time (its LRU position).
         hit = self.cache.lookup(url, size=size, checksum=checksum)
@@ -247,7 +261,8 @@ class ArrayRecordSource:
         if hit is not None:
             with self._lock:
                 entry = self._cached_open.get(shard)
-                if entry is not None and entry[:2] == hit:
+                if entry is not None and (entry[0], entry[1]) == hit:
+                    entry[3] = now
                     self._cached_open.move_to_end(shard)
                     return entry[2]
             try:
@@ -262,7 +277,7 @@ class ArrayRecordSource:
         assert hit is not None
         with self._lock:
             old = self._cached_open.pop(shard, None)
-            self._cached_open[shard] = (*hit, f)
+            self._cached_open[shard] = [hit[0], hit[1], f, now]
             while len(self._cached_open) > _MAX_OPEN_CACHED:
                 self._cached_open.popitem(last=False)[1][2].close()
         if old is not None:
@@ -273,7 +288,7 @@ class ArrayRecordSource:
         """Close readers whose cached copy was evicted: they pin its disk blocks."""
         stale = []
         with self._lock:
-            for shard, (path, ino, f) in list(self._cached_open.items()):
+            for shard, (path, ino, f, _) in list(self._cached_open.items()):
                 try:
                     if os.stat(path).st_ino == ino:
                         continue
