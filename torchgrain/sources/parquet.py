@@ -29,9 +29,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, SchemaMismatchError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RemoteIOError,
+    SchemaMismatchError,
+)
 from torchgrain.io.cache import DEFAULT_CACHE_BYTES, CacheInfo, RowGroupCache
-from torchgrain.io.fs import expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import (
+    expand_paths,
+    filesystem_for_this_process,
+    get_filesystem,
+    is_local,
+)
+from torchgrain.io.retry import retry_call
 from torchgrain.sources._index import ShardIndex
 
 __all__ = ["PARQUET_SUFFIXES", "ParquetSource", "arrow_type_name"]
@@ -267,6 +278,9 @@ class ParquetSource:
         if st is None or st.pid != os.getpid():
             if st is not None:
                 _INHERITED.append(st)
+                # Forked: the parent's async filesystem (s3fs, http) is bound to an
+                # event loop that does not run in this process.
+                self._fs = filesystem_for_this_process(self._fs)
             st = self._proc = _ProcessState(self.cache_bytes)
         return st
 
@@ -284,8 +298,10 @@ class ParquetSource:
             else:
                 handle = self._fs.open(path, "rb")
                 pf = pq.ParquetFile(handle, pre_buffer=True)
-        except FileNotFoundError:
-            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from None
+        except FileNotFoundError as e:
+            # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
+            # retries tell the two apart by it.
+            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
             if handle is not None:
                 handle.close()
@@ -448,9 +464,22 @@ class ParquetSource:
         num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
         present = self._present[shard]
         names = [f.name for f, p in zip(self._file_fields, present) if p]
-        pf = self._file(st, shard)
+
+        def read() -> pa.Table:
+            pf = self._file(st, shard)
+            return pf.read_row_group(local, columns=names, use_threads=False)
+
         try:
-            table = pf.read_row_group(local, columns=names, use_threads=False)
+            if self._local_fs:
+                table = read()
+            else:
+                table = retry_call(
+                    read,
+                    url=self.paths[shard],
+                    what=f"read of row group {local} (record index {index})",
+                )
+        except (RemoteIOError, DatasetNotFoundError, PermissionError):
+            raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptDataError(
                 f"cannot decode row group {local} of {self.paths[shard]!r} (shard {shard} of "
