@@ -26,10 +26,9 @@ Parallel and resumable
     manifest is written last.
 
 Checksums
-    ``ShardInfo.checksum`` is ``"blake2b-records:" + hex`` for ArrayRecord output: BLAKE2b
-    (16-byte digest) over, for every record in order, its length as a little-endian
-    uint64 followed by its bytes. It does not depend on the ArrayRecord compression or
-    group size. For Parquet output it is ``"blake2b-file:" + hex`` over the file's bytes.
+    ``ShardInfo.checksum`` is a :mod:`torchgrain.checksums` value: ``blake2b-records``
+    over the records of an ArrayRecord shard (independent of compression and group
+    size), ``blake2b-file`` over a Parquet file's bytes.
 
 Example:
     >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq, torchgrain as tg
@@ -48,13 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import json
 import multiprocessing
 import os
 import queue
 import signal
-import struct
 import sys
 import threading
 import time
@@ -66,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.checksums import RecordHasher, file_checksum, verify_shard
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.sources.codecs import Codec, _merge_one, get_codec, merge_schema
@@ -78,7 +76,14 @@ from torchgrain.sources.manifest import (
 )
 from torchgrain.writers import _writer_options, shard_name
 
-__all__ = ["FORMATS", "convert", "detect_format", "records_to_table", "verify_shard"]
+__all__ = [
+    "FORMATS",
+    "RecordHasher",
+    "convert",
+    "detect_format",
+    "records_to_table",
+    "verify_shard",
+]
 
 #: Source formats :func:`convert` reads.
 FORMATS = ("parquet", "tfrecord", "array_record")
@@ -88,50 +93,10 @@ _SUFFIXES = {
     "array_record": (".array_record", ".arrayrecord"),
 }
 JOURNAL_DIR = ".torchgrain-convert"
-_LEN = struct.Struct("<Q")
 _READ_BATCH = 1024  # records read (and hashed) per call
 _PARQUET_ROW_GROUP_BYTES = 32 << 20  # in-memory size of one output row group
 _PARQUET_MAX_ROWS = 1 << 16
 _PROGRESS_INTERVAL = 0.25  # seconds between a worker's progress messages
-
-
-# --------------------------------------------------------------------------- checksums
-class RecordHasher:
-    """The record checksum :func:`convert` stores (see the module docstring).
-
-    Example:
-        >>> h = RecordHasher()
-        >>> h.update(b"a"); h.update(b"bc")
-        >>> h.hexdigest() == RecordHasher.of([b"a", b"bc"])
-        True
-    """
-
-    prefix = "blake2b-records:"
-
-    def __init__(self) -> None:
-        self._h = hashlib.blake2b(digest_size=16)
-
-    def update(self, record: bytes) -> None:
-        self._h.update(_LEN.pack(len(record)))
-        self._h.update(record)
-
-    def hexdigest(self) -> str:
-        return self.prefix + self._h.hexdigest()
-
-    @classmethod
-    def of(cls, records: Sequence[bytes]) -> str:
-        h = cls()
-        for r in records:
-            h.update(r)
-        return h.hexdigest()
-
-
-def _file_checksum(path: str) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(4 << 20):
-            h.update(chunk)
-    return "blake2b-file:" + h.hexdigest()
 
 
 # --------------------------------------------------------------------------- inputs
@@ -506,48 +471,6 @@ class _ParquetOut:
             self._writer = None
 
 
-def verify_shard(path: str, num_records: int, checksum: str | None = None) -> None:
-    """Check a written shard's record count (and record checksum, for ArrayRecord).
-
-    Raises:
-        CorruptDataError: a mismatch, naming the file.
-
-    Example:
-        >>> import tempfile, torchgrain as tg
-        >>> d = tempfile.mkdtemp()
-        >>> m = tg.convert(tg.write_array_record([{"a": 1}], d + "/in"), d + "/out")
-        >>> verify_shard(f"{d}/out/{m.shards[0].path}", 1, m.shards[0].checksum)
-    """
-    if ".parquet" in os.path.basename(path):
-        import pyarrow.parquet as pq
-
-        n = pq.read_metadata(path).num_rows
-        if n != num_records:
-            raise CorruptDataError(f"{path}: holds {n} records, expected {num_records}")
-        if checksum is not None and _file_checksum(path) != checksum:
-            raise CorruptDataError(f"{path}: file checksum mismatch")
-        return
-    from torchgrain.sources.arrayrecord_file import ArrayRecordFile
-
-    f = ArrayRecordFile(path)
-    try:
-        n = f.num_records
-        if n != num_records:
-            raise CorruptDataError(f"{path}: holds {n} records, expected {num_records}")
-        if checksum is not None:
-            h = RecordHasher()
-            for a in range(0, n, _READ_BATCH):
-                for rec in _read_range(f, a, min(a + _READ_BATCH, n)):
-                    h.update(rec)
-            if h.hexdigest() != checksum:
-                raise CorruptDataError(
-                    f"{path}: record checksum {h.hexdigest()} read back differs from the "
-                    f"{checksum} computed while writing"
-                )
-    finally:
-        f.close()
-
-
 # --------------------------------------------------------------------------- tasks
 @dataclass
 class _Task:
@@ -660,7 +583,7 @@ def _run_task(job: _Job, task: _Task) -> dict[str, Any]:
                 f"output shard {task.name}: read {count} records from its input, expected "
                 f"{task.expected} (did an input file change during the conversion?)"
             )
-        checksum = hasher.hexdigest() if hasher is not None else _file_checksum(tmp)
+        checksum = hasher.hexdigest() if hasher is not None else file_checksum(tmp)
         if job.verify:
             verify_shard(tmp, count, checksum)
         with open(tmp, "rb") as f:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterable, Sized
 from typing import Any
 
+from torchgrain.checksums import RecordHasher
 from torchgrain.errors import TorchgrainError
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.sources.codecs import get_codec, merge_schema
@@ -114,6 +115,7 @@ def write_array_record(
     finals = [os.path.join(root, n) for n in names]
     temps = [os.path.join(root, f".{n}.tmp-{os.getpid()}") for n in names]
     counts = [0] * num_shards
+    hashers = [RecordHasher() for _ in range(num_shards)]
     schema: dict[str, str] = {}
     writers: list[Any] = []
     try:
@@ -140,6 +142,7 @@ def write_array_record(
                 raise TypeError(f"cannot encode record {k}: {e}") from e
             s = shard_of(k)
             writers[s].write(data)
+            hashers[s].update(data)
             counts[s] += 1
             if k < 10_000 or k % 1009 == 0:
                 # The schema is sampled: every record early on, then a spread of them.
@@ -155,9 +158,13 @@ def write_array_record(
                 if s.path not in names and os.path.exists(stale):
                     os.unlink(stale)
         shards = []
-        for t, f, n, c in zip(temps, finals, names, counts):
+        for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
             os.replace(t, f)
-            shards.append(ShardInfo(path=n, num_records=c, num_bytes=os.path.getsize(f)))
+            shards.append(
+                ShardInfo(
+                    path=n, num_records=c, num_bytes=os.path.getsize(f), checksum=h.hexdigest()
+                )
+            )
         manifest = Manifest(codec=enc.name, shards=shards, schema=schema, group_size=group_size)
         manifest.extra["compression"] = compression
         atomic_write_text(os.path.join(root, MANIFEST_NAME), manifest.to_json())

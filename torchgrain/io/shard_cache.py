@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from torchgrain.checksums import verify_file
 from torchgrain.errors import CorruptDataError
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -68,20 +69,6 @@ def _key(url: str, checksum: str | None) -> str:
     if checksum:
         h.update(b"\0" + checksum.encode())
     return h.hexdigest()[:24]
-
-
-def _hash_file(path: str, checksum: str) -> tuple[str, str]:
-    """Return (expected_hex, actual_hex) for ``checksum`` = ``[algo:]hexdigest``."""
-    algo, _, digest = checksum.rpartition(":")
-    algo = algo or "sha256"
-    try:
-        h = hashlib.new(algo)
-    except ValueError:
-        raise ValueError(f"unknown checksum algorithm {algo!r} in {checksum!r}") from None
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return digest.lower(), h.hexdigest()
 
 
 class ShardCache:
@@ -202,7 +189,8 @@ class ShardCache:
             size: expected size in bytes (e.g. from a manifest); asked from the
                 filesystem on a miss when not given. A cached copy of another size is
                 discarded and fetched again.
-            checksum: ``"[algo:]hexdigest"`` (hashlib name, default ``sha256``) checked
+            checksum: a :mod:`torchgrain.checksums` value (``blake2b-records:...``,
+                ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``) checked
                 before the copy is published.
 
         The copy may be evicted by another process at any time after this returns;
@@ -306,11 +294,7 @@ class ShardCache:
                     on_retry=self._on_retry,
                 )
                 if checksum:
-                    want, got = _hash_file(tmp, checksum)
-                    if want != got:
-                        raise CorruptDataError(
-                            f"downloaded {url} has checksum {got}, the manifest says {want}"
-                        )
+                    verify_file(tmp, checksum, name=f"downloaded {url}")
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
