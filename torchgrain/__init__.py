@@ -20,6 +20,7 @@ from torchgrain.errors import (
     TorchgrainError,
 )
 from torchgrain.prefetch import CudaPrefetcher
+from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
@@ -29,10 +30,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArrayRecordSource",
+    "BlockShuffleSampler",
     "CorruptDataError",
     "CudaPrefetcher",
     "Dataset",
     "DatasetNotFoundError",
+    "GlobalShuffleSampler",
     "RecordDecodeError",
     "SchemaMismatchError",
     "ShardIndex",
