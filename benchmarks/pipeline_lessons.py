@@ -496,10 +496,8 @@ COLOURS = {
 }
 
 
-def plot_timelines(traces: dict[str, tuple[np.ndarray, float]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot_timelines(traces: dict[str, tuple[np.ndarray, float]], path: str | None = None) -> Any:
+    """Draw each lesson's timeline (one row per process); save to ``path`` if given."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -533,34 +531,30 @@ def plot_timelines(traces: dict[str, tuple[np.ndarray, float]], path: str) -> No
         fontsize=8,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    if path is not None:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        print(f"wrote {path}")
+    return fig
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=3, help="runs per lesson (median reported)")
-    p.add_argument("--records", type=int, default=10_000, help="vectorised-map lesson")
-    p.add_argument("--batch-size", type=int, default=256, help="vectorised-map lesson")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--only", nargs="*", help="names of the lessons to run")
-    p.add_argument("--json-name", default="pipeline_lessons")
-    args = p.parse_args(argv)
+def measure_lessons(
+    names: Sequence[str] | None = None, repeats: int = 3
+) -> tuple[list[dict[str, Any]], dict[str, tuple[np.ndarray, float]], dict[str, float]]:
+    """Run the lessons (all, or those named) ``repeats`` times each, interleaved.
 
-    print(f"machine: {describe_machine()}")
-    print(
-        f"costs: open {OPEN_S * 1e3:.0f} ms, read {READ_S * 1e3:.0f} ms/record, map "
-        f"{MAP_S * 1e3:.0f} ms, step {STEP_S * 1e3:.0f} ms; {RECORDS_PER_SHARD} records/shard"
-    )
+    Returns one row per lesson (median time, ideal, ratios, the guide's figures), the
+    event timeline of each lesson's last run (events array, start time) and the median
+    duration each kind of sleep really took.
+    """
     sim = Sim()
-    lessons = [x for x in LESSONS if not args.only or x.name in args.only]
+    lessons = [x for x in LESSONS if not names or x.name in names]
     traces: dict[str, tuple[np.ndarray, float]] = {}
     for lesson in lessons:
         lesson.runs = []
     durations: dict[str, list[float]] = {k: [] for k in KINDS}
     # Interleave repeats across lessons so slow moments of a shared machine spread out.
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for lesson in lessons:
             elapsed, events, t0 = run_lesson(lesson, sim)
             lesson.runs.append(elapsed)
@@ -594,6 +588,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "tf_ratio": round(guide / guide_ideal, 3) if guide else None,
             }
         )
+    return rows, traces, slept
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="runs per lesson (median reported)")
+    p.add_argument("--records", type=int, default=10_000, help="vectorised-map lesson")
+    p.add_argument("--batch-size", type=int, default=256, help="vectorised-map lesson")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--only", nargs="*", help="names of the lessons to run")
+    p.add_argument("--json-name", default="pipeline_lessons")
+    args = p.parse_args(argv)
+
+    print(f"machine: {describe_machine()}")
+    print(
+        f"costs: open {OPEN_S * 1e3:.0f} ms, read {READ_S * 1e3:.0f} ms/record, map "
+        f"{MAP_S * 1e3:.0f} ms, step {STEP_S * 1e3:.0f} ms; {RECORDS_PER_SHARD} records/shard"
+    )
+    rows, traces, slept = measure_lessons(args.only, args.repeats)
     print()
     print_table(
         rows,
@@ -675,6 +688,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     write_json(args.json_name, payload)
     if not args.no_plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
         plot_timelines(traces, os.path.join(RESULTS_DIR, f"{args.json_name}.png"))
     return payload
 

@@ -6,7 +6,8 @@ a stock DataLoader with worker processes) for a fixed time in each access order:
 * ``sequential``: records in storage order (the best case for any format);
 * ``shuffled``: a global shuffle (:class:`~torchgrain.GlobalShuffleSampler`);
 * ``block-shuffled``: :class:`~torchgrain.BlockShuffleSampler` (shuffled blocks, rows
-  shuffled within windows of blocks), when the source has blocks to shuffle.
+  shuffled within windows of blocks), for Parquet (row groups) and for ArrayRecord
+  written with ``group_size`` > 1 (chunks).
 
 It reports records/s and MB/s (decoded bytes of the records that arrived), the time to
 the first batch (worker start-up and first reads), the per-worker breakdown of
@@ -131,7 +132,9 @@ class _Forever(torch.utils.data.Sampler[int]):
             epoch += 1
 
 
-def _plans(source: Any, seed: int) -> list[tuple[str, Callable[[Any], Any]]]:
+def _plans(
+    source: Any, fmt: str, group_size: int | None, seed: int
+) -> list[tuple[str, Callable[[Any], Any]]]:
     """The access orders to measure: (name, sampler factory taking the Dataset)."""
     import torchgrain as tg
 
@@ -151,16 +154,12 @@ def _plans(source: Any, seed: int) -> list[tuple[str, Callable[[Any], Any]]]:
             )
         )
     block_cls = getattr(tg, "BlockShuffleSampler", None)
-    offsets_fn = getattr(source, "block_offsets", None)
-    if block_cls is not None and offsets_fn is not None:
-        try:
-            blocks = len(offsets_fn()) - 1
-        except Exception:  # blocks unknown without reading (e.g. no chunk index)
-            blocks = 0
-        if blocks > 1:
-            out.append(
-                ("block-shuffled", lambda ds: block_cls(ds, num_replicas=1, rank=0, seed=seed))
-            )
+    # Blocks worth shuffling: Parquet row groups, ArrayRecord chunks of several records.
+    # (With group_size 1 every block is one record: a block shuffle is a global shuffle.)
+    # The block boundaries are looked up only when that mode runs.
+    blocky = fmt == "parquet" or (group_size or 1) > 1
+    if block_cls is not None and blocky and hasattr(source, "block_offsets"):
+        out.append(("block-shuffled", lambda ds: block_cls(ds, num_replicas=1, rank=0, seed=seed)))
     return out
 
 
@@ -364,7 +363,7 @@ def run_bench(
         raise ValueError(f"{path!r} holds no records")
     manifest = getattr(source, "manifest", None)
     group_size = getattr(manifest, "group_size", None)
-    plans = _plans(source, seed)
+    plans = _plans(source, fmt, group_size, seed)
     say(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
         f"{getattr(source, 'num_shards', '?')} shard(s)"
