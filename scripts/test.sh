@@ -4,6 +4,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 VENV=${VENV:-.venv}
+# albumentations otherwise checks online for a newer version on every import.
+export NO_ALBUMENTATIONS_UPDATE=1
 "$VENV/bin/python" -m ruff check torchgrain tests benchmarks || exit 1
 "$VENV/bin/python" -m pytest --doctest-modules torchgrain tests "$@"
 rc=$?
@@ -11,4 +13,10 @@ if [ "$rc" -eq 5 ]; then
   echo "test: pytest collected no tests: failing" >&2
   exit 1
 fi
-exit "$rc"
+[ "$rc" -eq 0 ] || exit "$rc"
+# The Beam pipeline, in its own virtualenv (apache-beam needs an older pyarrow).
+# About 1.5 minutes to install on a clean machine, seconds once it exists.
+if [ "${TORCHGRAIN_SKIP_BEAM:-0}" != "1" ]; then
+  bash scripts/test_beam.sh -q || exit 1
+fi
+exit 0

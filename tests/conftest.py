@@ -15,6 +15,8 @@ settings.load_profile("ci")
 
 # Keep worker start-up cheap and reproducible on small CI machines.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# albumentations otherwise checks online for a newer version at every import
+os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
 
 def make_records(n: int, *, seed: int = 0, image_shape=(4, 4, 3)) -> list[dict]:

@@ -27,9 +27,7 @@ def attach_rss(rec):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_worker_rss_flat_over_a_million_records(tmp_path):
-    tg.write_array_record(
-        ({"i": i} for i in range(N)), tmp_path, num_shards=4, group_size=64
-    )
+    tg.write_array_record(({"i": i} for i in range(N)), tmp_path, num_shards=4, group_size=64)
     src = tg.ArrayRecordSource(tmp_path)
     assert len(src) == N and src[N - 1]["i"] in range(N)  # read in the parent first
     ds = tg.Dataset(src).map(attach_rss)

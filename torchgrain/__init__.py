@@ -10,6 +10,7 @@ Example:
     [[0, 1, 2], [3, 4, 5]]
 """
 
+from torchgrain.convert import convert
 from torchgrain.dataset import Dataset, record_rng
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
@@ -24,11 +25,25 @@ from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
+from torchgrain.sources.parquet import ParquetSource
+from torchgrain.transforms import (
+    Albumentations,
+    LabelToIndex,
+    MaskTokens,
+    RandomImageTransform,
+    RenameKeys,
+    SelectKeys,
+    ToTensor,
+    decode_image,
+    stack_key,
+    unstack_key,
+)
 from torchgrain.writers import write_array_record
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Albumentations",
     "ArrayRecordSource",
     "BlockShuffleSampler",
     "CorruptDataError",
@@ -36,13 +51,24 @@ __all__ = [
     "Dataset",
     "DatasetNotFoundError",
     "GlobalShuffleSampler",
+    "LabelToIndex",
+    "MaskTokens",
+    "ParquetSource",
+    "RandomImageTransform",
     "RecordDecodeError",
+    "RenameKeys",
     "SchemaMismatchError",
+    "SelectKeys",
     "ShardIndex",
+    "ToTensor",
     "TorchgrainError",
+    "convert",
+    "decode_image",
     "record_rng",
     "register_codec",
+    "stack_key",
     "stats",
     "timed",
+    "unstack_key",
     "write_array_record",
 ]

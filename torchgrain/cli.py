@@ -1,4 +1,4 @@
-"""The ``torchgrain`` command line: demo, inspect, bench (and the jobs around training)."""
+"""The ``torchgrain`` command line: demo, inspect, convert, bench (the jobs around training)."""
 
 from __future__ import annotations
 
@@ -19,38 +19,172 @@ def _summarise(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    import torchgrain as tg
+def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
-    src = tg.ArrayRecordSource(args.path, codec=args.codec)
+
+def _open_for_inspect(path: Any, codec: str) -> tuple[str, Any]:
+    """(format, source-like object) for a dataset path of any supported format."""
+    import torchgrain as tg
+    from torchgrain.convert import detect_format
+
+    try:
+        fmt = detect_format(path)
+    except ValueError:
+        fmt = "array_record"
+    if fmt == "parquet":
+        return fmt, tg.ParquetSource(path)
+    if fmt == "tfrecord":
+        return fmt, _TFRecordPeek(path, codec)
+    return fmt, tg.ArrayRecordSource(path, codec=codec)
+
+
+class _TFRecordPeek:
+    """Enough of a source for inspect: counts (by header walk) and the first records."""
+
+    def __init__(self, path: Any, codec: str) -> None:
+        from torchgrain.convert import _tfrecord_codec
+        from torchgrain.io.fs import expand_paths
+        from torchgrain.sources.codecs import get_codec
+        from torchgrain.sources.tfrecord import index_tfrecord, resolve_compression
+
+        self._fs, self.paths = expand_paths(
+            path, suffixes=(".tfrecord", ".tfrecords"), kind="TFRecord"
+        )
+        self.codec = _tfrecord_codec(self.paths, None) if codec == "auto" else get_codec(codec)
+        # Uncompressed files are counted by walking record headers; compressed ones
+        # would need a full decompression, so their counts are left unknown (-1).
+        self.counts = [
+            len(index_tfrecord(p, filesystem=self._fs))
+            if resolve_compression(p, None) == ""
+            else -1
+            for p in self.paths
+        ]
+        self.num_shards = len(self.paths)
+
+    def head(self, n: int) -> list[dict[str, Any]]:
+        from torchgrain.sources.tfrecord import iter_tfrecord
+
+        out: list[dict[str, Any]] = []
+        for p in self.paths:
+            for data in iter_tfrecord(p, filesystem=self._fs):
+                if len(out) >= n:
+                    return out
+                out.append(self.codec.decode(data))
+        return out
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from torchgrain.io.fs import get_filesystem
+    from torchgrain.sources.codecs import describe_value
+
+    fmt, src = _open_for_inspect(args.path, args.codec)
+    if fmt == "tfrecord":
+        counts = src.counts
+        samples = src.head(max(args.samples, 1))
+        codec = src.codec.name
+    else:
+        counts = [int(n) for n in src.index.counts]
+        samples = src.__getitems__(list(range(min(max(args.samples, 1), len(src)))))
+        codec = "parquet" if fmt == "parquet" else src.codec.name
+    manifest = getattr(src, "manifest", None)
+    fs = get_filesystem(src.paths[0])[0] if src.paths else None
+    sizes: list[int] = []
+    for i, p in enumerate(src.paths):
+        if manifest is not None and manifest.shards[i].num_bytes >= 0:
+            sizes.append(manifest.shards[i].num_bytes)
+        else:
+            sizes.append(int(fs.size(get_filesystem(p)[1])) if fs is not None else -1)
+    # Types of every key, nested dicts flattened to "a/b", from the sampled records.
+    keys: dict[str, str] = {}
+    for rec in samples:
+        for k, v in _flatten(rec).items():
+            t = describe_value(v)
+            keys[k] = t if keys.get(k, t) == t else f"{keys[k]}|{t}"
+    schema = getattr(src, "schema", None) if fmt != "tfrecord" else None
+    known = [c for c in counts if c >= 0]
     out = {
         "paths": args.path,
-        "num_shards": src.num_shards,
-        "num_records": len(src),
-        "codec": src.codec.name,
-        "keys": src.keys,
-        "schema": src.schema,
-        "shards": [{"path": p, "num_records": int(n)} for p, n in zip(src.paths, src.index.counts)],
+        "format": fmt,
+        "num_shards": len(src.paths),
+        "num_records": sum(known) if len(known) == len(counts) else None,
+        "num_bytes": sum(sizes),
+        "codec": codec,
+        "keys": keys,
+        "schema": schema,
+        "shards": [
+            {"path": p, "num_records": n, "num_bytes": b}
+            for p, n, b in zip(src.paths, counts, sizes)
+        ],
     }
+    if manifest is not None:
+        for s, info in zip(out["shards"], manifest.shards):
+            if info.checksum:
+                s["checksum"] = info.checksum
     if args.json:
-        print(json.dumps(out, indent=1))
+        out["samples"] = [
+            {k: _summarise(v) for k, v in _flatten(r).items()} for r in samples[: args.samples]
+        ]
+        print(json.dumps(out, indent=1, default=str))
         return 0
+    total = out["num_records"]
     print(f"dataset     {args.path}")
-    print(f"records     {len(src):,} in {src.num_shards} shard(s), codec {src.codec.name}")
-    print("schema")
-    for k, t in src.schema.items():
-        print(f"  {k:<20} {t}")
+    print(f"format      {fmt}, codec {codec}")
+    print(
+        f"records     {'unknown' if total is None else f'{total:,}'} in "
+        f"{len(src.paths)} shard(s), {sum(sizes) / 1e6:,.1f} MB"
+    )
+    print("keys (from the first records)")
+    for k, t in keys.items():
+        print(f"  {k:<24} {t}")
+    if schema and schema != keys:
+        print("schema")
+        for k, t in schema.items():
+            print(f"  {k:<24} {t}")
     print("shards")
     shown = out["shards"][: args.max_shards]
     for s in shown:
-        print(f"  {s['num_records']:>10,}  {s['path']}")
+        n = "?" if s["num_records"] < 0 else f"{s['num_records']:,}"
+        print(f"  {n:>10}  {s['num_bytes'] / 1e6:>10,.2f} MB  {s['path']}")
     if len(out["shards"]) > len(shown):
         print(f"  ... {len(out['shards']) - len(shown)} more")
-    for i in range(min(args.samples, len(src))):
-        rec = src[i]
+    for i, rec in enumerate(samples[: args.samples]):
         print(f"record {i}")
-        for k, v in rec.items():
-            print(f"  {k:<20} {_summarise(v)}")
+        for k, v in _flatten(rec).items():
+            print(f"  {k:<24} {_summarise(v)}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torchgrain as tg
+
+    m = tg.convert(
+        args.src,
+        args.dst,
+        to=args.to,
+        num_shards=args.num_shards,
+        match_shards=args.match_shards,
+        group_size=args.group_size,
+        workers=args.workers,
+        codec=args.codec,
+        compression=args.compression,
+        src_format=args.src_format,
+        overwrite=args.overwrite,
+        verify=not args.no_verify,
+        progress=False if args.quiet else None,
+    )
+    if not args.quiet:
+        size = sum(s.num_bytes for s in m.shards)
+        print(
+            f"wrote {m.num_records:,} records in {len(m.shards)} {args.to} shard(s), "
+            f"{size / 1e6:,.1f} MB, to {args.dst}"
+        )
     return 0
 
 
@@ -118,6 +252,41 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_inspect)
 
+    c = sub.add_parser(
+        "convert",
+        help="convert Parquet / TFRecord / ArrayRecord to torchgrain ArrayRecord or Parquet",
+        description="Convert a dataset; resumable (rerun after a crash to continue), "
+        "parallel, every shard verified (count and checksum).",
+    )
+    c.add_argument("src", nargs="+", help="source directory, glob, file(s) or URL")
+    c.add_argument("dst", help="output directory")
+    c.add_argument("--to", choices=["array_record", "parquet"], default="array_record")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--num-shards", type=int, default=None, help="contiguous output shards")
+    g.add_argument(
+        "--match-shards", action="store_true", help="one output shard per input (default)"
+    )
+    c.add_argument("--group-size", type=int, default=1, help="records per ArrayRecord chunk")
+    c.add_argument("--workers", type=int, default=1, help="converter processes")
+    c.add_argument(
+        "--codec",
+        default="auto",
+        help="how input records decode: auto, tf_example, raw, msgpack (TFRecord/ArrayRecord)",
+    )
+    c.add_argument(
+        "--compression",
+        default=None,
+        help="ArrayRecord: zstd[:LEVEL] (default zstd:3), snappy, brotli, uncompressed; "
+        "Parquet: zstd (default), snappy, gzip, lz4, none",
+    )
+    c.add_argument(
+        "--src-format", default="auto", choices=["auto", "parquet", "tfrecord", "array_record"]
+    )
+    c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
+    c.add_argument("--no-verify", action="store_true", help="skip reading shards back")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    c.set_defaults(func=cmd_convert)
+
     b = sub.add_parser(
         "bench",
         help="measure reading a dataset (sequential and shuffled) and suggest what would help",
@@ -148,8 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "path", None) is not None and len(args.path) == 1:
-        args.path = args.path[0]
+    for attr in ("path", "src"):
+        value = getattr(args, attr, None)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, attr, value[0])
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -157,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         from torchgrain.errors import TorchgrainError
 
-        if isinstance(e, (TorchgrainError, FileNotFoundError, IndexError, ValueError)):
+        if isinstance(
+            e, (TorchgrainError, FileNotFoundError, FileExistsError, IndexError, ValueError)
+        ):
             print(f"torchgrain: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise

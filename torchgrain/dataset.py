@@ -2,7 +2,8 @@
 
 Transforms are recorded, not applied eagerly: ``Dataset(src).map(f).random_map(g)``
 returns a new Dataset whose ``__getitems__`` reads a whole batch from the source in one
-call (grouped by shard) and then runs ``f`` and ``g`` on each record.
+call (grouped by shard) and then runs ``f`` and ``g`` on each record. ``map_batch(h)``
+runs ``h`` once on the whole list of records instead (a vectorised map).
 
 Random transforms get a :class:`numpy.random.Generator` derived from
 ``(seed, epoch, record index, transform position)`` only, so augmentation is identical
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import multiprocessing.context
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,15 +33,20 @@ _MASK64 = (1 << 64) - 1
 
 
 _RNG_PERSON = b"torchgrain.rng"
+_PACK6 = struct.Struct("<6Q").pack
 _SEED_SEQUENCE = np.random.SeedSequence(0)
 _tls = threading.local()
 
 
 def _pcg_state(seed: int, epoch: int, index: int, stream: int) -> dict[str, Any]:
     """Hash (seed, epoch, index, stream) into a full 128-bit PCG64 state and increment."""
-    msg = b"".join(
-        (v & _MASK64).to_bytes(8, "little")
-        for v in (seed, seed >> 64, epoch, epoch >> 64, index, stream)
+    msg = _PACK6(
+        seed & _MASK64,
+        (seed >> 64) & _MASK64,
+        epoch & _MASK64,
+        (epoch >> 64) & _MASK64,
+        index & _MASK64,
+        stream & _MASK64,
     )
     d = hashlib.blake2b(msg, digest_size=32, person=_RNG_PERSON).digest()
     return {
@@ -118,6 +125,17 @@ class _EpochCell:
         self._value, self._shared = state
 
 
+def _call_batch_fn(fn: Callable[[list[Any]], Any], records: list[Any]) -> list[Any]:
+    out = fn(records)
+    if not isinstance(out, list) or len(out) != len(records):
+        got = f"a list of {len(out)}" if isinstance(out, list) else type(out).__name__
+        raise TypeError(
+            f"map_batch function {getattr(fn, '__name__', type(fn).__name__)} must return a "
+            f"list of {len(records)} records (one per input record), got {got}"
+        )
+    return out
+
+
 class Dataset(torch.utils.data.Dataset):
     """Map-style dataset over a torchgrain source (or anything indexable with a length).
 
@@ -193,6 +211,34 @@ class Dataset(torch.utils.data.Dataset):
         stream = sum(1 for op in self._ops if op[0] == "random_map")
         return self._derive(("random_map", fn, int(seed), stream))
 
+    def map_batch(self, fn: Callable[[list[Any]], list[Any]]) -> Dataset:
+        """Return a Dataset that applies ``fn(records)`` once to each batch of records.
+
+        ``fn`` gets the list of records ``__getitems__`` is about to return and must
+        return a list of the same length (one output record per input record, in order),
+        so work that numpy can do on a stacked array is paid once per batch rather than
+        once per record. Per-record transforms before and after it run as usual; random
+        transforms keep their per-record generators. ``__getitem__`` calls ``fn`` with a
+        one-element list, so results never depend on how records were batched, only the
+        speed does: the saving needs the DataLoader to call ``__getitems__``, which it
+        does when ``batch_size`` is set and automatic batching is on (not with
+        ``batch_size=None``).
+
+        Example:
+            >>> import numpy as np
+            >>> def center(records):  # one vectorised subtraction per batch
+            ...     x = np.stack([r["x"] for r in records])
+            ...     return [{**r, "x": row} for r, row in zip(records, x - 1.0)]
+            >>> ds = Dataset([{"x": np.full(2, float(i))} for i in range(4)]).map_batch(center)
+            >>> [r["x"].tolist() for r in ds.__getitems__([1, 3])]
+            [[0.0, 0.0], [2.0, 2.0]]
+            >>> ds[2]["x"].tolist()
+            [1.0, 1.0]
+        """
+        if not callable(fn):
+            raise TypeError("map_batch needs a callable")
+        return self._derive(("map_batch", fn))
+
     # ---------------------------------------------------------------- epoch
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch random transforms use (also reaches running DataLoader workers)."""
@@ -235,6 +281,7 @@ class Dataset(torch.utils.data.Dataset):
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
         counters = local_counters()
+        before = counters.copy()
         t0 = time.perf_counter()
         if single:
             records = [self._source[indices[0]]]
@@ -249,21 +296,46 @@ class Dataset(torch.utils.data.Dataset):
             counters[COUNTER["read_seconds"]] += t1 - t0
         if self._ops:
             epoch = self._epoch.get()
-            records = [self._apply(r, int(i), epoch) for r, i in zip(records, indices)]
+            records = self._apply_many(records, indices, epoch)
             counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
         counters[COUNTER["records"]] += len(records)
         counters[COUNTER["batches"]] += 1
-        self._stats.publish()
+        self._stats.publish(counters - before)
         return records
 
-    def _apply(self, rec: Any, index: int, epoch: int) -> Any:
-        for op in self._ops:
-            if op[0] == "map":
-                rec = op[1](rec)
-            else:
-                _, fn, seed, stream = op
-                rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+    def _apply(self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...]) -> Any:
+        op: tuple[Any, ...] = ()
+        try:
+            for op in ops:
+                if op[0] == "map":
+                    rec = op[1](rec)
+                else:
+                    _, fn, seed, stream = op
+                    rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+        except Exception as e:
+            # Name the record: the transform itself never sees its index.
+            if hasattr(e, "add_note"):
+                name = getattr(op[1], "__name__", type(op[1]).__name__)
+                e.add_note(f"in {op[0]}({name}) of record index {index} (epoch {epoch})")
+            raise
         return rec
+
+    def _apply_many(self, records: Sequence[Any], indices: Sequence[int], epoch: int) -> list[Any]:
+        """Run the ops: per-record ops record by record, each map_batch on the whole list."""
+        ops, start = self._ops, 0
+        if all(op[0] != "map_batch" for op in ops):  # the common case, kept lean
+            return [self._apply(r, int(i), epoch, ops) for r, i in zip(records, indices)]
+        for k, op in enumerate(ops):
+            if op[0] == "map_batch":
+                if k > start:
+                    run = ops[start:k]
+                    records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
+                records = _call_batch_fn(op[1], list(records))
+                start = k + 1
+        if start < len(ops):
+            run = ops[start:]
+            records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
+        return records
 
     def __repr__(self) -> str:
         ops = "".join(

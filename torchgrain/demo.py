@@ -205,7 +205,7 @@ def run_demo(
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             steps += 1
             samples += len(y)
             if max_steps is not None and steps >= max_steps:

@@ -39,7 +39,8 @@ __all__ = ["COUNTERS", "PipelineStats", "StatsReport", "local_counters", "stats"
 logger = logging.getLogger("torchgrain")
 
 #: What each process counts. Sources add to the ``read``/``decode``/``cache`` fields of
-#: their process's :func:`local_counters`; the Dataset adds the rest.
+#: their process's :func:`local_counters`; the Dataset adds the rest, and publishes the
+#: change over each batch into its own table.
 COUNTERS = (
     "batches",
     "records",
@@ -89,7 +90,7 @@ class PipelineStats:
     any other way it becomes a private copy (like the epoch).
     """
 
-    __slots__ = ("_base", "_shared")
+    __slots__ = ("_shared",)
 
     def __init__(self) -> None:
         size = (_ROWS + 1) * len(COUNTERS)
@@ -97,24 +98,15 @@ class PipelineStats:
             self._shared = multiprocessing.RawArray("d", size)
         except OSError:  # pragma: no cover - no shared memory available
             self._shared = None
-        # The counters a process had before it started publishing into this table.
-        self._base: dict[int, np.ndarray] = {}
 
     def _table(self) -> np.ndarray:
         if self._shared is None:
             self._shared = multiprocessing.RawArray("d", (_ROWS + 1) * len(COUNTERS))
         return np.frombuffer(self._shared, dtype=np.float64).reshape(_ROWS + 1, len(COUNTERS))
 
-    def publish(self, extra: np.ndarray | None = None) -> None:
-        """Copy this process's counters (since it first published) into its row."""
-        local = local_counters()
-        if extra is not None:
-            local += extra
-        pid = os.getpid()
-        base = self._base.get(pid)
-        if base is None:
-            base = self._base[pid] = np.zeros_like(local)
-        self._table()[_row_of_this_process()] = local - base
+    def publish(self, delta: np.ndarray) -> None:
+        """Add one batch's counters to this process's row (only this process writes it)."""
+        self._table()[_row_of_this_process()] += delta
 
     def add_wait(self, seconds: float, batches: int = 1) -> None:
         row = self._table()[_CONSUMER_ROW]
@@ -122,9 +114,8 @@ class PipelineStats:
         row[_INDEX["batches"]] += batches
 
     def reset(self) -> None:
-        """Zero the table (each process's next publish starts from then)."""
+        """Zero the table."""
         self._table()[:] = 0
-        self._base[os.getpid()] = local_counters().copy()
 
     def snapshot(self) -> np.ndarray:
         return self._table().copy()
@@ -135,7 +126,6 @@ class PipelineStats:
 
     def __setstate__(self, shared: Any) -> None:
         self._shared = shared
-        self._base = {}
 
 
 @dataclass

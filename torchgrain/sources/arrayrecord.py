@@ -18,6 +18,7 @@ from torchgrain.sources._index import ShardIndex, group_by_shard
 from torchgrain.sources.arrayrecord_file import ArrayRecordFile, read_num_records
 from torchgrain.sources.codecs import Codec, describe_value, get_codec, sniff_codec
 from torchgrain.sources.manifest import Manifest, read_manifest
+from torchgrain.sources.tfds import tfds_codec_for
 
 __all__ = ["ArrayRecordSource"]
 
@@ -33,7 +34,10 @@ class ArrayRecordSource:
             ``http(s)://``, ...).
         codec: ``"auto"`` (the manifest's codec, else sniffed from the first record),
             ``"msgpack"``, ``"raw"`` (records as ``{"bytes": b}``), ``"tf_example"``,
-            or any registered codec name or codec object.
+            or any registered codec name or codec object. For TFDS output (a directory
+            with ``features.json``), ``"auto"`` and ``"tf_example"`` decode records per
+            the feature spec (:class:`~torchgrain.sources.tfds.TFDSCodec`: images to
+            arrays, scalars squeezed, tensors reshaped); the files must be of one split.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         filesystem: an fsspec filesystem to use instead of inferring one.
         verify_checksums: verify Riegeli chunk hashes on every read.
@@ -79,6 +83,9 @@ class ArrayRecordSource:
         self.index = ShardIndex(counts)
         self.manifest = manifest
         self._files: list[ArrayRecordFile | None] = [None] * len(files)
+        if manifest is None and isinstance(codec, str) and codec in ("auto", "tf_example"):
+            # TFDS output: decode per its features.json (images, shapes, scalars).
+            codec = tfds_codec_for(files, fs) or codec
         if codec == "auto":
             codec = manifest.codec if manifest is not None else self._sniff()
         self.codec: Codec = get_codec(codec)

@@ -245,6 +245,7 @@ def iter_tfrecord(
     filesystem: fsspec.AbstractFileSystem | None = None,
     verify: bool = True,
     compression: str | None = None,
+    offset: int = 0,
 ) -> Iterator[bytes]:
     """Yield the records of one TFRecord file, in order.
 
@@ -254,6 +255,8 @@ def iter_tfrecord(
         verify: check both CRCs of every record (CRC-32C runs at several GB/s with
             ``google-crc32c``, so this costs little).
         compression: ``None`` (by suffix), ``""``, ``"gzip"`` or ``"zlib"``.
+        offset: start at the record whose header is at this byte offset (an offset from
+            :func:`index_tfrecord`; uncompressed files only).
 
     Raises:
         CorruptDataError: checksum mismatch, truncated record, or a length field larger
@@ -273,20 +276,26 @@ def iter_tfrecord(
     # Only an uncompressed file's size bounds a record's length; a compressed stream is
     # read incrementally so a bogus length hits EOF without a huge allocation.
     size = _file_size(fs, p) if comp == "" else None
+    if offset and comp != "":
+        raise ValueError(f"{name}: cannot start a compressed TFRecord file at an offset")
     stream, raw = _open_stream(fs, p, comp)
     try:
-        yield from _iter_stream(stream, name, size, verify)
+        if offset:
+            stream.seek(offset)
+        yield from _iter_stream(stream, name, size, verify, offset)
     finally:
         stream.close()
         raw.close()
 
 
-def _iter_stream(stream: IO[bytes], name: str, size: int | None, verify: bool) -> Iterator[bytes]:
+def _iter_stream(
+    stream: IO[bytes], name: str, size: int | None, verify: bool, base: int = 0
+) -> Iterator[bytes]:
     unpack_header = _HEADER.unpack_from
     unpack_footer = _FOOTER.unpack_from
     buf = b""
     pos = 0  # position of the next record in buf
-    base = 0  # file offset of buf[0]
+    # base: file offset of buf[0]
     while True:
         avail = len(buf) - pos
         if avail < _HEADER_SIZE:

@@ -1,0 +1,246 @@
+"""Global-shuffle random access over ArrayRecord: torchgrain vs Grain vs the C++ reader.
+
+On the same generated files (1 KiB and 100 KiB records, group_size 1, zstd), in the same
+run, every reader follows the same GlobalShuffleSampler order:
+
+* torchgrain: ``tg.Dataset(tg.ArrayRecordSource(d))`` through a torch DataLoader
+  (batch 256, one process, and 2 workers), and the source's ``__getitems__`` alone;
+* Grain: ``grain.MapDataset.source(ArrayRecordDataSource(files)).shuffle().batch()``;
+* the C++ ``ArrayRecordReader``: a ``read(i, i + 1)`` loop (the single-core limit) and
+  its batched ``read(indices)``;
+* torchgrain's native reader (``ArrayRecordFile``): single reads, batches, open time.
+
+Prints records/s and ratios and writes benchmarks/results/random_access.json.
+
+    python benchmarks/random_access.py                 # 200k x 1 KiB and 2k x 100 KiB
+    python benchmarks/random_access.py --small-records 20000 --seconds 2   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torchgrain as tg
+from benchmarks._common import describe_machine, print_table, write_json
+from torchgrain.sources.arrayrecord_file import ArrayRecordFile
+
+BATCH = 256
+
+
+def build(directory: str, n: int, size: int) -> str:
+    """A one-shard torchgrain dataset of ``n`` records holding ``size`` random bytes."""
+    if os.path.exists(os.path.join(directory, "torchgrain.json")):
+        return directory
+    rng = np.random.default_rng(0)
+
+    class Records:
+        def __len__(self):
+            return n
+
+        def __iter__(self):
+            for i in range(n):
+                yield {"data": rng.bytes(size), "i": i}
+
+    tg.write_array_record(Records(), directory, num_shards=1, group_size=1)
+    return directory
+
+
+def timed_rate(fn, budget: float) -> float:
+    """Call ``fn() -> records done`` repeatedly for about ``budget`` seconds; records/s."""
+    done, start = 0, time.perf_counter()
+    while True:
+        done += fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget:
+            return done / elapsed
+
+
+def _epochs(loader, sampler):
+    """Batches of consecutive epochs, without end."""
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def order(n: int) -> np.ndarray:
+    return tg.GlobalShuffleSampler(n, seed=0, num_replicas=1, rank=0).indices(0, n)
+
+
+def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    src = tg.ArrayRecordSource(directory)
+    path = src.paths[0]
+    n = len(src)
+    perm = order(n)
+    rows: list[dict] = []
+
+    def run(name, fn, per_call):
+        pos = [0]
+
+        def step():
+            k = pos[0] % (n - per_call + 1) if n > per_call else 0
+            fn(perm[k : k + per_call])
+            pos[0] += per_call
+            return per_call
+
+        rate = timed_rate(step, budget)
+        rows.append({"reader": name, "records/s": rate})
+        print(f"  {name:<48} {rate:>12,.0f} rec/s", flush=True)
+        return rate
+
+    # The C++ reader, set up for random access as its docs advise.
+    cpp = ArrayRecordReader(path, "readahead_buffer_size:0,max_parallelism:0")
+    run(
+        "C++ read(i, i+1) loop (single-core limit)",
+        lambda idx: [cpp.read(int(i), int(i) + 1) for i in idx],
+        BATCH,
+    )
+    cpp_batched = ArrayRecordReader(path, "readahead_buffer_size:0")
+    run(
+        "C++ read(indices), batches of 256",
+        lambda idx: cpp_batched.read([int(i) for i in idx]),
+        BATCH,
+    )
+
+    native = ArrayRecordFile(path)
+    run("native ArrayRecordFile.read([i]) loop", lambda idx: [native.read([i]) for i in idx], BATCH)
+    run("native ArrayRecordFile.read(batch of 256)", lambda idx: native.read(idx), BATCH)
+    run("torchgrain source __getitems__ (decoded)", lambda idx: src.__getitems__(idx), BATCH)
+
+    # torchgrain through a DataLoader: the whole pipeline, collate included.
+    for workers in (0, 2):
+        ds = tg.Dataset(tg.ArrayRecordSource(directory))
+        sampler = tg.GlobalShuffleSampler(ds, seed=0)
+        loader = torch.utils.data.DataLoader(
+            ds,
+            batch_size=BATCH,
+            sampler=sampler,
+            num_workers=workers,
+            collate_fn=lambda b: b,
+            persistent_workers=workers > 0,
+        )
+        it = _epochs(loader, sampler)
+        next(it)  # start-up (worker fork) is not part of the steady-state rate
+
+        def step(it=it):
+            return len(next(it))
+
+        rate = timed_rate(step, budget)
+        name = f"torchgrain Dataset + DataLoader, {workers} workers"
+        rows.append({"reader": name, "records/s": rate})
+        print(f"  {name:<48} {rate:>12,.0f} rec/s", flush=True)
+        del it, loader
+
+    if with_grain:
+        try:
+            import grain
+            from grain.python import ArrayRecordDataSource
+        except ImportError:
+            print("  grain not installed: skipped")
+        else:
+            ds = grain.MapDataset.source(ArrayRecordDataSource([path])).shuffle(seed=0)
+            ds = ds.repeat().batch(BATCH)  # epochs back to back, like the loops above
+            it = iter(ds)
+
+            def grain_step():
+                return len(next(it))
+
+            rate = timed_rate(grain_step, budget)
+            rows.append(
+                {"reader": "grain MapDataset.source().shuffle().batch()", "records/s": rate}
+            )
+            print(f"  {'grain MapDataset.source().shuffle().batch()':<48} {rate:>12,.0f} rec/s")
+
+    # Open time: footer parse for this file (fresh object each time).
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        _ = ArrayRecordFile(path).num_records
+        t.append(time.perf_counter() - t0)
+    t_cpp = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        ArrayRecordReader(path, "readahead_buffer_size:0").num_records()
+        t_cpp.append(time.perf_counter() - t0)
+    rows.append(
+        {"reader": "open: native footer parse (ms)", "records/s": None, "ms": 1000 * min(t)}
+    )
+    rows.append({"reader": "open: C++ reader (ms)", "records/s": None, "ms": 1000 * min(t_cpp)})
+    return rows
+
+
+def ratios(rows: list[dict]) -> dict[str, float]:
+    r = {row["reader"]: row["records/s"] for row in rows if row["records/s"]}
+    base = r["C++ read(i, i+1) loop (single-core limit)"]
+    for row in rows:
+        if row["records/s"]:
+            row["x C++ loop"] = row["records/s"] / base
+    out = {
+        "torchgrain_dataloader_1proc_vs_cpp_loop": r["torchgrain Dataset + DataLoader, 0 workers"]
+        / base,
+        "native_single_vs_cpp_loop": r["native ArrayRecordFile.read([i]) loop"] / base,
+        "native_batched_vs_cpp_batched": r["native ArrayRecordFile.read(batch of 256)"]
+        / r["C++ read(indices), batches of 256"],
+    }
+    grain_rate = r.get("grain MapDataset.source().shuffle().batch()")
+    if grain_rate:
+        out["torchgrain_dataloader_1proc_vs_grain"] = (
+            r["torchgrain Dataset + DataLoader, 0 workers"] / grain_rate
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--small-records", type=int, default=200_000)
+    p.add_argument("--large-records", type=int, default=2_000)
+    p.add_argument("--seconds", type=float, default=3.0, help="time budget per reader")
+    p.add_argument("--dir", default=None, help="where to keep the generated files")
+    p.add_argument("--no-grain", action="store_true")
+    args = p.parse_args()
+    root = args.dir or os.path.join(tempfile.gettempdir(), "torchgrain-bench-random-access")
+    print(f"machine: {describe_machine()}")
+    results = {}
+    for label, n, size in (
+        ("1KiB", args.small_records, 1024),
+        ("100KiB", args.large_records, 100 * 1024),
+    ):
+        d = build(os.path.join(root, f"{label}-{n}"), n, size)
+        print(f"\n{label} records x {n:,} (group_size 1, zstd):")
+        rows = bench_file(d, args.seconds, with_grain=not args.no_grain)
+        summary = ratios(rows)
+        print()
+        print_table(rows, ["reader", "records/s", "x C++ loop", "ms"])
+        for k, v in summary.items():
+            print(f"  {k}: {v:.2f}x")
+        results[label] = {"records": n, "record_bytes": size, "rows": rows, "ratios": summary}
+    write_json(
+        "random_access",
+        {
+            "batch_size": BATCH,
+            "results": results,
+            "targets": {
+                "torchgrain_dataloader_1proc_vs_cpp_loop": 0.8,
+                "torchgrain_dataloader_1proc_vs_grain": 50,
+                "native_single_vs_cpp_loop": 1.0,
+                "native_batched_vs_cpp_batched": 1.5,
+                "open_ms": 50,
+            },
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

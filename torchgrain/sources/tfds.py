@@ -1,0 +1,368 @@
+"""Read TensorFlow Datasets (TFDS) output without TensorFlow.
+
+``tfds build --file_format=array_record`` (or the default ``tfrecord``) writes, in one
+version directory::
+
+    mnist/3.0.1/
+        dataset_info.json                          # name, splits, shard lengths, ...
+        features.json                              # the FeaturesDict, as JSON
+        mnist-train.array_record-00000-of-00001    # serialized tf.train.Example
+        mnist-test.array_record-00000-of-00001
+
+Each record is a ``tf.train.Example`` whose feature keys are the flattened feature
+paths (``"image"``, ``"label"``, ``"objects/bbox"`` for nested dicts). The feature
+spec says how to turn the stored lists back into what ``tfds.load`` yields:
+
+==========================  =================================================
+feature (``features.json``) decoded value
+==========================  =================================================
+``Tensor`` / ``Scalar``     ``numpy`` array of the spec's dtype and shape (unknown
+                            dims inferred); shape ``()`` gives a numpy scalar;
+                            string tensors give ``bytes`` / lists of ``bytes``;
+                            ``encoding: bytes`` / ``zlib`` tensors are unpacked
+``Image``                   ``uint8`` (or the spec's dtype) ``H x W x C`` array,
+                            decoded from PNG/JPEG with Pillow or OpenCV when one
+                            is installed (else the encoded ``bytes``)
+``ClassLabel``              ``numpy.int64`` scalar
+``Text``                    ``str``
+``FeaturesDict``            nested ``dict``
+``Sequence`` / ``Dataset``  the inner feature with a leading length dimension
+other feature types         the plain ``tf_example`` decoding (lists / arrays)
+==========================  =================================================
+
+Both the current ``features.json`` layout (``{"pythonClassName": ..., "featuresDict":
+{"features": {...}}}``) and the older ``{"type": ..., "content": ...}`` layout are read.
+
+Example:
+    >>> import json, os, tempfile
+    >>> from torchgrain.sources.tf_example import encode_tf_example
+    >>> d = tempfile.mkdtemp()
+    >>> spec = {"featuresDict": {"features": {
+    ...     "label": {"classLabel": {"numClasses": "10"}},
+    ...     "xy": {"tensor": {"shape": {"dimensions": ["2"]}, "dtype": "float32"}}}}}
+    >>> codec = TFDSCodec(spec)
+    >>> rec = codec.decode(encode_tf_example({"label": 7, "xy": [0.5, 2.0]}))
+    >>> rec["label"], rec["xy"]
+    (np.int64(7), array([0.5, 2. ], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import posixpath
+import re
+import warnings
+import zlib
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from torchgrain.errors import RecordDecodeError
+from torchgrain.sources.tf_example import decode_tf_example
+
+__all__ = ["TFDSCodec", "check_single_split", "read_tfds_features", "tfds_codec_for"]
+
+FEATURES_JSON = "features.json"
+DATASET_INFO_JSON = "dataset_info.json"
+# "<name>-<split>.<format>-00000-of-00008" (the shard suffix is absent for one-file splits).
+_SHARD_RE = re.compile(
+    r"^(?P<name>.+?)-(?P<split>[^-.]+)\.(?P<fmt>array_record|tfrecord|riegeli)"
+    r"(?:-(?P<i>\d+)-of-(?P<n>\d+))?$"
+)
+
+
+def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
+    try:
+        if not fs.isfile(path):
+            return None
+        return json.loads(fs.cat_file(path))
+    except (OSError, ValueError):
+        return None
+
+
+def read_tfds_features(
+    fs: fsspec.AbstractFileSystem, directory: str
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Return ``(features spec, dataset info)`` of a TFDS directory (None when absent).
+
+    Example:
+        >>> import tempfile
+        >>> read_tfds_features(fsspec.filesystem("file"), tempfile.mkdtemp())
+        (None, None)
+    """
+    d = directory.rstrip("/")
+    info = _read_json(fs, f"{d}/{DATASET_INFO_JSON}")
+    features = _read_json(fs, f"{d}/{FEATURES_JSON}")
+    if features is None and isinstance(info, dict) and isinstance(info.get("features"), dict):
+        features = info["features"]
+    if not isinstance(features, dict):
+        features = None
+    if not isinstance(info, dict):
+        info = None
+    return features, info
+
+
+def check_single_split(files: list[str], info: dict[str, Any] | None) -> None:
+    """Raise if ``files`` mix several splits of a TFDS directory (e.g. train and test).
+
+    Example:
+        >>> check_single_split(["d/mnist-train.array_record-00000-of-00001"], None)
+        >>> check_single_split(["d/m-train.tfrecord", "d/m-test.tfrecord"], None)
+        Traceback (most recent call last):
+        ...
+        ValueError: the files hold several TFDS splits (test, train); pick one, e.g. 'd/m-test.tfrecord*'
+    """
+    splits: dict[str, str] = {}
+    for f in files:
+        m = _SHARD_RE.match(posixpath.basename(f))
+        if m is None:
+            return  # not TFDS naming: nothing to check
+        splits.setdefault(
+            m["split"], f"{posixpath.dirname(f)}/{m['name']}-{m['split']}.{m['fmt']}*"
+        )
+    if len(splits) > 1:
+        names = sorted(splits)
+        raise ValueError(
+            f"the files hold several TFDS splits ({', '.join(names)}); pick one, e.g. "
+            f"{splits[names[0]]!r}"
+        )
+
+
+def tfds_codec_for(
+    files: list[str], fs: fsspec.AbstractFileSystem, *, decode_images: bool = True
+) -> TFDSCodec | None:
+    """A :class:`TFDSCodec` when the files' directory holds TFDS feature metadata.
+
+    Also checks that the files belong to a single split.
+
+    Example:
+        >>> import tempfile
+        >>> tfds_codec_for([tempfile.mkdtemp() + "/x.array_record"], fsspec.filesystem("file"))
+    """
+    if not files:
+        return None
+    stripped = fs._strip_protocol(files[0])
+    directory = posixpath.dirname(stripped)
+    features, info = read_tfds_features(fs, directory)
+    if features is None:
+        return None
+    check_single_split(files, info)
+    return TFDSCodec(features, decode_images=decode_images)
+
+
+# --------------------------------------------------------------------------- the spec
+def _dims(shape: Any) -> tuple[int, ...]:
+    if isinstance(shape, dict):
+        shape = shape.get("dimensions", [])
+    return tuple(-1 if d is None else int(d) for d in (shape or []))
+
+
+def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
+    """Turn one feature's JSON into a small tuple tree."""
+    if "type" in spec and "content" in spec:  # the older layout
+        return _parse_legacy(spec)
+    if "featuresDict" in spec:
+        feats = spec["featuresDict"].get("features", {})
+        return ("dict", {k: _parse(v) for k, v in feats.items()})
+    if "sequence" in spec:
+        return ("sequence", _parse(spec["sequence"].get("feature", {})))
+    if "image" in spec:
+        im = spec["image"]
+        fmt = im.get("encodingFormat") or im.get("encoding_format")
+        return ("image", np.dtype(im.get("dtype", "uint8")), _dims(im.get("shape")), fmt)
+    if "tensor" in spec:
+        t = spec["tensor"]
+        return ("tensor", t.get("dtype", "float32"), _dims(t.get("shape")), t.get("encoding"))
+    if "classLabel" in spec:
+        return ("label",)
+    if "text" in spec:
+        return ("text",)
+    return ("raw",)
+
+
+def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
+    kind = str(spec["type"]).rsplit(".", 1)[-1]
+    c = spec.get("content") or {}
+    if kind == "FeaturesDict":
+        return ("dict", {k: _parse(v) for k, v in c.get("features", {}).items()})
+    if kind == "Image":
+        return ("image", np.dtype(c.get("dtype", "uint8")), _dims(c.get("shape")), None)
+    if kind == "Tensor":
+        return ("tensor", c.get("dtype", "float32"), _dims(c.get("shape")), c.get("encoding"))
+    if kind == "ClassLabel":
+        return ("label",)
+    if kind == "Text":
+        return ("text",)
+    return ("raw",)
+
+
+def _decode_pil(data: bytes) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im)
+
+
+def _decode_cv2(data: bytes) -> np.ndarray:
+    import cv2
+
+    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if arr is None:
+        raise ValueError("OpenCV cannot decode the image")
+    if arr.ndim == 3 and arr.shape[2] >= 3:  # OpenCV is BGR(A)
+        arr = arr[..., [2, 1, 0, *range(3, arr.shape[2])]]
+    return arr
+
+
+def _image_decoder() -> Any:
+    """PNG/JPEG bytes -> ndarray with Pillow, else OpenCV, else None."""
+    for module, fn in (("PIL.Image", _decode_pil), ("cv2", _decode_cv2)):
+        try:
+            __import__(module)
+        except ImportError:
+            continue
+        return fn
+    return None
+
+
+class TFDSCodec:
+    """Decode TFDS ``tf.train.Example`` records per the dataset's feature spec.
+
+    Args:
+        features: the parsed ``features.json`` (see the module docstring).
+        decode_images: decode encoded images to arrays (needs Pillow or OpenCV).
+
+    Records are nested dicts shaped like ``tfds.load``'s elements. Use it through
+    ``tg.ArrayRecordSource(tfds_dir, codec="tf_example")`` (or ``codec="auto"``), which
+    finds ``features.json`` beside the files; pass ``codec=TFExampleCodec()`` to get the
+    plain ``tf_example`` decoding instead.
+    """
+
+    name = "tfds"
+
+    def __init__(self, features: dict[str, Any], *, decode_images: bool = True) -> None:
+        self.features = features
+        self._tree = _parse(features)
+        if self._tree[0] != "dict":
+            self._tree = ("dict", {})
+        self._decoder = _image_decoder() if decode_images else None
+        if decode_images and self._decoder is None and _has_images(self._tree):
+            warnings.warn(
+                "neither Pillow nor OpenCV is installed: TFDS images are returned as encoded bytes",
+                stacklevel=2,
+            )
+
+    def decode(self, data: bytes | bytearray | memoryview) -> dict[str, Any]:
+        flat = decode_tf_example(data)
+        out = self._build(self._tree, "", flat, ())
+        known = _flat_keys(self._tree, "")
+        for k, v in flat.items():  # features not in the spec are kept, undecoded
+            if k not in known:
+                out[k] = v
+        return out
+
+    def _build(self, node: tuple[Any, ...], key: str, flat: dict[str, Any], lead: tuple) -> Any:
+        kind = node[0]
+        if kind == "dict":
+            return {
+                k: self._build(child, f"{key}/{k}" if key else k, flat, lead)
+                for k, child in node[1].items()
+            }
+        if kind == "sequence":
+            return self._build(node[1], key, flat, (*lead, -1))
+        if key not in flat:
+            return None
+        value = flat[key]
+        try:
+            if kind == "tensor":
+                return _tensor(value, node[1], (*lead, *node[2]), node[3])
+            if kind == "label":
+                return _tensor(value, "int64", (*lead,), None)
+            if kind == "text":
+                return [bytes(v).decode("utf-8") for v in value] if lead else _one(value).decode()
+            if kind == "image":
+                return self._image(value, node[1], node[2], lead)
+        except (ValueError, TypeError, UnicodeDecodeError, OSError) as e:
+            raise RecordDecodeError(f"TFDS feature {key!r}: {e}") from e
+        return value
+
+    def _image(self, value: list[bytes], dtype: np.dtype, shape: tuple, lead: tuple) -> Any:
+        if self._decoder is None:
+            return value if lead else _one(value)
+        images = [self._decode_image(b, dtype, shape) for b in value]
+        if not lead:
+            if len(images) != 1:
+                raise ValueError(f"expected one encoded image, found {len(images)}")
+            return images[0]
+        if not images:
+            return np.zeros((0, *[max(d, 0) for d in shape]), dtype)
+        if len({im.shape for im in images}) == 1:
+            return np.stack(images)
+        return images
+
+    def _decode_image(self, data: bytes, dtype: np.dtype, shape: tuple) -> np.ndarray:
+        arr = self._decoder(data)
+        if arr.ndim == 2 and len(shape) == 3:
+            arr = arr[:, :, None]
+        if arr.dtype != dtype:
+            arr = arr.astype(dtype)
+        return np.ascontiguousarray(arr)
+
+    def __repr__(self) -> str:
+        return f"TFDSCodec(keys={sorted(_flat_keys(self._tree, ''))})"
+
+
+def _has_images(node: tuple[Any, ...]) -> bool:
+    if node[0] == "dict":
+        return any(_has_images(c) for c in node[1].values())
+    if node[0] == "sequence":
+        return _has_images(node[1])
+    return node[0] == "image"
+
+
+def _flat_keys(node: tuple[Any, ...], key: str) -> set[str]:
+    if node[0] == "dict":
+        out: set[str] = set()
+        for k, c in node[1].items():
+            out |= _flat_keys(c, f"{key}/{k}" if key else k)
+        return out
+    if node[0] == "sequence":
+        return _flat_keys(node[1], key)
+    return {key}
+
+
+def _one(value: Any) -> bytes:
+    if not isinstance(value, list) or len(value) != 1:
+        raise ValueError(f"expected one bytes value, found {len(value)}")
+    return value[0]
+
+
+def _reshape(arr: np.ndarray, shape: tuple[int, ...]) -> Any:
+    if shape == ():
+        if arr.size != 1:
+            raise ValueError(f"expected a scalar, found {arr.size} values")
+        return arr.reshape(())[()]
+    if sum(d < 0 for d in shape) > 1:
+        return arr  # ragged: several unknown dims cannot be inferred from a flat list
+    return arr.reshape(shape)
+
+
+def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None) -> Any:
+    if dtype in ("string", "str", "object"):
+        if shape == ():
+            return _one(value)
+        return list(value)
+    dt = np.dtype("bool" if dtype == "bool" else dtype)
+    if encoding in ("bytes", "zlib"):
+        blobs = value if isinstance(value, list) else [value]
+        parts = [
+            np.frombuffer(zlib.decompress(b) if encoding == "zlib" else b, dtype=dt) for b in blobs
+        ]
+        arr = np.concatenate(parts) if parts else np.zeros(0, dt)
+    else:
+        arr = np.asarray(value)
+        if arr.dtype != dt:
+            arr = arr.astype(dt)
+    return _reshape(np.ascontiguousarray(arr), shape)
