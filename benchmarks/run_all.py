@@ -30,13 +30,17 @@ HERE = Path(__file__).resolve().parent
 
 # The order they run in (scripts not named here run afterwards, alphabetically), and
 # arguments that keep a script's run short where its defaults are sized for a big box.
-ORDER = ("pipeline_lessons", "end_to_end", "h2d_overlap", "sampler", "bench_tfrecord")
+ORDER = ("pipeline_lessons", "end_to_end", "random_access", "native_reader", "map_batch")
 ARGS: dict[str, list[str]] = {}
+# Scripts here that are not benchmarks (run them by hand, as their docstrings say).
+NOT_BENCHMARKS = {"ddp_train": "a DDP training example, run with torchrun"}
 
 
 def discover() -> list[str]:
     names = sorted(
-        p.stem for p in HERE.glob("*.py") if not p.stem.startswith("_") and p.stem != "run_all"
+        p.stem
+        for p in HERE.glob("*.py")
+        if not p.stem.startswith("_") and p.stem != "run_all" and p.stem not in NOT_BENCHMARKS
     )
     return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
 
