@@ -103,7 +103,7 @@ def test_performance_runs():
     nb = execute(ROOT / "notebooks" / "performance.ipynb")
     text = _text(nb)
     assert "naive" in text and "cache + workers" in text
-    assert "speed-up" in text
+    assert "Dataset.map_batch, per batch" in text
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 2
 
