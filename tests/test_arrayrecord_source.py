@@ -42,13 +42,20 @@ def test_getitems_returns_request_order_with_duplicates(small_dataset):
     assert len(src.__getitems__(np.array([5, 6], dtype=np.uint32))) == 2
 
 
-@pytest.mark.parametrize("bad", [-1, 100, 10**12])
+@pytest.mark.parametrize("bad", [-1, 100, 10**12, 2**64 + 3, -(2**70)])
 def test_out_of_range_and_negative_indices_raise_index_error(small_dataset, bad):
     src = tg.ArrayRecordSource(small_dataset[0])
     with pytest.raises(IndexError, match=str(bad)):
         src[bad]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=str(bad)):
         src.__getitems__([0, bad])
+
+
+def test_huge_unsigned_index_named_as_given(small_dataset):
+    src = tg.ArrayRecordSource(small_dataset[0])
+    bad = 2**63 + 5  # would wrap to a negative int64
+    with pytest.raises(IndexError, match=str(bad)):
+        src.__getitems__(np.array([1, bad], dtype=np.uint64))
 
 
 @pytest.mark.parametrize("bad", [1.0, "3", None, True])

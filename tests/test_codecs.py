@@ -82,6 +82,42 @@ def test_rejects_object_arrays_and_non_str_keys():
         MsgpackCodec().encode({1: 2})
 
 
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.arange(6, dtype=">i4").reshape(2, 3),  # big-endian: byte order kept
+        np.array(7, dtype=">f8"),  # 0-d
+        np.zeros((0, 3), np.float32),  # empty
+        np.zeros((2, 0), "S4"),
+        np.array(["ab", "ünï"]),  # unicode: UCS-4 bytes
+        np.array([b"ab", b"c"]),
+        np.frombuffer(b"\x00\x01\x02\x03\x04\x05", dtype="V3"),
+        np.array([True, False]),
+        np.array([1 + 2j], np.complex64),
+        np.array(["2024-01-01"], "datetime64[ns]"),
+        np.asfortranarray(np.arange(6).reshape(2, 3)),
+        np.arange(10)[::3],
+    ],
+    ids=lambda a: f"{a.dtype.str}{list(a.shape)}",
+)
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_array_dtype_and_layout_edge_cases_round_trip(arr, zero_copy):
+    codec = MsgpackCodec(zero_copy=zero_copy)
+    out = codec.decode(codec.encode({"a": arr}))["a"]
+    assert out.dtype == arr.dtype and out.shape == arr.shape
+    assert out.tobytes() == arr.tobytes()
+
+
+def test_structured_arrays_rejected_not_flattened():
+    # dtype.str of a structured dtype is a bare '|V8': the field names and types
+    # would be lost without a word.
+    rec = np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")])
+    with pytest.raises(TypeError, match="structured"):
+        MsgpackCodec().encode({"x": rec})
+    with pytest.raises(TypeError, match="structured"):
+        MsgpackCodec().encode({"x": rec[0]})  # a numpy.void scalar
+
+
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_never_crash(data):
     try:

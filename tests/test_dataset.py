@@ -133,3 +133,13 @@ def test_record_rng_public_matches_dataset_stream():
     ds = tg.Dataset([0, 1]).random_map(lambda r, rng: rng.integers(1 << 40), seed=9)
     ds.set_epoch(2)
     assert ds[1] == tg.record_rng(9, 2, 1).integers(1 << 40)
+
+
+def test_set_epoch_reaches_a_wrapped_dataset():
+    # Dataset(Dataset(...).random_map(...)): the inner chain's random transforms
+    # must follow the epoch too, not stay at epoch 0.
+    inner = tg.Dataset(list(range(4))).random_map(lambda r, rng: rng.integers(1 << 40), seed=3)
+    outer = tg.Dataset(inner).map(int)
+    outer.set_epoch(5)
+    assert inner.epoch == 5
+    assert outer[2] == tg.record_rng(3, 5, 2).integers(1 << 40)

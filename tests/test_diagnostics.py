@@ -51,3 +51,28 @@ def test_stats_for_foreign_sources_and_errors():
         assert "not a torchgrain Dataset" in str(e)
     else:
         raise AssertionError("expected TypeError")
+
+
+def test_pickled_or_copied_dataset_still_reads_and_counts():
+    # Pickled outside a worker start-up (deepcopy, pickle), the stats table becomes
+    # a private one: reads must still work and be counted there.
+    import copy
+    import pickle
+
+    ds = tg.Dataset(list(range(10))).map(lambda r: r + 1)
+    ds.set_epoch(2)
+    for clone in (copy.deepcopy(ds), pickle.loads(pickle.dumps(tg.Dataset(list(range(10)))))):
+        assert clone[3] in (3, 4) and clone.__getitems__([1, 2]) in ([1, 2], [2, 3])
+        assert tg.stats(clone).total["records"] == 3
+    assert tg.stats(ds).total["records"] == 0
+
+
+def test_timed_loop_left_early_still_reports_its_wall_time():
+    ds = tg.Dataset(list(range(40)))
+    it = tg.timed(DataLoader(ds, batch_size=4))
+    for step, _ in enumerate(it):
+        if step == 2:
+            break
+    rep = tg.stats(it)
+    assert rep.consumer["batches"] == 3
+    assert it.wall_seconds > 0 and rep.wait_fraction is not None

@@ -229,7 +229,10 @@ def test_batches_match_arrow_property(tmp_path_factory, sizes, rg, requests, cac
                     [None if v == 1 else f"s{v}" * int(abs(v)) for v in vals], pa.string()
                 ),
                 "v": pa.array(
-                    [None if v == 2 else [float(v)] * int(abs(v)) for v in vals],
+                    [
+                        None if v == 2 else [3.0, None] if v == 3 else [float(v)] * int(abs(v))
+                        for v in vals
+                    ],
                     pa.list_(pa.float64()),
                 ),
             }
@@ -245,6 +248,9 @@ def test_batches_match_arrow_property(tmp_path_factory, sizes, rg, requests, cac
     idx = [r % len(full) for r in requests]
     expected = [full.slice(i, 1).to_pylist()[0] for i in idx]
     assert normalize(src.__getitems__(idx)) == expected
+    # Again: cached row groups are now read through their converted columns.
+    assert normalize(src.__getitems__(idx)) == expected
+    assert [normalize(src[i]) for i in idx[:5]] == expected[:5]
     info = src.cache_info()
     assert info.current_bytes <= cache
 
@@ -521,11 +527,16 @@ def test_row_group_cache_lru_and_counters():
 def test_source_cache_bound_and_hits(tmp_path):
     t = pa.table({"x": pa.array(np.arange(100), pa.int64())})
     path = write(str(tmp_path / "c.parquet"), t, row_group_size=10)
-    src = tg.ParquetSource(path, cache_bytes=200)  # two row groups of 10 int64 (80 B each)
+    probe = tg.ParquetSource(path)
+    probe.__getitems__(range(10))  # a whole row group read at once: cached converted
+    entry = probe.cache_info().current_bytes  # what one converted row group is charged
+    assert entry >= 80
+    budget = 2 * entry + entry // 2
+    src = tg.ParquetSource(path, cache_bytes=budget)  # room for two row groups
     src.__getitems__(range(100))
     info = src.cache_info()
     assert info.misses == 10 and info.hits == 0 and info.evictions == 8
-    assert info.entries == 2 and info.current_bytes <= 200
+    assert info.entries == 2 and info.current_bytes <= budget
     src.__getitems__([95, 85, 99])  # row groups 9 and 8: both cached
     info = src.cache_info()
     assert info.hits == 2 and info.misses == 10
@@ -533,6 +544,15 @@ def test_source_cache_bound_and_hits(tmp_path):
     assert src.cache_info().misses == 11
     src.close()
     assert src.cache_info().entries == 0
+    # Two-step caching: a first read of a few rows keeps the Arrow table, a second
+    # read converts the row group (re-charged at its converted size).
+    two = tg.ParquetSource(path)
+    assert two[42]["x"] == 42
+    arrow_bytes = two.cache_info().current_bytes
+    assert arrow_bytes < entry
+    assert two.__getitems__([41, 43]) == [{"x": 41}, {"x": 43}]
+    info = two.cache_info()
+    assert (info.hits, info.misses, info.current_bytes) == (1, 1, entry)
     off = tg.ParquetSource(path, cache_bytes=0)
     off.__getitems__([0, 1, 2, 3])
     off.__getitems__([0])
@@ -603,3 +623,74 @@ def test_fork_after_parent_reads_gets_fresh_cache(tmp_path):
     assert p.exitcode == 0
     assert entries == 0 and ids == [3, 40, 3] and misses == 2
     assert src.cache_info().entries == 6  # the parent's cache is untouched
+
+
+def test_reading_does_not_import_pandas(tmp_path):
+    """Workers must not pay pandas' import (``Array.to_numpy`` would pull it in)."""
+    import subprocess
+    import sys
+
+    path = write(str(tmp_path / "t.parquet"), all_types_table(), row_group_size=4)
+    code = (
+        "import sys, torchgrain as tg\n"
+        f"src = tg.ParquetSource({path!r})\n"
+        "src.__getitems__(range(len(src))); src.__getitems__(range(len(src)))\n"
+        "assert 'pandas' not in sys.modules, 'pandas was imported'\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ------------------------------------------------------------------ samplers
+def _decodes_seen(tmp_path, sampler_kind, cache_bytes, num_workers):
+    """Max row-group decodes per DataLoader worker over one epoch, and the ids read."""
+    sampling = pytest.importorskip("torchgrain.sampling")
+    d, _ = make_sharded(tmp_path, [40, 25, 55], rg=10, name=f"s-{sampler_kind}-{cache_bytes}")
+    src = tg.ParquetSource(d, cache_bytes=cache_bytes)
+
+    def tag(rec):
+        info = torch.utils.data.get_worker_info()
+        rec["worker"] = info.id if info is not None else -1
+        rec["decodes"] = src.cache_info().misses  # this process's source (forked copy)
+        return rec
+
+    ds = tg.Dataset(src).map(tag)
+    if sampler_kind == "block":
+        sampler = sampling.BlockShuffleSampler(ds, window=2, num_replicas=1, rank=0, seed=3)
+    else:
+        sampler = sampling.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=3)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=8,
+        sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=lambda b: b,
+        multiprocessing_context="fork" if num_workers else None,
+    )
+    recs = [r for batch in loader for r in batch]
+    per_worker = {}
+    for r in recs:
+        per_worker[r["worker"]] = max(per_worker.get(r["worker"], 0), r["decodes"])
+    return per_worker, [r["id"] for r in recs], src.num_row_groups
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_block_shuffle_decodes_each_row_group_once_per_worker(tmp_path, num_workers):
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "block", 1 << 20, num_workers)
+    assert sorted(ids) == list(range(120)) and ids != sorted(ids)
+    assert len(per_worker) == max(1, num_workers)
+    assert all(n <= num_rgs for n in per_worker.values()), per_worker
+    # A cache holding a window (2 row groups) is enough for block-local order.
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "block", 3 * 2000, 0)
+    assert sorted(ids) == list(range(120))
+    assert per_worker[-1] <= num_rgs + 2
+
+
+def test_global_shuffle_needs_the_cache(tmp_path):
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "global", 1 << 20, 0)
+    assert sorted(ids) == list(range(120)) and per_worker[-1] == num_rgs
+    # Without a cache, every batch decodes each row group it touches.
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "global", 0, 0)
+    assert sorted(ids) == list(range(120)) and per_worker[-1] > 4 * num_rgs

@@ -286,6 +286,25 @@ def test_determinism_and_fresh_iterators_repeat():
     assert np.array_equal(s.indices(100, 200), np.asarray(list(s)[100:200]))
 
 
+@pytest.mark.parametrize("kind", ["global", "block"])
+def test_iterator_keeps_its_epoch_when_the_sampler_changes(kind):
+    # An iterator is a snapshot, as DistributedSampler's materialised list is:
+    # set_epoch or load_state_dict while it runs must not switch orders between
+    # chunks (that would repeat and drop samples).
+    n = 3 * 65536 + 17
+    data = n if kind == "global" else [*range(0, n + 1, 1000), n]
+    s = make(kind, data, num_replicas=1, rank=0, seed=5)
+    expected = list(s)
+    it = iter(s)
+    head = [next(it) for _ in range(10)]
+    s.set_epoch(1)
+    other = make(kind, data, num_replicas=1, rank=0, seed=6)
+    s.load_state_dict(other.state_dict())
+    assert head + list(it) == expected
+    # and the sampler itself now follows the loaded state
+    assert list(s) == list(other)
+
+
 def test_default_world_without_process_group():
     s = GlobalShuffleSampler(10)
     assert (s.num_replicas, s.rank) == (1, 0)

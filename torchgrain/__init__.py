@@ -17,6 +17,7 @@ from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
     RecordDecodeError,
+    RemoteIOError,
     SchemaMismatchError,
     TorchgrainError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "ParquetSource",
     "RandomImageTransform",
     "RecordDecodeError",
+    "RemoteIOError",
     "RenameKeys",
     "SchemaMismatchError",
     "SelectKeys",

@@ -316,8 +316,9 @@ def suggest(
                     f"latency per record; add workers to keep more reads in flight, or {alt}"
                 )
         else:
+            how = "costs little" if ratio < 1.0 else "is as fast as sequential reading"
             out.append(
-                f"global shuffle costs little here ({ratio:.2f}x the sequential rate): "
+                f"global shuffle {how} here ({ratio:.2f}x the sequential rate): "
                 "GlobalShuffleSampler is the right default"
             )
     first = max((m["first_batch_s"] for m in modes), default=0.0)

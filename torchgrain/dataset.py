@@ -241,8 +241,14 @@ class Dataset(torch.utils.data.Dataset):
 
     # ---------------------------------------------------------------- epoch
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch random transforms use (also reaches running DataLoader workers)."""
+        """Set the epoch random transforms use (also reaches running DataLoader workers).
+
+        A source with its own ``set_epoch`` (e.g. another Dataset) gets it too.
+        """
         self._epoch.set(epoch)
+        hook = getattr(self._source, "set_epoch", None)
+        if callable(hook):
+            hook(epoch)
 
     @property
     def epoch(self) -> int:

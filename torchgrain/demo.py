@@ -186,19 +186,12 @@ def run_demo(
     )
 
     steps = samples = 0
-    wait = 0.0
     losses: list[float] = []
+    feed = tg.timed(loader)  # records how long each step waits for its batch
     start = time.perf_counter()
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        it = iter(loader)
-        while True:
-            t_wait = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            wait += time.perf_counter() - t_wait
+        for batch in feed:
             x = batch["image"].to(device, non_blocking=True).float().div_(255.0)
             y = batch["label"].to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
@@ -216,6 +209,8 @@ def run_demo(
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    report = tg.stats(feed)
+    wait = report.consumer["wait_seconds"]
     result = DemoResult(
         steps, samples, seconds, wait, losses[0] if losses else 0.0, losses[-1] if losses else 0.0
     )
@@ -227,4 +222,7 @@ def run_demo(
         f"data wait  {100 * result.wait_fraction:.1f}% of step time "
         f"({wait:.2f}s waiting for the next batch)"
     )
+    log("pipeline   per-worker time (tg.stats):")
+    for line in str(report).splitlines():
+        log(f"  {line}")
     return result

@@ -120,12 +120,14 @@ class PipelineStats:
     def snapshot(self) -> np.ndarray:
         return self._table().copy()
 
-    def __getstate__(self) -> Any:
+    def __getstate__(self) -> tuple[Any]:
         spawning = multiprocessing.context.get_spawning_popen() is not None
-        return self._shared if spawning else None
+        # A tuple, never a bare None: pickle skips __setstate__ for a None state,
+        # which would leave the slot unset.
+        return (self._shared if spawning else None,)
 
-    def __setstate__(self, shared: Any) -> None:
-        self._shared = shared
+    def __setstate__(self, state: tuple[Any]) -> None:
+        (self._shared,) = state
 
 
 @dataclass
@@ -223,23 +225,26 @@ class timed(Iterable[Any]):
         it = iter(self.loader)
         n = 0
         start = time.perf_counter()
-        while True:
-            t0 = time.perf_counter()
-            try:
-                batch = next(it)
-            except StopIteration:
-                self.wall_seconds += time.perf_counter() - start
-                return
-            self._stats.add_wait(time.perf_counter() - t0)
-            n += 1
-            if self.log_every and n % self.log_every == 0:
-                self.wall_seconds += time.perf_counter() - start
-                start = time.perf_counter()
-                rep = stats(self)
-                logger.info(
-                    "torchgrain: %d batches, %.0f records read, consumer wait %.1f%%",
-                    n,
-                    rep.total["records"],
-                    100 * (rep.wait_fraction or 0.0),
-                )
-            yield batch
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    return
+                self._stats.add_wait(time.perf_counter() - t0)
+                n += 1
+                if self.log_every and n % self.log_every == 0:
+                    self.wall_seconds += time.perf_counter() - start
+                    start = time.perf_counter()
+                    rep = stats(self)
+                    logger.info(
+                        "torchgrain: %d batches, %.0f records read, consumer wait %.1f%%",
+                        n,
+                        rep.total["records"],
+                        100 * (rep.wait_fraction or 0.0),
+                    )
+                yield batch
+        finally:
+            # Also when the loop stops early (break, exception): its waits are counted.
+            self.wall_seconds += time.perf_counter() - start

@@ -19,6 +19,7 @@ __all__ = [
     "CorruptDataError",
     "DatasetNotFoundError",
     "RecordDecodeError",
+    "RemoteIOError",
     "SchemaMismatchError",
     "TorchgrainError",
 ]
@@ -42,3 +43,7 @@ class RecordDecodeError(CorruptDataError):
 
 class SchemaMismatchError(TorchgrainError, ValueError):
     """Shards of one dataset have incompatible schemas."""
+
+
+class RemoteIOError(TorchgrainError, OSError):
+    """Reading remote storage kept failing with transient errors until retries ran out."""

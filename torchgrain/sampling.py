@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -269,6 +269,10 @@ def _dist_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     return num_replicas, rank
 
 
+def _identity(q: np.ndarray) -> np.ndarray:
+    return q
+
+
 def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
     """The parts of ``[0, length)`` not covered by ``intervals``."""
     out: list[tuple[int, int]] = []
@@ -350,8 +354,12 @@ class _ResumableSampler(Sampler[int]):
         """Virtual intervals consumed when every one of ``replicas`` ranks drew ``pos``."""
         raise NotImplementedError
 
-    def _stream(self, q: np.ndarray) -> np.ndarray:
-        """Dataset indices at epoch-stream positions ``q`` (int64 in ``[0, N)``)."""
+    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
+        """The current epoch's stream: maps positions ``q`` (int64 in ``[0, N)``) to indices.
+
+        The function is bound to the current seed, epoch and shuffle, so an iterator
+        that holds it keeps its order if the sampler changes epoch meanwhile.
+        """
         raise NotImplementedError
 
     def _layout_positions(self, layout: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -362,21 +370,28 @@ class _ResumableSampler(Sampler[int]):
         seg = np.searchsorted(ends, v, side="right")
         return layout[seg, 0] + (v - (ends[seg] - lengths[seg]))
 
-    def _indices_in(self, layout: np.ndarray, start: int, stop: int) -> np.ndarray:
+    def _indices_in(
+        self,
+        layout: np.ndarray,
+        start: int,
+        stop: int,
+        stream: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> np.ndarray:
         length = int((layout[:, 1] - layout[:, 0]).sum())
         count = self._count(length)
         start, stop = max(0, start), min(stop, count)
         if stop <= start:
             return np.empty(0, dtype=np.int64)
+        stream = stream or self._stream_fn()
         first, step = self._virtual(start, count)
         last = first + step * (stop - start - 1)
         if last < length and len(layout) == 1:  # common case: one arange, no padding
             base = first + int(layout[0, 0])
-            return self._stream(np.arange(base, base + step * (stop - start), step, dtype=np.int64))
+            return stream(np.arange(base, base + step * (stop - start), step, dtype=np.int64))
         v = np.arange(first, last + 1, step, dtype=np.int64)
         if last >= length:  # padding: wrap around the virtual stream
             v %= length
-        return self._stream(self._layout_positions(layout, v))
+        return stream(self._layout_positions(layout, v))
 
     # -- public API -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -446,8 +461,11 @@ class _ResumableSampler(Sampler[int]):
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = start, 0, None
         length = int((layout[:, 1] - layout[:, 0]).sum())
         count = self._count(length)
+        # Bind the epoch's order now: a set_epoch or load_state_dict while this
+        # iterator is alive must not change the order of its later chunks.
+        stream = self._stream_fn()
         for s in range(start, count, _ITER_CHUNK):
-            chunk = self._indices_in(layout, s, min(s + _ITER_CHUNK, count)).tolist()
+            chunk = self._indices_in(layout, s, min(s + _ITER_CHUNK, count), stream).tolist()
             it = iter(chunk)
             # Keep the list iterator: its __length_hint__ says how far the consumer got.
             self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
@@ -731,12 +749,17 @@ class GlobalShuffleSampler(_ResumableSampler):
         # virtual positions is consumed.
         return [(0, min(pos * replicas, length))]
 
-    def _stream(self, q: np.ndarray) -> np.ndarray:
+    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         if not self.shuffle or self._n <= 1:
-            return q
+            return _identity
         p = self._permutation()
-        # q is a fresh non-negative int64 array: reinterpret it, no copy or checks.
-        return _permute(q.view(_U64), _U64(self._n), p._keys, p._a, p._c).view(np.int64)
+        n = _U64(self._n)
+
+        def stream(q: np.ndarray) -> np.ndarray:
+            # q is a fresh non-negative int64 array: reinterpret it, no copy or checks.
+            return _permute(q.view(_U64), n, p._keys, p._a, p._c).view(np.int64)
+
+        return stream
 
 
 class BlockShuffleSampler(_ResumableSampler):
@@ -906,19 +929,24 @@ class BlockShuffleSampler(_ResumableSampler):
         # Contiguous split: rank r consumed [r * count, r * count + pos).
         return [(r * count, r * count + pos) for r in range(replicas)]
 
-    def _stream(self, q: np.ndarray) -> np.ndarray:
+    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         if not self.shuffle:
-            return q
+            return _identity
         _, order, cum, win_start, win_sizes, keys, a, c = self._build_tables()
-        out = np.empty(q.shape, dtype=np.int64)
-        for s in range(0, q.size, _ITER_CHUNK):
-            qs = q[s : s + _ITER_CHUNK]
-            w = np.searchsorted(win_start, qs, side="right") - 1
-            local = (qs - win_start[w]).astype(_U64)
-            n = win_sizes[w]
-            # Windows of 1 or 2 rows go through the network too (a or c is 0).
-            shuffled = _permute(local, n, keys[:, w], a[w], c[w])
-            u = win_start[w] + shuffled.astype(np.int64)
-            j = np.searchsorted(cum, u, side="right") - 1
-            out[s : s + _ITER_CHUNK] = self._offsets[order[j]] + (u - cum[j])
-        return out
+        offsets = self._offsets
+
+        def stream(q: np.ndarray) -> np.ndarray:
+            out = np.empty(q.shape, dtype=np.int64)
+            for s in range(0, q.size, _ITER_CHUNK):
+                qs = q[s : s + _ITER_CHUNK]
+                w = np.searchsorted(win_start, qs, side="right") - 1
+                local = (qs - win_start[w]).astype(_U64)
+                n = win_sizes[w]
+                # Windows of 1 or 2 rows go through the network too (a or c is 0).
+                shuffled = _permute(local, n, keys[:, w], a[w], c[w])
+                u = win_start[w] + shuffled.astype(np.int64)
+                j = np.searchsorted(cum, u, side="right") - 1
+                out[s : s + _ITER_CHUNK] = offsets[order[j]] + (u - cum[j])
+            return out
+
+        return stream

@@ -83,6 +83,22 @@ class RowGroupCache:
             self._hits += 1
             return item[0]
 
+    def get_many(self, keys: list[Hashable]) -> list[Any]:
+        """:meth:`get` for several keys under one lock (``None`` for the absent ones)."""
+        out: list[Any] = []
+        with self._lock:
+            entries = self._entries
+            for key in keys:
+                item = entries.get(key)
+                if item is None:
+                    self._misses += 1
+                    out.append(None)
+                else:
+                    entries.move_to_end(key)
+                    self._hits += 1
+                    out.append(item[0])
+        return out
+
     def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
         """Store ``value`` costing ``nbytes``; evict least recently used entries to fit.
 

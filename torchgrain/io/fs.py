@@ -7,6 +7,7 @@ de-duplicated list of concrete file paths plus the fsspec filesystem that reads 
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,24 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return any(p in ("file", "local") for p in protocols)
+
+
+def filesystem_for_this_process(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem:
+    """A copy of ``fs`` made in (and bound to) the calling process.
+
+    Async fsspec filesystems (s3fs, gcsfs, http) are tied to the event loop of the
+    process that created them; in a forked DataLoader worker that loop does not run,
+    and using the parent's instance raises or hangs. Unpickling builds a new instance
+    (fsspec's instance cache is per process). Local filesystems are returned as is.
+
+    Example:
+        >>> fs = get_filesystem("/tmp")[0]
+        >>> filesystem_for_this_process(fs) is fs
+        True
+    """
+    if is_local(fs):
+        return fs
+    return pickle.loads(pickle.dumps(fs))
 
 
 def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:

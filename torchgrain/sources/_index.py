@@ -73,8 +73,17 @@ class ShardIndex:
             ]
             if bad or arr.dtype.kind not in "iuO":
                 raise TypeError(f"record indices must be integers, got {bad[:1] or arr.dtype}")
-        arr = arr.astype(np.int64, copy=False).reshape(-1)
         n = len(self)
+        if arr.size and arr.dtype.kind in "uO":
+            # Check before the cast to int64, which would overflow (Python ints) or
+            # wrap (uint64) and then name the wrong index.
+            flat = np.ravel(arr)
+            out = flat[flat >= n] if arr.dtype.kind == "u" else [i for i in flat if not 0 <= i < n]
+            if len(out):
+                raise IndexError(
+                    f"record index {int(out[0])} out of range for a dataset of {n} records"
+                )
+        arr = arr.astype(np.int64, copy=False).reshape(-1)
         if arr.size and (arr.min() < 0 or arr.max() >= n):
             bad_i = int(arr[(arr < 0) | (arr >= n)][0])
             raise IndexError(f"record index {bad_i} out of range for a dataset of {n} records")

@@ -62,6 +62,13 @@ class Codec(Protocol):
 def _encode_ndarray(arr: np.ndarray) -> msgpack.ExtType:
     if arr.dtype.hasobject:
         raise TypeError("object arrays cannot be stored; convert them to a numeric or bytes dtype")
+    if arr.dtype.names is not None:
+        # The header stores dtype.str, which for a structured dtype is a bare "|V<n>":
+        # the fields would come back as anonymous void bytes.
+        raise TypeError(
+            f"structured arrays cannot be stored (dtype {arr.dtype}); store each field "
+            "under its own key"
+        )
     if arr.ndim > _MAX_NDIM:
         raise ValueError(f"arrays of more than {_MAX_NDIM} dimensions are not supported")
     dt = arr.dtype.str.encode("ascii")

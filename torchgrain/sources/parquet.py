@@ -29,9 +29,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, SchemaMismatchError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RemoteIOError,
+    SchemaMismatchError,
+)
 from torchgrain.io.cache import DEFAULT_CACHE_BYTES, CacheInfo, RowGroupCache
-from torchgrain.io.fs import expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import (
+    expand_paths,
+    filesystem_for_this_process,
+    get_filesystem,
+    is_local,
+)
+from torchgrain.io.retry import retry_call
 from torchgrain.sources._index import ShardIndex
 
 __all__ = ["PARQUET_SUFFIXES", "ParquetSource", "arrow_type_name"]
@@ -43,7 +54,7 @@ _INT_RE = re.compile(r"-?(0|[1-9][0-9]*)")
 _MAX_OPEN_FILES = 64
 # Rough cost of one Python object held in a cached row group (object header + pointer),
 # added to the Arrow buffer size when charging the cache.
-_PY_OBJECT_BYTES = 64
+_PY_OBJECT_BYTES = 48
 _FOOTER_THREADS = 16
 # Per-process state inherited through fork is kept referenced (never freed) in the
 # child: releasing it would write to every inherited page (refcounts, allocator
@@ -72,8 +83,9 @@ class ParquetSource:
             file, a list of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
         columns: the columns to read (default: all). Only these columns' pages are read
             and decoded; partition keys may be listed too.
-        cache_bytes: budget of this process's row-group cache, in decoded bytes
-            (default 256 MiB; ``0`` disables it). Each DataLoader worker has its own.
+        cache_bytes: budget of this process's row-group cache, in bytes of decoded data
+            (default 256 MiB; ``0`` disables it). Each DataLoader worker has its own;
+            :meth:`cache_info` reports hits, misses (= row-group decodes) and evictions.
         filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
@@ -121,6 +133,19 @@ class ParquetSource:
     * anything else (``int64`` vs ``string``, ``int64`` vs ``double``, ``uint64`` vs
       ``int64``, different timestamp units, different list item types...) raises
       :class:`~torchgrain.SchemaMismatchError` naming both files and the column.
+
+    Caching and access order: a row group is decoded whole, so the cost of a read
+    depends on how often its row group is already in the cache. The first read of a
+    row group caches its Arrow table and converts only the rows asked for; a second
+    read converts the whole row group to Python values once (charged at their
+    estimated size), after which rows are gathered without decoding. With
+    :class:`~torchgrain.BlockShuffleSampler` a worker needs about ``window`` row groups
+    of cache and decodes each row group about once per epoch. With
+    :class:`~torchgrain.GlobalShuffleSampler` nearly every record of a batch comes from
+    a different row group: it is fast only while the decoded data (about its Arrow
+    size plus ~48 bytes per value) fits in every worker's ``cache_bytes``; beyond that,
+    each record costs a row-group decode, and a block shuffle (or converting to
+    ArrayRecord) is the better choice.
 
     Opening reads only the files' footers (in parallel). No file handle is kept in
     the pickled state: each process opens its own readers on first use, and a forked
@@ -253,6 +278,9 @@ class ParquetSource:
         if st is None or st.pid != os.getpid():
             if st is not None:
                 _INHERITED.append(st)
+                # Forked: the parent's async filesystem (s3fs, http) is bound to an
+                # event loop that does not run in this process.
+                self._fs = filesystem_for_this_process(self._fs)
             st = self._proc = _ProcessState(self.cache_bytes)
         return st
 
@@ -270,8 +298,10 @@ class ParquetSource:
             else:
                 handle = self._fs.open(path, "rb")
                 pf = pq.ParquetFile(handle, pre_buffer=True)
-        except FileNotFoundError:
-            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from None
+        except FileNotFoundError as e:
+            # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
+            # retries tell the two apart by it.
+            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
             if handle is not None:
                 handle.close()
@@ -326,17 +356,9 @@ class ParquetSource:
         rows = idx - self._rg_offsets[groups]
         order = np.argsort(groups, kind="stable")
         groups, rows = groups[order], rows[order]
-        cuts = np.flatnonzero(np.diff(groups)) + 1
-        starts = [0, *cuts.tolist()]
-        ends = [*cuts.tolist(), n]
-
-        st = self._state()
-        file_cols: list[list[Any]] = [[] for _ in self._file_fields]
-        for s, e in zip(starts, ends):
-            g = int(groups[s])
-            values = self._read_rows(st, g, rows[s:e], int(idx[order[s]]))
-            for out, vals in zip(file_cols, values):
-                out.extend(vals)
+        file_cols: list[list[Any]] = []
+        if self._file_fields:
+            file_cols = self._gather(groups, rows, idx[order])
         shards = self._rg_shard[groups]
         key_cols: list[list[Any]] = []
         for key, pos in zip(self._keys, self._file_pos):
@@ -344,16 +366,14 @@ class ParquetSource:
                 key_cols.append(file_cols[pos])
             else:
                 key_cols.append(self._part_values[key][shards].tolist())
-        keys = self._keys
-        if key_cols:
-            records = [dict(zip(keys, vals)) for vals in zip(*key_cols)]
-        else:
-            records = [{} for _ in range(n)]
-        if np.all(order[1:] > order[:-1]):
-            return records
-        out: list[Any] = [None] * n
-        for p, rec in zip(order.tolist(), records):
-            out[p] = rec
+        # Fill the records column by column: about 2x faster than building each dict
+        # from a zip of its values. ``in_group_order`` lists the same dicts in the
+        # order the columns were gathered in.
+        out: list[dict[str, Any]] = [{} for _ in range(n)]
+        in_group_order = [out[p] for p in order.tolist()]
+        for key, col in zip(self._keys, key_cols):
+            for rec, value in zip(in_group_order, col):
+                rec[key] = value
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -381,27 +401,62 @@ class ParquetSource:
         st.cache.clear()
 
     # ---------------------------------------------------------------- reading
-    def _read_rows(
-        self, st: _ProcessState, group: int, rows: np.ndarray, index: int
-    ) -> list[list[Any]]:
-        """Values of ``rows`` of row group ``group``, one list per file column."""
-        if not self._file_fields:
-            return []
-        if st.cache.max_bytes == 0:
-            # No cache: convert only the requested rows (the lookup only counts the miss).
-            st.cache.get(group)
-            table = self._decode(st, group, index)
-            taken = table.take(pa.array(rows))
-            cols = [_convert(c) for c in taken.columns]
-            every = np.arange(len(rows))
-            return [_gather(c, every) for c in cols]
-        cols = st.cache.get_or_load(group, lambda: self._load(st, group, index))
-        return [_gather(c, rows) for c in cols]
+    def _gather(self, groups: np.ndarray, rows: np.ndarray, indices: np.ndarray) -> list[list[Any]]:
+        """Values of ``rows`` of ``groups`` (sorted by group), one list per file column.
 
-    def _load(self, st: _ProcessState, group: int, index: int) -> tuple[list[_Column], int]:
-        table = self._decode(st, group, index)
-        cols = [_convert(c) for c in table.columns]
-        return cols, sum(c.nbytes for c in cols)
+        A row group is cached in two steps. The first read decodes it, caches the Arrow
+        table and converts only the requested rows; a later read (reuse is now proven)
+        converts the whole row group to Python values once and caches those instead.
+        So a global shuffle whose row groups fall out of the cache before being read
+        again pays one decode and a few rows' conversion per row group, and a
+        block-local or cache-resident read pays one full conversion per row group.
+        """
+        n = len(groups)
+        cuts = np.flatnonzero(np.diff(groups)) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        ends = [*cuts.tolist(), n]
+        distinct = groups[starts].tolist()
+        st = self._state()
+        cache = st.cache
+        entries = cache.get_many(distinct)  # counts a miss per absent group
+        local = rows.tolist()  # row of each value in its group's columns
+        group_cols: list[list[_Column]] = []
+        for k, entry in enumerate(entries):
+            g, s, e = distinct[k], starts[k], ends[k]
+            if entry is None:
+                table = self._decode(st, g, int(indices[s]))
+                if cache.max_bytes > 0:
+                    if 4 * (e - s) >= table.num_rows:  # most of it is needed now
+                        entry = _RowGroup(table=None, columns=_convert_table(table))
+                    else:
+                        entry = _RowGroup(table=table, columns=None)
+                    cache.put(g, entry, entry.nbytes)
+                if entry is None or entry.columns is None:
+                    taken = table.take(pa.array(local[s:e], type=pa.int64()))
+                    group_cols.append(_convert_table(taken))
+                    local[s:e] = range(e - s)
+                    continue
+            elif entry.columns is None:
+                entry.columns = _convert_table(entry.table)
+                entry.table = None
+                cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
+            group_cols.append(entry.columns)
+
+        # One pass per column over the whole batch: with a global shuffle nearly every
+        # row comes from a different row group, so per-group work would dominate.
+        which = np.repeat(np.arange(len(distinct)), np.diff([*starts, n])).tolist()
+        out: list[list[Any]] = []
+        for j in range(len(self._file_fields)):
+            cols = [gc[j] for gc in group_cols]
+            if all(c.plain for c in cols):
+                lists = [c.values for c in cols]
+                out.append([lists[k][r] for k, r in zip(which, local)])
+            else:
+                values: list[Any] = []
+                for c, s, e in zip(cols, starts, ends):
+                    values.extend(c.take(local[s:e]))
+                out.append(values)
+        return out
 
     def _decode(self, st: _ProcessState, group: int, index: int) -> pa.Table:
         shard = int(self._rg_shard[group])
@@ -409,9 +464,22 @@ class ParquetSource:
         num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
         present = self._present[shard]
         names = [f.name for f, p in zip(self._file_fields, present) if p]
-        pf = self._file(st, shard)
+
+        def read() -> pa.Table:
+            pf = self._file(st, shard)
+            return pf.read_row_group(local, columns=names, use_threads=False)
+
         try:
-            table = pf.read_row_group(local, columns=names, use_threads=False)
+            if self._local_fs:
+                table = read()
+            else:
+                table = retry_call(
+                    read,
+                    url=self.paths[shard],
+                    what=f"read of row group {local} (record index {index})",
+                )
+        except (RemoteIOError, DatasetNotFoundError, PermissionError):
+            raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptDataError(
                 f"cannot decode row group {local} of {self.paths[shard]!r} (shard {shard} of "
@@ -665,94 +733,193 @@ def arrow_type_name(t: pa.DataType) -> str:
 
 # ------------------------------------------------------------------ conversion
 class _Column:
-    """One decoded column of a row group, ready to gather rows from.
+    """One decoded column of a row group, converted once, ready to gather rows from.
 
-    ``kind`` says how to gather: ``"tolist"`` (a numpy array whose ``tolist()`` gives
-    the Python values), ``"items"`` (numpy datetime/timedelta arrays and 2-D+ arrays:
-    one numpy scalar or fresh row array per record), ``"copy"`` (an object array of
-    read-only numpy views, copied per record), ``"struct"`` and ``"arrow"`` (anything
-    else: ``to_pylist`` of the taken rows).
+    ``plain`` columns hold a Python list of final, immutable values (numbers, str,
+    bytes, None, numpy datetime64 scalars...), gathered by plain list indexing, which
+    keeps a global shuffle (about one row per row group per batch) cheap. Other
+    columns build a fresh value per record: ``"copy"`` (numpy arrays, copied so that
+    callers may write to them), ``"lists"`` (Python lists, shallow-copied), ``"struct"`` (dicts from converted children) and
+    ``"arrow"`` (anything else, through ``to_pylist``).
     """
 
-    __slots__ = ("data", "kind", "nbytes")
+    __slots__ = ("kind", "nbytes", "plain", "values")
 
-    def __init__(self, kind: str, data: Any, nbytes: int) -> None:
+    def __init__(self, kind: str, values: Any, nbytes: int) -> None:
         self.kind = kind
-        self.data = data
+        self.plain = kind == "plain"
+        self.values = values
         self.nbytes = int(nbytes)
 
+    def get(self, r: int) -> Any:
+        return self.take([r])[0]
 
-def _object_array(values: list[Any]) -> np.ndarray:
-    arr = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):  # element-wise: numpy would broadcast nested arrays
-        arr[i] = v
-    return arr
+    def take(self, rows: list[int]) -> list[Any]:
+        values = self.values
+        kind = self.kind
+        if kind == "plain":
+            return [values[r] for r in rows]
+        if kind == "copy":
+            return [_copy_value(values[r]) for r in rows]
+        if kind == "lists":  # lists of immutable values: a shallow copy is private
+            return [None if values[r] is None else list(values[r]) for r in rows]
+        if kind == "struct":
+            names, children, valid = values
+            if not names:
+                out: list[Any] = [{} for _ in rows]
+            else:
+                cols = [c.take(rows) for c in children]
+                out = [dict(zip(names, vals)) for vals in zip(*cols)]
+            if valid is not None:
+                out = [rec if valid[r] else None for rec, r in zip(out, rows)]
+            return out
+        return values.take(pa.array(rows, type=pa.int64())).to_pylist()
+
+
+class _RowGroup:
+    """A cached row group: its decoded Arrow table, or its converted columns."""
+
+    __slots__ = ("columns", "table")
+
+    def __init__(self, table: pa.Table | None, columns: list[_Column] | None) -> None:
+        self.table = table
+        self.columns = columns
+
+    @property
+    def nbytes(self) -> int:
+        if self.columns is not None:
+            return sum(c.nbytes for c in self.columns)
+        assert self.table is not None
+        return int(self.table.nbytes)
+
+
+def _convert_table(table: pa.Table) -> list[_Column]:
+    return [_convert(c) for c in table.columns]
+
+
+# Arrow buffers are read straight into numpy here: ``Array.to_numpy`` imports pandas on
+# first use (~0.3 s), which every DataLoader worker would pay again at each epoch.
+def _bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
+    """Arrow's little-endian bitmap as a bool array of ``n`` values from bit ``offset``."""
+    raw = np.frombuffer(buf, dtype=np.uint8)
+    return np.unpackbits(raw, bitorder="little", count=offset + n)[offset:].view(np.bool_)
 
 
 def _null_mask(arr: pa.Array) -> np.ndarray | None:
     if arr.null_count == 0:
         return None
-    return arr.is_null().to_numpy(zero_copy_only=False)
+    if pa.types.is_null(arr.type):
+        return np.ones(len(arr), dtype=bool)
+    return ~_bits(arr.buffers()[0], arr.offset, len(arr))
 
 
-_NUMPY_KINDS = "biufcmM"
+def _numpy_dtype(t: pa.DataType) -> tuple[np.dtype, np.dtype | None]:
+    """(storage dtype, dtype to view/cast as) of a fixed-width number or temporal type."""
+    if pa.types.is_integer(t):
+        kind = "i" if pa.types.is_signed_integer(t) else "u"
+        return np.dtype(f"<{kind}{t.bit_width // 8}"), None
+    if pa.types.is_floating(t):
+        return np.dtype(f"<f{t.bit_width // 8}"), None
+    if pa.types.is_timestamp(t):
+        return np.dtype("<i8"), np.dtype(f"datetime64[{t.unit}]")
+    if pa.types.is_duration(t):
+        return np.dtype("<i8"), np.dtype(f"timedelta64[{t.unit}]")
+    if pa.types.is_date32(t):
+        return np.dtype("<i4"), np.dtype("datetime64[D]")
+    if pa.types.is_date64(t):
+        return np.dtype("<i8"), np.dtype("datetime64[ms]")
+    raise TypeError(f"no numpy dtype for {t}")
+
+
+def _primitive_numpy(arr: pa.Array) -> np.ndarray:
+    """Values of a bool/number/temporal array (whatever sits in null slots)."""
+    n = len(arr)
+    buf = arr.buffers()[1]
+    boolean = pa.types.is_boolean(arr.type)
+    if buf is None:  # no data buffer (e.g. all null): the values are never looked at
+        storage = np.dtype(bool) if boolean else _numpy_dtype(arr.type)[0]
+        buf = np.zeros((arr.offset + n) * storage.itemsize, dtype=np.uint8)
+    if boolean:
+        return _bits(buf, arr.offset, n)
+    storage, view = _numpy_dtype(arr.type)
+    values = np.frombuffer(buf, dtype=storage, count=arr.offset + n)[arr.offset :]
+    if view is None:
+        return values
+    if view.itemsize == storage.itemsize:
+        return values.view(view)
+    return values.astype(view)
+
+
+def _with_nulls(values: list[Any], mask: np.ndarray | None) -> list[Any]:
+    if mask is not None:
+        for i in np.flatnonzero(mask).tolist():
+            values[i] = None
+    return values
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_temporal(t: pa.DataType) -> bool:
+    return pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+# Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
+_PYLIST_TYPES = (
+    pa.types.is_string,
+    pa.types.is_large_string,
+    pa.types.is_binary,
+    pa.types.is_large_binary,
+    pa.types.is_fixed_size_binary,
+    pa.types.is_decimal,
+    pa.types.is_time,
+)
 
 
 def _convert(col: pa.ChunkedArray | pa.Array) -> _Column:
-    """Convert a column to a gatherable form, column-wise (no per-cell pyarrow scalars)."""
+    """Convert a column column-wise (no per-cell pyarrow scalars) for gathering."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
         t = arr.type
     n = len(arr)
-    size = arr.nbytes
+    # Python lists cost a pointer per value plus the value object (small for numbers).
+    overhead = n * _PY_OBJECT_BYTES
     if pa.types.is_null(t):
-        return _Column("tolist", np.full(n, None, dtype=object), n * 8)
-    simple = (
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_date(t)
-        or pa.types.is_duration(t)
-    )
-    if simple:
+        return _Column("plain", [None] * n, n * 8)
+    if _is_number(t):
         mask = _null_mask(arr)
-        temporal = not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
-        if mask is None:
-            values = arr.to_numpy(zero_copy_only=False)
-            return _Column("items" if temporal else "tolist", values, values.nbytes)
-        values = arr.fill_null(False if pa.types.is_boolean(t) else 0)
-        values = values.to_numpy(zero_copy_only=False)
-        obj = _object_array(list(values) if temporal else values.tolist())
-        obj[mask] = None
-        return _Column("tolist", obj, size + n * _PY_OBJECT_BYTES)
-    if (
-        pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-        or pa.types.is_binary(t)
-        or pa.types.is_large_binary(t)
-        or pa.types.is_fixed_size_binary(t)
-        or pa.types.is_decimal(t)
-        or pa.types.is_time(t)
-    ):
-        values = arr.to_numpy(zero_copy_only=False)
-        return _Column("tolist", values, size + n * _PY_OBJECT_BYTES)
-    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        values = _primitive_numpy(arr).tolist()
+        return _Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
+    if _is_temporal(t):
+        # numpy scalars keep the unit (nanoseconds included); Python datetime cannot.
+        mask = _null_mask(arr)
+        values = list(_primitive_numpy(arr))
+        return _Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
+    if any(is_type(t) for is_type in _PYLIST_TYPES):
+        return _Column("plain", arr.to_pylist(), arr.nbytes + overhead)
+    if _is_list(t):
         converted = _lists_to_numpy(arr)
+        if converted is not None:
+            return converted
+    elif pa.types.is_map(t):
+        converted = _maps_to_python(arr)
         if converted is not None:
             return converted
     elif pa.types.is_struct(t):
         children = [_convert(c) for c in arr.flatten()]
         names = [f.name for f in t]
-        valid = None if arr.null_count == 0 else ~_null_mask(arr)
-        return _Column(
-            "struct",
-            (names, children, valid),
-            sum(c.nbytes for c in children) + n * _PY_OBJECT_BYTES,
-        )
-    return _Column("arrow", arr, size + n * _PY_OBJECT_BYTES)
+        mask = _null_mask(arr)
+        valid = None if mask is None else (~mask).tolist()
+        nbytes = sum(c.nbytes for c in children) + overhead
+        return _Column("struct", (names, children, valid), nbytes)
+    return _Column("arrow", arr, arr.nbytes + overhead)
 
 
 def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
@@ -761,81 +928,107 @@ def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
         k = arr.type.list_size
         offsets = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
         return offsets, arr.values
-    return arr.offsets.to_numpy(zero_copy_only=False).astype(np.int64, copy=False), arr.values
+    dtype = np.int64 if pa.types.is_large_list(arr.type) else np.int32
+    offsets = np.frombuffer(arr.buffers()[1], dtype=dtype, count=arr.offset + len(arr) + 1)
+    return offsets[arr.offset :].astype(np.int64), arr.values
 
 
 def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
-    """A numeric/bool/temporal child as numpy, or None when numpy cannot hold it."""
+    """A numeric/bool/temporal child as numpy (null slots undefined), else None."""
     t = arr.type
-    numeric = (
-        pa.types.is_integer(t)
-        or pa.types.is_floating(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_timestamp(t)
-        or pa.types.is_date(t)
-        or pa.types.is_duration(t)
-    )
-    if not numeric or arr.null_count:
+    if not (_is_number(t) or _is_temporal(t)):
         return None
-    values = arr.to_numpy(zero_copy_only=False)
-    if values.dtype.kind not in _NUMPY_KINDS:
-        return None
+    values = _primitive_numpy(arr)
     values.setflags(write=False)
     return values
 
 
+def _nulls_only_in_null_rows(
+    child: pa.Array, outer: np.ndarray, n: int, mask: np.ndarray | None
+) -> bool:
+    """True when every null item of ``child`` lies in a null row (e.g. fixed-size lists)."""
+    child_mask = _null_mask(child)
+    if child_mask is None:
+        return True
+    pos = np.flatnonzero(child_mask)
+    owner = np.searchsorted(outer, pos, side="right") - 1
+    owner = owner[(owner >= 0) & (owner < n) & (pos < outer[-1])]
+    return mask is not None and bool(mask[owner].all())
+
+
 def _lists_to_numpy(arr: pa.Array) -> _Column | None:
-    """List columns of numbers as per-row numpy arrays (2-D where rectangular)."""
+    """List columns of numbers as per-row numpy arrays (2-D where rectangular).
+
+    Rows are read-only views of one buffer here; ``take`` copies them, so callers get
+    writable arrays that do not alias the cache. Lists whose items are not numbers, or
+    hold nulls, become Python lists.
+    """
     n = len(arr)
     mask = _null_mask(arr)
     outer, child = _list_offsets(arr)
-    ct = child.type
-    nested = pa.types.is_list(ct) or pa.types.is_large_list(ct) or pa.types.is_fixed_size_list(ct)
-    if not nested:
+    bounds = outer.tolist()
+    leaf = None
+    if not _is_list(child.type):
         leaf = _leaf_numpy(child)
-        if leaf is None:
-            return None
-        if pa.types.is_fixed_size_list(arr.type) and mask is None:
+        if leaf is None or not _nulls_only_in_null_rows(child, outer, n, mask):
+            return _lists_to_python(arr, mask, bounds, child)
+        if pa.types.is_fixed_size_list(arr.type):
             k = arr.type.list_size
-            start = int(outer[0])
-            mat = leaf[start : start + n * k].reshape(n, k)
-            return _Column("items", mat, mat.nbytes)
-        bounds = outer.tolist()
-        rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
-        nbytes = leaf.nbytes
+            rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
+        else:
+            rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
     else:
-        if child.null_count:
-            return None
         inner, grandchild = _list_offsets(child)
         leaf = _leaf_numpy(grandchild)
-        if leaf is None:
+        if leaf is None or child.null_count or grandchild.null_count:
             return None
-        if (
-            pa.types.is_fixed_size_list(arr.type)
-            and pa.types.is_fixed_size_list(ct)
-            and mask is None
-        ):
-            a, b = arr.type.list_size, ct.list_size
-            start = int(inner[outer[0]])
-            cube = leaf[start : start + n * a * b].reshape(n, a, b)
-            return _Column("items", cube, cube.nbytes)
-        lengths = np.diff(inner)
-        bounds = outer.tolist()
-        rows = []
-        for i in range(n):
-            lo, hi = bounds[i], bounds[i + 1]
-            lens = lengths[lo:hi]
-            if hi == lo:
-                rows.append(leaf[0:0].reshape(0, 0))
-            elif (lens == lens[0]).all():
-                rows.append(leaf[int(inner[lo]) : int(inner[hi])].reshape(hi - lo, int(lens[0])))
-            else:
-                rows.append([leaf[int(inner[j]) : int(inner[j + 1])] for j in range(lo, hi)])
-        nbytes = leaf.nbytes
-    if mask is not None:
-        for i in np.flatnonzero(mask).tolist():
-            rows[i] = None
-    return _Column("copy", _object_array(rows), nbytes + n * 2 * _PY_OBJECT_BYTES)
+        if pa.types.is_fixed_size_list(arr.type) and pa.types.is_fixed_size_list(child.type):
+            a, b = arr.type.list_size, child.type.list_size
+            start = int(inner[bounds[0]])
+            rows = list(leaf[start : start + n * a * b].reshape(n, a, b))
+        else:
+            lengths = np.diff(inner)
+            rows = []
+            for i in range(n):
+                lo, hi = bounds[i], bounds[i + 1]
+                lens = lengths[lo:hi]
+                if hi == lo:
+                    rows.append(leaf[0:0].reshape(0, 0))
+                elif (lens == lens[0]).all():
+                    part = leaf[int(inner[lo]) : int(inner[hi])]
+                    rows.append(part.reshape(hi - lo, int(lens[0])))
+                else:
+                    rows.append([leaf[int(inner[j]) : int(inner[j + 1])] for j in range(lo, hi)])
+    return _Column("copy", _with_nulls(rows, mask), leaf.nbytes + n * 2 * _PY_OBJECT_BYTES)
+
+
+def _lists_to_python(
+    arr: pa.Array, mask: np.ndarray | None, bounds: list[int], child: pa.Array
+) -> _Column | None:
+    """Lists of strings, bytes, or numbers with null items, as Python lists."""
+    values = _convert(child)
+    if not values.plain:
+        return None
+    items = values.values
+    n = len(arr)
+    rows: list[Any] = [items[bounds[i] : bounds[i + 1]] for i in range(n)]
+    return _Column("lists", _with_nulls(rows, mask), values.nbytes + n * _PY_OBJECT_BYTES)
+
+
+def _maps_to_python(arr: pa.MapArray) -> _Column | None:
+    """Map columns as lists of ``(key, value)`` tuples, like ``to_pylist``."""
+    n = len(arr)
+    mask = _null_mask(arr)
+    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=arr.offset + n + 1)
+    bounds = offsets[arr.offset :].tolist()
+    key_arr, item_arr = arr.values.flatten()
+    keys, items = _convert(key_arr), _convert(item_arr)
+    if not (keys.plain and items.plain):
+        return None
+    pairs = list(zip(keys.values, items.values))
+    rows: list[Any] = [pairs[bounds[i] : bounds[i + 1]] for i in range(n)]
+    nbytes = keys.nbytes + items.nbytes + (len(pairs) + n) * _PY_OBJECT_BYTES
+    return _Column("lists", _with_nulls(rows, mask), nbytes)
 
 
 def _copy_value(v: Any) -> Any:
@@ -844,28 +1037,6 @@ def _copy_value(v: Any) -> Any:
     if isinstance(v, np.ndarray):
         return v.copy()
     return [a.copy() for a in v]
-
-
-def _gather(col: _Column, rows: np.ndarray) -> list[Any]:
-    """The values of ``rows`` (local row numbers) of a converted column."""
-    kind = col.kind
-    if kind == "tolist":
-        return col.data[rows].tolist()
-    if kind == "items":
-        return list(col.data[rows])
-    if kind == "copy":
-        return [_copy_value(v) for v in col.data[rows].tolist()]
-    if kind == "struct":
-        names, children, valid = col.data
-        values = [_gather(c, rows) for c in children]
-        out: list[Any] = [dict(zip(names, vals)) for vals in zip(*values)]
-        if not names:
-            out = [{} for _ in range(len(rows))]
-        if valid is not None:
-            ok = valid[rows]
-            out = [rec if good else None for rec, good in zip(out, ok.tolist())]
-        return out
-    return col.data.take(pa.array(rows)).to_pylist()
 
 
 def _close_reader(pf: pq.ParquetFile, handle: Any) -> None:
