@@ -12,6 +12,11 @@ demo: setup
 test:
 	bash scripts/test.sh
 
+# Every benchmark (benchmarks/run_all.py): JSON and PNGs under benchmarks/results/.
+bench:
+	TORCHGRAIN_EXTRAS=test,bench bash scripts/setup.sh
+	$(VENV)/bin/python benchmarks/run_all.py
+
 lint: setup
 	$(VENV)/bin/python -m ruff check torchgrain tests benchmarks
 	$(VENV)/bin/python -m ruff format --check torchgrain tests benchmarks

@@ -1,4 +1,4 @@
-"""The ``torchgrain`` command line: demo, inspect, convert (the jobs around training)."""
+"""The ``torchgrain`` command line: demo, inspect, convert, bench (the jobs around training)."""
 
 from __future__ import annotations
 
@@ -204,6 +204,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from torchgrain.bench import run_bench
+
+    report = run_bench(
+        args.path,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        seconds=args.seconds,
+        fmt=args.format,
+        columns=args.columns,
+        prefetch_factor=args.prefetch_factor,
+        seed=args.seed,
+        out=None if args.json else print,
+    )
+    if args.json:
+        for mode in report["modes"]:
+            st = mode.pop("stats")
+            mode["workers"] = st.workers
+        print(json.dumps(report, indent=1, default=str))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchgrain",
@@ -264,6 +286,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-verify", action="store_true", help="skip reading shards back")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=cmd_convert)
+
+    b = sub.add_parser(
+        "bench",
+        help="measure reading a dataset (sequential and shuffled) and suggest what would help",
+    )
+    b.add_argument("path", nargs="+", help="ArrayRecord or Parquet directory, glob or file(s)")
+    b.add_argument("--batch-size", type=int, default=256)
+    b.add_argument("--workers", type=int, default=8, help="DataLoader num_workers")
+    b.add_argument("--seconds", type=float, default=10.0, help="total measuring time")
+    b.add_argument("--prefetch-factor", type=int, default=4)
+    b.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "array_record", "parquet"),
+        help="default: by file suffix (.parquet/.parq/.pq: Parquet)",
+    )
+    b.add_argument("--columns", nargs="+", default=None, help="Parquet columns to read")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--json", action="store_true", help="machine-readable output")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
@@ -286,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         from torchgrain.errors import TorchgrainError
 
-        if isinstance(e, (TorchgrainError, FileNotFoundError, FileExistsError, IndexError)):
+        if isinstance(
+            e, (TorchgrainError, FileNotFoundError, FileExistsError, IndexError, ValueError)
+        ):
             print(f"torchgrain: error: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise

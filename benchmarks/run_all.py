@@ -1,0 +1,85 @@
+"""Run every benchmark in this directory, one after another, each in its own process.
+
+Each ``benchmarks/*.py`` script (except this one and the ``_``-prefixed helpers) runs
+with its default arguments, which are sized so that the whole set finishes in about
+10-15 minutes on a 2-core machine. Every script writes its own
+``benchmarks/results/NAME.json`` (and PNGs where it draws one); this one adds
+``benchmarks/results/run_all.json``: which scripts ran, how long each took, and whether
+it succeeded.
+
+Run:   python benchmarks/run_all.py                 (or: make bench)
+       python benchmarks/run_all.py --only pipeline_lessons end_to_end
+       python benchmarks/run_all.py --skip sampler --timeout 900
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import describe_machine, print_table, write_json
+
+HERE = Path(__file__).resolve().parent
+
+# The order they run in (scripts not named here run afterwards, alphabetically), and
+# arguments that keep a script's run short where its defaults are sized for a big box.
+ORDER = ("pipeline_lessons", "end_to_end", "random_access", "native_reader", "map_batch")
+ARGS: dict[str, list[str]] = {}
+# Scripts here that are not benchmarks (run them by hand, as their docstrings say).
+NOT_BENCHMARKS = {"ddp_train": "a DDP training example, run with torchrun"}
+
+
+def discover() -> list[str]:
+    names = sorted(
+        p.stem
+        for p in HERE.glob("*.py")
+        if not p.stem.startswith("_") and p.stem != "run_all" and p.stem not in NOT_BENCHMARKS
+    )
+    return [n for n in ORDER if n in names] + [n for n in names if n not in ORDER]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", help="run just these (names without .py)")
+    p.add_argument("--skip", nargs="*", default=[], help="leave these out")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per benchmark")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = p.parse_args(argv)
+
+    names = [n for n in discover() if (not args.only or n in args.only) and n not in args.skip]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    unknown = set(args.only or ()) - set(discover())
+    if unknown:
+        print(f"run_all: no benchmark named {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    print(f"machine: {describe_machine()}")
+    rows = []
+    root = str(HERE.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for name in names:
+        cmd = [sys.executable, str(HERE / f"{name}.py"), *ARGS.get(name, [])]
+        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=root, env=env, timeout=args.timeout)
+            status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {args.timeout:.0f}s"
+        rows.append({"benchmark": name, "status": status, "seconds": time.perf_counter() - t0})
+    print()
+    print_table(rows, ["benchmark", "status", "seconds"])
+    write_json("run_all", {"runs": rows})
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
