@@ -198,3 +198,14 @@ def test_group_size_and_compression_options(tmp_path):
             same_record(rec, recs[i])
     with pytest.raises(ValueError):
         tg.write_array_record(recs, tmp_path / "x", compression="lz4")
+
+
+def test_overwrite_replaces_a_damaged_dataset(small_dataset):
+    d, _ = small_dataset
+    with open(os.path.join(d, "torchgrain.json"), "w") as f:
+        f.write("{broken")
+    tg.write_array_record(make_records(7), d, num_shards=2, overwrite=True)
+    src = tg.ArrayRecordSource(d)
+    assert len(src) == 7 and src.num_shards == 2
+    assert sorted(os.listdir(d))[-1] == "torchgrain.json"
+    assert all(s.checksum.startswith("blake2b-records:") for s in src.manifest.shards)

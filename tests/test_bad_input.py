@@ -178,3 +178,22 @@ def test_manifest_fuzz_never_crashes(blob):
     except CorruptDataError:
         return
     assert all(s.num_records >= 0 for s in m.shards)
+
+
+def test_shard_replaced_after_manifest_is_detected(dataset, tmp_path):
+    other = tmp_path / "other"
+    tg.write_array_record(make_records(50), other, num_shards=1)
+    shutil.copy(other / "data-00000-of-00001.array_record", dataset / SHARD)
+    src = tg.ArrayRecordSource(dataset)
+    with pytest.raises(CorruptDataError, match=r"holds 50 records .* manifest lists 30"):
+        src[31]
+
+
+def test_directory_with_missing_shard_names_them(dataset):
+    os.unlink(dataset / "torchgrain.json")
+    os.unlink(dataset / SHARD)
+    with pytest.raises(DatasetNotFoundError, match=r"shards 1 of 3 are missing"):
+        tg.ArrayRecordSource(dataset)
+    # an explicit subset (a file or a glob) is the user's choice
+    assert len(tg.ArrayRecordSource(str(dataset / "data-00000-of-00003.array_record"))) == 30
+    assert len(tg.ArrayRecordSource(str(dataset / "*.array_record"))) == 60

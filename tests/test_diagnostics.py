@@ -76,3 +76,16 @@ def test_timed_loop_left_early_still_reports_its_wall_time():
     rep = tg.stats(it)
     assert rep.consumer["batches"] == 3
     assert it.wall_seconds > 0 and rep.wait_fraction is not None
+
+
+def test_parquet_cache_hits_and_misses_reach_stats(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "a.parquet", row_group_size=10)
+    ds = tg.Dataset(tg.ParquetSource(tmp_path))
+    for _batch in DataLoader(ds, batch_size=5, num_workers=0):
+        pass
+    total = tg.stats(ds).total
+    assert total["cache_misses"] == 10 and total["cache_hits"] == 10  # 2 batches per group
+    assert total["bytes_read"] > 0 and total["records"] == 100

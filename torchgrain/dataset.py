@@ -295,6 +295,11 @@ class Dataset(torch.utils.data.Dataset):
             get_many = getattr(self._source, "__getitems__", None)
             if get_many is not None:
                 records = get_many(indices)
+                if len(records) != len(indices):
+                    raise RuntimeError(
+                        f"{type(self._source).__name__}.__getitems__ returned {len(records)} "
+                        f"records for {len(indices)} indices"
+                    )
             else:
                 records = [self._source[i] for i in indices]
         t1 = time.perf_counter()

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sized
 from typing import Any
 
 from torchgrain.checksums import RecordHasher
-from torchgrain.errors import TorchgrainError
+from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.sources.codecs import get_codec, merge_schema
 from torchgrain.sources.manifest import (
@@ -101,11 +101,15 @@ def write_array_record(
         )
     root = os.path.abspath(root)
     os.makedirs(root, exist_ok=True)
-    old = read_manifest(fs, root)
-    if old is not None and not overwrite:
+    manifest_path = os.path.join(root, MANIFEST_NAME)
+    if os.path.exists(manifest_path) and not overwrite:
         raise FileExistsError(
             f"{root} already holds a torchgrain dataset ({MANIFEST_NAME}); pass overwrite=True"
         )
+    try:
+        old = read_manifest(fs, root)
+    except CorruptDataError:
+        old = None  # overwriting a damaged dataset: its manifest is replaced below
     enc = get_codec(codec)
     if not callable(getattr(enc, "encode", None)):
         raise ValueError(f"codec {codec!r} cannot encode records")
@@ -152,10 +156,16 @@ def write_array_record(
         for w in writers:
             w.close()
         writers = []
+        # Replacing a dataset: first retire the old manifest, then every old shard, and
+        # only then publish the new shards. A crash in between leaves either complete new
+        # shards without a manifest (still readable, counted from their footers) or an
+        # incomplete -of-N shard set, which sources refuse: never old and new mixed.
+        if os.path.exists(manifest_path):
+            os.unlink(manifest_path)
         if old is not None:
-            for s in old.shards:
-                stale = os.path.join(root, s.path)
-                if s.path not in names and os.path.exists(stale):
+            for info in old.shards:
+                stale = os.path.join(root, info.path)
+                if os.path.exists(stale):
                     os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
@@ -167,7 +177,7 @@ def write_array_record(
             )
         manifest = Manifest(codec=enc.name, shards=shards, schema=schema, group_size=group_size)
         manifest.extra["compression"] = compression
-        atomic_write_text(os.path.join(root, MANIFEST_NAME), manifest.to_json())
+        atomic_write_text(manifest_path, manifest.to_json())
     finally:
         for w in writers:
             with contextlib.suppress(Exception):

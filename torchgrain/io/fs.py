@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -123,6 +124,7 @@ def expand_paths(
                     f"directory {item!r} holds no {kind} file (looked for names containing "
                     f"{', '.join(suffixes)})"
                 )
+            check_shard_sets(found, where=item)
             out.extend(_unstrip(item_fs, p) for p in found)
         elif item_fs.isfile(stripped):
             out.append(_unstrip(item_fs, stripped))
@@ -133,6 +135,39 @@ def expand_paths(
     seen: set[str] = set()
     unique = [p for p in out if not (p in seen or seen.add(p))]
     return fs, unique
+
+
+_SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5,})-of-(?P<n>\d{5,})(?P<ext>\.[^/]*)?$")
+
+
+def check_shard_sets(paths: Sequence[str], *, where: str = "") -> None:
+    """Refuse a directory whose ``NAME-00003-of-00008`` shard sets are incomplete.
+
+    Writers (torchgrain's, TFDS, Beam) name shards ``...-iiiii-of-nnnnn``; a directory
+    missing some of them was copied or written only in part, and reading it would
+    silently drop records.
+
+    Example:
+        >>> check_shard_sets(["d/a-00000-of-00002.x", "d/a-00001-of-00002.x"])
+        >>> check_shard_sets(["d/a-00000-of-00003.x"])
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.DatasetNotFoundError: incomplete shard set d/a-*-of-00003.x: shards 1, 2 of 3 are missing
+    """
+    sets: dict[tuple[str, str, str], set[int]] = {}
+    for p in paths:
+        m = _SHARD_NAME.match(p.rstrip("/"))
+        if m:
+            key = (m["stem"], m["n"], m["ext"] or "")
+            sets.setdefault(key, set()).add(int(m["i"]))
+    for (stem, n, ext), have in sets.items():
+        missing = sorted(set(range(int(n))) - have)
+        if missing:
+            shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
+            raise DatasetNotFoundError(
+                f"incomplete shard set {stem}-*-of-{n}{ext}{' in ' + where if where else ''}: "
+                f"shards {shown} of {int(n)} are missing"
+            )
 
 
 def _is_data_file(path: str, suffixes: tuple[str, ...]) -> bool:

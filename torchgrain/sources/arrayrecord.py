@@ -218,8 +218,24 @@ class ArrayRecordSource:
                 filesystem=self._fs if self._remote else None,
                 verify_checksums=self._verify,
             )
+            self._check_count(shard, f)
             self._files[shard] = f
         return f
+
+    def _check_count(self, shard: int, f: ArrayRecordFile) -> None:
+        """A shard must hold exactly the records the manifest promised (none skipped)."""
+        if self.manifest is None:
+            return
+        expected = int(self.index.offsets[shard + 1] - self.index.offsets[shard])
+        n = f.num_records
+        if n != expected:
+            f.close()
+            raise CorruptDataError(
+                f"shard {shard} {self.paths[shard]!r} holds {n} records but the dataset's "
+                f"manifest lists {expected}: the shard was replaced after the manifest was "
+                "written (rewrite the dataset, or delete torchgrain.json to count records "
+                "from the shards' footers)"
+            )
 
     def _cache_key(self, shard: int) -> tuple[str, int | None, str | None]:
         info = self.manifest.shards[shard] if self.manifest is not None else None
@@ -275,6 +291,7 @@ class ArrayRecordSource:
             )
             hit = (path, ino)
         assert hit is not None
+        self._check_count(shard, f)
         with self._lock:
             old = self._cached_open.pop(shard, None)
             self._cached_open[shard] = [hit[0], hit[1], f, now]

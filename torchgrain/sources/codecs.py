@@ -71,6 +71,9 @@ def _encode_ndarray(arr: np.ndarray) -> msgpack.ExtType:
         )
     if arr.ndim > _MAX_NDIM:
         raise ValueError(f"arrays of more than {_MAX_NDIM} dimensions are not supported")
+    if not arr.dtype.isnative:
+        # Stored in native order: torch (and the default collate) refuses big-endian data.
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     dt = arr.dtype.str.encode("ascii")
     header = struct.pack(f"<B{len(dt)}sB{arr.ndim}Q", len(dt), dt, arr.ndim, *arr.shape)
     return msgpack.ExtType(_NDARRAY_EXT, header + np.ascontiguousarray(arr).tobytes())

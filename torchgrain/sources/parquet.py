@@ -18,6 +18,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
@@ -169,6 +171,9 @@ class ParquetSource:
         >>> src.block_offsets().tolist()   # row groups of 2 + 1 rows in each file
         [0, 2, 3, 5, 6]
     """
+
+    #: Tells :class:`~torchgrain.Dataset` that this source times its own reads.
+    reports_stats = True
 
     def __init__(
         self,
@@ -418,13 +423,19 @@ class ParquetSource:
         distinct = groups[starts].tolist()
         st = self._state()
         cache = st.cache
+        t_start = time.perf_counter()
+        read_seconds = 0.0
+        read_bytes = 0
         entries = cache.get_many(distinct)  # counts a miss per absent group
         local = rows.tolist()  # row of each value in its group's columns
         group_cols: list[list[_Column]] = []
         for k, entry in enumerate(entries):
             g, s, e = distinct[k], starts[k], ends[k]
             if entry is None:
+                t0 = time.perf_counter()
                 table = self._decode(st, g, int(indices[s]))
+                read_seconds += time.perf_counter() - t0
+                read_bytes += table.nbytes
                 if cache.max_bytes > 0:
                     if 4 * (e - s) >= table.num_rows:  # most of it is needed now
                         entry = _RowGroup(table=None, columns=_convert_table(table))
@@ -437,9 +448,12 @@ class ParquetSource:
                     local[s:e] = range(e - s)
                     continue
             elif entry.columns is None:
-                entry.columns = _convert_table(entry.table)
-                entry.table = None
-                cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
+                # Reuse is proven: convert the whole row group once. A new entry replaces
+                # the cached one (never mutated in place: another thread may be reading it).
+                table = entry.table
+                if table is not None:
+                    entry = _RowGroup(table=None, columns=_convert_table(table))
+                    cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
             group_cols.append(entry.columns)
 
         # One pass per column over the whole batch: with a global shuffle nearly every
@@ -456,6 +470,13 @@ class ParquetSource:
                 for c, s, e in zip(cols, starts, ends):
                     values.extend(c.take(local[s:e]))
                 out.append(values)
+        counters = local_counters()
+        misses = sum(1 for entry in entries if entry is None)
+        counters[COUNTER["cache_misses"]] += misses
+        counters[COUNTER["cache_hits"]] += len(entries) - misses
+        counters[COUNTER["read_seconds"]] += read_seconds
+        counters[COUNTER["bytes_read"]] += read_bytes
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         return out
 
     def _decode(self, st: _ProcessState, group: int, index: int) -> pa.Table:
