@@ -20,5 +20,8 @@ if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   echo "setup: installing $TORCH_SPEC"
   "${PIP[@]}" install "$TORCH_SPEC"
 fi
-echo "setup: installing torchgrain[$EXTRAS]"
-"${PIP[@]}" install -e ".[$EXTRAS]"
+# The versions the test suite was last run with (a lock for reproducible CI); set
+# TORCHGRAIN_CONSTRAINTS= (empty) to let pip resolve the newest versions instead.
+CONSTRAINTS=${TORCHGRAIN_CONSTRAINTS-scripts/constraints.txt}
+echo "setup: installing torchgrain[$EXTRAS]${CONSTRAINTS:+ (constraints: $CONSTRAINTS)}"
+"${PIP[@]}" install ${CONSTRAINTS:+-c "$CONSTRAINTS"} -e ".[$EXTRAS]"

@@ -16,8 +16,11 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
   "${PIP[@]}" install "$TORCH_SPEC"
 fi
+CONSTRAINTS=${TORCHGRAIN_BEAM_CONSTRAINTS-scripts/constraints-beam.txt}
 if ! "$VENV/bin/python" -c 'import apache_beam, torchgrain' >/dev/null 2>&1; then
-  "${PIP[@]}" install -e ".[beam,test]"
+  # Only what the Beam, convert and TFDS tests need, at versions known to work together.
+  "${PIP[@]}" install ${CONSTRAINTS:+-c "$CONSTRAINTS"} -e ".[beam]" \
+    pytest pytest-timeout hypothesis Pillow
 fi
 "$VENV/bin/python" -c 'import apache_beam, pyarrow; print(f"test_beam: apache-beam {apache_beam.__version__}, pyarrow {pyarrow.__version__}")'
 "$VENV/bin/python" -m pytest -p no:cacheprovider tests/test_beam.py tests/test_convert.py tests/test_tfds.py "$@"
