@@ -10,8 +10,9 @@ Example:
     [[0, 1, 2], [3, 4, 5]]
 """
 
+from typing import TYPE_CHECKING, Any
+
 from torchgrain.convert import convert
-from torchgrain.dataset import Dataset, record_rng
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
     CorruptDataError,
@@ -21,25 +22,65 @@ from torchgrain.errors import (
     SchemaMismatchError,
     TorchgrainError,
 )
-from torchgrain.prefetch import CudaPrefetcher
-from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
 from torchgrain.sources._index import ShardIndex
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.codecs import register_codec
 from torchgrain.sources.parquet import ParquetSource
-from torchgrain.transforms import (
-    Albumentations,
-    LabelToIndex,
-    MaskTokens,
-    RandomImageTransform,
-    RenameKeys,
-    SelectKeys,
-    ToTensor,
-    decode_image,
-    stack_key,
-    unstack_key,
-)
 from torchgrain.writers import write_array_record
+
+# The names below need torch, whose import takes seconds. They load on first use, so
+# processes that only read or convert data (e.g. `torchgrain convert`'s worker pool)
+# start without importing torch; `import torchgrain` stays cheap.
+_TORCH_NAMES = {
+    "Dataset": "torchgrain.dataset",
+    "record_rng": "torchgrain.dataset",
+    "CudaPrefetcher": "torchgrain.prefetch",
+    "BlockShuffleSampler": "torchgrain.sampling",
+    "GlobalShuffleSampler": "torchgrain.sampling",
+    "Albumentations": "torchgrain.transforms",
+    "LabelToIndex": "torchgrain.transforms",
+    "MaskTokens": "torchgrain.transforms",
+    "RandomImageTransform": "torchgrain.transforms",
+    "RenameKeys": "torchgrain.transforms",
+    "SelectKeys": "torchgrain.transforms",
+    "ToTensor": "torchgrain.transforms",
+    "decode_image": "torchgrain.transforms",
+    "stack_key": "torchgrain.transforms",
+    "unstack_key": "torchgrain.transforms",
+}
+
+if TYPE_CHECKING:
+    from torchgrain.dataset import Dataset, record_rng
+    from torchgrain.prefetch import CudaPrefetcher
+    from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
+    from torchgrain.transforms import (
+        Albumentations,
+        LabelToIndex,
+        MaskTokens,
+        RandomImageTransform,
+        RenameKeys,
+        SelectKeys,
+        ToTensor,
+        decode_image,
+        stack_key,
+        unstack_key,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _TORCH_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchgrain' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TORCH_NAMES))
+
 
 __version__ = "0.1.0"
 
