@@ -546,13 +546,17 @@ def test_source_cache_bound_and_hits(tmp_path):
     assert src.cache_info().entries == 0
     # Two-step caching: a first read of a few rows keeps the Arrow table, a second
     # read converts the row group (re-charged at its converted size).
-    two = tg.ParquetSource(path)
+    big = write(str(tmp_path / "big.parquet"), t, row_group_size=50)
+    two = tg.ParquetSource(big)
     assert two[42]["x"] == 42
     arrow_bytes = two.cache_info().current_bytes
-    assert arrow_bytes < entry
     assert two.__getitems__([41, 43]) == [{"x": 41}, {"x": 43}]
     info = two.cache_info()
-    assert (info.hits, info.misses, info.current_bytes) == (1, 1, entry)
+    assert (info.hits, info.misses) == (1, 1) and info.current_bytes > arrow_bytes
+    # Block-local reads (a good share of a row group in one batch) convert at once.
+    three = tg.ParquetSource(big)
+    assert [r["x"] for r in three.__getitems__([7, 3, 5, 1])] == [7, 3, 5, 1]
+    assert three.cache_info().current_bytes == info.current_bytes
     off = tg.ParquetSource(path, cache_bytes=0)
     off.__getitems__([0, 1, 2, 3])
     off.__getitems__([0])
@@ -644,7 +648,7 @@ def test_reading_does_not_import_pandas(tmp_path):
 
 
 # ------------------------------------------------------------------ samplers
-def _decodes_seen(tmp_path, sampler_kind, cache_bytes, num_workers):
+def _decodes_seen(tmp_path, sampler_kind, cache_bytes, num_workers, sampler_kw=None):
     """Max row-group decodes per DataLoader worker over one epoch, and the ids read."""
     sampling = pytest.importorskip("torchgrain.sampling")
     d, _ = make_sharded(tmp_path, [40, 25, 55], rg=10, name=f"s-{sampler_kind}-{cache_bytes}")
@@ -658,7 +662,9 @@ def _decodes_seen(tmp_path, sampler_kind, cache_bytes, num_workers):
 
     ds = tg.Dataset(src).map(tag)
     if sampler_kind == "block":
-        sampler = sampling.BlockShuffleSampler(ds, window=2, num_replicas=1, rank=0, seed=3)
+        sampler = sampling.BlockShuffleSampler(
+            ds, window=2, num_replicas=1, rank=0, seed=3, **(sampler_kw or {})
+        )
     else:
         sampler = sampling.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=3)
     loader = torch.utils.data.DataLoader(
@@ -683,9 +689,24 @@ def test_block_shuffle_decodes_each_row_group_once_per_worker(tmp_path, num_work
     assert len(per_worker) == max(1, num_workers)
     assert all(n <= num_rgs for n in per_worker.values()), per_worker
     # A cache holding a window (2 row groups) is enough for block-local order.
-    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "block", 3 * 2000, 0)
+    probe = tg.ParquetSource(make_sharded(tmp_path, [40, 25, 55], rg=10, name="probe")[0])
+    probe.__getitems__(range(10))  # one row group, converted
+    one_group = probe.cache_info().current_bytes
+    per_worker, ids, num_rgs = _decodes_seen(tmp_path, "block", 3 * one_group, 0)
     assert sorted(ids) == list(range(120))
     assert per_worker[-1] <= num_rgs + 2
+
+
+def test_block_shuffle_dealt_to_workers_splits_the_decodes(tmp_path):
+    # Told the loader's batch_size and num_workers, the sampler gives each worker its
+    # own part of the epoch: together the workers decode each row group about once.
+    plain, _, num_rgs = _decodes_seen(tmp_path, "block", 1 << 20, 2)
+    dealt, dealt_ids, _ = _decodes_seen(
+        tmp_path, "block", 1 << 20, 2, {"batch_size": 8, "num_workers": 2}
+    )
+    assert sorted(dealt_ids) == list(range(120))
+    assert sum(dealt.values()) <= num_rgs + 2, dealt  # a row group may straddle two parts
+    assert sum(plain.values()) > sum(dealt.values()) + num_rgs // 2, (plain, dealt)
 
 
 def test_global_shuffle_needs_the_cache(tmp_path):

@@ -60,7 +60,7 @@ class ShardIndex:
             IndexError: for a negative or out-of-range index (no wrap-around).
             TypeError: for a non-integer index.
         """
-        if isinstance(indices, (list, tuple)) and any(type(i) is bool for i in indices):
+        if isinstance(indices, (list, tuple)) and bool in set(map(type, indices)):
             raise TypeError("record indices must be integers, got bool")
         arr = np.asarray(indices)
         if arr.dtype == object or arr.dtype.kind not in "iu":

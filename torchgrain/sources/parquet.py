@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +59,9 @@ _MAX_OPEN_FILES = 64
 # added to the Arrow buffer size when charging the cache.
 _PY_OBJECT_BYTES = 48
 _FOOTER_THREADS = 16
+# A row group first read with at least 1/_CONVERT_WHOLE of its rows in one batch is
+# converted whole at once (block-local reads); otherwise only those rows, until reuse.
+_CONVERT_WHOLE = 16
 # Per-process state inherited through fork is kept referenced (never freed) in the
 # child: releasing it would write to every inherited page (refcounts, allocator
 # metadata) and turn shared copy-on-write pages into private copies.
@@ -208,6 +212,7 @@ class ParquetSource:
         counts, schemas = self._read_footers()
         fields, present = _merge_schemas(files, schemas, columns, part_keys)
         self._file_fields: list[pa.Field] = fields
+        self._file_schema = pa.schema(fields)
         self._present = present  # bool (num_shards, num_file_columns)
         self._part_keys = [k for k in part_keys if columns is None or k in columns]
         self._part_values: dict[str, np.ndarray] = {}
@@ -357,29 +362,10 @@ class ParquetSource:
         n = len(idx)
         if n == 0:
             return []
-        groups = np.searchsorted(self._rg_offsets, idx, side="right") - 1
+        groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         rows = idx - self._rg_offsets[groups]
         order = np.argsort(groups, kind="stable")
-        groups, rows = groups[order], rows[order]
-        file_cols: list[list[Any]] = []
-        if self._file_fields:
-            file_cols = self._gather(groups, rows, idx[order])
-        shards = self._rg_shard[groups]
-        key_cols: list[list[Any]] = []
-        for key, pos in zip(self._keys, self._file_pos):
-            if pos >= 0:
-                key_cols.append(file_cols[pos])
-            else:
-                key_cols.append(self._part_values[key][shards].tolist())
-        # Fill the records column by column: about 2x faster than building each dict
-        # from a zip of its values. ``in_group_order`` lists the same dicts in the
-        # order the columns were gathered in.
-        out: list[dict[str, Any]] = [{} for _ in range(n)]
-        in_group_order = [out[p] for p in order.tolist()]
-        for key, col in zip(self._keys, key_cols):
-            for rec, value in zip(in_group_order, col):
-                rec[key] = value
-        return out
+        return self._gather(groups[order], rows[order], idx[order], order)
 
     def block_offsets(self) -> np.ndarray:
         """Global record offsets of the row groups (for :class:`BlockShuffleSampler`).
@@ -406,15 +392,27 @@ class ParquetSource:
         st.cache.clear()
 
     # ---------------------------------------------------------------- reading
-    def _gather(self, groups: np.ndarray, rows: np.ndarray, indices: np.ndarray) -> list[list[Any]]:
-        """Values of ``rows`` of ``groups`` (sorted by group), one list per file column.
+    def _gather(
+        self, groups: np.ndarray, rows: np.ndarray, indices: np.ndarray, order: np.ndarray
+    ) -> list[dict[str, Any]]:
+        """The records at ``rows`` of ``groups`` (sorted by group), in request order.
 
-        A row group is cached in two steps. The first read decodes it, caches the Arrow
-        table and converts only the requested rows; a later read (reuse is now proven)
-        converts the whole row group to Python values once and caches those instead.
-        So a global shuffle whose row groups fall out of the cache before being read
-        again pays one decode and a few rows' conversion per row group, and a
-        block-local or cache-resident read pays one full conversion per row group.
+        ``order[i]`` is the request position of the i-th (group-sorted) row.
+
+        A converted row group holds one finished record per row (a dict with every
+        key, immutable values filled in); a read hands out shallow copies, so a batch
+        costs one C-level dict copy per record plus the per-record copies of mutable
+        values (arrays, lists, dicts). Keeping a row's values together in one dict is
+        also what makes a global shuffle cheap: gathering a row touches one object,
+        not one per column scattered over the cache.
+
+        A row group is cached in two steps. The first read decodes it and caches the
+        Arrow table; unless that read needs a good share of the group's rows (block-
+        local reads), only the requested rows are converted. A later read (reuse is
+        now proven) converts the whole row group once and caches that instead. So a
+        global shuffle whose row groups fall out of the cache before being read again
+        pays one decode and a few rows' conversion per row group, and a block-local
+        or cache-resident read pays one full conversion per row group.
         """
         n = len(groups)
         cuts = np.flatnonzero(np.diff(groups)) + 1
@@ -427,49 +425,54 @@ class ParquetSource:
         read_seconds = 0.0
         read_bytes = 0
         entries = cache.get_many(distinct)  # counts a miss per absent group
-        local = rows.tolist()  # row of each value in its group's columns
-        group_cols: list[list[_Column]] = []
+        local = rows.copy()  # row of each value in its group's converted rows
+        converted: list[_RowGroup] = []
         for k, entry in enumerate(entries):
             g, s, e = distinct[k], starts[k], ends[k]
             if entry is None:
                 t0 = time.perf_counter()
                 table = self._decode(st, g, int(indices[s]))
                 read_seconds += time.perf_counter() - t0
-                read_bytes += table.nbytes
+                read_bytes += table.get_total_buffer_size()
+                # Several rows of one group in one batch means block-local reads (a
+                # global shuffle draws about one row per group per batch).
+                if _CONVERT_WHOLE * (e - s) >= table.num_rows:
+                    entry = self._convert_group(table, g)
+                else:
+                    entry = _RowGroup(table, None)
                 if cache.max_bytes > 0:
-                    if 4 * (e - s) >= table.num_rows:  # most of it is needed now
-                        entry = _RowGroup(table=None, columns=_convert_table(table))
-                    else:
-                        entry = _RowGroup(table=table, columns=None)
                     cache.put(g, entry, entry.nbytes)
-                if entry is None or entry.columns is None:
+                if entry.records is None:
                     taken = table.take(pa.array(local[s:e], type=pa.int64()))
-                    group_cols.append(_convert_table(taken))
-                    local[s:e] = range(e - s)
+                    converted.append(self._convert_group(taken, g))
+                    local[s:e] = np.arange(e - s)
                     continue
-            elif entry.columns is None:
+            elif entry.records is None:
                 # Reuse is proven: convert the whole row group once. A new entry replaces
                 # the cached one (never mutated in place: another thread may be reading it).
-                table = entry.table
-                if table is not None:
-                    entry = _RowGroup(table=None, columns=_convert_table(table))
-                    cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
-            group_cols.append(entry.columns)
+                entry = self._convert_group(entry.table, g)
+                cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
+            converted.append(entry)
 
-        # One pass per column over the whole batch: with a global shuffle nearly every
-        # row comes from a different row group, so per-group work would dominate.
-        which = np.repeat(np.arange(len(distinct)), np.diff([*starts, n])).tolist()
-        out: list[list[Any]] = []
-        for j in range(len(self._file_fields)):
-            cols = [gc[j] for gc in group_cols]
-            if all(c.plain for c in cols):
-                lists = [c.values for c in cols]
-                out.append([lists[k][r] for k, r in zip(which, local)])
-            else:
-                values: list[Any] = []
-                for c, s, e in zip(cols, starts, ends):
-                    values.extend(c.take(local[s:e]))
-                out.append(values)
+        # Copy each record in request order (one pass; a global shuffle touches a
+        # different row group for nearly every record).
+        which = np.repeat(np.arange(len(distinct)), np.diff([*starts, n]))
+        which_req = np.empty(n, dtype=np.int64)
+        which_req[order] = which
+        local_req = np.empty(n, dtype=np.int64)
+        local_req[order] = local
+        templates = [c.records for c in converted]
+        out = [templates[k][r].copy() for k, r in zip(which_req.tolist(), local_req.tolist())]
+        if converted[0].mutable:
+            # Values that must be fresh per record (arrays, lists, dicts) replace the
+            # placeholders in the copies, group by group.
+            in_group_order = [out[p] for p in order.tolist()]
+            local_list = local.tolist()
+            for c, s, e in zip(converted, starts, ends):
+                recs = in_group_order[s:e]
+                for key, col in c.mutable:
+                    for rec, value in zip(recs, col.take(local_list[s:e])):
+                        rec[key] = value
         counters = local_counters()
         misses = sum(1 for entry in entries if entry is None)
         counters[COUNTER["cache_misses"]] += misses
@@ -478,6 +481,34 @@ class ParquetSource:
         counters[COUNTER["bytes_read"]] += read_bytes
         counters[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         return out
+
+    def _convert_group(self, table: pa.Table, group: int) -> _RowGroup:
+        """Convert decoded rows of ``group`` into record templates (see :meth:`_gather`)."""
+        n = table.num_rows
+        shard = int(self._rg_shard[group])
+        columns = [_convert(c) for c in table.columns]
+        records: list[dict[str, Any]] = [{} for _ in range(n)]
+        mutable: list[tuple[str, _Column]] = []
+        nbytes = 0
+        # Filled column by column: about 2x faster than a dict per row from a zip.
+        for key, pos in zip(self._keys, self._file_pos):
+            if pos < 0:  # a partition key: one value for the whole file
+                value = self._part_values[key][shard : shard + 1].tolist()[0]
+                for rec in records:
+                    rec[key] = value
+                continue
+            col = columns[pos]
+            nbytes += col.nbytes
+            if col.plain:
+                for rec, value in zip(records, col.values):
+                    rec[key] = value
+            else:  # a placeholder keeps the key order; each read fills a fresh value
+                mutable.append((key, col))
+                for rec in records:
+                    rec[key] = None
+        if records:
+            nbytes += n * sys.getsizeof(records[0])
+        return _RowGroup(None, records, mutable, nbytes)
 
     def _decode(self, st: _ProcessState, group: int, index: int) -> pa.Table:
         shard = int(self._rg_shard[group])
@@ -511,6 +542,8 @@ class ParquetSource:
                 f"row group {local} of {self.paths[shard]!r} (shard {shard}) decoded "
                 f"{table.num_rows} rows but its footer says {num_rows} (record index {index})"
             )
+        if table.schema.equals(self._file_schema):
+            return table  # the common case: this file has every column with its type
         arrays = []
         for field, p in zip(self._file_fields, present):
             if not p:
@@ -520,7 +553,7 @@ class ParquetSource:
             if not col.type.equals(field.type):
                 col = col.cast(field.type)
             arrays.append(col)
-        return pa.Table.from_arrays(arrays, schema=pa.schema(self._file_fields))
+        return pa.Table.from_arrays(arrays, schema=self._file_schema)
 
     # ---------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -798,24 +831,28 @@ class _Column:
 
 
 class _RowGroup:
-    """A cached row group: its decoded Arrow table, or its converted columns."""
+    """A cached row group: its decoded Arrow table, or its converted records.
 
-    __slots__ = ("columns", "table")
+    ``records`` holds one template dict per row (immutable values filled in);
+    ``mutable`` the ``(key, column)`` pairs whose values are made fresh per read.
+    """
 
-    def __init__(self, table: pa.Table | None, columns: list[_Column] | None) -> None:
+    __slots__ = ("mutable", "nbytes", "records", "table")
+
+    def __init__(
+        self,
+        table: pa.Table | None,
+        records: list[dict[str, Any]] | None,
+        mutable: list[tuple[str, _Column]] | None = None,
+        nbytes: int | None = None,
+    ) -> None:
         self.table = table
-        self.columns = columns
-
-    @property
-    def nbytes(self) -> int:
-        if self.columns is not None:
-            return sum(c.nbytes for c in self.columns)
-        assert self.table is not None
-        return int(self.table.nbytes)
-
-
-def _convert_table(table: pa.Table) -> list[_Column]:
-    return [_convert(c) for c in table.columns]
+        self.records = records
+        self.mutable = mutable or []
+        if nbytes is None:
+            assert table is not None
+            nbytes = table.nbytes
+        self.nbytes = int(nbytes)
 
 
 # Arrow buffers are read straight into numpy here: ``Array.to_numpy`` imports pandas on
@@ -904,7 +941,10 @@ _PYLIST_TYPES = (
 
 def _convert(col: pa.ChunkedArray | pa.Array) -> _Column:
     """Convert a column column-wise (no per-cell pyarrow scalars) for gathering."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):  # combine_chunks copies even a single chunk
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    else:
+        arr = col
     t = arr.type
     if pa.types.is_dictionary(t):
         arr = arr.dictionary_decode()
