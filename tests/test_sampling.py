@@ -50,6 +50,8 @@ def random_offsets(rng: np.random.Generator, n_blocks: int, max_rows: int) -> np
 def make(kind: str, n_or_offsets, **kw):
     if kind == "global":
         return GlobalShuffleSampler(n_or_offsets, **kw)
+    if kind == "dealt":  # batches dealt to 3 DataLoader workers
+        kw = {"batch_size": 7, "num_workers": 3, **kw}
     return BlockShuffleSampler(None, block_offsets=n_or_offsets, **kw)
 
 
@@ -286,7 +288,7 @@ def test_determinism_and_fresh_iterators_repeat():
     assert np.array_equal(s.indices(100, 200), np.asarray(list(s)[100:200]))
 
 
-@pytest.mark.parametrize("kind", ["global", "block"])
+@pytest.mark.parametrize("kind", ["global", "block", "dealt"])
 def test_iterator_keeps_its_epoch_when_the_sampler_changes(kind):
     # An iterator is a snapshot, as DistributedSampler's materialised list is:
     # set_epoch or load_state_dict while it runs must not switch orders between
@@ -422,9 +424,10 @@ KINDS = {
     "global": 1003,
     "block": random_offsets(np.random.default_rng(0), 40, 50),
 }
+KINDS["dealt"] = KINDS["block"]
 
 
-@pytest.mark.parametrize("kind", ["global", "block"])
+@pytest.mark.parametrize("kind", ["global", "block", "dealt"])
 def test_resume_direct_iteration_every_cut(kind):
     data = KINDS[kind]
     for world, rank in [(1, 0), (3, 2)]:
@@ -466,7 +469,7 @@ def _sampler(kind: str, ds: RangeData, seed: int = 1):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("kind", ["global", "block"])
+@pytest.mark.parametrize("kind", ["global", "block", "dealt"])
 def test_resume_plain_dataloader_with_consumed(kind, num_workers):
     ds = RangeData(random_offsets(np.random.default_rng(1), 30, 40))
     bs, k = 7, 5
@@ -508,7 +511,7 @@ def test_resume_plain_dataloader_with_consumed(kind, num_workers):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("kind", ["global", "block"])
+@pytest.mark.parametrize("kind", ["global", "block", "dealt"])
 def test_resume_stateful_dataloader(kind, num_workers):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -592,7 +595,7 @@ def _elastic(kind, data, old_w, new_w, pos, drop_old=False, drop_new=False, epoc
     return consumed, parts
 
 
-@pytest.mark.parametrize("kind", ["global", "block"])
+@pytest.mark.parametrize("kind", ["global", "block", "dealt"])
 @pytest.mark.parametrize(("old_w", "new_w"), [(4, 2), (2, 3), (3, 1), (1, 4)])
 def test_elastic_resume_covers_the_rest_exactly_once(kind, old_w, new_w):
     data = KINDS[kind]
@@ -608,7 +611,7 @@ def test_elastic_resume_covers_the_rest_exactly_once(kind, old_w, new_w):
         assert 0 <= extra < new_w  # only padding repeats
 
 
-@pytest.mark.parametrize("kind", ["global", "block"])
+@pytest.mark.parametrize("kind", ["global", "block", "dealt"])
 def test_elastic_resume_drop_last_and_chained(kind):
     data = KINDS[kind]
     n = dataset_len(kind, data)
@@ -689,7 +692,7 @@ def test_epoch_reaches_real_dataset_in_persistent_workers():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    kind=st.sampled_from(["global", "block"]),
+    kind=st.sampled_from(["global", "block", "dealt"]),
     n=st.integers(0, 300),
     old_w=st.integers(1, 6),
     new_w=st.integers(1, 6),
@@ -719,3 +722,76 @@ def test_property_elastic_resume(kind, n, old_w, new_w, frac, drop_old, drop_new
             s = make(kind, data, num_replicas=new_w, rank=r, seed=8, drop_last=drop_new)
             s.set_epoch(1)
             assert parts[r] == list(s)[pos:]
+
+
+# --------------------------------------------------------------------------- dealt batches
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 400),
+    world=st.integers(1, 4),
+    batch=st.integers(1, 40),
+    workers=st.integers(2, 5),
+    drop=st.booleans(),
+)
+def test_property_dealing_keeps_each_ranks_indices(n, world, batch, workers, drop):
+    offsets = random_offsets(np.random.default_rng(n), n // 7 + 1, 13)
+    for r in range(world):
+        plain = make("block", offsets, num_replicas=world, rank=r, seed=5, drop_last=drop)
+        dealt = BlockShuffleSampler(
+            None,
+            block_offsets=offsets,
+            num_replicas=world,
+            rank=r,
+            seed=5,
+            drop_last=drop,
+            batch_size=batch,
+            num_workers=workers,
+        )
+        a, b = list(plain), list(dealt)
+        assert len(a) == len(b) == len(plain)
+        assert collections.Counter(a) == collections.Counter(b)
+        # Batch k goes to worker k % workers; each worker's batches, in order, are the
+        # next contiguous piece of the undealt run (worker 0's first).
+        nb = -(-len(b) // batch)
+        start = 0
+        for w in range(workers):
+            mine = [x for k in range(w, nb, workers) for x in b[k * batch : (k + 1) * batch]]
+            assert a[start : start + len(mine)] == mine
+            start += len(mine)
+        assert start == len(a)
+
+
+def test_dealing_config_change_resumes_exactly():
+    data = KINDS["block"]
+    n = dataset_len("block", data)
+    s = make("dealt", data, num_replicas=2, rank=0, seed=8)
+    consumed = list(itertools.islice(iter(s), 50))
+    s1 = make("dealt", data, num_replicas=2, rank=1, seed=8)
+    consumed += list(itertools.islice(iter(s1), 50))
+    state = s.state_dict()
+    assert state["batch_size"] == 7 and state["num_workers"] == 3
+    # Same world, other DataLoader settings (and back to no dealing): the rest of the
+    # epoch once, nothing consumed again.
+    for kw in ({"batch_size": 4, "num_workers": 2}, {}):
+        parts = []
+        for r in range(2):
+            t = BlockShuffleSampler(None, block_offsets=data, num_replicas=2, rank=r, **kw)
+            t.load_state_dict(state)
+            parts.append(list(t))
+        got = collections.Counter(itertools.chain(*parts))
+        rest = set(range(n)) - set(consumed)
+        assert set(got) == rest and sum(got.values()) - len(rest) < 2
+
+
+def test_dealing_arguments_are_checked():
+    with pytest.raises(ValueError, match="batch_size"):
+        BlockShuffleSampler(None, block_offsets=[0, 10], num_workers=2)
+    with pytest.raises(ValueError, match="num_workers"):
+        BlockShuffleSampler(None, block_offsets=[0, 10], batch_size=2, num_workers=-1)
+    with pytest.raises(ValueError, match="batch_size"):
+        BlockShuffleSampler(None, block_offsets=[0, 10], batch_size=0)
+    # One worker (or none): nothing to deal, the plain order.
+    one = BlockShuffleSampler(None, block_offsets=[0, 10, 20], batch_size=3, num_workers=1)
+    assert list(one) == list(BlockShuffleSampler(None, block_offsets=[0, 10, 20]))

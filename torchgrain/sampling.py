@@ -348,11 +348,22 @@ class _ResumableSampler(Sampler[int]):
         """
         raise NotImplementedError
 
+    def _rank_positions(self, start: int, stop: int, count: int) -> np.ndarray | None:
+        """Virtual positions of this rank's positions ``[start, stop)``, when they are
+        not the arithmetic progression that :meth:`_virtual` describes (else None)."""
+        return None
+
     def _consumed_virtual(
-        self, length: int, replicas: int, count: int, pos: int
+        self, length: int, replicas: int, count: int, pos: int, state: dict[str, Any]
     ) -> list[tuple[int, int]]:
-        """Virtual intervals consumed when every one of ``replicas`` ranks drew ``pos``."""
+        """Virtual intervals consumed when every one of ``replicas`` ranks drew ``pos``
+        in the order that ``state`` (the saved state) describes."""
         raise NotImplementedError
+
+    def _same_order(self, state: dict[str, Any]) -> bool:
+        """Whether this sampler's per-rank order equals the one ``state`` was saved in,
+        given the same world size."""
+        return True
 
     def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         """The current epoch's stream: maps positions ``q`` (int64 in ``[0, N)``) to indices.
@@ -383,6 +394,11 @@ class _ResumableSampler(Sampler[int]):
         if stop <= start:
             return np.empty(0, dtype=np.int64)
         stream = stream or self._stream_fn()
+        v = self._rank_positions(start, stop, count)
+        if v is not None:  # an order that is not an arithmetic progression
+            if int(v.max()) >= length:  # padding: wrap around the virtual stream
+                v %= length
+            return stream(self._layout_positions(layout, v))
         first, step = self._virtual(start, count)
         last = first + step * (stop - start - 1)
         if last < length and len(layout) == 1:  # common case: one arange, no padding
@@ -616,10 +632,10 @@ class _ResumableSampler(Sampler[int]):
         self.epoch = state["epoch"]
         self._load_extra_state(state, epoch_changed)
 
-        if old_w == self.num_replicas and old_drop == self.drop_last:
+        if old_w == self.num_replicas and old_drop == self.drop_last and self._same_order(state):
             self._pending = (layout, pos)
         else:
-            consumed = self._consumed_virtual(length, old_w, old_count, pos)
+            consumed = self._consumed_virtual(length, old_w, old_count, pos, state)
             rest = _complement(consumed, length)
             self._pending = (self._compose(layout, rest), 0)
         self._it_layout, self._it_start = self._pending
@@ -743,7 +759,7 @@ class GlobalShuffleSampler(_ResumableSampler):
         return j * self.num_replicas + self.rank, self.num_replicas
 
     def _consumed_virtual(
-        self, length: int, replicas: int, count: int, pos: int
+        self, length: int, replicas: int, count: int, pos: int, state: dict[str, Any]
     ) -> list[tuple[int, int]]:
         # Interleaved split: after every rank drew `pos`, the prefix of pos * W
         # virtual positions is consumed.
@@ -779,9 +795,18 @@ class BlockShuffleSampler(_ResumableSampler):
        in DistributedSampler, the padding wrapping to the sequence's start).
 
     Contiguous runs (instead of DistributedSampler's round-robin) keep each rank on
-    about ``1 / num_replicas`` of the blocks, so the job decodes every block about
-    once per epoch per DataLoader worker (a worker's block cache must hold
-    ``window`` blocks), not once per rank per worker.
+    about ``1 / num_replicas`` of the blocks.
+
+    DataLoader workers: the DataLoader hands batch ``b`` to worker
+    ``b % num_workers``, so by default every worker reads from every window and
+    decodes every block of its rank. Pass the DataLoader's ``batch_size`` and
+    ``num_workers`` and the rank's run is instead cut into ``num_workers``
+    contiguous parts, batch ``b`` coming from part ``b % num_workers``: each worker
+    reads its own part and decodes about ``1 / num_workers`` of the blocks (its
+    block cache must hold ``window`` blocks). Consecutive batches then come from
+    different parts of the epoch; the indices of the epoch are the same set. If the
+    loader's ``num_workers`` or ``batch_size`` differ from the sampler's, the order
+    is still a correct permutation, only the decode saving is lost.
 
     Shuffle quality trade-off: consecutive samples come from only ``window`` blocks
     (about ``window`` distinct blocks in any 256 consecutive samples vs about 256
@@ -803,6 +828,11 @@ class BlockShuffleSampler(_ResumableSampler):
         window: blocks per shuffle window (default 8).
         num_replicas, rank, shuffle, seed, drop_last: as for GlobalShuffleSampler.
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
+        batch_size: the DataLoader's ``batch_size``; needed with ``num_workers > 1``.
+        num_workers: the DataLoader's ``num_workers``; above 1, each worker's batches
+            come from its own part of the rank's run (see above). Saved in
+            :meth:`state_dict`; resuming with different values is an exact resume too
+            (the rest of the epoch is re-laid out, as for a new world size).
 
     Example:
         >>> import numpy as np
@@ -815,6 +845,13 @@ class BlockShuffleSampler(_ResumableSampler):
         True
         >>> len({int(i) // 10 for i in order[:20]})  # first 20 rows: one window, 2 blocks
         2
+        >>> dealt = BlockShuffleSampler(None, block_offsets=offsets, window=2, seed=0,
+        ...                             num_replicas=1, rank=0, batch_size=5, num_workers=2)
+        >>> sorted(dealt.indices().tolist()) == list(range(100))
+        True
+        >>> worker0 = np.concatenate([dealt.indices(b * 5, b * 5 + 5) for b in range(0, 20, 2)])
+        >>> bool(np.isin(worker0, order[:50]).all())  # worker 0 reads the first half
+        True
     """
 
     _kind = "BlockShuffleSampler"
@@ -830,10 +867,25 @@ class BlockShuffleSampler(_ResumableSampler):
         seed: int = 0,
         drop_last: bool = False,
         block_offsets: Sequence[int] | np.ndarray | None = None,
+        batch_size: int | None = None,
+        num_workers: int = 0,
     ) -> None:
         window = operator.index(window)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        num_workers = operator.index(num_workers)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if batch_size is not None:
+            batch_size = operator.index(batch_size)
+            if batch_size < 1:
+                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        elif num_workers > 1:
+            raise ValueError(
+                "num_workers > 1 needs batch_size (the DataLoader's) to deal whole batches"
+            )
+        self.batch_size = batch_size
+        self.num_workers = num_workers
         if block_offsets is None:
             getter = getattr(dataset, "block_offsets", None)
             if not callable(getter):
@@ -879,7 +931,13 @@ class BlockShuffleSampler(_ResumableSampler):
         self._tables = None
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"window": self.window, "num_blocks": self.num_blocks, "blocks_digest": self._digest}
+        return {
+            "window": self.window,
+            "num_blocks": self.num_blocks,
+            "blocks_digest": self._digest,
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+        }
 
     def _check_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("blocks_digest") != self._digest:
@@ -923,11 +981,29 @@ class BlockShuffleSampler(_ResumableSampler):
     def _virtual(self, j: int, count: int) -> tuple[int, int]:
         return j + self.rank * count, 1
 
+    def _rank_positions(self, start: int, stop: int, count: int) -> np.ndarray | None:
+        if not self._deals():
+            return None
+        j = np.arange(start, stop, dtype=np.int64)
+        return self.rank * count + _deal(j, count, self.batch_size, self.num_workers)  # type: ignore[arg-type]
+
+    def _deals(self) -> bool:
+        return self.batch_size is not None and self.num_workers > 1
+
+    def _same_order(self, state: dict[str, Any]) -> bool:
+        return _deal_config(state) == _deal_config(self._extra_state())
+
     def _consumed_virtual(
-        self, length: int, replicas: int, count: int, pos: int
+        self, length: int, replicas: int, count: int, pos: int, state: dict[str, Any]
     ) -> list[tuple[int, int]]:
-        # Contiguous split: rank r consumed [r * count, r * count + pos).
-        return [(r * count, r * count + pos) for r in range(replicas)]
+        # Contiguous split: rank r's run is [r * count, (r + 1) * count); without
+        # dealing it consumed the run's first `pos`, with dealing a prefix of each
+        # worker's part of the run.
+        config = _deal_config(state)
+        if config is None:
+            return [(r * count, r * count + pos) for r in range(replicas)]
+        parts = _dealt_prefixes(count, pos, *config)
+        return [(r * count + a, r * count + b) for r in range(replicas) for a, b in parts]
 
     def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         if not self.shuffle:
@@ -950,3 +1026,49 @@ class BlockShuffleSampler(_ResumableSampler):
             return out
 
         return stream
+
+
+def _deal_config(state: dict[str, Any]) -> tuple[int, int] | None:
+    """``(batch_size, num_workers)`` when the saved order deals batches to workers."""
+    b, w = state.get("batch_size"), state.get("num_workers") or 0
+    return (int(b), int(w)) if b is not None and w > 1 else None
+
+
+def _dealt_parts(count: int, batch_size: int, num_workers: int) -> np.ndarray:
+    """Start of each worker's part of a run of ``count`` (and the end), int64."""
+    nb = -(-count // batch_size)
+    w = np.arange(num_workers, dtype=np.int64)
+    batches = np.maximum(0, -(-(nb - w) // num_workers))  # batches b < nb with b % W == w
+    lengths = batches * batch_size
+    if nb:
+        lengths[(nb - 1) % num_workers] -= nb * batch_size - count  # the short last batch
+    starts = np.zeros(num_workers + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    return starts
+
+
+def _deal(j: np.ndarray, count: int, batch_size: int, num_workers: int) -> np.ndarray:
+    """Run position of draw ``j``: batch ``b = j // batch_size`` is the
+    ``b // num_workers``-th batch of worker ``b % num_workers``'s contiguous part.
+    A bijection of ``[0, count)``."""
+    starts = _dealt_parts(count, batch_size, num_workers)
+    b = j // batch_size
+    return starts[b % num_workers] + (b // num_workers) * batch_size + j % batch_size
+
+
+def _dealt_prefixes(
+    count: int, pos: int, batch_size: int, num_workers: int
+) -> list[tuple[int, int]]:
+    """Run intervals of the first ``pos`` draws of a dealt run of ``count``."""
+    starts = _dealt_parts(count, batch_size, num_workers).tolist()
+    if pos >= count:
+        return [(0, count)]
+    full, rem = divmod(pos, batch_size)  # batches before `full` are whole (not the last)
+    out = []
+    for w in range(num_workers):
+        drawn = max(0, -(-(full - w) // num_workers)) * batch_size
+        if rem and full % num_workers == w:
+            drawn += rem
+        if drawn:
+            out.append((starts[w], starts[w] + drawn))
+    return out
