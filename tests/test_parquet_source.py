@@ -251,6 +251,17 @@ def test_batches_match_arrow_property(tmp_path_factory, sizes, rg, requests, cac
     # Again: cached row groups are now read through their converted columns.
     assert normalize(src.__getitems__(idx)) == expected
     assert [normalize(src[i]) for i in idx[:5]] == expected[:5]
+    # Block-local requests (many rows of two row groups) take the per-group path.
+    near = [r % min(len(full), 2 * rg) for r in requests]
+    got = src.__getitems__(near)
+    assert normalize(got) == [full.slice(i, 1).to_pylist()[0] for i in near]
+    for rec in got:  # records are the caller's: changing them changes no later read
+        rec["k"] = "changed"
+        if isinstance(rec["v"], np.ndarray):
+            rec["v"][:] = -7
+        elif rec["v"] is not None:
+            rec["v"].append(-7)
+    assert normalize(src.__getitems__(near)) == [full.slice(i, 1).to_pylist()[0] for i in near]
     info = src.cache_info()
     assert info.current_bytes <= cache
 

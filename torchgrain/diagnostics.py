@@ -56,7 +56,15 @@ _INDEX = {name: i for i, name in enumerate(COUNTERS)}
 _ROWS = 64  # row 0: main process; rows 1..63: DataLoader workers 0..62 (and beyond, folded)
 _CONSUMER_ROW = _ROWS  # the training loop's waits
 _local = np.zeros(len(COUNTERS), dtype=np.float64)
-_local_pid = os.getpid()
+
+
+def _reset_local_counters() -> None:
+    global _local
+    _local = np.zeros(len(COUNTERS), dtype=np.float64)
+
+
+# A forked child (a DataLoader worker) starts from zero.
+os.register_at_fork(after_in_child=_reset_local_counters)
 
 
 def local_counters() -> np.ndarray:
@@ -64,10 +72,6 @@ def local_counters() -> np.ndarray:
 
     Sources add to it cheaply, e.g. ``local_counters()[COUNTER["bytes_read"]] += n``.
     """
-    global _local, _local_pid
-    if os.getpid() != _local_pid:  # a forked child starts from zero
-        _local = np.zeros(len(COUNTERS), dtype=np.float64)
-        _local_pid = os.getpid()
     return _local
 
 

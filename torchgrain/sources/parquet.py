@@ -407,8 +407,8 @@ class ParquetSource:
         not one per column scattered over the cache.
 
         A row group is cached in two steps. The first read decodes it and caches the
-        Arrow table; unless that read needs a good share of the group's rows (block-
-        local reads), only the requested rows are converted. A later read (reuse is
+        Arrow table; unless that read looks block-local (:meth:`_block_local`), only
+        the requested rows are converted. A later read (reuse is
         now proven) converts the whole row group once and caches that instead. So a
         global shuffle whose row groups fall out of the cache before being read again
         pays one decode and a few rows' conversion per row group, and a block-local
@@ -434,9 +434,7 @@ class ParquetSource:
                 table = self._decode(st, g, int(indices[s]))
                 read_seconds += time.perf_counter() - t0
                 read_bytes += table.get_total_buffer_size()
-                # Several rows of one group in one batch means block-local reads (a
-                # global shuffle draws about one row per group per batch).
-                if _CONVERT_WHOLE * (e - s) >= table.num_rows:
+                if self._block_local(e - s, n, table.num_rows):
                     entry = self._convert_group(table, g)
                 else:
                     entry = _RowGroup(table, None)
@@ -481,6 +479,18 @@ class ParquetSource:
         counters[COUNTER["bytes_read"]] += read_bytes
         counters[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         return out
+
+    def _block_local(self, count: int, batch: int, group_rows: int) -> bool:
+        """Whether ``count`` rows of a row group of ``group_rows`` in a batch of ``batch``
+        point to block-local reads (the rest of the group will follow soon).
+
+        A uniform global shuffle draws ``batch * group_rows / len(self)`` rows of the
+        group on average (about one or less with many row groups); block-local orders
+        draw many times that. A read of a good share of the group counts too.
+        """
+        if _CONVERT_WHOLE * count >= group_rows:
+            return True
+        return count >= 2 + 4 * batch * group_rows / max(1, len(self))
 
     def _convert_group(self, table: pa.Table, group: int) -> _RowGroup:
         """Convert decoded rows of ``group`` into record templates (see :meth:`_gather`)."""
