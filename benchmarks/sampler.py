@@ -191,6 +191,16 @@ def quality_table() -> list[dict[str, Any]]:
         "BlockShuffleSampler(window=32)": BlockShuffleSampler(
             None, block_offsets=offsets, window=32, num_replicas=1, rank=0
         ).indices(),
+        # Told the loader's batch_size and num_workers: each worker reads its own part.
+        "BlockShuffleSampler(window=8, dealt to 4 workers)": BlockShuffleSampler(
+            None,
+            block_offsets=offsets,
+            window=8,
+            num_replicas=1,
+            rank=0,
+            batch_size=256,
+            num_workers=4,
+        ).indices(),
         "DistributedSampler(shuffle=True)": np.fromiter(
             DistributedSampler(range(n), num_replicas=1, rank=0), dtype=np.int64, count=n
         ),
