@@ -1,5 +1,6 @@
 import copy
 import pickle
+import sys
 
 import numpy as np
 import pytest
@@ -143,3 +144,31 @@ def test_set_epoch_reaches_a_wrapped_dataset():
     outer.set_epoch(5)
     assert inner.epoch == 5
     assert outer[2] == tg.record_rng(3, 5, 2).integers(1 << 40)
+
+
+def test_worker_pipe_grows_for_the_loaders_result_queue():
+    """Workers enlarge the pipe their batches travel through (Linux; the same pipe
+    the main process reads, so its size is visible here)."""
+    fcntl = pytest.importorskip("fcntl")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("pipe sizes are a Linux feature")
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        limit = int(f.read())
+
+    def pipe_size(dataset):
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=4, num_workers=2, collate_fn=lambda b: b
+        )
+        it = iter(loader)
+        next(it)
+        next(it)  # both workers have fetched a batch
+        size = fcntl.fcntl(it._worker_result_queue._reader.fileno(), 1032)  # F_GETPIPE_SZ
+        del it
+        return size
+
+    data = [{"x": bytes(100)} for _ in range(64)]
+    grown = pipe_size(tg.Dataset(data).map(lambda r: r))
+    assert grown == min(1 << 20, limit)
+    assert pipe_size(tg.Dataset(data, worker_pipe_bytes=0)) < grown  # left as it was
+    with pytest.raises(ValueError, match="worker_pipe_bytes"):
+        tg.Dataset(data, worker_pipe_bytes=-1)

