@@ -646,10 +646,14 @@ def test_reading_does_not_import_pandas(tmp_path):
     import sys
 
     path = write(str(tmp_path / "t.parquet"), all_types_table(), row_group_size=4)
+    # One large row group: single-row reads take the partial (Arrow take) path.
+    big = write(str(tmp_path / "big.parquet"), simple_table(0, 200), row_group_size=200)
     code = (
         "import sys, torchgrain as tg\n"
         f"src = tg.ParquetSource({path!r})\n"
         "src.__getitems__(range(len(src))); src.__getitems__(range(len(src)))\n"
+        f"one = tg.ParquetSource({big!r}, cache_bytes=0)\n"
+        "one[5]; one.__getitems__([3, 150])\n"
         "assert 'pandas' not in sys.modules, 'pandas was imported'\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -133,7 +133,12 @@ class _Forever(torch.utils.data.Sampler[int]):
 
 
 def _plans(
-    source: Any, fmt: str, group_size: int | None, seed: int
+    source: Any,
+    fmt: str,
+    group_size: int | None,
+    seed: int,
+    batch_size: int | None = None,
+    num_workers: int = 0,
 ) -> list[tuple[str, Callable[[Any], Any]]]:
     """The access orders to measure: (name, sampler factory taking the Dataset)."""
     import torchgrain as tg
@@ -159,7 +164,11 @@ def _plans(
     # The block boundaries are looked up only when that mode runs.
     blocky = fmt == "parquet" or (group_size or 1) > 1
     if block_cls is not None and blocky and hasattr(source, "block_offsets"):
-        out.append(("block-shuffled", lambda ds: block_cls(ds, num_replicas=1, rank=0, seed=seed)))
+        # Each worker gets its own part of the epoch (the loader's batch_size/num_workers).
+        deal = {"batch_size": batch_size, "num_workers": num_workers} if batch_size else {}
+        out.append(
+            ("block-shuffled", lambda ds: block_cls(ds, num_replicas=1, rank=0, seed=seed, **deal))
+        )
     return out
 
 
@@ -364,7 +373,7 @@ def run_bench(
         raise ValueError(f"{path!r} holds no records")
     manifest = getattr(source, "manifest", None)
     group_size = getattr(manifest, "group_size", None)
-    plans = _plans(source, fmt, group_size, seed)
+    plans = _plans(source, fmt, group_size, seed, batch_size, num_workers)
     say(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
         f"{getattr(source, 'num_shards', '?')} shard(s)"

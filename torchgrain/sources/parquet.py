@@ -250,6 +250,9 @@ class ParquetSource:
             a.setflags(write=False)
         self.index = ShardIndex(np.array([int(c.sum()) for c in counts], dtype=np.int64))
         self._proc: _ProcessState | None = None
+        # Reads use Arrow's take, which imports pyarrow.compute (about 50 ms) on first
+        # use: import it here, so that forked DataLoader workers inherit it.
+        import pyarrow.compute  # noqa: F401
 
     # ----------------------------------------------------------------- opening
     def _read_footers(self) -> tuple[list[np.ndarray], list[pa.Schema]]:
@@ -441,7 +444,7 @@ class ParquetSource:
                 if cache.max_bytes > 0:
                     cache.put(g, entry, entry.nbytes)
                 if entry.records is None:
-                    taken = table.take(pa.array(local[s:e], type=pa.int64()))
+                    taken = table.take(_int64_array(local[s:e]))
                     converted.append(self._convert_group(taken, g))
                     local[s:e] = np.arange(e - s)
                     continue
@@ -837,7 +840,7 @@ class _Column:
             if valid is not None:
                 out = [rec if valid[r] else None for rec, r in zip(out, rows)]
             return out
-        return values.take(pa.array(rows, type=pa.int64())).to_pylist()
+        return values.take(_int64_array(rows)).to_pylist()
 
 
 class _RowGroup:
@@ -863,6 +866,16 @@ class _RowGroup:
             assert table is not None
             nbytes = table.nbytes
         self.nbytes = int(nbytes)
+
+
+def _int64_array(values: Any) -> pa.Array:
+    """An Arrow int64 array of ``values`` over a numpy buffer.
+
+    ``pa.array`` would import pandas (about 0.3 s, again in every DataLoader worker
+    whose parent never imported it) just to ask whether its input is a pandas object.
+    """
+    buf = np.ascontiguousarray(values, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(buf), [None, pa.py_buffer(buf)])
 
 
 # Arrow buffers are read straight into numpy here: ``Array.to_numpy`` imports pandas on
