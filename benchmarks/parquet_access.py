@@ -30,9 +30,11 @@ the sampler, so each worker reads its own part of the epoch (as the README advis
 Each DataLoader path runs with ``num_workers`` 0 and 2. Rates are rows/s; the
 ratios in the table are the result (absolute numbers depend on the machine).
 
-Every path runs ``--repeats`` rounds (interleaved) and keeps its best numbers, since
-timings on a shared machine are noisy; rows per CPU-second (main process plus workers)
-are reported too, as they depend less on other load.
+Every path runs ``--repeats`` rounds (interleaved). Timings on a shared machine drift, so
+the rates shown are each path's best round, and every ratio is the median over rounds of
+the ratio within one round (block/scan against scans run just before and after the block
+path). Rows per CPU-second (main process plus workers) are reported too, as they depend
+less on other load.
 
 Run: ``python benchmarks/parquet_access.py [--rows 200000] [--repeats 2] [--naive-seconds 4]``
 """
@@ -408,6 +410,15 @@ def main() -> None:
         def ratio(a: float | None, b: float | None) -> float | None:
             return a / b if a and b else None
 
+        def per_round(a: str, b: str, w: int | None, key: str = "rows_per_s") -> float | None:
+            """Median over rounds of a's rate over b's in the same round (rounds are
+            interleaved, so each pair ran under about the same machine load)."""
+            ra = next((r["rounds"] for r in results if r["path"] == a and r["workers"] == w), [])
+            rb = next((r["rounds"] for r in results if r["path"] == b and r["workers"] == w), [])
+            pairs = [ratio(x[key], y[key]) for x, y in zip(ra, rb)]
+            pairs = [p for p in pairs if p is not None]
+            return float(np.median(pairs)) if pairs else None
+
         def paired(path: str, w: int | None) -> float | None:
             """Median over rounds of the path's rate over the scans run just around it."""
             for r in results:
@@ -421,7 +432,6 @@ def main() -> None:
             nv, h, g, b = (get(p, w) for p in ("naive", "hf", "tg-global", "tg-block"))
             ceiling = get("loader-ceiling", w)
             h2, g2, b2 = (get(p, w, "rows_per_s_epoch2") for p in ("hf", "tg-global", "tg-block"))
-            hc, gc, bc = (get(p, w, "rows_per_cpu_s") for p in ("hf", "tg-global", "tg-block"))
             table.append(
                 {
                     "workers": w,
@@ -433,14 +443,14 @@ def main() -> None:
                     "hf e2": h2,
                     "global e2": g2,
                     "block e2": b2,
-                    "global/naive": ratio(g, nv),
+                    "global/naive": per_round("tg-global", "naive", w),
                     "block/scan": paired("tg-block", w),
-                    "block/ceiling": ratio(b, ceiling),
-                    "global/hf": ratio(g, h),
-                    "block/hf": ratio(b, h),
-                    "global/hf e2": ratio(g2, h2),
-                    "global/hf cpu": ratio(gc, hc),
-                    "block/hf cpu": ratio(bc, hc),
+                    "block/ceiling": per_round("tg-block", "loader-ceiling", w),
+                    "global/hf": per_round("tg-global", "hf", w),
+                    "block/hf": per_round("tg-block", "hf", w),
+                    "global/hf e2": per_round("tg-global", "hf", w, "rows_per_s_epoch2"),
+                    "global/hf cpu": per_round("tg-global", "hf", w, "rows_per_cpu_s"),
+                    "block/hf cpu": per_round("tg-block", "hf", w, "rows_per_cpu_s"),
                 }
             )
         print(
@@ -453,8 +463,8 @@ def main() -> None:
         print_table(table, [cols[0], *cols[9:]])
         print(
             "targets: block/scan >= 0.5, global/naive >= 20, global/hf and block/hf >= 1\n"
-            "(block/scan: median over rounds of epoch 1 over the scans just around it;\n"
-            " other ratios: best rates over rounds)\n"
+            "(rates: the best round; ratios: the median over rounds of the ratio within a\n"
+            " round, block/scan against the scans run just before and after the block path)\n"
             "(cpu: rows per CPU-second of the main process and its workers, both epochs;\n"
             " ceiling: records already in memory through the same DataLoader, the most\n"
             " any reader can deliver with this many workers on this machine)"
