@@ -155,10 +155,8 @@ def test_worker_pipe_grows_for_the_loaders_result_queue():
     with open("/proc/sys/fs/pipe-max-size") as f:
         limit = int(f.read())
 
-    def pipe_size(dataset):
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_size=4, num_workers=2, collate_fn=lambda b: b
-        )
+    def pipe_size(dataset, loader_cls=torch.utils.data.DataLoader):
+        loader = loader_cls(dataset, batch_size=4, num_workers=2, collate_fn=lambda b: b)
         it = iter(loader)
         next(it)
         next(it)  # both workers have fetched a batch
@@ -170,5 +168,7 @@ def test_worker_pipe_grows_for_the_loaders_result_queue():
     grown = pipe_size(tg.Dataset(data).map(lambda r: r))
     assert grown == min(1 << 20, limit)
     assert pipe_size(tg.Dataset(data, worker_pipe_bytes=0)) < grown  # left as it was
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    assert pipe_size(tg.Dataset(data), stateful.StatefulDataLoader) == grown
     with pytest.raises(ValueError, match="worker_pipe_bytes"):
         tg.Dataset(data, worker_pipe_bytes=-1)
