@@ -16,6 +16,7 @@ to ``DATA/consumed-rank{r}-{run}.txt`` so the split can be checked afterwards.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 
@@ -48,6 +49,17 @@ def main() -> None:
     args = p.parse_args()
 
     dist.init_process_group("gloo")
+    train(args)
+    # Leave the group cleanly (after a successful run; on an error torchrun stops the
+    # ranks): every rank done, and the model, optimizer and loader (DDP's hooks hold
+    # work on the group) freed with train's frame. Tearing the group down while a peer
+    # still talks to it, or with gloo work alive at interpreter exit, aborts the process.
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ckpt_path = args.checkpoint or os.path.join(args.data, "ckpt.pt")
     if rank == 0:
@@ -98,16 +110,13 @@ def main() -> None:
                 if rank == 0:
                     torch.save(state, ckpt_path)
                 log.close()
-                dist.barrier()
                 print(f"rank {rank}: checkpoint at step {global_step} (epoch {epoch})")
-                dist.destroy_process_group()
                 return
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.3f}, {global_step} steps")
     log.close()
     if rank == 0:
         print(f"done: {global_step} steps in {time.perf_counter() - t0:.1f}s on {world} ranks")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
