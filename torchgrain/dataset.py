@@ -132,7 +132,15 @@ class _EpochCell:
 _F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032
 #: Default buffer asked for the pipe that carries a DataLoader worker's batches.
 WORKER_PIPE_BYTES = 1 << 20
-_pipe_checked_pid = 0
+_pipe_checked = False  # per process: reset in forked children, fresh in spawned ones
+
+
+def _forget_pipe_check() -> None:
+    global _pipe_checked
+    _pipe_checked = False
+
+
+os.register_at_fork(after_in_child=_forget_pipe_check)
 
 
 def _grow_worker_pipe(size: int) -> int | None:
@@ -147,8 +155,8 @@ def _grow_worker_pipe(size: int) -> int | None:
     worker, off Linux, or when anything is not as expected, nothing changes. Only
     ever grows the pipe. Returns the pipe's new size, or None.
     """
-    global _pipe_checked_pid
-    _pipe_checked_pid = os.getpid()
+    global _pipe_checked
+    _pipe_checked = True
     if size <= 0 or not sys.platform.startswith("linux"):
         return None
     frame = sys._getframe(1)
@@ -345,7 +353,7 @@ class Dataset(torch.utils.data.Dataset):
         return self._fetch(indices)
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
-        if _pipe_checked_pid != os.getpid():  # once per process
+        if not _pipe_checked:  # once per process
             _grow_worker_pipe(self._worker_pipe_bytes)
         counters = local_counters()
         before = counters.copy()
