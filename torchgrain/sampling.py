@@ -982,13 +982,11 @@ class BlockShuffleSampler(_ResumableSampler):
         return j + self.rank * count, 1
 
     def _rank_positions(self, start: int, stop: int, count: int) -> np.ndarray | None:
-        if not self._deals():
+        config = _deal_config(self._extra_state())
+        if config is None:
             return None
         j = np.arange(start, stop, dtype=np.int64)
-        return self.rank * count + _deal(j, count, self.batch_size, self.num_workers)  # type: ignore[arg-type]
-
-    def _deals(self) -> bool:
-        return self.batch_size is not None and self.num_workers > 1
+        return self.rank * count + _deal(j, count, *config)
 
     def _same_order(self, state: dict[str, Any]) -> bool:
         return _deal_config(state) == _deal_config(self._extra_state())
