@@ -724,6 +724,20 @@ def test_property_elastic_resume(kind, n, old_w, new_w, frac, drop_old, drop_new
             assert parts[r] == list(s)[pos:]
 
 
+@pytest.mark.parametrize("kind", ["block", "dealt"])
+def test_elastic_resume_counts_padding_draws_as_consumed(kind):
+    # 7 rows on 5 ranks: the contiguous split gives the last rank only padding, which
+    # wraps onto the start of the epoch. Its draws were trained on, so a resume onto
+    # one rank must not hand them out again (one world needs no padding at all).
+    data = np.array([0, 7])
+    consumed, parts = _elastic(kind, data, 5, 1, 1)
+    rest = set(range(7)) - set(consumed)
+    assert sorted(parts[0]) == sorted(rest)
+    # Many-fold padding (2 rows on 6 ranks) wraps more than once.
+    consumed, parts = _elastic(kind, np.array([0, 2]), 6, 2, 1)
+    assert consumed and parts == [[], []]
+
+
 # --------------------------------------------------------------------------- dealt batches
 
 

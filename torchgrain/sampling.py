@@ -288,6 +288,28 @@ def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int
     return out
 
 
+def _wrap_intervals(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """``intervals`` of virtual positions with the parts past ``length`` wrapped mod ``length``.
+
+    Padding positions ``v >= length`` stand for ``v mod length`` (as in
+    DistributedSampler, whose padding repeats the order's first indices).
+    """
+    out: list[tuple[int, int]] = []
+    for s, e in intervals:
+        if e <= s:
+            continue
+        if s < length:
+            out.append((s, min(e, length)))
+        s = max(s, length)
+        if e <= s or length <= 0:
+            continue
+        if e - s >= length:
+            return [(0, length)]
+        a, b = s % length, s % length + (e - s)
+        out.extend([(a, b)] if b <= length else [(a, length), (0, b - length)])
+    return out
+
+
 class _ResumableSampler(Sampler[int]):
     """Shared machinery: rank split, padding, iteration, state and (elastic) resume.
 
@@ -636,7 +658,9 @@ class _ResumableSampler(Sampler[int]):
             self._pending = (layout, pos)
         else:
             consumed = self._consumed_virtual(length, old_w, old_count, pos, state)
-            rest = _complement(consumed, length)
+            # Padding draws (virtual positions past the end) were trained on too: they
+            # consume the positions they wrap onto, so nothing is seen twice.
+            rest = _complement(_wrap_intervals(consumed, length), length)
             self._pending = (self._compose(layout, rest), 0)
         self._it_layout, self._it_start = self._pending
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = self._pending[1], 0, None
