@@ -17,10 +17,12 @@ draws a prefix of the epoch and reports the RSS growth.
 
 Part 2 (shuffle quality vs block locality), on a dataset of 1,000 blocks of 1,000
 rows: mean |i[t+1] - i[t]| / N (a uniform shuffle gives 1/3), lag-1 correlation,
-distinct blocks among 256 consecutive samples, and block decodes per block per
+distinct blocks among 256 consecutive samples, the number of other blocks each block
+shares a batch of 256 with over the epoch (how widely rows mix), and block decodes per block per
 epoch for 4 DataLoader workers (round-robin batches of 256) that each keep an LRU
-cache of 8 or of 32 decoded blocks (the ideal is 4: each worker decodes each block
-once).
+cache of 8, 10, 32 or 34 decoded blocks (the ideal is 4: each worker decodes each
+block once; dealt to the workers, 1). A sliding window of ``w`` blocks needs a cache
+of ``w + 1`` blocks when a batch spans two stripes, hence ``w`` and ``w + 2``.
 
 Run: ``python benchmarks/sampler.py`` (about two minutes; ``--quick`` for a smoke
 run, ``--sizes 1e7,1e8`` to choose sizes). Writes benchmarks/results/sampler.json.
@@ -152,7 +154,12 @@ def quality_metrics(order: np.ndarray, block: int, n_blocks: int) -> dict[str, f
     # Block decodes with 4 workers taking batches round-robin, each with an LRU cache.
     decodes = {}
     batch_blocks = [np.unique(blocks[b : b + 256]).tolist() for b in range(0, n, 256)]
-    for cache_blocks in (8, 32):
+    # Mixing across batches: how many other blocks each block shares a batch with.
+    together = np.zeros((n_blocks, n_blocks), dtype=bool)
+    for wanted in batch_blocks:
+        together[np.ix_(wanted, wanted)] = True
+    partners = float(together.sum(axis=1).mean() - 1)
+    for cache_blocks in (8, 10, 32, 34):
         caches = [collections.OrderedDict() for _ in range(4)]
         count = 0
         for b, wanted in enumerate(batch_blocks):
@@ -170,8 +177,11 @@ def quality_metrics(order: np.ndarray, block: int, n_blocks: int) -> dict[str, f
         "mean_abs_jump_over_n": float(jumps),
         "lag1_corr": lag1,
         "distinct_blocks_per_256": distinct,
+        "batch_partner_blocks": partners,
         "decodes_per_block_lru8": decodes[8],
+        "decodes_per_block_lru10": decodes[10],
         "decodes_per_block_lru32": decodes[32],
+        "decodes_per_block_lru34": decodes[34],
     }
 
 
@@ -306,8 +316,11 @@ def main() -> None:
             "mean_abs_jump_over_n",
             "lag1_corr",
             "distinct_blocks_per_256",
+            "batch_partner_blocks",
             "decodes_per_block_lru8",
+            "decodes_per_block_lru10",
             "decodes_per_block_lru32",
+            "decodes_per_block_lru34",
         ],
     )
 

@@ -366,9 +366,18 @@ def test_block_sampler_is_block_local():
     out = s.indices()
     assert np.array_equal(np.sort(out), np.arange(100_000))
     blocks = out // 1000
-    # Every window of 4 blocks (4000 consecutive samples) holds exactly 4 blocks.
-    for w in range(25):
-        assert len(np.unique(blocks[w * 4000 : (w + 1) * 4000])) == 4
+    # Every stripe (1000 consecutive samples here) holds 250 rows of each of 4 blocks,
+    # and the window slides by one block per stripe: 4 stripes hold 7 blocks.
+    for k in range(100):
+        ids, counts = np.unique(blocks[k * 1000 : (k + 1) * 1000], return_counts=True)
+        assert len(ids) == 4 and (counts == 250).all()
+    for k in range(25):
+        assert len(np.unique(blocks[k * 4000 : (k + 1) * 4000])) == 7
+    # A block's rows span at most 4 stripes, except the 3 that wrap around.
+    pos = np.empty_like(out)
+    pos[out] = np.arange(len(out))
+    span = np.ptp(pos.reshape(100, 1000), axis=1)
+    assert (span < 4000).sum() == 97
     # ... and is shuffled inside: consecutive samples mostly change block.
     assert (np.diff(blocks) != 0).mean() > 0.5
     # Different epochs order blocks differently.
@@ -407,14 +416,29 @@ def test_block_sampler_uses_dataset_block_offsets_and_validates():
 
 
 def test_block_sampler_window_position_uniform():
-    # Rows of one window are shuffled uniformly: where row 0 lands inside its window.
-    offsets = np.array([0, 7, 20, 31])  # one window of 3 blocks, 31 rows
+    # One block: a single stripe, shuffled uniformly (where row 0 lands).
     pos = []
     for e in range(3000):
-        s = BlockShuffleSampler(None, block_offsets=offsets, window=3, num_replicas=1, rank=0)
+        s = BlockShuffleSampler(None, block_offsets=[0, 31], window=3, num_replicas=1, rank=0)
         s.set_epoch(e)
         pos.append(int(np.flatnonzero(s.indices() == 0)[0]))
     assert stats.chisquare(np.bincount(pos, minlength=31)).pvalue > 1e-4
+    # Three equal blocks, window 3: every stripe holds 4 rows of each block; with the
+    # block order shuffled too, a row lands anywhere in the epoch uniformly.
+    pos = []
+    for e in range(3600):
+        s = BlockShuffleSampler(None, block_offsets=[0, 12, 24, 36], window=3, seed=5)
+        s.set_epoch(e)
+        pos.append(int(np.flatnonzero(s.indices() == 13)[0]))
+    assert stats.chisquare(np.bincount(pos, minlength=36)).pvalue > 1e-4
+
+
+def test_block_sampler_refuses_fixed_window_states():
+    s = BlockShuffleSampler(None, block_offsets=[0, 10, 20])
+    state = s.state_dict()
+    del state["window_layout"]
+    with pytest.raises(ValueError, match="fixed windows"):
+        BlockShuffleSampler(None, block_offsets=[0, 10, 20]).load_state_dict(state)
 
 
 # --------------------------------------------------------------------------- resume

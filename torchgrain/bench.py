@@ -6,7 +6,7 @@ a stock DataLoader with worker processes) for a fixed time in each access order:
 * ``sequential``: records in storage order (the best case for any format);
 * ``shuffled``: a global shuffle (:class:`~torchgrain.GlobalShuffleSampler`);
 * ``block-shuffled``: :class:`~torchgrain.BlockShuffleSampler` (shuffled blocks, rows
-  shuffled within windows of blocks), for Parquet (row groups) and for ArrayRecord
+  shuffled within a sliding window of blocks), for Parquet (row groups) and for ArrayRecord
   written with ``group_size`` > 1 (chunks).
 
 It reports records/s and MB/s (decoded bytes of the records that arrived), the time to

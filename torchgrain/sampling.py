@@ -8,7 +8,7 @@ Two drop-in replacements for :class:`torch.utils.data.distributed.DistributedSam
   cycle-walking), evaluated in vectorised numpy chunks. Nothing of size ``N`` is
   ever materialised: a billion-record epoch costs a few hundred bytes of state.
 * :class:`BlockShuffleSampler` shuffles the order of storage blocks (Parquet row
-  groups, ArrayRecord chunks) and then rows within windows of a few consecutive
+  groups, ArrayRecord chunks) and then rows within a sliding window of a few consecutive
   blocks, so each DataLoader worker decodes each block about once per epoch while
   batches still mix rows from several blocks.
 
@@ -803,43 +803,53 @@ class GlobalShuffleSampler(_ResumableSampler):
 
 
 class BlockShuffleSampler(_ResumableSampler):
-    """Block-local shuffle: shuffled blocks, rows shuffled within windows of blocks.
+    """Block-local shuffle: shuffled blocks, rows shuffled within a sliding window of blocks.
 
     Columnar and chunked formats decode whole blocks (a Parquet row group, an
     ArrayRecord chunk). A global shuffle touches a different block for nearly every
     row; this sampler keeps reads block-local:
 
     1. the order of the dataset's blocks is shuffled (a fresh order every epoch);
-    2. consecutive runs of ``window`` blocks in that order form a window, and the
-       rows of each window are shuffled among themselves (each window with its own
-       keyed permutation);
+    2. a window of ``window`` consecutive blocks of that order slides along it: each
+       block is cut into ``window`` pieces, and the epoch is a sequence of *stripes*,
+       stripe ``s`` holding a piece of each of the blocks ``s - window + 1 .. s``
+       (one block enters and one leaves from one stripe to the next; the first
+       stripes wrap around to the last blocks, so every stripe mixes ``window``
+       blocks). The rows of each stripe are shuffled among themselves (each stripe
+       with its own keyed permutation);
     3. the resulting sequence of all ``N`` rows is cut into ``num_replicas``
        contiguous runs of equal length: rank ``r`` takes positions
        ``[r * n, (r + 1) * n)``, where ``n = len(sampler)`` (padding/drop_last as
        in DistributedSampler, the padding wrapping to the sequence's start).
 
-    Contiguous runs (instead of DistributedSampler's round-robin) keep each rank on
-    about ``1 / num_replicas`` of the blocks.
+    Any position of the order is computed directly from O(blocks) tables, so
+    ``indices(start, stop)`` and exact resume cost nothing extra. A reader whose
+    cache holds ``window + 1`` blocks (one more for each further stripe a batch
+    spans) decodes each block about once per epoch (the ``window - 1`` blocks that
+    wrap around are read at the start and at the end); a cache of exactly
+    ``window`` blocks thrashes under LRU eviction. Contiguous runs (instead of DistributedSampler's round-robin) keep
+    each rank on about ``1 / num_replicas`` of the blocks.
 
     DataLoader workers: the DataLoader hands batch ``b`` to worker
-    ``b % num_workers``, so by default every worker reads from every window and
+    ``b % num_workers``, so by default every worker reads from every stripe and
     decodes every block of its rank. Pass the DataLoader's ``batch_size`` and
     ``num_workers`` and the rank's run is instead cut into ``num_workers``
     contiguous parts, batch ``b`` coming from part ``b % num_workers``: each worker
-    reads its own part and decodes about ``1 / num_workers`` of the blocks (its
-    block cache must hold ``window`` blocks). Consecutive batches then come from
-    different parts of the epoch; the indices of the epoch are the same set. If the
-    loader's ``num_workers`` or ``batch_size`` differ from the sampler's, the order
-    is still a correct permutation, only the decode saving is lost.
+    reads its own part and decodes about ``1 / num_workers`` of the blocks.
+    Consecutive batches then come from different parts of the epoch; the indices of
+    the epoch are the same set. If the loader's ``num_workers`` or ``batch_size``
+    differ from the sampler's, the order is still a correct permutation, only the
+    decode saving is lost.
 
     Shuffle quality trade-off: consecutive samples come from only ``window`` blocks
     (about ``window`` distinct blocks in any 256 consecutive samples vs about 256
-    for :class:`GlobalShuffleSampler`), and rows of one block all appear within
-    one window's span of the epoch. Rows that sit together in storage (e.g. sorted
-    by class or time) therefore stay correlated within a batch; grow ``window`` to
-    mix more blocks per batch, at the cost of more decoded blocks held in cache.
-    ``benchmarks/sampler.py`` measures both samplers side by side.
-    ``shuffle=False`` yields ``0 .. N-1`` split into the same contiguous runs.
+    for :class:`GlobalShuffleSampler`), and the rows of one block all appear within
+    ``window`` consecutive stripes (about ``window`` blocks' worth of samples).
+    Rows that sit together in storage (e.g. sorted by class or time) therefore stay
+    correlated within a batch; grow ``window`` to mix more blocks per batch, at the
+    cost of more decoded blocks held in cache. ``benchmarks/sampler.py`` measures
+    both samplers side by side. ``shuffle=False`` yields ``0 .. N-1`` split into the
+    same contiguous runs.
 
     Memory is O(number of blocks), not O(N); resume and elastic resume work as for
     :class:`GlobalShuffleSampler` (the consumed part of each rank's run is known, the
@@ -849,7 +859,7 @@ class BlockShuffleSampler(_ResumableSampler):
         dataset: a dataset with ``block_offsets()`` (int64 prefix offsets starting at
             0 and ending at ``len(dataset)``), or ``None``/a length when
             ``block_offsets`` is given.
-        window: blocks per shuffle window (default 8).
+        window: blocks in the sliding shuffle window (default 8).
         num_replicas, rank, shuffle, seed, drop_last: as for GlobalShuffleSampler.
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
         batch_size: the DataLoader's ``batch_size``; needed with ``num_workers > 1``.
@@ -867,8 +877,10 @@ class BlockShuffleSampler(_ResumableSampler):
         >>> order = s.indices()
         >>> sorted(order.tolist()) == list(range(100))
         True
-        >>> len({int(i) // 10 for i in order[:20]})  # first 20 rows: one window, 2 blocks
+        >>> len({int(i) // 10 for i in order[:10]})  # a stripe: 5 rows from each of 2 blocks
         2
+        >>> len({int(i) // 10 for i in order[:50]})  # 5 stripes: the window slid 4 blocks on
+        6
         >>> dealt = BlockShuffleSampler(None, block_offsets=offsets, window=2, seed=0,
         ...                             num_replicas=1, rank=0, batch_size=5, num_workers=2)
         >>> sorted(dealt.indices().tolist()) == list(range(100))
@@ -957,6 +969,7 @@ class BlockShuffleSampler(_ResumableSampler):
     def _extra_state(self) -> dict[str, Any]:
         return {
             "window": self.window,
+            "window_layout": "sliding",
             "num_blocks": self.num_blocks,
             "blocks_digest": self._digest,
             "batch_size": self.batch_size,
@@ -964,6 +977,11 @@ class BlockShuffleSampler(_ResumableSampler):
         }
 
     def _check_extra_state(self, state: dict[str, Any]) -> None:
+        if state.get("window_layout") != "sliding":
+            raise ValueError(
+                "state was saved by a BlockShuffleSampler with fixed windows (an earlier "
+                "torchgrain); its order cannot be continued exactly by this version"
+            )
         if state.get("blocks_digest") != self._digest:
             raise ValueError(
                 f"state was saved for different block boundaries ({state.get('num_blocks')} "
@@ -975,7 +993,16 @@ class BlockShuffleSampler(_ResumableSampler):
         self._tables = None
 
     def _build_tables(self) -> tuple[Any, ...]:
-        """Per-epoch block order, window offsets and window permutation keys: O(blocks)."""
+        """Per-epoch block order, stripe offsets and stripe permutation keys: O(blocks).
+
+        The sliding window is laid out as *stripes*. With ``w = min(window, blocks)``,
+        each block (in the epoch's shuffled block order ``0 .. B-1``) is cut into ``w``
+        pieces of near-equal size; piece ``k`` of block ``j`` goes to stripe
+        ``(j + k) mod B``. Stripe ``s`` therefore holds one piece of each of the ``w``
+        blocks ``s, s-1, ..., s-w+1`` (one block enters and one leaves per stripe),
+        and its rows are shuffled among themselves. The wrap-around keeps every
+        stripe at ``w`` blocks, the first ones included.
+        """
         key = (self.seed, self.epoch, self.shuffle, self.window)
         if self._tables is not None and self._tables[0] == key:
             return self._tables
@@ -985,21 +1012,27 @@ class BlockShuffleSampler(_ResumableSampler):
             order = KeyedPermutation(nb, self.seed, self.epoch, tag=b"blocks")(np.arange(nb))
         else:
             order = np.arange(nb, dtype=np.int64)
-        # cum[j]: first row of the j-th block in the shuffled block order.
-        cum = np.zeros(nb + 1, dtype=np.int64)
-        np.cumsum(sizes[order], out=cum[1:])
-        win_start = cum[:: self.window].copy()
-        if win_start[-1] != cum[-1]:
-            win_start = np.append(win_start, cum[-1])
-        win_sizes = np.diff(win_start).astype(_U64)
-        a, c = _split_bits(win_sizes)
-        # One round count for all windows (the smallest window decides): the
-        # network then runs vectorised across windows of different sizes.
-        bits = int((a + c).min()) if len(win_sizes) else 64
-        base = _derive_keys(self.seed, self.epoch, b"windows", _rounds_for(bits))
-        g = np.arange(len(win_sizes), dtype=_U64) * _U64(_GOLDEN)
-        keys = np.stack([_mix_array(g + k) for k in base])
-        self._tables = (key, order, cum, win_start, win_sizes, keys, a, c)
+        w = max(1, min(self.window, nb))
+        # Piece k of the j-th block has base[j] + (k < rem[j]) rows and starts at row
+        # k * base[j] + min(k, rem[j]) of the block.
+        base, rem = np.divmod(sizes[order], w)
+        stripe_sizes = np.zeros(nb, dtype=np.int64)
+        j = np.arange(nb, dtype=np.int64)
+        for k in range(w):
+            src = (j - k) % nb
+            stripe_sizes += base[src] + (rem[src] > k)
+        stripe_start = np.zeros(nb + 1, dtype=np.int64)
+        np.cumsum(stripe_sizes, out=stripe_start[1:])
+        stripe_u64 = stripe_sizes.astype(_U64)
+        a, c = _split_bits(stripe_u64)
+        # One round count for all stripes (the smallest one with rows to shuffle
+        # decides): the network then runs vectorised across stripes of any size.
+        bits = a + c
+        bits = int(bits[stripe_sizes > 1].min()) if (stripe_sizes > 1).any() else 64
+        base_keys = _derive_keys(self.seed, self.epoch, b"windows", _rounds_for(bits))
+        g = np.arange(nb, dtype=_U64) * _U64(_GOLDEN)
+        keys = np.stack([_mix_array(g + k) for k in base_keys])
+        self._tables = (key, order, w, base, rem, stripe_start, stripe_u64, keys, a, c)
         return self._tables
 
     def _virtual(self, j: int, count: int) -> tuple[int, int]:
@@ -1030,24 +1063,50 @@ class BlockShuffleSampler(_ResumableSampler):
     def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         if not self.shuffle:
             return _identity
-        _, order, cum, win_start, win_sizes, keys, a, c = self._build_tables()
+        _, order, w, base, rem, stripe_start, stripe_u64, keys, a, c = self._build_tables()
         offsets = self._offsets
+        nb = self.num_blocks
+        ks = np.arange(w, dtype=np.int64)
+        # Per chunk, a (stripes in the chunk) x w table of piece ends: bound it.
+        chunk = max(4096, (_ITER_CHUNK * 8) // w)
 
         def stream(q: np.ndarray) -> np.ndarray:
             out = np.empty(q.shape, dtype=np.int64)
-            for s in range(0, q.size, _ITER_CHUNK):
-                qs = q[s : s + _ITER_CHUNK]
-                w = np.searchsorted(win_start, qs, side="right") - 1
-                local = (qs - win_start[w]).astype(_U64)
-                n = win_sizes[w]
-                # Windows of 1 or 2 rows go through the network too (a or c is 0).
-                shuffled = _permute(local, n, keys[:, w], a[w], c[w])
-                u = win_start[w] + shuffled.astype(np.int64)
-                j = np.searchsorted(cum, u, side="right") - 1
-                out[s : s + _ITER_CHUNK] = offsets[order[j]] + (u - cum[j])
+            for lo in range(0, q.size, chunk):
+                qs = q[lo : lo + chunk]
+                s = np.searchsorted(stripe_start, qs, side="right") - 1
+                local = (qs - stripe_start[s]).astype(_U64)
+                # Stripes of 1 or 2 rows go through the network too (a or c is 0).
+                slot = stripe_start[s] + _permute(
+                    local, stripe_u64[s], keys[:, s], a[s], c[s]
+                ).astype(np.int64)
+                # The piece holding each slot: stripe s is piece 0 of block s, piece 1
+                # of block s-1, ... in that order; one searchsorted over the absolute
+                # piece ends of the stripes this chunk touches.
+                us, inv = _distinct(s)
+                src = (us[:, None] - ks) % nb
+                size = base[src] + (rem[src] > ks)
+                ends = stripe_start[us][:, None] + np.cumsum(size, axis=1)
+                flat = np.searchsorted(ends.ravel(), slot, side="right")
+                k = flat - inv.reshape(-1) * w
+                blk = src.ravel()[flat]
+                before = ends.ravel()[flat] - size.ravel()[flat]
+                row = k * base[blk] + np.minimum(k, rem[blk]) + (slot - before)
+                out[lo : lo + chunk] = offsets[order[blk]] + row
             return out
 
         return stream
+
+
+def _distinct(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(s, return_inverse=True)``, without a sort when ``s`` is non-decreasing
+    (the usual case: a run of consecutive stream positions)."""
+    if s.size and bool((s[1:] >= s[:-1]).all()):
+        new = np.empty(s.size, dtype=bool)
+        new[0] = True
+        np.not_equal(s[1:], s[:-1], out=new[1:])
+        return s[new], np.cumsum(new) - 1
+    return np.unique(s, return_inverse=True)
 
 
 def _deal_config(state: dict[str, Any]) -> tuple[int, int] | None:

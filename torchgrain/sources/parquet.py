@@ -145,8 +145,9 @@ class ParquetSource:
     row group caches its Arrow table and converts only the rows asked for; a second
     read converts the whole row group to Python values once (charged at their
     estimated size), after which rows are gathered without decoding. With
-    :class:`~torchgrain.BlockShuffleSampler` a worker needs about ``window`` row groups
-    of cache and decodes each row group about once per epoch. With
+    :class:`~torchgrain.BlockShuffleSampler` a worker needs ``window + 1`` row groups
+    of cache (one more for each further stripe a batch spans) and decodes each row
+    group about once per epoch; with less, LRU eviction thrashes. With
     :class:`~torchgrain.GlobalShuffleSampler` nearly every record of a batch comes from
     a different row group: it is fast only while the decoded data (about its Arrow
     size plus ~48 bytes per value) fits in every worker's ``cache_bytes``; beyond that,
