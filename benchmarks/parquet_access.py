@@ -12,7 +12,7 @@ measured is reading and decoding, not tensor stacking):
   row-group cache holding the decoded data (~270 MB here); ``tg-global-small-cache``
   runs the same with a 64 MiB cache (time budget) to show what happens when it does not.
 * ``tg-block``: the same source with ``BlockShuffleSampler`` (row groups shuffled,
-  rows shuffled within windows of 8 row groups).
+  rows shuffled within a sliding window of 8 row groups).
 * ``hf``: Hugging Face ``datasets`` on the same files (``Dataset.from_parquet``,
   ``.shuffle(seed)``, map-style reads of whole batches); its one-off conversion to
   its Arrow cache is timed separately and not counted.
@@ -20,6 +20,11 @@ measured is reading and decoding, not tensor stacking):
   same per-row dicts (``to_pylist``), consumed by the same loop as the loaders' batches
   (it collects every id): the sequential limit. ``scan-decode`` only decodes (no Python
   rows), for reference.
+* ``scan-loader``: the same sequential scan as an ``IterableDataset`` in the same
+  DataLoader (worker ``k`` of ``W`` scans files ``k, k + W, ...``; each yields its
+  batches of per-row dicts): the sequential limit *through the loader*, the like-for-like
+  bound for a path with ``num_workers`` workers (with workers, every record is pickled
+  over to the main process whatever reads it).
 * ``loader-ceiling``: records already in memory handed through the same DataLoader:
   with workers, every record is pickled over to the main process, which bounds every
   path here (a reader can at best reach it).
@@ -32,8 +37,8 @@ ratios in the table are the result (absolute numbers depend on the machine).
 
 Every path runs ``--repeats`` rounds (interleaved). Timings on a shared machine drift, so
 the rates shown are each path's best round, and every ratio is the median over rounds of
-the ratio within one round (block/scan against scans run just before and after the block
-path). Rows per CPU-second (main process plus workers) are reported too, as they depend
+the ratio within one round (block/scan and block/scan-loader against scans run just
+before and after the block path). Rows per CPU-second (main process plus workers) are reported too, as they depend
 less on other load.
 
 Run: ``python benchmarks/parquet_access.py [--rows 200000] [--repeats 2] [--naive-seconds 4]``
@@ -140,6 +145,22 @@ def passthrough(batch: list[Any]) -> list[Any]:
     return batch
 
 
+class ScanDataset(torch.utils.data.IterableDataset):
+    """The sequential scan in a DataLoader: each worker reads its share of the files in
+    order and yields batches of per-row dicts (``to_pylist``)."""
+
+    def __init__(self, files: list[str], batch_size: int) -> None:
+        self.files = files
+        self.batch_size = batch_size
+
+    def __iter__(self) -> Any:
+        info = torch.utils.data.get_worker_info()
+        k, w = (info.id, info.num_workers) if info is not None else (0, 1)
+        for f in self.files[k::w]:
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=self.batch_size):
+                yield batch.to_pylist()
+
+
 # ------------------------------------------------------------------- measuring
 def cpu_seconds() -> float:
     """CPU time of this process plus its finished children (DataLoader workers)."""
@@ -156,14 +177,16 @@ def run_loader(
     batch_size: int,
     epochs: int = 1,
     budget: float | None = None,
+    batched: bool = False,
 ) -> dict[str, Any]:
     """Rows/s of each epoch (persistent workers), CPU seconds of all, and the ids seen.
 
-    With ``budget``, one epoch is cut after that many seconds.
+    With ``budget``, one epoch is cut after that many seconds. ``batched``: the dataset
+    yields whole batches itself (an IterableDataset).
     """
     loader = torch.utils.data.DataLoader(
         dataset,
-        batch_size=batch_size,
+        batch_size=None if batched else batch_size,
         sampler=sampler,
         shuffle=False,
         num_workers=workers,
@@ -303,6 +326,17 @@ def main() -> None:
             rate = scan(files, args.batch_size, rows_too)
             return {"rates": [rate], "rows": args.rows, "cpu_s": cpu_seconds() - cpu0}
 
+        def scan_loader_run(w: int) -> dict[str, Any]:
+            run = run_loader(
+                ScanDataset(files, args.batch_size),
+                workers=w,
+                batch_size=args.batch_size,
+                batched=True,
+            )
+            for ids in run["ids"]:
+                check_epoch("scan-loader", ids, args.rows)
+            return run
+
         hf = hf_prepare = None
         if not args.skip_hf:
             try:
@@ -362,9 +396,10 @@ def main() -> None:
                         "tg-global-small", w, run, cache_mib=args.small_cache_mib, hit_rate=hit_rate
                     )
 
-                # The machine's speed drifts (shared VMs): the scan also runs right before
+                # The machine's speed drifts (shared VMs): the scans also run right before
                 # and after the block path, and block/scan is taken against their mean.
                 paired_scan = scan(files, args.batch_size, True)
+                loader_scans = [scan_loader_run(w)]
                 src = tg.ParquetSource(root)
                 ds = tg.Dataset(src)
                 # With workers, the sampler deals each worker its own part of the epoch.
@@ -377,6 +412,10 @@ def main() -> None:
                 for ids in run["ids"]:
                     check_epoch("tg-block", ids, args.rows)
                 paired_scan = (paired_scan * scan(files, args.batch_size, True)) ** 0.5
+                loader_scans.append(scan_loader_run(w))
+                paired_loader = (loader_scans[0]["rates"][0] * loader_scans[1]["rates"][0]) ** 0.5
+                for lrun in loader_scans:
+                    add("scan-loader", w, lrun)
                 decodes = src.cache_info().misses if w == 0 else None
                 add(
                     "tg-block",
@@ -385,6 +424,8 @@ def main() -> None:
                     row_group_decodes=decodes,
                     paired_scan=paired_scan,
                     paired_ratio=run["rates"][0] / paired_scan,
+                    paired_loader_scan=paired_loader,
+                    paired_loader_ratio=run["rates"][0] / paired_loader,
                 )
 
                 # The most any reader can deliver through this DataLoader setup: records
@@ -419,11 +460,11 @@ def main() -> None:
             pairs = [p for p in pairs if p is not None]
             return float(np.median(pairs)) if pairs else None
 
-        def paired(path: str, w: int | None) -> float | None:
+        def paired(path: str, w: int | None, key: str = "paired_ratio") -> float | None:
             """Median over rounds of the path's rate over the scans run just around it."""
             for r in results:
                 if r["path"] == path and r["workers"] == w:
-                    return float(np.median([x["paired_ratio"] for x in r["rounds"]]))
+                    return float(np.median([x[key] for x in r["rounds"]]))
             return None
 
         scan_rate = get("scan", None)
@@ -431,6 +472,7 @@ def main() -> None:
         for w in workers:
             nv, h, g, b = (get(p, w) for p in ("naive", "hf", "tg-global", "tg-block"))
             ceiling = get("loader-ceiling", w)
+            scan_loader = get("scan-loader", w)
             h2, g2, b2 = (get(p, w, "rows_per_s_epoch2") for p in ("hf", "tg-global", "tg-block"))
             table.append(
                 {
@@ -439,12 +481,14 @@ def main() -> None:
                     "hf": h,
                     "tg-global": g,
                     "tg-block": b,
+                    "scan-loader": scan_loader,
                     "ceiling": ceiling,
                     "hf e2": h2,
                     "global e2": g2,
                     "block e2": b2,
                     "global/naive": per_round("tg-global", "naive", w),
                     "block/scan": paired("tg-block", w),
+                    "block/scan-loader": paired("tg-block", w, "paired_loader_ratio"),
                     "block/ceiling": per_round("tg-block", "loader-ceiling", w),
                     "global/hf": per_round("tg-global", "hf", w),
                     "block/hf": per_round("tg-block", "hf", w),
@@ -458,13 +502,15 @@ def main() -> None:
             f"decode only: {get('scan-decode', None):,.0f} rows/s)"
         )
         cols = list(table[0])
-        print_table(table, cols[:9])
+        print_table(table, cols[:10])
         print()
-        print_table(table, [cols[0], *cols[9:]])
+        print_table(table, [cols[0], *cols[10:]])
         print(
             "targets: block/scan >= 0.5, global/naive >= 20, global/hf and block/hf >= 1\n"
             "(rates: the best round; ratios: the median over rounds of the ratio within a\n"
-            " round, block/scan against the scans run just before and after the block path)\n"
+            " round, block/scan and block/scan-loader against the scans run just before and\n"
+            " after the block path; scan: one process; scan-loader: the scan through the same\n"
+            " DataLoader with the same number of workers)\n"
             "(cpu: rows per CPU-second of the main process and its workers, both epochs;\n"
             " ceiling: records already in memory through the same DataLoader, the most\n"
             " any reader can deliver with this many workers on this machine)"
@@ -492,7 +538,7 @@ def plot(table: list[dict[str, Any]], scan_rate: float) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    paths = ["naive", "hf", "tg-global", "tg-block"]  # epoch 1
+    paths = ["naive", "hf", "tg-global", "tg-block", "scan-loader"]  # epoch 1
     fig, ax = plt.subplots(figsize=(7, 3.6))
     width = 0.8 / len(table)
     for k, row in enumerate(table):
