@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import torchgrain as tg
 from torchgrain.io.cache import RowGroupCache
-from torchgrain.sources.parquet import arrow_type_name, merge_types
+from torchgrain.sources.parquet import arrow_type_name, common_type, merge_types
 
 
 # ------------------------------------------------------------------- helpers
@@ -466,6 +466,39 @@ def test_type_widening(tmp_path):
     assert arrow_type_name(pa.map_(pa.string(), pa.int8())) == "map<string, int8>"
 
 
+@pytest.mark.parametrize(
+    "order", [("int16", "uint8", "int8"), ("uint8", "int8", "int16"), ("int8", "uint8", "int16")]
+)
+def test_widening_does_not_depend_on_file_order(tmp_path, order):
+    # uint8 and int8 alone have no common type among them, but with int16 present all
+    # three widen to it, whichever file comes first.
+    d = tmp_path / "".join(order)
+    values = {"int16": -300, "uint8": 255, "int8": -1}
+    for i, t in enumerate(order):
+        write(str(d / f"f{i}.parquet"), pa.table({"x": pa.array([values[t]], getattr(pa, t)())}))
+    src = tg.ParquetSource(str(d))
+    assert src.schema == {"x": "int16"}
+    assert [r["x"] for r in src.__getitems__([0, 1, 2])] == [values[t] for t in order]
+    assert common_type([pa.uint8(), pa.int8()]) is None
+    assert common_type([pa.uint16(), pa.int8(), pa.int32()]) == pa.int32()
+    assert common_type([pa.null(), pa.float32(), pa.float64()]) == pa.float64()
+    assert common_type([pa.int8(), pa.float64()]) is None
+
+
+def test_mismatch_error_gives_each_files_own_type(tmp_path):
+    d = tmp_path / "m"
+    for i, t in enumerate([pa.int8(), pa.int32(), pa.string()]):
+        write(
+            str(d / f"f{i}.parquet"),
+            pa.table({"x": pa.array(["1"] if t == pa.string() else [1], t)}),
+        )
+    with pytest.raises(tg.SchemaMismatchError) as e:
+        tg.ParquetSource(str(d))
+    msg = str(e.value)
+    # The string file conflicts with the first: each named with the type it holds.
+    assert "int8 in" in msg and "f0.parquet" in msg and "string in" in msg and "f2.parquet" in msg
+
+
 def test_missing_nullable_column_reads_none(tmp_path):
     d = tmp_path / "ev"
     write(str(d / "a.parquet"), pa.table({"x": [1, 2], "extra": ["p", None]}))
@@ -575,6 +608,39 @@ def test_source_cache_bound_and_hits(tmp_path):
 
 
 # ------------------------------------------------------- workers & pickling
+@pytest.mark.parametrize("files", [1, 70])
+def test_concurrent_reads_from_threads(tmp_path, files):
+    # Threads share the process's readers (70 files: more than are kept open, so
+    # readers are evicted and closed while other threads use them).
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = tmp_path / f"t{files}"
+    per = 600 // files
+    for f in range(files):
+        ids = np.arange(f * per, (f + 1) * per)
+        write(
+            str(d / f"f{f:03d}.parquet"),
+            pa.table({"x": ids, "s": [str(i) * 8 for i in ids]}),
+            row_group_size=20,
+        )
+    src = tg.ParquetSource(str(d), cache_bytes=0)
+    n = len(src)
+
+    def work(seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(60):
+            idx = rng.integers(0, n, 8).tolist()
+            recs = src.__getitems__(idx)
+            assert [r["x"] for r in recs] == idx
+            assert [r["s"] for r in recs] == [str(i) * 8 for i in idx]
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(8)))
+    src.close()
+    assert src[5]["x"] == 5  # readers reopen after close()
+
+
 def test_pickle_is_small_and_carries_no_readers(tmp_path):
     d, _ = make_sharded(tmp_path, [50] * 8, rg=5)
     src = tg.ParquetSource(d)

@@ -48,7 +48,7 @@ from torchgrain.io.fs import (
 from torchgrain.io.retry import retry_call
 from torchgrain.sources._index import ShardIndex
 
-__all__ = ["PARQUET_SUFFIXES", "ParquetSource", "arrow_type_name"]
+__all__ = ["PARQUET_SUFFIXES", "ParquetSource", "arrow_type_name", "common_type", "merge_types"]
 
 PARQUET_SUFFIXES = (".parquet", ".parq")
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
@@ -75,7 +75,7 @@ class _ProcessState:
 
     def __init__(self, cache_bytes: int) -> None:
         self.pid = os.getpid()
-        self.files: OrderedDict[int, tuple[pq.ParquetFile, Any]] = OrderedDict()
+        self.files: OrderedDict[int, _Reader] = OrderedDict()
         self.cache = RowGroupCache(cache_bytes)
         self.lock = threading.Lock()
 
@@ -298,12 +298,12 @@ class ParquetSource:
             st = self._proc = _ProcessState(self.cache_bytes)
         return st
 
-    def _file(self, st: _ProcessState, shard: int) -> pq.ParquetFile:
+    def _file(self, st: _ProcessState, shard: int) -> _Reader:
         with st.lock:
-            item = st.files.get(shard)
-            if item is not None:
+            reader = st.files.get(shard)
+            if reader is not None:
                 st.files.move_to_end(shard)
-                return item[0]
+                return reader
         path = self.paths[shard]
         handle = None
         try:
@@ -322,12 +322,20 @@ class ParquetSource:
             raise CorruptDataError(
                 f"cannot open Parquet shard {path!r} (shard {shard} of {self.num_shards}): {e}"
             ) from e
+        reader = _Reader(pf, handle)
+        evicted = []
         with st.lock:
-            st.files[shard] = (pf, handle)
-            while len(st.files) > _MAX_OPEN_FILES:
-                _, (old, old_handle) = st.files.popitem(last=False)
-                _close_reader(old, old_handle)
-        return pf
+            other = st.files.get(shard)
+            if other is not None:  # another thread opened it meanwhile: use that one
+                evicted.append(reader)
+                reader = other
+            else:
+                st.files[shard] = reader
+                while len(st.files) > _MAX_OPEN_FILES:
+                    evicted.append(st.files.popitem(last=False)[1])
+        for old in evicted:  # outside st.lock: waits for a read in progress on it
+            old.close()
+        return reader
 
     # ------------------------------------------------------------ the contract
     def __len__(self) -> int:
@@ -389,10 +397,10 @@ class ParquetSource:
         if st is None or st.pid != os.getpid():
             return
         with st.lock:
-            files = list(st.files.values())
+            readers = list(st.files.values())
             st.files.clear()
-        for pf, handle in files:
-            _close_reader(pf, handle)
+        for reader in readers:
+            reader.close()
         st.cache.clear()
 
     # ---------------------------------------------------------------- reading
@@ -532,8 +540,11 @@ class ParquetSource:
         names = [f.name for f, p in zip(self._file_fields, present) if p]
 
         def read() -> pa.Table:
-            pf = self._file(st, shard)
-            return pf.read_row_group(local, columns=names, use_threads=False)
+            while True:
+                reader = self._file(st, shard)
+                with reader.lock:  # pyarrow's reader is not safe for concurrent reads
+                    if not reader.closed:  # (else evicted meanwhile: open it again)
+                        return reader.pf.read_row_group(local, columns=names, use_threads=False)
 
         try:
             if self._local_fs:
@@ -722,6 +733,39 @@ def merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     return None
 
 
+def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
+    """The narrowest of ``types`` that all of them widen to without loss, or None.
+
+    Unlike folding :func:`merge_types` over a list, the answer does not depend on the
+    order: ``uint8, int8, int16`` gives ``int16`` whichever comes first.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> common_type([pa.uint8(), pa.int8(), pa.int16()])
+        DataType(int16)
+        >>> common_type([pa.uint8(), pa.int8()]) is None   # no int16 among them
+        True
+    """
+    values = [_value_type(t) for t in types]
+    values = [t for t in values if not pa.types.is_null(t)]
+    if not values:
+        return pa.null()
+    if all(pa.types.is_integer(t) for t in values):
+        signed = [t for t in values if pa.types.is_signed_integer(t)]
+        unsigned = [t for t in values if not pa.types.is_signed_integer(t)]
+        widest_s = max(signed, key=lambda t: t.bit_width) if signed else None
+        widest_u = max(unsigned, key=lambda t: t.bit_width) if unsigned else None
+        if widest_s is None or widest_u is None:
+            return widest_s or widest_u
+        return widest_s if widest_s.bit_width > widest_u.bit_width else None
+    out: pa.DataType | None = values[0]
+    for t in values[1:]:
+        out = merge_types(out, t)
+        if out is None:
+            return None
+    return out
+
+
 def _merge_schemas(
     files: list[str],
     schemas: list[pa.Schema],
@@ -730,7 +774,8 @@ def _merge_schemas(
 ) -> tuple[list[pa.Field], np.ndarray]:
     """Merge the selected columns of every file; return fields and a presence matrix."""
     wanted = None if columns is None else set(columns)
-    merged: dict[str, tuple[pa.DataType, bool, int]] = {}  # name -> (type, nullable, file)
+    # name -> [(file, type, nullable)], in file order; names in order of first appearance
+    seen: dict[str, list[tuple[int, pa.DataType, bool]]] = {}
     for i, s in enumerate(schemas):
         names = s.names
         if len(set(names)) != len(names):
@@ -744,35 +789,45 @@ def _merge_schemas(
                 raise SchemaMismatchError(
                     f"column {name!r} of {files[i]!r} is also a hive partition key in its path"
                 )
-            if name not in merged:
-                merged[name] = (_value_type(field.type), field.nullable, i)
-                continue
-            typ, nullable, first = merged[name]
-            new = merge_types(typ, field.type)
-            if new is None:
-                raise SchemaMismatchError(
-                    f"column {name!r} has type {arrow_type_name(typ)} in {files[first]!r} but "
-                    f"{arrow_type_name(field.type)} in {files[i]!r}"
-                )
-            merged[name] = (new, nullable or field.nullable, first)
-    names = list(merged)
+            seen.setdefault(name, []).append((i, field.type, field.nullable))
+    names = list(seen)
     present = np.zeros((len(files), len(names)), dtype=bool)
     for i, s in enumerate(schemas):
         have = set(s.names)
         present[i] = [n in have for n in names]
     fields = []
     for j, name in enumerate(names):
-        typ, nullable, first = merged[name]
+        entries = seen[name]
+        typ = common_type([t for _, t, _ in entries])
+        if typ is None:
+            a, b = _conflict(entries)
+            raise SchemaMismatchError(
+                f"column {name!r} has type {arrow_type_name(a[1])} in {files[a[0]]!r} but "
+                f"{arrow_type_name(b[1])} in {files[b[0]]!r}"
+            )
         if not present[:, j].all():
             missing_in = files[int(np.flatnonzero(~present[:, j])[0])]
-            if not nullable:
+            required = next((i for i, _, nullable in entries if not nullable), None)
+            if required is not None:
                 raise SchemaMismatchError(
                     f"column {name!r} is missing from {missing_in!r} but is required "
-                    f"(not nullable) in {files[first]!r}"
+                    f"(not nullable) in {files[required]!r}"
                 )
         fields.append(pa.field(name, typ, nullable=True))
     present.setflags(write=False)
     return fields, present
+
+
+def _conflict(entries: list[tuple[int, pa.DataType, bool]]) -> tuple[Any, Any]:
+    """Two entries (file, type, nullable) whose types have no common type: the first
+    file whose type breaks the merge, and an earlier file it conflicts with."""
+    for k in range(1, len(entries)):
+        if common_type([t for _, t, _ in entries[: k + 1]]) is None:
+            for e in entries[:k]:
+                if common_type([e[1], entries[k][1]]) is None:
+                    return e, entries[k]
+            return entries[0], entries[k]
+    return entries[0], entries[-1]
 
 
 def arrow_type_name(t: pa.DataType) -> str:
@@ -1124,9 +1179,29 @@ def _copy_value(v: Any) -> Any:
     return [a.copy() for a in v]
 
 
-def _close_reader(pf: pq.ParquetFile, handle: Any) -> None:
-    try:
-        pf.close()
-    finally:
-        if handle is not None:
-            handle.close()
+class _Reader:
+    """One open Parquet file of one process.
+
+    pyarrow's ``ParquetFile`` must not be read from two threads at once (it crashed
+    the process when we tried): reads hold ``lock``. ``close`` waits for a read in
+    progress, and a reader closed (evicted) meanwhile is opened again by its user.
+    """
+
+    __slots__ = ("closed", "handle", "lock", "pf")
+
+    def __init__(self, pf: pq.ParquetFile, handle: Any) -> None:
+        self.pf = pf
+        self.handle = handle
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.pf.close()
+            finally:
+                if self.handle is not None:
+                    self.handle.close()
