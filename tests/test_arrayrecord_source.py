@@ -209,3 +209,34 @@ def test_overwrite_replaces_a_damaged_dataset(small_dataset):
     assert len(src) == 7 and src.num_shards == 2
     assert sorted(os.listdir(d))[-1] == "torchgrain.json"
     assert all(s.checksum.startswith("blake2b-records:") for s in src.manifest.shards)
+
+
+def test_block_shuffle_over_arrayrecord_chunks_in_workers(tmp_path):
+    # ArrayRecord chunks are the blocks: group_size records each (the last of a shard
+    # shorter). Look at the data first, then start forked workers, as users do.
+    import torch
+
+    recs = [{"id": i, "x": np.full(3, i, np.int16)} for i in range(95)]
+    d = str(tmp_path / "chunks")
+    tg.write_array_record(recs, d, num_shards=2, group_size=10)
+    src = tg.ArrayRecordSource(d)
+    assert src[0]["id"] == 0
+    offsets = src.block_offsets()
+    counts = src.index.counts.tolist()  # 47 and 48 records: chunks of 10, then the rest
+    expect = [0, 10, 20, 30, 40, 47, 57, 67, 77, 87, 95]
+    assert counts == [47, 48] and offsets.tolist() == expect
+    ds = tg.Dataset(src)
+    sampler = tg.BlockShuffleSampler(ds, window=2, seed=1, batch_size=8, num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=8,
+        sampler=sampler,
+        num_workers=2,
+        collate_fn=lambda b: b,
+        multiprocessing_context="fork",
+    )
+    got = [r["id"] for batch in loader for r in batch]
+    assert sorted(got) == list(range(95)) and got != sorted(got)
+    assert got == sampler.indices().tolist()
+    for rec in recs[:3]:
+        same_record(src[rec["id"]], rec)
