@@ -38,8 +38,8 @@ ratios in the table are the result (absolute numbers depend on the machine).
 Every path runs ``--repeats`` rounds (interleaved). Timings on a shared machine drift, so
 the rates shown are each path's best round, and every ratio is the median over rounds of
 the ratio within one round (block/scan and block/scan-loader against scans run just
-before and after the block path). Rows per CPU-second (main process plus workers) are reported too, as they depend
-less on other load.
+before and after the block path). Rows per CPU-second (main process plus workers) are
+reported too, as they depend less on other load.
 
 Run: ``python benchmarks/parquet_access.py [--rows 200000] [--repeats 2] [--naive-seconds 4]``
 """

@@ -274,39 +274,34 @@ def _identity(q: np.ndarray) -> np.ndarray:
 
 
 def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """The parts of ``[0, length)`` not covered by ``intervals``."""
-    out: list[tuple[int, int]] = []
-    pos = 0
-    for s, e in sorted((max(0, s), min(length, e)) for s, e in intervals):
+    """The parts of ``[0, length)`` not covered by ``intervals`` of virtual positions.
+
+    Positions past the end are padding and stand for ``v mod length`` (as in
+    DistributedSampler, whose padding repeats the order's first indices), so a
+    padding draw covers the position it repeats.
+    """
+    covered: list[tuple[int, int]] = []
+    for s, e in intervals:
+        s = max(0, s)
         if e <= s:
             continue
+        if s < length:
+            covered.append((s, min(e, length)))
+        s = max(s, length)
+        if e <= s or length <= 0:
+            continue
+        if e - s >= length:
+            return []
+        a, b = s % length, s % length + (e - s)
+        covered.extend([(a, b)] if b <= length else [(a, length), (0, b - length)])
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for s, e in sorted(covered):
         if s > pos:
             out.append((pos, s))
         pos = max(pos, e)
     if pos < length:
         out.append((pos, length))
-    return out
-
-
-def _wrap_intervals(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """``intervals`` of virtual positions with the parts past ``length`` wrapped mod ``length``.
-
-    Padding positions ``v >= length`` stand for ``v mod length`` (as in
-    DistributedSampler, whose padding repeats the order's first indices).
-    """
-    out: list[tuple[int, int]] = []
-    for s, e in intervals:
-        if e <= s:
-            continue
-        if s < length:
-            out.append((s, min(e, length)))
-        s = max(s, length)
-        if e <= s or length <= 0:
-            continue
-        if e - s >= length:
-            return [(0, length)]
-        a, b = s % length, s % length + (e - s)
-        out.extend([(a, b)] if b <= length else [(a, length), (0, b - length)])
     return out
 
 
@@ -658,9 +653,9 @@ class _ResumableSampler(Sampler[int]):
             self._pending = (layout, pos)
         else:
             consumed = self._consumed_virtual(length, old_w, old_count, pos, state)
-            # Padding draws (virtual positions past the end) were trained on too: they
-            # consume the positions they wrap onto, so nothing is seen twice.
-            rest = _complement(_wrap_intervals(consumed, length), length)
+            # Padding draws were trained on too: they consume the positions they
+            # repeat, so nothing is handed out twice.
+            rest = _complement(consumed, length)
             self._pending = (self._compose(layout, rest), 0)
         self._it_layout, self._it_start = self._pending
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = self._pending[1], 0, None
@@ -827,8 +822,9 @@ class BlockShuffleSampler(_ResumableSampler):
     cache holds ``window + 1`` blocks (one more for each further stripe a batch
     spans) decodes each block about once per epoch (the ``window - 1`` blocks that
     wrap around are read at the start and at the end); a cache of exactly
-    ``window`` blocks thrashes under LRU eviction. Contiguous runs (instead of DistributedSampler's round-robin) keep
-    each rank on about ``1 / num_replicas`` of the blocks.
+    ``window`` blocks thrashes under LRU eviction. Contiguous runs (instead of
+    DistributedSampler's round-robin) keep each rank on about ``1 / num_replicas``
+    of the blocks.
 
     DataLoader workers: the DataLoader hands batch ``b`` to worker
     ``b % num_workers``, so by default every worker reads from every stripe and
@@ -1075,11 +1071,12 @@ class BlockShuffleSampler(_ResumableSampler):
             for lo in range(0, q.size, chunk):
                 qs = q[lo : lo + chunk]
                 s = np.searchsorted(stripe_start, qs, side="right") - 1
-                local = (qs - stripe_start[s]).astype(_U64)
+                first = stripe_start[s]
+                local = (qs - first).astype(_U64)
                 # Stripes of 1 or 2 rows go through the network too (a or c is 0).
-                slot = stripe_start[s] + _permute(
-                    local, stripe_u64[s], keys[:, s], a[s], c[s]
-                ).astype(np.int64)
+                slot = first + _permute(local, stripe_u64[s], keys[:, s], a[s], c[s]).astype(
+                    np.int64
+                )
                 # The piece holding each slot: stripe s is piece 0 of block s, piece 1
                 # of block s-1, ... in that order; one searchsorted over the absolute
                 # piece ends of the stripes this chunk touches.
