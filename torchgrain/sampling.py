@@ -30,11 +30,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import operator
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 __all__ = ["BlockShuffleSampler", "GlobalShuffleSampler", "KeyedPermutation"]
 
@@ -250,15 +252,7 @@ class KeyedPermutation:
         return self._apply(y, inverse=True)
 
 
-def _dist_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """World size and rank: explicit values, else the process group, else (1, 0)."""
-    import torch.distributed as dist
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if num_replicas is None:
-        num_replicas = dist.get_world_size() if initialised else 1
-    if rank is None:
-        rank = dist.get_rank() if initialised else 0
+def _check_world(num_replicas: int, rank: int) -> tuple[int, int]:
     num_replicas, rank = operator.index(num_replicas), operator.index(rank)
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -267,6 +261,85 @@ def _dist_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
             f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
         )
     return num_replicas, rank
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _dist_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """World size and rank, decided now: explicit values, else the initialised process
+    group, else torchrun's ``WORLD_SIZE``/``RANK`` environment, else (1, 0).
+
+    A process started by a launcher (``WORLD_SIZE > 1``) without ``RANK`` and without
+    a process group cannot know its part of the data: that raises instead of silently
+    reading everything, as :class:`~torch.utils.data.DistributedSampler` does.
+    """
+    import torch.distributed as dist
+
+    if num_replicas is None or rank is None:
+        if dist.is_available() and dist.is_initialized():
+            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
+            rank = dist.get_rank() if rank is None else rank
+        else:
+            env_world = _env_int("WORLD_SIZE")
+            if env_world is not None and env_world > 1 and num_replicas is None:
+                env_rank = _env_int("RANK")
+                if env_rank is None and rank is None:
+                    raise RuntimeError(
+                        f"WORLD_SIZE={env_world} is set but RANK is not, and no torch.distributed "
+                        "process group is initialised, so this process cannot tell which part "
+                        "of the data is its own. Call torch.distributed.init_process_group() "
+                        "before iterating the sampler, or pass num_replicas= and rank="
+                    )
+                num_replicas = env_world
+                rank = env_rank if rank is None else rank
+            num_replicas = 1 if num_replicas is None else num_replicas
+            rank = 0 if rank is None else rank
+    return _check_world(num_replicas, rank)
+
+
+# DataLoader wrappers that split batches between processes themselves. A sampler they
+# drive must hand out the one global order: splitting it by rank as well would give each
+# process 1/W of its own part, and the epoch would cover 1/W of the data.
+# (Accelerate's prepared DataLoaders: BatchSamplerShard deals batches round-robin to the
+# processes; DataLoaderDispatcher reads every batch on rank 0 and sends out slices.)
+_EXTERNAL_SHARDERS = frozenset(
+    {
+        ("accelerate.data_loader", "BatchSamplerShard"),
+        ("accelerate.data_loader", "DataLoaderDispatcher"),
+    }
+)
+_SHARDER_SEARCH_DEPTH = 40
+
+
+def _external_sharder() -> str | None:
+    """Name of the batch-sharding DataLoader wrapper iterating the caller, if any.
+
+    Looked up in the call stack when a sampler starts an iteration or is asked for its
+    length (``len(loader)`` reaches ``len(sampler)`` through the wrapper): the wrapper's
+    ``__iter__``/``__len__`` is a few frames up. Costs a few microseconds, once per
+    pass; nothing is looked up while the ``accelerate`` package is not imported.
+    """
+    if "accelerate" not in sys.modules:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(_SHARDER_SEARCH_DEPTH):
+        if frame is None:
+            return None
+        if "self" in frame.f_code.co_varnames:
+            obj = frame.f_locals.get("self")
+            for cls in type(obj).__mro__:
+                if (cls.__module__, cls.__name__) in _EXTERNAL_SHARDERS:
+                    return f"{cls.__module__}.{cls.__name__}"
+        frame = frame.f_back
+    return None
 
 
 def _identity(q: np.ndarray) -> np.ndarray:
@@ -305,17 +378,29 @@ def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int
     return out
 
 
-class _ResumableSampler(Sampler[int]):
+class _ResumableSampler(DistributedSampler):
     """Shared machinery: rank split, padding, iteration, state and (elastic) resume.
+
+    A subclass of :class:`torch.utils.data.distributed.DistributedSampler` (without
+    its constructor), so frameworks that check for one (PyTorch Lightning keeps a
+    ``DistributedSampler`` in place instead of wrapping it) see what it is.
+
+    World size and rank are decided when the sampler is used (an iteration starts,
+    ``len``, ``indices``, ``state_dict``), not when it is built: from explicit
+    ``num_replicas``/``rank``, else the process group, else torchrun's environment.
+    Driven by a DataLoader wrapper that splits batches between processes itself
+    (Accelerate's prepared loaders), the sampler hands out the one global order and
+    lets the wrapper split it; it remembers that from then on.
 
     Vocabulary. The *epoch stream* is the sampler's order of all ``N`` indices for
     the epoch (``stream(q)`` for ``q`` in ``[0, N)``). A *layout* is a list of
     ``[start, stop)`` intervals of stream positions whose concatenation (the
     *virtual stream*, length ``L``) is what the ranks split: ``[[0, N]]`` for a fresh
-    epoch, the not-yet-consumed rest after an elastic resume. Each rank draws
-    ``count(L)`` virtual positions (``ceil(L / W)``, or ``floor`` with drop_last);
-    virtual positions past ``L`` are padding and wrap around (``v mod L``), exactly
-    like DistributedSampler's ``indices += indices[:padding]``.
+    epoch, the not-yet-consumed rest after an elastic resume. Rank ``r`` draws
+    ``count(L, r)`` virtual positions (``ceil(L / W)`` padded, ``floor`` with
+    drop_last, and ``L // W`` plus one for the first ``L % W`` ranks with
+    ``pad=False``); virtual positions past ``L`` are padding and wrap around
+    (``v mod L``), exactly like DistributedSampler's ``indices += indices[:padding]``.
     """
 
     _kind = "base"
@@ -329,58 +414,125 @@ class _ResumableSampler(Sampler[int]):
         shuffle: bool,
         seed: int,
         drop_last: bool,
+        pad: bool = True,
     ) -> None:
         self.dataset = dataset
-        self.num_replicas, self.rank = _dist_world(num_replicas, rank)
+        # Explicit values are checked now; missing ones are looked up at each use.
+        if num_replicas is not None and rank is not None:
+            _check_world(num_replicas, rank)
+        elif num_replicas is not None:
+            _check_world(num_replicas, 0)
+        elif rank is not None and operator.index(rank) < 0:
+            raise ValueError(f"Invalid rank {rank}, rank should be >= 0")
+        self._num_replicas_arg = None if num_replicas is None else operator.index(num_replicas)
+        self._rank_arg = None if rank is None else operator.index(rank)
+        self._external: str | None = None
         self.shuffle = bool(shuffle)
         _to_u64(seed, "seed")
         self.seed = operator.index(seed)
         self.drop_last = bool(drop_last)
+        self.pad = bool(pad)
         self.epoch = 0
         self._n = n
-        self.num_samples = self._count(n)
-        self.total_size = self.num_samples * self.num_replicas
         # Layout and start position that the next iteration uses after a resume.
         self._pending: tuple[np.ndarray, int] | None = None
-        # The latest iteration: its layout, first position, and a probe for how far
-        # it got (list iterator of the current chunk and that chunk's first position).
+        # The latest iteration: its world, layout, first position, and a probe for how
+        # far it got (list iterator of the current chunk and that chunk's first position).
+        self._it_world: tuple[int, int] | None = None
         self._it_layout = self._fresh_layout()
         self._it_start = 0
         self._it_chunk_start = 0
         self._it_chunk_len = 0
         self._it_chunk: Any = None
 
+    # -- world ----------------------------------------------------------------------
+    def _world(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` this sampler splits by, decided now."""
+        if self._external is not None:
+            return 1, 0
+        return _dist_world(self._num_replicas_arg, self._rank_arg)
+
+    def _note_driver(self) -> None:
+        """Switch to the global order when a batch-sharding wrapper drives this sampler."""
+        if self._external is not None:
+            return
+        sharder = _external_sharder()
+        if sharder is None:
+            return
+        if self._num_replicas_arg is not None and self._num_replicas_arg > 1:
+            raise ValueError(
+                f"{type(self).__name__}(num_replicas={self._num_replicas_arg}) splits the data "
+                f"between processes itself, but it is driven by {sharder}, which splits batches "
+                "between processes too: each process would see 1/num_replicas of its part. "
+                "Build the sampler without num_replicas and rank."
+            )
+        self._external = sharder
+        self._it_world = None
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        """World size the sampler splits by (1 when an outer wrapper splits batches)."""
+        return self._world()[0]
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        self._num_replicas_arg = operator.index(value)
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        """This process's rank in the split (0 when an outer wrapper splits batches)."""
+        return self._world()[1]
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        self._rank_arg = operator.index(value)
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        """Indices this rank draws in a full epoch (``len(self)``)."""
+        return self._count(self._n, self._world())
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        """Draws of all ranks together in a full epoch, padding included."""
+        w, _ = self._world()
+        if self.pad or self.drop_last:
+            return self._count(self._n, (w, 0)) * w
+        return self._n
+
     # -- geometry -----------------------------------------------------------------
     def _fresh_layout(self) -> np.ndarray:
         return np.array([[0, self._n]], dtype=np.int64)
 
-    def _count(self, length: int) -> int:
-        w = self.num_replicas
-        return length // w if self.drop_last else -(-length // w)
+    def _count(self, length: int, world: tuple[int, int]) -> int:
+        """Draws of rank ``world[1]`` from a virtual stream of ``length``."""
+        return _rank_count(length, world[0], world[1], self.drop_last, self.pad)
 
-    def _virtual(self, j: int, count: int) -> tuple[int, int]:
+    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
         """Virtual position of this rank's position ``j`` and the step to ``j + 1``.
 
         Positions past the virtual stream's end (padding) are wrapped by the caller.
         """
         raise NotImplementedError
 
-    def _rank_positions(self, start: int, stop: int, count: int) -> np.ndarray | None:
+    def _rank_positions(
+        self, start: int, stop: int, count: int, length: int, world: tuple[int, int]
+    ) -> np.ndarray | None:
         """Virtual positions of this rank's positions ``[start, stop)``, when they are
         not the arithmetic progression that :meth:`_virtual` describes (else None)."""
         return None
 
     def _consumed_virtual(
-        self, length: int, replicas: int, count: int, pos: int, state: dict[str, Any]
+        self, length: int, replicas: int, pos: int, state: dict[str, Any]
     ) -> list[tuple[int, int]]:
         """Virtual intervals consumed when every one of ``replicas`` ranks drew ``pos``
-        in the order that ``state`` (the saved state) describes."""
+        (or all it had) in the order that ``state`` (the saved state) describes."""
         raise NotImplementedError
 
     def _same_order(self, state: dict[str, Any]) -> bool:
         """Whether this sampler's per-rank order equals the one ``state`` was saved in,
-        given the same world size."""
-        return True
+        given the same world size and drop_last."""
+        return bool(state.get("pad", True)) == self.pad
 
     def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         """The current epoch's stream: maps positions ``q`` (int64 in ``[0, N)``) to indices.
@@ -403,20 +555,21 @@ class _ResumableSampler(Sampler[int]):
         layout: np.ndarray,
         start: int,
         stop: int,
+        world: tuple[int, int],
         stream: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> np.ndarray:
-        length = int((layout[:, 1] - layout[:, 0]).sum())
-        count = self._count(length)
+        length = _layout_length(layout)
+        count = self._count(length, world)
         start, stop = max(0, start), min(stop, count)
         if stop <= start:
             return np.empty(0, dtype=np.int64)
         stream = stream or self._stream_fn()
-        v = self._rank_positions(start, stop, count)
+        v = self._rank_positions(start, stop, count, length, world)
         if v is not None:  # an order that is not an arithmetic progression
             if int(v.max()) >= length:  # padding: wrap around the virtual stream
                 v %= length
             return stream(self._layout_positions(layout, v))
-        first, step = self._virtual(start, count)
+        first, step = self._virtual(start, count, length, world)
         last = first + step * (stop - start - 1)
         if last < length and len(layout) == 1:  # common case: one arange, no padding
             base = first + int(layout[0, 0])
@@ -426,9 +579,17 @@ class _ResumableSampler(Sampler[int]):
             v %= length
         return stream(self._layout_positions(layout, v))
 
+    def _current(self) -> tuple[np.ndarray, tuple[int, int]]:
+        """Layout and world of the pass that :meth:`indices` and :meth:`state_dict`
+        describe: a loaded resume, else the latest iteration, else a fresh epoch."""
+        if self._pending is not None:
+            return self._pending[0], self._world()
+        return self._it_layout, self._it_world or self._world()
+
     # -- public API -----------------------------------------------------------------
     def __len__(self) -> int:
         """Indices per rank in a full epoch (as DistributedSampler's ``num_samples``)."""
+        self._note_driver()
         return self.num_samples
 
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -441,13 +602,9 @@ class _ResumableSampler(Sampler[int]):
         positions). ``list(sampler) == sampler.indices(0, len(sampler)).tolist()``
         on a fresh epoch.
         """
-        if self._pending is not None:
-            layout = self._pending[0]
-        else:
-            layout = self._it_layout
-        length = int((layout[:, 1] - layout[:, 0]).sum())
-        stop = self._count(length) if stop is None else stop
-        return self._indices_in(layout, operator.index(start), operator.index(stop))
+        layout, world = self._current()
+        stop = self._count(_layout_length(layout), world) if stop is None else stop
+        return self._indices_in(layout, operator.index(start), operator.index(stop), world)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order; also calls ``dataset.set_epoch(epoch)`` if present.
@@ -463,6 +620,7 @@ class _ResumableSampler(Sampler[int]):
             self.epoch = epoch
             self._pending = None
             self._on_epoch_change()
+            self._it_world = None
             self._it_layout = self._fresh_layout()
             self._it_start = self._it_chunk_start = self._it_chunk_len = 0
             self._it_chunk = None
@@ -485,20 +643,22 @@ class _ResumableSampler(Sampler[int]):
         # A generator body runs at the first next(), so iterators created and dropped
         # without being advanced (torchdata's StatefulDataLoader makes one before
         # loading state) do not consume a pending resume position.
+        self._note_driver()
+        world = self._world()
         if self._pending is not None:
             layout, start = self._pending
             self._pending = None
         else:
             layout, start = self._fresh_layout(), 0
-        self._it_layout, self._it_start = layout, start
+        self._it_world, self._it_layout, self._it_start = world, layout, start
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = start, 0, None
-        length = int((layout[:, 1] - layout[:, 0]).sum())
-        count = self._count(length)
+        count = self._count(_layout_length(layout), world)
         # Bind the epoch's order now: a set_epoch or load_state_dict while this
         # iterator is alive must not change the order of its later chunks.
         stream = self._stream_fn()
         for s in range(start, count, _ITER_CHUNK):
-            chunk = self._indices_in(layout, s, min(s + _ITER_CHUNK, count), stream).tolist()
+            stop = min(s + _ITER_CHUNK, count)
+            chunk = self._indices_in(layout, s, stop, world, stream).tolist()
             it = iter(chunk)
             # Keep the list iterator: its __length_hint__ says how far the consumer got.
             self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
@@ -523,12 +683,13 @@ class _ResumableSampler(Sampler[int]):
                 iterating the sampler directly, ``num_workers=0``, or torchdata's
                 ``StatefulDataLoader`` (it snapshots ``state_dict()`` at the moment
                 each batch's indices are drawn, so its saved state is exact).
+                :class:`~torchgrain.ResumableLoader` passes it for you.
                 Values past the end of the epoch mean "epoch finished".
 
         Returns a plain dict (ints and lists) safe for ``torch.save`` or JSON. All
         ranks run in lockstep, so rank 0's state describes the whole job: the
         samples consumed globally are every rank's first ``position`` draws of the
-        layout, i.e. ``position * num_replicas`` virtual positions.
+        layout (or all of its draws, for a rank that has fewer with ``pad=False``).
 
         Resume recipe with a plain DataLoader::
 
@@ -563,14 +724,14 @@ class _ResumableSampler(Sampler[int]):
             >>> head + list(t) == list(s)
             True
         """
+        layout, world = self._current()
         if self._pending is not None:
-            layout, pos = self._pending
+            pos = self._pending[1]
             if consumed not in (None, 0):
                 raise ValueError(
                     "consumed must be 0 or None before iteration of a loaded state starts"
                 )
         else:
-            layout = self._it_layout
             drawn = self._drawn()
             if consumed is None:
                 pos = drawn
@@ -578,8 +739,7 @@ class _ResumableSampler(Sampler[int]):
                 consumed = operator.index(consumed)
                 if consumed < 0:
                     raise ValueError(f"consumed must be >= 0, got {consumed}")
-                length = int((layout[:, 1] - layout[:, 0]).sum())
-                count = self._count(length)
+                count = self._count(_layout_length(layout), world)
                 pos = min(self._it_start + consumed, count)
                 if pos > drawn:
                     raise ValueError(
@@ -593,13 +753,20 @@ class _ResumableSampler(Sampler[int]):
             "epoch": self.epoch,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
-            "num_replicas": self.num_replicas,
+            "pad": self.pad,
+            "num_replicas": world[0],
             "dataset_len": self._n,
             "layout": [[int(s), int(e)] for s, e in layout],
             "position": int(pos),
         }
         state.update(self._extra_state())
         return state
+
+    def _finished(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` (saved by this sampler) is at the end of its pass."""
+        layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
+        world = (operator.index(state["num_replicas"]), self._current()[1][1])
+        return operator.index(state["position"]) >= self._count(_layout_length(layout), world)
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -611,8 +778,8 @@ class _ResumableSampler(Sampler[int]):
         """Continue from ``state`` (from :meth:`state_dict`) at the next iteration.
 
         The state fixes seed, epoch, shuffle and the position. With the same
-        ``num_replicas`` and ``drop_last`` the continuation is exact: each rank
-        yields what it would have yielded next without the interruption. With a
+        ``num_replicas``, ``drop_last`` and ``pad`` the continuation is exact: each
+        rank yields what it would have yielded next without the interruption. With a
         different world size, the samples of the epoch not yet consumed globally
         are re-split over the new ranks, each exactly once (plus padding, or minus
         a tail shorter than ``num_replicas`` with drop_last). Also calls
@@ -637,9 +804,10 @@ class _ResumableSampler(Sampler[int]):
             raise ValueError(f"invalid layout in sampler state: {state['layout']!r}")
         old_w = operator.index(state["num_replicas"])
         old_drop = bool(state["drop_last"])
+        old_pad = bool(state.get("pad", True))
         pos = operator.index(state["position"])
-        length = int((layout[:, 1] - layout[:, 0]).sum())
-        old_count = length // old_w if old_drop else -(-length // old_w)
+        length = _layout_length(layout)
+        old_count = _rank_count(length, old_w, 0, old_drop, old_pad)
         if not 0 <= pos <= old_count:
             raise ValueError(f"position {pos} outside [0, {old_count}] in sampler state")
 
@@ -649,14 +817,16 @@ class _ResumableSampler(Sampler[int]):
         self.epoch = state["epoch"]
         self._load_extra_state(state, epoch_changed)
 
-        if old_w == self.num_replicas and old_drop == self.drop_last and self._same_order(state):
+        world = self._world()
+        if old_w == world[0] and old_drop == self.drop_last and self._same_order(state):
             self._pending = (layout, pos)
         else:
-            consumed = self._consumed_virtual(length, old_w, old_count, pos, state)
+            consumed = self._consumed_virtual(length, old_w, pos, state)
             # Padding draws were trained on too: they consume the positions they
             # repeat, so nothing is handed out twice.
             rest = _complement(consumed, length)
             self._pending = (self._compose(layout, rest), 0)
+        self._it_world = None
         self._it_layout, self._it_start = self._pending
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = self._pending[1], 0, None
         self._propagate_epoch()
@@ -684,6 +854,26 @@ class _ResumableSampler(Sampler[int]):
         if not out:
             out.append((0, 0))
         return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _layout_length(layout: np.ndarray) -> int:
+    return int((layout[:, 1] - layout[:, 0]).sum())
+
+
+def _rank_count(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:
+    """Draws of rank ``r`` of ``w`` from a virtual stream of ``length``."""
+    if drop_last:
+        return length // w
+    if pad:
+        return -(-length // w)
+    return length // w + (r < length % w)
+
+
+def _run_start(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:
+    """First virtual position of rank ``r``'s contiguous run (BlockShuffleSampler)."""
+    if pad and not drop_last:
+        return r * -(-length // w)
+    return r * (length // w) + (0 if drop_last else min(r, length % w))
 
 
 def _length_of(dataset_or_length: Any) -> int:
@@ -715,8 +905,14 @@ class GlobalShuffleSampler(_ResumableSampler):
       ``N = 10**9`` where ``torch.randperm`` needs 8 GB).
     * ``(seed, epoch)`` is hashed into the key: epoch 1 of seed ``s`` is unrelated
       to epoch 0 of seed ``s + 1``. Seeds may be any 64-bit integer.
-    * Without an initialised process group and no explicit ``num_replicas``/``rank``
-      it runs as a single replica (world size 1, rank 0) instead of raising.
+    * World size and rank are decided at each use, not at construction: explicit
+      ``num_replicas``/``rank``, else the process group, else torchrun's
+      ``WORLD_SIZE``/``RANK`` environment (built before ``init_process_group``, it
+      still splits by rank), else a single replica instead of raising. A launched
+      process (``WORLD_SIZE > 1``) with neither ``RANK`` nor a process group raises.
+    * Driven by a loader that splits batches between processes itself (HF
+      Accelerate's prepared DataLoaders), it hands out the one global order.
+    * ``pad=False`` gives every sample exactly once over the ranks (for evaluation).
     * :meth:`state_dict`/:meth:`load_state_dict` resume mid-epoch exactly, also
       onto a different world size, and :meth:`indices` returns a whole range of
       positions as a numpy array.
@@ -729,11 +925,16 @@ class GlobalShuffleSampler(_ResumableSampler):
     Args:
         dataset_or_length: a sized dataset, or its length as an int.
         num_replicas: world size; default from ``torch.distributed`` if initialised,
-            else 1.
-        rank: this process's rank in ``[0, num_replicas)``; default likewise, else 0.
+            else ``WORLD_SIZE``, else 1 (looked up at each use).
+        rank: this process's rank in ``[0, num_replicas)``; default likewise
+            (``RANK``), else 0.
         shuffle: scramble the order (else ``0 .. N-1`` dealt round-robin).
         seed: shared by all ranks; any integer in ``[-2**63, 2**64)``.
         drop_last: drop the tail instead of padding so ranks get equal counts.
+        pad: with ``drop_last=False``, repeat the order's first samples so every rank
+            gets ``ceil(N / num_replicas)`` (DistributedSampler's rule, needed for
+            training in lockstep); ``False`` gives each sample exactly once, the ranks'
+            counts differing by at most one (evaluation).
 
     Example:
         >>> import torch
@@ -759,12 +960,13 @@ class GlobalShuffleSampler(_ResumableSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        pad: bool = True,
     ) -> None:
         n = _length_of(dataset_or_length)
         if n > (1 << 62):
             raise ValueError(f"dataset length {n} exceeds 2**62")
         dataset = None if isinstance(dataset_or_length, (int, np.integer)) else dataset_or_length
-        super().__init__(n, dataset, num_replicas, rank, shuffle, seed, drop_last)
+        super().__init__(n, dataset, num_replicas, rank, shuffle, seed, drop_last, pad)
         self._perm: KeyedPermutation | None = None
 
     def _permutation(self) -> KeyedPermutation:
@@ -774,11 +976,11 @@ class GlobalShuffleSampler(_ResumableSampler):
             self._perm = p
         return p
 
-    def _virtual(self, j: int, count: int) -> tuple[int, int]:
-        return j * self.num_replicas + self.rank, self.num_replicas
+    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
+        return j * world[0] + world[1], world[0]
 
     def _consumed_virtual(
-        self, length: int, replicas: int, count: int, pos: int, state: dict[str, Any]
+        self, length: int, replicas: int, pos: int, state: dict[str, Any]
     ) -> list[tuple[int, int]]:
         # Interleaved split: after every rank drew `pos`, the prefix of pos * W
         # virtual positions is consumed.
@@ -856,7 +1058,8 @@ class BlockShuffleSampler(_ResumableSampler):
             0 and ending at ``len(dataset)``), or ``None``/a length when
             ``block_offsets`` is given.
         window: blocks in the sliding shuffle window (default 8).
-        num_replicas, rank, shuffle, seed, drop_last: as for GlobalShuffleSampler.
+        num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler
+            (with ``pad=False`` the first ``L % num_replicas`` ranks' runs are one longer).
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
         batch_size: the DataLoader's ``batch_size``; needed with ``num_workers > 1``.
         num_workers: the DataLoader's ``num_workers``; above 1, each worker's batches
@@ -898,6 +1101,7 @@ class BlockShuffleSampler(_ResumableSampler):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        pad: bool = True,
         block_offsets: Sequence[int] | np.ndarray | None = None,
         batch_size: int | None = None,
         num_workers: int = 0,
@@ -952,7 +1156,7 @@ class BlockShuffleSampler(_ResumableSampler):
         self._offsets = offsets
         self._digest = hashlib.blake2b(offsets.tobytes(), digest_size=16).hexdigest()
         self._tables: tuple[Any, ...] | None = None
-        super().__init__(n, ds, num_replicas, rank, shuffle, seed, drop_last)
+        super().__init__(n, ds, num_replicas, rank, shuffle, seed, drop_last, pad)
 
     @property
     def num_blocks(self) -> int:
@@ -1031,30 +1235,46 @@ class BlockShuffleSampler(_ResumableSampler):
         self._tables = (key, order, w, base, rem, stripe_start, stripe_u64, keys, a, c)
         return self._tables
 
-    def _virtual(self, j: int, count: int) -> tuple[int, int]:
-        return j + self.rank * count, 1
+    def _run_start(self, length: int, world: tuple[int, int]) -> int:
+        return _run_start(length, world[0], world[1], self.drop_last, self.pad)
 
-    def _rank_positions(self, start: int, stop: int, count: int) -> np.ndarray | None:
+    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
+        return self._run_start(length, world) + j, 1
+
+    def _rank_positions(
+        self, start: int, stop: int, count: int, length: int, world: tuple[int, int]
+    ) -> np.ndarray | None:
         config = _deal_config(self._extra_state())
         if config is None:
             return None
         j = np.arange(start, stop, dtype=np.int64)
-        return self.rank * count + _deal(j, count, *config)
+        return self._run_start(length, world) + _deal(j, count, *config)
 
     def _same_order(self, state: dict[str, Any]) -> bool:
-        return _deal_config(state) == _deal_config(self._extra_state())
+        return super()._same_order(state) and _deal_config(state) == _deal_config(
+            self._extra_state()
+        )
 
     def _consumed_virtual(
-        self, length: int, replicas: int, count: int, pos: int, state: dict[str, Any]
+        self, length: int, replicas: int, pos: int, state: dict[str, Any]
     ) -> list[tuple[int, int]]:
-        # Contiguous split: rank r's run is [r * count, (r + 1) * count); without
-        # dealing it consumed the run's first `pos`, with dealing a prefix of each
-        # worker's part of the run.
+        # Contiguous split: rank r's run starts at start(r) and has count(r) draws;
+        # without dealing it consumed the run's first `pos` (or all of it), with
+        # dealing a prefix of each worker's part of the run.
+        drop, pad = bool(state["drop_last"]), bool(state.get("pad", True))
         config = _deal_config(state)
-        if config is None:
-            return [(r * count, r * count + pos) for r in range(replicas)]
-        parts = _dealt_prefixes(count, pos, *config)
-        return [(r * count + a, r * count + b) for r in range(replicas) for a, b in parts]
+        out: list[tuple[int, int]] = []
+        for r in range(replicas):
+            start = _run_start(length, replicas, r, drop, pad)
+            count = _rank_count(length, replicas, r, drop, pad)
+            drawn = min(pos, count)
+            if config is None:
+                out.append((start, start + drawn))
+            else:
+                out.extend(
+                    (start + a, start + b) for a, b in _dealt_prefixes(count, drawn, *config)
+                )
+        return out
 
     def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         if not self.shuffle:
