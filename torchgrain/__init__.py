@@ -37,6 +37,7 @@ _TORCH_NAMES = {
     "CudaPrefetcher": "torchgrain.prefetch",
     "BlockShuffleSampler": "torchgrain.sampling",
     "GlobalShuffleSampler": "torchgrain.sampling",
+    "ResumableLoader": "torchgrain.loader",
     "Albumentations": "torchgrain.transforms",
     "LabelToIndex": "torchgrain.transforms",
     "MaskTokens": "torchgrain.transforms",
@@ -51,6 +52,7 @@ _TORCH_NAMES = {
 
 if TYPE_CHECKING:
     from torchgrain.dataset import Dataset, record_rng
+    from torchgrain.loader import ResumableLoader
     from torchgrain.prefetch import CudaPrefetcher
     from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
     from torchgrain.transforms import (
@@ -100,6 +102,7 @@ __all__ = [
     "RecordDecodeError",
     "RemoteIOError",
     "RenameKeys",
+    "ResumableLoader",
     "SchemaMismatchError",
     "SelectKeys",
     "ShardIndex",
