@@ -55,6 +55,10 @@ def execute(path: Path) -> nbformat.NotebookNode:
             nb,
             kernel_name=KERNEL,
             timeout=CELL_TIMEOUT,
+            # Wait for each cell's output messages as long as for the cell itself: on a
+            # loaded machine they can arrive after nbclient's 4 s default, and a late
+            # message is dropped silently (its text then missing from the notebook).
+            iopub_timeout=CELL_TIMEOUT,
             resources={"metadata": {"path": str(ROOT)}},
         )
         client.execute()
