@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import describe_machine, print_table, write_json
 
-from torchgrain.sources.tf_example import decode_tf_example, encode_tf_example
-from torchgrain.sources.tfrecord import (
+from torchgrain.formats.tf_example import decode_tf_example, encode_tf_example
+from torchgrain.formats.tfrecord import (
     index_tfrecord,
     iter_tfrecord,
     write_tfrecord,

@@ -166,7 +166,7 @@ class NaiveParquet:
 
 
 def _decode_msgpack(data: bytes) -> dict[str, Any]:
-    from torchgrain.sources.codecs import get_codec
+    from torchgrain.formats.codecs import get_codec
 
     return get_codec("msgpack").decode(data)
 

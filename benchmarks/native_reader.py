@@ -40,7 +40,7 @@ from array_record.python.array_record_module import (
     ArrayRecordWriter,
 )
 
-from torchgrain.sources.arrayrecord_file import ArrayRecordFile
+from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
 CPP_RANDOM_ACCESS = "readahead_buffer_size:0,max_parallelism:0"
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchgrain as tg
 from benchmarks._common import describe_machine, print_table, write_json
-from torchgrain.sources.arrayrecord_file import ArrayRecordFile
+from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
 BATCH = 256
 

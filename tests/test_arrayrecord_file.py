@@ -20,8 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.sources._highwayhash import riegeli_hash
-from torchgrain.sources.arrayrecord_file import (
+from torchgrain.formats._highwayhash import riegeli_hash
+from torchgrain.formats.arrayrecord_file import (
     ArrayRecordFile,
     TransposedChunkError,
     read_num_records,
@@ -479,7 +479,7 @@ FORK_SCRIPT = textwrap.dedent(
     import sys
     import torch
     from torch.utils.data import DataLoader, Dataset
-    from torchgrain.sources.arrayrecord_file import ArrayRecordFile
+    from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
     class DS(Dataset):
         def __init__(self, f):

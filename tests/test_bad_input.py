@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 import torchgrain as tg
 from tests.conftest import make_records
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
-from torchgrain.sources.manifest import Manifest
+from torchgrain.formats.manifest import Manifest
 
 SHARD = "data-00001-of-00003.array_record"
 

@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
-from torchgrain.sources.tf_example import encode_tf_example
-from torchgrain.sources.tfrecord import write_tfrecord
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfrecord import write_tfrecord
 
 pytest.importorskip("apache_beam")
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from torchgrain.errors import RecordDecodeError
-from torchgrain.sources.codecs import (
+from torchgrain.formats.codecs import (
     MsgpackCodec,
     RawCodec,
     get_codec,

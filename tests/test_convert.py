@@ -19,8 +19,8 @@ import pytest
 import torchgrain as tg
 from torchgrain.cli import main
 from torchgrain.convert import JOURNAL_DIR, RecordHasher, records_to_table, verify_shard
-from torchgrain.sources.tf_example import encode_tf_example
-from torchgrain.sources.tfrecord import index_tfrecord, write_tfrecord
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfrecord import index_tfrecord, write_tfrecord
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,7 +122,7 @@ def test_checksums_are_stored_and_verified(parquet_dir, tmp_path):
     m = tg.convert(parquet_dir, tmp_path / "out", num_shards=2)
     manifest = json.loads((tmp_path / "out" / "torchgrain.json").read_text())
     assert all(s["checksum"].startswith("blake2b-records:") for s in manifest["shards"])
-    from torchgrain.sources.arrayrecord_file import ArrayRecordFile
+    from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
     for s in m.shards:
         path = str(tmp_path / "out" / s.path)

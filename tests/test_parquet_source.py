@@ -1,4 +1,4 @@
-"""ParquetSource and RowGroupCache: values, layouts, schema checks, errors, caching, workers."""
+"""ParquetSource and BlockCache: values, layouts, schema checks, errors, caching, workers."""
 
 from __future__ import annotations
 
@@ -18,11 +18,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import torchgrain as tg
-from torchgrain.io.cache import RowGroupCache
+from torchgrain.formats.codecs import describe_value
+from torchgrain.sources.block_cache import BlockCache
 from torchgrain.sources.parquet import arrow_type_name, common_type, merge_types
 
-
 # ------------------------------------------------------------------- helpers
+
+
+def arrow_names(src):
+    """The Arrow type of each key, by pyarrow's name (``src.schema`` names value types)."""
+    return {f.name: arrow_type_name(f.type) for f in src.arrow_schema}
+
+
 def write(path, table, row_group_size=None, **kw):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(table, path, row_group_size=row_group_size, **kw)
@@ -188,12 +195,23 @@ def test_every_value_type_round_trips(tmp_path):
     assert by["dec"][0] == decimal.Decimal("1.25") and by["t64"][0] == datetime.time(1, 2, 3)
     assert by["nothing"] == [None] * 6
 
-    schema = src.schema
+    schema = arrow_names(src)
     assert schema["i64"] == "int64" and schema["f32"] == "float" and schema["s"] == "string"
     assert schema["b"] == "binary" and schema["vec"] == "list<double>"
     assert schema["fvec"] == "fixed_size_list<float>[3]" and schema["cat"] == "string"
     assert schema["mat"] == "list<list<double>>" and schema["st"] == "struct<a: int64, b: string>"
     assert schema["ts_tz"] == "timestamp[ms, tz=Europe/Paris]"
+    # src.schema names the values handed out, in the vocabulary of every source.
+    values = src.schema
+    assert values["i64"] == "int" and values["f32"] == "float" and values["s"] == "str"
+    assert values["b"] == "bytes" and values["vec"] == "float64[?]"
+    assert values["fvec"] == "float32[3]" and values["cat"] == "str"
+    assert values["mat"] == "float64[?,?]" and values["st"] == "map"
+    assert values["ts_tz"] == "datetime64[ms]" and values["ts_ns"] == "datetime64[ns]"
+    assert values["nothing"] == "null"
+    for key, value in by.items():  # each value read agrees with its schema entry
+        if value[0] is not None and not isinstance(value[0], list):
+            assert describe_value(value[0]).split("[")[0] == values[key].split("[")[0], key
 
 
 def test_per_item_matches_batch_and_arrays_are_private(tmp_path):
@@ -369,9 +387,10 @@ def test_hive_partitions(tmp_path):
         n += 3
     src = tg.ParquetSource(str(root))
     assert src.keys == ["id", "name", "vec", "year", "month", "city"]
-    assert src.schema["year"] == "int64"
-    assert src.schema["month"] == "string"  # "01": keeps its leading zero
-    assert src.schema["city"] == "string"
+    assert arrow_names(src)["year"] == "int64"
+    assert arrow_names(src)["month"] == "string"  # "01": keeps its leading zero
+    assert arrow_names(src)["city"] == "string"
+    assert [src.schema[k] for k in ("year", "month", "city")] == ["int", "str", "str"]
     recs = src.__getitems__([0, 3, 8])
     assert [(r["year"], r["month"], r["city"]) for r in recs] == [
         (2020, "01", "Paris"),
@@ -425,7 +444,8 @@ def test_open_reads_no_data_pages(tmp_path):
     src = tg.ParquetSource(path)  # footer only
     assert len(src) == 30 and src.num_row_groups == 5
     assert src.block_offsets().tolist() == [0, 7, 14, 21, 28, 30]
-    assert src.schema == {"id": "int64", "name": "string", "vec": "list<float>"}
+    assert arrow_names(src) == {"id": "int64", "name": "string", "vec": "list<float>"}
+    assert src.schema == {"id": "int", "name": "str", "vec": "float32[?]"}
     with pytest.raises(tg.CorruptDataError, match="row group 2"):
         src[15]
 
@@ -455,7 +475,8 @@ def test_type_widening(tmp_path):
         pa.table({"x": pa.array([2**40], pa.int64()), "f": pa.array([0.25], pa.float64())}),
     )
     src = tg.ParquetSource(str(d))
-    assert src.schema == {"x": "int64", "f": "double"}
+    assert arrow_names(src) == {"x": "int64", "f": "double"}
+    assert src.schema == {"x": "int", "f": "float"}
     assert src.__getitems__([0, 2]) == [{"x": 1, "f": 0.5}, {"x": 2**40, "f": 0.25}]
     assert merge_types(pa.uint32(), pa.int64()) == pa.int64()
     assert merge_types(pa.uint64(), pa.int64()) is None
@@ -477,7 +498,7 @@ def test_widening_does_not_depend_on_file_order(tmp_path, order):
     for i, t in enumerate(order):
         write(str(d / f"f{i}.parquet"), pa.table({"x": pa.array([values[t]], getattr(pa, t)())}))
     src = tg.ParquetSource(str(d))
-    assert src.schema == {"x": "int16"}
+    assert arrow_names(src) == {"x": "int16"}
     assert [r["x"] for r in src.__getitems__([0, 1, 2])] == [values[t] for t in order]
     assert common_type([pa.uint8(), pa.int8()]) is None
     assert common_type([pa.uint16(), pa.int8(), pa.int32()]) == pa.int32()
@@ -547,7 +568,7 @@ def test_corrupt_or_foreign_files_name_the_file(tmp_path):
 
 # --------------------------------------------------------------------- cache
 def test_row_group_cache_lru_and_counters():
-    c = RowGroupCache(100)
+    c = BlockCache(100)
     assert c.get_or_load("a", lambda: ("A", 40)) == "A"
     assert c.get_or_load("b", lambda: ("B", 40)) == "B"
     assert c.get("a") == "A"  # refreshes "a": "b" is now least recently used
@@ -562,10 +583,10 @@ def test_row_group_cache_lru_and_counters():
     assert len(c2) == 0 and c2.max_bytes == 100
     c.clear()
     assert c.cache_info().current_bytes == 0 and len(c) == 0
-    off = RowGroupCache(0)
+    off = BlockCache(0)
     assert off.get_or_load("a", lambda: (1, 1)) == 1 and len(off) == 0
     with pytest.raises(ValueError):
-        RowGroupCache(-1)
+        BlockCache(-1)
 
 
 def test_source_cache_bound_and_hits(tmp_path):

@@ -14,15 +14,8 @@ from hypothesis import strategies as st
 from scipy import stats
 from torch.utils.data import DataLoader, DistributedSampler
 
-from torchgrain.sampling import (
-    _U64,
-    BlockShuffleSampler,
-    GlobalShuffleSampler,
-    KeyedPermutation,
-    _permute,
-    _rounds_for,
-    _split_bits,
-)
+from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler, KeyedPermutation
+from torchgrain.sampling.permutation import _U64, _permute, _rounds_for, _split_bits
 
 SEEDS = st.integers(min_value=-(2**63), max_value=2**64 - 1)
 EPOCHS = st.integers(min_value=0, max_value=2**40)

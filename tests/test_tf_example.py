@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from torchgrain.errors import RecordDecodeError
-from torchgrain.sources.tf_example import TFExampleCodec, decode_tf_example, encode_tf_example
+from torchgrain.formats.tf_example import TFExampleCodec, decode_tf_example, encode_tf_example
 
 pb = pytest.importorskip("google.protobuf")
 from _example_proto import Example, to_python  # noqa: E402

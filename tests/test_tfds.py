@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import torchgrain as tg
-from torchgrain.sources.tf_example import TFExampleCodec, encode_tf_example
-from torchgrain.sources.tfds import TFDSCodec
-from torchgrain.sources.tfrecord import write_tfrecord
+from torchgrain.formats.tf_example import TFExampleCodec, encode_tf_example
+from torchgrain.formats.tfds import TFDSCodec
+from torchgrain.formats.tfrecord import write_tfrecord
 
 PIL = pytest.importorskip("PIL.Image")
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.sources.tfrecord import (
+from torchgrain.formats.tfrecord import (
     crc32c,
     index_tfrecord,
     iter_tfrecord,

@@ -21,12 +21,16 @@ from torchgrain.errors import (
     RemoteIOError,
     SchemaMismatchError,
     TorchgrainError,
+    UnsafePathError,
 )
-from torchgrain.sources._index import ShardIndex
+from torchgrain.formats.codecs import register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
-from torchgrain.sources.codecs import register_codec
+from torchgrain.sources.base import Source
+from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.parquet import ParquetSource
-from torchgrain.writers import write_array_record
+from torchgrain.sources.registry import open
+from torchgrain.sources.tfrecord import TFRecordSource
+from torchgrain.writers import write_array_record, write_parquet
 
 # The names below need torch, whose import takes seconds. They load on first use, so
 # processes that only read or convert data (e.g. `torchgrain convert`'s worker pool)
@@ -106,10 +110,14 @@ __all__ = [
     "SchemaMismatchError",
     "SelectKeys",
     "ShardIndex",
+    "Source",
+    "TFRecordSource",
     "ToTensor",
     "TorchgrainError",
+    "UnsafePathError",
     "convert",
     "decode_image",
+    "open",
     "record_rng",
     "register_codec",
     "stack_key",
@@ -117,4 +125,5 @@ __all__ = [
     "timed",
     "unstack_key",
     "write_array_record",
+    "write_parquet",
 ]

@@ -35,24 +35,15 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from torchgrain.convert import (
-    _count_tfrecord,
-    _finish,
-    _Job,
-    _Journal,
-    _open_input,
-    _plan,
-    _run_task,
-    _still_there,
-    _Task,
-)
+from torchgrain.convert.inputs import open_input
+from torchgrain.convert.journal import Journal, finish, plan_tasks, still_there
+from torchgrain.convert.tasks import Job, Task, run_task
+from torchgrain.formats.manifest import Manifest
 from torchgrain.io.fs import get_filesystem, is_local
-from torchgrain.sources.manifest import Manifest
-from torchgrain.writers import _writer_options
+from torchgrain.writers import array_record_options
 
 __all__ = ["ConvertShard", "build_pipeline", "run_conversion"]
 
@@ -79,7 +70,7 @@ def _prepare(
     src_format: str,
     verify: bool,
     storage_options: dict[str, Any] | None,
-) -> tuple[_Job, list[_Task], dict[str, Any]]:
+) -> tuple[Job, list[Task], dict[str, Any]]:
     if to not in ("array_record", "parquet"):
         raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
     fs, root = get_filesystem(dst)
@@ -89,17 +80,14 @@ def _prepare(
     os.makedirs(root, exist_ok=True)
     if to == "array_record":
         compression = compression or "zstd:3"
-        options = _writer_options(group_size, compression)
+        options = array_record_options(group_size, compression)
     else:
         compression = compression or "zstd"
         options = ""
-    inp = _open_input(src, src_format, codec, storage_options)
+    inp = open_input(src, src_format, codec, storage_options)
     counts = inp.counts
-    if counts is None and num_shards is not None:
-        with ThreadPoolExecutor(16) as pool:
-            counts = list(pool.map(lambda p: _count_tfrecord(p, storage_options), inp.paths))
-    tasks = _plan(counts, len(inp.paths), num_shards, to)
-    job = _Job(inp, root, to, options, compression, 32 << 20, verify)
+    tasks = plan_tasks(counts, len(inp.paths), num_shards, to)
+    job = Job(inp, root, to, options, compression, 32 << 20, verify)
     plan = {"counts": counts, "tasks": [asdict(t) for t in tasks], "group_size": group_size}
     return job, tasks, plan
 
@@ -111,25 +99,25 @@ class ConvertShard:
     so Beam's retries and reruns of the pipeline are cheap and give the same result.
     """
 
-    def __init__(self, job: _Job) -> None:
+    def __init__(self, job: Job) -> None:
         self.job = job
 
-    def __call__(self, task: _Task) -> dict[str, Any]:
-        journal = _Journal(self.job.root)
+    def __call__(self, task: Task) -> dict[str, Any]:
+        journal = Journal(self.job.root)
         done = journal.done().get(task.index)
-        if done is not None and _still_there(
+        if done is not None and still_there(
             os.path.join(self.job.root, done["path"]), done["num_bytes"]
         ):
             return done
-        result = _run_task(self.job, task)
+        result = run_task(self.job, task)
         os.makedirs(journal.dir, exist_ok=True)
         journal.record(result)
         return result
 
 
-def _write_manifest(results: list[dict[str, Any]], job: _Job, plan: dict[str, Any]) -> str:
+def _write_manifest(results: list[dict[str, Any]], job: Job, plan: dict[str, Any]) -> str:
     results = sorted(results, key=lambda r: r["index"])
-    m = _finish(job.root, job.input, job.to, plan["group_size"], job.compression, plan, results)
+    m = finish(job.root, job.input, job.to, plan["group_size"], job.compression, plan, results)
     return m.to_json()
 
 
@@ -197,7 +185,7 @@ def run_conversion(
     if kwargs.get("to", "array_record") == "array_record":
         path = os.path.join(root, "torchgrain.json")
     else:
-        path = os.path.join(_Journal(root).dir, "result.json")
+        path = os.path.join(Journal(root).dir, "result.json")
     with open(path) as f:
         return Manifest.from_json(f.read(), where=path)
 

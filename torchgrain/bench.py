@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-import glob as _glob
+import inspect
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,8 +40,6 @@ import numpy as np
 import torch.utils.data
 
 __all__ = ["open_dataset_source", "record_nbytes", "run_bench", "suggest"]
-
-PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 
 
 def record_nbytes(obj: Any) -> int:
@@ -66,51 +64,31 @@ def record_nbytes(obj: Any) -> int:
     return 8
 
 
-def _format_of(path: str | Sequence[str]) -> str:
-    """``"parquet"`` or ``"array_record"``, from file suffixes (a directory is scanned)."""
-    first = path if isinstance(path, str) else path[0]
-    stem = first.rstrip("/")
-    if stem.endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    if "://" not in stem and os.path.isdir(stem):
-        if os.path.exists(os.path.join(stem, "torchgrain.json")):
-            return "array_record"
-        for _root, _dirs, files in os.walk(stem):
-            for name in files:
-                if name.endswith(PARQUET_SUFFIXES):
-                    return "parquet"
-                if ".array_record" in name:
-                    return "array_record"
-    elif "://" not in stem and any(ch in stem for ch in "*?["):
-        for name in _glob.iglob(stem, recursive=True):
-            if name.endswith(PARQUET_SUFFIXES):
-                return "parquet"
-            break
-    return "array_record"
-
-
 def open_dataset_source(
     path: str | Sequence[str], *, fmt: str = "auto", columns: Sequence[str] | None = None
 ) -> tuple[Any, str]:
-    """Open ``path`` as an ArrayRecord or Parquet source; returns ``(source, format)``.
+    """Open ``path`` as a source of any registered format; returns ``(source, format)``.
 
-    ``fmt="auto"`` decides by file suffix (``.parquet``/``.parq``/``.pq`` is Parquet,
-    anything else ArrayRecord). Opening reads only metadata (a manifest or footers).
+    ``fmt="auto"`` detects the format from file names (the format registry). Opening
+    reads only metadata (a manifest, footers or cached indexes).
     """
-    import torchgrain as tg
+    from torchgrain.sources.registry import detect_format, get_format
 
-    if fmt == "auto":
-        fmt = _format_of(path)
-    if fmt == "parquet":
-        parquet = getattr(tg, "ParquetSource", None)
-        if parquet is None:
-            raise NotImplementedError("Parquet support needs torchgrain.ParquetSource")
-        return parquet(path, columns=list(columns) if columns else None), fmt
-    if fmt != "array_record":
-        raise ValueError(f"unknown format {fmt!r}: use auto, array_record or parquet")
+    name = detect_format(path) if fmt == "auto" else fmt
+    cls = get_format(name).source
+    options: dict[str, Any] = {}
     if columns:
-        raise ValueError("--columns applies to Parquet datasets only")
-    return tg.ArrayRecordSource(path), fmt
+        if "columns" not in inspect.signature(cls).parameters:
+            raise ValueError(f"--columns applies to formats with columns (Parquet), not {name}")
+        options["columns"] = list(columns)
+    return cls(path, **options), name
+
+
+def _records_per_block(source: Any) -> int:
+    """Typical records per storage block (an ArrayRecord file's group size)."""
+    sizes = np.diff(source.block_offsets())
+    sizes = sizes[sizes > 0]
+    return int(np.median(sizes)) if len(sizes) else 1
 
 
 def _as_list(batch: list[Any]) -> list[Any]:
@@ -146,28 +124,19 @@ def _plans(
     out: list[tuple[str, Callable[[Any], Any]]] = [
         ("sequential", torch.utils.data.SequentialSampler)
     ]
-    global_cls = getattr(tg, "GlobalShuffleSampler", None)
-    if global_cls is not None:
-        out.append(("shuffled", lambda ds: global_cls(ds, num_replicas=1, rank=0, seed=seed)))
-    else:
-        out.append(
-            (
-                "shuffled",
-                lambda ds: torch.utils.data.RandomSampler(
-                    ds, generator=torch.Generator().manual_seed(seed)
-                ),
-            )
-        )
-    block_cls = getattr(tg, "BlockShuffleSampler", None)
+    out.append(
+        ("shuffled", lambda ds: tg.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=seed))
+    )
     # Blocks worth shuffling: Parquet row groups, ArrayRecord chunks of several records.
     # (With group_size 1 every block is one record: a block shuffle is a global shuffle.)
-    # The block boundaries are looked up only when that mode runs.
-    blocky = fmt == "parquet" or (group_size or 1) > 1
-    if block_cls is not None and blocky and hasattr(source, "block_offsets"):
+    if fmt == "parquet" or (group_size or 1) > 1:
         # Each worker gets its own part of the epoch (the loader's batch_size/num_workers).
         deal = {"batch_size": batch_size, "num_workers": num_workers} if batch_size else {}
         out.append(
-            ("block-shuffled", lambda ds: block_cls(ds, num_replicas=1, rank=0, seed=seed, **deal))
+            (
+                "block-shuffled",
+                lambda ds: tg.BlockShuffleSampler(ds, num_replicas=1, rank=0, seed=seed, **deal),
+            )
         )
     return out
 
@@ -371,13 +340,11 @@ def run_bench(
     n = len(source)
     if n == 0:
         raise ValueError(f"{path!r} holds no records")
-    manifest = getattr(source, "manifest", None)
-    group_size = getattr(manifest, "group_size", None)
+    group_size = _records_per_block(source) if fmt == "array_record" else None
     plans = _plans(source, fmt, group_size, seed, batch_size, num_workers)
     say(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
-        f"{getattr(source, 'num_shards', '?')} shard(s)"
-        + (f", group_size {group_size}" if group_size else "")
+        f"{source.num_shards} shard(s)" + (f", group_size {group_size}" if group_size else "")
     )
     say(
         f"loader    batch_size {batch_size}, num_workers {num_workers}, prefetch_factor "

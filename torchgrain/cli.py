@@ -30,75 +30,46 @@ def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _open_for_inspect(path: Any, codec: str) -> tuple[str, Any]:
-    """(format, source-like object) for a dataset path of any supported format."""
-    import torchgrain as tg
-    from torchgrain.convert import detect_format
+    """(format name, source) for a dataset of any registered format."""
+    from torchgrain.sources.registry import detect_format, get_format
 
     try:
         fmt = detect_format(path)
     except ValueError:
-        fmt = "array_record"
-    if fmt == "parquet":
-        return fmt, tg.ParquetSource(path)
-    if fmt == "tfrecord":
-        return fmt, _TFRecordPeek(path, codec)
-    return fmt, tg.ArrayRecordSource(path, codec=codec)
+        fmt = "array_record"  # a bare directory of shards without telling names
+    options = {"codec": codec} if codec != "auto" else {}
+    return fmt, get_format(fmt).source(path, **options)
 
 
-class _TFRecordPeek:
-    """Enough of a source for inspect: counts (by header walk) and the first records."""
-
-    def __init__(self, path: Any, codec: str) -> None:
-        from torchgrain.convert import _tfrecord_codec
-        from torchgrain.io.fs import expand_paths
-        from torchgrain.sources.codecs import get_codec
-        from torchgrain.sources.tfrecord import index_tfrecord, resolve_compression
-
-        self._fs, self.paths = expand_paths(
-            path, suffixes=(".tfrecord", ".tfrecords"), kind="TFRecord"
-        )
-        self.codec = _tfrecord_codec(self.paths, None) if codec == "auto" else get_codec(codec)
-        # Uncompressed files are counted by walking record headers; compressed ones
-        # would need a full decompression, so their counts are left unknown (-1).
-        self.counts = [
-            len(index_tfrecord(p, filesystem=self._fs))
-            if resolve_compression(p, None) == ""
-            else -1
-            for p in self.paths
-        ]
-        self.num_shards = len(self.paths)
-
-    def head(self, n: int) -> list[dict[str, Any]]:
-        from torchgrain.sources.tfrecord import iter_tfrecord
-
-        out: list[dict[str, Any]] = []
-        for p in self.paths:
-            for data in iter_tfrecord(p, filesystem=self._fs):
-                if len(out) >= n:
-                    return out
-                out.append(self.codec.decode(data))
-        return out
+def _head(src: Any, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` records, read in order (compressed files have no random access)."""
+    out: list[dict[str, Any]] = []
+    for shard in range(src.num_shards):
+        for rec in src.iter_shard(shard, 0, n - len(out)):
+            out.append(rec)
+        if len(out) >= n:
+            break
+    return out
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from torchgrain.formats.codecs import describe_value
     from torchgrain.io.fs import get_filesystem
-    from torchgrain.sources.codecs import describe_value
+    from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
     fmt, src = _open_for_inspect(args.path, args.codec)
-    if fmt == "tfrecord":
-        counts = src.counts
-        samples = src.head(max(args.samples, 1))
-        codec = src.codec.name
-    else:
-        counts = [int(n) for n in src.index.counts]
-        samples = src.__getitems__(list(range(min(max(args.samples, 1), len(src)))))
-        codec = "parquet" if fmt == "parquet" else src.codec.name
-    manifest = getattr(src, "manifest", None)
+    counts = [int(n) for n in src.shard_counts]
+    samples = _head(src, max(args.samples, 1))
+    codec = src.codec.name if isinstance(src, RecordBytesSource) else fmt
+    integrity = [
+        src.shard_integrity(i) if isinstance(src, ShardedSource) else (None, None)
+        for i in range(len(src.paths))
+    ]
     fs = get_filesystem(src.paths[0])[0] if src.paths else None
     sizes: list[int] = []
-    for i, p in enumerate(src.paths):
-        if manifest is not None and manifest.shards[i].num_bytes >= 0:
-            sizes.append(manifest.shards[i].num_bytes)
+    for (size, _), p in zip(integrity, src.paths):
+        if size is not None:
+            sizes.append(size)
         else:
             sizes.append(int(fs.size(get_filesystem(p)[1])) if fs is not None else -1)
     # Types of every key, nested dicts flattened to "a/b", from the sampled records.
@@ -107,7 +78,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for k, v in _flatten(rec).items():
             t = describe_value(v)
             keys[k] = t if keys.get(k, t) == t else f"{keys[k]}|{t}"
-    schema = getattr(src, "schema", None) if fmt != "tfrecord" else None
+    schema = src.schema
     known = [c for c in counts if c >= 0]
     out = {
         "paths": args.path,
@@ -123,10 +94,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for p, n, b in zip(src.paths, counts, sizes)
         ],
     }
-    if manifest is not None:
-        for s, info in zip(out["shards"], manifest.shards):
-            if info.checksum:
-                s["checksum"] = info.checksum
+    for shard, (_, checksum) in zip(out["shards"], integrity):
+        if checksum:
+            shard["checksum"] = checksum
     if args.json:
         out["samples"] = [
             {k: _summarise(v) for k, v in _flatten(r).items()} for r in samples[: args.samples]

@@ -21,14 +21,6 @@ NUM_CLASSES = 10
 IMAGE_SHAPE = (64, 64, 3)
 
 
-def default_cache_dir() -> str:
-    """``$TORCHGRAIN_CACHE`` or ``~/.cache/torchgrain``."""
-    root = os.environ.get("TORCHGRAIN_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torchgrain"
-    )
-    return root
-
-
 def synthetic_records(num_records: int, seed: int = 0) -> Iterator[dict[str, Any]]:
     """Deterministic image-like records: a class-coloured square on smooth noise.
 
@@ -50,8 +42,8 @@ def synthetic_records(num_records: int, seed: int = 0) -> Iterator[dict[str, Any
 
 def build_demo_dataset(directory: str, num_records: int, num_shards: int = 8) -> str:
     """Write the synthetic dataset to ``directory`` unless a matching one is there."""
+    from torchgrain.formats.manifest import read_manifest
     from torchgrain.io.fs import get_filesystem
-    from torchgrain.sources.manifest import read_manifest
     from torchgrain.writers import write_array_record
 
     fs, root = get_filesystem(directory)
@@ -152,6 +144,7 @@ def run_demo(
         (4, 64)
     """
     import torchgrain as tg
+    from torchgrain.io.fs import default_cache_dir
 
     data_dir = data_dir or os.path.join(default_cache_dir(), f"demo-{num_records}")
     t0 = time.perf_counter()

@@ -22,6 +22,7 @@ __all__ = [
     "RemoteIOError",
     "SchemaMismatchError",
     "TorchgrainError",
+    "UnsafePathError",
 ]
 
 
@@ -43,6 +44,10 @@ class RecordDecodeError(CorruptDataError):
 
 class SchemaMismatchError(TorchgrainError, ValueError):
     """Shards of one dataset have incompatible schemas."""
+
+
+class UnsafePathError(TorchgrainError, ValueError):
+    """A dataset's manifest names a shard outside the dataset's own directory or prefix."""
 
 
 class RemoteIOError(TorchgrainError, OSError):

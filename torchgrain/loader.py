@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from torchgrain.sampling import _ResumableSampler
+from torchgrain.sampling.base import ResumableSampler
 
 __all__ = ["ResumableLoader"]
 
 _STATE_VERSION = 1
 
 
-def find_sampler(loader: Any) -> _ResumableSampler:
+def find_sampler(loader: Any) -> ResumableSampler:
     """The torchgrain sampler that orders ``loader``'s batches.
 
     Looks where torch's DataLoader and Accelerate's prepared loaders keep it: the
@@ -35,7 +35,7 @@ def find_sampler(loader: Any) -> _ResumableSampler:
             if obj is None:
                 break
             seen.append(obj)
-            if isinstance(obj, _ResumableSampler):
+            if isinstance(obj, ResumableSampler):
                 return obj
             obj = getattr(obj, "sampler", None) or getattr(obj, "batch_sampler", None)
     names = ", ".join(type(o).__name__ for o in seen) or "none"
@@ -46,7 +46,7 @@ def find_sampler(loader: Any) -> _ResumableSampler:
     )
 
 
-def _positions_per_batch(loader: Any, sampler: _ResumableSampler) -> int:
+def _positions_per_batch(loader: Any, sampler: ResumableSampler) -> int:
     """Positions of the sampler's order that one batch taken from ``loader`` uses."""
     if sampler._external is not None:
         # The sampler hands out the global order and the wrapper deals its batches to
@@ -120,10 +120,10 @@ class ResumableLoader:
         1
     """
 
-    def __init__(self, loader: Any, *, sampler: _ResumableSampler | None = None) -> None:
+    def __init__(self, loader: Any, *, sampler: ResumableSampler | None = None) -> None:
         if sampler is None:
             sampler = find_sampler(loader)
-        elif not isinstance(sampler, _ResumableSampler):
+        elif not isinstance(sampler, ResumableSampler):
             raise TypeError(f"sampler must be a torchgrain sampler, got {type(sampler).__name__}")
         self.loader = loader
         self.sampler = sampler

@@ -20,6 +20,19 @@ from torchgrain.errors import DatasetNotFoundError
 PathLike = str | os.PathLike
 
 
+def default_cache_dir() -> str:
+    """Where torchgrain keeps what it derives from datasets (demo data, TFRecord indexes):
+    ``$TORCHGRAIN_CACHE``, else ``$XDG_CACHE_HOME/torchgrain``, else ``~/.cache/torchgrain``.
+
+    Example:
+        >>> default_cache_dir().endswith("torchgrain") or "TORCHGRAIN_CACHE" in os.environ
+        True
+    """
+    return os.environ.get("TORCHGRAIN_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "torchgrain"
+    )
+
+
 def get_filesystem(
     path: PathLike, storage_options: dict[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -43,14 +43,16 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from torchgrain.checksums import verify_file
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
 
 __all__ = ["ShardCache"]
 
 T = TypeVar("T")
+#: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not match.
+Verifier = Callable[..., None]
 
 _TMP_PREFIX = ".tmp-"
 _LOCK_DIR = ".locks"
@@ -180,6 +182,7 @@ class ShardCache:
         filesystem: fsspec.AbstractFileSystem | None = None,
         size: int | None = None,
         checksum: str | None = None,
+        verify: Verifier | None = None,
     ) -> str:
         """Return the path of a complete local copy of ``url``, downloading it if needed.
 
@@ -189,9 +192,11 @@ class ShardCache:
             size: expected size in bytes (e.g. from a manifest); asked from the
                 filesystem on a miss when not given. A cached copy of another size is
                 discarded and fetched again.
-            checksum: a :mod:`torchgrain.checksums` value (``blake2b-records:...``,
-                ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``) checked
-                before the copy is published.
+            checksum: the expected checksum, checked before the copy is published.
+            verify: ``verify(path, checksum, name=...)`` raising
+                :class:`~torchgrain.CorruptDataError` on a mismatch (default: a whole-file
+                hash, ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``; sources
+                pass their format's, e.g. ``blake2b-records`` for ArrayRecord).
 
         The copy may be evicted by another process at any time after this returns;
         open it at once, or use :meth:`fetch_open`, which opens it before any eviction
@@ -207,7 +212,7 @@ class ShardCache:
         if self._hit(path, size) is not None:
             self._count(hits=1)
             return path
-        return self._fetch_locked(url, path, filesystem, size, checksum, None)[0]
+        return self._fetch_locked(url, path, filesystem, size, checksum, None, verify)[0]
 
     def fetch_open(
         self,
@@ -217,6 +222,7 @@ class ShardCache:
         filesystem: fsspec.AbstractFileSystem | None = None,
         size: int | None = None,
         checksum: str | None = None,
+        verify: Verifier | None = None,
     ) -> tuple[str, int, T]:
         """Like :meth:`fetch`, then ``opener(path)`` while the copy cannot be evicted.
 
@@ -233,7 +239,7 @@ class ShardCache:
             (b'abc', None)
         """
         path = self.local_path(url, checksum=checksum)
-        return self._fetch_locked(url, path, filesystem, size, checksum, opener)
+        return self._fetch_locked(url, path, filesystem, size, checksum, opener, verify)
 
     def _fetch_locked(
         self,
@@ -243,6 +249,7 @@ class ShardCache:
         size: int | None,
         checksum: str | None,
         opener: Callable[[str], T] | None,
+        verify: Verifier | None = None,
     ) -> tuple[str, int, T | None]:
         waited = self._hit(path, size) is None
         with self._flock(self._lock_path(path)):
@@ -294,7 +301,7 @@ class ShardCache:
                     on_retry=self._on_retry,
                 )
                 if checksum:
-                    verify_file(tmp, checksum, name=f"downloaded {url}")
+                    (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):

@@ -4,45 +4,40 @@ from __future__ import annotations
 
 import os
 import posixpath
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
 import numpy as np
 
 from torchgrain.diagnostics import COUNTER, local_counters
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
-from torchgrain.io.fs import (
-    expand_paths,
-    filesystem_for_this_process,
-    get_filesystem,
-    is_local,
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    UnsafePathError,
 )
+from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_num_records
+from torchgrain.formats.checksums import verify_file
+from torchgrain.formats.codecs import Codec, describe_value, get_codec, sniff_codec
+from torchgrain.formats.manifest import Manifest, read_manifest
+from torchgrain.formats.tfds import tfds_codec_for
+from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources._index import ShardIndex, group_by_shard
-from torchgrain.sources.arrayrecord_file import ArrayRecordFile, read_num_records
-from torchgrain.sources.codecs import Codec, describe_value, get_codec, sniff_codec
-from torchgrain.sources.manifest import Manifest, read_manifest
-from torchgrain.sources.tfds import tfds_codec_for
+from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
+from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
+from torchgrain.sources.index import group_by_shard
 
-__all__ = ["ArrayRecordSource"]
+__all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
-DEFAULT_CACHE_BYTES = 16 * 2**30
-# Readers of cached local copies kept open per process. Eviction only unlinks files, so
-# an open reader would pin an evicted copy's disk blocks: keep few of them open.
-_MAX_OPEN_CACHED = 32
-# How long an open reader of a cached copy is trusted without a stat() of the copy
-# (the cache's LRU clock has the same 1 s resolution).
-_RECHECK_SECONDS = 1.0
+_SEQUENTIAL_BLOCK = 1024  # records per read when reading a shard in order
 
 
-class ArrayRecordSource:
+class ArrayRecordSource(ShardedSource):
     """Random-access, key-value view of one or many ArrayRecord shards.
 
     Args:
@@ -53,20 +48,32 @@ class ArrayRecordSource:
             ``"msgpack"``, ``"raw"`` (records as ``{"bytes": b}``), ``"tf_example"``,
             or any registered codec name or codec object. For TFDS output (a directory
             with ``features.json``), ``"auto"`` and ``"tf_example"`` decode records per
-            the feature spec (:class:`~torchgrain.sources.tfds.TFDSCodec`: images to
+            the feature spec (:class:`~torchgrain.formats.tfds.TFDSCodec`: images to
             arrays, scalars squeezed, tensors reshaped); the files must be of one split.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         filesystem: an fsspec filesystem to use instead of inferring one.
         verify_checksums: verify Riegeli chunk hashes on every read.
+        cache_bytes: this process's in-memory cache of decompressed chunks, in bytes
+            (default 256 MiB; ``0`` disables it). Only chunks holding several records
+            (files written with ``group_size`` > 1) are kept: a block-local order then
+            decompresses each chunk once.
         cache_dir: a local directory (or a :class:`~torchgrain.io.shard_cache.ShardCache`)
             for whole copies of *remote* shards: each shard is downloaded once (by one
             worker of the machine) and read locally after. Local shards are never cached.
-        cache_bytes: byte budget of ``cache_dir`` (least recently used shards go first).
+        cache_dir_bytes: byte budget of ``cache_dir`` (default 16 GiB; least recently
+            used shards go first). Before this argument existed, ``cache_bytes`` given
+            together with ``cache_dir`` meant this budget; that still works, with a
+            ``DeprecationWarning``.
         io_threads: threads per process that read the shards of one remote batch
             concurrently, overlapping request latency (1 = sequential). Local shards
             are always read in the calling thread.
         retry: retry policy for remote reads and downloads (default
             :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff).
+        max_open_files: readers kept open per process (default: all; a local reader is
+            a memory map and holds no file descriptor).
+        allow_external_paths: a manifest may name shards outside the dataset's directory
+            (absolute paths, ``..``, other URLs). Off by default: a dataset from an
+            untrusted place must not pull other files into your batches.
 
     Opening reads the manifest (one small file) or, without one, every shard's footer
     (in parallel). No file handle is kept in the object: each process opens its own
@@ -91,8 +98,7 @@ class ArrayRecordSource:
         [9, 0, 5]
     """
 
-    #: Tells :class:`~torchgrain.Dataset` that this source times its own reads.
-    reports_stats = True
+    default_max_open_files = None
 
     def __init__(
         self,
@@ -102,43 +108,43 @@ class ArrayRecordSource:
         storage_options: dict[str, Any] | None = None,
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
+        cache_bytes: int | None = None,
         cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        cache_dir_bytes: int | None = None,
         io_threads: int = 8,
         retry: RetryPolicy | None = None,
+        max_open_files: int | type[Ellipsis] | None = ...,
+        allow_external_paths: bool = False,
     ) -> None:
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
-        self._retry = retry or RetryPolicy()
-        self.io_threads = int(io_threads)
-        manifest, fs, files = self._resolve(paths, storage_options, filesystem)
-        self._fs = fs
-        self._remote = not is_local(fs)
-        self.paths: list[str] = files
-        self.cache: ShardCache | None = None
-        if self._remote and cache_dir is not None:
-            self.cache = (
-                cache_dir
-                if isinstance(cache_dir, ShardCache)
-                else ShardCache(cache_dir, max_bytes=cache_bytes, retry=self._retry)
-            )
-        self._init_process_state()
+        retry = retry or RetryPolicy()
+        manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
         if manifest is not None:
             counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
-        elif self._remote:
+        elif not is_local(fs):
             counts = retry_call(
                 read_num_records,
                 files,
                 filesystem=fs,
                 url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else files[0],
-                policy=self._retry,
+                policy=retry,
                 what="reading shard footers",
             )
         else:
             counts = read_num_records(files, filesystem=fs)
-        self.index = ShardIndex(counts)
         self.manifest = manifest
+        self._init_shards(
+            filesystem=fs,
+            paths=files,
+            counts=counts,
+            cache_bytes=cache_bytes,
+            cache_dir=cache_dir,
+            cache_dir_bytes=cache_dir_bytes,
+            io_threads=io_threads,
+            retry=retry,
+            max_open_files=max_open_files,
+        )
         if manifest is None and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(files, fs) or codec
@@ -149,189 +155,48 @@ class ArrayRecordSource:
             dict(manifest.schema) if manifest is not None and manifest.schema else None
         )
 
-    # ----------------------------------------------------------------- opening
-    @staticmethod
-    def _resolve(
-        paths: Any,
-        storage_options: dict[str, Any] | None,
-        filesystem: fsspec.AbstractFileSystem | None,
-    ) -> tuple[Manifest | None, fsspec.AbstractFileSystem, list[str]]:
-        if isinstance(paths, (str, os.PathLike)):
-            if filesystem is not None:
-                fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
-            else:
-                fs, root = get_filesystem(paths, storage_options)
-            if not any(ch in root for ch in "*?[") and fs.isdir(root):
-                manifest = read_manifest(fs, root)
-                if manifest is not None:
-                    files = [posixpath.join(root, s.path) for s in manifest.shards]
-                    if not is_local(fs):
-                        files = [fs.unstrip_protocol(f) for f in files]
-                    missing = [f for f in files[:1] + files[-1:] if not fs.exists(f)]
-                    if missing:
-                        raise DatasetNotFoundError(
-                            f"shard {missing[0]!r} listed in the manifest of {os.fspath(paths)!r} "
-                            "does not exist"
-                        )
-                    return manifest, fs, files
-        fs, files = expand_paths(
-            paths,
-            suffixes=ARRAY_RECORD_SUFFIXES,
-            storage_options=storage_options,
-            filesystem=filesystem,
-            kind="ArrayRecord",
-        )
-        return None, fs, files
-
-    def _sniff(self) -> str:
-        if len(self.index) == 0:
-            return "msgpack"
-        shard, row = self.index.locate_one(0)
-        return sniff_codec(self._file(shard).read([row])[0])
-
-    def _init_process_state(self) -> None:
-        """Readers, thread pool and counters belong to one process: (re)create them."""
-        self._pid = os.getpid()
-        self._files: list[ArrayRecordFile | None] = [None] * len(self.paths)
-        # shard -> [local path, inode, reader, time of the last existence check]
-        self._cached_open: OrderedDict[int, list[Any]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._io = {"remote_reads": 0, "retries": 0}
-
-    def _check_fork(self) -> None:
-        if self._pid != os.getpid():
-            # Inherited through fork: the parent's readers, threads and (for async
-            # filesystems) event loop do not exist here. Unpickling a filesystem
-            # builds a new instance (fsspec's instance cache is per process).
-            self._fs = filesystem_for_this_process(self._fs)
-            self._init_process_state()
-
-    def _file(self, shard: int) -> ArrayRecordFile:
-        self._check_fork()
-        if self.cache is not None:
-            return self._cached_file(shard)
-        f = self._files[shard]
-        if f is None:
-            f = ArrayRecordFile(
-                self.paths[shard],
-                filesystem=self._fs if self._remote else None,
-                verify_checksums=self._verify,
-            )
-            self._check_count(shard, f)
-            self._files[shard] = f
+    # ----------------------------------------------------------------- readers
+    def _open_reader(
+        self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
+    ) -> ArrayRecordFile:
+        f = ArrayRecordFile(path, filesystem=filesystem, verify_checksums=self._verify)
+        self._check_count(shard, f)
         return f
+
+    def _touch(self, reader: ArrayRecordFile) -> None:
+        reader.num_records  # noqa: B018 - maps the file now: later eviction only unlinks
 
     def _check_count(self, shard: int, f: ArrayRecordFile) -> None:
         """A shard must hold exactly the records the manifest promised (none skipped)."""
         if self.manifest is None:
             return
-        expected = int(self.index.offsets[shard + 1] - self.index.offsets[shard])
+        expected = int(self.index.counts[shard])
         n = f.num_records
         if n != expected:
             f.close()
             raise CorruptDataError(
-                f"shard {shard} {self.paths[shard]!r} holds {n} records but the dataset's "
+                f"shard {shard} {self._paths[shard]!r} holds {n} records but the dataset's "
                 f"manifest lists {expected}: the shard was replaced after the manifest was "
                 "written (rewrite the dataset, or delete torchgrain.json to count records "
                 "from the shards' footers)"
             )
 
-    def _cache_key(self, shard: int) -> tuple[str, int | None, str | None]:
+    def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
         info = self.manifest.shards[shard] if self.manifest is not None else None
         if info is None:
-            return self.paths[shard], None, None
-        return self.paths[shard], (info.num_bytes if info.num_bytes >= 0 else None), info.checksum
+            return None, None
+        return (info.num_bytes if info.num_bytes >= 0 else None), info.checksum
 
-    def _is_cached(self, shard: int) -> bool:
-        assert self.cache is not None
-        entry = self._cached_open.get(shard)
-        if entry is not None and time.monotonic() - entry[3] < _RECHECK_SECONDS:
-            return True
-        url, _, checksum = self._cache_key(shard)
-        return os.path.exists(self.cache.local_path(url, checksum=checksum))
+    def _verify_copy(self, path: str, checksum: str, *, name: str) -> None:
+        verify_file(path, checksum, name=name)  # record checksums need the format
 
-    def _open_local(self, path: str) -> ArrayRecordFile:
-        f = ArrayRecordFile(path, verify_checksums=self._verify)
-        try:
-            f.num_records  # noqa: B018 - opens (maps) it now: later eviction only unlinks
-        except BaseException:
-            f.close()
-            raise
-        return f
-
-    def _cached_file(self, shard: int) -> ArrayRecordFile:
-        """A reader of the local copy of remote ``shard`` (fetched on first access)."""
-        assert self.cache is not None
-        now = time.monotonic()
-        with self._lock:
-            entry = self._cached_open.get(shard)
-            if entry is not None and now - entry[3] < _RECHECK_SECONDS:
-                # Checked a moment ago: skip the stat() (the hot path of warm epochs).
-                # Were the copy evicted since, the open reader still reads it.
-                return entry[2]
-        url, size, checksum = self._cache_key(shard)
-        # A hit refreshes the copy's access time (its LRU position).
-        hit = self.cache.lookup(url, size=size, checksum=checksum)
-        f = None
-        if hit is not None:
-            with self._lock:
-                entry = self._cached_open.get(shard)
-                if entry is not None and (entry[0], entry[1]) == hit:
-                    entry[3] = now
-                    self._cached_open.move_to_end(shard)
-                    return entry[2]
-            try:
-                f = self._open_local(hit[0])
-            except FileNotFoundError:
-                f = None  # evicted just now: fetch it again below
-        if f is None:
-            path, ino, f = self.cache.fetch_open(
-                url, self._open_local, filesystem=self._fs, size=size, checksum=checksum
-            )
-            hit = (path, ino)
-        assert hit is not None
-        self._check_count(shard, f)
-        with self._lock:
-            old = self._cached_open.pop(shard, None)
-            self._cached_open[shard] = [hit[0], hit[1], f, now]
-            while len(self._cached_open) > _MAX_OPEN_CACHED:
-                self._cached_open.popitem(last=False)[1][2].close()
-        if old is not None:
-            old[2].close()
-        return f
-
-    def _close_evicted(self) -> None:
-        """Close readers whose cached copy was evicted: they pin its disk blocks."""
-        stale = []
-        with self._lock:
-            for shard, (path, ino, f, _) in list(self._cached_open.items()):
-                try:
-                    if os.stat(path).st_ino == ino:
-                        continue
-                except FileNotFoundError:
-                    pass
-                del self._cached_open[shard]
-                stale.append(f)
-        for f in stale:
-            f.close()
-
-    @property
-    def io_stats(self) -> dict[str, int]:
-        """Remote I/O counters of this process (cache counters included when caching)."""
-        out = dict(self._io)
-        if self.cache is not None:
-            out.update({f"cache_{k}": v for k, v in self.cache.stats.items()})
-        return out
+    def _sniff(self) -> str:
+        if len(self.index) == 0:
+            return "msgpack"
+        shard, row = self.index.locate_one(0)
+        return sniff_codec(self._reader(shard).read([row])[0])
 
     # ------------------------------------------------------------ the contract
-    def __len__(self) -> int:
-        return len(self.index)
-
-    @property
-    def num_shards(self) -> int:
-        return self.index.num_shards
-
     @property
     def schema(self) -> dict[str, str]:
         """Record key -> type description (e.g. ``uint8[64,64,3]``, ``int``, ``str``)."""
@@ -359,34 +224,16 @@ class ArrayRecordSource:
         shards, rows = self.index.locate(idx)
         out: list[Any] = [None] * len(idx)
         groups = group_by_shard(shards, rows)
-        parallel = self._remote and self.io_threads > 1 and len(groups) > 1
-        opened: dict[int, ArrayRecordFile] = {}
-        if parallel and self.cache is not None:
-            # Download the shards missing from the cache concurrently; then every read
-            # is local, and local reads are fastest in this thread. The readers opened
-            # here serve this batch even if a concurrent download evicts their file
-            # meanwhile (eviction only unlinks), so no shard is fetched twice per batch.
-            missing = [g[0] for g in groups if not self._is_cached(g[0])]
-            if missing:
-                # Open the cached ones first, before the downloads can evict them.
-                opened = {g[0]: self._file(g[0]) for g in groups if g[0] not in missing}
-                opened.update(zip(missing, self._thread_pool().map(self._file, missing)))
-            parallel = False
-        if parallel:
-            # Remote shards: one request per shard, all in flight at once so that
-            # their latencies overlap (tf.data's parallel interleave).
-            results = self._thread_pool().map(
-                lambda g: self._read_decode(g[0], g[1], idx[g[2]].tolist()), groups
-            )
-        else:
-            results = (
-                self._read_decode(g[0], g[1], idx[g[2]].tolist(), opened.get(g[0])) for g in groups
-            )
+        opened = self._prefetch_copies([g[0] for g in groups])
+        results = self._map(
+            lambda g: self._read_decode(g[0], g[1], idx[g[2]].tolist(), opened.get(g[0])),
+            groups,
+        )
         for (_shard, _rows, positions), records in zip(groups, results):
             for p, rec in zip(positions.tolist(), records):
                 out[p] = rec
         if opened:
-            self._close_evicted()
+            self._close_evicted_copies()
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -396,54 +243,33 @@ class ArrayRecordSource:
         """
         parts = [np.zeros(1, dtype=np.int64)]
         for shard in range(self.num_shards):
-            offs = self._file(shard).record_offsets
+            offs = self._reader(shard).record_offsets
             parts.append(offs[1:] + self.index.offsets[shard])
         return np.concatenate(parts)
 
-    def close(self) -> None:
-        """Close any open readers of this process (they reopen on next use)."""
-        self._check_fork()
-        for f in self._files:
-            if f is not None:
-                f.close()
-        with self._lock:
-            cached = [e[2] for e in self._cached_open.values()]
-            self._cached_open.clear()
-        for f in cached:
-            f.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+    def iter_shard_bytes(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[bytes]:
+        """The raw records ``[start, stop)`` of one shard, in order, read in blocks."""
+        n = int(self.index.counts[shard])
+        stop = n if stop is None else min(stop, n)
+        for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
+            b = min(a + _SEQUENTIAL_BLOCK, stop)
+            yield from self._io(
+                lambda a=a, b=b: self._reader(shard).read_range(a, b),
+                shard,
+                f"read of records {a}-{b} of shard {shard}",
+            )
 
-    # ---------------------------------------------------------------- helpers
-    def _thread_pool(self) -> ThreadPoolExecutor:
-        self._check_fork()
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="torchgrain-io")
-            return self._pool
+    def iter_shard(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Records ``[start, stop)`` of one shard, in order."""
+        base = int(self.index.offsets[shard])
+        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), max(start, 0)):
+            yield self._decode_one(data, shard, row, base + row)
 
-    def _read(
-        self,
-        shard: int,
-        rows: Sequence[int] | np.ndarray,
-        index: int,
-        reader: ArrayRecordFile | None = None,
-    ) -> list[bytes]:
-        """Raw records of one shard (one call); remote range reads are retried."""
-        if not self._remote or self.cache is not None:
-            # Local files, or local copies (downloads retry inside the cache).
-            return (reader or self._file(shard)).read(rows)
-        with self._lock:
-            self._io["remote_reads"] += 1
-        return retry_call(
-            lambda: self._file(shard).read(rows),
-            url=self.paths[shard],
-            policy=self._retry,
-            what=f"range read of shard {shard} (record index {index})",
-            on_retry=self._count_retry,
-        )
-
+    # ---------------------------------------------------------------- reading
     def _read_decode(
         self,
         shard: int,
@@ -454,8 +280,15 @@ class ArrayRecordSource:
         """Read rows of one shard (one call) and decode them; errors name file and index."""
         counters = local_counters()
         t0 = time.perf_counter()
+        cache = self._blocks if self.cache_bytes else None
         try:
-            blobs = self._read(shard, rows, indices[0], reader)
+            blobs = self._io(
+                lambda: (reader or self._reader(shard)).read(
+                    rows, chunk_cache=cache, cache_key=shard
+                ),
+                shard,
+                f"range read of shard {shard} (record index {indices[0]})",
+            )
         except CorruptDataError as e:
             raise type(e)(
                 f"{e} (shard {shard} of {self.num_shards}, reading record index {indices[0]})"
@@ -480,26 +313,94 @@ class ArrayRecordSource:
         except Exception as e:
             detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
             raise RecordDecodeError(
-                f"cannot decode record {index} (shard {shard} {self.paths[shard]!r}, row {row}) "
+                f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
                 f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
-
-    def _count_retry(self, attempt: int, exc: BaseException) -> None:
-        with self._lock:
-            self._io["retries"] += 1
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        for k in ("_files", "_cached_open", "_lock", "_pool", "_io", "_pid"):
-            del state[k]  # readers, threads and counters are per process
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_process_state()
 
     def __repr__(self) -> str:
         return (
             f"ArrayRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
             f"codec={self.codec.name!r}, keys={self.keys if self._schema else '?'})"
         )
+
+
+def _cache_budgets(
+    cache_bytes: int | None, cache_dir: Any, cache_dir_bytes: int | None
+) -> tuple[int, int]:
+    """``(cache_bytes, cache_dir_bytes)``, honouring the old meaning of ``cache_bytes``."""
+    if cache_dir is not None and cache_bytes is not None and cache_dir_bytes is None:
+        warnings.warn(
+            "ArrayRecordSource(cache_dir=..., cache_bytes=N): cache_bytes is now the "
+            "in-memory chunk cache, as on every source; N is taken as the budget of "
+            "cache_dir this time. Pass cache_dir_bytes=N instead.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return DEFAULT_CACHE_BYTES, cache_bytes
+    return (
+        DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes,
+        DEFAULT_CACHE_DIR_BYTES if cache_dir_bytes is None else cache_dir_bytes,
+    )
+
+
+def _resolve(
+    paths: Any,
+    storage_options: dict[str, Any] | None,
+    filesystem: fsspec.AbstractFileSystem | None,
+    allow_external_paths: bool,
+) -> tuple[Manifest | None, fsspec.AbstractFileSystem, list[str]]:
+    """The manifest (for a dataset directory that has one), the filesystem and the files."""
+    if isinstance(paths, (str, os.PathLike)):
+        if filesystem is not None:
+            fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
+        else:
+            fs, root = get_filesystem(paths, storage_options)
+        if not any(ch in root for ch in "*?[") and fs.isdir(root):
+            manifest = read_manifest(fs, root)
+            if manifest is not None:
+                where = os.fspath(paths)
+                files = [
+                    _shard_path(fs, root, s.path, where, allow_external_paths)
+                    for s in manifest.shards
+                ]
+                missing = [f for f in files[:1] + files[-1:] if not fs.exists(f)]
+                if missing:
+                    raise DatasetNotFoundError(
+                        f"shard {missing[0]!r} listed in the manifest of {where!r} does not exist"
+                    )
+                return manifest, fs, files
+    fs, files = expand_paths(
+        paths,
+        suffixes=ARRAY_RECORD_SUFFIXES,
+        storage_options=storage_options,
+        filesystem=filesystem,
+        kind="ArrayRecord",
+    )
+    return None, fs, files
+
+
+def _shard_path(
+    fs: fsspec.AbstractFileSystem, root: str, name: str, where: str, allow_external: bool
+) -> str:
+    """Where a manifest's shard ``name`` is: inside ``root`` unless the user allows more.
+
+    A shard name is a relative path below the dataset directory. ``..`` segments, an
+    absolute path or a URL would let an untrusted dataset read any file the process can.
+    A symlink inside the directory is the user's own doing and is followed as usual.
+    """
+    external = (
+        "://" in name
+        or name.startswith(("/", "\\"))
+        or (len(name) > 1 and name[1] == ":")  # a Windows drive
+        or ".." in name.replace("\\", "/").split("/")
+    )
+    if external and not allow_external:
+        raise UnsafePathError(
+            f"the manifest of {where!r} names shard {name!r}, which is outside the dataset "
+            "directory; shard paths must be relative paths below it. If you trust this "
+            "dataset, open it with allow_external_paths=True"
+        )
+    if "://" in name:
+        return name
+    path = name if name.startswith("/") else posixpath.join(root, name)
+    return path if is_local(fs) else fs.unstrip_protocol(path)

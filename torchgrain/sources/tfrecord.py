@@ -1,584 +1,405 @@
-"""Read and write TFRecord files without TensorFlow.
+"""TFRecordSource: random access by index over TFRecord files, through a cached offset index.
 
-A TFRecord file is a sequence of records, each framed as::
+A TFRecord file has no index: records are framed one after the other. Opening a
+``TFRecordSource`` walks each file's 12-byte record headers once (no data is decoded)
+and keeps the byte offsets in one numpy array (8 bytes per record); the offsets are
+cached on disk, keyed by the file's URL, size and modification time, so later opens
+read one small file per shard. A record is then one byte range: a batch is read with
+a memory map locally or with coalesced range requests remotely, and both CRCs are
+checked.
 
-    uint64  length            (little endian)
-    uint32  masked_crc32c(length bytes)
-    byte    data[length]
-    uint32  masked_crc32c(data)
-
-The checksums are CRC-32C (Castagnoli), "masked" by a rotation and an added
-constant so that a CRC stored inside checksummed data does not checksum to itself.
-Whole files may be gzip- or zlib-compressed (TensorFlow's ``compression_type``).
-
-Both checksums are verified by default; a mismatch, a truncated record or a length
-that cannot fit in the file raises :class:`~torchgrain.errors.CorruptDataError`
-naming the file and the byte offset of the record.
-
-Example:
-    >>> import os, tempfile
-    >>> path = os.path.join(tempfile.mkdtemp(), "data.tfrecord")
-    >>> write_tfrecord([b"alpha", b"", b"gamma"], path)
-    3
-    >>> list(iter_tfrecord(path))
-    [b'alpha', b'', b'gamma']
-    >>> index_tfrecord(path).tolist()
-    [0, 21, 37]
-    >>> read_tfrecord_at(path, 37)
-    b'gamma'
+gzip/zlib-compressed files have no random access: they are counted (one decompression
+pass, cached too) and can be read in order (``iter_shard``, which ``torchgrain
+convert`` and ``inspect`` use), but reading them by index raises an error that says to
+convert them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
-import io
+import hashlib
 import os
-import struct
-import uuid
-import zlib
-from collections.abc import Iterable, Iterator
-from typing import IO, Any
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError
-from torchgrain.io.fs import PathLike, get_filesystem, is_local
+from torchgrain.diagnostics import COUNTER, local_counters
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
+from torchgrain.formats.codecs import Codec, describe_value, get_codec
+from torchgrain.formats.tfrecord import (
+    index_tfrecord,
+    iter_tfrecord,
+    parse_frame,
+    resolve_compression,
+)
+from torchgrain.io.fs import default_cache_dir, expand_paths, is_local
+from torchgrain.io.ranges import MappedFile, fetch_ranges
+from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.shard_cache import ShardCache
+from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
+from torchgrain.sources.index import group_by_shard
 
-__all__ = [
-    "crc32c",
-    "index_tfrecord",
-    "iter_tfrecord",
-    "masked_crc32c",
-    "read_tfrecord_at",
-    "resolve_compression",
-    "write_tfrecord",
-]
+__all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
 
-_HEADER = struct.Struct("<QI")  # length, masked crc of the length
-_FOOTER = struct.Struct("<I")  # masked crc of the data
-_LEN = struct.Struct("<Q")
-_HEADER_SIZE = 12
-_FRAME_OVERHEAD = 16
-_MASK_DELTA = 0xA282EAD8
-_READ_SIZE = 4 << 20  # read 4 MiB at a time: few syscalls, bounded memory
-
-try:  # C implementation (SSE4.2 / ARMv8 CRC instructions): ~10 GB/s.
-    from google_crc32c import value as _crc32c_bytes
-
-    def crc32c(data: bytes | bytearray | memoryview) -> int:
-        """CRC-32C (Castagnoli) of ``data``.
-
-        Example:
-            >>> hex(crc32c(b"123456789"))
-            '0xe3069283'
-        """
-        if type(data) is not bytes:
-            data = bytes(data)  # the C extension only takes read-only bytes
-        return _crc32c_bytes(data)
-
-    _crc = _crc32c_bytes  # hot path: callers pass bytes already
-
-except ImportError:  # pragma: no cover - exercised only without google-crc32c
-    _TABLE = []
-    for _i in range(256):
-        _c = _i
-        for _ in range(8):
-            _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-        _TABLE.append(_c)
-
-    def crc32c(data: bytes | bytearray | memoryview) -> int:
-        """CRC-32C (Castagnoli) of ``data`` (pure-Python fallback, slow).
-
-        Example:
-            >>> hex(crc32c(b"123456789"))
-            '0xe3069283'
-        """
-        crc = 0xFFFFFFFF
-        table = _TABLE
-        for b in bytes(data):
-            crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-        return crc ^ 0xFFFFFFFF
-
-    _crc = crc32c
+TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords")
+_INDEX_THREADS = 16
+# Block-shuffle blocks: runs of consecutive records of about this many bytes.
+_BLOCK_BYTES = 1 << 20
 
 
-def masked_crc32c(data: bytes | bytearray | memoryview) -> int:
-    """The masked CRC-32C that TFRecord stores: rotate right by 15, add a constant.
-
-    Example:
-        >>> masked_crc32c(b"")
-        2726488792
-    """
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
-
-
-def resolve_compression(path: PathLike, compression: str | None) -> str:
-    """Normalise a compression option to ``""``, ``"gzip"`` or ``"zlib"``.
-
-    ``None`` picks by file name: ``.gz``/``.gzip`` is gzip, ``.zlib``/``.zz`` is zlib,
-    anything else is uncompressed. TensorFlow's spellings (``"GZIP"``, ``"ZLIB"``,
-    ``""``) are accepted.
-
-    Example:
-        >>> resolve_compression("a.tfrecord.gz", None), resolve_compression("a", "ZLIB")
-        ('gzip', 'zlib')
-    """
-    if compression is None:
-        name = os.fspath(path).lower()
-        if name.endswith((".gz", ".gzip")):
-            return "gzip"
-        if name.endswith((".zlib", ".zz")):
-            return "zlib"
-        return ""
-    c = compression.lower()
-    if c in ("", "none"):
-        return ""
-    if c in ("gzip", "zlib"):
-        return c
-    raise ValueError(
-        f"unknown TFRecord compression {compression!r}; use None, '', 'gzip' or 'zlib'"
-    )
-
-
-def _open_stream(
-    fs: fsspec.AbstractFileSystem, path: str, compression: str
-) -> tuple[IO[bytes], IO[bytes]]:
-    """Open ``path`` for reading; returns (stream of record bytes, underlying file)."""
-    raw = fs.open(path, "rb")
-    if compression == "gzip":
-        return _GzipStream(raw, path), raw
-    if compression == "zlib":
-        return _ZlibStream(raw, path), raw
-    return raw, raw
-
-
-class _ZlibStream(io.RawIOBase):
-    """Decompressed view of one or more concatenated zlib streams, read in bounded steps."""
-
-    def __init__(self, raw: IO[bytes], name: str) -> None:
-        self._raw = raw
-        self._name = name
-        self._d = zlib.decompressobj()
-        self._in = b""  # compressed bytes not yet given to the decompressor
-        self._fresh = True  # current decompressor has consumed nothing yet
-        self._out = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            size = 1 << 62
-        parts: list[bytes] = []
-        want = size
-        while want > 0:
-            if self._out:
-                piece = self._out[:want]
-                self._out = self._out[want:]
-                parts.append(piece)
-                want -= len(piece)
-                continue
-            if not self._in:
-                self._in = self._raw.read(1 << 16)
-                if not self._in:
-                    if self._fresh:
-                        break  # clean end after the last complete stream
-                    raise CorruptDataError(f"{self._name}: zlib stream is truncated")
-            self._fresh = False
-            try:
-                # max_length bounds how much a tiny, highly compressible input expands
-                # into memory in one step.
-                self._out = self._d.decompress(self._in, min(want, 1 << 20))
-            except zlib.error as e:
-                raise CorruptDataError(f"{self._name}: bad zlib data ({e})") from e
-            self._in = self._d.unconsumed_tail
-            if self._d.eof:
-                self._in = self._d.unused_data + self._in
-                self._d = zlib.decompressobj()
-                self._fresh = True
-        return b"".join(parts)
-
-
-class _GzipStream(io.RawIOBase):
-    """gzip decompression that reports bad or truncated data as CorruptDataError."""
-
-    def __init__(self, raw: IO[bytes], name: str) -> None:
-        self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
-        self._name = name
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        try:
-            return self._gz.read(size)
-        except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-            raise CorruptDataError(f"{self._name}: bad or truncated gzip data ({e})") from e
-
-    def close(self) -> None:
-        self._gz.close()
-        super().close()
-
-
-def _resolve(
-    path: PathLike, filesystem: fsspec.AbstractFileSystem | None
-) -> tuple[fsspec.AbstractFileSystem, str]:
-    if filesystem is not None:
-        return filesystem, filesystem._strip_protocol(os.fspath(path))
-    return get_filesystem(path)
-
-
-def _file_size(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
-    try:
-        size = fs.size(path)
-    except Exception:  # some filesystems cannot stat cheaply; fall back to EOF checks
-        return None
-    return int(size) if size is not None else None
-
-
-def iter_tfrecord(
-    path: PathLike,
-    *,
-    filesystem: fsspec.AbstractFileSystem | None = None,
-    verify: bool = True,
-    compression: str | None = None,
-    offset: int = 0,
-) -> Iterator[bytes]:
-    """Yield the records of one TFRecord file, in order.
+class TFRecordSource(ShardedSource):
+    """Random-access, key-value view of TFRecord files (``tf.train.Example`` or raw bytes).
 
     Args:
-        path: local path or fsspec URL.
-        filesystem: fsspec filesystem to read ``path`` with (default: from the URL).
-        verify: check both CRCs of every record (CRC-32C runs at several GB/s with
-            ``google-crc32c``, so this costs little).
-        compression: ``None`` (by suffix), ``""``, ``"gzip"`` or ``"zlib"``.
-        offset: start at the record whose header is at this byte offset (an offset from
-            :func:`index_tfrecord`; uncompressed files only).
-
-    Raises:
-        CorruptDataError: checksum mismatch, truncated record, or a length field larger
-            than the rest of the file; the message names the file and byte offset (an
-            offset in the decompressed stream for compressed files).
+        paths: a directory, glob, file, list of these, or fsspec URLs of ``.tfrecord``
+            files (TFDS's ``name.tfrecord-00000-of-00008`` included).
+        codec: ``"auto"`` (TFDS feature specs when ``features.json`` is beside the files,
+            else ``tf_example`` when the first record parses as one, else ``raw``),
+            ``"tf_example"``, ``"raw"`` (``{"bytes": b}``) or any registered codec.
+        storage_options, filesystem: fsspec options or filesystem for remote paths.
+        verify_checksums: check both CRC-32C checksums of every record read (default on:
+            a few GB/s with ``google-crc32c``).
+        index_dir: where offset indexes are cached (default
+            ``<torchgrain cache>/tfrecord-index``, see
+            :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in memory.
+        cache_dir, cache_dir_bytes, io_threads, retry, max_open_files: as for every
+            sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
 
     Example:
-        >>> import os, tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "x.tfrecord.gz")
-        >>> _ = write_tfrecord([b"a", b"bc"], p)
-        >>> list(iter_tfrecord(p))
-        [b'a', b'bc']
+        >>> import os, tempfile, torchgrain as tg
+        >>> from torchgrain.formats.tf_example import encode_tf_example
+        >>> from torchgrain.formats.tfrecord import write_tfrecord
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_tfrecord([encode_tf_example({"label": [i]}) for i in range(5)],
+        ...                    os.path.join(d, "train.tfrecord"))
+        >>> src = tg.TFRecordSource(d, index_dir=os.path.join(d, ".index"))
+        >>> len(src), src.schema, [int(r["label"][0]) for r in src.__getitems__([4, 0, 2])]
+        (5, {'label': 'int64[1]'}, [4, 0, 2])
     """
-    fs, p = _resolve(path, filesystem)
-    name = os.fspath(path)
-    comp = resolve_compression(name, compression)
-    # Only an uncompressed file's size bounds a record's length; a compressed stream is
-    # read incrementally so a bogus length hits EOF without a huge allocation.
-    size = _file_size(fs, p) if comp == "" else None
-    if offset and comp != "":
-        raise ValueError(f"{name}: cannot start a compressed TFRecord file at an offset")
-    stream, raw = _open_stream(fs, p, comp)
-    try:
-        if offset:
-            stream.seek(offset)
-        yield from _iter_stream(stream, name, size, verify, offset)
-    finally:
-        stream.close()
-        raw.close()
 
+    default_max_open_files = None  # local readers are memory maps, remote ones hold nothing
 
-def _iter_stream(
-    stream: IO[bytes], name: str, size: int | None, verify: bool, base: int = 0
-) -> Iterator[bytes]:
-    unpack_header = _HEADER.unpack_from
-    unpack_footer = _FOOTER.unpack_from
-    buf = b""
-    pos = 0  # position of the next record in buf
-    # base: file offset of buf[0]
-    while True:
-        avail = len(buf) - pos
-        if avail < _HEADER_SIZE:
-            chunk = stream.read(_READ_SIZE)
-            if chunk:
-                buf = buf[pos:] + chunk
-                base += pos
-                pos = 0
-                continue
-            if avail == 0:
-                return
-            raise CorruptDataError(
-                f"{name}: truncated record header at byte offset {base + pos} "
-                f"({avail} of {_HEADER_SIZE} bytes present)"
-            )
-        length, len_crc = unpack_header(buf, pos)
-        offset = base + pos
-        if verify and _masked(buf[pos : pos + 8]) != len_crc:
-            raise CorruptDataError(
-                f"{name}: length checksum mismatch in the record at byte offset {offset}"
-            )
-        if size is not None and length > size - offset - _FRAME_OVERHEAD:
-            raise _too_long(name, offset, length, size)
-        end = pos + _HEADER_SIZE + length + 4
-        if end > len(buf):
-            # The record runs past the buffer: read exactly what is missing, in bounded
-            # steps so a lying length in a compressed stream cannot allocate it up front.
-            parts = [buf[pos:]]
-            have = len(buf) - pos
-            need = _HEADER_SIZE + length + 4
-            while have < need:
-                chunk = stream.read(min(need - have, 64 << 20))
-                if not chunk:
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        codec: str | Codec = "auto",
+        storage_options: dict[str, Any] | None = None,
+        filesystem: fsspec.AbstractFileSystem | None = None,
+        verify_checksums: bool = True,
+        index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
+        cache_dir: str | os.PathLike | ShardCache | None = None,
+        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
+        io_threads: int = 8,
+        retry: RetryPolicy | None = None,
+        max_open_files: int | type[Ellipsis] | None = ...,
+    ) -> None:
+        fs, files = expand_paths(
+            paths,
+            suffixes=TFRECORD_SUFFIXES,
+            storage_options=storage_options,
+            filesystem=filesystem,
+            kind="TFRecord",
+        )
+        retry = retry or RetryPolicy()
+        if index_dir is ...:
+            index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
+        self._verify = bool(verify_checksums)
+        self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
+        offsets, sizes = _index_files(fs, files, index_dir, retry, self._compressed)
+        counts = np.array([len(o) for o in offsets], dtype=np.int64)
+        self._init_shards(
+            filesystem=fs,
+            paths=files,
+            counts=counts,
+            cache_bytes=0,  # nothing to decompress: a record is a byte range
+            cache_dir=cache_dir,
+            cache_dir_bytes=cache_dir_bytes,
+            io_threads=io_threads,
+            retry=retry,
+            max_open_files=max_open_files,
+        )
+        # Record i of shard s spans bounds[base[s] + i] .. bounds[base[s] + i + 1]: each
+        # shard's offsets followed by its size, in one array (copy-on-write friendly).
+        self._bounds = np.concatenate(
+            [np.zeros(0, np.int64)]
+            + [np.append(o, s).astype(np.int64) for o, s in zip(offsets, sizes)]
+        )
+        self._base = self.index.offsets[:-1] + np.arange(len(files), dtype=np.int64)
+        for a in (self._bounds, self._base, self._compressed):
+            a.setflags(write=False)
+        self.codec: Codec = tfrecord_codec(files, fs) if codec == "auto" else get_codec(codec)
+        self._schema: dict[str, str] | None = None
+
+    # ------------------------------------------------------------ the contract
+    @property
+    def schema(self) -> dict[str, str]:
+        """Record key -> value type, from the first record."""
+        if self._schema is None:
+            first = next(self.iter_shard(_first_nonempty(self.shard_counts)), None)
+            self._schema = {} if first is None else {k: describe_value(v) for k, v in first.items()}
+        return dict(self._schema)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.schema)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Read a batch: one set of (coalesced) range reads per file, records in request order."""
+        idx = self.index.check(indices)
+        if len(idx) == 0:
+            return []
+        shards, rows = self.index.locate(idx)
+        groups = group_by_shard(shards, rows)
+        for shard, _, positions in groups:
+            if self._compressed[shard]:
+                raise CorruptDataError(
+                    f"TFRecord shard {shard} {self._paths[shard]!r} is compressed and can only "
+                    f"be read in order, not by index (record index {int(idx[positions[0]])}); "
+                    "decompress it, or convert the dataset: torchgrain convert SRC DST"
+                )
+        opened = self._prefetch_copies([g[0] for g in groups])
+        out: list[Any] = [None] * len(idx)
+        results = self._map(
+            lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0])), groups
+        )
+        for (_shard, _rows, positions), records in zip(groups, results):
+            for p, rec in zip(positions.tolist(), records):
+                out[p] = rec
+        if opened:
+            self._close_evicted_copies()
+        return out
+
+    def block_offsets(self) -> np.ndarray:
+        """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
+        parts = [np.zeros(1, dtype=np.int64)]
+        for s in range(self.num_shards):
+            b = self._base[s]
+            n = int(self.index.counts[s])
+            starts = self._bounds[b : b + n + 1]
+            cuts = np.unique(np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES)))
+            cuts = cuts[(cuts > 0) & (cuts < n)]
+            parts.append(np.append(cuts, n) + self.index.offsets[s])
+        return np.unique(np.concatenate(parts))
+
+    def iter_shard(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Records ``[start, stop)`` of one shard, in order (compressed files too)."""
+        for k, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
+            yield self._decode(data, shard, k, int(self.index.offsets[shard]) + k)
+
+    def iter_shard_bytes(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[bytes]:
+        """The raw bytes of records ``[start, stop)`` of one shard, in order."""
+        n = int(self.index.counts[shard])
+        stop = n if stop is None else min(stop, n)
+        if start >= stop:
+            return
+        path = self._paths[shard]
+        offset = 0 if self._compressed[shard] else int(self._bounds[self._base[shard] + start])
+        skip = start if self._compressed[shard] else 0
+        fs = self._fs if self._remote else None
+        it = iter_tfrecord(path, filesystem=fs, verify=self._verify, offset=offset)
+        try:
+            for k, data in enumerate(it):
+                if k < skip:
+                    continue
+                if k - skip >= stop - start:
+                    return
+                yield data
+        finally:
+            it.close()
+
+    # ---------------------------------------------------------------- reading
+    def _open_reader(
+        self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
+    ) -> Any:
+        if filesystem is not None:
+            return _RemoteFile(filesystem, path)
+        if not os.path.exists(path):
+            raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist")
+        return MappedFile(path)
+
+    def _touch(self, reader: Any) -> None:
+        reader.view()
+
+    def _read_decode(
+        self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any = None
+    ) -> list[dict[str, Any]]:
+        counters = local_counters()
+        t0 = time.perf_counter()
+        b = self._base[shard] + rows
+        starts, ends = self._bounds[b].tolist(), self._bounds[b + 1].tolist()
+        name = self._paths[shard]
+
+        def read() -> list[Any]:
+            r = reader or self._reader(shard)
+            if isinstance(r, MappedFile):
+                view = r.view()
+                if ends and max(ends) > len(view):
+                    expected = int(self._bounds[self._base[shard] + self.index.counts[shard]])
                     raise CorruptDataError(
-                        f"{name}: truncated record at byte offset {offset}: needs "
-                        f"{need} bytes, the file ends after {have}"
+                        f"TFRecord shard {shard} {name!r} is truncated: {len(view)} bytes where "
+                        f"its index expects {expected} (record index {int(indices[0])})"
                     )
-                parts.append(chunk)
-                have += len(chunk)
-            buf = b"".join(parts)
-            base = offset
-            pos = 0
-            end = need
-        data = buf[pos + _HEADER_SIZE : end - 4]
-        if verify and _masked(data) != unpack_footer(buf, end - 4)[0]:
-            raise CorruptDataError(
-                f"{name}: data checksum mismatch in the record at byte offset {offset}"
-            )
-        pos = end
-        yield data
+                return [view[s:e] for s, e in zip(starts, ends)]
+            return r.read(list(zip(starts, ends)))
 
+        frames = self._io(read, shard, f"range read of shard {shard} (record index {indices[0]})")
+        try:
+            blobs = [
+                parse_frame(f, name=name, offset=s, verify=self._verify)
+                for f, s in zip(frames, starts)
+            ]
+        except CorruptDataError as e:
+            raise CorruptDataError(f"{e} (shard {shard} of {self.num_shards})") from e
+        t1 = time.perf_counter()
+        counters[COUNTER["bytes_read"]] += sum(len(x) for x in blobs)
+        counters[COUNTER["read_seconds"]] += t1 - t0
+        out = [
+            self._decode(x, shard, int(r), int(i))
+            for x, r, i in zip(blobs, rows.tolist(), indices.tolist())
+        ]
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        return out
 
-def _masked(data: bytes) -> int:
-    crc = _crc(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+    def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
+        try:
+            return self.codec.decode(data)
+        except Exception as e:
+            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
+            raise RecordDecodeError(
+                f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
+                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
+            ) from (None if isinstance(e, RecordDecodeError) else e)
 
-
-def index_tfrecord(
-    path: PathLike,
-    *,
-    filesystem: fsspec.AbstractFileSystem | None = None,
-    verify: bool = True,
-) -> np.ndarray:
-    """Byte offsets of every record of an uncompressed TFRecord file.
-
-    Walks the 12-byte record headers without decoding data: local files are read
-    in 4 MiB blocks (records larger than a block are seeked over), remote files with
-    one small ranged read per record. ``verify`` checks each length's CRC, which
-    catches a corrupted length before it can send the walk astray; data CRCs are
-    checked when a record is read (:func:`read_tfrecord_at`).
-
-    Returns:
-        int64 array: ``offsets[i]`` is where record ``i``'s header starts; its data
-        is ``length = offsets[i + 1] - offsets[i] - 16`` bytes (use the file size for
-        the last record).
-
-    Raises:
-        CorruptDataError: truncated file, bad length checksum, impossible length.
-        ValueError: the file is compressed (compressed streams have no random access).
-
-    Example:
-        >>> import os, tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "x.tfrecord")
-        >>> _ = write_tfrecord([b"abc", b"de"], p)
-        >>> index_tfrecord(p).tolist()
-        [0, 19]
-    """
-    fs, p = _resolve(path, filesystem)
-    name = os.fspath(path)
-    if resolve_compression(name, None) != "":
-        raise ValueError(f"{name}: compressed TFRecord files cannot be indexed")
-    size = _file_size(fs, p)
-    if size is None:  # pragma: no cover - every fsspec filesystem we ship with has size()
-        raise CorruptDataError(f"{name}: cannot determine the file size")
-    offsets: list[int] = []
-    unpack = _HEADER.unpack
-    with fs.open(p, "rb") as f:
-        if is_local(fs) or size <= _READ_SIZE:
-            # Local files go through the OS page cache; remote small files in one read.
-            _index_buffered(f, name, size, verify, offsets)
-        else:
-            off = 0
-            while off < size:
-                f.seek(off)
-                head = f.read(_HEADER_SIZE)
-                _check_header(head, name, off, size, verify)
-                offsets.append(off)
-                off += _FRAME_OVERHEAD + unpack(head)[0]
-    return np.asarray(offsets, dtype=np.int64)
-
-
-def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataError:
-    left = max(size - offset - _FRAME_OVERHEAD, 0)
-    return CorruptDataError(
-        f"{name}: truncated record (or corrupt length) at byte offset {offset}: the length "
-        f"field says {length} data bytes, the file has room for {left}"
-    )
-
-
-def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> None:
-    if len(head) < _HEADER_SIZE:
-        raise CorruptDataError(
-            f"{name}: truncated record header at byte offset {off} "
-            f"({len(head)} of {_HEADER_SIZE} bytes present)"
+    def __repr__(self) -> str:
+        return (
+            f"TFRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
+            f"codec={getattr(self.codec, 'name', self.codec)!r})"
         )
-    length, len_crc = _HEADER.unpack(head)
-    if verify and _masked(head[:8]) != len_crc:
-        raise CorruptDataError(
-            f"{name}: length checksum mismatch in the record at byte offset {off}"
-        )
-    if length > size - off - _FRAME_OVERHEAD:
-        raise _too_long(name, off, length, size)
 
 
-def _index_buffered(f: Any, name: str, size: int, verify: bool, offsets: list[int]) -> None:
-    # Read the file in large blocks and walk the headers; records larger than a block
-    # are skipped with a seek.
-    unpack = _HEADER.unpack_from
-    off = 0
-    buf = b""
-    base = 0
-    while off < size:
-        rel = off - base
-        if rel < 0 or rel + _HEADER_SIZE > len(buf):
-            f.seek(off)
-            buf = f.read(_READ_SIZE)
-            base = off
-            rel = 0
-        head = buf[rel : rel + _HEADER_SIZE]
-        _check_header(head, name, off, size, verify)
-        offsets.append(off)
-        off += _FRAME_OVERHEAD + unpack(buf, rel)[0]
+class _RemoteFile:
+    """A remote TFRecord file: coalesced range reads, nothing held open."""
 
+    def __init__(self, fs: fsspec.AbstractFileSystem, url: str) -> None:
+        self.fs, self.url = fs, url
+        self.path = fs._strip_protocol(url)
 
-def read_tfrecord_at(
-    source: PathLike | IO[bytes],
-    offset: int,
-    *,
-    filesystem: fsspec.AbstractFileSystem | None = None,
-    verify: bool = True,
-    name: str | None = None,
-) -> bytes:
-    """Read the one record whose header starts at byte ``offset`` (see :func:`index_tfrecord`).
-
-    ``source`` is a path/URL or an already open binary file (seekable), which lets a
-    caller keep one handle per shard for random access.
-
-    Example:
-        >>> import os, tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "x.tfrecord")
-        >>> _ = write_tfrecord([b"abc", b"de"], p)
-        >>> read_tfrecord_at(p, 19)
-        b'de'
-    """
-    if isinstance(source, (str, os.PathLike)):
-        fs, p = _resolve(source, filesystem)
-        with fs.open(p, "rb") as f:
-            return read_tfrecord_at(f, offset, verify=verify, name=os.fspath(source))
-    f = source
-    label = name or str(getattr(f, "name", "<stream>"))
-    f.seek(offset)
-    head = f.read(_HEADER_SIZE)
-    if len(head) < _HEADER_SIZE:
-        raise CorruptDataError(f"{label}: truncated record header at byte offset {offset}")
-    length, len_crc = _HEADER.unpack(head)
-    if verify and _masked(head[:8]) != len_crc:
-        raise CorruptDataError(
-            f"{label}: length checksum mismatch in the record at byte offset {offset}"
-        )
-    # Bound the read by what the file can hold before trusting the length.
-    try:
-        end = f.seek(0, io.SEEK_END)
-    except (OSError, ValueError):  # pragma: no cover - unseekable-to-end streams
-        end = None
-    if end is not None:
-        if length > end - offset - _FRAME_OVERHEAD:
-            raise _too_long(label, offset, length, end)
-        f.seek(offset + _HEADER_SIZE)
-    body = f.read(length + 4)
-    if len(body) < length + 4:
-        raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
-    data = body[:length]
-    if verify and _masked(data) != _FOOTER.unpack_from(body, length)[0]:
-        raise CorruptDataError(
-            f"{label}: data checksum mismatch in the record at byte offset {offset}"
-        )
-    return data
-
-
-def _frame(record: bytes) -> bytes:
-    length = _LEN.pack(len(record))
-    return b"".join((length, _FOOTER.pack(_masked(length)), record, _FOOTER.pack(_masked(record))))
-
-
-def write_tfrecord(
-    records: Iterable[bytes | bytearray | memoryview],
-    path: PathLike,
-    *,
-    filesystem: fsspec.AbstractFileSystem | None = None,
-    compression: str | None = None,
-) -> int:
-    """Write ``records`` to a TFRecord file; returns the number written.
-
-    The file is written under a temporary name beside ``path`` and renamed when
-    complete, so readers never see a half-written file. ``compression`` as in
-    :func:`iter_tfrecord` (``None``: ``.gz`` suffix means gzip).
-
-    Example:
-        >>> import os, tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "x.tfrecord")
-        >>> write_tfrecord((bytes([i]) * i for i in range(4)), p)
-        4
-    """
-    fs, p = _resolve(path, filesystem)
-    comp = resolve_compression(os.fspath(path), compression)
-    parent, _, base = p.rpartition("/")
-    tmp = (
-        f"{parent}/.{base}.tmp-{uuid.uuid4().hex}" if parent else f".{base}.tmp-{uuid.uuid4().hex}"
-    )
-    count = 0
-    try:
-        with fs.open(tmp, "wb") as raw:
-            if comp == "gzip":
-                out: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0)
-            elif comp == "zlib":
-                out = _ZlibWriter(raw)
-            else:
-                out = raw
-            pending: list[bytes] = []
-            pending_size = 0
-            for rec in records:
-                if type(rec) is not bytes:
-                    rec = bytes(rec)
-                frame = _frame(rec)
-                pending.append(frame)
-                pending_size += len(frame)
-                count += 1
-                if pending_size >= _READ_SIZE:
-                    out.write(b"".join(pending))
-                    pending.clear()
-                    pending_size = 0
-            if pending:
-                out.write(b"".join(pending))
-            if out is not raw:
-                out.close()
-        if is_local(fs):
-            os.replace(tmp, p)
-        else:
-            fs.mv(tmp, p)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            fs.rm(tmp)
-        raise
-    return count
-
-
-class _ZlibWriter:
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self._c = zlib.compressobj()
-
-    def write(self, data: bytes) -> None:
-        self._raw.write(self._c.compress(data))
+    def read(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
+        return fetch_ranges(self.fs, self.path, ranges, name=self.url)
 
     def close(self) -> None:
-        self._raw.write(self._c.flush())
+        pass
+
+
+def _first_nonempty(counts: np.ndarray) -> int:
+    nz = np.flatnonzero(counts)
+    return int(nz[0]) if len(nz) else 0
+
+
+def tfrecord_codec(files: list[str], fs: fsspec.AbstractFileSystem) -> Codec:
+    """The codec of TFRecord files: TFDS's feature specs when present, else ``tf_example``
+    when the first record parses as a ``tf.train.Example``, else ``raw``."""
+    from torchgrain.formats.tf_example import decode_tf_example
+    from torchgrain.formats.tfds import tfds_codec_for
+
+    tfds = tfds_codec_for(files, fs)
+    if tfds is not None:
+        return tfds
+    remote = not is_local(fs)
+    for path in files:
+        for rec in iter_tfrecord(path, filesystem=fs if remote else None):
+            try:
+                decode_tf_example(rec)
+            except RecordDecodeError:
+                return get_codec("raw")
+            return get_codec("tf_example")
+    return get_codec("tf_example")
+
+
+# ------------------------------------------------------------------ offset index
+def _index_files(
+    fs: fsspec.AbstractFileSystem,
+    files: list[str],
+    index_dir: str | os.PathLike | None,
+    retry: RetryPolicy,
+    compressed: np.ndarray,
+) -> tuple[list[np.ndarray], list[int]]:
+    """Offsets and size of every file (from the index cache when it has them)."""
+    remote = not is_local(fs)
+
+    def one(i: int) -> tuple[np.ndarray, int]:
+        path = files[i]
+        try:
+            info = fs.info(fs._strip_protocol(path)) if remote else os.stat(path)
+        except FileNotFoundError:
+            raise DatasetNotFoundError(f"TFRecord shard {i} {path!r} does not exist") from None
+        size = int(info["size"] if remote else info.st_size)
+        stamp = _stamp(info) if remote else f"{info.st_mtime_ns}"
+        cached = _cache_file(index_dir, path, size, stamp)
+        if cached is not None and os.path.exists(cached):
+            try:
+                return np.load(cached), size
+            except (OSError, ValueError):
+                pass  # unreadable: build it again
+        if compressed[i]:
+            # No offsets to keep: records of a compressed stream are only counted.
+            n = sum(1 for _ in iter_tfrecord(path, filesystem=fs if remote else None))
+            offsets = np.zeros(n, dtype=np.int64)
+        elif remote:
+            offsets = retry_call(
+                index_tfrecord, path, filesystem=fs, url=path, policy=retry, what="indexing"
+            )
+        else:
+            offsets = index_tfrecord(path)
+        if cached is not None:
+            _save(cached, offsets)
+        return offsets, size
+
+    n = len(files)
+    if n == 1:
+        results = [one(0)]
+    else:
+        with ThreadPoolExecutor(max_workers=min(_INDEX_THREADS, n)) as pool:
+            results = list(pool.map(one, range(n)))
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+def _stamp(info: dict[str, Any]) -> str:
+    for key in ("ETag", "etag", "mtime", "LastModified", "last_modified", "updated"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
+
+
+def _cache_file(
+    index_dir: str | os.PathLike | None, path: str, size: int, stamp: str
+) -> str | None:
+    if index_dir is None:
+        return None
+    key = hashlib.blake2b(f"{path}\0{size}\0{stamp}".encode(), digest_size=16).hexdigest()
+    name = os.path.basename(path.rstrip("/"))[-60:]
+    return os.path.join(os.fspath(index_dir), f"{key}-{name}.npy")
+
+
+def _save(path: str, offsets: np.ndarray) -> None:
+    """Write atomically: a reader sees a whole index or none (never a partial one)."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        with open(tmp, "wb") as f:
+            np.save(f, offsets.astype(np.int64))
+        os.replace(tmp, path)
+    except OSError:
+        # A read-only cache costs an index walk at each open, nothing else.
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp)

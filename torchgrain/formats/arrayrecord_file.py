@@ -56,8 +56,10 @@ import numpy as np
 import zstandard
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.formats._highwayhash import riegeli_hash
+from torchgrain.io import process
 from torchgrain.io.fs import get_filesystem, is_local
-from torchgrain.sources._highwayhash import riegeli_hash
+from torchgrain.io.ranges import fetch_ranges
 
 __all__ = ["ArrayRecordFile", "TransposedChunkError", "read_num_records"]
 
@@ -88,20 +90,6 @@ _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next
 _REMOTE_TAIL = 1 << 20
 # Coalesce remote chunk ranges whose gap is at most this many bytes into one request.
 _REMOTE_GAP = 1 << 16
-
-
-# Bumped in every child right after os.fork() (multiprocessing's fork and forkserver
-# included). Hot paths compare it instead of calling os.getpid(), a syscall that costs
-# ~0.2 us here; colder paths check both.
-_FORK_GENERATION = 0
-
-
-def _after_fork_in_child() -> None:
-    global _FORK_GENERATION
-    _FORK_GENERATION += 1
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class TransposedChunkError(CorruptDataError, NotImplementedError):
@@ -298,8 +286,7 @@ class ArrayRecordFile:
 
     # ------------------------------------------------------------------ process state
     def _reset_handles(self) -> None:
-        self._pid = os.getpid()
-        self._generation = _FORK_GENERATION
+        self._token = process.token()
         self._file: Any = None
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -344,7 +331,7 @@ class ArrayRecordFile:
         Example:
             >>> ArrayRecordFile("/nonexistent.array_record").close()
         """
-        if self._generation != _FORK_GENERATION or self._pid != os.getpid():
+        if self._token != process.token():
             # Handles inherited through fork belong to the parent; just forget them.
             self._reset_handles()
             return
@@ -375,7 +362,7 @@ class ArrayRecordFile:
 
     def _local_view(self) -> memoryview:
         """The whole local file as a memoryview over an mmap, opened once per process."""
-        if self._generation != _FORK_GENERATION or self._pid != os.getpid():
+        if self._token != process.token():
             self._reset_handles()
         view = self._view
         if view is not None:
@@ -404,7 +391,7 @@ class ArrayRecordFile:
     def _zstd(self) -> zstandard.ZstdDecompressor:
         # One decompression context per thread (they are not thread-safe) and per
         # process (``_reset_handles`` replaces the thread-local store after fork).
-        if self._generation != _FORK_GENERATION or self._pid != os.getpid():
+        if self._token != process.token():
             self._reset_handles()
         d = getattr(self._tls, "zstd", None)
         if d is None:
@@ -419,34 +406,13 @@ class ArrayRecordFile:
             if ranges and max(e for _, e in ranges) > len(view):
                 raise self._corrupt(f"file is truncated: {len(view)} bytes")
             return [view[s:e] for s, e in ranges]
-        # Remote: merge ranges that touch or nearly touch, fetch all in one batch.
-        order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-        merged: list[list[int]] = []
-        for i in order:
-            s, e = ranges[i]
-            if merged and s <= merged[-1][1] + _REMOTE_GAP:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
+        # Remote: ranges that touch or nearly touch are fetched together, in one batch.
         try:
-            blobs = self._fs.cat_ranges(
-                [self._path] * len(merged), [m[0] for m in merged], [m[1] for m in merged]
-            )
+            return fetch_ranges(self._fs, self._path, ranges, gap=_REMOTE_GAP, name=self._url)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{self._where()} does not exist") from e
-        out: list[memoryview] = [memoryview(b"")] * len(ranges)
-        j = 0
-        for i in order:
-            s, e = ranges[i]
-            while not (merged[j][0] <= s and e <= merged[j][1]):
-                j += 1
-            blob = blobs[j]
-            if isinstance(blob, BaseException):
-                raise self._corrupt(f"reading bytes {s}-{e} failed: {blob!r}") from blob
-            if len(blob) < e - merged[j][0]:
-                raise self._corrupt(f"file is truncated: bytes {s}-{e} are missing")
-            out[i] = memoryview(blob)[s - merged[j][0] : e - merged[j][0]]
-        return out
+        except CorruptDataError as e:
+            raise self._corrupt(str(e).replace(f"{self._url}: ", "", 1)) from e
 
     # ------------------------------------------------------------------ chunks
     def _chunk_payload(self, buf: memoryview, pos: int) -> tuple[int, int, int, Any]:
@@ -977,11 +943,22 @@ class ArrayRecordFile:
                 raise self._corrupt(str(e), chunk=c, row=int(f.record_offsets[c])) from None
         return out
 
-    def read(self, rows: Sequence[int] | np.ndarray) -> list[bytes]:
+    def read(
+        self,
+        rows: Sequence[int] | np.ndarray,
+        *,
+        chunk_cache: Any = None,
+        cache_key: Any = None,
+    ) -> list[bytes]:
         """Records at local ``rows`` (any order, duplicates allowed), in request order.
 
         Each chunk needed is read and decompressed once per call; remote reads of one
-        call are fetched together.
+        call are fetched together. With ``chunk_cache`` (an LRU with ``get_many(keys)``
+        and ``put(key, value, nbytes)``, e.g. a
+        :class:`~torchgrain.sources.block_cache.BlockCache`), decompressed chunks that
+        hold several records are kept under ``(cache_key, chunk)`` for later calls, so a
+        block-local order decompresses each chunk once; files of one record per chunk
+        (``group_size:1``) bypass it.
 
         Raises:
             IndexError: a row is outside ``[0, num_records)``.
@@ -1023,7 +1000,10 @@ class ArrayRecordFile:
         sorted_chunks = chunk_ids[order]
         uniq, first = np.unique(sorted_chunks, return_index=True)
         uniq_list = uniq.tolist()
-        decoded = self._read_chunks(uniq_list)
+        if chunk_cache is not None and f.num_records > len(f.chunk_offsets):
+            decoded = self._read_chunks_cached(uniq_list, chunk_cache, cache_key)
+        else:
+            decoded = self._read_chunks(uniq_list)
         out: list[Any] = [None] * n
         ends = [*first.tolist()[1:], n]
         order_l = order.tolist()
@@ -1041,6 +1021,22 @@ class ArrayRecordFile:
                     out[i] = bytes(values[int(bounds[j]) : int(bounds[j + 1])])
         return out
 
+    def _read_chunks_cached(
+        self, chunks: list[int], cache: Any, cache_key: Any
+    ) -> list[tuple[Any, Any]]:
+        keys = [(cache_key, c) for c in chunks]
+        out = cache.get_many(keys)
+        missing = [k for k, hit in enumerate(out) if hit is None]
+        if missing:
+            for k, chunk in zip(missing, self._read_chunks([chunks[k] for k in missing])):
+                out[k] = chunk
+                values, bounds = chunk
+                # Views of a mapped file cost nothing to read again and would pin the
+                # map: only decompressed chunks are kept.
+                if bounds is not None and not isinstance(values, memoryview):
+                    cache.put(keys[k], chunk, len(values) + 8 * len(bounds))
+        return out
+
     def _read_one(self, row: int, f: _Footer) -> bytes:
         if not 0 <= row < f.num_records:
             raise IndexError(f"{self._where(row=row)}: row out of range [0, {f.num_records})")
@@ -1049,7 +1045,7 @@ class ArrayRecordFile:
         else:
             c = int(np.searchsorted(f.record_offsets, row, side="right")) - 1
         view = self._view
-        if view is not None and self._generation == _FORK_GENERATION:
+        if view is not None and self._token[1] == process.generation:
             fast = self._fast or self._fast_index(f)
             values, bounds = self._local_chunk(c, view, fast)
         else:

@@ -25,11 +25,11 @@ import struct
 from collections.abc import Iterable
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.file_hash import FILE_PREFIX, file_checksum, verify_file_hash
 
-__all__ = ["RecordHasher", "file_checksum", "verify_file", "verify_shard"]
+__all__ = ["FILE_PREFIX", "RecordHasher", "file_checksum", "verify_file", "verify_shard"]
 
 RECORDS_PREFIX = "blake2b-records:"
-FILE_PREFIX = "blake2b-file:"
 _LEN = struct.Struct("<Q")
 _READ_BATCH = 1024  # records read per call while verifying
 
@@ -57,21 +57,8 @@ class RecordHasher:
         return h.hexdigest()
 
 
-def _hash_file(path: str, algo: str) -> str:
-    h = hashlib.blake2b(digest_size=16) if algo == "blake2b-file" else hashlib.new(algo)
-    with open(path, "rb") as f:
-        while block := f.read(4 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
-def file_checksum(path: str) -> str:
-    """``blake2b-file`` checksum of a local file."""
-    return FILE_PREFIX + _hash_file(path, "blake2b-file")
-
-
 def _records_checksum(path: str) -> tuple[int, str]:
-    from torchgrain.sources.arrayrecord_file import ArrayRecordFile
+    from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
     f = ArrayRecordFile(path)
     try:
@@ -92,18 +79,13 @@ def verify_file(path: str, checksum: str, *, name: str | None = None) -> None:
         CorruptDataError: on a mismatch, naming ``name`` (default: the path).
         ValueError: for an unknown checksum algorithm.
     """
-    algo, _, digest = checksum.rpartition(":")
-    algo = algo or "sha256"
-    if algo == "blake2b-records":
-        got = _records_checksum(path)[1].rpartition(":")[2]
-    else:
-        try:
-            got = _hash_file(path, algo)
-        except ValueError:
-            raise ValueError(f"unknown checksum algorithm {algo!r} in {checksum!r}") from None
-    if got != digest.lower():
+    if not checksum.startswith(RECORDS_PREFIX):
+        verify_file_hash(path, checksum, name=name)
+        return
+    got = _records_checksum(path)[1]
+    if got != checksum.lower():
         raise CorruptDataError(
-            f"{name or path}: checksum {algo}:{got} does not match the manifest's {checksum}"
+            f"{name or path}: checksum {got} does not match the manifest's {checksum}"
         )
 
 
@@ -131,7 +113,7 @@ def verify_shard(path: str, num_records: int, checksum: str | None = None) -> No
     if checksum is not None and checksum.startswith(RECORDS_PREFIX):
         n, got = _records_checksum(path)
     else:
-        from torchgrain.sources.arrayrecord_file import read_num_records
+        from torchgrain.formats.arrayrecord_file import read_num_records
 
         n, got = int(read_num_records([path])[0]), None
     if n != num_records:

@@ -8,7 +8,7 @@
   writable arrays are the default.
 * ``raw``: the record is returned as ``{"bytes": data}``, for files written by other tools.
 * ``tf_example``: serialized ``tf.train.Example`` protos (see
-  :mod:`torchgrain.sources.tf_example`), decoded without TensorFlow.
+  :mod:`torchgrain.formats.tf_example`), decoded without TensorFlow.
 
 Decoding never executes code from the data: there is no pickle codec unless a user
 registers one by name with :func:`register_codec`.
@@ -204,7 +204,7 @@ def register_codec(name: str, codec: Codec) -> None:
 def _lazy_builtin(name: str) -> Codec | None:
     if name == "tf_example":
         try:
-            from torchgrain.sources.tf_example import TFExampleCodec
+            from torchgrain.formats.tf_example import TFExampleCodec
         except ImportError:  # pragma: no cover - module ships with the package
             return None
         codec = TFExampleCodec()

@@ -4,7 +4,7 @@ Riegeli protects every block header, chunk header and chunk payload with a 64-bi
 HighwayHash. No maintained wheel of HighwayHash exists on PyPI, so this module
 implements the portable reference algorithm with Python integers (each 64-bit lane
 masked after arithmetic). It is slow (a few MB/s), which is why checksum
-verification is opt-in in :class:`~torchgrain.sources.arrayrecord_file.ArrayRecordFile`.
+verification is opt-in in :class:`~torchgrain.formats.arrayrecord_file.ArrayRecordFile`.
 
 Example:
     >>> hex(riegeli_hash(b""))  # the data hash of Riegeli's file-signature chunk

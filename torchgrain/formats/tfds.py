@@ -35,7 +35,7 @@ Both the current ``features.json`` layout (``{"pythonClassName": ..., "featuresD
 
 Example:
     >>> import json, os, tempfile
-    >>> from torchgrain.sources.tf_example import encode_tf_example
+    >>> from torchgrain.formats.tf_example import encode_tf_example
     >>> d = tempfile.mkdtemp()
     >>> spec = {"featuresDict": {"features": {
     ...     "label": {"classLabel": {"numClasses": "10"}},
@@ -60,7 +60,7 @@ import fsspec
 import numpy as np
 
 from torchgrain.errors import RecordDecodeError
-from torchgrain.sources.tf_example import decode_tf_example
+from torchgrain.formats.tf_example import decode_tf_example
 
 __all__ = ["TFDSCodec", "check_single_split", "read_tfds_features", "tfds_codec_for"]
 

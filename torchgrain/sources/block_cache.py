@@ -1,4 +1,4 @@
-"""RowGroupCache: a per-process LRU cache bounded by the bytes of what it holds.
+"""BlockCache: a per-process LRU cache bounded by the bytes of what it holds.
 
 Sources keep decoded blocks (Parquet row groups) here so that block-local access
 patterns, such as :class:`~torchgrain.BlockShuffleSampler` order or a batch that hits
@@ -16,13 +16,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
-__all__ = ["DEFAULT_CACHE_BYTES", "CacheInfo", "RowGroupCache"]
+__all__ = ["DEFAULT_CACHE_BYTES", "BlockCache", "CacheInfo"]
 
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
 class CacheInfo(NamedTuple):
-    """Counters of a :class:`RowGroupCache` (like :func:`functools.lru_cache`'s)."""
+    """Counters of a :class:`BlockCache` (like :func:`functools.lru_cache`'s)."""
 
     hits: int
     misses: int
@@ -32,7 +32,7 @@ class CacheInfo(NamedTuple):
     entries: int
 
 
-class RowGroupCache:
+class BlockCache:
     """Least-recently-used cache whose budget is a number of bytes.
 
     Args:
@@ -44,7 +44,7 @@ class RowGroupCache:
     still not fit). Thread-safe: one lock guards the bookkeeping; loads run outside it.
 
     Example:
-        >>> cache = RowGroupCache(max_bytes=100)
+        >>> cache = BlockCache(max_bytes=100)
         >>> cache.get_or_load("a", lambda: ("A", 60))
         'A'
         >>> cache.get_or_load("a", lambda: ("never called", 60))
@@ -160,7 +160,7 @@ class RowGroupCache:
     def __repr__(self) -> str:
         i = self.cache_info()
         return (
-            f"RowGroupCache(max_bytes={i.max_bytes}, current_bytes={i.current_bytes}, "
+            f"BlockCache(max_bytes={i.max_bytes}, current_bytes={i.current_bytes}, "
             f"entries={i.entries}, hits={i.hits}, misses={i.misses})"
         )
 

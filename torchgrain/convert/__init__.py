@@ -1,0 +1,341 @@
+"""Convert Parquet, TFRecord or ArrayRecord datasets to torchgrain ArrayRecord (or Parquet).
+
+One call (or ``torchgrain convert SRC DST``) reads every record of the source, in order,
+and writes sharded output plus a manifest with per-shard record counts and checksums.
+
+How the work is split
+    The input is a list of shards (files). With ``match_shards=True`` (the default when
+    ``num_shards`` is not given) output shard ``i`` holds exactly input shard ``i``.
+    With ``num_shards=N`` the global record order (input shards in sorted order, records
+    in file order) is cut into ``N`` contiguous slices whose sizes differ by at most
+    one; that needs every input's record count first. Parquet and ArrayRecord footers
+    give counts cheaply; TFRecord has no footer, so its files are scanned first (an
+    uncompressed file by walking the 12-byte record headers, a gzip/zlib file by a full
+    decompression pass, which costs as much as a second read). Inputs are opened
+    through the format registry (:mod:`torchgrain.sources.registry`), so any
+    registered format converts; its source counts records when it opens (a TFRecord
+    source keeps the counts in its offset index cache, so a rerun does not scan again).
+
+Parallel and resumable
+    Output shards are independent tasks run by a process pool (``forkserver`` or
+    ``spawn``: never ``fork``, which is unsafe after a parent has read ArrayRecord files
+    with the C++ reader). Each shard is written under a hidden temporary name, read back
+    and verified (record count, and a checksum over the records), then renamed. The
+    parent records every finished shard in ``DST/.torchgrain-convert/``; a rerun after a
+    crash (or ``kill -9``) skips finished shards and produces the same result. The
+    manifest is written last.
+
+Checksums
+    ``ShardInfo.checksum`` is a :mod:`torchgrain.formats.checksums` value: ``blake2b-records``
+    over the records of an ArrayRecord shard (independent of compression and group
+    size), ``blake2b-file`` over a Parquet file's bytes.
+
+Example:
+    >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq, torchgrain as tg
+    >>> src, dst = tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> for i in range(3):
+    ...     pq.write_table(pa.table({"id": [i * 10 + j for j in range(10)]}),
+    ...                    os.path.join(src, f"part-{i}.parquet"))
+    >>> m = tg.convert(src, dst, num_shards=2)
+    >>> [s.num_records for s in m.shards]
+    [15, 15]
+    >>> tg.ArrayRecordSource(dst)[17]["id"]
+    17
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from dataclasses import asdict
+from typing import Any
+
+from torchgrain.convert.inputs import ConvertInput, open_input
+from torchgrain.convert.journal import (
+    JOURNAL_DIR,
+    Journal,
+    fingerprint,
+    finish,
+    locked,
+    plan_tasks,
+    remove_outputs,
+    remove_temps,
+    still_there,
+)
+from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback, worker_init
+from torchgrain.formats.checksums import RecordHasher, verify_shard
+from torchgrain.formats.codecs import Codec
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
+from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.sources.registry import detect_format
+from torchgrain.writers import array_record_options, records_to_table
+
+__all__ = [
+    "JOURNAL_DIR",
+    "ConvertInput",
+    "RecordHasher",
+    "convert",
+    "detect_format",
+    "records_to_table",
+    "verify_shard",
+]
+
+_PARQUET_ROW_GROUP_BYTES = 32 << 20  # in-memory size of one output row group
+
+
+class _Progress:
+    """tqdm bar on a terminal (records and MB/s), silent otherwise."""
+
+    def __init__(self, total: int | None, enabled: bool | None) -> None:
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, unit="rec", unit_scale=True, desc="convert")
+        self._t0 = time.monotonic()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def update(self, records: int, nbytes: int) -> None:
+        if self._bar is None:
+            return
+        with self._lock:
+            self._bytes += nbytes
+            self._bar.update(records)
+            mbps = self._bytes / max(time.monotonic() - self._t0, 1e-9) / 1e6
+            self._bar.set_postfix_str(f"{mbps:.1f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _mp_context() -> Any:
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # The fork server imports torchgrain (and torch) once; each worker then starts by a
+    # fork of it in milliseconds instead of re-importing everything.
+    ctx.set_forkserver_preload(["torchgrain.convert"])
+    return ctx
+
+
+def convert(
+    src: str | os.PathLike | Sequence[str | os.PathLike],
+    dst: str | os.PathLike,
+    *,
+    to: str = "array_record",
+    num_shards: int | None = None,
+    match_shards: bool = False,
+    group_size: int = 1,
+    workers: int = 1,
+    codec: str | Codec = "auto",
+    compression: str | None = None,
+    src_format: str = "auto",
+    row_group_bytes: int = _PARQUET_ROW_GROUP_BYTES,
+    verify: bool = True,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> Manifest:
+    """Convert a Parquet, TFRecord or ArrayRecord dataset; resumable, verified, parallel.
+
+    Args:
+        src: directory, glob, file, list of these, or fsspec URLs.
+        dst: output directory (local).
+        to: ``"array_record"`` (msgpack records plus a ``torchgrain.json`` manifest) or
+            ``"parquet"`` (one ``.parquet`` file per output shard).
+        num_shards: cut the global record order into this many contiguous output shards.
+        match_shards: one output shard per input shard (the default when ``num_shards``
+            is not given).
+        group_size: records per ArrayRecord chunk (1: fastest random access).
+        workers: processes converting shards in parallel (1: in this process).
+        codec: how TFRecord/ArrayRecord records are decoded: ``"auto"`` (ArrayRecord:
+            the manifest's codec or sniffed; TFRecord: ``tf_example`` when the records
+            parse as ``tf.train.Example``, else ``raw``; TFDS directories: decoded per
+            their ``features.json``), ``"tf_example"``, ``"raw"`` (keep the bytes, as
+            ``{"bytes": ...}``), ``"msgpack"``, or a codec object.
+        compression: ArrayRecord ``zstd[:LEVEL]`` (default ``zstd:3``), ``snappy``,
+            ``brotli``, ``uncompressed``; Parquet ``zstd`` (default), ``snappy``,
+            ``gzip``, ``lz4``, ``none``.
+        src_format: ``"auto"`` (detected from file names) or a registered format name
+            (:func:`torchgrain.sources.registry.formats`).
+        row_group_bytes: Parquet output row groups hold about this many bytes of
+            Arrow data (at most 65,536 rows).
+        verify: read every written shard back and check its count and checksum.
+        overwrite: replace whatever ``dst`` holds (another dataset or a conversion
+            with other inputs or options) instead of raising.
+        progress: show a progress bar (default: when stderr is a terminal).
+        storage_options: fsspec options for remote sources.
+
+    Returns:
+        The manifest (written to ``dst/torchgrain.json`` for ArrayRecord output; kept in
+        ``dst/.torchgrain-convert/`` for Parquet output).
+
+    Raises:
+        CorruptDataError: a corrupt input record (the message names file and offset or
+            record); shards finished before stay, the failing one leaves no file.
+        FileExistsError: ``dst`` holds something else and ``overwrite`` is False.
+
+    Example:
+        >>> import os, tempfile, torchgrain as tg
+        >>> from torchgrain.formats.tfrecord import write_tfrecord
+        >>> from torchgrain.formats.tf_example import encode_tf_example
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_tfrecord([encode_tf_example({"label": i}) for i in range(4)],
+        ...                    os.path.join(d, "train.tfrecord"))
+        >>> m = tg.convert(os.path.join(d, "train.tfrecord"), os.path.join(d, "out"))
+        >>> m.num_records, tg.ArrayRecordSource(os.path.join(d, "out"))[3]["label"].tolist()
+        (4, [3])
+    """
+    if to not in ("array_record", "parquet"):
+        raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
+    if num_shards is not None and match_shards:
+        raise ValueError("pass either num_shards or match_shards, not both")
+    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
+        raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if to == "array_record":
+        compression = compression or "zstd:3"
+        writer_options = array_record_options(group_size, compression)
+    else:
+        compression = compression or "zstd"
+        writer_options = ""
+    fs, root = get_filesystem(dst)
+    if not is_local(fs):
+        raise NotImplementedError(
+            f"convert writes local directories; convert locally and upload, or use "
+            f"torchgrain.beam for {os.fspath(dst)!r}"
+        )
+    root = os.path.abspath(root)
+    os.makedirs(root, exist_ok=True)
+    inp = open_input(src, src_format, codec, storage_options)
+    options = {
+        "to": to,
+        "num_shards": num_shards,
+        "group_size": group_size,
+        "compression": compression,
+        "codec": getattr(inp.codec, "name", None) if inp.codec is not None else None,
+        "row_group_bytes": row_group_bytes if to == "parquet" else None,
+    }
+    if is_local(inp.filesystem()) and any(
+        os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
+    ):
+        raise ValueError(f"{root} holds input files: write the conversion to another directory")
+    journal = Journal(root)
+    with locked(journal):
+        stamp = fingerprint(inp, options)
+        plan = journal.load_plan()
+        if plan is not None and plan["fingerprint"] != stamp:
+            if not overwrite:
+                raise FileExistsError(
+                    f"{root} holds a conversion of other inputs or options; pass "
+                    "overwrite=True to start over"
+                )
+            remove_outputs(root, plan)
+            journal.clear()
+            plan = None
+        if plan is None:
+            old = read_manifest(fs, root)
+            if old is not None and not overwrite:
+                raise FileExistsError(
+                    f"{root} already holds a torchgrain dataset ({MANIFEST_NAME}); pass "
+                    "overwrite=True"
+                )
+            if old is not None:
+                remove_outputs(root, {"tasks": [{"name": s.path} for s in old.shards]})
+        remove_temps(root)
+        ctx = _mp_context()
+        pool: futures.ProcessPoolExecutor | None = None
+        progress_q: Any = None
+        try:
+            if workers > 1:
+                progress_q = ctx.Queue()
+                pool = futures.ProcessPoolExecutor(
+                    workers, mp_context=ctx, initializer=worker_init, initargs=(progress_q,)
+                )
+            if plan is None:
+                counts = inp.counts
+                tasks = plan_tasks(counts, len(inp.paths), num_shards, to)
+                plan = {
+                    "fingerprint": stamp,
+                    "counts": counts,
+                    "tasks": [asdict(t) for t in tasks],
+                }
+                journal.save_plan(plan)
+            tasks = [
+                Task(t["index"], t["name"], [tuple(p) for p in t["pieces"]], t["expected"])
+                for t in plan["tasks"]
+            ]
+            done = {
+                i: r
+                for i, r in journal.done().items()
+                if still_there(os.path.join(root, r["path"]), r["num_bytes"])
+            }
+            todo = [t for t in tasks if t.index not in done]
+            job = Job(inp, root, to, writer_options, compression, row_group_bytes, verify)
+            counts = plan["counts"]
+            total = int(sum(counts)) if counts is not None else None
+            bar = _Progress(total, progress)
+            if bar._bar is not None and done:
+                bar._bar.update(sum(r["num_records"] for r in done.values()))
+            try:
+                for result in _execute(job, todo, pool, progress_q, bar):
+                    journal.record(result)
+                    done[result["index"]] = result
+            finally:
+                bar.close()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        results = [done[t.index] for t in tasks]
+        manifest = finish(root, inp, to, group_size, compression, plan, results)
+    return manifest
+
+
+def _execute(
+    job: Job,
+    tasks: list[Task],
+    pool: futures.ProcessPoolExecutor | None,
+    progress_q: Any,
+    bar: _Progress,
+) -> Iterator[dict[str, Any]]:
+    if pool is None:
+        set_progress_callback(bar.update)
+        try:
+            for t in tasks:
+                yield run_task(job, t)
+        finally:
+            set_progress_callback(None)
+        return
+    pending = {pool.submit(run_task, job, t) for t in tasks}
+    try:
+        while pending:
+            finished, pending = futures.wait(
+                pending, timeout=0.2, return_when=futures.FIRST_COMPLETED
+            )
+            _drain(progress_q, bar)
+            for f in finished:
+                yield f.result()  # re-raises a worker's error here
+    finally:
+        for f in pending:
+            f.cancel()
+        _drain(progress_q, bar)
+
+
+def _drain(q: Any, bar: _Progress) -> None:
+    while True:
+        try:
+            records, nbytes = q.get_nowait()
+        except (queue.Empty, OSError, ValueError):
+            return
+        bar.update(records, nbytes)

@@ -1,0 +1,117 @@
+"""The input of a conversion: any registered format, read shard by shard through its source.
+
+The parent process opens the source once (counts, paths, codec); each worker opens its
+own from the same arguments on first use, so the job pickles small whatever the
+source's index holds (a TFRecord source keeps 8 bytes per record). Records come from
+``Source.iter_shard`` in order; a source that stores encoded bytes
+(:class:`~torchgrain.sources.base.RecordBytesSource`) hands them over unchanged when
+the output encodes records the same way (msgpack), and otherwise decodes them here so
+an error can name the input file and record.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+from torchgrain.errors import RecordDecodeError
+from torchgrain.formats.codecs import MsgpackCodec, get_codec
+from torchgrain.io.fs import get_filesystem
+from torchgrain.sources.base import RecordBytesSource, Source
+from torchgrain.sources.registry import detect_format, get_format
+
+__all__ = ["ConvertInput", "open_input"]
+
+# Where a worker keeps the source it opened for the job's input (one per process).
+_OPENED: dict[int, Source] = {}
+
+
+class ConvertInput:
+    """A picklable description of the source of a conversion (see the module docstring)."""
+
+    def __init__(
+        self, fmt: str, src: Any, options: dict[str, Any], source: Source | None = None
+    ) -> None:
+        self.format = fmt
+        self.src = src
+        self.options = options
+        self._source = source
+        s = self.source
+        self.paths: list[str] = list(s.paths)
+        self.counts: list[int] = [int(c) for c in s.shard_counts]
+        self.codec: Any = getattr(s, "codec", None)
+        # Records already msgpack-encoded can be copied as they are.
+        self.passthrough = isinstance(s, RecordBytesSource) and type(self.codec) is MsgpackCodec
+        self.options = {**options, **({"codec": self.codec} if self.codec is not None else {})}
+
+    @property
+    def source(self) -> Source:
+        if self._source is None:
+            self._source = get_format(self.format).source(self.src, **self.options)
+        return self._source
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return self.options.get("storage_options")
+
+    def filesystem(self) -> Any:
+        return get_filesystem(self.paths[0], self.storage_options)[0]
+
+    def strip(self, path: str) -> str:
+        return get_filesystem(path, self.storage_options)[1]
+
+    def sizes(self) -> list[int]:
+        fs = self.filesystem()
+        return [int(fs.size(self.strip(p))) for p in self.paths]
+
+    def records(
+        self, shard: int, start: int, stop: int | None, bytes_ok: bool
+    ) -> Iterator[tuple[Any, int]]:
+        """``(record, input bytes)`` pairs of ``[start, stop)`` of one input shard: msgpack
+        bytes when they can pass through unchanged, else dicts."""
+        src = self.source
+        if not isinstance(src, RecordBytesSource):
+            for rec in src.iter_shard(shard, start, stop):
+                yield rec, 0
+            return
+        raw = src.iter_shard_bytes(shard, start, stop)
+        if self.passthrough and bytes_ok:
+            for data in raw:
+                yield data, len(data)
+            return
+        decode = src.codec.decode
+        path = self.paths[shard]
+        for k, data in enumerate(raw, start):
+            try:
+                rec = decode(data)
+            except Exception as e:
+                raise RecordDecodeError(
+                    f"cannot decode record {k} of {path!r} with codec "
+                    f"{getattr(src.codec, 'name', src.codec)!r}: {e}"
+                ) from e
+            yield rec, len(data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_source"] = None  # each process opens its own (small pickles)
+        return state
+
+
+def open_input(
+    src: Any, src_format: str, codec: Any, storage_options: dict[str, Any] | None
+) -> ConvertInput:
+    """Open the source of a conversion through the format registry."""
+    fmt = (
+        detect_format(src, storage_options=storage_options) if src_format == "auto" else src_format
+    )
+    cls = get_format(fmt).source
+    accepts = inspect.signature(cls).parameters
+    options: dict[str, Any] = {"storage_options": storage_options}
+    if "codec" in accepts:
+        options["codec"] = codec if isinstance(codec, str) else get_codec(codec)
+    elif codec not in ("auto", None):
+        raise ValueError(f"codec= applies to formats that store encoded records, not {fmt}")
+    if "cache_bytes" in accepts:
+        options["cache_bytes"] = 0  # every block is read once: no cache
+    return ConvertInput(fmt, src, options, cls(src, **options))

@@ -1,0 +1,221 @@
+"""Planning a conversion, and its journal: what is done survives a crash or a kill.
+
+The plan (which input pieces make each output shard) and every finished shard are
+recorded under ``DST/.torchgrain-convert/``; a rerun with the same inputs and options
+skips finished shards. The manifest is written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchgrain.convert.inputs import ConvertInput
+from torchgrain.convert.tasks import Task
+from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.formats.codecs import _merge_one
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, atomic_write_text
+from torchgrain.writers import shard_name
+
+__all__ = [
+    "JOURNAL_DIR",
+    "Journal",
+    "fingerprint",
+    "finish",
+    "locked",
+    "merge_schemas",
+    "plan_tasks",
+    "remove_outputs",
+    "remove_temps",
+    "still_there",
+]
+
+JOURNAL_DIR = ".torchgrain-convert"
+
+
+def plan_tasks(
+    counts: list[int] | None, num_inputs: int, num_shards: int | None, to: str
+) -> list[Task]:
+    suffix = ".array_record" if to == "array_record" else ".parquet"
+
+    def name(i: int, n: int) -> str:
+        return shard_name(i, n).replace(".array_record", suffix)
+
+    if num_shards is None:
+        return [
+            Task(i, name(i, num_inputs), [(i, 0, None)], None if counts is None else counts[i])
+            for i in range(num_inputs)
+        ]
+    assert counts is not None
+    offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    total = int(offsets[-1])
+    tasks = []
+    for j in range(num_shards):
+        a, b = total * j // num_shards, total * (j + 1) // num_shards
+        pieces = []
+        first = int(np.searchsorted(offsets, a, side="right")) - 1
+        for s in range(max(first, 0), num_inputs):
+            lo, hi = int(offsets[s]), int(offsets[s + 1])
+            if lo >= b:
+                break
+            if hi <= a or hi == lo:
+                continue
+            pieces.append((s, max(a, lo) - lo, min(b, hi) - lo))
+        tasks.append(Task(j, name(j, num_shards), pieces, b - a))
+    return tasks
+
+
+def merge_schemas(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
+    out = dict(a)
+    for k, t in b.items():
+        out[k] = _merge_one(out[k], t) if k in out else (t if not a else _merge_one("null", t))
+    if b:
+        for k in a:
+            if k not in b:
+                out[k] = _merge_one(out[k], "null")
+    return out
+
+
+def fingerprint(inp: ConvertInput, options: dict[str, Any]) -> dict[str, Any]:
+    fs = inp.filesystem()
+    files = []
+    for p in inp.paths:
+        info = fs.info(inp.strip(p))
+        files.append(
+            {"path": p, "size": int(info.get("size") or 0), "mtime": str(info.get("mtime", ""))}
+        )
+    return {"format": inp.format, "files": files, "options": options}
+
+
+@dataclass
+class Journal:
+    """The ``.torchgrain-convert`` directory: the plan and every finished shard."""
+
+    root: str
+    dir: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dir = os.path.join(self.root, JOURNAL_DIR)
+
+    def load_plan(self) -> dict[str, Any] | None:
+        p = os.path.join(self.dir, "plan.json")
+        if not os.path.isfile(p):
+            return None
+        with open(p) as f:
+            return json.load(f)
+
+    def save_plan(self, plan: dict[str, Any]) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        atomic_write_text(os.path.join(self.dir, "plan.json"), json.dumps(plan))
+
+    def done(self) -> dict[int, dict[str, Any]]:
+        out = {}
+        if os.path.isdir(self.dir):
+            for n in os.listdir(self.dir):
+                if n.startswith("shard-") and n.endswith(".json"):
+                    with open(os.path.join(self.dir, n)) as f:
+                        r = json.load(f)
+                    out[int(r["index"])] = r
+        return out
+
+    def record(self, result: dict[str, Any]) -> None:
+        atomic_write_text(
+            os.path.join(self.dir, f"shard-{result['index']:05d}.json"), json.dumps(result)
+        )
+
+    def clear(self) -> None:
+        if os.path.isdir(self.dir):
+            for n in os.listdir(self.dir):
+                if n != "lock":
+                    os.unlink(os.path.join(self.dir, n))
+
+
+@contextlib.contextmanager
+def locked(journal: Journal) -> Iterator[None]:
+    import fcntl
+
+    os.makedirs(journal.dir, exist_ok=True)
+    fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise TorchgrainError(
+                f"another conversion is writing to {journal.root} (lock held on {journal.dir}/lock)"
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock (so does the process dying)
+
+
+def still_there(path: str, size: int) -> bool:
+    try:
+        return os.path.getsize(path) == size
+    except OSError:
+        return False
+
+
+def remove_outputs(root: str, plan: dict[str, Any]) -> None:
+    for t in plan.get("tasks", []):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, t["name"]))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, MANIFEST_NAME))
+
+
+def remove_temps(root: str) -> None:
+    # Temporary shards of an interrupted run (the lock guarantees no run is active).
+    for n in os.listdir(root):
+        if n.startswith(".") and ".tmp-" in n and (".array_record" in n or ".parquet" in n):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, n))
+
+
+def finish(
+    root: str,
+    inp: ConvertInput,
+    to: str,
+    group_size: int,
+    compression: str,
+    plan: dict[str, Any],
+    results: list[dict[str, Any]],
+) -> Manifest:
+    counts = plan["counts"]
+    total = sum(r["num_records"] for r in results)
+    if counts is not None and total != sum(counts):
+        raise CorruptDataError(
+            f"wrote {total} records but the input holds {sum(counts)}; nothing was published"
+        )
+    schema: dict[str, str] = {}
+    for r in results:
+        if r["num_records"]:
+            schema = merge_schemas(schema, r["schema"])
+    shards = [
+        ShardInfo(
+            path=r["path"],
+            num_records=r["num_records"],
+            num_bytes=r["num_bytes"],
+            checksum=r["checksum"],
+        )
+        for r in results
+    ]
+    manifest = Manifest(
+        codec="msgpack" if to == "array_record" else "parquet",
+        shards=shards,
+        schema=schema,
+        group_size=group_size if to == "array_record" else 1,
+    )
+    manifest.extra["compression"] = compression
+    manifest.extra["converted_from"] = {"format": inp.format, "num_files": len(inp.paths)}
+    text = manifest.to_json()
+    if to == "array_record":
+        atomic_write_text(os.path.join(root, MANIFEST_NAME), text)
+    else:
+        atomic_write_text(os.path.join(root, JOURNAL_DIR, "result.json"), text)
+    return manifest

@@ -1,0 +1,94 @@
+"""The writers of output shards: ArrayRecord (encoded records) and Parquet (row groups)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from torchgrain.writers import records_to_table
+
+__all__ = ["ArrayRecordOut", "ParquetOut"]
+
+PARQUET_MAX_ROWS = 1 << 16  # rows per output row group at most
+
+
+class ArrayRecordOut:
+    """Writes one output ArrayRecord shard (records already encoded)."""
+
+    def __init__(self, path: str, options: str) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        self._w = ArrayRecordWriter(path, options)
+
+    def write(self, data: bytes) -> None:
+        self._w.write(data)
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class ParquetOut:
+    """Writes one output Parquet file, a row group of about ``row_group_bytes`` at a time."""
+
+    def __init__(self, path: str, compression: str, row_group_bytes: int) -> None:
+        self._path = path
+        self._compression = compression
+        self._target = row_group_bytes
+        self._writer: Any = None
+        self._pending: list[dict[str, Any]] = []
+        self._tables: list[Any] = []
+        self._bytes = 0
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self._pending.append(rec)
+        if len(self._pending) >= 512:
+            self._convert()
+
+    def _convert(self) -> None:
+        if self._pending:
+            t = records_to_table(self._pending)
+            self._pending = []
+            self._tables.append(t)
+            self._bytes += t.nbytes
+            if self._bytes >= self._target or sum(x.num_rows for x in self._tables) >= (
+                PARQUET_MAX_ROWS
+            ):
+                self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._tables:
+            return
+        table = pa.concat_tables(self._tables, promote_options="permissive")
+        self._tables, self._bytes = [], 0
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self._path, table.schema, compression=self._compression)
+        elif not table.schema.equals(self._writer.schema):
+            table = table.cast(self._writer.schema)
+        self._writer.write_table(table, row_group_size=table.num_rows)
+
+    def close(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._convert()
+        self._flush()
+        if self._writer is None:  # no records: an empty file with an empty schema
+            pq.write_table(pa.table({}), self._path, compression=self._compression)
+        else:
+            self._writer.close()
+            self._writer = None
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            self._writer = None

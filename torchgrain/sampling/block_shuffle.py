@@ -1,0 +1,403 @@
+"""BlockShuffleSampler: shuffled blocks, rows shuffled within a sliding window of blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchgrain.sampling.base import (
+    _ITER_CHUNK,
+    ResumableSampler,
+    _identity,
+    _rank_count,
+    _run_start,
+)
+from torchgrain.sampling.permutation import (
+    _GOLDEN,
+    _U64,
+    KeyedPermutation,
+    _derive_keys,
+    _mix_array,
+    _permute,
+    _rounds_for,
+    _split_bits,
+)
+
+__all__ = ["BlockShuffleSampler"]
+
+
+class BlockShuffleSampler(ResumableSampler):
+    """Block-local shuffle: shuffled blocks, rows shuffled within a sliding window of blocks.
+
+    Columnar and chunked formats decode whole blocks (a Parquet row group, an
+    ArrayRecord chunk). A global shuffle touches a different block for nearly every
+    row; this sampler keeps reads block-local:
+
+    1. the order of the dataset's blocks is shuffled (a fresh order every epoch);
+    2. a window of ``window`` consecutive blocks of that order slides along it: each
+       block is cut into ``window`` pieces, and the epoch is a sequence of *stripes*,
+       stripe ``s`` holding a piece of each of the blocks ``s - window + 1 .. s``
+       (one block enters and one leaves from one stripe to the next; the first
+       stripes wrap around to the last blocks, so every stripe mixes ``window``
+       blocks). The rows of each stripe are shuffled among themselves (each stripe
+       with its own keyed permutation);
+    3. the resulting sequence of all ``N`` rows is cut into ``num_replicas``
+       contiguous runs of equal length: rank ``r`` takes positions
+       ``[r * n, (r + 1) * n)``, where ``n = len(sampler)`` (padding/drop_last as
+       in DistributedSampler, the padding wrapping to the sequence's start).
+
+    Any position of the order is computed directly from O(blocks) tables, so
+    ``indices(start, stop)`` and exact resume cost nothing extra. A reader whose
+    cache holds ``window + 1`` blocks (one more for each further stripe a batch
+    spans) decodes each block about once per epoch (the ``window - 1`` blocks that
+    wrap around are read at the start and at the end); a cache of exactly
+    ``window`` blocks thrashes under LRU eviction. Contiguous runs (instead of
+    DistributedSampler's round-robin) keep each rank on about ``1 / num_replicas``
+    of the blocks.
+
+    DataLoader workers: the DataLoader hands batch ``b`` to worker
+    ``b % num_workers``, so by default every worker reads from every stripe and
+    decodes every block of its rank. Pass the DataLoader's ``batch_size`` and
+    ``num_workers`` and the rank's run is instead cut into ``num_workers``
+    contiguous parts, batch ``b`` coming from part ``b % num_workers``: each worker
+    reads its own part and decodes about ``1 / num_workers`` of the blocks.
+    Consecutive batches then come from different parts of the epoch; the indices of
+    the epoch are the same set. If the loader's ``num_workers`` or ``batch_size``
+    differ from the sampler's, the order is still a correct permutation, only the
+    decode saving is lost.
+
+    Shuffle quality trade-off: consecutive samples come from only ``window`` blocks
+    (about ``window`` distinct blocks in any 256 consecutive samples vs about 256
+    for :class:`GlobalShuffleSampler`), and the rows of one block all appear within
+    ``window`` consecutive stripes (about ``window`` blocks' worth of samples).
+    Rows that sit together in storage (e.g. sorted by class or time) therefore stay
+    correlated within a batch; grow ``window`` to mix more blocks per batch, at the
+    cost of more decoded blocks held in cache. ``benchmarks/sampler.py`` measures
+    both samplers side by side. ``shuffle=False`` yields ``0 .. N-1`` split into the
+    same contiguous runs.
+
+    Memory is O(number of blocks), not O(N); resume and elastic resume work as for
+    :class:`GlobalShuffleSampler` (the consumed part of each rank's run is known, the
+    rest is re-split contiguously over the new ranks).
+
+    Args:
+        dataset: a dataset with ``block_offsets()`` (int64 prefix offsets starting at
+            0 and ending at ``len(dataset)``), or ``None``/a length when
+            ``block_offsets`` is given.
+        window: blocks in the sliding shuffle window (default 8).
+        num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler
+            (with ``pad=False`` the first ``L % num_replicas`` ranks' runs are one longer).
+        block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
+        batch_size: the DataLoader's ``batch_size``; needed with ``num_workers > 1``.
+        num_workers: the DataLoader's ``num_workers``; above 1, each worker's batches
+            come from its own part of the rank's run (see above). Saved in
+            :meth:`state_dict`; resuming with different values is an exact resume too
+            (the rest of the epoch is re-laid out, as for a new world size).
+
+    Example:
+        >>> import numpy as np
+        >>> from torchgrain.sampling import BlockShuffleSampler
+        >>> offsets = np.arange(0, 101, 10)  # 10 blocks of 10 rows
+        >>> s = BlockShuffleSampler(None, block_offsets=offsets, window=2,
+        ...                         num_replicas=1, rank=0, seed=0)
+        >>> order = s.indices()
+        >>> sorted(order.tolist()) == list(range(100))
+        True
+        >>> len({int(i) // 10 for i in order[:10]})  # a stripe: 5 rows from each of 2 blocks
+        2
+        >>> len({int(i) // 10 for i in order[:50]})  # 5 stripes: the window slid 4 blocks on
+        6
+        >>> dealt = BlockShuffleSampler(None, block_offsets=offsets, window=2, seed=0,
+        ...                             num_replicas=1, rank=0, batch_size=5, num_workers=2)
+        >>> sorted(dealt.indices().tolist()) == list(range(100))
+        True
+        >>> worker0 = np.concatenate([dealt.indices(b * 5, b * 5 + 5) for b in range(0, 20, 2)])
+        >>> bool(np.isin(worker0, order[:50]).all())  # worker 0 reads the first half
+        True
+    """
+
+    _kind = "BlockShuffleSampler"
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        window: int = 8,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool = True,
+        block_offsets: Sequence[int] | np.ndarray | None = None,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        window = operator.index(window)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        num_workers = operator.index(num_workers)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if batch_size is not None:
+            batch_size = operator.index(batch_size)
+            if batch_size < 1:
+                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        elif num_workers > 1:
+            raise ValueError(
+                "num_workers > 1 needs batch_size (the DataLoader's) to deal whole batches"
+            )
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        if block_offsets is None:
+            getter = getattr(dataset, "block_offsets", None)
+            if not callable(getter):
+                raise TypeError(
+                    "BlockShuffleSampler needs a dataset with block_offsets() or block_offsets="
+                )
+            block_offsets = getter()
+        offsets = np.asarray(block_offsets)
+        if offsets.ndim != 1 or offsets.size < 1 or not np.issubdtype(offsets.dtype, np.integer):
+            raise ValueError("block_offsets must be a 1-D integer array of prefix offsets")
+        offsets = offsets.astype(np.int64)
+        if offsets[0] != 0:
+            raise ValueError(f"block_offsets must start at 0, got {offsets[0]}")
+        bad = np.flatnonzero(np.diff(offsets) < 0)
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(
+                f"block_offsets must be non-decreasing: block {b} ends at {offsets[b + 1]} "
+                f"but starts at {offsets[b]}"
+            )
+        n = int(offsets[-1])
+        if dataset is not None and not isinstance(dataset, (int, np.integer)):
+            dn = len(dataset)
+        elif dataset is not None:
+            dn = int(dataset)
+        else:
+            dn = n
+        if dn != n:
+            raise ValueError(f"block_offsets end at {n} but the dataset has {dn} records")
+        ds = None if dataset is None or isinstance(dataset, (int, np.integer)) else dataset
+        self.window = window
+        self._offsets = offsets
+        self._digest = hashlib.blake2b(offsets.tobytes(), digest_size=16).hexdigest()
+        self._tables: tuple[Any, ...] | None = None
+        super().__init__(n, ds, num_replicas, rank, shuffle, seed, drop_last, pad)
+
+    @property
+    def num_blocks(self) -> int:
+        """Number of blocks (including empty ones)."""
+        return len(self._offsets) - 1
+
+    def _on_epoch_change(self) -> None:
+        self._tables = None
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "window": self.window,
+            "window_layout": "sliding",
+            "num_blocks": self.num_blocks,
+            "blocks_digest": self._digest,
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+        }
+
+    def _check_extra_state(self, state: dict[str, Any]) -> None:
+        if state.get("window_layout") != "sliding":
+            raise ValueError(
+                "state was saved by a BlockShuffleSampler with fixed windows (an earlier "
+                "torchgrain); its order cannot be continued exactly by this version"
+            )
+        if state.get("blocks_digest") != self._digest:
+            raise ValueError(
+                f"state was saved for different block boundaries ({state.get('num_blocks')} "
+                f"blocks); this dataset has {self.num_blocks}"
+            )
+
+    def _load_extra_state(self, state: dict[str, Any], epoch_changed: bool) -> None:
+        self.window = operator.index(state["window"])
+        self._tables = None
+
+    def _build_tables(self) -> tuple[Any, ...]:
+        """Per-epoch block order, stripe offsets and stripe permutation keys: O(blocks).
+
+        The sliding window is laid out as *stripes*. With ``w = min(window, blocks)``,
+        each block (in the epoch's shuffled block order ``0 .. B-1``) is cut into ``w``
+        pieces of near-equal size; piece ``k`` of block ``j`` goes to stripe
+        ``(j + k) mod B``. Stripe ``s`` therefore holds one piece of each of the ``w``
+        blocks ``s, s-1, ..., s-w+1`` (one block enters and one leaves per stripe),
+        and its rows are shuffled among themselves. The wrap-around keeps every
+        stripe at ``w`` blocks, the first ones included.
+        """
+        key = (self.seed, self.epoch, self.shuffle, self.window)
+        if self._tables is not None and self._tables[0] == key:
+            return self._tables
+        nb = self.num_blocks
+        sizes = np.diff(self._offsets)
+        if self.shuffle and nb > 1:
+            order = KeyedPermutation(nb, self.seed, self.epoch, tag=b"blocks")(np.arange(nb))
+        else:
+            order = np.arange(nb, dtype=np.int64)
+        w = max(1, min(self.window, nb))
+        # Piece k of the j-th block has base[j] + (k < rem[j]) rows and starts at row
+        # k * base[j] + min(k, rem[j]) of the block.
+        base, rem = np.divmod(sizes[order], w)
+        stripe_sizes = np.zeros(nb, dtype=np.int64)
+        j = np.arange(nb, dtype=np.int64)
+        for k in range(w):
+            src = (j - k) % nb
+            stripe_sizes += base[src] + (rem[src] > k)
+        stripe_start = np.zeros(nb + 1, dtype=np.int64)
+        np.cumsum(stripe_sizes, out=stripe_start[1:])
+        stripe_u64 = stripe_sizes.astype(_U64)
+        a, c = _split_bits(stripe_u64)
+        # One round count for all stripes (the smallest one with rows to shuffle
+        # decides): the network then runs vectorised across stripes of any size.
+        bits = a + c
+        bits = int(bits[stripe_sizes > 1].min()) if (stripe_sizes > 1).any() else 64
+        base_keys = _derive_keys(self.seed, self.epoch, b"windows", _rounds_for(bits))
+        g = np.arange(nb, dtype=_U64) * _U64(_GOLDEN)
+        keys = np.stack([_mix_array(g + k) for k in base_keys])
+        self._tables = (key, order, w, base, rem, stripe_start, stripe_u64, keys, a, c)
+        return self._tables
+
+    def _run_start(self, length: int, world: tuple[int, int]) -> int:
+        return _run_start(length, world[0], world[1], self.drop_last, self.pad)
+
+    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
+        return self._run_start(length, world) + j, 1
+
+    def _rank_positions(
+        self, start: int, stop: int, count: int, length: int, world: tuple[int, int]
+    ) -> np.ndarray | None:
+        config = _deal_config(self._extra_state())
+        if config is None:
+            return None
+        j = np.arange(start, stop, dtype=np.int64)
+        return self._run_start(length, world) + _deal(j, count, *config)
+
+    def _same_order(self, state: dict[str, Any]) -> bool:
+        return super()._same_order(state) and _deal_config(state) == _deal_config(
+            self._extra_state()
+        )
+
+    def _consumed_virtual(
+        self, length: int, replicas: int, pos: int, state: dict[str, Any]
+    ) -> list[tuple[int, int]]:
+        # Contiguous split: rank r's run starts at start(r) and has count(r) draws;
+        # without dealing it consumed the run's first `pos` (or all of it), with
+        # dealing a prefix of each worker's part of the run.
+        drop, pad = bool(state["drop_last"]), bool(state.get("pad", True))
+        config = _deal_config(state)
+        out: list[tuple[int, int]] = []
+        for r in range(replicas):
+            start = _run_start(length, replicas, r, drop, pad)
+            count = _rank_count(length, replicas, r, drop, pad)
+            drawn = min(pos, count)
+            if config is None:
+                out.append((start, start + drawn))
+            else:
+                out.extend(
+                    (start + a, start + b) for a, b in _dealt_prefixes(count, drawn, *config)
+                )
+        return out
+
+    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
+        if not self.shuffle:
+            return _identity
+        _, order, w, base, rem, stripe_start, stripe_u64, keys, a, c = self._build_tables()
+        offsets = self._offsets
+        nb = self.num_blocks
+        ks = np.arange(w, dtype=np.int64)
+        # Per chunk, a (stripes in the chunk) x w table of piece ends: bound it.
+        chunk = max(4096, (_ITER_CHUNK * 8) // w)
+
+        def stream(q: np.ndarray) -> np.ndarray:
+            out = np.empty(q.shape, dtype=np.int64)
+            for lo in range(0, q.size, chunk):
+                qs = q[lo : lo + chunk]
+                s = np.searchsorted(stripe_start, qs, side="right") - 1
+                first = stripe_start[s]
+                local = (qs - first).astype(_U64)
+                # Stripes of 1 or 2 rows go through the network too (a or c is 0).
+                slot = first + _permute(local, stripe_u64[s], keys[:, s], a[s], c[s]).astype(
+                    np.int64
+                )
+                # The piece holding each slot: stripe s is piece 0 of block s, piece 1
+                # of block s-1, ... in that order; one searchsorted over the absolute
+                # piece ends of the stripes this chunk touches.
+                us, inv = _distinct(s)
+                src = (us[:, None] - ks) % nb
+                size = base[src] + (rem[src] > ks)
+                ends = stripe_start[us][:, None] + np.cumsum(size, axis=1)
+                flat = np.searchsorted(ends.ravel(), slot, side="right")
+                k = flat - inv.reshape(-1) * w
+                blk = src.ravel()[flat]
+                before = ends.ravel()[flat] - size.ravel()[flat]
+                row = k * base[blk] + np.minimum(k, rem[blk]) + (slot - before)
+                out[lo : lo + chunk] = offsets[order[blk]] + row
+            return out
+
+        return stream
+
+
+def _distinct(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(s, return_inverse=True)``, without a sort when ``s`` is non-decreasing
+    (the usual case: a run of consecutive stream positions)."""
+    if s.size and bool((s[1:] >= s[:-1]).all()):
+        new = np.empty(s.size, dtype=bool)
+        new[0] = True
+        np.not_equal(s[1:], s[:-1], out=new[1:])
+        return s[new], np.cumsum(new) - 1
+    return np.unique(s, return_inverse=True)
+
+
+def _deal_config(state: dict[str, Any]) -> tuple[int, int] | None:
+    """``(batch_size, num_workers)`` when the saved order deals batches to workers."""
+    b, w = state.get("batch_size"), state.get("num_workers") or 0
+    return (int(b), int(w)) if b is not None and w > 1 else None
+
+
+def _dealt_parts(count: int, batch_size: int, num_workers: int) -> np.ndarray:
+    """Start of each worker's part of a run of ``count`` (and the end), int64."""
+    nb = -(-count // batch_size)
+    w = np.arange(num_workers, dtype=np.int64)
+    batches = np.maximum(0, -(-(nb - w) // num_workers))  # batches b < nb with b % W == w
+    lengths = batches * batch_size
+    if nb:
+        lengths[(nb - 1) % num_workers] -= nb * batch_size - count  # the short last batch
+    starts = np.zeros(num_workers + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    return starts
+
+
+def _deal(j: np.ndarray, count: int, batch_size: int, num_workers: int) -> np.ndarray:
+    """Run position of draw ``j``: batch ``b = j // batch_size`` is the
+    ``b // num_workers``-th batch of worker ``b % num_workers``'s contiguous part.
+    A bijection of ``[0, count)``."""
+    starts = _dealt_parts(count, batch_size, num_workers)
+    b = j // batch_size
+    return starts[b % num_workers] + (b // num_workers) * batch_size + j % batch_size
+
+
+def _dealt_prefixes(
+    count: int, pos: int, batch_size: int, num_workers: int
+) -> list[tuple[int, int]]:
+    """Run intervals of the first ``pos`` draws of a dealt run of ``count``."""
+    starts = _dealt_parts(count, batch_size, num_workers).tolist()
+    if pos >= count:
+        return [(0, count)]
+    full, rem = divmod(pos, batch_size)  # batches before `full` are whole (not the last)
+    out = []
+    for w in range(num_workers):
+        drawn = max(0, -(-(full - w) // num_workers)) * batch_size
+        if rem and full % num_workers == w:
+            drawn += rem
+        if drawn:
+            out.append((starts[w], starts[w] + drawn))
+    return out

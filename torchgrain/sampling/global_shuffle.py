@@ -1,0 +1,126 @@
+"""GlobalShuffleSampler: a uniform global shuffle of any dataset size in O(1) memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from torchgrain.sampling.base import ResumableSampler, _identity, _length_of
+from torchgrain.sampling.permutation import _U64, KeyedPermutation, _permute
+
+__all__ = ["GlobalShuffleSampler"]
+
+
+class GlobalShuffleSampler(ResumableSampler):
+    """Uniform global shuffle of any dataset size with O(1) index memory.
+
+    A drop-in replacement for :class:`torch.utils.data.distributed.DistributedSampler`
+    with the same arguments and the same per-rank split: the epoch's order is a
+    sequence of all ``N`` indices, rank ``r`` takes its positions ``r, r + W, r + 2W,
+    ...``; without drop_last the sequence is padded with its own first positions to
+    ``ceil(N / W) * W`` (so which samples repeat changes every epoch); with drop_last
+    it is cut to ``floor(N / W) * W``. ``shuffle=False`` gives exactly
+    DistributedSampler's unshuffled order.
+
+    Differences from DistributedSampler, all deliberate:
+
+    * No permutation is materialised: index ``i`` of the order is computed on
+      demand by a keyed Feistel network over ``[0, N)``, vectorised over numpy
+      chunks (tens of millions of indices per second, constant memory, even at
+      ``N = 10**9`` where ``torch.randperm`` needs 8 GB).
+    * ``(seed, epoch)`` is hashed into the key: epoch 1 of seed ``s`` is unrelated
+      to epoch 0 of seed ``s + 1``. Seeds may be any 64-bit integer.
+    * World size and rank are decided at each use, not at construction: explicit
+      ``num_replicas``/``rank``, else the process group, else torchrun's
+      ``WORLD_SIZE``/``RANK`` environment (built before ``init_process_group``, it
+      still splits by rank), else a single replica instead of raising. A launched
+      process (``WORLD_SIZE > 1``) with neither ``RANK`` nor a process group raises.
+    * Driven by a loader that splits batches between processes itself (HF
+      Accelerate's prepared DataLoaders), it hands out the one global order.
+    * ``pad=False`` gives every sample exactly once over the ranks (for evaluation).
+    * :meth:`state_dict`/:meth:`load_state_dict` resume mid-epoch exactly, also
+      onto a different world size, and :meth:`indices` returns a whole range of
+      positions as a numpy array.
+    * If ``dataset_or_length`` has a callable ``set_epoch``, :meth:`set_epoch` and
+      :meth:`load_state_dict` call it, so per-epoch random transforms follow.
+    * Arguments after the dataset are keyword-only.
+
+    Memory: O(1) in N (round keys and one chunk of 65,536 indices being iterated).
+
+    Args:
+        dataset_or_length: a sized dataset, or its length as an int.
+        num_replicas: world size; default from ``torch.distributed`` if initialised,
+            else ``WORLD_SIZE``, else 1 (looked up at each use).
+        rank: this process's rank in ``[0, num_replicas)``; default likewise
+            (``RANK``), else 0.
+        shuffle: scramble the order (else ``0 .. N-1`` dealt round-robin).
+        seed: shared by all ranks; any integer in ``[-2**63, 2**64)``.
+        drop_last: drop the tail instead of padding so ranks get equal counts.
+        pad: with ``drop_last=False``, repeat the order's first samples so every rank
+            gets ``ceil(N / num_replicas)`` (DistributedSampler's rule, needed for
+            training in lockstep); ``False`` gives each sample exactly once, the ranks'
+            counts differing by at most one (evaluation).
+
+    Example:
+        >>> import torch
+        >>> from torchgrain.sampling import GlobalShuffleSampler
+        >>> data = list(range(1000))
+        >>> sampler = GlobalShuffleSampler(data, num_replicas=4, rank=1, seed=0)
+        >>> loader = torch.utils.data.DataLoader(data, batch_size=50, sampler=sampler)
+        >>> sampler.set_epoch(0)
+        >>> sum(len(b) for b in loader)
+        250
+        >>> sampler.indices(0, 5).shape
+        (5,)
+    """
+
+    _kind = "GlobalShuffleSampler"
+
+    def __init__(
+        self,
+        dataset_or_length: Any,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pad: bool = True,
+    ) -> None:
+        n = _length_of(dataset_or_length)
+        if n > (1 << 62):
+            raise ValueError(f"dataset length {n} exceeds 2**62")
+        dataset = None if isinstance(dataset_or_length, (int, np.integer)) else dataset_or_length
+        super().__init__(n, dataset, num_replicas, rank, shuffle, seed, drop_last, pad)
+        self._perm: KeyedPermutation | None = None
+
+    def _permutation(self) -> KeyedPermutation:
+        p = self._perm
+        if p is None or (p.seed, p.epoch) != (self.seed, self.epoch):
+            p = KeyedPermutation(self._n, self.seed, self.epoch)
+            self._perm = p
+        return p
+
+    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
+        return j * world[0] + world[1], world[0]
+
+    def _consumed_virtual(
+        self, length: int, replicas: int, pos: int, state: dict[str, Any]
+    ) -> list[tuple[int, int]]:
+        # Interleaved split: after every rank drew `pos`, the prefix of pos * W
+        # virtual positions is consumed.
+        return [(0, min(pos * replicas, length))]
+
+    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
+        if not self.shuffle or self._n <= 1:
+            return _identity
+        p = self._permutation()
+        n = _U64(self._n)
+
+        def stream(q: np.ndarray) -> np.ndarray:
+            # q is a fresh non-negative int64 array: reinterpret it, no copy or checks.
+            return _permute(q.view(_U64), n, p._keys, p._a, p._c).view(np.int64)
+
+        return stream

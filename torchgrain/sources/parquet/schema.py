@@ -1,0 +1,257 @@
+"""Reconciling the schemas of a dataset's Parquet files, and naming Arrow types."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from torchgrain.errors import SchemaMismatchError
+
+__all__ = ["arrow_type_name", "common_type", "merge_types", "value_type_name"]
+
+
+def all_names(schemas: list[pa.Schema]) -> list[str]:
+    names: dict[str, None] = {}
+    for s in schemas:
+        names.update(dict.fromkeys(s.names))
+    return list(names)
+
+
+def _value_type(t: pa.DataType) -> pa.DataType:
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type both ``a`` and ``b`` widen to without loss, or None (see ParquetSource).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> merge_types(pa.int32(), pa.int64()), merge_types(pa.int64(), pa.string())
+        (DataType(int64), None)
+    """
+    a, b = _value_type(a), _value_type(b)
+    if a.equals(b):
+        return a
+    if pa.types.is_null(a):
+        return b
+    if pa.types.is_null(b):
+        return a
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        sa, sb = pa.types.is_signed_integer(a), pa.types.is_signed_integer(b)
+        if sa == sb:
+            return a if a.bit_width >= b.bit_width else b
+        signed, unsigned = (a, b) if sa else (b, a)
+        return signed if signed.bit_width > unsigned.bit_width else None
+    if pa.types.is_floating(a) and pa.types.is_floating(b):
+        return a if a.bit_width >= b.bit_width else b
+    for small, large in ((pa.string(), pa.large_string()), (pa.binary(), pa.large_binary())):
+        if {str(a), str(b)} == {str(small), str(large)}:
+            return large
+    return None
+
+
+def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
+    """The narrowest of ``types`` that all of them widen to without loss, or None.
+
+    Unlike folding :func:`merge_types` over a list, the answer does not depend on the
+    order: ``uint8, int8, int16`` gives ``int16`` whichever comes first.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> common_type([pa.uint8(), pa.int8(), pa.int16()])
+        DataType(int16)
+        >>> common_type([pa.uint8(), pa.int8()]) is None   # no int16 among them
+        True
+    """
+    values = [_value_type(t) for t in types]
+    values = [t for t in values if not pa.types.is_null(t)]
+    if not values:
+        return pa.null()
+    if all(pa.types.is_integer(t) for t in values):
+        signed = [t for t in values if pa.types.is_signed_integer(t)]
+        unsigned = [t for t in values if not pa.types.is_signed_integer(t)]
+        widest_s = max(signed, key=lambda t: t.bit_width) if signed else None
+        widest_u = max(unsigned, key=lambda t: t.bit_width) if unsigned else None
+        if widest_s is None or widest_u is None:
+            return widest_s or widest_u
+        return widest_s if widest_s.bit_width > widest_u.bit_width else None
+    out: pa.DataType | None = values[0]
+    for t in values[1:]:
+        out = merge_types(out, t)
+        if out is None:
+            return None
+    return out
+
+
+def merge_file_schemas(
+    files: list[str],
+    schemas: list[pa.Schema],
+    columns: list[str] | None,
+    part_keys: list[str],
+) -> tuple[list[pa.Field], np.ndarray]:
+    """Merge the selected columns of every file; return fields and a presence matrix."""
+    wanted = None if columns is None else set(columns)
+    # name -> [(file, type, nullable)], in file order; names in order of first appearance
+    seen: dict[str, list[tuple[int, pa.DataType, bool]]] = {}
+    for i, s in enumerate(schemas):
+        names = s.names
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise SchemaMismatchError(f"{files[i]!r} has more than one column named {dup!r}")
+        for field in s:
+            name = field.name
+            if wanted is not None and name not in wanted:
+                continue
+            if name in part_keys:
+                raise SchemaMismatchError(
+                    f"column {name!r} of {files[i]!r} is also a hive partition key in its path"
+                )
+            seen.setdefault(name, []).append((i, field.type, field.nullable))
+    names = list(seen)
+    present = np.zeros((len(files), len(names)), dtype=bool)
+    for i, s in enumerate(schemas):
+        have = set(s.names)
+        present[i] = [n in have for n in names]
+    fields = []
+    for j, name in enumerate(names):
+        entries = seen[name]
+        typ = common_type([t for _, t, _ in entries])
+        if typ is None:
+            a, b = _conflict(entries)
+            raise SchemaMismatchError(
+                f"column {name!r} has type {arrow_type_name(a[1])} in {files[a[0]]!r} but "
+                f"{arrow_type_name(b[1])} in {files[b[0]]!r}"
+            )
+        if not present[:, j].all():
+            missing_in = files[int(np.flatnonzero(~present[:, j])[0])]
+            required = next((i for i, _, nullable in entries if not nullable), None)
+            if required is not None:
+                raise SchemaMismatchError(
+                    f"column {name!r} is missing from {missing_in!r} but is required "
+                    f"(not nullable) in {files[required]!r}"
+                )
+        fields.append(pa.field(name, typ, nullable=True))
+    present.setflags(write=False)
+    return fields, present
+
+
+def _conflict(entries: list[tuple[int, pa.DataType, bool]]) -> tuple[Any, Any]:
+    """Two entries (file, type, nullable) whose types have no common type: the first
+    file whose type breaks the merge, and an earlier file it conflicts with."""
+    for k in range(1, len(entries)):
+        if common_type([t for _, t, _ in entries[: k + 1]]) is None:
+            for e in entries[:k]:
+                if common_type([e[1], entries[k][1]]) is None:
+                    return e, entries[k]
+            return entries[0], entries[k]
+    return entries[0], entries[-1]
+
+
+def arrow_type_name(t: pa.DataType) -> str:
+    """Short pyarrow name of a type, as :attr:`ParquetSource.schema` shows it.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> arrow_type_name(pa.list_(pa.float32())), arrow_type_name(pa.list_(pa.int8(), 3))
+        ('list<float>', 'fixed_size_list<int8>[3]')
+    """
+    if pa.types.is_dictionary(t):
+        return arrow_type_name(t.value_type)
+    if pa.types.is_fixed_size_list(t):
+        return f"fixed_size_list<{arrow_type_name(t.value_type)}>[{t.list_size}]"
+    if pa.types.is_large_list(t):
+        return f"large_list<{arrow_type_name(t.value_type)}>"
+    if pa.types.is_list(t):
+        return f"list<{arrow_type_name(t.value_type)}>"
+    if pa.types.is_map(t):
+        return f"map<{arrow_type_name(t.key_type)}, {arrow_type_name(t.item_type)}>"
+    if pa.types.is_struct(t):
+        inner = ", ".join(f"{f.name}: {arrow_type_name(f.type)}" for f in t)
+        return f"struct<{inner}>"
+    return str(t)
+
+
+def value_type_name(t: pa.DataType) -> str:
+    """The type of the values a ParquetSource hands out for an Arrow column of type ``t``.
+
+    The vocabulary every source's ``schema`` speaks (see
+    :func:`torchgrain.formats.codecs.describe_value`): ``int``, ``float``, ``str``,
+    ``bytes``, numpy arrays as ``dtype[shape]`` with ``?`` for a length that varies,
+    ``datetime64[unit]``, ``list[str]``, ``map`` for structs.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> value_type_name(pa.int32()), value_type_name(pa.list_(pa.float32()))
+        ('int', 'float32[?]')
+        >>> value_type_name(pa.list_(pa.list_(pa.uint8(), 3), 4)), value_type_name(pa.string())
+        ('uint8[4,3]', 'str')
+    """
+    t = _value_type(t)
+    if pa.types.is_null(t):
+        return "null"
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "str"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return "bytes"
+    if pa.types.is_struct(t):
+        return "map"
+    if pa.types.is_map(t):
+        return "list[tuple]"
+    if pa.types.is_time(t):
+        return "time"
+    if pa.types.is_decimal(t):
+        return "Decimal"
+    leaf = _numpy_name(t)
+    if leaf is not None:
+        return leaf  # a temporal scalar: numpy datetime64 / timedelta64
+    if _is_list_type(t):
+        dims, inner = [_list_length(t)], _value_type(t.value_type)
+        if _is_list_type(inner):
+            dims.append(_list_length(inner))
+            inner = _value_type(inner.value_type)
+        leaf = "bool" if pa.types.is_boolean(inner) else _numpy_name(inner)
+        if leaf is not None:
+            return f"{leaf}[{','.join(dims)}]"
+        return f"list[{value_type_name(inner)}]"
+    return str(t)
+
+
+def _is_list_type(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _list_length(t: pa.DataType) -> str:
+    return str(t.list_size) if pa.types.is_fixed_size_list(t) else "?"
+
+
+def _numpy_name(t: pa.DataType) -> str | None:
+    """numpy dtype name of a fixed-width number or temporal type (None otherwise)."""
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        return _NUMBER_NAMES[str(t)]
+    if pa.types.is_timestamp(t):
+        return f"datetime64[{t.unit}]"
+    if pa.types.is_duration(t):
+        return f"timedelta64[{t.unit}]"
+    if pa.types.is_date32(t):
+        return "datetime64[D]"
+    if pa.types.is_date64(t):
+        return "datetime64[ms]"
+    return None
+
+
+_NUMBER_NAMES = {
+    **{f"int{b}": f"int{b}" for b in (8, 16, 32, 64)},
+    **{f"uint{b}": f"uint{b}" for b in (8, 16, 32, 64)},
+    "halffloat": "float16",
+    "float": "float32",
+    "double": "float64",
+}

@@ -1,0 +1,218 @@
+"""The formats torchgrain reads, in one registry: found by name, by file names, or by path.
+
+Each :class:`Format` names its :class:`~torchgrain.Source` class, the name fragments of
+its files, an optional marker file that identifies a dataset directory, and a writer
+(used by examples and the test suite's conformance checks). ``tg.open``, ``torchgrain
+inspect``/``convert``/``bench`` and :func:`detect_format` all read this registry, so a
+new format is one module and one :func:`register_format` call.
+
+Example:
+    >>> import tempfile, torchgrain as tg
+    >>> d = tempfile.mkdtemp()
+    >>> _ = tg.write_parquet([{"id": i} for i in range(3)], d)
+    >>> detect_format(d), sorted(formats())
+    ('parquet', ['array_record', 'parquet', 'tfrecord'])
+    >>> src = tg.open(d)
+    >>> type(src).__name__, src[2]
+    ('ParquetSource', {'id': 2})
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torchgrain.io.fs import get_filesystem
+from torchgrain.sources.base import Source
+
+__all__ = ["Format", "detect_format", "formats", "get_format", "open", "register_format"]
+
+
+@dataclass(frozen=True)
+class Format:
+    """One dataset format.
+
+    Attributes:
+        name: the registry key (``"array_record"``, ``"parquet"``, ``"tfrecord"``).
+        source: the :class:`~torchgrain.Source` class, called as ``source(paths, **options)``.
+        suffixes: name fragments of the format's files (``.parquet`` also finds
+            ``x.parquet.zst``; ``.tfrecord`` finds ``x.tfrecord-00000-of-00008``).
+        marker: a file whose presence in a directory makes it a dataset of this format
+            (``torchgrain.json`` for torchgrain's ArrayRecord datasets).
+        write: ``write(records, directory, num_shards=1)`` writes records in this format
+            as ``num_shards`` files of contiguous slices (optional; examples and tests).
+        description: one line for ``torchgrain inspect`` and error messages.
+    """
+
+    name: str
+    source: Callable[..., Source]
+    suffixes: tuple[str, ...]
+    marker: str | None = None
+    write: Callable[..., Any] | None = None
+    description: str = ""
+
+    def matches(self, file_name: str) -> bool:
+        """Whether a file name (no directory) is one of this format's files."""
+        return not file_name.startswith((".", "_")) and any(s in file_name for s in self.suffixes)
+
+
+_FORMATS: dict[str, Format] = {}
+
+
+def register_format(fmt: Format) -> None:
+    """Add (or replace) a format in the registry."""
+    if not fmt.name or not fmt.suffixes:
+        raise ValueError("a format needs a name and at least one file-name suffix")
+    _FORMATS[fmt.name] = fmt
+
+
+def formats() -> dict[str, Format]:
+    """The registered formats, by name."""
+    return dict(_FORMATS)
+
+
+def get_format(name: str) -> Format:
+    fmt = _FORMATS.get(name)
+    if fmt is None:
+        raise ValueError(f"unknown format {name!r}; registered formats: {sorted(_FORMATS)}")
+    return fmt
+
+
+def detect_format(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """The format of a path, glob, directory, URL or list of them, from file names.
+
+    A directory holding a format's marker file (``torchgrain.json``) is of that format;
+    otherwise the names of the files found decide.
+
+    Raises:
+        ValueError: no file of a registered format, or files of several formats.
+
+    Example:
+        >>> detect_format("data/train-00000-of-00004.tfrecord.gz")
+        'tfrecord'
+    """
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    found: set[str] = set()
+    for item in items:
+        fs, p = get_filesystem(item, storage_options)
+        if not any(ch in p for ch in "*?[") and fs.isdir(p):
+            marked = [
+                f.name
+                for f in _FORMATS.values()
+                if f.marker and fs.isfile(f"{p.rstrip('/')}/{f.marker}")
+            ]
+            if marked:
+                found.update(marked)
+                continue
+            names = [f.rsplit("/", 1)[-1] for f in fs.find(p)]
+        else:
+            names = [os.fspath(item).rstrip("/").rsplit("/", 1)[-1]]
+        for name in names:
+            found.update(f.name for f in _FORMATS.values() if f.matches(name))
+    if len(found) == 1:
+        return found.pop()
+    if not found:
+        raise ValueError(
+            f"cannot tell the format of {paths!r} from its file names (known: "
+            + ", ".join(f"{f.name} {'/'.join(f.suffixes)}" for f in _FORMATS.values())
+            + "); pass format="
+        )
+    raise ValueError(
+        f"{paths!r} holds files of several formats ({', '.join(sorted(found))}); "
+        "open them separately or pass format="
+    )
+
+
+def open(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    format: str = "auto",
+    **options: Any,
+) -> Source:
+    """Open a dataset of any registered format by its path or URL.
+
+    ``format="auto"`` detects it (:func:`detect_format`); ``options`` go to the
+    format's source (``columns=`` for Parquet, ``codec=`` for ArrayRecord and TFRecord,
+    ``storage_options=``, ``cache_dir=``... for all).
+
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": 1}, {"x": 2}], d)
+        >>> src = tg.open(d)
+        >>> isinstance(src, tg.Source), len(src), src[1]
+        (True, 2, {'x': 2})
+    """
+    name = (
+        detect_format(paths, storage_options=options.get("storage_options"))
+        if format == "auto"
+        else format
+    )
+    return get_format(name).source(paths, **options)
+
+
+def _write_tfrecord(
+    records: Iterable[dict[str, Any]], directory: str, *, num_shards: int = 1
+) -> list[str]:
+    """Records as ``tf.train.Example`` in ``num_shards`` TFRecord files (contiguous slices)."""
+    from torchgrain.formats.tf_example import encode_tf_example
+    from torchgrain.formats.tfrecord import write_tfrecord
+    from torchgrain.writers import shard_name
+
+    records = list(records)
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    n = len(records)
+    for i in range(num_shards):
+        name = shard_name(i, num_shards).replace(".array_record", ".tfrecord")
+        path = os.path.join(directory, name)
+        part = records[n * i // num_shards : n * (i + 1) // num_shards]
+        write_tfrecord((encode_tf_example(r) for r in part), path)
+        paths.append(path)
+    return paths
+
+
+def _register_builtins() -> None:
+    from torchgrain.formats.manifest import MANIFEST_NAME
+    from torchgrain.sources.arrayrecord import ARRAY_RECORD_SUFFIXES, ArrayRecordSource
+    from torchgrain.sources.parquet import PARQUET_SUFFIXES, ParquetSource
+    from torchgrain.sources.tfrecord import TFRECORD_SUFFIXES, TFRecordSource
+    from torchgrain.writers import write_array_record, write_parquet
+
+    register_format(
+        Format(
+            "array_record",
+            ArrayRecordSource,
+            ARRAY_RECORD_SUFFIXES,
+            marker=MANIFEST_NAME,
+            write=write_array_record,
+            description="ArrayRecord shards (torchgrain's, with a manifest, or TFDS's)",
+        )
+    )
+    register_format(
+        Format(
+            "parquet",
+            ParquetSource,
+            PARQUET_SUFFIXES,
+            write=write_parquet,
+            description="Parquet files (hive-partitioned directories included)",
+        )
+    )
+    register_format(
+        Format(
+            "tfrecord",
+            TFRecordSource,
+            TFRECORD_SUFFIXES,
+            write=_write_tfrecord,
+            description="TFRecord files of tf.train.Example (or raw) records",
+        )
+    )
+
+
+_register_builtins()
