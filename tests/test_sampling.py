@@ -817,8 +817,10 @@ def test_dealing_config_change_resumes_exactly():
 
 
 def test_dealing_arguments_are_checked():
-    with pytest.raises(ValueError, match="batch_size"):
-        BlockShuffleSampler(None, block_offsets=[0, 10], num_workers=2)
+    # num_workers without batch_size: the batch size comes from the loader (none when
+    # the sampler is iterated directly: the plain order).
+    alone = BlockShuffleSampler(None, block_offsets=[0, 10, 20], num_workers=2)
+    assert list(alone) == list(BlockShuffleSampler(None, block_offsets=[0, 10, 20]))
     with pytest.raises(ValueError, match="num_workers"):
         BlockShuffleSampler(None, block_offsets=[0, 10], batch_size=2, num_workers=-1)
     with pytest.raises(ValueError, match="batch_size"):
@@ -826,3 +828,46 @@ def test_dealing_arguments_are_checked():
     # One worker (or none): nothing to deal, the plain order.
     one = BlockShuffleSampler(None, block_offsets=[0, 10, 20], batch_size=3, num_workers=1)
     assert list(one) == list(BlockShuffleSampler(None, block_offsets=[0, 10, 20]))
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_dealing_learned_from_the_loader(num_workers):
+    # deal_to_workers=True: the sampler learns the loader's batch size and workers and
+    # lays the order out exactly as if they had been given.
+    ds = RangeData(random_offsets(np.random.default_rng(4), 25, 30))
+    learned = BlockShuffleSampler(ds, window=3, seed=2, deal_to_workers=True)
+    given = BlockShuffleSampler(ds, window=3, seed=2, batch_size=6, num_workers=num_workers)
+    loader = DataLoader(ds, batch_size=6, sampler=learned, num_workers=num_workers)
+    got = [i for b in loader for i in b.tolist()]
+    assert got == list(given) and sorted(got) == list(range(len(ds)))
+    state = learned.state_dict()
+    assert (state["batch_size"], state["num_workers"]) == (6, num_workers)
+    # Iterated directly, nobody to deal to: the plain order.
+    plain = BlockShuffleSampler(ds, window=3, seed=2)
+    assert list(learned) == list(plain)
+    # Without the flag the order does not depend on the loader.
+    default = BlockShuffleSampler(ds, window=3, seed=2)
+    loader = DataLoader(ds, batch_size=6, sampler=default, num_workers=num_workers)
+    assert [i for b in loader for i in b.tolist()] == list(plain)
+
+
+def test_learned_dealing_resumes_exactly_through_stateful_dataloader():
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    ds = RangeData(random_offsets(np.random.default_rng(5), 30, 40))
+
+    def make():
+        s = BlockShuffleSampler(ds, window=3, seed=9, deal_to_workers=True)
+        return sdl.StatefulDataLoader(ds, batch_size=5, sampler=s, num_workers=2)
+
+    full = [b.tolist() for b in make()]
+    loader = make()
+    head = []
+    for step, batch in enumerate(loader, start=1):
+        head.append(batch.tolist())
+        if step == 7:
+            state = loader.state_dict()
+            break
+    del loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [b.tolist() for b in resumed] == full

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from torchgrain._driver import external_sharder
+from torchgrain._driver import Driver, driver
 from torchgrain.sampling.permutation import _to_u64
 
 __all__ = ["ResumableSampler"]
@@ -178,8 +178,11 @@ class ResumableSampler(DistributedSampler):
         self.pad = bool(pad)
         self.epoch = 0
         self._n = n
-        # Layout and start position that the next iteration uses after a resume.
-        self._pending: tuple[np.ndarray, int] | None = None
+        # A loaded state, made into a layout and start position when the next pass starts
+        # (when its world size and the loader that drives it are known).
+        self._loaded: dict[str, Any] | None = None
+        # Who drove the latest pass (a batch-sharding wrapper, a DataLoader's shape).
+        self._driver = Driver(None, None, None)
         # The latest iteration: its world, layout, first position, and a probe for how
         # far it got (list iterator of the current chunk and that chunk's first position).
         self._it_world: tuple[int, int] | None = None
@@ -196,12 +199,15 @@ class ResumableSampler(DistributedSampler):
             return 1, 0
         return _dist_world(self._num_replicas_arg, self._rank_arg)
 
-    def _note_driver(self) -> None:
-        """Switch to the global order when a batch-sharding wrapper drives this sampler."""
-        if self._external is not None:
-            return
-        sharder = external_sharder()
-        if sharder is None:
+    def _note_driver(self, pass_start: bool) -> None:
+        """Learn who iterates this sampler. At the start of a pass: the DataLoader (its
+        workers and batch size, which a sampler may deal batches by); at any use: a
+        batch-sharding wrapper, under which the sampler switches to the global order."""
+        found = driver(self, skip=3)
+        if pass_start:
+            self._driver = found
+        sharder = found.sharder
+        if self._external is not None or sharder is None:
             return
         if self._num_replicas_arg is not None and self._num_replicas_arg > 1:
             raise ValueError(
@@ -326,14 +332,15 @@ class ResumableSampler(DistributedSampler):
     def _current(self) -> tuple[np.ndarray, tuple[int, int]]:
         """Layout and world of the pass that :meth:`indices` and :meth:`state_dict`
         describe: a loaded resume, else the latest iteration, else a fresh epoch."""
-        if self._pending is not None:
-            return self._pending[0], self._world()
+        if self._loaded is not None:
+            world = self._world()
+            return self._resume_layout(self._loaded, world)[0], world
         return self._it_layout, self._it_world or self._world()
 
     # -- public API -----------------------------------------------------------------
     def __len__(self) -> int:
         """Indices per rank in a full epoch (as DistributedSampler's ``num_samples``)."""
-        self._note_driver()
+        self._note_driver(pass_start=False)
         return self.num_samples
 
     def indices(self, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -362,7 +369,7 @@ class ResumableSampler(DistributedSampler):
         _to_u64(epoch, "epoch")
         if epoch != self.epoch:
             self.epoch = epoch
-            self._pending = None
+            self._loaded = None
             self._on_epoch_change()
             self._it_world = None
             self._it_layout = self._fresh_layout()
@@ -387,11 +394,11 @@ class ResumableSampler(DistributedSampler):
         # A generator body runs at the first next(), so iterators created and dropped
         # without being advanced (torchdata's StatefulDataLoader makes one before
         # loading state) do not consume a pending resume position.
-        self._note_driver()
+        self._note_driver(pass_start=True)
         world = self._world()
-        if self._pending is not None:
-            layout, start = self._pending
-            self._pending = None
+        if self._loaded is not None:
+            layout, start = self._resume_layout(self._loaded, world)
+            self._loaded = None
         else:
             layout, start = self._fresh_layout(), 0
         self._it_world, self._it_layout, self._it_start = world, layout, start
@@ -469,28 +476,27 @@ class ResumableSampler(DistributedSampler):
             >>> head + list(t) == list(s)
             True
         """
-        layout, world = self._current()
-        if self._pending is not None:
-            pos = self._pending[1]
+        if self._loaded is not None:
             if consumed not in (None, 0):
                 raise ValueError(
                     "consumed must be 0 or None before iteration of a loaded state starts"
                 )
+            return dict(self._loaded)  # not resumed yet: the position is the one loaded
+        layout, world = self._current()
+        drawn = self._drawn()
+        if consumed is None:
+            pos = drawn
         else:
-            drawn = self._drawn()
-            if consumed is None:
-                pos = drawn
-            else:
-                consumed = operator.index(consumed)
-                if consumed < 0:
-                    raise ValueError(f"consumed must be >= 0, got {consumed}")
-                count = self._count(_layout_length(layout), world)
-                pos = min(self._it_start + consumed, count)
-                if pos > drawn:
-                    raise ValueError(
-                        f"consumed={consumed} exceeds the {drawn - self._it_start} indices this "
-                        "sampler has produced in the current pass"
-                    )
+            consumed = operator.index(consumed)
+            if consumed < 0:
+                raise ValueError(f"consumed must be >= 0, got {consumed}")
+            count = self._count(_layout_length(layout), world)
+            pos = min(self._it_start + consumed, count)
+            if pos > drawn:
+                raise ValueError(
+                    f"consumed={consumed} exceeds the {drawn - self._it_start} indices this "
+                    "sampler has produced in the current pass"
+                )
         state = {
             "sampler": self._kind,
             "version": 1,
@@ -562,19 +568,35 @@ class ResumableSampler(DistributedSampler):
         self.epoch = state["epoch"]
         self._load_extra_state(state, epoch_changed)
 
-        world = self._world()
-        if old_w == world[0] and old_drop == self.drop_last and self._same_order(state):
-            self._pending = (layout, pos)
-        else:
-            consumed = self._consumed_virtual(length, old_w, pos, state)
-            # Padding draws were trained on too: they consume the positions they
-            # repeat, so nothing is handed out twice.
-            rest = _complement(consumed, length)
-            self._pending = (self._compose(layout, rest), 0)
+        self._loaded = {**state, "layout": layout.tolist(), "position": pos}
         self._it_world = None
-        self._it_layout, self._it_start = self._pending
-        self._it_chunk_start, self._it_chunk_len, self._it_chunk = self._pending[1], 0, None
+        self._it_layout, self._it_start = layout, pos
+        self._it_chunk_start, self._it_chunk_len, self._it_chunk = pos, 0, None
         self._propagate_epoch()
+
+    def _resume_layout(
+        self, state: dict[str, Any], world: tuple[int, int]
+    ) -> tuple[np.ndarray, int]:
+        """``(layout, start position)`` that continues ``state`` in ``world``.
+
+        With the same world size, drop_last, padding and per-rank order the position
+        carries over (each rank yields what it would have yielded next); otherwise the
+        samples not consumed globally are re-split over the new ranks, from position 0.
+        """
+        layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
+        old_w = operator.index(state["num_replicas"])
+        pos = operator.index(state["position"])
+        if (
+            old_w == world[0]
+            and bool(state["drop_last"]) == self.drop_last
+            and self._same_order(state)
+        ):
+            return layout, pos
+        consumed = self._consumed_virtual(_layout_length(layout), old_w, pos, state)
+        # Padding draws were trained on too: they consume the positions they repeat, so
+        # nothing is handed out twice.
+        rest = _complement(consumed, _layout_length(layout))
+        return self._compose(layout, rest), 0
 
     def _load_extra_state(self, state: dict[str, Any], epoch_changed: bool) -> None:
         if epoch_changed:

@@ -61,14 +61,14 @@ class BlockShuffleSampler(ResumableSampler):
 
     DataLoader workers: the DataLoader hands batch ``b`` to worker
     ``b % num_workers``, so by default every worker reads from every stripe and
-    decodes every block of its rank. Pass the DataLoader's ``batch_size`` and
-    ``num_workers`` and the rank's run is instead cut into ``num_workers``
-    contiguous parts, batch ``b`` coming from part ``b % num_workers``: each worker
-    reads its own part and decodes about ``1 / num_workers`` of the blocks.
-    Consecutive batches then come from different parts of the epoch; the indices of
-    the epoch are the same set. If the loader's ``num_workers`` or ``batch_size``
-    differ from the sampler's, the order is still a correct permutation, only the
-    decode saving is lost.
+    decodes every block of its rank. With ``deal_to_workers=True`` the sampler learns
+    the ``batch_size`` and ``num_workers`` of the DataLoader that iterates it (when a
+    pass starts) and cuts the rank's run into ``num_workers`` contiguous parts, batch
+    ``b`` coming from part ``b % num_workers``: each worker reads its own part and
+    decodes about ``1 / num_workers`` of the blocks. Consecutive batches then come
+    from different parts of the epoch; the indices of the epoch are the same set, but
+    the order the training loop sees depends on ``num_workers`` (by default it does
+    not: the same order whatever the loader).
 
     Shuffle quality trade-off: consecutive samples come from only ``window`` blocks
     (about ``window`` distinct blocks in any 256 consecutive samples vs about 256
@@ -92,11 +92,13 @@ class BlockShuffleSampler(ResumableSampler):
         num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler
             (with ``pad=False`` the first ``L % num_replicas`` ranks' runs are one longer).
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
-        batch_size: the DataLoader's ``batch_size``; needed with ``num_workers > 1``.
-        num_workers: the DataLoader's ``num_workers``; above 1, each worker's batches
-            come from its own part of the rank's run (see above). Saved in
-            :meth:`state_dict`; resuming with different values is an exact resume too
-            (the rest of the epoch is re-laid out, as for a new world size).
+        deal_to_workers: deal the rank's run to the workers of the DataLoader that
+            iterates the sampler, as above (default False).
+        batch_size, num_workers: deal batches as for a DataLoader with these settings
+            (what ``deal_to_workers`` would learn; a value given is used, a value left
+            out is learned from the loader). Saved in :meth:`state_dict`; resuming
+            under other values is an exact resume too (the rest of the epoch is
+            re-laid out, as for a new world size).
 
     Example:
         >>> import numpy as np
@@ -135,24 +137,23 @@ class BlockShuffleSampler(ResumableSampler):
         pad: bool = True,
         block_offsets: Sequence[int] | np.ndarray | None = None,
         batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: int | None = None,
+        deal_to_workers: bool = False,
     ) -> None:
         window = operator.index(window)
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
-        num_workers = operator.index(num_workers)
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if num_workers is not None:
+            num_workers = operator.index(num_workers)
+            if num_workers < 0:
+                raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if batch_size is not None:
             batch_size = operator.index(batch_size)
             if batch_size < 1:
                 raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        elif num_workers > 1:
-            raise ValueError(
-                "num_workers > 1 needs batch_size (the DataLoader's) to deal whole batches"
-            )
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.deal_to_workers = bool(deal_to_workers)
         if block_offsets is None:
             getter = getattr(dataset, "block_offsets", None)
             if not callable(getter):
@@ -203,9 +204,23 @@ class BlockShuffleSampler(ResumableSampler):
             "window_layout": "sliding",
             "num_blocks": self.num_blocks,
             "blocks_digest": self._digest,
-            "batch_size": self.batch_size,
-            "num_workers": self.num_workers,
+            **dict(zip(("batch_size", "num_workers"), self._dealing())),
         }
+
+    def _dealing(self) -> tuple[int | None, int]:
+        """``(batch_size, num_workers)`` the current pass deals batches by: the values
+        given, the rest learned from the iterating DataLoader when asked to deal; none
+        under a batch-sharding wrapper (its processes, not workers, take the batches)."""
+        if self._external is not None:
+            return None, 0
+        learn = self.deal_to_workers or self.num_workers is not None or self.batch_size is not None
+        batch_size = self.batch_size
+        if batch_size is None and learn:
+            batch_size = self._driver.batch_size
+        num_workers = self.num_workers
+        if num_workers is None:
+            num_workers = (self._driver.num_workers or 0) if self.deal_to_workers else 0
+        return batch_size, num_workers
 
     def _check_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("window_layout") != "sliding":
