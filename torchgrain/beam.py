@@ -40,10 +40,10 @@ from typing import Any
 
 from torchgrain.convert.inputs import open_input
 from torchgrain.convert.journal import Journal, finish, plan_tasks, still_there
+from torchgrain.convert.outputs import output_options
 from torchgrain.convert.tasks import Job, Task, run_task
 from torchgrain.formats.manifest import Manifest
 from torchgrain.io.fs import get_filesystem, is_local
-from torchgrain.writers import array_record_options
 
 __all__ = ["ConvertShard", "build_pipeline", "run_conversion"]
 
@@ -78,12 +78,7 @@ def _prepare(
         raise NotImplementedError(f"dst must be a directory all workers can write: {dst!r}")
     root = os.path.abspath(root)
     os.makedirs(root, exist_ok=True)
-    if to == "array_record":
-        compression = compression or "zstd:3"
-        options = array_record_options(group_size, compression)
-    else:
-        compression = compression or "zstd"
-        options = ""
+    compression, options = output_options(to, group_size, compression)
     inp = open_input(src, src_format, codec, storage_options)
     counts = inp.counts
     tasks = plan_tasks(counts, len(inp.paths), num_shards, to)

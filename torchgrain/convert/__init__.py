@@ -68,13 +68,14 @@ from torchgrain.convert.journal import (
     remove_temps,
     still_there,
 )
+from torchgrain.convert.outputs import output_options
 from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback, worker_init
 from torchgrain.formats.checksums import RecordHasher, verify_shard
 from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.sources.registry import detect_format
-from torchgrain.writers import array_record_options, records_to_table
+from torchgrain.writers import records_to_table
 
 __all__ = [
     "JOURNAL_DIR",
@@ -204,12 +205,7 @@ def convert(
         raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    if to == "array_record":
-        compression = compression or "zstd:3"
-        writer_options = array_record_options(group_size, compression)
-    else:
-        compression = compression or "zstd"
-        writer_options = ""
+    compression, writer_options = output_options(to, group_size, compression)
     fs, root = get_filesystem(dst)
     if not is_local(fs):
         raise NotImplementedError(

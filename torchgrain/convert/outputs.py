@@ -5,11 +5,26 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from torchgrain.writers import records_to_table
+from torchgrain.writers import array_record_options, records_to_table
 
-__all__ = ["ArrayRecordOut", "ParquetOut"]
+__all__ = ["ArrayRecordOut", "ParquetOut", "output_options"]
 
 PARQUET_MAX_ROWS = 1 << 16  # rows per output row group at most
+
+
+def output_options(to: str, group_size: int, compression: str | None) -> tuple[str, str]:
+    """``(compression, ArrayRecord writer options)`` of an output format, defaults filled in.
+
+    Example:
+        >>> output_options("array_record", 1, None), output_options("parquet", 1, None)
+        (('zstd:3', 'group_size:1,zstd:3'), ('zstd', ''))
+    """
+    if to == "array_record":
+        compression = compression or "zstd:3"
+        return compression, array_record_options(group_size, compression)
+    if to == "parquet":
+        return compression or "zstd", ""
+    raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
 
 
 class ArrayRecordOut:

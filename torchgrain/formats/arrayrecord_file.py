@@ -47,7 +47,6 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import cramjam
@@ -58,7 +57,7 @@ import zstandard
 from torchgrain.errors import CorruptDataError
 from torchgrain.formats._highwayhash import riegeli_hash
 from torchgrain.io import process
-from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
 __all__ = ["ArrayRecordFile", "TransposedChunkError", "read_num_records"]
@@ -1120,7 +1119,6 @@ def read_num_records(
         finally:
             f.close()
 
-    if len(paths) <= 1 or max_workers <= 1:
-        return np.array([count(p) for p in paths], np.int64)
-    with ThreadPoolExecutor(max_workers=min(max_workers, len(paths))) as pool:
-        return np.array(list(pool.map(count, paths)), np.int64)
+    return np.array(
+        map_files(lambda i: count(paths[i]), len(paths), max_workers=max_workers), np.int64
+    )

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -18,6 +19,7 @@ from fsspec.core import url_to_fs
 from torchgrain.errors import DatasetNotFoundError
 
 PathLike = str | os.PathLike
+T = TypeVar("T")
 
 
 def default_cache_dir() -> str:
@@ -73,6 +75,20 @@ def filesystem_for_this_process(fs: fsspec.AbstractFileSystem) -> fsspec.Abstrac
     if is_local(fs):
         return fs
     return pickle.loads(pickle.dumps(fs))
+
+
+def map_files(fn: Callable[[int], T], n: int, *, max_workers: int = 16) -> list[T]:
+    """``[fn(0), ..., fn(n - 1)]``, run on up to ``max_workers`` threads: opening a dataset
+    reads every shard's footer or index, and remote reads wait on latency, not CPU.
+
+    Example:
+        >>> map_files(lambda i: i * i, 4)
+        [0, 1, 4, 9]
+    """
+    if n <= 1 or max_workers <= 1:
+        return [fn(i) for i in range(n)]
+    with ThreadPoolExecutor(max_workers=min(max_workers, n)) as pool:
+        return list(pool.map(fn, range(n)))
 
 
 def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:

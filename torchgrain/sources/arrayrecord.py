@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import posixpath
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -12,24 +11,22 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
-    RecordDecodeError,
     UnsafePathError,
 )
 from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_num_records
 from torchgrain.formats.checksums import verify_file
-from torchgrain.formats.codecs import Codec, describe_value, get_codec, sniff_codec
+from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
+from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
-from torchgrain.sources.index import group_by_shard
+from torchgrain.sources.encoded import EncodedSource
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
@@ -37,7 +34,7 @@ ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 _SEQUENTIAL_BLOCK = 1024  # records per read when reading a shard in order
 
 
-class ArrayRecordSource(ShardedSource):
+class ArrayRecordSource(EncodedSource):
     """Random-access, key-value view of one or many ArrayRecord shards.
 
     Args:
@@ -197,45 +194,6 @@ class ArrayRecordSource(ShardedSource):
         return sniff_codec(self._reader(shard).read([row])[0])
 
     # ------------------------------------------------------------ the contract
-    @property
-    def schema(self) -> dict[str, str]:
-        """Record key -> type description (e.g. ``uint8[64,64,3]``, ``int``, ``str``)."""
-        if self._schema is None:
-            if len(self) == 0:
-                self._schema = {}
-            else:
-                self._schema = {k: describe_value(v) for k, v in self[0].items()}
-        return dict(self._schema)
-
-    @property
-    def keys(self) -> list[str]:
-        """The record keys (column names)."""
-        return list(self.schema)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        shard, row = self.index.locate_one(index)
-        return self._read_decode(shard, [row], [index])[0]
-
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """Read a batch: each shard is read once, records come back in request order."""
-        idx = self.index.check(indices)
-        if len(idx) == 0:
-            return []
-        shards, rows = self.index.locate(idx)
-        out: list[Any] = [None] * len(idx)
-        groups = group_by_shard(shards, rows)
-        opened = self._prefetch_copies([g[0] for g in groups])
-        results = self._map(
-            lambda g: self._read_decode(g[0], g[1], idx[g[2]].tolist(), opened.get(g[0])),
-            groups,
-        )
-        for (_shard, _rows, positions), records in zip(groups, results):
-            for p, rec in zip(positions.tolist(), records):
-                out[p] = rec
-        if opened:
-            self._close_evicted_copies()
-        return out
-
     def block_offsets(self) -> np.ndarray:
         """Global record offsets of ArrayRecord chunks (for :class:`BlockShuffleSampler`).
 
@@ -261,61 +219,16 @@ class ArrayRecordSource(ShardedSource):
                 f"read of records {a}-{b} of shard {shard}",
             )
 
-    def iter_shard(
-        self, shard: int, start: int = 0, stop: int | None = None
-    ) -> Iterator[dict[str, Any]]:
-        """Records ``[start, stop)`` of one shard, in order."""
-        base = int(self.index.offsets[shard])
-        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), max(start, 0)):
-            yield self._decode_one(data, shard, row, base + row)
-
     # ---------------------------------------------------------------- reading
-    def _read_decode(
-        self,
-        shard: int,
-        rows: Sequence[int] | np.ndarray,
-        indices: list[int],
-        reader: ArrayRecordFile | None = None,
-    ) -> list[dict[str, Any]]:
-        """Read rows of one shard (one call) and decode them; errors name file and index."""
-        counters = local_counters()
-        t0 = time.perf_counter()
+    def _read_rows(
+        self, shard: int, rows: np.ndarray, index: int, reader: ArrayRecordFile | None
+    ) -> list[bytes]:
         cache = self._blocks if self.cache_bytes else None
-        try:
-            blobs = self._io(
-                lambda: (reader or self._reader(shard)).read(
-                    rows, chunk_cache=cache, cache_key=shard
-                ),
-                shard,
-                f"range read of shard {shard} (record index {indices[0]})",
-            )
-        except CorruptDataError as e:
-            raise type(e)(
-                f"{e} (shard {shard} of {self.num_shards}, reading record index {indices[0]})"
-            ) from e
-        t1 = time.perf_counter()
-        counters[COUNTER["bytes_read"]] += sum(len(b) for b in blobs)
-        counters[COUNTER["read_seconds"]] += t1 - t0
-        decode = self.codec.decode
-        try:
-            out = [decode(b) for b in blobs]
-        except Exception:
-            # Find the culprit (the fast path above does not track positions).
-            for b, row, index in zip(blobs, np.asarray(rows).tolist(), indices):
-                self._decode_one(b, shard, row, index)
-            raise
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
-        return out
-
-    def _decode_one(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
-        try:
-            return self.codec.decode(data)
-        except Exception as e:
-            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
-            raise RecordDecodeError(
-                f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
-                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
-            ) from (None if isinstance(e, RecordDecodeError) else e)
+        return self._io(
+            lambda: (reader or self._reader(shard)).read(rows, chunk_cache=cache, cache_key=shard),
+            shard,
+            f"range read of shard {shard} (record index {index})",
+        )
 
     def __repr__(self) -> str:
         return (

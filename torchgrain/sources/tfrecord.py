@@ -21,37 +21,35 @@ import hashlib
 import os
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
 import numpy as np
 
-from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
-from torchgrain.formats.codecs import Codec, describe_value, get_codec
+from torchgrain.formats.codecs import Codec, get_codec
+from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
     index_tfrecord,
     iter_tfrecord,
     parse_frame,
     resolve_compression,
 )
-from torchgrain.io.fs import default_cache_dir, expand_paths, is_local
+from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
-from torchgrain.sources.index import group_by_shard
+from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
+from torchgrain.sources.encoded import EncodedSource
 
 __all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
 
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords")
-_INDEX_THREADS = 16
 # Block-shuffle blocks: runs of consecutive records of about this many bytes.
 _BLOCK_BYTES = 1 << 20
 
 
-class TFRecordSource(ShardedSource):
+class TFRecordSource(EncodedSource):
     """Random-access, key-value view of TFRecord files (``tf.train.Example`` or raw bytes).
 
     Args:
@@ -132,47 +130,19 @@ class TFRecordSource(ShardedSource):
         self._base = self.index.offsets[:-1] + np.arange(len(files), dtype=np.int64)
         for a in (self._bounds, self._base, self._compressed):
             a.setflags(write=False)
+        if isinstance(codec, str) and codec in ("auto", "tf_example"):
+            # TFDS output: decode per its features.json (images, shapes, scalars).
+            codec = tfds_codec_for(files, fs) or codec
         self.codec: Codec = tfrecord_codec(files, fs) if codec == "auto" else get_codec(codec)
-        self._schema: dict[str, str] | None = None
 
     # ------------------------------------------------------------ the contract
-    @property
-    def schema(self) -> dict[str, str]:
-        """Record key -> value type, from the first record."""
-        if self._schema is None:
-            first = next(self.iter_shard(_first_nonempty(self.shard_counts)), None)
-            self._schema = {} if first is None else {k: describe_value(v) for k, v in first.items()}
-        return dict(self._schema)
-
-    @property
-    def keys(self) -> list[str]:
-        return list(self.schema)
-
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """Read a batch: one set of (coalesced) range reads per file, records in request order."""
-        idx = self.index.check(indices)
-        if len(idx) == 0:
-            return []
-        shards, rows = self.index.locate(idx)
-        groups = group_by_shard(shards, rows)
-        for shard, _, positions in groups:
-            if self._compressed[shard]:
-                raise CorruptDataError(
-                    f"TFRecord shard {shard} {self._paths[shard]!r} is compressed and can only "
-                    f"be read in order, not by index (record index {int(idx[positions[0]])}); "
-                    "decompress it, or convert the dataset: torchgrain convert SRC DST"
-                )
-        opened = self._prefetch_copies([g[0] for g in groups])
-        out: list[Any] = [None] * len(idx)
-        results = self._map(
-            lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0])), groups
-        )
-        for (_shard, _rows, positions), records in zip(groups, results):
-            for p, rec in zip(positions.tolist(), records):
-                out[p] = rec
-        if opened:
-            self._close_evicted_copies()
-        return out
+    def _check_readable(self, shard: int, index: int) -> None:
+        if self._compressed[shard]:
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {self._paths[shard]!r} is compressed and can only be "
+                f"read in order, not by index (record index {index}); decompress it, or "
+                "convert the dataset: torchgrain convert SRC DST"
+            )
 
     def block_offsets(self) -> np.ndarray:
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
@@ -185,13 +155,6 @@ class TFRecordSource(ShardedSource):
             cuts = cuts[(cuts > 0) & (cuts < n)]
             parts.append(np.append(cuts, n) + self.index.offsets[s])
         return np.unique(np.concatenate(parts))
-
-    def iter_shard(
-        self, shard: int, start: int = 0, stop: int | None = None
-    ) -> Iterator[dict[str, Any]]:
-        """Records ``[start, stop)`` of one shard, in order (compressed files too)."""
-        for k, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
-            yield self._decode(data, shard, k, int(self.index.offsets[shard]) + k)
 
     def iter_shard_bytes(
         self, shard: int, start: int = 0, stop: int | None = None
@@ -229,55 +192,28 @@ class TFRecordSource(ShardedSource):
     def _touch(self, reader: Any) -> None:
         reader.view()
 
-    def _read_decode(
-        self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any = None
-    ) -> list[dict[str, Any]]:
-        counters = local_counters()
-        t0 = time.perf_counter()
+    def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
         b = self._base[shard] + rows
         starts, ends = self._bounds[b].tolist(), self._bounds[b + 1].tolist()
         name = self._paths[shard]
 
         def read() -> list[Any]:
             r = reader or self._reader(shard)
-            if isinstance(r, MappedFile):
-                view = r.view()
-                if ends and max(ends) > len(view):
-                    expected = int(self._bounds[self._base[shard] + self.index.counts[shard]])
-                    raise CorruptDataError(
-                        f"TFRecord shard {shard} {name!r} is truncated: {len(view)} bytes where "
-                        f"its index expects {expected} (record index {int(indices[0])})"
-                    )
-                return [view[s:e] for s, e in zip(starts, ends)]
-            return r.read(list(zip(starts, ends)))
+            if not isinstance(r, MappedFile):
+                return r.read(list(zip(starts, ends)))
+            view = r.view()
+            if ends and max(ends) > len(view):
+                expected = int(self._bounds[self._base[shard] + self.index.counts[shard]])
+                raise CorruptDataError(
+                    f"TFRecord shard {shard} {name!r} is truncated: {len(view)} bytes where "
+                    f"its index expects {expected} (record index {index})"
+                )
+            return [view[s:e] for s, e in zip(starts, ends)]
 
-        frames = self._io(read, shard, f"range read of shard {shard} (record index {indices[0]})")
-        try:
-            blobs = [
-                parse_frame(f, name=name, offset=s, verify=self._verify)
-                for f, s in zip(frames, starts)
-            ]
-        except CorruptDataError as e:
-            raise CorruptDataError(f"{e} (shard {shard} of {self.num_shards})") from e
-        t1 = time.perf_counter()
-        counters[COUNTER["bytes_read"]] += sum(len(x) for x in blobs)
-        counters[COUNTER["read_seconds"]] += t1 - t0
-        out = [
-            self._decode(x, shard, int(r), int(i))
-            for x, r, i in zip(blobs, rows.tolist(), indices.tolist())
+        frames = self._io(read, shard, f"range read of shard {shard} (record index {index})")
+        return [
+            parse_frame(f, name=name, offset=s, verify=self._verify) for f, s in zip(frames, starts)
         ]
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
-        return out
-
-    def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
-        try:
-            return self.codec.decode(data)
-        except Exception as e:
-            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
-            raise RecordDecodeError(
-                f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
-                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
-            ) from (None if isinstance(e, RecordDecodeError) else e)
 
     def __repr__(self) -> str:
         return (
@@ -364,12 +300,7 @@ def _index_files(
             _save(cached, offsets)
         return offsets, size
 
-    n = len(files)
-    if n == 1:
-        results = [one(0)]
-    else:
-        with ThreadPoolExecutor(max_workers=min(_INDEX_THREADS, n)) as pool:
-            results = list(pool.map(one, range(n)))
+    results = map_files(one, len(files))
     return [r[0] for r in results], [r[1] for r in results]
 
 

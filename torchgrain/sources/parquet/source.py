@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -29,7 +28,7 @@ import pyarrow.parquet as pq
 
 from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
-from torchgrain.io.fs import is_local
+from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
@@ -45,7 +44,6 @@ from torchgrain.sources.parquet.values import Column, RowGroup, convert_column, 
 
 __all__ = ["ParquetSource"]
 
-_FOOTER_THREADS = 16
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
 # A row group first read with at least 1/_CONVERT_WHOLE of its rows in one batch is
 # converted whole at once (block-local reads); otherwise only those rows, until reuse.
@@ -566,12 +564,7 @@ def _read_footers(
         )
         return counts, md.schema.to_arrow_schema()
 
-    n = len(files)
-    if n == 1:
-        results = [one(0)]
-    else:
-        with ThreadPoolExecutor(max_workers=min(_FOOTER_THREADS, n)) as pool:
-            results = list(pool.map(one, range(n)))
+    results = map_files(one, len(files))
     return [r[0] for r in results], [r[1] for r in results]
 
 

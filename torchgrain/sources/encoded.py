@@ -1,0 +1,142 @@
+"""EncodedSource: sharded sources whose records are encoded bytes (ArrayRecord, TFRecord).
+
+A codec turns each record's bytes into a dict. What such sources share is written
+here once: a batch read (one read per shard, shards of a remote batch in parallel, the
+shard cache's downloads overlapped), decoding with errors that name the shard, row and
+record index, reading a shard in order (``iter_shard``, ``iter_shard_bytes``), and the
+schema from the first record. A format adds ``_read_rows`` (the raw records at some rows
+of one shard) and ``iter_shard_bytes``.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchgrain.diagnostics import COUNTER, local_counters
+from torchgrain.errors import CorruptDataError, RecordDecodeError
+from torchgrain.formats.codecs import Codec, describe_value
+from torchgrain.sources.base import ShardedSource
+from torchgrain.sources.index import group_by_shard
+
+__all__ = ["EncodedSource"]
+
+
+class EncodedSource(ShardedSource):
+    """Base of sharded sources of encoded records (see the module docstring)."""
+
+    codec: Codec
+    _schema: dict[str, str] | None = None
+
+    # ------------------------------------------------------------ for formats
+    @abc.abstractmethod
+    def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
+        """Raw records at ``rows`` of ``shard`` in one call, through :meth:`_io`.
+
+        ``index`` is the first requested record's global index (for messages);
+        ``reader`` an already opened reader of the shard, or None.
+        """
+
+    @abc.abstractmethod
+    def iter_shard_bytes(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[bytes]:
+        """The raw records ``[start, stop)`` of one shard, in order."""
+
+    def _check_readable(self, shard: int, index: int) -> None:
+        """Refuse random access to a shard that has none (e.g. a compressed file)."""
+
+    # ------------------------------------------------------------ the contract
+    @property
+    def schema(self) -> dict[str, str]:
+        """Record key -> type description, from the first record unless recorded."""
+        if self._schema is None:
+            nonempty = np.flatnonzero(self.shard_counts)
+            first = next(self.iter_shard(int(nonempty[0]), 0, 1), None) if len(nonempty) else None
+            self._schema = {} if first is None else {k: describe_value(v) for k, v in first.items()}
+        return dict(self._schema)
+
+    @property
+    def keys(self) -> list[str]:
+        """The record keys."""
+        return list(self.schema)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        shard, row = self.index.locate_one(index)
+        self._check_readable(shard, index)
+        return self._read_decode(shard, np.array([row]), np.array([index]))[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Read a batch: each shard once, the remote ones concurrently; request order."""
+        idx = self.index.check(indices)
+        if len(idx) == 0:
+            return []
+        shards, rows = self.index.locate(idx)
+        groups = group_by_shard(shards, rows)
+        for shard, _, positions in groups:
+            self._check_readable(shard, int(idx[positions[0]]))
+        opened = self._prefetch_copies([g[0] for g in groups])
+        results = self._map(
+            lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0])), groups
+        )
+        out: list[Any] = [None] * len(idx)
+        for (_shard, _rows, positions), records in zip(groups, results):
+            for p, rec in zip(positions.tolist(), records):
+                out[p] = rec
+        if opened:
+            self._close_evicted_copies()
+        return out
+
+    def iter_shard(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Records ``[start, stop)`` of one shard, in order (compressed files too)."""
+        base = int(self.index.offsets[shard])
+        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), max(start, 0)):
+            yield self._decode(data, shard, row, base + row)
+
+    # ---------------------------------------------------------------- reading
+    def _read_decode(
+        self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any = None
+    ) -> list[dict[str, Any]]:
+        """Read rows of one shard (one call) and decode them; errors name file and index."""
+        counters = local_counters()
+        t0 = time.perf_counter()
+        first = int(indices[0])
+        try:
+            blobs = self._read_rows(shard, rows, first, reader)
+        except CorruptDataError as e:
+            if f"shard {shard} of" in str(e):
+                raise
+            raise type(e)(
+                f"{e} (shard {shard} of {self.num_shards}, reading record index {first})"
+            ) from e
+        t1 = time.perf_counter()
+        counters[COUNTER["bytes_read"]] += sum(len(b) for b in blobs)
+        counters[COUNTER["read_seconds"]] += t1 - t0
+        decode = self.codec.decode
+        try:
+            out = [decode(b) for b in blobs]
+        except Exception:
+            # Find the culprit (the fast path above does not track positions).
+            for b, row, index in zip(
+                blobs, np.asarray(rows).tolist(), np.asarray(indices).tolist()
+            ):
+                self._decode(b, shard, row, index)
+            raise
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        return out
+
+    def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
+        try:
+            return self.codec.decode(data)
+        except Exception as e:
+            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
+            raise RecordDecodeError(
+                f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
+                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
+            ) from (None if isinstance(e, RecordDecodeError) else e)
