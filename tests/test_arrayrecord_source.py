@@ -1,6 +1,8 @@
 import glob
 import os
 import pickle
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -240,3 +242,52 @@ def test_block_shuffle_over_arrayrecord_chunks_in_workers(tmp_path):
     assert got == sampler.indices().tolist()
     for rec in recs[:3]:
         same_record(src[rec["id"]], rec)
+
+
+# ------------------------------------------------------------ untrusted manifests
+def _point_manifest_at(root, name):
+    import json
+
+    path = os.path.join(root, "torchgrain.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc["shards"][0]["path"] = name
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../secret/data.array_record", "sub/../../secret/data.array_record", "ABSOLUTE", "s3://b/x"],
+)
+def test_manifest_shard_paths_stay_inside_the_dataset(tmp_path, name):
+    root = str(tmp_path / "ds")
+    tg.write_array_record([{"i": i} for i in range(4)], root)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    shutil.copy(
+        os.path.join(root, tg.ArrayRecordSource(root).paths[0]), secret / "data.array_record"
+    )
+    if name == "ABSOLUTE":
+        name = str(secret / "data.array_record")
+    _point_manifest_at(root, name)
+    with pytest.raises(tg.UnsafePathError, match=re.escape(name)) as e:
+        tg.ArrayRecordSource(root)
+    assert "allow_external_paths=True" in str(e.value)
+    if not name.startswith("s3://"):
+        # The user opts in: the manifest is trusted and read as written.
+        src = tg.ArrayRecordSource(root, allow_external_paths=True)
+        assert [r["i"] for r in src.__getitems__(range(4))] == [0, 1, 2, 3]
+
+
+def test_a_symlink_inside_the_dataset_is_the_users_choice(tmp_path):
+    root = str(tmp_path / "ds")
+    tg.write_array_record([{"i": i} for i in range(4)], root)
+    elsewhere = tmp_path / "bigdisk"
+    elsewhere.mkdir()
+    shard = os.path.basename(tg.ArrayRecordSource(root).paths[0])
+    shutil.move(os.path.join(root, shard), elsewhere / shard)
+    os.symlink(elsewhere, os.path.join(root, "shards"))
+    _point_manifest_at(root, f"shards/{shard}")
+    src = tg.ArrayRecordSource(root)
+    assert [r["i"] for r in src.__getitems__([3, 0])] == [3, 0]

@@ -316,4 +316,6 @@ def _shard_path(
     if "://" in name:
         return name
     path = name if name.startswith("/") else posixpath.join(root, name)
-    return path if is_local(fs) else fs.unstrip_protocol(path)
+    if is_local(fs):
+        return posixpath.normpath(path)  # "sub/../x" must not need "sub" to exist
+    return fs.unstrip_protocol(path)
