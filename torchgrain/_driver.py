@@ -13,10 +13,10 @@ it is not there.
 from __future__ import annotations
 
 import sys
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
-__all__ = ["Driver", "driver", "external_sharder", "loader_key"]
+__all__ = ["Driver", "driver", "external_sharder", "loader_iterator", "loader_key"]
 
 # DataLoader wrappers that split batches between processes themselves. A sampler they
 # drive must hand out the one global order: splitting it by rank as well would give each
@@ -106,25 +106,60 @@ def external_sharder() -> str | None:
     return None
 
 
+def loader_iterator(*, skip: int = 2, depth: int = _SEARCH_DEPTH * 2) -> Any | None:
+    """The innermost DataLoader iterator (a ``_BaseDataLoaderIter``) on the call stack.
+
+    Found from the caller's caller (``skip`` frames up) within ``depth`` frames: the
+    iterator fetching a batch in this process, or the one starting this DataLoader
+    worker (a forked worker still holds its parent's frames), or the one starting a
+    worker process now (while it pickles the dataset for a spawned worker, or forks).
+    None when there is none.
+    """
+    iterator_cls = _iterator_class()
+    if iterator_cls is None:
+        return None
+    kinds = _ITERATOR_CODE
+    frame: FrameType | None = sys._getframe(skip)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        code = frame.f_code
+        kind = kinds.get(code)
+        if kind is not False:
+            obj = _self_of(frame)
+            if obj is not None and isinstance(obj, iterator_cls):
+                if kind is None:
+                    _remember(code, True)
+                return obj
+            if kind is None and (obj is not None or "self" not in code.co_varnames):
+                _remember(code, False)
+        frame = frame.f_back
+    return None
+
+
+# Code objects seen by loader_iterator: True when their ``self`` was a DataLoader
+# iterator. A method's code runs with instances of its own class, so one look tells;
+# a lookup at every batch then reads the locals of one frame only, not of each frame.
+_ITERATOR_CODE: dict[CodeType, bool] = {}
+_CODE_CACHE_SIZE = 4096  # code objects are few, unless code is compiled on the fly
+
+
+def _remember(code: CodeType, is_iterator: bool) -> None:
+    if len(_ITERATOR_CODE) >= _CODE_CACHE_SIZE:
+        _ITERATOR_CODE.clear()
+    _ITERATOR_CODE[code] = is_iterator
+
+
 def loader_key(dataset: Any, *, skip: int = 2) -> int | None:
     """An id of the DataLoader whose iterator (in this process, or in the parent that
     forked this worker, or is pickling the dataset for a spawned one) reads ``dataset``.
 
     The id of the loader's batch sampler (its ``_index_sampler``): the same object for
     every pass over one loader, different for each loader; a forked worker sees the
-    parent's objects at their parent addresses.
+    parent's objects at their parent addresses. None when the innermost DataLoader
+    iterator on the stack reads another dataset, or there is none.
     """
-    iterator_cls = _iterator_class()
-    if iterator_cls is None:
+    it = loader_iterator(skip=skip + 1)
+    if it is None or getattr(it, "_dataset", None) is not dataset:
         return None
-    frame: FrameType | None = sys._getframe(skip)
-    for _ in range(_SEARCH_DEPTH * 2):
-        if frame is None:
-            return None
-        obj = _self_of(frame)
-        if obj is not None and isinstance(obj, iterator_cls):
-            if getattr(obj, "_dataset", None) is dataset:
-                return id(getattr(obj, "_index_sampler", obj))
-            return None
-        frame = frame.f_back
-    return None
+    return id(getattr(it, "_index_sampler", it))

@@ -1,12 +1,21 @@
-"""Pipeline statistics: where the time goes, per DataLoader worker.
+"""Pipeline statistics: where the time goes, per DataLoader and per worker.
 
-Every torchgrain :class:`~torchgrain.Dataset` owns a small shared-memory table (one row
-per process: the main process and up to 63 workers) that its ``__getitems__`` updates
-after each batch: records and bytes read, seconds spent reading (I/O and
-decompression), decoding records, and running transforms, and cache hits/misses.
-Workers write their own row; the training process reads the whole table at any time
-with :func:`stats`, without any message passing. Wrapping the loader in :func:`timed`
-adds the consumer's side: how long the training loop waited for each batch.
+Every torchgrain :class:`~torchgrain.Dataset` owns a small shared-memory table that its
+``__getitems__`` updates after each batch: records and bytes read, seconds spent
+reading (I/O and decompression), decoding records, and running transforms, and cache
+hits/misses. The table has a slot for each DataLoader over the Dataset (a row per
+process: the main process and up to 63 workers, and a row for the consumer), so that
+loaders sharing one Dataset, say a training and an evaluation loader, are counted
+apart. Workers write their own row of their loader's slot; the training process reads
+the table at any time with :func:`stats`, without any message passing:
+``stats(loader)`` reports what that loader read (its workers, or the main process while
+it iterates with ``num_workers=0``), ``stats(dataset)`` the total over all loaders,
+past ones included, and reads outside any loader. Wrapping the loader in :func:`timed`
+adds the consumer's side: how long the training loop waited for each of its batches.
+
+Up to 8 loaders alive at once over one Dataset are counted apart; more share the last
+slot (each of them then reports the sum of those sharing it). A loader's slot is freed
+for another when the loader is garbage collected.
 
 Example:
     >>> import tempfile, numpy as np, torch, torchgrain as tg
@@ -27,12 +36,16 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import os
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from torchgrain import _driver
 
 __all__ = ["COUNTERS", "PipelineStats", "StatsReport", "local_counters", "stats", "timed"]
 
@@ -55,7 +68,21 @@ COUNTERS = (
 _INDEX = {name: i for i, name in enumerate(COUNTERS)}
 _ROWS = 64  # row 0: main process; rows 1..63: DataLoader workers 0..62 (and beyond, folded)
 _CONSUMER_ROW = _ROWS  # the training loop's waits
+# The table holds one block of rows per DataLoader reading the Dataset, so that loaders
+# sharing one Dataset (a train and an eval loader, the several loaders of a benchmark)
+# are counted apart, and two more blocks for the Dataset's total only:
+_RETIRED = 0  # loaders that are gone: their counts, merged in when their slot is freed
+_OTHER = 1  # reads outside any DataLoader (direct indexing, as another Dataset's source)
+_FIRST_SLOT = 2
+_LOADER_SLOTS = 8  # loaders counted apart at a time; more fold into the last slot
+_BLOCKS = _FIRST_SLOT + _LOADER_SLOTS
+_LAST_SLOT = _BLOCKS - 1
+_MAIN_DEPTH = 16  # frames from a batch read up to the DataLoader iterator (num_workers=0)
 _local = np.zeros(len(COUNTERS), dtype=np.float64)
+_pid = os.getpid()
+# Claims and releases of slots, in the process that owns the loaders. Re-entrant: a
+# release runs when a batch sampler is freed, which may happen inside a claim.
+_slot_lock = threading.RLock()
 
 
 def _reset_local_counters() -> None:
@@ -63,8 +90,11 @@ def _reset_local_counters() -> None:
     _local = np.zeros(len(COUNTERS), dtype=np.float64)
 
 
-# A forked child (a DataLoader worker) starts from zero.
-os.register_at_fork(after_in_child=_reset_local_counters)
+def _after_fork_in_child() -> None:
+    global _pid, _slot_lock
+    _reset_local_counters()  # a forked child (a DataLoader worker) starts from zero
+    _pid = os.getpid()
+    _slot_lock = threading.RLock()  # another thread may have held it at the fork
 
 
 def local_counters() -> np.ndarray:
@@ -78,60 +108,266 @@ def local_counters() -> np.ndarray:
 COUNTER = _INDEX
 
 
-def _row_of_this_process() -> int:
+def _stats_of(dataset: Any) -> PipelineStats | None:
+    """The table of a torchgrain Dataset, or of one that a wrapper (e.g. ``Subset``) holds."""
+    for candidate in (dataset, getattr(dataset, "dataset", None)):
+        st = getattr(candidate, "_stats", None)
+        if isinstance(st, PipelineStats):
+            return st
+    return None
+
+
+def _loader_of(obj: Any) -> Any | None:
+    """What names the DataLoader behind ``obj``: its batch sampler (``_index_sampler``).
+
+    The same object for every pass over a loader and the one its iterators keep. Found
+    on a DataLoader (torch's, torchdata's StatefulDataLoader), through wrappers that
+    pass attributes on (:class:`~torchgrain.ResumableLoader`, Accelerate's prepared
+    loaders) and through those that keep the loader as ``.loader`` (:func:`timed`,
+    :class:`~torchgrain.prefetch.CudaPrefetcher`). None for a Dataset, or anything
+    without a loader.
+    """
     import torch.utils.data
 
-    info = torch.utils.data.get_worker_info()
-    if info is None:
-        return 0
-    return min(1 + info.id, _ROWS - 1)
+    for _ in range(4):
+        if obj is None or isinstance(obj, torch.utils.data.Dataset):
+            return None
+        try:
+            owner = getattr(obj, "_index_sampler", None)
+        except Exception:  # a property that cannot answer: no loader here
+            owner = None
+        if owner is not None:
+            return owner
+        obj = getattr(obj, "loader", None)
+    return None
+
+
+class _Owner:
+    """Which slot each loader holds, known only to the process that iterates the loaders.
+
+    The key is ``id()`` of the loader's batch sampler. A slot is freed when that object
+    is, so a later loader that happens to get the same ``id()`` starts from zero. A
+    forked worker sees a copy of its parent's (``pid`` tells whose it is).
+    """
+
+    __slots__ = ("pid", "pinned", "slots")
+
+    def __init__(self) -> None:
+        self.pid = _pid
+        self.slots: dict[int, int] = {}
+        self.pinned: dict[int, Any] = {}  # batch samplers without weakref support
+
+
+def _release(ref: weakref.ref[PipelineStats], key: int, block: int, pid: int) -> None:
+    """A loader's batch sampler was freed: merge its counts into the retired block."""
+    st = ref()
+    if st is None or pid != _pid:  # a forked copy of the sampler, not the loader's own
+        return
+    with _slot_lock:
+        owner = st._owner
+        if owner.pid != pid or owner.slots.get(key) != block:
+            return
+        del owner.slots[key]
+        if block in owner.slots.values():  # other loaders folded into it still count there
+            return
+        table = st._table()
+        table[_RETIRED] += table[block]
+        table[block] = 0
+        st._tag_array()[block] = 0
 
 
 class PipelineStats:
     """The shared table behind :func:`stats` (one per Dataset chain).
 
-    Pickled into spawned workers while they start, inherited by forked ones; pickled
-    any other way it becomes a private copy (like the epoch).
+    A block of rows for each DataLoader reading the Dataset (a slot; there are 8): a
+    row per process reading for that loader and a consumer row. The process that
+    iterates a loader gives it a slot when the loader first reads, starts a worker or
+    is timed, and keeps which slot is whose to itself; workers learn theirs when they
+    start and write into it, each into its own row, without locking. More loaders at
+    once than slots share the last one. A slot is freed, its counts kept for the
+    Dataset's total, when its loader (its batch sampler) is garbage collected, so a
+    later loader never inherits counts, even at the same address.
+
+    Pickled into spawned workers while they start (with the slot of the loader that
+    starts them), inherited by forked ones; pickled any other way it becomes a private
+    copy (like the epoch).
     """
 
-    __slots__ = ("_shared",)
+    __slots__ = ("__weakref__", "_owner", "_place", "_shared", "_spawned", "_tags", "_view")
 
     def __init__(self) -> None:
-        size = (_ROWS + 1) * len(COUNTERS)
         try:
-            self._shared = multiprocessing.RawArray("d", size)
+            self._shared = multiprocessing.RawArray("d", _BLOCKS * (_ROWS + 1) * len(COUNTERS))
+            # The pid of the process that claimed each slot (0: free), so that processes
+            # sharing one table (e.g. handed to spawned processes) take different slots.
+            self._tags = multiprocessing.RawArray("q", _BLOCKS)
         except OSError:  # pragma: no cover - no shared memory available
-            self._shared = None
+            self._shared = self._tags = None
+        self._init_local(None)
+
+    def _init_local(self, worker_block: int | None) -> None:
+        self._view: np.ndarray | None = None
+        # In a worker spawned by a DataLoader iterator: (its pid, the slot to write).
+        self._spawned = None if worker_block is None else (_pid, worker_block)
+        self._place: tuple[int, int | None, int] | None = None  # (pid, block, row)
+        self._owner = _Owner()
 
     def _table(self) -> np.ndarray:
-        if self._shared is None:
-            self._shared = multiprocessing.RawArray("d", (_ROWS + 1) * len(COUNTERS))
-        return np.frombuffer(self._shared, dtype=np.float64).reshape(_ROWS + 1, len(COUNTERS))
+        view = self._view
+        if view is None:
+            if self._shared is None:
+                self._shared = multiprocessing.RawArray("d", _BLOCKS * (_ROWS + 1) * len(COUNTERS))
+            view = np.frombuffer(self._shared, dtype=np.float64)
+            view = self._view = view.reshape(_BLOCKS, _ROWS + 1, len(COUNTERS))
+        return view
 
+    def _tag_array(self) -> Any:
+        if self._tags is None:
+            self._tags = multiprocessing.RawArray("q", _BLOCKS)
+        return self._tags
+
+    # ------------------------------------------------------------------ slots
+    def _slots(self) -> dict[int, int]:
+        """This process's loader slots (a fresh map in a forked process)."""
+        if self._owner.pid != _pid:
+            self._owner = _Owner()
+        return self._owner.slots
+
+    def _claim(self, loader: Any) -> int:
+        """The slot of ``loader`` (a batch sampler), taking a free one the first time."""
+        key = id(loader)
+        with _slot_lock:
+            slots = self._slots()
+            block = slots.get(key)
+            if block is not None:
+                return block
+            tags = self._tag_array()
+            block = next((b for b in range(_FIRST_SLOT, _BLOCKS) if tags[b] == 0), _LAST_SLOT)
+            tags[block] = _pid
+            slots[key] = block
+            try:
+                fin = weakref.finalize(loader, _release, weakref.ref(self), key, block, _pid)
+                fin.atexit = False
+            except TypeError:  # no weak references: keep it, so that its id stays its own
+                self._owner.pinned[key] = loader
+            return block
+
+    def slot_of(self, loader: Any) -> int | None:
+        """The slot ``loader`` (a batch sampler) holds in this process, or None."""
+        return self._slots().get(id(loader))
+
+    def _loader_block(self, it: Any) -> int:
+        """The slot of the loader whose iterator ``it`` is, if it reads this table."""
+        if it is None or _stats_of(getattr(it, "_dataset", None)) is not self:
+            return _OTHER
+        loader = getattr(it, "_index_sampler", None)
+        if loader is None:
+            return _OTHER
+        block = self._slots().get(id(loader))
+        return block if block is not None else self._claim(loader)
+
+    def _locate(self) -> tuple[int, int | None, int]:
+        """Where this process writes: once per process, except the loader in the main one."""
+        import torch.utils.data
+
+        info = torch.utils.data.get_worker_info()
+        if info is None:  # not a worker: the loader is looked up at each batch
+            place: tuple[int, int | None, int] = (_pid, None, 0)
+        else:
+            spawned = self._spawned
+            if spawned is not None and spawned[0] == _pid:
+                block = spawned[1]
+            else:
+                # A forked worker: the parent gave its loader a slot just before the
+                # fork (see _before_fork), in the copy of the parent's map it holds.
+                block = _OTHER
+                it = _driver.loader_iterator(skip=3)
+                if it is not None and _stats_of(getattr(it, "_dataset", None)) is self:
+                    owner = self._owner
+                    loader = getattr(it, "_index_sampler", None)
+                    if owner.pid == os.getppid() and id(loader) in owner.slots:
+                        block = owner.slots[id(loader)]
+            place = (_pid, block, min(1 + info.id, _ROWS - 1))
+        self._place = place
+        return place
+
+    # ---------------------------------------------------------------- writing
     def publish(self, delta: np.ndarray) -> None:
-        """Add one batch's counters to this process's row (only this process writes it)."""
-        self._table()[_row_of_this_process()] += delta
+        """Add one batch's counters to this process's row of its loader's slot.
 
-    def add_wait(self, seconds: float, batches: int = 1) -> None:
-        row = self._table()[_CONSUMER_ROW]
+        Only this process writes that row. A worker finds its row and slot once; the
+        main process (``num_workers=0``) looks up the loader iterating it at each batch.
+        """
+        place = self._place
+        if place is None or place[0] != _pid:
+            place = self._locate()
+        block = place[1]
+        if block is None:
+            block = self._loader_block(_driver.loader_iterator(skip=2, depth=_MAIN_DEPTH))
+        self._table()[block, place[2]] += delta
+
+    def add_wait(self, seconds: float, batches: int = 1, loader: Any = None) -> None:
+        """Count the consumer's wait for ``batches`` batches of ``loader`` (a batch sampler)."""
+        if loader is None:
+            block = _OTHER
+        else:
+            block = self._slots().get(id(loader))
+            if block is None:
+                block = self._claim(loader)
+        row = self._table()[block, _CONSUMER_ROW]
         row[_INDEX["wait_seconds"]] += seconds
         row[_INDEX["batches"]] += batches
 
-    def reset(self) -> None:
-        """Zero the table."""
-        self._table()[:] = 0
+    # ---------------------------------------------------------------- reading
+    def snapshot(self, loader: Any = None) -> np.ndarray:
+        """A copy of ``loader``'s rows (zeros if it read nothing), or the sum over all."""
+        table = self._table()
+        if loader is None:
+            return table.sum(axis=0)
+        block = self.slot_of(loader)
+        return table[block].copy() if block is not None else np.zeros_like(table[0])
 
-    def snapshot(self) -> np.ndarray:
-        return self._table().copy()
+    def reset(self, loader: Any = None) -> None:
+        """Zero ``loader``'s rows, or the whole table."""
+        if loader is None:
+            self._table()[:] = 0
+            return
+        block = self.slot_of(loader)
+        if block is not None:
+            self._table()[block] = 0
 
-    def __getstate__(self) -> tuple[Any]:
-        spawning = multiprocessing.context.get_spawning_popen() is not None
-        # A tuple, never a bare None: pickle skips __setstate__ for a None state,
-        # which would leave the slot unset.
-        return (self._shared if spawning else None,)
+    # --------------------------------------------------------------- pickling
+    def __getstate__(self) -> tuple[Any, Any, int | None]:
+        if multiprocessing.context.get_spawning_popen() is None:
+            # A tuple, never a bare None: pickle skips __setstate__ for a None state,
+            # which would leave the slots unset.
+            return (None, None, None)
+        # Starting a spawned (or forkserver) process. When a DataLoader iterator over
+        # this Dataset starts it, the worker writes into that loader's slot.
+        it = _driver.loader_iterator(skip=2)
+        return (self._shared, self._tags, self._loader_block(it) if it is not None else None)
 
-    def __setstate__(self, state: tuple[Any]) -> None:
-        (self._shared,) = state
+    def __setstate__(self, state: tuple[Any, Any, int | None]) -> None:
+        self._shared, self._tags, worker_block = state
+        self._init_local(worker_block)
+
+
+def _before_fork() -> None:
+    """Give the loader whose iterator is starting a worker by ``fork`` its slot now.
+
+    The worker finds the slot in its copy of this process's memory (it holds the same
+    frames, so it finds the same iterator).
+    """
+    try:
+        it = _driver.loader_iterator(skip=2)
+        st = _stats_of(getattr(it, "_dataset", None)) if it is not None else None
+        if st is not None:
+            st._loader_block(it)
+    except Exception:  # pragma: no cover - statistics never stop a worker from starting
+        logger.debug("torchgrain: no stats slot for a forked worker", exc_info=True)
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 @dataclass
@@ -186,11 +422,29 @@ def _find_stats(obj: Any) -> PipelineStats:
 def stats(obj: Any, *, reset: bool = False) -> StatsReport:
     """Report per-worker read/decode/transform time, bytes, records and cache counters.
 
-    ``obj`` is a torchgrain Dataset, a DataLoader over one, or an iterator returned by
-    :func:`timed`. With ``reset=True`` the counters are zeroed after the snapshot.
+    ``obj`` is a torchgrain Dataset, a DataLoader over one (torch's or torchdata's
+    ``StatefulDataLoader``), or a wrapper of such a loader: a
+    :class:`~torchgrain.ResumableLoader`, an Accelerate prepared loader, an iterator
+    returned by :func:`timed`. For a loader the report holds what that loader read
+    (its workers, or ``main`` for the batches it read with ``num_workers=0``) and its
+    consumer waits, also when other loaders read the same Dataset; zeros before it
+    has read anything. For a Dataset it holds the sum over every loader that read it
+    and reads outside any loader, each process row added up by name. With
+    ``reset=True`` the counters reported are zeroed after the snapshot (those of the
+    loader, or all of the Dataset's).
+
+    Example:
+        >>> import torch, torchgrain as tg
+        >>> ds = tg.Dataset(list(range(12)))
+        >>> train = torch.utils.data.DataLoader(ds, batch_size=4)
+        >>> val = torch.utils.data.DataLoader(ds, batch_size=4, sampler=range(4))
+        >>> _ = list(train), list(val)
+        >>> [tg.stats(x).total["records"] for x in (train, val, ds)]
+        [12.0, 4.0, 16.0]
     """
     st = _find_stats(obj)
-    table = st.snapshot()
+    loader = _loader_of(obj)
+    table = st.snapshot(loader)
     workers = {}
     for r in range(_ROWS):
         if table[r].any():
@@ -200,7 +454,7 @@ def stats(obj: Any, *, reset: bool = False) -> StatsReport:
     consumer = dict(zip(COUNTERS, table[_CONSUMER_ROW].tolist()))
     consumer["wall_seconds"] = getattr(obj, "wall_seconds", 0.0)
     if reset:
-        st.reset()
+        st.reset(loader)
     return StatsReport(workers=workers, total=total, consumer=consumer)
 
 
@@ -212,7 +466,9 @@ class timed(Iterable[Any]):
         log_every: if set, log a one-line :func:`stats` summary every N batches
             (logger ``"torchgrain"``, level INFO).
 
-    The wait is the time spent inside ``next()``: zero when the pipeline keeps up.
+    The wait is the time spent inside ``next()``: zero when the pipeline keeps up. It
+    counts for ``loader`` alone (:func:`stats` of this iterator or of the loader
+    reports it), or for the Dataset when ``loader`` is not a DataLoader.
     """
 
     def __init__(self, loader: Iterable[Any], *, log_every: int | None = None) -> None:
@@ -227,6 +483,7 @@ class timed(Iterable[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         it = iter(self.loader)
+        loader = _loader_of(self.loader)  # the waits count for this loader only
         n = 0
         start = time.perf_counter()
         try:
@@ -236,7 +493,7 @@ class timed(Iterable[Any]):
                     batch = next(it)
                 except StopIteration:
                     return
-                self._stats.add_wait(time.perf_counter() - t0)
+                self._stats.add_wait(time.perf_counter() - t0, loader=loader)
                 n += 1
                 if self.log_every and n % self.log_every == 0:
                     self.wall_seconds += time.perf_counter() - start
