@@ -28,6 +28,7 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
+from torchgrain.sources.base import Source
 
 __all__ = ["Dataset", "record_rng"]
 
@@ -331,20 +332,28 @@ class Dataset(torch.utils.data.Dataset):
 
     @property
     def keys(self) -> list[str]:
-        """Keys of the source's records (before transforms)."""
-        return list(getattr(self._source, "keys", []))
+        """Keys of the source's records (before transforms); empty unless it is a
+        :class:`~torchgrain.Source` (or a Dataset over one)."""
+        return list(self._source.keys) if self._describes_records else []
 
     @property
     def schema(self) -> dict[str, str]:
-        """Schema of the source's records (before transforms)."""
-        return dict(getattr(self._source, "schema", {}))
+        """Schema of the source's records (before transforms); see :attr:`keys`."""
+        return dict(self._source.schema) if self._describes_records else {}
+
+    @property
+    def _describes_records(self) -> bool:
+        return isinstance(self._source, (Source, Dataset))
 
     def block_offsets(self) -> np.ndarray:
-        """Block boundaries of the source, for :class:`~torchgrain.BlockShuffleSampler`."""
-        fn = getattr(self._source, "block_offsets", None)
-        if fn is None:
-            raise TypeError(f"{type(self._source).__name__} does not expose block boundaries")
-        return fn()
+        """Block boundaries of the source, for :class:`~torchgrain.BlockShuffleSampler`
+        (one block per shard for a source with no finer blocks)."""
+        if not self._describes_records:
+            raise TypeError(
+                f"{type(self._source).__name__} is not a torchgrain Source: it has no "
+                "block boundaries (give BlockShuffleSampler block_offsets=)"
+            )
+        return self._source.block_offsets()
 
     def __getitem__(self, index: int) -> Any:
         return self._fetch([index], single=True)[0]
@@ -372,7 +381,7 @@ class Dataset(torch.utils.data.Dataset):
             else:
                 records = [self._source[i] for i in indices]
         t1 = time.perf_counter()
-        if not getattr(self._source, "reports_stats", False):
+        if not (isinstance(self._source, Source) and self._source.reports_stats):
             counters[COUNTER["read_seconds"]] += t1 - t0
         if self._ops:
             epoch = self._epoch.get()
