@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from torchgrain.columns import ColumnBatch, Ragged, set_allocator
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
 from torchgrain.sources.base import Source
 
-__all__ = ["Dataset", "record_rng"]
+__all__ = ["Dataset", "collate_columns", "record_rng"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -179,6 +180,101 @@ def _grow_worker_pipe(size: int) -> int | None:
     return None
 
 
+# --------------------------------------------------------------- batches as columns
+# In a DataLoader worker, batch columns are allocated in shared memory (as torch's own
+# collate does for the tensors it stacks), so the batch crosses to the main process as
+# file handles, not bytes. The allocator hands out numpy views of shared tensors; the
+# collate finds each column's tensor again by its data address.
+_SHARED_MIN_BYTES = 4096
+_shared: dict[int, torch.Tensor] = {}
+_worker_checked = False
+
+
+def _forget_worker_check() -> None:
+    global _worker_checked
+    _worker_checked = False
+    _shared.clear()
+
+
+os.register_at_fork(after_in_child=_forget_worker_check)
+
+
+def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < _SHARED_MIN_BYTES:
+        return None
+    try:
+        tensor = torch.empty(shape, dtype=_torch_dtype(dtype)).share_memory_()
+    except (TypeError, RuntimeError):
+        return None
+    out = tensor.numpy()
+    _shared[out.ctypes.data] = tensor
+    return out
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype  # raises TypeError if torch has none
+
+
+def _use_shared_memory_in_workers() -> None:
+    global _worker_checked
+    _shared.clear()  # columns of a batch that was never collated
+    if not _worker_checked:
+        _worker_checked = True
+        if torch.utils.data.get_worker_info() is not None:
+            set_allocator(_shared_empty)
+
+
+def _as_tensor(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        tensor = _shared.pop(value.ctypes.data, None) if value.size else None
+        if tensor is not None and tuple(tensor.shape) == value.shape:
+            return tensor
+        try:
+            return torch.from_numpy(value)
+        except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
+            return value
+    if isinstance(value, Ragged):
+        return Ragged(_as_tensor(value.values), _as_tensor(value.offsets), value.kind)
+    return value
+
+
+def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None) -> dict[str, Any]:
+    """What the DataLoader's default collate makes of a columns batch: a dict of tensors
+    (zero-copy; :class:`~torchgrain.columns.Ragged` holding tensors; lists as they are).
+
+    Registered with torch's default collate, so ``DataLoader(ds, batch_size=...)`` over a
+    ``Dataset(..., batch_format="columns")`` needs no ``collate_fn``. A custom
+    ``collate_fn`` receives ``[ColumnBatch]`` and may call this.
+    """
+    if len(batch) != 1:
+        raise TypeError(
+            f"a columns batch is one ColumnBatch per DataLoader batch, got {len(batch)}: use "
+            "batch_size= (automatic batching), not batch_size=None"
+        )
+    return {k: _as_tensor(v) for k, v in batch[0].items()}
+
+
+torch.utils.data._utils.collate.default_collate_fn_map[ColumnBatch] = collate_columns
+
+
+def _call_columns_fn(fn: Callable[[ColumnBatch], Any], batch: ColumnBatch) -> ColumnBatch:
+    out = fn(batch)
+    if not isinstance(out, dict):
+        raise TypeError(
+            f"map_batch function {getattr(fn, '__name__', type(fn).__name__)} must return the "
+            f"batch's columns (a ColumnBatch or dict), got {type(out).__name__}"
+        )
+    if not isinstance(out, ColumnBatch):
+        out = ColumnBatch(out, num_rows=len(batch))
+    if len(out) != len(batch):
+        raise TypeError(
+            f"map_batch function {getattr(fn, '__name__', type(fn).__name__)} returned "
+            f"{len(out)} rows for a batch of {len(batch)}"
+        )
+    return out
+
+
 def _call_batch_fn(fn: Callable[[list[Any]], Any], records: list[Any]) -> list[Any]:
     out = fn(records)
     if not isinstance(out, list) or len(out) != len(records):
@@ -201,6 +297,14 @@ class Dataset(torch.utils.data.Dataset):
             the worker's batches to the main process to this size at the first batch
             (default 1 MiB, the usual system limit; ``0`` leaves it alone). Batches of
             raw bytes then reach the main process about 1.5x faster.
+        batch_format: ``"records"`` (default): ``__getitems__`` returns a list of records
+            and the DataLoader's collate stacks them. ``"columns"``: a batch is read as
+            columns (:class:`~torchgrain.columns.ColumnBatch`: one array per key,
+            built by the source straight from the bytes it decodes where it can) and
+            the DataLoader's default collate hands it over as a dict of tensors without
+            copying (:class:`~torchgrain.columns.Ragged` for variable-length values),
+            from workers through shared memory. ``map``/``random_map`` still see one
+            record at a time; ``map_batch`` gets the :class:`ColumnBatch`.
 
     Example:
         >>> import tempfile, numpy as np, torch, torchgrain as tg
@@ -217,7 +321,13 @@ class Dataset(torch.utils.data.Dataset):
         True
     """
 
-    def __init__(self, source: Any, *, worker_pipe_bytes: int = WORKER_PIPE_BYTES) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        worker_pipe_bytes: int = WORKER_PIPE_BYTES,
+        batch_format: str = "records",
+    ) -> None:
         if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
             raise TypeError("source must have __len__ and __getitem__")
         if (
@@ -228,8 +338,11 @@ class Dataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"worker_pipe_bytes must be an integer >= 0, got {worker_pipe_bytes!r}"
             )
+        if batch_format not in ("records", "columns"):
+            raise ValueError(f"batch_format must be 'records' or 'columns', got {batch_format!r}")
         self._source = source
         self._worker_pipe_bytes = worker_pipe_bytes
+        self.batch_format = batch_format
         self._ops: tuple[tuple[Any, ...], ...] = ()
         self._epoch = _EpochCell(0)
         self._stats = PipelineStats()
@@ -239,6 +352,7 @@ class Dataset(torch.utils.data.Dataset):
         child = Dataset.__new__(Dataset)
         child._source = self._source
         child._worker_pipe_bytes = self._worker_pipe_bytes
+        child.batch_format = self.batch_format
         child._ops = (*self._ops, op)
         child._epoch = _EpochCell(self._epoch.get())
         child._stats = PipelineStats()
@@ -359,7 +473,65 @@ class Dataset(torch.utils.data.Dataset):
         return self._fetch([index], single=True)[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The records at ``indices`` (a list), or with ``batch_format="columns"`` a
+        one-element list holding their :class:`~torchgrain.columns.ColumnBatch` (the
+        DataLoader's default collate turns it into a dict of tensors)."""
+        if self.batch_format == "columns":
+            return [self._fetch_columns(indices)]
         return self._fetch(indices)
+
+    def _fetch_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        if not _pipe_checked:  # once per process
+            _grow_worker_pipe(self._worker_pipe_bytes)
+        _use_shared_memory_in_workers()
+        counters = local_counters()
+        before = counters.copy()
+        t0 = time.perf_counter()
+        ops = self._ops
+        k = 0
+        while k < len(ops) and ops[k][0] == "map_batch":
+            k += 1  # leading map_batch ops work on columns
+        if k == len(ops) or k > 0:
+            read = getattr(self._source, "read_columns", None)
+            batch = (
+                read(indices) if read is not None else ColumnBatch.from_records(self._read(indices))
+            )
+        else:
+            batch = None
+        t1 = time.perf_counter()
+        if not (isinstance(self._source, Source) and self._source.reports_stats):
+            counters[COUNTER["read_seconds"]] += t1 - t0
+        epoch = self._epoch.get()
+        if batch is not None:
+            for op in ops[:k]:
+                batch = _call_columns_fn(op[1], batch)
+            rest = ops[k:]
+        else:
+            rest = ops
+        if rest:
+            # Per-record ops see records; a later map_batch gets the columns again.
+            records = batch.records() if batch is not None else self._read(indices)
+            records = self._apply_many(records, indices, epoch, rest, columns=True)
+            batch = (
+                records if isinstance(records, ColumnBatch) else ColumnBatch.from_records(records)
+            )
+        counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
+        counters[COUNTER["records"]] += len(batch)
+        counters[COUNTER["batches"]] += 1
+        self._stats.publish(counters - before)
+        return batch
+
+    def _read(self, indices: Sequence[int]) -> list[Any]:
+        get_many = getattr(self._source, "__getitems__", None)
+        if get_many is None:
+            return [self._source[i] for i in indices]
+        records = get_many(indices)
+        if len(records) != len(indices):
+            raise RuntimeError(
+                f"{type(self._source).__name__}.__getitems__ returned {len(records)} "
+                f"records for {len(indices)} indices"
+            )
+        return records
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
         if not _pipe_checked:  # once per process
@@ -367,19 +539,7 @@ class Dataset(torch.utils.data.Dataset):
         counters = local_counters()
         before = counters.copy()
         t0 = time.perf_counter()
-        if single:
-            records = [self._source[indices[0]]]
-        else:
-            get_many = getattr(self._source, "__getitems__", None)
-            if get_many is not None:
-                records = get_many(indices)
-                if len(records) != len(indices):
-                    raise RuntimeError(
-                        f"{type(self._source).__name__}.__getitems__ returned {len(records)} "
-                        f"records for {len(indices)} indices"
-                    )
-            else:
-                records = [self._source[i] for i in indices]
+        records = [self._source[indices[0]]] if single else self._read(indices)
         t1 = time.perf_counter()
         if not (isinstance(self._source, Source) and self._source.reports_stats):
             counters[COUNTER["read_seconds"]] += t1 - t0
@@ -409,9 +569,18 @@ class Dataset(torch.utils.data.Dataset):
             raise
         return rec
 
-    def _apply_many(self, records: Sequence[Any], indices: Sequence[int], epoch: int) -> list[Any]:
-        """Run the ops: per-record ops record by record, each map_batch on the whole list."""
-        ops, start = self._ops, 0
+    def _apply_many(
+        self,
+        records: Sequence[Any],
+        indices: Sequence[int],
+        epoch: int,
+        ops: tuple[tuple[Any, ...], ...] | None = None,
+        columns: bool = False,
+    ) -> Any:
+        """Run the ops: per-record ops record by record, each map_batch on the whole batch
+        (a list of records, or with ``columns`` a ColumnBatch)."""
+        ops = self._ops if ops is None else ops
+        start = 0
         if all(op[0] != "map_batch" for op in ops):  # the common case, kept lean
             return [self._apply(r, int(i), epoch, ops) for r, i in zip(records, indices)]
         for k, op in enumerate(ops):
@@ -419,7 +588,11 @@ class Dataset(torch.utils.data.Dataset):
                 if k > start:
                     run = ops[start:k]
                     records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
-                records = _call_batch_fn(op[1], list(records))
+                if columns:
+                    batch = _call_columns_fn(op[1], ColumnBatch.from_records(list(records)))
+                    records = batch.records() if k + 1 < len(ops) else batch
+                else:
+                    records = _call_batch_fn(op[1], list(records))
                 start = k + 1
         if start < len(ops):
             run = ops[start:]

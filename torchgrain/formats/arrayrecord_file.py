@@ -1052,7 +1052,7 @@ class ArrayRecordFile:
         One-record zstd chunks whose header and data sit inside one block (what
         ``group_size:1`` files hold) are recognised for the whole batch with numpy (the
         40-byte headers and the few bytes of the simple-chunk preamble gathered from
-        the map in one fancy index) and decompressed by one C call; every other chunk,
+        the map in one fancy index) and decompressed without further checks; every other chunk,
         or any that looks unusual, takes :meth:`_local_chunk`, which checks and reports
         everything. Returns what :meth:`_read_chunks` does, in the order given.
         """
@@ -1099,24 +1099,23 @@ class ArrayRecordFile:
         out: list[Any] = [None] * len(chunks)
         fast_k = np.flatnonzero(ok)
         if len(fast_k):
-            p, e = payload[fast_k].tolist(), end[fast_k].tolist()
-            frames = [view[a:b] for a, b in zip(p, e)]
             try:
                 d = self._tls.zstd
             except AttributeError:
                 d = self._zstd()
+            decompress = d.decompress
+            sizes = decoded[fast_k].tolist()
+            # One call per frame: zstandard's batch call writes all output into one new
+            # buffer, whose fresh pages cost more than the calls it saves.
             try:
-                segments = d.multi_decompress_to_buffer(
-                    frames, decompressed_sizes=decoded[fast_k].astype(np.uint64).tobytes()
-                )
-                values = [seg.tobytes() for seg in segments]
+                for k, a, b, n in zip(
+                    fast_k.tolist(), payload[fast_k].tolist(), end[fast_k].tolist(), sizes
+                ):
+                    v = decompress(view[a:b], max_output_size=n)
+                    if len(v) == n:
+                        out[k] = (v, None)
             except (zstandard.ZstdError, ValueError):
-                values = None  # something is off: let the careful path find and name it
-            if values is not None and all(
-                len(v) == n for v, n in zip(values, decoded[fast_k].tolist())
-            ):
-                for k, v in zip(fast_k.tolist(), values):
-                    out[k] = (v, None)
+                pass  # something is off: the careful path below finds and names it
         if len(fast_k) < len(chunks):
             local_chunk = self._local_chunk
             for k, c in enumerate(chunks):

@@ -152,6 +152,13 @@ class MsgpackCodec:
                 raise TypeError(f"record keys must be str, got {k!r}")
         return msgpack.packb(record, default=_default, use_bin_type=True)
 
+    def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
+        """A batch of records (``buf[starts[i]:ends[i]]``) as columns, or None when they
+        are not flat maps of one layout (see :mod:`torchgrain.formats.msgpack_columns`)."""
+        from torchgrain.formats.msgpack_columns import decode_columns
+
+        return decode_columns(buf, starts, ends)
+
     def decode(self, data: bytes | memoryview) -> dict[str, Any]:
         try:
             out = msgpack.unpackb(
@@ -179,6 +186,17 @@ class RawCodec:
 
     def decode(self, data: bytes | memoryview) -> dict[str, Any]:
         return {"bytes": bytes(data) if isinstance(data, memoryview) else data}
+
+    def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
+        """A batch of records as one ``bytes`` column (a :class:`~torchgrain.columns.Ragged`)."""
+        from torchgrain.columns import ColumnBatch, Ragged, empty, gather_ranges
+
+        lengths = ends - starts
+        offsets = np.zeros(len(starts) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        values = empty((int(offsets[-1]),), np.uint8)
+        gather_ranges(buf, starts, lengths, values)
+        return ColumnBatch({"bytes": Ragged(values, offsets, "bytes")}, num_rows=len(starts))
 
 
 _REGISTRY: dict[str, Codec] = {"msgpack": MsgpackCodec(), "raw": RawCodec()}

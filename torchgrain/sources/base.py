@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 import fsspec
 import numpy as np
 
+from torchgrain.columns import ColumnBatch
 from torchgrain.io import process
 from torchgrain.io.fs import filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -135,6 +136,14 @@ class Source(abc.ABC):
         offsets = np.zeros(self.num_shards + 1, dtype=np.int64)
         np.cumsum(self.shard_counts, out=offsets[1:])
         return np.unique(offsets)
+
+    def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        """The records at ``indices`` as columns (see :mod:`torchgrain.columns`).
+
+        By default built from :meth:`__getitems__`; formats that can build columns
+        straight from what they decode (without a Python object per record) override it.
+        """
+        return ColumnBatch.from_records(self.__getitems__(indices))
 
     def iter_shard(
         self, shard: int, start: int = 0, stop: int | None = None
