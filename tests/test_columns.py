@@ -141,3 +141,234 @@ def test_ragged_and_batch_helpers():
     buf = (np.arange(1000) % 256).astype(np.uint8)
     gather_ranges(buf, np.array([500, 0]), np.array([3, 3]), out)
     assert out.tolist() == [244, 245, 246, 0, 1, 2]
+
+
+# ------------------------------------------------------------------ sources and loaders
+import datetime  # noqa: E402
+import os  # noqa: E402
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+import torchgrain as tg  # noqa: E402
+
+
+def _rows_equal(a, b) -> bool:
+    """A row from a columns batch equals a per-record row (arrays by value)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_rows_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_rows_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+def _check_source(src, indices):
+    batch = src.read_columns(indices)
+    assert isinstance(batch, ColumnBatch) and len(batch) == len(indices)
+    expected = src.__getitems__(indices)
+    got = batch.records()
+    assert list(batch) == list(expected[0]) if expected else True
+    for g, e, i in zip(got, expected, indices):
+        assert set(g) == set(e), i
+        for k in e:
+            assert _rows_equal(g[k], e[k]), (i, k, g[k], e[k])
+    return batch
+
+
+@pytest.fixture(scope="module")
+def image_records():
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "image": rng.integers(0, 255, (8, 8, 3), dtype=np.uint8),
+            "label": i,
+            "name": f"r{i}",
+            "blob": bytes(rng.integers(0, 255, i % 7, dtype=np.uint8)) + b"\0" * (i % 3),
+            "score": float(i) / 3,
+        }
+        for i in range(300)
+    ]
+
+
+@pytest.fixture(scope="module")
+def arrayrecord_dir(tmp_path_factory, image_records):
+    d = str(tmp_path_factory.mktemp("ar"))
+    tg.write_array_record(image_records, d, num_shards=3)
+    return d
+
+
+def test_arrayrecord_read_columns_builds_arrays_straight_from_bytes(arrayrecord_dir):
+    src = tg.ArrayRecordSource(arrayrecord_dir)
+    idx = [299, 0, 5, 5, 150, 42]
+    b = _check_source(src, idx)
+    assert b["image"].shape == (6, 8, 8, 3) and b["image"].dtype == np.uint8
+    assert b["label"].tolist() == idx
+    assert isinstance(b["blob"], Ragged) and isinstance(b["name"], Ragged)
+    assert b["name"].kind == "str" and b["name"][0] == "r299"
+    assert _check_source(src, []).num_rows == 0
+
+
+def _parquet_table(n: int) -> pa.Table:
+    rng = np.random.default_rng(1)
+    img = rng.integers(0, 255, (n, 4, 3), dtype=np.uint8)
+    return pa.table(
+        {
+            "label": pa.array(np.arange(n, dtype=np.int32)),
+            "x": pa.array(rng.random(n)),
+            "flag": pa.array(np.arange(n) % 2 == 0),
+            "name": pa.array([f"n{i}" for i in range(n)]),
+            "blob": pa.array([b"\0" * (i % 4) + b"x" for i in range(n)], pa.large_binary()),
+            "vec": pa.array([rng.random(3) for _ in range(n)], pa.list_(pa.float32(), 3)),
+            "ragged": pa.array([list(range(i % 5)) for i in range(n)], pa.list_(pa.int64())),
+            "image": pa.array([row.tolist() for row in img], pa.list_(pa.list_(pa.uint8()))),
+            "maybe": pa.array([None if i % 3 == 0 else i for i in range(n)], pa.int64()),
+            "when": pa.array(
+                [datetime.datetime(2020, 1, 1) + datetime.timedelta(seconds=i) for i in range(n)]
+            ),
+            "cat": pa.array([["a", "b", "c"][i % 3] for i in range(n)]).dictionary_encode(),
+            "nested": pa.array([{"a": i, "b": [i, i]} for i in range(n)]),
+        }
+    )
+
+
+def test_parquet_read_columns_agrees_with_records_for_every_type(tmp_path):
+    n = 120
+    table = _parquet_table(n)
+    for part in range(3):
+        d = tmp_path / f"part={part}"
+        d.mkdir()
+        pq.write_table(table.slice(part * 40, 40), d / "f.parquet", row_group_size=15)
+    src = tg.ParquetSource(str(tmp_path), cache_bytes=0)
+    idx = [119, 0, 3, 3, 60, 44, 17, 100, 101]
+    b = _check_source(src, idx)
+    assert b["label"].dtype == np.int32 and b["label"].tolist() == idx
+    assert b["vec"].shape == (9, 3) and b["vec"].dtype == np.float32
+    assert b["image"].shape == (9, 4, 3) and b["image"].dtype == np.uint8
+    assert isinstance(b["ragged"], Ragged) and b["ragged"].kind == "array"
+    assert isinstance(b["blob"], Ragged) and b["blob"][3] == b"\0\0\0x"
+    assert isinstance(b["maybe"], list) and b["maybe"][1] is None
+    assert b["part"].tolist() == [2, 0, 0, 0, 1, 1, 0, 2, 2]
+    # The same with a warm cache, and a whole row group.
+    src = tg.ParquetSource(str(tmp_path))
+    src.__getitems__(list(range(15)))
+    _check_source(src, list(range(14, -1, -1)))
+    _check_source(src, idx)
+
+
+@pytest.mark.parametrize("workers,context", [(0, None), (2, "fork"), (2, "spawn")])
+def test_columns_through_the_dataloader(arrayrecord_dir, image_records, workers, context):
+    src = tg.ArrayRecordSource(arrayrecord_dir)
+    src[0]  # the parent has read a record before the workers start (the usual sequence)
+    ds = tg.Dataset(src, batch_format="columns")
+    sampler = tg.GlobalShuffleSampler(ds, seed=3)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=32,
+        sampler=sampler,
+        num_workers=workers,
+        multiprocessing_context=context,
+        persistent_workers=workers > 0,
+    )
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        seen = []
+        for batch in loader:
+            assert isinstance(batch, dict) and not isinstance(batch, ColumnBatch)
+            assert isinstance(batch["image"], torch.Tensor)
+            assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (8, 8, 3)
+            if workers:  # moved from the worker through shared memory, not pickled bytes
+                assert batch["image"].is_shared()
+            labels = batch["label"].tolist()
+            for j, label in enumerate(labels):
+                rec = image_records[label]
+                assert torch.equal(batch["image"][j], torch.from_numpy(rec["image"]))
+                assert batch["blob"][j] == rec["blob"]
+                assert batch["name"][j] == rec["name"]
+            seen += labels
+        assert sorted(seen) == list(range(len(image_records)))
+        assert seen == [int(i) for i in sampler_order(sampler, epoch)]
+
+
+def sampler_order(sampler, epoch):
+    sampler.set_epoch(epoch)
+    return list(iter(sampler))
+
+
+def _add_one(rec):
+    rec["label"] = rec["label"] + 1000
+    return rec
+
+
+def _flip(batch):
+    batch["image"] = batch["image"][:, ::-1].copy()
+    batch["double"] = batch["label"] * 2
+    return batch
+
+
+def _noisy(rec, rng):
+    rec["noise"] = float(rng.random())
+    return rec
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_columns_with_transforms(arrayrecord_dir, image_records, workers):
+    src = tg.ArrayRecordSource(arrayrecord_dir)
+    base = tg.Dataset(src, batch_format="columns")
+    ds = base.map_batch(_flip).map(_add_one).random_map(_noisy, seed=5)
+    loader = torch.utils.data.DataLoader(ds, batch_size=50, num_workers=workers)
+    got = {}
+    for batch in loader:
+        for j, label in enumerate(batch["label"].tolist()):
+            rec = image_records[label - 1000]
+            assert torch.equal(batch["image"][j], torch.from_numpy(rec["image"][::-1].copy()))
+            assert batch["double"][j].item() == 2 * (label - 1000)
+            got[label - 1000] = batch["noise"][j].item()
+    assert sorted(got) == list(range(len(image_records)))
+    # random_map draws from the record's own stream: the same as in records mode.
+    rec_ds = tg.Dataset(src).map_batch(lambda rs: rs).map(_add_one).random_map(_noisy, seed=5)
+    for i in (0, 17, 299):
+        assert rec_ds[i]["noise"] == got[i]
+
+
+def test_columns_map_batch_must_keep_rows(arrayrecord_dir):
+    ds = tg.Dataset(tg.ArrayRecordSource(arrayrecord_dir), batch_format="columns")
+    with pytest.raises(TypeError, match="returned 2 rows"):
+        ds.map_batch(lambda b: b.take([0, 1])).__getitems__([0, 1, 2])
+    with pytest.raises(TypeError, match="must return"):
+        ds.map_batch(lambda b: [1, 2, 3]).__getitems__([0, 1, 2])
+    with pytest.raises(ValueError, match="batch_format"):
+        tg.Dataset(tg.ArrayRecordSource(arrayrecord_dir), batch_format="arrow")
+
+
+def test_parquet_columns_with_workers_and_block_shuffle(tmp_path):
+    n = 400
+    table = _parquet_table(n).select(["label", "x", "name", "image"])
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=50)
+    src = tg.ParquetSource(str(tmp_path))
+    ds = tg.Dataset(src, batch_format="columns")
+    sampler = tg.BlockShuffleSampler(ds, seed=0, window=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=64, sampler=sampler, num_workers=2)
+    seen = []
+    for batch in loader:
+        assert batch["image"].shape[1:] == (4, 3)
+        assert batch["label"].dtype == torch.int32
+        seen += batch["label"].tolist()
+    assert seen == list(iter(sampler))
+    assert sorted(seen) == list(range(n))
+
+
+def test_columns_from_a_source_without_read_columns():
+    class Plain:
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return {"x": np.full(3, i, np.int16), "y": i}
+
+    ds = tg.Dataset(Plain(), batch_format="columns")
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
+    assert batch["x"].shape == (4, 3) and batch["y"].tolist() == [0, 1, 2, 3]
+    assert os.getpid()  # keeps the import used

@@ -157,6 +157,15 @@ def test_map_tensors_values():
     assert doubled["pair"].label == 7  # ints are leaves, not tensors
 
 
+def test_map_tensors_reaches_ragged_columns():
+    from torchgrain.columns import Ragged
+
+    r = Ragged(torch.arange(5, dtype=torch.uint8), torch.tensor([0, 2, 5]))
+    out = _map_tensors(lambda t: t + 1, {"r": r})
+    assert isinstance(out["r"], Ragged) and out["r"].kind == "bytes"
+    assert out["r"].values.tolist() == [1, 2, 3, 4, 5] and out["r"].offsets.tolist() == [1, 3, 6]
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     items=st.lists(st.integers(-(2**31), 2**31), max_size=30),
@@ -496,3 +505,28 @@ def test_cuda_loader_exception():
     with pytest.raises(ValueError, match="bad record 2"):
         for _ in CudaPrefetcher(Recording(5, fail_at=2), device="cuda"):
             pass
+
+
+@cuda
+def test_cuda_columns_batches_from_workers(tmp_path):
+    import numpy as np
+
+    import torchgrain as tg
+    from torchgrain.columns import Ragged
+
+    records = [
+        {"img": np.full((4, 4), i, np.uint8), "blob": b"x" * (i % 5), "y": i} for i in range(64)
+    ]
+    tg.write_array_record(records, str(tmp_path), num_shards=2)
+    ds = tg.Dataset(tg.ArrayRecordSource(str(tmp_path)), batch_format="columns")
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2, pin_memory=True)
+    seen = []
+    for b in CudaPrefetcher(loader, device="cuda"):
+        assert b["img"].is_cuda and b["y"].is_cuda
+        assert isinstance(b["blob"], Ragged) and b["blob"].values.is_cuda
+        ys = b["y"].tolist()
+        assert b["img"][:, 0, 0].tolist() == ys
+        lengths = (b["blob"].offsets[1:] - b["blob"].offsets[:-1]).tolist()
+        assert lengths == [y % 5 for y in ys]
+        seen += ys
+    assert sorted(seen) == list(range(64))

@@ -77,9 +77,13 @@ class Ragged:
         offsets = np.zeros(len(data) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         if kind == "array":
-            flat = np.concatenate(data) if data else np.zeros(0)
-        else:
-            flat = np.frombuffer(b"".join(data), dtype=np.uint8)
+            dtype = data[0].dtype if data else np.dtype(np.float64)
+            flat = empty((int(offsets[-1]),), dtype)
+            if data:
+                np.concatenate(data, out=flat)
+        else:  # a writable copy (torch shares it without copying again)
+            flat = empty((int(offsets[-1]),), np.uint8)
+            flat[:] = np.frombuffer(b"".join(data), dtype=np.uint8)
         return cls(flat, offsets, kind)
 
     def __len__(self) -> int:

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from torchgrain.columns import Ragged
+
 __all__ = ["CudaPrefetcher"]
 
 # Queue item kinds sent from the producer thread to the consumer.
@@ -51,6 +53,8 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
+    if isinstance(obj, Ragged):  # a variable-length column: its values and offsets
+        return obj.map_arrays(lambda a: _map_tensors(fn, a))
     if isinstance(obj, Mapping):
         items = {k: _map_tensors(fn, v) for k, v in obj.items()}
         if type(obj) is dict:
@@ -88,6 +92,8 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Yield every tensor nested in ``obj`` (same containers as :func:`_map_tensors`)."""
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif isinstance(obj, Ragged):
+        yield from _iter_tensors([obj.values, obj.offsets])
     elif isinstance(obj, Mapping):
         for v in obj.values():
             yield from _iter_tensors(v)
