@@ -372,3 +372,34 @@ def test_columns_from_a_source_without_read_columns():
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
     assert batch["x"].shape == (4, 3) and batch["y"].tolist() == [0, 1, 2, 3]
     assert os.getpid()  # keeps the import used
+
+
+def test_buffer_pool_recycles_only_unreferenced_buffers():
+    import gc
+
+    from torchgrain.columns import BufferPool
+
+    pool = BufferPool(min_bytes=1024, max_bytes=1 << 20)
+    assert pool.empty((10,), np.uint8) is None  # too small to pool
+    a = pool.empty((32, 32), np.int32)
+    a[...] = 7
+    view = a[3:5]
+    tensor = torch.from_numpy(a)[1:2]
+    del a
+    gc.collect()
+    assert pool.idle_bytes == 0  # a view and a tensor still use it
+    b = pool.empty((32, 32), np.int32)  # must not reuse the buffer in use
+    b[...] = 1
+    assert int(view.min()) == 7 and int(tensor.min()) == 7
+    del view, b
+    gc.collect()
+    assert pool.idle_bytes == 4096  # b's buffer is back; a's still held by the tensor
+    del tensor
+    gc.collect()
+    assert pool.idle_bytes == 8192
+    c = pool.empty((4096,), np.uint8)
+    assert pool.idle_bytes == 4096 and c.flags.writeable
+    big = [pool.empty((1 << 19,), np.uint8) for _ in range(3)]
+    del big
+    gc.collect()
+    assert pool.idle_bytes <= 1 << 20  # bounded

@@ -26,12 +26,23 @@ Example:
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ColumnBatch", "Ragged", "empty", "gather_ranges", "set_allocator"]
+__all__ = [
+    "BufferPool",
+    "ColumnBatch",
+    "Ragged",
+    "empty",
+    "gather_ranges",
+    "scratch",
+    "set_allocator",
+]
 
 # Ranges shorter than this on average are gathered with one fancy index; longer ones
 # with a slice copy each (memcpy speed, no index array of the size of the data).
@@ -272,15 +283,94 @@ def set_allocator(fn: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None) 
     _allocator = fn
 
 
+class BufferPool:
+    """Large batch buffers, recycled once nothing refers to them any more.
+
+    A batch of images is megabytes; a fresh allocation that large is mapped from the
+    kernel page by page on first touch, which costs about as much as decoding the
+    batch. The pool hands out arrays over buffers it keeps: views, slices and tensors
+    made from such an array keep its memory's owner alive, and the buffer returns to the
+    pool only when the last of them is gone. At most ``max_bytes`` of idle buffers are
+    kept.
+
+    Example:
+        >>> pool = BufferPool(min_bytes=1024)
+        >>> a = pool.empty((64, 64), np.uint8)
+        >>> a.base is not None, pool.idle_bytes
+        (True, 0)
+        >>> del a
+        >>> pool.idle_bytes
+        4096
+    """
+
+    def __init__(self, max_bytes: int = 256 << 20, min_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._idle: dict[int, list[np.ndarray]] = {}
+        self.idle_bytes = 0
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        """An uninitialised array, or None when it is too small to pool."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if nbytes < self.min_bytes or dtype.hasobject:
+            return None
+        size = 1 << (nbytes - 1).bit_length()  # size classes: powers of two
+        with self._lock:
+            idle = self._idle.get(size)
+            buf = idle.pop() if idle else None
+            if buf is not None:
+                self.idle_bytes -= size
+        if buf is None:
+            buf = np.empty(size, np.uint8)
+        # ``flat`` owns no memory (its base is a memoryview): every view, slice or
+        # tensor made from the result keeps ``flat`` itself alive, and the buffer goes
+        # back to the pool when ``flat`` is collected.
+        flat = np.frombuffer(memoryview(buf)[:nbytes], dtype=dtype)
+        weakref.finalize(flat, self._give_back, buf)
+        return flat.reshape(shape)
+
+    def _give_back(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self.idle_bytes + buf.nbytes <= self.max_bytes:
+                self._idle.setdefault(buf.nbytes, []).append(buf)
+                self.idle_bytes += buf.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._idle.clear()
+            self.idle_bytes = 0
+
+
+#: The pool :func:`empty` and :func:`scratch` draw large buffers from.
+POOL = BufferPool()
+
+
+def _reset_pool_after_fork() -> None:
+    global POOL
+    POOL = BufferPool(POOL.max_bytes, POOL.min_bytes)  # the parent's lock may be held
+
+
+os.register_at_fork(after_in_child=_reset_pool_after_fork)
+
+
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A new array for a batch column, from this process's allocator (see
-    :func:`set_allocator`; plain numpy by default)."""
+    :func:`set_allocator`), else from :data:`POOL` when large, else plain numpy."""
     dtype = np.dtype(dtype)
     if _allocator is not None:
         out = _allocator(tuple(shape), dtype)
         if out is not None:
             return out
-    return np.empty(shape, dtype)
+    out = POOL.empty(tuple(shape), dtype)
+    return np.empty(shape, dtype) if out is None else out
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """A temporary uint8 buffer (from :data:`POOL` when large; never shared memory)."""
+    out = POOL.empty((nbytes,), np.uint8)
+    return np.empty(nbytes, np.uint8) if out is None else out
 
 
 def gather_ranges(

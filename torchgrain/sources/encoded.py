@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from torchgrain.columns import ColumnBatch
+from torchgrain.columns import ColumnBatch, scratch
 from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import Codec, describe_value
@@ -117,7 +117,7 @@ class EncodedSource(ShardedSource):
             self._close_evicted_copies()
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         ends = np.cumsum(lengths)
-        buf = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        buf = _joined(blobs, ends)
         t1 = time.perf_counter()
         counters[COUNTER["bytes_read"]] += int(ends[-1])
         counters[COUNTER["read_seconds"]] += t1 - t0
@@ -181,3 +181,17 @@ class EncodedSource(ShardedSource):
                 f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
                 f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
+
+
+def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:
+    """The blobs one after the other in one buffer (recycled when large)."""
+    total = int(ends[-1]) if len(ends) else 0
+    buf = scratch(total)
+    if total < (1 << 20):
+        buf[:] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        return buf
+    start = 0
+    for blob, end in zip(blobs, ends.tolist()):
+        buf[start:end] = np.frombuffer(blob, dtype=np.uint8)
+        start = end
+    return buf

@@ -65,10 +65,11 @@ class RowGroup:
     """A cached row group: its decoded Arrow table, or its converted records.
 
     ``records`` holds one template dict per row (immutable values filled in);
-    ``mutable`` the ``(key, column)`` pairs whose values are made fresh per read.
+    ``mutable`` the ``(key, column)`` pairs whose values are made fresh per read;
+    ``views`` the table's columns as numpy views, made by the first columnar read.
     """
 
-    __slots__ = ("mutable", "nbytes", "records", "table")
+    __slots__ = ("mutable", "nbytes", "records", "table", "views")
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class RowGroup:
         nbytes: int | None = None,
     ) -> None:
         self.table = table
+        self.views: Any = None
         self.records = records
         self.mutable = mutable or []
         if nbytes is None:
