@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -313,7 +314,7 @@ class BufferPool:
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
         """An uninitialised array, or None when it is too small to pool."""
         dtype = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.min_bytes or dtype.hasobject:
             return None
         size = 1 << (nbytes - 1).bit_length()  # size classes: powers of two
@@ -358,12 +359,14 @@ os.register_at_fork(after_in_child=_reset_pool_after_fork)
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A new array for a batch column, from this process's allocator (see
     :func:`set_allocator`), else from :data:`POOL` when large, else plain numpy."""
-    dtype = np.dtype(dtype)
     if _allocator is not None:
-        out = _allocator(tuple(shape), dtype)
+        out = _allocator(tuple(shape), np.dtype(dtype))
         if out is not None:
             return out
-    out = POOL.empty(tuple(shape), dtype)
+    pool = POOL
+    if math.prod(shape) * np.dtype(dtype).itemsize < pool.min_bytes:
+        return np.empty(shape, dtype)
+    out = pool.empty(tuple(shape), dtype)
     return np.empty(shape, dtype) if out is None else out
 
 

@@ -14,6 +14,7 @@ point a run was resumed from, and differs between epochs.
 from __future__ import annotations
 
 import hashlib
+import math
 import multiprocessing
 import multiprocessing.context
 import os
@@ -200,7 +201,7 @@ os.register_at_fork(after_in_child=_forget_worker_check)
 
 
 def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < _SHARED_MIN_BYTES:
         return None
     try:
