@@ -8,8 +8,9 @@ run, sees), rounds interleaved, medians of per-round ratios:
    one epoch through ``DataLoader`` with 0 workers: records (default collate stacks the
    records) vs columns. Target: columns >= 3x.
 2. ``image, 2 workers``: the same with 2 workers; the training loop sleeps per batch so
-   the workers stay ahead, and the time the main process spends in ``next(loader)``
-   per record is what receiving a batch costs it. Target: columns <= 1 us per record.
+   the workers stay ahead, and the CPU time the main process spends in
+   ``next(loader)`` per record is what receiving a batch costs it (wall time beside it).
+   Target: columns <= 1 us per record.
 3. ``parquet global``: 200,000 rows of numeric and binary columns (int64 id, int32 label,
    float32 score, float32[16] vector, 24-120 byte payload) in one file of 20 row groups,
    ``GlobalShuffleSampler``, one process: first epoch (cold) and second (warm cache).
@@ -61,18 +62,22 @@ def _image_epoch(path: str, fmt: str, workers: int, step_s: float) -> dict:
     )
     n = 0
     receive = 0.0
+    receive_cpu = 0.0
     received = 0
     it = iter(loader)
     k = 0
     while True:
         t = time.perf_counter()
+        c = time.thread_time()
         try:
             batch = next(it)
         except StopIteration:
             break
         dt = time.perf_counter() - t
+        dc = time.thread_time() - c
         if k >= 4:  # after the workers' start and first batches
             receive += dt
+            receive_cpu += dc
             received += len(batch["label"])
         k += 1
         n += len(batch["label"])
@@ -80,7 +85,12 @@ def _image_epoch(path: str, fmt: str, workers: int, step_s: float) -> dict:
         if step_s:
             time.sleep(step_s)
     wall = time.perf_counter() - t0
-    return {"rate": n / wall, "records": n, "receive_us": 1e6 * receive / max(1, received)}
+    return {
+        "rate": n / wall,
+        "records": n,
+        "receive_us": 1e6 * receive / max(1, received),
+        "receive_cpu_us": 1e6 * receive_cpu / max(1, received),
+    }
 
 
 def _parquet_global(path: str) -> dict:
@@ -239,12 +249,18 @@ def main() -> None:
          "ratio": 1.0, "target": ""},
         {"case": "image uncompressed W=0: columns", "rate": med("raw-columns-0", "rate"),
          "ratio": ratio("raw-columns-0", "rate", "raw-records-0", "rate"), "target": ""},
-        {"case": "image W=2: records, main-process us/record receiving",
+        {"case": "image W=2: records, main-process CPU us/record receiving",
+         "rate": med("image-records-2", "receive_cpu_us"), "ratio": 1.0, "target": ""},
+        {"case": "image W=2: columns, main-process CPU us/record receiving",
+         "rate": med("image-columns-2", "receive_cpu_us"),
+         "ratio": ratio("image-columns-2", "receive_cpu_us", "image-records-2", "receive_cpu_us"),
+         "target": "<= 1 us/record"},
+        {"case": "image W=2: records, wall us/record in next()",
          "rate": med("image-records-2", "receive_us"), "ratio": 1.0, "target": ""},
-        {"case": "image W=2: columns, main-process us/record receiving",
+        {"case": "image W=2: columns, wall us/record in next()",
          "rate": med("image-columns-2", "receive_us"),
          "ratio": ratio("image-columns-2", "receive_us", "image-records-2", "receive_us"),
-         "target": "<= 1 us/record"},
+         "target": ""},
         {"case": "parquet global, cold epoch", "rate": med("parquet-global", "cold"),
          "ratio": ratio("parquet-global", "cold", "parquet-scan", "rate"), "target": ""},
         {"case": "parquet global, warm epoch", "rate": med("parquet-global", "warm"),
@@ -260,8 +276,8 @@ def main() -> None:
     targets = {
         "image_columns_vs_records_w0": rows[1]["ratio"],
         "image_columns_receive_us_w2": rows[5]["rate"],
-        "parquet_global_warm_rows_per_s": rows[7]["rate"],
-        "parquet_block_vs_scan": rows[8]["ratio"],
+        "parquet_global_warm_rows_per_s": rows[9]["rate"],
+        "parquet_block_vs_scan": rows[10]["ratio"],
     }
     targets["met"] = {
         "image_3x": targets["image_columns_vs_records_w0"] >= 3.0,

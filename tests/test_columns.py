@@ -272,6 +272,7 @@ def test_columns_through_the_dataloader(arrayrecord_dir, image_records, workers,
         multiprocessing_context=context,
         persistent_workers=workers > 0,
     )
+    one_segment = 0
     for epoch in range(2):
         sampler.set_epoch(epoch)
         seen = []
@@ -281,6 +282,12 @@ def test_columns_through_the_dataloader(arrayrecord_dir, image_records, workers,
             assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (8, 8, 3)
             if workers:  # moved from the worker through shared memory, not pickled bytes
                 assert batch["image"].is_shared()
+                # ... all columns in one segment (the first batch sizes the arena)
+                storages = {
+                    t.untyped_storage().data_ptr()
+                    for t in (batch["image"], batch["label"], batch["blob"].values)
+                }
+                one_segment += len(storages) == 1
             labels = batch["label"].tolist()
             for j, label in enumerate(labels):
                 rec = image_records[label]
@@ -290,6 +297,8 @@ def test_columns_through_the_dataloader(arrayrecord_dir, image_records, workers,
             seen += labels
         assert sorted(seen) == list(range(len(image_records)))
         assert seen == [int(i) for i in sampler_order(sampler, epoch)]
+    if workers:
+        assert one_segment >= 2 * len(loader) - 2 * workers
 
 
 def sampler_order(sampler, epoch):

@@ -182,18 +182,38 @@ def _grow_worker_pipe(size: int) -> int | None:
 
 
 # --------------------------------------------------------------- batches as columns
-# In a DataLoader worker, batch columns are allocated in shared memory (as torch's own
-# collate does for the tensors it stacks), so the batch crosses to the main process as
-# file handles, not bytes. The allocator hands out numpy views of shared tensors; the
-# collate finds each column's tensor again by its data address.
-_SHARED_MIN_BYTES = 4096
+# In a DataLoader worker, a batch's columns are carved out of one shared-memory segment
+# (an arena sized by the batch before), so the batch crosses to the main process as one
+# file handle plus a few bytes of metadata per column, not as bytes, and not as one
+# segment per column: torch moves every tensor a worker sends into a segment of its own,
+# and opening a segment costs the main process about as much as a small batch's data.
+# The allocator hands out numpy views of the arena; the collate finds each column's
+# tensor again by its data address.
+_ARENA_ALIGN = 64
+_ARENA_MIN_BYTES = 64 << 10
 _shared: dict[int, torch.Tensor] = {}
 _worker_checked = False
+_in_worker = False
+
+
+class _Arena:
+    __slots__ = ("capacity", "tensor", "used", "wanted")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.tensor = torch.empty(capacity, dtype=torch.uint8).share_memory_()
+        self.used = 0
+        self.wanted = 0  # bytes this batch asked for, fitting or not (sizes the next)
+
+
+_arena: _Arena | None = None
 
 
 def _forget_worker_check() -> None:
-    global _worker_checked
+    global _worker_checked, _in_worker, _arena
     _worker_checked = False
+    _in_worker = False
+    _arena = None
     _shared.clear()
 
 
@@ -202,12 +222,20 @@ os.register_at_fork(after_in_child=_forget_worker_check)
 
 def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _SHARED_MIN_BYTES:
+    arena = _arena
+    if arena is None:
         return None
     try:
-        tensor = torch.empty(shape, dtype=_torch_dtype(dtype)).share_memory_()
-    except (TypeError, RuntimeError):
+        torch_dtype = _torch_dtype(dtype)
+    except TypeError:
         return None
+    size = -(-max(nbytes, 1) // _ARENA_ALIGN) * _ARENA_ALIGN
+    arena.wanted += size
+    if arena.used + size > arena.capacity:
+        return None  # plain numpy: torch moves it into a segment of its own when sent
+    start = arena.used
+    arena.used += size
+    tensor = arena.tensor[start : start + nbytes].view(torch_dtype).view(shape)
     out = tensor.numpy()
     _shared[out.ctypes.data] = tensor
     return out
@@ -218,12 +246,23 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 def _use_shared_memory_in_workers() -> None:
-    global _worker_checked
+    """At the start of a columns batch: in a worker, a fresh arena for its columns."""
+    global _worker_checked, _in_worker, _arena
     _shared.clear()  # columns of a batch that was never collated
     if not _worker_checked:
         _worker_checked = True
-        if torch.utils.data.get_worker_info() is not None:
+        _in_worker = torch.utils.data.get_worker_info() is not None
+        if _in_worker:
             set_allocator(_shared_empty)
+    if _in_worker:
+        last = _arena
+        wanted = last.wanted if last is not None else 0
+        # Sized by the batch before (batches of one dataset are alike), with room to grow.
+        capacity = max(_ARENA_MIN_BYTES, wanted + wanted // 4)
+        if last is not None and last.used == 0 and last.capacity >= capacity:
+            last.wanted = 0  # never handed out: reuse it
+        else:
+            _arena = _Arena(capacity)
 
 
 def _as_tensor(value: Any) -> Any:
@@ -231,6 +270,11 @@ def _as_tensor(value: Any) -> Any:
         tensor = _shared.pop(value.ctypes.data, None) if value.size else None
         if tensor is not None and tuple(tensor.shape) == value.shape:
             return tensor
+        if _in_worker and value.size:  # into the batch's arena (small: a cheap copy)
+            out = _shared_empty(value.shape, value.dtype)
+            if out is not None:
+                out[...] = value
+                return _shared.pop(out.ctypes.data)
         try:
             return torch.from_numpy(value)
         except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
