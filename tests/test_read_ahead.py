@@ -121,3 +121,43 @@ def test_no_read_ahead_without_a_shard_cache(served, tmp_path):
     src = tg.ArrayRecordSource(local, cache_dir=tmp_path / "c")
     list(iter(tg.GlobalShuffleSampler(src, seed=0)))
     assert src._proc().read_ahead is None  # local files: nothing to read ahead
+
+
+def test_parquet_block_shuffle_reads_ahead_over_s3(tmp_path):
+    """Parquet files on a real S3 server: the walk downloads the files a block shuffle
+    will need; the records and their order are those of a run without it."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.servers import start_moto_s3
+
+    server, endpoint = start_moto_s3()
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="ra-pq")
+    for k in range(6):
+        table = pa.table({"label": list(range(k * 50, (k + 1) * 50)), "x": [b"x" * 64] * 50})
+        path = tmp_path / f"part-{k}.parquet"
+        pq.write_table(table, path, row_group_size=10)
+        client.upload_file(str(path), "ra-pq", f"train/part-{k}.parquet")
+    options = {"endpoint_url": endpoint}
+    orders = []
+    for ahead in (0, None):
+        src = tg.ParquetSource(
+            "s3://ra-pq/train",
+            storage_options=options,
+            cache_dir=tmp_path / f"c{ahead}",
+            read_ahead_bytes=ahead,
+        )
+        ds = tg.Dataset(src)
+        sampler = tg.BlockShuffleSampler(ds, seed=3, window=2)
+        orders.append(_order(ds, sampler, workers=2))
+        walk = src._proc().read_ahead
+        if ahead is None:  # the main process's walk downloaded the later files
+            assert walk is not None and walk.fetched >= 1
+        else:
+            assert walk is None
+    server.stop()
+    assert orders[0] == orders[1]
+    assert all(sorted(e) == list(range(300)) for e in orders[1])
