@@ -292,7 +292,17 @@ class ShardedSource(Source):
         ``start`` on, ahead of ``position()``, into the shard cache (see
         :mod:`torchgrain.io.readahead`). Does nothing without a shard cache on remote
         storage or with ``read_ahead_bytes=0``; a new call cancels the previous walk.
-        Samplers call this at the start of each pass."""
+        Samplers call this at the start of each pass.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> src = tg.ArrayRecordSource(d)  # local files: nothing to read ahead
+            >>> src.read_ahead(lambda a, b: list(range(a, b)), 0, len(src), lambda: 0)
+            >>> src.read_ahead_bytes
+            0
+        """
         if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
             return
         from torchgrain.io.readahead import ShardReadAhead
@@ -306,7 +316,16 @@ class ShardedSource(Source):
 
     def shard_nbytes(self, shard: int) -> int:
         """Size of a shard file in bytes (from the dataset's records, else from one
-        listing of the shards' directories, else asked for this shard)."""
+        listing of the shards' directories, else asked for this shard).
+
+        Example:
+            >>> import os, tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> src = tg.ArrayRecordSource(d)
+            >>> src.shard_nbytes(0) == os.path.getsize(src.paths[0])
+            True
+        """
         size = self._sizes.get(shard)
         if size is None:
             size = self.shard_integrity(shard)[0]
@@ -342,7 +361,15 @@ class ShardedSource(Source):
 
     def prefetch_shard(self, shard: int) -> bool:
         """Put a local copy of remote ``shard`` in the shard cache; whether it was
-        downloaded now (False: already there, or no shard cache)."""
+        downloaded now (False: already there, or no shard cache).
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).prefetch_shard(0)  # no shard cache: nothing to do
+            False
+        """
         if self.cache is None or self._is_cached(shard):
             return False
         _, checksum = self.shard_integrity(shard)
