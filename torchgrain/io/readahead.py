@@ -38,10 +38,21 @@ class ShardReadAhead:
         budget: bytes of shards, not yet reached, that may sit fetched ahead.
         threads: concurrent downloads.
 
+    Sources make one per process (:meth:`~torchgrain.sources.base.ShardedSource.read_ahead`);
+    made by hand it walks any order:
+
     Example:
-        >>> ra = ShardReadAhead.__new__(ShardReadAhead)  # normally made by the source
-        >>> ShardReadAhead.__name__
-        'ShardReadAhead'
+        >>> import os, tempfile, fsspec, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": i} for i in range(40)], d, num_shards=4)
+        >>> store = fsspec.filesystem("memory")  # stands in for an object store
+        >>> for f in os.listdir(d):
+        ...     store.pipe(f"/ra-doc/{f}", open(os.path.join(d, f), "rb").read())
+        >>> src = tg.ArrayRecordSource("memory://ra-doc", cache_dir=tempfile.mkdtemp())
+        >>> ra = ShardReadAhead(src, budget=1 << 20)
+        >>> ra.begin(lambda a, b: list(range(a, b)), 0, len(src), position=lambda: 0)
+        >>> ra.join(timeout=30), ra.fetched
+        (True, 4)
     """
 
     def __init__(self, source: Any, budget: int, threads: int = 4) -> None:
@@ -75,6 +86,14 @@ class ShardReadAhead:
         )
         self._thread = thread
         thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the current walk to finish (its downloads included); whether it did."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
 
     def cancel(self) -> None:
         """Stop the current walk (downloads in flight finish)."""
