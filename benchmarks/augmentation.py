@@ -20,21 +20,32 @@ Rows:
   generator derivation, seeding, record dict handling, per-batch statistics.
 * kornia: ``nn.Sequential`` of ``kornia.augmentation`` modules on CPU, one image per
   call (faster than ``AugmentationSequential`` here).
-* torchvision: ``transforms.v2`` on a uint8 tensor, only if torchvision imports (it
-  needs a build matching the installed torch).
+* torchvision: ``transforms.v2`` on a uint8 tensor, in its own virtualenv
+  (``.venv-torchvision``, made by ``scripts/setup_torchvision.sh``: torchvision's compiled
+  ops need the torch release they were built for, which is not the main environment's).
+  It runs in fresh processes, one per round, alternating with rounds of albumentations
+  run the same way (same script, image and pipeline parameters, each round seeded
+  alike); its ratio is the median of the per-round ratios to those albumentations
+  rounds. Without the virtualenv the row says why it is missing and the rest runs.
 
-Images are processed in groups of ``--group`` (16), the libraries taking turns group by
-group, so noise on the machine hits all of them alike; times are per image. The fixed
-cost per record is also measured on a no-op pipeline, where it is not hidden.
+In one process, images are processed in groups of ``--group`` (16), the libraries taking
+turns group by group, so noise on the machine hits all of them alike; times are per
+image. The fixed cost per record is also measured on a no-op pipeline, where it is not
+hidden.
 
-Run: ``python benchmarks/augmentation.py [--runs 1000] [--group 16] [--size 512] [--threads 1]``
+Run: ``python benchmarks/augmentation.py [--runs 1000] [--group 16] [--size 512] [--threads 1]
+[--rounds 8] [--torchvision-python .venv-torchvision/bin/python]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -46,60 +57,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _augmentation_round import (
+    albumentations_pipeline,
+    one_image_runner,
+    test_image,
+    versions,
+)
 from _common import RESULTS_DIR, describe_machine, print_table, write_json
 
 import torchgrain as tg
 from torchgrain.transforms import _GeneratorRandom
 
 PUBLISHED_MS = {"torchvision": 30.5, "albumentations": 2.55, "kornia": 79.2}
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
-
-def test_image(size: int) -> np.ndarray:
-    """A smooth-plus-noise RGB image (photo-like statistics, nothing downloaded)."""
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    base = np.stack([xx, yy, (xx + yy) / 2], -1) * (255.0 / size)
-    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-
-
-def albumentations_pipeline():
-    import albumentations as A
-
-    return A.Compose(
-        [
-            A.RandomResizedCrop((224, 224), scale=(0.08, 1.0)),
-            A.HorizontalFlip(p=0.5),
-            A.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.0, hue=0.0, p=1.0),
-            A.Normalize(mean=MEAN, std=STD),
-        ]
-    )
-
-
-def kornia_pipeline():
-    import kornia.augmentation as K
-
-    return torch.nn.Sequential(
-        K.RandomResizedCrop((224, 224), scale=(0.08, 1.0)),
-        K.RandomHorizontalFlip(p=0.5),
-        K.ColorJitter(brightness=0.2, contrast=0.2, p=1.0),
-        K.Normalize(mean=torch.tensor(MEAN), std=torch.tensor(STD)),
-    )
-
-
-def torchvision_pipeline():
-    from torchvision.transforms import v2
-
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(224, scale=(0.08, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(p=0.5),
-            v2.ColorJitter(brightness=0.2, contrast=0.2),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=MEAN, std=STD),
-        ]
-    )
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROUND_SCRIPT = os.path.join(HERE, "_augmentation_round.py")
+TORCHVISION_PYTHON = os.environ.get(
+    "TORCHGRAIN_TORCHVISION_PYTHON",
+    os.path.join(os.path.dirname(HERE), ".venv-torchvision", "bin", "python"),
+)
 
 
 Runner = Callable[[range], object]  # runs the pipeline once per index in the range
@@ -123,19 +98,14 @@ def candidates(image: np.ndarray) -> tuple[dict[str, Runner], dict[str, str]]:
     runners["torchgrain"] = lambda indices: ds.__getitems__(indices)
 
     try:
-        kornia_seq = kornia_pipeline()
-        x_k = torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255).contiguous()
-        runners["kornia"] = lambda indices: [kornia_seq(x_k) for _ in indices]
+        runners["kornia"] = _each(one_image_runner("kornia", image))
     except ImportError as e:
         skipped["kornia"] = f"not installed ({e})"
-    try:
-        tv = torchvision_pipeline()
-        x_tv = torch.from_numpy(image).permute(2, 0, 1).contiguous()
-        tv(x_tv)  # fails here when torchvision's compiled ops don't match torch
-        runners["torchvision"] = lambda indices: [tv(x_tv) for _ in indices]
-    except Exception as e:  # ImportError, or RuntimeError from a mismatched build
-        skipped["torchvision"] = f"not installed ({type(e).__name__}: {str(e)[:80]})"
     return runners, skipped
+
+
+def _each(run: Callable[[], object]) -> Runner:
+    return lambda indices: [run() for _ in indices]
 
 
 class _SameDraws:
@@ -230,6 +200,75 @@ def adapter_overhead_us(image: np.ndarray, runs: int) -> dict[str, float]:
     }
 
 
+class RoundFailed(RuntimeError):
+    pass
+
+
+def _run_round(python: str, library: str, images: int, args, seed: int, tmp: str) -> dict:
+    """One fresh process of ``python`` timing ``library`` on ``images`` images."""
+    out = os.path.join(tmp, f"{library}-{seed}.json")
+    cmd = [
+        python,
+        ROUND_SCRIPT,
+        f"--library={library}",
+        f"--images={images}",
+        f"--group={args.group}",
+        f"--size={args.size}",
+        f"--threads={args.threads}",
+        f"--seed={seed}",
+        f"--json-out={out}",
+    ]
+    env = dict(os.environ)
+    if python != sys.executable:
+        env.pop("PYTHONPATH", None)  # another environment: nothing of this one leaks in
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RoundFailed(f"{python} {library} round: {type(e).__name__}: {e}") from e
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RoundFailed(f"{python} exited {proc.returncode} in a {library} round: {last[:160]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def fresh_process_rounds(
+    python: str, args, reference: str = "albumentations", library: str = "torchvision"
+) -> dict:
+    """``library`` under ``python`` and ``reference`` under this interpreter, one fresh
+    process per round, alternating which goes first; both rounds of a pair use the same
+    seed. Returns per-round seconds per image and the per-round ratios."""
+    per_round = args.group * math.ceil(args.runs / (args.rounds * args.group))
+    rounds: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tg-augment-") as tmp:
+        for r in range(args.rounds):
+            order = [(sys.executable, reference), (python, library)]
+            got = {}
+            for py, lib in order if r % 2 == 0 else order[::-1]:
+                got[lib] = _run_round(py, lib, per_round, args, seed=r, tmp=tmp)
+            rounds.append(
+                {
+                    "first": order[r % 2][1],
+                    reference: got[reference]["seconds_per_image"],
+                    library: got[library]["seconds_per_image"],
+                }
+            )
+            versions = got[library]["versions"]
+    ref_means = np.array([np.mean(r[reference]) for r in rounds])
+    lib_means = np.array([np.mean(r[library]) for r in rounds])
+    return {
+        "python": python,
+        "rounds": args.rounds,
+        "images_per_round": per_round,
+        "per_round_ratio": (lib_means / ref_means).tolist(),
+        "median_ratio": float(np.median(lib_means / ref_means)),
+        reference: np.concatenate([r[reference] for r in rounds]),
+        library: np.concatenate([r[library] for r in rounds]),
+        "versions": versions,
+        "round_times": rounds,
+    }
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -269,6 +308,15 @@ def main() -> None:
     ap.add_argument(
         "--group", type=int, default=16, help="images per timed call (a DataLoader batch)"
     )
+    ap.add_argument(
+        "--rounds", type=int, default=8, help="fresh-process rounds for the torchvision row"
+    )
+    ap.add_argument(
+        "--torchvision-python",
+        default=TORCHVISION_PYTHON,
+        help="interpreter of an environment with torchvision (default: .venv-torchvision, "
+        "or $TORCHGRAIN_TORCHVISION_PYTHON)",
+    )
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
 
@@ -286,10 +334,23 @@ def main() -> None:
     runners, skipped = candidates(image)
     times = interleaved_times(runners, args.runs, args.group)
     ref = float(np.mean(times["albumentations"]))
+    fresh = None
+    if not os.path.exists(args.torchvision_python):
+        skipped["torchvision"] = (
+            f"no {args.torchvision_python} (scripts/setup_torchvision.sh makes it)"
+        )
+    else:
+        print(f"torchvision: {args.rounds} fresh-process rounds under {args.torchvision_python}")
+        try:
+            fresh = fresh_process_rounds(args.torchvision_python, args)
+            times["torchvision"] = fresh["torchvision"]
+        except RoundFailed as e:
+            skipped["torchvision"] = str(e)
     rows = []
     for name in ("albumentations", "torchgrain", "kornia", "torchvision"):
         if name not in times:
             rows.append({"library": name, "note": skipped.get(name, "")})
+            print(f"{name}: absent: {skipped.get(name, '')}")
             continue
         t = times[name]
         pub = PUBLISHED_MS.get(name)
@@ -302,6 +363,19 @@ def main() -> None:
                 "published_ms": pub,
                 "published_x_albumentations": pub / PUBLISHED_MS["albumentations"] if pub else None,
             }
+        )
+    if fresh is not None:
+        # Against albumentations run the same way (fresh processes, rounds alternating),
+        # not against the in-process row above.
+        tv_row = next(r for r in rows if r["library"] == "torchvision")
+        v = fresh["versions"]
+        tv_row["x_albumentations"] = fresh["median_ratio"]
+        tv_row["torch"], tv_row["torchvision"] = v["torch"], v["torchvision"]
+        tv_row["note"] = (
+            f"torch {v['torch']}, torchvision {v['torchvision']}; {fresh['rounds']} fresh "
+            f"processes x {fresh['images_per_round']} images, alternating with albumentations "
+            f"run alike ({np.mean(fresh['albumentations']) * 1e3:.2f} ms there); x = median "
+            f"of per-round ratios"
         )
     over = adapter_overhead_us(image, 3200)
     # torchgrain vs direct once more on 4x the images: the same images and draws group
@@ -349,21 +423,18 @@ def main() -> None:
             "published_ms": PUBLISHED_MS,
             "rows": rows,
             "overhead": over,
-            "versions": _versions(),
+            "versions": versions(),
+            "torchvision_fresh_processes": None
+            if fresh is None
+            else {
+                **{k: v for k, v in fresh.items() if k not in ("albumentations", "torchvision")},
+                "albumentations_mean_ms": float(np.mean(fresh["albumentations"])) * 1e3,
+                "torchvision_mean_ms": float(np.mean(fresh["torchvision"])) * 1e3,
+            },
         },
     )
     if not args.no_plot:
         plot([r for r in rows if "mean_ms" in r], os.path.join(RESULTS_DIR, "augmentation.png"))
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for mod in ("albumentations", "kornia", "torchvision", "cv2", "torch", "numpy"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            out[mod] = None
-    return out
 
 
 if __name__ == "__main__":
