@@ -7,9 +7,14 @@ its own torch and so lives in another virtualenv (``.venv-torchvision``, made by
 Only numpy and torch are imported at the top, so the script runs in an environment
 that has neither torchgrain nor albumentations.
 
-Run: ``python benchmarks/_augmentation_round.py --library torchvision --images 128
+With ``--serve`` the process warms the pipeline up, writes one JSON line (library,
+versions), then times one group of ``--group`` images for each line it reads and writes
+back the seconds per image: the benchmark drives two such processes group by group, so
+load on the machine falls on both alike.
+
+Run by hand: ``python benchmarks/_augmentation_round.py --library torchvision --images 128
 --json-out round.json`` (writes ``{"library", "seconds_per_image": [...], "versions"}``,
-one entry per group of ``--group`` images).
+one entry per group).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -99,22 +105,26 @@ def one_image_runner(library: str, image: np.ndarray, seed: int = 0) -> Callable
     raise ValueError(f"unknown library {library!r}; expected one of {', '.join(LIBRARIES)}")
 
 
-def timed_round(
-    library: str, image: np.ndarray, images: int, group: int, seed: int = 0, warmup: int = 32
-) -> list[float]:
-    """Seconds per image for each group of ``group`` images (``images // group`` groups)."""
+def group_timer(
+    library: str, image: np.ndarray, group: int, seed: int = 0, warmup_groups: int = 2
+) -> Callable[[], float]:
+    """Warm ``library``'s pipeline up; return a call that times one group of ``group``
+    images and gives the seconds per image."""
     run = one_image_runner(library, image, seed)
-    out = []
     clock = time.perf_counter
-    with torch.inference_mode():
-        for _ in range(warmup):
-            run()
-        for _ in range(max(1, images // group)):
+
+    def timed_group() -> float:
+        with torch.inference_mode():
             t0 = clock()
             results = [run() for _ in range(group)]
-            out.append((clock() - t0) / group)
-            del results  # a whole group stays alive until the clock stops, as in a batch
-    return out
+            took = clock() - t0
+        del results  # a whole group stays alive until the clock stops, as in a batch
+        return took / group
+
+    # Whole groups, so the first timed one finds the allocator as warm as the rest do.
+    for _ in range(warmup_groups):
+        timed_group()
+    return timed_group
 
 
 def versions() -> dict[str, str | None]:
@@ -135,15 +145,32 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=512, help="input image side in pixels")
     ap.add_argument("--threads", type=int, default=1, help="torch and OpenCV threads")
     ap.add_argument("--seed", type=int, default=0, help="seeds the library's random draws")
-    ap.add_argument("--json-out", required=True, help="where to write the times")
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--json-out", help="time --images images, write the times here")
+    mode.add_argument(
+        "--serve", action="store_true", help="time one group per line on stdin, reply on stdout"
+    )
     args = ap.parse_args()
 
+    reply = sys.stdout
+    if args.serve:
+        # Replies get stdout's pipe to themselves: whatever else writes to fd 1 goes to stderr.
+        reply = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
     torch.set_num_threads(args.threads)
     if args.library == "albumentations":
         import cv2
 
         cv2.setNumThreads(args.threads)
-    times = timed_round(args.library, test_image(args.size), args.images, args.group, args.seed)
+    timed_group = group_timer(args.library, test_image(args.size), args.group, args.seed)
+    if args.serve:
+        # One line of JSON when warm, then one group per line read from stdin, its
+        # seconds per image written back; until stdin closes.
+        print(json.dumps({"library": args.library, "versions": versions()}), file=reply, flush=True)
+        while sys.stdin.readline():
+            print(repr(timed_group()), file=reply, flush=True)
+        return
+    times = [timed_group() for _ in range(max(1, args.images // args.group))]
     with open(args.json_out, "w") as f:
         json.dump({"library": args.library, "seconds_per_image": times, "versions": versions()}, f)
 

@@ -23,10 +23,12 @@ Rows:
 * torchvision: ``transforms.v2`` on a uint8 tensor, in its own virtualenv
   (``.venv-torchvision``, made by ``scripts/setup_torchvision.sh``: torchvision's compiled
   ops need the torch release they were built for, which is not the main environment's).
-  It runs in fresh processes, one per round, alternating with rounds of albumentations
-  run the same way (same script, image and pipeline parameters, each round seeded
-  alike); its ratio is the median of the per-round ratios to those albumentations
-  rounds. Without the virtualenv the row says why it is missing and the rest runs.
+  Each round starts a fresh torchvision process there and a fresh albumentations process
+  here (same script, image, pipeline parameters and seed, though the two libraries draw
+  different crops from it, so each round averages ~100 images); the two time their
+  groups in turn. The row's ratio is the median of the per-round ratios to those
+  albumentations processes. Without the virtualenv (or if it fails) the row says why
+  it is missing and the rest runs.
 
 In one process, images are processed in groups of ``--group`` (16), the libraries taking
 turns group by group, so noise on the machine hits all of them alike; times are per
@@ -34,7 +36,7 @@ image. The fixed cost per record is also measured on a no-op pipeline, where it 
 hidden.
 
 Run: ``python benchmarks/augmentation.py [--runs 1000] [--group 16] [--size 512] [--threads 1]
-[--rounds 8] [--torchvision-python .venv-torchvision/bin/python]``
+[--rounds 12] [--torchvision-python .venv-torchvision/bin/python]``
 """
 
 from __future__ import annotations
@@ -204,66 +206,94 @@ class RoundFailed(RuntimeError):
     pass
 
 
-def _run_round(python: str, library: str, images: int, args, seed: int, tmp: str) -> dict:
-    """One fresh process of ``python`` timing ``library`` on ``images`` images."""
-    out = os.path.join(tmp, f"{library}-{seed}.json")
-    cmd = [
-        python,
-        ROUND_SCRIPT,
-        f"--library={library}",
-        f"--images={images}",
-        f"--group={args.group}",
-        f"--size={args.size}",
-        f"--threads={args.threads}",
-        f"--seed={seed}",
-        f"--json-out={out}",
-    ]
-    env = dict(os.environ)
-    if python != sys.executable:
-        env.pop("PYTHONPATH", None)  # another environment: nothing of this one leaks in
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise RoundFailed(f"{python} {library} round: {type(e).__name__}: {e}") from e
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RoundFailed(f"{python} exited {proc.returncode} in a {library} round: {last[:160]}")
-    with open(out) as f:
-        return json.load(f)
+class _Worker:
+    """A fresh process of ``python`` timing ``library``, one group per request."""
+
+    def __init__(self, python: str, library: str, args, seed: int, log_dir: str) -> None:
+        self.python, self.library = python, library
+        cmd = [python, ROUND_SCRIPT, f"--library={library}", f"--group={args.group}"]
+        cmd += [f"--size={args.size}", f"--threads={args.threads}", f"--seed={seed}", "--serve"]
+        env = dict(os.environ)
+        if python != sys.executable:
+            env.pop("PYTHONPATH", None)  # another environment: nothing of this one leaks in
+        # Closed by close(); read back when the process dies.
+        self.stderr = open(os.path.join(log_dir, f"{library}-{seed}.err"), "w+")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                text=True,
+            )  # fmt: skip
+        except OSError as e:
+            self.stderr.close()
+            raise RoundFailed(f"{python}: {type(e).__name__}: {e}") from e
+
+    def hello(self) -> dict:
+        return json.loads(self._reply())
+
+    def timed_group(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._reply())
+
+    def _reply(self) -> str:
+        line = self.proc.stdout.readline()
+        if line:
+            return line
+        rc = self.proc.wait()
+        self.stderr.seek(0)
+        last = (self.stderr.read().strip().splitlines() or ["no output"])[-1]
+        raise RoundFailed(f"{self.python} exited {rc} in a {self.library} round: {last[:160]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
 
 
 def fresh_process_rounds(
     python: str, args, reference: str = "albumentations", library: str = "torchvision"
 ) -> dict:
-    """``library`` under ``python`` and ``reference`` under this interpreter, one fresh
-    process per round, alternating which goes first; both rounds of a pair use the same
-    seed. Returns per-round seconds per image and the per-round ratios."""
-    per_round = args.group * math.ceil(args.runs / (args.rounds * args.group))
+    """``library`` under ``python`` beside ``reference`` under this interpreter.
+
+    Each round starts a fresh process of each (same seed, image and parameters), warms
+    both up, then has them time their groups of ``args.group`` images in turn, which one
+    goes first alternating group by group, so load on the machine falls on both alike.
+    The ratio of a round is its mean time per image over the reference's; the result's
+    ``median_ratio`` is the median of the rounds'.
+    """
+    groups = math.ceil(args.runs / (args.rounds * args.group))
     rounds: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="tg-augment-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="tg-augment-") as log_dir:
         for r in range(args.rounds):
-            order = [(sys.executable, reference), (python, library)]
-            got = {}
-            for py, lib in order if r % 2 == 0 else order[::-1]:
-                got[lib] = _run_round(py, lib, per_round, args, seed=r, tmp=tmp)
-            rounds.append(
-                {
-                    "first": order[r % 2][1],
-                    reference: got[reference]["seconds_per_image"],
-                    library: got[library]["seconds_per_image"],
-                }
-            )
-            versions = got[library]["versions"]
-    ref_means = np.array([np.mean(r[reference]) for r in rounds])
-    lib_means = np.array([np.mean(r[library]) for r in rounds])
+            workers: list[_Worker] = []
+            try:
+                workers.append(_Worker(sys.executable, reference, args, r, log_dir))
+                workers.append(_Worker(python, library, args, r, log_dir))
+                hello = [w.hello() for w in workers]
+                times: dict[str, list[float]] = {reference: [], library: []}
+                for k in range(groups):
+                    for w in workers if (r + k) % 2 == 0 else workers[::-1]:
+                        times[w.library].append(w.timed_group())
+            finally:
+                for w in workers:
+                    w.close()
+            rounds.append(times)
+            versions = hello[1]["versions"]
+    ref_means = np.array([np.mean(t[reference]) for t in rounds])
+    lib_means = np.array([np.mean(t[library]) for t in rounds])
     return {
         "python": python,
         "rounds": args.rounds,
-        "images_per_round": per_round,
+        "images_per_round": groups * args.group,
         "per_round_ratio": (lib_means / ref_means).tolist(),
         "median_ratio": float(np.median(lib_means / ref_means)),
-        reference: np.concatenate([r[reference] for r in rounds]),
-        library: np.concatenate([r[library] for r in rounds]),
+        reference: np.concatenate([t[reference] for t in rounds]),
+        library: np.concatenate([t[library] for t in rounds]),
         "versions": versions,
         "round_times": rounds,
     }
@@ -309,7 +339,7 @@ def main() -> None:
         "--group", type=int, default=16, help="images per timed call (a DataLoader batch)"
     )
     ap.add_argument(
-        "--rounds", type=int, default=8, help="fresh-process rounds for the torchvision row"
+        "--rounds", type=int, default=12, help="fresh-process rounds for the torchvision row"
     )
     ap.add_argument(
         "--torchvision-python",
@@ -365,17 +395,17 @@ def main() -> None:
             }
         )
     if fresh is not None:
-        # Against albumentations run the same way (fresh processes, rounds alternating),
+        # Against albumentations run the same way (fresh processes, groups alternating),
         # not against the in-process row above.
         tv_row = next(r for r in rows if r["library"] == "torchvision")
         v = fresh["versions"]
         tv_row["x_albumentations"] = fresh["median_ratio"]
         tv_row["torch"], tv_row["torchvision"] = v["torch"], v["torchvision"]
         tv_row["note"] = (
-            f"torch {v['torch']}, torchvision {v['torchvision']}; {fresh['rounds']} fresh "
-            f"processes x {fresh['images_per_round']} images, alternating with albumentations "
-            f"run alike ({np.mean(fresh['albumentations']) * 1e3:.2f} ms there); x = median "
-            f"of per-round ratios"
+            f"torch {v['torch']}, torchvision {v['torchvision']}; {fresh['rounds']} rounds of "
+            f"{fresh['images_per_round']} images in a fresh process, groups alternating with "
+            f"albumentations in its own ({np.mean(fresh['albumentations']) * 1e3:.2f} ms "
+            f"there); x = median of per-round ratios"
         )
     over = adapter_overhead_us(image, 3200)
     # torchgrain vs direct once more on 4x the images: the same images and draws group

@@ -57,3 +57,15 @@ def test_interpreter_without_the_library_says_why():
     bench = _load_benchmark()
     with pytest.raises(bench.RoundFailed, match="torchvision round: ModuleNotFoundError"):
         bench.fresh_process_rounds(sys.executable, _args())
+
+
+def test_worker_times_groups_on_request(tmp_path):
+    bench = _load_benchmark()
+    w = bench._Worker(sys.executable, "albumentations", _args(), seed=0, log_dir=str(tmp_path))
+    try:
+        assert w.hello()["versions"]["albumentations"]
+        times = [w.timed_group() for _ in range(3)]
+    finally:
+        w.close()
+    assert all(t > 0 for t in times)
+    assert w.proc.returncode == 0
