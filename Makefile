@@ -13,6 +13,8 @@ test:
 	bash scripts/test.sh
 
 # Every benchmark (benchmarks/run_all.py): JSON and PNGs under benchmarks/results/.
+# run_all.py first makes .venv-torchvision (scripts/setup_torchvision.sh: torch 2.14.1 +
+# torchvision 0.29.1, several GB, once) for the augmentation benchmark; `make test` never does.
 bench:
 	TORCHGRAIN_EXTRAS=test,bench bash scripts/setup.sh
 	$(VENV)/bin/python benchmarks/run_all.py

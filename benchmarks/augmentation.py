@@ -20,21 +20,34 @@ Rows:
   generator derivation, seeding, record dict handling, per-batch statistics.
 * kornia: ``nn.Sequential`` of ``kornia.augmentation`` modules on CPU, one image per
   call (faster than ``AugmentationSequential`` here).
-* torchvision: ``transforms.v2`` on a uint8 tensor, only if torchvision imports (it
-  needs a build matching the installed torch).
+* torchvision: ``transforms.v2`` on a uint8 tensor, in its own virtualenv
+  (``.venv-torchvision``, made by ``scripts/setup_torchvision.sh``: torchvision's compiled
+  ops need the torch release they were built for, which is not the main environment's).
+  Each round starts a fresh torchvision process there and a fresh albumentations process
+  here (same script, image, pipeline parameters and seed, though the two libraries draw
+  different crops from it, so each round averages ~100 images); the two time their
+  groups in turn. The row's ratio is the median of the per-round ratios to those
+  albumentations processes. Without the virtualenv (or if it fails) the row says why
+  it is missing and the rest runs.
 
-Images are processed in groups of ``--group`` (16), the libraries taking turns group by
-group, so noise on the machine hits all of them alike; times are per image. The fixed
-cost per record is also measured on a no-op pipeline, where it is not hidden.
+In one process, images are processed in groups of ``--group`` (16), the libraries taking
+turns group by group, so noise on the machine hits all of them alike; times are per
+image. The fixed cost per record is also measured on a no-op pipeline, where it is not
+hidden.
 
-Run: ``python benchmarks/augmentation.py [--runs 1000] [--group 16] [--size 512] [--threads 1]``
+Run: ``python benchmarks/augmentation.py [--runs 1000] [--group 16] [--size 512] [--threads 1]
+[--rounds 12] [--torchvision-python .venv-torchvision/bin/python]``
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -46,60 +59,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _augmentation_round import (
+    albumentations_pipeline,
+    one_image_runner,
+    test_image,
+    versions,
+)
 from _common import RESULTS_DIR, describe_machine, print_table, write_json
 
 import torchgrain as tg
 from torchgrain.transforms import _GeneratorRandom
 
 PUBLISHED_MS = {"torchvision": 30.5, "albumentations": 2.55, "kornia": 79.2}
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
-
-
-def test_image(size: int) -> np.ndarray:
-    """A smooth-plus-noise RGB image (photo-like statistics, nothing downloaded)."""
-    rng = np.random.default_rng(0)
-    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    base = np.stack([xx, yy, (xx + yy) / 2], -1) * (255.0 / size)
-    return np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-
-
-def albumentations_pipeline():
-    import albumentations as A
-
-    return A.Compose(
-        [
-            A.RandomResizedCrop((224, 224), scale=(0.08, 1.0)),
-            A.HorizontalFlip(p=0.5),
-            A.ColorJitter(brightness=0.2, contrast=0.2, saturation=0.0, hue=0.0, p=1.0),
-            A.Normalize(mean=MEAN, std=STD),
-        ]
-    )
-
-
-def kornia_pipeline():
-    import kornia.augmentation as K
-
-    return torch.nn.Sequential(
-        K.RandomResizedCrop((224, 224), scale=(0.08, 1.0)),
-        K.RandomHorizontalFlip(p=0.5),
-        K.ColorJitter(brightness=0.2, contrast=0.2, p=1.0),
-        K.Normalize(mean=torch.tensor(MEAN), std=torch.tensor(STD)),
-    )
-
-
-def torchvision_pipeline():
-    from torchvision.transforms import v2
-
-    return v2.Compose(
-        [
-            v2.RandomResizedCrop(224, scale=(0.08, 1.0), antialias=True),
-            v2.RandomHorizontalFlip(p=0.5),
-            v2.ColorJitter(brightness=0.2, contrast=0.2),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(mean=MEAN, std=STD),
-        ]
-    )
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROUND_SCRIPT = os.path.join(HERE, "_augmentation_round.py")
+TORCHVISION_PYTHON = os.environ.get(
+    "TORCHGRAIN_TORCHVISION_PYTHON",
+    os.path.join(os.path.dirname(HERE), ".venv-torchvision", "bin", "python"),
+)
 
 
 Runner = Callable[[range], object]  # runs the pipeline once per index in the range
@@ -123,19 +100,14 @@ def candidates(image: np.ndarray) -> tuple[dict[str, Runner], dict[str, str]]:
     runners["torchgrain"] = lambda indices: ds.__getitems__(indices)
 
     try:
-        kornia_seq = kornia_pipeline()
-        x_k = torch.from_numpy(image).permute(2, 0, 1)[None].float().div(255).contiguous()
-        runners["kornia"] = lambda indices: [kornia_seq(x_k) for _ in indices]
+        runners["kornia"] = _each(one_image_runner("kornia", image))
     except ImportError as e:
         skipped["kornia"] = f"not installed ({e})"
-    try:
-        tv = torchvision_pipeline()
-        x_tv = torch.from_numpy(image).permute(2, 0, 1).contiguous()
-        tv(x_tv)  # fails here when torchvision's compiled ops don't match torch
-        runners["torchvision"] = lambda indices: [tv(x_tv) for _ in indices]
-    except Exception as e:  # ImportError, or RuntimeError from a mismatched build
-        skipped["torchvision"] = f"not installed ({type(e).__name__}: {str(e)[:80]})"
     return runners, skipped
+
+
+def _each(run: Callable[[], object]) -> Runner:
+    return lambda indices: [run() for _ in indices]
 
 
 class _SameDraws:
@@ -230,6 +202,103 @@ def adapter_overhead_us(image: np.ndarray, runs: int) -> dict[str, float]:
     }
 
 
+class RoundFailed(RuntimeError):
+    pass
+
+
+class _Worker:
+    """A fresh process of ``python`` timing ``library``, one group per request."""
+
+    def __init__(self, python: str, library: str, args, seed: int, log_dir: str) -> None:
+        self.python, self.library = python, library
+        cmd = [python, ROUND_SCRIPT, f"--library={library}", f"--group={args.group}"]
+        cmd += [f"--size={args.size}", f"--threads={args.threads}", f"--seed={seed}", "--serve"]
+        env = dict(os.environ)
+        if python != sys.executable:
+            env.pop("PYTHONPATH", None)  # another environment: nothing of this one leaks in
+        # Closed by close(); read back when the process dies.
+        self.stderr = open(os.path.join(log_dir, f"{library}-{seed}.err"), "w+")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                text=True,
+            )  # fmt: skip
+        except OSError as e:
+            self.stderr.close()
+            raise RoundFailed(f"{python}: {type(e).__name__}: {e}") from e
+
+    def hello(self) -> dict:
+        return json.loads(self._reply())
+
+    def timed_group(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return float(self._reply())
+
+    def _reply(self) -> str:
+        line = self.proc.stdout.readline()
+        if line:
+            return line
+        rc = self.proc.wait()
+        self.stderr.seek(0)
+        last = (self.stderr.read().strip().splitlines() or ["no output"])[-1]
+        raise RoundFailed(f"{self.python} exited {rc} in a {self.library} round: {last[:160]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+def fresh_process_rounds(
+    python: str, args, reference: str = "albumentations", library: str = "torchvision"
+) -> dict:
+    """``library`` under ``python`` beside ``reference`` under this interpreter.
+
+    Each round starts a fresh process of each (same seed, image and parameters), warms
+    both up, then has them time their groups of ``args.group`` images in turn, which one
+    goes first alternating group by group, so load on the machine falls on both alike.
+    The ratio of a round is its mean time per image over the reference's; the result's
+    ``median_ratio`` is the median of the rounds'.
+    """
+    groups = math.ceil(args.runs / (args.rounds * args.group))
+    rounds: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tg-augment-") as log_dir:
+        for r in range(args.rounds):
+            workers: list[_Worker] = []
+            try:
+                workers.append(_Worker(sys.executable, reference, args, r, log_dir))
+                workers.append(_Worker(python, library, args, r, log_dir))
+                hello = [w.hello() for w in workers]
+                times: dict[str, list[float]] = {reference: [], library: []}
+                for k in range(groups):
+                    for w in workers if (r + k) % 2 == 0 else workers[::-1]:
+                        times[w.library].append(w.timed_group())
+            finally:
+                for w in workers:
+                    w.close()
+            rounds.append(times)
+            versions = hello[1]["versions"]
+    ref_means = np.array([np.mean(t[reference]) for t in rounds])
+    lib_means = np.array([np.mean(t[library]) for t in rounds])
+    return {
+        "python": python,
+        "rounds": args.rounds,
+        "images_per_round": groups * args.group,
+        "per_round_ratio": (lib_means / ref_means).tolist(),
+        "median_ratio": float(np.median(lib_means / ref_means)),
+        reference: np.concatenate([t[reference] for t in rounds]),
+        library: np.concatenate([t[library] for t in rounds]),
+        "versions": versions,
+        "round_times": rounds,
+    }
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -269,6 +338,15 @@ def main() -> None:
     ap.add_argument(
         "--group", type=int, default=16, help="images per timed call (a DataLoader batch)"
     )
+    ap.add_argument(
+        "--rounds", type=int, default=12, help="fresh-process rounds for the torchvision row"
+    )
+    ap.add_argument(
+        "--torchvision-python",
+        default=TORCHVISION_PYTHON,
+        help="interpreter of an environment with torchvision (default: .venv-torchvision, "
+        "or $TORCHGRAIN_TORCHVISION_PYTHON)",
+    )
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
 
@@ -286,10 +364,23 @@ def main() -> None:
     runners, skipped = candidates(image)
     times = interleaved_times(runners, args.runs, args.group)
     ref = float(np.mean(times["albumentations"]))
+    fresh = None
+    if not os.path.exists(args.torchvision_python):
+        skipped["torchvision"] = (
+            f"no {args.torchvision_python} (scripts/setup_torchvision.sh makes it)"
+        )
+    else:
+        print(f"torchvision: {args.rounds} fresh-process rounds under {args.torchvision_python}")
+        try:
+            fresh = fresh_process_rounds(args.torchvision_python, args)
+            times["torchvision"] = fresh["torchvision"]
+        except RoundFailed as e:
+            skipped["torchvision"] = str(e)
     rows = []
     for name in ("albumentations", "torchgrain", "kornia", "torchvision"):
         if name not in times:
             rows.append({"library": name, "note": skipped.get(name, "")})
+            print(f"{name}: absent: {skipped.get(name, '')}")
             continue
         t = times[name]
         pub = PUBLISHED_MS.get(name)
@@ -302,6 +393,19 @@ def main() -> None:
                 "published_ms": pub,
                 "published_x_albumentations": pub / PUBLISHED_MS["albumentations"] if pub else None,
             }
+        )
+    if fresh is not None:
+        # Against albumentations run the same way (fresh processes, groups alternating),
+        # not against the in-process row above.
+        tv_row = next(r for r in rows if r["library"] == "torchvision")
+        v = fresh["versions"]
+        tv_row["x_albumentations"] = fresh["median_ratio"]
+        tv_row["torch"], tv_row["torchvision"] = v["torch"], v["torchvision"]
+        tv_row["note"] = (
+            f"torch {v['torch']}, torchvision {v['torchvision']}; {fresh['rounds']} rounds of "
+            f"{fresh['images_per_round']} images in a fresh process, groups alternating with "
+            f"albumentations in its own ({np.mean(fresh['albumentations']) * 1e3:.2f} ms "
+            f"there); x = median of per-round ratios"
         )
     over = adapter_overhead_us(image, 3200)
     # torchgrain vs direct once more on 4x the images: the same images and draws group
@@ -349,21 +453,18 @@ def main() -> None:
             "published_ms": PUBLISHED_MS,
             "rows": rows,
             "overhead": over,
-            "versions": _versions(),
+            "versions": versions(),
+            "torchvision_fresh_processes": None
+            if fresh is None
+            else {
+                **{k: v for k, v in fresh.items() if k not in ("albumentations", "torchvision")},
+                "albumentations_mean_ms": float(np.mean(fresh["albumentations"])) * 1e3,
+                "torchvision_mean_ms": float(np.mean(fresh["torchvision"])) * 1e3,
+            },
         },
     )
     if not args.no_plot:
         plot([r for r in rows if "mean_ms" in r], os.path.join(RESULTS_DIR, "augmentation.png"))
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for mod in ("albumentations", "kornia", "torchvision", "cv2", "torch", "numpy"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:
-            out[mod] = None
-    return out
 
 
 if __name__ == "__main__":

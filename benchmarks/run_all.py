@@ -7,9 +7,14 @@ with its default arguments, which are sized so that the whole set finishes in ab
 ``benchmarks/results/run_all.json``: which scripts ran, how long each took, and whether
 it succeeded.
 
+A benchmark that measures a library in an environment of its own first runs the script
+that makes that environment (``SETUP``; seconds when it exists). If the setup fails the
+benchmark still runs, without that library, and the failure is recorded.
+
 Run:   python benchmarks/run_all.py                 (or: make bench)
        python benchmarks/run_all.py --only pipeline_lessons end_to_end
        python benchmarks/run_all.py --skip sampler --timeout 900
+       python benchmarks/run_all.py --no-setup      (use only the environments already made)
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ HERE = Path(__file__).resolve().parent
 # arguments that keep a script's run short where its defaults are sized for a big box.
 ORDER = ("pipeline_lessons", "end_to_end", "random_access", "native_reader", "map_batch")
 ARGS: dict[str, list[str]] = {}
+# Environments a benchmark needs beside the main one, made before it runs: torchvision
+# for the augmentation benchmark (its torch build must match, several GB, kept apart).
+SETUP: dict[str, list[str]] = {"augmentation": ["bash", "scripts/setup_torchvision.sh"]}
 # Scripts here that are not benchmarks (run them by hand, as their docstrings say).
 NOT_BENCHMARKS = {"ddp_train": "a DDP training example, run with torchrun"}
 
@@ -51,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], help="leave these out")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per benchmark")
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument(
+        "--no-setup", action="store_true", help="don't make the environments in SETUP first"
+    )
     args = p.parse_args(argv)
 
     names = [n for n in discover() if (not args.only or n in args.only) and n not in args.skip]
@@ -66,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = str(HERE.parent)
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for name in names:
+        setup = "" if args.no_setup or name not in SETUP else run_setup(SETUP[name], root)
         cmd = [sys.executable, str(HERE / f"{name}.py"), *ARGS.get(name, [])]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
@@ -74,11 +86,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
             status = f"timed out after {args.timeout:.0f}s"
-        rows.append({"benchmark": name, "status": status, "seconds": time.perf_counter() - t0})
+        row = {"benchmark": name, "status": status, "seconds": time.perf_counter() - t0}
+        rows.append({**row, "setup": setup} if setup else row)
     print()
-    print_table(rows, ["benchmark", "status", "seconds"])
+    print_table(rows, ["benchmark", "status", "seconds", "setup"])
     write_json("run_all", {"runs": rows})
     return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+def run_setup(cmd: list[str], root: str) -> str:
+    """Run a setup script; 'ok (N s)' or why it failed (the benchmark runs regardless)."""
+    print(f"\n=== setup: {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=root, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"failed: {type(e).__name__}: {e}"
+    took = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(f"run_all: {' '.join(cmd)} exited {proc.returncode}; running without it")
+        return f"failed: exit {proc.returncode} after {took:.0f} s"
+    return f"ok ({took:.0f} s)"
 
 
 if __name__ == "__main__":
