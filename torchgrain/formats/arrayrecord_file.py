@@ -321,6 +321,34 @@ class ArrayRecordFile:
         self._lock = threading.RLock()
         self._reset_handles()
 
+    @property
+    def has_index(self) -> bool:
+        """Whether the footer has been read and parsed (in this or a parent process)."""
+        return self._footer is not None
+
+    def for_child(self) -> ArrayRecordFile:
+        """A new reader of the same file sharing this one's parsed index (numpy arrays,
+        read only), with no handle, lock or decompression context of its own yet: what
+        a forked child uses instead of parsing the footer again.
+
+        Example:
+            >>> import tempfile, os
+            >>> from array_record.python.array_record_module import ArrayRecordWriter
+            >>> path = os.path.join(tempfile.mkdtemp(), "c.array_record")
+            >>> w = ArrayRecordWriter(path, "group_size:1")
+            >>> w.write(b"a")
+            >>> w.close()
+            >>> f = ArrayRecordFile(path)
+            >>> g = f.for_child()
+            >>> g.has_index, f.num_records, g.has_index, g.read([0])
+            (False, 1, False, [b'a'])
+            >>> f.for_child().record_offsets is f.record_offsets
+            True
+        """
+        new = ArrayRecordFile.__new__(ArrayRecordFile)
+        new.__setstate__(self.__getstate__())
+        return new
+
     def __repr__(self) -> str:
         n = self._footer.num_records if self._footer is not None else "?"
         return f"ArrayRecordFile({self._url!r}, num_records={n})"
