@@ -66,14 +66,18 @@ def build(directory: str, n: int, size: int) -> str:
     return directory
 
 
-def timed_rate(fn, budget: float) -> float:
-    """Call ``fn() -> records done`` repeatedly for about ``budget`` seconds; records/s."""
-    done, start = 0, time.perf_counter()
+def timed_rate(fn, budget: float) -> tuple[float, float]:
+    """Call ``fn() -> records done`` repeatedly for about ``budget`` seconds.
+
+    Returns records per wall second and per CPU second of this process (steadier on a
+    shared machine; it misses the CPU of worker processes).
+    """
+    done, start, cpu = 0, time.perf_counter(), time.process_time()
     while True:
         done += fn()
         elapsed = time.perf_counter() - start
         if elapsed >= budget:
-            return done / elapsed
+            return done / elapsed, done / (time.process_time() - cpu)
 
 
 def _epochs(loader, sampler):
@@ -124,9 +128,9 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
             pos[0] += per_call
             return per_call
 
-        rate = timed_rate(step, budget)
-        rows.append({"reader": name, "records/s": rate})
-        print(f"  {name:<48} {rate:>12,.0f} rec/s", flush=True)
+        rate, cpu = timed_rate(step, budget)
+        rows.append({"reader": name, "records/s": rate, "CPU rec/s": cpu})
+        print(f"  {name:<48} {rate:>12,.0f} rec/s ({cpu:,.0f}/CPU-s)", flush=True)
         return rate
 
     # Open time first, while no reader threads or workers run: footer parse of a fresh
@@ -187,9 +191,9 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
         def step(it=it):
             return len(next(it))
 
-        rate = timed_rate(step, budget)
+        rate, cpu = timed_rate(step, budget)
         name = f"torchgrain Dataset + DataLoader, {workers} workers"
-        rows.append({"reader": name, "records/s": rate})
+        rows.append({"reader": name, "records/s": rate, "CPU rec/s": None if workers else cpu})
         print(f"  {name:<48} {rate:>12,.0f} rec/s", flush=True)
         del it, loader
 
@@ -207,7 +211,7 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
             def grain_step():
                 return len(next(it))
 
-            rate = timed_rate(grain_step, budget)
+            rate, _ = timed_rate(grain_step, budget)
             rows.append(
                 {"reader": "grain MapDataset.source().shuffle().batch()", "records/s": rate}
             )
@@ -219,14 +223,24 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
 def ratios(rows: list[dict]) -> dict[str, float]:
     r = {row["reader"]: row["records/s"] for row in rows if row["records/s"]}
     base = r["C++ read(i, i+1) loop (single-core limit)"]
+    base_cpu = next(
+        row["CPU rec/s"]
+        for row in rows
+        if row["reader"] == "C++ read(i, i+1) loop (single-core limit)"
+    )
     for row in rows:
         if row["records/s"] and not row["reader"].startswith("fresh"):
             row["x C++ loop"] = row["records/s"] / base
+            if row.get("CPU rec/s"):
+                row["x C++ loop (CPU)"] = row["CPU rec/s"] / base_cpu
     out = {
         "torchgrain_dataloader_1proc_vs_cpp_loop": r["torchgrain Dataset + DataLoader, 0 workers"]
         / base,
         "native_single_vs_cpp_loop": r["native ArrayRecordFile.read([i]) loop"] / base,
         "native_batched_vs_cpp_batched": r["native ArrayRecordFile.read(batch of 256)"]
+        / r["C++ read(indices), batches of 256"],
+        "source_raw_vs_cpp_loop": r["torchgrain source __getitems__ (codec raw)"] / base,
+        "source_raw_vs_cpp_batched": r["torchgrain source __getitems__ (codec raw)"]
         / r["C++ read(indices), batches of 256"],
     }
     grain_rate = r.get("grain MapDataset.source().shuffle().batch()")
