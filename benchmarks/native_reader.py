@@ -7,10 +7,15 @@ Writes two files with the C++ ``ArrayRecordWriter`` (zstd, group_size 1): N reco
 * batched random reads (256 rows a batch): native ``read(rows)`` vs C++ ``read(rows)``
   (and vs a C++ ``read(i, i + 1)`` loop, the fastest way to batch with the C++ reader);
 * batched decompression on a thread pool vs the sorted single-threaded loop;
-* open time: footer parse of a fresh object (file in the page cache).
+* open time: footer parse of a fresh object (file in the page cache);
+* fresh process: each reader (C++ ``read(i, i + 1)`` loop, C++ ``read(indices)``, native
+  ``read([i])`` loop, native ``read(batch)``) opens the file and reads one whole shuffled
+  pass in a new process of its own (``benchmarks/_fresh.py``; the file in the page
+  cache, the process cold, as in a DataLoader worker's first epoch).
 
-Each comparison runs its contenders in alternating rounds and keeps each one's best
-round, which damps the noise of a shared machine. Results: a table and
+The warm comparisons run their contenders in alternating rounds and keep each one's
+best round, which damps the noise of a shared machine; the fresh-process ones
+interleave rounds too and report the median of per-round ratios. Results: a table and
 ``benchmarks/results/native_reader.json``.
 
 Usage::
@@ -35,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import describe_machine, print_table, write_json
+from _fresh import median_rate, median_ratio, run_fresh
 from array_record.python.array_record_module import (
     ArrayRecordReader,
     ArrayRecordWriter,
@@ -177,6 +183,30 @@ def bench_file(label: str, path: str, args: argparse.Namespace, singles: int, ba
     return rows
 
 
+def bench_fresh(label: str, path: str, rounds: int) -> list[dict]:
+    """One whole shuffled pass per reader, each in a new process; median per-round ratios."""
+    res = run_fresh(
+        ["cpp_single", "cpp_batched", "native_single", "native_batched"], rounds, file=path
+    )
+
+    def row(test: str, new: str, old: str, call: str) -> dict:
+        return {
+            "file": label,
+            "test": f"fresh process, one shuffled pass: {test}",
+            "native rec/s": median_rate(res[new]),
+            "C++ rec/s": median_rate(res[old]),
+            "ratio (wall)": median_ratio(res[new], res[old]),
+            "ratio (CPU)": median_ratio(res[new], res[old], "cpu_seconds"),
+            "C++ call": call,
+        }
+
+    return [
+        row("single reads", "native_single", "cpp_single", "read(i, i+1)"),
+        row("batches of 256", "native_batched", "cpp_batched", "read(indices)"),
+        row("batches of 256", "native_batched", "cpp_single", "read(i, i+1) loop"),
+    ]
+
+
 def bench_open(path: str, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
     def nat_open():
         f = ArrayRecordFile(path)
@@ -203,6 +233,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--threads", type=int, default=2, help="threads for the threaded variant")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--fresh-rounds", type=int, default=3, help="fresh-process rounds per file (0: none)"
+    )
     p.add_argument("--data-dir", default=None, help="keep generated files here between runs")
     p.add_argument("--json-name", default="native_reader")
     args = p.parse_args()
@@ -230,6 +263,9 @@ def main() -> None:
         max(1, args.singles // 20),
         args.big_batches,
     )
+    if args.fresh_rounds:
+        rows += bench_fresh(f"{args.records} x 1 KiB", small, args.fresh_rounds)
+        rows += bench_fresh(f"{args.big_records} x 100 KiB", big, args.fresh_rounds)
     w, c = bench_open(small, max(args.rounds, 5))
     rows.append(
         {

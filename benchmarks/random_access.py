@@ -10,6 +10,16 @@ run, every reader follows the same GlobalShuffleSampler order:
   its batched ``read(indices)``;
 * torchgrain's native reader (``ArrayRecordFile``): single reads, batches, open time.
 
+Two kinds of rows. Warm: each reader runs for a time budget in this process, after its
+first use. Fresh process: each reader (C++ loop, C++ batched, native single and batched,
+the source's ``__getitems__`` with the raw and msgpack codecs, Dataset + DataLoader with
+0 and 2 workers) opens the file and reads one whole shuffled pass in a new process of
+its own (``benchmarks/_fresh.py``: the file in the page cache, the process cold, as a
+DataLoader worker's first epoch is), rounds interleaved; ratios are medians of
+per-round ratios, by wall time and by CPU time (the CPU time of one process, steadier
+than wall time on a shared machine; DataLoader workers' CPU included). Grain is left
+out of the fresh rows (a whole pass takes minutes).
+
 Prints records/s and ratios and writes benchmarks/results/random_access.json.
 
     python benchmarks/random_access.py                 # 200k x 1 KiB and 2k x 100 KiB
@@ -31,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchgrain as tg
 from benchmarks._common import describe_machine, print_table, write_json
+from benchmarks._fresh import READERS, median_ratio, run_fresh
+from benchmarks._fresh import rows as fresh_rows
 from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
 BATCH = 256
@@ -54,14 +66,18 @@ def build(directory: str, n: int, size: int) -> str:
     return directory
 
 
-def timed_rate(fn, budget: float) -> float:
-    """Call ``fn() -> records done`` repeatedly for about ``budget`` seconds; records/s."""
-    done, start = 0, time.perf_counter()
+def timed_rate(fn, budget: float) -> tuple[float, float]:
+    """Call ``fn() -> records done`` repeatedly for about ``budget`` seconds.
+
+    Returns records per wall second and per CPU second of this process (steadier on a
+    shared machine; it misses the CPU of worker processes).
+    """
+    done, start, cpu = 0, time.perf_counter(), time.process_time()
     while True:
         done += fn()
         elapsed = time.perf_counter() - start
         if elapsed >= budget:
-            return done / elapsed
+            return done / elapsed, done / (time.process_time() - cpu)
 
 
 def _epochs(loader, sampler):
@@ -75,6 +91,23 @@ def _epochs(loader, sampler):
 
 def order(n: int) -> np.ndarray:
     return tg.GlobalShuffleSampler(n, seed=0, num_replicas=1, rank=0).indices(0, n)
+
+
+def bench_fresh(directory: str, rounds: int) -> tuple[list[dict], dict[str, float]]:
+    """Fresh-process rows (one whole shuffled pass per reader and process) and ratios."""
+    res = run_fresh(list(READERS), rounds, directory=directory)
+    summary = {}
+    for name, a, b in (
+        ("source_raw_vs_cpp_loop", "source_raw", "cpp_single"),
+        ("source_raw_vs_cpp_batched", "source_raw", "cpp_batched"),
+        ("source_msgpack_vs_cpp_loop", "source_msgpack", "cpp_single"),
+        ("native_single_vs_cpp_loop", "native_single", "cpp_single"),
+        ("native_batched_vs_cpp_batched", "native_batched", "cpp_batched"),
+        ("dataloader_1proc_vs_cpp_loop", "loader_0", "cpp_single"),
+    ):
+        summary[f"fresh_{name}"] = median_ratio(res[a], res[b])
+        summary[f"fresh_{name}_cpu"] = median_ratio(res[a], res[b], "cpu_seconds")
+    return fresh_rows(res, "cpp_single"), summary
 
 
 def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
@@ -95,9 +128,9 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
             pos[0] += per_call
             return per_call
 
-        rate = timed_rate(step, budget)
-        rows.append({"reader": name, "records/s": rate})
-        print(f"  {name:<48} {rate:>12,.0f} rec/s", flush=True)
+        rate, cpu = timed_rate(step, budget)
+        rows.append({"reader": name, "records/s": rate, "CPU rec/s": cpu})
+        print(f"  {name:<48} {rate:>12,.0f} rec/s ({cpu:,.0f}/CPU-s)", flush=True)
         return rate
 
     # Open time first, while no reader threads or workers run: footer parse of a fresh
@@ -137,6 +170,8 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
     run("native ArrayRecordFile.read([i]) loop", lambda idx: [native.read([i]) for i in idx], BATCH)
     run("native ArrayRecordFile.read(batch of 256)", lambda idx: native.read(idx), BATCH)
     run("torchgrain source __getitems__ (decoded)", lambda idx: src.__getitems__(idx), BATCH)
+    raw = tg.ArrayRecordSource(directory, codec="raw")
+    run("torchgrain source __getitems__ (codec raw)", lambda idx: raw.__getitems__(idx), BATCH)
 
     # torchgrain through a DataLoader: the whole pipeline, collate included.
     for workers in (0, 2):
@@ -156,9 +191,9 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
         def step(it=it):
             return len(next(it))
 
-        rate = timed_rate(step, budget)
+        rate, cpu = timed_rate(step, budget)
         name = f"torchgrain Dataset + DataLoader, {workers} workers"
-        rows.append({"reader": name, "records/s": rate})
+        rows.append({"reader": name, "records/s": rate, "CPU rec/s": None if workers else cpu})
         print(f"  {name:<48} {rate:>12,.0f} rec/s", flush=True)
         del it, loader
 
@@ -176,7 +211,7 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
             def grain_step():
                 return len(next(it))
 
-            rate = timed_rate(grain_step, budget)
+            rate, _ = timed_rate(grain_step, budget)
             rows.append(
                 {"reader": "grain MapDataset.source().shuffle().batch()", "records/s": rate}
             )
@@ -188,14 +223,24 @@ def bench_file(directory: str, budget: float, with_grain: bool) -> list[dict]:
 def ratios(rows: list[dict]) -> dict[str, float]:
     r = {row["reader"]: row["records/s"] for row in rows if row["records/s"]}
     base = r["C++ read(i, i+1) loop (single-core limit)"]
+    base_cpu = next(
+        row["CPU rec/s"]
+        for row in rows
+        if row["reader"] == "C++ read(i, i+1) loop (single-core limit)"
+    )
     for row in rows:
-        if row["records/s"]:
+        if row["records/s"] and not row["reader"].startswith("fresh"):
             row["x C++ loop"] = row["records/s"] / base
+            if row.get("CPU rec/s"):
+                row["x C++ loop (CPU)"] = row["CPU rec/s"] / base_cpu
     out = {
         "torchgrain_dataloader_1proc_vs_cpp_loop": r["torchgrain Dataset + DataLoader, 0 workers"]
         / base,
         "native_single_vs_cpp_loop": r["native ArrayRecordFile.read([i]) loop"] / base,
         "native_batched_vs_cpp_batched": r["native ArrayRecordFile.read(batch of 256)"]
+        / r["C++ read(indices), batches of 256"],
+        "source_raw_vs_cpp_loop": r["torchgrain source __getitems__ (codec raw)"] / base,
+        "source_raw_vs_cpp_batched": r["torchgrain source __getitems__ (codec raw)"]
         / r["C++ read(indices), batches of 256"],
     }
     grain_rate = r.get("grain MapDataset.source().shuffle().batch()")
@@ -213,6 +258,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="time budget per reader")
     p.add_argument("--dir", default=None, help="where to keep the generated files")
     p.add_argument("--no-grain", action="store_true")
+    p.add_argument("--fresh-rounds", type=int, default=3, help="fresh-process rounds (0: none)")
     args = p.parse_args()
     root = args.dir or os.path.join(tempfile.gettempdir(), "torchgrain-bench-random-access")
     print(f"machine: {describe_machine()}")
@@ -225,8 +271,15 @@ def main() -> None:
         print(f"\n{label} records x {n:,} (group_size 1, zstd):")
         rows = bench_file(d, args.seconds, with_grain=not args.no_grain)
         summary = ratios(rows)
+        if args.fresh_rounds:
+            frows, fsummary = bench_fresh(d, args.fresh_rounds)
+            rows += frows
+            summary.update(fsummary)
         print()
-        print_table(rows, ["reader", "records/s", "x C++ loop", "ms"])
+        print_table(
+            rows,
+            ["reader", "records/s", "x C++ loop", "CPU rec/s", "x C++ loop (CPU)", "rounds", "ms"],
+        )
         for k, v in summary.items():
             print(f"  {k}: {v:.2f}x")
         results[label] = {"records": n, "record_bytes": size, "rows": rows, "ratios": summary}
@@ -241,6 +294,8 @@ def main() -> None:
                 "native_single_vs_cpp_loop": 1.0,
                 "native_batched_vs_cpp_batched": 1.5,
                 "open_ms": 50,
+                "fresh_source_raw_vs_cpp_loop": 1.0,
+                "fresh_source_raw_vs_cpp_batched": 1.5,
             },
         },
     )

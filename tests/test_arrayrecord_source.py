@@ -291,3 +291,33 @@ def test_a_symlink_inside_the_dataset_is_the_users_choice(tmp_path):
     _point_manifest_at(root, f"shards/{shard}")
     src = tg.ArrayRecordSource(root)
     assert [r["i"] for r in src.__getitems__([3, 0])] == [3, 0]
+
+
+def _index_in_child(src, queue):
+    # In the forked child: read, then report which index arrays the reader uses.
+    recs = src.__getitems__([4, 0])
+    reader = src._reader(0)
+    queue.put((id(reader.record_offsets), [r["id"] for r in recs], reader.num_records))
+
+
+def test_forked_child_reuses_the_parents_parsed_index(tmp_path):
+    # The footer parsed in the parent is not parsed again in a forked child (it keeps
+    # sharing the parent's pages), and the child's reader has its own handles.
+    import multiprocessing
+
+    recs = [{"id": i} for i in range(20)]
+    d = str(tmp_path / "idx")
+    tg.write_array_record(recs, d, num_shards=1)
+    src = tg.ArrayRecordSource(d)
+    assert src[3]["id"] == 3
+    parent = src._reader(0)
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(2):
+        q = ctx.Queue()
+        p = ctx.Process(target=_index_in_child, args=(src, q))
+        p.start()
+        got = q.get(timeout=60)
+        p.join(60)
+        assert p.exitcode == 0
+        assert got == (id(parent.record_offsets), [4, 0], 20)
+    assert src.__getitems__([19, 3]) == [{"id": 19}, {"id": 3}]

@@ -84,6 +84,7 @@ _HEADER = struct.Struct("<5Q")  # header_hash, data_size, data_hash, type|num_re
 _HEADER_BYTES = np.arange(_CHUNK_HEADER)
 _BATCH_MIN = 8  # chunks per read from which decoding them together pays
 _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
+_TWO = np.arange(2)
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
 
@@ -319,6 +320,34 @@ class ArrayRecordFile:
         self._footer = state["footer"]
         self._lock = threading.RLock()
         self._reset_handles()
+
+    @property
+    def has_index(self) -> bool:
+        """Whether the footer has been read and parsed (in this or a parent process)."""
+        return self._footer is not None
+
+    def for_child(self) -> ArrayRecordFile:
+        """A new reader of the same file sharing this one's parsed index (numpy arrays,
+        read only), with no handle, lock or decompression context of its own yet: what
+        a forked child uses instead of parsing the footer again.
+
+        Example:
+            >>> import tempfile, os
+            >>> from array_record.python.array_record_module import ArrayRecordWriter
+            >>> path = os.path.join(tempfile.mkdtemp(), "c.array_record")
+            >>> w = ArrayRecordWriter(path, "group_size:1")
+            >>> w.write(b"a")
+            >>> w.close()
+            >>> f = ArrayRecordFile(path)
+            >>> g = f.for_child()
+            >>> g.has_index, f.num_records, g.has_index, g.read([0])
+            (False, 1, False, [b'a'])
+            >>> f.for_child().record_offsets is f.record_offsets
+            True
+        """
+        new = ArrayRecordFile.__new__(ArrayRecordFile)
+        new.__setstate__(self.__getstate__())
+        return new
 
     def __repr__(self) -> str:
         n = self._footer.num_records if self._footer is not None else "?"
@@ -840,33 +869,32 @@ class ArrayRecordFile:
         ends = np.flatnonzero(raw < 0x80)  # last byte of every varint
         if ends.size != 6 * n:
             return None
-        starts = np.empty_like(ends)
-        starts[0] = 0
-        starts[1:] = ends[:-1] + 1
-        tag_starts = starts[0::2]
-        # Tags are single bytes 8, 16, 24 in that order, and entry k starts at its tag 8.
+        # Per entry six varints: tag 1, field 1, tag 2, field 2, tag 3, field 3. Tags are
+        # the single bytes 8, 16, 24, each right after the varint before it, and entry k
+        # starts with its tag 8 at rec_starts[k].
+        tags = ends[0::2]
         if not (
-            np.array_equal(ends[0::2], tag_starts)
-            and np.array_equal(starts[0::6], rec_starts)
-            and np.array_equal(raw[tag_starts].reshape(n, 3), np.broadcast_to(_ENTRY_TAGS, (n, 3)))
+            np.array_equal(ends[0::6], rec_starts)
+            and np.array_equal(tags[1:], ends[1:-1:2] + 1)
+            and bool((raw[tags].reshape(n, 3) == _ENTRY_TAGS).all())
         ):
             return None
-        out = []
-        for field in range(3):
-            # One pass per byte position of the field's longest varint (usually 1-4).
-            s = starts[2 * field + 1 :: 6]
-            e = ends[2 * field + 1 :: 6]
-            longest = int((e - s).max()) + 1
-            if longest > 9:  # >= 2^63: no real offset, size or count
-                raise self._corrupt("footer entry holds an impossible value (>= 2^63)")
-            value = (raw[s] & 0x7F).astype(np.int64)
-            for k in range(1, longest):
-                idx = s + k
-                has = idx <= e
-                byte = raw[np.minimum(idx, e)].astype(np.int64) & 0x7F
-                value |= np.where(has, byte, 0) << (7 * k)
-            out.append(value)
-        return out[0], out[1], out[2]
+        lengths = ends[1::2] - tags  # bytes of each field's varint
+        if int(lengths.max()) > 8:  # >= 2^56: no real offset, size or count
+            return None  # (the general parser names the entry)
+        # Each field's varint as the 8 little-endian bytes from where it starts (one
+        # gather through an unaligned uint64 view), its 7-bit groups packed together in
+        # three steps, cut to its length.
+        padded = np.zeros(raw.size + 8, np.uint8)
+        padded[: raw.size] = raw
+        words = np.ndarray((raw.size,), dtype="<u8", buffer=padded, strides=(1,))
+        x = words[tags + 1]
+        x = (x & 0x007F007F007F007F) | ((x & 0x7F007F007F007F00) >> 1)
+        x = (x & 0x00003FFF00003FFF) | ((x & 0x3FFF00003FFF0000) >> 2)
+        x = (x & 0x000000000FFFFFFF) | ((x & 0x0FFFFFFF00000000) >> 4)
+        x &= np.left_shift(np.uint64(1), (7 * lengths).astype(np.uint64)) - np.uint64(1)
+        out = x.astype(np.int64).reshape(n, 3).T
+        return out[0].copy(), out[1].copy(), out[2].copy()
 
     def _parse_entries(
         self, values: Any, bounds: np.ndarray, vectorised: bool = True
@@ -959,8 +987,9 @@ class ArrayRecordFile:
     ) -> list[bytes]:
         """Records at local ``rows`` (any order, duplicates allowed), in request order.
 
-        Each chunk needed is read and decompressed once per call; remote reads of one
-        call are fetched together. With ``chunk_cache`` (an LRU with ``get_many(keys)``
+        Each chunk that holds several records is read and decompressed once per call
+        (a local ``group_size:1`` file decompresses a row asked for twice twice, in
+        request order, without sorting); remote reads of one call are fetched together. With ``chunk_cache`` (an LRU with ``get_many(keys)``
         and ``put(key, value, nbytes)``, e.g. a
         :class:`~torchgrain.sources.block_cache.BlockCache`), decompressed chunks that
         hold several records are kept under ``(cache_key, chunk)`` for later calls, so a
@@ -1001,6 +1030,10 @@ class ArrayRecordFile:
         if lo < 0 or hi >= f.num_records:
             bad = lo if lo < 0 else hi
             raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
+        if f.group_size == 1 and self._local and not self._verify and n >= _BATCH_MIN:
+            out_singles = self._read_singles(arr, f)
+            if out_singles is not None:
+                return out_singles
         chunk_ids = self._chunk_of(arr, f)
         # Sorting groups rows by chunk and makes local reads walk the file forwards.
         order = np.argsort(chunk_ids, kind="stable")
@@ -1044,25 +1077,28 @@ class ArrayRecordFile:
                     cache.put(keys[k], chunk, len(values) + 8 * len(bounds))
         return out
 
-    def _local_batch(
-        self, chunks: list[int], view: memoryview, fast: tuple, f: _Footer
-    ) -> list[tuple[Any, Any]]:
-        """Decode many local chunks at once: the common case vectorised.
+    def _zstd_plan(
+        self, cs: np.ndarray, f: _Footer
+    ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
 
         One-record zstd chunks whose header and data sit inside one block (what
-        ``group_size:1`` files hold) are recognised for the whole batch with numpy (the
-        40-byte headers and the few bytes of the simple-chunk preamble gathered from
-        the map in one fancy index) and decompressed without further checks; every other chunk,
-        or any that looks unusual, takes :meth:`_local_chunk`, which checks and reports
-        everything. Returns what :meth:`_read_chunks` does, in the order given.
+        ``group_size:1`` files hold) are recognised for all of ``cs`` at once with numpy:
+        the 40-byte headers and the few bytes of the simple-chunk preamble are gathered
+        from the map in one fancy index each and checked against the footer. Returns
+        ``(view, ok, payload, end, size)``: chunk ``cs[k]`` with ``ok[k]`` holds one
+        zstd frame at ``view[payload[k]:end[k]]`` that decompresses to ``size[k]`` bytes.
+        Chunks that are not ``ok`` must take :meth:`_local_chunk`, which checks and
+        reports everything.
         """
+        view = self._local_view()
         u8 = self._u8
         if u8 is None or self._u8_view is not view:
             u8 = self._u8 = np.frombuffer(view, dtype=np.uint8)
             self._u8_view = view
-        cs = np.asarray(chunks, dtype=np.int64)
-        pos = f.chunk_offsets[cs].astype(np.int64)
-        in_block = ((pos & 0xFFFF) >= _BLOCK_HEADER) & ((pos & 0xFFFF) + _CHUNK_HEADER <= _BLOCK)
+        pos = f.chunk_offsets[cs]
+        low = pos & 0xFFFF
+        in_block = (low >= _BLOCK_HEADER) & (low + _CHUNK_HEADER <= _BLOCK)
         in_block &= pos + _CHUNK_HEADER + 8 <= len(u8)
         pos_ok = np.where(in_block, pos, 0)
         heads = u8[pos_ok[:, None] + _HEADER_BYTES].view("<u8")  # (k, 5) header fields
@@ -1075,9 +1111,7 @@ class ArrayRecordFile:
             & ((start & 0xFFFF) != 0)
             & ((start >> 16) == ((end - 1) >> 16))
             & (end <= f.chunk_ends[cs])
-            & ((type_num & 0xFF) == _CHUNK_SIMPLE)
-            & ((type_num >> 8) == 1)
-            & (recs[cs + 1] - recs[cs] == 1)
+            & (type_num == (1 << 8 | _CHUNK_SIMPLE))  # a simple chunk of one record
             & (decoded == f.decoded_sizes[cs])
             & (data_size > 3)
             # zstandard's batch call frees twice on an empty output (a crash, not an
@@ -1085,38 +1119,98 @@ class ArrayRecordFile:
             & (decoded > 0)
             & (decoded <= _BATCH_MAX_RECORD)
         )
+        if f.group_size != 1:
+            ok &= recs[cs + 1] - recs[cs] == 1
         # Simple chunk: compression byte, varint size of the sizes buffer (skipped: one
         # record's size is the decoded size), then the values' varint size and payload.
-        pre = u8[np.minimum(start[:, None] + np.arange(2), len(u8) - 1)]
+        last = len(u8) - 1
+        pre = u8[np.minimum(start[:, None] + _TWO, last)]
         ok &= (pre[:, 0] == _ZSTD) & (pre[:, 1] < 0x80)
-        q = start + 2 + pre[:, 1].astype(np.int64)
-        vs = u8[np.minimum(q[:, None] + np.arange(2), len(u8) - 1)].astype(np.int64)
+        q = start + 2 + pre[:, 1]
+        vs = u8[np.minimum(q[:, None] + _TWO, last)].astype(np.int64)
         one = vs[:, 0] < 0x80
         two = ~one & (vs[:, 1] < 0x80)
         size = np.where(one, vs[:, 0], (vs[:, 0] & 0x7F) | (vs[:, 1] << 7))
-        payload = q + np.where(one, 1, 2)
+        payload = q + 2 - one
         ok &= (one | two) & (size == decoded) & (payload < end)
+        return view, ok, payload, end, decoded
+
+    def _decompress_frames(
+        self, view: memoryview, payload: np.ndarray, end: np.ndarray, sizes: list[int]
+    ) -> list[bytes] | None:
+        """zstd frames ``view[payload[k]:end[k]]`` of ``sizes[k]`` bytes each, decompressed
+        (None when any fails or differs in size: the careful path then finds and names
+        the culprit)."""
+        try:
+            d = self._tls.zstd
+        except AttributeError:
+            d = self._zstd()
+        # One call per frame, with no Python code per frame: zstandard's batch call
+        # writes all output into one new buffer, whose fresh pages cost more than the
+        # calls it saves, and each record would still need a copy of its own.
+        try:
+            out = list(
+                map(
+                    d.decompress,
+                    map(view.__getitem__, map(slice, payload.tolist(), end.tolist())),
+                    sizes,
+                )
+            )
+        except (zstandard.ZstdError, ValueError):
+            return None
+        return out if list(map(len, out)) == sizes else None
+
+    def _read_singles(self, arr: np.ndarray, f: _Footer) -> list[bytes] | None:
+        """Records at valid rows ``arr`` of a local ``group_size:1`` file, in request order,
+        when every chunk has the common layout (else None: take the general path).
+
+        No sort and no per-record Python code: the chunk of row ``r`` is chunk ``r``. A
+        row asked for twice is decompressed twice (the same bytes).
+        """
+        view, ok, payload, end, decoded = self._zstd_plan(arr, f)
+        if ok.all():
+            return self._decompress_frames(view, payload, end, decoded.tolist())
+        # Some chunks run across a block boundary (about 1 in 60 of 1 KiB records) or
+        # are otherwise unusual: those take the careful path, one by one.
+        good = np.flatnonzero(ok)
+        if len(good) < len(arr) // 2:
+            return None
+        out = self._decompress_frames(view, payload[good], end[good], decoded[good].tolist())
+        if out is None:
+            return None
+        fast = self._fast or self._fast_index(f)
+        recs = fast[3]
+        for k in np.flatnonzero(~ok).tolist():  # ascending: each lands at its position
+            c = int(arr[k])
+            values, bounds = self._local_chunk(c, view, fast)
+            if bounds is None:
+                rec = values if type(values) is bytes else bytes(values)
+            else:
+                j = c - recs[c]  # 0: one record per chunk
+                rec = bytes(values[int(bounds[j]) : int(bounds[j + 1])])
+            out.insert(k, rec)
+        return out
+
+    def _local_batch(
+        self, chunks: list[int], view: memoryview, fast: tuple, f: _Footer
+    ) -> list[tuple[Any, Any]]:
+        """Decode many local chunks at once: the common case vectorised
+        (:meth:`_zstd_plan`), every other chunk through :meth:`_local_chunk`. Returns
+        what :meth:`_read_chunks` does, in the order given.
+        """
+        cs = np.asarray(chunks, dtype=np.int64)
+        view, ok, payload, end, decoded = self._zstd_plan(cs, f)
         out: list[Any] = [None] * len(chunks)
         fast_k = np.flatnonzero(ok)
+        values = None
         if len(fast_k):
-            try:
-                d = self._tls.zstd
-            except AttributeError:
-                d = self._zstd()
-            decompress = d.decompress
-            sizes = decoded[fast_k].tolist()
-            # One call per frame: zstandard's batch call writes all output into one new
-            # buffer, whose fresh pages cost more than the calls it saves.
-            try:
-                for k, a, b, n in zip(
-                    fast_k.tolist(), payload[fast_k].tolist(), end[fast_k].tolist(), sizes
-                ):
-                    v = decompress(view[a:b], max_output_size=n)
-                    if len(v) == n:
-                        out[k] = (v, None)
-            except (zstandard.ZstdError, ValueError):
-                pass  # something is off: the careful path below finds and names it
-        if len(fast_k) < len(chunks):
+            values = self._decompress_frames(
+                view, payload[fast_k], end[fast_k], decoded[fast_k].tolist()
+            )
+            if values is not None:
+                for k, v in zip(fast_k.tolist(), values):
+                    out[k] = (v, None)
+        if values is None or len(fast_k) < len(chunks):
             local_chunk = self._local_chunk
             for k, c in enumerate(chunks):
                 if out[k] is None:

@@ -166,6 +166,9 @@ class ArrayRecordSource(EncodedSource):
         self._check_count(shard, f)
         return f
 
+    def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
+        return reader.for_child() if reader.has_index else None
+
     def _touch(self, reader: ArrayRecordFile) -> None:
         reader.num_records  # noqa: B018 - maps the file now: later eviction only unlinks
 

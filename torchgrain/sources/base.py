@@ -434,16 +434,31 @@ class ShardedSource(Source):
         """This process's state, created on first use and again after a fork."""
         st = self._state
         if st is None or st.token != process.token():
+            new = _ProcessState(self.cache_bytes)
             if st is not None:
                 _INHERITED.append(st)
+                if not self._remote:
+                    # What the parent's local readers learnt (a parsed index) carries
+                    # over: the child reopens the file but parses nothing again, and
+                    # the index's pages stay shared with the parent.
+                    for shard, reader in list(st.readers.items()):
+                        child = self._reader_for_child(reader)
+                        if child is not None:
+                            new.readers[shard] = child
             token = process.token()
             if getattr(self, "_fs_token", token) != token:
                 # Async filesystems (s3fs, http) are bound to the event loop of the
                 # process that made them: a forked child needs its own instance.
                 self._fs = filesystem_for_this_process(self._fs)
             self._fs_token = token
-            st = self._state = _ProcessState(self.cache_bytes)
+            st = self._state = new
         return st
+
+    def _reader_for_child(self, reader: Any) -> Any | None:
+        """A reader for a forked child made from the parent's ``reader`` of a local
+        shard (sharing what it parsed but no handle, lock or thread), or None to open
+        the shard afresh."""
+        return None
 
     @property
     def _blocks(self) -> BlockCache:

@@ -74,10 +74,11 @@ class EncodedSource(ShardedSource):
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Read a batch: each shard once, the remote ones concurrently; request order."""
         idx = self.index.check(indices)
-        if len(idx) == 0:
-            return []
-        shards, rows = self.index.locate(idx)
-        groups = group_by_shard(shards, rows)
+        groups = self.index.split(idx)
+        if len(groups) == 1:
+            shard, rows, _ = groups[0]
+            self._check_readable(shard, int(idx[0]))
+            return self._read_decode(shard, rows, idx)
         for shard, _, positions in groups:
             self._check_readable(shard, int(idx[positions[0]]))
         opened = self._prefetch_copies([g[0] for g in groups])
@@ -99,7 +100,7 @@ class EncodedSource(ShardedSource):
         decode_columns = getattr(self.codec, "decode_columns", None)
         if decode_columns is None or len(idx) == 0:
             return ColumnBatch.from_records(self.__getitems__(idx))
-        shards, rows = self.index.locate(idx)
+        shards, rows = self.index._locate(idx)
         groups = group_by_shard(shards, rows)
         for shard, _, positions in groups:
             self._check_readable(shard, int(idx[positions[0]]))
@@ -157,18 +158,26 @@ class EncodedSource(ShardedSource):
                 f"{e} (shard {shard} of {self.num_shards}, reading record index {first})"
             ) from e
         t1 = time.perf_counter()
-        counters[COUNTER["bytes_read"]] += sum(len(b) for b in blobs)
+        counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
         counters[COUNTER["read_seconds"]] += t1 - t0
-        decode = self.codec.decode
-        try:
-            out = [decode(b) for b in blobs]
-        except Exception:
-            # Find the culprit (the fast path above does not track positions).
-            for b, row, index in zip(
-                blobs, np.asarray(rows).tolist(), np.asarray(indices).tolist()
-            ):
-                self._decode(b, shard, row, index)
-            raise
+        decode_batch = getattr(self.codec, "decode_batch", None)
+        out = None
+        if decode_batch is not None:
+            try:
+                out = decode_batch(blobs)
+            except Exception:
+                out = None  # one by one below, to name the record
+        if out is None:
+            decode = self.codec.decode
+            try:
+                out = [decode(b) for b in blobs]
+            except Exception:
+                # Find the culprit (the fast path above does not track positions).
+                for b, row, index in zip(
+                    blobs, np.asarray(rows).tolist(), np.asarray(indices).tolist()
+                ):
+                    self._decode(b, shard, row, index)
+                raise
         counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
         return out
 

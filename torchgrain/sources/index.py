@@ -7,6 +7,7 @@ copy-on-write pages with forked workers untouched, and pickles small.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Sequence
 
@@ -91,9 +92,39 @@ class ShardIndex:
 
     def locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Return ``(shard_ids, local_rows)`` for valid global indices (vectorised)."""
-        arr = self.check(indices)
+        return self._locate(self.check(indices))
+
+    def _locate(self, arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.offsets) == 2:  # one shard: rows are the indices
+            return np.zeros(len(arr), dtype=np.int64), arr
         shards = np.searchsorted(self.offsets, arr, side="right") - 1
         return shards, arr - self.offsets[shards]
+
+    def split(self, idx: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray | None]]:
+        """Checked indices (from :meth:`check`) grouped by shard.
+
+        Returns ``(shard, rows in request order, positions in the request)`` per shard,
+        as :func:`group_by_shard` does, except that ``positions`` is None when every
+        index falls in one shard (the common case of one-shard datasets and
+        shard-local orders: nothing to sort or scatter).
+
+        Example:
+            >>> ix = ShardIndex([3, 2])
+            >>> [(s, r.tolist(), p) for s, r, p in ix.split(np.array([4, 3]))]
+            [(1, [1, 0], None)]
+            >>> [(s, r.tolist(), p.tolist()) for s, r, p in ix.split(np.array([4, 0, 3]))]
+            [(0, [0], [1]), (1, [1, 0], [0, 2])]
+        """
+        if len(idx) == 0:
+            return []
+        offsets = self.offsets
+        if len(offsets) == 2:
+            return [(0, idx, None)]
+        shards = np.searchsorted(offsets, idx, side="right") - 1
+        first = int(shards[0])
+        if first == int(shards[-1]) and bool((shards == first).all()):
+            return [(first, idx - offsets[first], None)]
+        return group_by_shard(shards, idx - offsets[shards])
 
     def locate_one(self, index: int) -> tuple[int, int]:
         """Scalar fast path of :meth:`locate`."""
@@ -133,8 +164,9 @@ def group_by_shard(
         return []
     order = np.argsort(shards, kind="stable")
     sorted_shards = shards[order]
-    cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
-    groups = []
-    for pos in np.split(order, cuts):
-        groups.append((int(shards[pos[0]]), rows[pos], pos))
-    return groups
+    cuts = [0, *(np.flatnonzero(np.diff(sorted_shards)) + 1).tolist(), len(order)]
+    heads = sorted_shards[cuts[:-1]].tolist()
+    return [
+        (shard, rows[pos], pos)
+        for shard, pos in zip(heads, (order[a:b] for a, b in itertools.pairwise(cuts)))
+    ]
