@@ -12,13 +12,21 @@ their parent's entries.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
-__all__ = ["DEFAULT_CACHE_BYTES", "BlockCache", "CacheInfo"]
+__all__ = ["DEFAULT_CACHE_BYTES", "BlockCache", "CacheInfo", "held_bytes"]
 
 DEFAULT_CACHE_BYTES = 256 << 20
+
+_CACHES: weakref.WeakSet[BlockCache] = weakref.WeakSet()
+
+
+def held_bytes() -> int:
+    """The bytes charged to every :class:`BlockCache` alive in this process."""
+    return sum(c._bytes for c in list(_CACHES))
 
 
 class CacheInfo(NamedTuple):
@@ -65,6 +73,7 @@ class BlockCache:
         self._misses = 0
         self._evictions = 0
         self._lock = threading.Lock()
+        _CACHES.add(self)
 
     def __len__(self) -> int:
         return len(self._entries)

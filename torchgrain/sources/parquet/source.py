@@ -41,6 +41,7 @@ from torchgrain.sources.parquet.paths import (
     partitions,
     resolve,
 )
+from torchgrain.sources.parquet.pool import trimmer
 from torchgrain.sources.parquet.schema import all_names, merge_file_schemas, value_type_name
 from torchgrain.sources.parquet.values import Column, RowGroup, convert_column, int64_array
 
@@ -330,7 +331,9 @@ class ParquetSource(ShardedSource):
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         rows = idx - self._rg_offsets[groups]
         order = np.argsort(groups, kind="stable")
-        return self._gather(groups[order], rows[order], idx[order], order)
+        out = self._gather(groups[order], rows[order], idx[order], order)
+        trimmer().settle()  # the decode buffers this read freed go back to the system
+        return out
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """Read a batch as columns, without a Python object per row where the types allow
@@ -348,9 +351,14 @@ class ParquetSource(ShardedSource):
             ([7, 2], '7')
         """
         idx = self.index.check(indices)
-        n = len(idx)
-        if n == 0:
+        if len(idx) == 0:
             return ColumnBatch({key: [] for key in self._keys}, num_rows=0)
+        out = self._read_columns(idx)
+        trimmer().settle()  # the decode buffers this read freed go back to the system
+        return out
+
+    def _read_columns(self, idx: np.ndarray) -> ColumnBatch:
+        n = len(idx)
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         plan = GatherPlan(groups, idx - self._rg_offsets[groups])
         distinct = plan.groups.tolist()
@@ -475,7 +483,7 @@ class ParquetSource(ShardedSource):
         for k, entry in enumerate(entries):
             g, s, e = distinct[k], starts[k], ends[k]
             if entry is None:
-                table = tables.get(k)
+                table = tables.pop(k, None)
                 if table is None:
                     t0 = time.perf_counter()
                     table = self._decode(g, int(indices[s]))
@@ -497,6 +505,10 @@ class ParquetSource(ShardedSource):
                 # the cached one (never mutated in place: another thread may be reading it).
                 entry = self._convert_group(entry.table, g)
                 cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
+                # Let the table go now, not at the end of the batch (a batch of a global
+                # shuffle converts every cached row group at its second read).
+                entries[k] = entry
+                trimmer().settle()
             converted.append(entry)
 
         # Copy each record in request order (one pass; a global shuffle touches a
