@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import CorruptDataError, TorchgrainError
-from torchgrain.formats.checksums import RecordHasher
+from torchgrain.formats.checksums import RecordHasher, file_checksum
 from torchgrain.formats.codecs import get_codec, merge_schema
 from torchgrain.formats.manifest import (
     MANIFEST_NAME,
@@ -186,7 +186,11 @@ def write_array_record(
             os.replace(t, f)
             shards.append(
                 ShardInfo(
-                    path=n, num_records=c, num_bytes=os.path.getsize(f), checksum=h.hexdigest()
+                    path=n,
+                    num_records=c,
+                    num_bytes=os.path.getsize(f),
+                    checksum=h.hexdigest(),
+                    file_checksum=file_checksum(f),
                 )
             )
         manifest = Manifest(codec=enc.name, shards=shards, schema=schema, group_size=group_size)

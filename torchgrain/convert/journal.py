@@ -202,6 +202,7 @@ def finish(
             num_records=r["num_records"],
             num_bytes=r["num_bytes"],
             checksum=r["checksum"],
+            file_checksum=r.get("file_checksum"),
         )
         for r in results
     ]

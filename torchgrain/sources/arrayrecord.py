@@ -191,7 +191,11 @@ class ArrayRecordSource(EncodedSource):
         info = self.manifest.shards[shard] if self.manifest is not None else None
         if info is None:
             return None, None
-        return (info.num_bytes if info.num_bytes >= 0 else None), info.checksum
+        # A downloaded copy is checked against the file's own hash where the manifest
+        # has one (cheap), else against the records' (every record decoded).
+        return (info.num_bytes if info.num_bytes >= 0 else None), (
+            info.file_checksum or info.checksum
+        )
 
     def _verify_copy(self, path: str, checksum: str, *, name: str) -> None:
         verify_file(path, checksum, name=name)  # record checksums need the format
