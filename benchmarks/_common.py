@@ -77,3 +77,26 @@ def write_json(name: str, payload: dict[str, Any]) -> str:
         json.dump(doc, f, indent=1, default=str)
     print(f"wrote {path}")
     return path
+
+
+def _serve_forever(root: str, latency_s: float, rate: float, q: Any) -> None:
+    from tests.servers import RangeHTTPServer
+
+    srv = RangeHTTPServer(root, latency_s=latency_s, rate_bytes_per_s=rate)
+    q.put(srv.url)
+    while True:
+        time.sleep(3600)
+
+
+def start_http_store(root: str, latency_s: float, rate_bytes_per_s: float) -> tuple[str, Any]:
+    """Serve ``root`` over HTTP with Range support from a process of its own, adding
+    ``latency_s`` before every response and capping each connection's bandwidth (an
+    object store's behaviour); returns ``(url, process)``: ``process.kill()`` stops it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_serve_forever, args=(root, latency_s, rate_bytes_per_s, q))
+    proc.daemon = True
+    proc.start()
+    return q.get(timeout=60), proc

@@ -24,7 +24,6 @@ Run:  python benchmarks/remote.py            (about two minutes on 2 cores)
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -38,16 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchgrain as tg
-from benchmarks._common import describe_machine, print_table, write_json
-
-
-def _serve(root: str, latency_s: float, rate: float, q) -> None:
-    from tests.servers import RangeHTTPServer
-
-    srv = RangeHTTPServer(root, latency_s=latency_s, rate_bytes_per_s=rate)
-    q.put(srv.url)
-    while True:
-        time.sleep(3600)
+from benchmarks._common import describe_machine, print_table, start_http_store, write_json
 
 
 def _write(root: str, name: str, n: int, shards: int, nbytes: int) -> str:
@@ -124,14 +114,7 @@ def main() -> None:
         small = _write(work, "small", n=8192, shards=32, nbytes=3072)  # ~25 MB, 32 shards
         big_n = args.big_shard_mb * 2**20 // 65536 * 8
         big = _write(work, "big", n=big_n, shards=8, nbytes=65536)  # 8 shards of big_shard_mb
-        q = mp.get_context("fork").Queue()
-        server = mp.get_context("fork").Process(
-            target=_serve,
-            args=(work, args.latency_ms / 1000, args.mbps * 1e6, q),
-            daemon=True,
-        )
-        server.start()
-        url = q.get(timeout=30)
+        url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
         print(
             f"server {url}: {args.latency_ms:g} ms per request, {args.mbps:g} MB/s per "
             f"connection; {args.workers} workers, batch {args.batch_size}"

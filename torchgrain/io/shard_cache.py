@@ -118,6 +118,7 @@ class ShardCache:
         self.retry = retry or RetryPolicy()
         os.makedirs(os.path.join(self.directory, _LOCK_DIR), exist_ok=True)
         self._stats_lock = threading.Lock()
+        self._lock_pid = os.getpid()
         self._paths: dict[tuple[str, str | None], str] = {}
         self.stats: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries"),
@@ -134,6 +135,7 @@ class ShardCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._stats_lock = threading.Lock()
+        self._lock_pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes}, stats={self.stats})"
@@ -339,6 +341,11 @@ class ShardCache:
 
     # ----------------------------------------------------------------- helpers
     def _count(self, **kw: int) -> None:
+        if self._lock_pid != os.getpid():
+            # A forked child (a DataLoader worker): a background download in the
+            # parent may have held the lock at the fork, so the copy may be locked.
+            self._stats_lock = threading.Lock()
+            self._lock_pid = os.getpid()
         with self._stats_lock:
             for k, v in kw.items():
                 self.stats[k] += v

@@ -368,6 +368,7 @@ class ResumableSampler(DistributedSampler):
         epoch = operator.index(epoch)
         _to_u64(epoch, "epoch")
         if epoch != self.epoch:
+            self._read_ahead(None, 0, 0)  # the old order's read-ahead stops
             self.epoch = epoch
             self._loaded = None
             self._on_epoch_change()
@@ -407,6 +408,7 @@ class ResumableSampler(DistributedSampler):
         # Bind the epoch's order now: a set_epoch or load_state_dict while this
         # iterator is alive must not change the order of its later chunks.
         stream = self._stream_fn()
+        self._read_ahead(lambda a, b: self._indices_in(layout, a, b, world, stream), start, count)
         for s in range(start, count, _ITER_CHUNK):
             stop = min(s + _ITER_CHUNK, count)
             chunk = self._indices_in(layout, s, stop, world, stream).tolist()
@@ -414,6 +416,14 @@ class ResumableSampler(DistributedSampler):
             # Keep the list iterator: its __length_hint__ says how far the consumer got.
             self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
             yield it
+
+    def _read_ahead(self, order: Any, start: int, count: int) -> None:
+        """Hand this pass's order to the dataset's read-ahead (remote sources with a
+        shard cache download the shards it will need; see :mod:`torchgrain.io.readahead`);
+        an empty range cancels it."""
+        hook = getattr(self.dataset, "read_ahead", None)
+        if callable(hook):
+            hook(order, start, count, self._drawn)
 
     def _drawn(self) -> int:
         """Position reached by the latest iteration (draws made, incl. the resume offset)."""
@@ -536,6 +546,7 @@ class ResumableSampler(DistributedSampler):
         a tail shorter than ``num_replicas`` with drop_last). Also calls
         ``dataset.set_epoch(epoch)`` when the dataset has that method.
         """
+        self._read_ahead(None, 0, 0)  # a resume starts a new pass: the walk stops
         if state.get("sampler") != self._kind:
             raise ValueError(f"state is for {state.get('sampler')!r}, not {self._kind!r}")
         if state.get("version") != 1:

@@ -61,6 +61,10 @@ class ArrayRecordSource(EncodedSource):
             used shards go first). Before this argument existed, ``cache_bytes`` given
             together with ``cache_dir`` meant this budget; that still works, with a
             ``DeprecationWarning``.
+        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of
+            shards a sampler's future order may have downloaded ahead of use (default:
+            half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
+            :mod:`torchgrain.io.readahead`.
         io_threads: threads per process that read the shards of one remote batch
             concurrently, overlapping request latency (1 = sequential). Local shards
             are always read in the calling thread.
@@ -109,6 +113,7 @@ class ArrayRecordSource(EncodedSource):
         cache_dir: str | os.PathLike | ShardCache | None = None,
         cache_dir_bytes: int | None = None,
         io_threads: int = 8,
+        read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
         allow_external_paths: bool = False,
@@ -139,6 +144,7 @@ class ArrayRecordSource(EncodedSource):
             cache_dir=cache_dir,
             cache_dir_bytes=cache_dir_bytes,
             io_threads=io_threads,
+            read_ahead_bytes=read_ahead_bytes,
             retry=retry,
             max_open_files=max_open_files,
         )

@@ -197,6 +197,7 @@ class _ProcessState:
         # shard -> [local copy path, inode, reader, time of the last existence check]
         self.cached: OrderedDict[int, list[Any]] = OrderedDict()
         self.pool: ThreadPoolExecutor | None = None
+        self.read_ahead: Any = None
         self.blocks = BlockCache(cache_bytes)
         self.io = {"remote_reads": 0, "retries": 0}
 
@@ -242,6 +243,7 @@ class ShardedSource(Source):
         cache_dir: str | os.PathLike | ShardCache | None = None,
         cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
         io_threads: int = 8,
+        read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
     ) -> None:
@@ -254,6 +256,7 @@ class ShardedSource(Source):
         if max_open_files is not None and max_open_files < 1:
             raise ValueError(f"max_open_files must be >= 1 or None, got {max_open_files!r}")
         self._fs = filesystem
+        self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)
         self._paths = list(paths)
         self.index = ShardIndex(counts)
@@ -268,7 +271,116 @@ class ShardedSource(Source):
                 if isinstance(cache_dir, ShardCache)
                 else ShardCache(cache_dir, max_bytes=cache_dir_bytes, retry=self._retry)
             )
+        if read_ahead_bytes is not None and read_ahead_bytes < 0:
+            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes!r}")
+        if read_ahead_bytes is None:
+            read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
+        self.read_ahead_bytes = int(read_ahead_bytes)
+        self._sizes: dict[int, int] = {}
         self._state: _ProcessState | None = None
+
+    # ------------------------------------------------------------- read-ahead
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        """Download, in the background, the shards that ``order`` (a sampler's pass:
+        ``order(a, b)`` are the indices at positions ``[a, b)``) will read from
+        ``start`` on, ahead of ``position()``, into the shard cache (see
+        :mod:`torchgrain.io.readahead`). Does nothing without a shard cache on remote
+        storage or with ``read_ahead_bytes=0``; a new call cancels the previous walk.
+        Samplers call this at the start of each pass.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> src = tg.ArrayRecordSource(d)  # local files: nothing to read ahead
+            >>> src.read_ahead(lambda a, b: list(range(a, b)), 0, len(src), lambda: 0)
+            >>> src.read_ahead_bytes
+            0
+        """
+        if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
+            return
+        from torchgrain.io.readahead import ShardReadAhead
+
+        st = self._proc()
+        with st.lock:
+            if st.read_ahead is None:
+                st.read_ahead = ShardReadAhead(self, self.read_ahead_bytes)
+            ra = st.read_ahead
+        ra.begin(order, start, count, position)
+
+    def shard_nbytes(self, shard: int) -> int:
+        """Size of a shard file in bytes (from the dataset's records, else from one
+        listing of the shards' directories, else asked for this shard).
+
+        Example:
+            >>> import os, tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> src = tg.ArrayRecordSource(d)
+            >>> src.shard_nbytes(0) == os.path.getsize(src.paths[0])
+            True
+        """
+        size = self._sizes.get(shard)
+        if size is None:
+            size = self.shard_integrity(shard)[0]
+            if size is None and not self._sizes:
+                self._sizes.update(self._listed_sizes())
+                size = self._sizes.get(shard)
+            if size is None:
+                size = int(self._io(lambda: self._fs.size(self._paths[shard]), shard, "size"))
+            self._sizes[shard] = size
+        return size
+
+    def _listed_sizes(self) -> dict[int, int]:
+        """Sizes of the shards from listings of their directories (one request each)."""
+        fs = self._fs
+        where: dict[str, list[int]] = {}
+        for k, path in enumerate(self._paths):
+            where.setdefault(fs._parent(path), []).append(k)
+        if len(where) > 16:
+            return {}
+        out = {}
+        for parent, shards in where.items():
+            try:
+                listing = {
+                    fs._strip_protocol(e["name"]): e.get("size") for e in fs.ls(parent, detail=True)
+                }
+            except Exception:  # a store that cannot list: sizes are asked one by one
+                continue
+            for k in shards:
+                size = listing.get(fs._strip_protocol(self._paths[k]))
+                if isinstance(size, int) and size >= 0:
+                    out[k] = size
+        return out
+
+    def prefetch_shard(self, shard: int) -> bool:
+        """Put a local copy of remote ``shard`` in the shard cache; whether it was
+        downloaded now (False: already there, or no shard cache).
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).prefetch_shard(0)  # no shard cache: nothing to do
+            False
+        """
+        if self.cache is None or self._is_cached(shard):
+            return False
+        _, checksum = self.shard_integrity(shard)
+        self.cache.fetch(
+            self._paths[shard],
+            filesystem=self._fs,
+            size=self.shard_nbytes(shard),
+            checksum=checksum,
+            verify=self._verify_copy,
+        )
+        return True
 
     # ------------------------------------------------------------------ contract
     def __len__(self) -> int:
@@ -324,9 +436,12 @@ class ShardedSource(Source):
         if st is None or st.token != process.token():
             if st is not None:
                 _INHERITED.append(st)
+            token = process.token()
+            if getattr(self, "_fs_token", token) != token:
                 # Async filesystems (s3fs, http) are bound to the event loop of the
                 # process that made them: a forked child needs its own instance.
                 self._fs = filesystem_for_this_process(self._fs)
+            self._fs_token = token
             st = self._state = _ProcessState(self.cache_bytes)
         return st
 

@@ -93,6 +93,7 @@ class TFRecordSource(EncodedSource):
         cache_dir: str | os.PathLike | ShardCache | None = None,
         cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
         io_threads: int = 8,
+        read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
     ) -> None:
@@ -118,6 +119,7 @@ class TFRecordSource(EncodedSource):
             cache_dir=cache_dir,
             cache_dir_bytes=cache_dir_bytes,
             io_threads=io_threads,
+            read_ahead_bytes=read_ahead_bytes,
             retry=retry,
             max_open_files=max_open_files,
         )

@@ -73,6 +73,10 @@ class ParquetSource(ShardedSource):
             :class:`~torchgrain.io.shard_cache.ShardCache`) for whole copies of *remote*
             files, each downloaded once per machine and read locally after, and its byte
             budget (default 16 GiB).
+        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of
+            shards a sampler's future order may have downloaded ahead of use (default:
+            half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
+            :mod:`torchgrain.io.readahead`.
         io_threads: threads per process that read the remote row groups of one batch
             concurrently (1 = sequential; local files are read in the calling thread).
         retry: retry policy for remote footer and row-group reads and downloads
@@ -176,6 +180,7 @@ class ParquetSource(ShardedSource):
         cache_dir: str | os.PathLike | ShardCache | None = None,
         cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
         io_threads: int = 8,
+        read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
     ) -> None:
@@ -240,6 +245,7 @@ class ParquetSource(ShardedSource):
             cache_dir=cache_dir,
             cache_dir_bytes=cache_dir_bytes,
             io_threads=io_threads,
+            read_ahead_bytes=read_ahead_bytes,
             retry=retry,
             max_open_files=max_open_files,
         )

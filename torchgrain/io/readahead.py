@@ -1,0 +1,156 @@
+"""Read-ahead of remote shards into the shard cache, in the order a sampler will need them.
+
+A sampler knows its whole epoch order. When a pass starts, it hands that order to the
+dataset (:meth:`ShardReadAhead.begin`); a background thread walks the order ahead of
+the position the sampler has reached, finds the shards in the order of their first
+use, and downloads them into the on-disk :class:`~torchgrain.io.shard_cache.ShardCache`
+(shared by every process of the machine, so DataLoader workers find local copies).
+At most ``budget`` bytes of shards whose first use still lies ahead are fetched; a new
+pass (``set_epoch``, a resume, a new ``iter(loader)``) cancels the old walk.
+
+Read-ahead only warms the cache: a shard it could not fetch is fetched (and its error
+raised) by the read that needs it, so it never changes which records are delivered,
+or their order.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ShardReadAhead"]
+
+# Order positions scanned per step of the walk (one vectorised call of the sampler).
+_SCAN = 8192
+
+
+class ShardReadAhead:
+    """Downloads a source's shards ahead of use (see the module docstring).
+
+    Args:
+        source: a :class:`~torchgrain.sources.base.ShardedSource` with a shard cache.
+        budget: bytes of shards, not yet reached, that may sit fetched ahead.
+        threads: concurrent downloads.
+
+    Example:
+        >>> ra = ShardReadAhead.__new__(ShardReadAhead)  # normally made by the source
+        >>> ShardReadAhead.__name__
+        'ShardReadAhead'
+    """
+
+    def __init__(self, source: Any, budget: int, threads: int = 4) -> None:
+        self.source = source
+        self.budget = int(budget)
+        self.threads = threads
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.fetched = 0  # shards downloaded ahead (for tests and stats)
+
+    def begin(
+        self,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        """Start walking ``order(a, b)`` (the indices at positions ``[a, b)``) from
+        ``start`` to ``count``, staying within the budget ahead of ``position()``."""
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+        if self.budget <= 0 or count <= start:
+            return
+        thread = threading.Thread(
+            target=self._walk,
+            args=(generation, order, start, count, position),
+            name="torchgrain-read-ahead",
+            daemon=True,
+        )
+        self._thread = thread
+        thread.start()
+
+    def cancel(self) -> None:
+        """Stop the current walk (downloads in flight finish)."""
+        with self._lock:
+            self._generation += 1
+
+    def _live(self, generation: int) -> bool:
+        return self._generation == generation
+
+    def _walk(
+        self,
+        generation: int,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        # Read-ahead only warms the cache: the reads that need a shard fetch it
+        # themselves and raise its errors.
+        with contextlib.suppress(Exception):
+            self._walk_order(generation, order, start, count, position)
+
+    def _walk_order(
+        self,
+        generation: int,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        src = self.source
+        seen = np.zeros(src.num_shards, dtype=bool)
+        pending: collections.deque[tuple[int, int]] = collections.deque()  # (first use, shard)
+        ahead: collections.deque[tuple[int, int]] = collections.deque()  # (first use, bytes)
+        in_flight: list[Future[Any]] = []
+        scan = start
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="torchgrain-read-ahead") as pool:
+            while self._live(generation):
+                while len(pending) < 2 * self.threads and scan < count and not seen.all():
+                    stop = min(scan + _SCAN, count)
+                    shards = src.index.locate(np.asarray(order(scan, stop)))[0]
+                    first = np.unique(shards, return_index=True)[1]
+                    for k in np.sort(first).tolist():
+                        s = int(shards[k])
+                        if not seen[s]:
+                            seen[s] = True
+                            pending.append((scan + k, s))
+                    scan = stop
+                in_flight = [f for f in in_flight if not f.done()]
+                if not pending:
+                    break
+                reached = position()
+                while ahead and ahead[0][0] < reached:
+                    ahead.popleft()  # in use now: no longer ahead
+                use, shard = pending[0]
+                if use < reached:  # the reader got there first
+                    pending.popleft()
+                    continue
+                size = src.shard_nbytes(shard)
+                held = sum(b for _, b in ahead)
+                if (ahead and held + size > self.budget) or len(in_flight) >= self.threads:
+                    self._wait(generation, 0.02)
+                    continue
+                pending.popleft()
+                ahead.append((use, size))
+                in_flight.append(pool.submit(self._fetch, generation, shard))
+            for f in in_flight:
+                if not self._live(generation):
+                    f.cancel()
+
+    def _wait(self, generation: int, seconds: float) -> None:
+        threading.Event().wait(seconds)
+
+    def _fetch(self, generation: int, shard: int) -> None:
+        if not self._live(generation):
+            return
+        with contextlib.suppress(Exception):  # the read that needs it reports errors
+            if self.source.prefetch_shard(shard):
+                self.fetched += 1
