@@ -7,8 +7,9 @@ and size on disk reported), and each read the way its documentation recommends, 
 shuffled epoch with batch 256, ``num_workers`` 0 and 2, in a fresh process per
 measurement, rounds interleaved:
 
-* torchgrain: ArrayRecord + ``GlobalShuffleSampler``; Parquet + ``GlobalShuffleSampler``
-  and + ``BlockShuffleSampler(window=8)``.
+* torchgrain: ArrayRecord + ``GlobalShuffleSampler`` (records, and
+  ``batch_format="columns"``); Parquet + ``GlobalShuffleSampler`` and +
+  ``BlockShuffleSampler(window=8)``.
 * LitData: ``optimize`` then ``StreamingDataset(shuffle=True)`` + ``StreamingDataLoader``.
 * Mosaic Streaming: ``MDSWriter`` then ``StreamingDataset(shuffle=True)`` (default
   ``py1e`` shuffle) + DataLoader.
@@ -314,6 +315,24 @@ def read_tg_ar_global(d: str, workers: int) -> Iterator[Batch]:
     return _dict_batches(_torch_loader(ds, workers, sampler=sampler))
 
 
+def read_tg_ar_columns(d: str, workers: int) -> Iterator[Batch]:
+    import torchgrain as tg
+
+    ds = tg.Dataset(tg.ArrayRecordSource(os.path.join(d, "tg_arrayrecord")), batch_format="columns")
+    sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
+    loader = _torch_loader(ds, workers, sampler=sampler)
+
+    def gen() -> Iterator[Batch]:
+        for b in loader:
+            p = b["payload"]  # a Ragged column: one flat buffer + offsets
+            buf = memoryview(p.values.numpy())
+            offs = p.offsets.tolist()
+            payloads = [buf[offs[i] : offs[i + 1]] for i in range(len(offs) - 1)]
+            yield np.asarray(b["id"]), np.asarray(b["label"]), payloads
+
+    return gen()
+
+
 def read_tg_pq_global(d: str, workers: int) -> Iterator[Batch]:
     import torchgrain as tg
 
@@ -459,6 +478,11 @@ LOADERS: dict[str, tuple[str, Callable[[str, int], Iterator[Batch]], str]] = {
         "tg_arrayrecord",
         read_tg_ar_global,
         "torchgrain ArrayRecord + GlobalShuffleSampler",
+    ),
+    "tg_ar_columns": (
+        "tg_arrayrecord",
+        read_tg_ar_columns,
+        'torchgrain ArrayRecord + GlobalShuffleSampler, batch_format="columns"',
     ),
     "tg_pq_global": ("tg_parquet", read_tg_pq_global, "torchgrain Parquet + GlobalShuffleSampler"),
     "tg_pq_block": (
@@ -741,6 +765,7 @@ def plot(rows: list[dict[str, Any]], path: str, n: int) -> None:
             )  # fmt: skip
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xlim(1, 200)
         ax.set_xlabel(f"distinct {CHUNK}-record chunks per batch of 256 (uniform ~92)")
         ax.set_title(f"num_workers={w}")
         ax.grid(True, which="both", alpha=0.3)
@@ -766,6 +791,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default: a temporary one, removed at the end)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per measurement")
+    p.add_argument("--json", default="peers", help="results name (benchmarks/results/NAME.json)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--remote", action="store_true", help="run benchmarks/peers_remote.py")
     args, rest = p.parse_known_args(argv)
@@ -833,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
         write_json(
-            "peers",
+            args.json,
             {
                 "records": args.n,
                 "payload_bytes": args.payload,
@@ -848,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         from benchmarks._common import RESULTS_DIR
 
-        plot(rows, os.path.join(RESULTS_DIR, "peers.png"), args.n)
+        plot(rows, os.path.join(RESULTS_DIR, f"{args.json}.png"), args.n)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
