@@ -37,7 +37,7 @@ with the global shuffle at the same ``num_workers``, as the median of per-round 
 ``--remote`` runs the object-storage comparison instead (see ``peers_remote.py``).
 
 Run with the peers' environment (``bash scripts/setup_peers.sh`` creates it):
-      .venv-peers/bin/python benchmarks/peers.py            (about 25 minutes on 2 cores)
+      .venv-peers/bin/python benchmarks/peers.py            (about 40 minutes on 2 cores)
       .venv-peers/bin/python benchmarks/peers.py --quick    (small, one round)
       .venv-peers/bin/python benchmarks/peers.py --only tg_ar_global lance --workers 2
 """

@@ -24,7 +24,7 @@ chunks per batch, as in ``peers.py``), and the check that each id came once with
 An epoch that runs past ``--epoch-seconds`` is cut there and its rate is over what it read
 (marked ``partial``). Ratios are against ``tg_block_cache`` in the same round.
 
-Run:  .venv-peers/bin/python benchmarks/peers_remote.py              (about 15 minutes)
+Run:  .venv-peers/bin/python benchmarks/peers_remote.py              (about 30 minutes)
       .venv-peers/bin/python benchmarks/peers_remote.py --quick
 """
 
@@ -32,11 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
 import os
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -326,6 +329,7 @@ def child(
                 os._exit(0)
 
     threading.Thread(target=watchdog, daemon=True).start()
+    faulthandler.dump_traceback_later(stall + 30, exit=True)
     try:
         t_open = time.perf_counter()
         loader, set_epoch = _loader(name, endpoint, cache, budget, shard_samples)
@@ -340,6 +344,9 @@ def child(
             it = iter(loader)
             progress.update(t=time.perf_counter(), records=0, epoch=epoch)
             for b in it:
+                # Backstop for a hang that holds the GIL (the watchdog thread cannot
+                # run then): dump every thread's stack to stderr and exit.
+                faulthandler.dump_traceback_later(stall + 30, exit=True)
                 progress["t"] = time.perf_counter()
                 progress["records"] += len(b["id"])
                 if first is None:
@@ -400,15 +407,33 @@ def run_child(name: str, endpoint: str, args: argparse.Namespace, budget: int) -
         "TOKENIZERS_PARALLELISM": "false",
     }
     timeout = args.epochs * (args.epoch_seconds + 120) + 120
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
+    # Output to files, not pipes, and the child in a session of its own: a loader's
+    # worker left behind by a child that exited would hold a pipe open, and its session
+    # is ended when the child is done.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(
+            cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT, start_new_session=True
+        )
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if rc is None:
         return {"loader": name, "error": f"timed out after {timeout:.0f}s"}
-    for line in reversed(p.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"loader": name, "error": f"exit {p.returncode}: {' | '.join(tail)}"}
+    lines = (stderr or stdout).strip().splitlines()
+    tail = lines[-3:]
+    if any("Timeout (" in line for line in lines):  # faulthandler's dump: name the hang
+        tail = [line for line in lines if line.strip().startswith("File")][:6]
+    return {"loader": name, "error": f"exit {rc}: {' | '.join(tail)}"}
 
 
 def summarize(runs: list[dict[str, Any]], names: list[str], epochs: int) -> list[dict[str, Any]]:
@@ -460,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-mbps", type=float, default=100.0, help="MB/s over all connections")
     p.add_argument("--only", nargs="*")
     p.add_argument("--quick", action="store_true", help="20,000 records, 16 shards, one round")
+    p.add_argument("--json", default="peers_remote", help="results name (benchmarks/results/)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--budget", type=int, help=argparse.SUPPRESS)
@@ -540,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
         write_json(
-            "peers_remote",
+            args.json,
             {
                 "records": args.n,
                 "payload_bytes": args.payload,
