@@ -50,6 +50,7 @@ import importlib.machinery
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -646,15 +647,39 @@ def run_child(
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
+    rc, stdout, stderr = run_captured(cmd, env, timeout)
+    if rc is None:
         return {"loader": name, "workers": workers, "error": f"timed out after {timeout:.0f}s"}
-    for line in reversed(p.stdout.splitlines()):
+    for line in reversed(stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-    return {"loader": name, "workers": workers, "error": f"exit {p.returncode}: {' | '.join(tail)}"}
+    tail = (stderr or stdout).strip().splitlines()[-3:]
+    return {"loader": name, "workers": workers, "error": f"exit {rc}: {' | '.join(tail)}"}
+
+
+def run_captured(
+    cmd: list[str], env: dict[str, str], timeout: float
+) -> tuple[int | None, str, str]:
+    """Run ``cmd``; ``(exit code or None on timeout, stdout, stderr)``.
+
+    Output goes to files, not pipes, and the command runs in a session of its own that
+    is ended when it is done: a loader's worker left behind by a finished child would
+    otherwise hold a pipe open and make the child look hung.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(
+            cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT, start_new_session=True
+        )
+        try:
+            rc: int | None = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        out.seek(0)
+        err.seek(0)
+        return rc, out.read(), err.read()
 
 
 # ----------------------------------------------------------------------------- driver
@@ -803,7 +828,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.remote:
         from benchmarks import peers_remote
 
-        return peers_remote.main(rest + (["--quick"] if args.quick else []))
+        raw = sys.argv[1:] if argv is None else list(argv)
+        return peers_remote.main([a for a in raw if a != "--remote"])
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quick:

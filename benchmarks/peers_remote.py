@@ -32,16 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import faulthandler
 import json
 import multiprocessing as mp
 import os
 import random
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -407,23 +404,7 @@ def run_child(name: str, endpoint: str, args: argparse.Namespace, budget: int) -
         "TOKENIZERS_PARALLELISM": "false",
     }
     timeout = args.epochs * (args.epoch_seconds + 120) + 120
-    # Output to files, not pipes, and the child in a session of its own: a loader's
-    # worker left behind by a child that exited would hold a pipe open, and its session
-    # is ended when the child is done.
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(
-            cmd, stdout=out, stderr=err, text=True, env=env, cwd=ROOT, start_new_session=True
-        )
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+    rc, stdout, stderr = peers.run_captured(cmd, env, timeout)
     if rc is None:
         return {"loader": name, "error": f"timed out after {timeout:.0f}s"}
     for line in reversed(stdout.splitlines()):
