@@ -2,7 +2,9 @@
 
 Each ``benchmarks/*.py`` script (except this one and the ``_``-prefixed helpers) runs
 with its default arguments, which are sized so that the whole set finishes in about
-10-15 minutes on a 2-core machine. Every script writes its own
+10-15 minutes on a 2-core machine, plus about an hour for the comparisons with other loaders
+(``peers``, ``peers_remote``), which run in their own virtualenv ``.venv-peers`` that
+``scripts/setup_peers.sh`` makes first. Every script writes its own
 ``benchmarks/results/NAME.json`` (and PNGs where it draws one); this one adds
 ``benchmarks/results/run_all.json``: which scripts ran, how long each took, and whether
 it succeeded.
@@ -40,6 +42,14 @@ ARGS: dict[str, list[str]] = {}
 # Environments a benchmark needs beside the main one, made before it runs: torchvision
 # for the augmentation benchmark (its torch build must match, several GB, kept apart).
 SETUP: dict[str, list[str]] = {"augmentation": ["bash", "scripts/setup_torchvision.sh"]}
+# Scripts that run in their own virtualenv, made (or checked) by a setup script first:
+# the peers comparison needs loaders whose pins clash with the main environment.
+VENVS: dict[str, tuple[str, str]] = {
+    "peers": (".venv-peers", "scripts/setup_peers.sh"),
+    "peers_remote": (".venv-peers", "scripts/setup_peers.sh"),
+}
+# Seconds allowed where a script needs more than --timeout.
+TIMEOUTS: dict[str, float] = {"peers": 3600.0, "peers_remote": 3600.0}
 # Scripts here that are not benchmarks (run them by hand, as their docstrings say).
 NOT_BENCHMARKS = {"ddp_train": "a DDP training example, run with torchrun"}
 
@@ -77,15 +87,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = str(HERE.parent)
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for name in names:
+        python = sys.executable
         setup = "" if args.no_setup or name not in SETUP else run_setup(SETUP[name], root)
-        cmd = [sys.executable, str(HERE / f"{name}.py"), *ARGS.get(name, [])]
-        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
+        if name in VENVS:
+            venv, script = VENVS[name]
+            if not args.no_setup:
+                setup = run_setup(["bash", script], root)
+            if not os.path.exists(os.path.join(root, venv, "bin", "python")):
+                row = {"benchmark": name, "status": f"no {venv} ({script} makes it)"}
+                rows.append({**row, "seconds": time.perf_counter() - t0, "setup": setup})
+                continue
+            python = os.path.join(root, venv, "bin", "python")
+        cmd = [python, str(HERE / f"{name}.py"), *ARGS.get(name, [])]
+        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+        timeout = max(args.timeout, TIMEOUTS.get(name, 0.0))
         try:
-            proc = subprocess.run(cmd, cwd=root, env=env, timeout=args.timeout)
+            proc = subprocess.run(cmd, cwd=root, env=env, timeout=timeout)
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            status = f"timed out after {args.timeout:.0f}s"
+            status = f"timed out after {timeout:.0f}s"
         row = {"benchmark": name, "status": status, "seconds": time.perf_counter() - t0}
         rows.append({**row, "setup": setup} if setup else row)
     print()
