@@ -151,11 +151,16 @@ def main() -> None:
         rng = np.random.default_rng(0)
         blob = rng.integers(0, 255, args.record_bytes, dtype=np.uint8)
         data = os.path.join(work, "ds")
-        tg.write_array_record(
-            ({"x": np.roll(blob, i), "label": i} for i in range(args.records)),
-            data,
-            num_shards=args.shards,
-        )
+
+        class Records:  # sized: shard k holds a contiguous run of labels (write order)
+            def __len__(self) -> int:
+                return args.records
+
+            def __iter__(self):
+                for i in range(args.records):
+                    yield {"x": np.roll(blob, i), "label": i}
+
+        tg.write_array_record(Records(), data, num_shards=args.shards)
         total = sum(os.path.getsize(os.path.join(data, f)) for f in os.listdir(data))
         url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
         budget = total // 3
