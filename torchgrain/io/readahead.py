@@ -103,18 +103,11 @@ class ShardReadAhead:
     def _live(self, generation: int) -> bool:
         return self._generation == generation
 
-    def _walk(
-        self,
-        generation: int,
-        order: Callable[[int, int], np.ndarray],
-        start: int,
-        count: int,
-        position: Callable[[], int],
-    ) -> None:
+    def _walk(self, *args: Any) -> None:
         # Read-ahead only warms the cache: the reads that need a shard fetch it
         # themselves and raise its errors.
         with contextlib.suppress(Exception):
-            self._walk_order(generation, order, start, count, position)
+            self._walk_order(*args)
 
     def _walk_order(
         self,
