@@ -64,6 +64,7 @@ CONFIGS = {
     "tg_global_range": "torchgrain ArrayRecord, global shuffle, byte-range reads",
     "tg_block_cache": "torchgrain ArrayRecord, block shuffle (4 shards), shard cache + read-ahead",
     "tg_block_cache_noahead": "torchgrain, the same, read_ahead_bytes=0",
+    "tg_block_cache_w8": "torchgrain, the same with 8 shards shuffled together",
     "litdata": "LitData StreamingDataset(shuffle=True), max_cache_size",
     "mosaic": "Mosaic StreamingDataset(shuffle=True), cache_limit",
     "mosaic_block": "Mosaic, the same with shuffle_block_size = 4 shards of samples",
@@ -251,7 +252,10 @@ def _loader(name: str, endpoint: str, cache: str, budget: int, shard_samples: in
         if name == "tg_global_range":
             sampler = tg.GlobalShuffleSampler(ds, seed=0)
         else:
-            sampler = tg.BlockShuffleSampler(ds, seed=0, window=4, block_offsets=src.index.offsets)
+            window = 8 if name.endswith("_w8") else 4
+            sampler = tg.BlockShuffleSampler(
+                ds, seed=0, window=window, block_offsets=src.index.offsets
+            )
         loader = torch.utils.data.DataLoader(
             ds, batch_size=256, sampler=sampler, num_workers=2, multiprocessing_context="fork"
         )

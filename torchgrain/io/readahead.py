@@ -118,7 +118,14 @@ class ShardReadAhead:
         position: Callable[[], int],
     ) -> None:
         src = self.source
-        seen = np.zeros(src.num_shards, dtype=bool)
+        n = src.num_shards
+        seen = np.zeros(n, dtype=bool)
+        # Positions of each shard's first and (latest scanned) last use, and its size once
+        # known: the shards in use now must stay cached beside those fetched ahead.
+        first_use = np.full(n, -1, dtype=np.int64)
+        last_use = np.full(n, -1, dtype=np.int64)
+        sizes = np.zeros(n, dtype=np.int64)
+        capacity = src.cache.max_bytes if src.cache is not None else None
         pending: collections.deque[tuple[int, int]] = collections.deque()  # (first use, shard)
         ahead: collections.deque[tuple[int, int]] = collections.deque()  # (first use, bytes)
         in_flight: list[Future[Any]] = []
@@ -128,11 +135,14 @@ class ShardReadAhead:
                 while len(pending) < 2 * self.threads and scan < count and not seen.all():
                     stop = min(scan + _SCAN, count)
                     shards = src.index.locate(np.asarray(order(scan, stop)))[0]
+                    uniq, back = np.unique(shards[::-1], return_index=True)
+                    last_use[uniq] = scan + len(shards) - 1 - back
                     first = np.unique(shards, return_index=True)[1]
                     for k in np.sort(first).tolist():
                         s = int(shards[k])
                         if not seen[s]:
                             seen[s] = True
+                            first_use[s] = scan + k
                             pending.append((scan + k, s))
                     scan = stop
                 in_flight = [f for f in in_flight if not f.done()]
@@ -142,12 +152,20 @@ class ShardReadAhead:
                 while ahead and ahead[0][0] < reached:
                     ahead.popleft()  # in use now: no longer ahead
                 use, shard = pending[0]
+                if sizes[shard] == 0:
+                    sizes[shard] = src.shard_nbytes(shard)
                 if use < reached:  # the reader got there first
                     pending.popleft()
                     continue
-                size = src.shard_nbytes(shard)
+                size = int(sizes[shard])
                 held = sum(b for _, b in ahead)
-                if (ahead and held + size > self.budget) or len(in_flight) >= self.threads:
+                fits = held + size <= self.budget
+                if fits and capacity is not None:
+                    # Never evict a shard the loader is still reading to make room for one
+                    # it reads later (a window of shards bigger than the cache's spare room).
+                    live = (first_use >= 0) & (first_use <= reached) & (last_use >= reached)
+                    fits = int(sizes[live].sum()) + held + size <= capacity
+                if (ahead and not fits) or len(in_flight) >= self.threads:
                     self._wait(generation, 0.02)
                     continue
                 pending.popleft()
