@@ -100,24 +100,17 @@ class Throttle:
         if wait > 0:
             await asyncio.sleep(wait)
 
-    async def _up(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while data := await r.read(1 << 16):
-                if data.startswith(self.METHODS):
-                    self.requests += 1
-                    await asyncio.sleep(random.uniform(self.lo, self.hi))
-                w.write(data)
-                await w.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            w.close()
+    async def _hold_requests(self, data: bytes) -> None:
+        """Client to store: a request waits its time to first byte."""
+        if data.startswith(self.METHODS):
+            self.requests += 1
+            await asyncio.sleep(random.uniform(self.lo, self.hi))
 
-    async def _down(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        conn = [0.0]
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, delay: Any) -> None:
+        """Copy ``r`` to ``w``, awaiting ``delay(chunk)`` before each chunk goes on."""
         try:
             while data := await r.read(1 << 16):
-                await self._pace(len(data), conn)
+                await delay(data)
                 w.write(data)
                 await w.drain()
         except (ConnectionError, asyncio.CancelledError):
@@ -131,7 +124,12 @@ class Throttle:
         except OSError:
             cw.close()
             return
-        await asyncio.gather(self._up(cr, uw), self._down(ur, cw))
+        conn = [0.0]  # this connection's bandwidth clock (store to client)
+
+        async def pace(data: bytes) -> None:
+            await self._pace(len(data), conn)
+
+        await asyncio.gather(self._pipe(cr, uw, self._hold_requests), self._pipe(ur, cw, pace))
 
     async def serve(self, ready: Any) -> None:
         srv = await asyncio.start_server(self._handle, "127.0.0.1", 0, backlog=512)
