@@ -674,35 +674,52 @@ class ArrayRecordFile:
     def _local_chunk(self, c: int, view: memoryview, fast: tuple) -> tuple[Any, Any]:
         """Decode local chunk ``c``; the common case (header and data inside one block,
         no checksum verification) is parsed in place with no copy and few checks."""
-        offs, ends, dsizes, recs = fast
+        offs, ends, _, recs = fast
         pos = offs[c]
-        m = pos & 0xFFFF
-        if m >= _BLOCK_HEADER and m + _CHUNK_HEADER <= _BLOCK and not self._verify:
-            _, data_size, _, type_num, decoded = _HEADER.unpack_from(view, pos)
-            start = pos + _CHUNK_HEADER
-            end = start + data_size
-            nrec = type_num >> 8
-            if (
-                start & 0xFFFF
-                and start >> 16 == (end - 1) >> 16
-                and end <= ends[c]
-                and type_num & 0xFF == _CHUNK_SIMPLE
-                and decoded == dsizes[c]
-                and nrec == recs[c + 1] - recs[c]
-            ):
-                if nrec == 1 and data_size > 3 and view[start] == _ZSTD:
-                    out = self._zstd_single(view, start, end, decoded)
-                    if out is not None:
-                        return out, None
-                try:
-                    return self._decode_simple(view[start:end], nrec, decoded)
-                except _ChunkDecodeError as e:
-                    raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
+        simple = self._simple_chunk(view, pos, c, fast)
+        if simple is not None:
+            start, size, nrec, decoded = simple
+            end = start + size
+            if nrec == 1 and end - start > 3 and view[start] == _ZSTD:
+                out = self._zstd_single(view, start, end, decoded)
+                if out is not None:
+                    return out, None
+            try:
+                return self._decode_simple(view[start:end], nrec, decoded)
+            except _ChunkDecodeError as e:
+                raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
         # Anything unusual: the general path, which checks and reports everything.
         try:
             return self._decode_chunk(c, view[pos : ends[c]])
         except _ChunkDecodeError as e:
             raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
+
+    def _simple_chunk(
+        self, buf: Any, pos: int, c: int, fast: tuple[Any, Any, Any, Any], at: int | None = None
+    ) -> tuple[int, int, int, int] | None:
+        """For chunk ``c`` (file offset ``pos``, its header at ``buf[at]``, default
+        ``at=pos``): ``(where its data starts in buf, its size, records, decoded size)`` in the
+        common case (header and data inside one block, a simple chunk whose counts match
+        the footer, no verification), which needs no further checks; else None."""
+        _, ends, dsizes, recs = fast
+        m = pos & 0xFFFF
+        if m < _BLOCK_HEADER or m + _CHUNK_HEADER > _BLOCK or self._verify:
+            return None
+        at = pos if at is None else at
+        _, data_size, _, type_num, decoded = _HEADER.unpack_from(buf, at)
+        start = pos + _CHUNK_HEADER
+        end = start + data_size
+        nrec = type_num >> 8
+        if (
+            start & 0xFFFF
+            and start >> 16 == (end - 1) >> 16
+            and end <= ends[c]
+            and type_num & 0xFF == _CHUNK_SIMPLE
+            and decoded == dsizes[c]
+            and nrec == recs[c + 1] - recs[c]
+        ):
+            return at + _CHUNK_HEADER, data_size, nrec, decoded
+        return None
 
     def _decode_chunk(self, c: int, buf: memoryview) -> tuple[Any, Any]:
         f = self._footer
@@ -1232,8 +1249,8 @@ class ArrayRecordFile:
         (header and data inside one block, no verification) decoded as
         :meth:`_local_chunk` does, anything else by the general path."""
         fd = self._file.fileno()
-        offs, ends, dsizes, recs = self._fast or self._fast_index(f)
-        verify = self._verify
+        fast = self._fast or self._fast_index(f)
+        offs, ends = fast[0], fast[1]
         out = []
         for c in chunks:
             pos, end_c = offs[c], ends[c]
@@ -1244,24 +1261,13 @@ class ArrayRecordFile:
                 raise self._corrupt(
                     f"file is truncated: read {len(buf)} of {end_c - pos} bytes", chunk=c
                 )
-            m = pos & 0xFFFF
             try:
-                if m >= _BLOCK_HEADER and m + _CHUNK_HEADER <= _BLOCK and not verify:
-                    _, data_size, _, type_num, decoded = _HEADER.unpack_from(buf, 0)
-                    start = pos + _CHUNK_HEADER
-                    end = start + data_size
-                    nrec = type_num >> 8
-                    if (
-                        start & 0xFFFF
-                        and start >> 16 == (end - 1) >> 16
-                        and end <= end_c
-                        and type_num & 0xFF == _CHUNK_SIMPLE
-                        and decoded == dsizes[c]
-                        and nrec == recs[c + 1] - recs[c]
-                    ):
-                        data = buf[_CHUNK_HEADER : _CHUNK_HEADER + data_size]
-                        out.append(self._decode_simple(data, nrec, decoded))
-                        continue
+                simple = self._simple_chunk(buf, pos, c, fast, at=0)
+                if simple is not None:
+                    start, nbytes, nrec, decoded = simple
+                    data = buf[start : start + nbytes]
+                    out.append(self._decode_simple(data, nrec, decoded))
+                    continue
                 out.append(self._decode_chunk(c, buf))
             except _ChunkDecodeError as e:
                 raise self._corrupt(str(e), chunk=c, row=int(f.record_offsets[c])) from None
