@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from torchgrain import _shm
 from torchgrain.columns import ColumnBatch, Ragged, set_allocator
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
 from torchgrain.sources.base import Source
@@ -182,13 +183,14 @@ def _grow_worker_pipe(size: int) -> int | None:
 
 
 # --------------------------------------------------------------- batches as columns
-# In a DataLoader worker, a batch's columns are carved out of one shared-memory segment
-# (an arena sized by the batch before), so the batch crosses to the main process as one
-# file handle plus a few bytes of metadata per column, not as bytes, and not as one
-# segment per column: torch moves every tensor a worker sends into a segment of its own,
-# and opening a segment costs the main process about as much as a small batch's data.
-# The allocator hands out numpy views of the arena; the collate finds each column's
-# tensor again by its data address.
+# In a DataLoader worker, a batch's columns are carved out of one shared-memory arena
+# (sized by the batch before), so the batch crosses to the main process as a name plus a
+# few bytes of metadata per column, not as bytes, and not as one segment per column.
+# The arena is one of the worker's reusable slots (torchgrain._shm: mapped once by the
+# main process, freed when the batch's tensors are collected); when no slot can be had,
+# a fresh torch shared-memory segment that torch's own pickler moves. The allocator
+# hands out numpy views of the arena; the collate finds each column's tensor again by
+# its data address.
 _ARENA_ALIGN = 64
 _ARENA_MIN_BYTES = 64 << 10
 _shared: dict[int, torch.Tensor] = {}
@@ -197,27 +199,47 @@ _in_worker = False
 
 
 class _Arena:
-    __slots__ = ("capacity", "tensor", "used", "wanted")
+    __slots__ = ("capacity", "sent", "slot", "tensor", "used", "wanted")
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.tensor = torch.empty(capacity, dtype=torch.uint8).share_memory_()
+    def __init__(self, capacity: int, slot: _shm.Slot | None = None) -> None:
+        self.slot = slot
+        if slot is not None:
+            self.capacity = slot.capacity
+            self.tensor = torch.from_numpy(slot.u8)
+        else:
+            self.capacity = capacity
+            self.tensor = torch.empty(capacity, dtype=torch.uint8).share_memory_()
         self.used = 0
         self.wanted = 0  # bytes this batch asked for, fitting or not (sizes the next)
+        self.sent = False  # a slot arena is handed to the main process at most once
 
 
 _arena: _Arena | None = None
+_slot_pool: _shm.SlotPool | None = None
 
 
 def _forget_worker_check() -> None:
-    global _worker_checked, _in_worker, _arena
+    global _worker_checked, _in_worker, _arena, _slot_pool
     _worker_checked = False
     _in_worker = False
     _arena = None
+    _slot_pool = None
     _shared.clear()
 
 
 os.register_at_fork(after_in_child=_forget_worker_check)
+
+
+def _new_arena(capacity: int, max_slots: int) -> _Arena:
+    global _slot_pool
+    if _shm._ENABLED and max_slots:
+        if _slot_pool is None:
+            _slot_pool = _shm.SlotPool(max_slots)
+        _slot_pool.max_slots = max_slots
+        slot = _slot_pool.take(capacity)
+        if slot is not None:
+            return _Arena(capacity, slot)
+    return _Arena(capacity)
 
 
 def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
@@ -245,7 +267,7 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype  # raises TypeError if torch has none
 
 
-def _use_shared_memory_in_workers() -> None:
+def _use_shared_memory_in_workers(max_slots: int) -> None:
     """At the start of a columns batch: in a worker, a fresh arena for its columns."""
     global _worker_checked, _in_worker, _arena
     _shared.clear()  # columns of a batch that was never collated
@@ -259,10 +281,12 @@ def _use_shared_memory_in_workers() -> None:
         wanted = last.wanted if last is not None else 0
         # Sized by the batch before (batches of one dataset are alike), with room to grow.
         capacity = max(_ARENA_MIN_BYTES, wanted + wanted // 4)
-        if last is not None and last.used == 0 and last.capacity >= capacity:
+        if last is not None and last.used == 0 and not last.sent and last.capacity >= capacity:
             last.wanted = 0  # never handed out: reuse it
         else:
-            _arena = _Arena(capacity)
+            if last is not None and last.slot is not None and last.used == 0 and not last.sent:
+                last.slot.header[_shm._BUSY] = 0  # nothing of it was handed out
+            _arena = _new_arena(capacity, max_slots)
 
 
 def _as_tensor(value: Any) -> Any:
@@ -297,7 +321,14 @@ def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None)
             f"a columns batch is one ColumnBatch per DataLoader batch, got {len(batch)}: use "
             "batch_size= (automatic batching), not batch_size=None"
         )
-    return {k: _as_tensor(v) for k, v in batch[0].items()}
+    out = {k: _as_tensor(v) for k, v in batch[0].items()}
+    arena = _arena
+    if arena is not None and arena.slot is not None and arena.used and not arena.sent:
+        arena.sent = True
+        shipped = _shm.SlotBatch(out)
+        shipped.slot = arena.slot
+        return shipped
+    return out
 
 
 torch.utils.data._utils.collate.default_collate_fn_map[ColumnBatch] = collate_columns
@@ -350,6 +381,13 @@ class Dataset(torch.utils.data.Dataset):
             copying (:class:`~torchgrain.columns.Ragged` for variable-length values),
             from workers through shared memory. ``map``/``random_map`` still see one
             record at a time; ``map_batch`` gets the :class:`ColumnBatch`.
+        worker_slots: with ``batch_format="columns"``, each DataLoader worker (on Linux)
+            writes batches into up to this many reusable shared-memory buffers that the
+            main process maps once, and reuses a buffer only after the main process has
+            dropped every tensor of the batch in it (default 8). Receiving a batch then
+            costs the main process a few microseconds instead of a fresh shared-memory
+            segment per batch. Batches beyond that (a loop that keeps many) and ``0``
+            take torch's own path.
 
     Example:
         >>> import tempfile, numpy as np, torch, torchgrain as tg
@@ -372,6 +410,7 @@ class Dataset(torch.utils.data.Dataset):
         *,
         worker_pipe_bytes: int = WORKER_PIPE_BYTES,
         batch_format: str = "records",
+        worker_slots: int = _shm.MAX_SLOTS,
     ) -> None:
         if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
             raise TypeError("source must have __len__ and __getitem__")
@@ -385,7 +424,10 @@ class Dataset(torch.utils.data.Dataset):
             )
         if batch_format not in ("records", "columns"):
             raise ValueError(f"batch_format must be 'records' or 'columns', got {batch_format!r}")
+        if not isinstance(worker_slots, int) or isinstance(worker_slots, bool) or worker_slots < 0:
+            raise ValueError(f"worker_slots must be an integer >= 0, got {worker_slots!r}")
         self._source = source
+        self._worker_slots = worker_slots
         self._worker_pipe_bytes = worker_pipe_bytes
         self.batch_format = batch_format
         self._ops: tuple[tuple[Any, ...], ...] = ()
@@ -397,6 +439,7 @@ class Dataset(torch.utils.data.Dataset):
         child = Dataset.__new__(Dataset)
         child._source = self._source
         child._worker_pipe_bytes = self._worker_pipe_bytes
+        child._worker_slots = self._worker_slots
         child.batch_format = self.batch_format
         child._ops = (*self._ops, op)
         child._epoch = _EpochCell(self._epoch.get())
@@ -541,7 +584,7 @@ class Dataset(torch.utils.data.Dataset):
     def _fetch_columns(self, indices: Sequence[int]) -> ColumnBatch:
         if not _pipe_checked:  # once per process
             _grow_worker_pipe(self._worker_pipe_bytes)
-        _use_shared_memory_in_workers()
+        _use_shared_memory_in_workers(self._worker_slots)
         counters = local_counters()
         before = counters.copy()
         t0 = time.perf_counter()
