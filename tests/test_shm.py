@@ -153,3 +153,13 @@ def test_slot_pool_hands_out_each_slot_once_until_released():
     big = pool.take(1000)  # too big for the free slot: it is replaced
     assert big is not c and big.capacity >= 1000 and c.header[1] == 1
     assert c not in pool.slots and len(pool.slots) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs a CUDA device")
+def test_pin_memory_copies_out_of_the_slot(data_dir, records):
+    _, loader = _loader(data_dir, pin_memory=True, batch_size=25)
+    seen = []
+    for batch in loader:
+        assert batch["image"].is_pinned() and batch["blob"].values.is_pinned()
+        seen += _check(batch, records)
+    assert sorted(seen) == list(range(N))

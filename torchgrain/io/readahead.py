@@ -36,7 +36,8 @@ class ShardReadAhead:
     Args:
         source: a :class:`~torchgrain.sources.base.ShardedSource` with a shard cache.
         budget: bytes of shards, not yet reached, that may sit fetched ahead.
-        threads: concurrent downloads.
+        threads: concurrent downloads (sources pass their ``io_threads``, default 8:
+            object stores cap each connection's bandwidth, not the sum).
 
     Sources make one per process (:meth:`~torchgrain.sources.base.ShardedSource.read_ahead`);
     made by hand it walks any order:

@@ -66,8 +66,9 @@ class ArrayRecordSource(EncodedSource):
             half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
             :mod:`torchgrain.io.readahead`.
         io_threads: threads per process that read the shards of one remote batch
-            concurrently, overlapping request latency (1 = sequential). Local shards
-            are always read in the calling thread.
+            concurrently, overlapping request latency (1 = sequential), and the shard
+            read-ahead's concurrent downloads. Local shards are always read in the
+            calling thread.
         retry: retry policy for remote reads and downloads (default
             :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff).
         max_open_files: readers kept open per process (default: all; a local reader is

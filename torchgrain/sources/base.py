@@ -310,7 +310,7 @@ class ShardedSource(Source):
         st = self._proc()
         with st.lock:
             if st.read_ahead is None:
-                st.read_ahead = ShardReadAhead(self, self.read_ahead_bytes)
+                st.read_ahead = ShardReadAhead(self, self.read_ahead_bytes, threads=self.io_threads)
             ra = st.read_ahead
         ra.begin(order, start, count, position)
 

@@ -79,7 +79,8 @@ class ParquetSource(ShardedSource):
             half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
             :mod:`torchgrain.io.readahead`.
         io_threads: threads per process that read the remote row groups of one batch
-            concurrently (1 = sequential; local files are read in the calling thread).
+            concurrently, and the shard read-ahead's concurrent downloads (1 =
+            sequential; local files are read in the calling thread).
         retry: retry policy for remote footer and row-group reads and downloads
             (default :class:`~torchgrain.io.retry.RetryPolicy()`).
         max_open_files: files kept open per process (default 64; each holds a file
