@@ -20,5 +20,5 @@ bench:
 	$(VENV)/bin/python benchmarks/run_all.py
 
 lint: setup
-	$(VENV)/bin/python -m ruff check torchgrain tests benchmarks
-	$(VENV)/bin/python -m ruff format --check torchgrain tests benchmarks
+	$(VENV)/bin/python -m ruff check .
+	$(VENV)/bin/python -m ruff format --check .

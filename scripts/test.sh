@@ -6,7 +6,8 @@ bash scripts/setup.sh || exit 1
 VENV=${VENV:-.venv}
 # albumentations otherwise checks online for a newer version on every import.
 export NO_ALBUMENTATIONS_UPDATE=1
-"$VENV/bin/python" -m ruff check torchgrain tests benchmarks || exit 1
+"$VENV/bin/python" -m ruff check . || exit 1
+"$VENV/bin/python" -m ruff format --check . || exit 1
 "$VENV/bin/python" -m pytest --doctest-modules torchgrain tests "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
