@@ -142,17 +142,81 @@ def test_custom_collate_that_rebuilds_the_dict(data_dir, records):
     assert sorted(seen) == list(range(N))
 
 
-def test_slot_pool_hands_out_each_slot_once_until_released():
+def test_slot_pool_hands_out_a_slot_only_when_both_sides_are_done():
     pool = _shm.SlotPool(max_slots=3)
-    a, b, c = pool.take(100), pool.take(100), pool.take(50)
-    assert len({id(a), id(b), id(c)}) == 3 and all(s.header[0] == 1 for s in (a, b, c))
-    assert pool.take(10) is None  # all busy: the caller falls back to torch's path
-    b.header[0] = 0  # the main process dropped b's batch
+    a = pool.take(100)
+    ta = a.arrays()
+    b = pool.take(100)
+    tb = b.arrays()
+    c = pool.take(50)
+    tc = c.arrays()
+    assert len({id(a), id(b), id(c)}) == 3
+    assert pool.take(10) is None  # all in use: the caller falls back to torch's path
+    view = tb[10:20]
+    del tb
+    gc.collect()
+    assert pool.take(100) is None  # the worker still holds a view of b's batch
+    b.header[0] = 1  # b's batch was pickled for the main process
+    del view
+    gc.collect()
+    assert pool.take(100) is None  # ... which still holds it
+    b.header[0] = 0  # the main process dropped it
     assert pool.take(100) is b
-    c.header[0] = 0
-    big = pool.take(1000)  # too big for the free slot: it is replaced
+    del tc
+    gc.collect()
+    big = pool.take(1000)  # too big for the free slot c: c is replaced
     assert big is not c and big.capacity >= 1000 and c.header[1] == 1
     assert c not in pool.slots and len(pool.slots) == 3
+    del ta
+
+
+def test_a_map_batch_that_keeps_arrays_keeps_them_intact(data_dir, records):
+    kept = []
+
+    def keep(batch):
+        kept.append((batch["label"].copy(), batch["image"]))  # the worker keeps a column
+        for labels, image in kept:
+            for j, label in enumerate(labels.tolist()):
+                assert np.array_equal(image[j], records[label]["image"]), "overwritten"
+        return batch
+
+    src = tg.ArrayRecordSource(data_dir)
+    ds = tg.Dataset(src, batch_format="columns").map_batch(keep)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
+    seen = []
+    for batch in loader:
+        seen += _check(batch, records)
+    assert sorted(seen) == list(range(N))
+
+
+def test_a_strided_view_of_a_column_is_sent_as_such(data_dir, records):
+    def transpose(batch):
+        batch["image"] = batch["image"].transpose(0, 2, 1, 3)
+        return batch
+
+    src = tg.ArrayRecordSource(data_dir)
+    ds = tg.Dataset(src, batch_format="columns").map_batch(transpose)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
+    for batch in loader:
+        for j, label in enumerate(batch["label"].tolist()):
+            want = torch.from_numpy(records[label]["image"]).transpose(0, 1)
+            assert torch.equal(batch["image"][j], want)
+
+
+def test_early_breaks_do_not_pile_up_mappings(data_dir, records):
+    _, loader = _loader(data_dir, prefetch_factor=4)
+    counts = []
+    for _epoch in range(4):
+        for k, batch in enumerate(loader):
+            _check(batch, records)
+            if k == 6:
+                break
+        del batch
+        gc.collect()
+        counts.append(len(_shm._mapped))
+    # Slots of workers that are gone are unmapped when the next workers' slots arrive.
+    assert max(counts) <= 2 * 2 * (_shm.MAX_SLOTS + 1), counts
+    assert counts[-1] <= counts[0] + 4, counts
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs a CUDA device")

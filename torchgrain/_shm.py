@@ -16,9 +16,14 @@ is garbage collected. A slot is written again only after that, so a batch the tr
 loop keeps stays intact. When every slot is busy (a loop that keeps many batches) or no
 slot can be made, the batch takes torch's own path: slower, never wrong.
 
-Each slot starts with a header of :data:`_HEADER` bytes: byte 0 is 1 while a batch in
-the slot may still be read by the main process, byte 1 is 1 once the worker has dropped
-the slot (the main process may then unmap it).
+A slot is written again only when both sides are done with it: the worker's own
+references to the batch's arrays are gone (a ``map_batch`` may keep them; the queue's
+feeder thread pickles the batch after the worker has moved on) and the main process has
+released the batch it received. Each slot starts with a header of :data:`_HEADER` bytes:
+byte 0 is 1 from the moment a batch in the slot is pickled until the main process has
+dropped it, byte 1 is 1 once the worker has given the slot up (the main process may then
+unmap it), byte 2 is 1 once the main process has mapped the slot (its descriptor need
+not be sent again).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__: list[str] = []
 _HEADER = 64
 _BUSY = 0
 _RETIRED = 1
+_MAPPED = 2
 #: Slots one worker keeps at most: the batches it has queued (``prefetch_factor``) plus
 #: the few the main process holds (current batch, pin-memory thread, CUDA prefetcher).
 MAX_SLOTS = 8
@@ -67,6 +73,7 @@ _DTYPE_NAMES = {
         torch.float64,
         torch.complex64,
         torch.complex128,
+        *(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)),
     )
 }
 _DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
@@ -76,12 +83,11 @@ _DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
 class Slot:
     """One reusable segment of a worker: ``capacity`` bytes of batch data after the header."""
 
-    __slots__ = ("address", "announced", "capacity", "fd", "header", "mm", "name", "u8")
+    __slots__ = ("address", "capacity", "fd", "header", "in_use", "mm", "name")
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.capacity = capacity
-        self.announced = False  # its descriptor went to the main process
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             # Reserve the pages now: shared memory that runs out fails here, not later
@@ -92,17 +98,29 @@ class Slot:
             os.close(fd)
             raise
         self.fd = fd
-        u8 = np.frombuffer(self.mm, np.uint8)
-        self.header = u8[:_HEADER]
-        self.u8 = u8[_HEADER:]
-        self.address = self.u8.ctypes.data
+        self.header = np.frombuffer(self.mm, np.uint8, count=_HEADER)
+        self.address = self.header.ctypes.data + _HEADER
+        self.in_use = False  # the worker still holds arrays of the batch in it
+
+    def arrays(self) -> torch.Tensor:
+        """The slot's data as a uint8 tensor for one batch; the slot stays in use by the
+        worker until this tensor and every array made from it are gone."""
+        self.in_use = True
+        base = np.frombuffer(self.mm, np.uint8, count=self.capacity, offset=_HEADER)
+        weakref.finalize(base, _set_free, self).atexit = False
+        return torch.from_numpy(base)
+
+    @property
+    def free(self) -> bool:
+        return not self.in_use and not self.header[_BUSY]
 
     def retire(self) -> None:
         """Give the slot up: no batch will use it again (the main process may unmap it)."""
         self.header[_RETIRED] = 1
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+
+
+def _set_free(slot: Slot) -> None:
+    slot.in_use = False
 
 
 class SlotPool:
@@ -117,28 +135,28 @@ class SlotPool:
         util.Finalize(self, _retire_all, args=(self.slots, os.getpid()), exitpriority=10)
 
     def take(self, nbytes: int) -> Slot | None:
-        """A free slot of at least ``nbytes``, marked busy; None when none can be had."""
+        """A free slot of at least ``nbytes`` (the caller marks it in use with
+        :meth:`Slot.arrays`); None when none can be had."""
         if self.broken:
             return None
         nbytes = -(-max(nbytes, 1) // _HEADER) * _HEADER  # every dtype views it whole
-        free = [s for s in self.slots if not s.header[_BUSY]]
+        free = [s for s in self.slots if s.free]
         fitting = [s for s in free if s.capacity >= nbytes]
         if fitting:
-            slot = min(fitting, key=lambda s: s.capacity)
-        else:
-            if free:  # too small for batches like this one: replace the smallest
-                old = min(free, key=lambda s: s.capacity)
-                self.slots.remove(old)
-                old.retire()
-            elif len(self.slots) >= self.max_slots:
-                return None
-            try:
-                slot = Slot(f"{self._prefix}-{next(self._names)}", nbytes)
-            except OSError:
-                self.broken = True
-                return None
-            self.slots.append(slot)
-        slot.header[_BUSY] = 1
+            return min(fitting, key=lambda s: s.capacity)
+        if free:  # too small for batches like this one: replace the smallest
+            old = min(free, key=lambda s: s.capacity)
+            self.slots.remove(old)
+            old.retire()
+            os.close(old.fd)
+        elif len(self.slots) >= self.max_slots:
+            return None
+        try:
+            slot = Slot(f"{self._prefix}-{next(self._names)}", nbytes)
+        except OSError:
+            self.broken = True
+            return None
+        self.slots.append(slot)
         return slot
 
 
@@ -146,8 +164,7 @@ def _retire_all(slots: list[Slot], owner: int) -> None:
     if os.getpid() != owner:  # a process forked from the worker: not its slots
         return
     for slot in slots:
-        slot.retire()
-    slots.clear()
+        slot.retire()  # descriptors close with the process (a batch may still be pickled)
 
 
 def describe(value: Any, slot: Slot) -> tuple[Any, ...]:
@@ -180,32 +197,35 @@ class SlotBatch(dict):
     def __reduce__(self) -> tuple[Any, ...]:
         slot = self.slot
         items = [(k, describe(v, slot)) for k, v in self.items()]
-        fd = None
-        if not slot.announced:
-            # Sent with the slot's first batch (which the main process unpickles before
-            # any later batch of this worker); a copy of the descriptor, taken now.
-            fd = reduction.DupFd(slot.fd)
-            slot.announced = True
+        # Busy until the main process drops what it rebuilds from this (set before the
+        # worker's own references go, so the slot is never free in between).
+        slot.header[_BUSY] = 1
+        # The descriptor goes along until the main process has mapped the slot: a
+        # batch of a slot is pickled again only after the main process released the
+        # one before, so normally only the first batch carries it.
+        fd = None if slot.header[_MAPPED] else reduction.DupFd(slot.fd)
         return (_rebuild, (slot.name, os.getpid(), _HEADER + slot.capacity, fd, items))
 
 
 # ------------------------------------------------------------------ main side
 class _Mapped:
-    __slots__ = ("header", "mm", "pid")
+    __slots__ = ("batches", "header", "mm", "pid")
 
     def __init__(self, mm: mmap.mmap, pid: int) -> None:
         self.mm = mm
         self.pid = pid
         self.header = np.frombuffer(mm, np.uint8, count=_HEADER)
+        # The batches rebuilt from this slot that are still alive here, by id.
+        self.batches: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
 
 
 _mapped: dict[str, _Mapped] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()
 
 
 def _forget_after_fork() -> None:
     global _lock
-    _lock = threading.Lock()
+    _lock = threading.RLock()
     _mapped.clear()
 
 
@@ -226,16 +246,18 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
     with _lock:
         entry = _mapped.get(name)
         if entry is not None:
+            if fd is not None:
+                os.close(fd.detach())  # sent again before this process said it has it
             return entry
         if fd is None:
             raise RuntimeError(
                 f"a batch from DataLoader worker {pid} is in shared memory this process "
                 f"never received ({name}): was a batch of that worker lost?"
             )
-        # Forget slots their workers dropped, or whose worker is gone, and that no
-        # batch still uses (their mappings live on in any batch that does).
+        # Forget slots that no batch here uses any more and whose worker gave them up
+        # or is gone (their mappings live on in any batch that still uses them).
         for key, old in list(_mapped.items()):
-            if not old.header[_BUSY] and (old.header[_RETIRED] or not _alive(old.pid)):
+            if not old.batches and (old.header[_RETIRED] or not _alive(old.pid)):
                 del _mapped[key]
         fd = fd.detach()
         try:
@@ -243,11 +265,13 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
         finally:
             os.close(fd)
         entry = _mapped[name] = _Mapped(mm, pid)
+        entry.header[_MAPPED] = 1
         return entry
 
 
-def _release(header: np.ndarray) -> None:
-    header[_BUSY] = 0
+def _release(header: np.ndarray, pid: int) -> None:
+    if os.getpid() == pid:  # not in a process forked while the batch was alive
+        header[_BUSY] = 0
 
 
 def _materialize(desc: tuple[Any, ...], typed: dict[str, torch.Tensor]) -> Any:
@@ -279,11 +303,14 @@ class _Typed(dict):
 def _rebuild(
     name: str, pid: int, size: int, fd: Any, items: list[tuple[str, Any]]
 ) -> dict[str, Any]:
-    entry = _mapped.get(name) or _open(name, pid, size, fd)
+    entry = _mapped.get(name) if fd is None else None
+    if entry is None:
+        entry = _open(name, pid, size, fd)
     # A new array object per batch: every column is a view of it, so it is collected
     # (and the slot freed for the worker) only once no tensor of this batch is left.
     batch_base = np.frombuffer(entry.mm, np.uint8, count=size - _HEADER, offset=_HEADER)
-    weakref.finalize(batch_base, _release, entry.header)
+    entry.batches[id(batch_base)] = batch_base
+    weakref.finalize(batch_base, _release, entry.header, os.getpid()).atexit = False
     typed = _Typed()
     typed.flat = torch.from_numpy(batch_base)
     return {k: _materialize(desc, typed) for k, desc in items}

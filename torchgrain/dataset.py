@@ -193,7 +193,7 @@ def _grow_worker_pipe(size: int) -> int | None:
 # its data address.
 _ARENA_ALIGN = 64
 _ARENA_MIN_BYTES = 64 << 10
-_shared: dict[int, torch.Tensor] = {}
+_shared: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
 _worker_checked = False
 _in_worker = False
 
@@ -205,7 +205,7 @@ class _Arena:
         self.slot = slot
         if slot is not None:
             self.capacity = slot.capacity
-            self.tensor = torch.from_numpy(slot.u8)
+            self.tensor = slot.arrays()  # the slot stays the worker's while this lives
         else:
             self.capacity = capacity
             self.tensor = torch.empty(capacity, dtype=torch.uint8).share_memory_()
@@ -259,7 +259,7 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
     arena.used += size
     tensor = arena.tensor[start : start + nbytes].view(torch_dtype).view(shape)
     out = tensor.numpy()
-    _shared[out.ctypes.data] = tensor
+    _shared[out.ctypes.data] = (out, tensor)
     return out
 
 
@@ -284,21 +284,21 @@ def _use_shared_memory_in_workers(max_slots: int) -> None:
         if last is not None and last.used == 0 and not last.sent and last.capacity >= capacity:
             last.wanted = 0  # never handed out: reuse it
         else:
-            if last is not None and last.slot is not None and last.used == 0 and not last.sent:
-                last.slot.header[_shm._BUSY] = 0  # nothing of it was handed out
             _arena = _new_arena(capacity, max_slots)
 
 
 def _as_tensor(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        tensor = _shared.pop(value.ctypes.data, None) if value.size else None
-        if tensor is not None and tuple(tensor.shape) == value.shape:
-            return tensor
+        # The very array the allocator handed out (a view of it, e.g. transposed, is
+        # not: its strides or dtype differ).
+        made = _shared.pop(value.ctypes.data, None) if value.size else None
+        if made is not None and made[0] is value:
+            return made[1]
         if _in_worker and value.size:  # into the batch's arena (small: a cheap copy)
             out = _shared_empty(value.shape, value.dtype)
             if out is not None:
                 out[...] = value
-                return _shared.pop(out.ctypes.data)
+                return _shared.pop(out.ctypes.data)[1]
         try:
             return torch.from_numpy(value)
         except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
