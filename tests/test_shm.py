@@ -6,6 +6,7 @@ dropped every tensor of the batch it held, whatever the training loop keeps.
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import numpy as np
@@ -183,6 +184,47 @@ def test_a_map_batch_that_keeps_arrays_keeps_them_intact(data_dir, records):
     src = tg.ArrayRecordSource(data_dir)
     ds = tg.Dataset(src, batch_format="columns").map_batch(keep)
     loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
+    seen = []
+    for batch in loader:
+        seen += _check(batch, records)
+    assert sorted(seen) == list(range(N))
+
+
+# Module level: a spawn-free DataLoader (fork) runs them in its workers.
+_kept: dict = {}
+
+
+def _keep_first(batch):
+    if "first" not in _kept:
+        _kept["first"], _kept["copy"] = batch["image"], batch["image"].copy()
+    batch["first_ok"] = np.array([np.array_equal(_kept["first"], _kept["copy"])])
+    return batch
+
+
+def _plain_dict(batch):  # torch's pickler then moves the slot's tensors to its own segment
+    return dict(collate_columns(batch))
+
+
+_log: list = []
+
+
+def _deepcopy_too(batch):  # e.g. a copy kept for logging
+    out = collate_columns(batch)
+    _log.append(copy.deepcopy(out))
+    del _log[:-2]
+    return out
+
+
+def test_kept_arrays_survive_a_collate_that_returns_a_plain_dict(data_dir, records):
+    src = tg.ArrayRecordSource(data_dir)
+    ds = tg.Dataset(src, batch_format="columns").map_batch(_keep_first)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=1, collate_fn=_plain_dict)
+    oks = [bool(b["first_ok"][0]) for b in loader]
+    assert len(oks) == N // 16 and all(oks)
+
+
+def test_a_batch_copied_in_the_worker_still_reaches_the_main_process(data_dir, records):
+    _, loader = _loader(data_dir, num_workers=1, collate_fn=_deepcopy_too)
     seen = []
     for batch in loader:
         seen += _check(batch, records)

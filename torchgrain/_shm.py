@@ -28,6 +28,7 @@ not be sent again).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import mmap
 import os
@@ -83,7 +84,7 @@ _DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
 class Slot:
     """One reusable segment of a worker: ``capacity`` bytes of batch data after the header."""
 
-    __slots__ = ("address", "capacity", "fd", "header", "in_use", "mm", "name")
+    __slots__ = ("__weakref__", "address", "capacity", "fd", "header", "in_use", "mm", "name")
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
@@ -102,13 +103,16 @@ class Slot:
         self.address = self.header.ctypes.data + _HEADER
         self.in_use = False  # the worker still holds arrays of the batch in it
 
-    def arrays(self) -> torch.Tensor:
-        """The slot's data as a uint8 tensor for one batch; the slot stays in use by the
-        worker until this tensor and every array made from it are gone."""
+    def arrays(self) -> np.ndarray:
+        """The slot's data as a uint8 array for one batch; the slot stays in use by the
+        worker until this array and every view of it are gone. (Views are numpy views:
+        a tensor made from one keeps it alive, and when torch's pickler moves such a
+        tensor's storage to a segment of its own, the views kept elsewhere still pin
+        the slot.)"""
         self.in_use = True
         base = np.frombuffer(self.mm, np.uint8, count=self.capacity, offset=_HEADER)
         weakref.finalize(base, _set_free, self).atexit = False
-        return torch.from_numpy(base)
+        return base
 
     @property
     def free(self) -> bool:
@@ -123,6 +127,11 @@ def _set_free(slot: Slot) -> None:
     slot.in_use = False
 
 
+# This worker's slots by name (a batch unpickled in the worker that made it is copied out
+# of its slot, never mapped or released as the main process does).
+_own: weakref.WeakValueDictionary[str, Slot] = weakref.WeakValueDictionary()
+
+
 class SlotPool:
     """The slots of one worker process; :meth:`take` hands out a free one for a batch."""
 
@@ -130,6 +139,7 @@ class SlotPool:
         self.max_slots = max_slots
         self.slots: list[Slot] = []
         self._prefix = f"torchgrain-{os.getpid()}-{secrets.token_hex(4)}"
+        self._pid = os.getpid()
         self._names = itertools.count()
         self.broken = False  # no slot could be made: torch's path from now on
         util.Finalize(self, _retire_all, args=(self.slots, os.getpid()), exitpriority=10)
@@ -157,6 +167,7 @@ class SlotPool:
             self.broken = True
             return None
         self.slots.append(slot)
+        _own[slot.name] = slot
         return slot
 
 
@@ -193,6 +204,12 @@ class SlotBatch(dict):
     and offsets (see the module's docstring); a plain dict again in the main process."""
 
     __slots__ = ("slot",)
+
+    def __copy__(self) -> dict[str, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(dict(self), memo)
 
     def __reduce__(self) -> tuple[Any, ...]:
         slot = self.slot
@@ -254,11 +271,7 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
                 f"a batch from DataLoader worker {pid} is in shared memory this process "
                 f"never received ({name}): was a batch of that worker lost?"
             )
-        # Forget slots that no batch here uses any more and whose worker gave them up
-        # or is gone (their mappings live on in any batch that still uses them).
-        for key, old in list(_mapped.items()):
-            if not old.batches and (old.header[_RETIRED] or not _alive(old.pid)):
-                del _mapped[key]
+        _sweep()
         fd = fd.detach()
         try:
             mm = mmap.mmap(fd, size)
@@ -270,8 +283,20 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
 
 
 def _release(header: np.ndarray, pid: int) -> None:
-    if os.getpid() == pid:  # not in a process forked while the batch was alive
-        header[_BUSY] = 0
+    if os.getpid() != pid:  # a process forked while the batch was alive
+        return
+    header[_BUSY] = 0
+    if header[_RETIRED]:  # its worker is done: unmap what no batch uses any more
+        _sweep()
+
+
+def _sweep() -> None:
+    """Forget slots that no batch here uses any more and whose worker gave them up or is
+    gone (their mappings live on in any batch that still uses them)."""
+    with _lock:
+        for key, old in list(_mapped.items()):
+            if not old.batches and (old.header[_RETIRED] or not _alive(old.pid)):
+                del _mapped[key]
 
 
 def _materialize(desc: tuple[Any, ...], typed: dict[str, torch.Tensor]) -> Any:
@@ -303,6 +328,8 @@ class _Typed(dict):
 def _rebuild(
     name: str, pid: int, size: int, fd: Any, items: list[tuple[str, Any]]
 ) -> dict[str, Any]:
+    if pid == os.getpid():  # a copy made in the worker itself (pickle, deepcopy)
+        return _copy_out(name, fd, items)
     entry = _mapped.get(name) if fd is None else None
     if entry is None:
         entry = _open(name, pid, size, fd)
@@ -314,3 +341,21 @@ def _rebuild(
     typed = _Typed()
     typed.flat = torch.from_numpy(batch_base)
     return {k: _materialize(desc, typed) for k, desc in items}
+
+
+def _copy_out(name: str, fd: Any, items: list[tuple[str, Any]]) -> dict[str, Any]:
+    if fd is not None:
+        os.close(fd.detach())
+    slot = _own[name]
+    data = torch.from_numpy(np.frombuffer(slot.mm, np.uint8, count=slot.capacity, offset=_HEADER))
+    typed = _Typed()
+    typed.flat = data
+    return {k: _clone(_materialize(desc, typed)) for k, desc in items}
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, Ragged):
+        return Ragged(_clone(value.values), _clone(value.offsets), value.kind)
+    return value

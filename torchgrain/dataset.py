@@ -193,21 +193,23 @@ def _grow_worker_pipe(size: int) -> int | None:
 # its data address.
 _ARENA_ALIGN = 64
 _ARENA_MIN_BYTES = 64 << 10
-_shared: dict[int, tuple[np.ndarray, torch.Tensor]] = {}
+_shared: dict[int, tuple[np.ndarray, torch.Tensor | None]] = {}
 _worker_checked = False
 _in_worker = False
 
 
 class _Arena:
-    __slots__ = ("capacity", "sent", "slot", "tensor", "used", "wanted")
+    __slots__ = ("base", "capacity", "sent", "slot", "tensor", "used", "wanted")
 
     def __init__(self, capacity: int, slot: _shm.Slot | None = None) -> None:
         self.slot = slot
         if slot is not None:
             self.capacity = slot.capacity
-            self.tensor = slot.arrays()  # the slot stays the worker's while this lives
+            self.base = slot.arrays()  # the slot stays the worker's while any view lives
+            self.tensor = None
         else:
             self.capacity = capacity
+            self.base = None
             self.tensor = torch.empty(capacity, dtype=torch.uint8).share_memory_()
         self.used = 0
         self.wanted = 0  # bytes this batch asked for, fitting or not (sizes the next)
@@ -257,6 +259,10 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         return None  # plain numpy: torch moves it into a segment of its own when sent
     start = arena.used
     arena.used += size
+    if arena.base is not None:  # a numpy view of the slot: it alone keeps the slot pinned
+        out = arena.base[start : start + nbytes].view(dtype).reshape(shape)
+        _shared[out.ctypes.data] = (out, None)
+        return out
     tensor = arena.tensor[start : start + nbytes].view(torch_dtype).view(shape)
     out = tensor.numpy()
     _shared[out.ctypes.data] = (out, tensor)
@@ -293,12 +299,13 @@ def _as_tensor(value: Any) -> Any:
         # not: its strides or dtype differ).
         made = _shared.pop(value.ctypes.data, None) if value.size else None
         if made is not None and made[0] is value:
-            return made[1]
+            return made[1] if made[1] is not None else torch.from_numpy(value)
         if _in_worker and value.size:  # into the batch's arena (small: a cheap copy)
             out = _shared_empty(value.shape, value.dtype)
             if out is not None:
                 out[...] = value
-                return _shared.pop(out.ctypes.data)[1]
+                made = _shared.pop(out.ctypes.data)
+                return made[1] if made[1] is not None else torch.from_numpy(out)
         try:
             return torch.from_numpy(value)
         except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
