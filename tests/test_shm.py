@@ -60,8 +60,13 @@ def _check(batch, records):
     return labels
 
 
-def _slot_storages(batches):
-    return {b["image"].untyped_storage().data_ptr() for b in batches}
+def _check_epoch(loader, records):
+    """Iterate one epoch, checking every batch; every record must come exactly once."""
+    seen = []
+    for batch in loader:
+        seen += _check(batch, records)
+    assert sorted(seen) == list(range(N))
+    return seen
 
 
 def test_batches_dropped_at_once_reuse_a_few_slots(data_dir, records):
@@ -124,10 +129,7 @@ def test_persistent_workers_break_and_resume_epochs(data_dir, records):
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_slots_with_each_start_method(data_dir, records, context):
     _, loader = _loader(data_dir, multiprocessing_context=context, batch_size=50)
-    seen = []
-    for batch in loader:
-        seen += _check(batch, records)
-    assert sorted(seen) == list(range(N))
+    _check_epoch(loader, records)
 
 
 def test_custom_collate_that_rebuilds_the_dict(data_dir, records):
@@ -137,10 +139,7 @@ def test_custom_collate_that_rebuilds_the_dict(data_dir, records):
         return {"image": out["image"] * 1, "label": out["label"], "blob": out["blob"]}
 
     _, loader = _loader(data_dir, collate_fn=collate)
-    seen = []
-    for batch in loader:
-        seen += _check(batch, records)
-    assert sorted(seen) == list(range(N))
+    _check_epoch(loader, records)
 
 
 def test_slot_pool_hands_out_a_slot_only_when_both_sides_are_done():
@@ -184,10 +183,7 @@ def test_a_map_batch_that_keeps_arrays_keeps_them_intact(data_dir, records):
     src = tg.ArrayRecordSource(data_dir)
     ds = tg.Dataset(src, batch_format="columns").map_batch(keep)
     loader = torch.utils.data.DataLoader(ds, batch_size=16, num_workers=2)
-    seen = []
-    for batch in loader:
-        seen += _check(batch, records)
-    assert sorted(seen) == list(range(N))
+    _check_epoch(loader, records)
 
 
 # Module level: a spawn-free DataLoader (fork) runs them in its workers.
@@ -225,10 +221,7 @@ def test_kept_arrays_survive_a_collate_that_returns_a_plain_dict(data_dir, recor
 
 def test_a_batch_copied_in_the_worker_still_reaches_the_main_process(data_dir, records):
     _, loader = _loader(data_dir, num_workers=1, collate_fn=_deepcopy_too)
-    seen = []
-    for batch in loader:
-        seen += _check(batch, records)
-    assert sorted(seen) == list(range(N))
+    _check_epoch(loader, records)
 
 
 def test_a_strided_view_of_a_column_is_sent_as_such(data_dir, records):
