@@ -155,6 +155,14 @@ def write_tg_arrayrecord(d: str, n: int, payload: int) -> None:
     tg.write_array_record(list(records(n, payload)), d, num_shards=SHARDS)
 
 
+def write_tg_arrayrecord_raw(d: str, n: int, payload: int) -> None:
+    import torchgrain as tg
+
+    tg.write_array_record(
+        list(records(n, payload)), d, num_shards=SHARDS, compression="uncompressed"
+    )
+
+
 def write_tg_parquet(d: str, n: int, payload: int) -> None:
     import torchgrain as tg
 
@@ -273,6 +281,7 @@ def write_grain(d: str, n: int, payload: int) -> None:
 # One on-disk dataset per format; several loader configurations may read the same one.
 WRITERS: dict[str, Callable[[str, int, int], None]] = {
     "tg_arrayrecord": write_tg_arrayrecord,
+    "tg_arrayrecord_raw": write_tg_arrayrecord_raw,
     "tg_parquet": write_tg_parquet,
     "litdata": write_litdata,
     "mosaic": write_mosaic,
@@ -311,6 +320,15 @@ def read_tg_ar_global(d: str, workers: int) -> Iterator[Batch]:
     import torchgrain as tg
 
     src = tg.ArrayRecordSource(os.path.join(d, "tg_arrayrecord"))
+    ds = tg.Dataset(src)
+    sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
+    return _dict_batches(_torch_loader(ds, workers, sampler=sampler))
+
+
+def read_tg_ar_raw(d: str, workers: int) -> Iterator[Batch]:
+    import torchgrain as tg
+
+    src = tg.ArrayRecordSource(os.path.join(d, "tg_arrayrecord_raw"))
     ds = tg.Dataset(src)
     sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
     return _dict_batches(_torch_loader(ds, workers, sampler=sampler))
@@ -479,6 +497,11 @@ LOADERS: dict[str, tuple[str, Callable[[str, int], Iterator[Batch]], str]] = {
         "tg_arrayrecord",
         read_tg_ar_global,
         "torchgrain ArrayRecord + GlobalShuffleSampler",
+    ),
+    "tg_ar_raw": (
+        "tg_arrayrecord_raw",
+        read_tg_ar_raw,
+        "torchgrain ArrayRecord written uncompressed + GlobalShuffleSampler",
     ),
     "tg_ar_columns": (
         "tg_arrayrecord",

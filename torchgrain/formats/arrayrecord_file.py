@@ -299,6 +299,8 @@ class ArrayRecordFile:
         self._fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None
         # The mapped file as a uint8 array, for gathering chunk headers of a batch.
         self._u8: np.ndarray | None = None
+        # Whether the file's one-record chunks are uncompressed (None: not known yet).
+        self._raw_chunks: bool | None = None
         self._u8_view: memoryview | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -1105,7 +1107,7 @@ class ArrayRecordFile:
         return out
 
     def _zstd_plan(
-        self, cs: np.ndarray, f: _Footer
+        self, cs: np.ndarray, f: _Footer, raw: bool = False
     ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
 
@@ -1115,8 +1117,9 @@ class ArrayRecordFile:
         from the map in one fancy index each and checked against the footer. Returns
         ``(view, ok, payload, end, size)``: chunk ``cs[k]`` with ``ok[k]`` holds one
         zstd frame at ``view[payload[k]:end[k]]`` that decompresses to ``size[k]`` bytes.
-        Chunks that are not ``ok`` must take :meth:`_local_chunk`, which checks and
-        reports everything.
+        With ``raw``, the same for uncompressed chunks instead: ``view[payload[k]:end[k]]``
+        is the record itself. Chunks that are not ``ok`` must take :meth:`_local_chunk`,
+        which checks and reports everything.
         """
         view = self._local_view()
         u8 = self._u8
@@ -1152,6 +1155,17 @@ class ArrayRecordFile:
         # record's size is the decoded size), then the values' varint size and payload.
         last = len(u8) - 1
         pre = u8[np.minimum(start[:, None] + _TWO, last)]
+        if raw:
+            # Uncompressed: the sizes buffer (one varint: the record's size) follows its
+            # one-byte length, then the record runs to the chunk's end.
+            ok &= (pre[:, 0] == _NONE) & (pre[:, 1] >= 1) & (pre[:, 1] <= 2)
+            sv = u8[np.minimum(start[:, None] + 2 + _TWO, last)].astype(np.int64)
+            one = pre[:, 1] == 1
+            size = np.where(one, sv[:, 0], (sv[:, 0] & 0x7F) | (sv[:, 1] << 7))
+            ok &= np.where(one, sv[:, 0] < 0x80, (sv[:, 0] >= 0x80) & (sv[:, 1] < 0x80))
+            payload = start + 2 + pre[:, 1].astype(np.int64)
+            ok &= (size == decoded) & (end - payload == decoded)
+            return view, ok, payload, end, decoded
         ok &= (pre[:, 0] == _ZSTD) & (pre[:, 1] < 0x80)
         q = start + 2 + pre[:, 1]
         vs = u8[np.minimum(q[:, None] + _TWO, last)].astype(np.int64)
@@ -1189,20 +1203,41 @@ class ArrayRecordFile:
 
     def _read_singles(self, arr: np.ndarray, f: _Footer) -> list[bytes] | None:
         """Records at valid rows ``arr`` of a local ``group_size:1`` file, in request order,
-        when every chunk has the common layout (else None: take the general path).
+        when most chunks have the common layout (else None: take the general path).
 
         No sort and no per-record Python code: the chunk of row ``r`` is chunk ``r``. A
-        row asked for twice is decompressed twice (the same bytes).
+        row asked for twice is decompressed twice (the same bytes). zstd chunks are
+        decompressed; uncompressed ones are sliced out of the map (which layout a file
+        has is learnt from its first batch).
         """
-        view, ok, payload, end, decoded = self._zstd_plan(arr, f)
+        raw = self._raw_chunks
+        view, ok, payload, end, decoded = self._zstd_plan(arr, f, raw=bool(raw))
+        if raw is None and ok.sum() < len(arr) // 2:  # not zstd: uncompressed?
+            view, ok, payload, end, decoded = self._zstd_plan(arr, f, raw=True)
+            if ok.sum() >= len(arr) // 2:
+                raw = self._raw_chunks = True
+        elif raw is None:
+            self._raw_chunks = False
         if ok.all():
+            if raw:
+                return list(
+                    map(bytes, map(view.__getitem__, map(slice, payload.tolist(), end.tolist())))
+                )
             return self._decompress_frames(view, payload, end, decoded.tolist())
         # Some chunks run across a block boundary (about 1 in 60 of 1 KiB records) or
         # are otherwise unusual: those take the careful path, one by one.
         good = np.flatnonzero(ok)
         if len(good) < len(arr) // 2:
             return None
-        out = self._decompress_frames(view, payload[good], end[good], decoded[good].tolist())
+        if raw:
+            out = list(
+                map(
+                    bytes,
+                    map(view.__getitem__, map(slice, payload[good].tolist(), end[good].tolist())),
+                )
+            )
+        else:
+            out = self._decompress_frames(view, payload[good], end[good], decoded[good].tolist())
         if out is None:
             return None
         fast = self._fast or self._fast_index(f)
