@@ -786,39 +786,55 @@ def summarize(
     return rows
 
 
-def plot(rows: list[dict[str, Any]], path: str, n: int) -> None:
+def plot(
+    rows: list[dict[str, Any]],
+    path: str,
+    n: int,
+    *,
+    panel: str = "workers",
+    panel_title: str = "num_workers={}",
+    xlabel: str = f"distinct {CHUNK}-record chunks per batch of 256 (uniform ~92)",
+    ylabel: str = "samples/s (one shuffled epoch)",
+    title: str = "records of ~1 KiB: speed vs shuffle quality (red: torchgrain)",
+    flagged: str = " (bad data)",
+) -> None:
+    """Speed against shuffle quality, one panel per value of ``rows[i][panel]``; a row
+    whose check is not "ok" is drawn as an x, its label followed by ``flagged``."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), sharey=True)
-    ws = sorted({r["workers"] for r in rows})
-    for ax, w in zip(axes, ws):
+    keys = sorted({r[panel] for r in rows})
+    fig, axes = plt.subplots(1, len(keys), figsize=(6.5 * len(keys), 5.5), sharey=True)
+    axes = list(axes) if len(keys) > 1 else [axes]
+    for ax, key in zip(axes, keys):
         for r in rows:
-            if r["workers"] != w or "rate" not in r:
+            if r[panel] != key or not r.get("rate") or not r.get("distinct_chunks"):
                 continue
-            tg_ = r["loader"].startswith("tg_")
             bad = r["check"] != "ok"
             ax.scatter(
                 r["distinct_chunks"], r["rate"], s=60, marker="x" if bad else "o",
-                color="tab:red" if tg_ else "tab:blue",
+                color="tab:red" if r["loader"].startswith("tg_") else "tab:blue",
             )  # fmt: skip
             ax.annotate(
-                r["loader"] + (" (bad data)" if bad else ""),
+                r["loader"] + (flagged if bad else ""),
                 (r["distinct_chunks"], r["rate"]), fontsize=8, xytext=(4, 3),
                 textcoords="offset points",
             )  # fmt: skip
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlim(1, 200)
-        ax.set_xlabel(f"distinct {CHUNK}-record chunks per batch of 256 (uniform ~92)")
-        ax.set_title(f"num_workers={w}")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks([1, 2, 5, 10, 20, 50, 100])
+        ax.set_xlabel(xlabel)
+        ax.set_title(panel_title.format(key))
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("samples/s (one shuffled epoch)")
-    fig.suptitle(f"{n:,} records of ~1 KiB: speed vs shuffle quality (red: torchgrain)")
+    axes[0].set_ylabel(ylabel)
+    fig.suptitle(f"{n:,} {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

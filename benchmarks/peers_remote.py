@@ -586,44 +586,12 @@ def main(argv: list[str] | None = None) -> int:
 def plot(rows: list[dict[str, Any]], path: str, n: int) -> None:
     """Speed against shuffle quality, one panel per epoch (red: torchgrain; an x: a
     loader that stalled or was cut before the epoch's end, at the rate it had)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        return
-    epochs = sorted({r["epoch"] for r in rows})
-    fig, axes = plt.subplots(1, len(epochs), figsize=(6.5 * len(epochs), 5.5), sharey=True)
-    axes = list(axes) if len(epochs) > 1 else [axes]
-    for ax, epoch in zip(axes, epochs):
-        for r in rows:
-            if r["epoch"] != epoch or not r.get("rate") or not r.get("distinct_chunks"):
-                continue
-            full = r["check"] == "ok"
-            ax.scatter(
-                r["distinct_chunks"], r["rate"], s=60, marker="o" if full else "x",
-                color="tab:red" if r["loader"].startswith("tg_") else "tab:blue",
-            )  # fmt: skip
-            ax.annotate(
-                r["loader"] + ("" if full else " (cut/stalled)"),
-                (r["distinct_chunks"], r["rate"]), fontsize=8, xytext=(4, 3),
-                textcoords="offset points",
-            )  # fmt: skip
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xticks([1, 2, 5, 10, 20, 50])
-        ax.set_xlabel("distinct shards per batch of 256 (uniform ~49)")
-        ax.set_title(f"epoch {epoch} from the throttled store")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("samples/s")
-    fig.suptitle(f"{n:,} records of ~1 KiB from S3 (moto) behind a slow proxy, cache 1/3 of data")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+    peers.plot(
+        rows, path, n, panel="epoch", panel_title="epoch {} from the throttled store",
+        xlabel="distinct shards per batch of 256 (uniform ~49)", ylabel="samples/s",
+        title="records of ~1 KiB from S3 (moto) behind a slow proxy, cache 1/3 of data",
+        flagged=" (cut/stalled)",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
