@@ -1106,7 +1106,7 @@ class ArrayRecordFile:
                     cache.put(keys[k], chunk, len(values) + 8 * len(bounds))
         return out
 
-    def _zstd_plan(
+    def _chunk_plan(
         self, cs: np.ndarray, f: _Footer, raw: bool = False
     ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
@@ -1211,18 +1211,18 @@ class ArrayRecordFile:
         has is learnt from its first batch).
         """
         raw = self._raw_chunks
-        view, ok, payload, end, decoded = self._zstd_plan(arr, f, raw=bool(raw))
-        if raw is None and ok.sum() < len(arr) // 2:  # not zstd: uncompressed?
-            view, ok, payload, end, decoded = self._zstd_plan(arr, f, raw=True)
-            if ok.sum() >= len(arr) // 2:
-                raw = self._raw_chunks = True
-        elif raw is None:
-            self._raw_chunks = False
+        view, ok, payload, end, decoded = self._chunk_plan(arr, f, raw=bool(raw))
+        if raw is None:  # the file's first batch: zstd, or else uncompressed?
+            raw = False
+            if ok.sum() < len(arr) // 2:
+                plan = self._chunk_plan(arr, f, raw=True)
+                if plan[1].sum() >= len(arr) // 2:
+                    raw = True
+                    view, ok, payload, end, decoded = plan
+            self._raw_chunks = raw
         if ok.all():
             if raw:
-                return list(
-                    map(bytes, map(view.__getitem__, map(slice, payload.tolist(), end.tolist())))
-                )
+                return _slices(view, payload, end)
             return self._decompress_frames(view, payload, end, decoded.tolist())
         # Some chunks run across a block boundary (about 1 in 60 of 1 KiB records) or
         # are otherwise unusual: those take the careful path, one by one.
@@ -1230,12 +1230,7 @@ class ArrayRecordFile:
         if len(good) < len(arr) // 2:
             return None
         if raw:
-            out = list(
-                map(
-                    bytes,
-                    map(view.__getitem__, map(slice, payload[good].tolist(), end[good].tolist())),
-                )
-            )
+            out = _slices(view, payload[good], end[good])
         else:
             out = self._decompress_frames(view, payload[good], end[good], decoded[good].tolist())
         if out is None:
@@ -1257,11 +1252,11 @@ class ArrayRecordFile:
         self, chunks: list[int], view: memoryview, fast: tuple, f: _Footer
     ) -> list[tuple[Any, Any]]:
         """Decode many local chunks at once: the common case vectorised
-        (:meth:`_zstd_plan`), every other chunk through :meth:`_local_chunk`. Returns
+        (:meth:`_chunk_plan`), every other chunk through :meth:`_local_chunk`. Returns
         what :meth:`_read_chunks` does, in the order given.
         """
         cs = np.asarray(chunks, dtype=np.int64)
-        view, ok, payload, end, decoded = self._zstd_plan(cs, f)
+        view, ok, payload, end, decoded = self._chunk_plan(cs, f)
         out: list[Any] = [None] * len(chunks)
         fast_k = np.flatnonzero(ok)
         values = None
@@ -1394,3 +1389,8 @@ def read_num_records(
     return np.array(
         map_files(lambda i: count(paths[i]), len(paths), max_workers=max_workers), np.int64
     )
+
+
+def _slices(view: memoryview, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
+    """``bytes(view[starts[k]:ends[k]])`` for every k, with no Python code per slice."""
+    return list(map(bytes, map(view.__getitem__, map(slice, starts.tolist(), ends.tolist()))))
