@@ -139,7 +139,6 @@ class SlotPool:
         self.max_slots = max_slots
         self.slots: list[Slot] = []
         self._prefix = f"torchgrain-{os.getpid()}-{secrets.token_hex(4)}"
-        self._pid = os.getpid()
         self._names = itertools.count()
         self.broken = False  # no slot could be made: torch's path from now on
         util.Finalize(self, _retire_all, args=(self.slots, os.getpid()), exitpriority=10)

@@ -391,7 +391,8 @@ class Dataset(torch.utils.data.Dataset):
         worker_slots: with ``batch_format="columns"``, each DataLoader worker (on Linux)
             writes batches into up to this many reusable shared-memory buffers that the
             main process maps once, and reuses a buffer only after the main process has
-            dropped every tensor of the batch in it (default 8). Receiving a batch then
+            dropped every tensor of the batch in it and the worker holds none of its
+            arrays (default 8). Receiving a batch then
             costs the main process a few microseconds instead of a fresh shared-memory
             segment per batch. Batches beyond that (a loop that keeps many) and ``0``
             take torch's own path.
