@@ -20,10 +20,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.formats import arrayrecord_file
 from torchgrain.formats._highwayhash import riegeli_hash
 from torchgrain.formats.arrayrecord_file import (
     ArrayRecordFile,
     TransposedChunkError,
+    read_many,
     read_num_records,
 )
 
@@ -136,6 +138,62 @@ def test_one_record_chunks_take_the_batch_path(files, records, opt, raw):
     assert f.read(rows) == [records[i] for i in rows]
     assert f._raw_chunks is raw
     f.close()
+
+
+@given(
+    picks=st.lists(
+        st.tuples(st.sampled_from(OPTIONS), st.lists(st.integers(0, 399), max_size=40)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_read_many_matches_the_records(files, picks):
+    """Files of every layout, grouping and compression in one call (a file twice too)."""
+    readers = {opt: ArrayRecordFile(files[opt]) for opt in OPTIONS}
+    out = read_many([readers[opt] for opt, _ in picks], [np.array(r, np.int64) for _, r in picks])
+    assert out == [[RECORDS[i] for i in rows] for _, rows in picks]
+
+
+def test_read_many_plans_one_record_files_together(files, records, monkeypatch):
+    """zstd and uncompressed one-record files take the joint path (one plan per layout);
+    a file with unusual chunks (records > 64 KiB) is read on its own, correctly."""
+    calls = []
+    joint = arrayrecord_file._read_many_singles
+
+    def spy(files_, rows_, ks, raw, one):
+        calls.append((len(ks), raw))
+        return joint(files_, rows_, ks, raw, one)
+
+    monkeypatch.setattr(arrayrecord_file, "_read_many_singles", spy)
+    opts = ["group_size:1", "group_size:1", "group_size:1,uncompressed",
+            "group_size:1,uncompressed", "group_size:100"]  # fmt: skip
+    readers = [ArrayRecordFile(files[o]) for o in opts]
+    rng = np.random.default_rng(5)
+    small = [i for i, r in enumerate(records) if len(r) < 1000]
+    rows = [rng.choice(small, 30) for _ in opts]
+    rows[1] = np.array([5, 102, 7, 199])  # records > 64 KiB: the file goes on its own
+    assert read_many(readers, rows) == [[records[i] for i in r] for r in rows]
+    assert sorted(calls) == [(2, False), (2, True)]
+
+
+@pytest.mark.parametrize("opt", ["group_size:1", "group_size:1,uncompressed"])
+def test_frames_cut_by_one_block_header(tmp_path, opt):
+    """12 KiB records: one chunk in five runs into the next block; the batch path joins
+    the two pieces around the block header, as the C++ reader does."""
+    rng = np.random.default_rng(3)
+    recs = [rng.integers(0, 64, 12288, dtype=np.uint8).tobytes() for _ in range(120)]
+    path = write_cpp(str(tmp_path / "c.array_record"), recs, opt)
+    f = ArrayRecordFile(path)
+    cs = np.arange(len(recs))
+    _, ok, _, _, _, cut = f._chunk_plan(cs, f._ensure_footer(), raw="uncompressed" in opt)
+    assert np.sum(ok & (cut > 0)) >= 15
+    order = rng.permutation(len(recs))
+    assert f.read(order) == [recs[i] for i in order] == [read_cpp(path)[i] for i in order]
+    g = ArrayRecordFile(path)
+    assert read_many([f, g], [order[:50], order[50:]]) == [
+        [recs[i] for i in order[:50]],
+        [recs[i] for i in order[50:]],
+    ]
 
 
 def test_block_boundary_cases_are_covered(files):

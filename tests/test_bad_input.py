@@ -92,6 +92,31 @@ def test_bit_flips_never_return_wrong_data_silently(dataset):
         np.testing.assert_array_equal(rec["image"], recs[i]["image"])
 
 
+@pytest.mark.parametrize("kind", ["truncated", "bit_flipped"])
+def test_batches_across_shards_name_the_damaged_shard(dataset, kind):
+    """A batch that spans every shard (read together for speed) reads what a record
+    alone reads, or fails naming the damaged shard and file."""
+    CORRUPTIONS[kind](dataset / SHARD, np.random.default_rng(0))
+    src = tg.ArrayRecordSource(dataset)
+    batch = list(np.random.default_rng(1).permutation(90))
+    alone = []
+    for i in batch:
+        try:
+            alone.append(src[i])
+        except CorruptDataError:
+            alone.append(None)
+    for read in (src.__getitems__, src.read_columns):
+        try:
+            out = read(batch)
+        except CorruptDataError as e:
+            assert None in alone
+            assert SHARD in str(e) and "shard 1 of 3" in str(e), str(e)
+            continue
+        assert None not in alone
+        if read == src.__getitems__:
+            assert [r["id"] for r in out] == [r["id"] for r in alone]
+
+
 def test_errors_surface_from_dataloader_workers(dataset):
     truncate(dataset / SHARD, np.random.default_rng(0))
     ds = tg.Dataset(tg.ArrayRecordSource(dataset))

@@ -60,7 +60,7 @@ from torchgrain.io import process
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
-__all__ = ["ArrayRecordFile", "TransposedChunkError", "read_num_records"]
+__all__ = ["ArrayRecordFile", "TransposedChunkError", "read_many", "read_num_records"]
 
 _BLOCK = 1 << 16
 _BLOCK_HEADER = 24
@@ -81,10 +81,13 @@ _SNAPPY = 0x73  # 's'
 _COMPRESSIONS = {_NONE: "none", _BROTLI: "brotli", _ZSTD: "zstd", _SNAPPY: "snappy"}
 
 _HEADER = struct.Struct("<5Q")  # header_hash, data_size, data_hash, type|num_records, decoded
-_HEADER_BYTES = np.arange(_CHUNK_HEADER)
 _BATCH_MIN = 8  # chunks per read from which decoding them together pays
+_MANY_MIN = 2  # chunks of a file from which read_many plans them with other files'
 _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
-_TWO = np.arange(2)
+# Bytes gathered at each chunk of a batch: the 40-byte header and the simple chunk's
+# preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
+_HEADS = 64
+_HEAD_BYTES = np.arange(_HEADS)
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
 
@@ -1106,80 +1109,35 @@ class ArrayRecordFile:
                     cache.put(keys[k], chunk, len(values) + 8 * len(bounds))
         return out
 
-    def _chunk_plan(
-        self, cs: np.ndarray, f: _Footer, raw: bool = False
-    ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
-
-        One-record zstd chunks whose header and data sit inside one block (what
-        ``group_size:1`` files hold) are recognised for all of ``cs`` at once with numpy:
-        the 40-byte headers and the few bytes of the simple-chunk preamble are gathered
-        from the map in one fancy index each and checked against the footer. Returns
-        ``(view, ok, payload, end, size)``: chunk ``cs[k]`` with ``ok[k]`` holds one
-        zstd frame at ``view[payload[k]:end[k]]`` that decompresses to ``size[k]`` bytes.
-        With ``raw``, the same for uncompressed chunks instead: ``view[payload[k]:end[k]]``
-        is the record itself. Chunks that are not ``ok`` must take :meth:`_local_chunk`,
-        which checks and reports everything.
-        """
+    def _heads(self, cs: np.ndarray, f: _Footer) -> tuple[memoryview, np.ndarray, np.ndarray]:
+        """``(view, pos, heads)`` of local chunks ``cs``: the map, their offsets, and the
+        first :data:`_HEADS` bytes at each (a chunk's header and the start of its data),
+        gathered in one fancy index. Rows of chunks too close to the end of the file
+        hold other bytes (:func:`_plan` rejects them)."""
         view = self._local_view()
         u8 = self._u8
         if u8 is None or self._u8_view is not view:
             u8 = self._u8 = np.frombuffer(view, dtype=np.uint8)
             self._u8_view = view
         pos = f.chunk_offsets[cs]
-        low = pos & 0xFFFF
-        in_block = (low >= _BLOCK_HEADER) & (low + _CHUNK_HEADER <= _BLOCK)
-        in_block &= pos + _CHUNK_HEADER + 8 <= len(u8)
-        pos_ok = np.where(in_block, pos, 0)
-        heads = u8[pos_ok[:, None] + _HEADER_BYTES].view("<u8")  # (k, 5) header fields
-        data_size, type_num, decoded = heads[:, 1], heads[:, 3], heads[:, 4]
-        start = pos_ok + _CHUNK_HEADER
-        end = start + data_size.astype(np.int64)
-        recs = f.record_offsets
-        ok = (
-            in_block
-            & ((start & 0xFFFF) != 0)
-            & ((start >> 16) == ((end - 1) >> 16))
-            & (end <= f.chunk_ends[cs])
-            & (type_num == (1 << 8 | _CHUNK_SIMPLE))  # a simple chunk of one record
-            & (decoded == f.decoded_sizes[cs])
-            & (data_size > 3)
-            # zstandard's batch call frees twice on an empty output (a crash, not an
-            # error): empty records, and implausibly large ones, take the careful path.
-            & (decoded > 0)
-            & (decoded <= _BATCH_MAX_RECORD)
-        )
-        if f.group_size != 1:
-            ok &= recs[cs + 1] - recs[cs] == 1
-        # Simple chunk: compression byte, varint size of the sizes buffer (skipped: one
-        # record's size is the decoded size), then the values' varint size and payload.
-        last = len(u8) - 1
-        pre = u8[np.minimum(start[:, None] + _TWO, last)]
-        if raw:
-            # Uncompressed: the sizes buffer (one varint: the record's size) follows its
-            # one-byte length, then the record runs to the chunk's end.
-            ok &= (pre[:, 0] == _NONE) & (pre[:, 1] >= 1) & (pre[:, 1] <= 2)
-            sv = u8[np.minimum(start[:, None] + 2 + _TWO, last)].astype(np.int64)
-            one = pre[:, 1] == 1
-            size = np.where(one, sv[:, 0], (sv[:, 0] & 0x7F) | (sv[:, 1] << 7))
-            ok &= np.where(one, sv[:, 0] < 0x80, (sv[:, 0] >= 0x80) & (sv[:, 1] < 0x80))
-            payload = start + 2 + pre[:, 1].astype(np.int64)
-            ok &= (size == decoded) & (end - payload == decoded)
-            return view, ok, payload, end, decoded
-        ok &= (pre[:, 0] == _ZSTD) & (pre[:, 1] < 0x80)
-        q = start + 2 + pre[:, 1]
-        vs = u8[np.minimum(q[:, None] + _TWO, last)].astype(np.int64)
-        one = vs[:, 0] < 0x80
-        two = ~one & (vs[:, 1] < 0x80)
-        size = np.where(one, vs[:, 0], (vs[:, 0] & 0x7F) | (vs[:, 1] << 7))
-        payload = q + 2 - one
-        ok &= (one | two) & (size == decoded) & (payload < end)
-        return view, ok, payload, end, decoded
+        at = np.minimum(pos, max(len(u8) - _HEADS, 0))
+        return view, pos, u8[at[:, None] + _HEAD_BYTES]
 
-    def _decompress_frames(
-        self, view: memoryview, payload: np.ndarray, end: np.ndarray, sizes: list[int]
-    ) -> list[bytes] | None:
-        """zstd frames ``view[payload[k]:end[k]]`` of ``sizes[k]`` bytes each, decompressed
+    def _chunk_plan(
+        self, cs: np.ndarray, f: _Footer, raw: bool = False
+    ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
+
+        Returns ``(view, ok, payload, end, size, cut)`` as :func:`_plan` does, for the
+        map ``view``.
+        """
+        view, pos, heads = self._heads(cs, f)
+        if len(view) < _HEADS:
+            return view, np.zeros(len(cs), bool), pos, pos, pos, pos
+        return (view, *_plan(pos, heads, len(view), f.chunk_ends[cs], f.decoded_sizes[cs], raw))
+
+    def _decompress_frames(self, frames: list[Any], sizes: list[int]) -> list[bytes] | None:
+        """zstd ``frames`` (see :func:`_frames`) of ``sizes[k]`` bytes each, decompressed
         (None when any fails or differs in size: the careful path then finds and names
         the culprit)."""
         try:
@@ -1190,16 +1148,22 @@ class ArrayRecordFile:
         # writes all output into one new buffer, whose fresh pages cost more than the
         # calls it saves, and each record would still need a copy of its own.
         try:
-            out = list(
-                map(
-                    d.decompress,
-                    map(view.__getitem__, map(slice, payload.tolist(), end.tolist())),
-                    sizes,
-                )
-            )
+            out = list(map(d.decompress, frames, sizes))
         except (zstandard.ZstdError, ValueError):
             return None
         return out if list(map(len, out)) == sizes else None
+
+    def _layout(self, arr: np.ndarray, f: _Footer) -> bool:
+        """Whether this file's one-record chunks are uncompressed (else zstd, or neither:
+        then most chunks fail the zstd plan and take the general path), learnt once
+        from the chunks ``arr`` of its first batch."""
+        raw = self._raw_chunks
+        if raw is None:
+            raw = False
+            if self._chunk_plan(arr, f)[1].sum() < (len(arr) + 1) // 2:
+                raw = bool(self._chunk_plan(arr, f, raw=True)[1].sum() >= (len(arr) + 1) // 2)
+            self._raw_chunks = raw
+        return raw
 
     def _read_singles(self, arr: np.ndarray, f: _Footer) -> list[bytes] | None:
         """Records at valid rows ``arr`` of a local ``group_size:1`` file, in request order,
@@ -1210,29 +1174,23 @@ class ArrayRecordFile:
         decompressed; uncompressed ones are sliced out of the map (which layout a file
         has is learnt from its first batch).
         """
-        raw = self._raw_chunks
-        view, ok, payload, end, decoded = self._chunk_plan(arr, f, raw=bool(raw))
-        if raw is None:  # the file's first batch: zstd, or else uncompressed?
-            raw = False
-            if ok.sum() < len(arr) // 2:
-                plan = self._chunk_plan(arr, f, raw=True)
-                if plan[1].sum() >= len(arr) // 2:
-                    raw = True
-                    view, ok, payload, end, decoded = plan
-            self._raw_chunks = raw
+        raw = self._layout(arr, f)
+        view, ok, payload, end, decoded, cut = self._chunk_plan(arr, f, raw=raw)
         if ok.all():
+            frames = _frames(view, payload, end, cut)
             if raw:
-                return _slices(view, payload, end)
-            return self._decompress_frames(view, payload, end, decoded.tolist())
-        # Some chunks run across a block boundary (about 1 in 60 of 1 KiB records) or
-        # are otherwise unusual: those take the careful path, one by one.
+                return list(map(bytes, frames))
+            return self._decompress_frames(frames, decoded.tolist())
+        # Some chunks are unusual (a header split by a block boundary, data crossing two
+        # boundaries, an empty record): those take the careful path, one by one.
         good = np.flatnonzero(ok)
         if len(good) < len(arr) // 2:
             return None
+        frames = _frames(view, payload[good], end[good], cut[good])
         if raw:
-            out = _slices(view, payload[good], end[good])
+            out = list(map(bytes, frames))
         else:
-            out = self._decompress_frames(view, payload[good], end[good], decoded[good].tolist())
+            out = self._decompress_frames(frames, decoded[good].tolist())
         if out is None:
             return None
         fast = self._fast or self._fast_index(f)
@@ -1256,14 +1214,13 @@ class ArrayRecordFile:
         what :meth:`_read_chunks` does, in the order given.
         """
         cs = np.asarray(chunks, dtype=np.int64)
-        view, ok, payload, end, decoded = self._chunk_plan(cs, f)
+        view, ok, payload, end, decoded, cut = self._chunk_plan(cs, f)
         out: list[Any] = [None] * len(chunks)
         fast_k = np.flatnonzero(ok)
         values = None
         if len(fast_k):
-            values = self._decompress_frames(
-                view, payload[fast_k], end[fast_k], decoded[fast_k].tolist()
-            )
+            frames = _frames(view, payload[fast_k], end[fast_k], cut[fast_k])
+            values = self._decompress_frames(frames, decoded[fast_k].tolist())
             if values is not None:
                 for k, v in zip(fast_k.tolist(), values):
                     out[k] = (v, None)
@@ -1391,6 +1348,215 @@ def read_num_records(
     )
 
 
-def _slices(view: memoryview, starts: np.ndarray, ends: np.ndarray) -> list[bytes]:
-    """``bytes(view[starts[k]:ends[k]])`` for every k, with no Python code per slice."""
-    return list(map(bytes, map(view.__getitem__, map(slice, starts.tolist(), ends.tolist()))))
+def read_many(
+    files: Sequence[ArrayRecordFile],
+    rows: Sequence[np.ndarray],
+    *,
+    chunk_cache: Any = None,
+    cache_keys: Sequence[Any] | None = None,
+) -> list[list[bytes]]:
+    """``[files[k].read(rows[k]) for k ...]``, with the work on local ``group_size:1``
+    files of one layout done for all of them at once.
+
+    A batch of a global shuffle touches many shards a few records each: planning each
+    file's chunks with numpy on its own costs more than decoding them. Here each file
+    gathers its chunks' headers (:meth:`ArrayRecordFile._heads`), and one :func:`_plan`
+    and one decompression loop serve the whole batch. Files that do not qualify (remote,
+    checksummed, grouped), or whose chunks look unusual, take
+    :meth:`ArrayRecordFile.read` (with ``chunk_cache`` and ``cache_keys[k]``), which
+    checks and reports everything.
+
+    Example:
+        >>> import tempfile, os
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> paths = [os.path.join(tempfile.mkdtemp(), f"{k}.array_record") for k in range(2)]
+        >>> for k, path in enumerate(paths):
+        ...     w = ArrayRecordWriter(path, "group_size:1")
+        ...     for i in range(20):
+        ...         w.write(b"%d-%d" % (k, i))
+        ...     w.close()
+        >>> files = [ArrayRecordFile(p) for p in paths]
+        >>> read_many(files, [np.array([3, 1]), np.array([19])])
+        [[b'0-3', b'0-1'], [b'1-19']]
+    """
+    keys = cache_keys if cache_keys is not None else [None] * len(files)
+
+    def one(k: int) -> list[bytes]:
+        return files[k].read(rows[k], chunk_cache=chunk_cache, cache_key=keys[k])
+
+    out: list[Any] = [None] * len(files)
+    layouts: dict[bool, list[int]] = {False: [], True: []}
+    for k, (file, r) in enumerate(zip(files, rows)):
+        f = file._ensure_footer()
+        if len(r) >= _MANY_MIN and f.group_size == 1 and file._local and not file._verify:
+            layouts[file._layout(np.asarray(r, dtype=np.int64), f)].append(k)
+        else:
+            out[k] = one(k)
+    for raw, ks in layouts.items():
+        if len(ks) == 1:
+            out[ks[0]] = one(ks[0])
+        elif ks:
+            for k, records in zip(ks, _read_many_singles(files, rows, ks, raw, one)):
+                out[k] = records
+    return out
+
+
+def _read_many_singles(
+    files: Sequence[ArrayRecordFile],
+    rows: Sequence[np.ndarray],
+    ks: list[int],
+    raw: bool,
+    one: Any,
+) -> list[list[bytes]]:
+    """:func:`read_many` for files ``ks``, of one layout (all zstd, or all
+    uncompressed); ``one(k)`` reads file ``k`` on its own."""
+    files = [files[k] for k in ks]
+    rows = [rows[k] for k in ks]
+    views, pos, heads, sizes, ends, decoded_sizes = [], [], [], [], [], []
+    for file, r in zip(files, rows):
+        f = file._footer
+        cs = np.asarray(r, dtype=np.int64)
+        view, p, h = file._heads(cs, f)
+        views.append(view)
+        pos.append(p)
+        heads.append(h)
+        sizes.append(np.full(len(cs), len(view), np.int64))
+        ends.append(f.chunk_ends[cs])
+        decoded_sizes.append(f.decoded_sizes[cs])
+    ok, payload, end, decoded, cut = _plan(
+        np.concatenate(pos),
+        np.concatenate(heads),
+        np.concatenate(sizes),
+        np.concatenate(ends),
+        np.concatenate(decoded_sizes),
+        raw,
+    )
+    counts = [len(r) for r in rows]
+    bounds = np.cumsum([0, *counts]).tolist()
+    # A file with an unusual chunk is read on its own (which checks and reports it).
+    fine = [True] * len(counts)
+    if not ok.all():
+        fine = (np.add.reduceat(~ok, bounds[:-1]) == 0).tolist()
+        decoded = decoded[np.repeat(fine, counts)]
+    frames: list[Any] = []
+    for j, (view, a, b) in enumerate(zip(views, bounds, bounds[1:])):
+        if fine[j]:
+            frames += _frames(view, payload[a:b], end[a:b], cut[a:b])
+    if raw:
+        flat = list(map(bytes, frames))
+    else:
+        flat = files[0]._decompress_frames(frames, decoded.tolist())
+        if flat is None:  # a frame failed: the files on their own find and name it
+            return [one(k) for k in ks]
+    out: list[list[bytes]] = []
+    at = 0
+    for j, n in enumerate(counts):
+        if fine[j]:
+            out.append(flat[at : at + n])
+            at += n
+        else:
+            out.append(one(ks[j]))
+    return out
+
+
+def _plan(
+    pos: np.ndarray,
+    heads: np.ndarray,
+    size: int | np.ndarray,
+    chunk_ends: np.ndarray,
+    decoded_sizes: np.ndarray,
+    raw: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Which one-record chunks have the common layout, and where their frames lie.
+
+    ``pos`` are the chunks' offsets in their files, ``heads`` the first :data:`_HEADS`
+    bytes at each (:meth:`ArrayRecordFile._heads`), ``size`` the files' sizes, and
+    ``chunk_ends`` and ``decoded_sizes`` what the footers say of them; rows may come
+    from several files. One-record zstd chunks whose header sits inside one block and
+    whose data crosses at most one block boundary (what ``group_size:1`` files hold) are
+    recognised with numpy alone, checked against the footer. Returns ``(ok, payload,
+    end, decoded, cut)``: chunk ``k`` with ``ok[k]`` holds one zstd frame at
+    ``[payload[k], end[k])`` of its file that decompresses to ``decoded[k]`` bytes, less
+    the 24-byte block header at ``cut[k]`` where ``cut[k]`` is not 0 (see
+    :func:`_frames`). With ``raw``, the same for uncompressed chunks instead: the frame
+    is the record itself. Chunks that are not ``ok`` must take
+    :meth:`ArrayRecordFile._local_chunk`, which checks and reports everything.
+    """
+    fields = heads.view("<u8")  # the header's five fields, then data
+    data_size, type_num, decoded = fields[:, 1], fields[:, 3], fields[:, 4]
+    low = pos & 0xFFFF
+    start = pos + _CHUNK_HEADER
+    end = start + data_size.astype(np.int64)
+    # Data that runs into the next block (one in five 12 KiB records) has that
+    # block's header in it: the frame is cut there, and ends 24 bytes later.
+    boundary = ((start >> 16) + 1) << 16
+    cut = np.where(end > boundary, boundary, 0)
+    end += np.where(cut > 0, _BLOCK_HEADER, 0)
+    ok = (
+        (low >= _BLOCK_HEADER)
+        & (low + _CHUNK_HEADER < _BLOCK)  # the header inside a block, data after it
+        & (pos + _HEADS <= size)
+        & (end <= boundary + _BLOCK)  # no second boundary
+        & (end <= chunk_ends)
+        & (type_num == (1 << 8 | _CHUNK_SIMPLE))  # a simple chunk of one record
+        & (decoded == decoded_sizes)
+        & (data_size > 3)
+        # zstandard's batch call frees twice on an empty output (a crash, not an
+        # error): empty records, and implausibly large ones, take the careful path.
+        & (decoded > 0)
+        & (decoded <= _BATCH_MAX_RECORD)
+    )
+    # Simple chunk: compression byte, varint size of the sizes buffer, the sizes buffer
+    # (skipped: one record's size is the decoded size), then the values.
+    kind = heads[:, _CHUNK_HEADER]
+    sizes_len = heads[:, _CHUNK_HEADER + 1].astype(np.int64)
+    if raw:
+        # Uncompressed: the sizes buffer (one varint: the record's size) follows its
+        # one-byte length, then the record runs to the chunk's end.
+        sv = heads[:, _CHUNK_HEADER + 2 : _CHUNK_HEADER + 4].astype(np.int64)
+        one = sizes_len == 1
+        size_v = np.where(one, sv[:, 0], (sv[:, 0] & 0x7F) | (sv[:, 1] << 7))
+        payload = start + 2 + sizes_len
+        frame = end - payload - np.where(cut > 0, _BLOCK_HEADER, 0)
+        ok &= (
+            (kind == _NONE)
+            & (sizes_len >= 1)
+            & (sizes_len <= 2)
+            & np.where(one, sv[:, 0] < 0x80, (sv[:, 0] >= 0x80) & (sv[:, 1] < 0x80))
+            & (size_v == decoded)
+            & (frame == decoded)
+            & (payload + 2 <= boundary)
+        )
+        return ok, payload, end, decoded, cut
+    # zstd: the values' varint size, then the frame; both must lie in ``heads``.
+    at = _CHUNK_HEADER + 2 + np.minimum(sizes_len, _HEADS - _CHUNK_HEADER - 4)
+    vs = np.take_along_axis(heads, np.stack((at, at + 1), axis=1), axis=1).astype(np.int64)
+    one = vs[:, 0] < 0x80
+    size_v = np.where(one, vs[:, 0], (vs[:, 0] & 0x7F) | (vs[:, 1] << 7))
+    q = start + 2 + sizes_len
+    payload = q + 2 - one
+    ok &= (
+        (kind == _ZSTD)
+        & (sizes_len <= _HEADS - _CHUNK_HEADER - 4)
+        & (one | (vs[:, 1] < 0x80))
+        & (size_v == decoded)
+        & (payload < end)
+        & (q + 2 <= boundary)  # the preamble read here lies before the cut
+    )
+    return ok, payload, end, decoded, cut
+
+
+def _frames(view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.ndarray) -> list[Any]:
+    """``view[starts[k]:ends[k]]`` for every k with no Python code per slice, less the
+    block header at ``cuts[k]`` where that is not 0 (those, joined into bytes).
+
+    Example:
+        >>> v = memoryview(bytes(range(40)))
+        >>> [bytes(x) for x in _frames(v, np.array([0, 5]), np.array([3, 31]), np.array([0, 6]))]
+        [b'\\x00\\x01\\x02', b'\\x05\\x1e']
+    """
+    out = list(map(view.__getitem__, map(slice, starts.tolist(), ends.tolist())))
+    for k in np.flatnonzero(cuts).tolist():
+        a, c, e = int(starts[k]), int(cuts[k]), int(ends[k])
+        out[k] = b"".join((view[a:c], view[c + _BLOCK_HEADER : e]))
+    return out

@@ -16,7 +16,7 @@ from torchgrain.errors import (
     DatasetNotFoundError,
     UnsafePathError,
 )
-from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_num_records
+from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_many, read_num_records
 from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import Manifest, read_manifest
@@ -243,6 +243,24 @@ class ArrayRecordSource(EncodedSource):
             shard,
             f"range read of shard {shard} (record index {index})",
         )
+
+    def _read_many(
+        self, groups: list[tuple[int, np.ndarray, np.ndarray]], opened: dict[int, Any]
+    ) -> list[list[bytes]] | None:
+        # Local files only (remote shards are fetched concurrently, one by one); an
+        # error is left to the shard-by-shard path, which names the shard.
+        if self._reads_remote:
+            return None
+        try:
+            readers = [opened.get(shard) or self._reader(shard) for shard, _, _ in groups]
+            return read_many(
+                readers,
+                [rows for _, rows, _ in groups],
+                chunk_cache=self._blocks if self.cache_bytes else None,
+                cache_keys=[shard for shard, _, _ in groups],
+            )
+        except CorruptDataError:
+            return None
 
     def __repr__(self) -> str:
         return (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,15 @@ class EncodedSource(ShardedSource):
     ) -> Iterator[bytes]:
         """The raw records ``[start, stop)`` of one shard, in order."""
 
+    def _read_many(
+        self, groups: list[tuple[int, np.ndarray, np.ndarray]], opened: dict[int, Any]
+    ) -> list[list[bytes]] | None:
+        """Raw records of a batch's ``(shard, rows, positions)`` groups, one list per
+        group, where the format reads many shards faster together than one by one; None
+        (the default) reads each shard through :meth:`_read_rows`, which also names the
+        shard of any error."""
+        return None
+
     def _check_readable(self, shard: int, index: int) -> None:
         """Refuse random access to a shard that has none (e.g. a compressed file)."""
 
@@ -82,13 +91,15 @@ class EncodedSource(ShardedSource):
         for shard, _, positions in groups:
             self._check_readable(shard, int(idx[positions[0]]))
         opened = self._prefetch_copies([g[0] for g in groups])
-        results = self._map(
-            lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0])), groups
-        )
-        out: list[Any] = [None] * len(idx)
-        for (_shard, _rows, positions), records in zip(groups, results):
-            for p, rec in zip(positions.tolist(), records):
-                out[p] = rec
+        t0 = time.perf_counter()
+        many = self._read_many(groups, opened)
+        if many is not None:
+            out = self._decode_many(many, groups, idx, t0)
+        else:
+            results = self._map(
+                lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0])), groups
+            )
+            out = _in_request_order(results, groups, len(idx))
         if opened:
             self._close_evicted_copies()
         return out
@@ -107,13 +118,10 @@ class EncodedSource(ShardedSource):
         counters = local_counters()
         t0 = time.perf_counter()
         opened = self._prefetch_copies([g[0] for g in groups])
-        results = self._map(
-            lambda g: self._read_rows(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0])), groups
+        results = (self._read_many(groups, opened) if len(groups) > 1 else None) or self._map(
+            lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0])), groups
         )
-        blobs: list[Any] = [None] * len(idx)
-        for (_shard, _rows, positions), shard_blobs in zip(groups, results):
-            for p, blob in zip(positions.tolist(), shard_blobs):
-                blobs[p] = blob
+        blobs = _in_request_order(results, groups, len(idx))
         if opened:
             self._close_evicted_copies()
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
@@ -148,15 +156,7 @@ class EncodedSource(ShardedSource):
         """Read rows of one shard (one call) and decode them; errors name file and index."""
         counters = local_counters()
         t0 = time.perf_counter()
-        first = int(indices[0])
-        try:
-            blobs = self._read_rows(shard, rows, first, reader)
-        except CorruptDataError as e:
-            if f"shard {shard} of" in str(e):
-                raise
-            raise type(e)(
-                f"{e} (shard {shard} of {self.num_shards}, reading record index {first})"
-            ) from e
+        blobs = self._read_named(shard, rows, int(indices[0]), reader)
         t1 = time.perf_counter()
         counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
         counters[COUNTER["read_seconds"]] += t1 - t0
@@ -181,6 +181,47 @@ class EncodedSource(ShardedSource):
         counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
         return out
 
+    def _read_named(self, shard: int, rows: np.ndarray, first: int, reader: Any) -> list[bytes]:
+        """:meth:`_read_rows`, its errors naming the shard and the first record's index."""
+        try:
+            return self._read_rows(shard, rows, first, reader)
+        except CorruptDataError as e:
+            if f"shard {shard} of" in str(e):
+                raise
+            raise type(e)(
+                f"{e} (shard {shard} of {self.num_shards}, reading record index {first})"
+            ) from e
+
+    def _decode_many(
+        self,
+        many: list[list[bytes]],
+        groups: list[tuple[int, np.ndarray, np.ndarray]],
+        idx: np.ndarray,
+        t0: float,
+    ) -> list[dict[str, Any]]:
+        """Decode what :meth:`_read_many` read (``t0``: when the read began), in request
+        order; a record that fails names its shard, row and index."""
+        counters = local_counters()
+        blobs = _in_request_order(many, groups, len(idx))
+        t1 = time.perf_counter()
+        counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
+        counters[COUNTER["read_seconds"]] += t1 - t0
+        out = None
+        decode_batch = getattr(self.codec, "decode_batch", None)
+        if decode_batch is not None:
+            try:
+                out = decode_batch(blobs)
+            except Exception:
+                out = None  # one by one below, to name the record
+        if out is None:
+            shards, rows = self.index._locate(idx)
+            out = [
+                self._decode(b, s, r, i)
+                for b, s, r, i in zip(blobs, shards.tolist(), rows.tolist(), idx.tolist())
+            ]
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        return out
+
     def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
         try:
             return self.codec.decode(data)
@@ -190,6 +231,18 @@ class EncodedSource(ShardedSource):
                 f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
                 f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
+
+
+def _in_request_order(
+    results: Iterable[list[Any]], groups: list[tuple[int, np.ndarray, np.ndarray]], n: int
+) -> list[Any]:
+    """Per-group results (one list per ``(shard, rows, positions)`` group) as one list
+    in the batch's order."""
+    out: list[Any] = [None] * n
+    for (_shard, _rows, positions), items in zip(groups, results):
+        for p, item in zip(positions.tolist(), items):
+            out[p] = item
+    return out
 
 
 def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:
