@@ -82,7 +82,7 @@ _COMPRESSIONS = {_NONE: "none", _BROTLI: "brotli", _ZSTD: "zstd", _SNAPPY: "snap
 
 _HEADER = struct.Struct("<5Q")  # header_hash, data_size, data_hash, type|num_records, decoded
 _BATCH_MIN = 8  # chunks per read from which decoding them together pays
-_MANY_MIN = 2  # chunks of a file from which read_many plans them with other files'
+_MANY_MIN = 2  # rows of a file from which read_many plans them with other files' rows
 _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
 # Bytes gathered at each chunk of a batch: the 40-byte header and the simple chunk's
 # preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
@@ -1113,14 +1113,15 @@ class ArrayRecordFile:
         """``(view, pos, heads)`` of local chunks ``cs``: the map, their offsets, and the
         first :data:`_HEADS` bytes at each (a chunk's header and the start of its data),
         gathered in one fancy index. Rows of chunks too close to the end of the file
-        hold other bytes (:func:`_plan` rejects them)."""
+        hold other bytes (:func:`_plan` rejects them); every file whose footer parsed
+        holds at least :data:`_HEADS` bytes (its signature chunk)."""
         view = self._local_view()
         u8 = self._u8
         if u8 is None or self._u8_view is not view:
             u8 = self._u8 = np.frombuffer(view, dtype=np.uint8)
             self._u8_view = view
         pos = f.chunk_offsets[cs]
-        at = np.minimum(pos, max(len(u8) - _HEADS, 0))
+        at = np.minimum(pos, len(u8) - _HEADS)
         return view, pos, u8[at[:, None] + _HEAD_BYTES]
 
     def _chunk_plan(
@@ -1132,9 +1133,13 @@ class ArrayRecordFile:
         map ``view``.
         """
         view, pos, heads = self._heads(cs, f)
-        if len(view) < _HEADS:
-            return view, np.zeros(len(cs), bool), pos, pos, pos, pos
-        return (view, *_plan(pos, heads, len(view), f.chunk_ends[cs], f.decoded_sizes[cs], raw))
+        ok, payload, end, decoded, cut = _plan(
+            pos, heads, len(view), f.chunk_ends[cs], f.decoded_sizes[cs], raw
+        )
+        if f.group_size != 1:  # the footer must agree: one record in the chunk
+            recs = f.record_offsets
+            ok &= recs[cs + 1] - recs[cs] == 1
+        return view, ok, payload, end, decoded, cut
 
     def _decompress_frames(self, frames: list[Any], sizes: list[int]) -> list[bytes] | None:
         """zstd ``frames`` (see :func:`_frames`) of ``sizes[k]`` bytes each, decompressed
