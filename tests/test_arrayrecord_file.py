@@ -154,9 +154,9 @@ def test_read_many_matches_the_records(files, picks):
     assert out == [[RECORDS[i] for i in rows] for _, rows in picks]
 
 
-def test_read_many_plans_one_record_files_together(files, records, monkeypatch):
+def test_read_many_plans_one_record_files_together(files, records, monkeypatch, tmp_path):
     """zstd and uncompressed one-record files take the joint path (one plan per layout);
-    a file with unusual chunks (records > 64 KiB) is read on its own, correctly."""
+    a file with unusual chunks (empty records) is read on its own, correctly."""
     calls = []
     joint = arrayrecord_file._read_many_singles
 
@@ -166,34 +166,95 @@ def test_read_many_plans_one_record_files_together(files, records, monkeypatch):
 
     monkeypatch.setattr(arrayrecord_file, "_read_many_singles", spy)
     opts = ["group_size:1", "group_size:1", "group_size:1,uncompressed",
-            "group_size:1,uncompressed", "group_size:100"]  # fmt: skip
+            "group_size:1,uncompressed", "group_size:1,uncompressed", "group_size:100"]  # fmt: skip
     readers = [ArrayRecordFile(files[o]) for o in opts]
     rng = np.random.default_rng(5)
-    small = [i for i, r in enumerate(records) if len(r) < 1000]
+    small = [i for i, r in enumerate(records) if 0 < len(r) < 1000]
     rows = [rng.choice(small, 30) for _ in opts]
-    rows[1] = np.array([5, 102, 7, 199])  # records > 64 KiB: the file goes on its own
-    assert read_many(readers, rows) == [[records[i] for i in r] for r in rows]
-    assert sorted(calls) == [(2, False), (2, True)]
+    rows[1] = np.array([5, 102, 7, 199])  # records > 64 KiB: planned with the others
+    rows[3] = np.array([1, 13, 2, 26])  # empty records: the file goes on its own
+    # Small records: many 40-byte headers split by a block boundary, which nothing
+    # in the batch plan may read.
+    tiny = [bytes([i % 256]) * (i % 50) for i in range(6000)]
+    path = write_cpp(str(tmp_path / "s.array_record"), tiny, "group_size:1,uncompressed")
+    readers.append(ArrayRecordFile(path))
+    low = readers[-1].chunk_offsets % BLOCK
+    split = np.flatnonzero(low + 40 > BLOCK)
+    assert len(split) >= 2
+    rows.append(np.concatenate([split, np.arange(1, 40)]))
+    for reader, r in zip(readers, rows):  # layouts known, as after a first batch
+        read_many([reader, reader], [r, r])
+    calls.clear()
+    want = [[records[i] for i in r] for r in rows[:-1]] + [[tiny[i] for i in rows[-1]]]
+    assert read_many(readers, rows) == want
+    assert sorted(calls) == [(2, False), (4, True)]
+
+
+def careful_chunks(f: ArrayRecordFile, cs: np.ndarray) -> int:
+    """How many of chunks ``cs`` the batch path must leave to the careful path: a header
+    that starts a block or is split by a boundary."""
+    low = f.chunk_offsets[cs] % BLOCK
+    return int(np.sum((low < 24) | (low + 40 >= BLOCK)))
 
 
 @pytest.mark.parametrize("opt", ["group_size:1", "group_size:1,uncompressed"])
-def test_frames_cut_by_one_block_header(tmp_path, opt):
-    """12 KiB records: one chunk in five runs into the next block; the batch path joins
-    the two pieces around the block header, as the C++ reader does."""
+def test_frames_cut_by_block_headers(tmp_path, opt, monkeypatch):
+    """Records of 12 KiB (one in five runs into the next block), 20 KiB (a 3-byte size)
+    and 70-200 KiB (two to four block headers inside): the batch path cuts the headers
+    out, as the C++ reader does, and leaves only split headers to the careful path."""
     rng = np.random.default_rng(3)
-    recs = [rng.integers(0, 64, 12288, dtype=np.uint8).tobytes() for _ in range(120)]
+    sizes = [12288] * 100 + [20_000] * 20 + [70_000, 140_000, 200_000] * 4
+    recs = [rng.integers(0, 64, n, dtype=np.uint8).tobytes() for n in sizes]
     path = write_cpp(str(tmp_path / "c.array_record"), recs, opt)
     f = ArrayRecordFile(path)
     cs = np.arange(len(recs))
     _, ok, _, _, _, cut = f._chunk_plan(cs, f._ensure_footer(), raw="uncompressed" in opt)
-    assert np.sum(ok & (cut > 0)) >= 15
+    assert np.sum(ok & (cut > 0)) >= 30
+    careful = []
+    local_chunk = ArrayRecordFile._local_chunk
+
+    def spy(self, c, *a):
+        careful.append(c)
+        return local_chunk(self, c, *a)
+
+    monkeypatch.setattr(ArrayRecordFile, "_local_chunk", spy)
     order = rng.permutation(len(recs))
-    assert f.read(order) == [recs[i] for i in order] == [read_cpp(path)[i] for i in order]
+    want = read_cpp(path)
+    assert f.read(order) == [recs[i] for i in order] == [want[i] for i in order]
+    assert f._raw_chunks is ("uncompressed" in opt)
+    assert len(careful) == careful_chunks(f, order)
+    careful.clear()
     g = ArrayRecordFile(path)
     assert read_many([f, g], [order[:50], order[50:]]) == [
         [recs[i] for i in order[:50]],
         [recs[i] for i in order[50:]],
     ]
+    assert len(careful) == careful_chunks(f, order)
+
+
+def test_read_many_checks_rows(files):
+    """Rows out of range raise read()'s IndexError naming the file, known layout or not."""
+    opt = "group_size:1"
+    for known in (False, True):
+        f, g = ArrayRecordFile(files[opt]), ArrayRecordFile(files[opt])
+        if known:
+            read_many([f, g], [np.arange(8), np.arange(8)])
+        for bad in ([-1, 0], [0, 400], np.array([3, 400], np.int32)):
+            with pytest.raises(IndexError, match="row out of range") as info:
+                read_many([f, g], [np.array([1, 2]), np.asarray(bad)])
+            assert "f0.array_record" in str(info.value)
+
+
+def test_read_many_learns_the_layout_from_chunks_that_fit(files, records):
+    """A first batch of chunks that fit neither plan (empty records) teaches nothing;
+    the next one does."""
+    empty = [i for i, r in enumerate(records) if not r][:3]
+    small = [i for i, r in enumerate(records) if 0 < len(r) < 1000][:5]
+    f, g = (ArrayRecordFile(files["group_size:1,uncompressed"]) for _ in range(2))
+    assert read_many([f, g], [empty, empty]) == [[b""] * 3] * 2
+    assert f._raw_chunks is None
+    assert read_many([f, g], [small, small]) == [[records[i] for i in small]] * 2
+    assert f._raw_chunks is True and g._raw_chunks is True
 
 
 def test_block_boundary_cases_are_covered(files):

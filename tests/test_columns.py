@@ -143,6 +143,25 @@ def test_ragged_and_batch_helpers():
     assert out.tolist() == [244, 245, 246, 0, 1, 2]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    ranges=st.lists(
+        st.tuples(st.integers(0, 20_000), st.sampled_from([0, 1, 7, 60, 300, 5_000, 9_000])),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_gather_ranges_copies_every_range_in_order(ranges):
+    """Short, mid-sized and long ranges (fancy index, join, slice copies) all agree."""
+    buf = np.random.default_rng(len(ranges)).integers(0, 256, 30_000, dtype=np.uint8)
+    starts = np.array([s for s, _ in ranges], np.int64)
+    lengths = np.array([n for _, n in ranges], np.int64)
+    out = np.full(int(lengths.sum()) + 3, 7, np.uint8)
+    gather_ranges(buf, starts, lengths, out)
+    want = b"".join(buf[s : s + n].tobytes() for s, n in ranges)
+    assert out[: len(want)].tobytes() == want and out[len(want) :].tolist() == [7, 7, 7]
+
+
 # ------------------------------------------------------------------ sources and loaders
 import datetime  # noqa: E402
 import os  # noqa: E402

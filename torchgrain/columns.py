@@ -46,8 +46,12 @@ __all__ = [
 ]
 
 # Ranges shorter than this on average are gathered with one fancy index; longer ones
-# with a slice copy each (memcpy speed, no index array of the size of the data).
+# joined as bytes (one C loop over memoryview slices, then one copy) up to
+# ``_JOIN_MAX``, and beyond it copied a slice at a time (memcpy speed, no index array
+# of the size of the data). Measured on 256 ranges: 100 B - 1 KiB ranges join 2-3x
+# faster than either neighbour.
 _FANCY_MAX = 64
+_JOIN_MAX = 4096
 
 
 class Ragged:
@@ -396,6 +400,13 @@ def gather_ranges(
         ends = np.cumsum(lengths)
         base = np.repeat(starts - (ends - lengths), lengths)
         out[:total] = buf[base + np.arange(total)]
+        return
+    if total <= _JOIN_MAX * n and buf.flags.c_contiguous and buf.dtype == np.uint8:
+        view = memoryview(buf)
+        joined = b"".join(
+            map(view.__getitem__, map(slice, starts.tolist(), (starts + lengths).tolist()))
+        )
+        out[:total] = np.frombuffer(joined, np.uint8)
         return
     pos = 0
     for s, length in zip(starts.tolist(), lengths.tolist()):

@@ -88,6 +88,7 @@ _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
 # preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
 _HEADS = 64
 _HEAD_BYTES = np.arange(_HEADS)
+_FOUR = np.arange(4)
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
 
@@ -304,6 +305,7 @@ class ArrayRecordFile:
         self._u8: np.ndarray | None = None
         # Whether the file's one-record chunks are uncompressed (None: not known yet).
         self._raw_chunks: bool | None = None
+        self._layout_misses = 0  # chunks that fitted neither layout while not known
         self._u8_view: memoryview | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -1158,17 +1160,23 @@ class ArrayRecordFile:
             return None
         return out if list(map(len, out)) == sizes else None
 
-    def _layout(self, arr: np.ndarray, f: _Footer) -> bool:
-        """Whether this file's one-record chunks are uncompressed (else zstd, or neither:
-        then most chunks fail the zstd plan and take the general path), learnt once
-        from the chunks ``arr`` of its first batch."""
+    def _layout(self, arr: np.ndarray, f: _Footer) -> bool | None:
+        """Whether this file's one-record chunks are uncompressed (True) or zstd (False),
+        learnt from the first chunks ``arr`` that fit either plan; None while none has.
+        After 64 chunks that fit neither (other compressions), the answer is False: the
+        zstd plan then fails for most chunks and the general path reads them."""
         raw = self._raw_chunks
-        if raw is None:
-            raw = False
-            if self._chunk_plan(arr, f)[1].sum() < (len(arr) + 1) // 2:
-                raw = bool(self._chunk_plan(arr, f, raw=True)[1].sum() >= (len(arr) + 1) // 2)
-            self._raw_chunks = raw
-        return raw
+        if raw is not None:
+            return raw
+        zstd = int(self._chunk_plan(arr, f)[1].sum())
+        plain = int(self._chunk_plan(arr, f, raw=True)[1].sum()) if zstd < len(arr) else 0
+        if zstd or plain:
+            self._raw_chunks = plain > zstd
+        else:
+            self._layout_misses += len(arr)
+            if self._layout_misses >= 64:
+                self._raw_chunks = False
+        return self._raw_chunks
 
     def _read_singles(self, arr: np.ndarray, f: _Footer) -> list[bytes] | None:
         """Records at valid rows ``arr`` of a local ``group_size:1`` file, in request order,
@@ -1179,7 +1187,7 @@ class ArrayRecordFile:
         decompressed; uncompressed ones are sliced out of the map (which layout a file
         has is learnt from its first batch).
         """
-        raw = self._layout(arr, f)
+        raw = bool(self._layout(arr, f))
         view, ok, payload, end, decoded, cut = self._chunk_plan(arr, f, raw=raw)
         if ok.all():
             frames = _frames(view, payload, end, cut)
@@ -1393,10 +1401,23 @@ def read_many(
     layouts: dict[bool, list[int]] = {False: [], True: []}
     for k, (file, r) in enumerate(zip(files, rows)):
         f = file._ensure_footer()
-        if len(r) >= _MANY_MIN and f.group_size == 1 and file._local and not file._verify:
-            layouts[file._layout(np.asarray(r, dtype=np.int64), f)].append(k)
-        else:
+        raw = None
+        arr = np.asarray(r)
+        if (
+            len(arr) >= _MANY_MIN
+            and arr.ndim == 1
+            and arr.dtype.kind in "iu"
+            and f.group_size == 1
+            and file._local
+            and not file._verify
+        ):
+            raw = file._raw_chunks
+            if raw is None and _rows_fit(file, f, arr):
+                raw = file._layout(arr.astype(np.int64), f)
+        if raw is None:  # read() checks the rows and reads the file on its own
             out[k] = one(k)
+        else:
+            layouts[raw].append(k)
     for raw, ks in layouts.items():
         if len(ks) == 1:
             out[ks[0]] = one(ks[0])
@@ -1416,11 +1437,15 @@ def _read_many_singles(
     """:func:`read_many` for files ``ks``, of one layout (all zstd, or all
     uncompressed); ``one(k)`` reads file ``k`` on its own."""
     files = [files[k] for k in ks]
-    rows = [rows[k] for k in ks]
+    rows = [np.asarray(rows[k], dtype=np.int64) for k in ks]
+    counts = [len(r) for r in rows]
+    every = np.concatenate(rows)
+    if ((every < 0) | (every >= np.repeat([g._footer.num_records for g in files], counts))).any():
+        for file, r in zip(files, rows):  # the first file with a bad row raises
+            _rows_fit(file, file._footer, r, strict=True)
     views, pos, heads, sizes, ends, decoded_sizes = [], [], [], [], [], []
-    for file, r in zip(files, rows):
+    for file, cs in zip(files, rows):
         f = file._footer
-        cs = np.asarray(r, dtype=np.int64)
         view, p, h = file._heads(cs, f)
         views.append(view)
         pos.append(p)
@@ -1436,7 +1461,6 @@ def _read_many_singles(
         np.concatenate(decoded_sizes),
         raw,
     )
-    counts = [len(r) for r in rows]
     bounds = np.cumsum([0, *counts]).tolist()
     # A file with an unusual chunk is read on its own (which checks and reports it).
     fine = [True] * len(counts)
@@ -1464,6 +1488,18 @@ def _read_many_singles(
     return out
 
 
+def _rows_fit(file: ArrayRecordFile, f: _Footer, rows: np.ndarray, strict: bool = False) -> bool:
+    """Whether every row lies in ``[0, num_records)``; with ``strict``, raise the
+    IndexError that :meth:`ArrayRecordFile.read` raises instead of returning False."""
+    lo, hi = int(rows.min()), int(rows.max())
+    if lo >= 0 and hi < f.num_records:
+        return True
+    if strict:
+        bad = lo if lo < 0 else hi
+        raise IndexError(f"{file._where(row=bad)}: row out of range [0, {f.num_records})")
+    return False
+
+
 def _plan(
     pos: np.ndarray,
     heads: np.ndarray,
@@ -1477,31 +1513,30 @@ def _plan(
     ``pos`` are the chunks' offsets in their files, ``heads`` the first :data:`_HEADS`
     bytes at each (:meth:`ArrayRecordFile._heads`), ``size`` the files' sizes, and
     ``chunk_ends`` and ``decoded_sizes`` what the footers say of them; rows may come
-    from several files. One-record zstd chunks whose header sits inside one block and
-    whose data crosses at most one block boundary (what ``group_size:1`` files hold) are
-    recognised with numpy alone, checked against the footer. Returns ``(ok, payload,
-    end, decoded, cut)``: chunk ``k`` with ``ok[k]`` holds one zstd frame at
-    ``[payload[k], end[k])`` of its file that decompresses to ``decoded[k]`` bytes, less
-    the 24-byte block header at ``cut[k]`` where ``cut[k]`` is not 0 (see
-    :func:`_frames`). With ``raw``, the same for uncompressed chunks instead: the frame
-    is the record itself. Chunks that are not ``ok`` must take
+    from several files. One-record zstd chunks whose header sits inside one block (what
+    ``group_size:1`` files hold) are recognised with numpy alone, checked against the
+    footer. Returns ``(ok, payload, end, decoded, cut)``: chunk ``k`` with ``ok[k]``
+    holds one zstd frame at ``[payload[k], end[k])`` of its file that decompresses to
+    ``decoded[k]`` bytes, less the 24-byte block headers in that range where ``cut[k]``
+    is not 0 (see :func:`_frames`). With ``raw``, the same for uncompressed chunks
+    instead: the frame is the record itself. Chunks that are not ``ok`` must take
     :meth:`ArrayRecordFile._local_chunk`, which checks and reports everything.
     """
     fields = heads.view("<u8")  # the header's five fields, then data
-    data_size, type_num, decoded = fields[:, 1], fields[:, 3], fields[:, 4]
+    data_size = fields[:, 1].astype(np.int64)
+    type_num, decoded = fields[:, 3], fields[:, 4]
     low = pos & 0xFFFF
     start = pos + _CHUNK_HEADER
-    end = start + data_size.astype(np.int64)
-    # Data that runs into the next block (one in five 12 KiB records) has that
-    # block's header in it: the frame is cut there, and ends 24 bytes later.
+    # Data that runs into the next blocks has their 24-byte headers in it (one 12 KiB
+    # record in five, every record over 64 KiB): its frame is cut there.
     boundary = ((start >> 16) + 1) << 16
-    cut = np.where(end > boundary, boundary, 0)
-    end += np.where(cut > 0, _BLOCK_HEADER, 0)
+    end = start + data_size
+    end += (data_size + (start + _USABLE - 1) % _BLOCK) // _USABLE * _BLOCK_HEADER
+    cut = (end > boundary).astype(np.int64)
     ok = (
         (low >= _BLOCK_HEADER)
         & (low + _CHUNK_HEADER < _BLOCK)  # the header inside a block, data after it
         & (pos + _HEADS <= size)
-        & (end <= boundary + _BLOCK)  # no second boundary
         & (end <= chunk_ends)
         & (type_num == (1 << 8 | _CHUNK_SIMPLE))  # a simple chunk of one record
         & (decoded == decoded_sizes)
@@ -1512,56 +1547,69 @@ def _plan(
         & (decoded <= _BATCH_MAX_RECORD)
     )
     # Simple chunk: compression byte, varint size of the sizes buffer, the sizes buffer
-    # (skipped: one record's size is the decoded size), then the values.
+    # (skipped: one record's size is the decoded size), then the values. The preamble
+    # must lie before the first cut.
     kind = heads[:, _CHUNK_HEADER]
     sizes_len = heads[:, _CHUNK_HEADER + 1].astype(np.int64)
     if raw:
-        # Uncompressed: the sizes buffer (one varint: the record's size) follows its
-        # one-byte length, then the record runs to the chunk's end.
-        sv = heads[:, _CHUNK_HEADER + 2 : _CHUNK_HEADER + 4].astype(np.int64)
-        one = sizes_len == 1
-        size_v = np.where(one, sv[:, 0], (sv[:, 0] & 0x7F) | (sv[:, 1] << 7))
+        # Uncompressed: the sizes buffer (one varint: the record's size), then the record
+        # to the chunk's end.
+        value, length = _varints(heads[:, _CHUNK_HEADER + 2 : _CHUNK_HEADER + 6])
         payload = start + 2 + sizes_len
-        frame = end - payload - np.where(cut > 0, _BLOCK_HEADER, 0)
         ok &= (
             (kind == _NONE)
             & (sizes_len >= 1)
-            & (sizes_len <= 2)
-            & np.where(one, sv[:, 0] < 0x80, (sv[:, 0] >= 0x80) & (sv[:, 1] < 0x80))
-            & (size_v == decoded)
-            & (frame == decoded)
-            & (payload + 2 <= boundary)
+            & (length == sizes_len)
+            & (value == decoded)
+            & (data_size - 2 - sizes_len == decoded)
+            & (payload <= boundary)
         )
         return ok, payload, end, decoded, cut
     # zstd: the values' varint size, then the frame; both must lie in ``heads``.
-    at = _CHUNK_HEADER + 2 + np.minimum(sizes_len, _HEADS - _CHUNK_HEADER - 4)
-    vs = np.take_along_axis(heads, np.stack((at, at + 1), axis=1), axis=1).astype(np.int64)
-    one = vs[:, 0] < 0x80
-    size_v = np.where(one, vs[:, 0], (vs[:, 0] & 0x7F) | (vs[:, 1] << 7))
+    room = _HEADS - _CHUNK_HEADER - 2 - 4
+    at = _CHUNK_HEADER + 2 + np.minimum(sizes_len, room)
+    value, length = _varints(np.take_along_axis(heads, at[:, None] + _FOUR, axis=1))
     q = start + 2 + sizes_len
-    payload = q + 2 - one
+    payload = q + length
     ok &= (
         (kind == _ZSTD)
-        & (sizes_len <= _HEADS - _CHUNK_HEADER - 4)
-        & (one | (vs[:, 1] < 0x80))
-        & (size_v == decoded)
-        & (payload < end)
-        & (q + 2 <= boundary)  # the preamble read here lies before the cut
+        & (sizes_len <= room)
+        & (length > 0)
+        & (value == decoded)
+        & (data_size > payload - start)
+        & (payload <= boundary)
     )
     return ok, payload, end, decoded, cut
 
 
-def _frames(view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.ndarray) -> list[Any]:
-    """``view[starts[k]:ends[k]]`` for every k with no Python code per slice, less the
-    block header at ``cuts[k]`` where that is not 0 (those, joined into bytes).
+def _varints(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(value, length)`` of the varint at the start of each row of ``b`` (uint8, 4
+    columns); length 0 where it runs past 4 bytes.
 
     Example:
-        >>> v = memoryview(bytes(range(40)))
-        >>> [bytes(x) for x in _frames(v, np.array([0, 5]), np.array([3, 31]), np.array([0, 6]))]
-        [b'\\x00\\x01\\x02', b'\\x05\\x1e']
+        >>> _varints(np.array([[5, 0, 0, 0], [0x80 | 44, 2, 0, 0], [255, 255, 255, 255]], np.uint8))
+        (array([  5, 300,   0]), array([1, 2, 0]))
+    """
+    b = b.astype(np.int64)
+    more = b >= 0x80
+    length = np.where(more.all(axis=1), 0, np.argmin(more, axis=1) + 1)
+    used = length[:, None] > _FOUR
+    value = (((b & 0x7F) << (7 * _FOUR)) * used).sum(axis=1)
+    return value, length
+
+
+def _frames(view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.ndarray) -> list[Any]:
+    """``view[starts[k]:ends[k]]`` for every k with no Python code per slice, less the
+    block headers inside where ``cuts[k]`` is not 0 (those, joined into bytes).
+
+    Example:
+        >>> v = memoryview(bytes(range(256)) * 257)
+        >>> a, b = _frames(v, np.array([0, 65530]), np.array([3, 65570]), np.array([0, 1]))
+        >>> bytes(a), len(b), b[5:7]   # 6 bytes, a 24-byte block header, 10 bytes
+        (b'\\x00\\x01\\x02', 16, b'\\xff\\x18')
     """
     out = list(map(view.__getitem__, map(slice, starts.tolist(), ends.tolist())))
     for k in np.flatnonzero(cuts).tolist():
-        a, c, e = int(starts[k]), int(cuts[k]), int(ends[k])
-        out[k] = b"".join((view[a:c], view[c + _BLOCK_HEADER : e]))
+        a = int(starts[k])
+        out[k] = _strip_block_headers(out[k], a)
     return out

@@ -247,12 +247,15 @@ class ArrayRecordSource(EncodedSource):
     def _read_many(
         self, groups: list[tuple[int, np.ndarray, np.ndarray]], opened: dict[int, Any]
     ) -> list[list[bytes]] | None:
-        # Local files only (remote shards are fetched concurrently, one by one); an
-        # error is left to the shard-by-shard path, which names the shard.
-        if self._reads_remote:
+        # Local files only: remote shards are fetched concurrently, one by one, and
+        # downloaded copies may be evicted while the batch opens others. All of the
+        # batch's files are open at once, so only as many as may stay open. An error is
+        # left to the shard-by-shard path, which names the shard.
+        limit = self.max_open_files
+        if self._remote or (limit is not None and len(groups) > limit):
             return None
         try:
-            readers = [opened.get(shard) or self._reader(shard) for shard, _, _ in groups]
+            readers = [self._reader(shard) for shard, _, _ in groups]
             return read_many(
                 readers,
                 [rows for _, rows, _ in groups],
