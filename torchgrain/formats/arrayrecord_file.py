@@ -42,11 +42,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import cramjam
@@ -89,6 +90,7 @@ _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
 _HEADS = 64
 _HEAD_BYTES = np.arange(_HEADS)
 _FOUR = np.arange(4)
+_JOIN_AT_ONCE = 1 << 20  # bytes of a batch's frames cut by block headers joined up front
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
 
@@ -1143,7 +1145,7 @@ class ArrayRecordFile:
             ok &= recs[cs + 1] - recs[cs] == 1
         return view, ok, payload, end, decoded, cut
 
-    def _decompress_frames(self, frames: list[Any], sizes: list[int]) -> list[bytes] | None:
+    def _decompress_frames(self, frames: Iterable[Any], sizes: list[int]) -> list[bytes] | None:
         """zstd ``frames`` (see :func:`_frames`) of ``sizes[k]`` bytes each, decompressed
         (None when any fails or differs in size: the careful path then finds and names
         the culprit)."""
@@ -1206,18 +1208,19 @@ class ArrayRecordFile:
             out = self._decompress_frames(frames, decoded[good].tolist())
         if out is None:
             return None
-        fast = self._fast or self._fast_index(f)
-        recs = fast[3]
         for k in np.flatnonzero(~ok).tolist():  # ascending: each lands at its position
-            c = int(arr[k])
-            values, bounds = self._local_chunk(c, view, fast)
-            if bounds is None:
-                rec = values if type(values) is bytes else bytes(values)
-            else:
-                j = c - recs[c]  # 0: one record per chunk
-                rec = bytes(values[int(bounds[j]) : int(bounds[j + 1])])
-            out.insert(k, rec)
+            out.insert(k, self._careful_record(int(arr[k]), f))
         return out
+
+    def _careful_record(self, c: int, f: _Footer) -> bytes:
+        """The record of local one-record chunk ``c``, through :meth:`_local_chunk` (which
+        checks and reports everything)."""
+        fast = self._fast or self._fast_index(f)
+        values, bounds = self._local_chunk(c, self._local_view(), fast)
+        if bounds is None:
+            return values if type(values) is bytes else bytes(values)
+        j = c - fast[3][c]  # 0: one record per chunk
+        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
 
     def _local_batch(
         self, chunks: list[int], view: memoryview, fast: tuple, f: _Footer
@@ -1375,8 +1378,9 @@ def read_many(
     file's chunks with numpy on its own costs more than decoding them. Here each file
     gathers its chunks' headers (:meth:`ArrayRecordFile._heads`), and one :func:`_plan`
     and one decompression loop serve the whole batch. Files that do not qualify (remote,
-    checksummed, grouped), or whose chunks look unusual, take
-    :meth:`ArrayRecordFile.read` (with ``chunk_cache`` and ``cache_keys[k]``), which
+    checksummed, grouped, fewer than two rows) take :meth:`ArrayRecordFile.read` (with
+    ``chunk_cache`` and ``cache_keys[k]``); unusual chunks of the others (a header split
+    by a block boundary, an empty record) are read one by one by the careful path, which
     checks and reports everything.
 
     Example:
@@ -1435,7 +1439,8 @@ def _read_many_singles(
     one: Any,
 ) -> list[list[bytes]]:
     """:func:`read_many` for files ``ks``, of one layout (all zstd, or all
-    uncompressed); ``one(k)`` reads file ``k`` on its own."""
+    uncompressed); ``one(k)`` reads file ``k`` on its own (used when a zstd frame fails,
+    to find and name it)."""
     files = [files[k] for k in ks]
     rows = [np.asarray(rows[k], dtype=np.int64) for k in ks]
     counts = [len(r) for r in rows]
@@ -1462,30 +1467,28 @@ def _read_many_singles(
         raw,
     )
     bounds = np.cumsum([0, *counts]).tolist()
-    # A file with an unusual chunk is read on its own (which checks and reports it).
-    fine = [True] * len(counts)
-    if not ok.all():
-        fine = (np.add.reduceat(~ok, bounds[:-1]) == 0).tolist()
-        decoded = decoded[np.repeat(fine, counts)]
-    frames: list[Any] = []
-    for j, (view, a, b) in enumerate(zip(views, bounds, bounds[1:])):
-        if fine[j]:
-            frames += _frames(view, payload[a:b], end[a:b], cut[a:b])
+    spans = list(zip(views, bounds, bounds[1:], strict=False))
+    if ok.all():
+        parts = (_frames(v, payload[a:b], end[a:b], cut[a:b]) for v, a, b in spans)
+        lengths = decoded
+    else:  # unusual chunks are left out here and read one by one below
+        keep = [np.flatnonzero(ok[a:b]) + a for _, a, b in spans]
+        parts = (_frames(v, payload[k], end[k], cut[k]) for (v, _, _), k in zip(spans, keep))
+        lengths = decoded[ok]
+    frames = itertools.chain.from_iterable(parts)
     if raw:
         flat = list(map(bytes, frames))
     else:
-        flat = files[0]._decompress_frames(frames, decoded.tolist())
+        flat = files[0]._decompress_frames(frames, lengths.tolist())
         if flat is None:  # a frame failed: the files on their own find and name it
             return [one(k) for k in ks]
-    out: list[list[bytes]] = []
-    at = 0
-    for j, n in enumerate(counts):
-        if fine[j]:
-            out.append(flat[at : at + n])
-            at += n
-        else:
-            out.append(one(ks[j]))
-    return out
+    unusual = np.flatnonzero(~ok)
+    if len(unusual):
+        owner = (np.searchsorted(bounds, unusual, side="right") - 1).tolist()
+        for r, j in zip(unusual.tolist(), owner):  # ascending: each lands at its place
+            file = files[j]
+            flat.insert(r, file._careful_record(int(every[r]), file._footer))
+    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def _rows_fit(file: ArrayRecordFile, f: _Footer, rows: np.ndarray, strict: bool = False) -> bool:
@@ -1598,9 +1601,14 @@ def _varints(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return value, length
 
 
-def _frames(view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.ndarray) -> list[Any]:
-    """``view[starts[k]:ends[k]]`` for every k with no Python code per slice, less the
-    block headers inside where ``cuts[k]`` is not 0 (those, joined into bytes).
+def _frames(
+    view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.ndarray
+) -> Iterable[Any]:
+    """``view[starts[k]:ends[k]]`` for every k, less the block headers inside where
+    ``cuts[k]`` is not 0 (those joined into bytes). When the joined frames would hold
+    more than :data:`_JOIN_AT_ONCE` bytes, they are joined one at a time as the result
+    is iterated, so that each can be freed before the next is made (a batch of 100 KiB
+    records joined at once costs a page fault per 4 KiB of fresh memory).
 
     Example:
         >>> v = memoryview(bytes(range(256)) * 257)
@@ -1609,7 +1617,12 @@ def _frames(view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.nda
         (b'\\x00\\x01\\x02', 16, b'\\xff\\x18')
     """
     out = list(map(view.__getitem__, map(slice, starts.tolist(), ends.tolist())))
-    for k in np.flatnonzero(cuts).tolist():
-        a = int(starts[k])
-        out[k] = _strip_block_headers(out[k], a)
-    return out
+    at = np.flatnonzero(cuts)
+    if len(at) == 0:
+        return out
+    if int((ends[at] - starts[at]).sum()) <= _JOIN_AT_ONCE:
+        for k in at.tolist():
+            out[k] = _strip_block_headers(out[k], int(starts[k]))
+        return out
+    cut = cuts.astype(bool).tolist()
+    return (_strip_block_headers(x, a) if c else x for x, a, c in zip(out, starts.tolist(), cut))
