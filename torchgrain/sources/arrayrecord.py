@@ -245,7 +245,7 @@ class ArrayRecordSource(EncodedSource):
         )
 
     def _read_many(
-        self, groups: list[tuple[int, np.ndarray, np.ndarray]], opened: dict[int, Any]
+        self, groups: list[tuple[int, np.ndarray, np.ndarray]]
     ) -> list[list[bytes]] | None:
         # Local files only: remote shards are fetched concurrently, one by one, and
         # downloaded copies may be evicted while the batch opens others. All of the

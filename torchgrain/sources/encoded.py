@@ -5,7 +5,8 @@ here once: a batch read (one read per shard, shards of a remote batch in paralle
 shard cache's downloads overlapped), decoding with errors that name the shard, row and
 record index, reading a shard in order (``iter_shard``, ``iter_shard_bytes``), and the
 schema from the first record. A format adds ``_read_rows`` (the raw records at some rows
-of one shard) and ``iter_shard_bytes``.
+of one shard) and ``iter_shard_bytes``, and may add ``_read_many`` (a batch's shards read
+together, where that is faster than one by one).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class EncodedSource(ShardedSource):
         """The raw records ``[start, stop)`` of one shard, in order."""
 
     def _read_many(
-        self, groups: list[tuple[int, np.ndarray, np.ndarray]], opened: dict[int, Any]
+        self, groups: list[tuple[int, np.ndarray, np.ndarray]]
     ) -> list[list[bytes]] | None:
         """Raw records of a batch's ``(shard, rows, positions)`` groups, one list per
         group, where the format reads many shards faster together than one by one; None
@@ -92,7 +93,7 @@ class EncodedSource(ShardedSource):
             self._check_readable(shard, int(idx[positions[0]]))
         opened = self._prefetch_copies([g[0] for g in groups])
         t0 = time.perf_counter()
-        many = self._read_many(groups, opened)
+        many = self._read_many(groups)
         if many is not None:
             out = self._decode_many(many, groups, idx, t0)
         else:
@@ -118,7 +119,7 @@ class EncodedSource(ShardedSource):
         counters = local_counters()
         t0 = time.perf_counter()
         opened = self._prefetch_copies([g[0] for g in groups])
-        results = (self._read_many(groups, opened) if len(groups) > 1 else None) or self._map(
+        results = (self._read_many(groups) if len(groups) > 1 else None) or self._map(
             lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0])), groups
         )
         blobs = _in_request_order(results, groups, len(idx))
