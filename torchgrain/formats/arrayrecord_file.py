@@ -1533,8 +1533,7 @@ def _plan(
     # Data that runs into the next blocks has their 24-byte headers in it (one 12 KiB
     # record in five, every record over 64 KiB): its frame is cut there.
     boundary = ((start >> 16) + 1) << 16
-    end = start + data_size
-    end += (data_size + (start + _USABLE - 1) % _BLOCK) // _USABLE * _BLOCK_HEADER
+    end = _phys_end(start, data_size)  # elementwise
     cut = (end > boundary).astype(np.int64)
     ok = (
         (low >= _BLOCK_HEADER)

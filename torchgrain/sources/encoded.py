@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -155,32 +155,17 @@ class EncodedSource(ShardedSource):
         self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any = None
     ) -> list[dict[str, Any]]:
         """Read rows of one shard (one call) and decode them; errors name file and index."""
-        counters = local_counters()
         t0 = time.perf_counter()
         blobs = self._read_named(shard, rows, int(indices[0]), reader)
-        t1 = time.perf_counter()
-        counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
-        counters[COUNTER["read_seconds"]] += t1 - t0
-        decode_batch = getattr(self.codec, "decode_batch", None)
-        out = None
-        if decode_batch is not None:
-            try:
-                out = decode_batch(blobs)
-            except Exception:
-                out = None  # one by one below, to name the record
-        if out is None:
-            decode = self.codec.decode
-            try:
-                out = [decode(b) for b in blobs]
-            except Exception:
-                # Find the culprit (the fast path above does not track positions).
-                for b, row, index in zip(
-                    blobs, np.asarray(rows).tolist(), np.asarray(indices).tolist()
-                ):
-                    self._decode(b, shard, row, index)
-                raise
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
-        return out
+        return self._decode_blobs(
+            blobs,
+            t0,
+            lambda: (
+                [shard] * len(blobs),
+                np.asarray(rows).tolist(),
+                np.asarray(indices).tolist(),
+            ),
+        )
 
     def _read_named(self, shard: int, rows: np.ndarray, first: int, reader: Any) -> list[bytes]:
         """:meth:`_read_rows`, its errors naming the shard and the first record's index."""
@@ -202,8 +187,19 @@ class EncodedSource(ShardedSource):
     ) -> list[dict[str, Any]]:
         """Decode what :meth:`_read_many` read (``t0``: when the read began), in request
         order; a record that fails names its shard, row and index."""
-        counters = local_counters()
         blobs = _in_request_order(many, groups, len(idx))
+        return self._decode_blobs(
+            blobs, t0, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
+        )
+
+    def _decode_blobs(
+        self, blobs: list[bytes], t0: float, where: Callable[[], tuple[list, list, list]]
+    ) -> list[dict[str, Any]]:
+        """Count the read that began at ``t0`` and decode ``blobs`` (in one call where
+        the codec has a batch decode). On a failure the records are decoded again one
+        by one, so that the error names the record: ``where()`` gives each blob's
+        shard, row and index."""
+        counters = local_counters()
         t1 = time.perf_counter()
         counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
         counters[COUNTER["read_seconds"]] += t1 - t0
@@ -215,11 +211,14 @@ class EncodedSource(ShardedSource):
             except Exception:
                 out = None  # one by one below, to name the record
         if out is None:
-            shards, rows = self.index._locate(idx)
-            out = [
-                self._decode(b, s, r, i)
-                for b, s, r, i in zip(blobs, shards.tolist(), rows.tolist(), idx.tolist())
-            ]
+            decode = self.codec.decode
+            try:
+                out = [decode(b) for b in blobs]
+            except Exception:
+                # Find the culprit (the calls above do not track positions).
+                for b, shard, row, index in zip(blobs, *where()):
+                    self._decode(b, shard, row, index)
+                raise
         counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
         return out
 
