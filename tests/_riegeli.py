@@ -145,8 +145,13 @@ class _Writer:
 
 
 def _header(data: bytes, chunk_type: int, num_records: int, decoded: int, data_size: int) -> bytes:
+    m = (1 << 64) - 1  # lies are cut to the 64-bit fields they are written in
     fields = struct.pack(
-        "<QQQQ", data_size, riegeli_hash(data), chunk_type | (num_records << 8), decoded
+        "<QQQQ",
+        data_size & m,
+        riegeli_hash(data),
+        (chunk_type | (num_records << 8)) & m,
+        decoded & m,
     )
     return struct.pack("<Q", riegeli_hash(fields)) + fields
 

@@ -1222,16 +1222,16 @@ class ArrayRecordFile:
         # zstd allocates what a frame's header declares, whatever ``sizes`` says: a frame
         # of a few KiB can declare (and hold) gigabytes. Each must declare its size, or
         # none (then ``sizes`` bounds what it may decompress to).
-        if isinstance(frames, list):
-            declared = list(map(zstandard.frame_content_size, frames))
-            if declared != sizes and any(c != s and c != -1 for c, s in zip(declared, sizes)):
-                return None
-        else:
-            frames = _declaring(frames, sizes)
         # One call per frame, with no Python code per frame: zstandard's batch call
         # writes all output into one new buffer, whose fresh pages cost more than the
         # calls it saves, and each record would still need a copy of its own.
         try:
+            if isinstance(frames, list):
+                declared = list(map(zstandard.frame_content_size, frames))
+                if declared != sizes and any(c not in (s, -1) for c, s in zip(declared, sizes)):
+                    return None
+            else:
+                frames = _declaring(frames, sizes)
             out = list(map(d.decompress, frames, sizes))
         except (zstandard.ZstdError, ValueError):
             return None

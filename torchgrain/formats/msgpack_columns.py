@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import math
 from typing import Any
 
@@ -190,7 +191,23 @@ def _sized(
     np.cumsum(length, out=offsets[1:])
     values = empty((int(offsets[-1]),), np.uint8)
     gather_ranges(buf, data, length, values)
+    if kind == "str" and len(values) and int(values.max()) >= 0x80 and not _utf8(values, offsets):
+        return None  # the record path refuses it, naming the record
     return Ragged(values, offsets, kind), end
+
+
+def _utf8(values: np.ndarray, offsets: np.ndarray) -> bool:
+    """Whether every string of a column (``values`` cut at ``offsets``) is UTF-8, as
+    msgpack requires: the whole is, and no string starts inside a character."""
+    inner = offsets[1:-1]
+    inner = inner[inner < len(values)]
+    if ((values[inner] & 0xC0) == 0x80).any():
+        return False
+    try:
+        codecs.utf_8_decode(memoryview(values), "strict", True)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _ndarrays(

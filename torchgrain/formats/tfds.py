@@ -357,7 +357,10 @@ def _inflate(data: bytes, limit: int) -> bytes:
     """zlib-decompress ``data``, refusing output beyond ``limit`` bytes (a few KiB of
     zlib can hold gigabytes) without inflating more than ``limit + 1`` of them."""
     d = zlib.decompressobj()
-    out = d.decompress(data, limit + 1)
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise ValueError(f"bad zlib-encoded tensor: {e}") from None
     if len(out) > limit:
         raise ValueError(f"a zlib-encoded tensor inflates to more than its {limit} bytes")
     if not d.eof:

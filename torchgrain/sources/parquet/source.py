@@ -655,7 +655,20 @@ def _read_footers(
         counts = np.array(
             [md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64
         )
-        return counts, md.schema.to_arrow_schema()
+        # A footer's counts index every record: they must be counts, and agree.
+        if (counts < 0).any() or float(counts.sum(dtype=np.float64)) != md.num_rows:
+            raise CorruptDataError(
+                f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
+                f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
+            )
+        try:
+            schema = md.schema.to_arrow_schema()
+        except (pa.ArrowException, ValueError) as e:
+            raise CorruptDataError(
+                f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
+                f"has a schema Arrow cannot read: {e}"
+            ) from e
+        return counts, schema
 
     results = map_files(one, len(files))
     return [r[0] for r in results], [r[1] for r in results]
