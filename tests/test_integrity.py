@@ -281,7 +281,7 @@ def test_a_zstd_chunk_over_max_chunk_bytes_is_refused_on_every_path(tmp_path, pa
     assert ar_source(d, path)[1]["bytes"] == record  # a larger ceiling reads it
 
 
-@pytest.mark.parametrize("path", ["batch", "joint_batch", "columns"])
+@pytest.mark.parametrize("path", ["item", "batch", "joint_batch", "columns", "remote_item"])
 def test_a_zstd_frame_that_claims_a_tib_ends_in_a_named_error(tmp_path, path):
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"y" * 25)
     claim = b"\x28\xb5\x2f\xfd\xe0" + struct.pack("<Q", 1 << 40) + frame[6:]
@@ -291,17 +291,28 @@ def test_a_zstd_frame_that_claims_a_tib_ends_in_a_named_error(tmp_path, path):
         read(src, path, 1)
 
 
-@pytest.mark.parametrize("path", ["batch", "joint_batch", "columns"])
+@pytest.mark.parametrize("path", ["batch", "joint_batch", "columns", "large_records"])
 def test_a_zstd_frame_that_holds_a_gib_in_a_small_chunk_is_never_inflated(tmp_path, path):
     """A 32 KiB frame that really holds 1 GiB, in a chunk that declares 25 bytes: the
-    batch path must not decompress it to find out."""
+    batch path must not decompress it to find out (also among records large enough that
+    the batch's frames are made one at a time)."""
     bomb = zstandard.ZstdCompressor(level=1).compress(bytes(1 << 30))
     bad = R.Chunk([b"y" * 25], "zstd", values_buffer=R.varint(25) + bomb)
-    src = ar_source(ar_dir(tmp_path, bad), path)
+    if path == "large_records":
+        d = tmp_path / "large"
+        d.mkdir()
+        big = [R.Chunk([os.urandom(100_000)], "zstd") for _ in range(24)]
+        R.write(str(d / "a.array_record"), [*big[:12], bad, *big[12:]])
+        src = tg.ArrayRecordSource(str(d), codec="raw")
+        path = "batch"
+        k = 12
+    else:
+        src = ar_source(ar_dir(tmp_path, bad), path)
+        k = 1
     tracemalloc.start()
     try:
-        with pytest.raises(CorruptDataError, match=r"a\.array_record.*chunk 1"):
-            read(src, path, 1)
+        with pytest.raises(CorruptDataError, match=r"a\.array_record.*chunk"):
+            read(src, path, k)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -429,3 +440,111 @@ def test_a_zlib_tensor_that_inflates_past_its_shape_is_refused_in_bounded_memory
     finally:
         tracemalloc.stop()
     assert peak < 32 << 20
+
+
+@pytest.mark.parametrize("compression", ["zstd", "snappy"])
+def test_a_stream_too_short_for_the_size_it_declares_is_refused_before_allocating(
+    tmp_path, compression
+):
+    """512 MiB declared (under the ceiling) by a stream of a few bytes, which neither
+    zstd (32768x at most) nor snappy (22x) can hold."""
+    big = 512 << 20
+    if compression == "zstd":
+        stream = zstandard.ZstdCompressor(write_content_size=False).compress(b"abc")
+    else:
+        stream = R.stream("snappy", b"abc")
+    bad = R.Chunk(
+        [b"abc"],
+        compression,
+        values_buffer=R.varint(big) + stream,
+        sizes=[big],
+        decoded_size=big,
+        footer_decoded=big,
+    )
+    src = tg.ArrayRecordSource(ar_dir(tmp_path, bad, compression=compression), codec="raw")
+    tracemalloc.start()
+    try:
+        with pytest.raises(
+            CorruptDataError, match=r"a\.array_record.*(cannot hold|snappy stream declares)"
+        ):
+            src[1]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20
+
+
+def test_a_chunk_that_claims_a_trillion_records_cannot_make_the_reader_allocate(tmp_path):
+    """Header and footer agree on 2**40 records, and the sizes buffer claims 2**40 bytes:
+    the ceiling refuses the sizes buffer before a byte is allocated for it."""
+    n = 1 << 40
+    sizes = R.varint(n) + R.stream("brotli", b"\x03")
+    bad = R.Chunk([b"abc"], "brotli", sizes_buffer=sizes, num_records=n, footer_records=n)
+    src = tg.ArrayRecordSource(ar_dir(tmp_path, bad, compression="brotli"), codec="raw")
+    with pytest.raises(CorruptDataError, match=r"a\.array_record.*max_chunk_bytes"):
+        src[1]
+
+
+def test_footer_counts_whose_sum_wraps_around_are_refused_at_open(tmp_path):
+    """512 chunks each claiming 2**55 records add up to 2**64: 0 in int64. With the real
+    count of the last chunk, the wrapped sum matches the metadata's 1 record."""
+    chunks = [R.Chunk([b"a"], "none", footer_records=1 << 55) for _ in range(512)]
+    chunks.append(R.Chunk([b"b"], "none"))
+    d = tmp_path / "wrap"
+    d.mkdir()
+    R.write(str(d / "a.array_record"), chunks, num_records=1)
+    with pytest.raises(CorruptDataError, match=r"a\.array_record.*footer entries"):
+        len(tg.ArrayRecordSource(str(d), codec="raw"))
+
+
+def test_the_columns_decoder_leaves_unstackable_and_itemless_arrays_to_the_records():
+    from torchgrain.formats.msgpack_columns import decode_columns
+
+    def batch(values):
+        recs = [msgpack.packb({"x": v}) for v in values]
+        ends = np.cumsum([len(r) for r in recs])
+        return np.frombuffer(b"".join(recs), np.uint8), ends - [len(r) for r in recs], ends
+
+    assert decode_columns(*batch([ndarray_ext("|u1", (0, 2**62), b"")] * 4)) is None
+    # Items of 0 bytes: any count matches an empty payload (the record path refuses them).
+    assert (
+        decode_columns(*batch([ndarray_ext("|V0", (5,), b""), ndarray_ext("|V0", (7,), b"")]))
+        is None
+    )
+    ok = decode_columns(*batch([ndarray_ext("|u1", (2,), b"ab"), ndarray_ext("|u1", (1,), b"c")]))
+    assert ok["x"].offsets.tolist() == [0, 2, 3]
+
+
+def test_a_batch_decoder_that_fails_falls_back_to_the_records(tmp_path, monkeypatch):
+    from torchgrain.formats.codecs import MsgpackCodec
+
+    d = tmp_path / "fb"
+    tg.write_array_record([{"x": i, "s": str(i)} for i in range(6)], d)
+    src = tg.ArrayRecordSource(str(d))
+
+    def broken(self, buf, starts, ends):
+        raise ValueError("a bug in a batch decoder")
+
+    monkeypatch.setattr(MsgpackCodec, "decode_columns", broken)
+    cols = src.read_columns([5, 0, 3])
+    assert cols["x"].tolist() == [5, 0, 3] and cols["s"].tolist() == ["5", "0", "3"]
+
+
+def test_unpacked_int64_lists_decode_in_memory_proportional_to_the_record():
+    from torchgrain.formats.tf_example import decode_tf_example
+
+    n = 100_000
+    # A feature "v" holding n unpacked int64 values (tag 0x08 each), as old writers did.
+    values = b"".join(b"\x08" + bytes([i % 100 + 1]) for i in range(n))
+    feature = b"\x1a" + R.varint(len(values)) + values
+    entry = b"\x0a\x01v" + b"\x12" + R.varint(len(feature)) + feature
+    features = b"\x0a" + R.varint(len(entry)) + entry
+    data = b"\x0a" + R.varint(len(features)) + features
+    tracemalloc.start()
+    try:
+        out = decode_tf_example(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out["v"][:3].tolist() == [1, 2, 3] and len(out["v"]) == n
+    assert peak < 30 * len(data)

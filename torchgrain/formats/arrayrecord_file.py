@@ -658,10 +658,6 @@ class ArrayRecordFile:
             # The sizes buffer holds one varint equal to the decoded size: skip it.
             return self._decompress(ctype, data[vstart:], decoded, exact=True), None
         sizes_raw = self._decompress(ctype, data[p:vstart], 10 * num_records, False)
-        if len(sizes_raw) < num_records:
-            raise _ChunkDecodeError(
-                f"record-size buffer has {len(sizes_raw)} bytes, too few for {num_records} sizes"
-            )
         if num_records <= 32:
             bounds = [0]
             q, end = 0, len(sizes_raw)
