@@ -506,7 +506,11 @@ def test_the_columns_decoder_leaves_unstackable_and_itemless_arrays_to_the_recor
         return np.frombuffer(b"".join(recs), np.uint8), ends - [len(r) for r in recs], ends
 
     assert decode_columns(*batch([ndarray_ext("|u1", (0, 2**62), b"")] * 4)) is None
+    # 2**61 + 1 items of 8 bytes "in" 8 bytes: the product wraps around in int64.
+    wrap = [ndarray_ext("<i8", (2**61 + 1,), bytes(8)), ndarray_ext("<i8", (1,), bytes(8))]
+    assert decode_columns(*batch(wrap)) is None
     # Items of 0 bytes: any count matches an empty payload (the record path refuses them).
+    assert decode_columns(*batch([ndarray_ext("|V0", (5,), b"")] * 2)) is None
     assert (
         decode_columns(*batch([ndarray_ext("|V0", (5,), b""), ndarray_ext("|V0", (7,), b"")]))
         is None

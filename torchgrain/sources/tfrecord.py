@@ -103,6 +103,10 @@ class TFRecordSource(EncodedSource):
         max_open_files: int | type[Ellipsis] | None = ...,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
+        if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
+            raise TypeError(f"max_record_bytes must be an int, got {max_record_bytes!r}")
+        if max_record_bytes < 0:
+            raise ValueError(f"max_record_bytes must be >= 0, got {max_record_bytes}")
         self.max_record_bytes = max_record_bytes
         fs, files = expand_paths(
             paths,
