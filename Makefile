@@ -2,7 +2,7 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test setup lint bench
+.PHONY: demo test setup lint bench fuzz
 setup:
 	bash scripts/setup.sh
 
@@ -22,3 +22,8 @@ bench:
 lint: setup
 	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m ruff format --check .
+
+# The decoders' fuzz suite (tests/fuzz.py) for FUZZ_SECONDS; failures go to tests/fuzz_corpus/.
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	$(VENV)/bin/python tests/fuzz.py --seconds $(FUZZ_SECONDS)

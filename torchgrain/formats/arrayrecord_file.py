@@ -47,7 +47,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import cramjam
@@ -62,6 +62,12 @@ from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
 __all__ = ["ArrayRecordFile", "TransposedChunkError", "read_many", "read_num_records"]
+
+#: The most bytes one compressed chunk may decompress to, unless a reader is given another
+#: ``max_chunk_bytes``. array_record's writer bounds a chunk by its record count
+#: (``group_size``), not by bytes; with ``group_size:1`` (what TFDS, Grain and torchgrain
+#: write) a chunk is one record, and 1 GiB is beyond the records these hold in practice.
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 
 _BLOCK = 1 << 16
 _BLOCK_HEADER = 24
@@ -93,6 +99,11 @@ _FOUR = np.arange(4)
 _JOIN_AT_ONCE = 1 << 20  # bytes of a batch's frames cut by block headers joined up front
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
+# What a compressed stream of n bytes can hold at most, so that a size it declares can be
+# refused before anything is allocated: zstd's densest block is 4 bytes (an RLE block) per
+# 128 KiB of output; snappy's is a 3-byte copy of 64 bytes. Brotli has no useful bound.
+_ZSTD_MAX_RATIO = 1 << 15
+_SNAPPY_MAX_RATIO = 22
 
 # How many bytes at the end of a remote file to fetch in the first request: the
 # postscript (64 KiB) plus, usually, the whole footer, so opening costs one round trip.
@@ -251,10 +262,15 @@ class ArrayRecordFile:
         filesystem: the fsspec filesystem to read ``path`` with (default: inferred).
         verify_checksums: verify Riegeli's HighwayHash of every chunk header and of
             the data of every chunk read (pure Python, a few MB/s: for audits).
+        max_chunk_bytes: the most bytes one compressed chunk (so one record) may
+            decompress to (default :data:`DEFAULT_MAX_CHUNK_BYTES`, 1 GiB). A chunk that
+            declares more is refused before anything is allocated for it, and no chunk
+            is decompressed past the size it declares.
 
     Raises:
-        CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt;
-            the message names the file and, where it applies, the chunk and record.
+        CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt
+            (sizes that disagree, a chunk over ``max_chunk_bytes``); the message names
+            the file and, where it applies, the chunk and record.
         TransposedChunkError: reading a chunk written with the ``transpose`` option.
 
     Example:
@@ -279,7 +295,13 @@ class ArrayRecordFile:
         *,
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     ) -> None:
+        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+            raise TypeError(f"max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
+        if max_chunk_bytes < 1:
+            raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+        self._max_chunk = max_chunk_bytes
         self._url = os.fspath(path)
         if filesystem is None:
             filesystem, stripped = get_filesystem(self._url)
@@ -318,6 +340,7 @@ class ArrayRecordFile:
             "local": self._local,
             "verify": self._verify,
             "footer": self._footer,
+            "max_chunk": self._max_chunk,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -327,6 +350,7 @@ class ArrayRecordFile:
         self._local = state["local"]
         self._verify = state["verify"]
         self._footer = state["footer"]
+        self._max_chunk = state.get("max_chunk", DEFAULT_MAX_CHUNK_BYTES)
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -512,7 +536,12 @@ class ArrayRecordFile:
             b += _BLOCK
 
     def _decompress(self, ctype: int, comp: Any, limit: int, exact: bool) -> Any:
-        """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``."""
+        """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``.
+
+        Nothing is allocated from a declared size before it is checked against ``limit``,
+        ``max_chunk_bytes`` and what a stream of this length can hold, and the output
+        buffer is exactly the declared size: a stream that holds less or more is an error.
+        """
         if ctype == _NONE:
             n = len(comp)
             if n > limit or (exact and n != limit):
@@ -530,6 +559,8 @@ class ArrayRecordFile:
                 f"compressed buffer declares {size} decompressed bytes, expected "
                 f"{'' if exact else 'at most '}{limit}"
             )
+        if size > self._max_chunk:
+            raise _ChunkDecodeError(self._over_ceiling(size))
         payload = comp[p:]
         try:
             if ctype == _ZSTD:
@@ -538,14 +569,29 @@ class ArrayRecordFile:
                     raise _ChunkDecodeError(
                         f"zstd frame declares {declared} bytes, chunk says {size}"
                     )
+                if size > len(payload) * _ZSTD_MAX_RATIO:
+                    raise _ChunkDecodeError(
+                        f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
+                    )
                 out = self._zstd().decompress(payload, max_output_size=size)
             elif ctype == _SNAPPY:
-                out = memoryview(cramjam.snappy.decompress_raw(payload))
+                declared = cramjam.snappy.decompress_raw_len(payload)
+                if declared != size:
+                    raise _ChunkDecodeError(
+                        f"snappy stream declares {declared} bytes, chunk says {size}"
+                    )
+                if size > len(payload) * _SNAPPY_MAX_RATIO:
+                    raise _ChunkDecodeError(
+                        f"a snappy stream of {len(payload)} bytes cannot hold the {size} it declares"
+                    )
+                out = _decompress_into(cramjam.snappy.decompress_raw_into, payload, size)
             elif ctype == _BROTLI:
-                out = memoryview(cramjam.brotli.decompress(payload, output_len=size))
+                # Into a buffer of exactly the declared size: a stream that holds more
+                # fails as soon as it fills it, one that holds less leaves a count short.
+                out = _decompress_into(cramjam.brotli.decompress_into, payload, size)
             else:
                 raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
-        except _ChunkDecodeError:
+        except (_ChunkDecodeError, MemoryError):
             raise
         except Exception as e:
             raise _ChunkDecodeError(
@@ -555,10 +601,19 @@ class ArrayRecordFile:
             raise _ChunkDecodeError(f"decompressed {len(out)} bytes, expected {size}")
         return out
 
+    def _over_ceiling(self, size: int) -> str:
+        return (
+            f"the chunk declares {size} decompressed bytes, more than max_chunk_bytes="
+            f"{self._max_chunk} allows (a larger max_chunk_bytes reads it, if the file "
+            "is trusted)"
+        )
+
     def _decode_simple(self, data: Any, num_records: int, decoded: int) -> tuple[Any, Any]:
         """Decode a simple chunk into (values buffer, record boundaries or None).
 
-        Boundaries are None when the chunk holds one record (the whole buffer).
+        Boundaries are None when the chunk holds one record (the whole buffer). With
+        several records, the record sizes are decoded and checked against the decoded
+        size before the values are decompressed.
         """
         n = len(data)
         if n < 2:
@@ -566,6 +621,8 @@ class ArrayRecordFile:
         ctype = data[0]
         if ctype not in _COMPRESSIONS:
             raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
+        if ctype != _NONE and decoded > self._max_chunk:
+            raise _ChunkDecodeError(self._over_ceiling(decoded))
         sizes_len = data[1]
         if sizes_len < 0x80:
             p = 2
@@ -597,11 +654,10 @@ class ArrayRecordFile:
                     fits = False
                 if fits and len(out) == size:
                     return out, None
-        values = self._decompress(ctype, data[p + sizes_len :], decoded, exact=True)
         if num_records == 1:
             # The sizes buffer holds one varint equal to the decoded size: skip it.
-            return values, None
-        sizes_raw = self._decompress(ctype, data[p : p + sizes_len], 10 * num_records, False)
+            return self._decompress(ctype, data[vstart:], decoded, exact=True), None
+        sizes_raw = self._decompress(ctype, data[p:vstart], 10 * num_records, False)
         if num_records <= 32:
             bounds = [0]
             q, end = 0, len(sizes_raw)
@@ -628,7 +684,7 @@ class ArrayRecordFile:
             total = int(bounds[-1])
         if total != decoded:
             raise _ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
-        return values, bounds
+        return self._decompress(ctype, data[vstart:], decoded, exact=True), bounds
 
     def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
         fast = self._fast
@@ -665,7 +721,7 @@ class ArrayRecordFile:
                 size, q = _varint(view, q - 2, end)
             else:
                 size = (size & 0x7F) | (b << 7)
-        if size != decoded:
+        if size != decoded or size > self._max_chunk:
             return None
         payload = view[q:end]
         try:
@@ -844,6 +900,8 @@ class ArrayRecordFile:
             )
         offsets, dsizes, counts = self._parse_entries(values, bounds)
         if num_chunks:
+            if float(counts.sum(dtype=np.float64)) >= 2.0**62:  # int64 sums would wrap
+                raise self._corrupt("footer entries hold more than 2**62 records")
             if int(counts.sum()) != num_records:
                 raise self._corrupt(
                     f"footer entries hold {int(counts.sum())} records, metadata says {num_records}"
@@ -1153,14 +1211,29 @@ class ArrayRecordFile:
             d = self._tls.zstd
         except AttributeError:
             d = self._zstd()
-        # One call per frame, with no Python code per frame: zstandard's batch call
-        # writes all output into one new buffer, whose fresh pages cost more than the
-        # calls it saves, and each record would still need a copy of its own.
+        if sizes and max(sizes) > self._max_chunk:
+            return None
+        # zstd allocates what a frame's header declares, whatever ``sizes`` says: a frame
+        # of a few KiB can declare (and hold) gigabytes. Each must declare its size, or
+        # none (then ``sizes`` bounds what it may decompress to). libzstd checks that a
+        # frame holds what it declares, so when all declare theirs, the lengths of the
+        # output need no check.
         try:
+            if isinstance(frames, list):
+                declared = list(map(zstandard.frame_content_size, frames))
+                exact = declared == sizes
+                if not exact and any(c not in (s, -1) for c, s in zip(declared, sizes)):
+                    return None
+            else:
+                frames = _declaring(frames, sizes)
+                exact = False
+            # One call per frame, with no Python code per frame: zstandard's batch call
+            # writes all output into one new buffer, whose fresh pages cost more than the
+            # calls it saves, and each record would still need a copy of its own.
             out = list(map(d.decompress, frames, sizes))
         except (zstandard.ZstdError, ValueError):
             return None
-        return out if list(map(len, out)) == sizes else None
+        return out if exact or list(map(len, out)) == sizes else None
 
     def _layout(self, arr: np.ndarray, f: _Footer) -> bool | None:
         """Whether this file's one-record chunks are uncompressed (True) or zstd (False),
@@ -1333,10 +1406,12 @@ def read_num_records(
     paths: Sequence[str],
     filesystem: fsspec.AbstractFileSystem | None = None,
     max_workers: int = 16,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> np.ndarray:
     """Record counts of ArrayRecord files, read from their footers in parallel threads.
 
     For opening datasets that have no manifest; remote footers cost one request each.
+    ``max_chunk_bytes`` bounds the footer chunk as :class:`ArrayRecordFile` does.
 
     Example:
         >>> import tempfile, os
@@ -1353,7 +1428,7 @@ def read_num_records(
     paths = list(paths)
 
     def count(p: str) -> int:
-        f = ArrayRecordFile(p, filesystem=filesystem)
+        f = ArrayRecordFile(p, filesystem=filesystem, max_chunk_bytes=max_chunk_bytes)
         try:
             return f.num_records
         finally:
@@ -1582,6 +1657,25 @@ def _plan(
         & (payload <= boundary)
     )
     return ok, payload, end, decoded, cut
+
+
+def _decompress_into(into: Any, payload: Any, size: int) -> memoryview:
+    """``into(payload, buffer)`` (cramjam's ``decompress_into``) with a buffer of exactly
+    ``size`` bytes, which it must fill."""
+    buf = bytearray(size)
+    got = into(payload, buf)
+    if got != size:
+        raise _ChunkDecodeError(f"decompressed {got} bytes, the chunk declares {size}")
+    return memoryview(buf)
+
+
+def _declaring(frames: Iterable[Any], sizes: list[int]) -> Iterator[Any]:
+    """``frames``, each checked to declare its size in ``sizes`` as it is reached (a
+    ValueError otherwise), for frames made one at a time (see :func:`_frames`)."""
+    for frame, size in zip(frames, sizes):
+        if zstandard.frame_content_size(frame) not in (size, -1):
+            raise ValueError("a zstd frame declares another size than its chunk")
+        yield frame
 
 
 def _varints(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -349,6 +349,25 @@ def _reshape(arr: np.ndarray, shape: tuple[int, ...]) -> Any:
     return arr.reshape(shape)
 
 
+#: The most bytes a zlib-encoded tensor may inflate to (less when its spec's shape says so).
+_MAX_ZLIB_BYTES = 1 << 30
+
+
+def _inflate(data: bytes, limit: int) -> bytes:
+    """zlib-decompress ``data``, refusing output beyond ``limit`` bytes (a few KiB of
+    zlib can hold gigabytes) without inflating more than ``limit + 1`` of them."""
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(data, limit + 1)
+    except zlib.error as e:
+        raise ValueError(f"bad zlib-encoded tensor: {e}") from None
+    if len(out) > limit:
+        raise ValueError(f"a zlib-encoded tensor inflates to more than its {limit} bytes")
+    if not d.eof:
+        raise ValueError("truncated zlib-encoded tensor")
+    return out
+
+
 def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None) -> Any:
     if dtype in ("string", "str", "object"):
         if shape == ():
@@ -357,8 +376,11 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
     dt = np.dtype("bool" if dtype == "bool" else dtype)
     if encoding in ("bytes", "zlib"):
         blobs = value if isinstance(value, list) else [value]
+        limit = _MAX_ZLIB_BYTES
+        if shape and all(d >= 0 for d in shape):
+            limit = min(limit, int(np.prod(shape, dtype=object)) * dt.itemsize)
         parts = [
-            np.frombuffer(zlib.decompress(b) if encoding == "zlib" else b, dtype=dt) for b in blobs
+            np.frombuffer(_inflate(b, limit) if encoding == "zlib" else b, dtype=dt) for b in blobs
         ]
         arr = np.concatenate(parts) if parts else np.zeros(0, dt)
     else:

@@ -11,9 +11,12 @@ The checksums are CRC-32C (Castagnoli), "masked" by a rotation and an added
 constant so that a CRC stored inside checksummed data does not checksum to itself.
 Whole files may be gzip- or zlib-compressed (TensorFlow's ``compression_type``).
 
-Both checksums are verified by default; a mismatch, a truncated record or a length
-that cannot fit in the file raises :class:`~torchgrain.errors.CorruptDataError`
-naming the file and the byte offset of the record.
+Both checksums are verified by default; a mismatch, a truncated record, a length
+that cannot fit in the file or one over ``max_record_bytes`` (default
+:data:`DEFAULT_MAX_RECORD_BYTES`, 1 GiB) raises
+:class:`~torchgrain.errors.CorruptDataError` naming the file and the byte offset of the
+record. Memory is bounded by that ceiling even in a compressed stream, where no file
+size bounds a length.
 
 Example:
     >>> import os, tempfile
@@ -47,6 +50,7 @@ from torchgrain.errors import CorruptDataError
 from torchgrain.io.fs import PathLike, get_filesystem, is_local
 
 __all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
     "crc32c",
     "index_tfrecord",
     "iter_tfrecord",
@@ -64,6 +68,11 @@ _HEADER_SIZE = 12
 _FRAME_OVERHEAD = 16
 _MASK_DELTA = 0xA282EAD8
 _READ_SIZE = 4 << 20  # read 4 MiB at a time: few syscalls, bounded memory
+
+#: The longest record a reader accepts unless told otherwise (``max_record_bytes``).
+#: TFRecord files mostly hold ``tf.train.Example`` protos, which protobuf caps at 2 GiB;
+#: real ones (images, audio, token sequences) are kilobytes to megabytes.
+DEFAULT_MAX_RECORD_BYTES = 1 << 30
 
 try:  # C implementation (SSE4.2 / ARMv8 CRC instructions): ~10 GB/s.
     from google_crc32c import value as _crc32c_bytes
@@ -247,6 +256,7 @@ def iter_tfrecord(
     verify: bool = True,
     compression: str | None = None,
     offset: int = 0,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
     """Yield the records of one TFRecord file, in order.
 
@@ -258,11 +268,14 @@ def iter_tfrecord(
         compression: ``None`` (by suffix), ``""``, ``"gzip"`` or ``"zlib"``.
         offset: start at the record whose header is at this byte offset (an offset from
             :func:`index_tfrecord`; uncompressed files only).
+        max_record_bytes: the longest record accepted (default 1 GiB): a longer length
+            field is an error before any of the record is read.
 
     Raises:
-        CorruptDataError: checksum mismatch, truncated record, or a length field larger
-            than the rest of the file; the message names the file and byte offset (an
-            offset in the decompressed stream for compressed files).
+        CorruptDataError: checksum mismatch, truncated record, a length field larger
+            than the rest of the file or than ``max_record_bytes``; the message names
+            the file and byte offset (an offset in the decompressed stream for
+            compressed files).
 
     Example:
         >>> import os, tempfile
@@ -283,14 +296,19 @@ def iter_tfrecord(
     try:
         if offset:
             stream.seek(offset)
-        yield from _iter_stream(stream, name, size, verify, offset)
+        yield from _iter_stream(stream, name, size, verify, offset, max_record_bytes)
     finally:
         stream.close()
         raw.close()
 
 
 def _iter_stream(
-    stream: IO[bytes], name: str, size: int | None, verify: bool, base: int = 0
+    stream: IO[bytes],
+    name: str,
+    size: int | None,
+    verify: bool,
+    base: int = 0,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
     unpack_header = _HEADER.unpack_from
     unpack_footer = _FOOTER.unpack_from
@@ -320,6 +338,8 @@ def _iter_stream(
             )
         if size is not None and length > size - offset - _FRAME_OVERHEAD:
             raise _too_long(name, offset, length, size)
+        if length > max_record_bytes:
+            raise _over_ceiling(name, offset, length, max_record_bytes)
         end = pos + _HEADER_SIZE + length + 4
         if end > len(buf):
             # The record runs past the buffer: read exactly what is missing, in bounded
@@ -416,6 +436,14 @@ def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataErro
     )
 
 
+def _over_ceiling(name: str, offset: int, length: int, limit: int) -> CorruptDataError:
+    return CorruptDataError(
+        f"{name}: the record at byte offset {offset} is {length} bytes long, more than "
+        f"max_record_bytes={limit} allows (a larger max_record_bytes reads it, if the "
+        "file is trusted)"
+    )
+
+
 def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> None:
     if len(head) < _HEADER_SIZE:
         raise CorruptDataError(
@@ -458,11 +486,13 @@ def read_tfrecord_at(
     filesystem: fsspec.AbstractFileSystem | None = None,
     verify: bool = True,
     name: str | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> bytes:
     """Read the one record whose header starts at byte ``offset`` (see :func:`index_tfrecord`).
 
     ``source`` is a path/URL or an already open binary file (seekable), which lets a
-    caller keep one handle per shard for random access.
+    caller keep one handle per shard for random access. A record longer than
+    ``max_record_bytes`` raises :class:`~torchgrain.errors.CorruptDataError`.
 
     Example:
         >>> import os, tempfile
@@ -474,7 +504,13 @@ def read_tfrecord_at(
     if isinstance(source, (str, os.PathLike)):
         fs, p = _resolve(source, filesystem)
         with fs.open(p, "rb") as f:
-            return read_tfrecord_at(f, offset, verify=verify, name=os.fspath(source))
+            return read_tfrecord_at(
+                f,
+                offset,
+                verify=verify,
+                name=os.fspath(source),
+                max_record_bytes=max_record_bytes,
+            )
     f = source
     label = name or str(getattr(f, "name", "<stream>"))
     f.seek(offset)
@@ -495,6 +531,8 @@ def read_tfrecord_at(
         if length > end - offset - _FRAME_OVERHEAD:
             raise _too_long(label, offset, length, end)
         f.seek(offset + _HEADER_SIZE)
+    if length > max_record_bytes:
+        raise _over_ceiling(label, offset, length, max_record_bytes)
     body = f.read(length + 4)
     if len(body) < length + 4:
         raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")

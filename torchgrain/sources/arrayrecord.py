@@ -16,7 +16,12 @@ from torchgrain.errors import (
     DatasetNotFoundError,
     UnsafePathError,
 )
-from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_many, read_num_records
+from torchgrain.formats.arrayrecord_file import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    ArrayRecordFile,
+    read_many,
+    read_num_records,
+)
 from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import Manifest, read_manifest
@@ -50,6 +55,12 @@ class ArrayRecordSource(EncodedSource):
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         filesystem: an fsspec filesystem to use instead of inferring one.
         verify_checksums: verify Riegeli chunk hashes on every read.
+        max_chunk_bytes: the most bytes one compressed chunk (so one record) may
+            decompress to (default 1 GiB,
+            :data:`~torchgrain.formats.arrayrecord_file.DEFAULT_MAX_CHUNK_BYTES`); a
+            chunk that declares more raises :class:`~torchgrain.CorruptDataError`
+            before anything is allocated for it. Raise it for trusted files written
+            with large groups of large records.
         cache_bytes: this process's in-memory cache of decompressed chunks, in bytes
             (default 256 MiB; ``0`` disables it). Only chunks holding several records
             (files written with ``group_size`` > 1) are kept: a block-local order then
@@ -118,9 +129,11 @@ class ArrayRecordSource(EncodedSource):
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
         allow_external_paths: bool = False,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     ) -> None:
         cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
+        self.max_chunk_bytes = max_chunk_bytes
         retry = retry or RetryPolicy()
         manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
         if manifest is not None:
@@ -130,12 +143,13 @@ class ArrayRecordSource(EncodedSource):
                 read_num_records,
                 files,
                 filesystem=fs,
+                max_chunk_bytes=max_chunk_bytes,
                 url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else files[0],
                 policy=retry,
                 what="reading shard footers",
             )
         else:
-            counts = read_num_records(files, filesystem=fs)
+            counts = read_num_records(files, filesystem=fs, max_chunk_bytes=max_chunk_bytes)
         self.manifest = manifest
         self._init_shards(
             filesystem=fs,
@@ -163,7 +177,12 @@ class ArrayRecordSource(EncodedSource):
     def _open_reader(
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> ArrayRecordFile:
-        f = ArrayRecordFile(path, filesystem=filesystem, verify_checksums=self._verify)
+        f = ArrayRecordFile(
+            path,
+            filesystem=filesystem,
+            verify_checksums=self._verify,
+            max_chunk_bytes=self.max_chunk_bytes,
+        )
         self._check_count(shard, f)
         return f
 

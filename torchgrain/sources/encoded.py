@@ -131,7 +131,10 @@ class EncodedSource(ShardedSource):
         t1 = time.perf_counter()
         counters[COUNTER["bytes_read"]] += int(ends[-1])
         counters[COUNTER["read_seconds"]] += t1 - t0
-        batch = decode_columns(buf, ends - lengths, ends)
+        try:
+            batch = decode_columns(buf, ends - lengths, ends)
+        except Exception:  # a batch decoder that fails: the records one by one name the culprit
+            batch = None
         if batch is None:  # not a uniform batch: record by record (errors name the record)
             batch = ColumnBatch.from_records(
                 [

@@ -30,6 +30,7 @@ from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDeco
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
+    DEFAULT_MAX_RECORD_BYTES,
     index_tfrecord,
     iter_tfrecord,
     parse_frame,
@@ -61,6 +62,10 @@ class TFRecordSource(EncodedSource):
         storage_options, filesystem: fsspec options or filesystem for remote paths.
         verify_checksums: check both CRC-32C checksums of every record read (default on:
             a few GB/s with ``google-crc32c``).
+        max_record_bytes: the longest record read (default 1 GiB,
+            :data:`~torchgrain.formats.tfrecord.DEFAULT_MAX_RECORD_BYTES`); a longer
+            one raises :class:`~torchgrain.CorruptDataError` before it is read, which
+            also bounds the memory a gzip/zlib stream can make a reader use.
         index_dir: where offset indexes are cached (default
             ``<torchgrain cache>/tfrecord-index``, see
             :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in memory.
@@ -96,7 +101,13 @@ class TFRecordSource(EncodedSource):
         read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
+        if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
+            raise TypeError(f"max_record_bytes must be an int, got {max_record_bytes!r}")
+        if max_record_bytes < 0:
+            raise ValueError(f"max_record_bytes must be >= 0, got {max_record_bytes}")
+        self.max_record_bytes = max_record_bytes
         fs, files = expand_paths(
             paths,
             suffixes=TFRECORD_SUFFIXES,
@@ -109,7 +120,9 @@ class TFRecordSource(EncodedSource):
             index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
         self._verify = bool(verify_checksums)
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
-        offsets, sizes = _index_files(fs, files, index_dir, retry, self._compressed)
+        offsets, sizes = _index_files(
+            fs, files, index_dir, retry, self._compressed, max_record_bytes
+        )
         counts = np.array([len(o) for o in offsets], dtype=np.int64)
         self._init_shards(
             filesystem=fs,
@@ -135,7 +148,9 @@ class TFRecordSource(EncodedSource):
         if isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(files, fs) or codec
-        self.codec: Codec = tfrecord_codec(files, fs) if codec == "auto" else get_codec(codec)
+        self.codec: Codec = (
+            tfrecord_codec(files, fs, max_record_bytes) if codec == "auto" else get_codec(codec)
+        )
 
     # ------------------------------------------------------------ the contract
     def _check_readable(self, shard: int, index: int) -> None:
@@ -170,7 +185,13 @@ class TFRecordSource(EncodedSource):
         offset = 0 if self._compressed[shard] else int(self._bounds[self._base[shard] + start])
         skip = start if self._compressed[shard] else 0
         fs = self._fs if self._remote else None
-        it = iter_tfrecord(path, filesystem=fs, verify=self._verify, offset=offset)
+        it = iter_tfrecord(
+            path,
+            filesystem=fs,
+            verify=self._verify,
+            offset=offset,
+            max_record_bytes=self.max_record_bytes,
+        )
         try:
             for k, data in enumerate(it):
                 if k < skip:
@@ -196,6 +217,15 @@ class TFRecordSource(EncodedSource):
 
     def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
         b = self._base[shard] + rows
+        lengths = self._bounds[b + 1] - self._bounds[b] - 16
+        if int(lengths.max()) > self.max_record_bytes:
+            k = int(np.argmax(lengths))
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {self._paths[shard]!r}: record {int(rows[k])} is "
+                f"{int(lengths[k])} bytes long, more than max_record_bytes="
+                f"{self.max_record_bytes} allows (record index {index}; a larger "
+                "max_record_bytes reads it, if the file is trusted)"
+            )
         starts, ends = self._bounds[b].tolist(), self._bounds[b + 1].tolist()
         name = self._paths[shard]
 
@@ -243,7 +273,11 @@ def _first_nonempty(counts: np.ndarray) -> int:
     return int(nz[0]) if len(nz) else 0
 
 
-def tfrecord_codec(files: list[str], fs: fsspec.AbstractFileSystem) -> Codec:
+def tfrecord_codec(
+    files: list[str],
+    fs: fsspec.AbstractFileSystem,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Codec:
     """The codec of TFRecord files: TFDS's feature specs when present, else ``tf_example``
     when the first record parses as a ``tf.train.Example``, else ``raw``."""
     from torchgrain.formats.tf_example import decode_tf_example
@@ -254,7 +288,10 @@ def tfrecord_codec(files: list[str], fs: fsspec.AbstractFileSystem) -> Codec:
         return tfds
     remote = not is_local(fs)
     for path in files:
-        for rec in iter_tfrecord(path, filesystem=fs if remote else None):
+        records = iter_tfrecord(
+            path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
+        )
+        for rec in records:
             try:
                 decode_tf_example(rec)
             except RecordDecodeError:
@@ -270,6 +307,7 @@ def _index_files(
     index_dir: str | os.PathLike | None,
     retry: RetryPolicy,
     compressed: np.ndarray,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> tuple[list[np.ndarray], list[int]]:
     """Offsets and size of every file (from the index cache when it has them)."""
     remote = not is_local(fs)
@@ -290,7 +328,10 @@ def _index_files(
                 pass  # unreadable: build it again
         if compressed[i]:
             # No offsets to keep: records of a compressed stream are only counted.
-            n = sum(1 for _ in iter_tfrecord(path, filesystem=fs if remote else None))
+            records = iter_tfrecord(
+                path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
+            )
+            n = sum(1 for _ in records)
             offsets = np.zeros(n, dtype=np.int64)
         elif remote:
             offsets = retry_call(

@@ -655,6 +655,12 @@ def _read_footers(
         counts = np.array(
             [md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64
         )
+        # A footer's counts index every record: they must be counts, and agree.
+        if (counts < 0).any() or float(counts.sum(dtype=np.float64)) != md.num_rows:
+            raise CorruptDataError(
+                f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
+                f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
+            )
         return counts, md.schema.to_arrow_schema()
 
     results = map_files(one, len(files))
