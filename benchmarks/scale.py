@@ -103,6 +103,7 @@ GIB = 1 << 30
 BATCH = 256
 SEED = 0
 DEFAULT_CACHE_MIB = 256  # ParquetSource's default cache_bytes
+FULL_ROW_GROUP_ROWS = 50_000  # the row groups of the measurement
 AR_OPTIONS = (
     "group_size:1,zstd:1"  # group_size 1: torchgrain's default (zstd level 1: faster to write)
 )
@@ -113,7 +114,6 @@ SCALES: dict[str, dict[str, Any]] = {
         "records": 10**8,
         "ar_shards": [8, 2048, 10_000],
         "parquet_cache_mib": None,
-        "row_group_rows": 50_000,
         "tfrecord_records": 10**8,
         "tfrecord_shards": 1000,
     },
@@ -121,7 +121,6 @@ SCALES: dict[str, dict[str, Any]] = {
         "records": 10**7,
         "ar_shards": [8, 2048, 10_000],
         "parquet_cache_mib": 16,
-        "row_group_rows": 50_000,
         "tfrecord_records": 10**7,
         "tfrecord_shards": 1000,
     },
@@ -129,7 +128,6 @@ SCALES: dict[str, dict[str, Any]] = {
         "records": 10**6,
         "ar_shards": [8, 1000],
         "parquet_cache_mib": 4,
-        "row_group_rows": 20_000,
         "tfrecord_records": 10**6,
         "tfrecord_shards": 1000,
     },
@@ -137,7 +135,6 @@ SCALES: dict[str, dict[str, Any]] = {
         "records": 20_000,
         "ar_shards": [8, 64],
         "parquet_cache_mib": 0.25,
-        "row_group_rows": 2_000,
         "tfrecord_records": 20_000,
         "tfrecord_shards": 16,
     },
@@ -636,22 +633,24 @@ def run_child(
         )
         t0, why, peak = time.monotonic(), None, 0
         proc = psutil.Process(p.pid)
-        while p.poll() is None:
-            rss = 0
-            with contextlib.suppress(psutil.Error):
-                for q in [proc, *proc.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error):
-                        rss += q.memory_info().rss
-            peak = max(peak, rss)
-            if rss > max_mem:
-                why = f"killed: RSS {rss / GIB:.1f} GiB over the {max_mem / GIB:.1f} GiB limit"
-            elif time.monotonic() - t0 > timeout:
-                why = f"killed: over {timeout:.0f} s"
-            if why:
-                break
-            time.sleep(0.5)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
+        try:
+            while p.poll() is None:
+                rss = 0
+                with contextlib.suppress(psutil.Error):
+                    for q in [proc, *proc.children(recursive=True)]:
+                        with contextlib.suppress(psutil.Error):
+                            rss += q.memory_info().rss
+                peak = max(peak, rss)
+                if rss > max_mem:
+                    why = f"killed: RSS {rss / GIB:.1f} GiB over the {max_mem / GIB:.1f} GiB limit"
+                elif time.monotonic() - t0 > timeout:
+                    why = f"killed: over {timeout:.0f} s"
+                if why:
+                    break
+                time.sleep(0.5)
+        finally:  # the child and its workers go, whatever happened here
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
         p.wait()
         out.seek(0)
         err.seek(0)
@@ -690,7 +689,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "not passed)",
     )
     p.add_argument("--parquet-files", type=int, default=8)
-    p.add_argument("--row-group-rows", type=_num)
+    p.add_argument(
+        "--row-group-rows",
+        type=_num,
+        help=f"Parquet rows per row group (default {FULL_ROW_GROUP_ROWS:,} x cache / "
+        f"{DEFAULT_CACHE_MIB} MiB)",
+    )
     p.add_argument("--tfrecord-records", type=_num, help="0: no TFRecord case")
     p.add_argument("--tfrecord-shards", type=_num)
     p.add_argument("--hf-parquet-ratios", type=_floats, default=[4.0], help="HF copies of these")
@@ -728,6 +732,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for k, v in SCALES[a.scale].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.row_group_rows is None:
+        # 50,000-row groups against the default cache, and proportionally fewer rows
+        # against a smaller one: the cache then holds as many row groups as at full
+        # scale (~180), and the data as many times more.
+        cache = a.parquet_cache_mib or DEFAULT_CACHE_MIB
+        a.row_group_rows = max(100, round(FULL_ROW_GROUP_ROWS * cache / DEFAULT_CACHE_MIB))
     a.source_options = json.loads(a.source_options)
     if not isinstance(a.source_options, dict) or not all(
         k in ("arrayrecord", "parquet", "tfrecord") and isinstance(v, dict)
@@ -1137,6 +1147,8 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
+    # A terminated run unwinds (run_child's ``finally`` ends the running measurement).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if a.child:
         print(json.dumps(child(json.loads(a.child))), flush=True)
         return 0
