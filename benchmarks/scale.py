@@ -35,18 +35,24 @@ too, with 0 and 2 workers. Each child reports:
 * ``epoch0_s`` / ``epoch1_rate``: whole epochs, where one is projected to take at most
   ``--epoch-budget`` seconds (every id checked exactly once);
 * memory at the end of the measured batches (workers alive), from
-  ``/proc/PID/smaps_rollup``: private memory (USS: Private_Clean + Private_Dirty) of the
-  main process and of each worker, and the PSS of the whole loader (main + workers).
-  A ``bare`` case (records computed from the index, no file) gives the same figures for
-  the interpreter, torch and the sampler; memory attributed to a loader is its figure
+  ``/proc/PID/smaps_rollup``: private memory of the main process and of each worker,
+  as USS (Private_Clean + Private_Dirty) and as Private_Dirty alone (the heap and other
+  anonymous pages: what each process costs the machine; a page of a memory-mapped file
+  touched by one process only is Private_Clean but lives in the page cache, shared by
+  every process), and the PSS of the whole loader (main + workers). A ``bare`` case
+  (records computed from the index, no file) gives the same figures for the
+  interpreter, torch and the sampler; memory attributed to a loader is its figure
   minus the bare one at the same number of workers.
 
 Every record read is checked against the one written (payload recomputed from the id).
-The memory model extrapolates the measured per-record and per-shard private memory
-and the shared per-record memory to ``--model-records`` records in ``--model-shards``
-shards read by ``--model-procs`` processes per node, on paper. The table of the issue's
-targets says met / missed for each. Results go to ``benchmarks/results/scale.json`` (and
-``scale.png``).
+The memory model fits, per loader, a reading process's Private_Dirty (the worst of the
+main process and the workers, beyond the bare loader's) as fixed + per record + per
+shard over the datasets measured (the shard counts, and an eighth of the records in the
+fewest shards), and the rest of the loader's PSS (mapped files, shared memory: counted
+once per machine) as fixed + per record, then extrapolates on paper to
+``--model-records`` records in ``--model-shards`` shards read by ``--model-procs``
+processes per node. The table of the issue's targets says met / missed for each.
+Results go to ``benchmarks/results/scale.json`` (and ``scale.png``).
 
 Scales (``--scale``; every size can be overridden one by one):
 
@@ -96,7 +102,7 @@ from benchmarks._common import (  # noqa: E402
     print_table,
     write_json,
 )
-from benchmarks.memory import children, rollup  # noqa: E402
+from benchmarks.memory import children  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -492,13 +498,39 @@ def _batch_records(batch: dict[str, Any]) -> tuple[np.ndarray, list[bytes]]:
     return np.asarray(batch["id"], np.int64), list(batch["payload"])
 
 
+def rollup(pid: int) -> dict[str, int] | None:
+    """Bytes of ``uss`` (Private_Clean + Private_Dirty), ``dirty`` (Private_Dirty: the
+    heap and other anonymous pages only this process has) and ``pss`` of one process."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            text = f.read()
+    except OSError:
+        return None
+    kb: dict[str, int] = {}
+    for line in text.splitlines()[1:]:
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            kb[name] = int(parts[0]) * 1024
+    dirty = kb.get("Private_Dirty", 0)
+    return {"uss": kb.get("Private_Clean", 0) + dirty, "dirty": dirty, "pss": kb.get("Pss", 0)}
+
+
 def memory(pid: int) -> dict[str, Any]:
-    """USS of the process and of each of its children (workers), PSS of them all."""
-    me = rollup(pid) or {"uss": 0, "pss": 0}
+    """USS and Private_Dirty of the process and of each of its children (the workers),
+    and the PSS of them all.
+
+    A page of a memory-mapped file that only one process has touched counts in its USS
+    (Private_Clean) but lives in the page cache, which every process of the machine
+    shares: the memory model counts Private_Dirty per process and the rest once.
+    """
+    me = rollup(pid) or {"uss": 0, "dirty": 0, "pss": 0}
     kids = [r for r in (rollup(c) for c in children(pid)) if r is not None]
     return {
         "uss_main": me["uss"],
         "uss_workers": [k["uss"] for k in kids],
+        "dirty_main": me["dirty"],
+        "dirty_workers": [k["dirty"] for k in kids],
         "pss_total": me["pss"] + sum(k["pss"] for k in kids),
     }
 
@@ -726,6 +758,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", default="scale", help="results name (benchmarks/results/NAME.json)")
     p.add_argument("--out", help="write NAME.json (and the PNG) here instead of benchmarks/results")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--prepare-only", action="store_true", help="make the data, measure nothing")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--decode", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -825,11 +858,33 @@ def plan_cases(a: argparse.Namespace, data: dict[str, dict[str, Any]]) -> dict[s
     return cases
 
 
+# Bytes on disk per record (and per shard), measured here: ArrayRecord with one
+# 39-byte record per chunk, TFRecord frames of 40 bytes, zstd Parquet and HF's Arrow.
+_DISK = {"arrayrecord": (110, 64 << 10), "tfrecord": (40, 0), "parquet": (26, 0), "hf": (30, 0)}
+
+
+def disk_needed(data: dict[str, dict[str, Any]]) -> int:
+    """About how many bytes the datasets not made yet will take."""
+    total = 0
+    for d in data.values():
+        if os.path.exists(_marker(d["path"])):
+            continue  # made by an earlier run (possibly with other sizes: then an underestimate)
+        per_record, per_shard = _DISK[d["kind"]]
+        total += per_record * d.get("records", d.get("rows", 0)) + per_shard * d.get("shards", 1)
+    return total
+
+
 def prepare(
     a: argparse.Namespace, data: dict[str, dict[str, Any]], python: str, env: dict[str, str]
 ) -> dict[str, Any]:
     """Make (or reuse) every dataset; a first open of each torchgrain one, timed."""
     os.makedirs(a.data_dir, exist_ok=True)
+    need, free = disk_needed(data), shutil.disk_usage(a.data_dir).free
+    if need > 0.9 * free:
+        raise SystemExit(
+            f"scale: the data needs about {need / GIB:.0f} GiB in {a.data_dir}, which has "
+            f"{free / GIB:.0f} GiB free: pass --data-dir elsewhere or a smaller --scale"
+        )
     made: dict[str, Any] = {}
     for name, d in data.items():
         t0 = time.perf_counter()
@@ -887,6 +942,16 @@ def summarize(
                             if r.get("uss_workers")
                         ]
                     ),
+                    "dirty_main_mib": med(
+                        [r["dirty_main"] / MIB for r in good if "dirty_main" in r]
+                    ),
+                    "dirty_worker_mib": med(
+                        [
+                            statistics.mean(r["dirty_workers"]) / MIB
+                            for r in good
+                            if r.get("dirty_workers")
+                        ]
+                    ),
                     "pss_total_mib": med([r["pss_total"] / MIB for r in good if "pss_total" in r]),
                     "open_uss_mib": med([r["open_uss"] / MIB for r in good]),
                     "rounds": len(good),
@@ -918,24 +983,22 @@ def paired_ratio(
 
 
 def source_memory(row: dict[str, Any], bare: dict[str, Any]) -> dict[str, float] | None:
-    """A row's memory beyond the bare loader's: private per reading process and shared."""
-    if row.get("uss_main_mib") is None or bare.get("uss_main_mib") is None:
+    """A row's memory beyond the bare loader's (same workers): ``private_mib``, the
+    Private_Dirty of its worst reading process, and ``shared_mib``, what the loader's
+    processes hold besides their Private_Dirty (the page cache they map, shared
+    memory), counted once through PSS."""
+    keys = ("dirty_main_mib", "pss_total_mib") + (("dirty_worker_mib",) if row["workers"] else ())
+    if any(row.get(k) is None or bare.get(k) is None for k in keys):
         return None
-    if row["workers"] == 0:
-        private = row["uss_main_mib"] - bare["uss_main_mib"]
-        shared = 0.0
-    else:
-        if row.get("uss_worker_mib") is None or bare.get("uss_worker_mib") is None:
-            return None
-        private = max(
-            row["uss_worker_mib"] - bare["uss_worker_mib"],
-            row["uss_main_mib"] - bare["uss_main_mib"],
-        )
-        w = row["workers"]
-        mine = row["pss_total_mib"] - row["uss_main_mib"] - w * row["uss_worker_mib"]
-        theirs = bare["pss_total_mib"] - bare["uss_main_mib"] - w * bare["uss_worker_mib"]
-        shared = max(0.0, mine - theirs)
-    return {"private_mib": max(0.0, private), "shared_mib": shared}
+    w = row["workers"]
+    private = row["dirty_main_mib"] - bare["dirty_main_mib"]
+    if w:  # the workers read; the main process holds what it built before forking them
+        private = max(private, row["dirty_worker_mib"] - bare["dirty_worker_mib"])
+
+    def rest(r: dict[str, Any]) -> float:
+        return r["pss_total_mib"] - r["dirty_main_mib"] - w * (r.get("dirty_worker_mib") or 0)
+
+    return {"private_mib": max(0.0, private), "shared_mib": max(0.0, rest(row) - rest(bare))}
 
 
 def _fit(points: list[tuple[int, int, float]]) -> tuple[float, float, float, str]:
@@ -986,9 +1049,8 @@ def memory_model(
         # the worst reading process over the worker counts measured
         old = private.setdefault(fam, {}).get(dname, (*point, 0.0))
         private[fam][dname] = (*point, max(old[2], m["private_mib"] * MIB))
-        if r["workers"] > 0:
-            old = shared.setdefault(fam, {}).get(dname, (*point, 0.0))
-            shared[fam][dname] = (*point, max(old[2], m["shared_mib"] * MIB))
+        old = shared.setdefault(fam, {}).get(dname, (*point, 0.0))
+        shared[fam][dname] = (*point, max(old[2], m["shared_mib"] * MIB))
     out = []
     N, P = a.model_records, a.model_procs
     for fam, pts in private.items():
@@ -1090,19 +1152,31 @@ def targets(
             e1 = tg_row.get("epoch1_rate")
             hf = hf_row.get("epoch1_rate") or hf_row.get("rate")
             if e1 is not None and hf:
-                add("Parquet 4x cache, global shuffle, epoch 2 rate / HF's", e1 / hf, 1.0, False, w)
+                add(
+                    "Parquet 4x cache, global shuffle, second epoch rate / HF's",
+                    e1 / hf,
+                    1.0,
+                    False,
+                    w,
+                )
             elif tg_row.get("rate") and hf:
                 # The second epoch was not reached; the first epoch's steady rate is a
                 # lower bound where a disk cache fills in epoch 1, an estimate otherwise.
-                add("Parquet 4x cache, global shuffle, epoch 2 rate / HF's", tg_row["rate"] / hf, 1.0, False, w,
-                    "epoch 2 not reached: epoch 1's steady rate instead")  # fmt: skip
+                add("Parquet 4x cache, global shuffle, second epoch rate / HF's", tg_row["rate"] / hf, 1.0, False, w,
+                    "second epoch not reached: the first one's steady rate")  # fmt: skip
             else:
-                add("Parquet 4x cache, global shuffle, epoch 2 rate / HF's", None, 1.0, False, w)
+                add(
+                    "Parquet 4x cache, global shuffle, second epoch rate / HF's",
+                    None,
+                    1.0,
+                    False,
+                    w,
+                )
             e0 = tg_row.get("epoch0_s") or tg_row.get("epoch0_projected_s")
             dec = decode.get(name, {}).get("decode_s")
-            note = "" if tg_row.get("epoch0_s") else "epoch 1 projected from its steady rate"
+            note = "" if tg_row.get("epoch0_s") else "first epoch projected from its steady rate"
             add(
-                "Parquet 4x cache, first epoch / one decode of the data",
+                "Parquet 4x cache, first epoch time / one decode of the data",
                 e0 / dec if e0 and dec else None,
                 2.0,
                 True,
@@ -1128,12 +1202,12 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     for k, w in enumerate(ws):
         by = {r["case"]: r for r in rows if r["workers"] == w}
         rate = [by.get(n, {}).get("rate") or 0 for n in names]
-        mem = [by.get(n, {}).get("uss_worker_mib" if w else "uss_main_mib") or 0 for n in names]
+        mem = [by.get(n, {}).get("dirty_worker_mib" if w else "dirty_main_mib") or 0 for n in names]
         axes[0].barh(y + k * h, rate, h, label=f"{w} workers")
         axes[1].barh(y + k * h, mem, h, label=f"{w} workers")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("records/s after warm-up (log)")
-    axes[1].set_xlabel("private MiB of a reading process (USS)")
+    axes[1].set_xlabel("Private_Dirty MiB of a reading process (bare loader included)")
     axes[0].set_yticks(y + h * (len(ws) - 1) / 2, names)
     axes[0].invert_yaxis()
     for ax in axes:
@@ -1204,6 +1278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_gen = time.perf_counter()
     made = prepare(a, data, python, env)
     gen_s = time.perf_counter() - t_gen
+    if a.prepare_only:
+        print(f"generation {gen_s:.0f} s")
+        return 0
     # A first open of every torchgrain dataset: where an index is built, it is built now.
     first_open = {}
     for name, spec in cases.items():
@@ -1279,7 +1356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_table(
         rows,
         ["case", "workers", "open_s", "first_batch_s", "rate", "x_hf", "x_grain", "epoch0_s",
-         "epoch1_rate", "uss_main_mib", "uss_worker_mib", "pss_total_mib", "check"],
+         "epoch1_rate", "uss_main_mib", "uss_worker_mib", "dirty_main_mib", "dirty_worker_mib",
+         "pss_total_mib", "check"],
     )  # fmt: skip
     model = memory_model(a, rows, data)
     print(

@@ -91,6 +91,26 @@ def test_the_memory_fit_recovers_fixed_per_record_and_per_shard_costs():
     assert fixed == 0 and per_shard == pytest.approx(3000) and "fixed" in note
 
 
+class _Repeats(scale.Bare):
+    """Record ``i`` is the one written as ``min(i, n - 2)``: intact, but one id twice."""
+
+    def __getitems__(self, idx):
+        return super().__getitems__([min(i, self.n - 2) for i in idx])
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+def test_an_epoch_that_reads_a_record_twice_is_not_exact(monkeypatch, faulty):
+    n = 1000
+    if faulty:
+        monkeypatch.setattr(scale, "open_case", lambda spec: _Repeats(spec["records"]))
+    spec = {"loader": "bare", "format": "none", "path": "", "records": n, "workers": 0,
+            "sampler": "global", "warmup": 1, "measure": 1, "epochs": 2, "epoch_budget": 60}  # fmt: skip
+    out = scale.child(spec)
+    assert out["bad"] == 0 and len(out["epochs"]) == 2
+    assert out["exact_epochs"] is not faulty
+    assert out["rate"] > 0 and out["dirty_main"] > 0
+
+
 def test_a_tiny_run_writes_results_of_the_documented_shape(tmp_path):
     out = tmp_path / "results"
     cmd = [
@@ -118,7 +138,7 @@ def test_a_tiny_run_writes_results_of_the_documented_shape(tmp_path):
     for run in doc["runs"]:
         # every record read was the one written, and each epoch read each id once
         assert run["bad"] == 0 and run["exact_epochs"] and len(run["epochs"]) == 2
-        assert len(run["uss_workers"]) == run["workers"]
+        assert len(run["uss_workers"]) == len(run["dirty_workers"]) == run["workers"]
     assert {k: doc["data"][k]["records"] for k in ("ar2", "ar8")} == {"ar2": 3000, "ar8": 3000}
     assert doc["decode_once"]["pq4x"]["rows"] == doc["data"]["pq4x"]["rows"]
     assert set(doc["first_open_s"]) == {"ar2", "ar8", "pq4x"}
