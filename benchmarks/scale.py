@@ -1202,12 +1202,12 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     for k, w in enumerate(ws):
         by = {r["case"]: r for r in rows if r["workers"] == w}
         rate = [by.get(n, {}).get("rate") or 0 for n in names]
-        mem = [by.get(n, {}).get("dirty_worker_mib" if w else "dirty_main_mib") or 0 for n in names]
+        mem = [by.get(n, {}).get("loader_private_mib") or 0 for n in names]
         axes[0].barh(y + k * h, rate, h, label=f"{w} workers")
         axes[1].barh(y + k * h, mem, h, label=f"{w} workers")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("records/s after warm-up (log)")
-    axes[1].set_xlabel("Private_Dirty MiB of a reading process (bare loader included)")
+    axes[1].set_xlabel("Private_Dirty MiB of a reading process, beyond the bare loader's")
     axes[0].set_yticks(y + h * (len(ws) - 1) / 2, names)
     axes[0].invert_yaxis()
     for ax in axes:
@@ -1352,12 +1352,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if data[dname]["kind"] == "parquet" and f"hf-{dname}/hf" in cases:
             row["x_hf"] = paired_ratio(runs, row["case"], f"hf-{dname}/hf", row["workers"])
+    bare_rows = {r["workers"]: r for r in rows if r["case"] == "bare"}
+    for row in rows:
+        m = None if row["case"] == "bare" else source_memory(row, bare_rows.get(row["workers"], {}))
+        if m is not None:
+            row["loader_private_mib"], row["loader_shared_mib"] = m["private_mib"], m["shared_mib"]
     print()
     print_table(
         rows,
         ["case", "workers", "open_s", "first_batch_s", "rate", "x_hf", "x_grain", "epoch0_s",
          "epoch1_rate", "uss_main_mib", "uss_worker_mib", "dirty_main_mib", "dirty_worker_mib",
-         "pss_total_mib", "check"],
+         "pss_total_mib", "loader_private_mib", "loader_shared_mib", "check"],
     )  # fmt: skip
     model = memory_model(a, rows, data)
     print(
