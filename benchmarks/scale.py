@@ -66,7 +66,10 @@ Scales (``--scale``; every size can be overridden one by one):
 
 Options of the sources that only some versions of torchgrain have are passed with
 ``--source-options '{"arrayrecord": {...}, "parquet": {...}, "tfrecord": {...}}'``
-(keyword arguments of the constructors, as given).
+(keyword arguments of the constructors, as given; the value ``"FRESH_DIR"`` becomes a
+new empty directory for each measurement, for a disk cache that must start cold).
+Torchgrain's own cache directory (``TORCHGRAIN_CACHE``: indexes built on first open)
+is ``DATA_DIR/tg-cache``, kept between measurements as a machine keeps it.
 
 Run:  python benchmarks/scale.py --scale small
       python benchmarks/scale.py --scale medium --rounds 1 --workers 0
@@ -651,6 +654,27 @@ def decode_once(path: str) -> dict[str, Any]:
     return {"rows": rows, "decode_s": time.perf_counter() - t0}
 
 
+FRESH_DIR = "FRESH_DIR"
+
+
+@contextlib.contextmanager
+def fresh_dirs(spec: dict[str, Any], root: str) -> Any:
+    """``spec`` with each source option ``FRESH_DIR`` replaced by a new empty directory
+    (removed afterwards): a disk cache that each measurement starts cold."""
+    opts = spec.get("source_options") or {}
+    made = []
+    new = dict(opts)
+    for k, v in opts.items():
+        if v == FRESH_DIR:
+            made.append(tempfile.mkdtemp(prefix="fresh-", dir=root))
+            new[k] = made[-1]
+    try:
+        yield {**spec, "source_options": new} if made else spec
+    finally:
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def run_child(
     args: dict[str, Any], python: str, timeout: float, max_mem: int, env: dict[str, str]
 ) -> dict[str, Any]:
@@ -741,7 +765,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=120.0,
         help="seconds an epoch may be projected to take",
     )
-    p.add_argument("--source-options", default="{}", help="JSON: format -> constructor kwargs")
+    p.add_argument(
+        "--source-options",
+        default="{}",
+        help="JSON: format -> constructor kwargs; a value FRESH_DIR becomes a new empty "
+        "directory for each measurement (a disk cache that must start cold)",
+    )
     p.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "torchgrain-scale"))
     p.add_argument("--gen-workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--python", help="interpreter of the children (default: .venv-peers if made)")
@@ -1289,8 +1318,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dname = name.split("/")[0]
         if dname in first_open:
             continue
-        r = run_child({**spec, "workers": 0, "warmup": 1, "measure": 1, "epochs": 0, "epoch_budget": 0,
-                       "records": 0}, python, a.timeout, max_mem, env)  # fmt: skip
+        once = {**spec, "workers": 0, "warmup": 1, "measure": 1, "epochs": 0, "epoch_budget": 0}
+        with fresh_dirs(once, a.data_dir) as once:
+            r = run_child(once, python, a.timeout, max_mem, env)
         first_open[dname] = r.get("open_s") if "error" not in r else r["error"]
     decode = {}
     for name, d in data.items():
@@ -1317,7 +1347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spec = {**cases[name], "workers": w, "warmup": a.warmup, "measure": a.measure,
                         "epochs": a.epochs, "epoch_budget": a.epoch_budget,
                         "records": cases[name].get("records", a.records)}  # fmt: skip
-                r = run_child(spec, python, a.timeout, max_mem, env)
+                with fresh_dirs(spec, a.data_dir) as spec:
+                    r = run_child(spec, python, a.timeout, max_mem, env)
                 r.update({"case": name, "workers": w, "round": rnd})
                 runs.append(r)
                 if "error" in r:
