@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -594,6 +595,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 out["first_batch_s"] = time.perf_counter() - t_start
             if epoch == 0 and b + 1 == min(warmup, total_batches - 1):
                 t_win, win_start = time.perf_counter(), done
+                out["warmup_s"] = t_win - t_start
             if (
                 epoch == 0
                 and "rate_batches" not in out
@@ -756,7 +758,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-parquet-ratios", type=_floats, default=[4.0], help="HF copies of these")
     p.add_argument("--workers", type=_ints, default=[0, 2], help="DataLoader workers")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=20, help="batches before the measured ones")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        help="batches before the measured ones (default: 20, or as many as each reading "
+        "process needs to meet every shard of the dataset once, about S ln S / 256)",
+    )
     p.add_argument("--measure", type=int, default=200, help="measured batches")
     p.add_argument("--epochs", type=int, default=2, help="whole epochs, where within budget")
     p.add_argument(
@@ -851,6 +858,17 @@ def plan_data(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
             key += f"-{a.parquet_files}-{a.row_group_rows}"
         d["path"] = os.path.join(a.data_dir, f"{name}-{key}")
     return data
+
+
+def warmup(a: argparse.Namespace, data: dict[str, dict[str, Any]], case: str, workers: int) -> int:
+    """Batches before the measured ones: ``--warmup``, else enough for every reading
+    process to have met every shard about once (readers opened on first use are then
+    open: the measured batches are the steady state)."""
+    if a.warmup is not None:
+        return a.warmup
+    shards = data.get(case.split("/")[0], {}).get("shards", 1)
+    meet_all = math.ceil(shards * math.log(max(shards, 2)) / BATCH) * max(1, workers)
+    return max(20, meet_all)
 
 
 def plan_cases(a: argparse.Namespace, data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -959,6 +977,7 @@ def summarize(
                     "records": good[0]["records"],
                     "open_s": med([r["open_s"] for r in good]),
                     "first_batch_s": med([r.get("first_batch_s") for r in good]),
+                    "warmup_s": med([r.get("warmup_s") for r in good]),
                     "rate": med([r.get("rate") for r in good]),
                     "epoch0_s": med([r.get("epoch0_s") for r in good]),
                     "epoch0_projected_s": med([r.get("epoch0_projected_s") for r in good]),
@@ -1344,7 +1363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = names[rnd % len(names) :] + names[: rnd % len(names)]
         for w in a.workers:
             for name in order:
-                spec = {**cases[name], "workers": w, "warmup": a.warmup, "measure": a.measure,
+                spec = {**cases[name], "workers": w, "warmup": warmup(a, data, name, w), "measure": a.measure,
                         "epochs": a.epochs, "epoch_budget": a.epoch_budget,
                         "records": cases[name].get("records", a.records)}  # fmt: skip
                 with fresh_dirs(spec, a.data_dir) as spec:
@@ -1356,6 +1375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     msg = (
                         f"open {r['open_s'] or 0:.3f}s first {r.get('first_batch_s', 0):.3f}s "
+                        f"warm-up {spec['warmup']} batches {r.get('warmup_s', 0):.1f}s "
                         f"{r.get('rate', 0):>10,.0f} rec/s  uss main {r.get('uss_main', 0) / MIB:.0f} MiB"
                         + (
                             f" workers {[round(u / MIB) for u in r['uss_workers']]}"
@@ -1391,7 +1411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print_table(
         rows,
-        ["case", "workers", "open_s", "first_batch_s", "rate", "x_hf", "x_grain", "epoch0_s",
+        ["case", "workers", "open_s", "first_batch_s", "warmup_s", "rate", "x_hf", "x_grain", "epoch0_s",
          "epoch1_rate", "uss_main_mib", "uss_worker_mib", "dirty_main_mib", "dirty_worker_mib",
          "pss_total_mib", "loader_private_mib", "loader_shared_mib", "check"],
     )  # fmt: skip
