@@ -1168,7 +1168,11 @@ def targets(
             note = "" if near == s else f"measured at {near} shards"
             value = paired_ratio(runs, f"ar{near}/tg", base, w)
             if value is None:  # say why: the failure of either case
-                failed = [r for r in runs if r["case"] in (base, f"ar{near}/tg") and "error" in r]
+                failed = [
+                    r
+                    for r in runs
+                    if r["case"] in (base, f"ar{near}/tg") and r["workers"] == w and "error" in r
+                ]
                 note = "; ".join([note] * bool(note) + [r["error"][-160:] for r in failed[:1]])
             add(
                 f"ArrayRecord {s:,} shards / {ar[0]} shards rate",
