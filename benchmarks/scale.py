@@ -568,6 +568,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         num_workers=workers,
         persistent_workers=workers > 0,
         multiprocessing_context="fork" if workers else None,
+        # A worker that cannot deliver (e.g. out of file descriptors) must end the
+        # measurement with an error, not hang it.
+        timeout=spec.get("batch_timeout", 300) if workers else 0,
     )
     total_batches = len(loader)
     warmup, measure = spec["warmup"], spec["measure"]
@@ -785,6 +788,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--only", nargs="*", help="case names to run (see --list)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
+    p.add_argument(
+        "--batch-timeout", type=float, default=300.0, help="DataLoader timeout (with workers)"
+    )
     p.add_argument(
         "--max-mem-gib", type=float, help="RSS limit per measurement (default 60%% of RAM)"
     )
@@ -1371,7 +1377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         order = names[rnd % len(names) :] + names[: rnd % len(names)]
         for w in a.workers:
             for name in order:
-                spec = {**cases[name], "workers": w, "warmup": warmup(a, data, name, w), "measure": a.measure,
+                spec = {**cases[name], "workers": w, "warmup": warmup(a, data, name, w), "measure": a.measure, "batch_timeout": a.batch_timeout,
                         "epochs": a.epochs, "epoch_budget": a.epoch_budget,
                         "records": cases[name].get("records", a.records)}  # fmt: skip
                 with fresh_dirs(spec, a.data_dir) as spec:
