@@ -1266,6 +1266,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
         rate = [by.get(n, {}).get("rate") or 0 for n in names]
         mem = [by.get(n, {}).get("loader_private_mib") or 0 for n in names]
         axes[0].barh(y + k * h, rate, h, label=f"{w} workers")
+        for i, n in enumerate(names):
+            if by.get(n, {}).get("rate") is None:
+                axes[0].annotate(f"{w} workers: failed", (0, y[i] + k * h), xycoords=("axes fraction", "data"), fontsize=8, va="center", xytext=(4, 0), textcoords="offset points")  # fmt: skip
         axes[1].barh(y + k * h, mem, h, label=f"{w} workers")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("records/s after warm-up (log)")
