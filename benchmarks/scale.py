@@ -31,7 +31,9 @@ too, with 0 and 2 workers. Each child reports:
   ``ArrayRecordDataSource(files)``...); a first open of every dataset (the one that may
   build an index) runs once when the data is made and is reported apart;
 * ``first_batch_s``: from creating the DataLoader iterator to the first batch;
-* ``rate``: records/s over ``--measure`` batches after ``--warmup`` batches;
+* ``rate``: records/s over ``--measure`` batches after the warm-up (``--warmup``
+  batches; by default 20, or as many as each reading process needs to meet every shard
+  about once, so that readers opened on first use are open), and ``warmup_s``;
 * ``epoch0_s`` / ``epoch1_rate``: whole epochs, where one is projected to take at most
   ``--epoch-budget`` seconds (every id checked exactly once);
 * memory at the end of the measured batches (workers alive), from
@@ -57,11 +59,14 @@ Results go to ``benchmarks/results/scale.json`` (and ``scale.png``).
 Scales (``--scale``; every size can be overridden one by one):
 
 * ``full``: 10^8 records, ArrayRecord 8 / 2,048 / 10,000 shards, Parquet at 4x and 40x
-  the default 256 MiB cache, TFRecord 10^8 records in 1,000 shards. Hours of
-  generation and ~70 GB of disk on 2 cores: a big machine's job.
+  the default 256 MiB cache, TFRecord 10^8 records in 1,000 shards: ~51 GiB of data
+  and most of an hour to make it on 2 cores (ArrayRecord at ~100k records/s), and more
+  memory than a small machine has for today's per-process index (a measurement over
+  ``--max-mem-gib`` is stopped and reported): a big machine's job.
 * ``medium``: 10^7 records (1,000 per shard at 10^4 shards), Parquet against a 16 MiB
-  cache.
-* ``small``: 10^6 records in 8 / 1,000 shards, a 4 MiB cache: a few minutes.
+  cache: ~5 GiB, 8 minutes to make, ~20 minutes of measurements per round here.
+* ``small``: 10^6 records in 8 / 1,000 shards, a 4 MiB cache: ~1 minute to make, ~10
+  of measurements per round.
 * ``tiny``: 20,000 records in 8 / 64 shards (the test's size: seconds).
 
 Options of the sources that only some versions of torchgrain have are passed with
