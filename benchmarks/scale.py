@@ -544,6 +544,11 @@ def memory(pid: int) -> dict[str, Any]:
     }
 
 
+def _count(seen: np.ndarray, ids: np.ndarray) -> None:
+    """Count each id read (ids out of range are counted as bad records already)."""
+    np.add.at(seen, ids[(ids >= 0) & (ids < len(seen))], 1)
+
+
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One case (loader, dataset, sampler, workers) in this fresh process."""
     import torch
@@ -598,7 +603,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             if seen is None:
                 seen_ids.append(ids)
             else:
-                np.add.at(seen, ids, 1)
+                _count(seen, ids)
             if epoch == 0 and b == 0:
                 out["first_batch_s"] = time.perf_counter() - t_start
             if epoch == 0 and b + 1 == min(warmup, total_batches - 1):
@@ -613,7 +618,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 now = time.perf_counter()
                 if t_win is not None and done > win_start:
                     out["rate"] = (done - win_start) / (now - t_win)
-                    out["rate_batches"] = b + 1 - warmup
+                    out["rate_batches"] = b + 1 - min(warmup, total_batches - 1)
                 out.update(memory(pid))
                 projected = (now - t_start) / done * n
                 out["epoch0_projected_s"] = projected
@@ -622,14 +627,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 # The whole epoch: every id exactly once (counted from here on).
                 seen = np.zeros(n, np.uint8)
                 for old in seen_ids:
-                    np.add.at(seen, old, 1)
+                    _count(seen, old)
                 seen_ids = []
         else:
             secs = time.perf_counter() - t_start
             if seen is None:  # an epoch shorter than the window
                 seen = np.zeros(n, np.uint8)
                 for old in seen_ids:
-                    np.add.at(seen, old, 1)
+                    _count(seen, old)
             seen_ids = []
             epochs_done.append(
                 {

@@ -98,16 +98,23 @@ class _Repeats(scale.Bare):
         return super().__getitems__([min(i, self.n - 2) for i in idx])
 
 
-@pytest.mark.parametrize("faulty", [False, True])
-def test_an_epoch_that_reads_a_record_twice_is_not_exact(monkeypatch, faulty):
+class _Beyond(scale.Bare):
+    """The last record carries an id past the dataset's end (with its own payload)."""
+
+    def __getitems__(self, idx):
+        return [{**r, "id": self.n + 5} if i == self.n - 1 else r for i, r in zip(idx, super().__getitems__(idx))]  # fmt: skip
+
+
+@pytest.mark.parametrize(("faulty", "bad"), [(None, 0), (_Repeats, 0), (_Beyond, 2)])
+def test_an_epoch_that_misses_or_repeats_a_record_is_not_exact(monkeypatch, faulty, bad):
     n = 1000
-    if faulty:
-        monkeypatch.setattr(scale, "open_case", lambda spec: _Repeats(spec["records"]))
+    if faulty is not None:
+        monkeypatch.setattr(scale, "open_case", lambda spec: faulty(spec["records"]))
     spec = {"loader": "bare", "format": "none", "path": "", "records": n, "workers": 0,
             "sampler": "global", "warmup": 1, "measure": 1, "epochs": 2, "epoch_budget": 60}  # fmt: skip
     out = scale.child(spec)
-    assert out["bad"] == 0 and len(out["epochs"]) == 2
-    assert out["exact_epochs"] is not faulty
+    assert out["bad"] == bad and len(out["epochs"]) == 2  # one bad record per epoch
+    assert out["exact_epochs"] is (faulty is None)
     assert out["rate"] > 0 and out["dirty_main"] > 0
 
 
