@@ -384,6 +384,25 @@ def test_a_malformed_manifest_is_a_corrupt_data_error_naming_it_and_the_shard(
     assert "torchgrain.json" in str(ei.value)
 
 
+@pytest.mark.parametrize(
+    ("name", "error", "expected"),
+    [
+        ("sub", tg.CorruptDataError, "is a directory"),
+        ("nope.array_record", tg.DatasetNotFoundError, "does not exist"),
+    ],
+)
+def test_a_manifest_shard_that_is_a_directory_or_missing_is_an_error_naming_the_shard(
+    www, tmp_path, name, error, expected
+):
+    def edit(m):
+        m["shards"][1]["path"] = name
+
+    d = _manifest_case(www, tmp_path, edit)
+    os.mkdir(os.path.join(d, "sub"))
+    with pytest.raises(error, match=rf"shard 1 .*{name}.* {expected}"):
+        tg.ArrayRecordSource(d)[2]
+
+
 @pytest.mark.parametrize("remote", [False, True])
 def test_a_manifest_larger_than_the_limit_is_refused_before_it_is_read(
     www, http_www, monkeypatch, remote
@@ -555,3 +574,12 @@ def test_a_directory_redirect_to_its_own_url_with_a_slash_is_followed(http_www):
         assert [r["x"] for r in src.__getitems__(range(5))] == list(range(5))
     finally:
         http_www.redirects.clear()
+
+
+def test_a_tfrecord_index_is_cached_under_its_own_name_whatever_the_file_is_called(tmp_path):
+    from torchgrain.sources.tfrecord import _cache_file
+
+    for name in ("..%2f..%2fx.tfrecord", "../../x.tfrecord", "a\\..\\..\\x.tfrecord", "x\x00y"):
+        cached = _cache_file(tmp_path, f"http://h/ds/{name}", 10, "etag")
+        assert os.path.dirname(cached) == str(tmp_path)
+        assert not set(os.path.basename(cached)) & {"/", "\\", "\x00", "%"}

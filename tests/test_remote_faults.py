@@ -377,3 +377,36 @@ def test_a_request_timeout_is_transient():
     from torchgrain.io.retry import is_transient
 
     assert is_transient(RequestTimeout("x"))
+
+
+@pytest.mark.timeout(60)
+def test_parquet_reads_on_arrows_threads_keep_to_the_sources_policy(proxy):
+    """Arrow reads row groups on its own I/O threads: they must still be single attempts
+    of the source's operation (else a policy of one attempt would be silently retried)."""
+    once = RetryPolicy(attempts=1, read_timeout=0.3, request_timeout=2, deadline=4)
+    src = _open("parquet", proxy.url, retry=once)
+    proxy.inject("stall", times=1, match=".parquet", method="GET")
+    with pytest.raises(tg.RemoteIOError, match="after 1 attempt "):
+        src.__getitems__([3])
+
+
+@pytest.mark.timeout(60)
+def test_opening_keeps_to_the_sources_policy_on_its_threads(www, proxy):
+    """Shard footers are read on a pool of threads at open: one attempt means one."""
+    once = RetryPolicy(attempts=1, read_timeout=0.3, request_timeout=2, deadline=4)
+    proxy.inject("status", times=1, code=503, match=".array_record", method="GET")
+    with pytest.raises(tg.RemoteIOError, match="HTTP 503"):
+        tg.ArrayRecordSource(f"{proxy.url}/ar/*.array_record", retry=once)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["status", "reset"])
+def test_a_server_failing_at_open_is_retried_not_taken_for_a_missing_dataset(www, proxy, fmt, kind):
+    """fsspec's own probes say "does not exist" for a 503 (HTTP ``exists``) or a
+    timeout (``isdir``): every probe of the dataset's files and directories must retry."""
+    proxy.inject(kind, times=3)  # the first requests of the open, whatever they are
+    src = _open(fmt, proxy.url)
+    assert proxy.hits() == 3
+    local = _local(fmt, www)
+    assert _same(src.__getitems__([0, len(src) - 1]), local.__getitems__([0, len(src) - 1]))

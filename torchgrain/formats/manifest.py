@@ -175,25 +175,22 @@ def _shard(k: int, s: Any) -> ShardInfo:
     if not isinstance(s, dict):
         raise _Invalid(f"shard {k} must be an object, not {type(s).__name__}")
     path = s.get("path")
-    where = f"shard {k} ({path!r:.200})"
-    if not isinstance(path, str):
-        raise _Invalid(f"{where}: path must be a string")
-    if not path:
-        raise _Invalid(f"{where}: path is empty")
-    if "\0" in path:
-        raise _Invalid(f"{where}: path contains a NUL character")
     try:
+        if not isinstance(path, str):
+            raise _Invalid("path must be a string")
+        if not path:
+            raise _Invalid("path is empty")
+        if "\0" in path:
+            raise _Invalid("path contains a NUL character")
         n = _int(s.get("num_records"), "num_records", 0, MAX_RECORDS)
         num_bytes = _int(s.get("num_bytes", -1), "num_bytes", -1, MAX_SHARD_BYTES)
+        checksum, file_checksum = s.get("checksum"), s.get("file_checksum")
+        for name, value in (("checksum", checksum), ("file_checksum", file_checksum)):
+            if value is not None and not (isinstance(value, str) and 0 < len(value) <= 1024):
+                raise _Invalid(f"{name} must be a string, not {value!r:.60}")
     except _Invalid as e:
-        raise _Invalid(f"{where}: {e}") from None
-    sums = {}
-    for name in ("checksum", "file_checksum"):
-        value = s.get(name)
-        if value is not None and not (isinstance(value, str) and 0 < len(value) <= 1024):
-            raise _Invalid(f"{where}: {name} must be a string, not {value!r:.60}")
-        sums[name] = value
-    return ShardInfo(path=path, num_records=n, num_bytes=num_bytes, **sums)
+        raise _Invalid(f"shard {k} ({path!r:.200}): {e}") from None
+    return ShardInfo(path, n, num_bytes, checksum, file_checksum)
 
 
 def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> Manifest | None:
@@ -202,7 +199,7 @@ def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> Manifest | N
     At most ``_MAX_MANIFEST_BYTES`` are read, whatever the file's reported size.
     """
     path = f"{directory.rstrip('/')}/{MANIFEST_NAME}"
-    if not remote.call(fs, "isfile", path, url=path, what="manifest lookup"):
+    if not remote.isfile(fs, path):
         return None
     text = remote.cat_file(fs, path, url=path, what="manifest read", limit=_MAX_MANIFEST_BYTES)
     return Manifest.from_json(text, where=path)

@@ -84,7 +84,7 @@ def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
     A file that is there but is not JSON (or too large, or nested without end) is the
     dataset's error, not a reason to decode its records differently: CorruptDataError.
     """
-    if not remote.call(fs, "isfile", path, url=path, what="metadata lookup"):
+    if not remote.isfile(fs, path):
         return None
     text = remote.cat_file(fs, path, url=path, what="metadata read", limit=MAX_METADATA_BYTES)
     try:

@@ -186,7 +186,7 @@ def expand_paths(
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
             out.extend(_unstrip(item_fs, p) for p in found)
-        elif remote.call(item_fs, "isdir", stripped, url=item, what="listing"):
+        elif remote.isdir(item_fs, stripped, url=item):
             found = sorted(p for p in listing.find(stripped) if _is_data_file(p, suffixes))
             if not found:
                 raise DatasetNotFoundError(
@@ -195,7 +195,7 @@ def expand_paths(
                 )
             check_shard_sets(found, where=item)
             out.extend(_unstrip(item_fs, p) for p in found)
-        elif remote.call(item_fs, "isfile", stripped, url=item, what="size lookup"):
+        elif remote.isfile(item_fs, stripped, url=item):
             out.append(_unstrip(item_fs, stripped))
         else:
             raise DatasetNotFoundError(f"{kind} path {item!r} does not exist")
@@ -304,11 +304,7 @@ class _Listing:
         base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
         if not _paths.is_http(fs):
             found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
-            files = [
-                p
-                for p in found
-                if remote.call(fs, "isfile", p, url=_unstrip(fs, p), what="size lookup")
-            ]
+            files = [p for p in found if remote.isfile(fs, p, url=_unstrip(fs, p))]
             return [p for p in files if self._keep(base, p)]
         rel = pattern[len(base) :].lstrip("/")
         depth = None if "**" in rel else rel.count("/") + 1

@@ -43,6 +43,7 @@ from __future__ import annotations
 import posixpath
 import re
 import unicodedata
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -53,6 +54,7 @@ __all__ = [
     "confine",
     "is_http",
     "is_inside",
+    "resolve_all",
     "resolve_inside",
     "unsafe_reason",
 ]
@@ -285,7 +287,7 @@ def resolve_inside(
     ``root`` is a path of ``fs`` (as ``fs._strip_protocol`` gives it, or a full URL for
     HTTP). The result is a local path or a URL that fsspec opens. Unless
     ``allow_external`` (the user trusts the dataset), ``name`` must be a safe relative path
-    (see the module docstring) and the result is below ``root``.
+    (see the module docstring), so the result is below ``root``.
 
     Raises:
         UnsafePathError: naming ``where``, ``what`` and the offending name, and why.
@@ -300,33 +302,60 @@ def resolve_inside(
         ...
         torchgrain.errors.UnsafePathError: the manifest of /data/ds names shard 0 '../x', which is not a path inside the dataset directory /data/ds: it has a dot segment (.. or .); a dataset's files must be named by relative paths below it. If you trust this dataset, open it with allow_external_paths=True
     """
+    return resolve_all(
+        fs, root, [name], where=where, what=lambda _: what, allow_external=allow_external
+    )[0]
+
+
+def resolve_all(
+    fs: Any,
+    root: str,
+    names: Sequence[object],
+    *,
+    where: str,
+    what: Callable[[int], str] = lambda k: f"file {k}",
+    allow_external: bool = False,
+) -> list[str]:
+    """:func:`resolve_inside` for many names of one dataset (a manifest's shards);
+    ``what(k)`` names the ``k``-th in errors.
+
+    Example:
+        >>> import fsspec
+        >>> resolve_all(fsspec.filesystem("memory"), "/ds", ["a", "b/c"], where="manifest")
+        ['memory:///ds/a', 'memory:///ds/b/c']
+    """
     from torchgrain.io.fs import is_local
 
     http = is_http(fs)
-    try:
-        if allow_external:
-            _check_external(name)
+    local = is_local(fs)
+    base = root.rstrip("/")
+    prefix = base if local else fs.unstrip_protocol(base)
+    out = []
+    for k, name in enumerate(names):
+        try:
+            if allow_external:
+                _check_external(name)
+            else:
+                _check(name, relative=True, http=http)
+        except _Unsafe as e:
+            raise UnsafePathError(
+                f"{where} names {what(k)} {name!r}, which is not a path inside the dataset "
+                f"directory {root}: it {e}; a dataset's files must be named by relative paths "
+                "below it. If you trust this dataset, open it with allow_external_paths=True"
+            ) from None
+        assert isinstance(name, str)
+        if not allow_external:
+            # A checked relative name below the root stays below it: nothing to resolve.
+            out.append(f"{prefix}/{name}")
+        elif "://" in name or "::" in name:
+            out.append(name)
         else:
-            _check(name, relative=True, http=http)
-    except _Unsafe as e:
-        raise UnsafePathError(
-            f"{where} names {what} {name!r}, which is not a path inside the dataset directory "
-            f"{root}: it {e}; a dataset's files must be named by relative paths below it. If "
-            "you trust this dataset, open it with allow_external_paths=True"
-        ) from None
-    assert isinstance(name, str)
-    if allow_external and ("://" in name or "::" in name):
-        return name
-    path = name if allow_external and name.startswith("/") else f"{root.rstrip('/')}/{name}"
-    if allow_external and not http:
-        # ".." means the parent directory, here as on a local disk (an object store
-        # would take it literally: "sub/../x" must not need "sub" to exist).
-        path = posixpath.normpath(path)
-    if is_local(fs):
-        return path
-    if not allow_external:
-        confine(fs, root, path, where=where, what=what)  # holds by construction: re-checked
-    return fs.unstrip_protocol(path)
+            # ".." means the parent directory, here as on a local disk (an object store
+            # would take it literally: "sub/../x" must not need "sub" to exist).
+            path = name if name.startswith("/") else f"{base}/{name}"
+            path = path if http else posixpath.normpath(path)
+            out.append(path if local else fs.unstrip_protocol(path))
+    return out
 
 
 def _check_external(name: object) -> None:

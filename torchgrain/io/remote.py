@@ -52,6 +52,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.errors import CorruptDataError, UnsafePathError
+from torchgrain.io.paths import is_http
 from torchgrain.io.retry import (
     RequestTimeout,
     RetryPolicy,
@@ -69,14 +70,18 @@ __all__ = [
     "carrying",
     "cat_file",
     "cat_ranges",
+    "exists",
     "get_file",
+    "isdir",
+    "isfile",
     "open_input",
     "storage_options_with_deadlines",
 ]
 
 T = TypeVar("T")
 
-#: Read buffer of a sequential remote reader (TFRecord streams): one request per 4 MiB.
+#: Read-ahead buffer of a remote file (fsspec's HTTP files read 5 MB blocks): a read
+#: that misses it fetches at least this much from where it starts.
 REMOTE_BUFFER = 4 << 20
 
 
@@ -234,6 +239,70 @@ def call(
     if in_operation():
         return attempt()
     return retry_call(attempt, url=label, what=what)
+
+
+# ------------------------------------------------------------------------- probes
+# fsspec's own probes answer "no" when a request fails: HTTP ``exists``/``isfile`` say a
+# file answering 503 does not exist, the generic async ``isfile`` swallows every
+# exception, ``isdir`` every OSError (timeouts included). A flaky server would then make
+# a dataset "not exist". These ask ``info`` (or, for an HTTP directory, its listing) and
+# let transient failures be retried; only "not found" is a "no".
+def _info_or_none(fs: fsspec.AbstractFileSystem, path: str, url: str | None) -> Any:
+    try:
+        return call(fs, "info", path, url=url or path, what="lookup")
+    except FileNotFoundError as e:
+        if is_transient(e):
+            raise  # inside an operation: it retries (fsspec reports a 503 on HEAD this way)
+        cause: BaseException | None = e
+        while cause is not None:  # a refused redirect, reported by fsspec as "not found"
+            if isinstance(cause, UnsafePathError):
+                raise cause from None
+            cause = cause.__cause__ or cause.__context__
+        return None
+
+
+def exists(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> bool:
+    """Whether ``path`` exists; a failing server is retried, not taken for a "no".
+
+    Example:
+        >>> import fsspec
+        >>> exists(fsspec.filesystem("memory"), "/nowhere/x")
+        False
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.exists(path)
+    return _info_or_none(fs, path, url) is not None
+
+
+def isfile(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> bool:
+    """Whether ``path`` is a file (see :func:`exists`).
+
+    Example:
+        >>> import fsspec
+        >>> isfile(fsspec.filesystem("memory"), "/nowhere/x")
+        False
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.isfile(path)
+    info = _info_or_none(fs, path, url)
+    return info is not None and info.get("type", "file") == "file"
+
+
+def isdir(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> bool:
+    """Whether ``path`` is a directory (on HTTP(S): a page listing links; see :func:`exists`).
+
+    Example:
+        >>> import fsspec
+        >>> isdir(fsspec.filesystem("memory"), "/nowhere")
+        False
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.isdir(path)
+    if is_http(fs):
+        # Listing it is the only way to tell; its own failures are not swallowed.
+        return bool(call(fs, "isdir", path, url=url or path, what="listing"))
+    info = _info_or_none(fs, path, url)
+    return info is not None and info.get("type") == "directory"
 
 
 def _check_length(
@@ -461,14 +530,15 @@ def carrying(file: Any) -> Iterator[None]:
         >>> with carrying(None):
         ...     pass
     """
-    if not isinstance(file, RemoteFile):
+    raw = file.raw if isinstance(file, io.BufferedReader) else file
+    if not isinstance(raw, RemoteFile):
         yield
         return
-    file._context = contextvars.copy_context()
+    raw._context = contextvars.copy_context()
     try:
         yield
     finally:
-        file._context = None
+        raw._context = None
 
 
 def open_input(
@@ -479,8 +549,8 @@ def open_input(
     buffered: bool = True,
 ) -> IO[bytes]:
     """Open ``path`` for reading: ``fs.open`` for a local or in-memory file, else a
-    :class:`RemoteFile` (buffered by :data:`REMOTE_BUFFER` bytes for sequential reading,
-    unless ``buffered=False``, for readers that ask for the exact ranges they need).
+    :class:`RemoteFile` behind a :data:`REMOTE_BUFFER`-byte read-ahead buffer (unless
+    ``buffered=False``, for readers that ask for exactly the ranges they need).
 
     Example:
         >>> import fsspec

@@ -18,7 +18,7 @@ from torchgrain.formats.manifest import Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io import remote
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
-from torchgrain.io.paths import resolve_inside
+from torchgrain.io.paths import resolve_all
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
@@ -165,7 +165,20 @@ class ArrayRecordSource(EncodedSource):
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> ArrayRecordFile:
         f = ArrayRecordFile(path, filesystem=filesystem, verify_checksums=self._verify)
-        self._check_count(shard, f)
+        try:
+            self._check_count(shard, f)
+        except (IsADirectoryError, NotADirectoryError) as e:
+            f.close()
+            raise CorruptDataError(
+                f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
+            ) from e
+        except FileNotFoundError as e:
+            f.close()
+            if isinstance(e, DatasetNotFoundError):
+                raise
+            raise DatasetNotFoundError(
+                f"shard {shard} {path!r} of this dataset does not exist ({e})"
+            ) from e
         return f
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
@@ -305,23 +318,18 @@ def _resolve(
         else:
             fs, root = get_filesystem(paths, storage_options, allow_redirects=allow_external_paths)
         where = os.fspath(paths)
-        if not any(ch in root for ch in "*?[") and remote.call(
-            fs, "isdir", root, url=where, what="listing"
-        ):
+        if not any(ch in root for ch in "*?[") and remote.isdir(fs, root, url=where):
             manifest = read_manifest(fs, root)
             if manifest is not None:
-                files = [
-                    _shard_path(fs, root, s.path, where, allow_external_paths, k)
-                    for k, s in enumerate(manifest.shards)
-                ]
-                missing = [
-                    f
-                    for f in files[:1] + files[-1:]
-                    if not remote.call(fs, "exists", f, url=f, what="size lookup")
-                ]
+                files = _shard_paths(
+                    fs, root, [s.path for s in manifest.shards], where, allow_external_paths
+                )
+                ends = sorted({0, len(files) - 1})
+                missing = [k for k in ends if not remote.exists(fs, files[k])]
                 if missing:
                     raise DatasetNotFoundError(
-                        f"shard {missing[0]!r} listed in the manifest of {where!r} does not exist"
+                        f"shard {missing[0]} {files[missing[0]]!r} listed in the manifest of "
+                        f"{where!r} does not exist"
                     )
                 return manifest, fs, files
     fs, files = expand_paths(
@@ -335,26 +343,25 @@ def _resolve(
     return None, fs, files
 
 
-def _shard_path(
+def _shard_paths(
     fs: fsspec.AbstractFileSystem,
     root: str,
-    name: str,
+    names: list[str],
     where: str,
     allow_external: bool,
-    shard: int = 0,
-) -> str:
-    """Where a manifest's shard ``name`` is: inside ``root`` unless the user allows more.
+) -> list[str]:
+    """Where a manifest's shards are: inside ``root`` unless the user allows more.
 
     A shard name is a relative path below the dataset directory, checked in every reading
-    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_inside`: ``..``
+    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_all`: ``..``
     segments, an absolute path or a URL would let an untrusted dataset read any file the
     process can. A symlink inside the directory is the user's own doing and is followed.
     """
-    return resolve_inside(
+    return resolve_all(
         fs,
         root,
-        name,
+        names,
         where=f"the manifest of {where!r}",
-        what=f"shard {shard}",
+        what=lambda k: f"shard {k}",
         allow_external=allow_external,
     )

@@ -103,11 +103,11 @@ def detect_format(
     for item in items:
         fs, p = get_filesystem(item, storage_options)
         where = os.fspath(item)
-        if not any(ch in p for ch in "*?[") and remote.call(fs, "isdir", p, url=where):
+        if not any(ch in p for ch in "*?[") and remote.isdir(fs, p, url=where):
             marked = [
                 f.name
                 for f in _FORMATS.values()
-                if f.marker and remote.call(fs, "isfile", f"{p.rstrip('/')}/{f.marker}", url=where)
+                if f.marker and remote.isfile(fs, f"{p.rstrip('/')}/{f.marker}")
             ]
             if marked:
                 found.update(marked)
