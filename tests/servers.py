@@ -324,15 +324,16 @@ FAULTS = (
 
 class _Fault:
     def __init__(
-        self, kind: str, times: int | None, match: str, method: str | None, params: dict[str, Any]
+        self,
+        kind: str,
+        times: int | None,
+        match: str,
+        method: str | None,
+        skip: int,
+        params: dict[str, Any],
     ) -> None:
-        self.kind, self.times, self.match, self.method, self.params = (
-            kind,
-            times,
-            match,
-            method,
-            params,
-        )
+        self.kind, self.times, self.match, self.method = kind, times, match, method
+        self.skip, self.params = skip, params
         self.hits = 0
 
 
@@ -451,7 +452,8 @@ class FaultProxy:
     ``endpoint_url``).
 
     :meth:`inject` queues a fault for the requests whose path contains ``match`` (and of
-    ``method``, when given), ``times`` times (``None``: every one). Kinds:
+    ``method``, when given), ``times`` times (``None``: every one), after letting the
+    first ``skip`` of them through. Kinds:
 
     * ``"stall"``: headers and the first ``after`` body bytes (default half), then
       nothing, the socket held open; ``"stall_headers"``: nothing at all;
@@ -505,12 +507,13 @@ class FaultProxy:
         times: int | None = 1,
         match: str = "",
         method: str | None = None,
+        skip: int = 0,
         **params: Any,
     ) -> None:
         if kind not in FAULTS:
             raise ValueError(f"unknown fault {kind!r}; known: {FAULTS}")
         with self._lock:
-            self._faults.append(_Fault(kind, times, match, method, params))
+            self._faults.append(_Fault(kind, times, match, method, skip, params))
 
     def clear(self) -> None:
         """Drop the queued faults (stalled connections stay stalled until :meth:`close`)."""
@@ -544,6 +547,9 @@ class FaultProxy:
                     f.method is not None and f.method != method
                 ):
                     continue
+                if f.skip > 0:
+                    f.skip -= 1  # let this one through untouched
+                    return None
                 f.hits += 1
                 return f
         return None

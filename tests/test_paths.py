@@ -567,6 +567,23 @@ def test_a_redirect_out_of_the_url_asked_for_is_refused_before_it_is_followed(ht
         http_www.redirects.clear()
 
 
+@pytest.mark.parametrize("fmt", ["parquet", "array_record"])
+def test_a_redirect_that_appears_after_opening_is_refused_too(http_www, fmt):
+    if fmt == "parquet":
+        src = tg.ParquetSource([f"{http_www.url}/flat/a.parquet"], cache_bytes=0)
+        http_www.redirects["/flat/a.parquet"] = "/secret/b.parquet"
+    else:
+        src = tg.ArrayRecordSource(f"{http_www.url}/ds", cache_bytes=0)
+        http_www.redirects["/ds/data-00001-of-00002.array_record"] = f"/{SECRET}"
+    http_www.reset_counts()
+    try:
+        with pytest.raises(tg.UnsafePathError, match="redirects to"):
+            src.__getitems__([2])
+        assert _requested_secret(http_www.log) == []
+    finally:
+        http_www.redirects.clear()
+
+
 def test_a_directory_redirect_to_its_own_url_with_a_slash_is_followed(http_www):
     http_www.redirects["/flat"] = "/flat/"
     try:

@@ -171,6 +171,16 @@ async def _on_redirect(session: Any, context: Any, params: Any) -> None:
 
 
 # ------------------------------------------------------------------------- requests
+def _raise_refusal(exc: BaseException) -> None:
+    """Raise the refused redirect that fsspec reports as "not found" (its HTTP ``info``
+    turns every failure into FileNotFoundError), so it is not taken for a missing file."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, UnsafePathError):
+            raise type(cause)(*cause.args) from exc
+        cause = cause.__cause__ or cause.__context__
+
+
 def _deadline_call(
     fs: AsyncFileSystem,
     method: str,
@@ -189,6 +199,9 @@ def _deadline_call(
         )
     try:
         return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=seconds, **kwargs)
+    except FileNotFoundError as e:
+        _raise_refusal(e)
+        raise
     except FSTimeoutError as e:
         limit = (
             f"its {own:.3g} s limit (RetryPolicy.request_timeout)"
@@ -253,11 +266,6 @@ def _info_or_none(fs: fsspec.AbstractFileSystem, path: str, url: str | None) -> 
     except FileNotFoundError as e:
         if is_transient(e):
             raise  # inside an operation: it retries (fsspec reports a 503 on HEAD this way)
-        cause: BaseException | None = e
-        while cause is not None:  # a refused redirect, reported by fsspec as "not found"
-            if isinstance(cause, UnsafePathError):
-                raise cause from None
-            cause = cause.__cause__ or cause.__context__
         return None
 
 

@@ -381,11 +381,6 @@ def _permanent(exc: BaseException, url: str, what: str) -> BaseException | None:
     status = http_status(exc)
     if isinstance(exc, TorchgrainError):
         return None
-    for e in _chain(exc):
-        if isinstance(e, TorchgrainError):
-            # A torchgrain error wrapped by a transport (fsspec reports any failure of an
-            # HTTP HEAD as FileNotFoundError): raise the one that says what happened.
-            return type(e)(*e.args)
     if status in (404, 410) or (
         status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
     ):

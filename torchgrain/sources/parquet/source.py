@@ -28,7 +28,12 @@ import pyarrow.parquet as pq
 
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, local_counters
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RemoteIOError,
+    UnsafePathError,
+)
 from torchgrain.io import remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call, using
@@ -288,6 +293,8 @@ class ParquetSource(ShardedSource):
         except (pa.ArrowException, OSError, ValueError) as e:
             if handle is not None:
                 handle.close()
+            if isinstance(e, UnsafePathError):  # a refused redirect: not a corrupt file
+                raise
             raise CorruptDataError(
                 f"cannot open Parquet shard {path!r} (shard {shard} of {self.num_shards}): {e}"
             ) from e
@@ -609,7 +616,7 @@ class ParquetSource(ShardedSource):
 
         try:
             table = self._io(read, shard, f"read of row group {local} (record index {index})")
-        except (RemoteIOError, DatasetNotFoundError, PermissionError):
+        except (RemoteIOError, DatasetNotFoundError, PermissionError, UnsafePathError):
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptDataError(
