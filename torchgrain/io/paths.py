@@ -40,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import re
 import unicodedata
@@ -147,7 +148,7 @@ def _check(text: object, *, relative: bool, http: bool) -> None:
         raise _Unsafe(f"is a {type(text).__name__}, not a string")
     if not text:
         raise _Unsafe("is empty")
-    if relative and _PLAIN.fullmatch(text):
+    if _PLAIN.fullmatch(text if relative else text.strip("/")):
         return  # no segment starts with ".", no escape, no special character
     try:
         readings = _readings(text)
@@ -209,19 +210,43 @@ def _location_key(fs: Any, location: str, *, trusted: bool) -> tuple[tuple, tupl
         path = parts.path
     else:
         authority = ()
-        path = fs._strip_protocol(location)
+        # An absolute path is already in the form listings give (and stripping is not free)
+        path = location if location.startswith("/") else fs._strip_protocol(location)
     if not trusted:
         _check(path or "/", relative=False, http=http)
     text = path
-    for _ in range(MAX_DECODINGS):
-        decoded = unquote(text)
-        if decoded == text:
-            break
-        text = decoded
-    text = unicodedata.normalize("NFC", text)
+    if "%" in text or not text.isascii():
+        for _ in range(MAX_DECODINGS):
+            decoded = unquote(text)
+            if decoded == text:
+                break
+            text = decoded
+        text = unicodedata.normalize("NFC", text)
     if trusted:
         text = posixpath.normpath("/" + text)
     return authority, tuple(s for s in text.split("/") if s)
+
+
+@functools.lru_cache(maxsize=256)
+def _root_key(cls: type, protocol: Any, root: str) -> tuple[tuple, tuple[str, ...]]:
+    """A root's key (the same for every listed location compared with it)."""
+    return _location_key(_Kind(cls, protocol), root, trusted=True)
+
+
+class _Kind:
+    """What :func:`_location_key` needs of a filesystem: its class's protocol and path
+    stripping (both class-level in fsspec), without holding the instance."""
+
+    def __init__(self, cls: type, protocol: Any) -> None:
+        self._cls, self.protocol = cls, protocol
+
+    def _strip_protocol(self, path: str) -> str:
+        return self._cls._strip_protocol(path)
+
+
+def _key_of_root(fs: Any, root: str) -> tuple[tuple, tuple[str, ...]]:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return _root_key(type(fs), protocol, root)
 
 
 def is_inside(fs: Any, root: str, location: str) -> bool:
@@ -241,7 +266,7 @@ def is_inside(fs: Any, root: str, location: str) -> bool:
         auth, segs = _location_key(fs, location, trusted=False)
     except _Unsafe:
         return False
-    root_auth, root_segs = _location_key(fs, root, trusted=True)
+    root_auth, root_segs = _key_of_root(fs, root)
     return auth == root_auth and segs[: len(root_segs)] == root_segs
 
 
@@ -260,7 +285,7 @@ def confine(fs: Any, root: str, location: str, *, where: str, what: str = "file"
     """
     try:
         auth, segs = _location_key(fs, location, trusted=False)
-        root_auth, root_segs = _location_key(fs, root, trusted=True)
+        root_auth, root_segs = _key_of_root(fs, root)
         if auth != root_auth:
             raise _Unsafe("is on another host or scheme")
         if segs[: len(root_segs)] != root_segs:
