@@ -223,7 +223,8 @@ class ShardedSource(Source):
     * ``io_threads``: threads per process that read the remote shards of one batch
       concurrently (1 = sequential; local shards are read in the calling thread);
     * ``retry``: a :class:`~torchgrain.io.retry.RetryPolicy` for remote reads and
-      downloads;
+      downloads: attempts and their deadlines (connect, between bytes, per request, per
+      operation);
     * ``max_open_files``: readers kept open per process (least recently used closed
       first; ``None``: no limit).
     """
