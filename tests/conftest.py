@@ -41,3 +41,18 @@ def small_dataset(tmp_path):
     d = tmp_path / "ds"
     tg.write_array_record(recs, d, num_shards=3)
     return str(d), recs
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """One moto S3 server for the session (it takes seconds to start): ``(client, endpoint)``.
+
+    Tests create their own buckets in it.
+    """
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    from tests.servers import start_moto_s3
+
+    server, endpoint = start_moto_s3()
+    yield boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1"), endpoint
+    server.stop()

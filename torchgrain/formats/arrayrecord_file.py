@@ -57,7 +57,7 @@ import zstandard
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.formats._highwayhash import riegeli_hash
-from torchgrain.io import process
+from torchgrain.io import process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
@@ -830,7 +830,7 @@ class ArrayRecordFile:
             tail = view
         else:
             try:
-                size = int(self._fs.size(self._path))
+                size = int(remote.call(self._fs, "size", self._path, url=self._url))
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"{self._where()} does not exist") from e
             if size < _BLOCK:
@@ -839,7 +839,9 @@ class ArrayRecordFile:
                     "postscript block (truncated?)"
                 )
             tail_start = max(0, size - _REMOTE_TAIL)
-            tail = memoryview(self._fs.cat_file(self._path, start=tail_start, end=size))
+            tail = memoryview(
+                remote.cat_file(self._fs, self._path, tail_start, size, url=self._url)
+            )
             if len(tail) != size - tail_start:
                 raise self._corrupt("file changed size while it was being opened")
 

@@ -59,8 +59,9 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import RecordDecodeError
+from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.tf_example import decode_tf_example
+from torchgrain.io import remote
 
 __all__ = ["TFDSCodec", "check_single_split", "read_tfds_features", "tfds_codec_for"]
 
@@ -73,13 +74,25 @@ _SHARD_RE = re.compile(
 )
 
 
+#: Bytes read of a TFDS metadata file at most (real ones are a few KiB to a few MiB).
+MAX_METADATA_BYTES = 64 << 20
+
+
 def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
-    try:
-        if not fs.isfile(path):
-            return None
-        return json.loads(fs.cat_file(path))
-    except (OSError, ValueError):
+    """A TFDS metadata file, parsed; None when there is none.
+
+    A file that is there but is not JSON (or too large, or nested without end) is the
+    dataset's error, not a reason to decode its records differently: CorruptDataError.
+    """
+    if not remote.isfile(fs, path):
         return None
+    text = remote.cat_file(fs, path, url=path, what="metadata read", limit=MAX_METADATA_BYTES)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise CorruptDataError(f"TFDS metadata {path}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise CorruptDataError(f"TFDS metadata {path} is not JSON: {e}") from None
 
 
 def read_tfds_features(
@@ -149,7 +162,13 @@ def tfds_codec_for(
     if features is None:
         return None
     check_single_split(files, info)
-    return TFDSCodec(features, decode_images=decode_images)
+    try:
+        return TFDSCodec(features, decode_images=decode_images)
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CorruptDataError(
+            f"TFDS features of {directory} ({FEATURES_JSON}) are not a feature spec "
+            f"torchgrain can read: {type(e).__name__}: {e}"
+        ) from None
 
 
 # --------------------------------------------------------------------------- the spec

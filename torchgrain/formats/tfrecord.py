@@ -46,7 +46,8 @@ from typing import IO, Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.io import remote
 from torchgrain.io.fs import PathLike, get_filesystem, is_local
 
 __all__ = [
@@ -157,7 +158,7 @@ def _open_stream(
     fs: fsspec.AbstractFileSystem, path: str, compression: str
 ) -> tuple[IO[bytes], IO[bytes]]:
     """Open ``path`` for reading; returns (stream of record bytes, underlying file)."""
-    raw = fs.open(path, "rb")
+    raw = remote.open_input(fs, path)  # remote reads with deadlines and checked lengths
     if compression == "gzip":
         return _GzipStream(raw, path), raw
     if compression == "zlib":
@@ -243,7 +244,9 @@ def _resolve(
 
 def _file_size(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
     try:
-        size = fs.size(path)
+        size = remote.call(fs, "size", path, what="size lookup")
+    except TorchgrainError:  # the server failed for good (RemoteIOError): say so now
+        raise
     except Exception:  # some filesystems cannot stat cheaply; fall back to EOF checks
         return None
     return int(size) if size is not None else None
@@ -413,7 +416,7 @@ def index_tfrecord(
         raise CorruptDataError(f"{name}: cannot determine the file size")
     offsets: list[int] = []
     unpack = _HEADER.unpack
-    with fs.open(p, "rb") as f:
+    with remote.open_input(fs, p, url=name) as f:
         if is_local(fs) or size <= _READ_SIZE:
             # Local files go through the OS page cache; remote small files in one read.
             _index_buffered(f, name, size, verify, offsets)
@@ -503,7 +506,7 @@ def read_tfrecord_at(
     """
     if isinstance(source, (str, os.PathLike)):
         fs, p = _resolve(source, filesystem)
-        with fs.open(p, "rb") as f:
+        with remote.open_input(fs, p, url=os.fspath(source)) as f:
             return read_tfrecord_at(
                 f,
                 offset,

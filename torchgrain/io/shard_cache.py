@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io import remote
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -263,13 +264,15 @@ class ShardCache:
             self._remove_stale_tmp(path)
             fs = filesystem
             if fs is None:
-                fs, rpath = get_filesystem(url)
+                fs, rpath = get_filesystem(url, retry=self.retry)
             else:
                 rpath = fs._strip_protocol(url)
             if size is None or size < 0:
                 size = int(
                     retry_call(
-                        fs.size,
+                        remote.call,
+                        fs,
+                        "size",
                         rpath,
                         url=url,
                         policy=self.retry,
@@ -392,7 +395,8 @@ class ShardCache:
     def _download(
         self, fs: fsspec.AbstractFileSystem, rpath: str, tmp: str, size: int, url: str
     ) -> None:
-        fs.get_file(rpath, tmp)
+        # With a deadline that grows with the size (torchgrain.io.remote).
+        remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
         got = os.path.getsize(tmp)
         if got < size:
             raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import posixpath
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -11,11 +10,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import (
-    CorruptDataError,
-    DatasetNotFoundError,
-    UnsafePathError,
-)
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.arrayrecord_file import (
     DEFAULT_MAX_CHUNK_BYTES,
     ArrayRecordFile,
@@ -26,8 +21,10 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
+from torchgrain.io import remote
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
-from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.paths import resolve_all
+from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
@@ -80,13 +77,16 @@ class ArrayRecordSource(EncodedSource):
             concurrently, overlapping request latency (1 = sequential), and the shard
             read-ahead's concurrent downloads. Local shards are always read in the
             calling thread.
-        retry: retry policy for remote reads and downloads (default
-            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff).
+        retry: retry policy and deadlines of remote reads and downloads (default
+            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff;
+            a read that makes no progress fails within 90 s).
         max_open_files: readers kept open per process (default: all; a local reader is
             a memory map and holds no file descriptor).
-        allow_external_paths: a manifest may name shards outside the dataset's directory
-            (absolute paths, ``..``, other URLs). Off by default: a dataset from an
-            untrusted place must not pull other files into your batches.
+        allow_external_paths: a manifest (or a server's directory listing) may name
+            shards outside the dataset's directory (absolute paths, ``..``, other URLs),
+            and an HTTP(S) server may redirect. Off by default: a dataset from an
+            untrusted place must not pull other files into your batches, nor make this
+            process request other URLs (see :mod:`torchgrain.io.paths`).
 
     Opening reads the manifest (one small file) or, without one, every shard's footer
     (in parallel). No file handle is kept in the object: each process opens its own
@@ -135,7 +135,8 @@ class ArrayRecordSource(EncodedSource):
         self._verify = verify_checksums
         self.max_chunk_bytes = max_chunk_bytes
         retry = retry or RetryPolicy()
-        manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
+        with using(retry):  # the transport and open-time requests keep to its deadlines
+            manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
         if manifest is not None:
             counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
         elif not is_local(fs):
@@ -183,7 +184,20 @@ class ArrayRecordSource(EncodedSource):
             verify_checksums=self._verify,
             max_chunk_bytes=self.max_chunk_bytes,
         )
-        self._check_count(shard, f)
+        try:
+            self._check_count(shard, f)
+        except (IsADirectoryError, NotADirectoryError) as e:
+            f.close()
+            raise CorruptDataError(
+                f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
+            ) from e
+        except FileNotFoundError as e:
+            f.close()
+            if isinstance(e, DatasetNotFoundError):
+                raise
+            raise DatasetNotFoundError(
+                f"shard {shard} {path!r} of this dataset does not exist ({e})"
+            ) from e
         return f
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
@@ -321,19 +335,20 @@ def _resolve(
         if filesystem is not None:
             fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
         else:
-            fs, root = get_filesystem(paths, storage_options)
-        if not any(ch in root for ch in "*?[") and fs.isdir(root):
+            fs, root = get_filesystem(paths, storage_options, allow_redirects=allow_external_paths)
+        where = os.fspath(paths)
+        if not any(ch in root for ch in "*?[") and remote.isdir(fs, root, url=where):
             manifest = read_manifest(fs, root)
             if manifest is not None:
-                where = os.fspath(paths)
-                files = [
-                    _shard_path(fs, root, s.path, where, allow_external_paths)
-                    for s in manifest.shards
-                ]
-                missing = [f for f in files[:1] + files[-1:] if not fs.exists(f)]
+                files = _shard_paths(
+                    fs, root, [s.path for s in manifest.shards], where, allow_external_paths
+                )
+                ends = sorted({0, len(files) - 1})
+                missing = [k for k in ends if not remote.exists(fs, files[k])]
                 if missing:
                     raise DatasetNotFoundError(
-                        f"shard {missing[0]!r} listed in the manifest of {where!r} does not exist"
+                        f"shard {missing[0]} {files[missing[0]]!r} listed in the manifest of "
+                        f"{where!r} does not exist"
                     )
                 return manifest, fs, files
     fs, files = expand_paths(
@@ -342,34 +357,30 @@ def _resolve(
         storage_options=storage_options,
         filesystem=filesystem,
         kind="ArrayRecord",
+        allow_external=allow_external_paths,
     )
     return None, fs, files
 
 
-def _shard_path(
-    fs: fsspec.AbstractFileSystem, root: str, name: str, where: str, allow_external: bool
-) -> str:
-    """Where a manifest's shard ``name`` is: inside ``root`` unless the user allows more.
+def _shard_paths(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    names: list[str],
+    where: str,
+    allow_external: bool,
+) -> list[str]:
+    """Where a manifest's shards are: inside ``root`` unless the user allows more.
 
-    A shard name is a relative path below the dataset directory. ``..`` segments, an
-    absolute path or a URL would let an untrusted dataset read any file the process can.
-    A symlink inside the directory is the user's own doing and is followed as usual.
+    A shard name is a relative path below the dataset directory, checked in every reading
+    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_all`: ``..``
+    segments, an absolute path or a URL would let an untrusted dataset read any file the
+    process can. A symlink inside the directory is the user's own doing and is followed.
     """
-    external = (
-        "://" in name
-        or name.startswith(("/", "\\"))
-        or (len(name) > 1 and name[1] == ":")  # a Windows drive
-        or ".." in name.replace("\\", "/").split("/")
+    return resolve_all(
+        fs,
+        root,
+        names,
+        where=f"the manifest of {where!r}",
+        what=lambda k: f"shard {k}",
+        allow_external=allow_external,
     )
-    if external and not allow_external:
-        raise UnsafePathError(
-            f"the manifest of {where!r} names shard {name!r}, which is outside the dataset "
-            "directory; shard paths must be relative paths below it. If you trust this "
-            "dataset, open it with allow_external_paths=True"
-        )
-    if "://" in name:
-        return name
-    path = name if name.startswith("/") else posixpath.join(root, name)
-    if is_local(fs):
-        return posixpath.normpath(path)  # "sub/../x" must not need "sub" to exist
-    return fs.unstrip_protocol(path)

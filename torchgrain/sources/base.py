@@ -27,7 +27,7 @@ import fsspec
 import numpy as np
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.io import process
+from torchgrain.io import process, remote
 from torchgrain.io.fs import filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
@@ -223,7 +223,8 @@ class ShardedSource(Source):
     * ``io_threads``: threads per process that read the remote shards of one batch
       concurrently (1 = sequential; local shards are read in the calling thread);
     * ``retry``: a :class:`~torchgrain.io.retry.RetryPolicy` for remote reads and
-      downloads;
+      downloads: attempts and their deadlines (connect, between bytes, per request, per
+      operation);
     * ``max_open_files``: readers kept open per process (least recently used closed
       first; ``None``: no limit).
     """
@@ -333,7 +334,11 @@ class ShardedSource(Source):
                 self._sizes.update(self._listed_sizes())
                 size = self._sizes.get(shard)
             if size is None:
-                size = int(self._io(lambda: self._fs.size(self._paths[shard]), shard, "size"))
+                size = int(
+                    self._io(
+                        lambda: remote.call(self._fs, "size", self._paths[shard]), shard, "size"
+                    )
+                )
             self._sizes[shard] = size
         return size
 
@@ -349,7 +354,8 @@ class ShardedSource(Source):
         for parent, shards in where.items():
             try:
                 listing = {
-                    fs._strip_protocol(e["name"]): e.get("size") for e in fs.ls(parent, detail=True)
+                    fs._strip_protocol(e["name"]): e.get("size")
+                    for e in remote.call(fs, "ls", parent, detail=True, what="listing")
                 }
             except Exception:  # a store that cannot list: sizes are asked one by one
                 continue

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -36,9 +37,10 @@ from torchgrain.formats.tfrecord import (
     parse_frame,
     resolve_compression,
 )
+from torchgrain.io import remote as io_remote
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
-from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.encoded import EncodedSource
@@ -71,6 +73,9 @@ class TFRecordSource(EncodedSource):
             :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in memory.
         cache_dir, cache_dir_bytes, io_threads, retry, max_open_files: as for every
             sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
+        allow_external_paths: a directory listing (an HTTP(S) server's page) may name
+            files outside the directory, and an HTTP(S) server may redirect; off by
+            default (see :mod:`torchgrain.io.paths`).
 
     Example:
         >>> import os, tempfile, torchgrain as tg
@@ -102,27 +107,31 @@ class TFRecordSource(EncodedSource):
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        allow_external_paths: bool = False,
     ) -> None:
         if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
             raise TypeError(f"max_record_bytes must be an int, got {max_record_bytes!r}")
         if max_record_bytes < 0:
             raise ValueError(f"max_record_bytes must be >= 0, got {max_record_bytes}")
         self.max_record_bytes = max_record_bytes
-        fs, files = expand_paths(
-            paths,
-            suffixes=TFRECORD_SUFFIXES,
-            storage_options=storage_options,
-            filesystem=filesystem,
-            kind="TFRecord",
-        )
         retry = retry or RetryPolicy()
+        with using(retry):  # the transport and open-time requests keep to its deadlines
+            fs, files = expand_paths(
+                paths,
+                suffixes=TFRECORD_SUFFIXES,
+                storage_options=storage_options,
+                filesystem=filesystem,
+                kind="TFRecord",
+                allow_external=allow_external_paths,
+            )
         if index_dir is ...:
             index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
         self._verify = bool(verify_checksums)
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
-        offsets, sizes = _index_files(
-            fs, files, index_dir, retry, self._compressed, max_record_bytes
-        )
+        with using(retry):
+            offsets, sizes = _index_files(
+                fs, files, index_dir, retry, self._compressed, max_record_bytes
+            )
         counts = np.array([len(o) for o in offsets], dtype=np.int64)
         self._init_shards(
             filesystem=fs,
@@ -145,12 +154,13 @@ class TFRecordSource(EncodedSource):
         self._base = self.index.offsets[:-1] + np.arange(len(files), dtype=np.int64)
         for a in (self._bounds, self._base, self._compressed):
             a.setflags(write=False)
-        if isinstance(codec, str) and codec in ("auto", "tf_example"):
-            # TFDS output: decode per its features.json (images, shapes, scalars).
-            codec = tfds_codec_for(files, fs) or codec
-        self.codec: Codec = (
-            tfrecord_codec(files, fs, max_record_bytes) if codec == "auto" else get_codec(codec)
-        )
+        with using(retry):
+            if isinstance(codec, str) and codec in ("auto", "tf_example"):
+                # TFDS output: decode per its features.json (images, shapes, scalars).
+                codec = tfds_codec_for(files, fs) or codec
+            self.codec: Codec = (
+                tfrecord_codec(files, fs, max_record_bytes) if codec == "auto" else get_codec(codec)
+            )
 
     # ------------------------------------------------------------ the contract
     def _check_readable(self, shard: int, index: int) -> None:
@@ -315,10 +325,19 @@ def _index_files(
     def one(i: int) -> tuple[np.ndarray, int]:
         path = files[i]
         try:
-            info = fs.info(fs._strip_protocol(path)) if remote else os.stat(path)
+            info = (
+                io_remote.call(fs, "info", fs._strip_protocol(path), url=path, what="size lookup")
+                if remote
+                else os.stat(path)
+            )
         except FileNotFoundError:
             raise DatasetNotFoundError(f"TFRecord shard {i} {path!r} does not exist") from None
-        size = int(info["size"] if remote else info.st_size)
+        size = info.get("size") if remote else info.st_size
+        if not isinstance(size, int) or size < 0:
+            raise CorruptDataError(
+                f"TFRecord shard {i} {path!r}: the server reports no size ({size!r}); "
+                "random access needs one"
+            )
         stamp = _stamp(info) if remote else f"{info.st_mtime_ns}"
         cached = _cache_file(index_dir, path, size, stamp)
         if cached is not None and os.path.exists(cached):
@@ -360,7 +379,9 @@ def _cache_file(
     if index_dir is None:
         return None
     key = hashlib.blake2b(f"{path}\0{size}\0{stamp}".encode(), digest_size=16).hexdigest()
-    name = os.path.basename(path.rstrip("/"))[-60:]
+    # The file's name, from the dataset, only makes the index's name readable: keep
+    # characters that cannot make it a path elsewhere.
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rstrip("/").rsplit("/", 1)[-1])[-60:]
     return os.path.join(os.fspath(index_dir), f"{key}-{name}.npy")
 
 

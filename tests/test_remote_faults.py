@@ -1,0 +1,421 @@
+"""A broken or hostile server never hangs a read, and never gets wrong bytes through.
+
+Every source reads through :class:`tests.servers.FaultProxy`, in front of a static HTTP
+server or of moto's S3 server. Each fault mode either ends in data byte-identical to a
+local read (the fault is retried) or, when it never stops, in a torchgrain error naming
+the URL, within the time the test's ``timeout`` mark states (small deadlines come from the
+tests' RetryPolicy; the defaults are checked without waiting for them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import torchgrain as tg
+from tests.conftest import make_records
+from tests.servers import FaultProxy, RangeHTTPServer
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfrecord import write_tfrecord
+from torchgrain.io.fs import get_filesystem
+from torchgrain.io.retry import RequestTimeout, RetryPolicy
+
+# Small deadlines. FAST rides through faults injected a few times (five attempts; a
+# response that sends nothing for 0.3 s is given up); GIVE_UP ends a fault that never
+# stops within its 1.2 s deadline.
+FAST = RetryPolicy(
+    attempts=5,
+    base_delay=0.01,
+    max_delay=0.05,
+    connect_timeout=2.0,
+    read_timeout=0.3,
+    request_timeout=3.0,
+    deadline=6.0,
+)
+GIVE_UP = RetryPolicy(
+    attempts=3,
+    base_delay=0.01,
+    max_delay=0.05,
+    connect_timeout=2.0,
+    read_timeout=0.2,
+    request_timeout=0.8,
+    deadline=1.2,
+)
+FORMATS = ("array_record", "parquet", "tfrecord")
+SUFFIX = {"array_record": ".array_record", "parquet": ".parquet", "tfrecord": ".tfrecord"}
+
+
+@pytest.fixture(scope="module")
+def www(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    recs = make_records(30, image_shape=(8, 8, 3))
+    tg.write_array_record(recs, root / "ar", num_shards=3)
+    (root / "pq").mkdir()
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        # 80 KB files: the footer read (the last 64 KiB) does not bring the first row group.
+        t = pa.table(
+            {"x": np.arange(k * 20, k * 20 + 20), "b": [rng.bytes(4000) for _ in range(20)]}
+        )
+        pq.write_table(t, root / "pq" / f"part-{k}.parquet", row_group_size=7)
+    (root / "tf").mkdir()
+    for k in range(2):
+        write_tfrecord(
+            [encode_tf_example({"x": [k * 10 + i], "pad": [b"y" * 300]}) for i in range(10)],
+            root / "tf" / f"part-{k}.tfrecord",
+        )
+    return root
+
+
+@pytest.fixture(scope="module")
+def proxy(www):
+    with RangeHTTPServer(www) as srv, FaultProxy(srv.url) as p:
+        yield p
+
+
+@pytest.fixture(autouse=True)
+def _no_faults_left(request, monkeypatch):
+    # A small read-ahead buffer: every Parquet row group is a request of its own (made
+    # on Arrow's I/O threads), as in files larger than the buffer.
+    monkeypatch.setattr("torchgrain.io.remote.REMOTE_BUFFER", 1024)
+    yield
+    if "proxy" in request.fixturenames:
+        request.getfixturevalue("proxy").clear()
+
+
+def _open(kind, base, **kw):
+    """A source over ``base`` (a URL or the local root) that reads the network on every
+    call (no decoded-block cache)."""
+    kw = {"retry": FAST, "io_threads": 1, **kw}
+    if kind == "array_record":
+        return tg.ArrayRecordSource(f"{base}/ar", cache_bytes=0, **kw)
+    if kind == "parquet":
+        return tg.ParquetSource(f"{base}/pq", cache_bytes=0, **kw)
+    return tg.TFRecordSource(f"{base}/tf", index_dir=None, **kw)
+
+
+def _local(kind, www):
+    return _open(kind, str(www))
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b))
+    return a == b
+
+
+APIS = {
+    "getitem": lambda src, idx: [src[i] for i in idx],
+    "getitems": lambda src, idx: src.__getitems__(idx),
+    "read_columns": lambda src, idx: src.read_columns(idx),
+}
+
+
+def _check(api, got, want):
+    if api == "read_columns":
+        assert _same(got.records(), want.records())
+    else:
+        assert _same(got, want)
+
+
+# Faults that a retry gets through; each is injected once per read call.
+RECOVERABLE = {
+    "stall": {"kind": "stall"},
+    "stall-before-headers": {"kind": "stall_headers"},
+    "slow-trickle": {"kind": "trickle", "step": 2048, "pause": 0.02},
+    "cut-short": {"kind": "truncate", "times": 2},
+    "reset": {"kind": "reset", "times": 2},
+    "500-burst": {"kind": "status", "code": 500, "times": 3},
+    "503-burst": {"kind": "status", "code": 503, "times": 3},
+    "length-longer-then-close": {"kind": "longer"},
+    "length-longer-then-silence": {"kind": "longer", "close": False},
+    "length-shorter": {"kind": "shorter", "times": 2},
+    "range-ignored": {"kind": "ignore_range"},
+}
+
+
+def _rotation(k: int) -> list[tuple[str, str]]:
+    """The three formats, each with one of the three APIs, rotated by ``k``: over the
+    fault modes every format meets every API."""
+    apis = list(APIS)
+    return [(fmt, apis[(i + k) % 3]) for i, fmt in enumerate(FORMATS)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", list(RECOVERABLE))
+def test_a_fault_that_stops_is_retried_and_the_data_is_byte_identical(www, proxy, fault):
+    spec = dict(RECOVERABLE[fault])
+    kind = spec.pop("kind")
+    times = spec.pop("times", 1)
+    for fmt, api in _rotation(list(RECOVERABLE).index(fault)):
+        src, local = _open(fmt, proxy.url), _local(fmt, www)
+        n = len(src)
+        idx = [n - 1, 0, n // 2, 3]
+        proxy.clear()
+        proxy.inject(kind, times=times, match=SUFFIX[fmt], method="GET", **spec)
+        _check(api, APIS[api](src, idx), APIS[api](local, idx))
+        assert proxy.hits() == times, (fmt, api)
+
+
+# Faults that never stop: each read ends in a RemoteIOError naming the file.
+PERMANENT = {
+    "stall": ({"kind": "stall"}, "Timeout"),
+    "stall-before-headers": ({"kind": "stall_headers"}, "Timeout"),
+    "trickle": ({"kind": "trickle", "step": 1, "pause": 0.1}, "RequestTimeout"),
+    "cut-short": ({"kind": "truncate"}, "Payload|ContentLength|ResponseSize|Disconnect"),
+    "503": ({"kind": "status", "code": 503}, "HTTP 503"),
+    "length-shorter": ({"kind": "shorter"}, "ResponseSizeError"),
+    "range-ignored": ({"kind": "ignore_range"}, "does not honour Range"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", list(PERMANENT))
+def test_a_fault_that_never_stops_ends_in_a_remote_io_error_naming_the_file(www, proxy, fault):
+    spec, cause = PERMANENT[fault]
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    cases = _rotation(list(PERMANENT).index(fault))
+    for fmt, api in cases if fault == "stall" else cases[:1]:
+        src = _open(fmt, proxy.url, retry=GIVE_UP)
+        proxy.clear()
+        proxy.inject(kind, times=None, match=SUFFIX[fmt], method="GET", **spec)
+        start = time.monotonic()
+        with pytest.raises(tg.RemoteIOError) as ei:
+            APIS[api](src, [1])
+        took = time.monotonic() - start
+        message = str(ei.value)
+        assert re.search(rf"{re.escape(proxy.url)}/\w+/[^ ]*{re.escape(SUFFIX[fmt])}", message)
+        assert re.search(cause, message), message
+        # The policy's 1.2 s deadline, with slack for a busy machine: never a hang.
+        assert took < GIVE_UP.deadline + 20, took
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_open_ends_in_an_error_naming_the_manifest(proxy):
+    proxy.inject("stall", times=None, match="torchgrain.json", method="GET")
+    with pytest.raises(tg.RemoteIOError, match=r"ar/torchgrain\.json"):
+        tg.ArrayRecordSource(f"{proxy.url}/ar", retry=GIVE_UP)
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_footer_read_at_open_ends_in_an_error_naming_the_file(proxy):
+    proxy.inject("stall", times=None, match=".parquet", method="GET")
+    with pytest.raises(tg.RemoteIOError, match=r"pq/part-\d\.parquet"):
+        tg.ParquetSource(f"{proxy.url}/pq", retry=GIVE_UP)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["array_record", "parquet"])
+def test_a_shard_cache_download_gets_through_faults_and_ends_clearly_on_a_stall(
+    www, proxy, tmp_path, fmt
+):
+    cache = {"cache_dir_bytes": 1 << 30, "read_ahead_bytes": 0}
+    src = _open(fmt, proxy.url, cache_dir=tmp_path / "c", **cache)
+    local = _local(fmt, www)
+    for kind in ("truncate", "stall", "shorter", "longer"):
+        proxy.clear()
+        proxy.inject(kind, times=1, match=SUFFIX[fmt], method="GET")
+        shard = ["truncate", "stall", "shorter", "longer"].index(kind) % src.num_shards
+        first = int(src.shard_counts[:shard].sum())
+        assert _same(src[first], local[first])
+    src = _open(fmt, proxy.url, cache_dir=tmp_path / "c2", retry=GIVE_UP, **cache)
+    proxy.clear()
+    proxy.inject("stall", times=None, match=SUFFIX[fmt], method="GET")
+    with pytest.raises(tg.RemoteIOError, match=rf"download of .*{re.escape(SUFFIX[fmt])}"):
+        src[0]
+    assert not [f for f in os.listdir(tmp_path / "c2") if f.startswith(".tmp-")]
+
+
+def _collect(loader):
+    return [r for batch in loader for r in batch]
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_worker_does_not_stall_the_loader(www, proxy):
+    local = _local("array_record", www)
+
+    def loader(src):
+        src[0]  # used in the parent first, as users do
+        return torch.utils.data.DataLoader(
+            tg.Dataset(src),
+            batch_size=5,
+            num_workers=2,
+            multiprocessing_context="fork",
+            collate_fn=lambda b: b,
+        )
+
+    # A stall in each worker now and then: retried, every record arrives intact.
+    patient = loader(_open("array_record", proxy.url))
+    proxy.inject("stall", times=2, match=".array_record", method="GET")
+    assert _same(_collect(patient), local.__getitems__(list(range(len(local)))))
+    # A server that stalls for good: the loader raises in the training loop, naming
+    # the file, instead of waiting forever for its workers.
+    impatient = loader(_open("array_record", proxy.url, retry=GIVE_UP))
+    proxy.clear()
+    proxy.inject("stall", times=None, match=".array_record", method="GET")
+    with pytest.raises(tg.RemoteIOError, match=r"ar/data-\d+-of-\d+\.array_record"):
+        _collect(impatient)
+
+
+# ----------------------------------------------------------------------------- S3
+@pytest.fixture(scope="module")
+def s3_proxy(www, moto_s3):
+    client, endpoint = moto_s3
+    client.create_bucket(Bucket="faults")
+    for sub in ("ar", "pq"):
+        for f in sorted(os.listdir(www / sub)):
+            client.upload_file(str(www / sub / f), "faults", f"{sub}/{f}")
+    with FaultProxy(endpoint) as p:
+        yield p
+
+
+def _s3(kind, proxy, retry=FAST):
+    opts = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing"}
+    kw = {"storage_options": opts, "retry": retry, "io_threads": 1, "cache_bytes": 0}
+    if kind == "array_record":
+        return tg.ArrayRecordSource("s3://faults/ar", **kw)
+    return tg.ParquetSource("s3://faults/pq", **kw)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fmt", ["array_record", "parquet"])
+def test_s3_reads_get_through_faults_and_end_clearly_when_the_store_stalls(www, s3_proxy, fmt):
+    src, local = _s3(fmt, s3_proxy), _local(fmt, www)
+    idx = [len(src) - 1, 0, 5]
+    for kind, extra in (("status", {"code": 503, "times": 2}), ("truncate", {}), ("stall", {})):
+        s3_proxy.clear()
+        s3_proxy.inject(kind, match=SUFFIX[fmt], method="GET", **extra)
+        assert _same(src.__getitems__(idx), local.__getitems__(idx)), kind
+    src = _s3(fmt, s3_proxy, retry=GIVE_UP)
+    s3_proxy.clear()
+    s3_proxy.inject("stall", times=None, match=SUFFIX[fmt], method="GET")
+    with pytest.raises(
+        tg.RemoteIOError,
+        match=rf"faults/{'ar' if fmt == 'array_record' else 'pq'}/.*{re.escape(SUFFIX[fmt])}",
+    ):
+        src.__getitems__([2])
+
+
+# --------------------------------------------------------------- the deadlines
+def test_the_default_deadlines_are_finite_and_reach_the_transports():
+    p = RetryPolicy()
+    assert (p.connect_timeout, p.read_timeout, p.request_timeout, p.deadline) == (10, 20, 60, 90)
+    assert p.min_rate == 1 << 20
+    # A read that makes no progress: every attempt ends by the read timeout, and the
+    # operation (all attempts, all waits) by the deadline: under two minutes.
+    assert p.read_timeout < p.deadline < 120
+    http_fs, _ = get_filesystem("http://127.0.0.1:9/x")
+    timeout = http_fs.client_kwargs["timeout"]
+    assert (timeout.sock_connect, timeout.sock_read, timeout.total) == (10, 20, None)
+    pytest.importorskip("s3fs")
+    s3_fs, _ = get_filesystem("s3://b/x", {"endpoint_url": "http://127.0.0.1:9", "anon": True})
+    assert s3_fs.config_kwargs["connect_timeout"] == 10
+    assert s3_fs.config_kwargs["read_timeout"] == 20
+
+
+def test_the_defaults_are_what_the_readme_states():
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Errors") :]
+    section = section[: section.index("\n## ", 4)]
+    p = RetryPolicy()
+    for name, value in (
+        ("connect_timeout", p.connect_timeout),
+        ("read_timeout", p.read_timeout),
+        ("request_timeout", p.request_timeout),
+        ("deadline", p.deadline),
+    ):
+        assert re.search(rf"`{name}`[^|\n]*\b{value:g} s", section), name
+
+
+def test_settings_the_user_gave_are_kept():
+    import aiohttp
+
+    mine = aiohttp.ClientTimeout(total=5)
+    fs, _ = get_filesystem("http://127.0.0.1:9/y", {"client_kwargs": {"timeout": mine}})
+    assert fs.client_kwargs["timeout"] is mine
+    pytest.importorskip("s3fs")
+    s3_fs, _ = get_filesystem(
+        "s3://b/y", {"endpoint_url": "http://127.0.0.1:9", "config_kwargs": {"read_timeout": 3}}
+    )
+    assert s3_fs.config_kwargs["read_timeout"] == 3
+
+
+def test_a_sources_retry_policy_sets_its_transport_timeouts(proxy):
+    src = _open("array_record", proxy.url)
+    timeout = src._fs.client_kwargs["timeout"]
+    assert (timeout.sock_connect, timeout.sock_read) == (FAST.connect_timeout, FAST.read_timeout)
+
+
+@pytest.mark.timeout(60)
+def test_the_operation_deadline_cuts_retries_short(proxy):
+    patient = RetryPolicy(
+        attempts=1000, base_delay=0.01, max_delay=0.01, read_timeout=0.2, deadline=1
+    )
+    src = tg.ArrayRecordSource(f"{proxy.url}/ar", retry=patient, io_threads=1)
+    proxy.inject("stall", times=None, match=".array_record", method="GET")
+    with pytest.raises(tg.RemoteIOError, match="its 1 s deadline passed") as ei:
+        src[0]
+    attempts = int(re.search(r"after (\d+) attempts", str(ei.value)).group(1))
+    assert 1 < attempts < 1000
+
+
+def test_invalid_deadlines_are_refused():
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="read_timeout"):
+            RetryPolicy(read_timeout=bad)
+    with pytest.raises(TypeError):
+        RetryPolicy(deadline="90")  # type: ignore[arg-type]
+
+
+def test_a_request_timeout_is_transient():
+    from torchgrain.io.retry import is_transient
+
+    assert is_transient(RequestTimeout("x"))
+
+
+@pytest.mark.timeout(60)
+def test_parquet_reads_on_arrows_threads_keep_to_the_sources_policy(proxy):
+    """Arrow reads row groups on its own I/O threads: they must still be single attempts
+    of the source's operation (else a policy of one attempt would be silently retried)."""
+    once = RetryPolicy(attempts=1, read_timeout=0.3, request_timeout=2, deadline=4)
+    src = _open("parquet", proxy.url, retry=once)
+    # The reader's footer read (this thread) goes through; the row group's (Arrow's) stalls.
+    proxy.inject("stall", times=1, skip=1, match=".parquet", method="GET")
+    with pytest.raises(tg.RemoteIOError, match="after 1 attempt "):
+        src.__getitems__([3])
+    assert proxy.hits() == 1
+
+
+@pytest.mark.timeout(60)
+def test_opening_keeps_to_the_sources_policy_on_its_threads(www, proxy):
+    """Shard footers are read on a pool of threads at open: one attempt means one."""
+    once = RetryPolicy(attempts=1, read_timeout=0.3, request_timeout=2, deadline=4)
+    proxy.inject("status", times=1, code=503, match=".array_record", method="GET")
+    with pytest.raises(tg.RemoteIOError, match="HTTP 503"):
+        tg.ArrayRecordSource(f"{proxy.url}/ar/*.array_record", retry=once)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("kind", ["status", "reset"])
+def test_a_server_failing_at_open_is_retried_not_taken_for_a_missing_dataset(www, proxy, fmt, kind):
+    """fsspec's own probes say "does not exist" for a 503 (HTTP ``exists``) or a
+    timeout (``isdir``): every probe of the dataset's files and directories must retry."""
+    proxy.inject(kind, times=3)  # the first requests of the open, whatever they are
+    src = _open(fmt, proxy.url)
+    assert proxy.hits() == 3
+    local = _local(fmt, www)
+    assert _same(src.__getitems__([0, len(src) - 1]), local.__getitems__([0, len(src) - 1]))
