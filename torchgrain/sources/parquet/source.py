@@ -39,7 +39,7 @@ from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
+from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
 from torchgrain.sources.parquet.decoded_cache import (
     DEFAULT_DECODED_CACHE_BYTES,
@@ -442,6 +442,67 @@ class ParquetSource(ShardedSource):
         local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         return ColumnBatch(columns, num_rows=n)
 
+    @property
+    def io_stats(self) -> dict[str, int]:
+        """This process's I/O counters; with the decoded disk cache, its counters too
+        (``decoded_hits``: row groups mapped, ``decoded_builds``: decoded and written
+        by this process, ``decoded_waits``, ``decoded_corrupt``, ``decoded_evictions``,
+        ``decoded_bytes_written``, ``decoded_not_stored``)."""
+        out = super().io_stats
+        if self.decoded_cache is not None:
+            out.update({f"decoded_{k}": v for k, v in self.decoded_cache.stats.items()})
+        return out
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass goes through (see :meth:`check_cache_fit`): the in-memory
+        row-group cache, or with the decoded disk cache on, that (the in-memory one then
+        holds maps of it, no decoded data); and for remote files with ``cache_dir``, the
+        shard cache. Row groups cost their decoded size estimated from the footers."""
+        out = super().cache_blocks()
+        disk = self.decoded_cache
+        if disk is not None:
+            out.append(
+                CacheBlocks(
+                    cache="decoded disk cache",
+                    unit="row group",
+                    offsets=self._rg_offsets,
+                    nbytes=lambda g: self._rg_bytes[g],
+                    capacity=disk.max_bytes,
+                    per_process=False,
+                    remedies=(
+                        "raise decoded_cache_bytes above the working set (disk allowing)",
+                        "use BlockShuffleSampler (row groups in random order, rows "
+                        "shuffled within a window of a few: each decoded once a pass)",
+                        "convert to ArrayRecord (torchgrain convert SRC DST --to "
+                        "array_record): records read one by one, no row groups",
+                    ),
+                )
+            )
+        elif self.cache_bytes > 0:
+            overhead = 2048 + 512 * len(self._file_fields)  # a row group's RowViews
+            out.append(
+                CacheBlocks(
+                    cache="row-group cache",
+                    unit="row group",
+                    offsets=self._rg_offsets,
+                    nbytes=lambda g: self._rg_bytes[g] + overhead,
+                    capacity=self.cache_bytes,
+                    per_process=True,
+                    remedies=(
+                        "decoded_cache=True (each row group decoded once per machine "
+                        "into a memory-mapped disk cache, read at the in-memory rate "
+                        "after)",
+                        "use BlockShuffleSampler (row groups in random order, rows "
+                        "shuffled within a window of a few: each decoded once a pass)",
+                        "raise cache_bytes above the working set, memory allowing "
+                        "(every DataLoader worker holds its own)",
+                        "convert to ArrayRecord (torchgrain convert SRC DST --to "
+                        "array_record): records read one by one, no row groups",
+                    ),
+                )
+            )
+        return out
+
     def block_offsets(self) -> np.ndarray:
         """Global record offsets of the row groups (for :class:`BlockShuffleSampler`).
 
@@ -528,17 +589,11 @@ class ParquetSource(ShardedSource):
         )
 
         def build() -> pa.Table:
+            # Never publish what a file changed since the dataset was opened holds under
+            # the key of what it held then (checked before and after the decode).
+            self._check_unchanged(shard, index)
             table = self._decode(group, index)
-            if not self._remote:
-                # Never publish what a file changed since the dataset was opened holds
-                # under the key of what it held then.
-                path = self.paths[shard]
-                st = os.stat(path)
-                if (st.st_size, st.st_mtime_ns) != tuple(self._identities[shard][1:3]):
-                    raise CorruptDataError(
-                        f"Parquet shard {path!r} (shard {shard}) changed since the dataset "
-                        f"was opened (record index {index}): open it again"
-                    )
+            self._check_unchanged(shard, index)
             return table
 
         table, path = disk.get_or_build(
@@ -553,6 +608,18 @@ class ParquetSource(ShardedSource):
         entry = RowGroup(table, mapped_bytes=_MAPPED_BYTES, path=path)
         entry.touched = time.monotonic()
         return entry
+
+    def _check_unchanged(self, shard: int, index: int) -> None:
+        """Raise if a local file's size or modification time changed since opening."""
+        if self._remote:
+            return
+        path = self.paths[shard]
+        st = os.stat(path)
+        if (st.st_size, st.st_mtime_ns) != tuple(self._identities[shard][1:3]):
+            raise CorruptDataError(
+                f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
+                f"opened (record index {index}): open it again"
+            )
 
     def _decode(self, group: int, index: int) -> pa.Table:
         shard = int(self._rg_shard[group])
