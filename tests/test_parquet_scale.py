@@ -104,12 +104,19 @@ def entries(cache_dir):
 
 
 # ----------------------------------------------- records from the compact cache
-@pytest.mark.parametrize("disk", [False, True])
-def test_records_from_the_compact_cache_equal_the_old_conversion_for_every_type(tmp_path, disk):
-    path = write(str(tmp_path / "t.parquet"), all_types_table(), row_group_size=4)
-    expected = old_conversion(path)
-    cache = str(tmp_path / "decoded") if disk else False
-    src = tg.ParquetSource(path, decoded_cache=cache)
+def on_path(src, path):
+    """Make ``src`` build records from the compact data (``"built"``) or copy them from
+    row groups converted whole (``"converted"``, what it does when they fit the cache)."""
+    src._convert_rows = path == "converted"
+    return src
+
+
+@pytest.mark.parametrize("path", ["built", "converted", "mapped"])
+def test_records_from_the_compact_cache_equal_the_old_conversion_for_every_type(tmp_path, path):
+    file = write(str(tmp_path / "t.parquet"), all_types_table(), row_group_size=4)
+    expected = old_conversion(file)
+    cache = str(tmp_path / "decoded") if path == "mapped" else False
+    src = on_path(tg.ParquetSource(file, decoded_cache=cache), path)
     orders = [list(range(6)), [5, 0, 3, 1, 4, 2], [2], [4, 4, 1]]
     for order in orders:  # one batch each: a row's value never depends on the others
         got = src.__getitems__(order)
@@ -121,8 +128,9 @@ def test_records_from_the_compact_cache_equal_the_old_conversion_for_every_type(
     a = src[0]["vec"]
     a[:] = -1
     assert src[0]["vec"].tolist() == [1.0, 2.0]
-    if disk:
+    if path == "mapped":
         assert src.decoded_cache is not None and src.io_stats["decoded_builds"] == 2
+        assert not src._convert_rows  # data bigger than the cache is never converted
 
 
 _SCALARS = {
@@ -187,7 +195,10 @@ def test_records_equal_the_old_conversion_for_random_schemas(tmp_path_factory, d
         row_group_size=data.draw(st.integers(1, 5)),
     )
     expected = old_conversion(path)
-    src = tg.ParquetSource(path, decoded_cache=False)
+    src = on_path(
+        tg.ParquetSource(path, decoded_cache=False),
+        data.draw(st.sampled_from(["built", "converted"])),
+    )
     order = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12))
     for i, rec in zip(order, src.__getitems__(order)):
         assert list(rec) == kinds
@@ -199,24 +210,45 @@ def test_a_list_row_with_null_items_is_a_list_and_the_others_arrays(tmp_path):
     # The form of a row's value depends on that row alone, not on the rows read with it
     # (the whole row group used to turn into Python lists).
     t = pa.table({"v": pa.array([[1, None], [2], None, [3, 4]], pa.list_(pa.int64()))})
-    src = tg.ParquetSource(write(str(tmp_path / "n.parquet"), t), decoded_cache=False)
+    src = on_path(tg.ParquetSource(write(str(tmp_path / "n.parquet"), t)), "built")
     got = [r["v"] for r in src.__getitems__([0, 1, 2, 3])]
     assert got[0] == [1, None] and got[2] is None
     assert isinstance(got[1], np.ndarray) and got[1].tolist() == [2]
     assert isinstance(src[1]["v"], np.ndarray) and src[3]["v"].tolist() == [3, 4]
 
 
-def test_a_global_shuffle_bigger_than_the_cache_keeps_the_cache_compact(tmp_path):
-    # The records' Python objects are made per batch: the cache holds Arrow data only.
+def test_records_too_big_to_convert_are_built_from_a_compact_cache(tmp_path):
+    # Records converted whole would take ~180 KB: more than the cache, which then holds
+    # the Arrow data only, and builds the records' Python objects per batch.
     d = make_ids(tmp_path, files=2, rows=200, rg=50)
-    src = tg.ParquetSource(d, decoded_cache=False)
+    src = tg.ParquetSource(d, decoded_cache=False, cache_bytes=100_000)
+    assert not src._convert_rows
     src.__getitems__(range(len(src)))
     compact = src.cache_info().current_bytes
     arrow = sum(pq.read_table(os.path.join(d, f)).nbytes for f in os.listdir(d))
     assert compact < arrow + 8 * 8192  # the tables and their views' bookkeeping
     order = np.random.default_rng(0).permutation(len(src))
     check_ids(src.__getitems__(order), order.tolist())
-    assert src.cache_info().current_bytes == compact
+    info = src.cache_info()
+    assert info.current_bytes == compact and info.evictions == 0
+    # With room for them, row groups are converted whole once, and records copied.
+    roomy = tg.ParquetSource(d, decoded_cache=False)
+    assert roomy._convert_rows
+    check_ids(roomy.__getitems__(order), order.tolist())
+    assert roomy.cache_info().current_bytes > 2 * compact
+
+
+def test_conversion_stops_at_the_first_eviction(tmp_path):
+    # An estimate too low must not make converted row groups thrash the cache: a
+    # process converts no more once its cache has evicted (and reads stay right).
+    d = make_ids(tmp_path, files=2, rows=200, rg=50)
+    src = on_path(tg.ParquetSource(d, decoded_cache=False, cache_bytes=150_000), "converted")
+    order = np.random.default_rng(0).permutation(len(src))
+    for k in range(0, 400, 32):
+        check_ids(src.__getitems__(order[k : k + 32]), order[k : k + 32].tolist())
+    info = src.cache_info()
+    assert info.evictions >= 1 and info.current_bytes <= 150_000
+    assert info.misses <= 8 + 8  # each row group loaded again once, when it stopped
 
 
 # ------------------------------------------------------------ the decoded cache

@@ -114,18 +114,18 @@ class BlockCache:
 
     def get_many(self, keys: list[Hashable]) -> list[Any]:
         """:meth:`get` for several keys under one lock (``None`` for the absent ones)."""
-        out: list[Any] = []
         with self._lock:
-            entries = self._entries
-            for key in keys:
-                item = entries.get(key)
-                if item is None:
-                    self._misses += 1
-                    out.append(None)
-                else:
-                    entries.move_to_end(key)
-                    self._hits += 1
-                    out.append(item[0])
+            get = self._entries.get
+            refresh = self._entries.move_to_end
+            items = [get(key) for key in keys]
+            out = [None if item is None else item[0] for item in items]
+            hits = 0
+            for key, item in zip(keys, items):
+                if item is not None:
+                    refresh(key)
+                    hits += 1
+            self._hits += hits
+            self._misses += len(keys) - hits
         return out
 
     def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
@@ -160,6 +160,11 @@ class BlockCache:
         value, nbytes = load()
         self.put(key, value, nbytes)
         return value
+
+    @property
+    def evictions(self) -> int:
+        """Entries evicted so far (to make room for others)."""
+        return self._evictions
 
     def clear(self) -> None:
         """Drop every entry (the counters are kept)."""

@@ -43,6 +43,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import re
 import struct
 import threading
 import time
@@ -507,8 +508,11 @@ class DecodedCache:
                 self.stats[k] += v
 
 
+_KEY = re.compile(r"[0-9a-f]{32}")
+
+
 def _check_key(key: str) -> None:
-    if len(key) != 32 or any(c not in "0123456789abcdef" for c in key):
+    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
         raise ValueError(f"a decoded cache key is 32 lowercase hex digits, got {key!r}")
 
 

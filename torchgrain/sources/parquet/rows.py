@@ -20,14 +20,17 @@ Either way a value is what :class:`~torchgrain.ParquetSource`'s docstring promis
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from torchgrain.sources.parquet.values import (
+    _PY_OBJECT_BYTES,
     _bits,
     _is_list,
     _is_number,
@@ -41,7 +44,14 @@ from torchgrain.sources.parquet.values import (
     int64_array,
 )
 
-__all__ = ["RowViews", "build_records"]
+__all__ = [
+    "RowTemplates",
+    "RowViews",
+    "build_records",
+    "converted_bytes",
+    "copy_records",
+    "views_bytes",
+]
 
 # Column kinds (ints: compared once per column and batch).
 _GENERIC, _NONE, _NUM, _BOOL, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(10)
@@ -59,6 +69,9 @@ _FORMATS = {
     "float": "f",
     "double": "d",
 }
+# Each distinct layout (kind and nulls of every column) gets a number: a batch compares
+# its row groups' numbers, not their layouts.
+_SIGNATURES: dict[tuple[tuple[int, bool], ...], int] = {}
 # Bookkeeping of one prepared row group (views, tuples, lists), charged to the cache.
 _VIEWS_OVERHEAD = 2048
 _COLUMN_OVERHEAD = 512
@@ -161,7 +174,7 @@ class RowViews:
         [{'x': 2, 's': None}, {'x': 1, 's': 'a'}]
     """
 
-    __slots__ = ("columns", "nbytes", "num_rows")
+    __slots__ = ("columns", "layout", "nbytes", "num_rows", "signature")
 
     def __init__(self, table: pa.Table) -> None:
         self.num_rows = table.num_rows
@@ -180,6 +193,10 @@ class RowViews:
             nbytes += private + _COLUMN_OVERHEAD
         self.columns = columns
         self.nbytes = nbytes
+        # Row groups of one signature read every column the same way (the common case:
+        # checked once per batch, not once per column and row group).
+        self.layout = tuple((c.kind, c.nulls is not None) for c in columns)
+        self.signature = _SIGNATURES.setdefault(self.layout, len(_SIGNATURES))
 
 
 def build_records(
@@ -201,15 +218,19 @@ def build_records(
     r_list = rows.tolist()
     staged: tuple[np.ndarray, list[int]] | None = None
     columns: list[list[Any]] = []
+    alike = len({g.signature for g in groups}) == 1
+    per_group = [g.columns for g in groups]
     for j, pos in enumerate(positions):
         if pos < 0:
             assert constants is not None
             columns.append(constants[j])
             continue
-        views = [g.columns[pos] for g in groups]
-        kind = views[0].kind
-        if any(v.kind != kind for v in views):
-            kind = _GENERIC
+        views = [c[pos] for c in per_group]
+        kind, nullable = groups[0].layout[pos]
+        if not alike:
+            if any(v.kind != kind for v in views):
+                kind = _GENERIC
+            nullable = any(v.nulls is not None for v in views)
         if kind == _GENERIC:
             if staged is None:
                 order = np.argsort(which, kind="stable")
@@ -217,17 +238,36 @@ def build_records(
             columns.append(_generic(views, which, rows, staged))
             continue
         values = _values(kind, views, k_list, r_list, n)
-        if any(v.nulls is not None for v in views):
+        if nullable:
             masks = [v.nulls for v in views]
             for i, (k, r) in enumerate(zip(k_list, r_list)):
                 m = masks[k]
                 if m is not None and m[r]:
                     values[i] = None
         columns.append(values)
-    if len(columns) == 1:
-        key = keys[0]
-        return [{key: v} for v in columns[0]]
-    return [dict(zip(keys, vals)) for vals in zip(*columns)]
+    if not keys:
+        return [{} for _ in range(n)]
+    return _record_maker(len(keys))(*keys, columns)
+
+
+@functools.lru_cache(maxsize=64)
+def _record_maker(n: int) -> Callable[..., list[dict[str, Any]]]:
+    """``make(key_0, ..., key_n-1, columns)``: one dict per row of ``columns``.
+
+    A dict display per record builds it about 3x faster than ``dict(zip(keys, row))``.
+    The function's code depends on the number of keys alone: the keys are arguments,
+    never part of the code, so nothing from the data is ever compiled.
+    """
+    keys = [f"k{i}" for i in range(n)]
+    values = [f"v{i}" for i in range(n)]
+    items = ", ".join(f"{k}: {v}" for k, v in zip(keys, values))
+    code = (
+        f"def make({', '.join(keys)}, columns):\n"
+        f"    return [{{{items}}} for {', '.join(values)}, in zip(*columns)]\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(code, f"<torchgrain records of {n} keys>", "exec"), namespace)
+    return namespace["make"]
 
 
 def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: int) -> list[Any]:
@@ -295,4 +335,95 @@ def _generic(
     out: list[Any] = [None] * n
     for p, i in enumerate(order.tolist()):
         out[i] = values[p]
+    return out
+
+
+class RowTemplates:
+    """A row group converted whole into finished records, for data whose converted rows
+    fit the cache: a read then copies one dict per record (C speed) instead of building
+    its values.
+
+    ``records`` holds one dict per row with every key, its immutable values (numbers,
+    str, bytes, None, numpy scalars...) filled in; ``mutable`` the ``(key, column)``
+    pairs whose values are made fresh for every read (arrays, lists, dicts), whose
+    keys hold None in the templates. ``nbytes`` estimates what the Python objects cost.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> t = RowTemplates(pa.table({"x": [1, 2], "v": [[1.0], [2.0]]}), ("x", "v"), [0, 1], {})
+        >>> copy_records([t], np.array([0, 0]), np.array([1, 0]))
+        [{'x': 2, 'v': array([2.])}, {'x': 1, 'v': array([1.])}]
+    """
+
+    __slots__ = ("mutable", "nbytes", "records")
+
+    def __init__(
+        self,
+        table: pa.Table,
+        keys: tuple[str, ...] | list[str],
+        positions: list[int],
+        constants: dict[int, Any],
+    ) -> None:
+        n = table.num_rows
+        records: list[dict[str, Any]] = [{} for _ in range(n)]
+        mutable = []
+        nbytes = 0
+        # Filled column by column: about 2x faster than a dict per row from a zip.
+        for j, (key, pos) in enumerate(zip(keys, positions)):
+            if pos < 0:  # one value for the whole row group (a hive partition key)
+                value = constants[j]
+                for rec in records:
+                    rec[key] = value
+                continue
+            col = convert_column(table.column(pos))
+            nbytes += col.nbytes
+            if col.plain:
+                for rec, value in zip(records, col.values):
+                    rec[key] = value
+            else:  # a placeholder keeps the key order; each read fills a fresh value
+                mutable.append((key, col))
+                for rec in records:
+                    rec[key] = None
+        if records:
+            nbytes += n * sys.getsizeof(records[0])
+        self.records = records
+        self.mutable = mutable
+        self.nbytes = nbytes
+
+
+def views_bytes(columns: int) -> int:
+    """What a row group's :class:`RowViews` are charged, beyond copies (bools, nulls)."""
+    return _VIEWS_OVERHEAD + _COLUMN_OVERHEAD * columns
+
+
+def converted_bytes(num_rows: int, keys: int) -> int:
+    """Estimated Python objects of ``num_rows`` converted records of ``keys`` keys beyond
+    their Arrow data (a dict each, an object per value)."""
+    return num_rows * (sys.getsizeof(dict.fromkeys(range(keys))) + _PY_OBJECT_BYTES * keys)
+
+
+def copy_records(
+    groups: list[RowTemplates], which: np.ndarray, rows: np.ndarray
+) -> list[dict[str, Any]]:
+    """The records of a batch, in request order, copied from converted row groups
+    (``which[i]``, ``rows[i]`` as in :func:`build_records`)."""
+    templates = [g.records for g in groups]
+    k_list = which.tolist()
+    r_list = rows.tolist()
+    out = [templates[k][r].copy() for k, r in zip(k_list, r_list)]
+    if groups[0].mutable:
+        # Values that must be fresh per record replace the placeholders, group by group.
+        order = np.argsort(which, kind="stable").tolist()
+        cuts = [0]
+        staged_k = [k_list[i] for i in order]
+        cuts += [i for i in range(1, len(order)) if staged_k[i] != staged_k[i - 1]]
+        cuts.append(len(order))
+        for a, b in itertools.pairwise(cuts):
+            group = groups[staged_k[a]]
+            positions = order[a:b]
+            local = [r_list[i] for i in positions]
+            recs = [out[i] for i in positions]
+            for key, col in group.mutable:
+                for rec, value in zip(recs, col.take(local)):
+                    rec[key] = value
     return out

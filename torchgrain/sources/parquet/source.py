@@ -53,7 +53,14 @@ from torchgrain.sources.parquet.paths import (
     resolve,
 )
 from torchgrain.sources.parquet.pool import trimmer
-from torchgrain.sources.parquet.rows import RowViews, build_records
+from torchgrain.sources.parquet.rows import (
+    RowTemplates,
+    RowViews,
+    build_records,
+    converted_bytes,
+    copy_records,
+    views_bytes,
+)
 from torchgrain.sources.parquet.schema import all_names, merge_file_schemas, value_type_name
 from torchgrain.sources.parquet.values import RowGroup, int64_array
 
@@ -286,6 +293,16 @@ class ParquetSource(ShardedSource):
         self.decoded_cache: DecodedCache | None = _decoded_cache(
             decoded_cache, decoded_cache_bytes, int(self._rg_bytes.sum()), cache_bytes
         )
+        # Records are built per batch from the compact data; when the whole dataset's
+        # records, converted, fit the cache beside it, row groups are converted whole
+        # once and records copied from them (faster still; a process stops converting
+        # at its cache's first eviction, so a wrong estimate cannot make it thrash).
+        self._convert_rows = (
+            self.decoded_cache is None
+            and 0
+            < int(self._rg_bytes.sum()) + converted_bytes(int(rg_counts.sum()), len(self._keys))
+            <= cache_bytes
+        )
         self._init_shards(
             filesystem=fs,
             paths=files,
@@ -378,17 +395,30 @@ class ParquetSource(ShardedSource):
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         distinct, first, which = np.unique(groups, return_index=True, return_inverse=True)
         t_start = time.perf_counter()
-        entries, read_seconds = self._entries(distinct.tolist(), idx[first], "rows")
-        views = [entry.rows for entry in entries]
-        constants = {}
-        if self._part_keys:
-            shards = self._rg_shard[distinct][which]
-            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
-                if pos < 0:  # a hive partition key: one value per file
-                    constants[j] = self._part_values[key][shards].tolist()
-        out = build_records(
-            self._keys, self._file_pos, views, which, idx - self._rg_offsets[groups], constants
-        )
+        convert = self._convert_rows and self._blocks.evictions == 0
+        form = "templates" if convert else "rows"
+        distinct_list = distinct.tolist()
+        entries, read_seconds = self._entries(distinct_list, idx[first], form)
+        rows = idx - self._rg_offsets[groups]
+        converted = np.array([e.templates is not None for e in entries])[which]
+        if converted.all():
+            out = copy_records([e.templates for e in entries], which, rows)
+        elif not converted.any():
+            out = self._build(entries, distinct, which, rows)
+        else:  # some row groups converted (before the cache first evicted), some not
+            out = [None] * len(idx)
+            done = np.flatnonzero(converted)
+            for i, rec in zip(
+                done.tolist(), copy_records([e.templates for e in entries], which[done], rows[done])
+            ):
+                out[i] = rec
+            rest = np.flatnonzero(~converted)
+            keep, sub = np.unique(which[rest], return_inverse=True)
+            built = self._build(
+                [entries[k] for k in keep.tolist()], distinct[keep], sub, rows[rest]
+            )
+            for i, rec in zip(rest.tolist(), built):
+                out[i] = rec
         local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         trimmer().settle()  # the decode buffers this read freed go back to the system
         return out
@@ -479,13 +509,23 @@ class ParquetSource(ShardedSource):
                 )
             )
         elif self.cache_bytes > 0:
-            overhead = 2048 + 512 * len(self._file_fields)  # a row group's RowViews
+            if self._convert_rows:  # converted records: Python objects beside the values
+
+                def cost(g: np.ndarray) -> np.ndarray:
+                    rows = self._rg_offsets[g + 1] - self._rg_offsets[g]
+                    return self._rg_bytes[g] + converted_bytes(1, len(self._keys)) * rows
+
+            else:  # Arrow data and the views records are built from
+
+                def cost(g: np.ndarray) -> np.ndarray:
+                    return self._rg_bytes[g] + views_bytes(len(self._file_fields))
+
             out.append(
                 CacheBlocks(
                     cache="row-group cache",
                     unit="row group",
                     offsets=self._rg_offsets,
-                    nbytes=lambda g: self._rg_bytes[g] + overhead,
+                    nbytes=cost,
                     capacity=self.cache_bytes,
                     per_process=True,
                     remedies=(
@@ -537,7 +577,13 @@ class ParquetSource(ShardedSource):
         """
         cache = self._blocks
         entries: list[RowGroup | None] = cache.get_many(groups)  # counts a miss per absent
-        missing = [k for k, e in enumerate(entries) if e is None]
+        # A row group converted to records has dropped its table: read as missing by a
+        # format that needs the table.
+        missing = [
+            k
+            for k, e in enumerate(entries)
+            if e is None or (e.table is None and (form != "templates" or e.templates is None))
+        ]
         read_seconds = 0.0
         read_bytes = 0
         if missing:
@@ -548,20 +594,10 @@ class ParquetSource(ShardedSource):
                     read_bytes += entry.nbytes
                 entries[k] = entry
             read_seconds = time.perf_counter() - t0
+        self._prepare(entries, groups, form)  # type: ignore[arg-type]
         now = time.monotonic()
-        store = cache.max_bytes > 0
-        for k, entry in enumerate(entries):
+        for entry in entries:
             assert entry is not None
-            grown = False
-            # Made once per cached row group (a benign race), and charged with it.
-            if form == "rows" and entry.rows is None:
-                entry.rows = RowViews(entry.table)
-                grown = True
-            elif form == "views" and entry.views is None:
-                entry.views = GroupViews(entry.table)
-                grown = True
-            if grown and store:
-                cache.put(groups[k], entry, entry.charge())
             if entry.path is not None and now - entry.touched > _TOUCH_SECONDS:
                 entry.touched = now  # refresh its place in the disk cache's LRU order
                 assert self.decoded_cache is not None
@@ -572,6 +608,50 @@ class ParquetSource(ShardedSource):
         counters[COUNTER["read_seconds"]] += read_seconds
         counters[COUNTER["bytes_read"]] += read_bytes
         return entries, read_seconds  # type: ignore[return-value]
+
+    def _build(
+        self, entries: list[RowGroup], distinct: np.ndarray, which: np.ndarray, rows: np.ndarray
+    ) -> list[dict[str, Any]]:
+        """Records built from the compact data of ``entries`` (see :func:`build_records`)."""
+        self._prepare(entries, distinct.tolist(), "rows")
+        constants = {}
+        if self._part_keys:
+            shards = self._rg_shard[distinct][which]
+            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
+                if pos < 0:  # a hive partition key: one value per file
+                    constants[j] = self._part_values[key][shards].tolist()
+        views = [entry.rows for entry in entries]
+        return build_records(self._keys, self._file_pos, views, which, rows, constants)
+
+    def _prepare(self, entries: list[RowGroup], groups: list[int], form: str) -> None:
+        """Prepare cached row groups for a batch format, each once (a benign race), and
+        charge the cache for what that adds: ``"rows"`` (views for building records),
+        ``"templates"`` (records converted whole, while they fit the cache) or
+        ``"views"`` (packed columns)."""
+        cache = self._blocks
+        for group, entry in zip(groups, entries):
+            if form == "rows":
+                if entry.rows is not None:
+                    continue
+                entry.rows = RowViews(entry.table)
+            elif form == "templates":
+                if entry.templates is not None:
+                    continue
+                shard = int(self._rg_shard[group])
+                constants = {
+                    j: self._part_values[key][shard : shard + 1].tolist()[0]
+                    for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
+                    if pos < 0
+                }
+                entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
+                if not entry.mapped and entry.views is None:
+                    entry.drop_table()  # the converted records hold its values
+            elif entry.views is None:
+                entry.views = GroupViews(entry.table)
+            else:
+                continue
+            if cache.max_bytes > 0:
+                cache.put(group, entry, entry.charge())
 
     def _load(self, group: int, index: int) -> RowGroup:
         """Decode one row group, or map it from the decoded disk cache (built there by the

@@ -67,24 +67,33 @@ class RowGroup:
     ``table`` is the decoded row group, in this process's memory or memory-mapped from
     the node's decoded disk cache (``mapped``: its buffers cost no private memory). It is
     prepared lazily for each batch format: ``rows`` (a
-    :class:`~torchgrain.sources.parquet.rows.RowViews`, for records) and ``views`` (a
+    :class:`~torchgrain.sources.parquet.rows.RowViews`, for records; or ``templates``, a
+    :class:`~torchgrain.sources.parquet.rows.RowTemplates`, when the source's converted
+    records fit its cache) and ``views`` (a
     :class:`~torchgrain.sources.parquet.columns.GroupViews`, for columns). ``nbytes`` is
     what the cache is charged: the table's size (a mapped table: ``mapped_bytes``) plus
     what its preparations added.
     """
 
-    __slots__ = ("mapped", "nbytes", "path", "rows", "table", "touched", "views")
+    __slots__ = ("mapped", "nbytes", "path", "rows", "table", "templates", "touched", "views")
 
     def __init__(
         self, table: pa.Table, *, mapped_bytes: int | None = None, path: str | None = None
     ) -> None:
-        self.table = table
+        self.table: pa.Table | None = table
         self.views: Any = None
         self.rows: Any = None
+        self.templates: Any = None  # converted records (rows.RowTemplates), when they fit
         self.mapped = mapped_bytes is not None
         self.nbytes = int(table.nbytes if mapped_bytes is None else mapped_bytes)
         self.path = path  # the decoded-cache file a mapped table lives in
         self.touched = 0.0  # when this process last refreshed that file's LRU time
+
+    def drop_table(self) -> None:
+        """Let the decoded table go (its records were converted) and stop charging it."""
+        self.table = None
+        self.rows = None
+        self.nbytes = 0
 
     def charge(self) -> int:
         """What the cache is charged for this entry and its preparations."""
@@ -93,6 +102,8 @@ class RowGroup:
             extra += self.views.nbytes
         if self.rows is not None:
             extra += self.rows.nbytes
+        if self.templates is not None:
+            extra += self.templates.nbytes
         return self.nbytes + extra
 
 
