@@ -448,6 +448,38 @@ def test_an_entry_larger_than_the_budget_is_served_not_stored(tmp_path):
     assert cache.stats["not_stored"] == 1 and entries(cache.directory) == []
 
 
+def test_an_entry_of_another_schema_or_length_is_rebuilt(tmp_path):
+    cache = DecodedCache(str(tmp_path / "c"), max_bytes=1 << 20)
+    key = entry_key("x", 1)
+    ints = pa.table({"x": pa.array([1, 2, 3], pa.int64())})
+    cache.get_or_build(key, lambda: ints, schema=ints.schema, num_rows=3)
+    floats = pa.table({"x": pa.array([1.5, 2.5, 3.5])})
+    got, _ = cache.get_or_build(key, lambda: floats, schema=floats.schema, num_rows=3)
+    assert got.equals(floats) and cache.stats["corrupt"] == 1
+    fewer = floats.slice(0, 2)
+    got, _ = cache.get_or_build(key, lambda: fewer, schema=fewer.schema, num_rows=2)
+    assert got.num_rows == 2 and cache.stats["corrupt"] == 2
+
+
+def test_an_entry_whose_checksum_matches_but_whose_offsets_lie_is_rebuilt(tmp_path):
+    # A hostile file can carry a right checksum: string offsets beyond the data must
+    # still never be read (Arrow's full validation), only rebuilt.
+    from torchgrain.sources.parquet import decoded_cache as dc
+
+    cache = DecodedCache(str(tmp_path / "c"), max_bytes=1 << 20)
+    key = entry_key("s", 1)
+    good = pa.table({"s": pa.array(["ab", "cd"])})
+    # Offsets that go backwards (the quick validation checks only the last one).
+    offsets = pa.py_buffer(np.array([0, 3, 2], np.int32).tobytes())
+    bad_arr = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"abcd")])
+    bad = pa.table({"s": bad_arr})
+    path = cache.path_of(key)
+    os.makedirs(os.path.dirname(path))
+    dc.DecodedCache._write(cache, path, bad, key)  # a well-formed entry of lying data
+    got, _ = cache.get_or_build(key, lambda: good, schema=good.schema, num_rows=2)
+    assert got.column("s").to_pylist() == ["ab", "cd"] and cache.stats["corrupt"] == 1
+
+
 def test_decoded_cache_keys_name_what_was_decoded():
     assert entry_key("a.parquet", 10, 5) != entry_key("a.parquet", 10, 6)
     with pytest.raises(ValueError):
@@ -601,3 +633,21 @@ def test_a_remote_shard_cache_too_small_for_the_pass_warns(tmp_path):
         fits = _fit_of(src, order)
     assert [f.cache for f in fits if not f.fits] == ["shard cache (cache_dir)"]
     fs.rm(root, recursive=True)
+
+
+def test_an_arrayrecord_chunk_cache_too_small_for_the_pass_warns(tmp_path):
+    recs = [{"x": np.full(64, i, np.int64)} for i in range(2000)]
+    grouped = str(tmp_path / "grouped")
+    tg.write_array_record(recs, grouped, num_shards=2, group_size=50, compression="uncompressed")
+    order = np.random.default_rng(0).permutation(2000)
+    src = tg.ArrayRecordSource(grouped, cache_bytes=50_000)  # 40 chunks of ~26 KB
+    with pytest.warns(tg.CacheThrashWarning, match="chunk cache.*group_size=1"):
+        fits = _fit_of(src, order)
+    (fit,) = fits
+    assert fit.cache == "chunk cache" and fit.blocks == 40 and not fit.fits
+    # A block shuffle fits; files of one record per chunk never use the cache.
+    local = np.arange(2000).reshape(40, 50)[np.random.default_rng(1).permutation(40)].ravel()
+    assert _fit_of(src, local)[0].fits
+    single = str(tmp_path / "single")
+    tg.write_array_record(recs, single, num_shards=2)
+    assert _fit_of(tg.ArrayRecordSource(single, cache_bytes=50_000), order) == []

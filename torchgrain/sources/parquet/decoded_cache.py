@@ -343,17 +343,12 @@ class DecodedCache:
         """Write the IPC file and its trailer to ``tmp``; return the file's size."""
         if any(c.num_chunks > 1 for c in table.columns):
             table = table.combine_chunks()  # one record batch: one chunk per column
-        with pa.OSFile(tmp, "wb") as sink, ipc.new_file(sink, table.schema) as writer:
-            writer.write_table(table, max_chunksize=max(1, table.num_rows))
-        # The checksum of what is on disk, read back from the page cache (cheaper than
-        # serializing into memory first and copying that out).
-        body, _ = _map(tmp)
-        crc = zlib.crc32(memoryview(body))
-        size = body.size
-        del body
-        with open(tmp, "ab") as f:
-            f.write(_TRAILER.pack(_MAGIC, _VERSION, crc, size, key.encode()))
-        return size + _TRAILER.size
+        with open(tmp, "wb") as f:
+            out = _ChecksummedFile(f)
+            with pa.PythonFile(out, mode="w") as sink, ipc.new_file(sink, table.schema) as w:
+                w.write_table(table, max_chunksize=max(1, table.num_rows))
+            f.write(_TRAILER.pack(_MAGIC, _VERSION, out.crc, out.size, key.encode()))
+        return out.size + _TRAILER.size
 
     def _remove_temps(self, key: str) -> None:
         """Delete temp files of ``key`` left by killed builds (we hold its lock)."""
@@ -509,6 +504,38 @@ class DecodedCache:
 
 
 _KEY = re.compile(r"[0-9a-f]{32}")
+
+
+class _ChecksummedFile:
+    """A write-only file that keeps the CRC-32 and size of what went through it (the
+    bytes are checksummed while they are in memory, not read back)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.crc = 0
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:  # the caller closes the file itself, after the trailer
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
 
 
 def _check_key(key: str) -> None:

@@ -278,6 +278,8 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
     if kind in (_NUM, _SCALAR):
         if one:
             a = views[0].a
+            if kind == _NUM and n > 64:  # many rows of one row group: numpy's C loop
+                return np.asarray(a)[rs].tolist()
             return [a[r] for r in rs]
         arrs = [v.a for v in views]
         return [arrs[k][r] for k, r in zip(ks, rs)]
