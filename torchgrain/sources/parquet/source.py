@@ -587,14 +587,21 @@ class ParquetSource(ShardedSource):
         read_seconds = 0.0
         read_bytes = 0
         if missing:
+            trimmer()  # made before the first decode: its baseline excludes decoded data
             t0 = time.perf_counter()
+            preparing = 0.0
             loaded = self._map(lambda k: self._load(groups[k], int(first[k])), missing)
             for k, entry in zip(missing, loaded):
                 if not entry.mapped:
                     read_bytes += entry.nbytes
                 entries[k] = entry
-            read_seconds = time.perf_counter() - t0
-        self._prepare(entries, groups, form)  # type: ignore[arg-type]
+                # Prepared at once: a row group converted to records lets its table go
+                # before the next one is decoded.
+                t1 = time.perf_counter()
+                self._prepare([entry], [groups[k]], form)
+                preparing += time.perf_counter() - t1
+            read_seconds = time.perf_counter() - t0 - preparing
+        self._prepare(entries, groups, form)  # type: ignore[arg-type]  # (the hits)
         now = time.monotonic()
         for entry in entries:
             assert entry is not None
@@ -646,6 +653,9 @@ class ParquetSource(ShardedSource):
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
                 if not entry.mapped and entry.views is None:
                     entry.drop_table()  # the converted records hold its values
+                    # Let its buffers go now, not at the end of the batch (a global
+                    # shuffle's first batch converts nearly every row group).
+                    trimmer().settle()
             elif entry.views is None:
                 entry.views = GroupViews(entry.table)
             else:
