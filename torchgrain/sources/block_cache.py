@@ -231,6 +231,9 @@ class CacheBlocks:
     capacity: int
     per_process: bool
     remedies: tuple[str, ...]
+    #: What all blocks cost together, when known cheaply: a pass over data that fits
+    #: whole needs no replay.
+    total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -266,18 +269,26 @@ class CacheFit:
     def message(self, batch_size: int = 256) -> str:
         """The diagnosis in words, with the numbers and the remedies."""
         where = "per process" if self.per_process else "for the machine"
+        cache = f"the {self.cache} ({_size(self.capacity_bytes)} {where})"
+        if self.sampled == 0:
+            return (
+                f"{self.source}: the whole dataset ({self.blocks:,} {self.unit}s, "
+                f"~{_size(self.working_set_bytes)}) fits {cache}."
+            )
         verdict = "fits" if self.fits else "does not fit"
+        remedies = (
+            "" if self.fits or not self.remedies else "Remedies: " + "; ".join(self.remedies) + "."
+        )
         return (
-            f"{self.source}: this pass's working set {verdict} the {self.cache} "
-            f"({_size(self.capacity_bytes)} {where}). Its first {self.sampled:,} indices "
+            f"{self.source}: this pass's working set {verdict} {cache}. "
+            f"Its first {self.sampled:,} indices "
             f"touch {self.blocks:,} {self.unit}s (~{_size(self.working_set_bytes)}); "
             f"replayed through an LRU cache of that size they hit "
             f"{100 * self.hit_rate:.0f}% of the time once it is full and load "
             f"{self.loads_per_record:.2f} {self.unit}s per record (~"
             f"{self.loads_per_record * batch_size:,.0f} per batch of {batch_size}), each "
-            f"{self.unit} {self.loads_per_block:,.1f} times instead of once. "
-            + ("Remedies: " + "; ".join(self.remedies) + "." if self.remedies else "")
-        )
+            f"{self.unit} {self.loads_per_block:,.1f} times instead of once. " + remedies
+        ).strip()
 
 
 def check_fit(
@@ -312,6 +323,21 @@ def check_fit(
         return None
     offsets = np.asarray(blocks.offsets, dtype=np.int64)
     num_blocks = max(1, len(offsets) - 1)
+    if blocks.total is not None and blocks.total <= blocks.capacity:
+        return CacheFit(  # the whole dataset fits: each block loads once at most
+            source=source,
+            cache=blocks.cache,
+            unit=blocks.unit,
+            capacity_bytes=int(blocks.capacity),
+            per_process=blocks.per_process,
+            sampled=0,
+            blocks=num_blocks,
+            working_set_bytes=int(blocks.total),
+            hit_rate=1.0,
+            loads_per_record=min(1.0, num_blocks / count),
+            loads_per_block=1.0,
+            remedies=blocks.remedies,
+        )
     sample = min(count, max(_MIN_SAMPLE, min(_MAX_SAMPLE, 4 * num_blocks)))
     idx = np.asarray(order(start, start + sample), dtype=np.int64)
     if len(idx) == 0:
@@ -320,12 +346,15 @@ def check_fit(
     distinct, inverse = np.unique(ids, return_inverse=True)
     costs = np.asarray(blocks.nbytes(distinct), dtype=np.int64)
     working = int(costs.sum())
-    # Consecutive indices in one block hit whatever the cache: replay only the changes.
-    keep = np.empty(len(inverse), dtype=bool)
-    keep[0] = True
-    np.not_equal(inverse[1:], inverse[:-1], out=keep[1:])
-    stream = inverse[keep]
-    hits_after, misses_after, misses = _replay(stream.tolist(), costs.tolist(), blocks.capacity)
+    if working <= blocks.capacity:  # all of it fits: each block loads once, no replay
+        hits_after, misses_after, misses = 0, 0, len(distinct)
+    else:
+        # Consecutive indices in one block hit whatever the cache: replay the changes.
+        keep = np.empty(len(inverse), dtype=bool)
+        keep[0] = True
+        np.not_equal(inverse[1:], inverse[:-1], out=keep[1:])
+        stream = inverse[keep].tolist()
+        hits_after, misses_after, misses = _replay(stream, costs.tolist(), blocks.capacity)
     steady = hits_after + misses_after
     return CacheFit(
         source=source,

@@ -499,6 +499,7 @@ class ParquetSource(ShardedSource):
                     nbytes=lambda g: self._rg_bytes[g],
                     capacity=disk.max_bytes,
                     per_process=False,
+                    total=int(self._rg_bytes.sum()),
                     remedies=(
                         "raise decoded_cache_bytes above the working set (disk allowing)",
                         "use BlockShuffleSampler (row groups in random order, rows "
@@ -528,6 +529,7 @@ class ParquetSource(ShardedSource):
                     nbytes=cost,
                     capacity=self.cache_bytes,
                     per_process=True,
+                    total=int(cost(np.arange(self.num_row_groups)).sum()),
                     remedies=(
                         "decoded_cache=True (each row group decoded once per machine "
                         "into a memory-mapped disk cache, read at the in-memory rate "
