@@ -651,3 +651,18 @@ def test_an_arrayrecord_chunk_cache_too_small_for_the_pass_warns(tmp_path):
     single = str(tmp_path / "single")
     tg.write_array_record(recs, single, num_shards=2)
     assert _fit_of(tg.ArrayRecordSource(single, cache_bytes=50_000), order) == []
+
+
+def test_reading_a_file_in_order_neither_needs_nor_fills_the_caches(tmp_path):
+    d = make_ids(tmp_path, files=2, rows=40, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(d, decoded_cache=cache_dir)
+    check_ids(list(src.iter_shard(1, 3, 30)), list(range(43, 70)))
+    check_ids(list(src.iter_shard(0, 35, 99)), list(range(35, 40)))  # stop past the end
+    assert entries(cache_dir) == [] and src.cache_info().misses == 0
+    # Every type, as random access reads it.
+    file = write(str(tmp_path / "t.parquet"), all_types_table(), row_group_size=4)
+    types = on_path(tg.ParquetSource(file), "built")
+    for got, want in zip(types.iter_shard(0), types.__getitems__(range(6))):
+        for key in want:
+            assert_same_values(got[key], want[key], key)

@@ -167,7 +167,10 @@ class ParquetSource(ShardedSource):
 
     Caching and access order: a row group is decoded whole, into Arrow's compact form,
     and cached so; a batch then builds the Python values of just its rows (a record's
-    values depend on that record alone). With :class:`~torchgrain.BlockShuffleSampler`
+    values depend on that record alone). When the whole dataset's records, converted to
+    Python objects, fit ``cache_bytes`` too (small data), row groups are converted whole
+    once instead and records copied from them (until the process's cache first evicts).
+    With :class:`~torchgrain.BlockShuffleSampler`
     a worker needs ``window + 1`` row groups of cache (one more for each further stripe
     a batch spans) and decodes each row group about once per epoch. With
     :class:`~torchgrain.GlobalShuffleSampler` nearly every record of a batch comes from
@@ -556,26 +559,46 @@ class ParquetSource(ShardedSource):
     def iter_shard(
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[dict[str, Any]]:
-        """Records ``[start, stop)`` of one file, in order, a row group at a time (each
-        row group decoded once)."""
+        """Records ``[start, stop)`` of one file, in order, a row group at a time: each
+        decoded once, straight from the file (a sequential read, such as a conversion,
+        neither needs nor fills the caches; a dataset bigger than the memory cache is not
+        copied into the decoded disk cache by reading it once)."""
+        n = int(self.index.counts[shard])
+        stop = n if stop is None else min(stop, n)
         base = int(self.index.offsets[shard])
-        end = base + (int(self.index.counts[shard]) if stop is None else stop)
-        bounds = self.block_offsets()
-        a = base + max(start, 0)
+        a, end = base + max(start, 0), base + stop
+        constants = {
+            j: self._part_values[key][shard : shard + 1].tolist()[0]
+            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
+            if pos < 0
+        }
         while a < end:
-            g = int(np.searchsorted(bounds, a, side="right"))
-            b = min(end, int(bounds[g]) if g < len(bounds) else end, a + _SEQUENTIAL_ROWS)
-            yield from self.__getitems__(range(a, b))
-            a = b
+            g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
+            first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
+            t0 = time.perf_counter()
+            table = self._decode(g, a)
+            counters = local_counters()
+            counters[COUNTER["read_seconds"]] += time.perf_counter() - t0
+            counters[COUNTER["bytes_read"]] += table.nbytes
+            views = RowViews(table)
+            for c in range(a, min(end, last), _SEQUENTIAL_ROWS):
+                d = min(c + _SEQUENTIAL_ROWS, end, last)
+                rows = np.arange(c - first, d - first, dtype=np.int64)
+                which = np.zeros(len(rows), dtype=np.int64)
+                chunk_constants = {j: [v] * len(rows) for j, v in constants.items()}
+                yield from build_records(
+                    self._keys, self._file_pos, [views], which, rows, chunk_constants
+                )
+            a = min(end, last)
 
     # ---------------------------------------------------------------- reading
     def _entries(
         self, groups: list[int], first: np.ndarray, form: str
     ) -> tuple[list[RowGroup], float]:
         """The cached entries of ``groups`` (a batch's distinct row groups), loading the
-        missing ones, each prepared for one batch format (``form``: ``"rows"`` for
-        records, ``"views"`` for columns); and the seconds spent loading. ``first[k]``
-        is a record index in ``groups[k]`` (for error messages).
+        missing ones, each prepared for one batch format (``form``, see
+        :meth:`_prepare`); and the seconds spent loading. ``first[k]`` is a record index
+        in ``groups[k]`` (for error messages).
         """
         cache = self._blocks
         entries: list[RowGroup | None] = cache.get_many(groups)  # counts a miss per absent
