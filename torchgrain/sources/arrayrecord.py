@@ -223,8 +223,9 @@ class ArrayRecordSource(EncodedSource):
         """The caches a pass goes through (see :meth:`check_cache_fit`): the shard cache
         for remote shards, and for local ones the chunk cache, which holds chunks of
         several records (files written with ``group_size`` > 1) decompressed. Reads
-        every shard's footer. A chunk is counted at its stored (compressed) size, a
-        lower bound of what it costs: the check may miss a thrash, never invent one."""
+        every shard's footer. A chunk is counted at about its stored (compressed) size,
+        less than what it costs decompressed: the check may miss a thrash of data that
+        compresses well, and does not invent one."""
         out = super().cache_blocks()
         if not self.cache_bytes or self._remote:
             return out
@@ -248,6 +249,7 @@ class ArrayRecordSource(EncodedSource):
                 nbytes=lambda c: nbytes[c],
                 capacity=self.cache_bytes,
                 per_process=True,
+                total=int(nbytes.sum()),
                 remedies=(
                     "use BlockShuffleSampler (chunks in random order, records shuffled "
                     "within a window of a few: each chunk decompressed once a pass)",
