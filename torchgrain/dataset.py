@@ -518,18 +518,22 @@ class Dataset(torch.utils.data.Dataset):
         return self._derive(("map_batch", fn))
 
     # ---------------------------------------------------------------- epoch
-    def read_ahead(self, order: Any, start: int, count: int, position: Any) -> None:
-        """Forwarded to the source (remote shards downloaded ahead of use; see
+    def read_ahead(self, order: Any, start: int, count: int, position: Any) -> Any:
+        """Forwarded to the source (remote shards downloaded ahead of use, the pass
+        checked against the caches; see
         :meth:`torchgrain.sources.base.ShardedSource.read_ahead`). Samplers call it at
-        the start of each pass; a source without read-ahead ignores it.
+        the start of each pass; a source without read-ahead ignores it. What the source
+        found of the caches is kept for :func:`tg.stats <torchgrain.stats>`.
 
         Example:
             >>> ds = Dataset([{"x": 1}, {"x": 2}])
             >>> ds.read_ahead(lambda a, b: list(range(a, b)), 0, 2, lambda: 0)  # no-op here
         """
         hook = getattr(self._source, "read_ahead", None)
-        if callable(hook):
-            hook(order, start, count, position)
+        fits = hook(order, start, count, position) if callable(hook) else None
+        if fits is not None:
+            self._stats.cache_fit = list(fits)  # what tg.stats reports of the pass
+        return fits
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch random transforms use (also reaches running DataLoader workers).

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "CacheThrashWarning",
     "CorruptDataError",
     "DatasetNotFoundError",
     "RecordDecodeError",
@@ -52,3 +53,18 @@ class UnsafePathError(TorchgrainError, ValueError):
 
 class RemoteIOError(TorchgrainError, OSError):
     """Reading remote storage kept failing with transient errors until retries ran out."""
+
+
+class CacheThrashWarning(UserWarning):
+    """A sampler's pass cannot fit a cache: each of its blocks (Parquet row groups,
+    ArrayRecord chunks, remote shards) would be loaded many times instead of once.
+
+    Issued once per source, cache and process, at the start of the pass, by the process
+    that runs the sampler (not by every DataLoader worker). ``fit`` holds the numbers
+    (a :class:`~torchgrain.sources.block_cache.CacheFit`); :func:`tg.stats
+    <torchgrain.stats>` reports them too.
+    """
+
+    def __init__(self, message: str, fit: object = None) -> None:
+        super().__init__(message)
+        self.fit = fit

@@ -27,7 +27,7 @@ from torchgrain.io.paths import resolve_all
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
+from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.encoded import EncodedSource
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
@@ -251,6 +251,49 @@ class ArrayRecordSource(EncodedSource):
             offs = self._reader(shard).record_offsets
             parts.append(offs[1:] + self.index.offsets[shard])
         return np.concatenate(parts)
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass goes through (see :meth:`check_cache_fit`): the shard cache
+        for remote shards, and for local ones the chunk cache, which holds chunks of
+        several records (files written with ``group_size`` > 1) decompressed. Reads
+        every shard's footer. A chunk is counted at about its stored (compressed) size,
+        less than what it costs decompressed: the check may miss a thrash of data that
+        compresses well, and does not invent one."""
+        out = super().cache_blocks()
+        if not self.cache_bytes or self._remote:
+            return out
+        offsets, sizes = [np.zeros(1, dtype=np.int64)], []
+        for shard in range(self.num_shards):
+            reader = self._reader(shard)
+            records = reader.record_offsets
+            starts = reader.chunk_offsets
+            ends = np.append(starts[1:], self.shard_nbytes(shard))
+            stored = np.maximum(ends - starts, 0)
+            offsets.append(records[1:] + self.index.offsets[shard])
+            sizes.append(np.where(np.diff(records) > 1, stored, 0))  # 1-record: not cached
+        nbytes = np.concatenate([np.zeros(0, dtype=np.int64), *sizes]).astype(np.int64)
+        if not nbytes.any():
+            return out  # no chunk of several records: nothing goes through the cache
+        out.append(
+            CacheBlocks(
+                cache="chunk cache",
+                unit="chunk",
+                offsets=np.concatenate(offsets),
+                nbytes=lambda c: nbytes[c],
+                capacity=self.cache_bytes,
+                per_process=True,
+                total=int(nbytes.sum()),
+                remedies=(
+                    "use BlockShuffleSampler (chunks in random order, records shuffled "
+                    "within a window of a few: each chunk decompressed once a pass)",
+                    "raise cache_bytes above the working set, memory allowing (every "
+                    "DataLoader worker holds its own)",
+                    "rewrite with group_size=1 (torchgrain convert SRC DST --group-size 1): "
+                    "each record its own chunk, read without the chunk cache",
+                ),
+            )
+        )
+        return out
 
     def iter_shard_bytes(
         self, shard: int, start: int = 0, stop: int | None = None

@@ -18,6 +18,7 @@ import abc
 import os
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,11 +28,19 @@ import fsspec
 import numpy as np
 
 from torchgrain.columns import ColumnBatch
+from torchgrain.errors import CacheThrashWarning
 from torchgrain.io import process, remote
 from torchgrain.io.fs import filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, BlockCache, CacheInfo
+from torchgrain.sources.block_cache import (
+    DEFAULT_CACHE_BYTES,
+    BlockCache,
+    CacheBlocks,
+    CacheFit,
+    CacheInfo,
+    check_fit,
+)
 from torchgrain.sources.index import ShardIndex
 
 __all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
@@ -279,6 +288,8 @@ class ShardedSource(Source):
         self.read_ahead_bytes = int(read_ahead_bytes)
         self._sizes: dict[int, int] = {}
         self._state: _ProcessState | None = None
+        # (process, cache) pairs already warned of a pass that cannot fit
+        self._thrash_warned: set[tuple[Any, str]] = set()
 
     # ------------------------------------------------------------- read-ahead
     def read_ahead(
@@ -287,13 +298,20 @@ class ShardedSource(Source):
         start: int,
         count: int,
         position: Callable[[], int],
-    ) -> None:
-        """Download, in the background, the shards that ``order`` (a sampler's pass:
-        ``order(a, b)`` are the indices at positions ``[a, b)``) will read from
-        ``start`` on, ahead of ``position()``, into the shard cache (see
-        :mod:`torchgrain.io.readahead`). Does nothing without a shard cache on remote
-        storage or with ``read_ahead_bytes=0``; a new call cancels the previous walk.
-        Samplers call this at the start of each pass.
+    ) -> list[CacheFit]:
+        """Prepare for a sampler's pass: ``order(a, b)`` are the indices at positions
+        ``[a, b)``, the pass reads from ``start`` on (``count`` more), ``position()``
+        is how far it got. Samplers call this at the start of each pass.
+
+        First, whether the pass fits this source's caches (:meth:`check_cache_fit`):
+        one that does not is reported once per source and process with a
+        :class:`~torchgrain.CacheThrashWarning`, and every check is returned (the
+        :class:`~torchgrain.Dataset` keeps them for :func:`tg.stats <torchgrain.stats>`).
+
+        Then, on remote storage with a shard cache, the shards the pass will read are
+        downloaded in the background ahead of ``position()`` (see
+        :mod:`torchgrain.io.readahead`); nothing with ``read_ahead_bytes=0``. A new
+        call cancels the previous walk.
 
         Example:
             >>> import tempfile, torchgrain as tg
@@ -301,11 +319,13 @@ class ShardedSource(Source):
             >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
             >>> src = tg.ArrayRecordSource(d)  # local files: nothing to read ahead
             >>> src.read_ahead(lambda a, b: list(range(a, b)), 0, len(src), lambda: 0)
+            []
             >>> src.read_ahead_bytes
             0
         """
+        fits = self.check_cache_fit(order, start, count) if order is not None else []
         if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
-            return
+            return fits
         from torchgrain.io.readahead import ShardReadAhead
 
         st = self._proc()
@@ -314,6 +334,64 @@ class ShardedSource(Source):
                 st.read_ahead = ShardReadAhead(self, self.read_ahead_bytes, threads=self.io_threads)
             ra = st.read_ahead
         ra.begin(order, start, count, position)
+        return fits
+
+    # ------------------------------------------------------------ cache fitting
+    def _describe(self) -> str:
+        """A short name of the dataset for messages: the class and its first shard."""
+        more = f" and {self.num_shards - 1:,} more" if self.num_shards > 1 else ""
+        first = repr(self._paths[0]) if self._paths else "no files"
+        return f"{type(self).__name__}({first}{more})"
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass over this source goes through, for :meth:`check_cache_fit`:
+        the shard cache (``cache_dir``) for remote shards; formats add their decoded-
+        block cache."""
+        if self.cache is None or not self._remote:
+            return []
+        return [
+            CacheBlocks(
+                cache="shard cache (cache_dir)",
+                unit="shard",
+                offsets=self.index.offsets,
+                nbytes=lambda shards: np.array([self.shard_nbytes(int(s)) for s in shards]),
+                capacity=self.cache.max_bytes,
+                per_process=False,
+                remedies=(
+                    "raise cache_dir_bytes above the working set",
+                    "use BlockShuffleSampler (a few shards at a time, each read once a pass)",
+                    "rewrite the data in fewer, larger passes' worth of shards "
+                    "(torchgrain convert)",
+                ),
+            )
+        ]
+
+    def check_cache_fit(
+        self, order: Callable[[int, int], np.ndarray], start: int, count: int
+    ) -> list[CacheFit]:
+        """Whether a pass (``order``, ``start``, ``count`` as in :meth:`read_ahead`) fits
+        each of :meth:`cache_blocks`, replaying its start through a simulated cache (see
+        :func:`~torchgrain.sources.block_cache.check_fit`). A cache it does not fit gets
+        a :class:`~torchgrain.CacheThrashWarning`, once per source, cache and process.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).check_cache_fit(lambda a, b: range(a, b), 0, 4)
+            []
+        """
+        fits = []
+        for blocks in self.cache_blocks():
+            fit = check_fit(self._describe(), blocks, order, start, count)
+            if fit is None:
+                continue
+            fits.append(fit)
+            warned = self._thrash_warned
+            if not fit.fits and (process.token(), blocks.cache) not in warned:
+                warned.add((process.token(), blocks.cache))
+                warnings.warn(CacheThrashWarning(fit.message(), fit), stacklevel=4)
+        return fits
 
     def shard_nbytes(self, shard: int) -> int:
         """Size of a shard file in bytes (from the dataset's records, else from one

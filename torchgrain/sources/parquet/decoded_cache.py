@@ -1,0 +1,601 @@
+"""DecodedCache: decoded Parquet row groups on local disk, memory-mapped, shared by a node.
+
+A global shuffle over Parquet bigger than a process's memory cache would decode a whole
+row group for every few records it serves. This cache decodes each row group once per
+machine, not once per worker or epoch: the decoded table is written as an Arrow IPC
+file, and every process (DataLoader workers, ranks, later runs) memory-maps it. The
+mapped pages live in the page cache, shared by all processes, and cost no private memory.
+
+Layout and safety rules (every process of a machine may share one directory):
+
+* An entry is ``DIR/<k[:2]>/<k>.arrow``, where ``k`` hashes what the entry was decoded
+  from (file path, size, modification time and footer, row group, columns and their
+  types): a changed Parquet file has new keys, so a stale entry is never served (it
+  ages out of the LRU order).
+* An entry is an Arrow IPC file followed by a trailer (magic, format version, CRC-32 of
+  the IPC bytes, their length, the key). Cache files are untrusted input: a process
+  checks the trailer, the CRC, the key, the schema and row count and validates the
+  arrays in full the first time it maps a file; any mismatch is a corrupt entry,
+  deleted and decoded again (never served).
+* A build writes ``DIR/.tmp/<k>-<pid>-<random>`` and renames it into place: a file
+  under its final name is always complete. A killed build leaves only a temp file,
+  deleted by the next builder of its key or by eviction.
+* An exclusive ``fcntl.flock`` on one of ``DIR/.locks/<n>`` (``n`` from the key) is
+  held while building: processes that miss the same row group at once decode it once;
+  the others wait, then map the published file. Locks are released by the kernel when
+  a process dies; a wait gives up after ``lock_timeout`` seconds and decodes anyway
+  (the rename is atomic either way).
+* The directory holds at most ``max_bytes`` of entries: a publish that would exceed it
+  first deletes the least recently used entries (by access time, refreshed when a
+  process maps an entry and at most once a minute while it uses it), down to 90% of the
+  budget, under ``DIR/.locks/evict``. Eviction only unlinks: processes that mapped a
+  file keep reading it. The running total lives in ``DIR/.usage`` (recounted whenever
+  an eviction runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from torchgrain.errors import CorruptDataError
+
+__all__ = ["DEFAULT_DECODED_CACHE_BYTES", "DecodedCache", "entry_key"]
+
+#: Default byte budget of a decoded cache directory.
+DEFAULT_DECODED_CACHE_BYTES = 64 << 30
+
+_MAGIC = b"TGROWGRP"
+_VERSION = 1
+_TRAILER = struct.Struct("<8sIIQ32s")  # magic, version, crc32, IPC length, key
+_LOCK_STRIPES = 256
+_TMP = ".tmp"
+_LOCKS = ".locks"
+_USAGE = ".usage"
+_EVICT_TO = 0.9  # an eviction frees space down to this share of the budget
+_TOUCH_SECONDS = 60.0
+_LOCK_POLL = 0.005
+_LOCK_POLL_MAX = 0.1
+
+
+def entry_key(*parts: Any) -> str:
+    """The 32-hex-digit key of an entry decoded from ``parts`` (anything with a stable
+    ``repr``, or bytes).
+
+    Example:
+        >>> len(entry_key("a.parquet", 123, 4)), entry_key(1) == entry_key(1)
+        (32, True)
+    """
+    h = hashlib.sha256(f"torchgrain-decoded-v{_VERSION}".encode())
+    for p in parts:
+        h.update(b"\0")
+        h.update(p if isinstance(p, (bytes, bytearray, memoryview)) else repr(p).encode())
+    return h.hexdigest()[:32]
+
+
+class DecodedCache:
+    """A byte-bounded, LRU, multi-process cache of decoded Arrow tables on local disk.
+
+    Args:
+        directory: local directory for the entries (created if missing). Put it on a
+            local disk, not a network filesystem: the locks are ``flock``.
+        max_bytes: budget for the entries' files; least recently used entries are
+            deleted to stay under it. An entry larger than the budget is not stored.
+        lock_timeout: the longest a process waits for another one's build of the same
+            entry before decoding it itself.
+
+    Counters (this process only) are in :attr:`stats`: ``hits`` (entries mapped),
+    ``builds`` (entries this process decoded and published), ``waits`` (hits that
+    waited for another process's build), ``corrupt`` (invalid files found and
+    deleted), ``evictions``, ``bytes_written``, ``not_stored`` (builds served without
+    being stored: too large, or the disk refused them).
+
+    The object holds no open file, lock or map between calls: it pickles small and is
+    safe to share with forked or spawned DataLoader workers.
+
+    Example:
+        >>> import tempfile, pyarrow as pa
+        >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+        >>> t = pa.table({"x": [1, 2, 3]})
+        >>> key = entry_key("example.parquet", 0)
+        >>> got, path = cache.get_or_build(key, lambda: t, schema=t.schema, num_rows=3)
+        >>> got.to_pydict(), cache.stats["builds"], path == cache.path_of(key)
+        ({'x': [1, 2, 3]}, 1, True)
+        >>> again, _ = cache.get_or_build(key, lambda: 1 / 0, schema=t.schema, num_rows=3)
+        >>> again.equals(t), cache.stats["hits"]
+        (True, 1)
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike, *, max_bytes: int, lock_timeout: float = 600.0
+    ) -> None:
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be an integer > 0, got {max_bytes!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.max_bytes = max_bytes
+        self.lock_timeout = float(lock_timeout)
+        for sub in (_TMP, _LOCKS):
+            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        self._init_process()
+
+    def _init_process(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        # (device, inode) -> (size, mtime_ns) of files this process has verified
+        self._verified: dict[tuple[int, int], tuple[int, int]] = {}
+        self._fds: dict[str, int] = {}
+        self._subdirs: set[str] = set()
+        # flock excludes processes, not the threads of one sharing a descriptor.
+        self._evict_thread_lock = threading.Lock()
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("hits", "builds", "waits", "corrupt", "evictions", "bytes_written", "not_stored"),
+            0,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "directory": self.directory,
+            "max_bytes": self.max_bytes,
+            "lock_timeout": self.lock_timeout,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process()
+
+    def __repr__(self) -> str:
+        return f"DecodedCache({self.directory!r}, max_bytes={self.max_bytes})"
+
+    # ------------------------------------------------------------------ public
+    def path_of(self, key: str) -> str:
+        """Where the entry ``key`` lives (whether or not it is cached now)."""
+        _check_key(key)
+        return os.path.join(self.directory, key[:2], key + ".arrow")
+
+    def get_or_build(
+        self,
+        key: str,
+        build: Callable[[], pa.Table],
+        *,
+        schema: pa.Schema,
+        num_rows: int,
+        name: str = "",
+    ) -> tuple[pa.Table, str | None]:
+        """``(table, path)``: the entry ``key`` memory-mapped from ``path``, built with
+        ``build()`` (by one process of the machine) when missing.
+
+        ``schema`` and ``num_rows`` are what the entry must hold: a file that differs,
+        fails its checksum or does not validate is deleted and built again. ``name``
+        says what the entry is in error messages. When the entry cannot be stored
+        (larger than the budget, disk full, read-only directory), the table ``build()``
+        made is returned as it is, with ``path`` None.
+        """
+        self._check_process()
+        path = self.path_of(key)
+        table = self._open(path, key, schema, num_rows)
+        if table is not None:
+            self._count(hits=1)
+            return table, path
+        with self._stripe(key):
+            # Another process may have built it while we waited for the lock.
+            table = self._open(path, key, schema, num_rows)
+            if table is not None:
+                self._count(hits=1, waits=1)
+                return table, path
+            self._remove_temps(key)
+            built = build()
+            if built.num_rows != num_rows or not built.schema.equals(schema):
+                raise ValueError(f"{name or key}: built table does not match its schema/rows")
+            if not self._publish(path, key, built):
+                return built, None
+            table = self._open(path, key, schema, num_rows, trusted=True)
+        if table is None:  # evicted at once by another process
+            return built, None
+        return table, path
+
+    def touch(self, path: str) -> None:
+        """Refresh an entry's LRU time (its access time)."""
+        now = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(path, (now, os.stat(path).st_mtime))
+
+    def total_bytes(self) -> int:
+        """Bytes of the entries now on disk (all processes).
+
+        Example:
+            >>> import tempfile
+            >>> DecodedCache(tempfile.mkdtemp(), max_bytes=10).total_bytes()
+            0
+        """
+        return sum(size for _, size, _ in self._entries())
+
+    def clear(self) -> None:
+        """Delete every entry (processes that mapped one keep reading it).
+
+        Example:
+            >>> import tempfile
+            >>> DecodedCache(tempfile.mkdtemp(), max_bytes=10).clear()
+        """
+        self._check_process()
+        with self._evict_lock():
+            for _, _, p in self._entries():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+            self._write_usage(0)
+
+    # ----------------------------------------------------------------- opening
+    def _open(
+        self, path: str, key: str, schema: pa.Schema, num_rows: int, trusted: bool = False
+    ) -> pa.Table | None:
+        """The mapped, checked table of ``path``; None when there is none (a corrupt
+        file is deleted, counted and reported as none)."""
+        try:
+            buf, st = _map(path)
+        except FileNotFoundError:
+            return None
+        try:
+            table = self._check(buf, st, key, schema, num_rows, trusted)
+        except CorruptDataError:
+            self._count(corrupt=1)
+            self._discard(path, st)
+            return None
+        now = time.time()
+        if now - st.st_atime > _TOUCH_SECONDS:
+            with contextlib.suppress(OSError):
+                os.utime(path, (now, st.st_mtime))
+        return table
+
+    def _check(
+        self,
+        buf: pa.Buffer,
+        st: os.stat_result,
+        key: str,
+        schema: pa.Schema,
+        num_rows: int,
+        trusted: bool,
+    ) -> pa.Table:
+        size = buf.size
+        if size < _TRAILER.size:
+            raise CorruptDataError(f"decoded cache file of {size} bytes")
+        magic, version, crc, length, stored_key = _TRAILER.unpack(
+            buf.slice(size - _TRAILER.size).to_pybytes()
+        )
+        if magic != _MAGIC or version != _VERSION or length != size - _TRAILER.size:
+            raise CorruptDataError("not a decoded cache file of this version")
+        if stored_key != key.encode():
+            raise CorruptDataError("decoded cache file holds another entry")
+        body = buf.slice(0, length)
+        ident = (st.st_dev, st.st_ino)
+        first = self._verified.get(ident) != (st.st_size, st.st_mtime_ns)
+        if first and not trusted and zlib.crc32(memoryview(body)) != crc:
+            raise CorruptDataError("decoded cache file fails its checksum")
+        try:
+            reader = ipc.open_file(pa.BufferReader(body))
+            table = reader.read_all()
+            if first and not trusted:
+                table.validate(full=True)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise CorruptDataError(f"decoded cache file does not read: {e}") from e
+        if table.num_rows != num_rows or not table.schema.equals(schema):
+            raise CorruptDataError("decoded cache file holds another schema or row count")
+        if first:
+            with self._lock:
+                self._verified[ident] = (st.st_size, st.st_mtime_ns)
+        return table
+
+    def _discard(self, path: str, st: os.stat_result) -> None:
+        """Delete a corrupt file, unless it was replaced meanwhile."""
+        with contextlib.suppress(FileNotFoundError):
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(path)
+
+    # --------------------------------------------------------------- building
+    def _publish(self, path: str, key: str, table: pa.Table) -> bool:
+        """Write ``table`` under a temp name and rename it to ``path`` (we hold the key's
+        lock). False when it was not stored."""
+        tmp = os.path.join(self.directory, _TMP, f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            try:
+                nbytes = self._write(tmp, table, key)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+                    raise
+                self._count(not_stored=1)
+                return False
+            if nbytes > self.max_bytes:
+                self._count(not_stored=1)
+                return False
+            subdir = os.path.dirname(path)
+            if subdir not in self._subdirs:
+                os.makedirs(subdir, exist_ok=True)
+                self._subdirs.add(subdir)
+            with self._evict_lock():
+                total = self._read_usage()
+                if total is None or total + nbytes > self.max_bytes:
+                    total = self._make_room(nbytes)
+                os.replace(tmp, path)
+                self._write_usage(total + nbytes)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._count(builds=1, bytes_written=nbytes)
+        return True
+
+    def _write(self, tmp: str, table: pa.Table, key: str) -> int:
+        """Write the IPC file and its trailer to ``tmp``; return the file's size."""
+        if any(c.num_chunks > 1 for c in table.columns):
+            table = table.combine_chunks()  # one record batch: one chunk per column
+        with open(tmp, "wb") as f:
+            out = _ChecksummedFile(f)
+            with pa.PythonFile(out, mode="w") as sink, ipc.new_file(sink, table.schema) as w:
+                w.write_table(table, max_chunksize=max(1, table.num_rows))
+            f.write(_TRAILER.pack(_MAGIC, _VERSION, out.crc, out.size, key.encode()))
+        return out.size + _TRAILER.size
+
+    def _remove_temps(self, key: str) -> None:
+        """Delete temp files of ``key`` left by killed builds (we hold its lock)."""
+        tmp_dir = os.path.join(self.directory, _TMP)
+        with os.scandir(tmp_dir) as it:
+            for e in it:
+                if e.name.startswith(key + "-"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(e.path)
+
+    # ---------------------------------------------------------------- eviction
+    def _entries(self) -> list[tuple[float, int, str]]:
+        """``(access time, size, path)`` of every entry."""
+        out = []
+        with os.scandir(self.directory) as top:
+            subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir()]
+        for d in subdirs:
+            with contextlib.suppress(FileNotFoundError), os.scandir(d) as it:
+                for e in it:
+                    if not e.name.endswith(".arrow"):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append((st.st_atime, st.st_size, e.path))
+        return out
+
+    def _make_room(self, nbytes: int) -> int:
+        """Delete least recently used entries until ``nbytes`` more fit under 90% of the
+        budget; return the bytes left (we hold the eviction lock)."""
+        entries = sorted(self._entries())
+        total = sum(size for _, size, _ in entries)
+        target = max(0, int(self.max_bytes * _EVICT_TO) - nbytes)
+        for _, size, p in entries:
+            if total <= target:
+                break
+            try:
+                os.unlink(p)  # processes that mapped it keep reading it (POSIX)
+            except FileNotFoundError:
+                continue
+            total -= size
+            self._count(evictions=1)
+        self._sweep_temps()
+        return total
+
+    def _sweep_temps(self) -> None:
+        """Delete temp files whose builder is gone (its key's lock is free)."""
+        tmp_dir = os.path.join(self.directory, _TMP)
+        with os.scandir(tmp_dir) as it:
+            names = [e.name for e in it]
+        for name in names:
+            key = name.split("-", 1)[0]
+            if len(key) != 32:
+                continue
+            with self._flock(self._stripe_path(key), blocking=False) as free:
+                if free:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(tmp_dir, name))
+
+    # The running total is 8 bytes written in place (under the eviction lock): a rename
+    # over an existing file makes some filesystems (ext4) flush it, about 1 ms each time.
+    def _read_usage(self) -> int | None:
+        data = os.pread(self._fd(_USAGE), 8, 0)
+        return struct.unpack("<q", data)[0] if len(data) == 8 else None
+
+    def _write_usage(self, total: int) -> None:
+        os.pwrite(self._fd(_USAGE), struct.pack("<q", max(0, total)), 0)
+
+    def _fd(self, name: str) -> int:
+        """This process's descriptor of a small shared file (kept open: each publish
+        uses it; a forked child opens its own, as a lock on an inherited descriptor
+        would be shared with the parent)."""
+        fd = self._fds.get(name)
+        if fd is None:
+            path = os.path.join(self.directory, _LOCKS if name == "evict" else "", name)
+            fd = self._fds[name] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return fd
+
+    @contextlib.contextmanager
+    def _evict_lock(self) -> Iterator[None]:
+        with self._evict_thread_lock:
+            fd = self._fd("evict")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) == os.getpid():
+            for fd in getattr(self, "_fds", {}).values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    # ------------------------------------------------------------------- locks
+    def _stripe_path(self, key: str) -> str:
+        return os.path.join(self.directory, _LOCKS, str(int(key[:8], 16) % _LOCK_STRIPES))
+
+    @contextlib.contextmanager
+    def _stripe(self, key: str) -> Iterator[None]:
+        """Hold the build lock of ``key``'s stripe (waiting at most ``lock_timeout``)."""
+        fd = os.open(self._stripe_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            locked = False
+            deadline = time.monotonic() + self.lock_timeout
+            pause = _LOCK_POLL
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        break  # build without it: the rename keeps the entry whole
+                    time.sleep(pause)
+                    pause = min(pause * 2, _LOCK_POLL_MAX)
+            try:
+                yield
+            finally:
+                if locked:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _flock(self, lock_path: str, *, blocking: bool = True) -> Iterator[bool]:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():  # a forked child: counters and locks are its own
+            verified = self._verified  # (files checked by the parent stay checked)
+            self._init_process()
+            self._verified = dict(verified)
+
+    def _count(self, **kw: int) -> None:
+        self._check_process()
+        with self._lock:
+            for k, v in kw.items():
+                self.stats[k] += v
+
+
+_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+class _ChecksummedFile:
+    """A write-only file that keeps the CRC-32 and size of what went through it (the
+    bytes are checksummed while they are in memory, not read back)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.crc = 0
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def close(self) -> None:  # the caller closes the file itself, after the trailer
+        self.closed = True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
+        raise ValueError(f"a decoded cache key is 32 lowercase hex digits, got {key!r}")
+
+
+# ------------------------------------------------------------------ mapping files
+# Maps are made with libc's mmap and the file closed at once: a Python mmap object
+# keeps a duplicate file descriptor per map, and a process may map thousands of row
+# groups (the open-file limit is often 1024). The map is released when the last Arrow
+# buffer over it is freed.
+_libc: Any = None
+
+
+class _Mapping:
+    __slots__ = ("addr", "size")
+
+    def __init__(self, addr: int, size: int) -> None:
+        self.addr = addr
+        self.size = size
+
+    def __del__(self) -> None:
+        if _libc is not None and self.addr:
+            _libc.munmap(ctypes.c_void_p(self.addr), ctypes.c_size_t(self.size))
+
+
+def _load_libc() -> Any:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = lib
+    return _libc
+
+
+def _map(path: str) -> tuple[pa.Buffer, os.stat_result]:
+    """A read-only map of the whole file as an Arrow buffer, and its stat."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if st.st_size == 0:
+            return pa.py_buffer(b""), st
+        try:
+            libc = _load_libc()
+        except (OSError, AttributeError):  # no libc mmap here: Python's (keeps an fd)
+            return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ)), st
+        addr = libc.mmap(None, st.st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
+        return pa.foreign_buffer(addr, st.st_size, base=_Mapping(addr, st.st_size)), st
+    finally:
+        os.close(fd)
