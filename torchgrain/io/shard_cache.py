@@ -130,9 +130,9 @@ class ShardCache:
             error.
         retry: retry policy for downloads (default :class:`RetryPolicy()`).
         verify_hits: check a cached copy against the CRC recorded at its download the
-            first time this process uses it, and again when the file changes (see the
-            module docstring; about 4 GB/s of CPU from the page cache). ``False``
-            trusts a copy of the right size.
+            first time each process (each DataLoader worker) uses it, and again when
+            the file changes (see the module docstring; about 1-4 GB/s of one core,
+            from the page cache). ``False`` trusts a copy of the right size.
 
     Counters (this process only) are in :attr:`stats`: ``hits``, ``misses`` (files this
     process downloaded), ``waits`` (hits that waited for another worker's download),
@@ -177,6 +177,7 @@ class ShardCache:
         self._paths: dict[tuple[str, str | None], str] = {}
         # copy path -> identity of the file this process checked (or downloaded) there
         self._verified: dict[str, tuple[int, int, int, int]] = {}
+        self._verified_pid = os.getpid()
         self.stats: dict[str, int] = dict.fromkeys(
             (
                 "hits",
@@ -197,7 +198,7 @@ class ShardCache:
         state = self.__dict__.copy()
         del state["_stats_lock"]
         state["_paths"] = {}
-        state["_verified"] = {}  # checks are per process (a forked child keeps its parent's)
+        state["_verified"] = {}  # checks are per process
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
         return state
 
@@ -413,7 +414,7 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 raise
-            self._verified[path] = ident
+            self._checks()[path] = ident
             self._count(misses=1, bytes_fetched=size)
             obj = opener(path) if opener else None
         # Downloads that ran concurrently may together have overshot the budget
@@ -474,7 +475,16 @@ class ShardCache:
 
     def _checked(self, path: str, st: os.stat_result) -> bool:
         """Whether this process has checked the file ``st`` describes (no I/O)."""
-        return not self.verify_hits or self._verified.get(path) == _ident(st)
+        return not self.verify_hits or self._checks().get(path) == _ident(st)
+
+    def _checks(self) -> dict[str, tuple[int, int, int, int]]:
+        """The copies this process has checked (path -> identity). A forked child
+        (a DataLoader worker) starts with none: each process checks what it uses."""
+        pid = os.getpid()
+        if self._verified_pid != pid:
+            self._verified = {}
+            self._verified_pid = pid
+        return self._verified
 
     def _check(self, path: str, st: os.stat_result, url: str) -> bool:
         """Whether the copy at ``path`` (``st``) holds the bytes its download recorded:
@@ -494,13 +504,13 @@ class ShardCache:
                 stacklevel=2,
             )
             return False
-        self._verified[path] = ident
+        self._checks()[path] = ident
         return True
 
     def _discard(self, path: str) -> None:
         """Delete a copy that failed its check (we hold its lock exclusively)."""
         self._unlink_copy(path)
-        self._verified.pop(path, None)
+        self._checks().pop(path, None)
         self._count(rejected=1)
 
     def _sum_path(self, path: str) -> str:

@@ -46,6 +46,9 @@ _MAX_OPEN_CACHED = 32
 # How long a process keeps reading an evicted copy it has open (it holds the file's
 # disk blocks beyond the cache's budget meanwhile) before fetching it again.
 _EVICTED_GRACE_SECONDS = 1.0
+# How often an open copy in use counts as a hit, which refreshes its LRU position (the
+# cache's access-time clock has the same resolution).
+_TOUCH_SECONDS = 1.0
 # Per-process state inherited through fork is kept referenced (never freed) in the
 # child: releasing it would write to every inherited page (refcounts, allocator
 # metadata) and turn shared copy-on-write pages into private copies.
@@ -194,7 +197,7 @@ class _CachedCopy:
     thread never has a reader closed under it.
     """
 
-    __slots__ = ("evicted_at", "ident", "path", "pins", "reader", "retired")
+    __slots__ = ("evicted_at", "ident", "path", "pins", "reader", "retired", "touched")
 
     def __init__(self, path: str, ident: tuple[int, ...], reader: Any) -> None:
         self.path = path
@@ -203,6 +206,7 @@ class _CachedCopy:
         self.pins = 0
         self.retired = False
         self.evicted_at: float | None = None  # when it was first seen evicted
+        self.touched = time.monotonic()  # its last hit in the cache (its LRU position)
 
 
 class _ProcessState:
@@ -564,15 +568,15 @@ class ShardedSource(Source):
         it stays open until they are released."""
         assert self.cache is not None
         url = self._paths[shard]
-        size, checksum = self.shard_integrity(shard)
         with st.lock:
             copy = st.cached.get(shard)
-        if copy is not None and self._still_readable(copy, url, size, checksum):
+        if copy is not None and self._still_readable(copy, shard):
             with st.lock:
                 if st.cached.get(shard) is copy:
                     st.cached.move_to_end(shard)
                     _pin(copy, pins)
                     return copy
+        size, checksum = self.shard_integrity(shard)
         path, ident, reader = self.cache.fetch_open(
             url,
             lambda p: self._open_local_copy(shard, p),
@@ -594,18 +598,24 @@ class ShardedSource(Source):
             r.close()
         return copy
 
-    def _still_readable(
-        self, copy: _CachedCopy, url: str, size: int | None, checksum: str | None
-    ) -> bool:
-        """Whether the open reader of ``copy`` still reads the file it checked: the copy
-        on disk is that file (a hit, which refreshes its LRU position), or it was
-        evicted less than a grace period ago (only unlinked: the reader keeps the file).
-        A copy replaced or rewritten in place is not: it is fetched, and checked, again."""
+    def _still_readable(self, copy: _CachedCopy, shard: int) -> bool:
+        """Whether the open reader of ``copy`` still reads the file it checked (one
+        stat() per use): the copy on disk is that file, or it was evicted less than a
+        grace period ago (only unlinked: the reader keeps the file). A copy replaced or
+        rewritten in place is not: it is fetched, and checked, again."""
         assert self.cache is not None
-        hit = self.cache.lookup(url, size=size, checksum=checksum)
-        if hit is not None:
-            return hit == (copy.path, copy.ident)
-        return self.cache.identity(copy.path) is None and _in_grace(copy)
+        ident = self.cache.identity(copy.path)
+        if ident != copy.ident:
+            return ident is None and _in_grace(copy)
+        now = time.monotonic()
+        if now - copy.touched >= _TOUCH_SECONDS:
+            # A hit: refreshes the copy's LRU position, at most once a second.
+            size, checksum = self.shard_integrity(shard)
+            hit = self.cache.lookup(self._paths[shard], size=size, checksum=checksum)
+            if hit != (copy.path, copy.ident):
+                return False
+            copy.touched = now
+        return True
 
     def _pinned(self, st: _ProcessState, fn: Callable[[], T]) -> T:
         """``fn()``, the readers of cached copies it gets staying open until it returns."""
