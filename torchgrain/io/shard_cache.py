@@ -63,7 +63,7 @@ from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
 
-__all__ = ["ShardCache"]
+__all__ = ["ShardCache", "file_crc", "file_identity"]
 
 T = TypeVar("T")
 #: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not match.
@@ -83,8 +83,14 @@ class _ShortDownload(ConnectionError):
     """The transfer ended early (counted as transient: the connection dropped)."""
 
 
-def _ident(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What changes when a file is replaced or rewritten (its identity for the checks)."""
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is replaced or rewritten: its identity for the checks
+    (device, inode, size, modification time).
+
+    Example:
+        >>> len(file_identity(os.stat(".")))
+        4
+    """
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -109,7 +115,7 @@ def file_crc(path: str) -> tuple[str, tuple[int, int, int, int]]:
                         crc = zlib.crc32(view[a : a + _CRC_BLOCK], crc)
                 finally:
                     view.release()
-    return f"crc32:{crc:08x}", _ident(st)
+    return f"crc32:{crc:08x}", file_identity(st)
 
 
 def _key(url: str, checksum: str | None) -> str:
@@ -247,7 +253,7 @@ class ShardCache:
         if st is None or not self._checked(path, st):
             return None
         self._count(hits=1)
-        return path, _ident(st)
+        return path, file_identity(st)
 
     def identity(self, path: str) -> tuple[int, int, int, int] | None:
         """The identity of the file at ``path`` now (see :meth:`lookup`), None if missing.
@@ -258,7 +264,7 @@ class ShardCache:
             True
         """
         try:
-            return _ident(os.stat(path))
+            return file_identity(os.stat(path))
         except FileNotFoundError:
             return None
 
@@ -352,14 +358,14 @@ class ShardCache:
             if st is not None:
                 if self._check(path, st, url):
                     self._count(hits=1, waits=int(waited))
-                    return path, _ident(st), opener(path) if opener else None
-                failed = _ident(st)
+                    return path, file_identity(st), opener(path) if opener else None
+                failed = file_identity(st)
         with self._flock(lock):
             # Another worker may have fetched (or replaced) it while we waited for the lock.
             st = self._hit(path, size)
-            if st is not None and _ident(st) != failed and self._check(path, st, url):
+            if st is not None and file_identity(st) != failed and self._check(path, st, url):
                 self._count(hits=1, waits=int(waited))
-                return path, _ident(st), opener(path) if opener else None
+                return path, file_identity(st), opener(path) if opener else None
             if os.path.lexists(path):  # of the wrong size, or failed its check
                 self._discard(path)
             self._remove_stale_tmp(path)
@@ -475,7 +481,7 @@ class ShardCache:
 
     def _checked(self, path: str, st: os.stat_result) -> bool:
         """Whether this process has checked the file ``st`` describes (no I/O)."""
-        return not self.verify_hits or self._checks().get(path) == _ident(st)
+        return not self.verify_hits or self._checks().get(path) == file_identity(st)
 
     def _checks(self) -> dict[str, tuple[int, int, int, int]]:
         """The copies this process has checked (path -> identity). A forked child
@@ -496,7 +502,7 @@ class ShardCache:
             return False  # no record of a checked download (or not this one's): refetch
         crc, ident = file_crc(path)
         self._count(verified=1, bytes_verified=st.st_size)
-        if crc != recorded[0] or ident != _ident(st):
+        if crc != recorded[0] or ident != file_identity(st):
             warnings.warn(
                 f"cached copy {path} of {url} no longer matches what was downloaded "
                 f"({crc}, recorded {recorded[0]}): it changed on disk; downloading it again",

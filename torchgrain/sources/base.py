@@ -30,7 +30,7 @@ from torchgrain.columns import ColumnBatch
 from torchgrain.io import process
 from torchgrain.io.fs import filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
-from torchgrain.io.shard_cache import ShardCache
+from torchgrain.io.shard_cache import ShardCache, file_identity
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, BlockCache, CacheInfo
 from torchgrain.sources.index import ShardIndex
 
@@ -53,6 +53,8 @@ _TOUCH_SECONDS = 1.0
 # child: releasing it would write to every inherited page (refcounts, allocator
 # metadata) and turn shared copy-on-write pages into private copies.
 _INHERITED: list[Any] = []
+# Per thread: ``pins``, the cached copies the running read (ShardedSource._pinned) uses.
+_READS = threading.local()
 
 
 class Source(abc.ABC):
@@ -197,9 +199,10 @@ class _CachedCopy:
     thread never has a reader closed under it.
     """
 
-    __slots__ = ("evicted_at", "ident", "path", "pins", "reader", "retired", "touched")
+    __slots__ = ("evicted_at", "ident", "lock", "path", "pins", "reader", "retired", "touched")
 
-    def __init__(self, path: str, ident: tuple[int, ...], reader: Any) -> None:
+    def __init__(self, path: str, ident: tuple[int, ...], reader: Any, lock: Any) -> None:
+        self.lock = lock  # the lock of the process state it belongs to
         self.path = path
         self.ident = ident  # of the file the reader opened (see ShardCache.lookup)
         self.reader = reader
@@ -219,8 +222,7 @@ class _ProcessState:
         self.readers: OrderedDict[int, Any] = OrderedDict()
         # shard -> the open reader of its local copy (with a shard cache)
         self.cached: OrderedDict[int, _CachedCopy] = OrderedDict()
-        # per thread: ``pins``, the copies the running read uses; ``batch``, those a
-        # batch opened ahead (see ShardedSource._pinned and _prefetch_copies)
+        # per thread: ``batch``, the copies a batch opened ahead (see _prefetch_copies)
         self.local = threading.local()
         self.pool: ThreadPoolExecutor | None = None
         self.read_ahead: Any = None
@@ -561,15 +563,13 @@ class ShardedSource(Source):
     def _cached_reader(self, st: _ProcessState, shard: int) -> Any:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
         open until the read that asked for it (:meth:`_io`) ends, at least."""
-        return self._cached_copy(st, shard, getattr(st.local, "pins", None)).reader
+        return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
 
     def _cached_copy(self, st: _ProcessState, shard: int, pins: list | None) -> _CachedCopy:
         """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
         it stays open until they are released."""
         assert self.cache is not None
-        url = self._paths[shard]
-        with st.lock:
-            copy = st.cached.get(shard)
+        copy = st.cached.get(shard)
         if copy is not None and self._still_readable(copy, shard):
             with st.lock:
                 if st.cached.get(shard) is copy:
@@ -578,14 +578,14 @@ class ShardedSource(Source):
                     return copy
         size, checksum = self.shard_integrity(shard)
         path, ident, reader = self.cache.fetch_open(
-            url,
+            self._paths[shard],
             lambda p: self._open_local_copy(shard, p),
             filesystem=self._fs,
             size=size,
             checksum=checksum,
             verify=self._verify_copy,
         )
-        copy = _CachedCopy(path, ident, reader)
+        copy = _CachedCopy(path, ident, reader, st.lock)
         with st.lock:
             _pin(copy, pins)
             old = st.cached.pop(shard, None)
@@ -604,9 +604,12 @@ class ShardedSource(Source):
         grace period ago (only unlinked: the reader keeps the file). A copy replaced or
         rewritten in place is not: it is fetched, and checked, again."""
         assert self.cache is not None
-        ident = self.cache.identity(copy.path)
+        try:
+            ident = file_identity(os.stat(copy.path))
+        except FileNotFoundError:
+            return _in_grace(copy)
         if ident != copy.ident:
-            return ident is None and _in_grace(copy)
+            return False
         now = time.monotonic()
         if now - copy.touched >= _TOUCH_SECONDS:
             # A hit: refreshes the copy's LRU position, at most once a second.
@@ -617,19 +620,18 @@ class ShardedSource(Source):
             copy.touched = now
         return True
 
-    def _pinned(self, st: _ProcessState, fn: Callable[[], T]) -> T:
+    def _pinned(self, fn: Callable[[], T]) -> T:
         """``fn()``, the readers of cached copies it gets staying open until it returns."""
-        local = st.local
-        if getattr(local, "pins", None) is not None:  # within a read: that one holds them
+        if getattr(_READS, "pins", None) is not None:  # within a read: that one holds them
             return fn()
         pins: list[_CachedCopy] = []
-        local.pins = pins
+        _READS.pins = pins
         try:
             return fn()
         finally:
-            local.pins = None
+            _READS.pins = None
             if pins:
-                _unpin(st, pins)
+                _unpin(pins)
 
     def _close_evicted_copies(self) -> None:
         """End a batch that :meth:`_prefetch_copies` opened: release its readers, and
@@ -666,7 +668,7 @@ class ShardedSource(Source):
         cached copies that ``fn`` gets stay open until it returns."""
         if not self._reads_remote:
             if self.cache is not None:
-                return self._pinned(self._proc(), fn)
+                return self._pinned(fn)
             return fn()
         st = self._proc()
         with st.lock:
@@ -762,11 +764,11 @@ def _retire(copy: _CachedCopy) -> bool:
     return copy.pins == 0
 
 
-def _unpin(st: _ProcessState, pins: list[_CachedCopy]) -> None:
+def _unpin(pins: list[_CachedCopy]) -> None:
     """Release uses counted by :func:`_pin`, closing retired readers no read uses."""
-    with st.lock:
-        unused = []
-        for copy in pins:
+    unused = []
+    for copy in pins:
+        with copy.lock:
             copy.pins -= 1
             if copy.pins == 0 and copy.retired:
                 unused.append(copy.reader)
@@ -779,7 +781,7 @@ def _release_batch(st: _ProcessState) -> None:
     batch = getattr(st.local, "batch", None)
     if batch is not None:
         st.local.batch = None
-        _unpin(st, batch)
+        _unpin(batch)
 
 
 def iter_in_blocks(
