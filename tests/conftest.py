@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import numpy as np
@@ -75,6 +76,7 @@ def pytest_sessionfinish(session, exitstatus):
     grace period; then kill them, so that the run leaves nothing behind either way."""
     if not _procs.supported():
         return
+    gc.collect()  # loaders that only a reference cycle still holds stop their workers now
     me = os.getpid()
 
     def leftovers():

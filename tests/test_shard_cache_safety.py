@@ -484,6 +484,8 @@ def test_a_copy_corrupted_between_epochs_is_never_served(served, tmp_path, persi
         return sorted(p for batch in loader for p in batch)
 
     assert epoch(0) == _expected(range(N))
+    # The main process uses (and checks) the copy too: forked workers check it anew.
+    assert _read(src, "record", [33]) == _expected([33])
     victim = _copy_holding(cache, 33)
     _flip_payload(victim, 33, keep_mtime=not persistent)
     with warnings.catch_warnings():
