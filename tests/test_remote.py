@@ -282,8 +282,8 @@ def test_cached_download_fails_clearly_and_leaves_nothing(http, tmp_path):
     with pytest.raises(tg.RemoteIOError, match=r"download of .*ds/.*4 attempts"):
         src[0]
     srv.fail_next(0)
-    leftovers = [f for f in os.listdir(tmp_path / "c") if f != ".locks"]
-    assert leftovers == []
+    leftovers = [f for f in os.listdir(tmp_path / "c") if f not in (".locks", ".sums")]
+    assert leftovers == [] and os.listdir(tmp_path / "c" / ".sums") == []
 
 
 def test_not_found_and_forbidden_are_not_retried(http, tmp_path):
