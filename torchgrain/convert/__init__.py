@@ -73,6 +73,7 @@ from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback,
 from torchgrain.formats.checksums import RecordHasher, verify_shard
 from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
+from torchgrain.io.atomic import file_mode
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.sources.registry import detect_format
 from torchgrain.writers import records_to_table
@@ -278,7 +279,9 @@ def convert(
                 if still_there(os.path.join(root, r["path"]), r["num_bytes"])
             }
             todo = [t for t in tasks if t.index not in done]
-            job = Job(inp, root, to, writer_options, compression, row_group_bytes, verify)
+            job = Job(
+                inp, root, to, writer_options, compression, row_group_bytes, verify, file_mode()
+            )
             counts = plan["counts"]
             total = int(sum(counts)) if counts is not None else None
             bar = _Progress(total, progress)

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.atomic import publish
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -304,7 +305,7 @@ class ShardCache:
                 )
                 if checksum:
                     (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
-                os.replace(tmp, path)
+                publish(tmp, path, durable=False)  # mode from the umask, then rename
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -375,7 +376,7 @@ class ShardCache:
 
     @contextlib.contextmanager
     def _flock(self, lock_path: str, *, blocking: bool = True) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
