@@ -13,6 +13,7 @@ point a run was resumed from, and differs between epochs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import multiprocessing
@@ -369,6 +370,25 @@ def _call_batch_fn(fn: Callable[[list[Any]], Any], records: list[Any]) -> list[A
     return out
 
 
+def _describe_fn(fn: Any) -> str:
+    """``module.qualname (file:line)`` of a function, a callable object or a partial.
+
+    Example:
+        >>> _describe_fn(_describe_fn).split(" ")[0]
+        'torchgrain.dataset._describe_fn'
+    """
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    code = getattr(target, "__code__", None)
+    if code is None:  # a callable object: where its class defines __call__
+        code = getattr(type(target).__call__, "__code__", None)
+        name = getattr(target, "__qualname__", None) or type(target).__qualname__
+        module = getattr(target, "__module__", None) or type(target).__module__
+    else:
+        name, module = target.__qualname__, target.__module__
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{module}.{name}{where}"
+
+
 class Dataset(torch.utils.data.Dataset):
     """Map-style dataset over a torchgrain source (or anything indexable with a length).
 
@@ -617,6 +637,7 @@ class Dataset(torch.utils.data.Dataset):
             rest = ops[k:]
         else:
             rest = ops
+        decoded = counters[COUNTER["decode_seconds"]]
         if rest:
             # Per-record ops see records; a later map_batch gets the columns again.
             records = batch.records() if batch is not None else self._read(indices)
@@ -624,7 +645,8 @@ class Dataset(torch.utils.data.Dataset):
             batch = (
                 records if isinstance(records, ColumnBatch) else ColumnBatch.from_records(records)
             )
-        counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
+        decoding = counters[COUNTER["decode_seconds"]] - decoded  # tg.decode_image's own
+        counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1 - decoding
         counters[COUNTER["records"]] += len(batch)
         counters[COUNTER["batches"]] += 1
         self._stats.publish(counters - before)
@@ -654,8 +676,11 @@ class Dataset(torch.utils.data.Dataset):
             counters[COUNTER["read_seconds"]] += t1 - t0
         if self._ops:
             epoch = self._epoch.get()
+            decoded = counters[COUNTER["decode_seconds"]]
             records = self._apply_many(records, indices, epoch)
-            counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
+            # Image decoding inside a map (tg.decode_image) counts itself as decode.
+            decoding = counters[COUNTER["decode_seconds"]] - decoded
+            counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1 - decoding
         counters[COUNTER["records"]] += len(records)
         counters[COUNTER["batches"]] += 1
         self._stats.publish(counters - before)
@@ -663,19 +688,31 @@ class Dataset(torch.utils.data.Dataset):
 
     def _apply(self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...]) -> Any:
         op: tuple[Any, ...] = ()
+        returned_none = False
         try:
-            for op in ops:
+            for k, op in enumerate(ops):
                 if op[0] == "map":
                     rec = op[1](rec)
                 else:
                     _, fn, seed, stream = op
                     rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+                if rec is None and k + 1 < len(ops):
+                    # The next function would fail on None, far from the cause. (None
+                    # from the last one is the record: a collate_fn may drop it.)
+                    returned_none = True
+                    break
         except Exception as e:
             # Name the record: the transform itself never sees its index.
             if hasattr(e, "add_note"):
                 name = getattr(op[1], "__name__", type(op[1]).__name__)
                 e.add_note(f"in {op[0]}({name}) of record index {index} (epoch {epoch})")
             raise
+        if returned_none:
+            raise TypeError(
+                f"{op[0]} function {_describe_fn(op[1])} returned None for record index "
+                f"{index} (epoch {epoch}); the next function needs a record: does it lack "
+                "a `return`?"
+            )
         return rec
 
     def _apply_many(

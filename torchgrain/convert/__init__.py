@@ -45,9 +45,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -82,6 +84,7 @@ __all__ = [
     "JOURNAL_DIR",
     "ConvertInput",
     "RecordHasher",
+    "check_output_dir",
     "convert",
     "detect_format",
     "records_to_table",
@@ -214,7 +217,7 @@ def convert(
             f"torchgrain.beam for {os.fspath(dst)!r}"
         )
     root = os.path.abspath(root)
-    os.makedirs(root, exist_ok=True)
+    check_output_dir(src, root)
     inp = open_input(src, src_format, codec, storage_options)
     options = {
         "to": to,
@@ -228,8 +231,12 @@ def convert(
         os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
     ):
         raise ValueError(f"{root} holds input files: write the conversion to another directory")
+    # Only now, with the input open and the paths checked, is anything created.
+    created = _make_dirs(root)
     journal = Journal(root)
-    with locked(journal):
+    if not os.path.isdir(journal.dir):
+        created.append(journal.dir)
+    with _removed_if_nothing_done(root, created, journal), locked(journal):
         stamp = fingerprint(inp, options)
         plan = journal.load_plan()
         if plan is not None and plan["fingerprint"] != stamp:
@@ -299,6 +306,84 @@ def convert(
         results = [done[t.index] for t in tasks]
         manifest = finish(root, inp, to, group_size, compression, plan, results)
     return manifest
+
+
+def check_output_dir(
+    src: str | os.PathLike | Sequence[str | os.PathLike], dst: str | os.PathLike
+) -> None:
+    """Refuse an output directory inside an input directory, or holding one.
+
+    Converting ``data`` into ``data/out`` would make the output part of the input: the
+    next ``torchgrain inspect data`` or conversion would read both. Paths are compared
+    after resolving symbolic links.
+
+    Raises:
+        ValueError: naming both directories.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> check_output_dir(d, os.path.join(d, "out"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the output directory ... is inside the input directory ...
+        >>> check_output_dir(os.path.join(d, "a"), os.path.join(d, "b"))  # apart: fine
+    """
+    out = os.path.realpath(os.fspath(dst))
+    items = [src] if isinstance(src, (str, os.PathLike)) else list(src)
+    for item in items:
+        fs, p = get_filesystem(item)
+        if not is_local(fs) or any(ch in p for ch in "*?[") or not os.path.isdir(p):
+            continue
+        d = os.path.realpath(p)
+        if out == d:
+            raise ValueError(
+                f"the output directory {os.fspath(dst)!r} is the input directory (it holds "
+                "input files): write the conversion to another directory"
+            )
+        if out.startswith(d.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"the output directory {os.fspath(dst)!r} is inside the input directory "
+                f"{os.fspath(item)!r}: the output would become part of the input; write it "
+                "elsewhere"
+            )
+        if d.startswith(out.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"the input directory {os.fspath(item)!r} is inside the output directory "
+                f"{os.fspath(dst)!r}: write the output elsewhere"
+            )
+
+
+def _make_dirs(root: str) -> list[str]:
+    """``os.makedirs(root)``; returns the directories it created, outermost first."""
+    missing = []
+    d = root
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    os.makedirs(root, exist_ok=True)
+    return missing[::-1]
+
+
+@contextlib.contextmanager
+def _removed_if_nothing_done(root: str, created: list[str], journal: Journal) -> Iterator[None]:
+    """On a failure before any output shard was finished, remove the directories this
+    conversion created (the journal's files included): a failed first run leaves no
+    empty output folder behind. Directories that existed before, and anything a
+    rerun could resume from, stay."""
+    try:
+        yield
+    except BaseException:
+        if created and not journal.done():
+            if journal.dir in created:
+                shutil.rmtree(journal.dir, ignore_errors=True)
+            for d in reversed(created):
+                with contextlib.suppress(OSError):  # not empty: someone else's files
+                    os.rmdir(d)
+        raise
 
 
 def _execute(
