@@ -2,11 +2,13 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test setup lint bench
+.PHONY: demo test setup lint bench newcomer
 setup:
 	bash scripts/setup.sh
 
-demo: setup
+# The runtime dependencies only (no test extras); nothing is installed when nothing changed.
+demo:
+	TORCHGRAIN_EXTRAS= bash scripts/setup.sh
 	$(VENV)/bin/torchgrain demo
 
 test:
@@ -22,3 +24,8 @@ bench:
 lint: setup
 	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m ruff format --check .
+
+# A new user's first hour, from a clean clone of this checkout's HEAD into a temporary
+# folder: `make demo` twice (timed), then `make test`; see scripts/newcomer.sh.
+newcomer:
+	bash scripts/newcomer.sh

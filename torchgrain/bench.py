@@ -117,22 +117,32 @@ def record_nbytes(obj: Any) -> int:
 
 
 def open_dataset_source(
-    path: str | Sequence[str], *, fmt: str = "auto", columns: Sequence[str] | None = None
+    path: str | Sequence[str],
+    *,
+    fmt: str = "auto",
+    columns: Sequence[str] | None = None,
+    cache_bytes: int | None = None,
 ) -> tuple[Any, str]:
     """Open ``path`` as a source of any registered format; returns ``(source, format)``.
 
     ``fmt="auto"`` detects the format from file names (the format registry). Opening
-    reads only metadata (a manifest, footers or cached indexes).
+    reads only metadata (a manifest, footers or cached indexes). ``cache_bytes`` sets
+    the source's per-process block cache (None: its default).
     """
     from torchgrain.sources.registry import detect_format, get_format
 
     name = detect_format(path) if fmt == "auto" else fmt
     cls = get_format(name).source
+    accepts = inspect.signature(cls).parameters
     options: dict[str, Any] = {}
     if columns:
-        if "columns" not in inspect.signature(cls).parameters:
+        if "columns" not in accepts:
             raise ValueError(f"--columns applies to formats with columns (Parquet), not {name}")
         options["columns"] = list(columns)
+    if cache_bytes is not None:
+        if "cache_bytes" not in accepts:
+            raise ValueError(f"--cache-bytes applies to sources with a block cache, not {name}")
+        options["cache_bytes"] = cache_bytes
     return cls(path, **options), name
 
 
@@ -353,7 +363,7 @@ def _slow_shuffle_remedies(fmt: str, group_size: int | None) -> str:
     if fmt == "parquet":
         return (
             "a random row decodes its whole Parquet row group: give ParquetSource a larger "
-            "cache_bytes, or convert to ArrayRecord with group_size 1 (torchgrain convert "
+            "cache_bytes (try it here with --cache-bytes), or convert to ArrayRecord with group_size 1 (torchgrain convert "
             "... --to array_record) for O(1) random access"
         )
     if group_size is not None and group_size > 1:
@@ -491,6 +501,7 @@ def run_bench(
     repeats: int = 3,
     fmt: str = "auto",
     columns: Sequence[str] | None = None,
+    cache_bytes: int | None = None,
     prefetch_factor: int = 4,
     seed: int = 0,
     out: Callable[[str], None] | None = print,
@@ -500,6 +511,8 @@ def run_bench(
     ``seconds`` is the measured time in total, shared by every access order and repeat
     (start-up until each worker's first batch comes on top); ``repeats`` measurements
     per order give the spread. ``num_workers=None`` is :func:`default_workers`.
+    ``cache_bytes`` sets each worker's block cache (Parquet row groups, ArrayRecord
+    chunks; None: the source's default), to see what a larger one, or none, changes.
 
     Returns a dict with ``format``, ``num_records``, ``num_workers``, ``modes`` (one dict
     per access order: ``records_per_s`` (the median), ``records_per_s_min`` /
@@ -520,7 +533,7 @@ def run_bench(
     import torchgrain as tg
 
     say = out or (lambda _line: None)
-    source, fmt = open_dataset_source(path, fmt=fmt, columns=columns)
+    source, fmt = open_dataset_source(path, fmt=fmt, columns=columns, cache_bytes=cache_bytes)
     n = len(source)
     if n == 0:
         raise ValueError(f"{path!r} holds no records")

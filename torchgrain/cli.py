@@ -198,6 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         fmt=args.format,
         columns=args.columns,
+        cache_bytes=args.cache_bytes,
         prefetch_factor=args.prefetch_factor,
         seed=args.seed,
         out=None if args.json else _say,
@@ -502,6 +503,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dataset's format; auto: from its file names",
     )
     b.add_argument("--columns", nargs="+", default=None, help="Parquet columns to read")
+    b.add_argument(
+        "--cache-bytes",
+        metavar="N",
+        type=_non_negative_int,
+        default=None,
+        help="each worker's block cache (Parquet row groups, ArrayRecord chunks), in bytes; "
+        "0: none (default: the source's, 256 MiB)",
+    )
     b.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle seed")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.set_defaults(func=cmd_bench)
