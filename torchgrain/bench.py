@@ -47,12 +47,12 @@ from __future__ import annotations
 import inspect
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch.utils.data
 
 __all__ = [
     "available_cpus",
@@ -103,7 +103,8 @@ def record_nbytes(obj: Any) -> int:
     """
     if isinstance(obj, np.ndarray):
         return int(obj.nbytes)
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor means torch is imported; importing it is slow
+    if torch is not None and isinstance(obj, torch.Tensor):
         return int(obj.numel() * obj.element_size())
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return len(obj)
@@ -157,7 +158,7 @@ def _as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-class _Sequential(torch.utils.data.Sampler[int]):
+class _Sequential:
     """Storage order from ``start`` to the end, then from 0: each round of the
     benchmark starts reading at another place (not where the page cache is warm)."""
 
@@ -172,7 +173,7 @@ class _Sequential(torch.utils.data.Sampler[int]):
         yield from range(self.start)
 
 
-class _Forever(torch.utils.data.Sampler[int]):
+class _Forever:
     """Pass after pass of ``sampler`` (a new epoch each pass, from ``first_epoch``), so a
     timed run never runs dry and each round reads another permutation."""
 
@@ -247,6 +248,8 @@ def _measure(
     out batches from its workers in turn): what came before is start-up (forking,
     opening files, cold caches), reported as ``first_batch_s``.
     """
+    import torch.utils.data
+
     import torchgrain as tg
 
     loader = torch.utils.data.DataLoader(

@@ -256,7 +256,8 @@ _FLAGS = [
 
 
 def _cli_words(message: str) -> str:
-    """A library error message in the command line's words (flags, not arguments).
+    """A library error message in the command line's words (flags, not arguments), on
+    one line.
 
     Example:
         >>> _cli_words("'d' holds files of several formats (a, b); pass format=")
@@ -266,7 +267,7 @@ def _cli_words(message: str) -> str:
     """
     for pattern, flag in _FLAGS:
         message = pattern.sub(flag, message)
-    return message
+    return re.sub(r"\s*\n\s*", " ", message).strip()  # one line, whatever a library said
 
 
 # ------------------------------------------------------------------ parsing
