@@ -58,5 +58,6 @@ if [ "${NEWCOMER_TEST:-1}" != "0" ]; then
 fi
 log "summary (seconds):"
 sed 's/^/  /' "$DIR/times"
-log "the demo's setup lines:"
-grep -h '^setup:' "$DIR"/demo-*.log | sed 's/^/  /'
+for label in demo-fresh demo-again; do
+  log "$label: $(grep -h '^setup:' "$DIR/$label.log" | tr '\n' ' ')"
+done
