@@ -278,3 +278,27 @@ def test_the_stats_table_says_what_each_column_counts():
         "process", "records", "read", "MB", "read", "s", "decode", "s", "transform", "s",
         "cache", "hit/miss",
     ]  # fmt: skip
+
+
+def _same_batch(batch):
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("batch_format", "then"),
+    [("records", "map_batch"), ("columns", "map_batch"), ("columns", None)],
+    ids=["before-map_batch", "before-map_batch-columns", "last-of-columns"],
+)
+def test_none_is_named_wherever_a_record_is_needed_after_it(batch_format, then):
+    # Before a map_batch, or as the last record of a column batch, None is no record.
+    ds = tg.Dataset([{"label": 1}, {"label": 2}], batch_format=batch_format).map(_forgot_return)
+    if then:
+        ds = ds.map_batch(_same_batch)
+    named = (
+        r"map function (tests\.)?test_newcomer\._forgot_return .* returned None for record index"
+    )
+    with pytest.raises(TypeError, match=named + " 0 "):
+        ds.__getitems__([0, 1])
+    if then:
+        with pytest.raises(TypeError, match=named + " 1 "):
+            ds[1]

@@ -686,9 +686,13 @@ class Dataset(torch.utils.data.Dataset):
         self._stats.publish(counters - before)
         return records
 
-    def _apply(self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...]) -> Any:
+    def _apply(
+        self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...], then: str | None = None
+    ) -> Any:
+        """Run the per-record ``ops`` on one record. ``then`` names what needs the result
+        as a record (a map_batch, a column batch); None: the result is the record."""
         op: tuple[Any, ...] = ()
-        returned_none = False
+        needs: str | None = None
         try:
             for k, op in enumerate(ops):
                 if op[0] == "map":
@@ -696,22 +700,22 @@ class Dataset(torch.utils.data.Dataset):
                 else:
                     _, fn, seed, stream = op
                     rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
-                if rec is None and k + 1 < len(ops):
-                    # The next function would fail on None, far from the cause. (None
-                    # from the last one is the record: a collate_fn may drop it.)
-                    returned_none = True
-                    break
+                if rec is None:
+                    # What comes next would fail on None, far from the cause. (None from
+                    # the last function is the record: a collate_fn may drop it.)
+                    needs = "the next function" if k + 1 < len(ops) else then
+                    if needs is not None:
+                        break
         except Exception as e:
             # Name the record: the transform itself never sees its index.
             if hasattr(e, "add_note"):
                 name = getattr(op[1], "__name__", type(op[1]).__name__)
                 e.add_note(f"in {op[0]}({name}) of record index {index} (epoch {epoch})")
             raise
-        if returned_none:
+        if needs is not None:
             raise TypeError(
                 f"{op[0]} function {_describe_fn(op[1])} returned None for record index "
-                f"{index} (epoch {epoch}); the next function needs a record: does it lack "
-                "a `return`?"
+                f"{index} (epoch {epoch}); {needs} needs a record: does it lack a `return`?"
             )
         return rec
 
@@ -726,14 +730,19 @@ class Dataset(torch.utils.data.Dataset):
         """Run the ops: per-record ops record by record, each map_batch on the whole batch
         (a list of records, or with ``columns`` a ColumnBatch)."""
         ops = self._ops if ops is None else ops
+        # Records that become a column batch must be records, None included.
+        last = "the column batch" if columns else None
         start = 0
         if all(op[0] != "map_batch" for op in ops):  # the common case, kept lean
-            return [self._apply(r, int(i), epoch, ops) for r, i in zip(records, indices)]
+            return [self._apply(r, int(i), epoch, ops, last) for r, i in zip(records, indices)]
         for k, op in enumerate(ops):
             if op[0] == "map_batch":
                 if k > start:
                     run = ops[start:k]
-                    records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
+                    records = [
+                        self._apply(r, int(i), epoch, run, "the next function (map_batch)")
+                        for r, i in zip(records, indices)
+                    ]
                 if columns:
                     batch = _call_columns_fn(op[1], ColumnBatch.from_records(list(records)))
                     records = batch.records() if k + 1 < len(ops) else batch
@@ -742,7 +751,7 @@ class Dataset(torch.utils.data.Dataset):
                 start = k + 1
         if start < len(ops):
             run = ops[start:]
-            records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
+            records = [self._apply(r, int(i), epoch, run, last) for r, i in zip(records, indices)]
         return records
 
     def __repr__(self) -> str:
