@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from torchgrain.cli import main
 from torchgrain.demo import EpochResult, explain_first_epoch, run_demo
 
@@ -78,3 +80,16 @@ def test_the_first_epoch_is_explained_part_by_part():
     assert "in the steps themselves" in text and "starting" not in text
     same = epoch(0, 0.1, [0.1] * 10, 0.01)
     assert "ran at the pace of the later epochs" in explain_first_epoch([same, later], 2)
+
+
+def test_the_parts_of_the_first_epoch_add_up_to_its_extra_time():
+    def epoch(i, waits, steps, first):
+        return EpochResult(i, len(steps), 32 * len(steps), waits + sum(steps), waits, steps, first)
+
+    # Later epochs with one slow step: their pace is their mean step, not the median.
+    later = epoch(1, 0.1, [0.1] * 9 + [1.0], 0.01)
+    first = epoch(0, 0.1, [0.25] * 10, 0.01)
+    text = explain_first_epoch([first, later], 2)
+    extra = float(text.split(" took ")[1].split("s ")[0])
+    parts = [float(p.split("s ")[0]) for p in text.split(": ", 1)[1].split(", ")]
+    assert extra == 0.6 and sum(parts) == pytest.approx(extra, abs=0.1), text

@@ -169,7 +169,9 @@ def explain_first_epoch(epochs: list[EpochResult], num_workers: int) -> str:
         return ""
     per_step = sum(e.seconds for e in later) / sum(e.steps for e in later)
     wait_per_step = sum(e.wait_seconds for e in later) / sum(e.steps for e in later)
-    step = float(np.median([s for e in later for s in e.step_seconds]))
+    # The mean step, as in per_step: a median would leave the later epochs' slow steps
+    # out of their pace, and the parts would add up to more than the whole.
+    step = sum(sum(e.step_seconds) for e in later) / sum(len(e.step_seconds) for e in later)
     extra = first.seconds - first.steps * per_step
     if extra <= 0.1 * first.seconds:
         return (
