@@ -169,6 +169,31 @@ def test_cli_errors_name_flags_not_python_arguments(tmp_path, capsys):
     assert not (tmp_path / "o2").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["inspect", "{src}", "--codec", "raw"], "--codec applies to"),
+        (["convert", "{src}", "{tmp}/o", "--to", "parquet", "--compression", "zstd:3"], "zstd:3"),
+        (["convert", "{src}", "{tmp}/o", "--to", "parquet", "--compression", "lzo"], "'lzo'"),
+        (["convert", "{src}", "{tmp}/file"], "argument DST: '{tmp}/file' is not a directory"),
+        (["convert", "{src}", "{tmp}/file/o"], "argument DST: '{tmp}/file/o' is not a directory"),
+    ],
+    ids=["codec-on-parquet", "parquet-level", "parquet-lzo", "dst-a-file", "dst-under-a-file"],
+)
+def test_an_option_or_output_that_cannot_apply_is_a_one_line_error(
+    args, expected, tmp_path, capsys
+):
+    src = tmp_path / "src"
+    tg.write_parquet([{"i": i} for i in range(4)], src)
+    (tmp_path / "file").write_text("mine")
+    args = [a.format(src=src, tmp=tmp_path) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"torchgrain {args[0]}: error: "), err
+    assert expected.format(tmp=tmp_path) in err
+    assert not (tmp_path / "o").exists() and (tmp_path / "file").read_text() == "mine"
+
+
 def test_convert_refuses_an_output_inside_its_input(tmp_path, capsys):
     data = tmp_path / "data"
     tg.write_parquet([{"i": i} for i in range(4)], data)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import inspect
 import json
 import os
 import re
@@ -38,8 +39,11 @@ def _open_for_inspect(path: Any, codec: str, fmt: str) -> tuple[str, Any]:
     from torchgrain.sources.registry import get_format
 
     fmt = _detect("PATH", path) if fmt == "auto" else fmt
+    source = get_format(fmt).source
     options = {"codec": codec} if codec != "auto" else {}
-    return fmt, get_format(fmt).source(path, **options)
+    if options and "codec" not in inspect.signature(source).parameters:
+        raise CliError(f"--codec applies to formats that store encoded records, not {fmt}")
+    return fmt, source(path, **options)
 
 
 def _head(src: Any, n: int) -> list[dict[str, Any]]:
@@ -138,6 +142,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from torchgrain.convert import check_output_dir
 
     _check_exists("SRC", args.src)
+    _check_directory("DST", args.dst)
     if args.src_format == "auto":
         _detect("SRC", args.src)
     try:
@@ -234,6 +239,20 @@ def _check_exists(arg: str, paths: str | list[str]) -> None:
                 raise CliError(f"argument {arg}: {p!r} matches no file")
         elif not os.path.exists(local):
             raise CliError(f"argument {arg}: {p!r} does not exist")
+
+
+def _check_directory(arg: str, path: str) -> None:
+    """A local output ``path`` is a directory or can be made one: no file stands at it
+    or above it."""
+    if "://" in path and not path.startswith("file://"):
+        return
+    target = os.path.abspath(path.removeprefix("file://"))
+    d = target
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        above = "" if d == target else f" ({d!r} is a file)"
+        raise CliError(f"argument {arg}: {path!r} is not a directory{above}")
 
 
 def _detect(arg: str, path: Any) -> str:
