@@ -210,6 +210,27 @@ def test_convert_refuses_an_output_inside_its_input(tmp_path, capsys):
     assert sorted(os.listdir(data)) == before
 
 
+def test_convert_refuses_an_output_holding_an_input_file_however_it_is_named(tmp_path, capsys):
+    data = tmp_path / "data"
+    tg.write_parquet([{"i": i} for i in range(4)], data)
+    (tmp_path / "link").symlink_to(data)
+    outer = tmp_path / "outer"
+    tg.write_parquet([{"i": i} for i in range(4)], outer / "in")
+    name = os.listdir(data)[0]
+    cases = [
+        (tmp_path / "link" / name, data),  # the file's folder, through a link
+        (outer / "in" / name, outer),  # a file deeper inside the output
+        (outer / "in" / "*.parquet", outer),  # a glob's files
+    ]
+    for src, dst in cases:
+        before = sorted(os.listdir(dst))
+        assert main(["convert", str(src), str(dst), "-q"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("torchgrain convert: error: argument DST: "), (src, err)
+        assert "inside the output directory" in err and len(err.splitlines()) == 1, err
+        assert sorted(os.listdir(dst)) == before  # nothing written
+
+
 def test_a_failed_convert_removes_only_the_folders_it_created(tmp_path):
     from torchgrain.formats.tfrecord import index_tfrecord, write_tfrecord
 

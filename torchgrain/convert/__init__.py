@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import glob
 import multiprocessing
 import os
 import queue
@@ -311,14 +312,16 @@ def convert(
 def check_output_dir(
     src: str | os.PathLike | Sequence[str | os.PathLike], dst: str | os.PathLike
 ) -> None:
-    """Refuse an output directory inside an input directory, or holding one.
+    """Refuse an output directory inside an input directory, or holding an input.
 
     Converting ``data`` into ``data/out`` would make the output part of the input: the
-    next ``torchgrain inspect data`` or conversion would read both. Paths are compared
-    after resolving symbolic links.
+    next ``torchgrain inspect data`` or conversion would read both. Converting
+    ``data/part-0.parquet`` (or ``data/*.parquet``) into ``data``, or into a folder above
+    it, would leave the input inside the output dataset's directory. Paths are compared
+    after resolving symbolic links and ``..``.
 
     Raises:
-        ValueError: naming both directories.
+        ValueError: naming both.
 
     Example:
         >>> import tempfile
@@ -333,7 +336,16 @@ def check_output_dir(
     items = [src] if isinstance(src, (str, os.PathLike)) else list(src)
     for item in items:
         fs, p = get_filesystem(item)
-        if not is_local(fs) or any(ch in p for ch in "*?[") or not os.path.isdir(p):
+        if not is_local(fs):
+            continue
+        if glob.has_magic(p) or not os.path.isdir(p):
+            # Files (those a glob names, too): none may lie inside the output.
+            for f in glob.glob(p, recursive=True) if glob.has_magic(p) else [p]:
+                if _within(os.path.realpath(f), out):
+                    raise ValueError(
+                        f"the input file {f!r} is inside the output directory "
+                        f"{os.fspath(dst)!r}: write the output elsewhere"
+                    )
             continue
         d = os.path.realpath(p)
         if out == d:
@@ -341,17 +353,22 @@ def check_output_dir(
                 f"the output directory {os.fspath(dst)!r} is the input directory (it holds "
                 "input files): write the conversion to another directory"
             )
-        if out.startswith(d.rstrip(os.sep) + os.sep):
+        if _within(out, d):
             raise ValueError(
                 f"the output directory {os.fspath(dst)!r} is inside the input directory "
                 f"{os.fspath(item)!r}: the output would become part of the input; write it "
                 "elsewhere"
             )
-        if d.startswith(out.rstrip(os.sep) + os.sep):
+        if _within(d, out):
             raise ValueError(
                 f"the input directory {os.fspath(item)!r} is inside the output directory "
                 f"{os.fspath(dst)!r}: write the output elsewhere"
             )
+
+
+def _within(path: str, directory: str) -> bool:
+    """Whether resolved ``path`` lies below resolved ``directory``."""
+    return path.startswith(directory.rstrip(os.sep) + os.sep)
 
 
 def _make_dirs(root: str) -> list[str]:
