@@ -252,6 +252,31 @@ def test_a_failed_convert_removes_only_the_folders_it_created(tmp_path):
     assert kept.is_dir() and os.listdir(kept) == []  # existed before: stays, emptied of ours
 
 
+def test_a_failed_parallel_convert_never_leaves_shards_without_their_journal(tmp_path):
+    # One worker fails at once on a corrupt file while the other is still writing a
+    # large shard, which it finishes: the journal must stay with it (a rerun resumes),
+    # never be removed as if nothing had been done.
+    from torchgrain.formats.tfrecord import index_tfrecord, write_tfrecord
+
+    src = tmp_path / "tf"
+    src.mkdir()
+    blob = bytes(range(256)) * 40
+    write_tfrecord([blob + b"%d" % i for i in range(4000)], src / "a.tfrecord")
+    bad = src / "b.tfrecord"
+    write_tfrecord([b"record %d" % i for i in range(5)], bad)
+    raw = bytearray(bad.read_bytes())
+    raw[int(index_tfrecord(bad)[0]) + 14] ^= 0xFF  # a data byte of record 0
+    bad.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    with pytest.raises(tg.CorruptDataError):
+        tg.convert(src, out, codec="raw", workers=2, progress=False)
+    shards = [n for n in os.listdir(out) if n.endswith(".array_record")] if out.exists() else []
+    if shards:
+        assert (out / ".torchgrain-convert" / "plan.json").is_file(), os.listdir(out)
+    else:
+        assert not out.exists()
+
+
 def test_inspect_into_a_closed_pipe_ends_quietly_like_a_unix_tool(ar_dataset):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}

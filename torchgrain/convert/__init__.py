@@ -394,13 +394,27 @@ def _removed_if_nothing_done(root: str, created: list[str], journal: Journal) ->
     try:
         yield
     except BaseException:
-        if created and not journal.done():
+        if created and not _shards_finished(root, journal):
             if journal.dir in created:
                 shutil.rmtree(journal.dir, ignore_errors=True)
             for d in reversed(created):
                 with contextlib.suppress(OSError):  # not empty: someone else's files
                     os.rmdir(d)
         raise
+
+
+def _shards_finished(root: str, journal: Journal) -> bool:
+    """Whether ``root`` holds a finished output shard of the planned conversion: one the
+    journal records, or one a pool worker finished after the run had failed (its result
+    never reached the journal, and its shard must not be left without one)."""
+    if journal.done():
+        return True
+    try:
+        plan = journal.load_plan()
+    except (OSError, ValueError):  # unreadable: keep everything
+        return True
+    tasks = plan["tasks"] if plan is not None else []
+    return any(os.path.exists(os.path.join(root, t["name"])) for t in tasks)
 
 
 def _execute(
