@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import json
@@ -268,6 +269,32 @@ def test_refuses_to_overwrite_a_dataset(tmp_path, parquet_dir):
     assert len(tg.ArrayRecordSource(tmp_path / "ds")) == 100
 
 
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (zombies excluded)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(name))
+    return pids
+
+
+def _wait_until_gone(sid: int, timeout: float) -> list[int]:
+    """Wait for session ``sid`` to end; kill and return what is still there at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (left := _session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 KILL_SCRIPT = """
 import sys, numpy as np, torchgrain as tg
 tg.convert(sys.argv[1], sys.argv[2], num_shards=int(sys.argv[3]), workers=2, progress=False)
@@ -296,6 +323,9 @@ def test_kill_9_mid_run_then_rerun(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert killed, "the conversion finished before it could be killed"
+    # Its worker processes (forked from a fork server, not from it) end with it.
+    left = _wait_until_gone(proc.pid, timeout=120)
+    assert not left, f"processes {left} outlived the converting process"
     assert not (out / "torchgrain.json").exists()
     done_before = {n for n in os.listdir(journal) if n.startswith("shard-")}
     assert done_before

@@ -266,7 +266,10 @@ def convert(
             if workers > 1:
                 progress_q = ctx.Queue()
                 pool = futures.ProcessPoolExecutor(
-                    workers, mp_context=ctx, initializer=worker_init, initargs=(progress_q,)
+                    workers,
+                    mp_context=ctx,
+                    initializer=worker_init,
+                    initargs=(progress_q, os.getpid()),
                 )
             if plan is None:
                 counts = inp.counts

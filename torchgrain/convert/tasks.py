@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import select
 import signal
-import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,14 +60,39 @@ def set_progress_callback(callback: Callable[[int, int], None] | None) -> None:
     _progress_callback = callback
 
 
-def worker_init(q: Any) -> None:
+def worker_init(q: Any, parent: int | None = None) -> None:
+    """Set up a pool worker: progress goes to ``q``, Ctrl-C is the parent's to handle,
+    and the worker ends when process ``parent`` (the conversion) ends, killed or not."""
     global _progress_queue
     _progress_queue = q
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    if sys.platform.startswith("linux"):
-        # Die with the parent (kill -9 included): an orphan must not keep writing.
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if parent is not None:
+        threading.Thread(
+            target=_exit_with, args=(parent,), name="torchgrain-convert-parent", daemon=True
+        ).start()
+
+
+def _exit_with(parent: int) -> None:
+    """Wait for process ``parent`` to end, then end this one: an orphan must not keep
+    writing, nor wait for work forever. (``PR_SET_PDEATHSIG`` would watch the fork
+    server this worker was forked from, which outlives the conversion as long as its
+    children do.)"""
+    try:
+        fd = os.pidfd_open(parent)  # Linux 5.3+: readable once the process has ended
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass  # there, under another user: not ours, but not gone either
+            time.sleep(1.0)
+    os._exit(1)
 
 
 class _Reporter:
