@@ -339,6 +339,33 @@ def test_kill_9_mid_run_then_rerun(tmp_path):
     assert [r["i"] for r in back.__getitems__([0, 599, 1199])] == [0, 599, 1199]
 
 
+def test_sigterm_mid_run_cleans_up_as_ctrl_c_does(tmp_path):
+    # A job scheduler stops a job with SIGTERM: the first run's half-written shard and
+    # the folders it created go, as after Ctrl-C, and the status says which signal.
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    blobs = [rng.bytes(10_000) for _ in range(64)]
+    table = pa.table({"b": [blobs[k % 64] for k in range(6000)], "i": np.arange(6000)})
+    pq.write_table(table, src / "a.parquet", row_group_size=500)
+    out = tmp_path / "new" / "out"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torchgrain", "convert", str(src), str(out), "-q"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.is_dir() and any(".tmp-" in n for n in os.listdir(out)):
+            break
+        time.sleep(0.002)
+    running = proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+    assert running, "the conversion finished before it could be stopped"
+    assert rc == 128 + signal.SIGTERM
+    assert not (tmp_path / "new").exists(), [str(p) for p in (tmp_path / "new").rglob("*")]
+    assert not _wait_until_gone(proc.pid, timeout=60)
+
+
 # ------------------------------------------------------------------------- CLI
 def test_cli_convert_and_inspect(parquet_dir, tmp_path, capsys):
     out = tmp_path / "out"

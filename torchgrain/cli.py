@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -548,11 +549,34 @@ def _exit_on_broken_pipe() -> int:
     return 128 + int(signal.SIGPIPE)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler stopping the job), raised where the command is, so that
+    it stops as after Ctrl-C: a conversion removes its half-written shard and the
+    folders a first run created, DataLoader workers are shut down."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _stop_on_sigterm() -> Any:
+    """Turn SIGTERM into :class:`_Terminated`; returns the handler to put back (None
+    where none was changed: not the main thread, or SIGTERM is ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        return None
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return signal.SIG_DFL if previous is None else previous  # None: set outside Python
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchgrain`` command; returns the exit status.
 
     Errors are one line, ``torchgrain COMMAND: error: ...``, naming the path and the
-    option concerned; status 2 for errors, 141 when the output pipe closed early.
+    option concerned; status 2 for errors, 141 when the output pipe closed early, 130
+    after Ctrl-C and 143 after SIGTERM (both stop the command with its clean-up).
 
     Example:
         >>> main(["--help"])  # doctest: +SKIP
@@ -566,8 +590,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, attr, None)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, attr, value[0])
+    previous = _stop_on_sigterm()
     try:
         return int(args.func(args) or 0)
+    except _Terminated:
+        return 128 + int(signal.SIGTERM)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -593,6 +620,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError:
             return _exit_on_broken_pipe()
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
