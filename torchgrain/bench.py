@@ -388,10 +388,14 @@ def suggest(
 ) -> list[str]:
     """Advice from measured numbers: each line is ``headline: the numbers behind it``.
 
-    The headline (before the first colon) depends only on which measurements beat
-    which, never on the numbers themselves. An access order is recommended only when
-    it measured faster beyond the spread of the repeats (``records_per_s_min`` /
+    The sampler a headline (before the first colon) names depends only on which
+    measurements beat which: an access order is recommended only when it measured
+    faster beyond the spread of the repeats (``records_per_s_min`` /
     ``records_per_s_max``, when given); a difference within the spread is said to be.
+    The other lines compare numbers with fixed thresholds (workers busy in every round
+    above 80% or in none above 40%, shuffled reads below half the sequential rate, a
+    first batch after more than 1 s, batches under 32 records), so a measurement close
+    to one may give the line in one run and not in the next.
 
     Example:
         >>> modes = [{"mode": "sequential", "records_per_s": 1000.0, "busy_fraction": 0.95,
