@@ -280,14 +280,24 @@ def test_none_from_the_last_function_is_the_record():
     assert tg.Dataset([{"a": 1}]).map(lambda r: None)[0] is None
 
 
-@pytest.mark.parametrize("batch_format", ["records", "columns"])
-def test_png_decoding_inside_a_map_counts_as_decode_not_transform(batch_format):
+def _decode_batch(batch):
+    """A map_batch decoding every image of a column batch with tg.decode_image."""
+    decode = tg.decode_image("image")
+    return {**batch, "image": [decode({"image": b})["image"] for b in batch["image"]]}
+
+
+@pytest.mark.parametrize(
+    ("batch_format", "how"),
+    [("records", "map"), ("columns", "map"), ("columns", "map_batch")],
+)
+def test_png_decoding_inside_a_map_counts_as_decode_not_transform(batch_format, how):
     rng = np.random.default_rng(0)
     pngs = [
         {"image": cv2.imencode(".png", rng.integers(0, 256, (384, 384, 3), np.uint8))[1].tobytes()}
         for _ in range(12)
     ]
-    ds = tg.Dataset(pngs, batch_format=batch_format).map(tg.decode_image("image"))
+    ds = tg.Dataset(pngs, batch_format=batch_format)
+    ds = ds.map(tg.decode_image("image")) if how == "map" else ds.map_batch(_decode_batch)
     t0 = time.perf_counter()
     ds.__getitems__(list(range(12)))
     wall = time.perf_counter() - t0

@@ -631,13 +631,13 @@ class Dataset(torch.utils.data.Dataset):
         if not (isinstance(self._source, Source) and self._source.reports_stats):
             counters[COUNTER["read_seconds"]] += t1 - t0
         epoch = self._epoch.get()
+        decoded = counters[COUNTER["decode_seconds"]]  # before any op: all may decode
         if batch is not None:
             for op in ops[:k]:
                 batch = _call_columns_fn(op[1], batch)
             rest = ops[k:]
         else:
             rest = ops
-        decoded = counters[COUNTER["decode_seconds"]]
         if rest:
             # Per-record ops see records; a later map_batch gets the columns again.
             records = batch.records() if batch is not None else self._read(indices)
