@@ -396,7 +396,16 @@ class StatsReport:
         return self.table()
 
     def table(self, *, legend: bool = True) -> str:
-        """The report as a table, a row per process, under a legend of its columns."""
+        """The report as a table, a row per process, under a legend of its columns
+        (``legend=False``: the table alone, for a second table under the first).
+
+        Example:
+            >>> import torchgrain as tg
+            >>> ds = tg.Dataset([{"a": 1}] * 4)
+            >>> _ = ds.__getitems__([0, 1])
+            >>> tg.stats(ds).table(legend=False).split()[:3]
+            ['process', 'records', 'read']
+        """
         cols = ("records", "read MB", "read s", "decode s", "transform s", "cache hit/miss")
         lines = [
             *(self.LEGEND if legend else ()),

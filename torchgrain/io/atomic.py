@@ -188,7 +188,15 @@ def atomic_open(
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` atomically (see :func:`atomic_path`)."""
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_path`).
+
+    Example:
+        >>> import tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "b.bin")
+        >>> atomic_write_bytes(p, b"abc", durable=False)
+        >>> open(p, "rb").read()
+        b'abc'
+    """
     with atomic_open(path, "wb", durable=durable) as f:
         f.write(data)
 
