@@ -2,11 +2,13 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test setup lint bench fuzz
+.PHONY: demo test setup lint bench fuzz newcomer
 setup:
 	bash scripts/setup.sh
 
-demo: setup
+# The runtime dependencies only (no test extras); nothing is installed when nothing changed.
+demo:
+	TORCHGRAIN_EXTRAS= bash scripts/setup.sh
 	$(VENV)/bin/torchgrain demo
 
 test:
@@ -27,3 +29,8 @@ lint: setup
 FUZZ_SECONDS ?= 600
 fuzz: setup
 	$(VENV)/bin/python tests/fuzz.py --seconds $(FUZZ_SECONDS)
+
+# A new user's first hour, from a clean clone of this checkout's HEAD into a temporary
+# folder: `make demo` twice (timed), then `make test`; see scripts/newcomer.sh.
+newcomer:
+	bash scripts/newcomer.sh

@@ -421,9 +421,33 @@ class StatsReport:
         """The caches the latest sampler pass cannot fit (empty when all fit)."""
         return [fit for fit in self.cache_fit if not fit.fits]
 
+    #: What each column of the table counts (printed above it).
+    LEGEND = (
+        "read MB, read s: bytes the source read (after decompression, before decoding) and "
+        "the time reading and decompressing them",
+        "decode s: bytes to records and images (record codecs, Arrow, tg.decode_image); "
+        "transform s: the other map functions",
+    )
+
     def __str__(self) -> str:
-        cols = ("records", "MB", "read s", "decode s", "transform s", "cache hit/miss")
-        lines = [f"{'process':<10}" + "".join(f"{c:>16}" for c in cols)]
+        return self.table()
+
+    def table(self, *, legend: bool = True) -> str:
+        """The report as a table, a row per process, under a legend of its columns
+        (``legend=False``: the table alone, for a second table under the first).
+
+        Example:
+            >>> import torchgrain as tg
+            >>> ds = tg.Dataset([{"a": 1}] * 4)
+            >>> _ = ds.__getitems__([0, 1])
+            >>> tg.stats(ds).table(legend=False).split()[:3]
+            ['process', 'records', 'read']
+        """
+        cols = ("records", "read MB", "read s", "decode s", "transform s", "cache hit/miss")
+        lines = [
+            *(self.LEGEND if legend else ()),
+            f"{'process':<10}" + "".join(f"{c:>16}" for c in cols),
+        ]
         for name, row in [*self.workers.items(), ("total", self.total)]:
             vals = (
                 f"{row['records']:,.0f}",

@@ -13,13 +13,8 @@ import numpy as np
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.checksums import RecordHasher, file_checksum
 from torchgrain.formats.codecs import get_codec, merge_schema
-from torchgrain.formats.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    atomic_write_text,
-    read_manifest,
-)
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_name
 from torchgrain.io.fs import get_filesystem, is_local
 
 __all__ = [
@@ -131,7 +126,7 @@ def write_array_record(
 
     names = [shard_name(i, num_shards, prefix) for i in range(num_shards)]
     finals = [os.path.join(root, n) for n in names]
-    temps = [os.path.join(root, f".{n}.tmp-{os.getpid()}") for n in names]
+    temps = [temp_name(f) for f in finals]
     counts = [0] * num_shards
     hashers = [RecordHasher() for _ in range(num_shards)]
     schema: dict[str, str] = {}
@@ -183,7 +178,7 @@ def write_array_record(
                     os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
-            os.replace(t, f)
+            publish(t, f)
             shards.append(
                 ShardInfo(
                     path=n,
@@ -322,15 +317,9 @@ def write_parquet(
         final = os.path.join(
             directory, shard_name(i, num_shards, prefix).replace(".array_record", ".parquet")
         )
-        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{os.getpid()}")
-        try:
+        with atomic_path(final) as tmp:
             pq.write_table(
                 records_to_table(part), tmp, row_group_size=row_group_size, compression=compression
             )
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         paths.append(final)
     return paths

@@ -20,7 +20,8 @@ from torchgrain.convert.inputs import ConvertInput
 from torchgrain.convert.tasks import Task
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.codecs import _merge_one
-from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, atomic_write_text
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from torchgrain.io.atomic import atomic_write_text
 from torchgrain.writers import shard_name
 
 __all__ = [
@@ -141,7 +142,8 @@ def locked(journal: Journal) -> Iterator[None]:
     import fcntl
 
     os.makedirs(journal.dir, exist_ok=True)
-    fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    # 0o666 less the umask, as for every file torchgrain writes.
+    fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

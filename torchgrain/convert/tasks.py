@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from torchgrain.convert.outputs import ArrayRecordOut, ParquetOut
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.checksums import RecordHasher, file_checksum, verify_shard
 from torchgrain.formats.codecs import merge_schema
+from torchgrain.io.atomic import publish, temp_name
 
 __all__ = ["Job", "Task", "exit_with", "run_task", "set_progress_callback", "worker_init"]
 
@@ -47,6 +47,9 @@ class Job:
     compression: str
     row_group_bytes: int
     verify: bool
+    #: Mode of the files written: the converting process's ``0o666`` less its umask
+    #: (pool workers come from a fork server that may predate a change of umask).
+    mode: int | None = None
 
 
 _progress_queue: Any = None  # set in pool workers
@@ -134,7 +137,7 @@ class _Reporter:
 def run_task(job: Job, task: Task) -> dict[str, Any]:
     """Write one output shard; returns its ShardInfo fields plus its schema."""
     final = os.path.join(job.root, task.name)
-    tmp = os.path.join(job.root, f".{task.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = temp_name(final)  # a name journal.remove_temps recognises
     inp = job.input
     report = _Reporter()
     count = 0
@@ -188,12 +191,10 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
         checksum = hasher.hexdigest() if hasher is not None else file_checksum(tmp)
         if job.verify:
             verify_shard(tmp, count, checksum)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
         # ArrayRecord shards also get the file's own hash: what a downloaded copy is
         # checked against (cheaper than decoding every record).
         whole = file_checksum(tmp) if hasher is not None else None
-        os.replace(tmp, final)
+        publish(tmp, final, mode=job.mode)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

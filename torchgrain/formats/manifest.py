@@ -14,8 +14,6 @@ Shard paths are relative to the directory, so a dataset can be moved or uploaded
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +21,9 @@ import fsspec
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import remote
+
+# Kept importable from here (older code writes manifests with it).
+from torchgrain.io.atomic import atomic_write_text as atomic_write_text
 
 MANIFEST_NAME = "torchgrain.json"
 MANIFEST_FORMAT = "torchgrain/array_record"
@@ -203,19 +204,3 @@ def read_manifest(fs: fsspec.AbstractFileSystem, directory: str) -> Manifest | N
         return None
     text = remote.cat_file(fs, path, url=path, what="manifest read", limit=_MAX_MANIFEST_BYTES)
     return Manifest.from_json(text, where=path)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write a local file so that readers see either the old or the whole new content."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

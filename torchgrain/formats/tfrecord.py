@@ -48,6 +48,7 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.io import remote
+from torchgrain.io.atomic import publish, temp_name
 from torchgrain.io.fs import PathLike, get_filesystem, is_local
 
 __all__ = [
@@ -604,10 +605,16 @@ def write_tfrecord(
     """
     fs, p = _resolve(path, filesystem)
     comp = resolve_compression(os.fspath(path), compression)
-    parent, _, base = p.rpartition("/")
-    tmp = (
-        f"{parent}/.{base}.tmp-{uuid.uuid4().hex}" if parent else f".{base}.tmp-{uuid.uuid4().hex}"
-    )
+    local = is_local(fs)
+    if local:
+        tmp = temp_name(p)
+    else:
+        parent, _, base = p.rpartition("/")
+        tmp = (
+            f"{parent}/.{base}.tmp-{uuid.uuid4().hex}"
+            if parent
+            else f".{base}.tmp-{uuid.uuid4().hex}"
+        )
     count = 0
     try:
         with fs.open(tmp, "wb") as raw:
@@ -634,8 +641,8 @@ def write_tfrecord(
                 out.write(b"".join(pending))
             if out is not raw:
                 out.close()
-        if is_local(fs):
-            os.replace(tmp, p)
+        if local:
+            publish(tmp, p)
         else:
             fs.mv(tmp, p)
     except BaseException:

@@ -60,6 +60,7 @@ import fsspec
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import remote
+from torchgrain.io.atomic import publish
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -418,7 +419,7 @@ class ShardCache:
                 # What later hits are checked against: the bytes that passed the checks.
                 crc, ident = file_crc(tmp)
                 self._write_sum(path, crc, size)
-                os.replace(tmp, path)  # keeps the identity: device, inode, size, mtime
+                publish(tmp, path, durable=False)  # mode from the umask; keeps the identity
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -564,7 +565,7 @@ class ShardCache:
     def _flock(
         self, lock_path: str, *, blocking: bool = True, shared: bool = False
     ) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX

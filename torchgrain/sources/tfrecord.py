@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import os
 import re
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from torchgrain.formats.tfrecord import (
     resolve_compression,
 )
 from torchgrain.io import remote as io_remote
+from torchgrain.io.atomic import atomic_open
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
@@ -388,13 +388,9 @@ def _cache_file(
 def _save(path: str, offsets: np.ndarray) -> None:
     """Write atomically: a reader sees a whole index or none (never a partial one)."""
     directory = os.path.dirname(path)
-    try:
+    # A read-only cache costs an index walk at each open, nothing else.
+    with contextlib.suppress(OSError):
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-        with open(tmp, "wb") as f:
+        # A cache: rebuilt if lost, so not flushed to disk before use.
+        with atomic_open(path, "wb", durable=False) as f:
             np.save(f, offsets.astype(np.int64))
-        os.replace(tmp, path)
-    except OSError:
-        # A read-only cache costs an index walk at each open, nothing else.
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
