@@ -269,6 +269,39 @@ def test_a_chunk_claiming_16_gib_is_refused_before_anything_is_allocated(tmp_pat
     assert peak < 64 << 20
 
 
+def resident_growth(fn) -> int:
+    """Bytes by which ``fn()`` raises this process's peak resident memory (Linux's
+    VmHWM, reset first): what a claim costs, which tracemalloc cannot tell (it counts
+    memory allocated but never touched)."""
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith(key))
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+    except OSError:
+        pytest.skip("cannot reset the peak resident size here")
+    base = status("VmRSS:")
+    fn()
+    return status("VmHWM:") - base
+
+
+@pytest.mark.parametrize("path", ["item", "columns", "remote_item"])
+def test_a_brotli_chunk_claiming_just_under_the_ceiling_costs_no_memory(tmp_path, path):
+    """A few bytes of brotli that claim 512 MiB (under the 1 GiB ceiling): refused when
+    the stream ends short, without touching the 512 MiB it claims."""
+    d = ar_dir(tmp_path, brotli_claim(512 << 20), compression="brotli")
+    src = ar_source(d, path)
+
+    def fails() -> None:
+        with pytest.raises(CorruptDataError, match=r"a\.array_record.*chunk 1.*536870912"):
+            read(src, path, 1)
+
+    assert resident_growth(fails) < 64 << 20
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_zstd_chunk_over_max_chunk_bytes_is_refused_on_every_path(tmp_path, path):
     """Honest chunks, one of them larger than the ceiling the reader was given."""

@@ -1661,8 +1661,13 @@ def _plan(
 
 def _decompress_into(into: Any, payload: Any, size: int) -> memoryview:
     """``into(payload, buffer)`` (cramjam's ``decompress_into``) with a buffer of exactly
-    ``size`` bytes, which it must fill."""
-    buf = bytearray(size)
+    ``size`` bytes, which it must fill.
+
+    The buffer is left uninitialised (a ``bytearray`` would be zeroed): a stream that
+    claims far more than it holds then costs only the pages it really writes, not its
+    claim. Nothing unwritten is ever returned: a stream that falls short is an error.
+    """
+    buf = np.empty(size, np.uint8)
     got = into(payload, buf)
     if got != size:
         raise _ChunkDecodeError(f"decompressed {got} bytes, the chunk declares {size}")
