@@ -551,10 +551,13 @@ def _mutate_record(rng: random.Random, data: bytes) -> bytes:
                     b"i4,i4",
                     b"(3,)i8",
                     b"<M8[s]",
+                    b"(1,)<i4",
+                    b"(2,)<i4",
                 ]
             )
             b[at + 4 : at + 4 + n] = new
             b[at + 3] = len(new)
+            b[at + 1] = (b[at + 1] + len(new) - n) & 0xFF  # the ext's length follows
         elif choice == 2 and ndim_at < len(b):  # ndim
             b[ndim_at] = rng.choice([0, 1, 2, 31, 32, 33, 255])
         else:  # the ext length

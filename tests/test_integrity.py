@@ -552,6 +552,22 @@ def test_the_columns_decoder_leaves_unstackable_and_itemless_arrays_to_the_recor
     assert ok["x"].offsets.tolist() == [0, 2, 3]
 
 
+def test_subarray_dtypes_are_left_to_the_records(tmp_path):
+    """A dtype string such as "(1,)<i4" (no writer stores one: an array's dtype is never
+    a subarray dtype) adds a dimension to any array made of it: the columns must be what
+    the records give, and a ragged batch of them must not make the decoder fail."""
+    from torchgrain.formats.msgpack_columns import decode_columns
+
+    d = msgpack_shard(tmp_path, [ndarray_ext("(1,)<i4", (3,), bytes(range(12)))] * 4)
+    src = tg.ArrayRecordSource(d, codec="msgpack")
+    assert src[0]["x"].shape == (3,)
+    assert src.read_columns([0, 1, 2, 3])["x"].shape == (4, 3)
+    recs = [msgpack.packb({"x": ndarray_ext("(2,)<i4", (k,), bytes(8 * k))}) for k in (3, 2, 3, 1)]
+    ends = np.cumsum([len(r) for r in recs])
+    buf = np.frombuffer(b"".join(recs), np.uint8)
+    assert decode_columns(buf, ends - [len(r) for r in recs], ends) is None
+
+
 def test_a_batch_decoder_that_fails_falls_back_to_the_records(tmp_path, monkeypatch):
     from torchgrain.formats.codecs import MsgpackCodec
 
