@@ -475,6 +475,42 @@ def test_a_zlib_tensor_that_inflates_past_its_shape_is_refused_in_bounded_memory
     assert peak < 32 << 20
 
 
+def test_several_zlib_blobs_of_one_tensor_share_its_bound():
+    """Eight blobs, each inflating to the whole tensor's 16 MiB: their sum is bounded by
+    the tensor, not each of them (which would inflate 128 MiB before the shape check)."""
+    import zlib
+
+    from torchgrain.formats.tf_example import encode_tf_example
+    from torchgrain.formats.tfds import TFDSCodec
+
+    size = 16 << 20
+    spec = {
+        "featuresDict": {
+            "features": {
+                "t": {
+                    "tensor": {
+                        "shape": {"dimensions": [str(size)]},
+                        "dtype": "uint8",
+                        "encoding": "zlib",
+                    }
+                }
+            }
+        }
+    }
+    codec = TFDSCodec(spec)
+    blob = zlib.compress(bytes(size), 1)
+    assert codec.decode(encode_tf_example({"t": [blob]}))["t"].shape == (size,)
+    data = encode_tf_example({"t": [blob] * 8})
+    tracemalloc.start()
+    try:
+        with pytest.raises(RecordDecodeError, match="inflates to more than its 16777216 bytes"):
+            codec.decode(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * size
+
+
 @pytest.mark.parametrize("compression", ["zstd", "snappy"])
 def test_a_stream_too_short_for_the_size_it_declares_is_refused_before_allocating(
     tmp_path, compression
