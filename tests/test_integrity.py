@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import struct
 import tracemalloc
 from pathlib import Path
@@ -92,6 +93,28 @@ def test_a_flipped_byte_in_a_tfrecord_record_is_never_served(tmp_path, path):
     # Not checking is a choice the user makes, and then the flipped byte comes through.
     lax = tf_source(d, path, verify_checksums=False)
     assert lax[1]["bytes"] != recs[1]
+
+
+@pytest.mark.parametrize("fmt", ["tfrecord", "array_record"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_corrupt_record_names_its_shard_and_index_on_every_path(tmp_path, fmt, path):
+    if fmt == "tfrecord":
+        d, recs = tfrecord_dir(tmp_path)
+        file = os.path.join(d, "a.tfrecord")
+        data = bytearray(Path(file).read_bytes())
+        data[(16 + len(recs[0])) + 12 + 5] ^= 0x10  # record 1, a data byte
+        Path(file).write_bytes(bytes(data))
+        src = tf_source(d, path)
+    else:
+        src = ar_source(
+            ar_dir(tmp_path, lying_chunk("brotli", b"abc" * 9, 7), compression="brotli"), path
+        )
+    with pytest.raises(CorruptDataError) as exc:
+        read(src, path, 1)
+    # Read in order, ArrayRecord reads blocks of records: the error names the block's
+    # first (and the file's message the record).
+    index = 0 if path == "in_order" and fmt == "array_record" else 1
+    assert re.search(rf"a\.{fmt}.*\(shard 0 of 2, .*record index {index}\b", str(exc.value))
 
 
 def test_a_tfrecord_length_with_a_bad_checksum_is_refused_at_open(tmp_path):

@@ -244,13 +244,17 @@ class ArrayRecordSource(EncodedSource):
         """The raw records ``[start, stop)`` of one shard, in order, read in blocks."""
         n = int(self.index.counts[shard])
         stop = n if stop is None else min(stop, n)
-        for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
-            b = min(a + _SEQUENTIAL_BLOCK, stop)
-            yield from self._io(
-                lambda a=a, b=b: self._reader(shard).read_range(a, b),
-                shard,
-                f"read of records {a}-{b} of shard {shard}",
-            )
+
+        def records() -> Iterator[bytes]:
+            for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
+                b = min(a + _SEQUENTIAL_BLOCK, stop)
+                yield from self._io(
+                    lambda a=a, b=b: self._reader(shard).read_range(a, b),
+                    shard,
+                    f"read of records {a}-{b} of shard {shard}",
+                )
+
+        yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
     def _read_rows(

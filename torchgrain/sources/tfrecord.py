@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -193,12 +194,8 @@ class TFRecordSource(EncodedSource):
             max_record_bytes=self.max_record_bytes,
         )
         try:
-            for k, data in enumerate(it):
-                if k < skip:
-                    continue
-                if k - skip >= stop - start:
-                    return
-                yield data
+            wanted = itertools.islice(it, skip, skip + stop - start)
+            yield from self._in_order(shard, start, wanted)
         finally:
             it.close()
 
