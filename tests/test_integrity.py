@@ -660,3 +660,63 @@ def test_unpacked_int64_lists_decode_in_memory_proportional_to_the_record():
         tracemalloc.stop()
     assert out["v"][:3].tolist() == [1, 2, 3] and len(out["v"]) == n
     assert peak < 30 * len(data)
+
+
+# ================================================================== Parquet
+def parquet_claiming(path: Path, rows: int, claim: int) -> None:
+    """A Parquet file of ``rows`` rows (int64, string) whose footer claims ``claim`` rows
+    wherever it counts them (the file, the row group, each column chunk): a lie that
+    agrees with itself, so only a bound on what the claim costs can stop it."""
+    import io
+
+    import fuzz
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"i": np.arange(rows), "s": [str(i) for i in range(rows)]}), sink)
+    data = sink.getvalue()
+    start = len(data) - 8 - struct.unpack_from("<I", data, len(data) - 8)[0]
+    counts = [
+        (a, b)
+        for a, b in fuzz._thrift_ints(data, start, len(data) - 8)
+        if data[a:b] == fuzz._zigzag(rows)
+    ]
+    # The file's, the row group's, two columns' (and their level histograms, if written).
+    assert len(counts) >= 4
+    footer = data[start:-8]
+    for a, b in reversed(counts):
+        footer = footer[: a - start] + fuzz._zigzag(claim) + footer[b - start :]
+    path.write_bytes(data[:start] + footer + struct.pack("<I", len(footer)) + b"PAR1")
+
+
+def test_a_parquet_footer_claiming_billions_of_rows_is_refused_in_bounded_memory(tmp_path):
+    """2**31 rows of (int64, string) need 24 GiB decoded, over the 16 GiB default: refused
+    before pyarrow reserves memory for them (it touched ~0.5 GiB for nothing before)."""
+    parquet_claiming(tmp_path / "a.parquet", 100, 1 << 31)
+    src = tg.ParquetSource(str(tmp_path))
+    assert len(src) == 1 << 31
+
+    def fails() -> None:
+        with pytest.raises(CorruptDataError, match=r"a\.parquet.*max_row_group_bytes=17179869184"):
+            src[5]
+
+    assert resident_growth(fails) < 64 << 20
+
+
+@pytest.mark.parametrize("path", ["item", "batch", "columns", "in_order"])
+def test_a_parquet_row_group_over_max_row_group_bytes_is_refused_on_every_path(tmp_path, path):
+    """An honest row group of 100 rows of 12 bytes at least (an int64, a string's offset)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"i": np.arange(100), "s": [str(i) for i in range(100)]})
+    pq.write_table(table, tmp_path / "a.parquet")
+    pq.write_table(table.slice(0, 10), tmp_path / "b.parquet")
+    src = tg.ParquetSource(str(tmp_path), max_row_group_bytes=1000)
+    with pytest.raises(
+        CorruptDataError, match=r"a\.parquet.*shard 0 of 2.*1200 bytes.*max_row_group_bytes=1000"
+    ):
+        read(src, path, 1)
+    assert src[100]["i"] == 0  # b.parquet: 120 bytes
+    assert tg.ParquetSource(str(tmp_path), max_row_group_bytes=1200)[1]["i"] == 1
