@@ -993,6 +993,21 @@ def _zigzag(v: int) -> bytes:
     return varint((v << 1) ^ (v >> 63) if v >= 0 else ((-v) << 1) - 1)
 
 
+def claim_rows(data: bytes, rows: int, claim: int) -> bytes:
+    """``data``, a Parquet file of ``rows`` rows, with ``claim`` in its footer wherever
+    the footer says ``rows`` (the file's count; with one row group, its count and each
+    column chunk's): a lie that agrees with itself, which only a bound on what the claim
+    costs can stop."""
+    end = len(data) - 8
+    start = end - struct.unpack_from("<I", data, end)[0]
+    old = _zigzag(rows)
+    footer = data[start:end]
+    for a, b in reversed(_thrift_ints(data, start, end)):
+        if data[a:b] == old:
+            footer = footer[: a - start] + _zigzag(claim) + footer[b - start :]
+    return data[:start] + footer + struct.pack("<I", len(footer)) + b"PAR1"
+
+
 class ParquetTarget(Target):
     """Parquet files with hostile footers (row counts, row-group sizes, offsets, schema)
     through :class:`ParquetSource`: open, per record, batch, columns."""
@@ -1022,6 +1037,9 @@ class ParquetTarget(Target):
 
     def mutate(self, rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
         data = unb64(case["data"])
+        if rng.random() < 0.2:
+            claim = rng.choice([case["rows"] + 1, 1 << 31, 1 << 40, (1 << 63) - 1])
+            return {"data": b64(claim_rows(data, case["rows"], claim)), "rows": case["rows"]}
         for _ in range(rng.randint(1, 2)):
             if len(data) < 12 or data[-4:] != b"PAR1":
                 data = mutate_bytes(rng, data)
@@ -1062,7 +1080,10 @@ class ParquetTarget(Target):
         path = os.path.join(workdir, "x.parquet")
         with open(path, "wb") as f:
             f.write(unb64(case["data"]))
-        src = expect_error_or(lambda: tg.ParquetSource(path, cache_bytes=1 << 20), errors)
+        src = expect_error_or(
+            lambda: tg.ParquetSource(path, cache_bytes=1 << 20, max_row_group_bytes=MAX_CHUNK),
+            errors,
+        )
         if src is None:
             return
         n = len(src)

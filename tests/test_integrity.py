@@ -665,8 +665,7 @@ def test_unpacked_int64_lists_decode_in_memory_proportional_to_the_record():
 # ================================================================== Parquet
 def parquet_claiming(path: Path, rows: int, claim: int) -> None:
     """A Parquet file of ``rows`` rows (int64, string) whose footer claims ``claim`` rows
-    wherever it counts them (the file, the row group, each column chunk): a lie that
-    agrees with itself, so only a bound on what the claim costs can stop it."""
+    wherever it counts them (see :func:`fuzz.claim_rows`)."""
     import io
 
     import fuzz
@@ -675,19 +674,7 @@ def parquet_claiming(path: Path, rows: int, claim: int) -> None:
 
     sink = io.BytesIO()
     pq.write_table(pa.table({"i": np.arange(rows), "s": [str(i) for i in range(rows)]}), sink)
-    data = sink.getvalue()
-    start = len(data) - 8 - struct.unpack_from("<I", data, len(data) - 8)[0]
-    counts = [
-        (a, b)
-        for a, b in fuzz._thrift_ints(data, start, len(data) - 8)
-        if data[a:b] == fuzz._zigzag(rows)
-    ]
-    # The file's, the row group's, two columns' (and their level histograms, if written).
-    assert len(counts) >= 4
-    footer = data[start:-8]
-    for a, b in reversed(counts):
-        footer = footer[: a - start] + fuzz._zigzag(claim) + footer[b - start :]
-    path.write_bytes(data[:start] + footer + struct.pack("<I", len(footer)) + b"PAR1")
+    path.write_bytes(fuzz.claim_rows(sink.getvalue(), rows, claim))
 
 
 def test_a_parquet_footer_claiming_billions_of_rows_is_refused_in_bounded_memory(tmp_path):
