@@ -231,6 +231,25 @@ def test_a_chunk_that_declares_more_bytes_than_it_holds_is_never_served(
     assert src[0]["bytes"] == b"\x00" * 20
 
 
+@pytest.mark.parametrize("lie", ["footer_says_more", "header_says_more"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_footer_count_that_disagrees_with_its_chunk_is_refused_where_the_chunk_is_read(
+    tmp_path, path, lie
+):
+    """The footer's record counts number the records (the metadata's total agrees with
+    them): a chunk whose header holds another count must never be read as the footer
+    says. (Chunks after it are numbered as the footer says; only reading every chunk
+    header could tell, and a writer able to lie there could as well write other records.)"""
+    if lie == "footer_says_more":  # footer counts 1, 2, 1: records 1 and 2 in chunk 1
+        bad = R.Chunk([b"x" * 21], "zstd", footer_records=2)
+    else:  # footer counts 1, 1, 1 (group_size 1), the chunk holds two records
+        bad = R.Chunk([b"x" * 21, b"y" * 21], "zstd", footer_records=1)
+    src = ar_source(ar_dir(tmp_path, bad), path)
+    with pytest.raises(CorruptDataError, match=r"a\.array_record.*chunk 1.*the footer says"):
+        read(src, path, 1)
+    assert src[0]["bytes"] == b"\x00" * 20
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_record_sizes_that_do_not_add_up_are_refused(tmp_path, path):
     recs = [b"x" * 10, b"y" * 20]
