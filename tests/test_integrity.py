@@ -481,6 +481,21 @@ def test_strings_that_are_not_utf8_never_reach_a_column_batch(tmp_path):
         tg.ArrayRecordSource(str(d), codec="msgpack").read_columns([0, 1, 2, 3])
 
 
+def test_a_character_split_between_two_strings_never_reaches_a_column_batch(tmp_path):
+    """Records 1 and 2 hold the two halves of "é": each string is invalid UTF-8, though
+    the column's bytes, end to end, are not."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    d = tmp_path / "u"
+    d.mkdir()
+    w = ArrayRecordWriter(str(d / "a.array_record"), "group_size:1")
+    for s in (b"ab", b"\xc3", b"\xa9", b"cd"):
+        w.write(b"\x81\xa1s" + bytes([0xA0 | len(s)]) + s)  # {"s": a str of these bytes}
+    w.close()
+    with pytest.raises(RecordDecodeError, match=r"record 1 .*a\.array_record.*utf-8"):
+        tg.ArrayRecordSource(str(d), codec="msgpack").read_columns([0, 1, 2, 3])
+
+
 # ================================================================== TFDS tensors
 def test_a_zlib_tensor_that_inflates_past_its_shape_is_refused_in_bounded_memory():
     import zlib
@@ -553,17 +568,21 @@ def test_several_zlib_blobs_of_one_tensor_share_its_bound():
     assert peak < 3 * size
 
 
-@pytest.mark.parametrize("compression", ["zstd", "snappy"])
+@pytest.mark.parametrize("compression", ["zstd", "snappy", "snappy_preamble"])
 def test_a_stream_too_short_for_the_size_it_declares_is_refused_before_allocating(
     tmp_path, compression
 ):
     """512 MiB declared (under the ceiling) by a stream of a few bytes, which neither
-    zstd (32768x at most) nor snappy (22x) can hold."""
+    zstd (32768x at most) nor snappy (22x) can hold (a snappy stream's own preamble
+    may say so too)."""
     big = 512 << 20
     if compression == "zstd":
         stream = zstandard.ZstdCompressor(write_content_size=False).compress(b"abc")
-    else:
+    elif compression == "snappy":
         stream = R.stream("snappy", b"abc")
+    else:
+        compression = "snappy"
+        stream = R.varint(big) + R.stream("snappy", b"abc")[1:]  # its preamble: 3 bytes
     bad = R.Chunk(
         [b"abc"],
         compression,
