@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import ctypes
 import gzip
 import hashlib
 import io
@@ -34,6 +35,7 @@ import os
 import random
 import resource
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -1110,6 +1112,8 @@ class SelfTestTarget(Target):
         if mode == "crash":
             os.abort()
         elif mode == "hang":
+            if case.get("started"):  # tell whoever waits for the case to be running
+                open(case["started"], "w").close()
             time.sleep(3600)
         elif mode == "memory":  # touched pages, under the address-space limit
             block = bytearray(RSS_BUDGET_MIB * 2 << 20)
@@ -1177,6 +1181,10 @@ def worker_main() -> None:
     import torchgrain.formats.arrayrecord_file  # noqa: F401
 
     resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
+    if sys.platform.startswith("linux"):
+        # Die with the supervisor (kill -9 included): no worker left behind in a case.
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     out = sys.stdout
     for line in sys.stdin:
         case = json.loads(line)
@@ -1205,18 +1213,28 @@ class Supervisor:
     def __init__(self, case_seconds: float = CASE_SECONDS) -> None:
         self.case_seconds = case_seconds
         self.proc: subprocess.Popen | None = None
+        self.stderr: Any = None  # the worker's, in a file: what a crash printed
 
     def _start(self) -> subprocess.Popen:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), OMP_NUM_THREADS="1")
+        if self.stderr is not None:
+            self.stderr.close()
+        self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the worker
         return subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--worker"],
+            # faulthandler: a crash in C prints the Python stack it happened under.
+            [sys.executable, "-X", "faulthandler", os.path.abspath(__file__), "--worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             env=env,
             text=True,
             bufsize=1,
         )
+
+    def _last_words(self) -> str:
+        """The end of what the dead worker printed (a C crash's stack, an abort's cause)."""
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")[-2000:]
 
     def run(self, case: dict[str, Any]) -> str:
         """'' when the case passed, else what went wrong."""
@@ -1243,7 +1261,7 @@ class Supervisor:
         if not line:
             code = proc.wait()
             self.proc = None
-            return f"crash: the worker died (exit {code})"
+            return f"crash: the worker died (exit {code})\n{self._last_words()}"
         answer = json.loads(line)
         if answer["s"] > self.case_seconds:
             return f"slow: {answer['s']:.1f} s"
@@ -1258,6 +1276,9 @@ class Supervisor:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+        if self.stderr is not None:
+            self.stderr.close()
+            self.stderr = None
 
 
 def campaign(
