@@ -157,6 +157,19 @@ def test_a_tfrecord_record_over_max_record_bytes_is_refused(tmp_path, path):
     assert src[0]["bytes"] == b"\x01" * 30  # records under the ceiling read as usual
 
 
+def test_read_tfrecord_at_refuses_a_record_over_max_record_bytes(tmp_path):
+    from torchgrain.formats.tfrecord import index_tfrecord, read_tfrecord_at
+
+    path = str(tmp_path / "x.tfrecord")
+    write_tfrecord([b"a" * 10, b"b" * 4000], path)
+    offsets = index_tfrecord(path).tolist()
+    assert read_tfrecord_at(path, offsets[0], max_record_bytes=1000) == b"a" * 10
+    with pytest.raises(
+        CorruptDataError, match=r"x\.tfrecord.*byte offset 26.*max_record_bytes=1000"
+    ):
+        read_tfrecord_at(path, offsets[1], max_record_bytes=1000)
+
+
 @pytest.mark.parametrize("suffix", [".tfrecord.gz", ".tfrecord.zz"])
 def test_a_compressed_tfrecord_length_over_the_ceiling_is_refused_before_reading(tmp_path, suffix):
     """A compressed stream has no file size to bound a length: 64 MiB of zeros (64 KiB
@@ -248,6 +261,20 @@ def test_a_footer_count_that_disagrees_with_its_chunk_is_refused_where_the_chunk
     with pytest.raises(CorruptDataError, match=r"a\.array_record.*chunk 1.*the footer says"):
         read(src, path, 1)
     assert src[0]["bytes"] == b"\x00" * 20
+
+
+@pytest.mark.parametrize("compression", ["brotli", "snappy", "zstd"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_values_stream_that_holds_less_than_its_chunk_is_refused(tmp_path, compression, path):
+    """Record sizes 10 + 20 and the chunk's 30 decoded bytes agree, but the values stream
+    says (and holds) 25: the last record would come back 5 bytes short."""
+    recs = [b"a" * 10, b"b" * 20]
+    short = b"".join(recs)[:25]
+    values = R.varint(25) + R.stream(compression, short)
+    bad = R.Chunk(recs, compression, values_buffer=values)
+    src = ar_source(ar_dir(tmp_path, bad, compression=compression), path)
+    with pytest.raises(CorruptDataError, match=r"a\.array_record.*chunk 1.*declares 25"):
+        read(src, path, 2)  # the chunk's second record
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -745,3 +772,18 @@ def test_a_parquet_row_group_over_max_row_group_bytes_is_refused_on_every_path(t
         read(src, path, 1)
     assert src[100]["i"] == 0  # b.parquet: 120 bytes
     assert tg.ParquetSource(str(tmp_path), max_row_group_bytes=1200)[1]["i"] == 1
+
+
+def test_a_parquet_footer_whose_row_counts_disagree_is_refused_at_open(tmp_path):
+    """Three row groups of 5 rows, and a footer that says the file holds 16."""
+    import io
+
+    import fuzz
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"i": np.arange(15)}), sink, row_group_size=5)
+    (tmp_path / "a.parquet").write_bytes(fuzz.claim_rows(sink.getvalue(), 15, 16))
+    with pytest.raises(CorruptDataError, match=r"a\.parquet.*shard 0 of 1.*says 16 rows"):
+        tg.ParquetSource(str(tmp_path))
