@@ -642,6 +642,19 @@ def test_a_chunk_that_claims_a_trillion_records_cannot_make_the_reader_allocate(
         src[1]
 
 
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_postscript_pointing_far_back_is_refused_before_the_footer_is_fetched(tmp_path, where):
+    """The postscript says the footer starts at the first data chunk, 300 KB back: a
+    remote open would fetch the whole file as its "footer" (all of a file of gigabytes)."""
+    d = tmp_path / "far"
+    d.mkdir()
+    chunks = [R.Chunk([os.urandom(3000)], "none") for _ in range(100)]
+    R.write(str(d / "a.array_record"), chunks, postscript_footer_offset=64)
+    path = to_memory(str(d), "far") if where == "remote" else str(d)
+    with pytest.raises(CorruptDataError, match=r"a\.array_record.*footer.*max_chunk_bytes=4096"):
+        len(tg.ArrayRecordSource(path, codec="raw", max_chunk_bytes=4096))
+
+
 def test_footer_counts_whose_sum_wraps_around_are_refused_at_open(tmp_path):
     """512 chunks each claiming 2**55 records add up to 2**64: 0 in int64. With the real
     count of the last chunk, the wrapped sum matches the metadata's 1 record."""

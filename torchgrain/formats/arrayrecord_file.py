@@ -864,6 +864,17 @@ class ArrayRecordFile:
             raise self._corrupt(
                 f"postscript points to footer offset {footer_offset} outside the file"
             )
+        # Between the footer's start and the postscript lie the footer chunk (its data
+        # decodes to at most max_chunk_bytes, and takes about as much uncompressed) and
+        # padding to a block boundary. A postscript pointing further back would make a
+        # remote open fetch the file's data as its footer.
+        if post_pos - footer_offset > 2 * (self._max_chunk + _BLOCK):
+            raise self._corrupt(
+                f"postscript points to a footer at offset {footer_offset}, "
+                f"{post_pos - footer_offset} bytes before it: more than a footer within "
+                f"max_chunk_bytes={self._max_chunk} takes (a larger max_chunk_bytes reads "
+                "it, if the file is trusted)"
+            )
 
         if footer_offset >= tail_start:
             fbuf = tail[footer_offset - tail_start : post_pos - tail_start]
