@@ -28,6 +28,7 @@ import zstandard
 
 import torchgrain as tg
 from torchgrain.errors import CorruptDataError, RecordDecodeError
+from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 from torchgrain.formats.tfrecord import write_tfrecord
 
 PATHS = ["item", "batch", "joint_batch", "columns", "in_order", "remote_item", "remote_batch"]
@@ -653,6 +654,25 @@ def test_a_postscript_pointing_far_back_is_refused_before_the_footer_is_fetched(
     path = to_memory(str(d), "far") if where == "remote" else str(d)
     with pytest.raises(CorruptDataError, match=r"a\.array_record.*footer.*max_chunk_bytes=4096"):
         len(tg.ArrayRecordSource(path, codec="raw", max_chunk_bytes=4096))
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_footer_chunk_spanning_far_more_than_a_chunk_is_refused_at_open(tmp_path, where):
+    """The footer lists the first and the last of 100 chunks: the first then spans 300 KB,
+    which a remote read of its one small record would fetch whole."""
+    d = tmp_path / "span"
+    d.mkdir()
+    chunks = [R.Chunk([bytes([k]) * 3000], "none") for k in range(100)]
+    file = str(d / "a.array_record")
+    R.write(file, chunks)
+    offsets = ArrayRecordFile(file).chunk_offsets[[0, 99]].tolist()
+    R.write(file, chunks, footer_offsets=offsets, num_chunks=2, num_records=2)
+    path = to_memory(str(d), "span") if where == "remote" else str(d)
+    with pytest.raises(
+        CorruptDataError, match=r"a\.array_record.*chunk 0: it spans.*max_chunk_bytes=4096"
+    ):
+        len(tg.ArrayRecordSource(path, codec="raw", max_chunk_bytes=4096))
+    assert tg.ArrayRecordSource(path, codec="raw")[1]["bytes"] == bytes([99]) * 3000
 
 
 def test_footer_counts_whose_sum_wraps_around_are_refused_at_open(tmp_path):

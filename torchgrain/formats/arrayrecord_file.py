@@ -601,6 +601,12 @@ class ArrayRecordFile:
             raise _ChunkDecodeError(f"decompressed {len(out)} bytes, expected {size}")
         return out
 
+    def _max_span(self) -> int:
+        """The most bytes a chunk of this file (the footer's too) may span: its header,
+        data that decodes to at most ``max_chunk_bytes`` (and takes about as much when
+        uncompressed), block headers and padding to a block boundary, with room to spare."""
+        return 2 * (self._max_chunk + _BLOCK)
+
     def _over_ceiling(self, size: int) -> str:
         return (
             f"the chunk declares {size} decompressed bytes, more than max_chunk_bytes="
@@ -864,11 +870,10 @@ class ArrayRecordFile:
             raise self._corrupt(
                 f"postscript points to footer offset {footer_offset} outside the file"
             )
-        # Between the footer's start and the postscript lie the footer chunk (its data
-        # decodes to at most max_chunk_bytes, and takes about as much uncompressed) and
-        # padding to a block boundary. A postscript pointing further back would make a
-        # remote open fetch the file's data as its footer.
-        if post_pos - footer_offset > 2 * (self._max_chunk + _BLOCK):
+        # Between the footer's start and the postscript: the footer chunk and padding.
+        # A postscript pointing further back would make a remote open fetch the file's
+        # data as its footer.
+        if post_pos - footer_offset > self._max_span():
             raise self._corrupt(
                 f"postscript points to a footer at offset {footer_offset}, "
                 f"{post_pos - footer_offset} bytes before it: more than a footer within "
@@ -931,6 +936,17 @@ class ArrayRecordFile:
         chunk_ends[:-1] = offsets[1:]
         if num_chunks:
             chunk_ends[-1] = footer_offset
+            # A remote read fetches a chunk to the next one's offset: chunks listed far
+            # apart would make a read of one record fetch the bytes between.
+            spans = chunk_ends - offsets
+            c = int(np.argmax(spans))
+            if int(spans[c]) > self._max_span():
+                raise self._corrupt(
+                    f"it spans {int(spans[c])} bytes to the next chunk's offset, more than a "
+                    f"chunk within max_chunk_bytes={self._max_chunk} takes (a larger "
+                    "max_chunk_bytes reads it, if the file is trusted)",
+                    chunk=c,
+                )
         # Uniform group size (all chunks but the last hold g records) allows a division
         # instead of a binary search for single-record reads.
         group = 0
