@@ -820,3 +820,32 @@ def test_a_parquet_footer_whose_row_counts_disagree_is_refused_at_open(tmp_path)
     (tmp_path / "a.parquet").write_bytes(fuzz.claim_rows(sink.getvalue(), 15, 16))
     with pytest.raises(CorruptDataError, match=r"a\.parquet.*shard 0 of 1.*says 16 rows"):
         tg.ParquetSource(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "option"),
+    [
+        ("array_record", "max_chunk_bytes"),
+        ("tfrecord", "max_record_bytes"),
+        ("parquet", "max_row_group_bytes"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1, ValueError), (True, TypeError), ("1G", TypeError)]
+)
+def test_a_ceiling_option_is_checked_when_the_source_is_made(tmp_path, fmt, option, value, error):
+    """Not when a first read opens a file (a dataset with a manifest opens none before)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if fmt == "array_record":
+        tg.write_array_record([{"x": 1}], tmp_path)  # with its manifest
+        make = tg.ArrayRecordSource
+    elif fmt == "tfrecord":
+        write_tfrecord([b"x"], str(tmp_path / "a.tfrecord"))
+        make = tg.TFRecordSource
+    else:
+        pq.write_table(pa.table({"x": [1]}), tmp_path / "a.parquet")
+        make = tg.ParquetSource
+    with pytest.raises(error, match=option):
+        make(str(tmp_path), **{option: value})

@@ -55,7 +55,7 @@ import fsspec
 import numpy as np
 import zstandard
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, check_ceiling
 from torchgrain.formats._highwayhash import riegeli_hash
 from torchgrain.io import process
 from torchgrain.io.fs import get_filesystem, is_local, map_files
@@ -297,11 +297,7 @@ class ArrayRecordFile:
         verify_checksums: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     ) -> None:
-        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
-            raise TypeError(f"max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
-        if max_chunk_bytes < 1:
-            raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
-        self._max_chunk = max_chunk_bytes
+        self._max_chunk = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         self._url = os.fspath(path)
         if filesystem is None:
             filesystem, stripped = get_filesystem(self._url)

@@ -15,6 +15,7 @@ from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
     UnsafePathError,
+    check_ceiling,
 )
 from torchgrain.formats.arrayrecord_file import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -133,7 +134,7 @@ class ArrayRecordSource(EncodedSource):
     ) -> None:
         cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
-        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunk_bytes = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         retry = retry or RetryPolicy()
         manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
         if manifest is not None:

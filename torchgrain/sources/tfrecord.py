@@ -27,7 +27,12 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    check_ceiling,
+)
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
@@ -104,11 +109,7 @@ class TFRecordSource(EncodedSource):
         max_open_files: int | type[Ellipsis] | None = ...,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     ) -> None:
-        if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
-            raise TypeError(f"max_record_bytes must be an int, got {max_record_bytes!r}")
-        if max_record_bytes < 0:
-            raise ValueError(f"max_record_bytes must be >= 0, got {max_record_bytes}")
-        self.max_record_bytes = max_record_bytes
+        self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
         fs, files = expand_paths(
             paths,
             suffixes=TFRECORD_SUFFIXES,

@@ -28,7 +28,12 @@ import pyarrow.parquet as pq
 
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, local_counters
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RemoteIOError,
+    check_ceiling,
+)
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
@@ -206,11 +211,7 @@ class ParquetSource(ShardedSource):
         max_open_files: int | type[Ellipsis] | None = ...,
         max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
     ) -> None:
-        if isinstance(max_row_group_bytes, bool) or not isinstance(max_row_group_bytes, int):
-            raise TypeError(f"max_row_group_bytes must be an int, got {max_row_group_bytes!r}")
-        if max_row_group_bytes < 0:
-            raise ValueError(f"max_row_group_bytes must be >= 0, got {max_row_group_bytes}")
-        self.max_row_group_bytes = max_row_group_bytes
+        self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
         if isinstance(columns, str):
