@@ -694,44 +694,39 @@ def _proto_fields(data: bytes) -> list[tuple[int, int]]:
     walked through nested length-delimited fields where they parse."""
     out: list[tuple[int, int]] = []
 
+    def varint(pos: int, b: int) -> tuple[int, int] | None:
+        """(value, position after it) of the varint at ``pos``; None if it runs past ``b``."""
+        value = shift = 0
+        while pos < b:
+            byte = data[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value, pos
+        return None
+
     def walk(a: int, b: int, depth: int) -> None:
         pos = a
         while pos < b:
             start = pos
-            tag = 0
-            shift = 0
-            while pos < b and data[pos] & 0x80:
-                tag |= (data[pos] & 0x7F) << shift
-                shift += 7
-                pos += 1
-            if pos >= b:
+            got = varint(pos, b)
+            if got is None:
                 return
-            tag |= data[pos] << shift
-            pos += 1
+            tag, pos = got
             out.append((start, pos))
             wt = tag & 7
-            if wt == 0:
-                s = pos
-                while pos < b and data[pos] & 0x80:
-                    pos += 1
-                pos += 1
-                out.append((s, pos))
-            elif wt == 2:
-                s = pos
-                n = 0
-                shift = 0
-                while pos < b and data[pos] & 0x80:
-                    n |= (data[pos] & 0x7F) << shift
-                    shift += 7
-                    pos += 1
-                if pos >= b:
+            if wt in (0, 2):
+                got = varint(pos, b)
+                if got is None:
                     return
-                n |= data[pos] << shift
-                pos += 1
-                out.append((s, pos))
-                if depth < 8 and pos + n <= b:
-                    walk(pos, pos + n, depth + 1)
-                pos += n
+                value, end = got
+                out.append((pos, end))
+                pos = end
+                if wt == 2:
+                    if depth < 8 and pos + value <= b:
+                        walk(pos, pos + value, depth + 1)
+                    pos += value
             elif wt == 5:
                 pos += 4
             elif wt == 1:
