@@ -1149,18 +1149,11 @@ def _peak_reset() -> None:
         f.write("5")
 
 
-def _peak_mib() -> float:
+def status_mib(key: str) -> float:
+    """This process's ``key`` from /proc ("VmRSS": resident now, "VmHWM": its peak), MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -1185,7 +1178,7 @@ def worker_main() -> None:
         case = json.loads(line)
         target = TARGETS[case["target"]]
         with tempfile.TemporaryDirectory(prefix="tgfuzz-") as workdir:
-            base = _rss_mib()
+            base = status_mib("VmRSS")
             _peak_reset()
             t0 = time.perf_counter()
             try:
@@ -1195,7 +1188,7 @@ def worker_main() -> None:
                 verdict = str(e)
             except BaseException as e:  # the oracle itself failed: report, never hide
                 verdict = f"oracle error {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
-            peak = _peak_mib() - base
+            peak = status_mib("VmHWM") - base
         if not verdict and peak > RSS_BUDGET_MIB:
             verdict = f"peak RSS {peak:.0f} MiB over the worker's, budget {RSS_BUDGET_MIB} MiB"
         out.write(json.dumps({"bad": verdict, "peak": peak, "s": time.perf_counter() - t0}) + "\n")

@@ -343,19 +343,16 @@ def resident_growth(fn) -> int:
     """Bytes by which ``fn()`` raises this process's peak resident memory (Linux's
     VmHWM, reset first): what a claim costs, which tracemalloc cannot tell (it counts
     memory allocated but never touched)."""
-
-    def status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) << 10 for line in f if line.startswith(key))
+    import fuzz
 
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current resident size
     except OSError:
         pytest.skip("cannot reset the peak resident size here")
-    base = status("VmRSS:")
+    base = fuzz.status_mib("VmRSS")
     fn()
-    return status("VmHWM:") - base
+    return int((fuzz.status_mib("VmHWM") - base) * (1 << 20))
 
 
 @pytest.mark.parametrize("path", ["item", "columns", "remote_item"])
