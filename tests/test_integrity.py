@@ -149,6 +149,20 @@ def test_a_tfrecord_changed_after_its_index_was_cached_is_refused(tmp_path):
         src[0]
 
 
+@pytest.mark.parametrize("bad", [[46], [0, 5], [0.0, 46.0], [[0, 46]]])
+def test_a_cached_tfrecord_index_that_cannot_be_the_files_is_built_again(tmp_path, bad):
+    """A cached index is trusted for the record count: one that cannot index this file
+    (not starting at 0, frames shorter than 16 bytes, not int64 offsets) is rebuilt,
+    not used to skip records."""
+    d, recs = tfrecord_dir(tmp_path)
+    index = tmp_path / "index"
+    tg.TFRecordSource(d, codec="raw", index_dir=str(index))
+    for f in index.iterdir():
+        np.save(f, np.array(bad))
+    src = tg.TFRecordSource(d, codec="raw", index_dir=str(index))
+    assert [r["bytes"] for r in src.__getitems__(range(len(src)))] == recs
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_tfrecord_record_over_max_record_bytes_is_refused(tmp_path, path):
     d, _ = tfrecord_dir(tmp_path, sizes=(30, 4000, 50, 60))
@@ -169,6 +183,31 @@ def test_read_tfrecord_at_refuses_a_record_over_max_record_bytes(tmp_path):
         CorruptDataError, match=r"x\.tfrecord.*byte offset 26.*max_record_bytes=1000"
     ):
         read_tfrecord_at(path, offsets[1], max_record_bytes=1000)
+
+
+def test_a_compressed_tfrecord_of_many_records_keeps_no_memory_per_record(tmp_path):
+    """200,000 empty records in 6 KiB of gzip (a stream holds about 1000 times its size):
+    they are counted, and nothing per record is kept (no offsets: there is no random
+    access into a compressed stream), in the source or in its cached index."""
+    import pickle
+
+    from torchgrain.formats.tfrecord import masked_crc32c
+
+    n = struct.pack("<Q", 0)
+    empty = n + struct.pack("<I", masked_crc32c(n)) + struct.pack("<I", masked_crc32c(b""))
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.tfrecord.gz").write_bytes(gzip.compress(empty * 200_000, mtime=0))
+    write_tfrecord([b"x" * 10], str(d / "b.tfrecord"))
+    index = tmp_path / "index"
+    for _ in range(2):  # building the index, then from the cached one
+        src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(index))
+        assert len(src) == 200_001 and src.shard_counts.tolist() == [200_000, 1]
+        assert len(pickle.dumps(src)) < 100_000
+        assert src[200_000]["bytes"] == b"x" * 10
+        assert src.block_offsets().tolist() == [0, 200_000, 200_001]
+        assert sum(f.stat().st_size for f in index.iterdir()) < 10_000
+    assert next(src.iter_shard(0, 199_999))["bytes"] == b""
 
 
 @pytest.mark.parametrize("suffix", [".tfrecord.gz", ".tfrecord.zz"])
