@@ -885,3 +885,33 @@ def test_a_ceiling_option_is_checked_when_the_source_is_made(tmp_path, fmt, opti
         make = tg.ParquetSource
     with pytest.raises(error, match=option):
         make(str(tmp_path), **{option: value})
+
+
+# ================================================================== TFDS images
+def test_an_image_too_large_to_decode_is_a_record_decode_error():
+    """A 280-byte PNG whose header says 20000 x 20000 pixels: Pillow refuses it (its
+    decompression-bomb limit, ~179 M pixels), and the codec says so as a torchgrain
+    error, not Pillow's own."""
+    import zlib
+
+    from torchgrain.formats.tf_example import encode_tf_example
+    from torchgrain.formats.tfds import TFDSCodec
+
+    pytest.importorskip("PIL")
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data)
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 0, 0, 0, 0)  # 8-bit grey
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0"))
+    png += chunk(b"IEND", b"")
+    spec = {
+        "featuresDict": {
+            "features": {
+                "image": {"image": {"shape": {"dimensions": ["-1", "-1", "1"]}, "dtype": "uint8"}}
+            }
+        }
+    }
+    with pytest.raises(RecordDecodeError, match="'image'.*400000000 pixels"):
+        TFDSCodec(spec).decode(encode_tf_example({"image": [png]}))

@@ -202,14 +202,20 @@ def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
 def _decode_pil(data: bytes) -> np.ndarray:
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im)
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return np.asarray(im)
+    except Image.DecompressionBombError as e:  # over Pillow's pixel limit (~179 M)
+        raise ValueError(str(e)) from None
 
 
 def _decode_cv2(data: bytes) -> np.ndarray:
     import cv2
 
-    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    try:
+        arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error as e:  # e.g. over OpenCV's pixel limit (2**30)
+        raise ValueError(f"OpenCV cannot decode the image: {e}") from None
     if arr is None:
         raise ValueError("OpenCV cannot decode the image")
     if arr.ndim == 3 and arr.shape[2] >= 3:  # OpenCV is BGR(A)
