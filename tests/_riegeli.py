@@ -180,6 +180,7 @@ def build(
     num_chunks: int | None = None,
     writer_options: str = "group_size:1",
     footer_offsets: list[int] | None = None,
+    postscript_footer_offset: int | None = None,
 ) -> bytes:
     """The bytes of an ArrayRecord file holding ``chunks`` (see the module docstring)."""
     w = _Writer()
@@ -221,6 +222,8 @@ def build(
     pad = bytes(n)
     w.chunk(_header(pad, 0x70, 0, 0, len(pad)) + pad)
     assert w.pos == target
+    if postscript_footer_offset is not None:
+        footer_offset = postscript_footer_offset
     post = _proto_varint_field(1, footer_offset) + _proto_varint_field(2, MAGIC)
     pc = Chunk([post] * 3, "none")
     pdata = pc.data()

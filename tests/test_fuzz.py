@@ -48,7 +48,7 @@ def test_a_seeded_campaign_finds_no_misbehaviour(supervisor, target):
     ("mode", "verdict"),
     [
         ("ok", ""),
-        ("crash", "crash: the worker died"),
+        ("crash", "crash: the worker died (exit -6)\nFatal Python error: Aborted"),
         ("hang", "hang: no answer"),
         ("memory", "peak RSS"),
         ("bare", "bare KeyError"),
@@ -65,3 +65,47 @@ def test_the_harness_sees_crashes_hangs_memory_and_bare_errors(mode, verdict):
         assert sup.run({"target": "selftest", "data": "", "mode": "ok"}) == ""
     finally:
         sup.close()
+
+
+def test_a_killed_supervisor_leaves_no_worker_behind(tmp_path):
+    """The supervisor killed (kill -9) while its worker runs a case that would take an
+    hour: the worker dies with it instead of living on as an orphan."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    started = tmp_path / "started"
+    script = (
+        "import sys, fuzz\n"
+        "sup = fuzz.Supervisor(case_seconds=3600)\n"
+        "assert sup.run({'target': 'selftest', 'data': '', 'mode': 'ok'}) == ''\n"
+        "print(sup.proc.pid, flush=True)\n"
+        f"sup.run({{'target': 'selftest', 'data': '', 'mode': 'hang', 'started': {str(started)!r}}})\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([fuzz.ROOT, fuzz.HERE]))
+    sup = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    try:
+        worker = int(sup.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert time.monotonic() < deadline, "the worker never started the case"
+            time.sleep(0.05)
+    finally:
+        sup.kill()
+        sup.wait()
+
+    def alive(pid: int) -> bool:  # a zombie (dead, not yet reaped) is not
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while alive(worker):
+        if time.monotonic() > deadline:
+            os.kill(worker, signal.SIGKILL)  # (what the harness should have done)
+            raise AssertionError(f"worker {worker} outlived its supervisor")
+        time.sleep(0.1)

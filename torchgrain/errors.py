@@ -68,3 +68,22 @@ class CacheThrashWarning(UserWarning):
     def __init__(self, message: str, fit: object = None) -> None:
         super().__init__(message)
         self.fit = fit
+
+
+def check_ceiling(name: str, value: object, minimum: int) -> int:
+    """``value`` of the ceiling option ``name`` (a decoder's most bytes), checked: an int
+    (not a bool) of at least ``minimum``, else a ``TypeError`` / ``ValueError`` naming it.
+
+    Example:
+        >>> check_ceiling("max_chunk_bytes", 1 << 20, 1)
+        1048576
+        >>> check_ceiling("max_chunk_bytes", 0, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_chunk_bytes must be >= 1, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

@@ -55,7 +55,7 @@ import fsspec
 import numpy as np
 import zstandard
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, check_ceiling
 from torchgrain.formats._highwayhash import riegeli_hash
 from torchgrain.io import process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
@@ -297,11 +297,7 @@ class ArrayRecordFile:
         verify_checksums: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     ) -> None:
-        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
-            raise TypeError(f"max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
-        if max_chunk_bytes < 1:
-            raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
-        self._max_chunk = max_chunk_bytes
+        self._max_chunk = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         self._url = os.fspath(path)
         if filesystem is None:
             filesystem, stripped = get_filesystem(self._url)
@@ -601,6 +597,12 @@ class ArrayRecordFile:
             raise _ChunkDecodeError(f"decompressed {len(out)} bytes, expected {size}")
         return out
 
+    def _max_span(self) -> int:
+        """The most bytes a chunk of this file (the footer's too) may span: its header,
+        data that decodes to at most ``max_chunk_bytes`` (and takes about as much when
+        uncompressed), block headers and padding to a block boundary, with room to spare."""
+        return 2 * (self._max_chunk + _BLOCK)
+
     def _over_ceiling(self, size: int) -> str:
         return (
             f"the chunk declares {size} decompressed bytes, more than max_chunk_bytes="
@@ -866,6 +868,16 @@ class ArrayRecordFile:
             raise self._corrupt(
                 f"postscript points to footer offset {footer_offset} outside the file"
             )
+        # Between the footer's start and the postscript: the footer chunk and padding.
+        # A postscript pointing further back would make a remote open fetch the file's
+        # data as its footer.
+        if post_pos - footer_offset > self._max_span():
+            raise self._corrupt(
+                f"postscript points to a footer at offset {footer_offset}, "
+                f"{post_pos - footer_offset} bytes before it: more than a footer within "
+                f"max_chunk_bytes={self._max_chunk} takes (a larger max_chunk_bytes reads "
+                "it, if the file is trusted)"
+            )
 
         if footer_offset >= tail_start:
             fbuf = tail[footer_offset - tail_start : post_pos - tail_start]
@@ -922,6 +934,17 @@ class ArrayRecordFile:
         chunk_ends[:-1] = offsets[1:]
         if num_chunks:
             chunk_ends[-1] = footer_offset
+            # A remote read fetches a chunk to the next one's offset: chunks listed far
+            # apart would make a read of one record fetch the bytes between.
+            spans = chunk_ends - offsets
+            c = int(np.argmax(spans))
+            if int(spans[c]) > self._max_span():
+                raise self._corrupt(
+                    f"it spans {int(spans[c])} bytes to the next chunk's offset, more than a "
+                    f"chunk within max_chunk_bytes={self._max_chunk} takes (a larger "
+                    "max_chunk_bytes reads it, if the file is trusted)",
+                    chunk=c,
+                )
         # Uniform group size (all chunks but the last hold g records) allows a division
         # instead of a binary search for single-record reads.
         group = 0
@@ -1663,8 +1686,13 @@ def _plan(
 
 def _decompress_into(into: Any, payload: Any, size: int) -> memoryview:
     """``into(payload, buffer)`` (cramjam's ``decompress_into``) with a buffer of exactly
-    ``size`` bytes, which it must fill."""
-    buf = bytearray(size)
+    ``size`` bytes, which it must fill.
+
+    The buffer is left uninitialised (a ``bytearray`` would be zeroed): a stream that
+    claims far more than it holds then costs only the pages it really writes, not its
+    claim. Nothing unwritten is ever returned: a stream that falls short is an error.
+    """
+    buf = np.empty(size, np.uint8)
     got = into(payload, buf)
     if got != size:
         raise _ChunkDecodeError(f"decompressed {got} bytes, the chunk declares {size}")

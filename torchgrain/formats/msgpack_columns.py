@@ -246,7 +246,8 @@ def _ndarrays(
         dtype = np.dtype(buf[first + 1 : ndim_at].tobytes().decode("ascii"))
     except (TypeError, ValueError, UnicodeDecodeError):
         return None
-    if dtype.hasobject or dtype.names is not None or dtype.itemsize == 0:
+    # A subarray dtype ("(2,)<i4") would add dimensions of its own: the records decide.
+    if dtype.hasobject or dtype.names is not None or dtype.shape or dtype.itemsize == 0:
         return None
     heads = _gather(buf, data, header)
     # Shapes are untrusted uint64s: their products are taken exactly (Python ints),

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import posixpath
 import re
 import warnings
@@ -220,14 +221,20 @@ def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
 def _decode_pil(data: bytes) -> np.ndarray:
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im)
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return np.asarray(im)
+    except Image.DecompressionBombError as e:  # over Pillow's pixel limit (~179 M)
+        raise ValueError(str(e)) from None
 
 
 def _decode_cv2(data: bytes) -> np.ndarray:
     import cv2
 
-    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    try:
+        arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error as e:  # e.g. over OpenCV's pixel limit (2**30)
+        raise ValueError(f"OpenCV cannot decode the image: {e}") from None
     if arr is None:
         raise ValueError("OpenCV cannot decode the image")
     if arr.ndim == 3 and arr.shape[2] >= 3:  # OpenCV is BGR(A)
@@ -372,18 +379,23 @@ def _reshape(arr: np.ndarray, shape: tuple[int, ...]) -> Any:
 _MAX_ZLIB_BYTES = 1 << 30
 
 
-def _inflate(data: bytes, limit: int) -> bytes:
-    """zlib-decompress ``data``, refusing output beyond ``limit`` bytes (a few KiB of
-    zlib can hold gigabytes) without inflating more than ``limit + 1`` of them."""
-    d = zlib.decompressobj()
-    try:
-        out = d.decompress(data, limit + 1)
-    except zlib.error as e:
-        raise ValueError(f"bad zlib-encoded tensor: {e}") from None
-    if len(out) > limit:
-        raise ValueError(f"a zlib-encoded tensor inflates to more than its {limit} bytes")
-    if not d.eof:
-        raise ValueError("truncated zlib-encoded tensor")
+def _inflate(blobs: list[bytes], limit: int) -> list[bytes]:
+    """zlib-decompress each of ``blobs``, refusing output beyond ``limit`` bytes in all
+    (a few KiB of zlib can hold gigabytes) without inflating more than ``limit + 1``."""
+    out = []
+    left = limit
+    for data in blobs:
+        d = zlib.decompressobj()
+        try:
+            raw = d.decompress(data, left + 1)  # (a max_length of 0 would mean no limit)
+        except zlib.error as e:
+            raise ValueError(f"bad zlib-encoded tensor: {e}") from None
+        if len(raw) > left:
+            raise ValueError(f"a zlib-encoded tensor inflates to more than its {limit} bytes")
+        if not d.eof:
+            raise ValueError("truncated zlib-encoded tensor")
+        left -= len(raw)
+        out.append(raw)
     return out
 
 
@@ -395,12 +407,13 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
     dt = np.dtype("bool" if dtype == "bool" else dtype)
     if encoding in ("bytes", "zlib"):
         blobs = value if isinstance(value, list) else [value]
-        limit = _MAX_ZLIB_BYTES
-        if shape and all(d >= 0 for d in shape):
-            limit = min(limit, int(np.prod(shape, dtype=object)) * dt.itemsize)
-        parts = [
-            np.frombuffer(_inflate(b, limit) if encoding == "zlib" else b, dtype=dt) for b in blobs
-        ]
+        if encoding == "zlib":
+            # All the blobs of one tensor together hold at most its shape's bytes.
+            limit = _MAX_ZLIB_BYTES
+            if all(d >= 0 for d in shape):
+                limit = min(limit, math.prod(shape) * dt.itemsize)
+            blobs = _inflate(blobs, limit)
+        parts = [np.frombuffer(b, dtype=dt) for b in blobs]
         arr = np.concatenate(parts) if parts else np.zeros(0, dt)
     else:
         arr = np.asarray(value)

@@ -10,7 +10,11 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    check_ceiling,
+)
 from torchgrain.formats.arrayrecord_file import (
     DEFAULT_MAX_CHUNK_BYTES,
     ArrayRecordFile,
@@ -133,7 +137,7 @@ class ArrayRecordSource(EncodedSource):
     ) -> None:
         cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
-        self.max_chunk_bytes = max_chunk_bytes
+        self.max_chunk_bytes = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         retry = retry or RetryPolicy()
         with using(retry):  # the transport and open-time requests keep to its deadlines
             manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
@@ -301,13 +305,17 @@ class ArrayRecordSource(EncodedSource):
         """The raw records ``[start, stop)`` of one shard, in order, read in blocks."""
         n = int(self.index.counts[shard])
         stop = n if stop is None else min(stop, n)
-        for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
-            b = min(a + _SEQUENTIAL_BLOCK, stop)
-            yield from self._io(
-                lambda a=a, b=b: self._reader(shard).read_range(a, b),
-                shard,
-                f"read of records {a}-{b} of shard {shard}",
-            )
+
+        def records() -> Iterator[bytes]:
+            for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
+                b = min(a + _SEQUENTIAL_BLOCK, stop)
+                yield from self._io(
+                    lambda a=a, b=b: self._reader(shard).read_range(a, b),
+                    shard,
+                    f"read of records {a}-{b} of shard {shard}",
+                )
+
+        yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
     def _read_rows(

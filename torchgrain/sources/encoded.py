@@ -175,11 +175,24 @@ class EncodedSource(ShardedSource):
         try:
             return self._read_rows(shard, rows, first, reader)
         except CorruptDataError as e:
-            if f"shard {shard} of" in str(e):
-                raise
-            raise type(e)(
-                f"{e} (shard {shard} of {self.num_shards}, reading record index {first})"
-            ) from e
+            raise self._named(e, shard, first) from e
+
+    def _in_order(self, shard: int, start: int, records: Iterable[bytes]) -> Iterator[bytes]:
+        """``records`` of ``shard`` from row ``start`` on (a format's read in order), a
+        read error naming the shard and the index of the record read from."""
+        index = int(self.index.offsets[shard]) + max(start, 0)
+        try:
+            for data in records:
+                yield data
+                index += 1
+        except CorruptDataError as e:
+            raise self._named(e, shard, index) from e
+
+    def _named(self, e: CorruptDataError, shard: int, index: int) -> CorruptDataError:
+        """``e`` with the shard and the record index it was reading (when not yet said)."""
+        if f"shard {shard} of" in str(e):
+            return e
+        return type(e)(f"{e} (shard {shard} of {self.num_shards}, reading record index {index})")
 
     def _decode_many(
         self,

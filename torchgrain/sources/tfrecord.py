@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -26,7 +27,12 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    check_ceiling,
+)
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
@@ -109,11 +115,7 @@ class TFRecordSource(EncodedSource):
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         allow_external_paths: bool = False,
     ) -> None:
-        if isinstance(max_record_bytes, bool) or not isinstance(max_record_bytes, int):
-            raise TypeError(f"max_record_bytes must be an int, got {max_record_bytes!r}")
-        if max_record_bytes < 0:
-            raise ValueError(f"max_record_bytes must be >= 0, got {max_record_bytes}")
-        self.max_record_bytes = max_record_bytes
+        self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
         retry = retry or RetryPolicy()
         with using(retry):  # the transport and open-time requests keep to its deadlines
             fs, files = expand_paths(
@@ -129,10 +131,9 @@ class TFRecordSource(EncodedSource):
         self._verify = bool(verify_checksums)
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
         with using(retry):
-            offsets, sizes = _index_files(
+            offsets, sizes, counts = _index_files(
                 fs, files, index_dir, retry, self._compressed, max_record_bytes
             )
-        counts = np.array([len(o) for o in offsets], dtype=np.int64)
         self._init_shards(
             filesystem=fs,
             paths=files,
@@ -146,12 +147,11 @@ class TFRecordSource(EncodedSource):
             max_open_files=max_open_files,
         )
         # Record i of shard s spans bounds[base[s] + i] .. bounds[base[s] + i + 1]: each
-        # shard's offsets followed by its size, in one array (copy-on-write friendly).
-        self._bounds = np.concatenate(
-            [np.zeros(0, np.int64)]
-            + [np.append(o, s).astype(np.int64) for o, s in zip(offsets, sizes)]
-        )
-        self._base = self.index.offsets[:-1] + np.arange(len(files), dtype=np.int64)
+        # shard's offsets followed by its size, in one array (copy-on-write friendly). A
+        # compressed shard has no offsets (no random access): only its size is there.
+        runs = [np.append(o, s).astype(np.int64) for o, s in zip(offsets, sizes)]
+        self._bounds = np.concatenate([np.zeros(0, np.int64), *runs])
+        self._base = np.cumsum([0] + [len(r) for r in runs[:-1]], dtype=np.int64)
         for a in (self._bounds, self._base, self._compressed):
             a.setflags(write=False)
         with using(retry):
@@ -177,6 +177,9 @@ class TFRecordSource(EncodedSource):
         for s in range(self.num_shards):
             b = self._base[s]
             n = int(self.index.counts[s])
+            if self._compressed[s]:  # read in order only: one block
+                parts.append(np.array([n]) + self.index.offsets[s])
+                continue
             starts = self._bounds[b : b + n + 1]
             cuts = np.unique(np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES)))
             cuts = cuts[(cuts > 0) & (cuts < n)]
@@ -203,12 +206,8 @@ class TFRecordSource(EncodedSource):
             max_record_bytes=self.max_record_bytes,
         )
         try:
-            for k, data in enumerate(it):
-                if k < skip:
-                    continue
-                if k - skip >= stop - start:
-                    return
-                yield data
+            wanted = itertools.islice(it, skip, skip + stop - start)
+            yield from self._in_order(shard, start, wanted)
         finally:
             it.close()
 
@@ -318,11 +317,14 @@ def _index_files(
     retry: RetryPolicy,
     compressed: np.ndarray,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-) -> tuple[list[np.ndarray], list[int]]:
-    """Offsets and size of every file (from the index cache when it has them)."""
+) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """Offsets, size and record count of every file (from the index cache when it has
+    them). A compressed file has no offsets (records of a stream are only counted): its
+    cached index is its count alone."""
     remote = not is_local(fs)
 
     def one(i: int) -> tuple[np.ndarray, int]:
+        """The file's offsets, or its count (``[n]``) when compressed; its size."""
         path = files[i]
         try:
             info = (
@@ -339,31 +341,48 @@ def _index_files(
                 "random access needs one"
             )
         stamp = _stamp(info) if remote else f"{info.st_mtime_ns}"
-        cached = _cache_file(index_dir, path, size, stamp)
+        cached = _cache_file(index_dir, path, size, stamp + ("\0count" if compressed[i] else ""))
         if cached is not None and os.path.exists(cached):
             try:
-                return np.load(cached), size
+                index = np.load(cached)
+                if _fits(index, size, compressed[i]):
+                    return index, size
             except (OSError, ValueError):
-                pass  # unreadable: build it again
+                pass  # unreadable or not an index of this file: build it again
         if compressed[i]:
-            # No offsets to keep: records of a compressed stream are only counted.
             records = iter_tfrecord(
                 path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
             )
-            n = sum(1 for _ in records)
-            offsets = np.zeros(n, dtype=np.int64)
+            index = np.array([sum(1 for _ in records)], dtype=np.int64)
         elif remote:
-            offsets = retry_call(
+            index = retry_call(
                 index_tfrecord, path, filesystem=fs, url=path, policy=retry, what="indexing"
             )
         else:
-            offsets = index_tfrecord(path)
+            index = index_tfrecord(path)
         if cached is not None:
-            _save(cached, offsets)
-        return offsets, size
+            _save(cached, index)
+        return index, size
 
     results = map_files(one, len(files))
-    return [r[0] for r in results], [r[1] for r in results]
+    counts = np.array(
+        [int(r[0][0]) if c else len(r[0]) for r, c in zip(results, compressed)], dtype=np.int64
+    )
+    empty = np.zeros(0, np.int64)
+    offsets = [empty if c else r[0] for r, c in zip(results, compressed)]
+    return offsets, [r[1] for r in results], counts
+
+
+def _fits(index: np.ndarray, size: int, compressed: bool) -> bool:
+    """Whether a cached ``index`` can be one of a file of ``size`` bytes: a count, or
+    increasing offsets from 0 that leave room for a frame each."""
+    if index.ndim != 1 or index.dtype != np.int64:
+        return False
+    if compressed:
+        return len(index) == 1 and index[0] >= 0
+    return len(index) == 0 or (
+        index[0] == 0 and bool((np.diff(index) >= 16).all()) and int(index[-1]) <= size - 16
+    )
 
 
 def _stamp(info: dict[str, Any]) -> str:

@@ -39,6 +39,7 @@ from torchgrain.errors import (
     DatasetNotFoundError,
     RemoteIOError,
     UnsafePathError,
+    check_ceiling,
 )
 from torchgrain.io import remote
 from torchgrain.io.fs import default_cache_dir, is_local, map_files
@@ -67,10 +68,23 @@ from torchgrain.sources.parquet.rows import (
     copy_records,
     views_bytes,
 )
-from torchgrain.sources.parquet.schema import all_names, merge_file_schemas, value_type_name
+from torchgrain.sources.parquet.schema import (
+    all_names,
+    fixed_bytes,
+    merge_file_schemas,
+    value_type_name,
+)
 from torchgrain.sources.parquet.values import RowGroup, int64_array
 
-__all__ = ["ParquetSource"]
+__all__ = ["DEFAULT_MAX_ROW_GROUP_BYTES", "ParquetSource"]
+
+#: The most bytes a row group's columns may need decoded, counting only the fixed part of
+#: each value (:func:`~torchgrain.sources.parquet.schema.fixed_bytes`: 8 bytes per int64,
+#: 4 per string or list), unless a source is given another ``max_row_group_bytes``.
+#: Writers cut row groups far below it (pyarrow at 1 Mi rows, 64 Mi rows before
+#: version 15; Spark at 128 MiB); a footer that claims more rows makes pyarrow reserve
+#: memory for them all before it finds out.
+DEFAULT_MAX_ROW_GROUP_BYTES = 16 << 30
 
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
 # What a row group mapped from the decoded disk cache is charged in the in-memory cache:
@@ -132,6 +146,12 @@ class ParquetSource(ShardedSource):
         allow_external_paths: a directory listing (an HTTP(S) server's page) may name
             files outside the directory, and an HTTP(S) server may redirect; off by
             default (see :mod:`torchgrain.io.paths`).
+        max_row_group_bytes: the most bytes one row group's selected columns may need
+            decoded, counted from its footer's row count and the fixed part of each
+            value (8 bytes per int64, 4 per string or list: a lower bound of the real
+            size); default 16 GiB (:data:`DEFAULT_MAX_ROW_GROUP_BYTES`). A row group
+            over it raises :class:`~torchgrain.CorruptDataError` before pyarrow reserves
+            memory for it: a footer that claims billions of rows cannot make it do so.
 
     Records are dicts ``{column: value}``. Values map as follows:
 
@@ -246,7 +266,9 @@ class ParquetSource(ShardedSource):
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
         allow_external_paths: bool = False,
+        max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
     ) -> None:
+        self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
         if isinstance(columns, str):
@@ -269,6 +291,9 @@ class ParquetSource(ShardedSource):
         self._file_fields: list[pa.Field] = fields
         self._file_schema = pa.schema(fields)
         self._present = present  # bool (num_shards, num_file_columns)
+        # Bytes a row of each file takes at least, decoded (for max_row_group_bytes).
+        widths = np.array([fixed_bytes(f.type) for f in fields], dtype=np.int64)
+        self._row_bytes = present.astype(np.int64) @ widths
         self._part_keys = [k for k in part_keys if columns is None or k in columns]
         self._part_values: dict[str, np.ndarray] = {}
         part_types: dict[str, pa.DataType] = {}
@@ -761,6 +786,15 @@ class ParquetSource(ShardedSource):
         num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
         present = self._present[shard]
         names = [f.name for f, p in zip(self._file_fields, present) if p]
+        need = num_rows * int(self._row_bytes[shard])
+        if need > self.max_row_group_bytes:
+            raise CorruptDataError(
+                f"row group {local} of {self.paths[shard]!r} (shard {shard} of "
+                f"{self.num_shards}) says it holds {num_rows} rows: {need} bytes at least, "
+                f"decoded, more than max_row_group_bytes={self.max_row_group_bytes} allows "
+                f"(record index {index}; a larger max_row_group_bytes reads it, if the file "
+                "is trusted)"
+            )
 
         def read() -> pa.Table:
             while True:
