@@ -319,6 +319,8 @@ FAULTS = (
     "longer",
     "shorter",
     "ignore_range",
+    "flood",
+    "no_length",
 )
 
 
@@ -384,6 +386,15 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             if self.command != "HEAD":
                 self.wfile.write(data)
             return
+        if kind == "flood" and self.command == "GET":
+            p = fault.params
+            self._flood(
+                proxy,
+                p.get("length"),
+                p.get("total", 1 << 30),
+                p.get("content_type", "application/octet-stream"),
+            )
+            return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if kind == "ignore_range":
             headers = {k: v for k, v in headers.items() if k.lower() != "range"}
@@ -412,7 +423,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.send_response(status, reason)
         for k, v in resp_headers:
             self.send_header(k, v)
-        self.send_header("Content-Length", str(length))
+        if kind == "no_length":
+            self.send_header("Connection", "close")  # the body ends when the socket does
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(length))
         self.end_headers()
         if self.command == "HEAD":
             return
@@ -445,6 +460,29 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 proxy._release.wait(600)  # fewer bytes than promised, then silence
                 self.close_connection = True
 
+    def _flood(self, proxy: FaultProxy, length: int | None, total: int, content_type: str) -> None:
+        """A 200 answer whatever the ``Range``: ``total`` zero bytes (declared as
+        ``length``, or chunked when None), counted in ``proxy.flooded`` as they go out."""
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        if length is None:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        block = bytes(1 << 16)
+        frame = b"%x\r\n%s\r\n" % (len(block), block) if length is None else block
+        self.close_connection = True
+        try:
+            for _ in range(total // len(block)):
+                if proxy._release.is_set():
+                    return
+                self.wfile.write(frame)
+                with proxy._lock:
+                    proxy.flooded += len(block)
+        except OSError:
+            pass  # the client hung up: what it wanted
+
 
 class FaultProxy:
     """A logging, fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream`` (a
@@ -464,7 +502,13 @@ class FaultProxy:
     * ``"longer"``: a ``Content-Length`` ``extra`` bytes (default 100) above the body,
       then the connection closed (``close=False``: held open);
     * ``"shorter"``: a ``Content-Length`` (and body) ``missing`` bytes short (default half);
-    * ``"ignore_range"``: the ``Range`` header dropped (the whole file comes back).
+    * ``"ignore_range"``: the ``Range`` header dropped (the whole file comes back);
+    * ``"flood"``: a GET answered 200 with ``total`` zero bytes (default 1 GiB) whatever
+      it asked for, declared as ``length`` (default: chunked, no length), of
+      ``content_type``; the bytes that went out before the client hung up are counted
+      in :attr:`flooded`;
+    * ``"no_length"``: the answer without a ``Content-Length`` (the body, if any, ends
+      when the connection closes), so that the client learns no size from it.
 
     :attr:`log` holds every ``(method, raw path)`` the proxy was asked for, faulty or not.
 
@@ -487,6 +531,7 @@ class FaultProxy:
         parts = urllib.parse.urlsplit(upstream)
         self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
         self.log: list[tuple[str, str]] = []
+        self.flooded = 0
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         self._release = threading.Event()
@@ -516,9 +561,11 @@ class FaultProxy:
             self._faults.append(_Fault(kind, times, match, method, skip, params))
 
     def clear(self) -> None:
-        """Drop the queued faults (stalled connections stay stalled until :meth:`close`)."""
+        """Drop the queued faults (stalled connections stay stalled until :meth:`close`)
+        and zero :attr:`flooded`."""
         with self._lock:
             self._faults.clear()
+            self.flooded = 0
 
     def hits(self) -> int:
         """Requests that received a fault so far."""

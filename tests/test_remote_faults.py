@@ -419,3 +419,82 @@ def test_a_server_failing_at_open_is_retried_not_taken_for_a_missing_dataset(www
     assert proxy.hits() == 3
     local = _local(fmt, www)
     assert _same(src.__getitems__([0, len(src) - 1]), local.__getitems__([0, len(src) - 1]))
+
+
+# ------------------------------------------------------------------ response sizes
+# A flood: 256 MiB of zeros whatever was asked for, chunked (no end in sight) or declared.
+FLOODS = {"endless-chunked": {}, "huge-length": {"length": 1 << 40}}
+FLOOD_TOTAL = 256 << 20
+# What may go out to one request before the client hangs up: the bytes asked for, plus
+# what the loopback's socket buffers hold (a few MiB). Reading whole bodies takes 256 MiB.
+FLOOD_SLACK = 32 << 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flood", list(FLOODS))
+@pytest.mark.parametrize("target", ["manifest", *FORMATS])
+def test_a_body_far_larger_than_asked_for_is_given_up_without_being_buffered(
+    www, proxy, flood, target
+):
+    """A server that ignores ``Range`` and sends a huge or endless body: fsspec would read
+    it whole before torchgrain could look at it; each response is read only up to the
+    bytes asked for."""
+    if target == "manifest":
+        proxy.inject("flood", times=None, match="torchgrain.json", method="GET", total=FLOOD_TOTAL)
+        with pytest.raises(tg.RemoteIOError, match=r"ar/torchgrain\.json.*holds more than"):
+            tg.ArrayRecordSource(f"{proxy.url}/ar", retry=GIVE_UP)
+    else:
+        src = _open(target, proxy.url, retry=GIVE_UP)
+        proxy.clear()
+        proxy.inject(
+            "flood",
+            times=None,
+            match=SUFFIX[target],
+            method="GET",
+            total=FLOOD_TOTAL,
+            **FLOODS[flood],
+        )
+        with pytest.raises(tg.RemoteIOError, match="holds more than") as ei:
+            src.__getitems__([1])
+        assert SUFFIX[target] in str(ei.value)
+    assert proxy.hits() >= 1
+    assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_cache_download_stops_at_the_shards_size(proxy, tmp_path):
+    src = _open(
+        "array_record",
+        proxy.url,
+        retry=GIVE_UP,
+        cache_dir=tmp_path / "c",
+        cache_dir_bytes=1 << 30,
+        read_ahead_bytes=0,
+    )
+    proxy.clear()
+    proxy.inject("flood", times=None, match=".array_record", method="GET", total=FLOOD_TOTAL)
+    with pytest.raises(tg.RemoteIOError, match=r"download brought more than the \d+ bytes"):
+        src[0]
+    assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
+    assert not [f for f in os.listdir(tmp_path / "c") if f.startswith(".tmp-")]
+
+
+@pytest.mark.timeout(60)
+def test_a_listing_page_larger_than_the_ceiling_is_given_up_without_being_buffered(
+    proxy, monkeypatch
+):
+    monkeypatch.setattr("torchgrain.io.remote.MAX_PAGE_BYTES", 1 << 20, raising=False)
+    proxy.inject(
+        "flood", times=None, match="/pq", method="GET", total=FLOOD_TOTAL, content_type="text/html"
+    )
+    with pytest.raises(tg.RemoteIOError, match=r"/pq.*MAX_PAGE_BYTES"):
+        tg.ParquetSource(f"{proxy.url}/pq", retry=GIVE_UP)
+    assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_server_that_reports_no_size_is_an_error_naming_the_file(proxy, fmt):
+    proxy.inject("no_length", times=None, match=SUFFIX[fmt])
+    with pytest.raises(tg.CorruptDataError, match=rf"{re.escape(SUFFIX[fmt])}.*reports no size"):
+        _open(fmt, proxy.url, retry=GIVE_UP)[0]
