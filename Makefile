@@ -2,7 +2,7 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test setup lint bench fuzz
+.PHONY: demo test setup lint bench fuzz deadlines
 setup:
 	bash scripts/setup.sh
 
@@ -27,3 +27,8 @@ lint: setup
 FUZZ_SECONDS ?= 600
 fuzz: setup
 	$(VENV)/bin/python tests/fuzz.py --seconds $(FUZZ_SECONDS)
+
+# A stalled remote read with the default RetryPolicy ends within two minutes (about 4
+# minutes to run; the test suite checks the same bound with small deadlines).
+deadlines: setup
+	TORCHGRAIN_DEADLINE_CHECK=1 $(VENV)/bin/python -m pytest tests/test_remote_faults.py -s -k default_settings

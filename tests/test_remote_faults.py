@@ -313,9 +313,10 @@ def test_the_default_deadlines_are_finite_and_reach_the_transports():
     p = RetryPolicy()
     assert (p.connect_timeout, p.read_timeout, p.request_timeout, p.deadline) == (10, 20, 60, 90)
     assert p.min_rate == 1 << 20
-    # A read that makes no progress: every attempt ends by the read timeout, and the
-    # operation (all attempts, all waits) by the deadline: under two minutes.
-    assert p.read_timeout < p.deadline < 120
+    # A read that makes no progress: no attempt starts after the deadline (a stalled
+    # request earns no time: test_retries_of_a_stalled_read_never_push_the_deadline_back),
+    # and the one in flight ends by the read timeout: under two minutes in all.
+    assert p.deadline + p.read_timeout < 120
     http_fs, _ = get_filesystem("http://127.0.0.1:9/x")
     timeout = http_fs.client_kwargs["timeout"]
     assert (timeout.sock_connect, timeout.sock_read, timeout.total) == (10, 20, None)
@@ -370,6 +371,73 @@ def test_the_operation_deadline_cuts_retries_short(proxy):
         src[0]
     attempts = int(re.search(r"after (\d+) attempts", str(ei.value)).group(1))
     assert 1 < attempts < 1000
+
+
+@pytest.mark.timeout(60)
+def test_retries_of_a_stalled_read_never_push_the_deadline_back(proxy):
+    """Each request may take the time of its bytes at ``min_rate``; were that added to the
+    operation's deadline on every attempt, retries of a large read that stalls would go on
+    past it (with the defaults, a 24 MiB row group of a stalling server failed after 123 s).
+    Here every attempt would add 128 s: the 1.5 s deadline must still end the retries."""
+    slow_link = RetryPolicy(
+        attempts=50,
+        base_delay=0.01,
+        max_delay=0.01,
+        read_timeout=0.3,
+        request_timeout=5,
+        min_rate=1024,  # a 128 KiB chunk read: 128 s at min_rate
+        deadline=1.5,
+    )
+    src = _open("array_record", proxy.url, retry=slow_link)
+    proxy.inject("stall", times=None, match=".array_record", method="GET")
+    start = time.monotonic()
+    with pytest.raises(tg.RemoteIOError, match=r"its 1\.5 s deadline passed") as ei:
+        src[0]
+    attempts = int(re.search(r"after (\d+) attempts", str(ei.value)).group(1))
+    assert attempts < 50
+    # No attempt after the deadline; the last one ends by the read timeout (slack for a
+    # busy machine): never the 50 x 0.3 s of every attempt.
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_request_that_completes_extends_its_operations_deadline():
+    from torchgrain.io.retry import remaining_seconds, request_done, retry_call
+
+    p = RetryPolicy(request_timeout=50, min_rate=100, deadline=10)
+
+    def op():
+        first = remaining_seconds(1000)[0]  # 10 s left + its own 10 s
+        request_done(0)  # failed or empty: earns nothing
+        again = remaining_seconds(1000)[0]
+        request_done(1000)  # brought 1000 bytes: 10 s more for the operation
+        return first, again, remaining_seconds(0)[0]
+
+    first, again, after = retry_call(op, url="x", policy=p)
+    assert 19 < first <= 20 and 19 < again <= 20 and 19 < after <= 20
+
+
+@pytest.mark.skipif(
+    os.environ.get("TORCHGRAIN_DEADLINE_CHECK") != "1",
+    reason="about 2 minutes: `make deadlines` runs it (TORCHGRAIN_DEADLINE_CHECK=1)",
+)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["stall", "stall_headers"])
+def test_with_the_default_settings_a_stalled_large_read_ends_within_two_minutes(tmp_path, fault):
+    rng = np.random.default_rng(0)
+    (tmp_path / "pq").mkdir()
+    # One 24 MiB row group: one request of 24 MiB, 24 s at the default min_rate.
+    table = pa.table({"b": [rng.bytes(1 << 20) for _ in range(24)]})
+    pq.write_table(table, tmp_path / "pq" / "big.parquet", compression="none")
+    with RangeHTTPServer(tmp_path) as srv, FaultProxy(srv.url) as proxy:
+        src = tg.ParquetSource(f"{proxy.url}/pq", cache_bytes=0)  # the default RetryPolicy
+        proxy.inject(fault, times=None, match=".parquet", method="GET")
+        start = time.monotonic()
+        with pytest.raises(tg.RemoteIOError, match=r"pq/big\.parquet"):
+            src[0]
+        took = time.monotonic() - start
+    print(f"{fault}: RemoteIOError after {took:.1f} s")
+    assert took < 120
 
 
 def test_invalid_deadlines_are_refused():

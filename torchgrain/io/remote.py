@@ -69,6 +69,7 @@ from torchgrain.io.retry import (
     in_operation,
     is_transient,
     remaining_seconds,
+    request_done,
     retry_call,
 )
 
@@ -293,7 +294,9 @@ def _deadline_call(
             f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
         )
     try:
-        return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=seconds, **kwargs)
+        out = sync(fs.loop, getattr(fs, "_" + method), *args, timeout=seconds, **kwargs)
+        request_done(nbytes)  # progress: the operation may take that much longer
+        return out
     except FileNotFoundError as e:
         _raise_refusal(e)
         raise
