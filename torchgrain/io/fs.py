@@ -185,6 +185,7 @@ def expand_paths(
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
+            listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isdir(item_fs, stripped, url=item):
             found = sorted(p for p in listing.find(stripped) if _is_data_file(p, suffixes))
@@ -194,6 +195,7 @@ def expand_paths(
                     f"{', '.join(suffixes)})"
                 )
             check_shard_sets(found, where=item)
+            listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isfile(item_fs, stripped, url=item):
             out.append(_unstrip(item_fs, stripped))
@@ -257,6 +259,12 @@ class _Listing:
             return True
         _paths.confine(self.fs, root, path, where=f"the listing of {self.item!r}")
         raise AssertionError("unreachable")  # pragma: no cover - confine raised
+
+    def check_distinct(self, files: list[str]) -> None:
+        """On HTTP(S), refuse two links to one file (``a.x``, ``%61.x``): its records
+        would be read twice. (A disk or an object store lists each file once.)"""
+        if _paths.is_http(self.fs) and not self.allow_external:
+            _paths.check_distinct(files, where=f"the listing of {self.item!r}")
 
     def find(self, root: str, max_depth: int | None = None) -> list[str]:
         fs = self.fs
