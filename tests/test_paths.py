@@ -384,6 +384,10 @@ def _set_shard(key, value):
         (lambda m: m["shards"].__setitem__(1, "x"), "shard 1 must be an object"),
         (lambda m: m.__setitem__("num_records", 5), "num_records is 5 but the shards hold 4"),
         (lambda m: m.__setitem__("codec", 3), "codec must be a non-empty string"),
+        (lambda m: m.__setitem__("codec", "pickle"), "unknown codec 'pickle'"),
+        (_set_shard("checksum", "md5"), r"shard 1 .*checksum 'md5' is not ALGORITHM:HEX"),
+        (_set_shard("file_checksum", "shake_128:00ff00ff00"), r"shard 1 .*unknown algorithm"),
+        (_set_shard("file_checksum", "nope:00ff00ff00"), r"shard 1 .*unknown algorithm"),
         (lambda m: m.__setitem__("schema", {"x": 1}), "schema must be an object of strings"),
         (lambda m: m.__setitem__("group_size", 0), r"group_size is 0"),
         (lambda m: json.dumps(m).replace('"version": 1', '"version": 1e999'), "version"),
@@ -400,6 +404,13 @@ def test_a_malformed_manifest_is_a_corrupt_data_error_naming_it_and_the_shard(
     with pytest.raises(tg.CorruptDataError, match=expected) as ei:
         tg.ArrayRecordSource(d)
     assert "torchgrain.json" in str(ei.value)
+
+
+def test_a_manifest_with_no_shards_is_an_empty_dataset(www, tmp_path):
+    def edit(m):
+        m["shards"], m["num_records"] = [], 0
+
+    assert len(tg.ArrayRecordSource(_manifest_case(www, tmp_path, edit))) == 0
 
 
 COLLIDING = {
