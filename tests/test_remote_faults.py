@@ -440,6 +440,28 @@ def test_with_the_default_settings_a_stalled_large_read_ends_within_two_minutes(
     assert took < 120
 
 
+@pytest.mark.timeout(120)
+def test_an_http_directory_walk_ends_by_the_deadline_however_many_slow_pages_it_has(tmp_path):
+    """Each page of a listing is a request of its own: a server that trickles every page
+    (never slower than the read timeout, each page within the request timeout) and lists
+    many directories would keep the walk going for pages x deadline. The walk as a whole
+    keeps to the deadline."""
+    for k in range(40):
+        (tmp_path / "wide" / f"d{k:02}").mkdir(parents=True)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "wide" / "a.parquet")
+    patient_pages = RetryPolicy(
+        attempts=2, read_timeout=1, request_timeout=5, deadline=2, base_delay=0.01
+    )
+    with RangeHTTPServer(tmp_path) as srv, FaultProxy(srv.url) as proxy:
+        # 512 bytes every 0.3 s: about 0.3 s a page, 13 s for the 41 pages.
+        proxy.inject("trickle", times=None, match="/wide", method="GET", step=512, pause=0.3)
+        start = time.monotonic()
+        with pytest.raises(tg.RemoteIOError, match=r"listing of .*/wide.* 2 s deadline"):
+            tg.ParquetSource(f"{proxy.url}/wide", retry=patient_pages)
+        assert time.monotonic() - start < 10
+        assert len(proxy.log) < 40
+
+
 def test_invalid_deadlines_are_refused():
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="read_timeout"):
