@@ -570,6 +570,31 @@ def test_a_shard_cache_download_stops_at_the_shards_size(proxy, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_trickled_download_ends_once_it_falls_behind_min_rate(proxy, tmp_path):
+    """A trickle never trips the transport's read timeout, and a shard's own limit
+    (request_timeout + size / min_rate: here 128 s) is long: the download stops once it
+    is behind min_rate after its first request_timeout seconds."""
+    slow_link = RetryPolicy(
+        attempts=2, base_delay=0.01, read_timeout=1, request_timeout=1, min_rate=1024, deadline=2
+    )
+    src = _open(
+        "array_record",
+        proxy.url,
+        retry=slow_link,
+        cache_dir=tmp_path / "c",
+        cache_dir_bytes=1 << 30,
+        read_ahead_bytes=0,
+    )
+    proxy.clear()
+    # 640 bytes/s, under min_rate's 1024.
+    proxy.inject("trickle", times=None, match=".array_record", method="GET", step=64, pause=0.1)
+    start = time.monotonic()
+    with pytest.raises(tg.RemoteIOError, match=r"download .* fell behind 1024 bytes/s"):
+        src[0]
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(60)
 def test_a_listing_page_larger_than_the_ceiling_is_given_up_without_being_buffered(
     proxy, monkeypatch
 ):
