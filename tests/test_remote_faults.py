@@ -613,3 +613,23 @@ def test_a_server_that_reports_no_size_is_an_error_naming_the_file(proxy, fmt):
     proxy.inject("no_length", times=None, match=SUFFIX[fmt])
     with pytest.raises(tg.CorruptDataError, match=rf"{re.escape(SUFFIX[fmt])}.*reports no size"):
         _open(fmt, proxy.url, retry=GIVE_UP)[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flood", list(FLOODS))
+@pytest.mark.parametrize("fmt", ["array_record", "parquet"])
+def test_an_s3_body_far_larger_than_asked_for_is_given_up_without_being_buffered(
+    s3_proxy, fmt, flood
+):
+    s3_proxy.clear()
+    src = _s3(fmt, s3_proxy, retry=GIVE_UP)
+    s3_proxy.inject(
+        "flood", times=None, match=SUFFIX[fmt], method="GET", total=FLOOD_TOTAL, **FLOODS[flood]
+    )
+    try:
+        with pytest.raises(tg.RemoteIOError, match="holds more than") as ei:
+            src.__getitems__([1])
+        assert SUFFIX[fmt] in str(ei.value)
+        assert s3_proxy.flooded / s3_proxy.hits() < FLOOD_SLACK, s3_proxy.flooded
+    finally:
+        s3_proxy.clear()

@@ -19,10 +19,10 @@ one place where torchgrain talks to fsspec about remote files, so that:
   comes back longer (a server that ignores ``Range`` and sends the whole file, or an endless
   body) or shorter than asked, while the file is long enough, is a transient failure, never
   bytes from the wrong offset; a file really shorter than the range is
-  :class:`~torchgrain.CorruptDataError`. On HTTP(S) a body is read in pieces and given up
-  as soon as it holds more than was asked for (a response to a request without a range,
-  such as a directory listing page, more than :data:`MAX_PAGE_BYTES`); a download stops
-  at its expected size, and fails when it falls behind ``min_rate``.
+  :class:`~torchgrain.CorruptDataError`. On HTTP(S) and S3 a body is read in pieces and
+  given up as soon as it holds more than was asked for (a response to a request without a
+  range, such as a directory listing page, more than :data:`MAX_PAGE_BYTES`); a download
+  stops at its expected size, and fails when it falls behind ``min_rate``.
 * **redirects stay put.** On HTTP(S), a redirect is followed only from a directory's URL to
   the same URL with a trailing slash; any other is refused
   (:class:`~torchgrain.UnsafePathError`) before a request is made to where it points,
@@ -45,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import functools
@@ -277,6 +278,58 @@ def _raise_refusal(exc: BaseException) -> None:
         cause = cause.__cause__ or cause.__context__
 
 
+def _coroutine(fs: AsyncFileSystem, method: str) -> Callable[..., Awaitable[Any]]:
+    """``fs._<method>``, or torchgrain's own where fsspec's would buffer a whole body
+    before anyone can check its length (s3fs's reads)."""
+    if method in _S3_READS and any(p in ("s3", "s3a") for p in _protocols(fs)):
+        return functools.partial(_S3_READS[method], fs)
+    return getattr(fs, "_" + method)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+
+
+async def _s3_cat_file(
+    fs: Any, path: str, start: int | None = None, end: int | None = None
+) -> bytes:
+    """One S3 GET (of bytes ``[start, end)``, or all), read with a byte cap."""
+    bucket, key, version = fs.split_path(path)
+    extra: dict[str, Any] = {"VersionId": version} if version else {}
+    if start is not None and end is not None:
+        extra["Range"] = f"bytes={start}-{end - 1}"
+        limit = end - start
+        why = (
+            f"{path}: the response for bytes {start}-{end - 1} holds more than the {limit} "
+            "bytes asked for: the server does not honour Range requests, or the response "
+            "is corrupt"
+        )
+    else:
+        limit = MAX_PAGE_BYTES
+        why = f"{path}: the object holds more than {limit} bytes (remote.MAX_PAGE_BYTES)"
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    body = resp["Body"]
+    try:
+        return await _read_capped(body.read, limit, resp.get("ContentLength"), why=why)
+    finally:
+        body.close()
+
+
+async def _s3_cat_ranges(
+    fs: Any, paths: list[str], starts: list[int], ends: list[int]
+) -> list[bytes | BaseException]:
+    """:func:`_s3_cat_file` for each range, concurrently; failures are returned in place
+    (as fsspec's ``cat_ranges`` does)."""
+    reads = [_s3_cat_file(fs, p, s, e) for p, s, e in zip(paths, starts, ends)]
+    return await asyncio.gather(*reads, return_exceptions=True)
+
+
+_S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "cat_file": _s3_cat_file,
+    "cat_ranges": _s3_cat_ranges,
+}
+
+
 def _deadline_call(
     fs: AsyncFileSystem,
     method: str,
@@ -294,7 +347,7 @@ def _deadline_call(
             f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
         )
     try:
-        out = sync(fs.loop, getattr(fs, "_" + method), *args, timeout=seconds, **kwargs)
+        out = sync(fs.loop, _coroutine(fs, method), *args, timeout=seconds, **kwargs)
         request_done(nbytes)  # progress: the operation may take that much longer
         return out
     except FileNotFoundError as e:
