@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
@@ -187,7 +187,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
-    owner: RangeHTTPServer
+    owner: Any  # the RangeHTTPServer or FaultProxy it serves for
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients hang up mid-body all the time (cancelled reads, injected faults);
@@ -196,7 +196,37 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class RangeHTTPServer:
+_S = TypeVar("_S", bound="_Serving")
+
+
+class _Serving:
+    """A server on 127.0.0.1 in a background thread: its URL, and closing it (also as a
+    context manager)."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd.owner = self
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RangeHTTPServer(_Serving):
     """Serve ``root`` over HTTP on 127.0.0.1 in a background thread.
 
     Attributes you may change while it runs: ``latency_s`` (delay before each
@@ -222,15 +252,7 @@ class RangeHTTPServer:
         self.redirects: dict[str, str] = {}
         self._faults: list[str] = []
         self._lock = threading.Lock()
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
-        self._httpd.owner = self
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        self._serve(_Handler)
 
     def fail_next(self, k: int, kind: str = "503") -> None:
         """Answer the next ``k`` requests with a fault: ``"503"``, ``"reset"`` (TCP RST
@@ -264,17 +286,6 @@ class RangeHTTPServer:
             self.requests.clear()
             self.log.clear()
             self.max_inflight = 0
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> RangeHTTPServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def start_moto_s3() -> tuple[Any, str]:
@@ -362,7 +373,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self._proxy()
 
     def _proxy(self) -> None:
-        proxy: FaultProxy = self.server.owner  # type: ignore[assignment]
+        proxy: FaultProxy = self.server.owner
         proxy._record(self.command, self.path)
         n = int(self.headers.get("Content-Length") or 0)
         request_body = self.rfile.read(n) if n else None
@@ -484,7 +495,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             pass  # the client hung up: what it wanted
 
 
-class FaultProxy:
+class FaultProxy(_Serving):
     """A logging, fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream`` (a
     :class:`RangeHTTPServer`'s or moto's URL; S3 clients use :attr:`url` as their
     ``endpoint_url``).
@@ -535,15 +546,7 @@ class FaultProxy:
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         self._release = threading.Event()
-        self._httpd = _Server(("127.0.0.1", 0), _ProxyHandler)
-        self._httpd.owner = self  # type: ignore[assignment]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        self._serve(_ProxyHandler)
 
     def inject(
         self,
@@ -602,13 +605,5 @@ class FaultProxy:
         return None
 
     def close(self) -> None:
-        self._release.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> FaultProxy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._release.set()  # stalled answers end
+        super().close()

@@ -551,16 +551,15 @@ def test_a_body_far_larger_than_asked_for_is_given_up_without_being_buffered(
     assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
 
 
+def _cached(base, cache_dir, **kw):
+    """An ArrayRecord source over ``base`` that reads whole shards into ``cache_dir``."""
+    kw = {"cache_dir_bytes": 1 << 30, "read_ahead_bytes": 0, **kw}
+    return _open("array_record", base, cache_dir=cache_dir, **kw)
+
+
 @pytest.mark.timeout(120)
 def test_a_shard_cache_download_stops_at_the_shards_size(proxy, tmp_path):
-    src = _open(
-        "array_record",
-        proxy.url,
-        retry=GIVE_UP,
-        cache_dir=tmp_path / "c",
-        cache_dir_bytes=1 << 30,
-        read_ahead_bytes=0,
-    )
+    src = _cached(proxy.url, tmp_path / "c", retry=GIVE_UP)
     proxy.clear()
     proxy.inject("flood", times=None, match=".array_record", method="GET", total=FLOOD_TOTAL)
     with pytest.raises(tg.RemoteIOError, match=r"download brought more than the \d+ bytes"):
@@ -577,14 +576,7 @@ def test_a_trickled_download_ends_once_it_falls_behind_min_rate(proxy, tmp_path)
     slow_link = RetryPolicy(
         attempts=2, base_delay=0.01, read_timeout=1, request_timeout=1, min_rate=1024, deadline=2
     )
-    src = _open(
-        "array_record",
-        proxy.url,
-        retry=slow_link,
-        cache_dir=tmp_path / "c",
-        cache_dir_bytes=1 << 30,
-        read_ahead_bytes=0,
-    )
+    src = _cached(proxy.url, tmp_path / "c", retry=slow_link)
     proxy.clear()
     # 640 bytes/s, under min_rate's 1024.
     proxy.inject("trickle", times=None, match=".array_record", method="GET", step=64, pause=0.1)

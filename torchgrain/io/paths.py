@@ -250,17 +250,23 @@ def _location_key(fs: Any, location: str, *, trusted: bool) -> tuple[tuple, tupl
         path = location if location.startswith("/") else fs._strip_protocol(location)
     if not trusted:
         _check(path or "/", relative=False, http=http)
-    text = path
-    if "%" in text or not text.isascii():
-        for _ in range(MAX_DECODINGS):
-            decoded = unquote(text)
-            if decoded == text:
-                break
-            text = decoded
-        text = unicodedata.normalize("NFC", text)
+    text = _decoded(path, "NFC")
     if trusted:
         text = posixpath.normpath("/" + text)
     return authority, tuple(s for s in text.split("/") if s)
+
+
+def _decoded(text: str, form: str) -> str:
+    """``text`` percent-decoded until it stops changing (:data:`MAX_DECODINGS` rounds at
+    most), then in Unicode normal ``form``: one reading of a name, for comparisons."""
+    if "%" not in text and text.isascii():
+        return text  # the common case, for free
+    for _ in range(MAX_DECODINGS):
+        decoded = unquote(text)
+        if decoded == text:
+            break
+        text = decoded
+    return unicodedata.normalize(form, text)
 
 
 @functools.lru_cache(maxsize=256)
@@ -444,14 +450,7 @@ def check_distinct(
     """
     seen: dict[str, int] = {}
     for k, name in enumerate(names):
-        key = name
-        if "%" in key or not key.isascii():
-            for _ in range(MAX_DECODINGS):
-                decoded = unquote(key)
-                if decoded == key:
-                    break
-                key = decoded
-            key = unicodedata.normalize("NFKC", key)
+        key = _decoded(name, "NFKC")
         if ignore_case:
             key = key.casefold()
         first = seen.setdefault(key, k)
