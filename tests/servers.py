@@ -389,7 +389,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             return
         if kind == "status":
             code = fault.params.get("code", 503)
-            data = f"injected {code}".encode()
+            data = f"injected {code}".encode().ljust(fault.params.get("size", 0), b" ")
             self.send_response(code)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(data)))
@@ -509,7 +509,8 @@ class FaultProxy(_Serving):
     * ``"trickle"``: the body ``step`` bytes every ``pause`` seconds (default 1 / 0.2 s);
     * ``"truncate"``: half the body, then the connection closed;
     * ``"reset"``: a TCP reset instead of an answer;
-    * ``"status"``: an error answer (``code``, default 503);
+    * ``"status"``: an error answer (``code``, default 503), its body padded to ``size``
+      bytes;
     * ``"longer"``: a ``Content-Length`` ``extra`` bytes (default 100) above the body,
       then the connection closed (``close=False``: held open);
     * ``"shorter"``: a ``Content-Length`` (and body) ``missing`` bytes short (default half);

@@ -67,6 +67,7 @@ from torchgrain.io.retry import (
     RequestTimeout,
     RetryPolicy,
     current_policy,
+    http_status,
     in_operation,
     is_transient,
     remaining_seconds,
@@ -198,7 +199,7 @@ def _capped_response() -> type:
         async def read(self) -> bytes:
             if self._body is None:
                 asked = _RANGE.fullmatch(self.request_info.headers.get("Range", ""))
-                if asked:
+                if asked and self.status < 300:  # an error's page is no answer to the range
                     limit = int(asked[2]) - int(asked[1]) + 1
                     why = (
                         f"{self.url}: the response for bytes {asked[1]}-{asked[2]} holds "
@@ -583,7 +584,11 @@ def cat_ranges(
     def check(blobs: list[Any]) -> None:
         for s, e, blob in zip(starts, ends, blobs):
             if isinstance(blob, BaseException):
-                if is_transient(blob) or isinstance(blob, (FileNotFoundError, PermissionError)):
+                if (
+                    is_transient(blob)
+                    or http_status(blob) is not None
+                    or isinstance(blob, (FileNotFoundError, PermissionError))
+                ):
                     raise blob  # retried, or named by the operation (not found, denied)
                 raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
             _check_length(fs, path, s, e, len(blob), label)
