@@ -587,6 +587,21 @@ def test_a_shard_cache_download_stops_at_the_shards_size(proxy, tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_download_retried_on_its_own_counts_each_transfer_afresh(www, proxy, tmp_path):
+    from torchgrain.io import remote
+    from torchgrain.io.retry import using
+
+    name = "ar/data-00000-of-00003.array_record"
+    want = (www / name).read_bytes()
+    proxy.inject("truncate", times=1, match=".array_record", method="GET")
+    with using(FAST):  # outside any operation: get_file retries by itself
+        fs, url = get_filesystem(f"{proxy.url}/{name}")
+        remote.get_file(fs, url, str(tmp_path / "x"), nbytes=len(want))
+    assert proxy.hits() == 1
+    assert (tmp_path / "x").read_bytes() == want
+
+
+@pytest.mark.timeout(60)
 def test_a_trickled_download_ends_once_it_falls_behind_min_rate(proxy, tmp_path):
     """A trickle never trips the transport's read timeout, and a shard's own limit
     (request_timeout + size / min_rate: here 128 s) is long: the download stops once it

@@ -642,6 +642,10 @@ class _DownloadGuard(Callback):
         self.limit, self.url, self.grace, self.policy = nbytes, url, grace, policy
         self.start = time.monotonic()
 
+    def set_size(self, size: int | None) -> None:
+        super().set_size(size)
+        self.value, self.start = 0, time.monotonic()  # a transfer (re)starts
+
     def relative_update(self, inc: int = 1) -> None:
         self.value += inc
         if self.value > self.limit:
