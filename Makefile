@@ -2,7 +2,7 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test setup lint bench fuzz newcomer
+.PHONY: demo test setup lint bench fuzz newcomer deadlines
 setup:
 	bash scripts/setup.sh
 
@@ -34,3 +34,7 @@ fuzz: setup
 # folder: `make demo` twice (timed), then `make test`; see scripts/newcomer.sh.
 newcomer:
 	bash scripts/newcomer.sh
+# A stalled remote read with the default RetryPolicy ends within two minutes (about 4
+# minutes to run; the test suite checks the same bound with small deadlines).
+deadlines: setup
+	TORCHGRAIN_DEADLINE_CHECK=1 $(VENV)/bin/python -m pytest tests/test_remote_faults.py -s -k default_settings

@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
@@ -187,7 +187,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
-    owner: RangeHTTPServer
+    owner: Any  # the RangeHTTPServer or FaultProxy it serves for
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients hang up mid-body all the time (cancelled reads, injected faults);
@@ -196,7 +196,37 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class RangeHTTPServer:
+_S = TypeVar("_S", bound="_Serving")
+
+
+class _Serving:
+    """A server on 127.0.0.1 in a background thread: its URL, and closing it (also as a
+    context manager)."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd.owner = self
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RangeHTTPServer(_Serving):
     """Serve ``root`` over HTTP on 127.0.0.1 in a background thread.
 
     Attributes you may change while it runs: ``latency_s`` (delay before each
@@ -222,15 +252,7 @@ class RangeHTTPServer:
         self.redirects: dict[str, str] = {}
         self._faults: list[str] = []
         self._lock = threading.Lock()
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
-        self._httpd.owner = self
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        self._serve(_Handler)
 
     def fail_next(self, k: int, kind: str = "503") -> None:
         """Answer the next ``k`` requests with a fault: ``"503"``, ``"reset"`` (TCP RST
@@ -264,17 +286,6 @@ class RangeHTTPServer:
             self.requests.clear()
             self.log.clear()
             self.max_inflight = 0
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> RangeHTTPServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def start_moto_s3() -> tuple[Any, str]:
@@ -319,6 +330,8 @@ FAULTS = (
     "longer",
     "shorter",
     "ignore_range",
+    "flood",
+    "no_length",
 )
 
 
@@ -360,7 +373,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self._proxy()
 
     def _proxy(self) -> None:
-        proxy: FaultProxy = self.server.owner  # type: ignore[assignment]
+        proxy: FaultProxy = self.server.owner
         proxy._record(self.command, self.path)
         n = int(self.headers.get("Content-Length") or 0)
         request_body = self.rfile.read(n) if n else None
@@ -376,13 +389,22 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             return
         if kind == "status":
             code = fault.params.get("code", 503)
-            data = f"injected {code}".encode()
+            data = f"injected {code}".encode().ljust(fault.params.get("size", 0), b" ")
             self.send_response(code)
             self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+            return
+        if kind == "flood" and self.command == "GET":
+            p = fault.params
+            self._flood(
+                proxy,
+                p.get("length"),
+                p.get("total", 1 << 30),
+                p.get("content_type", "application/octet-stream"),
+            )
             return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         if kind == "ignore_range":
@@ -412,7 +434,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         self.send_response(status, reason)
         for k, v in resp_headers:
             self.send_header(k, v)
-        self.send_header("Content-Length", str(length))
+        if kind == "no_length":
+            self.send_header("Connection", "close")  # the body ends when the socket does
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(length))
         self.end_headers()
         if self.command == "HEAD":
             return
@@ -445,8 +471,31 @@ class _ProxyHandler(BaseHTTPRequestHandler):
                 proxy._release.wait(600)  # fewer bytes than promised, then silence
                 self.close_connection = True
 
+    def _flood(self, proxy: FaultProxy, length: int | None, total: int, content_type: str) -> None:
+        """A 200 answer whatever the ``Range``: ``total`` zero bytes (declared as
+        ``length``, or chunked when None), counted in ``proxy.flooded`` as they go out."""
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        if length is None:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        block = bytes(1 << 16)
+        frame = b"%x\r\n%s\r\n" % (len(block), block) if length is None else block
+        self.close_connection = True
+        try:
+            for _ in range(total // len(block)):
+                if proxy._release.is_set():
+                    return
+                self.wfile.write(frame)
+                with proxy._lock:
+                    proxy.flooded += len(block)
+        except OSError:
+            pass  # the client hung up: what it wanted
 
-class FaultProxy:
+
+class FaultProxy(_Serving):
     """A logging, fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream`` (a
     :class:`RangeHTTPServer`'s or moto's URL; S3 clients use :attr:`url` as their
     ``endpoint_url``).
@@ -460,11 +509,18 @@ class FaultProxy:
     * ``"trickle"``: the body ``step`` bytes every ``pause`` seconds (default 1 / 0.2 s);
     * ``"truncate"``: half the body, then the connection closed;
     * ``"reset"``: a TCP reset instead of an answer;
-    * ``"status"``: an error answer (``code``, default 503);
+    * ``"status"``: an error answer (``code``, default 503), its body padded to ``size``
+      bytes;
     * ``"longer"``: a ``Content-Length`` ``extra`` bytes (default 100) above the body,
       then the connection closed (``close=False``: held open);
     * ``"shorter"``: a ``Content-Length`` (and body) ``missing`` bytes short (default half);
-    * ``"ignore_range"``: the ``Range`` header dropped (the whole file comes back).
+    * ``"ignore_range"``: the ``Range`` header dropped (the whole file comes back);
+    * ``"flood"``: a GET answered 200 with ``total`` zero bytes (default 1 GiB) whatever
+      it asked for, declared as ``length`` (default: chunked, no length), of
+      ``content_type``; the bytes that went out before the client hung up are counted
+      in :attr:`flooded`;
+    * ``"no_length"``: the answer without a ``Content-Length`` (the body, if any, ends
+      when the connection closes), so that the client learns no size from it.
 
     :attr:`log` holds every ``(method, raw path)`` the proxy was asked for, faulty or not.
 
@@ -487,18 +543,11 @@ class FaultProxy:
         parts = urllib.parse.urlsplit(upstream)
         self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
         self.log: list[tuple[str, str]] = []
+        self.flooded = 0
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         self._release = threading.Event()
-        self._httpd = _Server(("127.0.0.1", 0), _ProxyHandler)
-        self._httpd.owner = self  # type: ignore[assignment]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        self._serve(_ProxyHandler)
 
     def inject(
         self,
@@ -516,9 +565,11 @@ class FaultProxy:
             self._faults.append(_Fault(kind, times, match, method, skip, params))
 
     def clear(self) -> None:
-        """Drop the queued faults (stalled connections stay stalled until :meth:`close`)."""
+        """Drop the queued faults (stalled connections stay stalled until :meth:`close`)
+        and zero :attr:`flooded`."""
         with self._lock:
             self._faults.clear()
+            self.flooded = 0
 
     def hits(self) -> int:
         """Requests that received a fault so far."""
@@ -555,13 +606,5 @@ class FaultProxy:
         return None
 
     def close(self) -> None:
-        self._release.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> FaultProxy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._release.set()  # stalled answers end
+        super().close()

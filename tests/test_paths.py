@@ -43,6 +43,9 @@ HOSTILE = {
     "encoded-slashes": "..%2f{enc}",
     "backslashes": "..\\{bs}",
     "fullwidth-dots": "\uff0e\uff0e/{s}",
+    "path-parameter": "..;/{s}",
+    "trailing-dot": ".../{s}",
+    "iis-escape": "%u002e%u002e/{s}",
     "overlong-utf8": "%c0%ae%c0%ae/{s}",
     "nested": "sub/../../{s}",
     "absolute": "{abs}",
@@ -162,6 +165,18 @@ def s3_www(www, moto_s3):
         "%c0%ae%c0%ae/x",
         "%ff/x",
         "\ud800",
+        "..;/x",
+        "a/..;jsessionid=1/../x",
+        "%2e%2e;/x",
+        ";x/y",
+        "...",
+        "a/. ./x",
+        ".. /x",
+        "..%20/x",
+        "%u002e%u002e/x",
+        "%U002E%u002e%u002fx",
+        "x" * 5000,
+        "a/" + "b" * 256,
         None,
         3,
         ["a"],
@@ -188,6 +203,9 @@ def test_query_and_fragment_characters_are_refused_below_an_http_root(name):
         "..x",
         "名前/データ.parquet",
         "x?y",
+        "x.",
+        "a;b.parquet",
+        "d/" + "b" * 255,
     ],
 )
 def test_ordinary_names_are_accepted(name):
@@ -366,6 +384,10 @@ def _set_shard(key, value):
         (lambda m: m["shards"].__setitem__(1, "x"), "shard 1 must be an object"),
         (lambda m: m.__setitem__("num_records", 5), "num_records is 5 but the shards hold 4"),
         (lambda m: m.__setitem__("codec", 3), "codec must be a non-empty string"),
+        (lambda m: m.__setitem__("codec", "pickle"), "unknown codec 'pickle'"),
+        (_set_shard("checksum", "md5"), r"shard 1 .*checksum 'md5' is not ALGORITHM:HEX"),
+        (_set_shard("file_checksum", "shake_128:00ff00ff00"), r"shard 1 .*unknown algorithm"),
+        (_set_shard("file_checksum", "nope:00ff00ff00"), r"shard 1 .*unknown algorithm"),
         (lambda m: m.__setitem__("schema", {"x": 1}), "schema must be an object of strings"),
         (lambda m: m.__setitem__("group_size", 0), r"group_size is 0"),
         (lambda m: json.dumps(m).replace('"version": 1', '"version": 1e999'), "version"),
@@ -382,6 +404,43 @@ def test_a_malformed_manifest_is_a_corrupt_data_error_naming_it_and_the_shard(
     with pytest.raises(tg.CorruptDataError, match=expected) as ei:
         tg.ArrayRecordSource(d)
     assert "torchgrain.json" in str(ei.value)
+
+
+def test_a_manifest_with_no_shards_is_an_empty_dataset(www, tmp_path):
+    def edit(m):
+        m["shards"], m["num_records"] = [], 0
+
+    assert len(tg.ArrayRecordSource(_manifest_case(www, tmp_path, edit))) == 0
+
+
+COLLIDING = {
+    "encoded-dot": "data-00000-of-00002%2earray_record",
+    "encoded-letter": "%64ata-00000-of-00002.array_record",
+    "double-encoded": "data-00000-of-00002%252earray_record",
+    "other-case": "DATA-00000-of-00002.array_record",
+    "fullwidth": "data-00000-of-00002\uff0earray_record",
+}
+
+
+@pytest.mark.parametrize("transport", ["local", "http"])
+@pytest.mark.parametrize("spelling", list(COLLIDING))
+def test_two_manifest_names_for_one_file_are_refused(www, http_www, transport, spelling):
+    """Over HTTP ``%2e`` is sent as ``.``: shard 1 would be shard 0 again, its records
+    served twice in place of shard 1's (a case-insensitive disk does the same with case)."""
+    case = f"collide-{transport}-{spelling}"
+    _hostile_copy(www, case, COLLIDING[spelling])
+    url = str(www / case) if transport == "local" else f"{http_www.url}/{case}"
+    with pytest.raises(tg.UnsafePathError, match=r"shard 1 .* and shard 0 .* one file"):
+        tg.ArrayRecordSource(url).__getitems__([0, 1, 2, 3])
+
+
+def test_two_links_to_one_file_in_an_http_listing_are_refused(http_www):
+    http_www.listings["/flat"] = _page(["a.parquet", "%61.parquet"], http_www.url)
+    try:
+        with pytest.raises(tg.UnsafePathError, match=r"the listing of .* one file"):
+            tg.ParquetSource(f"{http_www.url}/flat")
+    finally:
+        del http_www.listings["/flat"]
 
 
 @pytest.mark.parametrize(

@@ -313,9 +313,10 @@ def test_the_default_deadlines_are_finite_and_reach_the_transports():
     p = RetryPolicy()
     assert (p.connect_timeout, p.read_timeout, p.request_timeout, p.deadline) == (10, 20, 60, 90)
     assert p.min_rate == 1 << 20
-    # A read that makes no progress: every attempt ends by the read timeout, and the
-    # operation (all attempts, all waits) by the deadline: under two minutes.
-    assert p.read_timeout < p.deadline < 120
+    # A read that makes no progress: no attempt starts after the deadline (a stalled
+    # request earns no time: test_retries_of_a_stalled_read_never_push_the_deadline_back),
+    # and the one in flight ends by the read timeout: under two minutes in all.
+    assert p.deadline + p.read_timeout < 120
     http_fs, _ = get_filesystem("http://127.0.0.1:9/x")
     timeout = http_fs.client_kwargs["timeout"]
     assert (timeout.sock_connect, timeout.sock_read, timeout.total) == (10, 20, None)
@@ -372,6 +373,95 @@ def test_the_operation_deadline_cuts_retries_short(proxy):
     assert 1 < attempts < 1000
 
 
+@pytest.mark.timeout(60)
+def test_retries_of_a_stalled_read_never_push_the_deadline_back(proxy):
+    """Each request may take the time of its bytes at ``min_rate``; were that added to the
+    operation's deadline on every attempt, retries of a large read that stalls would go on
+    past it (with the defaults, a 24 MiB row group of a stalling server failed after 123 s).
+    Here every attempt would add 128 s: the 1.5 s deadline must still end the retries."""
+    slow_link = RetryPolicy(
+        attempts=50,
+        base_delay=0.01,
+        max_delay=0.01,
+        read_timeout=0.3,
+        request_timeout=5,
+        min_rate=1024,  # a 128 KiB chunk read: 128 s at min_rate
+        deadline=1.5,
+    )
+    src = _open("array_record", proxy.url, retry=slow_link)
+    proxy.inject("stall", times=None, match=".array_record", method="GET")
+    start = time.monotonic()
+    with pytest.raises(tg.RemoteIOError, match=r"its 1\.5 s deadline passed") as ei:
+        src[0]
+    attempts = int(re.search(r"after (\d+) attempts", str(ei.value)).group(1))
+    assert attempts < 50
+    # No attempt after the deadline; the last one ends by the read timeout (slack for a
+    # busy machine): never the 50 x 0.3 s of every attempt.
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_request_that_completes_extends_its_operations_deadline():
+    from torchgrain.io.retry import remaining_seconds, request_done, retry_call
+
+    p = RetryPolicy(request_timeout=50, min_rate=100, deadline=10)
+
+    def op():
+        first = remaining_seconds(1000)[0]  # 10 s left + its own 10 s
+        request_done(0)  # failed or empty: earns nothing
+        again = remaining_seconds(1000)[0]
+        request_done(1000)  # brought 1000 bytes: 10 s more for the operation
+        return first, again, remaining_seconds(0)[0]
+
+    first, again, after = retry_call(op, url="x", policy=p)
+    assert 19 < first <= 20 and 19 < again <= 20 and 19 < after <= 20
+
+
+@pytest.mark.skipif(
+    os.environ.get("TORCHGRAIN_DEADLINE_CHECK") != "1",
+    reason="about 2 minutes: `make deadlines` runs it (TORCHGRAIN_DEADLINE_CHECK=1)",
+)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["stall", "stall_headers"])
+def test_with_the_default_settings_a_stalled_large_read_ends_within_two_minutes(tmp_path, fault):
+    rng = np.random.default_rng(0)
+    (tmp_path / "pq").mkdir()
+    # One 24 MiB row group: one request of 24 MiB, 24 s at the default min_rate.
+    table = pa.table({"b": [rng.bytes(1 << 20) for _ in range(24)]})
+    pq.write_table(table, tmp_path / "pq" / "big.parquet", compression="none")
+    with RangeHTTPServer(tmp_path) as srv, FaultProxy(srv.url) as proxy:
+        src = tg.ParquetSource(f"{proxy.url}/pq", cache_bytes=0)  # the default RetryPolicy
+        proxy.inject(fault, times=None, match=".parquet", method="GET")
+        start = time.monotonic()
+        with pytest.raises(tg.RemoteIOError, match=r"pq/big\.parquet"):
+            src[0]
+        took = time.monotonic() - start
+    print(f"{fault}: RemoteIOError after {took:.1f} s")
+    assert took < 120
+
+
+@pytest.mark.timeout(120)
+def test_an_http_directory_walk_ends_by_the_deadline_however_many_slow_pages_it_has(tmp_path):
+    """Each page of a listing is a request of its own: a server that trickles every page
+    (never slower than the read timeout, each page within the request timeout) and lists
+    many directories would keep the walk going for pages x deadline. The walk as a whole
+    keeps to the deadline."""
+    for k in range(40):
+        (tmp_path / "wide" / f"d{k:02}").mkdir(parents=True)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "wide" / "a.parquet")
+    patient_pages = RetryPolicy(
+        attempts=2, read_timeout=1, request_timeout=5, deadline=2, base_delay=0.01
+    )
+    with RangeHTTPServer(tmp_path) as srv, FaultProxy(srv.url) as proxy:
+        # 512 bytes every 0.3 s: about 0.3 s a page, 13 s for the 41 pages.
+        proxy.inject("trickle", times=None, match="/wide", method="GET", step=512, pause=0.3)
+        start = time.monotonic()
+        with pytest.raises(tg.RemoteIOError, match=r"listing of .*/wide.* 2 s deadline"):
+            tg.ParquetSource(f"{proxy.url}/wide", retry=patient_pages)
+        assert time.monotonic() - start < 10
+        assert len(proxy.log) < 40
+
+
 def test_invalid_deadlines_are_refused():
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="read_timeout"):
@@ -419,3 +509,152 @@ def test_a_server_failing_at_open_is_retried_not_taken_for_a_missing_dataset(www
     assert proxy.hits() == 3
     local = _local(fmt, www)
     assert _same(src.__getitems__([0, len(src) - 1]), local.__getitems__([0, len(src) - 1]))
+
+
+# ------------------------------------------------------------------ response sizes
+# A flood: 256 MiB of zeros whatever was asked for, chunked (no end in sight) or declared.
+FLOODS = {"endless-chunked": {}, "huge-length": {"length": 1 << 40}}
+FLOOD_TOTAL = 256 << 20
+# What may go out to one request before the client hangs up: the bytes asked for, plus
+# what the loopback's socket buffers hold (a few MiB). Reading whole bodies takes 256 MiB.
+FLOOD_SLACK = 32 << 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flood", list(FLOODS))
+@pytest.mark.parametrize("target", ["manifest", *FORMATS])
+def test_a_body_far_larger_than_asked_for_is_given_up_without_being_buffered(
+    www, proxy, flood, target
+):
+    """A server that ignores ``Range`` and sends a huge or endless body: fsspec would read
+    it whole before torchgrain could look at it; each response is read only up to the
+    bytes asked for."""
+    if target == "manifest":
+        proxy.inject("flood", times=None, match="torchgrain.json", method="GET", total=FLOOD_TOTAL)
+        with pytest.raises(tg.RemoteIOError, match=r"ar/torchgrain\.json.*holds more than"):
+            tg.ArrayRecordSource(f"{proxy.url}/ar", retry=GIVE_UP)
+    else:
+        src = _open(target, proxy.url, retry=GIVE_UP)
+        proxy.clear()
+        proxy.inject(
+            "flood",
+            times=None,
+            match=SUFFIX[target],
+            method="GET",
+            total=FLOOD_TOTAL,
+            **FLOODS[flood],
+        )
+        with pytest.raises(tg.RemoteIOError, match="holds more than") as ei:
+            src.__getitems__([1])
+        assert SUFFIX[target] in str(ei.value)
+    assert proxy.hits() >= 1
+    assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
+
+
+def _cached(base, cache_dir, **kw):
+    """An ArrayRecord source over ``base`` that reads whole shards into ``cache_dir``."""
+    kw = {"cache_dir_bytes": 1 << 30, "read_ahead_bytes": 0, **kw}
+    return _open("array_record", base, cache_dir=cache_dir, **kw)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("code", "error"), [(404, tg.DatasetNotFoundError), (403, PermissionError)]
+)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_error_answer_longer_than_the_range_asked_for_is_still_that_error(
+    proxy, fmt, code, error
+):
+    """A server's error page is often longer than a small range: it is the error it
+    says (never retried), not a response that ignored the range."""
+    src = _open(fmt, proxy.url, retry=GIVE_UP)
+    proxy.clear()
+    proxy.inject("status", times=None, match=SUFFIX[fmt], method="GET", code=code, size=1 << 20)
+    with pytest.raises(error, match=re.escape(SUFFIX[fmt])):
+        src.__getitems__([1])
+    assert proxy.hits() == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_cache_download_stops_at_the_shards_size(proxy, tmp_path):
+    src = _cached(proxy.url, tmp_path / "c", retry=GIVE_UP)
+    proxy.clear()
+    proxy.inject("flood", times=None, match=".array_record", method="GET", total=FLOOD_TOTAL)
+    with pytest.raises(tg.RemoteIOError, match=r"download brought more than the \d+ bytes"):
+        src[0]
+    assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
+    assert not [f for f in os.listdir(tmp_path / "c") if f.startswith(".tmp-")]
+
+
+@pytest.mark.timeout(60)
+def test_a_download_retried_on_its_own_counts_each_transfer_afresh(www, proxy, tmp_path):
+    from torchgrain.io import remote
+    from torchgrain.io.retry import using
+
+    name = "ar/data-00000-of-00003.array_record"
+    want = (www / name).read_bytes()
+    proxy.inject("truncate", times=1, match=".array_record", method="GET")
+    with using(FAST):  # outside any operation: get_file retries by itself
+        fs, url = get_filesystem(f"{proxy.url}/{name}")
+        remote.get_file(fs, url, str(tmp_path / "x"), nbytes=len(want))
+    assert proxy.hits() == 1
+    assert (tmp_path / "x").read_bytes() == want
+
+
+@pytest.mark.timeout(60)
+def test_a_trickled_download_ends_once_it_falls_behind_min_rate(proxy, tmp_path):
+    """A trickle never trips the transport's read timeout, and a shard's own limit
+    (request_timeout + size / min_rate: here 128 s) is long: the download stops once it
+    is behind min_rate after its first request_timeout seconds."""
+    slow_link = RetryPolicy(
+        attempts=2, base_delay=0.01, read_timeout=1, request_timeout=1, min_rate=1024, deadline=2
+    )
+    src = _cached(proxy.url, tmp_path / "c", retry=slow_link)
+    proxy.clear()
+    # 640 bytes/s, under min_rate's 1024.
+    proxy.inject("trickle", times=None, match=".array_record", method="GET", step=64, pause=0.1)
+    start = time.monotonic()
+    with pytest.raises(tg.RemoteIOError, match=r"download .* fell behind 1024 bytes/s"):
+        src[0]
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_listing_page_larger_than_the_ceiling_is_given_up_without_being_buffered(
+    proxy, monkeypatch
+):
+    monkeypatch.setattr("torchgrain.io.remote.MAX_PAGE_BYTES", 1 << 20, raising=False)
+    proxy.inject(
+        "flood", times=None, match="/pq", method="GET", total=FLOOD_TOTAL, content_type="text/html"
+    )
+    with pytest.raises(tg.RemoteIOError, match=r"/pq.*MAX_PAGE_BYTES"):
+        tg.ParquetSource(f"{proxy.url}/pq", retry=GIVE_UP)
+    assert proxy.flooded / proxy.hits() < FLOOD_SLACK, proxy.flooded
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_server_that_reports_no_size_is_an_error_naming_the_file(proxy, fmt):
+    proxy.inject("no_length", times=None, match=SUFFIX[fmt])
+    with pytest.raises(tg.CorruptDataError, match=rf"{re.escape(SUFFIX[fmt])}.*reports no size"):
+        _open(fmt, proxy.url, retry=GIVE_UP)[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flood", list(FLOODS))
+@pytest.mark.parametrize("fmt", ["array_record", "parquet"])
+def test_an_s3_body_far_larger_than_asked_for_is_given_up_without_being_buffered(
+    s3_proxy, fmt, flood
+):
+    s3_proxy.clear()
+    src = _s3(fmt, s3_proxy)  # patient at open: moto can be slow on a busy machine
+    s3_proxy.inject(
+        "flood", times=None, match=SUFFIX[fmt], method="GET", total=FLOOD_TOTAL, **FLOODS[flood]
+    )
+    try:
+        with pytest.raises(tg.RemoteIOError, match="holds more than") as ei:
+            src.__getitems__([1])
+        assert SUFFIX[fmt] in str(ei.value)
+        assert s3_proxy.flooded / s3_proxy.hits() < FLOOD_SLACK, s3_proxy.flooded
+    finally:
+        s3_proxy.clear()

@@ -60,6 +60,7 @@ def _head(src: Any, n: int) -> list[dict[str, Any]]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from torchgrain.formats.codecs import describe_value
+    from torchgrain.io import remote
     from torchgrain.io.fs import get_filesystem
     from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
@@ -78,7 +79,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if size is not None:
             sizes.append(size)
         else:
-            sizes.append(int(fs.size(get_filesystem(p)[1])) if fs is not None else -1)
+            sizes.append(
+                remote.file_size(fs, get_filesystem(p)[1], url=p) if fs is not None else -1
+            )
     # Types of every key, nested dicts flattened to "a/b", from the sampled records.
     keys: dict[str, str] = {}
     for rec in samples:

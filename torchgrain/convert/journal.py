@@ -21,6 +21,7 @@ from torchgrain.convert.tasks import Task
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.codecs import _merge_one
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from torchgrain.io import remote
 from torchgrain.io.atomic import atomic_write_text
 from torchgrain.writers import shard_name
 
@@ -87,7 +88,7 @@ def fingerprint(inp: ConvertInput, options: dict[str, Any]) -> dict[str, Any]:
     fs = inp.filesystem()
     files = []
     for p in inp.paths:
-        info = fs.info(inp.strip(p))
+        info = remote.call(fs, "info", inp.strip(p), url=p, what="lookup")
         files.append(
             {"path": p, "size": int(info.get("size") or 0), "mtime": str(info.get("mtime", ""))}
         )

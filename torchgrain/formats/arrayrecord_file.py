@@ -832,7 +832,7 @@ class ArrayRecordFile:
             tail = view
         else:
             try:
-                size = int(remote.call(self._fs, "size", self._path, url=self._url))
+                size = remote.file_size(self._fs, self._path, url=self._url)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"{self._where()} does not exist") from e
             if size < _BLOCK:

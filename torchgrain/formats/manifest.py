@@ -13,7 +13,9 @@ Shard paths are relative to the directory, so a dataset can be moved or uploaded
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +174,29 @@ def _int(value: Any, field: str, lo: int, hi: int) -> int:
     return value
 
 
+#: Checksum algorithms a manifest may name (``ALGORITHM:HEX``; a bare digest is sha256):
+#: what the shard cache can verify a download against.
+CHECKSUM_ALGORITHMS = frozenset(
+    {"blake2b-records", "blake2b-file"}
+    | {a for a in hashlib.algorithms_guaranteed if not a.startswith("shake_")}
+)
+_CHECKSUM = re.compile(r"(?:([A-Za-z0-9_-]+):)?([0-9a-fA-F]{8,256})")
+
+
+def _checksum(value: Any, field: str) -> None:
+    """Refuse a checksum the cache could not verify (it would fail at download, unnamed)."""
+    if not isinstance(value, str):
+        raise _Invalid(f"{field} must be a string, not {value!r:.60}")
+    m = _CHECKSUM.fullmatch(value)
+    if m is None:
+        raise _Invalid(f"{field} {value!r:.80} is not ALGORITHM:HEX_DIGEST")
+    if m[1] is not None and m[1] not in CHECKSUM_ALGORITHMS:
+        raise _Invalid(
+            f"{field} {value!r:.80} names an unknown algorithm; known: "
+            f"{', '.join(sorted(CHECKSUM_ALGORITHMS))}"
+        )
+
+
 def _shard(k: int, s: Any) -> ShardInfo:
     if not isinstance(s, dict):
         raise _Invalid(f"shard {k} must be an object, not {type(s).__name__}")
@@ -187,8 +212,8 @@ def _shard(k: int, s: Any) -> ShardInfo:
         num_bytes = _int(s.get("num_bytes", -1), "num_bytes", -1, MAX_SHARD_BYTES)
         checksum, file_checksum = s.get("checksum"), s.get("file_checksum")
         for name, value in (("checksum", checksum), ("file_checksum", file_checksum)):
-            if value is not None and not (isinstance(value, str) and 0 < len(value) <= 1024):
-                raise _Invalid(f"{name} must be a string, not {value!r:.60}")
+            if value is not None:
+                _checksum(value, name)
     except _Invalid as e:
         raise _Invalid(f"shard {k} ({path!r:.200}): {e}") from None
     return ShardInfo(path, n, num_bytes, checksum, file_checksum)

@@ -13,9 +13,11 @@ request is ever made for a link that points elsewhere.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import os
 import pickle
 import re
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -25,10 +27,10 @@ import fsspec
 from fsspec.core import split_protocol, url_to_fs
 from fsspec.utils import glob_translate
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
 from torchgrain.io import paths as _paths
 from torchgrain.io import remote
-from torchgrain.io.retry import RetryPolicy, current_policy
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 
 PathLike = str | os.PathLike
 T = TypeVar("T")
@@ -185,6 +187,7 @@ def expand_paths(
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
+            listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isdir(item_fs, stripped, url=item):
             found = sorted(p for p in listing.find(stripped) if _is_data_file(p, suffixes))
@@ -194,6 +197,7 @@ def expand_paths(
                     f"{', '.join(suffixes)})"
                 )
             check_shard_sets(found, where=item)
+            listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isfile(item_fs, stripped, url=item):
             out.append(_unstrip(item_fs, stripped))
@@ -258,6 +262,12 @@ class _Listing:
         _paths.confine(self.fs, root, path, where=f"the listing of {self.item!r}")
         raise AssertionError("unreachable")  # pragma: no cover - confine raised
 
+    def check_distinct(self, files: list[str]) -> None:
+        """On HTTP(S), refuse two links to one file (``a.x``, ``%61.x``): its records
+        would be read twice. (A disk or an object store lists each file once.)"""
+        if _paths.is_http(self.fs) and not self.allow_external:
+            _paths.check_distinct(files, where=f"the listing of {self.item!r}")
+
     def find(self, root: str, max_depth: int | None = None) -> list[str]:
         fs = self.fs
         if not _paths.is_http(fs):
@@ -266,7 +276,10 @@ class _Listing:
             return [p for p in found if self._keep(root, p)]
         # HTTP(S): a listing is the server's page of links. Walk it level by level and
         # request only directories inside the root (fsspec's own find would follow
-        # every link it is given).
+        # every link it is given). The walk, all its pages, keeps to one deadline: a
+        # server serving each page slowly (but in time) must not make it endless.
+        policy = current_policy()
+        end = time.monotonic() + policy.deadline
         files: list[str] = []
         pending = [(root, 0)]
         seen = {root.rstrip("/")}
@@ -277,7 +290,18 @@ class _Listing:
                     f"the listing of {self.item!r} has more than {MAX_LISTED_DIRECTORIES} "
                     "directories: refusing to walk it further"
                 )
-            entries = remote.call(fs, "ls", directory, detail=True, url=directory, what="listing")
+            left = end - time.monotonic()
+            if left <= 0:
+                raise self._out_of_time(policy, len(seen))
+            try:
+                with using(dataclasses.replace(policy, deadline=left)):
+                    entries = remote.call(
+                        fs, "ls", directory, detail=True, url=directory, what="listing"
+                    )
+            except RemoteIOError as e:
+                if time.monotonic() < end:
+                    raise
+                raise self._out_of_time(policy, len(seen)) from e
             for entry in entries:
                 name = entry["name"]
                 if entry.get("type") != "directory":
@@ -297,6 +321,13 @@ class _Listing:
                 seen.add(key)
                 pending.append((name, depth + 1))
         return files
+
+    def _out_of_time(self, policy: RetryPolicy, directories: int) -> RemoteIOError:
+        return RemoteIOError(
+            f"the listing of {self.item!r} did not end within its {policy.deadline:g} s "
+            f"deadline (RetryPolicy.deadline) after {directories} directories; name the "
+            "files (or a glob), or give the source a longer deadline"
+        )
 
     def glob(self, pattern: str) -> list[str]:
         fs = self.fs

@@ -10,10 +10,17 @@ request is made for it, here and nowhere else:
 
 * **Every reading of a name is checked.** A name is looked at as written, after each
   round of percent-decoding (up to :data:`MAX_DECODINGS`, since a proxy or server may decode
-  again what the client already decoded) and after Unicode NFKC normalisation (which turns
-  full-width dots and solidus (U+FF0E, U+FF0F) into ``../``, as some servers do). A name is unsafe if *any* of
-  these readings has a ``.`` or ``..`` segment, an empty segment (``a//b``), a backslash, a
-  control character (NUL, newline, ...), or a percent-escape that is not UTF-8.
+  again what the client already decoded; IIS's ``%u002e`` escapes too) and after Unicode
+  NFKC normalisation (which turns full-width dots and solidus (U+FF0E, U+FF0F) into
+  ``../``, as some servers do). A name is unsafe if *any* of these readings has a dot
+  segment, an empty segment (``a//b``), a backslash, a control character (NUL, newline,
+  ...), or a percent-escape that is not UTF-8. A dot segment is ``.`` or ``..``, and what
+  servers read as one: ``..;x`` (Tomcat and Jetty drop ``;`` path parameters) and a
+  segment of dots and spaces only (``...``, ``.. ``: Windows drops trailing dots and spaces).
+* **A name is a name, not a pattern nor a spelling of another.** It is at most
+  :data:`MAX_NAME_BYTES` long (:data:`MAX_SEGMENT_BYTES` per segment), and the names of one
+  dataset are distinct in every reading, case aside: ``a.x`` and ``a%2ex`` are one file to
+  an HTTP server, ``A.x`` and ``a.x`` to a case-insensitive disk (:func:`resolve_all`).
 * **A name a dataset gives for one of its files is relative:** not absolute (``/x``,
   ``//host/x``), no URL (``http://``, ``s3://``, fsspec's chained ``a::b``), no scheme or
   Windows drive in front (``c:``, ``file:``), and, below an HTTP(S) root, no ``?`` or
@@ -52,6 +59,9 @@ from torchgrain.errors import UnsafePathError
 
 __all__ = [
     "MAX_DECODINGS",
+    "MAX_NAME_BYTES",
+    "MAX_SEGMENT_BYTES",
+    "check_distinct",
     "confine",
     "is_http",
     "is_inside",
@@ -63,6 +73,10 @@ __all__ = [
 #: Rounds of percent-decoding a name is checked through; a name that still decodes to
 #: something new after them is refused.
 MAX_DECODINGS = 4
+#: The longest name a dataset may give for one of its files, in UTF-8 bytes (Linux's
+#: PATH_MAX), and for one segment of it (NAME_MAX on every common filesystem).
+MAX_NAME_BYTES = 4096
+MAX_SEGMENT_BYTES = 255
 
 # Names made only of these characters (and no "." / ".." segment) need no further look:
 # the common case (``data-00003-of-00064.array_record``, ``key=value/part-0.parquet``)
@@ -72,6 +86,8 @@ _PLAIN = re.compile(
 )
 # A scheme (``http:``, ``file:``) or a Windows drive (``c:``) in front of a name.
 _SCHEME_OR_DRIVE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+# IIS's non-standard ``%uXXXX`` escape of one UTF-16 code unit.
+_IIS_ESCAPE = re.compile(r"%[uU]([0-9A-Fa-f]{4})")
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
@@ -103,6 +119,10 @@ def _readings(text: str) -> list[str]:
     else:
         if "%" in current and unquote(current, errors="strict") != current:
             raise _Unsafe(f"is percent-encoded more than {MAX_DECODINGS} times")
+    for reading in list(out):
+        iis = _IIS_ESCAPE.sub(lambda m: chr(int(m[1], 16)), reading)
+        if iis != reading:
+            out.append(iis)
     for reading in list(out):
         normal = unicodedata.normalize("NFKC", reading)
         if normal != reading:
@@ -137,10 +157,15 @@ def _check_reading(reading: str, *, relative: bool, http: bool) -> None:
         # A location: one leading "/" and one trailing "/" (a directory) are its own.
         segments = reading.strip("/").split("/") if reading.strip("/") else []
     for seg in segments:
+        # "..;x" is ".." to servers that drop path parameters; "...", ".. " are ".." or
+        # "." to Windows, which drops trailing dots and spaces.
+        head = seg.split(";", 1)[0]
         if seg in (".", ".."):
             raise _Unsafe("has a dot segment (.. or .)")
-        if seg == "":
+        if head == "":
             raise _Unsafe("has an empty segment (//)")
+        if head.rstrip(". ") == "":
+            raise _Unsafe(f"has a segment that servers read as '.' or '..' ({seg!r})")
 
 
 def _check(text: object, *, relative: bool, http: bool) -> None:
@@ -148,6 +173,8 @@ def _check(text: object, *, relative: bool, http: bool) -> None:
         raise _Unsafe(f"is a {type(text).__name__}, not a string")
     if not text:
         raise _Unsafe("is empty")
+    if relative and len(text) > MAX_SEGMENT_BYTES // 4:  # a UTF-8 character: 1 to 4 bytes
+        _check_length(text)
     if _PLAIN.fullmatch(text if relative else text.strip("/")):
         return  # no segment starts with ".", no escape, no special character
     try:
@@ -162,6 +189,15 @@ def _check(text: object, *, relative: bool, http: bool) -> None:
         except _Unsafe as e:
             how = "" if k == 0 else (" once percent-decoded" if "%" in text else " once normalised")
             raise _Unsafe(f"{e}{how}") from None
+
+
+def _check_length(name: str) -> None:
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        raise _Unsafe(f"is {size} bytes long, more than {MAX_NAME_BYTES}")
+    longest = max(len(seg.encode("utf-8", "surrogatepass")) for seg in name.split("/"))
+    if longest > MAX_SEGMENT_BYTES:
+        raise _Unsafe(f"has a segment of {longest} bytes, more than {MAX_SEGMENT_BYTES}")
 
 
 def unsafe_reason(name: object, *, http: bool = False) -> str | None:
@@ -214,17 +250,23 @@ def _location_key(fs: Any, location: str, *, trusted: bool) -> tuple[tuple, tupl
         path = location if location.startswith("/") else fs._strip_protocol(location)
     if not trusted:
         _check(path or "/", relative=False, http=http)
-    text = path
-    if "%" in text or not text.isascii():
-        for _ in range(MAX_DECODINGS):
-            decoded = unquote(text)
-            if decoded == text:
-                break
-            text = decoded
-        text = unicodedata.normalize("NFC", text)
+    text = _decoded(path, "NFC")
     if trusted:
         text = posixpath.normpath("/" + text)
     return authority, tuple(s for s in text.split("/") if s)
+
+
+def _decoded(text: str, form: str) -> str:
+    """``text`` percent-decoded until it stops changing (:data:`MAX_DECODINGS` rounds at
+    most), then in Unicode normal ``form``: one reading of a name, for comparisons."""
+    if "%" not in text and text.isascii():
+        return text  # the common case, for free
+    for _ in range(MAX_DECODINGS):
+        decoded = unquote(text)
+        if decoded == text:
+            break
+        text = decoded
+    return unicodedata.normalize(form, text)
 
 
 @functools.lru_cache(maxsize=256)
@@ -364,7 +406,7 @@ def resolve_all(
                 _check(name, relative=True, http=http)
         except _Unsafe as e:
             raise UnsafePathError(
-                f"{where} names {what(k)} {name!r}, which is not a path inside the dataset "
+                f"{where} names {what(k)} {name!r:.300}, which is not a path inside the dataset "
                 f"directory {root}: it {e}; a dataset's files must be named by relative paths "
                 "below it. If you trust this dataset, open it with allow_external_paths=True"
             ) from None
@@ -380,7 +422,47 @@ def resolve_all(
             path = name if name.startswith("/") else f"{base}/{name}"
             path = path if http else posixpath.normpath(path)
             out.append(path if local else fs.unstrip_protocol(path))
+    if not allow_external:
+        check_distinct(names, where=where, what=what, ignore_case=True)  # type: ignore[arg-type]
     return out
+
+
+def check_distinct(
+    names: Sequence[str],
+    *,
+    where: str,
+    what: Callable[[int], str] = lambda k: f"file {k}",
+    ignore_case: bool = False,
+) -> None:
+    """Refuse two ``names`` that are one file to some reader: equal once percent-decoded
+    and NFKC-normalised (an HTTP client sends ``a%2ex`` as ``a.x``; a server decodes
+    ``%2f``), or, with ``ignore_case``, once case-folded (a case-insensitive disk).
+
+    Raises:
+        UnsafePathError: naming ``where`` and both names.
+
+    Example:
+        >>> check_distinct(["a.x", "b.x"], where="m")
+        >>> check_distinct(["a.x", "A%2ex"], where="m", ignore_case=True)
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.UnsafePathError: m names file 1 'A%2ex' and file 0 'a.x', which are one file to a server that decodes %-escapes or to a case-insensitive filesystem; if you trust this dataset, open it with allow_external_paths=True
+    """
+    seen: dict[str, int] = {}
+    for k, name in enumerate(names):
+        key = _decoded(name, "NFKC")
+        if ignore_case:
+            key = key.casefold()
+        first = seen.setdefault(key, k)
+        if first != k:
+            to = "a server that decodes %-escapes" + (
+                " or to a case-insensitive filesystem" if ignore_case else ""
+            )
+            raise UnsafePathError(
+                f"{where} names {what(k)} {name!r} and {what(first)} {names[first]!r}, which "
+                f"are one file to {to}; if you trust this dataset, open it with "
+                "allow_external_paths=True"
+            )
 
 
 def _check_external(name: object) -> None:

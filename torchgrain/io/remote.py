@@ -15,10 +15,14 @@ one place where torchgrain talks to fsspec about remote files, so that:
   transient failure: the operation retries it and ends in
   :class:`~torchgrain.RemoteIOError` naming the URL. Requests made outside an operation
   are retried on their own (:func:`call`).
-* **every body has the length asked for.** A range that comes back longer (a server that
-  ignores ``Range`` and sends the whole file) or shorter than asked, while the file is long
-  enough, is a transient failure, never bytes from the wrong offset; a file really shorter
-  than the range is :class:`~torchgrain.CorruptDataError`.
+* **every body has the length asked for, and is never buffered past it.** A range that
+  comes back longer (a server that ignores ``Range`` and sends the whole file, or an endless
+  body) or shorter than asked, while the file is long enough, is a transient failure, never
+  bytes from the wrong offset; a file really shorter than the range is
+  :class:`~torchgrain.CorruptDataError`. On HTTP(S) and S3 a body is read in pieces and
+  given up as soon as it holds more than was asked for (a response to a request without a
+  range, such as a directory listing page, more than :data:`MAX_PAGE_BYTES`); a download
+  stops at its expected size, and fails when it falls behind ``min_rate``.
 * **redirects stay put.** On HTTP(S), a redirect is followed only from a directory's URL to
   the same URL with a trailing slash; any other is refused
   (:class:`~torchgrain.UnsafePathError`) before a request is made to where it points,
@@ -41,14 +45,20 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import functools
 import io
-from collections.abc import Callable, Iterator, Sequence
+import numbers
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.callbacks import Callback
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.errors import CorruptDataError, UnsafePathError
@@ -57,9 +67,11 @@ from torchgrain.io.retry import (
     RequestTimeout,
     RetryPolicy,
     current_policy,
+    http_status,
     in_operation,
     is_transient,
     remaining_seconds,
+    request_done,
     retry_call,
 )
 
@@ -71,6 +83,7 @@ __all__ = [
     "cat_file",
     "cat_ranges",
     "exists",
+    "file_size",
     "get_file",
     "isdir",
     "isfile",
@@ -83,6 +96,11 @@ T = TypeVar("T")
 #: Read-ahead buffer of a remote file (fsspec's HTTP files read 5 MB blocks): a read
 #: that misses it fetches at least this much from where it starts.
 REMOTE_BUFFER = 4 << 20
+
+
+#: The most bytes read of an HTTP(S) response to a request without a byte range (a
+#: directory listing page): a listing of 100,000 files is a few MiB.
+MAX_PAGE_BYTES = 32 << 20
 
 
 class ResponseSizeError(ConnectionError):
@@ -108,9 +126,11 @@ def storage_options_with_deadlines(
 ) -> dict[str, Any]:
     """``storage_options`` with the policy's transport timeouts added where the user set
     none: for ``http``/``https`` an ``aiohttp.ClientTimeout`` (connect, between bytes; no
-    total, which the per-request deadline gives) and a client that refuses redirects;
-    for ``s3``/``s3a`` botocore's ``connect_timeout`` and ``read_timeout``. Other protocols
-    are returned unchanged (their requests still get the per-request deadline).
+    total, which the per-request deadline gives) and a client that reads bodies with a
+    byte cap (see the module docstring) and refuses redirects unless ``allow_redirects``
+    (a ``get_client`` of your own replaces both); for ``s3``/``s3a`` botocore's
+    ``connect_timeout`` and ``read_timeout``. Other protocols are returned unchanged
+    (their requests still get the per-request deadline).
 
     Example:
         >>> opts = storage_options_with_deadlines("s3", {"anon": True})
@@ -134,8 +154,7 @@ def storage_options_with_deadlines(
             ),
         )
         opts["client_kwargs"] = client
-        if not allow_redirects:
-            opts.setdefault("get_client", _client_refusing_redirects)
+        opts.setdefault("get_client", _client_following_redirects if allow_redirects else _client)
     elif protocol in ("s3", "s3a"):
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("connect_timeout", float(policy.connect_timeout))
@@ -144,15 +163,94 @@ def storage_options_with_deadlines(
     return opts
 
 
-async def _client_refusing_redirects(**kwargs: Any) -> Any:
-    """An ``aiohttp.ClientSession`` (what fsspec's HTTP filesystem uses) that refuses
-    redirects, except from a directory's URL to the same URL with a trailing slash."""
+async def _client(**kwargs: Any) -> Any:
+    """An ``aiohttp.ClientSession`` (what fsspec's HTTP filesystem uses) whose responses
+    are read with a byte cap, and that refuses redirects, except from a directory's URL to
+    the same URL with a trailing slash."""
     import aiohttp
 
     trace = aiohttp.TraceConfig()
     trace.on_request_redirect.append(_on_redirect)
     kwargs["trace_configs"] = [*(kwargs.get("trace_configs") or []), trace]
-    return aiohttp.ClientSession(**kwargs)
+    return await _client_following_redirects(**kwargs)
+
+
+async def _client_following_redirects(**kwargs: Any) -> Any:
+    """:func:`_client` for a server the user trusts: redirects are followed."""
+    import aiohttp
+
+    return aiohttp.ClientSession(response_class=_capped_response(), **kwargs)
+
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d+)")
+
+
+@functools.cache
+def _capped_response() -> type:
+    """The ``aiohttp.ClientResponse`` of :func:`_client` (made on first use: aiohttp is
+    only needed for HTTP(S))."""
+    import aiohttp
+
+    class CappedResponse(aiohttp.ClientResponse):
+        """A response whose body is read in pieces, and given up as soon as it holds more
+        than the request's ``Range`` asked for (without one, :data:`MAX_PAGE_BYTES`):
+        fsspec reads whole bodies before torchgrain can look at them."""
+
+        async def read(self) -> bytes:
+            if self._body is None:
+                asked = _RANGE.fullmatch(self.request_info.headers.get("Range", ""))
+                if asked and self.status < 300:  # an error's page is no answer to the range
+                    limit = int(asked[2]) - int(asked[1]) + 1
+                    why = (
+                        f"{self.url}: the response for bytes {asked[1]}-{asked[2]} holds "
+                        f"more than the {limit} bytes asked for: the server does not honour "
+                        "Range requests, or the response is corrupt"
+                    )
+                else:
+                    limit = MAX_PAGE_BYTES
+                    why = (
+                        f"{self.url}: the response holds more than {limit} bytes, the most "
+                        "torchgrain reads of a page (remote.MAX_PAGE_BYTES)"
+                    )
+                try:
+                    self._body = await _read_capped(
+                        self.content.read, limit, self.content_length, why=why
+                    )
+                except BaseException:
+                    self.close()  # the rest of the body is never read
+                    raise
+            return await super().read()
+
+    return CappedResponse
+
+
+async def _read_capped(
+    read: Callable[[int], Awaitable[bytes]], limit: int, declared: int | None, *, why: str
+) -> bytes:
+    """A body read with ``read(n)`` (up to ``n`` bytes, ``b""`` at its end), holding at
+    most ``limit`` bytes: one more is a :class:`ResponseSizeError` saying ``why``, raised
+    before the rest is read (before any, when the ``declared`` length is already over).
+
+    Example:
+        >>> import asyncio
+        >>> chunks = [b"abc", b"def", b""]
+        >>> async def read(n):
+        ...     return chunks.pop(0)[:n]
+        >>> asyncio.run(_read_capped(read, 4, None, why="too long"))
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.remote.ResponseSizeError: too long
+    """
+    if declared is not None and declared > limit:
+        raise ResponseSizeError(why)
+    parts: list[bytes] = []
+    got = 0
+    while part := await read(limit + 1 - got):
+        got += len(part)
+        if got > limit:
+            raise ResponseSizeError(why)
+        parts.append(part)
+    return b"".join(parts)
 
 
 async def _on_redirect(session: Any, context: Any, params: Any) -> None:
@@ -181,6 +279,58 @@ def _raise_refusal(exc: BaseException) -> None:
         cause = cause.__cause__ or cause.__context__
 
 
+def _coroutine(fs: AsyncFileSystem, method: str) -> Callable[..., Awaitable[Any]]:
+    """``fs._<method>``, or torchgrain's own where fsspec's would buffer a whole body
+    before anyone can check its length (s3fs's reads)."""
+    if method in _S3_READS and any(p in ("s3", "s3a") for p in _protocols(fs)):
+        return functools.partial(_S3_READS[method], fs)
+    return getattr(fs, "_" + method)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+
+
+async def _s3_cat_file(
+    fs: Any, path: str, start: int | None = None, end: int | None = None
+) -> bytes:
+    """One S3 GET (of bytes ``[start, end)``, or all), read with a byte cap."""
+    bucket, key, version = fs.split_path(path)
+    extra: dict[str, Any] = {"VersionId": version} if version else {}
+    if start is not None and end is not None:
+        extra["Range"] = f"bytes={start}-{end - 1}"
+        limit = end - start
+        why = (
+            f"{path}: the response for bytes {start}-{end - 1} holds more than the {limit} "
+            "bytes asked for: the server does not honour Range requests, or the response "
+            "is corrupt"
+        )
+    else:
+        limit = MAX_PAGE_BYTES
+        why = f"{path}: the object holds more than {limit} bytes (remote.MAX_PAGE_BYTES)"
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    body = resp["Body"]
+    try:
+        return await _read_capped(body.read, limit, resp.get("ContentLength"), why=why)
+    finally:
+        body.close()
+
+
+async def _s3_cat_ranges(
+    fs: Any, paths: list[str], starts: list[int], ends: list[int]
+) -> list[bytes | BaseException]:
+    """:func:`_s3_cat_file` for each range, concurrently; failures are returned in place
+    (as fsspec's ``cat_ranges`` does)."""
+    reads = [_s3_cat_file(fs, p, s, e) for p, s, e in zip(paths, starts, ends)]
+    return await asyncio.gather(*reads, return_exceptions=True)
+
+
+_S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "cat_file": _s3_cat_file,
+    "cat_ranges": _s3_cat_ranges,
+}
+
+
 def _deadline_call(
     fs: AsyncFileSystem,
     method: str,
@@ -198,7 +348,9 @@ def _deadline_call(
             f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
         )
     try:
-        return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=seconds, **kwargs)
+        out = sync(fs.loop, _coroutine(fs, method), *args, timeout=seconds, **kwargs)
+        request_done(nbytes)  # progress: the operation may take that much longer
+        return out
     except FileNotFoundError as e:
         _raise_refusal(e)
         raise
@@ -313,6 +465,29 @@ def isdir(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -
     return info is not None and info.get("type") == "directory"
 
 
+def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> int:
+    """The size of ``path`` in bytes (a request with a deadline, see :func:`call`).
+
+    Raises:
+        CorruptDataError: the server reports no size (an HTTP server that answers without
+            a ``Content-Length``), or not a size: reading byte ranges needs one.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/s", b"abc")
+        >>> file_size(fs, "/c/s")
+        3
+    """
+    label = url or path
+    got = call(fs, "size", path, url=label, what="size lookup")
+    if isinstance(got, bool) or not isinstance(got, numbers.Integral) or got < 0:
+        raise CorruptDataError(
+            f"{label}: the server reports no size ({got!r}); reading byte ranges needs one"
+        )
+    return int(got)
+
+
 def _check_length(
     fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, got: int, label: str
 ) -> None:
@@ -365,10 +540,10 @@ def cat_file(
     if start is None and end is None:
         if limit is None:
             return call(fs, "cat_file", path, url=label, what=what)
-        size = int(call(fs, "size", path, url=label, what="size lookup"))
-        if size > limit:
-            raise CorruptDataError(f"{label} is {size} bytes, more than the {limit} allowed")
-        start, end = 0, size
+        total = file_size(fs, path, url=label)
+        if total > limit:
+            raise CorruptDataError(f"{label} is {total} bytes, more than the {limit} allowed")
+        start, end = 0, total
     assert start is not None and end is not None
     if start >= end:
         return b""
@@ -409,7 +584,11 @@ def cat_ranges(
     def check(blobs: list[Any]) -> None:
         for s, e, blob in zip(starts, ends, blobs):
             if isinstance(blob, BaseException):
-                if is_transient(blob) or isinstance(blob, (FileNotFoundError, PermissionError)):
+                if (
+                    is_transient(blob)
+                    or http_status(blob) is not None
+                    or isinstance(blob, (FileNotFoundError, PermissionError))
+                ):
                     raise blob  # retried, or named by the operation (not found, denied)
                 raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
             _check_length(fs, path, s, e, len(blob), label)
@@ -433,6 +612,12 @@ def get_file(
     """Download ``rpath`` to the local file ``lpath`` (``nbytes`` long: its deadline grows
     with it). The caller checks the size and content of what arrived.
 
+    A download is stopped (a transient failure, retried) as soon as it brings more than
+    ``nbytes`` (a server sending an endless body would fill the disk), or falls behind
+    ``min_rate`` after its first ``request_timeout`` seconds (a server trickling a few
+    bytes now and then never trips the transport's read timeout, and a shard's deadline is
+    long).
+
     Example:
         >>> import fsspec, os, tempfile
         >>> fs = fsspec.filesystem("memory")
@@ -442,7 +627,37 @@ def get_file(
         >>> open(local, "rb").read()
         b'xyz'
     """
-    call(fs, "get_file", rpath, lpath, url=url or rpath, what="download", nbytes=nbytes)
+    label = url or rpath
+    seconds, _, policy = remaining_seconds(0)
+    guard = _DownloadGuard(nbytes, label, grace=min(policy.request_timeout, seconds), policy=policy)
+    call(fs, "get_file", rpath, lpath, url=label, what="download", nbytes=nbytes, callback=guard)
+
+
+class _DownloadGuard(Callback):
+    """fsspec's progress callback, used to stop a download that brings too much or too
+    slowly (it is called with every piece written)."""
+
+    def __init__(self, nbytes: int, url: str, *, grace: float, policy: RetryPolicy) -> None:
+        super().__init__()
+        self.limit, self.url, self.grace, self.policy = nbytes, url, grace, policy
+        self.start = time.monotonic()
+
+    def set_size(self, size: int | None) -> None:
+        super().set_size(size)
+        self.value, self.start = 0, time.monotonic()  # a transfer (re)starts
+
+    def relative_update(self, inc: int = 1) -> None:
+        self.value += inc
+        if self.value > self.limit:
+            raise ResponseSizeError(
+                f"{self.url}: the download brought more than the {self.limit} bytes expected"
+            )
+        spent = time.monotonic() - self.start
+        if spent > self.grace + self.value / self.policy.min_rate:
+            raise RequestTimeout(
+                f"download of {self.url} fell behind {self.policy.min_rate:g} bytes/s "
+                f"(RetryPolicy.min_rate): {self.value} bytes in {spent:.1f} s"
+            )
 
 
 # ----------------------------------------------------------------------- file objects
@@ -477,9 +692,7 @@ class RemoteFile(io.RawIOBase):
         self._fs = fs
         self._path = path
         self.name = url or path
-        if size is None:
-            size = int(call(fs, "size", path, url=self.name, what="size lookup"))
-        self._size = int(size)
+        self._size = int(file_size(fs, path, url=self.name) if size is None else size)
         self._pos = 0
         self._context: contextvars.Context | None = None
 

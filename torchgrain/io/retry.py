@@ -26,8 +26,11 @@ Deadlines. Every remote request has a finite time (see :class:`RetryPolicy`): th
 gives up on a connection that does not open within ``connect_timeout`` or a response that
 sends nothing for ``read_timeout``; torchgrain cancels a request that has not completed
 within ``request_timeout`` (plus the time its bytes take at ``min_rate``); and one
-operation, all its attempts and waits included, ends within ``deadline`` seconds (plus the
-same allowance for its bytes). A timed-out request is a transient failure, retried like
+operation, all its attempts and waits included, ends within ``deadline`` seconds, plus the
+time at ``min_rate`` of the bytes its requests *brought*. A request in flight may use the
+time of its own bytes too, but a failed one earns nothing: retrying a stalled request does
+not push the deadline back, so no attempt starts after ``deadline`` seconds without
+progress. A timed-out request is a transient failure, retried like
 any other, and the operation ends in :class:`~torchgrain.RemoteIOError` naming the URL.
 The policy of the operation in progress is kept in a context variable, so the requests it
 makes deep inside a reader (footer reads, range reads) keep to its deadline without the
@@ -56,6 +59,7 @@ __all__ = [
     "in_operation",
     "is_transient",
     "remaining_seconds",
+    "request_done",
     "retry_call",
     "using",
 ]
@@ -128,10 +132,12 @@ class RetryPolicy:
     same throttled bucket do not retry in lock-step.
 
     Deadlines (seconds; all finite). With the defaults, a read from a server that stops
-    sending ends in :class:`~torchgrain.RemoteIOError` within ``deadline`` = 90 s, retries
-    included; a request for ``n`` bytes may take ``request_timeout + n / min_rate`` and an
-    operation ``deadline + n / min_rate``, so that a large download on a slow link is not
-    cut off while it makes progress.
+    sending ends in :class:`~torchgrain.RemoteIOError` within about ``deadline`` = 90 s,
+    retries included: no attempt starts after it, and the one in flight then ends within
+    ``read_timeout`` (at most 110 s in all, whatever the size of the read). A request for
+    ``n`` bytes may take ``request_timeout + n / min_rate``, and an operation gets
+    ``n / min_rate`` more for every ``n`` bytes its requests brought, so that a large
+    download on a slow link is not cut off while it makes progress.
 
     Args:
         attempts: total tries, the first included (1 disables retries).
@@ -204,7 +210,9 @@ class _Operation:
     def __init__(self, policy: RetryPolicy) -> None:
         self.policy = policy
         self.start = time.monotonic()
-        self.allowance = 0.0  # seconds granted for the bytes its requests asked for
+        # Seconds earned by the bytes its completed requests brought (never by a request
+        # that failed: else every retry of a stalled read would push the deadline back).
+        self.allowance = 0.0
 
     def remaining(self) -> float:
         return self.start + self.policy.deadline + self.allowance - time.monotonic()
@@ -265,8 +273,9 @@ def in_operation() -> bool:
 
 def remaining_seconds(nbytes: int = 0) -> tuple[float, float, RetryPolicy]:
     """``(seconds, request seconds, policy)`` for a request of ``nbytes`` made now: the
-    request's own limit, cut to what the operation in progress has left (its allowance
-    grows by ``nbytes / min_rate``). ``seconds`` may be <= 0: the operation is out of time.
+    request's own limit, cut to what the operation in progress has left plus the time of
+    the request's own bytes at ``min_rate``. ``seconds`` may be <= 0: the operation is out
+    of time. Call :func:`request_done` when the request has brought its bytes.
 
     Example:
         >>> remaining_seconds(0)[:2]
@@ -277,8 +286,22 @@ def remaining_seconds(nbytes: int = 0) -> tuple[float, float, RetryPolicy]:
     own = policy.request_seconds(nbytes)
     if op is None:
         return own, own, policy
-    op.allowance += max(nbytes, 0) / policy.min_rate
-    return min(own, op.remaining()), own, policy
+    left = op.remaining()
+    if left <= 0:
+        return left, own, policy
+    return min(own, left + max(nbytes, 0) / policy.min_rate), own, policy
+
+
+def request_done(nbytes: int) -> None:
+    """Credit the operation in progress with the time of ``nbytes`` brought by a request
+    (at ``min_rate``): progress extends its deadline, failures do not.
+
+    Example:
+        >>> request_done(1 << 20)  # outside an operation: nothing to credit
+    """
+    op = _OPERATION.get()
+    if op is not None:
+        op.allowance += max(nbytes, 0) / op.policy.min_rate
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:

@@ -377,17 +377,14 @@ class ShardCache:
             else:
                 rpath = fs._strip_protocol(url)
             if size is None or size < 0:
-                size = int(
-                    retry_call(
-                        remote.call,
-                        fs,
-                        "size",
-                        rpath,
-                        url=url,
-                        policy=self.retry,
-                        what="size lookup",
-                        on_retry=self._on_retry,
-                    )
+                size = retry_call(
+                    remote.file_size,
+                    fs,
+                    rpath,
+                    url=url,
+                    policy=self.retry,
+                    what="size lookup",
+                    on_retry=self._on_retry,
                 )
             if size > self.max_bytes:
                 raise ValueError(

@@ -23,7 +23,7 @@ from torchgrain.formats.arrayrecord_file import (
 )
 from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
-from torchgrain.formats.manifest import Manifest, read_manifest
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io import remote
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
@@ -171,9 +171,15 @@ class ArrayRecordSource(EncodedSource):
         if manifest is None and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(files, fs) or codec
-        if codec == "auto":
-            codec = manifest.codec if manifest is not None else self._sniff()
-        self.codec: Codec = get_codec(codec)
+        if codec == "auto" and manifest is not None:
+            try:
+                self.codec: Codec = get_codec(manifest.codec)
+            except ValueError as e:  # the dataset's word, not the caller's
+                raise CorruptDataError(
+                    f"the manifest ({MANIFEST_NAME}) of {os.fspath(paths)!r}: {e}"
+                ) from None
+        else:
+            self.codec = get_codec(self._sniff() if codec == "auto" else codec)
         self._schema: dict[str, str] | None = (
             dict(manifest.schema) if manifest is not None and manifest.schema else None
         )
@@ -394,7 +400,7 @@ def _resolve(
                 files = _shard_paths(
                     fs, root, [s.path for s in manifest.shards], where, allow_external_paths
                 )
-                ends = sorted({0, len(files) - 1})
+                ends = sorted({0, len(files) - 1}) if files else []
                 missing = [k for k in ends if not remote.exists(fs, files[k])]
                 if missing:
                     raise DatasetNotFoundError(

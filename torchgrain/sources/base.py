@@ -440,10 +440,8 @@ class ShardedSource(Source):
                 self._sizes.update(self._listed_sizes())
                 size = self._sizes.get(shard)
             if size is None:
-                size = int(
-                    self._io(
-                        lambda: remote.call(self._fs, "size", self._paths[shard]), shard, "size"
-                    )
+                size = self._io(
+                    lambda: remote.file_size(self._fs, self._paths[shard]), shard, "size"
                 )
             self._sizes[shard] = size
         return size
