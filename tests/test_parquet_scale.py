@@ -4,6 +4,7 @@ warning when a sampler's pass cannot fit the caches."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import multiprocessing
 import os
@@ -131,6 +132,27 @@ def test_records_from_the_compact_cache_equal_the_old_conversion_for_every_type(
     if path == "mapped":
         assert src.decoded_cache is not None and src.io_stats["decoded_builds"] == 2
         assert not src._convert_rows  # data bigger than the cache is never converted
+
+
+def test_torchgrain_never_compiles_or_executes_code_at_run_time():
+    # "Never execute code found in data": no code is generated either, so that nothing
+    # from a dataset (a column name, a value) could ever reach the compiler.
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "torchgrain")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in ("exec", "eval", "compile")
+                ):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.func.id}")
+    assert found == []
 
 
 _SCALARS = {
