@@ -442,6 +442,55 @@ def test_a_changed_parquet_file_is_never_served_from_a_stale_entry(tmp_path):
         src[12]
 
 
+def _write_permuted(path, ids):
+    # Uncompressed, plain-encoded: the same ids in another order within each row group
+    # give a file of the same size and the same footer (sizes, offsets, min/max).
+    t = pa.table({"id": pa.array(ids, pa.int64())})
+    pq.write_table(t, path, row_group_size=4, compression="none", use_dictionary=False)
+
+
+def test_a_file_replaced_with_the_same_size_time_and_footer_is_never_served_stale(tmp_path):
+    d = tmp_path / "same"
+    d.mkdir()
+    path = str(d / "a.parquet")
+    _write_permuted(path, list(range(8)))
+    before = os.stat(path)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(str(d), decoded_cache=cache_dir)
+    assert [r["id"] for r in src.__getitems__(range(8))] == list(range(8))
+    footer = pq.read_metadata(path).to_dict()
+    _write_permuted(path + ".new", [3, 2, 1, 0, 7, 6, 5, 4])
+    os.replace(path + ".new", path)  # what a copy that keeps times (cp -p, rsync -t) does
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert pq.read_metadata(path).to_dict() == footer
+    fresh = tg.ParquetSource(str(d), decoded_cache=cache_dir)
+    assert [r["id"] for r in fresh.__getitems__(range(8))] == [3, 2, 1, 0, 7, 6, 5, 4]
+    assert fresh.decoded_cache.stats["hits"] == 0
+
+
+def test_a_remote_file_without_a_version_is_never_served_stale(tmp_path):
+    # The test server sends no ETag and no Last-Modified: nothing tells two versions of
+    # a file of one size and footer apart, so entries are never reused across openings.
+    from tests.servers import RangeHTTPServer
+
+    root = tmp_path / "www"
+    root.mkdir()
+    path = str(root / "a.parquet")
+    _write_permuted(path, list(range(8)))
+    cache_dir = str(tmp_path / "decoded")
+    with RangeHTTPServer(str(root)) as srv:
+        url = srv.url + "/a.parquet"
+        src = tg.ParquetSource(url, decoded_cache=cache_dir)
+        assert [r["id"] for r in src.__getitems__(range(8))] == list(range(8))
+        again = [r["id"] for r in src.__getitems__(range(8))]  # one opening: shared
+        assert again == list(range(8)) and src.decoded_cache.stats["builds"] == 2
+        _write_permuted(path, [3, 2, 1, 0, 7, 6, 5, 4])
+        fresh = tg.ParquetSource(url, decoded_cache=cache_dir)
+        assert [r["id"] for r in fresh.__getitems__(range(8))] == [3, 2, 1, 0, 7, 6, 5, 4]
+
+
 def test_the_decoded_cache_keeps_its_byte_budget(tmp_path):
     d = make_ids(tmp_path, files=2, rows=64, rg=8)
     probe = str(tmp_path / "probe")

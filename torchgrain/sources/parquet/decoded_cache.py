@@ -9,9 +9,11 @@ mapped pages live in the page cache, shared by all processes, and cost no privat
 Layout and safety rules (every process of a machine may share one directory):
 
 * An entry is ``DIR/<k[:2]>/<k>.arrow``, where ``k`` hashes what the entry was decoded
-  from (file path, size, modification time and footer, row group, columns and their
-  types): a changed Parquet file has new keys, so a stale entry is never served (it
-  ages out of the LRU order).
+  from (file path, size, modification time, inode and change time, or a remote
+  store's version, and footer; row group, columns and their types): a changed Parquet
+  file has new keys, so a stale entry is never served (it ages out of the LRU order).
+  A remote file whose store reports no version (no ETag, generation or modification
+  time) has keys of its own for each opening of the dataset.
 * An entry is an Arrow IPC file followed by a trailer (magic, format version, CRC-32 of
   the IPC bytes, their length, the key). Cache files are untrusted input: a process
   checks the trailer, the CRC, the key, the schema and row count and validates the

@@ -23,6 +23,7 @@ import hashlib
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -744,12 +745,13 @@ class ParquetSource(ShardedSource):
         return entry
 
     def _check_unchanged(self, shard: int, index: int) -> None:
-        """Raise if a local file's size or modification time changed since opening."""
+        """Raise if a local file was written or replaced since opening (its size,
+        modification time or inode changed; its change time is left out: a ``chmod``
+        or ``touch -a`` changes that, not the data)."""
         if self._remote:
             return
         path = self.paths[shard]
-        st = os.stat(path)
-        if (st.st_size, st.st_mtime_ns) != tuple(self._identities[shard][1:3]):
+        if _local_version(os.stat(path))[:3] != self._identities[shard][1][:3]:
             raise CorruptDataError(
                 f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
                 f"opened (record index {index}): open it again"
@@ -814,18 +816,22 @@ def _read_footers(
     """From the footers of every file (read in parallel): row-group sizes, the Arrow
     schema, each row group's uncompressed size (of ``columns``: an estimate of its
     decoded size) and what identifies the file's content (path, size, modification
-    time or version, and a digest of the footer)."""
+    time and inode, or the store's version, and a digest of the footer)."""
     local = is_local(fs)
+    opening = uuid.uuid4().hex
 
     def metadata(shard: int) -> tuple[pq.FileMetaData, tuple[Any, ...]]:
         path = files[shard]
         try:
             if local:
                 st = os.stat(path)
-                return pq.read_metadata(path), (st.st_size, st.st_mtime_ns)
+                return pq.read_metadata(path), _local_version(st)
             with remote.open_input(fs, path) as f:
                 md = pq.read_metadata(f)
-            return md, _remote_version(fs, path)
+            size, version = _remote_version(fs, path)
+            # Nothing tells two versions of this file apart: its entries are this
+            # opening's own (shared by its workers, never by a later opening).
+            return md, (size, version if version is not None else ("unversioned", opening))
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -854,7 +860,7 @@ def _read_footers(
         else:
             leaves = _selected_leaves(schema, set(columns))
             nbytes = [sum(g.column(j).total_uncompressed_size for j in leaves) for g in groups]
-        identity = (files[shard], *version, _footer_digest(md))
+        identity = (files[shard], version, _footer_digest(md))
         return counts, schema, np.array(nbytes, dtype=np.int64), identity
 
     results = map_files(one, len(files))
@@ -898,6 +904,14 @@ def _footer_digest(md: pq.FileMetaData) -> str:
     except Exception:  # pragma: no cover - a pyarrow without it: size and time only
         return ""
     return hashlib.sha256(memoryview(footer)).hexdigest()
+
+
+def _local_version(st: os.stat_result) -> tuple[int, ...]:
+    """What tells versions of a local file apart: its size and modification time, and
+    its inode and change time. The last two catch a file replaced under the same name,
+    size and modification time (``cp -p``, ``rsync -t``): the kernel sets the change
+    time on every write, rename or ``utime``, and no one can set it back."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]:
