@@ -491,6 +491,22 @@ def test_a_remote_file_without_a_version_is_never_served_stale(tmp_path):
         assert [r["id"] for r in fresh.__getitems__(range(8))] == [3, 2, 1, 0, 7, 6, 5, 4]
 
 
+def test_a_process_keeps_a_bounded_number_of_maps_whatever_its_cache_bytes(
+    tmp_path, monkeypatch
+):
+    # Each mapped row group is a memory map; a process may hold at most
+    # vm.max_map_count (65,530) of them before every later mmap, malloc's included,
+    # fails. A large cache_bytes must not raise the number of maps it keeps.
+    monkeypatch.setattr(parquet_source, "_MAX_MAPS", 8, raising=False)
+    d = make_ids(tmp_path, files=2, rows=64, rg=2)
+    src = tg.ParquetSource(d, decoded_cache=str(tmp_path / "decoded"), cache_bytes=1 << 30)
+    order = np.random.default_rng(0).permutation(len(src))
+    for k in range(0, len(order), 16):
+        check_ids(src.__getitems__(order[k : k + 16]), order[k : k + 16].tolist())
+        assert src.cache_info().entries <= 8
+    assert src.io_stats["decoded_hits"] + src.io_stats["decoded_builds"] > 64
+
+
 def test_the_decoded_cache_keeps_its_byte_budget(tmp_path):
     d = make_ids(tmp_path, files=2, rows=64, rg=8)
     probe = str(tmp_path / "probe")

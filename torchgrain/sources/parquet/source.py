@@ -75,9 +75,11 @@ __all__ = ["ParquetSource"]
 
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
 # What a row group mapped from the decoded disk cache is charged in the in-memory cache:
-# its bookkeeping, and a share of the maps a process keeps (the default budget keeps at
-# most 4,096 open).
+# its bookkeeping, and a share of the maps a process keeps: at most _MAX_MAPS per
+# source, whatever cache_bytes (a process can hold vm.max_map_count maps, 65,530 by
+# default, and past that every mmap fails, malloc's for large blocks included).
 _MAPPED_BYTES = 64 << 10
+_MAX_MAPS = 4096
 # decoded_cache="auto" turns the disk cache on when the selected columns' decoded size
 # (estimated from the footers) exceeds both cache_bytes and this.
 _AUTO_MIN_BYTES = 256 << 20
@@ -740,7 +742,8 @@ class ParquetSource(ShardedSource):
         )
         if path is None:  # not stored (too large, disk full): decoded here
             return RowGroup(table)
-        entry = RowGroup(table, mapped_bytes=_MAPPED_BYTES, path=path)
+        charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
+        entry = RowGroup(table, mapped_bytes=charge, path=path)
         entry.touched = time.monotonic()
         return entry
 
