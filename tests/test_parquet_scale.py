@@ -8,6 +8,7 @@ import ast
 import datetime
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -491,9 +492,7 @@ def test_a_remote_file_without_a_version_is_never_served_stale(tmp_path):
         assert [r["id"] for r in fresh.__getitems__(range(8))] == [3, 2, 1, 0, 7, 6, 5, 4]
 
 
-def test_a_process_keeps_a_bounded_number_of_maps_whatever_its_cache_bytes(
-    tmp_path, monkeypatch
-):
+def test_a_process_keeps_a_bounded_number_of_maps_whatever_its_cache_bytes(tmp_path, monkeypatch):
     # Each mapped row group is a memory map; a process may hold at most
     # vm.max_map_count (65,530) of them before every later mmap, malloc's included,
     # fails. A large cache_bytes must not raise the number of maps it keeps.
@@ -505,6 +504,95 @@ def test_a_process_keeps_a_bounded_number_of_maps_whatever_its_cache_bytes(
         check_ids(src.__getitems__(order[k : k + 16]), order[k : k + 16].tolist())
         assert src.cache_info().entries <= 8
     assert src.io_stats["decoded_hits"] + src.io_stats["decoded_builds"] > 64
+
+
+def test_a_cache_directory_deleted_while_reading_is_made_again(tmp_path):
+    # (rm -rf ~/.cache/torchgrain to free space while a job runs)
+    d = make_ids(tmp_path, files=2, rows=64, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(d, decoded_cache=cache_dir)
+    check_ids(src.__getitems__(range(40)), list(range(40)))
+    shutil.rmtree(cache_dir)
+    check_ids(src.__getitems__(range(40, 128)), list(range(40, 128)))
+    assert len(entries(cache_dir)) == 11  # stored again, where they were
+    assert src.decoded_cache._read_usage() == src.decoded_cache.total_bytes()
+
+
+_UNWRITABLE = """
+import resource, signal, sys, warnings
+import numpy as np
+import torchgrain as tg
+if sys.argv[3] == "fsize":  # a filesystem that refuses large files (EFBIG)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    src = tg.ParquetSource(sys.argv[1], decoded_cache=sys.argv[2])
+    ids = [r["id"] for r in src.__getitems__(np.arange(len(src))[::-1])]
+    ids += [r["id"] for r in src.__getitems__(np.arange(len(src)))]
+assert ids == list(range(len(src)))[::-1] + list(range(len(src))), ids
+stats = src.decoded_cache.stats
+print(stats["hits"], stats["builds"], stats["not_stored"])
+print(sum("decoded Parquet cache" in str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.parametrize("refusal", ["fsize", "read-only"])
+def test_a_cache_directory_that_refuses_writes_still_reads_right(tmp_path, refusal):
+    d = make_ids(tmp_path, files=1, rows=32, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    prefix = []
+    if refusal == "read-only":
+        # Another user's cache: two entries stored, then nothing writable.
+        tg.ParquetSource(d, decoded_cache=cache_dir).__getitems__([0, 8])
+        for dirpath, dirs, files in os.walk(cache_dir):
+            for name in dirs + files:
+                os.chmod(os.path.join(dirpath, name), 0o555 if name in dirs else 0o444)
+        os.chmod(cache_dir, 0o555)
+        if os.geteuid() == 0:  # root writes anywhere: run it without that privilege
+            if shutil.which("setpriv") is None:
+                pytest.skip("running as root without setpriv")
+            prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        out = subprocess.run(
+            [*prefix, sys.executable, "-c", _UNWRITABLE, d, cache_dir, refusal],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        for dirpath, _, _ in os.walk(cache_dir):
+            os.chmod(dirpath, 0o755)
+    assert out.returncode == 0, out.stderr
+    counts, warned = out.stdout.split("\n")[:2]
+    hits, builds, not_stored = map(int, counts.split())
+    assert builds == 0 and not_stored >= 1
+    if refusal == "read-only":
+        assert hits >= 2  # what is there is still used
+    assert warned == "1"  # said once, not at every row group
+
+
+def test_the_decoded_cache_never_fills_the_disk(tmp_path):
+    # It stores an entry only while the filesystem keeps min_free_bytes free, and deletes
+    # its own least recently used entries first to make room.
+    d = make_ids(tmp_path, files=2, rows=64, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    roomy = DecodedCache(cache_dir, max_bytes=1 << 30, min_free_bytes=0)
+    check_ids(tg.ParquetSource(d, decoded_cache=roomy).__getitems__(range(64)), list(range(64)))
+    assert len(entries(cache_dir)) == 8
+    free = shutil.disk_usage(cache_dir).free
+    full = DecodedCache(cache_dir, max_bytes=1 << 30, min_free_bytes=free + (1 << 30))
+    with pytest.warns(UserWarning, match="decoded Parquet cache"):
+        src = tg.ParquetSource(d, decoded_cache=full)
+        check_ids(src.__getitems__(range(128)), list(range(128)))
+    assert full.stats["builds"] == 0 and full.stats["bytes_written"] == 0
+    assert full.stats["not_stored"] >= 8 and full.stats["evictions"] == 8
+    assert entries(cache_dir) == [] and os.listdir(os.path.join(cache_dir, ".tmp")) == []
+    # The default keeps a tenth of the filesystem free.
+    total = shutil.disk_usage(cache_dir).total
+    assert DecodedCache(cache_dir, max_bytes=1 << 30).min_free_bytes == total // 10
 
 
 def test_the_decoded_cache_keeps_its_byte_budget(tmp_path):

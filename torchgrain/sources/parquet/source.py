@@ -110,7 +110,11 @@ class ParquetSource(ShardedSource):
             :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`) always,
             there; ``False`` never. :attr:`decoded_cache` is the cache in use, or None.
         decoded_cache_bytes: byte budget of that directory (default 64 GiB; least
-            recently used row groups are deleted to stay under it).
+            recently used row groups are deleted to stay under it). Whatever the budget,
+            it never fills its disk: it stores a row group only while a tenth of the
+            filesystem stays free (a :class:`DecodedCache` of your own sets
+            ``min_free_bytes``), and a directory that refuses writes (full, read-only,
+            deleted) is a warning, never a failed read.
         filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
