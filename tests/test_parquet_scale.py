@@ -677,6 +677,49 @@ def test_auto_turns_the_decoded_cache_on_only_for_data_bigger_than_the_caches(
     assert tg.ParquetSource(d, decoded_cache=True).decoded_cache is not None
 
 
+def test_the_default_budget_takes_at_most_half_of_the_free_disk(tmp_path):
+    # 64 GiB on a laptop with 40 GB free would leave it nearly full: the default is half
+    # of the free space (plus what the cache already holds, which it may keep).
+    d = make_ids(tmp_path, files=1, rows=16, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(d, decoded_cache=cache_dir)
+    check_ids(src.__getitems__(range(16)), list(range(16)))
+    held = src.decoded_cache.total_bytes()
+    assert held > 0
+    again = tg.ParquetSource(d, decoded_cache=cache_dir).decoded_cache
+    free = shutil.disk_usage(cache_dir).free
+    expected = min(64 << 30, (free + held) // 2)
+    assert abs(again.max_bytes - expected) < (1 << 20)  # (the disk moves meanwhile)
+    chosen = tg.ParquetSource(d, decoded_cache=cache_dir, decoded_cache_bytes=12345)
+    assert chosen.decoded_cache.max_bytes == 12345
+
+
+_MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 253:1 / / rw,relatime - ext4 /dev/vda rw
+31 27 0:45 / /home rw,relatime - nfs4 server:/home rw,vers=4.2
+32 31 0:46 / /home/scratch rw,relatime - xfs /dev/nvme0n1 rw
+"""
+
+
+def test_auto_never_puts_the_decoded_cache_on_a_network_filesystem(tmp_path, monkeypatch):
+    # A home directory on NFS (clusters): its quota would fill, and flock is unsafe there.
+    from torchgrain.sources.parquet import decoded_cache as dc
+
+    assert dc.filesystem_type("/home/u/.cache/torchgrain", _MOUNTINFO) == "nfs4"
+    assert dc.filesystem_type("/home/scratch/x", _MOUNTINFO) == "xfs"
+    assert dc.filesystem_type("/homework", _MOUNTINFO) == "ext4"
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "home"))
+    monkeypatch.setattr(parquet_source, "_AUTO_MIN_BYTES", 1000)
+    d = make_ids(tmp_path, files=2, rows=64, rg=8)
+    assert tg.ParquetSource(d, cache_bytes=1000).decoded_cache is not None
+    monkeypatch.setattr(dc, "filesystem_type", lambda path, mountinfo=None: "nfs4")
+    with pytest.warns(UserWarning, match="network filesystem"):
+        src = tg.ParquetSource(d, cache_bytes=1000)
+    assert src.decoded_cache is None
+    assert tg.ParquetSource(d, decoded_cache=True).decoded_cache is not None  # asked for
+
+
 # --------------------------------------------------------------- thrash warnings
 def _fit_of(src, order):
     return src.check_cache_fit(lambda a, b: order[a:b], 0, len(order))

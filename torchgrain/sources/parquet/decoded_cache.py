@@ -66,9 +66,15 @@ import pyarrow.ipc as ipc
 
 from torchgrain.errors import CorruptDataError
 
-__all__ = ["DEFAULT_DECODED_CACHE_BYTES", "DecodedCache", "entry_key"]
+__all__ = [
+    "DEFAULT_DECODED_CACHE_BYTES",
+    "DecodedCache",
+    "entry_key",
+    "filesystem_type",
+    "on_network_filesystem",
+]
 
-#: Default byte budget of a decoded cache directory.
+#: Default byte budget of a decoded cache directory (at most: see DecodedCache).
 DEFAULT_DECODED_CACHE_BYTES = 64 << 30
 
 _MAGIC = b"TGROWGRP"
@@ -111,6 +117,8 @@ class DecodedCache:
             local disk, not a network filesystem: the locks are ``flock``.
         max_bytes: budget for the entries' files; least recently used entries are
             deleted to stay under it. An entry larger than the budget is not stored.
+            Default: 64 GiB, or half of what the disk has free plus what the cache
+            already holds there, whichever is less.
         min_free_bytes: free space the cache leaves on its filesystem: an entry is
             stored only while at least this much stays free (least recently used
             entries are deleted first to make room). Default: a tenth of the
@@ -145,11 +153,13 @@ class DecodedCache:
         self,
         directory: str | os.PathLike,
         *,
-        max_bytes: int,
+        max_bytes: int | None = None,
         min_free_bytes: int | None = None,
         lock_timeout: float = 600.0,
     ) -> None:
-        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0
+        ):
             raise ValueError(f"max_bytes must be an integer > 0, got {max_bytes!r}")
         if min_free_bytes is not None and (
             not isinstance(min_free_bytes, int)
@@ -158,11 +168,21 @@ class DecodedCache:
         ):
             raise ValueError(f"min_free_bytes must be an integer >= 0, got {min_free_bytes!r}")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.max_bytes = max_bytes
         self.lock_timeout = float(lock_timeout)
         self._make_dirs()
+        disk = shutil.disk_usage(self.directory)
+        if max_bytes is None:
+            # What the cache holds (its running total) it may keep: a later run reuses it.
+            try:
+                with open(os.path.join(self.directory, _USAGE), "rb") as f:
+                    data = f.read(8)
+                held = max(0, struct.unpack("<q", data)[0]) if len(data) == 8 else 0
+            except OSError:
+                held = 0
+            max_bytes = max(1, min(DEFAULT_DECODED_CACHE_BYTES, (disk.free + held) // 2))
+        self.max_bytes = max_bytes
         if min_free_bytes is None:
-            min_free_bytes = int(shutil.disk_usage(self.directory).total * _MIN_FREE_SHARE)
+            min_free_bytes = int(disk.total * _MIN_FREE_SHARE)
         self.min_free_bytes = min_free_bytes
         self._init_process()
 
@@ -595,6 +615,79 @@ class DecodedCache:
 
 
 _KEY = re.compile(r"[0-9a-f]{32}")
+
+# Filesystems whose storage is elsewhere: often under a per-user quota (a home directory
+# on a cluster), slow to write, and where flock may not exclude other machines.
+_NETWORK_FILESYSTEMS = frozenset(
+    [
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "afs",
+        "9p",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "orangefs",
+        "panfs",
+        "wekafs",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.rclone",
+        "fuse.glusterfs",
+        "fuse.juicefs",
+        "fuse.mount-s3",
+        "fuse.blobfuse",
+        "fuse.blobfuse2",
+        "fuse.cephfs",
+    ]
+)
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def filesystem_type(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` lies on, from ``mountinfo`` (Linux's
+    ``/proc/self/mountinfo`` by default), or None where it cannot be told.
+
+    Example:
+        >>> info = ("27 1 253:1 / / rw - ext4 /dev/vda rw\\n"
+        ...         "31 27 0:45 / /home rw - nfs4 srv:/home rw\\n")
+        >>> filesystem_type("/home/u/.cache", info), filesystem_type("/tmp", info)
+        ('nfs4', 'ext4')
+    """
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best, found = -1, None
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if not sep or len(fields) < 5 or not tail.split():
+            continue
+        mount = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best:  # the deepest mount holding the path
+            best, found = len(mount), tail.split()[0]
+    return found
+
+
+def on_network_filesystem(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies on a network or cluster filesystem (NFS, SMB, Lustre...).
+
+    Example:
+        >>> on_network_filesystem("/proc")
+        False
+    """
+    return filesystem_type(path) in _NETWORK_FILESYSTEMS
 
 
 class _ChecksummedFile:

@@ -49,9 +49,9 @@ from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
 from torchgrain.sources.parquet.decoded_cache import (
-    DEFAULT_DECODED_CACHE_BYTES,
     DecodedCache,
     entry_key,
+    on_network_filesystem,
 )
 from torchgrain.sources.parquet.paths import (
     check_partition_keys,
@@ -106,11 +106,13 @@ class ParquetSource(ShardedSource):
             "Data bigger than the cache" below): ``"auto"`` (default) turns it on, in
             :func:`~torchgrain.io.fs.default_cache_dir` ``/parquet-decoded``, when the
             selected columns' decoded size (estimated from the footers) exceeds both
-            ``cache_bytes`` and 256 MiB; ``True`` always, there; a directory path (or a
+            ``cache_bytes`` and 256 MiB, unless that directory is on a network
+            filesystem (NFS, SMB, Lustre...: a warning says so); ``True`` always, there; a directory path (or a
             :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`) always,
             there; ``False`` never. :attr:`decoded_cache` is the cache in use, or None.
-        decoded_cache_bytes: byte budget of that directory (default 64 GiB; least
-            recently used row groups are deleted to stay under it). Whatever the budget,
+        decoded_cache_bytes: byte budget of that directory (default: 64 GiB, or half of
+            the disk's free space plus what the cache already holds, whichever is less;
+            least recently used row groups are deleted to stay under it). Whatever it is,
             it never fills its disk: it stores a row group only while a tenth of the
             filesystem stays free (a :class:`DecodedCache` of your own sets
             ``min_free_bytes``), and a directory that refuses writes (full, read-only,
@@ -242,7 +244,7 @@ class ParquetSource(ShardedSource):
         columns: Sequence[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         decoded_cache: bool | str | os.PathLike | DecodedCache = "auto",
-        decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
+        decoded_cache_bytes: int | None = None,
         filesystem: fsspec.AbstractFileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         partitioning: str | None = "hive",
@@ -936,7 +938,7 @@ def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]
 
 def _decoded_cache(
     option: bool | str | os.PathLike | DecodedCache,
-    max_bytes: int,
+    max_bytes: int | None,
     data_bytes: int,
     cache_bytes: int,
 ) -> DecodedCache | None:
@@ -951,6 +953,15 @@ def _decoded_cache(
         ):
             return None
         directory: str | os.PathLike = os.path.join(default_cache_dir(), "parquet-decoded")
+        if option == "auto" and on_network_filesystem(directory):
+            warnings.warn(
+                f"torchgrain: the data exceed the row-group cache, but {directory!r} is on "
+                "a network filesystem (quotas, slow writes, unsafe locks): the decoded "
+                "Parquet cache stays off. Pass decoded_cache=DIR on a local disk (or set "
+                "TORCHGRAIN_CACHE) to turn it on.",
+                stacklevel=4,
+            )
+            return None
     else:
         directory = option
     try:
