@@ -741,6 +741,50 @@ def test_check_fit_replays_the_pass_through_an_lru_cache():
     assert check_fit("s", roomy, lambda a, b: shuffled[a:b], 0, 10_000).hit_rate == 1.0
 
 
+class _PassOnly(torch.utils.data.Dataset):
+    """A dataset of ``n`` indices whose blocks are ``offsets``: it records the sampler's
+    pass checks (what a source's read_ahead does), reading nothing."""
+
+    def __init__(self, n, offsets, cost, capacity):
+        self.n = n
+        self.blocks = CacheBlocks(
+            "c", "block", offsets, lambda b: np.full(len(b), cost), capacity, True, ()
+        )
+        self.fits = []
+
+    def __len__(self):
+        return self.n
+
+    def block_offsets(self):
+        return self.blocks.offsets
+
+    def read_ahead(self, order, start, count, position):
+        if order is not None:
+            self.fits.append(check_fit("s", self.blocks, order, start, count))
+
+
+@pytest.mark.parametrize("blocks", [10**5, 10**6])
+def test_a_global_shuffle_over_many_small_row_groups_is_found_to_thrash(blocks):
+    # 10^7 records, data 10x the cache. With a million row groups the start of the pass
+    # sees each about once: the check must judge the pass from the cache's steady state,
+    # not from how often its start happens to repeat a row group.
+    n = 10**7
+    offsets = np.linspace(0, n, blocks + 1).astype(np.int64)
+    data = _PassOnly(n, offsets, 1000, blocks * 1000 // 10)
+    iter(tg.GlobalShuffleSampler(data, num_replicas=1, rank=0, seed=0)).__next__()
+    (fit,) = data.fits
+    assert not fit.fits and 0.05 < fit.hit_rate < 0.2
+    assert 0.8 < fit.loads_per_record < 1.0  # ~9 in 10 records load their row group
+    assert fit.loads_per_block > 0.8 * n / blocks  # ~9 in 10 of its records load it
+    # What it replays is what the steady state needs, not the whole budget of indices.
+    assert fit.sampled <= 3 * (blocks // 10) + (1 << 16)
+    # A block shuffle of the same data fits (each row group loaded about once).
+    blockwise = _PassOnly(n, offsets, 1000, 16 * 1000)
+    iter(tg.BlockShuffleSampler(blockwise, window=4, num_replicas=1, rank=0, seed=0)).__next__()
+    (fit,) = blockwise.fits
+    assert fit.fits and fit.loads_per_block < 1.2 and fit.sampled <= 1 << 17
+
+
 def _thrashing_loader(tmp_path, workers):
     d = make_ids(tmp_path, files=2, rows=200, rg=20)
     src = tg.ParquetSource(d, cache_bytes=2000, decoded_cache=False)
