@@ -783,6 +783,11 @@ def test_a_global_shuffle_over_many_small_row_groups_is_found_to_thrash(blocks):
     iter(tg.BlockShuffleSampler(blockwise, window=4, num_replicas=1, rank=0, seed=0)).__next__()
     (fit,) = blockwise.fits
     assert fit.fits and fit.loads_per_block < 1.2 and fit.sampled <= 1 << 17
+    # One that a local order would take long to fill is not replayed to the end.
+    roomy = _PassOnly(n, offsets, 1000, 10**5 * 1000)
+    iter(tg.BlockShuffleSampler(roomy, window=4, num_replicas=1, rank=0, seed=0)).__next__()
+    (fit,) = roomy.fits
+    assert fit.fits and fit.hit_rate == 1.0 and fit.sampled <= 1 << 17
 
 
 def _thrashing_loader(tmp_path, workers):
