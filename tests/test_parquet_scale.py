@@ -4,9 +4,11 @@ warning when a sampler's pass cannot fit the caches."""
 
 from __future__ import annotations
 
+import ast
 import datetime
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,6 +133,27 @@ def test_records_from_the_compact_cache_equal_the_old_conversion_for_every_type(
     if path == "mapped":
         assert src.decoded_cache is not None and src.io_stats["decoded_builds"] == 2
         assert not src._convert_rows  # data bigger than the cache is never converted
+
+
+def test_torchgrain_never_compiles_or_executes_code_at_run_time():
+    # "Never execute code found in data": no code is generated either, so that nothing
+    # from a dataset (a column name, a value) could ever reach the compiler.
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "torchgrain")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in ("exec", "eval", "compile")
+                ):
+                    found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.func.id}")
+    assert found == []
 
 
 _SCALARS = {
@@ -420,6 +443,158 @@ def test_a_changed_parquet_file_is_never_served_from_a_stale_entry(tmp_path):
         src[12]
 
 
+def _write_permuted(path, ids):
+    # Uncompressed, plain-encoded: the same ids in another order within each row group
+    # give a file of the same size and the same footer (sizes, offsets, min/max).
+    t = pa.table({"id": pa.array(ids, pa.int64())})
+    pq.write_table(t, path, row_group_size=4, compression="none", use_dictionary=False)
+
+
+def test_a_file_replaced_with_the_same_size_time_and_footer_is_never_served_stale(tmp_path):
+    d = tmp_path / "same"
+    d.mkdir()
+    path = str(d / "a.parquet")
+    _write_permuted(path, list(range(8)))
+    before = os.stat(path)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(str(d), decoded_cache=cache_dir)
+    assert [r["id"] for r in src.__getitems__(range(8))] == list(range(8))
+    footer = pq.read_metadata(path).to_dict()
+    _write_permuted(path + ".new", [3, 2, 1, 0, 7, 6, 5, 4])
+    os.replace(path + ".new", path)  # what a copy that keeps times (cp -p, rsync -t) does
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert pq.read_metadata(path).to_dict() == footer
+    fresh = tg.ParquetSource(str(d), decoded_cache=cache_dir)
+    assert [r["id"] for r in fresh.__getitems__(range(8))] == [3, 2, 1, 0, 7, 6, 5, 4]
+    assert fresh.decoded_cache.stats["hits"] == 0
+
+
+def test_a_remote_file_without_a_version_is_never_served_stale(tmp_path):
+    # The test server sends no ETag and no Last-Modified: nothing tells two versions of
+    # a file of one size and footer apart, so entries are never reused across openings.
+    from tests.servers import RangeHTTPServer
+
+    root = tmp_path / "www"
+    root.mkdir()
+    path = str(root / "a.parquet")
+    _write_permuted(path, list(range(8)))
+    cache_dir = str(tmp_path / "decoded")
+    with RangeHTTPServer(str(root)) as srv:
+        url = srv.url + "/a.parquet"
+        src = tg.ParquetSource(url, decoded_cache=cache_dir)
+        assert [r["id"] for r in src.__getitems__(range(8))] == list(range(8))
+        again = [r["id"] for r in src.__getitems__(range(8))]  # one opening: shared
+        assert again == list(range(8)) and src.decoded_cache.stats["builds"] == 2
+        _write_permuted(path, [3, 2, 1, 0, 7, 6, 5, 4])
+        fresh = tg.ParquetSource(url, decoded_cache=cache_dir)
+        assert [r["id"] for r in fresh.__getitems__(range(8))] == [3, 2, 1, 0, 7, 6, 5, 4]
+
+
+def test_a_process_keeps_a_bounded_number_of_maps_whatever_its_cache_bytes(tmp_path, monkeypatch):
+    # Each mapped row group is a memory map; a process may hold at most
+    # vm.max_map_count (65,530) of them before every later mmap, malloc's included,
+    # fails. A large cache_bytes must not raise the number of maps it keeps.
+    monkeypatch.setattr(parquet_source, "_MAX_MAPS", 8, raising=False)
+    d = make_ids(tmp_path, files=2, rows=64, rg=2)
+    src = tg.ParquetSource(d, decoded_cache=str(tmp_path / "decoded"), cache_bytes=1 << 30)
+    order = np.random.default_rng(0).permutation(len(src))
+    for k in range(0, len(order), 16):
+        check_ids(src.__getitems__(order[k : k + 16]), order[k : k + 16].tolist())
+        assert src.cache_info().entries <= 8
+    assert src.io_stats["decoded_hits"] + src.io_stats["decoded_builds"] > 64
+
+
+def test_a_cache_directory_deleted_while_reading_is_made_again(tmp_path):
+    # (rm -rf ~/.cache/torchgrain to free space while a job runs)
+    d = make_ids(tmp_path, files=2, rows=64, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(d, decoded_cache=cache_dir)
+    check_ids(src.__getitems__(range(40)), list(range(40)))
+    shutil.rmtree(cache_dir)
+    check_ids(src.__getitems__(range(40, 128)), list(range(40, 128)))
+    assert len(entries(cache_dir)) == 11  # stored again, where they were
+    assert src.decoded_cache._read_usage() == src.decoded_cache.total_bytes()
+
+
+_UNWRITABLE = """
+import resource, signal, sys, warnings
+import numpy as np
+import torchgrain as tg
+if sys.argv[3] == "fsize":  # a filesystem that refuses large files (EFBIG)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    src = tg.ParquetSource(sys.argv[1], decoded_cache=sys.argv[2])
+    ids = [r["id"] for r in src.__getitems__(np.arange(len(src))[::-1])]
+    ids += [r["id"] for r in src.__getitems__(np.arange(len(src)))]
+assert ids == list(range(len(src)))[::-1] + list(range(len(src))), ids
+stats = src.decoded_cache.stats
+print(stats["hits"], stats["builds"], stats["not_stored"])
+print(sum("decoded Parquet cache" in str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.parametrize("refusal", ["fsize", "read-only"])
+def test_a_cache_directory_that_refuses_writes_still_reads_right(tmp_path, refusal):
+    d = make_ids(tmp_path, files=1, rows=32, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    prefix = []
+    if refusal == "read-only":
+        # Another user's cache: two entries stored, then nothing writable.
+        tg.ParquetSource(d, decoded_cache=cache_dir).__getitems__([0, 8])
+        for dirpath, dirs, files in os.walk(cache_dir):
+            for name in dirs + files:
+                os.chmod(os.path.join(dirpath, name), 0o555 if name in dirs else 0o444)
+        os.chmod(cache_dir, 0o555)
+        if os.geteuid() == 0:  # root writes anywhere: run it without that privilege
+            if shutil.which("setpriv") is None:
+                pytest.skip("running as root without setpriv")
+            prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        out = subprocess.run(
+            [*prefix, sys.executable, "-c", _UNWRITABLE, d, cache_dir, refusal],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        for dirpath, _, _ in os.walk(cache_dir):
+            os.chmod(dirpath, 0o755)
+    assert out.returncode == 0, out.stderr
+    counts, warned = out.stdout.split("\n")[:2]
+    hits, builds, not_stored = map(int, counts.split())
+    assert builds == 0 and not_stored >= 1
+    if refusal == "read-only":
+        assert hits >= 2  # what is there is still used
+    assert warned == "1"  # said once, not at every row group
+
+
+def test_the_decoded_cache_never_fills_the_disk(tmp_path):
+    # It stores an entry only while the filesystem keeps min_free_bytes free, and deletes
+    # its own least recently used entries first to make room.
+    d = make_ids(tmp_path, files=2, rows=64, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    roomy = DecodedCache(cache_dir, max_bytes=1 << 30, min_free_bytes=0)
+    check_ids(tg.ParquetSource(d, decoded_cache=roomy).__getitems__(range(64)), list(range(64)))
+    assert len(entries(cache_dir)) == 8
+    free = shutil.disk_usage(cache_dir).free
+    full = DecodedCache(cache_dir, max_bytes=1 << 30, min_free_bytes=free + (1 << 30))
+    with pytest.warns(UserWarning, match="decoded Parquet cache"):
+        src = tg.ParquetSource(d, decoded_cache=full)
+        check_ids(src.__getitems__(range(128)), list(range(128)))
+    assert full.stats["builds"] == 0 and full.stats["bytes_written"] == 0
+    assert full.stats["not_stored"] >= 8 and full.stats["evictions"] == 8
+    assert entries(cache_dir) == [] and os.listdir(os.path.join(cache_dir, ".tmp")) == []
+    # The default keeps a tenth of the filesystem free.
+    total = shutil.disk_usage(cache_dir).total
+    assert DecodedCache(cache_dir, max_bytes=1 << 30).min_free_bytes == total // 10
+
+
 def test_the_decoded_cache_keeps_its_byte_budget(tmp_path):
     d = make_ids(tmp_path, files=2, rows=64, rg=8)
     probe = str(tmp_path / "probe")
@@ -502,6 +677,49 @@ def test_auto_turns_the_decoded_cache_on_only_for_data_bigger_than_the_caches(
     assert tg.ParquetSource(d, decoded_cache=True).decoded_cache is not None
 
 
+def test_the_default_budget_takes_at_most_half_of_the_free_disk(tmp_path):
+    # 64 GiB on a laptop with 40 GB free would leave it nearly full: the default is half
+    # of the free space (plus what the cache already holds, which it may keep).
+    d = make_ids(tmp_path, files=1, rows=16, rg=8)
+    cache_dir = str(tmp_path / "decoded")
+    src = tg.ParquetSource(d, decoded_cache=cache_dir)
+    check_ids(src.__getitems__(range(16)), list(range(16)))
+    held = src.decoded_cache.total_bytes()
+    assert held > 0
+    again = tg.ParquetSource(d, decoded_cache=cache_dir).decoded_cache
+    free = shutil.disk_usage(cache_dir).free
+    expected = min(64 << 30, (free + held) // 2)
+    assert abs(again.max_bytes - expected) < (1 << 20)  # (the disk moves meanwhile)
+    chosen = tg.ParquetSource(d, decoded_cache=cache_dir, decoded_cache_bytes=12345)
+    assert chosen.decoded_cache.max_bytes == 12345
+
+
+_MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 253:1 / / rw,relatime - ext4 /dev/vda rw
+31 27 0:45 / /home rw,relatime - nfs4 server:/home rw,vers=4.2
+32 31 0:46 / /home/scratch rw,relatime - xfs /dev/nvme0n1 rw
+"""
+
+
+def test_auto_never_puts_the_decoded_cache_on_a_network_filesystem(tmp_path, monkeypatch):
+    # A home directory on NFS (clusters): its quota would fill, and flock is unsafe there.
+    from torchgrain.sources.parquet import decoded_cache as dc
+
+    assert dc.filesystem_type("/home/u/.cache/torchgrain", _MOUNTINFO) == "nfs4"
+    assert dc.filesystem_type("/home/scratch/x", _MOUNTINFO) == "xfs"
+    assert dc.filesystem_type("/homework", _MOUNTINFO) == "ext4"
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "home"))
+    monkeypatch.setattr(parquet_source, "_AUTO_MIN_BYTES", 1000)
+    d = make_ids(tmp_path, files=2, rows=64, rg=8)
+    assert tg.ParquetSource(d, cache_bytes=1000).decoded_cache is not None
+    monkeypatch.setattr(dc, "filesystem_type", lambda path, mountinfo=None: "nfs4")
+    with pytest.warns(UserWarning, match="network filesystem"):
+        src = tg.ParquetSource(d, cache_bytes=1000)
+    assert src.decoded_cache is None
+    assert tg.ParquetSource(d, decoded_cache=True).decoded_cache is not None  # asked for
+
+
 # --------------------------------------------------------------- thrash warnings
 def _fit_of(src, order):
     return src.check_cache_fit(lambda a, b: order[a:b], 0, len(order))
@@ -521,6 +739,55 @@ def test_check_fit_replays_the_pass_through_an_lru_cache():
     assert fit.fits and fit.loads_per_block == 1.0
     roomy = CacheBlocks("c", "block", offsets, lambda b: np.full(len(b), 1000), 10**6, True, ())
     assert check_fit("s", roomy, lambda a, b: shuffled[a:b], 0, 10_000).hit_rate == 1.0
+
+
+class _PassOnly(torch.utils.data.Dataset):
+    """A dataset of ``n`` indices whose blocks are ``offsets``: it records the sampler's
+    pass checks (what a source's read_ahead does), reading nothing."""
+
+    def __init__(self, n, offsets, cost, capacity):
+        self.n = n
+        self.blocks = CacheBlocks(
+            "c", "block", offsets, lambda b: np.full(len(b), cost), capacity, True, ()
+        )
+        self.fits = []
+
+    def __len__(self):
+        return self.n
+
+    def block_offsets(self):
+        return self.blocks.offsets
+
+    def read_ahead(self, order, start, count, position):
+        if order is not None:
+            self.fits.append(check_fit("s", self.blocks, order, start, count))
+
+
+@pytest.mark.parametrize("blocks", [10**5, 10**6])
+def test_a_global_shuffle_over_many_small_row_groups_is_found_to_thrash(blocks):
+    # 10^7 records, data 10x the cache. With a million row groups the start of the pass
+    # sees each about once: the check must judge the pass from the cache's steady state,
+    # not from how often its start happens to repeat a row group.
+    n = 10**7
+    offsets = np.linspace(0, n, blocks + 1).astype(np.int64)
+    data = _PassOnly(n, offsets, 1000, blocks * 1000 // 10)
+    iter(tg.GlobalShuffleSampler(data, num_replicas=1, rank=0, seed=0)).__next__()
+    (fit,) = data.fits
+    assert not fit.fits and 0.05 < fit.hit_rate < 0.2
+    assert 0.8 < fit.loads_per_record < 1.0  # ~9 in 10 records load their row group
+    assert fit.loads_per_block > 0.8 * n / blocks  # ~9 in 10 of its records load it
+    # What it replays is what the steady state needs, not the whole budget of indices.
+    assert fit.sampled <= 3 * (blocks // 10) + (1 << 16)
+    # A block shuffle of the same data fits (each row group loaded about once).
+    blockwise = _PassOnly(n, offsets, 1000, 16 * 1000)
+    iter(tg.BlockShuffleSampler(blockwise, window=4, num_replicas=1, rank=0, seed=0)).__next__()
+    (fit,) = blockwise.fits
+    assert fit.fits and fit.loads_per_block < 1.2 and fit.sampled <= 1 << 17
+    # One that a local order would take long to fill is not replayed to the end.
+    roomy = _PassOnly(n, offsets, 1000, 10**5 * 1000)
+    iter(tg.BlockShuffleSampler(roomy, window=4, num_replicas=1, rank=0, seed=0)).__next__()
+    (fit,) = roomy.fits
+    assert fit.fits and fit.hit_rate == 1.0 and fit.sampled <= 1 << 17
 
 
 def _thrashing_loader(tmp_path, workers):

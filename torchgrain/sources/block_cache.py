@@ -203,12 +203,17 @@ _MISSING = object()
 
 
 # ------------------------------------------------------------------ fitting a pass
-#: Indices of a pass's order replayed through the simulated cache: at least this many,
-#: more (up to ``_MAX_SAMPLE``) to see each block a few times when there are many.
-_MIN_SAMPLE = 1 << 16
+#: Indices of a pass's order generated and replayed at a time.
+_CHUNK = 1 << 14
+#: Block changes replayed once the simulated cache is full: its hit rate within ~1%.
+_STEADY = 1 << 13
+#: The most indices replayed (a cache that has not filled by then is taken to fit).
 _MAX_SAMPLE = 1 << 20
-#: A pass thrashes when the simulated cache loads its blocks more than this many times
-#: each, on average, over the replayed part (1 is ideal: each block loaded once).
+#: An order whose first indices fill less than half the cache is local (a block
+#: shuffle, a sequential read): its blocks come and go, each loaded once.
+_LOCAL_AFTER = 1 << 17
+#: A pass thrashes when its blocks would be loaded more than this many times each, on
+#: average, over the pass (1 is ideal: each block loaded once).
 _THRASH_LOADS = 2.0
 
 
@@ -244,8 +249,10 @@ class CacheFit:
     ``sampled`` indices of the pass were replayed; they touch ``blocks`` distinct blocks
     (``working_set_bytes`` together) of a cache of ``capacity_bytes``. ``hit_rate`` is
     the simulated LRU's share of hits once the cache was full (1.0 when it never
-    filled), ``loads_per_record`` its block loads per index, ``loads_per_block`` its
-    loads per distinct block (1.0: each loaded once, the least possible).
+    filled). ``loads_per_record`` and ``loads_per_block`` are the block loads of the
+    whole pass, per index and per block it touches (1.0: each loaded once, the least
+    possible): counted when the replay is the whole pass, else the replay's loads plus
+    the rest of the pass at the rate of its steady state (once the cache was full).
     """
 
     source: str
@@ -284,10 +291,10 @@ class CacheFit:
             f"Its first {self.sampled:,} indices "
             f"touch {self.blocks:,} {self.unit}s (~{_size(self.working_set_bytes)}); "
             f"replayed through an LRU cache of that size they hit "
-            f"{100 * self.hit_rate:.0f}% of the time once it is full and load "
-            f"{self.loads_per_record:.2f} {self.unit}s per record (~"
+            f"{100 * self.hit_rate:.0f}% of the time once it is full: over the pass, "
+            f"{self.loads_per_record:.2f} {self.unit} loads per record (~"
             f"{self.loads_per_record * batch_size:,.0f} per batch of {batch_size}), each "
-            f"{self.unit} {self.loads_per_block:,.1f} times instead of once. " + remedies
+            f"{self.unit} loaded {self.loads_per_block:,.1f} times instead of once. " + remedies
         ).strip()
 
 
@@ -302,11 +309,14 @@ def check_fit(
 
     ``order(a, b)`` gives the indices at positions ``[a, b)`` of the pass (what samplers
     hand to :meth:`~torchgrain.Source.read_ahead`); ``start`` and ``count`` the
-    positions to come. Replays at least 65,536 indices (more, up to about a million, so
-    that each block is seen about four times when there are many). The replay is of
-    one stream: each DataLoader worker sees a share of the batches, which for a global
-    shuffle has the same hit rate in a cache of its own, and for a block shuffle the
-    same blocks (unless the sampler deals each worker its own part).
+    positions to come. Replays 16,384 indices at a time until the simulated cache has
+    been full for 8,192 block changes (its steady state: the rest of the pass is
+    estimated at that rate), the pass ends, or about a million indices were replayed;
+    a cache that has not filled by then (or not half by the 131,072th index: a local
+    order) is taken to fit. The replay is of one stream:
+    each DataLoader worker sees a share of the batches, which for a global shuffle has
+    the same hit rate in a cache of its own, and for a block shuffle the same blocks
+    (unless the sampler deals each worker its own part).
 
     Example:
         >>> import numpy as np
@@ -338,65 +348,107 @@ def check_fit(
             loads_per_block=1.0,
             remedies=blocks.remedies,
         )
-    sample = min(count, max(_MIN_SAMPLE, min(_MAX_SAMPLE, 4 * num_blocks)))
-    idx = np.asarray(order(start, start + sample), dtype=np.int64)
-    if len(idx) == 0:
-        return None
-    ids = offsets.searchsorted(idx, side="right") - 1
-    distinct, inverse = np.unique(ids, return_inverse=True)
-    costs = np.asarray(blocks.nbytes(distinct), dtype=np.int64)
-    working = int(costs.sum())
-    if working <= blocks.capacity:  # all of it fits: each block loads once, no replay
-        hits_after, misses_after, misses = 0, 0, len(distinct)
-    else:
+    lru = _LRU(blocks.capacity)
+    touched: list[np.ndarray] = []
+    sampled = changes = 0
+    last = -1
+    while sampled < count and sampled < _MAX_SAMPLE:
+        a = start + sampled
+        idx = np.asarray(order(a, a + min(_CHUNK, count - sampled)), dtype=np.int64)
+        if len(idx) == 0:
+            break
+        sampled += len(idx)
+        ids = offsets.searchsorted(idx, side="right") - 1
         # Consecutive indices in one block hit whatever the cache: replay the changes.
-        keep = np.empty(len(inverse), dtype=bool)
-        keep[0] = True
-        np.not_equal(inverse[1:], inverse[:-1], out=keep[1:])
-        stream = inverse[keep].tolist()
-        hits_after, misses_after, misses = _replay(stream, costs.tolist(), blocks.capacity)
-    steady = hits_after + misses_after
+        keep = np.empty(len(ids), dtype=bool)
+        keep[0] = ids[0] != last
+        np.not_equal(ids[1:], ids[:-1], out=keep[1:])
+        last = int(ids[-1])
+        stream = ids[keep]
+        distinct = np.unique(stream)
+        touched.append(distinct)
+        costs = np.asarray(blocks.nbytes(distinct), dtype=np.int64)
+        lru.replay(stream.tolist(), dict(zip(distinct.tolist(), costs.tolist())))
+        changes += len(stream)
+        if lru.steady >= _STEADY:
+            break
+        if sampled >= _LOCAL_AFTER and not lru.full and 2 * lru.used < blocks.capacity:
+            break
+    if sampled == 0:
+        return None
+    seen = np.unique(np.concatenate(touched))
+    working = int(np.asarray(blocks.nbytes(seen), dtype=np.int64).sum())
+    loads = float(lru.misses)
+    spanned = len(seen)
+    if sampled < count:  # the rest of the pass at the steady state's rate
+        if lru.steady:
+            loads += (count - sampled) * (changes / sampled) * lru.misses_after / lru.steady
+        spanned = min(num_blocks, max(len(seen), round(len(seen) * count / sampled)))
     return CacheFit(
         source=source,
         cache=blocks.cache,
         unit=blocks.unit,
         capacity_bytes=int(blocks.capacity),
         per_process=blocks.per_process,
-        sampled=len(idx),
-        blocks=len(distinct),
+        sampled=sampled,
+        blocks=len(seen),
         working_set_bytes=working,
-        hit_rate=1.0 if steady == 0 else hits_after / steady,
-        loads_per_record=misses / len(idx),
-        loads_per_block=misses / len(distinct),
+        hit_rate=1.0 if lru.steady == 0 else lru.hits_after / lru.steady,
+        loads_per_record=loads / count,
+        loads_per_block=max(1.0, loads / spanned) if lru.steady else lru.misses / len(seen),
         remedies=blocks.remedies,
     )
 
 
-def _replay(stream: list[int], costs: list[int], capacity: int) -> tuple[int, int, int]:
-    """``(hits after the first eviction, misses after it, all misses)`` of an LRU cache
-    of ``capacity`` bytes over ``stream`` (block numbers; ``costs[b]`` each)."""
-    lru: OrderedDict[int, int] = OrderedDict()
-    used = misses = hits_after = misses_after = 0
-    full = False
-    for b in stream:
-        if b in lru:
-            lru.move_to_end(b)
+class _LRU:
+    """A simulated LRU cache of ``capacity`` bytes, fed block numbers: counts its misses,
+    and its hits and misses once it first had to evict (``steady`` of them)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, int] = OrderedDict()
+        self.used = self.misses = self.hits_after = self.misses_after = 0
+        self.full = False
+
+    @property
+    def steady(self) -> int:
+        return self.hits_after + self.misses_after
+
+    def replay(self, stream: list[int], costs: dict[int, int]) -> None:
+        """Feed ``stream`` (block numbers; ``costs[b]`` bytes each)."""
+        lru, capacity = self.blocks, self.capacity
+        used, misses, hits_after, misses_after, full = (
+            self.used,
+            self.misses,
+            self.hits_after,
+            self.misses_after,
+            self.full,
+        )
+        for b in stream:
+            if b in lru:
+                lru.move_to_end(b)
+                if full:
+                    hits_after += 1
+                continue
+            misses += 1
             if full:
-                hits_after += 1
-            continue
-        misses += 1
-        if full:
-            misses_after += 1
-        c = costs[b]
-        if c > capacity:
-            full = True  # never stored: as good as evicted at once
-            continue
-        while used + c > capacity:
-            used -= lru.popitem(last=False)[1]
-            full = True
-        lru[b] = c
-        used += c
-    return hits_after, misses_after, misses
+                misses_after += 1
+            c = costs[b]
+            if c > capacity:
+                full = True  # never stored: as good as evicted at once
+                continue
+            while used + c > capacity:
+                used -= lru.popitem(last=False)[1]
+                full = True
+            lru[b] = c
+            used += c
+        self.used, self.misses, self.hits_after, self.misses_after, self.full = (
+            used,
+            misses,
+            hits_after,
+            misses_after,
+            full,
+        )
 
 
 def _size(n: float) -> str:

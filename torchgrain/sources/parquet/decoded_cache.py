@@ -9,9 +9,11 @@ mapped pages live in the page cache, shared by all processes, and cost no privat
 Layout and safety rules (every process of a machine may share one directory):
 
 * An entry is ``DIR/<k[:2]>/<k>.arrow``, where ``k`` hashes what the entry was decoded
-  from (file path, size, modification time and footer, row group, columns and their
-  types): a changed Parquet file has new keys, so a stale entry is never served (it
-  ages out of the LRU order).
+  from (file path, size, modification time, inode and change time, or a remote
+  store's version, and footer; row group, columns and their types): a changed Parquet
+  file has new keys, so a stale entry is never served (it ages out of the LRU order).
+  A remote file whose store reports no version (no ETag, generation or modification
+  time) has keys of its own for each opening of the dataset.
 * An entry is an Arrow IPC file followed by a trailer (magic, format version, CRC-32 of
   the IPC bytes, their length, the key). Cache files are untrusted input: a process
   checks the trailer, the CRC, the key, the schema and row count and validates the
@@ -31,6 +33,12 @@ Layout and safety rules (every process of a machine may share one directory):
   budget, under ``DIR/.locks/evict``. Eviction only unlinks: processes that mapped a
   file keep reading it. The running total lives in ``DIR/.usage`` (recounted whenever
   an eviction runs).
+* The cache never fills its disk: an entry is written only while the filesystem keeps
+  ``min_free_bytes`` free after it (a tenth of the filesystem by default), least
+  recently used entries deleted first to make room.
+* A directory that refuses writes (full, read-only, deleted while in use, a file size
+  limit) never fails a read: the row group is served as decoded, not stored, and the
+  process warns once. A deleted directory is made again at the next build.
 """
 
 from __future__ import annotations
@@ -38,16 +46,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import errno
 import fcntl
 import hashlib
 import mmap
 import os
 import re
+import shutil
 import struct
 import threading
 import time
 import uuid
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -57,9 +66,15 @@ import pyarrow.ipc as ipc
 
 from torchgrain.errors import CorruptDataError
 
-__all__ = ["DEFAULT_DECODED_CACHE_BYTES", "DecodedCache", "entry_key"]
+__all__ = [
+    "DEFAULT_DECODED_CACHE_BYTES",
+    "DecodedCache",
+    "entry_key",
+    "filesystem_type",
+    "on_network_filesystem",
+]
 
-#: Default byte budget of a decoded cache directory.
+#: Default byte budget of a decoded cache directory (at most: see DecodedCache).
 DEFAULT_DECODED_CACHE_BYTES = 64 << 30
 
 _MAGIC = b"TGROWGRP"
@@ -73,6 +88,10 @@ _EVICT_TO = 0.9  # an eviction frees space down to this share of the budget
 _TOUCH_SECONDS = 60.0
 _LOCK_POLL = 0.005
 _LOCK_POLL_MAX = 0.1
+_MIN_FREE_SHARE = 0.1  # the default min_free_bytes: this share of the filesystem
+# After the disk had no room for an entry, builds store nothing for this long (instead
+# of listing the entries to make room at every row group decoded meanwhile).
+_FULL_SECONDS = 30.0
 
 
 def entry_key(*parts: Any) -> str:
@@ -98,6 +117,12 @@ class DecodedCache:
             local disk, not a network filesystem: the locks are ``flock``.
         max_bytes: budget for the entries' files; least recently used entries are
             deleted to stay under it. An entry larger than the budget is not stored.
+            Default: 64 GiB, or half of what the disk has free plus what the cache
+            already holds there, whichever is less.
+        min_free_bytes: free space the cache leaves on its filesystem: an entry is
+            stored only while at least this much stays free (least recently used
+            entries are deleted first to make room). Default: a tenth of the
+            filesystem's size.
         lock_timeout: the longest a process waits for another one's build of the same
             entry before decoding it itself.
 
@@ -105,10 +130,11 @@ class DecodedCache:
     ``builds`` (entries this process decoded and published), ``waits`` (hits that
     waited for another process's build), ``corrupt`` (invalid files found and
     deleted), ``evictions``, ``bytes_written``, ``not_stored`` (builds served without
-    being stored: too large, or the disk refused them).
+    being stored: too large, no room on the disk, or the directory refused them).
 
-    The object holds no open file, lock or map between calls: it pickles small and is
-    safe to share with forked or spawned DataLoader workers.
+    The object holds no lock or map between calls (only descriptors of two small
+    bookkeeping files, never pickled): it pickles small and is safe to share with
+    forked or spawned DataLoader workers.
 
     Example:
         >>> import tempfile, pyarrow as pa
@@ -124,16 +150,45 @@ class DecodedCache:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, max_bytes: int, lock_timeout: float = 600.0
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_bytes: int | None = None,
+        min_free_bytes: int | None = None,
+        lock_timeout: float = 600.0,
     ) -> None:
-        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        if max_bytes is not None and (
+            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0
+        ):
             raise ValueError(f"max_bytes must be an integer > 0, got {max_bytes!r}")
+        if min_free_bytes is not None and (
+            not isinstance(min_free_bytes, int)
+            or isinstance(min_free_bytes, bool)
+            or min_free_bytes < 0
+        ):
+            raise ValueError(f"min_free_bytes must be an integer >= 0, got {min_free_bytes!r}")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.max_bytes = max_bytes
         self.lock_timeout = float(lock_timeout)
+        self._make_dirs()
+        disk = shutil.disk_usage(self.directory)
+        if max_bytes is None:
+            # What the cache holds (its running total) it may keep: a later run reuses it.
+            try:
+                with open(os.path.join(self.directory, _USAGE), "rb") as f:
+                    data = f.read(8)
+                held = max(0, struct.unpack("<q", data)[0]) if len(data) == 8 else 0
+            except OSError:
+                held = 0
+            max_bytes = max(1, min(DEFAULT_DECODED_CACHE_BYTES, (disk.free + held) // 2))
+        self.max_bytes = max_bytes
+        if min_free_bytes is None:
+            min_free_bytes = int(disk.total * _MIN_FREE_SHARE)
+        self.min_free_bytes = min_free_bytes
+        self._init_process()
+
+    def _make_dirs(self) -> None:
         for sub in (_TMP, _LOCKS):
             os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
-        self._init_process()
 
     def _init_process(self) -> None:
         self._pid = os.getpid()
@@ -141,7 +196,8 @@ class DecodedCache:
         # (device, inode) -> (size, mtime_ns) of files this process has verified
         self._verified: dict[tuple[int, int], tuple[int, int]] = {}
         self._fds: dict[str, int] = {}
-        self._subdirs: set[str] = set()
+        self._warned = False  # of a refused write (once per process)
+        self._full_until = 0.0  # no room on the disk: store nothing until then
         # flock excludes processes, not the threads of one sharing a descriptor.
         self._evict_thread_lock = threading.Lock()
         self.stats: dict[str, int] = dict.fromkeys(
@@ -153,6 +209,7 @@ class DecodedCache:
         return {
             "directory": self.directory,
             "max_bytes": self.max_bytes,
+            "min_free_bytes": self.min_free_bytes,
             "lock_timeout": self.lock_timeout,
         }
 
@@ -184,8 +241,8 @@ class DecodedCache:
         ``schema`` and ``num_rows`` are what the entry must hold: a file that differs,
         fails its checksum or does not validate is deleted and built again. ``name``
         says what the entry is in error messages. When the entry cannot be stored
-        (larger than the budget, disk full, read-only directory), the table ``build()``
-        made is returned as it is, with ``path`` None.
+        (larger than the budget, no room on the disk, a directory that refuses writes),
+        the table ``build()`` made is returned as it is, with ``path`` None.
         """
         self._check_process()
         path = self.path_of(key)
@@ -248,7 +305,7 @@ class DecodedCache:
         file is deleted, counted and reported as none)."""
         try:
             buf, st = _map(path)
-        except FileNotFoundError:
+        except OSError:  # missing, or unreadable (decoded again, and replaced if it can)
             return None
         try:
             table = self._check(buf, st, key, schema, num_rows, trusted)
@@ -313,31 +370,57 @@ class DecodedCache:
         lock). False when it was not stored."""
         tmp = os.path.join(self.directory, _TMP, f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
-            try:
-                nbytes = self._write(tmp, table, key)
-            except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
-                    raise
-                self._count(not_stored=1)
+            if not self._room_on_disk(table.nbytes):
+                self._refused(f"the disk would keep less than {self.min_free_bytes:,} bytes free")
                 return False
+            nbytes = self._write(tmp, table, key)
             if nbytes > self.max_bytes:
                 self._count(not_stored=1)
                 return False
-            subdir = os.path.dirname(path)
-            if subdir not in self._subdirs:
-                os.makedirs(subdir, exist_ok=True)
-                self._subdirs.add(subdir)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with self._evict_lock():
                 total = self._read_usage()
                 if total is None or total + nbytes > self.max_bytes:
                     total = self._make_room(nbytes)
                 os.replace(tmp, path)
                 self._write_usage(total + nbytes)
+        except OSError as e:  # the directory refused it (full, read-only, deleted...)
+            self._refused(f"{type(e).__name__}: {e}")
+            return False
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
         self._count(builds=1, bytes_written=nbytes)
         return True
+
+    def _room_on_disk(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more leave ``min_free_bytes`` free on the disk, once least
+        recently used entries are deleted to make room if need be."""
+        if time.monotonic() < self._full_until:
+            return False
+        short = self.min_free_bytes + nbytes - shutil.disk_usage(self.directory).free
+        if short <= 0:
+            return True
+        with self._evict_lock():
+            self._write_usage(self._make_room(0, short))
+        # (files that processes still map free their blocks only when unmapped)
+        if self.min_free_bytes + nbytes <= shutil.disk_usage(self.directory).free:
+            return True
+        self._full_until = time.monotonic() + _FULL_SECONDS
+        return False
+
+    def _refused(self, reason: str) -> None:
+        """Count an entry not stored, and say once per process why."""
+        self._count(not_stored=1)
+        if self._warned:
+            return
+        self._warned = True
+        warnings.warn(
+            f"torchgrain: the decoded Parquet cache in {self.directory!r} cannot store row "
+            f"groups ({reason}): they are decoded again whenever needed. Free disk space, "
+            "or pass decoded_cache=DIR on another local disk (or decoded_cache=False).",
+            stacklevel=2,
+        )
 
     def _write(self, tmp: str, table: pa.Table, key: str) -> int:
         """Write the IPC file and its trailer to ``tmp``; return the file's size."""
@@ -353,10 +436,10 @@ class DecodedCache:
     def _remove_temps(self, key: str) -> None:
         """Delete temp files of ``key`` left by killed builds (we hold its lock)."""
         tmp_dir = os.path.join(self.directory, _TMP)
-        with os.scandir(tmp_dir) as it:
+        with contextlib.suppress(OSError), os.scandir(tmp_dir) as it:
             for e in it:
                 if e.name.startswith(key + "-"):
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):
                         os.unlink(e.path)
 
     # ---------------------------------------------------------------- eviction
@@ -377,12 +460,13 @@ class DecodedCache:
                     out.append((st.st_atime, st.st_size, e.path))
         return out
 
-    def _make_room(self, nbytes: int) -> int:
+    def _make_room(self, nbytes: int, short: int = 0) -> int:
         """Delete least recently used entries until ``nbytes`` more fit under 90% of the
-        budget; return the bytes left (we hold the eviction lock)."""
+        budget, and ``short`` bytes more are free; return the bytes left (we hold the
+        eviction lock)."""
         entries = sorted(self._entries())
         total = sum(size for _, size, _ in entries)
-        target = max(0, int(self.max_bytes * _EVICT_TO) - nbytes)
+        target = max(0, min(int(self.max_bytes * _EVICT_TO) - nbytes, total - short))
         for _, size, p in entries:
             if total <= target:
                 break
@@ -398,8 +482,11 @@ class DecodedCache:
     def _sweep_temps(self) -> None:
         """Delete temp files whose builder is gone (its key's lock is free)."""
         tmp_dir = os.path.join(self.directory, _TMP)
-        with os.scandir(tmp_dir) as it:
-            names = [e.name for e in it]
+        try:
+            with os.scandir(tmp_dir) as it:
+                names = [e.name for e in it]
+        except OSError:
+            return
         for name in names:
             key = name.split("-", 1)[0]
             if len(key) != 32:
@@ -421,11 +508,25 @@ class DecodedCache:
     def _fd(self, name: str) -> int:
         """This process's descriptor of a small shared file (kept open: each publish
         uses it; a forked child opens its own, as a lock on an inherited descriptor
-        would be shared with the parent)."""
+        would be shared with the parent). Opened again when the file under its name is
+        another one (the directory was deleted and made again): a lock on the old one
+        would exclude nobody."""
+        path = os.path.join(self.directory, _LOCKS if name == "evict" else "", name)
         fd = self._fds.get(name)
-        if fd is None:
-            path = os.path.join(self.directory, _LOCKS if name == "evict" else "", name)
-            fd = self._fds[name] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if fd is not None:
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    return fd
+            except FileNotFoundError:
+                pass
+            del self._fds[name]
+            os.close(fd)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            self._make_dirs()
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fds[name] = fd
         return fd
 
     @contextlib.contextmanager
@@ -450,8 +551,18 @@ class DecodedCache:
 
     @contextlib.contextmanager
     def _stripe(self, key: str) -> Iterator[None]:
-        """Hold the build lock of ``key``'s stripe (waiting at most ``lock_timeout``)."""
-        fd = os.open(self._stripe_path(key), os.O_RDWR | os.O_CREAT, 0o644)
+        """Hold the build lock of ``key``'s stripe (waiting at most ``lock_timeout``;
+        without it when the lock file cannot be made: the rename keeps entries whole)."""
+        path = self._stripe_path(key)
+        try:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the directory was deleted: make it again
+                self._make_dirs()
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
         try:
             locked = False
             deadline = time.monotonic() + self.lock_timeout
@@ -504,6 +615,79 @@ class DecodedCache:
 
 
 _KEY = re.compile(r"[0-9a-f]{32}")
+
+# Filesystems whose storage is elsewhere: often under a per-user quota (a home directory
+# on a cluster), slow to write, and where flock may not exclude other machines.
+_NETWORK_FILESYSTEMS = frozenset(
+    [
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "afs",
+        "9p",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "ceph",
+        "glusterfs",
+        "orangefs",
+        "panfs",
+        "wekafs",
+        "fuse.sshfs",
+        "fuse.s3fs",
+        "fuse.gcsfuse",
+        "fuse.rclone",
+        "fuse.glusterfs",
+        "fuse.juicefs",
+        "fuse.mount-s3",
+        "fuse.blobfuse",
+        "fuse.blobfuse2",
+        "fuse.cephfs",
+    ]
+)
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def filesystem_type(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` lies on, from ``mountinfo`` (Linux's
+    ``/proc/self/mountinfo`` by default), or None where it cannot be told.
+
+    Example:
+        >>> info = ("27 1 253:1 / / rw - ext4 /dev/vda rw\\n"
+        ...         "31 27 0:45 / /home rw - nfs4 srv:/home rw\\n")
+        >>> filesystem_type("/home/u/.cache", info), filesystem_type("/tmp", info)
+        ('nfs4', 'ext4')
+    """
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    target = os.path.realpath(path)
+    best, found = -1, None
+    for line in mountinfo.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields = head.split()
+        if not sep or len(fields) < 5 or not tail.split():
+            continue
+        mount = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best:  # the deepest mount holding the path
+            best, found = len(mount), tail.split()[0]
+    return found
+
+
+def on_network_filesystem(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies on a network or cluster filesystem (NFS, SMB, Lustre...).
+
+    Example:
+        >>> on_network_filesystem("/proc")
+        False
+    """
+    return filesystem_type(path) in _NETWORK_FILESYSTEMS
 
 
 class _ChecksummedFile:

@@ -23,6 +23,7 @@ import hashlib
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -49,9 +50,9 @@ from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
 from torchgrain.sources.parquet.decoded_cache import (
-    DEFAULT_DECODED_CACHE_BYTES,
     DecodedCache,
     entry_key,
+    on_network_filesystem,
 )
 from torchgrain.sources.parquet.paths import (
     check_partition_keys,
@@ -88,9 +89,11 @@ DEFAULT_MAX_ROW_GROUP_BYTES = 16 << 30
 
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
 # What a row group mapped from the decoded disk cache is charged in the in-memory cache:
-# its bookkeeping, and a share of the maps a process keeps (the default budget keeps at
-# most 4,096 open).
+# its bookkeeping, and a share of the maps a process keeps: at most _MAX_MAPS per
+# source, whatever cache_bytes (a process can hold vm.max_map_count maps, 65,530 by
+# default, and past that every mmap fails, malloc's for large blocks included).
 _MAPPED_BYTES = 64 << 10
+_MAX_MAPS = 4096
 # decoded_cache="auto" turns the disk cache on when the selected columns' decoded size
 # (estimated from the footers) exceeds both cache_bytes and this.
 _AUTO_MIN_BYTES = 256 << 20
@@ -117,11 +120,17 @@ class ParquetSource(ShardedSource):
             "Data bigger than the cache" below): ``"auto"`` (default) turns it on, in
             :func:`~torchgrain.io.fs.default_cache_dir` ``/parquet-decoded``, when the
             selected columns' decoded size (estimated from the footers) exceeds both
-            ``cache_bytes`` and 256 MiB; ``True`` always, there; a directory path (or a
+            ``cache_bytes`` and 256 MiB, unless that directory is on a network
+            filesystem (NFS, SMB, Lustre...: a warning says so); ``True`` always, there; a directory path (or a
             :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`) always,
             there; ``False`` never. :attr:`decoded_cache` is the cache in use, or None.
-        decoded_cache_bytes: byte budget of that directory (default 64 GiB; least
-            recently used row groups are deleted to stay under it).
+        decoded_cache_bytes: byte budget of that directory (default: 64 GiB, or half of
+            the disk's free space plus what the cache already holds, whichever is less;
+            least recently used row groups are deleted to stay under it). Whatever it is,
+            it never fills its disk: it stores a row group only while a tenth of the
+            filesystem stays free (a :class:`DecodedCache` of your own sets
+            ``min_free_bytes``), and a directory that refuses writes (full, read-only,
+            deleted) is a warning, never a failed read.
         filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
@@ -255,7 +264,7 @@ class ParquetSource(ShardedSource):
         columns: Sequence[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         decoded_cache: bool | str | os.PathLike | DecodedCache = "auto",
-        decoded_cache_bytes: int = DEFAULT_DECODED_CACHE_BYTES,
+        decoded_cache_bytes: int | None = None,
         filesystem: fsspec.AbstractFileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         partitioning: str | None = "hive",
@@ -764,17 +773,19 @@ class ParquetSource(ShardedSource):
         )
         if path is None:  # not stored (too large, disk full): decoded here
             return RowGroup(table)
-        entry = RowGroup(table, mapped_bytes=_MAPPED_BYTES, path=path)
+        charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
+        entry = RowGroup(table, mapped_bytes=charge, path=path)
         entry.touched = time.monotonic()
         return entry
 
     def _check_unchanged(self, shard: int, index: int) -> None:
-        """Raise if a local file's size or modification time changed since opening."""
+        """Raise if a local file was written or replaced since opening (its size,
+        modification time or inode changed; its change time is left out: a ``chmod``
+        or ``touch -a`` changes that, not the data)."""
         if self._remote:
             return
         path = self.paths[shard]
-        st = os.stat(path)
-        if (st.st_size, st.st_mtime_ns) != tuple(self._identities[shard][1:3]):
+        if _local_version(os.stat(path))[:3] != self._identities[shard][1][:3]:
             raise CorruptDataError(
                 f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
                 f"opened (record index {index}): open it again"
@@ -848,18 +859,22 @@ def _read_footers(
     """From the footers of every file (read in parallel): row-group sizes, the Arrow
     schema, each row group's uncompressed size (of ``columns``: an estimate of its
     decoded size) and what identifies the file's content (path, size, modification
-    time or version, and a digest of the footer)."""
+    time and inode, or the store's version, and a digest of the footer)."""
     local = is_local(fs)
+    opening = uuid.uuid4().hex
 
     def metadata(shard: int) -> tuple[pq.FileMetaData, tuple[Any, ...]]:
         path = files[shard]
         try:
             if local:
                 st = os.stat(path)
-                return pq.read_metadata(path), (st.st_size, st.st_mtime_ns)
+                return pq.read_metadata(path), _local_version(st)
             with remote.open_input(fs, path) as f:
                 md = pq.read_metadata(f)
-            return md, _remote_version(fs, path)
+            size, version = _remote_version(fs, path)
+            # Nothing tells two versions of this file apart: its entries are this
+            # opening's own (shared by its workers, never by a later opening).
+            return md, (size, version if version is not None else ("unversioned", opening))
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -888,7 +903,7 @@ def _read_footers(
         else:
             leaves = _selected_leaves(schema, set(columns))
             nbytes = [sum(g.column(j).total_uncompressed_size for j in leaves) for g in groups]
-        identity = (files[shard], *version, _footer_digest(md))
+        identity = (files[shard], version, _footer_digest(md))
         return counts, schema, np.array(nbytes, dtype=np.int64), identity
 
     results = map_files(one, len(files))
@@ -934,6 +949,14 @@ def _footer_digest(md: pq.FileMetaData) -> str:
     return hashlib.sha256(memoryview(footer)).hexdigest()
 
 
+def _local_version(st: os.stat_result) -> tuple[int, ...]:
+    """What tells versions of a local file apart: its size and modification time, and
+    its inode and change time. The last two catch a file replaced under the same name,
+    size and modification time (``cp -p``, ``rsync -t``): the kernel sets the change
+    time on every write, rename or ``utime``, and no one can set it back."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
 def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]:
     """``(size, version)`` of a remote file from ``fs.info``: the store's version, ETag or
     modification time, whichever it reports (``None`` when it reports none)."""
@@ -949,7 +972,7 @@ def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]
 
 def _decoded_cache(
     option: bool | str | os.PathLike | DecodedCache,
-    max_bytes: int,
+    max_bytes: int | None,
     data_bytes: int,
     cache_bytes: int,
 ) -> DecodedCache | None:
@@ -964,6 +987,15 @@ def _decoded_cache(
         ):
             return None
         directory: str | os.PathLike = os.path.join(default_cache_dir(), "parquet-decoded")
+        if option == "auto" and on_network_filesystem(directory):
+            warnings.warn(
+                f"torchgrain: the data exceed the row-group cache, but {directory!r} is on "
+                "a network filesystem (quotas, slow writes, unsafe locks): the decoded "
+                "Parquet cache stays off. Pass decoded_cache=DIR on a local disk (or set "
+                "TORCHGRAIN_CACHE) to turn it on.",
+                stacklevel=4,
+            )
+            return None
     else:
         directory = option
     try:
