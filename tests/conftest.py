@@ -89,7 +89,10 @@ def _own_mp_helpers() -> set[int]:
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if processes it started are still running (naming them), after a
     grace period; then kill them, so that the run leaves nothing behind either way."""
-    if not _procs.supported():
+    if not _procs.supported() or hasattr(session.config, "workerinput"):
+        # An xdist worker reports only what it was asked to run: a leak found here would
+        # be lost. What it leaves behind becomes the controller's (a subreaper, its
+        # parent) when it exits, and the controller's check names it.
         return
     gc.collect()  # loaders that only a reference cycle still holds stop their workers now
     me = os.getpid()

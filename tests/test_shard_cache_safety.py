@@ -185,17 +185,21 @@ def test_a_cached_copy_with_a_flipped_byte_is_never_served(served, tmp_path, fmt
     assert bytes([100]) * PAYLOAD in _bytes(victim)
 
 
+@pytest.mark.parametrize("keep_mtime", [False, True], ids=["mtime_moved", "mtime_put_back"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_copy_rewritten_in_place_under_an_open_reader_is_checked_again(served, tmp_path, fmt):
+def test_a_copy_rewritten_in_place_under_an_open_reader_is_checked_again(
+    served, tmp_path, fmt, keep_mtime
+):
     """The same source keeps a reader of each copy open; a copy written to afterwards
-    (its modification time moves) is checked again before its next use. (No cache of
-    decoded blocks: those hold what was read before the change.)"""
+    is checked again before its next use, even with its modification time put back
+    (``touch -r``, ``cp -p``): the write moved its change time. (No cache of decoded
+    blocks: those hold what was read before the change.)"""
     srv, root = served
     _write(root, fmt)
     cache = tmp_path / "cache"
     src = _source(fmt, srv.url, root, cache, **NO_BLOCK_CACHE[fmt])
     assert _read_all(src, "batch") == _expected(range(N))
-    _flip_payload(_copy_holding(cache, 7), 7, keep_mtime=False)
+    _flip_payload(_copy_holding(cache, 7), 7, keep_mtime=keep_mtime)
     with pytest.warns(RuntimeWarning, match="no longer matches"):
         assert _read(src, "record", [7]) == _expected([7])
     assert _read_all(src, "batch") == _expected(range(N))
@@ -227,6 +231,34 @@ def test_a_copy_replaced_under_the_same_name_is_checked_before_use(served, tmp_p
     os.replace(victim + ".new", victim)
     with pytest.warns(RuntimeWarning, match="no longer matches"):
         assert _read(src, "record", [50]) == _expected([50])
+    assert src.io_stats["cache_rejected"] == 1
+
+
+def test_a_new_file_reusing_a_checked_copys_inode_size_and_times_is_checked(served, tmp_path):
+    """A copy this process checked is deleted and written anew (not by the cache) with
+    other bytes; the file system gives the new file the same inode number, and its size
+    and modification time are the old ones: it is not the file that was checked."""
+    srv, root = served
+    _write(root, "array_record")
+    cache = tmp_path / "cache"
+    src = _source("array_record", srv.url, root, cache)
+    assert _read_all(src, "batch") == _expected(range(N))
+    src.close()  # no reader holds the old file: its inode number is free again
+    victim = _copy_holding(cache, 100)
+    good, st = _bytes(victim), os.stat(victim)
+    bad = bytearray(good)
+    bad[good.find(bytes([100]) * PAYLOAD) + 5] ^= 0xFF
+    for _ in range(20):
+        os.unlink(victim)
+        with open(victim, "wb") as f:
+            f.write(bad)
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+        if os.stat(victim).st_ino == st.st_ino:
+            break
+    else:
+        pytest.skip("this file system does not reuse a deleted file's inode number")
+    with pytest.warns(RuntimeWarning, match="no longer matches"):
+        assert _read(src, "record", [100]) == _expected([100])
     assert src.io_stats["cache_rejected"] == 1
 
 

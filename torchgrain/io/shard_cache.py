@@ -18,8 +18,13 @@ Layout and safety rules (all processes of a machine may share one directory):
   and checksum checks) is written to ``DIR/.sums/<key>-<name>``. A cached copy is
   served only while it matches that record: each process checks a copy (its size and
   CRC, a full read at several GB/s) the first time it uses it, and again whenever the
-  copy's identity (device, inode, size, modification time) changes, e.g. a copy
-  replaced by another process's download or written to in place. A copy that fails is
+  copy's identity (:func:`file_identity`: device, inode, size, modification and change
+  times) changes, e.g. a copy replaced by another process's download or written to in
+  place. The change time is the kernel's: every write, truncation, rename, link or
+  ``utime()`` moves it to the present and nothing sets it back, so a write that puts
+  the modification time back (``touch -r``, ``cp -p``), or a new file that reuses a
+  deleted copy's inode number, is checked too (the cache itself never touches a
+  published copy's inode: its LRU clock is the record's). A copy that fails is
   discarded and downloaded again (``stats["rejected"]``, and a ``RuntimeWarning``);
   a copy with no record (written by an older version) is downloaded again.
 * An exclusive ``fcntl.flock`` on ``DIR/.locks/<key>.lock`` is held while fetching:
@@ -27,12 +32,19 @@ Layout and safety rules (all processes of a machine may share one directory):
   once; the second waits and then finds it. A shared lock on it is held while a
   copy is checked and opened (:meth:`ShardCache.fetch_open`): a download or an
   eviction cannot replace or unlink it between the check and the open.
-* Eviction (least recently used first, by the access time that every hit refreshes)
-  runs under ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being
-  fetched, checked or opened), and only ever unlinks: a reader that has the
-  file open (or mapped) keeps reading it, POSIX frees the blocks when it closes.
-  In-flight downloads reserve their size (it is in the temp name), so concurrent
-  downloads do not overshot the budget together.
+* Eviction (least recently used first: a copy's last use is its record's modification
+  time, which hits refresh at most once a second per process) runs under
+  ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being fetched,
+  checked or opened), and only ever unlinks: a reader that has the file open (or
+  mapped) keeps reading it, POSIX frees the blocks when it closes. In-flight downloads
+  reserve their size (it is in the temp name), so concurrent downloads do not
+  overshoot the budget together.
+
+What the records guarantee: a copy holds what was downloaded unless it changed within
+one clock tick of its last check (milliseconds, on kernels without fine-grained
+timestamps), or while a reader had it mapped (that reader sees the change), or unless
+whoever changed it also rewrote its record: anyone who can write to the directory can
+do that, so keep it writable only by the jobs that share it.
 
 The cache assumes shards are immutable: the same URL always holds the same bytes
 (write a changed dataset to a new path, or give checksums in the manifest). Without
@@ -65,7 +77,7 @@ from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
 
-__all__ = ["ShardCache", "file_crc", "file_identity"]
+__all__ = ["Identity", "ShardCache", "file_crc", "file_identity"]
 
 T = TypeVar("T")
 #: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not match.
@@ -75,8 +87,9 @@ _TMP_PREFIX = ".tmp-"
 _LOCK_DIR = ".locks"
 _SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
 _CRC_BLOCK = 8 << 20
-# Refresh a file's access time at most this often (seconds): one utime() per shard
-# per second is plenty for LRU order and keeps hits to a single stat() call.
+# Refresh a copy's last use (its record's modification time) at most this often per
+# process (seconds): one utime() per shard per second is plenty for LRU order and keeps
+# most hits to a single stat() call.
 _TOUCH_INTERVAL = 1.0
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -85,18 +98,26 @@ class _ShortDownload(ConnectionError):
     """The transfer ended early (counted as transient: the connection dropped)."""
 
 
-def file_identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What changes when a file is replaced or rewritten: its identity for the checks
-    (device, inode, size, modification time).
+#: A file's identity for the checks: (device, inode, size, modification time, change time).
+Identity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> Identity:
+    """What changes when a file is replaced or written to: its identity for the checks
+    (device, inode, size, modification time, change time). The change time is set by
+    the kernel on every write, truncation, rename, link or ``utime()``, and never back,
+    so restoring the modification time (``touch -r``) still changes the identity.
+
+    (Within one tick of the kernel's clock, a few milliseconds on kernels without
+    fine-grained timestamps, a second change may leave both times as they were.)
 
     Example:
-        >>> len(file_identity(os.stat(".")))
-        4
+        >>> dev, ino, size, mtime, ctime = file_identity(os.stat("."))
     """
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def file_crc(path: str) -> tuple[str, tuple[int, int, int, int]]:
+def file_crc(path: str) -> tuple[str, Identity]:
     """``("crc32:<hex>", identity)`` of a local file, read once through a map.
 
     Example:
@@ -184,8 +205,10 @@ class ShardCache:
         self._lock_pid = os.getpid()
         self._paths: dict[tuple[str, str | None], str] = {}
         # copy path -> identity of the file this process checked (or downloaded) there
-        self._verified: dict[str, tuple[int, int, int, int]] = {}
+        self._verified: dict[str, Identity] = {}
         self._verified_pid = os.getpid()
+        # copy path -> when this process last refreshed its LRU position (monotonic)
+        self._touched: dict[str, float] = {}
         self.stats: dict[str, int] = dict.fromkeys(
             (
                 "hits",
@@ -207,6 +230,7 @@ class ShardCache:
         del state["_stats_lock"]
         state["_paths"] = {}
         state["_verified"] = {}  # checks are per process
+        state["_touched"] = {}
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
         return state
 
@@ -237,10 +261,10 @@ class ShardCache:
 
     def lookup(
         self, url: str, *, size: int | None = None, checksum: str | None = None
-    ) -> tuple[str, tuple[int, int, int, int]] | None:
+    ) -> tuple[str, Identity] | None:
         """``(path, identity)`` of a complete cached copy of ``url`` that this process
-        has already checked (a hit), else None; the identity (device, inode, size,
-        modification time) changes when the file is replaced or rewritten.
+        has already checked (a hit), else None; the identity (:func:`file_identity`)
+        changes when the file is replaced or written to.
 
         A hit refreshes the copy's access time (its LRU position) and is counted; a
         miss downloads and checks nothing and is not counted (see :meth:`fetch_open`).
@@ -257,7 +281,7 @@ class ShardCache:
         self._count(hits=1)
         return path, file_identity(st)
 
-    def identity(self, path: str) -> tuple[int, int, int, int] | None:
+    def identity(self, path: str) -> Identity | None:
         """The identity of the file at ``path`` now (see :meth:`lookup`), None if missing.
 
         Example:
@@ -348,7 +372,7 @@ class ShardCache:
         checksum: str | None,
         opener: Callable[[str], T] | None,
         verify: Verifier | None = None,
-    ) -> tuple[str, tuple[int, int, int, int], T | None]:
+    ) -> tuple[str, Identity, T | None]:
         lock = self._lock_path(path)
         waited = self._hit(path, size) is None  # a hit now waited for another's download
         # A complete copy is checked and opened under a shared lock (several workers may
@@ -414,9 +438,11 @@ class ShardCache:
                 if checksum:
                     (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
                 # What later hits are checked against: the bytes that passed the checks.
-                crc, ident = file_crc(tmp)
+                crc, _ = file_crc(tmp)
                 self._write_sum(path, crc, size)
-                publish(tmp, path, durable=False)  # mode from the umask; keeps the identity
+                publish(tmp, path, durable=False)  # mode from the umask
+                # After the rename, which moves the change time: the identity it keeps.
+                ident = file_identity(os.stat(path))
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -473,18 +499,20 @@ class ShardCache:
             # A copy of another size (the remote changed, or the manifest did): never
             # serve it; the fetch that follows replaces it under the shard lock.
             return None
-        now = time.time_ns()
-        if now - st.st_atime_ns > _TOUCH_INTERVAL * 1e9:
-            # Only the access time moves: the modification time is part of the identity.
+        now = time.monotonic()
+        if now - self._touched.get(path, -_TOUCH_INTERVAL) >= _TOUCH_INTERVAL:
+            # The record's time, not the copy's: a utime() on the copy would move its
+            # change time, which is part of its identity.
+            self._touched[path] = now
             with contextlib.suppress(FileNotFoundError):
-                os.utime(path, ns=(now, st.st_mtime_ns))
+                os.utime(self._sum_path(path))
         return st
 
     def _checked(self, path: str, st: os.stat_result) -> bool:
         """Whether this process has checked the file ``st`` describes (no I/O)."""
         return not self.verify_hits or self._checks().get(path) == file_identity(st)
 
-    def _checks(self) -> dict[str, tuple[int, int, int, int]]:
+    def _checks(self) -> dict[str, Identity]:
         """The copies this process has checked (path -> identity). A forked child
         (a DataLoader worker) starts with none: each process checks what it uses."""
         pid = os.getpid()
@@ -609,7 +637,9 @@ class ShardCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(e.path)
 
-    def _entries(self) -> list[tuple[float, int, str]]:
+    def _entries(self) -> list[tuple[int, int, str]]:
+        """``(last use, size, path)`` of the complete copies; a copy's last use is its
+        record's modification time (0 without a record: it would be fetched again)."""
         out = []
         with os.scandir(self.directory) as it:
             for e in it:
@@ -619,7 +649,11 @@ class ShardCache:
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                out.append((st.st_atime, st.st_size, e.path))
+                try:
+                    used = os.stat(self._sum_path(e.path)).st_mtime_ns
+                except FileNotFoundError:
+                    used = 0
+                out.append((used, st.st_size, e.path))
         return out
 
     def _reserved(self) -> int:
