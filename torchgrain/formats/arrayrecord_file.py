@@ -47,7 +47,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import cramjam
@@ -61,7 +61,13 @@ from torchgrain.io import process
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
-__all__ = ["ArrayRecordFile", "TransposedChunkError", "read_many", "read_num_records"]
+__all__ = [
+    "ArrayRecordFile",
+    "TransposedChunkError",
+    "read_many",
+    "read_mapped",
+    "read_num_records",
+]
 
 _BLOCK = 1 << 16
 _BLOCK_HEADER = 24
@@ -211,21 +217,31 @@ def _parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
 
 
 class _Footer:
-    """The parsed index of one file: plain numpy arrays and ints, cheap to pickle."""
+    """The parsed index of one file: plain numpy arrays and ints, cheap to pickle.
+
+    ``footer_head`` and ``mtime_ns`` are set on an index that did not come from the
+    file itself (a dataset's index file): the file must still have them (the 40 bytes
+    of its footer chunk's header, which hold a hash of the footer; its modification
+    time, where not 0) when a process maps it.
+    """
 
     __slots__ = (
         "chunk_ends",
         "chunk_offsets",
         "decoded_sizes",
         "file_size",
+        "footer_head",
         "footer_offset",
         "group_size",
+        "mtime_ns",
         "num_records",
         "record_offsets",
         "writer_options",
     )
 
     def __init__(self, **kw: Any) -> None:
+        self.footer_head = None
+        self.mtime_ns = 0
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -251,6 +267,10 @@ class ArrayRecordFile:
         filesystem: the fsspec filesystem to read ``path`` with (default: inferred).
         verify_checksums: verify Riegeli's HighwayHash of every chunk header and of
             the data of every chunk read (pure Python, a few MB/s: for audits).
+        footer: the file's index as a dataset's index file holds it
+            (:meth:`torchgrain.sources.node_index.ArrayRecordIndex.footer`), used
+            instead of parsing the file's footer; a local file is checked against it
+            (size, footer chunk header) when first mapped in each process.
 
     Raises:
         CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt;
@@ -279,6 +299,7 @@ class ArrayRecordFile:
         *,
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
+        footer: _Footer | None = None,
     ) -> None:
         self._url = os.fspath(path)
         if filesystem is None:
@@ -289,7 +310,7 @@ class ArrayRecordFile:
         self._path = stripped
         self._local = is_local(filesystem)
         self._verify = bool(verify_checksums)
-        self._footer: _Footer | None = None
+        self._footer: _Footer | None = footer
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -427,9 +448,32 @@ class ArrayRecordFile:
                 except BaseException:
                     fh.close()
                     raise
+                view = memoryview(mm)
+                try:
+                    self._check_given_footer(view, fh)
+                except BaseException:
+                    view.release()
+                    mm.close()
+                    fh.close()
+                    raise
                 self._file, self._mm = fh, mm
-                self._view = memoryview(mm)
+                self._view = view
             return self._view
+
+    def _check_given_footer(self, view: memoryview, fh: Any) -> None:
+        """A footer that came from a dataset's index must describe this very file."""
+        f = self._footer
+        if f is None or f.footer_head is None:
+            return
+        why = None
+        if len(view) != f.file_size:
+            why = f"it is {len(view)} bytes, the index says {f.file_size}"
+        elif f.mtime_ns and os.fstat(fh.fileno()).st_mtime_ns != f.mtime_ns:
+            why = "its modification time differs from the index's"
+        elif bytes(view[f.footer_offset : f.footer_offset + _CHUNK_HEADER]) != f.footer_head:
+            why = f"its footer (at offset {f.footer_offset}) differs from the index's"
+        if why is not None:
+            raise self._corrupt(f"the file changed after the dataset's index was made: {why}")
 
     def _zstd(self) -> zstandard.ZstdDecompressor:
         # One decompression context per thread (they are not thread-safe) and per
@@ -1489,6 +1533,86 @@ def _read_many_singles(
             file = files[j]
             flat.insert(r, file._careful_record(int(every[r]), file._footer))
     return [flat[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def read_mapped(
+    u8: np.ndarray,
+    view: memoryview,
+    pos: np.ndarray,
+    chunk_ends: np.ndarray,
+    file_ends: np.ndarray,
+    decoded: np.ndarray,
+    *,
+    decoder: ArrayRecordFile,
+    careful: Callable[[int], bytes],
+) -> list[bytes]:
+    """The records of one-record chunks of many local files, in the order given, with
+    no Python work per file: one gather of the chunks' headers, one :func:`_plan`, one
+    decompression loop for the whole batch.
+
+    ``u8`` and ``view`` are one address space holding every file, each at a 64 KiB
+    aligned base (a :class:`~torchgrain.io.region.ShardRegion`); ``pos``,
+    ``chunk_ends`` and ``file_ends`` are each chunk's start, its end (the next chunk or
+    the footer) and its file's end there, and ``decoded`` what the index says the
+    chunk decodes to. The caller has bounded them (``base + 40 <= pos < chunk_end <=
+    footer <= file_end``, ``file_end - base >= 64 KiB``), so every byte read lies in a
+    mapped file. zstd chunks are decompressed with ``decoder``'s context; uncompressed
+    ones are copied out. Chunks that are unusual (a header cut by a block boundary, an
+    empty record, another compression) or fail are read by ``careful(k)`` (row ``k``
+    of the batch), the path that checks and reports everything.
+
+    Example:
+        >>> import tempfile, os
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.array_record")
+        >>> w = ArrayRecordWriter(path, "group_size:1")
+        >>> for i in range(3):
+        ...     w.write(b"rec %d" % i)
+        >>> w.close()
+        >>> f = ArrayRecordFile(path)
+        >>> u8 = np.frombuffer(f._local_view(), np.uint8)
+        >>> c = np.array([2, 0])
+        >>> read_mapped(u8, f._local_view(), f.chunk_offsets[c], f._footer.chunk_ends[c],
+        ...             np.full(2, len(u8)), f._footer.decoded_sizes[c], decoder=f,
+        ...             careful=lambda k: f.read([int(c[k])])[0])
+        [b'rec 2', b'rec 0']
+    """
+    at = np.minimum(pos, file_ends - _HEADS)
+    heads = u8[at[:, None] + _HEAD_BYTES]
+    ok, payload, end, dec, cut = _plan(pos, heads, file_ends, chunk_ends, decoded, False)
+    if ok.all():
+        out = decoder._decompress_frames(_frames(view, payload, end, cut), dec.tolist())
+        # A frame failed: the careful path finds and names it.
+        return out if out is not None else [careful(k) for k in range(len(pos))]
+    miss = np.flatnonzero(~ok)
+    # Files written uncompressed: the same plan for raw chunks (no learning per file).
+    raw = miss[heads[miss, _CHUNK_HEADER] == _NONE]
+    raw_vals: list[bytes] = []
+    if len(raw):
+        r_ok, r_payload, r_end, _, r_cut = _plan(
+            pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
+        )
+        raw = raw[r_ok]
+        raw_vals = list(map(bytes, _frames(view, r_payload[r_ok], r_end[r_ok], r_cut[r_ok])))
+        if len(raw) == len(pos):
+            return raw_vals
+    z = np.flatnonzero(ok)
+    vals: list[Any] = []
+    if len(z):
+        vals = decoder._decompress_frames(
+            _frames(view, payload[z], end[z], cut[z]), dec[z].tolist()
+        ) or [careful(k) for k in z.tolist()]
+    if len(raw) == 0:  # zstd chunks and a few unusual ones: those take their places
+        for k in miss.tolist():  # ascending: each lands at its position
+            vals.insert(k, careful(k))
+        return vals
+    out: list[Any] = [None] * len(pos)
+    for keys, values in ((z, vals), (raw, raw_vals)):
+        for k, v in zip(keys.tolist(), values):
+            out[k] = v
+    for k in np.setdiff1d(miss, raw).tolist():
+        out[k] = careful(k)
+    return out
 
 
 def _rows_fit(file: ArrayRecordFile, f: _Footer, rows: np.ndarray, strict: bool = False) -> bool:

@@ -16,17 +16,26 @@ from torchgrain.errors import (
     DatasetNotFoundError,
     UnsafePathError,
 )
-from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_many, read_num_records
+from torchgrain.formats.arrayrecord_file import (
+    _CHUNK_HEADER,
+    ArrayRecordFile,
+    read_many,
+    read_mapped,
+    read_num_records,
+)
 from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io.fs import expand_paths, get_filesystem, is_local
+from torchgrain.io.limits import default_max_open_files
+from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
 from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
@@ -71,11 +80,24 @@ class ArrayRecordSource(EncodedSource):
             calling thread.
         retry: retry policy for remote reads and downloads (default
             :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff).
-        max_open_files: readers kept open per process (default: all; a local reader is
-            a memory map and holds no file descriptor).
+        max_open_files: shard readers (file descriptors) kept open per process, least
+            recently used closed first (default: every shard when the open-files limit
+            allows, raising the soft limit toward the hard one where that makes room,
+            else what a quarter of the limit holds; see :mod:`torchgrain.io.limits`).
+            Local batches are read through one map of all shards instead and open
+            readers only for unusual chunks.
         allow_external_paths: a manifest may name shards outside the dataset's directory
             (absolute paths, ``..``, other URLs). Off by default: a dataset from an
             untrusted place must not pull other files into your batches.
+        index_dir: where the dataset index of local shards (every chunk's offset and
+            size, see :mod:`torchgrain.sources.node_index`) is built once per machine
+            and shared by every process through the page cache, for datasets without a
+            valid ``torchgrain.tgindex`` of their own (default
+            ``<torchgrain cache>/arrayrecord-index``); ``None`` builds it in each
+            process's memory instead.
+        max_mapped_shards: local shards mapped at once per process for batch reads
+            (default: what ``vm.max_map_count`` leaves free; least recently used
+            unmapped first); ``0`` reads every batch shard by shard instead.
 
     Opening reads the manifest (one small file) or, without one, every shard's footer
     (in parallel). No file handle is kept in the object: each process opens its own
@@ -100,8 +122,6 @@ class ArrayRecordSource(EncodedSource):
         [9, 0, 5]
     """
 
-    default_max_open_files = None
-
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -118,14 +138,37 @@ class ArrayRecordSource(EncodedSource):
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
         allow_external_paths: bool = False,
+        index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
+        max_mapped_shards: int | None = None,
     ) -> None:
         cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
+        if max_mapped_shards is not None and max_mapped_shards < 0:
+            raise ValueError(f"max_mapped_shards must be >= 0, got {max_mapped_shards!r}")
+        self.max_mapped_shards = max_mapped_shards
         retry = retry or RetryPolicy()
-        manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
+        manifest, fs, files, index_entry = _resolve(
+            paths, storage_options, filesystem, allow_external_paths
+        )
+        self._dindex: ArrayRecordIndex | None = None
+        self._count_bad: np.ndarray | None = None  # shards whose files disagree with the manifest
+        self._mapped: Any = None  # this process's ShardRegion and decoder (not pickled)
         if manifest is not None:
             counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
-        elif not is_local(fs):
+        if is_local(fs) and files:
+            if index_dir is ...:
+                index_dir = default_index_dir("arrayrecord")
+            self._dindex = arrayrecord_index(
+                files,
+                index_dir=None if index_dir is None else os.fspath(index_dir),
+                counts=counts if manifest is not None else None,
+                beside=index_entry,
+            )
+            if manifest is None:
+                counts = self._dindex.counts
+            elif not np.array_equal(self._dindex.counts, counts):
+                self._count_bad = self._dindex.counts != counts
+        elif manifest is None:  # remote files without a manifest: count from footers
             counts = retry_call(
                 read_num_records,
                 files,
@@ -134,9 +177,9 @@ class ArrayRecordSource(EncodedSource):
                 policy=retry,
                 what="reading shard footers",
             )
-        else:
-            counts = read_num_records(files, filesystem=fs)
         self.manifest = manifest
+        if max_open_files is ...:
+            max_open_files = default_max_open_files(len(files))
         self._init_shards(
             filesystem=fs,
             paths=files,
@@ -163,9 +206,54 @@ class ArrayRecordSource(EncodedSource):
     def _open_reader(
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> ArrayRecordFile:
-        f = ArrayRecordFile(path, filesystem=filesystem, verify_checksums=self._verify)
-        self._check_count(shard, f)
+        ix = self._dindex
+        if ix is None or filesystem is not None or path != self._paths[shard]:
+            f = ArrayRecordFile(path, filesystem=filesystem, verify_checksums=self._verify)
+            self._check_count(shard, f)
+            return f
+        # A local shard of an indexed dataset: its footer comes from the index, and the
+        # file is checked against it now (size, footer), not parsed.
+        self._check_counts(np.array([shard]))
+        f = ArrayRecordFile(path, verify_checksums=self._verify, footer=ix.footer(shard))
+        try:
+            f._local_view()
+        except CorruptDataError as e:
+            f.close()
+            raise self._shard_changed(shard, str(e)) from None
         return f
+
+    def _shard_changed(self, shard: int, why: str) -> CorruptDataError:
+        """The error for a shard that is not the file its index describes: the count
+        error when it holds other records than the manifest lists, else the change."""
+        if self.manifest is not None:
+            f = ArrayRecordFile(self._paths[shard])
+            try:
+                self._check_count(shard, f)
+            except CorruptDataError as e:
+                return e
+            finally:
+                f.close()
+        return CorruptDataError(
+            f"shard {shard} {self._paths[shard]!r} is not the file the dataset's index "
+            f"describes ({why}); "
+            + (
+                "it was replaced after the dataset was written: rewrite the dataset"
+                if self.manifest is not None
+                else "it changed after the dataset was opened: open it again"
+            )
+        )
+
+    def _check_counts(self, shards: np.ndarray) -> None:
+        """Shards whose files hold other record counts than the manifest lists are
+        refused, with the manifest's error."""
+        bad = self._count_bad
+        if bad is not None and bad[shards].any():
+            shard = int(shards[np.flatnonzero(bad[shards])[0]])
+            f = ArrayRecordFile(self._paths[shard])
+            try:
+                self._check_count(shard, f)
+            finally:
+                f.close()
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
         return reader.for_child() if reader.has_index else None
@@ -211,8 +299,14 @@ class ArrayRecordSource(EncodedSource):
     def block_offsets(self) -> np.ndarray:
         """Global record offsets of ArrayRecord chunks (for :class:`BlockShuffleSampler`).
 
-        Starts at 0 and ends at ``len(self)``; reads every shard's footer.
+        Starts at 0 and ends at ``len(self)``; from the dataset index (local shards) or
+        every shard's footer.
         """
+        ix = self._dindex
+        if ix is not None:
+            self._check_counts(np.arange(self.num_shards))
+            owner = np.repeat(np.arange(self.num_shards), ix.num_chunks + 1)
+            return np.unique(ix.record_offsets + self.index.offsets[owner])
         parts = [np.zeros(1, dtype=np.int64)]
         for shard in range(self.num_shards):
             offs = self._reader(shard).record_offsets
@@ -243,6 +337,96 @@ class ArrayRecordSource(EncodedSource):
             shard,
             f"range read of shard {shard} (record index {index})",
         )
+
+    def _region(self) -> tuple[ShardRegion, ArrayRecordFile] | None:
+        """This process's map of the dataset's local shards (inherited through fork:
+        the maps stay valid) and a decoder; None where batches are read shard by shard."""
+        mapped = self._mapped
+        if mapped is None:
+            if self._dindex is None or self._remote or self._verify or self.max_mapped_shards == 0:
+                return None
+            try:
+                region = ShardRegion(
+                    self._paths,
+                    self._dindex.file_size,
+                    max_maps=self.max_mapped_shards,
+                    check=self._check_mapped,
+                )
+            except RegionUnavailable:
+                self._mapped = False
+                return None
+            # Only its zstd context is used: one per thread and process.
+            mapped = self._mapped = (region, ArrayRecordFile(self._paths[0]))
+        return mapped or None
+
+    def _check_mapped(self, shard: int, st: os.stat_result, view: memoryview) -> None:
+        assert self._dindex is not None
+        why = self._dindex.mismatch(shard, st, view if len(view) else None)
+        if why is not None:
+            raise self._shard_changed(shard, why)
+
+    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
+        mapped = self._region()
+        if mapped is None:
+            return None
+        ix = self._dindex
+        assert ix is not None
+        bad = self._count_bad
+        if bad is not None and bad[self.index._locate(idx)[0]].any():
+            return None  # shard by shard: the shard's error names it and the record
+        shard, row, entry, chunk = ix.chunks(idx, self.index.offsets)
+        if not ix.single:
+            recs = ix.record_offsets
+            if bool((recs[entry + 1] - recs[entry] != 1).any()):
+                return None  # chunks of several records: shard by shard, with the chunk cache
+        region, decoder = mapped
+        try:
+            base = region.acquire(shard)
+        except (CorruptDataError, FileNotFoundError):
+            return None  # a shard cannot be mapped: shard by shard, which names it
+        if base is None:
+            return None  # more shards than may be mapped at once
+        try:
+            pos = ix.offsets[entry]
+            end = ix.offsets[entry + 1]
+            # Every offset is bounded by its shard's footer before any byte is read.
+            bad = (pos < _CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets[shard])
+            if bad.any():
+                k = int(np.flatnonzero(bad)[0])
+                raise ix.error(
+                    int(shard[k]),
+                    f"chunk {int(entry[k] - ix.starts[shard[k]])} of {self._paths[shard[k]]!r} "
+                    f"at [{int(pos[k])}, {int(end[k])}) lies outside the file's chunks "
+                    f"(record index {int(idx[k])})",
+                )
+
+            def careful(k: int) -> bytes:
+                s = int(shard[k])
+                return self._read_named(s, row[k : k + 1], int(idx[k]), None)[0]
+
+            return read_mapped(
+                region.u8,
+                region.view,
+                base + pos,
+                base + end,
+                base + ix.file_size[shard],
+                ix.decoded[chunk],
+                decoder=decoder,
+                careful=careful,
+            )
+        finally:
+            region.release()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_mapped"] = None  # maps belong to one process
+        return state
+
+    def close(self) -> None:
+        super().close()
+        mapped = self._mapped
+        if mapped:
+            mapped[0].close()
 
     def _read_many(
         self, groups: list[tuple[int, np.ndarray, np.ndarray]]
@@ -296,8 +480,11 @@ def _resolve(
     storage_options: dict[str, Any] | None,
     filesystem: fsspec.AbstractFileSystem | None,
     allow_external_paths: bool,
-) -> tuple[Manifest | None, fsspec.AbstractFileSystem, list[str]]:
-    """The manifest (for a dataset directory that has one), the filesystem and the files."""
+) -> tuple[
+    Manifest | None, fsspec.AbstractFileSystem, list[str], tuple[str, dict[str, Any]] | None
+]:
+    """The manifest (for a dataset directory that has one), the filesystem, the files,
+    and the dataset's own index file with its manifest entry (when it names one)."""
     if isinstance(paths, (str, os.PathLike)):
         if filesystem is not None:
             fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
@@ -316,7 +503,12 @@ def _resolve(
                     raise DatasetNotFoundError(
                         f"shard {missing[0]!r} listed in the manifest of {where!r} does not exist"
                     )
-                return manifest, fs, files
+                entry = manifest.extra.get("index")
+                index = None
+                if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+                    # The index file is named like a shard: inside the dataset, always.
+                    index = (_shard_path(fs, root, entry["path"], where, False), entry)
+                return manifest, fs, files, index
     fs, files = expand_paths(
         paths,
         suffixes=ARRAY_RECORD_SUFFIXES,
@@ -324,7 +516,7 @@ def _resolve(
         filesystem=filesystem,
         kind="ArrayRecord",
     )
-    return None, fs, files
+    return None, fs, files, None
 
 
 def _shard_path(
