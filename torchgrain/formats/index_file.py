@@ -12,9 +12,13 @@ Layout (little-endian)::
 
     0   8   magic b"TGINDEX1"
     8   8   header length H (uint64)
-    16  H   header: JSON {"kind": str, "meta": {...},
+    16  H   header: JSON {"kind": str, "meta": {...}, "checksum": "blake2b:<hex>",
                           "arrays": [[name, dtype, shape, offset], ...]}
     ...     the arrays, at their offsets (64-byte aligned, inside the file, disjoint)
+
+``checksum`` is a BLAKE2b digest of every byte after the header: :meth:`IndexFile.verify`
+tells a damaged file (a flipped bit in an offset would send a read to another record)
+from a whole one, at the cost of reading it once.
 
 Example:
     >>> import os, tempfile
@@ -24,13 +28,14 @@ Example:
     >>> w.append("b", np.ones((1, 2), np.uint8))
     >>> w.publish({"n": 5})
     >>> f = IndexFile.open(path, "demo")
-    >>> f["a"].tolist(), f["b"].shape, f.meta
-    ([0, 1, 2, 0, 1], (1, 2), {'n': 5})
+    >>> f["a"].tolist(), f["b"].shape, f.meta, f.verify()
+    ([0, 1, 2, 0, 1], (1, 2), {'n': 5}, True)
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import json
 import mmap
@@ -69,12 +74,32 @@ class IndexFile:
         meta: dict[str, Any],
         arrays: dict[str, np.ndarray],
         identity: tuple[int, int, int],
+        mm: mmap.mmap | None = None,
+        body: int = 0,
+        checksum: str | None = None,
     ) -> None:
         self.path = path
         self.kind = kind
         self.meta = meta
         self.arrays = arrays
         self.identity = identity
+        self._mm = mm
+        self._body = body
+        self.checksum = checksum
+
+    def verify(self) -> bool:
+        """Whether the bytes after the header match the header's checksum (reads the
+        whole file once)."""
+        if self._mm is None or not isinstance(self.checksum, str):
+            return False
+        h = hashlib.blake2b(digest_size=16)
+        view = memoryview(self._mm)
+        try:
+            for a in range(self._body, len(view), _COPY):
+                h.update(view[a : a + _COPY])
+        finally:
+            view.release()
+        return self.checksum == "blake2b:" + h.hexdigest()
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.arrays[name]
@@ -124,7 +149,8 @@ class IndexFile:
                 mm.close()
             raise
         identity = (st.st_dev, st.st_ino, st.st_size)
-        return cls(path, kind, meta, arrays, identity)
+        body = _PREAMBLE.size + hlen
+        return cls(path, kind, meta, arrays, identity, mm, body, header.get("checksum"))
 
     def __repr__(self) -> str:
         return f"IndexFile({self.path!r}, kind={self.kind!r}, arrays={sorted(self.arrays)})"
@@ -188,7 +214,8 @@ class IndexFileWriter:
         self.path = os.fspath(path)
         self.kind = kind
         self._tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._columns = {}
+        self._columns: dict[str, list[Any]] = {}
+        self.checksum: str | None = None
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         base = os.path.join(directory, "." + os.path.basename(self.path))
@@ -226,26 +253,36 @@ class IndexFileWriter:
             table.append([name, dtype, [n, *trailing], 10**15])
         # Offsets depend on the header's length, which depends on the offsets' digits:
         # size the header with offsets longer than any real one.
-        header = self._header(meta, table)
+        unknown = "blake2b:" + "0" * 32  # as long as the real one, written at the end
+        header = self._header(meta, table, unknown)
         start = -(-(_PREAMBLE.size + len(header)) // _ALIGN) * _ALIGN
         pos = start
         for entry in table:
             entry[3] = pos
             nbytes = int(np.prod(entry[2])) * _DTYPES[entry[1]].itemsize
             pos = -(-(pos + nbytes) // _ALIGN) * _ALIGN
-        header = self._header(meta, table)
+        header = self._header(meta, table, unknown)
         assert _PREAMBLE.size + len(header) <= start
         tmp = self._tmp
+        h = hashlib.blake2b(digest_size=16)
         try:
             with open(tmp, "wb") as out:
                 out.write(_PREAMBLE.pack(MAGIC, len(header)))
                 out.write(header)
                 for entry, (fh, cpath, *_rest) in zip(table, self._columns.values()):
-                    out.write(b"\0" * (entry[3] - out.tell()))
+                    pad = b"\0" * (entry[3] - out.tell())
+                    out.write(pad)
+                    h.update(pad)
                     fh.close()
                     with open(cpath, "rb") as src:
                         while block := src.read(_COPY):
                             out.write(block)
+                            h.update(block)
+                self.checksum = "blake2b:" + h.hexdigest()
+                final = self._header(meta, table, self.checksum)
+                assert len(final) == len(header)
+                out.seek(_PREAMBLE.size)
+                out.write(final)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)
@@ -256,8 +293,9 @@ class IndexFileWriter:
         finally:
             self.abort()
 
-    def _header(self, meta: dict[str, Any], table: list[Any]) -> bytes:
-        return json.dumps({"kind": self.kind, "meta": meta, "arrays": table}).encode()
+    def _header(self, meta: dict[str, Any], table: list[Any], checksum: str) -> bytes:
+        doc = {"kind": self.kind, "meta": meta, "checksum": checksum, "arrays": table}
+        return json.dumps(doc).encode()
 
     def abort(self) -> None:
         """Remove the temporary column files (publishing does this too)."""

@@ -185,6 +185,10 @@ class ShardRegion:
         #: The whole region as uint8 (read-only); slot ``k`` is ``[k * slot_size, ...)``.
         self.u8 = np.frombuffer(mem, dtype=np.uint8)
         self.u8.flags.writeable = False
+        #: The region as (unaligned, overlapping) little-endian uint64 words, one
+        #: starting at every byte: gathering 8 bytes costs one element.
+        self.words = np.ndarray((max(size - 7, 0),), dtype="<u8", buffer=mem, strides=(1,))
+        self.words.flags.writeable = False
         self.view = memoryview(self.u8)
         self._check = check
         self.slot_of = np.full(n, -1, dtype=np.int64)
@@ -195,17 +199,18 @@ class ShardRegion:
         self._tick = 0
         self._inflight = 0
         self._lock = threading.Lock()
-        self._token = process.token()
+        self._generation = process.generation
 
     # ------------------------------------------------------------------ per process
     def _own(self) -> None:
-        """After a fork: the maps are inherited and valid, the lock and readers are not."""
-        if self._token != process.token():
+        """After a fork: the maps are inherited and valid, the lock and readers are not.
+        (Each fork bumps the child's generation; a spawned child never has this object.)"""
+        if self._generation != process.generation:
             with _fork_lock:
-                if self._token != process.token():
+                if self._generation != process.generation:
                     self._lock = threading.Lock()
                     self._inflight = 0
-                    self._token = process.token()
+                    self._generation = process.generation
 
     def __getstate__(self) -> None:
         raise TypeError("a ShardRegion belongs to one process and is not pickled")

@@ -413,6 +413,7 @@ class ArrayRecordSource(EncodedSource):
                 ix.decoded[chunk],
                 decoder=decoder,
                 careful=careful,
+                words=region.words,
             )
         finally:
             region.release()

@@ -33,6 +33,7 @@ ends in a rebuild or a :class:`~torchgrain.CorruptDataError`, never in other byt
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import time
@@ -43,7 +44,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.arrayrecord_file import _CHUNK_HEADER, ArrayRecordFile, _Footer
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
 from torchgrain.io.file_hash import file_checksum, verify_file_hash
@@ -67,6 +68,9 @@ COUNTERS = {"arrayrecord_builds": 0, "tfrecord_builds": 0, "verified": 0}
 INDEX_DIR_BYTES = 32 << 30
 _VERSION = 1
 _BATCH = 256  # shards whose footers are read together while building
+# Why an index directory cannot take an index (anything else is raised).
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOSPC}
+_STAMPS = "verified"  # stamps of index files whose contents were checked
 _LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
 _MIN_FILE = 1 << 16  # an ArrayRecord file holds at least its 64 KiB postscript block
 _UNREADABLE = -1  # the group size recorded for a shard that could not be indexed
@@ -528,13 +532,19 @@ def _build_lock(path: str):
 
 
 def _prune(directory: str, keep: str) -> None:
-    """Delete the least recently used index files beyond :data:`INDEX_DIR_BYTES`."""
+    """Delete the least recently used index files beyond :data:`INDEX_DIR_BYTES` (a
+    file's use is the time of its lock file, touched at each open), and stamps unused
+    for a week (a missing stamp costs one more verification)."""
     try:
         entries = []
         for e in os.scandir(directory):
             if e.name.endswith(INDEX_SUFFIX) and e.path != keep:
-                st = e.stat()
-                entries.append((st.st_mtime, st.st_size, e.path))
+                size = e.stat().st_size
+                try:
+                    used = os.stat(e.path + ".lock").st_mtime
+                except OSError:
+                    used = e.stat().st_mtime
+                entries.append((used, size, e.path))
         total = sum(size for _, size, _ in entries)
         with contextlib.suppress(OSError):
             total += os.path.getsize(keep)
@@ -546,8 +556,71 @@ def _prune(directory: str, keep: str) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(path + ".lock")
             total -= size
+        stamps = os.path.join(directory, _STAMPS)
+        old = time.time() - 7 * 86400
+        for e in os.scandir(stamps) if os.path.isdir(stamps) else ():
+            if e.stat().st_mtime < old:
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
     except OSError:
         pass
+
+
+def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | None:
+    """Where the stamp of a verified index file goes: keyed by the file's path, inode,
+    size and times (writing to a file, or setting its times, changes its ctime) and the
+    checksum it was verified against."""
+    if index_dir is None:
+        return None
+    st = os.stat(f.path)
+    if (st.st_dev, st.st_ino, st.st_size) != f.identity:
+        return None  # replaced since it was opened: verify what was opened, stamp nothing
+    item = (
+        os.path.abspath(f.path),
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        expect or f.checksum,
+    )
+    return os.path.join(index_dir, _STAMPS, _key("verified", [item]))
+
+
+def _write_stamp(stamp: str | None) -> None:
+    if stamp is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(stamp), exist_ok=True)
+            with open(stamp, "w"):
+                pass
+
+
+def _open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None = None) -> Any:
+    """Open the index file at ``path`` and check its contents once per machine: against
+    ``expect`` (a manifest's ``blake2b-file`` checksum of the whole file) or its own
+    header checksum. A stamp in ``index_dir`` remembers a verified file (see
+    :func:`_stamp`); without ``index_dir`` every open verifies.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CorruptDataError: not a valid index, or its contents fail the checksum.
+    """
+    ix = open_index(path, cls)
+    f = ix._a.file
+    stamp = _stamp(f, index_dir, expect)
+    if stamp is not None and os.path.exists(stamp):
+        with contextlib.suppress(OSError):
+            os.utime(stamp)
+        return ix
+    if expect is not None:
+        verify_file_hash(path, expect, name=f"index file {path!r}")
+    elif not f.verify():
+        raise CorruptDataError(
+            f"index file {path!r} is damaged: its contents do not match its checksum"
+        )
+    COUNTERS["verified"] += 1
+    _write_stamp(stamp)
+    return ix
 
 
 def _cached(
@@ -565,7 +638,7 @@ def _cached(
 
     def try_open() -> Any:
         try:
-            ix = open_index(path, cls)
+            ix = _open_trusted(path, cls, index_dir)
         except FileNotFoundError:
             return None
         except CorruptDataError as e:
@@ -576,7 +649,7 @@ def _cached(
             warnings.warn(f"rebuilding dataset index {path!r}: {why}", stacklevel=4)
             return None
         with contextlib.suppress(OSError):
-            os.utime(path)  # its place in the directory's LRU
+            os.utime(path + ".lock")  # its place in the directory's LRU
         return ix
 
     ix = try_open()
@@ -588,9 +661,12 @@ def _cached(
             ix = try_open()  # another process may have built it meanwhile
             if ix is None:
                 ix = build(path)
+                _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
                 _prune(index_dir, path)
         return ix
-    except PermissionError as e:
+    except OSError as e:
+        if e.errno not in _UNWRITABLE or isinstance(e, DatasetNotFoundError):
+            raise
         warnings.warn(
             f"cannot write the dataset index into {index_dir!r} ({e}); keeping it in this "
             "process's memory instead (pass index_dir= a writable directory)",
@@ -604,48 +680,9 @@ def _stats(paths: Sequence[str]) -> list[os.stat_result]:
         try:
             return os.stat(paths[i])
         except FileNotFoundError:
-            from torchgrain.errors import DatasetNotFoundError
-
             raise DatasetNotFoundError(f"shard {i} {paths[i]!r} does not exist") from None
 
     return map_files(one, len(paths), max_workers=8 if len(paths) > 256 else 1)
-
-
-def _verified(path: str, checksum: str, index_dir: str | None) -> None:
-    """Check the index file beside a dataset against its manifest's checksum, once per
-    machine: a stamp in ``index_dir`` remembers a verified file by its inode, size and
-    times (any change to the file changes its ctime).
-
-    Raises:
-        CorruptDataError: the checksum differs.
-    """
-    st = os.stat(path)
-    stamp = None
-    if index_dir is not None:
-        key = _key(
-            "verified",
-            [
-                (
-                    os.path.abspath(path),
-                    st.st_dev,
-                    st.st_ino,
-                    st.st_size,
-                    st.st_mtime_ns,
-                    st.st_ctime_ns,
-                    checksum,
-                )
-            ],
-        )
-        stamp = os.path.join(index_dir, "verified", key)
-        if os.path.exists(stamp):
-            return
-    verify_file_hash(path, checksum, name=f"index file {path!r}")
-    COUNTERS["verified"] += 1
-    if stamp is not None:
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(stamp), exist_ok=True)
-            with open(stamp, "w"):
-                pass
 
 
 def arrayrecord_index(
@@ -681,8 +718,7 @@ def arrayrecord_index(
                 raise CorruptDataError(
                     f"it is {os.path.getsize(path)} bytes, the manifest says {entry.get('num_bytes')}"
                 )
-            _verified(path, checksum, index_dir)
-            ix = open_index(path, ArrayRecordIndex)
+            ix = _open_trusted(path, ArrayRecordIndex, index_dir, checksum)
             why = agrees(ix)
             if why is not None:
                 raise CorruptDataError(why)
