@@ -93,6 +93,22 @@ def build_small(directory: str, n: int, size: int) -> str:
     return directory
 
 
+def order_file(root: str, n: int) -> str:
+    """A global-shuffle order of ``n`` records, saved once under ``root``."""
+    path = os.path.join(root, f"order-{n}.npy")
+    if not os.path.exists(path):
+        import numpy as np
+
+        sys.path.insert(0, ROOT)
+        import torchgrain as tg
+
+        os.makedirs(root, exist_ok=True)
+        perm = tg.GlobalShuffleSampler(n, seed=0, num_replicas=1, rank=0).indices(0, n)
+        np.save(path + ".tmp.npy", np.asarray(perm, np.int64))
+        os.replace(path + ".tmp.npy", path)
+    return path
+
+
 # ------------------------------------------------------------------ in a child
 def smaps() -> dict[str, int]:
     """Bytes by kind of mapping: the index file, the shards, everything else (heap)."""
@@ -135,9 +151,9 @@ def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, args.import_from)
     import torchgrain as tg
 
-    # The order first: making it allocates (and the allocator keeps) far more than the
-    # index, which is what the memory rows measure.
-    perm = tg.GlobalShuffleSampler(args.n, seed=0, num_replicas=1, rank=0).indices(0, args.n)
+    # The order, made once by the parent, mapped (making it here would allocate far more
+    # than the index the memory rows measure, and take seconds).
+    perm = np.load(order_file(args.dir_root, args.n), mmap_mode="r")
     mem0 = smaps()
     t0 = time.perf_counter()
     if args.variant == "memory":
@@ -217,6 +233,7 @@ def run_child(import_from: str, variant: str, directory: str, mode: str, **kw) -
         "--mode",
         mode,
     ]
+    kw.setdefault("dir_root", os.path.dirname(directory))
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = dict(os.environ, PYTHONPATH=import_from)
@@ -247,6 +264,8 @@ def node(import_from: str, directory: str, procs: int, n: int) -> dict:
         "1",
         "--n",
         str(n),
+        "--dir-root",
+        os.path.dirname(directory),
     ]
     env = dict(os.environ, PYTHONPATH=import_from)
     ps = [
@@ -294,6 +313,7 @@ def main() -> None:
     p.add_argument("--hold", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--codec", default="raw", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--dir-root", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         args.variant = args.child
@@ -321,6 +341,7 @@ def scale(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         dirs[s] = build(os.path.join(args.dir, f"n{args.records}-s{s}"), args.records, s)
         print(f"data: {s} shards ready ({time.perf_counter() - t0:.0f} s)", flush=True)
+    order_file(args.dir, args.records)
     variants = {"mapped": ROOT, "memory": ROOT}
     if args.base:
         variants["base"] = args.base
@@ -399,6 +420,8 @@ def ab(args: argparse.Namespace) -> dict:
         "16B x 1.6M, 8 shards": build(os.path.join(args.dir, "ab-8"), 1_600_000, 8),
     }
     sizes = {"1KiB x 100k, 1 shard": 100_000, "100KiB x 2k, 1 shard": 2_000}
+    for n in (*sizes.values(), 1_600_000):
+        order_file(args.dir, n)
     times: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         order = [("this", ROOT), ("base", args.base)]

@@ -639,7 +639,7 @@ def _cached(
     def try_open() -> Any:
         try:
             ix = _open_trusted(path, cls, index_dir)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except CorruptDataError as e:
             warnings.warn(f"rebuilding a damaged dataset index: {e}", stacklevel=4)
