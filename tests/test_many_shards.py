@@ -33,6 +33,7 @@ from torchgrain.formats.index_file import IndexFile, IndexFileWriter
 from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import limits
 from torchgrain.io.region import supported
+from torchgrain.sources import node_index
 from torchgrain.sources.node_index import COUNTERS, INDEX_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -278,6 +279,68 @@ def test_an_index_beside_the_shards_that_fails_its_checksum_is_not_used(tmp_path
     assert [r["i"] for r in src.__getitems__(list(range(29, -1, -1)))] == list(range(29, -1, -1))
 
 
+@needs_region
+def test_a_region_refuses_a_file_of_another_size(tmp_path):
+    from torchgrain.io.region import ShardRegion
+
+    paths = write_foreign(tmp_path / "ds", [3, 4000])
+    sizes = np.array([os.path.getsize(p) for p in paths])
+    region = ShardRegion(paths, sizes[::-1].copy())  # each size recorded for the other file
+    with pytest.raises(CorruptDataError, match=r"part-00000.*its index says"):
+        region.acquire(np.array([0]))
+    assert region.mapped == 0
+
+
+def test_a_reader_given_an_index_refuses_a_file_it_does_not_describe(tmp_path):
+    from torchgrain.formats.arrayrecord_file import ArrayRecordFile
+
+    a, b = write_foreign(tmp_path / "ds", [5, 5])
+    write_foreign(tmp_path / "other", [7])
+    ix = node_index.build_arrayrecord_index([a, b])
+    assert ArrayRecordFile(b, footer=ix.footer(1)).read([4]) == [record(1, 4)]
+    other = str(tmp_path / "other" / "part-00000.array_record")
+    with pytest.raises(CorruptDataError, match="changed after the dataset's index was made"):
+        ArrayRecordFile(other, footer=ix.footer(1)).read([4])
+
+
+def test_the_index_tells_a_replaced_shard_from_the_one_it_describes(tmp_path):
+    a, b = write_foreign(tmp_path / "ds", [5, 4000])
+    ix = node_index.build_arrayrecord_index([a, b], mtimes=[os.stat(a).st_mtime_ns, 0])
+    with open(a, "rb") as f:
+        view = memoryview(f.read())
+    assert ix.mismatch(0, os.stat(a), view) is None
+    assert "bytes" in ix.mismatch(1, os.stat(a), view)  # another size than shard 1's
+    (c,) = write_foreign(tmp_path / "c", [6])  # as long a file, another footer
+    with open(c, "rb") as f:
+        other = f.read()
+    assert len(other) == len(view)
+    assert "footer" in ix.mismatch(0, os.stat(a), memoryview(other))
+    os.utime(a, ns=(1, 1))
+    assert "modification time" in ix.mismatch(0, os.stat(a), view)
+
+
+def test_a_cached_index_of_other_files_under_the_right_name_is_rebuilt(tmp_path):
+    write_foreign(tmp_path / "a", [5, 5])
+    write_foreign(tmp_path / "b", [6, 6])
+    tg.ArrayRecordSource(tmp_path / "a", codec="raw", index_dir=tmp_path / "ia")
+    tg.ArrayRecordSource(tmp_path / "b", codec="raw", index_dir=tmp_path / "ib")
+    shutil.copy(_cached_index(tmp_path / "ia"), _cached_index(tmp_path / "ib"))
+    with pytest.warns(UserWarning, match="made for other files"):
+        src = tg.ArrayRecordSource(tmp_path / "b", codec="raw", index_dir=tmp_path / "ib")
+    assert raw(src, list(range(12))) == expected([6, 6])
+
+
+def test_an_index_file_replaced_after_the_dataset_was_opened_is_refused(tmp_path):
+    write_foreign(tmp_path / "ds", [5, 5])
+    src = tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=tmp_path / "i")
+    blob = pickle.dumps(src)
+    path = src._dindex.path
+    shutil.copy(path, path + ".copy")
+    os.replace(path + ".copy", path)  # the same bytes, another file
+    with pytest.raises(CorruptDataError, match="replaced after the dataset was opened"):
+        pickle.loads(blob)
+
+
 def _cached_index(idx_dir) -> str:
     (name,) = [n for n in os.listdir(idx_dir) if n.endswith(".tgindex")]
     return os.path.join(idx_dir, name)
@@ -335,7 +398,7 @@ def test_index_offsets_out_of_range_raise_naming_the_index_and_record(tmp_path, 
     idx = tmp_path / "idx"
     src = tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=idx)
     path = _cached_index(idx)
-    entry = int(src._dindex.starts[1]) + 2  # record 2 of shard 1: index 8
+    entry = int(src._dindex.starts(1)) + 2  # record 2 of shard 1: index 8
 
     def change(a):
         a["offsets"][entry] = {

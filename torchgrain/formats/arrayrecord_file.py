@@ -116,6 +116,18 @@ class _ChunkDecodeError(ValueError):
     """Internal: bytes failed a check; re-raised as CorruptDataError naming file and chunk."""
 
 
+_SHARED = threading.local()  # per thread: the decompression context readers share
+
+
+def _thread_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompression context (a new one after a fork)."""
+    token = process.token()
+    if getattr(_SHARED, "token", None) != token:
+        _SHARED.zstd = zstandard.ZstdDecompressor()
+        _SHARED.token = token
+    return _SHARED.zstd
+
+
 def _phys_end(pos: int, size: int) -> int:
     """Physical end of ``size`` logical bytes starting at physical ``pos``.
 
@@ -478,13 +490,34 @@ class ArrayRecordFile:
 
     def _zstd(self) -> zstandard.ZstdDecompressor:
         # One decompression context per thread (they are not thread-safe) and per
-        # process (``_reset_handles`` replaces the thread-local store after fork).
+        # process (``_reset_handles`` replaces the thread-local store after fork),
+        # shared by every reader of the thread: a context holds tens of KiB, and a
+        # process may read thousands of files.
         if self._token != process.token():
             self._reset_handles()
         d = getattr(self._tls, "zstd", None)
         if d is None:
-            d = self._tls.zstd = zstandard.ZstdDecompressor()
+            d = self._tls.zstd = _thread_decompressor()
         return d
+
+    @classmethod
+    def _over(
+        cls, view: memoryview, url: str, footer: _Footer, like: ArrayRecordFile
+    ) -> ArrayRecordFile:
+        """A reader of a file another object keeps mapped (``view``, valid while it is
+        used), with its index given: for reading a few chunks carefully, with no handle
+        of its own; ``like``'s decompression contexts are used."""
+        new = cls.__new__(cls)
+        new._url = new._path = url
+        new._fs = None
+        new._local = True
+        new._verify = False
+        new._footer = footer
+        new._lock = threading.RLock()
+        new._reset_handles()
+        new._view = view
+        new._tls = like._tls if like._token == new._token else new._tls
+        return new
 
     # ------------------------------------------------------------------ raw bytes
     def _fetch(self, ranges: list[tuple[int, int]]) -> list[memoryview]:

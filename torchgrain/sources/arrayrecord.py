@@ -177,7 +177,9 @@ class ArrayRecordSource(EncodedSource):
                 policy=retry,
                 what="reading shard footers",
             )
-        self.manifest = manifest
+        self._manifest = manifest
+        self._has_manifest = manifest is not None
+        self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if manifest is not None else None
         if max_open_files is ...:
             max_open_files = default_max_open_files(len(files))
         self._init_shards(
@@ -225,7 +227,7 @@ class ArrayRecordSource(EncodedSource):
     def _shard_changed(self, shard: int, why: str) -> CorruptDataError:
         """The error for a shard that is not the file its index describes: the count
         error when it holds other records than the manifest lists, else the change."""
-        if self.manifest is not None:
+        if self._has_manifest:
             f = ArrayRecordFile(self._paths[shard])
             try:
                 self._check_count(shard, f)
@@ -238,7 +240,7 @@ class ArrayRecordSource(EncodedSource):
             f"describes ({why}); "
             + (
                 "it was replaced after the dataset was written: rewrite the dataset"
-                if self.manifest is not None
+                if self._has_manifest
                 else "it changed after the dataset was opened: open it again"
             )
         )
@@ -263,7 +265,7 @@ class ArrayRecordSource(EncodedSource):
 
     def _check_count(self, shard: int, f: ArrayRecordFile) -> None:
         """A shard must hold exactly the records the manifest promised (none skipped)."""
-        if self.manifest is None:
+        if not self._has_manifest:
             return
         expected = int(self.index.counts[shard])
         n = f.num_records
@@ -277,7 +279,8 @@ class ArrayRecordSource(EncodedSource):
             )
 
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
-        info = self.manifest.shards[shard] if self.manifest is not None else None
+        manifest = self.manifest
+        info = manifest.shards[shard] if manifest is not None else None
         if info is None:
             return None, None
         # A downloaded copy is checked against the file's own hash where the manifest
@@ -305,7 +308,7 @@ class ArrayRecordSource(EncodedSource):
         ix = self._dindex
         if ix is not None:
             self._check_counts(np.arange(self.num_shards))
-            owner = np.repeat(np.arange(self.num_shards), ix.num_chunks + 1)
+            owner = np.repeat(np.arange(self.num_shards), np.diff(ix.chunk_base) + 1)
             return np.unique(ix.record_offsets + self.index.offsets[owner])
         parts = [np.zeros(1, dtype=np.int64)]
         for shard in range(self.num_shards):
@@ -374,7 +377,7 @@ class ArrayRecordSource(EncodedSource):
         bad = self._count_bad
         if bad is not None and bad[self.index._locate(idx)[0]].any():
             return None  # shard by shard: the shard's error names it and the record
-        shard, row, entry, chunk = ix.chunks(idx, self.index.offsets)
+        shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
         if not ix.single:
             recs = ix.record_offsets
             if bool((recs[entry + 1] - recs[entry] != 1).any()):
@@ -389,27 +392,39 @@ class ArrayRecordSource(EncodedSource):
         try:
             pos = ix.offsets[entry]
             end = ix.offsets[entry + 1]
+            size = ix.file_size[shard]
             # Every offset is bounded by its shard's footer before any byte is read.
-            bad = (pos < _CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets[shard])
+            bad = (pos < _CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets(shard))
             if bad.any():
                 k = int(np.flatnonzero(bad)[0])
                 raise ix.error(
                     int(shard[k]),
-                    f"chunk {int(entry[k] - ix.starts[shard[k]])} of {self._paths[shard[k]]!r} "
+                    f"chunk {int(entry[k] - ix.starts(shard[k]))} of {self._paths[shard[k]]!r} "
                     f"at [{int(pos[k])}, {int(end[k])}) lies outside the file's chunks "
                     f"(record index {int(idx[k])})",
                 )
 
             def careful(k: int) -> bytes:
+                # The path that checks and reports everything, over the mapped shard:
+                # no reader (and no descriptor, map or context) per shard.
                 s = int(shard[k])
-                return self._read_named(s, row[k : k + 1], int(idx[k]), None)[0]
+                at = int(base[k])
+                f = ArrayRecordFile._over(
+                    region.view[at : at + int(size[k])], self._paths[s], ix.footer(s), decoder
+                )
+                try:
+                    return f._careful_record(int(entry[k] - ix.starts(s)), f._footer)
+                except CorruptDataError as e:
+                    raise type(e)(
+                        f"{e} (shard {s} of {self.num_shards}, reading record index {int(idx[k])})"
+                    ) from e
 
             return read_mapped(
                 region.u8,
                 region.view,
                 base + pos,
                 base + end,
-                base + ix.file_size[shard],
+                base + size,
                 ix.decoded[chunk],
                 decoder=decoder,
                 careful=careful,
@@ -418,9 +433,20 @@ class ArrayRecordSource(EncodedSource):
         finally:
             region.release()
 
+    @property
+    def manifest(self) -> Manifest | None:
+        """The dataset's ``torchgrain.json`` (None for files without one). A worker that
+        received the source pickled reads it again on first use: its shard list costs
+        every process hundreds of bytes per shard."""
+        if self._manifest is None and self._has_manifest:
+            self._manifest = read_manifest(self._fs, self._manifest_dir)
+        return self._manifest
+
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_mapped"] = None  # maps belong to one process
+        if self._dindex is not None:  # local: the index holds what reading needs
+            state["_manifest"] = None
         return state
 
     def close(self) -> None:

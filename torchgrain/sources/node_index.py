@@ -247,13 +247,30 @@ class ArrayRecordIndex:
         single = meta.get("single")
         if single is not bool(np.array_equal(nchunks, counts)):
             raise _bad(where, "its one-record-per-chunk flag disagrees with its counts")
-        self.counts = counts
-        self.num_chunks = nchunks
-        self.footer_offsets = foot  # a private copy of S values
-        self.starts = starts
+        # Nothing per shard is kept beyond the mapped arrays: with 10,000 shards, every
+        # private array of them costs every process 80 KB.
         #: Every chunk of the dataset holds exactly one record (files written with
         #: ``group_size:1``): a record's chunk is found without a search.
         self.single = single
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Records per shard (a new array)."""
+        return np.diff(self.rec_base)
+
+    @property
+    def num_chunks(self) -> np.ndarray:
+        """Chunks per shard (a new array)."""
+        return np.diff(self.chunk_base)
+
+    def starts(self, shard: Any) -> Any:
+        """Entry in :attr:`offsets` and :attr:`record_offsets` of the first chunk of
+        ``shard`` (an int or an array of them)."""
+        return self.chunk_base[shard] + shard
+
+    def footer_offsets(self, shard: Any) -> Any:
+        """Where the footer of ``shard`` (an int or an array of them) begins."""
+        return self.offsets[self.chunk_base[shard + 1] + shard]
 
     @property
     def path(self) -> str | None:
@@ -294,28 +311,31 @@ class ArrayRecordIndex:
         else:
             shard = np.searchsorted(rec_base, idx, side="right") - 1
             row = idx - rec_base[shard]
+        first_chunk = self.chunk_base[shard]
         if self.single:
             chunk = row
         else:
             gs = self.group_size[shard]
             chunk = row // np.maximum(gs, 1)
+            nchunks = self.chunk_base[shard + 1] - first_chunk
             odd = np.flatnonzero(gs == 0)
             if len(odd):  # chunks of varying sizes: a search within each such shard
                 for s in np.unique(shard[odd]).tolist():
                     at = odd[shard[odd] == s]
-                    a = int(self.starts[s])
-                    recs = self.record_offsets[a : a + int(self.num_chunks[s]) + 1]
+                    a = int(self.starts(s))
+                    n = int(self.chunk_base[s + 1] - self.chunk_base[s])
+                    recs = self.record_offsets[a : a + n + 1]
                     chunk[at] = np.searchsorted(recs, row[at], side="right") - 1
             # Bounds before use: the chunk exists and holds the row.
-            entry = self.starts[shard] + chunk
-            bad = (chunk < 0) | (chunk >= self.num_chunks[shard])
+            entry = first_chunk + shard + chunk
+            bad = (chunk < 0) | (chunk >= nchunks)
             if not bad.any():
                 first = self.record_offsets[entry]
                 bad = (first > row) | (self.record_offsets[entry + 1] <= row)
             if bad.any():
                 k = int(np.flatnonzero(bad)[0])
                 raise self.error(int(shard[k]), f"places record {int(row[k])} in no chunk")
-        return shard, row, self.starts[shard] + chunk, self.chunk_base[shard] + chunk
+        return shard, row, first_chunk + shard + chunk, first_chunk + chunk
 
     def error(self, shard: int, msg: str) -> CorruptDataError:
         where = f"index file {self.path!r}" if self.path else "the dataset's index"
@@ -327,17 +347,17 @@ class ArrayRecordIndex:
     def footer(self, shard: int) -> _Footer:
         """Shard ``shard``'s index as :class:`ArrayRecordFile` takes it (views of the
         index's arrays: nothing copied per record)."""
-        a = int(self.starts[shard])
-        n = int(self.num_chunks[shard])
         g = int(self.chunk_base[shard])
+        a = g + shard
+        n = int(self.chunk_base[shard + 1]) - g
         return _Footer(
             chunk_offsets=self.offsets[a : a + n],
             chunk_ends=self.offsets[a + 1 : a + n + 1],
             decoded_sizes=self.decoded[g : g + n],
             record_offsets=self.record_offsets[a : a + n + 1],
-            num_records=int(self.counts[shard]),
+            num_records=int(self.rec_base[shard + 1] - self.rec_base[shard]),
             writer_options="",
-            footer_offset=int(self.footer_offsets[shard]),
+            footer_offset=int(self.offsets[a + n]),
             file_size=int(self.file_size[shard]),
             group_size=int(self.group_size[shard]),
             footer_head=self.footer_head[shard].tobytes(),
@@ -354,7 +374,7 @@ class ArrayRecordIndex:
         if mtime and st.st_mtime_ns != mtime:
             return "its modification time differs from the index's"
         if view is not None and len(view) == size:
-            fo = int(self.footer_offsets[shard])
+            fo = int(self.footer_offsets(shard))
             if bytes(view[fo : fo + _CHUNK_HEADER]) != self.footer_head[shard].tobytes():
                 return f"its footer (at offset {fo}) differs from the index's"
         return None
@@ -403,12 +423,14 @@ def build_arrayrecord_index(
     mtimes: Sequence[int] | None = None,
     out: str | None = None,
     tolerate: bool = False,
+    key: str | None = None,
 ) -> ArrayRecordIndex:
     """Read the footers of ``paths`` (in parallel threads) into a dataset index: a file
     published atomically at ``out``, or arrays in memory. ``mtimes`` (nanoseconds) are
     recorded to be checked when the files are mapped (None: not checked). With
     ``tolerate`` (the record counts are known from elsewhere), a shard that cannot be
-    read is indexed as holding nothing: its error is raised when it is read.
+    read is indexed as holding nothing: its error is raised when it is read. ``key``
+    (what the files are: paths, sizes, times) is recorded for :func:`arrayrecord_index`.
 
     Raises:
         CorruptDataError: a shard is not a readable ArrayRecord file (named).
@@ -462,6 +484,7 @@ def build_arrayrecord_index(
             "num_records": int(counts.sum()),
             "num_chunks": int(nchunks.sum()),
             "single": bool(np.array_equal(counts, nchunks)),
+            "key": key,
         }
         COUNTERS["arrayrecord_builds"] += 1
         if out is None:
@@ -732,28 +755,30 @@ def arrayrecord_index(
     stats = _stats(paths)
     mtimes = [st.st_mtime_ns for st in stats]
 
+    key = _key(
+        "array_record",
+        [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in zip(paths, stats)],
+    )
+
     def build(out: str | None) -> ArrayRecordIndex:
-        return build_arrayrecord_index(paths, mtimes=mtimes, out=out, tolerate=counts is not None)
+        return build_arrayrecord_index(
+            paths, mtimes=mtimes, out=out, tolerate=counts is not None, key=key
+        )
 
     if index_dir is None:
         return build(None)
     sizes = np.array([st.st_size for st in stats], np.int64)
 
     def fits(ix: ArrayRecordIndex) -> str | None:
+        if ix._a.meta.get("key") != key:  # a file under another's name
+            return "it was made for other files"
         if ix.num_shards != len(paths) or not np.array_equal(ix.file_size, sizes):
             return "it describes other files"
         if not np.array_equal(ix.mtime_ns, np.asarray(mtimes, np.int64)):
             return "it describes other versions of the files"
         return None  # counts: a manifest that disagrees with the shards is checked later
 
-    name = (
-        "arrayrecord-"
-        + _key(
-            "array_record",
-            [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in zip(paths, stats)],
-        )
-        + INDEX_SUFFIX
-    )
+    name = "arrayrecord-" + key + INDEX_SUFFIX
     return _cached(os.fspath(index_dir), name, ArrayRecordIndex, build, fits)
 
 
@@ -831,6 +856,7 @@ def tfrecord_index(
     (in memory when None)."""
     s = len(paths)
     sizes = np.array([size for size, _ in infos], np.int64)
+    key = _key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
 
     def build(out: str | None) -> TFRecordIndex:
         sink: Any = (
@@ -851,7 +877,12 @@ def tfrecord_index(
             sink.append("file_size", sizes)
             sink.append("mtime_ns", np.zeros(s, np.int64))
             sink.append("compressed", np.asarray(compressed, np.int64))
-            meta = {"version": _VERSION, "num_shards": s, "num_records": int(counts.sum())}
+            meta = {
+                "version": _VERSION,
+                "num_shards": s,
+                "num_records": int(counts.sum()),
+                "key": key,
+            }
             COUNTERS["tfrecord_builds"] += 1
             if out is None:
                 return TFRecordIndex(sink.arrays(meta))
@@ -865,15 +896,13 @@ def tfrecord_index(
         return build(None)
 
     def fits(ix: TFRecordIndex) -> str | None:
+        if ix._a.meta.get("key") != key:  # a file under another's name
+            return "it was made for other files"
         if ix.num_shards != s or not np.array_equal(ix.file_size, sizes):
             return "it describes other files"
         if not np.array_equal(ix.compressed != 0, np.asarray(compressed, bool)):
             return "it describes other files"
         return None
 
-    name = (
-        "tfrecord-"
-        + _key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
-        + INDEX_SUFFIX
-    )
+    name = "tfrecord-" + key + INDEX_SUFFIX
     return _cached(os.fspath(index_dir), name, TFRecordIndex, build, fits)
