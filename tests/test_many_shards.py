@@ -374,6 +374,48 @@ def test_random_damage_to_a_cached_index_never_yields_other_bytes(tmp_path_facto
     assert raw(src, list(range(len(src)))) == expected(counts)
 
 
+def _swap_two_offsets(arrays, shard=0, a=10, b=33):
+    """Records a and b of ``shard`` are as long (see :func:`record`): swapping their
+    chunks' offsets gives an index every per-read check accepts, and other bytes."""
+    at = int(arrays["chunk_base"][shard]) + shard
+    off = arrays["offsets"]
+    off[at + a], off[at + b] = int(off[at + b]), int(off[at + a])
+
+
+def test_swapped_offsets_in_a_cached_index_are_caught_by_its_checksum(tmp_path):
+    assert len(record(0, 10)) == len(record(0, 33))
+    counts = [40, 3]
+    write_foreign(tmp_path / "ds", counts)
+    idx = tmp_path / "idx"
+    tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=idx)
+    path = _cached_index(idx)
+    f = IndexFile.open(path, "array_record")
+    arrays = {"offsets": np.array(f["offsets"]), "chunk_base": f["chunk_base"]}
+    _swap_two_offsets(arrays)
+    (where,) = [
+        e[3]
+        for e in json.loads(open(path, "rb").read()[16:][: f._body - 16])["arrays"]
+        if e[0] == "offsets"
+    ]
+    with open(path, "r+b") as out:  # the bytes changed in place, the header left as it was
+        out.seek(where)
+        out.write(arrays["offsets"].astype("<i8").tobytes())
+    with pytest.warns(UserWarning, match="do not match its checksum"):
+        src = tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=idx)
+    assert raw(src, [10, 33]) == [record(0, 10), record(0, 33)]
+
+
+def test_a_forged_index_beside_the_shards_is_caught_by_the_manifest_checksum(tmp_path):
+    recs = [{"i": i, "pad": b"x" * (i % 23)} for i in range(40)]
+    tg.write_array_record(recs, tmp_path / "ds", num_shards=1)
+    path = str(tmp_path / "ds" / INDEX_NAME)
+    _forge_index(path, _swap_two_offsets)  # well formed, its own checksum valid
+    assert IndexFile.open(path, "array_record").verify()
+    with pytest.warns(UserWarning, match="not using the dataset's index file"):
+        src = tg.ArrayRecordSource(tmp_path / "ds", index_dir=tmp_path / "idx")
+    assert [r["i"] for r in src.__getitems__([10, 33])] == [10, 33]
+
+
 def _forge_index(path, change) -> None:
     """Rewrite index file ``path`` with ``change(arrays)`` applied, as a well-formed file
     with a valid checksum (what a hostile writer would make)."""
