@@ -392,11 +392,9 @@ def test_swapped_offsets_in_a_cached_index_are_caught_by_its_checksum(tmp_path):
     f = IndexFile.open(path, "array_record")
     arrays = {"offsets": np.array(f["offsets"]), "chunk_base": f["chunk_base"]}
     _swap_two_offsets(arrays)
-    (where,) = [
-        e[3]
-        for e in json.loads(open(path, "rb").read()[16:][: f._body - 16])["arrays"]
-        if e[0] == "offsets"
-    ]
+    with open(path, "rb") as fh:
+        header = json.loads(fh.read(f._body)[16:])
+    (where,) = [e[3] for e in header["arrays"] if e[0] == "offsets"]
     with open(path, "r+b") as out:  # the bytes changed in place, the header left as it was
         out.seek(where)
         out.write(arrays["offsets"].astype("<i8").tobytes())
