@@ -457,6 +457,23 @@ def test_index_offsets_out_of_range_raise_naming_the_index_and_record(tmp_path, 
         src[8]
 
 
+def test_an_index_that_places_a_record_in_the_wrong_chunk_is_refused(tmp_path):
+    counts = [9, 9]
+    write_foreign(tmp_path / "ds", counts, options="group_size:3")
+    idx = tmp_path / "idx"
+    src = tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=idx)
+    assert raw(src, [16, 1]) == [record(1, 7), record(0, 1)]
+
+    def change(a):
+        a["group_size"][1] = 2  # chunks of 3 records said to hold 2
+
+    _forge_index(_cached_index(idx), change)
+    src = tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=idx)
+    assert raw(src, [1]) == [record(0, 1)]
+    with pytest.raises(CorruptDataError, match=r"shard 1: places record 7 in no chunk"):
+        raw(src, [16])
+
+
 def test_an_index_whose_counts_disagree_with_its_entries_is_rebuilt(tmp_path):
     counts = [6, 6]
     write_foreign(tmp_path / "ds", counts)
