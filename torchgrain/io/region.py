@@ -191,10 +191,10 @@ class ShardRegion:
         self.words.flags.writeable = False
         self.view = memoryview(self.u8)
         self._check = check
-        # Per shard and slot: 4 + 12 bytes (what a process keeps per shard).
+        # Per shard and slot: 4 + 8 bytes (what a process keeps per shard).
         self.slot_of = np.full(n, -1, dtype=np.int32)
         self.owner = np.full(slots, -1, dtype=np.int32)
-        self.used = np.zeros(slots, dtype=np.int64)
+        self.used = np.zeros(slots, dtype=np.uint32)  # the batch that last used a slot
         self.mapped = 0
         self.maps_done = 0  # shards mapped by this process (a counter for tests and stats)
         self._tick = 0
@@ -232,6 +232,9 @@ class ShardRegion:
                     return None
                 slots = self.slot_of[shards]
             self._tick += 1
+            if self._tick >= 1 << 32:  # start the clock again, keeping the order
+                self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
+                self._tick = int(self.used.max()) + 1
             self.used[slots] = self._tick
             self._inflight += 1
         return slots * np.int64(self.slot_size)

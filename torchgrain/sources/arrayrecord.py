@@ -27,7 +27,7 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
-from torchgrain.io.fs import expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import ShardPaths, expand_paths, get_filesystem, is_local
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -35,6 +35,7 @@ from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
 from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
@@ -181,10 +182,11 @@ class ArrayRecordSource(EncodedSource):
         self._has_manifest = manifest is not None
         self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if manifest is not None else None
         if max_open_files is ...:
-            max_open_files = default_max_open_files(len(files))
+            # Local readers hold two descriptors each (the file, its map); remote ones none.
+            max_open_files = default_max_open_files(len(files)) if is_local(fs) else None
         self._init_shards(
             filesystem=fs,
-            paths=files,
+            paths=ShardPaths(files),
             counts=counts,
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
@@ -203,6 +205,16 @@ class ArrayRecordSource(EncodedSource):
         self._schema: dict[str, str] | None = (
             dict(manifest.schema) if manifest is not None and manifest.schema else None
         )
+        if self._dindex is not None:
+            self._share_index()
+            # What reading needs of the manifest is in the index: its shard list (hundreds
+            # of bytes per shard in every process) is read again only if asked for.
+            self._manifest = None
+
+    def _share_index(self) -> None:
+        """Record offsets per shard from the mapped index, not a private copy."""
+        if self._dindex is not None and self._count_bad is None:
+            self.index = ShardIndex.from_offsets(self._dindex.rec_base)
 
     # ----------------------------------------------------------------- readers
     def _open_reader(
@@ -447,7 +459,14 @@ class ArrayRecordSource(EncodedSource):
         state["_mapped"] = None  # maps belong to one process
         if self._dindex is not None:  # local: the index holds what reading needs
             state["_manifest"] = None
+            if self._count_bad is None:
+                state["index"] = None  # the mapped index's, after unpickling
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.index is None:
+            self._share_index()
 
     def close(self) -> None:
         super().close()
