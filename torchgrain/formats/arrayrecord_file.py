@@ -116,6 +116,17 @@ class _ChunkDecodeError(ValueError):
     """Internal: bytes failed a check; re-raised as CorruptDataError naming file and chunk."""
 
 
+def _fast_views(f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    """memoryviews over an index's arrays: indexing one gives a Python int several times
+    faster than indexing the numpy array (the hot path reads 4 per chunk)."""
+    return (
+        memoryview(f.chunk_offsets),
+        memoryview(f.chunk_ends),
+        memoryview(f.decoded_sizes),
+        memoryview(f.record_offsets),
+    )
+
+
 _SHARED = threading.local()  # per thread: the decompression context readers share
 
 
@@ -502,21 +513,38 @@ class ArrayRecordFile:
 
     @classmethod
     def _over(
-        cls, view: memoryview, url: str, footer: _Footer, like: ArrayRecordFile
+        cls,
+        view: memoryview,
+        url: str,
+        footer: _Footer,
+        like: ArrayRecordFile,
+        fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None,
     ) -> ArrayRecordFile:
         """A reader of a file another object keeps mapped (``view``, valid while it is
-        used), with its index given: for reading a few chunks carefully, with no handle
-        of its own; ``like``'s decompression contexts are used."""
+        used), with its index given (and ``fast``, what :meth:`_fast_index` made of it
+        before): for reading a few chunks, with no handle of its own; ``like``'s
+        decompression contexts are used."""
+        like._zstd()  # ``like`` of this process, with this thread's context
         new = cls.__new__(cls)
-        new._url = new._path = url
-        new._fs = None
-        new._local = True
-        new._verify = False
-        new._footer = footer
-        new._lock = threading.RLock()
-        new._reset_handles()
-        new._view = view
-        new._tls = like._tls if like._token == new._token else new._tls
+        new.__dict__.update(
+            _url=url,
+            _path=url,
+            _fs=None,
+            _local=True,
+            _verify=False,
+            _footer=footer,
+            _lock=like._lock,  # never taken: the footer is given, the view made
+            _token=like._token,
+            _file=None,
+            _mm=None,
+            _view=view,
+            _tls=like._tls,
+            _fast=fast,
+            _u8=None,
+            _raw_chunks=None,
+            _layout_misses=0,
+            _u8_view=None,
+        )
         return new
 
     # ------------------------------------------------------------------ raw bytes
@@ -711,12 +739,7 @@ class ArrayRecordFile:
     def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
         fast = self._fast
         if fast is None:
-            fast = self._fast = (
-                memoryview(f.chunk_offsets),
-                memoryview(f.chunk_ends),
-                memoryview(f.decoded_sizes),
-                memoryview(f.record_offsets),
-            )
+            fast = self._fast = _fast_views(f)
         return fast
 
     def _zstd_single(self, view: memoryview, start: int, end: int, decoded: int) -> Any:

@@ -239,6 +239,23 @@ class ShardRegion:
             self._inflight += 1
         return slots * np.int64(self.slot_size)
 
+    def acquire_one(self, shard: int) -> int | None:
+        """:meth:`acquire` for one shard: the offset of its slot, or None."""
+        self._own()
+        with self._lock:
+            k = int(self.slot_of[shard])
+            if k < 0:
+                if not self._map_missing(np.array([shard]), np.array([shard])):
+                    return None
+                k = int(self.slot_of[shard])
+            self._tick += 1
+            if self._tick >= 1 << 32:
+                self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
+                self._tick = int(self.used.max()) + 1
+            self.used[k] = self._tick
+            self._inflight += 1
+        return k * self.slot_size
+
     def release(self) -> None:
         """End a read begun by a non-None :meth:`acquire`."""
         with self._lock:

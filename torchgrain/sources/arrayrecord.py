@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import warnings
@@ -19,6 +20,7 @@ from torchgrain.errors import (
 from torchgrain.formats.arrayrecord_file import (
     _CHUNK_HEADER,
     ArrayRecordFile,
+    _fast_views,
     read_many,
     read_mapped,
     read_num_records,
@@ -42,6 +44,7 @@ __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 _SEQUENTIAL_BLOCK = 1024  # records per read when reading a shard in order
+_FOOTERS = 256  # shards whose index views a process keeps for single-record reads
 
 
 class ArrayRecordSource(EncodedSource):
@@ -353,7 +356,7 @@ class ArrayRecordSource(EncodedSource):
             f"range read of shard {shard} (record index {index})",
         )
 
-    def _region(self) -> tuple[ShardRegion, ArrayRecordFile] | None:
+    def _region(self) -> tuple[ShardRegion, ArrayRecordFile, dict[int, Any]] | None:
         """This process's map of the dataset's local shards (inherited through fork:
         the maps stay valid) and a decoder; None where batches are read shard by shard."""
         mapped = self._mapped
@@ -370,8 +373,9 @@ class ArrayRecordSource(EncodedSource):
             except RegionUnavailable:
                 self._mapped = False
                 return None
-            # Only its zstd context is used: one per thread and process.
-            mapped = self._mapped = (region, ArrayRecordFile(self._paths[0]))
+            # Only its zstd context is used: one per thread and process. The dict holds
+            # the index views of the shards single records were read from (a few).
+            mapped = self._mapped = (region, ArrayRecordFile(self._paths[0]), {})
         return mapped or None
 
     def _check_mapped(self, shard: int, st: os.stat_result, view: memoryview) -> None:
@@ -379,6 +383,49 @@ class ArrayRecordSource(EncodedSource):
         why = self._dindex.mismatch(shard, st, view if len(view) else None)
         if why is not None:
             raise self._shard_changed(shard, why)
+
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        # One record: Python ints and the mapped shard, no numpy call per step.
+        mapped = self._region()
+        ix = self._dindex
+        if mapped is None or ix is None or not ix.single:
+            return None
+        if self._count_bad is not None and self._count_bad[shard]:
+            return None  # the shard-by-shard path names the shard's error
+        region, decoder, footers = mapped
+        try:
+            at = region.acquire_one(shard)
+        except (CorruptDataError, FileNotFoundError):
+            return None  # a shard that cannot be mapped: the reader names it
+        if at is None:
+            return None
+        try:
+            got = footers.get(shard)
+            if got is None:
+                if len(footers) >= _FOOTERS:
+                    with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                        footers.pop(next(iter(footers)))  # another thread may be here too
+                footer = ix.footer(shard)
+                got = footers[shard] = (footer, _fast_views(footer))
+            footer, fast = got
+            pos, end = int(footer.chunk_offsets[row]), int(footer.chunk_ends[row])
+            if not _CHUNK_HEADER <= pos < end <= footer.footer_offset:
+                raise ix.error(
+                    shard,
+                    f"chunk {row} of {self._paths[shard]!r} at [{pos}, {end}) lies outside "
+                    f"the file's chunks (record index {index})",
+                )
+            f = ArrayRecordFile._over(
+                region.view[at : at + footer.file_size], self._paths[shard], footer, decoder, fast
+            )
+            try:
+                return f._read_one(row, footer)
+            except CorruptDataError as e:
+                raise type(e)(
+                    f"{e} (shard {shard} of {self.num_shards}, reading record index {index})"
+                ) from e
+        finally:
+            region.release()
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
         mapped = self._region()
@@ -394,7 +441,7 @@ class ArrayRecordSource(EncodedSource):
             recs = ix.record_offsets
             if bool((recs[entry + 1] - recs[entry] != 1).any()):
                 return None  # chunks of several records: shard by shard, with the chunk cache
-        region, decoder = mapped
+        region, decoder, _ = mapped
         try:
             base = region.acquire(shard)
         except (CorruptDataError, FileNotFoundError):

@@ -65,6 +65,12 @@ class EncodedSource(ShardedSource):
         Errors name the shard, file and record index."""
         return None
 
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        """The raw record at ``row`` of ``shard`` (global ``index``) by the format's
+        fastest way for one record, or None (the default) to read it as a batch of one.
+        Errors name the shard, file and record index."""
+        return None
+
     def _check_readable(self, shard: int, index: int) -> None:
         """Refuse random access to a shard that has none (e.g. a compressed file)."""
 
@@ -87,9 +93,10 @@ class EncodedSource(ShardedSource):
         shard, row = self.index.locate_one(index)
         self._check_readable(shard, index)
         t0 = time.perf_counter()
-        blobs = self._read_batch(np.array([index], dtype=np.int64))
-        if blobs is not None:
-            return self._decode_blobs(blobs, t0, lambda: ([shard], [row], [index]))[0]
+        index = int(index)
+        data = self._read_single(shard, row, index)
+        if data is not None:
+            return self._decode_blobs([data], t0, lambda: ([shard], [row], [index]))[0]
         return self._read_decode(shard, np.array([row]), np.array([index]))[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
