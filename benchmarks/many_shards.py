@@ -164,7 +164,10 @@ def child(args: argparse.Namespace) -> None:
         del tiny
     mem0 = smaps()
     t0 = time.perf_counter()
-    if args.variant == "memory":
+    if args.from_pickle:  # a DataLoader worker's way: the source pickled by its parent
+        with open(args.from_pickle, "rb") as f:
+            src = pickle.load(f)
+    elif args.variant == "memory":
         src = tg.ArrayRecordSource(
             sorted(
                 os.path.join(args.dir, f)
@@ -255,8 +258,17 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def node(import_from: str, directory: str, procs: int, n: int) -> dict:
-    """``procs`` processes read a whole epoch each; all alive when measured."""
+def node(import_from: str, directory: str, procs: int, n: int, main_heap: float | None) -> dict:
+    """``procs`` worker-like processes (the source unpickled, as DataLoader workers get
+    it) read a whole epoch each, all alive when measured. With ``main_heap``, the heap
+    growth of a process that opens the dataset itself (a rank's main process), the node
+    of 64 processes is 8 ranks of 1 main process and 7 workers."""
+    sys.path.insert(0, import_from)
+    import torchgrain as tg
+
+    blob = os.path.join(os.path.dirname(directory), "node-source.pickle")
+    with open(blob, "wb") as f:
+        pickle.dump(tg.ArrayRecordSource(directory, codec="raw"), f)
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -274,6 +286,8 @@ def node(import_from: str, directory: str, procs: int, n: int) -> dict:
         str(n),
         "--dir-root",
         os.path.dirname(directory),
+        "--from-pickle",
+        blob,
     ]
     env = dict(os.environ, PYTHONPATH=import_from)
     ps = [
@@ -291,15 +305,26 @@ def node(import_from: str, directory: str, procs: int, n: int) -> dict:
     index_pss = sum(o["mem_after"]["index_pss"] for o in outs)
     heap = [o["mem_after"]["anon_private"] - o["mem_before"]["anon_private"] for o in outs]
     one_index = max(o["mem_after"]["index_rss"] for o in outs)  # what one process maps
-    total = {p: index_pss + p * statistics.mean(heap) for p in (procs, 64)}
-    one = one_index + statistics.mean(heap)
+    worker = statistics.mean(heap)
+    main = worker if main_heap is None else main_heap
+    # The index file's pages are the page cache's: one copy per machine, whatever the
+    # processes (the sum of their PSS, which this kernel estimates for large folios).
+    shared = max(index_pss, one_index)
+    total = {
+        procs: shared + procs * worker,
+        64: shared + 8 * main + 56 * worker,
+    }
+    one = one_index + main
     return {
         "processes": procs,
         "index_pss_sum_bytes": index_pss,
         "index_rss_one_process_bytes": one_index,
-        "heap_growth_per_process_bytes": summary(heap),
-        "heap_growth_per_record_per_process": statistics.mean(heap) / n,
+        "worker_heap_growth_bytes": summary(heap),
+        "worker_heap_growth_per_record": worker / n,
+        "rank_main_heap_growth_bytes": main,
         "node_total_vs_one_process": {p: t / one for p, t in total.items()},
+        "model": "64 processes = 8 ranks x (1 main process that opens the dataset + 7 "
+        "workers that unpickle it); the index counted once",
     }
 
 
@@ -326,6 +351,7 @@ def main() -> None:
     p.add_argument("--codec", default="raw", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--dir-root", default="", help=argparse.SUPPRESS)
+    p.add_argument("--from-pickle", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         args.variant = args.child
@@ -367,7 +393,9 @@ def scale(args: argparse.Namespace) -> dict:
         result.update(memory_rows(args, dirs, variants, failed))
     if "node" in args.parts:
         biggest = max(dirs)
-        result["node"] = node(ROOT, dirs[biggest], args.node, args.records)
+        mem = result.get("memory", {}).get(f"mapped/{biggest}")
+        main_heap = mem["heap_growth_per_record"] * args.records if mem else None
+        result["node"] = node(ROOT, dirs[biggest], args.node, args.records, main_heap)
         result["node"]["shards"] = biggest
         print("node:", json.dumps(result["node"], indent=1), flush=True)
     if result.get("ratios"):

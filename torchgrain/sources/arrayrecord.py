@@ -154,42 +154,53 @@ class ArrayRecordSource(EncodedSource):
         manifest, fs, files, index_entry = _resolve(
             paths, storage_options, filesystem, allow_external_paths
         )
+        local = is_local(fs)
+        self._has_manifest = manifest is not None
+        self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if manifest is not None else None
+        shard_paths = ShardPaths(files)
+        counts = None
+        manifest_codec = schema = None
+        if manifest is not None:
+            counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
+            manifest_codec = manifest.codec
+            schema = dict(manifest.schema) if manifest.schema else None
+        # Local shards: what reading needs of the manifest is in the dataset index. Its
+        # shard list costs hundreds of bytes per shard, and parsing it leaves the
+        # allocator's pages pinned if objects made meanwhile outlive it: it is dropped
+        # before anything lasting is made (and read again only if asked for).
+        self._manifest = None if local else manifest
+        del manifest, files
         self._dindex: ArrayRecordIndex | None = None
         self._count_bad: np.ndarray | None = None  # shards whose files disagree with the manifest
         self._mapped: Any = None  # this process's ShardRegion and decoder (not pickled)
-        if manifest is not None:
-            counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
-        if is_local(fs) and files:
+        if local and len(shard_paths):
             if index_dir is ...:
                 index_dir = default_index_dir("arrayrecord")
             self._dindex = arrayrecord_index(
-                files,
+                shard_paths,
                 index_dir=None if index_dir is None else os.fspath(index_dir),
-                counts=counts if manifest is not None else None,
+                counts=counts,
                 beside=index_entry,
             )
-            if manifest is None:
+            if counts is None:
                 counts = self._dindex.counts
             elif not np.array_equal(self._dindex.counts, counts):
                 self._count_bad = self._dindex.counts != counts
-        elif manifest is None:  # remote files without a manifest: count from footers
+        elif counts is None:  # remote files without a manifest: count from footers
             counts = retry_call(
                 read_num_records,
-                files,
+                list(shard_paths),
                 filesystem=fs,
-                url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else files[0],
+                url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else shard_paths[0],
                 policy=retry,
                 what="reading shard footers",
             )
-        self._manifest = manifest
-        self._has_manifest = manifest is not None
-        self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if manifest is not None else None
         if max_open_files is ...:
             # Local readers hold two descriptors each (the file, its map); remote ones none.
-            max_open_files = default_max_open_files(len(files)) if is_local(fs) else None
+            max_open_files = default_max_open_files(len(shard_paths)) if local else None
         self._init_shards(
             filesystem=fs,
-            paths=ShardPaths(files),
+            paths=shard_paths,
             counts=counts,
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
@@ -199,20 +210,14 @@ class ArrayRecordSource(EncodedSource):
             retry=retry,
             max_open_files=max_open_files,
         )
-        if manifest is None and isinstance(codec, str) and codec in ("auto", "tf_example"):
+        if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
-            codec = tfds_codec_for(files, fs) or codec
+            codec = tfds_codec_for(list(shard_paths), fs) or codec
         if codec == "auto":
-            codec = manifest.codec if manifest is not None else self._sniff()
+            codec = manifest_codec if self._has_manifest else self._sniff()
         self.codec: Codec = get_codec(codec)
-        self._schema: dict[str, str] | None = (
-            dict(manifest.schema) if manifest is not None and manifest.schema else None
-        )
-        if self._dindex is not None:
-            self._share_index()
-            # What reading needs of the manifest is in the index: its shard list (hundreds
-            # of bytes per shard in every process) is read again only if asked for.
-            self._manifest = None
+        self._schema: dict[str, str] | None = schema
+        self._share_index()
 
     def _share_index(self) -> None:
         """Record offsets per shard from the mapped index, not a private copy."""
