@@ -16,6 +16,7 @@ from torchgrain.formats.codecs import get_codec, merge_schema
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_name
 from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
 
 __all__ = [
     "array_record_options",
@@ -73,7 +74,9 @@ def write_array_record(
 
     Every shard is written under a hidden temporary name and renamed when complete, and
     the manifest is written last, so a crash never leaves a partial shard that looks
-    complete.
+    complete. Beside the shards goes ``torchgrain.tgindex``, the dataset's index (every
+    chunk's offset and size), which every process reading the dataset maps instead of
+    parsing the shards' footers (:mod:`torchgrain.sources.node_index`).
 
     Args:
         records: iterable of dicts with str keys.
@@ -171,6 +174,8 @@ def write_array_record(
         # incomplete -of-N shard set, which sources refuse: never old and new mixed.
         if os.path.exists(manifest_path):
             os.unlink(manifest_path)
+        if os.path.exists(os.path.join(root, INDEX_NAME)):
+            os.unlink(os.path.join(root, INDEX_NAME))
         if old is not None:
             for info in old.shards:
                 stale = os.path.join(root, info.path)
@@ -190,6 +195,9 @@ def write_array_record(
             )
         manifest = Manifest(codec=enc.name, shards=shards, schema=schema, group_size=group_size)
         manifest.extra["compression"] = compression
+        # Every chunk's offset and size, mapped by every process that reads the dataset
+        # (see torchgrain.sources.node_index); recorded with its checksum.
+        manifest.extra["index"] = write_dataset_index(root, names)
         atomic_write_text(manifest_path, manifest.to_json())
     finally:
         for w in writers:

@@ -23,6 +23,7 @@ from torchgrain.formats.codecs import _merge_one
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from torchgrain.io import remote
 from torchgrain.io.atomic import atomic_write_text
+from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
 from torchgrain.writers import shard_name
 
 __all__ = [
@@ -170,6 +171,8 @@ def remove_outputs(root: str, plan: dict[str, Any]) -> None:
             os.unlink(os.path.join(root, t["name"]))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(root, MANIFEST_NAME))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, INDEX_NAME))
 
 
 def remove_temps(root: str) -> None:
@@ -217,6 +220,9 @@ def finish(
     )
     manifest.extra["compression"] = compression
     manifest.extra["converted_from"] = {"format": inp.format, "num_files": len(inp.paths)}
+    if to == "array_record":
+        # The dataset's index (every chunk's offset and size), mapped by its readers.
+        manifest.extra["index"] = write_dataset_index(root, [s.path for s in shards])
     text = manifest.to_json()
     if to == "array_record":
         atomic_write_text(os.path.join(root, MANIFEST_NAME), text)

@@ -47,7 +47,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import cramjam
@@ -61,7 +61,13 @@ from torchgrain.io import process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
-__all__ = ["ArrayRecordFile", "TransposedChunkError", "read_many", "read_num_records"]
+__all__ = [
+    "ArrayRecordFile",
+    "TransposedChunkError",
+    "read_many",
+    "read_mapped",
+    "read_num_records",
+]
 
 #: The most bytes one compressed chunk may decompress to, unless a reader is given another
 #: ``max_chunk_bytes``. array_record's writer bounds a chunk by its record count
@@ -95,6 +101,7 @@ _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
 # preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
 _HEADS = 64
 _HEAD_BYTES = np.arange(_HEADS)
+_HEAD_WORDS = np.arange(0, _HEADS, 8)
 _FOUR = np.arange(4)
 _JOIN_AT_ONCE = 1 << 20  # bytes of a batch's frames cut by block headers joined up front
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
@@ -118,6 +125,29 @@ class TransposedChunkError(CorruptDataError, NotImplementedError):
 
 class _ChunkDecodeError(ValueError):
     """Internal: bytes failed a check; re-raised as CorruptDataError naming file and chunk."""
+
+
+def _fast_views(f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    """memoryviews over an index's arrays: indexing one gives a Python int several times
+    faster than indexing the numpy array (the hot path reads 4 per chunk)."""
+    return (
+        memoryview(f.chunk_offsets),
+        memoryview(f.chunk_ends),
+        memoryview(f.decoded_sizes),
+        memoryview(f.record_offsets),
+    )
+
+
+_SHARED = threading.local()  # per thread: the decompression context readers share
+
+
+def _thread_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompression context (a new one after a fork)."""
+    token = process.token()
+    if getattr(_SHARED, "token", None) != token:
+        _SHARED.zstd = zstandard.ZstdDecompressor()
+        _SHARED.token = token
+    return _SHARED.zstd
 
 
 def _phys_end(pos: int, size: int) -> int:
@@ -222,21 +252,31 @@ def _parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
 
 
 class _Footer:
-    """The parsed index of one file: plain numpy arrays and ints, cheap to pickle."""
+    """The parsed index of one file: plain numpy arrays and ints, cheap to pickle.
+
+    ``footer_head`` and ``mtime_ns`` are set on an index that did not come from the
+    file itself (a dataset's index file): the file must still have them (the 40 bytes
+    of its footer chunk's header, which hold a hash of the footer; its modification
+    time, where not 0) when a process maps it.
+    """
 
     __slots__ = (
         "chunk_ends",
         "chunk_offsets",
         "decoded_sizes",
         "file_size",
+        "footer_head",
         "footer_offset",
         "group_size",
+        "mtime_ns",
         "num_records",
         "record_offsets",
         "writer_options",
     )
 
     def __init__(self, **kw: Any) -> None:
+        self.footer_head = None
+        self.mtime_ns = 0
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -266,6 +306,10 @@ class ArrayRecordFile:
             decompress to (default :data:`DEFAULT_MAX_CHUNK_BYTES`, 1 GiB). A chunk that
             declares more is refused before anything is allocated for it, and no chunk
             is decompressed past the size it declares.
+        footer: the file's index as a dataset's index file holds it
+            (:meth:`torchgrain.sources.node_index.ArrayRecordIndex.footer`), used
+            instead of parsing the file's footer; a local file is checked against it
+            (size, footer chunk header) when first mapped in each process.
 
     Raises:
         CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt
@@ -296,6 +340,7 @@ class ArrayRecordFile:
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        footer: _Footer | None = None,
     ) -> None:
         self._max_chunk = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         self._url = os.fspath(path)
@@ -307,7 +352,7 @@ class ArrayRecordFile:
         self._path = stripped
         self._local = is_local(filesystem)
         self._verify = bool(verify_checksums)
-        self._footer: _Footer | None = None
+        self._footer: _Footer | None = footer
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -447,19 +492,81 @@ class ArrayRecordFile:
                 except BaseException:
                     fh.close()
                     raise
+                view = memoryview(mm)
+                try:
+                    self._check_given_footer(view, fh)
+                except BaseException:
+                    view.release()
+                    mm.close()
+                    fh.close()
+                    raise
                 self._file, self._mm = fh, mm
-                self._view = memoryview(mm)
+                self._view = view
             return self._view
+
+    def _check_given_footer(self, view: memoryview, fh: Any) -> None:
+        """A footer that came from a dataset's index must describe this very file."""
+        f = self._footer
+        if f is None or f.footer_head is None:
+            return
+        why = None
+        if len(view) != f.file_size:
+            why = f"it is {len(view)} bytes, the index says {f.file_size}"
+        elif f.mtime_ns and os.fstat(fh.fileno()).st_mtime_ns != f.mtime_ns:
+            why = "its modification time differs from the index's"
+        elif bytes(view[f.footer_offset : f.footer_offset + _CHUNK_HEADER]) != f.footer_head:
+            why = f"its footer (at offset {f.footer_offset}) differs from the index's"
+        if why is not None:
+            raise self._corrupt(f"the file changed after the dataset's index was made: {why}")
 
     def _zstd(self) -> zstandard.ZstdDecompressor:
         # One decompression context per thread (they are not thread-safe) and per
-        # process (``_reset_handles`` replaces the thread-local store after fork).
+        # process (``_reset_handles`` replaces the thread-local store after fork),
+        # shared by every reader of the thread: a context holds tens of KiB, and a
+        # process may read thousands of files.
         if self._token != process.token():
             self._reset_handles()
         d = getattr(self._tls, "zstd", None)
         if d is None:
-            d = self._tls.zstd = zstandard.ZstdDecompressor()
+            d = self._tls.zstd = _thread_decompressor()
         return d
+
+    @classmethod
+    def _over(
+        cls,
+        view: memoryview,
+        url: str,
+        footer: _Footer,
+        like: ArrayRecordFile,
+        fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None,
+    ) -> ArrayRecordFile:
+        """A reader of a file another object keeps mapped (``view``, valid while it is
+        used), with its index given (and ``fast``, what :meth:`_fast_index` made of it
+        before): for reading a few chunks, with no handle of its own; ``like``'s
+        decompression contexts are used."""
+        like._zstd()  # ``like`` of this process, with this thread's context
+        new = cls.__new__(cls)
+        new.__dict__.update(
+            _url=url,
+            _path=url,
+            _fs=None,
+            _local=True,
+            _verify=False,
+            _max_chunk=like._max_chunk,
+            _footer=footer,
+            _lock=like._lock,  # never taken: the footer is given, the view made
+            _token=like._token,
+            _file=None,
+            _mm=None,
+            _view=view,
+            _tls=like._tls,
+            _fast=fast,
+            _u8=None,
+            _raw_chunks=None,
+            _layout_misses=0,
+            _u8_view=None,
+        )
+        return new
 
     # ------------------------------------------------------------------ raw bytes
     def _fetch(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
@@ -691,12 +798,7 @@ class ArrayRecordFile:
     def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
         fast = self._fast
         if fast is None:
-            fast = self._fast = (
-                memoryview(f.chunk_offsets),
-                memoryview(f.chunk_ends),
-                memoryview(f.decoded_sizes),
-                memoryview(f.record_offsets),
-            )
+            fast = self._fast = _fast_views(f)
         return fast
 
     def _zstd_single(self, view: memoryview, start: int, end: int, decoded: int) -> Any:
@@ -1589,6 +1691,91 @@ def _read_many_singles(
             file = files[j]
             flat.insert(r, file._careful_record(int(every[r]), file._footer))
     return [flat[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def read_mapped(
+    u8: np.ndarray,
+    view: memoryview,
+    pos: np.ndarray,
+    chunk_ends: np.ndarray,
+    file_ends: np.ndarray,
+    decoded: np.ndarray,
+    *,
+    decoder: ArrayRecordFile,
+    careful: Callable[[int], bytes],
+    words: np.ndarray | None = None,
+) -> list[bytes]:
+    """The records of one-record chunks of many local files, in the order given, with
+    no Python work per file: one gather of the chunks' headers, one :func:`_plan`, one
+    decompression loop for the whole batch.
+
+    ``u8`` and ``view`` are one address space holding every file, each at a 64 KiB
+    aligned base (a :class:`~torchgrain.io.region.ShardRegion`); ``pos``,
+    ``chunk_ends`` and ``file_ends`` are each chunk's start, its end (the next chunk or
+    the footer) and its file's end there, and ``decoded`` what the index says the
+    chunk decodes to. The caller has bounded them (``base + 40 <= pos < chunk_end <=
+    footer <= file_end``, ``file_end - base >= 64 KiB``), so every byte read lies in a
+    mapped file (``words``, if given, is ``u8`` as the little-endian uint64 starting at
+    each byte, for a cheaper gather). zstd chunks are decompressed with ``decoder``'s context; uncompressed
+    ones are copied out. Chunks that are unusual (a header cut by a block boundary, an
+    empty record, another compression) or fail are read by ``careful(k)`` (row ``k``
+    of the batch), the path that checks and reports everything.
+
+    Example:
+        >>> import tempfile, os
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.array_record")
+        >>> w = ArrayRecordWriter(path, "group_size:1")
+        >>> for i in range(3):
+        ...     w.write(b"rec %d" % i)
+        >>> w.close()
+        >>> f = ArrayRecordFile(path)
+        >>> u8 = np.frombuffer(f._local_view(), np.uint8)
+        >>> c = np.array([2, 0])
+        >>> read_mapped(u8, f._local_view(), f.chunk_offsets[c], f._footer.chunk_ends[c],
+        ...             np.full(2, len(u8)), f._footer.decoded_sizes[c], decoder=f,
+        ...             careful=lambda k: f.read([int(c[k])])[0])
+        [b'rec 2', b'rec 0']
+    """
+    at = np.minimum(pos, file_ends - _HEADS)
+    if words is not None:  # 8 bytes per element gathered
+        heads = words[at[:, None] + _HEAD_WORDS].view(np.uint8)
+    else:
+        heads = u8[at[:, None] + _HEAD_BYTES]
+    ok, payload, end, dec, cut = _plan(pos, heads, file_ends, chunk_ends, decoded, False)
+    if ok.all():
+        out = decoder._decompress_frames(_frames(view, payload, end, cut), dec.tolist())
+        # A frame failed: the careful path finds and names it.
+        return out if out is not None else [careful(k) for k in range(len(pos))]
+    miss = np.flatnonzero(~ok)
+    # Files written uncompressed: the same plan for raw chunks (no learning per file).
+    raw = miss[heads[miss, _CHUNK_HEADER] == _NONE]
+    raw_vals: list[bytes] = []
+    if len(raw):
+        r_ok, r_payload, r_end, _, r_cut = _plan(
+            pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
+        )
+        raw = raw[r_ok]
+        raw_vals = list(map(bytes, _frames(view, r_payload[r_ok], r_end[r_ok], r_cut[r_ok])))
+        if len(raw) == len(pos):
+            return raw_vals
+    z = np.flatnonzero(ok)
+    vals: list[Any] = []
+    if len(z):
+        vals = decoder._decompress_frames(
+            _frames(view, payload[z], end[z], cut[z]), dec[z].tolist()
+        ) or [careful(k) for k in z.tolist()]
+    if len(raw) == 0:  # zstd chunks and a few unusual ones: those take their places
+        for k in miss.tolist():  # ascending: each lands at its position
+            vals.insert(k, careful(k))
+        return vals
+    out: list[Any] = [None] * len(pos)
+    for keys, values in ((z, vals), (raw, raw_vals)):
+        for k, v in zip(keys.tolist(), values):
+            out[k] = v
+    for k in np.setdiff1d(miss, raw).tolist():
+        out[k] = careful(k)
+    return out
 
 
 def _rows_fit(file: ArrayRecordFile, f: _Footer, rows: np.ndarray, strict: bool = False) -> bool:

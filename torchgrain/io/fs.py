@@ -18,12 +18,13 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import fsspec
+import numpy as np
 from fsspec.core import split_protocol, url_to_fs
 from fsspec.utils import glob_translate
 
@@ -348,6 +349,83 @@ class _Listing:
 
 
 _SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5,})-of-(?P<n>\d{5,})(?P<ext>\.[^/]*)?$")
+
+
+class ShardPaths(Sequence[str]):
+    """A dataset's shard paths, held compactly: a process keeps them for as long as it
+    reads, and 10,000 Python strings cost it a megabyte.
+
+    Paths named ``PREFIX-00000-of-N.EXT`` ... in order (what writers make) are kept as
+    the pattern alone; others as one byte string per path beyond their common prefix.
+
+    Example:
+        >>> p = ShardPaths([f"/d/data-{i:05d}-of-00003.x" for i in range(3)])
+        >>> p[2], len(p), list(p) == [f"/d/data-{i:05d}-of-00003.x" for i in range(3)]
+        ('/d/data-00002-of-00003.x', 3, True)
+        >>> q = ShardPaths(["/d/a.x", "/d/bb.x"])
+        >>> q[-1], q[0:1]
+        ('/d/bb.x', ['/d/a.x'])
+    """
+
+    __slots__ = ("_n", "_names", "_prefix", "_template")
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        paths = list(paths)
+        self._n = len(paths)
+        self._template: tuple[str, int, str] | None = None
+        self._names: np.ndarray | None = None
+        if paths:
+            m = _SHARD_NAME.match(paths[0])
+            if m and int(m["i"]) == 0 and int(m["n"]) == len(paths):
+                head = f"{m['stem']}-"
+                tail = f"-of-{m['n']}{m['ext'] or ''}"
+                width = len(m["i"])
+                if all(p == f"{head}{i:0{width}d}{tail}" for i, p in enumerate(paths)):
+                    self._template = (head, width, tail)
+                    self._prefix = ""
+                    return
+        # by character, not by path component: only the shared text is stored once
+        prefix = os.path.commonprefix(paths) if paths else ""  # noqa: RUF071
+        self._prefix = prefix
+        rest = [p[len(prefix) :].encode("utf-8", "surrogateescape") for p in paths]
+        self._names = np.array(rest, dtype=f"S{max(map(len, rest), default=1) or 1}")
+        if any(r.endswith(b"\0") for r in rest):  # numpy would strip them: keep a list
+            self._names = np.array(rest, dtype=object)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"shard {i} out of range [0, {self._n})")
+        if self._template is not None:
+            head, width, tail = self._template
+            return f"{head}{i:0{width}d}{tail}"
+        assert self._names is not None
+        return self._prefix + self._names[i].decode("utf-8", "surrogateescape")
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(self._n))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ShardPaths, list, tuple)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ShardPaths({self._n} paths, first {self[0]!r})" if self._n else "ShardPaths([])"
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self._n, self._template, self._prefix, self._names)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self._n, self._template, self._prefix, self._names = state
 
 
 def check_shard_sets(paths: Sequence[str], *, where: str = "") -> None:

@@ -30,7 +30,7 @@ import numpy as np
 from torchgrain.columns import ColumnBatch
 from torchgrain.errors import CacheThrashWarning
 from torchgrain.io import process, remote
-from torchgrain.io.fs import filesystem_for_this_process, is_local
+from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache, file_identity
 from torchgrain.sources.block_cache import (
@@ -296,7 +296,7 @@ class ShardedSource(Source):
         self._fs = filesystem
         self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)
-        self._paths = list(paths)
+        self._paths = paths if isinstance(paths, ShardPaths) else list(paths)
         self.index = ShardIndex(counts)
         self.cache_bytes = cache_bytes
         self.io_threads = io_threads

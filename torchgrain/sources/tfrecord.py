@@ -1,12 +1,14 @@
 """TFRecordSource: random access by index over TFRecord files, through a cached offset index.
 
 A TFRecord file has no index: records are framed one after the other. Opening a
-``TFRecordSource`` walks each file's 12-byte record headers once (no data is decoded)
-and keeps the byte offsets in one numpy array (8 bytes per record); the offsets are
-cached on disk, keyed by the file's URL, size and modification time, so later opens
-read one small file per shard. A record is then one byte range: a batch is read with
-a memory map locally or with coalesced range requests remotely, and both CRCs are
-checked.
+``TFRecordSource`` the first time on a machine walks each file's 12-byte record headers
+once (no data is decoded; each file's offsets are also kept in a per-file cache, keyed
+by its URL, size and modification time) and writes the dataset's offsets (8 bytes per
+record) into one index file, keyed by every file's URL, size and modification time, that
+every process of the machine maps read-only (:mod:`torchgrain.sources.node_index`): no
+per-record memory per process, and later opens only look at each file's size. A record
+is then one byte range: a batch is read with a memory map locally or with coalesced
+range requests remotely, and both CRCs are checked.
 
 gzip/zlib-compressed files have no random access: they are counted (one decompression
 pass, cached too) and can be read in order (``iter_shard``, which ``torchgrain
@@ -45,11 +47,13 @@ from torchgrain.formats.tfrecord import (
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import atomic_open
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
+from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 
 __all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
 
@@ -74,9 +78,10 @@ class TFRecordSource(EncodedSource):
             :data:`~torchgrain.formats.tfrecord.DEFAULT_MAX_RECORD_BYTES`); a longer
             one raises :class:`~torchgrain.CorruptDataError` before it is read, which
             also bounds the memory a gzip/zlib stream can make a reader use.
-        index_dir: where offset indexes are cached (default
-            ``<torchgrain cache>/tfrecord-index``, see
-            :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in memory.
+        index_dir: where offset indexes are cached and the dataset's index is built once
+            per machine (default ``<torchgrain cache>/tfrecord-index``, see
+            :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in each
+            process's memory.
         cache_dir, cache_dir_bytes, io_threads, retry, max_open_files: as for every
             sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
         allow_external_paths: a directory listing (an HTTP(S) server's page) may name
@@ -94,8 +99,6 @@ class TFRecordSource(EncodedSource):
         >>> len(src), src.schema, [int(r["label"][0]) for r in src.__getitems__([4, 0, 2])]
         (5, {'label': 'int64[1]'}, [4, 0, 2])
     """
-
-    default_max_open_files = None  # local readers are memory maps, remote ones hold nothing
 
     def __init__(
         self,
@@ -130,10 +133,16 @@ class TFRecordSource(EncodedSource):
             index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
         self._verify = bool(verify_checksums)
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
+        self._compressed.setflags(write=False)
         with using(retry):
-            offsets, sizes, counts = _index_files(
+            self._tfindex = _dataset_index(
                 fs, files, index_dir, retry, self._compressed, max_record_bytes
             )
+        counts = self._tfindex.counts
+        if max_open_files is ...:
+            # A local reader is a memory map, which holds a file descriptor; remote
+            # readers hold nothing.
+            max_open_files = default_max_open_files(len(files), 1) if is_local(fs) else None
         self._init_shards(
             filesystem=fs,
             paths=files,
@@ -146,14 +155,6 @@ class TFRecordSource(EncodedSource):
             retry=retry,
             max_open_files=max_open_files,
         )
-        # Record i of shard s spans bounds[base[s] + i] .. bounds[base[s] + i + 1]: each
-        # shard's offsets followed by its size, in one array (copy-on-write friendly). A
-        # compressed shard has no offsets (no random access): only its size is there.
-        runs = [np.append(o, s).astype(np.int64) for o, s in zip(offsets, sizes)]
-        self._bounds = np.concatenate([np.zeros(0, np.int64), *runs])
-        self._base = np.cumsum([0] + [len(r) for r in runs[:-1]], dtype=np.int64)
-        for a in (self._bounds, self._base, self._compressed):
-            a.setflags(write=False)
         with using(retry):
             if isinstance(codec, str) and codec in ("auto", "tf_example"):
                 # TFDS output: decode per its features.json (images, shapes, scalars).
@@ -161,6 +162,16 @@ class TFRecordSource(EncodedSource):
             self.codec: Codec = (
                 tfrecord_codec(files, fs, max_record_bytes) if codec == "auto" else get_codec(codec)
             )
+
+    # Record i of shard s spans _bounds[_base[s] + i] .. _bounds[_base[s] + i + 1]: each
+    # shard's offsets followed by its size, in one array of the mapped dataset index.
+    @property
+    def _bounds(self) -> np.ndarray:
+        return self._tfindex.offsets
+
+    @property
+    def _base(self) -> np.ndarray:
+        return self._tfindex.base
 
     # ------------------------------------------------------------ the contract
     def _check_readable(self, shard: int, index: int) -> None:
@@ -226,17 +237,30 @@ class TFRecordSource(EncodedSource):
 
     def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
         b = self._base[shard] + rows
-        lengths = self._bounds[b + 1] - self._bounds[b] - 16
+        first, last = self._bounds[b], self._bounds[b + 1]
+        name = self._paths[shard]
+        size = int(self._tfindex.file_size[shard])
+        # Offsets come from an index file: bounded before use (a frame is >= 16 bytes).
+        bad = (first < 0) | (last - first < 16) | (last > size)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            where = self._tfindex.path
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {name!r}: the dataset's index "
+                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
+                f"[{int(first[k])}, {int(last[k])}) of a {size}-byte file (record index "
+                f"{index}); the index is damaged (delete it to have it rebuilt)"
+            )
+        lengths = last - first - 16
         if int(lengths.max()) > self.max_record_bytes:
             k = int(np.argmax(lengths))
             raise CorruptDataError(
-                f"TFRecord shard {shard} {self._paths[shard]!r}: record {int(rows[k])} is "
+                f"TFRecord shard {shard} {name!r}: record {int(rows[k])} is "
                 f"{int(lengths[k])} bytes long, more than max_record_bytes="
                 f"{self.max_record_bytes} allows (record index {index}; a larger "
                 "max_record_bytes reads it, if the file is trusted)"
             )
-        starts, ends = self._bounds[b].tolist(), self._bounds[b + 1].tolist()
-        name = self._paths[shard]
+        starts, ends = first.tolist(), last.tolist()
 
         def read() -> list[Any]:
             r = reader or self._reader(shard)
@@ -310,43 +334,52 @@ def tfrecord_codec(
 
 
 # ------------------------------------------------------------------ offset index
-def _index_files(
+def _dataset_index(
     fs: fsspec.AbstractFileSystem,
     files: list[str],
     index_dir: str | os.PathLike | None,
     retry: RetryPolicy,
     compressed: np.ndarray,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-) -> tuple[list[np.ndarray], list[int], np.ndarray]:
-    """Offsets, size and record count of every file (from the index cache when it has
-    them). A compressed file has no offsets (records of a stream are only counted): its
-    cached index is its count alone."""
+) -> TFRecordIndex:
+    """The dataset's index: mapped from ``index_dir`` when this machine has built it
+    for these very files (sizes and versions), else built from each file's offsets
+    (from the per-file cache when it has them, else walked). A compressed file has no
+    offsets (records of a stream are only counted): its per-file entry is its count."""
     remote = not is_local(fs)
 
-    def one(i: int) -> tuple[np.ndarray, int]:
-        """The file's offsets, or its count (``[n]``) when compressed; its size."""
+    def info(i: int) -> tuple[int, str]:
         path = files[i]
         try:
-            info = (
+            st = (
                 io_remote.call(fs, "info", fs._strip_protocol(path), url=path, what="size lookup")
                 if remote
                 else os.stat(path)
             )
         except FileNotFoundError:
             raise DatasetNotFoundError(f"TFRecord shard {i} {path!r} does not exist") from None
-        size = info.get("size") if remote else info.st_size
-        if not isinstance(size, int) or size < 0:
+        if not remote:
+            return int(st.st_size), f"{st.st_mtime_ns}"
+        size = st.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise CorruptDataError(
                 f"TFRecord shard {i} {path!r}: the server reports no size ({size!r}); "
                 "random access needs one"
             )
-        stamp = _stamp(info) if remote else f"{info.st_mtime_ns}"
+        return size, _stamp(st)
+
+    infos = map_files(info, len(files), max_workers=16 if remote else 1)
+
+    def offsets_of(i: int) -> np.ndarray:
+        """The file's offsets, or its count (``[n]``) when compressed."""
+        path = files[i]
+        size, stamp = infos[i]
         cached = _cache_file(index_dir, path, size, stamp + ("\0count" if compressed[i] else ""))
         if cached is not None and os.path.exists(cached):
             try:
                 index = np.load(cached)
                 if _fits(index, size, compressed[i]):
-                    return index, size
+                    return index
             except (OSError, ValueError):
                 pass  # unreadable or not an index of this file: build it again
         if compressed[i]:
@@ -362,15 +395,15 @@ def _index_files(
             index = index_tfrecord(path)
         if cached is not None:
             _save(cached, index)
-        return index, size
+        return index
 
-    results = map_files(one, len(files))
-    counts = np.array(
-        [int(r[0][0]) if c else len(r[0]) for r, c in zip(results, compressed)], dtype=np.int64
+    return tfrecord_index(
+        files,
+        infos,
+        offsets_of,
+        compressed,
+        index_dir=None if index_dir is None else os.fspath(index_dir),
     )
-    empty = np.zeros(0, np.int64)
-    offsets = [empty if c else r[0] for r, c in zip(results, compressed)]
-    return offsets, [r[1] for r in results], counts
 
 
 def _fits(index: np.ndarray, size: int, compressed: bool) -> bool:
