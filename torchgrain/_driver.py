@@ -16,7 +16,14 @@ import sys
 from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
-__all__ = ["Driver", "driver", "external_sharder", "loader_iterator", "loader_key"]
+__all__ = [
+    "Driver",
+    "driver",
+    "external_sharder",
+    "loader_iterator",
+    "loader_key",
+    "reads_here",
+]
 
 # DataLoader wrappers that split batches between processes themselves. A sampler they
 # drive must hand out the one global order: splitting it by rank as well would give each
@@ -163,3 +170,11 @@ def loader_key(dataset: Any, *, skip: int = 2) -> int | None:
     if it is None or getattr(it, "_dataset", None) is not dataset:
         return None
     return id(getattr(it, "_index_sampler", it))
+
+
+def reads_here() -> bool:
+    """Whether the batches asked for now are read in this process: no DataLoader
+    iterator on the call stack (a dataset read directly), or one with no worker
+    processes. Read-ahead into memory is of use only there."""
+    it = loader_iterator(skip=3)
+    return it is None or int(getattr(it, "_num_workers", 0)) == 0

@@ -1169,6 +1169,36 @@ class ArrayRecordFile:
             return rows // f.group_size
         return np.searchsorted(f.record_offsets, rows, side="right") - 1
 
+    def chunk_ranges(
+        self, rows: Sequence[int] | np.ndarray
+    ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """``(chunks, ranges)``: the chunks holding local ``rows`` (sorted, unique) and the
+        physical byte range ``[start, end)`` each is read from: what a remote
+        :meth:`read` of those rows fetches (reads the footer first, if not yet read).
+
+        Raises:
+            IndexError: a row is outside ``[0, num_records)``.
+
+        Example:
+            >>> import tempfile, os
+            >>> from array_record.python.array_record_module import ArrayRecordWriter
+            >>> path = os.path.join(tempfile.mkdtemp(), "c.array_record")
+            >>> w = ArrayRecordWriter(path, "group_size:2")
+            >>> for i in range(6):
+            ...     w.write(b"%d" % i)
+            >>> w.close()
+            >>> chunks, ranges = ArrayRecordFile(path).chunk_ranges([5, 0, 1])
+            >>> chunks.tolist(), len(ranges), ranges[0][0] < ranges[0][1] <= ranges[1][0]
+            ([0, 2], 2, True)
+        """
+        f = self._ensure_footer()
+        arr = np.asarray(rows, dtype=np.int64).ravel()
+        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= f.num_records):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
+        chunks = np.unique(self._chunk_of(arr, f))
+        return chunks, list(zip(f.chunk_offsets[chunks].tolist(), f.chunk_ends[chunks].tolist()))
+
     def _read_chunks(self, chunks: list[int], *, unmapped: bool = False) -> list[tuple[Any, Any]]:
         """Decoded chunks. With ``unmapped`` (their contents are kept elsewhere, in a
         chunk cache), local chunks are read with ``pread``, not through the map: a

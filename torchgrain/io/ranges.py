@@ -1,9 +1,15 @@
-"""Byte ranges of one file: coalesced remote reads, and a per-process memory map.
+"""Byte ranges of files: coalesced remote reads, and a per-process memory map.
 
 Random access reads a few byte ranges per file per batch. Remotely, ranges that touch
 or nearly touch are merged and all fetched in one ``cat_ranges`` call (requests in
 flight together, latency paid once); locally, a memory map serves slices without a
 system call per record.
+
+A batch that touches many remote files is fetched across all of them at once
+(:func:`fetch_batch`: up to ``max_inflight`` requests in flight in the process) into
+this process's :class:`RangeStore`, where the readers' own :func:`fetch_ranges` calls
+then find their bytes; read-ahead puts the ranges of batches still to come there too,
+within a byte budget.
 
 Example:
     >>> import fsspec
@@ -22,12 +28,237 @@ from collections.abc import Sequence
 
 import fsspec
 
+from torchgrain.errors import CorruptDataError
 from torchgrain.io import process, remote
+from torchgrain.io.retry import http_status, is_transient
 
-__all__ = ["MappedFile", "fetch_ranges"]
+__all__ = ["MappedFile", "RangeStore", "coalesce", "fetch_batch", "fetch_ranges", "range_store"]
 
 #: Ranges closer than this are fetched as one request (the bytes between come along).
 DEFAULT_GAP = 1 << 16
+#: The most bytes one coalesced request asks for: a larger merge would fetch far more
+#: than asked for, in one request that cannot overlap with others.
+MAX_REQUEST = 4 << 20
+
+
+def coalesce(
+    ranges: Sequence[tuple[int, int]], gap: int = DEFAULT_GAP, max_request: int = MAX_REQUEST
+) -> tuple[list[int], list[list[int]]]:
+    """``(order, merged)``: the ranges' indices sorted by start, and ``[start, end]``
+    requests covering them, neighbours closer than ``gap`` merged (a merge stops
+    growing at ``max_request`` bytes).
+
+    Example:
+        >>> coalesce([(10, 20), (0, 4), (30, 40)], gap=4)
+        ([1, 0, 2], [[0, 4], [10, 20], [30, 40]])
+        >>> coalesce([(10, 20), (0, 4), (22, 40)], gap=4)[1]
+        [[0, 4], [10, 40]]
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    merged: list[list[int]] = []
+    for i in order:
+        s, e = ranges[i]
+        if (
+            merged
+            and s <= merged[-1][1] + gap
+            and (e <= merged[-1][1] or e - merged[-1][0] <= max_request)
+        ):
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return order, merged
+
+
+def _slices(
+    ranges: Sequence[tuple[int, int]], order: list[int], merged: list[list[int]], blobs: list
+) -> list[memoryview]:
+    """The bytes of each range, cut from the blobs fetched for the ``merged`` requests."""
+    out: list[memoryview] = [memoryview(b"")] * len(ranges)
+    j = 0
+    for i in order:
+        s, e = ranges[i]
+        while not (merged[j][0] <= s and e <= merged[j][1]):
+            j += 1
+        out[i] = memoryview(blobs[j])[s - merged[j][0] : e - merged[j][0]]
+    return out
+
+
+class RangeStore:
+    """Byte ranges of remote files fetched before their reader asks for them, per process.
+
+    Keyed by ``(url, start, end)``: a reader's :func:`fetch_ranges` takes the ranges it
+    finds here (each is served once, then dropped) and fetches only the rest. What a
+    batch's own reads need is always put (:meth:`put`, they are needed now); read-ahead
+    puts only while the store holds less than ``max_bytes`` (:meth:`room`), and
+    :meth:`drop` forgets what a cancelled read-ahead put.
+
+    Example:
+        >>> store = RangeStore(max_bytes=100)
+        >>> store.put("u", [(0, 3)], [memoryview(b"abc")], owner=1)
+        >>> store.nbytes, store.take("u", [(0, 3), (5, 6)])
+        (3, [<memory at 0x...>, None])
+        >>> store.nbytes
+        0
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = int(max_bytes)
+        self._lock = threading.Lock()
+        self._ranges: dict[tuple[str, int, int], tuple[memoryview, object]] = {}
+        self.nbytes = 0
+        self.stats = {"served": 0, "put": 0, "dropped": 0}
+
+    def room(self) -> int:
+        """Bytes read-ahead may still put."""
+        return self.max_bytes - self.nbytes
+
+    def put(
+        self,
+        url: str,
+        ranges: Sequence[tuple[int, int]],
+        views: Sequence[memoryview],
+        owner: object,
+    ) -> None:
+        with self._lock:
+            for (s, e), v in zip(ranges, views):
+                key = (url, s, e)
+                if key not in self._ranges:
+                    self._ranges[key] = (v, owner)
+                    self.nbytes += e - s
+                    self.stats["put"] += 1
+
+    def has(self, url: str, start: int, end: int) -> bool:
+        return (url, start, end) in self._ranges
+
+    def take(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview | None]:
+        """The stored bytes of each range (removed from the store), None where absent."""
+        out: list[memoryview | None] = []
+        with self._lock:
+            for s, e in ranges:
+                got = self._ranges.pop((url, s, e), None)
+                if got is None:
+                    out.append(None)
+                else:
+                    self.nbytes -= e - s
+                    self.stats["served"] += 1
+                    out.append(got[0])
+        return out
+
+    def drop(self, owner: object) -> None:
+        """Forget every range ``owner`` put (a cancelled read-ahead's)."""
+        with self._lock:
+            gone = [k for k, (_, o) in self._ranges.items() if o is owner]
+            for k in gone:
+                del self._ranges[k]
+                self.nbytes -= k[2] - k[1]
+            self.stats["dropped"] += len(gone)
+
+
+_STORE: tuple[tuple[int, int], RangeStore] | None = None
+_STORE_LOCK = threading.Lock()
+
+
+def range_store() -> RangeStore:
+    """This process's :class:`RangeStore` (a forked child starts with an empty one).
+
+    Example:
+        >>> range_store() is range_store()
+        True
+    """
+    global _STORE
+    token = process.token()
+    with _STORE_LOCK:
+        if _STORE is None or _STORE[0] != token:
+            _STORE = (token, RangeStore())
+        return _STORE[1]
+
+
+def _raise_failure(blob: BaseException, label: str, s: int, e: int) -> None:
+    """Raise a failed request's error: as it is when it is retried or named by the
+    operation (transient, an HTTP status, not found, denied), else as corrupt data."""
+    if (
+        is_transient(blob)
+        or http_status(blob) is not None
+        or isinstance(blob, (FileNotFoundError, PermissionError, CorruptDataError))
+    ):
+        raise blob
+    raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
+
+
+def fetch_batch(
+    fs: fsspec.AbstractFileSystem,
+    files: Sequence[tuple[str, str, Sequence[tuple[int, int]]]],
+    *,
+    store: RangeStore,
+    owner: object,
+    gap: int = DEFAULT_GAP,
+    max_inflight: int = 64,
+    raise_errors: bool = True,
+) -> int:
+    """Fetch the byte ranges of many files of ``fs`` together into ``store``.
+
+    ``files`` holds ``(path, url, ranges)``; ranges already in the store are skipped,
+    the others coalesced per file (see :func:`coalesce`) and requested with at most
+    ``max_inflight`` in flight (:func:`~torchgrain.io.remote.cat_many`). What arrived is
+    put in the store even when other requests failed (a retry asks only for the rest).
+    Returns the number of requests made.
+
+    Raises (with ``raise_errors``, else failures are left to the readers):
+        RequestTimeout / ResponseSizeError: a transient failure (retried by the
+            operation in progress), naming the URL and the range.
+        FileNotFoundError, PermissionError, CorruptDataError: as their reads would.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/fb/a", b"0123456789"); fs.pipe("/fb/b", b"abcdef")
+        >>> store = RangeStore()
+        >>> fetch_batch(fs, [("/fb/a", "memory://fb/a", [(0, 2), (4, 6)]),
+        ...                  ("/fb/b", "memory://fb/b", [(1, 3)])], store=store, owner=None)
+        2
+        >>> [bytes(v) for v in store.take("memory://fb/a", [(4, 6), (0, 2)])]
+        [b'45', b'01']
+    """
+    paths: list[str] = []
+    urls: list[str] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    plans = []
+    for path, url, ranges in files:
+        need = [r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]]
+        need = [r for r in need if not store.has(url, *r)]
+        if not need:
+            continue
+        order, merged = coalesce(need, gap)
+        plans.append((url, need, order, merged, len(starts)))
+        for m in merged:
+            paths.append(path)
+            urls.append(url)
+            starts.append(m[0])
+            ends.append(m[1])
+    if not starts:
+        return 0
+    blobs = remote.cat_many(fs, paths, starts, ends, urls=urls, max_inflight=max_inflight)
+    failure: tuple[BaseException, str, int, int] | None = None
+    for url, need, order, merged, at in plans:
+        got = blobs[at : at + len(merged)]
+        bad = [k for k, b in enumerate(got) if isinstance(b, BaseException)]
+        if bad and failure is None:
+            k = bad[0]
+            failure = (got[k], url, merged[k][0], merged[k][1])  # type: ignore[assignment]
+        ok = [k for k in range(len(merged)) if k not in set(bad)]
+        if not ok:
+            continue
+        if bad:  # keep the ranges whose request arrived
+            fine = [merged[k] for k in ok]
+            order = [
+                i for i in order if any(m[0] <= need[i][0] and need[i][1] <= m[1] for m in fine)
+            ]
+        views = _slices(need, order, [merged[k] for k in ok], [got[k] for k in ok])
+        store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
+    if failure is not None and raise_errors:
+        _raise_failure(*failure)
+    return len(starts)
 
 
 def fetch_ranges(
@@ -47,14 +278,15 @@ def fetch_ranges(
             operation in progress: :func:`~torchgrain.io.retry.retry_call`).
     """
     label = name or path
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
-    merged: list[list[int]] = []
-    for i in order:
-        s, e = ranges[i]
-        if merged and s <= merged[-1][1] + gap:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    store = range_store()
+    if store.nbytes:
+        # Fetched ahead by this batch's fetch_batch, or by read-ahead.
+        have = store.take(label, ranges)
+        if any(v is not None for v in have):
+            missing = [r for r, v in zip(ranges, have) if v is None]
+            rest = iter(fetch_ranges(fs, path, missing, gap=gap, name=name) if missing else [])
+            return [v if v is not None else next(rest) for v in have]
+    order, merged = coalesce(ranges, gap)
     try:
         # Each response is checked to hold exactly the bytes asked for, and the request
         # has a deadline (torchgrain.io.remote).
@@ -63,14 +295,7 @@ def fetch_ranges(
         )
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{label} does not exist") from e
-    out: list[memoryview] = [memoryview(b"")] * len(ranges)
-    j = 0
-    for i in order:
-        s, e = ranges[i]
-        while not (merged[j][0] <= s and e <= merged[j][1]):
-            j += 1
-        out[i] = memoryview(blobs[j])[s - merged[j][0] : e - merged[j][0]]
-    return out
+    return _slices(ranges, order, merged, blobs)
 
 
 class MappedFile:

@@ -1,4 +1,9 @@
-"""Read-ahead of remote shards into the shard cache, in the order a sampler will need them.
+"""Read-ahead of remote data, in the order a sampler will need it.
+
+:class:`ShardReadAhead` downloads whole shards into the shard cache;
+:class:`RangeReadAhead` (remote reads without a shard cache) fetches the byte ranges of
+the next batches into the process's :class:`~torchgrain.io.ranges.RangeStore` while the
+current batch is decoded.
 
 A sampler knows its whole epoch order. When a pass starts, it hands that order to the
 dataset (:meth:`ShardReadAhead.begin`); a background thread walks the order ahead of
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardReadAhead"]
+__all__ = ["RangeReadAhead", "ShardReadAhead"]
 
 # Order positions scanned per step of the walk (one vectorised call of the sampler).
 _SCAN = 8192
@@ -186,3 +191,129 @@ class ShardReadAhead:
             if self.source.prefetch_shard(shard):
                 with self._lock:  # several downloads end at once
                     self.fetched += 1
+
+
+class RangeReadAhead:
+    """Fetches the byte ranges of the records a sampler will ask for next (remote reads
+    without a shard cache), in the process that reads them.
+
+    A background thread walks the order from the reader's position, ``step`` records at
+    a time, at most ``ahead`` records ahead of it and while the process's range store
+    has room (its ``max_bytes`` bounds the memory held); each step's ranges are fetched
+    across all its shards at once (:meth:`~torchgrain.sources.base.ShardedSource._prefetch_ranges`,
+    ``max_inflight`` in flight). What the reader passed without using is dropped, and a
+    new pass (``set_epoch``, a resume, a new ``iter(loader)``) cancels the walk and
+    drops what it fetched. Failures are left to the reads that need the bytes: read-ahead
+    never changes what is delivered.
+
+    Example:
+        >>> import os, tempfile, fsspec, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": i} for i in range(40)], d, num_shards=4)
+        >>> store = fsspec.filesystem("memory")
+        >>> for f in os.listdir(d):
+        ...     store.pipe(f"/rra-doc/{f}", open(os.path.join(d, f), "rb").read())
+        >>> src = tg.ArrayRecordSource("memory://rra-doc")
+        >>> ra = RangeReadAhead(src, step=8)
+        >>> ra.begin(lambda a, b: list(range(a, b)), 0, len(src), position=lambda: 0)
+        >>> ra.join(timeout=30), ra.steps  # 40 records, 8 at a time
+        (True, 5)
+        >>> src[3]["x"]  # served from what was fetched ahead
+        3
+        >>> ra.cancel()
+    """
+
+    def __init__(self, source: Any, *, step: int = 256, ahead: int = 2048) -> None:
+        self.source = source
+        self.step = int(step)
+        self.ahead = int(ahead)
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._owners: collections.deque[tuple[int, object]] = collections.deque()
+        self.steps = 0  # steps fetched (for tests and stats)
+
+    def begin(
+        self,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        """Start walking ``order`` from ``start`` to ``count`` ahead of ``position()``
+        (cancelling the walk in progress)."""
+        self.cancel()
+        with self._lock:
+            generation = self._generation
+        if count <= start:
+            return
+        thread = threading.Thread(
+            target=self._walk,
+            args=(generation, order, start, count, position),
+            name="torchgrain-range-ahead",
+            daemon=True,
+        )
+        self._thread = thread
+        thread.start()
+
+    def cancel(self) -> None:
+        """Stop the walk and drop what it fetched that was not used (requests in flight
+        finish; what they bring is dropped too)."""
+        from torchgrain.io.ranges import range_store
+
+        with self._lock:
+            self._generation += 1
+            owners, self._owners = list(self._owners), collections.deque()
+        store = range_store()
+        for _, owner in owners:
+            store.drop(owner)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the current walk to end; whether it did."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _live(self, generation: int) -> bool:
+        return self._generation == generation
+
+    def _walk(
+        self,
+        generation: int,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        from torchgrain.io.ranges import range_store
+
+        src, store = self.source, range_store()
+        pos = start
+        with contextlib.suppress(Exception):  # the reads that need the bytes report errors
+            while self._live(generation) and pos < count:
+                reached = position()
+                with self._lock:
+                    # Steps the reader has passed: what it did not take is of no use.
+                    while self._owners and self._owners[0][0] <= reached - self.step:
+                        store.drop(self._owners.popleft()[1])
+                pos = max(pos, reached)
+                if pos >= count:
+                    break
+                if pos >= reached + self.ahead or store.room() <= 0:
+                    threading.Event().wait(0.005)
+                    continue
+                stop = min(pos + self.step, count)
+                idx = src.index.check(np.asarray(order(pos, stop), dtype=np.int64))
+                owner = object()
+                with self._lock:
+                    if not self._live(generation):
+                        break
+                    self._owners.append((stop, owner))
+                src._prefetch_ranges(src.index.split(idx), owner=owner, lenient=True)
+                if not self._live(generation):
+                    store.drop(owner)  # cancelled while in flight
+                    break
+                self.steps += 1
+                pos = stop

@@ -36,7 +36,7 @@ from torchgrain.io.paths import resolve_all
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
+from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, DEFAULT_MAX_INFLIGHT
 from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.index import ShardIndex
@@ -90,6 +90,12 @@ class ArrayRecordSource(EncodedSource):
             concurrently, overlapping request latency (1 = sequential), and the shard
             read-ahead's concurrent downloads. Local shards are always read in the
             calling thread.
+        max_inflight: remote range requests in flight per process when batches are read
+            from remote shards without ``cache_dir`` (default 64): a batch's chunks are
+            fetched across all its shards at once, neighbours within 4 KiB coalesced,
+            and with ``num_workers=0`` the next batches of the sampler's order are
+            fetched while the current one is decoded (see
+            :class:`~torchgrain.io.readahead.RangeReadAhead`).
         retry: retry policy and deadlines of remote reads and downloads (default
             :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff;
             a read that makes no progress fails within 90 s).
@@ -156,6 +162,7 @@ class ArrayRecordSource(EncodedSource):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
         max_mapped_shards: int | None = None,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
@@ -225,6 +232,7 @@ class ArrayRecordSource(EncodedSource):
             read_ahead_bytes=read_ahead_bytes,
             retry=retry,
             max_open_files=max_open_files,
+            max_inflight=max_inflight,
         )
         if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
@@ -627,6 +635,29 @@ class ArrayRecordSource(EncodedSource):
         mapped = self._mapped
         if mapped:
             mapped[0].close()
+
+    def _batch_ranges(
+        self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
+    ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
+        # The chunks the batch's reads will fetch: footers first (each shard's once per
+        # process, the missing ones concurrently); chunks in the chunk cache are not.
+        readers = list(self._map(lambda g: self._ensure_footer_of(g[0]), groups))
+        cache = self._blocks if self.cache_bytes else None
+        out = []
+        for (shard, rows, _), reader in zip(groups, readers):
+            chunks, ranges = reader.chunk_ranges(rows)
+            if cache is not None and len(cache):
+                ranges = [r for c, r in zip(chunks.tolist(), ranges) if (shard, c) not in cache]
+            out.append((reader._path, reader.path, ranges))
+        return out
+
+    def _ensure_footer_of(self, shard: int) -> ArrayRecordFile:
+        def opened() -> ArrayRecordFile:
+            reader = self._reader(shard)
+            reader._ensure_footer()
+            return reader
+
+        return self._io(opened, shard, f"footer read of shard {shard}")
 
     def _read_many(
         self, groups: list[tuple[int, np.ndarray, np.ndarray]]

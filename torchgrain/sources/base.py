@@ -28,9 +28,10 @@ import fsspec
 import numpy as np
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.errors import CacheThrashWarning
+from torchgrain.errors import CacheThrashWarning, RemoteIOError
 from torchgrain.io import process, remote
 from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
+from torchgrain.io.ranges import fetch_batch, range_store
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache, file_identity
 from torchgrain.sources.block_cache import (
@@ -49,6 +50,16 @@ T = TypeVar("T")
 
 #: Default budget of a ``cache_dir`` (local copies of remote shards).
 DEFAULT_CACHE_DIR_BYTES = 16 * 2**30
+#: Default requests in flight per process when a batch is read from remote shards
+#: without a shard cache (see ``benchmarks/remote_global.py``: 1 KiB records at 30 ms
+#: need about 64 in flight per process to keep two workers busy; more cost memory and
+#: server connections for little gain on a 2-core machine).
+DEFAULT_MAX_INFLIGHT = 64
+#: Ranges of a remote batch closer than this are fetched as one request. Small: with
+#: many requests in flight, latency is paid once per batch either way, and a larger gap
+#: fetches bytes nobody asked for (a 64 KiB gap between 1 KiB records of a global
+#: shuffle would fetch ~30x what is delivered).
+BATCH_GAP = 4 << 10
 # Readers of cached local copies kept open per process. Eviction only unlinks files, so
 # an open reader pins an evicted copy's disk blocks: keep few of them open.
 _MAX_OPEN_CACHED = 32
@@ -235,6 +246,7 @@ class _ProcessState:
         self.local = threading.local()
         self.pool: ThreadPoolExecutor | None = None
         self.read_ahead: Any = None
+        self.range_ahead: Any = None  # a RangeReadAhead (remote reads, no shard cache)
         self.blocks = BlockCache(cache_bytes)
         self.io = {"remote_reads": 0, "retries": 0}
 
@@ -259,6 +271,11 @@ class ShardedSource(Source):
       shards, and its byte budget; local shards are never copied;
     * ``io_threads``: threads per process that read the remote shards of one batch
       concurrently (1 = sequential; local shards are read in the calling thread);
+    * ``max_inflight``: remote range requests in flight per process when a batch is
+      read from remote shards without a shard cache: the batch's records are fetched
+      across all its shards at once, neighbours coalesced (formats that can plan a
+      batch's byte ranges: ArrayRecord, TFRecord); with ``num_workers=0`` the next
+      batches of the sampler's order are fetched while this one is decoded;
     * ``retry``: a :class:`~torchgrain.io.retry.RetryPolicy` for remote reads and
       downloads: attempts and their deadlines (connect, between bytes, per request, per
       operation);
@@ -284,7 +301,11 @@ class ShardedSource(Source):
         read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
+        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 1:
+            raise ValueError(f"max_inflight must be an integer >= 1, got {max_inflight!r}")
+        self.max_inflight = max_inflight
         if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
             raise ValueError(f"cache_bytes must be an integer >= 0, got {cache_bytes!r}")
         if not isinstance(io_threads, int) or io_threads < 1:
@@ -352,6 +373,9 @@ class ShardedSource(Source):
             0
         """
         fits = self.check_cache_fit(order, start, count) if order is not None else []
+        if self._reads_remote:
+            self._range_read_ahead(order, start, count, position)
+            return fits
         if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
             return fits
         from torchgrain.io.readahead import ShardReadAhead
@@ -363,6 +387,106 @@ class ShardedSource(Source):
             ra = st.read_ahead
         ra.begin(order, start, count, position)
         return fits
+
+    def _range_read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        """Without a shard cache: fetch the byte ranges of the records ahead of
+        ``position()`` into this process's range store while the loader decodes (see
+        :class:`~torchgrain.io.readahead.RangeReadAhead`), where this process reads the
+        batches (no DataLoader workers). A new pass cancels the old one's."""
+        from torchgrain._driver import reads_here
+        from torchgrain.io.readahead import RangeReadAhead
+
+        st = self._proc()
+        with st.lock:
+            ra = st.range_ahead
+            if ra is None and order is not None and self.max_inflight > 1:
+                ra = st.range_ahead = RangeReadAhead(self)
+        if ra is None:
+            return
+        if order is None or count <= start or not reads_here():
+            ra.cancel()
+            return
+        ra.begin(order, start, count, position)
+
+    def _batch_ranges(
+        self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
+    ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
+        """``(path, url, ranges)`` per shard of a batch's ``(shard, rows, positions)``
+        groups: the byte ranges its reads will fetch, or None where the format cannot
+        plan them (its reads then fetch their own, one shard at a time)."""
+        return None
+
+    def _prefetch_ranges(
+        self,
+        groups: Sequence[tuple[int, np.ndarray, np.ndarray]],
+        *,
+        owner: object | None = None,
+        lenient: bool = False,
+    ) -> object | None:
+        """Fetch a remote batch's byte ranges (:meth:`_batch_ranges`) across all its
+        shards at once, with up to ``max_inflight`` requests in flight, into this
+        process's range store, where the batch's reads find them. Returns the owner
+        token of what it put (release it with :meth:`_release_ranges`), or None when
+        the batch is read shard by shard.
+
+        Transient failures are retried per the source's policy (only the ranges still
+        missing are asked again); a batch that outlasts it raises
+        :class:`~torchgrain.RemoteIOError` naming the URL. Other failures (a missing or
+        truncated shard) are left to the shard's own read, which names the shard and
+        the record index. With ``lenient`` (read-ahead), every failure is."""
+        if not self._reads_remote or not groups:
+            return None
+        files = self._batch_ranges(groups)
+        if not files:
+            return None
+        owner = object() if owner is None else owner
+        store = range_store()
+        label = files[0][1] if len(files) == 1 else f"{files[0][1]} and {len(files) - 1} more"
+
+        def fetch() -> None:
+            with self._proc().lock:
+                self._proc().io["remote_reads"] += 1
+            fetch_batch(
+                self._fs,
+                files,
+                store=store,
+                owner=owner,
+                gap=BATCH_GAP,
+                # io_threads=1 keeps its meaning: remote reads one at a time.
+                max_inflight=self.max_inflight if self.io_threads > 1 else 1,
+            )
+
+        try:
+            retry_call(
+                fetch,
+                url=label,
+                policy=self._retry,
+                what="range read of a batch",
+                on_retry=self._count_retry,
+            )
+        except RemoteIOError:
+            store.drop(owner)
+            if lenient:
+                return None
+            raise
+        except Exception:
+            if lenient:
+                store.drop(owner)
+                return None
+            # Not transient: the shard's own read meets it again and names the shard.
+        return owner
+
+    @staticmethod
+    def _release_ranges(owner: object | None) -> None:
+        """Forget what :meth:`_prefetch_ranges` put and the batch did not use."""
+        if owner is not None:
+            range_store().drop(owner)
 
     # ------------------------------------------------------------ cache fitting
     def _describe(self) -> str:

@@ -109,25 +109,29 @@ class EncodedSource(ShardedSource):
                 blobs, t0, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
             )
         groups = self.index.split(idx)
-        if len(groups) == 1:
-            shard, rows, _ = groups[0]
-            self._check_readable(shard, int(idx[0]))
-            return self._read_decode(shard, rows, idx)
         for shard, _, positions in groups:
-            self._check_readable(shard, int(idx[positions[0]]))
-        opened = self._prefetch_copies([g[0] for g in groups])
-        t0 = time.perf_counter()
-        many = self._read_many(groups)
-        if many is not None:
-            out = self._decode_many(many, groups, idx, t0)
-        else:
-            results = self._map(
-                lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0])), groups
-            )
-            out = _in_request_order(results, groups, len(idx))
-        if opened:
-            self._close_evicted_copies()
-        return out
+            self._check_readable(shard, int(idx[positions[0] if positions is not None else 0]))
+        # Remote, no shard cache: the batch's ranges fetched across its shards at once.
+        fetched = self._prefetch_ranges(groups)
+        try:
+            if len(groups) == 1:
+                shard, rows, _ = groups[0]
+                return self._read_decode(shard, rows, idx)
+            opened = self._prefetch_copies([g[0] for g in groups])
+            t0 = time.perf_counter()
+            many = self._read_many(groups)
+            if many is not None:
+                out = self._decode_many(many, groups, idx, t0)
+            else:
+                read = lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0]))  # noqa: E731
+                # Fetched already: decoding needs no threads.
+                results = [read(g) for g in groups] if fetched else self._map(read, groups)
+                out = _in_request_order(results, groups, len(idx))
+            if opened:
+                self._close_evicted_copies()
+            return out
+        finally:
+            self._release_ranges(fetched)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns, decoded for the whole batch at once when
@@ -144,14 +148,18 @@ class EncodedSource(ShardedSource):
             groups = group_by_shard(shards, rows)
             for shard, _, positions in groups:
                 self._check_readable(shard, int(idx[positions[0]]))
-            opened = self._prefetch_copies([g[0] for g in groups])
-            results = (self._read_many(groups) if len(groups) > 1 else None) or self._map(
-                lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0])),
-                groups,
-            )
-            blobs = _in_request_order(results, groups, len(idx))
-            if opened:
-                self._close_evicted_copies()
+            fetched = self._prefetch_ranges(groups)
+            try:
+                opened = self._prefetch_copies([g[0] for g in groups])
+                read = lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0]))  # noqa: E731
+                results = (self._read_many(groups) if len(groups) > 1 else None) or (
+                    [read(g) for g in groups] if fetched else self._map(read, groups)
+                )
+                blobs = _in_request_order(results, groups, len(idx))
+                if opened:
+                    self._close_evicted_copies()
+            finally:
+                self._release_ranges(fetched)
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         ends = np.cumsum(lengths)
         buf = _joined(blobs, ends)
