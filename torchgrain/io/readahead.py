@@ -317,3 +317,13 @@ class RangeReadAhead:
                     break
                 self.steps += 1
                 pos = stop
+            # All fetched: drop what the reader passes without taking (a range its own
+            # batch fetched while read-ahead's request for it was in flight).
+            while self._live(generation):
+                with self._lock:
+                    if not self._owners:
+                        break
+                    if self._owners[0][0] <= position() - self.step or position() >= count:
+                        store.drop(self._owners.popleft()[1])
+                        continue
+                threading.Event().wait(0.05)

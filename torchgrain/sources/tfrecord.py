@@ -51,7 +51,7 @@ from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
+from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, DEFAULT_MAX_INFLIGHT
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 
@@ -82,8 +82,8 @@ class TFRecordSource(EncodedSource):
             per machine (default ``<torchgrain cache>/tfrecord-index``, see
             :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in each
             process's memory.
-        cache_dir, cache_dir_bytes, io_threads, retry, max_open_files: as for every
-            sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
+        cache_dir, cache_dir_bytes, io_threads, retry, max_open_files, max_inflight: as
+            for every sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
         allow_external_paths: a directory listing (an HTTP(S) server's page) may name
             files outside the directory, and an HTTP(S) server may redirect; off by
             default (see :mod:`torchgrain.io.paths`).
@@ -117,6 +117,7 @@ class TFRecordSource(EncodedSource):
         max_open_files: int | type[Ellipsis] | None = ...,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         allow_external_paths: bool = False,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
     ) -> None:
         self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
         retry = retry or RetryPolicy()
@@ -154,6 +155,7 @@ class TFRecordSource(EncodedSource):
             read_ahead_bytes=read_ahead_bytes,
             retry=retry,
             max_open_files=max_open_files,
+            max_inflight=max_inflight,
         )
         with using(retry):
             if isinstance(codec, str) and codec in ("auto", "tf_example"):
@@ -234,6 +236,20 @@ class TFRecordSource(EncodedSource):
 
     def _touch(self, reader: Any) -> None:
         reader.view()
+
+    def _batch_ranges(
+        self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
+    ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
+        # The frames _read_rows asks for (it checks them against the file's size).
+        out = []
+        for shard, rows, _ in groups:
+            b = self._base[shard] + rows
+            url = self._paths[shard]
+            ranges = list(zip(self._bounds[b].tolist(), self._bounds[b + 1].tolist()))
+            size = int(self._tfindex.file_size[shard])
+            ranges = [(s, e) for s, e in ranges if 0 <= s < e <= size]
+            out.append((self._fs._strip_protocol(url), url, ranges))
+        return out
 
     def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
         b = self._base[shard] + rows
