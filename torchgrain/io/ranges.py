@@ -30,7 +30,7 @@ import fsspec
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import process, remote
-from torchgrain.io.retry import http_status, is_transient
+from torchgrain.io.retry import http_status, is_transient, remaining_seconds
 
 __all__ = ["MappedFile", "RangeStore", "coalesce", "fetch_batch", "fetch_ranges", "range_store"]
 
@@ -105,6 +105,8 @@ class RangeStore:
         self.max_bytes = int(max_bytes)
         self._lock = threading.Lock()
         self._ranges: dict[tuple[str, int, int], tuple[memoryview, object]] = {}
+        # Ranges being fetched now -> set when their fetch ends (whether or not it worked).
+        self._pending: dict[tuple[str, int, int], threading.Event] = {}
         self.nbytes = 0
         self.stats = {"served": 0, "put": 0, "dropped": 0}
 
@@ -129,6 +131,34 @@ class RangeStore:
 
     def has(self, url: str, start: int, end: int) -> bool:
         return (url, start, end) in self._ranges
+
+    def claim(
+        self, url: str, ranges: Sequence[tuple[int, int]]
+    ) -> tuple[list[tuple[int, int]], list[threading.Event]]:
+        """``(mine, others)``: of ``ranges`` neither stored nor being fetched, those the
+        caller now fetches (release them with :meth:`release`), and the events of those
+        another fetch (read-ahead's) is bringing: a range is never asked for twice."""
+        mine, others = [], []
+        with self._lock:
+            for s, e in ranges:
+                key = (url, s, e)
+                if key in self._ranges:
+                    continue
+                event = self._pending.get(key)
+                if event is None:
+                    self._pending[key] = threading.Event()
+                    mine.append((s, e))
+                else:
+                    others.append(event)
+        return mine, others
+
+    def release(self, url: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """End a :meth:`claim` (its fetch arrived or failed): wake who waits for it."""
+        with self._lock:
+            events = [self._pending.pop((url, s, e), None) for s, e in ranges]
+        for event in events:
+            if event is not None:
+                event.set()
 
     def take(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview | None]:
         """The stored bytes of each range (removed from the store), None where absent."""
@@ -194,11 +224,13 @@ def fetch_batch(
     gap: int = DEFAULT_GAP,
     max_inflight: int = 64,
     raise_errors: bool = True,
+    wait_for_others: bool = True,
 ) -> int:
     """Fetch the byte ranges of many files of ``fs`` together into ``store``.
 
     ``files`` holds ``(path, url, ranges)``; ranges already in the store are skipped,
-    the others coalesced per file (see :func:`coalesce`) and requested with at most
+    those another fetch is bringing waited for (:meth:`RangeStore.claim`), the others
+    coalesced per file (see :func:`coalesce`) and requested with at most
     ``max_inflight`` in flight (:func:`~torchgrain.io.remote.cat_many`). What arrived is
     put in the store even when other requests failed (a retry asks only for the rest).
     Returns the number of requests made.
@@ -219,14 +251,52 @@ def fetch_batch(
         >>> [bytes(v) for v in store.take("memory://fb/a", [(4, 6), (0, 2)])]
         [b'45', b'01']
     """
+    claimed: list[tuple[str, list[tuple[int, int]]]] = []
+    waits: list[threading.Event] = []
+    try:
+        for _path, url, ranges in files:
+            want = [r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]]
+            mine, others = store.claim(url, want)
+            claimed.append((url, mine))
+            waits.extend(others)
+        made = _fetch_claimed(fs, files, claimed, store, owner, gap, max_inflight, raise_errors)
+    finally:
+        for url, mine in claimed:
+            store.release(url, mine)
+    if waits and wait_for_others:
+        # Ranges another fetch (read-ahead) was bringing: wait for it to end, then fetch
+        # whatever it did not bring (it failed, or was cancelled and dropped them).
+        for event in waits:
+            event.wait(max(remaining_seconds(0)[0], 0.0))
+        return made + fetch_batch(
+            fs,
+            files,
+            store=store,
+            owner=owner,
+            gap=gap,
+            max_inflight=max_inflight,
+            raise_errors=raise_errors,
+            wait_for_others=False,  # what is still missing then, its reader fetches
+        )
+    return made
+
+
+def _fetch_claimed(
+    fs: fsspec.AbstractFileSystem,
+    files: Sequence[tuple[str, str, Sequence[tuple[int, int]]]],
+    claimed: list[tuple[str, list[tuple[int, int]]]],
+    store: RangeStore,
+    owner: object,
+    gap: int,
+    max_inflight: int,
+    raise_errors: bool,
+) -> int:
     paths: list[str] = []
     urls: list[str] = []
     starts: list[int] = []
     ends: list[int] = []
     plans = []
-    for path, url, ranges in files:
-        need = [r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]]
-        need = [r for r in need if not store.has(url, *r)]
+    for (path, url, _), (_, need) in zip(files, claimed):
         if not need:
             continue
         order, merged = coalesce(need, gap)

@@ -91,7 +91,7 @@ class ArrayRecordSource(EncodedSource):
             read-ahead's concurrent downloads. Local shards are always read in the
             calling thread.
         max_inflight: remote range requests in flight per process when batches are read
-            from remote shards without ``cache_dir`` (default 64): a batch's chunks are
+            from remote shards without ``cache_dir`` (default 128): a batch's chunks are
             fetched across all its shards at once, neighbours within 4 KiB coalesced,
             and with ``num_workers=0`` the next batches of the sampler's order are
             fetched while the current one is decoded (see

@@ -1,0 +1,328 @@
+"""A true global shuffle straight from an object store: measured against its physical bound.
+
+A store that is not the bottleneck (``benchmarks/_fast_store.py``: one asyncio process,
+Range support, one write per answer, latency added by a timer) serves ArrayRecord
+datasets of 1 KiB and 100 KiB records in 16 shards. Before anything torchgrain, it
+measures:
+
+* the store's own **capacity**: requests/s (1 KiB ranges) and bytes/s (100 KiB ranges)
+  with no added latency, from a client that is not torchgrain (raw HTTP/1.1 over
+  asyncio streams, 16 kept-alive connections);
+* the **client CPU per request** of the two ways torchgrain could keep many requests in
+  flight: all of them on fsspec's event loop (``torchgrain.io.remote.cat_many``) or a
+  thread pool of blocking deadline-aware calls (``torchgrain.io.remote.cat_file``).
+
+Then, for each record size, latency (10/30/80 ms) and DataLoader ``num_workers`` (0, 2),
+one global-shuffle pass of a few batches (``GlobalShuffleSampler``, no shard cache):
+
+* ``before``: each batch read shard by shard, ``io_threads`` (8) shards at a time (the
+  path before ``max_inflight``);
+* ``after``: the batch's records fetched across all its shards at once, ``max_inflight``
+  requests in flight per process (and with 0 workers the next batches fetched while one
+  is decoded);
+* ``local``: the same files on local disk.
+
+Beside each rate it prints the bound
+``min(max_inflight * processes / (latency + record / rate), store capacity,
+bandwidth / record size)`` in records/s (one request per record; the store sends each
+response at ``--mbps``, 50 MB/s, as object stores cap each connection), the ratio to
+it, requests per record and bytes fetched per byte delivered (counted by the store from
+the end of a two-batch warm-up).
+
+This machine has 2 cores shared with other work, and the store, the loader and its
+workers share them: the settings are small (a few thousand 1 KiB records, a few hundred
+100 KiB ones, per measurement) and the numbers indicative.
+
+Run:  python benchmarks/remote_global.py [--quick] [--max-inflight 64]
+Writes benchmarks/results/remote_global.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+
+import torchgrain as tg
+from benchmarks._common import RESULTS_DIR, describe_machine, machine, print_table
+
+SHARDS = 16
+
+
+def _write(root: str, name: str, n: int, size: int) -> str:
+    rng = np.random.default_rng(0)
+    d = os.path.join(root, name)
+    tg.write_array_record(({"x": rng.bytes(size)} for _ in range(n)), d, num_shards=SHARDS)
+    return d
+
+
+def _store(root: str) -> tuple[subprocess.Popen, str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(here, "_fast_store.py"), root],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    return proc, proc.stdout.readline().strip()  # type: ignore[union-attr]
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read()
+
+
+# --------------------------------------------------------------- store, measured alone
+async def _raw_client(
+    host: str, port: int, path: str, size: int, span: int, seconds: float, conns: int
+) -> tuple[int, int]:
+    """Requests and body bytes a plain HTTP/1.1 client gets in ``seconds``."""
+    done = [0, 0]
+    stop = time.perf_counter() + seconds
+
+    async def one(seed: int) -> None:
+        rng = random.Random(seed)
+        reader, writer = await asyncio.open_connection(host, port)
+        while time.perf_counter() < stop:
+            a = rng.randrange(0, span - size)
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nRange: bytes={a}-{a + size - 1}\r\n\r\n".encode()
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(n)
+            done[0] += 1
+            done[1] += n
+        writer.close()
+
+    await asyncio.gather(*(one(k) for k in range(conns)))
+    return done[0], done[1]
+
+
+def _capacity(url: str, path: str, span: int, size: int, seconds: float) -> dict[str, float]:
+    host, port = url.split("//")[1].split(":")
+    n, nbytes = asyncio.run(_raw_client(host, int(port), path, size, span, seconds, 16))
+    return {"requests_per_s": n / seconds, "bytes_per_s": nbytes / seconds}
+
+
+def _client_cpu(url: str, path: str, span: int, n: int, inflight: int) -> dict[str, float]:
+    """Client CPU per 1 KiB request: all on fsspec's loop vs a pool of blocking calls."""
+    from torchgrain.io import remote
+    from torchgrain.io.fs import get_filesystem
+
+    fs, rpath = get_filesystem(url + path)
+    rng = random.Random(1)
+    starts = [rng.randrange(0, span - 1024) for _ in range(n)]
+    ends = [s + 1024 for s in starts]
+
+    def loop() -> None:
+        remote.cat_many(fs, [rpath] * n, starts, ends, max_inflight=inflight)
+
+    def pool() -> None:
+        with ThreadPoolExecutor(inflight) as ex:
+            list(ex.map(lambda s: remote.cat_file(fs, rpath, s, s + 1024), starts))
+
+    out = {}
+    for name, fn in (
+        ("event_loop", loop),
+        ("thread_pool", pool),
+        ("event_loop", loop),
+        ("thread_pool", pool),
+    ):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        out[f"{name}_us_cpu_per_request"] = 1e6 * cpu / n  # the second round counts
+        out[f"{name}_requests_per_s"] = n / wall
+    return out
+
+
+# ------------------------------------------------------------------ loader, measured
+def _pass(
+    src: Any, *, workers: int, batch: int, batches: int, warm: int = 2, reset: Any = None
+) -> float:
+    ds = tg.Dataset(src)
+    sampler = tg.GlobalShuffleSampler(ds, seed=0)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=batch,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=lambda b: sum(len(r["x"]) for r in b),
+        multiprocessing_context="fork" if workers else None,
+        prefetch_factor=2 if workers else None,
+    )
+    it = iter(loader)
+    for _ in range(warm):  # workers started, footers read
+        next(it)
+    if reset is not None:
+        reset()
+    t0 = time.perf_counter()
+    got = 0
+    for _ in range(batches):
+        got += next(it) > 0
+    dt = time.perf_counter() - t0
+    del it
+    return batches * batch / dt
+
+
+def _source(location: str, variant: str, inflight: int) -> Any:
+    if variant == "local":
+        return tg.ArrayRecordSource(location)
+    src = tg.ArrayRecordSource(location, max_inflight=inflight)
+    if variant == "before":
+        # The path before max_inflight: each shard's ranges read on its own, io_threads
+        # shards at a time (coalesced with the 64 KiB gap of a shard's own reads).
+        src._batch_ranges = lambda groups: None  # type: ignore[method-assign]
+    return src
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="30 ms only, fewer batches")
+    p.add_argument("--max-inflight", type=int, default=128)
+    p.add_argument("--out", default=None, help="file name under benchmarks/results/")
+    p.add_argument("--latencies-ms", default="10,30,80")
+    p.add_argument("--workers", default="0,2")
+    p.add_argument("--sizes-kib", default="1,100", help="record sizes to run (KiB)")
+    p.add_argument("--mbps", type=float, default=50.0, help="bandwidth per response, MB/s")
+    a = p.parse_args()
+    latencies = [30] if a.quick else [int(x) for x in a.latencies_ms.split(",")]
+    workers_list = [int(x) for x in a.workers.split(",")]
+    print(f"machine: {describe_machine()}")
+    root = tempfile.mkdtemp(prefix="tg-remote-global-")
+    # Sparse batches, as in a dataset far larger than a batch: a batch's records of one
+    # shard lie far apart (4,096 records per shard for 16 per batch), so no two share a
+    # request unless the reader fetches the bytes between them.
+    sizes = {
+        1024: dict(n=65536, batch=256, batches=12 if a.quick else 24),
+        100 * 1024: dict(n=1024, batch=32, batches=12 if a.quick else 24),
+    }
+    proc = None
+    try:
+        for size, cfg in sizes.items():
+            cfg["dir"] = _write(root, f"r{size}", cfg["n"], size)
+        proc, url = _store(root)
+        big = sorted(os.listdir(sizes[100 * 1024]["dir"]))[0]
+        path = f"/r{100 * 1024}/{big}"
+        span = os.path.getsize(os.path.join(sizes[100 * 1024]["dir"], big))
+        seconds = 1.0 if a.quick else 2.0
+        cap_small = _capacity(url, path, span, 1024, seconds)
+        cap_big = _capacity(url, path, span, 100 * 1024, seconds)
+        cpu = _client_cpu(url, path, span, 1000 if a.quick else 2000, a.max_inflight)
+        print(
+            f"store capacity (no added latency, raw asyncio client, 16 connections): "
+            f"{cap_small['requests_per_s']:,.0f} req/s of 1 KiB, "
+            f"{cap_big['bytes_per_s'] / 1e6:,.0f} MB/s in 100 KiB ranges"
+        )
+        print(
+            "client CPU per 1 KiB request: event loop "
+            f"{cpu['event_loop_us_cpu_per_request']:.0f} us, thread pool "
+            f"{cpu['thread_pool_us_cpu_per_request']:.0f} us"
+        )
+        _get(f"{url}/__rate?bps={a.mbps * 1e6}")
+        rows = []
+        wanted = {int(x) * 1024 for x in a.sizes_kib.split(",")}
+        for size, cfg in sizes.items():
+            if size not in wanted:
+                continue
+            rec = size
+            for workers in workers_list:
+                local = _pass(
+                    _source(cfg["dir"], "local", a.max_inflight),
+                    workers=workers,
+                    batch=cfg["batch"],
+                    batches=cfg["batches"],
+                )
+                for lat in latencies:
+                    _get(f"{url}/__latency?s={lat / 1000}")
+                    procs = max(workers, 1)
+                    # Each request takes the latency plus its bytes at the per-response rate.
+                    per_request = lat / 1000 + rec / (a.mbps * 1e6)
+                    bound = min(
+                        a.max_inflight * procs / per_request,
+                        cap_small["requests_per_s"] if size <= 4096 else cap_big["requests_per_s"],
+                        cap_big["bytes_per_s"] / rec,
+                    )
+                    for variant in ("before", "after"):
+                        src = _source(f"{url}/r{size}", variant, a.max_inflight)
+                        rate = _pass(
+                            src,
+                            workers=workers,
+                            batch=cfg["batch"],
+                            batches=cfg["batches"],
+                            reset=lambda: _get(f"{url}/__reset"),
+                        )
+                        stats = json.loads(_get(f"{url}/__stats"))
+                        # Counted from the end of the warm-up: what the timed batches and
+                        # the read-ahead of later ones cost.
+                        delivered = cfg["batches"] * cfg["batch"]
+                        rows.append(
+                            {
+                                "record": f"{size // 1024} KiB",
+                                "workers": workers,
+                                "latency_ms": lat,
+                                "variant": variant,
+                                "records_per_s": rate,
+                                "bound": bound,
+                                "of_bound": rate / bound,
+                                "local_records_per_s": local,
+                                "of_local": rate / local,
+                                "requests_per_record": stats["requests"] / delivered,
+                                "fetched_per_delivered": stats["body_bytes"] / (delivered * rec),
+                            }
+                        )
+                        print_table([rows[-1]], list(rows[-1]))
+        print()
+        print_table(rows, list(rows[0]))
+        for r in rows:
+            if r["variant"] == "after":
+                before = next(
+                    b["records_per_s"]
+                    for b in rows
+                    if b["variant"] == "before"
+                    and all(b[k] == r[k] for k in ("record", "workers", "latency_ms"))
+                )
+                r["after_over_before"] = r["records_per_s"] / before
+        out = {
+            "machine": machine(),
+            "settings": {
+                "max_inflight": a.max_inflight,
+                "shards": SHARDS,
+                "sizes": {
+                    str(k): {kk: v for kk, v in c.items() if kk != "dir"} for k, c in sizes.items()
+                },
+                "note": "2 shared cores: store, loader and workers on the same cores; indicative",
+            },
+            "store_capacity": {"1KiB": cap_small, "100KiB": cap_big},
+            "client_cpu_per_request": cpu,
+            "rows": rows,
+        }
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        name = a.out or ("remote_global_quick.json" if a.quick else "remote_global.json")
+        with open(os.path.join(RESULTS_DIR, name), "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote benchmarks/results/{name}")
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
