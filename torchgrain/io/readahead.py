@@ -33,6 +33,51 @@ __all__ = ["RangeReadAhead", "ShardReadAhead"]
 
 # Order positions scanned per step of the walk (one vectorised call of the sampler).
 _SCAN = 8192
+# eviction="belady": how far ahead of the reader the order is scanned for next uses, and
+# how often (seconds) the cache's hints are rewritten.
+_HORIZON = 8 * _SCAN
+_ADVISE_EVERY = 0.5
+
+
+class _NextUses:
+    """The next use of each shard ahead of the reader, told to a ``belady`` shard cache
+    (:meth:`~torchgrain.io.shard_cache.ShardCache.advise`) as the reader moves on.
+
+    Memory: one position per shard per scanned window of :data:`_SCAN` positions."""
+
+    def __init__(self, src: Any, order: Callable[[int, int], np.ndarray], start: int, count: int):
+        self.src, self.order, self.count = src, order, count
+        self.scan = start
+        self.future: dict[int, collections.deque[int]] = {}
+        self.told: dict[int, int | None] = {}
+        self.last = 0.0
+
+    def update(self, reached: int, *, force: bool = False) -> None:
+        import time
+
+        now = time.monotonic()
+        if not force and now - self.last < _ADVISE_EVERY:
+            return
+        self.last = now
+        src = self.src
+        while self.scan < min(self.count, reached + _HORIZON):
+            stop = min(self.scan + _SCAN, self.count)
+            shards = src.index.locate(np.asarray(self.order(self.scan, stop)))[0]
+            uniq, first = np.unique(shards, return_index=True)
+            for shard, k in zip(uniq.tolist(), first.tolist()):
+                self.future.setdefault(shard, collections.deque()).append(self.scan + k)
+            self.scan = stop
+        hints: dict[str, int | None] = {}
+        for shard in set(self.future) | set(self.told):
+            uses = self.future.get(shard)
+            while uses and uses[0] < reached:
+                uses.popleft()
+            use = uses[0] if uses else None
+            if self.told.get(shard, -1) != use:
+                self.told[shard] = use
+                hints[src._paths[shard]] = use
+        if hints:
+            src.cache.advise(hints)
 
 
 class ShardReadAhead:
@@ -136,8 +181,15 @@ class ShardReadAhead:
         ahead: collections.deque[tuple[int, int]] = collections.deque()  # (first use, bytes)
         in_flight: list[Future[Any]] = []
         scan = start
+        hints = (
+            _NextUses(src, order, start, count)
+            if capacity is not None and src.cache.eviction == "belady"
+            else None
+        )
         with ThreadPoolExecutor(self.threads, thread_name_prefix="torchgrain-read-ahead") as pool:
             while self._live(generation):
+                if hints is not None:
+                    hints.update(position())
                 while len(pending) < 2 * self.threads and scan < count and not seen.all():
                     stop = min(scan + _SCAN, count)
                     shards = src.index.locate(np.asarray(order(scan, stop)))[0]
@@ -180,6 +232,11 @@ class ShardReadAhead:
             for f in in_flight:
                 if not self._live(generation):
                     f.cancel()
+        # Every shard fetched once: the hints go on until the pass ends (a shard evicted
+        # is fetched again by its reader; which one goes follows them).
+        while hints is not None and self._live(generation) and position() < count:
+            hints.update(position())
+            self._wait(generation, 0.1)
 
     def _wait(self, generation: int, seconds: float) -> None:
         threading.Event().wait(seconds)
@@ -215,12 +272,19 @@ class RangeReadAhead:
         ...     store.pipe(f"/rra-doc/{f}", open(os.path.join(d, f), "rb").read())
         >>> src = tg.ArrayRecordSource("memory://rra-doc")
         >>> ra = RangeReadAhead(src, step=8)
-        >>> ra.begin(lambda a, b: list(range(a, b)), 0, len(src), position=lambda: 0)
-        >>> ra.join(timeout=30), ra.steps  # 40 records, 8 at a time
-        (True, 5)
+        >>> reached = [0]  # how far the reader got
+        >>> ra.begin(lambda a, b: list(range(a, b)), 0, len(src), lambda: reached[0])
+        >>> import time
+        >>> deadline = time.monotonic() + 30
+        >>> while ra.steps < 5 and time.monotonic() < deadline:
+        ...     time.sleep(0.01)
+        >>> ra.steps  # 40 records, 8 at a time
+        5
         >>> src[3]["x"]  # served from what was fetched ahead
         3
-        >>> ra.cancel()
+        >>> reached[0] = len(src)  # the reader is done: the walk ends
+        >>> ra.join(timeout=30)
+        True
     """
 
     def __init__(self, source: Any, *, step: int = 256, ahead: int = 2048) -> None:

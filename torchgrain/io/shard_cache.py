@@ -33,7 +33,10 @@ Layout and safety rules (all processes of a machine may share one directory):
   copy is checked and opened (:meth:`ShardCache.fetch_open`): a download or an
   eviction cannot replace or unlink it between the check and the open.
 * Eviction (least recently used first: a copy's last use is its record's modification
-  time, which hits refresh at most once a second per process) runs under
+  time, which hits refresh at most once a second per process; or, with
+  ``eviction="belady"``, the copy whose next use lies furthest in the sampler's order,
+  from the hints read-ahead writes to ``DIR/.next/``: see :mod:`torchgrain.io.eviction`)
+  runs under
   ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being fetched,
   checked or opened), and only ever unlinks: a reader that has the file open (or
   mapped) keeps reading it, POSIX frees the blocks when it closes. In-flight downloads
@@ -73,6 +76,7 @@ import fsspec
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import remote
 from torchgrain.io.atomic import publish
+from torchgrain.io.eviction import EVICTION_POLICIES, victims
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -86,6 +90,7 @@ Verifier = Callable[..., None]
 _TMP_PREFIX = ".tmp-"
 _LOCK_DIR = ".locks"
 _SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
+_NEXT_FILE = ".next-use"  # eviction="belady": copy name -> its next use (read-ahead's hints)
 _CRC_BLOCK = 8 << 20
 # Refresh a copy's last use (its record's modification time) at most this often per
 # process (seconds): one utime() per shard per second is plenty for LRU order and keeps
@@ -162,6 +167,12 @@ class ShardCache:
             first time each process (each DataLoader worker) uses it, and again when
             the file changes (see the module docstring; about 1-4 GB/s of one core,
             from the page cache). ``False`` trusts a copy of the right size.
+        eviction: ``"lru"`` (default) evicts the least recently used copies first;
+            ``"belady"`` the copies whose next use lies furthest ahead in the sampler's
+            order (never used again: first), as told by :meth:`advise` (read-ahead
+            calls it as it scans the order); copies it was told nothing of go first,
+            least recently used first among them. Belady's rule gets the most hits a
+            cache of equal shards can (``benchmarks/eviction.py``).
 
     Counters (this process only) are in :attr:`stats`: ``hits``, ``misses`` (files this
     process downloaded), ``waits`` (hits that waited for another worker's download),
@@ -192,9 +203,13 @@ class ShardCache:
         max_bytes: int,
         retry: RetryPolicy | None = None,
         verify_hits: bool = True,
+        eviction: str = "lru",
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        self.eviction = eviction
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_bytes = int(max_bytes)
         self.retry = retry or RetryPolicy()
@@ -455,6 +470,62 @@ class ShardCache:
         self._make_room(keep=path)
         return path, ident, obj
 
+    def advise(self, next_use: dict[str, int | None]) -> None:
+        """Tell the cache when each URL will be read next (a position in the sampler's
+        order; None: not again as far as known), for ``eviction="belady"``. The hints
+        are shared by every process of the cache (one small file, replaced atomically);
+        hints for other URLs are kept. Nothing is done under ``"lru"``.
+
+        Example:
+            >>> import tempfile
+            >>> c = ShardCache(tempfile.mkdtemp(), max_bytes=10, eviction="belady")
+            >>> c.advise({"s3://b/x": 7, "s3://b/y": None})
+            >>> c.next_uses() == {os.path.basename(c.local_path("s3://b/x")): 7}
+            True
+        """
+        if self.eviction != "belady":
+            return
+        with self._flock(os.path.join(self.directory, _LOCK_DIR, "next-use.lock")):
+            hints = self.next_uses()
+            for url, use in next_use.items():
+                name = os.path.basename(self.local_path(url))
+                if use is None:
+                    hints.pop(name, None)
+                else:
+                    hints[name] = int(use)
+            final = os.path.join(self.directory, _NEXT_FILE)
+            tmp = f"{final}{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "w") as f:
+                    f.write("".join(f"{n} {u}\n" for n, u in hints.items()))
+                os.replace(tmp, final)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+
+    def next_uses(self) -> dict[str, int]:
+        """The next-use hints in force: copy name -> position (see :meth:`advise`).
+        Malformed lines (the file is the cache's own, but anyone who can write to the
+        directory can change it) are ignored: a hint only orders evictions.
+
+        Example:
+            >>> import tempfile
+            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).next_uses()
+            {}
+        """
+        out: dict[str, int] = {}
+        try:
+            with open(os.path.join(self.directory, _NEXT_FILE)) as f:
+                text = f.read(64 << 20)
+        except FileNotFoundError:
+            return out
+        for line in text.splitlines():
+            name, _, use = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[name] = int(use)
+        return out
+
     def total_bytes(self) -> int:
         """Bytes of complete files in the cache now (all processes).
 
@@ -681,6 +752,16 @@ class ShardCache:
         with self._flock(os.path.join(self.directory, _LOCK_DIR, "evict.lock")):
             entries = sorted(self._entries())
             total = sum(s for _, s, _ in entries) + self._reserved()
+            if self.eviction == "belady" and total > self.max_bytes:
+                # Furthest next use first (the hints are by copy name); a copy that is
+                # busy is skipped below, so rank them all.
+                hints = self.next_uses()
+                uses = {
+                    p: hints[os.path.basename(p)]
+                    for _, _, p in entries
+                    if os.path.basename(p) in hints
+                }
+                entries = victims(entries, uses, sum(s for _, s, _ in entries), keep="")
             for _, size, p in entries:
                 if total <= self.max_bytes:
                     break
