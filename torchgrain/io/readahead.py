@@ -255,8 +255,9 @@ class RangeReadAhead:
     without a shard cache), in the process that reads them.
 
     A background thread walks the order from the reader's position, ``step`` records at
-    a time, at most ``ahead`` records ahead of it and while the process's range store
-    has room (its ``max_bytes`` bounds the memory held); each step's ranges are fetched
+    a time (two steps in flight), at most ``ahead`` records ahead of it and while the
+    process's range store has room (its ``max_bytes``, plus the two steps that may start
+    just under it, bounds the memory held); each step's ranges are fetched
     across all its shards at once (:meth:`~torchgrain.sources.base.ShardedSource._prefetch_ranges`,
     ``max_inflight`` in flight). What the reader passed without using is dropped, and a
     new pass (``set_epoch``, a resume, a new ``iter(loader)``) cancels the walk and
@@ -343,6 +344,17 @@ class RangeReadAhead:
     def _live(self, generation: int) -> bool:
         return self._generation == generation
 
+    def _step(self, generation: int, idx: np.ndarray, owner: object) -> None:
+        from torchgrain.io.ranges import range_store
+
+        src = self.source
+        src._prefetch_ranges(src.index.split(idx), owner=owner, lenient=True)
+        if not self._live(generation):
+            range_store().drop(owner)  # cancelled while in flight
+            return
+        with self._lock:
+            self.steps += 1
+
     def _walk(
         self,
         generation: int,
@@ -355,6 +367,27 @@ class RangeReadAhead:
 
         src, store = self.source, range_store()
         pos = start
+        # Two steps in flight: the next one's requests start while the last of this
+        # one's are still out, so the process's max_inflight stays busy.
+        pool = ThreadPoolExecutor(2, thread_name_prefix="torchgrain-range-ahead")
+        in_flight: list[Future[Any]] = []
+        try:
+            self._walk_steps(generation, order, count, position, src, store, pos, pool, in_flight)
+        finally:
+            pool.shutdown(wait=True)
+
+    def _walk_steps(
+        self,
+        generation: int,
+        order: Callable[[int, int], np.ndarray],
+        count: int,
+        position: Callable[[], int],
+        src: Any,
+        store: Any,
+        pos: int,
+        pool: ThreadPoolExecutor,
+        in_flight: list[Future[Any]],
+    ) -> None:
         with contextlib.suppress(Exception):  # the reads that need the bytes report errors
             while self._live(generation) and pos < count:
                 reached = position()
@@ -365,7 +398,8 @@ class RangeReadAhead:
                 pos = max(pos, reached)
                 if pos >= count:
                     break
-                if pos >= reached + self.ahead or store.room() <= 0:
+                in_flight[:] = [f for f in in_flight if not f.done()]
+                if len(in_flight) >= 2 or pos >= reached + self.ahead or store.room() <= 0:
                     threading.Event().wait(0.005)
                     continue
                 stop = min(pos + self.step, count)
@@ -375,12 +409,10 @@ class RangeReadAhead:
                     if not self._live(generation):
                         break
                     self._owners.append((stop, owner))
-                src._prefetch_ranges(src.index.split(idx), owner=owner, lenient=True)
-                if not self._live(generation):
-                    store.drop(owner)  # cancelled while in flight
-                    break
-                self.steps += 1
+                in_flight.append(pool.submit(self._step, generation, idx, owner))
                 pos = stop
+            for f in in_flight:
+                f.result()
             # All fetched: drop what the reader passes without taking (a range its own
             # batch fetched while read-ahead's request for it was in flight).
             while self._live(generation):

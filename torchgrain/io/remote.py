@@ -137,9 +137,9 @@ def storage_options_with_deadlines(
     Example:
         >>> opts = storage_options_with_deadlines("s3", {"anon": True})
         >>> opts["anon"], opts["config_kwargs"]
-        (True, {'connect_timeout': 10.0, 'read_timeout': 20.0})
+        (True, {'connect_timeout': 10.0, 'read_timeout': 20.0, 'max_pool_connections': 256})
         >>> storage_options_with_deadlines("s3", {"config_kwargs": {"read_timeout": 5}})
-        {'config_kwargs': {'read_timeout': 5, 'connect_timeout': 10.0}}
+        {'config_kwargs': {'read_timeout': 5, 'connect_timeout': 10.0, 'max_pool_connections': 256}}
     """
     policy = policy or current_policy()
     opts = dict(storage_options or {})
@@ -161,6 +161,8 @@ def storage_options_with_deadlines(
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("connect_timeout", float(policy.connect_timeout))
         config.setdefault("read_timeout", float(policy.read_timeout))
+        # botocore keeps 10 connections unless told: a source's max_inflight needs more.
+        config.setdefault("max_pool_connections", MAX_CONNECTIONS)
         opts["config_kwargs"] = config
     return opts
 
@@ -177,10 +179,17 @@ async def _client(**kwargs: Any) -> Any:
     return await _client_following_redirects(**kwargs)
 
 
+#: Connections one process keeps to a server (aiohttp's default is 100): enough for a
+#: source's ``max_inflight`` requests at once, which bounds how many are in flight.
+MAX_CONNECTIONS = 256
+
+
 async def _client_following_redirects(**kwargs: Any) -> Any:
     """:func:`_client` for a server the user trusts: redirects are followed."""
     import aiohttp
 
+    if "connector" not in kwargs:
+        kwargs["connector"] = aiohttp.TCPConnector(limit=MAX_CONNECTIONS)
     return aiohttp.ClientSession(response_class=_capped_response(), **kwargs)
 
 

@@ -641,7 +641,11 @@ class ArrayRecordSource(EncodedSource):
     ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
         # The chunks the batch's reads will fetch: footers first (each shard's once per
         # process, the missing ones concurrently); chunks in the chunk cache are not.
-        readers = list(self._map(lambda g: self._ensure_footer_of(g[0]), groups))
+        open_now = self._proc().readers
+        missing = [g[0] for g in groups if getattr(open_now.get(g[0]), "_footer", None) is None]
+        if missing:
+            list(self._map(self._ensure_footer_of, missing))
+        readers = [self._reader(g[0]) for g in groups]
         cache = self._blocks if self.cache_bytes else None
         out = []
         for (shard, rows, _), reader in zip(groups, readers):

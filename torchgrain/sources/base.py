@@ -653,6 +653,10 @@ class ShardedSource(Source):
         st = self._state
         if st is None or st.token != process.token():
             return
+        ahead = st.range_ahead
+        if ahead is not None:  # its fetches would outlive the readers
+            ahead.cancel()
+            ahead.join(timeout=60)
         with st.lock:
             # Readers of cached copies still in use by a read close when it ends.
             copies = [c.reader for c in st.cached.values() if _retire(c)]
