@@ -26,8 +26,9 @@ Beside each rate it prints the bound
 ``min(max_inflight * processes / (latency + record / rate), store capacity,
 bandwidth / record size)`` in records/s (one request per record; the store sends each
 response at ``--mbps``, 50 MB/s, as object stores cap each connection), the ratio to
-it, requests per record and bytes fetched per byte delivered (counted by the store from
-the end of a two-batch warm-up).
+it, requests per record and bytes fetched per byte delivered (counted by the store over
+the timed batches, from the start of the pass: with workers, their footer reads count).
+Worker start-up is inside the timed pass (fork: fast).
 
 This machine has 2 cores shared with other work, and the store, the loader and its
 workers share them: the settings are small (a few thousand 1 KiB records, a few hundred
@@ -152,9 +153,12 @@ def _client_cpu(url: str, path: str, span: int, n: int, inflight: int) -> dict[s
 
 
 # ------------------------------------------------------------------ loader, measured
-def _pass(
-    src: Any, *, workers: int, batch: int, batches: int, warm: int = 2, reset: Any = None
-) -> float:
+def _pass(src: Any, *, workers: int, batch: int, batches: int, reset: Any = None) -> float:
+    """Records/s over the first ``batches`` batches of a pass, timed from its start (a
+    warm-up would let read-ahead fetch the timed batches before the clock starts)."""
+    # Footers read first (one record of each shard): with workers, each worker still
+    # reads them in its first batch.
+    src.__getitems__([int(o) for o in src.index.offsets[:-1]])
     ds = tg.Dataset(src)
     sampler = tg.GlobalShuffleSampler(ds, seed=0)
     loader = torch.utils.data.DataLoader(
@@ -166,12 +170,10 @@ def _pass(
         multiprocessing_context="fork" if workers else None,
         prefetch_factor=2 if workers else None,
     )
-    it = iter(loader)
-    for _ in range(warm):  # workers started, footers read
-        next(it)
     if reset is not None:
         reset()
     t0 = time.perf_counter()
+    it = iter(loader)
     got = 0
     for _ in range(batches):
         got += next(it) > 0
@@ -268,8 +270,8 @@ def main() -> None:
                             reset=lambda: _get(f"{url}/__reset"),
                         )
                         stats = json.loads(_get(f"{url}/__stats"))
-                        # Counted from the end of the warm-up: what the timed batches and
-                        # the read-ahead of later ones cost.
+                        # Counted over the timed batches (workers' footer reads included,
+                        # and with 0 workers what read-ahead fetched of later batches).
                         delivered = cfg["batches"] * cfg["batch"]
                         rows.append(
                             {
