@@ -46,6 +46,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="30 ms only, fewer batches")
     p.add_argument("--max-inflight", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=1, help="interleaved before/after rounds")
     p.add_argument("--out", default=None, help="file name under benchmarks/results/")
     p.add_argument("--latencies-ms", default="10,30,80")
     p.add_argument("--workers", default="0,2")
@@ -260,16 +262,26 @@ def main() -> None:
                         cap_small["requests_per_s"] if size <= 4096 else cap_big["requests_per_s"],
                         cap_big["bytes_per_s"] / rec,
                     )
+                    rates: dict[str, list[float]] = {"before": [], "after": []}
+                    counted: dict[str, dict] = {}
+                    for _ in range(a.rounds):  # interleaved: the machine's load drifts
+                        for variant in ("before", "after"):
+                            src = _source(f"{url}/r{size}", variant, a.max_inflight)
+                            rates[variant].append(
+                                _pass(
+                                    src,
+                                    workers=workers,
+                                    batch=cfg["batch"],
+                                    batches=cfg["batches"],
+                                    reset=lambda: _get(f"{url}/__reset"),
+                                )
+                            )
+                            src.close()
+                            counted[variant] = json.loads(_get(f"{url}/__stats"))
+                    ratios = [x / y for x, y in zip(rates["after"], rates["before"])]
                     for variant in ("before", "after"):
-                        src = _source(f"{url}/r{size}", variant, a.max_inflight)
-                        rate = _pass(
-                            src,
-                            workers=workers,
-                            batch=cfg["batch"],
-                            batches=cfg["batches"],
-                            reset=lambda: _get(f"{url}/__reset"),
-                        )
-                        stats = json.loads(_get(f"{url}/__stats"))
+                        rate = statistics.median(rates[variant])
+                        stats = counted[variant]
                         # Counted over the timed batches (workers' footer reads included,
                         # and with 0 workers what read-ahead fetched of later batches).
                         delivered = cfg["batches"] * cfg["batch"]
@@ -286,20 +298,13 @@ def main() -> None:
                                 "of_local": rate / local,
                                 "requests_per_record": stats["requests"] / delivered,
                                 "fetched_per_delivered": stats["body_bytes"] / (delivered * rec),
+                                "after_over_before": statistics.median(ratios),
+                                "rounds": [round(r) for r in rates[variant]],
                             }
                         )
                         print_table([rows[-1]], list(rows[-1]))
         print()
         print_table(rows, list(rows[0]))
-        for r in rows:
-            if r["variant"] == "after":
-                before = next(
-                    b["records_per_s"]
-                    for b in rows
-                    if b["variant"] == "before"
-                    and all(b[k] == r[k] for k in ("record", "workers", "latency_ms"))
-                )
-                r["after_over_before"] = r["records_per_s"] / before
         out = {
             "machine": machine(),
             "settings": {

@@ -30,7 +30,7 @@ import fsspec
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import process, remote
-from torchgrain.io.retry import http_status, is_transient, remaining_seconds
+from torchgrain.io.retry import _permanent, http_status, is_transient, remaining_seconds
 
 __all__ = ["MappedFile", "RangeStore", "coalesce", "fetch_batch", "fetch_ranges", "range_store"]
 
@@ -204,8 +204,12 @@ def range_store() -> RangeStore:
 
 
 def _raise_failure(blob: BaseException, label: str, s: int, e: int) -> None:
-    """Raise a failed request's error: as it is when it is retried or named by the
-    operation (transient, an HTTP status, not found, denied), else as corrupt data."""
+    """Raise a failed request's error: as it is when it is retried (transient), as
+    :class:`~torchgrain.DatasetNotFoundError` or ``PermissionError`` naming the file when
+    it is missing or denied, as it is for another HTTP status, else as corrupt data."""
+    clearer = None if is_transient(blob) else _permanent(blob, label, f"reading bytes {s}-{e}")
+    if clearer is not None:
+        raise clearer from blob
     if (
         is_transient(blob)
         or http_status(blob) is not None

@@ -28,7 +28,7 @@ import fsspec
 import numpy as np
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.errors import CacheThrashWarning, RemoteIOError
+from torchgrain.errors import CacheThrashWarning, DatasetNotFoundError, RemoteIOError
 from torchgrain.io import process, remote
 from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.ranges import fetch_batch, range_store
@@ -471,7 +471,8 @@ class ShardedSource(Source):
                 what="range read of a batch",
                 on_retry=self._count_retry,
             )
-        except RemoteIOError:
+        except (RemoteIOError, DatasetNotFoundError, PermissionError):
+            # Out of retries, or missing or denied (never asked again): named the URL.
             store.drop(owner)
             if lenient:
                 return None
@@ -480,7 +481,8 @@ class ShardedSource(Source):
             if lenient:
                 store.drop(owner)
                 return None
-            # Not transient: the shard's own read meets it again and names the shard.
+            # Corrupt or truncated: the shard's own read meets it again and names the
+            # shard and the record index.
         return owner
 
     @staticmethod
