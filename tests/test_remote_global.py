@@ -211,3 +211,16 @@ def test_a_batch_that_outlasts_its_retries_names_the_url_and_keeps_nothing(serve
     with pytest.raises(tg.RemoteIOError, match=r"/ds/.*array_record"):
         src.__getitems__(idx)
     assert range_store().nbytes == held  # what arrived before the failure is not kept
+
+
+def test_read_ahead_downloads_the_first_windows_shards_in_parallel(served, tmp_path):
+    srv, _d, _recs = served
+    src = tg.ArrayRecordSource(f"{srv.url}/ds", cache_dir=tmp_path / "c", cache_dir_bytes=1 << 30)
+    srv.latency_s = 0.1
+    srv.reset_counts()
+    # A block order: the first window is shards 0-3, each read whole before the next.
+    order = np.concatenate([np.random.default_rng(k).permutation(160) + 160 * k for k in range(4)])
+    src.read_ahead(lambda a, b: order[a:b], 0, len(order), lambda: 0)
+    assert src._proc().read_ahead.join(timeout=60)
+    assert src._proc().read_ahead.fetched == 16
+    assert srv.max_inflight >= 4  # not one download after the other
