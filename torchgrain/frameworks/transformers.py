@@ -11,7 +11,11 @@ What you get, on any number of processes:
 
 * each epoch one exact cover of the dataset (as ``DistributedSampler`` would: padded
   to a whole number of steps unless ``dataloader_drop_last=True``), in an order that
-  changes with the epoch; the Trainer sets the epoch itself;
+  changes with the epoch. The mixin's callback sets the sampler's epoch when the
+  Trainer begins one (``on_epoch_begin``), before any index of it is drawn: in a
+  resumed epoch the Trainer's own ``set_epoch`` goes to the loader
+  ``accelerate.skip_first_batches`` made, which does not pass it on to the sampler
+  (Trainer and Accelerate call ``set_epoch`` too, with the same number: no effect);
 * ``trainer.train(resume_from_checkpoint=...)`` from a mid-epoch checkpoint continues
   exactly: the Trainer skips the batches of the epoch it already trained on, and the
   sampler's order depends on (seed, epoch) only, so the skipped batches are the ones
@@ -35,6 +39,7 @@ from typing import Any
 
 import torch.utils.data
 import transformers
+from transformers import TrainerCallback
 
 from torchgrain.loader import bind
 from torchgrain.sampling.base import ResumableSampler
@@ -65,6 +70,8 @@ class SamplerMixin:
                 f"train_sampler must be a torchgrain sampler, got {type(train_sampler).__name__}"
             )
         self.train_sampler = train_sampler
+        trainer: Any = self
+        trainer.add_callback(_SamplerEpoch(self))
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """The training loader: a ``DataLoader`` over ``train_dataset`` ordered by
@@ -93,6 +100,20 @@ class SamplerMixin:
                 kwargs["multiprocessing_context"] = context
         loader = trainer.accelerator.prepare(torch.utils.data.DataLoader(dataset, **kwargs))
         return bind(loader, sampler=self.train_sampler)
+
+
+class _SamplerEpoch(TrainerCallback):
+    """Sets the training sampler's epoch when the Trainer begins an epoch."""
+
+    def __init__(self, owner: SamplerMixin) -> None:
+        self.owner = owner
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        sampler = self.owner.train_sampler
+        if sampler is not None:
+            # state.epoch is the epoch in progress plus the fraction done (a resumed one
+            # included): its whole part is the epoch beginning now.
+            sampler.set_epoch(int(state.epoch))
 
 
 class Trainer(SamplerMixin, transformers.Trainer):
