@@ -400,6 +400,7 @@ def ray_loop(config):
     import ray.train
     import ray.train.torch
 
+    start_method()
     ds = make_dataset(config["data"])
     sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
     loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=config["workers"])

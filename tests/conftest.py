@@ -41,3 +41,23 @@ def small_dataset(tmp_path):
     d = tmp_path / "ds"
     tg.write_array_record(recs, d, num_shards=3)
     return str(d), recs
+
+
+# Python >= 3.12 warns when a process with threads forks ("This process ... is
+# multi-threaded, use of fork() may lead to deadlocks in the child"). torchgrain's
+# threads stop around a fork (torchgrain/io/process.py); a warning of that kind in the
+# test process fails the run. (Turning it into an error with -W does not work: the
+# interpreter swallows an error raised there.)
+_FORK_WARNING = "use of fork() may lead to deadlocks"
+_fork_warnings: list[str] = []
+
+
+def pytest_warning_recorded(warning_message, when, nodeid, location):
+    if _FORK_WARNING in str(warning_message.message):
+        _fork_warnings.append(f"{nodeid or location}: {warning_message.message}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _fork_warnings:
+        print("\nforked with threads alive:\n  " + "\n  ".join(_fork_warnings))
+        session.exitstatus = 1

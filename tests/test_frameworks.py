@@ -306,13 +306,16 @@ def test_ray_train_covers_each_epoch_and_resumes_from_its_checkpoint(
 
     tmp = tmp_path_factory.mktemp("ray")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token written to the home directory
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])
+    env = {"PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    for name in ("NO_ALBUMENTATIONS_UPDATE", "TORCHGRAIN_TEST_START_METHOD"):
+        if name in os.environ:
+            env[name] = os.environ[name]
     ray.init(
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
         _temp_dir=str(tmp / "ray"),
-        runtime_env={"env_vars": {"PYTHONPATH": path, "NO_ALBUMENTATIONS_UPDATE": "1"}},
+        runtime_env={"env_vars": env},
     )
     try:
 
