@@ -19,8 +19,9 @@ What you get, on any number of processes:
 * ``trainer.train(resume_from_checkpoint=...)`` from a mid-epoch checkpoint continues
   exactly: the Trainer skips the batches of the epoch it already trained on, and the
   sampler's order depends on (seed, epoch) only, so the skipped batches are the ones
-  trained before. Skipping draws the skipped indices again (no record is read), about
-  a second per ten million samples.
+  trained before. Skipping draws the skipped indices again (no record is read): about
+  3 s per ten million samples on a 2-core machine, where ``tg.ResumableLoader`` loads a
+  position in O(1).
 
 Training batches keep every key of the records (the Trainer's
 ``remove_unused_columns`` applies to its own loader only): have ``Dataset.map`` return
