@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What reading torch's, Accelerate's or Lightning's private parts looks like in code.
 PRIVATE = re.compile(
     r"_getframe|f_locals|f_back|_index_sampler|_BaseDataLoaderIter|_worker_loop|data_queue"
-    r"|_num_workers|[\"']_dataset[\"']|\. _dataset\b"
+    r"|_num_workers|[\"']_dataset[\"']|\. _dataset\b|\. _utils\b"
     r"|^\s*(import|from) (accelerate|lightning|pytorch_lightning)\b"
     r"|[\"'](accelerate|lightning|pytorch_lightning)[.\"']"
 )

@@ -337,7 +337,7 @@ def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None)
     return out
 
 
-torch.utils.data._utils.collate.default_collate_fn_map[ColumnBatch] = collate_columns
+_dataloader.register_collate(ColumnBatch, collate_columns)
 
 
 def _call_columns_fn(fn: Callable[[ColumnBatch], Any], batch: ColumnBatch) -> ColumnBatch:

@@ -19,6 +19,9 @@ torch:
 * **The loader that drives an unbound sampler** (:func:`driving_loader_shape`): the
   deprecated way a ``BlockShuffleSampler(deal_to_workers=True)`` learned its
   loader's batch size and workers; :func:`torchgrain.bind` tells it instead.
+* **The default collate's table of types** (:func:`register_collate`): torch documents
+  extending ``default_collate`` by adding to ``default_collate_fn_map``, which lives in
+  a private module; a columns batch is collated that way.
 
 Every lookup walks a bounded number of frames and returns None when what it looks for
 is not there (another torch release, another loader class): statistics then count
@@ -37,6 +40,7 @@ __all__ = [
     "iterator_key",
     "loader_iterator",
     "loader_key",
+    "register_collate",
     "worker_result_pipe",
 ]
 
@@ -165,3 +169,14 @@ def driving_loader_shape(sampler: Any, *, skip: int = 2) -> tuple[int | None, in
     if getattr(index_sampler, "sampler", None) is not sampler:
         return None
     return getattr(index_sampler, "batch_size", None), int(getattr(it, "_num_workers", 0))
+
+
+def register_collate(kind: type, fn: Any) -> bool:
+    """Have torch's ``default_collate`` (the DataLoader's default ``collate_fn``) collate a
+    batch of ``kind`` with ``fn(batch, *, collate_fn_map)``; whether it could."""
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # pragma: no cover - torch < 1.13
+        return False
+    default_collate_fn_map[kind] = fn
+    return True
