@@ -322,6 +322,13 @@ def run_accelerate_modes(args):
 TRAINER_SAVE_STEP = 13  # epoch 1, step 3: a mid-epoch checkpoint
 
 
+def trainer_can_resume():
+    """transformers refuses to load a checkpoint (torch.load) under torch < 2.6 since
+    its 4.50 release, and its 4.49 release cannot restore one on CPU processes there."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 6)
+
+
 def run_trainer(args):
     """``torchgrain.frameworks.transformers.Trainer``: 2 epochs with a checkpoint saved at
     step 13, then a new Trainer resumed from that checkpoint. Each rank writes the
@@ -379,7 +386,9 @@ def run_trainer(args):
 
     reference, reference_calls, rank = train(None)
     checkpoint = os.path.join(args.out, "trainer", f"checkpoint-{TRAINER_SAVE_STEP}")
-    resumed, resumed_calls, _ = train(checkpoint)
+    resumed = resumed_calls = None
+    if trainer_can_resume():
+        resumed, resumed_calls, _ = train(checkpoint)
     write(
         args.out,
         rank,

@@ -289,6 +289,8 @@ def test_trainer_covers_each_epoch(trainer_run):
 
 
 def test_trainer_resumes_mid_epoch_exactly(trainer_run):
+    if trainer_run[0]["resumed"] is None:
+        pytest.skip("transformers resumes a Trainer checkpoint only under torch >= 2.6")
     for r in trainer_run:
         assert r["resumed"] == r["reference"][job.TRAINER_SAVE_STEP :]
         assert set(r["resumed_set_epoch"]) == {1}  # the resumed epoch's order, not epoch 0's
