@@ -25,8 +25,11 @@ import torchgrain as tg
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
-
 import _framework_job as job  # tests/ is on sys.path
+
+# Each test starts 2-process jobs (a Ray cluster, a torchrun launch): minutes on a busy
+# 2-core machine.
+pytestmark = pytest.mark.timeout(900)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "_framework_job.py")
