@@ -2,11 +2,13 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test test-matrix setup lint bench
+.PHONY: demo test test-matrix setup lint bench fuzz newcomer deadlines
 setup:
 	bash scripts/setup.sh
 
-demo: setup
+# The runtime dependencies only (no test extras); nothing is installed when nothing changed.
+demo:
+	TORCHGRAIN_EXTRAS= bash scripts/setup.sh
 	$(VENV)/bin/torchgrain demo
 
 test:
@@ -28,3 +30,17 @@ bench:
 lint: setup
 	$(VENV)/bin/python -m ruff check .
 	$(VENV)/bin/python -m ruff format --check .
+
+# The decoders' fuzz suite (tests/fuzz.py) for FUZZ_SECONDS; failures go to tests/fuzz_corpus/.
+FUZZ_SECONDS ?= 600
+fuzz: setup
+	$(VENV)/bin/python tests/fuzz.py --seconds $(FUZZ_SECONDS)
+
+# A new user's first hour, from a clean clone of this checkout's HEAD into a temporary
+# folder: `make demo` twice (timed), then `make test`; see scripts/newcomer.sh.
+newcomer:
+	bash scripts/newcomer.sh
+# A stalled remote read with the default RetryPolicy ends within two minutes (about 4
+# minutes to run; the test suite checks the same bound with small deadlines).
+deadlines: setup
+	TORCHGRAIN_DEADLINE_CHECK=1 $(VENV)/bin/python -m pytest tests/test_remote_faults.py -s -k default_settings

@@ -38,10 +38,15 @@ HERE = Path(__file__).resolve().parent
 # The order they run in (scripts not named here run afterwards, alphabetically), and
 # arguments that keep a script's run short where its defaults are sized for a big box.
 ORDER = ("pipeline_lessons", "end_to_end", "random_access", "native_reader", "map_batch")
-ARGS: dict[str, list[str]] = {}
+ARGS: dict[str, list[str]] = {"scale": ["--scale", "small"]}
 # Environments a benchmark needs beside the main one, made before it runs: torchvision
 # for the augmentation benchmark (its torch build must match, several GB, kept apart).
-SETUP: dict[str, list[str]] = {"augmentation": ["bash", "scripts/setup_torchvision.sh"]}
+SETUP: dict[str, list[str]] = {
+    "augmentation": ["bash", "scripts/setup_torchvision.sh"],
+    # scale's measurements run in .venv-peers when it exists (HF datasets and Grain
+    # beside torchgrain, one interpreter for all), else here without those two.
+    "scale": ["bash", "scripts/setup_peers.sh"],
+}
 # Scripts that run in their own virtualenv, made (or checked) by a setup script first:
 # the peers comparison needs loaders whose pins clash with the main environment.
 VENVS: dict[str, tuple[str, str]] = {
@@ -49,7 +54,7 @@ VENVS: dict[str, tuple[str, str]] = {
     "peers_remote": (".venv-peers", "scripts/setup_peers.sh"),
 }
 # Seconds allowed where a script needs more than --timeout.
-TIMEOUTS: dict[str, float] = {"peers": 3600.0, "peers_remote": 3600.0}
+TIMEOUTS: dict[str, float] = {"peers": 3600.0, "peers_remote": 3600.0, "scale": 3600.0}
 # Scripts here that are not benchmarks (run them by hand, as their docstrings say).
 NOT_BENCHMARKS = {"ddp_train": "a DDP training example, run with torchrun"}
 

@@ -6,6 +6,11 @@
   a delay before every response (time-to-first-byte), the next *k* requests answered
   503, reset, or cut off in the middle of the body.
 * :func:`start_moto_s3`: moto's S3-compatible server in a thread (``moto[server]``).
+* :class:`FaultProxy`: an HTTP proxy in front of either (or any HTTP server) that logs
+  every request and injects the faults of a hostile or broken server: stalls (before the
+  headers or in the middle of a body, socket kept open), trickled bodies, bodies cut
+  short, connection resets, 500/503 bursts, a ``Content-Length`` longer or shorter than
+  the body, a ``Range`` ignored.
 
 Example:
     >>> import tempfile, pathlib, urllib.request
@@ -20,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import html
+import http.client
 import os
 import posixpath
 import re
@@ -31,7 +37,7 @@ import time
 import urllib.parse
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, TypeVar
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
@@ -54,6 +60,8 @@ class _Handler(BaseHTTPRequestHandler):
         rel = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
         srv._count(self.command, rel)
         with srv._lock:
+            srv.log.append((self.command, self.path))
+        with srv._lock:
             srv._inflight += 1
             srv.max_inflight = max(srv.max_inflight, srv._inflight)
         try:
@@ -75,6 +83,23 @@ class _Handler(BaseHTTPRequestHandler):
             # RST instead of FIN: the client sees "connection reset by peer".
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.close_connection = True
+            return
+        target = srv.redirects.get(rel)
+        if target is not None:
+            self.send_response(302)
+            self.send_header("Location", target)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        page = srv.listings.get(rel.rstrip("/") or "/")
+        if page is not None:
+            data = page.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
             return
         path = os.path.normpath(os.path.join(srv.root, rel.lstrip("/")))
         if not path.startswith(srv.root):
@@ -162,7 +187,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
-    owner: RangeHTTPServer
+    owner: Any  # the RangeHTTPServer or FaultProxy it serves for
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Clients hang up mid-body all the time (cancelled reads, injected faults);
@@ -171,13 +196,46 @@ class _Server(ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-class RangeHTTPServer:
+_S = TypeVar("_S", bound="_Serving")
+
+
+class _Serving:
+    """A server on 127.0.0.1 in a background thread: its URL, and closing it (also as a
+    context manager)."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd.owner = self
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RangeHTTPServer(_Serving):
     """Serve ``root`` over HTTP on 127.0.0.1 in a background thread.
 
     Attributes you may change while it runs: ``latency_s`` (delay before each
     response) and ``rate_bytes_per_s`` (throttle bodies; 0 = unlimited). Use
     :meth:`fail_next` to inject faults, :attr:`requests` / :meth:`gets` to count what
-    clients asked for, and :attr:`max_inflight` for the most requests served at once.
+    clients asked for, :attr:`log` for every ``(method, raw request path)`` in order,
+    and :attr:`max_inflight` for the most requests served at once. :attr:`listings` maps
+    a directory path (``"/ds"``) to the HTML page served for it (a hostile listing), and
+    :attr:`redirects` a path to the ``Location`` of a 302 answer.
     """
 
     def __init__(
@@ -189,17 +247,12 @@ class RangeHTTPServer:
         self.max_inflight = 0
         self._inflight = 0
         self.requests: Counter[tuple[str, str]] = Counter()
+        self.log: list[tuple[str, str]] = []
+        self.listings: dict[str, str] = {}
+        self.redirects: dict[str, str] = {}
         self._faults: list[str] = []
         self._lock = threading.Lock()
-        self._httpd = _Server(("127.0.0.1", 0), _Handler)
-        self._httpd.owner = self
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        self._serve(_Handler)
 
     def fail_next(self, k: int, kind: str = "503") -> None:
         """Answer the next ``k`` requests with a fault: ``"503"``, ``"reset"`` (TCP RST
@@ -231,18 +284,8 @@ class RangeHTTPServer:
     def reset_counts(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.log.clear()
             self.max_inflight = 0
-
-    def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> RangeHTTPServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def start_moto_s3() -> tuple[Any, str]:
@@ -262,3 +305,306 @@ def start_moto_s3() -> tuple[Any, str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     return server, f"http://127.0.0.1:{port}"
+
+
+# --------------------------------------------------------------------------- fault proxy
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "content-length",
+    }
+)
+FAULTS = (
+    "stall",
+    "stall_headers",
+    "trickle",
+    "truncate",
+    "reset",
+    "status",
+    "longer",
+    "shorter",
+    "ignore_range",
+    "flood",
+    "no_length",
+)
+
+
+class _Fault:
+    def __init__(
+        self,
+        kind: str,
+        times: int | None,
+        match: str,
+        method: str | None,
+        skip: int,
+        params: dict[str, Any],
+    ) -> None:
+        self.kind, self.times, self.match, self.method = kind, times, match, method
+        self.skip, self.params = skip, params
+        self.hits = 0
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._proxy()
+
+    def do_HEAD(self) -> None:
+        self._proxy()
+
+    def do_PUT(self) -> None:
+        self._proxy()
+
+    def do_POST(self) -> None:
+        self._proxy()
+
+    def do_DELETE(self) -> None:
+        self._proxy()
+
+    def _proxy(self) -> None:
+        proxy: FaultProxy = self.server.owner
+        proxy._record(self.command, self.path)
+        n = int(self.headers.get("Content-Length") or 0)
+        request_body = self.rfile.read(n) if n else None
+        fault = proxy._take(self.command, self.path)
+        kind = fault.kind if fault is not None else None
+        if kind == "reset":
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
+        if kind == "stall_headers":
+            proxy._release.wait(600)  # the request is read; nothing is ever answered
+            self.close_connection = True
+            return
+        if kind == "status":
+            code = fault.params.get("code", 503)
+            data = f"injected {code}".encode().ljust(fault.params.get("size", 0), b" ")
+            self.send_response(code)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+            return
+        if kind == "flood" and self.command == "GET":
+            p = fault.params
+            self._flood(
+                proxy,
+                p.get("length"),
+                p.get("total", 1 << 30),
+                p.get("content_type", "application/octet-stream"),
+            )
+            return
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if kind == "ignore_range":
+            headers = {k: v for k, v in headers.items() if k.lower() != "range"}
+        conn = http.client.HTTPConnection(proxy._host, proxy._port, timeout=60)
+        try:
+            conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            if request_body is not None:
+                conn.putheader("Content-Length", str(len(request_body)))
+            conn.endheaders(request_body)
+            resp = conn.getresponse()
+            status, reason = resp.status, resp.reason
+            resp_headers = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+            declared = resp.getheader("Content-Length")
+            data = resp.read()
+        finally:
+            conn.close()
+        length = len(data)
+        if self.command == "HEAD" and declared is not None:
+            length = int(declared)  # a HEAD answer has no body, only the length
+        if kind == "longer":
+            length += fault.params.get("extra", 100)
+        elif kind == "shorter":
+            length = max(0, length - fault.params.get("missing", max(1, length // 2)))
+        self.send_response(status, reason)
+        for k, v in resp_headers:
+            self.send_header(k, v)
+        if kind == "no_length":
+            self.send_header("Connection", "close")  # the body ends when the socket does
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        if self.command == "HEAD":
+            return
+        if kind == "shorter":
+            data = data[:length]
+        if kind == "stall":
+            self.wfile.write(data[: fault.params.get("after", len(data) // 2)])
+            self.wfile.flush()
+            proxy._release.wait(600)  # headers and part of the body sent; socket kept open
+            self.close_connection = True
+            return
+        if kind == "truncate":
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+            return
+        if kind == "trickle":
+            step, pause = fault.params.get("step", 1), fault.params.get("pause", 0.2)
+            for i in range(0, len(data), step):
+                self.wfile.write(data[i : i + step])
+                self.wfile.flush()
+                if proxy._release.wait(pause):
+                    break
+            self.close_connection = True
+            return
+        self.wfile.write(data)
+        if kind == "longer":
+            if fault.params.get("close", True):
+                self.close_connection = True  # fewer bytes than promised, then FIN
+            else:
+                proxy._release.wait(600)  # fewer bytes than promised, then silence
+                self.close_connection = True
+
+    def _flood(self, proxy: FaultProxy, length: int | None, total: int, content_type: str) -> None:
+        """A 200 answer whatever the ``Range``: ``total`` zero bytes (declared as
+        ``length``, or chunked when None), counted in ``proxy.flooded`` as they go out."""
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        if length is None:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        block = bytes(1 << 16)
+        frame = b"%x\r\n%s\r\n" % (len(block), block) if length is None else block
+        self.close_connection = True
+        try:
+            for _ in range(total // len(block)):
+                if proxy._release.is_set():
+                    return
+                self.wfile.write(frame)
+                with proxy._lock:
+                    proxy.flooded += len(block)
+        except OSError:
+            pass  # the client hung up: what it wanted
+
+
+class FaultProxy(_Serving):
+    """A logging, fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream`` (a
+    :class:`RangeHTTPServer`'s or moto's URL; S3 clients use :attr:`url` as their
+    ``endpoint_url``).
+
+    :meth:`inject` queues a fault for the requests whose path contains ``match`` (and of
+    ``method``, when given), ``times`` times (``None``: every one), after letting the
+    first ``skip`` of them through. Kinds:
+
+    * ``"stall"``: headers and the first ``after`` body bytes (default half), then
+      nothing, the socket held open; ``"stall_headers"``: nothing at all;
+    * ``"trickle"``: the body ``step`` bytes every ``pause`` seconds (default 1 / 0.2 s);
+    * ``"truncate"``: half the body, then the connection closed;
+    * ``"reset"``: a TCP reset instead of an answer;
+    * ``"status"``: an error answer (``code``, default 503), its body padded to ``size``
+      bytes;
+    * ``"longer"``: a ``Content-Length`` ``extra`` bytes (default 100) above the body,
+      then the connection closed (``close=False``: held open);
+    * ``"shorter"``: a ``Content-Length`` (and body) ``missing`` bytes short (default half);
+    * ``"ignore_range"``: the ``Range`` header dropped (the whole file comes back);
+    * ``"flood"``: a GET answered 200 with ``total`` zero bytes (default 1 GiB) whatever
+      it asked for, declared as ``length`` (default: chunked, no length), of
+      ``content_type``; the bytes that went out before the client hung up are counted
+      in :attr:`flooded`;
+    * ``"no_length"``: the answer without a ``Content-Length`` (the body, if any, ends
+      when the connection closes), so that the client learns no size from it.
+
+    :attr:`log` holds every ``(method, raw path)`` the proxy was asked for, faulty or not.
+
+    Example:
+        >>> import tempfile, pathlib, urllib.request
+        >>> root = tempfile.mkdtemp()
+        >>> _ = pathlib.Path(root, "a.bin").write_bytes(b"0123456789")
+        >>> with RangeHTTPServer(root) as srv, FaultProxy(srv.url) as proxy:
+        ...     proxy.inject("status", times=1, code=500)
+        ...     try:
+        ...         urllib.request.urlopen(proxy.url + "/a.bin")
+        ...     except urllib.error.HTTPError as e:
+        ...         print(e.code)
+        ...     urllib.request.urlopen(proxy.url + "/a.bin").read(), proxy.log
+        500
+        (b'0123456789', [('GET', '/a.bin'), ('GET', '/a.bin')])
+    """
+
+    def __init__(self, upstream: str) -> None:
+        parts = urllib.parse.urlsplit(upstream)
+        self._host, self._port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.log: list[tuple[str, str]] = []
+        self.flooded = 0
+        self._faults: list[_Fault] = []
+        self._lock = threading.Lock()
+        self._release = threading.Event()
+        self._serve(_ProxyHandler)
+
+    def inject(
+        self,
+        kind: str,
+        *,
+        times: int | None = 1,
+        match: str = "",
+        method: str | None = None,
+        skip: int = 0,
+        **params: Any,
+    ) -> None:
+        if kind not in FAULTS:
+            raise ValueError(f"unknown fault {kind!r}; known: {FAULTS}")
+        with self._lock:
+            self._faults.append(_Fault(kind, times, match, method, skip, params))
+
+    def clear(self) -> None:
+        """Drop the queued faults (stalled connections stay stalled until :meth:`close`)
+        and zero :attr:`flooded`."""
+        with self._lock:
+            self._faults.clear()
+            self.flooded = 0
+
+    def hits(self) -> int:
+        """Requests that received a fault so far."""
+        with self._lock:
+            return sum(f.hits for f in self._faults)
+
+    def paths(self, method: str | None = None) -> list[str]:
+        """The request paths logged (without the query), percent-decoded once."""
+        with self._lock:
+            return [
+                urllib.parse.unquote(urllib.parse.urlsplit(p).path)
+                for m, p in self.log
+                if method is None or m == method
+            ]
+
+    def _record(self, method: str, path: str) -> None:
+        with self._lock:
+            self.log.append((method, path))
+
+    def _take(self, method: str, path: str) -> _Fault | None:
+        with self._lock:
+            for f in self._faults:
+                if f.times is not None and f.hits >= f.times:
+                    continue
+                if f.match not in urllib.parse.unquote(path) or (
+                    f.method is not None and f.method != method
+                ):
+                    continue
+                if f.skip > 0:
+                    f.skip -= 1  # let this one through untouched
+                    return None
+                f.hits += 1
+                return f
+        return None
+
+    def close(self) -> None:
+        self._release.set()  # stalled answers end
+        super().close()

@@ -44,8 +44,11 @@ def test_beam_matches_convert(parquet_dir, tmp_path):
     assert [(s.path, s.num_records, s.checksum) for s in m.shards] == [
         (s.path, s.num_records, s.checksum) for s in ref.shards
     ]
-    src = tg.ArrayRecordSource(tmp_path / "beam")
+    src = tg.ArrayRecordSource(tmp_path / "beam", index_dir=tmp_path / "idx")
     assert [r["i"] for r in src.__getitems__([0, 30, 85])] == [0, 200, 310]
+    # The dataset's index is written beside the shards, recorded, and mapped.
+    assert m.extra["index"]["path"] == "torchgrain.tgindex"
+    assert src._dindex.path == str(tmp_path / "beam" / "torchgrain.tgindex")
     # A rerun finds every shard done and gives the same manifest.
     again = run_conversion(parquet_dir, tmp_path / "beam", num_shards=4)
     assert [s.checksum for s in again.shards] == [s.checksum for s in m.shards]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import json
@@ -268,6 +269,32 @@ def test_refuses_to_overwrite_a_dataset(tmp_path, parquet_dir):
     assert len(tg.ArrayRecordSource(tmp_path / "ds")) == 100
 
 
+def _session(sid: int) -> list[int]:
+    """The live processes of session ``sid`` (zombies excluded)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                pids.append(int(name))
+    return pids
+
+
+def _wait_until_gone(sid: int, timeout: float) -> list[int]:
+    """Wait for session ``sid`` to end; kill and return what is still there at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (left := _session(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 KILL_SCRIPT = """
 import sys, numpy as np, torchgrain as tg
 tg.convert(sys.argv[1], sys.argv[2], num_shards=int(sys.argv[3]), workers=2, progress=False)
@@ -296,6 +323,9 @@ def test_kill_9_mid_run_then_rerun(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert killed, "the conversion finished before it could be killed"
+    # Its worker processes (forked from a fork server, not from it) end with it.
+    left = _wait_until_gone(proc.pid, timeout=120)
+    assert not left, f"processes {left} outlived the converting process"
     assert not (out / "torchgrain.json").exists()
     done_before = {n for n in os.listdir(journal) if n.startswith("shard-")}
     assert done_before
@@ -307,6 +337,33 @@ def test_kill_9_mid_run_then_rerun(tmp_path):
     assert not [n for n in os.listdir(out) if ".tmp-" in n]
     back = tg.ArrayRecordSource(out)
     assert [r["i"] for r in back.__getitems__([0, 599, 1199])] == [0, 599, 1199]
+
+
+def test_sigterm_mid_run_cleans_up_as_ctrl_c_does(tmp_path):
+    # A job scheduler stops a job with SIGTERM: the first run's half-written shard and
+    # the folders it created go, as after Ctrl-C, and the status says which signal.
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    blobs = [rng.bytes(10_000) for _ in range(64)]
+    table = pa.table({"b": [blobs[k % 64] for k in range(6000)], "i": np.arange(6000)})
+    pq.write_table(table, src / "a.parquet", row_group_size=500)
+    out = tmp_path / "new" / "out"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torchgrain", "convert", str(src), str(out), "-q"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.is_dir() and any(".tmp-" in n for n in os.listdir(out)):
+            break
+        time.sleep(0.002)
+    running = proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=120)
+    assert running, "the conversion finished before it could be stopped"
+    assert rc == 128 + signal.SIGTERM
+    assert not (tmp_path / "new").exists(), [str(p) for p in (tmp_path / "new").rglob("*")]
+    assert not _wait_until_gone(proc.pid, timeout=60)
 
 
 # ------------------------------------------------------------------------- CLI

@@ -46,8 +46,8 @@ def _kernel_dir() -> str:
     return root
 
 
-def execute(path: Path) -> nbformat.NotebookNode:
-    nb = nbformat.read(path, as_version=4)
+def execute(path: Path | nbformat.NotebookNode) -> nbformat.NotebookNode:
+    nb = nbformat.read(path, as_version=4) if isinstance(path, Path) else path
     old = os.environ.get("JUPYTER_PATH")
     os.environ["JUPYTER_PATH"] = _kernel_dir() + (os.pathsep + old if old else "")
     try:
@@ -59,6 +59,10 @@ def execute(path: Path) -> nbformat.NotebookNode:
             # loaded machine they can arrive after nbclient's 4 s default, and a late
             # message is dropped silently (its text then missing from the notebook).
             iopub_timeout=CELL_TIMEOUT,
+            # The kernel sends what a cell prints in pieces, cut wherever its I/O thread
+            # flushes (every 0.2 s): on a loaded machine, in the middle of a print()'s
+            # writes. One stream per cell keeps each printed line whole.
+            coalesce_streams=True,
             resources={"metadata": {"path": str(ROOT)}},
         )
         client.execute()
@@ -89,6 +93,27 @@ def test_committed_with_outputs(path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.get("execution_count") for c in code), f"{path.name}: not executed"
     assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", []))
+
+
+_PRINT_IN_PIECES = """
+import time
+
+class Late:
+    def __str__(self):
+        time.sleep(1.0)  # the kernel sends what was printed so far meanwhile (every 0.2 s)
+        return "True"
+
+print("a line printed in pieces:", Late())
+"""
+
+
+def test_a_line_printed_in_pieces_is_found_whole():
+    """What a loaded machine does once in a while to a print() (the kernel's I/O thread
+    flushing between its writes), made certain: the line is still found whole."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(_PRINT_IN_PIECES)]
+    text = _text(execute(nb))
+    assert "a line printed in pieces: True" in text, text
 
 
 @pytest.mark.slow

@@ -115,7 +115,8 @@ def test_set_epoch_and_resume_cancel_the_walk(served, tmp_path):
 def test_no_read_ahead_without_a_shard_cache(served, tmp_path):
     srv, local = served
     assert tg.ArrayRecordSource(f"{srv.url}/ds").read_ahead_bytes == 0
-    assert tg.ArrayRecordSource(local, cache_dir=tmp_path / "c").read_ahead_bytes >= 0
+    # local files are never copied into the cache, so there is nothing to read ahead
+    assert tg.ArrayRecordSource(local, cache_dir=tmp_path / "c").read_ahead_bytes == 0
     with pytest.raises(ValueError, match="read_ahead_bytes"):
         tg.ArrayRecordSource(f"{srv.url}/ds", cache_dir=tmp_path / "c", read_ahead_bytes=-1)
     src = tg.ArrayRecordSource(local, cache_dir=tmp_path / "c")

@@ -282,8 +282,8 @@ def test_cached_download_fails_clearly_and_leaves_nothing(http, tmp_path):
     with pytest.raises(tg.RemoteIOError, match=r"download of .*ds/.*4 attempts"):
         src[0]
     srv.fail_next(0)
-    leftovers = [f for f in os.listdir(tmp_path / "c") if f != ".locks"]
-    assert leftovers == []
+    leftovers = [f for f in os.listdir(tmp_path / "c") if f not in (".locks", ".sums")]
+    assert leftovers == [] and os.listdir(tmp_path / "c" / ".sums") == []
 
 
 def test_not_found_and_forbidden_are_not_retried(http, tmp_path):
@@ -352,14 +352,15 @@ def test_lru_eviction_respects_budget_and_open_readers(tmp_path):
     pb = cache.fetch("memory://lru/b")
     reader = open(pa, "rb")  # noqa: SIM115 - a worker is reading a
     now = time.time()
-    os.utime(pa, (now - 100, now - 100))
-    os.utime(pb, (now - 50, now - 50))
-    cache.fetch("memory://lru/a")  # a hit refreshes a's access time: b is now the LRU
-    assert os.stat(pa).st_atime > now - 10
+    used = cache._sum_path  # a copy's last use is its record's modification time
+    os.utime(used(pa), (now - 100, now - 100))
+    os.utime(used(pb), (now - 50, now - 50))
+    cache.fetch("memory://lru/a")  # a hit refreshes a's last use: b is now the LRU
+    assert os.stat(used(pa)).st_mtime > now - 10
     cache.fetch("memory://lru/c")
     assert not os.path.exists(pb) and os.path.exists(pa)
     assert cache.total_bytes() <= 2500
-    os.utime(pa, (now - 100, now - 100))
+    os.utime(used(pa), (now - 100, now - 100))
     cache.fetch("memory://lru/d")  # evicts a while it is open
     assert not os.path.exists(pa)
     assert reader.read() == b"a" * 1000  # the open reader is unaffected

@@ -249,7 +249,8 @@ def test_a_new_format_registers_once_and_is_found(tmp_path):
         assert detect_format(str(tmp_path)) == "lines"
         src = tg.open(str(tmp_path))
         assert isinstance(src, Lines) and src[1] == {"line": "y"}
-        assert torch.utils.data.DataLoader(tg.Dataset(src), batch_size=2) is not None
+        loader = torch.utils.data.DataLoader(tg.Dataset(src), batch_size=2)
+        assert list(loader) == [{"line": ["x", "y"]}]  # its records, through a DataLoader
         assert get_format("lines").source is Lines
     finally:
         from torchgrain.sources import registry

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from torchgrain.convert import convert
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
+    CacheThrashWarning,
     CorruptDataError,
     DatasetNotFoundError,
     RecordDecodeError,
@@ -96,6 +97,7 @@ __all__ = [
     "Albumentations",
     "ArrayRecordSource",
     "BlockShuffleSampler",
+    "CacheThrashWarning",
     "CorruptDataError",
     "CudaPrefetcher",
     "Dataset",

@@ -1,7 +1,7 @@
 """``torchgrain bench``: how fast can your own dataset be read, and what would help.
 
 Reads a dataset through the same path training uses (a :class:`~torchgrain.Dataset` in
-a stock DataLoader with worker processes) for a fixed time in each access order:
+a stock DataLoader with worker processes) in each access order:
 
 * ``sequential``: records in storage order (the best case for any format);
 * ``shuffled``: a global shuffle (:class:`~torchgrain.GlobalShuffleSampler`);
@@ -9,9 +9,23 @@ a stock DataLoader with worker processes) for a fixed time in each access order:
   shuffled within a sliding window of blocks), for Parquet (row groups) and for ArrayRecord
   written with ``group_size`` > 1 (chunks).
 
-It reports records/s and MB/s (decoded bytes of the records that arrived), the time to
-the first batch (worker start-up and first reads), the per-worker breakdown of
-:func:`torchgrain.stats`, and suggestions drawn from the measured numbers.
+How it measures
+    Each order is measured ``repeats`` times, the orders taking turns (round 1 reads
+    every order once, then round 2...; each round starts the orders in another
+    sequence and reads another part of the data), so that a burst of other work on
+    the machine, or a page cache warmed by an earlier order, does not decide the
+    comparison. Every measurement starts its own DataLoader and times only what
+    comes after each worker's first batch (worker start-up, opening files and cold
+    caches are reported apart, as the time to the first batch). The rate reported is
+    the median of the repeats, with their spread (lowest to highest). A line is
+    printed as each measurement finishes.
+
+What it reports
+    records/s; record MB/s (the size of the records as delivered: decoded arrays,
+    bytes and strings); the time to the first batch; how busy the workers were; the
+    per-worker breakdown of :func:`torchgrain.stats`; and suggestions drawn from
+    those numbers. A suggestion never recommends an access order that measured
+    slower, and says when two orders differ by less than their spread.
 
 Batches are not collated (``collate_fn`` returns the list of records), so the figures
 are for reading and decoding; collation and transforms come on top.
@@ -21,9 +35,9 @@ Example:
     >>> from torchgrain.bench import run_bench
     >>> d = tempfile.mkdtemp()
     >>> _ = tg.write_array_record([{"x": np.zeros(16, np.float32)} for _ in range(64)], d)
-    >>> report = run_bench(d, batch_size=8, num_workers=0, seconds=0.3, out=None)
-    >>> [m["mode"] for m in report["modes"]][:2]
-    ['sequential', 'shuffled']
+    >>> report = run_bench(d, batch_size=8, num_workers=0, seconds=0.3, repeats=2, out=None)
+    >>> [m["mode"] for m in report["modes"]][:2], len(report["modes"][0]["runs"])
+    (['sequential', 'shuffled'], 2)
     >>> report["modes"][0]["records_per_s"] > 0
     True
 """
@@ -32,14 +46,52 @@ from __future__ import annotations
 
 import inspect
 import os
+import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch.utils.data
 
-__all__ = ["open_dataset_source", "record_nbytes", "run_bench", "suggest"]
+__all__ = [
+    "available_cpus",
+    "default_workers",
+    "open_dataset_source",
+    "recommend",
+    "record_nbytes",
+    "run_bench",
+    "suggest",
+]
+
+#: The most DataLoader workers ``bench`` starts unless told: each costs start-up time
+#: and memory, which a short measurement pays for.
+MAX_DEFAULT_WORKERS = 16
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (a container's or ``taskset``'s
+    limit), not the machine's total.
+
+    Example:
+        >>> available_cpus() >= 1
+        True
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity masks on this system
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """The DataLoader workers ``bench`` uses unless told: one per CPU this process may
+    use (:func:`available_cpus`), at most ``MAX_DEFAULT_WORKERS``.
+
+    Example:
+        >>> 1 <= default_workers() <= min(available_cpus(), MAX_DEFAULT_WORKERS)
+        True
+    """
+    return min(available_cpus(), MAX_DEFAULT_WORKERS)
 
 
 def record_nbytes(obj: Any) -> int:
@@ -51,7 +103,8 @@ def record_nbytes(obj: Any) -> int:
     """
     if isinstance(obj, np.ndarray):
         return int(obj.nbytes)
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")  # a tensor means torch is imported; importing it is slow
+    if torch is not None and isinstance(obj, torch.Tensor):
         return int(obj.numel() * obj.element_size())
     if isinstance(obj, (bytes, bytearray, memoryview)):
         return len(obj)
@@ -65,22 +118,32 @@ def record_nbytes(obj: Any) -> int:
 
 
 def open_dataset_source(
-    path: str | Sequence[str], *, fmt: str = "auto", columns: Sequence[str] | None = None
+    path: str | Sequence[str],
+    *,
+    fmt: str = "auto",
+    columns: Sequence[str] | None = None,
+    cache_bytes: int | None = None,
 ) -> tuple[Any, str]:
     """Open ``path`` as a source of any registered format; returns ``(source, format)``.
 
     ``fmt="auto"`` detects the format from file names (the format registry). Opening
-    reads only metadata (a manifest, footers or cached indexes).
+    reads only metadata (a manifest, footers or cached indexes). ``cache_bytes`` sets
+    the source's per-process block cache (None: its default).
     """
     from torchgrain.sources.registry import detect_format, get_format
 
     name = detect_format(path) if fmt == "auto" else fmt
     cls = get_format(name).source
+    accepts = inspect.signature(cls).parameters
     options: dict[str, Any] = {}
     if columns:
-        if "columns" not in inspect.signature(cls).parameters:
+        if "columns" not in accepts:
             raise ValueError(f"--columns applies to formats with columns (Parquet), not {name}")
         options["columns"] = list(columns)
+    if cache_bytes is not None:
+        if "cache_bytes" not in accepts:
+            raise ValueError(f"--cache-bytes applies to sources with a block cache, not {name}")
+        options["cache_bytes"] = cache_bytes
     return cls(path, **options), name
 
 
@@ -95,19 +158,40 @@ def _as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-class _Forever(torch.utils.data.Sampler[int]):
-    """Pass after pass of ``sampler`` (a new epoch each pass), so a timed run never runs dry."""
+class _Sequential:
+    """Storage order from ``start`` to the end, then from 0: each round of the
+    benchmark starts reading at another place (not where the page cache is warm)."""
 
-    def __init__(self, sampler: Any) -> None:
-        self.sampler = sampler
+    def __init__(self, n: int, start: int) -> None:
+        self.n, self.start = n, start % max(n, 1)
+
+    def __len__(self) -> int:
+        return self.n
 
     def __iter__(self) -> Iterator[int]:
-        epoch = 0
+        yield from range(self.start, self.n)
+        yield from range(self.start)
+
+
+class _Forever:
+    """Pass after pass of ``sampler`` (a new epoch each pass, from ``first_epoch``), so a
+    timed run never runs dry and each round reads another permutation."""
+
+    def __init__(self, sampler: Any, first_epoch: int = 0) -> None:
+        self.sampler = sampler
+        self.first_epoch = first_epoch
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self.first_epoch
         while True:
             if hasattr(self.sampler, "set_epoch"):
                 self.sampler.set_epoch(epoch)
             yield from (int(i) for i in self.sampler)
             epoch += 1
+
+
+#: An access order: its name, and ``make(dataset, round)`` giving its sampler.
+Plan = tuple[str, Callable[[Any, int], Any]]
 
 
 def _plans(
@@ -117,15 +201,20 @@ def _plans(
     seed: int,
     batch_size: int | None = None,
     num_workers: int = 0,
-) -> list[tuple[str, Callable[[Any], Any]]]:
-    """The access orders to measure: (name, sampler factory taking the Dataset)."""
+    repeats: int = 1,
+) -> list[Plan]:
+    """The access orders to measure."""
     import torchgrain as tg
 
-    out: list[tuple[str, Callable[[Any], Any]]] = [
-        ("sequential", torch.utils.data.SequentialSampler)
-    ]
+    n = len(source)
+    out: list[Plan] = [("sequential", lambda ds, r: _Forever(_Sequential(n, n * r // repeats)))]
     out.append(
-        ("shuffled", lambda ds: tg.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=seed))
+        (
+            "shuffled",
+            lambda ds, r: _Forever(
+                tg.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=seed), first_epoch=r
+            ),
+        )
     )
     # Blocks worth shuffling: Parquet row groups, ArrayRecord chunks of several records.
     # (With group_size 1 every block is one record: a block shuffle is a global shuffle.)
@@ -135,73 +224,157 @@ def _plans(
         out.append(
             (
                 "block-shuffled",
-                lambda ds: tg.BlockShuffleSampler(ds, num_replicas=1, rank=0, seed=seed, **deal),
+                lambda ds, r: _Forever(
+                    tg.BlockShuffleSampler(ds, num_replicas=1, rank=0, seed=seed, **deal),
+                    first_epoch=r,
+                ),
             )
         )
     return out
 
 
 def _measure(
-    source: Any,
-    mode: str,
-    make_sampler: Callable[[Any], Any],
+    ds: Any,
+    sampler: Any,
     *,
     batch_size: int,
     num_workers: int,
     prefetch_factor: int,
     seconds: float,
 ) -> dict[str, Any]:
+    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own.
+
+    The clock starts when every worker has delivered its first batch (the loader hands
+    out batches from its workers in turn): what came before is start-up (forking,
+    opening files, cold caches), reported as ``first_batch_s``.
+    """
+    import torch.utils.data
+
     import torchgrain as tg
 
-    ds = tg.Dataset(source)  # a fresh Dataset: its own stats table
-    sampler = make_sampler(ds)
     loader = torch.utils.data.DataLoader(
         ds,
         batch_size=batch_size,
-        sampler=_Forever(sampler),
+        sampler=sampler,
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers else None,
         collate_fn=_as_list,
     )
+    warm = max(num_workers, 1)
     records = nbytes = batches = 0
     start = time.perf_counter()
-    first = None
+    first = timed_from = last = None
     it = iter(loader)
     try:
-        for batch in it:
+        for k, batch in enumerate(it):
             now = time.perf_counter()
             if first is None:
                 first = now
-            else:
-                records += len(batch)
-                batches += 1
+            if k < warm:
+                timed_from = now
+                continue
+            records += len(batch)
+            batches += 1
             nbytes += sum(record_nbytes(r) for r in batch)
-            if now - start >= seconds and batches >= 2:
+            last = now
+            if now - timed_from >= seconds and batches >= 2:  # type: ignore[operator]
                 break
     finally:
         del it  # stops the workers
     end = time.perf_counter()
-    elapsed = max(end - (first or start), 1e-9)
-    rep = tg.stats(ds)
-    per_record = nbytes / max(records + (batch_size if first else 0), 1)
-    busy = {
-        name: row["read_seconds"] + row["decode_seconds"] + row["transform_seconds"]
-        for name, row in rep.workers.items()
+    elapsed = max((last or end) - (timed_from or start), 1e-9)
+    rep = tg.stats(loader)
+    busy = sum(
+        row["read_seconds"] + row["decode_seconds"] + row["transform_seconds"]
+        for row in rep.workers.values()
+    )
+    return {
+        "records": records,
+        "bytes": nbytes,
+        "seconds": elapsed,
+        "records_per_s": records / elapsed,
+        "first_batch_s": (first or end) - start,
+        "busy_fraction": busy / (warm * (end - start)) if rep.workers else None,
     }
+
+
+def _summary(mode: str, sampler: str, runs: list[dict[str, Any]], stats: Any) -> dict[str, Any]:
+    """One access order over its rounds: the median rate and the spread of the rounds."""
+    rates = [r["records_per_s"] for r in runs]
+    records = sum(r["records"] for r in runs)
+    per_record = sum(r["bytes"] for r in runs) / max(records, 1)
+    median = statistics.median(rates)
+    busy = [r["busy_fraction"] for r in runs if r["busy_fraction"] is not None]
     return {
         "mode": mode,
-        "sampler": type(sampler).__name__,
+        "sampler": sampler,
+        "runs": [round(x, 1) for x in rates],
+        "records_per_s": median,
+        "records_per_s_min": min(rates),
+        "records_per_s_max": max(rates),
+        "spread": (max(rates) - min(rates)) / median if median else 0.0,
         "records": records,
-        "seconds": round(elapsed, 4),
-        "first_batch_s": round((first or end) - start, 4),
-        "records_per_s": records / elapsed,
-        "mb_per_s": records * per_record / elapsed / 1e6,
+        "seconds": round(sum(r["seconds"] for r in runs), 4),
+        "mb_per_s": median * per_record / 1e6,
         "bytes_per_record": per_record,
-        "busy_fraction": (
-            sum(busy.values()) / (max(num_workers, 1) * (end - start)) if busy else None
-        ),
-        "stats": rep,
+        "first_batch_s": round(statistics.median(r["first_batch_s"] for r in runs), 4),
+        "busy_fraction": statistics.median(busy) if busy else None,
+        "busy_min": min(busy) if busy else None,
+        "busy_max": max(busy) if busy else None,
+        "stats": stats,
     }
+
+
+def _rate(m: dict[str, Any]) -> str:
+    """``12,345 records/s [11,900-12,800]``: the median and, when measured, the spread."""
+    lo, hi = m.get("records_per_s_min"), m.get("records_per_s_max")
+    spread = f" [{lo:,.0f}-{hi:,.0f}]" if lo is not None and hi is not None and hi > lo else ""
+    return f"{m['records_per_s']:,.0f} records/s{spread}"
+
+
+def _faster(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether ``a`` read faster than ``b`` beyond the spread of both (every repeat of
+    ``a`` beat every repeat of ``b``)."""
+    return a.get("records_per_s_min", a["records_per_s"]) > b.get(
+        "records_per_s_max", b["records_per_s"]
+    )
+
+
+def recommend(modes: Sequence[dict[str, Any]]) -> str:
+    """The sampler the measurements favour for a shuffled epoch.
+
+    ``BlockShuffleSampler`` only when it read faster than the global shuffle beyond
+    the spread of their repeats; otherwise ``GlobalShuffleSampler``, the true shuffle.
+
+    Example:
+        >>> recommend([{"mode": "shuffled", "records_per_s": 100.0},
+        ...            {"mode": "block-shuffled", "records_per_s": 900.0}])
+        'BlockShuffleSampler'
+        >>> recommend([{"mode": "shuffled", "records_per_s": 100.0, "records_per_s_max": 150.0},
+        ...            {"mode": "block-shuffled", "records_per_s": 120.0,
+        ...             "records_per_s_min": 90.0}])
+        'GlobalShuffleSampler'
+    """
+    by = {m["mode"]: m for m in modes}
+    shuf, block = by.get("shuffled"), by.get("block-shuffled")
+    if shuf is not None and block is not None and _faster(block, shuf):
+        return "BlockShuffleSampler"
+    return "GlobalShuffleSampler"
+
+
+def _slow_shuffle_remedies(fmt: str, group_size: int | None) -> str:
+    if fmt == "parquet":
+        return (
+            "a random row decodes its whole Parquet row group: give ParquetSource a larger "
+            "cache_bytes (try it here with --cache-bytes), or convert to ArrayRecord with group_size 1 (torchgrain convert "
+            "... --to array_record) for O(1) random access"
+        )
+    if group_size is not None and group_size > 1:
+        return (
+            f"the shards were written with group_size {group_size}: each random record "
+            f"decompresses {group_size} records; rewrite with group_size 1"
+        )
+    return "random reads pay the storage's latency per record: more workers keep more in flight"
 
 
 def suggest(
@@ -213,7 +386,16 @@ def suggest(
     group_size: int | None = None,
     cpu_count: int | None = None,
 ) -> list[str]:
-    """Advice from measured numbers (each line says which number led to it).
+    """Advice from measured numbers: each line is ``headline: the numbers behind it``.
+
+    The sampler a headline (before the first colon) names depends only on which
+    measurements beat which: an access order is recommended only when it measured
+    faster beyond the spread of the repeats (``records_per_s_min`` /
+    ``records_per_s_max``, when given); a difference within the spread is said to be.
+    The other lines compare numbers with fixed thresholds (workers busy in every round
+    above 80% or in none above 40%, shuffled reads below half the sequential rate, a
+    first batch after more than 1 s, batches under 32 records), so a measurement close
+    to one may give the line in one run and not in the next.
 
     Example:
         >>> modes = [{"mode": "sequential", "records_per_s": 1000.0, "busy_fraction": 0.95,
@@ -224,9 +406,9 @@ def suggest(
         ...                     cpu_count=8):
         ...     print(line.split(":")[0])
         increase num_workers
-        shuffled reads are slow
+        use GlobalShuffleSampler, and make random reads cheaper
     """
-    cpus = cpu_count or os.cpu_count() or 1
+    cpus = cpu_count or available_cpus()
     by = {m["mode"]: m for m in modes}
     out: list[str] = []
     seq, shuf = by.get("sequential"), by.get("shuffled")
@@ -234,12 +416,15 @@ def suggest(
     if num_workers == 0:
         out.append(
             "use worker processes: with num_workers=0 every read happens in the training "
-            f"loop; try --workers {min(8, cpus)} (DataLoader num_workers) to overlap loading "
-            "with the step"
+            f"loop; try --workers {min(MAX_DEFAULT_WORKERS, cpus)} (DataLoader num_workers) "
+            "to overlap loading with the step"
         )
     else:
-        busy = [m["busy_fraction"] for m in modes if m.get("busy_fraction") is not None]
-        top = max(busy) if busy else 0.0
+        # Claims about the workers hold in every round: the busiest order's least busy
+        # round for "busy", its busiest round for "idle".
+        busy = [m for m in modes if m.get("busy_fraction") is not None]
+        top = max((m.get("busy_min", m["busy_fraction"]) for m in busy), default=0.0)
+        idle_top = max((m.get("busy_max", m["busy_fraction"]) for m in busy), default=1.0)
         if top > 0.8 and num_workers < cpus:
             out.append(
                 f"increase num_workers: the {num_workers} worker(s) were busy reading and "
@@ -254,61 +439,62 @@ def suggest(
             )
         elif num_workers > cpus:
             out.append(
-                f"num_workers={num_workers} exceeds the {cpus} CPUs; extra workers add "
-                "memory and start-up time without adding throughput"
+                f"fewer workers: num_workers={num_workers} exceeds the {cpus} CPUs this "
+                "process may use; extra workers add memory and start-up time without adding "
+                "throughput"
             )
-        elif busy and top < 0.4:
+        elif busy and idle_top < 0.4:
             out.append(
-                f"the workers were idle {100 * (1 - top):.0f}% of the time: the main process "
-                "(receiving batches) is the limit, not reading. Larger batches cost less "
+                f"the main process is the limit: the workers were idle {100 * (1 - idle_top):.0f}% "
+                "of the time, waiting for it to take their batches. Larger batches cost less "
                 "per record; pin_memory and CudaPrefetcher overlap the copy to the GPU"
             )
-    if seq and shuf and seq["records_per_s"] > 0:
-        ratio = shuf["records_per_s"] / seq["records_per_s"]
-        if ratio < 0.5:
-            why = f"{ratio:.2f}x the sequential rate"
-            if block and block["records_per_s"] > 1.5 * shuf["records_per_s"]:
-                alt = (
-                    f"BlockShuffleSampler read {block['records_per_s']:,.0f} records/s "
-                    f"({block['records_per_s'] / seq['records_per_s']:.2f}x sequential): use "
-                    "it if a block-local shuffle is random enough for your model"
-                )
-            else:
-                alt = "use BlockShuffleSampler to read each block once per epoch"
-            if fmt == "parquet":
-                out.append(
-                    f"shuffled reads are slow: {why}. Random rows decode whole Parquet row "
-                    f"groups. {alt}; or give ParquetSource a larger cache_bytes; or convert "
-                    "to ArrayRecord with group_size 1 (torchgrain convert ... --to "
-                    "array_record) for O(1) random access"
-                )
-            elif group_size is not None and group_size > 1:
-                out.append(
-                    f"shuffled reads are slow: {why}. The shards were written with "
-                    f"group_size {group_size}: each random record decompresses "
-                    f"{group_size} records. Rewrite with group_size 1, or {alt}"
-                )
-            else:
-                out.append(
-                    f"shuffled reads are slow: {why}. Random reads pay the storage's "
-                    f"latency per record; add workers to keep more reads in flight, or {alt}"
-                )
-        else:
-            how = "costs little" if ratio < 1.0 else "is as fast as sequential reading"
+    if shuf is not None:
+        pick = recommend(modes)
+        if pick == "BlockShuffleSampler":
+            assert block is not None
             out.append(
-                f"global shuffle {how} here ({ratio:.2f}x the sequential rate): "
-                "GlobalShuffleSampler is the right default"
+                "use BlockShuffleSampler if a block-local shuffle is random enough for your "
+                f"model: it read {_rate(block)}, {block['records_per_s'] / shuf['records_per_s']:.1f}x "
+                f"the global shuffle's {_rate(shuf)}. To shuffle globally at speed: "
+                + _slow_shuffle_remedies(fmt, group_size)
             )
+        elif block is not None and _faster(shuf, block):
+            out.append(
+                f"use GlobalShuffleSampler: the global shuffle read {_rate(shuf)}, faster than "
+                f"BlockShuffleSampler's {_rate(block)}, and it mixes the whole dataset"
+            )
+        elif block is not None:
+            out.append(
+                f"use GlobalShuffleSampler: the global shuffle ({_rate(shuf)}) and "
+                f"BlockShuffleSampler ({_rate(block)}) differ by less than the spread of "
+                "their repeats: the block shuffle gains nothing measurable here, and the "
+                "global one mixes the whole dataset"
+            )
+        elif seq is not None and seq["records_per_s"] > 0:
+            ratio = shuf["records_per_s"] / seq["records_per_s"]
+            if _faster(seq, shuf) and ratio < 0.5:
+                out.append(
+                    "use GlobalShuffleSampler, and make random reads cheaper: shuffled reads "
+                    f"ran at {ratio:.2f}x the sequential rate ({_rate(shuf)} against "
+                    f"{_rate(seq)}); " + _slow_shuffle_remedies(fmt, group_size)
+                )
+            else:
+                within = "" if _faster(seq, shuf) else ", within the spread of the repeats"
+                out.append(
+                    f"use GlobalShuffleSampler: a global shuffle costs little here ({ratio:.2f}x "
+                    f"the sequential rate{within}: {_rate(shuf)} against {_rate(seq)})"
+                )
     first = max((m["first_batch_s"] for m in modes), default=0.0)
     if num_workers and first > 1.0:
         out.append(
-            f"the first batch took {first:.1f}s (worker start-up and first reads): use "
-            "persistent_workers=True so workers start once, not every epoch"
+            f"use persistent_workers=True: the first batch took {first:.1f}s (worker start-up "
+            "and first reads); persistent workers start once, not every epoch"
         )
     if seq and seq.get("bytes_per_record", 0) > 0 and batch_size < 32:
         out.append(
-            f"batch size {batch_size} is small: per-batch overhead (~0.1-0.5 ms between "
-            "processes) is paid for few records; larger batches raise records/s"
+            f"raise the batch size: at {batch_size} records per batch the per-batch overhead "
+            "(~0.1-0.5 ms between processes) is paid for few records"
         )
     return out
 
@@ -317,66 +503,113 @@ def run_bench(
     path: str | Sequence[str],
     *,
     batch_size: int = 256,
-    num_workers: int = 8,
+    num_workers: int | None = None,
     seconds: float = 10.0,
+    repeats: int = 3,
     fmt: str = "auto",
     columns: Sequence[str] | None = None,
+    cache_bytes: int | None = None,
     prefetch_factor: int = 4,
     seed: int = 0,
     out: Callable[[str], None] | None = print,
 ) -> dict[str, Any]:
-    """Measure ``path`` in each access order for ``seconds`` in total; print and return.
+    """Measure ``path`` in each access order; print and return the results.
 
-    Returns a dict with ``format``, ``num_records``, ``modes`` (one dict per access order:
-    ``records_per_s``, ``mb_per_s``, ``first_batch_s``, ``busy_fraction``, ``stats``) and
-    ``suggestions``. ``out=None`` prints nothing.
+    ``seconds`` is the measured time in total, shared by every access order and repeat
+    (start-up until each worker's first batch comes on top); ``repeats`` measurements
+    per order give the spread. ``num_workers=None`` is :func:`default_workers`.
+    ``cache_bytes`` sets each worker's block cache (Parquet row groups, ArrayRecord
+    chunks; None: the source's default), to see what a larger one, or none, changes.
+
+    Returns a dict with ``format``, ``num_records``, ``num_workers``, ``modes`` (one dict
+    per access order: ``records_per_s`` (the median), ``records_per_s_min`` /
+    ``records_per_s_max`` and ``runs`` (every repeat), ``mb_per_s``, ``first_batch_s``,
+    ``busy_fraction``, ``stats``), ``recommendation`` (the sampler the numbers favour)
+    and ``suggestions``. ``out=None`` prints nothing.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if num_workers is None:
+        num_workers = default_workers()
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    import torchgrain as tg
+
     say = out or (lambda _line: None)
-    source, fmt = open_dataset_source(path, fmt=fmt, columns=columns)
+    source, fmt = open_dataset_source(path, fmt=fmt, columns=columns, cache_bytes=cache_bytes)
     n = len(source)
     if n == 0:
         raise ValueError(f"{path!r} holds no records")
     group_size = _records_per_block(source) if fmt == "array_record" else None
-    plans = _plans(source, fmt, group_size, seed, batch_size, num_workers)
+    plans = _plans(source, fmt, group_size, seed, batch_size, num_workers, repeats)
+    per = seconds / (len(plans) * repeats)
     say(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
         f"{source.num_shards} shard(s)" + (f", group_size {group_size}" if group_size else "")
     )
     say(
-        f"loader    batch_size {batch_size}, num_workers {num_workers}, prefetch_factor "
-        f"{prefetch_factor if num_workers else '-'}, {seconds / len(plans):.1f}s per access "
-        "order, batches not collated"
+        f"loader    batch_size {batch_size}, num_workers {num_workers} ({available_cpus()} "
+        f"CPUs available), prefetch_factor {prefetch_factor if num_workers else '-'}, "
+        "batches not collated"
     )
-    modes = []
-    for mode, make in plans:
-        modes.append(
-            _measure(
-                source,
-                mode,
-                make,
+    say(
+        f"timing    {len(plans)} access orders x {repeats} rounds, {per:.1f}s each, timed "
+        "after every worker's first batch"
+    )
+    datasets = {mode: tg.Dataset(source) for mode, _ in plans}  # a stats table each
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _ in plans}
+    samplers: dict[str, str] = {}
+    for r in range(repeats):
+        # Each round starts with another order, so that none always runs first (cold).
+        for mode, make in plans[r % len(plans) :] + plans[: r % len(plans)]:
+            sampler = make(datasets[mode], r)
+            inner = sampler.sampler
+            samplers[mode] = (
+                "SequentialSampler" if isinstance(inner, _Sequential) else type(inner).__name__
+            )
+            m = _measure(
+                datasets[mode],
+                sampler,
                 batch_size=batch_size,
                 num_workers=num_workers,
                 prefetch_factor=prefetch_factor,
-                seconds=seconds / len(plans),
+                seconds=per,
             )
-        )
+            runs[mode].append(m)
+            say(
+                f"  round {r + 1}/{repeats}  {mode:<15}{m['records_per_s']:>12,.0f} records/s"
+                f"  (first batch after {m['first_batch_s']:.2f}s)"
+            )
+    modes = [
+        _summary(mode, samplers[mode], runs[mode], tg.stats(datasets[mode])) for mode, _ in plans
+    ]
     say("")
-    header = f"{'access':<16}{'records/s':>12}{'MB/s':>10}{'first batch s':>15}{'workers busy':>14}"
+    header = (
+        f"{'access':<16}{'records/s':>12}{'spread':>22}{'record MB/s':>13}"
+        f"{'first batch s':>15}{'workers busy':>14}"
+    )
     say(header)
     say("-" * len(header))
     for m in modes:
         busy = "-" if m["busy_fraction"] is None else f"{100 * m['busy_fraction']:.0f}%"
+        spread = f"{m['records_per_s_min']:,.0f}-{m['records_per_s_max']:,.0f}"
         say(
-            f"{m['mode']:<16}{m['records_per_s']:>12,.0f}{m['mb_per_s']:>10,.1f}"
+            f"{m['mode']:<16}{m['records_per_s']:>12,.0f}{spread:>22}{m['mb_per_s']:>13,.1f}"
             f"{m['first_batch_s']:>15.2f}{busy:>14}"
         )
-    for m in modes:
-        say(f"\n{m['mode']} ({m['sampler']}): per-process time (tg.stats)")
-        say(str(m["stats"]))
+    say(
+        f"records/s: median of {repeats} rounds, spread: lowest-highest round; record MB/s: "
+        "the records as delivered (decoded arrays, bytes, strings);\nfirst batch s: from "
+        "starting the workers to the first batch (median); workers busy: share of the time "
+        "the workers spent reading, decoding and transforming"
+    )
+    for k, m in enumerate(modes):
+        say(f"\n{m['mode']} ({m['sampler']}), all rounds: per-process time (tg.stats)")
+        say(m["stats"].table(legend=k == 0))
     tips = suggest(
         modes,
         fmt=fmt,
@@ -393,6 +626,8 @@ def run_bench(
         "num_records": n,
         "batch_size": batch_size,
         "num_workers": num_workers,
+        "repeats": repeats,
         "modes": modes,
+        "recommendation": recommend(modes),
         "suggestions": tips,
     }

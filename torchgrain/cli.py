@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import inspect
 import json
+import os
+import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,16 +35,16 @@ def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _open_for_inspect(path: Any, codec: str) -> tuple[str, Any]:
+def _open_for_inspect(path: Any, codec: str, fmt: str) -> tuple[str, Any]:
     """(format name, source) for a dataset of any registered format."""
-    from torchgrain.sources.registry import detect_format, get_format
+    from torchgrain.sources.registry import get_format
 
-    try:
-        fmt = detect_format(path)
-    except ValueError:
-        fmt = "array_record"  # a bare directory of shards without telling names
+    fmt = _detect("PATH", path) if fmt == "auto" else fmt
+    source = get_format(fmt).source
     options = {"codec": codec} if codec != "auto" else {}
-    return fmt, get_format(fmt).source(path, **options)
+    if options and "codec" not in inspect.signature(source).parameters:
+        raise CliError(f"--codec applies to formats that store encoded records, not {fmt}")
+    return fmt, source(path, **options)
 
 
 def _head(src: Any, n: int) -> list[dict[str, Any]]:
@@ -54,10 +60,12 @@ def _head(src: Any, n: int) -> list[dict[str, Any]]:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from torchgrain.formats.codecs import describe_value
+    from torchgrain.io import remote
     from torchgrain.io.fs import get_filesystem
     from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
-    fmt, src = _open_for_inspect(args.path, args.codec)
+    _check_exists("PATH", args.path)
+    fmt, src = _open_for_inspect(args.path, args.codec, args.format)
     counts = [int(n) for n in src.shard_counts]
     samples = _head(src, max(args.samples, 1))
     codec = src.codec.name if isinstance(src, RecordBytesSource) else fmt
@@ -71,7 +79,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if size is not None:
             sizes.append(size)
         else:
-            sizes.append(int(fs.size(get_filesystem(p)[1])) if fs is not None else -1)
+            sizes.append(
+                remote.file_size(fs, get_filesystem(p)[1], url=p) if fs is not None else -1
+            )
     # Types of every key, nested dicts flattened to "a/b", from the sampled records.
     keys: dict[str, str] = {}
     for rec in samples:
@@ -133,7 +143,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     import torchgrain as tg
+    from torchgrain.convert import check_output_dir
 
+    _check_exists("SRC", args.src)
+    _check_directory("DST", args.dst)
+    if args.src_format == "auto":
+        _detect("SRC", args.src)
+    try:
+        check_output_dir(args.src, args.dst)
+    except ValueError as e:
+        raise CliError(f"argument DST: {e}") from None
     m = tg.convert(
         args.src,
         args.dst,
@@ -177,16 +196,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from torchgrain.bench import run_bench
 
+    _check_exists("PATH", args.path)
+    if args.format == "auto":
+        _detect("PATH", args.path)
     report = run_bench(
         args.path,
         batch_size=args.batch_size,
         num_workers=args.workers,
         seconds=args.seconds,
+        repeats=args.repeats,
         fmt=args.format,
         columns=args.columns,
+        cache_bytes=args.cache_bytes,
         prefetch_factor=args.prefetch_factor,
         seed=args.seed,
-        out=None if args.json else print,
+        out=None if args.json else _say,
     )
     if args.json:
         for mode in report["modes"]:
@@ -196,48 +220,239 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)  # each line as it comes, also into a pipe or a log file
+
+
+# ------------------------------------------------------------------- errors
+class CliError(Exception):
+    """A mistake in the command line: printed as ``torchgrain CMD: error: MESSAGE``."""
+
+
+def _check_exists(arg: str, paths: str | list[str]) -> None:
+    """Every local path, directory or glob given for ``arg`` names something.
+
+    Remote URLs are left to the source, which reports a missing object by its URL.
+    """
+    for p in [paths] if isinstance(paths, str) else paths:
+        if "://" in p and not p.startswith("file://"):
+            continue
+        local = p.removeprefix("file://")
+        if glob.has_magic(local):
+            if not glob.glob(local, recursive=True):
+                raise CliError(f"argument {arg}: {p!r} matches no file")
+        elif not os.path.exists(local):
+            raise CliError(f"argument {arg}: {p!r} does not exist")
+
+
+def _check_directory(arg: str, path: str) -> None:
+    """A local output ``path`` is a directory or can be made one: no file stands at it
+    or above it."""
+    if "://" in path and not path.startswith("file://"):
+        return
+    target = os.path.abspath(path.removeprefix("file://"))
+    d = target
+    while not os.path.exists(d) and os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        above = "" if d == target else f" ({d!r} is a file)"
+        raise CliError(f"argument {arg}: {path!r} is not a directory{above}")
+
+
+def _detect(arg: str, path: Any) -> str:
+    """The format of ``path`` from its file names, or an error naming ``--format``."""
+    from torchgrain.sources.registry import detect_format
+
+    try:
+        return detect_format(path)
+    except ValueError as e:
+        raise CliError(f"argument {arg}: {e}") from None
+
+
+# Library messages speak of Python arguments; on the command line they are flags.
+_FLAGS = [
+    (re.compile(r"\b(?:src_)?format=(?=\W|$)"), "--format"),
+    (re.compile(r"\boverwrite=True\b"), "--overwrite"),
+    (re.compile(r"\bcodec=(?=\W|$)"), "--codec"),
+    (re.compile(r"\bcolumns=(?=\W|$)"), "--columns"),
+]
+
+
+def _cli_words(message: str) -> str:
+    """A library error message in the command line's words (flags, not arguments), on
+    one line.
+
+    Example:
+        >>> _cli_words("'d' holds files of several formats (a, b); pass format=")
+        "'d' holds files of several formats (a, b); pass --format"
+        >>> _cli_words("d already holds a dataset; pass overwrite=True")
+        'd already holds a dataset; pass --overwrite'
+    """
+    for pattern, flag in _FLAGS:
+        message = pattern.sub(flag, message)
+    return re.sub(r"\s*\n\s*", " ", message).strip()  # one line, whatever a library said
+
+
+# ------------------------------------------------------------------ parsing
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
+_positive_int.__name__ = "positive integer"  # argparse names the type in its errors
+_non_negative_int.__name__ = "integer"
+_positive_float.__name__ = "number"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default in its help (except where there is none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" not in text
+            and default is not None
+            and default is not False
+            and default is not argparse.SUPPRESS
+            and action.option_strings
+            and not isinstance(action, argparse._HelpAction)
+        ):
+            text += f" (default: {' '.join(default) if isinstance(default, list) else default})"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``torchgrain`` argument parser (one subcommand per job).
+
+    Example:
+        >>> args = build_parser().parse_args(["bench", "data/", "--seconds", "3"])
+        >>> args.command, args.path, args.seconds, args.repeats
+        ('bench', ['data/'], 3.0, 3)
+    """
+    from torchgrain.bench import default_workers
+
     p = argparse.ArgumentParser(
         prog="torchgrain",
         description="Fast, deterministic data loading for PyTorch from Parquet and ArrayRecord.",
+        formatter_class=_HelpFormatter,
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="build a synthetic dataset and train a small model on it")
-    d.add_argument("--data-dir", default=None, help="where to build the dataset (cached)")
-    d.add_argument("--num-records", type=int, default=10_000)
-    d.add_argument("--batch-size", type=int, default=64)
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--epochs", type=int, default=2)
-    d.add_argument("--max-steps", type=int, default=None)
-    d.add_argument("--seed", type=int, default=0)
+    def command(name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help, formatter_class=_HelpFormatter, **kwargs)
+        c.set_defaults(parser=c)  # unknown options are reported with this command's usage
+        return c
+
+    d = command("demo", "build a synthetic dataset and train a small model on it")
+    d.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        default=None,
+        help="where to build the dataset, reused when it is there "
+        "(default: demo-N under ~/.cache/torchgrain)",
+    )
+    d.add_argument(
+        "--num-records", metavar="N", type=_positive_int, default=10_000, help="dataset size"
+    )
+    d.add_argument(
+        "--batch-size", metavar="N", type=_positive_int, default=64, help="records per step"
+    )
+    d.add_argument(
+        "--workers", metavar="N", type=_non_negative_int, default=2, help="DataLoader num_workers"
+    )
+    d.add_argument(
+        "--epochs", metavar="N", type=_positive_int, default=2, help="passes over the dataset"
+    )
+    d.add_argument(
+        "--max-steps",
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help="stop after this many steps",
+    )
+    d.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle and augmentation seed")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.set_defaults(func=cmd_demo)
 
-    i = sub.add_parser("inspect", help="shards, record count, keys, schema, codec, samples")
-    i.add_argument("path", nargs="+", help="dataset directory, glob, file(s) or URL")
-    i.add_argument("--codec", default="auto")
-    i.add_argument("--samples", type=int, default=2, help="records to print")
-    i.add_argument("--max-shards", type=int, default=20)
+    formats = ("auto", "array_record", "parquet", "tfrecord")
+    i = command("inspect", "shards, record count, keys, schema, codec, samples")
+    i.add_argument(
+        "path", nargs="+", metavar="PATH", help="dataset directory, glob, file(s) or URL"
+    )
+    i.add_argument(
+        "--format",
+        default="auto",
+        choices=formats,
+        help="the dataset's format; auto: from its file names (a torchgrain.json manifest: "
+        "array_record)",
+    )
+    i.add_argument(
+        "--codec",
+        default="auto",
+        help="how ArrayRecord/TFRecord records decode: auto, msgpack, tf_example, raw",
+    )
+    i.add_argument(
+        "--samples", metavar="N", type=_non_negative_int, default=2, help="records to print"
+    )
+    i.add_argument(
+        "--max-shards", metavar="N", type=_non_negative_int, default=20, help="shards to list"
+    )
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_inspect)
 
-    c = sub.add_parser(
+    c = command(
         "convert",
-        help="convert Parquet / TFRecord / ArrayRecord to torchgrain ArrayRecord or Parquet",
+        "convert Parquet / TFRecord / ArrayRecord to torchgrain ArrayRecord or Parquet",
         description="Convert a dataset; resumable (rerun after a crash to continue), "
         "parallel, every shard verified (count and checksum).",
     )
-    c.add_argument("src", nargs="+", help="source directory, glob, file(s) or URL")
-    c.add_argument("dst", help="output directory")
-    c.add_argument("--to", choices=["array_record", "parquet"], default="array_record")
-    g = c.add_mutually_exclusive_group()
-    g.add_argument("--num-shards", type=int, default=None, help="contiguous output shards")
-    g.add_argument(
-        "--match-shards", action="store_true", help="one output shard per input (default)"
+    c.add_argument("src", nargs="+", metavar="SRC", help="source directory, glob, file(s) or URL")
+    c.add_argument(
+        "dst", metavar="DST", help="output directory (not inside SRC; created if needed)"
     )
-    c.add_argument("--group-size", type=int, default=1, help="records per ArrayRecord chunk")
-    c.add_argument("--workers", type=int, default=1, help="converter processes")
+    c.add_argument(
+        "--to", choices=["array_record", "parquet"], default="array_record", help="output format"
+    )
+    g = c.add_mutually_exclusive_group()
+    g.add_argument(
+        "--num-shards",
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help="cut the records into this many contiguous output shards",
+    )
+    g.add_argument(
+        "--match-shards",
+        action="store_true",
+        help="one output shard per input file (the default without --num-shards)",
+    )
+    c.add_argument(
+        "--group-size",
+        metavar="N",
+        type=_positive_int,
+        default=1,
+        help="records per ArrayRecord chunk",
+    )
+    c.add_argument(
+        "--workers", metavar="N", type=_positive_int, default=1, help="converter processes"
+    )
     c.add_argument(
         "--codec",
         default="auto",
@@ -250,60 +465,167 @@ def build_parser() -> argparse.ArgumentParser:
         "Parquet: zstd (default), snappy, gzip, lz4, none",
     )
     c.add_argument(
-        "--src-format", default="auto", choices=["auto", "parquet", "tfrecord", "array_record"]
+        "--format",
+        dest="src_format",
+        default="auto",
+        choices=formats,
+        help="the input's format; auto: from its file names",
+    )
+    # The earlier name of --format, still accepted.
+    c.add_argument(
+        "--src-format", dest="src_format", default="auto", choices=formats, help=argparse.SUPPRESS
     )
     c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     c.add_argument("--no-verify", action="store_true", help="skip reading shards back")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     c.set_defaults(func=cmd_convert)
 
-    b = sub.add_parser(
+    b = command(
         "bench",
-        help="measure reading a dataset (sequential and shuffled) and suggest what would help",
+        "measure reading a dataset (sequential and shuffled) and suggest what would help",
+        description="Read a dataset through a DataLoader in each access order, several "
+        "rounds each, and print the median rate, the spread of the rounds and suggestions.",
     )
-    b.add_argument("path", nargs="+", help="ArrayRecord or Parquet directory, glob or file(s)")
-    b.add_argument("--batch-size", type=int, default=256)
-    b.add_argument("--workers", type=int, default=8, help="DataLoader num_workers")
-    b.add_argument("--seconds", type=float, default=10.0, help="total measuring time")
-    b.add_argument("--prefetch-factor", type=int, default=4)
+    b.add_argument("path", nargs="+", metavar="PATH", help="dataset directory, glob or file(s)")
+    b.add_argument(
+        "--batch-size", metavar="N", type=_positive_int, default=256, help="DataLoader batch_size"
+    )
+    b.add_argument(
+        "--workers",
+        metavar="N",
+        type=_non_negative_int,
+        default=None,
+        help="DataLoader num_workers (default: one per CPU this process may use, "
+        f"at most 16: {default_workers()} here)",
+    )
+    b.add_argument(
+        "--seconds",
+        metavar="S",
+        type=_positive_float,
+        default=10.0,
+        help="measured time in total, shared by the access orders and rounds (worker "
+        "start-up comes on top)",
+    )
+    b.add_argument(
+        "--repeats",
+        metavar="N",
+        type=_positive_int,
+        default=3,
+        help="rounds per access order (the spread)",
+    )
+    b.add_argument(
+        "--prefetch-factor",
+        metavar="N",
+        type=_positive_int,
+        default=4,
+        help="DataLoader prefetch_factor",
+    )
     b.add_argument(
         "--format",
         default="auto",
-        choices=("auto", "array_record", "parquet"),
-        help="default: by file suffix (.parquet/.parq/.pq: Parquet)",
+        choices=formats,
+        help="the dataset's format; auto: from its file names",
     )
     b.add_argument("--columns", nargs="+", default=None, help="Parquet columns to read")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument(
+        "--cache-bytes",
+        metavar="N",
+        type=_non_negative_int,
+        default=None,
+        help="each worker's block cache (Parquet row groups, ArrayRecord chunks), in bytes; "
+        "0: none (default: the source's, 256 MiB)",
+    )
+    b.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle seed")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.set_defaults(func=cmd_bench)
     return p
 
 
+def _exit_on_broken_pipe() -> int:
+    """The reader of our output went away (``torchgrain inspect ... | head``): stop
+    quietly, with the status a Unix tool killed by SIGPIPE has (128 + 13)."""
+    try:  # nothing more reaches the pipe, not even Python's flush at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 128 + int(signal.SIGPIPE)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler stopping the job), raised where the command is, so that
+    it stops as after Ctrl-C: a conversion removes its half-written shard and the
+    folders a first run created, DataLoader workers are shut down."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def _stop_on_sigterm() -> Any:
+    """Turn SIGTERM into :class:`_Terminated`; returns the handler to put back (None
+    where none was changed: not the main thread, or SIGTERM is ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        return None
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return signal.SIG_DFL if previous is None else previous  # None: set outside Python
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``torchgrain`` command.
+    """Entry point of the ``torchgrain`` command; returns the exit status.
+
+    Errors are one line, ``torchgrain COMMAND: error: ...``, naming the path and the
+    option concerned; status 2 for errors, 141 when the output pipe closed early, 130
+    after Ctrl-C and 143 after SIGTERM (both stop the command with its clean-up).
 
     Example:
         >>> main(["--help"])  # doctest: +SKIP
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command = getattr(args, "parser", parser)
+    if unknown:
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     for attr in ("path", "src"):
         value = getattr(args, attr, None)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, attr, value[0])
+    previous = _stop_on_sigterm()
     try:
         return int(args.func(args) or 0)
+    except _Terminated:
+        return 128 + int(signal.SIGTERM)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _exit_on_broken_pipe()
     except Exception as e:
         from torchgrain.errors import TorchgrainError
 
-        if isinstance(
-            e, (TorchgrainError, FileNotFoundError, FileExistsError, IndexError, ValueError)
+        if not isinstance(
+            e,
+            (
+                CliError,
+                TorchgrainError,
+                OSError,
+                ValueError,
+                IndexError,
+                ImportError,
+                NotImplementedError,
+            ),
         ):
-            print(f"torchgrain: error: {type(e).__name__}: {e}", file=sys.stderr)
-            return 2
-        raise
+            raise  # a bug: the traceback says where
+        try:
+            print(f"{command.prog}: error: {_cli_words(str(e))}", file=sys.stderr)
+        except BrokenPipeError:
+            return _exit_on_broken_pipe()
+        return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ __all__ = [
     "BufferPool",
     "ColumnBatch",
     "Ragged",
+    "can_stack",
     "empty",
     "gather_ranges",
     "scratch",
@@ -212,6 +213,22 @@ def _rebuild(columns: dict[str, Any], num_rows: int) -> ColumnBatch:
     return ColumnBatch(columns, num_rows=num_rows)
 
 
+def can_stack(rows: int, shape: Sequence[int], itemsize: int) -> bool:
+    """Whether numpy can make an array of ``rows`` rows of ``shape`` (``itemsize`` bytes
+    an item): every dimension an index, and the bytes of its non-zero dimensions within
+    a signed 64-bit size (numpy's rule). Exact: shapes read from data are untrusted, and
+    their product would wrap around in int64.
+
+    Example:
+        >>> can_stack(4, (2, 3), 8), can_stack(1, (0, 2**62), 1), can_stack(4, (0, 2**62), 1)
+        (True, True, False)
+    """
+    dims = (rows, *shape)
+    if not all(0 <= d < 1 << 63 for d in dims):
+        return False
+    return itemsize * math.prod(d for d in dims if d) < 1 << 63
+
+
 def column_of(values: list[Any]) -> Any:
     """The column form of one key's values (see the module docstring)."""
     if not values:
@@ -219,7 +236,9 @@ def column_of(values: list[Any]) -> Any:
     first = values[0]
     if isinstance(first, np.ndarray):
         if all(isinstance(v, np.ndarray) and v.dtype == first.dtype for v in values):
-            if all(v.shape == first.shape for v in values):
+            if all(v.shape == first.shape for v in values) and can_stack(
+                len(values), first.shape, first.dtype.itemsize
+            ):
                 out = empty((len(values), *first.shape), first.dtype)
                 for i, v in enumerate(values):
                     out[i] = v

@@ -13,6 +13,7 @@ point a run was resumed from, and differs between epochs.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import multiprocessing
@@ -368,6 +369,25 @@ def _call_batch_fn(fn: Callable[[list[Any]], Any], records: list[Any]) -> list[A
     return out
 
 
+def _describe_fn(fn: Any) -> str:
+    """``module.qualname (file:line)`` of a function, a callable object or a partial.
+
+    Example:
+        >>> _describe_fn(_describe_fn).split(" ")[0]
+        'torchgrain.dataset._describe_fn'
+    """
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    code = getattr(target, "__code__", None)
+    if code is None:  # a callable object: where its class defines __call__
+        code = getattr(type(target).__call__, "__code__", None)
+        name = getattr(target, "__qualname__", None) or type(target).__qualname__
+        module = getattr(target, "__module__", None) or type(target).__module__
+    else:
+        name, module = target.__qualname__, target.__module__
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{module}.{name}{where}"
+
+
 class Dataset(torch.utils.data.Dataset):
     """Map-style dataset over a torchgrain source (or anything indexable with a length).
 
@@ -517,18 +537,22 @@ class Dataset(torch.utils.data.Dataset):
         return self._derive(("map_batch", fn))
 
     # ---------------------------------------------------------------- epoch
-    def read_ahead(self, order: Any, start: int, count: int, position: Any) -> None:
-        """Forwarded to the source (remote shards downloaded ahead of use; see
+    def read_ahead(self, order: Any, start: int, count: int, position: Any) -> Any:
+        """Forwarded to the source (remote shards downloaded ahead of use, the pass
+        checked against the caches; see
         :meth:`torchgrain.sources.base.ShardedSource.read_ahead`). Samplers call it at
-        the start of each pass; a source without read-ahead ignores it.
+        the start of each pass; a source without read-ahead ignores it. What the source
+        found of the caches is kept for :func:`tg.stats <torchgrain.stats>`.
 
         Example:
             >>> ds = Dataset([{"x": 1}, {"x": 2}])
             >>> ds.read_ahead(lambda a, b: list(range(a, b)), 0, 2, lambda: 0)  # no-op here
         """
         hook = getattr(self._source, "read_ahead", None)
-        if callable(hook):
-            hook(order, start, count, position)
+        fits = hook(order, start, count, position) if callable(hook) else None
+        if fits is not None:
+            self._stats.cache_fit = list(fits)  # what tg.stats reports of the pass
+        return fits
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch random transforms use (also reaches running DataLoader workers).
@@ -610,6 +634,7 @@ class Dataset(torch.utils.data.Dataset):
         if not (isinstance(self._source, Source) and self._source.reports_stats):
             counters[COUNTER["read_seconds"]] += t1 - t0
         epoch = self._epoch.get()
+        decoded = counters[COUNTER["decode_seconds"]]  # before any op: all may decode
         if batch is not None:
             for op in ops[:k]:
                 batch = _call_columns_fn(op[1], batch)
@@ -623,7 +648,8 @@ class Dataset(torch.utils.data.Dataset):
             batch = (
                 records if isinstance(records, ColumnBatch) else ColumnBatch.from_records(records)
             )
-        counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
+        decoding = counters[COUNTER["decode_seconds"]] - decoded  # tg.decode_image's own
+        counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1 - decoding
         counters[COUNTER["records"]] += len(batch)
         counters[COUNTER["batches"]] += 1
         self._stats.publish(counters - before)
@@ -653,28 +679,47 @@ class Dataset(torch.utils.data.Dataset):
             counters[COUNTER["read_seconds"]] += t1 - t0
         if self._ops:
             epoch = self._epoch.get()
+            decoded = counters[COUNTER["decode_seconds"]]
             records = self._apply_many(records, indices, epoch)
-            counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1
+            # Image decoding inside a map (tg.decode_image) counts itself as decode.
+            decoding = counters[COUNTER["decode_seconds"]] - decoded
+            counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1 - decoding
         counters[COUNTER["records"]] += len(records)
         counters[COUNTER["batches"]] += 1
         self._stats.publish(counters - before)
         return records
 
-    def _apply(self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...]) -> Any:
+    def _apply(
+        self, rec: Any, index: int, epoch: int, ops: tuple[Any, ...], then: str | None = None
+    ) -> Any:
+        """Run the per-record ``ops`` on one record. ``then`` names what needs the result
+        as a record (a map_batch, a column batch); None: the result is the record."""
         op: tuple[Any, ...] = ()
+        needs: str | None = None
         try:
-            for op in ops:
+            for k, op in enumerate(ops):
                 if op[0] == "map":
                     rec = op[1](rec)
                 else:
                     _, fn, seed, stream = op
                     rec = fn(rec, _record_rng_fast(seed, epoch, index, stream))
+                if rec is None:
+                    # What comes next would fail on None, far from the cause. (None from
+                    # the last function is the record: a collate_fn may drop it.)
+                    needs = "the next function" if k + 1 < len(ops) else then
+                    if needs is not None:
+                        break
         except Exception as e:
             # Name the record: the transform itself never sees its index.
             if hasattr(e, "add_note"):
                 name = getattr(op[1], "__name__", type(op[1]).__name__)
                 e.add_note(f"in {op[0]}({name}) of record index {index} (epoch {epoch})")
             raise
+        if needs is not None:
+            raise TypeError(
+                f"{op[0]} function {_describe_fn(op[1])} returned None for record index "
+                f"{index} (epoch {epoch}); {needs} needs a record: does it lack a `return`?"
+            )
         return rec
 
     def _apply_many(
@@ -688,14 +733,19 @@ class Dataset(torch.utils.data.Dataset):
         """Run the ops: per-record ops record by record, each map_batch on the whole batch
         (a list of records, or with ``columns`` a ColumnBatch)."""
         ops = self._ops if ops is None else ops
+        # Records that become a column batch must be records, None included.
+        last = "the column batch" if columns else None
         start = 0
         if all(op[0] != "map_batch" for op in ops):  # the common case, kept lean
-            return [self._apply(r, int(i), epoch, ops) for r, i in zip(records, indices)]
+            return [self._apply(r, int(i), epoch, ops, last) for r, i in zip(records, indices)]
         for k, op in enumerate(ops):
             if op[0] == "map_batch":
                 if k > start:
                     run = ops[start:k]
-                    records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
+                    records = [
+                        self._apply(r, int(i), epoch, run, "the next function (map_batch)")
+                        for r, i in zip(records, indices)
+                    ]
                 if columns:
                     batch = _call_columns_fn(op[1], ColumnBatch.from_records(list(records)))
                     records = batch.records() if k + 1 < len(ops) else batch
@@ -704,7 +754,7 @@ class Dataset(torch.utils.data.Dataset):
                 start = k + 1
         if start < len(ops):
             run = ops[start:]
-            records = [self._apply(r, int(i), epoch, run) for r, i in zip(records, indices)]
+            records = [self._apply(r, int(i), epoch, run, last) for r, i in zip(records, indices)]
         return records
 
     def __repr__(self) -> str:

@@ -2,16 +2,19 @@
 
 Builds a synthetic image dataset once (64x64x3 uint8 images + labels, in a cache
 directory), streams it with :class:`GlobalShuffleSampler` through a multi-process
-DataLoader into a small CNN's training steps, and prints samples/s and the fraction of
-step time spent waiting for data.
+DataLoader into a small CNN's training steps, and prints progress within each epoch,
+then samples/s and the fraction of step time spent waiting for data per epoch, and
+what made the first epoch slower than the later ones (worker start-up, the first
+step's set-up, first reads of the shards, a busier CPU), measured part by part.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -105,6 +108,34 @@ class SmallCNN(torch.nn.Module):
 
 
 @dataclass
+class EpochResult:
+    """What one epoch of the demo measured.
+
+    Example:
+        >>> e = EpochResult(0, steps=2, samples=128, seconds=0.5, wait_seconds=0.1,
+        ...                 step_seconds=[0.25, 0.125], first_batch_seconds=0.08)
+        >>> e.samples_per_second, e.median_step_seconds
+        (256.0, 0.1875)
+    """
+
+    epoch: int
+    steps: int
+    samples: int
+    seconds: float  #: wall time of the epoch, its first batch included
+    wait_seconds: float  #: waiting for batches (the first included)
+    step_seconds: list[float]  #: compute time of each training step
+    first_batch_seconds: float  #: the wait for the epoch's first batch
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    @property
+    def median_step_seconds(self) -> float:
+        return float(np.median(self.step_seconds)) if self.step_seconds else 0.0
+
+
+@dataclass
 class DemoResult:
     steps: int
     samples: int
@@ -112,6 +143,7 @@ class DemoResult:
     wait_seconds: float
     first_loss: float
     last_loss: float
+    epochs: list[EpochResult] = field(default_factory=list)
 
     @property
     def samples_per_second(self) -> float:
@@ -120,6 +152,94 @@ class DemoResult:
     @property
     def wait_fraction(self) -> float:
         return self.wait_seconds / self.seconds if self.seconds else 0.0
+
+
+def explain_first_epoch(epochs: list[EpochResult], num_workers: int) -> str:
+    """Why the first epoch took longer than the later ones' pace, part by part.
+
+    The later epochs give the pace (seconds per step, computing and waiting); what the
+    first spent beyond it is split into: starting the workers (until the first batch),
+    the first step (setting up the model's kernels and memory), more waiting for data
+    (first reads of the shards: disk and page cache, per-worker readers) and slower
+    steps (the CPU was shared with more work).
+
+    Example:
+        >>> e = lambda i, s, w, f, steps: EpochResult(i, 10, 640, s, w, steps, f)
+        >>> first = e(0, 2.94, 1.0, 0.8, [0.5] + [0.16] * 9)  # 1.0s waiting, 1.94s stepping
+        >>> print(explain_first_epoch([first, e(1, 1.1, 0.1, 0.01, [0.1] * 10)], 2))
+        epoch 0 took 1.8s more than the pace of the later epochs: 0.8s starting 2 workers until the first batch, 0.4s the first step (setting up the model's kernels and memory), 0.1s more waiting for data (first reads of the shards: disk, page cache, per-worker readers), 0.5s in the steps themselves (a busier CPU)
+    """
+    if len(epochs) < 2 or not epochs[0].steps:
+        return ""
+    first, later = epochs[0], [e for e in epochs[1:] if e.steps]
+    if not later:
+        return ""
+    per_step = sum(e.seconds for e in later) / sum(e.steps for e in later)
+    wait_per_step = sum(e.wait_seconds for e in later) / sum(e.steps for e in later)
+    # The mean step, as in per_step: a median would leave the later epochs' slow steps
+    # out of their pace, and the parts would add up to more than the whole.
+    step = sum(sum(e.step_seconds) for e in later) / sum(len(e.step_seconds) for e in later)
+    extra = first.seconds - first.steps * per_step
+    if extra <= 0.1 * first.seconds:
+        return (
+            f"epoch 0 ran at the pace of the later epochs ({first.seconds:.1f}s against "
+            f"{first.steps * per_step:.1f}s for as many steps)"
+        )
+    later_first = float(np.mean([e.first_batch_seconds for e in later]))
+    startup = max(first.first_batch_seconds - later_first, 0.0)
+    first_step = max(first.step_seconds[0] - step, 0.0) if first.step_seconds else 0.0
+    waiting = first.wait_seconds - first.first_batch_seconds
+    more_wait = waiting - (first.steps - 1) * wait_per_step
+    stepping = sum(first.step_seconds[1:]) - (first.steps - 1) * step
+    who = f"{num_workers} workers" if num_workers else "the dataset's readers"
+    parts = [
+        (startup, f"starting {who} until the first batch"),
+        (first_step, "the first step (setting up the model's kernels and memory)"),
+        (
+            more_wait,
+            "more waiting for data (first reads of the shards: disk, page cache, "
+            "per-worker readers)",
+        ),
+        (stepping, "in the steps themselves (a busier CPU)"),
+    ]
+    said = [f"{x:.1f}s {what}" for x, what in parts if x >= max(0.05, 0.05 * extra)]
+    return f"epoch 0 took {extra:.1f}s more than the pace of the later epochs: " + ", ".join(
+        said or ["spread over its steps"]
+    )
+
+
+class _Progress:
+    """Progress within an epoch: rewritten in place on a terminal, a line every few
+    seconds otherwise (a log file or a pipe)."""
+
+    def __init__(self, log: Any, epoch: int, total: int, every: float | None) -> None:
+        self.tty = log is print and sys.stdout.isatty()
+        self.every = every if every is not None else (0.5 if self.tty else 5.0)
+        self.log, self.epoch, self.total = log, epoch, total
+        self.start = self.last = time.perf_counter()
+        self.shown = False
+
+    def update(self, steps: int, samples: int, wait: float) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        elapsed = now - self.start
+        line = (
+            f"  epoch {self.epoch}  step {steps}/{self.total}  {steps / elapsed:.1f} steps/s  "
+            f"{samples / elapsed:,.0f} samples/s  data wait {100 * wait / elapsed:.0f}%"
+        )
+        if self.tty:
+            sys.stdout.write("\r" + line + "\x1b[K")
+            sys.stdout.flush()
+            self.shown = True
+        else:
+            self.log(line)
+
+    def close(self) -> None:
+        if self.shown:
+            sys.stdout.write("\r\x1b[K")
+            sys.stdout.flush()
 
 
 def run_demo(
@@ -133,15 +253,20 @@ def run_demo(
     seed: int = 0,
     device: str | None = None,
     log: Any = print,
+    progress_every: float | None = None,
 ) -> DemoResult:
     """Build (once), stream and train; return throughput and data-wait figures.
+
+    Prints progress during each epoch (steps/s, samples/s, data wait; every
+    ``progress_every`` seconds, by default 0.5 on a terminal and 5 otherwise), a line
+    per epoch, and what made the first epoch slower than the later ones.
 
     Example:
         >>> import tempfile
         >>> r = run_demo(tempfile.mkdtemp(), num_records=64, batch_size=16, num_workers=0,
         ...              epochs=1, log=lambda *a: None)
-        >>> r.steps, r.samples
-        (4, 64)
+        >>> r.steps, r.samples, [e.steps for e in r.epochs]
+        (4, 64, [4])
     """
     import torchgrain as tg
     from torchgrain.io.fs import default_cache_dir
@@ -180,36 +305,76 @@ def run_demo(
 
     steps = samples = 0
     losses: list[float] = []
-    feed = tg.timed(loader)  # records how long each step waits for its batch
+    results: list[EpochResult] = []
+    feed = tg.timed(loader)  # records how long each step waits for its batch (tg.stats)
     start = time.perf_counter()
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
-        for batch in feed:
+        progress = _Progress(log, epoch, len(loader), progress_every)
+        ep = EpochResult(epoch, 0, 0, 0.0, 0.0, [], 0.0)
+        t_epoch = time.perf_counter()
+        it = iter(feed)
+        while max_steps is None or steps < max_steps:
+            t_wait = time.perf_counter()
+            batch = next(it, None)
+            t_step = time.perf_counter()
+            if batch is None:
+                break
+            ep.wait_seconds += t_step - t_wait
+            if not ep.steps:
+                ep.first_batch_seconds = t_step - t_wait
             x = batch["image"].to(device, non_blocking=True).float().div_(255.0)
             y = batch["label"].to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
-            losses.append(loss.item())
+            losses.append(loss.item())  # waits for the device: the step's whole time
+            ep.step_seconds.append(time.perf_counter() - t_step)
+            ep.steps += 1
+            ep.samples += len(y)
             steps += 1
             samples += len(y)
-            if max_steps is not None and steps >= max_steps:
-                break
+            progress.update(ep.steps, ep.samples, ep.wait_seconds)
+        del it  # a loop stopped early by max_steps lets go of its batches
+        progress.close()
+        ep.seconds = time.perf_counter() - t_epoch
+        results.append(ep)
+        log(
+            f"epoch {epoch}: {ep.steps} steps in {ep.seconds:.1f}s, "
+            f"{ep.samples_per_second:,.0f} samples/s, data wait "
+            f"{100 * ep.wait_seconds / max(ep.seconds, 1e-9):.1f}% "
+            f"(first batch after {ep.first_batch_seconds:.2f}s), step "
+            f"{1000 * ep.median_step_seconds:.0f} ms (median), loss "
+            f"{np.mean(losses[-20:]) if losses else float('nan'):.3f}"
+        )
         if max_steps is not None and steps >= max_steps:
             break
-        log(f"epoch {epoch}: {steps} steps, loss {np.mean(losses[-20:]):.3f}")
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     report = tg.stats(feed)
-    wait = report.consumer["wait_seconds"]
+    wait = sum(e.wait_seconds for e in results)
     result = DemoResult(
-        steps, samples, seconds, wait, losses[0] if losses else 0.0, losses[-1] if losses else 0.0
+        steps,
+        samples,
+        seconds,
+        wait,
+        losses[0] if losses else 0.0,
+        losses[-1] if losses else 0.0,
+        results,
     )
+    why = explain_first_epoch(results, num_workers)
+    if why:
+        log(why)
+    later = results[1:]
+    steady = ""
+    if later and sum(e.seconds for e in later) > 0:
+        rate = sum(e.samples for e in later) / sum(e.seconds for e in later)
+        steady = f"; {rate:,.0f} samples/s after the first epoch"
     log(
         f"throughput {result.samples_per_second:,.0f} samples/s over {steps} steps "
-        f"({samples} samples, {seconds:.1f}s)"
+        f"({samples} samples, {seconds:.1f}s){steady}"
     )
     log(
         f"data wait  {100 * result.wait_fraction:.1f}% of step time "

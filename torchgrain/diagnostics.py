@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -191,7 +191,16 @@ class PipelineStats:
     copy (like the epoch).
     """
 
-    __slots__ = ("__weakref__", "_owner", "_place", "_shared", "_spawned", "_tags", "_view")
+    __slots__ = (
+        "__weakref__",
+        "_owner",
+        "_place",
+        "_shared",
+        "_spawned",
+        "_tags",
+        "_view",
+        "cache_fit",
+    )
 
     def __init__(self) -> None:
         try:
@@ -209,6 +218,9 @@ class PipelineStats:
         self._spawned = None if worker_block is None else (_pid, worker_block)
         self._place: tuple[int, int | None, int] | None = None  # (pid, block, row)
         self._owner = _Owner()
+        # The source's check of the latest sampler pass against its caches (a list of
+        # CacheFit), kept in the process that runs the sampler; see Source.read_ahead.
+        self.cache_fit: list[Any] = []
 
     def _table(self) -> np.ndarray:
         view = self._view
@@ -370,11 +382,19 @@ os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 @dataclass
 class StatsReport:
-    """A snapshot of a pipeline's counters, per process and in total."""
+    """A snapshot of a pipeline's counters, per process and in total.
+
+    ``cache_fit`` holds the source's check of the latest sampler pass against its caches
+    (:class:`~torchgrain.sources.block_cache.CacheFit`: working set, cache size,
+    simulated hit rate, whether it fits), made at the start of the pass in the process
+    that runs the sampler; :attr:`cache_hit_rate` and :attr:`misses_per_batch` are what
+    the readers measured.
+    """
 
     workers: dict[str, dict[str, float]]
     total: dict[str, float]
     consumer: dict[str, float]
+    cache_fit: list[Any] = field(default_factory=list)
 
     @property
     def wait_fraction(self) -> float | None:
@@ -382,9 +402,50 @@ class StatsReport:
         wall = self.consumer.get("wall_seconds", 0.0)
         return self.consumer["wait_seconds"] / wall if wall else None
 
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Measured share of block-cache lookups that hit (None before any lookup)."""
+        looked = self.total["cache_hits"] + self.total["cache_misses"]
+        return self.total["cache_hits"] / looked if looked else None
+
+    @property
+    def misses_per_batch(self) -> float | None:
+        """Measured block-cache misses (blocks decoded or mapped) per batch read."""
+        batches = self.total["batches"]
+        return self.total["cache_misses"] / batches if batches else None
+
+    @property
+    def thrashing(self) -> list[Any]:
+        """The caches the latest sampler pass cannot fit (empty when all fit)."""
+        return [fit for fit in self.cache_fit if not fit.fits]
+
+    #: What each column of the table counts (printed above it).
+    LEGEND = (
+        "read MB, read s: bytes the source read (after decompression, before decoding) and "
+        "the time reading and decompressing them",
+        "decode s: bytes to records and images (record codecs, Arrow, tg.decode_image); "
+        "transform s: the other map functions",
+    )
+
     def __str__(self) -> str:
-        cols = ("records", "MB", "read s", "decode s", "transform s", "cache hit/miss")
-        lines = [f"{'process':<10}" + "".join(f"{c:>16}" for c in cols)]
+        return self.table()
+
+    def table(self, *, legend: bool = True) -> str:
+        """The report as a table, a row per process, under a legend of its columns
+        (``legend=False``: the table alone, for a second table under the first).
+
+        Example:
+            >>> import torchgrain as tg
+            >>> ds = tg.Dataset([{"a": 1}] * 4)
+            >>> _ = ds.__getitems__([0, 1])
+            >>> tg.stats(ds).table(legend=False).split()[:3]
+            ['process', 'records', 'read']
+        """
+        cols = ("records", "read MB", "read s", "decode s", "transform s", "cache hit/miss")
+        lines = [
+            *(self.LEGEND if legend else ()),
+            f"{'process':<10}" + "".join(f"{c:>16}" for c in cols),
+        ]
         for name, row in [*self.workers.items(), ("total", self.total)]:
             vals = (
                 f"{row['records']:,.0f}",
@@ -395,6 +456,11 @@ class StatsReport:
                 f"{row['cache_hits']:,.0f}/{row['cache_misses']:,.0f}",
             )
             lines.append(f"{name:<10}" + "".join(f"{v:>16}" for v in vals))
+        rate, per_batch = self.cache_hit_rate, self.misses_per_batch
+        if rate is not None and per_batch is not None:
+            lines.append(f"block cache: {100 * rate:.1f}% hits, {per_batch:,.1f} misses per batch")
+        for fit in self.thrashing:
+            lines.append("cache thrash: " + fit.message())
         if self.consumer["batches"]:
             frac = self.wait_fraction
             lines.append(
@@ -453,7 +519,9 @@ def stats(obj: Any, *, reset: bool = False) -> StatsReport:
     consumer["wall_seconds"] = getattr(obj, "wall_seconds", 0.0)
     if reset:
         st.reset(loader)
-    return StatsReport(workers=workers, total=total, consumer=consumer)
+    return StatsReport(
+        workers=workers, total=total, consumer=consumer, cache_fit=list(st.cache_fit)
+    )
 
 
 class timed(Iterable[Any]):

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "CacheThrashWarning",
     "CorruptDataError",
     "DatasetNotFoundError",
     "RecordDecodeError",
@@ -52,3 +53,37 @@ class UnsafePathError(TorchgrainError, ValueError):
 
 class RemoteIOError(TorchgrainError, OSError):
     """Reading remote storage kept failing with transient errors until retries ran out."""
+
+
+class CacheThrashWarning(UserWarning):
+    """A sampler's pass cannot fit a cache: each of its blocks (Parquet row groups,
+    ArrayRecord chunks, remote shards) would be loaded many times instead of once.
+
+    Issued once per source, cache and process, at the start of the pass, by the process
+    that runs the sampler (not by every DataLoader worker). ``fit`` holds the numbers
+    (a :class:`~torchgrain.sources.block_cache.CacheFit`); :func:`tg.stats
+    <torchgrain.stats>` reports them too.
+    """
+
+    def __init__(self, message: str, fit: object = None) -> None:
+        super().__init__(message)
+        self.fit = fit
+
+
+def check_ceiling(name: str, value: object, minimum: int) -> int:
+    """``value`` of the ceiling option ``name`` (a decoder's most bytes), checked: an int
+    (not a bool) of at least ``minimum``, else a ``TypeError`` / ``ValueError`` naming it.
+
+    Example:
+        >>> check_ceiling("max_chunk_bytes", 1 << 20, 1)
+        1048576
+        >>> check_ceiling("max_chunk_bytes", 0, 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_chunk_bytes must be >= 1, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value

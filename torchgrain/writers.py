@@ -13,14 +13,10 @@ import numpy as np
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.checksums import RecordHasher, file_checksum
 from torchgrain.formats.codecs import get_codec, merge_schema
-from torchgrain.formats.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ShardInfo,
-    atomic_write_text,
-    read_manifest,
-)
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
+from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_name
 from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
 
 __all__ = [
     "array_record_options",
@@ -78,7 +74,9 @@ def write_array_record(
 
     Every shard is written under a hidden temporary name and renamed when complete, and
     the manifest is written last, so a crash never leaves a partial shard that looks
-    complete.
+    complete. Beside the shards goes ``torchgrain.tgindex``, the dataset's index (every
+    chunk's offset and size), which every process reading the dataset maps instead of
+    parsing the shards' footers (:mod:`torchgrain.sources.node_index`).
 
     Args:
         records: iterable of dicts with str keys.
@@ -131,7 +129,7 @@ def write_array_record(
 
     names = [shard_name(i, num_shards, prefix) for i in range(num_shards)]
     finals = [os.path.join(root, n) for n in names]
-    temps = [os.path.join(root, f".{n}.tmp-{os.getpid()}") for n in names]
+    temps = [temp_name(f) for f in finals]
     counts = [0] * num_shards
     hashers = [RecordHasher() for _ in range(num_shards)]
     schema: dict[str, str] = {}
@@ -176,6 +174,8 @@ def write_array_record(
         # incomplete -of-N shard set, which sources refuse: never old and new mixed.
         if os.path.exists(manifest_path):
             os.unlink(manifest_path)
+        if os.path.exists(os.path.join(root, INDEX_NAME)):
+            os.unlink(os.path.join(root, INDEX_NAME))
         if old is not None:
             for info in old.shards:
                 stale = os.path.join(root, info.path)
@@ -183,7 +183,7 @@ def write_array_record(
                     os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
-            os.replace(t, f)
+            publish(t, f)
             shards.append(
                 ShardInfo(
                     path=n,
@@ -195,6 +195,9 @@ def write_array_record(
             )
         manifest = Manifest(codec=enc.name, shards=shards, schema=schema, group_size=group_size)
         manifest.extra["compression"] = compression
+        # Every chunk's offset and size, mapped by every process that reads the dataset
+        # (see torchgrain.sources.node_index); recorded with its checksum.
+        manifest.extra["index"] = write_dataset_index(root, names)
         atomic_write_text(manifest_path, manifest.to_json())
     finally:
         for w in writers:
@@ -322,15 +325,9 @@ def write_parquet(
         final = os.path.join(
             directory, shard_name(i, num_shards, prefix).replace(".array_record", ".parquet")
         )
-        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{os.getpid()}")
-        try:
+        with atomic_path(final) as tmp:
             pq.write_table(
                 records_to_table(part), tmp, row_group_size=row_group_size, compression=compression
             )
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
         paths.append(final)
     return paths

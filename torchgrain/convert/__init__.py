@@ -45,9 +45,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import multiprocessing
 import os
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -73,6 +76,7 @@ from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback,
 from torchgrain.formats.checksums import RecordHasher, verify_shard
 from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
+from torchgrain.io.atomic import file_mode
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.sources.registry import detect_format
 from torchgrain.writers import records_to_table
@@ -81,6 +85,7 @@ __all__ = [
     "JOURNAL_DIR",
     "ConvertInput",
     "RecordHasher",
+    "check_output_dir",
     "convert",
     "detect_format",
     "records_to_table",
@@ -213,7 +218,7 @@ def convert(
             f"torchgrain.beam for {os.fspath(dst)!r}"
         )
     root = os.path.abspath(root)
-    os.makedirs(root, exist_ok=True)
+    check_output_dir(src, root)
     inp = open_input(src, src_format, codec, storage_options)
     options = {
         "to": to,
@@ -227,8 +232,12 @@ def convert(
         os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
     ):
         raise ValueError(f"{root} holds input files: write the conversion to another directory")
+    # Only now, with the input open and the paths checked, is anything created.
+    created = _make_dirs(root)
     journal = Journal(root)
-    with locked(journal):
+    if not os.path.isdir(journal.dir):
+        created.append(journal.dir)
+    with _removed_if_nothing_done(root, created, journal), locked(journal):
         stamp = fingerprint(inp, options)
         plan = journal.load_plan()
         if plan is not None and plan["fingerprint"] != stamp:
@@ -257,7 +266,10 @@ def convert(
             if workers > 1:
                 progress_q = ctx.Queue()
                 pool = futures.ProcessPoolExecutor(
-                    workers, mp_context=ctx, initializer=worker_init, initargs=(progress_q,)
+                    workers,
+                    mp_context=ctx,
+                    initializer=worker_init,
+                    initargs=(progress_q, os.getpid()),
                 )
             if plan is None:
                 counts = inp.counts
@@ -278,7 +290,9 @@ def convert(
                 if still_there(os.path.join(root, r["path"]), r["num_bytes"])
             }
             todo = [t for t in tasks if t.index not in done]
-            job = Job(inp, root, to, writer_options, compression, row_group_bytes, verify)
+            job = Job(
+                inp, root, to, writer_options, compression, row_group_bytes, verify, file_mode()
+            )
             counts = plan["counts"]
             total = int(sum(counts)) if counts is not None else None
             bar = _Progress(total, progress)
@@ -296,6 +310,114 @@ def convert(
         results = [done[t.index] for t in tasks]
         manifest = finish(root, inp, to, group_size, compression, plan, results)
     return manifest
+
+
+def check_output_dir(
+    src: str | os.PathLike | Sequence[str | os.PathLike], dst: str | os.PathLike
+) -> None:
+    """Refuse an output directory inside an input directory, or holding an input.
+
+    Converting ``data`` into ``data/out`` would make the output part of the input: the
+    next ``torchgrain inspect data`` or conversion would read both. Converting
+    ``data/part-0.parquet`` (or ``data/*.parquet``) into ``data``, or into a folder above
+    it, would leave the input inside the output dataset's directory. Paths are compared
+    after resolving symbolic links and ``..``.
+
+    Raises:
+        ValueError: naming both.
+
+    Example:
+        >>> import tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> check_output_dir(d, os.path.join(d, "out"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: the output directory ... is inside the input directory ...
+        >>> check_output_dir(os.path.join(d, "a"), os.path.join(d, "b"))  # apart: fine
+    """
+    out = os.path.realpath(os.fspath(dst))
+    items = [src] if isinstance(src, (str, os.PathLike)) else list(src)
+    for item in items:
+        fs, p = get_filesystem(item)
+        if not is_local(fs):
+            continue
+        if glob.has_magic(p) or not os.path.isdir(p):
+            # Files (those a glob names, too): none may lie inside the output.
+            for f in glob.glob(p, recursive=True) if glob.has_magic(p) else [p]:
+                if _within(os.path.realpath(f), out):
+                    raise ValueError(
+                        f"the input file {f!r} is inside the output directory "
+                        f"{os.fspath(dst)!r}: write the output elsewhere"
+                    )
+            continue
+        d = os.path.realpath(p)
+        if out == d:
+            raise ValueError(
+                f"the output directory {os.fspath(dst)!r} is the input directory (it holds "
+                "input files): write the conversion to another directory"
+            )
+        if _within(out, d):
+            raise ValueError(
+                f"the output directory {os.fspath(dst)!r} is inside the input directory "
+                f"{os.fspath(item)!r}: the output would become part of the input; write it "
+                "elsewhere"
+            )
+        if _within(d, out):
+            raise ValueError(
+                f"the input directory {os.fspath(item)!r} is inside the output directory "
+                f"{os.fspath(dst)!r}: write the output elsewhere"
+            )
+
+
+def _within(path: str, directory: str) -> bool:
+    """Whether resolved ``path`` lies below resolved ``directory``."""
+    return path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _make_dirs(root: str) -> list[str]:
+    """``os.makedirs(root)``; returns the directories it created, outermost first."""
+    missing = []
+    d = root
+    while not os.path.isdir(d):
+        missing.append(d)
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    os.makedirs(root, exist_ok=True)
+    return missing[::-1]
+
+
+@contextlib.contextmanager
+def _removed_if_nothing_done(root: str, created: list[str], journal: Journal) -> Iterator[None]:
+    """On a failure before any output shard was finished, remove the directories this
+    conversion created (the journal's files included): a failed first run leaves no
+    empty output folder behind. Directories that existed before, and anything a
+    rerun could resume from, stay."""
+    try:
+        yield
+    except BaseException:
+        if created and not _shards_finished(root, journal):
+            if journal.dir in created:
+                shutil.rmtree(journal.dir, ignore_errors=True)
+            for d in reversed(created):
+                with contextlib.suppress(OSError):  # not empty: someone else's files
+                    os.rmdir(d)
+        raise
+
+
+def _shards_finished(root: str, journal: Journal) -> bool:
+    """Whether ``root`` holds a finished output shard of the planned conversion: one the
+    journal records, or one a pool worker finished after the run had failed (its result
+    never reached the journal, and its shard must not be left without one)."""
+    if journal.done():
+        return True
+    try:
+        plan = journal.load_plan()
+    except (OSError, ValueError):  # unreadable: keep everything
+        return True
+    tasks = plan["tasks"] if plan is not None else []
+    return any(os.path.exists(os.path.join(root, t["name"])) for t in tasks)
 
 
 def _execute(

@@ -17,6 +17,7 @@ from typing import Any
 
 from torchgrain.errors import RecordDecodeError
 from torchgrain.formats.codecs import MsgpackCodec, get_codec
+from torchgrain.io import remote
 from torchgrain.io.fs import get_filesystem
 from torchgrain.sources.base import RecordBytesSource, Source
 from torchgrain.sources.registry import detect_format, get_format
@@ -63,7 +64,7 @@ class ConvertInput:
 
     def sizes(self) -> list[int]:
         fs = self.filesystem()
-        return [int(fs.size(self.strip(p))) for p in self.paths]
+        return [remote.file_size(fs, self.strip(p), url=p) for p in self.paths]
 
     def records(
         self, shard: int, start: int, stop: int | None, bytes_ok: bool

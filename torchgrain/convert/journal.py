@@ -20,7 +20,10 @@ from torchgrain.convert.inputs import ConvertInput
 from torchgrain.convert.tasks import Task
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.codecs import _merge_one
-from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, atomic_write_text
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from torchgrain.io import remote
+from torchgrain.io.atomic import atomic_write_text
+from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
 from torchgrain.writers import shard_name
 
 __all__ = [
@@ -86,7 +89,7 @@ def fingerprint(inp: ConvertInput, options: dict[str, Any]) -> dict[str, Any]:
     fs = inp.filesystem()
     files = []
     for p in inp.paths:
-        info = fs.info(inp.strip(p))
+        info = remote.call(fs, "info", inp.strip(p), url=p, what="lookup")
         files.append(
             {"path": p, "size": int(info.get("size") or 0), "mtime": str(info.get("mtime", ""))}
         )
@@ -141,7 +144,8 @@ def locked(journal: Journal) -> Iterator[None]:
     import fcntl
 
     os.makedirs(journal.dir, exist_ok=True)
-    fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    # 0o666 less the umask, as for every file torchgrain writes.
+    fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -167,6 +171,8 @@ def remove_outputs(root: str, plan: dict[str, Any]) -> None:
             os.unlink(os.path.join(root, t["name"]))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(root, MANIFEST_NAME))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(root, INDEX_NAME))
 
 
 def remove_temps(root: str) -> None:
@@ -214,6 +220,9 @@ def finish(
     )
     manifest.extra["compression"] = compression
     manifest.extra["converted_from"] = {"format": inp.format, "num_files": len(inp.paths)}
+    if to == "array_record":
+        # The dataset's index (every chunk's offset and size), mapped by its readers.
+        manifest.extra["index"] = write_dataset_index(root, [s.path for s in shards])
     text = manifest.to_json()
     if to == "array_record":
         atomic_write_text(os.path.join(root, MANIFEST_NAME), text)

@@ -7,7 +7,10 @@ from typing import Any
 
 from torchgrain.writers import array_record_options, records_to_table
 
-__all__ = ["ArrayRecordOut", "ParquetOut", "output_options"]
+__all__ = ["PARQUET_COMPRESSIONS", "ArrayRecordOut", "ParquetOut", "output_options"]
+
+#: The codecs Arrow writes Parquet with (any case).
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "brotli", "lz4", "lz4_raw", "none")
 
 PARQUET_MAX_ROWS = 1 << 16  # rows per output row group at most
 
@@ -23,7 +26,14 @@ def output_options(to: str, group_size: int, compression: str | None) -> tuple[s
         compression = compression or "zstd:3"
         return compression, array_record_options(group_size, compression)
     if to == "parquet":
-        return compression or "zstd", ""
+        compression = compression or "zstd"
+        if compression.lower() not in PARQUET_COMPRESSIONS:
+            # Checked here: Arrow would refuse it only when a worker opens a shard.
+            raise ValueError(
+                f"Parquet compression must be one of {', '.join(PARQUET_COMPRESSIONS)}, "
+                f"not {compression!r}"
+            )
+        return compression, ""
     raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
 
 

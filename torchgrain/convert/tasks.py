@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import sys
+import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,9 @@ from torchgrain.convert.outputs import ArrayRecordOut, ParquetOut
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.checksums import RecordHasher, file_checksum, verify_shard
 from torchgrain.formats.codecs import merge_schema
+from torchgrain.io.atomic import publish, temp_name
 
-__all__ = ["Job", "Task", "run_task", "set_progress_callback", "worker_init"]
+__all__ = ["Job", "Task", "exit_with", "run_task", "set_progress_callback", "worker_init"]
 
 _PROGRESS_INTERVAL = 0.25  # seconds between a worker's progress messages
 
@@ -45,6 +47,9 @@ class Job:
     compression: str
     row_group_bytes: int
     verify: bool
+    #: Mode of the files written: the converting process's ``0o666`` less its umask
+    #: (pool workers come from a fork server that may predate a change of umask).
+    mode: int | None = None
 
 
 _progress_queue: Any = None  # set in pool workers
@@ -57,14 +62,54 @@ def set_progress_callback(callback: Callable[[int, int], None] | None) -> None:
     _progress_callback = callback
 
 
-def worker_init(q: Any) -> None:
+def worker_init(q: Any, owner: int | None = None) -> None:
+    """Set up a pool worker: progress goes to ``q``; the worker exits as soon as the
+    converting process ``owner`` (its pid) ends, killed with SIGKILL included."""
     global _progress_queue
     _progress_queue = q
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
-    if sys.platform.startswith("linux"):
-        # Die with the parent (kill -9 included): an orphan must not keep writing.
+    if owner is not None:
+        exit_with(owner)
+
+
+def exit_with(owner: int) -> None:
+    """End this process when process ``owner`` ends (an orphan must not keep writing,
+    nor wait for work forever).
+
+    A worker forked or spawned by ``owner`` gets ``PR_SET_PDEATHSIG`` (Linux). A
+    ``forkserver`` worker is the fork server's child, not ``owner``'s, and the fork
+    server outlives ``owner`` for as long as any worker lives (each holds the fork
+    server's "alive" pipe open): a daemon thread watches ``owner`` itself, through a
+    pidfd where the kernel has them (woken at its exit), else by polling its pid twice
+    a second. Once the workers are gone, the fork server and multiprocessing's resource
+    tracker see their pipes close, and exit.
+    """
+    if sys.platform.startswith("linux") and os.getppid() == owner:
         with contextlib.suppress(Exception):
             ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != owner:  # the owner died before the call: nobody will tell us
+            os._exit(1)
+    threading.Thread(
+        target=_watch_owner, args=(owner,), name="torchgrain-owner-watch", daemon=True
+    ).start()
+
+
+def _watch_owner(owner: int) -> None:
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        os._exit(1)  # already gone
+    except (AttributeError, OSError):  # no pidfds here: poll
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass  # alive, as another user
+    select.select([fd], [], [])  # readable once the process has exited
+    os._exit(1)
 
 
 class _Reporter:
@@ -92,7 +137,7 @@ class _Reporter:
 def run_task(job: Job, task: Task) -> dict[str, Any]:
     """Write one output shard; returns its ShardInfo fields plus its schema."""
     final = os.path.join(job.root, task.name)
-    tmp = os.path.join(job.root, f".{task.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp = temp_name(final)  # a name journal.remove_temps recognises
     inp = job.input
     report = _Reporter()
     count = 0
@@ -146,12 +191,10 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
         checksum = hasher.hexdigest() if hasher is not None else file_checksum(tmp)
         if job.verify:
             verify_shard(tmp, count, checksum)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
         # ArrayRecord shards also get the file's own hash: what a downloaded copy is
         # checked against (cheaper than decoding every record).
         whole = file_checksum(tmp) if hasher is not None else None
-        os.replace(tmp, final)
+        publish(tmp, final, mode=job.mode)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

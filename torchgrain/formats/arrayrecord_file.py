@@ -47,7 +47,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import cramjam
@@ -55,13 +55,25 @@ import fsspec
 import numpy as np
 import zstandard
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, check_ceiling
 from torchgrain.formats._highwayhash import riegeli_hash
-from torchgrain.io import process
+from torchgrain.io import process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
-__all__ = ["ArrayRecordFile", "TransposedChunkError", "read_many", "read_num_records"]
+__all__ = [
+    "ArrayRecordFile",
+    "TransposedChunkError",
+    "read_many",
+    "read_mapped",
+    "read_num_records",
+]
+
+#: The most bytes one compressed chunk may decompress to, unless a reader is given another
+#: ``max_chunk_bytes``. array_record's writer bounds a chunk by its record count
+#: (``group_size``), not by bytes; with ``group_size:1`` (what TFDS, Grain and torchgrain
+#: write) a chunk is one record, and 1 GiB is beyond the records these hold in practice.
+DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 
 _BLOCK = 1 << 16
 _BLOCK_HEADER = 24
@@ -89,10 +101,16 @@ _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
 # preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
 _HEADS = 64
 _HEAD_BYTES = np.arange(_HEADS)
+_HEAD_WORDS = np.arange(0, _HEADS, 8)
 _FOUR = np.arange(4)
 _JOIN_AT_ONCE = 1 << 20  # bytes of a batch's frames cut by block headers joined up front
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 _BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
+# What a compressed stream of n bytes can hold at most, so that a size it declares can be
+# refused before anything is allocated: zstd's densest block is 4 bytes (an RLE block) per
+# 128 KiB of output; snappy's is a 3-byte copy of 64 bytes. Brotli has no useful bound.
+_ZSTD_MAX_RATIO = 1 << 15
+_SNAPPY_MAX_RATIO = 22
 
 # How many bytes at the end of a remote file to fetch in the first request: the
 # postscript (64 KiB) plus, usually, the whole footer, so opening costs one round trip.
@@ -107,6 +125,29 @@ class TransposedChunkError(CorruptDataError, NotImplementedError):
 
 class _ChunkDecodeError(ValueError):
     """Internal: bytes failed a check; re-raised as CorruptDataError naming file and chunk."""
+
+
+def _fast_views(f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    """memoryviews over an index's arrays: indexing one gives a Python int several times
+    faster than indexing the numpy array (the hot path reads 4 per chunk)."""
+    return (
+        memoryview(f.chunk_offsets),
+        memoryview(f.chunk_ends),
+        memoryview(f.decoded_sizes),
+        memoryview(f.record_offsets),
+    )
+
+
+_SHARED = threading.local()  # per thread: the decompression context readers share
+
+
+def _thread_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompression context (a new one after a fork)."""
+    token = process.token()
+    if getattr(_SHARED, "token", None) != token:
+        _SHARED.zstd = zstandard.ZstdDecompressor()
+        _SHARED.token = token
+    return _SHARED.zstd
 
 
 def _phys_end(pos: int, size: int) -> int:
@@ -211,21 +252,31 @@ def _parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
 
 
 class _Footer:
-    """The parsed index of one file: plain numpy arrays and ints, cheap to pickle."""
+    """The parsed index of one file: plain numpy arrays and ints, cheap to pickle.
+
+    ``footer_head`` and ``mtime_ns`` are set on an index that did not come from the
+    file itself (a dataset's index file): the file must still have them (the 40 bytes
+    of its footer chunk's header, which hold a hash of the footer; its modification
+    time, where not 0) when a process maps it.
+    """
 
     __slots__ = (
         "chunk_ends",
         "chunk_offsets",
         "decoded_sizes",
         "file_size",
+        "footer_head",
         "footer_offset",
         "group_size",
+        "mtime_ns",
         "num_records",
         "record_offsets",
         "writer_options",
     )
 
     def __init__(self, **kw: Any) -> None:
+        self.footer_head = None
+        self.mtime_ns = 0
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -251,10 +302,19 @@ class ArrayRecordFile:
         filesystem: the fsspec filesystem to read ``path`` with (default: inferred).
         verify_checksums: verify Riegeli's HighwayHash of every chunk header and of
             the data of every chunk read (pure Python, a few MB/s: for audits).
+        max_chunk_bytes: the most bytes one compressed chunk (so one record) may
+            decompress to (default :data:`DEFAULT_MAX_CHUNK_BYTES`, 1 GiB). A chunk that
+            declares more is refused before anything is allocated for it, and no chunk
+            is decompressed past the size it declares.
+        footer: the file's index as a dataset's index file holds it
+            (:meth:`torchgrain.sources.node_index.ArrayRecordIndex.footer`), used
+            instead of parsing the file's footer; a local file is checked against it
+            (size, footer chunk header) when first mapped in each process.
 
     Raises:
-        CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt;
-            the message names the file and, where it applies, the chunk and record.
+        CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt
+            (sizes that disagree, a chunk over ``max_chunk_bytes``); the message names
+            the file and, where it applies, the chunk and record.
         TransposedChunkError: reading a chunk written with the ``transpose`` option.
 
     Example:
@@ -279,7 +339,10 @@ class ArrayRecordFile:
         *,
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        footer: _Footer | None = None,
     ) -> None:
+        self._max_chunk = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         self._url = os.fspath(path)
         if filesystem is None:
             filesystem, stripped = get_filesystem(self._url)
@@ -289,7 +352,7 @@ class ArrayRecordFile:
         self._path = stripped
         self._local = is_local(filesystem)
         self._verify = bool(verify_checksums)
-        self._footer: _Footer | None = None
+        self._footer: _Footer | None = footer
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -318,6 +381,7 @@ class ArrayRecordFile:
             "local": self._local,
             "verify": self._verify,
             "footer": self._footer,
+            "max_chunk": self._max_chunk,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -327,6 +391,7 @@ class ArrayRecordFile:
         self._local = state["local"]
         self._verify = state["verify"]
         self._footer = state["footer"]
+        self._max_chunk = state.get("max_chunk", DEFAULT_MAX_CHUNK_BYTES)
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -427,19 +492,81 @@ class ArrayRecordFile:
                 except BaseException:
                     fh.close()
                     raise
+                view = memoryview(mm)
+                try:
+                    self._check_given_footer(view, fh)
+                except BaseException:
+                    view.release()
+                    mm.close()
+                    fh.close()
+                    raise
                 self._file, self._mm = fh, mm
-                self._view = memoryview(mm)
+                self._view = view
             return self._view
+
+    def _check_given_footer(self, view: memoryview, fh: Any) -> None:
+        """A footer that came from a dataset's index must describe this very file."""
+        f = self._footer
+        if f is None or f.footer_head is None:
+            return
+        why = None
+        if len(view) != f.file_size:
+            why = f"it is {len(view)} bytes, the index says {f.file_size}"
+        elif f.mtime_ns and os.fstat(fh.fileno()).st_mtime_ns != f.mtime_ns:
+            why = "its modification time differs from the index's"
+        elif bytes(view[f.footer_offset : f.footer_offset + _CHUNK_HEADER]) != f.footer_head:
+            why = f"its footer (at offset {f.footer_offset}) differs from the index's"
+        if why is not None:
+            raise self._corrupt(f"the file changed after the dataset's index was made: {why}")
 
     def _zstd(self) -> zstandard.ZstdDecompressor:
         # One decompression context per thread (they are not thread-safe) and per
-        # process (``_reset_handles`` replaces the thread-local store after fork).
+        # process (``_reset_handles`` replaces the thread-local store after fork),
+        # shared by every reader of the thread: a context holds tens of KiB, and a
+        # process may read thousands of files.
         if self._token != process.token():
             self._reset_handles()
         d = getattr(self._tls, "zstd", None)
         if d is None:
-            d = self._tls.zstd = zstandard.ZstdDecompressor()
+            d = self._tls.zstd = _thread_decompressor()
         return d
+
+    @classmethod
+    def _over(
+        cls,
+        view: memoryview,
+        url: str,
+        footer: _Footer,
+        like: ArrayRecordFile,
+        fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None,
+    ) -> ArrayRecordFile:
+        """A reader of a file another object keeps mapped (``view``, valid while it is
+        used), with its index given (and ``fast``, what :meth:`_fast_index` made of it
+        before): for reading a few chunks, with no handle of its own; ``like``'s
+        decompression contexts are used."""
+        like._zstd()  # ``like`` of this process, with this thread's context
+        new = cls.__new__(cls)
+        new.__dict__.update(
+            _url=url,
+            _path=url,
+            _fs=None,
+            _local=True,
+            _verify=False,
+            _max_chunk=like._max_chunk,
+            _footer=footer,
+            _lock=like._lock,  # never taken: the footer is given, the view made
+            _token=like._token,
+            _file=None,
+            _mm=None,
+            _view=view,
+            _tls=like._tls,
+            _fast=fast,
+            _u8=None,
+            _raw_chunks=None,
+            _layout_misses=0,
+            _u8_view=None,
+        )
+        return new
 
     # ------------------------------------------------------------------ raw bytes
     def _fetch(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
@@ -512,7 +639,12 @@ class ArrayRecordFile:
             b += _BLOCK
 
     def _decompress(self, ctype: int, comp: Any, limit: int, exact: bool) -> Any:
-        """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``."""
+        """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``.
+
+        Nothing is allocated from a declared size before it is checked against ``limit``,
+        ``max_chunk_bytes`` and what a stream of this length can hold, and the output
+        buffer is exactly the declared size: a stream that holds less or more is an error.
+        """
         if ctype == _NONE:
             n = len(comp)
             if n > limit or (exact and n != limit):
@@ -530,6 +662,8 @@ class ArrayRecordFile:
                 f"compressed buffer declares {size} decompressed bytes, expected "
                 f"{'' if exact else 'at most '}{limit}"
             )
+        if size > self._max_chunk:
+            raise _ChunkDecodeError(self._over_ceiling(size))
         payload = comp[p:]
         try:
             if ctype == _ZSTD:
@@ -538,14 +672,29 @@ class ArrayRecordFile:
                     raise _ChunkDecodeError(
                         f"zstd frame declares {declared} bytes, chunk says {size}"
                     )
+                if size > len(payload) * _ZSTD_MAX_RATIO:
+                    raise _ChunkDecodeError(
+                        f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
+                    )
                 out = self._zstd().decompress(payload, max_output_size=size)
             elif ctype == _SNAPPY:
-                out = memoryview(cramjam.snappy.decompress_raw(payload))
+                declared = cramjam.snappy.decompress_raw_len(payload)
+                if declared != size:
+                    raise _ChunkDecodeError(
+                        f"snappy stream declares {declared} bytes, chunk says {size}"
+                    )
+                if size > len(payload) * _SNAPPY_MAX_RATIO:
+                    raise _ChunkDecodeError(
+                        f"a snappy stream of {len(payload)} bytes cannot hold the {size} it declares"
+                    )
+                out = _decompress_into(cramjam.snappy.decompress_raw_into, payload, size)
             elif ctype == _BROTLI:
-                out = memoryview(cramjam.brotli.decompress(payload, output_len=size))
+                # Into a buffer of exactly the declared size: a stream that holds more
+                # fails as soon as it fills it, one that holds less leaves a count short.
+                out = _decompress_into(cramjam.brotli.decompress_into, payload, size)
             else:
                 raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
-        except _ChunkDecodeError:
+        except (_ChunkDecodeError, MemoryError):
             raise
         except Exception as e:
             raise _ChunkDecodeError(
@@ -555,10 +704,25 @@ class ArrayRecordFile:
             raise _ChunkDecodeError(f"decompressed {len(out)} bytes, expected {size}")
         return out
 
+    def _max_span(self) -> int:
+        """The most bytes a chunk of this file (the footer's too) may span: its header,
+        data that decodes to at most ``max_chunk_bytes`` (and takes about as much when
+        uncompressed), block headers and padding to a block boundary, with room to spare."""
+        return 2 * (self._max_chunk + _BLOCK)
+
+    def _over_ceiling(self, size: int) -> str:
+        return (
+            f"the chunk declares {size} decompressed bytes, more than max_chunk_bytes="
+            f"{self._max_chunk} allows (a larger max_chunk_bytes reads it, if the file "
+            "is trusted)"
+        )
+
     def _decode_simple(self, data: Any, num_records: int, decoded: int) -> tuple[Any, Any]:
         """Decode a simple chunk into (values buffer, record boundaries or None).
 
-        Boundaries are None when the chunk holds one record (the whole buffer).
+        Boundaries are None when the chunk holds one record (the whole buffer). With
+        several records, the record sizes are decoded and checked against the decoded
+        size before the values are decompressed.
         """
         n = len(data)
         if n < 2:
@@ -566,6 +730,8 @@ class ArrayRecordFile:
         ctype = data[0]
         if ctype not in _COMPRESSIONS:
             raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
+        if ctype != _NONE and decoded > self._max_chunk:
+            raise _ChunkDecodeError(self._over_ceiling(decoded))
         sizes_len = data[1]
         if sizes_len < 0x80:
             p = 2
@@ -597,11 +763,10 @@ class ArrayRecordFile:
                     fits = False
                 if fits and len(out) == size:
                     return out, None
-        values = self._decompress(ctype, data[p + sizes_len :], decoded, exact=True)
         if num_records == 1:
             # The sizes buffer holds one varint equal to the decoded size: skip it.
-            return values, None
-        sizes_raw = self._decompress(ctype, data[p : p + sizes_len], 10 * num_records, False)
+            return self._decompress(ctype, data[vstart:], decoded, exact=True), None
+        sizes_raw = self._decompress(ctype, data[p:vstart], 10 * num_records, False)
         if num_records <= 32:
             bounds = [0]
             q, end = 0, len(sizes_raw)
@@ -628,17 +793,12 @@ class ArrayRecordFile:
             total = int(bounds[-1])
         if total != decoded:
             raise _ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
-        return values, bounds
+        return self._decompress(ctype, data[vstart:], decoded, exact=True), bounds
 
     def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
         fast = self._fast
         if fast is None:
-            fast = self._fast = (
-                memoryview(f.chunk_offsets),
-                memoryview(f.chunk_ends),
-                memoryview(f.decoded_sizes),
-                memoryview(f.record_offsets),
-            )
+            fast = self._fast = _fast_views(f)
         return fast
 
     def _zstd_single(self, view: memoryview, start: int, end: int, decoded: int) -> Any:
@@ -665,7 +825,7 @@ class ArrayRecordFile:
                 size, q = _varint(view, q - 2, end)
             else:
                 size = (size & 0x7F) | (b << 7)
-        if size != decoded:
+        if size != decoded or size > self._max_chunk:
             return None
         payload = view[q:end]
         try:
@@ -774,7 +934,7 @@ class ArrayRecordFile:
             tail = view
         else:
             try:
-                size = int(self._fs.size(self._path))
+                size = remote.file_size(self._fs, self._path, url=self._url)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"{self._where()} does not exist") from e
             if size < _BLOCK:
@@ -783,7 +943,9 @@ class ArrayRecordFile:
                     "postscript block (truncated?)"
                 )
             tail_start = max(0, size - _REMOTE_TAIL)
-            tail = memoryview(self._fs.cat_file(self._path, start=tail_start, end=size))
+            tail = memoryview(
+                remote.cat_file(self._fs, self._path, tail_start, size, url=self._url)
+            )
             if len(tail) != size - tail_start:
                 raise self._corrupt("file changed size while it was being opened")
 
@@ -807,6 +969,16 @@ class ArrayRecordFile:
         if not _CHUNK_HEADER <= footer_offset < post_pos:
             raise self._corrupt(
                 f"postscript points to footer offset {footer_offset} outside the file"
+            )
+        # Between the footer's start and the postscript: the footer chunk and padding.
+        # A postscript pointing further back would make a remote open fetch the file's
+        # data as its footer.
+        if post_pos - footer_offset > self._max_span():
+            raise self._corrupt(
+                f"postscript points to a footer at offset {footer_offset}, "
+                f"{post_pos - footer_offset} bytes before it: more than a footer within "
+                f"max_chunk_bytes={self._max_chunk} takes (a larger max_chunk_bytes reads "
+                "it, if the file is trusted)"
             )
 
         if footer_offset >= tail_start:
@@ -844,6 +1016,8 @@ class ArrayRecordFile:
             )
         offsets, dsizes, counts = self._parse_entries(values, bounds)
         if num_chunks:
+            if float(counts.sum(dtype=np.float64)) >= 2.0**62:  # int64 sums would wrap
+                raise self._corrupt("footer entries hold more than 2**62 records")
             if int(counts.sum()) != num_records:
                 raise self._corrupt(
                     f"footer entries hold {int(counts.sum())} records, metadata says {num_records}"
@@ -862,6 +1036,17 @@ class ArrayRecordFile:
         chunk_ends[:-1] = offsets[1:]
         if num_chunks:
             chunk_ends[-1] = footer_offset
+            # A remote read fetches a chunk to the next one's offset: chunks listed far
+            # apart would make a read of one record fetch the bytes between.
+            spans = chunk_ends - offsets
+            c = int(np.argmax(spans))
+            if int(spans[c]) > self._max_span():
+                raise self._corrupt(
+                    f"it spans {int(spans[c])} bytes to the next chunk's offset, more than a "
+                    f"chunk within max_chunk_bytes={self._max_chunk} takes (a larger "
+                    "max_chunk_bytes reads it, if the file is trusted)",
+                    chunk=c,
+                )
         # Uniform group size (all chunks but the last hold g records) allows a division
         # instead of a binary search for single-record reads.
         group = 0
@@ -1153,14 +1338,29 @@ class ArrayRecordFile:
             d = self._tls.zstd
         except AttributeError:
             d = self._zstd()
-        # One call per frame, with no Python code per frame: zstandard's batch call
-        # writes all output into one new buffer, whose fresh pages cost more than the
-        # calls it saves, and each record would still need a copy of its own.
+        if sizes and max(sizes) > self._max_chunk:
+            return None
+        # zstd allocates what a frame's header declares, whatever ``sizes`` says: a frame
+        # of a few KiB can declare (and hold) gigabytes. Each must declare its size, or
+        # none (then ``sizes`` bounds what it may decompress to). libzstd checks that a
+        # frame holds what it declares, so when all declare theirs, the lengths of the
+        # output need no check.
         try:
+            if isinstance(frames, list):
+                declared = list(map(zstandard.frame_content_size, frames))
+                exact = declared == sizes
+                if not exact and any(c not in (s, -1) for c, s in zip(declared, sizes)):
+                    return None
+            else:
+                frames = _declaring(frames, sizes)
+                exact = False
+            # One call per frame, with no Python code per frame: zstandard's batch call
+            # writes all output into one new buffer, whose fresh pages cost more than the
+            # calls it saves, and each record would still need a copy of its own.
             out = list(map(d.decompress, frames, sizes))
         except (zstandard.ZstdError, ValueError):
             return None
-        return out if list(map(len, out)) == sizes else None
+        return out if exact or list(map(len, out)) == sizes else None
 
     def _layout(self, arr: np.ndarray, f: _Footer) -> bool | None:
         """Whether this file's one-record chunks are uncompressed (True) or zstd (False),
@@ -1333,10 +1533,12 @@ def read_num_records(
     paths: Sequence[str],
     filesystem: fsspec.AbstractFileSystem | None = None,
     max_workers: int = 16,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> np.ndarray:
     """Record counts of ArrayRecord files, read from their footers in parallel threads.
 
     For opening datasets that have no manifest; remote footers cost one request each.
+    ``max_chunk_bytes`` bounds the footer chunk as :class:`ArrayRecordFile` does.
 
     Example:
         >>> import tempfile, os
@@ -1353,7 +1555,7 @@ def read_num_records(
     paths = list(paths)
 
     def count(p: str) -> int:
-        f = ArrayRecordFile(p, filesystem=filesystem)
+        f = ArrayRecordFile(p, filesystem=filesystem, max_chunk_bytes=max_chunk_bytes)
         try:
             return f.num_records
         finally:
@@ -1491,6 +1693,91 @@ def _read_many_singles(
     return [flat[a:b] for a, b in itertools.pairwise(bounds)]
 
 
+def read_mapped(
+    u8: np.ndarray,
+    view: memoryview,
+    pos: np.ndarray,
+    chunk_ends: np.ndarray,
+    file_ends: np.ndarray,
+    decoded: np.ndarray,
+    *,
+    decoder: ArrayRecordFile,
+    careful: Callable[[int], bytes],
+    words: np.ndarray | None = None,
+) -> list[bytes]:
+    """The records of one-record chunks of many local files, in the order given, with
+    no Python work per file: one gather of the chunks' headers, one :func:`_plan`, one
+    decompression loop for the whole batch.
+
+    ``u8`` and ``view`` are one address space holding every file, each at a 64 KiB
+    aligned base (a :class:`~torchgrain.io.region.ShardRegion`); ``pos``,
+    ``chunk_ends`` and ``file_ends`` are each chunk's start, its end (the next chunk or
+    the footer) and its file's end there, and ``decoded`` what the index says the
+    chunk decodes to. The caller has bounded them (``base + 40 <= pos < chunk_end <=
+    footer <= file_end``, ``file_end - base >= 64 KiB``), so every byte read lies in a
+    mapped file (``words``, if given, is ``u8`` as the little-endian uint64 starting at
+    each byte, for a cheaper gather). zstd chunks are decompressed with ``decoder``'s context; uncompressed
+    ones are copied out. Chunks that are unusual (a header cut by a block boundary, an
+    empty record, another compression) or fail are read by ``careful(k)`` (row ``k``
+    of the batch), the path that checks and reports everything.
+
+    Example:
+        >>> import tempfile, os
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.array_record")
+        >>> w = ArrayRecordWriter(path, "group_size:1")
+        >>> for i in range(3):
+        ...     w.write(b"rec %d" % i)
+        >>> w.close()
+        >>> f = ArrayRecordFile(path)
+        >>> u8 = np.frombuffer(f._local_view(), np.uint8)
+        >>> c = np.array([2, 0])
+        >>> read_mapped(u8, f._local_view(), f.chunk_offsets[c], f._footer.chunk_ends[c],
+        ...             np.full(2, len(u8)), f._footer.decoded_sizes[c], decoder=f,
+        ...             careful=lambda k: f.read([int(c[k])])[0])
+        [b'rec 2', b'rec 0']
+    """
+    at = np.minimum(pos, file_ends - _HEADS)
+    if words is not None:  # 8 bytes per element gathered
+        heads = words[at[:, None] + _HEAD_WORDS].view(np.uint8)
+    else:
+        heads = u8[at[:, None] + _HEAD_BYTES]
+    ok, payload, end, dec, cut = _plan(pos, heads, file_ends, chunk_ends, decoded, False)
+    if ok.all():
+        out = decoder._decompress_frames(_frames(view, payload, end, cut), dec.tolist())
+        # A frame failed: the careful path finds and names it.
+        return out if out is not None else [careful(k) for k in range(len(pos))]
+    miss = np.flatnonzero(~ok)
+    # Files written uncompressed: the same plan for raw chunks (no learning per file).
+    raw = miss[heads[miss, _CHUNK_HEADER] == _NONE]
+    raw_vals: list[bytes] = []
+    if len(raw):
+        r_ok, r_payload, r_end, _, r_cut = _plan(
+            pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
+        )
+        raw = raw[r_ok]
+        raw_vals = list(map(bytes, _frames(view, r_payload[r_ok], r_end[r_ok], r_cut[r_ok])))
+        if len(raw) == len(pos):
+            return raw_vals
+    z = np.flatnonzero(ok)
+    vals: list[Any] = []
+    if len(z):
+        vals = decoder._decompress_frames(
+            _frames(view, payload[z], end[z], cut[z]), dec[z].tolist()
+        ) or [careful(k) for k in z.tolist()]
+    if len(raw) == 0:  # zstd chunks and a few unusual ones: those take their places
+        for k in miss.tolist():  # ascending: each lands at its position
+            vals.insert(k, careful(k))
+        return vals
+    out: list[Any] = [None] * len(pos)
+    for keys, values in ((z, vals), (raw, raw_vals)):
+        for k, v in zip(keys.tolist(), values):
+            out[k] = v
+    for k in np.setdiff1d(miss, raw).tolist():
+        out[k] = careful(k)
+    return out
+
+
 def _rows_fit(file: ArrayRecordFile, f: _Footer, rows: np.ndarray, strict: bool = False) -> bool:
     """Whether every row lies in ``[0, num_records)``; with ``strict``, raise the
     IndexError that :meth:`ArrayRecordFile.read` raises instead of returning False."""
@@ -1582,6 +1869,30 @@ def _plan(
         & (payload <= boundary)
     )
     return ok, payload, end, decoded, cut
+
+
+def _decompress_into(into: Any, payload: Any, size: int) -> memoryview:
+    """``into(payload, buffer)`` (cramjam's ``decompress_into``) with a buffer of exactly
+    ``size`` bytes, which it must fill.
+
+    The buffer is left uninitialised (a ``bytearray`` would be zeroed): a stream that
+    claims far more than it holds then costs only the pages it really writes, not its
+    claim. Nothing unwritten is ever returned: a stream that falls short is an error.
+    """
+    buf = np.empty(size, np.uint8)
+    got = into(payload, buf)
+    if got != size:
+        raise _ChunkDecodeError(f"decompressed {got} bytes, the chunk declares {size}")
+    return memoryview(buf)
+
+
+def _declaring(frames: Iterable[Any], sizes: list[int]) -> Iterator[Any]:
+    """``frames``, each checked to declare its size in ``sizes`` as it is reached (a
+    ValueError otherwise), for frames made one at a time (see :func:`_frames`)."""
+    for frame, size in zip(frames, sizes):
+        if zstandard.frame_content_size(frame) not in (size, -1):
+            raise ValueError("a zstd frame declares another size than its chunk")
+        yield frame
 
 
 def _varints(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

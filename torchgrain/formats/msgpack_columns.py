@@ -26,11 +26,13 @@ Example:
 
 from __future__ import annotations
 
+import codecs
+import math
 from typing import Any
 
 import numpy as np
 
-from torchgrain.columns import ColumnBatch, Ragged, empty, gather_ranges
+from torchgrain.columns import ColumnBatch, Ragged, can_stack, empty, gather_ranges
 
 __all__ = ["decode_columns"]
 
@@ -189,7 +191,23 @@ def _sized(
     np.cumsum(length, out=offsets[1:])
     values = empty((int(offsets[-1]),), np.uint8)
     gather_ranges(buf, data, length, values)
+    if kind == "str" and len(values) and int(values.max()) >= 0x80 and not _utf8(values, offsets):
+        return None  # the record path refuses it, naming the record
     return Ragged(values, offsets, kind), end
+
+
+def _utf8(values: np.ndarray, offsets: np.ndarray) -> bool:
+    """Whether every string of a column (``values`` cut at ``offsets``) is UTF-8, as
+    msgpack requires: the whole is, and no string starts inside a character."""
+    inner = offsets[1:-1]
+    inner = inner[inner < len(values)]
+    if ((values[inner] & 0xC0) == 0x80).any():
+        return False
+    try:
+        codecs.utf_8_decode(memoryview(values), "strict", True)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _ndarrays(
@@ -228,13 +246,20 @@ def _ndarrays(
         dtype = np.dtype(buf[first + 1 : ndim_at].tobytes().decode("ascii"))
     except (TypeError, ValueError, UnicodeDecodeError):
         return None
-    if dtype.hasobject or dtype.names is not None:
+    # A subarray dtype ("(2,)<i4") would add dimensions of its own: the records decide.
+    if dtype.hasobject or dtype.names is not None or dtype.shape or dtype.itemsize == 0:
         return None
     heads = _gather(buf, data, header)
+    # Shapes are untrusted uint64s: their products are taken exactly (Python ints),
+    # never in int64, where they wrap around.
     shape = tuple(int(s) for s in heads[0, 2 + dlen :].view("<u8"))
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if (heads == heads[0]).all():
-        if not (length == header + nbytes).all():
+        if (
+            nbytes > int(length.max())
+            or not can_stack(n, shape, dtype.itemsize)
+            or not (length == header + nbytes).all()
+        ):
             return None
         out = empty((n, *shape), dtype)
         gather_ranges(
@@ -244,7 +269,12 @@ def _ndarrays(
     # Shapes differ: a ragged column when the arrays are 1-D of one dtype.
     if ndim != 1 or not (heads[:, : 2 + dlen] == heads[0, : 2 + dlen]).all():
         return None
-    count = heads[:, 2 + dlen :].copy().view("<u8").ravel().astype(np.int64)
+    count = heads[:, 2 + dlen :].copy().view("<u8").ravel()
+    # No more items than payload bytes (items are >= 1 byte), checked in uint64 before
+    # any product: a count of 2**61 + 1 of 8-byte items wraps to 8 bytes in int64.
+    if (count > (length - header).astype(np.uint64)).any():
+        return None
+    count = count.astype(np.int64)
     byte_len = count * dtype.itemsize
     if not (length == header + byte_len).all():
         return None

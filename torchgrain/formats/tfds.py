@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import posixpath
 import re
 import warnings
@@ -59,8 +60,9 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import RecordDecodeError
+from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.tf_example import decode_tf_example
+from torchgrain.io import remote
 
 __all__ = ["TFDSCodec", "check_single_split", "read_tfds_features", "tfds_codec_for"]
 
@@ -73,13 +75,25 @@ _SHARD_RE = re.compile(
 )
 
 
+#: Bytes read of a TFDS metadata file at most (real ones are a few KiB to a few MiB).
+MAX_METADATA_BYTES = 64 << 20
+
+
 def _read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any | None:
-    try:
-        if not fs.isfile(path):
-            return None
-        return json.loads(fs.cat_file(path))
-    except (OSError, ValueError):
+    """A TFDS metadata file, parsed; None when there is none.
+
+    A file that is there but is not JSON (or too large, or nested without end) is the
+    dataset's error, not a reason to decode its records differently: CorruptDataError.
+    """
+    if not remote.isfile(fs, path):
         return None
+    text = remote.cat_file(fs, path, url=path, what="metadata read", limit=MAX_METADATA_BYTES)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise CorruptDataError(f"TFDS metadata {path}: JSON nested too deeply") from None
+    except ValueError as e:
+        raise CorruptDataError(f"TFDS metadata {path} is not JSON: {e}") from None
 
 
 def read_tfds_features(
@@ -149,7 +163,13 @@ def tfds_codec_for(
     if features is None:
         return None
     check_single_split(files, info)
-    return TFDSCodec(features, decode_images=decode_images)
+    try:
+        return TFDSCodec(features, decode_images=decode_images)
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CorruptDataError(
+            f"TFDS features of {directory} ({FEATURES_JSON}) are not a feature spec "
+            f"torchgrain can read: {type(e).__name__}: {e}"
+        ) from None
 
 
 # --------------------------------------------------------------------------- the spec
@@ -201,14 +221,20 @@ def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
 def _decode_pil(data: bytes) -> np.ndarray:
     from PIL import Image
 
-    with Image.open(io.BytesIO(data)) as im:
-        return np.asarray(im)
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            return np.asarray(im)
+    except Image.DecompressionBombError as e:  # over Pillow's pixel limit (~179 M)
+        raise ValueError(str(e)) from None
 
 
 def _decode_cv2(data: bytes) -> np.ndarray:
     import cv2
 
-    arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    try:
+        arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error as e:  # e.g. over OpenCV's pixel limit (2**30)
+        raise ValueError(f"OpenCV cannot decode the image: {e}") from None
     if arr is None:
         raise ValueError("OpenCV cannot decode the image")
     if arr.ndim == 3 and arr.shape[2] >= 3:  # OpenCV is BGR(A)
@@ -349,6 +375,30 @@ def _reshape(arr: np.ndarray, shape: tuple[int, ...]) -> Any:
     return arr.reshape(shape)
 
 
+#: The most bytes a zlib-encoded tensor may inflate to (less when its spec's shape says so).
+_MAX_ZLIB_BYTES = 1 << 30
+
+
+def _inflate(blobs: list[bytes], limit: int) -> list[bytes]:
+    """zlib-decompress each of ``blobs``, refusing output beyond ``limit`` bytes in all
+    (a few KiB of zlib can hold gigabytes) without inflating more than ``limit + 1``."""
+    out = []
+    left = limit
+    for data in blobs:
+        d = zlib.decompressobj()
+        try:
+            raw = d.decompress(data, left + 1)  # (a max_length of 0 would mean no limit)
+        except zlib.error as e:
+            raise ValueError(f"bad zlib-encoded tensor: {e}") from None
+        if len(raw) > left:
+            raise ValueError(f"a zlib-encoded tensor inflates to more than its {limit} bytes")
+        if not d.eof:
+            raise ValueError("truncated zlib-encoded tensor")
+        left -= len(raw)
+        out.append(raw)
+    return out
+
+
 def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None) -> Any:
     if dtype in ("string", "str", "object"):
         if shape == ():
@@ -357,9 +407,13 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
     dt = np.dtype("bool" if dtype == "bool" else dtype)
     if encoding in ("bytes", "zlib"):
         blobs = value if isinstance(value, list) else [value]
-        parts = [
-            np.frombuffer(zlib.decompress(b) if encoding == "zlib" else b, dtype=dt) for b in blobs
-        ]
+        if encoding == "zlib":
+            # All the blobs of one tensor together hold at most its shape's bytes.
+            limit = _MAX_ZLIB_BYTES
+            if all(d >= 0 for d in shape):
+                limit = min(limit, math.prod(shape) * dt.itemsize)
+            blobs = _inflate(blobs, limit)
+        parts = [np.frombuffer(b, dtype=dt) for b in blobs]
         arr = np.concatenate(parts) if parts else np.zeros(0, dt)
     else:
         arr = np.asarray(value)

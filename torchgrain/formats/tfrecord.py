@@ -11,9 +11,12 @@ The checksums are CRC-32C (Castagnoli), "masked" by a rotation and an added
 constant so that a CRC stored inside checksummed data does not checksum to itself.
 Whole files may be gzip- or zlib-compressed (TensorFlow's ``compression_type``).
 
-Both checksums are verified by default; a mismatch, a truncated record or a length
-that cannot fit in the file raises :class:`~torchgrain.errors.CorruptDataError`
-naming the file and the byte offset of the record.
+Both checksums are verified by default; a mismatch, a truncated record, a length
+that cannot fit in the file or one over ``max_record_bytes`` (default
+:data:`DEFAULT_MAX_RECORD_BYTES`, 1 GiB) raises
+:class:`~torchgrain.errors.CorruptDataError` naming the file and the byte offset of the
+record. Memory is bounded by that ceiling even in a compressed stream, where no file
+size bounds a length.
 
 Example:
     >>> import os, tempfile
@@ -43,10 +46,13 @@ from typing import IO, Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.io import remote
+from torchgrain.io.atomic import publish, temp_name
 from torchgrain.io.fs import PathLike, get_filesystem, is_local
 
 __all__ = [
+    "DEFAULT_MAX_RECORD_BYTES",
     "crc32c",
     "index_tfrecord",
     "iter_tfrecord",
@@ -64,6 +70,11 @@ _HEADER_SIZE = 12
 _FRAME_OVERHEAD = 16
 _MASK_DELTA = 0xA282EAD8
 _READ_SIZE = 4 << 20  # read 4 MiB at a time: few syscalls, bounded memory
+
+#: The longest record a reader accepts unless told otherwise (``max_record_bytes``).
+#: TFRecord files mostly hold ``tf.train.Example`` protos, which protobuf caps at 2 GiB;
+#: real ones (images, audio, token sequences) are kilobytes to megabytes.
+DEFAULT_MAX_RECORD_BYTES = 1 << 30
 
 try:  # C implementation (SSE4.2 / ARMv8 CRC instructions): ~10 GB/s.
     from google_crc32c import value as _crc32c_bytes
@@ -148,7 +159,7 @@ def _open_stream(
     fs: fsspec.AbstractFileSystem, path: str, compression: str
 ) -> tuple[IO[bytes], IO[bytes]]:
     """Open ``path`` for reading; returns (stream of record bytes, underlying file)."""
-    raw = fs.open(path, "rb")
+    raw = remote.open_input(fs, path)  # remote reads with deadlines and checked lengths
     if compression == "gzip":
         return _GzipStream(raw, path), raw
     if compression == "zlib":
@@ -234,7 +245,9 @@ def _resolve(
 
 def _file_size(fs: fsspec.AbstractFileSystem, path: str) -> int | None:
     try:
-        size = fs.size(path)
+        size = remote.call(fs, "size", path, what="size lookup")
+    except TorchgrainError:  # the server failed for good (RemoteIOError): say so now
+        raise
     except Exception:  # some filesystems cannot stat cheaply; fall back to EOF checks
         return None
     return int(size) if size is not None else None
@@ -247,6 +260,7 @@ def iter_tfrecord(
     verify: bool = True,
     compression: str | None = None,
     offset: int = 0,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
     """Yield the records of one TFRecord file, in order.
 
@@ -258,11 +272,14 @@ def iter_tfrecord(
         compression: ``None`` (by suffix), ``""``, ``"gzip"`` or ``"zlib"``.
         offset: start at the record whose header is at this byte offset (an offset from
             :func:`index_tfrecord`; uncompressed files only).
+        max_record_bytes: the longest record accepted (default 1 GiB): a longer length
+            field is an error before any of the record is read.
 
     Raises:
-        CorruptDataError: checksum mismatch, truncated record, or a length field larger
-            than the rest of the file; the message names the file and byte offset (an
-            offset in the decompressed stream for compressed files).
+        CorruptDataError: checksum mismatch, truncated record, a length field larger
+            than the rest of the file or than ``max_record_bytes``; the message names
+            the file and byte offset (an offset in the decompressed stream for
+            compressed files).
 
     Example:
         >>> import os, tempfile
@@ -283,14 +300,19 @@ def iter_tfrecord(
     try:
         if offset:
             stream.seek(offset)
-        yield from _iter_stream(stream, name, size, verify, offset)
+        yield from _iter_stream(stream, name, size, verify, offset, max_record_bytes)
     finally:
         stream.close()
         raw.close()
 
 
 def _iter_stream(
-    stream: IO[bytes], name: str, size: int | None, verify: bool, base: int = 0
+    stream: IO[bytes],
+    name: str,
+    size: int | None,
+    verify: bool,
+    base: int = 0,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
     unpack_header = _HEADER.unpack_from
     unpack_footer = _FOOTER.unpack_from
@@ -320,6 +342,8 @@ def _iter_stream(
             )
         if size is not None and length > size - offset - _FRAME_OVERHEAD:
             raise _too_long(name, offset, length, size)
+        if length > max_record_bytes:
+            raise _over_ceiling(name, offset, length, max_record_bytes)
         end = pos + _HEADER_SIZE + length + 4
         if end > len(buf):
             # The record runs past the buffer: read exactly what is missing, in bounded
@@ -393,7 +417,7 @@ def index_tfrecord(
         raise CorruptDataError(f"{name}: cannot determine the file size")
     offsets: list[int] = []
     unpack = _HEADER.unpack
-    with fs.open(p, "rb") as f:
+    with remote.open_input(fs, p, url=name) as f:
         if is_local(fs) or size <= _READ_SIZE:
             # Local files go through the OS page cache; remote small files in one read.
             _index_buffered(f, name, size, verify, offsets)
@@ -413,6 +437,14 @@ def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataErro
     return CorruptDataError(
         f"{name}: truncated record (or corrupt length) at byte offset {offset}: the length "
         f"field says {length} data bytes, the file has room for {left}"
+    )
+
+
+def _over_ceiling(name: str, offset: int, length: int, limit: int) -> CorruptDataError:
+    return CorruptDataError(
+        f"{name}: the record at byte offset {offset} is {length} bytes long, more than "
+        f"max_record_bytes={limit} allows (a larger max_record_bytes reads it, if the "
+        "file is trusted)"
     )
 
 
@@ -458,11 +490,13 @@ def read_tfrecord_at(
     filesystem: fsspec.AbstractFileSystem | None = None,
     verify: bool = True,
     name: str | None = None,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> bytes:
     """Read the one record whose header starts at byte ``offset`` (see :func:`index_tfrecord`).
 
     ``source`` is a path/URL or an already open binary file (seekable), which lets a
-    caller keep one handle per shard for random access.
+    caller keep one handle per shard for random access. A record longer than
+    ``max_record_bytes`` raises :class:`~torchgrain.errors.CorruptDataError`.
 
     Example:
         >>> import os, tempfile
@@ -473,8 +507,14 @@ def read_tfrecord_at(
     """
     if isinstance(source, (str, os.PathLike)):
         fs, p = _resolve(source, filesystem)
-        with fs.open(p, "rb") as f:
-            return read_tfrecord_at(f, offset, verify=verify, name=os.fspath(source))
+        with remote.open_input(fs, p, url=os.fspath(source)) as f:
+            return read_tfrecord_at(
+                f,
+                offset,
+                verify=verify,
+                name=os.fspath(source),
+                max_record_bytes=max_record_bytes,
+            )
     f = source
     label = name or str(getattr(f, "name", "<stream>"))
     f.seek(offset)
@@ -495,6 +535,8 @@ def read_tfrecord_at(
         if length > end - offset - _FRAME_OVERHEAD:
             raise _too_long(label, offset, length, end)
         f.seek(offset + _HEADER_SIZE)
+    if length > max_record_bytes:
+        raise _over_ceiling(label, offset, length, max_record_bytes)
     body = f.read(length + 4)
     if len(body) < length + 4:
         raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
@@ -563,10 +605,16 @@ def write_tfrecord(
     """
     fs, p = _resolve(path, filesystem)
     comp = resolve_compression(os.fspath(path), compression)
-    parent, _, base = p.rpartition("/")
-    tmp = (
-        f"{parent}/.{base}.tmp-{uuid.uuid4().hex}" if parent else f".{base}.tmp-{uuid.uuid4().hex}"
-    )
+    local = is_local(fs)
+    if local:
+        tmp = temp_name(p)
+    else:
+        parent, _, base = p.rpartition("/")
+        tmp = (
+            f"{parent}/.{base}.tmp-{uuid.uuid4().hex}"
+            if parent
+            else f".{base}.tmp-{uuid.uuid4().hex}"
+        )
     count = 0
     try:
         with fs.open(tmp, "wb") as raw:
@@ -593,8 +641,8 @@ def write_tfrecord(
                 out.write(b"".join(pending))
             if out is not raw:
                 out.close()
-        if is_local(fs):
-            os.replace(tmp, p)
+        if local:
+            publish(tmp, p)
         else:
             fs.mv(tmp, p)
     except BaseException:

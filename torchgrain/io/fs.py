@@ -2,21 +2,36 @@
 
 Sources accept any of these, local or remote; this module turns them into a sorted,
 de-duplicated list of concrete file paths plus the fsspec filesystem that reads them.
+
+What a directory listing or a glob finds is the dataset's word, not the user's: every
+file found must be inside the directory or the glob's fixed prefix
+(:func:`torchgrain.io.paths.confine`), and on HTTP(S), where a listing is a page of links
+the server writes, directories are walked here, one confined level at a time, so that no
+request is ever made for a link that points elsewhere.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import fsspec
-from fsspec.core import url_to_fs
+import numpy as np
+from fsspec.core import split_protocol, url_to_fs
+from fsspec.utils import glob_translate
 
-from torchgrain.errors import DatasetNotFoundError
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
+from torchgrain.io import paths as _paths
+from torchgrain.io import remote
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 
 PathLike = str | os.PathLike
 T = TypeVar("T")
@@ -36,16 +51,31 @@ def default_cache_dir() -> str:
 
 
 def get_filesystem(
-    path: PathLike, storage_options: dict[str, Any] | None = None
+    path: PathLike,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    retry: RetryPolicy | None = None,
+    allow_redirects: bool = False,
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return ``(filesystem, path_without_protocol)`` for a local path or fsspec URL.
+
+    For ``http(s)://`` and ``s3://`` the transport gets the connect and between-bytes
+    timeouts of ``retry`` (default: :func:`~torchgrain.io.retry.current_policy`) where
+    ``storage_options`` set none, and HTTP(S) redirects are refused unless
+    ``allow_redirects`` (see :func:`~torchgrain.io.remote.storage_options_with_deadlines`).
 
     Example:
         >>> fs, p = get_filesystem("/tmp")
         >>> fs.protocol[0] in ("file", "local")
         True
     """
-    return url_to_fs(os.fspath(path), **(storage_options or {}))
+    text = os.fspath(path)
+    protocol = split_protocol(text)[0]
+    if protocol is not None and "::" not in text:
+        storage_options = remote.storage_options_with_deadlines(
+            protocol, storage_options, retry or current_policy(), allow_redirects=allow_redirects
+        )
+    return url_to_fs(text, **(storage_options or {}))
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -87,8 +117,11 @@ def map_files(fn: Callable[[int], T], n: int, *, max_workers: int = 16) -> list[
     """
     if n <= 1 or max_workers <= 1:
         return [fn(i) for i in range(n)]
+    # The threads run in the caller's context: its retry policy and the deadline of the
+    # operation in progress hold for the requests they make.
+    context = contextvars.copy_context()
     with ThreadPoolExecutor(max_workers=min(max_workers, n)) as pool:
-        return list(pool.map(fn, range(n)))
+        return list(pool.map(lambda i: context.copy().run(fn, i), range(n)))
 
 
 def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -109,6 +142,7 @@ def expand_paths(
     storage_options: dict[str, Any] | None = None,
     filesystem: fsspec.AbstractFileSystem | None = None,
     kind: str = "shard",
+    allow_external: bool = False,
 ) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """Expand a directory, glob, file, or list of them into sorted shard paths.
 
@@ -116,8 +150,14 @@ def expand_paths(
     ``suffixes`` (so ``.array_record`` also finds ``x.array_record-00000-of-00008``).
     Hidden files and files starting with ``_`` or ``.`` are skipped.
 
+    What a listing or glob finds stays inside the directory (or the glob's fixed prefix):
+    a data file listed outside it, or under a name with dot segments, backslashes or
+    control characters in any decoding, is an :class:`~torchgrain.UnsafePathError` unless
+    ``allow_external`` (and even then no directory outside is walked).
+
     Raises:
         DatasetNotFoundError: when a path does not exist or nothing matches.
+        UnsafePathError: a listing names a data file outside its directory.
 
     Example:
         >>> import tempfile, pathlib
@@ -136,26 +176,31 @@ def expand_paths(
     for item in items:
         item = os.fspath(item)
         if filesystem is None:
-            item_fs, stripped = get_filesystem(item, storage_options)
+            item_fs, stripped = get_filesystem(
+                item, storage_options, allow_redirects=allow_external
+            )
         else:
             item_fs, stripped = filesystem, filesystem._strip_protocol(item)
         if fs is None:
             fs = item_fs
+        listing = _Listing(item_fs, item, suffixes, allow_external)
         if _has_glob(stripped):
-            found = sorted(p for p in item_fs.glob(stripped) if item_fs.isfile(p))
+            found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
+            listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
-        elif item_fs.isdir(stripped):
-            found = sorted(p for p in item_fs.find(stripped) if _is_data_file(p, suffixes))
+        elif remote.isdir(item_fs, stripped, url=item):
+            found = sorted(p for p in listing.find(stripped) if _is_data_file(p, suffixes))
             if not found:
                 raise DatasetNotFoundError(
                     f"directory {item!r} holds no {kind} file (looked for names containing "
                     f"{', '.join(suffixes)})"
                 )
             check_shard_sets(found, where=item)
+            listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
-        elif item_fs.isfile(stripped):
+        elif remote.isfile(item_fs, stripped, url=item):
             out.append(_unstrip(item_fs, stripped))
         else:
             raise DatasetNotFoundError(f"{kind} path {item!r} does not exist")
@@ -166,7 +211,221 @@ def expand_paths(
     return fs, unique
 
 
+def list_files(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    suffixes: Iterable[str],
+    *,
+    where: str | None = None,
+    allow_external: bool = False,
+) -> list[str]:
+    """The files below directory ``root`` (a path of ``fs``), found by a listing confined
+    to it as in :func:`expand_paths` (data files are those named with ``suffixes``).
+
+    Example:
+        >>> import fsspec
+        >>> mem = fsspec.filesystem("memory")
+        >>> mem.pipe("/lf/a/x.parquet", b"")
+        >>> list_files(mem, "/lf", [".parquet"])
+        ['/lf/a/x.parquet']
+    """
+    return _Listing(fs, where or root, tuple(suffixes), allow_external).find(root)
+
+
+#: Directory levels below a dataset's root that a listing may go (hive partitions use a
+#: few); a listing deeper than this is refused rather than walked forever.
+MAX_LISTING_DEPTH = 32
+#: Directories one listing may walk (HTTP(S): one request each).
+MAX_LISTED_DIRECTORIES = 100_000
+
+
+class _Listing:
+    """The files below one user-given root, found by listing and confined to the root."""
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        item: str,
+        suffixes: tuple[str, ...],
+        allow_external: bool,
+    ) -> None:
+        self.fs, self.item, self.suffixes, self.allow_external = fs, item, suffixes, allow_external
+
+    def _keep(self, root: str, path: str) -> bool:
+        """Whether a listed file is kept: inside ``root``; outside, a data file is an
+        error (unless external paths are allowed) and anything else is not ours."""
+        if _paths.is_inside(self.fs, root, path):
+            return True
+        if not _looks_like_data(path, self.suffixes):
+            return False  # a parent-directory link, an index page, another site's page
+        if self.allow_external:
+            return True
+        _paths.confine(self.fs, root, path, where=f"the listing of {self.item!r}")
+        raise AssertionError("unreachable")  # pragma: no cover - confine raised
+
+    def check_distinct(self, files: list[str]) -> None:
+        """On HTTP(S), refuse two links to one file (``a.x``, ``%61.x``): its records
+        would be read twice. (A disk or an object store lists each file once.)"""
+        if _paths.is_http(self.fs) and not self.allow_external:
+            _paths.check_distinct(files, where=f"the listing of {self.item!r}")
+
+    def find(self, root: str, max_depth: int | None = None) -> list[str]:
+        fs = self.fs
+        if not _paths.is_http(fs):
+            # Object stores and local disks list by prefix: nothing outside is requested.
+            found = remote.call(fs, "find", root, url=self.item, what="listing")
+            return [p for p in found if self._keep(root, p)]
+        # HTTP(S): a listing is the server's page of links. Walk it level by level and
+        # request only directories inside the root (fsspec's own find would follow
+        # every link it is given). The walk, all its pages, keeps to one deadline: a
+        # server serving each page slowly (but in time) must not make it endless.
+        policy = current_policy()
+        end = time.monotonic() + policy.deadline
+        files: list[str] = []
+        pending = [(root, 0)]
+        seen = {root.rstrip("/")}
+        while pending:
+            directory, depth = pending.pop()
+            if len(seen) > MAX_LISTED_DIRECTORIES:
+                raise CorruptDataError(
+                    f"the listing of {self.item!r} has more than {MAX_LISTED_DIRECTORIES} "
+                    "directories: refusing to walk it further"
+                )
+            left = end - time.monotonic()
+            if left <= 0:
+                raise self._out_of_time(policy, len(seen))
+            try:
+                with using(dataclasses.replace(policy, deadline=left)):
+                    entries = remote.call(
+                        fs, "ls", directory, detail=True, url=directory, what="listing"
+                    )
+            except RemoteIOError as e:
+                if time.monotonic() < end:
+                    raise
+                raise self._out_of_time(policy, len(seen)) from e
+            for entry in entries:
+                name = entry["name"]
+                if entry.get("type") != "directory":
+                    if self._keep(root, name):
+                        files.append(name)
+                    continue
+                key = name.rstrip("/")
+                if key in seen or not _paths.is_inside(fs, root, name):
+                    continue  # a parent link, a loop, another site: never requested
+                if max_depth is not None and depth + 1 >= max_depth:
+                    continue  # a glob's pattern cannot match below this level
+                if depth + 1 > MAX_LISTING_DEPTH:
+                    raise CorruptDataError(
+                        f"the listing of {self.item!r} goes deeper than {MAX_LISTING_DEPTH} "
+                        f"directories ({name!r}): refusing to walk it further"
+                    )
+                seen.add(key)
+                pending.append((name, depth + 1))
+        return files
+
+    def _out_of_time(self, policy: RetryPolicy, directories: int) -> RemoteIOError:
+        return RemoteIOError(
+            f"the listing of {self.item!r} did not end within its {policy.deadline:g} s "
+            f"deadline (RetryPolicy.deadline) after {directories} directories; name the "
+            "files (or a glob), or give the source a longer deadline"
+        )
+
+    def glob(self, pattern: str) -> list[str]:
+        fs = self.fs
+        cut = min(pattern.index(c) for c in "*?[" if c in pattern)
+        base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
+        if not _paths.is_http(fs):
+            found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
+            files = [p for p in found if remote.isfile(fs, p, url=_unstrip(fs, p))]
+            return [p for p in files if self._keep(base, p)]
+        rel = pattern[len(base) :].lstrip("/")
+        depth = None if "**" in rel else rel.count("/") + 1
+        regex = re.compile(glob_translate(rel))
+        return [
+            p
+            for p in self.find(base, max_depth=depth)
+            if regex.fullmatch(p[len(base) :].lstrip("/"))
+        ]
+
+
 _SHARD_NAME = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5,})-of-(?P<n>\d{5,})(?P<ext>\.[^/]*)?$")
+
+
+class ShardPaths(Sequence[str]):
+    """A dataset's shard paths, held compactly: a process keeps them for as long as it
+    reads, and 10,000 Python strings cost it a megabyte.
+
+    Paths named ``PREFIX-00000-of-N.EXT`` ... in order (what writers make) are kept as
+    the pattern alone; others as one byte string per path beyond their common prefix.
+
+    Example:
+        >>> p = ShardPaths([f"/d/data-{i:05d}-of-00003.x" for i in range(3)])
+        >>> p[2], len(p), list(p) == [f"/d/data-{i:05d}-of-00003.x" for i in range(3)]
+        ('/d/data-00002-of-00003.x', 3, True)
+        >>> q = ShardPaths(["/d/a.x", "/d/bb.x"])
+        >>> q[-1], q[0:1]
+        ('/d/bb.x', ['/d/a.x'])
+    """
+
+    __slots__ = ("_n", "_names", "_prefix", "_template")
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        paths = list(paths)
+        self._n = len(paths)
+        self._template: tuple[str, int, str] | None = None
+        self._names: np.ndarray | None = None
+        if paths:
+            m = _SHARD_NAME.match(paths[0])
+            if m and int(m["i"]) == 0 and int(m["n"]) == len(paths):
+                head = f"{m['stem']}-"
+                tail = f"-of-{m['n']}{m['ext'] or ''}"
+                width = len(m["i"])
+                if all(p == f"{head}{i:0{width}d}{tail}" for i, p in enumerate(paths)):
+                    self._template = (head, width, tail)
+                    self._prefix = ""
+                    return
+        # by character, not by path component: only the shared text is stored once
+        prefix = os.path.commonprefix(paths) if paths else ""  # noqa: RUF071
+        self._prefix = prefix
+        rest = [p[len(prefix) :].encode("utf-8", "surrogateescape") for p in paths]
+        self._names = np.array(rest, dtype=f"S{max(map(len, rest), default=1) or 1}")
+        if any(r.endswith(b"\0") for r in rest):  # numpy would strip them: keep a list
+            self._names = np.array(rest, dtype=object)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._n))]
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(f"shard {i} out of range [0, {self._n})")
+        if self._template is not None:
+            head, width, tail = self._template
+            return f"{head}{i:0{width}d}{tail}"
+        assert self._names is not None
+        return self._prefix + self._names[i].decode("utf-8", "surrogateescape")
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(self._n))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ShardPaths, list, tuple)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ShardPaths({self._n} paths, first {self[0]!r})" if self._n else "ShardPaths([])"
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self._n, self._template, self._prefix, self._names)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self._n, self._template, self._prefix, self._names = state
 
 
 def check_shard_sets(paths: Sequence[str], *, where: str = "") -> None:
@@ -197,6 +456,19 @@ def check_shard_sets(paths: Sequence[str], *, where: str = "") -> None:
                 f"incomplete shard set {stem}-*-of-{n}{ext}{' in ' + where if where else ''}: "
                 f"shards {shown} of {int(n)} are missing"
             )
+
+
+def _looks_like_data(path: str, suffixes: tuple[str, ...]) -> bool:
+    """Whether a listed location would be a data file in any reading of its name
+    (``..%2fsecret%2fx.parquet`` is ``x.parquet`` to a server that decodes it)."""
+    for _ in range(_paths.MAX_DECODINGS + 1):
+        if _is_data_file(path.replace("\\", "/"), suffixes):
+            return True
+        decoded = unquote(path)
+        if decoded == path:
+            return False
+        path = decoded
+    return True  # encoded more times than anyone decodes: treat it as data
 
 
 def _is_data_file(path: str, suffixes: tuple[str, ...]) -> bool:

@@ -22,8 +22,7 @@ from collections.abc import Sequence
 
 import fsspec
 
-from torchgrain.errors import CorruptDataError
-from torchgrain.io import process
+from torchgrain.io import process, remote
 
 __all__ = ["MappedFile", "fetch_ranges"]
 
@@ -43,7 +42,9 @@ def fetch_ranges(
 
     Raises:
         FileNotFoundError: the file does not exist (its name in the message).
-        CorruptDataError: the file is shorter than a range, or a range read failed.
+        CorruptDataError: the file is shorter than a range.
+        Exception: what a failed request raised (transient ones are retried by the
+            operation in progress: :func:`~torchgrain.io.retry.retry_call`).
     """
     label = name or path
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
@@ -55,7 +56,11 @@ def fetch_ranges(
         else:
             merged.append([s, e])
     try:
-        blobs = fs.cat_ranges([path] * len(merged), [m[0] for m in merged], [m[1] for m in merged])
+        # Each response is checked to hold exactly the bytes asked for, and the request
+        # has a deadline (torchgrain.io.remote).
+        blobs = remote.cat_ranges(
+            fs, path, [m[0] for m in merged], [m[1] for m in merged], url=label
+        )
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{label} does not exist") from e
     out: list[memoryview] = [memoryview(b"")] * len(ranges)
@@ -64,12 +69,7 @@ def fetch_ranges(
         s, e = ranges[i]
         while not (merged[j][0] <= s and e <= merged[j][1]):
             j += 1
-        blob = blobs[j]
-        if isinstance(blob, BaseException):
-            raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
-        if len(blob) < e - merged[j][0]:
-            raise CorruptDataError(f"{label}: file is truncated: bytes {s}-{e} are missing")
-        out[i] = memoryview(blob)[s - merged[j][0] : e - merged[j][0]]
+        out[i] = memoryview(blobs[j])[s - merged[j][0] : e - merged[j][0]]
     return out
 
 

@@ -219,4 +219,5 @@ class ShardReadAhead:
             return
         with contextlib.suppress(Exception):  # the read that needs it reports errors
             if self.source.prefetch_shard(shard):
-                self.fetched += 1
+                with self._lock:  # several downloads end at once
+                    self.fetched += 1

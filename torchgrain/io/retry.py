@@ -21,20 +21,48 @@ Example:
     'ok'
     >>> len(calls)
     3
+
+Deadlines. Every remote request has a finite time (see :class:`RetryPolicy`): the transport
+gives up on a connection that does not open within ``connect_timeout`` or a response that
+sends nothing for ``read_timeout``; torchgrain cancels a request that has not completed
+within ``request_timeout`` (plus the time its bytes take at ``min_rate``); and one
+operation, all its attempts and waits included, ends within ``deadline`` seconds, plus the
+time at ``min_rate`` of the bytes its requests *brought*. A request in flight may use the
+time of its own bytes too, but a failed one earns nothing: retrying a stalled request does
+not push the deadline back, so no attempt starts after ``deadline`` seconds without
+progress. A timed-out request is a transient failure, retried like
+any other, and the operation ends in :class:`~torchgrain.RemoteIOError` naming the URL.
+The policy of the operation in progress is kept in a context variable, so the requests it
+makes deep inside a reader (footer reads, range reads) keep to its deadline without the
+policy being passed down by hand; see :func:`using` and :func:`current_policy`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import errno
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from torchgrain.errors import DatasetNotFoundError, RemoteIOError
+from torchgrain.errors import DatasetNotFoundError, RemoteIOError, TorchgrainError
 
-__all__ = ["RetryPolicy", "http_status", "is_transient", "retry_call"]
+__all__ = [
+    "RequestTimeout",
+    "RetryPolicy",
+    "current_policy",
+    "http_status",
+    "in_operation",
+    "is_transient",
+    "remaining_seconds",
+    "request_done",
+    "retry_call",
+    "using",
+]
 
 T = TypeVar("T")
 
@@ -97,28 +125,52 @@ _TRANSIENT_CODES = frozenset(
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how patiently to retry a transient failure.
+    """How often, how patiently and for how long to try a remote read.
 
     The delay before retry ``k`` (0-based) is ``min(max_delay, base_delay * 2**k)``
     scaled by a random factor in ``[1 - jitter, 1]``, so that many workers hitting the
     same throttled bucket do not retry in lock-step.
+
+    Deadlines (seconds; all finite). With the defaults, a read from a server that stops
+    sending ends in :class:`~torchgrain.RemoteIOError` within about ``deadline`` = 90 s,
+    retries included: no attempt starts after it, and the one in flight then ends within
+    ``read_timeout`` (at most 110 s in all, whatever the size of the read). A request for
+    ``n`` bytes may take ``request_timeout + n / min_rate``, and an operation gets
+    ``n / min_rate`` more for every ``n`` bytes its requests brought, so that a large
+    download on a slow link is not cut off while it makes progress.
 
     Args:
         attempts: total tries, the first included (1 disables retries).
         base_delay: seconds before the first retry.
         max_delay: cap on one delay, in seconds.
         jitter: fraction of each delay that is randomised (0 to 1).
+        connect_timeout: opening a connection (HTTP(S) and S3 transports; default 10).
+        read_timeout: the longest wait for the next bytes of a response once the request
+            is sent (HTTP(S) and S3 transports; default 20).
+        request_timeout: one request, from sending it to its last byte, for requests of up
+            to about a megabyte (every async fsspec filesystem; default 60).
+        min_rate: bytes per second a large transfer must at least average: a request or
+            operation for ``n`` bytes gets ``n / min_rate`` seconds more (default 1 MiB/s).
+        deadline: one operation (a range read, a footer read, a download) with all its
+            attempts and the waits between them (default 90).
 
     Example:
         >>> p = RetryPolicy(attempts=4, base_delay=0.1, max_delay=0.3, jitter=0.0)
         >>> [p.delay(k) for k in range(3)]
         [0.1, 0.2, 0.3]
+        >>> RetryPolicy().request_seconds(2**20)  # a 1 MiB range: 60 s + 1 s
+        61.0
     """
 
     attempts: int = 6
     base_delay: float = 0.1
     max_delay: float = 10.0
     jitter: float = 0.5
+    connect_timeout: float = 10.0
+    read_timeout: float = 20.0
+    request_timeout: float = 60.0
+    min_rate: float = float(1 << 20)
+    deadline: float = 90.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -127,6 +179,12 @@ class RetryPolicy:
             raise ValueError("delays must be >= 0")
         if not 0.0 <= self.jitter <= 1.0:
             raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
+        for name in ("connect_timeout", "read_timeout", "request_timeout", "min_rate", "deadline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be finite and > 0, got {value!r}")
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (0 for the first retry)."""
@@ -134,6 +192,116 @@ class RetryPolicy:
         if self.jitter:
             d *= 1.0 - self.jitter * (rng or random).random()
         return d
+
+    def request_seconds(self, nbytes: int = 0) -> float:
+        """The time one request for ``nbytes`` bytes may take."""
+        return self.request_timeout + max(nbytes, 0) / self.min_rate
+
+
+class RequestTimeout(TimeoutError):
+    """A remote request did not complete within its deadline (transient: retried)."""
+
+
+class _Operation:
+    """One retried operation in progress: its policy, start time and byte allowance."""
+
+    __slots__ = ("allowance", "policy", "start")
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.start = time.monotonic()
+        # Seconds earned by the bytes its completed requests brought (never by a request
+        # that failed: else every retry of a stalled read would push the deadline back).
+        self.allowance = 0.0
+
+    def remaining(self) -> float:
+        return self.start + self.policy.deadline + self.allowance - time.monotonic()
+
+
+_OPERATION: contextvars.ContextVar[_Operation | None] = contextvars.ContextVar(
+    "torchgrain_operation", default=None
+)
+_POLICY: contextvars.ContextVar[RetryPolicy | None] = contextvars.ContextVar(
+    "torchgrain_policy", default=None
+)
+_DEFAULT = RetryPolicy()
+
+
+def current_policy() -> RetryPolicy:
+    """The policy in force here: the operation's in progress, else :func:`using`'s, else
+    the default :class:`RetryPolicy()`.
+
+    Example:
+        >>> current_policy() == RetryPolicy()
+        True
+        >>> with using(RetryPolicy(attempts=2)):
+        ...     current_policy().attempts
+        2
+    """
+    op = _OPERATION.get()
+    if op is not None:
+        return op.policy
+    return _POLICY.get() or _DEFAULT
+
+
+@contextlib.contextmanager
+def using(policy: RetryPolicy | None) -> Iterator[None]:
+    """Make ``policy`` the one in force for the remote requests made in this block (and
+    for the filesystems created in it: their transport timeouts).
+
+    Example:
+        >>> with using(RetryPolicy(read_timeout=5)):
+        ...     current_policy().read_timeout
+        5
+    """
+    token = _POLICY.set(policy)
+    try:
+        yield
+    finally:
+        _POLICY.reset(token)
+
+
+def in_operation() -> bool:
+    """Whether a :func:`retry_call` is in progress here (it retries what fails inside it).
+
+    Example:
+        >>> in_operation(), retry_call(in_operation, url="x")
+        (False, True)
+    """
+    return _OPERATION.get() is not None
+
+
+def remaining_seconds(nbytes: int = 0) -> tuple[float, float, RetryPolicy]:
+    """``(seconds, request seconds, policy)`` for a request of ``nbytes`` made now: the
+    request's own limit, cut to what the operation in progress has left plus the time of
+    the request's own bytes at ``min_rate``. ``seconds`` may be <= 0: the operation is out
+    of time. Call :func:`request_done` when the request has brought its bytes.
+
+    Example:
+        >>> remaining_seconds(0)[:2]
+        (60.0, 60.0)
+    """
+    op = _OPERATION.get()
+    policy = op.policy if op is not None else current_policy()
+    own = policy.request_seconds(nbytes)
+    if op is None:
+        return own, own, policy
+    left = op.remaining()
+    if left <= 0:
+        return left, own, policy
+    return min(own, left + max(nbytes, 0) / policy.min_rate), own, policy
+
+
+def request_done(nbytes: int) -> None:
+    """Credit the operation in progress with the time of ``nbytes`` brought by a request
+    (at ``min_rate``): progress extends its deadline, failures do not.
+
+    Example:
+        >>> request_done(1 << 20)  # outside an operation: nothing to credit
+    """
+    op = _OPERATION.get()
+    if op is not None:
+        op.allowance += max(nbytes, 0) / op.policy.min_rate
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -213,16 +381,20 @@ def _describe(exc: BaseException) -> str:
     """Name the transient failure itself, not a wrapper that hides it (fsspec's HTTP
     filesystem reports a 503 on ``info()`` as a FileNotFoundError)."""
     status = http_status(exc)
-    culprit = exc
-    for e in _chain(exc):
-        if (status is not None and http_status(e) == status) or (
+    matches = [
+        e
+        for e in _chain(exc)
+        if (status is not None and http_status(e) == status)
+        or (
             status is None
             and (
                 isinstance(e, (ConnectionError, TimeoutError))
                 or any(t.__name__ in _TRANSIENT_NAMES for t in type(e).__mro__)
             )
-        ):
-            culprit = e
+        )
+    ]
+    # The deepest cause that says something (a bare TimeoutError() explains nothing).
+    culprit = ([e for e in matches if str(e)] or matches or [exc])[-1]
     text = f"{type(culprit).__name__}: {culprit}"
     return f"HTTP {status}, {text}" if status is not None else text
 
@@ -230,7 +402,7 @@ def _describe(exc: BaseException) -> str:
 def _permanent(exc: BaseException, url: str, what: str) -> BaseException | None:
     """A clearer exception for errors no retry can fix, or None to re-raise as is."""
     status = http_status(exc)
-    if isinstance(exc, DatasetNotFoundError):
+    if isinstance(exc, TorchgrainError):
         return None
     if status in (404, 410) or (
         status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
@@ -257,15 +429,21 @@ def retry_call(
 ) -> T:
     """Call ``fn(*args, **kwargs)``, retrying transient failures per ``policy``.
 
+    The call is one *operation*: the remote requests it makes keep to the policy's
+    deadlines (see the module docstring). A ``retry_call`` made inside another operation
+    does not retry on its own: the outer one retries, so attempts never multiply and the
+    outer deadline holds.
+
     Args:
         fn: the operation; it must be safe to repeat (reads and whole-file downloads are).
         url: the object concerned, named in errors.
-        policy: attempts and delays (default :class:`RetryPolicy()`).
+        policy: attempts, delays and deadlines (default: :func:`current_policy`).
         what: a few words for error messages (``"download"``, ``"range read"``).
         on_retry: called with ``(attempt, exception)`` before each retry (for counters).
 
     Raises:
-        RemoteIOError: the last try failed transiently; names the URL and the attempts.
+        RemoteIOError: the last try failed transiently, or the operation's deadline
+            passed; names the URL, the attempts and the time taken.
         DatasetNotFoundError: the object does not exist (HTTP 404/410, not retried).
         PermissionError: access denied (HTTP 401/403, not retried).
         Exception: any other non-transient error, unchanged, on its first occurrence.
@@ -279,23 +457,45 @@ def retry_call(
         ...     print("not found")
         not found
     """
-    policy = policy or RetryPolicy()
-    rng = random.Random()
-    for attempt in range(1, policy.attempts + 1):
+    if _OPERATION.get() is not None:
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            if not is_transient(e):
-                clearer = _permanent(e, url, what)
-                if clearer is None:
-                    raise
-                raise clearer from e
-            if attempt == policy.attempts:
-                raise RemoteIOError(
-                    f"{what} of {url} failed after {attempt} attempt"
-                    f"{'s' if attempt > 1 else ''} (transient errors; last: {_describe(e)})"
-                ) from e
-            if on_retry is not None:
-                on_retry(attempt, e)
-            time.sleep(policy.delay(attempt - 1, rng))
+            clearer = None if is_transient(e) else _permanent(e, url, what)
+            if clearer is None:
+                raise
+            raise clearer from e
+    policy = policy or current_policy()
+    rng = random.Random()
+    op = _Operation(policy)
+    token = _OPERATION.set(op)
+    try:
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                if not is_transient(e):
+                    clearer = _permanent(e, url, what)
+                    if clearer is None:
+                        raise
+                    raise clearer from e
+                delay = policy.delay(attempt - 1, rng)
+                left = op.remaining()
+                if attempt == policy.attempts or left <= delay:
+                    spent = time.monotonic() - op.start
+                    why = (
+                        ""
+                        if attempt == policy.attempts
+                        else f", its {policy.deadline:g} s deadline passed"
+                    )
+                    raise RemoteIOError(
+                        f"{what} of {url} failed after {attempt} attempt"
+                        f"{'s' if attempt > 1 else ''} in {spent:.1f} s{why} (transient "
+                        f"errors; last: {_describe(e)})"
+                    ) from e
+                if on_retry is not None:
+                    on_retry(attempt, e)
+                time.sleep(delay)
+    finally:
+        _OPERATION.reset(token)
     raise AssertionError("unreachable")  # pragma: no cover

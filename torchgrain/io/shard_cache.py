@@ -14,18 +14,42 @@ Layout and safety rules (all processes of a machine may share one directory):
   place only after its size (and checksum, when known) checked out, so a file under
   its final name is always complete. A killed download leaves only a ``.tmp-`` file,
   which the next fetcher of that shard deletes.
+* Before the rename, the CRC-32 of the downloaded bytes (the bytes that passed the size
+  and checksum checks) is written to ``DIR/.sums/<key>-<name>``. A cached copy is
+  served only while it matches that record: each process checks a copy (its size and
+  CRC, a full read at several GB/s) the first time it uses it, and again whenever the
+  copy's identity (:func:`file_identity`: device, inode, size, modification and change
+  times) changes, e.g. a copy replaced by another process's download or written to in
+  place. The change time is the kernel's: every write, truncation, rename, link or
+  ``utime()`` moves it to the present and nothing sets it back, so a write that puts
+  the modification time back (``touch -r``, ``cp -p``), or a new file that reuses a
+  deleted copy's inode number, is checked too (the cache itself never touches a
+  published copy's inode: its LRU clock is the record's). A copy that fails is
+  discarded and downloaded again (``stats["rejected"]``, and a ``RuntimeWarning``);
+  a copy with no record (written by an older version) is downloaded again.
 * An exclusive ``fcntl.flock`` on ``DIR/.locks/<key>.lock`` is held while fetching:
   two workers (threads or processes) asking for the same missing shard fetch it
-  once; the second waits and then finds it.
-* Eviction (least recently used first, by the access time that every hit refreshes)
-  runs under ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being
-  fetched or opened by :meth:`ShardCache.fetch_open`), and only ever unlinks: a reader that has the
-  file open (or mapped) keeps reading it, POSIX frees the blocks when it closes.
-  In-flight downloads reserve their size (it is in the temp name), so concurrent
-  downloads do not overshot the budget together.
+  once; the second waits and then finds it. A shared lock on it is held while a
+  copy is checked and opened (:meth:`ShardCache.fetch_open`): a download or an
+  eviction cannot replace or unlink it between the check and the open.
+* Eviction (least recently used first: a copy's last use is its record's modification
+  time, which hits refresh at most once a second per process) runs under
+  ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being fetched,
+  checked or opened), and only ever unlinks: a reader that has the file open (or
+  mapped) keeps reading it, POSIX frees the blocks when it closes. In-flight downloads
+  reserve their size (it is in the temp name), so concurrent downloads do not
+  overshoot the budget together.
+
+What the records guarantee: a copy holds what was downloaded unless it changed within
+one clock tick of its last check (milliseconds, on kernels without fine-grained
+timestamps), or while a reader had it mapped (that reader sees the change), or unless
+whoever changed it also rewrote its record: anyone who can write to the directory can
+do that, so keep it writable only by the jobs that share it.
 
 The cache assumes shards are immutable: the same URL always holds the same bytes
-(write a changed dataset to a new path, or give checksums in the manifest).
+(write a changed dataset to a new path, or give checksums in the manifest). Without
+a checksum, what a hit guarantees is that the copy holds the bytes downloaded (of the
+size the manifest or the store gave), not that the store still holds them.
 """
 
 from __future__ import annotations
@@ -33,22 +57,27 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import mmap
 import os
 import re
 import threading
 import time
 import uuid
+import warnings
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import fsspec
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io import remote
+from torchgrain.io.atomic import publish
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, retry_call
 
-__all__ = ["ShardCache"]
+__all__ = ["Identity", "ShardCache", "file_crc", "file_identity"]
 
 T = TypeVar("T")
 #: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not match.
@@ -56,14 +85,60 @@ Verifier = Callable[..., None]
 
 _TMP_PREFIX = ".tmp-"
 _LOCK_DIR = ".locks"
-# Refresh a file's access time at most this often (seconds): one utime() per shard
-# per second is plenty for LRU order and keeps hits to a single stat() call.
+_SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
+_CRC_BLOCK = 8 << 20
+# Refresh a copy's last use (its record's modification time) at most this often per
+# process (seconds): one utime() per shard per second is plenty for LRU order and keeps
+# most hits to a single stat() call.
 _TOUCH_INTERVAL = 1.0
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class _ShortDownload(ConnectionError):
     """The transfer ended early (counted as transient: the connection dropped)."""
+
+
+#: A file's identity for the checks: (device, inode, size, modification time, change time).
+Identity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> Identity:
+    """What changes when a file is replaced or written to: its identity for the checks
+    (device, inode, size, modification time, change time). The change time is set by
+    the kernel on every write, truncation, rename, link or ``utime()``, and never back,
+    so restoring the modification time (``touch -r``) still changes the identity.
+
+    (Within one tick of the kernel's clock, a few milliseconds on kernels without
+    fine-grained timestamps, a second change may leave both times as they were.)
+
+    Example:
+        >>> dev, ino, size, mtime, ctime = file_identity(os.stat("."))
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_crc(path: str) -> tuple[str, Identity]:
+    """``("crc32:<hex>", identity)`` of a local file, read once through a map.
+
+    Example:
+        >>> import tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(p, "wb").write(b"abc")
+        >>> file_crc(p)[0]
+        'crc32:352441c2'
+    """
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        crc = 0
+        if st.st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    for a in range(0, len(view), _CRC_BLOCK):
+                        crc = zlib.crc32(view[a : a + _CRC_BLOCK], crc)
+                finally:
+                    view.release()
+    return f"crc32:{crc:08x}", file_identity(st)
 
 
 def _key(url: str, checksum: str | None) -> str:
@@ -83,10 +158,16 @@ class ShardCache:
             are deleted to stay under it. A single file larger than the budget is an
             error.
         retry: retry policy for downloads (default :class:`RetryPolicy()`).
+        verify_hits: check a cached copy against the CRC recorded at its download the
+            first time each process (each DataLoader worker) uses it, and again when
+            the file changes (see the module docstring; about 1-4 GB/s of one core,
+            from the page cache). ``False`` trusts a copy of the right size.
 
     Counters (this process only) are in :attr:`stats`: ``hits``, ``misses`` (files this
     process downloaded), ``waits`` (hits that waited for another worker's download),
-    ``bytes_fetched``, ``evictions``, ``bytes_evicted``, ``retries``.
+    ``bytes_fetched``, ``evictions``, ``bytes_evicted``, ``retries``, ``verified`` and
+    ``bytes_verified`` (copies checked on a hit), ``rejected`` (copies discarded by a
+    check: changed on disk since their download, or with no record of it).
 
     The object holds no open file or lock between calls: it pickles small and is safe
     to share with forked, spawned or forkserver DataLoader workers.
@@ -110,18 +191,37 @@ class ShardCache:
         *,
         max_bytes: int,
         retry: RetryPolicy | None = None,
+        verify_hits: bool = True,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.max_bytes = int(max_bytes)
         self.retry = retry or RetryPolicy()
+        self.verify_hits = bool(verify_hits)
         os.makedirs(os.path.join(self.directory, _LOCK_DIR), exist_ok=True)
+        os.makedirs(os.path.join(self.directory, _SUM_DIR), exist_ok=True)
         self._stats_lock = threading.Lock()
         self._lock_pid = os.getpid()
         self._paths: dict[tuple[str, str | None], str] = {}
+        # copy path -> identity of the file this process checked (or downloaded) there
+        self._verified: dict[str, Identity] = {}
+        self._verified_pid = os.getpid()
+        # copy path -> when this process last refreshed its LRU position (monotonic)
+        self._touched: dict[str, float] = {}
         self.stats: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries"),
+            (
+                "hits",
+                "misses",
+                "waits",
+                "bytes_fetched",
+                "evictions",
+                "bytes_evicted",
+                "retries",
+                "verified",
+                "bytes_verified",
+                "rejected",
+            ),
             0,
         )
 
@@ -129,6 +229,8 @@ class ShardCache:
         state = self.__dict__.copy()
         del state["_stats_lock"]
         state["_paths"] = {}
+        state["_verified"] = {}  # checks are per process
+        state["_touched"] = {}
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
         return state
 
@@ -159,11 +261,13 @@ class ShardCache:
 
     def lookup(
         self, url: str, *, size: int | None = None, checksum: str | None = None
-    ) -> tuple[str, int] | None:
-        """``(path, inode)`` of a complete cached copy of ``url`` (a hit), else None.
+    ) -> tuple[str, Identity] | None:
+        """``(path, identity)`` of a complete cached copy of ``url`` that this process
+        has already checked (a hit), else None; the identity (:func:`file_identity`)
+        changes when the file is replaced or written to.
 
         A hit refreshes the copy's access time (its LRU position) and is counted; a
-        miss downloads nothing and is not counted (see :meth:`fetch`).
+        miss downloads and checks nothing and is not counted (see :meth:`fetch_open`).
 
         Example:
             >>> import tempfile
@@ -172,10 +276,23 @@ class ShardCache:
         """
         path = self.local_path(url, checksum=checksum)
         st = self._hit(path, size)
-        if st is None:
+        if st is None or not self._checked(path, st):
             return None
         self._count(hits=1)
-        return path, st.st_ino
+        return path, file_identity(st)
+
+    def identity(self, path: str) -> Identity | None:
+        """The identity of the file at ``path`` now (see :meth:`lookup`), None if missing.
+
+        Example:
+            >>> import tempfile
+            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).identity("/nonexistent") is None
+            True
+        """
+        try:
+            return file_identity(os.stat(path))
+        except FileNotFoundError:
+            return None
 
     def fetch(
         self,
@@ -193,7 +310,8 @@ class ShardCache:
             filesystem: the fsspec filesystem that reads ``url`` (default: inferred).
             size: expected size in bytes (e.g. from a manifest); asked from the
                 filesystem on a miss when not given. A cached copy of another size is
-                discarded and fetched again.
+                discarded and fetched again, as is one that fails its check (see
+                ``verify_hits``).
             checksum: the expected checksum, checked before the copy is published.
             verify: ``verify(path, checksum, name=...)`` raising
                 :class:`~torchgrain.CorruptDataError` on a mismatch (default: a whole-file
@@ -211,7 +329,8 @@ class ShardCache:
             ValueError: the file is larger than the whole cache budget.
         """
         path = self.local_path(url, checksum=checksum)
-        if self._hit(path, size) is not None:
+        st = self._hit(path, size)
+        if st is not None and self._checked(path, st):
             self._count(hits=1)
             return path
         return self._fetch_locked(url, path, filesystem, size, checksum, None, verify)[0]
@@ -228,9 +347,10 @@ class ShardCache:
     ) -> tuple[str, int, T]:
         """Like :meth:`fetch`, then ``opener(path)`` while the copy cannot be evicted.
 
-        Returns ``(path, inode, opener(path))``. Eviction skips files whose shard lock
-        is held, and this holds it until ``opener`` returns: a reader that opens (or
-        maps) the file in ``opener`` keeps it readable for as long as it likes.
+        Returns ``(path, identity, opener(path))``. The copy is checked (see
+        ``verify_hits``) and opened under its shard lock, which eviction and downloads
+        respect: ``opener`` opens the very file that was checked, and a reader that
+        opens (or maps) it keeps it readable for as long as it likes.
 
         Example:
             >>> import tempfile, fsspec
@@ -252,30 +372,43 @@ class ShardCache:
         checksum: str | None,
         opener: Callable[[str], T] | None,
         verify: Verifier | None = None,
-    ) -> tuple[str, int, T | None]:
-        waited = self._hit(path, size) is None
-        with self._flock(self._lock_path(path)):
-            # Another worker may have fetched it while we waited for the lock.
+    ) -> tuple[str, Identity, T | None]:
+        lock = self._lock_path(path)
+        waited = self._hit(path, size) is None  # a hit now waited for another's download
+        # A complete copy is checked and opened under a shared lock (several workers may
+        # check one copy at once): downloads and evictions, which need the lock
+        # exclusively, cannot replace or unlink it in between.
+        failed = None  # the identity of a copy that failed its check
+        with self._flock(lock, shared=True):
             st = self._hit(path, size)
             if st is not None:
+                if self._check(path, st, url):
+                    self._count(hits=1, waits=int(waited))
+                    return path, file_identity(st), opener(path) if opener else None
+                failed = file_identity(st)
+        with self._flock(lock):
+            # Another worker may have fetched (or replaced) it while we waited for the lock.
+            st = self._hit(path, size)
+            if st is not None and file_identity(st) != failed and self._check(path, st, url):
                 self._count(hits=1, waits=int(waited))
-                return path, st.st_ino, opener(path) if opener else None
+                return path, file_identity(st), opener(path) if opener else None
+            if os.path.lexists(path):  # of the wrong size, or failed its check
+                self._discard(path)
             self._remove_stale_tmp(path)
             fs = filesystem
             if fs is None:
-                fs, rpath = get_filesystem(url)
+                fs, rpath = get_filesystem(url, retry=self.retry)
             else:
                 rpath = fs._strip_protocol(url)
             if size is None or size < 0:
-                size = int(
-                    retry_call(
-                        fs.size,
-                        rpath,
-                        url=url,
-                        policy=self.retry,
-                        what="size lookup",
-                        on_retry=self._on_retry,
-                    )
+                size = retry_call(
+                    remote.file_size,
+                    fs,
+                    rpath,
+                    url=url,
+                    policy=self.retry,
+                    what="size lookup",
+                    on_retry=self._on_retry,
                 )
             if size > self.max_bytes:
                 raise ValueError(
@@ -304,18 +437,23 @@ class ShardCache:
                 )
                 if checksum:
                     (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
-                os.replace(tmp, path)
+                # What later hits are checked against: the bytes that passed the checks.
+                crc, _ = file_crc(tmp)
+                self._write_sum(path, crc, size)
+                publish(tmp, path, durable=False)  # mode from the umask
+                # After the rename, which moves the change time: the identity it keeps.
+                ident = file_identity(os.stat(path))
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 raise
+            self._checks()[path] = ident
             self._count(misses=1, bytes_fetched=size)
-            ino = os.stat(path).st_ino
             obj = opener(path) if opener else None
         # Downloads that ran concurrently may together have overshot the budget
         # (they could not evict each other while in flight): settle it now.
         self._make_room(keep=path)
-        return path, ino, obj
+        return path, ident, obj
 
     def total_bytes(self) -> int:
         """Bytes of complete files in the cache now (all processes).
@@ -336,8 +474,7 @@ class ShardCache:
         """
         with self._flock(os.path.join(self.directory, _LOCK_DIR, "evict.lock")):
             for _, _, p in self._entries():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
+                self._unlink_copy(p)
 
     # ----------------------------------------------------------------- helpers
     def _count(self, **kw: int) -> None:
@@ -359,26 +496,105 @@ class ShardCache:
         except FileNotFoundError:
             return None
         if size is not None and size >= 0 and st.st_size != size:
-            # A copy of another size (the remote changed, or the manifest did):
-            # never serve it; the caller refetches under the shard lock.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            # A copy of another size (the remote changed, or the manifest did): never
+            # serve it; the fetch that follows replaces it under the shard lock.
             return None
-        now = time.time()
-        if now - st.st_atime > _TOUCH_INTERVAL:
+        now = time.monotonic()
+        if now - self._touched.get(path, -_TOUCH_INTERVAL) >= _TOUCH_INTERVAL:
+            # The record's time, not the copy's: a utime() on the copy would move its
+            # change time, which is part of its identity.
+            self._touched[path] = now
             with contextlib.suppress(FileNotFoundError):
-                os.utime(path, (now, st.st_mtime))
+                os.utime(self._sum_path(path))
         return st
+
+    def _checked(self, path: str, st: os.stat_result) -> bool:
+        """Whether this process has checked the file ``st`` describes (no I/O)."""
+        return not self.verify_hits or self._checks().get(path) == file_identity(st)
+
+    def _checks(self) -> dict[str, Identity]:
+        """The copies this process has checked (path -> identity). A forked child
+        (a DataLoader worker) starts with none: each process checks what it uses."""
+        pid = os.getpid()
+        if self._verified_pid != pid:
+            self._verified = {}
+            self._verified_pid = pid
+        return self._verified
+
+    def _check(self, path: str, st: os.stat_result, url: str) -> bool:
+        """Whether the copy at ``path`` (``st``) holds the bytes its download recorded:
+        size and CRC, read once per process per identity. Call with the shard lock held."""
+        if self._checked(path, st):
+            return True
+        recorded = self._read_sum(path)
+        if recorded is None or recorded[1] != st.st_size:
+            return False  # no record of a checked download (or not this one's): refetch
+        crc, ident = file_crc(path)
+        self._count(verified=1, bytes_verified=st.st_size)
+        if crc != recorded[0] or ident != file_identity(st):
+            warnings.warn(
+                f"cached copy {path} of {url} no longer matches what was downloaded "
+                f"({crc}, recorded {recorded[0]}): it changed on disk; downloading it again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+        self._checks()[path] = ident
+        return True
+
+    def _discard(self, path: str) -> None:
+        """Delete a copy that failed its check (we hold its lock exclusively)."""
+        self._unlink_copy(path)
+        self._checks().pop(path, None)
+        self._count(rejected=1)
+
+    def _sum_path(self, path: str) -> str:
+        return os.path.join(self.directory, _SUM_DIR, os.path.basename(path))
+
+    def _write_sum(self, path: str, crc: str, size: int) -> None:
+        final = self._sum_path(path)
+        tmp = f"{final}{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{crc} {size}\n")
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def _read_sum(self, path: str) -> tuple[str, int] | None:
+        try:
+            with open(self._sum_path(path)) as f:
+                text = f.read(200)
+            crc, size = text.split()
+            return crc, int(size)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _unlink_copy(self, path: str) -> bool:
+        """Delete a copy and its record; whether the copy was there."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._sum_path(path))
+        return True
 
     def _lock_path(self, path: str) -> str:
         return os.path.join(self.directory, _LOCK_DIR, os.path.basename(path) + ".lock")
 
     @contextlib.contextmanager
-    def _flock(self, lock_path: str, *, blocking: bool = True) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    def _flock(
+        self, lock_path: str, *, blocking: bool = True, shared: bool = False
+    ) -> Iterator[bool]:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+                fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError:
                 yield False
                 return
@@ -392,7 +608,8 @@ class ShardCache:
     def _download(
         self, fs: fsspec.AbstractFileSystem, rpath: str, tmp: str, size: int, url: str
     ) -> None:
-        fs.get_file(rpath, tmp)
+        # With a deadline that grows with the size (torchgrain.io.remote).
+        remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
         got = os.path.getsize(tmp)
         if got < size:
             raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")
@@ -413,8 +630,16 @@ class ShardCache:
                 if e.name.startswith(prefix):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(e.path)
+        prefix = os.path.basename(path) + _TMP_PREFIX  # a record's temp file
+        with os.scandir(os.path.join(self.directory, _SUM_DIR)) as it:
+            for e in it:
+                if e.name.startswith(prefix):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(e.path)
 
-    def _entries(self) -> list[tuple[float, int, str]]:
+    def _entries(self) -> list[tuple[int, int, str]]:
+        """``(last use, size, path)`` of the complete copies; a copy's last use is its
+        record's modification time (0 without a record: it would be fetched again)."""
         out = []
         with os.scandir(self.directory) as it:
             for e in it:
@@ -424,7 +649,11 @@ class ShardCache:
                     st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                out.append((st.st_atime, st.st_size, e.path))
+                try:
+                    used = os.stat(self._sum_path(e.path)).st_mtime_ns
+                except FileNotFoundError:
+                    used = 0
+                out.append((used, st.st_size, e.path))
         return out
 
     def _reserved(self) -> int:
@@ -461,9 +690,7 @@ class ShardCache:
                 with self._flock(self._lock_path(p), blocking=False) as free:
                     if not free:
                         continue
-                    try:
-                        os.unlink(p)  # readers holding it open keep reading (POSIX)
-                    except FileNotFoundError:
+                    if not self._unlink_copy(p):  # readers holding it open keep reading
                         continue
                 total -= size
                 self._count(evictions=1, bytes_evicted=size)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import posixpath
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -14,24 +14,39 @@ import numpy as np
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
-    UnsafePathError,
+    check_ceiling,
 )
-from torchgrain.formats.arrayrecord_file import ArrayRecordFile, read_many, read_num_records
+from torchgrain.formats.arrayrecord_file import (
+    _CHUNK_HEADER,
+    DEFAULT_MAX_CHUNK_BYTES,
+    ArrayRecordFile,
+    _fast_views,
+    read_many,
+    read_mapped,
+    read_num_records,
+)
 from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
-from torchgrain.formats.manifest import Manifest, read_manifest
+from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
-from torchgrain.io.fs import expand_paths, get_filesystem, is_local
-from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io import remote
+from torchgrain.io.fs import ShardPaths, expand_paths, get_filesystem, is_local
+from torchgrain.io.limits import default_max_open_files
+from torchgrain.io.paths import resolve_all
+from torchgrain.io.region import RegionUnavailable, ShardRegion
+from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
+from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 _SEQUENTIAL_BLOCK = 1024  # records per read when reading a shard in order
+_FOOTERS = 256  # shards whose index views a process keeps for single-record reads
 
 
 class ArrayRecordSource(EncodedSource):
@@ -50,6 +65,12 @@ class ArrayRecordSource(EncodedSource):
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         filesystem: an fsspec filesystem to use instead of inferring one.
         verify_checksums: verify Riegeli chunk hashes on every read.
+        max_chunk_bytes: the most bytes one compressed chunk (so one record) may
+            decompress to (default 1 GiB,
+            :data:`~torchgrain.formats.arrayrecord_file.DEFAULT_MAX_CHUNK_BYTES`); a
+            chunk that declares more raises :class:`~torchgrain.CorruptDataError`
+            before anything is allocated for it. Raise it for trusted files written
+            with large groups of large records.
         cache_bytes: this process's in-memory cache of decompressed chunks, in bytes
             (default 256 MiB; ``0`` disables it). Only chunks holding several records
             (files written with ``group_size`` > 1) are kept: a block-local order then
@@ -69,13 +90,29 @@ class ArrayRecordSource(EncodedSource):
             concurrently, overlapping request latency (1 = sequential), and the shard
             read-ahead's concurrent downloads. Local shards are always read in the
             calling thread.
-        retry: retry policy for remote reads and downloads (default
-            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff).
-        max_open_files: readers kept open per process (default: all; a local reader is
-            a memory map and holds no file descriptor).
-        allow_external_paths: a manifest may name shards outside the dataset's directory
-            (absolute paths, ``..``, other URLs). Off by default: a dataset from an
-            untrusted place must not pull other files into your batches.
+        retry: retry policy and deadlines of remote reads and downloads (default
+            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff;
+            a read that makes no progress fails within 90 s).
+        max_open_files: shard readers (file descriptors) kept open per process, least
+            recently used closed first (default: every shard when the open-files limit
+            allows, raising the soft limit toward the hard one where that makes room,
+            else what a quarter of the limit holds; see :mod:`torchgrain.io.limits`).
+            Local batches are read through one map of all shards instead and open
+            readers only for unusual chunks.
+        allow_external_paths: a manifest (or a server's directory listing) may name
+            shards outside the dataset's directory (absolute paths, ``..``, other URLs),
+            and an HTTP(S) server may redirect. Off by default: a dataset from an
+            untrusted place must not pull other files into your batches, nor make this
+            process request other URLs (see :mod:`torchgrain.io.paths`).
+        index_dir: where the dataset index of local shards (every chunk's offset and
+            size, see :mod:`torchgrain.sources.node_index`) is built once per machine
+            and shared by every process through the page cache, for datasets without a
+            valid ``torchgrain.tgindex`` of their own (default
+            ``<torchgrain cache>/arrayrecord-index``); ``None`` builds it in each
+            process's memory instead.
+        max_mapped_shards: local shards mapped at once per process for batch reads
+            (default: what ``vm.max_map_count`` leaves free; least recently used
+            unmapped first); ``0`` reads every batch shard by shard instead.
 
     Opening reads the manifest (one small file) or, without one, every shard's footer
     (in parallel). No file handle is kept in the object: each process opens its own
@@ -100,8 +137,6 @@ class ArrayRecordSource(EncodedSource):
         [9, 0, 5]
     """
 
-    default_max_open_files = None
-
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -118,28 +153,70 @@ class ArrayRecordSource(EncodedSource):
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
         allow_external_paths: bool = False,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
+        max_mapped_shards: int | None = None,
     ) -> None:
         cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
         self._verify = verify_checksums
+        self.max_chunk_bytes = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
+        if max_mapped_shards is not None and max_mapped_shards < 0:
+            raise ValueError(f"max_mapped_shards must be >= 0, got {max_mapped_shards!r}")
+        self.max_mapped_shards = max_mapped_shards
         retry = retry or RetryPolicy()
-        manifest, fs, files = _resolve(paths, storage_options, filesystem, allow_external_paths)
+        with using(retry):  # the transport and open-time requests keep to its deadlines
+            manifest, fs, files, index_entry = _resolve(
+                paths, storage_options, filesystem, allow_external_paths
+            )
+        local = is_local(fs)
+        self._has_manifest = manifest is not None
+        self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if manifest is not None else None
+        shard_paths = ShardPaths(files)
+        counts = None
+        manifest_codec = schema = None
         if manifest is not None:
             counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
-        elif not is_local(fs):
+            manifest_codec = manifest.codec
+            schema = dict(manifest.schema) if manifest.schema else None
+        # Local shards: what reading needs of the manifest is in the dataset index. Its
+        # shard list costs hundreds of bytes per shard, and parsing it leaves the
+        # allocator's pages pinned if objects made meanwhile outlive it: it is dropped
+        # before anything lasting is made (and read again only if asked for).
+        self._manifest = None if local else manifest
+        del manifest, files
+        self._dindex: ArrayRecordIndex | None = None
+        self._count_bad: np.ndarray | None = None  # shards whose files disagree with the manifest
+        self._mapped: Any = None  # this process's ShardRegion and decoder (not pickled)
+        if local and len(shard_paths):
+            if index_dir is ...:
+                index_dir = default_index_dir("arrayrecord")
+            self._dindex = arrayrecord_index(
+                shard_paths,
+                index_dir=None if index_dir is None else os.fspath(index_dir),
+                counts=counts,
+                beside=index_entry,
+                max_chunk_bytes=max_chunk_bytes,
+            )
+            if counts is None:
+                counts = self._dindex.counts
+            elif not np.array_equal(self._dindex.counts, counts):
+                self._count_bad = self._dindex.counts != counts
+        elif counts is None:  # remote files without a manifest: count from footers
             counts = retry_call(
                 read_num_records,
-                files,
+                list(shard_paths),
                 filesystem=fs,
-                url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else files[0],
+                max_chunk_bytes=max_chunk_bytes,
+                url=os.fspath(paths) if isinstance(paths, (str, os.PathLike)) else shard_paths[0],
                 policy=retry,
                 what="reading shard footers",
             )
-        else:
-            counts = read_num_records(files, filesystem=fs)
-        self.manifest = manifest
+        if max_open_files is ...:
+            # Local readers hold two descriptors each (the file, its map); remote ones none.
+            max_open_files = default_max_open_files(len(shard_paths)) if local else None
         self._init_shards(
             filesystem=fs,
-            paths=files,
+            paths=shard_paths,
             counts=counts,
             cache_bytes=cache_bytes,
             cache_dir=cache_dir,
@@ -149,23 +226,107 @@ class ArrayRecordSource(EncodedSource):
             retry=retry,
             max_open_files=max_open_files,
         )
-        if manifest is None and isinstance(codec, str) and codec in ("auto", "tf_example"):
+        if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
-            codec = tfds_codec_for(files, fs) or codec
-        if codec == "auto":
-            codec = manifest.codec if manifest is not None else self._sniff()
-        self.codec: Codec = get_codec(codec)
-        self._schema: dict[str, str] | None = (
-            dict(manifest.schema) if manifest is not None and manifest.schema else None
-        )
+            codec = tfds_codec_for(list(shard_paths), fs) or codec
+        if codec == "auto" and self._has_manifest:
+            try:
+                self.codec: Codec = get_codec(manifest_codec)
+            except ValueError as e:  # the dataset's word, not the caller's
+                raise CorruptDataError(
+                    f"the manifest ({MANIFEST_NAME}) of {os.fspath(paths)!r}: {e}"
+                ) from None
+        else:
+            self.codec = get_codec(self._sniff() if codec == "auto" else codec)
+        self._schema: dict[str, str] | None = schema
+        self._share_index()
+
+    def _share_index(self) -> None:
+        """Record offsets per shard from the mapped index, not a private copy."""
+        if self._dindex is not None and self._count_bad is None:
+            self.index = ShardIndex.from_offsets(self._dindex.rec_base)
 
     # ----------------------------------------------------------------- readers
     def _open_reader(
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> ArrayRecordFile:
-        f = ArrayRecordFile(path, filesystem=filesystem, verify_checksums=self._verify)
-        self._check_count(shard, f)
+        ix = self._dindex
+        if ix is None or filesystem is not None or path != self._paths[shard]:
+            f = ArrayRecordFile(
+                path,
+                filesystem=filesystem,
+                verify_checksums=self._verify,
+                max_chunk_bytes=self.max_chunk_bytes,
+            )
+            try:
+                self._check_count(shard, f)
+            except (IsADirectoryError, NotADirectoryError) as e:
+                f.close()
+                raise CorruptDataError(
+                    f"shard {shard} {path!r} of this dataset is a directory, not an "
+                    "ArrayRecord file"
+                ) from e
+            except FileNotFoundError as e:
+                f.close()
+                if isinstance(e, DatasetNotFoundError):
+                    raise
+                raise DatasetNotFoundError(
+                    f"shard {shard} {path!r} of this dataset does not exist ({e})"
+                ) from e
+            return f
+        # A local shard of an indexed dataset: its footer comes from the index, and the
+        # file is checked against it now (size, footer), not parsed.
+        self._check_counts(np.array([shard]))
+        f = ArrayRecordFile(
+            path,
+            verify_checksums=self._verify,
+            footer=ix.footer(shard),
+            max_chunk_bytes=self.max_chunk_bytes,
+        )
+        try:
+            f._local_view()
+        except CorruptDataError as e:
+            f.close()
+            raise self._shard_changed(shard, str(e)) from None
+        except FileNotFoundError as e:
+            f.close()
+            raise DatasetNotFoundError(
+                f"shard {shard} {path!r} of this dataset does not exist ({e})"
+            ) from e
         return f
+
+    def _shard_changed(self, shard: int, why: str) -> CorruptDataError:
+        """The error for a shard that is not the file its index describes: the count
+        error when it holds other records than the manifest lists, else the change."""
+        if self._has_manifest:
+            f = ArrayRecordFile(self._paths[shard], max_chunk_bytes=self.max_chunk_bytes)
+            try:
+                self._check_count(shard, f)
+            except CorruptDataError as e:
+                return e
+            finally:
+                f.close()
+        return CorruptDataError(
+            f"shard {shard} {self._paths[shard]!r} is not the file the dataset's index "
+            f"describes ({why}); "
+            + (
+                "it was replaced after the dataset was written: rewrite the dataset"
+                if self._has_manifest
+                else "it changed after the dataset was opened: open it again"
+            )
+        )
+
+    def _check_counts(self, shards: np.ndarray) -> None:
+        """Shards whose files hold other record counts than the manifest lists are
+        refused, with the manifest's error."""
+        bad = self._count_bad
+        if bad is not None and bad[shards].any():
+            shard = int(shards[np.flatnonzero(bad[shards])[0]])
+            f = ArrayRecordFile(self._paths[shard], max_chunk_bytes=self.max_chunk_bytes)
+            try:
+                self._check_count(shard, f)
+            finally:
+                f.close()
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
         return reader.for_child() if reader.has_index else None
@@ -175,7 +336,7 @@ class ArrayRecordSource(EncodedSource):
 
     def _check_count(self, shard: int, f: ArrayRecordFile) -> None:
         """A shard must hold exactly the records the manifest promised (none skipped)."""
-        if self.manifest is None:
+        if not self._has_manifest:
             return
         expected = int(self.index.counts[shard])
         n = f.num_records
@@ -189,7 +350,8 @@ class ArrayRecordSource(EncodedSource):
             )
 
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
-        info = self.manifest.shards[shard] if self.manifest is not None else None
+        manifest = self.manifest
+        info = manifest.shards[shard] if manifest is not None else None
         if info is None:
             return None, None
         # A downloaded copy is checked against the file's own hash where the manifest
@@ -211,13 +373,62 @@ class ArrayRecordSource(EncodedSource):
     def block_offsets(self) -> np.ndarray:
         """Global record offsets of ArrayRecord chunks (for :class:`BlockShuffleSampler`).
 
-        Starts at 0 and ends at ``len(self)``; reads every shard's footer.
+        Starts at 0 and ends at ``len(self)``; from the dataset index (local shards) or
+        every shard's footer.
         """
+        ix = self._dindex
+        if ix is not None:
+            self._check_counts(np.arange(self.num_shards))
+            owner = np.repeat(np.arange(self.num_shards), np.diff(ix.chunk_base) + 1)
+            return np.unique(ix.record_offsets + self.index.offsets[owner])
         parts = [np.zeros(1, dtype=np.int64)]
         for shard in range(self.num_shards):
             offs = self._reader(shard).record_offsets
             parts.append(offs[1:] + self.index.offsets[shard])
         return np.concatenate(parts)
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass goes through (see :meth:`check_cache_fit`): the shard cache
+        for remote shards, and for local ones the chunk cache, which holds chunks of
+        several records (files written with ``group_size`` > 1) decompressed. Reads
+        every shard's footer. A chunk is counted at about its stored (compressed) size,
+        less than what it costs decompressed: the check may miss a thrash of data that
+        compresses well, and does not invent one."""
+        out = super().cache_blocks()
+        if not self.cache_bytes or self._remote:
+            return out
+        offsets, sizes = [np.zeros(1, dtype=np.int64)], []
+        for shard in range(self.num_shards):
+            reader = self._reader(shard)
+            records = reader.record_offsets
+            starts = reader.chunk_offsets
+            ends = np.append(starts[1:], self.shard_nbytes(shard))
+            stored = np.maximum(ends - starts, 0)
+            offsets.append(records[1:] + self.index.offsets[shard])
+            sizes.append(np.where(np.diff(records) > 1, stored, 0))  # 1-record: not cached
+        nbytes = np.concatenate([np.zeros(0, dtype=np.int64), *sizes]).astype(np.int64)
+        if not nbytes.any():
+            return out  # no chunk of several records: nothing goes through the cache
+        out.append(
+            CacheBlocks(
+                cache="chunk cache",
+                unit="chunk",
+                offsets=np.concatenate(offsets),
+                nbytes=lambda c: nbytes[c],
+                capacity=self.cache_bytes,
+                per_process=True,
+                total=int(nbytes.sum()),
+                remedies=(
+                    "use BlockShuffleSampler (chunks in random order, records shuffled "
+                    "within a window of a few: each chunk decompressed once a pass)",
+                    "raise cache_bytes above the working set, memory allowing (every "
+                    "DataLoader worker holds its own)",
+                    "rewrite with group_size=1 (torchgrain convert SRC DST --group-size 1): "
+                    "each record its own chunk, read without the chunk cache",
+                ),
+            )
+        )
+        return out
 
     def iter_shard_bytes(
         self, shard: int, start: int = 0, stop: int | None = None
@@ -225,13 +436,17 @@ class ArrayRecordSource(EncodedSource):
         """The raw records ``[start, stop)`` of one shard, in order, read in blocks."""
         n = int(self.index.counts[shard])
         stop = n if stop is None else min(stop, n)
-        for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
-            b = min(a + _SEQUENTIAL_BLOCK, stop)
-            yield from self._io(
-                lambda a=a, b=b: self._reader(shard).read_range(a, b),
-                shard,
-                f"read of records {a}-{b} of shard {shard}",
-            )
+
+        def records() -> Iterator[bytes]:
+            for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
+                b = min(a + _SEQUENTIAL_BLOCK, stop)
+                yield from self._io(
+                    lambda a=a, b=b: self._reader(shard).read_range(a, b),
+                    shard,
+                    f"read of records {a}-{b} of shard {shard}",
+                )
+
+        yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
     def _read_rows(
@@ -243,6 +458,175 @@ class ArrayRecordSource(EncodedSource):
             shard,
             f"range read of shard {shard} (record index {index})",
         )
+
+    def _region(self) -> tuple[ShardRegion, ArrayRecordFile, dict[int, Any]] | None:
+        """This process's map of the dataset's local shards (inherited through fork:
+        the maps stay valid) and a decoder; None where batches are read shard by shard."""
+        mapped = self._mapped
+        if mapped is None:
+            if self._dindex is None or self._remote or self._verify or self.max_mapped_shards == 0:
+                return None
+            try:
+                region = ShardRegion(
+                    self._paths,
+                    self._dindex.file_size,
+                    max_maps=self.max_mapped_shards,
+                    check=self._check_mapped,
+                )
+            except RegionUnavailable:
+                self._mapped = False
+                return None
+            # Only its zstd context is used: one per thread and process. The dict holds
+            # the index views of the shards single records were read from (a few).
+            mapped = self._mapped = (
+                region,
+                ArrayRecordFile(self._paths[0], max_chunk_bytes=self.max_chunk_bytes),
+                {},
+            )
+        return mapped or None
+
+    def _check_mapped(self, shard: int, st: os.stat_result, view: memoryview) -> None:
+        assert self._dindex is not None
+        why = self._dindex.mismatch(shard, st, view if len(view) else None)
+        if why is not None:
+            raise self._shard_changed(shard, why)
+
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        # One record: Python ints and the mapped shard, no numpy call per step.
+        mapped = self._region()
+        ix = self._dindex
+        if mapped is None or ix is None or not ix.single:
+            return None
+        if self._count_bad is not None and self._count_bad[shard]:
+            return None  # the shard-by-shard path names the shard's error
+        region, decoder, footers = mapped
+        try:
+            at = region.acquire_one(shard)
+        except (CorruptDataError, FileNotFoundError):
+            return None  # a shard that cannot be mapped: the reader names it
+        if at is None:
+            return None
+        try:
+            got = footers.get(shard)
+            if got is None:
+                if len(footers) >= _FOOTERS:
+                    with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                        footers.pop(next(iter(footers)))  # another thread may be here too
+                footer = ix.footer(shard)
+                got = footers[shard] = (footer, _fast_views(footer))
+            footer, fast = got
+            pos, end = int(footer.chunk_offsets[row]), int(footer.chunk_ends[row])
+            if not _CHUNK_HEADER <= pos < end <= footer.footer_offset:
+                raise ix.error(
+                    shard,
+                    f"chunk {row} of {self._paths[shard]!r} at [{pos}, {end}) lies outside "
+                    f"the file's chunks (record index {index})",
+                )
+            f = ArrayRecordFile._over(
+                region.view[at : at + footer.file_size], self._paths[shard], footer, decoder, fast
+            )
+            try:
+                return f._read_one(row, footer)
+            except CorruptDataError as e:
+                raise type(e)(
+                    f"{e} (shard {shard} of {self.num_shards}, reading record index {index})"
+                ) from e
+        finally:
+            region.release()
+
+    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
+        mapped = self._region()
+        if mapped is None:
+            return None
+        ix = self._dindex
+        assert ix is not None
+        bad = self._count_bad
+        if bad is not None and bad[self.index._locate(idx)[0]].any():
+            return None  # shard by shard: the shard's error names it and the record
+        shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
+        if not ix.single:
+            recs = ix.record_offsets
+            if bool((recs[entry + 1] - recs[entry] != 1).any()):
+                return None  # chunks of several records: shard by shard, with the chunk cache
+        region, decoder, _ = mapped
+        try:
+            base = region.acquire(shard)
+        except (CorruptDataError, FileNotFoundError):
+            return None  # a shard cannot be mapped: shard by shard, which names it
+        if base is None:
+            return None  # more shards than may be mapped at once
+        try:
+            pos = ix.offsets[entry]
+            end = ix.offsets[entry + 1]
+            size = ix.file_size[shard]
+            # Every offset is bounded by its shard's footer before any byte is read.
+            bad = (pos < _CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets(shard))
+            if bad.any():
+                k = int(np.flatnonzero(bad)[0])
+                raise ix.error(
+                    int(shard[k]),
+                    f"chunk {int(entry[k] - ix.starts(shard[k]))} of {self._paths[shard[k]]!r} "
+                    f"at [{int(pos[k])}, {int(end[k])}) lies outside the file's chunks "
+                    f"(record index {int(idx[k])})",
+                )
+
+            def careful(k: int) -> bytes:
+                # The path that checks and reports everything, over the mapped shard:
+                # no reader (and no descriptor, map or context) per shard.
+                s = int(shard[k])
+                at = int(base[k])
+                f = ArrayRecordFile._over(
+                    region.view[at : at + int(size[k])], self._paths[s], ix.footer(s), decoder
+                )
+                try:
+                    return f._careful_record(int(entry[k] - ix.starts(s)), f._footer)
+                except CorruptDataError as e:
+                    raise type(e)(
+                        f"{e} (shard {s} of {self.num_shards}, reading record index {int(idx[k])})"
+                    ) from e
+
+            return read_mapped(
+                region.u8,
+                region.view,
+                base + pos,
+                base + end,
+                base + size,
+                ix.decoded[chunk],
+                decoder=decoder,
+                careful=careful,
+                words=region.words,
+            )
+        finally:
+            region.release()
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The dataset's ``torchgrain.json`` (None for files without one). A worker that
+        received the source pickled reads it again on first use: its shard list costs
+        every process hundreds of bytes per shard."""
+        if self._manifest is None and self._has_manifest:
+            self._manifest = read_manifest(self._fs, self._manifest_dir)
+        return self._manifest
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_mapped"] = None  # maps belong to one process
+        if self._dindex is not None:  # local: the index holds what reading needs
+            state["_manifest"] = None
+            if self._count_bad is None:
+                state["index"] = None  # the mapped index's, after unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.index is None:
+            self._share_index()
+
+    def close(self) -> None:
+        super().close()
+        mapped = self._mapped
+        if mapped:
+            mapped[0].close()
 
     def _read_many(
         self, groups: list[tuple[int, np.ndarray, np.ndarray]]
@@ -296,61 +680,73 @@ def _resolve(
     storage_options: dict[str, Any] | None,
     filesystem: fsspec.AbstractFileSystem | None,
     allow_external_paths: bool,
-) -> tuple[Manifest | None, fsspec.AbstractFileSystem, list[str]]:
-    """The manifest (for a dataset directory that has one), the filesystem and the files."""
+) -> tuple[
+    Manifest | None, fsspec.AbstractFileSystem, list[str], tuple[str, dict[str, Any]] | None
+]:
+    """The manifest (for a dataset directory that has one), the filesystem, the files,
+    and the dataset's own index file with its manifest entry (when it names one)."""
     if isinstance(paths, (str, os.PathLike)):
         if filesystem is not None:
             fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
         else:
-            fs, root = get_filesystem(paths, storage_options)
-        if not any(ch in root for ch in "*?[") and fs.isdir(root):
+            fs, root = get_filesystem(paths, storage_options, allow_redirects=allow_external_paths)
+        where = os.fspath(paths)
+        if not any(ch in root for ch in "*?[") and remote.isdir(fs, root, url=where):
             manifest = read_manifest(fs, root)
             if manifest is not None:
-                where = os.fspath(paths)
-                files = [
-                    _shard_path(fs, root, s.path, where, allow_external_paths)
-                    for s in manifest.shards
-                ]
-                missing = [f for f in files[:1] + files[-1:] if not fs.exists(f)]
+                files = _shard_paths(
+                    fs, root, [s.path for s in manifest.shards], where, allow_external_paths
+                )
+                ends = sorted({0, len(files) - 1}) if files else []
+                missing = [k for k in ends if not remote.exists(fs, files[k])]
                 if missing:
                     raise DatasetNotFoundError(
-                        f"shard {missing[0]!r} listed in the manifest of {where!r} does not exist"
+                        f"shard {missing[0]} {files[missing[0]]!r} listed in the manifest of "
+                        f"{where!r} does not exist"
                     )
-                return manifest, fs, files
+                entry = manifest.extra.get("index")
+                index = None
+                if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+                    # The index file is named like a shard: inside the dataset, always.
+                    path = resolve_all(
+                        fs,
+                        root,
+                        [entry["path"]],
+                        where=f"the manifest of {where!r}",
+                        what=lambda k: "its index file",
+                    )[0]
+                    index = (path, entry)
+                return manifest, fs, files, index
     fs, files = expand_paths(
         paths,
         suffixes=ARRAY_RECORD_SUFFIXES,
         storage_options=storage_options,
         filesystem=filesystem,
         kind="ArrayRecord",
+        allow_external=allow_external_paths,
     )
-    return None, fs, files
+    return None, fs, files, None
 
 
-def _shard_path(
-    fs: fsspec.AbstractFileSystem, root: str, name: str, where: str, allow_external: bool
-) -> str:
-    """Where a manifest's shard ``name`` is: inside ``root`` unless the user allows more.
+def _shard_paths(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    names: list[str],
+    where: str,
+    allow_external: bool,
+) -> list[str]:
+    """Where a manifest's shards are: inside ``root`` unless the user allows more.
 
-    A shard name is a relative path below the dataset directory. ``..`` segments, an
-    absolute path or a URL would let an untrusted dataset read any file the process can.
-    A symlink inside the directory is the user's own doing and is followed as usual.
+    A shard name is a relative path below the dataset directory, checked in every reading
+    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_all`: ``..``
+    segments, an absolute path or a URL would let an untrusted dataset read any file the
+    process can. A symlink inside the directory is the user's own doing and is followed.
     """
-    external = (
-        "://" in name
-        or name.startswith(("/", "\\"))
-        or (len(name) > 1 and name[1] == ":")  # a Windows drive
-        or ".." in name.replace("\\", "/").split("/")
+    return resolve_all(
+        fs,
+        root,
+        names,
+        where=f"the manifest of {where!r}",
+        what=lambda k: f"shard {k}",
+        allow_external=allow_external,
     )
-    if external and not allow_external:
-        raise UnsafePathError(
-            f"the manifest of {where!r} names shard {name!r}, which is outside the dataset "
-            "directory; shard paths must be relative paths below it. If you trust this "
-            "dataset, open it with allow_external_paths=True"
-        )
-    if "://" in name:
-        return name
-    path = name if name.startswith("/") else posixpath.join(root, name)
-    if is_local(fs):
-        return posixpath.normpath(path)  # "sub/../x" must not need "sub" to exist
-    return fs.unstrip_protocol(path)

@@ -18,6 +18,7 @@ import abc
 import os
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -26,11 +27,19 @@ import fsspec
 import numpy as np
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.io import process
-from torchgrain.io.fs import filesystem_for_this_process, is_local
+from torchgrain.errors import CacheThrashWarning
+from torchgrain.io import process, remote
+from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
-from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, BlockCache, CacheInfo
+from torchgrain.io.shard_cache import ShardCache, file_identity
+from torchgrain.sources.block_cache import (
+    DEFAULT_CACHE_BYTES,
+    BlockCache,
+    CacheBlocks,
+    CacheFit,
+    CacheInfo,
+    check_fit,
+)
 from torchgrain.sources.index import ShardIndex
 
 __all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
@@ -42,13 +51,18 @@ DEFAULT_CACHE_DIR_BYTES = 16 * 2**30
 # Readers of cached local copies kept open per process. Eviction only unlinks files, so
 # an open reader pins an evicted copy's disk blocks: keep few of them open.
 _MAX_OPEN_CACHED = 32
-# How long an open reader of a cached copy is trusted without a stat() of the copy
-# (the cache's LRU clock has the same 1 s resolution).
-_RECHECK_SECONDS = 1.0
+# How long a process keeps reading an evicted copy it has open (it holds the file's
+# disk blocks beyond the cache's budget meanwhile) before fetching it again.
+_EVICTED_GRACE_SECONDS = 1.0
+# How often an open copy in use counts as a hit, which refreshes its LRU position (the
+# cache's access-time clock has the same resolution).
+_TOUCH_SECONDS = 1.0
 # Per-process state inherited through fork is kept referenced (never freed) in the
 # child: releasing it would write to every inherited page (refcounts, allocator
 # metadata) and turn shared copy-on-write pages into private copies.
 _INHERITED: list[Any] = []
+# Per thread: ``pins``, the cached copies the running read (ShardedSource._pinned) uses.
+_READS = threading.local()
 
 
 class Source(abc.ABC):
@@ -185,6 +199,27 @@ class RecordBytesSource(Protocol):
         ...
 
 
+class _CachedCopy:
+    """An open reader of a shard's local copy, and how many reads are using it.
+
+    A copy leaves the open set when it is evicted or replaced on disk, or to bound the
+    open readers; its reader is closed only once no read uses it (``pins == 0``), so a
+    thread never has a reader closed under it.
+    """
+
+    __slots__ = ("evicted_at", "ident", "lock", "path", "pins", "reader", "retired", "touched")
+
+    def __init__(self, path: str, ident: tuple[int, ...], reader: Any, lock: Any) -> None:
+        self.lock = lock  # the lock of the process state it belongs to
+        self.path = path
+        self.ident = ident  # of the file the reader opened (see ShardCache.lookup)
+        self.reader = reader
+        self.pins = 0
+        self.retired = False
+        self.evicted_at: float | None = None  # when it was first seen evicted
+        self.touched = time.monotonic()  # its last hit in the cache (its LRU position)
+
+
 class _ProcessState:
     """Readers, threads, caches and counters owned by one process."""
 
@@ -193,8 +228,10 @@ class _ProcessState:
         self.lock = threading.Lock()
         # shard -> reader of the shard itself (local file or remote URL)
         self.readers: OrderedDict[int, Any] = OrderedDict()
-        # shard -> [local copy path, inode, reader, time of the last existence check]
-        self.cached: OrderedDict[int, list[Any]] = OrderedDict()
+        # shard -> the open reader of its local copy (with a shard cache)
+        self.cached: OrderedDict[int, _CachedCopy] = OrderedDict()
+        # per thread: ``batch``, the copies a batch opened ahead (see _prefetch_copies)
+        self.local = threading.local()
         self.pool: process.ForkSafeThreadPool | None = None
         self.read_ahead: Any = None
         self.blocks = BlockCache(cache_bytes)
@@ -222,7 +259,8 @@ class ShardedSource(Source):
     * ``io_threads``: threads per process that read the remote shards of one batch
       concurrently (1 = sequential; local shards are read in the calling thread);
     * ``retry``: a :class:`~torchgrain.io.retry.RetryPolicy` for remote reads and
-      downloads;
+      downloads: attempts and their deadlines (connect, between bytes, per request, per
+      operation);
     * ``max_open_files``: readers kept open per process (least recently used closed
       first; ``None``: no limit).
     """
@@ -257,7 +295,7 @@ class ShardedSource(Source):
         self._fs = filesystem
         self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)
-        self._paths = list(paths)
+        self._paths = paths if isinstance(paths, ShardPaths) else list(paths)
         self.index = ShardIndex(counts)
         self.cache_bytes = cache_bytes
         self.io_threads = io_threads
@@ -277,6 +315,8 @@ class ShardedSource(Source):
         self.read_ahead_bytes = int(read_ahead_bytes)
         self._sizes: dict[int, int] = {}
         self._state: _ProcessState | None = None
+        # (process, cache) pairs already warned of a pass that cannot fit
+        self._thrash_warned: set[tuple[Any, str]] = set()
 
     # ------------------------------------------------------------- read-ahead
     def read_ahead(
@@ -285,13 +325,20 @@ class ShardedSource(Source):
         start: int,
         count: int,
         position: Callable[[], int],
-    ) -> None:
-        """Download, in the background, the shards that ``order`` (a sampler's pass:
-        ``order(a, b)`` are the indices at positions ``[a, b)``) will read from
-        ``start`` on, ahead of ``position()``, into the shard cache (see
-        :mod:`torchgrain.io.readahead`). Does nothing without a shard cache on remote
-        storage or with ``read_ahead_bytes=0``; a new call cancels the previous walk.
-        Samplers call this at the start of each pass.
+    ) -> list[CacheFit]:
+        """Prepare for a sampler's pass: ``order(a, b)`` are the indices at positions
+        ``[a, b)``, the pass reads from ``start`` on (``count`` more), ``position()``
+        is how far it got. Samplers call this at the start of each pass.
+
+        First, whether the pass fits this source's caches (:meth:`check_cache_fit`):
+        one that does not is reported once per source and process with a
+        :class:`~torchgrain.CacheThrashWarning`, and every check is returned (the
+        :class:`~torchgrain.Dataset` keeps them for :func:`tg.stats <torchgrain.stats>`).
+
+        Then, on remote storage with a shard cache, the shards the pass will read are
+        downloaded in the background ahead of ``position()`` (see
+        :mod:`torchgrain.io.readahead`); nothing with ``read_ahead_bytes=0``. A new
+        call cancels the previous walk.
 
         Example:
             >>> import tempfile, torchgrain as tg
@@ -299,11 +346,13 @@ class ShardedSource(Source):
             >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
             >>> src = tg.ArrayRecordSource(d)  # local files: nothing to read ahead
             >>> src.read_ahead(lambda a, b: list(range(a, b)), 0, len(src), lambda: 0)
+            []
             >>> src.read_ahead_bytes
             0
         """
+        fits = self.check_cache_fit(order, start, count) if order is not None else []
         if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
-            return
+            return fits
         from torchgrain.io.readahead import ShardReadAhead
 
         st = self._proc()
@@ -312,6 +361,64 @@ class ShardedSource(Source):
                 st.read_ahead = ShardReadAhead(self, self.read_ahead_bytes, threads=self.io_threads)
             ra = st.read_ahead
         ra.begin(order, start, count, position)
+        return fits
+
+    # ------------------------------------------------------------ cache fitting
+    def _describe(self) -> str:
+        """A short name of the dataset for messages: the class and its first shard."""
+        more = f" and {self.num_shards - 1:,} more" if self.num_shards > 1 else ""
+        first = repr(self._paths[0]) if self._paths else "no files"
+        return f"{type(self).__name__}({first}{more})"
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass over this source goes through, for :meth:`check_cache_fit`:
+        the shard cache (``cache_dir``) for remote shards; formats add their decoded-
+        block cache."""
+        if self.cache is None or not self._remote:
+            return []
+        return [
+            CacheBlocks(
+                cache="shard cache (cache_dir)",
+                unit="shard",
+                offsets=self.index.offsets,
+                nbytes=lambda shards: np.array([self.shard_nbytes(int(s)) for s in shards]),
+                capacity=self.cache.max_bytes,
+                per_process=False,
+                remedies=(
+                    "raise cache_dir_bytes above the working set",
+                    "use BlockShuffleSampler (a few shards at a time, each read once a pass)",
+                    "rewrite the data in fewer, larger passes' worth of shards "
+                    "(torchgrain convert)",
+                ),
+            )
+        ]
+
+    def check_cache_fit(
+        self, order: Callable[[int, int], np.ndarray], start: int, count: int
+    ) -> list[CacheFit]:
+        """Whether a pass (``order``, ``start``, ``count`` as in :meth:`read_ahead`) fits
+        each of :meth:`cache_blocks`, replaying its start through a simulated cache (see
+        :func:`~torchgrain.sources.block_cache.check_fit`). A cache it does not fit gets
+        a :class:`~torchgrain.CacheThrashWarning`, once per source, cache and process.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).check_cache_fit(lambda a, b: range(a, b), 0, 4)
+            []
+        """
+        fits = []
+        for blocks in self.cache_blocks():
+            fit = check_fit(self._describe(), blocks, order, start, count)
+            if fit is None:
+                continue
+            fits.append(fit)
+            warned = self._thrash_warned
+            if not fit.fits and (process.token(), blocks.cache) not in warned:
+                warned.add((process.token(), blocks.cache))
+                warnings.warn(CacheThrashWarning(fit.message(), fit), stacklevel=4)
+        return fits
 
     def shard_nbytes(self, shard: int) -> int:
         """Size of a shard file in bytes (from the dataset's records, else from one
@@ -332,7 +439,9 @@ class ShardedSource(Source):
                 self._sizes.update(self._listed_sizes())
                 size = self._sizes.get(shard)
             if size is None:
-                size = int(self._io(lambda: self._fs.size(self._paths[shard]), shard, "size"))
+                size = self._io(
+                    lambda: remote.file_size(self._fs, self._paths[shard]), shard, "size"
+                )
             self._sizes[shard] = size
         return size
 
@@ -348,7 +457,8 @@ class ShardedSource(Source):
         for parent, shards in where.items():
             try:
                 listing = {
-                    fs._strip_protocol(e["name"]): e.get("size") for e in fs.ls(parent, detail=True)
+                    fs._strip_protocol(e["name"]): e.get("size")
+                    for e in remote.call(fs, "ls", parent, detail=True, what="listing")
                 }
             except Exception:  # a store that cannot list: sizes are asked one by one
                 continue
@@ -418,7 +528,9 @@ class ShardedSource(Source):
         if st is None or st.token != process.token():
             return
         with st.lock:
-            readers = [*st.readers.values(), *(e[2] for e in st.cached.values())]
+            # Readers of cached copies still in use by a read close when it ends.
+            copies = [c.reader for c in st.cached.values() if _retire(c)]
+            readers = [*st.readers.values(), *copies]
             st.readers.clear()
             st.cached.clear()
             pool, st.pool = st.pool, None
@@ -526,73 +638,104 @@ class ShardedSource(Source):
 
     def _is_cached(self, shard: int) -> bool:
         assert self.cache is not None
-        entry = self._proc().cached.get(shard)
-        if entry is not None and time.monotonic() - entry[3] < _RECHECK_SECONDS:
-            return True
         _, checksum = self.shard_integrity(shard)
         return os.path.exists(self.cache.local_path(self._paths[shard], checksum=checksum))
 
     def _cached_reader(self, st: _ProcessState, shard: int) -> Any:
-        """A reader of the local copy of remote ``shard`` (fetched on first access)."""
+        """A reader of the local copy of remote ``shard`` (fetched on first access),
+        open until the read that asked for it (:meth:`_io`) ends, at least."""
+        return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
+
+    def _cached_copy(self, st: _ProcessState, shard: int, pins: list | None) -> _CachedCopy:
+        """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
+        it stays open until they are released."""
         assert self.cache is not None
-        now = time.monotonic()
-        with st.lock:
-            entry = st.cached.get(shard)
-            if entry is not None and now - entry[3] < _RECHECK_SECONDS:
-                # Checked a moment ago: skip the stat() (the hot path of warm epochs).
-                # Were the copy evicted since, the open reader still reads it.
-                return entry[2]
-        url = self._paths[shard]
-        size, checksum = self.shard_integrity(shard)
-        # A hit refreshes the copy's access time (its LRU position).
-        hit = self.cache.lookup(url, size=size, checksum=checksum)
-        reader = None
-        if hit is not None:
+        copy = st.cached.get(shard)
+        if copy is not None and self._still_readable(copy, shard):
             with st.lock:
-                entry = st.cached.get(shard)
-                if entry is not None and (entry[0], entry[1]) == hit:
-                    entry[3] = now
+                if st.cached.get(shard) is copy:
                     st.cached.move_to_end(shard)
-                    return entry[2]
-            try:
-                reader = self._open_local_copy(shard, hit[0])
-            except FileNotFoundError:
-                reader = None  # evicted just now: fetch it again below
-        if reader is None:
-            path, ino, reader = self.cache.fetch_open(
-                url,
-                lambda p: self._open_local_copy(shard, p),
-                filesystem=self._fs,
-                size=size,
-                checksum=checksum,
-                verify=self._verify_copy,
-            )
-            hit = (path, ino)
-        assert hit is not None
+                    _pin(copy, pins)
+                    return copy
+        size, checksum = self.shard_integrity(shard)
+        path, ident, reader = self.cache.fetch_open(
+            self._paths[shard],
+            lambda p: self._open_local_copy(shard, p),
+            filesystem=self._fs,
+            size=size,
+            checksum=checksum,
+            verify=self._verify_copy,
+        )
+        copy = _CachedCopy(path, ident, reader, st.lock)
         with st.lock:
+            _pin(copy, pins)
             old = st.cached.pop(shard, None)
-            st.cached[shard] = [hit[0], hit[1], reader, now]
-            evicted = [old[2]] if old is not None else []
+            st.cached[shard] = copy
+            retired = [old] if old is not None else []
             while len(st.cached) > _MAX_OPEN_CACHED:
-                evicted.append(st.cached.popitem(last=False)[1][2])
-        for r in evicted:
+                retired.append(st.cached.popitem(last=False)[1])
+            unused = [c.reader for c in retired if _retire(c)]
+        for r in unused:
             r.close()
-        return reader
+        return copy
+
+    def _still_readable(self, copy: _CachedCopy, shard: int) -> bool:
+        """Whether the open reader of ``copy`` still reads the file it checked (one
+        stat() per use): the copy on disk is that file, or it was evicted less than a
+        grace period ago (only unlinked: the reader keeps the file). A copy replaced or
+        rewritten in place is not: it is fetched, and checked, again."""
+        assert self.cache is not None
+        try:
+            ident = file_identity(os.stat(copy.path))
+        except FileNotFoundError:
+            return _in_grace(copy)
+        if ident != copy.ident:
+            return False
+        now = time.monotonic()
+        if now - copy.touched >= _TOUCH_SECONDS:
+            # A hit: refreshes the copy's LRU position, at most once a second.
+            size, checksum = self.shard_integrity(shard)
+            hit = self.cache.lookup(self._paths[shard], size=size, checksum=checksum)
+            if hit != (copy.path, copy.ident):
+                return False
+            copy.touched = now
+        return True
+
+    def _pinned(self, fn: Callable[[], T]) -> T:
+        """``fn()``, the readers of cached copies it gets staying open until it returns."""
+        if getattr(_READS, "pins", None) is not None:  # within a read: that one holds them
+            return fn()
+        pins: list[_CachedCopy] = []
+        _READS.pins = pins
+        try:
+            return fn()
+        finally:
+            _READS.pins = None
+            if pins:
+                _unpin(pins)
 
     def _close_evicted_copies(self) -> None:
-        """Close readers whose cached copy was evicted: they pin its disk blocks."""
+        """End a batch that :meth:`_prefetch_copies` opened: release its readers, and
+        retire those whose cached copy was evicted or replaced (they pin its disk
+        blocks; they close once no other read uses them)."""
+        assert self.cache is not None
         st = self._proc()
-        stale = []
+        _release_batch(st)
         with st.lock:
-            for shard, (path, ino, reader, _) in list(st.cached.items()):
-                try:
-                    if os.stat(path).st_ino == ino:
-                        continue
-                except FileNotFoundError:
-                    pass
-                del st.cached[shard]
-                stale.append(reader)
-        for r in stale:
+            copies = list(st.cached.items())
+        gone = []
+        for shard, copy in copies:
+            ident = self.cache.identity(copy.path)
+            if ident != copy.ident and (ident is not None or not _in_grace(copy)):
+                gone.append((shard, copy))
+        with st.lock:
+            unused = []
+            for shard, copy in gone:
+                if st.cached.get(shard) is copy:
+                    del st.cached[shard]
+                    if _retire(copy):
+                        unused.append(copy.reader)
+        for r in unused:
             r.close()
 
     # --------------------------------------------------------------------- I/O
@@ -602,8 +745,11 @@ class ShardedSource(Source):
         return self._remote and self.cache is None
 
     def _io(self, fn: Callable[[], T], shard: int, what: str) -> T:
-        """Run one read of ``shard``; remote reads are counted and retried."""
+        """Run one read of ``shard``; remote reads are counted and retried. Readers of
+        cached copies that ``fn`` gets stay open until it returns."""
         if not self._reads_remote:
+            if self.cache is not None:
+                return self._pinned(fn)
             return fn()
         st = self._proc()
         with st.lock:
@@ -648,15 +794,28 @@ class ShardedSource(Source):
         """With a shard cache: open the batch's shards, downloading the missing ones
         concurrently. Readers opened here serve the batch even if a concurrent download
         evicts their copy meanwhile (eviction only unlinks): no shard is fetched twice
-        per batch."""
-        if self.cache is None or self.io_threads <= 1 or len(shards) <= 1:
+        per batch. They stay open until :meth:`_close_evicted_copies` ends the batch
+        (or this thread's next batch begins)."""
+        if self.cache is None:
             return {}
-        missing = [s for s in shards if not self._is_cached(s)]
+        st = self._proc()
+        _release_batch(st)  # a batch that raised before its end
+        if self.io_threads <= 1 or len(shards) <= 1:
+            return {}
+        with st.lock:
+            open_now = set(st.cached)
+        missing = [s for s in shards if s not in open_now and not self._is_cached(s)]
         if not missing:
             return {}
+        batch: list[_CachedCopy] = []
+        st.local.batch = batch
+
+        def get(shard: int) -> Any:
+            return self._cached_copy(st, shard, batch).reader
+
         # Open the cached ones first, before the downloads can evict them.
-        opened = {s: self._reader(s) for s in shards if s not in missing}
-        opened.update(zip(missing, self._pool().map(self._reader, missing)))
+        opened = {s: get(s) for s in shards if s not in missing}
+        opened.update(zip(missing, self._pool().map(get, missing)))
         return opened
 
     # ----------------------------------------------------------------- pickling
@@ -664,6 +823,47 @@ class ShardedSource(Source):
         state = self.__dict__.copy()
         state["_state"] = None  # readers, threads, caches and counters are per process
         return state
+
+
+def _pin(copy: _CachedCopy, pins: list[_CachedCopy] | None) -> None:
+    """Count a use of ``copy`` into ``pins`` (call with the state's lock held)."""
+    if pins is not None:
+        copy.pins += 1
+        pins.append(copy)
+
+
+def _in_grace(copy: _CachedCopy) -> bool:
+    """Whether an evicted ``copy`` may still be read (see _EVICTED_GRACE_SECONDS)."""
+    now = time.monotonic()
+    if copy.evicted_at is None:
+        copy.evicted_at = now
+    return now - copy.evicted_at < _EVICTED_GRACE_SECONDS
+
+
+def _retire(copy: _CachedCopy) -> bool:
+    """Mark ``copy`` as out of the open set (lock held); whether to close it now."""
+    copy.retired = True
+    return copy.pins == 0
+
+
+def _unpin(pins: list[_CachedCopy]) -> None:
+    """Release uses counted by :func:`_pin`, closing retired readers no read uses."""
+    unused = []
+    for copy in pins:
+        with copy.lock:
+            copy.pins -= 1
+            if copy.pins == 0 and copy.retired:
+                unused.append(copy.reader)
+    for r in unused:
+        r.close()
+
+
+def _release_batch(st: _ProcessState) -> None:
+    """Release the readers this thread's batch opened ahead (see _prefetch_copies)."""
+    batch = getattr(st.local, "batch", None)
+    if batch is not None:
+        st.local.batch = None
+        _unpin(batch)
 
 
 def iter_in_blocks(

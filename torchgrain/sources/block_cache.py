@@ -1,4 +1,5 @@
-"""BlockCache: a per-process LRU cache bounded by the bytes of what it holds.
+"""BlockCache: a per-process LRU cache bounded by the bytes of what it holds, and the
+check that a sampler's pass fits such caches.
 
 Sources keep decoded blocks (Parquet row groups) here so that block-local access
 patterns, such as :class:`~torchgrain.BlockShuffleSampler` order or a batch that hits
@@ -7,6 +8,14 @@ the same row group many times, pay for one decode per block instead of one per r
 The cache lives in one process. A source holding one drops it in a forked child (the
 child starts with a fresh, empty cache), so DataLoader workers never share or copy
 their parent's entries.
+
+A cache too small for an access pattern thrashes: a global shuffle over data ten times
+a row-group cache decodes a whole row group for nearly every record. :func:`check_fit`
+tells, before a pass reads anything, from the pass's order (samplers hand it to the
+source at the start of each pass, see :meth:`~torchgrain.Source.read_ahead`): it
+replays the start of the pass through a simulated LRU cache of the same budget and
+reports a :class:`CacheFit` with the numbers (working set, hit rate, loads per record)
+and what to do instead.
 """
 
 from __future__ import annotations
@@ -15,9 +24,20 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-__all__ = ["DEFAULT_CACHE_BYTES", "BlockCache", "CacheInfo", "held_bytes"]
+import numpy as np
+
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "BlockCache",
+    "CacheBlocks",
+    "CacheFit",
+    "CacheInfo",
+    "check_fit",
+    "held_bytes",
+]
 
 DEFAULT_CACHE_BYTES = 256 << 20
 
@@ -94,18 +114,18 @@ class BlockCache:
 
     def get_many(self, keys: list[Hashable]) -> list[Any]:
         """:meth:`get` for several keys under one lock (``None`` for the absent ones)."""
-        out: list[Any] = []
         with self._lock:
-            entries = self._entries
-            for key in keys:
-                item = entries.get(key)
-                if item is None:
-                    self._misses += 1
-                    out.append(None)
-                else:
-                    entries.move_to_end(key)
-                    self._hits += 1
-                    out.append(item[0])
+            get = self._entries.get
+            refresh = self._entries.move_to_end
+            items = [get(key) for key in keys]
+            out = [None if item is None else item[0] for item in items]
+            hits = 0
+            for key, item in zip(keys, items):
+                if item is not None:
+                    refresh(key)
+                    hits += 1
+            self._hits += hits
+            self._misses += len(keys) - hits
         return out
 
     def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
@@ -141,6 +161,11 @@ class BlockCache:
         self.put(key, value, nbytes)
         return value
 
+    @property
+    def evictions(self) -> int:
+        """Entries evicted so far (to make room for others)."""
+        return self._evictions
+
     def clear(self) -> None:
         """Drop every entry (the counters are kept)."""
         with self._lock:
@@ -175,3 +200,260 @@ class BlockCache:
 
 
 _MISSING = object()
+
+
+# ------------------------------------------------------------------ fitting a pass
+#: Indices of a pass's order generated and replayed at a time.
+_CHUNK = 1 << 14
+#: Block changes replayed once the simulated cache is full: its hit rate within ~1%.
+_STEADY = 1 << 13
+#: The most indices replayed (a cache that has not filled by then is taken to fit).
+_MAX_SAMPLE = 1 << 20
+#: An order whose first indices fill less than half the cache is local (a block
+#: shuffle, a sequential read): its blocks come and go, each loaded once.
+_LOCAL_AFTER = 1 << 17
+#: A pass thrashes when its blocks would be loaded more than this many times each, on
+#: average, over the pass (1 is ideal: each block loaded once).
+_THRASH_LOADS = 2.0
+
+
+@dataclass(frozen=True)
+class CacheBlocks:
+    """What a source's cache holds, in the terms :func:`check_fit` needs.
+
+    ``offsets`` (int64, ``num_blocks + 1``): block ``b`` holds records
+    ``[offsets[b], offsets[b + 1])``. ``nbytes(blocks)``: each block's cost in the cache
+    (an int64 array for an array of block numbers). ``capacity``: the cache's budget in
+    bytes (``per_process``: every process has one of its own, else one for the machine).
+    ``cache`` names the cache and ``unit`` its blocks in messages; ``remedies`` are what
+    the user can do when a pass does not fit.
+    """
+
+    cache: str
+    unit: str
+    offsets: np.ndarray
+    nbytes: Callable[[np.ndarray], np.ndarray]
+    capacity: int
+    per_process: bool
+    remedies: tuple[str, ...]
+    #: What all blocks cost together, when known cheaply: a pass over data that fits
+    #: whole needs no replay.
+    total: int | None = None
+
+
+@dataclass(frozen=True)
+class CacheFit:
+    """Whether a sampler's pass fits a cache, from a replay of its start (see
+    :func:`check_fit`).
+
+    ``sampled`` indices of the pass were replayed; they touch ``blocks`` distinct blocks
+    (``working_set_bytes`` together) of a cache of ``capacity_bytes``. ``hit_rate`` is
+    the simulated LRU's share of hits once the cache was full (1.0 when it never
+    filled). ``loads_per_record`` and ``loads_per_block`` are the block loads of the
+    whole pass, per index and per block it touches (1.0: each loaded once, the least
+    possible): counted when the replay is the whole pass, else the replay's loads plus
+    the rest of the pass at the rate of its steady state (once the cache was full).
+    """
+
+    source: str
+    cache: str
+    unit: str
+    capacity_bytes: int
+    per_process: bool
+    sampled: int
+    blocks: int
+    working_set_bytes: int
+    hit_rate: float
+    loads_per_record: float
+    loads_per_block: float
+    remedies: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        """False when the pass thrashes the cache (its blocks load over twice each)."""
+        return self.loads_per_block <= _THRASH_LOADS
+
+    def message(self, batch_size: int = 256) -> str:
+        """The diagnosis in words, with the numbers and the remedies."""
+        where = "per process" if self.per_process else "for the machine"
+        cache = f"the {self.cache} ({_size(self.capacity_bytes)} {where})"
+        if self.sampled == 0:
+            return (
+                f"{self.source}: the whole dataset ({self.blocks:,} {self.unit}s, "
+                f"~{_size(self.working_set_bytes)}) fits {cache}."
+            )
+        verdict = "fits" if self.fits else "does not fit"
+        remedies = (
+            "" if self.fits or not self.remedies else "Remedies: " + "; ".join(self.remedies) + "."
+        )
+        return (
+            f"{self.source}: this pass's working set {verdict} {cache}. "
+            f"Its first {self.sampled:,} indices "
+            f"touch {self.blocks:,} {self.unit}s (~{_size(self.working_set_bytes)}); "
+            f"replayed through an LRU cache of that size they hit "
+            f"{100 * self.hit_rate:.0f}% of the time once it is full: over the pass, "
+            f"{self.loads_per_record:.2f} {self.unit} loads per record (~"
+            f"{self.loads_per_record * batch_size:,.0f} per batch of {batch_size}), each "
+            f"{self.unit} loaded {self.loads_per_block:,.1f} times instead of once. " + remedies
+        ).strip()
+
+
+def check_fit(
+    source: str,
+    blocks: CacheBlocks,
+    order: Callable[[int, int], Any],
+    start: int,
+    count: int,
+) -> CacheFit | None:
+    """Replay the start of a pass through a simulated LRU cache like ``blocks``'.
+
+    ``order(a, b)`` gives the indices at positions ``[a, b)`` of the pass (what samplers
+    hand to :meth:`~torchgrain.Source.read_ahead`); ``start`` and ``count`` the
+    positions to come. Replays 16,384 indices at a time until the simulated cache has
+    been full for 8,192 block changes (its steady state: the rest of the pass is
+    estimated at that rate), the pass ends, or about a million indices were replayed;
+    a cache that has not filled by then (or not half by the 131,072th index: a local
+    order) is taken to fit. The replay is of one stream:
+    each DataLoader worker sees a share of the batches, which for a global shuffle has
+    the same hit rate in a cache of its own, and for a block shuffle the same blocks
+    (unless the sampler deals each worker its own part).
+
+    Example:
+        >>> import numpy as np
+        >>> b = CacheBlocks("cache", "block", np.arange(0, 1001, 10),
+        ...                 lambda ids: np.full(len(ids), 100), 1000, True, ())
+        >>> shuffled = np.random.default_rng(0).permutation(1000)
+        >>> fit = check_fit("src", b, lambda a, z: shuffled[a:z], 0, 1000)
+        >>> fit.fits, fit.blocks, round(fit.hit_rate, 1)      # 10 of 100 blocks fit
+        (False, 100, 0.1)
+        >>> check_fit("src", b, lambda a, z: np.arange(a, z), 0, 1000).fits  # in order
+        True
+    """
+    if count <= 0 or blocks.capacity <= 0:
+        return None
+    offsets = np.asarray(blocks.offsets, dtype=np.int64)
+    num_blocks = max(1, len(offsets) - 1)
+    if blocks.total is not None and blocks.total <= blocks.capacity:
+        return CacheFit(  # the whole dataset fits: each block loads once at most
+            source=source,
+            cache=blocks.cache,
+            unit=blocks.unit,
+            capacity_bytes=int(blocks.capacity),
+            per_process=blocks.per_process,
+            sampled=0,
+            blocks=num_blocks,
+            working_set_bytes=int(blocks.total),
+            hit_rate=1.0,
+            loads_per_record=min(1.0, num_blocks / count),
+            loads_per_block=1.0,
+            remedies=blocks.remedies,
+        )
+    lru = _LRU(blocks.capacity)
+    touched: list[np.ndarray] = []
+    sampled = changes = 0
+    last = -1
+    while sampled < count and sampled < _MAX_SAMPLE:
+        a = start + sampled
+        idx = np.asarray(order(a, a + min(_CHUNK, count - sampled)), dtype=np.int64)
+        if len(idx) == 0:
+            break
+        sampled += len(idx)
+        ids = offsets.searchsorted(idx, side="right") - 1
+        # Consecutive indices in one block hit whatever the cache: replay the changes.
+        keep = np.empty(len(ids), dtype=bool)
+        keep[0] = ids[0] != last
+        np.not_equal(ids[1:], ids[:-1], out=keep[1:])
+        last = int(ids[-1])
+        stream = ids[keep]
+        distinct = np.unique(stream)
+        touched.append(distinct)
+        costs = np.asarray(blocks.nbytes(distinct), dtype=np.int64)
+        lru.replay(stream.tolist(), dict(zip(distinct.tolist(), costs.tolist())))
+        changes += len(stream)
+        if lru.steady >= _STEADY:
+            break
+        if sampled >= _LOCAL_AFTER and not lru.full and 2 * lru.used < blocks.capacity:
+            break
+    if sampled == 0:
+        return None
+    seen = np.unique(np.concatenate(touched))
+    working = int(np.asarray(blocks.nbytes(seen), dtype=np.int64).sum())
+    loads = float(lru.misses)
+    spanned = len(seen)
+    if sampled < count:  # the rest of the pass at the steady state's rate
+        if lru.steady:
+            loads += (count - sampled) * (changes / sampled) * lru.misses_after / lru.steady
+        spanned = min(num_blocks, max(len(seen), round(len(seen) * count / sampled)))
+    return CacheFit(
+        source=source,
+        cache=blocks.cache,
+        unit=blocks.unit,
+        capacity_bytes=int(blocks.capacity),
+        per_process=blocks.per_process,
+        sampled=sampled,
+        blocks=len(seen),
+        working_set_bytes=working,
+        hit_rate=1.0 if lru.steady == 0 else lru.hits_after / lru.steady,
+        loads_per_record=loads / count,
+        loads_per_block=max(1.0, loads / spanned) if lru.steady else lru.misses / len(seen),
+        remedies=blocks.remedies,
+    )
+
+
+class _LRU:
+    """A simulated LRU cache of ``capacity`` bytes, fed block numbers: counts its misses,
+    and its hits and misses once it first had to evict (``steady`` of them)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, int] = OrderedDict()
+        self.used = self.misses = self.hits_after = self.misses_after = 0
+        self.full = False
+
+    @property
+    def steady(self) -> int:
+        return self.hits_after + self.misses_after
+
+    def replay(self, stream: list[int], costs: dict[int, int]) -> None:
+        """Feed ``stream`` (block numbers; ``costs[b]`` bytes each)."""
+        lru, capacity = self.blocks, self.capacity
+        used, misses, hits_after, misses_after, full = (
+            self.used,
+            self.misses,
+            self.hits_after,
+            self.misses_after,
+            self.full,
+        )
+        for b in stream:
+            if b in lru:
+                lru.move_to_end(b)
+                if full:
+                    hits_after += 1
+                continue
+            misses += 1
+            if full:
+                misses_after += 1
+            c = costs[b]
+            if c > capacity:
+                full = True  # never stored: as good as evicted at once
+                continue
+            while used + c > capacity:
+                used -= lru.popitem(last=False)[1]
+                full = True
+            lru[b] = c
+            used += c
+        self.used, self.misses, self.hits_after, self.misses_after, self.full = (
+            used,
+            misses,
+            hits_after,
+            misses_after,
+            full,
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # pragma: no cover

@@ -58,6 +58,19 @@ class EncodedSource(ShardedSource):
         shard of any error."""
         return None
 
+    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
+        """Raw records at checked global indices ``idx``, in request order, read for the
+        whole batch at once, with no Python work per shard (a dataset-wide index and
+        all shards in one address space); None (the default) reads shard by shard.
+        Errors name the shard, file and record index."""
+        return None
+
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        """The raw record at ``row`` of ``shard`` (global ``index``) by the format's
+        fastest way for one record, or None (the default) to read it as a batch of one.
+        Errors name the shard, file and record index."""
+        return None
+
     def _check_readable(self, shard: int, index: int) -> None:
         """Refuse random access to a shard that has none (e.g. a compressed file)."""
 
@@ -79,11 +92,22 @@ class EncodedSource(ShardedSource):
     def __getitem__(self, index: int) -> dict[str, Any]:
         shard, row = self.index.locate_one(index)
         self._check_readable(shard, index)
+        t0 = time.perf_counter()
+        index = int(index)
+        data = self._read_single(shard, row, index)
+        if data is not None:
+            return self._decode_blobs([data], t0, lambda: ([shard], [row], [index]))[0]
         return self._read_decode(shard, np.array([row]), np.array([index]))[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Read a batch: each shard once, the remote ones concurrently; request order."""
         idx = self.index.check(indices)
+        t0 = time.perf_counter()
+        blobs = self._read_batch(idx) if len(idx) else None
+        if blobs is not None:
+            return self._decode_blobs(
+                blobs, t0, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
+            )
         groups = self.index.split(idx)
         if len(groups) == 1:
             shard, rows, _ = groups[0]
@@ -112,27 +136,34 @@ class EncodedSource(ShardedSource):
         decode_columns = getattr(self.codec, "decode_columns", None)
         if decode_columns is None or len(idx) == 0:
             return ColumnBatch.from_records(self.__getitems__(idx))
-        shards, rows = self.index._locate(idx)
-        groups = group_by_shard(shards, rows)
-        for shard, _, positions in groups:
-            self._check_readable(shard, int(idx[positions[0]]))
         counters = local_counters()
         t0 = time.perf_counter()
-        opened = self._prefetch_copies([g[0] for g in groups])
-        results = (self._read_many(groups) if len(groups) > 1 else None) or self._map(
-            lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0])), groups
-        )
-        blobs = _in_request_order(results, groups, len(idx))
-        if opened:
-            self._close_evicted_copies()
+        blobs = self._read_batch(idx)
+        if blobs is None:
+            shards, rows = self.index._locate(idx)
+            groups = group_by_shard(shards, rows)
+            for shard, _, positions in groups:
+                self._check_readable(shard, int(idx[positions[0]]))
+            opened = self._prefetch_copies([g[0] for g in groups])
+            results = (self._read_many(groups) if len(groups) > 1 else None) or self._map(
+                lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0])),
+                groups,
+            )
+            blobs = _in_request_order(results, groups, len(idx))
+            if opened:
+                self._close_evicted_copies()
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         ends = np.cumsum(lengths)
         buf = _joined(blobs, ends)
         t1 = time.perf_counter()
         counters[COUNTER["bytes_read"]] += int(ends[-1])
         counters[COUNTER["read_seconds"]] += t1 - t0
-        batch = decode_columns(buf, ends - lengths, ends)
+        try:
+            batch = decode_columns(buf, ends - lengths, ends)
+        except Exception:  # a batch decoder that fails: the records one by one name the culprit
+            batch = None
         if batch is None:  # not a uniform batch: record by record (errors name the record)
+            shards, rows = self.index._locate(idx)
             batch = ColumnBatch.from_records(
                 [
                     self._decode(b, int(s), int(r), int(i))
@@ -172,11 +203,24 @@ class EncodedSource(ShardedSource):
         try:
             return self._read_rows(shard, rows, first, reader)
         except CorruptDataError as e:
-            if f"shard {shard} of" in str(e):
-                raise
-            raise type(e)(
-                f"{e} (shard {shard} of {self.num_shards}, reading record index {first})"
-            ) from e
+            raise self._named(e, shard, first) from e
+
+    def _in_order(self, shard: int, start: int, records: Iterable[bytes]) -> Iterator[bytes]:
+        """``records`` of ``shard`` from row ``start`` on (a format's read in order), a
+        read error naming the shard and the index of the record read from."""
+        index = int(self.index.offsets[shard]) + max(start, 0)
+        try:
+            for data in records:
+                yield data
+                index += 1
+        except CorruptDataError as e:
+            raise self._named(e, shard, index) from e
+
+    def _named(self, e: CorruptDataError, shard: int, index: int) -> CorruptDataError:
+        """``e`` with the shard and the record index it was reading (when not yet said)."""
+        if f"shard {shard} of" in str(e):
+            return e
+        return type(e)(f"{e} (shard {shard} of {self.num_shards}, reading record index {index})")
 
     def _decode_many(
         self,

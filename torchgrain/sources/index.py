@@ -42,6 +42,28 @@ class ShardIndex:
         offsets.setflags(write=False)
         self.offsets = offsets
 
+    @classmethod
+    def from_offsets(cls, offsets: np.ndarray) -> ShardIndex:
+        """A ShardIndex over ready prefix sums (``num_shards + 1`` int64, from 0, never
+        decreasing), used as they are: a mapped dataset index's cost no memory.
+
+        Example:
+            >>> ShardIndex.from_offsets(np.array([0, 3, 3, 5])).counts.tolist()
+            [3, 0, 2]
+        """
+        offsets = np.asarray(offsets)
+        if (
+            offsets.ndim != 1
+            or offsets.dtype != np.int64
+            or len(offsets) == 0
+            or offsets[0] != 0
+            or bool((np.diff(offsets) < 0).any())
+        ):
+            raise ValueError("offsets must be int64 prefix sums starting at 0")
+        new = cls.__new__(cls)
+        new.offsets = offsets
+        return new
+
     def __len__(self) -> int:
         return int(self.offsets[-1])
 

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchgrain.io.fs import get_filesystem
+from torchgrain.io import remote
+from torchgrain.io.fs import get_filesystem, list_files
 from torchgrain.sources.base import Source
 
 __all__ = ["Format", "detect_format", "formats", "get_format", "open", "register_format"]
@@ -101,16 +102,18 @@ def detect_format(
     found: set[str] = set()
     for item in items:
         fs, p = get_filesystem(item, storage_options)
-        if not any(ch in p for ch in "*?[") and fs.isdir(p):
+        where = os.fspath(item)
+        if not any(ch in p for ch in "*?[") and remote.isdir(fs, p, url=where):
             marked = [
                 f.name
                 for f in _FORMATS.values()
-                if f.marker and fs.isfile(f"{p.rstrip('/')}/{f.marker}")
+                if f.marker and remote.isfile(fs, f"{p.rstrip('/')}/{f.marker}")
             ]
             if marked:
                 found.update(marked)
                 continue
-            names = [f.rsplit("/", 1)[-1] for f in fs.find(p)]
+            suffixes = [s for f in _FORMATS.values() for s in f.suffixes]
+            names = [f.rsplit("/", 1)[-1] for f in list_files(fs, p, suffixes, where=where)]
         else:
             names = [os.fspath(item).rstrip("/").rsplit("/", 1)[-1]]
         for name in names:

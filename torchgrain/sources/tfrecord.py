@@ -1,12 +1,14 @@
 """TFRecordSource: random access by index over TFRecord files, through a cached offset index.
 
 A TFRecord file has no index: records are framed one after the other. Opening a
-``TFRecordSource`` walks each file's 12-byte record headers once (no data is decoded)
-and keeps the byte offsets in one numpy array (8 bytes per record); the offsets are
-cached on disk, keyed by the file's URL, size and modification time, so later opens
-read one small file per shard. A record is then one byte range: a batch is read with
-a memory map locally or with coalesced range requests remotely, and both CRCs are
-checked.
+``TFRecordSource`` the first time on a machine walks each file's 12-byte record headers
+once (no data is decoded; each file's offsets are also kept in a per-file cache, keyed
+by its URL, size and modification time) and writes the dataset's offsets (8 bytes per
+record) into one index file, keyed by every file's URL, size and modification time, that
+every process of the machine maps read-only (:mod:`torchgrain.sources.node_index`): no
+per-record memory per process, and later opens only look at each file's size. A record
+is then one byte range: a batch is read with a memory map locally or with coalesced
+range requests remotely, and both CRCs are checked.
 
 gzip/zlib-compressed files have no random access: they are counted (one decompression
 pass, cached too) and can be read in order (``iter_shard``, which ``torchgrain
@@ -18,29 +20,40 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
-import time
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RecordDecodeError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    check_ceiling,
+)
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
+    DEFAULT_MAX_RECORD_BYTES,
     index_tfrecord,
     iter_tfrecord,
     parse_frame,
     resolve_compression,
 )
+from torchgrain.io import remote as io_remote
+from torchgrain.io.atomic import atomic_open
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
+from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
-from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES
 from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 
 __all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
 
@@ -61,11 +74,19 @@ class TFRecordSource(EncodedSource):
         storage_options, filesystem: fsspec options or filesystem for remote paths.
         verify_checksums: check both CRC-32C checksums of every record read (default on:
             a few GB/s with ``google-crc32c``).
-        index_dir: where offset indexes are cached (default
-            ``<torchgrain cache>/tfrecord-index``, see
-            :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in memory.
+        max_record_bytes: the longest record read (default 1 GiB,
+            :data:`~torchgrain.formats.tfrecord.DEFAULT_MAX_RECORD_BYTES`); a longer
+            one raises :class:`~torchgrain.CorruptDataError` before it is read, which
+            also bounds the memory a gzip/zlib stream can make a reader use.
+        index_dir: where offset indexes are cached and the dataset's index is built once
+            per machine (default ``<torchgrain cache>/tfrecord-index``, see
+            :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in each
+            process's memory.
         cache_dir, cache_dir_bytes, io_threads, retry, max_open_files: as for every
             sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
+        allow_external_paths: a directory listing (an HTTP(S) server's page) may name
+            files outside the directory, and an HTTP(S) server may redirect; off by
+            default (see :mod:`torchgrain.io.paths`).
 
     Example:
         >>> import os, tempfile, torchgrain as tg
@@ -78,8 +99,6 @@ class TFRecordSource(EncodedSource):
         >>> len(src), src.schema, [int(r["label"][0]) for r in src.__getitems__([4, 0, 2])]
         (5, {'label': 'int64[1]'}, [4, 0, 2])
     """
-
-    default_max_open_files = None  # local readers are memory maps, remote ones hold nothing
 
     def __init__(
         self,
@@ -96,21 +115,34 @@ class TFRecordSource(EncodedSource):
         read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        allow_external_paths: bool = False,
     ) -> None:
-        fs, files = expand_paths(
-            paths,
-            suffixes=TFRECORD_SUFFIXES,
-            storage_options=storage_options,
-            filesystem=filesystem,
-            kind="TFRecord",
-        )
+        self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
         retry = retry or RetryPolicy()
+        with using(retry):  # the transport and open-time requests keep to its deadlines
+            fs, files = expand_paths(
+                paths,
+                suffixes=TFRECORD_SUFFIXES,
+                storage_options=storage_options,
+                filesystem=filesystem,
+                kind="TFRecord",
+                allow_external=allow_external_paths,
+            )
         if index_dir is ...:
             index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
         self._verify = bool(verify_checksums)
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
-        offsets, sizes = _index_files(fs, files, index_dir, retry, self._compressed)
-        counts = np.array([len(o) for o in offsets], dtype=np.int64)
+        self._compressed.setflags(write=False)
+        with using(retry):
+            self._tfindex = _dataset_index(
+                fs, files, index_dir, retry, self._compressed, max_record_bytes
+            )
+        counts = self._tfindex.counts
+        if max_open_files is ...:
+            # A local reader is a memory map, which holds a file descriptor; remote
+            # readers hold nothing.
+            max_open_files = default_max_open_files(len(files), 1) if is_local(fs) else None
         self._init_shards(
             filesystem=fs,
             paths=files,
@@ -123,19 +155,23 @@ class TFRecordSource(EncodedSource):
             retry=retry,
             max_open_files=max_open_files,
         )
-        # Record i of shard s spans bounds[base[s] + i] .. bounds[base[s] + i + 1]: each
-        # shard's offsets followed by its size, in one array (copy-on-write friendly).
-        self._bounds = np.concatenate(
-            [np.zeros(0, np.int64)]
-            + [np.append(o, s).astype(np.int64) for o, s in zip(offsets, sizes)]
-        )
-        self._base = self.index.offsets[:-1] + np.arange(len(files), dtype=np.int64)
-        for a in (self._bounds, self._base, self._compressed):
-            a.setflags(write=False)
-        if isinstance(codec, str) and codec in ("auto", "tf_example"):
-            # TFDS output: decode per its features.json (images, shapes, scalars).
-            codec = tfds_codec_for(files, fs) or codec
-        self.codec: Codec = tfrecord_codec(files, fs) if codec == "auto" else get_codec(codec)
+        with using(retry):
+            if isinstance(codec, str) and codec in ("auto", "tf_example"):
+                # TFDS output: decode per its features.json (images, shapes, scalars).
+                codec = tfds_codec_for(files, fs) or codec
+            self.codec: Codec = (
+                tfrecord_codec(files, fs, max_record_bytes) if codec == "auto" else get_codec(codec)
+            )
+
+    # Record i of shard s spans _bounds[_base[s] + i] .. _bounds[_base[s] + i + 1]: each
+    # shard's offsets followed by its size, in one array of the mapped dataset index.
+    @property
+    def _bounds(self) -> np.ndarray:
+        return self._tfindex.offsets
+
+    @property
+    def _base(self) -> np.ndarray:
+        return self._tfindex.base
 
     # ------------------------------------------------------------ the contract
     def _check_readable(self, shard: int, index: int) -> None:
@@ -152,6 +188,9 @@ class TFRecordSource(EncodedSource):
         for s in range(self.num_shards):
             b = self._base[s]
             n = int(self.index.counts[s])
+            if self._compressed[s]:  # read in order only: one block
+                parts.append(np.array([n]) + self.index.offsets[s])
+                continue
             starts = self._bounds[b : b + n + 1]
             cuts = np.unique(np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES)))
             cuts = cuts[(cuts > 0) & (cuts < n)]
@@ -170,14 +209,16 @@ class TFRecordSource(EncodedSource):
         offset = 0 if self._compressed[shard] else int(self._bounds[self._base[shard] + start])
         skip = start if self._compressed[shard] else 0
         fs = self._fs if self._remote else None
-        it = iter_tfrecord(path, filesystem=fs, verify=self._verify, offset=offset)
+        it = iter_tfrecord(
+            path,
+            filesystem=fs,
+            verify=self._verify,
+            offset=offset,
+            max_record_bytes=self.max_record_bytes,
+        )
         try:
-            for k, data in enumerate(it):
-                if k < skip:
-                    continue
-                if k - skip >= stop - start:
-                    return
-                yield data
+            wanted = itertools.islice(it, skip, skip + stop - start)
+            yield from self._in_order(shard, start, wanted)
         finally:
             it.close()
 
@@ -196,8 +237,30 @@ class TFRecordSource(EncodedSource):
 
     def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
         b = self._base[shard] + rows
-        starts, ends = self._bounds[b].tolist(), self._bounds[b + 1].tolist()
+        first, last = self._bounds[b], self._bounds[b + 1]
         name = self._paths[shard]
+        size = int(self._tfindex.file_size[shard])
+        # Offsets come from an index file: bounded before use (a frame is >= 16 bytes).
+        bad = (first < 0) | (last - first < 16) | (last > size)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            where = self._tfindex.path
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {name!r}: the dataset's index "
+                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
+                f"[{int(first[k])}, {int(last[k])}) of a {size}-byte file (record index "
+                f"{index}); the index is damaged (delete it to have it rebuilt)"
+            )
+        lengths = last - first - 16
+        if int(lengths.max()) > self.max_record_bytes:
+            k = int(np.argmax(lengths))
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {name!r}: record {int(rows[k])} is "
+                f"{int(lengths[k])} bytes long, more than max_record_bytes="
+                f"{self.max_record_bytes} allows (record index {index}; a larger "
+                "max_record_bytes reads it, if the file is trusted)"
+            )
+        starts, ends = first.tolist(), last.tolist()
 
         def read() -> list[Any]:
             r = reader or self._reader(shard)
@@ -243,7 +306,11 @@ def _first_nonempty(counts: np.ndarray) -> int:
     return int(nz[0]) if len(nz) else 0
 
 
-def tfrecord_codec(files: list[str], fs: fsspec.AbstractFileSystem) -> Codec:
+def tfrecord_codec(
+    files: list[str],
+    fs: fsspec.AbstractFileSystem,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> Codec:
     """The codec of TFRecord files: TFDS's feature specs when present, else ``tf_example``
     when the first record parses as a ``tf.train.Example``, else ``raw``."""
     from torchgrain.formats.tf_example import decode_tf_example
@@ -254,7 +321,10 @@ def tfrecord_codec(files: list[str], fs: fsspec.AbstractFileSystem) -> Codec:
         return tfds
     remote = not is_local(fs)
     for path in files:
-        for rec in iter_tfrecord(path, filesystem=fs if remote else None):
+        records = iter_tfrecord(
+            path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
+        )
+        for rec in records:
             try:
                 decode_tf_example(rec)
             except RecordDecodeError:
@@ -264,46 +334,88 @@ def tfrecord_codec(files: list[str], fs: fsspec.AbstractFileSystem) -> Codec:
 
 
 # ------------------------------------------------------------------ offset index
-def _index_files(
+def _dataset_index(
     fs: fsspec.AbstractFileSystem,
     files: list[str],
     index_dir: str | os.PathLike | None,
     retry: RetryPolicy,
     compressed: np.ndarray,
-) -> tuple[list[np.ndarray], list[int]]:
-    """Offsets and size of every file (from the index cache when it has them)."""
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> TFRecordIndex:
+    """The dataset's index: mapped from ``index_dir`` when this machine has built it
+    for these very files (sizes and versions), else built from each file's offsets
+    (from the per-file cache when it has them, else walked). A compressed file has no
+    offsets (records of a stream are only counted): its per-file entry is its count."""
     remote = not is_local(fs)
 
-    def one(i: int) -> tuple[np.ndarray, int]:
+    def info(i: int) -> tuple[int, str]:
         path = files[i]
         try:
-            info = fs.info(fs._strip_protocol(path)) if remote else os.stat(path)
+            st = (
+                io_remote.call(fs, "info", fs._strip_protocol(path), url=path, what="size lookup")
+                if remote
+                else os.stat(path)
+            )
         except FileNotFoundError:
             raise DatasetNotFoundError(f"TFRecord shard {i} {path!r} does not exist") from None
-        size = int(info["size"] if remote else info.st_size)
-        stamp = _stamp(info) if remote else f"{info.st_mtime_ns}"
-        cached = _cache_file(index_dir, path, size, stamp)
+        if not remote:
+            return int(st.st_size), f"{st.st_mtime_ns}"
+        size = st.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CorruptDataError(
+                f"TFRecord shard {i} {path!r}: the server reports no size ({size!r}); "
+                "random access needs one"
+            )
+        return size, _stamp(st)
+
+    infos = map_files(info, len(files), max_workers=16 if remote else 1)
+
+    def offsets_of(i: int) -> np.ndarray:
+        """The file's offsets, or its count (``[n]``) when compressed."""
+        path = files[i]
+        size, stamp = infos[i]
+        cached = _cache_file(index_dir, path, size, stamp + ("\0count" if compressed[i] else ""))
         if cached is not None and os.path.exists(cached):
             try:
-                return np.load(cached), size
+                index = np.load(cached)
+                if _fits(index, size, compressed[i]):
+                    return index
             except (OSError, ValueError):
-                pass  # unreadable: build it again
+                pass  # unreadable or not an index of this file: build it again
         if compressed[i]:
-            # No offsets to keep: records of a compressed stream are only counted.
-            n = sum(1 for _ in iter_tfrecord(path, filesystem=fs if remote else None))
-            offsets = np.zeros(n, dtype=np.int64)
+            records = iter_tfrecord(
+                path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
+            )
+            index = np.array([sum(1 for _ in records)], dtype=np.int64)
         elif remote:
-            offsets = retry_call(
+            index = retry_call(
                 index_tfrecord, path, filesystem=fs, url=path, policy=retry, what="indexing"
             )
         else:
-            offsets = index_tfrecord(path)
+            index = index_tfrecord(path)
         if cached is not None:
-            _save(cached, offsets)
-        return offsets, size
+            _save(cached, index)
+        return index
 
-    results = map_files(one, len(files))
-    return [r[0] for r in results], [r[1] for r in results]
+    return tfrecord_index(
+        files,
+        infos,
+        offsets_of,
+        compressed,
+        index_dir=None if index_dir is None else os.fspath(index_dir),
+    )
+
+
+def _fits(index: np.ndarray, size: int, compressed: bool) -> bool:
+    """Whether a cached ``index`` can be one of a file of ``size`` bytes: a count, or
+    increasing offsets from 0 that leave room for a frame each."""
+    if index.ndim != 1 or index.dtype != np.int64:
+        return False
+    if compressed:
+        return len(index) == 1 and index[0] >= 0
+    return len(index) == 0 or (
+        index[0] == 0 and bool((np.diff(index) >= 16).all()) and int(index[-1]) <= size - 16
+    )
 
 
 def _stamp(info: dict[str, Any]) -> str:
@@ -319,20 +431,18 @@ def _cache_file(
     if index_dir is None:
         return None
     key = hashlib.blake2b(f"{path}\0{size}\0{stamp}".encode(), digest_size=16).hexdigest()
-    name = os.path.basename(path.rstrip("/"))[-60:]
+    # The file's name, from the dataset, only makes the index's name readable: keep
+    # characters that cannot make it a path elsewhere.
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rstrip("/").rsplit("/", 1)[-1])[-60:]
     return os.path.join(os.fspath(index_dir), f"{key}-{name}.npy")
 
 
 def _save(path: str, offsets: np.ndarray) -> None:
     """Write atomically: a reader sees a whole index or none (never a partial one)."""
     directory = os.path.dirname(path)
-    try:
+    # A read-only cache costs an index walk at each open, nothing else.
+    with contextlib.suppress(OSError):
         os.makedirs(directory, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-        with open(tmp, "wb") as f:
+        # A cache: rebuilt if lost, so not flushed to disk before use.
+        with atomic_open(path, "wb", durable=False) as f:
             np.save(f, offsets.astype(np.int64))
-        os.replace(tmp, path)
-    except OSError:
-        # A read-only cache costs an index walk at each open, nothing else.
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)

@@ -28,8 +28,14 @@ def resolve(
     paths: Any,
     storage_options: dict[str, Any] | None,
     filesystem: fsspec.AbstractFileSystem | None,
+    *,
+    allow_external: bool = False,
 ) -> tuple[fsspec.AbstractFileSystem, list[str], list[str]]:
-    """Expand ``paths`` to files; also return, per file, the base directory of its item."""
+    """Expand ``paths`` to files; also return, per file, the base directory of its item.
+
+    What a listing finds is confined to the item's directory (see
+    :func:`~torchgrain.io.fs.expand_paths`) unless ``allow_external``.
+    """
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not items:
         raise DatasetNotFoundError("no Parquet paths given")
@@ -44,6 +50,7 @@ def resolve(
             storage_options=storage_options,
             filesystem=filesystem,
             kind="Parquet",
+            allow_external=allow_external,
         )
         if fs is None:
             fs = item_fs
@@ -54,7 +61,7 @@ def resolve(
             )
         text = os.fspath(item)
         if filesystem is None:
-            stripped = get_filesystem(text, storage_options)[1]
+            stripped = get_filesystem(text, storage_options, allow_redirects=allow_external)[1]
         else:
             stripped = filesystem._strip_protocol(text)
         stripped = stripped.rstrip("/")

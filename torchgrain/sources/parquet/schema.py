@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from torchgrain.errors import SchemaMismatchError
 
-__all__ = ["arrow_type_name", "common_type", "merge_types", "value_type_name"]
+__all__ = ["arrow_type_name", "common_type", "fixed_bytes", "merge_types", "value_type_name"]
 
 
 def all_names(schemas: list[pa.Schema]) -> list[str]:
@@ -148,6 +148,42 @@ def _conflict(entries: list[tuple[int, pa.DataType, bool]]) -> tuple[Any, Any]:
                     return e, entries[k]
             return entries[0], entries[k]
     return entries[0], entries[-1]
+
+
+_OFFSET_TYPES = (
+    pa.types.is_binary,
+    pa.types.is_string,
+    pa.types.is_large_binary,
+    pa.types.is_large_string,
+    pa.types.is_list,
+    pa.types.is_large_list,
+    pa.types.is_map,
+)
+
+
+def fixed_bytes(t: pa.DataType) -> int:
+    """The bytes every value of type ``t`` takes at least in Arrow's memory: a
+    fixed-width value's width (a bool's bit rounds down to 0), a variable-length value's
+    offset (4 bytes), a struct's fields. A lower bound, so a row group of ``n`` rows
+    needs at least ``n`` times its columns' sum, whatever its footer says otherwise.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> [fixed_bytes(t) for t in (pa.int64(), pa.bool_(), pa.string(), pa.list_(pa.int8()))]
+        [8, 0, 4, 4]
+        >>> fixed_bytes(pa.struct([("a", pa.int32()), ("b", pa.list_(pa.float64(), 3))]))
+        28
+    """
+    if isinstance(t, pa.ExtensionType):
+        return fixed_bytes(t.storage_type)
+    if pa.types.is_struct(t):
+        return sum(fixed_bytes(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_fixed_size_list(t):
+        return t.list_size * fixed_bytes(t.value_type)
+    try:
+        return t.bit_width // 8
+    except ValueError:  # not fixed-width
+        return 4 if any(is_offsets(t) for is_offsets in _OFFSET_TYPES) else 0
 
 
 def arrow_type_name(t: pa.DataType) -> str:

@@ -5,19 +5,26 @@ Parquet decodes whole row groups (per column), so reading one record at a time w
 
 * indexes every row group of every file from the files' footers only (read in
   parallel threads; no data page is read when opening),
-* groups a batch request by row group, decodes each needed row group once (only the
-  requested columns) and converts it column-wise to Python/numpy values, and
-* keeps decoded row groups in a per-process :class:`~torchgrain.sources.block_cache.BlockCache`
-  bounded in bytes, so block-local orders (:class:`~torchgrain.BlockShuffleSampler`)
-  and repeated hits pay one decode per row group.
+* groups a batch request by row group and decodes each needed row group once (only the
+  requested columns),
+* keeps decoded row groups in Arrow's compact form in a per-process
+  :class:`~torchgrain.sources.block_cache.BlockCache` bounded in bytes, and builds a
+  batch's Python records (:mod:`~torchgrain.sources.parquet.rows`) or columns
+  (:mod:`~torchgrain.sources.parquet.columns`) from it per batch, and
+* for data bigger than that cache, keeps decoded row groups on local disk, memory-mapped
+  and shared by every process of the machine
+  (:class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`): each row group is
+  decoded once per machine, and a global shuffle reads at the in-memory rate.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import sys
 import threading
 import time
+import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,13 +35,25 @@ import pyarrow.parquet as pq
 
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, local_counters
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
-from torchgrain.io.fs import is_local, map_files
-from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RemoteIOError,
+    UnsafePathError,
+    check_ceiling,
+)
+from torchgrain.io import remote
+from torchgrain.io.fs import default_cache_dir, is_local, map_files
+from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES
+from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
 from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
+from torchgrain.sources.parquet.decoded_cache import (
+    DecodedCache,
+    entry_key,
+    on_network_filesystem,
+)
 from torchgrain.sources.parquet.paths import (
     check_partition_keys,
     partition_values,
@@ -42,15 +61,45 @@ from torchgrain.sources.parquet.paths import (
     resolve,
 )
 from torchgrain.sources.parquet.pool import trimmer
-from torchgrain.sources.parquet.schema import all_names, merge_file_schemas, value_type_name
-from torchgrain.sources.parquet.values import Column, RowGroup, convert_column, int64_array
+from torchgrain.sources.parquet.rows import (
+    RowTemplates,
+    RowViews,
+    build_records,
+    converted_bytes,
+    copy_records,
+    views_bytes,
+)
+from torchgrain.sources.parquet.schema import (
+    all_names,
+    fixed_bytes,
+    merge_file_schemas,
+    value_type_name,
+)
+from torchgrain.sources.parquet.values import RowGroup, int64_array
 
-__all__ = ["ParquetSource"]
+__all__ = ["DEFAULT_MAX_ROW_GROUP_BYTES", "ParquetSource"]
+
+#: The most bytes a row group's columns may need decoded, counting only the fixed part of
+#: each value (:func:`~torchgrain.sources.parquet.schema.fixed_bytes`: 8 bytes per int64,
+#: 4 per string or list), unless a source is given another ``max_row_group_bytes``.
+#: Writers cut row groups far below it (pyarrow at 1 Mi rows, 64 Mi rows before
+#: version 15; Spark at 128 MiB); a footer that claims more rows makes pyarrow reserve
+#: memory for them all before it finds out.
+DEFAULT_MAX_ROW_GROUP_BYTES = 16 << 30
 
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
-# A row group first read with at least 1/_CONVERT_WHOLE of its rows in one batch is
-# converted whole at once (block-local reads); otherwise only those rows, until reuse.
-_CONVERT_WHOLE = 16
+# What a row group mapped from the decoded disk cache is charged in the in-memory cache:
+# its bookkeeping, and a share of the maps a process keeps: at most _MAX_MAPS per
+# source, whatever cache_bytes (a process can hold vm.max_map_count maps, 65,530 by
+# default, and past that every mmap fails, malloc's for large blocks included).
+_MAPPED_BYTES = 64 << 10
+_MAX_MAPS = 4096
+# decoded_cache="auto" turns the disk cache on when the selected columns' decoded size
+# (estimated from the footers) exceeds both cache_bytes and this.
+_AUTO_MIN_BYTES = 256 << 20
+# A mapped entry's access time (its LRU position in the disk cache) is refreshed at most
+# this often while a process uses it.
+_TOUCH_SECONDS = 60.0
 
 
 class ParquetSource(ShardedSource):
@@ -62,9 +111,26 @@ class ParquetSource(ShardedSource):
             file, a list of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
         columns: the columns to read (default: all). Only these columns' pages are read
             and decoded; partition keys may be listed too.
-        cache_bytes: budget of this process's row-group cache, in bytes of decoded data
-            (default 256 MiB; ``0`` disables it). Each DataLoader worker has its own;
-            :meth:`cache_info` reports hits, misses (= row-group decodes) and evictions.
+        cache_bytes: budget of this process's row-group cache, in bytes of decoded
+            Arrow data (default 256 MiB; ``0`` disables it). Each DataLoader worker has
+            its own; :meth:`cache_info` reports hits, misses (row groups decoded or
+            mapped) and evictions. Both batch formats share it: records are built from
+            the cached Arrow data per batch.
+        decoded_cache: the node-shared cache of decoded row groups on local disk (see
+            "Data bigger than the cache" below): ``"auto"`` (default) turns it on, in
+            :func:`~torchgrain.io.fs.default_cache_dir` ``/parquet-decoded``, when the
+            selected columns' decoded size (estimated from the footers) exceeds both
+            ``cache_bytes`` and 256 MiB, unless that directory is on a network
+            filesystem (NFS, SMB, Lustre...: a warning says so); ``True`` always, there; a directory path (or a
+            :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`) always,
+            there; ``False`` never. :attr:`decoded_cache` is the cache in use, or None.
+        decoded_cache_bytes: byte budget of that directory (default: 64 GiB, or half of
+            the disk's free space plus what the cache already holds, whichever is less;
+            least recently used row groups are deleted to stay under it). Whatever it is,
+            it never fills its disk: it stores a row group only while a tenth of the
+            filesystem stays free (a :class:`DecodedCache` of your own sets
+            ``min_free_bytes``), and a directory that refuses writes (full, read-only,
+            deleted) is a warning, never a failed read.
         filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
         storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
@@ -81,10 +147,20 @@ class ParquetSource(ShardedSource):
         io_threads: threads per process that read the remote row groups of one batch
             concurrently, and the shard read-ahead's concurrent downloads (1 =
             sequential; local files are read in the calling thread).
-        retry: retry policy for remote footer and row-group reads and downloads
-            (default :class:`~torchgrain.io.retry.RetryPolicy()`).
+        retry: retry policy and deadlines of remote footer and row-group reads and
+            downloads (default :class:`~torchgrain.io.retry.RetryPolicy()`: a read that
+            makes no progress fails within 90 s).
         max_open_files: files kept open per process (default 64; each holds a file
             descriptor and its footer).
+        allow_external_paths: a directory listing (an HTTP(S) server's page) may name
+            files outside the directory, and an HTTP(S) server may redirect; off by
+            default (see :mod:`torchgrain.io.paths`).
+        max_row_group_bytes: the most bytes one row group's selected columns may need
+            decoded, counted from its footer's row count and the fixed part of each
+            value (8 bytes per int64, 4 per string or list: a lower bound of the real
+            size); default 16 GiB (:data:`DEFAULT_MAX_ROW_GROUP_BYTES`). A row group
+            over it raises :class:`~torchgrain.CorruptDataError` before pyarrow reserves
+            memory for it: a footer that claims billions of rows cannot make it do so.
 
     Records are dicts ``{column: value}``. Values map as follows:
 
@@ -128,19 +204,30 @@ class ParquetSource(ShardedSource):
       ``int64``, different timestamp units, different list item types...) raises
       :class:`~torchgrain.SchemaMismatchError` naming both files and the column.
 
-    Caching and access order: a row group is decoded whole, so the cost of a read
-    depends on how often its row group is already in the cache. The first read of a
-    row group caches its Arrow table and converts only the rows asked for; a second
-    read converts the whole row group to Python values once (charged at their
-    estimated size), after which rows are gathered without decoding. With
-    :class:`~torchgrain.BlockShuffleSampler` a worker needs ``window + 1`` row groups
-    of cache (one more for each further stripe a batch spans) and decodes each row
-    group about once per epoch; with less, LRU eviction thrashes. With
+    Caching and access order: a row group is decoded whole, into Arrow's compact form,
+    and cached so; a batch then builds the Python values of just its rows (a record's
+    values depend on that record alone). When the whole dataset's records, converted to
+    Python objects, fit ``cache_bytes`` too (small data), row groups are converted whole
+    once instead and records copied from them (until the process's cache first evicts).
+    With :class:`~torchgrain.BlockShuffleSampler`
+    a worker needs ``window + 1`` row groups of cache (one more for each further stripe
+    a batch spans) and decodes each row group about once per epoch. With
     :class:`~torchgrain.GlobalShuffleSampler` nearly every record of a batch comes from
-    a different row group: it is fast only while the decoded data (about its Arrow
-    size plus ~48 bytes per value) fits in every worker's ``cache_bytes``; beyond that,
-    each record costs a row-group decode, and a block shuffle (or converting to
-    ArrayRecord) is the better choice.
+    a different row group: it reads at the in-memory rate while the decoded data (about
+    its Arrow size) fits ``cache_bytes``.
+
+    Data bigger than the cache: with the decoded disk cache on (by default when the data
+    exceeds ``cache_bytes`` and 256 MiB), a row group missing from the in-memory cache is
+    memory-mapped from the node's decoded cache, where the first process of the machine
+    that needed it wrote it (Arrow IPC; concurrent builders decode it once; a changed
+    Parquet file gets new entries; entries are checked before use). Mapped row groups
+    cost no private memory, so a global shuffle over data of any size (within
+    ``decoded_cache_bytes`` of disk, and at best within the page cache) reads at the
+    in-memory rate from its second epoch on, and its first epoch decodes each row group
+    once. Without it, beyond ``cache_bytes`` each record would cost a row-group decode:
+    a sampler's pass that cannot fit the caches says so with a
+    :class:`~torchgrain.CacheThrashWarning` (once per source and process) and in
+    :func:`tg.stats <torchgrain.stats>`.
 
     Opening reads only the files' footers (in parallel). No file handle is kept in
     the pickled state: each process opens its own readers on first use, and a forked
@@ -176,6 +263,8 @@ class ParquetSource(ShardedSource):
         *,
         columns: Sequence[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        decoded_cache: bool | str | os.PathLike | DecodedCache = "auto",
+        decoded_cache_bytes: int | None = None,
         filesystem: fsspec.AbstractFileSystem | None = None,
         storage_options: dict[str, Any] | None = None,
         partitioning: str | None = "hive",
@@ -185,7 +274,10 @@ class ParquetSource(ShardedSource):
         read_ahead_bytes: int | None = None,
         retry: RetryPolicy | None = None,
         max_open_files: int | type[Ellipsis] | None = ...,
+        allow_external_paths: bool = False,
+        max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
     ) -> None:
+        self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
         if isinstance(columns, str):
@@ -195,16 +287,22 @@ class ParquetSource(ShardedSource):
             dup = sorted({c for c in columns if columns.count(c) > 1})
             if dup:
                 raise ValueError(f"columns lists {dup[0]!r} more than once")
-        fs, files, bases = resolve(paths, storage_options, filesystem)
         retry = retry or RetryPolicy()
+        with using(retry):  # the transport and open-time requests keep to its deadlines
+            fs, files, bases = resolve(
+                paths, storage_options, filesystem, allow_external=allow_external_paths
+            )
         parts = partitions(fs, files, bases) if partitioning == "hive" else [{} for _ in files]
         part_keys = check_partition_keys(files, parts)
 
-        counts, schemas = _read_footers(fs, files, retry)
+        counts, schemas, rg_bytes, identities = _read_footers(fs, files, retry, columns)
         fields, present = merge_file_schemas(files, schemas, columns, part_keys)
         self._file_fields: list[pa.Field] = fields
         self._file_schema = pa.schema(fields)
         self._present = present  # bool (num_shards, num_file_columns)
+        # Bytes a row of each file takes at least, decoded (for max_row_group_bytes).
+        widths = np.array([fixed_bytes(f.type) for f in fields], dtype=np.int64)
+        self._row_bytes = present.astype(np.int64) @ widths
         self._part_keys = [k for k in part_keys if columns is None or k in columns]
         self._part_values: dict[str, np.ndarray] = {}
         part_types: dict[str, pa.DataType] = {}
@@ -237,8 +335,25 @@ class ParquetSource(ShardedSource):
         self._rg_local = np.concatenate(
             [np.zeros(0, np.int64), *[np.arange(len(c), dtype=np.int64) for c in counts]]
         )
-        for a in (self._rg_offsets, self._rg_shard, self._rg_local):
+        # Estimated decoded bytes of each row group (the selected columns), from footers.
+        self._rg_bytes = np.concatenate([np.zeros(0, np.int64), *rg_bytes]).astype(np.int64)
+        for a in (self._rg_offsets, self._rg_shard, self._rg_local, self._rg_bytes):
             a.setflags(write=False)
+        self._identities = identities  # what each file's decoded-cache entries hash
+        self._schema_bytes = self._file_schema.serialize().to_pybytes()
+        self.decoded_cache: DecodedCache | None = _decoded_cache(
+            decoded_cache, decoded_cache_bytes, int(self._rg_bytes.sum()), cache_bytes
+        )
+        # Records are built per batch from the compact data; when the whole dataset's
+        # records, converted, fit the cache beside it, row groups are converted whole
+        # once and records copied from them (faster still; a process stops converting
+        # at its cache's first eviction, so a wrong estimate cannot make it thrash).
+        self._convert_rows = (
+            self.decoded_cache is None
+            and 0
+            < int(self._rg_bytes.sum()) + converted_bytes(int(rg_counts.sum()), len(self._keys))
+            <= cache_bytes
+        )
         self._init_shards(
             filesystem=fs,
             paths=files,
@@ -267,7 +382,10 @@ class ParquetSource(ShardedSource):
                 # reads measured 15-35% faster without, most on small row groups).
                 pf = pq.ParquetFile(path, pre_buffer=False)
             else:
-                handle = filesystem.open(path, "rb")
+                # Reads are range requests with a deadline, checked to bring back exactly
+                # the bytes asked for, through a read-ahead buffer like fsspec's own
+                # (neighbouring row groups often come in one request).
+                handle = remote.open_input(filesystem, path)
                 pf = pq.ParquetFile(handle, pre_buffer=True)
         except FileNotFoundError as e:
             # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
@@ -276,6 +394,8 @@ class ParquetSource(ShardedSource):
         except (pa.ArrowException, OSError, ValueError) as e:
             if handle is not None:
                 handle.close()
+            if isinstance(e, UnsafePathError):  # a refused redirect: not a corrupt file
+                raise
             raise CorruptDataError(
                 f"cannot open Parquet shard {path!r} (shard {shard} of {self.num_shards}): {e}"
             ) from e
@@ -326,13 +446,36 @@ class ParquetSource(ShardedSource):
         Duplicate indices give separate (equal) records.
         """
         idx = self.index.check(indices)
-        n = len(idx)
-        if n == 0:
+        if len(idx) == 0:
             return []
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
+        distinct, first, which = np.unique(groups, return_index=True, return_inverse=True)
+        t_start = time.perf_counter()
+        convert = self._convert_rows and self._blocks.evictions == 0
+        form = "templates" if convert else "rows"
+        distinct_list = distinct.tolist()
+        entries, read_seconds = self._entries(distinct_list, idx[first], form)
         rows = idx - self._rg_offsets[groups]
-        order = np.argsort(groups, kind="stable")
-        out = self._gather(groups[order], rows[order], idx[order], order)
+        converted = np.array([e.templates is not None for e in entries])[which]
+        if converted.all():
+            out = copy_records([e.templates for e in entries], which, rows)
+        elif not converted.any():
+            out = self._build(entries, distinct, which, rows)
+        else:  # some row groups converted (before the cache first evicted), some not
+            out = [None] * len(idx)
+            done = np.flatnonzero(converted)
+            for i, rec in zip(
+                done.tolist(), copy_records([e.templates for e in entries], which[done], rows[done])
+            ):
+                out[i] = rec
+            rest = np.flatnonzero(~converted)
+            keep, sub = np.unique(which[rest], return_inverse=True)
+            built = self._build(
+                [entries[k] for k in keep.tolist()], distinct[keep], sub, rows[rest]
+            )
+            for i, rec in zip(rest.tolist(), built):
+                out[i] = rec
+        local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         trimmer().settle()  # the decode buffers this read freed go back to the system
         return out
 
@@ -364,31 +507,8 @@ class ParquetSource(ShardedSource):
         plan = GatherPlan(groups, idx - self._rg_offsets[groups])
         distinct = plan.groups.tolist()
         t_start = time.perf_counter()
-        read_seconds = 0.0
-        read_bytes = 0
-        cache = self._blocks
-        entries = cache.get_many(distinct)
-        cached = [e is not None for e in entries]
-        missing = [k for k, e in enumerate(entries) if e is None or e.table is None]
-        if missing:
-            t0 = time.perf_counter()
-            decoded = self._map(
-                lambda k: self._decode(distinct[k], int(idx[plan.first[k]])), missing
-            )
-            for k, table in zip(missing, decoded):
-                read_bytes += table.get_total_buffer_size()
-                entry = RowGroup(table, None)
-                if entries[k] is None and cache.max_bytes > 0:
-                    cached[k] = cache.put(distinct[k], entry, entry.nbytes)
-                entries[k] = entry
-            read_seconds = time.perf_counter() - t0
-        views = []
-        for k, entry in enumerate(entries):
-            if entry.views is None:  # made once per cached row group (a benign race)
-                entry.views = GroupViews(entry.table)
-                if cached[k]:  # charged for the packed copy too
-                    cache.put(distinct[k], entry, entry.nbytes + entry.views.nbytes)
-            views.append(entry.views)
+        entries, read_seconds = self._entries(distinct, idx[plan.first], "views")
+        views = [entry.views for entry in entries]
         gathered = gather(views, plan)
         columns: dict[str, Any] = {}
         shards = self._rg_shard[groups]
@@ -405,13 +525,81 @@ class ParquetSource(ShardedSource):
                 joined = pa.chunked_array(parts, type=entries[0].table.schema.field(int(pos)).type)
                 col = arrow_column(joined.combine_chunks().take(int64_array(plan.where)))
             columns[key] = col
-        counters = local_counters()
-        counters[COUNTER["cache_misses"]] += len(missing)
-        counters[COUNTER["cache_hits"]] += len(entries) - len(missing)
-        counters[COUNTER["read_seconds"]] += read_seconds
-        counters[COUNTER["bytes_read"]] += read_bytes
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
+        local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
         return ColumnBatch(columns, num_rows=n)
+
+    @property
+    def io_stats(self) -> dict[str, int]:
+        """This process's I/O counters; with the decoded disk cache, its counters too
+        (``decoded_hits``: row groups mapped, ``decoded_builds``: decoded and written
+        by this process, ``decoded_waits``, ``decoded_corrupt``, ``decoded_evictions``,
+        ``decoded_bytes_written``, ``decoded_not_stored``)."""
+        out = super().io_stats
+        if self.decoded_cache is not None:
+            out.update({f"decoded_{k}": v for k, v in self.decoded_cache.stats.items()})
+        return out
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass goes through (see :meth:`check_cache_fit`): the in-memory
+        row-group cache, or with the decoded disk cache on, that (the in-memory one then
+        holds maps of it, no decoded data); and for remote files with ``cache_dir``, the
+        shard cache. Row groups cost their decoded size estimated from the footers."""
+        out = super().cache_blocks()
+        disk = self.decoded_cache
+        if disk is not None:
+            out.append(
+                CacheBlocks(
+                    cache="decoded disk cache",
+                    unit="row group",
+                    offsets=self._rg_offsets,
+                    nbytes=lambda g: self._rg_bytes[g],
+                    capacity=disk.max_bytes,
+                    per_process=False,
+                    total=int(self._rg_bytes.sum()),
+                    remedies=(
+                        "raise decoded_cache_bytes above the working set (disk allowing)",
+                        "use BlockShuffleSampler (row groups in random order, rows "
+                        "shuffled within a window of a few: each decoded once a pass)",
+                        "convert to ArrayRecord (torchgrain convert SRC DST --to "
+                        "array_record): records read one by one, no row groups",
+                    ),
+                )
+            )
+        elif self.cache_bytes > 0:
+            if self._convert_rows:  # converted records: Python objects beside the values
+
+                def cost(g: np.ndarray) -> np.ndarray:
+                    rows = self._rg_offsets[g + 1] - self._rg_offsets[g]
+                    return self._rg_bytes[g] + converted_bytes(1, len(self._keys)) * rows
+
+            else:  # Arrow data and the views records are built from
+
+                def cost(g: np.ndarray) -> np.ndarray:
+                    return self._rg_bytes[g] + views_bytes(len(self._file_fields))
+
+            out.append(
+                CacheBlocks(
+                    cache="row-group cache",
+                    unit="row group",
+                    offsets=self._rg_offsets,
+                    nbytes=cost,
+                    capacity=self.cache_bytes,
+                    per_process=True,
+                    total=int(cost(np.arange(self.num_row_groups)).sum()),
+                    remedies=(
+                        "decoded_cache=True (each row group decoded once per machine "
+                        "into a memory-mapped disk cache, read at the in-memory rate "
+                        "after)",
+                        "use BlockShuffleSampler (row groups in random order, rows "
+                        "shuffled within a window of a few: each decoded once a pass)",
+                        "raise cache_bytes above the working set, memory allowing "
+                        "(every DataLoader worker holds its own)",
+                        "convert to ArrayRecord (torchgrain convert SRC DST --to "
+                        "array_record): records read one by one, no row groups",
+                    ),
+                )
+            )
+        return out
 
     def block_offsets(self) -> np.ndarray:
         """Global record offsets of the row groups (for :class:`BlockShuffleSampler`).
@@ -424,160 +612,184 @@ class ParquetSource(ShardedSource):
     def iter_shard(
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[dict[str, Any]]:
-        """Records ``[start, stop)`` of one file, in order, a row group at a time (each
-        row group decoded once)."""
+        """Records ``[start, stop)`` of one file, in order, a row group at a time: each
+        decoded once, straight from the file (a sequential read, such as a conversion,
+        neither needs nor fills the caches; a dataset bigger than the memory cache is not
+        copied into the decoded disk cache by reading it once)."""
+        n = int(self.index.counts[shard])
+        stop = n if stop is None else min(stop, n)
         base = int(self.index.offsets[shard])
-        end = base + (int(self.index.counts[shard]) if stop is None else stop)
-        bounds = self.block_offsets()
-        a = base + max(start, 0)
+        a, end = base + max(start, 0), base + stop
+        constants = {
+            j: self._part_values[key][shard : shard + 1].tolist()[0]
+            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
+            if pos < 0
+        }
         while a < end:
-            g = int(np.searchsorted(bounds, a, side="right"))
-            b = min(end, int(bounds[g]) if g < len(bounds) else end, a + _SEQUENTIAL_ROWS)
-            yield from self.__getitems__(range(a, b))
-            a = b
+            g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
+            first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
+            t0 = time.perf_counter()
+            table = self._decode(g, a)
+            counters = local_counters()
+            counters[COUNTER["read_seconds"]] += time.perf_counter() - t0
+            counters[COUNTER["bytes_read"]] += table.nbytes
+            views = RowViews(table)
+            for c in range(a, min(end, last), _SEQUENTIAL_ROWS):
+                d = min(c + _SEQUENTIAL_ROWS, end, last)
+                rows = np.arange(c - first, d - first, dtype=np.int64)
+                which = np.zeros(len(rows), dtype=np.int64)
+                chunk_constants = {j: [v] * len(rows) for j, v in constants.items()}
+                yield from build_records(
+                    self._keys, self._file_pos, [views], which, rows, chunk_constants
+                )
+            a = min(end, last)
 
     # ---------------------------------------------------------------- reading
-    def _gather(
-        self, groups: np.ndarray, rows: np.ndarray, indices: np.ndarray, order: np.ndarray
-    ) -> list[dict[str, Any]]:
-        """The records at ``rows`` of ``groups`` (sorted by group), in request order.
-
-        ``order[i]`` is the request position of the i-th (group-sorted) row.
-
-        A converted row group holds one finished record per row (a dict with every
-        key, immutable values filled in); a read hands out shallow copies, so a batch
-        costs one C-level dict copy per record plus the per-record copies of mutable
-        values (arrays, lists, dicts). Keeping a row's values together in one dict is
-        also what makes a global shuffle cheap: gathering a row touches one object,
-        not one per column scattered over the cache.
-
-        A row group is cached in two steps. The first read decodes it and caches the
-        Arrow table; unless that read looks block-local (:meth:`_block_local`), only
-        the requested rows are converted. A later read (reuse is
-        now proven) converts the whole row group once and caches that instead. So a
-        global shuffle whose row groups fall out of the cache before being read again
-        pays one decode and a few rows' conversion per row group, and a block-local
-        or cache-resident read pays one full conversion per row group.
+    def _entries(
+        self, groups: list[int], first: np.ndarray, form: str
+    ) -> tuple[list[RowGroup], float]:
+        """The cached entries of ``groups`` (a batch's distinct row groups), loading the
+        missing ones, each prepared for one batch format (``form``, see
+        :meth:`_prepare`); and the seconds spent loading. ``first[k]`` is a record index
+        in ``groups[k]`` (for error messages).
         """
-        n = len(groups)
-        cuts = np.flatnonzero(np.diff(groups)) + 1
-        starts = np.concatenate(([0], cuts)).tolist()
-        ends = [*cuts.tolist(), n]
-        distinct = groups[starts].tolist()
         cache = self._blocks
-        t_start = time.perf_counter()
+        entries: list[RowGroup | None] = cache.get_many(groups)  # counts a miss per absent
+        # A row group converted to records has dropped its table: read as missing by a
+        # format that needs the table.
+        missing = [
+            k
+            for k, e in enumerate(entries)
+            if e is None or (e.table is None and (form != "templates" or e.templates is None))
+        ]
         read_seconds = 0.0
         read_bytes = 0
-        entries = cache.get_many(distinct)  # counts a miss per absent group
-        misses = [k for k, entry in enumerate(entries) if entry is None]
-        tables: dict[int, pa.Table] = {}
-        if self._parallel(len(misses)):
-            # Remote row groups of this batch: all requests in flight at once.
+        if missing:
+            trimmer()  # made before the first decode: its baseline excludes decoded data
             t0 = time.perf_counter()
-            decoded = self._map(
-                lambda k: self._decode(distinct[k], int(indices[starts[k]])), misses
-            )
-            tables = dict(zip(misses, decoded))
-            read_seconds += time.perf_counter() - t0
-        local = rows.copy()  # row of each value in its group's converted rows
-        converted: list[RowGroup] = []
-        for k, entry in enumerate(entries):
-            g, s, e = distinct[k], starts[k], ends[k]
-            if entry is None:
-                table = tables.pop(k, None)
-                if table is None:
-                    t0 = time.perf_counter()
-                    table = self._decode(g, int(indices[s]))
-                    read_seconds += time.perf_counter() - t0
-                read_bytes += table.get_total_buffer_size()
-                if self._block_local(e - s, n, table.num_rows):
-                    entry = self._convert_group(table, g)
-                else:
-                    entry = RowGroup(table, None)
-                if cache.max_bytes > 0:
-                    cache.put(g, entry, entry.nbytes)
-                if entry.records is None:
-                    taken = table.take(int64_array(local[s:e]))
-                    converted.append(self._convert_group(taken, g))
-                    local[s:e] = np.arange(e - s)
-                    continue
-            elif entry.records is None:
-                # Reuse is proven: convert the whole row group once. A new entry replaces
-                # the cached one (never mutated in place: another thread may be reading it).
-                entry = self._convert_group(entry.table, g)
-                cache.put(g, entry, entry.nbytes)  # re-charged at its converted size
-                # Let the table go now, not at the end of the batch (a batch of a global
-                # shuffle converts every cached row group at its second read).
+            preparing = 0.0
+            loaded = self._map(lambda k: self._load(groups[k], int(first[k])), missing)
+            for k, entry in zip(missing, loaded):
+                if not entry.mapped:
+                    read_bytes += entry.nbytes
                 entries[k] = entry
-                trimmer().settle()
-            converted.append(entry)
-
-        # Copy each record in request order (one pass; a global shuffle touches a
-        # different row group for nearly every record).
-        which = np.repeat(np.arange(len(distinct)), np.diff([*starts, n]))
-        which_req = np.empty(n, dtype=np.int64)
-        which_req[order] = which
-        local_req = np.empty(n, dtype=np.int64)
-        local_req[order] = local
-        templates = [c.records for c in converted]
-        out = [templates[k][r].copy() for k, r in zip(which_req.tolist(), local_req.tolist())]
-        if converted[0].mutable:
-            # Values that must be fresh per record (arrays, lists, dicts) replace the
-            # placeholders in the copies, group by group.
-            in_group_order = [out[p] for p in order.tolist()]
-            local_list = local.tolist()
-            for c, s, e in zip(converted, starts, ends):
-                recs = in_group_order[s:e]
-                for key, col in c.mutable:
-                    for rec, value in zip(recs, col.take(local_list[s:e])):
-                        rec[key] = value
+                # Prepared at once: a row group converted to records lets its table go
+                # before the next one is decoded.
+                t1 = time.perf_counter()
+                self._prepare([entry], [groups[k]], form)
+                preparing += time.perf_counter() - t1
+            read_seconds = time.perf_counter() - t0 - preparing
+        self._prepare(entries, groups, form)  # type: ignore[arg-type]  # (the hits)
+        now = time.monotonic()
+        for entry in entries:
+            assert entry is not None
+            if entry.path is not None and now - entry.touched > _TOUCH_SECONDS:
+                entry.touched = now  # refresh its place in the disk cache's LRU order
+                assert self.decoded_cache is not None
+                self.decoded_cache.touch(entry.path)
         counters = local_counters()
-        counters[COUNTER["cache_misses"]] += len(misses)
-        counters[COUNTER["cache_hits"]] += len(entries) - len(misses)
+        counters[COUNTER["cache_misses"]] += len(missing)
+        counters[COUNTER["cache_hits"]] += len(entries) - len(missing)
         counters[COUNTER["read_seconds"]] += read_seconds
         counters[COUNTER["bytes_read"]] += read_bytes
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
-        return out
+        return entries, read_seconds  # type: ignore[return-value]
 
-    def _block_local(self, count: int, batch: int, group_rows: int) -> bool:
-        """Whether ``count`` rows of a row group of ``group_rows`` in a batch of ``batch``
-        point to block-local reads (the rest of the group will follow soon).
+    def _build(
+        self, entries: list[RowGroup], distinct: np.ndarray, which: np.ndarray, rows: np.ndarray
+    ) -> list[dict[str, Any]]:
+        """Records built from the compact data of ``entries`` (see :func:`build_records`)."""
+        self._prepare(entries, distinct.tolist(), "rows")
+        constants = {}
+        if self._part_keys:
+            shards = self._rg_shard[distinct][which]
+            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
+                if pos < 0:  # a hive partition key: one value per file
+                    constants[j] = self._part_values[key][shards].tolist()
+        views = [entry.rows for entry in entries]
+        return build_records(self._keys, self._file_pos, views, which, rows, constants)
 
-        A uniform global shuffle draws ``batch * group_rows / len(self)`` rows of the
-        group on average (about one or less with many row groups); block-local orders
-        draw many times that. A read of a good share of the group counts too.
-        """
-        if _CONVERT_WHOLE * count >= group_rows:
-            return True
-        return count >= 2 + 4 * batch * group_rows / max(1, len(self))
-
-    def _convert_group(self, table: pa.Table, group: int) -> RowGroup:
-        """Convert decoded rows of ``group`` into record templates (see :meth:`_gather`)."""
-        n = table.num_rows
-        shard = int(self._rg_shard[group])
-        columns = [convert_column(c) for c in table.columns]
-        records: list[dict[str, Any]] = [{} for _ in range(n)]
-        mutable: list[tuple[str, Column]] = []
-        nbytes = 0
-        # Filled column by column: about 2x faster than a dict per row from a zip.
-        for key, pos in zip(self._keys, self._file_pos):
-            if pos < 0:  # a partition key: one value for the whole file
-                value = self._part_values[key][shard : shard + 1].tolist()[0]
-                for rec in records:
-                    rec[key] = value
+    def _prepare(self, entries: list[RowGroup], groups: list[int], form: str) -> None:
+        """Prepare cached row groups for a batch format, each once (a benign race), and
+        charge the cache for what that adds: ``"rows"`` (views for building records),
+        ``"templates"`` (records converted whole, while they fit the cache) or
+        ``"views"`` (packed columns)."""
+        cache = self._blocks
+        for group, entry in zip(groups, entries):
+            if form == "rows":
+                if entry.rows is not None:
+                    continue
+                entry.rows = RowViews(entry.table)
+            elif form == "templates":
+                if entry.templates is not None:
+                    continue
+                shard = int(self._rg_shard[group])
+                constants = {
+                    j: self._part_values[key][shard : shard + 1].tolist()[0]
+                    for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
+                    if pos < 0
+                }
+                entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
+                if not entry.mapped and entry.views is None:
+                    entry.drop_table()  # the converted records hold its values
+                    # Let its buffers go now, not at the end of the batch (a global
+                    # shuffle's first batch converts nearly every row group).
+                    trimmer().settle()
+            elif entry.views is None:
+                entry.views = GroupViews(entry.table)
+            else:
                 continue
-            col = columns[pos]
-            nbytes += col.nbytes
-            if col.plain:
-                for rec, value in zip(records, col.values):
-                    rec[key] = value
-            else:  # a placeholder keeps the key order; each read fills a fresh value
-                mutable.append((key, col))
-                for rec in records:
-                    rec[key] = None
-        if records:
-            nbytes += n * sys.getsizeof(records[0])
-        return RowGroup(None, records, mutable, nbytes)
+            if cache.max_bytes > 0:
+                cache.put(group, entry, entry.charge())
+
+    def _load(self, group: int, index: int) -> RowGroup:
+        """Decode one row group, or map it from the decoded disk cache (built there by the
+        first process of the machine that needed it)."""
+        disk = self.decoded_cache
+        if disk is None:
+            return RowGroup(self._decode(group, index))
+        shard = int(self._rg_shard[group])
+        local = int(self._rg_local[group])
+        key = entry_key(
+            self._identities[shard],
+            local,
+            self._present[shard].tobytes(),
+            self._schema_bytes,
+        )
+
+        def build() -> pa.Table:
+            # Never publish what a file changed since the dataset was opened holds under
+            # the key of what it held then (checked before and after the decode).
+            self._check_unchanged(shard, index)
+            table = self._decode(group, index)
+            self._check_unchanged(shard, index)
+            return table
+
+        table, path = disk.get_or_build(
+            key,
+            build,
+            schema=self._file_schema,
+            num_rows=int(self._rg_offsets[group + 1] - self._rg_offsets[group]),
+            name=f"row group {local} of {self.paths[shard]!r}",
+        )
+        if path is None:  # not stored (too large, disk full): decoded here
+            return RowGroup(table)
+        charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
+        entry = RowGroup(table, mapped_bytes=charge, path=path)
+        entry.touched = time.monotonic()
+        return entry
+
+    def _check_unchanged(self, shard: int, index: int) -> None:
+        """Raise if a local file was written or replaced since opening (its size,
+        modification time or inode changed; its change time is left out: a ``chmod``
+        or ``touch -a`` changes that, not the data)."""
+        if self._remote:
+            return
+        path = self.paths[shard]
+        if _local_version(os.stat(path))[:3] != self._identities[shard][1][:3]:
+            raise CorruptDataError(
+                f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
+                f"opened (record index {index}): open it again"
+            )
 
     def _decode(self, group: int, index: int) -> pa.Table:
         shard = int(self._rg_shard[group])
@@ -585,17 +797,28 @@ class ParquetSource(ShardedSource):
         num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
         present = self._present[shard]
         names = [f.name for f, p in zip(self._file_fields, present) if p]
+        need = num_rows * int(self._row_bytes[shard])
+        if need > self.max_row_group_bytes:
+            raise CorruptDataError(
+                f"row group {local} of {self.paths[shard]!r} (shard {shard} of "
+                f"{self.num_shards}) says it holds {num_rows} rows: {need} bytes at least, "
+                f"decoded, more than max_row_group_bytes={self.max_row_group_bytes} allows "
+                f"(record index {index}; a larger max_row_group_bytes reads it, if the file "
+                "is trusted)"
+            )
 
         def read() -> pa.Table:
             while True:
                 reader = self._reader(shard)
                 with reader.lock:  # pyarrow's reader is not safe for concurrent reads
                     if not reader.closed:  # (else evicted meanwhile: open it again)
-                        return reader.pf.read_row_group(local, columns=names, use_threads=False)
+                        # Arrow reads on its own threads: they keep to this read's deadline.
+                        with remote.carrying(reader.handle):
+                            return reader.pf.read_row_group(local, columns=names, use_threads=False)
 
         try:
             table = self._io(read, shard, f"read of row group {local} (record index {index})")
-        except (RemoteIOError, DatasetNotFoundError, PermissionError):
+        except (RemoteIOError, DatasetNotFoundError, PermissionError, UnsafePathError):
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptDataError(
@@ -628,18 +851,30 @@ class ParquetSource(ShardedSource):
 
 
 def _read_footers(
-    fs: fsspec.AbstractFileSystem, files: list[str], retry: RetryPolicy
-) -> tuple[list[np.ndarray], list[pa.Schema]]:
-    """Row-group sizes and Arrow schema of every file, from the footers (in parallel)."""
+    fs: fsspec.AbstractFileSystem,
+    files: list[str],
+    retry: RetryPolicy,
+    columns: list[str] | None = None,
+) -> tuple[list[np.ndarray], list[pa.Schema], list[np.ndarray], list[tuple[Any, ...]]]:
+    """From the footers of every file (read in parallel): row-group sizes, the Arrow
+    schema, each row group's uncompressed size (of ``columns``: an estimate of its
+    decoded size) and what identifies the file's content (path, size, modification
+    time and inode, or the store's version, and a digest of the footer)."""
     local = is_local(fs)
+    opening = uuid.uuid4().hex
 
-    def metadata(shard: int) -> pq.FileMetaData:
+    def metadata(shard: int) -> tuple[pq.FileMetaData, tuple[Any, ...]]:
         path = files[shard]
         try:
             if local:
-                return pq.read_metadata(path)
-            with fs.open(path, "rb") as f:
-                return pq.read_metadata(f)
+                st = os.stat(path)
+                return pq.read_metadata(path), _local_version(st)
+            with remote.open_input(fs, path) as f:
+                md = pq.read_metadata(f)
+            size, version = _remote_version(fs, path)
+            # Nothing tells two versions of this file apart: its entries are this
+            # opening's own (shared by its workers, never by a later opening).
+            return md, (size, version if version is not None else ("unversioned", opening))
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -647,18 +882,133 @@ def _read_footers(
                 f"cannot read the Parquet footer of {path!r} (shard {shard} of {len(files)}): {e}"
             ) from e
 
-    def one(shard: int) -> tuple[np.ndarray, pa.Schema]:
+    def one(shard: int) -> tuple[np.ndarray, pa.Schema, np.ndarray, tuple[Any, ...]]:
         if local:
-            md = metadata(shard)
+            md, version = metadata(shard)
         else:
-            md = retry_call(metadata, shard, url=files[shard], policy=retry, what="footer read")
-        counts = np.array(
-            [md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64
-        )
-        return counts, md.schema.to_arrow_schema()
+            md, version = retry_call(
+                metadata, shard, url=files[shard], policy=retry, what="footer read"
+            )
+        groups = [md.row_group(i) for i in range(md.num_row_groups)]
+        counts = np.array([g.num_rows for g in groups], dtype=np.int64)
+        # A footer's counts index every record: they must be counts, and agree.
+        if (counts < 0).any() or float(counts.sum(dtype=np.float64)) != md.num_rows:
+            raise CorruptDataError(
+                f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
+                f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
+            )
+        schema = md.schema.to_arrow_schema()
+        if columns is None:
+            nbytes = [g.total_byte_size for g in groups]
+        else:
+            leaves = _selected_leaves(schema, set(columns))
+            nbytes = [sum(g.column(j).total_uncompressed_size for j in leaves) for g in groups]
+        identity = (files[shard], version, _footer_digest(md))
+        return counts, schema, np.array(nbytes, dtype=np.int64), identity
 
     results = map_files(one, len(files))
-    return [r[0] for r in results], [r[1] for r in results]
+    return (
+        [r[0] for r in results],
+        [r[1] for r in results],
+        [r[2] for r in results],
+        [r[3] for r in results],
+    )
+
+
+def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
+    """Parquet leaf-column numbers of the top-level fields named in ``wanted``."""
+
+    def leaves(t: pa.DataType) -> int:
+        if pa.types.is_struct(t):
+            return sum(leaves(f.type) for f in t)
+        if pa.types.is_map(t):
+            return leaves(t.key_type) + leaves(t.item_type)
+        if _is_list_type(t):
+            return leaves(t.value_type)
+        return 1
+
+    out, at = [], 0
+    for field in schema:
+        n = leaves(field.type)
+        if field.name in wanted:
+            out.extend(range(at, at + n))
+        at += n
+    return out
+
+
+def _is_list_type(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _footer_digest(md: pq.FileMetaData) -> str:
+    """A digest of the serialized footer (row-group layout, statistics...), or ``""``."""
+    try:
+        footer = md.__reduce__()[1][0]
+    except Exception:  # pragma: no cover - a pyarrow without it: size and time only
+        return ""
+    return hashlib.sha256(memoryview(footer)).hexdigest()
+
+
+def _local_version(st: os.stat_result) -> tuple[int, ...]:
+    """What tells versions of a local file apart: its size and modification time, and
+    its inode and change time. The last two catch a file replaced under the same name,
+    size and modification time (``cp -p``, ``rsync -t``): the kernel sets the change
+    time on every write, rename or ``utime``, and no one can set it back."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]:
+    """``(size, version)`` of a remote file from ``fs.info``: the store's version, ETag or
+    modification time, whichever it reports (``None`` when it reports none)."""
+    info = remote.call(fs, "info", path, what="size and version")
+    for name in ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash"):
+        if info.get(name):
+            return info.get("size"), str(info[name])
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        if info.get(name):
+            return info.get("size"), str(info[name])
+    return info.get("size"), None
+
+
+def _decoded_cache(
+    option: bool | str | os.PathLike | DecodedCache,
+    max_bytes: int | None,
+    data_bytes: int,
+    cache_bytes: int,
+) -> DecodedCache | None:
+    """The decoded disk cache ``decoded_cache=option`` asks for (see ParquetSource)."""
+    if isinstance(option, DecodedCache):
+        return option
+    if option is False or option is None:
+        return None
+    if option is True or option == "auto":
+        if option == "auto" and (
+            cache_bytes <= 0 or data_bytes <= max(cache_bytes, _AUTO_MIN_BYTES)
+        ):
+            return None
+        directory: str | os.PathLike = os.path.join(default_cache_dir(), "parquet-decoded")
+        if option == "auto" and on_network_filesystem(directory):
+            warnings.warn(
+                f"torchgrain: the data exceed the row-group cache, but {directory!r} is on "
+                "a network filesystem (quotas, slow writes, unsafe locks): the decoded "
+                "Parquet cache stays off. Pass decoded_cache=DIR on a local disk (or set "
+                "TORCHGRAIN_CACHE) to turn it on.",
+                stacklevel=4,
+            )
+            return None
+    else:
+        directory = option
+    try:
+        return DecodedCache(directory, max_bytes=max_bytes)
+    except OSError as e:
+        if option != "auto":
+            raise
+        warnings.warn(
+            f"torchgrain: the decoded Parquet cache cannot use {directory!r} ({e}); "
+            "reading without it (pass decoded_cache=DIR to choose another directory)",
+            stacklevel=4,
+        )
+        return None
 
 
 class _Reader:

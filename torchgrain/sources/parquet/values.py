@@ -62,30 +62,49 @@ class Column:
 
 
 class RowGroup:
-    """A cached row group: its decoded Arrow table, or its converted records.
+    """A cached row group in Arrow's compact form, for both batch formats.
 
-    ``records`` holds one template dict per row (immutable values filled in);
-    ``mutable`` the ``(key, column)`` pairs whose values are made fresh per read;
-    ``views`` the table's columns as numpy views, made by the first columnar read.
+    ``table`` is the decoded row group, in this process's memory or memory-mapped from
+    the node's decoded disk cache (``mapped``: its buffers cost no private memory). It is
+    prepared lazily for each batch format: ``rows`` (a
+    :class:`~torchgrain.sources.parquet.rows.RowViews`, for records; or ``templates``, a
+    :class:`~torchgrain.sources.parquet.rows.RowTemplates`, when the source's converted
+    records fit its cache) and ``views`` (a
+    :class:`~torchgrain.sources.parquet.columns.GroupViews`, for columns). ``nbytes`` is
+    what the cache is charged: the table's size (a mapped table: ``mapped_bytes``) plus
+    what its preparations added.
     """
 
-    __slots__ = ("mutable", "nbytes", "records", "table", "views")
+    __slots__ = ("mapped", "nbytes", "path", "rows", "table", "templates", "touched", "views")
 
     def __init__(
-        self,
-        table: pa.Table | None,
-        records: list[dict[str, Any]] | None,
-        mutable: list[tuple[str, Column]] | None = None,
-        nbytes: int | None = None,
+        self, table: pa.Table, *, mapped_bytes: int | None = None, path: str | None = None
     ) -> None:
-        self.table = table
+        self.table: pa.Table | None = table
         self.views: Any = None
-        self.records = records
-        self.mutable = mutable or []
-        if nbytes is None:
-            assert table is not None
-            nbytes = table.nbytes
-        self.nbytes = int(nbytes)
+        self.rows: Any = None
+        self.templates: Any = None  # converted records (rows.RowTemplates), when they fit
+        self.mapped = mapped_bytes is not None
+        self.nbytes = int(table.nbytes if mapped_bytes is None else mapped_bytes)
+        self.path = path  # the decoded-cache file a mapped table lives in
+        self.touched = 0.0  # when this process last refreshed that file's LRU time
+
+    def drop_table(self) -> None:
+        """Let the decoded table go (its records were converted) and stop charging it."""
+        self.table = None
+        self.rows = None
+        self.nbytes = 0
+
+    def charge(self) -> int:
+        """What the cache is charged for this entry and its preparations."""
+        extra = 0
+        if self.views is not None:
+            extra += self.views.nbytes
+        if self.rows is not None:
+            extra += self.rows.nbytes
+        if self.templates is not None:
+            extra += self.templates.nbytes
+        return self.nbytes + extra
 
 
 def int64_array(values: Any) -> pa.Array:
@@ -247,25 +266,30 @@ def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
     return values
 
 
-def _nulls_only_in_null_rows(
-    child: pa.Array, outer: np.ndarray, n: int, mask: np.ndarray | None
-) -> bool:
-    """True when every null item of ``child`` lies in a null row (e.g. fixed-size lists)."""
+def _rows_with_null_items(child: pa.Array, outer: np.ndarray, n: int) -> np.ndarray | None:
+    """Which of the ``n`` rows (items ``child[outer[i]:outer[i + 1]]``) hold a null item;
+    None when none does."""
     child_mask = _null_mask(child)
     if child_mask is None:
-        return True
+        return None
     pos = np.flatnonzero(child_mask)
+    pos = pos[(pos >= outer[0]) & (pos < outer[-1])]
+    if len(pos) == 0:  # the null items lie outside this (sliced) array's rows
+        return None
     owner = np.searchsorted(outer, pos, side="right") - 1
-    owner = owner[(owner >= 0) & (owner < n) & (pos < outer[-1])]
-    return mask is not None and bool(mask[owner].all())
+    flags = np.zeros(n, dtype=bool)
+    flags[owner] = True
+    return flags
 
 
 def _lists_to_numpy(arr: pa.Array) -> Column | None:
     """List columns of numbers as per-row numpy arrays (2-D where rectangular).
 
     Rows are read-only views of one buffer here; ``take`` copies them, so callers get
-    writable arrays that do not alias the cache. Lists whose items are not numbers, or
-    hold nulls, become Python lists.
+    writable arrays that do not alias the cache. Lists whose items are not numbers are
+    Python lists (None when the caller should use ``to_pylist``). Which form a row gets
+    depends on that row alone: a row holding a null item (or a null inner list) is a
+    Python list, whatever the rows read with it hold.
     """
     n = len(arr)
     mask = _null_mask(arr)
@@ -274,19 +298,38 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
     leaf = None
     if not _is_list(child.type):
         leaf = _leaf_numpy(child)
-        if leaf is None or not _nulls_only_in_null_rows(child, outer, n, mask):
+        if leaf is None:
             return _lists_to_python(arr, mask, bounds, child)
         if pa.types.is_fixed_size_list(arr.type):
             k = arr.type.list_size
             rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
         else:
             rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
+        holed = _rows_with_null_items(child, outer, n)
+        if holed is not None:
+            if mask is not None:
+                holed &= ~mask
+            items = convert_column(child).values  # plain: numbers / temporal, with None
+            for i in np.flatnonzero(holed).tolist():
+                rows[i] = items[bounds[i] : bounds[i + 1]]
     else:
         inner, grandchild = _list_offsets(child)
         leaf = _leaf_numpy(grandchild)
-        if leaf is None or child.null_count or grandchild.null_count:
+        if leaf is None:
             return None
-        if pa.types.is_fixed_size_list(arr.type) and pa.types.is_fixed_size_list(child.type):
+        holed = _rows_with_null_items(child, outer, n)
+        deep = _rows_with_null_items(grandchild, inner[outer], n) if grandchild.null_count else None
+        if holed is None:
+            holed = deep
+        elif deep is not None:
+            holed |= deep
+        if holed is not None and mask is not None:
+            holed &= ~mask
+        if (
+            holed is None
+            and pa.types.is_fixed_size_list(arr.type)
+            and pa.types.is_fixed_size_list(child.type)
+        ):
             a, b = arr.type.list_size, child.type.list_size
             start = int(inner[bounds[0]])
             rows = list(leaf[start : start + n * a * b].reshape(n, a, b))
@@ -296,7 +339,9 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
             for i in range(n):
                 lo, hi = bounds[i], bounds[i + 1]
                 lens = lengths[lo:hi]
-                if hi == lo:
+                if holed is not None and holed[i]:
+                    rows.append(arr.slice(i, 1).to_pylist()[0])  # as to_pylist
+                elif hi == lo:
                     rows.append(leaf[0:0].reshape(0, 0))
                 elif (lens == lens[0]).all():
                     part = leaf[int(inner[lo]) : int(inner[hi])]
@@ -309,7 +354,7 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
 def _lists_to_python(
     arr: pa.Array, mask: np.ndarray | None, bounds: list[int], child: pa.Array
 ) -> Column | None:
-    """Lists of strings, bytes, or numbers with null items, as Python lists."""
+    """Lists of strings or bytes as Python lists."""
     values = convert_column(child)
     if not values.plain:
         return None
@@ -336,8 +381,13 @@ def _maps_to_python(arr: pa.MapArray) -> Column | None:
 
 
 def _copy_value(v: Any) -> Any:
+    """A private copy of a list column's value: arrays copied; a list of arrays (a ragged
+    list of lists) copied item by item; a Python list (a row with null items) shallow-
+    copied, or deep-copied when nested (``to_pylist`` rows of a list of lists)."""
     if v is None:
         return None
     if isinstance(v, np.ndarray):
         return v.copy()
-    return [a.copy() for a in v]
+    if any(isinstance(a, np.ndarray) for a in v):
+        return [a.copy() for a in v]
+    return [list(a) if isinstance(a, list) else a for a in v]

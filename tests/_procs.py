@@ -1,0 +1,115 @@
+"""Processes as Linux's /proc shows them: who descends from whom, who is still running.
+
+The test suite uses it to check that it leaves no process behind (``conftest.py``) and
+that killed jobs take their helpers with them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    pgid: int
+    state: str  # "R", "S", "Z" (exited, not yet reaped), ...
+
+    @property
+    def running(self) -> bool:
+        return self.state not in ("Z", "X")
+
+
+def supported() -> bool:
+    return os.path.isdir("/proc/self/task")
+
+
+def snapshot() -> dict[int, Proc]:
+    """Every process visible in /proc now."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(name)] = Proc(int(name), int(fields[1]), int(fields[2]), fields[0])
+    return out
+
+
+def descendants(root: int, procs: dict[int, Proc] | None = None) -> list[Proc]:
+    """The processes below ``root`` (children, their children, ...)."""
+    procs = snapshot() if procs is None else procs
+    children: dict[int, list[Proc]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p)
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child.pid)
+    return out
+
+
+def in_group(pgid: int) -> list[Proc]:
+    """The processes of process group ``pgid``."""
+    return [p for p in snapshot().values() if p.pgid == pgid]
+
+
+def describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = "?"
+    return f"pid {pid}: {cmd[:300]}"
+
+
+def reap(procs: list[Proc]) -> None:
+    """Collect the exit status of those of ``procs`` that are our exited children."""
+    me = os.getpid()
+    for p in procs:
+        if not p.running and p.ppid == me:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(p.pid, os.WNOHANG)
+
+
+def wait_gone(find, seconds: float) -> list[Proc]:
+    """Poll ``find()`` (a list of processes) until none is running, for up to
+    ``seconds``; the ones still running then."""
+    deadline = time.monotonic() + seconds
+    while True:
+        found = find()
+        reap(found)
+        running = [p for p in found if p.running]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.1)
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants of this process its children (not init's), so that
+    :func:`descendants` still finds them. Linux only; whether it worked."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def kill(procs: list[Proc]) -> None:
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGKILL)

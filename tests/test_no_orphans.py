@@ -1,0 +1,53 @@
+"""A job killed with SIGKILL takes every process it started with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import torchgrain as tg
+from tests import _procs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# How long the helpers of a killed conversion may take to notice and exit.
+EXIT_WITHIN_S = 30.0
+
+pytestmark = pytest.mark.skipif(not _procs.supported(), reason="needs Linux's /proc")
+
+
+def test_a_killed_convert_takes_its_workers_fork_server_and_resource_tracker_with_it(tmp_path):
+    rng = np.random.default_rng(0)
+    recs = [{"x": rng.integers(0, 255, 20_000, dtype=np.uint8), "i": k} for k in range(1500)]
+    tg.write_array_record(recs, tmp_path / "src", num_shards=4)
+    cmd = [sys.executable, "-m", "torchgrain", "convert", str(tmp_path / "src"),
+           str(tmp_path / "out"), "--num-shards", "300", "--workers", "2"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        start_new_session=True,  # its own process group: everything it starts is in it
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        # The converting process, its fork server and resource tracker, and two workers.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            if sum(p.running for p in _procs.in_group(proc.pid)) >= 5:
+                break
+            time.sleep(0.05)  # polling /proc, not synchronising on time
+        started = [_procs.describe(p.pid) for p in _procs.in_group(proc.pid) if p.running]
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+        assert len(started) >= 5, started
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    left = _procs.wait_gone(lambda: _procs.in_group(proc.pid), EXIT_WITHIN_S)
+    names = [_procs.describe(p.pid) for p in left]
+    _procs.kill(left)
+    assert names == [], f"still running {EXIT_WITHIN_S:.0f} s after the kill: {names}"

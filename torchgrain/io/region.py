@@ -1,0 +1,351 @@
+"""ShardRegion: the local shard files of a dataset mapped into one range of addresses.
+
+A batch of a global shuffle over thousands of shards reads one or two records from each
+of hundreds of files. With one memory map per file, even gathering the batch's chunk
+headers takes a numpy call per file: the batch's cost grows with the shards it touches.
+Here a process reserves one range of virtual addresses for a dataset and maps each shard
+into a slot of it when first read, so one numpy array spans every mapped shard: a
+batch's headers are gathered with one fancy index and its records are slices of one
+buffer, whatever the number of files.
+
+* Slots are multiples of 64 KiB: an address keeps its file offset's place in the 64 KiB
+  blocks of Riegeli files, so block arithmetic works on addresses directly.
+* A mapped shard holds no file descriptor (the file is closed once mapped) and costs a
+  kernel map entry, no Python object. How many stay mapped is bounded by
+  ``vm.max_map_count`` (:func:`~torchgrain.io.limits.free_maps`) or ``max_maps``; the
+  least recently used are unmapped when a batch needs room.
+* The reservation is address space only (``PROT_NONE``, ``MAP_NORESERVE``): no memory,
+  no swap. Mapped pages are the page cache's, shared by every process of the machine.
+* Forked children inherit the mapped shards; spawned ones map their own. Nothing here
+  is pickled.
+* Linux on x86-64 and arm64 only (:func:`supported`); elsewhere sources read shard by
+  shard.
+
+Every address handed to numpy must lie inside a mapped slot: callers bound their offsets
+by the shard's size before gathering (an unmapped address is a segmentation fault, not
+an exception). The files must not shrink while mapped (as with any memory map, reading a
+page past a truncated end raises SIGBUS).
+
+Example:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> for k in range(3):
+    ...     _ = open(os.path.join(d, f"{k}"), "wb").write(bytes([65 + k]) * 10)
+    >>> paths = [os.path.join(d, f"{k}") for k in range(3)]
+    >>> r = ShardRegion(paths, np.full(3, 10)) if supported() else None
+    >>> if r is not None:
+    ...     at = r.acquire(np.array([2, 0]))
+    ...     print(bytes(r.view[at[0] : at[0] + 3]), bytes(r.view[at[1] : at[1] + 1]))
+    ...     r.release()
+    ... else:
+    ...     print(b"CCC", b"A")
+    b'CCC' b'A'
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.io import process
+from torchgrain.io.limits import free_maps
+
+__all__ = ["SLOT_ALIGN", "RegionUnavailable", "ShardRegion", "supported"]
+
+SLOT_ALIGN = 1 << 16
+_MAP_FIXED = 0x10  # the same on every Linux architecture :func:`supported` accepts
+_ADDRESS_BUDGET = 1 << 42  # at most 4 TiB of addresses per region (halved until it fits)
+_MIN_RESERVATION = 1 << 26
+_fork_lock = threading.Lock()
+
+_libc: Any = None
+
+
+def supported() -> bool:
+    """Whether this platform can map files at fixed addresses (Linux, x86-64 or arm64)."""
+    return (
+        sys.platform.startswith("linux")
+        and platform.machine() in ("x86_64", "aarch64", "arm64")
+        and _mmap_fn() is not None
+    )
+
+
+def _mmap_fn() -> Any:
+    global _libc
+    if _libc is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.mmap
+        except (OSError, AttributeError):
+            _libc = False
+            return None
+        fn.restype = ctypes.c_void_p
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = libc
+    return _libc.mmap if _libc else None
+
+
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_RESERVE_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+class RegionUnavailable(OSError):
+    """No address range could be reserved (address-space limit, unsupported platform)."""
+
+
+def _unmap(addr: int, length: int) -> None:
+    _libc.munmap(addr, length)
+
+
+class _Guard:
+    """Unmaps the reservation once neither the region nor any view of it is left."""
+
+
+class ShardRegion:
+    """Shards of one dataset mapped into slots of one reserved address range.
+
+    Args:
+        paths: the shard files (local paths), in dataset order.
+        sizes: each file's size in bytes, as the dataset's index records it; a file of
+            another size is refused when mapped.
+        max_maps: shards mapped at once, at most (default: what ``vm.max_map_count``
+            leaves free, two map entries per shard).
+        check: called as ``check(shard, stat, view)`` after mapping a shard (``view``:
+            the file's bytes; do not keep it); raising refuses the shard (it is
+            unmapped and the error propagates).
+
+    Raises:
+        RegionUnavailable: on an unsupported platform, or when no address range can be
+            reserved.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        sizes: np.ndarray,
+        *,
+        max_maps: int | None = None,
+        check: Callable[[int, os.stat_result, memoryview], None] | None = None,
+    ) -> None:
+        if not supported():
+            raise RegionUnavailable("mapping files at fixed addresses needs Linux x86-64/arm64")
+        self.paths = paths
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        n = len(self.sizes)
+        biggest = int(self.sizes.max()) if n else 0
+        self.slot_size = max(SLOT_ALIGN, -(-biggest // SLOT_ALIGN) * SLOT_ALIGN)
+        if max_maps is None:
+            max_maps = free_maps() // 2
+        slots = min(n, max(1, int(max_maps)), max(1, _ADDRESS_BUDGET // self.slot_size))
+        mm = _mmap_fn()
+        base = None
+        while slots >= 1:
+            length = slots * self.slot_size + SLOT_ALIGN
+            addr = mm(None, length, 0, _RESERVE_FLAGS, -1, 0)  # PROT_NONE
+            if addr not in (None, _MAP_FAILED):
+                base = addr
+                break
+            if length <= _MIN_RESERVATION or slots == 1:
+                break
+            slots //= 2
+        if base is None:
+            raise RegionUnavailable(
+                f"cannot reserve {slots * self.slot_size} bytes of addresses for "
+                f"{n} shards: {os.strerror(ctypes.get_errno())}"
+            )
+        self.num_slots = slots
+        self.capacity = slots  # slots that may be mapped at once (lowered on ENOMEM)
+        start = -(-base // SLOT_ALIGN) * SLOT_ALIGN
+        self._start = start
+        size = slots * self.slot_size
+        guard = _Guard()
+        weakref.finalize(guard, _unmap, base, length).atexit = False
+        mem = type("_Mapped", (ctypes.c_ubyte * size,), {}).from_address(start)
+        mem.guard = guard  # views of the region keep the reservation alive
+        #: The whole region as uint8 (read-only); slot ``k`` is ``[k * slot_size, ...)``.
+        self.u8 = np.frombuffer(mem, dtype=np.uint8)
+        self.u8.flags.writeable = False
+        #: The region as (unaligned, overlapping) little-endian uint64 words, one
+        #: starting at every byte: gathering 8 bytes costs one element.
+        self.words = np.ndarray((max(size - 7, 0),), dtype="<u8", buffer=mem, strides=(1,))
+        self.words.flags.writeable = False
+        self.view = memoryview(self.u8)
+        self._check = check
+        # Per shard and slot: 4 + 8 bytes (what a process keeps per shard).
+        self.slot_of = np.full(n, -1, dtype=np.int32)
+        self.owner = np.full(slots, -1, dtype=np.int32)
+        self.used = np.zeros(slots, dtype=np.uint32)  # the batch that last used a slot
+        self.mapped = 0
+        self.maps_done = 0  # shards mapped by this process (a counter for tests and stats)
+        self._tick = 0
+        self._inflight = 0
+        self._lock = threading.Lock()
+        self._generation = process.generation
+
+    # ------------------------------------------------------------------ per process
+    def _own(self) -> None:
+        """After a fork: the maps are inherited and valid, the lock and readers are not.
+        (Each fork bumps the child's generation; a spawned child never has this object.)"""
+        if self._generation != process.generation:
+            with _fork_lock:
+                if self._generation != process.generation:
+                    self._lock = threading.Lock()
+                    self._inflight = 0
+                    self._generation = process.generation
+
+    def __getstate__(self) -> None:
+        raise TypeError("a ShardRegion belongs to one process and is not pickled")
+
+    # ------------------------------------------------------------------ reading
+    def acquire(self, shards: np.ndarray) -> np.ndarray | None:
+        """Offsets into :attr:`u8` of the slots of ``shards`` (one per entry), mapping
+        the shards not mapped yet; None when they cannot all be mapped at once (more
+        distinct shards than slots, or the system's map limit reached). After a
+        non-None result, call :meth:`release` when done reading: no shard is unmapped
+        while any reader holds the region."""
+        self._own()
+        with self._lock:
+            slots = self.slot_of[shards]
+            missing = slots < 0
+            if missing.any():
+                if not self._map_missing(np.unique(shards[missing]), shards):
+                    return None
+                slots = self.slot_of[shards]
+            self._tick += 1
+            if self._tick >= 1 << 32:  # start the clock again, keeping the order
+                self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
+                self._tick = int(self.used.max()) + 1
+            self.used[slots] = self._tick
+            self._inflight += 1
+        return slots * np.int64(self.slot_size)
+
+    def acquire_one(self, shard: int) -> int | None:
+        """:meth:`acquire` for one shard: the offset of its slot, or None."""
+        self._own()
+        with self._lock:
+            k = int(self.slot_of[shard])
+            if k < 0:
+                if not self._map_missing(np.array([shard]), np.array([shard])):
+                    return None
+                k = int(self.slot_of[shard])
+            self._tick += 1
+            if self._tick >= 1 << 32:
+                self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
+                self._tick = int(self.used.max()) + 1
+            self.used[k] = self._tick
+            self._inflight += 1
+        return k * self.slot_size
+
+    def release(self) -> None:
+        """End a read begun by a non-None :meth:`acquire`."""
+        with self._lock:
+            self._inflight -= 1
+
+    def close(self) -> None:
+        """Unmap every shard (when no read is in progress); the region stays usable."""
+        self._own()
+        with self._lock:
+            if self._inflight:
+                return
+            for k in np.flatnonzero(self.owner >= 0).tolist():
+                self._unmap_slot(k)
+
+    # ------------------------------------------------------------------ mapping
+    def _map_missing(self, need: np.ndarray, batch: np.ndarray) -> bool:
+        room = self.capacity - self.mapped
+        if room < len(need):
+            if self._inflight:
+                return False  # another thread reads: nothing may be unmapped now
+            in_batch = self.slot_of[batch]
+            mask = self.owner >= 0
+            mask[in_batch[in_batch >= 0]] = False
+            candidates = np.flatnonzero(mask)
+            m = len(need) - room
+            if len(candidates) < m:
+                return False
+            if m < len(candidates):
+                candidates = candidates[np.argpartition(self.used[candidates], m - 1)[:m]]
+            for k in candidates.tolist():
+                self._unmap_slot(k)
+        free = np.flatnonzero(self.owner < 0)
+        return all(self._map(shard, k) for shard, k in zip(need.tolist(), free.tolist()))
+
+    def _map(self, shard: int, k: int) -> bool:
+        path = self.paths[shard]
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise DatasetNotFoundError(f"shard {shard} {path!r} does not exist") from None
+        try:
+            st = os.fstat(fd)
+            size = int(self.sizes[shard])
+            if st.st_size != size:
+                # Offsets were bounded by the recorded size: a file of another size is
+                # another file (and a shorter one would leave unmapped holes).
+                if self._check is not None:
+                    self._check(shard, st, memoryview(b""))  # names the change
+                raise CorruptDataError(
+                    f"shard {shard} {path!r} is {st.st_size} bytes, its index says {size}: "
+                    "the file changed after its index was made"
+                )
+            addr = self._start + k * self.slot_size
+            if size:
+                got = _mmap_fn()(addr, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+                if got in (None, _MAP_FAILED):
+                    err = ctypes.get_errno()
+                    if err == errno.ENOMEM:  # the system's map limit: use fewer slots
+                        self.capacity = max(1, self.mapped)
+                        return False
+                    raise OSError(err, f"cannot map shard {shard} {path!r}: {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        self.owner[k] = shard
+        self.slot_of[shard] = k
+        self.mapped += 1
+        self.maps_done += 1
+        if self._check is not None:
+            at = k * self.slot_size
+            try:
+                self._check(shard, st, self.view[at : at + size])
+            except BaseException:
+                self._unmap_slot(k)
+                raise
+        return True
+
+    def _unmap_slot(self, k: int) -> None:
+        addr = self._start + k * self.slot_size
+        got = _mmap_fn()(addr, self.slot_size, 0, _RESERVE_FLAGS | _MAP_FIXED, -1, 0)
+        if got in (None, _MAP_FAILED):  # pragma: no cover - replacing a map of our own
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot unmap a shard: {os.strerror(err)}")
+        shard = int(self.owner[k])
+        self.owner[k] = -1
+        if shard >= 0:
+            self.slot_of[shard] = -1
+            self.mapped -= 1
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardRegion(shards={len(self.slot_of)}, slots={self.num_slots}, "
+            f"slot_size={self.slot_size}, mapped={self.mapped})"
+        )

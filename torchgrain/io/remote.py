@@ -1,0 +1,787 @@
+"""Every request torchgrain makes to remote storage: with deadlines, checked, and confined.
+
+A remote server may be slow, broken or hostile. It may stop sending in the middle of a
+body and keep the socket open (without a deadline a read then waits ~300 s, and again on
+every retry), trickle one byte at a time, answer a range request with the whole file, send
+fewer bytes than it promised, or redirect the client to another host. This module is the
+one place where torchgrain talks to fsspec about remote files, so that:
+
+* **every request has a deadline.** The transport gets connect and between-bytes timeouts
+  (:func:`storage_options_with_deadlines`, applied by
+  :func:`~torchgrain.io.fs.get_filesystem` to ``http(s)://`` and ``s3://`` unless the user
+  set them), and every call into an async fsspec filesystem (s3fs, gcsfs, HTTP, ...) is
+  cancelled after the request's own time limit, cut to what the retried operation has
+  left (:func:`~torchgrain.io.retry.remaining_seconds`). A timed-out request is a
+  transient failure: the operation retries it and ends in
+  :class:`~torchgrain.RemoteIOError` naming the URL. Requests made outside an operation
+  are retried on their own (:func:`call`).
+* **every body has the length asked for, and is never buffered past it.** A range that
+  comes back longer (a server that ignores ``Range`` and sends the whole file, or an endless
+  body) or shorter than asked, while the file is long enough, is a transient failure, never
+  bytes from the wrong offset; a file really shorter than the range is
+  :class:`~torchgrain.CorruptDataError`. On HTTP(S) and S3 a body is read in pieces and
+  given up as soon as it holds more than was asked for (a response to a request without a
+  range, such as a directory listing page, more than :data:`MAX_PAGE_BYTES`); a download
+  stops at its expected size, and fails when it falls behind ``min_rate``.
+* **redirects stay put.** On HTTP(S), a redirect is followed only from a directory's URL to
+  the same URL with a trailing slash; any other is refused
+  (:class:`~torchgrain.UnsafePathError`) before a request is made to where it points,
+  unless the dataset was opened with ``allow_external_paths=True``.
+* **files are read through the same checks.** :func:`open_input` gives Parquet and TFRecord
+  readers a file object whose reads are range requests made here.
+
+Local and in-memory filesystems are called directly: none of this costs them anything.
+
+Example:
+    >>> import fsspec
+    >>> fs = fsspec.filesystem("memory")
+    >>> fs.pipe("/r/f", b"0123456789")
+    >>> cat_file(fs, "/r/f", 2, 5)
+    b'234'
+    >>> f = open_input(fs, "/r/f")
+    >>> _ = f.seek(7); f.read()
+    b'789'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import io
+import numbers
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import IO, Any, TypeVar
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.callbacks import Callback
+from fsspec.exceptions import FSTimeoutError
+
+from torchgrain.errors import CorruptDataError, UnsafePathError
+from torchgrain.io.paths import is_http
+from torchgrain.io.retry import (
+    RequestTimeout,
+    RetryPolicy,
+    current_policy,
+    http_status,
+    in_operation,
+    is_transient,
+    remaining_seconds,
+    request_done,
+    retry_call,
+)
+
+__all__ = [
+    "RemoteFile",
+    "ResponseSizeError",
+    "call",
+    "carrying",
+    "cat_file",
+    "cat_ranges",
+    "exists",
+    "file_size",
+    "get_file",
+    "isdir",
+    "isfile",
+    "open_input",
+    "storage_options_with_deadlines",
+]
+
+T = TypeVar("T")
+
+#: Read-ahead buffer of a remote file (fsspec's HTTP files read 5 MB blocks): a read
+#: that misses it fetches at least this much from where it starts.
+REMOTE_BUFFER = 4 << 20
+
+
+#: The most bytes read of an HTTP(S) response to a request without a byte range (a
+#: directory listing page): a listing of 100,000 files is a few MiB.
+MAX_PAGE_BYTES = 32 << 20
+
+
+class ResponseSizeError(ConnectionError):
+    """A response held more or fewer bytes than were asked for while the file has them
+    (a transport fault, or a server that ignores ``Range``): transient, so retried."""
+
+
+class _RedirectRefused(UnsafePathError, PermissionError):
+    """A server redirected a request away from the URL asked for.
+
+    A :class:`PermissionError` as well, so that fsspec's HTTP ``isdir`` (which treats a
+    ``ValueError`` as "not a directory") lets it through.
+    """
+
+
+# ------------------------------------------------------------------- transport settings
+def storage_options_with_deadlines(
+    protocol: str,
+    storage_options: dict[str, Any] | None,
+    policy: RetryPolicy | None = None,
+    *,
+    allow_redirects: bool = False,
+) -> dict[str, Any]:
+    """``storage_options`` with the policy's transport timeouts added where the user set
+    none: for ``http``/``https`` an ``aiohttp.ClientTimeout`` (connect, between bytes; no
+    total, which the per-request deadline gives) and a client that reads bodies with a
+    byte cap (see the module docstring) and refuses redirects unless ``allow_redirects``
+    (a ``get_client`` of your own replaces both); for ``s3``/``s3a`` botocore's
+    ``connect_timeout`` and ``read_timeout``. Other protocols are returned unchanged
+    (their requests still get the per-request deadline).
+
+    Example:
+        >>> opts = storage_options_with_deadlines("s3", {"anon": True})
+        >>> opts["anon"], opts["config_kwargs"]
+        (True, {'connect_timeout': 10.0, 'read_timeout': 20.0})
+        >>> storage_options_with_deadlines("s3", {"config_kwargs": {"read_timeout": 5}})
+        {'config_kwargs': {'read_timeout': 5, 'connect_timeout': 10.0}}
+    """
+    policy = policy or current_policy()
+    opts = dict(storage_options or {})
+    if protocol in ("http", "https"):
+        import aiohttp
+
+        client = dict(opts.get("client_kwargs") or {})
+        client.setdefault(
+            "timeout",
+            aiohttp.ClientTimeout(
+                total=None,  # a download may take long: the per-request deadline covers it
+                sock_connect=policy.connect_timeout,
+                sock_read=policy.read_timeout,
+            ),
+        )
+        opts["client_kwargs"] = client
+        opts.setdefault("get_client", _client_following_redirects if allow_redirects else _client)
+    elif protocol in ("s3", "s3a"):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", float(policy.connect_timeout))
+        config.setdefault("read_timeout", float(policy.read_timeout))
+        opts["config_kwargs"] = config
+    return opts
+
+
+async def _client(**kwargs: Any) -> Any:
+    """An ``aiohttp.ClientSession`` (what fsspec's HTTP filesystem uses) whose responses
+    are read with a byte cap, and that refuses redirects, except from a directory's URL to
+    the same URL with a trailing slash."""
+    import aiohttp
+
+    trace = aiohttp.TraceConfig()
+    trace.on_request_redirect.append(_on_redirect)
+    kwargs["trace_configs"] = [*(kwargs.get("trace_configs") or []), trace]
+    return await _client_following_redirects(**kwargs)
+
+
+async def _client_following_redirects(**kwargs: Any) -> Any:
+    """:func:`_client` for a server the user trusts: redirects are followed."""
+    import aiohttp
+
+    return aiohttp.ClientSession(response_class=_capped_response(), **kwargs)
+
+
+_RANGE = re.compile(r"bytes=(\d+)-(\d+)")
+
+
+@functools.cache
+def _capped_response() -> type:
+    """The ``aiohttp.ClientResponse`` of :func:`_client` (made on first use: aiohttp is
+    only needed for HTTP(S))."""
+    import aiohttp
+
+    class CappedResponse(aiohttp.ClientResponse):
+        """A response whose body is read in pieces, and given up as soon as it holds more
+        than the request's ``Range`` asked for (without one, :data:`MAX_PAGE_BYTES`):
+        fsspec reads whole bodies before torchgrain can look at them."""
+
+        async def read(self) -> bytes:
+            if self._body is None:
+                asked = _RANGE.fullmatch(self.request_info.headers.get("Range", ""))
+                if asked and self.status < 300:  # an error's page is no answer to the range
+                    limit = int(asked[2]) - int(asked[1]) + 1
+                    why = (
+                        f"{self.url}: the response for bytes {asked[1]}-{asked[2]} holds "
+                        f"more than the {limit} bytes asked for: the server does not honour "
+                        "Range requests, or the response is corrupt"
+                    )
+                else:
+                    limit = MAX_PAGE_BYTES
+                    why = (
+                        f"{self.url}: the response holds more than {limit} bytes, the most "
+                        "torchgrain reads of a page (remote.MAX_PAGE_BYTES)"
+                    )
+                try:
+                    self._body = await _read_capped(
+                        self.content.read, limit, self.content_length, why=why
+                    )
+                except BaseException:
+                    self.close()  # the rest of the body is never read
+                    raise
+            return await super().read()
+
+    return CappedResponse
+
+
+async def _read_capped(
+    read: Callable[[int], Awaitable[bytes]], limit: int, declared: int | None, *, why: str
+) -> bytes:
+    """A body read with ``read(n)`` (up to ``n`` bytes, ``b""`` at its end), holding at
+    most ``limit`` bytes: one more is a :class:`ResponseSizeError` saying ``why``, raised
+    before the rest is read (before any, when the ``declared`` length is already over).
+
+    Example:
+        >>> import asyncio
+        >>> chunks = [b"abc", b"def", b""]
+        >>> async def read(n):
+        ...     return chunks.pop(0)[:n]
+        >>> asyncio.run(_read_capped(read, 4, None, why="too long"))
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.remote.ResponseSizeError: too long
+    """
+    if declared is not None and declared > limit:
+        raise ResponseSizeError(why)
+    parts: list[bytes] = []
+    got = 0
+    while part := await read(limit + 1 - got):
+        got += len(part)
+        if got > limit:
+            raise ResponseSizeError(why)
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _on_redirect(session: Any, context: Any, params: Any) -> None:
+    import yarl
+
+    location = params.response.headers.get("Location") or params.response.headers.get("URI")
+    url = params.url
+    target = url.join(yarl.URL(location or ""))
+    if not url.path.endswith("/") and target == url.with_path(url.path + "/", encoded=True):
+        return  # a directory's own URL
+    raise _RedirectRefused(
+        f"{url} redirects to {location!r}: torchgrain follows no redirect out of the "
+        "URL asked for (a server could point it at any host). If you trust this server, "
+        "open the dataset with allow_external_paths=True"
+    )
+
+
+# ------------------------------------------------------------------------- requests
+def _raise_refusal(exc: BaseException) -> None:
+    """Raise the refused redirect that fsspec reports as "not found" (its HTTP ``info``
+    turns every failure into FileNotFoundError), so it is not taken for a missing file."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, UnsafePathError):
+            raise type(cause)(*cause.args) from exc
+        cause = cause.__cause__ or cause.__context__
+
+
+def _coroutine(fs: AsyncFileSystem, method: str) -> Callable[..., Awaitable[Any]]:
+    """``fs._<method>``, or torchgrain's own where fsspec's would buffer a whole body
+    before anyone can check its length (s3fs's reads)."""
+    if method in _S3_READS and any(p in ("s3", "s3a") for p in _protocols(fs)):
+        return functools.partial(_S3_READS[method], fs)
+    return getattr(fs, "_" + method)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+
+
+async def _s3_cat_file(
+    fs: Any, path: str, start: int | None = None, end: int | None = None
+) -> bytes:
+    """One S3 GET (of bytes ``[start, end)``, or all), read with a byte cap."""
+    bucket, key, version = fs.split_path(path)
+    extra: dict[str, Any] = {"VersionId": version} if version else {}
+    if start is not None and end is not None:
+        extra["Range"] = f"bytes={start}-{end - 1}"
+        limit = end - start
+        why = (
+            f"{path}: the response for bytes {start}-{end - 1} holds more than the {limit} "
+            "bytes asked for: the server does not honour Range requests, or the response "
+            "is corrupt"
+        )
+    else:
+        limit = MAX_PAGE_BYTES
+        why = f"{path}: the object holds more than {limit} bytes (remote.MAX_PAGE_BYTES)"
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    body = resp["Body"]
+    try:
+        return await _read_capped(body.read, limit, resp.get("ContentLength"), why=why)
+    finally:
+        body.close()
+
+
+async def _s3_cat_ranges(
+    fs: Any, paths: list[str], starts: list[int], ends: list[int]
+) -> list[bytes | BaseException]:
+    """:func:`_s3_cat_file` for each range, concurrently; failures are returned in place
+    (as fsspec's ``cat_ranges`` does)."""
+    reads = [_s3_cat_file(fs, p, s, e) for p, s, e in zip(paths, starts, ends)]
+    return await asyncio.gather(*reads, return_exceptions=True)
+
+
+_S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "cat_file": _s3_cat_file,
+    "cat_ranges": _s3_cat_ranges,
+}
+
+
+def _deadline_call(
+    fs: AsyncFileSystem,
+    method: str,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    label: str,
+    what: str,
+    nbytes: int,
+) -> Any:
+    """One request through fsspec's ``sync``, cancelled when its time is up."""
+    seconds, own, policy = remaining_seconds(nbytes)
+    if seconds <= 0:
+        raise RequestTimeout(
+            f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
+        )
+    try:
+        out = sync(fs.loop, _coroutine(fs, method), *args, timeout=seconds, **kwargs)
+        request_done(nbytes)  # progress: the operation may take that much longer
+        return out
+    except FileNotFoundError as e:
+        _raise_refusal(e)
+        raise
+    except FSTimeoutError as e:
+        limit = (
+            f"its {own:.3g} s limit (RetryPolicy.request_timeout)"
+            if seconds >= own
+            else f"the {seconds:.3g} s left of the operation's deadline (RetryPolicy.deadline)"
+        )
+        raise RequestTimeout(f"{what} of {label} did not complete within {limit}") from e
+
+
+def call(
+    fs: fsspec.AbstractFileSystem,
+    method: str,
+    *args: Any,
+    url: str | None = None,
+    what: str = "request",
+    nbytes: int = 0,
+    check: Callable[[Any], None] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``fs.<method>(*args, **kwargs)`` with a deadline, and ``check(result)`` after it.
+
+    On an async filesystem the request is cancelled after
+    :meth:`~torchgrain.io.retry.RetryPolicy.request_seconds` of ``nbytes`` (cut to the
+    operation's time left), raising :class:`~torchgrain.io.retry.RequestTimeout`; outside
+    a retried operation the call is retried on its own (:func:`current_policy`). Other
+    filesystems (local, memory) are called directly.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/x", b"abc")
+        >>> call(fs, "size", "/c/x")
+        3
+    """
+    label = url or str(args[0] if args else "")
+    if not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
+        out = getattr(fs, method)(*args, **kwargs)
+        if check is not None:
+            check(out)
+        return out
+
+    def attempt() -> Any:
+        out = _deadline_call(fs, method, args, kwargs, label=label, what=what, nbytes=nbytes)
+        if check is not None:
+            check(out)
+        return out
+
+    if in_operation():
+        return attempt()
+    return retry_call(attempt, url=label, what=what)
+
+
+# ------------------------------------------------------------------------- probes
+# fsspec's own probes answer "no" when a request fails: HTTP ``exists``/``isfile`` say a
+# file answering 503 does not exist, the generic async ``isfile`` swallows every
+# exception, ``isdir`` every OSError (timeouts included). A flaky server would then make
+# a dataset "not exist". These ask ``info`` (or, for an HTTP directory, its listing) and
+# let transient failures be retried; only "not found" is a "no".
+def _info_or_none(fs: fsspec.AbstractFileSystem, path: str, url: str | None) -> Any:
+    try:
+        return call(fs, "info", path, url=url or path, what="lookup")
+    except FileNotFoundError as e:
+        if is_transient(e):
+            raise  # inside an operation: it retries (fsspec reports a 503 on HEAD this way)
+        return None
+
+
+def exists(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> bool:
+    """Whether ``path`` exists; a failing server is retried, not taken for a "no".
+
+    Example:
+        >>> import fsspec
+        >>> exists(fsspec.filesystem("memory"), "/nowhere/x")
+        False
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.exists(path)
+    return _info_or_none(fs, path, url) is not None
+
+
+def isfile(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> bool:
+    """Whether ``path`` is a file (see :func:`exists`).
+
+    Example:
+        >>> import fsspec
+        >>> isfile(fsspec.filesystem("memory"), "/nowhere/x")
+        False
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.isfile(path)
+    info = _info_or_none(fs, path, url)
+    return info is not None and info.get("type", "file") == "file"
+
+
+def isdir(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> bool:
+    """Whether ``path`` is a directory (on HTTP(S): a page listing links; see :func:`exists`).
+
+    Example:
+        >>> import fsspec
+        >>> isdir(fsspec.filesystem("memory"), "/nowhere")
+        False
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.isdir(path)
+    if is_http(fs):
+        # Listing it is the only way to tell; its own failures are not swallowed.
+        return bool(call(fs, "isdir", path, url=url or path, what="listing"))
+    info = _info_or_none(fs, path, url)
+    return info is not None and info.get("type") == "directory"
+
+
+def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> int:
+    """The size of ``path`` in bytes (a request with a deadline, see :func:`call`).
+
+    Raises:
+        CorruptDataError: the server reports no size (an HTTP server that answers without
+            a ``Content-Length``), or not a size: reading byte ranges needs one.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/s", b"abc")
+        >>> file_size(fs, "/c/s")
+        3
+    """
+    label = url or path
+    got = call(fs, "size", path, url=label, what="size lookup")
+    if isinstance(got, bool) or not isinstance(got, numbers.Integral) or got < 0:
+        raise CorruptDataError(
+            f"{label}: the server reports no size ({got!r}); reading byte ranges needs one"
+        )
+    return int(got)
+
+
+def _check_length(
+    fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, got: int, label: str
+) -> None:
+    want = end - start
+    if got == want:
+        return
+    if got > want:
+        raise ResponseSizeError(
+            f"{label}: {got} bytes came back for a range of {want} (bytes {start}-{end}): the "
+            "server does not honour Range requests, or the response is corrupt"
+        )
+    size = call(fs, "size", path, url=label, what="size lookup")
+    if size is not None and int(size) < end:
+        raise CorruptDataError(
+            f"{label}: file is truncated: {int(size)} bytes, so bytes {start}-{end} are missing"
+        )
+    raise ResponseSizeError(
+        f"{label}: the response for bytes {start}-{end} ended after {got} of {want} bytes"
+    )
+
+
+def cat_file(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int | None = None,
+    end: int | None = None,
+    *,
+    url: str | None = None,
+    what: str = "read",
+    limit: int | None = None,
+) -> bytes:
+    """Bytes ``[start, end)`` of ``path`` (all of it without a range), exactly those.
+
+    ``limit`` (for a whole-file read) fails a file larger than it before reading it.
+
+    Raises:
+        CorruptDataError: the file is shorter than the range, or larger than ``limit``.
+        ResponseSizeError: (transient; inside an operation) the response's length is wrong.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/y", b"abcdef")
+        >>> cat_file(fs, "/c/y", 4, 9)
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.CorruptDataError: /c/y: file is truncated: 6 bytes, so bytes 4-9 are missing
+    """
+    label = url or path
+    if start is None and end is None:
+        if limit is None:
+            return call(fs, "cat_file", path, url=label, what=what)
+        total = file_size(fs, path, url=label)
+        if total > limit:
+            raise CorruptDataError(f"{label} is {total} bytes, more than the {limit} allowed")
+        start, end = 0, total
+    assert start is not None and end is not None
+    if start >= end:
+        return b""
+    return call(
+        fs,
+        "cat_file",
+        path,
+        start=start,
+        end=end,
+        url=label,
+        what=what,
+        nbytes=end - start,
+        check=lambda out: _check_length(fs, path, start, end, len(out), label),
+    )
+
+
+def cat_ranges(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    starts: Sequence[int],
+    ends: Sequence[int],
+    *,
+    url: str | None = None,
+    what: str = "range read",
+) -> list[bytes]:
+    """Bytes ``[starts[i], ends[i])`` of ``path`` for each ``i``, requested together.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/z", b"0123456789")
+        >>> cat_ranges(fs, "/c/z", [0, 8], [2, 10])
+        [b'01', b'89']
+    """
+    label = url or path
+    starts, ends = list(starts), list(ends)
+
+    def check(blobs: list[Any]) -> None:
+        for s, e, blob in zip(starts, ends, blobs):
+            if isinstance(blob, BaseException):
+                if (
+                    is_transient(blob)
+                    or http_status(blob) is not None
+                    or isinstance(blob, (FileNotFoundError, PermissionError))
+                ):
+                    raise blob  # retried, or named by the operation (not found, denied)
+                raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
+            _check_length(fs, path, s, e, len(blob), label)
+
+    return call(
+        fs,
+        "cat_ranges",
+        [path] * len(starts),
+        starts,
+        ends,
+        url=label,
+        what=what,
+        nbytes=sum(e - s for s, e in zip(starts, ends)),
+        check=check,
+    )
+
+
+def get_file(
+    fs: fsspec.AbstractFileSystem, rpath: str, lpath: str, *, nbytes: int, url: str | None = None
+) -> None:
+    """Download ``rpath`` to the local file ``lpath`` (``nbytes`` long: its deadline grows
+    with it). The caller checks the size and content of what arrived.
+
+    A download is stopped (a transient failure, retried) as soon as it brings more than
+    ``nbytes`` (a server sending an endless body would fill the disk), or falls behind
+    ``min_rate`` after its first ``request_timeout`` seconds (a server trickling a few
+    bytes now and then never trips the transport's read timeout, and a shard's deadline is
+    long).
+
+    Example:
+        >>> import fsspec, os, tempfile
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/d", b"xyz")
+        >>> local = os.path.join(tempfile.mkdtemp(), "d")
+        >>> get_file(fs, "/c/d", local, nbytes=3)
+        >>> open(local, "rb").read()
+        b'xyz'
+    """
+    label = url or rpath
+    seconds, _, policy = remaining_seconds(0)
+    guard = _DownloadGuard(nbytes, label, grace=min(policy.request_timeout, seconds), policy=policy)
+    call(fs, "get_file", rpath, lpath, url=label, what="download", nbytes=nbytes, callback=guard)
+
+
+class _DownloadGuard(Callback):
+    """fsspec's progress callback, used to stop a download that brings too much or too
+    slowly (it is called with every piece written)."""
+
+    def __init__(self, nbytes: int, url: str, *, grace: float, policy: RetryPolicy) -> None:
+        super().__init__()
+        self.limit, self.url, self.grace, self.policy = nbytes, url, grace, policy
+        self.start = time.monotonic()
+
+    def set_size(self, size: int | None) -> None:
+        super().set_size(size)
+        self.value, self.start = 0, time.monotonic()  # a transfer (re)starts
+
+    def relative_update(self, inc: int = 1) -> None:
+        self.value += inc
+        if self.value > self.limit:
+            raise ResponseSizeError(
+                f"{self.url}: the download brought more than the {self.limit} bytes expected"
+            )
+        spent = time.monotonic() - self.start
+        if spent > self.grace + self.value / self.policy.min_rate:
+            raise RequestTimeout(
+                f"download of {self.url} fell behind {self.policy.min_rate:g} bytes/s "
+                f"(RetryPolicy.min_rate): {self.value} bytes in {spent:.1f} s"
+            )
+
+
+# ----------------------------------------------------------------------- file objects
+class RemoteFile(io.RawIOBase):
+    """A remote file as a seekable binary file whose every read is one checked range
+    request with a deadline (:func:`cat_file`).
+
+    Args:
+        fs: the filesystem.
+        path: the file's path on ``fs``.
+        size: its size in bytes, when known (else asked for once).
+        url: the name used in errors.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/f", b"0123456789")
+        >>> f = RemoteFile(fs, "/c/f")
+        >>> f.seek(-3, 2), f.read(2), f.tell(), f.read()
+        (7, b'78', 9, b'9')
+    """
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        path: str,
+        *,
+        size: int | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._fs = fs
+        self._path = path
+        self.name = url or path
+        self._size = int(file_size(fs, path, url=self.name) if size is None else size)
+        self._pos = 0
+        self._context: contextvars.Context | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        pos = base + offset
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos}")
+        self._pos = pos
+        return pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        if end <= self._pos:
+            return b""
+        context = self._context
+        if context is not None and not in_operation():
+            # Called from a reader's own thread (Arrow reads on its I/O threads): keep to
+            # the operation that asked for the read (see carrying()).
+            data = context.copy().run(cat_file, self._fs, self._path, self._pos, end, url=self.name)
+        else:
+            data = cat_file(self._fs, self._path, self._pos, end, url=self.name)
+        self._pos = end
+        return data
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        data = self.read(len(view))
+        view[: len(data)] = data
+        return len(data)
+
+
+@contextlib.contextmanager
+def carrying(file: Any) -> Iterator[None]:
+    """While the block runs, reads of ``file`` (a :class:`RemoteFile`; anything else is
+    left alone) keep to the caller's retry policy and operation deadline, even when a
+    library makes them on threads of its own (Arrow reads Parquet pages on its I/O
+    threads, which do not see the caller's context). One caller at a time per file.
+
+    Example:
+        >>> with carrying(None):
+        ...     pass
+    """
+    raw = file.raw if isinstance(file, io.BufferedReader) else file
+    if not isinstance(raw, RemoteFile):
+        yield
+        return
+    raw._context = contextvars.copy_context()
+    try:
+        yield
+    finally:
+        raw._context = None
+
+
+def open_input(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    *,
+    url: str | None = None,
+    buffered: bool = True,
+) -> IO[bytes]:
+    """Open ``path`` for reading: ``fs.open`` for a local or in-memory file, else a
+    :class:`RemoteFile` behind a :data:`REMOTE_BUFFER`-byte read-ahead buffer (unless
+    ``buffered=False``, for readers that ask for exactly the ranges they need).
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/g", b"abc")
+        >>> with open_input(fs, "/c/g") as f:
+        ...     f.read()
+        b'abc'
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return fs.open(path, "rb")
+    raw = RemoteFile(fs, path, url=url)
+    return io.BufferedReader(raw, REMOTE_BUFFER) if buffered else raw  # type: ignore[return-value]
