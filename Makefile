@@ -2,7 +2,7 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test test-matrix setup lint bench fuzz newcomer deadlines
+.PHONY: demo test test-matrix setup lint bench fuzz newcomer deadlines docs
 setup:
 	bash scripts/setup.sh
 
@@ -26,6 +26,12 @@ test-matrix:
 bench:
 	TORCHGRAIN_EXTRAS=test,bench bash scripts/setup.sh
 	$(VENV)/bin/python benchmarks/run_all.py
+
+# The documentation site (mkdocs.yml, docs/) into site/, warnings as errors; the docs extra
+# only (MkDocs Material, mkdocstrings). `mkdocs serve` previews it while editing.
+docs:
+	TORCHGRAIN_EXTRAS=docs bash scripts/setup.sh
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: setup
 	$(VENV)/bin/python -m ruff check .
