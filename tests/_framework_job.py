@@ -403,7 +403,7 @@ def run_trainer(args):
 
 # ---------------------------------------------------------------------------- Ray Train
 def ray_loop(config):
-    """Ray Train's training function (run by tests/test_frameworks.py): the README
+    """Ray Train's training function (run by tests/test_frameworks.py): the documented
     recipe. A checkpoint with the loader's state is reported at ``config["save_step"]``;
     ``config["resume"]`` (a ``ray.train.Checkpoint``) continues from one."""
     import ray.train

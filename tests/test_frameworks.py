@@ -6,7 +6,7 @@ and a plain ``torchrun`` job (tests/_framework_job.py), on gloo. Per epoch: the 
 cover the dataset once, disjointly, in an order that changes with the epoch. Mid-epoch
 resume, through each framework's own checkpoint: the interrupted run and the resumed
 one together train on exactly the batches of an uninterrupted run, with the same
-random_map draws, rank by rank. README's table "Inside the frameworks" is these tests'
+random_map draws, rank by rank. The table in docs/frameworks/index.md is these tests'
 results.
 """
 
@@ -181,7 +181,7 @@ def test_lightning_resumable_loader_resumes_exactly(data, tmp_path, lightning_re
 def test_lightning_plain_dataloader_resume_restarts_an_epoch(
     data, tmp_path, lightning_plain, workers
 ):
-    # What README says happens: Lightning counts on from the checkpoint's step, but a
+    # What the Lightning page says happens: Lightning counts on from the checkpoint's step, but a
     # plain DataLoader has no position to restore, so the pass starts at the first batch
     # of an epoch: the resumed one with num_workers=0; with workers, epoch 0's order,
     # because Lightning starts the loader's iterator (and the workers draw indices)

@@ -326,10 +326,10 @@ def test_the_default_deadlines_are_finite_and_reach_the_transports():
     assert s3_fs.config_kwargs["read_timeout"] == 20
 
 
-def test_the_defaults_are_what_the_readme_states():
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    section = readme[readme.index("## Errors") :]
+def test_the_defaults_are_what_the_documentation_states():
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "troubleshooting.md")) as f:
+        page = f.read()
+    section = page[page.index("## Deadlines") :]
     section = section[: section.index("\n## ", 4)]
     p = RetryPolicy()
     for name, value in (
