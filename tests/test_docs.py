@@ -108,6 +108,13 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
 
 def test_every_python_block_runs_here_or_is_included_from_a_file_the_suite_runs():
     assert RUNNABLE, "no page has an example"
+    # Blocks that are not Python say what they are: shell commands (run by
+    # tests/test_newcomer.py, tests/test_cli.py and scripts/newcomer.sh) or sample output.
+    for page in PAGES:
+        text = (DOCS / page).read_text()
+        for m in FENCE.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            assert m.group(2) in ("python", "bash", "text"), f"docs/{page}:{line}: {m.group(2)!r}"
     for page in PAGES:
         for line, code in python_blocks(page):
             if not is_include(code):
