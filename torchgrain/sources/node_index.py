@@ -547,7 +547,7 @@ def _build_lock(path: str):
     without it (publishing by rename stays atomic; the work may be done twice)."""
     import fcntl
 
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)  # the umask applies
     try:
         deadline = time.monotonic() + _LOCK_WAIT
         while True:
