@@ -45,12 +45,9 @@ import fsspec
 import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
-from torchgrain.formats.arrayrecord_file import (
-    _CHUNK_HEADER,
-    DEFAULT_MAX_CHUNK_BYTES,
-    ArrayRecordFile,
-    _Footer,
-)
+from torchgrain.formats.arrayrecord.file import ArrayRecordFile
+from torchgrain.formats.arrayrecord.footer import _Footer
+from torchgrain.formats.arrayrecord.riegeli import _CHUNK_HEADER, DEFAULT_MAX_CHUNK_BYTES
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
 from torchgrain.io.file_hash import file_checksum, verify_file_hash
 from torchgrain.io.fs import default_cache_dir, map_files
