@@ -27,9 +27,9 @@ from torchgrain.sources.node_index.store import (
     _VERSION,
     COUNTERS,
     INDEX_NAME,
-    _Arrays,
     _bad,
     _cached,
+    _Index,
     _key,
     _MemorySink,
     _meta_int,
@@ -61,7 +61,7 @@ _AR_COLUMNS = {
 }
 
 
-class ArrayRecordIndex:
+class ArrayRecordIndex(_Index):
     """Every chunk of every shard of an ArrayRecord dataset, in one set of arrays.
 
     For ``S`` shards, ``C`` chunks and ``N`` records: ``rec_base`` (``S + 1``: the
@@ -93,10 +93,6 @@ class ArrayRecordIndex:
     """
 
     kind = "array_record"
-
-    def __init__(self, arrays: _Arrays) -> None:
-        self._a = arrays
-        self._derive()
 
     def _derive(self) -> None:
         a, meta = self._a.arrays, self._a.meta
@@ -166,22 +162,6 @@ class ArrayRecordIndex:
     def footer_offsets(self, shard: Any) -> Any:
         """Where the footer of ``shard`` (an int or an array of them) begins."""
         return self.offsets[self.chunk_base[shard + 1] + shard]
-
-    @property
-    def path(self) -> str | None:
-        """The mapped index file (None: the index is in memory)."""
-        return self._a.path
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.counts)
-
-    def __getstate__(self) -> _Arrays:
-        return self._a
-
-    def __setstate__(self, arrays: _Arrays) -> None:
-        self._a = arrays
-        self._derive()
 
     def __repr__(self) -> str:
         where = self.path or "memory"

@@ -93,6 +93,38 @@ class _Arrays:
         self.arrays, self.meta, self.file = f.arrays, f.meta, f
 
 
+class _Index:
+    """What the ArrayRecord and TFRecord indexes share: their arrays (:class:`_Arrays`),
+    checked by the subclass's ``_derive`` when made and when unpickled (a pickle carries
+    the index file's name, not its arrays)."""
+
+    kind: str
+    counts: np.ndarray  # records per shard
+
+    def __init__(self, arrays: _Arrays) -> None:
+        self._a = arrays
+        self._derive()
+
+    def _derive(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def path(self) -> str | None:
+        """The mapped index file (None: the index is in memory)."""
+        return self._a.path
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.counts)
+
+    def __getstate__(self) -> _Arrays:
+        return self._a
+
+    def __setstate__(self, arrays: _Arrays) -> None:
+        self._a = arrays
+        self._derive()
+
+
 def _bad(where: str, msg: str) -> CorruptDataError:
     return CorruptDataError(f"index {where}: {msg}")
 

@@ -18,9 +18,9 @@ from torchgrain.sources.node_index.store import (
     _BATCH,
     _VERSION,
     COUNTERS,
-    _Arrays,
     _bad,
     _cached,
+    _Index,
     _key,
     _MemorySink,
     _meta_int,
@@ -40,7 +40,7 @@ _TF_COLUMNS = {
 }
 
 
-class TFRecordIndex:
+class TFRecordIndex(_Index):
     """Where every record of a TFRecord dataset starts, in one set of arrays.
 
     ``rec_base`` (``S + 1``), per shard ``file_size``, ``mtime_ns`` and ``compressed``
@@ -52,10 +52,6 @@ class TFRecordIndex:
     """
 
     kind = "tfrecord"
-
-    def __init__(self, arrays: _Arrays) -> None:
-        self._a = arrays
-        self._derive()
 
     def _derive(self) -> None:
         a, meta = self._a.arrays, self._a.meta
@@ -86,21 +82,6 @@ class TFRecordIndex:
         self.counts = counts
         #: Entry in :attr:`offsets` of each shard's first record (a private copy).
         self.base = base
-
-    @property
-    def path(self) -> str | None:
-        return self._a.path
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.counts)
-
-    def __getstate__(self) -> _Arrays:
-        return self._a
-
-    def __setstate__(self, arrays: _Arrays) -> None:
-        self._a = arrays
-        self._derive()
 
 
 def tfrecord_index(
