@@ -19,7 +19,7 @@ from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
 from torchgrain.formats.arrayrecord.footer import _Footer
 from torchgrain.formats.arrayrecord.riegeli import _CHUNK_HEADER, DEFAULT_MAX_CHUNK_BYTES
-from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFileWriter
+from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io.file_hash import file_checksum
 from torchgrain.io.fs import map_files
 from torchgrain.sources.node_index.store import (
@@ -28,15 +28,14 @@ from torchgrain.sources.node_index.store import (
     COUNTERS,
     INDEX_NAME,
     _bad,
+    _build,
     _cached,
     _Index,
     _key,
-    _MemorySink,
     _meta_int,
     _open_trusted,
     _prefix,
     _shape,
-    open_index,
 )
 
 __all__ = [
@@ -299,12 +298,8 @@ def build_arrayrecord_index(
             return None
 
     s = len(paths)
-    sink: Any = (
-        IndexFileWriter(out, "array_record", _AR_COLUMNS)
-        if out is not None
-        else _MemorySink("array_record", _AR_COLUMNS)
-    )
-    try:
+
+    def fill(sink: Any) -> dict[str, Any]:
         counts = np.zeros(s, np.int64)
         nchunks = np.zeros(s, np.int64)
         for a in range(0, s, _BATCH):
@@ -341,13 +336,9 @@ def build_arrayrecord_index(
             "key": key,
         }
         COUNTERS["arrayrecord_builds"] += 1
-        if out is None:
-            return ArrayRecordIndex(sink.arrays(meta))
-        sink.publish(meta)
-    except BaseException:
-        sink.abort()
-        raise
-    return open_index(out, ArrayRecordIndex)
+        return meta
+
+    return _build(ArrayRecordIndex, out, _AR_COLUMNS, fill)
 
 
 def write_dataset_index(root: str, names: Sequence[str]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
-from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile
+from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
 
@@ -180,6 +180,32 @@ def open_index(path: str, cls: Any) -> Any:
     or :class:`TFRecordIndex`)."""
     f = IndexFile.open(path, cls.kind)
     return cls(_Arrays(cls.kind, f.arrays, f.meta, f))
+
+
+def _build(
+    cls: Any,
+    out: str | None,
+    columns: dict[str, tuple[str, tuple[int, ...]]],
+    fill: Callable[[Any], dict[str, Any]],
+) -> Any:
+    """A new index ``cls`` (:class:`_Index`): ``fill(sink)`` appends its columns to the
+    sink (an :class:`IndexFileWriter` or a :class:`_MemorySink`) and returns its metadata.
+    Published atomically at ``out`` and mapped from there, or in memory (``out=None``);
+    nothing is left at ``out`` when building fails."""
+    sink: Any = (
+        IndexFileWriter(out, cls.kind, columns)
+        if out is not None
+        else _MemorySink(cls.kind, columns)
+    )
+    try:
+        meta = fill(sink)
+        if out is None:
+            return cls(sink.arrays(meta))
+        sink.publish(meta)
+    except BaseException:
+        sink.abort()
+        raise
+    return open_index(out, cls)
 
 
 # ------------------------------------------------------------------ placement

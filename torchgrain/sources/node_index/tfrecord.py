@@ -12,21 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFileWriter
+from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io.fs import map_files
 from torchgrain.sources.node_index.store import (
     _BATCH,
     _VERSION,
     COUNTERS,
     _bad,
+    _build,
     _cached,
     _Index,
     _key,
-    _MemorySink,
     _meta_int,
     _prefix,
     _shape,
-    open_index,
 )
 
 __all__ = ["TFRecordIndex", "tfrecord_index"]
@@ -102,12 +101,7 @@ def tfrecord_index(
     key = _key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
 
     def build(out: str | None) -> TFRecordIndex:
-        sink: Any = (
-            IndexFileWriter(out, "tfrecord", _TF_COLUMNS)
-            if out is not None
-            else _MemorySink("tfrecord", _TF_COLUMNS)
-        )
-        try:
+        def fill(sink: Any) -> dict[str, Any]:
             counts = np.zeros(s, np.int64)
             for a in range(0, s, _BATCH):
                 part = map_files(lambda i, a=a: offsets_of(a + i), min(_BATCH, s - a))
@@ -131,13 +125,9 @@ def tfrecord_index(
                 "key": key,
             }
             COUNTERS["tfrecord_builds"] += 1
-            if out is None:
-                return TFRecordIndex(sink.arrays(meta))
-            sink.publish(meta)
-        except BaseException:
-            sink.abort()
-            raise
-        return open_index(out, TFRecordIndex)
+            return meta
+
+        return _build(TFRecordIndex, out, _TF_COLUMNS, fill)
 
     if index_dir is None:
         return build(None)
