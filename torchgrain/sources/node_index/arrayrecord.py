@@ -94,12 +94,7 @@ class ArrayRecordIndex(_Index):
     kind = "array_record"
 
     def _derive(self) -> None:
-        a, meta = self._a.arrays, self._a.meta
-        where = repr(self._a.path) if self._a.path else "(in memory)"
-        if meta.get("version") != _VERSION:
-            raise _bad(where, f"unsupported version {meta.get('version')!r:.20}")
-        s = _meta_int(meta, where, "num_shards")
-        n = _meta_int(meta, where, "num_records")
+        a, meta, where, s, n = self._counts()
         c = _meta_int(meta, where, "num_chunks")
         self.rec_base = _shape(a, where, "rec_base", (s + 1,))
         self.chunk_base = _shape(a, where, "chunk_base", (s + 1,))
@@ -439,10 +434,9 @@ def arrayrecord_index(
     sizes = np.array([st.st_size for st in stats], np.int64)
 
     def fits(ix: ArrayRecordIndex) -> str | None:
-        if ix._a.meta.get("key") != key:  # a file under another's name
-            return "it was made for other files"
-        if ix.num_shards != len(paths) or not np.array_equal(ix.file_size, sizes):
-            return "it describes other files"
+        why = ix.not_made_for(key, sizes)
+        if why is not None:
+            return why
         if not np.array_equal(ix.mtime_ns, np.asarray(mtimes, np.int64)):
             return "it describes other versions of the files"
         return None  # counts: a manifest that disagrees with the shards is checked later

@@ -100,6 +100,7 @@ class _Index:
 
     kind: str
     counts: np.ndarray  # records per shard
+    file_size: np.ndarray  # bytes per shard
 
     def __init__(self, arrays: _Arrays) -> None:
         self._a = arrays
@@ -123,6 +124,26 @@ class _Index:
     def __setstate__(self, arrays: _Arrays) -> None:
         self._a = arrays
         self._derive()
+
+    def _counts(self) -> tuple[dict[str, np.ndarray], dict[str, Any], str, int, int]:
+        """For ``_derive``: the arrays, the metadata, the index's name in errors, and the
+        numbers of shards and records the metadata gives (checked)."""
+        a, meta = self._a.arrays, self._a.meta
+        where = repr(self._a.path) if self._a.path else "(in memory)"
+        if meta.get("version") != _VERSION:
+            raise _bad(where, f"unsupported version {meta.get('version')!r:.20}")
+        s = _meta_int(meta, where, "num_shards")
+        n = _meta_int(meta, where, "num_records")
+        return a, meta, where, s, n
+
+    def not_made_for(self, key: str, sizes: np.ndarray) -> str | None:
+        """Why this index does not describe the files of ``key`` (:func:`_key`) whose
+        sizes are ``sizes``, or None."""
+        if self._a.meta.get("key") != key:  # a file under another's name
+            return "it was made for other files"
+        if self.num_shards != len(sizes) or not np.array_equal(self.file_size, sizes):
+            return "it describes other files"
+        return None
 
 
 def _bad(where: str, msg: str) -> CorruptDataError:

@@ -23,7 +23,6 @@ from torchgrain.sources.node_index.store import (
     _cached,
     _Index,
     _key,
-    _meta_int,
     _prefix,
     _shape,
 )
@@ -53,12 +52,7 @@ class TFRecordIndex(_Index):
     kind = "tfrecord"
 
     def _derive(self) -> None:
-        a, meta = self._a.arrays, self._a.meta
-        where = repr(self._a.path) if self._a.path else "(in memory)"
-        if meta.get("version") != _VERSION:
-            raise _bad(where, f"unsupported version {meta.get('version')!r:.20}")
-        s = _meta_int(meta, where, "num_shards")
-        n = _meta_int(meta, where, "num_records")
+        a, _, where, s, n = self._counts()
         self.rec_base = _shape(a, where, "rec_base", (s + 1,))
         self.file_size = _shape(a, where, "file_size", (s,))
         self.mtime_ns = _shape(a, where, "mtime_ns", (s,))
@@ -133,10 +127,9 @@ def tfrecord_index(
         return build(None)
 
     def fits(ix: TFRecordIndex) -> str | None:
-        if ix._a.meta.get("key") != key:  # a file under another's name
-            return "it was made for other files"
-        if ix.num_shards != s or not np.array_equal(ix.file_size, sizes):
-            return "it describes other files"
+        why = ix.not_made_for(key, sizes)
+        if why is not None:
+            return why
         if not np.array_equal(ix.compressed != 0, np.asarray(compressed, bool)):
             return "it describes other files"
         return None
