@@ -45,9 +45,9 @@ from torchgrain.errors import (
 from torchgrain.io import remote
 from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call, using
-from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
+from torchgrain.sources.base import ShardedSource
+from torchgrain.sources.block_cache import CacheBlocks
+from torchgrain.sources.options import DEFAULT_CACHE_BYTES, ReadOptions
 from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
 from torchgrain.sources.parquet.decoded_cache import (
     DecodedCache,
@@ -111,11 +111,18 @@ class ParquetSource(ShardedSource):
             file, a list of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
         columns: the columns to read (default: all). Only these columns' pages are read
             and decoded; partition keys may be listed too.
-        cache_bytes: budget of this process's row-group cache, in bytes of decoded
-            Arrow data (default 256 MiB; ``0`` disables it). Each DataLoader worker has
-            its own; :meth:`cache_info` reports hits, misses (row groups decoded or
-            mapped) and evictions. Both batch formats share it: records are built from
-            the cached Arrow data per batch.
+        options: how the files are read (:class:`~torchgrain.ReadOptions`: storage,
+            caches, threads, retries, limits, trust); each of its fields is also
+            accepted as a keyword argument (``cache_bytes=...``), which replaces that
+            field. Here ``cache_bytes`` is the budget of this process's row-group cache,
+            in bytes of decoded Arrow data (default 256 MiB; ``0`` disables it): each
+            DataLoader worker has its own; :meth:`cache_info` reports hits, misses (row
+            groups decoded or mapped) and evictions. Both batch formats share it:
+            records are built from the cached Arrow data per batch.
+            ``max_open_files`` defaults to 64 (each open file holds a descriptor and
+            its footer). ``verify_checksums`` (off by default) has pyarrow check the
+            CRC of every page that carries one: writers add them only when asked
+            (pyarrow's ``write_page_checksum``).
         decoded_cache: the node-shared cache of decoded row groups on local disk (see
             "Data bigger than the cache" below): ``"auto"`` (default) turns it on, in
             :func:`~torchgrain.io.fs.default_cache_dir` ``/parquet-decoded``, when the
@@ -131,30 +138,9 @@ class ParquetSource(ShardedSource):
             filesystem stays free (a :class:`DecodedCache` of your own sets
             ``min_free_bytes``), and a directory that refuses writes (full, read-only,
             deleted) is a warning, never a failed read.
-        filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
-        storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
             the directory (or the fixed prefix of the glob) you give into columns;
             ``None`` ignores directory names.
-        cache_dir, cache_dir_bytes: a local directory (or a
-            :class:`~torchgrain.io.shard_cache.ShardCache`) for whole copies of *remote*
-            files, each downloaded once per machine and read locally after, and its byte
-            budget (default 16 GiB).
-        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of
-            shards a sampler's future order may have downloaded ahead of use (default:
-            half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
-            :mod:`torchgrain.io.readahead`.
-        io_threads: threads per process that read the remote row groups of one batch
-            concurrently, and the shard read-ahead's concurrent downloads (1 =
-            sequential; local files are read in the calling thread).
-        retry: retry policy and deadlines of remote footer and row-group reads and
-            downloads (default :class:`~torchgrain.io.retry.RetryPolicy()`: a read that
-            makes no progress fails within 90 s).
-        max_open_files: files kept open per process (default 64; each holds a file
-            descriptor and its footer).
-        allow_external_paths: a directory listing (an HTTP(S) server's page) may name
-            files outside the directory, and an HTTP(S) server may redirect; off by
-            default (see :mod:`torchgrain.io.paths`).
         max_row_group_bytes: the most bytes one row group's selected columns may need
             decoded, counted from its footer's row count and the fixed part of each
             value (8 bytes per int64, 4 per string or list: a lower bound of the real
@@ -262,21 +248,16 @@ class ParquetSource(ShardedSource):
         paths: str | os.PathLike | Sequence[str | os.PathLike],
         *,
         columns: Sequence[str] | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        options: ReadOptions | None = None,
         decoded_cache: bool | str | os.PathLike | DecodedCache = "auto",
         decoded_cache_bytes: int | None = None,
-        filesystem: fsspec.AbstractFileSystem | None = None,
-        storage_options: dict[str, Any] | None = None,
         partitioning: str | None = "hive",
-        cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
-        io_threads: int = 8,
-        read_ahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        max_open_files: int | type[Ellipsis] | None = ...,
-        allow_external_paths: bool = False,
         max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
+        **read_options: Any,
     ) -> None:
+        opts = ReadOptions.build(options, read_options)
+        cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
+        self._verify = opts.verify_or(False)
         self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
@@ -287,10 +268,13 @@ class ParquetSource(ShardedSource):
             dup = sorted({c for c in columns if columns.count(c) > 1})
             if dup:
                 raise ValueError(f"columns lists {dup[0]!r} more than once")
-        retry = retry or RetryPolicy()
+        retry = opts.retry_policy
         with using(retry):  # the transport and open-time requests keep to its deadlines
             fs, files, bases = resolve(
-                paths, storage_options, filesystem, allow_external=allow_external_paths
+                paths,
+                opts.storage_options,
+                opts.filesystem,
+                allow_external=opts.allow_external_paths,
             )
         parts = partitions(fs, files, bases) if partitioning == "hive" else [{} for _ in files]
         part_keys = check_partition_keys(files, parts)
@@ -358,13 +342,7 @@ class ParquetSource(ShardedSource):
             filesystem=fs,
             paths=files,
             counts=np.array([int(c.sum()) for c in counts], dtype=np.int64),
-            cache_bytes=cache_bytes,
-            cache_dir=cache_dir,
-            cache_dir_bytes=cache_dir_bytes,
-            io_threads=io_threads,
-            read_ahead_bytes=read_ahead_bytes,
-            retry=retry,
-            max_open_files=max_open_files,
+            options=opts,
         )
         # Reads use Arrow's take, which imports pyarrow.compute (about 50 ms) on first
         # use: import it here, so that forked DataLoader workers inherit it.
@@ -380,13 +358,15 @@ class ParquetSource(ShardedSource):
                 # pre_buffer coalesces reads through Arrow's I/O threads, which pays on
                 # object storage; on a local file it only adds thread hand-offs (block
                 # reads measured 15-35% faster without, most on small row groups).
-                pf = pq.ParquetFile(path, pre_buffer=False)
+                pf = pq.ParquetFile(path, pre_buffer=False, page_checksum_verification=self._verify)
             else:
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
                 # (neighbouring row groups often come in one request).
                 handle = remote.open_input(filesystem, path)
-                pf = pq.ParquetFile(handle, pre_buffer=True)
+                pf = pq.ParquetFile(
+                    handle, pre_buffer=True, page_checksum_verification=self._verify
+                )
         except FileNotFoundError as e:
             # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
             # retries tell the two apart by it.
