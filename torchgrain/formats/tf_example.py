@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import RecordDecodeError
+from torchgrain.formats.codecs import BaseCodec
 
 __all__ = ["TFExampleCodec", "decode_tf_example", "encode_tf_example"]
 
@@ -606,7 +607,7 @@ def encode_tf_example(features: Mapping[str, Any]) -> bytes:
     return bytes(out)
 
 
-class TFExampleCodec:
+class TFExampleCodec(BaseCodec):
     """Record codec for serialized ``tf.train.Example`` protos (registry name ``"tf_example"``).
 
     Args:

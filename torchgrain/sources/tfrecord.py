@@ -271,7 +271,7 @@ class TFRecordSource(EncodedSource):
     def __repr__(self) -> str:
         return (
             f"TFRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
-            f"codec={getattr(self.codec, 'name', self.codec)!r})"
+            f"codec={self.codec.name!r})"
         )
 
 
