@@ -127,7 +127,7 @@ class ArrayRecordSource(EncodedSource):
         max_mapped_shards: int | None = None,
         **read_options: Any,
     ) -> None:
-        opts = ReadOptions.build(options, _old_cache_budget(options, read_options))
+        opts = ReadOptions.build(options, _old_cache_budget(read_options))
         self._verify = opts.verify_or(False)
         self.max_chunk_bytes = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         if max_mapped_shards is not None and max_mapped_shards < 0:
@@ -622,15 +622,14 @@ class ArrayRecordSource(EncodedSource):
         )
 
 
-def _old_cache_budget(options: ReadOptions | None, keywords: dict[str, Any]) -> dict[str, Any]:
+def _old_cache_budget(keywords: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments, the earlier meaning of ``cache_bytes`` honoured: given
     with ``cache_dir`` and without ``cache_dir_bytes``, it was the budget of
     ``cache_dir``."""
     if keywords.get("cache_dir_bytes", 0) is None:
         keywords = {k: v for k, v in keywords.items() if k != "cache_dir_bytes"}
-    cache_dir = keywords.get("cache_dir", options.cache_dir if options is not None else None)
     if (
-        cache_dir is not None
+        keywords.get("cache_dir") is not None
         and keywords.get("cache_bytes") is not None
         and "cache_dir_bytes" not in keywords
     ):
