@@ -140,6 +140,6 @@ def test_parquet_verify_checksums_catches_a_damaged_page(tmp_path):
     at = data.index((1000).to_bytes(8, "little") + (1001).to_bytes(8, "little"))
     data[at] ^= 0x01
     path.write_bytes(bytes(data))
-    with pytest.raises(tg.CorruptDataError, match="a.parquet"):
+    with pytest.raises(tg.CorruptDataError, match=r"a\.parquet"):
         tg.ParquetSource(str(path), verify_checksums=True, decoded_cache=False)[0]
     assert tg.ParquetSource(str(path), decoded_cache=False)[0]["x"] == 1001  # unchecked
