@@ -29,12 +29,11 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
-from torchgrain.io import remote
-from torchgrain.io.fs import ShardPaths, expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import ShardPaths, is_local
 from torchgrain.io.limits import default_max_open_files
-from torchgrain.io.paths import resolve_all
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import retry_call, using
+from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.index import ShardIndex
@@ -43,7 +42,6 @@ from torchgrain.sources.options import ReadOptions
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
-ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 _SEQUENTIAL_BLOCK = 1024  # records per read when reading a shard in order
 _FOOTERS = 256  # shards whose index views a process keeps for single-record reads
 
@@ -135,7 +133,7 @@ class ArrayRecordSource(EncodedSource):
         self.max_mapped_shards = max_mapped_shards
         retry = opts.retry_policy
         with using(retry):  # the transport and open-time requests keep to its deadlines
-            manifest, fs, files, index_entry = _resolve(
+            manifest, fs, files, index_entry = resolve_dataset(
                 paths, opts.storage_options, opts.filesystem, opts.allow_external_paths
             )
         local = is_local(fs)
@@ -642,80 +640,3 @@ def _old_cache_budget(keywords: dict[str, Any]) -> dict[str, Any]:
         )
         keywords = {**keywords, "cache_bytes": None, "cache_dir_bytes": keywords["cache_bytes"]}
     return keywords
-
-
-def _resolve(
-    paths: Any,
-    storage_options: dict[str, Any] | None,
-    filesystem: fsspec.AbstractFileSystem | None,
-    allow_external_paths: bool,
-) -> tuple[
-    Manifest | None, fsspec.AbstractFileSystem, list[str], tuple[str, dict[str, Any]] | None
-]:
-    """The manifest (for a dataset directory that has one), the filesystem, the files,
-    and the dataset's own index file with its manifest entry (when it names one)."""
-    if isinstance(paths, (str, os.PathLike)):
-        if filesystem is not None:
-            fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
-        else:
-            fs, root = get_filesystem(paths, storage_options, allow_redirects=allow_external_paths)
-        where = os.fspath(paths)
-        if not any(ch in root for ch in "*?[") and remote.isdir(fs, root, url=where):
-            manifest = read_manifest(fs, root)
-            if manifest is not None:
-                files = _shard_paths(
-                    fs, root, [s.path for s in manifest.shards], where, allow_external_paths
-                )
-                ends = sorted({0, len(files) - 1}) if files else []
-                missing = [k for k in ends if not remote.exists(fs, files[k])]
-                if missing:
-                    raise DatasetNotFoundError(
-                        f"shard {missing[0]} {files[missing[0]]!r} listed in the manifest of "
-                        f"{where!r} does not exist"
-                    )
-                entry = manifest.extra.get("index")
-                index = None
-                if isinstance(entry, dict) and isinstance(entry.get("path"), str):
-                    # The index file is named like a shard: inside the dataset, always.
-                    path = resolve_all(
-                        fs,
-                        root,
-                        [entry["path"]],
-                        where=f"the manifest of {where!r}",
-                        what=lambda k: "its index file",
-                    )[0]
-                    index = (path, entry)
-                return manifest, fs, files, index
-    fs, files = expand_paths(
-        paths,
-        suffixes=ARRAY_RECORD_SUFFIXES,
-        storage_options=storage_options,
-        filesystem=filesystem,
-        kind="ArrayRecord",
-        allow_external=allow_external_paths,
-    )
-    return None, fs, files, None
-
-
-def _shard_paths(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
-    names: list[str],
-    where: str,
-    allow_external: bool,
-) -> list[str]:
-    """Where a manifest's shards are: inside ``root`` unless the user allows more.
-
-    A shard name is a relative path below the dataset directory, checked in every reading
-    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_all`: ``..``
-    segments, an absolute path or a URL would let an untrusted dataset read any file the
-    process can. A symlink inside the directory is the user's own doing and is followed.
-    """
-    return resolve_all(
-        fs,
-        root,
-        names,
-        where=f"the manifest of {where!r}",
-        what=lambda k: f"shard {k}",
-        allow_external=allow_external,
-    )
