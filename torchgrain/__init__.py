@@ -44,6 +44,8 @@ _TORCH_NAMES = {
     "BlockShuffleSampler": "torchgrain.sampling",
     "GlobalShuffleSampler": "torchgrain.sampling",
     "ResumableLoader": "torchgrain.loader",
+    "bind": "torchgrain.loader",
+    "LoaderBinding": "torchgrain.sampling",
     "Albumentations": "torchgrain.transforms",
     "LabelToIndex": "torchgrain.transforms",
     "MaskTokens": "torchgrain.transforms",
@@ -58,9 +60,9 @@ _TORCH_NAMES = {
 
 if TYPE_CHECKING:
     from torchgrain.dataset import Dataset, record_rng
-    from torchgrain.loader import ResumableLoader
+    from torchgrain.loader import ResumableLoader, bind
     from torchgrain.prefetch import CudaPrefetcher
-    from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
+    from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler, LoaderBinding
     from torchgrain.transforms import (
         Albumentations,
         LabelToIndex,
@@ -103,6 +105,7 @@ __all__ = [
     "DatasetNotFoundError",
     "GlobalShuffleSampler",
     "LabelToIndex",
+    "LoaderBinding",
     "MaskTokens",
     "ParquetSource",
     "RandomImageTransform",
@@ -119,6 +122,7 @@ __all__ = [
     "ToTensor",
     "TorchgrainError",
     "UnsafePathError",
+    "bind",
     "convert",
     "decode_image",
     "open",

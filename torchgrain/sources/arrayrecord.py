@@ -216,28 +216,7 @@ class ArrayRecordSource(EncodedSource):
     ) -> ArrayRecordFile:
         ix = self._dindex
         if ix is None or filesystem is not None or path != self._paths[shard]:
-            f = ArrayRecordFile(
-                path,
-                filesystem=filesystem,
-                verify_checksums=self._verify,
-                max_chunk_bytes=self.max_chunk_bytes,
-            )
-            try:
-                self._check_count(shard, f)
-            except (IsADirectoryError, NotADirectoryError) as e:
-                f.close()
-                raise CorruptDataError(
-                    f"shard {shard} {path!r} of this dataset is a directory, not an "
-                    "ArrayRecord file"
-                ) from e
-            except FileNotFoundError as e:
-                f.close()
-                if isinstance(e, DatasetNotFoundError):
-                    raise
-                raise DatasetNotFoundError(
-                    f"shard {shard} {path!r} of this dataset does not exist ({e})"
-                ) from e
-            return f
+            return self._counted_file(shard, path, filesystem)
         # A local shard of an indexed dataset: its footer comes from the index, and the
         # file is checked against it now (size, footer), not parsed.
         self._check_counts(np.array([shard]))
@@ -257,6 +236,36 @@ class ArrayRecordSource(EncodedSource):
             raise DatasetNotFoundError(
                 f"shard {shard} {path!r} of this dataset does not exist ({e})"
             ) from e
+        return f
+
+    def _counted_file(
+        self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
+    ) -> ArrayRecordFile:
+        """A reader of shard ``shard`` whose record count has been checked against the
+        manifest's; a shard that is a directory or missing is an error naming it."""
+        f = ArrayRecordFile(
+            path,
+            filesystem=filesystem,
+            verify_checksums=self._verify,
+            max_chunk_bytes=self.max_chunk_bytes,
+        )
+        try:
+            self._check_count(shard, f)
+        except (IsADirectoryError, NotADirectoryError) as e:
+            f.close()
+            raise CorruptDataError(
+                f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
+            ) from e
+        except FileNotFoundError as e:
+            f.close()
+            if isinstance(e, DatasetNotFoundError):
+                raise
+            raise DatasetNotFoundError(
+                f"shard {shard} {path!r} of this dataset does not exist ({e})"
+            ) from e
+        except BaseException:
+            f.close()
+            raise
         return f
 
     def _shard_changed(self, shard: int, why: str) -> CorruptDataError:
@@ -286,11 +295,7 @@ class ArrayRecordSource(EncodedSource):
         bad = self._count_bad
         if bad is not None and bad[shards].any():
             shard = int(shards[np.flatnonzero(bad[shards])[0]])
-            f = ArrayRecordFile(self._paths[shard], max_chunk_bytes=self.max_chunk_bytes)
-            try:
-                self._check_count(shard, f)
-            finally:
-                f.close()
+            self._counted_file(shard, self._paths[shard], None).close()
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
         return reader.for_child() if reader.has_index else None

@@ -21,7 +21,6 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import fsspec
@@ -231,7 +230,7 @@ class _ProcessState:
         self.cached: OrderedDict[int, _CachedCopy] = OrderedDict()
         # per thread: ``batch``, the copies a batch opened ahead (see _prefetch_copies)
         self.local = threading.local()
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: process.ForkSafeThreadPool | None = None
         self.read_ahead: Any = None
         self.blocks = BlockCache(cache_bytes)
         self.io = {"remote_reads": 0, "retries": 0}
@@ -771,11 +770,12 @@ class ShardedSource(Source):
             return (fn(x) for x in items)
         return self._pool().map(fn, items)
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> process.ForkSafeThreadPool:
         st = self._proc()
         with st.lock:
             if st.pool is None:
-                st.pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="torchgrain-io")
+                # Its threads are stopped whenever this process forks (io/process.py).
+                st.pool = process.ForkSafeThreadPool(self.io_threads, "torchgrain-io")
             return st.pool
 
     def _prefetch_copies(self, shards: Sequence[int]) -> dict[int, Any]:

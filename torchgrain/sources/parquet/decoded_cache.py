@@ -522,10 +522,10 @@ class DecodedCache:
             del self._fds[name]
             os.close(fd)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except FileNotFoundError:
             self._make_dirs()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         self._fds[name] = fd
         return fd
 
@@ -556,10 +556,10 @@ class DecodedCache:
         path = self._stripe_path(key)
         try:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
             except FileNotFoundError:  # the directory was deleted: make it again
                 self._make_dirs()
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
             yield
             return
@@ -587,7 +587,7 @@ class DecodedCache:
 
     @contextlib.contextmanager
     def _flock(self, lock_path: str, *, blocking: bool = True) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
