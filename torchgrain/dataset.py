@@ -32,6 +32,7 @@ import torch.utils.data
 from torchgrain import _shm
 from torchgrain.columns import ColumnBatch, Ragged, set_allocator
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
+from torchgrain.frameworks import dataloader as _dataloader
 from torchgrain.sources.base import Source
 
 __all__ = ["Dataset", "collate_columns", "record_rng"]
@@ -155,32 +156,30 @@ def _grow_worker_pipe(size: int) -> int | None:
     batch of 256 records of 1 KiB crosses in five rounds, each waking the main process
     and then the worker again; with a 1 MiB buffer it goes in one. Records already in
     memory then move from two workers to the main process 1.5x faster (measured on 2
-    cores). The pipe is found as the ``data_queue`` of the DataLoader's worker loop
-    (torch's, or torchdata's StatefulDataLoader's) in this call stack; outside a
-    worker, off Linux, or when anything is not as expected, nothing changes. Only
-    ever grows the pipe. Returns the pipe's new size, or None.
+    cores). The pipe is the one torch's worker loop (or torchdata's StatefulDataLoader's)
+    sends through (:func:`torchgrain.frameworks.dataloader.worker_result_pipe`);
+    outside a worker, off Linux, or when anything is not as expected, nothing changes.
+    Only ever grows the pipe. Returns the pipe's new size, or None.
     """
     global _pipe_checked
     _pipe_checked = True
     if size <= 0 or not sys.platform.startswith("linux"):
         return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_worker_loop" and "data_queue" in frame.f_code.co_varnames:
-            writer = getattr(frame.f_locals.get("data_queue"), "_writer", None)
-            try:
-                import fcntl
+    if torch.utils.data.get_worker_info() is None:
+        return None
+    fd = _dataloader.worker_result_pipe()
+    if fd is None:
+        return None
+    try:
+        import fcntl
 
-                fd = writer.fileno()  # type: ignore[union-attr]
-                with open("/proc/sys/fs/pipe-max-size") as f:
-                    size = min(size, int(f.read()))
-                if fcntl.fcntl(fd, _F_GETPIPE_SZ) < size:
-                    fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
-                return int(fcntl.fcntl(fd, _F_GETPIPE_SZ))
-            except (AttributeError, OSError, ValueError):
-                return None
-        frame = frame.f_back
-    return None
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            size = min(size, int(f.read()))
+        if fcntl.fcntl(fd, _F_GETPIPE_SZ) < size:
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
+        return int(fcntl.fcntl(fd, _F_GETPIPE_SZ))
+    except (OSError, ValueError):
+        return None
 
 
 # --------------------------------------------------------------- batches as columns
@@ -339,7 +338,7 @@ def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None)
     return out
 
 
-torch.utils.data._utils.collate.default_collate_fn_map[ColumnBatch] = collate_columns
+_dataloader.register_collate(ColumnBatch, collate_columns)
 
 
 def _call_columns_fn(fn: Callable[[ColumnBatch], Any], batch: ColumnBatch) -> ColumnBatch:

@@ -54,6 +54,7 @@ import numpy as np
 
 from torchgrain.errors import RecordDecodeError
 from torchgrain.formats._proto import VarintError, decode_varints
+from torchgrain.formats.codecs import BaseCodec
 
 __all__ = ["TFExampleCodec", "decode_tf_example", "encode_tf_example"]
 
@@ -597,7 +598,7 @@ def encode_tf_example(features: Mapping[str, Any]) -> bytes:
     return bytes(out)
 
 
-class TFExampleCodec:
+class TFExampleCodec(BaseCodec):
     """Record codec for serialized ``tf.train.Example`` protos (registry name ``"tf_example"``).
 
     Args:

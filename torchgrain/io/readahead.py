@@ -24,10 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.io import process
+
 __all__ = ["ShardReadAhead"]
 
 # Order positions scanned per step of the walk (one vectorised call of the sampler).
 _SCAN = 8192
+# Longest a fork waits for the walk's downloads in flight to finish.
+_FORK_JOIN_SECONDS = 60.0
+_FORK_RESTART_DELAY = 0.2
 
 
 class ShardReadAhead:
@@ -63,7 +68,11 @@ class ShardReadAhead:
         self._generation = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._walk_args: tuple[Any, ...] | None = None  # the current walk, to restart it
+        self._wake = threading.Event()  # set when the current walk is cancelled
+        self._resume_walk = False
         self.fetched = 0  # shards downloaded ahead (for tests and stats)
+        process.stop_threads_at_fork(self)
 
     def begin(
         self,
@@ -71,17 +80,23 @@ class ShardReadAhead:
         start: int,
         count: int,
         position: Callable[[], int],
+        *,
+        delay: float = 0.0,
     ) -> None:
         """Start walking ``order(a, b)`` (the indices at positions ``[a, b)``) from
-        ``start`` to ``count``, staying within the budget ahead of ``position()``."""
+        ``start`` to ``count``, staying within the budget ahead of ``position()``
+        (after ``delay`` seconds, unless cancelled meanwhile)."""
         with self._lock:
             self._generation += 1
             generation = self._generation
+            self._wake.set()  # a walk still waiting to start gives up at once
+            self._wake = wake = threading.Event()
+        self._walk_args = (order, count, position)
         if self.budget <= 0 or count <= start:
             return
         thread = threading.Thread(
             target=self._walk,
-            args=(generation, order, start, count, position),
+            args=(generation, wake, delay, order, start, count, position),
             name="torchgrain-read-ahead",
             daemon=True,
         )
@@ -100,15 +115,35 @@ class ShardReadAhead:
         """Stop the current walk (downloads in flight finish)."""
         with self._lock:
             self._generation += 1
+            self._wake.set()
+
+    def _stop_threads_for_fork(self) -> None:
+        # The walk and its downloads stop (those in flight finish) before this process
+        # forks, and start again from where the reader is once it has forked.
+        thread = self._thread
+        self._resume_walk = thread is not None and thread.is_alive()
+        if self._resume_walk:
+            self.cancel()
+            thread.join(_FORK_JOIN_SECONDS)  # type: ignore[union-attr]
+
+    def _restart_threads_after_fork(self) -> None:
+        # After a short wait: a DataLoader forks its workers one after the other, and
+        # a walk stopped again at the next fork should not have started downloads.
+        if self._resume_walk and self._walk_args is not None:
+            order, count, position = self._walk_args
+            self.begin(order, position(), count, position, delay=_FORK_RESTART_DELAY)
+        self._resume_walk = False
 
     def _live(self, generation: int) -> bool:
         return self._generation == generation
 
-    def _walk(self, *args: Any) -> None:
+    def _walk(self, generation: int, wake: threading.Event, delay: float, *args: Any) -> None:
+        if delay > 0 and wake.wait(delay):
+            return  # cancelled before it started
         # Read-ahead only warms the cache: the reads that need a shard fetch it
         # themselves and raise its errors.
         with contextlib.suppress(Exception):
-            self._walk_order(*args)
+            self._walk_order(generation, *args)
 
     def _walk_order(
         self,

@@ -25,9 +25,15 @@ Example:
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 """
 
-from torchgrain.sampling.base import ResumableSampler
+from torchgrain.sampling.base import LoaderBinding, ResumableSampler
 from torchgrain.sampling.block_shuffle import BlockShuffleSampler
 from torchgrain.sampling.global_shuffle import GlobalShuffleSampler
 from torchgrain.sampling.permutation import KeyedPermutation
 
-__all__ = ["BlockShuffleSampler", "GlobalShuffleSampler", "KeyedPermutation", "ResumableSampler"]
+__all__ = [
+    "BlockShuffleSampler",
+    "GlobalShuffleSampler",
+    "KeyedPermutation",
+    "LoaderBinding",
+    "ResumableSampler",
+]

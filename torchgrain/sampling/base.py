@@ -8,19 +8,22 @@ splits that order between ranks (``_virtual`` / ``_rank_positions`` /
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from torchgrain._driver import Driver, driver
+from torchgrain.frameworks import accelerate as _accelerate
+from torchgrain.frameworks import dataloader as _dataloader
 from torchgrain.sampling.permutation import _to_u64
 
-__all__ = ["ResumableSampler"]
+__all__ = ["LoaderBinding", "ResumableSampler"]
 
 # Python iteration converts this many indices to ints at a time.
 _ITER_CHUNK = 65536
@@ -79,11 +82,61 @@ def _dist_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     return _check_world(num_replicas, rank)
 
 
-# DataLoader wrappers that split batches between processes themselves. A sampler they
-# drive must hand out the one global order: splitting it by rank as well would give each
-# process 1/W of its own part, and the epoch would cover 1/W of the data.
-# (Accelerate's prepared DataLoaders: BatchSamplerShard deals batches round-robin to the
-# processes; DataLoaderDispatcher reads every batch on rank 0 and sends out slices.)
+@dataclasses.dataclass(frozen=True)
+class LoaderBinding:
+    """How the loader that iterates a sampler uses it: what :func:`torchgrain.bind`
+    tells the sampler (:meth:`ResumableSampler.bind_loader`).
+
+    Attributes:
+        batch_size: indices the DataLoader takes from the sampler per batch (None
+            without automatic batching).
+        num_workers: the DataLoader's worker processes.
+        sharder: what splits the loader's batches between processes, when the loader
+            does that itself (e.g. ``"accelerate.data_loader.BatchSamplerShard"``).
+            The sampler then hands out the one global order (``num_replicas`` 1)
+            instead of its rank's part. None for a loader that does not.
+        step: positions of the sampler's order one step of the training loop takes
+            (all processes together, under a sharder); default ``batch_size``.
+        reads_for_all: one process reads every batch and sends each process its part
+            (Accelerate's ``dispatch_batches``): the other processes' samplers draw
+            nothing, and only the steps taken tell where they are.
+        pad_to: under a ``sharder``, the sampler pads its order to a multiple of this
+            by repeating the order's first positions (as ``DistributedSampler`` pads),
+            the way the loader would fill its last step itself. The loader then never
+            fills from the first batches of the current pass, which after a resume are
+            other samples, so a resume stays exact at the end of the epoch too. 1 (no
+            padding) for a loader that drops or does not even out its last step, and
+            for a sampler built with ``pad=False`` or ``drop_last=True``.
+
+    Example:
+        >>> from torchgrain.sampling import GlobalShuffleSampler
+        >>> s = GlobalShuffleSampler(40, seed=1)
+        >>> s.bind_loader(LoaderBinding(batch_size=5, sharder="my.Sharder", step=10))
+        >>> (s.num_replicas, len(s))  # the sharder splits: the sampler keeps the whole order
+        (1, 40)
+    """
+
+    batch_size: int | None = None
+    num_workers: int = 0
+    sharder: str | None = None
+    step: int | None = None
+    reads_for_all: bool = False
+    pad_to: int = 1
+
+    def __post_init__(self) -> None:
+        if operator.index(self.pad_to) < 1:
+            raise ValueError(f"pad_to must be >= 1, got {self.pad_to}")
+        for name in ("batch_size", "step"):
+            value = getattr(self, name)
+            if value is not None and (operator.index(value) < 1):
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if operator.index(self.num_workers) < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+
+    @property
+    def positions_per_step(self) -> int | None:
+        """Positions of the sampler's order one step of the training loop takes."""
+        return self.step if self.step is not None else self.batch_size
 
 
 def _identity(q: np.ndarray) -> np.ndarray:
@@ -132,9 +185,11 @@ class ResumableSampler(DistributedSampler):
     World size and rank are decided when the sampler is used (an iteration starts,
     ``len``, ``indices``, ``state_dict``), not when it is built: from explicit
     ``num_replicas``/``rank``, else the process group, else torchrun's environment.
-    Driven by a DataLoader wrapper that splits batches between processes itself
-    (Accelerate's prepared loaders), the sampler hands out the one global order and
-    lets the wrapper split it; it remembers that from then on.
+    Bound to a loader that splits batches between processes itself
+    (:meth:`bind_loader`, which :func:`torchgrain.bind` calls for Accelerate's
+    prepared loaders), the sampler hands out the one global order and lets the loader
+    split it; it remembers that from then on. A sampler nobody bound finds Accelerate's
+    loaders by itself (:mod:`torchgrain.frameworks.accelerate`).
 
     Vocabulary. The *epoch stream* is the sampler's order of all ``N`` indices for
     the epoch (``stream(q)`` for ``q`` in ``[0, N)``). A *layout* is a list of
@@ -181,8 +236,10 @@ class ResumableSampler(DistributedSampler):
         # A loaded state, made into a layout and start position when the next pass starts
         # (when its world size and the loader that drives it are known).
         self._loaded: dict[str, Any] | None = None
-        # Who drove the latest pass (a batch-sharding wrapper, a DataLoader's shape).
-        self._driver = Driver(None, None, None)
+        # What the loader that iterates the sampler said about itself (tg.bind), and
+        # (deprecated) the DataLoader shape an unbound sampler found on the call stack.
+        self._binding: LoaderBinding | None = None
+        self._found_shape: tuple[int | None, int] | None = None
         # The latest iteration: its world, layout, first position, and a probe for how
         # far it got (list iterator of the current chunk and that chunk's first position).
         self._it_world: tuple[int, int] | None = None
@@ -199,15 +256,22 @@ class ResumableSampler(DistributedSampler):
             return 1, 0
         return _dist_world(self._num_replicas_arg, self._rank_arg)
 
-    def _note_driver(self, pass_start: bool) -> None:
-        """Learn who iterates this sampler. At the start of a pass: the DataLoader (its
-        workers and batch size, which a sampler may deal batches by); at any use: a
-        batch-sharding wrapper, under which the sampler switches to the global order."""
-        found = driver(self, skip=3)
-        if pass_start:
-            self._driver = found
-        sharder = found.sharder
-        if self._external is not None or sharder is None:
+    def bind_loader(self, binding: LoaderBinding) -> None:
+        """Be told how the loader that iterates this sampler uses it.
+
+        :func:`torchgrain.bind` (and :class:`~torchgrain.ResumableLoader`) call this with
+        what the loader says about itself; call it yourself for a loader torchgrain does
+        not know. Under a ``sharder`` the sampler hands out the one global order from
+        then on (it raises if it was built with ``num_replicas > 1``).
+        """
+        if not isinstance(binding, LoaderBinding):
+            raise TypeError(f"binding must be a LoaderBinding, got {type(binding).__name__}")
+        if binding.sharder is not None:
+            self._adopt_sharder(binding.sharder)
+        self._binding = binding
+
+    def _adopt_sharder(self, sharder: str) -> None:
+        if self._external is not None:
             return
         if self._num_replicas_arg is not None and self._num_replicas_arg > 1:
             raise ValueError(
@@ -218,6 +282,42 @@ class ResumableSampler(DistributedSampler):
             )
         self._external = sharder
         self._it_world = None
+
+    def _note_driver(self, pass_start: bool) -> None:
+        """At any use: an Accelerate loader that splits the batches drawn from this
+        sampler, found on the call stack even when nobody bound the sampler (the
+        sampler then switches to the global order). At the start of a pass, for a
+        sampler that deals batches to workers and was not bound: the DataLoader's
+        shape, found on the call stack (deprecated)."""
+        if self._external is None:
+            sharder = _accelerate.sharder_driving(self, skip=3)
+            if sharder is not None:
+                self._adopt_sharder(sharder)
+        if pass_start and self._binding is None and self._wants_loader_shape():
+            shape = _dataloader.driving_loader_shape(self, skip=3)
+            if shape is not None and shape != self._found_shape:
+                warnings.warn(
+                    f"{type(self).__name__} learned its DataLoader's batch_size and "
+                    "num_workers by inspecting the call stack; that is deprecated and will be "
+                    "removed. Bind the loader with tg.bind(loader) (tg.ResumableLoader does "
+                    "it for you), or pass batch_size= and num_workers= to the sampler.",
+                    DeprecationWarning,
+                    stacklevel=4,
+                )
+            self._found_shape = shape
+
+    def _wants_loader_shape(self) -> bool:
+        """Whether this sampler's order depends on its DataLoader's shape."""
+        return False
+
+    def _loader_shape(self) -> tuple[int | None, int | None]:
+        """``(batch_size, num_workers)`` of the loader, as bound (or found); Nones if
+        unknown."""
+        if self._binding is not None:
+            return self._binding.batch_size, self._binding.num_workers
+        if self._found_shape is not None:
+            return self._found_shape
+        return None, None
 
     @property
     def num_replicas(self) -> int:  # type: ignore[override]
@@ -256,7 +356,17 @@ class ResumableSampler(DistributedSampler):
 
     def _count(self, length: int, world: tuple[int, int]) -> int:
         """Draws of rank ``world[1]`` from a virtual stream of ``length``."""
+        if world[0] == 1:
+            return _padded_count(length, self._pad_to())
         return _rank_count(length, world[0], world[1], self.drop_last, self.pad)
+
+    def _pad_to(self) -> int:
+        """What the order is padded to a multiple of, under a batch-sharding loader that
+        fills its last step (:attr:`LoaderBinding.pad_to`); else 1."""
+        binding = self._binding
+        if binding is None or self._external is None or not self.pad or self.drop_last:
+            return 1
+        return binding.pad_to
 
     def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
         """Virtual position of this rank's position ``j`` and the step to ``j + 1``.
@@ -282,7 +392,9 @@ class ResumableSampler(DistributedSampler):
     def _same_order(self, state: dict[str, Any]) -> bool:
         """Whether this sampler's per-rank order equals the one ``state`` was saved in,
         given the same world size and drop_last."""
-        return bool(state.get("pad", True)) == self.pad
+        return bool(state.get("pad", True)) == self.pad and state.get("pad_to", 1) == (
+            self._pad_to() if operator.index(state["num_replicas"]) == 1 else 1
+        )
 
     def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
         """The current epoch's stream: maps positions ``q`` (int64 in ``[0, N)``) to indices.
@@ -486,25 +598,38 @@ class ResumableSampler(DistributedSampler):
             >>> head + list(t) == list(s)
             True
         """
-        if self._loaded is not None:
-            if consumed not in (None, 0):
-                raise ValueError(
-                    "consumed must be 0 or None before iteration of a loaded state starts"
-                )
-            return dict(self._loaded)  # not resumed yet: the position is the one loaded
-        layout, world = self._current()
-        drawn = self._drawn()
-        if consumed is None:
-            pos = drawn
-        else:
+        return self._state(consumed, drawn_only=True)
+
+    def _state(self, consumed: int | None, drawn_only: bool) -> dict[str, Any]:
+        """:meth:`state_dict`; with ``drawn_only=False`` the position may lie past what
+        this process's sampler has drawn: for a process whose sampler is not iterated
+        because another process reads for it (Accelerate's ``dispatch_batches``: the
+        loop still counts the steps it takes)."""
+        if consumed is not None:
             consumed = operator.index(consumed)
             if consumed < 0:
                 raise ValueError(f"consumed must be >= 0, got {consumed}")
-            count = self._count(_layout_length(layout), world)
-            pos = min(self._it_start + consumed, count)
-            if pos > drawn:
+        if self._loaded is not None:
+            if consumed in (None, 0):
+                return dict(self._loaded)  # not resumed yet: the position is the one loaded
+            if drawn_only:
                 raise ValueError(
-                    f"consumed={consumed} exceeds the {drawn - self._it_start} indices this "
+                    "consumed must be 0 or None before iteration of a loaded state starts"
+                )
+            world = self._world()
+            layout, start = self._resume_layout(self._loaded, world)
+            drawn = start
+        else:
+            layout, world = self._current()
+            start, drawn = self._it_start, self._drawn()
+        if consumed is None:
+            pos = drawn
+        else:
+            count = self._count(_layout_length(layout), world)
+            pos = min(start + consumed, count)
+            if drawn_only and pos > drawn:
+                raise ValueError(
+                    f"consumed={consumed} exceeds the {drawn - start} indices this "
                     "sampler has produced in the current pass"
                 )
         state = {
@@ -520,6 +645,8 @@ class ResumableSampler(DistributedSampler):
             "layout": [[int(s), int(e)] for s, e in layout],
             "position": int(pos),
         }
+        if world[0] == 1 and self._pad_to() > 1:
+            state["pad_to"] = self._pad_to()
         state.update(self._extra_state())
         return state
 
@@ -527,7 +654,12 @@ class ResumableSampler(DistributedSampler):
         """Whether ``state`` (saved by this sampler) is at the end of its pass."""
         layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
         world = (operator.index(state["num_replicas"]), self._current()[1][1])
-        return operator.index(state["position"]) >= self._count(_layout_length(layout), world)
+        length = _layout_length(layout)
+        if world[0] == 1:
+            count = _padded_count(length, operator.index(state.get("pad_to", 1)))
+        else:
+            count = self._count(length, world)
+        return operator.index(state["position"]) >= count
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -570,6 +702,8 @@ class ResumableSampler(DistributedSampler):
         pos = operator.index(state["position"])
         length = _layout_length(layout)
         old_count = _rank_count(length, old_w, 0, old_drop, old_pad)
+        if old_w == 1:
+            old_count = _padded_count(length, operator.index(state.get("pad_to", 1)))
         if not 0 <= pos <= old_count:
             raise ValueError(f"position {pos} outside [0, {old_count}] in sampler state")
 
@@ -636,6 +770,14 @@ class ResumableSampler(DistributedSampler):
 
 def _layout_length(layout: np.ndarray) -> int:
     return int((layout[:, 1] - layout[:, 0]).sum())
+
+
+def _padded_count(length: int, pad_to: int) -> int:
+    """Draws of a single replica from a stream of ``length`` padded to a multiple of
+    ``pad_to``."""
+    if pad_to <= 1 or length <= 0:
+        return length
+    return -(-length // pad_to) * pad_to
 
 
 def _rank_count(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:

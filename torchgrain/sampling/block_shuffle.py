@@ -61,9 +61,10 @@ class BlockShuffleSampler(ResumableSampler):
 
     DataLoader workers: the DataLoader hands batch ``b`` to worker
     ``b % num_workers``, so by default every worker reads from every stripe and
-    decodes every block of its rank. With ``deal_to_workers=True`` the sampler learns
-    the ``batch_size`` and ``num_workers`` of the DataLoader that iterates it (when a
-    pass starts) and cuts the rank's run into ``num_workers`` contiguous parts, batch
+    decodes every block of its rank. With ``deal_to_workers=True`` the sampler takes
+    the ``batch_size`` and ``num_workers`` of the DataLoader it is bound to
+    (``loader = tg.bind(DataLoader(...))``; :class:`~torchgrain.ResumableLoader` binds
+    too) and cuts the rank's run into ``num_workers`` contiguous parts, batch
     ``b`` coming from part ``b % num_workers``: each worker reads its own part and
     decodes about ``1 / num_workers`` of the blocks. Consecutive batches then come
     from different parts of the epoch; the indices of the epoch are the same set, but
@@ -92,11 +93,13 @@ class BlockShuffleSampler(ResumableSampler):
         num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler
             (with ``pad=False`` the first ``L % num_replicas`` ranks' runs are one longer).
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
-        deal_to_workers: deal the rank's run to the workers of the DataLoader that
-            iterates the sampler, as above (default False).
+        deal_to_workers: deal the rank's run to the workers of the DataLoader the
+            sampler is bound to (:func:`torchgrain.bind`), as above (default False). An
+            unbound sampler still finds the DataLoader iterating it, with a
+            DeprecationWarning.
         batch_size, num_workers: deal batches as for a DataLoader with these settings
-            (what ``deal_to_workers`` would learn; a value given is used, a value left
-            out is learned from the loader). Saved in :meth:`state_dict`; resuming
+            (what ``deal_to_workers`` would take from the loader; a value given is used,
+            a value left out comes from the bound loader). Saved in :meth:`state_dict`; resuming
             under other values is an exact resume too (the rest of the epoch is
             re-laid out, as for a new world size).
 
@@ -209,18 +212,27 @@ class BlockShuffleSampler(ResumableSampler):
 
     def _dealing(self) -> tuple[int | None, int]:
         """``(batch_size, num_workers)`` the current pass deals batches by: the values
-        given, the rest learned from the iterating DataLoader when asked to deal; none
-        under a batch-sharding wrapper (its processes, not workers, take the batches)."""
+        given, the rest from the DataLoader the sampler is bound to when asked to deal;
+        none under a batch-sharding loader (its processes, not workers, take the
+        batches)."""
         if self._external is not None:
             return None, 0
         learn = self.deal_to_workers or self.num_workers is not None or self.batch_size is not None
+        loader_batch_size, loader_workers = self._loader_shape()
         batch_size = self.batch_size
         if batch_size is None and learn:
-            batch_size = self._driver.batch_size
+            batch_size = loader_batch_size
         num_workers = self.num_workers
         if num_workers is None:
-            num_workers = (self._driver.num_workers or 0) if self.deal_to_workers else 0
+            num_workers = (loader_workers or 0) if self.deal_to_workers else 0
         return batch_size, num_workers
+
+    def _wants_loader_shape(self) -> bool:
+        if self._external is not None:
+            return False
+        if self.deal_to_workers:
+            return self.batch_size is None or self.num_workers is None
+        return self.num_workers is not None and self.batch_size is None
 
     def _check_extra_state(self, state: dict[str, Any]) -> None:
         if state.get("window_layout") != "sliding":

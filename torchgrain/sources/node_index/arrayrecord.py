@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import fsspec
@@ -287,7 +287,7 @@ def build_arrayrecord_index(
     def footer(i: int) -> tuple[_Footer, bytes] | None:
         try:
             return _footer_of(paths[i], filesystem, max_chunk_bytes)
-        except (CorruptDataError, FileNotFoundError):
+        except (CorruptDataError, OSError):  # not found, a directory, unreadable...
             if not tolerate:
                 raise
             return None
@@ -336,6 +336,11 @@ def build_arrayrecord_index(
     return _build(ArrayRecordIndex, out, _AR_COLUMNS, fill)
 
 
+def _beside_key(names: Iterable[str]) -> str:
+    """What an index beside the shards describes: the shards' names, relative to it."""
+    return _key("beside", [(n,) for n in names])
+
+
 def write_dataset_index(root: str, names: Sequence[str]) -> dict[str, Any]:
     """Write the index of a torchgrain dataset's shards (``names`` in ``root``) beside
     them, as :data:`INDEX_NAME`; returns its manifest entry (path, size, checksum).
@@ -348,7 +353,11 @@ def write_dataset_index(root: str, names: Sequence[str]) -> dict[str, Any]:
         ['file_checksum', 'num_bytes', 'path']
     """
     path = os.path.join(root, INDEX_NAME)
-    build_arrayrecord_index([os.path.join(root, n) for n in names], out=path)
+    # The shards' names are part of what the index describes: a manifest edited to name
+    # other files (with the same record counts) does not get this index.
+    build_arrayrecord_index(
+        [os.path.join(root, n) for n in names], out=path, key=_beside_key(names)
+    )
     return {
         "path": INDEX_NAME,
         "num_bytes": os.path.getsize(path),
@@ -385,6 +394,11 @@ def arrayrecord_index(
     def agrees(ix: ArrayRecordIndex) -> str | None:
         if ix.num_shards != len(paths):
             return f"it indexes {ix.num_shards} shards, the dataset has {len(paths)}"
+        if beside is not None:
+            root = os.path.dirname(beside[0])
+            names = (os.path.relpath(p, root) for p in paths)
+            if ix._a.meta.get("key") != _beside_key(names):
+                return "it was made for shards of other names than the manifest's"
         if counts is not None and not np.array_equal(ix.counts, counts):
             k = int(np.flatnonzero(ix.counts != counts)[0])
             return f"it gives shard {k} {int(ix.counts[k])} records, the manifest {int(counts[k])}"
