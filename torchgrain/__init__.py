@@ -28,6 +28,7 @@ from torchgrain.formats.codecs import register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.options import ReadOptions
 from torchgrain.sources.parquet import ParquetSource
 from torchgrain.sources.registry import open
 from torchgrain.sources.tfrecord import TFRecordSource
@@ -108,6 +109,7 @@ __all__ = [
     "MaskTokens",
     "ParquetSource",
     "RandomImageTransform",
+    "ReadOptions",
     "RecordDecodeError",
     "RemoteIOError",
     "RenameKeys",

@@ -33,7 +33,6 @@ from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache, file_identity
 from torchgrain.sources.block_cache import (
-    DEFAULT_CACHE_BYTES,
     BlockCache,
     CacheBlocks,
     CacheFit,
@@ -41,13 +40,12 @@ from torchgrain.sources.block_cache import (
     check_fit,
 )
 from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
 
 __all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
 
 T = TypeVar("T")
 
-#: Default budget of a ``cache_dir`` (local copies of remote shards).
-DEFAULT_CACHE_DIR_BYTES = 16 * 2**30
 # Readers of cached local copies kept open per process. Eviction only unlinks files, so
 # an open reader pins an evicted copy's disk blocks: keep few of them open.
 _MAX_OPEN_CACHED = 32
@@ -247,22 +245,10 @@ class ShardedSource(Source):
     :meth:`_reader`, :meth:`_io` and :meth:`_map`. Everything per process lives in
     one state object that is rebuilt, not reused, in a forked child.
 
-    Common arguments (the same meaning for every format):
-
-    * ``storage_options`` / ``filesystem``: fsspec options or a ready filesystem for
-      remote paths (``s3://``, ``gs://``, ``http(s)://``, ...);
-    * ``cache_bytes``: this process's in-memory cache of decoded blocks (Parquet row
-      groups, ArrayRecord chunks), in bytes; ``0`` disables it;
-    * ``cache_dir`` / ``cache_dir_bytes``: a local directory (or a
-      :class:`~torchgrain.io.shard_cache.ShardCache`) for whole copies of *remote*
-      shards, and its byte budget; local shards are never copied;
-    * ``io_threads``: threads per process that read the remote shards of one batch
-      concurrently (1 = sequential; local shards are read in the calling thread);
-    * ``retry``: a :class:`~torchgrain.io.retry.RetryPolicy` for remote reads and
-      downloads: attempts and their deadlines (connect, between bytes, per request, per
-      operation);
-    * ``max_open_files``: readers kept open per process (least recently used closed
-      first; ``None``: no limit).
+    The options every format shares (storage, caches, threads, retries, limits,
+    trust) are one :class:`~torchgrain.ReadOptions` value, kept as :attr:`options`; a
+    subclass passes the caller's to :meth:`_init_shards` with the values it resolved
+    for its format (its default ``cache_bytes``, its ``max_open_files``).
     """
 
     reports_stats: ClassVar[bool] = True
@@ -276,22 +262,26 @@ class ShardedSource(Source):
         filesystem: fsspec.AbstractFileSystem,
         paths: Sequence[str],
         counts: Sequence[int] | np.ndarray,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
-        io_threads: int = 8,
-        read_ahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        max_open_files: int | type[Ellipsis] | None = ...,
+        options: ReadOptions | None = None,
+        cache_bytes: int | None = None,
+        max_open_files: int | str | type[Ellipsis] | None = "auto",
+        **keywords: Any,
     ) -> None:
-        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an integer >= 0, got {cache_bytes!r}")
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise ValueError(f"io_threads must be an integer >= 1, got {io_threads!r}")
-        if max_open_files is ...:
+        """Set up the shards: ``options`` (with any :class:`ReadOptions` field given by
+        name in ``keywords`` replacing it) says how they are read; ``cache_bytes`` and
+        ``max_open_files`` are the values the format resolved from them (None and
+        ``"auto"``: from ``options``, then the defaults)."""
+        self.options = ReadOptions.build(options, keywords)
+        opts = self.options
+        if cache_bytes is None:
+            cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
+        if max_open_files in ("auto", ...):
+            max_open_files = opts.max_open_files
+        if max_open_files in ("auto", ...):
             max_open_files = self.default_max_open_files
-        if max_open_files is not None and max_open_files < 1:
-            raise ValueError(f"max_open_files must be >= 1 or None, got {max_open_files!r}")
+        cache_dir, cache_dir_bytes = opts.cache_dir, opts.cache_dir_bytes
+        read_ahead_bytes, retry = opts.read_ahead_bytes, opts.retry
+        io_threads = opts.io_threads
         self._fs = filesystem
         self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)
@@ -308,8 +298,6 @@ class ShardedSource(Source):
                 if isinstance(cache_dir, ShardCache)
                 else ShardCache(cache_dir, max_bytes=cache_dir_bytes, retry=self._retry)
             )
-        if read_ahead_bytes is not None and read_ahead_bytes < 0:
-            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes!r}")
         if read_ahead_bytes is None:
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
