@@ -21,6 +21,8 @@ import torchgrain as tg
 from torchgrain.sampling import (
     ContiguousSplit,
     InterleavedSplit,
+    KeyedPermutation,
+    KeyedPermutations,
     OrderFn,
     ResumableSampler,
     Shares,
@@ -193,3 +195,28 @@ def test_the_shipped_samplers_are_written_with_public_names_only():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchgrain"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{name} imports {private} from {node.module}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=12),
+    seed=st.integers(0, (1 << 64) - 1),
+    epoch=st.integers(0, 5),
+)
+def test_a_family_of_keyed_permutations_permutes_each_member(sizes, seed, epoch):
+    perms = KeyedPermutations(np.array(sizes), seed, epoch)
+    member = np.repeat(np.arange(len(sizes)), sizes)
+    x = np.concatenate([np.arange(s) for s in sizes]).astype(np.int64)
+    y = perms(member, x)
+    for m, s in enumerate(sizes):
+        assert sorted(y[member == m].tolist()) == list(range(s))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 5000), seed=st.integers(0, (1 << 64) - 1))
+def test_an_unchecked_keyed_permutation_gives_the_checked_result(n, seed):
+    p = KeyedPermutation(n, seed, 1)
+    q = np.arange(n, dtype=np.int64)
+    assert p(q, check=False).tolist() == p(q).tolist()
+    with pytest.raises(IndexError):
+        p(np.array([n]))
