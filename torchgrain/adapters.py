@@ -25,7 +25,7 @@ from torchgrain.protocols import (
 )
 from torchgrain.sources.base import Source
 
-__all__ = ["SequenceSource"]
+__all__ = ["SequenceSource", "checked_batch"]
 
 
 class SequenceSource(Source):
@@ -71,13 +71,7 @@ class SequenceSource(Source):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         if not self._batched:
             return [self.items[i] for i in indices]
-        records = self.items.__getitems__(indices)
-        if len(records) != len(indices):
-            raise RuntimeError(
-                f"{type(self.items).__name__}.__getitems__ returned {len(records)} "
-                f"records for {len(indices)} indices"
-            )
-        return records
+        return checked_batch(self.items, self.items.__getitems__(indices), indices)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         if self._columns:
@@ -119,3 +113,22 @@ class SequenceSource(Source):
 
     def __repr__(self) -> str:
         return f"SequenceSource({self.items!r})"
+
+
+def checked_batch(reader: Any, records: list[Any], indices: Sequence[int]) -> list[Any]:
+    """``records``, once they are known to be one per index: a batched read that loses or
+    adds records is an error naming the reader, never a shifted batch.
+
+    Example:
+        >>> checked_batch([], ["a", "b"], [0, 1])
+        ['a', 'b']
+        >>> checked_batch([], ["a"], [0, 1])
+        Traceback (most recent call last):
+        RuntimeError: list.__getitems__ returned 1 records for 2 indices
+    """
+    if len(records) != len(indices):
+        raise RuntimeError(
+            f"{type(reader).__name__}.__getitems__ returned {len(records)} "
+            f"records for {len(indices)} indices"
+        )
+    return records

@@ -33,7 +33,7 @@ from torchgrain._worker_batches import (
     grow_pipe_once,
     start_columns_batch,
 )
-from torchgrain.adapters import SequenceSource
+from torchgrain.adapters import SequenceSource, checked_batch
 from torchgrain.columns import ColumnBatch
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
 from torchgrain.protocols import ReadsAhead, SetsEpoch, SizedIndexable
@@ -457,13 +457,7 @@ class Dataset(torch.utils.data.Dataset):
         return batch
 
     def _read(self, indices: Sequence[int]) -> list[Any]:
-        records = self._source.__getitems__(indices)
-        if len(records) != len(indices):
-            raise RuntimeError(
-                f"{type(self.source).__name__}.__getitems__ returned {len(records)} "
-                f"records for {len(indices)} indices"
-            )
-        return records
+        return checked_batch(self.source, self._source.__getitems__(indices), indices)
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
         grow_pipe_once(self._worker_pipe_bytes)
