@@ -12,12 +12,12 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
-from typing import Any
 
 import pyarrow as pa
+
+from torchgrain.io.libc import libc
 
 __all__ = ["map_file"]
 
@@ -25,7 +25,6 @@ __all__ = ["map_file"]
 # keeps a duplicate file descriptor per map, and a process may map thousands of row
 # groups (the open-file limit is often 1024). The map is released when the last Arrow
 # buffer over it is freed.
-_libc: Any = None
 
 
 class _Mapping:
@@ -36,26 +35,9 @@ class _Mapping:
         self.size = size
 
     def __del__(self) -> None:
-        if _libc is not None and self.addr:
-            _libc.munmap(ctypes.c_void_p(self.addr), ctypes.c_size_t(self.size))
-
-
-def _load_libc() -> Any:
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = lib
-    return _libc
+        lib = libc()
+        if lib is not None and self.addr:
+            lib.munmap(ctypes.c_void_p(self.addr), ctypes.c_size_t(self.size))
 
 
 def map_file(path: str) -> tuple[pa.Buffer, os.stat_result]:
@@ -65,11 +47,10 @@ def map_file(path: str) -> tuple[pa.Buffer, os.stat_result]:
         st = os.fstat(fd)
         if st.st_size == 0:
             return pa.py_buffer(b""), st
-        try:
-            libc = _load_libc()
-        except (OSError, AttributeError):  # no libc mmap here: Python's (keeps an fd)
+        lib = libc()
+        if lib is None:  # no libc mmap here: Python's (keeps an fd)
             return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ)), st
-        addr = libc.mmap(None, st.st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        addr = lib.mmap(None, st.st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()
             raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
