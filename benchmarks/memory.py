@@ -23,7 +23,7 @@ Growth is a sample minus the one taken before the first batch (with workers, the
 workers do not exist yet: they fork from the main process, so the sum of PSS starts at
 the main process's). The budget is ``cache_bytes`` per reading process (each worker has
 its own cache; the main process reads when there are no workers); ``ratio`` is the peak
-growth over it, and ``over`` the peak growth minus the budget: the constant the README
+growth over it, and ``over`` the peak growth minus the budget: the constant docs/parquet.md
 states.
 
 Run:   python benchmarks/memory.py [--rows 200000] [--cache-mib 256] [--workers 0,2]

@@ -30,7 +30,7 @@ measured is reading and decoding, not tensor stacking):
   path here (a reader can at best reach it).
 
 With workers, ``tg-block`` passes the loader's ``batch_size`` and ``num_workers`` to
-the sampler, so each worker reads its own part of the epoch (as the README advises).
+the sampler, so each worker reads its own part of the epoch (as docs/parquet.md advises).
 
 Each DataLoader path runs with ``num_workers`` 0 and 2. Rates are rows/s; the
 ratios in the table are the result (absolute numbers depend on the machine).

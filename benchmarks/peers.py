@@ -365,7 +365,7 @@ def read_tg_pq_block(d: str, workers: int) -> Iterator[Batch]:
 
     ds = tg.Dataset(tg.ParquetSource(os.path.join(d, "tg_parquet")))
     sampler = tg.BlockShuffleSampler(ds, window=8, seed=SEED, deal_to_workers=True)
-    return _dict_batches(_torch_loader(ds, workers, sampler=sampler))
+    return _dict_batches(tg.bind(_torch_loader(ds, workers, sampler=sampler)))
 
 
 def read_litdata(d: str, workers: int) -> Iterator[Batch]:

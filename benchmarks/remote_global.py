@@ -9,7 +9,7 @@ measures:
   with no added latency, from a client that is not torchgrain (raw HTTP/1.1 over
   asyncio streams, 16 kept-alive connections);
 * the **client CPU per request** of the two ways torchgrain could keep many requests in
-  flight: all of them on fsspec's event loop (``torchgrain.io.remote.cat_many``) or a
+  flight: all of them on fsspec's event loop (``torchgrain.io.inflight.cat_many``) or a
   thread pool of blocking deadline-aware calls (``torchgrain.io.remote.cat_file``).
 
 Then, for each record size, latency (10/30/80 ms) and DataLoader ``num_workers`` (0, 2),
@@ -125,6 +125,7 @@ def _client_cpu(url: str, path: str, span: int, n: int, inflight: int) -> dict[s
     """Client CPU per 1 KiB request: all on fsspec's loop vs a pool of blocking calls."""
     from torchgrain.io import remote
     from torchgrain.io.fs import get_filesystem
+    from torchgrain.io.inflight import cat_many
 
     fs, rpath = get_filesystem(url + path)
     rng = random.Random(1)
@@ -132,7 +133,7 @@ def _client_cpu(url: str, path: str, span: int, n: int, inflight: int) -> dict[s
     ends = [s + 1024 for s in starts]
 
     def loop() -> None:
-        remote.cat_many(fs, [rpath] * n, starts, ends, max_inflight=inflight)
+        cat_many(fs, [rpath] * n, starts, ends, max_inflight=inflight)
 
     def pool() -> None:
         with ThreadPoolExecutor(inflight) as ex:

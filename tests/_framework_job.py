@@ -1,21 +1,30 @@
-"""A small training job run by tests/test_frameworks.py inside Lightning, Accelerate or
-torchrun, with 2 processes on gloo. Every rank writes what it trained on, batch by batch
-(record ids, the random_map draw of each record, the epoch), to OUT/rank<r>.json.
+"""A small training job run by tests/test_frameworks.py inside Lightning, Accelerate, HF
+Trainer, Ray Train or torchrun, with 2 processes on gloo. Every rank writes what it
+trained on, batch by batch (record ids, the random_map draw of each record, the
+epoch), to OUT/rank<r>.json.
 
     python _framework_job.py lightning DATA OUT [--strategy ddp|ddp_spawn] [--where ...]
     torchrun --nproc_per_node 2 _framework_job.py accelerate DATA OUT [--where ...]
+    torchrun --nproc_per_node 2 _framework_job.py accelerate-modes - OUT
+    torchrun --nproc_per_node 2 _framework_job.py trainer DATA OUT [--workers W]
     torchrun --nproc_per_node 2 _framework_job.py torchrun DATA OUT ...
 
-With ``--stop-step S --ckpt PATH`` the job saves a checkpoint after S steps and stops;
-``--resume PATH`` continues from it through the framework's own checkpoint.
+With ``--stop-step S --ckpt PATH`` the job saves a checkpoint after S steps and stops
+(``--save-step S`` saves and goes on); ``--resume PATH`` continues from it through the
+framework's own checkpoint. ``accelerate-modes`` runs every Accelerate dataloader mode
+in one launch (see :func:`run_accelerate_modes`). Ray Train runs :func:`ray_loop` from
+the test itself. With ``TORCHGRAIN_TEST_START_METHOD`` set (e.g. ``forkserver``),
+DataLoader workers start that way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
+import tempfile
 
 import numpy as np
 import torch
@@ -39,6 +48,25 @@ def make_dataset(path):
     return tg.Dataset(tg.ArrayRecordSource(path)).map(pick).random_map(jitter, seed=7)
 
 
+class Records:
+    """``n`` records ``{"id": i}`` in memory (a map-style source any worker can pickle)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return {"id": i}
+
+
+def memory_dataset(n):
+    return tg.Dataset(Records(n)).random_map(jitter, seed=7)
+
+
 def make_sampler(ds, args, **kwargs):
     if args.sampler == "block":
         return tg.BlockShuffleSampler(ds, seed=SEED, window=3, **kwargs)
@@ -59,6 +87,12 @@ def make_loader(ds, sampler, args):
         kwargs["persistent_workers"] = args.persistent
     loader = loader_class(args)(ds, **kwargs)
     return tg.ResumableLoader(loader) if args.loader == "resumable" else loader
+
+
+def start_method():
+    method = os.environ.get("TORCHGRAIN_TEST_START_METHOD")
+    if method:
+        multiprocessing.set_start_method(method, force=True)
 
 
 def record(seen, epoch, batch):
@@ -144,6 +178,7 @@ if L is not None:
 
 
 def run_lightning(args):
+    start_method()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -157,7 +192,7 @@ def run_lightning(args):
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=None if args.val_data else 0,
-        callbacks=[SaveAt(args.stop_step, args.ckpt)],
+        callbacks=[SaveAt(args.stop_step or args.save_step, args.ckpt)],
     )
     model = Module(args)
     datamodule = DataModule(args) if args.where == "datamodule" else None
@@ -168,6 +203,7 @@ def run_lightning(args):
 def run_accelerate(args):
     from accelerate import Accelerator
 
+    start_method()
     ds = make_dataset(args.data)
     if args.where == "before":
         sampler = make_sampler(ds, args)
@@ -195,10 +231,223 @@ def run_accelerate(args):
     write(args.out, accelerator.process_index, {"batches": seen, "len": len(loader)})
 
 
+# Every Accelerate dataloader mode, each with 1,000 and 1,001 records and 0 and 2 workers.
+ACCELERATE_MODES = {
+    "default": {},
+    "split_batches": {"split_batches": True},
+    "dispatch_batches": {"dispatch_batches": True},
+    "dispatch_split": {"dispatch_batches": True, "split_batches": True},
+    "even_batches_false": {"even_batches": False},
+}
+MODE_SIZES = (1000, 1001)
+MODE_WORKERS = (0, 2)
+MODE_EPOCHS = 2
+MODE_STOP = (1, 7)  # save_state in epoch 1, after its 7th step
+
+
+def _mode_pass(loader, epoch, stop=None):
+    """One pass over ``loader``: its batches (stopping after ``stop`` steps)."""
+    seen = []
+    for batch in loader:
+        record(seen, epoch, batch)
+        if stop is not None and len(seen) == stop:
+            break
+    return seen
+
+
+def run_accelerate_modes(args):
+    """In one launch, for every mode, size and worker count:
+
+    * ``cover``: the loader as ``accelerator.prepare`` returns it, no ``len()`` first,
+      no ``set_epoch`` by hand, 2 epochs;
+    * ``head``: the same through ``tg.ResumableLoader`` registered for checkpointing,
+      ``save_state`` at step 7 of epoch 1; ``tail``: new objects (a new Accelerator,
+      sampler, loader), ``load_state``, to the end.
+
+    Each rank writes ``{config: {"len", "cover", "head", "tail"}}``.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    start_method()
+    results, rank = {}, None
+
+    def prepared(config, n, workers, resumable):
+        accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(**config))
+        ds = memory_dataset(n)
+        sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
+        loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=workers)
+        loader = accelerator.prepare(loader)
+        if resumable:
+            loader = tg.ResumableLoader(loader)
+            accelerator.register_for_checkpointing(loader)
+        return accelerator, loader
+
+    for mode, config in ACCELERATE_MODES.items():
+        for n in MODE_SIZES:
+            for workers in MODE_WORKERS:
+                accelerator, loader = prepared(config, n, workers, False)
+                rank = accelerator.process_index
+                cover = [_mode_pass(loader, epoch) for epoch in range(MODE_EPOCHS)]
+                length = len(loader)
+                del loader
+
+                ckpt = os.path.join(args.out, f"state-{mode}-{n}-{workers}")
+                accelerator, loader = prepared(config, n, workers, True)
+                stop_epoch, stop_step = MODE_STOP
+                head = []
+                for epoch in range(stop_epoch + 1):
+                    head += _mode_pass(loader, epoch, stop_step if epoch == stop_epoch else None)
+                accelerator.save_state(ckpt)
+                accelerator.wait_for_everyone()  # rank 0 writes it; all ranks read it next
+                del loader
+
+                accelerator, loader = prepared(config, n, workers, True)
+                accelerator.load_state(ckpt)
+                tail = []
+                for epoch in range(loader.epoch, MODE_EPOCHS):
+                    tail += _mode_pass(loader, epoch)
+                del loader
+                results[f"{mode}-{n}-w{workers}"] = {
+                    "len": length,
+                    "cover": cover,
+                    "head": head,
+                    "tail": tail,
+                }
+                accelerator.wait_for_everyone()
+    write(args.out, rank, results)
+
+
+# --------------------------------------------------------------------------- HF Trainer
+TRAINER_SAVE_STEP = 13  # epoch 1, step 3: a mid-epoch checkpoint
+
+
+def trainer_can_resume():
+    """transformers refuses to load a checkpoint (torch.load) under torch < 2.6 since
+    its 4.50 release, and its 4.49 release cannot restore one on CPU processes there."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 6)
+
+
+def run_trainer(args):
+    """``torchgrain.frameworks.transformers.Trainer``: 2 epochs with a checkpoint saved at
+    step 13, then a new Trainer resumed from that checkpoint. Each rank writes the
+    batches of both runs and every set_epoch call the sampler got."""
+    import transformers
+
+    from torchgrain.frameworks.transformers import Trainer
+
+    start_method()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen = []
+
+        def forward(self, id, noise):
+            if self.training:
+                self.seen.append(
+                    {"ids": id.tolist(), "noise": [round(float(x), 12) for x in noise]}
+                )
+            return {"loss": self.layer(noise.float().unsqueeze(1)).pow(2).mean()}
+
+    def train(resume):
+        ds = make_dataset(args.data)
+        sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
+        calls = []
+        set_epoch = sampler.set_epoch
+
+        def counting_set_epoch(epoch):
+            calls.append(int(epoch))
+            set_epoch(epoch)
+
+        sampler.set_epoch = counting_set_epoch
+        model = Model()
+        training_args = transformers.TrainingArguments(
+            output_dir=os.path.join(args.out, "trainer"),
+            per_device_train_batch_size=BATCH,
+            num_train_epochs=args.epochs,
+            save_strategy="steps",
+            save_steps=TRAINER_SAVE_STEP,
+            save_total_limit=None,
+            logging_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            seed=SEED,
+            dataloader_num_workers=args.workers,
+            remove_unused_columns=False,
+            disable_tqdm=True,
+            learning_rate=1e-3,
+        )
+        trainer = Trainer(model=model, args=training_args, train_dataset=ds, train_sampler=sampler)
+        trainer.train(resume_from_checkpoint=resume)
+        return model.seen, calls, trainer.args.process_index
+
+    reference, reference_calls, rank = train(None)
+    checkpoint = os.path.join(args.out, "trainer", f"checkpoint-{TRAINER_SAVE_STEP}")
+    resumed = resumed_calls = None
+    if trainer_can_resume():
+        resumed, resumed_calls, _ = train(checkpoint)
+    write(
+        args.out,
+        rank,
+        {
+            "reference": reference,
+            "reference_set_epoch": reference_calls,
+            "resumed": resumed,
+            "resumed_set_epoch": resumed_calls,
+        },
+    )
+
+
+# ---------------------------------------------------------------------------- Ray Train
+def ray_loop(config):
+    """Ray Train's training function (run by tests/test_frameworks.py): the documented
+    recipe. A checkpoint with the loader's state is reported at ``config["save_step"]``;
+    ``config["resume"]`` (a ``ray.train.Checkpoint``) continues from one."""
+    import ray.train
+    import ray.train.torch
+
+    start_method()
+    ds = make_dataset(config["data"])
+    sampler = tg.GlobalShuffleSampler(ds, seed=SEED)
+    loader = DataLoader(ds, batch_size=BATCH, sampler=sampler, num_workers=config["workers"])
+    loader = tg.ResumableLoader(ray.train.torch.prepare_data_loader(loader))
+    checkpoint = ray.train.get_checkpoint() or config.get("resume")
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            loader.load_state_dict(torch.load(os.path.join(d, "loader.pt")))
+    rank = ray.train.get_context().get_world_rank()
+    seen, calls, step = [], [], 0
+    set_epoch = sampler.set_epoch
+
+    def counting_set_epoch(epoch):
+        calls.append(int(epoch))
+        set_epoch(epoch)
+
+    sampler.set_epoch = counting_set_epoch
+    for _ in range(loader.epoch, config["epochs"]):
+        for batch in loader:
+            record(seen, sampler.epoch, batch)
+            step += 1
+            if step == config.get("save_step"):
+                with tempfile.TemporaryDirectory() as d:
+                    torch.save(loader.state_dict(), os.path.join(d, "loader.pt"))
+                    ckpt = ray.train.Checkpoint.from_directory(d) if rank == 0 else None
+                    ray.train.report({"step": step}, checkpoint=ckpt)
+    write(
+        config["out"],
+        rank,
+        {"batches": seen, "set_epoch": calls, "world": ray.train.get_context().get_world_size()},
+    )
+
+
 # ---------------------------------------------------------------------------- torchrun
 def run_torchrun(args):
     import torch.distributed as dist
 
+    start_method()
     ds = make_dataset(args.data)
     sampler = make_sampler(ds, args)  # before the process group exists
     dist.init_process_group("gloo")
@@ -225,7 +474,9 @@ def run_torchrun(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("framework", choices=["lightning", "accelerate", "torchrun"])
+    p.add_argument(
+        "framework", choices=["lightning", "accelerate", "accelerate-modes", "trainer", "torchrun"]
+    )
     p.add_argument("data")
     p.add_argument("out")
     p.add_argument("--strategy", default="ddp")
@@ -239,13 +490,19 @@ def main(argv=None):
     p.add_argument("--val-data")
     p.add_argument("--resumable", action="store_true")
     p.add_argument("--stop-step", type=int, default=0)
+    p.add_argument("--save-step", type=int, default=0)
     p.add_argument("--ckpt")
     p.add_argument("--resume")
     args = p.parse_args(argv)
     np.seterr(all="raise")
-    {"lightning": run_lightning, "accelerate": run_accelerate, "torchrun": run_torchrun}[
-        args.framework
-    ](args)
+    jobs = {
+        "lightning": run_lightning,
+        "accelerate": run_accelerate,
+        "accelerate-modes": run_accelerate_modes,
+        "trainer": run_trainer,
+        "torchrun": run_torchrun,
+    }
+    jobs[args.framework](args)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,33 @@ def small_dataset(tmp_path):
     return str(d), recs
 
 
+# Python >= 3.12 warns when a process with threads forks ("This process ... is
+# multi-threaded, use of fork() may lead to deadlocks in the child"). torchgrain's own
+# threads stop around a fork (torchgrain/io/process.py; tests/test_fork_safety.py checks
+# it), but the warning counts every thread of the process: numpy's BLAS pool, pyarrow's
+# jemalloc background thread, array_record's writer pool (in a process that wrote shards),
+# and torch's queue feeder threads of another DataLoader's live workers. The run reports
+# how many forks warned; with TORCHGRAIN_TEST_FORK_WARNINGS=error it fails on them.
+# (An error filter, -W error, does not work: the interpreter swallows an error raised there.)
+_FORK_WARNING = "use of fork() may lead to deadlocks"
+_fork_warnings: list[str] = []
+
+
+def pytest_warning_recorded(warning_message, when, nodeid, location):
+    if _FORK_WARNING in str(warning_message.message):
+        _fork_warnings.append(nodeid or str(location))
+
+
+def _report_fork_warnings(session) -> None:
+    if not _fork_warnings:
+        return
+    tests = sorted(set(_fork_warnings))
+    print(f"\n{len(_fork_warnings)} forks with threads alive, in {len(tests)} tests")
+    if os.environ.get("TORCHGRAIN_TEST_FORK_WARNINGS") == "error":
+        print("  " + "\n  ".join(tests))
+        session.exitstatus = 1
+
+
 @pytest.fixture(scope="session")
 def moto_s3():
     """One moto S3 server for the session (it takes seconds to start): ``(client, endpoint)``.
@@ -88,7 +115,9 @@ def _own_mp_helpers() -> set[int]:
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if processes it started are still running (naming them), after a
-    grace period; then kill them, so that the run leaves nothing behind either way."""
+    grace period; then kill them, so that the run leaves nothing behind either way.
+    Also reports the forks that warned of threads alive (see above)."""
+    _report_fork_warnings(session)
     if not _procs.supported() or hasattr(session.config, "workerinput"):
         # An xdist worker reports only what it was asked to run: a leak found here would
         # be lost. What it leaves behind becomes the controller's (a subreaper, its

@@ -20,8 +20,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.formats import arrayrecord_file
 from torchgrain.formats._highwayhash import riegeli_hash
+from torchgrain.formats.arrayrecord import batch as arrayrecord_batch
+from torchgrain.formats.arrayrecord.footer import parse_entries
 from torchgrain.formats.arrayrecord_file import (
     ArrayRecordFile,
     TransposedChunkError,
@@ -158,13 +159,13 @@ def test_read_many_plans_one_record_files_together(files, records, monkeypatch, 
     """zstd and uncompressed one-record files take the joint path (one plan per layout);
     a file with unusual chunks (empty records) is read on its own, correctly."""
     calls = []
-    joint = arrayrecord_file._read_many_singles
+    joint = arrayrecord_batch._read_many_singles
 
     def spy(files_, rows_, ks, raw, one):
         calls.append((len(ks), raw))
         return joint(files_, rows_, ks, raw, one)
 
-    monkeypatch.setattr(arrayrecord_file, "_read_many_singles", spy)
+    monkeypatch.setattr(arrayrecord_batch, "_read_many_singles", spy)
     opts = ["group_size:1", "group_size:1", "group_size:1,uncompressed",
             "group_size:1,uncompressed", "group_size:1,uncompressed", "group_size:100"]  # fmt: skip
     readers = [ArrayRecordFile(files[o]) for o in opts]
@@ -329,8 +330,8 @@ def test_vectorised_footer_parse_matches_general_parser(files, opt):
         view[fo.footer_offset : fo.file_size - BLOCK], fo.footer_offset
     )
     values, bounds = f._decode_simple(data, n, decoded)
-    fast = f._parse_entries(values, np.asarray(bounds), vectorised=True)
-    slow = f._parse_entries(values, np.asarray(bounds), vectorised=False)
+    fast = parse_entries(f, values, np.asarray(bounds), vectorised=True)
+    slow = parse_entries(f, values, np.asarray(bounds), vectorised=False)
     for a, b in zip(fast, slow):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(fast[0], offsets)

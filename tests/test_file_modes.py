@@ -85,6 +85,28 @@ def _tfrecord_index_cache(tmp):
     return [tmp / "index"]
 
 
+def _arrayrecord_index_cache(tmp):
+    # Files from another writer (no index beside them): the index is built into index_dir.
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    os.makedirs(tmp / "data")
+    for k in range(2):
+        w = ArrayRecordWriter(str(tmp / "data" / f"{k}.array_record"), "group_size:1")
+        for i in range(3):
+            w.write(b"r%d" % i)
+        w.close()
+    os.chmod(tmp / "data", 0o777 & ~current_umask())
+    src = tg.ArrayRecordSource(tmp / "data", codec="raw", index_dir=tmp / "index")
+    assert [r["bytes"] for r in src.__getitems__([0, 5])] == [b"r0", b"r2"]
+    return [tmp / "index"]
+
+
+def _parquet_decoded_cache(tmp):
+    src = tg.ParquetSource(_write_parquet_input(tmp / "src"), decoded_cache=tmp / "decoded")
+    assert [r["label"] for r in src.__getitems__([0, 19])] == [0, 1]
+    return [tmp / "decoded"]
+
+
 def _shard_cache(tmp):
     name = f"/bucket-{os.getpid()}-{current_umask():o}/s1"
     fsspec.filesystem("memory").pipe(name, b"abc" * 100)
@@ -102,6 +124,8 @@ WRITERS = {
     "convert_to_array_record": _convert_to_array_record,
     "convert_to_parquet_in_workers": _convert_to_parquet_in_workers,
     "tfrecord_index_cache": _tfrecord_index_cache,
+    "arrayrecord_index_cache": _arrayrecord_index_cache,
+    "parquet_decoded_cache": _parquet_decoded_cache,
     "shard_cache": _shard_cache,
 }
 

@@ -267,6 +267,23 @@ def test_a_shard_replaced_after_the_manifest_with_as_many_records_is_refused(tmp
         src.__getitems__([0, 13])
 
 
+def test_a_manifest_that_names_its_shards_differently_does_not_get_the_index_beside_them(
+    tmp_path,
+):
+    """The manifest is edited to list the two shards the other way round (as many records
+    each, so the counts agree): the index beside them describes the old names and is not
+    used; the records come back in the manifest's order."""
+    tg.write_array_record([{"i": i} for i in range(20)], tmp_path / "ds", num_shards=2)
+    m = json.loads((tmp_path / "ds" / "torchgrain.json").read_text())
+    m["shards"].reverse()
+    (tmp_path / "ds" / "torchgrain.json").write_text(json.dumps(m))
+    with pytest.warns(UserWarning, match="shards of other names"):
+        src = tg.ArrayRecordSource(tmp_path / "ds", index_dir=tmp_path / "idx")
+    want = list(range(10, 20)) + list(range(10))
+    assert [r["i"] for r in src.__getitems__(list(range(20)))] == want
+    assert [src[k]["i"] for k in range(20)] == want
+
+
 def test_an_index_beside_the_shards_that_fails_its_checksum_is_not_used(tmp_path):
     tg.write_array_record([{"i": i} for i in range(30)], tmp_path / "ds", num_shards=3)
     path = tmp_path / "ds" / INDEX_NAME

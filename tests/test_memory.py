@@ -52,7 +52,7 @@ def test_worker_rss_flat_over_a_million_records(tmp_path):
 
 # ------------------------------------------------------------------ cache budget
 # A whole shuffled epoch may grow a reading process by its cache_bytes plus this much
-# (the README states it): Arrow's pool may keep up to 32 MiB of freed decode buffers
+# (docs/parquet.md states it): Arrow's pool may keep up to 32 MiB of freed decode buffers
 # (torchgrain.sources.parquet.pool.RELEASE_BYTES), a row group being converted exists
 # twice for a moment (decoded and converted, about 23 MiB for the 10,000 rows of 1 KiB
 # here), and the allocators keep some slack.

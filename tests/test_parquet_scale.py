@@ -25,7 +25,7 @@ from test_parquet_source import all_types_table, write
 
 import torchgrain as tg
 from torchgrain.sources.block_cache import CacheBlocks, check_fit
-from torchgrain.sources.parquet import source as parquet_source
+from torchgrain.sources.parquet import loading as parquet_loading
 from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 from torchgrain.sources.parquet.values import convert_column
 
@@ -496,7 +496,7 @@ def test_a_process_keeps_a_bounded_number_of_maps_whatever_its_cache_bytes(tmp_p
     # Each mapped row group is a memory map; a process may hold at most
     # vm.max_map_count (65,530) of them before every later mmap, malloc's included,
     # fails. A large cache_bytes must not raise the number of maps it keeps.
-    monkeypatch.setattr(parquet_source, "_MAX_MAPS", 8, raising=False)
+    monkeypatch.setattr(parquet_loading, "_MAX_MAPS", 8)
     d = make_ids(tmp_path, files=2, rows=64, rg=2)
     src = tg.ParquetSource(d, decoded_cache=str(tmp_path / "decoded"), cache_bytes=1 << 30)
     order = np.random.default_rng(0).permutation(len(src))
@@ -665,7 +665,7 @@ def test_auto_turns_the_decoded_cache_on_only_for_data_bigger_than_the_caches(
     tmp_path, monkeypatch
 ):
     monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "home"))
-    monkeypatch.setattr(parquet_source, "_AUTO_MIN_BYTES", 1000)
+    monkeypatch.setattr(parquet_loading, "_AUTO_MIN_BYTES", 1000)
     d = make_ids(tmp_path, files=2, rows=64, rg=8)
     big = tg.ParquetSource(d, cache_bytes=1000)  # the data's ~3 KB exceed 1000 bytes
     assert big.decoded_cache is not None
@@ -710,7 +710,7 @@ def test_auto_never_puts_the_decoded_cache_on_a_network_filesystem(tmp_path, mon
     assert dc.filesystem_type("/home/scratch/x", _MOUNTINFO) == "xfs"
     assert dc.filesystem_type("/homework", _MOUNTINFO) == "ext4"
     monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "home"))
-    monkeypatch.setattr(parquet_source, "_AUTO_MIN_BYTES", 1000)
+    monkeypatch.setattr(parquet_loading, "_AUTO_MIN_BYTES", 1000)
     d = make_ids(tmp_path, files=2, rows=64, rg=8)
     assert tg.ParquetSource(d, cache_bytes=1000).decoded_cache is not None
     monkeypatch.setattr(dc, "filesystem_type", lambda path, mountinfo=None: "nfs4")

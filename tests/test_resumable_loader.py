@@ -151,3 +151,21 @@ def test_wrapping_checks_and_passthrough():
     with pytest.raises(ValueError, match="ResumableLoader state"):
         loader.load_state_dict({"position": 3})
     assert "ResumableLoader" in repr(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_after_breaking_out_of_a_pass_is_where_the_loop_stopped(workers):
+    # The loop takes 5 batches and leaves; the loader has drawn further ahead (workers
+    # prefetch), but the state saved afterwards is after those 5 batches.
+    reference, _ = run_epochs(make(workers=workers), 2)
+    loader = make(workers=workers)
+    head = []
+    for batch in loader:
+        head.append((loader.epoch, rows(batch)))
+        if len(head) == 5:
+            break
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = make(workers=workers)
+    resumed.load_state_dict(state)
+    tail, _ = run_epochs(resumed, 2)
+    assert head + tail == reference

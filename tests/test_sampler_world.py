@@ -272,3 +272,57 @@ def test_pad_is_saved_and_checked():
 
 def test_resumable_loader_is_exported():
     assert tg.ResumableLoader.__module__ == "torchgrain.loader"
+
+
+# ---------------------------------------------------------------------------- binding
+
+
+def test_loader_binding_checks_its_values():
+    for bad in ({"batch_size": 0}, {"step": 0}, {"num_workers": -1}, {"pad_to": 0}):
+        with pytest.raises(ValueError):
+            tg.LoaderBinding(**bad)
+    assert tg.LoaderBinding(batch_size=8).positions_per_step == 8
+    assert tg.LoaderBinding(batch_size=8, step=16).positions_per_step == 16
+    with pytest.raises(TypeError, match="LoaderBinding"):
+        GlobalShuffleSampler(10).bind_loader({"batch_size": 2})
+
+
+def test_bind_needs_a_torchgrain_sampler():
+    with pytest.raises(TypeError, match="torchgrain sampler"):
+        tg.bind(DataLoader(list(range(4)), batch_size=2))
+    with pytest.raises(TypeError, match="torchgrain sampler"):
+        tg.bind(DataLoader(list(range(4))), sampler=object())
+
+
+def test_bound_to_a_sharder_the_order_is_global_and_padded_like_the_loader(
+    monkeypatch, no_launcher_env
+):
+    # As in rank 1 of 2 under a loader that splits batches itself and fills its last
+    # step of 20 (Accelerate's BatchSamplerShard with even_batches).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    binding = tg.LoaderBinding(batch_size=10, sharder="x.Sharder", step=20, pad_to=20)
+    s = GlobalShuffleSampler(1001, seed=3)
+    s.bind_loader(binding)
+    assert (s.num_replicas, s.rank, len(s)) == (1, 0, 1020)
+    order = list(s)
+    assert sorted(set(order)) == list(range(1001)) and order[1001:] == order[:19]
+    # A resume inside the padding continues exactly.
+    it = iter(s)
+    head = [next(it) for _ in range(1010)]
+    state = s.state_dict()
+    assert (state["pad_to"], state["num_replicas"], state["position"]) == (20, 1, 1010)
+    t = GlobalShuffleSampler(1001, seed=3)
+    t.bind_loader(binding)
+    t.load_state_dict(state)
+    assert head + list(t) == order
+    # Without the binding (a plain loader), a padded state is re-split: the rest once.
+    u = GlobalShuffleSampler(1001, seed=3, num_replicas=1, rank=0)
+    u.load_state_dict(state)
+    assert list(u) == []
+    with pytest.raises(ValueError, match="without num_replicas"):
+        GlobalShuffleSampler(10, num_replicas=2, rank=0).bind_loader(binding)
+    # pad=False (evaluation): never padded.
+    e = GlobalShuffleSampler(1001, seed=3, pad=False)
+    e.bind_loader(binding)
+    assert len(e) == 1001

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from scipy import stats
 from torch.utils.data import DataLoader, DistributedSampler
 
+import torchgrain as tg
 from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler, KeyedPermutation
 from torchgrain.sampling.permutation import _U64, _permute, _rounds_for, _split_bits
 
@@ -831,24 +833,39 @@ def test_dealing_arguments_are_checked():
 
 
 @pytest.mark.parametrize("num_workers", [2, 3])
-def test_dealing_learned_from_the_loader(num_workers):
-    # deal_to_workers=True: the sampler learns the loader's batch size and workers and
-    # lays the order out exactly as if they had been given.
+def test_dealing_learned_from_the_bound_loader(num_workers):
+    # deal_to_workers=True: the sampler takes the batch size and workers of the loader
+    # bound to it (tg.bind) and lays the order out exactly as if they had been given.
     ds = RangeData(random_offsets(np.random.default_rng(4), 25, 30))
     learned = BlockShuffleSampler(ds, window=3, seed=2, deal_to_workers=True)
     given = BlockShuffleSampler(ds, window=3, seed=2, batch_size=6, num_workers=num_workers)
-    loader = DataLoader(ds, batch_size=6, sampler=learned, num_workers=num_workers)
+    loader = tg.bind(DataLoader(ds, batch_size=6, sampler=learned, num_workers=num_workers))
     got = [i for b in loader for i in b.tolist()]
     assert got == list(given) and sorted(got) == list(range(len(ds)))
+    assert list(learned) == list(given)  # bound: the same order, however it is iterated
     state = learned.state_dict()
     assert (state["batch_size"], state["num_workers"]) == (6, num_workers)
-    # Iterated directly, nobody to deal to: the plain order.
+    # Unbound and iterated directly, nobody to deal to: the plain order.
     plain = BlockShuffleSampler(ds, window=3, seed=2)
-    assert list(learned) == list(plain)
+    assert list(BlockShuffleSampler(ds, window=3, seed=2, deal_to_workers=True)) == list(plain)
     # Without the flag the order does not depend on the loader.
     default = BlockShuffleSampler(ds, window=3, seed=2)
-    loader = DataLoader(ds, batch_size=6, sampler=default, num_workers=num_workers)
+    loader = tg.bind(DataLoader(ds, batch_size=6, sampler=default, num_workers=num_workers))
     assert [i for b in loader for i in b.tolist()] == list(plain)
+
+
+def test_unbound_dealing_still_finds_its_loader_with_a_deprecation_warning():
+    ds = RangeData(random_offsets(np.random.default_rng(4), 25, 30))
+    given = BlockShuffleSampler(ds, window=3, seed=2, batch_size=6, num_workers=2)
+    unbound = BlockShuffleSampler(ds, window=3, seed=2, deal_to_workers=True)
+    loader = DataLoader(ds, batch_size=6, sampler=unbound, num_workers=2)
+    with pytest.warns(DeprecationWarning, match=r"tg\.bind"):
+        got = [i for b in loader for i in b.tolist()]
+    assert got == list(given)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        tg.bind(loader)
+        assert [i for b in loader for i in b.tolist()] == got
 
 
 def test_learned_dealing_resumes_exactly_through_stateful_dataloader():
@@ -857,7 +874,7 @@ def test_learned_dealing_resumes_exactly_through_stateful_dataloader():
 
     def make():
         s = BlockShuffleSampler(ds, window=3, seed=9, deal_to_workers=True)
-        return sdl.StatefulDataLoader(ds, batch_size=5, sampler=s, num_workers=2)
+        return tg.bind(sdl.StatefulDataLoader(ds, batch_size=5, sampler=s, num_workers=2))
 
     full = [b.tolist() for b in make()]
     loader = make()

@@ -28,6 +28,7 @@ from torchgrain.formats.codecs import register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.options import ReadOptions
 from torchgrain.sources.parquet import ParquetSource
 from torchgrain.sources.registry import open
 from torchgrain.sources.tfrecord import TFRecordSource
@@ -43,6 +44,8 @@ _TORCH_NAMES = {
     "BlockShuffleSampler": "torchgrain.sampling",
     "GlobalShuffleSampler": "torchgrain.sampling",
     "ResumableLoader": "torchgrain.loader",
+    "bind": "torchgrain.loader",
+    "LoaderBinding": "torchgrain.sampling",
     "Albumentations": "torchgrain.transforms",
     "LabelToIndex": "torchgrain.transforms",
     "MaskTokens": "torchgrain.transforms",
@@ -57,9 +60,9 @@ _TORCH_NAMES = {
 
 if TYPE_CHECKING:
     from torchgrain.dataset import Dataset, record_rng
-    from torchgrain.loader import ResumableLoader
+    from torchgrain.loader import ResumableLoader, bind
     from torchgrain.prefetch import CudaPrefetcher
-    from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler
+    from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler, LoaderBinding
     from torchgrain.transforms import (
         Albumentations,
         LabelToIndex,
@@ -102,9 +105,11 @@ __all__ = [
     "DatasetNotFoundError",
     "GlobalShuffleSampler",
     "LabelToIndex",
+    "LoaderBinding",
     "MaskTokens",
     "ParquetSource",
     "RandomImageTransform",
+    "ReadOptions",
     "RecordDecodeError",
     "RemoteIOError",
     "RenameKeys",
@@ -117,6 +122,7 @@ __all__ = [
     "ToTensor",
     "TorchgrainError",
     "UnsafePathError",
+    "bind",
     "convert",
     "decode_image",
     "open",

@@ -6,8 +6,9 @@ a stock DataLoader with worker processes) in each access order:
 * ``sequential``: records in storage order (the best case for any format);
 * ``shuffled``: a global shuffle (:class:`~torchgrain.GlobalShuffleSampler`);
 * ``block-shuffled``: :class:`~torchgrain.BlockShuffleSampler` (shuffled blocks, rows
-  shuffled within a sliding window of blocks), for Parquet (row groups) and for ArrayRecord
-  written with ``group_size`` > 1 (chunks).
+  shuffled within a sliding window of blocks), for sources whose storage blocks
+  (``Source.block_offsets``) hold several records: Parquet row groups, ArrayRecord
+  written with ``group_size`` > 1 (chunks), runs of TFRecord records.
 
 How it measures
     Each order is measured ``repeats`` times, the orders taking turns (round 1 reads
@@ -44,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import os
 import statistics
 import sys
@@ -126,25 +126,29 @@ def open_dataset_source(
 ) -> tuple[Any, str]:
     """Open ``path`` as a source of any registered format; returns ``(source, format)``.
 
-    ``fmt="auto"`` detects the format from file names (the format registry). Opening
-    reads only metadata (a manifest, footers or cached indexes). ``cache_bytes`` sets
-    the source's per-process block cache (None: its default).
-    """
-    from torchgrain.sources.registry import detect_format, get_format
+    ``fmt="auto"`` detects the format from file names; the source is opened by
+    ``tg.open`` (:func:`torchgrain.sources.registry.open`), which says when the format
+    takes no ``columns`` (or ``cache_bytes``). Opening reads only metadata (a manifest,
+    footers or cached indexes). ``cache_bytes`` sets the source's per-process block
+    cache (None: its default).
 
-    name = detect_format(path) if fmt == "auto" else fmt
-    cls = get_format(name).source
-    accepts = inspect.signature(cls).parameters
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_parquet([{"x": i, "y": -i} for i in range(4)], d)
+        >>> src, fmt = open_dataset_source(d, columns=["y"])
+        >>> fmt, src[3]
+        ('parquet', {'y': -3})
+    """
+    from torchgrain.sources import registry
+
+    name = registry.detect_format(path) if fmt == "auto" else fmt
     options: dict[str, Any] = {}
     if columns:
-        if "columns" not in accepts:
-            raise ValueError(f"--columns applies to formats with columns (Parquet), not {name}")
         options["columns"] = list(columns)
     if cache_bytes is not None:
-        if "cache_bytes" not in accepts:
-            raise ValueError(f"--cache-bytes applies to sources with a block cache, not {name}")
         options["cache_bytes"] = cache_bytes
-    return cls(path, **options), name
+    return registry.open(path, format=name, **options), name
 
 
 def _records_per_block(source: Any) -> int:
@@ -216,9 +220,10 @@ def _plans(
             ),
         )
     )
-    # Blocks worth shuffling: Parquet row groups, ArrayRecord chunks of several records.
-    # (With group_size 1 every block is one record: a block shuffle is a global shuffle.)
-    if fmt == "parquet" or (group_size or 1) > 1:
+    # Blocks worth shuffling (Parquet row groups, ArrayRecord chunks of several records,
+    # runs of TFRecord records): with blocks of one record, a block shuffle is a global
+    # shuffle.
+    if (group_size or 1) > 1:
         # Each worker gets its own part of the epoch (the loader's batch_size/num_workers).
         deal = {"batch_size": batch_size, "num_workers": num_workers} if batch_size else {}
         out.append(
@@ -544,12 +549,13 @@ def run_bench(
     n = len(source)
     if n == 0:
         raise ValueError(f"{path!r} holds no records")
-    group_size = _records_per_block(source) if fmt == "array_record" else None
+    group_size = _records_per_block(source)
     plans = _plans(source, fmt, group_size, seed, batch_size, num_workers, repeats)
     per = seconds / (len(plans) * repeats)
     say(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
-        f"{source.num_shards} shard(s)" + (f", group_size {group_size}" if group_size else "")
+        f"{source.num_shards} shard(s)"
+        + (f", {group_size} records per block" if group_size > 1 else "")
     )
     say(
         f"loader    batch_size {batch_size}, num_workers {num_workers} ({available_cpus()} "
@@ -615,7 +621,8 @@ def run_bench(
         fmt=fmt,
         num_workers=num_workers,
         batch_size=batch_size,
-        group_size=group_size,
+        # The advice on group sizes speaks of ArrayRecord chunks (decompressed whole).
+        group_size=group_size if fmt == "array_record" else None,
     )
     say("\nsuggestions")
     for tip in tips:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import inspect
 import json
 import os
 import re
@@ -35,18 +34,6 @@ def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _open_for_inspect(path: Any, codec: str, fmt: str) -> tuple[str, Any]:
-    """(format name, source) for a dataset of any registered format."""
-    from torchgrain.sources.registry import get_format
-
-    fmt = _detect("PATH", path) if fmt == "auto" else fmt
-    source = get_format(fmt).source
-    options = {"codec": codec} if codec != "auto" else {}
-    if options and "codec" not in inspect.signature(source).parameters:
-        raise CliError(f"--codec applies to formats that store encoded records, not {fmt}")
-    return fmt, source(path, **options)
-
-
 def _head(src: Any, n: int) -> list[dict[str, Any]]:
     """The first ``n`` records, read in order (compressed files have no random access)."""
     out: list[dict[str, Any]] = []
@@ -62,10 +49,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from torchgrain.formats.codecs import describe_value
     from torchgrain.io import remote
     from torchgrain.io.fs import get_filesystem
+    from torchgrain.sources import registry
     from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
     _check_exists("PATH", args.path)
-    fmt, src = _open_for_inspect(args.path, args.codec, args.format)
+    fmt = _detect("PATH", args.path) if args.format == "auto" else args.format
+    src = registry.open(
+        args.path, format=fmt, **({} if args.codec == "auto" else {"codec": args.codec})
+    )
     counts = [int(n) for n in src.shard_counts]
     samples = _head(src, max(args.samples, 1))
     codec = src.codec.name if isinstance(src, RecordBytesSource) else fmt
@@ -143,7 +134,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     import torchgrain as tg
-    from torchgrain.convert import check_output_dir
+    from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
 
     _check_exists("SRC", args.src)
     _check_directory("DST", args.dst)
@@ -153,10 +144,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
         check_output_dir(args.src, args.dst)
     except ValueError as e:
         raise CliError(f"argument DST: {e}") from None
+    to = args.to or DEFAULT_OUTPUT
     m = tg.convert(
         args.src,
         args.dst,
-        to=args.to,
+        to=to,
         num_shards=args.num_shards,
         match_shards=args.match_shards,
         group_size=args.group_size,
@@ -171,7 +163,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if not args.quiet:
         size = sum(s.num_bytes for s in m.shards)
         print(
-            f"wrote {m.num_records:,} records in {len(m.shards)} {args.to} shard(s), "
+            f"wrote {m.num_records:,} records in {len(m.shards)} {to} shard(s), "
             f"{size / 1e6:,.1f} MB, to {args.dst}"
         )
     return 0
@@ -347,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
         ('bench', ['data/'], 3.0, 3)
     """
     from torchgrain.bench import default_workers
+    from torchgrain.convert import DEFAULT_OUTPUT
+    from torchgrain.formats.codecs import available_codecs
+    from torchgrain.sources.registry import formats as registered
+    from torchgrain.sources.registry import output_formats
 
     p = argparse.ArgumentParser(
         prog="torchgrain",
@@ -391,7 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.set_defaults(func=cmd_demo)
 
-    formats = ("auto", "array_record", "parquet", "tfrecord")
+    # Formats and outputs are the registry's: a format registered before this runs is
+    # one more choice.
+    formats = ("auto", *registered())
+    codecs = ", ".join(["auto", *available_codecs()])
+    markers = "; ".join(f"{f.marker}: {f.name}" for f in registered().values() if f.marker)
     i = command("inspect", "shards, record count, keys, schema, codec, samples")
     i.add_argument(
         "path", nargs="+", metavar="PATH", help="dataset directory, glob, file(s) or URL"
@@ -400,13 +400,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         default="auto",
         choices=formats,
-        help="the dataset's format; auto: from its file names (a torchgrain.json manifest: "
-        "array_record)",
+        help="the dataset's format; auto: from its file names"
+        + (f" ({markers})" if markers else ""),
     )
     i.add_argument(
         "--codec",
         default="auto",
-        help="how ArrayRecord/TFRecord records decode: auto, msgpack, tf_example, raw",
+        help=f"how encoded records decode (formats with a codec): {codecs}",
     )
     i.add_argument(
         "--samples", metavar="N", type=_non_negative_int, default=2, help="records to print"
@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = command(
         "convert",
-        "convert Parquet / TFRecord / ArrayRecord to torchgrain ArrayRecord or Parquet",
+        f"convert a dataset of any format ({', '.join(registered())}) to "
+        f"{' or '.join(output_formats())}",
         description="Convert a dataset; resumable (rerun after a crash to continue), "
         "parallel, every shard verified (count and checksum).",
     )
@@ -428,7 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
         "dst", metavar="DST", help="output directory (not inside SRC; created if needed)"
     )
     c.add_argument(
-        "--to", choices=["array_record", "parquet"], default="array_record", help="output format"
+        "--to",
+        choices=output_formats(),
+        default=None,
+        help=f"output format (default: {DEFAULT_OUTPUT})",
     )
     g = c.add_mutually_exclusive_group()
     g.add_argument(
@@ -456,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--codec",
         default="auto",
-        help="how input records decode: auto, tf_example, raw, msgpack (TFRecord/ArrayRecord)",
+        help=f"how input records decode (formats with a codec): {codecs}",
     )
     c.add_argument(
         "--compression",

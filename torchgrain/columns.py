@@ -167,8 +167,15 @@ class Ragged:
 class ColumnBatch(dict):
     """A batch of records as columns: ``key -> array [B, ...] | Ragged | list``.
 
-    ``len(batch)`` is the number of rows. :meth:`records` gives the rows back as dicts
-    (what per-record transforms see); :meth:`from_records` builds a batch from dicts.
+    ``len(batch)`` is the number of rows (by default the first column's length).
+    :meth:`records` gives the rows back as dicts (what per-record transforms see);
+    :meth:`from_records` builds a batch from dicts.
+
+    Example:
+        >>> import numpy as np
+        >>> b = ColumnBatch({"x": np.arange(3), "name": ["a", "b", "c"]})
+        >>> len(b), b.records()[1]["name"]
+        (3, 'b')
     """
 
     __slots__ = ("num_rows",)
@@ -176,7 +183,8 @@ class ColumnBatch(dict):
     def __init__(self, columns: dict[str, Any] | None = None, *, num_rows: int | None = None):
         super().__init__(columns or {})
         if num_rows is None:
-            num_rows = len(next(iter(self.values()))) if self else 0
+            # dict's own size and values: len(self) is num_rows, not set yet
+            num_rows = len(next(iter(dict.values(self)))) if dict.__len__(self) else 0
         self.num_rows = int(num_rows)
 
     def __len__(self) -> int:  # type: ignore[override]

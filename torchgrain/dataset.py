@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import multiprocessing
 import multiprocessing.context
-import os
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,8 +27,16 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain import _shm
-from torchgrain.columns import ColumnBatch, Ragged, set_allocator
+from torchgrain._worker_batches import (
+    WORKER_PIPE_BYTES,
+    collate_columns,
+    grow_pipe_once,
+    start_columns_batch,
+)
+from torchgrain.adapters import SequenceSource, checked_batch
+from torchgrain.columns import ColumnBatch
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
+from torchgrain.protocols import ReadsAhead, SetsEpoch, SizedIndexable
 from torchgrain.sources.base import Source
 
 __all__ = ["Dataset", "collate_columns", "record_rng"]
@@ -132,228 +137,18 @@ class _EpochCell:
         self._value, self._shared = state
 
 
-# Linux: fcntl(F_SETPIPE_SZ) sets a pipe's buffer size, up to /proc/sys/fs/pipe-max-size
-# (1 MiB by default) for an unprivileged process.
-_F_SETPIPE_SZ, _F_GETPIPE_SZ = 1031, 1032
-#: Default buffer asked for the pipe that carries a DataLoader worker's batches.
-WORKER_PIPE_BYTES = 1 << 20
-_pipe_checked = False  # per process: reset in forked children, fresh in spawned ones
-
-
-def _forget_pipe_check() -> None:
-    global _pipe_checked
-    _pipe_checked = False
-
-
-os.register_at_fork(after_in_child=_forget_pipe_check)
-
-
-def _grow_worker_pipe(size: int) -> int | None:
-    """Enlarge the pipe that carries this DataLoader worker's batches to the main process.
-
-    A worker pickles each batch into a pipe whose buffer is 64 KiB by default, so a
-    batch of 256 records of 1 KiB crosses in five rounds, each waking the main process
-    and then the worker again; with a 1 MiB buffer it goes in one. Records already in
-    memory then move from two workers to the main process 1.5x faster (measured on 2
-    cores). The pipe is found as the ``data_queue`` of the DataLoader's worker loop
-    (torch's, or torchdata's StatefulDataLoader's) in this call stack; outside a
-    worker, off Linux, or when anything is not as expected, nothing changes. Only
-    ever grows the pipe. Returns the pipe's new size, or None.
-    """
-    global _pipe_checked
-    _pipe_checked = True
-    if size <= 0 or not sys.platform.startswith("linux"):
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_worker_loop" and "data_queue" in frame.f_code.co_varnames:
-            writer = getattr(frame.f_locals.get("data_queue"), "_writer", None)
-            try:
-                import fcntl
-
-                fd = writer.fileno()  # type: ignore[union-attr]
-                with open("/proc/sys/fs/pipe-max-size") as f:
-                    size = min(size, int(f.read()))
-                if fcntl.fcntl(fd, _F_GETPIPE_SZ) < size:
-                    fcntl.fcntl(fd, _F_SETPIPE_SZ, size)
-                return int(fcntl.fcntl(fd, _F_GETPIPE_SZ))
-            except (AttributeError, OSError, ValueError):
-                return None
-        frame = frame.f_back
-    return None
-
-
-# --------------------------------------------------------------- batches as columns
-# In a DataLoader worker, a batch's columns are carved out of one shared-memory arena
-# (sized by the batch before), so the batch crosses to the main process as a name plus a
-# few bytes of metadata per column, not as bytes, and not as one segment per column.
-# The arena is one of the worker's reusable slots (torchgrain._shm: mapped once by the
-# main process, freed when the batch's tensors are collected); when no slot can be had,
-# a fresh torch shared-memory segment that torch's own pickler moves. The allocator
-# hands out numpy views of the arena; the collate finds each column's tensor again by
-# its data address.
-_ARENA_ALIGN = 64
-_ARENA_MIN_BYTES = 64 << 10
-_shared: dict[int, tuple[np.ndarray, torch.Tensor | None]] = {}
-_worker_checked = False
-_in_worker = False
-
-
-class _Arena:
-    __slots__ = ("base", "capacity", "sent", "slot", "tensor", "used", "wanted")
-
-    def __init__(self, capacity: int, slot: _shm.Slot | None = None) -> None:
-        self.slot = slot
-        if slot is not None:
-            self.capacity = slot.capacity
-            self.base = slot.arrays()  # the slot stays the worker's while any view lives
-            self.tensor = None
-        else:
-            self.capacity = capacity
-            self.base = None
-            self.tensor = torch.empty(capacity, dtype=torch.uint8).share_memory_()
-        self.used = 0
-        self.wanted = 0  # bytes this batch asked for, fitting or not (sizes the next)
-        self.sent = False  # a slot arena is handed to the main process at most once
-
-
-_arena: _Arena | None = None
-_slot_pool: _shm.SlotPool | None = None
-
-
-def _forget_worker_check() -> None:
-    global _worker_checked, _in_worker, _arena, _slot_pool
-    _worker_checked = False
-    _in_worker = False
-    _arena = None
-    _slot_pool = None
-    _shared.clear()
-
-
-os.register_at_fork(after_in_child=_forget_worker_check)
-
-
-def _new_arena(capacity: int, max_slots: int) -> _Arena:
-    global _slot_pool
-    if _shm._ENABLED and max_slots:
-        if _slot_pool is None:
-            _slot_pool = _shm.SlotPool(max_slots)
-        _slot_pool.max_slots = max_slots
-        slot = _slot_pool.take(capacity)
-        if slot is not None:
-            return _Arena(capacity, slot)
-    return _Arena(capacity)
-
-
-def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
-    nbytes = math.prod(shape) * dtype.itemsize
-    arena = _arena
-    if arena is None:
-        return None
-    try:
-        torch_dtype = _torch_dtype(dtype)
-    except TypeError:
-        return None
-    size = -(-max(nbytes, 1) // _ARENA_ALIGN) * _ARENA_ALIGN
-    arena.wanted += size
-    if arena.used + size > arena.capacity:
-        return None  # plain numpy: torch moves it into a segment of its own when sent
-    start = arena.used
-    arena.used += size
-    if arena.base is not None:  # a numpy view of the slot: it alone keeps the slot pinned
-        out = arena.base[start : start + nbytes].view(dtype).reshape(shape)
-        _shared[out.ctypes.data] = (out, None)
-        return out
-    tensor = arena.tensor[start : start + nbytes].view(torch_dtype).view(shape)
-    out = tensor.numpy()
-    _shared[out.ctypes.data] = (out, tensor)
-    return out
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype  # raises TypeError if torch has none
-
-
-def _use_shared_memory_in_workers(max_slots: int) -> None:
-    """At the start of a columns batch: in a worker, a fresh arena for its columns."""
-    global _worker_checked, _in_worker, _arena
-    _shared.clear()  # columns of a batch that was never collated
-    if not _worker_checked:
-        _worker_checked = True
-        _in_worker = torch.utils.data.get_worker_info() is not None
-        if _in_worker:
-            set_allocator(_shared_empty)
-    if _in_worker:
-        last = _arena
-        wanted = last.wanted if last is not None else 0
-        # Sized by the batch before (batches of one dataset are alike), with room to grow.
-        capacity = max(_ARENA_MIN_BYTES, wanted + wanted // 4)
-        if last is not None and last.used == 0 and not last.sent and last.capacity >= capacity:
-            last.wanted = 0  # never handed out: reuse it
-        else:
-            _arena = _new_arena(capacity, max_slots)
-
-
-def _as_tensor(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        # The very array the allocator handed out (a view of it, e.g. transposed, is
-        # not: its strides or dtype differ).
-        made = _shared.pop(value.ctypes.data, None) if value.size else None
-        if made is not None and made[0] is value:
-            return made[1] if made[1] is not None else torch.from_numpy(value)
-        if _in_worker and value.size:  # into the batch's arena (small: a cheap copy)
-            out = _shared_empty(value.shape, value.dtype)
-            if out is not None:
-                out[...] = value
-                made = _shared.pop(out.ctypes.data)
-                return made[1] if made[1] is not None else torch.from_numpy(out)
-        try:
-            return torch.from_numpy(value)
-        except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
-            return value
-    if isinstance(value, Ragged):
-        return Ragged(_as_tensor(value.values), _as_tensor(value.offsets), value.kind)
-    return value
-
-
-def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None) -> dict[str, Any]:
-    """What the DataLoader's default collate makes of a columns batch: a dict of tensors
-    (zero-copy; :class:`~torchgrain.columns.Ragged` holding tensors; lists as they are).
-
-    Registered with torch's default collate, so ``DataLoader(ds, batch_size=...)`` over a
-    ``Dataset(..., batch_format="columns")`` needs no ``collate_fn``. A custom
-    ``collate_fn`` receives ``[ColumnBatch]`` and may call this.
-    """
-    if len(batch) != 1:
-        raise TypeError(
-            f"a columns batch is one ColumnBatch per DataLoader batch, got {len(batch)}: use "
-            "batch_size= (automatic batching), not batch_size=None"
-        )
-    out = {k: _as_tensor(v) for k, v in batch[0].items()}
-    arena = _arena
-    if arena is not None and arena.slot is not None and arena.used and not arena.sent:
-        arena.sent = True
-        shipped = _shm.SlotBatch(out)
-        shipped.slot = arena.slot
-        return shipped
-    return out
-
-
-torch.utils.data._utils.collate.default_collate_fn_map[ColumnBatch] = collate_columns
-
-
 def _call_columns_fn(fn: Callable[[ColumnBatch], Any], batch: ColumnBatch) -> ColumnBatch:
     out = fn(batch)
     if not isinstance(out, dict):
         raise TypeError(
-            f"map_batch function {getattr(fn, '__name__', type(fn).__name__)} must return the "
+            f"map_batch function {_name_of(fn)} must return the "
             f"batch's columns (a ColumnBatch or dict), got {type(out).__name__}"
         )
     if not isinstance(out, ColumnBatch):
         out = ColumnBatch(out, num_rows=len(batch))
     if len(out) != len(batch):
         raise TypeError(
-            f"map_batch function {getattr(fn, '__name__', type(fn).__name__)} returned "
+            f"map_batch function {_name_of(fn)} returned "
             f"{len(out)} rows for a batch of {len(batch)}"
         )
     return out
@@ -364,10 +159,15 @@ def _call_batch_fn(fn: Callable[[list[Any]], Any], records: list[Any]) -> list[A
     if not isinstance(out, list) or len(out) != len(records):
         got = f"a list of {len(out)}" if isinstance(out, list) else type(out).__name__
         raise TypeError(
-            f"map_batch function {getattr(fn, '__name__', type(fn).__name__)} must return a "
+            f"map_batch function {_name_of(fn)} must return a "
             f"list of {len(records)} records (one per input record), got {got}"
         )
     return out
+
+
+def _name_of(fn: Any) -> str:
+    """A function's ``__name__``, else its type's name (a callable object, a partial)."""
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _describe_fn(fn: Any) -> str:
@@ -393,9 +193,11 @@ class Dataset(torch.utils.data.Dataset):
     """Map-style dataset over a torchgrain source (or anything indexable with a length).
 
     Args:
-        source: an :class:`~torchgrain.ArrayRecordSource`, :class:`~torchgrain.ParquetSource`
-            or any object with ``__len__`` and ``__getitem__`` (``__getitems__`` is used
-            when present, for batched reads).
+        source: a :class:`~torchgrain.Source` (:class:`~torchgrain.ArrayRecordSource`,
+            :class:`~torchgrain.ParquetSource`, ...), or any object with ``__len__`` and
+            ``__getitem__`` (a list, a torch dataset, another Dataset), which is adapted
+            once by :class:`~torchgrain.adapters.SequenceSource` (its
+            ``__getitems__`` is used when present, for batched reads).
         worker_pipe_bytes: in a DataLoader worker (on Linux), grow the pipe that carries
             the worker's batches to the main process to this size at the first batch
             (default 1 MiB, the usual system limit; ``0`` leaves it alone). Batches of
@@ -440,7 +242,7 @@ class Dataset(torch.utils.data.Dataset):
         batch_format: str = "records",
         worker_slots: int = _shm.MAX_SLOTS,
     ) -> None:
-        if not hasattr(source, "__len__") or not hasattr(source, "__getitem__"):
+        if not isinstance(source, (Source, SizedIndexable)):
             raise TypeError("source must have __len__ and __getitem__")
         if (
             not isinstance(worker_pipe_bytes, int)
@@ -454,7 +256,12 @@ class Dataset(torch.utils.data.Dataset):
             raise ValueError(f"batch_format must be 'records' or 'columns', got {batch_format!r}")
         if not isinstance(worker_slots, int) or isinstance(worker_slots, bool) or worker_slots < 0:
             raise ValueError(f"worker_slots must be an integer >= 0, got {worker_slots!r}")
-        self._source = source
+        # Adapted once, here: from now on the source is read through the Source contract.
+        self._source: Source = (
+            source
+            if isinstance(source, Source)
+            else SequenceSource(source, describes_records=isinstance(source, Dataset))
+        )
         self._worker_slots = worker_slots
         self._worker_pipe_bytes = worker_pipe_bytes
         self.batch_format = batch_format
@@ -549,8 +356,12 @@ class Dataset(torch.utils.data.Dataset):
             >>> ds = Dataset([{"x": 1}, {"x": 2}])
             >>> ds.read_ahead(lambda a, b: list(range(a, b)), 0, 2, lambda: 0)  # no-op here
         """
-        hook = getattr(self._source, "read_ahead", None)
-        fits = hook(order, start, count, position) if callable(hook) else None
+        source = self._source
+        fits = (
+            source.read_ahead(order, start, count, position)
+            if isinstance(source, ReadsAhead)
+            else None
+        )
         if fits is not None:
             self._stats.cache_fit = list(fits)  # what tg.stats reports of the pass
         return fits
@@ -561,9 +372,8 @@ class Dataset(torch.utils.data.Dataset):
         A source with its own ``set_epoch`` (e.g. another Dataset) gets it too.
         """
         self._epoch.set(epoch)
-        hook = getattr(self._source, "set_epoch", None)
-        if callable(hook):
-            hook(epoch)
+        if isinstance(self._source, SetsEpoch):
+            self._source.set_epoch(epoch)
 
     @property
     def epoch(self) -> int:
@@ -572,7 +382,9 @@ class Dataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------- contract
     @property
     def source(self) -> Any:
-        return self._source
+        """What the Dataset was built over (a Source, or the object it adapted)."""
+        source = self._source
+        return source.items if isinstance(source, SequenceSource) else source
 
     def __len__(self) -> int:
         return len(self._source)
@@ -581,25 +393,17 @@ class Dataset(torch.utils.data.Dataset):
     def keys(self) -> list[str]:
         """Keys of the source's records (before transforms); empty unless it is a
         :class:`~torchgrain.Source` (or a Dataset over one)."""
-        return list(self._source.keys) if self._describes_records else []
+        return list(self._source.keys)
 
     @property
     def schema(self) -> dict[str, str]:
         """Schema of the source's records (before transforms); see :attr:`keys`."""
-        return dict(self._source.schema) if self._describes_records else {}
-
-    @property
-    def _describes_records(self) -> bool:
-        return isinstance(self._source, (Source, Dataset))
+        return dict(self._source.schema)
 
     def block_offsets(self) -> np.ndarray:
         """Block boundaries of the source, for :class:`~torchgrain.BlockShuffleSampler`
-        (one block per shard for a source with no finer blocks)."""
-        if not self._describes_records:
-            raise TypeError(
-                f"{type(self._source).__name__} is not a torchgrain Source: it has no "
-                "block boundaries (give BlockShuffleSampler block_offsets=)"
-            )
+        (one block per shard for a source with no finer blocks); ``TypeError`` for a
+        plain sequence."""
         return self._source.block_offsets()
 
     def __getitem__(self, index: int) -> Any:
@@ -614,9 +418,8 @@ class Dataset(torch.utils.data.Dataset):
         return self._fetch(indices)
 
     def _fetch_columns(self, indices: Sequence[int]) -> ColumnBatch:
-        if not _pipe_checked:  # once per process
-            _grow_worker_pipe(self._worker_pipe_bytes)
-        _use_shared_memory_in_workers(self._worker_slots)
+        grow_pipe_once(self._worker_pipe_bytes)
+        start_columns_batch(self._worker_slots)
         counters = local_counters()
         before = counters.copy()
         t0 = time.perf_counter()
@@ -625,14 +428,11 @@ class Dataset(torch.utils.data.Dataset):
         while k < len(ops) and ops[k][0] == "map_batch":
             k += 1  # leading map_batch ops work on columns
         if k == len(ops) or k > 0:
-            read = getattr(self._source, "read_columns", None)
-            batch = (
-                read(indices) if read is not None else ColumnBatch.from_records(self._read(indices))
-            )
+            batch = self._source.read_columns(indices)
         else:
             batch = None
         t1 = time.perf_counter()
-        if not (isinstance(self._source, Source) and self._source.reports_stats):
+        if not self._source.reports_stats:
             counters[COUNTER["read_seconds"]] += t1 - t0
         epoch = self._epoch.get()
         decoded = counters[COUNTER["decode_seconds"]]  # before any op: all may decode
@@ -657,26 +457,16 @@ class Dataset(torch.utils.data.Dataset):
         return batch
 
     def _read(self, indices: Sequence[int]) -> list[Any]:
-        get_many = getattr(self._source, "__getitems__", None)
-        if get_many is None:
-            return [self._source[i] for i in indices]
-        records = get_many(indices)
-        if len(records) != len(indices):
-            raise RuntimeError(
-                f"{type(self._source).__name__}.__getitems__ returned {len(records)} "
-                f"records for {len(indices)} indices"
-            )
-        return records
+        return checked_batch(self.source, self._source.__getitems__(indices), indices)
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
-        if not _pipe_checked:  # once per process
-            _grow_worker_pipe(self._worker_pipe_bytes)
+        grow_pipe_once(self._worker_pipe_bytes)
         counters = local_counters()
         before = counters.copy()
         t0 = time.perf_counter()
         records = [self._source[indices[0]]] if single else self._read(indices)
         t1 = time.perf_counter()
-        if not (isinstance(self._source, Source) and self._source.reports_stats):
+        if not self._source.reports_stats:
             counters[COUNTER["read_seconds"]] += t1 - t0
         if self._ops:
             epoch = self._epoch.get()
@@ -713,7 +503,7 @@ class Dataset(torch.utils.data.Dataset):
         except Exception as e:
             # Name the record: the transform itself never sees its index.
             if hasattr(e, "add_note"):
-                name = getattr(op[1], "__name__", type(op[1]).__name__)
+                name = _name_of(op[1])
                 e.add_note(f"in {op[0]}({name}) of record index {index} (epoch {epoch})")
             raise
         if needs is not None:
@@ -759,7 +549,5 @@ class Dataset(torch.utils.data.Dataset):
         return records
 
     def __repr__(self) -> str:
-        ops = "".join(
-            f".{op[0]}({getattr(op[1], '__name__', type(op[1]).__name__)})" for op in self._ops
-        )
-        return f"Dataset({self._source!r}){ops}"
+        ops = "".join(f".{op[0]}({_name_of(op[1])})" for op in self._ops)
+        return f"Dataset({self.source!r}){ops}"

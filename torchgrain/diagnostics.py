@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from torchgrain import _driver
+from torchgrain.frameworks import dataloader as _dataloader
 
 __all__ = ["COUNTERS", "PipelineStats", "StatsReport", "local_counters", "stats", "timed"]
 
@@ -118,7 +118,8 @@ def _stats_of(dataset: Any) -> PipelineStats | None:
 
 
 def _loader_of(obj: Any) -> Any | None:
-    """What names the DataLoader behind ``obj``: its batch sampler (``_index_sampler``).
+    """What names the DataLoader behind ``obj``: the object it draws batches of indices
+    from (:func:`torchgrain.frameworks.dataloader.loader_key`).
 
     The same object for every pass over a loader and the one its iterators keep. Found
     on a DataLoader (torch's, torchdata's StatefulDataLoader), through wrappers that
@@ -132,10 +133,7 @@ def _loader_of(obj: Any) -> Any | None:
     for _ in range(4):
         if obj is None or isinstance(obj, torch.utils.data.Dataset):
             return None
-        try:
-            owner = getattr(obj, "_index_sampler", None)
-        except Exception:  # a property that cannot answer: no loader here
-            owner = None
+        owner = _dataloader.loader_key(obj)
         if owner is not None:
             return owner
         obj = getattr(obj, "loader", None)
@@ -270,9 +268,9 @@ class PipelineStats:
 
     def _loader_block(self, it: Any) -> int:
         """The slot of the loader whose iterator ``it`` is, if it reads this table."""
-        if it is None or _stats_of(getattr(it, "_dataset", None)) is not self:
+        if it is None or _stats_of(_dataloader.iterator_dataset(it)) is not self:
             return _OTHER
-        loader = getattr(it, "_index_sampler", None)
+        loader = _dataloader.iterator_key(it)
         if loader is None:
             return _OTHER
         block = self._slots().get(id(loader))
@@ -293,10 +291,10 @@ class PipelineStats:
                 # A forked worker: the parent gave its loader a slot just before the
                 # fork (see _before_fork), in the copy of the parent's map it holds.
                 block = _OTHER
-                it = _driver.loader_iterator(skip=3)
-                if it is not None and _stats_of(getattr(it, "_dataset", None)) is self:
+                it = _dataloader.loader_iterator(skip=3)
+                if it is not None and _stats_of(_dataloader.iterator_dataset(it)) is self:
                     owner = self._owner
-                    loader = getattr(it, "_index_sampler", None)
+                    loader = _dataloader.iterator_key(it)
                     if owner.pid == os.getppid() and id(loader) in owner.slots:
                         block = owner.slots[id(loader)]
             place = (_pid, block, min(1 + info.id, _ROWS - 1))
@@ -315,7 +313,7 @@ class PipelineStats:
             place = self._locate()
         block = place[1]
         if block is None:
-            block = self._loader_block(_driver.loader_iterator(skip=2, depth=_MAIN_DEPTH))
+            block = self._loader_block(_dataloader.loader_iterator(skip=2, depth=_MAIN_DEPTH))
         self._table()[block, place[2]] += delta
 
     def add_wait(self, seconds: float, batches: int = 1, loader: Any = None) -> None:
@@ -356,7 +354,7 @@ class PipelineStats:
             return (None, None, None)
         # Starting a spawned (or forkserver) process. When a DataLoader iterator over
         # this Dataset starts it, the worker writes into that loader's slot.
-        it = _driver.loader_iterator(skip=2)
+        it = _dataloader.loader_iterator(skip=2)
         return (self._shared, self._tags, self._loader_block(it) if it is not None else None)
 
     def __setstate__(self, state: tuple[Any, Any, int | None]) -> None:
@@ -371,8 +369,8 @@ def _before_fork() -> None:
     frames, so it finds the same iterator).
     """
     try:
-        it = _driver.loader_iterator(skip=2)
-        st = _stats_of(getattr(it, "_dataset", None)) if it is not None else None
+        it = _dataloader.loader_iterator(skip=2)
+        st = _stats_of(_dataloader.iterator_dataset(it)) if it is not None else None
         if st is not None:
             st._loader_block(it)
     except Exception:  # pragma: no cover - statistics never stop a worker from starting

@@ -7,16 +7,24 @@ batches: it counts them, and its :meth:`~ResumableLoader.state_dict` is the samp
 position at exactly that point. :meth:`~ResumableLoader.load_state_dict` puts the
 sampler there directly, without drawing the skipped indices again, so a resume at
 position 10^8 costs what a resume at position 10 does.
+
+:func:`bind` is how a loader tells its torchgrain sampler how it uses it (batch size,
+workers, and whether the loader itself splits batches between processes).
+:class:`ResumableLoader` binds the loader it wraps; call :func:`bind` yourself for a
+loader you iterate directly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-from torchgrain.sampling.base import ResumableSampler
+from torchgrain.frameworks import accelerate as _accelerate
+from torchgrain.sampling.base import LoaderBinding, ResumableSampler
 
-__all__ = ["ResumableLoader"]
+__all__ = ["ResumableLoader", "bind"]
+
+L = TypeVar("L")
 
 _STATE_VERSION = 1
 
@@ -46,29 +54,58 @@ def find_sampler(loader: Any) -> ResumableSampler:
     )
 
 
-def _positions_per_batch(loader: Any, sampler: ResumableSampler) -> int:
-    """Positions of the sampler's order that one batch taken from ``loader`` uses."""
-    if sampler._external is not None:
-        # The sampler hands out the global order and the wrapper deals its batches to
-        # the processes: every step of the loop uses one batch of each process.
-        total = getattr(loader, "total_batch_size", None)
-        if isinstance(total, int) and total > 0:
-            return total
-        raise TypeError(
-            f"{type(loader).__name__} splits batches between processes ({sampler._external}) "
-            "but does not say how many samples one step takes over all of them "
-            "(total_batch_size); wrap the loader that accelerator.prepare returned"
-        )
+def _binding_of(loader: Any) -> LoaderBinding:
+    """What ``loader`` says about how it uses its sampler (public attributes, and
+    :mod:`torchgrain.frameworks.accelerate` for Accelerate's prepared loaders)."""
+    described = _accelerate.describe(loader)
+    if described is not None:
+        return LoaderBinding(**described)
     batch_size = getattr(loader, "batch_size", None)
     if not isinstance(batch_size, int):
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        batch_size = getattr(batch_sampler, "batch_size", None)
+        batch_size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise TypeError(
-            f"cannot tell how many samples a batch of {type(loader).__name__} holds "
-            "(no batch_size): use a DataLoader with batch_size="
-        )
-    return batch_size
+        batch_size = None
+    num_workers = getattr(loader, "num_workers", 0)
+    num_workers = num_workers if isinstance(num_workers, int) and num_workers > 0 else 0
+    return LoaderBinding(batch_size=batch_size, num_workers=num_workers)
+
+
+def bind(loader: L, *, sampler: ResumableSampler | None = None) -> L:
+    """Tell the torchgrain sampler of ``loader`` how the loader uses it; returns ``loader``.
+
+    The sampler learns the loader's ``batch_size`` and ``num_workers`` (which
+    :class:`~torchgrain.BlockShuffleSampler` deals batches to workers by, with
+    ``deal_to_workers=True``) and whether the loader splits batches between processes
+    itself, as the loaders HF Accelerate's ``accelerator.prepare`` returns do (the
+    sampler then hands out the one global order and lets the loader split it).
+    :class:`ResumableLoader` calls this for the loader it wraps. Bind the loader you
+    actually iterate: the one ``accelerator.prepare`` returned, not the one you gave it.
+
+    Works with torch's ``DataLoader``, torchdata's ``StatefulDataLoader``, Accelerate's
+    prepared loaders, Ray Train's ``prepare_data_loader`` result, and any loader with
+    ``batch_size``/``num_workers`` attributes and a ``sampler`` (or
+    ``batch_sampler.sampler``); pass ``sampler=`` when it is kept elsewhere. For a loader
+    that splits batches in a way torchgrain does not know, call
+    :meth:`~torchgrain.sampling.ResumableSampler.bind_loader` with a
+    :class:`~torchgrain.LoaderBinding` instead.
+
+    Example:
+        >>> import torch, torchgrain as tg
+        >>> sampler = tg.BlockShuffleSampler(None, block_offsets=[0, 10, 20, 30, 40],
+        ...                                  window=2, seed=0, deal_to_workers=True,
+        ...                                  num_replicas=1, rank=0)
+        >>> loader = tg.bind(torch.utils.data.DataLoader(
+        ...     list(range(40)), batch_size=5, sampler=sampler, num_workers=2))
+        >>> sampler.state_dict()["batch_size"], sampler.state_dict()["num_workers"]
+        (5, 2)
+    """
+    target = loader.loader if isinstance(loader, ResumableLoader) else loader
+    if sampler is None:
+        sampler = loader.sampler if isinstance(loader, ResumableLoader) else find_sampler(target)
+    elif not isinstance(sampler, ResumableSampler):
+        raise TypeError(f"sampler must be a torchgrain sampler, got {type(sampler).__name__}")
+    sampler.bind_loader(_binding_of(target))
+    return loader
 
 
 class ResumableLoader:
@@ -87,12 +124,14 @@ class ResumableLoader:
     other attribute (``dataset``, ``batch_size``, ``sampler``, ...) is the wrapped
     loader's.
 
-    Works with a torch ``DataLoader`` and with loaders prepared by HF Accelerate
-    (``accelerator.prepare``), whose batches the sampler then orders globally;
-    register it with ``accelerator.register_for_checkpointing(loader)`` and
-    ``save_state``/``load_state`` carry its position. Under PyTorch Lightning use
-    torchdata's ``StatefulDataLoader`` instead (Lightning stores its state in the
-    checkpoint by itself).
+    It binds the loader to the sampler (:func:`bind`). Works with a torch
+    ``DataLoader``, with loaders prepared by HF Accelerate (``accelerator.prepare``, in
+    every mode: ``split_batches``, ``dispatch_batches``, ``even_batches=False``), whose
+    batches the sampler then orders globally (register it with
+    ``accelerator.register_for_checkpointing(loader)`` and ``save_state``/``load_state``
+    carry its position), and with Ray Train's ``prepare_data_loader``. Under PyTorch
+    Lightning it works too (Lightning stores its state in the checkpoint by itself), as
+    does torchdata's ``StatefulDataLoader``.
 
     Args:
         loader: a DataLoader (or a wrapper of one) whose sampler is a
@@ -127,6 +166,8 @@ class ResumableLoader:
             raise TypeError(f"sampler must be a torchgrain sampler, got {type(sampler).__name__}")
         self.loader = loader
         self.sampler = sampler
+        self._binding = _binding_of(loader)
+        sampler.bind_loader(self._binding)
         self._taken = 0  # batches the loop took in the current pass
         self._in_pass = False
 
@@ -136,16 +177,16 @@ class ResumableLoader:
 
     def _batches(self) -> Iterator[Any]:
         self._taken = 0
+        # Until the pass completes: a loop that breaks out (or fails) has still taken
+        # its batches, and state_dict() says so, not where prefetching had got to.
         self._in_pass = True
         epoch = None  # the pass's epoch, read once the loader has started (and set it)
-        try:
-            for batch in self.loader:
-                if epoch is None:
-                    epoch = self.sampler.epoch
-                self._taken += 1
-                yield batch
-        finally:
-            self._in_pass = False
+        for batch in self.loader:
+            if epoch is None:
+                epoch = self.sampler.epoch
+            self._taken += 1
+            yield batch
+        self._in_pass = False
         if epoch is not None and self.sampler.epoch == epoch:
             # A complete pass: the next one is the next epoch.
             self.sampler.set_epoch(epoch + 1)
@@ -155,7 +196,7 @@ class ResumableLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "sampler", "_taken", "_in_pass"):
+        if name in ("loader", "sampler", "_binding", "_taken", "_in_pass"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -182,14 +223,36 @@ class ResumableLoader:
         """
         sampler = self.sampler
         if self._taken and self._in_pass:
-            consumed = self._taken * _positions_per_batch(self.loader, sampler)
-            state = sampler.state_dict(consumed=consumed)
+            consumed = self._taken * self._positions_per_step()
+            # Under a loader that reads in one process for all (Accelerate's
+            # dispatch_batches), the other processes' samplers draw nothing: the steps
+            # taken say where every process is.
+            state = sampler._state(consumed, drawn_only=not self._binding.reads_for_all)
         else:
             state = sampler.state_dict()
         epoch = state["epoch"]
         if sampler._finished(state):
             epoch += 1
         return {"version": _STATE_VERSION, "epoch": epoch, "sampler": state}
+
+    def _positions_per_step(self) -> int:
+        """Positions of the sampler's order one batch taken from the loader uses."""
+        sampler, binding = self.sampler, self._binding
+        if sampler._external is not None and binding.sharder is None:
+            # A batch-sharding loader the binding did not recognise, found while iterating.
+            raise TypeError(
+                f"{type(self.loader).__name__} splits batches between processes "
+                f"({sampler._external}) but torchgrain cannot tell how many samples one step "
+                "takes over all of them; wrap the loader that accelerator.prepare returned, "
+                "or bind the sampler with sampler.bind_loader(tg.LoaderBinding(..., step=))"
+            )
+        step = binding.positions_per_step
+        if step is None:
+            raise TypeError(
+                f"cannot tell how many samples a batch of {type(self.loader).__name__} holds "
+                "(no batch_size): use a DataLoader with batch_size="
+            )
+        return step
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` at the next pass (same or different world size)."""

@@ -78,10 +78,11 @@ from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.io.atomic import file_mode
 from torchgrain.io.fs import get_filesystem, is_local
-from torchgrain.sources.registry import detect_format
+from torchgrain.sources.registry import detect_format, output_formats
 from torchgrain.writers import records_to_table
 
 __all__ = [
+    "DEFAULT_OUTPUT",
     "JOURNAL_DIR",
     "ConvertInput",
     "RecordHasher",
@@ -93,6 +94,8 @@ __all__ = [
 ]
 
 _PARQUET_ROW_GROUP_BYTES = 32 << 20  # in-memory size of one output row group
+#: The output format of ``convert`` unless told (``to=``, ``--to``).
+DEFAULT_OUTPUT = "array_record"
 
 
 class _Progress:
@@ -138,7 +141,7 @@ def convert(
     src: str | os.PathLike | Sequence[str | os.PathLike],
     dst: str | os.PathLike,
     *,
-    to: str = "array_record",
+    to: str = DEFAULT_OUTPUT,
     num_shards: int | None = None,
     match_shards: bool = False,
     group_size: int = 1,
@@ -157,8 +160,9 @@ def convert(
     Args:
         src: directory, glob, file, list of these, or fsspec URLs.
         dst: output directory (local).
-        to: ``"array_record"`` (msgpack records plus a ``torchgrain.json`` manifest) or
-            ``"parquet"`` (one ``.parquet`` file per output shard).
+        to: ``"array_record"`` (the default: msgpack records plus a ``torchgrain.json``
+            manifest) or ``"parquet"`` (one ``.parquet`` file per output shard): the
+            registry's :func:`~torchgrain.sources.registry.output_formats`.
         num_shards: cut the global record order into this many contiguous output shards.
         match_shards: one output shard per input shard (the default when ``num_shards``
             is not given).
@@ -202,8 +206,8 @@ def convert(
         >>> m.num_records, tg.ArrayRecordSource(os.path.join(d, "out"))[3]["label"].tolist()
         (4, [3])
     """
-    if to not in ("array_record", "parquet"):
-        raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
+    if to not in output_formats():
+        raise ValueError(f"to must be one of {', '.join(output_formats())}, got {to!r}")
     if num_shards is not None and match_shards:
         raise ValueError("pass either num_shards or match_shards, not both")
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
@@ -225,7 +229,7 @@ def convert(
         "num_shards": num_shards,
         "group_size": group_size,
         "compression": compression,
-        "codec": getattr(inp.codec, "name", None) if inp.codec is not None else None,
+        "codec": inp.codec.name if inp.codec is not None else None,
         "row_group_bytes": row_group_bytes if to == "parquet" else None,
     }
     if is_local(inp.filesystem()) and any(

@@ -11,16 +11,15 @@ an error can name the input file and record.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 from torchgrain.errors import RecordDecodeError
-from torchgrain.formats.codecs import MsgpackCodec, get_codec
+from torchgrain.formats.codecs import Codec, MsgpackCodec, get_codec
 from torchgrain.io import remote
 from torchgrain.io.fs import get_filesystem
+from torchgrain.sources import registry
 from torchgrain.sources.base import RecordBytesSource, Source
-from torchgrain.sources.registry import detect_format, get_format
 
 __all__ = ["ConvertInput", "open_input"]
 
@@ -41,15 +40,15 @@ class ConvertInput:
         s = self.source
         self.paths: list[str] = list(s.paths)
         self.counts: list[int] = [int(c) for c in s.shard_counts]
-        self.codec: Any = getattr(s, "codec", None)
+        self.codec: Codec | None = s.codec if isinstance(s, RecordBytesSource) else None
         # Records already msgpack-encoded can be copied as they are.
-        self.passthrough = isinstance(s, RecordBytesSource) and type(self.codec) is MsgpackCodec
+        self.passthrough = type(self.codec) is MsgpackCodec
         self.options = {**options, **({"codec": self.codec} if self.codec is not None else {})}
 
     @property
     def source(self) -> Source:
         if self._source is None:
-            self._source = get_format(self.format).source(self.src, **self.options)
+            self._source = registry.open(self.src, format=self.format, **self.options)
         return self._source
 
     @property
@@ -88,8 +87,7 @@ class ConvertInput:
                 rec = decode(data)
             except Exception as e:
                 raise RecordDecodeError(
-                    f"cannot decode record {k} of {path!r} with codec "
-                    f"{getattr(src.codec, 'name', src.codec)!r}: {e}"
+                    f"cannot decode record {k} of {path!r} with codec {src.codec.name!r}: {e}"
                 ) from e
             yield rec, len(data)
 
@@ -102,17 +100,19 @@ class ConvertInput:
 def open_input(
     src: Any, src_format: str, codec: Any, storage_options: dict[str, Any] | None
 ) -> ConvertInput:
-    """Open the source of a conversion through the format registry."""
-    fmt = (
-        detect_format(src, storage_options=storage_options) if src_format == "auto" else src_format
+    """Open the source of a conversion through the format registry (``tg.open``): the
+    options it needs are asked of the format, and one it does not take is an error
+    naming the formats that do."""
+    fmt = registry.get_format(
+        registry.detect_format(src, storage_options=storage_options)
+        if src_format == "auto"
+        else src_format
     )
-    cls = get_format(fmt).source
-    accepts = inspect.signature(cls).parameters
-    options: dict[str, Any] = {"storage_options": storage_options}
-    if "codec" in accepts:
+    options: dict[str, Any] = {}
+    if storage_options is not None:
+        options["storage_options"] = storage_options
+    if codec not in ("auto", None) or fmt.accepts("codec"):
         options["codec"] = codec if isinstance(codec, str) else get_codec(codec)
-    elif codec not in ("auto", None):
-        raise ValueError(f"codec= applies to formats that store encoded records, not {fmt}")
-    if "cache_bytes" in accepts:
+    if fmt.accepts("cache_bytes"):
         options["cache_bytes"] = 0  # every block is read once: no cache
-    return ConvertInput(fmt, src, options, cls(src, **options))
+    return ConvertInput(fmt.name, src, options, registry.open(src, format=fmt.name, **options))

@@ -34,7 +34,9 @@ def output_options(to: str, group_size: int, compression: str | None) -> tuple[s
                 f"not {compression!r}"
             )
         return compression, ""
-    raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
+    from torchgrain.sources.registry import output_formats
+
+    raise ValueError(f"to must be one of {', '.join(output_formats())}, got {to!r}")
 
 
 class ArrayRecordOut:

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import functools
 import struct
 from typing import Any, Protocol, runtime_checkable
@@ -33,9 +34,11 @@ import numpy as np
 from torchgrain.errors import RecordDecodeError
 
 __all__ = [
+    "BaseCodec",
     "Codec",
     "MsgpackCodec",
     "RawCodec",
+    "as_codec",
     "available_codecs",
     "describe_value",
     "get_codec",
@@ -55,11 +58,114 @@ _BYTES = {bytes}
 
 @runtime_checkable
 class Codec(Protocol):
-    """Turns a record's bytes into a dict (and, optionally, back)."""
+    """Turns a record's bytes into a dict (and, optionally, back with ``encode``).
+
+    Every codec the sources use has the three decoding methods: a codec that subclasses
+    :class:`BaseCodec` writes ``decode`` and inherits the two batch forms; any other
+    object with ``name`` and ``decode`` is given them by :func:`get_codec`.
+    """
 
     name: str
 
-    def decode(self, data: bytes | memoryview) -> dict[str, Any]: ...
+    def decode(self, data: bytes | memoryview) -> dict[str, Any]:
+        """One record; raises :class:`~torchgrain.RecordDecodeError` (or any error) on
+        bytes it cannot decode."""
+        ...
+
+    def decode_batch(self, blobs: list[Any]) -> list[dict[str, Any]] | None:
+        """Many records at once; None (or an error) when some record does not decode:
+        the caller then decodes them one by one to name it."""
+        ...
+
+    def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
+        """The records ``buf[starts[i]:ends[i]]`` as a
+        :class:`~torchgrain.columns.ColumnBatch`, or None when this codec (or this
+        batch) has no column form: the caller then builds columns from the records.
+        ``buf`` is a scratch buffer reused by the next batch: columns must not keep
+        views of it."""
+        ...
+
+
+class BaseCodec(abc.ABC):
+    """Base of codecs: a subclass names itself and writes :meth:`decode`; the batch forms
+    default to a loop over it (:meth:`decode_batch`) and to no column form
+    (:meth:`decode_columns`), and a codec that can do better overrides them.
+
+    Example:
+        >>> class Upper(BaseCodec):
+        ...     name = "upper"
+        ...     def decode(self, data):
+        ...         return {"text": bytes(data).decode().upper()}
+        >>> c = Upper()
+        >>> c.decode_batch([b"a", b"b"]), c.decode_columns(np.zeros(2, np.uint8), [0], [1])
+        ([{'text': 'A'}, {'text': 'B'}], None)
+        >>> isinstance(c, Codec)
+        True
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def decode(self, data: bytes | memoryview) -> dict[str, Any]:
+        """One record (see :meth:`Codec.decode`)."""
+
+    def decode_batch(self, blobs: list[Any]) -> list[dict[str, Any]] | None:
+        """Many records: :meth:`decode` on each (an error propagates)."""
+        decode = self.decode
+        return [decode(b) for b in blobs]
+
+    def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
+        """No column form by default (None): the caller builds columns from records."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class _DecodeOnly(BaseCodec):
+    """A codec object with only ``name`` and ``decode`` (the earlier contract), given
+    the batch forms; every other attribute (``encode``...) is the object's own."""
+
+    def __init__(self, codec: Any) -> None:
+        self.codec = codec
+        self.name = getattr(codec, "name", type(codec).__name__)
+
+    def decode(self, data: bytes | memoryview) -> dict[str, Any]:
+        return self.codec.decode(data)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr == "codec":  # not set yet (unpickling): no recursion
+            raise AttributeError(attr)
+        return getattr(self.codec, attr)
+
+    def __repr__(self) -> str:
+        return repr(self.codec)
+
+
+def as_codec(codec: Any) -> Codec:
+    """``codec`` as a complete :class:`Codec`: itself when it has the batch forms, else
+    wrapped to get them.
+
+    Raises:
+        TypeError: ``codec`` has no ``decode`` method.
+
+    Example:
+        >>> class Plain:
+        ...     name = "plain"
+        ...     def decode(self, data):
+        ...         return {"n": len(data)}
+        >>> c = as_codec(Plain())
+        >>> c.name, c.decode_batch([b"ab"]), isinstance(c, Codec)
+        ('plain', [{'n': 2}], True)
+    """
+    if not callable(getattr(codec, "decode", None)):
+        raise TypeError("a codec needs a decode(data) method")
+    if isinstance(codec, BaseCodec) or (
+        callable(getattr(codec, "decode_batch", None))
+        and callable(getattr(codec, "decode_columns", None))
+    ):
+        return codec
+    return _DecodeOnly(codec)
 
 
 def _encode_ndarray(arr: np.ndarray) -> msgpack.ExtType:
@@ -132,7 +238,7 @@ def _ext_hook_view(code: int, data: bytes) -> Any:
     return _decode_ndarray(code, data, False)
 
 
-class MsgpackCodec:
+class MsgpackCodec(BaseCodec):
     """torchgrain's default record codec (see module docstring).
 
     Example:
@@ -194,7 +300,7 @@ class MsgpackCodec:
         return out if set(map(type, out)) <= _DICT else None
 
 
-class RawCodec:
+class RawCodec(BaseCodec):
     """Returns each record's bytes unchanged as ``{"bytes": data}``.
 
     Example:
@@ -248,9 +354,7 @@ def register_codec(name: str, codec: Codec) -> None:
         >>> get_codec("upper").decode(b"hi")
         {'text': 'HI'}
     """
-    if not callable(getattr(codec, "decode", None)):
-        raise TypeError("a codec needs a decode(data) method")
-    _REGISTRY[name] = codec
+    _REGISTRY[name] = as_codec(codec)
 
 
 def _lazy_builtin(name: str) -> Codec | None:
@@ -270,7 +374,7 @@ def get_codec(name: str | Codec) -> Codec:
     if not isinstance(name, str):
         if not callable(getattr(name, "decode", None)):
             raise TypeError("codec must be a name or an object with a decode(data) method")
-        return name
+        return as_codec(name)
     codec = _REGISTRY.get(name) or _lazy_builtin(name)
     if codec is None:
         raise ValueError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}")

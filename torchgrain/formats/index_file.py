@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.atomic import publish
 
 __all__ = ["INDEX_SUFFIX", "IndexFile", "IndexFileWriter"]
 
@@ -283,9 +284,9 @@ class IndexFileWriter:
                 assert len(final) == len(header)
                 out.seek(_PREAMBLE.size)
                 out.write(final)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
+            # Flushed to disk, renamed into place, the directory entry flushed: after a
+            # crash, the old index or the whole new one.
+            publish(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -53,6 +53,8 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import RecordDecodeError
+from torchgrain.formats._proto import VarintError, decode_varints
+from torchgrain.formats.codecs import BaseCodec
 
 __all__ = ["TFExampleCodec", "decode_tf_example", "encode_tf_example"]
 
@@ -169,24 +171,14 @@ def _packed_varints(buf: bytes, start: int, end: int) -> np.ndarray:
                 v, pos = _varint(buf, pos, end)
                 out.append(v - (1 << 64) if v & _SIGN64 else v)
         return np.array(out, dtype=np.int64)
-    # Vectorised: a byte below 0x80 ends a varint; the groups of 7 bits of one varint
-    # never overlap, so summing them shifted into place is the same as OR-ing them.
+    # Vectorised (torchgrain.formats._proto).
     b = np.frombuffer(buf, dtype=np.uint8, count=n, offset=start)
-    last = b < 0x80
-    if not last[-1]:
-        raise _err("truncated packed varint", end - 1)
-    ends = np.flatnonzero(last)
-    if len(ends) == n:
-        return b.astype(np.int64)
-    starts = np.empty_like(ends)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    lengths = ends - starts + 1
-    if lengths.max() > 10:
-        raise _err("varint longer than 10 bytes", start + int(starts[lengths.argmax()]))
-    within = np.arange(n, dtype=np.int64) - np.repeat(starts, lengths)
-    parts = (b & 0x7F).astype(np.uint64) << (within * 7).astype(np.uint64)
-    return np.add.reduceat(parts, starts).view(np.int64)
+    try:
+        values, _ = decode_varints(b)
+    except VarintError as e:
+        msg = "truncated packed varint" if e.truncated else str(e)
+        raise _err(msg, start + e.pos) from None
+    return values.view(np.int64)
 
 
 class _Feature:
@@ -606,7 +598,7 @@ def encode_tf_example(features: Mapping[str, Any]) -> bytes:
     return bytes(out)
 
 
-class TFExampleCodec:
+class TFExampleCodec(BaseCodec):
     """Record codec for serialized ``tf.train.Example`` protos (registry name ``"tf_example"``).
 
     Args:

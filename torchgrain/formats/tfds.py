@@ -61,6 +61,7 @@ import fsspec
 import numpy as np
 
 from torchgrain.errors import CorruptDataError, RecordDecodeError
+from torchgrain.formats.codecs import BaseCodec
 from torchgrain.formats.tf_example import decode_tf_example
 from torchgrain.io import remote
 
@@ -253,7 +254,7 @@ def _image_decoder() -> Any:
     return None
 
 
-class TFDSCodec:
+class TFDSCodec(BaseCodec):
     """Decode TFDS ``tf.train.Example`` records per the dataset's feature spec.
 
     Args:

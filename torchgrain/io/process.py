@@ -7,6 +7,16 @@ use. ``generation`` is bumped in every child right after ``os.fork()``
 (multiprocessing's fork and forkserver included), so hot paths can compare it without
 the ``getpid`` syscall (~0.2 us); :func:`token` adds the pid for colder paths.
 
+Threads and ``fork``: a child process gets a copy of every lock in the state it was in
+at the fork, held or not, but none of the threads that would release them. So no
+torchgrain thread runs across a fork: every object that owns threads (I/O pools,
+read-ahead) registers with :func:`stop_threads_at_fork`; right before this process
+forks (a DataLoader starting its workers, or anything else calling ``os.fork``) each
+one stops and joins its threads, and right after, in the parent, it starts again
+where it was. The child starts none: its objects see a new :func:`token` and build
+their own state on first use. (Python 3.12 warns about exactly this hazard when a
+process with threads forks.)
+
 Example:
     >>> t = token()
     >>> t == token()
@@ -15,20 +25,136 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import weakref
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
-__all__ = ["generation", "token"]
+__all__ = [
+    "ForkSafeThreadPool",
+    "StopsThreadsAtFork",
+    "generation",
+    "stop_threads_at_fork",
+    "token",
+]
+
+logger = logging.getLogger("torchgrain")
 
 #: Forks this process is removed from its first ancestor (0 in a process not forked).
 generation = 0
 
 
+class StopsThreadsAtFork(Protocol):
+    """An object whose threads must not run across a fork (see the module docstring)."""
+
+    def _stop_threads_for_fork(self) -> None:
+        """Stop and join every thread (no lock of the object held afterwards)."""
+
+    def _restart_threads_after_fork(self) -> None:
+        """In the parent, after the fork: start again what was stopped."""
+
+
+_owners: weakref.WeakSet[Any] = weakref.WeakSet()
+_owners_lock = threading.Lock()
+_stopped: list[Any] = []
+
+
+def stop_threads_at_fork(owner: StopsThreadsAtFork) -> None:
+    """Have ``owner``'s threads stopped before this process forks and restarted after
+    (in the parent). Held weakly: a collected owner is forgotten."""
+    with _owners_lock:
+        _owners.add(owner)
+
+
+def _before_fork() -> None:
+    # Held across the fork: no owner registers, and none is stopped twice, meanwhile.
+    _owners_lock.acquire()
+    _stopped.clear()
+    for owner in list(_owners):
+        try:
+            owner._stop_threads_for_fork()
+            _stopped.append(owner)
+        except Exception:  # pragma: no cover - a fork must go ahead whatever happens
+            logger.debug("torchgrain: could not stop %r before a fork", owner, exc_info=True)
+
+
+def _after_fork_in_parent() -> None:
+    try:
+        for owner in _stopped:
+            try:
+                owner._restart_threads_after_fork()
+            except Exception:  # pragma: no cover - read-ahead and pools restart lazily
+                logger.debug("torchgrain: could not restart %r after a fork", owner, exc_info=True)
+    finally:
+        _stopped.clear()
+        _owners_lock.release()
+
+
 def _after_fork_in_child() -> None:
-    global generation
+    global generation, _owners_lock
     generation += 1
+    _stopped.clear()  # the child's objects build their own threads when used
+    _owners_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
+
+
+class ForkSafeThreadPool(Executor):
+    """A :class:`~concurrent.futures.ThreadPoolExecutor` whose threads never run across
+    a fork: they are started on first use, shut down (after finishing the tasks
+    already submitted) before this process forks, and started again on the next use.
+    The pool belongs to the process that made it: a forked child that inherits it
+    gets fresh threads of its own.
+
+    Example:
+        >>> pool = ForkSafeThreadPool(2, "doc")
+        >>> list(pool.map(abs, [-1, -2, 3]))
+        [1, 2, 3]
+        >>> pool.shutdown()
+    """
+
+    def __init__(self, max_workers: int, thread_name_prefix: str = "torchgrain") -> None:
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._token = token()
+        self._closed = False
+        stop_threads_at_fork(self)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if self._token != token():  # inherited from the parent: its threads are not here
+                self._token, self._pool = token(), None
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_workers, self._prefix)
+            return self._pool
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._executor().submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None and self._token == token():
+            pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    def _stop_threads_for_fork(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None and self._token == token():
+            pool.shutdown(wait=True)
+
+    def _restart_threads_after_fork(self) -> None:
+        pass  # threads start again with the next task
 
 
 def token() -> tuple[int, int]:

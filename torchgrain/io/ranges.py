@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import fsspec
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.io import process, remote
+from torchgrain.io import inflight, process, remote
 from torchgrain.io.retry import _permanent, http_status, is_transient, remaining_seconds
 
 __all__ = ["MappedFile", "RangeStore", "coalesce", "fetch_batch", "fetch_ranges", "range_store"]
@@ -235,7 +235,7 @@ def fetch_batch(
     ``files`` holds ``(path, url, ranges)``; ranges already in the store are skipped,
     those another fetch is bringing waited for (:meth:`RangeStore.claim`), the others
     coalesced per file (see :func:`coalesce`) and requested with at most
-    ``max_inflight`` in flight (:func:`~torchgrain.io.remote.cat_many`). What arrived is
+    ``max_inflight`` in flight (:func:`~torchgrain.io.inflight.cat_many`). What arrived is
     put in the store even when other requests failed (a retry asks only for the rest).
     Returns the number of requests made.
 
@@ -312,7 +312,7 @@ def _fetch_claimed(
             ends.append(m[1])
     if not starts:
         return 0
-    blobs = remote.cat_many(fs, paths, starts, ends, urls=urls, max_inflight=max_inflight)
+    blobs = inflight.cat_many(fs, paths, starts, ends, urls=urls, max_inflight=max_inflight)
     failure: tuple[BaseException, str, int, int] | None = None
     for url, need, order, merged, at in plans:
         got = blobs[at : at + len(merged)]

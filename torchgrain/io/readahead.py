@@ -29,10 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.io import process
+
 __all__ = ["RangeReadAhead", "ShardReadAhead"]
 
 # Order positions scanned per step of the walk (one vectorised call of the sampler).
 _SCAN = 8192
+# Longest a fork waits for the walk's downloads in flight to finish.
+_FORK_JOIN_SECONDS = 60.0
+_FORK_RESTART_DELAY = 0.2
 # eviction="belady": how far ahead of the reader the order is scanned for next uses, and
 # how often (seconds) the cache's hints are rewritten.
 _HORIZON = 8 * _SCAN
@@ -113,7 +118,11 @@ class ShardReadAhead:
         self._generation = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._walk_args: tuple[Any, ...] | None = None  # the current walk, to restart it
+        self._wake = threading.Event()  # set when the current walk is cancelled
+        self._resume_walk = False
         self.fetched = 0  # shards downloaded ahead (for tests and stats)
+        process.stop_threads_at_fork(self)
 
     def begin(
         self,
@@ -121,17 +130,23 @@ class ShardReadAhead:
         start: int,
         count: int,
         position: Callable[[], int],
+        *,
+        delay: float = 0.0,
     ) -> None:
         """Start walking ``order(a, b)`` (the indices at positions ``[a, b)``) from
-        ``start`` to ``count``, staying within the budget ahead of ``position()``."""
+        ``start`` to ``count``, staying within the budget ahead of ``position()``
+        (after ``delay`` seconds, unless cancelled meanwhile)."""
         with self._lock:
             self._generation += 1
             generation = self._generation
+            self._wake.set()  # a walk still waiting to start gives up at once
+            self._wake = wake = threading.Event()
+        self._walk_args = (order, count, position)
         if self.budget <= 0 or count <= start:
             return
         thread = threading.Thread(
             target=self._walk,
-            args=(generation, order, start, count, position),
+            args=(generation, wake, delay, order, start, count, position),
             name="torchgrain-read-ahead",
             daemon=True,
         )
@@ -150,15 +165,35 @@ class ShardReadAhead:
         """Stop the current walk (downloads in flight finish)."""
         with self._lock:
             self._generation += 1
+            self._wake.set()
+
+    def _stop_threads_for_fork(self) -> None:
+        # The walk and its downloads stop (those in flight finish) before this process
+        # forks, and start again from where the reader is once it has forked.
+        thread = self._thread
+        self._resume_walk = thread is not None and thread.is_alive()
+        if self._resume_walk:
+            self.cancel()
+            thread.join(_FORK_JOIN_SECONDS)  # type: ignore[union-attr]
+
+    def _restart_threads_after_fork(self) -> None:
+        # After a short wait: a DataLoader forks its workers one after the other, and
+        # a walk stopped again at the next fork should not have started downloads.
+        if self._resume_walk and self._walk_args is not None:
+            order, count, position = self._walk_args
+            self.begin(order, position(), count, position, delay=_FORK_RESTART_DELAY)
+        self._resume_walk = False
 
     def _live(self, generation: int) -> bool:
         return self._generation == generation
 
-    def _walk(self, *args: Any) -> None:
+    def _walk(self, generation: int, wake: threading.Event, delay: float, *args: Any) -> None:
+        if delay > 0 and wake.wait(delay):
+            return  # cancelled before it started
         # Read-ahead only warms the cache: the reads that need a shard fetch it
         # themselves and raise its errors.
         with contextlib.suppress(Exception):
-            self._walk_order(*args)
+            self._walk_order(generation, *args)
 
     def _walk_order(
         self,
@@ -252,7 +287,8 @@ class ShardReadAhead:
 
 class RangeReadAhead:
     """Fetches the byte ranges of the records a sampler will ask for next (remote reads
-    without a shard cache), in the process that reads them.
+    without a shard cache), in the process that reads them (the walk starts when the
+    process reads a batch: see :meth:`kick`).
 
     A background thread walks the order from the reader's position, ``step`` records at
     a time (two steps in flight), at most ``ahead`` records ahead of it and while the
@@ -275,6 +311,7 @@ class RangeReadAhead:
         >>> ra = RangeReadAhead(src, step=8)
         >>> reached = [0]  # how far the reader got
         >>> ra.begin(lambda a, b: list(range(a, b)), 0, len(src), lambda: reached[0])
+        >>> ra.kick()  # this process reads the batches: the walk starts
         >>> import time
         >>> deadline = time.monotonic() + 30
         >>> while ra.steps < 5 and time.monotonic() < deadline:
@@ -296,7 +333,11 @@ class RangeReadAhead:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._owners: collections.deque[tuple[int, object]] = collections.deque()
+        # The pass begun and not yet walked: (order, start, count, position).
+        self._pending: tuple[Any, int, int, Callable[[], int]] | None = None
+        self._walking: tuple[Any, int, Callable[[], int]] | None = None  # (order, count, position)
         self.steps = 0  # steps fetched (for tests and stats)
+        process.stop_threads_at_fork(self)
 
     def begin(
         self,
@@ -305,13 +346,29 @@ class RangeReadAhead:
         count: int,
         position: Callable[[], int],
     ) -> None:
-        """Start walking ``order`` from ``start`` to ``count`` ahead of ``position()``
-        (cancelling the walk in progress)."""
+        """Prepare the walk of ``order`` from ``start`` to ``count`` ahead of
+        ``position()`` (cancelling the walk in progress). It starts at the next
+        :meth:`kick`: when this process reads a batch. A process whose batches are read
+        by DataLoader workers never reads one, and so never fetches what it would not
+        use (nor runs a thread when the loader forks its workers)."""
         self.cancel()
+        if count > start:
+            with self._lock:
+                self._pending = (order, start, count, position)
+
+    def kick(self) -> None:
+        """This process is reading a batch: start the walk :meth:`begin` prepared, from
+        where the reader is, if it has not started."""
         with self._lock:
+            pending, self._pending = self._pending, None
             generation = self._generation
+        if pending is None:
+            return
+        order, start, count, position = pending
+        start = max(start, position())
         if count <= start:
             return
+        self._walking = (order, count, position)
         thread = threading.Thread(
             target=self._walk,
             args=(generation, order, start, count, position),
@@ -321,6 +378,20 @@ class RangeReadAhead:
         self._thread = thread
         thread.start()
 
+    def _stop_threads_for_fork(self) -> None:
+        # The walk stops (what it fetched is dropped) before this process forks; the
+        # next batch this process reads starts it again from where the reader is.
+        thread = self._thread
+        if thread is not None and thread.is_alive() and self._walking is not None:
+            order, count, position = self._walking
+            self.cancel()
+            thread.join(_FORK_JOIN_SECONDS)
+            with self._lock:
+                self._pending = (order, position(), count, position)
+
+    def _restart_threads_after_fork(self) -> None:
+        pass  # restarted by the next kick()
+
     def cancel(self) -> None:
         """Stop the walk and drop what it fetched that was not used (requests in flight
         finish; what they bring is dropped too)."""
@@ -328,6 +399,7 @@ class RangeReadAhead:
 
         with self._lock:
             self._generation += 1
+            self._pending = None
             owners, self._owners = list(self._owners), collections.deque()
         store = range_store()
         for _, owner in owners:

@@ -59,6 +59,7 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.io import process
+from torchgrain.io.libc import libc
 from torchgrain.io.limits import free_maps
 
 __all__ = ["SLOT_ALIGN", "RegionUnavailable", "ShardRegion", "supported"]
@@ -68,8 +69,6 @@ _MAP_FIXED = 0x10  # the same on every Linux architecture :func:`supported` acce
 _ADDRESS_BUDGET = 1 << 42  # at most 4 TiB of addresses per region (halved until it fits)
 _MIN_RESERVATION = 1 << 26
 _fork_lock = threading.Lock()
-
-_libc: Any = None
 
 
 def supported() -> bool:
@@ -82,27 +81,8 @@ def supported() -> bool:
 
 
 def _mmap_fn() -> Any:
-    global _libc
-    if _libc is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.mmap
-        except (OSError, AttributeError):
-            _libc = False
-            return None
-        fn.restype = ctypes.c_void_p
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.munmap.restype = ctypes.c_int
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = libc
-    return _libc.mmap if _libc else None
+    lib = libc()
+    return lib.mmap if lib is not None else None
 
 
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -114,7 +94,7 @@ class RegionUnavailable(OSError):
 
 
 def _unmap(addr: int, length: int) -> None:
-    _libc.munmap(addr, length)
+    libc().munmap(addr, length)
 
 
 class _Guard:

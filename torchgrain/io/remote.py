@@ -31,6 +31,7 @@ one place where torchgrain talks to fsspec about remote files, so that:
   readers a file object whose reads are range requests made here.
 
 Local and in-memory filesystems are called directly: none of this costs them anything.
+The checks on what a server sends back are in :mod:`torchgrain.io.responses`.
 
 Example:
     >>> import fsspec
@@ -45,25 +46,28 @@ Example:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import functools
 import io
 import numbers
 import re
-import time
-import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
-from fsspec.callbacks import Callback
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.errors import CorruptDataError, UnsafePathError
 from torchgrain.io.paths import is_http
+from torchgrain.io.responses import (
+    _S3_READS,
+    ResponseSizeError,
+    _DownloadGuard,
+    _on_redirect,
+    _read_capped,
+)
 from torchgrain.io.retry import (
     RequestTimeout,
     RetryPolicy,
@@ -82,7 +86,6 @@ __all__ = [
     "call",
     "carrying",
     "cat_file",
-    "cat_many",
     "cat_ranges",
     "exists",
     "file_size",
@@ -103,19 +106,6 @@ REMOTE_BUFFER = 4 << 20
 #: The most bytes read of an HTTP(S) response to a request without a byte range (a
 #: directory listing page): a listing of 100,000 files is a few MiB.
 MAX_PAGE_BYTES = 32 << 20
-
-
-class ResponseSizeError(ConnectionError):
-    """A response held more or fewer bytes than were asked for while the file has them
-    (a transport fault, or a server that ignores ``Range``): transient, so retried."""
-
-
-class _RedirectRefused(UnsafePathError, PermissionError):
-    """A server redirected a request away from the URL asked for.
-
-    A :class:`PermissionError` as well, so that fsspec's HTTP ``isdir`` (which treats a
-    ``ValueError`` as "not a directory") lets it through.
-    """
 
 
 # ------------------------------------------------------------------- transport settings
@@ -235,50 +225,6 @@ def _capped_response() -> type:
     return CappedResponse
 
 
-async def _read_capped(
-    read: Callable[[int], Awaitable[bytes]], limit: int, declared: int | None, *, why: str
-) -> bytes:
-    """A body read with ``read(n)`` (up to ``n`` bytes, ``b""`` at its end), holding at
-    most ``limit`` bytes: one more is a :class:`ResponseSizeError` saying ``why``, raised
-    before the rest is read (before any, when the ``declared`` length is already over).
-
-    Example:
-        >>> import asyncio
-        >>> chunks = [b"abc", b"def", b""]
-        >>> async def read(n):
-        ...     return chunks.pop(0)[:n]
-        >>> asyncio.run(_read_capped(read, 4, None, why="too long"))
-        Traceback (most recent call last):
-        ...
-        torchgrain.io.remote.ResponseSizeError: too long
-    """
-    if declared is not None and declared > limit:
-        raise ResponseSizeError(why)
-    parts: list[bytes] = []
-    got = 0
-    while part := await read(limit + 1 - got):
-        got += len(part)
-        if got > limit:
-            raise ResponseSizeError(why)
-        parts.append(part)
-    return b"".join(parts)
-
-
-async def _on_redirect(session: Any, context: Any, params: Any) -> None:
-    import yarl
-
-    location = params.response.headers.get("Location") or params.response.headers.get("URI")
-    url = params.url
-    target = url.join(yarl.URL(location or ""))
-    if not url.path.endswith("/") and target == url.with_path(url.path + "/", encoded=True):
-        return  # a directory's own URL
-    raise _RedirectRefused(
-        f"{url} redirects to {location!r}: torchgrain follows no redirect out of the "
-        "URL asked for (a server could point it at any host). If you trust this server, "
-        "open the dataset with allow_external_paths=True"
-    )
-
-
 # ------------------------------------------------------------------------- requests
 def _raise_refusal(exc: BaseException) -> None:
     """Raise the refused redirect that fsspec reports as "not found" (its HTTP ``info``
@@ -294,52 +240,12 @@ def _coroutine(fs: AsyncFileSystem, method: str) -> Callable[..., Awaitable[Any]
     """``fs._<method>``, or torchgrain's own where fsspec's would buffer a whole body
     before anyone can check its length (s3fs's reads)."""
     if method in _S3_READS and any(p in ("s3", "s3a") for p in _protocols(fs)):
-        return functools.partial(_S3_READS[method], fs)
+        return functools.partial(_S3_READS[method], fs, page_limit=MAX_PAGE_BYTES)
     return getattr(fs, "_" + method)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-
-
-async def _s3_cat_file(
-    fs: Any, path: str, start: int | None = None, end: int | None = None
-) -> bytes:
-    """One S3 GET (of bytes ``[start, end)``, or all), read with a byte cap."""
-    bucket, key, version = fs.split_path(path)
-    extra: dict[str, Any] = {"VersionId": version} if version else {}
-    if start is not None and end is not None:
-        extra["Range"] = f"bytes={start}-{end - 1}"
-        limit = end - start
-        why = (
-            f"{path}: the response for bytes {start}-{end - 1} holds more than the {limit} "
-            "bytes asked for: the server does not honour Range requests, or the response "
-            "is corrupt"
-        )
-    else:
-        limit = MAX_PAGE_BYTES
-        why = f"{path}: the object holds more than {limit} bytes (remote.MAX_PAGE_BYTES)"
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
-    body = resp["Body"]
-    try:
-        return await _read_capped(body.read, limit, resp.get("ContentLength"), why=why)
-    finally:
-        body.close()
-
-
-async def _s3_cat_ranges(
-    fs: Any, paths: list[str], starts: list[int], ends: list[int]
-) -> list[bytes | BaseException]:
-    """:func:`_s3_cat_file` for each range, concurrently; failures are returned in place
-    (as fsspec's ``cat_ranges`` does)."""
-    reads = [_s3_cat_file(fs, p, s, e) for p, s, e in zip(paths, starts, ends)]
-    return await asyncio.gather(*reads, return_exceptions=True)
-
-
-_S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
-    "cat_file": _s3_cat_file,
-    "cat_ranges": _s3_cat_ranges,
-}
 
 
 def _deadline_call(
@@ -617,112 +523,6 @@ def cat_ranges(
     )
 
 
-#: Semaphores bounding the requests in flight on one event loop: ``{loop: {limit: sem}}``.
-_LIMITS: weakref.WeakKeyDictionary[Any, dict[int, asyncio.Semaphore]] = weakref.WeakKeyDictionary()
-
-
-async def _limited(
-    fs: AsyncFileSystem, path: str, start: int, end: int, limit: int, seconds: float
-) -> bytes:
-    """One range request, started when one of the loop's ``limit`` slots is free, and
-    cancelled ``seconds`` after it started (its wait for a slot does not count)."""
-    sems = _LIMITS.setdefault(asyncio.get_running_loop(), {})
-    sem = sems.get(limit)
-    if sem is None:
-        sem = sems[limit] = asyncio.Semaphore(limit)
-    async with sem:
-        try:
-            return await asyncio.wait_for(
-                _coroutine(fs, "cat_file")(path, start=start, end=end), seconds
-            )
-        except asyncio.TimeoutError as e:
-            raise FSTimeoutError(f"bytes {start}-{end}") from e
-
-
-def cat_many(
-    fs: fsspec.AbstractFileSystem,
-    paths: Sequence[str],
-    starts: Sequence[int],
-    ends: Sequence[int],
-    *,
-    urls: Sequence[str] | None = None,
-    max_inflight: int = 64,
-    what: str = "range read",
-) -> list[bytes | BaseException]:
-    """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for each ``i``, of any files of
-    ``fs``, with at most ``max_inflight`` requests in flight in this process (on an
-    async filesystem all of them are on its event loop: one thread, no thread per
-    request). Each result is checked as :func:`cat_file`'s; a request that failed has
-    its exception in its place (a :class:`~torchgrain.io.retry.RequestTimeout` or a
-    :class:`ResponseSizeError` for a transient failure, naming the URL and the range),
-    so a caller can keep what arrived and ask again for the rest.
-
-    Each request gets :meth:`~torchgrain.io.retry.RetryPolicy.request_seconds` of its
-    size from when it is sent, cut to what the operation in progress has left. Local
-    and in-memory filesystems are read one range after another.
-
-    Example:
-        >>> import fsspec
-        >>> fs = fsspec.filesystem("memory")
-        >>> fs.pipe("/c/m1", b"0123456789"); fs.pipe("/c/m2", b"abcdef")
-        >>> cat_many(fs, ["/c/m1", "/c/m2", "/c/m2"], [0, 1, 4], [2, 3, 9])[:2]
-        [b'01', b'bc']
-    """
-    labels = list(urls) if urls is not None else list(paths)
-    if max_inflight < 1:
-        raise ValueError(f"max_inflight must be >= 1, got {max_inflight!r}")
-    out: list[bytes | BaseException] = []
-    if not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
-        for p, s, e, label in zip(paths, starts, ends, labels):
-            try:
-                out.append(cat_file(fs, p, s, e, url=label, what=what))
-            except Exception as exc:
-                out.append(exc)
-        return out
-    total = sum(e - s for s, e in zip(starts, ends))
-    left, _, policy = remaining_seconds(total)
-    if left <= 0:
-        err = RequestTimeout(f"{what}: the operation's {policy.deadline:g} s deadline has passed")
-        return [err] * len(starts)
-
-    async def gather() -> list[Any]:
-        return await asyncio.gather(
-            *(
-                _limited(fs, p, s, e, max_inflight, min(left, policy.request_seconds(e - s)))
-                for p, s, e in zip(paths, starts, ends)
-            ),
-            return_exceptions=True,
-        )
-
-    try:
-        # The loop bounds each request; this bounds the whole batch's wait.
-        got = sync(fs.loop, gather, timeout=left + policy.request_timeout)
-    except FSTimeoutError as e:
-        err = RequestTimeout(f"{what} of {len(starts)} ranges did not complete within {left:.3g} s")
-        err.__cause__ = e
-        return [err] * len(starts)
-    for p, s, e, label, blob in zip(paths, starts, ends, labels, got):
-        if isinstance(blob, FSTimeoutError):
-            blob = RequestTimeout(
-                f"{what} of {label} (bytes {s}-{e}) did not complete within its "
-                f"{min(left, policy.request_seconds(e - s)):.3g} s limit "
-                "(RetryPolicy.request_timeout, or the operation's deadline)"
-            )
-        elif isinstance(blob, FileNotFoundError):
-            try:
-                _raise_refusal(blob)
-            except UnsafePathError as refused:
-                blob = refused
-        elif not isinstance(blob, BaseException):
-            try:
-                _check_length(fs, p, s, e, len(blob), label)
-                request_done(e - s)
-            except Exception as bad:
-                blob = bad
-        out.append(blob)
-    return out
-
-
 def get_file(
     fs: fsspec.AbstractFileSystem, rpath: str, lpath: str, *, nbytes: int, url: str | None = None
 ) -> None:
@@ -748,33 +548,6 @@ def get_file(
     seconds, _, policy = remaining_seconds(0)
     guard = _DownloadGuard(nbytes, label, grace=min(policy.request_timeout, seconds), policy=policy)
     call(fs, "get_file", rpath, lpath, url=label, what="download", nbytes=nbytes, callback=guard)
-
-
-class _DownloadGuard(Callback):
-    """fsspec's progress callback, used to stop a download that brings too much or too
-    slowly (it is called with every piece written)."""
-
-    def __init__(self, nbytes: int, url: str, *, grace: float, policy: RetryPolicy) -> None:
-        super().__init__()
-        self.limit, self.url, self.grace, self.policy = nbytes, url, grace, policy
-        self.start = time.monotonic()
-
-    def set_size(self, size: int | None) -> None:
-        super().set_size(size)
-        self.value, self.start = 0, time.monotonic()  # a transfer (re)starts
-
-    def relative_update(self, inc: int = 1) -> None:
-        self.value += inc
-        if self.value > self.limit:
-            raise ResponseSizeError(
-                f"{self.url}: the download brought more than the {self.limit} bytes expected"
-            )
-        spent = time.monotonic() - self.start
-        if spent > self.grace + self.value / self.policy.min_rate:
-            raise RequestTimeout(
-                f"download of {self.url} fell behind {self.policy.min_rate:g} bytes/s "
-                f"(RetryPolicy.min_rate): {self.value} bytes in {spent:.1f} s"
-            )
 
 
 # ----------------------------------------------------------------------- file objects

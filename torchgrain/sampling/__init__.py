@@ -16,6 +16,16 @@ Both are deterministic in ``(seed, epoch, num_replicas, rank)``, expose a vector
 ``indices(start, stop)``, and have ``state_dict``/``load_state_dict`` for exact
 mid-epoch resume, also onto a different number of ranks ("elastic" resume).
 
+Writing a sampler. Both are built on the public base :class:`ResumableSampler`, and a
+new sampler is one small module that uses only the names below: an *order*
+(:meth:`ResumableSampler.epoch_order`: for a seed and an epoch, a function from positions
+to dataset indices, a permutation evaluated on demand in O(1) memory, e.g. with
+:class:`KeyedPermutation` or :class:`KeyedPermutations`) plus a *split strategy*
+(:meth:`ResumableSampler.split`: :class:`InterleavedSplit`, :class:`ContiguousSplit` or
+a :class:`Split` of its own, given each rank's :class:`Shares`). The base handles
+``set_epoch``, resume state, binding (:class:`LoaderBinding`), padding and world
+discovery; :mod:`torchgrain.sampling.base` has a complete example.
+
 Example:
     >>> from torchgrain.sampling import GlobalShuffleSampler
     >>> s = GlobalShuffleSampler(10, num_replicas=2, rank=0, seed=7)
@@ -25,9 +35,26 @@ Example:
     [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
 """
 
-from torchgrain.sampling.base import ResumableSampler
+from torchgrain.sampling.base import OrderFn, ResumableSampler, identity_order
+from torchgrain.sampling.binding import LoaderBinding
 from torchgrain.sampling.block_shuffle import BlockShuffleSampler
 from torchgrain.sampling.global_shuffle import GlobalShuffleSampler
-from torchgrain.sampling.permutation import KeyedPermutation
+from torchgrain.sampling.permutation import KeyedPermutation, KeyedPermutations
+from torchgrain.sampling.split import ContiguousSplit, InterleavedSplit, Shares, Split
+from torchgrain.sampling.world import resolve_world
 
-__all__ = ["BlockShuffleSampler", "GlobalShuffleSampler", "KeyedPermutation", "ResumableSampler"]
+__all__ = [
+    "BlockShuffleSampler",
+    "ContiguousSplit",
+    "GlobalShuffleSampler",
+    "InterleavedSplit",
+    "KeyedPermutation",
+    "KeyedPermutations",
+    "LoaderBinding",
+    "OrderFn",
+    "ResumableSampler",
+    "Shares",
+    "Split",
+    "identity_order",
+    "resolve_world",
+]

@@ -1,129 +1,86 @@
-"""ResumableSampler: rank split, padding, iteration, state and (elastic) resume.
+"""ResumableSampler: the public base of every torchgrain sampler.
 
-The machinery every torchgrain sampler shares; a new sampler subclasses
-:class:`ResumableSampler` and describes its epoch's order (``_stream_fn``) and how it
-splits that order between ranks (``_virtual`` / ``_rank_positions`` /
-``_consumed_virtual``).
+A sampler is two things on top of this base, and a new one is a small module that
+uses only public names:
+
+* an **order**: :meth:`ResumableSampler.epoch_order` returns, for a seed and an epoch, a
+  function from positions ``q`` (an int64 array of values in ``[0, N)``) to dataset
+  indices: a permutation of ``[0, N)``, evaluated on demand in O(1) memory (e.g. a
+  :class:`~torchgrain.sampling.KeyedPermutation`);
+* a **split**: :meth:`ResumableSampler.split` returns the
+  :class:`~torchgrain.sampling.Split` that shares the order out between ranks (and a
+  rank's draws between loader workers): :class:`~torchgrain.sampling.InterleavedSplit`
+  (the default) or :class:`~torchgrain.sampling.ContiguousSplit`.
+
+The base does the rest, the same way for every sampler: world discovery, padding and
+drop_last (:class:`~torchgrain.sampling.Shares`), ``set_epoch``, iteration and
+:meth:`~ResumableSampler.indices`, exact and elastic resume, binding to loaders,
+read-ahead. What else fixes an order (a window size, block boundaries) is saved and
+checked through :meth:`~ResumableSampler.order_state` and
+:meth:`~ResumableSampler.load_order_state`.
+
+Example:
+    >>> from torchgrain.sampling import ContiguousSplit, ResumableSampler
+    >>> class Rotated(ResumableSampler):
+    ...     '''The records backwards, from a point that depends on seed and epoch.'''
+    ...     def epoch_order(self, seed, epoch):
+    ...         n, shift = self.dataset_len, (seed + 7 * epoch) % self.dataset_len
+    ...         return lambda q: (n - 1 - q + shift) % n
+    ...     def split(self):
+    ...         return ContiguousSplit()
+    >>> s = Rotated(10, num_replicas=2, rank=0, seed=3)
+    >>> list(s), list(Rotated(10, num_replicas=2, rank=1, seed=3))
+    ([2, 1, 0, 9, 8], [7, 6, 5, 4, 3])
+    >>> it = iter(s); _ = next(it); t = Rotated(10, num_replicas=2, rank=0)
+    >>> t.load_state_dict(s.state_dict()); list(t)
+    [1, 0, 9, 8]
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-import os
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from torch.utils.data import DistributedSampler
 
-from torchgrain._driver import Driver, driver
+from torchgrain.frameworks import accelerate as _accelerate
+from torchgrain.frameworks import dataloader as _dataloader
+from torchgrain.protocols import ReadsAhead, SetsEpoch
+from torchgrain.sampling.binding import LoaderBinding
+from torchgrain.sampling.layout import _complement, _compose, _layout_length, _layout_positions
 from torchgrain.sampling.permutation import _to_u64
+from torchgrain.sampling.split import InterleavedSplit, Shares, Split
+from torchgrain.sampling.world import _check_world, resolve_world
 
-__all__ = ["ResumableSampler"]
+__all__ = ["LoaderBinding", "OrderFn", "ResumableSampler", "identity_order"]
+
+#: An epoch's order: dataset indices of positions ``q`` (int64 arrays of one shape).
+OrderFn = Callable[[np.ndarray], np.ndarray]
 
 # Python iteration converts this many indices to ints at a time.
 _ITER_CHUNK = 65536
 
 
-def _check_world(num_replicas: int, rank: int) -> tuple[int, int]:
-    num_replicas, rank = operator.index(num_replicas), operator.index(rank)
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    if not 0 <= rank < num_replicas:
-        raise ValueError(
-            f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]"
-        )
-    return num_replicas, rank
+def identity_order(q: np.ndarray) -> np.ndarray:
+    """The unshuffled order: position ``q`` is index ``q`` (what ``shuffle=False`` uses).
 
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
-def _dist_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """World size and rank, decided now: explicit values, else the initialised process
-    group, else torchrun's ``WORLD_SIZE``/``RANK`` environment, else (1, 0).
-
-    A process started by a launcher (``WORLD_SIZE > 1``) without ``RANK`` and without
-    a process group cannot know its part of the data: that raises instead of silently
-    reading everything, as :class:`~torch.utils.data.DistributedSampler` does.
+    Example:
+        >>> import numpy as np
+        >>> identity_order(np.arange(3)).tolist()
+        [0, 1, 2]
     """
-    import torch.distributed as dist
-
-    if num_replicas is None or rank is None:
-        if dist.is_available() and dist.is_initialized():
-            num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
-            rank = dist.get_rank() if rank is None else rank
-        else:
-            env_world = _env_int("WORLD_SIZE")
-            if env_world is not None and env_world > 1 and num_replicas is None:
-                env_rank = _env_int("RANK")
-                if env_rank is None and rank is None:
-                    raise RuntimeError(
-                        f"WORLD_SIZE={env_world} is set but RANK is not, and no torch.distributed "
-                        "process group is initialised, so this process cannot tell which part "
-                        "of the data is its own. Call torch.distributed.init_process_group() "
-                        "before iterating the sampler, or pass num_replicas= and rank="
-                    )
-                num_replicas = env_world
-                rank = env_rank if rank is None else rank
-            num_replicas = 1 if num_replicas is None else num_replicas
-            rank = 0 if rank is None else rank
-    return _check_world(num_replicas, rank)
-
-
-# DataLoader wrappers that split batches between processes themselves. A sampler they
-# drive must hand out the one global order: splitting it by rank as well would give each
-# process 1/W of its own part, and the epoch would cover 1/W of the data.
-# (Accelerate's prepared DataLoaders: BatchSamplerShard deals batches round-robin to the
-# processes; DataLoaderDispatcher reads every batch on rank 0 and sends out slices.)
-
-
-def _identity(q: np.ndarray) -> np.ndarray:
     return q
 
 
-def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """The parts of ``[0, length)`` not covered by ``intervals`` of virtual positions.
-
-    Positions past the end are padding and stand for ``v mod length`` (as in
-    DistributedSampler, whose padding repeats the order's first indices), so a
-    padding draw covers the position it repeats.
-    """
-    covered: list[tuple[int, int]] = []
-    for s, e in intervals:
-        s = max(0, s)
-        if e <= s:
-            continue
-        if s < length:
-            covered.append((s, min(e, length)))
-        s = max(s, length)
-        if e <= s or length <= 0:
-            continue
-        if e - s >= length:
-            return []
-        a, b = s % length, s % length + (e - s)
-        covered.extend([(a, b)] if b <= length else [(a, length), (0, b - length)])
-    out: list[tuple[int, int]] = []
-    pos = 0
-    for s, e in sorted(covered):
-        if s > pos:
-            out.append((pos, s))
-        pos = max(pos, e)
-    if pos < length:
-        out.append((pos, length))
-    return out
-
-
 class ResumableSampler(DistributedSampler):
-    """Shared machinery: rank split, padding, iteration, state and (elastic) resume.
+    """The base of every torchgrain sampler: world, split, padding, iteration, state
+    and (elastic) resume. A subclass gives the order (:meth:`epoch_order`) and, when it
+    is not round robin, the split (:meth:`split`); see :mod:`torchgrain.sampling.base`
+    for an example.
 
     A subclass of :class:`torch.utils.data.distributed.DistributedSampler` (without
     its constructor), so frameworks that check for one (PyTorch Lightning keeps a
@@ -132,35 +89,50 @@ class ResumableSampler(DistributedSampler):
     World size and rank are decided when the sampler is used (an iteration starts,
     ``len``, ``indices``, ``state_dict``), not when it is built: from explicit
     ``num_replicas``/``rank``, else the process group, else torchrun's environment.
-    Driven by a DataLoader wrapper that splits batches between processes itself
-    (Accelerate's prepared loaders), the sampler hands out the one global order and
-    lets the wrapper split it; it remembers that from then on.
+    Bound to a loader that splits batches between processes itself
+    (:meth:`bind_loader`, which :func:`torchgrain.bind` calls for Accelerate's
+    prepared loaders), the sampler hands out the one global order and lets the loader
+    split it; it remembers that from then on. A sampler nobody bound finds Accelerate's
+    loaders by itself (:mod:`torchgrain.frameworks.accelerate`).
 
     Vocabulary. The *epoch stream* is the sampler's order of all ``N`` indices for
-    the epoch (``stream(q)`` for ``q`` in ``[0, N)``). A *layout* is a list of
+    the epoch (``order(q)`` for ``q`` in ``[0, N)``). A *layout* is a list of
     ``[start, stop)`` intervals of stream positions whose concatenation (the
     *virtual stream*, length ``L``) is what the ranks split: ``[[0, N]]`` for a fresh
     epoch, the not-yet-consumed rest after an elastic resume. Rank ``r`` draws
-    ``count(L, r)`` virtual positions (``ceil(L / W)`` padded, ``floor`` with
+    ``Shares.count(r)`` virtual positions (``ceil(L / W)`` padded, ``floor`` with
     drop_last, and ``L // W`` plus one for the first ``L % W`` ranks with
-    ``pad=False``); virtual positions past ``L`` are padding and wrap around
-    (``v mod L``), exactly like DistributedSampler's ``indices += indices[:padding]``.
+    ``pad=False``), which the :meth:`split` picks; virtual positions past ``L`` are
+    padding and wrap around (``v mod L``), exactly like DistributedSampler's
+    ``indices += indices[:padding]``.
+
+    Args:
+        dataset_or_length: a sized dataset, or its length as an int. A dataset that
+            is :class:`~torchgrain.protocols.SetsEpoch` is told the epoch; one that
+            :class:`~torchgrain.protocols.ReadsAhead` gets each pass's order.
+        num_replicas, rank, shuffle, seed, drop_last, pad: as for
+            :class:`~torchgrain.GlobalShuffleSampler`; ``shuffle=False`` replaces the
+            order by :func:`identity_order` (the split still applies).
     """
 
-    _kind = "base"
+    #: The name saved as ``state["sampler"]``; a state loads only into a sampler of the
+    #: same name. Empty: the class's name.
+    state_kind: ClassVar[str] = ""
 
     def __init__(
         self,
-        n: int,
-        dataset: Any,
-        num_replicas: int | None,
-        rank: int | None,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool,
+        dataset_or_length: Any,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
         pad: bool = True,
     ) -> None:
-        self.dataset = dataset
+        n = _length_of(dataset_or_length)
+        is_length = isinstance(dataset_or_length, (int, np.integer))
+        self.dataset = None if is_length else dataset_or_length
         # Explicit values are checked now; missing ones are looked up at each use.
         if num_replicas is not None and rank is not None:
             _check_world(num_replicas, rank)
@@ -181,8 +153,10 @@ class ResumableSampler(DistributedSampler):
         # A loaded state, made into a layout and start position when the next pass starts
         # (when its world size and the loader that drives it are known).
         self._loaded: dict[str, Any] | None = None
-        # Who drove the latest pass (a batch-sharding wrapper, a DataLoader's shape).
-        self._driver = Driver(None, None, None)
+        # What the loader that iterates the sampler said about itself (tg.bind), and
+        # (deprecated) the DataLoader shape an unbound sampler found on the call stack.
+        self._binding: LoaderBinding | None = None
+        self._found_shape: tuple[int | None, int] | None = None
         # The latest iteration: its world, layout, first position, and a probe for how
         # far it got (list iterator of the current chunk and that chunk's first position).
         self._it_world: tuple[int, int] | None = None
@@ -192,22 +166,70 @@ class ResumableSampler(DistributedSampler):
         self._it_chunk_len = 0
         self._it_chunk: Any = None
 
+    # -- the contract a sampler fills ---------------------------------------------------
+    def epoch_order(self, seed: int, epoch: int) -> OrderFn:
+        """The order of epoch ``epoch`` under ``seed``: a function from positions ``q``
+        (a fresh int64 array of values in ``[0, N)``) to dataset indices (an int64 array
+        of the same shape).
+
+        It must be a permutation of ``[0, N)`` that depends only on ``seed``, ``epoch``
+        and what :meth:`order_state` saves, and it must not hold anything of size ``N``.
+        The sampler calls it when a pass starts and keeps the function for the pass, so
+        a ``set_epoch`` during a pass does not change that pass. Not called with
+        ``shuffle=False`` or ``N <= 1`` (the identity then).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define epoch_order(seed, epoch)")
+
+    def split(self) -> Split:
+        """How the order is split between ranks (and workers) now; by default
+        :class:`~torchgrain.sampling.InterleavedSplit` (DistributedSampler's round
+        robin). Its :meth:`~torchgrain.sampling.Split.state` is saved in
+        :meth:`state_dict`."""
+        return InterleavedSplit()
+
+    def order_state(self) -> dict[str, Any]:
+        """What besides seed and epoch fixes the order (plain ints and strings), saved in
+        :meth:`state_dict` and handed back to :meth:`load_order_state`. Default none."""
+        return {}
+
+    def load_order_state(self, state: dict[str, Any]) -> None:
+        """Check and restore what :meth:`order_state` saved in ``state``; raise
+        ``ValueError`` for a state whose order this sampler cannot continue. Called by
+        :meth:`load_state_dict` after its own checks, before anything changes."""
+
+    @classmethod
+    def _state_kind(cls) -> str:
+        return cls.state_kind or cls.__name__
+
+    def _order(self) -> OrderFn:
+        """The current epoch's order (the identity without shuffling)."""
+        if not self.shuffle or self._n <= 1:
+            return identity_order
+        return self.epoch_order(self.seed, self.epoch)
+
     # -- world ----------------------------------------------------------------------
     def _world(self) -> tuple[int, int]:
         """``(num_replicas, rank)`` this sampler splits by, decided now."""
         if self._external is not None:
             return 1, 0
-        return _dist_world(self._num_replicas_arg, self._rank_arg)
+        return resolve_world(self._num_replicas_arg, self._rank_arg)
 
-    def _note_driver(self, pass_start: bool) -> None:
-        """Learn who iterates this sampler. At the start of a pass: the DataLoader (its
-        workers and batch size, which a sampler may deal batches by); at any use: a
-        batch-sharding wrapper, under which the sampler switches to the global order."""
-        found = driver(self, skip=3)
-        if pass_start:
-            self._driver = found
-        sharder = found.sharder
-        if self._external is not None or sharder is None:
+    def bind_loader(self, binding: LoaderBinding) -> None:
+        """Be told how the loader that iterates this sampler uses it.
+
+        :func:`torchgrain.bind` (and :class:`~torchgrain.ResumableLoader`) call this with
+        what the loader says about itself; call it yourself for a loader torchgrain does
+        not know. Under a ``sharder`` the sampler hands out the one global order from
+        then on (it raises if it was built with ``num_replicas > 1``).
+        """
+        if not isinstance(binding, LoaderBinding):
+            raise TypeError(f"binding must be a LoaderBinding, got {type(binding).__name__}")
+        if binding.sharder is not None:
+            self._adopt_sharder(binding.sharder)
+        self._binding = binding
+
+    def _adopt_sharder(self, sharder: str) -> None:
+        if self._external is not None:
             return
         if self._num_replicas_arg is not None and self._num_replicas_arg > 1:
             raise ValueError(
@@ -218,6 +240,47 @@ class ResumableSampler(DistributedSampler):
             )
         self._external = sharder
         self._it_world = None
+
+    def _note_driver(self, pass_start: bool) -> None:
+        """At any use: an Accelerate loader that splits the batches drawn from this
+        sampler, found on the call stack even when nobody bound the sampler (the
+        sampler then switches to the global order). At the start of a pass, for a
+        sampler that deals batches to workers and was not bound: the DataLoader's
+        shape, found on the call stack (deprecated)."""
+        if self._external is None:
+            sharder = _accelerate.sharder_driving(self, skip=3)
+            if sharder is not None:
+                self._adopt_sharder(sharder)
+        if pass_start and self._binding is None and self.uses_loader_shape():
+            shape = _dataloader.driving_loader_shape(self, skip=3)
+            if shape is not None and shape != self._found_shape:
+                warnings.warn(
+                    f"{type(self).__name__} learned its DataLoader's batch_size and "
+                    "num_workers by inspecting the call stack; that is deprecated and will be "
+                    "removed. Bind the loader with tg.bind(loader) (tg.ResumableLoader does "
+                    "it for you), or pass batch_size= and num_workers= to the sampler.",
+                    DeprecationWarning,
+                    stacklevel=4,
+                )
+            self._found_shape = shape
+
+    def uses_loader_shape(self) -> bool:
+        """Whether this sampler's split depends on its loader's batch size and workers.
+
+        A sampler that says so and was not bound (:func:`torchgrain.bind`) looks them up
+        on the call stack when a pass starts (deprecated, with a warning). Default False.
+        """
+        return False
+
+    def loader_shape(self) -> tuple[int | None, int | None]:
+        """``(batch_size, num_workers)`` of the loader this sampler is bound to (or, for
+        an unbound sampler that :meth:`uses_loader_shape`, found iterating it); Nones if
+        unknown."""
+        if self._binding is not None:
+            return self._binding.batch_size, self._binding.num_workers
+        if self._found_shape is not None:
+            return self._found_shape
+        return None, None
 
     @property
     def num_replicas(self) -> int:  # type: ignore[override]
@@ -250,55 +313,58 @@ class ResumableSampler(DistributedSampler):
             return self._count(self._n, (w, 0)) * w
         return self._n
 
+    @property
+    def sharded_by(self) -> str | None:
+        """The loader that splits this sampler's batches between processes itself
+        (``module.Class``), once one is bound or found; None otherwise. The sampler then
+        hands out the one global order."""
+        return self._external
+
+    @property
+    def dataset_len(self) -> int:
+        """``N``, the records the epoch's order covers."""
+        return self._n
+
     # -- geometry -----------------------------------------------------------------
     def _fresh_layout(self) -> np.ndarray:
         return np.array([[0, self._n]], dtype=np.int64)
 
+    def _shares(self, length: int, replicas: int) -> Shares:
+        """How ``replicas`` ranks of this sampler share a virtual stream of ``length``."""
+        pad_to = self._pad_to() if replicas == 1 else 1
+        return Shares(length, replicas, self.drop_last, self.pad, pad_to)
+
     def _count(self, length: int, world: tuple[int, int]) -> int:
         """Draws of rank ``world[1]`` from a virtual stream of ``length``."""
-        return _rank_count(length, world[0], world[1], self.drop_last, self.pad)
+        return self._shares(length, world[0]).count(world[1])
 
-    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
-        """Virtual position of this rank's position ``j`` and the step to ``j + 1``.
+    def _pad_to(self) -> int:
+        """What the order is padded to a multiple of, under a batch-sharding loader that
+        fills its last step (:attr:`LoaderBinding.pad_to`); else 1."""
+        binding = self._binding
+        if binding is None or self._external is None or not self.pad or self.drop_last:
+            return 1
+        return binding.pad_to
 
-        Positions past the virtual stream's end (padding) are wrapped by the caller.
-        """
-        raise NotImplementedError
-
-    def _rank_positions(
-        self, start: int, stop: int, count: int, length: int, world: tuple[int, int]
-    ) -> np.ndarray | None:
-        """Virtual positions of this rank's positions ``[start, stop)``, when they are
-        not the arithmetic progression that :meth:`_virtual` describes (else None)."""
-        return None
-
-    def _consumed_virtual(
-        self, length: int, replicas: int, pos: int, state: dict[str, Any]
-    ) -> list[tuple[int, int]]:
-        """Virtual intervals consumed when every one of ``replicas`` ranks drew ``pos``
-        (or all it had) in the order that ``state`` (the saved state) describes."""
-        raise NotImplementedError
+    def _saved_shares(self, state: dict[str, Any], length: int) -> Shares:
+        """How the ranks of the world ``state`` was saved in shared ``length``."""
+        replicas = operator.index(state["num_replicas"])
+        pad_to = operator.index(state.get("pad_to", 1)) if replicas == 1 else 1
+        drop, pad = bool(state["drop_last"]), bool(state.get("pad", True))
+        return Shares(length, replicas, drop, pad, pad_to)
 
     def _same_order(self, state: dict[str, Any]) -> bool:
         """Whether this sampler's per-rank order equals the one ``state`` was saved in,
         given the same world size and drop_last."""
-        return bool(state.get("pad", True)) == self.pad
-
-    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
-        """The current epoch's stream: maps positions ``q`` (int64 in ``[0, N)``) to indices.
-
-        The function is bound to the current seed, epoch and shuffle, so an iterator
-        that holds it keeps its order if the sampler changes epoch meanwhile.
-        """
-        raise NotImplementedError
-
-    def _layout_positions(self, layout: np.ndarray, v: np.ndarray) -> np.ndarray:
-        if len(layout) == 1:
-            return v + layout[0, 0]
-        lengths = layout[:, 1] - layout[:, 0]
-        ends = np.cumsum(lengths)
-        seg = np.searchsorted(ends, v, side="right")
-        return layout[seg, 0] + (v - (ends[seg] - lengths[seg]))
+        split = self.split()
+        same_pad_to = state.get("pad_to", 1) == (
+            self._pad_to() if operator.index(state["num_replicas"]) == 1 else 1
+        )
+        return (
+            bool(state.get("pad", True)) == self.pad
+            and same_pad_to
+            and split.from_state(state) == split
+        )
 
     def _indices_in(
         self,
@@ -306,28 +372,18 @@ class ResumableSampler(DistributedSampler):
         start: int,
         stop: int,
         world: tuple[int, int],
-        stream: Callable[[np.ndarray], np.ndarray] | None = None,
+        order: OrderFn | None = None,
     ) -> np.ndarray:
         length = _layout_length(layout)
-        count = self._count(length, world)
-        start, stop = max(0, start), min(stop, count)
+        shares = self._shares(length, world[0])
+        start, stop = max(0, start), min(stop, shares.count(world[1]))
         if stop <= start:
             return np.empty(0, dtype=np.int64)
-        stream = stream or self._stream_fn()
-        v = self._rank_positions(start, stop, count, length, world)
-        if v is not None:  # an order that is not an arithmetic progression
-            if int(v.max()) >= length:  # padding: wrap around the virtual stream
-                v %= length
-            return stream(self._layout_positions(layout, v))
-        first, step = self._virtual(start, count, length, world)
-        last = first + step * (stop - start - 1)
-        if last < length and len(layout) == 1:  # common case: one arange, no padding
-            base = first + int(layout[0, 0])
-            return stream(np.arange(base, base + step * (stop - start), step, dtype=np.int64))
-        v = np.arange(first, last + 1, step, dtype=np.int64)
-        if last >= length:  # padding: wrap around the virtual stream
+        order = order or self._order()
+        v = self.split().positions(shares, world[1], start, stop)
+        if int(v.max()) >= length:  # padding: wrap around the virtual stream
             v %= length
-        return stream(self._layout_positions(layout, v))
+        return order(_layout_positions(layout, v))
 
     def _current(self) -> tuple[np.ndarray, tuple[int, int]]:
         """Layout and world of the pass that :meth:`indices` and :meth:`state_dict`
@@ -371,20 +427,15 @@ class ResumableSampler(DistributedSampler):
             self._read_ahead(None, 0, 0)  # the old order's read-ahead stops
             self.epoch = epoch
             self._loaded = None
-            self._on_epoch_change()
             self._it_world = None
             self._it_layout = self._fresh_layout()
             self._it_start = self._it_chunk_start = self._it_chunk_len = 0
             self._it_chunk = None
         self._propagate_epoch()
 
-    def _on_epoch_change(self) -> None:
-        pass
-
     def _propagate_epoch(self) -> None:
-        hook = getattr(self.dataset, "set_epoch", None)
-        if callable(hook):
-            hook(self.epoch)
+        if isinstance(self.dataset, SetsEpoch):
+            self.dataset.set_epoch(self.epoch)
 
     def __iter__(self) -> Iterator[int]:
         # chain() hands out the ints of each chunk's list iterator at C speed; the
@@ -407,11 +458,11 @@ class ResumableSampler(DistributedSampler):
         count = self._count(_layout_length(layout), world)
         # Bind the epoch's order now: a set_epoch or load_state_dict while this
         # iterator is alive must not change the order of its later chunks.
-        stream = self._stream_fn()
-        self._read_ahead(lambda a, b: self._indices_in(layout, a, b, world, stream), start, count)
+        order = self._order()
+        self._read_ahead(lambda a, b: self._indices_in(layout, a, b, world, order), start, count)
         for s in range(start, count, _ITER_CHUNK):
             stop = min(s + _ITER_CHUNK, count)
-            chunk = self._indices_in(layout, s, stop, world, stream).tolist()
+            chunk = self._indices_in(layout, s, stop, world, order).tolist()
             it = iter(chunk)
             # Keep the list iterator: its __length_hint__ says how far the consumer got.
             self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
@@ -421,9 +472,8 @@ class ResumableSampler(DistributedSampler):
         """Hand this pass's order to the dataset's read-ahead (remote sources with a
         shard cache download the shards it will need; see :mod:`torchgrain.io.readahead`);
         an empty range cancels it."""
-        hook = getattr(self.dataset, "read_ahead", None)
-        if callable(hook):
-            hook(order, start, count, self._drawn)
+        if isinstance(self.dataset, ReadsAhead):
+            self.dataset.read_ahead(order, start, count, self._drawn)
 
     def _drawn(self) -> int:
         """Position reached by the latest iteration (draws made, incl. the resume offset)."""
@@ -486,29 +536,42 @@ class ResumableSampler(DistributedSampler):
             >>> head + list(t) == list(s)
             True
         """
-        if self._loaded is not None:
-            if consumed not in (None, 0):
-                raise ValueError(
-                    "consumed must be 0 or None before iteration of a loaded state starts"
-                )
-            return dict(self._loaded)  # not resumed yet: the position is the one loaded
-        layout, world = self._current()
-        drawn = self._drawn()
-        if consumed is None:
-            pos = drawn
-        else:
+        return self._state(consumed, drawn_only=True)
+
+    def _state(self, consumed: int | None, drawn_only: bool) -> dict[str, Any]:
+        """:meth:`state_dict`; with ``drawn_only=False`` the position may lie past what
+        this process's sampler has drawn: for a process whose sampler is not iterated
+        because another process reads for it (Accelerate's ``dispatch_batches``: the
+        loop still counts the steps it takes)."""
+        if consumed is not None:
             consumed = operator.index(consumed)
             if consumed < 0:
                 raise ValueError(f"consumed must be >= 0, got {consumed}")
-            count = self._count(_layout_length(layout), world)
-            pos = min(self._it_start + consumed, count)
-            if pos > drawn:
+        if self._loaded is not None:
+            if consumed in (None, 0):
+                return dict(self._loaded)  # not resumed yet: the position is the one loaded
+            if drawn_only:
                 raise ValueError(
-                    f"consumed={consumed} exceeds the {drawn - self._it_start} indices this "
+                    "consumed must be 0 or None before iteration of a loaded state starts"
+                )
+            world = self._world()
+            layout, start = self._resume_layout(self._loaded, world)
+            drawn = start
+        else:
+            layout, world = self._current()
+            start, drawn = self._it_start, self._drawn()
+        if consumed is None:
+            pos = drawn
+        else:
+            count = self._count(_layout_length(layout), world)
+            pos = min(start + consumed, count)
+            if drawn_only and pos > drawn:
+                raise ValueError(
+                    f"consumed={consumed} exceeds the {drawn - start} indices this "
                     "sampler has produced in the current pass"
                 )
         state = {
-            "sampler": self._kind,
+            "sampler": self._state_kind(),
             "version": 1,
             "seed": self.seed,
             "epoch": self.epoch,
@@ -520,20 +583,20 @@ class ResumableSampler(DistributedSampler):
             "layout": [[int(s), int(e)] for s, e in layout],
             "position": int(pos),
         }
-        state.update(self._extra_state())
+        if world[0] == 1 and self._pad_to() > 1:
+            state["pad_to"] = self._pad_to()
+        state.update(self.order_state())
+        state.update(self.split().state())
         return state
 
     def _finished(self, state: dict[str, Any]) -> bool:
         """Whether ``state`` (saved by this sampler) is at the end of its pass."""
         layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
-        world = (operator.index(state["num_replicas"]), self._current()[1][1])
-        return operator.index(state["position"]) >= self._count(_layout_length(layout), world)
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _check_extra_state(self, state: dict[str, Any]) -> None:
-        pass
+        replicas, rank = operator.index(state["num_replicas"]), self._current()[1][1]
+        shares = self._shares(_layout_length(layout), replicas)
+        if replicas == 1:
+            shares = self._saved_shares(state, shares.length)
+        return operator.index(state["position"]) >= shares.count(rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from :meth:`state_dict`) at the next iteration.
@@ -547,8 +610,8 @@ class ResumableSampler(DistributedSampler):
         ``dataset.set_epoch(epoch)`` when the dataset has that method.
         """
         self._read_ahead(None, 0, 0)  # a resume starts a new pass: the walk stops
-        if state.get("sampler") != self._kind:
-            raise ValueError(f"state is for {state.get('sampler')!r}, not {self._kind!r}")
+        if state.get("sampler") != self._state_kind():
+            raise ValueError(f"state is for {state.get('sampler')!r}, not {self._state_kind()!r}")
         if state.get("version") != 1:
             raise ValueError(f"unsupported sampler state version {state.get('version')!r}")
         if state["dataset_len"] != self._n:
@@ -556,7 +619,6 @@ class ResumableSampler(DistributedSampler):
                 f"state was saved for a dataset of {state['dataset_len']} records; "
                 f"this sampler's dataset has {self._n}"
             )
-        self._check_extra_state(state)
         layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
         if (
             (layout[:, 0] < 0).any()
@@ -564,21 +626,15 @@ class ResumableSampler(DistributedSampler):
             or (layout[:, 1] < layout[:, 0]).any()
         ):
             raise ValueError(f"invalid layout in sampler state: {state['layout']!r}")
-        old_w = operator.index(state["num_replicas"])
-        old_drop = bool(state["drop_last"])
-        old_pad = bool(state.get("pad", True))
         pos = operator.index(state["position"])
-        length = _layout_length(layout)
-        old_count = _rank_count(length, old_w, 0, old_drop, old_pad)
+        old_count = self._saved_shares(state, _layout_length(layout)).count(0)
         if not 0 <= pos <= old_count:
             raise ValueError(f"position {pos} outside [0, {old_count}] in sampler state")
+        self.load_order_state(state)
 
         self.seed = state["seed"]
         self.shuffle = bool(state["shuffle"])
-        epoch_changed = state["epoch"] != self.epoch
         self.epoch = state["epoch"]
-        self._load_extra_state(state, epoch_changed)
-
         self._loaded = {**state, "layout": layout.tolist(), "position": pos}
         self._it_world = None
         self._it_layout, self._it_start = layout, pos
@@ -603,55 +659,12 @@ class ResumableSampler(DistributedSampler):
             and self._same_order(state)
         ):
             return layout, pos
-        consumed = self._consumed_virtual(_layout_length(layout), old_w, pos, state)
+        shares = self._saved_shares(state, _layout_length(layout))
+        consumed = self.split().from_state(state).consumed(shares, pos)
         # Padding draws were trained on too: they consume the positions they repeat, so
         # nothing is handed out twice.
-        rest = _complement(consumed, _layout_length(layout))
-        return self._compose(layout, rest), 0
-
-    def _load_extra_state(self, state: dict[str, Any], epoch_changed: bool) -> None:
-        if epoch_changed:
-            self._on_epoch_change()
-
-    @staticmethod
-    def _compose(layout: np.ndarray, virtual: list[tuple[int, int]]) -> np.ndarray:
-        """Stream intervals of the given virtual intervals of ``layout``."""
-        out: list[tuple[int, int]] = []
-        base = 0
-        for s, e in layout.tolist():
-            seg_len = e - s
-            for vs, ve in virtual:
-                lo, hi = max(vs, base), min(ve, base + seg_len)
-                if lo < hi:
-                    a, b = s + lo - base, s + hi - base
-                    if out and out[-1][1] == a:
-                        out[-1] = (out[-1][0], b)
-                    else:
-                        out.append((a, b))
-            base += seg_len
-        if not out:
-            out.append((0, 0))
-        return np.asarray(out, dtype=np.int64).reshape(-1, 2)
-
-
-def _layout_length(layout: np.ndarray) -> int:
-    return int((layout[:, 1] - layout[:, 0]).sum())
-
-
-def _rank_count(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:
-    """Draws of rank ``r`` of ``w`` from a virtual stream of ``length``."""
-    if drop_last:
-        return length // w
-    if pad:
-        return -(-length // w)
-    return length // w + (r < length % w)
-
-
-def _run_start(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:
-    """First virtual position of rank ``r``'s contiguous run (BlockShuffleSampler)."""
-    if pad and not drop_last:
-        return r * -(-length // w)
-    return r * (length // w) + (0 if drop_last else min(r, length % w))
+        rest = _complement(consumed, shares.length)
+        return _compose(layout, rest), 0
 
 
 def _length_of(dataset_or_length: Any) -> int:

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from torchgrain.sampling.base import (
-    _ITER_CHUNK,
-    ResumableSampler,
-    _identity,
-    _rank_count,
-    _run_start,
-)
-from torchgrain.sampling.permutation import (
-    _GOLDEN,
-    _U64,
-    KeyedPermutation,
-    _derive_keys,
-    _mix_array,
-    _permute,
-    _rounds_for,
-    _split_bits,
-)
+from torchgrain.protocols import HasBlockOffsets
+from torchgrain.sampling.base import OrderFn, ResumableSampler
+from torchgrain.sampling.permutation import KeyedPermutation, KeyedPermutations
+from torchgrain.sampling.split import ContiguousSplit
+
+# Per call of the order, positions are mapped this many at a time: each step builds a
+# (stripes in the step) x window table of piece ends.
+_ORDER_STEP = 65536 * 8
 
 __all__ = ["BlockShuffleSampler"]
 
@@ -61,9 +52,10 @@ class BlockShuffleSampler(ResumableSampler):
 
     DataLoader workers: the DataLoader hands batch ``b`` to worker
     ``b % num_workers``, so by default every worker reads from every stripe and
-    decodes every block of its rank. With ``deal_to_workers=True`` the sampler learns
-    the ``batch_size`` and ``num_workers`` of the DataLoader that iterates it (when a
-    pass starts) and cuts the rank's run into ``num_workers`` contiguous parts, batch
+    decodes every block of its rank. With ``deal_to_workers=True`` the sampler takes
+    the ``batch_size`` and ``num_workers`` of the DataLoader it is bound to
+    (``loader = tg.bind(DataLoader(...))``; :class:`~torchgrain.ResumableLoader` binds
+    too) and cuts the rank's run into ``num_workers`` contiguous parts, batch
     ``b`` coming from part ``b % num_workers``: each worker reads its own part and
     decodes about ``1 / num_workers`` of the blocks. Consecutive batches then come
     from different parts of the epoch; the indices of the epoch are the same set, but
@@ -92,11 +84,13 @@ class BlockShuffleSampler(ResumableSampler):
         num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler
             (with ``pad=False`` the first ``L % num_replicas`` ranks' runs are one longer).
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
-        deal_to_workers: deal the rank's run to the workers of the DataLoader that
-            iterates the sampler, as above (default False).
+        deal_to_workers: deal the rank's run to the workers of the DataLoader the
+            sampler is bound to (:func:`torchgrain.bind`), as above (default False). An
+            unbound sampler still finds the DataLoader iterating it, with a
+            DeprecationWarning.
         batch_size, num_workers: deal batches as for a DataLoader with these settings
-            (what ``deal_to_workers`` would learn; a value given is used, a value left
-            out is learned from the loader). Saved in :meth:`state_dict`; resuming
+            (what ``deal_to_workers`` would take from the loader; a value given is used,
+            a value left out comes from the bound loader). Saved in :meth:`state_dict`; resuming
             under other values is an exact resume too (the rest of the epoch is
             re-laid out, as for a new world size).
 
@@ -122,7 +116,7 @@ class BlockShuffleSampler(ResumableSampler):
         True
     """
 
-    _kind = "BlockShuffleSampler"
+    state_kind = "BlockShuffleSampler"
 
     def __init__(
         self,
@@ -155,12 +149,11 @@ class BlockShuffleSampler(ResumableSampler):
         self.num_workers = num_workers
         self.deal_to_workers = bool(deal_to_workers)
         if block_offsets is None:
-            getter = getattr(dataset, "block_offsets", None)
-            if not callable(getter):
+            if not isinstance(dataset, HasBlockOffsets):
                 raise TypeError(
                     "BlockShuffleSampler needs a dataset with block_offsets() or block_offsets="
                 )
-            block_offsets = getter()
+            block_offsets = dataset.block_offsets()
         offsets = np.asarray(block_offsets)
         if offsets.ndim != 1 or offsets.size < 1 or not np.issubdtype(offsets.dtype, np.integer):
             raise ValueError("block_offsets must be a 1-D integer array of prefix offsets")
@@ -188,41 +181,32 @@ class BlockShuffleSampler(ResumableSampler):
         self._offsets = offsets
         self._digest = hashlib.blake2b(offsets.tobytes(), digest_size=16).hexdigest()
         self._tables: tuple[Any, ...] | None = None
-        super().__init__(n, ds, num_replicas, rank, shuffle, seed, drop_last, pad)
+        super().__init__(
+            n if ds is None else ds,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            pad=pad,
+        )
 
     @property
     def num_blocks(self) -> int:
         """Number of blocks (including empty ones)."""
         return len(self._offsets) - 1
 
-    def _on_epoch_change(self) -> None:
-        self._tables = None
-
-    def _extra_state(self) -> dict[str, Any]:
+    # -- the order ---------------------------------------------------------------------
+    def order_state(self) -> dict[str, Any]:
+        """The window and the block boundaries (by digest) fix the order too."""
         return {
             "window": self.window,
             "window_layout": "sliding",
             "num_blocks": self.num_blocks,
             "blocks_digest": self._digest,
-            **dict(zip(("batch_size", "num_workers"), self._dealing())),
         }
 
-    def _dealing(self) -> tuple[int | None, int]:
-        """``(batch_size, num_workers)`` the current pass deals batches by: the values
-        given, the rest learned from the iterating DataLoader when asked to deal; none
-        under a batch-sharding wrapper (its processes, not workers, take the batches)."""
-        if self._external is not None:
-            return None, 0
-        learn = self.deal_to_workers or self.num_workers is not None or self.batch_size is not None
-        batch_size = self.batch_size
-        if batch_size is None and learn:
-            batch_size = self._driver.batch_size
-        num_workers = self.num_workers
-        if num_workers is None:
-            num_workers = (self._driver.num_workers or 0) if self.deal_to_workers else 0
-        return batch_size, num_workers
-
-    def _check_extra_state(self, state: dict[str, Any]) -> None:
+    def load_order_state(self, state: dict[str, Any]) -> None:
         if state.get("window_layout") != "sliding":
             raise ValueError(
                 "state was saved by a BlockShuffleSampler with fixed windows (an earlier "
@@ -233,13 +217,10 @@ class BlockShuffleSampler(ResumableSampler):
                 f"state was saved for different block boundaries ({state.get('num_blocks')} "
                 f"blocks); this dataset has {self.num_blocks}"
             )
-
-    def _load_extra_state(self, state: dict[str, Any], epoch_changed: bool) -> None:
         self.window = operator.index(state["window"])
-        self._tables = None
 
-    def _build_tables(self) -> tuple[Any, ...]:
-        """Per-epoch block order, stripe offsets and stripe permutation keys: O(blocks).
+    def _build_tables(self, seed: int, epoch: int) -> tuple[Any, ...]:
+        """Per-epoch block order, stripe offsets and stripe permutations: O(blocks).
 
         The sliding window is laid out as *stripes*. With ``w = min(window, blocks)``,
         each block (in the epoch's shuffled block order ``0 .. B-1``) is cut into ``w``
@@ -249,13 +230,13 @@ class BlockShuffleSampler(ResumableSampler):
         and its rows are shuffled among themselves. The wrap-around keeps every
         stripe at ``w`` blocks, the first ones included.
         """
-        key = (self.seed, self.epoch, self.shuffle, self.window)
+        key = (seed, epoch, self.window)
         if self._tables is not None and self._tables[0] == key:
             return self._tables
         nb = self.num_blocks
         sizes = np.diff(self._offsets)
-        if self.shuffle and nb > 1:
-            order = KeyedPermutation(nb, self.seed, self.epoch, tag=b"blocks")(np.arange(nb))
+        if nb > 1:
+            order = KeyedPermutation(nb, seed, epoch, tag=b"blocks")(np.arange(nb))
         else:
             order = np.arange(nb, dtype=np.int64)
         w = max(1, min(self.window, nb))
@@ -269,83 +250,31 @@ class BlockShuffleSampler(ResumableSampler):
             stripe_sizes += base[src] + (rem[src] > k)
         stripe_start = np.zeros(nb + 1, dtype=np.int64)
         np.cumsum(stripe_sizes, out=stripe_start[1:])
-        stripe_u64 = stripe_sizes.astype(_U64)
-        a, c = _split_bits(stripe_u64)
-        # One round count for all stripes (the smallest one with rows to shuffle
-        # decides): the network then runs vectorised across stripes of any size.
-        bits = a + c
-        bits = int(bits[stripe_sizes > 1].min()) if (stripe_sizes > 1).any() else 64
-        base_keys = _derive_keys(self.seed, self.epoch, b"windows", _rounds_for(bits))
-        g = np.arange(nb, dtype=_U64) * _U64(_GOLDEN)
-        keys = np.stack([_mix_array(g + k) for k in base_keys])
-        self._tables = (key, order, w, base, rem, stripe_start, stripe_u64, keys, a, c)
+        # One permutation per stripe, all evaluated in one vectorised pass.
+        perms = KeyedPermutations(stripe_sizes, seed, epoch, tag=b"windows")
+        self._tables = (key, order, w, base, rem, stripe_start, perms)
         return self._tables
 
-    def _run_start(self, length: int, world: tuple[int, int]) -> int:
-        return _run_start(length, world[0], world[1], self.drop_last, self.pad)
-
-    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
-        return self._run_start(length, world) + j, 1
-
-    def _rank_positions(
-        self, start: int, stop: int, count: int, length: int, world: tuple[int, int]
-    ) -> np.ndarray | None:
-        config = _deal_config(self._extra_state())
-        if config is None:
-            return None
-        j = np.arange(start, stop, dtype=np.int64)
-        return self._run_start(length, world) + _deal(j, count, *config)
-
-    def _same_order(self, state: dict[str, Any]) -> bool:
-        return super()._same_order(state) and _deal_config(state) == _deal_config(
-            self._extra_state()
-        )
-
-    def _consumed_virtual(
-        self, length: int, replicas: int, pos: int, state: dict[str, Any]
-    ) -> list[tuple[int, int]]:
-        # Contiguous split: rank r's run starts at start(r) and has count(r) draws;
-        # without dealing it consumed the run's first `pos` (or all of it), with
-        # dealing a prefix of each worker's part of the run.
-        drop, pad = bool(state["drop_last"]), bool(state.get("pad", True))
-        config = _deal_config(state)
-        out: list[tuple[int, int]] = []
-        for r in range(replicas):
-            start = _run_start(length, replicas, r, drop, pad)
-            count = _rank_count(length, replicas, r, drop, pad)
-            drawn = min(pos, count)
-            if config is None:
-                out.append((start, start + drawn))
-            else:
-                out.extend(
-                    (start + a, start + b) for a, b in _dealt_prefixes(count, drawn, *config)
-                )
-        return out
-
-    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
-        if not self.shuffle:
-            return _identity
-        _, order, w, base, rem, stripe_start, stripe_u64, keys, a, c = self._build_tables()
+    def epoch_order(self, seed: int, epoch: int) -> OrderFn:
+        """Shuffled blocks, rows shuffled within stripes of ``window`` blocks."""
+        _, order, w, base, rem, stripe_start, perms = self._build_tables(seed, epoch)
         offsets = self._offsets
         nb = self.num_blocks
         ks = np.arange(w, dtype=np.int64)
-        # Per chunk, a (stripes in the chunk) x w table of piece ends: bound it.
-        chunk = max(4096, (_ITER_CHUNK * 8) // w)
+        # Per step, a (stripes in the step) x w table of piece ends: bound it.
+        step = max(4096, _ORDER_STEP // w)
 
         def stream(q: np.ndarray) -> np.ndarray:
             out = np.empty(q.shape, dtype=np.int64)
-            for lo in range(0, q.size, chunk):
-                qs = q[lo : lo + chunk]
+            for lo in range(0, q.size, step):
+                qs = q[lo : lo + step]
                 s = np.searchsorted(stripe_start, qs, side="right") - 1
                 first = stripe_start[s]
-                local = (qs - first).astype(_U64)
                 # Stripes of 1 or 2 rows go through the network too (a or c is 0).
-                slot = first + _permute(local, stripe_u64[s], keys[:, s], a[s], c[s]).astype(
-                    np.int64
-                )
+                slot = first + perms(s, qs - first)
                 # The piece holding each slot: stripe s is piece 0 of block s, piece 1
                 # of block s-1, ... in that order; one searchsorted over the absolute
-                # piece ends of the stripes this chunk touches.
+                # piece ends of the stripes this step touches.
                 us, inv = _distinct(s)
                 src = (us[:, None] - ks) % nb
                 size = base[src] + (rem[src] > ks)
@@ -355,10 +284,39 @@ class BlockShuffleSampler(ResumableSampler):
                 blk = src.ravel()[flat]
                 before = ends.ravel()[flat] - size.ravel()[flat]
                 row = k * base[blk] + np.minimum(k, rem[blk]) + (slot - before)
-                out[lo : lo + chunk] = offsets[order[blk]] + row
+                out[lo : lo + step] = offsets[order[blk]] + row
             return out
 
         return stream
+
+    # -- the split ---------------------------------------------------------------------
+    def split(self) -> ContiguousSplit:
+        """Contiguous runs per rank, dealt to the loader's workers when asked to."""
+        return ContiguousSplit(*self._dealing())
+
+    def _dealing(self) -> tuple[int | None, int]:
+        """``(batch_size, num_workers)`` the current pass deals batches by: the values
+        given, the rest from the DataLoader the sampler is bound to when asked to deal;
+        none under a batch-sharding loader (its processes, not workers, take the
+        batches)."""
+        if self.sharded_by is not None:
+            return None, 0
+        learn = self.deal_to_workers or self.num_workers is not None or self.batch_size is not None
+        loader_batch_size, loader_workers = self.loader_shape()
+        batch_size = self.batch_size
+        if batch_size is None and learn:
+            batch_size = loader_batch_size
+        num_workers = self.num_workers
+        if num_workers is None:
+            num_workers = (loader_workers or 0) if self.deal_to_workers else 0
+        return batch_size, num_workers
+
+    def uses_loader_shape(self) -> bool:
+        if self.sharded_by is not None:
+            return False
+        if self.deal_to_workers:
+            return self.batch_size is None or self.num_workers is None
+        return self.num_workers is not None and self.batch_size is None
 
 
 def _distinct(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -370,49 +328,3 @@ def _distinct(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         np.not_equal(s[1:], s[:-1], out=new[1:])
         return s[new], np.cumsum(new) - 1
     return np.unique(s, return_inverse=True)
-
-
-def _deal_config(state: dict[str, Any]) -> tuple[int, int] | None:
-    """``(batch_size, num_workers)`` when the saved order deals batches to workers."""
-    b, w = state.get("batch_size"), state.get("num_workers") or 0
-    return (int(b), int(w)) if b is not None and w > 1 else None
-
-
-def _dealt_parts(count: int, batch_size: int, num_workers: int) -> np.ndarray:
-    """Start of each worker's part of a run of ``count`` (and the end), int64."""
-    nb = -(-count // batch_size)
-    w = np.arange(num_workers, dtype=np.int64)
-    batches = np.maximum(0, -(-(nb - w) // num_workers))  # batches b < nb with b % W == w
-    lengths = batches * batch_size
-    if nb:
-        lengths[(nb - 1) % num_workers] -= nb * batch_size - count  # the short last batch
-    starts = np.zeros(num_workers + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
-    return starts
-
-
-def _deal(j: np.ndarray, count: int, batch_size: int, num_workers: int) -> np.ndarray:
-    """Run position of draw ``j``: batch ``b = j // batch_size`` is the
-    ``b // num_workers``-th batch of worker ``b % num_workers``'s contiguous part.
-    A bijection of ``[0, count)``."""
-    starts = _dealt_parts(count, batch_size, num_workers)
-    b = j // batch_size
-    return starts[b % num_workers] + (b // num_workers) * batch_size + j % batch_size
-
-
-def _dealt_prefixes(
-    count: int, pos: int, batch_size: int, num_workers: int
-) -> list[tuple[int, int]]:
-    """Run intervals of the first ``pos`` draws of a dealt run of ``count``."""
-    starts = _dealt_parts(count, batch_size, num_workers).tolist()
-    if pos >= count:
-        return [(0, count)]
-    full, rem = divmod(pos, batch_size)  # batches before `full` are whole (not the last)
-    out = []
-    for w in range(num_workers):
-        drawn = max(0, -(-(full - w) // num_workers)) * batch_size
-        if rem and full % num_workers == w:
-            drawn += rem
-        if drawn:
-            out.append((starts[w], starts[w] + drawn))
-    return out

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from torchgrain.sampling.base import ResumableSampler, _identity, _length_of
-from torchgrain.sampling.permutation import _U64, KeyedPermutation, _permute
+from torchgrain.sampling.base import OrderFn, ResumableSampler
+from torchgrain.sampling.permutation import KeyedPermutation
 
 __all__ = ["GlobalShuffleSampler"]
 
@@ -76,7 +73,7 @@ class GlobalShuffleSampler(ResumableSampler):
         (5,)
     """
 
-    _kind = "GlobalShuffleSampler"
+    state_kind = "GlobalShuffleSampler"
 
     def __init__(
         self,
@@ -89,38 +86,28 @@ class GlobalShuffleSampler(ResumableSampler):
         drop_last: bool = False,
         pad: bool = True,
     ) -> None:
-        n = _length_of(dataset_or_length)
-        if n > (1 << 62):
-            raise ValueError(f"dataset length {n} exceeds 2**62")
-        dataset = None if isinstance(dataset_or_length, (int, np.integer)) else dataset_or_length
-        super().__init__(n, dataset, num_replicas, rank, shuffle, seed, drop_last, pad)
+        super().__init__(
+            dataset_or_length,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            pad=pad,
+        )
+        if self.dataset_len > (1 << 62):
+            raise ValueError(f"dataset length {self.dataset_len} exceeds 2**62")
         self._perm: KeyedPermutation | None = None
 
-    def _permutation(self) -> KeyedPermutation:
+    def epoch_order(self, seed: int, epoch: int) -> OrderFn:
+        """A keyed Feistel permutation of ``[0, N)`` for ``(seed, epoch)``."""
         p = self._perm
-        if p is None or (p.seed, p.epoch) != (self.seed, self.epoch):
-            p = KeyedPermutation(self._n, self.seed, self.epoch)
+        if p is None or (p.seed, p.epoch) != (seed, epoch):
+            p = KeyedPermutation(self.dataset_len, seed, epoch)
             self._perm = p
-        return p
 
-    def _virtual(self, j: int, count: int, length: int, world: tuple[int, int]) -> tuple[int, int]:
-        return j * world[0] + world[1], world[0]
+        def order(q: Any) -> Any:
+            # q is a fresh in-range int64 array: no range pass, no copy.
+            return p(q, check=False)
 
-    def _consumed_virtual(
-        self, length: int, replicas: int, pos: int, state: dict[str, Any]
-    ) -> list[tuple[int, int]]:
-        # Interleaved split: after every rank drew `pos`, the prefix of pos * W
-        # virtual positions is consumed.
-        return [(0, min(pos * replicas, length))]
-
-    def _stream_fn(self) -> Callable[[np.ndarray], np.ndarray]:
-        if not self.shuffle or self._n <= 1:
-            return _identity
-        p = self._permutation()
-        n = _U64(self._n)
-
-        def stream(q: np.ndarray) -> np.ndarray:
-            # q is a fresh non-negative int64 array: reinterpret it, no copy or checks.
-            return _permute(q.view(_U64), n, p._keys, p._a, p._c).view(np.int64)
-
-        return stream
+        return order

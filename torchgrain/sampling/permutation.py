@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KeyedPermutation"]
+__all__ = ["KeyedPermutation", "KeyedPermutations"]
 
 _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
@@ -206,8 +206,14 @@ class KeyedPermutation:
         self._a, self._c = _split_bits(n)
         self._keys = _derive_keys(seed, epoch, tag, _rounds_for(int(self._a + self._c)))
 
-    def _apply(self, x: Any, inverse: bool) -> np.ndarray:
+    def _apply(self, x: Any, inverse: bool, check: bool = True) -> np.ndarray:
         x = np.asarray(x)
+        if not check and x.dtype == np.int64 and x.ndim == 1:
+            if self.n <= 1:
+                return x
+            # Non-negative int64 reinterpreted as uint64: no copy, no range pass.
+            out = _permute(x.view(_U64), _U64(self.n), self._keys, self._a, self._c, inverse)
+            return out.view(np.int64)
         if x.size and (int(x.min()) < 0 or int(x.max()) >= self.n):
             raise IndexError(f"values must be in [0, {self.n}) for a permutation of size {self.n}")
         if self.n <= 1:
@@ -216,10 +222,70 @@ class KeyedPermutation:
         out = _permute(flat, _U64(self.n), self._keys, self._a, self._c, inverse)
         return out.view(np.int64).reshape(x.shape)
 
-    def __call__(self, x: Any) -> np.ndarray:
-        """The images of ``x`` (array-like of ints in ``[0, n)``), as int64."""
-        return self._apply(x, inverse=False)
+    def __call__(self, x: Any, *, check: bool = True) -> np.ndarray:
+        """The images of ``x`` (array-like of ints in ``[0, n)``), as int64.
+
+        ``check=False`` is for positions a sampler computed itself: a 1-D int64 array
+        whose values are known to lie in ``[0, n)`` is permuted without the range check
+        (values outside give wrong results, not an error).
+        """
+        return self._apply(x, inverse=False, check=check)
 
     def inverse(self, y: Any) -> np.ndarray:
         """The preimages of ``y``: ``p.inverse(p(x)) == x``."""
         return self._apply(y, inverse=True)
+
+
+class KeyedPermutations:
+    """A family of keyed permutations, member ``m`` a permutation of ``[0, sizes[m])``,
+    evaluated together in one vectorised pass.
+
+    What :class:`~torchgrain.BlockShuffleSampler` shuffles the rows of its stripes with:
+    one member per stripe, millions of positions across thousands of members in one
+    call. Memory is O(members). The members' round keys come from one hash of
+    ``(seed, epoch, tag)`` spread over the members, and all members run the same number
+    of rounds (that of the smallest member with two or more values: small domains need
+    the most), so the network runs across members of any sizes at once.
+
+    Args:
+        sizes: the members' domain sizes (a 1-D integer array).
+        seed, epoch, tag: as for :class:`KeyedPermutation`.
+
+    Example:
+        >>> import numpy as np
+        >>> p = KeyedPermutations(np.array([3, 5]), seed=1, epoch=0)
+        >>> member = np.array([0, 0, 0, 1, 1, 1, 1, 1])
+        >>> x = np.array([0, 1, 2, 0, 1, 2, 3, 4])
+        >>> y = p(member, x)
+        >>> sorted(y[:3].tolist()), sorted(y[3:].tolist())
+        ([0, 1, 2], [0, 1, 2, 3, 4])
+    """
+
+    def __init__(self, sizes: Any, seed: int = 0, epoch: int = 0, tag: bytes = b"windows") -> None:
+        sizes = np.asarray(sizes)
+        if sizes.ndim != 1 or not np.issubdtype(sizes.dtype, np.integer):
+            raise ValueError("sizes must be a 1-D integer array")
+        if sizes.size and int(sizes.min()) < 0:
+            raise ValueError("sizes must be >= 0")
+        self.sizes = sizes.astype(np.int64)
+        self._n = self.sizes.astype(_U64)
+        self._a, self._c = _split_bits(self._n)
+        bits = self._a + self._c
+        many = self.sizes > 1
+        rounds = _rounds_for(int(bits[many].min()) if many.any() else 64)
+        base_keys = _derive_keys(seed, epoch, tag, rounds)
+        g = np.arange(len(self.sizes), dtype=_U64) * _U64(_GOLDEN)
+        self._keys = np.stack([_mix_array(g + k) for k in base_keys])
+
+    def __call__(self, member: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The images of ``x[i]`` under member ``member[i]``, as int64.
+
+        ``member`` and ``x`` are int64 arrays of one shape with ``0 <= x[i] <
+        sizes[member[i]]``; like ``check=False`` of :class:`KeyedPermutation`, values out
+        of range give wrong results, not an error.
+        """
+        local = x.astype(_U64)
+        out = _permute(
+            local, self._n[member], self._keys[:, member], self._a[member], self._c[member]
+        )
+        return out.astype(np.int64)

@@ -29,22 +29,19 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
-from torchgrain.io import remote
-from torchgrain.io.fs import ShardPaths, expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import ShardPaths, is_local
 from torchgrain.io.limits import default_max_open_files
-from torchgrain.io.paths import resolve_all
 from torchgrain.io.region import RegionUnavailable, ShardRegion
-from torchgrain.io.retry import RetryPolicy, retry_call, using
-from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, DEFAULT_MAX_INFLIGHT
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
+from torchgrain.io.retry import retry_call, using
+from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
+from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
+from torchgrain.sources.options import ReadOptions
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
-ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 _SEQUENTIAL_BLOCK = 1024  # records per read when reading a shard in order
 _FOOTERS = 256  # shards whose index views a process keeps for single-record reads
 
@@ -62,54 +59,28 @@ class ArrayRecordSource(EncodedSource):
             with ``features.json``), ``"auto"`` and ``"tf_example"`` decode records per
             the feature spec (:class:`~torchgrain.formats.tfds.TFDSCodec`: images to
             arrays, scalars squeezed, tensors reshaped); the files must be of one split.
-        storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
-        filesystem: an fsspec filesystem to use instead of inferring one.
-        verify_checksums: verify Riegeli chunk hashes on every read.
+        options: how the shards are read (:class:`~torchgrain.ReadOptions`: storage,
+            caches, threads, retries, limits, trust); each of its fields is also
+            accepted as a keyword argument (``cache_dir=...``), which replaces that
+            field. Here ``cache_bytes`` is the cache of decompressed chunks: only chunks
+            holding several records (files written with ``group_size`` > 1) are kept,
+            so that a block-local order decompresses each chunk once.
+            ``verify_checksums`` (Riegeli's chunk hashes) is off by default: the hash
+            is computed in pure Python (a few MB/s) and turns off the mapped batch
+            reads; a damaged compressed chunk still fails to decompress.
+            ``max_open_files`` defaults to every shard when the open-files limit
+            allows (raising the soft limit toward the hard one where that makes room),
+            else what a quarter of the limit holds; local batches are read through one
+            map of all shards and open readers only for unusual chunks. Before
+            ``cache_dir_bytes`` existed, the keyword ``cache_bytes`` given together
+            with ``cache_dir`` meant that budget; that still works, with a
+            ``DeprecationWarning``.
         max_chunk_bytes: the most bytes one compressed chunk (so one record) may
             decompress to (default 1 GiB,
             :data:`~torchgrain.formats.arrayrecord_file.DEFAULT_MAX_CHUNK_BYTES`); a
             chunk that declares more raises :class:`~torchgrain.CorruptDataError`
             before anything is allocated for it. Raise it for trusted files written
             with large groups of large records.
-        cache_bytes: this process's in-memory cache of decompressed chunks, in bytes
-            (default 256 MiB; ``0`` disables it). Only chunks holding several records
-            (files written with ``group_size`` > 1) are kept: a block-local order then
-            decompresses each chunk once.
-        cache_dir: a local directory (or a :class:`~torchgrain.io.shard_cache.ShardCache`)
-            for whole copies of *remote* shards: each shard is downloaded once (by one
-            worker of the machine) and read locally after. Local shards are never cached.
-        cache_dir_bytes: byte budget of ``cache_dir`` (default 16 GiB; least recently
-            used shards go first). Before this argument existed, ``cache_bytes`` given
-            together with ``cache_dir`` meant this budget; that still works, with a
-            ``DeprecationWarning``.
-        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of
-            shards a sampler's future order may have downloaded ahead of use (default:
-            half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
-            :mod:`torchgrain.io.readahead`.
-        io_threads: threads per process that read the shards of one remote batch
-            concurrently, overlapping request latency (1 = sequential), and the shard
-            read-ahead's concurrent downloads. Local shards are always read in the
-            calling thread.
-        max_inflight: remote range requests in flight per process when batches are read
-            from remote shards without ``cache_dir`` (default 128): a batch's chunks are
-            fetched across all its shards at once, neighbours within 4 KiB coalesced,
-            and with ``num_workers=0`` the next batches of the sampler's order are
-            fetched while the current one is decoded (see
-            :class:`~torchgrain.io.readahead.RangeReadAhead`).
-        retry: retry policy and deadlines of remote reads and downloads (default
-            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential backoff;
-            a read that makes no progress fails within 90 s).
-        max_open_files: shard readers (file descriptors) kept open per process, least
-            recently used closed first (default: every shard when the open-files limit
-            allows, raising the soft limit toward the hard one where that makes room,
-            else what a quarter of the limit holds; see :mod:`torchgrain.io.limits`).
-            Local batches are read through one map of all shards instead and open
-            readers only for unusual chunks.
-        allow_external_paths: a manifest (or a server's directory listing) may name
-            shards outside the dataset's directory (absolute paths, ``..``, other URLs),
-            and an HTTP(S) server may redirect. Off by default: a dataset from an
-            untrusted place must not pull other files into your batches, nor make this
-            process request other URLs (see :mod:`torchgrain.io.paths`).
         index_dir: where the dataset index of local shards (every chunk's offset and
             size, see :mod:`torchgrain.sources.node_index`) is built once per machine
             and shared by every process through the page cache, for datasets without a
@@ -148,32 +119,22 @@ class ArrayRecordSource(EncodedSource):
         paths: str | os.PathLike | Sequence[str | os.PathLike],
         *,
         codec: str | Codec = "auto",
-        storage_options: dict[str, Any] | None = None,
-        filesystem: fsspec.AbstractFileSystem | None = None,
-        verify_checksums: bool = False,
-        cache_bytes: int | None = None,
-        cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_dir_bytes: int | None = None,
-        io_threads: int = 8,
-        read_ahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        max_open_files: int | type[Ellipsis] | None = ...,
-        allow_external_paths: bool = False,
+        options: ReadOptions | None = None,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
         max_mapped_shards: int | None = None,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        **read_options: Any,
     ) -> None:
-        cache_bytes, cache_dir_bytes = _cache_budgets(cache_bytes, cache_dir, cache_dir_bytes)
-        self._verify = verify_checksums
+        opts = ReadOptions.build(options, _old_cache_budget(read_options))
+        self._verify = opts.verify_or(False)
         self.max_chunk_bytes = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         if max_mapped_shards is not None and max_mapped_shards < 0:
             raise ValueError(f"max_mapped_shards must be >= 0, got {max_mapped_shards!r}")
         self.max_mapped_shards = max_mapped_shards
-        retry = retry or RetryPolicy()
+        retry = opts.retry_policy
         with using(retry):  # the transport and open-time requests keep to its deadlines
-            manifest, fs, files, index_entry = _resolve(
-                paths, storage_options, filesystem, allow_external_paths
+            manifest, fs, files, index_entry = resolve_dataset(
+                paths, opts.storage_options, opts.filesystem, opts.allow_external_paths
             )
         local = is_local(fs)
         self._has_manifest = manifest is not None
@@ -218,21 +179,16 @@ class ArrayRecordSource(EncodedSource):
                 policy=retry,
                 what="reading shard footers",
             )
-        if max_open_files is ...:
+        max_open_files = opts.max_open_files
+        if max_open_files == "auto":
             # Local readers hold two descriptors each (the file, its map); remote ones none.
             max_open_files = default_max_open_files(len(shard_paths)) if local else None
         self._init_shards(
             filesystem=fs,
             paths=shard_paths,
             counts=counts,
-            cache_bytes=cache_bytes,
-            cache_dir=cache_dir,
-            cache_dir_bytes=cache_dir_bytes,
-            io_threads=io_threads,
-            read_ahead_bytes=read_ahead_bytes,
-            retry=retry,
+            options=opts,
             max_open_files=max_open_files,
-            max_inflight=max_inflight,
         )
         if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
@@ -260,28 +216,7 @@ class ArrayRecordSource(EncodedSource):
     ) -> ArrayRecordFile:
         ix = self._dindex
         if ix is None or filesystem is not None or path != self._paths[shard]:
-            f = ArrayRecordFile(
-                path,
-                filesystem=filesystem,
-                verify_checksums=self._verify,
-                max_chunk_bytes=self.max_chunk_bytes,
-            )
-            try:
-                self._check_count(shard, f)
-            except (IsADirectoryError, NotADirectoryError) as e:
-                f.close()
-                raise CorruptDataError(
-                    f"shard {shard} {path!r} of this dataset is a directory, not an "
-                    "ArrayRecord file"
-                ) from e
-            except FileNotFoundError as e:
-                f.close()
-                if isinstance(e, DatasetNotFoundError):
-                    raise
-                raise DatasetNotFoundError(
-                    f"shard {shard} {path!r} of this dataset does not exist ({e})"
-                ) from e
-            return f
+            return self._counted_file(shard, path, filesystem)
         # A local shard of an indexed dataset: its footer comes from the index, and the
         # file is checked against it now (size, footer), not parsed.
         self._check_counts(np.array([shard]))
@@ -301,6 +236,36 @@ class ArrayRecordSource(EncodedSource):
             raise DatasetNotFoundError(
                 f"shard {shard} {path!r} of this dataset does not exist ({e})"
             ) from e
+        return f
+
+    def _counted_file(
+        self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
+    ) -> ArrayRecordFile:
+        """A reader of shard ``shard`` whose record count has been checked against the
+        manifest's; a shard that is a directory or missing is an error naming it."""
+        f = ArrayRecordFile(
+            path,
+            filesystem=filesystem,
+            verify_checksums=self._verify,
+            max_chunk_bytes=self.max_chunk_bytes,
+        )
+        try:
+            self._check_count(shard, f)
+        except (IsADirectoryError, NotADirectoryError) as e:
+            f.close()
+            raise CorruptDataError(
+                f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
+            ) from e
+        except FileNotFoundError as e:
+            f.close()
+            if isinstance(e, DatasetNotFoundError):
+                raise
+            raise DatasetNotFoundError(
+                f"shard {shard} {path!r} of this dataset does not exist ({e})"
+            ) from e
+        except BaseException:
+            f.close()
+            raise
         return f
 
     def _shard_changed(self, shard: int, why: str) -> CorruptDataError:
@@ -330,11 +295,7 @@ class ArrayRecordSource(EncodedSource):
         bad = self._count_bad
         if bad is not None and bad[shards].any():
             shard = int(shards[np.flatnonzero(bad[shards])[0]])
-            f = ArrayRecordFile(self._paths[shard], max_chunk_bytes=self.max_chunk_bytes)
-            try:
-                self._check_count(shard, f)
-            finally:
-                f.close()
+            self._counted_file(shard, self._paths[shard], None).close()
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
         return reader.for_child() if reader.has_index else None
@@ -691,11 +652,17 @@ class ArrayRecordSource(EncodedSource):
         )
 
 
-def _cache_budgets(
-    cache_bytes: int | None, cache_dir: Any, cache_dir_bytes: int | None
-) -> tuple[int, int]:
-    """``(cache_bytes, cache_dir_bytes)``, honouring the old meaning of ``cache_bytes``."""
-    if cache_dir is not None and cache_bytes is not None and cache_dir_bytes is None:
+def _old_cache_budget(keywords: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments, the earlier meaning of ``cache_bytes`` honoured: given
+    with ``cache_dir`` and without ``cache_dir_bytes``, it was the budget of
+    ``cache_dir``."""
+    if keywords.get("cache_dir_bytes", 0) is None:
+        keywords = {k: v for k, v in keywords.items() if k != "cache_dir_bytes"}
+    if (
+        keywords.get("cache_dir") is not None
+        and keywords.get("cache_bytes") is not None
+        and "cache_dir_bytes" not in keywords
+    ):
         warnings.warn(
             "ArrayRecordSource(cache_dir=..., cache_bytes=N): cache_bytes is now the "
             "in-memory chunk cache, as on every source; N is taken as the budget of "
@@ -703,85 +670,5 @@ def _cache_budgets(
             DeprecationWarning,
             stacklevel=3,
         )
-        return DEFAULT_CACHE_BYTES, cache_bytes
-    return (
-        DEFAULT_CACHE_BYTES if cache_bytes is None else cache_bytes,
-        DEFAULT_CACHE_DIR_BYTES if cache_dir_bytes is None else cache_dir_bytes,
-    )
-
-
-def _resolve(
-    paths: Any,
-    storage_options: dict[str, Any] | None,
-    filesystem: fsspec.AbstractFileSystem | None,
-    allow_external_paths: bool,
-) -> tuple[
-    Manifest | None, fsspec.AbstractFileSystem, list[str], tuple[str, dict[str, Any]] | None
-]:
-    """The manifest (for a dataset directory that has one), the filesystem, the files,
-    and the dataset's own index file with its manifest entry (when it names one)."""
-    if isinstance(paths, (str, os.PathLike)):
-        if filesystem is not None:
-            fs, root = filesystem, filesystem._strip_protocol(os.fspath(paths))
-        else:
-            fs, root = get_filesystem(paths, storage_options, allow_redirects=allow_external_paths)
-        where = os.fspath(paths)
-        if not any(ch in root for ch in "*?[") and remote.isdir(fs, root, url=where):
-            manifest = read_manifest(fs, root)
-            if manifest is not None:
-                files = _shard_paths(
-                    fs, root, [s.path for s in manifest.shards], where, allow_external_paths
-                )
-                ends = sorted({0, len(files) - 1}) if files else []
-                missing = [k for k in ends if not remote.exists(fs, files[k])]
-                if missing:
-                    raise DatasetNotFoundError(
-                        f"shard {missing[0]} {files[missing[0]]!r} listed in the manifest of "
-                        f"{where!r} does not exist"
-                    )
-                entry = manifest.extra.get("index")
-                index = None
-                if isinstance(entry, dict) and isinstance(entry.get("path"), str):
-                    # The index file is named like a shard: inside the dataset, always.
-                    path = resolve_all(
-                        fs,
-                        root,
-                        [entry["path"]],
-                        where=f"the manifest of {where!r}",
-                        what=lambda k: "its index file",
-                    )[0]
-                    index = (path, entry)
-                return manifest, fs, files, index
-    fs, files = expand_paths(
-        paths,
-        suffixes=ARRAY_RECORD_SUFFIXES,
-        storage_options=storage_options,
-        filesystem=filesystem,
-        kind="ArrayRecord",
-        allow_external=allow_external_paths,
-    )
-    return None, fs, files, None
-
-
-def _shard_paths(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
-    names: list[str],
-    where: str,
-    allow_external: bool,
-) -> list[str]:
-    """Where a manifest's shards are: inside ``root`` unless the user allows more.
-
-    A shard name is a relative path below the dataset directory, checked in every reading
-    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_all`: ``..``
-    segments, an absolute path or a URL would let an untrusted dataset read any file the
-    process can. A symlink inside the directory is the user's own doing and is followed.
-    """
-    return resolve_all(
-        fs,
-        root,
-        names,
-        where=f"the manifest of {where!r}",
-        what=lambda k: f"shard {k}",
-        allow_external=allow_external,
-    )
+        keywords = {**keywords, "cache_bytes": None, "cache_dir_bytes": keywords["cache_bytes"]}
+    return keywords

@@ -21,7 +21,6 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import fsspec
@@ -35,7 +34,6 @@ from torchgrain.io.ranges import fetch_batch, range_store
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache, file_identity
 from torchgrain.sources.block_cache import (
-    DEFAULT_CACHE_BYTES,
     BlockCache,
     CacheBlocks,
     CacheFit,
@@ -43,19 +41,12 @@ from torchgrain.sources.block_cache import (
     check_fit,
 )
 from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
 
 __all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
 
 T = TypeVar("T")
 
-#: Default budget of a ``cache_dir`` (local copies of remote shards).
-DEFAULT_CACHE_DIR_BYTES = 16 * 2**30
-#: Default requests in flight per process when a batch is read from remote shards
-#: without a shard cache. Measured (benchmarks/remote_global.py, 1 KiB records, 30 ms,
-#: batches of 256, 2 shared cores): 64, 128 and 256 read 1,471 / 2,011 / 1,743
-#: records/s with 0 workers and 2,806 / 2,949 / 1,888 with 2; fsspec's HTTP client
-#: opens at most 100 connections per process anyway.
-DEFAULT_MAX_INFLIGHT = 128
 #: Ranges of a remote batch closer than this are fetched as one request. Small: with
 #: many requests in flight, latency is paid once per batch either way, and a larger gap
 #: fetches bytes nobody asked for (a 64 KiB gap between 1 KiB records of a global
@@ -245,7 +236,7 @@ class _ProcessState:
         self.cached: OrderedDict[int, _CachedCopy] = OrderedDict()
         # per thread: ``batch``, the copies a batch opened ahead (see _prefetch_copies)
         self.local = threading.local()
-        self.pool: ThreadPoolExecutor | None = None
+        self.pool: process.ForkSafeThreadPool | None = None
         self.read_ahead: Any = None
         self.range_ahead: Any = None  # a RangeReadAhead (remote reads, no shard cache)
         self.blocks = BlockCache(cache_bytes)
@@ -261,27 +252,10 @@ class ShardedSource(Source):
     :meth:`_reader`, :meth:`_io` and :meth:`_map`. Everything per process lives in
     one state object that is rebuilt, not reused, in a forked child.
 
-    Common arguments (the same meaning for every format):
-
-    * ``storage_options`` / ``filesystem``: fsspec options or a ready filesystem for
-      remote paths (``s3://``, ``gs://``, ``http(s)://``, ...);
-    * ``cache_bytes``: this process's in-memory cache of decoded blocks (Parquet row
-      groups, ArrayRecord chunks), in bytes; ``0`` disables it;
-    * ``cache_dir`` / ``cache_dir_bytes``: a local directory (or a
-      :class:`~torchgrain.io.shard_cache.ShardCache`) for whole copies of *remote*
-      shards, and its byte budget; local shards are never copied;
-    * ``io_threads``: threads per process that read the remote shards of one batch
-      concurrently (1 = sequential; local shards are read in the calling thread);
-    * ``max_inflight``: remote range requests in flight per process when a batch is
-      read from remote shards without a shard cache: the batch's records are fetched
-      across all its shards at once, neighbours coalesced (formats that can plan a
-      batch's byte ranges: ArrayRecord, TFRecord); with ``num_workers=0`` the next
-      batches of the sampler's order are fetched while this one is decoded;
-    * ``retry``: a :class:`~torchgrain.io.retry.RetryPolicy` for remote reads and
-      downloads: attempts and their deadlines (connect, between bytes, per request, per
-      operation);
-    * ``max_open_files``: readers kept open per process (least recently used closed
-      first; ``None``: no limit).
+    The options every format shares (storage, caches, threads, retries, limits,
+    trust) are one :class:`~torchgrain.ReadOptions` value, kept as :attr:`options`; a
+    subclass passes the caller's to :meth:`_init_shards` with the values it resolved
+    for its format (its default ``cache_bytes``, its ``max_open_files``).
     """
 
     reports_stats: ClassVar[bool] = True
@@ -295,26 +269,27 @@ class ShardedSource(Source):
         filesystem: fsspec.AbstractFileSystem,
         paths: Sequence[str],
         counts: Sequence[int] | np.ndarray,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
-        io_threads: int = 8,
-        read_ahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        max_open_files: int | type[Ellipsis] | None = ...,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        options: ReadOptions | None = None,
+        cache_bytes: int | None = None,
+        max_open_files: int | str | type[Ellipsis] | None = "auto",
+        **keywords: Any,
     ) -> None:
-        if not isinstance(max_inflight, int) or isinstance(max_inflight, bool) or max_inflight < 1:
-            raise ValueError(f"max_inflight must be an integer >= 1, got {max_inflight!r}")
-        self.max_inflight = max_inflight
-        if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes must be an integer >= 0, got {cache_bytes!r}")
-        if not isinstance(io_threads, int) or io_threads < 1:
-            raise ValueError(f"io_threads must be an integer >= 1, got {io_threads!r}")
-        if max_open_files is ...:
+        """Set up the shards: ``options`` (with any :class:`ReadOptions` field given by
+        name in ``keywords`` replacing it) says how they are read; ``cache_bytes`` and
+        ``max_open_files`` are the values the format resolved from them (None and
+        ``"auto"``: from ``options``, then the defaults)."""
+        self.options = ReadOptions.build(options, keywords)
+        opts = self.options
+        if cache_bytes is None:
+            cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
+        if max_open_files in ("auto", ...):
+            max_open_files = opts.max_open_files
+        if max_open_files in ("auto", ...):
             max_open_files = self.default_max_open_files
-        if max_open_files is not None and max_open_files < 1:
-            raise ValueError(f"max_open_files must be >= 1 or None, got {max_open_files!r}")
+        cache_dir, cache_dir_bytes = opts.cache_dir, opts.cache_dir_bytes
+        read_ahead_bytes, retry = opts.read_ahead_bytes, opts.retry
+        io_threads = opts.io_threads
+        self.max_inflight = opts.max_inflight
         self._fs = filesystem
         self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)
@@ -331,8 +306,6 @@ class ShardedSource(Source):
                 if isinstance(cache_dir, ShardCache)
                 else ShardCache(cache_dir, max_bytes=cache_dir_bytes, retry=self._retry)
             )
-        if read_ahead_bytes is not None and read_ahead_bytes < 0:
-            raise ValueError(f"read_ahead_bytes must be >= 0, got {read_ahead_bytes!r}")
         if read_ahead_bytes is None:
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
@@ -399,8 +372,8 @@ class ShardedSource(Source):
         """Without a shard cache: fetch the byte ranges of the records ahead of
         ``position()`` into this process's range store while the loader decodes (see
         :class:`~torchgrain.io.readahead.RangeReadAhead`), where this process reads the
-        batches (no DataLoader workers). A new pass cancels the old one's."""
-        from torchgrain._driver import reads_here
+        batches (no DataLoader workers: the walk starts at this process's first batch
+        read). A new pass cancels the old one's."""
         from torchgrain.io.readahead import RangeReadAhead
 
         st = self._proc()
@@ -410,10 +383,10 @@ class ShardedSource(Source):
                 ra = st.range_ahead = RangeReadAhead(self)
         if ra is None:
             return
-        if order is None or count <= start or not reads_here():
+        if order is None or count <= start:
             ra.cancel()
             return
-        ra.begin(order, start, count, position)
+        ra.begin(order, start, count, position)  # walked once this process reads a batch
 
     def _batch_ranges(
         self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
@@ -446,7 +419,11 @@ class ShardedSource(Source):
         files = self._batch_ranges(groups)
         if not files:
             return None
-        owner = object() if owner is None else owner
+        if owner is None:  # a batch read here: the pass's range read-ahead may start
+            owner = object()
+            ahead = self._proc().range_ahead
+            if ahead is not None:
+                ahead.kick()
         store = range_store()
         label = files[0][1] if len(files) == 1 else f"{files[0][1]} and {len(files) - 1} more"
 
@@ -914,11 +891,12 @@ class ShardedSource(Source):
             return (fn(x) for x in items)
         return self._pool().map(fn, items)
 
-    def _pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> process.ForkSafeThreadPool:
         st = self._proc()
         with st.lock:
             if st.pool is None:
-                st.pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="torchgrain-io")
+                # Its threads are stopped whenever this process forks (io/process.py).
+                st.pool = process.ForkSafeThreadPool(self.io_threads, "torchgrain-io")
             return st.pool
 
     def _prefetch_copies(self, shards: Sequence[int]) -> dict[int, Any]:

@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from torchgrain.sources.options import DEFAULT_CACHE_BYTES
+
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "BlockCache",
@@ -39,7 +41,6 @@ __all__ = [
     "held_bytes",
 ]
 
-DEFAULT_CACHE_BYTES = 256 << 20
 
 _CACHES: weakref.WeakSet[BlockCache] = weakref.WeakSet()
 

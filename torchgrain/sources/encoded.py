@@ -135,11 +135,11 @@ class EncodedSource(ShardedSource):
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns, decoded for the whole batch at once when
-        the codec can (``decode_columns``: msgpack, raw), else record by record."""
+        the codec has a column form (``decode_columns``: msgpack, raw), else built from
+        the decoded records."""
         idx = self.index.check(indices)
-        decode_columns = getattr(self.codec, "decode_columns", None)
-        if decode_columns is None or len(idx) == 0:
-            return ColumnBatch.from_records(self.__getitems__(idx))
+        if len(idx) == 0:
+            return ColumnBatch.from_records([])
         counters = local_counters()
         t0 = time.perf_counter()
         blobs = self._read_batch(idx)
@@ -167,16 +167,14 @@ class EncodedSource(ShardedSource):
         counters[COUNTER["bytes_read"]] += int(ends[-1])
         counters[COUNTER["read_seconds"]] += t1 - t0
         try:
-            batch = decode_columns(buf, ends - lengths, ends)
+            batch = self.codec.decode_columns(buf, ends - lengths, ends)
         except Exception:  # a batch decoder that fails: the records one by one name the culprit
             batch = None
-        if batch is None:  # not a uniform batch: record by record (errors name the record)
-            shards, rows = self.index._locate(idx)
+        if batch is None:  # no column form, or not a uniform batch: from the records
             batch = ColumnBatch.from_records(
-                [
-                    self._decode(b, int(s), int(r), int(i))
-                    for b, s, r, i in zip(blobs, shards, rows, idx)
-                ]
+                self._decode_all(
+                    blobs, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
+                )
             )
         counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
         return batch
@@ -255,13 +253,20 @@ class EncodedSource(ShardedSource):
         t1 = time.perf_counter()
         counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
         counters[COUNTER["read_seconds"]] += t1 - t0
-        out = None
-        decode_batch = getattr(self.codec, "decode_batch", None)
-        if decode_batch is not None:
-            try:
-                out = decode_batch(blobs)
-            except Exception:
-                out = None  # one by one below, to name the record
+        out = self._decode_all(blobs, where)
+        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        return out
+
+    def _decode_all(
+        self, blobs: list[bytes], where: Callable[[], tuple[list, list, list]]
+    ) -> list[dict[str, Any]]:
+        """Decode ``blobs`` in one call (the codec's ``decode_batch``); on a failure
+        again one by one, so that the error names the record (``where()`` gives each
+        blob's shard, row and index)."""
+        try:
+            out = self.codec.decode_batch(blobs)
+        except Exception:
+            out = None  # one by one below, to name the record
         if out is None:
             decode = self.codec.decode
             try:
@@ -271,7 +276,6 @@ class EncodedSource(ShardedSource):
                 for b, shard, row, index in zip(blobs, *where()):
                     self._decode(b, shard, row, index)
                 raise
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
         return out
 
     def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
@@ -281,7 +285,7 @@ class EncodedSource(ShardedSource):
             detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
             raise RecordDecodeError(
                 f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
-                f"with codec {getattr(self.codec, 'name', self.codec)!r}: {detail}"
+                f"with codec {self.codec.name!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
 
 

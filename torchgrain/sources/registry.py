@@ -27,8 +27,17 @@ from typing import Any
 from torchgrain.io import remote
 from torchgrain.io.fs import get_filesystem, list_files
 from torchgrain.sources.base import Source
+from torchgrain.sources.options import ReadOptions
 
-__all__ = ["Format", "detect_format", "formats", "get_format", "open", "register_format"]
+__all__ = [
+    "Format",
+    "detect_format",
+    "formats",
+    "get_format",
+    "open",
+    "output_formats",
+    "register_format",
+]
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,9 @@ class Format:
 
     Attributes:
         name: the registry key (``"array_record"``, ``"parquet"``, ``"tfrecord"``).
-        source: the :class:`~torchgrain.Source` class, called as ``source(paths, **options)``.
+        source: the :class:`~torchgrain.Source` class, called as
+            ``source(paths, options=ReadOptions(...), **format_options)`` (``options=``
+            only when given, and only for a format that takes them).
         suffixes: name fragments of the format's files (``.parquet`` also finds
             ``x.parquet.zst``; ``.tfrecord`` finds ``x.tfrecord-00000-of-00008``).
         marker: a file whose presence in a directory makes it a dataset of this format
@@ -45,6 +56,11 @@ class Format:
         write: ``write(records, directory, num_shards=1)`` writes records in this format
             as ``num_shards`` files of contiguous slices (optional; examples and tests).
         description: one line for ``torchgrain inspect`` and error messages.
+        options: the format's own keyword options (``codec``, ``columns``...).
+        read_options: whether the source takes a :class:`~torchgrain.ReadOptions` as
+            ``options=`` and its fields as keywords (every
+            :class:`~torchgrain.sources.base.ShardedSource` does).
+        convert_output: ``torchgrain convert`` can write this format (``--to``).
     """
 
     name: str
@@ -53,28 +69,91 @@ class Format:
     marker: str | None = None
     write: Callable[..., Any] | None = None
     description: str = ""
+    options: tuple[str, ...] = ()
+    read_options: bool = True
+    convert_output: bool = False
 
     def matches(self, file_name: str) -> bool:
         """Whether a file name (no directory) is one of this format's files."""
         return not file_name.startswith((".", "_")) and any(s in file_name for s in self.suffixes)
+
+    def accepts(self, option: str) -> bool:
+        """Whether the format's source takes ``option`` as a keyword argument.
+
+        Example:
+            >>> get_format("parquet").accepts("columns"), get_format("parquet").accepts("codec")
+            (True, False)
+            >>> get_format("tfrecord").accepts("cache_bytes")
+            True
+        """
+        if option in self.options:
+            return True
+        return self.read_options and (option == "options" or option in ReadOptions.names())
+
+    def check_options(self, options: Iterable[str]) -> None:
+        """Raise ``ValueError`` for an option this format does not take, naming the
+        formats that do.
+
+        Example:
+            >>> get_format("parquet").check_options(["codec"])
+            Traceback (most recent call last):
+            ...
+            ValueError: codec= applies to array_record, tfrecord, not parquet
+        """
+        for option in options:
+            if self.accepts(option):
+                continue
+            others = [f.name for f in _FORMATS.values() if f.accepts(option)]
+            if others:
+                raise ValueError(f"{option}= applies to {', '.join(others)}, not {self.name}")
+            raise ValueError(
+                f"{self.name} takes no option {option}= (it takes: "
+                + ", ".join(sorted(self.options) + (["options"] if self.read_options else []))
+                + ")"
+            )
 
 
 _FORMATS: dict[str, Format] = {}
 
 
 def register_format(fmt: Format) -> None:
-    """Add (or replace) a format in the registry."""
+    """Add (or replace) a format in the registry: ``tg.open``, :func:`detect_format`
+    and ``torchgrain inspect``/``bench``/``convert`` (as an input) then know it.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> register_format(Format("ten", tg.ParquetSource, (".ten",)))
+        >>> detect_format("x.ten"), "ten" in formats()
+        ('ten', True)
+        >>> del _FORMATS["ten"]
+    """
     if not fmt.name or not fmt.suffixes:
         raise ValueError("a format needs a name and at least one file-name suffix")
     _FORMATS[fmt.name] = fmt
 
 
 def formats() -> dict[str, Format]:
-    """The registered formats, by name."""
+    """The registered formats, by name (in the order they were registered)."""
     return dict(_FORMATS)
 
 
+def output_formats() -> list[str]:
+    """The formats ``torchgrain convert`` writes (``--to``).
+
+    Example:
+        >>> output_formats()
+        ['array_record', 'parquet']
+    """
+    return [f.name for f in _FORMATS.values() if f.convert_output]
+
+
 def get_format(name: str) -> Format:
+    """The registered format called ``name``; ``ValueError`` naming the known ones.
+
+    Example:
+        >>> get_format("tfrecord").suffixes
+        ('.tfrecord', '.tfrecords')
+    """
     fmt = _FORMATS.get(name)
     if fmt is None:
         raise ValueError(f"unknown format {name!r}; registered formats: {sorted(_FORMATS)}")
@@ -136,28 +215,43 @@ def open(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     *,
     format: str = "auto",
-    **options: Any,
+    options: ReadOptions | None = None,
+    **format_options: Any,
 ) -> Source:
-    """Open a dataset of any registered format by its path or URL.
+    """Open a dataset of any registered format by its path or URL: the one way every
+    command (``inspect``, ``convert``, ``bench``) opens data.
 
-    ``format="auto"`` detects it (:func:`detect_format`); ``options`` go to the
-    format's source (``columns=`` for Parquet, ``codec=`` for ArrayRecord and TFRecord,
-    ``storage_options=``, ``cache_dir=``... for all).
+    ``format="auto"`` detects it (:func:`detect_format`). ``options`` says how it is read
+    (:class:`~torchgrain.ReadOptions`, the same for every format); ``format_options`` go
+    to the format's source (``columns=`` for Parquet, ``codec=`` for ArrayRecord and
+    TFRecord; the fields of ``ReadOptions`` are accepted by name too).
+
+    Raises:
+        ValueError: the format is unknown or cannot be told, or takes no such option
+            (the message names the formats that do).
 
     Example:
         >>> import tempfile, torchgrain as tg
         >>> d = tempfile.mkdtemp()
         >>> _ = tg.write_array_record([{"x": 1}, {"x": 2}], d)
-        >>> src = tg.open(d)
-        >>> isinstance(src, tg.Source), len(src), src[1]
-        (True, 2, {'x': 2})
+        >>> src = tg.open(d, options=tg.ReadOptions(cache_bytes=0))
+        >>> isinstance(src, tg.Source), len(src), src[1], src.cache_bytes
+        (True, 2, {'x': 2}, 0)
+        >>> tg.open(d, columns=["x"])
+        Traceback (most recent call last):
+        ...
+        ValueError: columns= applies to parquet, not array_record
     """
-    name = (
-        detect_format(paths, storage_options=options.get("storage_options"))
-        if format == "auto"
-        else format
-    )
-    return get_format(name).source(paths, **options)
+    if format == "auto":
+        storage = format_options.get("storage_options")
+        if storage is None and options is not None:
+            storage = options.storage_options
+        format = detect_format(paths, storage_options=storage)
+    fmt = get_format(format)
+    fmt.check_options([*format_options, *(["options"] if options is not None else [])])
+    if options is not None:
+        format_options["options"] = options
+    return fmt.source(paths, **format_options)
 
 
 def _write_tfrecord(
@@ -196,6 +290,8 @@ def _register_builtins() -> None:
             marker=MANIFEST_NAME,
             write=write_array_record,
             description="ArrayRecord shards (torchgrain's, with a manifest, or TFDS's)",
+            options=("codec", "max_chunk_bytes", "index_dir", "max_mapped_shards"),
+            convert_output=True,
         )
     )
     register_format(
@@ -205,6 +301,14 @@ def _register_builtins() -> None:
             PARQUET_SUFFIXES,
             write=write_parquet,
             description="Parquet files (hive-partitioned directories included)",
+            options=(
+                "columns",
+                "decoded_cache",
+                "decoded_cache_bytes",
+                "partitioning",
+                "max_row_group_bytes",
+            ),
+            convert_output=True,
         )
     )
     register_format(
@@ -214,6 +318,7 @@ def _register_builtins() -> None:
             TFRECORD_SUFFIXES,
             write=_write_tfrecord,
             description="TFRecord files of tf.train.Example (or raw) records",
+            options=("codec", "index_dir", "max_record_bytes"),
         )
     )
 

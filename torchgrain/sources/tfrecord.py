@@ -50,10 +50,9 @@ from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_file
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
-from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, DEFAULT_MAX_INFLIGHT
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
+from torchgrain.sources.options import ReadOptions
 
 __all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
 
@@ -71,9 +70,13 @@ class TFRecordSource(EncodedSource):
         codec: ``"auto"`` (TFDS feature specs when ``features.json`` is beside the files,
             else ``tf_example`` when the first record parses as one, else ``raw``),
             ``"tf_example"``, ``"raw"`` (``{"bytes": b}``) or any registered codec.
-        storage_options, filesystem: fsspec options or filesystem for remote paths.
-        verify_checksums: check both CRC-32C checksums of every record read (default on:
-            a few GB/s with ``google-crc32c``).
+        options: how the files are read (:class:`~torchgrain.ReadOptions`: storage,
+            caches, threads, retries, limits, trust); each of its fields is also
+            accepted as a keyword argument (``cache_dir=...``), which replaces that
+            field. ``verify_checksums`` defaults to on here: both CRC-32C checksums of
+            every record read are checked (a few GB/s with ``google-crc32c``), and
+            nothing else protects a TFRecord payload. ``cache_bytes`` is accepted, and
+            unused: a record is a byte range, with no decoded block to keep.
         max_record_bytes: the longest record read (default 1 GiB,
             :data:`~torchgrain.formats.tfrecord.DEFAULT_MAX_RECORD_BYTES`); a longer
             one raises :class:`~torchgrain.CorruptDataError` before it is read, which
@@ -82,11 +85,6 @@ class TFRecordSource(EncodedSource):
             per machine (default ``<torchgrain cache>/tfrecord-index``, see
             :func:`~torchgrain.io.fs.default_cache_dir`); ``None`` keeps them in each
             process's memory.
-        cache_dir, cache_dir_bytes, io_threads, retry, max_open_files, max_inflight: as
-            for every sharded source (:class:`~torchgrain.sources.base.ShardedSource`).
-        allow_external_paths: a directory listing (an HTTP(S) server's page) may name
-            files outside the directory, and an HTTP(S) server may redirect; off by
-            default (see :mod:`torchgrain.io.paths`).
 
     Example:
         >>> import os, tempfile, torchgrain as tg
@@ -105,34 +103,26 @@ class TFRecordSource(EncodedSource):
         paths: str | os.PathLike | Sequence[str | os.PathLike],
         *,
         codec: str | Codec = "auto",
-        storage_options: dict[str, Any] | None = None,
-        filesystem: fsspec.AbstractFileSystem | None = None,
-        verify_checksums: bool = True,
+        options: ReadOptions | None = None,
         index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
-        cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
-        io_threads: int = 8,
-        read_ahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        max_open_files: int | type[Ellipsis] | None = ...,
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-        allow_external_paths: bool = False,
-        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        **read_options: Any,
     ) -> None:
+        opts = ReadOptions.build(options, read_options)
         self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
-        retry = retry or RetryPolicy()
+        retry = opts.retry_policy
         with using(retry):  # the transport and open-time requests keep to its deadlines
             fs, files = expand_paths(
                 paths,
                 suffixes=TFRECORD_SUFFIXES,
-                storage_options=storage_options,
-                filesystem=filesystem,
+                storage_options=opts.storage_options,
+                filesystem=opts.filesystem,
                 kind="TFRecord",
-                allow_external=allow_external_paths,
+                allow_external=opts.allow_external_paths,
             )
         if index_dir is ...:
             index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
-        self._verify = bool(verify_checksums)
+        self._verify = opts.verify_or(True)
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
         self._compressed.setflags(write=False)
         with using(retry):
@@ -140,7 +130,8 @@ class TFRecordSource(EncodedSource):
                 fs, files, index_dir, retry, self._compressed, max_record_bytes
             )
         counts = self._tfindex.counts
-        if max_open_files is ...:
+        max_open_files = opts.max_open_files
+        if max_open_files == "auto":
             # A local reader is a memory map, which holds a file descriptor; remote
             # readers hold nothing.
             max_open_files = default_max_open_files(len(files), 1) if is_local(fs) else None
@@ -148,14 +139,9 @@ class TFRecordSource(EncodedSource):
             filesystem=fs,
             paths=files,
             counts=counts,
+            options=opts,
             cache_bytes=0,  # nothing to decompress: a record is a byte range
-            cache_dir=cache_dir,
-            cache_dir_bytes=cache_dir_bytes,
-            io_threads=io_threads,
-            read_ahead_bytes=read_ahead_bytes,
-            retry=retry,
             max_open_files=max_open_files,
-            max_inflight=max_inflight,
         )
         with using(retry):
             if isinstance(codec, str) and codec in ("auto", "tf_example"):
@@ -299,7 +285,7 @@ class TFRecordSource(EncodedSource):
     def __repr__(self) -> str:
         return (
             f"TFRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
-            f"codec={getattr(self.codec, 'name', self.codec)!r})"
+            f"codec={self.codec.name!r})"
         )
 
 
@@ -315,11 +301,6 @@ class _RemoteFile:
 
     def close(self) -> None:
         pass
-
-
-def _first_nonempty(counts: np.ndarray) -> int:
-    nz = np.flatnonzero(counts)
-    return int(nz[0]) if len(nz) else 0
 
 
 def tfrecord_codec(

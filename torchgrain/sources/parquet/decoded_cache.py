@@ -44,11 +44,8 @@ Layout and safety rules (every process of a machine may share one directory):
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import hashlib
-import mmap
 import os
 import re
 import shutil
@@ -65,6 +62,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
+from torchgrain.sources.parquet.arrow_map import map_file
 
 __all__ = [
     "DEFAULT_DECODED_CACHE_BYTES",
@@ -304,7 +303,7 @@ class DecodedCache:
         """The mapped, checked table of ``path``; None when there is none (a corrupt
         file is deleted, counted and reported as none)."""
         try:
-            buf, st = _map(path)
+            buf, st = map_file(path)
         except OSError:  # missing, or unreadable (decoded again, and replaced if it can)
             return None
         try:
@@ -522,10 +521,10 @@ class DecodedCache:
             del self._fds[name]
             os.close(fd)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except FileNotFoundError:
             self._make_dirs()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         self._fds[name] = fd
         return fd
 
@@ -556,10 +555,10 @@ class DecodedCache:
         path = self._stripe_path(key)
         try:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
             except FileNotFoundError:  # the directory was deleted: make it again
                 self._make_dirs()
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError:
             yield
             return
@@ -587,7 +586,7 @@ class DecodedCache:
 
     @contextlib.contextmanager
     def _flock(self, lock_path: str, *, blocking: bool = True) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
@@ -616,69 +615,6 @@ class DecodedCache:
 
 _KEY = re.compile(r"[0-9a-f]{32}")
 
-# Filesystems whose storage is elsewhere: often under a per-user quota (a home directory
-# on a cluster), slow to write, and where flock may not exclude other machines.
-_NETWORK_FILESYSTEMS = frozenset(
-    [
-        "nfs",
-        "nfs4",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "afs",
-        "9p",
-        "lustre",
-        "gpfs",
-        "beegfs",
-        "ceph",
-        "glusterfs",
-        "orangefs",
-        "panfs",
-        "wekafs",
-        "fuse.sshfs",
-        "fuse.s3fs",
-        "fuse.gcsfuse",
-        "fuse.rclone",
-        "fuse.glusterfs",
-        "fuse.juicefs",
-        "fuse.mount-s3",
-        "fuse.blobfuse",
-        "fuse.blobfuse2",
-        "fuse.cephfs",
-    ]
-)
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-
-
-def filesystem_type(path: str | os.PathLike, mountinfo: str | None = None) -> str | None:
-    """The type of the filesystem ``path`` lies on, from ``mountinfo`` (Linux's
-    ``/proc/self/mountinfo`` by default), or None where it cannot be told.
-
-    Example:
-        >>> info = ("27 1 253:1 / / rw - ext4 /dev/vda rw\\n"
-        ...         "31 27 0:45 / /home rw - nfs4 srv:/home rw\\n")
-        >>> filesystem_type("/home/u/.cache", info), filesystem_type("/tmp", info)
-        ('nfs4', 'ext4')
-    """
-    if mountinfo is None:
-        try:
-            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-                mountinfo = f.read()
-        except OSError:
-            return None
-    target = os.path.realpath(path)
-    best, found = -1, None
-    for line in mountinfo.splitlines():
-        head, sep, tail = line.partition(" - ")
-        fields = head.split()
-        if not sep or len(fields) < 5 or not tail.split():
-            continue
-        mount = _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
-        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) > best:  # the deepest mount holding the path
-            best, found = len(mount), tail.split()[0]
-    return found
-
 
 def on_network_filesystem(path: str | os.PathLike) -> bool:
     """Whether ``path`` lies on a network or cluster filesystem (NFS, SMB, Lustre...).
@@ -687,7 +623,7 @@ def on_network_filesystem(path: str | os.PathLike) -> bool:
         >>> on_network_filesystem("/proc")
         False
     """
-    return filesystem_type(path) in _NETWORK_FILESYSTEMS
+    return filesystem_type(path) in NETWORK_FILESYSTEMS
 
 
 class _ChecksummedFile:
@@ -725,61 +661,3 @@ class _ChecksummedFile:
 def _check_key(key: str) -> None:
     if not isinstance(key, str) or _KEY.fullmatch(key) is None:
         raise ValueError(f"a decoded cache key is 32 lowercase hex digits, got {key!r}")
-
-
-# ------------------------------------------------------------------ mapping files
-# Maps are made with libc's mmap and the file closed at once: a Python mmap object
-# keeps a duplicate file descriptor per map, and a process may map thousands of row
-# groups (the open-file limit is often 1024). The map is released when the last Arrow
-# buffer over it is freed.
-_libc: Any = None
-
-
-class _Mapping:
-    __slots__ = ("addr", "size")
-
-    def __init__(self, addr: int, size: int) -> None:
-        self.addr = addr
-        self.size = size
-
-    def __del__(self) -> None:
-        if _libc is not None and self.addr:
-            _libc.munmap(ctypes.c_void_p(self.addr), ctypes.c_size_t(self.size))
-
-
-def _load_libc() -> Any:
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = lib
-    return _libc
-
-
-def _map(path: str) -> tuple[pa.Buffer, os.stat_result]:
-    """A read-only map of the whole file as an Arrow buffer, and its stat."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        st = os.fstat(fd)
-        if st.st_size == 0:
-            return pa.py_buffer(b""), st
-        try:
-            libc = _load_libc()
-        except (OSError, AttributeError):  # no libc mmap here: Python's (keeps an fd)
-            return pa.py_buffer(mmap.mmap(fd, 0, access=mmap.ACCESS_READ)), st
-        addr = libc.mmap(None, st.st_size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot map {path}: {os.strerror(err)}")
-        return pa.foreign_buffer(addr, st.st_size, base=_Mapping(addr, st.st_size)), st
-    finally:
-        os.close(fd)

@@ -19,41 +19,28 @@ Parquet decodes whole row groups (per column), so reading one record at a time w
 
 from __future__ import annotations
 
-import hashlib
 import os
-import threading
 import time
-import uuid
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import (
-    CorruptDataError,
-    DatasetNotFoundError,
-    RemoteIOError,
-    UnsafePathError,
     check_ceiling,
 )
-from torchgrain.io import remote
-from torchgrain.io.fs import default_cache_dir, is_local, map_files
-from torchgrain.io.retry import RetryPolicy, retry_call, using
-from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.base import DEFAULT_CACHE_DIR_BYTES, ShardedSource
-from torchgrain.sources.block_cache import DEFAULT_CACHE_BYTES, CacheBlocks
+from torchgrain.io.retry import using
+from torchgrain.sources.block_cache import CacheBlocks
+from torchgrain.sources.options import DEFAULT_CACHE_BYTES, ReadOptions
 from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
 from torchgrain.sources.parquet.decoded_cache import (
     DecodedCache,
-    entry_key,
-    on_network_filesystem,
 )
+from torchgrain.sources.parquet.footers import read_footers
+from torchgrain.sources.parquet.loading import RowGroupLoader, decoded_cache_for
 from torchgrain.sources.parquet.paths import (
     check_partition_keys,
     partition_values,
@@ -88,21 +75,12 @@ __all__ = ["DEFAULT_MAX_ROW_GROUP_BYTES", "ParquetSource"]
 DEFAULT_MAX_ROW_GROUP_BYTES = 16 << 30
 
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
-# What a row group mapped from the decoded disk cache is charged in the in-memory cache:
-# its bookkeeping, and a share of the maps a process keeps: at most _MAX_MAPS per
-# source, whatever cache_bytes (a process can hold vm.max_map_count maps, 65,530 by
-# default, and past that every mmap fails, malloc's for large blocks included).
-_MAPPED_BYTES = 64 << 10
-_MAX_MAPS = 4096
-# decoded_cache="auto" turns the disk cache on when the selected columns' decoded size
-# (estimated from the footers) exceeds both cache_bytes and this.
-_AUTO_MIN_BYTES = 256 << 20
 # A mapped entry's access time (its LRU position in the disk cache) is refreshed at most
 # this often while a process uses it.
 _TOUCH_SECONDS = 60.0
 
 
-class ParquetSource(ShardedSource):
+class ParquetSource(RowGroupLoader):
     """Random-access, key-value view of one or many Parquet files.
 
     Args:
@@ -111,11 +89,18 @@ class ParquetSource(ShardedSource):
             file, a list of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
         columns: the columns to read (default: all). Only these columns' pages are read
             and decoded; partition keys may be listed too.
-        cache_bytes: budget of this process's row-group cache, in bytes of decoded
-            Arrow data (default 256 MiB; ``0`` disables it). Each DataLoader worker has
-            its own; :meth:`cache_info` reports hits, misses (row groups decoded or
-            mapped) and evictions. Both batch formats share it: records are built from
-            the cached Arrow data per batch.
+        options: how the files are read (:class:`~torchgrain.ReadOptions`: storage,
+            caches, threads, retries, limits, trust); each of its fields is also
+            accepted as a keyword argument (``cache_bytes=...``), which replaces that
+            field. Here ``cache_bytes`` is the budget of this process's row-group cache,
+            in bytes of decoded Arrow data (default 256 MiB; ``0`` disables it): each
+            DataLoader worker has its own; :meth:`cache_info` reports hits, misses (row
+            groups decoded or mapped) and evictions. Both batch formats share it:
+            records are built from the cached Arrow data per batch.
+            ``max_open_files`` defaults to 64 (each open file holds a descriptor and
+            its footer). ``verify_checksums`` (off by default) has pyarrow check the
+            CRC of every page that carries one: writers add them only when asked
+            (pyarrow's ``write_page_checksum``).
         decoded_cache: the node-shared cache of decoded row groups on local disk (see
             "Data bigger than the cache" below): ``"auto"`` (default) turns it on, in
             :func:`~torchgrain.io.fs.default_cache_dir` ``/parquet-decoded``, when the
@@ -131,30 +116,9 @@ class ParquetSource(ShardedSource):
             filesystem stays free (a :class:`DecodedCache` of your own sets
             ``min_free_bytes``), and a directory that refuses writes (full, read-only,
             deleted) is a warning, never a failed read.
-        filesystem: an fsspec filesystem to use instead of inferring one from ``paths``.
-        storage_options: fsspec options for remote paths (e.g. ``endpoint_url``).
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
             the directory (or the fixed prefix of the glob) you give into columns;
             ``None`` ignores directory names.
-        cache_dir, cache_dir_bytes: a local directory (or a
-            :class:`~torchgrain.io.shard_cache.ShardCache`) for whole copies of *remote*
-            files, each downloaded once per machine and read locally after, and its byte
-            budget (default 16 GiB).
-        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of
-            shards a sampler's future order may have downloaded ahead of use (default:
-            half of ``cache_dir_bytes``; ``0`` turns read-ahead off). See
-            :mod:`torchgrain.io.readahead`.
-        io_threads: threads per process that read the remote row groups of one batch
-            concurrently, and the shard read-ahead's concurrent downloads (1 =
-            sequential; local files are read in the calling thread).
-        retry: retry policy and deadlines of remote footer and row-group reads and
-            downloads (default :class:`~torchgrain.io.retry.RetryPolicy()`: a read that
-            makes no progress fails within 90 s).
-        max_open_files: files kept open per process (default 64; each holds a file
-            descriptor and its footer).
-        allow_external_paths: a directory listing (an HTTP(S) server's page) may name
-            files outside the directory, and an HTTP(S) server may redirect; off by
-            default (see :mod:`torchgrain.io.paths`).
         max_row_group_bytes: the most bytes one row group's selected columns may need
             decoded, counted from its footer's row count and the fixed part of each
             value (8 bytes per int64, 4 per string or list: a lower bound of the real
@@ -262,21 +226,16 @@ class ParquetSource(ShardedSource):
         paths: str | os.PathLike | Sequence[str | os.PathLike],
         *,
         columns: Sequence[str] | None = None,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        options: ReadOptions | None = None,
         decoded_cache: bool | str | os.PathLike | DecodedCache = "auto",
         decoded_cache_bytes: int | None = None,
-        filesystem: fsspec.AbstractFileSystem | None = None,
-        storage_options: dict[str, Any] | None = None,
         partitioning: str | None = "hive",
-        cache_dir: str | os.PathLike | ShardCache | None = None,
-        cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES,
-        io_threads: int = 8,
-        read_ahead_bytes: int | None = None,
-        retry: RetryPolicy | None = None,
-        max_open_files: int | type[Ellipsis] | None = ...,
-        allow_external_paths: bool = False,
         max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
+        **read_options: Any,
     ) -> None:
+        opts = ReadOptions.build(options, read_options)
+        cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
+        self._verify = opts.verify_or(False)
         self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
@@ -287,15 +246,18 @@ class ParquetSource(ShardedSource):
             dup = sorted({c for c in columns if columns.count(c) > 1})
             if dup:
                 raise ValueError(f"columns lists {dup[0]!r} more than once")
-        retry = retry or RetryPolicy()
+        retry = opts.retry_policy
         with using(retry):  # the transport and open-time requests keep to its deadlines
             fs, files, bases = resolve(
-                paths, storage_options, filesystem, allow_external=allow_external_paths
+                paths,
+                opts.storage_options,
+                opts.filesystem,
+                allow_external=opts.allow_external_paths,
             )
         parts = partitions(fs, files, bases) if partitioning == "hive" else [{} for _ in files]
         part_keys = check_partition_keys(files, parts)
 
-        counts, schemas, rg_bytes, identities = _read_footers(fs, files, retry, columns)
+        counts, schemas, rg_bytes, identities = read_footers(fs, files, retry, columns)
         fields, present = merge_file_schemas(files, schemas, columns, part_keys)
         self._file_fields: list[pa.Field] = fields
         self._file_schema = pa.schema(fields)
@@ -341,7 +303,7 @@ class ParquetSource(ShardedSource):
             a.setflags(write=False)
         self._identities = identities  # what each file's decoded-cache entries hash
         self._schema_bytes = self._file_schema.serialize().to_pybytes()
-        self.decoded_cache: DecodedCache | None = _decoded_cache(
+        self.decoded_cache: DecodedCache | None = decoded_cache_for(
             decoded_cache, decoded_cache_bytes, int(self._rg_bytes.sum()), cache_bytes
         )
         # Records are built per batch from the compact data; when the whole dataset's
@@ -358,48 +320,11 @@ class ParquetSource(ShardedSource):
             filesystem=fs,
             paths=files,
             counts=np.array([int(c.sum()) for c in counts], dtype=np.int64),
-            cache_bytes=cache_bytes,
-            cache_dir=cache_dir,
-            cache_dir_bytes=cache_dir_bytes,
-            io_threads=io_threads,
-            read_ahead_bytes=read_ahead_bytes,
-            retry=retry,
-            max_open_files=max_open_files,
+            options=opts,
         )
         # Reads use Arrow's take, which imports pyarrow.compute (about 50 ms) on first
         # use: import it here, so that forked DataLoader workers inherit it.
         import pyarrow.compute  # noqa: F401
-
-    # ----------------------------------------------------------------- readers
-    def _open_reader(
-        self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
-    ) -> _Reader:
-        handle = None
-        try:
-            if filesystem is None:
-                # pre_buffer coalesces reads through Arrow's I/O threads, which pays on
-                # object storage; on a local file it only adds thread hand-offs (block
-                # reads measured 15-35% faster without, most on small row groups).
-                pf = pq.ParquetFile(path, pre_buffer=False)
-            else:
-                # Reads are range requests with a deadline, checked to bring back exactly
-                # the bytes asked for, through a read-ahead buffer like fsspec's own
-                # (neighbouring row groups often come in one request).
-                handle = remote.open_input(filesystem, path)
-                pf = pq.ParquetFile(handle, pre_buffer=True)
-        except FileNotFoundError as e:
-            # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
-            # retries tell the two apart by it.
-            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
-        except (pa.ArrowException, OSError, ValueError) as e:
-            if handle is not None:
-                handle.close()
-            if isinstance(e, UnsafePathError):  # a refused redirect: not a corrupt file
-                raise
-            raise CorruptDataError(
-                f"cannot open Parquet shard {path!r} (shard {shard} of {self.num_shards}): {e}"
-            ) from e
-        return _Reader(pf, handle)
 
     # ------------------------------------------------------------ the contract
     def __len__(self) -> int:
@@ -741,299 +666,8 @@ class ParquetSource(ShardedSource):
             if cache.max_bytes > 0:
                 cache.put(group, entry, entry.charge())
 
-    def _load(self, group: int, index: int) -> RowGroup:
-        """Decode one row group, or map it from the decoded disk cache (built there by the
-        first process of the machine that needed it)."""
-        disk = self.decoded_cache
-        if disk is None:
-            return RowGroup(self._decode(group, index))
-        shard = int(self._rg_shard[group])
-        local = int(self._rg_local[group])
-        key = entry_key(
-            self._identities[shard],
-            local,
-            self._present[shard].tobytes(),
-            self._schema_bytes,
-        )
-
-        def build() -> pa.Table:
-            # Never publish what a file changed since the dataset was opened holds under
-            # the key of what it held then (checked before and after the decode).
-            self._check_unchanged(shard, index)
-            table = self._decode(group, index)
-            self._check_unchanged(shard, index)
-            return table
-
-        table, path = disk.get_or_build(
-            key,
-            build,
-            schema=self._file_schema,
-            num_rows=int(self._rg_offsets[group + 1] - self._rg_offsets[group]),
-            name=f"row group {local} of {self.paths[shard]!r}",
-        )
-        if path is None:  # not stored (too large, disk full): decoded here
-            return RowGroup(table)
-        charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
-        entry = RowGroup(table, mapped_bytes=charge, path=path)
-        entry.touched = time.monotonic()
-        return entry
-
-    def _check_unchanged(self, shard: int, index: int) -> None:
-        """Raise if a local file was written or replaced since opening (its size,
-        modification time or inode changed; its change time is left out: a ``chmod``
-        or ``touch -a`` changes that, not the data)."""
-        if self._remote:
-            return
-        path = self.paths[shard]
-        if _local_version(os.stat(path))[:3] != self._identities[shard][1][:3]:
-            raise CorruptDataError(
-                f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
-                f"opened (record index {index}): open it again"
-            )
-
-    def _decode(self, group: int, index: int) -> pa.Table:
-        shard = int(self._rg_shard[group])
-        local = int(self._rg_local[group])
-        num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
-        present = self._present[shard]
-        names = [f.name for f, p in zip(self._file_fields, present) if p]
-        need = num_rows * int(self._row_bytes[shard])
-        if need > self.max_row_group_bytes:
-            raise CorruptDataError(
-                f"row group {local} of {self.paths[shard]!r} (shard {shard} of "
-                f"{self.num_shards}) says it holds {num_rows} rows: {need} bytes at least, "
-                f"decoded, more than max_row_group_bytes={self.max_row_group_bytes} allows "
-                f"(record index {index}; a larger max_row_group_bytes reads it, if the file "
-                "is trusted)"
-            )
-
-        def read() -> pa.Table:
-            while True:
-                reader = self._reader(shard)
-                with reader.lock:  # pyarrow's reader is not safe for concurrent reads
-                    if not reader.closed:  # (else evicted meanwhile: open it again)
-                        # Arrow reads on its own threads: they keep to this read's deadline.
-                        with remote.carrying(reader.handle):
-                            return reader.pf.read_row_group(local, columns=names, use_threads=False)
-
-        try:
-            table = self._io(read, shard, f"read of row group {local} (record index {index})")
-        except (RemoteIOError, DatasetNotFoundError, PermissionError, UnsafePathError):
-            raise
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise CorruptDataError(
-                f"cannot decode row group {local} of {self.paths[shard]!r} (shard {shard} of "
-                f"{self.num_shards}) while reading record index {index}: {e}"
-            ) from e
-        if table.num_rows != num_rows:
-            raise CorruptDataError(
-                f"row group {local} of {self.paths[shard]!r} (shard {shard}) decoded "
-                f"{table.num_rows} rows but its footer says {num_rows} (record index {index})"
-            )
-        if table.schema.equals(self._file_schema):
-            return table  # the common case: this file has every column with its type
-        arrays = []
-        for field, p in zip(self._file_fields, present):
-            if not p:
-                arrays.append(pa.nulls(num_rows, field.type))
-                continue
-            col = table.column(field.name)
-            if not col.type.equals(field.type):
-                col = col.cast(field.type)
-            arrays.append(col)
-        return pa.Table.from_arrays(arrays, schema=self._file_schema)
-
     def __repr__(self) -> str:
         return (
             f"ParquetSource(num_records={len(self)}, num_shards={self.num_shards}, "
             f"num_row_groups={self.num_row_groups}, keys={self._keys})"
         )
-
-
-def _read_footers(
-    fs: fsspec.AbstractFileSystem,
-    files: list[str],
-    retry: RetryPolicy,
-    columns: list[str] | None = None,
-) -> tuple[list[np.ndarray], list[pa.Schema], list[np.ndarray], list[tuple[Any, ...]]]:
-    """From the footers of every file (read in parallel): row-group sizes, the Arrow
-    schema, each row group's uncompressed size (of ``columns``: an estimate of its
-    decoded size) and what identifies the file's content (path, size, modification
-    time and inode, or the store's version, and a digest of the footer)."""
-    local = is_local(fs)
-    opening = uuid.uuid4().hex
-
-    def metadata(shard: int) -> tuple[pq.FileMetaData, tuple[Any, ...]]:
-        path = files[shard]
-        try:
-            if local:
-                st = os.stat(path)
-                return pq.read_metadata(path), _local_version(st)
-            with remote.open_input(fs, path) as f:
-                md = pq.read_metadata(f)
-            size, version = _remote_version(fs, path)
-            # Nothing tells two versions of this file apart: its entries are this
-            # opening's own (shared by its workers, never by a later opening).
-            return md, (size, version if version is not None else ("unversioned", opening))
-        except FileNotFoundError as e:
-            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise CorruptDataError(
-                f"cannot read the Parquet footer of {path!r} (shard {shard} of {len(files)}): {e}"
-            ) from e
-
-    def one(shard: int) -> tuple[np.ndarray, pa.Schema, np.ndarray, tuple[Any, ...]]:
-        if local:
-            md, version = metadata(shard)
-        else:
-            md, version = retry_call(
-                metadata, shard, url=files[shard], policy=retry, what="footer read"
-            )
-        groups = [md.row_group(i) for i in range(md.num_row_groups)]
-        counts = np.array([g.num_rows for g in groups], dtype=np.int64)
-        # A footer's counts index every record: they must be counts, and agree.
-        if (counts < 0).any() or float(counts.sum(dtype=np.float64)) != md.num_rows:
-            raise CorruptDataError(
-                f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
-                f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
-            )
-        schema = md.schema.to_arrow_schema()
-        if columns is None:
-            nbytes = [g.total_byte_size for g in groups]
-        else:
-            leaves = _selected_leaves(schema, set(columns))
-            nbytes = [sum(g.column(j).total_uncompressed_size for j in leaves) for g in groups]
-        identity = (files[shard], version, _footer_digest(md))
-        return counts, schema, np.array(nbytes, dtype=np.int64), identity
-
-    results = map_files(one, len(files))
-    return (
-        [r[0] for r in results],
-        [r[1] for r in results],
-        [r[2] for r in results],
-        [r[3] for r in results],
-    )
-
-
-def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
-    """Parquet leaf-column numbers of the top-level fields named in ``wanted``."""
-
-    def leaves(t: pa.DataType) -> int:
-        if pa.types.is_struct(t):
-            return sum(leaves(f.type) for f in t)
-        if pa.types.is_map(t):
-            return leaves(t.key_type) + leaves(t.item_type)
-        if _is_list_type(t):
-            return leaves(t.value_type)
-        return 1
-
-    out, at = [], 0
-    for field in schema:
-        n = leaves(field.type)
-        if field.name in wanted:
-            out.extend(range(at, at + n))
-        at += n
-    return out
-
-
-def _is_list_type(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
-
-
-def _footer_digest(md: pq.FileMetaData) -> str:
-    """A digest of the serialized footer (row-group layout, statistics...), or ``""``."""
-    try:
-        footer = md.__reduce__()[1][0]
-    except Exception:  # pragma: no cover - a pyarrow without it: size and time only
-        return ""
-    return hashlib.sha256(memoryview(footer)).hexdigest()
-
-
-def _local_version(st: os.stat_result) -> tuple[int, ...]:
-    """What tells versions of a local file apart: its size and modification time, and
-    its inode and change time. The last two catch a file replaced under the same name,
-    size and modification time (``cp -p``, ``rsync -t``): the kernel sets the change
-    time on every write, rename or ``utime``, and no one can set it back."""
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-
-def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]:
-    """``(size, version)`` of a remote file from ``fs.info``: the store's version, ETag or
-    modification time, whichever it reports (``None`` when it reports none)."""
-    info = remote.call(fs, "info", path, what="size and version")
-    for name in ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash"):
-        if info.get(name):
-            return info.get("size"), str(info[name])
-    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        if info.get(name):
-            return info.get("size"), str(info[name])
-    return info.get("size"), None
-
-
-def _decoded_cache(
-    option: bool | str | os.PathLike | DecodedCache,
-    max_bytes: int | None,
-    data_bytes: int,
-    cache_bytes: int,
-) -> DecodedCache | None:
-    """The decoded disk cache ``decoded_cache=option`` asks for (see ParquetSource)."""
-    if isinstance(option, DecodedCache):
-        return option
-    if option is False or option is None:
-        return None
-    if option is True or option == "auto":
-        if option == "auto" and (
-            cache_bytes <= 0 or data_bytes <= max(cache_bytes, _AUTO_MIN_BYTES)
-        ):
-            return None
-        directory: str | os.PathLike = os.path.join(default_cache_dir(), "parquet-decoded")
-        if option == "auto" and on_network_filesystem(directory):
-            warnings.warn(
-                f"torchgrain: the data exceed the row-group cache, but {directory!r} is on "
-                "a network filesystem (quotas, slow writes, unsafe locks): the decoded "
-                "Parquet cache stays off. Pass decoded_cache=DIR on a local disk (or set "
-                "TORCHGRAIN_CACHE) to turn it on.",
-                stacklevel=4,
-            )
-            return None
-    else:
-        directory = option
-    try:
-        return DecodedCache(directory, max_bytes=max_bytes)
-    except OSError as e:
-        if option != "auto":
-            raise
-        warnings.warn(
-            f"torchgrain: the decoded Parquet cache cannot use {directory!r} ({e}); "
-            "reading without it (pass decoded_cache=DIR to choose another directory)",
-            stacklevel=4,
-        )
-        return None
-
-
-class _Reader:
-    """One open Parquet file of one process.
-
-    pyarrow's ``ParquetFile`` must not be read from two threads at once (it crashed
-    the process when we tried): reads hold ``lock``. ``close`` waits for a read in
-    progress, and a reader closed (evicted) meanwhile is opened again by its user.
-    """
-
-    __slots__ = ("closed", "handle", "lock", "pf")
-
-    def __init__(self, pf: pq.ParquetFile, handle: Any) -> None:
-        self.pf = pf
-        self.handle = handle
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def close(self) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            try:
-                self.pf.close()
-            finally:
-                if self.handle is not None:
-                    self.handle.close()

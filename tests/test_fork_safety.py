@@ -1,0 +1,164 @@
+"""torchgrain's threads never run across a fork, and workers start with any start method.
+
+A forked child inherits every lock in the state it was in, but none of the threads that
+would release them; Python 3.12 warns ("This process is multi-threaded, use of fork()
+may lead to deadlocks in the child") when a process with threads forks. torchgrain's
+I/O pools and read-ahead stop before a fork and start again after it
+(torchgrain/io/process.py). Python 3.14 starts DataLoader workers with forkserver by
+default: the pipeline works under fork, spawn and forkserver alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from torch.utils.data import DataLoader
+
+import torchgrain as tg
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FORK_SCRIPT = r"""
+import json, multiprocessing, os, tempfile, threading, time, warnings
+
+seen_at_fork = []
+
+
+def at_fork():
+    # Registered before torchgrain is imported, so it runs after torchgrain's own
+    # before-fork hooks: the threads that will still be alive when the process forks.
+    names = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    seen_at_fork.append(sorted(n for n in names if n.startswith("torchgrain")))
+
+
+os.register_at_fork(before=at_fork)
+
+import subprocess, sys
+
+import fsspec
+import numpy as np
+
+import torchgrain as tg
+
+# Written by another process: array_record's C++ writer keeps a thread pool alive in the
+# process that used it, which is not torchgrain's to stop.
+d = tempfile.mkdtemp()
+subprocess.run([sys.executable, "-c", "import sys, torchgrain as tg; "
+                "tg.write_array_record([{'x': i} for i in range(64)], sys.argv[1], num_shards=8)",
+                d], check=True)
+store = fsspec.filesystem("memory")
+for name in os.listdir(d):
+    with open(os.path.join(d, name), "rb") as f:
+        store.pipe(f"/forks/{name}", f.read())
+# Remote shards read by a pool of I/O threads, and a read-ahead walk that waits (its
+# budget is full and the reader never moves on).
+pooled = tg.ArrayRecordSource("memory://forks", io_threads=4)
+cached = tg.ArrayRecordSource("memory://forks", cache_dir=tempfile.mkdtemp(), read_ahead_bytes=1)
+batch = [0, 9, 17, 30, 63]
+assert [r["x"] for r in pooled.__getitems__(batch)] == batch
+cached.read_ahead(lambda a, b: np.arange(a, b), 0, 64, lambda: 0)
+
+
+def live():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("torchgrain"))
+
+
+deadline = time.monotonic() + 60
+while not any("read-ahead" in n for n in live()) and time.monotonic() < deadline:
+    time.sleep(0.01)
+before = live()
+
+
+def child():
+    ok = [r["x"] for r in pooled.__getitems__(batch)] == batch
+    ok = ok and [r["x"] for r in cached.__getitems__(batch)] == batch
+    os._exit(0 if ok else 3)
+
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(120)
+deadline = time.monotonic() + 60
+while not any("read-ahead" in n for n in live()) and time.monotonic() < deadline:
+    time.sleep(0.01)
+after = live()
+again = [r["x"] for r in pooled.__getitems__(batch)] == batch
+print(json.dumps({
+    "before": before, "at_fork": seen_at_fork, "after": after, "child": p.exitcode,
+    "again": again, "warnings": [str(w.message) for w in caught if "fork" in str(w.message)],
+}))
+"""
+
+
+def test_no_torchgrain_thread_runs_across_a_fork():
+    # No other library's thread either (numpy's BLAS pool, pyarrow's jemalloc background
+    # thread): then Python >= 3.12 has nothing to warn about.
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        OMP_NUM_THREADS="1",
+        OPENBLAS_NUM_THREADS="1",
+        JE_ARROW_MALLOC_CONF="background_thread:false",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", FORK_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert any("torchgrain-io" in n for n in got["before"]), got
+    assert any("read-ahead" in n for n in got["before"]), got
+    assert got["at_fork"] == [[]], got  # stopped, all of them, when the process forked
+    assert got["child"] == 0, got  # the child reads through both sources
+    assert any("read-ahead" in n for n in got["after"]), got  # the walk goes on after
+    assert got["again"], got
+    assert got["warnings"] == [], got  # Python >= 3.12 warns about threads at a fork
+
+
+# --------------------------------------------------------------------- start methods
+
+
+def _noise(record, rng):
+    return {"x": record["x"], "noise": float(rng.random())}
+
+
+def _records(root):
+    return tg.Dataset(tg.ArrayRecordSource(root)).random_map(_noise, seed=3)
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])  # spawn: test_dataset, test_columns
+def test_workers_start_with_every_start_method(tmp_path, method):
+    root = str(tmp_path / "data")
+    tg.write_array_record([{"x": i} for i in range(60)], root, num_shards=3)
+    ds = _records(root)
+    sampler = tg.BlockShuffleSampler(ds, window=2, seed=1, deal_to_workers=True)
+    loader = tg.ResumableLoader(
+        DataLoader(
+            ds,
+            batch_size=6,
+            sampler=sampler,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context=method,
+        )
+    )
+    # What the loop should get, computed in this process on separate objects.
+    reference = _records(root)
+    expected = tg.BlockShuffleSampler(
+        reference, window=2, seed=1, batch_size=6, num_workers=2, num_replicas=1, rank=0
+    )
+    for epoch in range(2):
+        batches = list(loader)
+        expected.set_epoch(epoch)
+        ids = [int(i) for b in batches for i in b["x"]]
+        assert ids == list(expected)  # dealt to the workers by the bound loader's shape
+        noise = [float(n) for b in batches for n in b["noise"]]
+        assert noise == [reference[i]["noise"] for i in ids]  # the epoch reached the workers
+    report = tg.stats(loader)
+    assert report.total["records"] == 120
+    assert set(report.workers) == {"worker 0", "worker 1"}

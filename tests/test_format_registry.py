@@ -1,0 +1,179 @@
+"""A new format is one module and one registry call: every command then reads it.
+
+The format below (a directory of ``.npy`` files, one record per file) is written here,
+in the test, with public names only; nothing in ``cli.py``, ``bench.py`` or
+``convert/`` knows it. ``tg.open``, ``torchgrain inspect``, ``torchgrain bench`` and
+``torchgrain convert`` (with it as the input) must all work on it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import torchgrain as tg
+from torchgrain.cli import main
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.formats.codecs import describe_value
+from torchgrain.io.fs import expand_paths
+from torchgrain.sources import registry
+from torchgrain.sources.base import ShardedSource
+
+# ------------------------------------------------------------- the new format
+
+
+class NpySource(ShardedSource):
+    """A directory of ``.npy`` files, one record ``{"array": ndarray}`` per file, in
+    file-name order. ``allow_pickle`` stays off: object arrays are refused."""
+
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        options: tg.ReadOptions | None = None,
+        **read_options: Any,
+    ) -> None:
+        opts = tg.ReadOptions.build(options, read_options)
+        fs, files = expand_paths(
+            paths,
+            suffixes=(".npy",),
+            storage_options=opts.storage_options,
+            filesystem=opts.filesystem,
+            kind="npy",
+            allow_external=opts.allow_external_paths,
+        )
+        self._init_shards(
+            filesystem=fs, paths=files, counts=np.ones(len(files), np.int64), options=opts
+        )
+
+    def _open_reader(self, shard: int, path: str, filesystem: Any) -> _NpyFile:
+        return _NpyFile(path, filesystem)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        shards, _ = self.index.locate(indices)
+        return [
+            {"array": self._io(lambda s=s: self._reader(s).read(s), s, f"read of shard {s}")}
+            for s in shards.tolist()
+        ]
+
+    @property
+    def keys(self) -> list[str]:
+        return ["array"]
+
+    @property
+    def schema(self) -> dict[str, str]:
+        return {"array": describe_value(self[0]["array"])} if len(self) else {}
+
+
+class _NpyFile:
+    def __init__(self, path: str, filesystem: Any) -> None:
+        self.path, self.fs = path, filesystem
+
+    def read(self, shard: int) -> np.ndarray:
+        try:
+            if self.fs is None:
+                data = open(self.path, "rb").read()  # noqa: SIM115 - read whole, closed by GC
+            else:
+                data = self.fs.cat_file(self.path)
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"npy shard {shard} {self.path!r} does not exist") from e
+        try:
+            return np.load(io.BytesIO(data), allow_pickle=False)
+        except ValueError as e:
+            raise CorruptDataError(f"npy shard {shard} {self.path!r}: {e}") from e
+
+    def close(self) -> None:
+        pass
+
+
+def write_npy(records: Any, directory: str, *, num_shards: int = 1) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for i, rec in enumerate(records):
+        paths.append(os.path.join(directory, f"rec-{i:05d}.npy"))
+        np.save(paths[-1], rec["array"])
+    return paths
+
+
+NPY = registry.Format(
+    "npy",
+    NpySource,
+    (".npy",),
+    write=write_npy,
+    description="a directory of .npy files, one record per file",
+)
+
+
+@pytest.fixture
+def npy_format(monkeypatch):
+    """The npy format registered for one test (the registry is restored after)."""
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    registry.register_format(NPY)
+    return NPY
+
+
+@pytest.fixture
+def npy_dir(tmp_path, npy_format):
+    d = tmp_path / "arrays"
+    write_npy(({"array": np.full((2, 3), i, np.int16)} for i in range(12)), str(d))
+    return d
+
+
+# ------------------------------------------------------------------- the tests
+
+
+def test_a_registered_format_opens_with_tg_open_by_its_file_names(npy_dir):
+    src = tg.open(str(npy_dir), options=tg.ReadOptions(cache_bytes=0))
+    assert isinstance(src, NpySource) and len(src) == 12
+    assert src.options.cache_bytes == 0 and src.schema == {"array": "int16[2,3]"}
+    assert [int(r["array"][0, 0]) for r in src.__getitems__([11, 0, 5])] == [11, 0, 5]
+    with pytest.raises(ValueError, match="codec= applies to array_record, tfrecord, not npy"):
+        tg.open(str(npy_dir), codec="raw")
+
+
+def test_torchgrain_inspect_reads_a_registered_format(npy_dir, capsys):
+    assert main(["inspect", str(npy_dir), "--json", "--samples", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["format"] == "npy" and out["num_records"] == 12 and out["num_shards"] == 12
+    assert out["keys"] == {"array": "int16[2,3]"} and out["codec"] == "npy"
+    assert main(["inspect", str(npy_dir), "--format", "npy", "--samples", "0"]) == 0
+    assert "format      npy" in capsys.readouterr().out
+    assert main(["inspect", str(npy_dir), "--codec", "raw"]) == 2
+    assert "--codec applies to" in capsys.readouterr().err
+
+
+def test_torchgrain_bench_reads_a_registered_format(npy_dir, capsys):
+    args = ["bench", str(npy_dir), "--format", "npy", "--seconds", "0.3", "--repeats", "1"]
+    assert main([*args, "--workers", "0", "--batch-size", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "npy" and report["num_records"] == 12
+    assert [m["mode"] for m in report["modes"]] == ["sequential", "shuffled"]
+    assert all(m["records_per_s"] > 0 for m in report["modes"])
+
+
+@pytest.mark.parametrize("to", registry.output_formats())
+def test_torchgrain_convert_reads_a_registered_format(npy_dir, tmp_path, to, capsys):
+    out = tmp_path / f"out-{to}"
+    assert main(["convert", str(npy_dir), str(out), "--to", to, "--num-shards", "2", "-q"]) == 0
+    back = tg.open(str(out))
+    assert len(back) == 12
+    got = [np.asarray(back[i]["array"]).reshape(2, 3) for i in range(12)]
+    assert all((g == i).all() and g.shape == (2, 3) for i, g in enumerate(got))
+
+
+def test_the_command_line_offers_the_registered_formats(npy_format, capsys):
+    from torchgrain.cli import build_parser
+
+    p = build_parser()
+    sub = p._subparsers._group_actions[0].choices  # argparse keeps no public handle
+    for command in ("inspect", "bench", "convert"):
+        fmt = next(a for a in sub[command]._actions if "--format" in a.option_strings)
+        assert list(fmt.choices) == ["auto", *registry.formats()] and "npy" in fmt.choices
+    to = next(a for a in sub["convert"]._actions if "--to" in a.option_strings)
+    assert list(to.choices) == registry.output_formats()

@@ -1,0 +1,582 @@
+"""Batched reads of one-record chunks, planned with numpy: one file's batch, or many files'.
+
+``group_size:1`` files (what TFDS, Grain and torchgrain write) hold one record per chunk,
+so a batch of ``n`` records is ``n`` chunks. Decoding each through the careful path
+(:meth:`~.riegeli.ChunkDecoder._local_chunk`) costs microseconds of Python per record;
+here the chunks' headers are gathered in one fancy index, checked and located in one
+:func:`_plan`, and decompressed in one loop with no Python code per record. Chunks the
+plan does not recognise (a header cut by a block boundary, an empty record, another
+compression) and frames that fail are read by the careful path, which checks and
+reports everything: the plan is a shortcut, never a weaker check.
+
+* :class:`OneRecordBatches`: the batch of one file (``ArrayRecordFile.read``), and the
+  small interface through which :func:`read_many` plans the rows of several files.
+* :func:`read_many`: several files' rows, planned together.
+* :func:`read_mapped`: chunks of many files mapped in one address range
+  (:class:`~torchgrain.io.region.ShardRegion`), with no Python work per file.
+
+Example:
+    >>> _varints(np.array([[0xAC, 0x02, 0, 0]], np.uint8))
+    (array([300]), array([2]))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from torchgrain.formats.arrayrecord.riegeli import (
+    _BLOCK,
+    _BLOCK_HEADER,
+    _CHUNK_HEADER,
+    _CHUNK_SIMPLE,
+    _NONE,
+    _ZSTD,
+    ChunkDecoder,
+    _phys_end,
+    _strip_block_headers,
+)
+
+if TYPE_CHECKING:
+    from torchgrain.formats.arrayrecord.file import ArrayRecordFile
+    from torchgrain.formats.arrayrecord.footer import _Footer
+
+__all__ = ["OneRecordBatches", "read_many", "read_mapped"]
+
+_MANY_MIN = 2  # rows of a file from which read_many plans them with other files' rows
+_BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
+# Bytes gathered at each chunk of a batch: the 40-byte header and the simple chunk's
+# preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
+_HEADS = 64
+_HEAD_BYTES = np.arange(_HEADS)
+_HEAD_WORDS = np.arange(0, _HEADS, 8)
+_FOUR = np.arange(4)
+_JOIN_AT_ONCE = 1 << 20  # bytes of a batch's frames cut by block headers joined up front
+
+
+class OneRecordBatches(ChunkDecoder):
+    """Reads a batch of a local file's one-record chunks through one numpy plan.
+
+    The base of :class:`~.file.ArrayRecordFile`, which provides its map
+    (:meth:`_local_view`), its index (:meth:`_ensure_footer`, :meth:`_fast_index`) and
+    whether it is local (``_local``). Per process it learns whether the file's chunks
+    are zstd or uncompressed (``_raw_chunks``) and keeps the map as a uint8 array.
+
+    What :func:`read_many` asks of a file is stated here, and nothing else:
+    :meth:`_joint_layout` (whether, and how, its rows join a joint plan),
+    :meth:`_joint_heads` (its chunks' headers, with what its index says of them),
+    :meth:`_rows_fit`, :meth:`_careful_record`, :meth:`_decompress_frames`,
+    ``num_records`` and ``read``.
+    """
+
+    _local: bool
+    _fast: tuple[memoryview, memoryview, memoryview, memoryview] | None
+
+    def _reset_handles(self) -> None:
+        super()._reset_handles()
+        # The mapped file as a uint8 array, for gathering chunk headers of a batch.
+        self._u8: np.ndarray | None = None
+        self._u8_view: memoryview | None = None
+        # Whether the file's one-record chunks are uncompressed (None: not known yet).
+        self._raw_chunks: bool | None = None
+        self._layout_misses = 0  # chunks that fitted neither layout while not known
+
+    # What the file provides.
+    def _local_view(self) -> memoryview:
+        raise NotImplementedError
+
+    def _ensure_footer(self) -> _Footer:
+        raise NotImplementedError
+
+    def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ one file
+    def _heads(self, cs: np.ndarray, f: _Footer) -> tuple[memoryview, np.ndarray, np.ndarray]:
+        """``(view, pos, heads)`` of local chunks ``cs``: the map, their offsets, and the
+        first :data:`_HEADS` bytes at each (a chunk's header and the start of its data),
+        gathered in one fancy index. Rows of chunks too close to the end of the file
+        hold other bytes (:func:`_plan` rejects them); every file whose footer parsed
+        holds at least :data:`_HEADS` bytes (its signature chunk)."""
+        view = self._local_view()
+        u8 = self._u8
+        if u8 is None or self._u8_view is not view:
+            u8 = self._u8 = np.frombuffer(view, dtype=np.uint8)
+            self._u8_view = view
+        pos = f.chunk_offsets[cs]
+        at = np.minimum(pos, len(u8) - _HEADS)
+        return view, pos, u8[at[:, None] + _HEAD_BYTES]
+
+    def _chunk_plan(
+        self, cs: np.ndarray, f: _Footer, raw: bool = False
+    ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
+
+        Returns ``(view, ok, payload, end, size, cut)`` as :func:`_plan` does, for the
+        map ``view``.
+        """
+        view, pos, heads = self._heads(cs, f)
+        ok, payload, end, decoded, cut = _plan(
+            pos, heads, len(view), f.chunk_ends[cs], f.decoded_sizes[cs], raw
+        )
+        if f.group_size != 1:  # the footer must agree: one record in the chunk
+            recs = f.record_offsets
+            ok &= recs[cs + 1] - recs[cs] == 1
+        return view, ok, payload, end, decoded, cut
+
+    def _layout(self, arr: np.ndarray, f: _Footer) -> bool | None:
+        """Whether this file's one-record chunks are uncompressed (True) or zstd (False),
+        learnt from the first chunks ``arr`` that fit either plan; None while none has.
+        After 64 chunks that fit neither (other compressions), the answer is False: the
+        zstd plan then fails for most chunks and the general path reads them."""
+        raw = self._raw_chunks
+        if raw is not None:
+            return raw
+        zstd = int(self._chunk_plan(arr, f)[1].sum())
+        plain = int(self._chunk_plan(arr, f, raw=True)[1].sum()) if zstd < len(arr) else 0
+        if zstd or plain:
+            self._raw_chunks = plain > zstd
+        else:
+            self._layout_misses += len(arr)
+            if self._layout_misses >= 64:
+                self._raw_chunks = False
+        return self._raw_chunks
+
+    def _read_singles(self, arr: np.ndarray, f: _Footer) -> list[bytes] | None:
+        """Records at valid rows ``arr`` of a local ``group_size:1`` file, in request order,
+        when most chunks have the common layout (else None: take the general path).
+
+        No sort and no per-record Python code: the chunk of row ``r`` is chunk ``r``. A
+        row asked for twice is decompressed twice (the same bytes). zstd chunks are
+        decompressed; uncompressed ones are sliced out of the map (which layout a file
+        has is learnt from its first batch).
+        """
+        raw = bool(self._layout(arr, f))
+        view, ok, payload, end, decoded, cut = self._chunk_plan(arr, f, raw=raw)
+        if ok.all():
+            frames = _frames(view, payload, end, cut)
+            if raw:
+                return list(map(bytes, frames))
+            return self._decompress_frames(frames, decoded.tolist())
+        # Some chunks are unusual (a header split by a block boundary, data crossing two
+        # boundaries, an empty record): those take the careful path, one by one.
+        good = np.flatnonzero(ok)
+        if len(good) < len(arr) // 2:
+            return None
+        frames = _frames(view, payload[good], end[good], cut[good])
+        if raw:
+            out = list(map(bytes, frames))
+        else:
+            out = self._decompress_frames(frames, decoded[good].tolist())
+        if out is None:
+            return None
+        for k in np.flatnonzero(~ok).tolist():  # ascending: each lands at its position
+            out.insert(k, self._careful_record(int(arr[k]), f))
+        return out
+
+    def _careful_record(self, c: int, f: _Footer | None = None) -> bytes:
+        """The record of local one-record chunk ``c``, through :meth:`_local_chunk` (which
+        checks and reports everything); ``f`` is the file's index (default: its own)."""
+        if f is None:
+            f = self._ensure_footer()
+        fast = self._fast or self._fast_index(f)
+        values, bounds = self._local_chunk(c, self._local_view(), fast)
+        if bounds is None:
+            return values if type(values) is bytes else bytes(values)
+        j = c - fast[3][c]  # 0: one record per chunk
+        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
+
+    def _local_batch(
+        self, chunks: list[int], view: memoryview, fast: tuple, f: _Footer
+    ) -> list[tuple[Any, Any]]:
+        """Decode many local chunks at once: the common case vectorised
+        (:meth:`_chunk_plan`), every other chunk through :meth:`_local_chunk`. Returns
+        what :meth:`_read_chunks` does, in the order given.
+        """
+        cs = np.asarray(chunks, dtype=np.int64)
+        view, ok, payload, end, decoded, cut = self._chunk_plan(cs, f)
+        out: list[Any] = [None] * len(chunks)
+        fast_k = np.flatnonzero(ok)
+        values = None
+        if len(fast_k):
+            frames = _frames(view, payload[fast_k], end[fast_k], cut[fast_k])
+            values = self._decompress_frames(frames, decoded[fast_k].tolist())
+            if values is not None:
+                for k, v in zip(fast_k.tolist(), values):
+                    out[k] = (v, None)
+        if values is None or len(fast_k) < len(chunks):
+            local_chunk = self._local_chunk
+            for k, c in enumerate(chunks):
+                if out[k] is None:
+                    out[k] = local_chunk(c, view, fast)
+        return out
+
+    # ------------------------------------------------------------------ for read_many
+    def _joint_layout(self, rows: Any) -> bool | None:
+        """How ``rows`` of this file join other files' rows in :func:`read_many`'s plan:
+        True (uncompressed chunks) or False (zstd), or None when they are read on their
+        own (fewer than two, not a local ``group_size:1`` file, checksums verified, a row
+        out of range, or a layout not learnt yet)."""
+        f = self._ensure_footer()
+        arr = np.asarray(rows)
+        if not (
+            len(arr) >= _MANY_MIN
+            and arr.ndim == 1
+            and arr.dtype.kind in "iu"
+            and f.group_size == 1
+            and self._local
+            and not self._verify
+        ):
+            return None
+        raw = self._raw_chunks
+        if raw is None and self._rows_fit(arr):
+            raw = self._layout(arr.astype(np.int64), f)
+        return raw
+
+    def _joint_heads(
+        self, cs: np.ndarray
+    ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(view, pos, heads, chunk_ends, decoded_sizes)`` of valid local chunks ``cs``:
+        :meth:`_heads`, and the ends and decoded sizes the index gives them."""
+        f = self._ensure_footer()
+        view, pos, heads = self._heads(cs, f)
+        return view, pos, heads, f.chunk_ends[cs], f.decoded_sizes[cs]
+
+    def _rows_fit(self, rows: np.ndarray, strict: bool = False) -> bool:
+        """Whether every row lies in ``[0, num_records)``; with ``strict``, raise the
+        IndexError that ``read`` raises instead of returning False."""
+        f = self._ensure_footer()
+        lo, hi = int(rows.min()), int(rows.max())
+        if lo >= 0 and hi < f.num_records:
+            return True
+        if strict:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
+        return False
+
+
+def read_many(
+    files: Sequence[ArrayRecordFile],
+    rows: Sequence[np.ndarray],
+    *,
+    chunk_cache: Any = None,
+    cache_keys: Sequence[Any] | None = None,
+) -> list[list[bytes]]:
+    """``[files[k].read(rows[k]) for k ...]``, with the work on local ``group_size:1``
+    files of one layout done for all of them at once.
+
+    A batch of a global shuffle touches many shards a few records each: planning each
+    file's chunks with numpy on its own costs more than decoding them. Here each file
+    gathers its chunks' headers (:meth:`OneRecordBatches._joint_heads`), and one :func:`_plan`
+    and one decompression loop serve the whole batch. Files that do not qualify (remote,
+    checksummed, grouped, fewer than two rows) take :meth:`ArrayRecordFile.read` (with
+    ``chunk_cache`` and ``cache_keys[k]``); unusual chunks of the others (a header split
+    by a block boundary, an empty record) are read one by one by the careful path, which
+    checks and reports everything.
+
+    Example:
+        >>> import tempfile, os
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> from torchgrain.formats.arrayrecord import ArrayRecordFile
+        >>> paths = [os.path.join(tempfile.mkdtemp(), f"{k}.array_record") for k in range(2)]
+        >>> for k, path in enumerate(paths):
+        ...     w = ArrayRecordWriter(path, "group_size:1")
+        ...     for i in range(20):
+        ...         w.write(b"%d-%d" % (k, i))
+        ...     w.close()
+        >>> files = [ArrayRecordFile(p) for p in paths]
+        >>> read_many(files, [np.array([3, 1]), np.array([19])])
+        [[b'0-3', b'0-1'], [b'1-19']]
+    """
+    keys = cache_keys if cache_keys is not None else [None] * len(files)
+
+    def one(k: int) -> list[bytes]:
+        return files[k].read(rows[k], chunk_cache=chunk_cache, cache_key=keys[k])
+
+    out: list[Any] = [None] * len(files)
+    layouts: dict[bool, list[int]] = {False: [], True: []}
+    for k, (file, r) in enumerate(zip(files, rows)):
+        raw = file._joint_layout(r)
+        if raw is None:  # read() checks the rows and reads the file on its own
+            out[k] = one(k)
+        else:
+            layouts[raw].append(k)
+    for raw, ks in layouts.items():
+        if len(ks) == 1:
+            out[ks[0]] = one(ks[0])
+        elif ks:
+            for k, records in zip(ks, _read_many_singles(files, rows, ks, raw, one)):
+                out[k] = records
+    return out
+
+
+def _read_many_singles(
+    files: Sequence[ArrayRecordFile],
+    rows: Sequence[np.ndarray],
+    ks: list[int],
+    raw: bool,
+    one: Any,
+) -> list[list[bytes]]:
+    """:func:`read_many` for files ``ks``, of one layout (all zstd, or all
+    uncompressed); ``one(k)`` reads file ``k`` on its own (used when a zstd frame fails,
+    to find and name it)."""
+    files = [files[k] for k in ks]
+    rows = [np.asarray(rows[k], dtype=np.int64) for k in ks]
+    counts = [len(r) for r in rows]
+    every = np.concatenate(rows)
+    if ((every < 0) | (every >= np.repeat([g.num_records for g in files], counts))).any():
+        for file, r in zip(files, rows):  # the first file with a bad row raises
+            file._rows_fit(r, strict=True)
+    views, pos, heads, sizes, ends, decoded_sizes = [], [], [], [], [], []
+    for file, cs in zip(files, rows):
+        view, p, h, e, d = file._joint_heads(cs)
+        views.append(view)
+        pos.append(p)
+        heads.append(h)
+        sizes.append(np.full(len(cs), len(view), np.int64))
+        ends.append(e)
+        decoded_sizes.append(d)
+    ok, payload, end, decoded, cut = _plan(
+        np.concatenate(pos),
+        np.concatenate(heads),
+        np.concatenate(sizes),
+        np.concatenate(ends),
+        np.concatenate(decoded_sizes),
+        raw,
+    )
+    bounds = np.cumsum([0, *counts]).tolist()
+    spans = list(zip(views, bounds, bounds[1:], strict=False))
+    if ok.all():
+        parts = (_frames(v, payload[a:b], end[a:b], cut[a:b]) for v, a, b in spans)
+        lengths = decoded
+    else:  # unusual chunks are left out here and read one by one below
+        keep = [np.flatnonzero(ok[a:b]) + a for _, a, b in spans]
+        parts = (_frames(v, payload[k], end[k], cut[k]) for (v, _, _), k in zip(spans, keep))
+        lengths = decoded[ok]
+    frames = itertools.chain.from_iterable(parts)
+    if raw:
+        flat = list(map(bytes, frames))
+    else:
+        flat = files[0]._decompress_frames(frames, lengths.tolist())
+        if flat is None:  # a frame failed: the files on their own find and name it
+            return [one(k) for k in ks]
+    unusual = np.flatnonzero(~ok)
+    if len(unusual):
+        owner = (np.searchsorted(bounds, unusual, side="right") - 1).tolist()
+        for r, j in zip(unusual.tolist(), owner):  # ascending: each lands at its place
+            file = files[j]
+            flat.insert(r, file._careful_record(int(every[r])))
+    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def read_mapped(
+    u8: np.ndarray,
+    view: memoryview,
+    pos: np.ndarray,
+    chunk_ends: np.ndarray,
+    file_ends: np.ndarray,
+    decoded: np.ndarray,
+    *,
+    decoder: ChunkDecoder,
+    careful: Callable[[int], bytes],
+    words: np.ndarray | None = None,
+) -> list[bytes]:
+    """The records of one-record chunks of many local files, in the order given, with
+    no Python work per file: one gather of the chunks' headers, one :func:`_plan`, one
+    decompression loop for the whole batch.
+
+    ``u8`` and ``view`` are one address space holding every file, each at a 64 KiB
+    aligned base (a :class:`~torchgrain.io.region.ShardRegion`); ``pos``,
+    ``chunk_ends`` and ``file_ends`` are each chunk's start, its end (the next chunk or
+    the footer) and its file's end there, and ``decoded`` what the index says the
+    chunk decodes to. The caller has bounded them (``base + 40 <= pos < chunk_end <=
+    footer <= file_end``, ``file_end - base >= 64 KiB``), so every byte read lies in a
+    mapped file (``words``, if given, is ``u8`` as the little-endian uint64 starting at
+    each byte, for a cheaper gather). zstd chunks are decompressed with ``decoder``'s context; uncompressed
+    ones are copied out. Chunks that are unusual (a header cut by a block boundary, an
+    empty record, another compression) or fail are read by ``careful(k)`` (row ``k``
+    of the batch), the path that checks and reports everything.
+
+    Example:
+        >>> import tempfile, os
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> from torchgrain.formats.arrayrecord import ArrayRecordFile
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.array_record")
+        >>> w = ArrayRecordWriter(path, "group_size:1")
+        >>> for i in range(3):
+        ...     w.write(b"rec %d" % i)
+        >>> w.close()
+        >>> f = ArrayRecordFile(path)
+        >>> u8 = np.frombuffer(f._local_view(), np.uint8)
+        >>> c = np.array([2, 0])
+        >>> read_mapped(u8, f._local_view(), f.chunk_offsets[c], f._footer.chunk_ends[c],
+        ...             np.full(2, len(u8)), f._footer.decoded_sizes[c], decoder=f,
+        ...             careful=lambda k: f.read([int(c[k])])[0])
+        [b'rec 2', b'rec 0']
+    """
+    at = np.minimum(pos, file_ends - _HEADS)
+    if words is not None:  # 8 bytes per element gathered
+        heads = words[at[:, None] + _HEAD_WORDS].view(np.uint8)
+    else:
+        heads = u8[at[:, None] + _HEAD_BYTES]
+    ok, payload, end, dec, cut = _plan(pos, heads, file_ends, chunk_ends, decoded, False)
+    if ok.all():
+        out = decoder._decompress_frames(_frames(view, payload, end, cut), dec.tolist())
+        # A frame failed: the careful path finds and names it.
+        return out if out is not None else [careful(k) for k in range(len(pos))]
+    miss = np.flatnonzero(~ok)
+    # Files written uncompressed: the same plan for raw chunks (no learning per file).
+    raw = miss[heads[miss, _CHUNK_HEADER] == _NONE]
+    raw_vals: list[bytes] = []
+    if len(raw):
+        r_ok, r_payload, r_end, _, r_cut = _plan(
+            pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
+        )
+        raw = raw[r_ok]
+        raw_vals = list(map(bytes, _frames(view, r_payload[r_ok], r_end[r_ok], r_cut[r_ok])))
+        if len(raw) == len(pos):
+            return raw_vals
+    z = np.flatnonzero(ok)
+    vals: list[Any] = []
+    if len(z):
+        vals = decoder._decompress_frames(
+            _frames(view, payload[z], end[z], cut[z]), dec[z].tolist()
+        ) or [careful(k) for k in z.tolist()]
+    if len(raw) == 0:  # zstd chunks and a few unusual ones: those take their places
+        for k in miss.tolist():  # ascending: each lands at its position
+            vals.insert(k, careful(k))
+        return vals
+    out: list[Any] = [None] * len(pos)
+    for keys, values in ((z, vals), (raw, raw_vals)):
+        for k, v in zip(keys.tolist(), values):
+            out[k] = v
+    for k in np.setdiff1d(miss, raw).tolist():
+        out[k] = careful(k)
+    return out
+
+
+def _plan(
+    pos: np.ndarray,
+    heads: np.ndarray,
+    size: int | np.ndarray,
+    chunk_ends: np.ndarray,
+    decoded_sizes: np.ndarray,
+    raw: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Which one-record chunks have the common layout, and where their frames lie.
+
+    ``pos`` are the chunks' offsets in their files, ``heads`` the first :data:`_HEADS`
+    bytes at each (:meth:`OneRecordBatches._heads`), ``size`` the files' sizes, and
+    ``chunk_ends`` and ``decoded_sizes`` what the footers say of them; rows may come
+    from several files. One-record zstd chunks whose header sits inside one block (what
+    ``group_size:1`` files hold) are recognised with numpy alone, checked against the
+    footer. Returns ``(ok, payload, end, decoded, cut)``: chunk ``k`` with ``ok[k]``
+    holds one zstd frame at ``[payload[k], end[k])`` of its file that decompresses to
+    ``decoded[k]`` bytes, less the 24-byte block headers in that range where ``cut[k]``
+    is not 0 (see :func:`_frames`). With ``raw``, the same for uncompressed chunks
+    instead: the frame is the record itself. Chunks that are not ``ok`` must take
+    :meth:`~.riegeli.ChunkDecoder._local_chunk`, which checks and reports everything.
+    """
+    fields = heads.view("<u8")  # the header's five fields, then data
+    data_size = fields[:, 1].astype(np.int64)
+    type_num, decoded = fields[:, 3], fields[:, 4]
+    low = pos & 0xFFFF
+    start = pos + _CHUNK_HEADER
+    # Data that runs into the next blocks has their 24-byte headers in it (one 12 KiB
+    # record in five, every record over 64 KiB): its frame is cut there.
+    boundary = ((start >> 16) + 1) << 16
+    end = _phys_end(start, data_size)  # elementwise
+    cut = (end > boundary).astype(np.int64)
+    ok = (
+        (low >= _BLOCK_HEADER)
+        & (low + _CHUNK_HEADER < _BLOCK)  # the header inside a block, data after it
+        & (pos + _HEADS <= size)
+        & (end <= chunk_ends)
+        & (type_num == (1 << 8 | _CHUNK_SIMPLE))  # a simple chunk of one record
+        & (decoded == decoded_sizes)
+        & (data_size > 3)
+        # zstandard's batch call frees twice on an empty output (a crash, not an
+        # error): empty records, and implausibly large ones, take the careful path.
+        & (decoded > 0)
+        & (decoded <= _BATCH_MAX_RECORD)
+    )
+    # Simple chunk: compression byte, varint size of the sizes buffer, the sizes buffer
+    # (skipped: one record's size is the decoded size), then the values. The preamble
+    # must lie before the first cut.
+    kind = heads[:, _CHUNK_HEADER]
+    sizes_len = heads[:, _CHUNK_HEADER + 1].astype(np.int64)
+    if raw:
+        # Uncompressed: the sizes buffer (one varint: the record's size), then the record
+        # to the chunk's end.
+        value, length = _varints(heads[:, _CHUNK_HEADER + 2 : _CHUNK_HEADER + 6])
+        payload = start + 2 + sizes_len
+        ok &= (
+            (kind == _NONE)
+            & (sizes_len >= 1)
+            & (length == sizes_len)
+            & (value == decoded)
+            & (data_size - 2 - sizes_len == decoded)
+            & (payload <= boundary)
+        )
+        return ok, payload, end, decoded, cut
+    # zstd: the values' varint size, then the frame; both must lie in ``heads``.
+    room = _HEADS - _CHUNK_HEADER - 2 - 4
+    at = _CHUNK_HEADER + 2 + np.minimum(sizes_len, room)
+    value, length = _varints(np.take_along_axis(heads, at[:, None] + _FOUR, axis=1))
+    q = start + 2 + sizes_len
+    payload = q + length
+    ok &= (
+        (kind == _ZSTD)
+        & (sizes_len <= room)
+        & (length > 0)
+        & (value == decoded)
+        & (data_size > payload - start)
+        & (payload <= boundary)
+    )
+    return ok, payload, end, decoded, cut
+
+
+def _varints(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(value, length)`` of the varint at the start of each row of ``b`` (uint8, 4
+    columns); length 0 where it runs past 4 bytes.
+
+    Example:
+        >>> _varints(np.array([[5, 0, 0, 0], [0x80 | 44, 2, 0, 0], [255, 255, 255, 255]], np.uint8))
+        (array([  5, 300,   0]), array([1, 2, 0]))
+    """
+    b = b.astype(np.int64)
+    more = b >= 0x80
+    length = np.where(more.all(axis=1), 0, np.argmin(more, axis=1) + 1)
+    used = length[:, None] > _FOUR
+    value = (((b & 0x7F) << (7 * _FOUR)) * used).sum(axis=1)
+    return value, length
+
+
+def _frames(
+    view: memoryview, starts: np.ndarray, ends: np.ndarray, cuts: np.ndarray
+) -> Iterable[Any]:
+    """``view[starts[k]:ends[k]]`` for every k, less the block headers inside where
+    ``cuts[k]`` is not 0 (those joined into bytes). When the joined frames would hold
+    more than :data:`_JOIN_AT_ONCE` bytes, they are joined one at a time as the result
+    is iterated, so that each can be freed before the next is made (a batch of 100 KiB
+    records joined at once costs a page fault per 4 KiB of fresh memory).
+
+    Example:
+        >>> v = memoryview(bytes(range(256)) * 257)
+        >>> a, b = _frames(v, np.array([0, 65530]), np.array([3, 65570]), np.array([0, 1]))
+        >>> bytes(a), len(b), b[5:7]   # 6 bytes, a 24-byte block header, 10 bytes
+        (b'\\x00\\x01\\x02', 16, b'\\xff\\x18')
+    """
+    out = list(map(view.__getitem__, map(slice, starts.tolist(), ends.tolist())))
+    at = np.flatnonzero(cuts)
+    if len(at) == 0:
+        return out
+    if int((ends[at] - starts[at]).sum()) <= _JOIN_AT_ONCE:
+        for k in at.tolist():
+            out[k] = _strip_block_headers(out[k], int(starts[k]))
+        return out
+    cut = cuts.astype(bool).tolist()
+    return (_strip_block_headers(x, a) if c else x for x, a, c in zip(out, starts.tolist(), cut))

@@ -1,0 +1,46 @@
+"""The C library's ``mmap`` and ``munmap``, typed for ctypes, loaded once per process.
+
+Python's :mod:`mmap` cannot map at a chosen address (:mod:`torchgrain.io.region` needs
+that) and keeps a file descriptor per map (:mod:`torchgrain.sources.parquet.arrow_map`
+maps thousands of files); both call libc directly through this module.
+
+Example:
+    >>> lib = libc()
+    >>> lib is None or callable(lib.mmap)
+    True
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+__all__ = ["libc"]
+
+_libc: Any = None  # None: not loaded yet; False: not available here
+
+
+def libc() -> Any | None:
+    """The process's C library with ``mmap``/``munmap`` prototypes set, or None where it
+    has no ``mmap`` (not a POSIX system)."""
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            mmap_fn, munmap_fn = lib.mmap, lib.munmap
+        except (OSError, AttributeError):
+            _libc = False
+            return None
+        mmap_fn.restype = ctypes.c_void_p
+        mmap_fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        munmap_fn.restype = ctypes.c_int
+        munmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = lib
+    return _libc or None

@@ -1,0 +1,109 @@
+"""Optional capabilities of datasets and sources, stated as protocols.
+
+A :class:`~torchgrain.Source` must have what the :class:`~torchgrain.Source` base class
+requires. What a dataset or a source *may* offer on top, and what torchgrain does with
+it, is stated here; components check with ``isinstance`` (these protocols are
+runtime-checkable) instead of looking for attributes by name. A class has a capability
+by defining the method; no registration or base class is needed.
+
+* :class:`SetsEpoch`: ``set_epoch(epoch)``. Samplers call it from their own
+  ``set_epoch``/``load_state_dict`` (per-epoch random transforms follow), and a
+  :class:`~torchgrain.Dataset` passes its epoch on to a source that has it.
+* :class:`ReadsAhead`: ``read_ahead(order, start, count, position)``. Samplers hand it
+  each pass's order (remote shards are downloaded ahead, caches checked).
+* :class:`HasBlockOffsets`: ``block_offsets()``. What
+  :class:`~torchgrain.BlockShuffleSampler` keeps its reads inside.
+* :class:`ReadsBatches` / :class:`ReadsColumns`: ``__getitems__(indices)`` /
+  ``read_columns(indices)``, the batched reads a plain sequence may offer
+  (:class:`~torchgrain.adapters.SequenceSource` uses them).
+* :class:`SizedIndexable`: ``len(x)`` and ``x[i]``: what a
+  :class:`~torchgrain.Dataset` accepts besides a source.
+
+Example:
+    >>> class Shards:
+    ...     def __len__(self):
+    ...         return 4
+    ...     def __getitem__(self, i):
+    ...         return {"x": i}
+    ...     def set_epoch(self, epoch):
+    ...         self.epoch = epoch
+    >>> isinstance(Shards(), SetsEpoch), isinstance(Shards(), ReadsAhead)
+    (True, False)
+    >>> isinstance([1, 2], SizedIndexable), isinstance(5, SizedIndexable)
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "HasBlockOffsets",
+    "ReadsAhead",
+    "ReadsBatches",
+    "ReadsColumns",
+    "SetsEpoch",
+    "SizedIndexable",
+]
+
+
+@runtime_checkable
+class SetsEpoch(Protocol):
+    """Has ``set_epoch(epoch)``: told the epoch whenever a sampler's epoch changes."""
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """Has ``read_ahead(order, start, count, position)``: prepares for a sampler's pass.
+
+    ``order(a, b)`` gives the dataset indices at the pass's positions ``[a, b)``, the
+    pass reads ``count`` positions from ``start`` on, and ``position()`` says how far it
+    got. ``order`` None (``count`` 0) cancels. What it returns is kept by a
+    :class:`~torchgrain.Dataset` for :func:`tg.stats <torchgrain.stats>` (a list of
+    cache checks, or None).
+    """
+
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> Any: ...
+
+
+@runtime_checkable
+class HasBlockOffsets(Protocol):
+    """Has ``block_offsets()``: int64 prefix offsets of its storage blocks, from 0 to
+    ``len(self)``."""
+
+    def block_offsets(self) -> np.ndarray: ...
+
+
+@runtime_checkable
+class ReadsBatches(Protocol):
+    """Has ``__getitems__(indices)``: the records at ``indices``, in order, in one call."""
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]: ...
+
+
+@runtime_checkable
+class ReadsColumns(Protocol):
+    """Has ``read_columns(indices)``: the records at ``indices`` as a
+    :class:`~torchgrain.columns.ColumnBatch`."""
+
+    def read_columns(self, indices: Sequence[int]) -> Any: ...
+
+
+@runtime_checkable
+class SizedIndexable(Protocol):
+    """Has ``len(x)`` and ``x[i]``: a sequence of records."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...

@@ -1,0 +1,81 @@
+"""Layouts: the stream intervals a pass splits, and what is left of them after a resume.
+
+A *layout* is a list of ``[start, stop)`` intervals of positions of the epoch's order
+(an int64 array of shape ``(k, 2)``); their concatenation is the *virtual stream* the
+ranks split. A fresh epoch's layout is ``[[0, N]]``; after an elastic resume it is the
+part of the order not consumed yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__: list[str] = []
+
+
+def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The parts of ``[0, length)`` not covered by ``intervals`` of virtual positions.
+
+    Positions past the end are padding and stand for ``v mod length`` (as in
+    DistributedSampler, whose padding repeats the order's first indices), so a
+    padding draw covers the position it repeats.
+    """
+    covered: list[tuple[int, int]] = []
+    for s, e in intervals:
+        s = max(0, s)
+        if e <= s:
+            continue
+        if s < length:
+            covered.append((s, min(e, length)))
+        s = max(s, length)
+        if e <= s or length <= 0:
+            continue
+        if e - s >= length:
+            return []
+        a, b = s % length, s % length + (e - s)
+        covered.extend([(a, b)] if b <= length else [(a, length), (0, b - length)])
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for s, e in sorted(covered):
+        if s > pos:
+            out.append((pos, s))
+        pos = max(pos, e)
+    if pos < length:
+        out.append((pos, length))
+    return out
+
+
+def _compose(layout: np.ndarray, virtual: list[tuple[int, int]]) -> np.ndarray:
+    """Stream intervals of the given virtual intervals of ``layout``."""
+    out: list[tuple[int, int]] = []
+    base = 0
+    for s, e in layout.tolist():
+        seg_len = e - s
+        for vs, ve in virtual:
+            lo, hi = max(vs, base), min(ve, base + seg_len)
+            if lo < hi:
+                a, b = s + lo - base, s + hi - base
+                if out and out[-1][1] == a:
+                    out[-1] = (out[-1][0], b)
+                else:
+                    out.append((a, b))
+        base += seg_len
+    if not out:
+        out.append((0, 0))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
+
+
+def _layout_length(layout: np.ndarray) -> int:
+    return int((layout[:, 1] - layout[:, 0]).sum())
+
+
+def _layout_positions(layout: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Stream positions of virtual positions ``v`` (in ``[0, length)``) of ``layout``."""
+    if len(layout) == 1:
+        if layout[0, 0]:
+            v += layout[0, 0]
+        return v
+    lengths = layout[:, 1] - layout[:, 0]
+    ends = np.cumsum(lengths)
+    seg = np.searchsorted(ends, v, side="right")
+    return layout[seg, 0] + (v - (ends[seg] - lengths[seg]))

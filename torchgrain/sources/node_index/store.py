@@ -1,0 +1,404 @@
+"""Index files of a node index: their arrays, checks, and where they live on a machine.
+
+What the ArrayRecord and TFRecord indexes (:mod:`.arrayrecord`, :mod:`.tfrecord`) share:
+the arrays of an index file or of memory (:class:`_Arrays`), the checks of their shapes
+and prefix sums, and the index directory: a key per set of files, one builder per
+machine under a lock, stamps of verified files, and least-recently-used pruning.
+
+Example:
+    >>> _key("tfrecord", [("a", 1, 2)]) == _key("tfrecord", [("a", 1, 2)])
+    True
+    >>> _prefix(np.array([0, 2, 5]), 5, "(in memory)", "rec_base").tolist()
+    [2, 3]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
+from torchgrain.io.file_hash import verify_file_hash
+from torchgrain.io.fs import default_cache_dir
+
+__all__ = ["COUNTERS", "INDEX_DIR_BYTES", "INDEX_NAME", "default_index_dir", "open_index"]
+
+#: The index file torchgrain's writers put beside a dataset's shards.
+INDEX_NAME = "torchgrain" + INDEX_SUFFIX
+#: Indexes built (``*_builds``) and beside-the-shards indexes verified, in this process.
+COUNTERS = {"arrayrecord_builds": 0, "tfrecord_builds": 0, "verified": 0}
+#: Index files an index directory keeps, in bytes; the least recently used go first.
+INDEX_DIR_BYTES = 32 << 30
+_VERSION = 1
+_BATCH = 256  # shards whose footers are read together while building
+# Why an index directory cannot take an index (anything else is raised).
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOSPC}
+_STAMPS = "verified"  # stamps of index files whose contents were checked
+_LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
+
+
+def default_index_dir(kind: str) -> str:
+    """``<torchgrain cache>/<kind>-index`` (see :func:`~torchgrain.io.fs.default_cache_dir`).
+
+    Example:
+        >>> default_index_dir("arrayrecord").endswith("arrayrecord-index")
+        True
+    """
+    return os.path.join(default_cache_dir(), f"{kind}-index")
+
+
+# ---------------------------------------------------------------- the arrays
+class _Arrays:
+    """Named arrays from an index file (mapped) or from memory; pickles as the file's name."""
+
+    def __init__(
+        self, kind: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], file: IndexFile | None
+    ) -> None:
+        self.kind = kind
+        self.arrays = arrays
+        self.meta = meta
+        self.file = file
+
+    @property
+    def path(self) -> str | None:
+        """The index file mapped (None: in memory)."""
+        return self.file.path if self.file is not None else None
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.file is None:
+            return {"kind": self.kind, "arrays": self.arrays, "meta": self.meta}
+        return {"kind": self.kind, "path": self.file.path, "identity": self.file.identity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.kind = state["kind"]
+        if "path" not in state:
+            self.arrays, self.meta, self.file = state["arrays"], state["meta"], None
+            return
+        # A spawned worker maps the file its parent opened: the very same file.
+        f = IndexFile.open(state["path"], self.kind)
+        if f.identity != tuple(state["identity"]):
+            raise CorruptDataError(
+                f"index file {state['path']!r} was replaced after the dataset was opened; "
+                "open the dataset again"
+            )
+        self.arrays, self.meta, self.file = f.arrays, f.meta, f
+
+
+class _Index:
+    """What the ArrayRecord and TFRecord indexes share: their arrays (:class:`_Arrays`),
+    checked by the subclass's ``_derive`` when made and when unpickled (a pickle carries
+    the index file's name, not its arrays)."""
+
+    kind: str
+    counts: np.ndarray  # records per shard
+    file_size: np.ndarray  # bytes per shard
+
+    def __init__(self, arrays: _Arrays) -> None:
+        self._a = arrays
+        self._derive()
+
+    def _derive(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def path(self) -> str | None:
+        """The mapped index file (None: the index is in memory)."""
+        return self._a.path
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.counts)
+
+    def __getstate__(self) -> _Arrays:
+        return self._a
+
+    def __setstate__(self, arrays: _Arrays) -> None:
+        self._a = arrays
+        self._derive()
+
+    def _counts(self) -> tuple[dict[str, np.ndarray], dict[str, Any], str, int, int]:
+        """For ``_derive``: the arrays, the metadata, the index's name in errors, and the
+        numbers of shards and records the metadata gives (checked)."""
+        a, meta = self._a.arrays, self._a.meta
+        where = repr(self._a.path) if self._a.path else "(in memory)"
+        if meta.get("version") != _VERSION:
+            raise _bad(where, f"unsupported version {meta.get('version')!r:.20}")
+        s = _meta_int(meta, where, "num_shards")
+        n = _meta_int(meta, where, "num_records")
+        return a, meta, where, s, n
+
+    def not_made_for(self, key: str, sizes: np.ndarray) -> str | None:
+        """Why this index does not describe the files of ``key`` (:func:`_key`) whose
+        sizes are ``sizes``, or None."""
+        if self._a.meta.get("key") != key:  # a file under another's name
+            return "it was made for other files"
+        if self.num_shards != len(sizes) or not np.array_equal(self.file_size, sizes):
+            return "it describes other files"
+        return None
+
+
+def _bad(where: str, msg: str) -> CorruptDataError:
+    return CorruptDataError(f"index {where}: {msg}")
+
+
+def _shape(a: dict[str, np.ndarray], where: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    arr = a.get(name)
+    if arr is None or arr.shape != shape:
+        got = None if arr is None else arr.shape
+        raise _bad(where, f"array {name!r} has shape {got}, expected {shape}")
+    return arr
+
+
+def _meta_int(meta: dict[str, Any], where: str, key: str) -> int:
+    v = meta.get(key)
+    if type(v) is not int or not 0 <= v < 1 << 62:
+        raise _bad(where, f"bad {key} {v!r:.40}")
+    return v
+
+
+def _prefix(arr: np.ndarray, total: int, where: str, name: str) -> np.ndarray:
+    if len(arr) == 0 or arr[0] != 0 or arr[-1] != total or bool((np.diff(arr) < 0).any()):
+        raise _bad(where, f"{name} is not a prefix sum from 0 to {total}")
+    return np.diff(arr)
+
+
+class _MemorySink:
+    """What :class:`IndexFileWriter` does, into memory."""
+
+    def __init__(self, kind: str, columns: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        self.kind = kind
+        self.parts: dict[str, list[np.ndarray]] = {k: [] for k in columns}
+        self.columns = columns
+
+    def append(self, name: str, rows: np.ndarray) -> None:
+        dtype, trailing = self.columns[name]
+        self.parts[name].append(np.asarray(rows, dtype=np.dtype(dtype)).reshape(-1, *trailing))
+
+    def arrays(self, meta: dict[str, Any]) -> _Arrays:
+        out = {}
+        for k, parts in self.parts.items():
+            dtype, trailing = self.columns[k]
+            arr = np.concatenate(parts) if parts else np.zeros((0, *trailing), np.dtype(dtype))
+            arr.setflags(write=False)
+            out[k] = arr
+        return _Arrays(self.kind, out, meta, None)
+
+    def abort(self) -> None:
+        self.parts = {}
+
+
+def open_index(path: str, cls: Any) -> Any:
+    """Map and validate the index file at ``path`` as ``cls`` (:class:`ArrayRecordIndex`
+    or :class:`TFRecordIndex`)."""
+    f = IndexFile.open(path, cls.kind)
+    return cls(_Arrays(cls.kind, f.arrays, f.meta, f))
+
+
+def _build(
+    cls: Any,
+    out: str | None,
+    columns: dict[str, tuple[str, tuple[int, ...]]],
+    fill: Callable[[Any], dict[str, Any]],
+) -> Any:
+    """A new index ``cls`` (:class:`_Index`): ``fill(sink)`` appends its columns to the
+    sink (an :class:`IndexFileWriter` or a :class:`_MemorySink`) and returns its metadata.
+    Published atomically at ``out`` and mapped from there, or in memory (``out=None``);
+    nothing is left at ``out`` when building fails."""
+    sink: Any = (
+        IndexFileWriter(out, cls.kind, columns)
+        if out is not None
+        else _MemorySink(cls.kind, columns)
+    )
+    try:
+        meta = fill(sink)
+        if out is None:
+            return cls(sink.arrays(meta))
+        sink.publish(meta)
+    except BaseException:
+        sink.abort()
+        raise
+    return open_index(out, cls)
+
+
+# ------------------------------------------------------------------ placement
+def _key(kind: str, items: Sequence[tuple[Any, ...]]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{kind}\0{_VERSION}\0".encode())
+    for item in items:
+        h.update("\0".join(map(str, item)).encode() + b"\n")
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _build_lock(path: str):
+    """Hold ``path + '.lock'`` (one builder per machine); after a long wait, go on
+    without it (publishing by rename stays atomic; the work may be done twice)."""
+    import fcntl
+
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)  # the umask applies
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _prune(directory: str, keep: str) -> None:
+    """Delete the least recently used index files beyond :data:`INDEX_DIR_BYTES` (a
+    file's use is the time of its lock file, touched at each open), and stamps unused
+    for a week (a missing stamp costs one more verification)."""
+    try:
+        entries = []
+        for e in os.scandir(directory):
+            if e.name.endswith(INDEX_SUFFIX) and e.path != keep:
+                size = e.stat().st_size
+                try:
+                    used = os.stat(e.path + ".lock").st_mtime
+                except OSError:
+                    used = e.stat().st_mtime
+                entries.append((used, size, e.path))
+        total = sum(size for _, size, _ in entries)
+        with contextlib.suppress(OSError):
+            total += os.path.getsize(keep)
+        for _, size, path in sorted(entries):
+            if total <= INDEX_DIR_BYTES:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # a process that maps it keeps its pages
+            with contextlib.suppress(OSError):
+                os.unlink(path + ".lock")
+            total -= size
+        stamps = os.path.join(directory, _STAMPS)
+        old = time.time() - 7 * 86400
+        for e in os.scandir(stamps) if os.path.isdir(stamps) else ():
+            if e.stat().st_mtime < old:
+                with contextlib.suppress(OSError):
+                    os.unlink(e.path)
+    except OSError:
+        pass
+
+
+def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | None:
+    """Where the stamp of a verified index file goes: keyed by the file's path, inode,
+    size and times (writing to a file, or setting its times, changes its ctime) and the
+    checksum it was verified against."""
+    if index_dir is None:
+        return None
+    st = os.stat(f.path)
+    if (st.st_dev, st.st_ino, st.st_size) != f.identity:
+        return None  # replaced since it was opened: verify what was opened, stamp nothing
+    item = (
+        os.path.abspath(f.path),
+        st.st_dev,
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+        st.st_ctime_ns,
+        expect or f.checksum,
+    )
+    return os.path.join(index_dir, _STAMPS, _key("verified", [item]))
+
+
+def _write_stamp(stamp: str | None) -> None:
+    if stamp is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(stamp), exist_ok=True)
+            with open(stamp, "w"):
+                pass
+
+
+def _open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None = None) -> Any:
+    """Open the index file at ``path`` and check its contents once per machine: against
+    ``expect`` (a manifest's ``blake2b-file`` checksum of the whole file) or its own
+    header checksum. A stamp in ``index_dir`` remembers a verified file (see
+    :func:`_stamp`); without ``index_dir`` every open verifies.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CorruptDataError: not a valid index, or its contents fail the checksum.
+    """
+    ix = open_index(path, cls)
+    f = ix._a.file
+    stamp = _stamp(f, index_dir, expect)
+    if stamp is not None and os.path.exists(stamp):
+        with contextlib.suppress(OSError):
+            os.utime(stamp)
+        return ix
+    if expect is not None:
+        verify_file_hash(path, expect, name=f"index file {path!r}")
+    elif not f.verify():
+        raise CorruptDataError(
+            f"index file {path!r} is damaged: its contents do not match its checksum"
+        )
+    COUNTERS["verified"] += 1
+    _write_stamp(stamp)
+    return ix
+
+
+def _cached(
+    index_dir: str,
+    name: str,
+    cls: Any,
+    build: Callable[[str | None], Any],
+    fits: Callable[[Any], str | None],
+) -> Any:
+    """The index ``name`` in ``index_dir``: opened when present and valid (``fits(ix)``
+    says why an index does not describe the files, or None), else built once per
+    machine (``build(path)``) and published; built in memory (``build(None)``) when the
+    directory cannot be written."""
+    path = os.path.join(index_dir, name)
+
+    def try_open() -> Any:
+        try:
+            ix = _open_trusted(path, cls, index_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except CorruptDataError as e:
+            warnings.warn(f"rebuilding a damaged dataset index: {e}", stacklevel=4)
+            return None
+        why = fits(ix)
+        if why is not None:
+            warnings.warn(f"rebuilding dataset index {path!r}: {why}", stacklevel=4)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path + ".lock")  # its place in the directory's LRU
+        return ix
+
+    ix = try_open()
+    if ix is not None:
+        return ix
+    try:
+        os.makedirs(index_dir, exist_ok=True)
+        with _build_lock(path):
+            ix = try_open()  # another process may have built it meanwhile
+            if ix is None:
+                ix = build(path)
+                _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
+                _prune(index_dir, path)
+        return ix
+    except OSError as e:
+        if e.errno not in _UNWRITABLE or isinstance(e, DatasetNotFoundError):
+            raise
+        warnings.warn(
+            f"cannot write the dataset index into {index_dir!r} ({e}); keeping it in this "
+            "process's memory instead (pass index_dir= a writable directory)",
+            stacklevel=3,
+        )
+        return build(None)

@@ -1,0 +1,236 @@
+"""ReadOptions: the options every sharded source shares, as one frozen value.
+
+How a dataset is read (its storage, caches, threads, retries, limits and trust) is the
+same question for every format: :class:`ReadOptions` answers it once, and
+:class:`~torchgrain.ArrayRecordSource`, :class:`~torchgrain.ParquetSource`,
+:class:`~torchgrain.TFRecordSource` and ``tg.open`` take it as ``options=``, beside
+their own format options (``codec=``, ``columns=``...). One value opens any format,
+can be kept in a config, compared and pickled; ``dataclasses.replace`` makes a variant.
+
+The same names are still accepted as keyword arguments of the sources (the older way):
+each one given replaces that field of ``options``.
+
+Example:
+    >>> import tempfile, torchgrain as tg
+    >>> d = tempfile.mkdtemp()
+    >>> _ = tg.write_parquet([{"i": i} for i in range(4)], d)
+    >>> opts = tg.ReadOptions(cache_bytes=64 << 20, io_threads=4)
+    >>> src = tg.open(d, options=opts)
+    >>> src.options == opts, src.cache_bytes
+    (True, 67108864)
+    >>> tg.ParquetSource(d, cache_bytes=64 << 20, io_threads=4).options == opts
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from torchgrain.io.retry import RetryPolicy
+
+__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_CACHE_DIR_BYTES", "DEFAULT_MAX_INFLIGHT", "ReadOptions"]
+
+#: Default budget of a process's in-memory cache of decoded blocks (``cache_bytes``).
+DEFAULT_CACHE_BYTES = 256 * 2**20
+#: Default budget of a ``cache_dir`` (local copies of remote shards).
+DEFAULT_CACHE_DIR_BYTES = 16 * 2**30
+#: Default requests in flight per process when a batch is read from remote shards
+#: without a shard cache. Measured (benchmarks/remote_global.py, 1 KiB records, 30 ms,
+#: batches of 256, 2 shared cores): 64, 128 and 256 read 1,471 / 2,011 / 1,743
+#: records/s with 0 workers and 2,806 / 2,949 / 1,888 with 2.
+DEFAULT_MAX_INFLIGHT = 128
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How a sharded dataset is read, whatever its format (see the module docstring).
+
+    Attributes:
+        storage_options: fsspec options for remote paths (``s3://``, ``gs://``,
+            ``http(s)://``...; e.g. ``{"endpoint_url": ...}``). Copied when the value
+            is made.
+        filesystem: a ready fsspec filesystem to use instead of one inferred from the
+            paths (``storage_options`` is then unused).
+        cache_bytes: this process's in-memory cache of decoded blocks, in bytes:
+            Parquet row groups (Arrow data), ArrayRecord chunks of several records.
+            ``None`` (default): the format's own default, 256 MiB
+            (:data:`DEFAULT_CACHE_BYTES`); ``0`` disables it. Every DataLoader worker
+            has its own. TFRecord decodes no blocks (a record is a byte range): it
+            accepts the option, and its cache stays empty.
+        cache_dir: a local directory (or a :class:`~torchgrain.io.shard_cache.ShardCache`)
+            for whole copies of *remote* shards, each downloaded once per machine and
+            read locally after. Local shards are never copied. Default: none.
+        cache_dir_bytes: byte budget of ``cache_dir`` (default 16 GiB,
+            :data:`DEFAULT_CACHE_DIR_BYTES`; least recently used shards go first).
+        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of shards
+            a sampler's future order may have downloaded ahead of use (``None``,
+            default: half of ``cache_dir_bytes``; ``0``: no read-ahead). See
+            :mod:`torchgrain.io.readahead`.
+        io_threads: threads per process that read the remote shards of one batch
+            concurrently, overlapping request latency, and the read-ahead's concurrent
+            downloads (default 8; 1 = sequential). Local shards are read in the calling
+            thread.
+        max_inflight: remote range requests in flight per process when a batch is read
+            from remote shards without a shard cache (default 128,
+            :data:`DEFAULT_MAX_INFLIGHT`): the batch's records are fetched across all its
+            shards at once, neighbours coalesced (formats that can plan a batch's byte
+            ranges: ArrayRecord, TFRecord); a process that reads its own batches
+            (``num_workers=0``) also fetches the next ones in the sampler's order while
+            it decodes this one. ``1``: one request at a time.
+        retry: attempts and deadlines of remote reads and downloads (``None``, default:
+            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential
+            backoff; a read that makes no progress fails within 90 s).
+        max_open_files: shard readers (file descriptors) kept open per process, least
+            recently used closed first: ``"auto"`` (default; the format decides from
+            the open-files limit and the number of shards, see
+            :mod:`torchgrain.io.limits`), a number, or ``None`` for no limit.
+        allow_external_paths: a manifest or a server's directory listing may name
+            shards outside the dataset's directory (absolute paths, ``..``, other
+            URLs), and an HTTP(S) server may redirect. Off by default: a dataset from an
+            untrusted place must not pull other files into your batches, nor make this
+            process request other URLs (see :mod:`torchgrain.io.paths`).
+        verify_checksums: check the checksums the format stores on every read.
+            ``None`` (default): the format's default, which differs for a measured
+            reason: TFRecord on (CRC-32C at a few GB/s, and nothing else protects its
+            payload); ArrayRecord off (Riegeli's HighwayHash is computed in pure Python,
+            a few MB/s, and the mapped batch reads are skipped while it is on;
+            compressed chunks still fail to decompress when damaged); Parquet off
+            (pages carry a CRC only when the writer added one, which pyarrow does not by
+            default; on, pyarrow checks those it finds).
+
+    Raises:
+        ValueError: a value out of range, naming the option.
+        TypeError: a value of the wrong type, naming the option.
+
+    Example:
+        >>> import dataclasses
+        >>> opts = ReadOptions(cache_dir="/tmp/shards", io_threads=16)
+        >>> opts.cache_dir_bytes == DEFAULT_CACHE_DIR_BYTES, opts.max_open_files
+        (True, 'auto')
+        >>> dataclasses.replace(opts, io_threads=4).io_threads
+        4
+        >>> ReadOptions(io_threads=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: io_threads must be an integer >= 1, got 0
+    """
+
+    storage_options: Mapping[str, Any] | None = None
+    filesystem: Any = None
+    cache_bytes: int | None = None
+    cache_dir: str | os.PathLike | Any | None = None
+    cache_dir_bytes: int = DEFAULT_CACHE_DIR_BYTES
+    read_ahead_bytes: int | None = None
+    io_threads: int = 8
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+    retry: RetryPolicy | None = None
+    max_open_files: int | Literal["auto"] | None = "auto"
+    allow_external_paths: bool = False
+    verify_checksums: bool | None = None
+
+    def __post_init__(self) -> None:
+        so = self.storage_options
+        if so is not None:
+            if not isinstance(so, Mapping):
+                raise TypeError(
+                    f"storage_options must be a mapping of fsspec options, got {type(so).__name__}"
+                )
+            object.__setattr__(self, "storage_options", dict(so))
+        fs = self.filesystem
+        if fs is not None:
+            import fsspec
+
+            if not isinstance(fs, fsspec.AbstractFileSystem):
+                raise TypeError(f"filesystem must be an fsspec filesystem, got {type(fs).__name__}")
+        if self.cache_bytes is not None and (not _is_int(self.cache_bytes) or self.cache_bytes < 0):
+            raise ValueError(f"cache_bytes must be an integer >= 0, got {self.cache_bytes!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            from torchgrain.io.shard_cache import ShardCache
+
+            if not isinstance(self.cache_dir, ShardCache):
+                raise TypeError(
+                    "cache_dir must be a directory path or a ShardCache, got "
+                    f"{type(self.cache_dir).__name__}"
+                )
+        if not _is_int(self.cache_dir_bytes) or self.cache_dir_bytes < 1:
+            raise ValueError(
+                f"cache_dir_bytes must be an integer >= 1, got {self.cache_dir_bytes!r}"
+            )
+        ra = self.read_ahead_bytes
+        if ra is not None and (not _is_int(ra) or ra < 0):
+            raise ValueError(f"read_ahead_bytes must be an integer >= 0, got {ra!r}")
+        if not _is_int(self.io_threads) or self.io_threads < 1:
+            raise ValueError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
+        if not _is_int(self.max_inflight) or self.max_inflight < 1:
+            raise ValueError(f"max_inflight must be an integer >= 1, got {self.max_inflight!r}")
+        if self.retry is not None and not isinstance(self.retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {type(self.retry).__name__}")
+        m = self.max_open_files
+        if m is ...:  # the earlier spelling of "auto"
+            object.__setattr__(self, "max_open_files", "auto")
+        elif m is not None and m != "auto" and (not _is_int(m) or m < 1):
+            raise ValueError(f"max_open_files must be an integer >= 1, 'auto' or None, got {m!r}")
+        for name in ("allow_external_paths",):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        v = self.verify_checksums
+        if v is not None and not isinstance(v, bool):
+            raise TypeError(f"verify_checksums must be True, False or None, got {v!r}")
+
+    # ------------------------------------------------------------------ helpers
+    @classmethod
+    def names(cls) -> frozenset[str]:
+        """The option names (what the sources also take as keyword arguments).
+
+        Example:
+            >>> "cache_bytes" in ReadOptions.names(), "codec" in ReadOptions.names()
+            (True, False)
+        """
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def build(
+        cls, options: ReadOptions | None = None, keywords: Mapping[str, Any] | None = None
+    ) -> ReadOptions:
+        """``options`` (default: all defaults) with the fields named in ``keywords``
+        replaced: how a source combines ``options=`` with the older keyword arguments.
+
+        Raises:
+            TypeError: ``options`` is not a ReadOptions, or a keyword is no option
+                (named, as Python names an unexpected keyword argument).
+
+        Example:
+            >>> ReadOptions.build(ReadOptions(io_threads=2), {"cache_bytes": 0})
+            ... # doctest: +ELLIPSIS
+            ReadOptions(storage_options=None, ..., cache_bytes=0, ..., io_threads=2, ...)
+        """
+        if options is None:
+            options = cls()
+        elif not isinstance(options, ReadOptions):
+            raise TypeError(f"options must be a ReadOptions, got {type(options).__name__}")
+        if not keywords:
+            return options
+        unknown = sorted(set(keywords) - cls.names())
+        if unknown:
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+        return dataclasses.replace(options, **keywords)
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        """:attr:`retry`, or the default policy when it is None."""
+        return self.retry if self.retry is not None else RetryPolicy()
+
+    def cache_bytes_or(self, default: int) -> int:
+        """:attr:`cache_bytes`, or a format's ``default`` when it is None."""
+        return default if self.cache_bytes is None else self.cache_bytes
+
+    def verify_or(self, default: bool) -> bool:
+        """:attr:`verify_checksums`, or a format's ``default`` when it is None."""
+        return default if self.verify_checksums is None else self.verify_checksums

@@ -1,0 +1,156 @@
+"""What the footers of a Parquet dataset's files say, read once when a source opens.
+
+For every file (in parallel threads; remote footers through the retry policy): its
+row-group sizes (checked to agree with the footer's total), its Arrow schema, each row
+group's uncompressed size of the selected columns (the estimate of its decoded size
+that caches and ``max_row_group_bytes`` use), and what identifies the file's content
+(for the decoded disk cache's keys).
+
+Example:
+    >>> import os, tempfile, fsspec, pyarrow as pa, pyarrow.parquet as pq
+    >>> d = tempfile.mkdtemp()
+    >>> pq.write_table(pa.table({"x": list(range(5))}), f"{d}/a.parquet", row_group_size=2)
+    >>> counts, schemas, nbytes, ids = read_footers(
+    ...     fsspec.filesystem("file"), [f"{d}/a.parquet"], RetryPolicy())
+    >>> counts[0].tolist(), schemas[0].names, len(nbytes[0])
+    ([2, 2, 1], ['x'], 3)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.io import remote
+from torchgrain.io.fs import is_local, map_files
+from torchgrain.io.retry import RetryPolicy, retry_call
+
+__all__ = ["local_version", "read_footers"]
+
+
+def read_footers(
+    fs: fsspec.AbstractFileSystem,
+    files: list[str],
+    retry: RetryPolicy,
+    columns: list[str] | None = None,
+) -> tuple[list[np.ndarray], list[pa.Schema], list[np.ndarray], list[tuple[Any, ...]]]:
+    """From the footers of every file (read in parallel): row-group sizes, the Arrow
+    schema, each row group's uncompressed size (of ``columns``: an estimate of its
+    decoded size) and what identifies the file's content (path, size, modification
+    time and inode, or the store's version, and a digest of the footer)."""
+    local = is_local(fs)
+    opening = uuid.uuid4().hex
+
+    def metadata(shard: int) -> tuple[pq.FileMetaData, tuple[Any, ...]]:
+        path = files[shard]
+        try:
+            if local:
+                st = os.stat(path)
+                return pq.read_metadata(path), local_version(st)
+            with remote.open_input(fs, path) as f:
+                md = pq.read_metadata(f)
+            size, version = _remote_version(fs, path)
+            # Nothing tells two versions of this file apart: its entries are this
+            # opening's own (shared by its workers, never by a later opening).
+            return md, (size, version if version is not None else ("unversioned", opening))
+        except FileNotFoundError as e:
+            raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise CorruptDataError(
+                f"cannot read the Parquet footer of {path!r} (shard {shard} of {len(files)}): {e}"
+            ) from e
+
+    def one(shard: int) -> tuple[np.ndarray, pa.Schema, np.ndarray, tuple[Any, ...]]:
+        if local:
+            md, version = metadata(shard)
+        else:
+            md, version = retry_call(
+                metadata, shard, url=files[shard], policy=retry, what="footer read"
+            )
+        groups = [md.row_group(i) for i in range(md.num_row_groups)]
+        counts = np.array([g.num_rows for g in groups], dtype=np.int64)
+        # A footer's counts index every record: they must be counts, and agree.
+        if (counts < 0).any() or float(counts.sum(dtype=np.float64)) != md.num_rows:
+            raise CorruptDataError(
+                f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
+                f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
+            )
+        schema = md.schema.to_arrow_schema()
+        if columns is None:
+            nbytes = [g.total_byte_size for g in groups]
+        else:
+            leaves = _selected_leaves(schema, set(columns))
+            nbytes = [sum(g.column(j).total_uncompressed_size for j in leaves) for g in groups]
+        identity = (files[shard], version, _footer_digest(md))
+        return counts, schema, np.array(nbytes, dtype=np.int64), identity
+
+    results = map_files(one, len(files))
+    return (
+        [r[0] for r in results],
+        [r[1] for r in results],
+        [r[2] for r in results],
+        [r[3] for r in results],
+    )
+
+
+def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
+    """Parquet leaf-column numbers of the top-level fields named in ``wanted``."""
+
+    def leaves(t: pa.DataType) -> int:
+        if pa.types.is_struct(t):
+            return sum(leaves(f.type) for f in t)
+        if pa.types.is_map(t):
+            return leaves(t.key_type) + leaves(t.item_type)
+        if _is_list_type(t):
+            return leaves(t.value_type)
+        return 1
+
+    out, at = [], 0
+    for field in schema:
+        n = leaves(field.type)
+        if field.name in wanted:
+            out.extend(range(at, at + n))
+        at += n
+    return out
+
+
+def _is_list_type(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _footer_digest(md: pq.FileMetaData) -> str:
+    """A digest of the serialized footer (row-group layout, statistics...), or ``""``."""
+    try:
+        footer = md.__reduce__()[1][0]
+    except Exception:  # pragma: no cover - a pyarrow without it: size and time only
+        return ""
+    return hashlib.sha256(memoryview(footer)).hexdigest()
+
+
+def local_version(st: os.stat_result) -> tuple[int, ...]:
+    """What tells versions of a local file apart: its size and modification time, and
+    its inode and change time. The last two catch a file replaced under the same name,
+    size and modification time (``cp -p``, ``rsync -t``): the kernel sets the change
+    time on every write, rename or ``utime``, and no one can set it back."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+
+
+def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]:
+    """``(size, version)`` of a remote file from ``fs.info``: the store's version, ETag or
+    modification time, whichever it reports (``None`` when it reports none)."""
+    info = remote.call(fs, "info", path, what="size and version")
+    for name in ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash"):
+        if info.get(name):
+            return info.get("size"), str(info[name])
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        if info.get(name):
+            return info.get("size"), str(info[name])
+    return info.get("size"), None
