@@ -22,34 +22,6 @@ Example:
     [0, 1, 2, 3, 4]
 """
 
-from torchgrain.sampling import (
-    BlockShuffleSampler,
-    ContiguousSplit,
-    GlobalShuffleSampler,
-    InterleavedSplit,
-    KeyedPermutation,
-    KeyedPermutations,
-    LoaderBinding,
-    OrderFn,
-    ResumableSampler,
-    Shares,
-    Split,
-    identity_order,
-    resolve_world,
-)
-
-__all__ = [
-    "BlockShuffleSampler",
-    "ContiguousSplit",
-    "GlobalShuffleSampler",
-    "InterleavedSplit",
-    "KeyedPermutation",
-    "KeyedPermutations",
-    "LoaderBinding",
-    "OrderFn",
-    "ResumableSampler",
-    "Shares",
-    "Split",
-    "identity_order",
-    "resolve_world",
-]
+# Exactly the public names of torchgrain.sampling (its __all__), one list to keep.
+from torchgrain.sampling import *  # noqa: F403
+from torchgrain.sampling import __all__ as __all__
