@@ -1,5 +1,13 @@
 """torchgrain: fast, deterministic, key-value data loading for PyTorch.
 
+The top level holds the everyday names (``tg.Dataset``, ``tg.open``, the sources and
+samplers, ``tg.ResumableLoader``, ``tg.ReadOptions``, ``tg.stats``, the errors); the rest
+lives in topic namespaces, each with its extension points: :mod:`torchgrain.sources`
+(formats, the registry, ``ShardedSource``, codecs), :mod:`torchgrain.samplers` (the
+samplers and the contract of a new one), :mod:`torchgrain.transforms` and
+:mod:`torchgrain.columns` (``ColumnBatch``, ``Ragged``). Names that moved out of the top
+level's ``__all__`` (``tg.ShardIndex``, ``tg.ToTensor``...) still work as ``tg.NAME``.
+
 Example:
     >>> import tempfile, numpy as np, torch, torchgrain as tg
     >>> d = tempfile.mkdtemp()
@@ -12,6 +20,7 @@ Example:
 
 from typing import TYPE_CHECKING, Any
 
+from torchgrain import columns, sources
 from torchgrain.convert import convert
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
@@ -24,10 +33,10 @@ from torchgrain.errors import (
     TorchgrainError,
     UnsafePathError,
 )
-from torchgrain.formats.codecs import register_codec
+from torchgrain.formats.codecs import register_codec as register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import Source
-from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.index import ShardIndex as ShardIndex
 from torchgrain.sources.options import ReadOptions
 from torchgrain.sources.parquet import ParquetSource
 from torchgrain.sources.registry import open
@@ -59,43 +68,56 @@ _TORCH_NAMES = {
 }
 
 if TYPE_CHECKING:
-    from torchgrain.dataset import Dataset, record_rng
+    # Out of __all__ (see the end), still tg.NAME: hence the noqa marks.
+    from torchgrain.dataset import Dataset, record_rng  # noqa: F401
     from torchgrain.loader import ResumableLoader, bind
     from torchgrain.prefetch import CudaPrefetcher
-    from torchgrain.sampling import BlockShuffleSampler, GlobalShuffleSampler, LoaderBinding
+    from torchgrain.sampling import (
+        BlockShuffleSampler,
+        GlobalShuffleSampler,
+        LoaderBinding,  # noqa: F401
+    )
     from torchgrain.transforms import (
-        Albumentations,
-        LabelToIndex,
-        MaskTokens,
-        RandomImageTransform,
-        RenameKeys,
-        SelectKeys,
-        ToTensor,
-        decode_image,
-        stack_key,
-        unstack_key,
+        Albumentations,  # noqa: F401
+        LabelToIndex,  # noqa: F401
+        MaskTokens,  # noqa: F401
+        RandomImageTransform,  # noqa: F401
+        RenameKeys,  # noqa: F401
+        SelectKeys,  # noqa: F401
+        ToTensor,  # noqa: F401
+        decode_image,  # noqa: F401
+        stack_key,  # noqa: F401
+        unstack_key,  # noqa: F401
     )
 
 
+# Namespaces that need torch, likewise loaded on first use (``tg.samplers.X``).
+_TORCH_MODULES = {"samplers", "transforms"}
+
+
 def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _TORCH_MODULES:
+        return importlib.import_module(f"torchgrain.{name}")
     module = _TORCH_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'torchgrain' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_TORCH_NAMES))
+    return sorted(set(globals()) | set(_TORCH_NAMES) | _TORCH_MODULES)
 
 
 __version__ = "0.1.0"
 
+# The everyday names and the namespaces. Also importable from here, out of ``__all__``:
+# the transforms (tg.transforms), LoaderBinding (tg.samplers), ShardIndex and
+# register_codec (tg.sources), and record_rng (torchgrain.dataset).
 __all__ = [
-    "Albumentations",
     "ArrayRecordSource",
     "BlockShuffleSampler",
     "CacheThrashWarning",
@@ -104,34 +126,25 @@ __all__ = [
     "Dataset",
     "DatasetNotFoundError",
     "GlobalShuffleSampler",
-    "LabelToIndex",
-    "LoaderBinding",
-    "MaskTokens",
     "ParquetSource",
-    "RandomImageTransform",
     "ReadOptions",
     "RecordDecodeError",
     "RemoteIOError",
-    "RenameKeys",
     "ResumableLoader",
     "SchemaMismatchError",
-    "SelectKeys",
-    "ShardIndex",
     "Source",
     "TFRecordSource",
-    "ToTensor",
     "TorchgrainError",
     "UnsafePathError",
     "bind",
+    "columns",
     "convert",
-    "decode_image",
     "open",
-    "record_rng",
-    "register_codec",
-    "stack_key",
+    "samplers",
+    "sources",
     "stats",
     "timed",
-    "unstack_key",
+    "transforms",
     "write_array_record",
     "write_parquet",
 ]

@@ -38,12 +38,13 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from torchgrain.convert import DEFAULT_OUTPUT
 from torchgrain.convert.inputs import open_input
-from torchgrain.convert.journal import Journal, finish, plan_tasks, still_there
-from torchgrain.convert.outputs import output_options
+from torchgrain.convert.journal import Journal, finish, manifest_path, plan_tasks, still_there
 from torchgrain.convert.tasks import Job, Task, run_task
 from torchgrain.formats.manifest import Manifest
 from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.sources.registry import get_output, output_formats
 
 __all__ = ["ConvertShard", "build_pipeline", "run_conversion"]
 
@@ -71,18 +72,17 @@ def _prepare(
     verify: bool,
     storage_options: dict[str, Any] | None,
 ) -> tuple[Job, list[Task], dict[str, Any]]:
-    if to not in ("array_record", "parquet"):
-        raise ValueError(f"to must be 'array_record' or 'parquet', got {to!r}")
+    output = get_output(to)
     fs, root = get_filesystem(dst)
     if not is_local(fs):
         raise NotImplementedError(f"dst must be a directory all workers can write: {dst!r}")
     root = os.path.abspath(root)
     os.makedirs(root, exist_ok=True)
-    compression, options = output_options(to, group_size, compression)
+    compression, options = output.options(group_size, compression)
     inp = open_input(src, src_format, codec, storage_options)
     counts = inp.counts
     tasks = plan_tasks(counts, len(inp.paths), num_shards, to)
-    job = Job(inp, root, to, options, compression, 32 << 20, verify)
+    job = Job(inp, root, to, options, compression, 32 << 20, verify, output=output)
     plan = {"counts": counts, "tasks": [asdict(t) for t in tasks], "group_size": group_size}
     return job, tasks, plan
 
@@ -112,7 +112,8 @@ class ConvertShard:
 
 def _write_manifest(results: list[dict[str, Any]], job: Job, plan: dict[str, Any]) -> str:
     results = sorted(results, key=lambda r: r["index"])
-    m = finish(job.root, job.input, job.to, plan["group_size"], job.compression, plan, results)
+    assert job.output is not None
+    m = finish(job.root, job.input, job.output, plan["group_size"], job.compression, plan, results)
     return m.to_json()
 
 
@@ -121,7 +122,7 @@ def build_pipeline(
     src: str | os.PathLike | Sequence[str | os.PathLike],
     dst: str | os.PathLike,
     *,
-    to: str = "array_record",
+    to: str = DEFAULT_OUTPUT,
     num_shards: int | None = None,
     group_size: int = 1,
     codec: Any = "auto",
@@ -177,10 +178,7 @@ def run_conversion(
     with beam.Pipeline(options=options) as p:
         build_pipeline(p, src, dst, **kwargs)
     root = os.path.abspath(get_filesystem(dst)[1])
-    if kwargs.get("to", "array_record") == "array_record":
-        path = os.path.join(root, "torchgrain.json")
-    else:
-        path = os.path.join(Journal(root).dir, "result.json")
+    path = manifest_path(root, get_output(kwargs.get("to", DEFAULT_OUTPUT)))
     with open(path) as f:
         return Manifest.from_json(f.read(), where=path)
 
@@ -195,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m torchgrain.beam")
     p.add_argument("src", nargs="+")
     p.add_argument("dst")
-    p.add_argument("--to", choices=["array_record", "parquet"], default="array_record")
+    p.add_argument("--to", choices=output_formats(), default=DEFAULT_OUTPUT)
     p.add_argument("--num-shards", type=int, default=None)
     p.add_argument("--group-size", type=int, default=1)
     p.add_argument("--codec", default="auto")

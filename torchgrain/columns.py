@@ -35,16 +35,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "BufferPool",
-    "ColumnBatch",
-    "Ragged",
-    "can_stack",
-    "empty",
-    "gather_ranges",
-    "scratch",
-    "set_allocator",
-]
+# The public names; the helpers below them (can_stack, empty, gather_ranges, scratch,
+# set_allocator) serve the sources and the DataLoader workers.
+__all__ = ["BufferPool", "ColumnBatch", "Ragged"]
 
 # Ranges shorter than this on average are gathered with one fancy index; longer ones
 # joined as bytes (one C loop over memoryview slices, then one copy) up to

@@ -420,9 +420,7 @@ class Dataset(torch.utils.data.Dataset):
     def _fetch_columns(self, indices: Sequence[int]) -> ColumnBatch:
         grow_pipe_once(self._worker_pipe_bytes)
         start_columns_batch(self._worker_slots)
-        counters = local_counters()
-        before = counters.copy()
-        t0 = time.perf_counter()
+        count = _BatchCount(self._source.reports_stats)
         ops = self._ops
         k = 0
         while k < len(ops) and ops[k][0] == "map_batch":
@@ -431,11 +429,8 @@ class Dataset(torch.utils.data.Dataset):
             batch = self._source.read_columns(indices)
         else:
             batch = None
-        t1 = time.perf_counter()
-        if not self._source.reports_stats:
-            counters[COUNTER["read_seconds"]] += t1 - t0
+        count.read_done()  # any op after this may decode
         epoch = self._epoch.get()
-        decoded = counters[COUNTER["decode_seconds"]]  # before any op: all may decode
         if batch is not None:
             for op in ops[:k]:
                 batch = _call_columns_fn(op[1], batch)
@@ -449,11 +444,8 @@ class Dataset(torch.utils.data.Dataset):
             batch = (
                 records if isinstance(records, ColumnBatch) else ColumnBatch.from_records(records)
             )
-        decoding = counters[COUNTER["decode_seconds"]] - decoded  # tg.decode_image's own
-        counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1 - decoding
-        counters[COUNTER["records"]] += len(batch)
-        counters[COUNTER["batches"]] += 1
-        self._stats.publish(counters - before)
+        count.transformed()
+        count.done(len(batch), self._stats)
         return batch
 
     def _read(self, indices: Sequence[int]) -> list[Any]:
@@ -461,23 +453,14 @@ class Dataset(torch.utils.data.Dataset):
 
     def _fetch(self, indices: Sequence[int], single: bool = False) -> list[Any]:
         grow_pipe_once(self._worker_pipe_bytes)
-        counters = local_counters()
-        before = counters.copy()
-        t0 = time.perf_counter()
+        count = _BatchCount(self._source.reports_stats)
         records = [self._source[indices[0]]] if single else self._read(indices)
-        t1 = time.perf_counter()
-        if not self._source.reports_stats:
-            counters[COUNTER["read_seconds"]] += t1 - t0
+        count.read_done()
         if self._ops:
             epoch = self._epoch.get()
-            decoded = counters[COUNTER["decode_seconds"]]
             records = self._apply_many(records, indices, epoch)
-            # Image decoding inside a map (tg.decode_image) counts itself as decode.
-            decoding = counters[COUNTER["decode_seconds"]] - decoded
-            counters[COUNTER["transform_seconds"]] += time.perf_counter() - t1 - decoding
-        counters[COUNTER["records"]] += len(records)
-        counters[COUNTER["batches"]] += 1
-        self._stats.publish(counters - before)
+            count.transformed()
+        count.done(len(records), self._stats)
         return records
 
     def _apply(
@@ -551,3 +534,44 @@ class Dataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         ops = "".join(f".{op[0]}({_name_of(op[1])})" for op in self._ops)
         return f"Dataset({self.source!r}){ops}"
+
+
+class _BatchCount:
+    """The counters of one batch read by a :class:`Dataset`: the read's time (unless the
+    source counts its own), the transforms' time less the decoding inside them
+    (:func:`~torchgrain.transforms.decode_image` counts itself as decode), the records
+    and the batch; :meth:`done` publishes the batch's change to :func:`tg.stats
+    <torchgrain.stats>`."""
+
+    __slots__ = ("_before", "_counters", "_decoded", "_reports", "_t0", "_t1")
+
+    def __init__(self, source_reports_stats: bool) -> None:
+        self._counters = local_counters()
+        self._before = self._counters.copy()
+        self._reports = source_reports_stats
+        self._t0 = self._t1 = time.perf_counter()
+        self._decoded = 0.0
+
+    def read_done(self) -> None:
+        """The source's read ended: what follows is transforms."""
+        self._t1 = time.perf_counter()
+        if not self._reports:
+            self._counters[_READ_SECONDS] += self._t1 - self._t0
+        self._decoded = self._counters[_DECODE_SECONDS]
+
+    def transformed(self) -> None:
+        """The transforms ended."""
+        decoding = self._counters[_DECODE_SECONDS] - self._decoded
+        self._counters[_TRANSFORM_SECONDS] += time.perf_counter() - self._t1 - decoding
+
+    def done(self, records: int, stats: PipelineStats) -> None:
+        self._counters[_RECORDS] += records
+        self._counters[_BATCHES] += 1
+        stats.publish(self._counters - self._before)
+
+
+_READ_SECONDS = COUNTER["read_seconds"]
+_DECODE_SECONDS = COUNTER["decode_seconds"]
+_TRANSFORM_SECONDS = COUNTER["transform_seconds"]
+_RECORDS = COUNTER["records"]
+_BATCHES = COUNTER["batches"]

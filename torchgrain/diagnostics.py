@@ -47,7 +47,16 @@ import numpy as np
 
 from torchgrain.frameworks import dataloader as _dataloader
 
-__all__ = ["COUNTERS", "PipelineStats", "StatsReport", "local_counters", "stats", "timed"]
+__all__ = [
+    "COUNTERS",
+    "PipelineStats",
+    "StatsReport",
+    "count_decode",
+    "count_read",
+    "local_counters",
+    "stats",
+    "timed",
+]
 
 logger = logging.getLogger("torchgrain")
 
@@ -106,6 +115,28 @@ def local_counters() -> np.ndarray:
 
 
 COUNTER = _INDEX
+_BYTES_READ = _INDEX["bytes_read"]
+_READ_SECONDS = _INDEX["read_seconds"]
+_DECODE_SECONDS = _INDEX["decode_seconds"]
+
+
+def count_read(seconds: float, nbytes: int) -> None:
+    """Count a source's read: its seconds and the bytes it read, in this process.
+
+    Example:
+        >>> before = local_counters().copy()
+        >>> count_read(0.5, 100)
+        >>> (local_counters() - before)[[COUNTER["read_seconds"], COUNTER["bytes_read"]]]
+        array([  0.5, 100. ])
+    """
+    counters = _local
+    counters[_READ_SECONDS] += seconds
+    counters[_BYTES_READ] += nbytes
+
+
+def count_decode(seconds: float) -> None:
+    """Count a source's decoding time, in this process."""
+    _local[_DECODE_SECONDS] += seconds
 
 
 def _stats_of(dataset: Any) -> PipelineStats | None:

@@ -43,7 +43,6 @@ __all__ = [
     "RenameKeys",
     "SelectKeys",
     "ToTensor",
-    "augment_import_error",
     "decode_image",
     "stack_key",
     "unstack_key",

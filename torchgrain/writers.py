@@ -1,24 +1,53 @@
-"""Writers: turn an iterable of record dicts into a torchgrain ArrayRecord dataset."""
+"""Writers: records into ArrayRecord and Parquet datasets, and each format's output side.
+
+``write_array_record`` and ``write_parquet`` turn an iterable of record dicts into a
+dataset. An :class:`OutputFormat` is what ``torchgrain convert`` (and its Beam pipeline)
+needs to write a format, one :class:`ShardWriter` per output shard: a registry
+:class:`~torchgrain.sources.registry.Format` names it as its ``output``, so a new output
+format is one class here (or in the format's own module) and its registry entry.
+
+Example:
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> out = PARQUET_OUTPUT
+    >>> compression, options = out.options(1, None)
+    >>> w = out.open(os.path.join(d, "x" + out.suffix), compression=compression,
+    ...              writer_options=options, row_group_bytes=1 << 20)
+    >>> for i in range(3):
+    ...     _ = w.add({"i": i})
+    >>> w.close()
+    >>> import pyarrow.parquet as pq
+    >>> pq.read_table(w.path).column("i").to_pylist()
+    [0, 1, 2]
+"""
 
 from __future__ import annotations
 
+import abc
 import bisect
 import contextlib
 import os
 from collections.abc import Iterable, Sequence, Sized
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from torchgrain.errors import CorruptDataError, TorchgrainError
-from torchgrain.formats.checksums import RecordHasher, file_checksum
-from torchgrain.formats.codecs import get_codec, merge_schema
+from torchgrain.formats.checksums import RecordHasher, file_checksum, verify_file, verify_shard
+from torchgrain.formats.codecs import MsgpackCodec, get_codec, merge_schema, schema_sampled
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_name
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
 
 __all__ = [
+    "ARRAY_RECORD_OUTPUT",
+    "PARQUET_COMPRESSIONS",
+    "PARQUET_OUTPUT",
+    "ArrayRecordOutput",
+    "OutputFormat",
+    "ParquetOutput",
+    "ShardWriter",
     "array_record_options",
     "records_to_table",
     "shard_name",
@@ -160,8 +189,7 @@ def write_array_record(
             writers[s].write(data)
             hashers[s].update(data)
             counts[s] += 1
-            if k < 10_000 or k % 1009 == 0:
-                # The schema is sampled: every record early on, then a spread of them.
+            if schema_sampled(k):
                 schema = merge_schema(schema, rec)
         if total >= 0 and k + 1 != total:
             raise TorchgrainError(f"records yielded {k + 1} items but its length is {total}")
@@ -331,3 +359,250 @@ def write_parquet(
             )
         paths.append(final)
     return paths
+
+
+# ---------------------------------------------------------------- output formats
+class ShardWriter(abc.ABC):
+    """Writes one output shard of a conversion, at ``path`` (a temporary name the
+    converter renames once the shard is complete and verified)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @abc.abstractmethod
+    def add(self, record: dict[str, Any] | bytes) -> int | None:
+        """Write one record: a dict, or msgpack bytes for an output whose
+        :attr:`OutputFormat.msgpack_records` is set. Returns the bytes it wrote, or None
+        where that is not known record by record. Raises ``TypeError`` or
+        ``ValueError`` for a value the format cannot store."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish the file (after the last record)."""
+
+    def abort(self) -> None:
+        """Give up on the file after an error (the converter removes it)."""
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def checksum(self) -> str:
+        """The shard's checksum for the manifest, once closed: the file's hash unless a
+        format checks its records instead."""
+        return file_checksum(self.path)
+
+    def file_checksum(self) -> str | None:
+        """The whole file's hash, kept beside a record checksum (None: not kept)."""
+        return None
+
+
+class OutputFormat(abc.ABC):
+    """What ``torchgrain convert`` needs to write a format (a registry ``Format``'s
+    ``output``). Instances travel to the converting processes: keep them picklable (a
+    module-level class)."""
+
+    #: The output shards' file-name suffix (``data-00000-of-00004`` + suffix).
+    suffix: ClassVar[str]
+    #: The codec the conversion's manifest records.
+    codec: ClassVar[str]
+    #: :meth:`ShardWriter.add` takes msgpack bytes, which then pass through unchanged.
+    msgpack_records: ClassVar[bool] = False
+    #: The manifest goes into the dataset directory (``torchgrain.json``), where the
+    #: format's sources read it; otherwise it is kept in the conversion's journal.
+    manifest_in_dataset: ClassVar[bool] = False
+    #: The conversion settings the format uses (``group_size``, ``compression``,
+    #: ``row_group_bytes``): a change of another does not change the output.
+    settings: ClassVar[tuple[str, ...]] = ("compression",)
+
+    @abc.abstractmethod
+    def options(self, group_size: int, compression: str | None) -> tuple[str, str]:
+        """``(compression, writer options)``, defaults filled in; ``ValueError`` for a
+        compression or group size the format does not take (checked before any work)."""
+
+    @abc.abstractmethod
+    def open(
+        self, path: str, *, compression: str, writer_options: str, row_group_bytes: int
+    ) -> ShardWriter:
+        """A writer of one output shard at ``path``."""
+
+    def verify(self, path: str, num_records: int, checksum: str) -> None:
+        """Read a written shard back: ``CorruptDataError`` unless it matches ``checksum``
+        (and, where the format can count them, holds ``num_records`` records)."""
+        verify_file(path, checksum)
+
+    def finish(self, root: str, manifest: Manifest, group_size: int) -> None:
+        """Complete the conversion's manifest (before it is written) with what this
+        format records (the default: nothing)."""
+        return None
+
+
+class ArrayRecordOut(ShardWriter):
+    """Writes one output ArrayRecord shard of msgpack records, hashing each record."""
+
+    def __init__(self, path: str, options: str) -> None:
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        super().__init__(path)
+        self._w: Any = ArrayRecordWriter(path, options)
+        self._hasher = RecordHasher()
+        self._msgpack = MsgpackCodec()
+
+    def add(self, record: dict[str, Any] | bytes) -> int:
+        data = self._msgpack.encode(record) if isinstance(record, dict) else record
+        self._w.write(data)
+        self._hasher.update(data)
+        return len(data)
+
+    def close(self) -> None:
+        if self._w is not None:
+            self._w.close()
+            self._w = None
+
+    def checksum(self) -> str:
+        return self._hasher.hexdigest()
+
+    def file_checksum(self) -> str:
+        # What a downloaded copy is checked against (cheaper than decoding every record).
+        return file_checksum(self.path)
+
+
+class ArrayRecordOutput(OutputFormat):
+    """torchgrain's ArrayRecord datasets: msgpack records, a ``torchgrain.json``
+    manifest and the dataset's index (every chunk's offset and size)."""
+
+    suffix = ".array_record"
+    codec = "msgpack"
+    msgpack_records = True
+    manifest_in_dataset = True
+    settings = ("group_size", "compression")
+
+    def options(self, group_size: int, compression: str | None) -> tuple[str, str]:
+        """``zstd:3`` unless told; the writer options of :func:`array_record_options`.
+
+        Example:
+            >>> ARRAY_RECORD_OUTPUT.options(1, None)
+            ('zstd:3', 'group_size:1,zstd:3')
+        """
+        compression = compression or "zstd:3"
+        return compression, array_record_options(group_size, compression)
+
+    def open(
+        self, path: str, *, compression: str, writer_options: str, row_group_bytes: int
+    ) -> ShardWriter:
+        return ArrayRecordOut(path, writer_options)
+
+    def verify(self, path: str, num_records: int, checksum: str) -> None:
+        verify_shard(path, num_records, checksum)
+
+    def finish(self, root: str, manifest: Manifest, group_size: int) -> None:
+        manifest.group_size = group_size
+        manifest.extra["index"] = write_dataset_index(root, [s.path for s in manifest.shards])
+
+
+#: The codecs Arrow writes Parquet with (any case).
+PARQUET_COMPRESSIONS = ("zstd", "snappy", "gzip", "brotli", "lz4", "lz4_raw", "none")
+
+PARQUET_MAX_ROWS = 1 << 16  # rows per output row group at most
+
+
+class ParquetOut(ShardWriter):
+    """Writes one output Parquet file, a row group of about ``row_group_bytes`` at a time."""
+
+    def __init__(self, path: str, compression: str, row_group_bytes: int) -> None:
+        super().__init__(path)
+        self._compression = compression
+        self._target = row_group_bytes
+        self._writer: Any = None
+        self._pending: list[dict[str, Any]] = []
+        self._tables: list[Any] = []
+        self._bytes = 0
+
+    def add(self, record: dict[str, Any] | bytes) -> None:
+        if not isinstance(record, dict):
+            raise TypeError("Parquet output takes records as dicts")
+        self._pending.append(record)
+        if len(self._pending) >= 512:
+            self._convert()
+        return None
+
+    def _convert(self) -> None:
+        if self._pending:
+            t = records_to_table(self._pending)
+            self._pending = []
+            self._tables.append(t)
+            self._bytes += t.nbytes
+            if self._bytes >= self._target or sum(x.num_rows for x in self._tables) >= (
+                PARQUET_MAX_ROWS
+            ):
+                self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._tables:
+            return
+        table = pa.concat_tables(self._tables, promote_options="permissive")
+        self._tables, self._bytes = [], 0
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema, compression=self._compression)
+        elif not table.schema.equals(self._writer.schema):
+            table = table.cast(self._writer.schema)
+        self._writer.write_table(table, row_group_size=table.num_rows)
+
+    def close(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self._convert()
+        self._flush()
+        if self._writer is None:  # no records: an empty file with an empty schema
+            pq.write_table(pa.table({}), self.path, compression=self._compression)
+        else:
+            self._writer.close()
+            self._writer = None
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            self._writer = None
+
+
+class ParquetOutput(OutputFormat):
+    """One Parquet file per output shard; the manifest stays in the conversion's journal."""
+
+    suffix = ".parquet"
+    codec = "parquet"
+    settings = ("compression", "row_group_bytes")
+
+    def options(self, group_size: int, compression: str | None) -> tuple[str, str]:
+        """``zstd`` unless told, one of :data:`PARQUET_COMPRESSIONS`; no writer options.
+
+        Example:
+            >>> PARQUET_OUTPUT.options(1, None)
+            ('zstd', '')
+            >>> PARQUET_OUTPUT.options(1, "zip")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: Parquet compression must be one of zstd, snappy, ..., not 'zip'
+        """
+        compression = compression or "zstd"
+        if compression.lower() not in PARQUET_COMPRESSIONS:
+            # Checked here: Arrow would refuse it only when a worker opens a shard.
+            raise ValueError(
+                f"Parquet compression must be one of {', '.join(PARQUET_COMPRESSIONS)}, "
+                f"not {compression!r}"
+            )
+        return compression, ""
+
+    def open(
+        self, path: str, *, compression: str, writer_options: str, row_group_bytes: int
+    ) -> ShardWriter:
+        return ParquetOut(path, compression, row_group_bytes)
+
+    def verify(self, path: str, num_records: int, checksum: str) -> None:
+        verify_shard(path, num_records, checksum)
+
+
+ARRAY_RECORD_OUTPUT = ArrayRecordOutput()
+PARQUET_OUTPUT = ParquetOutput()

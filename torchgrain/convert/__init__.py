@@ -71,14 +71,13 @@ from torchgrain.convert.journal import (
     remove_temps,
     still_there,
 )
-from torchgrain.convert.outputs import output_options
 from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback, worker_init
 from torchgrain.formats.checksums import RecordHasher, verify_shard
 from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.io.atomic import file_mode
 from torchgrain.io.fs import get_filesystem, is_local
-from torchgrain.sources.registry import detect_format, output_formats
+from torchgrain.sources.registry import detect_format, get_output
 from torchgrain.writers import records_to_table
 
 __all__ = [
@@ -206,15 +205,14 @@ def convert(
         >>> m.num_records, tg.ArrayRecordSource(os.path.join(d, "out"))[3]["label"].tolist()
         (4, [3])
     """
-    if to not in output_formats():
-        raise ValueError(f"to must be one of {', '.join(output_formats())}, got {to!r}")
+    output = get_output(to)
     if num_shards is not None and match_shards:
         raise ValueError("pass either num_shards or match_shards, not both")
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise ValueError(f"num_shards must be a positive integer, got {num_shards!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    compression, writer_options = output_options(to, group_size, compression)
+    compression, writer_options = output.options(group_size, compression)
     fs, root = get_filesystem(dst)
     if not is_local(fs):
         raise NotImplementedError(
@@ -230,7 +228,7 @@ def convert(
         "group_size": group_size,
         "compression": compression,
         "codec": inp.codec.name if inp.codec is not None else None,
-        "row_group_bytes": row_group_bytes if to == "parquet" else None,
+        "row_group_bytes": row_group_bytes if "row_group_bytes" in output.settings else None,
     }
     if is_local(inp.filesystem()) and any(
         os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
@@ -295,7 +293,15 @@ def convert(
             }
             todo = [t for t in tasks if t.index not in done]
             job = Job(
-                inp, root, to, writer_options, compression, row_group_bytes, verify, file_mode()
+                inp,
+                root,
+                to,
+                writer_options,
+                compression,
+                row_group_bytes,
+                verify,
+                file_mode(),
+                output,
             )
             counts = plan["counts"]
             total = int(sum(counts)) if counts is not None else None
@@ -312,7 +318,7 @@ def convert(
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         results = [done[t.index] for t in tasks]
-        manifest = finish(root, inp, to, group_size, compression, plan, results)
+        manifest = finish(root, inp, output, group_size, compression, plan, results)
     return manifest
 
 

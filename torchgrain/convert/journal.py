@@ -23,8 +23,9 @@ from torchgrain.formats.codecs import _merge_one
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from torchgrain.io import remote
 from torchgrain.io.atomic import atomic_write_text
-from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
-from torchgrain.writers import shard_name
+from torchgrain.sources.node_index import INDEX_NAME
+from torchgrain.sources.registry import formats, get_output
+from torchgrain.writers import OutputFormat, shard_name
 
 __all__ = [
     "JOURNAL_DIR",
@@ -32,6 +33,7 @@ __all__ = [
     "fingerprint",
     "finish",
     "locked",
+    "manifest_path",
     "merge_schemas",
     "plan_tasks",
     "remove_outputs",
@@ -45,7 +47,7 @@ JOURNAL_DIR = ".torchgrain-convert"
 def plan_tasks(
     counts: list[int] | None, num_inputs: int, num_shards: int | None, to: str
 ) -> list[Task]:
-    suffix = ".array_record" if to == "array_record" else ".parquet"
+    suffix = get_output(to).suffix
 
     def name(i: int, n: int) -> str:
         return shard_name(i, n).replace(".array_record", suffix)
@@ -176,9 +178,11 @@ def remove_outputs(root: str, plan: dict[str, Any]) -> None:
 
 
 def remove_temps(root: str) -> None:
-    # Temporary shards of an interrupted run (the lock guarantees no run is active).
+    # Temporary shards of an interrupted run (the lock guarantees no run is active), in
+    # any output format: an earlier run may have written another.
+    suffixes = [f.output.suffix for f in formats().values() if f.output is not None]
     for n in os.listdir(root):
-        if n.startswith(".") and ".tmp-" in n and (".array_record" in n or ".parquet" in n):
+        if n.startswith(".") and ".tmp-" in n and any(s in n for s in suffixes):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(root, n))
 
@@ -186,7 +190,7 @@ def remove_temps(root: str) -> None:
 def finish(
     root: str,
     inp: ConvertInput,
-    to: str,
+    output: OutputFormat,
     group_size: int,
     compression: str,
     plan: dict[str, Any],
@@ -212,20 +216,18 @@ def finish(
         )
         for r in results
     ]
-    manifest = Manifest(
-        codec="msgpack" if to == "array_record" else "parquet",
-        shards=shards,
-        schema=schema,
-        group_size=group_size if to == "array_record" else 1,
-    )
+    manifest = Manifest(codec=output.codec, shards=shards, schema=schema)
     manifest.extra["compression"] = compression
     manifest.extra["converted_from"] = {"format": inp.format, "num_files": len(inp.paths)}
-    if to == "array_record":
-        # The dataset's index (every chunk's offset and size), mapped by its readers.
-        manifest.extra["index"] = write_dataset_index(root, [s.path for s in shards])
-    text = manifest.to_json()
-    if to == "array_record":
-        atomic_write_text(os.path.join(root, MANIFEST_NAME), text)
-    else:
-        atomic_write_text(os.path.join(root, JOURNAL_DIR, "result.json"), text)
+    output.finish(root, manifest, group_size)
+    atomic_write_text(manifest_path(root, output), manifest.to_json())
     return manifest
+
+
+def manifest_path(root: str, output: OutputFormat) -> str:
+    """Where a conversion into ``root`` writes its manifest: the dataset's
+    ``torchgrain.json`` for a format whose sources read it, else the journal's
+    ``result.json``."""
+    if output.manifest_in_dataset:
+        return os.path.join(root, MANIFEST_NAME)
+    return os.path.join(root, JOURNAL_DIR, "result.json")

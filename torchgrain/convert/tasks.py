@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchgrain.convert.inputs import ConvertInput
-from torchgrain.convert.outputs import ArrayRecordOut, ParquetOut
 from torchgrain.errors import CorruptDataError, TorchgrainError
-from torchgrain.formats.checksums import RecordHasher, file_checksum, verify_shard
-from torchgrain.formats.codecs import merge_schema
+from torchgrain.formats.codecs import MsgpackCodec, merge_schema, schema_sampled
 from torchgrain.io.atomic import publish, temp_name
+from torchgrain.sources.registry import get_output
+from torchgrain.writers import OutputFormat
 
 __all__ = ["Job", "Task", "exit_with", "run_task", "set_progress_callback", "worker_init"]
 
@@ -50,6 +50,13 @@ class Job:
     #: Mode of the files written: the converting process's ``0o666`` less its umask
     #: (pool workers come from a fork server that may predate a change of umask).
     mode: int | None = None
+    #: How ``to`` is written, from the registry of the process that plans the work
+    #: (carried to the workers: a format registered at run time is known there too).
+    output: OutputFormat | None = None
+
+    def __post_init__(self) -> None:
+        if self.output is None:
+            self.output = get_output(self.to)
 
 
 _progress_queue: Any = None  # set in pool workers
@@ -143,41 +150,34 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
     count = 0
     schema: dict[str, str] = {}
     where = ""
+    output = job.output
+    assert output is not None
     try:
-        if job.to == "array_record":
-            out: Any = ArrayRecordOut(tmp, job.writer_options)
-            hasher = RecordHasher()
-        else:
-            out = ParquetOut(tmp, job.compression, job.row_group_bytes)
-            hasher = None
-        from torchgrain.formats.codecs import MsgpackCodec
-
+        out = output.open(
+            tmp,
+            compression=job.compression,
+            writer_options=job.writer_options,
+            row_group_bytes=job.row_group_bytes,
+        )
         msgpack = MsgpackCodec()
         try:
             for shard, start, stop in task.pieces:
                 where = f"input shard {shard} ({inp.paths[shard]!r})"
                 k = start
-                for rec, size in inp.records(shard, start, stop, job.to == "array_record"):
-                    if job.to == "array_record":
-                        if isinstance(rec, dict):
-                            try:
-                                data = msgpack.encode(rec)
-                            except (TypeError, ValueError) as e:
-                                raise TypeError(f"cannot encode record {k} of {where}: {e}") from e
-                        else:
-                            data = rec
-                        out.write(data)
-                        hasher.update(data)  # type: ignore[union-attr]
-                        size = len(data)
-                    else:
-                        out.add(rec)
-                    if count < 64 or count % 1009 == 0:
-                        if not isinstance(rec, dict):
-                            rec = msgpack.decode(rec)
-                        schema = merge_schema(schema, rec)
+                for rec, size in inp.records(shard, start, stop, output.msgpack_records):
+                    try:
+                        written = out.add(rec)
+                    except (TypeError, ValueError) as e:
+                        raise TypeError(
+                            f"cannot write record {k} of {where} as {job.to}: {e}"
+                        ) from e
+                    if schema_sampled(count):
+                        schema = merge_schema(
+                            schema, rec if isinstance(rec, dict) else msgpack.decode(rec)
+                        )
                     count += 1
                     k += 1
-                    report.add(size)
+                    report.add(size if written is None else written)
             out.close()
         except BaseException:
             out.abort()
@@ -188,12 +188,10 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
                 f"output shard {task.name}: read {count} records from its input, expected "
                 f"{task.expected} (did an input file change during the conversion?)"
             )
-        checksum = hasher.hexdigest() if hasher is not None else file_checksum(tmp)
+        checksum = out.checksum()
         if job.verify:
-            verify_shard(tmp, count, checksum)
-        # ArrayRecord shards also get the file's own hash: what a downloaded copy is
-        # checked against (cheaper than decoding every record).
-        whole = file_checksum(tmp) if hasher is not None else None
+            output.verify(tmp, count, checksum)
+        whole = out.file_checksum()
         publish(tmp, final, mode=job.mode)
     except BaseException as e:
         with contextlib.suppress(OSError):

@@ -1,0 +1,56 @@
+"""Sources: random access to sharded datasets, one module per format, one registry.
+
+Every source implements :class:`Source` (``len``, ``src[i]``, ``__getitems__``,
+``keys``, ``schema``); the sharded ones build on :class:`ShardedSource` (paths,
+per-process readers, retry, parallel extraction, counters), read as one
+:class:`ReadOptions` says, and find records through a :class:`ShardIndex`. The registry
+finds a format by name or file names: :func:`open` opens any registered format, and a
+new format is one module plus a :func:`register_format` call with its :class:`Format`
+(``torchgrain inspect``, ``bench`` and ``convert`` then know it). Codecs turn an
+encoded record's bytes into a dict; :func:`register_codec` adds one.
+
+Example:
+    >>> import tempfile, torchgrain as tg
+    >>> d = tempfile.mkdtemp()
+    >>> _ = tg.write_array_record([{"x": i} for i in range(3)], d)
+    >>> src = tg.sources.open(d, options=tg.sources.ReadOptions(cache_bytes=0))
+    >>> isinstance(src, tg.sources.ArrayRecordSource), src[2]
+    (True, {'x': 2})
+    >>> sorted(tg.sources.formats())
+    ['array_record', 'parquet', 'tfrecord']
+"""
+
+from torchgrain.formats.codecs import register_codec
+from torchgrain.sources.arrayrecord import ArrayRecordSource
+from torchgrain.sources.base import ShardedSource, Source
+from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.options import ReadOptions
+from torchgrain.sources.parquet import ParquetSource
+from torchgrain.sources.registry import (
+    Format,
+    detect_format,
+    formats,
+    get_format,
+    open,
+    output_formats,
+    register_format,
+)
+from torchgrain.sources.tfrecord import TFRecordSource
+
+__all__ = [
+    "ArrayRecordSource",
+    "Format",
+    "ParquetSource",
+    "ReadOptions",
+    "ShardIndex",
+    "ShardedSource",
+    "Source",
+    "TFRecordSource",
+    "detect_format",
+    "formats",
+    "get_format",
+    "open",
+    "output_formats",
+    "register_codec",
+    "register_format",
+]

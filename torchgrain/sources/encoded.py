@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.columns import ColumnBatch, scratch
-from torchgrain.diagnostics import COUNTER, local_counters
+from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.sources.base import ShardedSource
@@ -140,7 +140,6 @@ class EncodedSource(ShardedSource):
         idx = self.index.check(indices)
         if len(idx) == 0:
             return ColumnBatch.from_records([])
-        counters = local_counters()
         t0 = time.perf_counter()
         blobs = self._read_batch(idx)
         if blobs is None:
@@ -164,8 +163,7 @@ class EncodedSource(ShardedSource):
         ends = np.cumsum(lengths)
         buf = _joined(blobs, ends)
         t1 = time.perf_counter()
-        counters[COUNTER["bytes_read"]] += int(ends[-1])
-        counters[COUNTER["read_seconds"]] += t1 - t0
+        count_read(t1 - t0, int(ends[-1]))
         try:
             batch = self.codec.decode_columns(buf, ends - lengths, ends)
         except Exception:  # a batch decoder that fails: the records one by one name the culprit
@@ -176,7 +174,7 @@ class EncodedSource(ShardedSource):
                     blobs, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
                 )
             )
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        count_decode(time.perf_counter() - t1)
         return batch
 
     def iter_shard(
@@ -249,12 +247,10 @@ class EncodedSource(ShardedSource):
         the codec has a batch decode). On a failure the records are decoded again one
         by one, so that the error names the record: ``where()`` gives each blob's
         shard, row and index."""
-        counters = local_counters()
         t1 = time.perf_counter()
-        counters[COUNTER["bytes_read"]] += sum(map(len, blobs))
-        counters[COUNTER["read_seconds"]] += t1 - t0
+        count_read(t1 - t0, sum(map(len, blobs)))
         out = self._decode_all(blobs, where)
-        counters[COUNTER["decode_seconds"]] += time.perf_counter() - t1
+        count_decode(time.perf_counter() - t1)
         return out
 
     def _decode_all(

@@ -22,18 +22,22 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchgrain.io import remote
 from torchgrain.io.fs import get_filesystem, list_files
 from torchgrain.sources.base import Source
 from torchgrain.sources.options import ReadOptions
 
+if TYPE_CHECKING:
+    from torchgrain.writers import OutputFormat
+
 __all__ = [
     "Format",
     "detect_format",
     "formats",
     "get_format",
+    "get_output",
     "open",
     "output_formats",
     "register_format",
@@ -60,7 +64,8 @@ class Format:
         read_options: whether the source takes a :class:`~torchgrain.ReadOptions` as
             ``options=`` and its fields as keywords (every
             :class:`~torchgrain.sources.base.ShardedSource` does).
-        convert_output: ``torchgrain convert`` can write this format (``--to``).
+        output: how ``torchgrain convert`` writes this format (``--to``), an
+            :class:`~torchgrain.writers.OutputFormat`; None: not an output format.
     """
 
     name: str
@@ -71,7 +76,12 @@ class Format:
     description: str = ""
     options: tuple[str, ...] = ()
     read_options: bool = True
-    convert_output: bool = False
+    output: OutputFormat | None = None
+
+    @property
+    def convert_output(self) -> bool:
+        """Whether ``torchgrain convert`` can write this format (it has an ``output``)."""
+        return self.output is not None
 
     def matches(self, file_name: str) -> bool:
         """Whether a file name (no directory) is one of this format's files."""
@@ -144,7 +154,25 @@ def output_formats() -> list[str]:
         >>> output_formats()
         ['array_record', 'parquet']
     """
-    return [f.name for f in _FORMATS.values() if f.convert_output]
+    return [f.name for f in _FORMATS.values() if f.output is not None]
+
+
+def get_output(name: str) -> OutputFormat:
+    """How ``torchgrain convert`` writes the format called ``name``; ``ValueError``
+    naming the formats it writes.
+
+    Example:
+        >>> get_output("parquet").suffix
+        '.parquet'
+        >>> get_output("tfrecord")
+        Traceback (most recent call last):
+        ...
+        ValueError: to must be one of array_record, parquet, got 'tfrecord'
+    """
+    fmt = _FORMATS.get(name)
+    if fmt is None or fmt.output is None:
+        raise ValueError(f"to must be one of {', '.join(output_formats())}, got {name!r}")
+    return fmt.output
 
 
 def get_format(name: str) -> Format:
@@ -280,7 +308,12 @@ def _register_builtins() -> None:
     from torchgrain.sources.arrayrecord import ARRAY_RECORD_SUFFIXES, ArrayRecordSource
     from torchgrain.sources.parquet import PARQUET_SUFFIXES, ParquetSource
     from torchgrain.sources.tfrecord import TFRECORD_SUFFIXES, TFRecordSource
-    from torchgrain.writers import write_array_record, write_parquet
+    from torchgrain.writers import (
+        ARRAY_RECORD_OUTPUT,
+        PARQUET_OUTPUT,
+        write_array_record,
+        write_parquet,
+    )
 
     register_format(
         Format(
@@ -291,7 +324,7 @@ def _register_builtins() -> None:
             write=write_array_record,
             description="ArrayRecord shards (torchgrain's, with a manifest, or TFDS's)",
             options=("codec", "max_chunk_bytes", "index_dir", "max_mapped_shards"),
-            convert_output=True,
+            output=ARRAY_RECORD_OUTPUT,
         )
     )
     register_format(
@@ -308,7 +341,7 @@ def _register_builtins() -> None:
                 "partitioning",
                 "max_row_group_bytes",
             ),
-            convert_output=True,
+            output=PARQUET_OUTPUT,
         )
     )
     register_format(

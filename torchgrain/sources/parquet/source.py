@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from torchgrain.columns import ColumnBatch, column_of
-from torchgrain.diagnostics import COUNTER, local_counters
+from torchgrain.diagnostics import COUNTER, count_decode, count_read, local_counters
 from torchgrain.errors import (
     check_ceiling,
 )
@@ -400,7 +400,7 @@ class ParquetSource(RowGroupLoader):
             )
             for i, rec in zip(rest.tolist(), built):
                 out[i] = rec
-        local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
+        count_decode(time.perf_counter() - t_start - read_seconds)
         trimmer().settle()  # the decode buffers this read freed go back to the system
         return out
 
@@ -450,7 +450,7 @@ class ParquetSource(RowGroupLoader):
                 joined = pa.chunked_array(parts, type=entries[0].table.schema.field(int(pos)).type)
                 col = arrow_column(joined.combine_chunks().take(int64_array(plan.where)))
             columns[key] = col
-        local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t_start - read_seconds
+        count_decode(time.perf_counter() - t_start - read_seconds)
         return ColumnBatch(columns, num_rows=n)
 
     @property
@@ -555,9 +555,7 @@ class ParquetSource(RowGroupLoader):
             first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
             t0 = time.perf_counter()
             table = self._decode(g, a)
-            counters = local_counters()
-            counters[COUNTER["read_seconds"]] += time.perf_counter() - t0
-            counters[COUNTER["bytes_read"]] += table.nbytes
+            count_read(time.perf_counter() - t0, table.nbytes)
             views = RowViews(table)
             for c in range(a, min(end, last), _SEQUENTIAL_ROWS):
                 d = min(c + _SEQUENTIAL_ROWS, end, last)
@@ -615,8 +613,7 @@ class ParquetSource(RowGroupLoader):
         counters = local_counters()
         counters[COUNTER["cache_misses"]] += len(missing)
         counters[COUNTER["cache_hits"]] += len(entries) - len(missing)
-        counters[COUNTER["read_seconds"]] += read_seconds
-        counters[COUNTER["bytes_read"]] += read_bytes
+        count_read(read_seconds, read_bytes)
         return entries, read_seconds  # type: ignore[return-value]
 
     def _build(
