@@ -35,19 +35,14 @@ Layout and safety rules (all processes of a machine may share one directory):
 * Eviction (least recently used first: a copy's last use is its record's modification
   time, which hits refresh at most once a second per process; or, with
   ``eviction="belady"``, the copy whose next use lies furthest in the sampler's order,
-  from the hints read-ahead writes to ``DIR/.next/``: see :mod:`torchgrain.io.eviction`)
-  runs under
-  ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being fetched,
-  checked or opened), and only ever unlinks: a reader that has the file open (or
-  mapped) keeps reading it, POSIX frees the blocks when it closes. In-flight downloads
-  reserve their size (it is in the temp name), so concurrent downloads do not
+  from the hints read-ahead writes to ``DIR/.next-use``: see :mod:`torchgrain.io.eviction`)
+  runs under ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being
+  fetched, checked or opened), and only ever unlinks: a reader that has the file open
+  (or mapped) keeps reading it, POSIX frees the blocks when it closes. In-flight
+  downloads reserve their size (it is in the temp name), so concurrent downloads do not
   overshoot the budget together.
 
-What the records guarantee: a copy holds what was downloaded unless it changed within
-one clock tick of its last check (milliseconds, on kernels without fine-grained
-timestamps), or while a reader had it mapped (that reader sees the change), or unless
-whoever changed it also rewrote its record: anyone who can write to the directory can
-do that, so keep it writable only by the jobs that share it.
+What the records guarantee, and their format: see :mod:`torchgrain.io.cache_records`.
 
 The cache assumes shards are immutable: the same URL always holds the same bytes
 (write a changed dataset to a new path, or give checksums in the manifest). Without
@@ -60,14 +55,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import mmap
 import os
 import re
 import threading
 import time
 import uuid
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -76,6 +69,20 @@ import fsspec
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import remote
 from torchgrain.io.atomic import publish
+from torchgrain.io.cache_records import (
+    CRC_BLOCK,
+    NEXT_FILE,
+    SUM_DIR,
+    TMP_PREFIX,
+    Identity,
+    file_crc,
+    file_identity,
+    read_hints,
+    read_record,
+    remove_record_temps,
+    write_hints,
+    write_record,
+)
 from torchgrain.io.eviction import EVICTION_POLICIES, victims
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
@@ -87,11 +94,9 @@ T = TypeVar("T")
 #: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not match.
 Verifier = Callable[..., None]
 
-_TMP_PREFIX = ".tmp-"
 _LOCK_DIR = ".locks"
-_SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
-_NEXT_FILE = ".next-use"  # eviction="belady": copy name -> its next use (read-ahead's hints)
-_CRC_BLOCK = 8 << 20
+# The names these had here before the records moved to their own module.
+_TMP_PREFIX, _SUM_DIR, _NEXT_FILE, _CRC_BLOCK = TMP_PREFIX, SUM_DIR, NEXT_FILE, CRC_BLOCK
 # Refresh a copy's last use (its record's modification time) at most this often per
 # process (seconds): one utime() per shard per second is plenty for LRU order and keeps
 # most hits to a single stat() call.
@@ -101,49 +106,6 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 class _ShortDownload(ConnectionError):
     """The transfer ended early (counted as transient: the connection dropped)."""
-
-
-#: A file's identity for the checks: (device, inode, size, modification time, change time).
-Identity = tuple[int, int, int, int, int]
-
-
-def file_identity(st: os.stat_result) -> Identity:
-    """What changes when a file is replaced or written to: its identity for the checks
-    (device, inode, size, modification time, change time). The change time is set by
-    the kernel on every write, truncation, rename, link or ``utime()``, and never back,
-    so restoring the modification time (``touch -r``) still changes the identity.
-
-    (Within one tick of the kernel's clock, a few milliseconds on kernels without
-    fine-grained timestamps, a second change may leave both times as they were.)
-
-    Example:
-        >>> dev, ino, size, mtime, ctime = file_identity(os.stat("."))
-    """
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def file_crc(path: str) -> tuple[str, Identity]:
-    """``("crc32:<hex>", identity)`` of a local file, read once through a map.
-
-    Example:
-        >>> import tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "f")
-        >>> _ = open(p, "wb").write(b"abc")
-        >>> file_crc(p)[0]
-        'crc32:352441c2'
-    """
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        crc = 0
-        if st.st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for a in range(0, len(view), _CRC_BLOCK):
-                        crc = zlib.crc32(view[a : a + _CRC_BLOCK], crc)
-                finally:
-                    view.release()
-    return f"crc32:{crc:08x}", file_identity(st)
 
 
 def _key(url: str, checksum: str | None) -> str:
@@ -215,7 +177,7 @@ class ShardCache:
         self.retry = retry or RetryPolicy()
         self.verify_hits = bool(verify_hits)
         os.makedirs(os.path.join(self.directory, _LOCK_DIR), exist_ok=True)
-        os.makedirs(os.path.join(self.directory, _SUM_DIR), exist_ok=True)
+        os.makedirs(os.path.join(self.directory, SUM_DIR), exist_ok=True)
         self._stats_lock = threading.Lock()
         self._lock_pid = os.getpid()
         self._paths: dict[tuple[str, str | None], str] = {}
@@ -432,7 +394,7 @@ class ShardCache:
                 )
             tmp = os.path.join(
                 self.directory,
-                f"{_TMP_PREFIX}{os.path.basename(path)}-{size}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                f"{TMP_PREFIX}{os.path.basename(path)}-{size}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             )
             # Reserve the space (the size is in the temp name), then make room for it.
             open(tmp, "wb").close()
@@ -454,7 +416,7 @@ class ShardCache:
                     (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
                 # What later hits are checked against: the bytes that passed the checks.
                 crc, _ = file_crc(tmp)
-                self._write_sum(path, crc, size)
+                write_record(self._sum_path(path), crc, size)
                 publish(tmp, path, durable=False)  # mode from the umask
                 # After the rename, which moves the change time: the identity it keeps.
                 ident = file_identity(os.stat(path))
@@ -493,16 +455,7 @@ class ShardCache:
                     hints.pop(name, None)
                 else:
                     hints[name] = int(use)
-            final = os.path.join(self.directory, _NEXT_FILE)
-            tmp = f"{final}{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                with open(tmp, "w") as f:
-                    f.write("".join(f"{n} {u}\n" for n, u in hints.items()))
-                os.replace(tmp, final)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
+            write_hints(os.path.join(self.directory, NEXT_FILE), hints)
 
     def next_uses(self) -> dict[str, int]:
         """The next-use hints in force: copy name -> position (see :meth:`advise`).
@@ -514,17 +467,7 @@ class ShardCache:
             >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).next_uses()
             {}
         """
-        out: dict[str, int] = {}
-        try:
-            with open(os.path.join(self.directory, _NEXT_FILE)) as f:
-                text = f.read(64 << 20)
-        except FileNotFoundError:
-            return out
-        for line in text.splitlines():
-            name, _, use = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                out[name] = int(use)
-        return out
+        return read_hints(os.path.join(self.directory, NEXT_FILE))
 
     def total_bytes(self) -> int:
         """Bytes of complete files in the cache now (all processes).
@@ -597,7 +540,7 @@ class ShardCache:
         size and CRC, read once per process per identity. Call with the shard lock held."""
         if self._checked(path, st):
             return True
-        recorded = self._read_sum(path)
+        recorded = read_record(self._sum_path(path))
         if recorded is None or recorded[1] != st.st_size:
             return False  # no record of a checked download (or not this one's): refetch
         crc, ident = file_crc(path)
@@ -620,28 +563,7 @@ class ShardCache:
         self._count(rejected=1)
 
     def _sum_path(self, path: str) -> str:
-        return os.path.join(self.directory, _SUM_DIR, os.path.basename(path))
-
-    def _write_sum(self, path: str, crc: str, size: int) -> None:
-        final = self._sum_path(path)
-        tmp = f"{final}{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            with open(tmp, "w") as f:
-                f.write(f"{crc} {size}\n")
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-
-    def _read_sum(self, path: str) -> tuple[str, int] | None:
-        try:
-            with open(self._sum_path(path)) as f:
-                text = f.read(200)
-            crc, size = text.split()
-            return crc, int(size)
-        except (FileNotFoundError, ValueError):
-            return None
+        return os.path.join(self.directory, SUM_DIR, os.path.basename(path))
 
     def _unlink_copy(self, path: str) -> bool:
         """Delete a copy and its record; whether the copy was there."""
@@ -695,18 +617,13 @@ class ShardCache:
 
     def _remove_stale_tmp(self, path: str) -> None:
         """Delete temp files of this shard left by killed downloads (we hold its lock)."""
-        prefix = _TMP_PREFIX + os.path.basename(path) + "-"
+        prefix = TMP_PREFIX + os.path.basename(path) + "-"
         with os.scandir(self.directory) as it:
             for e in it:
                 if e.name.startswith(prefix):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(e.path)
-        prefix = os.path.basename(path) + _TMP_PREFIX  # a record's temp file
-        with os.scandir(os.path.join(self.directory, _SUM_DIR)) as it:
-            for e in it:
-                if e.name.startswith(prefix):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
+        remove_record_temps(self._sum_path(path))
 
     def _entries(self) -> list[tuple[int, int, str]]:
         """``(last use, size, path)`` of the complete copies; a copy's last use is its
@@ -731,10 +648,10 @@ class ShardCache:
         """Bytes reserved by downloads in flight (their target size is in the temp name)."""
         total = 0
         with os.scandir(self.directory) as it:
-            tmps = [e for e in it if e.name.startswith(_TMP_PREFIX)]
+            tmps = [e for e in it if e.name.startswith(TMP_PREFIX)]
         for e in tmps:
             try:
-                base, size, _pid, _rand = e.name[len(_TMP_PREFIX) :].rsplit("-", 3)
+                base, size, _pid, _rand = e.name[len(TMP_PREFIX) :].rsplit("-", 3)
                 nbytes = int(size)
             except ValueError:
                 continue

@@ -1,0 +1,164 @@
+"""The small files a :class:`~torchgrain.io.shard_cache.ShardCache` keeps beside its copies.
+
+* The CRC record of each copy, ``DIR/.sums/<copy name>``: ``"crc32:<hex> <size>"``, the
+  CRC-32 and size of the bytes that passed the download's checks. A hit is served only
+  while the copy matches it (its :func:`file_crc`, computed again whenever its
+  :func:`file_identity` changes); the record's modification time is the copy's last use
+  (its LRU position).
+* The next-use hints of ``eviction="belady"``, ``DIR/.next-use``: one ``"<copy name>
+  <position>"`` line per copy, the position in the sampler's order of its next use.
+
+Both are replaced atomically through a temp file named after them
+(``<name>.tmp-<pid>-<random>``); a record's, left by a killed writer, goes at the copy's
+next download (:func:`remove_record_temps`). They are the cache's own files, but anyone who can write to the directory can change them:
+a malformed record reads as none (the copy is downloaded again), a malformed hint as
+no hint (hints only order evictions).
+
+What the records guarantee: a copy holds what was downloaded unless it changed within
+one clock tick of its last check (milliseconds, on kernels without fine-grained
+timestamps), or while a reader had it mapped (that reader sees the change), or unless
+whoever changed it also rewrote its record: anyone who can write to the directory can
+do that, so keep it writable only by the jobs that share it.
+
+Example:
+    >>> import os, tempfile
+    >>> record = os.path.join(tempfile.mkdtemp(), "copy")
+    >>> write_record(record, "crc32:352441c2", 3)
+    >>> read_record(record)
+    ('crc32:352441c2', 3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import uuid
+import zlib
+
+__all__ = [
+    "Identity",
+    "file_crc",
+    "file_identity",
+    "read_hints",
+    "read_record",
+    "remove_record_temps",
+    "write_hints",
+    "write_record",
+]
+
+#: What starts (a download's) or follows (a record's) the name of a temp file in a cache.
+TMP_PREFIX = ".tmp-"
+SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
+NEXT_FILE = ".next-use"  # eviction="belady": copy name -> its next use (read-ahead's hints)
+CRC_BLOCK = 8 << 20  # bytes a CRC update reads at a time
+
+
+#: A file's identity for the checks: (device, inode, size, modification time, change time).
+Identity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> Identity:
+    """What changes when a file is replaced or written to: its identity for the checks
+    (device, inode, size, modification time, change time). The change time is set by
+    the kernel on every write, truncation, rename, link or ``utime()``, and never back,
+    so restoring the modification time (``touch -r``) still changes the identity.
+
+    (Within one tick of the kernel's clock, a few milliseconds on kernels without
+    fine-grained timestamps, a second change may leave both times as they were.)
+
+    Example:
+        >>> dev, ino, size, mtime, ctime = file_identity(os.stat("."))
+    """
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_crc(path: str) -> tuple[str, Identity]:
+    """``("crc32:<hex>", identity)`` of a local file, read once through a map.
+
+    Example:
+        >>> import tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "f")
+        >>> _ = open(p, "wb").write(b"abc")
+        >>> file_crc(p)[0]
+        'crc32:352441c2'
+    """
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        crc = 0
+        if st.st_size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    for a in range(0, len(view), CRC_BLOCK):
+                        crc = zlib.crc32(view[a : a + CRC_BLOCK], crc)
+                finally:
+                    view.release()
+    return f"crc32:{crc:08x}", file_identity(st)
+
+
+def write_record(record: str, crc: str, size: int) -> None:
+    """Record at ``record`` the CRC and size of a copy that passed its download's checks."""
+    _replace_text(record, f"{crc} {size}\n")
+
+
+def read_record(record: str) -> tuple[str, int] | None:
+    """``(crc, size)`` recorded at ``record``; None when there is none or it is malformed."""
+    try:
+        with open(record) as f:
+            text = f.read(200)
+        crc, size = text.split()
+        return crc, int(size)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def remove_record_temps(record: str) -> None:
+    """Delete the temp files of ``record`` left by killed writers (the copy's lock held)."""
+    prefix = os.path.basename(record) + TMP_PREFIX
+    with os.scandir(os.path.dirname(record)) as it:
+        for e in it:
+            if e.name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+
+
+def write_hints(path: str, hints: dict[str, int]) -> None:
+    """Replace the next-use hints at ``path``: copy name -> position of its next use.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), ".next-use")
+        >>> write_hints(p, {"a": 3, "b": 9})
+        >>> read_hints(p)
+        {'a': 3, 'b': 9}
+    """
+    _replace_text(path, "".join(f"{n} {u}\n" for n, u in hints.items()))
+
+
+def read_hints(path: str) -> dict[str, int]:
+    """The next-use hints at ``path`` (see :func:`write_hints`), malformed lines ignored."""
+    out: dict[str, int] = {}
+    try:
+        with open(path) as f:
+            text = f.read(64 << 20)
+    except FileNotFoundError:
+        return out
+    for line in text.splitlines():
+        name, _, use = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[name] = int(use)
+    return out
+
+
+def _replace_text(final: str, text: str) -> None:
+    """Write ``text`` to ``final`` through a temp file beside it (removed on an error)."""
+    tmp = f"{final}{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

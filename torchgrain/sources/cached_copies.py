@@ -1,0 +1,272 @@
+"""Reading remote shards through their local copies in the shard cache (``cache_dir``).
+
+Part of :class:`~torchgrain.sources.base.ShardedSource` (a base class of it, not an API of
+its own). With a :class:`~torchgrain.io.shard_cache.ShardCache`, a read of a remote shard
+opens the shard's local copy (downloaded, and checked, on first access) and keeps a few
+such readers open per process. A reader is closed only once no read uses it: each read
+pins the copies it opens (:meth:`CachedCopies._pinned`), and a copy that leaves the open
+set (evicted, replaced on disk, or to bound the open readers) is retired, then closed by
+its last user. A batch opens its shards' copies ahead, downloading the missing ones
+concurrently (:meth:`CachedCopies._prefetch_copies`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from torchgrain.io.shard_cache import file_identity
+
+if TYPE_CHECKING:
+    from torchgrain.sources.base import _ProcessState
+
+__all__ = ["CachedCopies"]
+
+T = TypeVar("T")
+
+# Readers of cached local copies kept open per process. Eviction only unlinks files, so
+# an open reader pins an evicted copy's disk blocks: keep few of them open.
+_MAX_OPEN_CACHED = 32
+# How long a process keeps reading an evicted copy it has open (it holds the file's
+# disk blocks beyond the cache's budget meanwhile) before fetching it again.
+_EVICTED_GRACE_SECONDS = 1.0
+# How often an open copy in use counts as a hit, which refreshes its LRU position (the
+# cache's access-time clock has the same resolution).
+_TOUCH_SECONDS = 1.0
+# Per thread: ``pins``, the cached copies the running read (ShardedSource._pinned) uses.
+_READS = threading.local()
+
+
+class _CachedCopy:
+    """An open reader of a shard's local copy, and how many reads are using it.
+
+    A copy leaves the open set when it is evicted or replaced on disk, or to bound the
+    open readers; its reader is closed only once no read uses it (``pins == 0``), so a
+    thread never has a reader closed under it.
+    """
+
+    __slots__ = ("evicted_at", "ident", "lock", "path", "pins", "reader", "retired", "touched")
+
+    def __init__(self, path: str, ident: tuple[int, ...], reader: Any, lock: Any) -> None:
+        self.lock = lock  # the lock of the process state it belongs to
+        self.path = path
+        self.ident = ident  # of the file the reader opened (see ShardCache.lookup)
+        self.reader = reader
+        self.pins = 0
+        self.retired = False
+        self.evicted_at: float | None = None  # when it was first seen evicted
+        self.touched = time.monotonic()  # its last hit in the cache (its LRU position)
+
+
+class CachedCopies:
+    """The shard-cache side of :class:`~torchgrain.sources.base.ShardedSource`: the
+    open readers of local copies of remote shards, and their downloads."""
+
+    def _open_local_copy(self, shard: int, path: str) -> Any:
+        reader = self._open_reader(shard, path, None)
+        try:
+            self._touch(reader)  # opened (mapped) now: a later eviction only unlinks
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _touch(self, reader: Any) -> None:
+        """Make ``reader`` hold its file open (read its footer, map it)."""
+
+    def _is_cached(self, shard: int) -> bool:
+        assert self.cache is not None
+        _, checksum = self.shard_integrity(shard)
+        return os.path.exists(self.cache.local_path(self._paths[shard], checksum=checksum))
+
+    def _cached_reader(self, st: _ProcessState, shard: int) -> Any:
+        """A reader of the local copy of remote ``shard`` (fetched on first access),
+        open until the read that asked for it (:meth:`_io`) ends, at least."""
+        return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
+
+    def _cached_copy(self, st: _ProcessState, shard: int, pins: list | None) -> _CachedCopy:
+        """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
+        it stays open until they are released."""
+        assert self.cache is not None
+        copy = st.cached.get(shard)
+        if copy is not None and self._still_readable(copy, shard):
+            with st.lock:
+                if st.cached.get(shard) is copy:
+                    st.cached.move_to_end(shard)
+                    _pin(copy, pins)
+                    return copy
+        size, checksum = self.shard_integrity(shard)
+        path, ident, reader = self.cache.fetch_open(
+            self._paths[shard],
+            lambda p: self._open_local_copy(shard, p),
+            filesystem=self._fs,
+            size=size,
+            checksum=checksum,
+            verify=self._verify_copy,
+        )
+        copy = _CachedCopy(path, ident, reader, st.lock)
+        with st.lock:
+            _pin(copy, pins)
+            old = st.cached.pop(shard, None)
+            st.cached[shard] = copy
+            retired = [old] if old is not None else []
+            while len(st.cached) > _MAX_OPEN_CACHED:
+                retired.append(st.cached.popitem(last=False)[1])
+            unused = [c.reader for c in retired if _retire(c)]
+        for r in unused:
+            r.close()
+        return copy
+
+    def _still_readable(self, copy: _CachedCopy, shard: int) -> bool:
+        """Whether the open reader of ``copy`` still reads the file it checked (one
+        stat() per use): the copy on disk is that file, or it was evicted less than a
+        grace period ago (only unlinked: the reader keeps the file). A copy replaced or
+        rewritten in place is not: it is fetched, and checked, again."""
+        assert self.cache is not None
+        try:
+            ident = file_identity(os.stat(copy.path))
+        except FileNotFoundError:
+            return _in_grace(copy)
+        if ident != copy.ident:
+            return False
+        now = time.monotonic()
+        if now - copy.touched >= _TOUCH_SECONDS:
+            # A hit: refreshes the copy's LRU position, at most once a second.
+            size, checksum = self.shard_integrity(shard)
+            hit = self.cache.lookup(self._paths[shard], size=size, checksum=checksum)
+            if hit != (copy.path, copy.ident):
+                return False
+            copy.touched = now
+        return True
+
+    def _pinned(self, fn: Callable[[], T]) -> T:
+        """``fn()``, the readers of cached copies it gets staying open until it returns."""
+        if getattr(_READS, "pins", None) is not None:  # within a read: that one holds them
+            return fn()
+        pins: list[_CachedCopy] = []
+        _READS.pins = pins
+        try:
+            return fn()
+        finally:
+            _READS.pins = None
+            if pins:
+                _unpin(pins)
+
+    def _close_evicted_copies(self) -> None:
+        """End a batch that :meth:`_prefetch_copies` opened: release its readers, and
+        retire those whose cached copy was evicted or replaced (they pin its disk
+        blocks; they close once no other read uses them)."""
+        assert self.cache is not None
+        st = self._proc()
+        _release_batch(st)
+        with st.lock:
+            copies = list(st.cached.items())
+        gone = []
+        for shard, copy in copies:
+            ident = self.cache.identity(copy.path)
+            if ident != copy.ident and (ident is not None or not _in_grace(copy)):
+                gone.append((shard, copy))
+        with st.lock:
+            unused = []
+            for shard, copy in gone:
+                if st.cached.get(shard) is copy:
+                    del st.cached[shard]
+                    if _retire(copy):
+                        unused.append(copy.reader)
+        for r in unused:
+            r.close()
+
+    def _prefetch_copies(self, shards: Sequence[int]) -> dict[int, Any]:
+        """With a shard cache: open the batch's shards, downloading the missing ones
+        concurrently. Readers opened here serve the batch even if a concurrent download
+        evicts their copy meanwhile (eviction only unlinks): no shard is fetched twice
+        per batch. They stay open until :meth:`_close_evicted_copies` ends the batch
+        (or this thread's next batch begins)."""
+        if self.cache is None:
+            return {}
+        st = self._proc()
+        _release_batch(st)  # a batch that raised before its end
+        if self.io_threads <= 1 or len(shards) <= 1:
+            return {}
+        with st.lock:
+            open_now = set(st.cached)
+        missing = [s for s in shards if s not in open_now and not self._is_cached(s)]
+        if not missing:
+            return {}
+        batch: list[_CachedCopy] = []
+        st.local.batch = batch
+
+        def get(shard: int) -> Any:
+            return self._cached_copy(st, shard, batch).reader
+
+        # Open the cached ones first, before the downloads can evict them.
+        opened = {s: get(s) for s in shards if s not in missing}
+        opened.update(zip(missing, self._pool().map(get, missing)))
+        return opened
+
+    def prefetch_shard(self, shard: int) -> bool:
+        """Put a local copy of remote ``shard`` in the shard cache; whether it was
+        downloaded now (False: already there, or no shard cache).
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).prefetch_shard(0)  # no shard cache: nothing to do
+            False
+        """
+        if self.cache is None or self._is_cached(shard):
+            return False
+        _, checksum = self.shard_integrity(shard)
+        self.cache.fetch(
+            self._paths[shard],
+            filesystem=self._fs,
+            size=self.shard_nbytes(shard),
+            checksum=checksum,
+            verify=self._verify_copy,
+        )
+        return True
+
+
+def _pin(copy: _CachedCopy, pins: list[_CachedCopy] | None) -> None:
+    """Count a use of ``copy`` into ``pins`` (call with the state's lock held)."""
+    if pins is not None:
+        copy.pins += 1
+        pins.append(copy)
+
+
+def _in_grace(copy: _CachedCopy) -> bool:
+    """Whether an evicted ``copy`` may still be read (see _EVICTED_GRACE_SECONDS)."""
+    now = time.monotonic()
+    if copy.evicted_at is None:
+        copy.evicted_at = now
+    return now - copy.evicted_at < _EVICTED_GRACE_SECONDS
+
+
+def _retire(copy: _CachedCopy) -> bool:
+    """Mark ``copy`` as out of the open set (lock held); whether to close it now."""
+    copy.retired = True
+    return copy.pins == 0
+
+
+def _unpin(pins: list[_CachedCopy]) -> None:
+    """Release uses counted by :func:`_pin`, closing retired readers no read uses."""
+    unused = []
+    for copy in pins:
+        with copy.lock:
+            copy.pins -= 1
+            if copy.pins == 0 and copy.retired:
+                unused.append(copy.reader)
+    for r in unused:
+        r.close()
+
+
+def _release_batch(st: _ProcessState) -> None:
+    """Release the readers this thread's batch opened ahead (see _prefetch_copies)."""
+    batch = getattr(st.local, "batch", None)
+    if batch is not None:
+        st.local.batch = None
+        _unpin(batch)
