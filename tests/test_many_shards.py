@@ -737,3 +737,27 @@ def test_a_pickled_source_of_ten_thousand_shards_carries_no_per_record_arrays(tm
     back = pickle.loads(blob)
     assert raw(back, [499_999, 7]) == [record(0, 49), record(0, 7)]
     assert back._dindex.path == src._dindex.path
+
+
+def test_the_chunk_cache_check_reads_the_index_not_every_shard(tmp_path):
+    """At a pass start the sampler's process checks whether the pass fits the chunk
+    cache: from the mapped dataset index, opening no shard (with one-record chunks it
+    used to build arrays of every record from every shard's footer: O(records) private
+    memory and a reader per shard at every pass start)."""
+    counts = [30, 50, 7]
+    write_foreign(tmp_path / "g", counts, options="group_size:4")
+    src = tg.ArrayRecordSource(tmp_path / "g", codec="raw", index_dir=tmp_path / "idx")
+    [blocks] = [b for b in src.cache_blocks() if b.cache == "chunk cache"]
+    ends, base = [], 0
+    for n in counts:
+        ends += [base + min(k + 4, n) for k in range(0, n, 4)]
+        base += n
+    assert blocks.offsets.tolist() == [0, *ends]
+    sizes = [int(blocks.nbytes(c)) for c in range(len(ends))]
+    records = np.diff([0, *ends])
+    assert all((s > 0) == (r > 1) for s, r in zip(sizes, records)), (sizes, records)
+    assert not src._proc().readers  # no shard was opened
+    write_foreign(tmp_path / "one", [40, 40])
+    single = tg.ArrayRecordSource(tmp_path / "one", codec="raw", index_dir=tmp_path / "idx")
+    assert [b for b in single.cache_blocks() if b.cache == "chunk cache"] == []
+    assert not single._proc().readers

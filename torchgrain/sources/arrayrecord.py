@@ -359,22 +359,40 @@ class ArrayRecordSource(EncodedSource):
     def cache_blocks(self) -> list[CacheBlocks]:
         """The caches a pass goes through (see :meth:`check_cache_fit`): the shard cache
         for remote shards, and for local ones the chunk cache, which holds chunks of
-        several records (files written with ``group_size`` > 1) decompressed. Reads
-        every shard's footer. A chunk is counted at about its stored (compressed) size,
+        several records (files written with ``group_size`` > 1) decompressed. From the
+        dataset index where there is one (local shards), else every shard's footer. A chunk is counted at about its stored (compressed) size,
         less than what it costs decompressed: the check may miss a thrash of data that
         compresses well, and does not invent one."""
         out = super().cache_blocks()
         if not self.cache_bytes or self._remote:
             return out
-        offsets, sizes = [np.zeros(1, dtype=np.int64)], []
-        for shard in range(self.num_shards):
-            reader = self._reader(shard)
-            records = reader.record_offsets
-            starts = reader.chunk_offsets
-            ends = np.append(starts[1:], self.shard_nbytes(shard))
-            stored = np.maximum(ends - starts, 0)
-            offsets.append(records[1:] + self.index.offsets[shard])
-            sizes.append(np.where(np.diff(records) > 1, stored, 0))  # 1-record: not cached
+        ix = self._dindex
+        if ix is not None and ix.single:
+            # Every chunk holds one record (the dataset index says so without opening a
+            # shard): nothing goes through the chunk cache.
+            return out
+        if ix is not None:
+            # From the mapped dataset index, in one numpy step: no reader per shard.
+            shards = self.num_shards
+            footer = ix.chunk_base[1:] + np.arange(shards)  # each shard's last entry
+            chunk = np.ones(len(ix.offsets), dtype=bool)
+            chunk[footer] = False
+            e = np.flatnonzero(chunk)
+            owner = np.repeat(np.arange(shards), np.diff(ix.chunk_base))
+            stored = np.maximum(ix.offsets[e + 1] - ix.offsets[e], 0)
+            records = ix.record_offsets[e + 1] - ix.record_offsets[e]
+            offsets = [np.zeros(1, np.int64), ix.record_offsets[e + 1] + self.index.offsets[owner]]
+            sizes = [np.where(records > 1, stored, 0)]  # 1-record chunks: not cached
+        else:
+            offsets, sizes = [np.zeros(1, dtype=np.int64)], []
+            for shard in range(self.num_shards):
+                reader = self._reader(shard)
+                records = reader.record_offsets
+                starts = reader.chunk_offsets
+                ends = np.append(starts[1:], self.shard_nbytes(shard))
+                stored = np.maximum(ends - starts, 0)
+                offsets.append(records[1:] + self.index.offsets[shard])
+                sizes.append(np.where(np.diff(records) > 1, stored, 0))  # 1-record: not cached
         nbytes = np.concatenate([np.zeros(0, dtype=np.int64), *sizes]).astype(np.int64)
         if not nbytes.any():
             return out  # no chunk of several records: nothing goes through the cache
