@@ -84,6 +84,10 @@ with warnings.catch_warnings(record=True) as caught:
     p = multiprocessing.get_context("fork").Process(target=child)
     p.start()
     p.join(120)
+# Nothing was started inside the fork (Python >= 3.12 counts threads after its hooks):
+# the walk goes on when torchgrain next runs here, as when a sampler draws indices.
+from torchgrain.io import process as tg_process
+tg_process.restart_stopped_threads()
 deadline = time.monotonic() + 60
 while not any("read-ahead" in n for n in live()) and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -162,3 +166,31 @@ def test_workers_start_with_every_start_method(tmp_path, method):
     report = tg.stats(loader)
     assert report.total["records"] == 120
     assert set(report.workers) == {"worker 0", "worker 1"}
+
+
+def test_threads_stopped_for_a_fork_start_again_when_a_sampler_draws_indices():
+    """Not inside the fork (Python >= 3.12 counts threads after its hooks and would
+    warn): when the parent's sampler next draws indices."""
+    import torchgrain as tg
+    from torchgrain.io import process
+
+    calls = []
+
+    class Owner:
+        def _stop_threads_for_fork(self):
+            calls.append("stop")
+
+        def _restart_threads_after_fork(self):
+            calls.append("restart")
+
+    owner = Owner()
+    process.stop_threads_at_fork(owner)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert calls == ["stop"]  # stopped for the fork, not restarted inside it
+    sampler = tg.GlobalShuffleSampler(10, seed=0, num_replicas=1, rank=0)
+    assert sorted(sampler) == list(range(10))
+    assert calls == ["stop", "restart"]
+    del owner

@@ -12,8 +12,9 @@ at the fork, held or not, but none of the threads that would release them. So no
 torchgrain thread runs across a fork: every object that owns threads (I/O pools,
 read-ahead) registers with :func:`stop_threads_at_fork`; right before this process
 forks (a DataLoader starting its workers, or anything else calling ``os.fork``) each
-one stops and joins its threads, and right after, in the parent, it starts again
-where it was. The child starts none: its objects see a new :func:`token` and build
+one stops and joins its threads, and in the parent it starts again where it was at
+the next :func:`restart_stopped_threads` (a sampler drawing indices; pools on their
+next task), not inside the fork: Python >= 3.12 counts threads after the fork hooks. The child starts none: its objects see a new :func:`token` and build
 their own state on first use. (Python 3.12 warns about exactly this hazard when a
 process with threads forks.)
 
@@ -59,6 +60,7 @@ class StopsThreadsAtFork(Protocol):
 _owners: weakref.WeakSet[Any] = weakref.WeakSet()
 _owners_lock = threading.Lock()
 _stopped: list[Any] = []
+_to_restart: list[Any] = []  # stopped for a fork, not yet started again
 
 
 def stop_threads_at_fork(owner: StopsThreadsAtFork) -> None:
@@ -81,21 +83,41 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
+    # Not restarted here: Python >= 3.12 counts the process's threads after these hooks
+    # have run, and would warn about threads started in them. The next call of
+    # restart_stopped_threads (a sampler drawing its next indices) starts them again.
     try:
-        for owner in _stopped:
-            try:
-                owner._restart_threads_after_fork()
-            except Exception:  # pragma: no cover - read-ahead and pools restart lazily
-                logger.debug("torchgrain: could not restart %r after a fork", owner, exc_info=True)
+        _to_restart.extend(_stopped)
     finally:
         _stopped.clear()
         _owners_lock.release()
+
+
+def restart_stopped_threads() -> None:
+    """Start again the threads stopped for the last fork of this process (see the module
+    docstring); cheap when there are none. Called where torchgrain runs on after a fork
+    in the parent: a sampler drawing its next indices.
+
+    Example:
+        >>> restart_stopped_threads()  # nothing was stopped: nothing to do
+    """
+    if not _to_restart:
+        return
+    with _owners_lock:
+        owners = list(_to_restart)
+        _to_restart.clear()
+    for owner in owners:
+        try:
+            owner._restart_threads_after_fork()
+        except Exception:  # pragma: no cover - read-ahead and pools restart lazily
+            logger.debug("torchgrain: could not restart %r after a fork", owner, exc_info=True)
 
 
 def _after_fork_in_child() -> None:
     global generation, _owners_lock
     generation += 1
     _stopped.clear()  # the child's objects build their own threads when used
+    _to_restart.clear()
     _owners_lock = threading.Lock()
 
 

@@ -49,6 +49,7 @@ from torch.utils.data import DistributedSampler
 
 from torchgrain.frameworks import accelerate as _accelerate
 from torchgrain.frameworks import dataloader as _dataloader
+from torchgrain.io import process
 from torchgrain.protocols import ReadsAhead, SetsEpoch
 from torchgrain.sampling.binding import LoaderBinding
 from torchgrain.sampling.layout import _complement, _compose, _layout_length, _layout_positions
@@ -461,6 +462,7 @@ class ResumableSampler(DistributedSampler):
         order = self._order()
         self._read_ahead(lambda a, b: self._indices_in(layout, a, b, world, order), start, count)
         for s in range(start, count, _ITER_CHUNK):
+            process.restart_stopped_threads()  # read-ahead stopped by a fork goes on
             stop = min(s + _ITER_CHUNK, count)
             chunk = self._indices_in(layout, s, stop, world, order).tolist()
             it = iter(chunk)
