@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -113,3 +114,52 @@ def kill(procs: list[Proc]) -> None:
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGKILL)
+
+
+STACK_DUMPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_stack_dumps")
+
+
+class JobTimeout(AssertionError):
+    """A job ran past its deadline; the message holds every process's stacks."""
+
+
+def run_job(
+    cmd: list[str], *, timeout: float, env: dict[str, str], cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` for a multi-process job
+    (torchrun, Lightning's launcher, DataLoader workers), in a process group of its own.
+
+    Past ``timeout`` seconds every process of the group writes its threads' stacks to
+    the job's stderr (SIGUSR1, see tests/_stack_dumps), the group is killed, and
+    :class:`JobTimeout` is raised with the end of that output: a hang fails with where
+    each process was stuck, and leaves no process behind.
+    """
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (STACK_DUMPS, env.get("PYTHONPATH")) if x)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        group = [p for p in in_group(proc.pid) if p.running]
+        listing = "\n".join(describe(p.pid) for p in group)
+        for p in group:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(3)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise JobTimeout(
+            f"{cmd[:6]} ran past {timeout:.0f} s; its processes:\n{listing}\n"
+            f"--- stdout (end) ---\n{out[-3000:]}\n--- stderr with stacks (end) ---\n"
+            f"{err[-30000:]}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import _procs
+
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "docs" / "snippets" / "frameworks"
 
@@ -41,7 +43,7 @@ def run(program: str, cwd: Path, *, torchrun: bool = False) -> str:
     if torchrun:
         cmd[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
         cmd[5:5] = ["--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = _procs.run_job(cmd, cwd=str(cwd), env=env, timeout=480)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     return out

@@ -16,12 +16,12 @@ import collections
 import json
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
 
 import torchgrain as tg
+from tests import _procs
 
 pytest.importorskip("lightning")
 pytest.importorskip("accelerate")
@@ -69,7 +69,7 @@ def run(framework, data, out, *args):
             "--master_port",
             str(free_port()),
         ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = _procs.run_job(cmd, env=env, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

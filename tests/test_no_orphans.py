@@ -51,3 +51,26 @@ def test_a_killed_convert_takes_its_workers_fork_server_and_resource_tracker_wit
     names = [_procs.describe(p.pid) for p in left]
     _procs.kill(left)
     assert names == [], f"still running {EXIT_WITHIN_S:.0f} s after the kill: {names}"
+
+
+def test_a_job_past_its_deadline_fails_with_the_stacks_of_all_its_processes():
+    """The framework tests' job runner: a hang ends in an error that shows where every
+    process of the job (a forked child included) was stuck, and nothing is left running."""
+    code = (
+        "import os, time\n"
+        "def parent_waits(): time.sleep(120)\n"
+        "def child_waits(): time.sleep(120)\n"
+        "child_waits() if os.fork() == 0 else parent_waits()\n"
+    )
+    with pytest.raises(_procs.JobTimeout) as raised:
+        _procs.run_job([sys.executable, "-c", code], timeout=5, env=dict(os.environ))
+    message = str(raised.value)
+    assert "parent_waits" in message and "child_waits" in message, message
+    assert message.count("most recent call first") >= 2, message
+    pids = [
+        int(line.split()[1].rstrip(":")) for line in message.splitlines() if line.startswith("pid ")
+    ]
+    assert len(pids) == 2, message
+    assert not _procs.wait_gone(
+        lambda: [p for p in _procs.snapshot().values() if p.pid in pids], 10
+    )
