@@ -113,11 +113,30 @@ def _own_mp_helpers() -> set[int]:
     return pids - {None}
 
 
+def _report_hung_jobs(session) -> None:
+    """Jobs that hung once and passed when run again (tests/_procs.py
+    ``run_job_again_if_hung``), with the stacks of every process of the hung run."""
+    if not _procs.hung_jobs:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = reporter.write_line if reporter is not None else print
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", f"{len(_procs.hung_jobs)} job(s) hung once, passed when run again")
+    for cmd, stacks in _procs.hung_jobs:
+        write(f"--- {cmd[:300]}")
+        write(stacks)
+    if os.environ.get("TORCHGRAIN_TEST_HANGS") == "error":
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run if processes it started are still running (naming them), after a
     grace period; then kill them, so that the run leaves nothing behind either way.
-    Also reports the forks that warned of threads alive (see above)."""
+    Also reports the forks that warned of threads alive (see above) and the jobs that
+    hung once."""
     _report_fork_warnings(session)
+    _report_hung_jobs(session)
     if not _procs.supported() or hasattr(session.config, "workerinput"):
         # An xdist worker reports only what it was asked to run: a leak found here would
         # be lost. What it leaves behind becomes the controller's (a subreaper, its

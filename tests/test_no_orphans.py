@@ -74,3 +74,27 @@ def test_a_job_past_its_deadline_fails_with_the_stacks_of_all_its_processes():
     assert not _procs.wait_gone(
         lambda: [p for p in _procs.snapshot().values() if p.pid in pids], 10
     )
+
+
+def test_a_job_that_hangs_once_is_run_again_and_reported(tmp_path):
+    """The first run hangs, the second finishes: the test passes, and the hang (with its
+    stacks) is kept for the report at the end of the test run."""
+    marker = tmp_path / "first-run"
+    code = (
+        "import os, sys, time\n"
+        f"m = {str(marker)!r}\n"
+        "if not os.path.exists(m):\n"
+        "    open(m, 'w').close()\n"
+        "    time.sleep(120)\n"
+        "print('second run')\n"
+    )
+    before = len(_procs.hung_jobs)
+    try:
+        done = _procs.run_job_again_if_hung(
+            [sys.executable, "-c", code], timeout=5, env=dict(os.environ)
+        )
+        assert done.returncode == 0 and done.stdout.strip() == "second run"
+        assert len(_procs.hung_jobs) == before + 1
+        assert "most recent call first" in _procs.hung_jobs[-1][1]
+    finally:
+        del _procs.hung_jobs[before:]  # not a real hang: keep it out of the run's report
