@@ -334,6 +334,7 @@ class BufferPool:
         self._idle: dict[int, list[np.ndarray]] = {}
         self.idle_bytes = 0
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
         """An uninitialised array, or None when it is too small to pool."""
@@ -357,10 +358,25 @@ class BufferPool:
         return flat.reshape(shape)
 
     def _give_back(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if self.idle_bytes + buf.nbytes <= self.max_bytes:
-                self._idle.setdefault(buf.nbytes, []).append(buf)
-                self.idle_bytes += buf.nbytes
+        # Runs as a finalizer: in whatever thread collects ``flat`` (a collection can
+        # start at any allocation, so nothing is allocated while the lock is held and
+        # this never re-enters itself), and in a forked child for arrays inherited from
+        # the parent, whose pool and lock are not the child's (it returns nothing). It
+        # never waits long: a buffer that cannot be returned is simply freed.
+        if os.getpid() != self._pid:
+            return
+        size = buf.nbytes
+        fresh = [buf]  # the list of a new size class, made before the lock is taken
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            if self.idle_bytes + size <= self.max_bytes:
+                idle = self._idle.setdefault(size, fresh)
+                if idle is not fresh:
+                    idle.append(buf)
+                self.idle_bytes += size
+        finally:
+            self._lock.release()
 
     def clear(self) -> None:
         with self._lock:

@@ -190,7 +190,10 @@ class _Owner:
 def _release(ref: weakref.ref[PipelineStats], key: int, block: int, pid: int) -> None:
     """A loader's batch sampler was freed: merge its counts into the retired block."""
     st = ref()
-    if st is None or pid != _pid:  # a forked copy of the sampler, not the loader's own
+    # A forked copy of the sampler, not the loader's own. getpid(), not _pid: in a new
+    # child a collection can run this before the after-fork hook has updated _pid (and
+    # re-made _slot_lock, which another thread of the parent may have held).
+    if st is None or pid != os.getpid():
         return
     with _slot_lock:
         owner = st._owner

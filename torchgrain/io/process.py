@@ -58,7 +58,12 @@ class StopsThreadsAtFork(Protocol):
 
 
 _owners: weakref.WeakSet[Any] = weakref.WeakSet()
+# Guards _owners and _to_restart, only ever for a moment: never held while threads are
+# stopped (an I/O task being joined may itself wait for a lock whose holder is
+# registering a new owner).
 _owners_lock = threading.Lock()
+# One fork at a time goes through the hooks: held from before a fork until after it.
+_fork_lock = threading.Lock()
 _stopped: list[Any] = []
 _to_restart: list[Any] = []  # stopped for a fork, not yet started again
 
@@ -71,15 +76,52 @@ def stop_threads_at_fork(owner: StopsThreadsAtFork) -> None:
 
 
 def _before_fork() -> None:
-    # Held across the fork: no owner registers, and none is stopped twice, meanwhile.
-    _owners_lock.acquire()
+    _fork_lock.acquire()  # released by the after-fork hooks
     _stopped.clear()
-    for owner in list(_owners):
+    ours = _own_thread_ids()
+    with _owners_lock:
+        owners = list(_owners)
+    for owner in owners:
         try:
             owner._stop_threads_for_fork()
             _stopped.append(owner)
         except Exception:  # pragma: no cover - a fork must go ahead whatever happens
             logger.debug("torchgrain: could not stop %r before a fork", owner, exc_info=True)
+    if ours:
+        _wait_exited(ours - _own_thread_ids())
+
+
+# Longest a fork waits for joined threads to leave the operating system's thread list.
+_EXIT_WAIT_SECONDS = 1.0
+
+
+def _own_thread_ids() -> set[int]:
+    """Native ids of this process's live torchgrain threads (named ``torchgrain*``)."""
+    return {
+        t.native_id
+        for t in threading.enumerate()
+        if t.name.startswith("torchgrain") and t.native_id is not None
+    }
+
+
+def _wait_exited(native_ids: set[int]) -> None:
+    """Wait (bounded) until the joined threads ``native_ids`` have left the kernel's list.
+
+    ``Thread.join`` returns once the thread's Python state is gone, which on Python < 3.13
+    is before the operating system thread has finished exiting (inside the C library,
+    possibly holding its locks). A fork must not copy a thread in that state, and Python
+    >= 3.12 counts it (in /proc) when deciding whether to warn about threads at a fork.
+    """
+    if not native_ids or not os.path.isdir("/proc/self/task"):
+        return
+    import time
+
+    deadline = time.monotonic() + _EXIT_WAIT_SECONDS
+    pending = set(native_ids)
+    while pending and time.monotonic() < deadline:
+        pending = {tid for tid in pending if os.path.exists(f"/proc/self/task/{tid}")}
+        if pending:
+            time.sleep(0.001)
 
 
 def _after_fork_in_parent() -> None:
@@ -87,10 +129,11 @@ def _after_fork_in_parent() -> None:
     # have run, and would warn about threads started in them. The next call of
     # restart_stopped_threads (a sampler drawing its next indices) starts them again.
     try:
-        _to_restart.extend(_stopped)
+        with _owners_lock:
+            _to_restart.extend(_stopped)
     finally:
         _stopped.clear()
-        _owners_lock.release()
+        _fork_lock.release()
 
 
 def restart_stopped_threads() -> None:
@@ -114,11 +157,12 @@ def restart_stopped_threads() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global generation, _owners_lock
+    global generation, _owners_lock, _fork_lock
     generation += 1
     _stopped.clear()  # the child's objects build their own threads when used
     _to_restart.clear()
-    _owners_lock = threading.Lock()
+    _owners_lock = threading.Lock()  # another thread may have held it at the fork
+    _fork_lock = threading.Lock()
 
 
 os.register_at_fork(

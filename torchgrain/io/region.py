@@ -71,6 +71,17 @@ _MIN_RESERVATION = 1 << 26
 _fork_lock = threading.Lock()
 
 
+def _new_fork_lock() -> None:
+    # Another thread may have held it at the fork (a process that is itself a forked
+    # child, e.g. a ddp_fork rank starting DataLoader workers): the child's copy would
+    # stay held forever.
+    global _fork_lock
+    _fork_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_fork_lock)
+
+
 def supported() -> bool:
     """Whether this platform can map files at fixed addresses (Linux, x86-64 or arm64)."""
     return (
