@@ -19,7 +19,6 @@ import pickle
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -30,7 +29,7 @@ from fsspec.utils import glob_translate
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
 from torchgrain.io import paths as _paths
-from torchgrain.io import remote
+from torchgrain.io import process, remote
 from torchgrain.io.retry import RetryPolicy, current_policy, using
 
 PathLike = str | os.PathLike
@@ -120,7 +119,7 @@ def map_files(fn: Callable[[int], T], n: int, *, max_workers: int = 16) -> list[
     # The threads run in the caller's context: its retry policy and the deadline of the
     # operation in progress hold for the requests they make.
     context = contextvars.copy_context()
-    with ThreadPoolExecutor(max_workers=min(max_workers, n)) as pool:
+    with process.thread_pool(min(max_workers, n), "torchgrain-files") as pool:
         return list(pool.map(lambda i: context.copy().run(fn, i), range(n)))
 
 

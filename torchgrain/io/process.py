@@ -37,7 +37,9 @@ __all__ = [
     "ForkSafeThreadPool",
     "StopsThreadsAtFork",
     "generation",
+    "note_thread",
     "stop_threads_at_fork",
+    "thread_pool",
     "token",
 ]
 
@@ -78,7 +80,6 @@ def stop_threads_at_fork(owner: StopsThreadsAtFork) -> None:
 def _before_fork() -> None:
     _fork_lock.acquire()  # released by the after-fork hooks
     _stopped.clear()
-    ours = _own_thread_ids()
     with _owners_lock:
         owners = list(_owners)
     for owner in owners:
@@ -87,41 +88,62 @@ def _before_fork() -> None:
             _stopped.append(owner)
         except Exception:  # pragma: no cover - a fork must go ahead whatever happens
             logger.debug("torchgrain: could not stop %r before a fork", owner, exc_info=True)
-    if ours:
-        _wait_exited(ours - _own_thread_ids())
+    _wait_exited()
 
 
-# Longest a fork waits for joined threads to leave the operating system's thread list.
+# Native ids of the threads torchgrain started in this process (each records itself
+# with note_thread), alive or finished but perhaps not yet gone from the kernel's list.
+_thread_ids: set[int] = set()
+# Longest a fork waits for finished threads to leave the operating system's thread list.
 _EXIT_WAIT_SECONDS = 1.0
 
 
-def _own_thread_ids() -> set[int]:
-    """Native ids of this process's live torchgrain threads (named ``torchgrain*``)."""
-    return {
-        t.native_id
-        for t in threading.enumerate()
-        if t.name.startswith("torchgrain") and t.native_id is not None
-    }
+def note_thread() -> None:
+    """Record the calling thread as one of torchgrain's: called first by every thread
+    torchgrain starts (:func:`thread_pool` passes it as the pool's initializer), so
+    that a fork waits for it to be really gone once it has finished (see
+    :func:`_wait_exited`).
+
+    Example:
+        >>> import threading
+        >>> t = threading.Thread(target=note_thread); t.start(); t.join()
+    """
+    _thread_ids.add(threading.get_native_id())
 
 
-def _wait_exited(native_ids: set[int]) -> None:
-    """Wait (bounded) until the joined threads ``native_ids`` have left the kernel's list.
+def thread_pool(max_workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
+    """A ``ThreadPoolExecutor`` whose threads record themselves with :func:`note_thread`.
 
-    ``Thread.join`` returns once the thread's Python state is gone, which on Python < 3.13
+    Example:
+        >>> with thread_pool(2, "torchgrain-doc") as pool:
+        ...     list(pool.map(abs, [-1, 2]))
+        [1, 2]
+    """
+    return ThreadPoolExecutor(max_workers, thread_name_prefix, initializer=note_thread)
+
+
+def _wait_exited() -> None:
+    """Before a fork: wait (bounded) until torchgrain's finished threads have left the
+    kernel's thread list.
+
+    ``Thread.join`` returns once a thread's Python state is gone, which on Python < 3.13
     is before the operating system thread has finished exiting (inside the C library,
     possibly holding its locks). A fork must not copy a thread in that state, and Python
-    >= 3.12 counts it (in /proc) when deciding whether to warn about threads at a fork.
+    >= 3.12 counts it (in /proc) when it decides whether to warn about threads at a fork.
     """
-    if not native_ids or not os.path.isdir("/proc/self/task"):
+    if not _thread_ids or not os.path.isdir("/proc/self/task"):
         return
     import time
 
+    alive = {t.native_id for t in threading.enumerate()}
     deadline = time.monotonic() + _EXIT_WAIT_SECONDS
-    pending = set(native_ids)
-    while pending and time.monotonic() < deadline:
-        pending = {tid for tid in pending if os.path.exists(f"/proc/self/task/{tid}")}
-        if pending:
-            time.sleep(0.001)
+    while True:
+        gone = {t for t in list(_thread_ids) if not os.path.exists(f"/proc/self/task/{t}")}
+        _thread_ids.difference_update(gone)
+        exiting = [t for t in list(_thread_ids) if t not in alive]
+        if not exiting or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
 
 
 def _after_fork_in_parent() -> None:
@@ -161,6 +183,7 @@ def _after_fork_in_child() -> None:
     generation += 1
     _stopped.clear()  # the child's objects build their own threads when used
     _to_restart.clear()
+    _thread_ids.clear()  # the parent's threads are not this process's
     _owners_lock = threading.Lock()  # another thread may have held it at the fork
     _fork_lock = threading.Lock()
 
@@ -200,7 +223,7 @@ class ForkSafeThreadPool(Executor):
             if self._token != token():  # inherited from the parent: its threads are not here
                 self._token, self._pool = token(), None
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._max_workers, self._prefix)
+                self._pool = thread_pool(self._max_workers, self._prefix)
             return self._pool
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:

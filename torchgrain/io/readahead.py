@@ -188,6 +188,7 @@ class ShardReadAhead:
         return self._generation == generation
 
     def _walk(self, generation: int, wake: threading.Event, delay: float, *args: Any) -> None:
+        process.note_thread()
         if delay > 0 and wake.wait(delay):
             return  # cancelled before it started
         # Read-ahead only warms the cache: the reads that need a shard fetch it
@@ -221,7 +222,7 @@ class ShardReadAhead:
             if capacity is not None and src.cache.eviction == "belady"
             else None
         )
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="torchgrain-read-ahead") as pool:
+        with process.thread_pool(self.threads, "torchgrain-read-ahead") as pool:
             while self._live(generation):
                 if hints is not None:
                     hints.update(position())
@@ -437,11 +438,12 @@ class RangeReadAhead:
     ) -> None:
         from torchgrain.io.ranges import range_store
 
+        process.note_thread()
         src, store = self.source, range_store()
         pos = start
         # Two steps in flight: the next one's requests start while the last of this
         # one's are still out, so the process's max_inflight stays busy.
-        pool = ThreadPoolExecutor(2, thread_name_prefix="torchgrain-range-ahead")
+        pool = process.thread_pool(2, "torchgrain-range-ahead")
         in_flight: list[Future[Any]] = []
         try:
             self._walk_steps(generation, order, count, position, src, store, pos, pool, in_flight)
