@@ -12,6 +12,11 @@ from hypothesis import HealthCheck, settings
 
 from tests import _procs
 
+# Scripts run as programs by the tests, never imported (``--doctest-modules`` would import
+# them): the deadlock scripts fork and exit at import, the stack-dump hook is a
+# sitecustomize for the test jobs.
+collect_ignore = ["_deadlocks", "_stack_dumps"]
+
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
 )
