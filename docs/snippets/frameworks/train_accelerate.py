@@ -50,4 +50,4 @@ for epoch in range(loader.epoch, epochs):
         if epoch == 0 and step == 5 and not resuming:
             accelerator.save_state(checkpoint_dir)
 # --8<-- [end:recipe]
-accelerator.print(f"done at epoch {loader.epoch}, loss {loss.item():.3f}")
+accelerator.print(f"done at epoch {loader.epoch}, loss {loss.item():.3f}", flush=True)

@@ -58,4 +58,4 @@ trainer = Trainer(
 )  # default: seed=args.seed
 trainer.train(resume_from_checkpoint=resume)  # True: from the last checkpoint in output_dir
 # --8<-- [end:recipe]
-print("done at step", trainer.state.global_step)
+print(f"done at step {trainer.state.global_step}", flush=True)  # one write: ranks share stdout

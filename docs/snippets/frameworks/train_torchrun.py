@@ -47,5 +47,5 @@ for epoch in range(loader.epoch, epochs):
         if epoch == 0 and step == 5 and not resuming and dist.get_rank() == 0:
             torch.save(loader.state_dict(), path)
 # --8<-- [end:recipe]
-print(f"rank {dist.get_rank()}: done at epoch {loader.epoch}")
+print(f"rank {dist.get_rank()}: done at epoch {loader.epoch}", flush=True)
 dist.destroy_process_group()
