@@ -10,6 +10,7 @@ default: the pipeline works under fork, spawn and forkserver alike.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -194,3 +195,44 @@ def test_threads_stopped_for_a_fork_start_again_when_a_sampler_draws_indices():
     assert sorted(sampler) == list(range(10))
     assert calls == ["stop", "restart"]
     del owner
+
+
+# ----------------------------------------------------------- inherited connections
+def _collected(batch):
+    """The batch's ``x``, after a garbage collection in the worker (as happens sooner or
+    later in every worker: here it frees what the worker inherited and no longer uses)."""
+    gc.collect()
+    return [r["x"] for r in batch]
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_worker_leaves_the_parents_http_connections_working(tmp_path):
+    """A forked child inherits the parent's event loop with its epoll instance, and
+    epoll registrations belong to that shared instance: a worker closing the inherited
+    pooled connections (fsspec closes a dropped filesystem's sessions) removed them from
+    the parent's epoll, and the parent's next request on one never heard its answer: a
+    read timeout (20 s by default) per connection, or a hang without one. With one
+    attempt allowed, the parent's reads after the workers ran must simply succeed."""
+    from tests.servers import RangeHTTPServer
+    from torchgrain.io.retry import RetryPolicy
+
+    root = tmp_path / "www"
+    tg.write_array_record([{"x": i} for i in range(64)], root / "ds", num_shards=4)
+    once = RetryPolicy(attempts=1, read_timeout=15, request_timeout=30, deadline=60)
+    with RangeHTTPServer(root) as srv:
+        url = f"{srv.url}/ds"
+        # Shards downloaded whole (the parent first, as users do), then read by workers.
+        src = tg.ArrayRecordSource(url, retry=once, cache_dir=tmp_path / "cache")
+        assert src[0]["x"] == 0
+        loader = DataLoader(
+            tg.Dataset(src),
+            batch_size=8,
+            num_workers=2,
+            multiprocessing_context="fork",
+            collate_fn=_collected,
+        )
+        assert sorted(x for b in loader for x in b) == list(range(64))
+        # The parent's connections are its own still: a new source reads through them.
+        again = tg.ArrayRecordSource(url, retry=once, cache_bytes=0, io_threads=4)
+        for _ in range(3):  # every pooled connection used again, one attempt each
+            assert [r["x"] for r in again.__getitems__([1, 17, 33, 49])] == [1, 17, 33, 49]

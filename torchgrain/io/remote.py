@@ -27,6 +27,9 @@ one place where torchgrain talks to fsspec about remote files, so that:
   the same URL with a trailing slash; any other is refused
   (:class:`~torchgrain.UnsafePathError`) before a request is made to where it points,
   unless the dataset was opened with ``allow_external_paths=True``.
+* **a forked child leaves the parent's connections alone** (:mod:`torchgrain.io.loops`):
+  a DataLoader worker freeing the parent's filesystems no longer silences the parent's
+  pooled connections.
 * **files are read through the same checks.** :func:`open_input` gives Parquet and TFRecord
   readers a file object whose reads are range requests made here.
 
@@ -60,6 +63,7 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.errors import CorruptDataError, UnsafePathError
+from torchgrain.io import loops  # noqa: F401  (its fork hook: see the module docstring)
 from torchgrain.io.paths import is_http
 from torchgrain.io.responses import (
     _S3_READS,
