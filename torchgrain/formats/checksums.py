@@ -72,21 +72,23 @@ def _records_checksum(path: str) -> tuple[int, str]:
         f.close()
 
 
-def verify_file(path: str, checksum: str, *, name: str | None = None) -> None:
-    """Check a local file against a manifest checksum of any supported kind.
+def verify_file(path: str, checksum: str, *, name: str | None = None) -> str | None:
+    """Check a local file against a manifest checksum of any supported kind; returns
+    the file's ``"crc32:<hex>"`` when the check read the whole file (a whole-file hash),
+    else None.
 
     Raises:
         CorruptDataError: on a mismatch, naming ``name`` (default: the path).
         ValueError: for an unknown checksum algorithm.
     """
     if not checksum.startswith(RECORDS_PREFIX):
-        verify_file_hash(path, checksum, name=name)
-        return
+        return verify_file_hash(path, checksum, name=name)
     got = _records_checksum(path)[1]
     if got != checksum.lower():
         raise CorruptDataError(
             f"{name or path}: checksum {got} does not match the manifest's {checksum}"
         )
+    return None
 
 
 def verify_shard(path: str, num_records: int, checksum: str | None = None) -> None:

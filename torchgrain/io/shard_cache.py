@@ -91,8 +91,10 @@ from torchgrain.io.retry import RetryPolicy, retry_call
 __all__ = ["Identity", "ShardCache", "file_crc", "file_identity"]
 
 T = TypeVar("T")
-#: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not match.
-Verifier = Callable[..., None]
+#: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not
+#: match; return its ``"crc32:<hex>"`` when the check read the whole file (the cache then
+#: reads it no second time for its record), else None.
+Verifier = Callable[..., "str | None"]
 
 _LOCK_DIR = ".locks"
 # The names these had here before the records moved to their own module.
@@ -412,10 +414,13 @@ class ShardCache:
                     what="download",
                     on_retry=self._on_retry,
                 )
+                crc = None
                 if checksum:
-                    (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
-                # What later hits are checked against: the bytes that passed the checks.
-                crc, _ = file_crc(tmp)
+                    crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
+                # What later hits are checked against: the bytes that passed the checks
+                # (a whole-file hash gave their CRC from the same read).
+                if crc is None:
+                    crc, _ = file_crc(tmp)
                 write_record(self._sum_path(path), crc, size)
                 publish(tmp, path, durable=False)  # mode from the umask
                 # After the rename, which moves the change time: the identity it keeps.

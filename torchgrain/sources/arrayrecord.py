@@ -329,8 +329,8 @@ class ArrayRecordSource(EncodedSource):
             info.file_checksum or info.checksum
         )
 
-    def _verify_copy(self, path: str, checksum: str, *, name: str) -> None:
-        verify_file(path, checksum, name=name)  # record checksums need the format
+    def _verify_copy(self, path: str, checksum: str, *, name: str) -> str | None:
+        return verify_file(path, checksum, name=name)  # record checksums need the format
 
     def _sniff(self) -> str:
         if len(self.index) == 0:

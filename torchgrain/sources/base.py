@@ -393,11 +393,12 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
         torchgrain manifest does); ``(None, None)`` otherwise."""
         return None, None
 
-    def _verify_copy(self, path: str, checksum: str, *, name: str) -> None:
-        """Check a downloaded copy against its checksum (the shard cache's hook)."""
+    def _verify_copy(self, path: str, checksum: str, *, name: str) -> str | None:
+        """Check a downloaded copy against its checksum (the shard cache's
+        :data:`~torchgrain.io.shard_cache.Verifier`)."""
         from torchgrain.io.file_hash import verify_file_hash
 
-        verify_file_hash(path, checksum, name=name)
+        return verify_file_hash(path, checksum, name=name)
 
     def _reader(self, shard: int) -> Any:
         """This process's reader of ``shard`` (opened on first use; LRU-bounded)."""
