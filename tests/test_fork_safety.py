@@ -236,3 +236,57 @@ def test_a_forked_worker_leaves_the_parents_http_connections_working(tmp_path):
         again = tg.ArrayRecordSource(url, retry=once, cache_bytes=0, io_threads=4)
         for _ in range(3):  # every pooled connection used again, one attempt each
             assert [r["x"] for r in again.__getitems__([1, 17, 33, 49])] == [1, 17, 33, 49]
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_cannot_write_into_the_parents_connections():
+    """Closing an inherited HTTPS connection sends a TLS close_notify through the socket
+    the child shares with the parent (at once, when nothing is queued): the server would
+    end the parent's connection. Shown here with a plain write through an inherited
+    transport on fsspec's loop: nothing the child sends may reach the peer, and the
+    parent's connection carries on."""
+    import asyncio
+    import socket
+    import threading
+
+    import fsspec.asyn
+
+    import torchgrain.io.remote  # noqa: F401  (installs the fork hook, as sources do)
+
+    server = socket.create_server(("127.0.0.1", 0))
+    received = bytearray()
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            while chunk := conn.recv(65536):
+                received.extend(chunk)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    loop = fsspec.asyn.get_loop()
+
+    async def connect():
+        return await asyncio.open_connection(*server.getsockname())
+
+    async def send(writer, data, close=False):
+        writer.write(data)
+        await writer.drain()
+        if close:
+            writer.close()
+            await writer.wait_closed()
+
+    _, writer = fsspec.asyn.sync(loop, connect)
+    fsspec.asyn.sync(loop, send, writer, b"parent 1;")
+    pid = os.fork()
+    if pid == 0:  # the child: write, then close, through the inherited transport
+        try:
+            writer.transport.write(b"child;")
+            writer.transport.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    fsspec.asyn.sync(loop, send, writer, b"parent 2;", True)
+    thread.join(timeout=30)
+    server.close()
+    assert bytes(received) == b"parent 1;parent 2;"

@@ -12,18 +12,24 @@ and its answer arrives, but the loop never hears of it: the request waits out it
 timeout (20 s with torchgrain's defaults) and is retried, once per pooled connection, and
 a filesystem the user built without a read timeout hangs.
 
-So in a forked child the inherited loop gets an epoll instance of its own, empty, before
-any code of the child's can run; what the child does with the parent's objects no longer
-reaches the parent. The hook is installed when this module is imported (by
-:mod:`torchgrain.io.remote`).
+The sockets themselves are shared the same way. Closing an HTTPS connection sends a TLS
+``close_notify`` on its socket, at once when nothing is queued: a worker freeing an
+inherited HTTPS connection would write into the parent's TLS stream, and the server
+would end the parent's connection (mid-request, a failed read to retry).
+
+So in a forked child, before any code of the child's can run, every socket of the
+inherited loop (its connections and its wake-up pipe) is replaced, under the same
+descriptor number, by an unconnected socket of the child's own, and the loop gets an
+empty epoll instance of its own: whatever the child does with the parent's objects
+(close, write, unregister) no longer reaches the parent. The hook is installed when this
+module is imported (by :mod:`torchgrain.io.remote`).
 
 Example:
     >>> import asyncio
     >>> loop = asyncio.new_event_loop()
     >>> detach_inherited_loop(loop)  # what a forked child does with the parent's loop
     True
-    >>> loop.run_until_complete(asyncio.sleep(0))  # still a working loop, of its own
-    >>> loop.close()
+    >>> loop.close()  # closing it now touches nothing of another process's
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import logging
 import os
 import select
 import selectors
+import socket
+import stat
 from typing import Any
 
 import fsspec.asyn
@@ -43,10 +51,12 @@ logger = logging.getLogger("torchgrain")
 
 
 def detach_inherited_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    """Give ``loop`` (inherited from the parent process through a fork) a new, empty
-    epoll instance, so that registering or unregistering sockets in this process no
-    longer changes the parent's. Returns whether there was an epoll instance to replace
-    (selector loops on Linux); other loops share no kernel state with the parent's.
+    """Cut ``loop`` (inherited from the parent process through a fork) off from the
+    parent's kernel objects: each of its sockets is replaced by an unconnected one under
+    the same descriptor, and its epoll instance by a new, empty one. Nothing this process
+    then does through the loop's objects (closing, writing, unregistering) reaches the
+    parent's connections. Returns whether ``loop`` is a selector loop (the ones that
+    share such state); this process must not run it afterwards.
 
     Example:
         >>> import asyncio
@@ -57,13 +67,35 @@ def detach_inherited_loop(loop: asyncio.AbstractEventLoop) -> bool:
     """
     if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
         return False
+    fds = _socket_fds(loop)
+    if fds:
+        with socket.socket() as placeholder:
+            for fd in fds:
+                os.dup2(placeholder.fileno(), fd)  # the parent's socket is untouched
     selector = loop._selector  # asyncio's selector loops keep their selector here
-    if not isinstance(selector, selectors.EpollSelector):
-        return False  # select() and poll() keep no state in the kernel
-    inherited = selector._selector  # the select.epoll object shared with the parent
-    selector._selector = select.epoll()
-    inherited.close()  # this process's descriptor only: the parent's instance lives on
+    if isinstance(selector, selectors.EpollSelector):  # poll/select keep no kernel state
+        inherited = selector._selector  # the select.epoll object shared with the parent
+        selector._selector = select.epoll()
+        inherited.close()  # this process's descriptor only: the parent's lives on
     return True
+
+
+def _socket_fds(loop: asyncio.selector_events.BaseSelectorEventLoop) -> list[int]:
+    """The descriptors of ``loop``'s open sockets: its transports' (connections, idle
+    ones in a pool included) and those registered with its selector (the wake-up pipe)."""
+    candidates = set(loop._selector.get_map())
+    for fd, transport in list(loop._transports.items()):
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.fileno() == fd:  # -1 once closed
+            candidates.add(fd)
+    out = []
+    for fd in sorted(candidates):
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                out.append(fd)
+        except OSError:
+            continue  # closed already
+    return out
 
 
 _loop_at_fork: list[Any] = []
