@@ -290,3 +290,77 @@ def test_a_forked_child_cannot_write_into_the_parents_connections():
     thread.join(timeout=30)
     server.close()
     assert bytes(received) == b"parent 1;parent 2;"
+
+
+@pytest.mark.timeout(60)
+def test_the_inherited_loop_is_inert_in_the_child(tmp_path):
+    """What the hook leaves in a forked child: the replaced sockets are close-on-exec as
+    the originals were; a transport with a write pending at the fork (registered for
+    writing too) closes without error; and the loop no longer says it runs, so fsspec
+    closes a freed filesystem's connections at once (it waited a second for the parent's
+    loop thread, which is not in the child, once per filesystem)."""
+    import asyncio
+    import socket
+    import time
+
+    import fsspec.asyn
+
+    import torchgrain.io.remote  # noqa: F401  (installs the fork hook, as sources do)
+
+    server = socket.create_server(("127.0.0.1", 0))  # accepts, never reads
+    server.listen()
+    loop = fsspec.asyn.get_loop()
+
+    async def stuffed():
+        _, writer = await asyncio.open_connection(*server.getsockname())
+        writer.write(b"x" * (64 << 20))  # far more than the socket buffers: left pending
+        return writer
+
+    writer = fsspec.asyn.sync(loop, stuffed)
+    peer, _ = server.accept()
+    fd = writer.transport.get_extra_info("socket").fileno()
+    assert not os.get_inheritable(fd) and writer.transport.get_write_buffer_size() > 0
+    report = tmp_path / "child.json"
+    pid = os.fork()
+    if pid == 0:
+        out = {}
+        try:
+            out["inheritable"] = os.get_inheritable(fd)
+            out["running"] = loop.is_running()
+            writer.transport.close()  # unregisters its reader and writer
+            start = time.monotonic()
+            from fsspec.implementations.http import HTTPFileSystem
+
+            HTTPFileSystem.close_session(loop, _FakeSession())
+            out["close_session_s"] = time.monotonic() - start
+        except BaseException as e:  # reported to the parent, which fails the test
+            out["error"] = repr(e)
+        finally:
+            report.write_text(json.dumps(out))
+            os._exit(0)
+    os.waitpid(pid, 0)
+    got = json.loads(report.read_text())
+    fsspec.asyn.sync(loop, _close, writer)
+    peer.close()
+    server.close()
+    assert got.get("error") is None, got
+    assert got["inheritable"] is False and got["running"] is False, got
+    assert got["close_session_s"] < 0.5, got
+
+
+class _FakeSession:
+    """What fsspec's close_session uses of an aiohttp session: ``close()`` on a running
+    loop, else its connector's ``_close()``."""
+
+    class _Connector:
+        def _close(self):
+            pass
+
+    _connector = _Connector()
+
+    async def close(self):
+        pass
+
+
+async def _close(writer):
+    writer.transport.abort()

@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
@@ -52,11 +53,14 @@ logger = logging.getLogger("torchgrain")
 
 def detach_inherited_loop(loop: asyncio.AbstractEventLoop) -> bool:
     """Cut ``loop`` (inherited from the parent process through a fork) off from the
-    parent's kernel objects: each of its sockets is replaced by an unconnected one under
-    the same descriptor, and its epoll instance by a new, empty one. Nothing this process
-    then does through the loop's objects (closing, writing, unregistering) reaches the
-    parent's connections. Returns whether ``loop`` is a selector loop (the ones that
-    share such state); this process must not run it afterwards.
+    parent's kernel objects: each of its sockets (connections and wake-up pipe) is
+    replaced by an unconnected one under the same descriptor, and its epoll instance by a
+    new one that holds the same registrations, of those replacements. Nothing this
+    process then does through the loop's objects (closing, writing, unregistering)
+    reaches the parent's connections, and the loop no longer reports itself running (its
+    thread is the parent's), so fsspec closes what the child frees at once. Returns
+    whether ``loop`` was a selector loop to detach (the kind that shares such state);
+    this process must not run it afterwards.
 
     Example:
         >>> import asyncio
@@ -65,18 +69,27 @@ def detach_inherited_loop(loop: asyncio.AbstractEventLoop) -> bool:
         True
         >>> loop.close()
     """
-    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop) or loop.is_closed():
         return False
     fds = _socket_fds(loop)
     if fds:
         with socket.socket() as placeholder:
             for fd in fds:
-                os.dup2(placeholder.fileno(), fd)  # the parent's socket is untouched
+                # The parent's socket is untouched; close-on-exec, as the one replaced.
+                os.dup2(placeholder.fileno(), fd, inheritable=False)
     selector = loop._selector  # asyncio's selector loops keep their selector here
     if isinstance(selector, selectors.EpollSelector):  # poll/select keep no kernel state
         inherited = selector._selector  # the select.epoll object shared with the parent
-        selector._selector = select.epoll()
+        fresh = select.epoll()
+        for key in selector.get_map().values():  # so that modify() finds them, as before
+            mask = (select.EPOLLIN if key.events & selectors.EVENT_READ else 0) | (
+                select.EPOLLOUT if key.events & selectors.EVENT_WRITE else 0
+            )
+            with contextlib.suppress(OSError):
+                fresh.register(key.fd, mask)
+        selector._selector = fresh
         inherited.close()  # this process's descriptor only: the parent's lives on
+    loop._thread_id = None  # not running here: is_running() is False in this process
     return True
 
 
@@ -84,6 +97,9 @@ def _socket_fds(loop: asyncio.selector_events.BaseSelectorEventLoop) -> list[int
     """The descriptors of ``loop``'s open sockets: its transports' (connections, idle
     ones in a pool included) and those registered with its selector (the wake-up pipe)."""
     candidates = set(loop._selector.get_map())
+    for sock in (loop._ssock, loop._csock):  # the wake-up pipe: only one end is registered
+        if sock is not None and sock.fileno() >= 0:
+            candidates.add(sock.fileno())
     for fd, transport in list(loop._transports.items()):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.fileno() == fd:  # -1 once closed
