@@ -574,3 +574,30 @@ def test_eviction_never_unlinks_a_copy_between_its_check_and_its_open(tmp_path):
     mem.pipe("/evict-race/c", b"c" * 400)
     cache.fetch("memory://evict-race/c")  # the next download settles the budget
     assert cache.total_bytes() <= 1500
+
+
+@pytest.mark.parametrize("returned", [None, True, "abc", "crc32:zz", b"crc32:00000000"])
+def test_a_verifiers_return_value_is_recorded_only_when_it_is_a_crc(tmp_path, returned):
+    """A verifier that read the whole file may hand the cache its CRC (one read fewer);
+    anything else it returns (None, or a value of its own) must not become the record
+    every later use is checked against."""
+    import hashlib
+
+    import fsspec
+
+    from torchgrain.io.cache_records import file_crc, read_record
+
+    data = os.urandom(50_000)
+    fsspec.filesystem("memory").pipe("/verifier-returns/shard", data)
+    checksum = "sha256:" + hashlib.sha256(data).hexdigest()
+    cache = ShardCache(tmp_path / "c", max_bytes=1 << 30)
+    path = cache.fetch(
+        "memory://verifier-returns/shard", checksum=checksum, verify=lambda p, c, name: returned
+    )
+    assert read_record(cache._sum_path(path)) == (file_crc(path)[0], len(data))
+    # Another process's cache (a fresh instance) checks the copy against it: a hit.
+    again = ShardCache(tmp_path / "c", max_bytes=1 << 30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again.fetch("memory://verifier-returns/shard", checksum=checksum)
+    assert again.stats["hits"] == 1 and again.stats["misses"] == 0

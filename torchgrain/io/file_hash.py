@@ -33,7 +33,7 @@ FILE_PREFIX = "blake2b-file:"
 
 def hash_file(path: str, algo: str) -> str:
     """Hex digest of a local file with ``algo`` (``blake2b-file`` or a hashlib name)."""
-    return hash_file_and_crc(path, algo)[0]
+    return _hash(path, algo, crc=False)[0]
 
 
 def hash_file_and_crc(path: str, algo: str) -> tuple[str, str]:
@@ -48,13 +48,18 @@ def hash_file_and_crc(path: str, algo: str) -> tuple[str, str]:
         >>> hash_file_and_crc(path, "sha256")[1]
         'crc32:352441c2'
     """
+    return _hash(path, algo, crc=True)
+
+
+def _hash(path: str, algo: str, *, crc: bool) -> tuple[str, str]:
     h = hashlib.blake2b(digest_size=16) if algo == "blake2b-file" else hashlib.new(algo)
-    crc = 0
+    value = 0
     with open(path, "rb") as f:
         while block := f.read(4 << 20):
             h.update(block)
-            crc = zlib.crc32(block, crc)
-    return h.hexdigest(), f"crc32:{crc:08x}"
+            if crc:
+                value = zlib.crc32(block, value)
+    return h.hexdigest(), f"crc32:{value:08x}" if crc else ""
 
 
 def file_checksum(path: str) -> str:

@@ -92,9 +92,11 @@ __all__ = ["Identity", "ShardCache", "file_crc", "file_identity"]
 
 T = TypeVar("T")
 #: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not
-#: match; return its ``"crc32:<hex>"`` when the check read the whole file (the cache then
-#: reads it no second time for its record), else None.
+#: match; return its ``"crc32:<8 hex digits>"`` when the check read the whole file (the
+#: cache then reads it no second time for its record), else None (anything else returned
+#: is ignored).
 Verifier = Callable[..., "str | None"]
+_CRC_TEXT = re.compile(r"crc32:[0-9a-f]{8}")
 
 _LOCK_DIR = ".locks"
 # The names these had here before the records moved to their own module.
@@ -295,7 +297,10 @@ class ShardCache:
             verify: ``verify(path, checksum, name=...)`` raising
                 :class:`~torchgrain.CorruptDataError` on a mismatch (default: a whole-file
                 hash, ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``; sources
-                pass their format's, e.g. ``blake2b-records`` for ArrayRecord).
+                pass their format's, e.g. ``blake2b-records`` for ArrayRecord). It may
+                return the file's ``"crc32:<8 hex digits>"`` (zlib's CRC-32) when it read
+                the whole file: the cache then records it instead of reading the file
+                again; any other return value is ignored.
 
         The copy may be evicted by another process at any time after this returns;
         open it at once, or use :meth:`fetch_open`, which opens it before any eviction
@@ -419,7 +424,7 @@ class ShardCache:
                     crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
                 # What later hits are checked against: the bytes that passed the checks
                 # (a whole-file hash gave their CRC from the same read).
-                if crc is None:
+                if not (isinstance(crc, str) and _CRC_TEXT.fullmatch(crc)):
                     crc, _ = file_crc(tmp)
                 write_record(self._sum_path(path), crc, size)
                 publish(tmp, path, durable=False)  # mode from the umask
