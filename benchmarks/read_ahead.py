@@ -1,7 +1,9 @@
 """First epoch from a slow object store: shard read-ahead on vs off vs local disk.
 
 A local HTTP server with Range support (a process of its own) adds a fixed delay to
-every request and caps each connection's bandwidth, like an object store. An ArrayRecord
+every request and caps each connection's bandwidth, like an object store: nginx with its
+Lua module when installed (``benchmarks/_nginx_store.py``; it costs the shared cores
+little), else the threaded test server (``--store`` picks). An ArrayRecord
 dataset (default 200,000 records of 1 KiB in 64 shards, about 3.3 MB each) is read for
 one whole epoch through a DataLoader (default 2 workers, batch 256), with a shard cache
 (``cache_dir``) a third of the dataset's size, so shards are evicted and fetched again
@@ -25,7 +27,7 @@ Target: read-ahead >= 0.8x the local-disk rate.
 
 Run:  python benchmarks/read_ahead.py [--latency-ms 30] [--mbps 50] [--rounds 3]
       python benchmarks/read_ahead.py --quick
-Writes benchmarks/results/read_ahead.json.
+Writes benchmarks/results/read_ahead.json (nginx) or read_ahead_threaded.json.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -135,7 +138,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="20,000 records, 1 round")
     p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--store",
+        choices=("auto", "nginx", "threaded"),
+        default="auto",
+        help="nginx with its Lua module (auto: when installed) or the threaded test server",
+    )
     args = p.parse_args()
+    if args.store == "auto":
+        from benchmarks import _nginx_store
+
+        args.store = "nginx" if _nginx_store.available() else "threaded"
     if args.quick:
         args.records, args.shards, args.rounds = 20_000, 16, 1
     if args.one:
@@ -150,6 +163,7 @@ def main() -> None:
     print(describe_machine())
     work = tempfile.mkdtemp(prefix="tg-bench-read-ahead-")
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    server = None
     try:
         rng = np.random.default_rng(0)
         blob = rng.integers(0, 255, args.record_bytes, dtype=np.uint8)
@@ -165,13 +179,24 @@ def main() -> None:
 
         tg.write_array_record(Records(), data, num_shards=args.shards)
         total = sum(os.path.getsize(os.path.join(data, f)) for f in os.listdir(data))
-        url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
+        if args.store == "nginx":
+            from benchmarks import _nginx_store
+
+            server, url = _nginx_store.start(work)
+            for control in (
+                f"__latency?s={args.latency_ms / 1000}",
+                f"__rate?bps={args.mbps * 1e6}",
+            ):
+                with urllib.request.urlopen(f"{url}/{control}", timeout=30) as r:
+                    r.read()
+        else:
+            url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
         budget = total // 3
         print(
             f"{args.records} records in {args.shards} shards, {total / 2**20:.1f} MiB; "
             f"{args.latency_ms:g} ms per request, {args.mbps:g} MB/s per connection; "
             f"cache {budget / 2**20:.1f} MiB; {args.workers} workers, batch {args.batch_size}, "
-            f"window {args.window}"
+            f"window {args.window}; store: {args.store}"
         )
         for r in range(args.rounds):
             for mode in MODES:
@@ -180,8 +205,9 @@ def main() -> None:
                 runs[mode].append(_measure(mode, where, cache, budget, argv))
                 shutil.rmtree(cache, ignore_errors=True)
             print(f"round {r + 1}/{args.rounds}: {json.dumps(runs)}", file=sys.stderr)
-        server.kill()
     finally:
+        if server is not None:
+            server.kill()
         shutil.rmtree(work, ignore_errors=True)
 
     def med(mode: str, key: str) -> float:
@@ -203,7 +229,7 @@ def main() -> None:
     target = {"on_vs_local": ratio("on", "local"), "met": ratio("on", "local") >= 0.8}
     print(target)
     write_json(
-        "read_ahead",
+        "read_ahead" if args.store == "nginx" else "read_ahead_threaded",
         {"args": vars(args), "shards_bytes": total, "runs": runs, "rows": rows, "target": target},
     )
 

@@ -1,9 +1,11 @@
 """A true global shuffle straight from an object store: measured against its physical bound.
 
-A store that is not the bottleneck (``benchmarks/_fast_store.py``: one asyncio process,
-Range support, one write per answer, latency added by a timer) serves ArrayRecord
-datasets of 1 KiB and 100 KiB records in 16 shards. Before anything torchgrain, it
-measures:
+A store that is not the bottleneck serves ArrayRecord datasets of 1 KiB and 100 KiB
+records in 16 shards: nginx with its Lua module adding the latency by a timer
+(``benchmarks/_nginx_store.py``, used when installed: ``apt-get install nginx-core
+libnginx-mod-http-lua``), else ``benchmarks/_fast_store.py`` (one asyncio process,
+Range support, one write per answer; a few thousand requests/s here, which can be the
+bound: ``--store`` picks). Before anything torchgrain, it measures:
 
 * the store's own **capacity**: requests/s (1 KiB ranges) and bytes/s (100 KiB ranges)
   with no added latency, from a client that is not torchgrain (raw HTTP/1.1 over
@@ -73,7 +75,12 @@ def _write(root: str, name: str, n: int, size: int) -> str:
     return d
 
 
-def _store(root: str) -> tuple[subprocess.Popen, str]:
+def _store(root: str, kind: str = "asyncio") -> tuple[subprocess.Popen, str]:
+    """Start the store (``nginx`` or ``asyncio``) serving ``root``: ``(process, url)``."""
+    if kind == "nginx":
+        from benchmarks import _nginx_store
+
+        return _nginx_store.start(root)
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.Popen(
         [sys.executable, os.path.join(here, "_fast_store.py"), root],
@@ -205,7 +212,17 @@ def main() -> None:
     p.add_argument("--workers", default="0,2")
     p.add_argument("--sizes-kib", default="1,100", help="record sizes to run (KiB)")
     p.add_argument("--mbps", type=float, default=50.0, help="bandwidth per response, MB/s")
+    p.add_argument(
+        "--store",
+        choices=("auto", "nginx", "asyncio"),
+        default="auto",
+        help="nginx with its Lua module (auto: when installed) or the asyncio store",
+    )
     a = p.parse_args()
+    from benchmarks import _nginx_store
+
+    if a.store == "auto":
+        a.store = "nginx" if _nginx_store.available() else "asyncio"
     latencies = [30] if a.quick else [int(x) for x in a.latencies_ms.split(",")]
     workers_list = [int(x) for x in a.workers.split(",")]
     print(f"machine: {describe_machine()}")
@@ -221,7 +238,8 @@ def main() -> None:
     try:
         for size, cfg in sizes.items():
             cfg["dir"] = _write(root, f"r{size}", cfg["n"], size)
-        proc, url = _store(root)
+        proc, url = _store(root, a.store)
+        print(f"store: {a.store}")
         big = sorted(os.listdir(sizes[100 * 1024]["dir"]))[0]
         path = f"/r{100 * 1024}/{big}"
         span = os.path.getsize(os.path.join(sizes[100 * 1024]["dir"], big))
@@ -314,6 +332,7 @@ def main() -> None:
                 "sizes": {
                     str(k): {kk: v for kk, v in c.items() if kk != "dir"} for k, c in sizes.items()
                 },
+                "store": a.store,
                 "note": "2 shared cores: store, loader and workers on the same cores; indicative",
             },
             "store_capacity": {"1KiB": cap_small, "100KiB": cap_big},

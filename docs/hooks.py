@@ -185,8 +185,8 @@ def remote() -> str:
     )
 
 
-def read_ahead() -> str:
-    d = load("read_ahead")
+def read_ahead(source: str = "read_ahead") -> str:
+    d = load(source)
     return table(
         [
             ("first epoch", lambda r: r["mode"]),
@@ -197,7 +197,7 @@ def read_ahead() -> str:
             ("runs per batch", lambda r: num(r["runs per batch"], 1)),
         ],
         d["rows"],
-        "read_ahead",
+        source,
     )
 
 
@@ -409,6 +409,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "parquet_access": parquet_access,
     "remote": remote,
     "read_ahead": read_ahead,
+    "read_ahead-threaded": lambda: read_ahead("read_ahead_threaded"),
     "columns": columns,
     "memory": memory,
     "sampler-speed": sampler_speed,
