@@ -236,6 +236,8 @@ def test_a_forked_worker_leaves_the_parents_http_connections_working(tmp_path):
         again = tg.ArrayRecordSource(url, retry=once, cache_bytes=0, io_threads=4)
         for _ in range(3):  # every pooled connection used again, one attempt each
             assert [r["x"] for r in again.__getitems__([1, 17, 33, 49])] == [1, 17, 33, 49]
+        again.close()
+        src.close()
 
 
 @pytest.mark.timeout(60)
