@@ -423,6 +423,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "peers_remote": lambda: peers_remote("peers_remote"),
     "peers_remote_quiet": lambda: peers_remote("peers_remote_quiet"),
     "peers_remote_quiet2": lambda: peers_remote("peers_remote_quiet2"),
+    "peers_remote_quiet3": lambda: peers_remote("peers_remote_quiet3"),
     "scale_medium": lambda: scale("scale_medium"),
     "scale_medium-targets": lambda: scale_targets("scale_medium"),
 }
