@@ -20,8 +20,10 @@ would end the parent's connection (mid-request, a failed read to retry).
 So in a forked child, before any code of the child's can run, every socket of the
 inherited loop (its connections and its wake-up pipe) is replaced, under the same
 descriptor number, by an unconnected socket of the child's own, and the loop gets an
-empty epoll instance of its own: whatever the child does with the parent's objects
-(close, write, unregister) no longer reaches the parent. The hook is installed when this
+epoll instance of its own (holding those replacements): whatever the child does with the
+parent's objects (close, write, unregister) no longer reaches the parent. The loop also
+stops saying it runs (its thread is the parent's), so fsspec closes what the child frees
+at once instead of waiting a second for that thread. The hook is installed when this
 module is imported (by :mod:`torchgrain.io.remote`).
 
 Example:
