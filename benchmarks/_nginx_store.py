@@ -17,8 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -106,9 +108,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Nginx(subprocess.Popen):
+    """The nginx master, leader of its own process group: :meth:`kill` ends it and its
+    workers (killing the master alone leaves the workers serving), and removes its
+    configuration and logs."""
+
+    run_dir: str | None = None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
 def start(root: str) -> tuple[subprocess.Popen, str]:
-    """Serve ``root`` with nginx on 127.0.0.1; returns ``(process, url)`` (``kill()``
-    stops it; its configuration and logs live in a temporary directory)."""
+    """Serve ``root`` with nginx on 127.0.0.1; returns ``(process, url)``: ``kill()``
+    stops nginx, workers included, and removes its configuration and logs (kept in a
+    temporary directory while it runs)."""
     run = tempfile.mkdtemp(prefix="tg-nginx-")
     port = _free_port()
     conf = os.path.join(run, "nginx.conf")
@@ -118,9 +136,13 @@ def start(root: str) -> tuple[subprocess.Popen, str]:
         user = "user root root;" if os.geteuid() == 0 else ""
         root = os.path.realpath(root)
         f.write(_CONF.format(modules=MODULES, run=run, port=port, root=root, user=user))
-    proc = subprocess.Popen(
-        ["nginx", "-c", conf, "-p", run], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    proc = _Nginx(
+        ["nginx", "-c", conf, "-p", run],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: the workers go with it
     )
+    proc.run_dir = run
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
     while True:
