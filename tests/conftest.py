@@ -52,6 +52,17 @@ def small_dataset(tmp_path):
     return str(d), recs
 
 
+@pytest.fixture(autouse=True)
+def _decoded_cache_ignores_the_hosts_free_space(monkeypatch):
+    """The decoded Parquet cache leaves 5% of its disk (at most 8 GiB) free by default: on
+    a test host whose disk is that full, it would store nothing and the tests of what it
+    stores would fail. Tests of that floor set ``min_free_bytes`` themselves; processes a
+    test starts from scratch (spawned pools, scripts) pass ``min_free_bytes=0``."""
+    from torchgrain.sources.parquet import decoded_cache
+
+    monkeypatch.setattr(decoded_cache, "default_min_free_bytes", lambda disk_total: 0)
+
+
 # Python >= 3.12 warns when a process with threads forks ("This process ... is
 # multi-threaded, use of fork() may lead to deadlocks in the child"). torchgrain's own
 # threads stop around a fork (torchgrain/io/process.py; tests/test_fork_safety.py checks

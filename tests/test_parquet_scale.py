@@ -25,8 +25,13 @@ from test_parquet_source import all_types_table, write
 
 import torchgrain as tg
 from torchgrain.sources.block_cache import CacheBlocks, check_fit
+from torchgrain.sources.parquet import decoded_cache
 from torchgrain.sources.parquet import loading as parquet_loading
-from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
+from torchgrain.sources.parquet.decoded_cache import (
+    DecodedCache,
+    default_min_free_bytes,
+    entry_key,
+)
 from torchgrain.sources.parquet.values import convert_column
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -277,8 +282,10 @@ def test_conversion_stops_at_the_first_eviction(tmp_path):
 # ------------------------------------------------------------ the decoded cache
 def _read_all(args):
     """Read every record (a shuffled order) in a fresh process; report the counters."""
-    d, cache_dir, seed = args
-    src = tg.ParquetSource(d, decoded_cache=cache_dir)
+    d, cache, seed = args
+    if not isinstance(cache, DecodedCache):
+        cache = DecodedCache(cache, min_free_bytes=0)
+    src = tg.ParquetSource(d, decoded_cache=cache)
     order = np.random.default_rng(seed).permutation(len(src))
     for k in range(0, len(order), 16):
         check_ids(src.__getitems__(order[k : k + 16]), order[k : k + 16].tolist())
@@ -356,7 +363,9 @@ def stall(self, tmp, table, key):
     time.sleep(600)
 
 decoded_cache.DecodedCache._write = stall
-src = tg.ParquetSource(sys.argv[1], decoded_cache=sys.argv[2])
+src = tg.ParquetSource(
+    sys.argv[1], decoded_cache=decoded_cache.DecodedCache(sys.argv[2], min_free_bytes=0)
+)
 src[0]
 """
 
@@ -522,12 +531,14 @@ _UNWRITABLE = """
 import resource, signal, sys, warnings
 import numpy as np
 import torchgrain as tg
+from torchgrain.sources.parquet.decoded_cache import DecodedCache
 if sys.argv[3] == "fsize":  # a filesystem that refuses large files (EFBIG)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    src = tg.ParquetSource(sys.argv[1], decoded_cache=sys.argv[2])
+    cache = DecodedCache(sys.argv[2], min_free_bytes=0)
+    src = tg.ParquetSource(sys.argv[1], decoded_cache=cache)
     ids = [r["id"] for r in src.__getitems__(np.arange(len(src))[::-1])]
     ids += [r["id"] for r in src.__getitems__(np.arange(len(src)))]
 assert ids == list(range(len(src)))[::-1] + list(range(len(src))), ids
@@ -574,7 +585,7 @@ def test_a_cache_directory_that_refuses_writes_still_reads_right(tmp_path, refus
     assert warned == "1"  # said once, not at every row group
 
 
-def test_the_decoded_cache_never_fills_the_disk(tmp_path):
+def test_the_decoded_cache_never_fills_the_disk(tmp_path, monkeypatch):
     # It stores an entry only while the filesystem keeps min_free_bytes free, and deletes
     # its own least recently used entries first to make room.
     d = make_ids(tmp_path, files=2, rows=64, rg=8)
@@ -590,9 +601,13 @@ def test_the_decoded_cache_never_fills_the_disk(tmp_path):
     assert full.stats["builds"] == 0 and full.stats["bytes_written"] == 0
     assert full.stats["not_stored"] >= 8 and full.stats["evictions"] == 8
     assert entries(cache_dir) == [] and os.listdir(os.path.join(cache_dir, ".tmp")) == []
-    # The default keeps a tenth of the filesystem free.
+    # The default keeps 5% of the filesystem free, at most 8 GiB.
     total = shutil.disk_usage(cache_dir).total
-    assert DecodedCache(cache_dir, max_bytes=1 << 30).min_free_bytes == total // 10
+    assert default_min_free_bytes(total) == min(total // 20, 8 << 30)
+    assert default_min_free_bytes(100 << 30) == 5 << 30
+    assert default_min_free_bytes(1 << 40) == 8 << 30
+    monkeypatch.setattr(decoded_cache, "default_min_free_bytes", default_min_free_bytes)
+    assert DecodedCache(cache_dir).min_free_bytes == min(total // 20, 8 << 30)
 
 
 def test_the_decoded_cache_keeps_its_byte_budget(tmp_path):

@@ -34,7 +34,7 @@ Layout and safety rules (every process of a machine may share one directory):
   file keep reading it. The running total lives in ``DIR/.usage`` (recounted whenever
   an eviction runs).
 * The cache never fills its disk: an entry is written only while the filesystem keeps
-  ``min_free_bytes`` free after it (a tenth of the filesystem by default), least
+  ``min_free_bytes`` free after it (5% of the filesystem, at most 8 GiB, by default), least
   recently used entries deleted first to make room.
 * A directory that refuses writes (full, read-only, deleted while in use, a file size
   limit) never fails a read: the row group is served as decoded, not stored, and the
@@ -87,10 +87,25 @@ _EVICT_TO = 0.9  # an eviction frees space down to this share of the budget
 _TOUCH_SECONDS = 60.0
 _LOCK_POLL = 0.005
 _LOCK_POLL_MAX = 0.1
-_MIN_FREE_SHARE = 0.1  # the default min_free_bytes: this share of the filesystem
+# The default min_free_bytes: this share of the filesystem, at most _MIN_FREE_CAP (a
+# tenth of a 250 GB disk that is 90% full left a cache that never stored anything).
+_MIN_FREE_SHARE = 0.05
+_MIN_FREE_CAP = 8 << 30
 # After the disk had no room for an entry, builds store nothing for this long (instead
 # of listing the entries to make room at every row group decoded meanwhile).
 _FULL_SECONDS = 30.0
+
+
+def default_min_free_bytes(disk_total: int) -> int:
+    """The free space a :class:`DecodedCache` leaves on a filesystem of ``disk_total``
+    bytes unless told otherwise: 5% of it, at most 8 GiB (room for the checkpoints and
+    logs written beside it, without turning the cache off on a disk that is fairly full).
+
+    Example:
+        >>> default_min_free_bytes(100 * 10**9), default_min_free_bytes(10**12) == 8 << 30
+        (5000000000, True)
+    """
+    return min(int(disk_total * _MIN_FREE_SHARE), _MIN_FREE_CAP)
 
 
 def entry_key(*parts: Any) -> str:
@@ -120,8 +135,8 @@ class DecodedCache:
             already holds there, whichever is less.
         min_free_bytes: free space the cache leaves on its filesystem: an entry is
             stored only while at least this much stays free (least recently used
-            entries are deleted first to make room). Default: a tenth of the
-            filesystem's size.
+            entries are deleted first to make room). Default:
+            :func:`default_min_free_bytes` (5% of the filesystem, at most 8 GiB).
         lock_timeout: the longest a process waits for another one's build of the same
             entry before decoding it itself.
 
@@ -181,7 +196,7 @@ class DecodedCache:
             max_bytes = max(1, min(DEFAULT_DECODED_CACHE_BYTES, (disk.free + held) // 2))
         self.max_bytes = max_bytes
         if min_free_bytes is None:
-            min_free_bytes = int(disk.total * _MIN_FREE_SHARE)
+            min_free_bytes = default_min_free_bytes(disk.total)
         self.min_free_bytes = min_free_bytes
         self._init_process()
 

@@ -112,8 +112,8 @@ class ParquetSource(RowGroupLoader):
         decoded_cache_bytes: byte budget of that directory (default: 64 GiB, or half of
             the disk's free space plus what the cache already holds, whichever is less;
             least recently used row groups are deleted to stay under it). Whatever it is,
-            it never fills its disk: it stores a row group only while a tenth of the
-            filesystem stays free (a :class:`DecodedCache` of your own sets
+            it never fills its disk: it stores a row group only while 5% of the
+            filesystem (at most 8 GiB) stays free (a :class:`DecodedCache` of your own sets
             ``min_free_bytes``), and a directory that refuses writes (full, read-only,
             deleted) is a warning, never a failed read.
         partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
