@@ -19,14 +19,18 @@ one global-shuffle pass of a few batches (``GlobalShuffleSampler``, no shard cac
 
 * ``before``: each batch read shard by shard, ``io_threads`` (8) shards at a time (the
   path before ``max_inflight``);
-* ``after``: the batch's records fetched across all its shards at once, ``max_inflight``
+* ``single``: the batch's records fetched across all its shards at once, ``max_inflight``
   requests in flight per process (and with 0 workers the next batches fetched while one
-  is decoded);
+  is decoded), one range per request (``multi_range=False``);
+* ``after``: the same with the default ``multi_range=True``: up to 64 ranges of a shard
+  in one request (nginx answers ``multipart/byteranges``; the asyncio store does not, and
+  is then asked one range per request);
 * ``local``: the same files on local disk.
 
 Beside each rate it prints the bound
 ``min(max_inflight * processes / (latency + record / rate), store capacity,
-bandwidth / record size)`` in records/s (one request per record; the store sends each
+bandwidth / record size)`` in records/s (one request per record, which ``after`` goes
+beyond where the store answers several ranges in one response; the store sends each
 response at ``--mbps``, 50 MB/s, as object stores cap each connection), the ratio to
 it, requests per record and bytes fetched per byte delivered (counted by the store over
 the timed batches, from the start of the pass: with workers, their footer reads count).
@@ -191,10 +195,13 @@ def _pass(src: Any, *, workers: int, batch: int, batches: int, reset: Any = None
     return batches * batch / dt
 
 
+VARIANTS = ("before", "single", "after")
+
+
 def _source(location: str, variant: str, inflight: int) -> Any:
     if variant == "local":
         return tg.ArrayRecordSource(location)
-    src = tg.ArrayRecordSource(location, max_inflight=inflight)
+    src = tg.ArrayRecordSource(location, max_inflight=inflight, multi_range=variant == "after")
     if variant == "before":
         # The path before max_inflight: each shard's ranges read on its own, io_threads
         # shards at a time (coalesced with the 64 KiB gap of a shard's own reads).
@@ -281,10 +288,10 @@ def main() -> None:
                         cap_small["requests_per_s"] if size <= 4096 else cap_big["requests_per_s"],
                         cap_big["bytes_per_s"] / rec,
                     )
-                    rates: dict[str, list[float]] = {"before": [], "after": []}
+                    rates: dict[str, list[float]] = {v: [] for v in VARIANTS}
                     counted: dict[str, dict] = {}
                     for _ in range(a.rounds):  # interleaved: the machine's load drifts
-                        for variant in ("before", "after"):
+                        for variant in VARIANTS:
                             src = _source(f"{url}/r{size}", variant, a.max_inflight)
                             rates[variant].append(
                                 _pass(
@@ -298,7 +305,8 @@ def main() -> None:
                             src.close()
                             counted[variant] = json.loads(_get(f"{url}/__stats"))
                     ratios = [x / y for x, y in zip(rates["after"], rates["before"])]
-                    for variant in ("before", "after"):
+                    over_single = [x / y for x, y in zip(rates["after"], rates["single"])]
+                    for variant in VARIANTS:
                         rate = statistics.median(rates[variant])
                         stats = counted[variant]
                         # Counted over the timed batches (workers' footer reads included,
@@ -318,6 +326,7 @@ def main() -> None:
                                 "requests_per_record": stats["requests"] / delivered,
                                 "fetched_per_delivered": stats["body_bytes"] / (delivered * rec),
                                 "after_over_before": statistics.median(ratios),
+                                "after_over_single": statistics.median(over_single),
                                 "rounds": [round(r) for r in rates[variant]],
                             }
                         )

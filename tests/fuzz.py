@@ -1123,6 +1123,81 @@ class SelfTestTarget(Target):
             expect_error_or(fail, tg_errors())
 
 
+# ------------------------------------------------------------------ multipart/byteranges
+class ByteRangesTarget(Target):
+    """A server's ``multipart/byteranges`` answer (one part per range, or merged) through
+    :mod:`torchgrain.io.byteranges`: each range's bytes of the right length, or a
+    ``MultipartError``; unmutated, exactly the file's bytes."""
+
+    name = "byteranges"
+
+    def make(self, rng: random.Random) -> dict[str, Any]:
+        from torchgrain.io.byteranges import merge_ranges
+
+        size = rng.randint(1, 4000)
+        ranges = []
+        for _ in range(rng.randint(1, 12)):
+            s = rng.randrange(size)
+            ranges.append((s, min(size, s + rng.randint(1, 400))))
+        merged = merge_ranges(ranges)
+        sent = [(merged[0][0], merged[-1][1])] if rng.random() < 0.2 else merged
+        boundary = rng.choice(["00000000000000000001", "B", "3d6b6a416f9b5"])
+        seed = rng.randrange(1 << 30)
+        return {
+            "data": b64(self._body(seed, size, sent, boundary)),
+            "seed": seed,
+            "size": size,
+            "ranges": ranges,
+            "boundary": boundary,
+            "faithful": True,
+        }
+
+    @staticmethod
+    def _body(seed: int, size: int, parts: list[tuple[int, int]], boundary: str) -> bytes:
+        data = random.Random(seed).randbytes(size)
+        out = b"".join(
+            f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+            f"Content-Range: bytes {s}-{e - 1}/{size}\r\n\r\n".encode()
+            + data[s:e]
+            for s, e in parts
+        )
+        return out + f"\r\n--{boundary}--\r\n".encode()
+
+    def mutate(self, rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
+        data = unb64(case["data"])
+        for _ in range(rng.randint(1, 3)):
+            data = mutate_bytes(rng, data)
+        return {**case, "data": b64(data), "faithful": False}
+
+    def check(self, case: dict[str, Any], workdir: str) -> None:
+        from torchgrain.io.byteranges import (
+            MultipartError,
+            merge_ranges,
+            parse_byteranges,
+            slice_parts,
+        )
+
+        body = unb64(case["data"])
+        ranges = [tuple(r) for r in case["ranges"]]
+        merged = merge_ranges(ranges)
+        got = expect_error_or(
+            lambda: slice_parts(
+                parse_byteranges(body, case["boundary"], max_parts=len(merged)), ranges
+            ),
+            (MultipartError,),
+        )
+        if got is None:
+            if case["faithful"]:
+                raise Bad("a faithful answer was refused")
+            return
+        if [len(g) for g in got] != [e - s for s, e in ranges]:
+            raise Bad(f"lengths {[len(g) for g in got]} for ranges {ranges}")
+        if case["faithful"]:
+            data = random.Random(case["seed"]).randbytes(case["size"])
+            if got != [data[s:e] for s, e in ranges]:
+                raise Bad("a faithful answer gave other bytes")
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -1132,6 +1207,7 @@ TARGETS: dict[str, Target] = {
         TFExampleTarget(),
         TFRecordTarget(),
         ParquetTarget(),
+        ByteRangesTarget(),
         SelfTestTarget(),
     )
 }

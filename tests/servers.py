@@ -40,6 +40,37 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+_RANGES = re.compile(r"bytes=(\d+-\d+(?:,\d+-\d+)*)$")
+
+#: How :class:`RangeHTTPServer` answers a request for several ranges (its ``multirange``).
+MULTIRANGE_MODES = (
+    "parts",  # one part per range (nginx, Apache)
+    "merge",  # one range from the first byte asked to the last
+    "ignore",  # the whole file, status 200 (a server without multi-range support)
+    # broken answers, each of which the client must detect:
+    "short_part",  # the last part one byte short of its Content-Range
+    "wrong_total",  # a part names another file size
+    "shifted",  # the first part's Content-Range starts one byte later (length kept)
+    "missing_part",  # the last range left out
+    "extra_parts",  # every part twice
+    "no_boundary",  # multipart/byteranges without a boundary
+    "huge",  # 4 MiB of junk after the closing boundary
+)
+
+
+def _ranges(header: str, size: int) -> list[tuple[int, int]] | None:
+    """The half-open ranges of a ``Range: bytes=a-b,c-d`` header (explicit ranges only)
+    within a file of ``size`` bytes, or None."""
+    m = _RANGES.match(header.strip())
+    if m is None:
+        return None
+    out = []
+    for spec in m.group(1).split(","):
+        a, b = (int(x) for x in spec.split("-"))
+        if a > b or a >= size:
+            return None
+        out.append((a, min(size, b + 1)))
+    return out
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -61,6 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
         srv._count(self.command, rel)
         with srv._lock:
             srv.log.append((self.command, self.path))
+            srv.range_log.append(self.headers.get("Range"))
         with srv._lock:
             srv._inflight += 1
             srv.max_inflight = max(srv.max_inflight, srv._inflight)
@@ -115,6 +147,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_plain(404, b"not found")
             return
         size = os.path.getsize(path)
+        ranges = _ranges(self.headers.get("Range", ""), size)
+        if body and ranges is not None and len(ranges) > 1 and srv.multirange != "ignore":
+            self._multipart(path, size, ranges, srv.multirange)
+            return
         start, end, status = 0, size, 200
         m = _RANGE.match(self.headers.get("Range", "").strip())
         if m and size:
@@ -156,6 +192,52 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(len(block) / srv.rate_bytes_per_s)
         if fault == "truncate":
             self.close_connection = True
+
+    def _multipart(self, path: str, size: int, ranges: list[tuple[int, int]], mode: str) -> None:
+        """Several ranges in one answer, as nginx sends them (``mode="parts"``), merged into
+        one range (``"merge"``, which RFC 9110 allows), or broken in one of the ways of
+        :data:`MULTIRANGE_MODES`."""
+        with open(path, "rb") as f:
+            data = f.read()
+        if mode == "merge":
+            start, end = min(s for s, _ in ranges), max(e for _, e in ranges)
+            self.send_response(206)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(end - start))
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self.end_headers()
+            self.wfile.write(data[start:end])
+            return
+        boundary = "00000000000000000001"
+        parts = []
+        for k, (start, end) in enumerate(ranges):
+            first, last, total, chunk = start, end - 1, size, data[start:end]
+            if mode == "short_part" and k == len(ranges) - 1:
+                chunk = chunk[:-1]  # (the Content-Range still declares all of it)
+            elif mode == "wrong_total" and k == 1:
+                total = size + 1
+            elif mode == "shifted" and k == 0:
+                first, last = start + 1, end  # other bytes than it sends, same length
+            elif mode == "missing_part" and k == len(ranges) - 1:
+                continue
+            head = (
+                f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+                f"Content-Range: bytes {first}-{last}/{total}\r\n\r\n"
+            )
+            parts.append(head.encode() + chunk)
+        if mode == "extra_parts":
+            parts += parts
+        payload = b"".join(parts) + f"\r\n--{boundary}--\r\n".encode()
+        if mode == "huge":
+            payload += b"x" * (4 << 20)
+        self.send_response(206)
+        ctype = "multipart/byteranges"
+        if mode != "no_boundary":
+            ctype += f"; boundary={boundary}"
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
 
     def _listing(self, path: str, rel: str, body: bool) -> None:
         base = rel if rel.endswith("/") else rel + "/"
@@ -230,7 +312,9 @@ class RangeHTTPServer(_Serving):
     """Serve ``root`` over HTTP on 127.0.0.1 in a background thread.
 
     Attributes you may change while it runs: ``latency_s`` (delay before each
-    response) and ``rate_bytes_per_s`` (throttle bodies; 0 = unlimited). Use
+    response), ``rate_bytes_per_s`` (throttle bodies; 0 = unlimited) and ``multirange``
+    (how a request for several ranges is answered: one of :data:`MULTIRANGE_MODES`,
+    default ``"parts"``, as nginx does). Use
     :meth:`fail_next` to inject faults, :attr:`requests` / :meth:`gets` to count what
     clients asked for, :attr:`log` for every ``(method, raw request path)`` in order,
     and :attr:`max_inflight` for the most requests served at once. :attr:`listings` maps
@@ -239,8 +323,16 @@ class RangeHTTPServer(_Serving):
     """
 
     def __init__(
-        self, root: str | os.PathLike, *, latency_s: float = 0.0, rate_bytes_per_s: float = 0
+        self,
+        root: str | os.PathLike,
+        *,
+        latency_s: float = 0.0,
+        rate_bytes_per_s: float = 0,
+        multirange: str = "parts",
     ) -> None:
+        if multirange not in MULTIRANGE_MODES:
+            raise ValueError(multirange)
+        self.multirange = multirange
         self.root = os.path.realpath(os.fspath(root))
         self.latency_s = latency_s
         self.rate_bytes_per_s = rate_bytes_per_s
@@ -248,6 +340,7 @@ class RangeHTTPServer(_Serving):
         self._inflight = 0
         self.requests: Counter[tuple[str, str]] = Counter()
         self.log: list[tuple[str, str]] = []
+        self.range_log: list[str | None] = []  # each request's Range header, in order
         self.listings: dict[str, str] = {}
         self.redirects: dict[str, str] = {}
         self._faults: list[str] = []
@@ -285,6 +378,7 @@ class RangeHTTPServer(_Serving):
         with self._lock:
             self.requests.clear()
             self.log.clear()
+            self.range_log.clear()
             self.max_inflight = 0
 
 

@@ -34,6 +34,7 @@ CASES = {
     "tf_example": 1500,
     "tfrecord": 800,
     "parquet": 300,
+    "byteranges": 2000,
 }
 
 

@@ -58,6 +58,7 @@ def test_read_options_are_frozen_comparable_and_pickle():
         ("filesystem", "/tmp", TypeError),
         ("cache_dir", 3, TypeError),
         ("allow_external_paths", "yes", TypeError),
+        ("multi_range", 1, TypeError),
         ("verify_checksums", 1, TypeError),
     ],
 )

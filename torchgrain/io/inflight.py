@@ -2,38 +2,96 @@
 
 :func:`cat_many` fetches the byte ranges of many files of one filesystem with at most
 ``max_inflight`` requests in flight per process, each keeping the deadline and response
-checks of :mod:`torchgrain.io.remote` (one request per range; its failure is returned in
-its place, so a caller keeps what arrived and asks again for the rest).
-:mod:`torchgrain.io.ranges` builds a batch-wide fetch on it.
+checks of :mod:`torchgrain.io.remote` (its failure is returned in its place, so a caller
+keeps what arrived and asks again for the rest). :mod:`torchgrain.io.ranges` builds a
+batch-wide fetch on it.
+
+Over ``http(s)://`` the ranges of one file go out together, up to
+:data:`~torchgrain.io.byteranges.MAX_RANGES` in one request (``multipart/byteranges``,
+read strictly by :mod:`torchgrain.io.byteranges`): nginx, Apache and other file servers
+answer so, and a request costs the client far more CPU than a 1 KiB range does. A server
+that answers a multi-range request otherwise (the whole file, one range, a malformed
+body) is asked one range per request from then on (per filesystem and origin); any other
+failure of a multi-range request sends its ranges again one per request, so the answer
+is the same whichever way the server goes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import weakref
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.errors import UnsafePathError
+from torchgrain.io.byteranges import (
+    MAX_RANGES,
+    MultipartError,
+    boundary_of,
+    merge_ranges,
+    parse_byteranges,
+    range_header,
+    response_limit,
+    slice_parts,
+)
 from torchgrain.io.remote import (
     _check_length,
     _coroutine,
+    _protocols,
     _raise_refusal,
     cat_file,
     remaining_seconds,
     request_done,
 )
+from torchgrain.io.responses import ResponseSizeError, _read_capped
 from torchgrain.io.retry import RequestTimeout
 
-__all__ = ["cat_many"]
+__all__ = ["cat_many", "multirange_servers"]
 
 
 #: Semaphores bounding the requests in flight on one event loop: ``{loop: {limit: sem}}``.
 _LIMITS: weakref.WeakKeyDictionary[Any, dict[int, asyncio.Semaphore]] = weakref.WeakKeyDictionary()
+
+
+#: Whether a server answers several ranges in one response, per filesystem object (by
+#: identity: fsspec's filesystems compare equal by their options) and origin:
+#: ``{id(fs): (weakref to fs, {origin: bool})}`` (an origin not asked yet is absent).
+_MULTIRANGE: dict[int, tuple[weakref.ref, dict[str, bool]]] = {}
+
+
+def multirange_servers(fs: fsspec.AbstractFileSystem) -> dict[str, bool]:
+    """Whether each origin (``"https://host:port"``) ``fs`` has asked for several ranges
+    at once answers them so (absent: not asked yet); the dictionary is the live record.
+
+    Example:
+        >>> import fsspec
+        >>> multirange_servers(fsspec.filesystem("memory"))
+        {}
+    """
+    key = id(fs)
+    entry = _MULTIRANGE.get(key)
+    if entry is None or entry[0]() is not fs:
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _MULTIRANGE.get(key, (None,))[0] is ref:
+                del _MULTIRANGE[key]
+
+        entry = _MULTIRANGE[key] = (weakref.ref(fs, forget), {})
+    return entry[1]
+
+
+def _semaphore(limit: int) -> asyncio.Semaphore:
+    sems = _LIMITS.setdefault(asyncio.get_running_loop(), {})
+    sem = sems.get(limit)
+    if sem is None:
+        sem = sems[limit] = asyncio.Semaphore(limit)
+    return sem
 
 
 async def _limited(
@@ -41,17 +99,165 @@ async def _limited(
 ) -> bytes:
     """One range request, started when one of the loop's ``limit`` slots is free, and
     cancelled ``seconds`` after it started (its wait for a slot does not count)."""
-    sems = _LIMITS.setdefault(asyncio.get_running_loop(), {})
-    sem = sems.get(limit)
-    if sem is None:
-        sem = sems[limit] = asyncio.Semaphore(limit)
-    async with sem:
+    async with _semaphore(limit):
         try:
             return await asyncio.wait_for(
                 _coroutine(fs, "cat_file")(path, start=start, end=end), seconds
             )
         except asyncio.TimeoutError as e:
             raise FSTimeoutError(f"bytes {start}-{end}") from e
+
+
+@functools.cache
+def _http_filesystem() -> type | None:
+    try:
+        from fsspec.implementations.http import HTTPFileSystem
+    except ImportError:  # aiohttp missing: no HTTP filesystem either
+        return None
+    return HTTPFileSystem
+
+
+def _origin(path: str) -> str:
+    parts = urlsplit(path)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def _multirange_server(fs: fsspec.AbstractFileSystem, path: str) -> bool:
+    """Whether ``path``'s ranges may go out together: an HTTP(S) file whose server has
+    not answered a multi-range request otherwise."""
+    http = _http_filesystem()
+    if http is None or not isinstance(fs, http):
+        return False
+    if not any(p in ("http", "https") for p in _protocols(fs)):
+        return False
+    return multirange_servers(fs).get(_origin(path), True)
+
+
+class _NotMultirange(Exception):
+    """A server's answer to a multi-range request was not one: ``ignores_ranges`` when it
+    sent the whole file (it will again), else an answer that one range asked alone may
+    not get (an error status)."""
+
+    def __init__(self, message: str, *, ignores_ranges: bool) -> None:
+        super().__init__(message)
+        self.ignores_ranges = ignores_ranges
+
+
+async def _get_ranges(fs: Any, path: str, merged: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
+    """The parts of one multi-range GET of ``merged`` (sorted, apart): ``(first byte,
+    bytes)`` each. Raises :class:`_NotMultirange` when the server answered otherwise."""
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = range_header(merged)
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+        if r.status == 404:
+            r.close()
+            raise FileNotFoundError(path)
+        if r.status >= 400:
+            r.close()
+            r.raise_for_status()  # as fsspec's own request raises it (retried if transient)
+        if r.status != 206:
+            r.close()  # the body (the whole file) is never read
+            raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status == 200)
+        try:
+            body = await _read_capped(
+                r.content.read,
+                response_limit(merged),
+                r.content_length,
+                why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
+            )
+        except BaseException:
+            r.close()
+            raise
+        boundary = boundary_of(r.headers.get("Content-Type"))
+        if boundary is not None:
+            return parse_byteranges(body, boundary, max_parts=len(merged))
+        # One part: the server merged the ranges (RFC 9110 allows it) into one.
+        parts = parse_byteranges(
+            b"--x\r\nContent-Range: "
+            + r.headers.get("Content-Range", "").encode("latin-1", "replace")
+            + b"\r\n\r\n"
+            + body
+            + b"\r\n--x--",
+            "x",
+            max_parts=1,
+        )
+        return parts
+
+
+async def _limited_ranges(
+    fs: Any,
+    path: str,
+    ranges: list[tuple[int, int]],
+    limit: int,
+    seconds: float,
+    seconds_each: list[float],
+) -> list[Any]:
+    """``ranges`` of ``path`` in one multi-range request (one of the loop's ``limit``
+    slots), cancelled ``seconds`` after it started; when the server does not answer it
+    as one, each range in a request of its own (``seconds_each``)."""
+    merged = merge_ranges(ranges)
+    try:
+        async with _semaphore(limit):
+            parts = await asyncio.wait_for(_get_ranges(fs, path, merged), seconds)
+        out: list[Any] = slice_parts(parts, ranges)
+        multirange_servers(fs)[_origin(path)] = True
+        return out
+    except asyncio.TimeoutError as e:
+        err = FSTimeoutError(f"{len(ranges)} ranges in one request")
+        err.__cause__ = e
+        return [err] * len(ranges)
+    except (_NotMultirange, MultipartError, ResponseSizeError) as e:
+        if not isinstance(e, _NotMultirange) or e.ignores_ranges:
+            # no use asking this server for several ranges again
+            multirange_servers(fs)[_origin(path)] = False
+    except Exception as e:  # as one range's request would have failed: retried, or named
+        return [e] * len(ranges)
+    return list(
+        await asyncio.gather(
+            *(_limited(fs, path, s, e, limit, sec) for (s, e), sec in zip(ranges, seconds_each)),
+            return_exceptions=True,
+        )
+    )
+
+
+def _requests(
+    fs: fsspec.AbstractFileSystem,
+    paths: Sequence[str],
+    starts: Sequence[int],
+    ends: Sequence[int],
+    multi_range: bool = True,
+) -> list[list[int]]:
+    """The requests for ``paths[i], starts[i], ends[i]``: lists of indices, each either one
+    range or, for a server that answers several, up to :data:`MAX_RANGES` (merged) ranges
+    of one file."""
+    by_path: dict[str, list[int]] = {}
+    for i, p in enumerate(paths):
+        by_path.setdefault(p, []).append(i)
+    out: list[list[int]] = []
+    for p, idx in by_path.items():
+        if len(idx) < 2 or not multi_range or not _multirange_server(fs, p):
+            out.extend([i] for i in idx)
+            continue
+        idx.sort(key=lambda i: starts[i])
+        group: list[int] = []
+        merged = 0
+        reach = -1
+        for i in idx:
+            if ends[i] <= starts[i]:
+                out.append([i])  # an empty range: asked alone (fsspec answers b"")
+                continue
+            apart = starts[i] > reach
+            if apart and merged == MAX_RANGES:
+                out.append(group)
+                group, merged, reach = [], 0, -1
+            merged += starts[i] > reach
+            reach = max(reach, ends[i])
+            group.append(i)
+        if group:
+            out.append(group)
+    return out
 
 
 def cat_many(
@@ -62,6 +268,7 @@ def cat_many(
     *,
     urls: Sequence[str] | None = None,
     max_inflight: int = 64,
+    multi_range: bool = True,
     what: str = "range read",
 ) -> list[bytes | BaseException]:
     """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for each ``i``, of any files of
@@ -70,7 +277,9 @@ def cat_many(
     request). Each result is checked as :func:`cat_file`'s; a request that failed has
     its exception in its place (a :class:`~torchgrain.io.retry.RequestTimeout` or a
     :class:`ResponseSizeError` for a transient failure, naming the URL and the range),
-    so a caller can keep what arrived and ask again for the rest.
+    so a caller can keep what arrived and ask again for the rest. With ``multi_range``,
+    the ranges of one ``http(s)://`` file go out up to
+    :data:`~torchgrain.io.byteranges.MAX_RANGES` in a request (see the module docstring).
 
     Each request gets :meth:`~torchgrain.io.retry.RetryPolicy.request_seconds` of its
     size from when it is sent, cut to what the operation in progress has left. Local
@@ -100,14 +309,38 @@ def cat_many(
         err = RequestTimeout(f"{what}: the operation's {policy.deadline:g} s deadline has passed")
         return [err] * len(starts)
 
-    async def gather() -> list[Any]:
-        return await asyncio.gather(
-            *(
-                _limited(fs, p, s, e, max_inflight, min(left, policy.request_seconds(e - s)))
-                for p, s, e in zip(paths, starts, ends)
-            ),
-            return_exceptions=True,
+    requests = _requests(fs, paths, starts, ends, multi_range)
+
+    def seconds(nbytes: int) -> float:
+        return min(left, policy.request_seconds(nbytes))
+
+    def request(idx: list[int]) -> Any:
+        if len(idx) == 1:
+            (i,) = idx
+            return _limited(
+                fs, paths[i], starts[i], ends[i], max_inflight, seconds(ends[i] - starts[i])
+            )
+        ranges = [(starts[i], ends[i]) for i in idx]
+        return _limited_ranges(
+            fs,
+            paths[idx[0]],
+            ranges,
+            max_inflight,
+            seconds(sum(e - s for s, e in merge_ranges(ranges))),
+            [seconds(e - s) for s, e in ranges],
         )
+
+    async def gather() -> list[Any]:
+        done = await asyncio.gather(*map(request, requests), return_exceptions=True)
+        got: list[Any] = [None] * len(starts)
+        for idx, result in zip(requests, done):
+            if len(idx) == 1 or isinstance(result, BaseException):
+                for i in idx:
+                    got[i] = result
+            else:
+                for i, r in zip(idx, result):
+                    got[i] = r
+        return got
 
     try:
         # The loop bounds each request; this bounds the whole batch's wait.

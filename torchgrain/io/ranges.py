@@ -227,6 +227,7 @@ def fetch_batch(
     owner: object,
     gap: int = DEFAULT_GAP,
     max_inflight: int = 64,
+    multi_range: bool = True,
     raise_errors: bool = True,
     wait_for_others: bool = True,
 ) -> int:
@@ -235,7 +236,8 @@ def fetch_batch(
     ``files`` holds ``(path, url, ranges)``; ranges already in the store are skipped,
     those another fetch is bringing waited for (:meth:`RangeStore.claim`), the others
     coalesced per file (see :func:`coalesce`) and requested with at most
-    ``max_inflight`` in flight (:func:`~torchgrain.io.inflight.cat_many`). What arrived is
+    ``max_inflight`` in flight (:func:`~torchgrain.io.inflight.cat_many`; ``multi_range``:
+    several ranges of a file in one request where the server answers so). What arrived is
     put in the store even when other requests failed (a retry asks only for the rest).
     Returns the number of requests made.
 
@@ -263,7 +265,9 @@ def fetch_batch(
             mine, others = store.claim(url, want)
             claimed.append((url, mine))
             waits.extend(others)
-        made = _fetch_claimed(fs, files, claimed, store, owner, gap, max_inflight, raise_errors)
+        made = _fetch_claimed(
+            fs, files, claimed, store, owner, gap, max_inflight, multi_range, raise_errors
+        )
     finally:
         for url, mine in claimed:
             store.release(url, mine)
@@ -279,6 +283,7 @@ def fetch_batch(
             owner=owner,
             gap=gap,
             max_inflight=max_inflight,
+            multi_range=multi_range,
             raise_errors=raise_errors,
             wait_for_others=False,  # what is still missing then, its reader fetches
         )
@@ -293,6 +298,7 @@ def _fetch_claimed(
     owner: object,
     gap: int,
     max_inflight: int,
+    multi_range: bool,
     raise_errors: bool,
 ) -> int:
     paths: list[str] = []
@@ -312,7 +318,9 @@ def _fetch_claimed(
             ends.append(m[1])
     if not starts:
         return 0
-    blobs = inflight.cat_many(fs, paths, starts, ends, urls=urls, max_inflight=max_inflight)
+    blobs = inflight.cat_many(
+        fs, paths, starts, ends, urls=urls, max_inflight=max_inflight, multi_range=multi_range
+    )
     failure: tuple[BaseException, str, int, int] | None = None
     for url, need, order, merged, at in plans:
         got = blobs[at : at + len(merged)]

@@ -264,6 +264,7 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
         read_ahead_bytes, retry = opts.read_ahead_bytes, opts.retry
         io_threads = opts.io_threads
         self.max_inflight = opts.max_inflight
+        self.multi_range = opts.multi_range
         self._fs = filesystem
         self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)

@@ -157,6 +157,7 @@ class FetchAhead:
                 gap=BATCH_GAP,
                 # io_threads=1 keeps its meaning: remote reads one at a time.
                 max_inflight=self.max_inflight if self.io_threads > 1 else 1,
+                multi_range=self.multi_range,
             )
 
         try:

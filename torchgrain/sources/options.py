@@ -84,6 +84,12 @@ class ReadOptions:
             ranges: ArrayRecord, TFRecord); a process that reads its own batches
             (``num_workers=0``) also fetches the next ones in the sampler's order while
             it decodes this one. ``1``: one request at a time.
+        multi_range: over ``http(s)://``, ask for up to 64 ranges of one shard in one
+            request (``multipart/byteranges``; default on). nginx, Apache and other file
+            servers answer so, and it spares the client most of its CPU per record; a
+            server that answers otherwise is asked one range per request from then on
+            (see :mod:`torchgrain.io.byteranges`). Object stores (``s3://``...) are
+            always asked one range per request.
         retry: attempts and deadlines of remote reads and downloads (``None``, default:
             :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential
             backoff; a read that makes no progress fails within 90 s).
@@ -130,6 +136,7 @@ class ReadOptions:
     read_ahead_bytes: int | None = None
     io_threads: int = 8
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+    multi_range: bool = True
     retry: RetryPolicy | None = None
     max_open_files: int | Literal["auto"] | None = "auto"
     allow_external_paths: bool = False
@@ -177,7 +184,7 @@ class ReadOptions:
             object.__setattr__(self, "max_open_files", "auto")
         elif m is not None and m != "auto" and (not _is_int(m) or m < 1):
             raise ValueError(f"max_open_files must be an integer >= 1, 'auto' or None, got {m!r}")
-        for name in ("allow_external_paths",):
+        for name in ("allow_external_paths", "multi_range"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         v = self.verify_checksums
