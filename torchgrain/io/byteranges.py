@@ -22,9 +22,9 @@ Example:
     ...     b"\\r\\n--B\\r\\nContent-Range: bytes 0-3/20\\r\\n\\r\\nabcd"
     ...     b"\\r\\n--B\\r\\nContent-Range: bytes 10-11/20\\r\\n\\r\\nkl\\r\\n--B--\\r\\n"
     ... )
-    >>> parts = parse_byteranges(body, "B")
-    >>> slice_parts(parts, [(0, 2), (10, 12), (1, 4)])
-    [b'ab', b'kl', b'bcd']
+    >>> parts, size = parse_byteranges(body, "B")
+    >>> slice_parts(parts, [(0, 2), (10, 12), (1, 4)]), size
+    ([b'ab', b'kl', b'bcd'], 20)
 """
 
 from __future__ import annotations
@@ -52,7 +52,12 @@ MAX_RANGES = 64
 #: The most bytes a part's boundary line and headers may take (nginx writes about 90).
 MAX_PART_HEADER_BYTES = 1024
 
-_BOUNDARY = re.compile(r"""boundary=(?:"([^"]{1,70})"|([^\s;,"]{1,70}))""", re.IGNORECASE)
+# RFC 2046's boundary characters (a space only inside quotes, never last).
+_BOUNDARY = re.compile(
+    r"""boundary=(?:"([0-9A-Za-z'()+_,./:=? -]{0,69}[0-9A-Za-z'()+_,./:=?-])"|"""
+    r"""([0-9A-Za-z'()+_./:=?-]{1,70}))(?:$|[\s;])""",
+    re.IGNORECASE,
+)
 _CONTENT_RANGE = re.compile(rb"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)", re.IGNORECASE)
 
 
@@ -110,6 +115,8 @@ def boundary_of(content_type: str | None) -> str | None:
         '00000000000000000001'
         >>> boundary_of('multipart/byteranges; boundary="a b"'), boundary_of("text/plain")
         ('a b', None)
+        >>> boundary_of("multipart/byteranges; boundary=\u20ac") is None  # not RFC 2046
+        True
     """
     if not content_type:
         return None
@@ -124,22 +131,25 @@ def boundary_of(content_type: str | None) -> str | None:
 
 def parse_byteranges(
     body: bytes, boundary: str, *, size: int | None = None, max_parts: int = MAX_RANGES
-) -> list[tuple[int, bytes]]:
-    """The parts of a ``multipart/byteranges`` ``body``: ``(first byte, bytes)`` each, in
-    the order sent. Each part's ``Content-Range`` must be well formed, hold as many bytes
+) -> tuple[list[tuple[int, bytes]], int | None]:
+    """The parts of a ``multipart/byteranges`` ``body`` (``(first byte, bytes)`` each, in
+    the order sent), and the file size they declare (None if all say ``*``). Each part's ``Content-Range`` must be well formed, hold as many bytes
     as it declares, name the same file size as the others (and ``size``, when given), and
     be followed by the boundary; the body must end with the closing boundary and hold at
     most ``max_parts`` parts (a server may merge the ranges asked for, never split them).
 
     Example:
         >>> parse_byteranges(b"--x\\r\\nContent-Range: bytes 2-3/9\\r\\n\\r\\nhi\\r\\n--x--", "x")
-        [(2, b'hi')]
+        ([(2, b'hi')], 9)
         >>> parse_byteranges(b"--x\\r\\nContent-Range: bytes 2-4/9\\r\\n\\r\\nhi\\r\\n--x--", "x")
         Traceback (most recent call last):
         ...
         torchgrain.io.byteranges.MultipartError: part 0: bytes 2-4 are not followed by the boundary
     """
-    delim = b"--" + boundary.encode("latin-1")
+    try:
+        delim = b"--" + boundary.encode("ascii")
+    except UnicodeEncodeError:
+        raise MultipartError(f"boundary {boundary[:80]!r} is not ASCII") from None
     view = memoryview(body)
     # The first boundary may follow a preamble (RFC 2046); nginx sends a blank line.
     pos = body.find(delim)
@@ -150,7 +160,7 @@ def parse_byteranges(
     total: int | None = size
     while True:
         if body.startswith(b"--", pos):
-            return parts
+            return parts, total
         if len(parts) == max_parts:
             raise MultipartError(f"more than the {max_parts} parts asked for")
         head_end = body.find(b"\r\n\r\n", pos, pos + MAX_PART_HEADER_BYTES)
@@ -191,11 +201,15 @@ def parse_byteranges(
 
 
 def slice_parts(
-    parts: Sequence[tuple[int, bytes]], ranges: Sequence[tuple[int, int]]
-) -> list[bytes]:
+    parts: Sequence[tuple[int, bytes]],
+    ranges: Sequence[tuple[int, int]],
+    *,
+    size: int | None = None,
+) -> list[bytes | None]:
     """The bytes of each half-open range in ``ranges``, from the part that holds all of it
     (a server may merge ranges into one part); a range no part holds is a
-    :class:`MultipartError`.
+    :class:`MultipartError`, except one that ends past ``size`` (the file's, as the
+    parts declare it): servers leave those out, and it is None.
 
     Example:
         >>> slice_parts([(10, b"abcdef")], [(11, 13), (15, 16)])
@@ -204,10 +218,12 @@ def slice_parts(
         Traceback (most recent call last):
         ...
         torchgrain.io.byteranges.MultipartError: no part holds bytes 15-17
+        >>> slice_parts([(10, b"abcdef")], [(15, 17)], size=16)
+        [None]
     """
     ordered = sorted(parts, key=lambda p: p[0])
     firsts = [p[0] for p in ordered]
-    out: list[bytes] = []
+    out: list[bytes | None] = []
     for s, e in ranges:
         k = bisect.bisect_right(firsts, s) - 1
         # the part starting last at or before s; a longer one further left may hold it too
@@ -218,5 +234,7 @@ def slice_parts(
                 break
             k -= 1
         else:
-            raise MultipartError(f"no part holds bytes {s}-{e}")
+            if size is None or e <= size:
+                raise MultipartError(f"no part holds bytes {s}-{e}")
+            out.append(None)
     return out

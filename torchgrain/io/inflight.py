@@ -59,10 +59,37 @@ __all__ = ["cat_many", "multirange_servers"]
 _LIMITS: weakref.WeakKeyDictionary[Any, dict[int, asyncio.Semaphore]] = weakref.WeakKeyDictionary()
 
 
-#: Whether a server answers several ranges in one response, per filesystem object (by
-#: identity: fsspec's filesystems compare equal by their options) and origin:
-#: ``{id(fs): (weakref to fs, {origin: bool})}`` (an origin not asked yet is absent).
-_MULTIRANGE: dict[int, tuple[weakref.ref, dict[str, bool]]] = {}
+class _Servers:
+    """What one filesystem object has learnt of the servers it asked for several ranges
+    at once, per origin: ``answers`` (True: it answers them so; False: it does not, and
+    is asked one range per request) and ``strikes`` (multi-range requests in a row whose
+    connection dropped while the same ranges asked alone were served)."""
+
+    __slots__ = ("answers", "ref", "strikes")
+
+    def __init__(self, ref: weakref.ref) -> None:
+        self.ref = ref
+        self.answers: dict[str, bool] = {}
+        self.strikes: dict[str, int] = {}
+
+
+#: Per filesystem object, by identity (fsspec's filesystems compare equal by their
+#: options, and a weak dictionary would drop an entry when an equal one dies).
+_MULTIRANGE: dict[int, _Servers] = {}
+
+
+def _servers(fs: Any) -> _Servers:
+    key = id(fs)
+    entry = _MULTIRANGE.get(key)
+    if entry is None or entry.ref() is not fs:
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            held = _MULTIRANGE.get(key)
+            if held is not None and held.ref is ref:
+                del _MULTIRANGE[key]
+
+        entry = _MULTIRANGE[key] = _Servers(weakref.ref(fs, forget))
+    return entry
 
 
 def multirange_servers(fs: fsspec.AbstractFileSystem) -> dict[str, bool]:
@@ -74,16 +101,7 @@ def multirange_servers(fs: fsspec.AbstractFileSystem) -> dict[str, bool]:
         >>> multirange_servers(fsspec.filesystem("memory"))
         {}
     """
-    key = id(fs)
-    entry = _MULTIRANGE.get(key)
-    if entry is None or entry[0]() is not fs:
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if _MULTIRANGE.get(key, (None,))[0] is ref:
-                del _MULTIRANGE[key]
-
-        entry = _MULTIRANGE[key] = (weakref.ref(fs, forget), {})
-    return entry[1]
+    return _servers(fs).answers
 
 
 def _semaphore(limit: int) -> asyncio.Semaphore:
@@ -130,36 +148,50 @@ def _multirange_server(fs: fsspec.AbstractFileSystem, path: str) -> bool:
         return False
     if not any(p in ("http", "https") for p in _protocols(fs)):
         return False
-    return multirange_servers(fs).get(_origin(path), True)
+    return _servers(fs).answers.get(_origin(path), True)
 
 
 class _NotMultirange(Exception):
     """A server's answer to a multi-range request was not one: ``ignores_ranges`` when it
-    sent the whole file (it will again), else an answer that one range asked alone may
-    not get (an error status)."""
+    sent the whole file or a broken multipart body (it will again), else a refusal with
+    an error status that one range asked alone may not get (a firewall's 403 for many
+    ranges, a 416, a 501)."""
 
     def __init__(self, message: str, *, ignores_ranges: bool) -> None:
         super().__init__(message)
         self.ignores_ranges = ignores_ranges
 
 
-async def _get_ranges(fs: Any, path: str, merged: list[tuple[int, int]]) -> list[tuple[int, bytes]]:
-    """The parts of one multi-range GET of ``merged`` (sorted, apart): ``(first byte,
-    bytes)`` each. Raises :class:`_NotMultirange` when the server answered otherwise."""
+#: Statuses a multi-range request is answered with that say nothing of multi-range
+#: support: the file is gone, or the server is busy (retried as they are).
+_NOT_FOUND = (404, 410)
+
+
+def _transient_status(status: int) -> bool:
+    return status in (408, 429) or (status >= 500 and status != 501)
+
+
+async def _get_ranges(
+    fs: Any, path: str, merged: list[tuple[int, int]]
+) -> tuple[list[tuple[int, bytes]], int | None]:
+    """The parts of one multi-range GET of ``merged`` (sorted, apart) as ``(first byte,
+    bytes)``, and the file size they declare. Raises :class:`_NotMultirange` when the
+    server answered otherwise, as one range's request would for a missing file or a busy
+    server, and a :class:`MultipartError` for a body that is not what was asked for."""
     kw = dict(fs.kwargs)
     headers = dict(kw.pop("headers", None) or {})
     headers["Range"] = range_header(merged)
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
-        if r.status == 404:
+        if r.status in _NOT_FOUND:
             r.close()
             raise FileNotFoundError(path)
-        if r.status >= 400:
+        if _transient_status(r.status):
             r.close()
-            r.raise_for_status()  # as fsspec's own request raises it (retried if transient)
+            r.raise_for_status()  # as fsspec's own request raises it: retried
         if r.status != 206:
-            r.close()  # the body (the whole file) is never read
-            raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status == 200)
+            r.close()  # the body (the whole file, an error page) is never read
+            raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status < 300)
         try:
             body = await _read_capped(
                 r.content.read,
@@ -171,19 +203,30 @@ async def _get_ranges(fs: Any, path: str, merged: list[tuple[int, int]]) -> list
             r.close()
             raise
         boundary = boundary_of(r.headers.get("Content-Type"))
-        if boundary is not None:
-            return parse_byteranges(body, boundary, max_parts=len(merged))
-        # One part: the server merged the ranges (RFC 9110 allows it) into one.
-        parts = parse_byteranges(
-            b"--x\r\nContent-Range: "
-            + r.headers.get("Content-Range", "").encode("latin-1", "replace")
-            + b"\r\n\r\n"
-            + body
-            + b"\r\n--x--",
-            "x",
-            max_parts=1,
-        )
-        return parts
+        try:
+            if boundary is not None:
+                return parse_byteranges(body, boundary, max_parts=len(merged))
+            # One part: the server merged the ranges (RFC 9110 allows it) into one.
+            head = r.headers.get("Content-Range", "").encode("latin-1", "replace")
+            return parse_byteranges(
+                b"--x\r\nContent-Range: " + head + b"\r\n\r\n" + body + b"\r\n--x--",
+                "x",
+                max_parts=1,
+            )
+        except MultipartError:
+            raise
+        except Exception as e:  # whatever else a malformed answer trips
+            raise MultipartError(f"{type(e).__name__}: {e}") from e
+
+
+def _dropped(exc: BaseException) -> bool:
+    """Whether a request failed at the connection (closed, reset, a body cut short)
+    rather than with an answer."""
+    import aiohttp
+
+    return isinstance(
+        exc, (ConnectionError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+    )
 
 
 async def _limited_ranges(
@@ -195,31 +238,60 @@ async def _limited_ranges(
     seconds_each: list[float],
 ) -> list[Any]:
     """``ranges`` of ``path`` in one multi-range request (one of the loop's ``limit``
-    slots), cancelled ``seconds`` after it started; when the server does not answer it
-    as one, each range in a request of its own (``seconds_each``)."""
-    merged = merge_ranges(ranges)
+    slots), cancelled ``seconds`` after it started; the ranges its answer does not hold
+    are asked one per request (``seconds_each``).
+
+    What the server is remembered for (:func:`multirange_servers`): ``True`` after a
+    faithful answer; ``False`` after the whole file or a broken body, and after an error
+    status or two dropped connections in a row for a multi-range request while the same
+    ranges asked one by one were served. A missing file, a busy server (429, 5xx) or a
+    timeout is returned for every range as one range's request would be (retried).
+    """
+    origin = _origin(path)
+    known = _servers(fs)
+    out: list[Any] = [None] * len(ranges)
+    refused: str | None = None  # why the ranges are asked alone, when it may be the server
     try:
         async with _semaphore(limit):
-            parts = await asyncio.wait_for(_get_ranges(fs, path, merged), seconds)
-        out: list[Any] = slice_parts(parts, ranges)
-        multirange_servers(fs)[_origin(path)] = True
-        return out
+            parts, size = await asyncio.wait_for(
+                _get_ranges(fs, path, merge_ranges(ranges)), seconds
+            )
+        # Ranges past the end of the file: left out by the server, each asked alone
+        # (its own request names the problem).
+        out = slice_parts(parts, ranges, size=size)
+        known.answers[origin] = True
+        known.strikes.pop(origin, None)
     except asyncio.TimeoutError as e:
         err = FSTimeoutError(f"{len(ranges)} ranges in one request")
         err.__cause__ = e
         return [err] * len(ranges)
-    except (_NotMultirange, MultipartError, ResponseSizeError) as e:
-        if not isinstance(e, _NotMultirange) or e.ignores_ranges:
-            # no use asking this server for several ranges again
-            multirange_servers(fs)[_origin(path)] = False
-    except Exception as e:  # as one range's request would have failed: retried, or named
-        return [e] * len(ranges)
-    return list(
-        await asyncio.gather(
-            *(_limited(fs, path, s, e, limit, sec) for (s, e), sec in zip(ranges, seconds_each)),
+    except (MultipartError, ResponseSizeError):
+        known.answers[origin] = False  # a broken answer: never asked so again
+    except _NotMultirange as e:
+        if e.ignores_ranges:
+            known.answers[origin] = False
+        else:
+            refused = "status"
+    except Exception as e:
+        if not _dropped(e):
+            return [e] * len(ranges)  # as one range's request would fail: retried, or named
+        refused = "dropped"
+    alone = [k for k, got in enumerate(out) if got is None]
+    if alone:
+        got = await asyncio.gather(
+            *(_limited(fs, path, *ranges[k], limit, seconds_each[k]) for k in alone),
             return_exceptions=True,
         )
-    )
+        for k, blob in zip(alone, got):
+            out[k] = blob
+        served = all(not isinstance(b, BaseException) for b in got)
+        if refused == "status" and served:
+            known.answers[origin] = False
+        elif refused == "dropped" and served:
+            known.strikes[origin] = known.strikes.get(origin, 0) + 1
+            if known.strikes[origin] >= 2:
+                known.answers[origin] = False
+    return out
 
 
 def _requests(
