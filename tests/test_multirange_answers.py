@@ -354,6 +354,7 @@ def test_a_multipart_body_that_stalls_ends_in_a_request_timeout():
         _, got = _read(srv)
         assert all(isinstance(g, RequestTimeout) for g in got), got
         assert all(srv.url in str(g) for g in got)
+        assert all("4 ranges in one request" in str(g) for g in got), got
 
 
 def test_grouping_of_duplicates_overlaps_and_many_files_maps_back_to_each_index():

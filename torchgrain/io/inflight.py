@@ -262,7 +262,11 @@ async def _limited_ranges(
         known.answers[origin] = True
         known.strikes.pop(origin, None)
     except asyncio.TimeoutError as e:
-        err = FSTimeoutError(f"{len(ranges)} ranges in one request")
+        err = RequestTimeout(
+            f"range read of {path}: {len(ranges)} ranges in one request did not complete "
+            f"within its {seconds:.3g} s limit (RetryPolicy.request_timeout, or the "
+            "operation's deadline)"
+        )
         err.__cause__ = e
         return [err] * len(ranges)
     except (MultipartError, ResponseSizeError):
