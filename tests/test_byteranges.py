@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import torchgrain as tg
 from tests.servers import MULTIRANGE_MODES, RangeHTTPServer
+from tests.test_remote_global import global_epoch
 from torchgrain.io import inflight
 from torchgrain.io.byteranges import (
     MAX_RANGES,
@@ -217,28 +218,13 @@ def test_ranges_a_server_merges_into_one_part_are_sliced_from_it(tmp_path):
 def test_a_global_shuffle_over_a_multi_range_server_asks_about_one_request_per_shard(
     tmp_path, workers
 ):
-    import torch
-
     rng = np.random.default_rng(2)
     recs = [{"i": i, "blob": rng.bytes(int(rng.integers(100, 1200)))} for i in range(2048)]
     tg.write_array_record(recs, tmp_path / "www" / "ds", num_shards=8)
     with RangeHTTPServer(tmp_path / "www") as srv:
         src = tg.ArrayRecordSource(f"{srv.url}/ds", max_inflight=16)
-        ds = tg.Dataset(src)
-        sampler = tg.GlobalShuffleSampler(ds, seed=1)
-        loader = torch.utils.data.DataLoader(
-            ds,
-            batch_size=256,
-            sampler=sampler,
-            num_workers=workers,
-            collate_fn=lambda b: [(r["i"], r["blob"]) for r in b],
-            multiprocessing_context="fork" if workers else None,
-        )
-        try:
-            got = [rec for batch in loader for rec in batch]
-        finally:
-            src.close()
-        assert [i for i, _ in got] == list(sampler)
+        got, order = global_epoch(src, workers=workers, batch_size=256, seed=1)
+        assert [i for i, _ in got] == order
         assert all(blob == recs[i]["blob"] for i, blob in got)
         # 8 batches x 8 shards: about 64 multi-range requests, not 2,048 (+ footers,
         # listings; read-ahead of the next batches may split a shard's ranges in two)

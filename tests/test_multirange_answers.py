@@ -418,34 +418,16 @@ def test_s3_is_asked_one_range_per_request(moto_s3, monkeypatch):
     _expect(got)
 
 
-def _collate(batch):
-    return [(r["i"], r["b"]) for r in batch]
-
-
 def test_a_spawned_worker_reads_over_a_multi_range_server(tmp_path):
-    import torch
-
     from tests.servers import RangeHTTPServer
+    from tests.test_remote_global import global_epoch
 
     recs = [{"i": i, "b": DATA[i * 50 : i * 50 + 1000]} for i in range(600)]
     tg.write_array_record(recs, tmp_path / "ds", num_shards=2)
     with RangeHTTPServer(tmp_path) as srv:
         src = tg.ArrayRecordSource(f"{srv.url}/ds")
-        ds = tg.Dataset(src)
-        sampler = tg.GlobalShuffleSampler(ds, seed=1)
-        loader = torch.utils.data.DataLoader(
-            ds,
-            batch_size=100,
-            sampler=sampler,
-            num_workers=1,
-            collate_fn=_collate,
-            multiprocessing_context="spawn",
-        )
-        try:
-            got = [rec for batch in loader for rec in batch]
-        finally:
-            src.close()
-        assert [i for i, _ in got] == list(sampler)
+        got, order = global_epoch(src, workers=1, batch_size=100, seed=1, key="b", context="spawn")
+        assert [i for i, _ in got] == order
         assert all(b == recs[i]["b"] for i, b in got)
         assert any(r and "," in r for r in srv.range_log)
 

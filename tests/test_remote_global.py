@@ -5,6 +5,7 @@ is decoded, in bounded memory, byte-identical to local reads, over real servers 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -36,22 +37,41 @@ def served(tmp_path):
         yield srv, str(d), recs
 
 
-def _epoch(src, *, workers: int, epoch: int = 0, batch_size: int = 64) -> list:
+def _pairs(key: str, batch: list) -> list:
+    return [(r["i"], r[key]) for r in batch]
+
+
+def global_epoch(
+    src,
+    *,
+    workers: int,
+    epoch: int = 0,
+    batch_size: int = 64,
+    seed: int = 3,
+    key: str = "blob",
+    context: str = "fork",
+) -> tuple[list, list[int]]:
+    """One global-shuffle epoch of ``src`` through a DataLoader: its ``(i, record[key])``
+    pairs in the order delivered, and the sampler's order. Closes ``src``."""
     ds = tg.Dataset(src)
-    sampler = tg.GlobalShuffleSampler(ds, seed=3)
+    sampler = tg.GlobalShuffleSampler(ds, seed=seed)
     sampler.set_epoch(epoch)
     loader = torch.utils.data.DataLoader(
         ds,
         batch_size=batch_size,
         sampler=sampler,
         num_workers=workers,
-        collate_fn=lambda b: [(r["i"], r["blob"]) for r in b],
-        multiprocessing_context="fork" if workers else None,
+        collate_fn=functools.partial(_pairs, key),
+        multiprocessing_context=context if workers else None,
     )
     try:
-        return [rec for batch in loader for rec in batch]
+        return [rec for batch in loader for rec in batch], list(sampler)
     finally:
         src.close()  # ends its read-ahead: the process's range store is shared
+
+
+def _epoch(src, *, workers: int, epoch: int = 0, batch_size: int = 64) -> list:
+    return global_epoch(src, workers=workers, epoch=epoch, batch_size=batch_size)[0]
 
 
 @pytest.mark.parametrize("workers", [0, 2])

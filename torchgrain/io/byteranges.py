@@ -131,15 +131,18 @@ def boundary_of(content_type: str | None) -> str | None:
 
 def parse_byteranges(
     body: bytes, boundary: str, *, size: int | None = None, max_parts: int = MAX_RANGES
-) -> tuple[list[tuple[int, bytes]], int | None]:
-    """The parts of a ``multipart/byteranges`` ``body`` (``(first byte, bytes)`` each, in
-    the order sent), and the file size they declare (None if all say ``*``). Each part's ``Content-Range`` must be well formed, hold as many bytes
+) -> tuple[list[tuple[int, memoryview]], int | None]:
+    """The parts of a ``multipart/byteranges`` ``body`` (``(first byte, view of body)``
+    each, in the order sent: nothing copied), and the file size they declare (None if
+    all say ``*``). Each part's ``Content-Range`` must be well formed, hold as many bytes
     as it declares, name the same file size as the others (and ``size``, when given), and
     be followed by the boundary; the body must end with the closing boundary and hold at
     most ``max_parts`` parts (a server may merge the ranges asked for, never split them).
 
     Example:
-        >>> parse_byteranges(b"--x\\r\\nContent-Range: bytes 2-3/9\\r\\n\\r\\nhi\\r\\n--x--", "x")
+        >>> parts, size = parse_byteranges(
+        ...     b"--x\\r\\nContent-Range: bytes 2-3/9\\r\\n\\r\\nhi\\r\\n--x--", "x")
+        >>> [(first, bytes(data)) for first, data in parts], size
         ([(2, b'hi')], 9)
         >>> parse_byteranges(b"--x\\r\\nContent-Range: bytes 2-4/9\\r\\n\\r\\nhi\\r\\n--x--", "x")
         Traceback (most recent call last):
@@ -156,7 +159,7 @@ def parse_byteranges(
     if pos < 0 or pos > MAX_PART_HEADER_BYTES:
         raise MultipartError("the body does not start with its boundary")
     pos += len(delim)
-    parts: list[tuple[int, bytes]] = []
+    parts: list[tuple[int, memoryview]] = []
     total: int | None = size
     while True:
         if body.startswith(b"--", pos):
@@ -196,12 +199,12 @@ def parse_byteranges(
             raise MultipartError(
                 f"part {len(parts)}: bytes {first}-{last} are not followed by the boundary"
             )
-        parts.append((first, bytes(view[start:end])))
+        parts.append((first, view[start:end]))
         pos = end + 2 + len(delim)
 
 
 def slice_parts(
-    parts: Sequence[tuple[int, bytes]],
+    parts: Sequence[tuple[int, bytes | memoryview]],
     ranges: Sequence[tuple[int, int]],
     *,
     size: int | None = None,
@@ -230,7 +233,7 @@ def slice_parts(
         while k >= 0:
             first, data = ordered[k]
             if first + len(data) >= e:
-                out.append(data[s - first : e - first])
+                out.append(bytes(data[s - first : e - first]))
                 break
             k -= 1
         else:

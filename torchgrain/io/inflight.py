@@ -10,10 +10,12 @@ Over ``http(s)://`` the ranges of one file go out together, up to
 :data:`~torchgrain.io.byteranges.MAX_RANGES` in one request (``multipart/byteranges``,
 read strictly by :mod:`torchgrain.io.byteranges`): nginx, Apache and other file servers
 answer so, and a request costs the client far more CPU than a 1 KiB range does. A server
-that answers a multi-range request otherwise (the whole file, one range, a malformed
-body) is asked one range per request from then on (per filesystem and origin); any other
-failure of a multi-range request sends its ranges again one per request, so the answer
-is the same whichever way the server goes.
+that answers a multi-range request otherwise (the whole file, too few ranges, a malformed
+body) has those ranges asked one per request, and is asked so from then on (per
+filesystem and origin); so is one that refuses it with an error status (403, 416,
+501...) or drops it twice in a row, while the same ranges asked alone are served. A
+missing file, a busy server (429, 5xx) or a timeout is returned for every range, as one
+range's request would be, and retried by the operation. See :func:`_limited_ranges`.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from torchgrain.io.remote import (
     request_done,
 )
 from torchgrain.io.responses import ResponseSizeError, _read_capped
-from torchgrain.io.retry import RequestTimeout
+from torchgrain.io.retry import RequestTimeout, is_transient_status
 
 __all__ = ["cat_many", "multirange_servers"]
 
@@ -162,18 +164,14 @@ class _NotMultirange(Exception):
         self.ignores_ranges = ignores_ranges
 
 
-#: Statuses a multi-range request is answered with that say nothing of multi-range
-#: support: the file is gone, or the server is busy (retried as they are).
+#: Statuses of a multi-range request that say nothing of multi-range support: the file
+#: is gone (raised as one range's request raises it); a busy server is retried as it is.
 _NOT_FOUND = (404, 410)
-
-
-def _transient_status(status: int) -> bool:
-    return status in (408, 429) or (status >= 500 and status != 501)
 
 
 async def _get_ranges(
     fs: Any, path: str, merged: list[tuple[int, int]]
-) -> tuple[list[tuple[int, bytes]], int | None]:
+) -> tuple[list[tuple[int, memoryview]], int | None]:
     """The parts of one multi-range GET of ``merged`` (sorted, apart) as ``(first byte,
     bytes)``, and the file size they declare. Raises :class:`_NotMultirange` when the
     server answered otherwise, as one range's request would for a missing file or a busy
@@ -186,7 +184,7 @@ async def _get_ranges(
         if r.status in _NOT_FOUND:
             r.close()
             raise FileNotFoundError(path)
-        if _transient_status(r.status):
+        if is_transient_status(r.status):
             r.close()
             r.raise_for_status()  # as fsspec's own request raises it: retried
         if r.status != 206:

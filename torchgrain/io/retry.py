@@ -58,6 +58,7 @@ __all__ = [
     "http_status",
     "in_operation",
     "is_transient",
+    "is_transient_status",
     "remaining_seconds",
     "request_done",
     "retry_call",
@@ -348,6 +349,17 @@ def _error_code(e: BaseException) -> str | None:
     return None
 
 
+def is_transient_status(status: int) -> bool:
+    """True for an HTTP status worth another try (timeouts, throttling, server-side
+    failures): the statuses :func:`is_transient` retries.
+
+    Example:
+        >>> is_transient_status(503), is_transient_status(501), is_transient_status(404)
+        (True, False, False)
+    """
+    return status in _TRANSIENT_STATUS
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or an error it wraps) is worth retrying.
 
@@ -364,7 +376,7 @@ def is_transient(exc: BaseException) -> bool:
     """
     status = http_status(exc)
     if status is not None:
-        return status in _TRANSIENT_STATUS
+        return is_transient_status(status)
     for e in _chain(exc):
         if _error_code(e) in _TRANSIENT_CODES:
             return True
