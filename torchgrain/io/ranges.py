@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import fsspec
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.io import inflight, process, remote
+from torchgrain.io import changes, inflight, process, remote
 from torchgrain.io.retry import _permanent, http_status, is_transient, remaining_seconds
 
 __all__ = ["MappedFile", "RangeStore", "coalesce", "fetch_batch", "fetch_ranges", "range_store"]
@@ -383,6 +383,12 @@ def fetch_ranges(
 class MappedFile:
     """A local file as a read-only memoryview, mapped once per process (remapped after fork).
 
+    :meth:`view` checks, at each call, that the file has not changed since it was mapped
+    (:mod:`torchgrain.io.changes`): a file truncated under its map would kill the process
+    with SIGBUS when read; a changed one raises
+    :class:`~torchgrain.io.changes.ChangedWhileOpen` instead. Take a view for each read
+    and do not keep it: the check covers the reads made before the next call.
+
     Example:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "m")
@@ -399,20 +405,32 @@ class MappedFile:
         self._token: tuple[int, int] | None = None
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
+        self._pin: changes.Pin | None = None
 
     def view(self) -> memoryview:
-        """The whole file (empty files give an empty view)."""
+        """The whole file (empty files give an empty view).
+
+        Raises:
+            ChangedWhileOpen: the file was written or truncated since it was mapped.
+        """
         view = self._view
         if view is not None and self._token == process.token():
+            pin = self._pin
+            if pin is not None:
+                changes.check(pin, f"file {self.path!r}")
             return view
         with self._lock:
             if self._view is None or self._token != process.token():
                 # After a fork the parent's map is inherited but not ours to close.
                 self._mm = None
                 with open(self.path, "rb") as f:
-                    size = f.seek(0, 2)
-                    self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                    pin = changes.Pin(f.fileno(), self.path)
+                    size = pin.size
+                    self._mm = (
+                        mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
+                    )
                 self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
+                self._pin = pin
                 self._token = process.token()
             return self._view
 
@@ -422,10 +440,12 @@ class MappedFile:
     def close(self) -> None:
         """Release this process's map (views handed out keep it alive until released)."""
         with self._lock:
-            view, mm, token = self._view, self._mm, self._token
-            self._view = self._mm = self._token = None
+            view, mm, token, pin = self._view, self._mm, self._token, self._pin
+            self._view = self._mm = self._token = self._pin = None
         if token != process.token():
             return  # inherited through fork: the parent's to close
+        if pin is not None:
+            pin.release()
         if view is not None:
             view.release()
         if mm is not None:

@@ -23,8 +23,12 @@ buffer, whatever the number of files.
 
 Every address handed to numpy must lie inside a mapped slot: callers bound their offsets
 by the shard's size before gathering (an unmapped address is a segmentation fault, not
-an exception). The files must not shrink while mapped (as with any memory map, reading a
-page past a truncated end raises SIGBUS).
+an exception). A file that shrinks while mapped would raise SIGBUS when a page past its
+new end is read: each shard is pinned when mapped (:class:`~torchgrain.io.changes.Pin`),
+and :meth:`ShardRegion.acquire` checks the batch's shards before handing out their
+slots (one ``poll`` of this process's inotify queue for all of them), raising
+:class:`~torchgrain.io.changes.ChangedWhileOpen` for one that changed; such a shard is
+refused from then on.
 
 Example:
     >>> import os, tempfile
@@ -58,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
-from torchgrain.io import process
+from torchgrain.io import changes, process
 from torchgrain.io.libc import libc
 from torchgrain.io.limits import free_maps
 
@@ -188,6 +192,12 @@ class ShardRegion:
         self.used = np.zeros(slots, dtype=np.uint32)  # the batch that last used a slot
         self.mapped = 0
         self.maps_done = 0  # shards mapped by this process (a counter for tests and stats)
+        # Per slot: the mapped file's pin, and whether it is watched (changes are then
+        # seen by one poll for every slot; unwatched ones are stat-ed at each use).
+        self._pins: list[changes.Pin | None] = [None] * slots
+        self._watched = np.zeros(slots, dtype=bool)
+        self._seen = -1  # the changes this process had seen when every slot was checked
+        self._gone: dict[int, str] = {}  # shards that changed while mapped: refused
         self._tick = 0
         self._inflight = 0
         self._lock = threading.Lock()
@@ -202,6 +212,8 @@ class ShardRegion:
                 if self._generation != process.generation:
                     self._lock = threading.Lock()
                     self._inflight = 0
+                    self._seen = -1  # the pins are the parent's: watched again here
+                    self._watched[:] = False
                     self._generation = process.generation
 
     def __getstate__(self) -> None:
@@ -219,9 +231,12 @@ class ShardRegion:
             slots = self.slot_of[shards]
             missing = slots < 0
             if missing.any():
+                if self._gone:
+                    self._refuse_gone(shards)
                 if not self._map_missing(np.unique(shards[missing]), shards):
                     return None
                 slots = self.slot_of[shards]
+            self._verify(slots)
             self._tick += 1
             if self._tick >= 1 << 32:  # start the clock again, keeping the order
                 self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
@@ -236,9 +251,12 @@ class ShardRegion:
         with self._lock:
             k = int(self.slot_of[shard])
             if k < 0:
+                if self._gone:
+                    self._refuse_gone(np.array([shard]))
                 if not self._map_missing(np.array([shard]), np.array([shard])):
                     return None
                 k = int(self.slot_of[shard])
+            self._verify(np.array([k]))
             self._tick += 1
             if self._tick >= 1 << 32:
                 self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
@@ -246,6 +264,44 @@ class ShardRegion:
             self.used[k] = self._tick
             self._inflight += 1
         return k * self.slot_size
+
+    def _verify(self, slots: np.ndarray) -> None:
+        """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if a shard of ``slots``
+        changed since it was mapped (we hold the lock). Without a change anywhere, and
+        every slot of the batch watched, this is one ``poll``."""
+        seen = changes.poll()
+        if seen == self._seen and self._watched[slots].all():
+            return
+        batch = self.owner[slots]
+        if seen != self._seen:  # something changed: check every mapped shard once
+            check = np.flatnonzero(self.owner >= 0)
+        else:
+            check = np.unique(slots[~self._watched[slots]])
+        for k in check.tolist():
+            pin = self._pins[k]
+            if pin is None:
+                continue
+            why = changes.changed(pin)
+            self._watched[k] = pin.wd >= 0
+            if why is not None:
+                self._gone[int(self.owner[k])] = why
+                if not self._inflight:  # (else another thread reads it: left mapped)
+                    self._unmap_slot(k)
+        if seen != self._seen:
+            self._seen = seen
+        if self._gone:
+            self._refuse_gone(batch)
+
+    def _refuse_gone(self, shards: np.ndarray) -> None:
+        gone = [s for s in np.unique(shards).tolist() if s in self._gone]
+        if gone:
+            pin_path = self.paths[gone[0]]
+            raise changes.ChangedWhileOpen(
+                f"shard {gone[0]} {pin_path!r} changed while open ({self._gone[gone[0]]} "
+                "after it was memory-mapped): not read, as its bytes are no longer the "
+                "ones its index describes (a shard rewritten in place under a running job, "
+                "e.g. by cp or rsync --inplace); open the dataset again"
+            )
 
     def release(self) -> None:
         """End a read begun by a non-None :meth:`acquire`."""
@@ -288,6 +344,7 @@ class ShardRegion:
         except FileNotFoundError:
             raise DatasetNotFoundError(f"shard {shard} {path!r} does not exist") from None
         try:
+            pin = changes.Pin(fd, path)  # before the size is checked: changes from now on
             st = os.fstat(fd)
             size = int(self.sizes[shard])
             if st.st_size != size:
@@ -312,6 +369,8 @@ class ShardRegion:
             os.close(fd)
         self.owner[k] = shard
         self.slot_of[shard] = k
+        self._pins[k] = pin
+        self._watched[k] = pin.wd >= 0
         self.mapped += 1
         self.maps_done += 1
         if self._check is not None:
@@ -331,6 +390,10 @@ class ShardRegion:
             raise OSError(err, f"cannot unmap a shard: {os.strerror(err)}")
         shard = int(self.owner[k])
         self.owner[k] = -1
+        pin, self._pins[k] = self._pins[k], None
+        self._watched[k] = False
+        if pin is not None:
+            pin.release()
         if shard >= 0:
             self.slot_of[shard] = -1
             self.mapped -= 1

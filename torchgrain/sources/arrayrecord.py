@@ -29,6 +29,7 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
+from torchgrain.io.changes import ChangedWhileOpen
 from torchgrain.io.fs import ShardPaths, is_local
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion
@@ -489,6 +490,8 @@ class ArrayRecordSource(EncodedSource):
         region, decoder, footers = mapped
         try:
             at = region.acquire_one(shard)
+        except ChangedWhileOpen:
+            raise  # (the shard-by-shard path may not see a same-size rewrite)
         except (CorruptDataError, FileNotFoundError):
             return None  # a shard that cannot be mapped: the reader names it
         if at is None:
@@ -538,6 +541,8 @@ class ArrayRecordSource(EncodedSource):
         region, decoder, _ = mapped
         try:
             base = region.acquire(shard)
+        except ChangedWhileOpen:
+            raise  # (the shard-by-shard path may not see a same-size rewrite)
         except (CorruptDataError, FileNotFoundError):
             return None  # a shard cannot be mapped: shard by shard, which names it
         if base is None:

@@ -51,7 +51,7 @@ from torchgrain.formats.arrayrecord.riegeli import (
     DEFAULT_MAX_CHUNK_BYTES,
     _ChunkDecodeError,
 )
-from torchgrain.io import process, remote
+from torchgrain.io import changes, process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 
@@ -139,6 +139,7 @@ class ArrayRecordFile(OneRecordBatches):
         self._file: Any = None
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
+        self._pin: changes.Pin | None = None  # checked before each read through the map
         # memoryviews over the footer arrays: indexing one gives a Python int several
         # times faster than indexing the numpy array (the hot path reads 4 per chunk).
         self._fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None
@@ -213,8 +214,10 @@ class ArrayRecordFile(OneRecordBatches):
             # Handles inherited through fork belong to the parent; just forget them.
             self._reset_handles()
             return
-        view, mm, fh = self._view, self._mm, self._file
+        view, mm, fh, pin = self._view, self._mm, self._file, self._pin
         self._reset_handles()
+        if pin is not None:
+            pin.release()
         if view is not None:
             view.release()
         if mm is not None:
@@ -226,11 +229,16 @@ class ArrayRecordFile(OneRecordBatches):
             fh.close()
 
     def _local_view(self) -> memoryview:
-        """The whole local file as a memoryview over an mmap, opened once per process."""
+        """The whole local file as a memoryview over an mmap, opened once per process;
+        checked not to have changed since it was mapped (each call: a truncated file
+        would kill the process with SIGBUS when read through the map)."""
         if self._token != process.token():
             self._reset_handles()
         view = self._view
         if view is not None:
+            pin = self._pin
+            if pin is not None:
+                changes.check(pin, self._where())
             return view
         with self._lock:
             if self._view is None:
@@ -239,7 +247,8 @@ class ArrayRecordFile(OneRecordBatches):
                 except FileNotFoundError as e:
                     raise FileNotFoundError(f"{self._where()} does not exist") from e
                 try:
-                    size = os.fstat(fh.fileno()).st_size
+                    pin = changes.Pin(fh.fileno(), self._path)
+                    size = pin.size
                     if size < _BLOCK:
                         raise self._corrupt(
                             f"not an ArrayRecord file: {size} bytes, shorter than the "
@@ -257,7 +266,7 @@ class ArrayRecordFile(OneRecordBatches):
                     mm.close()
                     fh.close()
                     raise
-                self._file, self._mm = fh, mm
+                self._file, self._mm, self._pin = fh, mm, pin
                 self._view = view
             return self._view
 
@@ -303,6 +312,7 @@ class ArrayRecordFile(OneRecordBatches):
             _token=like._token,
             _file=None,
             _mm=None,
+            _pin=None,  # the region that maps it checks it
             _view=view,
             _tls=like._tls,
             _fast=fast,
@@ -604,6 +614,9 @@ class ArrayRecordFile(OneRecordBatches):
             c = int(np.searchsorted(f.record_offsets, row, side="right")) - 1
         view = self._view
         if view is not None and self._token[1] == process.generation:
+            pin = self._pin
+            if pin is not None:
+                changes.check(pin, self._where())
             fast = self._fast or self._fast_index(f)
             values, bounds = self._local_chunk(c, view, fast)
         else:

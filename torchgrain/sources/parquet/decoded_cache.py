@@ -18,7 +18,9 @@ Layout and safety rules (every process of a machine may share one directory):
   the IPC bytes, their length, the key). Cache files are untrusted input: a process
   checks the trailer, the CRC, the key, the schema and row count and validates the
   arrays in full the first time it maps a file; any mismatch is a corrupt entry,
-  deleted and decoded again (never served).
+  deleted and decoded again (never served). A file written or truncated while a
+  process maps it (:mod:`torchgrain.io.changes` watches it) is let go by that process
+  before it reads the map again, and decoded again (:meth:`DecodedCache.forget`).
 * A build writes ``DIR/.tmp/<k>-<pid>-<random>`` and renames it into place: a file
   under its final name is always complete. A killed build leaves only a temp file,
   deleted by the next builder of its key or by eviction.
@@ -62,8 +64,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
-from torchgrain.sources.parquet.arrow_map import map_file
+from torchgrain.sources.parquet.arrow_map import map_file_pinned
 
 __all__ = [
     "DEFAULT_DECODED_CACHE_BYTES",
@@ -143,7 +146,8 @@ class DecodedCache:
     Counters (this process only) are in :attr:`stats`: ``hits`` (entries mapped),
     ``builds`` (entries this process decoded and published), ``waits`` (hits that
     waited for another process's build), ``corrupt`` (invalid files found and
-    deleted), ``evictions``, ``bytes_written``, ``not_stored`` (builds served without
+    deleted), ``changed`` (entries let go as their file changed while mapped:
+    :meth:`forget`), ``evictions``, ``bytes_written``, ``not_stored`` (builds served without
     being stored: too large, no room on the disk, or the directory refused them).
 
     The object holds no lock or map between calls (only descriptors of two small
@@ -215,7 +219,16 @@ class DecodedCache:
         # flock excludes processes, not the threads of one sharing a descriptor.
         self._evict_thread_lock = threading.Lock()
         self.stats: dict[str, int] = dict.fromkeys(
-            ("hits", "builds", "waits", "corrupt", "evictions", "bytes_written", "not_stored"),
+            (
+                "hits",
+                "builds",
+                "waits",
+                "corrupt",
+                "changed",
+                "evictions",
+                "bytes_written",
+                "not_stored",
+            ),
             0,
         )
 
@@ -258,28 +271,82 @@ class DecodedCache:
         (larger than the budget, no room on the disk, a directory that refuses writes),
         the table ``build()`` made is returned as it is, with ``path`` None.
         """
+        table, path, _ = self.get_or_build_pinned(
+            key, build, schema=schema, num_rows=num_rows, name=name
+        )
+        return table, path
+
+    def get_or_build_pinned(
+        self,
+        key: str,
+        build: Callable[[], pa.Table],
+        *,
+        schema: pa.Schema,
+        num_rows: int,
+        name: str = "",
+    ) -> tuple[pa.Table, str | None, Pin | None]:
+        """:meth:`get_or_build`, and the :class:`~torchgrain.io.changes.Pin` of the file
+        the table is mapped from (None when not stored). A caller that keeps the table
+        checks the pin (:func:`~torchgrain.io.changes.changed`) before it reads the table
+        again: a file truncated under its map kills the reader with SIGBUS. A changed
+        entry is let go (:meth:`forget`) and asked for again, which rebuilds it.
+
+        Example:
+            >>> import tempfile, pyarrow as pa
+            >>> from torchgrain.io.changes import changed
+            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+            >>> t = pa.table({"x": [1, 2]})
+            >>> got, path, pin = cache.get_or_build_pinned(
+            ...     entry_key("p", 0), lambda: t, schema=t.schema, num_rows=2)
+            >>> changed(pin) is None
+            True
+        """
         self._check_process()
         path = self.path_of(key)
-        table = self._open(path, key, schema, num_rows)
+        table, pin = self._open(path, key, schema, num_rows)
         if table is not None:
             self._count(hits=1)
-            return table, path
+            return table, path, pin
         with self._stripe(key):
             # Another process may have built it while we waited for the lock.
-            table = self._open(path, key, schema, num_rows)
+            table, pin = self._open(path, key, schema, num_rows)
             if table is not None:
                 self._count(hits=1, waits=1)
-                return table, path
+                return table, path, pin
             self._remove_temps(key)
             built = build()
             if built.num_rows != num_rows or not built.schema.equals(schema):
                 raise ValueError(f"{name or key}: built table does not match its schema/rows")
             if not self._publish(path, key, built):
-                return built, None
-            table = self._open(path, key, schema, num_rows, trusted=True)
+                return built, None, None
+            table, pin = self._open(path, key, schema, num_rows, trusted=True)
         if table is None:  # evicted at once by another process
-            return built, None
-        return table, path
+            return built, None, None
+        return table, path, pin
+
+    def forget(self, path: str, pin: Pin) -> None:
+        """Let go an entry whose file changed while this process mapped it (see
+        :meth:`get_or_build_pinned`): its file is deleted if it is still the one mapped,
+        and it will be checked in full when mapped again.
+
+        Example:
+            >>> import tempfile, pyarrow as pa
+            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+            >>> t = pa.table({"x": [1]})
+            >>> _, path, pin = cache.get_or_build_pinned(
+            ...     entry_key("q", 0), lambda: t, schema=t.schema, num_rows=1)
+            >>> cache.forget(path, pin); os.path.exists(path)
+            False
+        """
+        self._check_process()
+        dev, ino = pin.ident[:2]
+        with self._lock:
+            self._verified.pop((dev, ino), None)
+        with contextlib.suppress(OSError):
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) == (dev, ino):
+                os.unlink(path)
+        self._count(changed=1)
 
     def touch(self, path: str) -> None:
         """Refresh an entry's LRU time (its access time)."""
@@ -314,24 +381,24 @@ class DecodedCache:
     # ----------------------------------------------------------------- opening
     def _open(
         self, path: str, key: str, schema: pa.Schema, num_rows: int, trusted: bool = False
-    ) -> pa.Table | None:
-        """The mapped, checked table of ``path``; None when there is none (a corrupt
-        file is deleted, counted and reported as none)."""
+    ) -> tuple[pa.Table | None, Pin | None]:
+        """The mapped, checked table of ``path`` and its file's pin; None when there is
+        none (a corrupt file is deleted, counted and reported as none)."""
         try:
-            buf, st = map_file(path)
+            buf, st, pin = map_file_pinned(path)
         except OSError:  # missing, or unreadable (decoded again, and replaced if it can)
-            return None
+            return None, None
         try:
             table = self._check(buf, st, key, schema, num_rows, trusted)
         except CorruptDataError:
             self._count(corrupt=1)
             self._discard(path, st)
-            return None
+            return None, None
         now = time.time()
         if now - st.st_atime > _TOUCH_SECONDS:
             with contextlib.suppress(OSError):
                 os.utime(path, (now, st.st_mtime))
-        return table
+        return table, pin
 
     def _check(
         self,

@@ -40,7 +40,7 @@ from torchgrain.errors import (
     RemoteIOError,
     UnsafePathError,
 )
-from torchgrain.io import remote
+from torchgrain.io import changes, remote
 from torchgrain.io.fs import default_cache_dir
 from torchgrain.sources.base import ShardedSource
 from torchgrain.sources.parquet.decoded_cache import (
@@ -138,7 +138,7 @@ class RowGroupLoader(ShardedSource):
             self._check_unchanged(shard, index)
             return table
 
-        table, path = disk.get_or_build(
+        table, path, pin = disk.get_or_build_pinned(
             key,
             build,
             schema=self._file_schema,
@@ -149,8 +149,28 @@ class RowGroupLoader(ShardedSource):
             return RowGroup(table)
         charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
         entry = RowGroup(table, mapped_bytes=charge, path=path)
+        entry.pin = pin
         entry.touched = time.monotonic()
         return entry
+
+    def _drop_changed(self, entries: list[RowGroup | None]) -> None:
+        """Set to None the cached row groups mapped from decoded-cache files that were
+        written or truncated since they were mapped, and let those files go (they are
+        decoded and stored again when loaded): reading such a map could kill the
+        process with SIGBUS. Without a change this is one ``poll`` for the batch."""
+        if self.decoded_cache is None:
+            return
+        mapped = [k for k, e in enumerate(entries) if e is not None and e.pin is not None]
+        while mapped:
+            got = changes.first_changed([entries[k].pin for k in mapped])  # type: ignore[union-attr]
+            if got is None:
+                return
+            k = mapped[got[0]]
+            entry = entries[k]
+            assert entry is not None and entry.pin is not None and entry.path is not None
+            self.decoded_cache.forget(entry.path, entry.pin)
+            entries[k] = None
+            mapped = mapped[got[0] + 1 :]
 
     def _check_unchanged(self, shard: int, index: int) -> None:
         """Raise if a local file was written or replaced since opening (its size,

@@ -578,6 +578,7 @@ class ParquetSource(RowGroupLoader):
         """
         cache = self._blocks
         entries: list[RowGroup | None] = cache.get_many(groups)  # counts a miss per absent
+        self._drop_changed(entries)  # mapped ones whose decoded-cache file changed: reload
         # A row group converted to records has dropped its table: read as missing by a
         # format that needs the table.
         missing = [

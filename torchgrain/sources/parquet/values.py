@@ -75,7 +75,17 @@ class RowGroup:
     what its preparations added.
     """
 
-    __slots__ = ("mapped", "nbytes", "path", "rows", "table", "templates", "touched", "views")
+    __slots__ = (
+        "mapped",
+        "nbytes",
+        "path",
+        "pin",
+        "rows",
+        "table",
+        "templates",
+        "touched",
+        "views",
+    )
 
     def __init__(
         self, table: pa.Table, *, mapped_bytes: int | None = None, path: str | None = None
@@ -87,12 +97,14 @@ class RowGroup:
         self.mapped = mapped_bytes is not None
         self.nbytes = int(table.nbytes if mapped_bytes is None else mapped_bytes)
         self.path = path  # the decoded-cache file a mapped table lives in
+        self.pin: Any = None  # and that file's torchgrain.io.changes.Pin
         self.touched = 0.0  # when this process last refreshed that file's LRU time
 
     def drop_table(self) -> None:
         """Let the decoded table go (its records were converted) and stop charging it."""
         self.table = None
         self.rows = None
+        self.pin = None  # (nothing of the map is read any more)
         self.nbytes = 0
 
     def charge(self) -> int:
