@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io import changes
 from torchgrain.io.atomic import publish
 
 __all__ = ["INDEX_SUFFIX", "IndexFile", "IndexFileWriter"]
@@ -65,7 +66,8 @@ class IndexFile:
 
     Arrays are numpy views of one map of the file (no copy; pages are shared with every
     other process mapping it). ``identity`` is ``(device, inode, size)`` of the
-    file opened.
+    file opened. The file is pinned when opened: :meth:`check` says whether it changed
+    since (call it before reading the arrays again).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class IndexFile:
         mm: mmap.mmap | None = None,
         body: int = 0,
         checksum: str | None = None,
+        pin: changes.Pin | None = None,
     ) -> None:
         self.path = path
         self.kind = kind
@@ -87,6 +90,30 @@ class IndexFile:
         self._mm = mm
         self._body = body
         self.checksum = checksum
+        self._pin = pin
+
+    def check(self) -> None:
+        """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if the file was written
+        or truncated since it was mapped (:mod:`torchgrain.io.changes`): its arrays would
+        then be other bytes, and reading a page past a truncated end kills the process
+        with SIGBUS. Readers call it before each batch that reads the arrays.
+
+        Example:
+            >>> import os, tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "c.tgindex")
+            >>> w = IndexFileWriter(path, "demo", {"a": ("<i8", ())})
+            >>> w.append("a", np.arange(3)); w.publish({})
+            >>> f = IndexFile.open(path, "demo")
+            >>> f.check()
+            >>> os.truncate(path, 8)
+            >>> try:
+            ...     f.check()
+            ... except changes.ChangedWhileOpen as e:
+            ...     print("changed while open" in str(e))
+            True
+        """
+        if self._pin is not None:
+            changes.check(self._pin, f"index file {self.path!r}")
 
     def verify(self) -> bool:
         """Whether the bytes after the header match the header's checksum (reads the
@@ -122,6 +149,7 @@ class IndexFile:
                 array table that does not fit the file (the message names the file).
         """
         with open(path, "rb") as fh:
+            pin = changes.Pin(fh.fileno(), path)  # before its bytes are read
             st = os.fstat(fh.fileno())
             size = st.st_size
             if size < _PREAMBLE.size:
@@ -151,7 +179,7 @@ class IndexFile:
             raise
         identity = (st.st_dev, st.st_ino, st.st_size)
         body = _PREAMBLE.size + hlen
-        return cls(path, kind, meta, arrays, identity, mm, body, header.get("checksum"))
+        return cls(path, kind, meta, arrays, identity, mm, body, header.get("checksum"), pin)
 
     def __repr__(self) -> str:
         return f"IndexFile({self.path!r}, kind={self.kind!r}, arrays={sorted(self.arrays)})"

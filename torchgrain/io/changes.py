@@ -70,7 +70,9 @@ class _Watcher:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.lock = threading.Lock()
+        # Reentrant: a pin freed by the garbage collector during a poll releases its
+        # watch from within it.
+        self.lock = threading.RLock()
         self.fd = -1
         self.lost = False  # the queue overflowed: events are missing, stat every file
         self.modified: dict[int, int] = {}  # watch -> modifications seen
@@ -158,6 +160,9 @@ def _new_watcher() -> _Watcher:
         if w is None or w.pid != os.getpid():
             # A forked child must not read the parent's instance (it would take the
             # parent's events): it makes its own and watches again what it checks.
+            if w is not None and w.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(w.fd)  # (the child's copy of the descriptor only)
             w = _watcher = _Watcher()
         return w
 

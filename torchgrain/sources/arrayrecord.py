@@ -206,6 +206,10 @@ class ArrayRecordSource(EncodedSource):
         self._schema: dict[str, str] | None = schema
         self._share_index()
 
+    def _check_index(self) -> None:
+        if self._dindex is not None:
+            self._dindex.check_unchanged()
+
     def _share_index(self) -> None:
         """Record offsets per shard from the mapped index, not a private copy."""
         if self._dindex is not None and self._count_bad is None:

@@ -89,7 +89,13 @@ class EncodedSource(ShardedSource):
         """The record keys."""
         return list(self.schema)
 
+    def _check_index(self) -> None:
+        """Raise if the node-shared index file the source maps changed since it was
+        opened (reading its arrays could kill the process with SIGBUS): overridden by
+        sources with such an index."""
+
     def __getitem__(self, index: int) -> dict[str, Any]:
+        self._check_index()
         shard, row = self.index.locate_one(index)
         self._check_readable(shard, index)
         t0 = time.perf_counter()
@@ -101,6 +107,7 @@ class EncodedSource(ShardedSource):
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Read a batch: each shard once, the remote ones concurrently; request order."""
+        self._check_index()
         idx = self.index.check(indices)
         t0 = time.perf_counter()
         blobs = self._read_batch(idx) if len(idx) else None
@@ -137,6 +144,7 @@ class EncodedSource(ShardedSource):
         """The records at ``indices`` as columns, decoded for the whole batch at once when
         the codec has a column form (``decode_columns``: msgpack, raw), else built from
         the decoded records."""
+        self._check_index()
         idx = self.index.check(indices)
         if len(idx) == 0:
             return ColumnBatch.from_records([])

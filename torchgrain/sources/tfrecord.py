@@ -162,6 +162,9 @@ class TFRecordSource(EncodedSource):
         return self._tfindex.base
 
     # ------------------------------------------------------------ the contract
+    def _check_index(self) -> None:
+        self._tfindex.check_unchanged()
+
     def _check_readable(self, shard: int, index: int) -> None:
         if self._compressed[shard]:
             raise CorruptDataError(
