@@ -24,6 +24,7 @@ from torchgrain import columns, sources
 from torchgrain.convert import convert
 from torchgrain.diagnostics import stats, timed
 from torchgrain.errors import (
+    CacheDiskFullError,
     CacheThrashWarning,
     CorruptDataError,
     DatasetNotFoundError,
@@ -120,6 +121,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayRecordSource",
     "BlockShuffleSampler",
+    "CacheDiskFullError",
     "CacheThrashWarning",
     "CorruptDataError",
     "CudaPrefetcher",

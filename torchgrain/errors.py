@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 __all__ = [
+    "CacheDiskFullError",
     "CacheThrashWarning",
     "CorruptDataError",
     "DatasetNotFoundError",
@@ -53,6 +54,41 @@ class UnsafePathError(TorchgrainError, ValueError):
 
 class RemoteIOError(TorchgrainError, OSError):
     """Reading remote storage kept failing with transient errors until retries ran out."""
+
+
+class CacheDiskFullError(TorchgrainError, OSError):
+    """A cache on local disk could not write a file: its filesystem is full (``ENOSPC``),
+    the user's disk quota is spent (``EDQUOT``) or the file outgrew a size limit (``EFBIG``:
+    the filesystem's largest file, or the process's ``ulimit -f``).
+
+    An ``OSError`` with the ``errno`` of the failed write (``except OSError`` still
+    catches it). The message names the cache, its directory, the file it was writing and
+    what to do; :attr:`directory` and :attr:`path` hold the last two. Nothing partial is
+    left under the file's name. Sources that can read without the cache do so (and warn
+    once per cache and process) instead of raising it.
+
+    Example:
+        >>> import errno
+        >>> e = CacheDiskFullError(errno.ENOSPC, "the shard cache in '/c' cannot write "
+        ...                        "'/c/x'", directory="/c", path="/c/x")
+        >>> isinstance(e, OSError), e.errno == errno.ENOSPC, e.directory
+        (True, True, '/c')
+    """
+
+    def __init__(
+        self, code: int, message: str, *, directory: str | None = None, path: str | None = None
+    ) -> None:
+        super().__init__(code, message)
+        self.directory = directory
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # (a DataLoader worker's error may be pickled to the main process)
+        return (_disk_full, (self.errno, self.strerror, self.directory, self.path))
+
+
+def _disk_full(code: int, message: str, directory: str | None, path: str | None) -> OSError:
+    return CacheDiskFullError(code, message, directory=directory, path=path)
 
 
 class CacheThrashWarning(UserWarning):

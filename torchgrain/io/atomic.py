@@ -6,6 +6,11 @@ directory (a rename across filesystems is not atomic) and then :func:`publish` g
 its mode, flushes it to disk where a crash must not lose it, and renames it into place.
 On an error the temporary file is removed.
 
+A write that finds no room (a full disk, a spent quota, a file-size limit: see
+:data:`DISK_FULL_ERRNOS`) leaves nothing under the final name either; the caches turn it
+into a :class:`~torchgrain.CacheDiskFullError` that names their directory, the file and
+the remedy (:func:`naming_full_disk`).
+
 The mode is what a plain ``open(path, "w")`` would give: ``0o666`` less the process
 umask. ``tempfile.mkstemp`` would make it ``0o600``, and libraries that write files
 themselves (ArrayRecord's C++ writer, Arrow) choose their own, so the mode is set
@@ -27,22 +32,34 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
 
+from torchgrain.errors import CacheDiskFullError
+
 __all__ = [
+    "DISK_FULL_ERRNOS",
     "atomic_open",
     "atomic_path",
     "atomic_write_bytes",
     "atomic_write_text",
     "current_umask",
+    "disk_full_errno",
+    "disk_full_error",
     "file_mode",
+    "naming_full_disk",
     "publish",
     "temp_name",
 ]
+
+#: The ``errno`` values of a write that found no room: the filesystem is full (ENOSPC), the
+#: user's quota is spent (EDQUOT), or the file outgrew a size limit (EFBIG: the
+#: filesystem's largest file, or the process's RLIMIT_FSIZE with SIGXFSZ ignored).
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 _umask_lock = threading.Lock()
 
@@ -212,3 +229,71 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, durable: bool 
         '{"a": 1}'
     """
     atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
+
+
+def disk_full_errno(exc: BaseException) -> int | None:
+    """The errno of the first write that found no room (:data:`DISK_FULL_ERRNOS`) in
+    ``exc`` or the exceptions it wraps (``__cause__``, ``__context__``: libraries wrap
+    the ``OSError`` of the write, e.g. Arrow's), else None.
+
+    Example:
+        >>> disk_full_errno(OSError(errno.ENOSPC, "No space left on device")) == errno.ENOSPC
+        True
+        >>> disk_full_errno(OSError(errno.EACCES, "Permission denied")) is None
+        True
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return e.errno
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def naming_full_disk(
+    cache: str, directory: str, path: str, remedy: str, *, what: str = ""
+) -> Iterator[None]:
+    """Raise a write in the body that found no room as a
+    :class:`~torchgrain.CacheDiskFullError` (an ``OSError`` with the same ``errno``) naming
+    ``cache`` (what it is), its ``directory``, the file ``path`` being written (``what``
+    says more of it) and the ``remedy``; other errors pass unchanged. The body removes
+    what it wrote (the atomic helpers above do).
+
+    Example:
+        >>> try:
+        ...     with naming_full_disk("the shard cache", "/c", "/c/x", "Free space in /c."):
+        ...         raise OSError(errno.ENOSPC, "No space left on device")
+        ... except OSError as e:
+        ...     print(e)
+        [Errno 28] No space left on device: the shard cache in '/c' cannot write '/c/x'. Free space in /c.
+    """
+    try:
+        yield
+    except CacheDiskFullError:
+        raise
+    except Exception as e:
+        code = disk_full_errno(e)
+        if code is None:
+            raise
+        raise disk_full_error(code, cache, directory, path, remedy, what=what) from e
+
+
+def disk_full_error(
+    code: int, cache: str, directory: str, path: str, remedy: str, *, what: str = ""
+) -> CacheDiskFullError:
+    """The :class:`~torchgrain.CacheDiskFullError` of :func:`naming_full_disk`, for
+    callers that report it instead of raising it.
+
+    Example:
+        >>> str(disk_full_error(errno.EFBIG, "the index", "/i", "/i/a", "Use index_dir=."))
+        "[Errno 27] File too large: the index in '/i' cannot write '/i/a'. Use index_dir=."
+    """
+    return CacheDiskFullError(
+        code,
+        f"{os.strerror(code)}: {cache} in {directory!r} cannot write {path!r}{what}. {remedy}",
+        directory=directory,
+        path=path,
+    )

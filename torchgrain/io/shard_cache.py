@@ -42,6 +42,12 @@ Layout and safety rules (all processes of a machine may share one directory):
   downloads reserve their size (it is in the temp name), so concurrent downloads do not
   overshoot the budget together.
 
+* A write that finds no room (the disk full, the quota spent, a file-size limit) raises
+  :class:`~torchgrain.CacheDiskFullError` naming the directory, the file and the remedy,
+  leaves nothing partial behind, and sets :attr:`ShardCache.disk_full` in this process:
+  sources then read their remote shards by ranges, without the cache, for the rest of
+  the process (and warn once).
+
 What the records guarantee, and their format: see :mod:`torchgrain.io.cache_records`.
 
 The cache assumes shards are immutable: the same URL always holds the same bytes
@@ -68,7 +74,7 @@ import fsspec
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import remote
-from torchgrain.io.atomic import publish
+from torchgrain.io.atomic import naming_full_disk, publish
 from torchgrain.io.cache_records import (
     CRC_BLOCK,
     NEXT_FILE,
@@ -146,6 +152,10 @@ class ShardCache:
     ``bytes_verified`` (copies checked on a hit), ``rejected`` (copies discarded by a
     check: changed on disk since their download, or with no record of it).
 
+    A write that finds the disk full (or a quota or file-size limit) raises
+    :class:`~torchgrain.CacheDiskFullError`, an ``OSError`` naming the directory, the file
+    and the remedy, and sets :attr:`disk_full` for this process.
+
     The object holds no open file or lock between calls: it pickles small and is safe
     to share with forked, spawned or forkserver DataLoader workers.
 
@@ -180,8 +190,10 @@ class ShardCache:
         self.max_bytes = int(max_bytes)
         self.retry = retry or RetryPolicy()
         self.verify_hits = bool(verify_hits)
-        os.makedirs(os.path.join(self.directory, _LOCK_DIR), exist_ok=True)
-        os.makedirs(os.path.join(self.directory, SUM_DIR), exist_ok=True)
+        self._full_pid: int | None = None  # the process whose write found no room
+        for sub in (_LOCK_DIR, SUM_DIR):
+            with self._writing(os.path.join(self.directory, sub)):
+                os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
         self._stats_lock = threading.Lock()
         self._lock_pid = os.getpid()
         self._paths: dict[tuple[str, str | None], str] = {}
@@ -213,6 +225,7 @@ class ShardCache:
         state["_verified"] = {}  # checks are per process
         state["_touched"] = {}
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
+        state["_full_pid"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -224,6 +237,20 @@ class ShardCache:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes}, stats={self.stats})"
 
     # ------------------------------------------------------------------ public
+    @property
+    def disk_full(self) -> bool:
+        """Whether a write of this process into the cache found no room (a full disk, a
+        spent quota, a file-size limit: it raised :class:`~torchgrain.CacheDiskFullError`).
+        Sources then read their remote shards without the cache in this process; a new
+        process (the next epoch's DataLoader workers, unless persistent) tries again.
+
+        Example:
+            >>> import tempfile
+            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).disk_full
+            False
+        """
+        return self._full_pid == os.getpid()
+
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
         """Where the copy of ``url`` lives (whether or not it is cached now).
 
@@ -403,9 +430,10 @@ class ShardCache:
                 self.directory,
                 f"{TMP_PREFIX}{os.path.basename(path)}-{size}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
             )
-            # Reserve the space (the size is in the temp name), then make room for it.
-            open(tmp, "wb").close()
             try:
+                # Reserve the space (the size is in the temp name), then make room for it.
+                with self._writing(tmp, f" (the copy of {url}, {size:,} bytes)"):
+                    open(tmp, "wb").close()
                 self._make_room(keep=path)
                 retry_call(
                     self._download,
@@ -426,8 +454,9 @@ class ShardCache:
                 # (a whole-file hash gave their CRC from the same read).
                 if not (isinstance(crc, str) and _CRC_TEXT.fullmatch(crc)):
                     crc, _ = file_crc(tmp)
-                write_record(self._sum_path(path), crc, size)
-                publish(tmp, path, durable=False)  # mode from the umask
+                with self._writing(self._sum_path(path), f" (the record of {url})"):
+                    write_record(self._sum_path(path), crc, size)
+                    publish(tmp, path, durable=False)  # mode from the umask
                 # After the rename, which moves the change time: the identity it keeps.
                 ident = file_identity(os.stat(path))
             except BaseException:
@@ -465,7 +494,9 @@ class ShardCache:
                     hints.pop(name, None)
                 else:
                     hints[name] = int(use)
-            write_hints(os.path.join(self.directory, NEXT_FILE), hints)
+            hints_path = os.path.join(self.directory, NEXT_FILE)
+            with self._writing(hints_path, " (the next-use hints)"):
+                write_hints(hints_path, hints)
 
     def next_uses(self) -> dict[str, int]:
         """The next-use hints in force: copy name -> position (see :meth:`advise`).
@@ -586,6 +617,25 @@ class ShardCache:
                 os.unlink(self._sum_path(path))
         return True
 
+    @contextlib.contextmanager
+    def _writing(self, path: str, what: str = "") -> Iterator[None]:
+        """Writes to ``path`` in the cache (``what`` says what it is): one that finds no
+        room raises :class:`~torchgrain.CacheDiskFullError` and sets :attr:`disk_full`."""
+        try:
+            with naming_full_disk(
+                "the shard cache",
+                self.directory,
+                path,
+                "Free space on that disk, lower its budget (cache_dir_bytes, now "
+                f"{self.max_bytes:,} bytes), or pass cache_dir= a directory on a disk with room.",
+                what=what,
+            ):
+                yield
+        except OSError as e:
+            if getattr(e, "directory", None) == self.directory:  # ours, named above
+                self._full_pid = os.getpid()
+            raise
+
     def _lock_path(self, path: str) -> str:
         return os.path.join(self.directory, _LOCK_DIR, os.path.basename(path) + ".lock")
 
@@ -593,7 +643,8 @@ class ShardCache:
     def _flock(
         self, lock_path: str, *, blocking: bool = True, shared: bool = False
     ) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        with self._writing(lock_path, " (a lock file)"):
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
@@ -612,7 +663,8 @@ class ShardCache:
         self, fs: fsspec.AbstractFileSystem, rpath: str, tmp: str, size: int, url: str
     ) -> None:
         # With a deadline that grows with the size (torchgrain.io.remote).
-        remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
+        with self._writing(tmp, f" (the copy of {url}, {size:,} bytes)"):
+            remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
         got = os.path.getsize(tmp)
         if got < size:
             raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")
@@ -621,8 +673,9 @@ class ShardCache:
                 f"downloaded {url} has {got} bytes, expected {size} (did the file change?)"
             )
         # Publish only data that is on disk: a crash right after the rename must not
-        # leave a file that looks complete but is not.
-        with open(tmp, "rb+") as f:
+        # leave a file that looks complete but is not. (A filesystem that allocates late
+        # may report a full disk here.)
+        with self._writing(tmp, f" (the copy of {url}, {size:,} bytes)"), open(tmp, "rb+") as f:
             os.fsync(f.fileno())
 
     def _remove_stale_tmp(self, path: str) -> None:

@@ -404,7 +404,7 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
     def _reader(self, shard: int) -> Any:
         """This process's reader of ``shard`` (opened on first use; LRU-bounded)."""
         st = self._proc()
-        if self.cache is not None:
+        if self._uses_copies():
             return self._cached_reader(st, shard)
         with st.lock:
             reader = st.readers.get(shard)
@@ -431,7 +431,7 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
     @property
     def _reads_remote(self) -> bool:
         """Whether reads go over the network (remote shards and no local copies)."""
-        return self._remote and self.cache is None
+        return self._remote and not self._uses_copies()
 
     def _io(self, fn: Callable[[], T], shard: int, what: str) -> T:
         """Run one read of ``shard``; remote reads are counted and retried. Readers of

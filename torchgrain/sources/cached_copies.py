@@ -8,6 +8,11 @@ pins the copies it opens (:meth:`CachedCopies._pinned`), and a copy that leaves 
 set (evicted, replaced on disk, or to bound the open readers) is retired, then closed by
 its last user. A batch opens its shards' copies ahead, downloading the missing ones
 concurrently (:meth:`CachedCopies._prefetch_copies`).
+
+A cache whose disk has no room for a download (full, over quota, a file-size limit:
+:class:`~torchgrain.CacheDiskFullError`) is not used again by the process
+(:attr:`~torchgrain.io.shard_cache.ShardCache.disk_full`): its reads of remote shards go
+on by ranges, as without a cache, and it warns once per cache directory.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from torchgrain.errors import CacheDiskFullError
 from torchgrain.io.shard_cache import file_identity
 
 if TYPE_CHECKING:
@@ -38,6 +45,9 @@ _EVICTED_GRACE_SECONDS = 1.0
 _TOUCH_SECONDS = 1.0
 # Per thread: ``pins``, the cached copies the running read (ShardedSource._pinned) uses.
 _READS = threading.local()
+# (process id, cache directory) already warned of a full disk: once per cache and process.
+_WARNED_FULL: set[tuple[int, str]] = set()
+_WARNED_LOCK = threading.Lock()
 
 
 class _CachedCopy:
@@ -65,6 +75,27 @@ class CachedCopies:
     """The shard-cache side of :class:`~torchgrain.sources.base.ShardedSource`: the
     open readers of local copies of remote shards, and their downloads."""
 
+    def _uses_copies(self) -> bool:
+        """Whether this process reads remote shards through the shard cache's copies
+        (there is a cache, and its disk has had room)."""
+        return self.cache is not None and not self.cache.disk_full
+
+    def _cache_full(self, err: CacheDiskFullError) -> None:
+        """Go on without the shard cache in this process (its disk has no room: it set
+        ``disk_full``); say so once per cache directory and process."""
+        assert self.cache is not None
+        key = (os.getpid(), self.cache.directory)
+        with _WARNED_LOCK:
+            if key in _WARNED_FULL:
+                return
+            _WARNED_FULL.add(key)
+        warnings.warn(
+            f"torchgrain: {err} Until this process ends, it reads the remote shards "
+            "without the shard cache (byte ranges from the store).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
     def _open_local_copy(self, shard: int, path: str) -> Any:
         reader = self._open_reader(shard, path, None)
         try:
@@ -84,8 +115,13 @@ class CachedCopies:
 
     def _cached_reader(self, st: _ProcessState, shard: int) -> Any:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
-        open until the read that asked for it (:meth:`_io`) ends, at least."""
-        return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
+        open until the read that asked for it (:meth:`_io`) ends, at least; a reader of
+        the remote shard itself once the cache's disk has no room."""
+        try:
+            return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
+        except CacheDiskFullError as e:
+            self._cache_full(e)
+            return self._reader(shard)  # no longer through the cache (_uses_copies)
 
     def _cached_copy(self, st: _ProcessState, shard: int, pins: list | None) -> _CachedCopy:
         """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
@@ -189,7 +225,7 @@ class CachedCopies:
             return {}
         st = self._proc()
         _release_batch(st)  # a batch that raised before its end
-        if self.io_threads <= 1 or len(shards) <= 1:
+        if self.io_threads <= 1 or len(shards) <= 1 or not self._uses_copies():
             return {}
         with st.lock:
             open_now = set(st.cached)
@@ -204,7 +240,17 @@ class CachedCopies:
 
         # Open the cached ones first, before the downloads can evict them.
         opened = {s: get(s) for s in shards if s not in missing}
-        opened.update(zip(missing, self._pool().map(get, missing)))
+        downloads = [(s, self._pool().submit(get, s)) for s in missing]
+        full = False
+        for s, f in downloads:  # all of them waited for: none pins a copy after we return
+            try:
+                opened[s] = f.result()
+            except CacheDiskFullError as e:
+                self._cache_full(e)
+                full = True
+        if full:  # the batch's reads open their shards themselves, by ranges
+            _release_batch(st)
+            return {}
         return opened
 
     def prefetch_shard(self, shard: int) -> bool:
@@ -218,16 +264,21 @@ class CachedCopies:
             >>> tg.ArrayRecordSource(d).prefetch_shard(0)  # no shard cache: nothing to do
             False
         """
-        if self.cache is None or self._is_cached(shard):
+        if not self._uses_copies() or self._is_cached(shard):
             return False
+        assert self.cache is not None
         _, checksum = self.shard_integrity(shard)
-        self.cache.fetch(
-            self._paths[shard],
-            filesystem=self._fs,
-            size=self.shard_nbytes(shard),
-            checksum=checksum,
-            verify=self._verify_copy,
-        )
+        try:
+            self.cache.fetch(
+                self._paths[shard],
+                filesystem=self._fs,
+                size=self.shard_nbytes(shard),
+                checksum=checksum,
+                verify=self._verify_copy,
+            )
+        except CacheDiskFullError as e:
+            self._cache_full(e)
+            return False
         return True
 
 

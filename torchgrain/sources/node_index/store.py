@@ -3,7 +3,10 @@
 What the ArrayRecord and TFRecord indexes (:mod:`.arrayrecord`, :mod:`.tfrecord`) share:
 the arrays of an index file or of memory (:class:`_Arrays`), the checks of their shapes
 and prefix sums, and the index directory: a key per set of files, one builder per
-machine under a lock, stamps of verified files, and least-recently-used pruning.
+machine under a lock, stamps of verified files, and least-recently-used pruning. A directory that cannot take an index (read-only, or
+with no room: a full disk, a spent quota, a file-size limit) leaves nothing partial in
+it; the index is built in the process's memory instead, with a warning (for no room, once
+per directory and process, naming the directory, the file and the remedy).
 
 Example:
     >>> _key("tfrecord", [("a", 1, 2)]) == _key("tfrecord", [("a", 1, 2)])
@@ -18,6 +21,7 @@ import contextlib
 import errno
 import hashlib
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,6 +31,7 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
+from torchgrain.io.atomic import DISK_FULL_ERRNOS, naming_full_disk
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
 
@@ -41,7 +46,11 @@ INDEX_DIR_BYTES = 32 << 30
 _VERSION = 1
 _BATCH = 256  # shards whose footers are read together while building
 # Why an index directory cannot take an index (anything else is raised).
-_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.ENOSPC}
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST}
+_UNWRITABLE |= DISK_FULL_ERRNOS
+# (process id, index directory) already warned of a full disk: once per directory and process.
+_WARNED_FULL: set[tuple[int, str]] = set()
+_WARNED_LOCK = threading.Lock()
 _STAMPS = "verified"  # stamps of index files whose contents were checked
 _LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
 
@@ -392,21 +401,41 @@ def _cached(
     ix = try_open()
     if ix is not None:
         return ix
+    remedy = (
+        "Free space on that disk, or pass index_dir= a directory on a disk with room (its "
+        "default lies under $TORCHGRAIN_CACHE; index_dir=None keeps indexes in memory)."
+    )
     try:
-        os.makedirs(index_dir, exist_ok=True)
-        with _build_lock(path):
-            ix = try_open()  # another process may have built it meanwhile
-            if ix is None:
-                ix = build(path)
-                _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
-                _prune(index_dir, path)
+        with naming_full_disk("the dataset index", index_dir, path, remedy):
+            os.makedirs(index_dir, exist_ok=True)
+            with _build_lock(path):
+                ix = try_open()  # another process may have built it meanwhile
+                if ix is None:
+                    ix = build(path)
+                    _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
+                    _prune(index_dir, path)
         return ix
     except OSError as e:
         if e.errno not in _UNWRITABLE or isinstance(e, DatasetNotFoundError):
             raise
-        warnings.warn(
-            f"cannot write the dataset index into {index_dir!r} ({e}); keeping it in this "
-            "process's memory instead (pass index_dir= a writable directory)",
-            stacklevel=3,
-        )
+        if e.errno not in DISK_FULL_ERRNOS:
+            warnings.warn(
+                f"cannot write the dataset index into {index_dir!r} ({e}); keeping it in this "
+                "process's memory instead (pass index_dir= a writable directory)",
+                stacklevel=3,
+            )
+        elif _first_full(index_dir):
+            warnings.warn(
+                f"torchgrain: {e} Keeping the dataset index in this process's memory instead.",
+                stacklevel=3,
+            )
         return build(None)
+
+
+def _first_full(index_dir: str) -> bool:
+    """Whether this process has not yet warned of a full disk under ``index_dir``."""
+    key = (os.getpid(), os.path.abspath(index_dir))
+    with _WARNED_LOCK:
+        first = key not in _WARNED_FULL
+        _WARNED_FULL.add(key)
+    return first

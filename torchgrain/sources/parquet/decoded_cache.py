@@ -40,7 +40,10 @@ Layout and safety rules (every process of a machine may share one directory):
   recently used entries deleted first to make room.
 * A directory that refuses writes (full, read-only, deleted while in use, a file size
   limit) never fails a read: the row group is served as decoded, not stored, and the
-  process warns once. A deleted directory is made again at the next build.
+  process warns once, naming the directory, the file it could not write, the row group
+  and the remedy (a full disk, quota or size limit as a
+  :class:`~torchgrain.CacheDiskFullError`'s message). Nothing partial is left: the temp
+  file is removed. A deleted directory is made again at the next build.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io.atomic import disk_full_errno, disk_full_error
 from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
 from torchgrain.sources.parquet.arrow_map import map_file_pinned
@@ -317,7 +321,7 @@ class DecodedCache:
             built = build()
             if built.num_rows != num_rows or not built.schema.equals(schema):
                 raise ValueError(f"{name or key}: built table does not match its schema/rows")
-            if not self._publish(path, key, built):
+            if not self._publish(path, key, built, name or key):
                 return built, None, None
             table, pin = self._open(path, key, schema, num_rows, trusted=True)
         if table is None:  # evicted at once by another process
@@ -446,13 +450,17 @@ class DecodedCache:
                 os.unlink(path)
 
     # --------------------------------------------------------------- building
-    def _publish(self, path: str, key: str, table: pa.Table) -> bool:
-        """Write ``table`` under a temp name and rename it to ``path`` (we hold the key's
-        lock). False when it was not stored."""
+    def _publish(self, path: str, key: str, table: pa.Table, name: str) -> bool:
+        """Write ``table`` (the entry ``name``) under a temp name and rename it to ``path``
+        (we hold the key's lock). False when it was not stored."""
         tmp = os.path.join(self.directory, _TMP, f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        what = f" ({name})"
         try:
             if not self._room_on_disk(table.nbytes):
-                self._refused(f"the disk would keep less than {self.min_free_bytes:,} bytes free")
+                self._refused(
+                    f"the disk would keep less than min_free_bytes={self.min_free_bytes:,} "
+                    f"bytes free after writing {path!r}{what}. {self._remedy()}"
+                )
                 return False
             nbytes = self._write(tmp, table, key)
             if nbytes > self.max_bytes:
@@ -466,7 +474,19 @@ class DecodedCache:
                 os.replace(tmp, path)
                 self._write_usage(total + nbytes)
         except OSError as e:  # the directory refused it (full, read-only, deleted...)
-            self._refused(f"{type(e).__name__}: {e}")
+            code = disk_full_errno(e)
+            if code is not None:  # full disk, quota or size limit: say so, and what to do
+                full = disk_full_error(
+                    code,
+                    "the decoded Parquet cache",
+                    self.directory,
+                    tmp,
+                    self._remedy(),
+                    what=what,
+                )
+                self._refused(f"{full}", full=True)
+            else:
+                self._refused(f"{type(e).__name__}: {e} (writing {tmp!r}{what}). {self._remedy()}")
             return False
         finally:
             with contextlib.suppress(OSError):
@@ -490,16 +510,26 @@ class DecodedCache:
         self._full_until = time.monotonic() + _FULL_SECONDS
         return False
 
-    def _refused(self, reason: str) -> None:
-        """Count an entry not stored, and say once per process why."""
+    def _remedy(self) -> str:
+        return (
+            "Free space on that disk, lower the cache's budget (decoded_cache_bytes, now "
+            f"{self.max_bytes:,} bytes), or pass decoded_cache= a directory on another local "
+            "disk (its default lies under $TORCHGRAIN_CACHE; decoded_cache=False turns it off)."
+        )
+
+    def _refused(self, reason: str, *, full: bool = False) -> None:
+        """Count an entry not stored, and say once per process why (``reason`` names the
+        directory, the file and the remedy; ``full``: it is a full disk's error)."""
         self._count(not_stored=1)
         if self._warned:
             return
         self._warned = True
+        if not full:
+            reason = (
+                f"the decoded Parquet cache in {self.directory!r} cannot store row groups: {reason}"
+            )
         warnings.warn(
-            f"torchgrain: the decoded Parquet cache in {self.directory!r} cannot store row "
-            f"groups ({reason}): they are decoded again whenever needed. Free disk space, "
-            "or pass decoded_cache=DIR on another local disk (or decoded_cache=False).",
+            f"torchgrain: {reason} Row groups are decoded again whenever needed, not stored.",
             stacklevel=2,
         )
 
