@@ -279,6 +279,20 @@ def test_a_full_decoded_parquet_cache_decodes_row_groups_again(tmp_path):
     assert not [f for f in _files(cache) if f.endswith(".arrow") or ".tmp" in f]
 
 
+def test_a_decoded_cache_directory_that_cannot_be_made_is_named(tmp_path, monkeypatch):
+    from torchgrain.sources.parquet.decoded_cache import DecodedCache
+
+    def no_room(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(DecodedCache, "_make_dirs", no_room)
+    directory = str(tmp_path / "decoded")
+    with pytest.raises(tg.CacheDiskFullError) as info:
+        DecodedCache(directory)
+    assert info.value.errno == errno.ENOSPC and info.value.directory == directory
+    assert repr(directory) in str(info.value) and "decoded_cache=" in str(info.value)
+
+
 # ------------------------------------------------------------------- the dataset index
 def test_a_full_index_directory_keeps_the_index_in_memory(tmp_path):
     data = _write_tfrecords(tmp_path / "tf")

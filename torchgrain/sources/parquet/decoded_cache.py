@@ -67,7 +67,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.io.atomic import disk_full_errno, disk_full_error
+from torchgrain.io.atomic import disk_full_errno, disk_full_error, naming_full_disk
 from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
 from torchgrain.sources.parquet.arrow_map import map_file_pinned
@@ -191,7 +191,11 @@ class DecodedCache:
             raise ValueError(f"min_free_bytes must be an integer >= 0, got {min_free_bytes!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.lock_timeout = float(lock_timeout)
-        self._make_dirs()
+        self.max_bytes = max_bytes  # (None: set below, once the directory is there)
+        with naming_full_disk(
+            "the decoded Parquet cache", self.directory, self.directory, self._remedy()
+        ):
+            self._make_dirs()
         disk = shutil.disk_usage(self.directory)
         if max_bytes is None:
             # What the cache holds (its running total) it may keep: a later run reuses it.
@@ -511,10 +515,11 @@ class DecodedCache:
         return False
 
     def _remedy(self) -> str:
+        now = "" if self.max_bytes is None else f", now {self.max_bytes:,} bytes"
         return (
-            "Free space on that disk, lower the cache's budget (decoded_cache_bytes, now "
-            f"{self.max_bytes:,} bytes), or pass decoded_cache= a directory on another local "
-            "disk (its default lies under $TORCHGRAIN_CACHE; decoded_cache=False turns it off)."
+            f"Free space on that disk, lower the cache's budget (decoded_cache_bytes{now}), or "
+            "pass decoded_cache= a directory on another local disk (its default lies under "
+            "$TORCHGRAIN_CACHE; decoded_cache=False turns it off)."
         )
 
     def _refused(self, reason: str, *, full: bool = False) -> None:
