@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import email.utils
 import html
 import http.client
 import os
@@ -117,7 +118,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         target = srv.redirects.get(rel)
-        if target is not None:
+        if target is not None and self.command in srv.redirect_methods:
             self.send_response(302)
             self.send_header("Location", target)
             self.send_header("Content-Length", "0")
@@ -146,13 +147,30 @@ class _Handler(BaseHTTPRequestHandler):
         if not os.path.isfile(path):
             self._send_plain(404, b"not found")
             return
-        size = os.path.getsize(path)
+        st = os.stat(path)
+        size = st.st_size
+        # Validators as nginx writes them: ETag "<mtime hex>-<size hex>", Last-Modified.
+        etag = f'"{int(st.st_mtime):x}-{size:x}"' if srv.etags else None
+        modified = email.utils.formatdate(st.st_mtime, usegmt=True) if srv.etags else None
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and srv.etags and wanted.strip() not in ("*", etag):
+            self.send_response(412)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._validators = (etag, modified)
         ranges = _ranges(self.headers.get("Range", ""), size)
         if body and ranges is not None and len(ranges) > 1 and srv.multirange != "ignore":
             self._multipart(path, size, ranges, srv.multirange)
             return
         start, end, status = 0, size, 200
         m = _RANGE.match(self.headers.get("Range", "").strip())
+        if m and srv.answer in ("whole", "first"):
+            # A server that ignores Range: the whole file, or (broken) as many of its
+            # first bytes as were asked for, with status 200.
+            if srv.answer == "first" and m.group(1) and m.group(2):
+                end = min(size, int(m.group(2)) - int(m.group(1)) + 1)
+            m = None
         if m and size:
             a, b = m.group(1), m.group(2)
             if a == "":
@@ -166,11 +184,16 @@ class _Handler(BaseHTTPRequestHandler):
                 self.end_headers()
                 return
             status = 206
+            if srv.answer_shift and start >= srv.answer_shift:
+                # Other bytes than asked, honestly named: the same length, earlier.
+                start, end = start - srv.answer_shift, end - srv.answer_shift
         self.send_response(status)
         ctype = "application/json" if path.endswith(".json") else "application/octet-stream"
-        self.send_header("Content-Type", ctype)
+        if srv.content_types:
+            self.send_header("Content-Type", ctype)
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Length", str(end - start))
+        self._send_validators()
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
@@ -193,6 +216,13 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "truncate":
             self.close_connection = True
 
+    def _send_validators(self) -> None:
+        etag, modified = getattr(self, "_validators", (None, None))
+        if etag is not None:
+            self.send_header("ETag", etag)
+        if modified is not None:
+            self.send_header("Last-Modified", modified)
+
     def _multipart(self, path: str, size: int, ranges: list[tuple[int, int]], mode: str) -> None:
         """Several ranges in one answer, as nginx sends them (``mode="parts"``), merged into
         one range (``"merge"``, which RFC 9110 allows), or broken in one of the ways of
@@ -205,6 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "application/octet-stream")
             self.send_header("Content-Length", str(end - start))
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+            self._send_validators()
             self.end_headers()
             self.wfile.write(data[start:end])
             return
@@ -236,6 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
             ctype += f"; boundary={boundary}"
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(payload)))
+        self._send_validators()
         self.end_headers()
         self.wfile.write(payload)
 
@@ -320,6 +352,16 @@ class RangeHTTPServer(_Serving):
     and :attr:`max_inflight` for the most requests served at once. :attr:`listings` maps
     a directory path (``"/ds"``) to the HTML page served for it (a hostile listing), and
     :attr:`redirects` a path to the ``Location`` of a 302 answer.
+
+    A file's answers carry ``ETag`` and ``Last-Modified`` as nginx writes them (from its
+    modification time, in seconds, and size), and ``If-Match`` is honoured (``412``);
+    ``etags=False`` sends neither and ignores ``If-Match``. Replacing a file under
+    :attr:`root` while the server runs is a swapped object (each request reads the
+    file afresh). How one range is answered: :attr:`answer` ``"range"`` (``206``, as
+    asked), ``"whole"`` (``200`` and the whole file) or ``"first"`` (``200`` and as many
+    of the file's first bytes as were asked for); :attr:`answer_shift` > 0: a ``206``
+    holding the bytes that many earlier, named so in its ``Content-Range``;
+    ``content_types=False``: no ``Content-Type`` on files.
     """
 
     def __init__(
@@ -333,6 +375,10 @@ class RangeHTTPServer(_Serving):
         if multirange not in MULTIRANGE_MODES:
             raise ValueError(multirange)
         self.multirange = multirange
+        self.answer = "range"
+        self.answer_shift = 0
+        self.content_types = True
+        self.etags = True
         self.root = os.path.realpath(os.fspath(root))
         self.latency_s = latency_s
         self.rate_bytes_per_s = rate_bytes_per_s
@@ -343,6 +389,7 @@ class RangeHTTPServer(_Serving):
         self.range_log: list[str | None] = []  # each request's Range header, in order
         self.listings: dict[str, str] = {}
         self.redirects: dict[str, str] = {}
+        self.redirect_methods = {"GET", "HEAD"}  # the methods :attr:`redirects` answer
         self._faults: list[str] = []
         self._lock = threading.Lock()
         self._serve(_Handler)

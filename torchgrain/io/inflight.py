@@ -51,7 +51,14 @@ from torchgrain.io.remote import (
     remaining_seconds,
     request_done,
 )
-from torchgrain.io.responses import ResponseSizeError, _read_capped
+from torchgrain.io.responses import (
+    RangeAnswerError,
+    ResponseSizeError,
+    _changed,
+    _read_capped,
+    check_file_answer,
+    if_match,
+)
 from torchgrain.io.retry import RequestTimeout, is_transient_status
 
 __all__ = ["cat_many", "multirange_servers"]
@@ -179,8 +186,14 @@ async def _get_ranges(
     kw = dict(fs.kwargs)
     headers = dict(kw.pop("headers", None) or {})
     headers["Range"] = range_header(merged)
+    tag = if_match(path)
+    if tag is not None:
+        headers["If-Match"] = tag
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+        if r.status == 412 and tag is not None:
+            r.close()
+            raise _changed(path, tag)
         if r.status in _NOT_FOUND:
             r.close()
             raise FileNotFoundError(path)
@@ -203,18 +216,22 @@ async def _get_ranges(
         boundary = boundary_of(r.headers.get("Content-Type"))
         try:
             if boundary is not None:
-                return parse_byteranges(body, boundary, max_parts=len(merged))
-            # One part: the server merged the ranges (RFC 9110 allows it) into one.
-            head = r.headers.get("Content-Range", "").encode("latin-1", "replace")
-            return parse_byteranges(
-                b"--x\r\nContent-Range: " + head + b"\r\n\r\n" + body + b"\r\n--x--",
-                "x",
-                max_parts=1,
-            )
+                parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
+            else:
+                # One part: the server merged the ranges (RFC 9110 allows it) into one.
+                head = r.headers.get("Content-Range", "").encode("latin-1", "replace")
+                parts, size = parse_byteranges(
+                    b"--x\r\nContent-Range: " + head + b"\r\n\r\n" + body + b"\r\n--x--",
+                    "x",
+                    max_parts=1,
+                )
         except MultipartError:
             raise
         except Exception as e:  # whatever else a malformed answer trips
             raise MultipartError(f"{type(e).__name__}: {e}") from e
+        # The parts agree with each other; the file they are of must be the one opened.
+        check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
+        return parts, size
 
 
 def _dropped(exc: BaseException) -> bool:
@@ -267,6 +284,8 @@ async def _limited_ranges(
         )
         err.__cause__ = e
         return [err] * len(ranges)
+    except RangeAnswerError as e:
+        return [e] * len(ranges)  # another file than the one opened: retried, then an error
     except (MultipartError, ResponseSizeError):
         known.answers[origin] = False  # a broken answer: never asked so again
     except _NotMultirange as e:

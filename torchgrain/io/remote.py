@@ -23,6 +23,14 @@ one place where torchgrain talks to fsspec about remote files, so that:
   given up as soon as it holds more than was asked for (a response to a request without a
   range, such as a directory listing page, more than :data:`MAX_PAGE_BYTES`); a download
   stops at its expected size, and fails when it falls behind ``min_rate``.
+* **a range answer is the range asked, of the file opened.** Its ``Content-Range`` must
+  name the bytes asked for, of a file of the size pinned when the file was opened
+  (:func:`pin`: from the dataset's index, manifest or footer read, so that a worker
+  opening it later checks against the same size), with the ``ETag`` and ``Last-Modified``
+  of the first answer (sent back as ``If-Match``). A file replaced on the server while it
+  is read ends in :class:`~torchgrain.RemoteIOError` naming the URL (after one retry),
+  never in the new file's bytes at the old file's offsets
+  (:func:`~torchgrain.io.responses.check_range_answer`).
 * **redirects stay put.** On HTTP(S), a redirect is followed only from a directory's URL to
   the same URL with a trailing slash; any other is refused
   (:class:`~torchgrain.UnsafePathError`) before a request is made to where it points,
@@ -66,12 +74,14 @@ from torchgrain.errors import CorruptDataError, UnsafePathError
 from torchgrain.io import loops  # noqa: F401  (its fork hook: see the module docstring)
 from torchgrain.io.paths import is_http
 from torchgrain.io.responses import (
+    _HTTP_READS,
     _S3_READS,
     ResponseSizeError,
     _DownloadGuard,
     _on_redirect,
     _read_capped,
 )
+from torchgrain.io.responses import pin as _pin
 from torchgrain.io.retry import (
     RequestTimeout,
     RetryPolicy,
@@ -79,6 +89,7 @@ from torchgrain.io.retry import (
     http_status,
     in_operation,
     is_transient,
+    is_transient_status,
     remaining_seconds,
     request_done,
     retry_call,
@@ -97,6 +108,7 @@ __all__ = [
     "isdir",
     "isfile",
     "open_input",
+    "pin",
     "storage_options_with_deadlines",
 ]
 
@@ -243,8 +255,11 @@ def _raise_refusal(exc: BaseException) -> None:
 def _coroutine(fs: AsyncFileSystem, method: str) -> Callable[..., Awaitable[Any]]:
     """``fs._<method>``, or torchgrain's own where fsspec's would buffer a whole body
     before anyone can check its length (s3fs's reads)."""
-    if method in _S3_READS and any(p in ("s3", "s3a") for p in _protocols(fs)):
+    protocols = _protocols(fs)
+    if method in _S3_READS and any(p in ("s3", "s3a") for p in protocols):
         return functools.partial(_S3_READS[method], fs, page_limit=MAX_PAGE_BYTES)
+    if method in _HTTP_READS and is_http(fs):
+        return functools.partial(_HTTP_READS[method], fs, page_limit=MAX_PAGE_BYTES)
     return getattr(fs, "_" + method)
 
 
@@ -380,10 +395,46 @@ def isdir(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -
     if not isinstance(fs, AsyncFileSystem):
         return fs.isdir(path)
     if is_http(fs):
-        # Listing it is the only way to tell; its own failures are not swallowed.
+        if _http_file(fs, path, url or path):
+            return False  # a file: never fetched to find out (it may be GiBs)
+        # A page of links, or a server whose HEAD says nothing: listing it is the only
+        # way to tell; its own failures are not swallowed.
         return bool(call(fs, "isdir", path, url=url or path, what="listing"))
     info = _info_or_none(fs, path, url)
     return info is not None and info.get("type") == "directory"
+
+
+def _http_file(fs: fsspec.AbstractFileSystem, path: str, label: str) -> bool:
+    """Whether a ``HEAD`` says ``path`` is a file: answered ``200`` with a size, not at a
+    URL ending in ``/``, and either serving byte ranges (``Accept-Ranges: bytes``) or not
+    an HTML page (a directory's listing is one; a file may come without any
+    ``Content-Type``). fsspec's HTTP ``isdir`` would GET the whole file and look for links
+    in it. A server that refuses ``HEAD`` is asked as before; a busy one is retried."""
+    if not path or path.endswith("/"):
+        return False
+
+    def busy(answer: dict[str, Any]) -> None:
+        if is_transient_status(answer["status"]):  # retried, as any request is
+            raise ConnectionError(f"HEAD of {label}: HTTP {answer['status']}")
+
+    try:
+        head = call(fs, "head", path, url=label, what="lookup", check=busy)
+    except UnsafePathError:
+        raise
+    except Exception as e:
+        if is_transient(e):
+            raise
+        return False
+    status, headers = head["status"], {k.lower(): v for k, v in head["headers"].items()}
+    if status != 200 or str(head["url"]).endswith("/"):
+        return False
+    if not str(headers.get("content-length", "")).isdigit():
+        return False
+    ranges = "bytes" in str(headers.get("accept-ranges", "")).lower()
+    page = (
+        str(headers.get("content-type", "")).lower().startswith(("text/html", "application/xhtml"))
+    )
+    return ranges or not page
 
 
 def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> int:
@@ -407,6 +458,20 @@ def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = Non
             f"{label}: the server reports no size ({got!r}); reading byte ranges needs one"
         )
     return int(got)
+
+
+def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None) -> None:
+    """Pin the size of remote file ``path`` (of ``fs``) as the dataset's opening found it:
+    every range answer must name a file of that size (and, once one has given them, the
+    same ``ETag`` and ``Last-Modified``), see :func:`torchgrain.io.responses.pin`. Local
+    and in-memory files are left alone.
+
+    Example:
+        >>> import fsspec
+        >>> pin(fsspec.filesystem("memory"), "/c/p", 3)
+    """
+    if isinstance(fs, AsyncFileSystem):
+        _pin(path, size)
 
 
 def _check_length(
@@ -562,7 +627,7 @@ class RemoteFile(io.RawIOBase):
     Args:
         fs: the filesystem.
         path: the file's path on ``fs``.
-        size: its size in bytes, when known (else asked for once).
+        size: its size in bytes, when known (else asked for once); pinned (:func:`pin`).
         url: the name used in errors.
 
     Example:
@@ -587,6 +652,7 @@ class RemoteFile(io.RawIOBase):
         self._path = path
         self.name = url or path
         self._size = int(file_size(fs, path, url=self.name) if size is None else size)
+        pin(fs, path, self._size)
         self._pos = 0
         self._context: contextvars.Context | None = None
 
@@ -662,10 +728,13 @@ def open_input(
     *,
     url: str | None = None,
     buffered: bool = True,
+    size: int | None = None,
 ) -> IO[bytes]:
     """Open ``path`` for reading: ``fs.open`` for a local or in-memory file, else a
     :class:`RemoteFile` behind a :data:`REMOTE_BUFFER`-byte read-ahead buffer (unless
-    ``buffered=False``, for readers that ask for exactly the ranges they need).
+    ``buffered=False``, for readers that ask for exactly the ranges they need). ``size``:
+    the file's size as the dataset's opening found it (pinned, see :func:`pin`; else
+    asked for now).
 
     Example:
         >>> import fsspec
@@ -677,5 +746,5 @@ def open_input(
     """
     if not isinstance(fs, AsyncFileSystem):
         return fs.open(path, "rb")
-    raw = RemoteFile(fs, path, url=url)
+    raw = RemoteFile(fs, path, url=url, size=size)
     return io.BufferedReader(raw, REMOTE_BUFFER) if buffered else raw  # type: ignore[return-value]

@@ -8,6 +8,13 @@ brings too much or falls behind ``min_rate`` (:class:`_DownloadGuard`), and a re
 refused unless it leads from a directory's URL to the same URL with a trailing slash
 (:func:`_on_redirect`).
 
+A range answer is the range asked, of the file opened (:func:`check_range_answer`): a
+``206`` whose ``Content-Range`` names other bytes, or a file of another size than the one
+pinned when the file was opened (:func:`pin`), or whose ``ETag``/``Last-Modified`` differ
+from the first answer's, is a :class:`RangeAnswerError`; so is a ``200`` (the whole file)
+unless it is exactly the range asked. A pinned ``ETag`` is sent as ``If-Match`` (HTTP and
+S3), so a store that honours it answers ``412`` for a replaced object.
+
 Example:
     >>> import asyncio
     >>> chunks = [b"ab", b""]
@@ -20,8 +27,10 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fsspec.callbacks import Callback
@@ -29,12 +38,200 @@ from fsspec.callbacks import Callback
 from torchgrain.errors import UnsafePathError
 from torchgrain.io.retry import RequestTimeout, RetryPolicy
 
-__all__ = ["ResponseSizeError"]
+__all__ = ["RangeAnswerError", "ResponseSizeError", "check_range_answer", "pin", "pinned"]
 
 
 class ResponseSizeError(ConnectionError):
     """A response held more or fewer bytes than were asked for while the file has them
     (a transport fault, or a server that ignores ``Range``): transient, so retried."""
+
+
+class RangeAnswerError(ResponseSizeError):
+    """A range answer that is not the range asked, of the file opened: other bytes (its
+    ``Content-Range``), a file of another size, another ``ETag`` or ``Last-Modified``, or
+    ``412`` to ``If-Match`` (the object was replaced while it was read). Retried once from
+    scratch (a proxy's glitch), then :class:`~torchgrain.RemoteIOError` naming the URL
+    (:attr:`retries`): offsets taken from the old file never index the new one."""
+
+    #: How many times an operation retries it (see :func:`torchgrain.io.retry.retry_call`).
+    retries = 1
+
+
+@dataclass
+class _Pin:
+    """What identifies a remote object a process reads: its size, and the ``ETag`` and
+    ``Last-Modified`` of the first answer that had them."""
+
+    size: int | None = None
+    etag: str | None = None
+    modified: str | None = None
+
+
+#: Per process (inherited by forked workers): object path -> its pin. One small entry per
+#: file read, never more than the dataset's files.
+_PINS: dict[str, _Pin] = {}
+
+
+def pin(path: str, size: int | None) -> None:
+    """Pin the size of ``path`` (a filesystem path, as its requests name it) from what the
+    dataset's opening recorded (an index, a manifest, a footer read): answers naming another
+    size are :class:`RangeAnswerError`. A size different from the one pinned replaces the
+    pin (a later opening of a changed file), forgetting its ``ETag``.
+
+    Example:
+        >>> pin("h://x/doc", 10); pinned("h://x/doc").size
+        10
+        >>> check_range_answer("h://x/doc", 2, 4, 206, "bytes 2-3/11", None, None)
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.responses.RangeAnswerError: h://x/doc: the answer names a file of 11 bytes, not the 10 pinned when it was opened (the file changed on the server?)
+    """
+    if size is None:
+        return
+    got = _PINS.get(path)
+    if got is None or got.size != int(size):
+        _PINS[path] = _Pin(int(size))
+
+
+def pinned(path: str) -> _Pin | None:
+    """The pin of ``path``, if any (see :func:`pin`)."""
+    return _PINS.get(path)
+
+
+def if_match(path: str) -> str | None:
+    """The ``ETag`` to send as ``If-Match`` for ``path``: a strong one (a weak one never
+    matches ``If-Match``), once an answer gave it."""
+    got = _PINS.get(path)
+    etag = got.etag if got is not None else None
+    return etag if etag is not None and not etag.startswith("W/") else None
+
+
+def _same_tag(a: str, b: str) -> bool:
+    # A compressing proxy may weaken a tag (W/"x"): the object is the same.
+    return a.removeprefix("W/") == b.removeprefix("W/")
+
+
+def _observe(path: str, size: int | None, etag: str | None, modified: str | None) -> None:
+    """Check an answer's file size and validators against the pin of ``path`` (made from
+    this answer where there is none yet)."""
+    got = _PINS.get(path)
+    if got is None:
+        _PINS[path] = _Pin(size, etag or None, modified or None)
+        return
+    if size is not None:
+        if got.size is None:
+            got.size = size
+        elif size != got.size:
+            raise RangeAnswerError(
+                f"{path}: the answer names a file of {size} bytes, not the {got.size} pinned "
+                "when it was opened (the file changed on the server?)"
+            )
+    for name, have, new in (("ETag", got.etag, etag), ("Last-Modified", got.modified, modified)):
+        if not new:
+            continue
+        if have is None:
+            if name == "ETag":
+                got.etag = new
+            else:
+                got.modified = new
+        elif not (_same_tag(have, new) if name == "ETag" else have == new):
+            raise RangeAnswerError(
+                f"{path}: the answer's {name} is {new[:80]!r}, not {have[:80]!r} as when it "
+                "was first read: the file changed on the server while it was being read"
+            )
+
+
+def check_file_answer(path: str, size: int | None, etag: str | None, modified: str | None) -> None:
+    """Check that an answer (a multi-range one, whose parts agree with each other) is of
+    the file pinned for ``path``: its size, ``ETag`` and ``Last-Modified`` (see
+    :func:`pin`).
+
+    Raises:
+        RangeAnswerError: another size or validator than pinned.
+
+    Example:
+        >>> pin("h://x/m", 9)
+        >>> check_file_answer("h://x/m", 9, '"v1"', None)
+        >>> check_file_answer("h://x/m", 9, '"v2"', None)
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.responses.RangeAnswerError: h://x/m: the answer's ETag is '"v2"', not '"v1"' as when it was first read: the file changed on the server while it was being read
+    """
+    _observe(path, size, etag, modified)
+
+
+_ANSWER_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)", re.IGNORECASE)
+
+
+def check_range_answer(
+    path: str,
+    start: int,
+    end: int,
+    status: int,
+    content_range: str | None,
+    etag: str | None,
+    modified: str | None,
+    *,
+    length: int | None = None,
+) -> None:
+    """Check the answer to a request for bytes ``[start, end)`` of ``path`` (``status``,
+    and its ``Content-Range``, ``ETag``, ``Last-Modified`` headers; ``length``: a ``200``'s
+    ``Content-Length``, where given) against what was asked and the pin of ``path``
+    (:func:`pin`).
+
+    A ``206`` must name ``start`` and ``end - 1`` (or end early at the file's last byte:
+    the file is shorter, which the caller reports) of a file of the pinned size. A ``200``
+    is the whole file: it is used only when that is the range asked (from byte 0 to the
+    pinned size). Any other ``200`` is refused before its body is read: a server that
+    sends the first bytes of a file whatever was asked would otherwise pass for one that
+    honours ``Range``, and slicing a range out of a whole shard costs a shard per record.
+
+    Raises:
+        RangeAnswerError: any other answer (transient: retried once).
+
+    Example:
+        >>> check_range_answer("h://x/e", 4, 8, 206, "bytes 4-7/20", '"a"', None)
+        >>> check_range_answer("h://x/e", 8, 12, 206, "bytes 7-10/20", None, None)
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.responses.RangeAnswerError: h://x/e: asked for bytes 8-11, the answer holds bytes 7-10 (Content-Range 'bytes 7-10/20')
+    """
+    if status == 200:
+        got = _PINS.get(path)
+        size = got.size if got is not None else None
+        if start != 0 or size is None or end != size or length not in (None, size):
+            held = (
+                f"holds more than the {end - start} bytes asked for"
+                if length is None or length > end - start
+                else f"holds {length} bytes from the file's start, not the range asked for"
+            )
+            raise RangeAnswerError(
+                f"{path}: the answer to bytes {start}-{end - 1} (status 200: a whole "
+                f"file{'' if size is None else f'; {size} bytes pinned'}) {held}: the "
+                "server does not honour Range requests, or the response is corrupt"
+            )
+        _observe(path, None, etag, modified)
+        return
+    m = _ANSWER_RANGE.fullmatch((content_range or "").strip())
+    if status != 206 or m is None:
+        raise RangeAnswerError(
+            f"{path}: asked for bytes {start}-{end - 1}, the answer (status {status}) has "
+            f"no byte range (Content-Range {(content_range or '')[:80]!r})"
+        )
+    first, last = int(m[1]), int(m[2])
+    total = None if m[3] == "*" else int(m[3])
+    short = total is not None and last == total - 1 and last < end - 1
+    if (
+        first != start
+        or (last != end - 1 and not short)
+        or last < first
+        or (total is not None and last >= total)
+    ):
+        raise RangeAnswerError(
+            f"{path}: asked for bytes {start}-{end - 1}, the answer holds bytes "
+            f"{first}-{last} (Content-Range {content_range[:80]!r})"
+        )
+    _observe(path, total, etag, modified)
 
 
 class _RedirectRefused(UnsafePathError, PermissionError):
@@ -89,15 +286,78 @@ async def _on_redirect(session: Any, context: Any, params: Any) -> None:
     )
 
 
+def _changed(path: str, tag: str | None) -> RangeAnswerError:
+    return RangeAnswerError(
+        f"{path}: the server answers 412 to If-Match {tag!r}: the file changed on the server "
+        "since it was first read"
+    )
+
+
+async def _http_cat_file(
+    fs: Any, path: str, start: int | None = None, end: int | None = None, *, page_limit: int
+) -> bytes:
+    """fsspec's HTTP ``cat_file`` with the answer checked (:func:`check_range_answer`):
+    one GET of bytes ``[start, end)``, ``If-Match`` the pinned ``ETag``, its body read with
+    a byte cap. Without a range (a page, a manifest) fsspec's own, through the capped
+    response of :func:`torchgrain.io.remote._client`."""
+    if start is None or end is None or start >= end:
+        return await fs._cat_file(path, start=start, end=end)
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = f"bytes={start}-{end - 1}"
+    tag = if_match(path)
+    if tag is not None:
+        headers["If-Match"] = tag
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+        if r.status == 412 and tag is not None:
+            r.close()
+            raise _changed(path, tag)
+        if r.status >= 400:
+            r.close()  # an error page is no answer: the status says it all
+            fs._raise_not_found_for_status(r, path)
+        try:
+            check_range_answer(
+                path,
+                start,
+                end,
+                r.status,
+                r.headers.get("Content-Range"),
+                r.headers.get("ETag"),
+                r.headers.get("Last-Modified"),
+                length=r.content_length,
+            )
+            limit = end - start
+            return await _read_capped(
+                r.content.read,
+                limit,
+                r.content_length,
+                why=(
+                    f"{path}: the response for bytes {start}-{end - 1} holds more than the "
+                    f"{limit} bytes asked for: the server does not honour Range requests, or "
+                    "the response is corrupt"
+                ),
+            )
+        except BaseException:
+            r.close()  # the rest of the body is never read
+            raise
+
+
 async def _s3_cat_file(
     fs: Any, path: str, start: int | None = None, end: int | None = None, *, page_limit: int
 ) -> bytes:
     """One S3 GET (of bytes ``[start, end)``, or all), read with a byte cap (without a
-    range: ``page_limit``, :data:`torchgrain.io.remote.MAX_PAGE_BYTES` where remote calls)."""
+    range: ``page_limit``, :data:`torchgrain.io.remote.MAX_PAGE_BYTES` where remote calls);
+    a range's answer is checked (:func:`check_range_answer`), ``IfMatch`` the pinned ETag."""
     bucket, key, version = fs.split_path(path)
     extra: dict[str, Any] = {"VersionId": version} if version else {}
-    if start is not None and end is not None:
+    ranged = start is not None and end is not None
+    tag = None
+    if ranged:
         extra["Range"] = f"bytes={start}-{end - 1}"
+        tag = if_match(path)
+        if tag is not None:
+            extra["IfMatch"] = tag
         limit = end - start
         why = (
             f"{path}: the response for bytes {start}-{end - 1} holds more than the {limit} "
@@ -107,28 +367,103 @@ async def _s3_cat_file(
     else:
         limit = page_limit
         why = f"{path}: the object holds more than {limit} bytes (remote.MAX_PAGE_BYTES)"
-    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    refused = False
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
+    except Exception as e:
+        if tag is None or not _precondition_failed(e):
+            raise
+        refused = True
+    if refused:  # raised out of the handler: its 412 is no status to give up on
+        raise _changed(path, tag)
     body = resp["Body"]
     try:
+        if ranged:
+            modified = resp.get("LastModified")
+            check_range_answer(
+                path,
+                start,
+                end,
+                int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 206),
+                resp.get("ContentRange"),
+                resp.get("ETag"),
+                None if modified is None else str(modified),
+                length=resp.get("ContentLength"),
+            )
         return await _read_capped(body.read, limit, resp.get("ContentLength"), why=why)
     finally:
         body.close()
 
 
+def _precondition_failed(exc: BaseException) -> bool:
+    """Whether an S3 error (as s3fs raises it, wrapped or not) is a ``412``."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error") or {}
+            meta = response.get("ResponseMetadata") or {}
+            if (
+                err.get("Code") in ("PreconditionFailed", "412")
+                or meta.get("HTTPStatusCode") == 412
+            ):
+                return True
+        if "PreconditionFailed" in str(e) or "Precondition Failed" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+async def _gather_reads(
+    read: Callable[..., Awaitable[bytes]],
+    fs: Any,
+    paths: list[str],
+    starts: list[int],
+    ends: list[int],
+    page_limit: int,
+) -> list[bytes | BaseException]:
+    """``read`` for each range, concurrently; failures are returned in place (as fsspec's
+    ``cat_ranges`` does)."""
+    reads = [read(fs, p, s, e, page_limit=page_limit) for p, s, e in zip(paths, starts, ends)]
+    return await asyncio.gather(*reads, return_exceptions=True)
+
+
 async def _s3_cat_ranges(
     fs: Any, paths: list[str], starts: list[int], ends: list[int], *, page_limit: int
 ) -> list[bytes | BaseException]:
-    """:func:`_s3_cat_file` for each range, concurrently; failures are returned in place
-    (as fsspec's ``cat_ranges`` does)."""
-    reads = [
-        _s3_cat_file(fs, p, s, e, page_limit=page_limit) for p, s, e in zip(paths, starts, ends)
-    ]
-    return await asyncio.gather(*reads, return_exceptions=True)
+    """:func:`_s3_cat_file` for each range, concurrently."""
+    return await _gather_reads(_s3_cat_file, fs, paths, starts, ends, page_limit)
+
+
+async def _http_cat_ranges(
+    fs: Any, paths: list[str], starts: list[int], ends: list[int], *, page_limit: int
+) -> list[bytes | BaseException]:
+    """:func:`_http_cat_file` for each range, concurrently."""
+    return await _gather_reads(_http_cat_file, fs, paths, starts, ends, page_limit)
+
+
+async def _http_head(fs: Any, path: str, *, page_limit: int) -> dict[str, Any]:
+    """One ``HEAD`` of ``path``: ``{"status", "headers", "url"}`` (the redirect from a
+    directory's URL to the same with a trailing slash is followed, no other)."""
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Accept-Encoding"] = "identity"  # the size of the file, not of a compression
+    kw.setdefault("allow_redirects", True)  # refused by the client's check, but that one
+    session = await fs.set_session()
+    async with session.head(fs.encode_url(path), headers=headers, **kw) as r:
+        return {"status": r.status, "headers": dict(r.headers), "url": str(r.url)}
 
 
 _S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "cat_file": _s3_cat_file,
     "cat_ranges": _s3_cat_ranges,
+}
+_HTTP_READS: dict[str, Callable[..., Awaitable[Any]]] = {
+    "head": _http_head,
+    "cat_file": _http_cat_file,
+    "cat_ranges": _http_cat_ranges,
 }
 
 

@@ -389,6 +389,14 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _retries(exc: BaseException) -> float:
+    """How many times an error may be retried: the ``retries`` of an error in its chain
+    that sets one (a range answer naming other bytes: once), else without limit (the
+    policy's attempts)."""
+    caps = [e.retries for e in _chain(exc) if isinstance(getattr(e, "retries", None), int)]
+    return min(caps) if caps else math.inf
+
+
 def _describe(exc: BaseException) -> str:
     """Name the transient failure itself, not a wrapper that hides it (fsspec's HTTP
     filesystem reports a 503 on ``info()`` as a FileNotFoundError)."""
@@ -493,11 +501,14 @@ def retry_call(
                     raise clearer from e
                 delay = policy.delay(attempt - 1, rng)
                 left = op.remaining()
-                if attempt == policy.attempts or left <= delay:
+                cap = _retries(e)
+                if attempt == policy.attempts or left <= delay or attempt > cap:
                     spent = time.monotonic() - op.start
                     why = (
                         ""
                         if attempt == policy.attempts
+                        else f", {cap} retr{'y' if cap == 1 else 'ies'} at most for this error"
+                        if attempt > cap
                         else f", its {policy.deadline:g} s deadline passed"
                     )
                     raise RemoteIOError(

@@ -29,6 +29,7 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
+from torchgrain.io import remote
 from torchgrain.io.changes import ChangedWhileOpen
 from torchgrain.io.fs import ShardPaths, is_local
 from torchgrain.io.limits import default_max_open_files
@@ -254,6 +255,10 @@ class ArrayRecordSource(EncodedSource):
             verify_checksums=self._verify,
             max_chunk_bytes=self.max_chunk_bytes,
         )
+        if filesystem is not None:
+            # Range answers must be of the file the manifest lists (its size, if given).
+            size = self.shard_integrity(shard)[0]
+            remote.pin(filesystem, f._path, size)
         try:
             self._check_count(shard, f)
         except (IsADirectoryError, NotADirectoryError) as e:

@@ -218,7 +218,7 @@ class TFRecordSource(EncodedSource):
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> Any:
         if filesystem is not None:
-            return _RemoteFile(filesystem, path)
+            return _RemoteFile(filesystem, path, int(self._tfindex.file_size[shard]))
         if not os.path.exists(path):
             raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist")
         return MappedFile(path)
@@ -237,7 +237,9 @@ class TFRecordSource(EncodedSource):
             ranges = list(zip(self._bounds[b].tolist(), self._bounds[b + 1].tolist()))
             size = int(self._tfindex.file_size[shard])
             ranges = [(s, e) for s, e in ranges if 0 <= s < e <= size]
-            out.append((self._fs._strip_protocol(url), url, ranges))
+            path = self._fs._strip_protocol(url)
+            io_remote.pin(self._fs, path, size)  # answers must be of the file indexed
+            out.append((path, url, ranges))
         return out
 
     def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
@@ -295,9 +297,11 @@ class TFRecordSource(EncodedSource):
 class _RemoteFile:
     """A remote TFRecord file: coalesced range reads, nothing held open."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, url: str) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, url: str, size: int) -> None:
         self.fs, self.url = fs, url
         self.path = fs._strip_protocol(url)
+        # Range answers must be of the file the index was built from (its size).
+        io_remote.pin(fs, self.path, size)
 
     def read(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
         return fetch_ranges(self.fs, self.path, ranges, name=self.url)

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, UnsafePathError
 from torchgrain.io import remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -64,6 +64,11 @@ def read_footers(
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
+            refused = _refusal(e)
+            if refused is e:  # a refused redirect: not a corrupt file
+                raise
+            if refused is not None:
+                raise refused from e
             raise CorruptDataError(
                 f"cannot read the Parquet footer of {path!r} (shard {shard} of {len(files)}): {e}"
             ) from e
@@ -99,6 +104,19 @@ def read_footers(
         [r[2] for r in results],
         [r[3] for r in results],
     )
+
+
+def _refusal(exc: BaseException) -> UnsafePathError | None:
+    """The refused redirect behind ``exc`` (Arrow re-raises what a read raised, or wraps
+    it), if any."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if isinstance(e, UnsafePathError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
