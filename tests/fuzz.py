@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import select
 import signal
@@ -1198,6 +1199,108 @@ class ByteRangesTarget(Target):
                 raise Bad("a faithful answer gave other bytes")
 
 
+# ------------------------------------------------------------------ one range's answer
+class RangeAnswerTarget(Target):
+    """A server's answer to a request for one byte range (status, ``Content-Range``, body)
+    through :func:`torchgrain.io.responses.check_range_answer` and the length check every
+    range read makes: the bytes asked for, of the file pinned, or a ``RangeAnswerError``.
+
+    An answer is made as a server would send it: honest about what it holds (its
+    ``Content-Range`` names the bytes of the body), but maybe of other bytes (shifted),
+    of another version of the file (another size), or a ``200`` with the whole file or its
+    first bytes; then its ``Content-Range`` text is mutated at random. Accepted, it must be
+    exactly the file's bytes asked for, and its header must say so (a reference parser)."""
+
+    name = "range_answer"
+    _HEADER = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
+
+    def make(self, rng: random.Random) -> dict[str, Any]:
+        size = rng.randint(1, 5000)
+        start = rng.randrange(size)
+        end = min(size, start + rng.randint(1, 600)) if rng.random() < 0.9 else size + 5
+        if rng.random() < 0.1:
+            start, end = 0, size  # the whole file, asked as a range
+        return {
+            "data": b64(b""),
+            "seed": rng.randrange(1 << 30),
+            "size": size,
+            "start": start,
+            "end": end,
+            "kind": "faithful",
+            "shift": 0,
+            "served_size": size,
+            "header": None,
+        }
+
+    def mutate(self, rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
+        kind = rng.choice(["shifted", "other_size", "whole", "first", "header", "header"])
+        out = {**case, "kind": kind}
+        if kind == "shifted":
+            out["shift"] = rng.choice([-1, 1, -case["start"], rng.randint(-700, 700)])
+        elif kind == "other_size":
+            out["served_size"] = max(1, case["size"] + rng.choice([-7, -1, 1, 3, 1000]))
+        elif kind == "header":
+            first, last, total = self._served(out)[:3]
+            text = f"bytes {first}-{last}/{total}".encode()
+            for _ in range(rng.randint(1, 3)):
+                text = mutate_bytes(rng, text)
+            out["header"] = text.decode("latin-1")
+        return out
+
+    @staticmethod
+    def _served(case: dict[str, Any]) -> tuple[int, int, int, bytes, int]:
+        """``(first, last, total, body, status)`` an honest server sends for the case."""
+        size, served = case["size"], case["served_size"]
+        data = random.Random(case["seed"]).randbytes(max(size, served))[:served]
+        if case["kind"] in ("whole", "first"):
+            n = served if case["kind"] == "whole" else case["end"] - case["start"]
+            return 0, n - 1, served, data[:n], 200
+        first = max(0, min(served - 1, case["start"] + case["shift"]))
+        last = min(served - 1, first + (case["end"] - case["start"]) - 1)
+        return first, last, served, data[first : last + 1], 206
+
+    def check(self, case: dict[str, Any], workdir: str) -> None:
+        from torchgrain.io import responses
+
+        first, last, total, body, status = self._served(case)
+        header = case["header"] if case["header"] is not None else f"bytes {first}-{last}/{total}"
+        path = f"fuzz://{case['seed']}"
+        start, end, size = case["start"], case["end"], case["size"]
+        responses._PINS.pop(path, None)
+        responses.pin(path, size)
+
+        def read() -> bytes:
+            responses.check_range_answer(
+                path,
+                start,
+                end,
+                status,
+                None if status == 200 else header,
+                None,
+                None,
+                length=len(body) if status == 200 else None,
+            )
+            if len(body) > end - start or (len(body) < end - start and end <= size):
+                raise responses.ResponseSizeError("the body's length is not the range's")
+            return body
+
+        try:
+            got = expect_error_or(read, (responses.ResponseSizeError,))
+        finally:
+            responses._PINS.pop(path, None)
+        if got is None:
+            if case["kind"] == "faithful":
+                raise Bad("a faithful answer was refused")
+            return
+        want = random.Random(case["seed"]).randbytes(size)[start:end]
+        if got != want:
+            raise Bad(f"bytes {start}-{end} of a {size}-byte file: other bytes accepted")
+        if status == 206:
+            m = self._HEADER.fullmatch(header)
+            if m is None or int(m[1]) != start or (m[3] != "*" and int(m[3]) != size):
+                raise Bad(f"Content-Range {header!r} accepted for bytes {start}-{end}")
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -1208,6 +1311,7 @@ TARGETS: dict[str, Target] = {
         TFRecordTarget(),
         ParquetTarget(),
         ByteRangesTarget(),
+        RangeAnswerTarget(),
         SelfTestTarget(),
     )
 }

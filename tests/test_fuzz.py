@@ -35,6 +35,7 @@ CASES = {
     "tfrecord": 800,
     "parquet": 300,
     "byteranges": 2000,
+    "range_answer": 2000,
 }
 
 
