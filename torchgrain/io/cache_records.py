@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import uuid
 import zlib
@@ -52,6 +51,7 @@ TMP_PREFIX = ".tmp-"
 SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
 NEXT_FILE = ".next-use"  # eviction="belady": copy name -> its next use (read-ahead's hints)
 CRC_BLOCK = 8 << 20  # bytes a CRC update reads at a time
+_READ_BLOCK = 1 << 20  # bytes file_crc reads at a time
 
 
 #: A file's identity for the checks: (device, inode, size, modification time, change time).
@@ -74,7 +74,14 @@ def file_identity(st: os.stat_result) -> Identity:
 
 
 def file_crc(path: str) -> tuple[str, Identity]:
-    """``("crc32:<hex>", identity)`` of a local file, read once through a map.
+    """``("crc32:<hex>", identity)`` of a local file, read once.
+
+    Read into a buffer, not through a map: a copy truncated while it is hashed (by
+    another job sharing the directory, or a user) ends the read early, and the CRC then
+    fails the record, where reading a map past the new end would kill the process with
+    SIGBUS. Hashing a copy (after its download, and when its identity changed) reads
+    about 0.8x as fast as through a map (the copy into the buffer; 1 MiB at a time,
+    which stays in the CPU's cache, costs least).
 
     Example:
         >>> import tempfile
@@ -83,17 +90,13 @@ def file_crc(path: str) -> tuple[str, Identity]:
         >>> file_crc(p)[0]
         'crc32:352441c2'
     """
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         crc = 0
         if st.st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = memoryview(mm)
-                try:
-                    for a in range(0, len(view), CRC_BLOCK):
-                        crc = zlib.crc32(view[a : a + CRC_BLOCK], crc)
-                finally:
-                    view.release()
+            buf = memoryview(bytearray(min(_READ_BLOCK, st.st_size)))
+            while n := f.readinto(buf):
+                crc = zlib.crc32(buf[:n], crc)
     return f"crc32:{crc:08x}", file_identity(st)
 
 
