@@ -240,6 +240,27 @@ def test_the_shard_cache_names_a_full_disk(tmp_path, monkeypatch, code):
     assert _files(cache.directory) == []
 
 
+def test_a_forked_child_tries_a_full_shard_cache_again(tmp_path, monkeypatch):
+    from torchgrain.io import remote
+    from torchgrain.io.shard_cache import ShardCache
+
+    fsspec.filesystem("memory").pipe("/full-disk/shard-1", b"x" * 100)
+    monkeypatch.setattr(remote, "get_file", lambda *a, **kw: _raise(errno.ENOSPC))
+    cache = ShardCache(tmp_path / "cache", max_bytes=1000)
+    with pytest.raises(OSError):
+        cache.fetch("memory://full-disk/shard-1")
+    assert cache.disk_full  # this process reads without it from now on
+    pid = os.fork()
+    if pid == 0:  # (the next epoch's workers: space may have been freed meanwhile)
+        os._exit(0 if not cache.disk_full else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert cache.disk_full
+
+
+def _raise(code: int) -> None:
+    raise OSError(code, os.strerror(code))
+
+
 def test_read_ahead_into_a_full_shard_cache_warns_once_and_reads_on(tmp_path, monkeypatch):
     from torchgrain.io import remote
 

@@ -249,7 +249,14 @@ class ShardCache:
             >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).disk_full
             False
         """
-        return self._full_pid == os.getpid()
+        # No system call unless a write found no room: sources ask at every read.
+        full = self._full_pid
+        if full is None:
+            return False
+        if full == os.getpid():
+            return True
+        self._full_pid = None  # a forked child of that process: it tries again
+        return False
 
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
         """Where the copy of ``url`` lives (whether or not it is cached now).
