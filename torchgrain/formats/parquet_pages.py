@@ -69,98 +69,93 @@ class ChunkPages(NamedTuple):
     pages: int
 
 
-class _Short(Exception):
-    """The header goes on past the bytes given."""
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """The varint at ``pos`` and the position after it (IndexError past the end)."""
+    b = buf[pos]
+    if b < 0x80:
+        return b, pos + 1
+    result, shift = b & 0x7F, 7
+    while True:
+        pos += 1
+        b = buf[pos]
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos + 1
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
 
 
-class _Reader:
-    __slots__ = ("buf", "pos")
-
-    def __init__(self, buf: bytes) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def byte(self) -> int:
-        if self.pos >= len(self.buf):
-            raise _Short
-        b = self.buf[self.pos]
-        self.pos += 1
-        return b
-
-    def varint(self) -> int:
-        shift = result = 0
-        while True:
-            b = self.byte()
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                return result
-            shift += 7
-            if shift > 63:
-                raise ValueError("a varint longer than 10 bytes")
-
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def skip(self, n: int) -> None:
-        if n < 0:
-            raise ValueError(f"a negative length ({n})")
-        if self.pos + n > len(self.buf):
-            raise _Short
-        self.pos += n
-
-    def skip_value(self, t: int, depth: int) -> None:
-        if depth > _MAX_DEPTH:
-            raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
-        if t in (_TRUE, _FALSE):
-            return
-        if t == _BYTE:
-            self.skip(1)
-        elif t in (_I16, _I32, _I64):
-            self.varint()
-        elif t == _DOUBLE:
-            self.skip(8)
-        elif t == _BINARY:
-            self.skip(self.varint())
-        elif t in (_LIST, _SET):
-            head = self.byte()
-            size = head >> 4
-            if size == 15:
-                size = self.varint()
+def _skip(buf: bytes, pos: int, t: int, depth: int) -> int:
+    """The position after a value of Thrift type ``t`` at ``pos``."""
+    if t in (_I32, _I64, _I16):
+        while buf[pos] & 0x80:
+            pos += 1
+        return pos + 1
+    if t == _BINARY:
+        n, pos = _varint(buf, pos)
+        return pos + n
+    if t == _STRUCT:
+        return _skip_struct(buf, pos, depth + 1)
+    if t in (_TRUE, _FALSE):
+        return pos
+    if t == _BYTE:
+        return pos + 1
+    if t == _DOUBLE:
+        return pos + 8
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
+    if t in (_LIST, _SET):
+        head = buf[pos]
+        pos += 1
+        size, kind = head >> 4, head & 15
+        if size == 15:
+            size, pos = _varint(buf, pos)
+        if kind in (_TRUE, _FALSE):  # a boolean element takes a byte of its own
+            return pos + size
+        for _ in range(size):  # each element takes a byte at least: as many as buf has
+            pos = _skip(buf, pos, kind, depth + 1)
+            if pos > len(buf):
+                raise IndexError
+        return pos
+    if t == _MAP:
+        size, pos = _varint(buf, pos)
+        if size:
+            kinds = buf[pos]
+            pos += 1
             for _ in range(size):
-                # A boolean element takes a byte of its own (a field's is in its type).
-                self.skip(1) if head & 15 in (_TRUE, _FALSE) else self.skip_value(
-                    head & 15, depth + 1
-                )
-        elif t == _MAP:
-            size = self.varint()
-            if size:
-                kinds = self.byte()
-                for _ in range(size):
-                    self.skip_value(kinds >> 4, depth + 1)
-                    self.skip_value(kinds & 15, depth + 1)
-        elif t == _STRUCT:
-            self.struct(lambda fid, ft: False, depth + 1)
-        else:
-            raise ValueError(f"unknown Thrift type {t}")
+                for kind in (kinds >> 4, kinds & 15):
+                    # A boolean key or value takes a byte of its own.
+                    pos = pos + 1 if kind in (_TRUE, _FALSE) else _skip(buf, pos, kind, depth + 1)
+                if pos > len(buf):
+                    raise IndexError
+        return pos
+    raise ValueError(f"unknown Thrift type {t}")
 
-    def struct(self, field: Callable[[int, int], bool], depth: int) -> None:
-        """Read a struct's fields, calling ``field(id, type)`` on each: it reads the
-        value and returns True, or returns False to have it skipped."""
-        fid = 0
-        while True:
-            head = self.byte()
-            t = head & 15
-            if t == _STOP:
-                return
-            fid = fid + (head >> 4) if head >> 4 else self.zigzag()
-            if not field(fid, t):
-                self.skip_value(t, depth)
+
+def _skip_struct(buf: bytes, pos: int, depth: int) -> int:
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
+    while True:
+        head = buf[pos]
+        pos += 1
+        t = head & 15
+        if t == _STOP:
+            return pos
+        if not head >> 4:  # the field id follows, in full
+            _, pos = _varint(buf, pos)
+        pos = _skip(buf, pos, t, depth)
+
+
+def _zigzag(buf: bytes, pos: int) -> tuple[int, int]:
+    n, pos = _varint(buf, pos)
+    return (n >> 1) ^ -(n & 1), pos
 
 
 def page_header(buf: bytes) -> PageHeader | None:
     """The page header at the start of ``buf``, or None when it goes on past ``buf``'s
-    end; a header that is not one raises ``ValueError``.
+    end; a header that is not one raises ``ValueError``. Every field is read (a field
+    given twice counts as its last, as in Arrow), only those that size a page are kept.
 
     Example:
         >>> page_header(bytes([0x15, 0x00, 0x15, 0x10, 0x15, 0x0C, 0x2C, 0x15, 0x06, 0x00, 0x00]))
@@ -168,42 +163,77 @@ def page_header(buf: bytes) -> PageHeader | None:
         >>> page_header(bytes([0x15, 0x00])) is None
         True
     """
-    r = _Reader(buf)
     top: dict[int, int] = {}
-    values = [0]
-
-    def inner(fid: int, t: int) -> bool:
-        if fid == 1 and t == _I32:  # num_values, in each of the three page kinds' headers
-            values[0] = r.zigzag()
-            return True
-        return False
-
-    def field(fid: int, t: int) -> bool:
-        if fid in (1, 2, 3) and t == _I32:  # type, uncompressed and compressed size
-            top[fid] = r.zigzag()
-            return True
-        if fid in (5, 7, 8) and t == _STRUCT:  # data, dictionary, data v2 page headers
-            top[fid] = 1
-            r.struct(inner, 1)
-            return True
-        return False
-
+    values = pos = 0
+    own = False  # whether the struct open at level 2 is the page kind's own header
+    stack = [0]  # the last field id of each struct open, outermost first
     try:
-        r.struct(field, 0)
-    except _Short:
+        # One loop over every field of every struct (no call a field: headers are read
+        # once a page, on the decode path); containers, which headers lack, are skipped.
+        while True:
+            head = buf[pos]
+            pos += 1
+            t = head & 15
+            if t == _STOP:
+                stack.pop()
+                if not stack:
+                    break
+                continue
+            if head >> 4:
+                fid = stack[-1] + (head >> 4)
+            else:
+                fid, pos = _zigzag(buf, pos)
+            stack[-1] = fid
+            if t in (_I32, _I64, _I16):
+                v = buf[pos]
+                pos += 1
+                if v > 0x7F:
+                    v &= 0x7F
+                    shift = 7
+                    while True:
+                        c = buf[pos]
+                        pos += 1
+                        v |= (c & 0x7F) << shift
+                        if c < 0x80:
+                            break
+                        shift += 7
+                        if shift > 63:
+                            raise ValueError("a varint longer than 10 bytes")
+                if t == _I32 and fid <= 3:
+                    if len(stack) == 1:  # type, uncompressed and compressed size
+                        top[fid] = (v >> 1) ^ -(v & 1)
+                    elif fid == 1 and own and len(stack) == 2:  # its num_values
+                        values = (v >> 1) ^ -(v & 1)
+            elif t == _BINARY:
+                n, pos = _varint(buf, pos)
+                pos += n
+            elif t == _STRUCT:
+                if len(stack) == 1:
+                    own = fid in (5, 7, 8)  # data, dictionary, data v2 page headers
+                    if own:
+                        top[fid] = 1
+                elif len(stack) > _MAX_DEPTH:
+                    raise ValueError(f"Thrift structs nested more than {_MAX_DEPTH} deep")
+                stack.append(0)
+            elif t not in (_TRUE, _FALSE):
+                pos = _skip(buf, pos, t, len(stack))
+    except IndexError:
+        return None
+    if pos > len(buf):
         return None
     if 1 not in top or 2 not in top or 3 not in top:
         raise ValueError("a page header without its type or sizes")
     kind, uncompressed, compressed = top[1], top[2], top[3]
-    if uncompressed < 0 or compressed < 0 or values[0] < 0:
+    if uncompressed < 0 or compressed < 0 or values < 0:
         raise ValueError(
             f"a page header with negative sizes or value count "
-            f"({uncompressed}, {compressed}, {values[0]})"
+            f"({uncompressed}, {compressed}, {values})"
         )
-    needs = {DATA_PAGE: 5, DICTIONARY_PAGE: 7, DATA_PAGE_V2: 8}.get(kind)
-    if needs is not None and needs not in top:
+    needs = 5 if kind == DATA_PAGE else 7 if kind == DICTIONARY_PAGE else 8
+    if kind in (DATA_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2) and needs not in top:
         raise ValueError(f"a page of type {kind} without its own header")
-    return PageHeader(kind, uncompressed, compressed, values[0], r.pos)
+    # (tuple.__new__: a third of the time of PageHeader(...), once a page)
+    return tuple.__new__(PageHeader, (kind, uncompressed, compressed, values, pos))
 
 
 def chunk_range(column: Any) -> tuple[int, int]:

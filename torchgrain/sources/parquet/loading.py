@@ -101,9 +101,7 @@ class RowGroupLoader(ShardedSource):
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
                 # (neighbouring row groups often come in one request).
-                # The size the footer read found at open (pinned: answers of another
-                # file are refused), and no size lookup here.
-                handle = remote.open_input(filesystem, path, size=self._identities[shard][1][0])
+                handle = remote.open_input(filesystem, path)
                 raw = handle.raw if isinstance(handle, io.BufferedReader) else None
                 if isinstance(raw, remote.RemoteFile):
                     # Column chunks are fetched once, their page headers checked, and
@@ -282,6 +280,11 @@ class RowGroupLoader(ShardedSource):
         chunks = [meta.column(j) for j, _, _ in leaves]
         if reader.staged is not None:
             reader.staged.stage([chunk_range(c) for c in chunks])
+        # A row group read again (a small cache) is not checked again while its file is
+        # unchanged (size, modification time); remote files are pinned when opened.
+        key = (local, tuple(names), reader.version())
+        if key in reader.checked:
+            return
         where = f"row group {local} of {self.paths[shard]!r} (shard {shard} of {self.num_shards})"
         fixed = rest = 0
         worst = (-1, "", 0, 0)
@@ -306,6 +309,7 @@ class RowGroupLoader(ShardedSource):
                 f"max_row_group_bytes={self.max_row_group_bytes} allows (record index "
                 f"{index}; a larger max_row_group_bytes reads it, if the file is trusted)"
             )
+        reader.checked.add(key)
 
     def _failing_column(self, shard: int, local: int, names: list[str]) -> str:
         """ ", column NAME" for the first of ``names`` whose own read fails, for an error
@@ -385,7 +389,7 @@ class ParquetReader:
     column chunks ``staged`` for Arrow (a remote one), or ``handle``.
     """
 
-    __slots__ = ("_leaves", "closed", "fd", "handle", "lock", "pf", "staged")
+    __slots__ = ("_leaves", "checked", "closed", "fd", "handle", "lock", "pf", "staged")
 
     def __init__(
         self,
@@ -401,6 +405,15 @@ class ParquetReader:
         self.lock = threading.Lock()
         self.closed = False
         self._leaves: dict[tuple[str, ...], list[tuple[int, int, str]]] = {}
+        # (row group, columns, version) whose page headers passed the check.
+        self.checked: set[tuple[int, tuple[str, ...], tuple[int, int]]] = set()
+
+    def version(self) -> tuple[int, int]:
+        """A local file's size and modification time (of the descriptor: the file read)."""
+        if self.fd is None:
+            return (0, 0)
+        st = os.fstat(self.fd)
+        return (st.st_size, st.st_mtime_ns)
 
     def read_at(self, offset: int, size: int) -> bytes:
         """At most ``size`` bytes of the file from ``offset`` (fewer at its end)."""
