@@ -257,6 +257,18 @@ def test_a_forked_child_tries_a_full_shard_cache_again(tmp_path, monkeypatch):
     assert cache.disk_full
 
 
+def test_hints_that_find_no_room_are_named_and_leave_the_cache_in_use(tmp_path, monkeypatch):
+    # Read-ahead writes the hints and swallows its errors: were they to turn the cache
+    # off, nobody would say so. A download that finds no room does, and warns.
+    from torchgrain.io import shard_cache
+
+    monkeypatch.setattr(shard_cache, "write_hints", lambda *a: _raise(errno.ENOSPC))
+    cache = shard_cache.ShardCache(tmp_path / "cache", max_bytes=1000, eviction="belady")
+    with pytest.raises(tg.CacheDiskFullError, match="next-use hints"):
+        cache.advise({"memory://full-disk/shard-2": 3})
+    assert not cache.disk_full
+
+
 def _raise(code: int) -> None:
     raise OSError(code, os.strerror(code))
 

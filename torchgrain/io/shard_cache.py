@@ -493,7 +493,7 @@ class ShardCache:
         """
         if self.eviction != "belady":
             return
-        with self._flock(os.path.join(self.directory, _LOCK_DIR, "next-use.lock")):
+        with self._flock(os.path.join(self.directory, _LOCK_DIR, "next-use.lock"), mark=False):
             hints = self.next_uses()
             for url, use in next_use.items():
                 name = os.path.basename(self.local_path(url))
@@ -502,7 +502,9 @@ class ShardCache:
                 else:
                     hints[name] = int(use)
             hints_path = os.path.join(self.directory, NEXT_FILE)
-            with self._writing(hints_path, " (the next-use hints)"):
+            # (named, but only a download's failure sets disk_full: the reads that meet it
+            # say so, where read-ahead, which calls this, would swallow it)
+            with self._writing(hints_path, " (the next-use hints)", mark=False):
                 write_hints(hints_path, hints)
 
     def next_uses(self) -> dict[str, int]:
@@ -625,9 +627,10 @@ class ShardCache:
         return True
 
     @contextlib.contextmanager
-    def _writing(self, path: str, what: str = "") -> Iterator[None]:
+    def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
         """Writes to ``path`` in the cache (``what`` says what it is): one that finds no
-        room raises :class:`~torchgrain.CacheDiskFullError` and sets :attr:`disk_full`."""
+        room raises :class:`~torchgrain.CacheDiskFullError` and (``mark``) sets
+        :attr:`disk_full`."""
         try:
             with naming_full_disk(
                 "the shard cache",
@@ -639,7 +642,7 @@ class ShardCache:
             ):
                 yield
         except OSError as e:
-            if getattr(e, "directory", None) == self.directory:  # ours, named above
+            if mark and getattr(e, "directory", None) == self.directory:  # named above
                 self._full_pid = os.getpid()
             raise
 
@@ -648,9 +651,9 @@ class ShardCache:
 
     @contextlib.contextmanager
     def _flock(
-        self, lock_path: str, *, blocking: bool = True, shared: bool = False
+        self, lock_path: str, *, blocking: bool = True, shared: bool = False, mark: bool = True
     ) -> Iterator[bool]:
-        with self._writing(lock_path, " (a lock file)"):
+        with self._writing(lock_path, " (a lock file)", mark=mark):
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:

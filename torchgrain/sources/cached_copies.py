@@ -120,6 +120,8 @@ class CachedCopies:
         try:
             return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
         except CacheDiskFullError as e:
+            if self._uses_copies():  # (the cache did not give up: nothing to fall back to)
+                raise
             self._cache_full(e)
             return self._reader(shard)  # no longer through the cache (_uses_copies)
 
