@@ -1088,6 +1088,113 @@ class ParquetTarget(Target):
         expect_error_or(lambda: src.read_columns(idx), errors)
 
 
+def _page_headers(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of every page header of a Parquet file (walked from its footer)."""
+    import pyarrow.parquet as pq
+
+    from torchgrain.formats.parquet_pages import chunk_range, page_header
+
+    out = []
+    meta = pq.ParquetFile(io.BytesIO(data)).metadata
+    for r in range(meta.num_row_groups):
+        for j in range(meta.num_columns):
+            start, length = chunk_range(meta.row_group(r).column(j))
+            pos = start
+            while pos < start + length:
+                header = page_header(data[pos : pos + 4096])
+                out.append((pos, pos + header.header_size))
+                pos += header.header_size + header.compressed_size
+    return out
+
+
+class ParquetPagesTarget(Target):
+    """Parquet files with hostile page headers (sizes, value counts, any field: same-
+    length varints, so that no offset moves; random bytes) and decompression bombs
+    (a zstd page of 64 MiB of zeros) through :class:`ParquetSource` under a ceiling of
+    ``MAX_CHUNK``: a bomb must be refused, anything else read or refused in bounded
+    memory."""
+
+    name = "parquet_pages"
+
+    def make(self, rng: random.Random) -> dict[str, Any]:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        bomb = rng.random() < 0.1
+        if bomb:
+            table = pa.table({"i": [1], "b": pa.array([bytes(64 << 20)], pa.binary())})
+        else:
+            n = rng.randint(1, 300)
+            table = pa.table(
+                {
+                    "i": list(range(n)),
+                    "s": [f"s{i}" * (i % 5) for i in range(n)],
+                    "l": [[float(i)] * (i % 4) for i in range(n)],
+                    "t": [{"x": i, "y": [i] * (i % 3)} for i in range(n)],
+                }
+            )
+        sink = io.BytesIO()
+        pq.write_table(
+            table,
+            sink,
+            row_group_size=rng.choice([7, 50, 1000]),
+            compression="zstd" if bomb else rng.choice(["none", "snappy", "zstd", "gzip"]),
+            use_dictionary=not bomb and rng.random() < 0.5,
+            data_page_version=rng.choice(["1.0", "2.0"]),
+            data_page_size=rng.choice([64, 1024, 1 << 20]),
+        )
+        return {"data": b64(sink.getvalue()), "bomb": bomb}
+
+    def mutate(self, rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
+        data = bytearray(unb64(case["data"]))
+        headers = _page_headers(bytes(data))
+        for _ in range(rng.randint(1, 3)):
+            start, end = rng.choice(headers)
+            ints = _thrift_ints(bytes(data), start, end)
+            if ints and rng.random() < 0.8:
+                a, b = rng.choice(ints)
+                # A same-length varint: the value's zigzag, capped at what its bytes hold.
+                v = rng.choice([*NASTY, -1, rng.randint(-300, 300)])
+                v = max(-(1 << 62), min(v, 1 << 62))
+                n = b - a
+                num = min(v << 1 if v >= 0 else ((-v) << 1) - 1, (1 << (7 * n)) - 1)
+                data[a:b] = bytes(
+                    ((num >> (7 * i)) & 0x7F) | (0x80 if i < n - 1 else 0) for i in range(n)
+                )
+            else:
+                data[start:end] = mutate_bytes(rng, bytes(data[start:end]))[: end - start].ljust(
+                    end - start, b"\0"
+                )
+        return {"data": b64(bytes(data)), "bomb": case["bomb"]}
+
+    def check(self, case: dict[str, Any], workdir: str) -> None:
+        import torchgrain as tg
+
+        errors = tg_errors()
+        path = os.path.join(workdir, "x.parquet")
+        with open(path, "wb") as f:
+            f.write(unb64(case["data"]))
+        src = expect_error_or(
+            lambda: tg.ParquetSource(
+                path, cache_bytes=1 << 20, max_row_group_bytes=MAX_CHUNK, decoded_cache=False
+            ),
+            errors,
+        )
+        if src is None:
+            return
+        if case["bomb"]:
+            try:
+                src[0]
+            except tg.CorruptDataError:
+                return
+            raise Bad("a page inflating to 64 MiB was read under max_row_group_bytes=4 MiB")
+        idx = list(range(min(len(src), 40)))
+        for i in idx[:3]:
+            expect_error_or(lambda i=i: src[i], errors)
+        expect_error_or(lambda: src.__getitems__(idx[::-1]), errors)
+        expect_error_or(lambda: src.read_columns(idx), errors)
+
+
 class SelfTestTarget(Target):
     """Misbehaviour on purpose, to show the harness sees it (``tests/test_fuzz.py``)."""
 
@@ -1310,6 +1417,7 @@ TARGETS: dict[str, Target] = {
         TFExampleTarget(),
         TFRecordTarget(),
         ParquetTarget(),
+        ParquetPagesTarget(),
         ByteRangesTarget(),
         RangeAnswerTarget(),
         SelfTestTarget(),

@@ -34,6 +34,7 @@ CASES = {
     "tf_example": 1500,
     "tfrecord": 800,
     "parquet": 300,
+    "parquet_pages": 150,
     "byteranges": 2000,
     "range_answer": 2000,
 }
