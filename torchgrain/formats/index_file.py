@@ -92,11 +92,12 @@ class IndexFile:
         self.checksum = checksum
         self._pin = pin
 
-    def check(self) -> None:
+    def check(self, *, polled: bool = False) -> None:
         """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if the file was written
         or truncated since it was mapped (:mod:`torchgrain.io.changes`): its arrays would
         then be other bytes, and reading a page past a truncated end kills the process
-        with SIGBUS. Readers call it before each batch that reads the arrays.
+        with SIGBUS. Readers call it before each batch that reads the arrays
+        (``polled``: as :func:`torchgrain.io.changes.changed` takes it).
 
         Example:
             >>> import os, tempfile
@@ -113,7 +114,7 @@ class IndexFile:
             True
         """
         if self._pin is not None:
-            changes.check(self._pin, f"index file {self.path!r}")
+            changes.check(self._pin, f"index file {self.path!r}", polled=polled)
 
     def verify(self) -> bool:
         """Whether the bytes after the header match the header's checksum (reads the

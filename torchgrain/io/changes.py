@@ -52,7 +52,7 @@ from typing import Any
 from torchgrain.errors import CorruptDataError
 from torchgrain.io.libc import libc
 
-__all__ = ["ChangedWhileOpen", "Pin", "changed", "check", "first_changed", "poll"]
+__all__ = ["ChangedWhileOpen", "Pin", "changed", "check", "first_changed", "poll", "seen"]
 
 _IN_MODIFY = 0x2
 _IN_Q_OVERFLOW = 0x4000
@@ -69,7 +69,7 @@ class _Watcher:
     """This process's inotify instance, and what it has seen per watch."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = _pid
         # Reentrant: a pin freed by the garbage collector during a poll releases its
         # watch from within it.
         self.lock = threading.RLock()
@@ -148,7 +148,7 @@ _watcher_lock = threading.Lock()
 
 def _this_process() -> _Watcher:
     w = _watcher
-    if w is not None and w.pid == os.getpid():
+    if w is not None and w.pid == _pid:
         return w
     return _new_watcher()
 
@@ -157,7 +157,7 @@ def _new_watcher() -> _Watcher:
     global _watcher
     with _watcher_lock:
         w = _watcher
-        if w is None or w.pid != os.getpid():
+        if w is None or w.pid != _pid:
             # A forked child must not read the parent's instance (it would take the
             # parent's events): it makes its own and watches again what it checks.
             if w is not None and w.fd >= 0:
@@ -167,12 +167,16 @@ def _new_watcher() -> _Watcher:
         return w
 
 
-def _reset_lock() -> None:
-    global _watcher_lock
+_pid = os.getpid()  # this process's (a system call saved per check)
+
+
+def _after_fork() -> None:
+    global _watcher_lock, _pid
     _watcher_lock = threading.Lock()
+    _pid = os.getpid()
 
 
-os.register_at_fork(after_in_child=_reset_lock)
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def poll() -> int:
@@ -185,6 +189,17 @@ def poll() -> int:
         True
     """
     return _this_process().poll()
+
+
+def seen() -> int:
+    """The number :func:`poll` returned last in this process (no system call): for a
+    reader whose caller has just polled.
+
+    Example:
+        >>> seen() == poll()
+        True
+    """
+    return _this_process().events
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -247,7 +262,7 @@ class Pin:
     def release(self) -> None:
         """Stop watching (the map is gone); :func:`changed` then stats the path."""
         wd, self.wd = self.wd, -1
-        if wd >= 0 and self.pid == os.getpid():
+        if wd >= 0 and self.pid == _pid:
             w = _watcher
             if w is not None and w.pid == self.pid:
                 w.release(wd)
@@ -263,17 +278,19 @@ class Pin:
         return f"Pin({self.path!r}, size={self.ident[2]}, watched={self.wd >= 0})"
 
 
-def changed(pin: Pin) -> str | None:
+def changed(pin: Pin, *, polled: bool = False) -> str | None:
     """Why ``pin``'s file is not what it was when pinned (written, truncated, replaced,
     deleted), or None when it is unchanged as far as can be seen (see the module
-    docstring)."""
+    docstring). ``polled``: the caller has just called :func:`poll` (one system call
+    for all the files an operation checks, not one per file)."""
     w = _this_process()
     if pin.pid != w.pid:
         why = pin._adopt(w)
         if why is not None:
             return why
     if pin.wd >= 0 and not w.lost:
-        w.poll()
+        if not polled:
+            w.poll()
         return None if w.modified.get(pin.wd, 0) == pin.seen else _WHY
     try:
         st = os.stat(pin.path)
@@ -314,9 +331,9 @@ def first_changed(pins: list[Pin]) -> tuple[int, str] | None:
     return None
 
 
-def check(pin: Pin, what: str) -> None:
+def check(pin: Pin, what: str, *, polled: bool = False) -> None:
     """Raise :class:`ChangedWhileOpen` naming ``what`` (the file, as the reader names
-    it) if :func:`changed` says the file changed.
+    it) if :func:`changed` says the file changed (``polled`` as there).
 
     Example:
         >>> import os, tempfile
@@ -331,7 +348,7 @@ def check(pin: Pin, what: str) -> None:
         ...     print(str(e)[:27])
         file 'g' changed while open
     """
-    why = changed(pin)
+    why = changed(pin, polled=polled)
     if why is not None:
         raise ChangedWhileOpen(
             f"{what} changed while open ({why} after it was memory-mapped): not read, "

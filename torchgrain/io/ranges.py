@@ -407,8 +407,9 @@ class MappedFile:
         self._view: memoryview | None = None
         self._pin: changes.Pin | None = None
 
-    def view(self) -> memoryview:
-        """The whole file (empty files give an empty view).
+    def view(self, *, polled: bool = False) -> memoryview:
+        """The whole file (empty files give an empty view). ``polled``: the caller has
+        just called :func:`torchgrain.io.changes.poll` (saves a system call).
 
         Raises:
             ChangedWhileOpen: the file was written or truncated since it was mapped.
@@ -417,7 +418,7 @@ class MappedFile:
         if view is not None and self._token == process.token():
             pin = self._pin
             if pin is not None:
-                changes.check(pin, f"file {self.path!r}")
+                changes.check(pin, f"file {self.path!r}", polled=polled)
             return view
         with self._lock:
             if self._view is None or self._token != process.token():

@@ -220,12 +220,16 @@ class ShardRegion:
         raise TypeError("a ShardRegion belongs to one process and is not pickled")
 
     # ------------------------------------------------------------------ reading
-    def acquire(self, shards: np.ndarray) -> np.ndarray | None:
+    def acquire(self, shards: np.ndarray, *, polled: bool = False) -> np.ndarray | None:
         """Offsets into :attr:`u8` of the slots of ``shards`` (one per entry), mapping
         the shards not mapped yet; None when they cannot all be mapped at once (more
         distinct shards than slots, or the system's map limit reached). After a
         non-None result, call :meth:`release` when done reading: no shard is unmapped
-        while any reader holds the region."""
+        while any reader holds the region.
+
+        Raises :class:`~torchgrain.io.changes.ChangedWhileOpen` for a shard that
+        changed since it was mapped. ``polled``: the caller has just called
+        :func:`torchgrain.io.changes.poll` (saves a system call)."""
         self._own()
         with self._lock:
             slots = self.slot_of[shards]
@@ -236,7 +240,7 @@ class ShardRegion:
                 if not self._map_missing(np.unique(shards[missing]), shards):
                     return None
                 slots = self.slot_of[shards]
-            self._verify(slots)
+            self._verify(slots, changes.seen() if polled else changes.poll())
             self._tick += 1
             if self._tick >= 1 << 32:  # start the clock again, keeping the order
                 self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
@@ -245,7 +249,7 @@ class ShardRegion:
             self._inflight += 1
         return slots * np.int64(self.slot_size)
 
-    def acquire_one(self, shard: int) -> int | None:
+    def acquire_one(self, shard: int, *, polled: bool = False) -> int | None:
         """:meth:`acquire` for one shard: the offset of its slot, or None."""
         self._own()
         with self._lock:
@@ -256,7 +260,9 @@ class ShardRegion:
                 if not self._map_missing(np.array([shard]), np.array([shard])):
                     return None
                 k = int(self.slot_of[shard])
-            self._verify(np.array([k]))
+            seen = changes.seen() if polled else changes.poll()
+            if seen != self._seen or not self._watched[k]:  # (else nothing to look at)
+                self._verify(np.array([k]), seen)
             self._tick += 1
             if self._tick >= 1 << 32:
                 self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
@@ -265,11 +271,11 @@ class ShardRegion:
             self._inflight += 1
         return k * self.slot_size
 
-    def _verify(self, slots: np.ndarray) -> None:
+    def _verify(self, slots: np.ndarray, seen: int) -> None:
         """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if a shard of ``slots``
-        changed since it was mapped (we hold the lock). Without a change anywhere, and
-        every slot of the batch watched, this is one ``poll``."""
-        seen = changes.poll()
+        changed since it was mapped (we hold the lock; ``seen``: what the last poll
+        returned). Without a change anywhere, and every slot of the batch watched,
+        this looks at nothing more."""
         if seen == self._seen and self._watched[slots].all():
             return
         batch = self.owner[slots]

@@ -207,9 +207,8 @@ class ArrayRecordSource(EncodedSource):
         self._schema: dict[str, str] | None = schema
         self._share_index()
 
-    def _check_index(self) -> None:
-        if self._dindex is not None:
-            self._dindex.check_unchanged()
+    def _node_index(self) -> Any:
+        return self._dindex
 
     def _share_index(self) -> None:
         """Record offsets per shard from the mapped index, not a private copy."""
@@ -498,7 +497,7 @@ class ArrayRecordSource(EncodedSource):
             return None  # the shard-by-shard path names the shard's error
         region, decoder, footers = mapped
         try:
-            at = region.acquire_one(shard)
+            at = region.acquire_one(shard, polled=True)  # (_check_index polled)
         except ChangedWhileOpen:
             raise  # (the shard-by-shard path may not see a same-size rewrite)
         except (CorruptDataError, FileNotFoundError):
@@ -549,7 +548,7 @@ class ArrayRecordSource(EncodedSource):
                 return None  # chunks of several records: shard by shard, with the chunk cache
         region, decoder, _ = mapped
         try:
-            base = region.acquire(shard)
+            base = region.acquire(shard, polled=True)  # (_check_index polled)
         except ChangedWhileOpen:
             raise  # (the shard-by-shard path may not see a same-size rewrite)
         except (CorruptDataError, FileNotFoundError):

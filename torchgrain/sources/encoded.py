@@ -22,6 +22,7 @@ from torchgrain.columns import ColumnBatch, scratch
 from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import Codec, describe_value
+from torchgrain.io import changes
 from torchgrain.sources.base import ShardedSource
 from torchgrain.sources.index import group_by_shard
 
@@ -90,9 +91,18 @@ class EncodedSource(ShardedSource):
         return list(self.schema)
 
     def _check_index(self) -> None:
-        """Raise if the node-shared index file the source maps changed since it was
-        opened (reading its arrays could kill the process with SIGBUS): overridden by
-        sources with such an index."""
+        """Read this process's file events once for the operation
+        (:func:`torchgrain.io.changes.poll`: the reads that follow check their maps
+        against it), and raise if the node-shared index file the source maps changed
+        since it was opened (reading its arrays could kill the process with SIGBUS)."""
+        changes.poll()
+        ix = self._node_index()
+        if ix is not None:
+            ix.check_unchanged(polled=True)
+
+    def _node_index(self) -> Any:
+        """The source's node-shared index (:mod:`torchgrain.sources.node_index`), if any."""
+        return None
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         self._check_index()

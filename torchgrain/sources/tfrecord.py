@@ -162,8 +162,8 @@ class TFRecordSource(EncodedSource):
         return self._tfindex.base
 
     # ------------------------------------------------------------ the contract
-    def _check_index(self) -> None:
-        self._tfindex.check_unchanged()
+    def _node_index(self) -> Any:
+        return self._tfindex
 
     def _check_readable(self, shard: int, index: int) -> None:
         if self._compressed[shard]:
@@ -273,7 +273,7 @@ class TFRecordSource(EncodedSource):
             r = reader or self._reader(shard)
             if not isinstance(r, MappedFile):
                 return r.read(list(zip(starts, ends)))
-            view = r.view()
+            view = r.view(polled=True)  # (_check_index polled for this read)
             if ends and max(ends) > len(view):
                 expected = int(self._bounds[self._base[shard] + self.index.counts[shard]])
                 raise CorruptDataError(

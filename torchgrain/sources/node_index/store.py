@@ -127,13 +127,13 @@ class _Index:
     def num_shards(self) -> int:
         return len(self.counts)
 
-    def check_unchanged(self) -> None:
+    def check_unchanged(self, *, polled: bool = False) -> None:
         """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if the index file this
         index maps was written or truncated since it was opened (see
         :meth:`IndexFile.check`); sources call it before each read."""
         f = self._a.file
         if f is not None:
-            f.check()
+            f.check(polled=polled)
 
     def __getstate__(self) -> _Arrays:
         return self._a

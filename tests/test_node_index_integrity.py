@@ -1,0 +1,110 @@
+"""The node-shared dataset index is never trusted for files it does not describe: a
+TFRecord shard rewritten to the same size gets a fresh index, an index beside the
+shards edited in place after it was verified is verified again, a full index
+directory deletes its least recently used indexes first, and one process at a time
+holds the lock to build an index."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+
+import torchgrain as tg
+from torchgrain.formats.tfrecord import write_tfrecord
+from torchgrain.sources.node_index import COUNTERS, INDEX_NAME, store
+
+
+def _records(src, idx):
+    return [r["bytes"] for r in src.__getitems__(idx)]
+
+
+def test_a_tfrecord_shard_rewritten_to_the_same_size_gets_a_fresh_index(tmp_path):
+    d = tmp_path / "tf"
+    d.mkdir()
+    path = d / "x-0.tfrecord"
+    write_tfrecord([b"a" * 10, b"b" * 30], path)
+    idx = tmp_path / "idx"
+    src = tg.TFRecordSource(d, codec="raw", index_dir=idx)
+    assert _records(src, [0, 1]) == [b"a" * 10, b"b" * 30]
+    st = os.stat(path)
+    # The same size, the records laid out otherwise: only the version stamp (its
+    # modification time) tells the files apart.
+    write_tfrecord([b"c" * 30, b"d" * 10], tmp_path / "new.tfrecord")
+    os.replace(tmp_path / "new.tfrecord", path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert os.path.getsize(path) == st.st_size
+    before = COUNTERS["tfrecord_builds"]
+    src = tg.TFRecordSource(d, codec="raw", index_dir=idx)
+    assert COUNTERS["tfrecord_builds"] == before + 1
+    assert _records(src, [0, 1]) == [b"c" * 30, b"d" * 10]
+
+
+def test_an_index_beside_the_shards_edited_in_place_after_it_was_verified_is_checked_again(
+    tmp_path,
+):
+    tg.write_array_record([{"i": i} for i in range(30)], tmp_path / "ds", num_shards=3)
+    idx = tmp_path / "idx"
+    src = tg.ArrayRecordSource(tmp_path / "ds", index_dir=idx)  # verified, and stamped
+    assert src[29]["i"] == 29
+    path = tmp_path / "ds" / INDEX_NAME
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # the same inode and size
+        f.seek(st.st_size - 100)
+        byte = f.read(1)[0]
+        f.seek(st.st_size - 100)
+        f.write(bytes([byte ^ 0x40]))
+    # Its modification time put back: only the change time says it was written to.
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    before = COUNTERS["verified"]
+    with pytest.warns(UserWarning, match="not using the dataset's index file"):
+        src = tg.ArrayRecordSource(tmp_path / "ds", index_dir=idx)
+    assert COUNTERS["verified"] == before  # verified again, and failed
+    assert [r["i"] for r in src.__getitems__(list(range(29, -1, -1)))] == list(range(29, -1, -1))
+
+
+def _write_foreign(directory, n: int = 40) -> None:
+    os.makedirs(directory)
+    w = ArrayRecordWriter(str(directory / "part-00000.array_record"), "group_size:1")
+    for i in range(n):
+        w.write(b"%d" % i)
+    w.close()
+
+
+def test_a_full_index_directory_deletes_the_least_recently_used_index(tmp_path, monkeypatch):
+    idx = tmp_path / "idx"
+    paths = {}
+    for name in ("a", "b"):
+        _write_foreign(tmp_path / name)
+        paths[name] = tg.ArrayRecordSource(tmp_path / name, codec="raw", index_dir=idx)._dindex.path
+    size = os.path.getsize(paths["a"])
+    assert os.path.getsize(paths["b"]) == size
+    # "a" was used after "b" (an index's use is the time of its lock file).
+    os.utime(paths["b"] + ".lock", (1_000_000_000, 1_000_000_000))
+    os.utime(paths["a"] + ".lock", (1_000_000_100, 1_000_000_100))
+    monkeypatch.setattr(store, "INDEX_DIR_BYTES", 2 * size + size // 2)  # room for two
+    _write_foreign(tmp_path / "c")
+    c = tg.ArrayRecordSource(tmp_path / "c", codec="raw", index_dir=idx)
+    assert os.path.exists(c._dindex.path)
+    assert os.path.exists(paths["a"]) and not os.path.exists(paths["b"])
+    assert [r["bytes"] for r in c.__getitems__([39, 0])] == [b"39", b"0"]
+
+
+def test_the_build_lock_excludes_every_other_holder(tmp_path):
+    # One builder per machine: while one process builds, another that asks for the lock
+    # (to build, or to wait for the build) does not get it, not even a shared one.
+    path = str(tmp_path / "arrayrecord-x.tgindex")
+    with store._build_lock(path):
+        fd = os.open(path + ".lock", os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    fd = os.open(path + ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the builder's
+    finally:
+        os.close(fd)
