@@ -4,8 +4,9 @@ mapped from the node's decoded disk cache.
 :class:`RowGroupLoader` is the part of :class:`~torchgrain.ParquetSource` below the
 batch: per-process readers of the files (:class:`ParquetReader`: pyarrow's reader, one
 read at a time), the decode of a row group's selected columns (bounded by
-``max_row_group_bytes`` before pyarrow allocates, counted against the footer, widened to
-the dataset's merged schema), and the decoded disk cache
+``max_row_group_bytes`` before pyarrow allocates, counted against the footer and then
+the columns' page headers (:mod:`torchgrain.formats.parquet_pages`), widened to the
+dataset's merged schema), and the decoded disk cache
 (:class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`) that holds decoded row
 groups for every process of the machine (:func:`decoded_cache_for` resolves the
 ``decoded_cache=`` option). The source fills in the row-group index this part reads.
@@ -275,16 +276,18 @@ class RowGroupLoader(ShardedSource):
 
         Runs under ``reader.lock``; a remote file's column chunks are fetched here, once,
         for this check and Arrow's decode."""
-        meta = reader.pf.metadata.row_group(local)
-        leaves = reader.leaves(tuple(names))
-        chunks = [meta.column(j) for j, _, _ in leaves]
-        if reader.staged is not None:
-            reader.staged.stage([chunk_range(c) for c in chunks])
         # A row group read again (a small cache) is not checked again while its file is
         # unchanged (size, modification time); remote files are pinned when opened.
         key = (local, tuple(names), reader.version())
-        if key in reader.checked:
+        if key in reader.checked and reader.staged is None:
             return
+        meta = reader.pf.metadata.row_group(local)
+        leaves = reader.leaves(key[1])
+        chunks = [meta.column(j) for j, _, _ in leaves]
+        if reader.staged is not None:
+            reader.staged.stage([chunk_range(c) for c in chunks])
+            if key in reader.checked:
+                return
         where = f"row group {local} of {self.paths[shard]!r} (shard {shard} of {self.num_shards})"
         fixed = rest = 0
         worst = (-1, "", 0, 0)

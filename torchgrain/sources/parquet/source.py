@@ -125,6 +125,11 @@ class ParquetSource(RowGroupLoader):
             size); default 16 GiB (:data:`DEFAULT_MAX_ROW_GROUP_BYTES`). A row group
             over it raises :class:`~torchgrain.CorruptDataError` before pyarrow reserves
             memory for it: a footer that claims billions of rows cannot make it do so.
+            The selected columns' page headers are checked against it too, before a
+            page is inflated: the fixed part of the values they hold (which counts list
+            items), and what the pages inflate to beyond that (a page of 1 GiB of zeros
+            compresses to a few KiB), each at most ``max_row_group_bytes``; the error
+            names the file, row group and column.
 
     Records are dicts ``{column: value}``. Values map as follows:
 
