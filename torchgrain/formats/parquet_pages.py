@@ -165,26 +165,29 @@ def page_header(buf: bytes) -> PageHeader | None:
     """
     top: dict[int, int] = {}
     values = pos = 0
-    own = False  # whether the struct open at level 2 is the page kind's own header
-    stack = [0]  # the last field id of each struct open, outermost first
+    own = False  # whether the struct open at depth 2 is the page kind's own header
+    ids = [0]  # the last field id of each struct open, outermost first
+    depth = 1
     try:
-        # One loop over every field of every struct (no call a field: headers are read
+        # One loop over every field of every struct, with the Thrift types as literals
+        # (5: i32, 4/6: i16/i64, 8: binary, 12: struct, 1/2: booleans; a header is read
         # once a page, on the decode path); containers, which headers lack, are skipped.
         while True:
             head = buf[pos]
             pos += 1
             t = head & 15
-            if t == _STOP:
-                stack.pop()
-                if not stack:
+            if not t:  # the end of a struct
+                depth -= 1
+                if not depth:
                     break
+                ids.pop()
                 continue
-            if head >> 4:
-                fid = stack[-1] + (head >> 4)
+            if head > 15:
+                fid = ids[-1] + (head >> 4)
             else:
                 fid, pos = _zigzag(buf, pos)
-            stack[-1] = fid
-            if t in (_I32, _I64, _I16):
+            ids[-1] = fid
+            if 3 < t < 7:
                 v = buf[pos]
                 pos += 1
                 if v > 0x7F:
@@ -199,24 +202,29 @@ def page_header(buf: bytes) -> PageHeader | None:
                         shift += 7
                         if shift > 63:
                             raise ValueError("a varint longer than 10 bytes")
-                if t == _I32 and fid <= 3:
-                    if len(stack) == 1:  # type, uncompressed and compressed size
+                if t == 5 and fid <= 3:
+                    if depth == 1:  # type, uncompressed and compressed size
                         top[fid] = (v >> 1) ^ -(v & 1)
-                    elif fid == 1 and own and len(stack) == 2:  # its num_values
+                    elif fid == 1 and own and depth == 2:  # its num_values
                         values = (v >> 1) ^ -(v & 1)
-            elif t == _BINARY:
-                n, pos = _varint(buf, pos)
-                pos += n
-            elif t == _STRUCT:
-                if len(stack) == 1:
+            elif t == 8:
+                n = buf[pos]
+                if n < 0x80:
+                    pos += 1 + n
+                else:
+                    n, pos = _varint(buf, pos)
+                    pos += n
+            elif t == 12:
+                if depth == 1:
                     own = fid in (5, 7, 8)  # data, dictionary, data v2 page headers
                     if own:
                         top[fid] = 1
-                elif len(stack) > _MAX_DEPTH:
+                elif depth >= _MAX_DEPTH:
                     raise ValueError(f"Thrift structs nested more than {_MAX_DEPTH} deep")
-                stack.append(0)
-            elif t not in (_TRUE, _FALSE):
-                pos = _skip(buf, pos, t, len(stack))
+                depth += 1
+                ids.append(0)
+            elif t > 2:
+                pos = _skip(buf, pos, t, depth)
     except IndexError:
         return None
     if pos > len(buf):
