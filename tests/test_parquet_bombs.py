@@ -213,6 +213,14 @@ def test_a_remote_file_is_checked_from_the_bytes_arrow_decodes(tmp_path):
         srv.reset_counts()
         assert [r["i"] for r in src.__getitems__([1500, 3999])] == [1500, 3999]
         assert srv.gets() == 0
+        # One column of three, in row groups bigger than the read-ahead.
+        big = pa.table({"a": np.arange(600_000), "s": [str(i % 10) for i in range(600_000)]})
+        big = big.append_column("b", pa.array(np.random.default_rng(0).random(600_000)))
+        pq.write_table(big, tmp_path / "big.parquet", row_group_size=300_000, compression="none")
+        src = tg.ParquetSource(srv.url + "/big.parquet", columns=["b"], decoded_cache=False)
+        assert src.__getitems__([1, 299_999, 300_000, 599_999]) == [
+            {"b": big["b"][i].as_py()} for i in (1, 299_999, 300_000, 599_999)
+        ]
         bomb = tg.ParquetSource(
             srv.url + "/bomb.parquet", max_row_group_bytes=1 << 20, decoded_cache=False
         )

@@ -523,8 +523,14 @@ class StagedInput(io.RawIOBase):
         self._ranges = kept
 
     def clear(self) -> None:
-        """Forget what was staged, but for a read-ahead's worth."""
-        self._ranges = [r for r in self._ranges if len(r[1]) <= remote.REMOTE_BUFFER]
+        """Forget what was staged, but for a read-ahead's worth (its first ranges)."""
+        kept, room = [], remote.REMOTE_BUFFER
+        for start, blob in self._ranges:
+            if len(blob) > room:
+                break
+            kept.append((start, blob))
+            room -= len(blob)
+        self._ranges = kept
 
     def readable(self) -> bool:
         return True
