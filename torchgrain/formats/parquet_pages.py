@@ -32,7 +32,15 @@ from typing import Any, NamedTuple
 
 from torchgrain.errors import CorruptDataError
 
-__all__ = ["ChunkPages", "PageHeader", "chunk_pages", "chunk_range", "page_header"]
+__all__ = [
+    "ChunkPages",
+    "ColumnChunk",
+    "PageHeader",
+    "chunk_pages",
+    "chunk_range",
+    "footer_chunks",
+    "page_header",
+]
 
 # Page types (parquet.thrift's PageType).
 DATA_PAGE, INDEX_PAGE, DICTIONARY_PAGE, DATA_PAGE_V2 = 0, 1, 2, 3
@@ -244,13 +252,134 @@ def page_header(buf: bytes) -> PageHeader | None:
     return tuple.__new__(PageHeader, (kind, uncompressed, compressed, values, pos))
 
 
+class ColumnChunk(NamedTuple):
+    """Where one column chunk lies, from its file's footer (``ColumnMetaData``): the
+    values it holds, its bytes, and the offsets of its first data page and of its
+    dictionary page (None: none)."""
+
+    num_values: int
+    total_compressed_size: int
+    data_page_offset: int
+    dictionary_page_offset: int | None
+
+
+def _fields(buf: bytes, pos: int, field: Callable[[int, int, int], int | None]) -> int:
+    """Read a struct at ``pos``: ``field(id, type, pos)`` reads a field's value and
+    returns the position after it, or returns None to have it skipped. Returns the
+    position after the struct."""
+    fid = 0
+    while True:
+        head = buf[pos]
+        pos += 1
+        t = head & 15
+        if not t:
+            return pos
+        if head > 15:
+            fid += head >> 4
+        else:
+            fid, pos = _zigzag(buf, pos)
+        after = field(fid, t, pos)
+        pos = _skip(buf, pos, t, 1) if after is None else after
+
+
+def _list(buf: bytes, pos: int, item: Callable[[int], int]) -> int:
+    """Read a list of structs at ``pos`` with ``item(pos)`` (the position after each)."""
+    head = buf[pos]
+    pos += 1
+    size = head >> 4
+    if size == 15:
+        size, pos = _varint(buf, pos)
+    if head & 15 != _STRUCT:
+        return _skip_items(buf, pos, head & 15, size)
+    for _ in range(size):
+        pos = item(pos)
+        if pos > len(buf):
+            raise IndexError
+    return pos
+
+
+def _skip_items(buf: bytes, pos: int, kind: int, size: int) -> int:
+    if kind in (_TRUE, _FALSE):
+        return pos + size
+    for _ in range(size):
+        pos = _skip(buf, pos, kind, 1)
+        if pos > len(buf):
+            raise IndexError
+    return pos
+
+
+def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
+    """Each row group's column chunks, read from a Parquet footer (the Thrift
+    ``FileMetaData`` before the file's last 8 bytes) without pyarrow: pyarrow's
+    ``RowGroupMetaData.column`` aborts the process on some hostile footers (a C++
+    exception it does not catch), which its reader refuses with an error.
+
+    Example:
+        >>> import io, pyarrow as pa, pyarrow.parquet as pq
+        >>> sink = io.BytesIO()
+        >>> pq.write_table(pa.table({"x": [1, 2, 3]}), sink)
+        >>> data = sink.getvalue()
+        >>> n = int.from_bytes(data[-8:-4], "little")
+        >>> chunk = footer_chunks(data[-8 - n : -8])[0][0]
+        >>> chunk.num_values, chunk.dictionary_page_offset
+        (3, 4)
+
+    Raises:
+        CorruptDataError: a footer that is not one.
+    """
+    groups: list[list[ColumnChunk]] = []
+
+    def meta(into: dict[int, int]) -> Callable[[int, int, int], int | None]:
+        def field(fid: int, t: int, pos: int) -> int | None:
+            if fid in (5, 7, 9, 11) and t == _I64:
+                into[fid], pos = _zigzag(footer, pos)
+                return pos
+            return None
+
+        return field
+
+    def chunk(pos: int) -> int:
+        found: dict[int, int] = {}
+
+        def field(fid: int, t: int, pos: int) -> int | None:
+            if fid == 3 and t == _STRUCT:
+                return _fields(footer, pos, meta(found))
+            return None
+
+        pos = _fields(footer, pos, field)
+        if 5 not in found or 7 not in found or 9 not in found:
+            raise ValueError("a column chunk without its metadata")
+        groups[-1].append(ColumnChunk(found[5], found[7], found[9], found.get(11)))
+        return pos
+
+    def group(pos: int) -> int:
+        groups.append([])
+
+        def field(fid: int, t: int, pos: int) -> int | None:
+            return _list(footer, pos, chunk) if fid == 1 and t == _LIST else None
+
+        return _fields(footer, pos, field)
+
+    def top(fid: int, t: int, pos: int) -> int | None:
+        return _list(footer, pos, group) if fid == 4 and t == _LIST else None
+
+    try:
+        if _fields(footer, 0, top) > len(footer):
+            raise IndexError
+    except (IndexError, ValueError) as e:
+        raise CorruptDataError(
+            f"a Parquet footer that cannot be read: {e or 'truncated'}"
+        ) from None
+    return groups
+
+
 def chunk_range(column: Any) -> tuple[int, int]:
-    """``(start, length)`` of a column chunk in its file, from its footer metadata (a
-    pyarrow ``ColumnChunkMetaData``), as Arrow computes it: from its dictionary page when
-    it has one before its first data page."""
+    """``(start, length)`` of a column chunk in its file (a :class:`ColumnChunk`, or
+    pyarrow's ``ColumnChunkMetaData`` of a trusted file), as Arrow computes it: from its
+    dictionary page when it has one before its first data page."""
     start = column.data_page_offset
     dictionary = column.dictionary_page_offset
-    if column.has_dictionary_page and dictionary is not None and 0 < dictionary < start:
+    if dictionary is not None and 0 < dictionary < start:
         start = dictionary
     return start, column.total_compressed_size
 

@@ -42,7 +42,12 @@ from torchgrain.errors import (
     RemoteIOError,
     UnsafePathError,
 )
-from torchgrain.formats.parquet_pages import chunk_pages, chunk_range
+from torchgrain.formats.parquet_pages import (
+    ColumnChunk,
+    chunk_pages,
+    chunk_range,
+    footer_chunks,
+)
 from torchgrain.io import changes, remote
 from torchgrain.io.fs import default_cache_dir
 from torchgrain.sources.base import ShardedSource
@@ -281,9 +286,16 @@ class RowGroupLoader(ShardedSource):
         key = (local, tuple(names), reader.version())
         if key in reader.checked and reader.staged is None:
             return
-        meta = reader.pf.metadata.row_group(local)
         leaves = reader.leaves(key[1])
-        chunks = [meta.column(j) for j, _, _ in leaves]
+        try:
+            row_group = reader.footer()[local]
+            chunks = [row_group[j] for j, _, _ in leaves]
+        except (CorruptDataError, IndexError) as e:
+            raise CorruptDataError(
+                f"row group {local} of {self.paths[shard]!r} (shard {shard} of "
+                f"{self.num_shards}): its footer: {e or 'fewer column chunks than columns'} "
+                f"(record index {index})"
+            ) from None
         if reader.staged is not None:
             reader.staged.stage([chunk_range(c) for c in chunks])
             if key in reader.checked:
@@ -392,7 +404,7 @@ class ParquetReader:
     column chunks ``staged`` for Arrow (a remote one), or ``handle``.
     """
 
-    __slots__ = ("_leaves", "checked", "closed", "fd", "handle", "lock", "pf", "staged")
+    __slots__ = ("_footer", "_leaves", "checked", "closed", "fd", "handle", "lock", "pf", "staged")
 
     def __init__(
         self,
@@ -408,6 +420,7 @@ class ParquetReader:
         self.lock = threading.Lock()
         self.closed = False
         self._leaves: dict[tuple[str, ...], list[tuple[int, int, str]]] = {}
+        self._footer: list[list[ColumnChunk]] | None = None
         # (row group, columns, version) whose page headers passed the check.
         self.checked: set[tuple[int, tuple[str, ...], tuple[int, int]]] = set()
 
@@ -425,6 +438,21 @@ class ParquetReader:
         source = self.staged or self.handle
         source.seek(offset)
         return source.read(size)
+
+    def footer(self) -> list[list[ColumnChunk]]:
+        """Each row group's column chunks, read from the footer once (not through
+        pyarrow's metadata objects: some hostile footers make them abort the process)."""
+        if self._footer is None:
+            if self.fd is not None:
+                size = os.fstat(self.fd).st_size
+            else:
+                size = (self.staged or self.handle).seek(0, io.SEEK_END)
+            tail = self.read_at(size - 8, 8) if size >= 12 else b""
+            n = int.from_bytes(tail[:4], "little") if len(tail) == 8 else -1
+            if not 0 <= n <= size - 12:
+                raise CorruptDataError(f"a footer of {n} bytes in a file of {size}")
+            self._footer = footer_chunks(self.read_at(size - 8 - n, n))
+        return self._footer
 
     def leaves(self, names: tuple[str, ...]) -> list[tuple[int, int, str]]:
         """``(index, bytes per value, path)`` of each leaf column that reading the
