@@ -441,3 +441,35 @@ def test_a_real_full_disk_on_tmpfs(served, tmp_path):
     assert any(f"decoded Parquet cache in '{mnt}/decoded'" in m for m in got["warned"])
     assert got["left"] == []  # nothing partial kept
     assert os.listdir(mnt) == []  # the mount went with its namespace
+
+
+# ------------------------------------------------------------- the statistics' table
+# argv: limit, data dir. The statistics' shared table is a file in /dev/shm (or a
+# temporary directory): under a file-size limit it cannot be made. Two Datasets read in
+# this process, then through a DataLoader with two forked workers.
+_STATS_TABLE = (
+    _PRELUDE
+    + """
+data = sys.argv[2]
+limit_file_size()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ds = [tg.Dataset(tg.ArrayRecordSource(data, index_dir=None)) for _ in range(2)]
+    got = [int(r["i"]) for d in ds for r in d.__getitems__(list(range(8)))]
+    loader = torch.utils.data.DataLoader(ds[0], batch_size=8, num_workers=2, collate_fn=list,
+                                         multiprocessing_context="fork")
+    got += sorted(int(r["i"]) for b in loader for r in b)
+    records = tg.stats(ds[1]).total["records"]
+print(json.dumps({"got": got, "records": records, "warned": said(caught, "shared memory")}))
+"""
+)
+
+
+def test_statistics_without_shared_memory_never_fail_a_read(tmp_path):
+    data = str(tmp_path / "ar")
+    tg.write_array_record([{"i": np.int64(i)} for i in range(N)], data)
+    got = _child(_STATS_TABLE, data, limit=4096)
+    assert got["got"] == list(range(8)) * 2 + list(range(N))
+    assert got["records"] == 8  # (counted in this process's own table)
+    assert len(got["warned"]) == 1, got["warned"]  # once per process, for both Datasets
+    assert "/dev/shm" in got["warned"][0]

@@ -38,6 +38,7 @@ import multiprocessing.context
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -92,6 +93,8 @@ _pid = os.getpid()
 # Claims and releases of slots, in the process that owns the loaders. Re-entrant: a
 # release runs when a batch sampler is freed, which may happen inside a claim.
 _slot_lock = threading.RLock()
+# The process that warned that the statistics have no shared memory (see _shared_array).
+_warned_private: int | None = None
 
 
 def _reset_local_counters() -> None:
@@ -208,6 +211,27 @@ def _release(ref: weakref.ref[PipelineStats], key: int, block: int, pid: int) ->
         st._tag_array()[block] = 0
 
 
+def _shared_array(typecode: str, n: int) -> Any:
+    """``n`` zeros of ``typecode`` ("d" or "q") in shared memory, or, where none can be
+    had, in this process's memory, with one warning per process: statistics never fail a
+    read. (``/dev/shm`` full or out of inodes, and every temporary directory, or a
+    file-size limit: the shared table is a file there.)"""
+    try:
+        return multiprocessing.RawArray(typecode, n)
+    except OSError as e:
+        global _warned_private
+        if _warned_private != os.getpid():
+            _warned_private = os.getpid()
+            warnings.warn(
+                f"torchgrain: the pipeline statistics cannot have shared memory ({e}); "
+                "stats() counts only what each process reads itself until it ends. Free "
+                "space (or files) in /dev/shm.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return np.zeros(n, dtype=np.float64 if typecode == "d" else np.int64)
+
+
 class PipelineStats:
     """The shared table behind :func:`stats` (one per Dataset chain).
 
@@ -237,13 +261,10 @@ class PipelineStats:
     )
 
     def __init__(self) -> None:
-        try:
-            self._shared = multiprocessing.RawArray("d", _BLOCKS * (_ROWS + 1) * len(COUNTERS))
-            # The pid of the process that claimed each slot (0: free), so that processes
-            # sharing one table (e.g. handed to spawned processes) take different slots.
-            self._tags = multiprocessing.RawArray("q", _BLOCKS)
-        except OSError:  # pragma: no cover - no shared memory available
-            self._shared = self._tags = None
+        self._shared = _shared_array("d", _BLOCKS * (_ROWS + 1) * len(COUNTERS))
+        # The pid of the process that claimed each slot (0: free), so that processes
+        # sharing one table (e.g. handed to spawned processes) take different slots.
+        self._tags = _shared_array("q", _BLOCKS)
         self._init_local(None)
 
     def _init_local(self, worker_block: int | None) -> None:
@@ -260,14 +281,14 @@ class PipelineStats:
         view = self._view
         if view is None:
             if self._shared is None:
-                self._shared = multiprocessing.RawArray("d", _BLOCKS * (_ROWS + 1) * len(COUNTERS))
+                self._shared = _shared_array("d", _BLOCKS * (_ROWS + 1) * len(COUNTERS))
             view = np.frombuffer(self._shared, dtype=np.float64)
             view = self._view = view.reshape(_BLOCKS, _ROWS + 1, len(COUNTERS))
         return view
 
     def _tag_array(self) -> Any:
         if self._tags is None:
-            self._tags = multiprocessing.RawArray("q", _BLOCKS)
+            self._tags = _shared_array("q", _BLOCKS)
         return self._tags
 
     # ------------------------------------------------------------------ slots
