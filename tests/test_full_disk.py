@@ -473,3 +473,26 @@ def test_statistics_without_shared_memory_never_fail_a_read(tmp_path):
     assert got["records"] == 8  # (counted in this process's own table)
     assert len(got["warned"]) == 1, got["warned"]  # once per process, for both Datasets
     assert "/dev/shm" in got["warned"][0]
+
+
+# ---------------------------------------------------------- the TFRecord offset cache
+def test_the_tfrecord_offset_cache_names_a_full_disk_once(tmp_path, monkeypatch):
+    from torchgrain.sources import tfrecord
+
+    def no_room(path, *args, **kwargs):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    monkeypatch.setattr(tfrecord, "atomic_open", no_room)  # each file's offsets only
+    data = _write_tfrecords(tmp_path / "tf")
+    files = sorted(os.path.join(data, f) for f in os.listdir(data))
+    index_dir = str(tmp_path / "index")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # three files each, two sources, one process: one warning
+            src = tg.TFRecordSource(files, codec="msgpack", index_dir=index_dir)
+            assert [r["i"] for r in src.__getitems__(list(range(60)))] == list(range(60))
+    said = [str(w.message) for w in caught if "offset cache" in str(w.message)]
+    assert len(said) == 1, said
+    assert os.strerror(errno.EDQUOT) in said[0] and repr(index_dir) in said[0]
+    assert ".npy'" in said[0] and "index_dir=" in said[0]  # the file, the remedy
+    assert not [f for f in os.listdir(index_dir) if f.endswith(".npy") or ".tmp" in f]

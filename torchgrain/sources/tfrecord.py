@@ -18,11 +18,12 @@ convert them.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import os
 import re
+import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ from torchgrain.formats.tfrecord import (
     resolve_compression,
 )
 from torchgrain.io import remote as io_remote
-from torchgrain.io.atomic import atomic_open
+from torchgrain.io.atomic import atomic_open, disk_full_errno, disk_full_error
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
@@ -441,12 +442,39 @@ def _cache_file(
     return os.path.join(os.fspath(index_dir), f"{key}-{name}.npy")
 
 
+# (process id, directory) already warned that a file's offsets cannot be kept there.
+_SAVE_WARNED: set[tuple[int, str]] = set()
+_SAVE_LOCK = threading.Lock()
+_REMEDY = (
+    "Free space on that disk, or pass index_dir= a directory on a disk with room (its "
+    "default lies under $TORCHGRAIN_CACHE; index_dir=None keeps indexes in memory)."
+)
+
+
 def _save(path: str, offsets: np.ndarray) -> None:
-    """Write atomically: a reader sees a whole index or none (never a partial one)."""
+    """Write atomically: a reader sees a whole index or none (never a partial one). A
+    directory that refuses it (read-only, full) costs an index walk at each open, nothing
+    else: it is said once per directory and process, as the dataset index says it."""
     directory = os.path.dirname(path)
-    # A read-only cache costs an index walk at each open, nothing else.
-    with contextlib.suppress(OSError):
+    try:
         os.makedirs(directory, exist_ok=True)
         # A cache: rebuilt if lost, so not flushed to disk before use.
         with atomic_open(path, "wb", durable=False) as f:
             np.save(f, offsets.astype(np.int64))
+    except OSError as e:
+        key = (os.getpid(), os.path.abspath(directory))
+        with _SAVE_LOCK:
+            if key in _SAVE_WARNED:
+                return
+            _SAVE_WARNED.add(key)
+        code = disk_full_errno(e)
+        reason = (
+            f"the TFRecord offset cache in {directory!r} cannot write {path!r} ({e})."
+            if code is None
+            else disk_full_error(code, "the TFRecord offset cache", directory, path, _REMEDY)
+        )
+        warnings.warn(
+            f"torchgrain: {reason} Each file's offsets are read again at each open.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
