@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
@@ -496,3 +497,28 @@ def test_the_tfrecord_offset_cache_names_a_full_disk_once(tmp_path, monkeypatch)
     assert os.strerror(errno.EDQUOT) in said[0] and repr(index_dir) in said[0]
     assert ".npy'" in said[0] and "index_dir=" in said[0]  # the file, the remedy
     assert not [f for f in os.listdir(index_dir) if f.endswith(".npy") or ".tmp" in f]
+
+
+# ------------------------------------------------------ an error from a worker process
+class _NoRoom(torch.utils.data.Dataset):
+    """A dataset whose reads raise a full cache's error (what a worker meets)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        raise tg.CacheDiskFullError(
+            errno.ENOSPC,
+            "No space left on device: the shard cache in '/c' cannot write '/c/x'. Free space.",
+            directory="/c",
+            path="/c/x",
+        )
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_full_disk_error_from_a_worker_keeps_its_type_and_message(context):
+    loader = torch.utils.data.DataLoader(_NoRoom(), num_workers=1, multiprocessing_context=context)
+    with pytest.raises(tg.CacheDiskFullError) as info:
+        next(iter(loader))
+    assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
+    assert "the shard cache in '/c' cannot write '/c/x'. Free space." in str(info.value)

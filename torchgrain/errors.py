@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "CacheDiskFullError",
     "CacheThrashWarning",
@@ -73,12 +75,29 @@ class CacheDiskFullError(TorchgrainError, OSError):
         ...                        "'/c/x'", directory="/c", path="/c/x")
         >>> isinstance(e, OSError), e.errno == errno.ENOSPC, e.directory
         (True, True, '/c')
+        >>> CacheDiskFullError("Caught in a worker: [Errno 28] No space...").errno
+        28
     """
 
     def __init__(
-        self, code: int, message: str, *, directory: str | None = None, path: str | None = None
+        self,
+        code: int | str,
+        message: str | None = None,
+        *,
+        directory: str | None = None,
+        path: str | None = None,
     ) -> None:
-        super().__init__(code, message)
+        if message is None:
+            # One text: how a DataLoader re-raises a worker's error in the main process
+            # (its message, holding the worker's; any other signature turns it into a
+            # RuntimeError). The errno is the worker's, read back from it.
+            found = re.search(r"\[Errno (\d+)\]", str(code))
+            if found is None:
+                super().__init__(str(code))
+            else:
+                super().__init__(int(found.group(1)), str(code))
+        else:
+            super().__init__(code, message)
         self.directory = directory
         self.path = path
 
