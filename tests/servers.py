@@ -130,6 +130,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/html; charset=utf-8")
             self.send_header("Content-Length", str(len(data)))
+            if srv.listing_ranges:  # a static index.html, as a CDN serves it
+                self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
             if body:
                 self.wfile.write(data)
@@ -350,7 +352,8 @@ class RangeHTTPServer(_Serving):
     :meth:`fail_next` to inject faults, :attr:`requests` / :meth:`gets` to count what
     clients asked for, :attr:`log` for every ``(method, raw request path)`` in order,
     and :attr:`max_inflight` for the most requests served at once. :attr:`listings` maps
-    a directory path (``"/ds"``) to the HTML page served for it (a hostile listing), and
+    a directory path (``"/ds"``) to the HTML page served for it (a hostile listing; with
+    ``Accept-Ranges: bytes`` where :attr:`listing_ranges`, as a static page is), and
     :attr:`redirects` a path to the ``Location`` of a 302 answer.
 
     A file's answers carry ``ETag`` and ``Last-Modified`` as nginx writes them (from its
@@ -388,6 +391,7 @@ class RangeHTTPServer(_Serving):
         self.log: list[tuple[str, str]] = []
         self.range_log: list[str | None] = []  # each request's Range header, in order
         self.listings: dict[str, str] = {}
+        self.listing_ranges = False  # :attr:`listings` served with Accept-Ranges: bytes
         self.redirects: dict[str, str] = {}
         self.redirect_methods = {"GET", "HEAD"}  # the methods :attr:`redirects` answer
         self._faults: list[str] = []

@@ -332,3 +332,42 @@ def test_a_redirect_on_the_parquet_footer_read_is_refused_as_unsafe(srv, root):
     srv.redirect_methods = {"GET"}  # HEAD answered, GET redirected
     with pytest.raises(tg.UnsafePathError, match="redirect"):
         tg.ParquetSource(f"{srv.url}/pq/part-0.parquet", retry=FAST)
+
+
+@pytest.mark.timeout(120)
+def test_a_listing_page_serving_byte_ranges_is_listed_not_taken_for_a_file(srv):
+    """A directory's listing served as a static page (an index.html behind a CDN) says
+    ``Accept-Ranges: bytes``: it is still a page of links, not a file."""
+    srv.listings["/ds"] = (
+        '<html><body><a href="a.tfrecord">a</a> <a href="b.tfrecord">b</a></body></html>'
+    )
+    srv.listing_ranges = True
+    with using(FAST):
+        _, files = expand_paths(f"{srv.url}/ds", suffixes=[".tfrecord"])
+    assert files == [f"{srv.url}/ds/a.tfrecord", f"{srv.url}/ds/b.tfrecord"]
+
+
+# ------------------------------------------------------------------ a later opening
+@pytest.mark.timeout(120)
+def test_a_file_replaced_by_one_of_the_same_size_is_read_anew_by_a_later_opening(srv, root):
+    """A manifest read whole, then rewritten (same size, new ETag) and read again in the
+    same process: the second read is of the file as it is now, not a 412 for ever."""
+    fs, path = get_filesystem(f"{srv.url}/m.json")
+    (root / "m.json").write_bytes(b'{"v": 1}')
+    with using(FAST):
+        assert remote.cat_file(fs, path, limit=1 << 20) == b'{"v": 1}'
+        (root / "m.json").write_bytes(b'{"v": 2}')
+        os.utime(root / "m.json", (os.stat(root / "m.json").st_mtime + 30,) * 2)
+        assert remote.cat_file(fs, path, limit=1 << 20) == b'{"v": 2}'
+
+
+@pytest.mark.timeout(120)
+def test_a_tfrecord_shard_swapped_same_size_is_indexed_anew_by_a_new_source(srv, root):
+    """A new source opened (its index built) after the shard was re-uploaded with records
+    of the same length reads the new records; it used to fail its index build on If-Match
+    for the rest of the process."""
+    src = _tf(srv, multi_range=False)
+    assert _xs(src.__getitems__([1, 2])) == [_x(0, 1), _x(0, 2)]
+    _swap_tf(root, tag=7, later=30)
+    again = _tf(srv, multi_range=False)
+    assert _xs(again.__getitems__([1, 2])) == [_x(7, 1), _x(7, 2)]

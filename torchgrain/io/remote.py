@@ -406,10 +406,10 @@ def isdir(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -
 
 def _http_file(fs: fsspec.AbstractFileSystem, path: str, label: str) -> bool:
     """Whether a ``HEAD`` says ``path`` is a file: answered ``200`` with a size, not at a
-    URL ending in ``/``, and either serving byte ranges (``Accept-Ranges: bytes``) or not
-    an HTML page (a directory's listing is one; a file may come without any
-    ``Content-Type``). fsspec's HTTP ``isdir`` would GET the whole file and look for links
-    in it. A server that refuses ``HEAD`` is asked as before; a busy one is retried."""
+    URL ending in ``/``, and not an HTML page (a directory's listing is one, served with
+    ``Accept-Ranges: bytes`` or not; a file may come without any ``Content-Type``).
+    fsspec's HTTP ``isdir`` would GET the whole file and look for links in it. A server
+    that refuses ``HEAD`` is asked as before; a busy one is retried."""
     if not path or path.endswith("/"):
         return False
 
@@ -430,11 +430,12 @@ def _http_file(fs: fsspec.AbstractFileSystem, path: str, label: str) -> bool:
         return False
     if not str(headers.get("content-length", "")).isdigit():
         return False
-    ranges = "bytes" in str(headers.get("accept-ranges", "")).lower()
+    # An HTML page is listed, whether or not it serves byte ranges: a directory's listing
+    # served as a static file (an index.html, a CDN) says Accept-Ranges: bytes too.
     page = (
         str(headers.get("content-type", "")).lower().startswith(("text/html", "application/xhtml"))
     )
-    return ranges or not page
+    return not page
 
 
 def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> int:
@@ -460,10 +461,11 @@ def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = Non
     return int(got)
 
 
-def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None) -> None:
+def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None, *, fresh: bool = False) -> None:
     """Pin the size of remote file ``path`` (of ``fs``) as the dataset's opening found it:
     every range answer must name a file of that size (and, once one has given them, the
-    same ``ETag`` and ``Last-Modified``), see :func:`torchgrain.io.responses.pin`. Local
+    same ``ETag`` and ``Last-Modified``), see :func:`torchgrain.io.responses.pin`
+    (``fresh``: a size just asked of the server, whose validators are taken anew). Local
     and in-memory files are left alone.
 
     Example:
@@ -471,7 +473,7 @@ def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None) -> None:
         >>> pin(fsspec.filesystem("memory"), "/c/p", 3)
     """
     if isinstance(fs, AsyncFileSystem):
-        _pin(path, size)
+        _pin(path, size, fresh=fresh)
 
 
 def _check_length(
@@ -529,6 +531,8 @@ def cat_file(
         total = file_size(fs, path, url=label)
         if total > limit:
             raise CorruptDataError(f"{label} is {total} bytes, more than the {limit} allowed")
+        # The file as it is now (a manifest rewritten since an earlier read is read anew).
+        pin(fs, path, total, fresh=True)
         start, end = 0, total
     assert start is not None and end is not None
     if start >= end:
@@ -652,7 +656,9 @@ class RemoteFile(io.RawIOBase):
         self._path = path
         self.name = url or path
         self._size = int(file_size(fs, path, url=self.name) if size is None else size)
-        pin(fs, path, self._size)
+        # A size just asked is an opening of the file as it is now (an index build after
+        # the file was replaced by one of the same size reads the new one).
+        pin(fs, path, self._size, fresh=size is None)
         self._pos = 0
         self._context: contextvars.Context | None = None
 

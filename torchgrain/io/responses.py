@@ -72,11 +72,14 @@ class _Pin:
 _PINS: dict[str, _Pin] = {}
 
 
-def pin(path: str, size: int | None) -> None:
+def pin(path: str, size: int | None, *, fresh: bool = False) -> None:
     """Pin the size of ``path`` (a filesystem path, as its requests name it) from what the
     dataset's opening recorded (an index, a manifest, a footer read): answers naming another
     size are :class:`RangeAnswerError`. A size different from the one pinned replaces the
-    pin (a later opening of a changed file), forgetting its ``ETag``.
+    pin (a later opening of a changed file), forgetting its ``ETag``; so does ``fresh``
+    (a size just asked of the server, for a read of the file as it is now: a manifest, an
+    index build), whatever the size: a file replaced by one of the same size is read anew,
+    not refused for the rest of the process.
 
     Example:
         >>> pin("h://x/doc", 10); pinned("h://x/doc").size
@@ -89,7 +92,7 @@ def pin(path: str, size: int | None) -> None:
     if size is None:
         return
     got = _PINS.get(path)
-    if got is None or got.size != int(size):
+    if fresh or got is None or got.size != int(size):
         _PINS[path] = _Pin(int(size))
 
 
