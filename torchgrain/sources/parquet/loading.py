@@ -107,7 +107,9 @@ class RowGroupLoader(ShardedSource):
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
                 # (neighbouring row groups often come in one request).
-                handle = remote.open_input(filesystem, path)
+                # The size the footer read found at open (pinned: answers of another
+                # file are refused), and no size lookup here.
+                handle = remote.open_input(filesystem, path, size=self._identities[shard][1][0])
                 raw = handle.raw if isinstance(handle, io.BufferedReader) else None
                 if isinstance(raw, remote.RemoteFile):
                     # Column chunks are fetched once, their page headers checked, and
