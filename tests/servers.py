@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import email.utils
+import gzip
 import html
 import http.client
 import os
@@ -189,6 +190,10 @@ class _Handler(BaseHTTPRequestHandler):
             if srv.answer_shift and start >= srv.answer_shift:
                 # Other bytes than asked, honestly named: the same length, earlier.
                 start, end = start - srv.answer_shift, end - srv.answer_shift
+        accepts = self.headers.get("Accept-Encoding", "")
+        if body and status == 206 and srv.gzip_ranges and "gzip" in accepts:
+            self._gzipped(path, start, end, size)
+            return
         self.send_response(status)
         ctype = "application/json" if path.endswith(".json") else "application/octet-stream"
         if srv.content_types:
@@ -217,6 +222,22 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(len(block) / srv.rate_bytes_per_s)
         if fault == "truncate":
             self.close_connection = True
+
+    def _gzipped(self, path: str, start: int, end: int, size: int) -> None:
+        """A range compressed on the fly for a client that accepts gzip (a server or
+        proxy that compresses partial content): the body is the gzip of the bytes named
+        by ``Content-Range``, ``Content-Length`` the compressed length."""
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = gzip.compress(f.read(end - start))
+        self.send_response(206)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Encoding", "gzip")
+        self.send_header("Content-Length", str(len(data)))
+        self._send_validators()
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        self.end_headers()
+        self.wfile.write(data)
 
     def _send_validators(self) -> None:
         etag, modified = getattr(self, "_validators", (None, None))
@@ -392,6 +413,7 @@ class RangeHTTPServer(_Serving):
         self.range_log: list[str | None] = []  # each request's Range header, in order
         self.listings: dict[str, str] = {}
         self.listing_ranges = False  # :attr:`listings` served with Accept-Ranges: bytes
+        self.gzip_ranges = False  # a single range gzipped when the client accepts gzip
         self.redirects: dict[str, str] = {}
         self.redirect_methods = {"GET", "HEAD"}  # the methods :attr:`redirects` answer
         self._faults: list[str] = []

@@ -371,3 +371,21 @@ def test_a_tfrecord_shard_swapped_same_size_is_indexed_anew_by_a_new_source(srv,
     _swap_tf(root, tag=7, later=30)
     again = _tf(srv, multi_range=False)
     assert _xs(again.__getitems__([1, 2])) == [_x(7, 1), _x(7, 2)]
+
+
+@pytest.mark.timeout(120)
+def test_range_reads_ask_for_the_bytes_uncompressed(srv, root):
+    """A server (or proxy) that gzips partial content for a client accepting gzip: a
+    range's bytes are those of the file, so a range request asks for no compression (an
+    incompressible range's gzip is longer than the range: every read failed after all
+    its attempts)."""
+    from torchgrain.io import inflight
+
+    data = np.random.default_rng(0).bytes(50_000)  # incompressible
+    (root / "r.bin").write_bytes(data)
+    srv.gzip_ranges = True
+    fs, path = get_filesystem(f"{srv.url}/r.bin")
+    with using(FAST):
+        assert remote.cat_file(fs, path, 100, 4100) == data[100:4100]
+        got = inflight.cat_many(fs, [path] * 2, [10, 30_000], [2010, 32_000])
+    assert got == [data[10:2010], data[30_000:32_000]]

@@ -186,6 +186,7 @@ async def _get_ranges(
     kw = dict(fs.kwargs)
     headers = dict(kw.pop("headers", None) or {})
     headers["Range"] = range_header(merged)
+    headers["Accept-Encoding"] = "identity"  # the file's bytes, not a compression of them
     tag = if_match(path)
     if tag is not None:
         headers["If-Match"] = tag
