@@ -226,3 +226,30 @@ def test_a_remote_file_is_checked_from_the_bytes_arrow_decodes(tmp_path):
         )
         with pytest.raises(CorruptDataError, match=r"row group 0 of .*bomb\.parquet.*column 'b'"):
             bomb[0]
+
+
+def test_a_footer_that_aborts_pyarrows_column_metadata_is_refused_not_fatal(tmp_path):
+    # A fuzzed file (tests/fuzz_corpus/parquet): its boolean column's size statistics
+    # make pyarrow's RowGroupMetaData.column throw a C++ exception it does not catch,
+    # which aborted the process opening it with columns=[...].
+    import base64
+    import zlib
+
+    case = os.path.join(os.path.dirname(__file__), "fuzz_corpus", "parquet")
+    with open(os.path.join(case, "a64bf79ba2cf1271.json")) as f:
+        data = zlib.decompress(base64.b64decode(json.load(f)["data_z"]))
+    path = tmp_path / "a.parquet"
+    path.write_bytes(data)
+    code = textwrap.dedent(
+        f"""
+        import torchgrain as tg
+        try:
+            src = tg.ParquetSource({str(path)!r}, columns=["s"])
+            src[0]
+        except tg.CorruptDataError as e:
+            print("refused:", e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "a.parquet" in out.stdout

@@ -255,12 +255,13 @@ def page_header(buf: bytes) -> PageHeader | None:
 class ColumnChunk(NamedTuple):
     """Where one column chunk lies, from its file's footer (``ColumnMetaData``): the
     values it holds, its bytes, and the offsets of its first data page and of its
-    dictionary page (None: none)."""
+    dictionary page (None: none), and what its pages say they inflate to."""
 
     num_values: int
     total_compressed_size: int
     data_page_offset: int
     dictionary_page_offset: int | None
+    total_uncompressed_size: int = 0
 
 
 def _fields(buf: bytes, pos: int, field: Callable[[int, int, int], int | None]) -> int:
@@ -331,7 +332,7 @@ def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
 
     def meta(into: dict[int, int]) -> Callable[[int, int, int], int | None]:
         def field(fid: int, t: int, pos: int) -> int | None:
-            if fid in (5, 7, 9, 11) and t == _I64:
+            if fid in (5, 6, 7, 9, 11) and t == _I64:
                 into[fid], pos = _zigzag(footer, pos)
                 return pos
             return None
@@ -349,7 +350,7 @@ def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
         pos = _fields(footer, pos, field)
         if 5 not in found or 7 not in found or 9 not in found:
             raise ValueError("a column chunk without its metadata")
-        groups[-1].append(ColumnChunk(found[5], found[7], found[9], found.get(11)))
+        groups[-1].append(ColumnChunk(found[5], found[7], found[9], found.get(11), found.get(6, 0)))
         return pos
 
     def group(pos: int) -> int:

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, UnsafePathError
+from torchgrain.formats.parquet_pages import footer_chunks
 from torchgrain.io import remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -92,8 +93,7 @@ def read_footers(
         if columns is None:
             nbytes = [g.total_byte_size for g in groups]
         else:
-            leaves = _selected_leaves(schema, set(columns))
-            nbytes = [sum(g.column(j).total_uncompressed_size for j in leaves) for g in groups]
+            nbytes = _selected_bytes(md, _selected_leaves(schema, set(columns)), files, shard)
         identity = (files[shard], version, _footer_digest(md))
         return counts, schema, np.array(nbytes, dtype=np.int64), identity
 
@@ -104,6 +104,25 @@ def read_footers(
         [r[2] for r in results],
         [r[3] for r in results],
     )
+
+
+def _selected_bytes(
+    md: pq.FileMetaData, leaves: list[int], files: list[str], shard: int
+) -> list[int]:
+    """Each row group's uncompressed size of the column chunks ``leaves``, read from the
+    serialized footer by torchgrain's own parser: pyarrow's ``RowGroupMetaData.column``
+    aborts the process on some hostile footers (statistics that do not fit their
+    column's type: a C++ exception it does not catch)."""
+    try:
+        groups = footer_chunks(bytes(md.__reduce__()[1][0]))
+        if len(groups) != md.num_row_groups or any(j >= len(g) for g in groups for j in leaves):
+            raise CorruptDataError("its row groups do not list every column chunk")
+    except CorruptDataError as e:
+        raise CorruptDataError(
+            f"cannot read the Parquet footer of {files[shard]!r} (shard {shard} of "
+            f"{len(files)}): {e}"
+        ) from e
+    return [sum(g[j].total_uncompressed_size for j in leaves) for g in groups]
 
 
 def _refusal(exc: BaseException) -> UnsafePathError | None:
