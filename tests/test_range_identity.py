@@ -372,6 +372,15 @@ def test_a_tfrecord_shard_swapped_same_size_is_indexed_anew_by_a_new_source(srv,
     again = _tf(srv, multi_range=False)
     assert _xs(again.__getitems__([1, 2])) == [_x(7, 1), _x(7, 2)]
 
+    # A read at an offset the first index found is no opening: the old ETag still holds.
+    from torchgrain.formats.tfrecord import iter_tfrecord
+
+    url = f"{srv.url}/tf/part-0.tfrecord"
+    offset = 3 * _frame(root)
+    _swap_tf(root, tag=8, later=60)
+    with using(FAST), pytest.raises(tg.RemoteIOError, match=r"part-0\.tfrecord.*(412|ETag)"):
+        next(iter_tfrecord(url, offset=offset))
+
 
 @pytest.mark.timeout(120)
 def test_range_reads_ask_for_the_bytes_uncompressed(srv, root):

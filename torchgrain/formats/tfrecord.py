@@ -417,7 +417,8 @@ def index_tfrecord(
         raise CorruptDataError(f"{name}: cannot determine the file size")
     offsets: list[int] = []
     unpack = _HEADER.unpack
-    with remote.open_input(fs, p, url=name) as f:
+    # An index of the file as it is now: a same-size re-upload is indexed, not refused.
+    with remote.open_input(fs, p, url=name, fresh=True) as f:
         if is_local(fs) or size <= _READ_SIZE:
             # Local files go through the OS page cache; remote small files in one read.
             _index_buffered(f, name, size, verify, offsets)

@@ -633,6 +633,8 @@ class RemoteFile(io.RawIOBase):
         path: the file's path on ``fs``.
         size: its size in bytes, when known (else asked for once); pinned (:func:`pin`).
         url: the name used in errors.
+        fresh: an opening of the file as it is now (an index build): a size asked now and
+            the validators of this file's answers are pinned anew (:func:`pin`).
 
     Example:
         >>> import fsspec
@@ -650,15 +652,17 @@ class RemoteFile(io.RawIOBase):
         *,
         size: int | None = None,
         url: str | None = None,
+        fresh: bool = False,
     ) -> None:
         super().__init__()
         self._fs = fs
         self._path = path
         self.name = url or path
         self._size = int(file_size(fs, path, url=self.name) if size is None else size)
-        # A size just asked is an opening of the file as it is now (an index build after
-        # the file was replaced by one of the same size reads the new one).
-        pin(fs, path, self._size, fresh=size is None)
+        # fresh: an opening that reads the file as it is now (an index build after the
+        # file was replaced by one of the same size reads the new one); a read at offsets
+        # found earlier keeps the pinned validators.
+        pin(fs, path, self._size, fresh=fresh and size is None)
         self._pos = 0
         self._context: contextvars.Context | None = None
 
@@ -735,12 +739,14 @@ def open_input(
     url: str | None = None,
     buffered: bool = True,
     size: int | None = None,
+    fresh: bool = False,
 ) -> IO[bytes]:
     """Open ``path`` for reading: ``fs.open`` for a local or in-memory file, else a
     :class:`RemoteFile` behind a :data:`REMOTE_BUFFER`-byte read-ahead buffer (unless
     ``buffered=False``, for readers that ask for exactly the ranges they need). ``size``:
     the file's size as the dataset's opening found it (pinned, see :func:`pin`; else
-    asked for now).
+    asked for now). ``fresh``: this is an opening of the file as it is now (an index
+    build): the size asked and the validators of its answers are pinned anew.
 
     Example:
         >>> import fsspec
@@ -752,5 +758,5 @@ def open_input(
     """
     if not isinstance(fs, AsyncFileSystem):
         return fs.open(path, "rb")
-    raw = RemoteFile(fs, path, url=url, size=size)
+    raw = RemoteFile(fs, path, url=url, size=size, fresh=fresh)
     return io.BufferedReader(raw, REMOTE_BUFFER) if buffered else raw  # type: ignore[return-value]
