@@ -296,6 +296,34 @@ def test_read_ahead_into_a_full_shard_cache_warns_once_and_reads_on(tmp_path, mo
     assert len([w for w in caught if "shard cache" in str(w.message)]) == 1
 
 
+def test_a_shard_cache_whose_directories_cannot_be_made_reads_by_ranges(tmp_path, monkeypatch):
+    # (a disk full to its last inode or block before the first run: the source was not
+    # made at all, a CacheDiskFullError from ShardCache.__init__)
+    cache = str(tmp_path / "cache")
+    makedirs = os.makedirs
+
+    def no_room(path, *args, **kwargs):
+        if os.fspath(path).startswith(cache):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", no_room)
+    root = tmp_path / "www"
+    root.mkdir()
+    _write(str(root), "array_record")
+    with RangeHTTPServer(root) as srv, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        src = tg.ArrayRecordSource(f"{srv.url}/array_record", cache_dir=cache)
+        for _ in range(2):
+            got = sorted((r["i"], bytes(r["x"])) for r in src.__getitems__(list(range(N))))
+            assert got == _expected(range(N))
+        assert src.prefetch_shard(0) is False
+    said = [str(w.message) for w in caught if "shard cache" in str(w.message)]
+    assert len(said) == 1, said
+    assert os.strerror(errno.ENOSPC) in said[0] and f"the shard cache in {cache!r}" in said[0]
+    assert not os.path.exists(cache)
+
+
 # ----------------------------------------------------------- the decoded Parquet cache
 def test_a_full_decoded_parquet_cache_decodes_row_groups_again(tmp_path):
     data = _write_ids(tmp_path / "ids")

@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CacheDiskFullError, CorruptDataError
 from torchgrain.io import remote
 from torchgrain.io.atomic import naming_full_disk, publish
 from torchgrain.io.cache_records import (
@@ -191,9 +191,9 @@ class ShardCache:
         self.retry = retry or RetryPolicy()
         self.verify_hits = bool(verify_hits)
         self._full_pid: int | None = None  # the process whose write found no room
-        for sub in (_LOCK_DIR, SUM_DIR):
-            with self._writing(os.path.join(self.directory, sub)):
-                os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        self._full_error: CacheDiskFullError | None = None  # (and what it found)
+        with contextlib.suppress(CacheDiskFullError):  # (disk_full: sources read without it)
+            self._make_dirs()
         self._stats_lock = threading.Lock()
         self._lock_pid = os.getpid()
         self._paths: dict[tuple[str, str | None], str] = {}
@@ -226,6 +226,7 @@ class ShardCache:
         state["_touched"] = {}
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
         state["_full_pid"] = None
+        state["_full_error"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -642,9 +643,16 @@ class ShardCache:
             ):
                 yield
         except OSError as e:
-            if mark and getattr(e, "directory", None) == self.directory:  # named above
-                self._full_pid = os.getpid()
+            if mark and isinstance(e, CacheDiskFullError) and e.directory == self.directory:
+                self._full_pid = os.getpid()  # (named above)
+                self._full_error = e
             raise
+
+    def _make_dirs(self, *, mark: bool = True) -> None:
+        """Make the cache's directories (a full disk: see :meth:`_writing`)."""
+        for sub in (_LOCK_DIR, SUM_DIR):
+            with self._writing(os.path.join(self.directory, sub), mark=mark):
+                os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
 
     def _lock_path(self, path: str) -> str:
         return os.path.join(self.directory, _LOCK_DIR, os.path.basename(path) + ".lock")
@@ -654,7 +662,11 @@ class ShardCache:
         self, lock_path: str, *, blocking: bool = True, shared: bool = False, mark: bool = True
     ) -> Iterator[bool]:
         with self._writing(lock_path, " (a lock file)", mark=mark):
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+            except FileNotFoundError:  # not made for want of room (or deleted): again
+                self._make_dirs(mark=mark)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX

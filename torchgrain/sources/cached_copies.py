@@ -78,7 +78,14 @@ class CachedCopies:
     def _uses_copies(self) -> bool:
         """Whether this process reads remote shards through the shard cache's copies
         (there is a cache, and its disk has had room)."""
-        return self.cache is not None and not self.cache.disk_full
+        cache = self.cache
+        if cache is None:
+            return False
+        if not cache.disk_full:
+            return True
+        if cache._full_error is not None:  # (found where no read met it: its directories)
+            self._cache_full(cache._full_error)
+        return False
 
     def _cache_full(self, err: CacheDiskFullError) -> None:
         """Go on without the shard cache in this process (its disk has no room: it set
