@@ -550,3 +550,17 @@ def test_a_full_disk_error_from_a_worker_keeps_its_type_and_message(context):
         next(iter(loader))
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
     assert "the shard cache in '/c' cannot write '/c/x'. Free space." in str(info.value)
+
+
+def test_a_full_disk_error_pickles_with_its_message_and_errno():
+    import pickle
+
+    full = tg.CacheDiskFullError(
+        errno.EDQUOT, "Disk quota exceeded: x", directory="/c", path="/c/x"
+    )
+    text = tg.CacheDiskFullError("Caught CacheDiskFullError in a worker (no errno given)")
+    for e in (full, text):
+        got = pickle.loads(pickle.dumps(e))
+        assert type(got) is tg.CacheDiskFullError and str(got) == str(e)
+        assert (got.errno, got.directory, got.path) == (e.errno, e.directory, e.path)
+    assert full.errno == errno.EDQUOT and text.errno is None

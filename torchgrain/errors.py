@@ -81,7 +81,7 @@ class CacheDiskFullError(TorchgrainError, OSError):
 
     def __init__(
         self,
-        code: int | str,
+        code: int | str | None,
         message: str | None = None,
         *,
         directory: str | None = None,
@@ -91,11 +91,11 @@ class CacheDiskFullError(TorchgrainError, OSError):
             # One text: how a DataLoader re-raises a worker's error in the main process
             # (its message, holding the worker's; any other signature turns it into a
             # RuntimeError). The errno is the worker's, read back from it.
-            found = re.search(r"\[Errno (\d+)\]", str(code))
-            if found is None:
-                super().__init__(str(code))
-            else:
-                super().__init__(int(found.group(1)), str(code))
+            message = str(code)
+            found = re.search(r"\[Errno (\d+)\]", message)
+            code = int(found.group(1)) if found else None
+        if code is None:
+            super().__init__(message)
         else:
             super().__init__(code, message)
         self.directory = directory
@@ -103,10 +103,11 @@ class CacheDiskFullError(TorchgrainError, OSError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # (a DataLoader worker's error may be pickled to the main process)
-        return (_disk_full, (self.errno, self.strerror, self.directory, self.path))
+        message = self.strerror if self.errno is not None else str(self)
+        return (_disk_full, (self.errno, message, self.directory, self.path))
 
 
-def _disk_full(code: int, message: str, directory: str | None, path: str | None) -> OSError:
+def _disk_full(code: int | None, message: str, directory: str | None, path: str | None) -> OSError:
     return CacheDiskFullError(code, message, directory=directory, path=path)
 
 
