@@ -324,6 +324,24 @@ def test_a_shard_cache_whose_directories_cannot_be_made_reads_by_ranges(tmp_path
     assert not os.path.exists(cache)
 
 
+def test_a_rename_that_finds_no_room_leaves_no_record(tmp_path, monkeypatch):
+    from torchgrain.io import shard_cache
+
+    monkeypatch.setattr(shard_cache, "publish", lambda *a, **k: _raise(errno.ENOSPC))
+    root = tmp_path / "www"
+    root.mkdir()
+    _write(str(root), "array_record")
+    cache = tmp_path / "cache"
+    with RangeHTTPServer(root) as srv, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        src = tg.ArrayRecordSource(f"{srv.url}/array_record", cache_dir=cache)
+        got = sorted((r["i"], bytes(r["x"])) for r in src.__getitems__(list(range(N))))
+    assert got == _expected(range(N))
+    said = [str(w.message) for w in caught if "shard cache" in str(w.message)]
+    assert len(said) == 1 and ".sums" not in said[0], said  # names the copy, not its record
+    assert _files(cache) == []  # no record of a copy that is not there
+
+
 # ----------------------------------------------------------- the decoded Parquet cache
 def test_a_full_decoded_parquet_cache_decodes_row_groups_again(tmp_path):
     data = _write_ids(tmp_path / "ids")

@@ -464,12 +464,16 @@ class ShardCache:
                     crc, _ = file_crc(tmp)
                 with self._writing(self._sum_path(path), f" (the record of {url})"):
                     write_record(self._sum_path(path), crc, size)
+                with self._writing(path, f" (the copy of {url}, {size:,} bytes)"):
                     publish(tmp, path, durable=False)  # mode from the umask
                 # After the rename, which moves the change time: the identity it keeps.
                 ident = file_identity(os.stat(path))
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
+                if not os.path.lexists(path):  # (not published: no record of it either)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._sum_path(path))
                 raise
             self._checks()[path] = ident
             self._count(misses=1, bytes_fetched=size)
