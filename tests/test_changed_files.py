@@ -257,3 +257,41 @@ def test_without_a_watch_a_stat_sees_a_truncation(tmp_path):
     assert changed(pin) is not None
     os.replace(tmp_path / "f", tmp_path / "g")
     assert "deleted or replaced" in changed(pin)
+
+
+@pytest.mark.parametrize("fmt", ["array_record", "tfrecord", "parquet"])
+def test_a_cached_copy_changed_then_deleted_by_another_process_is_downloaded_again(tmp_path, fmt):
+    """A shard cache's copy open in this process is written in place, then deleted (as
+    another process does once the copy fails its check): the path is missing, as after
+    an eviction, but the open reader's bytes changed. The read downloads the copy again
+    and returns the right records (not the changed bytes, nor ChangedWhileOpen)."""
+    import warnings
+
+    from tests.servers import RangeHTTPServer
+    from tests.test_shard_cache_safety import (
+        NO_BLOCK_CACHE,
+        PAYLOAD,
+        _bytes,
+        _copy_holding,
+        _expected,
+        _flip_payload,
+        _read,
+        _source,
+        _write,
+    )
+
+    root = tmp_path / "www"
+    root.mkdir()
+    with RangeHTTPServer(str(root)) as srv:
+        _write(str(root), fmt)
+        cache = tmp_path / "cache"
+        src = _source(fmt, srv.url, str(root), cache, **NO_BLOCK_CACHE[fmt])
+        assert _read(src, "record", [33]) == _expected([33])  # its copy is open now
+        victim = _copy_holding(cache, 33)
+        _flip_payload(victim, 33, keep_mtime=False)
+        os.unlink(victim)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert _read(src, "record", [33, 34]) == _expected([33, 34])
+            assert _read(src, "batch", [32, 33]) == _expected([32, 33])
+    assert bytes([33]) * PAYLOAD in _bytes(victim)  # downloaded again

@@ -9,6 +9,14 @@ set (evicted, replaced on disk, or to bound the open readers) is retired, then c
 its last user. A batch opens its shards' copies ahead, downloading the missing ones
 concurrently (:meth:`CachedCopies._prefetch_copies`).
 
+Each open copy is pinned (:class:`~torchgrain.io.changes.Pin`: an inotify watch on its
+inode) when it is opened, under its shard lock. A copy written in place (a user, another
+job sharing the directory) is let go at its next use and fetched again, which checks it
+(its CRC) and downloads it again: also when another process has already deleted it for
+that reason (the file is missing, as after an eviction, but its bytes changed: the grace
+an evicted copy gets would read them, and its reader would raise
+:class:`~torchgrain.io.changes.ChangedWhileOpen`).
+
 A cache whose disk has no room for a download (full, over quota, a file-size limit:
 :class:`~torchgrain.CacheDiskFullError`) is not used again by the process
 (:attr:`~torchgrain.io.shard_cache.ShardCache.disk_full`): its reads of remote shards go
@@ -25,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torchgrain.errors import CacheDiskFullError
+from torchgrain.io import changes
 from torchgrain.io.shard_cache import file_identity
 
 if TYPE_CHECKING:
@@ -58,13 +67,29 @@ class _CachedCopy:
     thread never has a reader closed under it.
     """
 
-    __slots__ = ("evicted_at", "ident", "lock", "path", "pins", "reader", "retired", "touched")
+    __slots__ = (
+        "evicted_at",
+        "ident",
+        "lock",
+        "path",
+        "pin",
+        "pins",
+        "reader",
+        "retired",
+        "touched",
+    )
 
-    def __init__(self, path: str, ident: tuple[int, ...], reader: Any, lock: Any) -> None:
+    def __init__(
+        self, path: str, ident: tuple[int, ...], reader: Any, pin: changes.Pin, lock: Any
+    ) -> None:
         self.lock = lock  # the lock of the process state it belongs to
         self.path = path
         self.ident = ident  # of the file the reader opened (see ShardCache.lookup)
         self.reader = reader
+        # The file's inode, watched from before the reader opened it: says whether its
+        # bytes changed once the path no longer leads to it (evicted, or deleted by
+        # another process because it changed).
+        self.pin = pin
         self.pins = 0
         self.retired = False
         self.evicted_at: float | None = None  # when it was first seen evicted
@@ -103,14 +128,21 @@ class CachedCopies:
             stacklevel=4,
         )
 
-    def _open_local_copy(self, shard: int, path: str) -> Any:
+    def _open_local_copy(self, shard: int, path: str) -> tuple[Any, changes.Pin]:
+        """Open the copy at ``path`` (under its shard lock: the file just checked) and
+        pin it first, so that any change after the open is seen."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pin = changes.Pin(fd, path)
+        finally:
+            os.close(fd)
         reader = self._open_reader(shard, path, None)
         try:
             self._touch(reader)  # opened (mapped) now: a later eviction only unlinks
         except BaseException:
             reader.close()
             raise
-        return reader
+        return reader, pin
 
     def _touch(self, reader: Any) -> None:
         """Make ``reader`` hold its file open (read its footer, map it)."""
@@ -144,7 +176,7 @@ class CachedCopies:
                     _pin(copy, pins)
                     return copy
         size, checksum = self.shard_integrity(shard)
-        path, ident, reader = self.cache.fetch_open(
+        path, ident, (reader, pin) = self.cache.fetch_open(
             self._paths[shard],
             lambda p: self._open_local_copy(shard, p),
             filesystem=self._fs,
@@ -152,7 +184,7 @@ class CachedCopies:
             checksum=checksum,
             verify=self._verify_copy,
         )
-        copy = _CachedCopy(path, ident, reader, st.lock)
+        copy = _CachedCopy(path, ident, reader, pin, st.lock)
         with st.lock:
             _pin(copy, pins)
             old = st.cached.pop(shard, None)
@@ -168,14 +200,18 @@ class CachedCopies:
     def _still_readable(self, copy: _CachedCopy, shard: int) -> bool:
         """Whether the open reader of ``copy`` still reads the file it checked (one
         stat() per use): the copy on disk is that file, or it was evicted less than a
-        grace period ago (only unlinked: the reader keeps the file). A copy replaced or
-        rewritten in place is not: it is fetched, and checked, again."""
+        grace period ago (only unlinked: the reader keeps the file) and its bytes did not
+        change. A copy replaced or rewritten in place is not: it is fetched, and checked,
+        again."""
         assert self.cache is not None
         try:
             ident = file_identity(os.stat(copy.path))
         except FileNotFoundError:
-            return _in_grace(copy)
-        if ident != copy.ident:
+            # Unlinked, by an eviction or by another process that found it changed (its
+            # check failed): only the pin tells them apart (without a watch, its stat of
+            # the missing path says "changed": fetched again, the safe side).
+            return _in_grace(copy) and changes.changed(copy.pin) is None
+        if ident != copy.ident or changes.changed(copy.pin, polled=True) is not None:
             return False
         now = time.monotonic()
         if now - copy.touched >= _TOUCH_SECONDS:
@@ -212,7 +248,9 @@ class CachedCopies:
         gone = []
         for shard, copy in copies:
             ident = self.cache.identity(copy.path)
-            if ident != copy.ident and (ident is not None or not _in_grace(copy)):
+            if ident != copy.ident and (
+                ident is not None or not _in_grace(copy) or changes.changed(copy.pin)
+            ):
                 gone.append((shard, copy))
         with st.lock:
             unused = []
