@@ -295,3 +295,50 @@ def test_a_cached_copy_changed_then_deleted_by_another_process_is_downloaded_aga
             assert _read(src, "record", [33, 34]) == _expected([33, 34])
             assert _read(src, "batch", [32, 33]) == _expected([32, 33])
     assert bytes([33]) * PAYLOAD in _bytes(victim)  # downloaded again
+
+
+def test_a_cached_copy_changed_between_its_check_and_the_read_is_fetched_again(
+    tmp_path, monkeypatch
+):
+    """A copy written in place right after the read checked it (a change racing the
+    read): the read lets the copy go, fetches it again (downloaded again: its CRC fails)
+    and returns the right record, not ChangedWhileOpen nor the changed bytes."""
+    import warnings
+
+    from tests.servers import RangeHTTPServer
+    from tests.test_shard_cache_safety import (
+        NO_BLOCK_CACHE,
+        PAYLOAD,
+        _bytes,
+        _copy_holding,
+        _expected,
+        _flip_payload,
+        _read,
+        _source,
+        _write,
+    )
+
+    root = tmp_path / "www"
+    root.mkdir()
+    with RangeHTTPServer(str(root)) as srv:
+        _write(str(root), "array_record")
+        cache = tmp_path / "cache"
+        src = _source("array_record", srv.url, str(root), cache, **NO_BLOCK_CACHE["array_record"])
+        assert _read(src, "record", [33]) == _expected([33])  # its copy is open now
+        victim = _copy_holding(cache, 33)
+        checked = type(src)._still_readable
+        flips = []
+
+        def check_then_change(self, copy, shard):
+            ok = checked(self, copy, shard)
+            if not flips:  # once: the copy fetched again is left alone
+                flips.append(copy.path)
+                _flip_payload(copy.path, 33, keep_mtime=False)
+            return ok
+
+        monkeypatch.setattr(type(src), "_still_readable", check_then_change)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert _read(src, "record", [33]) == _expected([33])
+    assert flips == [victim]
+    assert bytes([33]) * PAYLOAD in _bytes(victim)  # downloaded again

@@ -230,11 +230,33 @@ class CachedCopies:
         pins: list[_CachedCopy] = []
         _READS.pins = pins
         try:
+            try:
+                return fn()
+            except changes.ChangedWhileOpen:
+                # A copy written after its check at this read's start (a change racing
+                # the read): let it go and read once more, through the copy fetched (and
+                # checked, or downloaded) again.
+                if not self._let_go_changed(pins):
+                    raise
             return fn()
         finally:
             _READS.pins = None
             if pins:
                 _unpin(pins)
+
+    def _let_go_changed(self, pins: list[_CachedCopy]) -> bool:
+        """Take the copies of ``pins`` whose file changed out of the open set (their
+        readers close once no read uses them); whether there were any."""
+        changed = {id(c) for c in pins if changes.changed(c.pin) is not None}
+        if not changed:
+            return False
+        st = self._proc()
+        with st.lock:
+            for shard, copy in list(st.cached.items()):
+                if id(copy) in changed:
+                    del st.cached[shard]
+                    _retire(copy)  # (pinned by this read: closed when it ends)
+        return True
 
     def _close_evicted_copies(self) -> None:
         """End a batch that :meth:`_prefetch_copies` opened: release its readers, and
