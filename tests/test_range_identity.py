@@ -398,3 +398,46 @@ def test_range_reads_ask_for_the_bytes_uncompressed(srv, root):
         assert remote.cat_file(fs, path, 100, 4100) == data[100:4100]
         got = inflight.cat_many(fs, [path] * 2, [10, 30_000], [2010, 32_000])
     assert got == [data[10:2010], data[30_000:32_000]]
+
+
+def _swap_ar_pq(root, *, tag: int) -> None:
+    """Re-upload the ArrayRecord and Parquet datasets with other values, at the same
+    sizes and layout (the old offsets parse in the new files), ten seconds newer."""
+    ar = root / "ar"
+    tg.write_array_record(
+        [{"x": np.int64(tag + i), "pad": b"p" * PAD} for i in range(N)],
+        ar,
+        num_shards=1,
+        overwrite=True,
+    )
+    path = root / "pq" / "part-0.parquet"
+    pq.write_table(
+        pa.table({"x": np.arange(N) + tag, "b": [b"q" * 3000] * N}), path, row_group_size=6
+    )
+    for p in [path, *ar.iterdir()]:
+        st = os.stat(p)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10 * 10**9))
+
+
+@pytest.mark.timeout(120)
+def test_a_dataset_reopened_after_a_same_size_reupload_reads_the_new_files_and_old_sources_refuse(
+    srv, root
+):
+    # In one process (a notebook): a dataset opened, re-uploaded at the same sizes, and
+    # opened again. The new opening reads the new files; a source of the old opening
+    # never reads them at its old offsets.
+    ar_old = _ar(srv)
+    pq_old = tg.ParquetSource(f"{srv.url}/pq", retry=FAST, cache_bytes=0)
+    assert _xs([ar_old[0]]) == [0] and _xs([pq_old[0]]) == [0]
+    _swap_ar_pq(root, tag=100)
+    assert _xs(_ar(srv).__getitems__([0, 5])) == [100, 105]
+    pq_new = tg.ParquetSource(f"{srv.url}/pq", retry=FAST, cache_bytes=0)
+    assert _xs(pq_new.__getitems__([0, N - 1])) == [100, 100 + N - 1]
+    with pytest.raises(tg.RemoteIOError, match="changed"):
+        ar_old[5]
+    try:
+        got = _xs([pq_old[N - 1]])  # a row group the old source has not read
+    except (tg.RemoteIOError, tg.CorruptDataError):
+        pass
+    else:
+        assert got == [N - 1]  # if read at all, of the version it opened

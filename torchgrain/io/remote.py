@@ -82,6 +82,7 @@ from torchgrain.io.responses import (
     _read_capped,
 )
 from torchgrain.io.responses import pin as _pin
+from torchgrain.io.responses import unchanged_since as _unchanged_since
 from torchgrain.io.retry import (
     RequestTimeout,
     RetryPolicy,
@@ -476,6 +477,23 @@ def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None, *, fresh: bo
         _pin(path, size, fresh=fresh)
 
 
+def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None) -> tuple | None:
+    """For a reader of remote ``path`` that took offsets from it: raise if a later opening
+    in this process pinned another version of the file (see
+    :func:`torchgrain.io.responses.unchanged_since`); call it with ``None`` when the
+    offsets are taken, then after each read with what it returned. Local and in-memory
+    files: always ``None``.
+
+    Example:
+        >>> import fsspec
+        >>> unchanged_since(fsspec.filesystem("memory"), "/c/p", None) is None
+        True
+    """
+    if isinstance(fs, AsyncFileSystem):
+        return _unchanged_since(path, seen)
+    return None
+
+
 def _check_length(
     fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, got: int, label: str
 ) -> None:
@@ -663,6 +681,7 @@ class RemoteFile(io.RawIOBase):
         # file was replaced by one of the same size reads the new one); a read at offsets
         # found earlier keeps the pinned validators.
         pin(fs, path, self._size, fresh=fresh and size is None)
+        self._seen = unchanged_since(fs, path, None)
         self._pos = 0
         self._context: contextvars.Context | None = None
 
@@ -697,6 +716,7 @@ class RemoteFile(io.RawIOBase):
             data = context.copy().run(cat_file, self._fs, self._path, self._pos, end, url=self.name)
         else:
             data = cat_file(self._fs, self._path, self._pos, end, url=self.name)
+        self._seen = unchanged_since(self._fs, self._path, self._seen)
         self._pos = end
         return data
 

@@ -90,10 +90,42 @@ def pin(path: str, size: int | None, *, fresh: bool = False) -> None:
         torchgrain.io.responses.RangeAnswerError: h://x/doc: the answer names a file of 11 bytes, not the 10 pinned when it was opened (the file changed on the server?)
     """
     if size is None:
+        if fresh:  # an opening that knows no size yet: the first answer pins it
+            _PINS.pop(path, None)
         return
     got = _PINS.get(path)
     if fresh or got is None or got.size != int(size):
         _PINS[path] = _Pin(int(size))
+
+
+def unchanged_since(path: str, seen: tuple | None) -> tuple | None:
+    """What this process has pinned of ``path`` now (size, ``ETag``, ``Last-Modified``),
+    checked against ``seen``, what it had pinned when a reader took offsets from the
+    file: a later opening in this process may have pinned it anew (a file re-uploaded
+    since), and a reader of the old version must not read the new one at its old
+    offsets. Raises :class:`RangeAnswerError` when a field known then
+    differs now; returns what to pass next time.
+
+    Example:
+        >>> pin("h://x/u", 10); seen = unchanged_since("h://x/u", None)
+        >>> unchanged_since("h://x/u", seen) == seen
+        True
+        >>> pin("h://x/u", 12)
+        >>> unchanged_since("h://x/u", seen)
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.responses.RangeAnswerError: h://x/u changed since it was read from: (12, None, None) now, (10, None, None) then (open the dataset again)
+    """
+    got = _PINS.get(path)
+    now = (got.size, got.etag, got.modified) if got is not None else (None, None, None)
+    if seen is None:
+        return now
+    if any(a is not None and b is not None and a != b for a, b in zip(seen, now)):
+        raise RangeAnswerError(
+            f"{path} changed since it was read from: {now} now, {seen} then "
+            "(open the dataset again)"
+        )
+    return tuple(a if a is not None else b for a, b in zip(seen, now))
 
 
 def pinned(path: str) -> _Pin | None:

@@ -192,6 +192,13 @@ class ArrayRecordSource(EncodedSource):
             options=opts,
             max_open_files=max_open_files,
         )
+        if not local:
+            # An opening reads the shards as they are now: what an earlier opening in this
+            # process pinned of them (a dataset re-uploaded since) is taken anew, from the
+            # manifest's sizes and the first answers (its workers inherit or make these).
+            for shard, path in enumerate(self._paths):
+                size = self.shard_integrity(shard)[0]
+                remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
         if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(list(shard_paths), fs) or codec

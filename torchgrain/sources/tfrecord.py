@@ -303,9 +303,12 @@ class _RemoteFile:
         self.path = fs._strip_protocol(url)
         # Range answers must be of the file the index was built from (its size).
         io_remote.pin(fs, self.path, size)
+        self._seen = io_remote.unchanged_since(fs, self.path, None)
 
     def read(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
-        return fetch_ranges(self.fs, self.path, ranges, name=self.url)
+        got = fetch_ranges(self.fs, self.path, ranges, name=self.url)
+        self._seen = io_remote.unchanged_since(self.fs, self.path, self._seen)
+        return got
 
     def close(self) -> None:
         pass

@@ -140,6 +140,7 @@ class ArrayRecordFile(OneRecordBatches):
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._pin: changes.Pin | None = None  # checked before each read through the map
+        self._seen: tuple | None = None  # a remote file's pinned identity when first read
         # memoryviews over the footer arrays: indexing one gives a Python int several
         # times faster than indexing the numpy array (the hot path reads 4 per chunk).
         self._fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None
@@ -333,7 +334,10 @@ class ArrayRecordFile(OneRecordBatches):
             return [view[s:e] for s, e in ranges]
         # Remote: ranges that touch or nearly touch are fetched together, in one batch.
         try:
-            return fetch_ranges(self._fs, self._path, ranges, gap=_REMOTE_GAP, name=self._url)
+            got = fetch_ranges(self._fs, self._path, ranges, gap=_REMOTE_GAP, name=self._url)
+            # (the file this reader took its footer from: not one re-opened since)
+            self._seen = remote.unchanged_since(self._fs, self._path, self._seen)
+            return got
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{self._where()} does not exist") from e
         except CorruptDataError as e:

@@ -56,7 +56,9 @@ def read_footers(
             if local:
                 st = os.stat(path)
                 return pq.read_metadata(path), local_version(st)
-            with remote.open_input(fs, path) as f:
+            # An opening reads the file as it is now (not against what an earlier
+            # opening in this process pinned of it: a file re-uploaded since).
+            with remote.open_input(fs, path, fresh=True) as f:
                 md = pq.read_metadata(f)
             size, version = _remote_version(fs, path)
             # Nothing tells two versions of this file apart: its entries are this
