@@ -57,7 +57,7 @@ from torchgrain.io.responses import (
     _changed,
     _read_capped,
     check_file_answer,
-    if_match,
+    range_request,
 )
 from torchgrain.io.retry import RequestTimeout, is_transient_status
 
@@ -183,15 +183,9 @@ async def _get_ranges(
     bytes)``, and the file size they declare. Raises :class:`_NotMultirange` when the
     server answered otherwise, as one range's request would for a missing file or a busy
     server, and a :class:`MultipartError` for a body that is not what was asked for."""
-    kw = dict(fs.kwargs)
-    headers = dict(kw.pop("headers", None) or {})
-    headers["Range"] = range_header(merged)
-    headers["Accept-Encoding"] = "identity"  # the file's bytes, not a compression of them
-    tag = if_match(path)
-    if tag is not None:
-        headers["If-Match"] = tag
+    kw, tag = range_request(fs, path, range_header(merged))
     session = await fs.set_session()
-    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+    async with session.get(fs.encode_url(path), **kw) as r:
         if r.status == 412 and tag is not None:
             r.close()
             raise _changed(path, tag)

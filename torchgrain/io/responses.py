@@ -321,6 +321,29 @@ async def _on_redirect(session: Any, context: Any, params: Any) -> None:
     )
 
 
+def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str | None]:
+    """The keyword arguments of a GET of ``ranges`` (a ``Range`` header's value) of
+    ``path`` with HTTP filesystem ``fs``'s own options, and the ``ETag`` it sends as
+    ``If-Match`` (None: none pinned yet).
+
+    Example:
+        >>> class FS: kwargs = {"headers": {"X": "1"}}
+        >>> range_request(FS(), "h://x/r", "bytes=0-9")[0]["headers"]["Range"]
+        'bytes=0-9'
+    """
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = ranges
+    # The file's bytes: a server that compresses partial content for a client accepting
+    # gzip (aiohttp's default) sends a body whose length is not the range's.
+    headers["Accept-Encoding"] = "identity"
+    tag = if_match(path)
+    if tag is not None:
+        headers["If-Match"] = tag
+    kw["headers"] = headers
+    return kw, tag
+
+
 def _changed(path: str, tag: str | None) -> RangeAnswerError:
     return RangeAnswerError(
         f"{path}: the server answers 412 to If-Match {tag!r}: the file changed on the server "
@@ -337,17 +360,9 @@ async def _http_cat_file(
     response of :func:`torchgrain.io.remote._client`."""
     if start is None or end is None or start >= end:
         return await fs._cat_file(path, start=start, end=end)
-    kw = dict(fs.kwargs)
-    headers = dict(kw.pop("headers", None) or {})
-    headers["Range"] = f"bytes={start}-{end - 1}"
-    # The file's bytes: a server that compresses partial content for a client accepting
-    # gzip (aiohttp's default) sends a body whose length is not the range's.
-    headers["Accept-Encoding"] = "identity"
-    tag = if_match(path)
-    if tag is not None:
-        headers["If-Match"] = tag
+    kw, tag = range_request(fs, path, f"bytes={start}-{end - 1}")
     session = await fs.set_session()
-    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+    async with session.get(fs.encode_url(path), **kw) as r:
         if r.status == 412 and tag is not None:
             r.close()
             raise _changed(path, tag)
