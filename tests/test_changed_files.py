@@ -342,3 +342,34 @@ def test_a_cached_copy_changed_between_its_check_and_the_read_is_fetched_again(
             assert _read(src, "record", [33]) == _expected([33])
     assert flips == [victim]
     assert bytes([33]) * PAYLOAD in _bytes(victim)  # downloaded again
+
+
+def test_forked_worker_reads_a_shard_replaced_by_a_rename_before_the_fork(tmp_path):
+    # A shard replaced by a rename (the atomic way to update a file) leaves the old inode
+    # under the parent's maps, which nobody can open or truncate by its path: a worker
+    # forked after it (a new epoch's workers) reads the old records, as the parent does.
+    p = run_child(
+        tmp_path,
+        """
+        import shutil
+        root, paths = ar_dataset()
+        src = tg.ArrayRecordSource(root, index_dir=None)
+        idx = list(range(0, 400, 3))
+        before = src.__getitems__(idx)
+        for path in paths:
+            shutil.copy(path, path + ".new")
+            os.replace(path + ".new", path)
+        same = lambda got: [int(r["y"]) for r in got] == [int(r["y"]) for r in before]
+        print("PARENT", same(src.__getitems__(idx)))
+        pid = os.fork()
+        if pid == 0:
+            try:
+                print("CHILD", same(src.__getitems__(idx)), flush=True)
+            except Exception as e:
+                print("CHILD RAISED", e, flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        """,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "PARENT True" in p.stdout and "CHILD True" in p.stdout, p.stdout

@@ -47,6 +47,7 @@ import select
 import struct
 import sys
 import threading
+import weakref
 from typing import Any
 
 from torchgrain.errors import CorruptDataError
@@ -170,13 +171,68 @@ def _new_watcher() -> _Watcher:
 _pid = os.getpid()  # this process's (a system call saved per check)
 
 
+# The watched pins alive in this process: a forked child watches their files again as
+# it starts (see _adopt_at_fork).
+_live: weakref.WeakSet[Pin] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    # The child judges what happened before the fork from the parent's events: read
+    # them now (one non-blocking read), not at the parent's last check.
+    w = _watcher
+    if w is not None and w.pid == _pid and w.fd >= 0 and w.lock.acquire(blocking=False):
+        try:
+            w.poll()
+        except Exception:  # a hook must not fail the fork
+            pass
+        finally:
+            w.lock.release()
+
+
 def _after_fork() -> None:
     global _watcher_lock, _pid
     _watcher_lock = threading.Lock()
     _pid = os.getpid()
+    with contextlib.suppress(Exception):  # a hook must not fail the fork
+        _adopt_at_fork()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+def _adopt_at_fork() -> None:
+    """In a forked child, at once: each pin the parent watched is watched again here (a
+    file changed after the fork must raise an event this child reads). One whose path no
+    longer names its inode (replaced by a rename, or deleted) is kept as unchanged: the
+    child's maps hold that inode, which no one can open by its path any more."""
+    old = _watcher
+    pins = [pin for pin in list(_live) if old is not None and pin.pid == old.pid]
+    if old is None or not pins:
+        return
+    w = _new_watcher()
+    for pin in pins:
+        parents, pin.pid, pin.wd = pin.wd, w.pid, -1
+        if parents < 0:
+            continue
+        if old.modified.get(parents, 0) != pin.seen:
+            pin.verdict = _WHY  # changed before the fork
+            continue
+        try:
+            fd = os.open(pin.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pin.verdict = ""  # deleted: unchanged as far as anyone can tell
+            continue
+        try:
+            wd = w.add(fd)  # (before the stat: a change after it raises an event)
+            now = _identity(os.fstat(fd))
+            if now == pin.ident:
+                pin.wd, pin.seen = wd, 0
+                continue
+            pin.verdict = "" if now[:2] != pin.ident[:2] else _WHY  # replaced: unchanged
+            if wd >= 0:
+                w.release(wd)
+        finally:
+            os.close(fd)
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork)
 
 
 def poll() -> int:
@@ -218,10 +274,11 @@ class Pin:
         path: its path (for messages, and for the stat when no watch is kept).
     """
 
-    __slots__ = ("__weakref__", "ident", "path", "pid", "seen", "wd")
+    __slots__ = ("__weakref__", "ident", "path", "pid", "seen", "verdict", "wd")
 
     def __init__(self, fd: int, path: str) -> None:
         self.path = path
+        self.verdict: str | None = None  # what a forked child found as it started
         w = _this_process()
         self.pid = w.pid
         self.wd = w.add(fd)
@@ -230,6 +287,7 @@ class Pin:
         if self.wd >= 0:
             w.poll()
             self.seen = w.modified.get(self.wd, 0)
+            _live.add(self)
         self.ident = _identity(os.fstat(fd))
 
     @property
@@ -283,6 +341,8 @@ def changed(pin: Pin, *, polled: bool = False) -> str | None:
     deleted), or None when it is unchanged as far as can be seen (see the module
     docstring). ``polled``: the caller has just called :func:`poll` (one system call
     for all the files an operation checks, not one per file)."""
+    if pin.verdict is not None:
+        return pin.verdict or None
     w = _this_process()
     if pin.pid != w.pid:
         why = pin._adopt(w)
