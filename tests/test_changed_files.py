@@ -373,3 +373,33 @@ def test_forked_worker_reads_a_shard_replaced_by_a_rename_before_the_fork(tmp_pa
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "PARENT True" in p.stdout and "CHILD True" in p.stdout, p.stdout
+
+
+def test_pins_collected_at_exit_print_nothing(tmp_path):
+    # A reference cycle through the script's globals keeps the source alive until the
+    # modules' globals are cleared at the interpreter's exit: its pins' __del__ must not
+    # print "Exception ignored" once per mapped file.
+    script = tmp_path / "exit.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, numpy as np, torchgrain as tg
+            from torchgrain.io import changes
+            root = os.path.join(sys.argv[1], "ar")
+            tg.write_array_record(({"y": i} for i in range(40)), root, num_shards=4)
+            src = tg.ArrayRecordSource(root, max_mapped_shards=0, index_dir=None)
+            src.__getitems__(list(range(40)))
+            changes.check = lambda *a, **k: None  # module -> script globals -> source
+            """
+        )
+    )
+    env = {**os.environ, "NO_ALBUMENTATIONS_UPDATE": "1", "PYTHONPATH": ROOT}
+    p = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Exception ignored" not in p.stderr, p.stderr[-3000:]

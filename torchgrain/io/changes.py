@@ -326,8 +326,12 @@ class Pin:
                 w.release(wd)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # (No module global here: at the interpreter's exit this module's globals may be
+        # cleared, to None, before the last pins are collected.)
+        try:  # noqa: SIM105 - contextlib may be None by then
             self.release()
+        except Exception:
+            pass
 
     def __getstate__(self) -> Any:
         raise TypeError("a Pin belongs to the process that mapped its file")
