@@ -375,6 +375,39 @@ def test_forked_worker_reads_a_shard_replaced_by_a_rename_before_the_fork(tmp_pa
     assert "PARENT True" in p.stdout and "CHILD True" in p.stdout, p.stdout
 
 
+def test_forked_worker_refuses_a_shard_truncated_then_replaced_after_an_overflow(tmp_path):
+    # The parent's queue overflowed (events lost): a child forked after a shard was
+    # truncated, then replaced by a rename, cannot tell it from a bare rename, and must
+    # refuse it rather than read the truncated inode its maps hold (SIGBUS).
+    p = run_child(
+        tmp_path,
+        """
+        import shutil
+        from torchgrain.io import changes
+        root, paths = ar_dataset()
+        src = tg.ArrayRecordSource(root, index_dir=None)
+        idx = list(range(0, 400, 3))
+        src.__getitems__(idx)
+        shutil.copy(paths[0], paths[0] + ".new")
+        os.truncate(paths[0], 4096)
+        os.replace(paths[0] + ".new", paths[0])
+        w = changes._watcher
+        os.read(w.fd, 1 << 16)  # the truncation's event, lost as in an overflow
+        w.lost = True  # (what IN_Q_OVERFLOW sets)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                expect_changed(lambda: src.__getitems__(idx))
+                sys.stdout.flush()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        """,
+    )
+    assert_raised(p)
+
+
 def test_pins_collected_at_exit_print_nothing(tmp_path):
     # A reference cycle through the script's globals keeps the source alive until the
     # modules' globals are cleared at the interpreter's exit: its pins' __del__ must not

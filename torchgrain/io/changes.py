@@ -180,7 +180,7 @@ def _before_fork() -> None:
     # The child judges what happened before the fork from the parent's events: read
     # them now (one non-blocking read), not at the parent's last check.
     w = _watcher
-    if w is not None and w.pid == _pid and w.fd >= 0 and w.lock.acquire(blocking=False):
+    if w is not None and w.pid == _pid and w.fd >= 0 and w.lock.acquire(timeout=0.1):
         try:
             w.poll()
         except Exception:  # a hook must not fail the fork
@@ -207,6 +207,9 @@ def _adopt_at_fork() -> None:
     if old is None or not pins:
         return
     w = _new_watcher()
+    # The parent's events say what happened to a file before the fork, unless its queue
+    # overflowed: then a file that is no longer at its path is refused, as by a stat.
+    trusted = not old.lost
     for pin in pins:
         parents, pin.pid, pin.wd = pin.wd, w.pid, -1
         if parents < 0:
@@ -217,7 +220,7 @@ def _adopt_at_fork() -> None:
         try:
             fd = os.open(pin.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            pin.verdict = ""  # deleted: unchanged as far as anyone can tell
+            pin.verdict = "" if trusted else "it was deleted or replaced"
             continue
         try:
             wd = w.add(fd)  # (before the stat: a change after it raises an event)
@@ -225,7 +228,10 @@ def _adopt_at_fork() -> None:
             if now == pin.ident:
                 pin.wd, pin.seen = wd, 0
                 continue
-            pin.verdict = "" if now[:2] != pin.ident[:2] else _WHY  # replaced: unchanged
+            if now[:2] == pin.ident[:2]:
+                pin.verdict = _WHY
+            else:  # replaced: unchanged, as far as the parent's events tell
+                pin.verdict = "" if trusted else "it was replaced by another file"
             if wd >= 0:
                 w.release(wd)
         finally:
