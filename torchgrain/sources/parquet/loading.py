@@ -294,7 +294,7 @@ class RowGroupLoader(ShardedSource):
             chunks = [row_group[j] for j, _, _ in leaves]
         except (CorruptDataError, IndexError) as e:
             raise CorruptDataError(
-                f"row group {local} of {self.paths[shard]!r} (shard {shard} of "
+                f"cannot decode row group {local} of {self.paths[shard]!r} (shard {shard} of "
                 f"{self.num_shards}): its footer: {e or 'fewer column chunks than columns'} "
                 f"(record index {index})"
             ) from None
@@ -310,7 +310,7 @@ class RowGroupLoader(ShardedSource):
                 pages = chunk_pages(reader.read_at, *chunk_range(chunk), chunk.num_values)
             except CorruptDataError as e:
                 raise CorruptDataError(
-                    f"{where}, column {name!r}: {e} (record index {index})"
+                    f"cannot decode {where}, column {name!r}: {e} (record index {index})"
                 ) from None
             inflated = max(pages.dictionary_bytes, pages.data_bytes)
             own = pages.values * width
