@@ -13,10 +13,23 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
 import torchgrain
+from tests.servers import RangeHTTPServer
+from tests.test_shard_cache_safety import (
+    NO_BLOCK_CACHE,
+    PAYLOAD,
+    _bytes,
+    _copy_holding,
+    _expected,
+    _flip_payload,
+    _read,
+    _source,
+    _write,
+)
 
 ROOT = os.path.dirname(os.path.dirname(torchgrain.__file__))
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux maps")
@@ -265,21 +278,6 @@ def test_a_cached_copy_changed_then_deleted_by_another_process_is_downloaded_aga
     another process does once the copy fails its check): the path is missing, as after
     an eviction, but the open reader's bytes changed. The read downloads the copy again
     and returns the right records (not the changed bytes, nor ChangedWhileOpen)."""
-    import warnings
-
-    from tests.servers import RangeHTTPServer
-    from tests.test_shard_cache_safety import (
-        NO_BLOCK_CACHE,
-        PAYLOAD,
-        _bytes,
-        _copy_holding,
-        _expected,
-        _flip_payload,
-        _read,
-        _source,
-        _write,
-    )
-
     root = tmp_path / "www"
     root.mkdir()
     with RangeHTTPServer(str(root)) as srv:
@@ -303,21 +301,6 @@ def test_a_cached_copy_changed_between_its_check_and_the_read_is_fetched_again(
     """A copy written in place right after the read checked it (a change racing the
     read): the read lets the copy go, fetches it again (downloaded again: its CRC fails)
     and returns the right record, not ChangedWhileOpen nor the changed bytes."""
-    import warnings
-
-    from tests.servers import RangeHTTPServer
-    from tests.test_shard_cache_safety import (
-        NO_BLOCK_CACHE,
-        PAYLOAD,
-        _bytes,
-        _copy_holding,
-        _expected,
-        _flip_payload,
-        _read,
-        _source,
-        _write,
-    )
-
     root = tmp_path / "www"
     root.mkdir()
     with RangeHTTPServer(str(root)) as srv:
