@@ -344,6 +344,33 @@ class Dataset(torch.utils.data.Dataset):
             raise TypeError("map_batch needs a callable")
         return self._derive(("map_batch", fn))
 
+    # ---------------------------------------------------------------- views
+    def filter(self, predicate: Any, **options: Any) -> Dataset:
+        """The records for which ``predicate(record)`` is true, as a new Dataset.
+
+        The kept indices are found once, by a parallel pass, and kept in a node-shared,
+        memory-mapped selection index; see :func:`torchgrain.compose.filter.filter_dataset`
+        for the options (a name for the predicate, workers, the index directory) and
+        for pyarrow expressions pushed down to Parquet.
+        """
+        from torchgrain.compose.filter import filter_dataset
+
+        return filter_dataset(self, predicate, **options)
+
+    def select(self, indices: Any) -> Dataset:
+        """The records at ``indices`` (any integer array), in that order, as a new
+        Dataset; see :func:`torchgrain.compose.subset.select`."""
+        from torchgrain.compose.subset import select
+
+        return select(self, indices)
+
+    def windows(self, column: str, seq_len: int, **options: Any) -> Dataset:
+        """Fixed-length token windows over the documents of ``column``, as a new Dataset;
+        see :func:`torchgrain.tokens.windows.windows`."""
+        from torchgrain.tokens.windows import windows
+
+        return windows(self, column, seq_len, **options)
+
     # ---------------------------------------------------------------- epoch
     def read_ahead(self, order: Any, start: int, count: int, position: Any) -> Any:
         """Forwarded to the source (remote shards downloaded ahead of use, the pass

@@ -1,0 +1,2 @@
+"""Token windows for language-model training: packed windows over tokenized documents
+(``Dataset.windows``), padding collates, and tokenizer hooks."""
