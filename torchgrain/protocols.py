@@ -18,6 +18,9 @@ by defining the method; no registration or base class is needed.
   (:class:`~torchgrain.adapters.SequenceSource` uses them).
 * :class:`SizedIndexable`: ``len(x)`` and ``x[i]``: what a
   :class:`~torchgrain.Dataset` accepts besides a source.
+* :class:`Fingerprinted`: ``fingerprint()``, a digest of the data it reads (composed
+  datasets state theirs from their children's): what keys the node-shared indexes
+  derived from a dataset (a filter's selection, token windows' document offsets).
 
 Example:
     >>> class Shards:
@@ -41,6 +44,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "Fingerprinted",
     "HasBlockOffsets",
     "ReadsAhead",
     "ReadsBatches",
@@ -107,3 +111,11 @@ class SizedIndexable(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Any: ...
+
+
+@runtime_checkable
+class Fingerprinted(Protocol):
+    """Has ``fingerprint()``: a string that changes when the data it reads changes (see
+    :func:`torchgrain.sources.node_index.derived.dataset_fingerprint`)."""
+
+    def fingerprint(self) -> str: ...

@@ -57,7 +57,7 @@ INDEX_SUFFIX = ".tgindex"
 _PREAMBLE = struct.Struct("<8sQ")
 _ALIGN = 64
 _MAX_HEADER = 1 << 24  # 16 MiB of JSON: far more than any index's table of arrays
-_DTYPES = {"<i8": np.dtype("<i8"), "|u1": np.dtype("u1")}
+_DTYPES = {k: np.dtype(k) for k in ("<i8", "<u8", "<i4", "<u4", "|u1")}
 _COPY = 8 << 20
 
 

@@ -1,0 +1,119 @@
+"""Derived indexes (torchgrain/sources/node_index/derived.py): built once per machine,
+mapped by every process, rebuilt when damaged or made for other data."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import torchgrain as tg
+from torchgrain.sources.node_index.derived import (
+    callable_fingerprint,
+    dataset_fingerprint,
+    derived_index,
+)
+
+COLUMNS = {"kept": ("<u4", ()), "pairs": ("<i8", (2,))}
+
+
+def _filler(calls: list[int], n: int = 5):
+    def fill(sink):
+        calls.append(1)
+        sink.append("kept", np.arange(n, dtype=np.uint32))
+        sink.append("pairs", np.arange(2 * n, dtype=np.int64).reshape(n, 2))
+        return {"n": n}
+
+    return fill
+
+
+def test_built_once_then_mapped(tmp_path):
+    calls: list[int] = []
+    a = derived_index("t", "key1", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    b = derived_index("t", "key1", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    assert calls == [1]
+    assert a.path == b.path and a.path.startswith(str(tmp_path))
+    assert b.arrays["kept"].dtype == np.uint32 and b.arrays["kept"].tolist() == list(range(5))
+    assert b.arrays["pairs"].shape == (5, 2) and b.meta["n"] == 5
+    assert not b.arrays["kept"].flags.writeable
+    # another key: another file
+    derived_index("t", "key2", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    assert calls == [1, 1]
+
+
+def test_another_process_reuses_the_file(tmp_path):
+    calls: list[int] = []
+    derived_index("t", "k", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    code = textwrap.dedent(f"""
+        import numpy as np
+        from torchgrain.sources.node_index.derived import derived_index
+        def fill(sink):
+            raise SystemExit("rebuilt")
+        ix = derived_index("t", "k", {COLUMNS!r}, fill, index_dir={str(tmp_path)!r})
+        print(ix.arrays["kept"].sum())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "10"
+
+
+def test_pickles_as_its_file_and_refuses_a_replaced_one(tmp_path):
+    ix = derived_index("t", "k", COLUMNS, _filler([]), index_dir=str(tmp_path))
+    blob = pickle.dumps(ix)
+    assert len(blob) < 1000  # the name, not the arrays
+    assert pickle.loads(blob).arrays["kept"].tolist() == list(range(5))
+    os.unlink(ix.path)
+    derived_index("t", "k", COLUMNS, _filler([], n=7), index_dir=str(tmp_path))
+    with pytest.raises(tg.CorruptDataError, match="replaced"):
+        pickle.loads(blob)
+
+
+def test_a_damaged_file_is_rebuilt(tmp_path):
+    calls: list[int] = []
+    ix = derived_index("t", "k", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    path = ix.path
+    del ix
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.warns(UserWarning, match="rebuilding"):
+        again = derived_index("t", "k", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    assert calls == [1, 1] and again.arrays["kept"].tolist() == list(range(5))
+
+
+def test_a_misfit_is_rebuilt_and_memory_when_no_directory(tmp_path):
+    calls: list[int] = []
+    derived_index("t", "k", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match="rebuilding"):
+        derived_index(
+            "t",
+            "k",
+            COLUMNS,
+            _filler(calls, n=6),
+            index_dir=str(tmp_path),
+            fits=lambda ix: None if ix.meta["n"] == 6 else "other length",
+        )
+    mem = derived_index("t", "k", COLUMNS, _filler(calls), index_dir=None)
+    assert mem.path is None and calls == [1, 1, 1]
+    assert pickle.loads(pickle.dumps(mem)).arrays["kept"].tolist() == list(range(5))
+    with pytest.raises(ValueError, match="key"):
+        derived_index("t", "../x", COLUMNS, _filler(calls), index_dir=str(tmp_path))
+
+
+def test_fingerprints_follow_the_data(tmp_path):
+    d = str(tmp_path / "ds")
+    tg.write_array_record([{"x": np.int64(i)} for i in range(6)], d, num_shards=2)
+    src = tg.ArrayRecordSource(d)
+    a = dataset_fingerprint(tg.Dataset(src))
+    assert a == dataset_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)))
+    assert a != dataset_fingerprint(tg.Dataset(src).map(lambda r: r))
+    shard = src.paths[-1]
+    st = os.stat(shard)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert a != dataset_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)))
+    k = 3
+    assert callable_fingerprint(lambda r: r > k) != callable_fingerprint(lambda r: r > 4)

@@ -1,0 +1,302 @@
+"""Derived indexes: arrays computed once from a dataset, shared by every process of a machine.
+
+A filter's kept indices, the document offsets of token windows, a large selection: each
+is computed from a dataset by a pass over it, is needed by every rank and DataLoader
+worker of the machine, and must be recomputed when the dataset changes. They go through
+the same store as the ArrayRecord and TFRecord indexes (:mod:`.store`): an index file
+per key in an index directory, built by one process of the machine under a lock,
+published atomically, memory-mapped read-only by every process (the page cache holds it
+once per machine), least-recently-used files pruned, and kept in the process's memory
+with a warning when the directory cannot be written.
+
+The key names what the arrays were computed from: :func:`dataset_fingerprint` (the
+source's files, sizes and modification times, its length, the transforms applied) and
+whatever else the computation depends on (:func:`callable_fingerprint` of a predicate,
+a column name, options). Another dataset, a changed shard or another predicate gives
+another key, hence another file.
+
+Example:
+    >>> import tempfile, numpy as np
+    >>> def fill(sink):
+    ...     sink.append("kept", np.array([1, 4, 5], np.uint32))
+    ...     return {"n": 3}
+    >>> ix = derived_index("demo", "k1", {"kept": ("<u4", ())}, fill, index_dir=tempfile.mkdtemp())
+    >>> ix.arrays["kept"].tolist(), ix.meta["n"], ix.path.endswith(".tgindex")
+    ([1, 4, 5], 3, True)
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from torchgrain.formats.index_file import INDEX_SUFFIX
+from torchgrain.protocols import Fingerprinted
+from torchgrain.sources.base import Source
+from torchgrain.sources.node_index.store import (
+    _Arrays,
+    _build,
+    _cached,
+    default_index_dir,
+)
+
+__all__ = ["DerivedIndex", "callable_fingerprint", "dataset_fingerprint", "derived_index"]
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<the torchgrain cache's <kind>-index directory>"
+
+
+#: ``index_dir`` default: ``<torchgrain cache>/<kind>-index``.
+DEFAULT: Any = _Default()
+
+
+class DerivedIndex:
+    """Named read-only arrays of a derived index, and the metadata they were built with.
+
+    Mapped from an index file every process of the machine shares (or held in memory
+    when the index directory could not be written). Pickles as the file's name: a
+    spawned worker maps the same file, and refuses one replaced since it was opened.
+    """
+
+    def __init__(self, arrays: _Arrays) -> None:
+        self._a = arrays
+
+    @property
+    def kind(self) -> str:
+        return self._a.kind
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Name -> read-only array."""
+        return self._a.arrays
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The metadata ``fill`` returned, plus ``key``."""
+        return self._a.meta
+
+    @property
+    def path(self) -> str | None:
+        """The mapped index file (None: in this process's memory)."""
+        return self._a.path
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if the mapped file was
+        written or truncated since it was opened."""
+        if self._a.file is not None:
+            self._a.file.check()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DerivedIndex, (self._a,))
+
+    def __repr__(self) -> str:
+        where = self.path or "(in memory)"
+        shapes = {k: v.shape for k, v in self.arrays.items()}
+        return f"DerivedIndex({self.kind!r}, {where!r}, {shapes})"
+
+
+class _Maker:
+    """What the store calls a index class: a ``kind`` and a constructor from arrays."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, arrays: _Arrays) -> DerivedIndex:
+        return DerivedIndex(arrays)
+
+
+def derived_index(
+    kind: str,
+    key: str,
+    columns: dict[str, tuple[str, tuple[int, ...]]],
+    fill: Callable[[Any], dict[str, Any]],
+    *,
+    index_dir: str | None = DEFAULT,
+    fits: Callable[[DerivedIndex], str | None] | None = None,
+) -> DerivedIndex:
+    """The derived index ``kind``/``key``: opened when it exists, else built once per machine.
+
+    Args:
+        kind: what the arrays are (``"filter"``, ``"windows"``...): the index file's kind,
+            checked when it is opened, and the default directory's name.
+        key: what they were computed from (a hash of :func:`dataset_fingerprint` and
+            the options); the file's name. At most 128 characters of ``[0-9a-zA-Z_.-]``.
+        columns: ``name -> (dtype, trailing shape)``; dtypes ``"<i8"``, ``"<u8"``,
+            ``"<i4"``, ``"<u4"``, ``"|u1"``.
+        fill: called with a sink when the index must be built: appends each column's
+            rows with ``sink.append(name, array)`` (any number of calls; an index larger
+            than memory streams to disk) and returns the metadata (JSON values).
+        index_dir: where the index file lives; ``None`` builds it in this process's
+            memory, every time.
+        fits: why an opened index does not describe the data (e.g. its metadata
+            disagrees with the dataset's length), or None; a misfit is rebuilt.
+
+    Raises:
+        ValueError: a bad ``key``.
+        CorruptDataError: an index file that another process published and that fails
+            its checks is rebuilt with a warning; one that fails after being built
+            here raises.
+    """
+    if not (
+        isinstance(key, str)
+        and 0 < len(key) <= 128
+        and all(c.isalnum() or c in "_.-" for c in key)
+        and key.isascii()
+        and not key.startswith(".")
+    ):
+        raise ValueError(f"bad derived-index key {key!r:.140}")
+    maker = _Maker(kind)
+
+    def fill_keyed(sink: Any) -> dict[str, Any]:
+        meta = dict(fill(sink))
+        meta["key"] = key
+        meta["version"] = 1
+        return meta
+
+    def build(path: str | None) -> DerivedIndex:
+        return _build(maker, path, columns, fill_keyed)
+
+    def check(ix: DerivedIndex) -> str | None:
+        if ix.meta.get("key") != key:
+            return "it was made for other data"
+        if set(ix.arrays) != set(columns):
+            return "it holds other arrays"
+        return fits(ix) if fits is not None else None
+
+    if index_dir is None:
+        return build(None)
+    if index_dir is DEFAULT:
+        index_dir = default_index_dir(kind)
+    return _cached(os.fspath(index_dir), key + INDEX_SUFFIX, maker, build, check)
+
+
+# ----------------------------------------------------------------- fingerprints
+def _hash(*parts: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(repr(p).encode() if not isinstance(p, bytes) else p)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _code_parts(code: types.CodeType, seen: set[int]) -> list[Any]:
+    parts: list[Any] = [code.co_name, code.co_code, code.co_names, code.co_varnames]
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            if id(c) not in seen:
+                seen.add(id(c))
+                parts.extend(_code_parts(c, seen))
+        else:
+            parts.append(repr(c))
+    return parts
+
+
+def callable_fingerprint(fn: Any) -> str:
+    """A hex digest of what a function computes: its code (and that of nested
+    functions), constants, defaults and closure values; for a partial, its function and
+    arguments; for a callable object, its class's code and its pickled state.
+
+    Globals a function reads are not part of it: name a predicate (``filter(...,
+    name=...)``) when it depends on a global that changes.
+
+    Example:
+        >>> callable_fingerprint(lambda r: r["x"] > 1) == callable_fingerprint(lambda r: r["x"] > 1)
+        True
+        >>> callable_fingerprint(lambda r: r["x"] > 1) == callable_fingerprint(lambda r: r["x"] > 2)
+        False
+    """
+    if isinstance(fn, functools.partial):
+        return _hash("partial", callable_fingerprint(fn.func), fn.args, sorted(fn.keywords.items()))
+    code = getattr(fn, "__code__", None)
+    if isinstance(code, types.CodeType):
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                v = "<empty>"
+            cells.append(callable_fingerprint(v) if callable(v) else _value(v))
+        return _hash(
+            "function",
+            fn.__module__,
+            fn.__qualname__,
+            *_code_parts(code, set()),
+            fn.__defaults__,
+            sorted((fn.__kwdefaults__ or {}).items()),
+            *cells,
+        )
+    if isinstance(fn, (types.BuiltinFunctionType, type)):
+        return _hash("named", getattr(fn, "__module__", ""), fn.__qualname__)
+    call = getattr(type(fn).__call__, "__code__", None)
+    parts = _code_parts(call, set()) if isinstance(call, types.CodeType) else []
+    return _hash("object", type(fn).__module__, type(fn).__qualname__, *parts, _value(fn))
+
+
+def _value(v: Any) -> str:
+    """A stable digest of a value: its pickle, else its repr."""
+    if isinstance(v, np.ndarray):
+        return _hash(v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
+    try:
+        return _hash(pickle.dumps(v, protocol=4))
+    except Exception:
+        return _hash(type(v).__qualname__, repr(v))
+
+
+def _file_identity(path: str) -> tuple[Any, ...]:
+    """A local file's size, modification time and inode; a remote one's name only."""
+    if "://" in path and not path.startswith("file://"):
+        return (path,)
+    local = path[len("file://") :] if path.startswith("file://") else path
+    try:
+        st = os.stat(local)
+    except OSError:
+        return (path, "missing")
+    return (path, st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def dataset_fingerprint(ds: Any) -> str:
+    """A hex digest that changes when the data under ``ds`` changes.
+
+    ``ds`` is a :class:`~torchgrain.Dataset` (its source and its transforms), an object
+    that states its own (:class:`~torchgrain.protocols.Fingerprinted`: the composed
+    datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, and
+    each local file's size, modification time and inode; remote files by name and
+    record count only), or a plain sequence (its type and length: give a filter a
+    ``name`` that says what it holds).
+
+    Example:
+        >>> import tempfile, numpy as np, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": np.int64(i)} for i in range(4)], d)
+        >>> a = dataset_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)))
+        >>> a == dataset_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)))
+        True
+        >>> a == dataset_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)).map(lambda r: r))
+        False
+    """
+    from torchgrain.adapters import SequenceSource
+    from torchgrain.dataset import Dataset
+
+    if isinstance(ds, SequenceSource):
+        return dataset_fingerprint(ds.items)
+    if isinstance(ds, Dataset):
+        ops = []
+        for op in ds._ops:
+            ops.append((op[0], callable_fingerprint(op[1]), *op[2:]))
+        return _hash("dataset", dataset_fingerprint(ds.source), ops)
+    if isinstance(ds, Fingerprinted):
+        return _hash("stated", type(ds).__qualname__, ds.fingerprint())
+    if isinstance(ds, Source):
+        files = [_file_identity(p) for p in ds.paths]
+        counts = np.asarray(ds.shard_counts, np.int64).tobytes()
+        return _hash("source", type(ds).__module__, type(ds).__qualname__, len(ds), counts, files)
+    return _hash("sequence", type(ds).__module__, type(ds).__qualname__, len(ds))
