@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 export NO_ALBUMENTATIONS_UPDATE=1
 "$VENV/bin/python" -m ruff check . || exit 1
 "$VENV/bin/python" -m ruff format --check . || exit 1
-"$VENV/bin/python" -m pytest --doctest-modules torchgrain tests "$@"
+"$VENV/bin/python" -m pytest --doctest-modules --durations=30 torchgrain tests "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "test: pytest collected no tests: failing" >&2
