@@ -1,0 +1,456 @@
+"""The composition contract: what every composed dataset (a *view*) shares.
+
+A view is a :class:`~torchgrain.Source` whose records are records of other datasets, its
+*children*: item ``i`` of the view resolves, by arithmetic or a mapped index, to a pair
+(child ``c``, child index ``j``). A subclass says only how long it is and how positions
+resolve (:meth:`View._locate`); this base does the rest, once for every view:
+
+* **Children** (:func:`adapt`): a :class:`~torchgrain.Source` is read as it is; a
+  :class:`~torchgrain.Dataset` through its own ``__getitems__``, so its transforms
+  (``map``, ``random_map`` keyed by the child's own index) apply; a Dataset with no
+  transforms through its source (the source's column reads stay available); anything
+  else that :class:`~torchgrain.Dataset` accepts (a list, a torch dataset) as
+  ``tg.Dataset(x)`` would read it.
+* **Batched reads** (:func:`read_pairs`, :func:`read_column_pairs`): one batched call per
+  child per batch (``__getitems__``, or ``read_columns``), the records put back in
+  request order; a child that returns too few or too many records is an error naming it
+  (:func:`~torchgrain.adapters.checked_batch`), never a shifted batch.
+* **Index checks**: negative or out-of-range indices raise ``IndexError`` and
+  non-integers ``TypeError``, as every source does (:meth:`ShardIndex.check
+  <torchgrain.sources.index.ShardIndex.check>`).
+* **Keys and schema** (:func:`merge_schemas`): the children must agree (array shapes
+  that differ only in a dimension's size merge to ``?``, a type and its nullable form
+  merge to the nullable form); anything else is a
+  :class:`~torchgrain.SchemaMismatchError` naming both children and the keys and types
+  that differ. A child that does not describe its records (a plain sequence, a Dataset
+  whose transforms may change them) is not compared, and the view then says nothing
+  either (empty keys and schema), as :class:`~torchgrain.adapters.SequenceSource` does.
+* **Capabilities, honestly forwarded**: ``set_epoch`` reaches every child that has it
+  (:class:`~torchgrain.protocols.SetsEpoch`), and ``read_ahead`` every child that has it
+  (:class:`~torchgrain.protocols.ReadsAhead`), with the pass's order re-mapped: the
+  child's ``order(a, b)`` gives the child indices that the view's positions ``[a, b)``
+  resolve to, in order (possibly fewer than ``b - a``); ``start``, ``count`` and
+  ``position`` stay the view's. :meth:`View.block_offsets` raises ``TypeError`` unless a
+  view has blocks that mean something (a concatenation: its children's blocks, shifted).
+
+A view holds its children and a few numbers, never an array of its own length, and
+pickles as its children do (small, no open handles).
+
+Example:
+    >>> import numpy as np
+    >>> class Reversed(View):  # item i is item n - 1 - i of the one child
+    ...     def __len__(self):
+    ...         return len(self.children[0])
+    ...     def _locate(self, indices):
+    ...         return np.zeros(len(indices), np.int64), len(self) - 1 - indices
+    >>> v = Reversed([[{"x": 0}, {"x": 1}, {"x": 2}]])
+    >>> v.__getitems__([0, 2]), v.locate([1])[1].tolist()
+    ([{'x': 2}, {'x': 0}], [1])
+    >>> v[3]
+    Traceback (most recent call last):
+    ...
+    IndexError: record index 3 out of range for a dataset of 3 records
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import reprlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchgrain.adapters import checked_batch
+from torchgrain.columns import ColumnBatch, column_of
+from torchgrain.errors import SchemaMismatchError
+from torchgrain.protocols import ReadsAhead, SetsEpoch
+from torchgrain.sources.base import Source
+from torchgrain.sources.index import ShardIndex
+
+__all__ = [
+    "View",
+    "adapt",
+    "check_indices",
+    "describes_records",
+    "join_types",
+    "merge_schemas",
+    "read_column_pairs",
+    "read_pairs",
+]
+
+
+def adapt(child: Any) -> Any:
+    """``child`` as a view reads it: a :class:`~torchgrain.Source`, or a
+    :class:`~torchgrain.Dataset` whose transforms apply (read as records).
+
+    Example:
+        >>> import torchgrain as tg
+        >>> type(adapt([1, 2])).__name__, type(adapt(tg.Dataset([1]).map(str))).__name__
+        ('SequenceSource', 'Dataset')
+    """
+    from torchgrain.dataset import Dataset
+
+    if isinstance(child, Source):
+        return child
+    if not isinstance(child, Dataset):
+        return Dataset(child)._source  # how a Dataset would read it
+    if not child._ops:
+        return child._source  # nothing to apply: read (and read columns) from the source
+    if child.batch_format != "records":
+        # A view reads records from it (its epoch cell and stats stay shared).
+        child = copy.copy(child)
+        child.batch_format = "records"
+    return child
+
+
+def describes_records(child: Any) -> bool:
+    """Whether ``child``'s ``keys`` and ``schema`` describe the records it returns: a
+    source that says what its records hold, not a Dataset whose transforms may change
+    them, nor a plain sequence (empty keys)."""
+    from torchgrain.dataset import Dataset
+
+    return not isinstance(child, Dataset) and bool(child.keys)
+
+
+def check_indices(indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    """``indices`` as int64 once they are known to be integers in ``[0, n)``:
+    ``IndexError`` / ``TypeError`` otherwise, as every source raises.
+
+    Example:
+        >>> check_indices([2, 0], 3).tolist()
+        [2, 0]
+        >>> check_indices([1.5], 3)
+        Traceback (most recent call last):
+        ...
+        TypeError: record indices must be integers, got ...
+    """
+    return ShardIndex(np.array([n], dtype=np.int64)).check(indices)
+
+
+def read_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndarray) -> list[Any]:
+    """The records at (``children[which[k]]``, ``local[k]``) for every ``k``, in that
+    order: one ``__getitems__`` call per child that the batch touches (``children``
+    adapted by :func:`adapt`).
+
+    Example:
+        >>> children = [adapt(["a", "b"]), adapt(["c"])]
+        >>> read_pairs(children, np.array([1, 0, 0]), np.array([0, 1, 0]))
+        ['c', 'b', 'a']
+    """
+    if len(which) == 0:
+        return []
+    out: list[Any] = [None] * len(which)
+    for c, rows in _groups(which):
+        child = children[c]
+        got = child.__getitems__(local[rows].tolist())
+        checked_batch(child, got, rows)
+        for r, rec in zip(rows.tolist(), got):
+            out[r] = rec
+    return out
+
+
+def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndarray) -> ColumnBatch:
+    """:func:`read_pairs` as a :class:`~torchgrain.columns.ColumnBatch`: each child's
+    rows read by its ``read_columns`` (a Dataset child's records made into columns),
+    joined in request order (numeric columns of one dtype and row shape stay arrays).
+
+    Example:
+        >>> children = [adapt([{"x": 1}]), adapt([{"x": 2}, {"x": 3}])]
+        >>> b = read_column_pairs(children, np.array([1, 0, 1]), np.array([1, 0, 0]))
+        >>> b["x"].tolist()
+        [3, 1, 2]
+    """
+    groups = list(_groups(which))
+    if len(groups) == 1:  # the common case of a block-local order: no join
+        c, _ = groups[0]
+        return _get_columns(children[c], local.tolist())
+    parts = [_get_columns(children[c], local[rows].tolist()) for c, rows in groups]
+    # Row k of the batch is row back[k] of the parts laid end to end.
+    back = np.empty(len(which), dtype=np.int64)
+    back[np.concatenate([rows for _, rows in groups])] = np.arange(len(which))
+    keys: dict[str, None] = {}
+    for part in parts:
+        keys.update(dict.fromkeys(dict.keys(part)))
+    columns = {}
+    for key in keys:
+        cols = [dict.get(part, key) for part in parts]
+        first = cols[0]
+        if isinstance(first, np.ndarray) and all(
+            isinstance(col, np.ndarray)
+            and col.dtype == first.dtype
+            and col.shape[1:] == first.shape[1:]
+            for col in cols
+        ):
+            columns[key] = np.concatenate(cols)[back]
+        else:
+            values = [
+                v
+                for part, col in zip(parts, cols)
+                for v in (col if col is not None else [None] * len(part))
+            ]
+            columns[key] = column_of([values[b] for b in back.tolist()])
+    return ColumnBatch(columns, num_rows=len(which))
+
+
+def _groups(which: np.ndarray) -> Any:
+    """(child, positions in the batch) for each child the batch touches, positions in
+    request order."""
+    order = np.argsort(which, kind="stable")
+    sorted_which = which[order]
+    starts = np.flatnonzero(np.r_[True, sorted_which[1:] != sorted_which[:-1]])
+    ends = np.r_[starts[1:], len(which)]
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        yield int(sorted_which[s]), order[s:e]
+
+
+def _get_columns(child: Any, indices: list[int]) -> ColumnBatch:
+    if isinstance(child, Source):
+        return child.read_columns(indices)
+    records = checked_batch(child, child.__getitems__(indices), indices)
+    return ColumnBatch.from_records(records)
+
+
+def _split_type(t: str) -> tuple[frozenset[str], bool]:
+    parts = set(t.split("|"))
+    nullable = "null" in parts
+    parts.discard("null")
+    return frozenset(parts), nullable
+
+
+def _join_array(a: str, b: str) -> str | None:
+    """``uint8[64,?]`` and ``uint8[32,3]`` -> ``uint8[?,?]``: one dtype and rank, the
+    sizes that differ become ``?``; None when they are not such a pair."""
+    if not (a.endswith("]") and b.endswith("]") and "[" in a and "[" in b):
+        return None
+    da, _, sa = a[:-1].partition("[")
+    db, _, sb = b[:-1].partition("[")
+    dims_a, dims_b = sa.split(",") if sa else [], sb.split(",") if sb else []
+    if da != db or len(dims_a) != len(dims_b):
+        return None
+    dims = [x if x == y else "?" for x, y in zip(dims_a, dims_b)]
+    return f"{da}[{','.join(dims)}]"
+
+
+def join_types(a: str, b: str) -> str | None:
+    """The type that holds values of types ``a`` and ``b`` (in the schema vocabulary of
+    :class:`~torchgrain.Source`), or None when they do not agree.
+
+    Example:
+        >>> join_types("float32[2]", "float32[?]"), join_types("int", "int|null")
+        ('float32[?]', 'int|null')
+        >>> join_types("int", "str") is None
+        True
+    """
+    if a == b:
+        return a
+    (pa, na), (pb, nb) = _split_type(a), _split_type(b)
+    if pa == pb:
+        joined = a if na else b
+    elif len(pa) == 1 and len(pb) == 1:
+        array = _join_array(next(iter(pa)), next(iter(pb)))
+        if array is None:
+            return None
+        joined = f"{array}|null" if na or nb else array
+    else:
+        return None
+    return joined
+
+
+def merge_schemas(
+    described: Sequence[tuple[str, Sequence[str], dict[str, str]]],
+) -> tuple[list[str], dict[str, str]]:
+    """The keys and schema of a view whose children are ``described`` (name, keys,
+    schema each): the children must have the same keys, of types that agree
+    (:func:`join_types`); else a :class:`~torchgrain.SchemaMismatchError` naming the
+    first child and the one that differs, with the keys and types that differ.
+
+    Example:
+        >>> merge_schemas([("a", ["x"], {"x": "int"}), ("b", ["x"], {"x": "int|null"})])
+        (['x'], {'x': 'int|null'})
+        >>> merge_schemas([("a", ["x"], {"x": "int"}), ("b", ["x", "y"], {"x": "str"})])
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.SchemaMismatchError: cannot compose a and b: their records differ: \
+keys only in b: ['y']; 'x': int in a, str in b
+    """
+    if not described:
+        return [], {}
+    first, keys, schema = described[0]
+    keys, schema = list(keys), dict(schema)
+    for name, other_keys, other_schema in described[1:]:
+        problems = []
+        only_first = [k for k in keys if k not in other_keys]
+        only_other = [k for k in other_keys if k not in keys]
+        if only_first:
+            problems.append(f"keys only in {first}: {only_first}")
+        if only_other:
+            problems.append(f"keys only in {name}: {only_other}")
+        for k in keys:
+            if k in other_keys:
+                a, b = schema.get(k, "?"), other_schema.get(k, "?")
+                joined = join_types(a, b)
+                if joined is None:
+                    problems.append(f"{k!r}: {a} in {first}, {b} in {name}")
+                else:
+                    schema[k] = joined
+        if problems:
+            raise SchemaMismatchError(
+                f"cannot compose {first} and {name}: their records differ: " + "; ".join(problems)
+            )
+    return keys, schema
+
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 120
+
+
+class View(Source):
+    """Base of composed datasets: a :class:`~torchgrain.Source` over ``children``.
+
+    A subclass defines ``__len__`` and :meth:`_locate`; reads, index checks, keys and
+    schema, ``set_epoch`` and ``read_ahead`` come from here (see the module docstring).
+
+    Args:
+        children: the datasets composed (any :class:`~torchgrain.Source`,
+            :class:`~torchgrain.Dataset`, or what a Dataset accepts), adapted by
+            :func:`adapt`.
+        names: a name per child, used in errors and by views that label records
+            (default ``"0"``, ``"1"``, ...).
+        same_keys: the children must describe the same records (:func:`merge_schemas`,
+            checked here, at once); False: keys and schema are not compared, and the view
+            describes its records only where all children say the same.
+    """
+
+    def __init__(
+        self,
+        children: Sequence[Any],
+        *,
+        names: Sequence[str] | None = None,
+        same_keys: bool = True,
+    ) -> None:
+        self.children: tuple[Any, ...] = tuple(adapt(c) for c in children)
+        if not self.children:
+            raise ValueError(f"{type(self).__name__} needs at least one dataset")
+        if names is None:
+            names = [str(k) for k in range(len(self.children))]
+        if len(names) != len(self.children):
+            raise ValueError(f"{len(names)} names for {len(self.children)} datasets")
+        self.names: tuple[str, ...] = tuple(str(n) for n in names)
+        described = [
+            (self.describe_child(k), c.keys, c.schema)
+            for k, c in enumerate(self.children)
+            if describes_records(c)
+        ]
+        if len(described) < len(self.children):
+            self._keys: list[str] = []
+            self._schema: dict[str, str] = {}
+        elif same_keys:
+            self._keys, self._schema = merge_schemas(described)
+        else:
+            try:
+                self._keys, self._schema = merge_schemas(described)
+            except SchemaMismatchError:
+                self._keys, self._schema = [], {}
+
+    # ------------------------------------------------------------ to define
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of records of the view."""
+
+    @abc.abstractmethod
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(child, child index)`` int64 arrays for checked int64 positions."""
+
+    # ---------------------------------------------------------------- reads
+    def locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(child, child index)`` of each of ``indices`` (checked: ``IndexError``,
+        ``TypeError``)."""
+        return self._locate(check_indices(indices, len(self)))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        which, local = self.locate(indices)
+        return self._label(read_pairs(self.children, which, local), which)
+
+    def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        which, local = self.locate(indices)
+        return self._label_columns(read_column_pairs(self.children, which, local), which)
+
+    def _label(self, records: list[Any], which: np.ndarray) -> list[Any]:
+        """Records as the view returns them (a view that adds a field overrides it)."""
+        return records
+
+    def _label_columns(self, batch: ColumnBatch, which: np.ndarray) -> ColumnBatch:
+        return batch
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    @property
+    def schema(self) -> dict[str, str]:
+        return dict(self._schema)
+
+    @property
+    def reports_stats(self) -> bool:  # type: ignore[override]
+        # Time spent in a child that times its own reads (a sharded source, a Dataset)
+        # must not be counted again by the Dataset over the view.
+        from torchgrain.dataset import Dataset
+
+        return all(isinstance(c, Dataset) or c.reports_stats for c in self.children)
+
+    def block_offsets(self) -> np.ndarray:
+        raise TypeError(
+            f"{type(self).__name__} has no storage blocks of its own "
+            "(give BlockShuffleSampler block_offsets=, or use GlobalShuffleSampler)"
+        )
+
+    def describe_child(self, k: int) -> str:
+        """How errors name child ``k``: its name and what it is."""
+        return f"dataset {self.names[k]!r} ({_short.repr(self.children[k])})"
+
+    # --------------------------------------------------------- capabilities
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to every child that has ``set_epoch``."""
+        for child in self.children:
+            if isinstance(child, SetsEpoch):
+                child.set_epoch(epoch)
+
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> Any:
+        """Passed on to every child that has ``read_ahead``, each with the order of the
+        child indices the pass's positions resolve to; the children's cache checks
+        together (None when none has any)."""
+        fits: list[Any] | None = None
+        for k, child in enumerate(self.children):
+            if not isinstance(child, ReadsAhead):
+                continue
+            child_order = None if order is None else _ChildOrder(self, k, order)
+            got = child.read_ahead(child_order, start, count, position)
+            if got is not None:
+                fits = [*(fits or []), *got]
+        return fits
+
+    def __repr__(self) -> str:
+        inner = ", ".join(_short.repr(c) for c in self.children)
+        return f"{type(self).__name__}([{inner}])"
+
+
+class _ChildOrder:
+    """Child ``k``'s order of a pass: the child indices that the view's positions
+    ``[a, b)`` resolve to, in order (a picklable callable)."""
+
+    __slots__ = ("k", "order", "view")
+
+    def __init__(self, view: View, k: int, order: Callable[[int, int], np.ndarray]) -> None:
+        self.view, self.k, self.order = view, k, order
+
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        which, local = self.view.locate(np.asarray(self.order(a, b)))
+        return local[which == self.k]
