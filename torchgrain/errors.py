@@ -22,6 +22,7 @@ __all__ = [
     "CacheThrashWarning",
     "CorruptDataError",
     "DatasetNotFoundError",
+    "RaggedBatchError",
     "RecordDecodeError",
     "RemoteIOError",
     "SchemaMismatchError",
@@ -44,6 +45,13 @@ class CorruptDataError(TorchgrainError, ValueError):
 
 class RecordDecodeError(CorruptDataError):
     """A record's bytes could not be decoded by the chosen codec."""
+
+
+class RaggedBatchError(TorchgrainError, RuntimeError):
+    """Values of one key differ in length within a batch, and the collate can only stack
+    equal shapes (torch's default collate): the message names the key, the lengths and
+    the fixes (``tg.pad_collate``, ``Dataset.windows``). A ``RuntimeError``, as torch's own
+    message was."""
 
 
 class SchemaMismatchError(TorchgrainError, ValueError):
