@@ -255,13 +255,21 @@ def page_header(buf: bytes) -> PageHeader | None:
 class ColumnChunk(NamedTuple):
     """Where one column chunk lies, from its file's footer (``ColumnMetaData``): the
     values it holds, its bytes, and the offsets of its first data page and of its
-    dictionary page (None: none), and what its pages say they inflate to."""
+    dictionary page (None: none), and what its pages say they inflate to; its physical
+    type (parquet.thrift's ``Type``: 0 BOOLEAN, 1 INT32, 2 INT64, 4 FLOAT, 5 DOUBLE,
+    6 BYTE_ARRAY...) and statistics as written (the plain-encoded ``min_value`` and
+    ``max_value``, in the column's own sort order, and ``null_count``; None where the
+    writer gave none), untrusted: what a filter's pushdown prunes row groups with."""
 
     num_values: int
     total_compressed_size: int
     data_page_offset: int
     dictionary_page_offset: int | None
     total_uncompressed_size: int = 0
+    physical_type: int | None = None
+    null_count: int | None = None
+    min_value: bytes | None = None
+    max_value: bytes | None = None
 
 
 def _fields(buf: bytes, pos: int, field: Callable[[int, int, int], int | None]) -> int:
@@ -339,18 +347,54 @@ def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
 
         return field
 
+    def statistics(into: dict[int, Any]) -> Callable[[int, int, int], int | None]:
+        def field(fid: int, t: int, pos: int) -> int | None:
+            if fid == 3 and t == _I64:  # null_count
+                into[fid], pos = _zigzag(footer, pos)
+                return pos
+            if fid in (5, 6) and t == _BINARY:  # max_value, min_value
+                n, pos = _varint(footer, pos)
+                if pos + n > len(footer):
+                    raise IndexError
+                into[fid] = bytes(footer[pos : pos + n])
+                return pos + n
+            return None
+
+        return field
+
     def chunk(pos: int) -> int:
-        found: dict[int, int] = {}
+        found: dict[int, Any] = {}
+        stats: dict[int, Any] = {}
+
+        def column_meta(fid: int, t: int, pos: int) -> int | None:
+            if fid == 1 and t == _I32:  # the physical type
+                found[fid], pos = _zigzag(footer, pos)
+                return pos
+            if fid == 12 and t == _STRUCT:
+                return _fields(footer, pos, statistics(stats))
+            return meta(found)(fid, t, pos)
 
         def field(fid: int, t: int, pos: int) -> int | None:
             if fid == 3 and t == _STRUCT:
-                return _fields(footer, pos, meta(found))
+                return _fields(footer, pos, column_meta)
             return None
 
         pos = _fields(footer, pos, field)
         if 5 not in found or 7 not in found or 9 not in found:
             raise ValueError("a column chunk without its metadata")
-        groups[-1].append(ColumnChunk(found[5], found[7], found[9], found.get(11), found.get(6, 0)))
+        groups[-1].append(
+            ColumnChunk(
+                found[5],
+                found[7],
+                found[9],
+                found.get(11),
+                found.get(6, 0),
+                found.get(1),
+                stats.get(3),
+                stats.get(6),
+                stats.get(5),
+            )
+        )
         return pos
 
     def group(pos: int) -> int:
