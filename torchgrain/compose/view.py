@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import hashlib
 import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -405,6 +406,23 @@ class View(Source):
             f"{type(self).__name__} has no storage blocks of its own "
             "(give BlockShuffleSampler block_offsets=, or use GlobalShuffleSampler)"
         )
+
+    def fingerprint(self) -> str:
+        """A digest of the data the view reads: its type, :meth:`_identity` and its
+        children's :func:`~torchgrain.sources.node_index.derived.dataset_fingerprint`
+        (what keys an index derived from the view, a filter's selection say)."""
+        from torchgrain.sources.node_index.derived import dataset_fingerprint
+
+        h = hashlib.blake2b(digest_size=16)
+        for part in (type(self).__qualname__, *map(dataset_fingerprint, self.children)):
+            h.update(part.encode() + b"\0")
+        h.update(repr(self._identity()).encode())
+        return h.hexdigest()
+
+    def _identity(self) -> Any:
+        """What else than its children the view's records depend on (its options), as
+        a value with a stable ``repr``; a subclass with options overrides it."""
+        return ()
 
     def describe_child(self, k: int) -> str:
         """How errors name child ``k``: its name and what it is."""

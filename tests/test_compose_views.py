@@ -1,0 +1,181 @@
+"""Concatenations, subsets and splits (torchgrain.compose: view, concat, subset)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchgrain as tg
+from torchgrain.formats.codecs import get_codec
+from torchgrain.formats.tfrecord import write_tfrecord
+
+
+def _recs(lo: int, hi: int) -> list[dict]:
+    return [{"i": i, "s": f"r{i}", "x": np.full(2, i, np.float32)} for i in range(lo, hi)]
+
+
+def _three_formats(tmp_path) -> tuple[list, list[dict]]:
+    """An ArrayRecord (2 shards), a Parquet (2 row groups) and a TFRecord source: records
+    0-9, 10-16 and 17-21."""
+    recs = _recs(0, 22)
+    tg.write_array_record(recs[:10], tmp_path / "ar", num_shards=2)
+    tg.write_parquet(recs[10:17], tmp_path / "pq", row_group_size=4)
+    os.makedirs(tmp_path / "tf")
+    codec = get_codec("msgpack")
+    write_tfrecord([codec.encode(r) for r in recs[17:]], tmp_path / "tf" / "a.tfrecord")
+    sources = [
+        tg.ArrayRecordSource(tmp_path / "ar"),
+        tg.ParquetSource(tmp_path / "pq"),
+        tg.TFRecordSource(tmp_path / "tf", codec="msgpack"),
+    ]
+    return sources, recs
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+class Counting(tg.Source):
+    """Records ``{"i": base + j}``; counts its batched reads and the epochs and
+    read-ahead orders it is given."""
+
+    def __init__(self, n: int, base: int = 0) -> None:
+        self.n, self.base = n, base
+        self.calls: list[list[int]] = []
+        self.epochs: list[int] = []
+        self.orders: list[list[int]] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitems__(self, indices):
+        idx = tg.ShardIndex([self.n]).check(indices).tolist()
+        self.calls.append(idx)
+        return [{"i": self.base + j} for j in idx]
+
+    keys = property(lambda self: ["i"])
+    schema = property(lambda self: {"i": "int"})
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def read_ahead(self, order, start, count, position):
+        if order is not None:
+            self.orders.append(np.asarray(order(0, 6)).tolist())
+        return [f"fit{self.base}"]
+
+
+def keyed_noise(rec: dict, rng: np.random.Generator) -> dict:
+    return {"i": rec["i"], "noise": rng.random()}
+
+
+# ----------------------------------------------------------------------- concat
+def test_concat_of_arrayrecord_parquet_and_tfrecord_is_the_list_concatenation(tmp_path):
+    sources, recs = _three_formats(tmp_path)
+    ds = tg.concat(sources)
+    assert len(ds) == len(recs) and ds.keys == ["i", "s", "x"]
+    assert ds.schema == {"i": "int", "s": "str", "x": "float32[?]"}
+    assert all(_same(ds[i], recs[i]) for i in range(len(recs)))
+    order = np.random.default_rng(0).permutation(len(recs)).tolist()
+    assert all(_same(a, recs[i]) for a, i in zip(ds.__getitems__(order), order))
+    cols = tg.Dataset(ds.source, batch_format="columns").__getitems__(order)[0]
+    assert cols["i"].tolist() == order and cols["s"].tolist() == [f"r{i}" for i in order]
+    for k in range(3):
+        with pytest.raises(IndexError, match="record index"):
+            ds.__getitems__([0, len(recs) + k])
+    with pytest.raises(IndexError):
+        ds[-1]
+    with pytest.raises(TypeError):
+        ds.__getitems__([1.0])
+
+
+def test_concat_schema_mismatch_names_both_datasets_and_what_differs(tmp_path):
+    tg.write_array_record([{"i": 1, "s": "a"}], tmp_path / "a")
+    tg.write_parquet([{"i": "one", "t": "b"}], tmp_path / "b")
+    with pytest.raises(tg.SchemaMismatchError) as e:
+        tg.concat(
+            {"web": tg.ArrayRecordSource(tmp_path / "a"), "books": tg.ParquetSource(tmp_path / "b")}
+        )
+    msg = str(e.value)
+    for part in ("'web'", "'books'", "ArrayRecordSource", "ParquetSource", "['s']", "['t']"):
+        assert part in msg
+    assert "'i': int in" in msg and "str in" in msg
+    # A Dataset whose transforms may change its records is not compared.
+    fixed = tg.Dataset(tg.ParquetSource(tmp_path / "b")).map(lambda r: {"i": 1, "s": r["t"]})
+    ds = tg.concat([tg.ArrayRecordSource(tmp_path / "a"), fixed])
+    assert ds.__getitems__([1, 0]) == [{"i": 1, "s": "b"}, {"i": 1, "s": "a"}]
+
+
+def test_concat_source_field_holds_position_or_name():
+    a, b = Counting(2), Counting(3, base=100)
+    ds = tg.concat([a, b], source_field="src")
+    assert ds.__getitems__([4, 0]) == [{"i": 102, "src": 1}, {"i": 0, "src": 0}]
+    assert ds.schema == {"i": "int", "src": "int"}
+    named = tg.concat({"small": a, "big": b}, source_field="src")
+    assert named[1] == {"i": 1, "src": "small"} and named.schema["src"] == "str"
+    cols = tg.Dataset(named.source, batch_format="columns").__getitems__([3, 0, 2])[0]
+    assert cols["src"].tolist() == ["big", "small", "big"] and cols["i"].tolist() == [101, 0, 100]
+    with pytest.raises(ValueError, match="already a key"):
+        tg.concat([a, b], source_field="i")
+
+
+def test_concat_reads_each_child_once_per_batch_in_request_order():
+    a, b, c = Counting(5), Counting(0, base=50), Counting(5, base=100)
+    ds = tg.concat([a, b, c])
+    got = ds.__getitems__([7, 1, 9, 0, 5, 3])
+    assert [r["i"] for r in got] == [102, 1, 104, 0, 100, 3]
+    assert a.calls == [[1, 0, 3]] and c.calls == [[2, 4, 0]] and b.calls == []
+    # The columns path too: one read_columns (here: one __getitems__) per child.
+    tg.Dataset(ds.source, batch_format="columns").__getitems__([6, 2, 8])
+    assert a.calls[1:] == [[2]] and c.calls[1:] == [[1, 3]]
+
+
+def test_concat_forwards_epoch_and_read_ahead_with_child_orders():
+    a, c = Counting(5), Counting(5, base=100)
+    ds = tg.concat([a, c])
+    ds.set_epoch(3)
+    assert a.epochs == [3] and c.epochs == [3]
+    order = np.array([7, 1, 9, 0, 5, 3])
+    fits = ds.read_ahead(lambda lo, hi: order[lo:hi], 0, 6, lambda: 0)
+    assert a.orders == [[1, 0, 3]] and c.orders == [[2, 4, 0]]
+    assert fits == ["fit0", "fit100"]
+
+
+def test_block_shuffle_sampler_over_a_concat_stays_in_the_childrens_blocks(tmp_path):
+    sources, recs = _three_formats(tmp_path)
+    ds = tg.concat(sources)
+    blocks = ds.block_offsets()
+    expected = [sources[0].block_offsets(), sources[1].block_offsets() + 10]
+    expected.append(sources[2].block_offsets() + 17)
+    assert blocks.tolist() == np.unique(np.concatenate(expected)).tolist()
+    assert blocks[0] == 0 and blocks[-1] == len(recs) and 14 in blocks  # a Parquet row group
+    sampler = tg.BlockShuffleSampler(ds, window=2, seed=1)
+    order = list(sampler)
+    assert sorted(order) == list(range(len(recs)))
+    with pytest.raises(TypeError, match="dataset '1'"):
+        tg.concat([sources[0], tg.Dataset([{"i": 1}])]).block_offsets()
+
+
+def test_global_shuffle_over_a_concat_in_two_spawned_workers(tmp_path):
+    """Each record exactly once, and random_map keyed by the concatenated index: the same
+    values as in this process."""
+    sources, recs = _three_formats(tmp_path)
+    ds = tg.concat(sources, source_field="part").random_map(keyed_noise, seed=5)
+    assert len(pickle.dumps(ds)) < 64 << 10
+    sampler = tg.GlobalShuffleSampler(ds, seed=2)
+    sampler.set_epoch(1)
+    loader = DataLoader(
+        ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="spawn"
+    )
+    batches = list(loader)
+    got_i = torch.cat([b["i"] for b in batches]).tolist()
+    assert sorted(got_i) == list(range(len(recs))) and got_i == list(sampler)
+    noise = torch.cat([b["noise"] for b in batches]).tolist()
+    assert noise == [ds[i]["noise"] for i in got_i]
+    ds.set_epoch(2)
+    assert ds[0]["noise"] != noise[got_i.index(0)]
