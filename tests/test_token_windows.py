@@ -1,0 +1,304 @@
+"""Token windows (Dataset.windows): every token once per epoch, boundaries, packing,
+resume, Parquet and ArrayRecord, hostile index files."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchgrain as tg
+from torchgrain.errors import CorruptDataError
+from torchgrain.sources.node_index.derived import derived_index
+from torchgrain.tokens.windows import IGNORE, _best_fit
+
+# Odd sizes: empty documents, one-token ones, and documents longer than several windows.
+SIZES = [5, 0, 1, 37, 0, 3, 100, 2, 0, 0, 11, 64, 1, 9]
+
+
+def documents(sizes=SIZES, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1000, 2000, n).astype(np.int64) for n in sizes]
+
+
+def stream_of(docs, bos=None, eos=None):
+    """The concatenated stream, each token's position in its document and document."""
+    toks, pos, ids = [], [], []
+    for d, t in enumerate(docs):
+        aug = ([bos] if bos is not None else []) + t.tolist() + ([eos] if eos is not None else [])
+        toks += aug
+        pos += range(len(aug))
+        ids += [d] * len(aug)
+    return np.array(toks, np.int64), np.array(pos, np.int64), np.array(ids, np.int64)
+
+
+def check_concat(windows, docs, seq_len, bos=None, eos=None):
+    """Window i is the stream's tokens [i L, (i + 1) L + 1): every token once as an input,
+    once as a label; positions, document ids and boundaries agree with the documents."""
+    toks, pos, ids = stream_of(docs, bos, eos)
+    n = (len(toks) - 1) // seq_len
+    assert len(windows) == n
+    got = windows.__getitems__(list(range(n)))
+    for i, w in enumerate(got):
+        s = i * seq_len
+        assert w["input_ids"].tolist() == toks[s : s + seq_len].tolist()
+        assert w["labels"].tolist() == toks[s + 1 : s + seq_len + 1].tolist()
+        assert w["position_ids"].tolist() == pos[s : s + seq_len].tolist()
+        assert w["document_ids"].tolist() == ids[s : s + seq_len].tolist()
+        starts = [k for k in range(seq_len) if k == 0 or pos[s + k] == 0]
+        assert w["cu_seqlens"].dtype == np.int32
+        assert w["cu_seqlens"].tolist() == [*starts, seq_len]
+    # Every token of every document: inputs cover the stream but its last partial window.
+    inputs = np.concatenate([w["input_ids"] for w in got]) if got else np.zeros(0)
+    assert len(toks) - len(inputs) <= seq_len
+    return got
+
+
+@pytest.mark.parametrize(("seq_len", "bos", "eos"), [(7, None, None), (16, 1, 2), (1, None, 3)])
+def test_concat_windows_hold_every_token_once(tmp_path, seq_len, bos, eos):
+    docs = documents()
+    ds = tg.Dataset([{"tokens": t, "other": 1} for t in docs])
+    w = ds.windows("tokens", seq_len, bos=bos, eos=eos, index_dir=tmp_path)
+    check_concat(w, docs, seq_len, bos, eos)
+    assert w.num_tokens == sum(map(len, docs)) + len(docs) * ((bos is not None) + (eos is not None))
+    assert w.packing_efficiency == 1.0
+    # Opened again: the same index file, mapped.
+    again = ds.windows("tokens", seq_len, bos=bos, eos=eos, index_dir=tmp_path)
+    assert again.source.index_paths == w.source.index_paths
+    assert w.source.index_paths[0].startswith(str(tmp_path))
+
+
+def test_too_few_tokens_give_no_windows():
+    assert len(tg.Dataset([{"t": [1, 2]}, {"t": []}]).windows("t", 2, index_dir=None)) == 0
+    assert len(tg.Dataset([]).windows("t", 2, index_dir=None)) == 0
+
+
+def write_parquet_docs(path, docs, row_group_size=4):
+    os.makedirs(path, exist_ok=True)
+    table = pa.table(
+        {
+            "text": [f"doc {i}" for i in range(len(docs))],
+            "tokens": pa.array([t.astype(np.int32) for t in docs], pa.list_(pa.int32())),
+        }
+    )
+    half = len(docs) // 2
+    pq.write_table(table.slice(0, half), f"{path}/a.parquet", row_group_size=row_group_size)
+    pq.write_table(table.slice(half), f"{path}/b.parquet", row_group_size=row_group_size)
+
+
+def test_parquet_lengths_from_list_offsets_and_narrow_reads(tmp_path):
+    docs = documents()
+    write_parquet_docs(tmp_path / "pq", docs)
+    src = tg.ParquetSource(tmp_path / "pq")
+    w = tg.Dataset(src).windows("tokens", 10, eos=0, index_dir=tmp_path / "ix")
+    reader = w.source._docs
+    assert reader.parquet is not None and reader.parquet.keys == ["tokens"]  # no text read
+    check_concat(w, docs, 10, eos=0)
+    # BlockShuffleSampler keeps to the row groups' windows.
+    blocks = w.block_offsets()
+    assert blocks[0] == 0 and blocks[-1] == len(w) and (np.diff(blocks) > 0).all()
+    sampler = tg.BlockShuffleSampler(w, window=2, seed=0, num_replicas=1, rank=0)
+    assert sorted(sampler) == list(range(len(w)))
+
+
+def test_arrayrecord_source_two_ranks_two_workers_each_window_once(tmp_path):
+    docs = documents()
+    tg.write_array_record([{"tokens": t} for t in docs], tmp_path / "ar", num_shards=2)
+    src = tg.ArrayRecordSource(tmp_path / "ar")
+    seq_len = 8
+    w = tg.Dataset(src).windows("tokens", seq_len, eos=7, index_dir=tmp_path / "ix")
+    toks, _, _ = stream_of(docs, eos=7)
+    seen = []
+    for rank in range(2):  # a DistributedSampler-style split, 2 DataLoader workers each
+        sampler = tg.GlobalShuffleSampler(w, seed=3, num_replicas=2, rank=rank, drop_last=True)
+        loader = DataLoader(w, batch_size=3, sampler=sampler, num_workers=2, collate_fn=list)
+        for batch in loader:
+            for rec in batch:
+                start = int(w.source.offsets[rec["document_ids"][0]] + rec["position_ids"][0])
+                assert start % seq_len == 0
+                i = start // seq_len
+                assert rec["input_ids"].tolist() == toks[start : start + seq_len].tolist()
+                seen.append(i)
+    n = len(w)
+    assert len(seen) == len(set(seen)) == n - n % 2  # drop_last: at most one left out
+
+
+def window_number(w, rec):
+    return (
+        int(w.source.offsets[rec["document_ids"][0]] + rec["position_ids"][0]) // w.source.seq_len
+    )
+
+
+def test_resume_mid_epoch_onto_another_world_size(tmp_path):
+    docs = documents(sizes=[13, 0, 40, 7, 29, 3, 55, 1, 21, 17])
+    w = tg.Dataset([{"tokens": t} for t in docs]).windows("tokens", 4, index_dir=tmp_path)
+    n = len(w)
+
+    def loader(world, rank):
+        sampler = tg.GlobalShuffleSampler(w, seed=5, num_replicas=world, rank=rank)
+        return tg.ResumableLoader(DataLoader(w, batch_size=2, sampler=sampler, collate_fn=list))
+
+    ranks = [loader(2, r) for r in range(2)]
+    taken = []
+    for lo in ranks:
+        it = iter(lo)
+        for _ in range(3):
+            taken += [window_number(w, r) for r in next(it)]
+    state = ranks[0].state_dict()
+    assert state == ranks[1].state_dict()
+    resumed = loader(1, 0)
+    resumed.load_state_dict(state)
+    rest = [window_number(w, r) for batch in resumed for r in batch]
+    assert sorted(taken + rest) == list(range(n))
+    # Exact: the rest is what the sampler's order holds after the consumed positions.
+    order = tg.GlobalShuffleSampler(w, seed=5, num_replicas=1, rank=0)
+    order.load_state_dict(state["sampler"])
+    assert rest == list(order)
+
+
+def test_pack_mode_whole_documents_padding_and_efficiency(tmp_path):
+    rng = np.random.default_rng(1)
+    sizes = np.minimum(rng.lognormal(np.log(60), 1.0, 1200).astype(np.int64), 1000)
+    sizes[:3] = [0, 300, 255]  # an empty one, ones longer than a window
+    docs = documents(sizes.tolist(), seed=2)
+    seq_len = 256
+    with pytest.warns(UserWarning, match="longer than seq_len=256"):
+        w = tg.Dataset([{"tokens": t} for t in docs]).windows(
+            "tokens", seq_len, mode="pack", eos=2, pad_id=9, index_dir=tmp_path
+        )
+    assert w.truncated_documents == int((sizes + 1 > seq_len).sum()) >= 1
+    assert w.packing_efficiency >= 0.98
+    placed = {}
+    for i, rec in enumerate(w.__getitems__(list(range(len(w))))):
+        cu = rec["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == seq_len
+        for a, b in itertools.pairwise(cu):
+            d = int(rec["document_ids"][a])
+            assert rec["position_ids"][a:b].tolist() == list(range(b - a))
+            if d < 0:  # padding
+                assert (rec["input_ids"][a:b] == 9).all() and (rec["labels"][a:b] == IGNORE).all()
+                assert b == seq_len
+                continue
+            assert d not in placed  # each document in one window, never split
+            placed[d] = i
+            aug = np.append(docs[d], 2)[:seq_len]
+            assert rec["input_ids"][a:b].tolist() == aug.tolist()
+            assert rec["labels"][a : b - 1].tolist() == aug[1:].tolist()
+            assert rec["labels"][b - 1] == IGNORE
+            assert (rec["document_ids"][a:b] == d).all()
+    assert sorted(placed) == list(range(len(docs)))  # every document (eos: none empty)
+
+
+def test_best_fit_is_a_valid_packing():
+    rng = np.random.default_rng(4)
+    lens = rng.integers(0, 65, 500)
+    order, bins = _best_fit(lens, 64)
+    assert sorted(order.tolist()) == np.flatnonzero(lens).tolist()
+    assert (np.add.reduceat(lens[order], bins[:-1]) <= 64).all()
+    assert len(bins) - 1 <= -(-lens.sum() // 64) * 1.1 + 1
+
+
+def test_text_column_with_a_tokenizer(tmp_path):
+    texts = ["hello", "", "a much longer text here", "xy"]
+
+    def tokenizer(batch):
+        return [[ord(c) for c in t] for t in batch]
+
+    w = tg.Dataset([{"text": t} for t in texts]).windows(
+        "text", 5, eos=0, tokenizer=tokenizer, index_dir=tmp_path
+    )
+    check_concat(w, [np.array(tokenizer([t])[0], np.int64) for t in texts], 5, eos=0)
+
+
+def test_bad_columns_and_arguments():
+    ds = tg.Dataset([{"t": "text", "u": np.zeros((2, 2), np.int64)}])
+    with pytest.raises(CorruptDataError, match=r"record 0 of a list .*'t' holds str"):
+        ds.windows("t", 4, index_dir=None)
+    with pytest.raises(CorruptDataError, match="shape"):
+        ds.windows("u", 4, index_dir=None)
+    with pytest.raises(ValueError, match="seq_len"):
+        ds.windows("t", 0)
+    with pytest.raises(ValueError, match="mode"):
+        ds.windows("t", 4, mode="nope")
+    with pytest.raises(TypeError, match="eos"):
+        ds.windows("t", 4, eos="</s>")
+
+
+def test_data_changed_since_the_index_was_built_is_an_error(tmp_path):
+    records = [{"t": np.arange(n)} for n in (6, 4, 9)]
+    ds = tg.Dataset(records)
+    ds.windows("t", 4, index_dir=tmp_path)
+    records[1] = {"t": np.arange(5)}  # same count of documents: the same index key
+    w = ds.windows("t", 4, index_dir=tmp_path)
+    with pytest.raises(CorruptDataError, match=r"document 1 .* has 5 tokens, its window index"):
+        w.__getitems__(list(range(len(w))))
+
+
+def test_hostile_index_files_are_rebuilt_never_served(tmp_path):
+    docs = documents()
+    ds = tg.Dataset([{"t": t} for t in docs])
+    path = ds.windows("t", 6, index_dir=tmp_path).source.index_paths[0]
+    key = os.path.basename(path).split(".")[0]
+    size = os.path.getsize(path)
+
+    # Truncated: rebuilt, with a warning naming the file.
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.warns(UserWarning, match="rebuilding"):
+        check_concat(ds.windows("t", 6, index_dir=tmp_path), docs, 6)
+
+    # A well-formed file (sound checksum) whose offsets go backwards or past the end.
+    for bad in ([0, 10**12] + [5] * len(docs), list(range(0, -len(docs) - 1, -1))):
+        os.remove(path)
+        derived_index(
+            "windows",
+            key,
+            {"offsets": ("<i8", ())},
+            lambda sink, bad=bad: (sink.append("offsets", np.array(bad)), {"tokens": bad[-1]})[1],
+            index_dir=tmp_path,
+        )
+        with pytest.warns(UserWarning, match=f"rebuilding dataset index '{path}'"):
+            check_concat(ds.windows("t", 6, index_dir=tmp_path), docs, 6)
+
+    # Bins naming documents out of range, or a window over seq_len: rebuilt too.
+    w = ds.windows("t", 50, mode="pack", index_dir=tmp_path)
+    bins_path = w.source.index_paths[1]
+    bins_key = os.path.basename(bins_path).split(".")[0]
+    good = [r["input_ids"].tolist() for r in w.__getitems__(list(range(len(w))))]
+    for docs_, starts in (([0, 99], [0, 1, 2]), ([6, 10, 11], [0, 3])):
+        os.remove(bins_path)
+        derived_index(
+            "windows",
+            bins_key,
+            {"docs": ("<i8", ()), "bins": ("<i8", ())},
+            lambda sink, d=docs_, s=starts: (
+                sink.append("docs", np.array(d)),
+                sink.append("bins", np.array(s)),
+                {"tokens": 1, "truncated": 0},
+            )[2],
+            index_dir=tmp_path,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            again = ds.windows("t", 50, mode="pack", index_dir=tmp_path)
+        assert any("rebuilding" in str(c.message) for c in caught)
+        assert [
+            r["input_ids"].tolist() for r in again.__getitems__(list(range(len(again))))
+        ] == good
+
+
+def test_columns_format_and_default_collate_of_fixed_fields(tmp_path):
+    docs = documents()
+    ds = tg.Dataset([{"t": t} for t in docs], batch_format="columns")
+    w = ds.windows("t", 8, index_dir=tmp_path)
+    batch = next(iter(DataLoader(w, batch_size=4)))
+    assert batch["input_ids"].shape == (4, 8) and batch["input_ids"].dtype == torch.int64
+    toks, _, _ = stream_of(docs)
+    assert batch["input_ids"].flatten().tolist() == toks[:32].tolist()

@@ -1,0 +1,757 @@
+"""Token windows: fixed-length training windows over the tokenized documents of a dataset.
+
+``Dataset.windows(column, seq_len)`` turns a dataset of documents (a column holding a
+list or array of token ids per record, or text and a tokenizer) into a map-style dataset
+of windows, each a dict of ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``
+and ``document_ids``. Two modes:
+
+* ``mode="concat"`` (pretraining): the documents' tokens, each document with ``bos``
+  before it and ``eos`` after it when given, form one stream in document order; window
+  ``i`` is the stream's tokens ``[i * seq_len, (i + 1) * seq_len + 1)``: ``input_ids``
+  the first ``seq_len`` and ``labels`` the next-token shift, so every token of the
+  stream but the first is a label exactly once per epoch. There are
+  ``(total_tokens - 1) // seq_len`` windows: at most one partial window (fewer than
+  ``seq_len`` labels) is dropped per epoch. The index is the int64 prefix sums of the
+  documents' lengths (8 bytes per document, nothing per window, the same for every
+  ``seq_len``); a window finds its documents by binary search.
+* ``mode="pack"`` (fine-tuning): whole documents packed into windows by best-fit
+  decreasing over every document's length (first-fit's bin search, taking the fullest
+  window a document fits), never split across windows; a document longer than
+  ``seq_len`` is truncated to its first ``seq_len`` tokens (counted in
+  :attr:`TokenWindows.truncated_documents`). The rest of a window is ``pad_id`` with
+  labels ``-100``; ``labels`` are the next token *within* a document (``-100`` at each
+  document's last token). The bins cost 8 bytes per document and 8 per window.
+
+Document lengths come from the data without building Python objects per token where
+the format allows: a Parquet list column's row groups are read (that column only) and
+the lengths taken from the list offsets (pyarrow cannot skip decoding the values, so
+this costs one decode of the column, in parallel threads); any other dataset is read
+once, in DataLoader worker processes, a chunk of documents at a time (with a progress
+bar). The index is built once per machine (:mod:`torchgrain.sources.node_index.derived`:
+under a lock, memory-mapped by every process, keyed by the data's fingerprint, the
+column, ``bos``/``eos`` and the tokenizer), and checked when opened: a damaged or
+inconsistent file is rebuilt with a warning naming it.
+
+Reading a batch of windows reads the documents they touch with one batched read of the
+dataset (``read_columns`` of that column only, for Parquet). A document longer than a
+window is read once per window that touches it (a 10x longer document is read about 11
+times per epoch, which a global shuffle makes no cache avoid).
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import hashlib
+import os
+import reprlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from torchgrain.columns import Ragged
+from torchgrain.dataset import Dataset
+from torchgrain.errors import CorruptDataError
+from torchgrain.protocols import HasBlockOffsets, ReadsAhead, SetsEpoch
+from torchgrain.sources.base import Source
+from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.node_index.derived import (
+    DEFAULT,
+    DerivedIndex,
+    callable_fingerprint,
+    dataset_fingerprint,
+    derived_index,
+)
+
+__all__ = ["TokenWindows", "WindowDataset", "windows"]
+
+#: The ``labels`` value of positions that predict nothing (PyTorch's ``ignore_index``).
+IGNORE = -100
+_KIND = "windows"
+_CHUNK = 1024  # documents per read when measuring lengths by reading the column
+_KEYS = ["input_ids", "labels", "position_ids", "cu_seqlens", "document_ids"]
+_SCHEMA = {
+    "input_ids": "int64[?]",
+    "labels": "int64[?]",
+    "position_ids": "int64[?]",
+    "cu_seqlens": "int32[?]",
+    "document_ids": "int64[?]",
+}
+
+
+# ------------------------------------------------------------------- reading documents
+class _Documents:
+    """How the documents' token arrays are read from the dataset: ``read(docs)`` returns
+    one int64 array per document, in ``docs`` order, with one batched read."""
+
+    def __init__(self, ds: Dataset, column: str, tokenizer: Any) -> None:
+        self.column = column
+        self.tokenizer = tokenizer
+        self.name = _describe(ds.source)
+        source = ds._source
+        self.parquet = None
+        if not ds._ops and tokenizer is None:
+            source = _narrowed_parquet(source, column)
+            if _is_parquet(source):
+                self.parquet = source
+        # Native column reads (no Python object per token) when the dataset is the
+        # source itself; through the Dataset (its transforms) otherwise.
+        self.columns = (
+            source if not ds._ops and type(source).read_columns is not Source.read_columns else None
+        )
+        if ds.batch_format != "records":
+            ds = copy.copy(ds)
+            ds.batch_format = "records"
+        self.ds = ds
+
+    def read(self, docs: np.ndarray) -> list[np.ndarray]:
+        if len(docs) == 0:
+            return []
+        if self.columns is not None:
+            col = self.columns.read_columns(docs)[self.column]
+            if isinstance(col, Ragged) and col.kind == "array":
+                values, offsets = np.asarray(col.values), np.asarray(col.offsets)
+                if values.dtype.kind in "iu":
+                    return [values[offsets[k] : offsets[k + 1]] for k in range(len(docs))]
+            elif isinstance(col, np.ndarray) and col.ndim == 2 and col.dtype.kind in "iu":
+                return list(col)
+            values = list(col)
+        else:
+            values = [r[self.column] for r in self.ds.__getitems__(docs.tolist())]
+        if self.tokenizer is not None:
+            values = _tokenize(self.tokenizer, values, self, docs)
+        return [self._tokens(v, int(d)) for v, d in zip(values, docs.tolist())]
+
+    def _tokens(self, value: Any, doc: int) -> np.ndarray:
+        if value is None:
+            return np.zeros(0, np.int64)
+        arr = np.asarray(value)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise CorruptDataError(
+                f"record {doc} of {self.name}: column {self.column!r} holds "
+                f"{type(value).__name__} of shape {arr.shape} and dtype {arr.dtype}, "
+                "not a list of token ids (pass tokenizer= for text)"
+            )
+        return arr
+
+    def lengths(self, num_workers: int | None, progress: bool) -> Iterator[np.ndarray]:
+        """Every document's token count, a chunk at a time, in document order."""
+        if self.parquet is not None and self.parquet.keys == [self.column]:
+            yield from _parquet_lengths(self.parquet, self.column, num_workers, progress)
+            return
+        n = len(self.ds)
+        chunks = _LengthChunks(self, n)
+        if num_workers is None:
+            num_workers = min(os.cpu_count() or 1, 8) if len(chunks) >= 16 else 0
+        loader = torch.utils.data.DataLoader(
+            chunks, batch_size=None, num_workers=num_workers, collate_fn=_identity
+        )
+        yield from _progress(loader, len(chunks), progress, f"document lengths of {self.name}")
+
+
+def _describe(source: Any) -> str:
+    """A short name of the dataset for messages: a Source's repr, else its type and size."""
+    if isinstance(source, Source):
+        return reprlib.repr(source) if len(repr(source)) > 300 else repr(source)
+    return f"a {type(source).__name__} of {len(source)} records"
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _LengthChunks(torch.utils.data.Dataset):
+    """Chunk ``k``: the token counts of documents ``[k * _CHUNK, (k + 1) * _CHUNK)``."""
+
+    def __init__(self, docs: _Documents, n: int) -> None:
+        self.docs, self.n = docs, n
+
+    def __len__(self) -> int:
+        return -(-self.n // _CHUNK)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        ids = np.arange(k * _CHUNK, min(self.n, (k + 1) * _CHUNK), dtype=np.int64)
+        return np.array([len(t) for t in self.docs.read(ids)], dtype=np.int64)
+
+
+def _progress(it: Any, total: int, progress: bool, what: str) -> Any:
+    if not progress or total < 16:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, total=total, desc=what[:60], unit="chunk")
+
+
+def _is_parquet(source: Any) -> bool:
+    from torchgrain.sources.parquet.source import ParquetSource
+
+    return isinstance(source, ParquetSource)
+
+
+def _narrowed_parquet(source: Source, column: str) -> Source:
+    """A Parquet source reading ``column`` only (the same files and options), so that a
+    window's read decodes no other column; other sources as they are."""
+    if not _is_parquet(source) or source.keys == [column]:
+        return source
+    if column not in [f.name for f in source._file_fields]:
+        return source  # a partition key, or absent: read through the source as it is
+    from torchgrain.sources.parquet.source import ParquetSource
+
+    narrowed = ParquetSource(
+        source.paths,
+        columns=[column],
+        options=source.options,
+        decoded_cache=source.decoded_cache if source.decoded_cache is not None else False,
+        partitioning=None,
+        max_row_group_bytes=source.max_row_group_bytes,
+    )
+    if len(narrowed) != len(source):  # pragma: no cover - the files changed meanwhile
+        raise CorruptDataError(f"{source!r} changed while opening its column {column!r}")
+    return narrowed
+
+
+def _parquet_lengths(
+    source: Any, column: str, num_workers: int | None, progress: bool
+) -> Iterator[np.ndarray]:
+    """The list lengths of ``column`` (the source's only column), a row group at a time,
+    from the list offsets of each decoded row group (in threads: Arrow decodes without
+    the GIL); a null list has length 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow as pa
+
+    offsets = source._rg_offsets
+
+    def lengths_of(g: int) -> np.ndarray:
+        first = int(offsets[g])
+        if int(offsets[g + 1]) == first:
+            return np.zeros(0, np.int64)
+        col = source._decode(g, first).column(0)
+        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+            raise TypeError(
+                f"column {column!r} of {source!r} is {col.type}, not a list of token "
+                "ids (pass tokenizer= for a text column)"
+            )
+        parts = []
+        for chunk in col.chunks:
+            lens = np.diff(chunk.offsets.to_numpy()).astype(np.int64)
+            if chunk.null_count:
+                lens[chunk.is_null().to_numpy(zero_copy_only=False)] = 0
+            parts.append(lens)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    groups = range(source.num_row_groups)
+    workers = num_workers or min(os.cpu_count() or 1, 8)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        it = pool.map(lengths_of, groups)
+        yield from _progress(it, len(groups), progress, f"document lengths of {source!r}")
+
+
+def _tokenize(tokenizer: Any, texts: list[Any], docs: _Documents, ids: np.ndarray) -> list[Any]:
+    for t, d in zip(texts, ids.tolist()):
+        if not isinstance(t, str):
+            raise CorruptDataError(
+                f"record {d} of {docs.name}: column {docs.column!r} holds "
+                f"{type(t).__name__}, not text for the tokenizer"
+            )
+    try:
+        from torchgrain.tokens.tokenize import tokenize_batch
+    except ImportError:  # pragma: no cover - before the tokenizer hooks land
+        out = list(tokenizer(texts))
+    else:
+        out = list(tokenize_batch(tokenizer, texts))
+    if len(out) != len(texts):
+        raise RuntimeError(f"the tokenizer returned {len(out)} results for {len(texts)} texts")
+    return out
+
+
+# ----------------------------------------------------------------------- the indexes
+def _key(*parts: Any) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _check_offsets(ix: DerivedIndex, documents: int, special: int) -> str | None:
+    """Why the document index ``ix`` does not fit: its prefix sums must start at 0,
+    grow by at least ``special`` tokens per document and end at its ``tokens``."""
+    off = ix.arrays["offsets"]
+    if len(off) != documents + 1:
+        return f"it has {len(off) - 1} documents, the dataset {documents}"
+    if off[0] != 0 or int(off[-1]) != ix.meta.get("tokens"):
+        return "its offsets do not run from 0 to its token count"
+    step = 1 << 20
+    for a in range(0, len(off) - 1, step):
+        if (np.diff(off[a : a + step + 1]) < special).any():
+            return "its offsets are not increasing"
+    return None
+
+
+def _check_bins(ix: DerivedIndex, offsets: np.ndarray, seq_len: int, special: int) -> str | None:
+    docs, bins = ix.arrays["docs"], ix.arrays["bins"]
+    if len(bins) == 0 or bins[0] != 0 or bins[-1] != len(docs) or (np.diff(bins) <= 0).any():
+        return "its window offsets do not cover its documents"
+    n = len(offsets) - 1
+    if len(docs) and (docs.min() < 0 or docs.max() >= n):
+        return "it names documents the dataset does not have"
+    if len(docs) and np.bincount(docs, minlength=n).max() > 1:
+        return "it places a document twice"
+    lens = np.minimum(offsets[docs + 1] - offsets[docs], seq_len)
+    if len(docs) and (np.add.reduceat(lens, bins[:-1]) > seq_len).any():
+        return f"a window holds more than {seq_len} tokens"
+    if int(lens.sum()) != ix.meta.get("tokens"):
+        return "its token count is wrong"
+    return None
+
+
+def _best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Documents (indices into ``lengths``, each ``<= seq_len``; empty ones left out)
+    grouped into windows by best-fit decreasing: longest first, each into the open
+    window with the least room that fits it (a sorted list of the distinct free sizes:
+    O(log seq_len) to find it). Returns the documents in window order and the windows'
+    offsets into them."""
+    order = np.argsort(-lengths, kind="stable")
+    order = order[lengths[order] > 0]
+    which = np.empty(len(order), np.int64)
+    sizes: list[int] = []  # distinct free sizes of open windows, sorted
+    free: dict[int, list[int]] = {}  # free size -> windows with it
+    count = 0
+    for j, n in enumerate(lengths[order].tolist()):
+        k = bisect.bisect_left(sizes, n)
+        if k == len(sizes):
+            b, room = count, seq_len
+            count += 1
+        else:
+            room = sizes[k]
+            same = free[room]
+            b = same.pop()
+            if not same:
+                del sizes[k], free[room]
+        which[j] = b
+        left = room - n
+        if left > 0:
+            same = free.get(left)
+            if same is None:
+                free[left] = [b]
+                bisect.insort(sizes, left)
+            else:
+                same.append(b)
+    grouped = np.argsort(which, kind="stable")
+    bins = np.zeros(count + 1, np.int64)
+    np.cumsum(np.bincount(which, minlength=count), out=bins[1:])
+    return order[grouped], bins
+
+
+# ----------------------------------------------------------------------- the view
+class TokenWindows(Source):
+    """The windows of :func:`windows` as a :class:`~torchgrain.Source` over a dataset of
+    documents (see the module docstring for the two modes).
+
+    Holds the dataset, the node-shared document index (:attr:`offsets`: int64 prefix
+    sums of each document's length with its ``bos``/``eos``) and, in pack mode, the
+    bins. A DataLoader worker maps the same index files; it pickles small.
+    """
+
+    def __init__(
+        self,
+        docs: _Documents,
+        index: DerivedIndex,
+        seq_len: int,
+        *,
+        bos: int | None,
+        eos: int | None,
+        mode: str,
+        pad_id: int,
+        bins: DerivedIndex | None,
+    ) -> None:
+        self._docs = docs
+        self._index = index
+        self._bins = bins
+        self.seq_len = seq_len
+        self.bos, self.eos, self.mode, self.pad_id = bos, eos, mode, pad_id
+        tokens = int(index.meta["tokens"])
+        if mode == "concat":
+            self._n = max(0, (tokens - 1) // seq_len)
+        else:
+            assert bins is not None
+            self._n = len(bins.arrays["bins"]) - 1
+        self._check = ShardIndex([self._n])
+
+    # -------------------------------------------------------------- what it holds
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 prefix sums of the documents' lengths (with ``bos``/``eos``)."""
+        return self._index.arrays["offsets"]
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of every document, ``bos``/``eos`` included."""
+        return int(self._index.meta["tokens"])
+
+    @property
+    def packing_efficiency(self) -> float:
+        """Share of the windows' ``seq_len * len(self)`` positions that hold a document's
+        token (pack mode); in concat mode every position does (1.0)."""
+        if self.mode == "concat" or self._n == 0:
+            return 1.0
+        assert self._bins is not None
+        return int(self._bins.meta["tokens"]) / (self._n * self.seq_len)
+
+    @property
+    def truncated_documents(self) -> int:
+        """Documents longer than ``seq_len``, truncated (pack mode; 0 in concat mode)."""
+        return 0 if self._bins is None else int(self._bins.meta["truncated"])
+
+    @property
+    def index_paths(self) -> list[str | None]:
+        """The index files mapped (None: kept in memory)."""
+        return [ix.path for ix in (self._index, self._bins) if ix is not None]
+
+    # ------------------------------------------------------------------ contract
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def keys(self) -> list[str]:
+        return list(_KEYS)
+
+    @property
+    def schema(self) -> dict[str, str]:
+        return dict(_SCHEMA)
+
+    def _documents_of(self, idx: np.ndarray) -> list[np.ndarray]:
+        """The (non-empty) documents each window in ``idx`` touches, in stream order."""
+        off = self.offsets
+        if self.mode == "pack":
+            assert self._bins is not None
+            docs, bins = self._bins.arrays["docs"], self._bins.arrays["bins"]
+            return [docs[bins[i] : bins[i + 1]] for i in idx.tolist()]
+        L = self.seq_len
+        starts = idx * L
+        first = off.searchsorted(starts, side="right") - 1
+        last = off.searchsorted(starts + L + 1, side="left")
+        out = []
+        for a, b in zip(first.tolist(), last.tolist()):
+            d = np.arange(a, b, dtype=np.int64)
+            out.append(d[off[d + 1] > off[d]])
+        return out
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        idx = self._check.check(indices)
+        per_window = self._documents_of(idx)
+        if not per_window:
+            return []
+        # One batched read for the whole batch: each document once.
+        wanted = np.unique(np.concatenate(per_window))
+        tokens = dict(zip(wanted.tolist(), self._docs.read(wanted)))
+        special = (self.bos is not None) + (self.eos is not None)
+        off = self.offsets
+        for d in wanted.tolist():
+            expect = int(off[d + 1] - off[d]) - special
+            if len(tokens[d]) != expect:
+                raise CorruptDataError(
+                    f"document {d} of {self._docs.name}: column {self._docs.column!r} has "
+                    f"{len(tokens[d])} tokens, its window index "
+                    f"({self._index.path or 'in memory'}) says {expect}: the data changed "
+                    "since the index was built"
+                )
+        build = self._concat_window if self.mode == "concat" else self._packed_window
+        return [build(i, d, tokens) for i, d in zip(idx.tolist(), per_window)]
+
+    def _augmented(self, t: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
+        """Tokens ``[lo, hi)`` of ``[bos] + t + [eos]`` into ``out``."""
+        nb = self.bos is not None
+        if nb and lo == 0:
+            out[0] = self.bos
+        tl, th = max(lo - nb, 0), min(hi - nb, len(t))
+        if th > tl:
+            out[tl + nb - lo : th + nb - lo] = t[tl:th]
+        if self.eos is not None and hi == len(t) + nb + 1:
+            out[hi - lo - 1] = self.eos
+
+    def _concat_window(
+        self, i: int, docs: np.ndarray, tokens: dict[int, np.ndarray]
+    ) -> dict[str, Any]:
+        L = self.seq_len
+        s = i * L
+        off = self.offsets
+        buf = np.empty(L + 1, np.int64)
+        pos = np.empty(L + 1, np.int64)
+        ids = np.empty(L + 1, np.int64)
+        for d in docs.tolist():
+            a, b = max(s, int(off[d])), min(s + L + 1, int(off[d + 1]))
+            self._augmented(tokens[d], a - int(off[d]), b - int(off[d]), buf[a - s : b - s])
+            pos[a - s : b - s] = np.arange(a - int(off[d]), b - int(off[d]))
+            ids[a - s : b - s] = d
+        starts = np.flatnonzero(pos[:L] == 0)
+        cu = np.unique(np.concatenate([[0], starts, [L]])).astype(np.int32)
+        return {
+            "input_ids": buf[:L],
+            "labels": buf[1:],
+            "position_ids": pos[:L],
+            "cu_seqlens": cu,
+            "document_ids": ids[:L],
+        }
+
+    def _packed_window(
+        self, i: int, docs: np.ndarray, tokens: dict[int, np.ndarray]
+    ) -> dict[str, Any]:
+        L = self.seq_len
+        off = self.offsets
+        inputs = np.full(L, self.pad_id, np.int64)
+        labels = np.full(L, IGNORE, np.int64)
+        pos = np.zeros(L, np.int64)
+        ids = np.full(L, -1, np.int64)
+        cu = [0]
+        at = 0
+        for d in docs.tolist():
+            n = min(int(off[d + 1] - off[d]), L)
+            self._augmented(tokens[d], 0, n, inputs[at : at + n])
+            labels[at : at + n - 1] = inputs[at + 1 : at + n]
+            pos[at : at + n] = np.arange(n)
+            ids[at : at + n] = d
+            at += n
+            cu.append(at)
+        if at < L:  # the padding: a segment of its own, predicting nothing
+            pos[at:] = np.arange(L - at)
+            cu.append(L)
+        return {
+            "input_ids": inputs,
+            "labels": labels,
+            "position_ids": pos,
+            "cu_seqlens": np.array(cu, np.int32),
+            "document_ids": ids,
+        }
+
+    # ------------------------------------------------------------- capabilities
+    def block_offsets(self) -> np.ndarray:
+        """Concat mode: the windows where the dataset's blocks (row groups, shards) start,
+        so :class:`~torchgrain.BlockShuffleSampler` keeps its reads in a few blocks.
+        Pack mode: ``TypeError`` (a window's documents come from anywhere)."""
+        child = self._docs.ds
+        if self.mode != "concat" or not isinstance(child, HasBlockOffsets):
+            raise TypeError(
+                f"token windows in {self.mode} mode have no block boundaries (give "
+                "BlockShuffleSampler block_offsets=)"
+            )
+        blocks = np.asarray(child.block_offsets(), np.int64)
+        starts = np.minimum(self.offsets[blocks] // self.seq_len, self._n)
+        return np.unique(np.concatenate([[0], starts, [self._n]]))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the dataset of documents."""
+        if isinstance(self._docs.ds, SetsEpoch):
+            self._docs.ds.set_epoch(epoch)
+
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> Any:
+        """Passed on to the dataset of documents: its order for positions ``[a, b)`` is
+        the documents the windows at those positions touch (in order, each once)."""
+        child = self._docs.ds
+        if not isinstance(child, ReadsAhead):
+            return None
+        if order is None:
+            return child.read_ahead(None, start, count, position)
+
+        def documents(a: int, b: int) -> np.ndarray:
+            wins = np.asarray(order(a, b), np.int64)
+            per = self._documents_of(wins)
+            if not per:
+                return np.zeros(0, np.int64)
+            d = np.concatenate(per)
+            _, first = np.unique(d, return_index=True)
+            return d[np.sort(first)]
+
+        return child.read_ahead(documents, start, count, position)
+
+    def fingerprint(self) -> str:
+        """What the windows hold: the index's key, the mode and the window length."""
+        bins = self._bins.meta["key"] if self._bins is not None else None
+        return _key(self._index.meta["key"], bins, self.mode, self.seq_len, self.pad_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenWindows({self._docs.name}, column={self._docs.column!r}, "
+            f"seq_len={self.seq_len}, mode={self.mode!r}, windows={self._n})"
+        )
+
+
+class WindowDataset(Dataset):
+    """The :class:`~torchgrain.Dataset` :func:`windows` returns: a Dataset over a
+    :class:`TokenWindows`, with its counts at hand."""
+
+    @property
+    def packing_efficiency(self) -> float:
+        """See :attr:`TokenWindows.packing_efficiency`."""
+        return self.source.packing_efficiency
+
+    @property
+    def truncated_documents(self) -> int:
+        """See :attr:`TokenWindows.truncated_documents`."""
+        return self.source.truncated_documents
+
+    @property
+    def num_tokens(self) -> int:
+        """See :attr:`TokenWindows.num_tokens`."""
+        return self.source.num_tokens
+
+
+def _token_id(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a token id (an int) or None, got {value!r}")
+    return int(value)
+
+
+def windows(
+    ds: Any,
+    column: str,
+    seq_len: int,
+    *,
+    eos: int | None = None,
+    bos: int | None = None,
+    mode: str = "concat",
+    pad_id: int = 0,
+    tokenizer: Callable[[list[str]], Any] | None = None,
+    index_dir: str | os.PathLike | None = DEFAULT,
+    num_workers: int | None = None,
+    progress: bool = True,
+) -> WindowDataset:
+    """Fixed-length token windows over the documents of ``column`` (``Dataset.windows``).
+
+    See :mod:`torchgrain.tokens.windows` for the two modes. Each item is a dict of int64
+    arrays ``input_ids``, ``labels`` and ``position_ids`` (restarting at 0 at each
+    document's start; in pack mode the padding counts from 0 too) and ``document_ids``
+    (each token's document index; -1 on padding), all ``seq_len`` long, and
+    ``cu_seqlens``: the int32 boundaries of the documents inside the window, from 0 to
+    ``seq_len`` (what variable-length attention kernels take; its length varies, so
+    batch it with :func:`tg.pad_collate <torchgrain.pad_collate>` or a collate that
+    joins them).
+
+    Args:
+        ds: the documents: a :class:`~torchgrain.Dataset`, a Source, or anything
+            ``Dataset`` accepts. Its transforms apply before ``column`` is read.
+        column: the record key holding each document's token ids (a list or 1-D
+            integer array; None reads as empty), or its text when ``tokenizer`` is given.
+        seq_len: tokens per window.
+        eos, bos: token ids added after / before every document (None: none).
+        mode: ``"concat"`` (windows across documents) or ``"pack"`` (whole documents
+            packed into padded windows).
+        pad_id: the padding token of pack mode.
+        tokenizer: a callable on a list of strings returning a list of token-id lists (a
+            fast HF ``tokenizers.Tokenizer`` works too), applied to ``column``'s text in
+            the process that reads it (DataLoader workers).
+        index_dir: where the node-shared index files live (default: the torchgrain
+            cache's ``windows-index``); None keeps them in this process's memory.
+        num_workers: processes of the pass that measures document lengths (default: up
+            to 8 for large datasets, none for small ones).
+        progress: show a progress bar during that pass.
+
+    Example:
+        >>> import numpy as np, tempfile, torchgrain as tg
+        >>> docs = [{"tokens": np.arange(n)} for n in (3, 0, 5)]
+        >>> w = tg.Dataset(docs).windows("tokens", 4, eos=99, index_dir=tempfile.mkdtemp())
+        >>> len(w), w[0]["input_ids"].tolist(), w[0]["labels"].tolist()
+        (2, [0, 1, 2, 99], [1, 2, 99, 99])
+        >>> w[1]["input_ids"].tolist(), w[1]["position_ids"].tolist(), w[1]["cu_seqlens"].tolist()
+        ([99, 0, 1, 2], [0, 0, 1, 2], [0, 1, 4])
+        >>> p = tg.Dataset(docs).windows("tokens", 6, mode="pack", index_dir=None)
+        >>> p[0]["input_ids"].tolist(), p[0]["labels"].tolist()
+        ([0, 1, 2, 3, 4, 0], [1, 2, 3, 4, -100, -100])
+    """
+    if not isinstance(ds, Dataset):
+        ds = Dataset(ds)
+    if not isinstance(column, str):
+        raise TypeError(f"column must be a record key (a str), got {column!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    seq_len = int(seq_len)
+    if mode not in ("concat", "pack"):
+        raise ValueError(f"mode must be 'concat' or 'pack', got {mode!r}")
+    bos, eos = _token_id("bos", bos), _token_id("eos", eos)
+    pad_id = int(_token_id("pad_id", pad_id))  # type: ignore[arg-type]
+    if tokenizer is not None and not callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
+        raise TypeError("tokenizer must be callable on a list of strings")
+    docs = _Documents(ds, column, tokenizer)
+    special = (bos is not None) + (eos is not None)
+    n = len(ds)
+    key = _key(
+        "documents",
+        dataset_fingerprint(ds),
+        column,
+        bos,
+        eos,
+        callable_fingerprint(tokenizer) if tokenizer is not None else None,
+    )
+
+    def fill(sink: Any) -> dict[str, Any]:
+        sink.append("offsets", np.zeros(1, np.int64))
+        total, seen = 0, 0
+        for lens in docs.lengths(num_workers, progress):
+            lens = np.asarray(lens, np.int64) + special
+            seen += len(lens)
+            part = np.cumsum(lens) + total
+            if len(part):
+                total = int(part[-1])
+                sink.append("offsets", part)
+        if seen != n:
+            raise CorruptDataError(f"{docs.name} gave {seen} document lengths for {n} records")
+        return {"documents": n, "tokens": total}
+
+    index = derived_index(
+        _KIND,
+        key,
+        {"offsets": ("<i8", ())},
+        fill,
+        index_dir=index_dir,
+        fits=lambda ix: _check_offsets(ix, n, special),
+    )
+    why = _check_offsets(index, n, special)
+    if why is not None:  # built here, and still wrong: never serve it
+        raise CorruptDataError(f"token-window index {index.path or '(in memory)'}: {why}")
+    bins = None
+    if mode == "pack":
+        offsets = index.arrays["offsets"]
+
+        def fill_bins(sink: Any) -> dict[str, Any]:
+            full = np.diff(offsets)
+            lens = np.minimum(full, seq_len)
+            order, starts = _best_fit(lens, seq_len)
+            sink.append("docs", order)
+            sink.append("bins", starts)
+            return {"tokens": int(lens.sum()), "truncated": int((full > seq_len).sum())}
+
+        bins = derived_index(
+            _KIND,
+            _key("pack", index.meta["key"], seq_len),
+            {"docs": ("<i8", ()), "bins": ("<i8", ())},
+            fill_bins,
+            index_dir=index_dir,
+            fits=lambda ix: _check_bins(ix, offsets, seq_len, special),
+        )
+        why = _check_bins(bins, offsets, seq_len, special)
+        if why is not None:
+            raise CorruptDataError(f"token-window bins {bins.path or '(in memory)'}: {why}")
+        if bins.meta["truncated"]:
+            warnings.warn(
+                f"{bins.meta['truncated']} documents of {docs.name} are longer than "
+                f"seq_len={seq_len}: packed truncated to their first {seq_len} tokens",
+                stacklevel=3,
+            )
+    view = TokenWindows(docs, index, seq_len, bos=bos, eos=eos, mode=mode, pad_id=pad_id, bins=bins)
+    return WindowDataset(view, batch_format=ds.batch_format)
