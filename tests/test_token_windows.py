@@ -80,14 +80,15 @@ def test_too_few_tokens_give_no_windows():
     assert len(tg.Dataset([]).windows("t", 2, index_dir=None)) == 0
 
 
-def write_parquet_docs(path, docs, row_group_size=4):
+def write_parquet_docs(path, docs, row_group_size=4, num_tokens=None):
     os.makedirs(path, exist_ok=True)
-    table = pa.table(
-        {
-            "text": [f"doc {i}" for i in range(len(docs))],
-            "tokens": pa.array([t.astype(np.int32) for t in docs], pa.list_(pa.int32())),
-        }
-    )
+    columns = {
+        "text": [f"doc {i}" for i in range(len(docs))],
+        "tokens": pa.array([t.astype(np.int32) for t in docs], pa.list_(pa.int32())),
+    }
+    if num_tokens is not None:
+        columns["num_tokens"] = pa.array(num_tokens, pa.int32())
+    table = pa.table(columns)
     half = len(docs) // 2
     pq.write_table(table.slice(0, half), f"{path}/a.parquet", row_group_size=row_group_size)
     pq.write_table(table.slice(half), f"{path}/b.parquet", row_group_size=row_group_size)
@@ -106,6 +107,29 @@ def test_parquet_lengths_from_list_offsets_and_narrow_reads(tmp_path):
     assert blocks[0] == 0 and blocks[-1] == len(w) and (np.diff(blocks) > 0).all()
     sampler = tg.BlockShuffleSampler(w, window=2, seed=0, num_replicas=1, rank=0)
     assert sorted(sampler) == list(range(len(w)))
+
+
+def test_token_counts_written_beside_the_tokens_are_read_instead(tmp_path):
+    docs = documents()
+    counts = [len(t) for t in docs]
+    write_parquet_docs(tmp_path / "pq", docs, num_tokens=counts)
+    w = tg.Dataset(tg.ParquetSource(tmp_path / "pq")).windows("tokens", 9, index_dir=tmp_path)
+    assert w.source._docs.length_parquet.keys == ["num_tokens"]
+    check_concat(w, docs, 9)
+    tg.write_array_record(
+        [{"tokens": t, "num_tokens": n} for t, n in zip(docs, counts)], tmp_path / "ar"
+    )
+    w = tg.Dataset(tg.ArrayRecordSource(tmp_path / "ar")).windows("tokens", 9, index_dir=None)
+    assert w.source._docs.length_column == "num_tokens"
+    check_concat(w, docs, 9)
+    # Counts that disagree with the tokens: found when the document is read.
+    write_parquet_docs(tmp_path / "bad", docs, num_tokens=[c + 1 for c in counts])
+    w = tg.Dataset(tg.ParquetSource(tmp_path / "bad")).windows("tokens", 9, index_dir=None)
+    with pytest.raises(CorruptDataError, match="its window index"):
+        w[0]
+    write_parquet_docs(tmp_path / "neg", docs, num_tokens=[-1] * len(docs))
+    with pytest.raises(CorruptDataError, match="negative"):
+        tg.Dataset(tg.ParquetSource(tmp_path / "neg")).windows("tokens", 9, index_dir=None)
 
 
 def test_arrayrecord_source_two_ranks_two_workers_each_window_once(tmp_path):
@@ -268,7 +292,8 @@ def test_hostile_index_files_are_rebuilt_never_served(tmp_path):
             check_concat(ds.windows("t", 6, index_dir=tmp_path), docs, 6)
 
     # Bins naming documents out of range, or a window over seq_len: rebuilt too.
-    w = ds.windows("t", 50, mode="pack", index_dir=tmp_path)
+    with pytest.warns(UserWarning, match="2 documents .* longer than seq_len=50"):
+        w = ds.windows("t", 50, mode="pack", index_dir=tmp_path)
     bins_path = w.source.index_paths[1]
     bins_key = os.path.basename(bins_path).split(".")[0]
     good = [r["input_ids"].tolist() for r in w.__getitems__(list(range(len(w))))]

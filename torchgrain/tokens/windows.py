@@ -87,13 +87,18 @@ class _Documents:
     """How the documents' token arrays are read from the dataset: ``read(docs)`` returns
     one int64 array per document, in ``docs`` order, with one batched read."""
 
-    def __init__(self, ds: Dataset, column: str, tokenizer: Any) -> None:
+    def __init__(self, ds: Dataset, column: str, tokenizer: Any, length_column: str | None) -> None:
         self.column = column
         self.tokenizer = tokenizer
+        self.length_column = length_column
         self.name = _describe(ds.source)
         source = ds._source
-        self.parquet = None
+        self.parquet = self.length_parquet = None
         if not ds._ops and tokenizer is None:
+            if length_column is not None:
+                narrowed = _narrowed_parquet(source, length_column)
+                if _is_parquet(narrowed) and narrowed.keys == [length_column]:
+                    self.length_parquet = narrowed
             source = _narrowed_parquet(source, column)
             if _is_parquet(source):
                 self.parquet = source
@@ -139,8 +144,12 @@ class _Documents:
 
     def lengths(self, num_workers: int | None, progress: bool) -> Iterator[np.ndarray]:
         """Every document's token count, a chunk at a time, in document order."""
-        if self.parquet is not None and self.parquet.keys == [self.column]:
-            yield from _parquet_lengths(self.parquet, self.column, num_workers, progress)
+        if self.length_parquet is not None:
+            yield from _parquet_lengths(self.length_parquet, num_workers, progress)
+            return
+        parquet = self.parquet
+        if self.length_column is None and parquet is not None and parquet.keys == [self.column]:
+            yield from _parquet_lengths(parquet, num_workers, progress)
             return
         n = len(self.ds)
         chunks = _LengthChunks(self, n)
@@ -174,7 +183,20 @@ class _LengthChunks(torch.utils.data.Dataset):
 
     def __getitem__(self, k: int) -> np.ndarray:
         ids = np.arange(k * _CHUNK, min(self.n, (k + 1) * _CHUNK), dtype=np.int64)
-        return np.array([len(t) for t in self.docs.read(ids)], dtype=np.int64)
+        docs = self.docs
+        name = docs.length_column
+        if name is None:
+            return np.array([len(t) for t in docs.read(ids)], dtype=np.int64)
+        if docs.columns is not None:
+            values = list(docs.columns.read_columns(ids)[name])
+        else:
+            values = [r[name] for r in docs.ds.__getitems__(ids.tolist())]
+        for v, d in zip(values, ids.tolist()):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise CorruptDataError(
+                    f"record {d} of {docs.name}: its token count {name!r} is {v!r}, not an int >= 0"
+                )
+        return np.array(values, dtype=np.int64)
 
 
 def _progress(it: Any, total: int, progress: bool, what: str) -> Any:
@@ -213,12 +235,12 @@ def _narrowed_parquet(source: Source, column: str) -> Source:
     return narrowed
 
 
-def _parquet_lengths(
-    source: Any, column: str, num_workers: int | None, progress: bool
-) -> Iterator[np.ndarray]:
-    """The list lengths of ``column`` (the source's only column), a row group at a time,
-    from the list offsets of each decoded row group (in threads: Arrow decodes without
-    the GIL); a null list has length 0."""
+def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> Iterator[np.ndarray]:
+    """The token counts of the source's only column, a row group at a time (in threads:
+    Arrow decodes without the GIL): a list column's lengths from its list offsets (a
+    null list has length 0), or an integer column's values (token counts written beside
+    the tokens)."""
+    column = source.keys[0]
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
@@ -230,6 +252,16 @@ def _parquet_lengths(
         if int(offsets[g + 1]) == first:
             return np.zeros(0, np.int64)
         col = source._decode(g, first).column(0)
+        if pa.types.is_integer(col.type):
+            counts = col.to_numpy().astype(np.int64) if col.null_count == 0 else None
+            if counts is None or (counts < 0).any():
+                where = int(source._rg_local[g])
+                path = source.paths[int(source._rg_shard[g])]
+                raise CorruptDataError(
+                    f"row group {where} of {path!r}: token count column {column!r} holds "
+                    "nulls or negative values"
+                )
+            return counts
         if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
             raise TypeError(
                 f"column {column!r} of {source!r} is {col.type}, not a list of token "
@@ -628,6 +660,7 @@ def windows(
     mode: str = "concat",
     pad_id: int = 0,
     tokenizer: Callable[[list[str]], Any] | None = None,
+    lengths: str | None = "auto",
     index_dir: str | os.PathLike | None = DEFAULT,
     num_workers: int | None = None,
     progress: bool = True,
@@ -656,6 +689,13 @@ def windows(
         tokenizer: a callable on a list of strings returning a list of token-id lists (a
             fast HF ``tokenizers.Tokenizer`` works too), applied to ``column``'s text in
             the process that reads it (DataLoader workers).
+        lengths: the record key holding each document's token count, read to build
+            the index instead of the tokens (an int column of Parquet: no token
+            decoded); ``"auto"`` (default) uses ``num_tokens``, what ``torchgrain
+            convert --tokenize`` writes, when the records have it and no tokenizer or
+            transform is given; None measures the tokens. A count that disagrees with
+            the tokens is found when the document is read
+            (:class:`~torchgrain.CorruptDataError`).
         index_dir: where the node-shared index files live (default: the torchgrain
             cache's ``windows-index``); None keeps them in this process's memory.
         num_workers: processes of the pass that measures document lengths (default: up
@@ -687,7 +727,13 @@ def windows(
     pad_id = int(_token_id("pad_id", pad_id))  # type: ignore[arg-type]
     if tokenizer is not None and not callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
         raise TypeError("tokenizer must be callable on a list of strings")
-    docs = _Documents(ds, column, tokenizer)
+    if lengths == "auto":
+        # What `torchgrain convert --tokenize` writes beside the tokens.
+        auto = tokenizer is None and not ds._ops and column != "num_tokens"
+        lengths = "num_tokens" if auto and "num_tokens" in ds.keys else None
+    if lengths is not None and not isinstance(lengths, str):
+        raise TypeError(f"lengths must be a record key (a str) or None, got {lengths!r}")
+    docs = _Documents(ds, column, tokenizer, lengths)
     special = (bos is not None) + (eos is not None)
     n = len(ds)
     key = _key(
@@ -697,6 +743,7 @@ def windows(
         bos,
         eos,
         callable_fingerprint(tokenizer) if tokenizer is not None else None,
+        lengths,
     )
 
     def fill(sink: Any) -> dict[str, Any]:
