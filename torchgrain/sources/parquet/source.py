@@ -130,6 +130,15 @@ class ParquetSource(RowGroupLoader):
             items), and what the pages inflate to beyond that (a page of 1 GiB of zeros
             compresses to a few KiB), each at most ``max_row_group_bytes``; the error
             names the file, row group and column.
+        filter: a :class:`pyarrow.compute.Expression` (or any predicate
+            :func:`~torchgrain.compose.filter.filter_dataset` takes): the source is then
+            the rows where it holds, as a
+            :class:`~torchgrain.compose.filter.FilterView` over the whole source (the
+            same keys and schema; ``len`` counts the kept rows). The selection is found
+            once per machine, pushed down to the files
+            (:mod:`~torchgrain.sources.parquet.pushdown`: row groups whose statistics
+            rule out a match are not read, the others only for the columns the
+            expression names) and kept in the node-shared filter index directory.
 
     Records are dicts ``{column: value}``. Values map as follows:
 
@@ -226,6 +235,16 @@ class ParquetSource(RowGroupLoader):
     #: Tells :class:`~torchgrain.Dataset` that this source times its own reads.
     reports_stats = True
 
+    def __new__(cls, *args: Any, filter: Any = None, **kwargs: Any) -> Any:
+        # With a filter, the constructor returns a filtered view of the whole source
+        # (a Source, not a ParquetSource): the reads, caches and checks stay the
+        # source's own, and nothing below has to know about filters.
+        if filter is None:
+            return super().__new__(cls)
+        from torchgrain.compose.filter import filter_dataset
+
+        return filter_dataset(cls(*args, **kwargs), filter).source
+
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -236,6 +255,7 @@ class ParquetSource(RowGroupLoader):
         decoded_cache_bytes: int | None = None,
         partitioning: str | None = "hive",
         max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
+        filter: Any = None,  # (taken by __new__)
         **read_options: Any,
     ) -> None:
         opts = ReadOptions.build(options, read_options)

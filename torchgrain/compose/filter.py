@@ -1,0 +1,435 @@
+"""Filters: the records of a dataset for which a predicate holds, as a view.
+
+``ds.filter(predicate)`` finds the kept indices once, by a parallel pass over ``ds``
+(DataLoader worker processes, each reading contiguous ranges in batches, a progress bar
+on stderr), and stores them, in order, as a *selection index* through
+:func:`~torchgrain.sources.node_index.derived.derived_index`: one file per machine,
+memory-mapped read-only by every process (4 bytes per kept record, 8 when the dataset
+has 2^32 records or more), keyed by the dataset's identity
+(:func:`~torchgrain.sources.node_index.derived.dataset_fingerprint`: its files, sizes and
+modification times, its transforms) and the predicate's
+(:func:`~torchgrain.sources.node_index.derived.callable_fingerprint`, or a ``name`` you
+give). Another process, rank or spawned worker maps the same file without a pass; a
+changed shard or another predicate gives another key, and a new pass.
+
+The result is a :class:`~torchgrain.Dataset` over a :class:`FilterView`: item ``i`` is
+record ``selection[i]`` of ``ds``, batched reads stay batched, ``set_epoch`` and
+``read_ahead`` reach ``ds`` (the pass's order mapped through the selection), and
+``block_offsets`` are ``ds``'s blocks as they fall in the selection.
+
+A selection file is untrusted input: when a process opens it, its length must match its
+metadata and its entries be strictly increasing and below ``len(ds)``; anything else is
+a :class:`~torchgrain.CorruptDataError` naming the file (never records of other indices).
+
+Predicates:
+
+* a function of one record, returning a truth value (the common case);
+* a *vectorised* one (:func:`columns`, or ``batched=True``): a function of a
+  :class:`~torchgrain.columns.ColumnBatch` returning one bool per row; the pass reads
+  columns (``read_columns``), with no Python object per record where the source can;
+* a :class:`pyarrow.compute.Expression` over a :class:`~torchgrain.ParquetSource` read
+  without transforms (and ``ParquetSource(..., filter=expression)``): pushed down to the
+  files. Row groups whose footer statistics (min, max, null count) show that no row can
+  match are never read; the others are read with only the columns the expression names,
+  and the expression is evaluated by Arrow. The same selection index results.
+
+Example:
+    >>> import tempfile, torchgrain as tg
+    >>> d = tempfile.mkdtemp()
+    >>> _ = tg.write_parquet(({"x": i} for i in range(10)), d)
+    >>> ds = tg.Dataset(tg.ParquetSource(d))
+    >>> odd = ds.filter(lambda r: r["x"] % 2 == 1, index_dir=tempfile.mkdtemp(), progress=False)
+    >>> len(odd), [r["x"] for r in odd.__getitems__([0, 4])]
+    (5, [1, 9])
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from torchgrain.columns import ColumnBatch
+from torchgrain.compose.view import View, adapt, read_column_pairs
+from torchgrain.dataset import Dataset, _describe_fn
+from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.protocols import HasBlockOffsets
+from torchgrain.sources.node_index.derived import (
+    DEFAULT,
+    DerivedIndex,
+    _hash,
+    callable_fingerprint,
+    dataset_fingerprint,
+    derived_index,
+)
+
+__all__ = ["FilterView", "columns", "filter_dataset"]
+
+_RANGES_PER_WORKER = 8  # ranges a pass is cut into, per worker (a balanced finish)
+_MAX_RANGE_BATCHES = 64  # batches per range at most (what a worker hands back at once)
+_CHECK_CHUNK = 1 << 20  # selection entries checked at a time (bounded temporaries)
+
+
+class columns:
+    """Mark ``fn`` as a vectorised predicate: called with a
+    :class:`~torchgrain.columns.ColumnBatch` of up to ``batch_size`` records, it returns
+    one bool per row (an array or a list). The filter's pass then reads columns, with no
+    Python object per record where the source can (Parquet, ArrayRecord's numbers).
+
+    Example:
+        >>> import numpy as np, torchgrain as tg
+        >>> ds = tg.Dataset([{"x": i} for i in range(6)])
+        >>> big = ds.filter(columns(lambda b: np.asarray(b["x"]) >= 4), index_dir=None,
+        ...                 progress=False)
+        >>> [r["x"] for r in big]
+        [4, 5]
+    """
+
+    def __init__(self, fn: Callable[[ColumnBatch], Any]) -> None:
+        if not callable(fn):
+            raise TypeError("columns() needs a callable")
+        self.fn = fn
+
+    def __call__(self, batch: ColumnBatch) -> Any:
+        return self.fn(batch)
+
+
+def filter_dataset(
+    ds: Any,
+    predicate: Any,
+    *,
+    name: str | None = None,
+    batched: bool = False,
+    num_workers: int | None = None,
+    batch_size: int = 1024,
+    index_dir: str | os.PathLike | None = DEFAULT,
+    progress: bool = True,
+) -> Dataset:
+    """The records of ``ds`` for which ``predicate`` holds, in order, as a new Dataset
+    (what ``Dataset.filter(predicate, **options)`` returns; see the module docstring).
+
+    Args:
+        ds: a :class:`~torchgrain.Dataset`, a :class:`~torchgrain.Source`, or anything a
+            Dataset accepts. Its transforms apply before the predicate sees a record.
+        predicate: ``fn(record) -> bool``; a vectorised one (:func:`columns`, or with
+            ``batched=True``): ``fn(ColumnBatch) -> bools``; or a
+            :class:`pyarrow.compute.Expression` when ``ds`` is a ParquetSource (or a
+            Dataset over one without transforms): pushed down to the files.
+        name: what the predicate is called in the selection's key, instead of its
+            fingerprint (code, constants, closure values; not the globals it reads):
+            name a predicate whose behaviour depends on something else, and change the
+            name when that changes.
+        batched: ``predicate`` takes a ColumnBatch (as if wrapped in :func:`columns`).
+        num_workers: processes of the pass (default: one per CPU this process may use,
+            fewer for a small dataset; ``0``: in this process). They are DataLoader
+            workers (the default start method; a spawned one needs a picklable
+            predicate).
+        batch_size: records read (and tested) per call.
+        index_dir: the directory of selection files (default ``<torchgrain
+            cache>/filter-index``); ``None`` keeps the selection in this process's memory
+            (built every time).
+        progress: a progress bar (tqdm) on stderr while the selection is built.
+
+    Returns:
+        A :class:`~torchgrain.Dataset` over a :class:`FilterView` (same ``batch_format``).
+
+    Raises:
+        TorchgrainError: the predicate raised (``filter predicate NAME failed on record
+            I of DATASET``, the predicate's exception as its cause).
+        CorruptDataError: a selection file that fails its checks, naming it.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> ds = tg.Dataset([{"x": i} for i in range(8)]).map(lambda r: {"x": r["x"] * 10})
+        >>> kept = filter_dataset(ds, lambda r: r["x"] >= 50, index_dir=None, progress=False)
+        >>> len(kept), kept[0], kept.source.selection.tolist()
+        (3, {'x': 50}, [5, 6, 7])
+    """
+    if not isinstance(ds, Dataset):
+        ds = Dataset(ds)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if num_workers is not None and (
+        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+    ):
+        raise ValueError(f"num_workers must be an integer >= 0 or None, got {num_workers!r}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {type(name).__name__}")
+    n = len(ds)
+    if _is_expression(predicate):
+        from torchgrain.sources.parquet.source import ParquetSource
+
+        source = ds._source
+        if ds._ops or not isinstance(source, ParquetSource):
+            raise TypeError(
+                "a pyarrow expression filters a ParquetSource read without transforms "
+                f"(this is {ds!r}); filter it before the transforms, or give a function"
+            )
+        what = f"expression {predicate}"
+        ident = name if name is not None else _hash("expression", str(predicate))
+        mode = "pushdown"
+    else:
+        if not callable(predicate):
+            raise TypeError(f"predicate must be callable, got {type(predicate).__name__}")
+        vectorised = batched or isinstance(predicate, columns)
+        fn = predicate.fn if isinstance(predicate, columns) else predicate
+        what = name if name is not None else _describe_fn(fn)
+        ident = name if name is not None else callable_fingerprint(fn)
+        mode = "columns" if vectorised else "records"
+    dtype = "<u4" if n < 2**32 else "<u8"
+    key = "filter-" + _hash(dataset_fingerprint(ds), mode, ident, dtype)
+    label = f"filter predicate {what}"
+
+    def fill(sink: Any) -> dict[str, Any]:
+        count = 0
+        stats: dict[str, int] = {}
+        if mode == "pushdown":
+            from torchgrain.sources.parquet.pushdown import matching_rows
+
+            chunks: Iterator[np.ndarray] = matching_rows(ds._source, predicate, progress, stats)
+        else:
+            chunks = _pass(ds, predicate, vectorised, label, batch_size, num_workers, progress)
+        for kept in chunks:
+            sink.append("selection", kept.astype(dtype))
+            count += len(kept)
+        # (a pushdown adds the row groups it read, of how many)
+        return {"count": count, "length": n, "predicate": what[:200], **stats}
+
+    def fits(ix: DerivedIndex) -> str | None:
+        return None if ix.meta.get("length") == n else "it was made for another length"
+
+    ix = derived_index(
+        "filter", key, {"selection": (dtype, ())}, fill, index_dir=index_dir, fits=fits
+    )
+    view = FilterView(ds, ix, label=what)
+    return Dataset(view, batch_format=ds.batch_format)
+
+
+def _is_expression(predicate: Any) -> bool:
+    if "pyarrow" not in sys.modules:
+        return False
+    import pyarrow.compute as pc
+
+    return isinstance(predicate, pc.Expression)
+
+
+# ----------------------------------------------------------------- the view
+class FilterView(View):
+    """Item ``i`` is record ``selection[i]`` of the filtered dataset (see the module
+    docstring; :func:`filter_dataset` makes it).
+
+    Args:
+        parent: the dataset filtered.
+        index: its selection index (a :class:`DerivedIndex` with a ``"selection"``
+            array), checked here (see :func:`check_selection`).
+        label: how errors and ``repr`` name the predicate.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> from torchgrain.sources.node_index.derived import derived_index
+        >>> ix = derived_index("filter", "doc", {"selection": ("<u4", ())},
+        ...                    lambda sink: sink.append("selection", np.array([1, 3], np.uint32))
+        ...                    or {"count": 2}, index_dir=None)
+        >>> v = FilterView([{"x": 0}, {"x": 1}, {"x": 2}, {"x": 3}], ix, label="odd")
+        >>> len(v), v.__getitems__([1, 0]), v.block_offsets().tolist()
+        (2, [{'x': 3}, {'x': 1}], [0, 2])
+    """
+
+    def __init__(self, parent: Any, index: DerivedIndex, *, label: str = "") -> None:
+        super().__init__([parent])
+        self.index = index
+        self.label = label
+        self._count = check_selection(index, len(self.children[0]))
+
+    @property
+    def selection(self) -> np.ndarray:
+        """The kept indices of the parent, increasing (a read-only mapped array)."""
+        return self.index.arrays["selection"]
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(len(indices), np.int64), self.selection[indices].astype(np.int64)
+
+    def block_offsets(self) -> np.ndarray:
+        """The parent's blocks as they fall in the selection (empty ones left out), so a
+        block-local order over a filtered Parquet source still reads row group by row
+        group; one block when the parent has none."""
+        parent = self.children[0]
+        try:
+            blocks = parent.block_offsets() if isinstance(parent, HasBlockOffsets) else None
+        except TypeError:
+            blocks = None
+        if blocks is None:
+            return np.array([0, len(self)], dtype=np.int64)
+        out = np.searchsorted(self.selection, np.asarray(blocks, np.int64)).astype(np.int64)
+        out[-1] = len(self)
+        return np.unique(np.r_[0, out])
+
+    def fingerprint(self) -> str:
+        """The parent's identity and the selection's key."""
+        return _hash(dataset_fingerprint(self.children[0]), self.index.meta.get("key"))
+
+    def __repr__(self) -> str:
+        return f"FilterView({self.children[0]!r}, {self.label}: {len(self)} kept)"
+
+
+def check_selection(index: DerivedIndex, n: int) -> int:
+    """The number of kept records of a selection index over a dataset of ``n``
+    records, once its entries are known to be strictly increasing, below ``n`` and as
+    many as its metadata says; else a :class:`~torchgrain.CorruptDataError` naming the
+    file. Reads the selection once, in chunks of a million entries.
+
+    Example:
+        >>> from torchgrain.sources.node_index.derived import derived_index
+        >>> ix = derived_index("filter", "bad", {"selection": ("<u4", ())},
+        ...                    lambda s: s.append("selection", np.array([2, 1], np.uint32))
+        ...                    or {"count": 2}, index_dir=None)
+        >>> check_selection(ix, 3)
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.CorruptDataError: selection index (in memory) is damaged: \
+entry 1 (1) is not above the one before it (2)
+    """
+    sel = index.arrays.get("selection")
+    where = f"selection index {index.path or '(in memory)'}"
+
+    def bad(why: str) -> CorruptDataError:
+        return CorruptDataError(f"{where} is damaged: {why}")
+
+    if sel is None or sel.ndim != 1:
+        raise bad("it holds no selection array")
+    count = index.meta.get("count")
+    if count != len(sel):
+        raise bad(f"it holds {len(sel)} entries, its metadata says {count}")
+    prev = -1
+    for a in range(0, len(sel), _CHECK_CHUNK):
+        chunk = sel[a : a + _CHECK_CHUNK].astype(np.int64)  # "<u8" above 2^63: negative
+        steps = np.diff(np.r_[prev, chunk])
+        if (steps <= 0).any():
+            k = int(np.flatnonzero(steps <= 0)[0])
+            before = prev if k == 0 else int(chunk[k - 1])
+            raise bad(f"entry {a + k} ({int(chunk[k])}) is not above the one before it ({before})")
+        prev = int(chunk[-1])
+    if prev >= n:
+        raise bad(f"entry {len(sel) - 1} ({prev}) is out of range for a dataset of {n} records")
+    return len(sel)
+
+
+# ----------------------------------------------------------------- the pass
+def _pass(
+    ds: Dataset,
+    predicate: Callable[[Any], Any],
+    vectorised: bool,
+    label: str,
+    batch_size: int,
+    num_workers: int | None,
+    progress: bool,
+) -> Iterator[np.ndarray]:
+    """The kept indices of ``ds``, in order, a range at a time, from a pass by
+    DataLoader workers over contiguous ranges (each hands back a packed bitmap)."""
+    n = len(ds)
+    if num_workers is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # a worker costs a process start: only where it has several batches to test
+        num_workers = min(cpus or 1, n // (4 * batch_size))
+    parts = max(1, num_workers) * _RANGES_PER_WORKER
+    step = min(max(batch_size, math.ceil(n / parts)), batch_size * _MAX_RANGE_BATCHES)
+    tester = _RangeTester(ds, predicate, vectorised, label, batch_size, step)
+    loader = torch.utils.data.DataLoader(
+        tester,
+        batch_size=None,
+        num_workers=num_workers,
+        collate_fn=_as_is,
+        prefetch_factor=2 if num_workers > 0 else None,
+    )
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=n, unit="rec", desc=label[:60], file=sys.stderr, leave=False)
+    try:
+        for start, stop, bits in loader:
+            mask = np.unpackbits(bits, count=stop - start).view(bool)
+            yield np.flatnonzero(mask) + start
+            if bar is not None:
+                bar.update(stop - start)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class _RangeTester(torch.utils.data.Dataset):
+    """Item ``k``: range ``[k * step, (k + 1) * step)`` of the dataset tested, as
+    ``(start, stop, packed bits)`` (one bit per record: 1 kept)."""
+
+    def __init__(
+        self,
+        ds: Dataset,
+        predicate: Callable[[Any], Any],
+        vectorised: bool,
+        label: str,
+        batch_size: int,
+        step: int,
+    ) -> None:
+        self.child = adapt(ds)
+        self.name = repr(ds)
+        self.predicate = predicate
+        self.vectorised = vectorised
+        self.label = label
+        self.batch_size = batch_size
+        self.step = step
+        self.n = len(ds)
+
+    def __len__(self) -> int:
+        return -(-self.n // self.step)
+
+    def __getitem__(self, k: int) -> tuple[int, int, np.ndarray]:
+        start = k * self.step
+        stop = min(start + self.step, self.n)
+        mask = np.zeros(stop - start, dtype=bool)
+        for a in range(start, stop, self.batch_size):
+            b = min(a + self.batch_size, stop)
+            mask[a - start : b - start] = self._test(a, b)
+        return start, stop, np.packbits(mask)
+
+    def _test(self, a: int, b: int) -> np.ndarray:
+        indices = list(range(a, b))
+        if self.vectorised:
+            batch = read_column_pairs([self.child], np.zeros(b - a, np.int64), np.arange(a, b))
+            try:
+                got = self.predicate(batch)
+            except Exception as e:
+                raise self._failed(f"records [{a}, {b})", e) from e
+            out = np.asarray(got)
+            if out.shape != (b - a,) or out.dtype != bool:
+                raise TypeError(
+                    f"{self.label} must return one bool per row of its batch: got "
+                    f"{type(got).__name__} of shape {out.shape} and dtype {out.dtype} for "
+                    f"{b - a} rows (records [{a}, {b}) of {self.name})"
+                )
+            return out
+        records = self.child.__getitems__(indices)
+        out = np.zeros(b - a, dtype=bool)
+        test = self.predicate
+        for k, rec in enumerate(records):
+            try:
+                out[k] = bool(test(rec))
+            except Exception as e:
+                raise self._failed(f"record {a + k}", e) from e
+        return out
+
+    def _failed(self, which: str, e: Exception) -> TorchgrainError:
+        return TorchgrainError(
+            f"{self.label} failed on {which} of {self.name}: {type(e).__name__}: {e}"
+        )

@@ -1,0 +1,254 @@
+"""A pyarrow expression pushed down to a Parquet dataset: the rows that match it, reading
+only the row groups that can match, and only the columns it names.
+
+:func:`matching_rows` is the pass behind ``ParquetSource(..., filter=expression)`` and
+``Dataset.filter(expression)`` (:mod:`torchgrain.compose.filter` stores what it finds).
+For each row group:
+
+1. **Prune by statistics.** What the footer says of each column the expression names
+   (its ``min_value``, ``max_value`` and ``null_count``, read by torchgrain's own parser,
+   :func:`~torchgrain.formats.parquet_pages.footer_chunks`: pyarrow's metadata objects
+   abort the process on some hostile footers) becomes what Arrow calls a *guarantee*: a
+   row of the group either lies in ``[min, max]``, or is null (unless the footer says
+   there are none), or for floats is NaN (statistics leave NaN out). Arrow simplifies the
+   expression under each combination (``pyarrow.dataset``'s partition pruning, no I/O);
+   when every combination makes it false or null, no row can match and the row group is
+   not read. Columns without usable statistics (other types, a type widened across
+   files, sizes that do not fit the type, ``min > max``) constrain nothing: their row
+   groups are read. A hive partition key is its file's value.
+2. **Evaluate.** A row group that may match is decoded like any read of the source
+   (through its checks: ``max_row_group_bytes``, page headers), with only the named
+   columns, and Arrow evaluates the expression on it; rows where it is true are kept.
+
+Example:
+    >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq, pyarrow.compute as pc
+    >>> import torchgrain as tg
+    >>> d = tempfile.mkdtemp()
+    >>> pq.write_table(pa.table({"x": list(range(10))}), f"{d}/a.parquet", row_group_size=5)
+    >>> stats = {}
+    >>> rows = matching_rows(tg.ParquetSource(d), pc.field("x") >= 7, stats=stats)
+    >>> np.concatenate(list(rows)).tolist(), stats
+    ([7, 8, 9], {'row_groups': 2, 'row_groups_read': 1})
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pds
+import pyarrow.fs as pfs
+
+from torchgrain.errors import CorruptDataError
+
+__all__ = ["matching_rows"]
+
+_MAX_CASES = 64  # combinations of column states tried per row group; more: it is read
+_ROW = "__torchgrain_row"
+# Parquet physical type -> (numpy dtype of a plain-encoded statistic, Arrow types it holds)
+_PLAIN = {
+    0: ("|b1", (pa.bool_(),)),
+    1: ("<i4", (pa.int8(), pa.int16(), pa.int32(), pa.date32())),
+    2: ("<i8", (pa.int64(),)),
+    4: ("<f4", (pa.float32(),)),
+    5: ("<f8", (pa.float64(),)),
+}
+_UNSIGNED = {1: ("<u4", (pa.uint8(), pa.uint16(), pa.uint32())), 2: ("<u8", (pa.uint64(),))}
+
+
+def matching_rows(
+    src: Any, expression: pc.Expression, progress: bool = False, stats: dict | None = None
+) -> Iterator[np.ndarray]:
+    """The indices of ``src``'s rows (a :class:`~torchgrain.ParquetSource`) where
+    ``expression`` is true, increasing, a row group at a time (see the module
+    docstring). ``stats``, when given, gets ``row_groups`` and ``row_groups_read``.
+
+    Raises:
+        ValueError: the expression names no column of the source, or one it lacks.
+    """
+    from torchgrain.sources.parquet.source import ParquetSource
+
+    names = _named_columns(src, expression)
+    file_columns = [k for k in names if k not in src._part_keys]
+    # The same files, read for the named columns only (and no decoded-cache entries for
+    # a one-off pass): its row groups are the source's.
+    sub = ParquetSource(
+        src.paths,
+        columns=file_columns,
+        options=src.options,
+        partitioning=None,
+        decoded_cache=False,
+        max_row_group_bytes=src.max_row_group_bytes,
+        cache_bytes=0,
+    )
+    if not np.array_equal(sub._rg_offsets, src._rg_offsets):
+        raise CorruptDataError(
+            f"the Parquet files of {src!r} changed since it was opened (their row groups "
+            "differ): open it again"
+        )
+    schema = pa.schema([src.arrow_schema.field(k) for k in names])
+    offsets = src._rg_offsets
+    groups = src.num_row_groups
+    keep = _prune(src, sub, schema, expression)
+    out = {"row_groups": groups, "row_groups_read": 0}
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=groups, unit="row group", desc="filter (pushdown)", file=sys.stderr, leave=False
+        )
+    try:
+        for g in range(groups):
+            first, stop = int(offsets[g]), int(offsets[g + 1])
+            if keep[g] and stop > first:
+                out["row_groups_read"] += 1
+                table = sub._decode(g, first)
+                shard = int(src._rg_shard[g])
+                for k in names:
+                    if k in src._part_keys:
+                        value = src._part_values[k][shard : shard + 1].tolist()[0]
+                        column = pa.array([value] * table.num_rows, schema.field(k).type)
+                        table = table.append_column(schema.field(k), column)
+                table = table.append_column(_ROW, pa.array(np.arange(first, stop)))
+                rows = table.filter(expression).column(_ROW).to_numpy()
+                if len(rows):
+                    yield rows
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        if stats is not None:
+            stats.update(out)
+
+
+def _named_columns(src: Any, expression: pc.Expression) -> list[str]:
+    """The source's columns ``expression`` names: those whose name its text holds (a
+    superset at worst), checked by binding it to them (else every column)."""
+    keys = src.keys
+    text = str(expression)
+    for names in ([k for k in keys if k in text], keys):
+        empty = pa.table({k: pa.array([], src.arrow_schema.field(k).type) for k in names})
+        try:
+            empty.filter(expression)
+            return names
+        except (pa.ArrowException, TypeError) as e:
+            error = e
+    raise ValueError(
+        f"cannot filter {src!r} with {expression}: {error} (its columns are {keys})"
+    ) from error
+
+
+def _prune(src: Any, sub: Any, schema: pa.Schema, expression: pc.Expression) -> np.ndarray:
+    """Whether each row group may hold a matching row (see the module docstring)."""
+    groups = src.num_row_groups
+    keep = np.ones(groups, dtype=bool)
+    cases: list[tuple[int, pc.Expression]] = []
+    for g in range(groups):
+        states = [_states(src, sub, g, field) for field in schema]
+        combos = 1
+        for s in states:
+            combos *= len(s)
+        if combos > _MAX_CASES:
+            continue
+        for combo in itertools.product(*states):
+            terms = [t for t in combo if t is not None]
+            guarantee = terms[0] if terms else pc.scalar(True)
+            for t in terms[1:]:
+                guarantee = guarantee & t
+            cases.append((g, guarantee))
+        keep[g] = False
+    if not cases:
+        return keep
+    # One fragment per case, with its guarantee as the "partition expression" Arrow
+    # simplifies the filter under; nothing is read (the paths are names only).
+    dataset = pds.FileSystemDataset.from_paths(
+        [f"case{k}" for k in range(len(cases))],
+        schema=schema,
+        format=pds.IpcFileFormat(),
+        filesystem=pfs.LocalFileSystem(),
+        partitions=[c for _, c in cases],
+    )
+    for fragment in dataset.get_fragments(filter=expression):
+        keep[cases[int(fragment.path[4:])][0]] = True
+    return keep
+
+
+def _states(src: Any, sub: Any, g: int, field: pa.Field) -> list[pc.Expression | None]:
+    """What a row of row group ``g`` may be in column ``field``, each as a guarantee
+    (None: anything)."""
+    name, typ = field.name, field.type
+    ref = pc.field(name)
+    shard = int(src._rg_shard[g])
+    if name in src._part_keys:
+        value = src._part_values[name][shard : shard + 1].tolist()[0]
+        return [ref.is_null() if value is None else ref == pa.scalar(value, typ)]
+    pos = [f.name for f in sub._file_fields].index(name)
+    if not sub._present[shard, pos]:
+        return [ref.is_null()]  # a column the file lacks reads as nulls
+    reader = sub._reader(shard)
+    try:
+        if not reader.pf.schema_arrow.field(name).type.equals(typ):
+            return [None]  # widened across files: its statistics are of another type
+        leaves = reader.leaves((name,))
+        if len(leaves) != 1:
+            return [None]  # a nested column
+        chunk = reader.footer()[int(src._rg_local[g])][leaves[0][0]]
+    except (CorruptDataError, IndexError, KeyError):
+        return [None]  # its decode says what is wrong with the file
+    value_range = _range(chunk, typ)
+    states: list[pc.Expression | None] = []
+    if chunk.null_count is None or chunk.null_count > 0:
+        states.append(ref.is_null())
+    if chunk.null_count is not None and chunk.null_count >= chunk.num_values:
+        return states  # nulls only
+    if value_range is None:
+        return [None]
+    low, high = value_range
+    states.append((ref >= low) & (ref <= high))
+    if pa.types.is_floating(typ):
+        states.append(ref == pa.scalar(float("nan"), typ))  # NaN lies outside min/max
+    return states
+
+
+def _range(chunk: Any, typ: pa.DataType) -> tuple[pa.Scalar, pa.Scalar] | None:
+    """``(min, max)`` of a column chunk's statistics as scalars of ``typ``, or None when
+    they are missing or do not fit it."""
+    low, high, kind = chunk.min_value, chunk.max_value, chunk.physical_type
+    if low is None or high is None:
+        return None
+    if kind == 6 and (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+        try:
+            values = [low.decode("utf-8"), high.decode("utf-8")]
+        except UnicodeDecodeError:
+            return None
+    elif kind == 6 and (pa.types.is_binary(typ) or pa.types.is_large_binary(typ)):
+        values = [low, high]
+    else:
+        table = dict(_PLAIN)
+        if pa.types.is_unsigned_integer(typ):
+            table.update(_UNSIGNED)
+        dtype, types = table.get(kind, ("", ()))
+        if not any(typ.equals(t) for t in types):
+            return None
+        width = np.dtype(dtype).itemsize
+        if len(low) != width or len(high) != width:
+            return None
+        raw = np.frombuffer(low + high, dtype=dtype)
+        if pa.types.is_floating(typ) and np.isnan(raw).any():
+            return None
+        try:
+            array = pa.array(raw).cast(typ)  # checked: out of the type's range fails
+        except (pa.ArrowException, ValueError):
+            return None
+        values = [array[0], array[1]]
+    scalars = [v if isinstance(v, pa.Scalar) else pa.scalar(v, typ) for v in values]
+    if not pc.less_equal(scalars[0], scalars[1]).as_py():
+        return None  # statistics that contradict themselves constrain nothing
+    return scalars[0], scalars[1]
