@@ -23,6 +23,7 @@ import torch.utils.data
 from torchgrain import _shm
 from torchgrain.columns import ColumnBatch, Ragged, set_allocator
 from torchgrain.frameworks import dataloader as _dataloader
+from torchgrain.tokens.collate import collate_records
 
 __all__ = ["WORKER_PIPE_BYTES", "collate_columns", "grow_pipe_once", "start_columns_batch"]
 
@@ -232,6 +233,9 @@ def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None)
 
 
 _dataloader.register_collate(ColumnBatch, collate_columns)
+# Records (dicts) collate as torch collates them, but values of different lengths under
+# one key raise an error that names the key and the fix (tg.pad_collate).
+_dataloader.register_collate(dict, collate_records)
 
 
 def grow_pipe_once(size: int) -> None:

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -121,18 +122,85 @@ class Ragged:
         return self.offsets[1:] - self.offsets[:-1]
 
     def to_nested(self) -> Any:
-        """A torch jagged nested tensor of the rows (``values`` as they are)."""
+        """A torch jagged nested tensor of the rows (``values`` as they are).
+
+        The rows' shortest and longest lengths are recorded in it (torch >= 2.5), so
+        ``torch.nested.to_padded_tensor`` pads to the longest row, not to the total
+        length of all rows.
+
+        Example:
+            >>> import torch
+            >>> nt = Ragged.from_values([np.arange(3), np.arange(1)]).to_nested()
+            >>> torch.nested.to_padded_tensor(nt, 0).tolist()
+            [[0, 1, 2], [0, 0, 0]]
+        """
         import torch
 
-        values = (
-            self.values if isinstance(self.values, torch.Tensor) else torch.from_numpy(self.values)
-        )
-        offsets = (
-            self.offsets
-            if isinstance(self.offsets, torch.Tensor)
-            else torch.from_numpy(self.offsets)
-        )
-        return torch.nested.nested_tensor_from_jagged(values, offsets)
+        values, offsets = _tensor(self.values), _tensor(self.offsets)
+        lengths = offsets[1:] - offsets[:-1]
+        kwargs = {}
+        if _nested_takes_seqlen() and len(lengths):
+            # One pass over B + 1 offsets (already on the host after collation); without
+            # it the nested tensor takes its longest row to be all of ``values``.
+            kwargs = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())}
+        return torch.nested.nested_tensor_from_jagged(values, offsets, **kwargs)
+
+    def to_padded(
+        self, pad_value: Any = 0, multiple_of: int | None = None, *, side: str = "right"
+    ) -> tuple[Any, Any]:
+        """The rows as one torch tensor ``[rows, length]`` padded with ``pad_value``,
+        and each row's length (an int64 tensor).
+
+        ``length`` is the longest row's, rounded up to a multiple of ``multiple_of``
+        when given (tensor cores like multiples of 8). ``side="left"`` puts the padding
+        before each row. ``bytes`` and ``str`` rows come out as ``uint8``. The rows are
+        copied with one scatter (no Python loop over rows).
+
+        Example:
+            >>> padded, lengths = Ragged.from_values([np.arange(3), np.arange(1)]).to_padded(
+            ...     -1, multiple_of=4)
+            >>> padded.tolist(), lengths.tolist()
+            ([[0, 1, 2, -1], [0, -1, -1, -1]], [3, 1])
+        """
+        import torch
+
+        if side not in ("right", "left"):
+            raise ValueError(f"side must be 'right' or 'left', got {side!r}")
+        values, offsets = _tensor(self.values), _tensor(self.offsets).to(torch.int64)
+        rows = len(offsets) - 1
+        lengths = offsets[1:] - offsets[:-1]
+        if rows < 0 or values.dim() != 1:
+            raise ValueError(
+                f"a Ragged needs 1-D values and at least one offset, got values of shape "
+                f"{list(values.shape)} and {len(offsets)} offsets"
+            )
+        start = int(offsets[0]) if rows else 0
+        end = int(offsets[-1]) if rows else 0
+        if rows and (bool((lengths < 0).any()) or start < 0 or end > len(values)):
+            raise ValueError(
+                f"Ragged offsets must ascend within its {len(values)} values, got "
+                f"{offsets[0].item()}..{offsets[-1].item()}"
+                + (" (descending somewhere)" if bool((lengths < 0).any()) else "")
+            )
+        width = int(lengths.max()) if rows else 0
+        if multiple_of is not None:
+            if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
+                raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
+            width = -(-width // multiple_of) * multiple_of
+        out = torch.full((rows, width), pad_value, dtype=values.dtype, device=values.device)
+        if end > start:
+            row = torch.repeat_interleave(torch.arange(rows, device=lengths.device), lengths)
+            # Column of each value: its position in the row (plus the row's padding on
+            # the left).
+            col = torch.arange(start, end, device=offsets.device) - offsets[:-1][row]
+            if side == "left":
+                col += width - lengths[row]
+            # (torch has no indexed writes for unsigned types but uint8: the same bits as
+            # the signed type of the same size.)
+            signed = _signed_twin(values.dtype)
+            target = out if signed is None else out.view(signed)
+            target[row, col] = values[start:end].view(target.dtype)
+        return out, lengths
 
     def map_arrays(self, fn: Callable[[Any], Any]) -> Ragged:
         """The same rows with ``fn`` applied to ``values`` and ``offsets`` (e.g. to move
@@ -283,6 +351,34 @@ def _take(col: Any, idx: np.ndarray) -> Any:
     if isinstance(col, np.ndarray):
         return col[idx]
     return [col[i] for i in idx.tolist()]
+
+
+@functools.cache
+def _signed_twin(dtype: Any) -> Any:
+    """The signed torch dtype of the size of unsigned ``dtype`` (uint16..uint64), or None."""
+    import torch
+
+    for bits in (16, 32, 64):
+        if dtype == getattr(torch, f"uint{bits}", None):  # torch >= 2.3 has them
+            return getattr(torch, f"int{bits}")
+    return None
+
+
+def _tensor(x: Any) -> Any:
+    """``x`` as a torch tensor (numpy arrays shared, not copied)."""
+    import torch
+
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+
+
+@functools.cache
+def _nested_takes_seqlen() -> bool:
+    """Whether ``nested_tensor_from_jagged`` records min/max row lengths (torch >= 2.5)."""
+    import inspect
+
+    import torch
+
+    return "max_seqlen" in inspect.signature(torch.nested.nested_tensor_from_jagged).parameters
 
 
 def _as_numpy(x: Any) -> np.ndarray:

@@ -1,0 +1,458 @@
+"""Collating variable-length records: a padding collate, and a clear error where torch's
+default collate meets values of different lengths.
+
+:func:`pad_collate` pads the named fields of a batch (token ids, labels, any 1-D
+sequence) to the batch's longest row, optionally rounded up to a multiple of 8, adds an
+attention mask and stacks everything else as torch's default collate does. It takes
+batches of records (dicts) and columns batches (``batch_format="columns"``, whose
+variable-length fields are :class:`~torchgrain.columns.Ragged`).
+
+:func:`collate_records` is registered with torch's default collate for plain dict
+records: it collates them as torch does, and when a key's values differ in length
+(where torch fails with "stack expects each tensor to be equal size") it raises
+:class:`~torchgrain.errors.RaggedBatchError` naming the key, the lengths and the fixes.
+The lengths are looked at only after torch has failed: equal-length batches pay nothing.
+
+Example:
+    >>> import numpy as np, torchgrain as tg
+    >>> batch = [{"input_ids": np.array([5, 6, 7]), "y": 0}, {"input_ids": np.array([8]), "y": 1}]
+    >>> out = tg.pad_collate(batch)
+    >>> out["input_ids"].tolist(), out["attention_mask"].tolist(), out["y"].tolist()
+    ([[5, 6, 7], [8, 0, 0]], [[1, 1, 1], [1, 0, 0]], [0, 1])
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, default_collate
+
+from torchgrain.columns import ColumnBatch, Ragged
+from torchgrain.errors import RaggedBatchError
+
+__all__ = ["PadCollate", "collate_records", "pad_collate"]
+
+_SIDES = ("right", "left")
+
+
+def pad_collate(
+    batch: Any = None,
+    *,
+    keys: Sequence[str] | None = None,
+    pad_id: int | float = 0,
+    pad_values: Mapping[str, int | float] | None = None,
+    multiple_of: int | None = None,
+    max_length: int | None = None,
+    side: str = "right",
+    attention_mask: str | None = "attention_mask",
+    labels_pad: int | float = -100,
+) -> Any:
+    """A collate that pads variable-length fields: ``DataLoader(ds, batch_size=32,
+    collate_fn=tg.pad_collate(keys=["input_ids"], multiple_of=8))``.
+
+    Without ``batch`` it returns the collate (a picklable :class:`PadCollate`, so it
+    works with worker processes under any start method); with ``batch`` it collates that
+    batch at once.
+
+    Args:
+        batch: a list of records (dicts), or a columns batch (``[ColumnBatch]`` as the
+            DataLoader passes it, or a :class:`~torchgrain.columns.ColumnBatch`).
+        keys: the fields to pad (each a 1-D list, numpy array or tensor per record, or a
+            :class:`~torchgrain.columns.Ragged` column). ``None``: every such field.
+            ``labels``, when records have it as a 1-D sequence, is padded too.
+        pad_id: the padding value of the padded fields.
+        pad_values: a padding value per field, over the defaults (``pad_id``;
+            ``labels_pad`` for ``labels``; 0 for the attention mask's field).
+        multiple_of: round the padded length up to a multiple of this (8 suits tensor
+            cores).
+        max_length: the padded length never exceeds this; a longer row is an error
+            (truncate it in a ``map``, or cut windows with ``Dataset.windows``).
+        side: ``"right"`` (padding after each row) or ``"left"`` (before it, as
+            generation wants).
+        attention_mask: name of the added int64 mask, 1 on the first padded field's real
+            positions (``None``: no mask; records that have the field already get it
+            padded with 0 instead).
+        labels_pad: the padding value of ``labels`` (-100: ignored by
+            ``torch.nn.functional.cross_entropy``).
+
+    Each field is padded to its own longest row in the batch. Other fields go through
+    torch's default collate. Errors name the field and the record's position in the
+    batch.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> collate = pad_collate(keys=["input_ids"], multiple_of=4, side="left")
+        >>> out = collate([{"input_ids": [1, 2], "labels": [1, 2]},
+        ...                {"input_ids": [3, 4, 5], "labels": [3, 4, 5]}])
+        >>> out["input_ids"].tolist()
+        [[0, 0, 1, 2], [0, 3, 4, 5]]
+        >>> out["labels"].tolist(), out["attention_mask"].tolist()
+        ([[-100, -100, 1, 2], [-100, 3, 4, 5]], [[0, 0, 1, 1], [0, 1, 1, 1]])
+    """
+    fn = PadCollate(
+        keys=keys,
+        pad_id=pad_id,
+        pad_values=pad_values,
+        multiple_of=multiple_of,
+        max_length=max_length,
+        side=side,
+        attention_mask=attention_mask,
+        labels_pad=labels_pad,
+    )
+    return fn if batch is None else fn(batch)
+
+
+class PadCollate:
+    """The collate :func:`pad_collate` makes (see there for the arguments)."""
+
+    def __init__(
+        self,
+        *,
+        keys: Sequence[str] | None = None,
+        pad_id: int | float = 0,
+        pad_values: Mapping[str, int | float] | None = None,
+        multiple_of: int | None = None,
+        max_length: int | None = None,
+        side: str = "right",
+        attention_mask: str | None = "attention_mask",
+        labels_pad: int | float = -100,
+    ) -> None:
+        if isinstance(keys, str):
+            raise TypeError(f"keys must be a list of field names, got the string {keys!r}")
+        if side not in _SIDES:
+            raise ValueError(f"side must be 'right' or 'left', got {side!r}")
+        for name, value in (("multiple_of", multiple_of), ("max_length", max_length)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        self.keys = None if keys is None else list(keys)
+        self.pad_id = pad_id
+        self.pad_values = dict(pad_values or {})
+        self.multiple_of = multiple_of
+        self.max_length = max_length
+        self.side = side
+        self.attention_mask = attention_mask
+        self.labels_pad = labels_pad
+
+    def __repr__(self) -> str:
+        return (
+            f"pad_collate(keys={self.keys!r}, multiple_of={self.multiple_of!r}, "
+            f"max_length={self.max_length!r}, side={self.side!r})"
+        )
+
+    def __call__(self, batch: Any) -> dict[str, Any]:
+        if isinstance(batch, ColumnBatch):
+            return self._columns(batch)
+        if isinstance(batch, Sequence) and len(batch) == 1 and isinstance(batch[0], ColumnBatch):
+            return self._columns(batch[0])
+        if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)):
+            raise TypeError(
+                f"pad_collate takes a list of records (dicts) or a columns batch, got "
+                f"{type(batch).__name__}"
+            )
+        if not batch:
+            raise ValueError("pad_collate got an empty batch")
+        for i, rec in enumerate(batch):
+            if not isinstance(rec, Mapping):
+                raise TypeError(
+                    f"pad_collate takes records that are dicts; record {i} of the batch is "
+                    f"a {type(rec).__name__}"
+                )
+        keys = self._keys_of(batch)
+        out: dict[str, Any] = {}
+        padded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key in keys:
+            rows = [_row_tensor(rec, key, i) for i, rec in enumerate(batch)]
+            padded[key] = self._pad_rows(key, rows)
+        rest = [{k: v for k, v in rec.items() if k not in padded} for rec in batch]
+        if rest[0]:
+            out.update(default_collate(rest))
+        return self._finish(batch[0].keys(), out, padded)
+
+    # ------------------------------------------------------------ internals
+    def _keys_of(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        first = records[0]
+        if self.keys is not None:
+            keys = list(self.keys)
+            for i, rec in enumerate(records):
+                for key in keys:
+                    if key not in rec:
+                        raise KeyError(
+                            f"pad_collate: record {i} of the batch has no field {key!r} "
+                            f"(its fields: {sorted(rec)})"
+                        )
+            extra = [k for k in ("labels", self.attention_mask) if k and k not in keys]
+        else:
+            keys, extra = [], list(first)
+        keys += [k for k in extra if k in first and _all_sequences([r.get(k) for r in records])]
+        return keys
+
+    def _pad_value(self, key: str) -> int | float:
+        if key in self.pad_values:
+            return self.pad_values[key]
+        if key == "labels":
+            return self.labels_pad
+        if key == self.attention_mask:
+            return 0
+        return self.pad_id
+
+    def _width(self, key: str, longest: int, row: int) -> int:
+        if self.max_length is not None and longest > self.max_length:
+            raise ValueError(
+                f"pad_collate: field {key!r} of record {row} of the batch holds {longest} "
+                f"values, more than max_length={self.max_length}: truncate it in a map, or "
+                "cut fixed-length windows with Dataset.windows"
+            )
+        width = longest
+        if self.multiple_of is not None:
+            width = -(-width // self.multiple_of) * self.multiple_of
+        if self.max_length is not None:
+            width = min(width, self.max_length)
+        return width
+
+    def _pad_rows(self, key: str, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        longest = int(lengths.max())
+        width = self._width(key, longest, int(lengths.argmax()))
+        dtype = rows[0].dtype
+        for r in rows[1:]:
+            dtype = torch.promote_types(dtype, r.dtype)
+        pad = self._pad_value(key)
+        dtype = _dtype_for(dtype, pad)
+        out = torch.full((len(rows), width), pad, dtype=dtype)
+        for i, r in enumerate(rows):
+            n = len(r)
+            if self.side == "right":
+                out[i, :n] = r
+            else:
+                out[i, width - n :] = r
+        return out, lengths
+
+    def _columns(self, batch: ColumnBatch) -> dict[str, Any]:
+        from torchgrain._worker_batches import collate_columns
+
+        n = len(batch)
+        if self.keys is not None:
+            keys = list(self.keys)
+            for key in keys:
+                if key not in batch:
+                    raise KeyError(
+                        f"pad_collate: the columns batch has no field {key!r} (its fields: "
+                        f"{sorted(batch)})"
+                    )
+            keys += [
+                k
+                for k in ("labels", self.attention_mask)
+                if k and k not in keys and _is_column_sequence(batch.get(k))
+            ]
+        else:
+            keys = [k for k, v in batch.items() if _is_column_sequence(v)]
+        padded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for key in keys:
+            padded[key] = self._pad_column(key, batch[key], n)
+        rest = ColumnBatch({k: v for k, v in batch.items() if k not in padded}, num_rows=n)
+        out = collate_columns([rest]) if dict.__len__(rest) else {}
+        return self._finish(batch.keys(), out, padded)
+
+    def _pad_column(self, key: str, col: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(col, np.ndarray) and col.ndim == 2 and col.dtype != object:
+            # Equal lengths in this batch: stacked already.
+            col = Ragged(col.reshape(-1), np.arange(n + 1, dtype=np.int64) * col.shape[1], "array")
+        if isinstance(col, list):  # values a column could not hold as one array
+            return self._pad_rows(key, [_as_row(v, key, i) for i, v in enumerate(col)])
+        if not isinstance(col, Ragged):
+            raise TypeError(
+                f"pad_collate: field {key!r} of the columns batch is not variable-length "
+                f"values (a Ragged) but {type(col).__name__}"
+            )
+        lengths = col.lengths()
+        longest = int(lengths.max()) if n else 0
+        width = self._width(key, longest, int(lengths.argmax()) if n else 0)
+        pad = self._pad_value(key)
+        values = col.values if isinstance(col.values, torch.Tensor) else _to_tensor(col.values)
+        dtype = _dtype_for(values.dtype, pad)
+        if dtype != values.dtype:
+            col = Ragged(values.to(dtype), col.offsets, col.kind)
+        out, lengths = col.to_padded(pad, side=self.side)
+        if out.shape[1] < width:  # multiple_of: more padding
+            extra = torch.full((n, width - out.shape[1]), pad, dtype=out.dtype)
+            out = torch.cat([out, extra] if self.side == "right" else [extra, out], dim=1)
+        return out, lengths
+
+    def _finish(
+        self,
+        order: Any,
+        collated: dict[str, Any],
+        padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> dict[str, Any]:
+        out = collated
+        for key, (tensor, _) in padded.items():
+            out[key] = tensor
+        mask_name = self.attention_mask
+        if mask_name and mask_name not in padded and mask_name not in out and padded:
+            first = next(iter(padded))
+            tensor, lengths = padded[first]
+            width = tensor.shape[1]
+            pos = torch.arange(width)
+            if self.side == "right":
+                mask = pos[None, :] < lengths[:, None]
+            else:
+                mask = pos[None, :] >= (width - lengths)[:, None]
+            out[mask_name] = mask.to(torch.int64)
+        # The records' field order, then what was added.
+        ordered = {k: out[k] for k in order if k in out}
+        for k, v in out.items():
+            ordered.setdefault(k, v)
+        if type(out) is dict:
+            return ordered
+        out.clear()  # a worker's shared-memory batch: keep its type
+        out.update(ordered)
+        return out
+
+
+def _dtype_for(dtype: torch.dtype, pad: int | float) -> torch.dtype:
+    """``dtype``, or one that holds the padding value too (-100 in uint16 tokens: int64)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    if isinstance(pad, float) and not float(pad).is_integer():
+        return torch.get_default_dtype()
+    info = torch.iinfo(dtype) if dtype != torch.bool else None
+    if info is not None and info.min <= pad <= info.max:
+        return dtype
+    if dtype == torch.bool and pad in (0, 1):
+        return dtype
+    return torch.int64
+
+
+def _to_tensor(value: np.ndarray) -> torch.Tensor:
+    if not value.flags.writeable:  # torch warns about (and may not write) such an array
+        value = value.copy()
+    return torch.from_numpy(value)
+
+
+def _is_sequence(value: Any) -> bool:
+    """A value pad_collate pads unless told: a 1-D array, tensor or list of numbers."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.ndim == 1 and (not isinstance(value, np.ndarray) or value.dtype.kind in "biuf")
+    return (
+        isinstance(value, (list, tuple))
+        and bool(value)
+        and isinstance(value[0], (int, float, np.integer, np.floating))
+        and not isinstance(value[0], bool)
+    )
+
+
+def _all_sequences(values: list[Any]) -> bool:
+    """Whether every value is a 1-D sequence of numbers (or empty), one at least not."""
+    found = False
+    for v in values:
+        if _is_sequence(v):
+            found = True
+        elif not (isinstance(v, (list, tuple)) and not v):
+            return False
+    return found
+
+
+def _is_column_sequence(col: Any) -> bool:
+    """A column pad_collate pads unless told: Ragged arrays, or a list of sequences."""
+    if isinstance(col, list):
+        return _all_sequences(col)
+    return isinstance(col, Ragged) and col.kind == "array"
+
+
+def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
+    try:
+        if isinstance(value, torch.Tensor):
+            t = value
+        elif isinstance(value, np.ndarray):
+            if value.dtype.kind not in "biuf":
+                raise TypeError(f"an array of {value.dtype}")
+            t = _to_tensor(value)
+        elif isinstance(value, (list, tuple)):
+            t = torch.tensor(value) if value else torch.zeros(0, dtype=torch.int64)
+        else:
+            raise TypeError(f"a {type(value).__name__}")
+        if t.ndim != 1:
+            raise TypeError(f"a value of shape {list(t.shape)}")
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"pad_collate: field {key!r} of record {i} of the batch must be a 1-D list, "
+            f"numpy array or tensor of numbers, got {e}"
+        ) from None
+    return t
+
+
+def _row_tensor(rec: Mapping[str, Any], key: str, i: int) -> torch.Tensor:
+    return _as_row(rec[key], key, i)
+
+
+# ----------------------------------------------------- the default collate's dicts
+def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
+    """What torch's default collate makes of a batch of dict records, with a
+    :class:`~torchgrain.errors.RaggedBatchError` naming the key when a key's values
+    differ in length.
+
+    Registered with torch's default collate (for ``dict`` and its subclasses without
+    their own entry); the result is torch's: a mapping of the same type with each key
+    collated.
+
+    Example:
+        >>> import numpy as np, torch, torchgrain as tg
+        >>> ds = tg.Dataset([{"ids": np.zeros(3)}, {"ids": np.ones(5)}])
+        >>> next(iter(torch.utils.data.DataLoader(ds, batch_size=2)))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.RaggedBatchError: cannot collate key 'ids': its values differ in length within the batch ([3] at entry 0, [5] at entry 1); pad them with collate_fn=tg.pad_collate(keys=['ids']) ...
+    """
+    elem = batch[0]
+    out = {}
+    for key in elem:
+        values = [d[key] for d in batch]
+        try:
+            out[key] = collate(values, collate_fn_map=collate_fn_map)
+        except RaggedBatchError:
+            raise
+        except (RuntimeError, TypeError, ValueError) as e:
+            message = _ragged_message(key, values)
+            if message is None:
+                raise
+            raise RaggedBatchError(message) from e
+    if type(elem) is dict:
+        return out
+    try:  # a dict subclass keeps its type, as torch's default collate keeps it
+        clone = copy.copy(elem)
+        clone.update(out)
+        return clone
+    except TypeError:
+        return out
+
+
+def _ragged_message(key: str, values: list[Any]) -> str | None:
+    """Why ``values`` cannot be stacked, when it is their lengths; None otherwise."""
+    shapes = []
+    for v in values:
+        shape = getattr(v, "shape", None)
+        if shape is not None:
+            shapes.append(tuple(shape))
+        elif isinstance(v, (list, tuple)):
+            shapes.append((len(v),))
+        else:
+            return None
+    if len(set(shapes)) < 2:
+        return None
+    seen = [f"{list(s)} at entry {i}" for i, s in enumerate(shapes) if s != shapes[0]][:2]
+    lengths = f"{list(shapes[0])} at entry 0, " + ", ".join(seen)
+    if len(values) > 3:
+        firsts = [s[0] if s else 0 for s in shapes]
+        lengths += f", ...: {len(values)} values, lengths {min(firsts)}..{max(firsts)}"
+    return (
+        f"cannot collate key {key!r}: its values differ in length within the batch "
+        f"({lengths}); pad them with collate_fn=tg.pad_collate(keys=[{key!r}]) (add "
+        f"multiple_of=8 for tensor cores), or cut fixed-length windows with "
+        f"ds.windows({key!r}, seq_len)"
+    )
