@@ -8,9 +8,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import torchgrain as tg
+from torchgrain.compose.subset import split_counts
 from torchgrain.formats.codecs import get_codec
 from torchgrain.formats.tfrecord import write_tfrecord
 
@@ -161,11 +164,20 @@ def test_block_shuffle_sampler_over_a_concat_stays_in_the_childrens_blocks(tmp_p
         tg.concat([sources[0], tg.Dataset([{"i": 1}])]).block_offsets()
 
 
-def test_global_shuffle_over_a_concat_in_two_spawned_workers(tmp_path):
+def test_global_shuffle_over_a_concat_in_two_spawned_workers(tmp_path, monkeypatch):
     """Each record exactly once, and random_map keyed by the concatenated index: the same
-    values as in this process."""
+    values as in this process. The concat holds split parts and a mapped selection, so
+    spawned workers unpickle every view."""
+    from torchgrain.compose import subset
+
+    monkeypatch.setattr(subset, "MAPPED_ABOVE", 4)
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
     sources, recs = _three_formats(tmp_path)
-    ds = tg.concat(sources, source_field="part").random_map(keyed_noise, seed=5)
+    parts = tg.split(sources[0], {"a": 0.7, "b": 0.3}, seed=3)
+    picked = tg.Dataset(sources[1]).select([6, 0, 5, 1, 4, 2, 3])
+    assert picked.source.rows.index.path is not None
+    ds = tg.concat([parts["b"], picked, parts["a"], sources[2]], source_field="part")
+    ds = ds.random_map(keyed_noise, seed=5)
     assert len(pickle.dumps(ds)) < 64 << 10
     sampler = tg.GlobalShuffleSampler(ds, seed=2)
     sampler.set_epoch(1)
@@ -173,9 +185,126 @@ def test_global_shuffle_over_a_concat_in_two_spawned_workers(tmp_path):
         ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="spawn"
     )
     batches = list(loader)
+    same = tg.GlobalShuffleSampler(len(ds), seed=2)
+    same.set_epoch(1)
+    order = list(same)
     got_i = torch.cat([b["i"] for b in batches]).tolist()
-    assert sorted(got_i) == list(range(len(recs))) and got_i == list(sampler)
+    assert sorted(got_i) == list(range(len(recs)))
+    assert got_i == [ds[k]["i"] for k in order]
     noise = torch.cat([b["noise"] for b in batches]).tolist()
-    assert noise == [ds[i]["noise"] for i in got_i]
+    assert noise == [ds[k]["noise"] for k in order]
     ds.set_epoch(2)
-    assert ds[0]["noise"] != noise[got_i.index(0)]
+    assert ds[0]["noise"] != noise[order.index(0)]
+
+
+# ------------------------------------------------------------- subsets, splits
+def test_select_reads_the_given_indices_and_checks_them_once():
+    ds = tg.Dataset([{"i": i} for i in range(10)]).random_map(keyed_noise, seed=1)
+    sub = ds.select(np.array([7, 2, 2, 9], dtype=np.uint8))
+    assert [r["i"] for r in sub.__getitems__([3, 0, 1, 2])] == [9, 7, 2, 2]
+    assert sub[0]["noise"] == ds[7]["noise"]  # the parent's transforms, keyed by its index
+    assert len(sub) == 4 and sub.block_offsets().tolist() == [0, 4]
+    with pytest.raises(IndexError, match=r"select: record index 10 out of range .*10 records"):
+        ds.select([3, 10])
+    with pytest.raises(IndexError, match="select: record index -1"):
+        ds.select([-1])
+    with pytest.raises(TypeError, match="select: record indices must be integers"):
+        ds.select([1.5])
+    with pytest.raises(ValueError, match="one-dimensional"):
+        ds.select([[1, 2]])
+    with pytest.raises(IndexError):
+        sub[4]
+
+
+def test_a_large_selection_is_a_mapped_file_that_pickles_small(tmp_path, monkeypatch):
+    from torchgrain.compose import subset
+
+    monkeypatch.setattr(subset, "MAPPED_ABOVE", 1000)
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    rows = np.random.default_rng(0).integers(0, 50, 5000)
+    sub = tg.Dataset([{"i": i} for i in range(50)]).select(rows)
+    index = sub.source.rows.index
+    assert index is not None and index.path.startswith(str(tmp_path / "cache"))
+    assert [r["i"] for r in sub.__getitems__(range(5000))] == rows.tolist()
+    clone = pickle.loads(pickle.dumps(sub.source.rows))
+    assert len(pickle.dumps(sub.source.rows)) < 1000
+    assert clone.take(np.arange(5000)).tolist() == rows.tolist()
+    again = tg.Dataset([{"i": i} for i in range(50)]).select(rows)
+    assert again.source.rows.index.path == index.path  # the same file, not another
+
+
+@given(
+    n=st.integers(0, 200),
+    weights=st.lists(st.integers(0, 10), min_size=1, max_size=4).filter(any),
+    scale=st.sampled_from([1.0, 0.5, None]),
+    seed=st.integers(0, 2**64 - 1),
+)
+@settings(max_examples=25, deadline=None)
+def test_split_parts_are_disjoint_exact_and_cover(n, weights, scale, seed):
+    if scale is None:  # counts
+        total = sum(weights)
+        fractions = {f"p{k}": w * n // total for k, w in enumerate(weights)}
+    else:
+        fractions = {f"p{k}": w / sum(weights) * scale for k, w in enumerate(weights)}
+    parts = tg.split(list(range(n)), fractions, seed=seed)
+    assert list(parts) == list(fractions)
+    got = {k: p.__getitems__(list(range(len(p)))) for k, p in parts.items()}
+    everything = [i for rows in got.values() for i in rows]
+    assert len(everything) == len(set(everything))  # disjoint
+    counts = {k: len(rows) for k, rows in got.items()}
+    assert counts == split_counts(n, fractions)
+    if scale is None:
+        assert counts == fractions
+    else:
+        assert all(abs(counts[k] - f * n) < 1 for k, f in fractions.items())
+        if scale == 1.0:
+            assert sorted(everything) == list(range(n))  # covers
+        else:
+            assert sum(counts.values()) == int(scale * n)
+    assert (
+        tg.split(list(range(n)), fractions, seed=seed)["p0"].__getitems__(list(range(counts["p0"])))
+        == got["p0"]
+    )  # the same parts from the seed alone
+
+
+def test_split_counts_rounding_and_bad_fractions():
+    assert split_counts(7, {"a": 0.5, "b": 0.5}) == {"a": 4, "b": 3}
+    assert split_counts(100, {"train": 0.98, "val": 0.02}) == {"train": 98, "val": 2}
+    for bad, err in [
+        ({"a": 0.7, "b": 0.4}, ValueError),
+        ({"a": -0.1}, ValueError),
+        ({"a": 3, "b": 0.5}, TypeError),
+        ({"a": 8, "b": 3}, ValueError),
+        ({}, ValueError),
+        ({"a": True}, TypeError),
+    ]:
+        with pytest.raises(err):
+            split_counts(10, bad)
+    a = tg.split(list(range(50)), {"x": 0.5, "y": 0.5}, seed=1)["x"]
+    b = tg.split(list(range(50)), {"x": 0.5, "y": 0.5}, seed=2)["x"]
+    assert sorted(a.__getitems__(range(25))) != sorted(b.__getitems__(range(25)))
+
+
+def test_a_split_by_key_keeps_each_record_in_its_part_when_shards_are_added(tmp_path):
+    recs = [{"id": f"doc{i}", "v": i} for i in range(90)]
+    tg.write_array_record(recs[:60], tmp_path / "v1", num_shards=2)
+    # Re-sharded, in another order, with 30 new records, and as Parquet.
+    tg.write_parquet(recs[:60][::-1] + recs[60:], tmp_path / "v2", num_shards=3)
+    opts = dict(seed=4, by="id", index_dir=tmp_path / "ix", num_workers=0, progress=False)
+    fractions = {"train": 0.6, "val": 0.2, "test": 0.2}
+    before = tg.split(tg.ArrayRecordSource(tmp_path / "v1"), fractions, **opts)
+    after = tg.split(tg.ParquetSource(tmp_path / "v2"), fractions, **opts)
+
+    def ids(part):
+        return {r["id"] for r in part.__getitems__(list(range(len(part))))}
+
+    old = {r["id"] for r in recs[:60]}
+    seen = set()
+    for name in fractions:
+        assert ids(after[name]) & old == ids(before[name])
+        assert not ids(after[name]) & seen
+        seen |= ids(after[name])
+    assert seen == {r["id"] for r in recs}
+    assert all(len(p) > 0 for p in after.values())
+    with pytest.raises(TypeError, match="fractions, not counts"):
+        tg.split(recs, {"train": 50, "val": 10}, by="id")
