@@ -1,5 +1,5 @@
 """Parquet: ``ParquetSource`` (source), file and hive resolution (paths), schema merging
-(schema) and the conversion of Arrow columns to Python values (values)."""
+(schema) and the conversion of Arrow columns to records and batch columns (values)."""
 
 from torchgrain.sources.parquet.paths import PARQUET_SUFFIXES
 from torchgrain.sources.parquet.schema import arrow_type_name, common_type, merge_types

@@ -9,8 +9,8 @@ Parquet decodes whole row groups (per column), so reading one record at a time w
   requested columns),
 * keeps decoded row groups in Arrow's compact form in a per-process
   :class:`~torchgrain.sources.block_cache.BlockCache` bounded in bytes, and builds a
-  batch's Python records (:mod:`~torchgrain.sources.parquet.rows`) or columns
-  (:mod:`~torchgrain.sources.parquet.columns`) from it per batch, and
+  batch's Python records or columns from it per batch
+  (:mod:`~torchgrain.sources.parquet.values`), and
 * for data bigger than that cache, keeps decoded row groups on local disk, memory-mapped
   and shared by every process of the machine
   (:class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`): each row group is
@@ -35,7 +35,6 @@ from torchgrain.errors import (
 from torchgrain.io.retry import using
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, ReadOptions
-from torchgrain.sources.parquet.columns import GatherPlan, GroupViews, arrow_column, gather
 from torchgrain.sources.parquet.decoded_cache import (
     DecodedCache,
 )
@@ -48,21 +47,26 @@ from torchgrain.sources.parquet.paths import (
     resolve,
 )
 from torchgrain.sources.parquet.pool import trimmer
-from torchgrain.sources.parquet.rows import (
-    RowTemplates,
-    RowViews,
-    build_records,
-    converted_bytes,
-    copy_records,
-    views_bytes,
-)
 from torchgrain.sources.parquet.schema import (
     all_names,
     fixed_bytes,
     merge_file_schemas,
     value_type_name,
 )
-from torchgrain.sources.parquet.values import RowGroup, int64_array
+from torchgrain.sources.parquet.values import (
+    GatherPlan,
+    GroupViews,
+    RowGroup,
+    RowTemplates,
+    RowViews,
+    arrow_column,
+    build_records,
+    converted_bytes,
+    copy_records,
+    gather,
+    int64_array,
+    views_bytes,
+)
 
 __all__ = ["DEFAULT_MAX_ROW_GROUP_BYTES", "ParquetSource"]
 
@@ -431,7 +435,7 @@ class ParquetSource(RowGroupLoader):
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """Read a batch as columns, without a Python object per row where the types allow
-        (see :mod:`torchgrain.sources.parquet.columns`): numbers, fixed-size lists,
+        (see :func:`~torchgrain.sources.parquet.values.arrow_column`): numbers, fixed-size lists,
         binary, strings and lists of numbers are gathered from numpy views of the cached
         row groups' Arrow buffers straight into the batch's arrays; other columns go
         through Arrow ``take``.

@@ -1,64 +1,47 @@
-"""Arrow columns to the Python and numpy values a ParquetSource hands out.
+"""Arrow columns to the Python and numpy values a ParquetSource hands out, for records
+and for columns.
 
-Decoded row groups are converted column-wise (no per-cell pyarrow scalars) into
-:class:`Column` objects that gather rows cheaply; numpy is read straight from Arrow's
-buffers, because ``Array.to_numpy`` imports pandas (about 0.3 s per DataLoader worker).
+A cached :class:`RowGroup` keeps its decoded table in Arrow's compact form and is
+prepared once per batch format: :class:`RowViews` (records built per batch by
+:func:`build_records`: a value costs one index into a memoryview or numpy view, whichever
+row group it sits in), :class:`RowTemplates` (records converted whole while they fit the
+cache, copied by :func:`copy_records`) or :class:`GroupViews` (columns, by :func:`gather`
+and :func:`arrow_column`). Other types (decimals, times, structs, maps, nested lists,
+lists holding nulls...) go through :func:`convert_column`. Numpy is read straight from
+Arrow's buffers: ``Array.to_numpy`` imports pandas (about 0.3 s per DataLoader worker).
 """
 
 from __future__ import annotations
 
+import itertools
+import sys
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from torchgrain.columns import Ragged, column_of, empty
+
+__all__ = [
+    "Column",
+    "GatherPlan",
+    "GroupViews",
+    "RowGroup",
+    "RowTemplates",
+    "RowViews",
+    "arrow_column",
+    "build_records",
+    "convert_column",
+    "converted_bytes",
+    "copy_records",
+    "gather",
+    "int64_array",
+    "views_bytes",
+]
+
 # Rough cost of one Python object held in a cached row group (object header + pointer),
 # added to the Arrow buffer size when charging the cache.
 _PY_OBJECT_BYTES = 48
-
-
-class Column:
-    """One decoded column of a row group, converted once, ready to gather rows from.
-
-    ``plain`` columns hold a Python list of final, immutable values (numbers, str,
-    bytes, None, numpy datetime64 scalars...), gathered by plain list indexing, which
-    keeps a global shuffle (about one row per row group per batch) cheap. Other
-    columns build a fresh value per record: ``"copy"`` (numpy arrays, copied so that
-    callers may write to them), ``"lists"`` (Python lists, shallow-copied), ``"struct"`` (dicts from converted children) and
-    ``"arrow"`` (anything else, through ``to_pylist``).
-    """
-
-    __slots__ = ("kind", "nbytes", "plain", "values")
-
-    def __init__(self, kind: str, values: Any, nbytes: int) -> None:
-        self.kind = kind
-        self.plain = kind == "plain"
-        self.values = values
-        self.nbytes = int(nbytes)
-
-    def get(self, r: int) -> Any:
-        return self.take([r])[0]
-
-    def take(self, rows: list[int]) -> list[Any]:
-        values = self.values
-        kind = self.kind
-        if kind == "plain":
-            return [values[r] for r in rows]
-        if kind == "copy":
-            return [_copy_value(values[r]) for r in rows]
-        if kind == "lists":  # lists of immutable values: a shallow copy is private
-            return [None if values[r] is None else list(values[r]) for r in rows]
-        if kind == "struct":
-            names, children, valid = values
-            if not names:
-                out: list[Any] = [{} for _ in rows]
-            else:
-                cols = [c.take(rows) for c in children]
-                out = [dict(zip(names, vals)) for vals in zip(*cols)]
-            if valid is not None:
-                out = [rec if valid[r] else None for rec, r in zip(out, rows)]
-            return out
-        return values.take(int64_array(rows)).to_pylist()
 
 
 class RowGroup:
@@ -66,13 +49,10 @@ class RowGroup:
 
     ``table`` is the decoded row group, in this process's memory or memory-mapped from
     the node's decoded disk cache (``mapped``: its buffers cost no private memory). It is
-    prepared lazily for each batch format: ``rows`` (a
-    :class:`~torchgrain.sources.parquet.rows.RowViews`, for records; or ``templates``, a
-    :class:`~torchgrain.sources.parquet.rows.RowTemplates`, when the source's converted
-    records fit its cache) and ``views`` (a
-    :class:`~torchgrain.sources.parquet.columns.GroupViews`, for columns). ``nbytes`` is
-    what the cache is charged: the table's size (a mapped table: ``mapped_bytes``) plus
-    what its preparations added.
+    prepared lazily for each batch format: ``rows`` (:class:`RowViews`), ``templates``
+    (:class:`RowTemplates`, when the source's converted records fit its cache) and
+    ``views`` (:class:`GroupViews`). ``nbytes`` is what the cache is charged: the table's
+    size (a mapped table: ``mapped_bytes``) plus what its preparations added.
     """
 
     __slots__ = (
@@ -93,7 +73,7 @@ class RowGroup:
         self.table: pa.Table | None = table
         self.views: Any = None
         self.rows: Any = None
-        self.templates: Any = None  # converted records (rows.RowTemplates), when they fit
+        self.templates: Any = None
         self.mapped = mapped_bytes is not None
         self.nbytes = int(table.nbytes if mapped_bytes is None else mapped_bytes)
         self.path = path  # the decoded-cache file a mapped table lives in
@@ -110,12 +90,9 @@ class RowGroup:
     def charge(self) -> int:
         """What the cache is charged for this entry and its preparations."""
         extra = 0
-        if self.views is not None:
-            extra += self.views.nbytes
-        if self.rows is not None:
-            extra += self.rows.nbytes
-        if self.templates is not None:
-            extra += self.templates.nbytes
+        for prepared in (self.views, self.rows, self.templates):
+            if prepared is not None:
+                extra += prepared.nbytes
         return self.nbytes + extra
 
 
@@ -129,8 +106,15 @@ def int64_array(values: Any) -> pa.Array:
     return pa.Array.from_buffers(pa.int64(), len(buf), [None, pa.py_buffer(buf)])
 
 
-# Arrow buffers are read straight into numpy here: ``Array.to_numpy`` imports pandas on
-# first use (~0.3 s), which every DataLoader worker would pay again at each epoch.
+# ------------------------------------------------------------- Arrow buffers as numpy
+def _array(col: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A column as one array, dictionaries decoded (``combine_chunks`` copies even a
+    single chunk)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
+
+
 def _bits(buf: pa.Buffer, offset: int, n: int) -> np.ndarray:
     """Arrow's little-endian bitmap as a bool array of ``n`` values from bit ``offset``."""
     raw = np.frombuffer(buf, dtype=np.uint8)
@@ -182,6 +166,32 @@ def _primitive_numpy(arr: pa.Array) -> np.ndarray:
     return values.astype(view)
 
 
+def _offsets(arr: pa.Array) -> np.ndarray:
+    """The ``len(arr) + 1`` offsets of a list, map, binary or string array, as stored."""
+    t = arr.type
+    large = pa.types.is_large_list(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+    dtype = np.int64 if large else np.int32
+    buf = arr.buffers()[1]
+    if buf is None:
+        return np.zeros(len(arr) + 1, dtype)
+    return np.frombuffer(buf, dtype=dtype, count=arr.offset + len(arr) + 1)[arr.offset :]
+
+
+def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """``(offsets, child)``: row i's items are ``child[offsets[i]:offsets[i + 1]]``."""
+    if pa.types.is_fixed_size_list(arr.type):
+        k = arr.type.list_size
+        offsets = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
+        return offsets, arr.values
+    return _offsets(arr).astype(np.int64), arr.values
+
+
+def _binary_data(arr: pa.Array) -> np.ndarray:
+    """The value bytes of a binary or string array (offsets index into them)."""
+    buf = arr.buffers()[2]
+    return np.frombuffer(buf, np.uint8) if buf is not None else np.zeros(0, np.uint8)
+
+
 def _with_nulls(values: list[Any], mask: np.ndarray | None) -> list[Any]:
     if mask is not None:
         for i in np.flatnonzero(mask).tolist():
@@ -201,6 +211,85 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
+def _is_string(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
+    """A numeric/bool/temporal child as read-only numpy (null slots undefined), else None."""
+    if not (_is_number(arr.type) or _is_temporal(arr.type)):
+        return None
+    values = _primitive_numpy(arr)
+    values.setflags(write=False)
+    return values
+
+
+def _rows_with_null_items(child: pa.Array, outer: np.ndarray, n: int) -> np.ndarray | None:
+    """Which of the ``n`` rows (items ``child[outer[i]:outer[i + 1]]``) hold a null item;
+    None when none does."""
+    child_mask = _null_mask(child)
+    if child_mask is None:
+        return None
+    pos = np.flatnonzero(child_mask)
+    pos = pos[(pos >= outer[0]) & (pos < outer[-1])]
+    if len(pos) == 0:  # the null items lie outside this (sliced) array's rows
+        return None
+    owner = np.searchsorted(outer, pos, side="right") - 1
+    flags = np.zeros(n, dtype=bool)
+    flags[owner] = True
+    return flags
+
+
+# ------------------------------------------------------------- whole-column conversion
+class Column:
+    """One decoded column of a row group, converted once, ready to gather rows from.
+
+    ``plain`` columns hold a Python list of final, immutable values (numbers, str,
+    bytes, None, numpy datetime64 scalars...), gathered by list indexing, which keeps a
+    global shuffle (about one row per row group per batch) cheap. Other kinds build a
+    fresh value per record: ``"copy"`` (numpy arrays, copied so that callers may write
+    to them), ``"lists"`` (Python lists, shallow-copied), ``"struct"`` (dicts from
+    converted children) and ``"arrow"`` (anything else, through ``to_pylist``).
+
+    Example:
+        >>> convert_column(pa.array([[1, 2], None])).take([1, 0])
+        [None, array([1, 2])]
+    """
+
+    __slots__ = ("kind", "nbytes", "plain", "values")
+
+    def __init__(self, kind: str, values: Any, nbytes: int) -> None:
+        self.kind = kind
+        self.plain = kind == "plain"
+        self.values = values
+        self.nbytes = int(nbytes)
+
+    def take(self, rows: list[int]) -> list[Any]:
+        values = self.values
+        kind = self.kind
+        if kind == "plain":
+            return [values[r] for r in rows]
+        if kind == "copy":
+            return [_copy_value(values[r]) for r in rows]
+        if kind == "lists":  # lists of immutable values: a shallow copy is private
+            return [None if values[r] is None else list(values[r]) for r in rows]
+        if kind == "struct":
+            names, children, valid = values
+            if not names:
+                out: list[Any] = [{} for _ in rows]
+            else:
+                cols = [c.take(rows) for c in children]
+                out = [dict(zip(names, vals)) for vals in zip(*cols)]
+            if valid is not None:
+                out = [rec if valid[r] else None for rec, r in zip(out, rows)]
+            return out
+        return values.take(int64_array(rows)).to_pylist()
+
+
 # Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
 _PYLIST_TYPES = (
     pa.types.is_string,
@@ -215,14 +304,8 @@ _PYLIST_TYPES = (
 
 def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
     """Convert a column column-wise (no per-cell pyarrow scalars) for gathering."""
-    if isinstance(col, pa.ChunkedArray):  # combine_chunks copies even a single chunk
-        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-    else:
-        arr = col
+    arr = _array(col)
     t = arr.type
-    if pa.types.is_dictionary(t):
-        arr = arr.dictionary_decode()
-        t = arr.type
     n = len(arr)
     # Python lists cost a pointer per value plus the value object (small for numbers).
     overhead = n * _PY_OBJECT_BYTES
@@ -257,51 +340,13 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
     return Column("arrow", arr, arr.nbytes + overhead)
 
 
-def _list_offsets(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
-    """``(offsets, child)``: row i's items are ``child[offsets[i]:offsets[i + 1]]``."""
-    if pa.types.is_fixed_size_list(arr.type):
-        k = arr.type.list_size
-        offsets = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
-        return offsets, arr.values
-    dtype = np.int64 if pa.types.is_large_list(arr.type) else np.int32
-    offsets = np.frombuffer(arr.buffers()[1], dtype=dtype, count=arr.offset + len(arr) + 1)
-    return offsets[arr.offset :].astype(np.int64), arr.values
-
-
-def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
-    """A numeric/bool/temporal child as numpy (null slots undefined), else None."""
-    t = arr.type
-    if not (_is_number(t) or _is_temporal(t)):
-        return None
-    values = _primitive_numpy(arr)
-    values.setflags(write=False)
-    return values
-
-
-def _rows_with_null_items(child: pa.Array, outer: np.ndarray, n: int) -> np.ndarray | None:
-    """Which of the ``n`` rows (items ``child[outer[i]:outer[i + 1]]``) hold a null item;
-    None when none does."""
-    child_mask = _null_mask(child)
-    if child_mask is None:
-        return None
-    pos = np.flatnonzero(child_mask)
-    pos = pos[(pos >= outer[0]) & (pos < outer[-1])]
-    if len(pos) == 0:  # the null items lie outside this (sliced) array's rows
-        return None
-    owner = np.searchsorted(outer, pos, side="right") - 1
-    flags = np.zeros(n, dtype=bool)
-    flags[owner] = True
-    return flags
-
-
 def _lists_to_numpy(arr: pa.Array) -> Column | None:
     """List columns of numbers as per-row numpy arrays (2-D where rectangular).
 
-    Rows are read-only views of one buffer here; ``take`` copies them, so callers get
-    writable arrays that do not alias the cache. Lists whose items are not numbers are
-    Python lists (None when the caller should use ``to_pylist``). Which form a row gets
-    depends on that row alone: a row holding a null item (or a null inner list) is a
-    Python list, whatever the rows read with it hold.
+    Rows are read-only views of one buffer here; ``take`` copies them. Lists whose items
+    are not numbers are Python lists (None when the caller should use ``to_pylist``). A
+    row holding a null item (or a null inner list) is a Python list, whatever the rows
+    read with it hold.
     """
     n = len(arr)
     mask = _null_mask(arr)
@@ -380,8 +425,7 @@ def _maps_to_python(arr: pa.MapArray) -> Column | None:
     """Map columns as lists of ``(key, value)`` tuples, like ``to_pylist``."""
     n = len(arr)
     mask = _null_mask(arr)
-    offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=arr.offset + n + 1)
-    bounds = offsets[arr.offset :].tolist()
+    bounds = _offsets(arr).tolist()
     key_arr, item_arr = arr.values.flatten()
     keys, items = convert_column(key_arr), convert_column(item_arr)
     if not (keys.plain and items.plain):
@@ -403,3 +447,617 @@ def _copy_value(v: Any) -> Any:
     if any(isinstance(a, np.ndarray) for a in v):
         return [a.copy() for a in v]
     return [list(a) if isinstance(a, list) else a for a in v]
+
+
+# ------------------------------------------------------------- where a batch's rows are
+class GatherPlan:
+    """Where a batch's rows come from. The *staged* order lists the batch's rows of its
+    first row group, then of the second...: ``rows[k]`` are group ``k``'s rows,
+    ``bounds[k]`` is where they start in the staged order, ``order`` lists the batch
+    positions in staged order and ``where[i]`` is batch row ``i``'s place in it.
+
+    Example:
+        >>> p = GatherPlan(np.array([1, 0, 1]), np.array([5, 7, 6]))
+        >>> [r.tolist() for r in p.rows], p.bounds, p.where.tolist()
+        ([[7], [5, 6]], [0, 1, 3], [1, 0, 2])
+    """
+
+    __slots__ = ("bounds", "first", "groups", "n", "order", "rows", "where")
+
+    def __init__(self, groups: np.ndarray, rows: np.ndarray) -> None:
+        n = len(groups)
+        order = np.argsort(groups, kind="stable")
+        ordered = groups[order]
+        cuts = (np.flatnonzero(ordered[1:] != ordered[:-1]) + 1).tolist()
+        bounds = [0, *cuts, n]
+        self.n = n
+        self.order = order
+        self.groups = ordered[bounds[:-1]]  # the distinct row groups, ascending
+        self.first = order[bounds[:-1]]  # a batch position of each (for error messages)
+        staged_rows = rows[order]
+        self.rows = [staged_rows[a:b] for a, b in itertools.pairwise(bounds)]
+        self.bounds = bounds
+        self.where = np.empty(n, np.int64)
+        self.where[order] = np.arange(n)
+
+
+# ------------------------------------------------------------- records, built per batch
+# Column kinds (ints: compared once per column and batch).
+_GENERIC, _NONE, _NUM, _BOOL, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(10)
+_BOOLS = (False, True)
+# Each distinct layout (kind and nulls of every column) gets a number: a batch compares
+# its row groups' numbers, not their layouts.
+_SIGNATURES: dict[tuple[tuple[int, bool], ...], int] = {}
+# Bookkeeping of one prepared row group (views, tuples, lists), charged to the cache.
+_VIEWS_OVERHEAD = 2048
+_COLUMN_OVERHEAD = 512
+
+
+class _Column:
+    """How to read one column of one row group: ``kind`` and its buffers.
+
+    ``a``/``b`` depend on the kind: values (memoryview or numpy), offsets (memoryview),
+    the byte width of fixed-size binary. ``nulls`` is a ``bytes`` with 1 for each null
+    row, or None when the column has none. ``arrow`` is the column itself (generic kind).
+    """
+
+    __slots__ = ("a", "arrow", "b", "kind", "nulls")
+
+    def __init__(self, kind: int, a: Any = None, b: Any = None, nulls: bytes | None = None):
+        self.kind = kind
+        self.a = a
+        self.b = b
+        self.nulls = nulls
+        self.arrow: pa.Array | None = None
+
+
+def _column(arr: pa.Array) -> tuple[_Column, int]:
+    """The view of one column, and the private bytes it allocated."""
+    t = arr.type
+    n = len(arr)
+    mask = _null_mask(arr)
+    nulls = None if mask is None else mask.tobytes()
+    private = 0 if nulls is None else n
+    off = arr.offset
+    if pa.types.is_null(t):
+        return _Column(_NONE), 0
+    if pa.types.is_boolean(t):
+        bits = _primitive_numpy(arr).view(np.uint8).tobytes()
+        return _Column(_BOOL, bits, None, nulls), private + n
+    # memoryview reads native numbers only, and no half floats.
+    if _is_number(t) and not pa.types.is_float16(t) and sys.byteorder == "little":
+        return _Column(_NUM, memoryview(_primitive_numpy(arr)), None, nulls), private
+    if _is_temporal(t):
+        values = _primitive_numpy(arr)
+        private += 0 if values.base is not None else values.nbytes
+        return _Column(_SCALAR, values, None, nulls), private
+    if _is_string(t) or _is_binary(t):
+        data = memoryview(_binary_data(arr))
+        kind = _STR if _is_string(t) else _BIN
+        return _Column(kind, data, memoryview(_offsets(arr)), nulls), private
+    if pa.types.is_fixed_size_binary(t):
+        width = t.byte_width
+        buf = arr.buffers()[1]
+        data = memoryview(buf if buf is not None else bytes((off + n) * width))
+        return _Column(_FIXED_BIN, data[off * width : (off + n) * width], width, nulls), private
+    if _is_list(t) and not _is_list(t.value_type):
+        child = arr.values
+        leaf = _leaf_numpy(child)
+        if leaf is None:
+            return _Column(_GENERIC), 0
+        if child.null_count:
+            holed = _rows_with_null_items(child, _list_offsets(arr)[0], n)
+            if holed is not None and mask is not None:
+                holed &= ~mask
+            if holed is not None and holed.any():
+                return _Column(_GENERIC), 0  # rows with null items: Python lists
+        if leaf.base is None:
+            private += leaf.nbytes
+        if pa.types.is_fixed_size_list(t):
+            k = t.list_size
+            rows = leaf[off * k : (off + n) * k].reshape(n, k)
+            return _Column(_MATRIX, rows, None, nulls), private
+        return _Column(_ARRAY, leaf, memoryview(_offsets(arr)), nulls), private
+    return _Column(_GENERIC), 0
+
+
+class RowViews:
+    """A cached row group prepared for building records: one :class:`_Column` per column.
+
+    Made once per cached row group and process; holds views of the table's buffers (no
+    copy, except bools, null masks and columns of several chunks), so a memory-mapped
+    table stays mapped, not copied. ``nbytes`` is what it adds to the table's memory.
+
+    Example:
+        >>> v = RowViews(pa.table({"x": [1, 2], "s": ["a", None]}))
+        >>> build_records(("x", "s"), [0, 1], [v], np.array([0, 0]), np.array([1, 0]))
+        [{'x': 2, 's': None}, {'x': 1, 's': 'a'}]
+    """
+
+    __slots__ = ("columns", "layout", "nbytes", "num_rows", "signature")
+
+    def __init__(self, table: pa.Table) -> None:
+        self.num_rows = table.num_rows
+        columns = []
+        nbytes = _VIEWS_OVERHEAD
+        for col in table.columns:
+            arr = _array(col)
+            if col.num_chunks > 1 or pa.types.is_dictionary(col.type):
+                nbytes += arr.nbytes  # a copy
+            view, private = _column(arr)
+            view.arrow = arr
+            columns.append(view)
+            nbytes += private + _COLUMN_OVERHEAD
+        self.columns = columns
+        self.nbytes = nbytes
+        # Row groups of one signature read every column the same way (the common case:
+        # checked once per batch, not once per column and row group).
+        self.layout = tuple((c.kind, c.nulls is not None) for c in columns)
+        self.signature = _SIGNATURES.setdefault(self.layout, len(_SIGNATURES))
+
+
+def build_records(
+    keys: tuple[str, ...] | list[str],
+    positions: list[int],
+    groups: list[RowViews],
+    which: np.ndarray,
+    rows: np.ndarray,
+    constants: dict[int, list[Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """The records of a batch, in request order.
+
+    ``which[i]`` is the index in ``groups`` of request ``i``'s row group and ``rows[i]``
+    its row there. ``positions[j]`` is key ``j``'s column in the tables, or ``-1`` for a
+    key whose values come from ``constants[j]`` (one per request: hive partitions).
+    """
+    n = len(which)
+    k_list = which.tolist()
+    r_list = rows.tolist()
+    plan = None
+    columns: list[list[Any]] = []
+    alike = len({g.signature for g in groups}) == 1
+    per_group = [g.columns for g in groups]
+    for j, pos in enumerate(positions):
+        if pos < 0:
+            assert constants is not None
+            columns.append(constants[j])
+            continue
+        views = [c[pos] for c in per_group]
+        kind, nullable = groups[0].layout[pos]
+        if not alike:
+            if any(v.kind != kind for v in views):
+                kind = _GENERIC
+            nullable = any(v.nulls is not None for v in views)
+        if kind == _GENERIC:
+            plan = plan or GatherPlan(which, rows)
+            columns.append(_generic(views, plan))
+            continue
+        values = _values(kind, views, k_list, r_list, n)
+        if nullable:
+            masks = [v.nulls for v in views]
+            for i, (k, r) in enumerate(zip(k_list, r_list)):
+                m = masks[k]
+                if m is not None and m[r]:
+                    values[i] = None
+        columns.append(values)
+    if not keys:
+        return [{} for _ in range(n)]
+    return _records(keys, columns)
+
+
+def _records(keys: tuple[str, ...] | list[str], columns: list[list[Any]]) -> list[dict[str, Any]]:
+    """One dict per row of ``columns`` (``columns[j]`` holds key ``j``'s values).
+
+    Dict displays (``{k0: a, k1: b}``) build a record about 3x faster than
+    ``dict(zip(keys, row))``: the first four keys are set so, the others four at a time
+    in one pass over the records.
+
+    Example:
+        >>> _records(["a", "b"], [[1, 2], ["x", "y"]])
+        [{'a': 1, 'b': 'x'}, {'a': 2, 'b': 'y'}]
+    """
+    n = len(keys)
+    if n == 1:
+        (k0,) = keys
+        return [{k0: a} for a in columns[0]]
+    if n == 2:
+        k0, k1 = keys
+        return [{k0: a, k1: b} for a, b in zip(*columns)]
+    if n == 3:
+        k0, k1, k2 = keys
+        return [{k0: a, k1: b, k2: c} for a, b, c in zip(*columns)]
+    k0, k1, k2, k3 = keys[:4]
+    out = [{k0: a, k1: b, k2: c, k3: d} for a, b, c, d in zip(*columns[:4])]
+    j = 4
+    while n - j >= 4:
+        k0, k1, k2, k3 = keys[j : j + 4]
+        for rec, a, b, c, d in zip(out, *columns[j : j + 4]):
+            rec[k0] = a
+            rec[k1] = b
+            rec[k2] = c
+            rec[k3] = d
+        j += 4
+    for key, column in zip(keys[j:], columns[j:]):
+        for rec, a in zip(out, column):
+            rec[key] = a
+    return out
+
+
+def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: int) -> list[Any]:
+    """One column's values at ``(ks[i], rs[i])`` (null rows hold whatever their slot does)."""
+    if kind == _NONE:
+        return [None] * n
+    if kind in (_NUM, _SCALAR):
+        if len(views) == 1:
+            a = views[0].a
+            if kind == _NUM and n > 64:  # many rows of one row group: numpy's C loop
+                return np.asarray(a)[rs].tolist()
+            return [a[r] for r in rs]
+        arrs = [v.a for v in views]
+        return [arrs[k][r] for k, r in zip(ks, rs)]
+    if kind == _BOOL:
+        bits = [v.a for v in views]
+        return [_BOOLS[bits[k][r]] for k, r in zip(ks, rs)]
+    if kind in (_STR, _BIN):
+        data = [v.a for v in views]
+        offs = [v.b for v in views]
+        out = []
+        for k, r in zip(ks, rs):
+            o = offs[k]
+            out.append(data[k][o[r] : o[r + 1]])
+        if kind == _STR:
+            return [str(v, "utf-8") for v in out]
+        return [bytes(v) for v in out]
+    if kind == _FIXED_BIN:
+        data = [v.a for v in views]
+        w = views[0].b
+        return [bytes(data[k][r * w : r * w + w]) for k, r in zip(ks, rs)]
+    if kind == _MATRIX:
+        mats = [v.a for v in views]
+        return [mats[k][r].copy() for k, r in zip(ks, rs)]
+    # _ARRAY: a fresh copy of each row's slice of the leaf values
+    leaves = [v.a for v in views]
+    offs = [v.b for v in views]
+    out = []
+    for k, r in zip(ks, rs):
+        o = offs[k]
+        out.append(leaves[k][o[r] : o[r + 1]].copy())
+    return out
+
+
+def _generic(views: list[_Column], plan: GatherPlan) -> list[Any]:
+    """A column through Arrow: each row group's rows, joined, converted, request order."""
+    pieces = []
+    for g, r in zip(plan.groups.tolist(), plan.rows):
+        arr = views[g].arrow
+        assert arr is not None
+        pieces.append(arr.slice(int(r[0]), 1) if len(r) == 1 else arr.take(int64_array(r)))
+    joined = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+    return convert_column(joined).take(plan.where.tolist())
+
+
+class RowTemplates:
+    """A row group converted whole into finished records, for data whose converted rows
+    fit the cache: a read then copies one dict per record (C speed) instead of building
+    its values.
+
+    ``records`` holds one dict per row with every key, its immutable values (numbers,
+    str, bytes, None, numpy scalars...) filled in; ``mutable`` the ``(key, column)``
+    pairs whose values are made fresh for every read (arrays, lists, dicts), whose
+    keys hold None in the templates. ``nbytes`` estimates what the Python objects cost.
+
+    Example:
+        >>> t = RowTemplates(pa.table({"x": [1, 2], "v": [[1.0], [2.0]]}), ("x", "v"), [0, 1], {})
+        >>> copy_records([t], np.array([0, 0]), np.array([1, 0]))
+        [{'x': 2, 'v': array([2.])}, {'x': 1, 'v': array([1.])}]
+    """
+
+    __slots__ = ("mutable", "nbytes", "records")
+
+    def __init__(
+        self,
+        table: pa.Table,
+        keys: tuple[str, ...] | list[str],
+        positions: list[int],
+        constants: dict[int, Any],
+    ) -> None:
+        n = table.num_rows
+        records: list[dict[str, Any]] = [{} for _ in range(n)]
+        mutable = []
+        nbytes = 0
+        # Filled column by column: about 2x faster than a dict per row from a zip.
+        for j, (key, pos) in enumerate(zip(keys, positions)):
+            if pos < 0:  # one value for the whole row group (a hive partition key)
+                value = constants[j]
+                for rec in records:
+                    rec[key] = value
+                continue
+            col = convert_column(table.column(pos))
+            nbytes += col.nbytes
+            if col.plain:
+                for rec, value in zip(records, col.values):
+                    rec[key] = value
+            else:  # a placeholder keeps the key order; each read fills a fresh value
+                mutable.append((key, col))
+                for rec in records:
+                    rec[key] = None
+        if records:
+            nbytes += n * sys.getsizeof(records[0])
+        self.records = records
+        self.mutable = mutable
+        self.nbytes = nbytes
+
+
+def views_bytes(columns: int) -> int:
+    """What a row group's :class:`RowViews` are charged, beyond copies (bools, nulls)."""
+    return _VIEWS_OVERHEAD + _COLUMN_OVERHEAD * columns
+
+
+def converted_bytes(num_rows: int, keys: int) -> int:
+    """Estimated Python objects of ``num_rows`` converted records of ``keys`` keys beyond
+    their Arrow data (a dict each, an object per value)."""
+    return num_rows * (sys.getsizeof(dict.fromkeys(range(keys))) + _PY_OBJECT_BYTES * keys)
+
+
+def copy_records(
+    groups: list[RowTemplates], which: np.ndarray, rows: np.ndarray
+) -> list[dict[str, Any]]:
+    """The records of a batch, in request order, copied from converted row groups
+    (``which[i]``, ``rows[i]`` as in :func:`build_records`)."""
+    templates = [g.records for g in groups]
+    out = [templates[k][r].copy() for k, r in zip(which.tolist(), rows.tolist())]
+    if groups[0].mutable:
+        # Values that must be fresh per record replace the placeholders, group by group.
+        plan = GatherPlan(which, rows)
+        order = plan.order.tolist()
+        for k, (g, local) in enumerate(zip(plan.groups.tolist(), plan.rows)):
+            recs = [out[i] for i in order[plan.bounds[k] : plan.bounds[k + 1]]]
+            for key, col in groups[g].mutable:
+                for rec, value in zip(recs, col.take(local.tolist())):
+                    rec[key] = value
+    return out
+
+
+# ------------------------------------------------------------- columns
+def arrow_column(col: pa.ChunkedArray | pa.Array) -> Any:
+    """The batch-column form of an Arrow column: numbers and bools without nulls a numpy
+    array ``[B]``; binary and strings without nulls a :class:`~torchgrain.columns.Ragged`;
+    fixed-size lists (nested too) and lists of numbers whose rows have one length a numpy
+    array ``[B, k]`` (``[B, a, b]``), other lists of numbers a ``Ragged`` of kind
+    ``"array"``; anything else (nulls, temporal, structs, maps...) the values a records
+    batch holds, in :func:`~torchgrain.columns.column_of` form. Arrays come from
+    :func:`torchgrain.columns.empty` (shared memory in a DataLoader worker).
+
+    Example:
+        >>> arrow_column(pa.array([1, 2], pa.int32())).tolist()
+        [1, 2]
+        >>> arrow_column(pa.array([b"ab", b"c"]))[1]
+        b'c'
+        >>> arrow_column(pa.array([[1.0, 2.0], [3.0, 4.0]])).shape
+        (2, 2)
+    """
+    arr = _array(col)
+    out = _fast(arr) if arr.null_count == 0 else None
+    if out is not None:
+        return out
+    return column_of(convert_column(arr).take(list(range(len(arr)))))
+
+
+def _fast(arr: pa.Array) -> Any:
+    t = arr.type
+    if _is_number(t):
+        return _copy(_primitive_numpy(arr))
+    if _is_string(t) or _is_binary(t):
+        n = len(arr)
+        offsets = _offsets(arr)
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        out_offsets = empty((n + 1,), np.int64)
+        np.subtract(offsets, lo, out=out_offsets, casting="unsafe")
+        return Ragged(
+            _copy(_binary_data(arr)[lo:hi]), out_offsets, "str" if _is_string(t) else "bytes"
+        )
+    if _is_list(t):
+        return _lists(arr)
+    return None
+
+
+def _copy(values: np.ndarray) -> np.ndarray:
+    out = empty(values.shape, values.dtype)
+    out[...] = values
+    return out
+
+
+def _leaf(arr: pa.Array) -> np.ndarray | None:
+    if arr.null_count or not _is_number(arr.type):
+        return None
+    return _primitive_numpy(arr)
+
+
+def _lists(arr: pa.Array) -> Any:
+    n = len(arr)
+    outer, child = _list_offsets(arr)
+    if not _is_list(child.type):
+        leaf = _leaf(child)
+        if leaf is None:
+            return None
+        lengths = np.diff(outer)
+        values = leaf[int(outer[0]) : int(outer[-1])]
+        if n and (lengths == lengths[0]).all():
+            return _copy(values.reshape(n, int(lengths[0])))
+        offsets = empty((n + 1,), np.int64)
+        np.subtract(outer, outer[0], out=offsets)
+        return Ragged(_copy(values), offsets, "array")
+    if child.null_count:
+        return None
+    inner, grandchild = _list_offsets(child)
+    if _is_list(grandchild.type):
+        return None
+    leaf = _leaf(grandchild)
+    if leaf is None:
+        return None
+    rows = np.diff(outer)
+    if not n or not (rows == rows[0]).all():
+        return None
+    inner = inner[int(outer[0]) : int(outer[-1]) + 1]
+    cols = np.diff(inner)
+    if len(cols) and not (cols == cols[0]).all():
+        return None
+    a = int(rows[0])
+    b = int(cols[0]) if len(cols) else 0
+    values = leaf[int(inner[0]) : int(inner[-1])]
+    return _copy(values.reshape(n, a, b))
+
+
+# A cached row group is prepared once for columnar reads (:class:`GroupViews`): its
+# fixed-width columns, and the (start, length) of every row of its variable-length
+# columns, packed row by row into one byte matrix. A batch then gathers every packed
+# column with one fancy index per row group it touches, plus one to put the rows in
+# request order; variable-length values take one more fancy index per group.
+class GroupViews:
+    """A cached row group prepared for columnar reads.
+
+    ``layout`` lists the packed columns as ``(column, kind, byte offset, dtype, row
+    shape, ragged kind)``: ``"dense"`` columns (numbers, bools, fixed-size lists of
+    numbers) hold their values, ``"ragged"`` ones (binary, string, lists of numbers)
+    their rows' start and length (two int64) while ``values[column]`` holds the flat
+    values. Columns missing from ``layout`` need Arrow (nulls, dictionaries, temporal
+    or nested types). ``nbytes`` is the memory the packing adds.
+
+    Example:
+        >>> v = GroupViews(pa.table({"x": [1, 2, 3], "s": ["a", "bc", None]}))
+        >>> [pos for pos, *_ in v.layout]
+        [0]
+        >>> gather([v], GatherPlan(np.array([0, 0]), np.array([2, 0])))[0].tolist()
+        [3, 1]
+    """
+
+    __slots__ = ("layout", "nbytes", "packed", "record", "values")
+
+    def __init__(self, table: pa.Table) -> None:
+        rows = table.num_rows
+        parts: list[np.ndarray] = []
+        layout = []
+        self.values: dict[int, memoryview] = {}  # a ragged column's values, as bytes
+        at = 0
+        for pos, col in enumerate(table.columns):
+            view = _view(col)
+            if view is None:
+                continue
+            kind, data, offsets, ragged_kind = view
+            if kind == "dense":
+                part = np.ascontiguousarray(data).reshape(rows, -1).view(np.uint8)
+                shape = data.shape[1:]
+            else:
+                bounds = np.asarray(offsets, np.int64)
+                part = np.empty((rows, 2), np.int64)
+                part[:, 0] = bounds[:-1]
+                part[:, 1] = bounds[1:] - bounds[:-1]
+                part = part.view(np.uint8)
+                shape = ()
+                self.values[pos] = memoryview(np.ascontiguousarray(data).view(np.uint8))
+            layout.append((pos, kind, at, data.dtype, shape, ragged_kind))
+            parts.append(part)
+            at += part.shape[1]
+        self.layout = tuple(layout)
+        self.packed = np.concatenate(parts, axis=1) if parts else np.empty((rows, 0), np.uint8)
+        self.nbytes = self.packed.nbytes
+        # One packed row as a record: field ``c<column>`` per column.
+        self.record = np.dtype(
+            {
+                "names": [f"c{pos}" for pos, *_ in layout],
+                "formats": [
+                    (dtype, shape) if kind == "dense" else (np.int64, (2,))
+                    for _, kind, _, dtype, shape, _ in layout
+                ],
+                "offsets": [at for _, _, at, *_ in layout],
+                "itemsize": max(at, 1),
+            }
+        )
+
+
+def _view(col: pa.ChunkedArray) -> tuple[str, np.ndarray, Any, str] | None:
+    """``(kind, data, offsets, ragged kind)`` of a column that gathers without Arrow."""
+    if col.num_chunks != 1:
+        return None
+    arr = col.chunk(0)
+    if arr.null_count:
+        return None
+    t = arr.type
+    if _is_number(t):
+        return "dense", _primitive_numpy(arr), None, ""
+    if pa.types.is_fixed_size_list(t) and _is_number(t.value_type) and arr.values.null_count == 0:
+        k = t.list_size
+        values = _primitive_numpy(arr.values)[arr.offset * k : (arr.offset + len(arr)) * k]
+        return "dense", values.reshape(len(arr), k), None, ""
+    if _is_string(t) or _is_binary(t):
+        return "ragged", _binary_data(arr), _offsets(arr), "str" if _is_string(t) else "bytes"
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_number(t.value_type):
+        if arr.values.null_count:
+            return None
+        offsets, child = _list_offsets(arr)
+        return "ragged", _primitive_numpy(child), offsets, "array"
+    return None
+
+
+def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
+    """The batch's packed columns by column position (numpy arrays and
+    :class:`~torchgrain.columns.Ragged`); empty when the row groups' layouts differ
+    (the caller then reads every column through Arrow)."""
+    first = groups[0]
+    if not first.layout or not all(g.layout == first.layout for g in groups):
+        return {}
+    n = plan.n
+    if len(groups) == 1:
+        staged = first.packed.take(plan.rows[0], axis=0)
+        rows = staged
+    else:
+        staged = np.empty((n, first.packed.shape[1]), np.uint8)
+        b = plan.bounds
+        for k, g in enumerate(groups):
+            g.packed.take(plan.rows[k], axis=0, out=staged[b[k] : b[k + 1]])
+        rows = staged.take(plan.where, axis=0)
+    # Each packed column as a typed (strided) view, copied once into its own array.
+    record = first.record
+    typed = rows.view(record).reshape(n)
+    out: dict[int, Any] = {}
+    for pos, kind, _, dtype, shape, ragged_kind in first.layout:
+        field = f"c{pos}"
+        if kind == "dense":
+            col = empty((n, *shape), dtype)
+            col[...] = typed[field]
+            out[pos] = col
+        else:
+            pairs = typed[field] if len(groups) == 1 else staged.view(record).reshape(n)[field]
+            data = [g.values[pos] for g in groups]
+            out[pos] = _gather_values(data, pairs, plan, dtype, ragged_kind)
+    return out
+
+
+def _gather_values(
+    data: list[memoryview], pairs: np.ndarray, plan: GatherPlan, dtype: np.dtype, kind: str
+) -> Ragged:
+    """The values of a variable-length column; ``pairs`` holds each row's (start,
+    length, in items of ``dtype``) in its group's ``data`` (bytes), in staged order."""
+    n = plan.n
+    item = dtype.itemsize
+    starts = (pairs[:, 0] * item).tolist()
+    ends = ((pairs[:, 0] + pairs[:, 1]) * item).tolist()
+    if len(data) == 1:
+        view = data[0]
+        parts = [view[a:e] for a, e in zip(starts, ends)]
+        lengths = pairs[:, 1]
+    else:
+        b = plan.bounds
+        staged = []
+        for k, view in enumerate(data):
+            lo, hi = b[k], b[k + 1]
+            staged += [view[a:e] for a, e in zip(starts[lo:hi], ends[lo:hi])]
+        parts = [staged[j] for j in plan.where.tolist()]
+        lengths = pairs[:, 1][plan.where]
+    offsets = empty((n + 1,), np.int64)
+    offsets[0] = 0
+    np.cumsum(lengths, out=offsets[1:])
+    values = empty((int(offsets[-1]),), dtype)
+    if len(values):
+        values.view(np.uint8)[:] = np.frombuffer(b"".join(parts), np.uint8)
+    return Ragged(values, offsets, kind)
