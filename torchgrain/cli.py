@@ -159,6 +159,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         verify=not args.no_verify,
         progress=False if args.quiet else None,
+        tokenize=_tokenize_option(args),
     )
     if not args.quiet:
         size = sum(s.num_bytes for s in m.shards)
@@ -167,6 +168,25 @@ def cmd_convert(args: argparse.Namespace) -> int:
             f"{size / 1e6:,.1f} MB, to {args.dst}"
         )
     return 0
+
+
+def _tokenize_option(args: argparse.Namespace) -> Any:
+    """``convert --tokenize``: the tokenize function, from the tokenizer's JSON file."""
+    if args.tokenize is None:
+        return None
+    from torchgrain.tokens.tokenize import tokenize
+
+    _check_exists("--tokenize", args.tokenize)
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CliError("--tokenize needs the tokenizers package: pip install tokenizers") from None
+    try:
+        tokenizer = Tokenizer.from_file(args.tokenize)
+    except Exception as e:  # the library's own error type for a malformed file
+        raise CliError(f"argument --tokenize: cannot load {args.tokenize!r}: {e}") from None
+    tokens = args.tokens_column
+    return tokenize(args.text_column, tokenizer, tokens, lengths=f"num_{tokens}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -478,6 +498,22 @@ def build_parser() -> argparse.ArgumentParser:
     # The earlier name of --format, still accepted.
     c.add_argument(
         "--src-format", dest="src_format", default="auto", choices=formats, help=argparse.SUPPRESS
+    )
+    c.add_argument(
+        "--tokenize",
+        metavar="TOKENIZER_JSON",
+        default=None,
+        help="tokenize --text-column with this Hugging Face tokenizer.json; writes the ids "
+        "(int32) and their count (num_TOKENS_COLUMN)",
+    )
+    c.add_argument(
+        "--text-column", default="text", metavar="NAME", help="with --tokenize: the text field"
+    )
+    c.add_argument(
+        "--tokens-column",
+        default="tokens",
+        metavar="NAME",
+        help="with --tokenize: the field written (its count: num_NAME)",
     )
     c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     c.add_argument("--no-verify", action="store_true", help="skip reading shards back")

@@ -153,6 +153,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
+    tokenize: Any = None,
 ) -> Manifest:
     """Convert a Parquet, TFRecord or ArrayRecord dataset; resumable, verified, parallel.
 
@@ -184,6 +185,13 @@ def convert(
             with other inputs or options) instead of raising.
         progress: show a progress bar (default: when stderr is a terminal).
         storage_options: fsspec options for remote sources.
+        tokenize: a :func:`torchgrain.tokens.tokenize.tokenize` function (say
+            ``tokenize("text", Tokenizer.from_file("tokenizer.json"), "tokens",
+            lengths="num_tokens")``) run over each batch of 256 records before they are
+            written: the output holds the token ids as an int32 list column (an array
+            field in ArrayRecord) and, with ``lengths``, each record's count (what token
+            windows read without decoding the tokens). A change of tokenizer or columns
+            is a change of options (a rerun does not resume the old conversion).
 
     Returns:
         The manifest (written to ``dst/torchgrain.json`` for ArrayRecord output; kept in
@@ -230,6 +238,10 @@ def convert(
         "codec": inp.codec.name if inp.codec is not None else None,
         "row_group_bytes": row_group_bytes if "row_group_bytes" in output.settings else None,
     }
+    if tokenize is not None:
+        from torchgrain.sources.node_index.derived import callable_fingerprint
+
+        options["tokenize"] = callable_fingerprint(tokenize)  # the tokenizer's state included
     if is_local(inp.filesystem()) and any(
         os.path.dirname(os.path.abspath(p)) == root for p in inp.paths
     ):
@@ -302,6 +314,7 @@ def convert(
                 verify,
                 file_mode(),
                 output,
+                tokenize,
             )
             counts = plan["counts"]
             total = int(sum(counts)) if counts is not None else None

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import select
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,9 @@ class Job:
     #: How ``to`` is written, from the registry of the process that plans the work
     #: (carried to the workers: a format registered at run time is known there too).
     output: OutputFormat | None = None
+    #: A ``map_batch`` function run on each batch of records before they are written
+    #: (``convert(tokenize=...)``).
+    transform: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
         if self.output is None:
@@ -141,6 +145,37 @@ class _Reporter:
         self.records = self.bytes = 0
 
 
+_TRANSFORM_BATCH = 256  # records a Job.transform gets at a time
+
+
+def _transformed(
+    pairs: Iterator[tuple[Any, int]], fn: Callable[[list[Any]], list[Any]], start: int, where: str
+) -> Iterator[tuple[Any, int]]:
+    """``(record, size)`` pairs with ``fn`` applied to each batch of records."""
+    first = start
+    while True:
+        chunk = list(itertools.islice(pairs, _TRANSFORM_BATCH))
+        if not chunk:
+            return
+        records = [rec for rec, _ in chunk]
+        try:
+            out = fn(records)
+        except (TypeError, ValueError, KeyError) as e:
+            # The data does not fit the transform (a missing or non-text field): a
+            # ValueError naming where, as the command line reports.
+            message = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise ValueError(
+                f"{message} (in the batch of records {first}..{first + len(chunk) - 1} of {where})"
+            ) from e
+        if not isinstance(out, list) or len(out) != len(records):
+            raise TypeError(
+                f"the conversion's transform returned {type(out).__name__} for a batch of "
+                f"{len(records)} records (one record per record expected)"
+            )
+        yield from zip(out, (size for _, size in chunk))
+        first += len(chunk)
+
+
 def run_task(job: Job, task: Task) -> dict[str, Any]:
     """Write one output shard; returns its ShardInfo fields plus its schema."""
     final = os.path.join(job.root, task.name)
@@ -164,7 +199,12 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
             for shard, start, stop in task.pieces:
                 where = f"input shard {shard} ({inp.paths[shard]!r})"
                 k = start
-                for rec, size in inp.records(shard, start, stop, output.msgpack_records):
+                records = inp.records(
+                    shard, start, stop, output.msgpack_records and job.transform is None
+                )
+                if job.transform is not None:
+                    records = _transformed(records, job.transform, start, where)
+                for rec, size in records:
                     try:
                         written = out.add(rec)
                     except (TypeError, ValueError) as e:
