@@ -308,3 +308,25 @@ def test_a_split_by_key_keeps_each_record_in_its_part_when_shards_are_added(tmp_
     assert all(len(p) > 0 for p in after.values())
     with pytest.raises(TypeError, match="fractions, not counts"):
         tg.split(recs, {"train": 50, "val": 10}, by="id")
+
+
+def test_a_stored_selection_that_differs_is_rebuilt_never_read(tmp_path, monkeypatch):
+    from torchgrain.compose import subset
+    from torchgrain.sources.node_index.derived import derived_index
+
+    monkeypatch.setattr(subset, "MAPPED_ABOVE", 10)
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    rows = np.arange(20) % 7
+    path = tg.Dataset([{"i": i} for i in range(7)]).select(rows).source.rows.index.path
+    # Another file under the same key: entries in range, but not the ones asked for.
+    other = derived_index(
+        "select",
+        os.path.basename(path).rsplit(".", 1)[0],
+        {"indices": ("<u4", ())},
+        lambda sink: sink.append("indices", np.ones(20, np.uint32)) or {"count": 20, "length": 7},
+        index_dir=tmp_path / "other",
+    )
+    os.replace(other.path, path)
+    with pytest.warns(UserWarning, match="entry 0 is 1, not the index 0 asked for"):
+        sub = tg.Dataset([{"i": i} for i in range(7)]).select(rows)
+    assert [r["i"] for r in sub.__getitems__(range(20))] == rows.tolist()

@@ -193,26 +193,28 @@ def _mapped_selection(ds: Dataset, arr: np.ndarray, dtype: str) -> DerivedIndex:
         return {"count": len(arr), "length": n}
 
     def fits(ix: DerivedIndex) -> str | None:
-        return _selection_problem(ix, n, len(arr))
+        return _selection_problem(ix, n, arr)
 
     ix = derived_index("select", key, {"indices": (dtype, ())}, fill, fits=fits)
-    problem = _selection_problem(ix, n, len(arr))
+    problem = _selection_problem(ix, n, arr)
     if problem is not None:
         raise CorruptDataError(f"selection index {ix.path or '(in memory)'} is damaged: {problem}")
     return ix
 
 
-def _selection_problem(ix: DerivedIndex, n: int, count: int) -> str | None:
-    """Why a stored selection cannot be the one asked for (its entries are read once)."""
+def _selection_problem(ix: DerivedIndex, n: int, arr: np.ndarray) -> str | None:
+    """Why a stored selection is not ``arr`` (the indices asked for, known to be below
+    ``n``): a file of the same key is untrusted, and is compared once, in chunks."""
     rows = ix.arrays.get("indices")
-    if rows is None or rows.ndim != 1 or len(rows) != count or ix.meta.get("count") != count:
-        return f"it does not hold {count} indices"
-    if ix.meta.get("length") != n:
-        return "it was made for another length"
+    if rows is None or rows.ndim != 1 or len(rows) != len(arr) or rows.dtype != arr.dtype:
+        return f"it does not hold {len(arr)} indices of type {arr.dtype.str}"
+    if ix.meta.get("count") != len(arr) or ix.meta.get("length") != n:
+        return "it was made for another selection or dataset length"
     for a in range(0, len(rows), _CHUNK):
-        top = int(rows[a : a + _CHUNK].astype(np.int64).max(initial=0))
-        if top >= n or top < 0:
-            return f"an entry ({top}) is out of range for a dataset of {n} records"
+        differ = np.flatnonzero(rows[a : a + _CHUNK] != arr[a : a + _CHUNK])
+        if len(differ):
+            k = a + int(differ[0])
+            return f"entry {k} is {int(rows[k])}, not the index {int(arr[k])} asked for"
     return None
 
 
