@@ -67,6 +67,12 @@ class _CountingList:
         self.batches += 1
         return [self.items[i] for i in indices]
 
+    def read_ahead(self, order, start, count, position):
+        self.order = order(start, start + count).tolist()
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
 
 def test_kept_records_in_order_through_transforms_batched_and_blocks(tmp_path):
     src = tg.ParquetSource(_parquet(tmp_path / "d"))
@@ -85,6 +91,10 @@ def test_kept_records_in_order_through_transforms_batched_and_blocks(tmp_path):
     counting.batches = 0
     assert [r["x"] for r in g.__getitems__([0, 5, 19])] == [1, 11, 39]
     assert counting.batches == 1
+    # a sampler's pass reaches the parent as its own indices; so does the epoch
+    g.read_ahead(lambda a, b: np.arange(a, b)[::-1], 0, 3, lambda: 0)
+    g.set_epoch(4)
+    assert counting.order == [5, 3, 1] and counting.epoch == 4
     with pytest.raises(IndexError):
         g[20]
 

@@ -351,7 +351,7 @@ def _pass(
     )
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         bar = tqdm(total=n, unit="rec", desc=label[:60], file=sys.stderr, leave=False)
     try:

@@ -98,7 +98,7 @@ def matching_rows(
     out = {"row_groups": groups, "row_groups_read": 0}
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
 
         bar = tqdm(
             total=groups, unit="row group", desc="filter (pushdown)", file=sys.stderr, leave=False
