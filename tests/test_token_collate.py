@@ -4,6 +4,7 @@ helpers (to_nested, to_padded), checked against hand-built tensors."""
 from __future__ import annotations
 
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -41,6 +42,11 @@ def test_ragged_to_padded_against_hand_built():
     b = Ragged.from_values([b"ab", b"c"]).map_arrays(torch.from_numpy)
     out, _ = b.to_padded()
     assert out.dtype == torch.uint8 and out.tolist() == [[97, 98], [99, 0]]
+    read_only = np.frombuffer(b"\x01\x02\x03", np.uint8)  # e.g. a view of a mapped file
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of a read-only array: only read here
+        out, _ = Ragged(read_only, np.array([0, 1, 3]), "array").to_padded()
+    assert out.tolist() == [[1, 0], [2, 3]]
     empty, lengths = Ragged.from_values([]).to_padded()
     assert empty.shape == (0, 0) and lengths.tolist() == []
 

@@ -4,6 +4,8 @@ downloaded), tokenize() as a map_batch function in DataLoader workers, and
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -90,6 +92,15 @@ def test_convert_tokenize(tmp_path, to):
         assert table.schema.field("num_ids").type == pa.int32()
         assert table.column("ids").to_pylist() == [_expected(tok, t) for t in TEXTS]
         assert table.column("num_ids").to_pylist() == [len(_expected(tok, t)) for t in TEXTS]
+        # padded straight from the Parquet columns (Ragged), with no warning
+        ds = tg.Dataset(tg.ParquetSource(str(path)), batch_format="columns")
+        collate = tg.pad_collate(keys=["ids"], pad_id=-1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=collate)))
+        for row, text in zip(batch["ids"].tolist(), TEXTS):
+            want = _expected(tok, text)
+            assert row == want + [-1] * (batch["ids"].shape[1] - len(want))
     else:
         src_out = tg.ArrayRecordSource(str(dst))
         recs = src_out.__getitems__(list(range(len(TEXTS))))

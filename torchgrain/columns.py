@@ -30,6 +30,7 @@ import functools
 import math
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -136,7 +137,12 @@ class Ragged:
         """
         import torch
 
-        values, offsets = _tensor(self.values), _tensor(self.offsets)
+        # (torch warns of a read-only array here: the nested tensor is a view users may
+        # write to.)
+        values, offsets = (
+            x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+            for x in (self.values, self.offsets)
+        )
         lengths = offsets[1:] - offsets[:-1]
         kwargs = {}
         if _nested_takes_seqlen() and len(lengths):
@@ -365,10 +371,18 @@ def _signed_twin(dtype: Any) -> Any:
 
 
 def _tensor(x: Any) -> Any:
-    """``x`` as a torch tensor (numpy arrays shared, not copied)."""
+    """``x`` as a torch tensor (numpy arrays shared, not copied: a read-only one, say a
+    view of a Parquet page, too; it is only read)."""
     import torch
 
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+    if isinstance(x, torch.Tensor):
+        return x
+    x = np.asarray(x)
+    if x.flags.writeable:
+        return torch.from_numpy(x)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return torch.from_numpy(x)
 
 
 @functools.cache

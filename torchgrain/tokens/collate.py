@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate
 
-from torchgrain.columns import ColumnBatch, Ragged
+from torchgrain.columns import ColumnBatch, Ragged, _tensor
 from torchgrain.errors import RaggedBatchError
 
 __all__ = ["PadCollate", "collate_records", "pad_collate"]
@@ -167,7 +167,7 @@ class PadCollate:
         out: dict[str, Any] = {}
         padded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key in keys:
-            rows = [_row_tensor(rec, key, i) for i, rec in enumerate(batch)]
+            rows = [_as_row(rec[key], key, i) for i, rec in enumerate(batch)]
             padded[key] = self._pad_rows(key, rows)
         rest = [{k: v for k, v in rec.items() if k not in padded} for rec in batch]
         if rest[0]:
@@ -274,7 +274,7 @@ class PadCollate:
         longest = int(lengths.max()) if n else 0
         width = self._width(key, longest, int(lengths.argmax()) if n else 0)
         pad = self._pad_value(key)
-        values = col.values if isinstance(col.values, torch.Tensor) else _to_tensor(col.values)
+        values = _tensor(col.values)
         dtype = _dtype_for(values.dtype, pad)
         if dtype != values.dtype:
             col = Ragged(values.to(dtype), col.offsets, col.kind)
@@ -329,12 +329,6 @@ def _dtype_for(dtype: torch.dtype, pad: int | float) -> torch.dtype:
     return torch.int64
 
 
-def _to_tensor(value: np.ndarray) -> torch.Tensor:
-    if not value.flags.writeable:  # torch warns about (and may not write) such an array
-        value = value.copy()
-    return torch.from_numpy(value)
-
-
 def _is_sequence(value: Any) -> bool:
     """A value pad_collate pads unless told: a 1-D array, tensor or list of numbers."""
     if isinstance(value, (np.ndarray, torch.Tensor)):
@@ -372,7 +366,7 @@ def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
         elif isinstance(value, np.ndarray):
             if value.dtype.kind not in "biuf":
                 raise TypeError(f"an array of {value.dtype}")
-            t = _to_tensor(value)
+            t = _tensor(value)
         elif isinstance(value, (list, tuple)):
             t = torch.tensor(value) if value else torch.zeros(0, dtype=torch.int64)
         else:
@@ -385,10 +379,6 @@ def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
             f"numpy array or tensor of numbers, got {e}"
         ) from None
     return t
-
-
-def _row_tensor(rec: Mapping[str, Any], key: str, i: int) -> torch.Tensor:
-    return _as_row(rec[key], key, i)
 
 
 # ----------------------------------------------------- the default collate's dicts
