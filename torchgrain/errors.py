@@ -15,19 +15,28 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import threading
+import warnings
+from collections.abc import Hashable
 
 __all__ = [
     "CacheDiskFullError",
     "CacheThrashWarning",
     "CorruptDataError",
     "DatasetNotFoundError",
+    "DatasetWarning",
+    "EpochNotSetWarning",
     "RaggedBatchError",
     "RecordDecodeError",
     "RemoteIOError",
     "SchemaMismatchError",
     "TorchgrainError",
     "UnsafePathError",
+    "warn_empty",
+    "warn_once",
 ]
 
 
@@ -132,6 +141,80 @@ class CacheThrashWarning(UserWarning):
     def __init__(self, message: str, fit: object = None) -> None:
         super().__init__(message)
         self.fit = fit
+
+
+class DatasetWarning(UserWarning):
+    """Something about a dataset's files a user should know, though it is not an error:
+    files in a dataset directory that are not data and were skipped (a stray
+    ``stats.csv``), a column some files lack (read as None there), a dataset of no
+    records. Issued once per dataset and process (:func:`warn_once`).
+    """
+
+
+class EpochNotSetWarning(UserWarning):
+    """A shuffling sampler started a second pass at the same seed and epoch, with no
+    ``set_epoch`` (or ``load_state_dict``) in between: every epoch would repeat one
+    order and the same random transforms. Issued once per sampler.
+    """
+
+
+_WARNED: set[Hashable] = set()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# torch's DataLoader iterating a sampler stands between the user's loop and a sampler.
+_DATALOADER_DIR = os.sep + os.path.join("torch", "utils", "data") + os.sep
+
+
+def _ours(file_name: str) -> bool:
+    return file_name.startswith(_PACKAGE_DIR) or _DATALOADER_DIR in file_name
+
+
+_WARNED_LOCK = threading.Lock()
+
+
+def warn_once(key: Hashable, message: str, category: type[Warning] = DatasetWarning) -> bool:
+    """``warnings.warn(message, category)`` the first time this process sees ``key``
+    (whatever the user's warning filters would repeat); whether it warned. The warning
+    names the line of the user's code that called into torchgrain. ``key=None`` warns
+    every time.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_once(("example", 1), "said once"), warn_once(("example", 1), "said once")
+        (True, False)
+        >>> [str(w.message) for w in seen]
+        ['said once']
+    """
+    if key is not None:  # None: the caller keeps its own count
+        with _WARNED_LOCK:
+            if key in _WARNED:
+                return False
+            _WARNED.add(key)
+    level, frame = 2, sys._getframe(1)
+    while frame.f_back is not None and _ours(frame.f_code.co_filename):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
+    return True
+
+
+def warn_empty(dataset: str) -> None:
+    """Say once per process that ``dataset`` (its description: the class and the path) has
+    no records: training over it runs no step, which nothing else would say.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     warn_empty("ParquetSource '/d/empty.parquet'")
+        >>> print(seen[0].message)
+        ParquetSource '/d/empty.parquet' holds no records: iterating it yields nothing (a DataLoader over it runs 0 batches)
+    """
+    warn_once(
+        ("empty dataset", dataset),
+        f"{dataset} holds no records: iterating it yields nothing (a DataLoader over it "
+        "runs 0 batches)",
+    )
 
 
 def check_ceiling(name: str, value: object, minimum: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import fnmatch
 import os
 import pickle
 import re
@@ -25,9 +26,13 @@ from urllib.parse import unquote
 import fsspec
 import numpy as np
 from fsspec.core import split_protocol, url_to_fs
-from fsspec.utils import glob_translate
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError
+try:
+    from fsspec.utils import glob_translate
+except ImportError:  # fsspec before 2023.12: the same translation, below
+    glob_translate = None
+
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError, warn_once
 from torchgrain.io import paths as _paths
 from torchgrain.io import process, remote
 from torchgrain.io.retry import RetryPolicy, current_policy, using
@@ -74,7 +79,41 @@ def get_filesystem(
         storage_options = remote.storage_options_with_deadlines(
             protocol, storage_options, retry or current_policy(), allow_redirects=allow_redirects
         )
-    return url_to_fs(text, **(storage_options or {}))
+    fs, stripped = url_to_fs(text, **(storage_options or {}))
+    if is_local(fs):
+        stripped = canonical_local_path(stripped)
+    return fs, stripped
+
+
+def canonical_local_path(path: str) -> str:
+    """A local absolute ``path`` (or glob) with its ``.``/``..`` and empty segments
+    resolved as the operating system resolves them.
+
+    The user's own path is trusted, but what a listing below it finds is checked against
+    it segment by segment (:mod:`torchgrain.io.paths`), so ``../data/pq`` must become the
+    directory it names first. The part up to the last dot segment goes through
+    ``os.path.realpath`` (``link/..`` is the parent of the link's target, not the
+    directory holding the link); the names after it are kept as given. A glob's pattern
+    part is left alone.
+
+    Example:
+        >>> canonical_local_path("/data/train/../val//x.parquet")
+        '/data/val/x.parquet'
+        >>> canonical_local_path("/data/val/*.parquet")
+        '/data/val/*.parquet'
+    """
+    head, tail = path, ""
+    if _has_glob(path):
+        cut = path.rfind("/", 0, min(path.index(c) for c in "*?[" if c in path))
+        head, tail = path[: max(cut, 0)], path[max(cut, 0) :]
+    parts = head.split("/")
+    dots = [k for k, part in enumerate(parts) if part in (".", "..")]
+    if not dots and "" not in parts[1:-1]:
+        return path  # already canonical: the common case costs a split
+    last = dots[-1] + 1 if dots else 1
+    base = os.path.realpath("/".join(parts[:last]) or "/").rstrip("/") if dots else ""
+    rest = "".join(f"/{part}" for part in parts[last:] if part)
+    return (base + rest + tail) or "/"
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -180,6 +219,8 @@ def expand_paths(
             )
         else:
             item_fs, stripped = filesystem, filesystem._strip_protocol(item)
+            if is_local(filesystem):
+                stripped = canonical_local_path(stripped)
         if fs is None:
             fs = item_fs
         listing = _Listing(item_fs, item, suffixes, allow_external)
@@ -190,11 +231,20 @@ def expand_paths(
             listing.check_distinct(found)
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isdir(item_fs, stripped, url=item):
-            found = sorted(p for p in listing.find(stripped) if _is_data_file(p, suffixes))
+            listed = listing.find(stripped)
+            found = sorted(p for p in listed if _is_data_file(p, suffixes))
+            skipped = non_data_files(stripped, listed, suffixes)
             if not found:
                 raise DatasetNotFoundError(
                     f"directory {item!r} holds no {kind} file (looked for names containing "
-                    f"{', '.join(suffixes)})"
+                    f"{', '.join(suffixes)}){describe_files(stripped, skipped, '; it holds ')}"
+                )
+            if skipped:
+                warn_once(
+                    ("skipped files", _unstrip(item_fs, stripped), kind),
+                    f"{item!r} holds {describe_files(stripped, skipped)}, skipped: not "
+                    f"{kind} data (its files' names contain {', '.join(suffixes)}); "
+                    "`torchgrain inspect` lists them",
                 )
             check_shard_sets(found, where=item)
             listing.check_distinct(found)
@@ -208,6 +258,92 @@ def expand_paths(
     seen: set[str] = set()
     unique = [p for p in out if not (p in seen or seen.add(p))]
     return fs, unique
+
+
+# Files beside a dataset's data that are its own metadata, skipped without a notice (as are
+# names starting with "." or "_", in any directory below the root: _SUCCESS, .crc files,
+# _delta_log/): torchgrain's manifest and index, TFDS's metadata, a README or a licence.
+_METADATA_NAMES = re.compile(
+    r"(torchgrain\.json|.*\.tgindex|dataset_info\.json|features\.json|.*\.labels\.txt"
+    r"|(readme|licen[cs]e|copying|citation)([._-].*)?)",
+    re.IGNORECASE,
+)
+
+
+def non_data_files(root: str, listed: Iterable[str], suffixes: Iterable[str]) -> list[str]:
+    """The files of a listing of directory ``root`` that a source skips and the user should
+    hear of: not data (no name containing one of ``suffixes``), not hidden, not named
+    ``_...`` (nor below such a directory), and not metadata (a manifest, an index,
+    ``features.json``, a README...). Sorted.
+
+    Example:
+        >>> non_data_files("/d", ["/d/a.parquet", "/d/stats.csv", "/d/_SUCCESS",
+        ...                       "/d/README.md", "/d/.x/y.csv"], [".parquet"])
+        ['/d/stats.csv']
+    """
+    suffixes = tuple(suffixes)
+    base = root.rstrip("/")
+    out = []
+    for p in listed:
+        if _is_data_file(p, suffixes):
+            continue
+        rel = p[len(base) :] if p.startswith(base) else p
+        segments = [s for s in rel.split("/") if s]
+        if not segments or any(s.startswith((".", "_")) for s in segments):
+            continue
+        if _METADATA_NAMES.fullmatch(segments[-1]):
+            continue
+        out.append(p)
+    return sorted(out)
+
+
+def skipped_files(
+    paths: PathLike | Sequence[PathLike],
+    suffixes: Iterable[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    allow_external: bool = False,
+) -> list[str]:
+    """The files of the directories among ``paths`` that a source of files named with
+    ``suffixes`` skips and the user should hear of (:func:`non_data_files`), as
+    ``torchgrain inspect`` lists them. One listing per directory.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> d = tempfile.mkdtemp()
+        >>> for name in ("a.parquet", "stats.csv", "_SUCCESS"):
+        ...     _ = pathlib.Path(d, name).write_bytes(b"")
+        >>> [pathlib.Path(f).name for f in skipped_files(d, [".parquet"])]
+        ['stats.csv']
+    """
+    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    suffixes = tuple(suffixes)
+    out: list[str] = []
+    for item in map(os.fspath, items):
+        fs, p = get_filesystem(item, storage_options, allow_redirects=allow_external)
+        if _has_glob(p) or not remote.isdir(fs, p, url=item):
+            continue
+        listed = _Listing(fs, item, suffixes, allow_external).find(p)
+        out.extend(_unstrip(fs, f) for f in non_data_files(p, listed, suffixes))
+    return out
+
+
+def describe_files(root: str, files: Sequence[str], lead: str = "", most: int = 5) -> str:
+    """``files`` named relative to ``root`` for a message: the first ``most`` and a count
+    (``""`` for none, else ``lead`` in front).
+
+    Example:
+        >>> describe_files("/d", ["/d/a.csv", "/d/sub/b.txt"], "; it holds ")
+        "; it holds 2 other files: 'a.csv', 'sub/b.txt'"
+    """
+    if not files:
+        return ""
+    base = root.rstrip("/") + "/"
+    names = [f[len(base) :] if f.startswith(base) else f for f in files]
+    shown = ", ".join(repr(n) for n in names[:most])
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    count = "1 other file" if len(names) == 1 else f"{len(names)} other files"
+    return f"{lead}{count}: {shown}{more}"
 
 
 def list_files(
@@ -236,6 +372,50 @@ def list_files(
 MAX_LISTING_DEPTH = 32
 #: Directories one listing may walk (HTTP(S): one request each).
 MAX_LISTED_DIRECTORIES = 100_000
+
+
+#: A glob's wildcards inside one path segment: a run of stars, ``?``, a ``[...]`` class.
+_WILDCARD = re.compile(r"\*+|\?|\[!?\]?[^\]]*\]")
+
+
+def _glob_translate(pattern: str) -> str:
+    """A regular expression for ``pattern``, as fsspec's ``glob_translate`` makes it
+    (fsspec >= 2023.12; this serves older ones): ``/`` separates segments, ``*`` and ``?``
+    stay inside one, a ``*`` segment is one non-empty segment, a ``**`` segment any
+    number of them.
+
+    Example:
+        >>> rx = re.compile(_glob_translate("a/**/*.parquet"))
+        >>> [bool(rx.match(p)) for p in ("a/x.parquet", "a/b/c/x.parquet", "b/x.parquet")]
+        [True, True, False]
+    """
+    parts = pattern.split("/")
+    out = []
+    for k, part in enumerate(parts):
+        last = k == len(parts) - 1
+        if part == "**":
+            out.append(".*" if last else "(?:.+/)?")
+            continue
+        if "**" in part:
+            raise ValueError("Invalid pattern: '**' can only be an entire path component")
+        if part == "*":
+            out.append("[^/]+" if last else "[^/]+/")
+            continue
+        pos = 0
+        for m in _WILDCARD.finditer(part):
+            out.append(re.escape(part[pos : m.start()]))
+            token = m.group()
+            if token[0] == "*":
+                out.append("[^/]*")
+            elif token == "?":
+                out.append("[^/]")
+            else:  # a class: fnmatch's translation, without its (?s:...)\Z wrapper
+                out.append(fnmatch.translate(token)[4:-3])
+            pos = m.end()
+        out.append(re.escape(part[pos:]))
+        if not last:
+            out.append("/")
+    return rf"(?s:{''.join(out)})\Z"
 
 
 class _Listing:
@@ -339,7 +519,7 @@ class _Listing:
             return [p for p in files if self._keep(base, p)]
         rel = pattern[len(base) :].lstrip("/")
         depth = None if "**" in rel else rel.count("/") + 1
-        regex = re.compile(glob_translate(rel))
+        regex = re.compile((glob_translate or _glob_translate)(rel))
         return [
             p
             for p in self.find(base, max_depth=depth)

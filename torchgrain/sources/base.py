@@ -30,6 +30,7 @@ import fsspec
 import numpy as np
 
 from torchgrain.columns import ColumnBatch
+from torchgrain.errors import warn_empty
 from torchgrain.io import process
 from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
@@ -270,6 +271,10 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
         self._remote = not is_local(filesystem)
         self._paths = paths if isinstance(paths, ShardPaths) else list(paths)
         self.index = ShardIndex(counts)
+        if not len(self.index):
+            more = f" and {len(self._paths) - 1} more files" if len(self._paths) > 1 else ""
+            first = repr(self._paths[0]) if len(self._paths) else "with no shard files"
+            warn_empty(f"{type(self).__name__} {first}{more}")
         self.cache_bytes = cache_bytes
         self.io_threads = io_threads
         self.max_open_files = max_open_files

@@ -24,15 +24,24 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from torchgrain.errors import DatasetNotFoundError, warn_empty
 from torchgrain.io import remote
-from torchgrain.io.fs import get_filesystem, list_files
-from torchgrain.sources.base import Source
+from torchgrain.io.fs import (
+    describe_files,
+    expand_paths,
+    get_filesystem,
+    is_local,
+    list_files,
+    non_data_files,
+)
+from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.options import ReadOptions
 
 if TYPE_CHECKING:
     from torchgrain.writers import OutputFormat
 
 __all__ = [
+    "ALLOW_EXTERNAL_PATHS_ENV",
     "Format",
     "detect_format",
     "formats",
@@ -42,6 +51,11 @@ __all__ = [
     "output_formats",
     "register_format",
 ]
+
+
+#: Set to ``1`` (as ``torchgrain ... --allow-external-paths`` does for itself and the
+#: processes it starts), :func:`open` reads every dataset as ``allow_external_paths=True``.
+ALLOW_EXTERNAL_PATHS_ENV = "TORCHGRAIN_ALLOW_EXTERNAL_PATHS"
 
 
 @dataclass(frozen=True)
@@ -192,25 +206,38 @@ def detect_format(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     *,
     storage_options: dict[str, Any] | None = None,
+    allow_external_paths: bool = False,
 ) -> str:
     """The format of a path, glob, directory, URL or list of them, from file names.
 
     A directory holding a format's marker file (``torchgrain.json``) is of that format;
-    otherwise the names of the files found decide.
+    otherwise the names of the files found decide. Only when the names given cannot tell
+    is anything looked up: whether a path exists, what a glob matches.
+    ``allow_external_paths`` (or :data:`ALLOW_EXTERNAL_PATHS_ENV` set to ``1``) lets a
+    listing name files outside the directory, as for a source.
 
     Raises:
-        ValueError: no file of a registered format, or files of several formats.
+        DatasetNotFoundError: a path that does not exist, a glob that matches nothing, a
+            directory holding no file of a registered format (naming what it holds).
+        ValueError: files of no registered format, or of several formats.
 
     Example:
         >>> detect_format("data/train-00000-of-00004.tfrecord.gz")
         'tfrecord'
+        >>> detect_format("/no/such/dir")
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.DatasetNotFoundError: path '/no/such/dir' does not exist
     """
+    allow_external_paths = allow_external_paths or os.environ.get(ALLOW_EXTERNAL_PATHS_ENV) == "1"
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    suffixes = [s for f in _FORMATS.values() for s in f.suffixes]
     found: set[str] = set()
     for item in items:
-        fs, p = get_filesystem(item, storage_options)
+        fs, p = get_filesystem(item, storage_options, allow_redirects=allow_external_paths)
         where = os.fspath(item)
-        if not any(ch in p for ch in "*?[") and remote.isdir(fs, p, url=where):
+        glob = any(ch in p for ch in "*?[")
+        if not glob and remote.isdir(fs, p, url=where):
             marked = [
                 f.name
                 for f in _FORMATS.values()
@@ -219,10 +246,32 @@ def detect_format(
             if marked:
                 found.update(marked)
                 continue
-            suffixes = [s for f in _FORMATS.values() for s in f.suffixes]
-            names = [f.rsplit("/", 1)[-1] for f in list_files(fs, p, suffixes, where=where)]
+            listed = list_files(fs, p, suffixes, where=where, allow_external=allow_external_paths)
+            names = [f.rsplit("/", 1)[-1] for f in listed]
+            if not any(_of_a_format(name) for name in names):
+                raise DatasetNotFoundError(
+                    f"directory {where!r} holds no file of a registered format (names "
+                    f"containing {', '.join(suffixes)})"
+                    + describe_files(p, non_data_files(p, listed, suffixes), "; it holds ")
+                )
         else:
-            names = [os.fspath(item).rstrip("/").rsplit("/", 1)[-1]]
+            names = [where.rstrip("/").rsplit("/", 1)[-1]]
+            if not _of_a_format(names[0]):
+                # The name cannot tell: a typo, a glob over other names, a file of
+                # another format. Only now is anything asked of the filesystem.
+                if glob:
+                    names = [
+                        f.rsplit("/", 1)[-1]
+                        for f in expand_paths(
+                            item,
+                            suffixes=suffixes,
+                            storage_options=storage_options,
+                            kind="data",
+                            allow_external=allow_external_paths,
+                        )[1]
+                    ]
+                elif not remote.exists(fs, p, url=where):
+                    raise DatasetNotFoundError(f"path {where!r} does not exist{_cwd(where, fs)}")
         for name in names:
             found.update(f.name for f in _FORMATS.values() if f.matches(name))
     if len(found) == 1:
@@ -237,6 +286,17 @@ def detect_format(
         f"{paths!r} holds files of several formats ({', '.join(sorted(found))}); "
         "open them separately or pass format="
     )
+
+
+def _of_a_format(name: str) -> bool:
+    return any(f.matches(name) for f in _FORMATS.values())
+
+
+def _cwd(where: str, fs: Any) -> str:
+    """For a relative local path: the directory it was looked for in."""
+    if is_local(fs) and not where.startswith(("/", "file:")):
+        return f" (in {os.getcwd()})"
+    return ""
 
 
 def open(
@@ -255,8 +315,14 @@ def open(
     TFRecord; the fields of ``ReadOptions`` are accepted by name too).
 
     Raises:
+        DatasetNotFoundError: a path that does not exist, a glob that matches nothing, a
+            directory with no data file (:func:`detect_format`, or the format's source).
         ValueError: the format is unknown or cannot be told, or takes no such option
             (the message names the formats that do).
+
+    A dataset of no records opens with a :class:`~torchgrain.errors.DatasetWarning`
+    (once per process), as do files of a dataset directory that are not data (skipped)
+    and Parquet files missing a column that others have.
 
     Example:
         >>> import tempfile, torchgrain as tg
@@ -270,16 +336,28 @@ def open(
         ...
         ValueError: columns= applies to parquet, not array_record
     """
+    trusted = format_options.get("allow_external_paths")
+    if trusted is None and options is not None:
+        trusted = options.allow_external_paths
+    # The command line's --allow-external-paths, carried to the processes it starts.
+    from_env = not trusted and os.environ.get(ALLOW_EXTERNAL_PATHS_ENV) == "1"
     if format == "auto":
         storage = format_options.get("storage_options")
         if storage is None and options is not None:
             storage = options.storage_options
-        format = detect_format(paths, storage_options=storage)
+        format = detect_format(
+            paths, storage_options=storage, allow_external_paths=bool(trusted or from_env)
+        )
     fmt = get_format(format)
+    if from_env and fmt.accepts("allow_external_paths"):
+        format_options["allow_external_paths"] = True
     fmt.check_options([*format_options, *(["options"] if options is not None else [])])
     if options is not None:
         format_options["options"] = options
-    return fmt.source(paths, **format_options)
+    src = fmt.source(paths, **format_options)
+    if not isinstance(src, ShardedSource) and len(src) == 0:  # (sharded ones say it)
+        warn_empty(f"{type(src).__name__} {paths!r}")
+    return src
 
 
 def _write_tfrecord(

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from torchgrain.errors import DatasetNotFoundError, SchemaMismatchError
-from torchgrain.io.fs import expand_paths, get_filesystem
+from torchgrain.io.fs import canonical_local_path, expand_paths, get_filesystem, is_local
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
@@ -64,6 +64,8 @@ def resolve(
             stripped = get_filesystem(text, storage_options, allow_redirects=allow_external)[1]
         else:
             stripped = filesystem._strip_protocol(text)
+            if is_local(filesystem):
+                stripped = canonical_local_path(stripped)
         stripped = stripped.rstrip("/")
         if _has_glob(stripped):
             prefix = stripped[: min(stripped.index(c) for c in "*?[" if c in stripped)]

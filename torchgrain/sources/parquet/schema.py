@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from torchgrain.errors import SchemaMismatchError
+from torchgrain.errors import SchemaMismatchError, warn_once
 
 __all__ = ["arrow_type_name", "common_type", "fixed_bytes", "merge_types", "value_type_name"]
 
@@ -134,8 +134,29 @@ def merge_file_schemas(
                     f"(not nullable) in {files[required]!r}"
                 )
         fields.append(pa.field(name, typ, nullable=True))
+    _warn_missing(files, names, present)
     present.setflags(write=False)
     return fields, present
+
+
+def _warn_missing(files: list[str], names: list[str], present: np.ndarray) -> None:
+    """Say once per dataset and process which files lack a column that others have: their
+    records read None for it, which is schema drift more often than intent."""
+    lacking = [j for j in range(len(names)) if not present[:, j].all()]
+    if not lacking:
+        return
+    parts = []
+    for j in lacking[:5]:
+        missing = np.flatnonzero(~present[:, j])
+        more = f" and {len(missing) - 1} more of {len(files)} files" if len(missing) > 1 else ""
+        parts.append(f"column {names[j]!r} is missing from {files[int(missing[0])]!r}{more}")
+    others = f"; {len(lacking) - 5} more columns too" if len(lacking) > 5 else ""
+    warn_once(
+        ("columns missing", files[0], len(files), tuple(names)),
+        f"{'; '.join(parts)}{others}, which other files of the dataset have: the records of "
+        "those files read None there. Select the columns every file has (columns=[...]) or "
+        "rewrite the files with one schema",
+    )
 
 
 def _conflict(entries: list[tuple[int, pa.DataType, bool]]) -> tuple[Any, Any]:
