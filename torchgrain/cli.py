@@ -48,7 +48,7 @@ def _head(src: Any, n: int) -> list[dict[str, Any]]:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from torchgrain.formats.codecs import describe_value
     from torchgrain.io import remote
-    from torchgrain.io.fs import get_filesystem
+    from torchgrain.io.fs import get_filesystem, skipped_files
     from torchgrain.sources import registry
     from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
@@ -98,6 +98,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for shard, (_, checksum) in zip(out["shards"], integrity):
         if checksum:
             shard["checksum"] = checksum
+    # Files of the dataset's directories that are not its data (a stray stats.csv).
+    out["skipped"] = skipped_files(args.path, registry.get_format(fmt).suffixes)
     if args.json:
         out["samples"] = [
             {k: _summarise(v) for k, v in _flatten(r).items()} for r in samples[: args.samples]
@@ -125,6 +127,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {n:>10}  {s['num_bytes'] / 1e6:>10,.2f} MB  {s['path']}")
     if len(out["shards"]) > len(shown):
         print(f"  ... {len(out['shards']) - len(shown)} more")
+    if out["skipped"]:
+        print("skipped (not data)")
+        for path in out["skipped"]:
+            print(f"  {path}")
     for i, rec in enumerate(samples[: args.samples]):
         print(f"record {i}")
         for k, v in _flatten(rec).items():
@@ -287,6 +293,7 @@ _FLAGS = [
     (re.compile(r"\boverwrite=True\b"), "--overwrite"),
     (re.compile(r"\bcodec=(?=\W|$)"), "--codec"),
     (re.compile(r"\bcolumns=(?=\W|$)"), "--columns"),
+    (re.compile(r"\ballow_external_paths=True\b"), "--allow-external-paths"),
 ]
 
 
@@ -578,6 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle seed")
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.set_defaults(func=cmd_bench)
+    for reads in (i, c, b):
+        reads.add_argument(
+            "--allow-external-paths",
+            action="store_true",
+            help="read files a dataset names outside its directory (a manifest's shard "
+            "paths, an HTTP listing's links): only for datasets you trust",
+        )
     return p
 
 
@@ -634,6 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(value, list) and len(value) == 1:
             setattr(args, attr, value[0])
     previous = _stop_on_sigterm()
+    trust = _allow_external_paths(getattr(args, "allow_external_paths", False))
     try:
         return int(args.func(args) or 0)
     except _Terminated:
@@ -664,8 +679,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exit_on_broken_pipe()
         return 2
     finally:
+        trust()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _allow_external_paths(allow: bool) -> Any:
+    """With ``--allow-external-paths``: every dataset this command opens, in this process
+    and the worker processes it starts, with ``allow_external_paths=True`` (through the
+    environment, which they inherit); returns what puts the environment back."""
+    from torchgrain.sources.registry import ALLOW_EXTERNAL_PATHS_ENV
+
+    before = os.environ.get(ALLOW_EXTERNAL_PATHS_ENV)
+    if not allow:
+        return lambda: None
+    os.environ[ALLOW_EXTERNAL_PATHS_ENV] = "1"
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop(ALLOW_EXTERNAL_PATHS_ENV, None)
+        else:
+            os.environ[ALLOW_EXTERNAL_PATHS_ENV] = before
+
+    return restore
 
 
 if __name__ == "__main__":
