@@ -57,6 +57,7 @@ from __future__ import annotations
 import abc
 import copy
 import hashlib
+import itertools
 import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,16 +141,17 @@ def read_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndarray) ->
         >>> read_pairs(children, np.array([1, 0, 0]), np.array([0, 1, 0]))
         ['c', 'b', 'a']
     """
-    if len(which) == 0:
+    groups = _groups(which)
+    if not groups:
         return []
-    out: list[Any] = [None] * len(which)
-    for c, rows in _groups(which):
+    if len(groups) == 1:  # the common case of a block-local order: nothing to put back
+        child = children[groups[0][0]]
+        return checked_batch(child, child.__getitems__(local.tolist()), local)
+    flat: list[Any] = []
+    for c, rows in groups:
         child = children[c]
-        got = child.__getitems__(local[rows].tolist())
-        checked_batch(child, got, rows)
-        for r, rec in zip(rows.tolist(), got):
-            out[r] = rec
-    return out
+        flat += checked_batch(child, child.__getitems__(local[rows].tolist()), rows)
+    return [flat[j] for j in _back(groups, len(which)).tolist()]
 
 
 def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndarray) -> ColumnBatch:
@@ -163,14 +165,11 @@ def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndar
         >>> b["x"].tolist()
         [3, 1, 2]
     """
-    groups = list(_groups(which))
-    if len(groups) == 1:  # the common case of a block-local order: no join
-        c, _ = groups[0]
-        return _get_columns(children[c], local.tolist())
+    groups = _groups(which)
+    if len(groups) <= 1:  # the common case of a block-local order: no join
+        return _get_columns(children[groups[0][0] if groups else 0], local.tolist())
     parts = [_get_columns(children[c], local[rows].tolist()) for c, rows in groups]
-    # Row k of the batch is row back[k] of the parts laid end to end.
-    back = np.empty(len(which), dtype=np.int64)
-    back[np.concatenate([rows for _, rows in groups])] = np.arange(len(which))
+    back = _back(groups, len(which))
     keys: dict[str, None] = {}
     for part in parts:
         keys.update(dict.fromkeys(dict.keys(part)))
@@ -195,15 +194,23 @@ def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndar
     return ColumnBatch(columns, num_rows=len(which))
 
 
-def _groups(which: np.ndarray) -> Any:
-    """(child, positions in the batch) for each child the batch touches, positions in
-    request order."""
+def _groups(which: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(child, positions in the batch) for each child the batch touches, in child order,
+    positions in request order; none for an empty batch."""
+    if len(which) == 0:
+        return []
     order = np.argsort(which, kind="stable")
-    sorted_which = which[order]
-    starts = np.flatnonzero(np.r_[True, sorted_which[1:] != sorted_which[:-1]])
-    ends = np.r_[starts[1:], len(which)]
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        yield int(sorted_which[s]), order[s:e]
+    ranked = which[order]
+    cuts = (np.flatnonzero(ranked[1:] != ranked[:-1]) + 1).tolist()
+    bounds = [0, *cuts, len(which)]
+    return [(int(ranked[a]), order[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def _back(groups: list[tuple[int, np.ndarray]], n: int) -> np.ndarray:
+    """Where row ``k`` of the batch is in the groups' rows laid end to end."""
+    back = np.empty(n, dtype=np.int64)
+    back[np.concatenate([rows for _, rows in groups])] = np.arange(n)
+    return back
 
 
 def _get_columns(child: Any, indices: list[int]) -> ColumnBatch:
