@@ -110,6 +110,15 @@ def test_vectorised_predicate_matches_the_record_one(tmp_path):
     by_records = ds.filter(lambda r: r["x"] % 3 == 0, index_dir=None, progress=False)
     assert by_columns.source.selection.tolist() == by_records.source.selection.tolist()
     assert by_columns.source.selection.tolist() == list(range(0, 100, 3))
+    seen = []
+
+    def only_x(b):
+        seen.append(sorted(b))
+        return np.asarray(b["x"]) % 3 == 0
+
+    narrow = ds.filter(columns(only_x, keys=["x"]), index_dir=None, progress=False)
+    assert narrow.source.selection.tolist() == list(range(0, 100, 3))
+    assert seen and all(keys == ["x"] for keys in seen)  # only that column was read
     same = ds.filter(
         lambda b: np.asarray(b["x"]) % 3 == 0, batched=True, index_dir=None, progress=False
     )

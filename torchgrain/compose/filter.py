@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,8 @@ class columns:
     :class:`~torchgrain.columns.ColumnBatch` of up to ``batch_size`` records, it returns
     one bool per row (an array or a list). The filter's pass then reads columns, with no
     Python object per record where the source can (Parquet, ArrayRecord's numbers).
+    ``keys`` names the only keys ``fn`` reads: a ParquetSource read without transforms
+    then decodes only those columns for the pass (the batch holds only them).
 
     Example:
         >>> import numpy as np, torchgrain as tg
@@ -90,10 +92,13 @@ class columns:
         [4, 5]
     """
 
-    def __init__(self, fn: Callable[[ColumnBatch], Any]) -> None:
+    def __init__(self, fn: Callable[[ColumnBatch], Any], keys: Sequence[str] | None = None) -> None:
         if not callable(fn):
             raise TypeError("columns() needs a callable")
+        if isinstance(keys, str):
+            raise TypeError("keys must be a sequence of keys, not a string")
         self.fn = fn
+        self.keys = None if keys is None else list(keys)
 
     def __call__(self, batch: ColumnBatch) -> Any:
         return self.fn(batch)
@@ -177,10 +182,13 @@ def filter_dataset(
         if not callable(predicate):
             raise TypeError(f"predicate must be callable, got {type(predicate).__name__}")
         vectorised = batched or isinstance(predicate, columns)
+        keys = predicate.keys if isinstance(predicate, columns) else None
         fn = predicate.fn if isinstance(predicate, columns) else predicate
         what = name if name is not None else _describe_fn(fn)
         ident = name if name is not None else callable_fingerprint(fn)
         mode = "columns" if vectorised else "records"
+        if keys is not None:
+            mode += f" of {keys}"
     dtype = "<u4" if n < 2**32 else "<u8"
     key = "filter-" + _hash(dataset_fingerprint(ds), mode, ident, dtype)
     label = f"filter predicate {what}"
@@ -193,7 +201,8 @@ def filter_dataset(
 
             chunks: Iterator[np.ndarray] = matching_rows(ds._source, predicate, progress, stats)
         else:
-            chunks = _pass(ds, predicate, vectorised, label, batch_size, num_workers, progress)
+            reader = _reader(ds, keys)
+            chunks = _pass(reader, predicate, vectorised, label, batch_size, num_workers, progress)
         for kept in chunks:
             sink.append("selection", kept.astype(dtype))
             count += len(kept)
@@ -208,6 +217,24 @@ def filter_dataset(
     )
     view = FilterView(ds, ix, label=what)
     return Dataset(view, batch_format=ds.batch_format)
+
+
+def _reader(ds: Dataset, keys: list[str] | None) -> Any:
+    """What the pass reads: ``ds``, or for a vectorised predicate that names its keys, a
+    ParquetSource read without transforms opened again for those columns only."""
+    from torchgrain.sources.parquet.source import ParquetSource
+
+    source = ds._source
+    if keys is None or ds._ops or not isinstance(source, ParquetSource):
+        return ds
+    missing = [k for k in keys if k not in source.keys]
+    if missing:
+        raise KeyError(f"columns() names keys {missing} that {source!r} does not have")
+    if any(k in source._part_keys for k in keys):
+        return ds  # (hive partition keys are not in the files)
+    from torchgrain.sources.parquet.pushdown import column_source
+
+    return Dataset(column_source(source, keys))
 
 
 def _is_expression(predicate: Any) -> bool:

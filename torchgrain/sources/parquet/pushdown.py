@@ -41,12 +41,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pds
-import pyarrow.fs as pfs
 
 from torchgrain.errors import CorruptDataError
 
-__all__ = ["matching_rows"]
+__all__ = ["column_source", "matching_rows"]
 
 _MAX_CASES = 64  # combinations of column states tried per row group; more: it is read
 _ROW = "__torchgrain_row"
@@ -71,26 +69,8 @@ def matching_rows(
     Raises:
         ValueError: the expression names no column of the source, or one it lacks.
     """
-    from torchgrain.sources.parquet.source import ParquetSource
-
     names = _named_columns(src, expression)
-    file_columns = [k for k in names if k not in src._part_keys]
-    # The same files, read for the named columns only (and no decoded-cache entries for
-    # a one-off pass): its row groups are the source's.
-    sub = ParquetSource(
-        src.paths,
-        columns=file_columns,
-        options=src.options,
-        partitioning=None,
-        decoded_cache=False,
-        max_row_group_bytes=src.max_row_group_bytes,
-        cache_bytes=0,
-    )
-    if not np.array_equal(sub._rg_offsets, src._rg_offsets):
-        raise CorruptDataError(
-            f"the Parquet files of {src!r} changed since it was opened (their row groups "
-            "differ): open it again"
-        )
+    sub = column_source(src, [k for k in names if k not in src._part_keys], cache_bytes=0)
     schema = pa.schema([src.arrow_schema.field(k) for k in names])
     offsets = src._rg_offsets
     groups = src.num_row_groups
@@ -126,6 +106,38 @@ def matching_rows(
             bar.close()
         if stats is not None:
             stats.update(out)
+
+
+def column_source(src: Any, columns: list[str], **options: Any) -> Any:
+    """The files of ``src`` (a :class:`~torchgrain.ParquetSource`) opened again for
+    ``columns`` only (no hive partition keys), for a one-off pass: no decoded disk cache,
+    the same read options and limits otherwise (``options`` replace some). Its rows are
+    ``src``'s, row group for row group (else ``CorruptDataError``: a file changed).
+
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_parquet(({"x": i, "s": str(i)} for i in range(4)), d)
+        >>> column_source(tg.ParquetSource(d), ["x"]).read_columns([3])["x"].tolist()
+        [3]
+    """
+    from torchgrain.sources.parquet.source import ParquetSource
+
+    sub = ParquetSource(
+        src.paths,
+        columns=columns,
+        options=src.options,
+        partitioning=None,
+        decoded_cache=False,
+        max_row_group_bytes=src.max_row_group_bytes,
+        **options,
+    )
+    if not np.array_equal(sub._rg_offsets, src._rg_offsets):
+        raise CorruptDataError(
+            f"the Parquet files of {src!r} changed since it was opened (their row groups "
+            "differ): open it again"
+        )
+    return sub
 
 
 def _named_columns(src: Any, expression: pc.Expression) -> list[str]:
@@ -166,6 +178,9 @@ def _prune(src: Any, sub: Any, schema: pa.Schema, expression: pc.Expression) -> 
         keep[g] = False
     if not cases:
         return keep
+    import pyarrow.dataset as pds  # (imported when needed: about 0.1 s)
+    import pyarrow.fs as pfs
+
     # One fragment per case, with its guarantee as the "partition expression" Arrow
     # simplifies the filter under; nothing is read (the paths are names only).
     dataset = pds.FileSystemDataset.from_paths(
