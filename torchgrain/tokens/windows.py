@@ -484,18 +484,19 @@ class TokenWindows(Source):
             return []
         # One batched read for the whole batch: each document once.
         wanted = np.unique(np.concatenate(per_window))
-        tokens = dict(zip(wanted.tolist(), self._docs.read(wanted)))
+        read = self._docs.read(wanted)
         special = (self.bos is not None) + (self.eos is not None)
-        off = self.offsets
-        for d in wanted.tolist():
-            expect = int(off[d + 1] - off[d]) - special
-            if len(tokens[d]) != expect:
-                raise CorruptDataError(
-                    f"document {d} of {self._docs.name}: column {self._docs.column!r} has "
-                    f"{len(tokens[d])} tokens, its window index "
-                    f"({self._index.path or 'in memory'}) says {expect}: the data changed "
-                    "since the index was built"
-                )
+        expect = self.offsets[wanted + 1] - self.offsets[wanted] - special
+        got = np.fromiter(map(len, read), np.int64, len(read))
+        if (got != expect).any():
+            k = int(np.flatnonzero(got != expect)[0])
+            raise CorruptDataError(
+                f"document {int(wanted[k])} of {self._docs.name}: column "
+                f"{self._docs.column!r} has {int(got[k])} tokens, its window index "
+                f"({self._index.path or 'in memory'}) says {int(expect[k])}: the data "
+                "changed since the index was built"
+            )
+        tokens = dict(zip(wanted.tolist(), read))
         build = self._concat_window if self.mode == "concat" else self._packed_window
         return [build(i, d, tokens) for i, d in zip(idx.tolist(), per_window)]
 
@@ -516,16 +517,24 @@ class TokenWindows(Source):
         L = self.seq_len
         s = i * L
         off = self.offsets
+        first = off[docs]
+        lo = np.maximum(first, s)
+        counts = np.minimum(off[docs + 1], s + L + 1) - lo
+        # Each position's place in its document, and its document (vectorised).
+        pos = np.arange(s, s + L + 1, dtype=np.int64) - np.repeat(first, counts)
+        ids = np.repeat(docs, counts)
         buf = np.empty(L + 1, np.int64)
-        pos = np.empty(L + 1, np.int64)
-        ids = np.empty(L + 1, np.int64)
-        for d in docs.tolist():
-            a, b = max(s, int(off[d])), min(s + L + 1, int(off[d + 1]))
-            self._augmented(tokens[d], a - int(off[d]), b - int(off[d]), buf[a - s : b - s])
-            pos[a - s : b - s] = np.arange(a - int(off[d]), b - int(off[d]))
-            ids[a - s : b - s] = d
+        at = 0
+        plain = self.bos is None and self.eos is None
+        for d, a, n in zip(docs.tolist(), (lo - first).tolist(), counts.tolist()):
+            if plain:
+                buf[at : at + n] = tokens[d][a : a + n]
+            else:
+                self._augmented(tokens[d], a, a + n, buf[at : at + n])
+            at += n
         starts = np.flatnonzero(pos[:L] == 0)
-        cu = np.unique(np.concatenate([[0], starts, [L]])).astype(np.int32)
+        head = [] if len(starts) and starts[0] == 0 else [0]
+        cu = np.concatenate([head, starts, [L]]).astype(np.int32)
         return {
             "input_ids": buf[:L],
             "labels": buf[1:],
