@@ -48,6 +48,16 @@ def resident_bytes() -> int:
         return 0
 
 
+def _allocations(pool: pa.MemoryPool) -> tuple[int, int] | None:
+    """What changes whenever ``pool`` allocates or frees: its live bytes and the running
+    total of its allocations; None where pyarrow keeps no total (before 20). A read that
+    allocates and frees as much leaves the live bytes as they were, so without the total
+    every :meth:`PoolTrimmer.settle` looks at the process's size (one read of
+    /proc/self/statm)."""
+    total = getattr(pool, "total_bytes_allocated", None)
+    return None if total is None else (pool.bytes_allocated(), total())
+
+
 class PoolTrimmer:
     """Release a memory pool's unused memory when the process grows by ``threshold``
     beyond what the block caches hold.
@@ -70,7 +80,7 @@ class PoolTrimmer:
         self.pool = pool
         self.threshold = int(threshold)
         self.releases = 0
-        self._seen = (pool.bytes_allocated(), pool.total_bytes_allocated())
+        self._seen = _allocations(pool)
         self._floor = resident_bytes() - held_bytes()
         self._lock = threading.Lock()
 
@@ -80,8 +90,8 @@ class PoolTrimmer:
         ``threshold`` bytes above its lowest point since the last release; returns
         whether it did."""
         pool = self.pool
-        seen = (pool.bytes_allocated(), pool.total_bytes_allocated())
-        if seen == self._seen:
+        seen = _allocations(pool)
+        if seen is not None and seen == self._seen:
             return False
         self._seen = seen
         rss = resident_bytes() - held_bytes()  # what the caches do not account for
