@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 import torchgrain as tg
 from torchgrain.errors import CorruptDataError
 from torchgrain.sources.node_index.derived import derived_index
-from torchgrain.tokens.windows import IGNORE, _best_fit
+from torchgrain.tokens.windows import IGNORE, _best_fit, collate_windows
 
 # Odd sizes: empty documents, one-token ones, and documents longer than several windows.
 SIZES = [5, 0, 1, 37, 0, 3, 100, 2, 0, 0, 11, 64, 1, 9]
@@ -327,3 +327,21 @@ def test_columns_format_and_default_collate_of_fixed_fields(tmp_path):
     assert batch["input_ids"].shape == (4, 8) and batch["input_ids"].dtype == torch.int64
     toks, _, _ = stream_of(docs)
     assert batch["input_ids"].flatten().tolist() == toks[:32].tolist()
+
+
+def test_collate_windows_flattens_the_boundaries(tmp_path):
+    docs = documents()
+    w = tg.Dataset([{"t": t} for t in docs]).windows("t", 16, bos=1, index_dir=tmp_path)
+    records = w.__getitems__([3, 0, 5])
+    batch = collate_windows(records)
+    assert batch["labels"].shape == (3, 16) and batch["labels"].dtype == torch.int64
+    flat = np.concatenate(
+        [r["cu_seqlens"][:-1].astype(np.int64) + 16 * k for k, r in enumerate(records)]
+    )
+    assert batch["cu_seqlens"].tolist() == [*flat.tolist(), 48]
+    assert batch["max_seqlen"] == int(np.diff(batch["cu_seqlens"].numpy()).max())
+    # Each flattened segment is one document (or its continuation) in one window.
+    ids = batch["document_ids"].flatten()
+    cu = batch["cu_seqlens"].tolist()
+    for a, b in itertools.pairwise(cu):
+        assert (ids[a:b] == ids[a]).all()

@@ -66,7 +66,7 @@ from torchgrain.sources.node_index.derived import (
     derived_index,
 )
 
-__all__ = ["TokenWindows", "WindowDataset", "windows"]
+__all__ = ["TokenWindows", "WindowDataset", "collate_windows", "windows"]
 
 #: The ``labels`` value of positions that predict nothing (PyTorch's ``ignore_index``).
 IGNORE = -100
@@ -649,6 +649,34 @@ class WindowDataset(Dataset):
     def num_tokens(self) -> int:
         """See :attr:`TokenWindows.num_tokens`."""
         return self.source.num_tokens
+
+
+def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A DataLoader ``collate_fn`` for windows: ``input_ids``, ``labels``,
+    ``position_ids`` and ``document_ids`` stacked into ``[B, seq_len]`` int64 tensors,
+    and the batch as variable-length attention kernels take it flattened to ``B *
+    seq_len`` tokens: ``cu_seqlens`` (int32, every window's boundaries shifted to its
+    place, from 0 to ``B * seq_len``) and ``max_seqlen`` (an int). Picklable.
+
+    Example:
+        >>> import numpy as np
+        >>> w = Dataset([{"t": np.arange(5)}, {"t": np.arange(4)}]).windows("t", 4, index_dir=None)
+        >>> b = collate_windows([w[0], w[1]])
+        >>> b["input_ids"].shape, b["cu_seqlens"].tolist(), b["max_seqlen"]
+        (torch.Size([2, 4]), [0, 4, 5, 8], 4)
+    """
+    if not batch:
+        raise ValueError("collate_windows needs at least one window")
+    out: dict[str, Any] = {
+        k: torch.from_numpy(np.stack([r[k] for r in batch]))
+        for k in ("input_ids", "labels", "position_ids", "document_ids")
+    }
+    L = out["input_ids"].shape[1]
+    parts = [np.asarray(r["cu_seqlens"][:-1], np.int64) + b * L for b, r in enumerate(batch)]
+    cu = np.concatenate([*parts, [len(batch) * L]]).astype(np.int32)
+    out["cu_seqlens"] = torch.from_numpy(cu)
+    out["max_seqlen"] = int(np.diff(cu).max())
+    return out
 
 
 def _token_id(name: str, value: Any) -> int | None:
