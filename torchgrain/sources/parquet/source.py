@@ -476,7 +476,9 @@ class ParquetSource(RowGroupLoader):
                     e.table.column(int(pos)).take(int64_array(r))
                     for e, r in zip(entries, plan.rows)
                 ]
-                joined = pa.chunked_array(parts, type=entries[0].table.schema.field(int(pos)).type)
+                # Chunks, not the ChunkedArrays: those pyarrow converts value by value.
+                chunks = [c for part in parts for c in part.chunks]
+                joined = pa.chunked_array(chunks, type=entries[0].table.schema.field(int(pos)).type)
                 col = arrow_column(joined.combine_chunks().take(int64_array(plan.where)))
             columns[key] = col
         count_decode(time.perf_counter() - t_start - read_seconds)
