@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import numpy as np
 from torch.utils.data import DistributedSampler
 
+from torchgrain.errors import DatasetWarning, EpochNotSetWarning, warn_once
 from torchgrain.frameworks import accelerate as _accelerate
 from torchgrain.frameworks import dataloader as _dataloader
 from torchgrain.io import process
@@ -166,6 +167,11 @@ class ResumableSampler(DistributedSampler):
         self._it_chunk_start = 0
         self._it_chunk_len = 0
         self._it_chunk: Any = None
+        # (seed, epoch) of the latest pass started since the last set_epoch or
+        # load_state_dict (None: none), and whether the sampler warned already of a pass
+        # that repeated it (EpochNotSetWarning) or of an empty dataset.
+        self._pass_key: tuple[int, int] | None = None
+        self._repeat_warned = self._empty_warned = False
 
     # -- the contract a sampler fills ---------------------------------------------------
     def epoch_order(self, seed: int, epoch: int) -> OrderFn:
@@ -432,6 +438,7 @@ class ResumableSampler(DistributedSampler):
             self._it_layout = self._fresh_layout()
             self._it_start = self._it_chunk_start = self._it_chunk_len = 0
             self._it_chunk = None
+        self._pass_key = None  # the same epoch again, said out loud: no warning
         self._propagate_epoch()
 
     def _propagate_epoch(self) -> None:
@@ -448,6 +455,7 @@ class ResumableSampler(DistributedSampler):
         # without being advanced (torchdata's StatefulDataLoader makes one before
         # loading state) do not consume a pending resume position.
         self._note_driver(pass_start=True)
+        self._check_pass_start()
         world = self._world()
         if self._loaded is not None:
             layout, start = self._resume_layout(self._loaded, world)
@@ -469,6 +477,35 @@ class ResumableSampler(DistributedSampler):
             # Keep the list iterator: its __length_hint__ says how far the consumer got.
             self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
             yield it
+
+    def _check_pass_start(self) -> None:
+        """Warn once of a shuffled pass that starts at the (seed, epoch) of the previous
+        one, with no ``set_epoch`` or ``load_state_dict`` in between (a loop that never
+        calls ``set_epoch`` trains every epoch on one order and the same random
+        transforms), and once of an empty dataset."""
+        key = (self.seed, self.epoch)
+        repeat = self._pass_key == key and self.shuffle and self._n > 1
+        self._pass_key = key
+        if repeat and not self._repeat_warned:
+            self._repeat_warned = True
+            warn_once(
+                None,
+                f"{type(self).__name__} started another pass at seed {self.seed}, epoch "
+                f"{self.epoch}, with no set_epoch() since the last one: it repeats that "
+                "pass's order and random transforms. Call sampler.set_epoch(epoch) before "
+                "each epoch (Lightning and Accelerate do; an HF Trainer does only for the "
+                "DataLoader Accelerate prepares: see torchgrain's docs/frameworks), or "
+                "set_epoch() with the same epoch to repeat it on purpose.",
+                EpochNotSetWarning,
+            )
+        if self._n == 0 and not self._empty_warned:
+            self._empty_warned = True
+            warn_once(
+                None,
+                f"{type(self).__name__} has a dataset of no records: this pass, and "
+                "every pass over it, yields nothing",
+                DatasetWarning,
+            )
 
     def _read_ahead(self, order: Any, start: int, count: int) -> None:
         """Hand this pass's order to the dataset's read-ahead (remote sources with a
@@ -641,6 +678,7 @@ class ResumableSampler(DistributedSampler):
         self._it_world = None
         self._it_layout, self._it_start = layout, pos
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = pos, 0, None
+        self._pass_key = None
         self._propagate_epoch()
 
     def _resume_layout(
