@@ -345,3 +345,47 @@ def test_collate_windows_flattens_the_boundaries(tmp_path):
     cu = batch["cu_seqlens"].tolist()
     for a, b in itertools.pairwise(cu):
         assert (ids[a:b] == ids[a]).all()
+
+
+class Recording:
+    """Documents that record the epoch and read-ahead orders they are given."""
+
+    def __init__(self, docs):
+        self.docs, self.epochs, self.orders = docs, [], []
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, i):
+        return {"t": self.docs[i]}
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def read_ahead(self, order, start, count, position):
+        self.orders.append(None if order is None else order(start, start + count).tolist())
+
+
+def test_epoch_and_read_ahead_reach_the_documents_and_pickles_small(tmp_path):
+    import pickle
+
+    docs = documents()
+    inner = Recording(docs)
+    w = tg.Dataset(inner).windows("t", 8, index_dir=tmp_path)
+    sampler = tg.GlobalShuffleSampler(w, seed=0, num_replicas=1, rank=0)
+    sampler.set_epoch(3)
+    assert inner.epochs[-1] == 3
+    order = sampler.indices(0, 4)
+    w.read_ahead(lambda a, b: order[a:b], 0, 4, lambda: 0)
+    _, _, ids = stream_of(docs)
+    expect = []
+    for i in order.tolist():  # the documents of those windows' tokens, in order, each once
+        for d in ids[i * 8 : i * 8 + 9].tolist():  # (the last label's document too)
+            if d not in expect:
+                expect.append(d)
+    assert inner.orders[-1] == expect
+    # Pickled (as for a spawned worker): the index travels as its file's name.
+    blob = pickle.dumps(w)
+    assert len(blob) < 20_000
+    again = pickle.loads(blob)
+    assert again[5]["input_ids"].tolist() == w[5]["input_ids"].tolist()
