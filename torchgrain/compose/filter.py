@@ -59,6 +59,7 @@ from torchgrain.compose.view import View, adapt, read_column_pairs
 from torchgrain.dataset import Dataset, _describe_fn
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.protocols import HasBlockOffsets
+from torchgrain.sources.base import Source
 from torchgrain.sources.node_index.derived import (
     DEFAULT,
     DerivedIndex,
@@ -203,9 +204,13 @@ def filter_dataset(
         else:
             reader = _reader(ds, keys)
             chunks = _pass(reader, predicate, vectorised, label, batch_size, num_workers, progress)
-        for kept in chunks:
-            sink.append("selection", kept.astype(dtype))
-            count += len(kept)
+        try:
+            for kept in chunks:
+                sink.append("selection", kept.astype(dtype))
+                count += len(kept)
+        finally:
+            if mode != "pushdown" and reader is not ds:
+                reader._source.close()  # the files opened again for the pass
         # (a pushdown adds the row groups it read, of how many)
         return {"count": count, "length": n, "predicate": what[:200], **stats}
 
@@ -294,7 +299,7 @@ class FilterView(View):
         except TypeError:
             blocks = None
         if blocks is None:
-            return np.array([0, len(self)], dtype=np.int64)
+            return np.unique(np.array([0, len(self)], dtype=np.int64))
         out = np.searchsorted(self.selection, np.asarray(blocks, np.int64)).astype(np.int64)
         out[-1] = len(self)
         return np.unique(np.r_[0, out])
@@ -431,9 +436,12 @@ class _RangeTester(torch.utils.data.Dataset):
         return start, stop, np.packbits(mask)
 
     def _test(self, a: int, b: int) -> np.ndarray:
-        indices = list(range(a, b))
         if self.vectorised:
-            batch = read_column_pairs([self.child], np.zeros(b - a, np.int64), np.arange(a, b))
+            if isinstance(self.child, Source):
+                # (an array of indices: a source checks it without a Python int each)
+                batch = self.child.read_columns(np.arange(a, b))
+            else:
+                batch = read_column_pairs([self.child], np.zeros(b - a, np.int64), np.arange(a, b))
             try:
                 got = self.predicate(batch)
             except Exception as e:
@@ -446,7 +454,7 @@ class _RangeTester(torch.utils.data.Dataset):
                     f"{b - a} rows (records [{a}, {b}) of {self.name})"
                 )
             return out
-        records = self.child.__getitems__(indices)
+        records = self.child.__getitems__(list(range(a, b)))
         out = np.zeros(b - a, dtype=bool)
         test = self.predicate
         for k, rec in enumerate(records):

@@ -20,6 +20,11 @@ For each row group:
    (through its checks: ``max_row_group_bytes``, page headers), with only the named
    columns, and Arrow evaluates the expression on it; rows where it is true are kept.
 
+Pruning trusts what a file's statistics say of its values, as every engine that prunes
+by them does: a file whose statistics lie loses the matching rows they hide (never
+gains others: every kept row was read and tested). A predicate function
+(``Dataset.filter(fn)``) reads every row instead.
+
 Example:
     >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq, pyarrow.compute as pc
     >>> import torchgrain as tg
@@ -102,6 +107,7 @@ def matching_rows(
             if bar is not None:
                 bar.update(1)
     finally:
+        sub.close()  # (its readers' descriptors: it is not used again)
         if bar is not None:
             bar.close()
         if stats is not None:
