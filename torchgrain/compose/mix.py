@@ -1,0 +1,433 @@
+"""Weighted mixtures: ``tg.mix(datasets, weights)``, exact counts per epoch in O(1) memory.
+
+An epoch of a mixture has ``L`` positions. Source ``k`` fills exactly ``c_k`` of them
+(``sum(c_k) == L``), and the order is a pure function of ``(seed, epoch, position)``:
+
+* **Counts.** ``c_k`` is ``L * w_k`` rounded by the largest-remainder method (every
+  source gets the floor, the sources with the largest fractional parts one more, ties
+  to the lower source number), in exact rational arithmetic (a float weight is the
+  decimal it prints as), so the counts never depend on float rounding.
+* **Which source a position reads.** Source ``k``'s draws sit at the times
+  ``(j + 0.5) / c_k`` for ``j < c_k``; position ``i`` is the ``i``-th of all those times
+  in order (ties to the lower source number). Every prefix of the epoch then holds each
+  source's share to within less than one record. The ``i``-th time is found by a
+  small binary search per source in integer arithmetic, vectorised over a batch:
+  O(K^2) work per position for K sources and nothing stored per position.
+* **Which record a draw reads.** The ``j``-th draw of source ``k`` in epoch ``e`` is
+  that source's draw number ``g = e * c_k + j`` over the whole run: pass
+  ``p = g // n_k`` of the source, record ``KeyedPermutation(n_k, seed, epoch=p,
+  tag=b"mix<k>")(g % n_k)``. So a source gives every record once per pass, never the
+  same record twice within a pass, and an upsampled source starts a new pass (a new
+  order) exactly when it runs out, independently of the other sources' passes.
+
+A sampler over the mixture (global shuffle, block shuffle, distributed) sees an
+ordinary map-style dataset of length ``L``; its position is the whole state, so
+mid-epoch and elastic resume stay exact. The epoch the mixture uses is the one the
+sampler sets (:meth:`Mix.set_epoch`), shared with DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from torchgrain.compose.concat import Concat
+from torchgrain.compose.view import View, check_indices
+from torchgrain.dataset import Dataset
+from torchgrain.sampling.permutation import KeyedPermutation
+
+__all__ = ["Mix", "MixOrder", "mix", "mixture_counts", "mixture_length", "mixture_weights"]
+
+_STOPPING = ("first_exhausted", "all_exhausted")
+# Above this epoch length, (2j + 1) * c_m no longer fits in int64: the order is then
+# computed on Python integers (exact, slower); below it, on int64 arrays.
+_INT64_LIMIT = 1 << 31
+# KeyedPermutations kept per process (one per source pass a batch touches).
+_PERMS_KEPT = 64
+
+
+def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
+    """Normalised exact weights (floats are converted exactly, not re-rounded)."""
+    out = []
+    for w in weights:
+        if isinstance(w, bool) or not isinstance(w, (int, float, Fraction, np.number)):
+            raise TypeError(f"{what} must be numbers, got {w!r}")
+        if not math.isfinite(float(w)) or w < 0:
+            raise ValueError(f"{what} must be finite and >= 0, got {w!r}")
+        # A float is taken as the shortest decimal that reads back as it (0.6 is 3/5,
+        # not 0.59999999999999997779...), so that [0.6, 0.4] of 60 records is 100.
+        out.append(Fraction(w) if isinstance(w, (int, Fraction)) else Fraction(repr(float(w))))
+    total = sum(out, Fraction(0))
+    if total == 0:
+        raise ValueError(f"{what} must not all be 0")
+    return [f / total for f in out]
+
+
+def mixture_weights(
+    sizes: Sequence[int], weights: Sequence[Any] | None = None, temperature: float | None = None
+) -> list[Fraction]:
+    """The normalised weights of a mixture: ``weights`` as given, else ``n_k ** (1/T)``
+    with a ``temperature`` T, else proportional to the sizes ``n_k``.
+
+    Example:
+        >>> [str(w) for w in mixture_weights([10, 30])]
+        ['1/4', '3/4']
+        >>> [round(float(w), 3) for w in mixture_weights([100, 10000], temperature=2)]
+        [0.091, 0.909]
+    """
+    if weights is not None:
+        if temperature is not None:
+            raise ValueError("give weights or temperature, not both")
+        if len(weights) != len(sizes):
+            raise ValueError(f"{len(weights)} weights for {len(sizes)} datasets")
+        return _fractions(weights)
+    if temperature is None:
+        return _fractions(list(sizes), "dataset sizes")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return _fractions([float(n) ** (1.0 / temperature) for n in sizes], "dataset sizes")
+
+
+def mixture_length(
+    sizes: Sequence[int], weights: Sequence[Fraction], stopping: str = "first_exhausted"
+) -> int:
+    """Epoch length by a stopping rule, for normalised ``weights``.
+
+    ``"first_exhausted"``: the largest L at which no source gives more than one pass
+    (``floor(min n_k / w_k)``); ``"all_exhausted"``: the smallest L at which every source
+    gives at least one pass (``ceil(max n_k / w_k)``). Sources of weight 0 are left out.
+
+    Example:
+        >>> w = mixture_weights([100, 50], [0.5, 0.5])
+        >>> mixture_length([100, 50], w), mixture_length([100, 50], w, "all_exhausted")
+        (100, 200)
+    """
+    if stopping not in _STOPPING:
+        raise ValueError(f"stopping must be one of {_STOPPING}, got {stopping!r}")
+    ratios = [Fraction(n) / w for n, w in zip(sizes, weights) if w > 0]
+    if stopping == "first_exhausted":
+        return math.floor(min(ratios))
+    return math.ceil(max(ratios))
+
+
+def mixture_counts(length: int, weights: Sequence[Fraction]) -> np.ndarray:
+    """Exact per-source counts summing to ``length``: ``length * w_k`` rounded by the
+    largest-remainder method (ties to the lower source number).
+
+    Example:
+        >>> mixture_counts(10, mixture_weights([1, 1, 1], [1, 1, 1])).tolist()
+        [4, 3, 3]
+    """
+    quotas = [length * w for w in weights]
+    counts = [math.floor(q) for q in quotas]
+    short = length - sum(counts)
+    # Largest fractional part first; sorted() is stable, so ties keep source order.
+    by_remainder = sorted(range(len(quotas)), key=lambda k: quotas[k] - counts[k], reverse=True)
+    for k in by_remainder[:short]:
+        counts[k] += 1
+    return np.array(counts, dtype=np.int64)
+
+
+class MixOrder:
+    """Position -> (source, draw) of one epoch: the merge of the sources' evenly spaced
+    draw times, computed for a batch of positions at once (see the module docstring).
+
+    Args:
+        counts: ``c_k``, the draws of each source in the epoch.
+
+    Example:
+        >>> order = MixOrder([3, 1])  # times 1/6, 3/6, 5/6 and 1/2 (a tie: 0 first)
+        >>> source, draw = order(np.arange(4))
+        >>> source.tolist(), draw.tolist()
+        ([0, 0, 1, 0], [0, 1, 0, 2])
+    """
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.length = int(self.counts.sum())
+        self._exact = self.length >= _INT64_LIMIT
+        # Search window per source around the proportional estimate: a prefix holds
+        # each source's share to within 1/2 + w_k (K - 2) / 2 < K / 2 draws, so the draw
+        # at a position is within K // 2 + 2 of the estimate (a wrong window would leave
+        # a position with no match, which is checked, never a wrong one).
+        self._slack = len(self.counts) // 2 + 2
+        self._steps = max(1, (2 * self._slack + 2).bit_length())
+
+    def _ints(self, x: Any) -> np.ndarray:
+        return np.asarray(x, dtype=object) if self._exact else np.asarray(x, dtype=np.int64)
+
+    def _rank(self, k: int, j: np.ndarray) -> np.ndarray:
+        """Number of draws before draw ``j`` of source ``k`` in the merged order."""
+        ck = int(self.counts[k])
+        rank = j.copy()
+        odd = 2 * j + 1
+        for m, cm in enumerate(self.counts.tolist()):
+            if m == k or cm == 0:
+                continue
+            x = odd * cm  # source m's times (2j'+1)/(2cm) against (2j+1)/(2ck): x / ck
+            if m < k:  # ties go to m: count times <= ours
+                before = (x // ck + 1) // 2
+            else:  # count times < ours
+                before = (-(-x // ck)) // 2
+            rank += np.minimum(before, cm)
+        return rank
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, draw)`` int64 arrays for positions in ``[0, length)``."""
+        i = self._ints(positions)
+        source, draw = self._search(i)
+        if (source < 0).any():  # pragma: no cover - guarded invariant
+            raise RuntimeError(f"mixture order found no draw for positions {i[source < 0][:5]}")
+        return source, draw
+
+    def _search(self, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A binary search per source for its number of draws up to each position."""
+        source = np.full(len(i), -1, dtype=np.int64)
+        draw = np.zeros(len(i), dtype=np.int64)
+        length = max(self.length, 1)
+        for k, ck in enumerate(self.counts.tolist()):
+            if ck == 0:
+                continue
+            # Search the number of k's draws among positions [0, i]: the largest cnt
+            # with rank(k, cnt - 1) <= i.
+            guess = (i + 1) * ck // length
+            lo = np.clip(guess - self._slack, 0, ck)
+            hi = np.clip(guess + self._slack + 1, 0, ck)
+            for _ in range(self._steps):
+                mid = (lo + hi + 1) // 2
+                ok = (mid > 0) & (self._rank(k, np.maximum(mid - 1, 0)) <= i)
+                ok |= mid == 0
+                lo = np.where(ok, mid, lo)
+                hi = np.where(ok, hi, mid - 1)
+            hit = (lo > 0) & (self._rank(k, np.maximum(lo - 1, 0)) == i)
+            if hit.any():
+                source[hit] = k
+                draw[hit] = np.asarray(lo[hit] - 1, dtype=np.int64)
+        return source, draw
+
+
+class _Passes:
+    """Draw number ``g`` of source ``k`` -> record index: each pass of the source is a
+    fresh keyed permutation of its records. Keeps a few permutations per process."""
+
+    def __init__(self, sizes: Sequence[int], seed: int) -> None:
+        self.sizes = [int(n) for n in sizes]
+        self.seed = seed
+        self._perms: OrderedDict[tuple[int, int], KeyedPermutation] = OrderedDict()
+
+    def perm(self, k: int, p: int) -> KeyedPermutation:
+        key = (k, p)
+        perm = self._perms.get(key)
+        if perm is None:
+            perm = KeyedPermutation(self.sizes[k], self.seed, epoch=p, tag=b"mix%d" % k)
+            self._perms[key] = perm
+            if len(self._perms) > _PERMS_KEPT:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(key)
+        return perm
+
+    def __call__(self, k: int, g: np.ndarray) -> np.ndarray:
+        n = self.sizes[k]
+        passes, within = np.divmod(g, n)
+        out = np.empty(len(g), dtype=np.int64)
+        for p in np.unique(passes).tolist():
+            sel = passes == p
+            out[sel] = self.perm(k, int(p))(np.asarray(within[sel], dtype=np.int64), check=False)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"sizes": self.sizes, "seed": self.seed}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["sizes"], state["seed"])  # type: ignore[misc]
+
+
+class Mix(View):
+    """A weighted mixture of ``children`` (see :func:`mix`): ``len(counts)`` sources,
+    source ``k`` giving ``counts[k]`` records per epoch.
+
+    Its one child is the :class:`~torchgrain.compose.concat.Concat` of the sources (which
+    reads a batch with one call per source, checks their schemas and adds
+    ``source_field``); position ``i`` of epoch ``e`` resolves to a record of it by
+    arithmetic alone. The epoch is the one :meth:`set_epoch` sets (a torchgrain sampler
+    calls it), kept in a cell shared with DataLoader workers, persistent ones included.
+    """
+
+    def __init__(
+        self,
+        children: Sequence[Any],
+        weights: Sequence[Any] | None = None,
+        *,
+        names: Sequence[str] | None = None,
+        seed: int = 0,
+        length: int | None = None,
+        stopping: str = "first_exhausted",
+        temperature: float | None = None,
+        source_field: str | None = None,
+    ) -> None:
+        from torchgrain.dataset import _EpochCell
+
+        sources = Concat(children, names=names, source_field=source_field)
+        super().__init__([sources])
+        self.sources = sources
+        self.seed = operator.index(seed)
+        sizes = [len(c) for c in sources.children]
+        self.weights = mixture_weights(sizes, weights, temperature)
+        for k, (n, w) in enumerate(zip(sizes, self.weights)):
+            if n == 0 and w > 0:
+                raise ValueError(
+                    f"cannot mix {sources.describe_child(k)}: it has no records "
+                    "(give it weight 0 or leave it out)"
+                )
+        if length is None:
+            length = mixture_length(sizes, self.weights, stopping)
+        elif isinstance(length, bool) or operator.index(length) < 0:
+            raise ValueError(f"length must be an integer >= 0, got {length!r}")
+        elif stopping not in _STOPPING:
+            raise ValueError(f"stopping must be one of {_STOPPING}, got {stopping!r}")
+        self.stopping = stopping
+        self.counts = mixture_counts(operator.index(length), self.weights)
+        self._order = MixOrder(self.counts)
+        self._passes = _Passes(sizes, self.seed)
+        self._epoch = _EpochCell(0)
+
+    def __len__(self) -> int:
+        return self._order.length
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.get()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch whose order positions resolve in (reaches DataLoader workers),
+        and pass it on to the sources."""
+        self._epoch.set(operator.index(epoch))
+        super().set_epoch(epoch)
+
+    def draws(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, record)`` of each position in the current epoch: which source it
+        reads and that source's record index.
+
+        Example:
+            >>> m = Mix([[{"x": 0}] * 4, [{"x": 1}] * 2], [0.5, 0.5])
+            >>> m.draws(range(len(m)))[0].tolist()
+            [0, 1, 0, 1]
+        """
+        return self._resolve(check_indices(indices, len(self)))
+
+    def _resolve(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        source, draw = self._order(indices)
+        epoch = self._epoch.get()
+        record = np.empty(len(indices), dtype=np.int64)
+        for k in np.unique(source).tolist():
+            sel = source == k
+            # The draw's number over the whole run: this epoch's draws follow the
+            # previous epochs' (each had counts[k] of them).
+            record[sel] = self._passes(k, epoch * int(self.counts[k]) + draw[sel])
+        return source, record
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        source, record = self._resolve(indices)
+        return np.zeros(len(indices), dtype=np.int64), self.sources.offsets[source] + record
+
+    def _identity(self) -> Any:
+        return (self.seed, self.counts.tolist(), [str(w) for w in self.weights])
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(c) for c in self.sources.children)
+        return f"Mix([{inner}], counts={self.counts.tolist()}, seed={self.seed})"
+
+
+def mix(
+    datasets: Sequence[Any] | Mapping[str, Any],
+    weights: Sequence[float] | Mapping[str, float] | None = None,
+    *,
+    seed: int = 0,
+    length: int | None = None,
+    stopping: str = "first_exhausted",
+    temperature: float | None = None,
+    source_field: str | None = None,
+) -> Dataset:
+    """A weighted mixture of ``datasets`` as one map-style :class:`~torchgrain.Dataset`.
+
+    Each epoch has ``L`` positions; source ``k`` fills exactly ``c_k`` of them:
+    ``L * w_k`` rounded by the largest remainder (each gets the floor, the largest
+    fractional parts one more, ties to the earlier dataset), in exact arithmetic. A
+    source's draws are spread evenly through the epoch (every prefix of the epoch holds
+    each source's share to within ``1/2 + w_k (K - 2) / 2`` records for K sources: under
+    one record for two sources), and are its records without replacement, in a keyed
+    order: a fresh order each pass, a new pass as soon as a source runs out (an
+    upsampled source), every record once per pass, each source's passes advancing
+    across epochs on their own. Nothing of size ``L`` is stored anywhere; the mixture is
+    a function of ``(seed, epoch, position)``, so any sampler drives it
+    (:class:`~torchgrain.GlobalShuffleSampler` for a shuffled epoch, whose windows then
+    hold the weights as closely as a uniform shuffle does), whatever the workers and
+    ranks, and the sampler's state is the whole state for mid-epoch and elastic resume.
+    The sampler's ``set_epoch`` sets the mixture's epoch.
+
+    Args:
+        datasets: a list of datasets (any :class:`~torchgrain.Source`,
+            :class:`~torchgrain.Dataset`, or what a Dataset accepts), or a dict
+            ``name -> dataset``. Keys and schemas must agree, as for
+            :func:`~torchgrain.concat`.
+        weights: one weight per dataset (any non-negative numbers, normalised; a dict
+            by name when ``datasets`` is a dict). None: by ``temperature``, else
+            proportional to the datasets' sizes.
+        seed: the mixture's seed (64-bit).
+        length: records per epoch; None: by ``stopping``.
+        stopping: ``"first_exhausted"`` (the longest epoch in which no dataset gives more
+            than one pass: ``floor(min n_k / w_k)``) or ``"all_exhausted"`` (the shortest
+            in which every dataset gives at least one: ``ceil(max n_k / w_k)``).
+        temperature: with no ``weights``, ``w_k`` proportional to ``n_k ** (1 / T)``
+            (``T > 1`` flattens the sizes toward uniform).
+        source_field: a key added to every record: its dataset's position (or name), as
+            in :func:`~torchgrain.concat`.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> web = [{"text": f"web{i}"} for i in range(6)]
+        >>> books = [{"text": f"book{i}"} for i in range(2)]
+        >>> ds = tg.mix({"web": web, "books": books}, {"web": 0.5, "books": 0.5},
+        ...             stopping="all_exhausted", source_field="source")
+        >>> len(ds), [r["source"] for r in ds.__getitems__(range(4))]
+        (12, ['web', 'books', 'web', 'books'])
+        >>> sorted(r["text"] for r in ds.__getitems__(range(0, 12, 2)))  # web: one pass
+        ['web0', 'web1', 'web2', 'web3', 'web4', 'web5']
+        >>> ds.source.counts.tolist()
+        [6, 6]
+    """
+    if isinstance(datasets, Mapping):
+        names: list[str] | None = [str(k) for k in datasets]
+        children = list(datasets.values())
+        if isinstance(weights, Mapping):
+            unknown = sorted(set(map(str, weights)) - set(names))
+            if unknown:
+                raise ValueError(f"weights name datasets that are not mixed: {unknown}")
+            weights = [weights.get(n, 0) for n in names]
+    else:
+        if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence):
+            raise TypeError(f"mix needs a list or dict of datasets, got {type(datasets).__name__}")
+        if isinstance(weights, Mapping):
+            raise TypeError("weights by name need datasets by name (a dict)")
+        names, children = None, list(datasets)
+    return Dataset(
+        Mix(
+            children,
+            None if weights is None else list(weights),
+            names=names,
+            seed=seed,
+            length=length,
+            stopping=stopping,
+            temperature=temperature,
+            source_field=source_field,
+        )
+    )
