@@ -1,4 +1,4 @@
-"""tg.mix: exact counts per epoch, passes without repeats, O(1) order, resume."""
+"""tg.mix: exact counts per epoch, passes without repeats, O(1) order, resume, the CLI."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 import torchgrain as tg
 from torchgrain.compose.mix import Mix, MixOrder, mixture_counts, mixture_weights
+from torchgrain.compose.spec import SpecError, load_spec
 
 
 def ids(prefix, n):
@@ -287,3 +288,80 @@ def test_two_ranks_two_workers_then_elastic_resume_on_one(tmp_path):
     assert collections.Counter(map(tuple, heads + rest)) == collections.Counter(whole)
     kept = {i for i, _ in whole if i[0] == "p"}
     assert kept == {f"p{i}" for i in range(90) if i % 3 != 0}  # filtered, each once per pass
+
+
+def test_spec_file_and_cli(two_formats, tmp_path, capsys):
+    from torchgrain.cli import main
+
+    spec = {
+        "mix": [
+            {
+                "path": str(two_formats / "p"),
+                "weight": 0.7,
+                "name": "web",
+                "filter": [["x", "<", 20]],
+            },
+            {"path": str(two_formats / "a"), "weight": 0.3, "format": "array_record"},
+        ],
+        "seed": 4,
+        "stopping": "all_exhausted",
+        "source_field": "src",
+    }
+    path = tmp_path / "mixture.json"
+    path.write_text(json.dumps(spec))
+    ds = load_spec(str(path))
+    assert ds.source.counts.tolist() == [31, 13]
+    assert {r["src"] for r in ds.__getitems__(range(len(ds)))} == {"web", "1"}
+    assert main(["inspect", str(path), "--json", "--samples", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kind"] == "mix" and out["num_records"] == 44 and len(out["samples"]) == 2
+    assert [d["per_epoch"] for d in out["datasets"]] == [31, 13]
+    assert (
+        main(
+            [
+                "bench",
+                str(path),
+                "--seconds",
+                "0.5",
+                "--repeats",
+                "1",
+                "--workers",
+                "0",
+                "--batch-size",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_records"] == 44 and report["format"] == "composition"
+
+    concat = tmp_path / "concat.json"
+    concat.write_text(json.dumps({"concat": [{"path": str(two_formats / "a")}] * 2}))
+    assert main(["inspect", str(concat)]) == 0
+    assert "concat of 2 datasets" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ([1], "one of 'mix' or 'concat'"),
+        ({"mix": []}, "non-empty list"),
+        ({"mix": [{"weight": 1}]}, "mix entry 0: 'path'"),
+        ({"mix": [{"path": "a", "wieght": 1}]}, r"mix entry 0: unknown keys \['wieght'\]"),
+        ({"mix": [{"path": "a", "weight": 1}, {"path": "a"}]}, "mix entry 1 has no 'weight'"),
+        ({"mix": [{"path": "missing"}]}, "mix entry 0 \\('missing'\\)"),
+        ({"mix": [{"path": "a", "filter": [["x", "<", 1]]}]}, "Parquet datasets only"),
+        ({"mix": [{"path": "p", "filter": "x < 1"}]}, "'filter' must be"),
+        ({"concat": [{"path": "a", "weight": 2}]}, "take no 'weight'"),
+        ({"mix": [{"path": "a"}], "seeed": 1}, r"unknown keys \['seeed'\]"),
+        ({"mix": [{"path": "a", "weight": -1}]}, ">= 0"),
+    ],
+)
+def test_spec_errors_name_the_file_and_entry(two_formats, spec, match):
+    path = two_formats / "bad.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(SpecError, match=match) as e:
+        load_spec(str(path))
+    assert "bad.json" in str(e.value)

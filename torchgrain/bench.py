@@ -126,7 +126,9 @@ def open_dataset_source(
 ) -> tuple[Any, str]:
     """Open ``path`` as a source of any registered format; returns ``(source, format)``.
 
-    ``fmt="auto"`` detects the format from file names; the source is opened by
+    ``fmt="auto"`` detects the format from file names (a composition file,
+    :mod:`torchgrain.compose.spec`, gives its mixture or concatenation, format
+    ``"composition"``); the source is opened by
     ``tg.open`` (:func:`torchgrain.sources.registry.open`), which says when the format
     takes no ``columns`` (or ``cache_bytes``). Opening reads only metadata (a manifest,
     footers or cached indexes). ``cache_bytes`` sets the source's per-process block
@@ -140,8 +142,16 @@ def open_dataset_source(
         >>> fmt, src[3]
         ('parquet', {'y': -3})
     """
+    from torchgrain.compose.spec import is_spec, load_spec
     from torchgrain.sources import registry
 
+    if is_spec(path) and fmt == "auto":
+        if columns or cache_bytes is not None:
+            raise ValueError(
+                f"{path!r} describes a composition: give columns in its entries "
+                "(columns= and cache_bytes= are for one dataset)"
+            )
+        return load_spec(path).source, "composition"
     name = registry.detect_format(path) if fmt == "auto" else fmt
     options: dict[str, Any] = {}
     if columns:
@@ -152,8 +162,12 @@ def open_dataset_source(
 
 
 def _records_per_block(source: Any) -> int:
-    """Typical records per storage block (an ArrayRecord file's group size)."""
-    sizes = np.diff(source.block_offsets())
+    """Typical records per storage block (an ArrayRecord file's group size); 1 for a
+    dataset without blocks (a mixture)."""
+    try:
+        sizes = np.diff(source.block_offsets())
+    except TypeError:
+        return 1
     sizes = sizes[sizes > 0]
     return int(np.median(sizes)) if len(sizes) else 1
 

@@ -46,6 +46,7 @@ def _head(src: Any, n: int) -> list[dict[str, Any]]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from torchgrain.compose.spec import is_spec
     from torchgrain.formats.codecs import describe_value
     from torchgrain.io import remote
     from torchgrain.io.fs import get_filesystem, skipped_files
@@ -53,6 +54,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
     _check_exists("PATH", args.path)
+    if args.format == "auto" and is_spec(args.path):
+        return _inspect_spec(args)
     fmt = _detect("PATH", args.path) if args.format == "auto" else args.format
     src = registry.open(
         args.path, format=fmt, **({} if args.codec == "auto" else {"codec": args.codec})
@@ -138,6 +141,57 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_spec(args: argparse.Namespace) -> int:
+    """``inspect`` of a composition file: its datasets, the records each gives per epoch,
+    the merged keys and the first records."""
+    from torchgrain.compose.mix import Mix
+    from torchgrain.compose.spec import load_spec
+
+    ds = load_spec(args.path)
+    view = ds.source
+    sources = view.sources if isinstance(view, Mix) else view
+    counts = view.counts.tolist() if isinstance(view, Mix) else [len(c) for c in sources.children]
+    out: dict[str, Any] = {
+        "path": args.path,
+        "kind": "mix" if isinstance(view, Mix) else "concat",
+        "num_records": len(ds),
+        "datasets": [
+            {"name": name, "dataset": repr(child), "num_records": len(child), "per_epoch": c}
+            for name, child, c in zip(sources.names, sources.children, counts)
+        ],
+        "schema": ds.schema,
+    }
+    if isinstance(view, Mix):
+        for entry, w in zip(out["datasets"], view.weights):
+            entry["weight"] = float(w)
+        out["seed"] = view.seed
+    samples = ds.__getitems__(list(range(min(args.samples, len(ds)))))
+    if args.json:
+        out["samples"] = [
+            {k: _summarise(v) for k, v in _flatten(r).items()} if isinstance(r, dict) else r
+            for r in samples
+        ]
+        print(json.dumps(out, indent=1, default=str))
+        return 0
+    print(f"composition {args.path}: {out['kind']} of {len(counts)} datasets")
+    print(f"records     {len(ds):,} per epoch")
+    for entry in out["datasets"]:
+        weight = f"  weight {entry['weight']:.4g}" if "weight" in entry else ""
+        print(
+            f"  {entry['name']:<12} {entry['per_epoch']:>12,} of {entry['num_records']:,}"
+            f"{weight}  {entry['dataset']}"
+        )
+    if out["schema"]:
+        print("schema")
+        for k, t in out["schema"].items():
+            print(f"  {k:<24} {t}")
+    for i, rec in enumerate(samples):
+        print(f"record {i}")
+        for k, v in (_flatten(rec) if isinstance(rec, dict) else {"": rec}).items():
+            print(f"  {k:<24} {_summarise(v)}")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     import torchgrain as tg
     from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
@@ -213,9 +267,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from torchgrain.bench import run_bench
+    from torchgrain.compose.spec import is_spec
 
     _check_exists("PATH", args.path)
-    if args.format == "auto":
+    if args.format == "auto" and not is_spec(args.path):
         _detect("PATH", args.path)
     report = run_bench(
         args.path,
