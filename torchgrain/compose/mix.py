@@ -160,58 +160,48 @@ class MixOrder:
         # a position with no match, which is checked, never a wrong one).
         self._slack = len(self.counts) // 2 + 2
         self._steps = max(1, (2 * self._slack + 2).bit_length())
+        dtype = object if self._exact else np.int64
+        self._c = self.counts.astype(dtype)[None, :]  # (1, K), or (1, 1, M) broadcast
+        self._ck = np.maximum(self.counts, 1).astype(dtype)[None, :, None]  # (1, K, 1)
+        m = np.arange(len(self.counts))
+        self._earlier = (m[None, :] < m[:, None])[None]  # [., k, m]: m before k on ties
+        self._others = ((m[None, :] != m[:, None]) & (self.counts > 0)[None, :])[None]
 
     def _ints(self, x: Any) -> np.ndarray:
         return np.asarray(x, dtype=object) if self._exact else np.asarray(x, dtype=np.int64)
 
-    def _rank(self, k: int, j: np.ndarray) -> np.ndarray:
-        """Number of draws before draw ``j`` of source ``k`` in the merged order."""
-        ck = int(self.counts[k])
-        rank = j.copy()
-        odd = 2 * j + 1
-        for m, cm in enumerate(self.counts.tolist()):
-            if m == k or cm == 0:
-                continue
-            x = odd * cm  # source m's times (2j'+1)/(2cm) against (2j+1)/(2ck): x / ck
-            if m < k:  # ties go to m: count times <= ours
-                before = (x // ck + 1) // 2
-            else:  # count times < ours
-                before = (-(-x // ck)) // 2
-            rank += np.minimum(before, cm)
-        return rank
+    def _rank(self, j: np.ndarray) -> np.ndarray:
+        """Number of draws before draw ``j[:, k]`` of source ``k`` in the merged order,
+        for a (positions, sources) array ``j``."""
+        c = self._c
+        # Source m's times (2j'+1)/(2c_m) against ours (2j+1)/(2c_k): compare x / c_k.
+        x = (2 * j + 1)[:, :, None] * c
+        ck = self._ck
+        ties = (x // ck + 1) // 2  # m < k: ties go to m, count times <= ours
+        strict = (-(-x // ck)) // 2  # m > k: count times < ours
+        before = np.minimum(np.where(self._earlier, ties, strict), c) * self._others
+        return j + before.sum(axis=2)
 
     def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, draw)`` int64 arrays for positions in ``[0, length)``."""
-        i = self._ints(positions)
-        source, draw = self._search(i)
-        if (source < 0).any():  # pragma: no cover - guarded invariant
-            raise RuntimeError(f"mixture order found no draw for positions {i[source < 0][:5]}")
-        return source, draw
-
-    def _search(self, i: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """A binary search per source for its number of draws up to each position."""
-        source = np.full(len(i), -1, dtype=np.int64)
-        draw = np.zeros(len(i), dtype=np.int64)
-        length = max(self.length, 1)
-        for k, ck in enumerate(self.counts.tolist()):
-            if ck == 0:
-                continue
-            # Search the number of k's draws among positions [0, i]: the largest cnt
-            # with rank(k, cnt - 1) <= i.
-            guess = (i + 1) * ck // length
-            lo = np.clip(guess - self._slack, 0, ck)
-            hi = np.clip(guess + self._slack + 1, 0, ck)
-            for _ in range(self._steps):
-                mid = (lo + hi + 1) // 2
-                ok = (mid > 0) & (self._rank(k, np.maximum(mid - 1, 0)) <= i)
-                ok |= mid == 0
-                lo = np.where(ok, mid, lo)
-                hi = np.where(ok, hi, mid - 1)
-            hit = (lo > 0) & (self._rank(k, np.maximum(lo - 1, 0)) == i)
-            if hit.any():
-                source[hit] = k
-                draw[hit] = np.asarray(lo[hit] - 1, dtype=np.int64)
-        return source, draw
+        i = self._ints(positions)[:, None]
+        # For every source at once, search the number of its draws among positions
+        # [0, i]: the largest cnt with rank(cnt - 1) <= i (a few steps in a window
+        # around the proportional estimate).
+        guess = (i + 1) * self._c[0] // max(self.length, 1)
+        lo = np.clip(guess - self._slack, 0, self._c[0])
+        hi = np.clip(guess + self._slack + 1, 0, self._c[0])
+        for _ in range(self._steps):
+            mid = (lo + hi + 1) // 2
+            ok = (mid == 0) | (self._rank(np.maximum(mid - 1, 0)) <= i)
+            lo = np.where(ok, mid, lo)
+            hi = np.where(ok, hi, mid - 1)
+        hit = (lo > 0) & (self._rank(np.maximum(lo - 1, 0)) == i)
+        if not hit.any(axis=1).all():  # pragma: no cover - guarded invariant
+            raise RuntimeError(f"mixture order found no draw for positions {positions}")
+        source = hit.argmax(axis=1)
+        draw = np.asarray(lo[np.arange(len(source)), source] - 1, dtype=np.int64)
+        return source.astype(np.int64), draw
 
 
 class _Passes:
