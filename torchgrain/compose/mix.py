@@ -10,13 +10,15 @@ An epoch of a mixture has ``L`` positions. Source ``k`` fills exactly ``c_k`` of
 * **Which source a position reads.** Source ``k``'s draws sit at the times
   ``(j + 0.5) / c_k`` for ``j < c_k``; position ``i`` is the ``i``-th of all those times
   in order (ties to the lower source number). Every prefix of the epoch then holds each
-  source's share to within less than one record. The ``i``-th time is found by a
-  small binary search per source in integer arithmetic, vectorised over a batch:
-  O(K^2) work per position for K sources and nothing stored per position.
+  source's share to within ``1/2 + w_k (K - 2) / 2`` records (less than one for two
+  sources). The ``i``-th time is found by a few steps of a binary search for every
+  source at once, in integer arithmetic, vectorised over a batch: O(K^2) work per
+  position for K sources and nothing stored per position.
 * **Which record a draw reads.** The ``j``-th draw of source ``k`` in epoch ``e`` is
   that source's draw number ``g = e * c_k + j`` over the whole run: pass
-  ``p = g // n_k`` of the source, record ``KeyedPermutation(n_k, seed, epoch=p,
-  tag=b"mix<k>")(g % n_k)``. So a source gives every record once per pass, never the
+  ``p = g // n_k`` of the source, record ``g % n_k`` of member ``k`` of
+  ``KeyedPermutations(sizes, seed, epoch=p, tag=b"mix")`` (one keyed permutation per
+  source and pass). So a source gives every record once per pass, never the
   same record twice within a pass, and an upsampled source starts a new pass (a new
   order) exactly when it runs out, independently of the other sources' passes.
 
@@ -40,7 +42,7 @@ import numpy as np
 from torchgrain.compose.concat import Concat
 from torchgrain.compose.view import View, check_indices
 from torchgrain.dataset import Dataset
-from torchgrain.sampling.permutation import KeyedPermutation
+from torchgrain.sampling.permutation import KeyedPermutations
 
 __all__ = ["Mix", "MixOrder", "mix", "mixture_counts", "mixture_length", "mixture_weights"]
 
@@ -205,37 +207,39 @@ class MixOrder:
 
 
 class _Passes:
-    """Draw number ``g`` of source ``k`` -> record index: each pass of the source is a
-    fresh keyed permutation of its records. Keeps a few permutations per process."""
+    """Draw number ``g`` of source ``k`` -> record index: pass ``p = g // n_k`` of every
+    source is member ``k`` of one keyed family of permutations for that pass, so a
+    batch's draws from all sources in the same pass are permuted in one vectorised call.
+    Keeps a few families per process."""
 
     def __init__(self, sizes: Sequence[int], seed: int) -> None:
-        self.sizes = [int(n) for n in sizes]
+        self.sizes = np.asarray(sizes, dtype=np.int64)
         self.seed = seed
-        self._perms: OrderedDict[tuple[int, int], KeyedPermutation] = OrderedDict()
+        self._families: OrderedDict[int, KeyedPermutations] = OrderedDict()
 
-    def perm(self, k: int, p: int) -> KeyedPermutation:
-        key = (k, p)
-        perm = self._perms.get(key)
-        if perm is None:
-            perm = KeyedPermutation(self.sizes[k], self.seed, epoch=p, tag=b"mix%d" % k)
-            self._perms[key] = perm
-            if len(self._perms) > _PERMS_KEPT:
-                self._perms.popitem(last=False)
+    def family(self, p: int) -> KeyedPermutations:
+        perms = self._families.get(p)
+        if perms is None:
+            perms = KeyedPermutations(self.sizes, self.seed, epoch=p, tag=b"mix")
+            self._families[p] = perms
+            if len(self._families) > _PERMS_KEPT:
+                self._families.popitem(last=False)
         else:
-            self._perms.move_to_end(key)
-        return perm
+            self._families.move_to_end(p)
+        return perms
 
-    def __call__(self, k: int, g: np.ndarray) -> np.ndarray:
-        n = self.sizes[k]
-        passes, within = np.divmod(g, n)
+    def __call__(self, source: np.ndarray, g: np.ndarray) -> np.ndarray:
+        passes, within = np.divmod(g, self.sizes[source])
+        if len(passes) and passes.min() == passes.max():  # the common case: one pass
+            return self.family(int(passes[0]))(source, within)
         out = np.empty(len(g), dtype=np.int64)
         for p in np.unique(passes).tolist():
             sel = passes == p
-            out[sel] = self.perm(k, int(p))(np.asarray(within[sel], dtype=np.int64), check=False)
+            out[sel] = self.family(int(p))(source[sel], within[sel])
         return out
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"sizes": self.sizes, "seed": self.seed}
+        return {"sizes": self.sizes.tolist(), "seed": self.seed}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["sizes"], state["seed"])  # type: ignore[misc]
@@ -317,12 +321,9 @@ class Mix(View):
     def _resolve(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         source, draw = self._order(indices)
         epoch = self._epoch.get()
-        record = np.empty(len(indices), dtype=np.int64)
-        for k in np.unique(source).tolist():
-            sel = source == k
-            # The draw's number over the whole run: this epoch's draws follow the
-            # previous epochs' (each had counts[k] of them).
-            record[sel] = self._passes(k, epoch * int(self.counts[k]) + draw[sel])
+        # The draw's number over the whole run: this epoch's draws follow the previous
+        # epochs' (each had counts[k] of them).
+        record = self._passes(source, epoch * self.counts[source] + draw)
         return source, record
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
