@@ -389,3 +389,21 @@ def test_epoch_and_read_ahead_reach_the_documents_and_pickles_small(tmp_path):
     assert len(blob) < 20_000
     again = pickle.loads(blob)
     assert again[5]["input_ids"].tolist() == w[5]["input_ids"].tolist()
+
+
+def test_windows_compose_into_mixtures_and_concatenations():
+    web = documents(seed=1)
+    code = [t + 5000 for t in documents(sizes=[30, 0, 41, 9], seed=2)]
+    a = tg.Dataset([{"t": t} for t in web]).windows("t", 8, index_dir=None)
+    b = tg.Dataset([{"t": t} for t in code]).windows("t", 8, index_dir=None, eos=1)
+    windows_of = {
+        name: {tuple(r["input_ids"].tolist()) for r in w.__getitems__(list(range(len(w))))}
+        for name, w in (("a", a), ("b", b))
+    }
+    mixed = tg.mix([a, b], [0.7, 0.3], seed=0)
+    got = [tuple(r["input_ids"].tolist()) for r in mixed.__getitems__(list(range(len(mixed))))]
+    assert all(g in windows_of["a"] or g in windows_of["b"] for g in got)
+    assert {g for g in got if g in windows_of["b"]}  # both corpora are drawn from
+    both = tg.concat([a, b])
+    assert len(both) == len(a) + len(b)
+    assert both[len(a)]["input_ids"].tolist() == b[0]["input_ids"].tolist()
