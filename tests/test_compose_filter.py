@@ -212,6 +212,11 @@ def test_a_damaged_selection_file_never_gives_records(tmp_path):
         again = filter_dataset(data, _is_odd, name="odd", index_dir=ix, progress=False)
     assert any(path in str(w.message) for w in caught)
     assert again.source.selection.tolist() == list(range(1, 50, 2))
+    # truncated while a process has it mapped: refused at the next read, not SIGBUS
+    with open(again.source.index.path, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(CorruptDataError, match="filter-"):
+        again[0]
     # a well-formed file (its checksum right) whose entries are out of range, or not
     # increasing: a CorruptDataError naming the file
     os.remove(path)

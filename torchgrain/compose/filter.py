@@ -287,6 +287,10 @@ class FilterView(View):
         return self._count
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # A selection file written or truncated since it was mapped is refused
+        # (ChangedWhileOpen, a CorruptDataError naming it): its entries would be other
+        # bytes, and a page past a truncated end kills the process with SIGBUS.
+        self.index.check_unchanged()
         return np.zeros(len(indices), np.int64), self.selection[indices].astype(np.int64)
 
     def block_offsets(self) -> np.ndarray:
