@@ -249,6 +249,9 @@ def test_bad_columns_and_arguments():
         ds.windows("u", 4, index_dir=None)
     with pytest.raises(ValueError, match="seq_len"):
         ds.windows("t", 0)
+    huge = tg.Dataset([{"t": np.array([1, 2**64 - 1], np.uint64)}])
+    with pytest.raises(CorruptDataError, match=r"above 2\*\*63"):
+        huge.windows("t", 1, index_dir=None)
     with pytest.raises(ValueError, match="mode"):
         ds.windows("t", 4, mode="nope")
     with pytest.raises(TypeError, match="eos"):

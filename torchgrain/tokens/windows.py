@@ -120,8 +120,10 @@ class _Documents:
             if isinstance(col, Ragged) and col.kind == "array":
                 values, offsets = np.asarray(col.values), np.asarray(col.offsets)
                 if values.dtype.kind in "iu":
+                    self._check_range(values, docs)
                     return [values[offsets[k] : offsets[k + 1]] for k in range(len(docs))]
             elif isinstance(col, np.ndarray) and col.ndim == 2 and col.dtype.kind in "iu":
+                self._check_range(col, docs)
                 return list(col)
             values = list(col)
         else:
@@ -129,6 +131,14 @@ class _Documents:
         if self.tokenizer is not None:
             values = _tokenize(self.tokenizer, values, self, docs)
         return [self._tokens(v, int(d)) for v, d in zip(values, docs.tolist())]
+
+    def _check_range(self, values: np.ndarray, docs: np.ndarray) -> None:
+        """Token ids must fit the windows' int64 (only a uint64 array can hold more)."""
+        if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
+            raise CorruptDataError(
+                f"records {docs.tolist()[:8]} of {self.name}: column {self.column!r} holds a "
+                "token id above 2**63 - 1"
+            )
 
     def _tokens(self, value: Any, doc: int) -> np.ndarray:
         if value is None:
@@ -140,6 +150,7 @@ class _Documents:
                 f"{type(value).__name__} of shape {arr.shape} and dtype {arr.dtype}, "
                 "not a list of token ids (pass tokenizer= for text)"
             )
+        self._check_range(arr, np.array([doc]))
         return arr
 
     def lengths(self, num_workers: int | None, progress: bool) -> Iterator[np.ndarray]:
