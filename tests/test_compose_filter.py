@@ -305,3 +305,15 @@ def test_pushdown_keeps_exactly_what_arrow_keeps(tmp_path_factory, rows, group, 
     got = tg.ParquetSource(str(d), filter=expr).selection.tolist()
     kept = table.append_column("_r", pa.array(np.arange(len(rows)))).filter(expr)
     assert got == kept.column("_r").to_pylist(), expr
+
+
+def test_pushdown_on_a_hive_partition_key_skips_the_other_files(tmp_path):
+    for part in range(3):
+        os.makedirs(tmp_path / f"split={part}")
+        x = list(range(part * 10, part * 10 + 10))
+        pq.write_table(pa.table({"x": x}), tmp_path / f"split={part}/a.parquet", row_group_size=5)
+    ds = tg.Dataset(tg.ParquetSource(str(tmp_path)))
+    f = ds.filter((pc.field("split") >= 1) & (pc.field("x") < 22), index_dir=None, progress=False)
+    assert f.source.selection.tolist() == list(range(10, 22))
+    assert f.source.index.meta["row_groups_read"] == 3  # of 6: file 0 and rows 25-29 not read
+    assert [r["split"] for r in f.__getitems__([0, 11])] == [1, 2]
