@@ -290,8 +290,10 @@ def test_two_ranks_two_workers_then_elastic_resume_on_one(tmp_path):
     assert kept == {f"p{i}" for i in range(90) if i % 3 != 0}  # filtered, each once per pass
 
 
-def test_spec_file_and_cli(two_formats, tmp_path, capsys):
+def test_spec_file_and_cli(two_formats, tmp_path, capsys, monkeypatch):
     from torchgrain.cli import main
+
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))  # the filter's index
 
     spec = {
         "mix": [
@@ -336,6 +338,7 @@ def test_spec_file_and_cli(two_formats, tmp_path, capsys):
     )
     report = json.loads(capsys.readouterr().out)
     assert report["num_records"] == 44 and report["format"] == "composition"
+    assert os.listdir(tmp_path / "cache")
 
     concat = tmp_path / "concat.json"
     concat.write_text(json.dumps({"concat": [{"path": str(two_formats / "a")}] * 2}))

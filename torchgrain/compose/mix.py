@@ -50,7 +50,7 @@ _STOPPING = ("first_exhausted", "all_exhausted")
 # Above this epoch length, (2j + 1) * c_m no longer fits in int64: the order is then
 # computed on Python integers (exact, slower); below it, on int64 arrays.
 _INT64_LIMIT = 1 << 31
-# KeyedPermutations kept per process (one per source pass a batch touches).
+# Permutation families kept per process (one per pass number a batch touches).
 _PERMS_KEPT = 64
 
 
