@@ -368,3 +368,33 @@ def test_spec_errors_name_the_file_and_entry(two_formats, spec, match):
     with pytest.raises(SpecError, match=match) as e:
         load_spec(str(path))
     assert "bad.json" in str(e.value)
+
+
+class Prepared:
+    """A dataset that records the read-ahead orders and epochs it is given."""
+
+    def __init__(self, n):
+        self.n, self.orders, self.epochs = n, [], []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"id": f"r{i}"}
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+    def read_ahead(self, order, start, count, position):
+        self.orders.append(order(start, start + count).tolist())
+
+
+def test_read_ahead_and_epoch_reach_the_sources_remapped():
+    child = Prepared(5)
+    ds = tg.mix([child, ids("b", 7)], [0.5, 0.5], stopping="all_exhausted")  # 14: 7 + 7
+    ds.set_epoch(1)
+    assert child.epochs == [1]
+    ds.read_ahead(lambda a, b: np.arange(a, b)[::-1], 0, len(ds), lambda: 0)
+    source, record = ds.source.draws(np.arange(len(ds))[::-1])
+    assert child.orders == [record[source == 0].tolist()]  # epoch 1's draws, pass order
+    assert len(child.orders[0]) == 7
