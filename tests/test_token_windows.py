@@ -410,3 +410,35 @@ def test_windows_compose_into_mixtures_and_concatenations():
     both = tg.concat([a, b])
     assert len(both) == len(a) + len(b)
     assert both[len(a)]["input_ids"].tolist() == b[0]["input_ids"].tolist()
+
+
+def test_token_counts_past_int64_are_an_error_not_an_empty_dataset(tmp_path):
+    # Two counts of 2**62 sum to 2**63: int64 wraps to a negative total (no windows).
+    docs = [np.arange(3), np.arange(2)]
+    write_parquet_docs(tmp_path / "pq", docs, num_tokens=None)
+    table = pq.read_table(tmp_path / "pq" / "a.parquet")
+    table = table.append_column("num_tokens", pa.array([2**62] * len(table), pa.int64()))
+    pq.write_table(table, tmp_path / "pq" / "a.parquet")
+    table = pq.read_table(tmp_path / "pq" / "b.parquet")
+    table = table.append_column("num_tokens", pa.array([2**62] * len(table), pa.int64()))
+    pq.write_table(table, tmp_path / "pq" / "b.parquet")
+    with pytest.raises(CorruptDataError, match=r"add up past 2\*\*63"):
+        tg.Dataset(tg.ParquetSource(tmp_path / "pq")).windows("tokens", 3, index_dir=None)
+    ds = tg.Dataset([{"t": np.arange(3), "n": 2**62}, {"t": np.arange(2), "n": 2**62}])
+    with pytest.raises(CorruptDataError, match=r"add up past 2\*\*63"):
+        ds.windows("t", 3, lengths="n", index_dir=None)
+    # An index file whose offsets wrap around: rebuilt, not served as no windows.
+    ds = tg.Dataset([{"t": np.arange(3)}, {"t": np.arange(2)}])
+    path = ds.windows("t", 2, index_dir=tmp_path).source.index_paths[0]
+    os.remove(path)
+    wrapped = np.array([0, 2**62, -(2**63)], np.int64)
+    derived_index(
+        "windows",
+        os.path.basename(path).split(".")[0],
+        {"offsets": ("<i8", ())},
+        lambda sink: (sink.append("offsets", wrapped), {"tokens": int(wrapped[-1])})[1],
+        index_dir=tmp_path,
+    )
+    with pytest.warns(UserWarning, match="rebuilding"):
+        w = ds.windows("t", 2, index_dir=tmp_path)
+    assert len(w) == 2

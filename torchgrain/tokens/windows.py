@@ -331,7 +331,9 @@ def _check_offsets(ix: DerivedIndex, documents: int, special: int) -> str | None
         return "its offsets do not run from 0 to its token count"
     step = 1 << 20
     for a in range(0, len(off) - 1, step):
-        if (np.diff(off[a : a + step + 1]) < special).any():
+        chunk = off[a : a + step + 1]
+        # (compared before subtracting: a difference can wrap around int64)
+        if (chunk[1:] < chunk[:-1]).any() or (np.diff(chunk) < special).any():
             return "its offsets are not increasing"
     return None
 
@@ -802,6 +804,15 @@ def windows(
             lens = np.asarray(lens, np.int64) + special
             seen += len(lens)
             part = np.cumsum(lens) + total
+            # int64 wraps silently: a sum past 2**63 - 1 shows as a step down (each count
+            # is below 2**63), which would leave a wrong (often empty) set of windows.
+            if len(part) and (
+                lens.min() < special or part[0] < total or (part[1:] < part[:-1]).any()
+            ):
+                raise CorruptDataError(
+                    f"the token counts of {docs.name} add up past 2**63 - 1 (documents up to "
+                    f"{seen}): not token counts"
+                )
             if len(part):
                 total = int(part[-1])
                 sink.append("offsets", part)
