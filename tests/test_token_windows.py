@@ -442,3 +442,10 @@ def test_token_counts_past_int64_are_an_error_not_an_empty_dataset(tmp_path):
     with pytest.warns(UserWarning, match="rebuilding"):
         w = ds.windows("t", 2, index_dir=tmp_path)
     assert len(w) == 2
+
+
+def test_token_counts_beyond_int64_in_records_are_named():
+    for count in (2**70, np.uint64(2**64 - 1)):
+        ds = tg.Dataset([{"t": np.arange(3), "n": count}])
+        with pytest.raises(CorruptDataError, match=r"record 0 .*token count 'n' is"):
+            ds.windows("t", 2, lengths="n", index_dir=None)

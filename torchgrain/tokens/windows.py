@@ -204,9 +204,10 @@ class _LengthChunks(torch.utils.data.Dataset):
         else:
             values = [r[name] for r in docs.ds.__getitems__(ids.tolist())]
         for v, d in zip(values, ids.tolist()):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**63:
                 raise CorruptDataError(
-                    f"record {d} of {docs.name}: its token count {name!r} is {v!r}, not an int >= 0"
+                    f"record {d} of {docs.name}: its token count {name!r} is {v!r}, not an int "
+                    "in [0, 2**63)"
                 )
         return np.array(values, dtype=np.int64)
 
