@@ -449,3 +449,11 @@ def test_token_counts_beyond_int64_in_records_are_named():
         ds = tg.Dataset([{"t": np.arange(3), "n": count}])
         with pytest.raises(CorruptDataError, match=r"record 0 .*token count 'n' is"):
             ds.windows("t", 2, lengths="n", index_dir=None)
+
+
+def test_special_tokens_outside_int64_or_negative_are_refused_when_asked():
+    ds = tg.Dataset([{"t": np.arange(5)}])
+    for kwargs in ({"bos": 2**70}, {"eos": -7}, {"pad_id": 2**64, "mode": "pack"}):
+        with pytest.raises(ValueError, match=r"must be a token id in \["):
+            ds.windows("t", 2, index_dir=None, **kwargs)
+    assert ds.windows("t", 8, mode="pack", pad_id=-1, index_dir=None)[0]["input_ids"][-1] == -1

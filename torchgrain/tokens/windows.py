@@ -694,11 +694,15 @@ def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _token_id(name: str, value: Any) -> int | None:
+def _token_id(name: str, value: Any, low: int = 0) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be a token id (an int) or None, got {value!r}")
+    # Checked here: it is written into int64 windows when they are read (in workers).
+    if not low <= value < 2**63:
+        lo = "0" if low == 0 else "-2**63"
+        raise ValueError(f"{name} must be a token id in [{lo}, 2**63), got {value!r}")
     return int(value)
 
 
@@ -776,7 +780,7 @@ def windows(
     if mode not in ("concat", "pack"):
         raise ValueError(f"mode must be 'concat' or 'pack', got {mode!r}")
     bos, eos = _token_id("bos", bos), _token_id("eos", eos)
-    pad_id = int(_token_id("pad_id", pad_id))  # type: ignore[arg-type]
+    pad_id = int(_token_id("pad_id", pad_id, low=-(2**63)))  # type: ignore[arg-type]
     if tokenizer is not None and not callable(tokenizer) and not hasattr(tokenizer, "encode_batch"):
         raise TypeError("tokenizer must be callable on a list of strings")
     if lengths == "auto":
