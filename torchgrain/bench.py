@@ -22,7 +22,9 @@ How it measures
     printed as each measurement finishes.
 
 What it reports
-    records/s; record MB/s (the size of the records as delivered: decoded arrays,
+    records/s; tokens/s when the records hold a column of token ids (see
+    :func:`token_column`: counted as ``len`` of that field of each record delivered,
+    nothing more read); record MB/s (the size of the records as delivered: decoded arrays,
     bytes and strings); the time to the first batch; how busy the workers were; the
     per-worker breakdown of :func:`torchgrain.stats`; and suggestions drawn from
     those numbers. A suggestion never recommends an access order that measured
@@ -46,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
@@ -62,6 +65,7 @@ __all__ = [
     "record_nbytes",
     "run_bench",
     "suggest",
+    "token_column",
 ]
 
 #: The most DataLoader workers ``bench`` starts unless told: each costs start-up time
@@ -159,6 +163,30 @@ def open_dataset_source(
     if cache_bytes is not None:
         options["cache_bytes"] = cache_bytes
     return registry.open(path, format=name, **options), name
+
+
+#: Names a column of token ids usually has (besides any ``X`` written with ``num_X``).
+TOKEN_NAMES = ("tokens", "input_ids", "token_ids")
+_TOKEN_TYPE = re.compile(r"(u?int\d*\[(\?|\d+)\]|list\[int\])")
+
+
+def token_column(schema: dict[str, str]) -> str | None:
+    """The column of token ids in ``schema`` (key -> type as ``describe_value`` writes it),
+    or None: a 1-D integer list or array (``int32[?]``, ``list[int]``; every type of a
+    ``|``-joined union) named ``tokens``, ``input_ids`` or ``token_ids``, or with a
+    ``num_<name>`` count beside it (what ``torchgrain convert --tokenize`` writes).
+
+    Example:
+        >>> token_column({"text": "str", "ids": "int32[?]", "num_ids": "int"})
+        'ids'
+        >>> token_column({"input_ids": "int64[7]|int64[9]"}), token_column({"x": "int32[?]"})
+        ('input_ids', None)
+    """
+    for name, kind in schema.items():
+        ints = all(_TOKEN_TYPE.fullmatch(k) for k in str(kind).split("|"))
+        if ints and (name in TOKEN_NAMES or f"num_{name}" in schema):
+            return name
+    return None
 
 
 def _records_per_block(source: Any) -> int:
@@ -260,8 +288,10 @@ def _measure(
     num_workers: int,
     prefetch_factor: int,
     seconds: float,
+    tokens: str | None = None,
 ) -> dict[str, Any]:
-    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own.
+    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own
+    (counting the token ids in field ``tokens`` of the records when given).
 
     The clock starts when every worker has delivered its first batch (the loader hands
     out batches from its workers in turn): what came before is start-up (forking,
@@ -280,7 +310,7 @@ def _measure(
         collate_fn=_as_list,
     )
     warm = max(num_workers, 1)
-    records = nbytes = batches = 0
+    records = nbytes = batches = ntokens = 0
     start = time.perf_counter()
     first = timed_from = last = None
     it = iter(loader)
@@ -295,6 +325,8 @@ def _measure(
             records += len(batch)
             batches += 1
             nbytes += sum(record_nbytes(r) for r in batch)
+            if tokens is not None:
+                ntokens += sum(len(r[tokens]) for r in batch if r.get(tokens) is not None)
             last = now
             if now - timed_from >= seconds and batches >= 2:  # type: ignore[operator]
                 break
@@ -312,6 +344,7 @@ def _measure(
         "bytes": nbytes,
         "seconds": elapsed,
         "records_per_s": records / elapsed,
+        "tokens_per_s": ntokens / elapsed if tokens is not None else None,
         "first_batch_s": (first or end) - start,
         "busy_fraction": busy / (warm * (end - start)) if rep.workers else None,
     }
@@ -331,6 +364,11 @@ def _summary(mode: str, sampler: str, runs: list[dict[str, Any]], stats: Any) ->
         "records_per_s": median,
         "records_per_s_min": min(rates),
         "records_per_s_max": max(rates),
+        "tokens_per_s": (
+            statistics.median(r["tokens_per_s"] for r in runs)
+            if runs[0].get("tokens_per_s") is not None
+            else None
+        ),
         "spread": (max(rates) - min(rates)) / median if median else 0.0,
         "records": records,
         "seconds": round(sum(r["seconds"] for r in runs), 4),
@@ -530,6 +568,7 @@ def run_bench(
     cache_bytes: int | None = None,
     prefetch_factor: int = 4,
     seed: int = 0,
+    tokens: str | None = "auto",
     out: Callable[[str], None] | None = print,
 ) -> dict[str, Any]:
     """Measure ``path`` in each access order; print and return the results.
@@ -539,9 +578,12 @@ def run_bench(
     per order give the spread. ``num_workers=None`` is :func:`default_workers`.
     ``cache_bytes`` sets each worker's block cache (Parquet row groups, ArrayRecord
     chunks; None: the source's default), to see what a larger one, or none, changes.
+    ``tokens`` names a field of token ids to report tokens/s of (``"auto"``: the one
+    :func:`token_column` finds in the source's schema; None: none).
 
     Returns a dict with ``format``, ``num_records``, ``num_workers``, ``modes`` (one dict
-    per access order: ``records_per_s`` (the median), ``records_per_s_min`` /
+    per access order: ``records_per_s`` (the median), ``tokens_per_s`` (the median; None
+    without a token column), ``records_per_s_min`` /
     ``records_per_s_max`` and ``runs`` (every repeat), ``mb_per_s``, ``first_batch_s``,
     ``busy_fraction``, ``stats``), ``recommendation`` (the sampler the numbers favour)
     and ``suggestions``. ``out=None`` prints nothing.
@@ -563,6 +605,15 @@ def run_bench(
     n = len(source)
     if n == 0:
         raise ValueError(f"{path!r} holds no records")
+    keys = list(source.keys or [])
+    if tokens == "auto":
+        tokens = token_column(dict(source.schema or {}))
+    elif tokens is not None:
+        kind = dict(source.schema or {}).get(tokens)
+        if keys and tokens not in keys:
+            raise ValueError(f"{path!r} has no column {tokens!r} to count tokens of ({keys})")
+        if kind is not None and not all(_TOKEN_TYPE.fullmatch(k) for k in kind.split("|")):
+            raise ValueError(f"column {tokens!r} of {path!r} is {kind}, not a list of token ids")
     group_size = _records_per_block(source)
     plans = _plans(source, fmt, group_size, seed, batch_size, num_workers, repeats)
     per = seconds / (len(plans) * repeats)
@@ -570,6 +621,7 @@ def run_bench(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
         f"{source.num_shards} shard(s)"
         + (f", {group_size} records per block" if group_size > 1 else "")
+        + (f", token ids in {tokens!r}" if tokens else "")
     )
     say(
         f"loader    batch_size {batch_size}, num_workers {num_workers} ({available_cpus()} "
@@ -598,11 +650,13 @@ def run_bench(
                 num_workers=num_workers,
                 prefetch_factor=prefetch_factor,
                 seconds=per,
+                tokens=tokens,
             )
             runs[mode].append(m)
             say(
                 f"  round {r + 1}/{repeats}  {mode:<15}{m['records_per_s']:>12,.0f} records/s"
-                f"  (first batch after {m['first_batch_s']:.2f}s)"
+                + (f"{m['tokens_per_s']:>14,.0f} tokens/s" if tokens else "")
+                + f"  (first batch after {m['first_batch_s']:.2f}s)"
             )
     modes = [
         _summary(mode, samplers[mode], runs[mode], tg.stats(datasets[mode])) for mode, _ in plans
@@ -610,7 +664,7 @@ def run_bench(
     say("")
     header = (
         f"{'access':<16}{'records/s':>12}{'spread':>22}{'record MB/s':>13}"
-        f"{'first batch s':>15}{'workers busy':>14}"
+        f"{'first batch s':>15}{'workers busy':>14}" + (f"{'tokens/s':>14}" if tokens else "")
     )
     say(header)
     say("-" * len(header))
@@ -620,12 +674,14 @@ def run_bench(
         say(
             f"{m['mode']:<16}{m['records_per_s']:>12,.0f}{spread:>22}{m['mb_per_s']:>13,.1f}"
             f"{m['first_batch_s']:>15.2f}{busy:>14}"
+            + (f"{m['tokens_per_s']:>14,.0f}" if tokens else "")
         )
     say(
         f"records/s: median of {repeats} rounds, spread: lowest-highest round; record MB/s: "
         "the records as delivered (decoded arrays, bytes, strings);\nfirst batch s: from "
         "starting the workers to the first batch (median); workers busy: share of the time "
         "the workers spent reading, decoding and transforming"
+        + (f"; tokens/s: token ids in {tokens!r} (median)" if tokens else "")
     )
     for k, m in enumerate(modes):
         say(f"\n{m['mode']} ({m['sampler']}), all rounds: per-process time (tg.stats)")
@@ -648,6 +704,7 @@ def run_bench(
         "batch_size": batch_size,
         "num_workers": num_workers,
         "repeats": repeats,
+        "tokens": tokens,
         "modes": modes,
         "recommendation": recommend(modes),
         "suggestions": tips,

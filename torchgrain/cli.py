@@ -45,6 +45,36 @@ def _head(src: Any, n: int) -> list[dict[str, Any]]:
     return out
 
 
+def _token_summary(src: Any, column: str) -> dict[str, Any]:
+    """Token count and document length percentiles of a column of token ids, from the
+    lengths a token-window index is built from: a ``num_<column>`` count alone when the
+    records have one (Parquet reads that column only), else the tokens' list offsets
+    (Parquet) or one pass over the records (in worker processes); kept in memory."""
+    import numpy as np
+
+    import torchgrain as tg
+
+    count = f"num_{column}"
+    has_count = count in (src.keys or [])
+    w = tg.Dataset(src).windows(
+        column, 1, lengths=count if has_count else None, index_dir=None, progress=False
+    )
+    lengths = np.diff(w.source.offsets)
+    q = np.percentile(lengths, [50, 90, 99]) if len(lengths) else [0, 0, 0]
+    return {
+        "column": column,
+        "lengths_from": count if has_count else column,
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()),
+        "mean": float(lengths.mean()) if len(lengths) else 0.0,
+        "min": int(lengths.min()) if len(lengths) else 0,
+        "p50": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "max": int(lengths.max()) if len(lengths) else 0,
+    }
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from torchgrain.compose.spec import is_spec
     from torchgrain.formats.codecs import describe_value
@@ -101,6 +131,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for shard, (_, checksum) in zip(out["shards"], integrity):
         if checksum:
             shard["checksum"] = checksum
+    from torchgrain.bench import token_column
+
+    column = token_column({**keys, **schema}) if args.tokens == "auto" else args.tokens
+    if column is not None and column not in keys and column not in (src.keys or []):
+        raise CliError(f"argument --tokens: the records have no column {column!r}")
+    if column:
+        out["tokens"] = _token_summary(src, column)
     # Files of the dataset's directories that are not its data (a stray stats.csv).
     out["skipped"] = skipped_files(args.path, registry.get_format(fmt).suffixes)
     if args.json:
@@ -130,6 +167,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {n:>10}  {s['num_bytes'] / 1e6:>10,.2f} MB  {s['path']}")
     if len(out["shards"]) > len(shown):
         print(f"  ... {len(out['shards']) - len(shown)} more")
+    if out.get("tokens"):
+        t = out["tokens"]
+        print(
+            f"tokens      {t['tokens']:,} in {t['column']!r} ({t['documents']:,} documents; "
+            f"counted from {t['lengths_from']!r})"
+        )
+        print(
+            f"  length    mean {t['mean']:,.1f}, min {t['min']:,}, p50 {t['p50']:,.0f}, "
+            f"p90 {t['p90']:,.0f}, p99 {t['p99']:,.0f}, max {t['max']:,}"
+        )
     if out["skipped"]:
         print("skipped (not data)")
         for path in out["skipped"]:
@@ -283,6 +330,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cache_bytes=args.cache_bytes,
         prefetch_factor=args.prefetch_factor,
         seed=args.seed,
+        tokens=args.tokens,
         out=None if args.json else _say,
     )
     if args.json:
@@ -496,6 +544,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument(
         "--max-shards", metavar="N", type=_non_negative_int, default=20, help="shards to list"
     )
+    i.add_argument(
+        "--tokens",
+        metavar="COLUMN",
+        default="auto",
+        help="count the tokens and document lengths of this column of token ids, reading "
+        "its num_COLUMN alone when there is one (auto: a list-of-ints column named "
+        "tokens, input_ids or token_ids, or with a num_COLUMN beside it)",
+    )
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_inspect)
 
@@ -638,6 +694,13 @@ def build_parser() -> argparse.ArgumentParser:
         "0: none (default: the source's, 256 MiB)",
     )
     b.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle seed")
+    b.add_argument(
+        "--tokens",
+        metavar="COLUMN",
+        default="auto",
+        help="report tokens/s of this column of token ids (auto: a list-of-ints column "
+        "named tokens, input_ids or token_ids, or with a num_COLUMN beside it)",
+    )
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.set_defaults(func=cmd_bench)
     for reads in (i, c, b):
