@@ -239,6 +239,14 @@ def _inspect_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _column_names(text: str) -> list[str]:
+    """``a,b`` -> ``["a", "b"]`` (an argparse type)."""
+    names = [c.strip() for c in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"an empty column name in {text!r}")
+    return names
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     import torchgrain as tg
     from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
@@ -267,6 +275,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         progress=False if args.quiet else None,
         tokenize=_tokenize_option(args),
+        columns=args.columns,
     )
     if not args.quiet:
         size = sum(s.num_bytes for s in m.shards)
@@ -632,6 +641,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="tokens",
         metavar="NAME",
         help="with --tokenize: the field written (its count: num_NAME)",
+    )
+    c.add_argument(
+        "--columns",
+        metavar="A,B",
+        type=_column_names,
+        action="extend",
+        default=None,
+        help="convert only these columns (Parquet input reads only them); comma-separated",
     )
     c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     c.add_argument("--no-verify", action="store_true", help="skip reading shards back")

@@ -154,6 +154,7 @@ def convert(
     progress: bool | None = None,
     storage_options: dict[str, Any] | None = None,
     tokenize: Any = None,
+    columns: Sequence[str] | None = None,
 ) -> Manifest:
     """Convert a Parquet, TFRecord or ArrayRecord dataset; resumable, verified, parallel.
 
@@ -192,6 +193,9 @@ def convert(
             field in ArrayRecord) and, with ``lengths``, each record's count (what token
             windows read without decoding the tokens). A change of tokenizer or columns
             is a change of options (a rerun does not resume the old conversion).
+        columns: the columns to convert (default: all). Parquet input reads only these
+            columns' pages; other formats read whole records and drop the other keys. A
+            column the input lacks is a ValueError naming it and the input's columns.
 
     Returns:
         The manifest (written to ``dst/torchgrain.json`` for ArrayRecord output; kept in
@@ -229,7 +233,7 @@ def convert(
         )
     root = os.path.abspath(root)
     check_output_dir(src, root)
-    inp = open_input(src, src_format, codec, storage_options)
+    inp = open_input(src, src_format, codec, storage_options, columns)
     options = {
         "to": to,
         "num_shards": num_shards,
@@ -238,6 +242,8 @@ def convert(
         "codec": inp.codec.name if inp.codec is not None else None,
         "row_group_bytes": row_group_bytes if "row_group_bytes" in output.settings else None,
     }
+    if columns:
+        options["columns"] = list(columns)  # another selection: another conversion
     if tokenize is not None:
         from torchgrain.sources.node_index.derived import callable_fingerprint
 

@@ -6,12 +6,14 @@ source's index holds (a TFRecord source keeps 8 bytes per record). Records come 
 ``Source.iter_shard`` in order; a source that stores encoded bytes
 (:class:`~torchgrain.sources.base.RecordBytesSource`) hands them over unchanged when
 the output encodes records the same way (msgpack), and otherwise decodes them here so
-an error can name the input file and record.
+an error can name the input file and record. With ``columns``, a format that selects
+columns when reading (Parquet) reads only those; from any other, each record keeps only
+those keys (so records are decoded, never passed through).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torchgrain.errors import RecordDecodeError
@@ -31,7 +33,12 @@ class ConvertInput:
     """A picklable description of the source of a conversion (see the module docstring)."""
 
     def __init__(
-        self, fmt: str, src: Any, options: dict[str, Any], source: Source | None = None
+        self,
+        fmt: str,
+        src: Any,
+        options: dict[str, Any],
+        source: Source | None = None,
+        keep: Sequence[str] | None = None,
     ) -> None:
         self.format = fmt
         self.src = src
@@ -41,8 +48,16 @@ class ConvertInput:
         self.paths: list[str] = list(s.paths)
         self.counts: list[int] = [int(c) for c in s.shard_counts]
         self.codec: Codec | None = s.codec if isinstance(s, RecordBytesSource) else None
-        # Records already msgpack-encoded can be copied as they are.
-        self.passthrough = type(self.codec) is MsgpackCodec
+        # The keys each record keeps (a format that cannot select columns reads them all).
+        self.keep = list(keep) if keep else None
+        if self.keep and s.keys is not None:
+            missing = [c for c in self.keep if c not in s.keys]
+            if missing:
+                raise ValueError(
+                    f"column {missing[0]!r} is not in {src!r}; its columns are {list(s.keys)}"
+                )
+        # Records already msgpack-encoded can be copied as they are (all their keys kept).
+        self.passthrough = type(self.codec) is MsgpackCodec and self.keep is None
         self.options = {**options, **({"codec": self.codec} if self.codec is not None else {})}
 
     @property
@@ -70,6 +85,21 @@ class ConvertInput:
     ) -> Iterator[tuple[Any, int]]:
         """``(record, input bytes)`` pairs of ``[start, stop)`` of one input shard: msgpack
         bytes when they can pass through unchanged, else dicts."""
+        if self.keep is not None:
+            for k, (rec, n) in enumerate(self._records(shard, start, stop, False), start):
+                try:
+                    yield {c: rec[c] for c in self.keep}, n
+                except KeyError as e:
+                    raise ValueError(
+                        f"record {k} of {self.paths[shard]!r} has no column {e.args[0]!r}; "
+                        f"its columns are {list(rec)}"
+                    ) from None
+            return
+        yield from self._records(shard, start, stop, bytes_ok)
+
+    def _records(
+        self, shard: int, start: int, stop: int | None, bytes_ok: bool
+    ) -> Iterator[tuple[Any, int]]:
         src = self.source
         if not isinstance(src, RecordBytesSource):
             for rec in src.iter_shard(shard, start, stop):
@@ -98,11 +128,17 @@ class ConvertInput:
 
 
 def open_input(
-    src: Any, src_format: str, codec: Any, storage_options: dict[str, Any] | None
+    src: Any,
+    src_format: str,
+    codec: Any,
+    storage_options: dict[str, Any] | None,
+    columns: Sequence[str] | None = None,
 ) -> ConvertInput:
     """Open the source of a conversion through the format registry (``tg.open``): the
     options it needs are asked of the format, and one it does not take is an error
-    naming the formats that do."""
+    naming the formats that do. ``columns``: the only columns read (a format that
+    selects columns) or kept (any other); one the dataset lacks is a ValueError naming
+    it and the dataset's columns."""
     fmt = registry.get_format(
         registry.detect_format(src, storage_options=storage_options)
         if src_format == "auto"
@@ -115,4 +151,11 @@ def open_input(
         options["codec"] = codec if isinstance(codec, str) else get_codec(codec)
     if fmt.accepts("cache_bytes"):
         options["cache_bytes"] = 0  # every block is read once: no cache
-    return ConvertInput(fmt.name, src, options, registry.open(src, format=fmt.name, **options))
+    if isinstance(columns, str):
+        raise TypeError("columns must be a sequence of column names, not a string")
+    keep = list(columns) if columns else None
+    if keep and fmt.accepts("columns"):
+        options["columns"] = keep  # read only these (the source names a missing one)
+        keep = None
+    source = registry.open(src, format=fmt.name, **options)
+    return ConvertInput(fmt.name, src, options, source, keep)
