@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Hashable
 
@@ -191,9 +191,12 @@ def warn_once(key: Hashable, message: str, category: type[Warning] = DatasetWarn
             if key in _WARNED:
                 return False
             _WARNED.add(key)
-    level, frame = 2, sys._getframe(1)
-    while frame.f_back is not None and _ours(frame.f_code.co_filename):
-        level, frame = level + 1, frame.f_back
+    # The innermost frame outside torchgrain (and torch's DataLoader): stacklevel k is
+    # stack[-k], this function being 1 (a rare event: the cost of the walk does not matter).
+    stack = traceback.extract_stack()
+    level = 2
+    while level < len(stack) and _ours(stack[-level].filename):
+        level += 1
     warnings.warn(message, category, stacklevel=level)
     return True
 
