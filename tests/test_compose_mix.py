@@ -360,6 +360,8 @@ def test_spec_file_and_cli(two_formats, tmp_path, capsys, monkeypatch):
         ({"concat": [{"path": "a", "weight": 2}]}, "take no 'weight'"),
         ({"mix": [{"path": "a"}], "seeed": 1}, r"unknown keys \['seeed'\]"),
         ({"mix": [{"path": "a", "weight": -1}]}, ">= 0"),
+        ({"mix": [{"path": "p", "filter": [["nope", "==", 1]]}]}, "mix entry 0: 'filter'.*nope"),
+        ({"mix": [{"path": "p", "filter": [["x", "==", "a"]]}]}, "mix entry 0: 'filter'.*string"),
     ],
 )
 def test_spec_errors_name_the_file_and_entry(two_formats, spec, match):
@@ -368,6 +370,16 @@ def test_spec_errors_name_the_file_and_entry(two_formats, spec, match):
     with pytest.raises(SpecError, match=match) as e:
         load_spec(str(path))
     assert "bad.json" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["deep.json", "deep.yaml"])
+def test_spec_nested_past_the_stack_is_a_spec_error(tmp_path, name):
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml")
+    path = tmp_path / name
+    path.write_text("[" * 100_000 + "]" * 100_000)  # a RecursionError from the parser
+    with pytest.raises(SpecError, match=f"{name}: not valid"):
+        load_spec(str(path))
 
 
 class Prepared:

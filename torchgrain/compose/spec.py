@@ -73,7 +73,7 @@ def _read(path: str) -> Any:
     if path.lower().endswith(".json"):
         try:
             return json.loads(text)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # (nesting deeper than Python's stack)
             raise SpecError(f"{path}: not valid JSON: {e}") from None
     try:
         import yaml
@@ -81,7 +81,7 @@ def _read(path: str) -> Any:
         raise SpecError(f"{path}: reading YAML needs PyYAML (pip install pyyaml)") from None
     try:
         return yaml.safe_load(text)  # safe_load: plain data, no objects built from tags
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, RecursionError) as e:
         raise SpecError(f"{path}: not valid YAML: {e}") from None
 
 
@@ -140,7 +140,10 @@ def _filtered(where: str, src: Any, fmt: str, conditions: Any) -> Any:
             f"{where}: 'filter' must be [[column, op, value], ...] (or a list of such "
             f"lists), got {conditions!r}: {e}"
         ) from None
-    return filter_dataset(src, expression, progress=False)
+    try:
+        return filter_dataset(src, expression, progress=False)
+    except (TypeError, ValueError) as e:  # a column the dataset lacks, a value of another type
+        raise SpecError(f"{where}: 'filter': {e}") from e
 
 
 def load_spec(path: str) -> Any:
