@@ -457,3 +457,16 @@ def test_special_tokens_outside_int64_or_negative_are_refused_when_asked():
         with pytest.raises(ValueError, match=r"must be a token id in \["):
             ds.windows("t", 2, index_dir=None, **kwargs)
     assert ds.windows("t", 8, mode="pack", pad_id=-1, index_dir=None)[0]["input_ids"][-1] == -1
+
+
+def test_negative_token_ids_are_an_error_naming_the_records(tmp_path):
+    docs = [np.array([1, 2, 3]), np.array([4, -100, 6])]
+    write_parquet_docs(tmp_path / "pq", docs)
+    # Lengths from the list offsets: found when the window is read.
+    w = tg.Dataset(tg.ParquetSource(tmp_path / "pq")).windows("tokens", 2, index_dir=None)
+    assert w[0]["input_ids"].tolist() == [1, 2]
+    with pytest.raises(CorruptDataError, match=r"records \[0, 1\] .* negative token id \(-100\)"):
+        w.__getitems__([0, 1])
+    # Lengths measured by reading the records: found when the index is built.
+    with pytest.raises(CorruptDataError, match=r"record.* negative token id \(-100\)"):
+        tg.Dataset([{"t": t} for t in docs]).windows("t", 2, index_dir=None)

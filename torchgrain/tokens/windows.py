@@ -134,11 +134,19 @@ class _Documents:
         return [self._tokens(v, int(d)) for v, d in zip(values, docs.tolist())]
 
     def _check_range(self, values: np.ndarray, docs: np.ndarray) -> None:
-        """Token ids must fit the windows' int64 (only a uint64 array can hold more)."""
+        """Token ids must be >= 0 and fit the windows' int64 (only a uint64 array can
+        hold more)."""
         if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
             raise CorruptDataError(
                 f"records {docs.tolist()[:8]} of {self.name}: column {self.column!r} holds a "
                 "token id above 2**63 - 1"
+            )
+        # A negative id would reach an embedding as an index (a device-side assert on a
+        # GPU), or read as the labels' ignore value -100 and train on nothing.
+        if values.dtype.kind == "i" and values.size and values.min() < 0:
+            raise CorruptDataError(
+                f"records {docs.tolist()[:8]} of {self.name}: column {self.column!r} holds a "
+                f"negative token id ({int(values.min())})"
             )
 
     def _tokens(self, value: Any, doc: int) -> np.ndarray:
