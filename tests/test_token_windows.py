@@ -470,3 +470,17 @@ def test_negative_token_ids_are_an_error_naming_the_records(tmp_path):
     # Lengths measured by reading the records: found when the index is built.
     with pytest.raises(CorruptDataError, match=r"record.* negative token id \(-100\)"):
         tg.Dataset([{"t": t} for t in docs]).windows("t", 2, index_dir=None)
+
+
+def test_parquet_lists_of_other_than_integers_are_refused_when_indexed(tmp_path):
+    table = pa.table(
+        {
+            "nested": pa.array([[[1], [2]], [[4]]], pa.list_(pa.list_(pa.int64()))),
+            "words": pa.array([["a", "b"], ["c"]]),
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    ds = tg.Dataset(tg.ParquetSource(tmp_path / "a.parquet"))
+    for column in ("nested", "words"):
+        with pytest.raises(TypeError, match=f"column '{column}' .* not a list of token ids"):
+            ds.windows(column, 1, index_dir=None)

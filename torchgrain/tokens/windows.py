@@ -283,7 +283,12 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
                     "nulls or negative values"
                 )
             return counts
-        if not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+        # (a list of lists or of strings has list offsets too: counted, they would build
+        # an index that fails only at the first read)
+        if not (
+            (pa.types.is_list(col.type) or pa.types.is_large_list(col.type))
+            and pa.types.is_integer(col.type.value_type)
+        ):
             raise TypeError(
                 f"column {column!r} of {source!r} is {col.type}, not a list of token "
                 "ids (pass tokenizer= for a text column)"
