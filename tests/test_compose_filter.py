@@ -146,6 +146,27 @@ def test_predicate_error_names_predicate_record_and_dataset():
         ds.filter(picky, name="seven", index_dir=None, progress=False, num_workers=0)
 
 
+def _noise(r, rng):
+    return {"x": r["x"], "u": float(rng.random())}
+
+
+def test_records_that_change_with_the_epoch_are_refused():
+    """A selection is found once: over random_map's output, or a mixture's positions, the
+    predicate would not hold at another epoch (half the kept records failed it at epoch 3,
+    and a process at another epoch mapped a file built at epoch 0)."""
+    ds = tg.Dataset([{"x": i} for i in range(20)])
+    big = lambda r: r["u"] > 0.5  # noqa: E731
+    for changing in (
+        ds.random_map(_noise, seed=0),
+        tg.concat([ds.random_map(_noise, seed=0)]),
+        tg.mix([ds, ds], [0.5, 0.5]).select([0, 1]),
+    ):
+        with pytest.raises(TypeError, match="change with the epoch"):
+            changing.filter(big, index_dir=None, progress=False, num_workers=0)
+    kept = ds.filter(lambda r: r["x"] > 9, index_dir=None, progress=False, num_workers=0)
+    assert len(kept.random_map(_noise, seed=0)) == 10  # filtering first is fine
+
+
 _REUSE = """
 import sys, torchgrain as tg
 calls = []

@@ -55,7 +55,7 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.compose.view import View, adapt, read_column_pairs
+from torchgrain.compose.view import View, _short, adapt, read_column_pairs
 from torchgrain.dataset import Dataset, _describe_fn
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.protocols import HasBlockOffsets
@@ -166,6 +166,13 @@ def filter_dataset(
         raise ValueError(f"num_workers must be an integer >= 0 or None, got {num_workers!r}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a string, got {type(name).__name__}")
+    changes = _changes_with_epoch(ds)
+    if changes is not None:
+        raise TypeError(
+            f"cannot filter {changes}: its records change with the epoch, and a selection "
+            "is found once (the predicate would not hold at other epochs); filter the "
+            "data before random_map, or each dataset before mixing them"
+        )
     n = len(ds)
     if _is_expression(predicate):
         from torchgrain.sources.parquet.source import ParquetSource
@@ -240,6 +247,25 @@ def _reader(ds: Dataset, keys: list[str] | None) -> Any:
     from torchgrain.sources.parquet.pushdown import column_source
 
     return Dataset(column_source(source, keys))
+
+
+def _changes_with_epoch(ds: Any) -> str | None:
+    """What makes ``ds``'s records depend on the epoch (a ``random_map``, a mixture,
+    anywhere under it), or None."""
+    from torchgrain.compose.mix import Mix
+
+    if isinstance(ds, Dataset):
+        if any(op[0] == "random_map" for op in ds._ops):
+            return f"{_short.repr(ds)} (random_map)"
+        return _changes_with_epoch(ds._source)
+    if isinstance(ds, Mix):
+        return f"the mixture {_short.repr(ds)}"
+    if isinstance(ds, View):
+        for child in ds.children:
+            found = _changes_with_epoch(child)
+            if found is not None:
+                return found
+    return None
 
 
 def _is_expression(predicate: Any) -> bool:
