@@ -480,12 +480,26 @@ def schema_sampled(k: int) -> bool:
 
 
 def merge_schema(schema: dict[str, str], record: dict[str, Any]) -> dict[str, str]:
-    """Fold one record into a running ``key -> type`` schema (keys missing somewhere are nullable).
+    """Fold one record into a running ``key -> type`` schema: what a source's ``schema``
+    is built from (``tg.sources.merge_schema``).
+
+    Types are :func:`describe_value`'s; where records differ they join with ``|`` (a key
+    missing from some records is ``|null``), and an array dimension that varies becomes
+    ``?``. Start from ``{}``; the input is not changed. A format author folds the records
+    they sample (``schema_sampled(k)`` says which: the writers' rule) into the
+    ``schema`` property of their :class:`~torchgrain.Source`.
 
     Example:
         >>> s = merge_schema({}, {"x": np.zeros(2, np.uint8), "y": 1})
         >>> merge_schema(s, {"x": np.zeros(3, np.uint8)})
         {'x': 'uint8[?]', 'y': 'int|null'}
+        >>> records = [{"id": 1, "text": "a"}, {"id": 2, "text": None}, {"id": 3.5}]
+        >>> schema = {}
+        >>> for k, rec in enumerate(records):
+        ...     if schema_sampled(k):
+        ...         schema = merge_schema(schema, rec)
+        >>> schema
+        {'id': 'float|int', 'text': 'null|str'}
     """
     out = dict(schema)
     first = not schema

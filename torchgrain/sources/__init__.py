@@ -7,7 +7,9 @@ per-process readers, retry, parallel extraction, counters), read as one
 finds a format by name or file names: :func:`open` opens any registered format, and a
 new format is one module plus a :func:`register_format` call with its :class:`Format`
 (``torchgrain inspect``, ``bench`` and ``convert`` then know it). Codecs turn an
-encoded record's bytes into a dict; :func:`register_codec` adds one.
+encoded record's bytes into a dict; :func:`register_codec` adds one. Other packages'
+formats load through the ``torchgrain.formats`` entry-point group (:func:`load_plugins`),
+and :func:`merge_schema` builds a source's ``schema`` from its records.
 
 Example:
     >>> import tempfile, torchgrain as tg
@@ -20,7 +22,7 @@ Example:
     ['array_record', 'parquet', 'tfrecord']
 """
 
-from torchgrain.formats.codecs import register_codec
+from torchgrain.formats.codecs import merge_schema, register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.index import ShardIndex
@@ -31,6 +33,7 @@ from torchgrain.sources.registry import (
     detect_format,
     formats,
     get_format,
+    load_plugins,
     open,
     output_formats,
     register_format,
@@ -49,6 +52,8 @@ __all__ = [
     "detect_format",
     "formats",
     "get_format",
+    "load_plugins",
+    "merge_schema",
     "open",
     "output_formats",
     "register_codec",
