@@ -2,7 +2,7 @@
 VENV ?= .venv
 export VENV
 
-.PHONY: demo test test-matrix setup lint bench fuzz newcomer deadlines docs
+.PHONY: demo test test-matrix test-minimums setup lint bench fuzz newcomer deadlines docs
 setup:
 	bash scripts/setup.sh
 
@@ -19,6 +19,12 @@ test:
 # once), and on 3.13 with forkserver workers: about 45 minutes, outside `make test`.
 test-matrix:
 	bash scripts/test_matrix.sh
+
+# The readers, samplers, workers and convert with every runtime dependency at the lowest
+# version pyproject.toml allows (scripts/minimums.py pins them), torch 2.4.0 included, in
+# .venv-minimums (5 GB, built once); see scripts/test_minimums.sh. Outside `make test`.
+test-minimums:
+	bash scripts/test_minimums.sh
 
 # Every benchmark (benchmarks/run_all.py): JSON and PNGs under benchmarks/results/.
 # run_all.py first makes .venv-torchvision (scripts/setup_torchvision.sh: torch 2.14.1 +

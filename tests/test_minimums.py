@@ -1,5 +1,8 @@
-"""torchgrain's fallbacks for the oldest allowed fsspec and pyarrow behave as the newer
-libraries' own functions."""
+"""The stated minimum versions (pyproject.toml) in the suite: what `make test-minimums`
+installs is derived from them, and torchgrain's fallbacks for the oldest allowed fsspec
+and pyarrow behave as the newer libraries' own functions. `make test-minimums`
+(scripts/test_minimums.sh) runs the readers, samplers, workers and convert with every
+direct dependency at its minimum; this file is what of it fits in the suite's budget."""
 
 from __future__ import annotations
 
@@ -16,6 +19,39 @@ from torchgrain.io import fs as tg_fs
 from torchgrain.sources.parquet import pool as tg_pool
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_minimums():
+    """scripts/minimums.py, which is not a package module (tomllib: Python >= 3.11)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return pytest.importorskip("minimums")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+def test_every_runtime_dependency_states_a_minimum_and_docs_list_them():
+    stated = load_minimums().stated()
+    assert {"torch", "numpy", "pyarrow", "fsspec"} <= set(stated)
+    # docs/development.md's table of minimums says what `make test-minimums` installs
+    page = (ROOT / "docs" / "development.md").read_text()
+    for name, version in stated.items():
+        assert re.search(rf"\| `{re.escape(name)}` \| {re.escape(version)} \|", page), name
+
+
+def test_minimums_writes_one_pin_per_dependency(tmp_path):
+    minimums = load_minimums()
+    toml = tmp_path / "pyproject.toml"
+    toml.write_text(
+        '[project]\ndependencies = ["torch>=2.4", "pyarrow >=14,<99", '
+        "\"fsspec[http]>=2023.6 ; python_version >= '3.10'\"]\n"
+    )
+    out = tmp_path / "c.txt"
+    assert minimums.main(["--pyproject", str(toml), "--skip", "torch", "-o", str(out)]) == 0
+    assert out.read_text() == "pyarrow==14\nfsspec==2023.6\n"
+    toml.write_text('[project]\ndependencies = ["numpy<3"]\n')
+    with pytest.raises(ValueError, match="numpy<3"):
+        minimums.stated(toml)
 
 
 PATTERNS = [
@@ -83,7 +119,7 @@ def test_torchgrain_imports_and_globs_with_an_fsspec_without_glob_translate(tmp_
     code = (
         # fsspec's own modules take it first; torchgrain's import must not need it
         "import fsspec.spec, fsspec.implementations.local, fsspec.implementations.http\n"
-        "del fsspec.utils.glob_translate\n"
+        "vars(fsspec.utils).pop('glob_translate', None)\n"
         "from torchgrain.io import fs\n"
         "assert fs.glob_translate is None\n"
         "listing = fs._Listing(fsspec.filesystem('http'), 'http://h/d', ('.parquet',), False)\n"
