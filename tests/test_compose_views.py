@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 
 import torchgrain as tg
 from torchgrain.compose.subset import split_counts
+from torchgrain.errors import CorruptDataError
 from torchgrain.formats.codecs import get_codec
 from torchgrain.formats.tfrecord import write_tfrecord
 
@@ -231,6 +232,19 @@ def test_a_large_selection_is_a_mapped_file_that_pickles_small(tmp_path, monkeyp
     assert clone.take(np.arange(5000)).tolist() == rows.tolist()
     again = tg.Dataset([{"i": i} for i in range(50)]).select(rows)
     assert again.source.rows.index.path == index.path  # the same file, not another
+
+
+def test_a_selection_file_truncated_while_mapped_is_refused(tmp_path, monkeypatch):
+    from torchgrain.compose import subset
+
+    monkeypatch.setattr(subset, "MAPPED_ABOVE", 10)
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    sub = tg.Dataset([{"i": i} for i in range(50)]).select(np.arange(49, -1, -1))
+    assert sub[0] == {"i": 49}
+    with open(sub.source.rows.index.path, "r+b") as fh:
+        fh.truncate(100)  # the entries past it then read as zeros (SIGBUS past a page)
+    with pytest.raises(CorruptDataError, match="select-"):
+        sub[0]
 
 
 @given(

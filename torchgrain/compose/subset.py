@@ -62,6 +62,10 @@ class _ArrayRows:
         return len(self.rows)
 
     def take(self, positions: np.ndarray) -> np.ndarray:
+        if self.index is not None:
+            # A file written or truncated since it was mapped is refused (ChangedWhileOpen,
+            # naming it): past its new end the mapping reads zeros, or dies of SIGBUS.
+            self.index.check_unchanged()
         return self.rows[positions].astype(np.int64)
 
     def identity(self) -> Any:
