@@ -150,3 +150,15 @@ def test_default_collate_message_from_a_worker():
     loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=1)
     with pytest.raises(RaggedBatchError, match=r"'ids'.*\[2\] at entry 0, \[3\] at entry 1"):
         next(iter(loader))
+
+
+def test_ragged_to_padded_holds_a_pad_value_its_values_dtype_cannot():
+    rows = Ragged.from_values([np.array([1, 2], np.uint16), np.array([3], np.uint16)])
+    padded, lengths = rows.to_padded(-100, side="left")
+    assert padded.dtype == torch.int64 and lengths.tolist() == [2, 1]
+    assert padded.tolist() == [[1, 2], [-100, 3]]  # not 65436
+    assert rows.to_padded(7)[0].dtype == torch.uint16  # fits: the values' dtype
+    halves, _ = Ragged.from_values([np.array([1, 2], np.int8), np.array([3], np.int8)]).to_padded(
+        0.5
+    )
+    assert halves.tolist() == [[1.0, 2.0], [3.0, 0.5]]

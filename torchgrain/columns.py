@@ -159,7 +159,9 @@ class Ragged:
 
         ``length`` is the longest row's, rounded up to a multiple of ``multiple_of``
         when given (tensor cores like multiples of 8). ``side="left"`` puts the padding
-        before each row. ``bytes`` and ``str`` rows come out as ``uint8``. The rows are
+        before each row. ``bytes`` and ``str`` rows come out as ``uint8``. The tensor has
+        the values' dtype, or one that holds ``pad_value`` too (int64 for -100 and
+        ``uint16`` tokens, as :func:`~torchgrain.pad_collate` pads them). The rows are
         copied with one scatter (no Python loop over rows).
 
         Example:
@@ -193,7 +195,10 @@ class Ragged:
             if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
                 raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
             width = -(-width // multiple_of) * multiple_of
-        out = torch.full((rows, width), pad_value, dtype=values.dtype, device=values.device)
+        dtype = _dtype_for(values.dtype, pad_value)
+        if dtype != values.dtype:  # torch.full would wrap -100 into uint16 tokens silently
+            values = values.to(dtype)
+        out = torch.full((rows, width), pad_value, dtype=dtype, device=values.device)
         if end > start:
             row = torch.repeat_interleave(torch.arange(rows, device=lengths.device), lengths)
             # Column of each value: its position in the row (plus the row's padding on
@@ -368,6 +373,22 @@ def _signed_twin(dtype: Any) -> Any:
         if dtype == getattr(torch, f"uint{bits}", None):  # torch >= 2.3 has them
             return getattr(torch, f"int{bits}")
     return None
+
+
+def _dtype_for(dtype: Any, pad: int | float) -> Any:
+    """``dtype``, or one that holds the padding value too (-100 in uint16 tokens: int64)."""
+    import torch
+
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    if isinstance(pad, float) and not float(pad).is_integer():
+        return torch.get_default_dtype()
+    info = torch.iinfo(dtype) if dtype != torch.bool else None
+    if info is not None and info.min <= pad <= info.max:
+        return dtype
+    if dtype == torch.bool and pad in (0, 1):
+        return dtype
+    return torch.int64
 
 
 def _tensor(x: Any) -> Any:

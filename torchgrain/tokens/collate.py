@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate
 
-from torchgrain.columns import ColumnBatch, Ragged, _tensor
+from torchgrain.columns import ColumnBatch, Ragged, _dtype_for, _tensor
 from torchgrain.errors import RaggedBatchError
 
 __all__ = ["PadCollate", "collate_records", "pad_collate"]
@@ -313,20 +313,6 @@ class PadCollate:
         out.clear()  # a worker's shared-memory batch: keep its type
         out.update(ordered)
         return out
-
-
-def _dtype_for(dtype: torch.dtype, pad: int | float) -> torch.dtype:
-    """``dtype``, or one that holds the padding value too (-100 in uint16 tokens: int64)."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return dtype
-    if isinstance(pad, float) and not float(pad).is_integer():
-        return torch.get_default_dtype()
-    info = torch.iinfo(dtype) if dtype != torch.bool else None
-    if info is not None and info.min <= pad <= info.max:
-        return dtype
-    if dtype == torch.bool and pad in (0, 1):
-        return dtype
-    return torch.int64
 
 
 def _is_sequence(value: Any) -> bool:
