@@ -484,3 +484,18 @@ def test_parquet_lists_of_other_than_integers_are_refused_when_indexed(tmp_path)
     for column in ("nested", "words"):
         with pytest.raises(TypeError, match=f"column '{column}' .* not a list of token ids"):
             ds.windows(column, 1, index_dir=None)
+
+
+def test_text_stored_as_bytes_is_tokenized_as_utf8():
+    def tokenizer(batch):
+        return [[ord(c) for c in t] for t in batch]
+
+    texts = ["héllo", "", "xy"]
+    w = tg.Dataset([{"text": t.encode()} for t in texts]).windows(
+        "text", 3, tokenizer=tokenizer, index_dir=None
+    )
+    check_concat(w, [np.array(tokenizer([t])[0], np.int64) for t in texts], 3)
+    with pytest.raises(CorruptDataError, match=r"record 1 .* not UTF-8"):
+        tg.Dataset([{"t": b"ok"}, {"t": b"\xff\xfe"}]).windows(
+            "t", 3, tokenizer=tokenizer, index_dir=None
+        )

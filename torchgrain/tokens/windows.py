@@ -309,7 +309,15 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
 
 
 def _tokenize(tokenizer: Any, texts: list[Any], docs: _Documents, ids: np.ndarray) -> list[Any]:
-    for t, d in zip(texts, ids.tolist()):
+    texts = list(texts)
+    for k, (t, d) in enumerate(zip(texts, ids.tolist())):
+        if isinstance(t, bytes):  # text as TFRecord, ArrayRecord or binary columns hold it
+            try:
+                texts[k] = t = t.decode()
+            except UnicodeDecodeError as e:
+                raise CorruptDataError(
+                    f"record {d} of {docs.name}: column {docs.column!r} is not UTF-8 text ({e})"
+                ) from None
         if not isinstance(t, str):
             raise CorruptDataError(
                 f"record {d} of {docs.name}: column {docs.column!r} holds "
