@@ -3,6 +3,9 @@ caches listed, cleared and announced, bench's rounds and collation."""
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 
 import pytest
 
@@ -28,3 +31,64 @@ def test_convert_columns(tmp_path, capsys):
             tg.convert(src, str(tmp_path / "o3"), columns=["a", "zz"])
     assert main(["convert", ar, str(tmp_path / "o4"), "--columns", "zz", "-q"]) != 0
     assert "'zz'" in capsys.readouterr().err
+
+
+def test_decoded_cache_reads_count_their_bytes(tmp_path):
+    """A row group mapped from the decoded disk cache counts its bytes as read (the
+    stats showed read MB 0.0 beside seconds of reading)."""
+    from torchgrain.diagnostics import COUNTER, local_counters
+
+    pq, _ = _data(tmp_path)
+    src = tg.ParquetSource(pq, decoded_cache=str(tmp_path / "decoded"))
+    before = local_counters().copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src.__getitems__([1, 2])
+    assert (local_counters() - before)[COUNTER["bytes_read"]] > 0
+
+
+def _plant(cache, outside):
+    """Links inside the cache pointing out of it: a folder and a file."""
+    outside.mkdir()
+    (outside / "precious").write_text("keep")
+    os.symlink(outside, cache / "parquet-decoded" / "out-dir")
+    os.symlink(outside / "precious", cache / "filter-index" / "out.tgindex")
+    os.symlink(outside, cache / "linked-root")
+
+
+def test_cache_list_announce_and_clear(tmp_path, monkeypatch, capsys):
+    from torchgrain.caches import CacheNotice, list_caches
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(cache))
+    pq, ar = _data(tmp_path)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tg.ParquetSource(pq, decoded_cache=True).__getitems__([0, 5])
+        ds = tg.Dataset(tg.open(ar)).filter(
+            lambda r: r["a"] % 2 == 0, num_workers=0, progress=False
+        )
+        assert len(ds) == 10
+        tg.ParquetSource(pq, decoded_cache=True).__getitems__([7])  # said once
+    notes = [str(w.message) for w in seen if w.category is CacheNotice]
+    assert len(notes) == 2, notes
+    assert str(cache / "parquet-decoded") in notes[0] and "budget" in notes[0]
+    assert str(cache / "filter-index") in notes[1]
+
+    assert main(["cache", "list", "--json"]) == 0
+    listed = {c["name"]: c for c in json.loads(capsys.readouterr().out)["caches"]}
+    assert listed["parquet-decoded"]["entries"] == 1 and listed["parquet-decoded"]["bytes"] > 0
+    assert listed["filter-index"]["entries"] == 1
+
+    _plant(cache, tmp_path / "outside")
+    assert "linked-root" not in [c["name"] for c in list_caches()]
+    assert main(["cache", "clear", "filter-index"]) == 0
+    assert main(["cache", "clear", "--all"]) == 0
+    assert main(["cache", "clear", "nope"]) == 2
+    assert main(["cache", "clear", str(tmp_path / "outside")]) == 2  # not a cache
+    assert (tmp_path / "outside" / "precious").read_text() == "keep"
+    assert os.path.islink(cache / "linked-root")  # (not a cache: left alone)
+    assert all(c["bytes"] == 0 for c in list_caches())
+    # The caches work again after being cleared.
+    assert tg.ParquetSource(pq, decoded_cache=True)[3]["a"] == 3
+

@@ -239,6 +239,48 @@ def _inspect_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from torchgrain.caches import clear_cache, list_caches, size_text
+    from torchgrain.io.fs import default_cache_dir
+
+    root = default_cache_dir()
+    if args.action == "list":
+        if args.names or args.all:
+            raise CliError("list takes no NAME or --all (give shard caches with --dir)")
+        caches = list_caches(root, args.dir)
+        if args.json:
+            print(json.dumps({"root": root, "caches": caches}, indent=1))
+            return 0
+        print(f"root  {root}")
+        for c in caches:
+            print(
+                f"  {c['name']:<20} {size_text(c['bytes']):>12} {c['entries']:>9,} entries  "
+                f"{c['kind']}" + (f" ({c['dataset']})" if c["dataset"] else "")
+            )
+        if not caches:
+            print("  (no caches)")
+        print(f"total {size_text(sum(c['bytes'] for c in caches))}")
+        return 0
+    if args.all and args.names:
+        raise CliError("clear takes NAME... or --all, not both")
+    names = [c["name"] for c in list_caches(root)] if args.all else list(args.names)
+    names += [os.path.abspath(d) for d in args.dir]
+    if not names and not args.all:
+        raise CliError("clear needs NAME..., --dir DIR or --all (see torchgrain cache list)")
+    cleared = []
+    for name in names:
+        try:
+            cleared.append(clear_cache(name, root))
+        except ValueError as e:
+            raise CliError(str(e)) from None
+    if args.json:
+        print(json.dumps({"root": root, "cleared": cleared}, indent=1))
+    else:
+        for c in cleared:
+            print(f"cleared {c['name']}: {size_text(c['bytes'])}, {c['entries']:,} entries")
+    return 0
+
+
 def _column_names(text: str) -> list[str]:
     """``a,b`` -> ``["a", "b"]`` (an argparse type)."""
     names = [c.strip() for c in text.split(",")]
@@ -720,6 +762,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true", help="machine-readable output")
     b.set_defaults(func=cmd_bench)
+
+    k = command(
+        "cache",
+        "list torchgrain's caches on disk (size, entries, dataset) or clear them",
+        description="torchgrain's caches under $TORCHGRAIN_CACHE (default "
+        "~/.cache/torchgrain): decoded Parquet row groups, dataset indexes, demo data; "
+        "and shard caches (cache_dir=) given with --dir. Clearing deletes only what lies "
+        "inside a cache's directory (links are removed, never followed).",
+    )
+    k.add_argument("action", choices=("list", "clear"), help="list, or clear")
+    k.add_argument("names", nargs="*", metavar="NAME", help="clear: the caches (from list)")
+    k.add_argument("--all", action="store_true", help="clear: every cache listed")
+    k.add_argument(
+        "--dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a shard cache's directory (cache_dir=) to list or clear too",
+    )
+    k.add_argument("--json", action="store_true", help="machine-readable output")
+    k.set_defaults(func=cmd_cache)
     for reads in (i, c, b):
         reads.add_argument(
             "--allow-external-paths",

@@ -72,6 +72,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
+from torchgrain.caches import announce, size_text
 from torchgrain.errors import CacheDiskFullError, CorruptDataError
 from torchgrain.io import remote
 from torchgrain.io.atomic import naming_full_disk, publish
@@ -477,6 +478,11 @@ class ShardCache:
                 raise
             self._checks()[path] = ident
             self._count(misses=1, bytes_fetched=size)
+            announce(
+                "the shard cache (local copies of remote shards)",
+                self.directory,
+                f"{size_text(self.max_bytes)}; cache_dir_bytes= sets it",
+            )
             obj = opener(path) if opener else None
         # Downloads that ran concurrently may together have overshot the budget
         # (they could not evict each other while in flight): settle it now.

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.caches import announce, size_text
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
 from torchgrain.io.atomic import DISK_FULL_ERRNOS, naming_full_disk
@@ -413,6 +414,12 @@ def _cached(
                 if ix is None:
                     ix = build(path)
                     _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
+                    announce(
+                        "the dataset index directory",
+                        index_dir,
+                        f"{size_text(INDEX_DIR_BYTES)}, least recently used files deleted "
+                        "first; index_dir= sets it, index_dir=None keeps indexes in memory",
+                    )
                     _prune(index_dir, path)
         return ix
     except OSError as e:

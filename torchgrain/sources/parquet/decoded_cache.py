@@ -66,6 +66,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from torchgrain.caches import announce, size_text
 from torchgrain.errors import CorruptDataError
 from torchgrain.io.atomic import disk_full_errno, disk_full_error, naming_full_disk
 from torchgrain.io.changes import Pin
@@ -496,6 +497,12 @@ class DecodedCache:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         self._count(builds=1, bytes_written=nbytes)
+        announce(
+            "the decoded Parquet cache",
+            self.directory,
+            f"{size_text(self.max_bytes or 0)}, leaving {size_text(self.min_free_bytes)} free "
+            "on its disk; decoded_cache_bytes= sets it, decoded_cache=False turns it off",
+        )
         return True
 
     def _room_on_disk(self, nbytes: int) -> bool:

@@ -625,8 +625,9 @@ class ParquetSource(RowGroupLoader):
             preparing = 0.0
             loaded = self._map(lambda k: self._load(groups[k], int(first[k])), missing)
             for k, entry in zip(missing, loaded):
-                if not entry.mapped:
-                    read_bytes += entry.nbytes
+                # A row group mapped from the decoded disk cache was read too (its table's
+                # bytes, not the small charge the memory cache takes for a map).
+                read_bytes += entry.table.nbytes if entry.table is not None else entry.nbytes
                 entries[k] = entry
                 # Prepared at once: a row group converted to records lets its table go
                 # before the next one is decoded.
