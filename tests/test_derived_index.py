@@ -117,3 +117,14 @@ def test_fingerprints_follow_the_data(tmp_path):
     assert a != dataset_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)))
     k = 3
     assert callable_fingerprint(lambda r: r > k) != callable_fingerprint(lambda r: r > 4)
+
+
+def test_a_filter_over_other_columns_of_the_same_files_is_not_reused(tmp_path):
+    d = str(tmp_path / "p")
+    tg.write_parquet([{"x": i, "y": None if i % 2 else i} for i in range(10)], d)
+    no_y = lambda r: r.get("y") is None  # noqa: E731
+    opts = {"index_dir": str(tmp_path / "ix"), "progress": False, "num_workers": 0}
+    only_x = tg.Dataset(tg.ParquetSource(d, columns=["x"])).filter(no_y, **opts)
+    both = tg.Dataset(tg.ParquetSource(d)).filter(no_y, **opts)
+    assert len(only_x) == 10  # no 'y' read: every record passes
+    assert [r["x"] for r in both] == [1, 3, 5, 7, 9]  # was the 10 of the other selection

@@ -268,9 +268,9 @@ def dataset_fingerprint(ds: Any) -> str:
 
     ``ds`` is a :class:`~torchgrain.Dataset` (its source and its transforms), an object
     that states its own (:class:`~torchgrain.protocols.Fingerprinted`: the composed
-    datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, and
-    each local file's size, modification time and inode; remote files by name and
-    record count only), or a plain sequence (its type and length: give a filter a
+    datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, keys
+    and schema, and each local file's size, modification time and inode; remote files
+    by name and record count only), or a plain sequence (its type and length: give a filter a
     ``name`` that says what it holds).
 
     Example:
@@ -298,5 +298,10 @@ def dataset_fingerprint(ds: Any) -> str:
     if isinstance(ds, Source):
         files = [_file_identity(p) for p in ds.paths]
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
-        return _hash("source", type(ds).__module__, type(ds).__qualname__, len(ds), counts, files)
+        # What its records hold: the same files read with other columns (or another
+        # codec) are other records, and a predicate may see the difference.
+        records = (list(ds.keys), sorted(ds.schema.items()))
+        return _hash(
+            "source", type(ds).__module__, type(ds).__qualname__, len(ds), counts, files, records
+        )
     return _hash("sequence", type(ds).__module__, type(ds).__qualname__, len(ds))
