@@ -92,3 +92,28 @@ def test_cache_list_announce_and_clear(tmp_path, monkeypatch, capsys):
     # The caches work again after being cleared.
     assert tg.ParquetSource(pq, decoded_cache=True)[3]["a"] == 3
 
+
+def test_bench_rounds_settle_and_batches_are_collated(tmp_path):
+    import numpy as np
+
+    from torchgrain.bench import run_bench
+    from torchgrain.errors import RaggedBatchError
+
+    path = str(tmp_path / "ar")
+    tg.write_array_record([{"x": np.full(4, i, np.float32)} for i in range(64)], path)
+    common = {"batch_size": 8, "num_workers": 0, "repeats": 2, "round_seconds": 0.05, "out": None}
+    # Rounds go on until the last ones agree (never, at settle=0: the cap), or stop at once.
+    never = run_bench(path, settle=0.0, **common)
+    assert [m["rounds"] for m in never["modes"]] == [4, 4]
+    assert not any(m["settled"] for m in never["modes"])
+    assert all(len(m["runs"]) == 2 for m in never["modes"])  # the last rounds reported
+    once = run_bench(path, settle=10.0, **common)
+    assert [m["rounds"] for m in once["modes"]] == [2, 2] and once["collate"] == "default"
+    assert once["modes"][0]["bytes_per_record"] == 16  # counted in the collate
+
+    ragged = str(tmp_path / "ragged")
+    tg.write_array_record([{"ids": np.arange(i % 5 + 1)} for i in range(64)], ragged)
+    with pytest.raises(RaggedBatchError, match=r"'ids'.*--collate pad"):
+        run_bench(ragged, **common)
+    padded = run_bench(ragged, collate="pad", settle=10.0, **common)
+    assert padded["modes"][0]["records_per_s"] > 0

@@ -11,15 +11,19 @@ a stock DataLoader with worker processes) in each access order:
   written with ``group_size`` > 1 (chunks), runs of TFRecord records.
 
 How it measures
-    Each order is measured ``repeats`` times, the orders taking turns (round 1 reads
-    every order once, then round 2...; each round starts the orders in another
-    sequence and reads another part of the data), so that a burst of other work on
-    the machine, or a page cache warmed by an earlier order, does not decide the
-    comparison. Every measurement starts its own DataLoader and times only what
-    comes after each worker's first batch (worker start-up, opening files and cold
-    caches are reported apart, as the time to the first batch). The rate reported is
-    the median of the repeats, with their spread (lowest to highest). A line is
-    printed as each measurement finishes.
+    Each order is measured in rounds, the orders taking turns (round 1 reads every
+    order once, then round 2...; each round starts the orders in another sequence and
+    reads another part of the data), so that a burst of other work on the machine, or
+    a page cache warmed by an earlier order, does not decide the comparison. Every
+    measurement starts its own DataLoader and times only what comes after each
+    worker's first batch (worker start-up, opening files and cold caches are reported
+    apart, as the time to the first batch). A round lasts ``round_seconds`` (3 s), and
+    rounds go on past ``repeats`` until the last ``repeats`` rounds of every order lie
+    within ``settle`` (5%) of their median, at most ``2 * repeats`` rounds; the rate
+    reported is the median of those last rounds, with their spread (lowest to highest).
+    Given ``seconds`` (a quick look), the measured time in total is that, split evenly
+    into exactly ``repeats`` rounds per order. A line is printed as each measurement
+    finishes.
 
 What it reports
     records/s; tokens/s when the records hold a column of token ids (see
@@ -30,8 +34,12 @@ What it reports
     those numbers. A suggestion never recommends an access order that measured
     slower, and says when two orders differ by less than their spread.
 
-Batches are not collated (``collate_fn`` returns the list of records), so the figures
-are for reading and decoding; collation and transforms come on top.
+Batches are collated in the workers as training collates them (``collate``:
+``"default"``, torch's default collate, what a DataLoader without ``collate_fn`` uses;
+``"pad"``, :func:`torchgrain.pad_collate` for variable-length fields; ``"none"``, the
+list of records, for the cost of reading alone). Records that cannot be collated (token
+lists of different lengths under the default collate) fail before anything is timed,
+with the error training would meet. Transforms come on top.
 
 Example:
     >>> import tempfile, numpy as np, torchgrain as tg
@@ -200,8 +208,67 @@ def _records_per_block(source: Any) -> int:
     return int(np.median(sizes)) if len(sizes) else 1
 
 
-def _as_list(batch: list[Any]) -> list[Any]:
-    return batch
+#: What ``collate=`` may name: how bench's DataLoader collates its batches.
+COLLATES = ("default", "pad", "none")
+
+
+def _collate_fn(collate: str) -> Callable[[list[Any]], Any] | None:
+    """The collate ``collate`` names (:data:`COLLATES`); None: the list of records."""
+    if collate == "default":
+        import torch.utils.data
+
+        import torchgrain.dataset  # (registers its dict collate: ragged keys named)
+
+        return torch.utils.data.default_collate
+    if collate == "pad":
+        import torchgrain as tg
+
+        return tg.pad_collate()
+    if collate == "none":
+        return None
+    raise ValueError(f"collate must be one of {COLLATES}, got {collate!r}")
+
+
+class _Counted:
+    """bench's ``collate_fn``: counts a batch's records, their bytes and the token ids
+    in field ``tokens`` in the worker that read it, then collates it as training
+    would; returns ``(collated batch, records, bytes, tokens)``."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None, tokens: str | None) -> None:
+        self.collate = collate
+        self.tokens = tokens
+
+    def __call__(self, batch: list[Any]) -> tuple[Any, int, int, int]:
+        nbytes = sum(record_nbytes(r) for r in batch)
+        t = self.tokens
+        ntokens = sum(len(r[t]) for r in batch if r.get(t) is not None) if t else 0
+        out = self.collate(batch) if self.collate is not None else batch
+        return out, len(batch), nbytes, ntokens
+
+
+def _check_collates(
+    ds: Any, n: int, batch_size: int, collate: str, path: Any, seed: int = 0
+) -> None:
+    """Collate a batch of ``ds`` here, before any timing, so that records training could
+    not collate fail with that error (naming the dataset), not in a worker mid-run."""
+    from torchgrain.errors import RaggedBatchError
+
+    fn = _collate_fn(collate)
+    if fn is None or n == 0:
+        return
+    rng = np.random.default_rng(seed)  # records from all over: ragged ones show
+    idx = sorted(set(rng.integers(0, n, size=min(batch_size, n)).tolist()) | {0})
+    records = ds.__getitems__(idx)
+    hint = "; bench collates batches as training does: pass --collate pad (collate='pad')"
+    hint += " to pad variable-length fields, or --collate none to time reading alone"
+    try:
+        fn(records)
+    except RaggedBatchError as e:
+        raise RaggedBatchError(f"{path!r}: {e}{hint}") from e
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"the records of {path!r} cannot be collated by the {collate} collate: {e}{hint}"
+        ) from e
 
 
 class _Sequential:
@@ -289,9 +356,11 @@ def _measure(
     prefetch_factor: int,
     seconds: float,
     tokens: str | None = None,
+    collate: str = "none",
 ) -> dict[str, Any]:
-    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own
-    (counting the token ids in field ``tokens`` of the records when given).
+    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own,
+    its batches collated in the workers by ``collate`` (:data:`COLLATES`; counting the
+    token ids in field ``tokens`` of the records when given).
 
     The clock starts when every worker has delivered its first batch (the loader hands
     out batches from its workers in turn): what came before is start-up (forking,
@@ -307,7 +376,7 @@ def _measure(
         sampler=sampler,
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers else None,
-        collate_fn=_as_list,
+        collate_fn=_Counted(_collate_fn(collate), tokens),
     )
     warm = max(num_workers, 1)
     records = nbytes = batches = ntokens = 0
@@ -315,18 +384,17 @@ def _measure(
     first = timed_from = last = None
     it = iter(loader)
     try:
-        for k, batch in enumerate(it):
+        for k, (_, n, size, ntok) in enumerate(it):
             now = time.perf_counter()
             if first is None:
                 first = now
             if k < warm:
                 timed_from = now
                 continue
-            records += len(batch)
+            records += n
             batches += 1
-            nbytes += sum(record_nbytes(r) for r in batch)
-            if tokens is not None:
-                ntokens += sum(len(r[tokens]) for r in batch if r.get(tokens) is not None)
+            nbytes += size
+            ntokens += ntok
             last = now
             if now - timed_from >= seconds and batches >= 2:  # type: ignore[operator]
                 break
@@ -348,6 +416,13 @@ def _measure(
         "first_batch_s": (first or end) - start,
         "busy_fraction": busy / (warm * (end - start)) if rep.workers else None,
     }
+
+
+def _spread(runs: list[dict[str, Any]]) -> float:
+    """(highest - lowest) / median of the rounds' rates."""
+    rates = [r["records_per_s"] for r in runs]
+    median = statistics.median(rates)
+    return (max(rates) - min(rates)) / median if median else 0.0
 
 
 def _summary(mode: str, sampler: str, runs: list[dict[str, Any]], stats: Any) -> dict[str, Any]:
@@ -561,7 +636,7 @@ def run_bench(
     *,
     batch_size: int = 256,
     num_workers: int | None = None,
-    seconds: float = 10.0,
+    seconds: float | None = None,
     repeats: int = 3,
     fmt: str = "auto",
     columns: Sequence[str] | None = None,
@@ -569,13 +644,22 @@ def run_bench(
     prefetch_factor: int = 4,
     seed: int = 0,
     tokens: str | None = "auto",
+    collate: str = "default",
+    round_seconds: float = 3.0,
+    settle: float = 0.05,
     out: Callable[[str], None] | None = print,
 ) -> dict[str, Any]:
     """Measure ``path`` in each access order; print and return the results.
 
-    ``seconds`` is the measured time in total, shared by every access order and repeat
-    (start-up until each worker's first batch comes on top); ``repeats`` measurements
-    per order give the spread. ``num_workers=None`` is :func:`default_workers`.
+    Each round of each order lasts ``round_seconds``; rounds go on past ``repeats``
+    until the last ``repeats`` of every order lie within ``settle`` (a share of their
+    median) of each other, at most ``2 * repeats`` (see the module docstring).
+    ``seconds``, when given, is instead the measured time in total, shared by exactly
+    ``repeats`` rounds of every order. Start-up until each worker's first batch comes
+    on top. ``collate`` is how batches are collated (:data:`COLLATES`: ``"default"``,
+    ``"pad"``, ``"none"``); records it cannot collate raise before anything is timed
+    (:class:`~torchgrain.errors.RaggedBatchError` for ragged fields, else ValueError).
+    ``num_workers=None`` is :func:`default_workers`.
     ``cache_bytes`` sets each worker's block cache (Parquet row groups, ArrayRecord
     chunks; None: the source's default), to see what a larger one, or none, changes.
     ``tokens`` names a field of token ids to report tokens/s of (``"auto"``: the one
@@ -585,8 +669,9 @@ def run_bench(
     per access order: ``records_per_s`` (the median), ``tokens_per_s`` (the median; None
     without a token column), ``records_per_s_min`` /
     ``records_per_s_max`` and ``runs`` (every repeat), ``mb_per_s``, ``first_batch_s``,
-    ``busy_fraction``, ``stats``), ``recommendation`` (the sampler the numbers favour)
-    and ``suggestions``. ``out=None`` prints nothing.
+    ``busy_fraction``, ``stats``, ``rounds`` (measured, the last ``repeats`` reported),
+    ``settled`` (whether they lay within ``settle``)), ``recommendation`` (the sampler
+    the numbers favour) and ``suggestions``. ``out=None`` prints nothing.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -596,8 +681,12 @@ def run_bench(
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if not seconds > 0:
+    if seconds is not None and not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
+    if not round_seconds > 0:
+        raise ValueError(f"round_seconds must be > 0, got {round_seconds}")
+    if collate not in COLLATES:
+        raise ValueError(f"collate must be one of {COLLATES}, got {collate!r}")
     import torchgrain as tg
 
     say = out or (lambda _line: None)
@@ -614,9 +703,12 @@ def run_bench(
             raise ValueError(f"{path!r} has no column {tokens!r} to count tokens of ({keys})")
         if kind is not None and not all(_TOKEN_TYPE.fullmatch(k) for k in kind.split("|")):
             raise ValueError(f"column {tokens!r} of {path!r} is {kind}, not a list of token ids")
+    _check_collates(tg.Dataset(source), n, batch_size, collate, path, seed)
     group_size = _records_per_block(source)
     plans = _plans(source, fmt, group_size, seed, batch_size, num_workers, repeats)
-    per = seconds / (len(plans) * repeats)
+    fixed = seconds is not None
+    per = seconds / (len(plans) * repeats) if seconds is not None else round_seconds
+    max_rounds = repeats if fixed else 2 * repeats
     say(
         f"dataset   {path}\nformat    {fmt}, {n:,} records in "
         f"{source.num_shards} shard(s)"
@@ -626,16 +718,27 @@ def run_bench(
     say(
         f"loader    batch_size {batch_size}, num_workers {num_workers} ({available_cpus()} "
         f"CPUs available), prefetch_factor {prefetch_factor if num_workers else '-'}, "
-        "batches not collated"
+        + ("batches not collated" if collate == "none" else f"{collate} collate")
     )
     say(
         f"timing    {len(plans)} access orders x {repeats} rounds, {per:.1f}s each, timed "
         "after every worker's first batch"
+        + (
+            ""
+            if fixed
+            else f"; up to {max_rounds} rounds, until the last {repeats} of each order lie "
+            f"within {100 * settle:.0f}% of their median"
+        )
     )
     datasets = {mode: tg.Dataset(source) for mode, _ in plans}  # a stats table each
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _ in plans}
     samplers: dict[str, str] = {}
-    for r in range(repeats):
+
+    def settled() -> bool:
+        return all(_spread(v[-repeats:]) <= settle for v in runs.values())
+
+    r = 0
+    while r < max_rounds and not (r >= repeats and (fixed or settled())):
         # Each round starts with another order, so that none always runs first (cold).
         for mode, make in plans[r % len(plans) :] + plans[: r % len(plans)]:
             sampler = make(datasets[mode], r)
@@ -651,16 +754,28 @@ def run_bench(
                 prefetch_factor=prefetch_factor,
                 seconds=per,
                 tokens=tokens,
+                collate=collate,
             )
             runs[mode].append(m)
             say(
-                f"  round {r + 1}/{repeats}  {mode:<15}{m['records_per_s']:>12,.0f} records/s"
+                f"  round {r + 1}/{max_rounds}  {mode:<15}{m['records_per_s']:>12,.0f} records/s"
                 + (f"{m['tokens_per_s']:>14,.0f} tokens/s" if tokens else "")
                 + f"  (first batch after {m['first_batch_s']:.2f}s)"
             )
+        r += 1
     modes = [
-        _summary(mode, samplers[mode], runs[mode], tg.stats(datasets[mode])) for mode, _ in plans
+        {
+            **_summary(mode, samplers[mode], runs[mode][-repeats:], tg.stats(datasets[mode])),
+            "rounds": len(runs[mode]),
+            "settled": _spread(runs[mode][-repeats:]) <= settle,
+        }
+        for mode, _ in plans
     ]
+    if not fixed and not settled():
+        say(
+            f"\nnot settled: after {r} rounds, the last {repeats} of an order still differ by "
+            f"more than {100 * settle:.0f}% (other work on the machine?); the spread says how much"
+        )
     say("")
     header = (
         f"{'access':<16}{'records/s':>12}{'spread':>22}{'record MB/s':>13}"
@@ -677,7 +792,8 @@ def run_bench(
             + (f"{m['tokens_per_s']:>14,.0f}" if tokens else "")
         )
     say(
-        f"records/s: median of {repeats} rounds, spread: lowest-highest round; record MB/s: "
+        f"records/s: median of the last {repeats} rounds, spread: lowest-highest of them; "
+        "record MB/s: "
         "the records as delivered (decoded arrays, bytes, strings);\nfirst batch s: from "
         "starting the workers to the first batch (median); workers busy: share of the time "
         "the workers spent reading, decoding and transforming"
@@ -704,6 +820,7 @@ def run_bench(
         "batch_size": batch_size,
         "num_workers": num_workers,
         "repeats": repeats,
+        "collate": collate,
         "tokens": tokens,
         "modes": modes,
         "recommendation": recommend(modes),

@@ -375,6 +375,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         num_workers=args.workers,
         seconds=args.seconds,
+        round_seconds=args.round_seconds,
+        collate=args.collate,
         repeats=args.repeats,
         fmt=args.format,
         columns=args.columns,
@@ -719,9 +721,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--seconds",
         metavar="S",
         type=_positive_float,
-        default=10.0,
-        help="measured time in total, shared by the access orders and rounds (worker "
-        "start-up comes on top)",
+        default=None,
+        help="measured time in total, split into exactly --repeats rounds per access "
+        "order (a quick look; default: rounds of --round-seconds until they settle)",
+    )
+    b.add_argument(
+        "--round-seconds",
+        metavar="S",
+        type=_positive_float,
+        default=3.0,
+        help="each round's measured time; rounds go on (at most 2x --repeats) until the "
+        "last --repeats of each order lie within 5%% of their median",
+    )
+    b.add_argument(
+        "--collate",
+        choices=("default", "pad", "none"),
+        default="default",
+        help="how batches are collated in the workers: default (torch's, as a DataLoader "
+        "without collate_fn), pad (tg.pad_collate: variable-length fields padded), none "
+        "(lists of records: reading alone)",
     )
     b.add_argument(
         "--repeats",
