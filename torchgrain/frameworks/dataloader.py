@@ -180,3 +180,13 @@ def register_collate(kind: type, fn: Any) -> bool:
         return False
     default_collate_fn_map[kind] = fn
     return True
+
+
+def collate(batch: Any, *, collate_fn_map: Any = None) -> Any:
+    """torch's recursive collate (what ``default_collate`` runs), with the type table
+    ``collate_fn_map`` (None: torch's default one)."""
+    from torch.utils.data._utils.collate import collate as torch_collate
+    from torch.utils.data._utils.collate import default_collate_fn_map
+
+    table = default_collate_fn_map if collate_fn_map is None else collate_fn_map
+    return torch_collate(batch, collate_fn_map=table)

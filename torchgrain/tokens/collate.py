@@ -29,10 +29,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate, default_collate
+from torch.utils.data import default_collate
 
 from torchgrain.columns import ColumnBatch, Ragged, _dtype_for, _tensor
 from torchgrain.errors import RaggedBatchError
+from torchgrain.frameworks.dataloader import collate
 
 __all__ = ["PadCollate", "collate_records", "pad_collate"]
 
