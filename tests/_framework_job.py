@@ -331,13 +331,16 @@ def trainer_can_resume():
 
 def run_trainer(args):
     """``torchgrain.frameworks.transformers.Trainer``: 2 epochs with a checkpoint saved at
-    step 13, then a new Trainer resumed from that checkpoint. Each rank writes the
-    batches of both runs and every set_epoch call the sampler got."""
+    step 13 (``--save-step``), then a new Trainer resumed from that checkpoint. Each rank
+    writes the batches of both runs and every set_epoch call the sampler got.
+    ``--dispatch``: Accelerate's ``dispatch_batches=True``; ``--grad-accum``: the
+    Trainer's ``gradient_accumulation_steps``."""
     import transformers
 
     from torchgrain.frameworks.transformers import Trainer
 
     start_method()
+    save_step = args.save_step or TRAINER_SAVE_STEP
 
     class Model(torch.nn.Module):
         def __init__(self):
@@ -369,7 +372,7 @@ def run_trainer(args):
             per_device_train_batch_size=BATCH,
             num_train_epochs=args.epochs,
             save_strategy="steps",
-            save_steps=TRAINER_SAVE_STEP,
+            save_steps=save_step,
             save_total_limit=None,
             logging_strategy="no",
             report_to=[],
@@ -379,13 +382,15 @@ def run_trainer(args):
             remove_unused_columns=False,
             disable_tqdm=True,
             learning_rate=1e-3,
+            gradient_accumulation_steps=args.grad_accum,
+            accelerator_config={"dispatch_batches": True} if args.dispatch else None,
         )
         trainer = Trainer(model=model, args=training_args, train_dataset=ds, train_sampler=sampler)
         trainer.train(resume_from_checkpoint=resume)
         return model.seen, calls, trainer.args.process_index
 
     reference, reference_calls, rank = train(None)
-    checkpoint = os.path.join(args.out, "trainer", f"checkpoint-{TRAINER_SAVE_STEP}")
+    checkpoint = os.path.join(args.out, "trainer", f"checkpoint-{save_step}")
     resumed = resumed_calls = None
     if trainer_can_resume():
         resumed, resumed_calls, _ = train(checkpoint)
@@ -493,6 +498,8 @@ def main(argv=None):
     p.add_argument("--save-step", type=int, default=0)
     p.add_argument("--ckpt")
     p.add_argument("--resume")
+    p.add_argument("--dispatch", action="store_true")
+    p.add_argument("--grad-accum", type=int, default=1)
     args = p.parse_args(argv)
     np.seterr(all="raise")
     jobs = {

@@ -300,6 +300,24 @@ def test_trainer_resumes_mid_epoch_exactly(trainer_run):
         assert set(r["resumed_set_epoch"]) == {1}  # the resumed epoch's order, not epoch 0's
 
 
+def test_trainer_under_dispatch_batches_resumes_mid_epoch_exactly(data, tmp_path):
+    # dispatch_batches=True: process 0 reads both ranks' batches of a step, while the
+    # Trainer's resume skips one loader batch per micro-batch trained (half of them
+    # before the fix: records trained twice, others never). Gradient accumulation 2,
+    # checkpoint at optimizer step 7: 4 micro-batches into epoch 1.
+    pytest.importorskip("transformers")
+    if not job.trainer_can_resume():
+        pytest.skip("transformers resumes a Trainer checkpoint only under torch >= 2.6")
+    ranks = run("trainer", data[0], tmp_path, "--dispatch", "--grad-accum", 2, "--save-step", 7)
+    per_rank = [
+        {"batches": [{**b, "epoch": k // STEPS_PER_EPOCH} for k, b in enumerate(r["reference"])]}
+        for r in ranks
+    ]
+    assert_disjoint_cover_per_epoch(per_rank)
+    for r in ranks:
+        assert r["resumed"] == r["reference"][7 * 2 :]
+
+
 # ---------------------------------------------------------------------------- Ray Train
 
 

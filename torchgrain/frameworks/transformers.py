@@ -21,7 +21,11 @@ What you get, on any number of processes:
   sampler's order depends on (seed, epoch) only, so the skipped batches are the ones
   trained before. Skipping draws the skipped indices again (no record is read): about
   3 s per ten million samples on a 2-core machine, where ``tg.ResumableLoader`` loads a
-  position in O(1).
+  position in O(1). Under Accelerate's ``dispatch_batches=True`` too: the loader under
+  the dispatcher reads one batch of ``batch_size x processes`` per step and the
+  dispatcher splits it (``split_batches``), so that the batches the resume skips
+  (``accelerate.skip_first_batches`` counts that loader's batches) are the steps
+  trained, not 1/processes of them.
 
 Training batches keep every key of the records (the Trainer's
 ``remove_unused_columns`` applies to its own loader only): have ``Dataset.map`` return
@@ -99,7 +103,25 @@ class SamplerMixin:
             context = getattr(args, "dataloader_multiprocessing_context", None)
             if context is not None:
                 kwargs["multiprocessing_context"] = context
-        loader = trainer.accelerator.prepare(torch.utils.data.DataLoader(dataset, **kwargs))
+        accelerator = trainer.accelerator
+        config = accelerator.dataloader_config
+        dispatch = config.dispatch_batches is True and not config.split_batches
+        processes = accelerator.num_processes
+        if dispatch and processes > 1:
+            # Under dispatch_batches process 0 reads num_processes batches per step, but
+            # the Trainer's resume skips (with accelerate.skip_first_batches) as many
+            # batches of the loader under the dispatcher as steps were trained: 1/P of
+            # what was read, so records were trained twice and others never. One batch
+            # of P * batch_size split between the processes (split_batches) hands each
+            # process the same records per step, and makes one step one batch to skip.
+            kwargs["batch_size"] = args.train_batch_size * processes
+            config.split_batches = True
+            try:
+                loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, **kwargs))
+            finally:
+                config.split_batches = False
+        else:
+            loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, **kwargs))
         return bind(loader, sampler=self.train_sampler)
 
 
