@@ -499,3 +499,25 @@ def test_text_stored_as_bytes_is_tokenized_as_utf8():
         tg.Dataset([{"t": b"ok"}, {"t": b"\xff\xfe"}]).windows(
             "t", 3, tokenizer=tokenizer, index_dir=None
         )
+
+
+def test_pack_bins_leaving_out_a_document_are_rebuilt(tmp_path):
+    ds = tg.Dataset([{"t": np.arange(1, n + 1)} for n in (3, 2, 4, 5)])
+    path = ds.windows("t", 6, mode="pack", index_dir=tmp_path).source.index_paths[1]
+    os.remove(path)
+    # Well-formed bins without document 3, their token count agreeing with them.
+    derived_index(
+        "windows",
+        os.path.basename(path).split(".")[0],
+        {"docs": ("<i8", ()), "bins": ("<i8", ())},
+        lambda sink: (
+            sink.append("docs", np.array([2, 1, 0])),
+            sink.append("bins", np.array([0, 2, 3])),
+            {"tokens": 9, "truncated": 0},
+        )[2],
+        index_dir=tmp_path,
+    )
+    with pytest.warns(UserWarning, match="rebuilding"):
+        w = ds.windows("t", 6, mode="pack", index_dir=tmp_path)
+    placed = np.concatenate([w[i]["document_ids"] for i in range(len(w))])
+    assert sorted(set(placed.tolist()) - {-1}) == [0, 1, 2, 3]
