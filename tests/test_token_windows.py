@@ -521,3 +521,13 @@ def test_pack_bins_leaving_out_a_document_are_rebuilt(tmp_path):
         w = ds.windows("t", 6, mode="pack", index_dir=tmp_path)
     placed = np.concatenate([w[i]["document_ids"] for i in range(len(w))])
     assert sorted(set(placed.tolist()) - {-1}) == [0, 1, 2, 3]
+
+
+def test_token_counts_held_as_0d_arrays_build_the_index(tmp_path):
+    # ArrayRecord (msgpack) gives a written np.int32 back as a 0-d array; through a
+    # transform the counts are read from the records.
+    docs = [np.arange(n, dtype=np.int32) for n in (3, 0, 5)]
+    records = [{"tokens": t, "num_tokens": np.int32(len(t))} for t in docs]
+    tg.write_array_record(records, tmp_path / "ar")
+    ds = tg.Dataset(tg.ArrayRecordSource(tmp_path / "ar")).map(lambda r: r)
+    check_concat(ds.windows("tokens", 2, lengths="num_tokens", index_dir=None), docs, 2)

@@ -211,7 +211,9 @@ class _LengthChunks(torch.utils.data.Dataset):
             values = list(docs.columns.read_columns(ids)[name])
         else:
             values = [r[name] for r in docs.ds.__getitems__(ids.tolist())]
-        for v, d in zip(values, ids.tolist()):
+        for j, (v, d) in enumerate(zip(values, ids.tolist())):
+            if isinstance(v, np.ndarray) and v.ndim == 0:  # a scalar as msgpack records hold it
+                values[j] = v = v[()]
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**63:
                 raise CorruptDataError(
                     f"record {d} of {docs.name}: its token count {name!r} is {v!r}, not an int "
