@@ -162,3 +162,13 @@ def test_ragged_to_padded_holds_a_pad_value_its_values_dtype_cannot():
         0.5
     )
     assert halves.tolist() == [[1.0, 2.0], [3.0, 0.5]]
+
+
+def test_window_boundaries_are_not_padded_but_pointed_to_collate_windows():
+    w = tg.Dataset([{"t": np.arange(n)} for n in (3, 9, 2)]).windows("t", 4, index_dir=None)
+    batch = [w[0], w[1]]  # cu_seqlens [0, 3, 4] and [0, 4]: padded, [0, 4, 0]
+    for collate in (tg.pad_collate(), torch.utils.data.default_collate):
+        with pytest.raises(RaggedBatchError, match=r"cu_seqlens.*collate_windows"):
+            collate(batch)
+    named = tg.pad_collate(batch, keys=["cu_seqlens"], attention_mask=None)
+    assert named["cu_seqlens"].tolist() == [[0, 3, 4], [0, 4, 0]]  # asked for by name

@@ -38,6 +38,9 @@ from torchgrain.frameworks.dataloader import collate
 __all__ = ["PadCollate", "collate_records", "pad_collate"]
 
 _SIDES = ("right", "left")
+# Not padded unless named: token windows' document boundaries padded with 0 would step
+# back to 0 (tg.tokens.windows.collate_windows joins them instead).
+_NOT_PADDED = ("cu_seqlens",)
 
 
 def pad_collate(
@@ -63,7 +66,8 @@ def pad_collate(
         batch: a list of records (dicts), or a columns batch (``[ColumnBatch]`` as the
             DataLoader passes it, or a :class:`~torchgrain.columns.ColumnBatch`).
         keys: the fields to pad (each a 1-D list, numpy array or tensor per record, or a
-            :class:`~torchgrain.columns.Ragged` column). ``None``: every such field.
+            :class:`~torchgrain.columns.Ragged` column). ``None``: every such field but
+            ``cu_seqlens`` (token windows: batch them with ``collate_windows``).
             ``labels``, when records have it as a 1-D sequence, is padded too.
         pad_id: the padding value of the padded fields.
         pad_values: a padding value per field, over the defaults (``pad_id``;
@@ -189,7 +193,7 @@ class PadCollate:
                         )
             extra = [k for k in ("labels", self.attention_mask) if k and k not in keys]
         else:
-            keys, extra = [], list(first)
+            keys, extra = [], [k for k in first if k not in _NOT_PADDED]
         keys += [k for k in extra if k in first and _all_sequences([r.get(k) for r in records])]
         return keys
 
@@ -252,7 +256,7 @@ class PadCollate:
                 if k and k not in keys and _is_column_sequence(batch.get(k))
             ]
         else:
-            keys = [k for k, v in batch.items() if _is_column_sequence(v)]
+            keys = [k for k, v in batch.items() if k not in _NOT_PADDED and _is_column_sequence(v)]
         padded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for key in keys:
             padded[key] = self._pad_column(key, batch[key], n)
@@ -422,6 +426,12 @@ def _ragged_message(key: str, values: list[Any]) -> str | None:
             return None
     if len(set(shapes)) < 2:
         return None
+    if key == "cu_seqlens":  # token windows' boundaries: padding them would step back to 0
+        return (
+            "cannot collate key 'cu_seqlens': its values differ in length within the batch; "
+            "token windows batch with collate_fn=torchgrain.tokens.windows.collate_windows, "
+            "which joins every window's boundaries into the batch's cu_seqlens"
+        )
     seen = [f"{list(s)} at entry {i}" for i, s in enumerate(shapes) if s != shapes[0]][:2]
     lengths = f"{list(shapes[0])} at entry 0, " + ", ".join(seen)
     if len(values) > 3:

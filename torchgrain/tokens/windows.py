@@ -758,8 +758,8 @@ def windows(
     (each token's document index; -1 on padding), all ``seq_len`` long, and
     ``cu_seqlens``: the int32 boundaries of the documents inside the window, from 0 to
     ``seq_len`` (what variable-length attention kernels take; its length varies, so
-    batch it with :func:`tg.pad_collate <torchgrain.pad_collate>` or a collate that
-    joins them).
+    batch windows with :func:`collate_windows`, which joins them: padded by
+    ``pad_collate``, the boundaries would step back to 0).
 
     Args:
         ds: the documents: a :class:`~torchgrain.Dataset`, a Source, or anything
