@@ -111,6 +111,8 @@ def test_stopping_rules_length_and_temperature():
     t = tg.mix([a, b], temperature=2, length=1000).source
     assert t.counts.tolist() == [760, 240]  # sqrt(100) : sqrt(10)
     assert tg.mix([a, b], temperature=1).source.counts.tolist() == [100, 10]
+    # 100 ** 200 is past the float range (was an OverflowError): b's share is 10 ** -200
+    assert tg.mix([a, b], temperature=0.005).source.counts.tolist() == [100, 0]
     assert mixture_counts(10, mixture_weights([1, 1, 1], [1, 1, 1])).tolist() == [4, 3, 3]
 
 

@@ -95,7 +95,13 @@ def mixture_weights(
         raise TypeError(f"temperature must be a number, got {temperature!r}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
-    return _fractions([float(n) ** (1.0 / temperature) for n in sizes], "dataset sizes")
+    try:
+        scaled = [float(n) ** (1.0 / temperature) for n in sizes]
+    except OverflowError:
+        # Past the float range (a low temperature): the same ratios, to the largest size.
+        top = max(sizes)
+        scaled = [(n / top) ** (1.0 / temperature) for n in sizes]
+    return _fractions(scaled, "dataset sizes")
 
 
 def mixture_length(
