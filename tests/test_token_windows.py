@@ -531,3 +531,14 @@ def test_token_counts_held_as_0d_arrays_build_the_index(tmp_path):
     tg.write_array_record(records, tmp_path / "ar")
     ds = tg.Dataset(tg.ArrayRecordSource(tmp_path / "ar")).map(lambda r: r)
     check_concat(ds.windows("tokens", 2, lengths="num_tokens", index_dir=None), docs, 2)
+
+
+def test_in_memory_documents_of_one_length_do_not_share_a_cached_index(tmp_path, monkeypatch):
+    # A list is fingerprinted by its length: by default its index stays in memory.
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path))
+    first = [np.arange(n) for n in (5, 3)]
+    second = [np.arange(n) for n in (2, 9)]
+    tg.Dataset([{"t": t} for t in first]).windows("t", 2)
+    w = tg.Dataset([{"t": t} for t in second]).windows("t", 2)
+    assert w.source.index_paths == [None]
+    check_concat(w, second, 2)

@@ -53,6 +53,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from torchgrain.adapters import SequenceSource
 from torchgrain.columns import Ragged
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
@@ -782,7 +783,9 @@ def windows(
             the tokens is found when the document is read
             (:class:`~torchgrain.CorruptDataError`).
         index_dir: where the node-shared index files live (default: the torchgrain
-            cache's ``windows-index``); None keeps them in this process's memory.
+            cache's ``windows-index``; this process's memory for an in-memory sequence,
+            which nothing on disk tells apart from another of its length); None keeps
+            them in this process's memory.
         num_workers: processes of the pass that measures document lengths (default: up
             to 8 for large datasets, none for small ones).
         progress: show a progress bar during that pass.
@@ -818,6 +821,10 @@ def windows(
         lengths = "num_tokens" if auto and "num_tokens" in ds.keys else None
     if lengths is not None and not isinstance(lengths, str):
         raise TypeError(f"lengths must be a record key (a str) or None, got {lengths!r}")
+    if index_dir is DEFAULT and isinstance(ds._source, SequenceSource):
+        # An in-memory sequence is fingerprinted by its type and length alone: two lists
+        # of one length would share one cached index (and fail as changed data when read).
+        index_dir = None
     docs = _Documents(ds, column, tokenizer, lengths)
     special = (bos is not None) + (eos is not None)
     n = len(ds)
