@@ -119,6 +119,23 @@ def test_fingerprints_follow_the_data(tmp_path):
     assert callable_fingerprint(lambda r: r > k) != callable_fingerprint(lambda r: r > 4)
 
 
+class _Above:
+    def __init__(self, k):
+        self.k = k
+
+    def keep(self, r):
+        return r["x"] > self.k
+
+
+def test_a_bound_method_predicate_is_keyed_by_its_object(tmp_path):
+    assert callable_fingerprint(_Above(1).keep) != callable_fingerprint(_Above(5).keep)
+    assert callable_fingerprint(_Above(1).keep) == callable_fingerprint(_Above(1).keep)
+    ds = tg.Dataset([{"x": i} for i in range(10)])
+    opts = {"index_dir": str(tmp_path / "ix"), "progress": False, "num_workers": 0}
+    assert len(ds.filter(_Above(1).keep, **opts)) == 8
+    assert [r["x"] for r in ds.filter(_Above(5).keep, **opts)] == [6, 7, 8, 9]  # was 2..9
+
+
 def test_a_filter_over_other_columns_of_the_same_files_is_not_reused(tmp_path):
     d = str(tmp_path / "p")
     tg.write_parquet([{"x": i, "y": None if i % 2 else i} for i in range(10)], d)

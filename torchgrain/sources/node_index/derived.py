@@ -203,7 +203,8 @@ def _code_parts(code: types.CodeType, seen: set[int]) -> list[Any]:
 def callable_fingerprint(fn: Any) -> str:
     """A hex digest of what a function computes: its code (and that of nested
     functions), constants, defaults and closure values; for a partial, its function and
-    arguments; for a callable object, its class's code and its pickled state.
+    arguments; for a callable object or a bound method, its class's code and the
+    object's pickled state.
 
     Globals a function reads are not part of it: name a predicate (``filter(...,
     name=...)``) when it depends on a global that changes.
@@ -216,6 +217,8 @@ def callable_fingerprint(fn: Any) -> str:
     """
     if isinstance(fn, functools.partial):
         return _hash("partial", callable_fingerprint(fn.func), fn.args, sorted(fn.keywords.items()))
+    if isinstance(fn, types.MethodType):  # its object's state too, not only its code
+        return _hash("method", callable_fingerprint(fn.__func__), _value(fn.__self__))
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
         cells = []
