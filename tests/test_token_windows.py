@@ -542,3 +542,13 @@ def test_in_memory_documents_of_one_length_do_not_share_a_cached_index(tmp_path,
     w = tg.Dataset([{"t": t} for t in second]).windows("t", 2)
     assert w.source.index_paths == [None]
     check_concat(w, second, 2)
+
+
+def test_editing_a_windows_input_ids_leaves_its_labels(tmp_path):
+    def mask_inputs(window):
+        window["input_ids"][::2] = 0  # in place, as a masking or noising map does
+        return window
+
+    w = tg.Dataset([{"t": np.arange(1, 10)}]).windows("t", 4, index_dir=None).map(mask_inputs)
+    assert w[0]["input_ids"].tolist() == [0, 2, 0, 4]
+    assert w[0]["labels"].tolist() == [2, 3, 4, 5]

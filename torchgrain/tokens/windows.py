@@ -582,7 +582,7 @@ class TokenWindows(Source):
         cu = np.concatenate([head, starts, [L]]).astype(np.int32)
         return {
             "input_ids": buf[:L],
-            "labels": buf[1:],
+            "labels": buf[1:].copy(),  # not a view of input_ids: a map may edit those
             "position_ids": pos[:L],
             "cu_seqlens": cu,
             "document_ids": ids[:L],
