@@ -552,3 +552,20 @@ def test_editing_a_windows_input_ids_leaves_its_labels(tmp_path):
     w = tg.Dataset([{"t": np.arange(1, 10)}]).windows("t", 4, index_dir=None).map(mask_inputs)
     assert w[0]["input_ids"].tolist() == [0, 2, 0, 4]
     assert w[0]["labels"].tolist() == [2, 3, 4, 5]
+
+
+def test_auto_counts_are_those_of_the_windowed_column(tmp_path):
+    # num_tokens counting another column (here the text's words) is not input_ids' count;
+    # num_input_ids (what convert --tokens-column input_ids writes) is.
+    docs = [np.arange(n) for n in (4, 7, 2)]
+    table = pa.table(
+        {
+            "input_ids": pa.array(docs, pa.list_(pa.int64())),
+            "num_tokens": pa.array([1, 1, 1], pa.int32()),
+            "num_input_ids": pa.array([len(t) for t in docs], pa.int32()),
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    w = tg.Dataset(tg.ParquetSource(tmp_path / "a.parquet")).windows("input_ids", 3, index_dir=None)
+    assert w.source._docs.length_column == "num_input_ids"
+    check_concat(w, docs, 3)

@@ -777,8 +777,9 @@ def windows(
             the process that reads it (DataLoader workers).
         lengths: the record key holding each document's token count, read to build
             the index instead of the tokens (an int column of Parquet: no token
-            decoded); ``"auto"`` (default) uses ``num_tokens``, what ``torchgrain
-            convert --tokenize`` writes, when the records have it and no tokenizer or
+            decoded); ``"auto"`` (default) uses ``num_<column>`` (``num_tokens`` for
+            ``tokens``), what ``torchgrain convert --tokenize`` writes, when the records
+            have it and no tokenizer or
             transform is given; None measures the tokens. A count that disagrees with
             the tokens is found when the document is read
             (:class:`~torchgrain.CorruptDataError`).
@@ -817,8 +818,10 @@ def windows(
         raise TypeError("tokenizer must be callable on a list of strings")
     if lengths == "auto":
         # What `torchgrain convert --tokenize` writes beside the tokens.
-        auto = tokenizer is None and not ds._ops and column != "num_tokens"
-        lengths = "num_tokens" if auto and "num_tokens" in ds.keys else None
+        # (num_<column>, as convert --tokenize --tokens-column and inspect name it: a
+        # num_tokens beside another column may count something else)
+        auto = tokenizer is None and not ds._ops
+        lengths = f"num_{column}" if auto and f"num_{column}" in ds.keys else None
     if lengths is not None and not isinstance(lengths, str):
         raise TypeError(f"lengths must be a record key (a str) or None, got {lengths!r}")
     if index_dir is DEFAULT and isinstance(ds._source, SequenceSource):
