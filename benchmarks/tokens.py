@@ -19,9 +19,20 @@ Then the index: build time for ``--index-docs`` documents (default 10^7) from a 
 file's list offsets and from its ``num_tokens`` column, and the index's bytes per
 document and per window (concat mode; pack mode's bins at ``--pack-docs``).
 
-LitData's ``TokensLoader`` and HF's ``group_texts`` are not measured yet: neither
-``litdata`` nor ``datasets`` is installed where this was written (the script says which
-are missing, and that their rows are left open).
+and the peers over the same tokens, each in the interpreter that has it (``--peers-python``,
+default ``.venv-peers/bin/python`` when there, built by ``scripts/setup_peers.sh``):
+
+* ``litdata``: LitData's ``TokensLoader``, as its LLM pre-training docs write and read
+  it: ``optimize`` of the documents' token arrays with ``item_loader=TokensLoader()``
+  (not timed, like the other writes), then ``StreamingDataset(item_loader=
+  TokensLoader(block_size=L + 1), shuffle=True, drop_last=True)`` and a
+  ``StreamingDataLoader``; ``input_ids``/``labels`` are a batch's blocks shifted;
+* ``hf``: HF's ``group_texts`` recipe: the Parquet files loaded by ``datasets``, a
+  ``map(group_texts, batched=True)`` cutting the concatenated ``input_ids`` into blocks
+  of ``L + 1`` (timed apart: ``hf group_texts map s``), then the packed dataset
+  (``with_format("numpy")``) read in a ``DataLoader`` with a ``RandomSampler``.
+
+A peer whose package is missing is reported as not measured.
 
 Run: ``python benchmarks/tokens.py [--tokens 10000000] [--windows 0] [--workers 2]``
 """
@@ -48,6 +59,8 @@ from _common import describe_machine, print_table, write_json  # noqa: E402
 
 VOCAB = 50257
 READERS = ("mmap", "arrayrecord", "parquet")
+PEERS = ("litdata", "hf")
+PEERS_PYTHON = os.path.join(os.path.dirname(HERE), ".venv-peers", "bin", "python")
 
 
 def lognormal_lengths(total: int, seed: int = 0, median: float = 400.0) -> np.ndarray:
@@ -68,6 +81,7 @@ def write_corpus(directory: str, total: int) -> dict:
     np.cumsum(lengths, out=offsets[1:])
     tokens = np.random.default_rng(1).integers(0, VOCAB, int(offsets[-1])).astype(np.int32)
     tokens.tofile(os.path.join(directory, "tokens.bin"))
+    np.save(os.path.join(directory, "offsets.npy"), offsets)  # for the peers' writers
     docs = [tokens[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
     os.makedirs(os.path.join(directory, "parquet"))
     files = 4
@@ -93,6 +107,60 @@ def write_corpus(directory: str, total: int) -> dict:
         num_shards=files,
     )
     return {"documents": len(lengths), "tokens": int(offsets[-1])}
+
+
+def _litdata_docs(part: tuple[str, int, int]):
+    """LitData's ``optimize`` function: the token arrays of documents ``[a, b)``."""
+    import torch
+
+    directory, a, b = part
+    tokens = np.memmap(os.path.join(directory, "tokens.bin"), np.int32, mode="r")
+    offsets = np.load(os.path.join(directory, "offsets.npy"))
+    for d in range(a, b):
+        yield torch.from_numpy(np.array(tokens[offsets[d] : offsets[d + 1]]))
+
+
+def write_litdata(directory: str, seq_len: int) -> None:
+    """LitData's TokensLoader format, as its LLM pre-training docs write it."""
+    from litdata import TokensLoader, optimize
+
+    n = len(np.load(os.path.join(directory, "offsets.npy"))) - 1
+    parts = [(directory, k * n // 4, (k + 1) * n // 4) for k in range(4)]
+    optimize(
+        fn=_litdata_docs,
+        inputs=parts,
+        output_dir=os.path.join(directory, "litdata"),
+        chunk_size=(seq_len + 1) * 512,  # tokens per chunk: 512 blocks (4 MB of int32)
+        item_loader=TokensLoader(),
+        num_workers=2,
+    )
+
+
+def write_hf(directory: str, seq_len: int) -> float:
+    """HF's ``group_texts`` over the Parquet files' tokens; returns the map's seconds."""
+    import glob
+    from itertools import chain
+
+    import datasets
+
+    datasets.disable_progress_bars()
+    block = seq_len + 1
+
+    def group_texts(examples: dict) -> dict:
+        ids = list(chain(*examples["input_ids"]))
+        total = len(ids) // block * block
+        return {"input_ids": [ids[i : i + block] for i in range(0, total, block)]}
+
+    files = sorted(glob.glob(os.path.join(directory, "parquet", "*.parquet")))
+    raw = datasets.load_dataset(
+        "parquet", data_files=files, split="train", cache_dir=os.path.join(directory, "hf-cache")
+    )
+    raw = raw.rename_column("tokens", "input_ids").remove_columns(["num_tokens"])
+    t0 = time.perf_counter()
+    packed = raw.map(group_texts, batched=True, num_proc=2)
+    took = time.perf_counter() - t0
+    packed.save_to_disk(os.path.join(directory, "hf"))
+    return took
 
 
 class FlatWindows:
@@ -140,9 +208,15 @@ def child(
     """One timed pass in this (new) process: open, then read ``windows`` windows."""
     import torch  # imported before timing, as in a training script
 
-    import torchgrain as tg
+    if reader in PEERS:  # its package imported before timing too
+        __import__(PEER_MODULES[reader])
+    else:
+        import torchgrain as tg
 
     t0 = time.perf_counter()
+    if reader in PEERS:
+        loader = _peer_loader(reader, directory, seq_len, workers, batch)
+        return _timed(reader, loader, t0, windows, seq_len)
     if reader == "mmap":
         ds = FlatWindows(os.path.join(directory, "tokens.bin"), seq_len)
     else:
@@ -163,6 +237,53 @@ def child(
         collate_fn=collate,
         prefetch_factor=4 if workers else None,
     )
+    return _timed(reader, loader, t0, windows, seq_len)
+
+
+def _peer_loader(reader: str, directory: str, seq_len: int, workers: int, batch: int):
+    """A peer's loader of ``{"input_ids", "labels"}`` batches (blocks of ``seq_len + 1``
+    tokens, shifted), made in its workers as :func:`collate` makes the others'."""
+    import torch
+
+    if reader == "litdata":
+        from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+        ds = StreamingDataset(
+            input_dir=os.path.join(directory, "litdata"),
+            item_loader=TokensLoader(block_size=seq_len + 1),
+            shuffle=True,
+            drop_last=True,
+            seed=0,
+        )
+        return StreamingDataLoader(
+            ds, batch_size=batch, num_workers=workers, collate_fn=_shifted_blocks
+        )
+    import datasets
+
+    ds = datasets.load_from_disk(os.path.join(directory, "hf")).with_format("numpy")
+    return torch.utils.data.DataLoader(
+        ds,
+        batch_size=batch,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+        num_workers=workers,
+        collate_fn=_shifted_rows,
+        prefetch_factor=4 if workers else None,
+    )
+
+
+def _shifted_blocks(blocks: list) -> dict:
+    """LitData's blocks of ``L + 1`` tokens as :func:`collate`'s batch."""
+    w = np.stack([np.asarray(b) for b in blocks]).astype(np.int64)
+    return collate([{"input_ids": r[:-1], "labels": r[1:]} for r in w])
+
+
+def _shifted_rows(rows: list) -> dict:
+    """HF's packed rows (``input_ids`` of ``L + 1`` tokens) as :func:`collate`'s batch."""
+    return _shifted_blocks([r["input_ids"] for r in rows])
+
+
+def _timed(reader: str, loader, t0: float, windows: int, seq_len: int) -> dict:
     tokens = first_tokens = 0
     t_first = None
     for b in loader:
@@ -183,9 +304,26 @@ def child(
     }
 
 
-def run_child(args: argparse.Namespace, reader: str) -> dict:
+#: The module each peer needs.
+PEER_MODULES = {"litdata": "litdata", "hf": "datasets"}
+
+
+def peer_python(reader: str, peers_python: str) -> str | None:
+    """The interpreter that runs ``reader``: the peers' one where it has the package,
+    else this one where it has it, else None (not measured)."""
+    if reader not in PEERS:
+        return sys.executable
+    for python in (peers_python, sys.executable):
+        if python and os.path.exists(python):
+            probe = [python, "-c", f"import {PEER_MODULES[reader]}"]
+            if subprocess.run(probe, capture_output=True).returncode == 0:
+                return python
+    return None
+
+
+def run_child(args: argparse.Namespace, reader: str, python: str = sys.executable) -> dict:
     cmd = [
-        sys.executable,
+        python,
         os.path.abspath(__file__),
         "--child",
         reader,
@@ -200,7 +338,9 @@ def run_child(args: argparse.Namespace, reader: str) -> dict:
         "--batch-size",
         str(args.batch_size),
     ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{reader} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -281,11 +421,25 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--index-docs", type=int, default=10_000_000)
+    ap.add_argument(
+        "--index-docs", type=int, default=10_000_000, help="0: the index costs are not measured"
+    )
     ap.add_argument("--pack-docs", type=int, default=1_000_000)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--child", choices=READERS, default=None)
+    ap.add_argument("--child", choices=READERS + PEERS, default=None)
+    ap.add_argument("--write-peer", choices=PEERS, default=None)
+    ap.add_argument(
+        "--peers-python",
+        default=PEERS_PYTHON,
+        help="the interpreter of LitData and HF datasets (scripts/setup_peers.sh builds it)",
+    )
     args = ap.parse_args()
+    if args.write_peer == "litdata":
+        write_litdata(args.dir, args.seq_len)
+        return
+    if args.write_peer == "hf":
+        print(json.dumps(write_hf(args.dir, args.seq_len)))
+        return
     if args.child:
         print(
             json.dumps(
@@ -315,10 +469,29 @@ def main() -> None:
             )
             builds[name] = time.perf_counter() - t0
         print(f"window index built in {builds}")
-        runs: dict[str, list[dict]] = {r: [] for r in READERS}
+        pythons = {r: peer_python(r, args.peers_python) for r in READERS + PEERS}
+        readers = [r for r in READERS + PEERS if pythons[r]]
+        not_measured = {r: f"{PEER_MODULES[r]} not installed" for r in PEERS if not pythons[r]}
+        for peer in PEERS:
+            if not pythons[peer]:
+                continue
+            t0 = time.perf_counter()
+            cmd = [pythons[peer], os.path.abspath(__file__), "--write-peer", peer]
+            cmd += ["--dir", tmp, "--seq-len", str(args.seq_len)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                not_measured[peer] = f"writing failed: {out.stderr.strip().splitlines()[-1:]}"
+                readers.remove(peer)
+                continue
+            builds[peer] = time.perf_counter() - t0
+            if peer == "hf":
+                builds["hf group_texts map"] = json.loads(out.stdout.strip().splitlines()[-1])
+        peers = {k: round(v, 1) for k, v in builds.items() if k not in READERS}
+        print(f"peers written in {peers} s (not measured: {not_measured or 'none'})")
+        runs: dict[str, list[dict]] = {r: [] for r in readers}
         for _ in range(args.rounds):
-            for reader in READERS:
-                runs[reader].append(run_child(args, reader))
+            for reader in readers:
+                runs[reader].append(run_child(args, reader, pythons[reader]))
 
         def med(reader: str, key: str) -> float:
             return statistics.median(r[key] for r in runs[reader])
@@ -333,7 +506,7 @@ def main() -> None:
                 "steady vs mmap": med(r, "steady_tokens_per_s")
                 / med("mmap", "steady_tokens_per_s"),
             }
-            for r in READERS
+            for r in readers
         ]
         print(
             f"{args.windows or 'all'} windows of {args.seq_len} tokens, global shuffle, batch "
@@ -342,14 +515,13 @@ def main() -> None:
         )
         cols = ["reader", "tokens/s", "vs mmap", "first batch s", "steady tokens/s"]
         print_table(rows, [*cols, "steady vs mmap"])
-        for peer in ("litdata", "datasets"):
-            why = (
-                "installed, but its row is not written yet"
-                if _importable(peer)
-                else ("not installed here")
-            )
+        for peer, why in not_measured.items():
             print(f"{peer}: not measured ({why})")
-        index = index_costs(tmp, args.index_docs, args.pack_docs, args.seq_len)
+        index = (
+            index_costs(tmp, args.index_docs, args.pack_docs, args.seq_len)
+            if args.index_docs
+            else {}
+        )
         print(json.dumps(index, indent=1))
         write_json(
             "tokens",
@@ -360,17 +532,10 @@ def main() -> None:
                 "rows": rows,
                 "runs": runs,
                 "index": index,
-                "not_measured": ["litdata TokensLoader", "HF group_texts"],
+                "pythons": pythons,
+                "not_measured": not_measured,
             },
         )
-
-
-def _importable(name: str) -> bool:
-    try:
-        __import__(name)
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":
