@@ -234,6 +234,33 @@ def test_a_large_selection_is_a_mapped_file_that_pickles_small(tmp_path, monkeyp
     assert again.source.rows.index.path == index.path  # the same file, not another
 
 
+def test_a_large_selection_is_checked_and_stored_a_chunk_at_a_time(tmp_path, monkeypatch):
+    import tracemalloc
+
+    from torchgrain.compose import subset
+
+    monkeypatch.setattr(subset, "MAPPED_ABOVE", 10)
+    monkeypatch.setattr(subset, "_CHUNK", 1 << 16)
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    rows = np.lib.format.open_memmap(tmp_path / "rows.npy", "w+", np.uint32, (4_000_000,))
+    rows[:] = np.arange(4_000_000) % 997
+    ds = tg.Dataset([{"i": i} for i in range(1000)])
+    tracemalloc.start()
+    try:
+        sub = ds.select(rows)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # The index file writer's copy buffers (16 MiB whatever the size) and a chunk; the
+    # whole array as int64 was 32 MB, then copies of it.
+    assert peak < 24_000_000, peak
+    last = len(rows) - 1
+    assert [r["i"] for r in sub.__getitems__([0, 996, 997, last])] == [0, 996, 0, last % 997]
+    rows[5] = 1000
+    with pytest.raises(IndexError, match="select: record index 1000 out of range"):
+        ds.select(rows)
+
+
 def test_a_selection_file_truncated_while_mapped_is_refused(tmp_path, monkeypatch):
     from torchgrain.compose import subset
 

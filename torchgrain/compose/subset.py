@@ -170,16 +170,20 @@ def select(ds: Any, indices: Any) -> Dataset:
     arr = np.asarray(indices)
     if arr.ndim != 1:
         raise ValueError(f"select needs a one-dimensional array of indices, got shape {arr.shape}")
-    try:
-        arr = check_indices(arr, n)
-    except (IndexError, TypeError) as e:
-        raise type(e)(f"select: {e} (in {_short(ds)})") from None
     dtype = "<u4" if n <= 1 << 32 else "<i8"
-    arr = arr.astype(dtype)
     if len(arr) <= MAPPED_ABOVE:
-        return _wrap(ds, Subset(ds, _ArrayRows(arr), label="select"))
+        rows = _checked(ds, arr, dtype)
+        return _wrap(ds, Subset(ds, _ArrayRows(rows), label="select"))
+    # A chunk at a time: a large array (a memory-mapped one) is never copied whole.
     index = _mapped_selection(ds, arr, dtype)
     return _wrap(ds, Subset(ds, _ArrayRows(index.arrays["indices"], index), label="select"))
+
+
+def _checked(ds: Dataset, arr: np.ndarray, dtype: str) -> np.ndarray:
+    try:
+        return check_indices(arr, len(ds)).astype(dtype)
+    except (IndexError, TypeError) as e:
+        raise type(e)(f"select: {e} (in {_short(ds)})") from None
 
 
 def _short(ds: Any) -> str:
@@ -189,29 +193,32 @@ def _short(ds: Any) -> str:
 
 def _mapped_selection(ds: Dataset, arr: np.ndarray, dtype: str) -> DerivedIndex:
     n = len(ds)
-    key = "select-" + _hash(dataset_fingerprint(ds), dtype, len(arr), arr.tobytes())
+    h = hashlib.blake2b(digest_size=16)
+    for a in range(0, len(arr), _CHUNK):
+        h.update(_checked(ds, arr[a : a + _CHUNK], dtype).tobytes())
+    key = "select-" + _hash(dataset_fingerprint(ds), dtype, len(arr), h.hexdigest())
 
     def fill(sink: Any) -> dict[str, Any]:
         for a in range(0, len(arr), _CHUNK):
-            sink.append("indices", arr[a : a + _CHUNK])
+            sink.append("indices", _checked(ds, arr[a : a + _CHUNK], dtype))
         return {"count": len(arr), "length": n}
 
     def fits(ix: DerivedIndex) -> str | None:
-        return _selection_problem(ix, n, arr)
+        return _selection_problem(ix, n, arr, dtype)
 
     ix = derived_index("select", key, {"indices": (dtype, ())}, fill, fits=fits)
-    problem = _selection_problem(ix, n, arr)
+    problem = _selection_problem(ix, n, arr, dtype)
     if problem is not None:
         raise CorruptDataError(f"selection index {ix.path or '(in memory)'} is damaged: {problem}")
     return ix
 
 
-def _selection_problem(ix: DerivedIndex, n: int, arr: np.ndarray) -> str | None:
+def _selection_problem(ix: DerivedIndex, n: int, arr: np.ndarray, dtype: str) -> str | None:
     """Why a stored selection is not ``arr`` (the indices asked for, known to be below
     ``n``): a file of the same key is untrusted, and is compared once, in chunks."""
     rows = ix.arrays.get("indices")
-    if rows is None or rows.ndim != 1 or len(rows) != len(arr) or rows.dtype != arr.dtype:
-        return f"it does not hold {len(arr)} indices of type {arr.dtype.str}"
+    if rows is None or rows.ndim != 1 or len(rows) != len(arr) or rows.dtype != dtype:
+        return f"it does not hold {len(arr)} indices of type {dtype}"
     if ix.meta.get("count") != len(arr) or ix.meta.get("length") != n:
         return "it was made for another selection or dataset length"
     for a in range(0, len(rows), _CHUNK):
