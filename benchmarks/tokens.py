@@ -19,7 +19,7 @@ Then the index: build time for ``--index-docs`` documents (default 10^7) from a 
 file's list offsets and from its ``num_tokens`` column, and the index's bytes per
 document and per window (concat mode; pack mode's bins at ``--pack-docs``).
 
-and the peers over the same tokens, each in the interpreter that has it (``--peers-python``,
+Beside them, the peers over the same tokens, each in the interpreter that has it (``--peers-python``,
 default ``.venv-peers/bin/python`` when there, built by ``scripts/setup_peers.sh``):
 
 * ``litdata``: LitData's ``TokensLoader``, as its LLM pre-training docs write and read
