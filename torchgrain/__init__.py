@@ -74,6 +74,9 @@ _TORCH_NAMES = {
 
 if TYPE_CHECKING:
     # Out of __all__ (see the end), still tg.NAME: hence the noqa marks.
+    from torchgrain.compose.concat import concat  # noqa: F401
+    from torchgrain.compose.mix import mix  # noqa: F401
+    from torchgrain.compose.subset import split  # noqa: F401
     from torchgrain.dataset import Dataset, record_rng  # noqa: F401
     from torchgrain.loader import ResumableLoader, bind
     from torchgrain.prefetch import CudaPrefetcher
@@ -82,6 +85,7 @@ if TYPE_CHECKING:
         GlobalShuffleSampler,
         LoaderBinding,  # noqa: F401
     )
+    from torchgrain.tokens.collate import pad_collate  # noqa: F401
     from torchgrain.transforms import (
         Albumentations,  # noqa: F401
         LabelToIndex,  # noqa: F401
