@@ -114,6 +114,8 @@ def test_stopping_rules_length_and_temperature():
     # 100 ** 200 is past the float range (was an OverflowError): b's share is 10 ** -200
     assert tg.mix([a, b], temperature=0.005).source.counts.tolist() == [100, 0]
     assert mixture_counts(10, mixture_weights([1, 1, 1], [1, 1, 1])).tolist() == [4, 3, 3]
+    # weights by a name that is not a str (was weight 0 for dataset 2, without a word)
+    assert tg.mix({"a": a, 2: b}, {"a": 0.5, 2: 0.5}).source.counts.tolist() == [10, 10]
 
 
 @pytest.mark.parametrize(

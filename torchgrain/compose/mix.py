@@ -409,7 +409,8 @@ def mix(
             unknown = sorted(set(map(str, weights)) - set(names))
             if unknown:
                 raise ValueError(f"weights name datasets that are not mixed: {unknown}")
-            weights = [weights.get(n, 0) for n in names]
+            by_name = {str(k): w for k, w in weights.items()}  # names are str(key)
+            weights = [by_name.get(n, 0) for n in names]
     else:
         if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence):
             raise TypeError(f"mix needs a list or dict of datasets, got {type(datasets).__name__}")
