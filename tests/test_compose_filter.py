@@ -167,6 +167,17 @@ def test_records_that_change_with_the_epoch_are_refused():
     assert len(kept.random_map(_noise, seed=0)) == 10  # filtering first is fine
 
 
+def test_records_in_memory_are_not_filtered_through_the_shared_cache(tmp_path, monkeypatch):
+    """A list is fingerprinted by its length only: another list of that length in a later
+    run mapped the first one's selection (and got the records where the predicate fails)."""
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    big = lambda r: r["x"] > 5  # noqa: E731
+    for values, kept in (([1, 9, 2, 8], [9, 8]), ([9, 1, 8, 2], [9, 8])):
+        got = tg.Dataset([{"x": v} for v in values]).filter(big, progress=False, num_workers=0)
+        assert [r["x"] for r in got] == kept
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("filter-*"))
+
+
 _REUSE = """
 import sys, torchgrain as tg
 calls = []

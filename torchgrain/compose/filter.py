@@ -137,8 +137,10 @@ def filter_dataset(
             predicate).
         batch_size: records read (and tested) per call.
         index_dir: the directory of selection files (default ``<torchgrain
-            cache>/filter-index``); ``None`` keeps the selection in this process's memory
-            (built every time).
+            cache>/filter-index``, for data read from files: records held in memory, a
+            list, are known by their type and length only, so their selection is kept in
+            memory unless a directory is given); ``None`` keeps the selection in this
+            process's memory (built every time).
         progress: a progress bar (tqdm) on stderr while the selection is built.
 
     Returns:
@@ -173,6 +175,10 @@ def filter_dataset(
             "is found once (the predicate would not hold at other epochs); filter the "
             "data before random_map, or each dataset before mixing them"
         )
+    if index_dir is DEFAULT and not _identified(ds):
+        # Records held in memory (a list) are fingerprinted by type and length only: a
+        # file in the shared cache could be the selection of another list of that length.
+        index_dir = None
     n = len(ds)
     if _is_expression(predicate):
         from torchgrain.sources.parquet.source import ParquetSource
@@ -266,6 +272,18 @@ def _changes_with_epoch(ds: Any) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def _identified(ds: Any) -> bool:
+    """Whether every source under ``ds`` reads files (so that its fingerprint changes
+    with its records), not records held in memory."""
+    from torchgrain.adapters import SequenceSource
+
+    if isinstance(ds, Dataset):
+        return _identified(ds._source)
+    if isinstance(ds, View):
+        return all(_identified(c) for c in ds.children)
+    return isinstance(ds, Source) and not isinstance(ds, SequenceSource)
 
 
 def _is_expression(predicate: Any) -> bool:
