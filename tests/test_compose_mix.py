@@ -414,3 +414,17 @@ def test_read_ahead_and_epoch_reach_the_sources_remapped():
     source, record = ds.source.draws(np.arange(len(ds))[::-1])
     assert child.orders == [record[source == 0].tolist()]  # epoch 1's draws, pass order
     assert len(child.orders[0]) == 7
+
+
+def test_block_shuffle_sampler_drives_a_mixture():
+    from torchgrain.sampling import BlockShuffleSampler
+
+    a = [{"x": i} for i in range(30)]
+    b = [{"x": 100 + i} for i in range(20)]
+    ds = tg.mix([a, b], [0.5, 0.5], seed=1, length=40)
+    assert ds.block_offsets().tolist() == [0, 40]
+    sampler = BlockShuffleSampler(ds, seed=3)
+    order = list(sampler)
+    assert sorted(order) == list(range(40))
+    xs = [ds[i]["x"] for i in order]
+    assert sum(x < 100 for x in xs) == 20 and len(set(xs)) == 40

@@ -300,6 +300,12 @@ class Mix(View):
         self._passes = _Passes(sizes, self.seed)
         self._epoch = _EpochCell(0)
 
+    def block_offsets(self) -> np.ndarray:
+        """One block: a mixture's positions are not where its sources store records
+        together, so :class:`~torchgrain.BlockShuffleSampler` shuffles it whole, as
+        :class:`~torchgrain.GlobalShuffleSampler` does."""
+        return np.array([0, len(self)], dtype=np.int64)
+
     def __len__(self) -> int:
         return self._order.length
 
