@@ -9,7 +9,8 @@ new format is one module plus a :func:`register_format` call with its :class:`Fo
 (``torchgrain inspect``, ``bench`` and ``convert`` then know it). Codecs turn an
 encoded record's bytes into a dict; :func:`register_codec` adds one. Other packages'
 formats load through the ``torchgrain.formats`` entry-point group (:func:`load_plugins`),
-and :func:`merge_schema` builds a source's ``schema`` from its records.
+and :func:`merge_schema` builds a source's ``schema`` from its records. :func:`read_column`
+reads one column of any source or dataset the cheapest way (a Parquet column alone).
 
 Example:
     >>> import tempfile, torchgrain as tg
@@ -25,6 +26,7 @@ Example:
 from torchgrain.formats.codecs import merge_schema, register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import ShardedSource, Source
+from torchgrain.sources.column import read_column
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.options import ReadOptions
 from torchgrain.sources.parquet import ParquetSource
@@ -56,6 +58,7 @@ __all__ = [
     "merge_schema",
     "open",
     "output_formats",
+    "read_column",
     "register_codec",
     "register_format",
 ]
