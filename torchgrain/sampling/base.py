@@ -180,7 +180,9 @@ class ResumableSampler(DistributedSampler):
         of the same shape).
 
         It must be a permutation of ``[0, N)`` that depends only on ``seed``, ``epoch``
-        and what :meth:`order_state` saves, and it must not hold anything of size ``N``.
+        and what :meth:`order_state` saves. It should build nothing of size ``N`` per
+        pass; a content-aware order may keep one value per record, read once (e.g. with
+        :func:`torchgrain.sources.read_column`, mapped or shared by the workers).
         The sampler calls it when a pass starts and keeps the function for the pass, so
         a ``set_epoch`` during a pass does not change that pass. Not called with
         ``shuffle=False`` or ``N <= 1`` (the identity then).
