@@ -349,3 +349,34 @@ def test_pushdown_on_a_hive_partition_key_skips_the_other_files(tmp_path):
     assert f.source.selection.tolist() == list(range(10, 22))
     assert f.source.index.meta["row_groups_read"] == 3  # of 6: file 0 and rows 25-29 not read
     assert [r["split"] for r in f.__getitems__([0, 11])] == [1, 2]
+
+
+def test_pushdown_on_a_column_that_is_not_read(tmp_path, monkeypatch):
+    # columns=["text"], filter on "lang" (as pq.read_table(columns=, filters=) allows)
+    d = tmp_path / "d"
+    for k in range(2):
+        os.makedirs(d / f"split={k}")
+        x = np.arange(k * 30, k * 30 + 30)
+        lang = ["en" if 20 <= i < 35 else "de" for i in x]
+        table = pa.table({"text": [f"t{i}" for i in x], "lang": lang})
+        pq.write_table(table, d / f"split={k}/a.parquet", row_group_size=10)
+    reads = []
+    real = pq.ParquetFile.read_row_group
+
+    def counted(self, i, *args, **kwargs):
+        reads.append((i, tuple(kwargs.get("columns") or ())))
+        return real(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    expr = pc.field("lang") == "en"
+    src = tg.ParquetSource(str(d), columns=["text"], filter=expr)
+    assert src.keys == ["text"] and src.selection.tolist() == list(range(20, 35))
+    assert src[0] == {"text": "t20"} and src.__getitems__([14]) == [{"text": "t34"}]
+    # the pass read rows 20-29 and 30-39 (of 6 row groups), column lang only
+    assert sorted(i for i, cols in reads if cols == ("lang",)) == [0, 2]
+    assert src.index.meta["row_groups_read"] == 2 and src.index.meta["row_groups"] == 6
+    ds = tg.Dataset(tg.ParquetSource(str(d), columns=["text"]))
+    f = ds.filter(expr & (pc.field("split") == 1), index_dir=None, progress=False)
+    assert f.source.selection.tolist() == list(range(30, 35)) and f[0] == {"text": "t30"}
+    with pytest.raises(ValueError, match="cannot filter"):
+        tg.ParquetSource(str(d), columns=["text"], filter=pc.field("nope") == 1)

@@ -20,6 +20,10 @@ For each row group:
    (through its checks: ``max_row_group_bytes``, page headers), with only the named
    columns, and Arrow evaluates the expression on it; rows where it is true are kept.
 
+The expression may name columns the source does not read (``ParquetSource(...,
+columns=["text"], filter=pc.field("lang") == "en")``): the pass reads them all the same,
+and the filtered records hold the source's columns only.
+
 Pruning trusts what a file's statistics say of its values, as every engine that prunes
 by them does: a file whose statistics lie loses the matching rows they hide (never
 gains others: every kept row was read and tested). A predicate function
@@ -71,12 +75,14 @@ def matching_rows(
     ``expression`` is true, increasing, a row group at a time (see the module
     docstring). ``stats``, when given, gets ``row_groups`` and ``row_groups_read``.
 
+    The expression may name any column of the files or hive partition key, whether
+    ``src`` reads it or not (its ``columns``): the pass reads what the expression names.
+
     Raises:
-        ValueError: the expression names no column of the source, or one it lacks.
+        ValueError: the expression names no column of the files, or one they lack.
     """
-    names = _named_columns(src, expression)
-    sub = column_source(src, [k for k in names if k not in src._part_keys], cache_bytes=0)
-    schema = pa.schema([src.arrow_schema.field(k) for k in names])
+    names, sub = _named_columns(src, expression)
+    schema = pa.schema(_fields(src, sub, names))
     offsets = src._rg_offsets
     groups = src.num_row_groups
     keep = _prune(src, sub, schema, expression)
@@ -96,7 +102,7 @@ def matching_rows(
                 table = sub._decode(g, first)
                 shard = int(src._rg_shard[g])
                 for k in names:
-                    if k in src._part_keys:
+                    if k in src._part_values:
                         value = src._part_values[k][shard : shard + 1].tolist()[0]
                         column = pa.array([value] * table.num_rows, schema.field(k).type)
                         table = table.append_column(schema.field(k), column)
@@ -146,21 +152,35 @@ def column_source(src: Any, columns: list[str], **options: Any) -> Any:
     return sub
 
 
-def _named_columns(src: Any, expression: pc.Expression) -> list[str]:
-    """The source's columns ``expression`` names: those whose name its text holds (a
-    superset at worst), checked by binding it to them (else every column)."""
-    keys = src.keys
+def _named_columns(src: Any, expression: pc.Expression) -> tuple[list[str], Any]:
+    """The columns of the files and hive partition keys ``expression`` names, whether
+    ``src`` reads them or not: those whose name its text holds (a superset at worst),
+    checked by binding it to them (else every column); with the files opened again for
+    those columns (:func:`column_source`)."""
+    every = list(dict.fromkeys([*src._file_columns, *src._part_values]))
     text = str(expression)
-    for names in ([k for k in keys if k in text], keys):
-        empty = pa.table({k: pa.array([], src.arrow_schema.field(k).type) for k in names})
+    named = [k for k in every if k in text]
+    for names in [named] if named == every else [named, every]:
+        sub = column_source(src, [k for k in names if k not in src._part_values], cache_bytes=0)
+        empty = pa.table({f.name: pa.array([], f.type) for f in _fields(src, sub, names)})
         try:
             empty.filter(expression)
-            return names
+            return names, sub
         except (pa.ArrowException, TypeError) as e:
             error = e
+            sub.close()
     raise ValueError(
-        f"cannot filter {src!r} with {expression}: {error} (its columns are {keys})"
+        f"cannot filter {src!r} with {expression}: {error} (the columns of its files "
+        f"and partition keys are {every})"
     ) from error
+
+
+def _fields(src: Any, sub: Any, names: list[str]) -> list[pa.Field]:
+    """The Arrow fields of ``names``: hive partition keys of ``src``, columns of ``sub``."""
+    return [
+        pa.field(k, src._part_types[k]) if k in src._part_values else sub.arrow_schema.field(k)
+        for k in names
+    ]
 
 
 def _prune(src: Any, sub: Any, schema: pa.Schema, expression: pc.Expression) -> np.ndarray:
@@ -207,7 +227,7 @@ def _states(src: Any, sub: Any, g: int, field: pa.Field) -> list[pc.Expression |
     name, typ = field.name, field.type
     ref = pc.field(name)
     shard = int(src._rg_shard[g])
-    if name in src._part_keys:
+    if name in src._part_values:
         value = src._part_values[name][shard : shard + 1].tolist()[0]
         return [ref.is_null() if value is None else ref == pa.scalar(value, typ)]
     pos = [f.name for f in sub._file_fields].index(name)

@@ -138,8 +138,10 @@ class ParquetSource(RowGroupLoader):
             :func:`~torchgrain.compose.filter.filter_dataset` takes): the source is then
             the rows where it holds, as a
             :class:`~torchgrain.compose.filter.FilterView` over the whole source (the
-            same keys and schema; ``len`` counts the kept rows). The selection is found
-            once per machine, pushed down to the files
+            same keys and schema; ``len`` counts the kept rows). An expression may name
+            any column of the files or hive partition key, selected by ``columns`` or
+            not (as in ``pq.read_table(columns=..., filters=...)``). The selection is
+            found once per machine, pushed down to the files
             (:mod:`~torchgrain.sources.parquet.pushdown`: row groups whose statistics
             rule out a match are not read, the others only for the columns the
             expression names) and kept in the node-shared filter index directory.
@@ -295,12 +297,15 @@ class ParquetSource(RowGroupLoader):
         widths = np.array([fixed_bytes(f.type) for f in fields], dtype=np.int64)
         self._row_bytes = present.astype(np.int64) @ widths
         self._part_keys = [k for k in part_keys if columns is None or k in columns]
+        # Every partition key's values and every column of the files, read or not: a
+        # filter expression may name any of them (pushdown.matching_rows).
         self._part_values: dict[str, np.ndarray] = {}
-        part_types: dict[str, pa.DataType] = {}
-        for key in self._part_keys:
+        self._part_types: dict[str, pa.DataType] = {}
+        for key in part_keys:
             values, typ = partition_values([p[key] for p in parts])
             self._part_values[key] = values
-            part_types[key] = typ
+            self._part_types[key] = typ
+        self._file_columns = all_names(schemas)
         file_names = [f.name for f in fields]
         if columns is not None:
             known = set(file_names) | set(self._part_keys)
@@ -314,7 +319,7 @@ class ParquetSource(RowGroupLoader):
         else:
             self._keys = file_names + self._part_keys
         by_name = {f.name: f for f in fields}
-        by_name.update({k: pa.field(k, t) for k, t in part_types.items()})
+        by_name.update({k: pa.field(k, t) for k, t in self._part_types.items()})
         self.arrow_schema: pa.Schema = pa.schema([by_name[k] for k in self._keys])
         self._file_pos = [file_names.index(k) if k in file_names else -1 for k in self._keys]
 
