@@ -48,6 +48,7 @@ http {{
   uwsgi_temp_path {run}/uwsgi;
   scgi_temp_path {run}/scgi;
   lua_shared_dict store 1m;
+  {max_ranges}
   server {{
     listen 127.0.0.1:{port};
     root {root};
@@ -123,10 +124,12 @@ class _Nginx(subprocess.Popen):
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def start(root: str) -> tuple[subprocess.Popen, str]:
+def start(root: str, *, max_ranges: int | None = None) -> tuple[subprocess.Popen, str]:
     """Serve ``root`` with nginx on 127.0.0.1; returns ``(process, url)``: ``kill()``
     stops nginx, workers included, and removes its configuration and logs (kept in a
-    temporary directory while it runs)."""
+    temporary directory while it runs). ``max_ranges=1``: a request for several ranges
+    is answered with the whole file (nginx's ``max_ranges``), as a store that answers one
+    range per request does."""
     run = tempfile.mkdtemp(prefix="tg-nginx-")
     port = _free_port()
     conf = os.path.join(run, "nginx.conf")
@@ -135,7 +138,12 @@ def start(root: str) -> tuple[subprocess.Popen, str]:
         # temporary directory: its workers keep this user.
         user = "user root root;" if os.geteuid() == 0 else ""
         root = os.path.realpath(root)
-        f.write(_CONF.format(modules=MODULES, run=run, port=port, root=root, user=user))
+        limit = "" if max_ranges is None else f"max_ranges {int(max_ranges)};"
+        f.write(
+            _CONF.format(
+                modules=MODULES, run=run, port=port, root=root, user=user, max_ranges=limit
+            )
+        )
     proc = _Nginx(
         ["nginx", "-c", conf, "-p", run],
         stdout=subprocess.DEVNULL,
