@@ -43,6 +43,21 @@ def test_a_forked_child_gets_a_new_generation_and_token(tmp_path):
     assert tuple(got["token"]) != parent[1] and got["token"][1] == parent[0] + 1
 
 
+@pytest.mark.timeout(120)
+def test_a_forked_child_knows_its_parents_token_and_no_other(tmp_path):
+    parent = process.token()
+    assert not process.forked_from(parent)  # this process itself
+    got = _in_child(
+        tmp_path / "child.json",
+        lambda: {
+            "parent": process.forked_from(parent),
+            "own": process.forked_from(process.token()),
+            "older": process.forked_from((parent[0], parent[1] - 1)),
+        },
+    )
+    assert got == {"parent": True, "own": False, "older": False}
+
+
 @pytest.mark.skipif(not supported(), reason="needs Linux x86-64/arm64")
 @pytest.mark.timeout(120)
 def test_a_region_whose_lock_a_parent_thread_held_at_the_fork_reads_in_the_child(tmp_path):

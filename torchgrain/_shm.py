@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from torchgrain.columns import Ragged
+from torchgrain.io import process
 
 __all__: list[str] = []
 
@@ -141,7 +142,7 @@ class SlotPool:
         self._prefix = f"torchgrain-{os.getpid()}-{secrets.token_hex(4)}"
         self._names = itertools.count()
         self.broken = False  # no slot could be made: torch's path from now on
-        util.Finalize(self, _retire_all, args=(self.slots, os.getpid()), exitpriority=10)
+        util.Finalize(self, _retire_all, args=(self.slots, process.token()), exitpriority=10)
 
     def take(self, nbytes: int) -> Slot | None:
         """A free slot of at least ``nbytes`` (the caller marks it in use with
@@ -170,8 +171,8 @@ class SlotPool:
         return slot
 
 
-def _retire_all(slots: list[Slot], owner: int) -> None:
-    if os.getpid() != owner:  # a process forked from the worker: not its slots
+def _retire_all(slots: list[Slot], owner: tuple[int, int]) -> None:
+    if process.token() != owner:  # a process forked from the worker: not its slots
         return
     for slot in slots:
         slot.retire()  # descriptors close with the process (a batch may still be pickled)
@@ -220,7 +221,7 @@ class SlotBatch(dict):
         # batch of a slot is pickled again only after the main process released the
         # one before, so normally only the first batch carries it.
         fd = None if slot.header[_MAPPED] else reduction.DupFd(slot.fd)
-        return (_rebuild, (slot.name, os.getpid(), _HEADER + slot.capacity, fd, items))
+        return (_rebuild, (slot.name, process.token(), _HEADER + slot.capacity, fd, items))
 
 
 # ------------------------------------------------------------------ main side
@@ -281,8 +282,8 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
         return entry
 
 
-def _release(header: np.ndarray, pid: int) -> None:
-    if os.getpid() != pid:  # a process forked while the batch was alive
+def _release(header: np.ndarray, owner: tuple[int, int]) -> None:
+    if process.token() != owner:  # a process forked while the batch was alive
         return
     header[_BUSY] = 0
     if header[_RETIRED]:  # its worker is done: unmap what no batch uses any more
@@ -325,18 +326,18 @@ class _Typed(dict):
 
 
 def _rebuild(
-    name: str, pid: int, size: int, fd: Any, items: list[tuple[str, Any]]
+    name: str, worker: tuple[int, int], size: int, fd: Any, items: list[tuple[str, Any]]
 ) -> dict[str, Any]:
-    if pid == os.getpid():  # a copy made in the worker itself (pickle, deepcopy)
+    if worker == process.token():  # a copy made in the worker itself (pickle, deepcopy)
         return _copy_out(name, fd, items)
     entry = _mapped.get(name) if fd is None else None
     if entry is None:
-        entry = _open(name, pid, size, fd)
+        entry = _open(name, worker[0], size, fd)
     # A new array object per batch: every column is a view of it, so it is collected
     # (and the slot freed for the worker) only once no tensor of this batch is left.
     batch_base = np.frombuffer(entry.mm, np.uint8, count=size - _HEADER, offset=_HEADER)
     entry.batches[id(batch_base)] = batch_base
-    weakref.finalize(batch_base, _release, entry.header, os.getpid()).atexit = False
+    weakref.finalize(batch_base, _release, entry.header, process.token()).atexit = False
     typed = _Typed()
     typed.flat = torch.from_numpy(batch_base)
     return {k: _materialize(desc, typed) for k, desc in items}

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.io import process
+
 # The public names; the helpers below them (can_stack, empty, gather_ranges, scratch,
 # set_allocator) serve the sources and the DataLoader workers.
 __all__ = ["BufferPool", "ColumnBatch", "Ragged"]
@@ -465,7 +467,7 @@ class BufferPool:
         self._idle: dict[int, list[np.ndarray]] = {}
         self.idle_bytes = 0
         self._lock = threading.Lock()
-        self._pid = os.getpid()
+        self._token = process.token()
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
         """An uninitialised array, or None when it is too small to pool."""
@@ -494,7 +496,7 @@ class BufferPool:
         # this never re-enters itself), and in a forked child for arrays inherited from
         # the parent, whose pool and lock are not the child's (it returns nothing). It
         # never waits long: a buffer that cannot be returned is simply freed.
-        if os.getpid() != self._pid:
+        if process.token() != self._token:
             return
         size = buf.nbytes
         fresh = [buf]  # the list of a new size class, made before the lock is taken

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.frameworks import dataloader as _dataloader
+from torchgrain.io import process
 
 __all__ = [
     "COUNTERS",
@@ -89,12 +90,11 @@ _BLOCKS = _FIRST_SLOT + _LOADER_SLOTS
 _LAST_SLOT = _BLOCKS - 1
 _MAIN_DEPTH = 16  # frames from a batch read up to the DataLoader iterator (num_workers=0)
 _local = np.zeros(len(COUNTERS), dtype=np.float64)
-_pid = os.getpid()
 # Claims and releases of slots, in the process that owns the loaders. Re-entrant: a
 # release runs when a batch sampler is freed, which may happen inside a claim.
 _slot_lock = threading.RLock()
 # The process that warned that the statistics have no shared memory (see _shared_array).
-_warned_private: int | None = None
+_warned_private: tuple[int, int] | None = None
 
 
 def _reset_local_counters() -> None:
@@ -103,9 +103,8 @@ def _reset_local_counters() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _pid, _slot_lock
+    global _slot_lock
     _reset_local_counters()  # a forked child (a DataLoader worker) starts from zero
-    _pid = os.getpid()
     _slot_lock = threading.RLock()  # another thread may have held it at the fork
 
 
@@ -179,28 +178,31 @@ class _Owner:
 
     The key is ``id()`` of the loader's batch sampler. A slot is freed when that object
     is, so a later loader that happens to get the same ``id()`` starts from zero. A
-    forked worker sees a copy of its parent's (``pid`` tells whose it is).
+    forked worker sees a copy of its parent's (``token`` tells whose it is).
     """
 
-    __slots__ = ("pid", "pinned", "slots")
+    __slots__ = ("pinned", "slots", "token")
 
     def __init__(self) -> None:
-        self.pid = _pid
+        self.token = process.token()
         self.slots: dict[int, int] = {}
         self.pinned: dict[int, Any] = {}  # batch samplers without weakref support
 
 
-def _release(ref: weakref.ref[PipelineStats], key: int, block: int, pid: int) -> None:
+def _release(
+    ref: weakref.ref[PipelineStats], key: int, block: int, owner_token: tuple[int, int]
+) -> None:
     """A loader's batch sampler was freed: merge its counts into the retired block."""
     st = ref()
-    # A forked copy of the sampler, not the loader's own. getpid(), not _pid: in a new
-    # child a collection can run this before the after-fork hook has updated _pid (and
-    # re-made _slot_lock, which another thread of the parent may have held).
-    if st is None or pid != os.getpid():
+    # A forked copy of the sampler, not the loader's own. The token, not the generation
+    # alone: in a new child a collection can run this before the after-fork hooks have
+    # counted the fork (and re-made _slot_lock, which another thread of the parent may
+    # have held).
+    if st is None or owner_token != process.token():
         return
     with _slot_lock:
         owner = st._owner
-        if owner.pid != pid or owner.slots.get(key) != block:
+        if owner.token != owner_token or owner.slots.get(key) != block:
             return
         del owner.slots[key]
         if block in owner.slots.values():  # other loaders folded into it still count there
@@ -220,8 +222,8 @@ def _shared_array(typecode: str, n: int) -> Any:
         return multiprocessing.RawArray(typecode, n)
     except OSError as e:
         global _warned_private
-        if _warned_private != os.getpid():
-            _warned_private = os.getpid()
+        if _warned_private != process.token():
+            _warned_private = process.token()
             warnings.warn(
                 f"torchgrain: the pipeline statistics cannot have shared memory ({e}); "
                 "stats() counts only what each process reads itself until it ends. Free "
@@ -270,8 +272,9 @@ class PipelineStats:
     def _init_local(self, worker_block: int | None) -> None:
         self._view: np.ndarray | None = None
         # In a worker spawned by a DataLoader iterator: (its pid, the slot to write).
-        self._spawned = None if worker_block is None else (_pid, worker_block)
-        self._place: tuple[int, int | None, int] | None = None  # (pid, block, row)
+        # (Stamped with the fork generation: these are made afresh when unpickled.)
+        self._spawned = None if worker_block is None else (process.generation, worker_block)
+        self._place: tuple[int, int | None, int] | None = None  # (generation, block, row)
         self._owner = _Owner()
         # The source's check of the latest sampler pass against its caches (a list of
         # CacheFit), kept in the process that runs the sampler; see Source.read_ahead.
@@ -294,7 +297,7 @@ class PipelineStats:
     # ------------------------------------------------------------------ slots
     def _slots(self) -> dict[int, int]:
         """This process's loader slots (a fresh map in a forked process)."""
-        if self._owner.pid != _pid:
+        if self._owner.token[1] != process.generation:
             self._owner = _Owner()
         return self._owner.slots
 
@@ -308,10 +311,12 @@ class PipelineStats:
                 return block
             tags = self._tag_array()
             block = next((b for b in range(_FIRST_SLOT, _BLOCKS) if tags[b] == 0), _LAST_SLOT)
-            tags[block] = _pid
+            tags[block] = os.getpid()
             slots[key] = block
             try:
-                fin = weakref.finalize(loader, _release, weakref.ref(self), key, block, _pid)
+                fin = weakref.finalize(
+                    loader, _release, weakref.ref(self), key, block, self._owner.token
+                )
                 fin.atexit = False
             except TypeError:  # no weak references: keep it, so that its id stays its own
                 self._owner.pinned[key] = loader
@@ -337,10 +342,10 @@ class PipelineStats:
 
         info = torch.utils.data.get_worker_info()
         if info is None:  # not a worker: the loader is looked up at each batch
-            place: tuple[int, int | None, int] = (_pid, None, 0)
+            place: tuple[int, int | None, int] = (process.generation, None, 0)
         else:
             spawned = self._spawned
-            if spawned is not None and spawned[0] == _pid:
+            if spawned is not None and spawned[0] == process.generation:
                 block = spawned[1]
             else:
                 # A forked worker: the parent gave its loader a slot just before the
@@ -350,9 +355,9 @@ class PipelineStats:
                 if it is not None and _stats_of(_dataloader.iterator_dataset(it)) is self:
                     owner = self._owner
                     loader = _dataloader.iterator_key(it)
-                    if owner.pid == os.getppid() and id(loader) in owner.slots:
+                    if process.forked_from(owner.token) and id(loader) in owner.slots:
                         block = owner.slots[id(loader)]
-            place = (_pid, block, min(1 + info.id, _ROWS - 1))
+            place = (process.generation, block, min(1 + info.id, _ROWS - 1))
         self._place = place
         return place
 
@@ -364,7 +369,7 @@ class PipelineStats:
         main process (``num_workers=0``) looks up the loader iterating it at each batch.
         """
         place = self._place
-        if place is None or place[0] != _pid:
+        if place is None or place[0] != process.generation:
             place = self._locate()
         block = place[1]
         if block is None:

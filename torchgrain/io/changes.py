@@ -51,6 +51,7 @@ import weakref
 from typing import Any
 
 from torchgrain.errors import CorruptDataError
+from torchgrain.io import process
 from torchgrain.io.libc import libc
 
 __all__ = ["ChangedWhileOpen", "Pin", "changed", "check", "first_changed", "poll", "seen"]
@@ -70,7 +71,7 @@ class _Watcher:
     """This process's inotify instance, and what it has seen per watch."""
 
     def __init__(self) -> None:
-        self.pid = _pid
+        self.generation = process.generation  # (this module's state is never pickled)
         # Reentrant: a pin freed by the garbage collector during a poll releases its
         # watch from within it.
         self.lock = threading.RLock()
@@ -149,7 +150,7 @@ _watcher_lock = threading.Lock()
 
 def _this_process() -> _Watcher:
     w = _watcher
-    if w is not None and w.pid == _pid:
+    if w is not None and w.generation == process.generation:
         return w
     return _new_watcher()
 
@@ -158,7 +159,7 @@ def _new_watcher() -> _Watcher:
     global _watcher
     with _watcher_lock:
         w = _watcher
-        if w is None or w.pid != _pid:
+        if w is None or w.generation != process.generation:
             # A forked child must not read the parent's instance (it would take the
             # parent's events): it makes its own and watches again what it checks.
             if w is not None and w.fd >= 0:
@@ -166,9 +167,6 @@ def _new_watcher() -> _Watcher:
                     os.close(w.fd)  # (the child's copy of the descriptor only)
             w = _watcher = _Watcher()
         return w
-
-
-_pid = os.getpid()  # this process's (a system call saved per check)
 
 
 # The watched pins alive in this process: a forked child watches their files again as
@@ -180,7 +178,12 @@ def _before_fork() -> None:
     # The child judges what happened before the fork from the parent's events: read
     # them now (one non-blocking read), not at the parent's last check.
     w = _watcher
-    if w is not None and w.pid == _pid and w.fd >= 0 and w.lock.acquire(timeout=0.1):
+    if (
+        w is not None
+        and w.generation == process.generation
+        and w.fd >= 0
+        and w.lock.acquire(timeout=0.1)
+    ):
         try:
             w.poll()
         except Exception:  # a hook must not fail the fork
@@ -190,9 +193,8 @@ def _before_fork() -> None:
 
 
 def _after_fork() -> None:
-    global _watcher_lock, _pid
+    global _watcher_lock
     _watcher_lock = threading.Lock()
-    _pid = os.getpid()
     with contextlib.suppress(Exception):  # a hook must not fail the fork
         _adopt_at_fork()
 
@@ -203,7 +205,7 @@ def _adopt_at_fork() -> None:
     longer names its inode (replaced by a rename, or deleted) is kept as unchanged: the
     child's maps hold that inode, which no one can open by its path any more."""
     old = _watcher
-    pins = [pin for pin in list(_live) if old is not None and pin.pid == old.pid]
+    pins = [pin for pin in list(_live) if old is not None and pin.generation == old.generation]
     if old is None or not pins:
         return
     w = _new_watcher()
@@ -211,7 +213,7 @@ def _adopt_at_fork() -> None:
     # overflowed: then a file that is no longer at its path is refused, as by a stat.
     trusted = not old.lost
     for pin in pins:
-        parents, pin.pid, pin.wd = pin.wd, w.pid, -1
+        parents, pin.generation, pin.wd = pin.wd, w.generation, -1
         if parents < 0:
             continue
         if old.modified.get(parents, 0) != pin.seen:
@@ -280,13 +282,13 @@ class Pin:
         path: its path (for messages, and for the stat when no watch is kept).
     """
 
-    __slots__ = ("__weakref__", "ident", "path", "pid", "seen", "verdict", "wd")
+    __slots__ = ("__weakref__", "generation", "ident", "path", "seen", "verdict", "wd")
 
     def __init__(self, fd: int, path: str) -> None:
         self.path = path
         self.verdict: str | None = None  # what a forked child found as it started
         w = _this_process()
-        self.pid = w.pid
+        self.generation = w.generation
         self.wd = w.add(fd)
         # After the watch is added a change raises an event: count from what came before.
         self.seen = 0
@@ -305,7 +307,7 @@ class Pin:
         """In a forked child: watch the file again, through its path (checked to be
         the same inode, size and time, so the new watch covers what the map holds)."""
         old = self.wd
-        self.pid, self.wd = w.pid, -1
+        self.generation, self.wd = w.generation, -1
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -326,9 +328,9 @@ class Pin:
     def release(self) -> None:
         """Stop watching (the map is gone); :func:`changed` then stats the path."""
         wd, self.wd = self.wd, -1
-        if wd >= 0 and self.pid == _pid:
+        if wd >= 0 and self.generation == process.generation:
             w = _watcher
-            if w is not None and w.pid == self.pid:
+            if w is not None and w.generation == self.generation:
                 w.release(wd)
 
     def __del__(self) -> None:
@@ -354,7 +356,7 @@ def changed(pin: Pin, *, polled: bool = False) -> str | None:
     if pin.verdict is not None:
         return pin.verdict or None
     w = _this_process()
-    if pin.pid != w.pid:
+    if pin.generation != w.generation:
         why = pin._adopt(w)
         if why is not None:
             return why
@@ -391,8 +393,8 @@ def first_changed(pins: list[Pin]) -> tuple[int, str] | None:
     w = _this_process()
     w.poll()
     if not w.modified and not w.lost:
-        pid = w.pid
-        if all(pin.wd >= 0 and pin.pid == pid for pin in pins):
+        here = w.generation
+        if all(pin.wd >= 0 and pin.generation == here for pin in pins):
             return None
     for k, pin in enumerate(pins):
         why = changed(pin)

@@ -5,7 +5,9 @@ inherits the parent's objects but must not use their file handles, threads or ev
 loops. Objects remember :func:`token` when they create such state and compare it before
 use. ``generation`` is bumped in every child right after ``os.fork()``
 (multiprocessing's fork and forkserver included), so hot paths can compare it without
-the ``getpid`` syscall (~0.2 us); :func:`token` adds the pid for colder paths.
+the ``getpid`` syscall (~0.2 us); :func:`token` adds the pid for colder paths. A
+``generation`` stamp only suits state that never crosses a pickle (a spawned process
+counts from 0 again): module state, and objects stamped afresh when unpickled.
 
 Threads and ``fork``: a child process gets a copy of every lock in the state it was in
 at the fork, held or not, but none of the threads that would release them. So no
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 __all__ = [
     "ForkSafeThreadPool",
     "StopsThreadsAtFork",
+    "forked_from",
     "generation",
     "note_thread",
     "stop_threads_at_fork",
@@ -249,3 +252,14 @@ class ForkSafeThreadPool(Executor):
 def token() -> tuple[int, int]:
     """``(pid, fork generation)``: equal only within the same process."""
     return os.getpid(), generation
+
+
+def forked_from(stamp: tuple[int, int]) -> bool:
+    """Whether this process was forked from the one whose :func:`token` is ``stamp``
+    (a DataLoader worker looking at state its parent left in its copy of memory).
+
+    Example:
+        >>> forked_from(token())
+        False
+    """
+    return stamp == (os.getppid(), generation - 1)

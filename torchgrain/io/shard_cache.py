@@ -74,7 +74,7 @@ import fsspec
 
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CacheDiskFullError, CorruptDataError
-from torchgrain.io import remote
+from torchgrain.io import process, remote
 from torchgrain.io.atomic import naming_full_disk, publish
 from torchgrain.io.cache_records import (
     CRC_BLOCK,
@@ -191,16 +191,16 @@ class ShardCache:
         self.max_bytes = int(max_bytes)
         self.retry = retry or RetryPolicy()
         self.verify_hits = bool(verify_hits)
-        self._full_pid: int | None = None  # the process whose write found no room
+        self._full_in: tuple[int, int] | None = None  # the process whose write found no room
         self._full_error: CacheDiskFullError | None = None  # (and what it found)
         with contextlib.suppress(CacheDiskFullError):  # (disk_full: sources read without it)
             self._make_dirs()
         self._stats_lock = threading.Lock()
-        self._lock_pid = os.getpid()
+        self._lock_token = process.token()
         self._paths: dict[tuple[str, str | None], str] = {}
         # copy path -> identity of the file this process checked (or downloaded) there
         self._verified: dict[str, Identity] = {}
-        self._verified_pid = os.getpid()
+        self._verified_token = process.token()
         # copy path -> when this process last refreshed its LRU position (monotonic)
         self._touched: dict[str, float] = {}
         self.stats: dict[str, int] = dict.fromkeys(
@@ -226,14 +226,14 @@ class ShardCache:
         state["_verified"] = {}  # checks are per process
         state["_touched"] = {}
         state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
-        state["_full_pid"] = None
+        state["_full_in"] = None
         state["_full_error"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._stats_lock = threading.Lock()
-        self._lock_pid = os.getpid()
+        self._lock_token = process.token()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes}, stats={self.stats})"
@@ -252,12 +252,12 @@ class ShardCache:
             False
         """
         # No system call unless a write found no room: sources ask at every read.
-        full = self._full_pid
+        full = self._full_in
         if full is None:
             return False
-        if full == os.getpid():
+        if full == process.token():
             return True
-        self._full_pid = None  # a forked child of that process: it tries again
+        self._full_in = None  # a forked child of that process: it tries again
         return False
 
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
@@ -553,11 +553,11 @@ class ShardCache:
 
     # ----------------------------------------------------------------- helpers
     def _count(self, **kw: int) -> None:
-        if self._lock_pid != os.getpid():
+        if self._lock_token != process.token():
             # A forked child (a DataLoader worker): a background download in the
             # parent may have held the lock at the fork, so the copy may be locked.
             self._stats_lock = threading.Lock()
-            self._lock_pid = os.getpid()
+            self._lock_token = process.token()
         with self._stats_lock:
             for k, v in kw.items():
                 self.stats[k] += v
@@ -590,10 +590,10 @@ class ShardCache:
     def _checks(self) -> dict[str, Identity]:
         """The copies this process has checked (path -> identity). A forked child
         (a DataLoader worker) starts with none: each process checks what it uses."""
-        pid = os.getpid()
-        if self._verified_pid != pid:
+        here = process.token()
+        if self._verified_token != here:
             self._verified = {}
-            self._verified_pid = pid
+            self._verified_token = here
         return self._verified
 
     def _check(self, path: str, st: os.stat_result, url: str) -> bool:
@@ -654,7 +654,7 @@ class ShardCache:
                 yield
         except OSError as e:
             if mark and isinstance(e, CacheDiskFullError) and e.directory == self.directory:
-                self._full_pid = os.getpid()  # (named above)
+                self._full_in = process.token()  # (named above)
                 self._full_error = e
             raise
 

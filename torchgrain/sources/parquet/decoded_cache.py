@@ -68,6 +68,7 @@ import pyarrow.ipc as ipc
 
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CorruptDataError
+from torchgrain.io import process
 from torchgrain.io.atomic import disk_full_errno, disk_full_error, naming_full_disk
 from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
@@ -218,7 +219,7 @@ class DecodedCache:
             os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
 
     def _init_process(self) -> None:
-        self._pid = os.getpid()
+        self._token = process.token()
         self._lock = threading.Lock()
         # (device, inode) -> (size, mtime_ns) of files this process has verified
         self._verified: dict[tuple[int, int], tuple[int, int]] = {}
@@ -663,7 +664,7 @@ class DecodedCache:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
     def __del__(self) -> None:
-        if getattr(self, "_pid", None) == os.getpid():
+        if getattr(self, "_token", None) == process.token():
             for fd in getattr(self, "_fds", {}).values():
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -725,7 +726,7 @@ class DecodedCache:
             os.close(fd)
 
     def _check_process(self) -> None:
-        if self._pid != os.getpid():  # a forked child: counters and locks are its own
+        if self._token != process.token():  # a forked child: counters and locks are its own
             verified = self._verified  # (files checked by the parent stay checked)
             self._init_process()
             self._verified = dict(verified)

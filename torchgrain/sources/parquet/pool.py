@@ -28,6 +28,7 @@ import threading
 
 import pyarrow as pa
 
+from torchgrain.io import process
 from torchgrain.sources.block_cache import held_bytes
 
 __all__ = ["RELEASE_BYTES", "PoolTrimmer", "resident_bytes", "trimmer"]
@@ -107,14 +108,13 @@ class PoolTrimmer:
 
 
 _TRIMMER: PoolTrimmer | None = None
-_TRIMMER_PID = -1
+_TRIMMER_GENERATION = -1
 
 
 def trimmer() -> PoolTrimmer:
     """This process's trimmer of Arrow's default memory pool (a fresh one after fork)."""
-    global _TRIMMER, _TRIMMER_PID
-    pid = os.getpid()
-    if _TRIMMER is None or pid != _TRIMMER_PID:
+    global _TRIMMER, _TRIMMER_GENERATION
+    if _TRIMMER is None or process.generation != _TRIMMER_GENERATION:
         _TRIMMER = PoolTrimmer(pa.default_memory_pool())
-        _TRIMMER_PID = pid
+        _TRIMMER_GENERATION = process.generation
     return _TRIMMER
