@@ -8,6 +8,12 @@ with no room: a full disk, a spent quota, a file-size limit) leaves nothing part
 it; the index is built in the process's memory instead, with a warning (for no room, once
 per directory and process, naming the directory, the file and the remedy).
 
+Building streams: the shards are read in parallel threads (:func:`_in_order`), each
+shard's entries written into the index file's columns as soon as the shards before it
+are, with at most :data:`BUILD_BYTES` of parsing held at once whatever the number of
+records; a build that takes more than a few seconds says how far it has got on stderr
+(:class:`BuildProgress`).
+
 Example:
     >>> _key("tfrecord", [("a", 1, 2)]) == _key("tfrecord", [("a", 1, 2)])
     True
@@ -17,15 +23,18 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import contextvars
 import errno
 import hashlib
 import os
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,8 +44,17 @@ from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWrit
 from torchgrain.io.atomic import DISK_FULL_ERRNOS, naming_full_disk
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
+from torchgrain.io.process import thread_pool
 
-__all__ = ["COUNTERS", "INDEX_DIR_BYTES", "INDEX_NAME", "default_index_dir", "open_index"]
+__all__ = [
+    "BUILD_BYTES",
+    "COUNTERS",
+    "INDEX_DIR_BYTES",
+    "INDEX_NAME",
+    "BuildProgress",
+    "default_index_dir",
+    "open_index",
+]
 
 #: The index file torchgrain's writers put beside a dataset's shards.
 INDEX_NAME = "torchgrain" + INDEX_SUFFIX
@@ -46,6 +64,17 @@ COUNTERS = {"arrayrecord_builds": 0, "tfrecord_builds": 0, "verified": 0}
 INDEX_DIR_BYTES = 32 << 30
 _VERSION = 1
 _BATCH = 256  # shards whose footers are read together while building
+#: Bytes an index build may hold at once for shards read but not yet written into the
+#: index file (their parsed footers or offsets, as estimated by the reader); a shard
+#: that needs more than this alone is read alone.
+BUILD_BYTES = 256 << 20
+# Shards read at once: parsing a footer is CPU work (as many as there are cores), and a
+# few more hide disk or network waits. Not more: each thread's allocator arena keeps
+# some of what it freed (about a footer's parse), after the build too.
+_BUILD_THREADS = max(4, min(16, os.cpu_count() or 1))
+_PROGRESS_AFTER = 2.0  # seconds of building before progress is reported
+_PROGRESS_EVERY = 5.0  # seconds between progress lines
+_T = TypeVar("_T")
 # Why an index directory cannot take an index (anything else is raised).
 _UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST}
 _UNWRITABLE |= DISK_FULL_ERRNOS
@@ -245,6 +274,161 @@ def _build(
         sink.abort()
         raise
     return open_index(out, cls)
+
+
+# ------------------------------------------------------------------ building
+class BuildProgress:
+    """Says on stderr how far a long index build has got: ``torchgrain: indexing N shards
+    of WHAT: k/N`` once the build has run :data:`_PROGRESS_AFTER` seconds, then every
+    :data:`_PROGRESS_EVERY` seconds, and a last line with the time taken; nothing for a
+    build shorter than that (a progress bar would only flicker in logs).
+
+    Example:
+        >>> p = BuildProgress(3, "/data/train")
+        >>> p.update(3); p.close()  # fast: silent
+    """
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total = total
+        self.what = what
+        self.start = time.monotonic()
+        self._next = self.start + _PROGRESS_AFTER
+        self.said = False
+
+    def update(self, done: int) -> None:
+        """``done`` of the ``total`` shards are indexed."""
+        now = time.monotonic()
+        if now >= self._next:
+            self._say(f"{done}/{self.total}")
+            self._next = now + _PROGRESS_EVERY
+
+    def close(self) -> None:
+        """The build ended (the last line, if any was said)."""
+        if self.said:
+            took = time.monotonic() - self.start
+            self._say(f"{self.total}/{self.total}, done in {took:.1f} s")
+
+    def _say(self, how_far: str) -> None:
+        self.said = True
+        # The stream is looked up now: a test or a notebook may have replaced it.
+        print(
+            f"torchgrain: indexing {self.total} shards of {self.what}: {how_far}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def dataset_name(paths: Sequence[str]) -> str:
+    """What a set of shard paths is called in progress lines: their common directory.
+
+    Example:
+        >>> dataset_name(["/d/train/a.x", "/d/train/b.x"]), dataset_name(["/d/a.x"])
+        ('/d/train', '/d/a.x')
+    """
+    if len(paths) == 1:
+        return str(paths[0])
+    try:  # the first and the last: O(1), and paths are sorted
+        return os.path.commonpath([os.path.dirname(paths[0]), os.path.dirname(paths[-1])])
+    except ValueError:  # relative and absolute, or other drives
+        return f"{paths[0]} and {len(paths) - 1} more"
+
+
+class _Cancelled(Exception):
+    """The build stopped (an error elsewhere): a shard not yet started is not read."""
+
+
+class _Admission:
+    """Shards start their costly part in order, while the cost of those started and not
+    yet consumed stays within ``budget`` (one shard is always let in, whatever its cost)."""
+
+    def __init__(self, budget: int) -> None:
+        self._cv = threading.Condition()
+        self._next = 0
+        self._used = 0
+        self._budget = budget
+        self._cancelled = False
+
+    def enter(self, i: int, cost: int) -> None:
+        with self._cv:
+            self._cv.wait_for(
+                lambda: (
+                    self._cancelled
+                    or (self._next == i and (self._used == 0 or self._used + cost <= self._budget))
+                )
+            )
+            if self._cancelled:
+                raise _Cancelled
+            self._next += 1
+            self._used += cost
+
+    def leave(self, cost: int) -> None:
+        with self._cv:
+            self._used -= cost
+            self._cv.notify_all()
+
+    def cancel(self) -> None:
+        with self._cv:
+            self._cancelled = True
+            self._cv.notify_all()
+
+
+def _in_order(
+    n: int,
+    peek: Callable[[int], tuple[Any, int]],
+    work: Callable[[Any], _T],
+    *,
+    budget: int | None = None,
+    max_workers: int | None = None,
+) -> Iterator[_T]:
+    """``work(peek(i)[0])`` for ``i`` in ``0..n-1``, run on threads and yielded in order.
+
+    ``peek(i)`` is cheap and returns ``(state, cost)``: the bytes ``work`` will hold until
+    its result is consumed (the caller's next step after the yield). ``work`` starts in
+    order, and only while the costs of the results started and not yet consumed stay within
+    ``budget`` (default :data:`BUILD_BYTES`): an index of any size is built in bounded
+    memory, its shards written as they come, in parallel as far as the budget allows.
+    The first error (in order) is raised; shards not yet started are then not read.
+
+    Example:
+        >>> list(_in_order(4, lambda i: (i, 1), lambda x: x * x))
+        [0, 1, 4, 9]
+    """
+    adm = _Admission(BUILD_BYTES if budget is None else budget)
+    if max_workers is None:
+        max_workers = _BUILD_THREADS
+
+    def task(i: int) -> tuple[_T, int]:
+        try:
+            state, cost = peek(i)
+        except BaseException:
+            adm.enter(i, 0)  # keeps the order moving for the shards after it
+            raise
+        adm.enter(i, cost)
+        return work(state), cost
+
+    if n <= 1 or max_workers <= 1:
+        for i in range(n):
+            state, _ = peek(i)
+            yield work(state)
+        return
+    # The threads run in the caller's context (its retry policy and deadlines), as
+    # map_files's do.
+    context = contextvars.copy_context()
+    with thread_pool(min(max_workers, n), "torchgrain-index") as pool:
+        # One future per shard, each dropped once its result is consumed: O(shards).
+        futures = collections.deque(
+            pool.submit(lambda i: context.copy().run(task, i), i) for i in range(n)
+        )
+        try:
+            while futures:
+                result, cost = futures.popleft().result()
+                yield result
+                del result
+                adm.leave(cost)
+        finally:
+            adm.cancel()
+            for f in futures:
+                f.cancel()
 
 
 # ------------------------------------------------------------------ placement
