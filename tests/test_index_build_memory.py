@@ -176,3 +176,30 @@ def test_a_slow_build_reports_progress_on_stderr_and_a_fast_one_is_silent(
     done = [int(ln[len(prefix) :].split("/")[0]) for ln in lines[:-1]]
     assert done == sorted(done) and all(0 < k <= 8 for k in done)
     assert lines[-1].startswith(prefix + "8/8, done in ")
+
+
+def test_a_build_abandoned_midway_leaves_no_thread_waiting(tmp_path):
+    """A caller that raises while a build's generator is suspended (its traceback kept,
+    so the generator is never closed) leaves no worker thread waiting on it: the
+    process still exits."""
+    script = textwrap.dedent("""
+        import sys
+        from torchgrain.sources.node_index import store
+        gen = store._in_order(64, lambda i: (i, 10), lambda i: i, budget=20, max_workers=4)
+        try:
+            for i in gen:
+                if i == 3:
+                    raise RuntimeError("the sink failed")
+        except RuntimeError:
+            kept = sys.exc_info()  # the frame, and the generator, stay alive
+        print("done", flush=True)
+    """)
+    p = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=TG_ROOT),
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "done", p.stderr[-2000:]

@@ -34,6 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import numpy as np
@@ -333,45 +334,6 @@ def dataset_name(paths: Sequence[str]) -> str:
         return f"{paths[0]} and {len(paths) - 1} more"
 
 
-class _Cancelled(Exception):
-    """The build stopped (an error elsewhere): a shard not yet started is not read."""
-
-
-class _Admission:
-    """Shards start their costly part in order, while the cost of those started and not
-    yet consumed stays within ``budget`` (one shard is always let in, whatever its cost)."""
-
-    def __init__(self, budget: int) -> None:
-        self._cv = threading.Condition()
-        self._next = 0
-        self._used = 0
-        self._budget = budget
-        self._cancelled = False
-
-    def enter(self, i: int, cost: int) -> None:
-        with self._cv:
-            self._cv.wait_for(
-                lambda: (
-                    self._cancelled
-                    or (self._next == i and (self._used == 0 or self._used + cost <= self._budget))
-                )
-            )
-            if self._cancelled:
-                raise _Cancelled
-            self._next += 1
-            self._used += cost
-
-    def leave(self, cost: int) -> None:
-        with self._cv:
-            self._used -= cost
-            self._cv.notify_all()
-
-    def cancel(self) -> None:
-        with self._cv:
-            self._cancelled = True
-            self._cv.notify_all()
-
-
 def _in_order(
     n: int,
     peek: Callable[[int], tuple[Any, int]],
@@ -385,50 +347,61 @@ def _in_order(
     ``peek(i)`` is cheap and returns ``(state, cost)``: the bytes ``work`` will hold until
     its result is consumed (the caller's next step after the yield). ``work`` starts in
     order, and only while the costs of the results started and not yet consumed stay within
-    ``budget`` (default :data:`BUILD_BYTES`): an index of any size is built in bounded
-    memory, its shards written as they come, in parallel as far as the budget allows.
-    The first error (in order) is raised; shards not yet started are then not read.
+    ``budget`` (default :data:`BUILD_BYTES`; one that needs more runs alone): an index of
+    any size is built in bounded memory, its shards written as they come, in parallel as
+    far as the budget allows. The first error (in order) is raised; shards not yet started
+    are then not read. Only this generator starts work, and no thread waits for it: one
+    left unfinished (its caller raised) leaves nothing blocked.
 
     Example:
         >>> list(_in_order(4, lambda i: (i, 1), lambda x: x * x))
         [0, 1, 4, 9]
     """
-    adm = _Admission(BUILD_BYTES if budget is None else budget)
-    if max_workers is None:
-        max_workers = _BUILD_THREADS
-
-    def task(i: int) -> tuple[_T, int]:
-        try:
-            state, cost = peek(i)
-        except BaseException:
-            adm.enter(i, 0)  # keeps the order moving for the shards after it
-            raise
-        adm.enter(i, cost)
-        return work(state), cost
-
-    if n <= 1 or max_workers <= 1:
+    budget = BUILD_BYTES if budget is None else budget
+    workers = _BUILD_THREADS if max_workers is None else max_workers
+    if n <= 1 or workers <= 1:
         for i in range(n):
-            state, _ = peek(i)
-            yield work(state)
+            yield work(peek(i)[0])
         return
     # The threads run in the caller's context (its retry policy and deadlines), as
     # map_files's do.
     context = contextvars.copy_context()
-    with thread_pool(min(max_workers, n), "torchgrain-index") as pool:
-        # One future per shard, each dropped once its result is consumed: O(shards).
-        futures = collections.deque(
-            pool.submit(lambda i: context.copy().run(task, i), i) for i in range(n)
-        )
-        try:
-            while futures:
-                result, cost = futures.popleft().result()
-                yield result
-                del result
-                adm.leave(cost)
-        finally:
-            adm.cancel()
-            for f in futures:
-                f.cancel()
+
+    def run(fn: Callable[[Any], Any], arg: Any) -> Any:
+        return context.copy().run(fn, arg)
+
+    pool = thread_pool(min(workers, n), "torchgrain-index")
+    peeks: collections.deque[Future] = collections.deque()  # shards peeked, not started
+    works: collections.deque[tuple[Future, int]] = collections.deque()  # started, in order
+    peeked = used = 0
+    try:
+        for _ in range(n):
+            # Peek a few shards ahead (each may hold an open file: a few, not all).
+            while peeked < n and len(peeks) + len(works) < 2 * workers:
+                peeks.append(pool.submit(run, peek, peeked))
+                peeked += 1
+            # Start the next shards while the budget allows (the first always), without
+            # waiting on a peek while there is a result to hand over.
+            while peeks and (not works or peeks[0].done()):
+                head = peeks[0]
+                if head.exception() is not None:
+                    works.append((peeks.popleft(), 0))  # raised in its turn
+                    continue
+                state, cost = head.result()
+                if works and used + cost > budget:
+                    break
+                peeks.popleft()
+                works.append((pool.submit(run, work, state), cost))
+                used += cost
+                del state
+            fut, cost = works.popleft()
+            result = fut.result()
+            del fut
+            yield result
+            del result
+            used -= cost
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ------------------------------------------------------------------ placement
