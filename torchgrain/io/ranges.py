@@ -3,7 +3,10 @@
 Random access reads a few byte ranges per file per batch. Remotely, ranges that touch
 or nearly touch are merged and all fetched in one ``cat_ranges`` call (requests in
 flight together, latency paid once); locally, a memory map serves slices without a
-system call per record.
+system call per record. How near is near depends on the store (:func:`coalescing`): one
+that answers several ranges in one request (an HTTP file server) gets them so, and
+nearby ranges merged across a hole only on stores that answer one range per request
+(S3, GCS, most CDNs), where each request costs the client ~150 us of CPU.
 
 A batch that touches many remote files is fetched across all of them at once
 (:func:`fetch_batch`: up to ``max_inflight`` requests in flight in the process) into
@@ -25,20 +28,70 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes, inflight, process, remote
+from torchgrain.io.paths import is_http
 from torchgrain.io.retry import _permanent, http_status, is_transient, remaining_seconds
 
-__all__ = ["MappedFile", "RangeStore", "coalesce", "fetch_batch", "fetch_ranges", "range_store"]
+__all__ = [
+    "MappedFile",
+    "RangeStore",
+    "coalesce",
+    "coalescing",
+    "fetch_batch",
+    "fetch_ranges",
+    "range_store",
+]
 
 #: Ranges closer than this are fetched as one request (the bytes between come along).
 DEFAULT_GAP = 1 << 16
 #: The most bytes one coalesced request asks for: a larger merge would fetch far more
 #: than asked for, in one request that cannot overlap with others.
 MAX_REQUEST = 4 << 20
+
+#: A batch's ranges of one file closer than this are fetched as one request from a store
+#: that answers one range per request (as Arrow's read coalescing does: its
+#: ``CacheOptions.hole_size_limit``). A request costs the client ~150 us of CPU and the
+#: store a round trip; a hole of this size costs ~1 us of CPU per KiB and its transfer.
+#: Measured on global shuffles of 1 KiB records (benchmarks/remote_global.py and
+#: remote_global_s3.py, docs/object-storage.md).
+SINGLE_RANGE_GAP = 64 << 10
+#: The most bytes such a merged request asks for (Arrow's ``range_size_limit``): far-apart
+#: ranges are never merged into a large read of bytes nobody asked for.
+SINGLE_RANGE_MAX = 256 << 10
+
+
+def _origin(path: str) -> str:
+    parts = urlsplit(path)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def coalescing(
+    fs: fsspec.AbstractFileSystem, path: str, gap: int, *, multi_range: bool = True
+) -> tuple[int, int]:
+    """``(gap, max_request)`` for a batch's ranges of ``path`` on ``fs``: ``gap`` (and
+    :data:`MAX_REQUEST`) where they travel together anyway (with ``multi_range``, an
+    ``http(s)://`` server not known to answer multi-range requests otherwise; local and
+    in-memory files), else :data:`SINGLE_RANGE_GAP` and :data:`SINGLE_RANGE_MAX`: an object
+    store (``s3://``, ``gs://``...), or an HTTP server that answered a multi-range request
+    with the whole file or one range (:func:`torchgrain.io.inflight.multirange_servers`:
+    from the next batch on, in each process).
+
+    Example:
+        >>> import fsspec
+        >>> coalescing(fsspec.filesystem("memory"), "/x", 4096)
+        (4096, 4194304)
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return gap, MAX_REQUEST  # no requests: nothing to save
+    if multi_range and is_http(fs) and inflight.multirange_servers(fs).get(_origin(path), True):
+        return gap, MAX_REQUEST
+    return max(gap, SINGLE_RANGE_GAP), SINGLE_RANGE_MAX
 
 
 def coalesce(
@@ -70,16 +123,33 @@ def coalesce(
 
 
 def _slices(
-    ranges: Sequence[tuple[int, int]], order: list[int], merged: list[list[int]], blobs: list
+    ranges: Sequence[tuple[int, int]],
+    order: list[int],
+    merged: list[list[int]],
+    blobs: list,
+    *,
+    own: bool = False,
 ) -> list[memoryview]:
-    """The bytes of each range, cut from the blobs fetched for the ``merged`` requests."""
+    """The bytes of each range, cut from the blobs fetched for the ``merged`` requests.
+    ``own``: a range cut from a blob holding bytes no range asked for is copied out, so
+    that a range kept (in the :class:`RangeStore`) does not keep its request's hole alive
+    (a 1 KiB range would hold up to :data:`SINGLE_RANGE_MAX` bytes)."""
     out: list[memoryview] = [memoryview(b"")] * len(ranges)
+    at = [0] * len(ranges)
+    used = [0] * len(merged)
     j = 0
     for i in order:
         s, e = ranges[i]
         while not (merged[j][0] <= s and e <= merged[j][1]):
             j += 1
+        at[i] = j
+        used[j] += e - s
         out[i] = memoryview(blobs[j])[s - merged[j][0] : e - merged[j][0]]
+    if own:
+        for i in order:
+            m = merged[at[i]]
+            if used[at[i]] < m[1] - m[0]:
+                out[i] = memoryview(bytes(out[i]))
     return out
 
 
@@ -235,7 +305,8 @@ def fetch_batch(
 
     ``files`` holds ``(path, url, ranges)``; ranges already in the store are skipped,
     those another fetch is bringing waited for (:meth:`RangeStore.claim`), the others
-    coalesced per file (see :func:`coalesce`) and requested with at most
+    coalesced per file (see :func:`coalesce`; ``gap`` where the store takes several ranges
+    in one request, else the store's own: :func:`coalescing`) and requested with at most
     ``max_inflight`` in flight (:func:`~torchgrain.io.inflight.cat_many`; ``multi_range``:
     several ranges of a file in one request where the server answers so). What arrived is
     put in the store even when other requests failed (a retry asks only for the rest).
@@ -309,7 +380,7 @@ def _fetch_claimed(
     for (path, url, _), (_, need) in zip(files, claimed):
         if not need:
             continue
-        order, merged = coalesce(need, gap)
+        order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
         plans.append((url, need, order, merged, len(starts)))
         for m in merged:
             paths.append(path)
@@ -336,7 +407,7 @@ def _fetch_claimed(
             order = [
                 i for i in order if any(m[0] <= need[i][0] and need[i][1] <= m[1] for m in fine)
             ]
-        views = _slices(need, order, [merged[k] for k in ok], [got[k] for k in ok])
+        views = _slices(need, order, [merged[k] for k in ok], [got[k] for k in ok], own=True)
         store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
     if failure is not None and raise_errors:
         _raise_failure(*failure)
