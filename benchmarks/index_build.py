@@ -176,9 +176,15 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     cols = ["variant", "round", "records", "shards", "seconds", "peak_rss_mib"]
     cols += ["kept_anon_mib", "kept_file_mib", "index_file_mib", "progress_lines"]
-    print_table(rows, cols)
+    if rows:
+        print_table(rows, cols)
     if args.out:
-        write_json(args.out, {"records": args.records, "shards": args.shards, "rows": rows})
+        payload = {"records": args.records, "shards": args.shards, "rows": rows}
+        if args.base:
+            git = ["git", "-C", args.base, "rev-parse", "--short", "HEAD"]
+            p = subprocess.run(git, capture_output=True, text=True)
+            payload["base_commit"] = p.stdout.strip() or None
+        write_json(args.out, payload)
 
 
 if __name__ == "__main__":
