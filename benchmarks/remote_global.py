@@ -42,6 +42,25 @@ workers share them: the settings are small (a few thousand 1 KiB records, a few 
 
 Run:  python benchmarks/remote_global.py [--quick] [--max-inflight 64]
 Writes benchmarks/results/remote_global.json.
+
+``--coalescing`` runs issue 38's setting instead (32k 1 KiB records in 16 shards, 30 ms a
+request, 2 workers, 16 batches of 256), every pass in a fresh process, rounds
+interleaved, on nginx answering one range per request (``max_ranges 1``: the whole file
+for several ranges, as S3 and GCS do) and on nginx answering multi-range requests:
+
+* ``base``: the starting code (``--base``, another checkout of torchgrain), as is;
+* ``per_record``: this code asked one range per record (no coalescing at all);
+* ``earlier``: each shard's ranges read on its own, merged across 64 KiB holes (the
+  path before the batch-wide fetch);
+* ``single``: the batch-wide fetch, one range per request (``multi_range=False``),
+  nearby ranges merged within the store's gap and size cap
+  (:func:`torchgrain.io.ranges.coalescing`);
+* ``after``: the defaults (multi-range requests where the server answers them, else as
+  ``single`` once the server has answered one otherwise);
+* ``gap_<K>k`` (``--gaps``): ``after`` with another single-range gap, for tuning.
+
+Targets (one-range store): ``after`` at least ``per_record``'s and ``earlier``'s rate.
+Writes benchmarks/results/remote_global_coalescing.json.
 """
 
 from __future__ import annotations
@@ -62,6 +81,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# A pass in a fresh process may import another checkout of torchgrain (--base).
+if os.environ.get("TG_TREE"):
+    sys.path.insert(0, os.environ["TG_TREE"])
 
 import numpy as np
 import torch
@@ -215,8 +238,224 @@ def _source(location: str, variant: str, inflight: int) -> Any:
     return src
 
 
+# ------------------------------------------------- issue 38's setting, fresh processes
+def _patch(spec: dict[str, Any]) -> Any:
+    """Apply a pass's variant to this process's torchgrain: the source to read, and a
+    reset to call when the timing starts (counting requests from there)."""
+    from torchgrain.io import ranges
+
+    variant = spec["variant"]
+    if variant == "per_record":  # every range its own request
+        from torchgrain.sources import fetch_ahead
+
+        fetch_ahead.BATCH_GAP = -1
+        ranges.SINGLE_RANGE_GAP = -1
+    elif variant.startswith("gap_"):
+        ranges.SINGLE_RANGE_GAP = int(variant[4:-1]) << 10
+    if spec.get("cap"):
+        ranges.SINGLE_RANGE_MAX = int(spec["cap"])
+    src = tg.ArrayRecordSource(
+        spec["location"],
+        storage_options=spec.get("storage_options"),
+        max_inflight=spec["max_inflight"],
+        multi_range=variant not in ("single", "per_record"),
+    )
+    if variant == "earlier":
+        src._batch_ranges = lambda groups: None  # type: ignore[method-assign]
+    return src
+
+
+def _count_s3_requests() -> Any:
+    """A request counter shared with forked workers, counting every S3 GET torchgrain
+    makes in this process tree (no S3 server here counts them)."""
+    import multiprocessing as mp
+
+    from torchgrain.io import responses
+
+    count = mp.get_context("fork").Value("q", 0)
+    inner = responses._s3_cat_file
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        with count.get_lock():
+            count.value += 1
+        return await inner(*args, **kwargs)
+
+    responses._s3_cat_file = counted
+    responses._S3_READS["cat_file"] = counted
+    return count
+
+
+def _one_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """One pass in this process (started fresh for it): records/s, requests, bytes."""
+    count = _count_s3_requests() if spec.get("storage_options") else None
+    src = _patch(spec)
+    stats = spec.get("stats_url")
+
+    def reset() -> None:
+        if stats:
+            _get(f"{stats}/__reset")
+        if count is not None:
+            count.value = 0
+
+    rate = _pass(
+        src, workers=spec["workers"], batch=spec["batch"], batches=spec["batches"], reset=reset
+    )
+    out: dict[str, Any] = {"records_per_s": rate}
+    if stats:
+        out.update(json.loads(_get(f"{stats}/__stats")))
+    if count is not None:
+        out["requests"] = count.value
+    src.close()
+    return out
+
+
+def _fresh_pass(spec: dict[str, Any], tree: str | None = None) -> dict[str, Any]:
+    """:func:`_one_pass` in a new interpreter (``tree``: another checkout's torchgrain)."""
+    env = dict(os.environ)
+    env.pop("TG_TREE", None)
+    if tree:
+        env["TG_TREE"] = tree
+    got = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--one-pass", json.dumps(spec)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if got.returncode != 0:
+        raise RuntimeError(f"{spec['variant']} pass failed:\n{got.stderr[-3000:]}")
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
+def run_variants(
+    specs: dict[str, dict[str, Any]], rounds: int, base: str | None, tree: str | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Each variant's passes, ``rounds`` times, interleaved (the machine's load drifts);
+    ``base`` runs the starting code's checkout, the others ``tree`` (default: this one)."""
+    got: dict[str, list[dict[str, Any]]] = {v: [] for v in specs}
+    for _ in range(rounds):
+        for variant, spec in specs.items():
+            got[variant].append(_fresh_pass(spec, base if variant == "base" else tree))
+            print(f"  {variant}: {got[variant][-1]}", flush=True)
+    return got
+
+
+def summarise(
+    got: dict[str, list[dict[str, Any]]], delivered: int, record: int, **fields: Any
+) -> list[dict[str, Any]]:
+    """A row per variant: median records/s, its rounds, requests per record (median)."""
+    rows = []
+    for variant, passes in got.items():
+        row: dict[str, Any] = {
+            **fields,
+            "variant": variant,
+            "records_per_s": statistics.median(p["records_per_s"] for p in passes),
+            "rounds": [round(p["records_per_s"]) for p in passes],
+        }
+        if all("requests" in p for p in passes):
+            row["requests"] = statistics.median(p["requests"] for p in passes)
+            row["requests_per_record"] = row["requests"] / delivered
+        if all("body_bytes" in p for p in passes):
+            row["fetched_per_delivered"] = statistics.median(
+                p["body_bytes"] / (delivered * record) for p in passes
+            )
+        rows.append(row)
+    return rows
+
+
+def targets(rows: list[dict[str, Any]], store: str) -> dict[str, Any]:
+    """Issue 38's targets on a one-range store: ``after`` at least ``per_record``'s and
+    ``earlier``'s rate (met/missed), and the ratios to ``base``."""
+    rate = {r["variant"]: r["records_per_s"] for r in rows if r["store"] == store}
+    out: dict[str, Any] = {"store": store}
+    for other in ("per_record", "earlier", "base"):
+        if other in rate and "after" in rate:
+            out[f"after_over_{other}"] = rate["after"] / rate[other]
+    for other in ("per_record", "earlier"):
+        if f"after_over_{other}" in out:
+            out[f"after_at_least_{other}"] = "met" if out[f"after_over_{other}"] >= 1 else "missed"
+    return out
+
+
+def coalescing_main(a: argparse.Namespace) -> None:
+    from benchmarks import _nginx_store
+
+    print(f"machine: {describe_machine()}")
+    root = tempfile.mkdtemp(prefix="tg-remote-coalescing-")
+    size, delivered = 1024, a.batches * 256
+    _write(root, "r1024", a.records, size)
+    variants = ["base", "per_record", "earlier", "single", "after"]
+    variants += [f"gap_{int(g)}k" for g in a.gaps.split(",") if g]
+    if not a.base:
+        variants.remove("base")
+    rows: list[dict[str, Any]] = []
+    try:
+        for store, max_ranges in (("one-range", 1), ("multi-range", None)):
+            proc, url = _nginx_store.start(root, max_ranges=max_ranges)
+            try:
+                _get(f"{url}/__rate?bps={a.mbps * 1e6}")
+                _get(f"{url}/__latency?s={a.latency_ms / 1000}")
+                print(f"store: nginx, {store}")
+                specs = {
+                    v: {
+                        "variant": v,
+                        "location": f"{url}/r1024",
+                        "workers": a.workers_n,
+                        "batch": 256,
+                        "batches": a.batches,
+                        "max_inflight": a.max_inflight,
+                        "stats_url": url,
+                    }
+                    for v in variants
+                    if store == "one-range" or not v.startswith("gap_")
+                }
+                got = run_variants(specs, a.rounds, a.base, a.tree)
+                rows += summarise(got, delivered, size, store=store, latency_ms=a.latency_ms)
+            finally:
+                proc.kill()
+        print()
+        print_table(rows, ["store", "variant", "records_per_s", "rounds", "requests"])
+        out = {
+            "machine": machine(),
+            "settings": {
+                "records": a.records,
+                "record_bytes": size,
+                "shards": SHARDS,
+                "workers": a.workers_n,
+                "batch": 256,
+                "batches": a.batches,
+                "latency_ms": a.latency_ms,
+                "mbps_per_response": a.mbps,
+                "max_inflight": a.max_inflight,
+                "rounds": a.rounds,
+                "base": a.base,
+                "note": "fresh process per pass, rounds interleaved; 2 shared cores",
+            },
+            "targets": [targets(rows, "one-range")],
+            "rows": rows,
+        }
+        print(json.dumps(out["targets"], indent=1))
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        with open(os.path.join(RESULTS_DIR, "remote_global_coalescing.json"), "w") as f:
+            json.dump(out, f, indent=1)
+        print("wrote benchmarks/results/remote_global_coalescing.json")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--one-pass":
+        print(json.dumps(_one_pass(json.loads(sys.argv[2]))))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--coalescing", action="store_true", help="issue 38's setting (see above)")
+    p.add_argument("--base", default=None, help="--coalescing: the starting code's checkout")
+    p.add_argument("--tree", default=None, help="--coalescing: the checkout to measure")
+    p.add_argument("--records", type=int, default=32768, help="--coalescing: 1 KiB records")
+    p.add_argument("--batches", type=int, default=16, help="--coalescing: batches of 256")
+    p.add_argument("--workers-n", type=int, default=2, help="--coalescing: DataLoader workers")
+    p.add_argument("--latency-ms", type=float, default=30, help="--coalescing: per request")
+    p.add_argument("--gaps", default="", help="--coalescing: single-range gaps to try (KiB)")
     p.add_argument("--quick", action="store_true", help="30 ms only, fewer batches")
     p.add_argument("--max-inflight", type=int, default=128)
     p.add_argument("--rounds", type=int, default=1, help="interleaved before/after rounds")
@@ -232,6 +471,9 @@ def main() -> None:
         help="nginx with its Lua module (auto: when installed) or the asyncio store",
     )
     a = p.parse_args()
+    if a.coalescing:
+        coalescing_main(a)
+        return
     from benchmarks import _nginx_store
 
     if a.store == "auto":
