@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import array
 import contextlib
 import gzip
 import io
@@ -56,6 +57,7 @@ __all__ = [
     "crc32c",
     "index_tfrecord",
     "iter_tfrecord",
+    "iter_tfrecord_offsets",
     "masked_crc32c",
     "parse_frame",
     "read_tfrecord_at",
@@ -386,11 +388,11 @@ def index_tfrecord(
 ) -> np.ndarray:
     """Byte offsets of every record of an uncompressed TFRecord file.
 
-    Walks the 12-byte record headers without decoding data: local files are read
-    in 4 MiB blocks (records larger than a block are seeked over), remote files with
-    one small ranged read per record. ``verify`` checks each length's CRC, which
-    catches a corrupted length before it can send the walk astray; data CRCs are
-    checked when a record is read (:func:`read_tfrecord_at`).
+    Walks the 12-byte record headers without decoding data (see
+    :func:`iter_tfrecord_offsets`, which gives them a chunk at a time, in bounded
+    memory). ``verify`` checks each length's CRC, which catches a corrupted length
+    before it can send the walk astray; data CRCs are checked when a record is read
+    (:func:`read_tfrecord_at`).
 
     Returns:
         int64 array: ``offsets[i]`` is where record ``i``'s header starts; its data
@@ -408,29 +410,72 @@ def index_tfrecord(
         >>> index_tfrecord(p).tolist()
         [0, 19]
     """
-    fs, p = _resolve(path, filesystem)
+    parts = list(iter_tfrecord_offsets(path, filesystem=filesystem, verify=verify))
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+# Offsets per array :func:`iter_tfrecord_offsets` yields (512 KiB of int64).
+_OFFSETS_CHUNK = 1 << 16
+
+
+def iter_tfrecord_offsets(
+    path: PathLike,
+    *,
+    filesystem: fsspec.AbstractFileSystem | None = None,
+    verify: bool = True,
+    chunk: int = _OFFSETS_CHUNK,
+) -> Iterator[np.ndarray]:
+    """The byte offsets of an uncompressed TFRecord file's records, in int64 arrays of
+    about ``chunk`` offsets each, as its headers are walked: memory stays bounded
+    whatever the number of records.
+
+    Local files (and remote ones of up to 4 MiB) are read in 4 MiB blocks, records
+    larger than a block seeked over; a run of records of one length (fixed-size
+    records) is checked with numpy for a whole block at once (each length field and
+    its CRC), so tiny records cost no Python step each. Larger remote files take one
+    small ranged read per record. Errors as :func:`index_tfrecord`'s.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "x.tfrecord")
+        >>> _ = write_tfrecord([b"ab"] * 5 + [b"c"], p)
+        >>> [a.tolist() for a in iter_tfrecord_offsets(p, chunk=4)]
+        [[0, 18, 36, 54], [72, 90]]
+    """
     name = os.fspath(path)
     if resolve_compression(name, None) != "":
         raise ValueError(f"{name}: compressed TFRecord files cannot be indexed")
+    chunk = max(1, int(chunk))
+    if filesystem is None and "://" not in name and "::" not in name:
+        # A local path: opened directly (a dataset of 10^4 small files is walked in
+        # about half the time it takes through the filesystem layer).
+        with open(name, "rb") as f:
+            yield from _walk_buffered(f, name, os.fstat(f.fileno()).st_size, verify, chunk)
+        return
+    fs, p = _resolve(path, filesystem)
     size = _file_size(fs, p)
     if size is None:  # pragma: no cover - every fsspec filesystem we ship with has size()
         raise CorruptDataError(f"{name}: cannot determine the file size")
-    offsets: list[int] = []
     unpack = _HEADER.unpack
     # An index of the file as it is now: a same-size re-upload is indexed, not refused.
     with remote.open_input(fs, p, url=name, fresh=True) as f:
         if is_local(fs) or size <= _READ_SIZE:
             # Local files go through the OS page cache; remote small files in one read.
-            _index_buffered(f, name, size, verify, offsets)
-        else:
-            off = 0
-            while off < size:
-                f.seek(off)
-                head = f.read(_HEADER_SIZE)
-                _check_header(head, name, off, size, verify)
-                offsets.append(off)
-                off += _FRAME_OVERHEAD + unpack(head)[0]
-    return np.asarray(offsets, dtype=np.int64)
+            yield from _walk_buffered(f, name, size, verify, chunk)
+            return
+        out = array.array("q")
+        off = 0
+        while off < size:
+            f.seek(off)
+            head = f.read(_HEADER_SIZE)
+            _check_header(head, name, off, size, verify)
+            out.append(off)
+            if len(out) >= chunk:
+                yield np.frombuffer(out, np.int64).copy()
+                out = array.array("q")
+            off += _FRAME_OVERHEAD + unpack(head)[0]
+        if out:
+            yield np.frombuffer(out, np.int64).copy()
 
 
 def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataError:
@@ -464,13 +509,20 @@ def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> 
         raise _too_long(name, off, length, size)
 
 
-def _index_buffered(f: Any, name: str, size: int, verify: bool, offsets: list[int]) -> None:
+_RUN = 4  # records of one length in a row before the rest of the block is tried at once
+
+
+def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> Iterator[np.ndarray]:
     # Read the file in large blocks and walk the headers; records larger than a block
-    # are skipped with a seek.
+    # are skipped with a seek. After _RUN records of one length, the records of that
+    # length that follow in the block are checked at once (their length fields and
+    # CRCs gathered with numpy): the first that differs is walked one by one again.
     unpack = _HEADER.unpack_from
+    out = array.array("q")
     off = 0
     buf = b""
     base = 0
+    prev, same = -1, 0
     while off < size:
         rel = off - base
         if rel < 0 or rel + _HEADER_SIZE > len(buf):
@@ -478,10 +530,30 @@ def _index_buffered(f: Any, name: str, size: int, verify: bool, offsets: list[in
             buf = f.read(_READ_SIZE)
             base = off
             rel = 0
-        head = buf[rel : rel + _HEADER_SIZE]
-        _check_header(head, name, off, size, verify)
-        offsets.append(off)
-        off += _FRAME_OVERHEAD + unpack(buf, rel)[0]
+        _check_header(buf[rel : rel + _HEADER_SIZE], name, off, size, verify)
+        length = unpack(buf, rel)[0]
+        stride = _FRAME_OVERHEAD + length
+        same = same + 1 if length == prev else 0
+        prev = length
+        run = min((len(buf) - rel) // stride, chunk)  # whole frames in the block
+        if same >= _RUN and run > 1:
+            # The headers in place (no copy): rows of length low, high, length CRC.
+            heads = np.ndarray((run, 3), "<u4", buf, rel, (stride, 4))
+            ok = (heads[:, 0] == length & 0xFFFFFFFF) & (heads[:, 1] == length >> 32)
+            if verify:
+                ok &= heads[:, 2] == _masked(_LEN.pack(length))
+            n = int(np.argmin(ok)) if not ok.all() else run
+            out.frombytes(np.arange(off, off + n * stride, stride, dtype=np.int64).tobytes())
+            off += n * stride
+            # (n >= 1: the first is the record checked above)
+        else:
+            out.append(off)
+            off += stride
+        if len(out) >= chunk:
+            yield np.frombuffer(out, np.int64).copy()
+            out = array.array("q")
+    if out:
+        yield np.frombuffer(out, np.int64).copy()
 
 
 def read_tfrecord_at(

@@ -7,8 +7,10 @@ by its URL, size and modification time) and writes the dataset's offsets (8 byte
 record) into one index file, keyed by every file's URL, size and modification time, that
 every process of the machine maps read-only (:mod:`torchgrain.sources.node_index`): no
 per-record memory per process, and later opens only look at each file's size. A record
-is then one byte range: a batch is read with a memory map locally or with coalesced
-range requests remotely, and both CRCs are checked.
+is then one byte range: a batch is read with coalesced range requests remotely, and
+locally from one map of every file (:class:`~torchgrain.io.region.ShardRegion`), planned
+with numpy over the index's offsets, with no Python work or file open per file: a
+batch's cost does not grow with the number of files it touches. Both CRCs are checked.
 
 gzip/zlib-compressed files have no random access: they are counted (one decompression
 pass, cached too) and can be read in order (``iter_shard``, which ``torchgrain
@@ -18,13 +20,16 @@ convert them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import itertools
 import os
 import re
+import struct
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -39,17 +44,23 @@ from torchgrain.errors import (
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
+    _OFFSETS_CHUNK,
     DEFAULT_MAX_RECORD_BYTES,
+    _crc,
     index_tfrecord,
     iter_tfrecord,
+    iter_tfrecord_offsets,
+    masked_crc32c,
     parse_frame,
     resolve_compression,
 )
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import atomic_open, disk_full_errno, disk_full_error
+from torchgrain.io.changes import ChangedWhileOpen
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
+from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
@@ -131,6 +142,7 @@ class TFRecordSource(EncodedSource):
                 fs, files, index_dir, retry, self._compressed, max_record_bytes
             )
         counts = self._tfindex.counts
+        self._mapped: Any = None  # this process's ShardRegion (not pickled)
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # A local reader is a memory map, which holds a file descriptor; remote
@@ -227,6 +239,146 @@ class TFRecordSource(EncodedSource):
     def _touch(self, reader: Any) -> None:
         reader.view()
 
+    def _region(self) -> ShardRegion | None:
+        """This process's map of every local file in one address range (inherited
+        through fork: the maps stay valid); None where batches are read file by file."""
+        region = self._mapped
+        if region is None:
+            if self._remote or not self.num_shards or bool(self._compressed.all()):
+                return None
+            try:
+                region = ShardRegion(self._paths, self._tfindex.file_size)
+            except RegionUnavailable:
+                region = False
+            self._mapped = region
+        return region or None
+
+    def _frames(self, shard: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> tuple[Any, Any]:
+        """Where the records at ``rows`` of ``shard`` lie in their files (``first``,
+        ``last``), checked against the files' sizes and ``max_record_bytes`` (offsets
+        come from an index file: untrusted)."""
+        entry = self._base[shard] + rows
+        first, last = self._bounds[entry], self._bounds[entry + 1]
+        size = self._tfindex.file_size[shard]
+        # A frame is >= 16 bytes: every byte read below lies inside its file.
+        bad = (first < 0) | (last - first < 16) | (last > size)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise self._damaged(int(shard[k]), int(rows[k]), first[k], last[k], int(idx[k]))
+        lengths = last - first - 16
+        if int(lengths.max()) > self.max_record_bytes:
+            k = int(np.argmax(lengths))
+            raise self._too_long(int(shard[k]), int(rows[k]), int(lengths[k]), int(idx[k]))
+        return first, last
+
+    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
+        # Local files: one gather over one map of every file for the batch's headers and
+        # footers, one Python step per record (its bytes and data CRC), none per file.
+        region = self._region()
+        if region is None:
+            return None
+        shard, rows = self.index._locate(idx)
+        if bool(self._compressed[shard].any()):
+            return None  # file by file: the error says to convert it
+        first, last = self._frames(shard, rows, idx)
+        try:
+            base = region.acquire(shard, polled=True)  # (_check_index polled)
+        except ChangedWhileOpen:
+            raise
+        except (CorruptDataError, FileNotFoundError):
+            return None  # a file that cannot be mapped: file by file, which names it
+        if base is None:
+            return None  # more files than may be mapped at once
+        try:
+            at = base + first
+            lengths = last - first - 16
+            words = region.words
+            # The length field must say what the index does; its CRC and the data's are
+            # the low half of the word after it and the high half of the frame's last.
+            ok = words[at] == lengths.astype(np.uint64)
+            view = region.view
+            starts = (at + 12).tolist()
+            data = [bytes(view[a : a + n]) for a, n in zip(starts, lengths.tolist())]
+            if self._verify:
+                ok &= (words[at + 8] & 0xFFFFFFFF) == _length_crcs(lengths)
+                crcs = np.fromiter(map(_crc, data), np.uint64, len(data))
+                ok &= words[at + lengths + 8] >> np.uint64(32) == _mask(crcs)
+            if not ok.all():
+                k = int(np.flatnonzero(~ok)[0])
+                s = int(shard[k])
+                a, f = int(at[k]), int(first[k])
+                try:
+                    frame = view[a : a + int(lengths[k]) + 16]
+                    parse_frame(frame, name=self._paths[s], offset=f, verify=self._verify)
+                except CorruptDataError as e:
+                    raise self._named(e, s, int(idx[k])) from e
+                raise self._named(  # pragma: no cover - parse_frame raises above
+                    CorruptDataError(f"{self._paths[s]!r}: bad record at byte offset {f}"),
+                    s,
+                    int(idx[k]),
+                )
+            return data
+        finally:
+            region.release()
+
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        region = self._region()
+        if region is None:
+            return None
+        e = int(self._base[shard]) + row
+        first, last = int(self._bounds[e]), int(self._bounds[e + 1])
+        if not (first >= 0 and last - first >= 16 and last <= self._tfindex.file_size[shard]):
+            return None  # the batch path names the damage
+        if last - first - 16 > self.max_record_bytes:
+            return None
+        try:
+            at = region.acquire_one(shard, polled=True)  # (_check_index polled)
+        except ChangedWhileOpen:
+            raise
+        except (CorruptDataError, FileNotFoundError):
+            return None
+        if at is None:
+            return None
+        try:
+            return parse_frame(
+                region.view[at + first : at + last],
+                name=self._paths[shard],
+                offset=first,
+                verify=self._verify,
+            )
+        except CorruptDataError as e:
+            raise self._named(e, shard, index) from e
+        finally:
+            region.release()
+
+    def _damaged(self, shard: int, row: int, first: int, last: int, index: int) -> CorruptDataError:
+        where = self._tfindex.path
+        size = int(self._tfindex.file_size[shard])
+        return CorruptDataError(
+            f"TFRecord shard {shard} {self._paths[shard]!r}: the dataset's index "
+            f"{'file ' + repr(where) if where else ''} puts row {row} at bytes "
+            f"[{int(first)}, {int(last)}) of a {size}-byte file (record index "
+            f"{index}); the index is damaged (delete it to have it rebuilt)"
+        )
+
+    def _too_long(self, shard: int, row: int, length: int, index: int) -> CorruptDataError:
+        return CorruptDataError(
+            f"TFRecord shard {shard} {self._paths[shard]!r}: record {row} is "
+            f"{length} bytes long, more than max_record_bytes="
+            f"{self.max_record_bytes} allows (record index {index}; a larger "
+            "max_record_bytes reads it, if the file is trusted)"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_mapped"] = None  # maps belong to one process
+        return state
+
+    def close(self) -> None:
+        super().close()
+        if self._mapped:
+            self._mapped.close()
+
     def _batch_ranges(
         self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
     ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
@@ -244,30 +396,8 @@ class TFRecordSource(EncodedSource):
         return out
 
     def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
-        b = self._base[shard] + rows
-        first, last = self._bounds[b], self._bounds[b + 1]
         name = self._paths[shard]
-        size = int(self._tfindex.file_size[shard])
-        # Offsets come from an index file: bounded before use (a frame is >= 16 bytes).
-        bad = (first < 0) | (last - first < 16) | (last > size)
-        if bad.any():
-            k = int(np.flatnonzero(bad)[0])
-            where = self._tfindex.path
-            raise CorruptDataError(
-                f"TFRecord shard {shard} {name!r}: the dataset's index "
-                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
-                f"[{int(first[k])}, {int(last[k])}) of a {size}-byte file (record index "
-                f"{index}); the index is damaged (delete it to have it rebuilt)"
-            )
-        lengths = last - first - 16
-        if int(lengths.max()) > self.max_record_bytes:
-            k = int(np.argmax(lengths))
-            raise CorruptDataError(
-                f"TFRecord shard {shard} {name!r}: record {int(rows[k])} is "
-                f"{int(lengths[k])} bytes long, more than max_record_bytes="
-                f"{self.max_record_bytes} allows (record index {index}; a larger "
-                "max_record_bytes reads it, if the file is trusted)"
-            )
+        first, last = self._frames(np.full(len(rows), shard), rows, np.full(len(rows), index))
         starts, ends = first.tolist(), last.tolist()
 
         def read() -> list[Any]:
@@ -312,6 +442,38 @@ class _RemoteFile:
 
     def close(self) -> None:
         pass
+
+
+def _mask(crcs: np.ndarray) -> np.ndarray:
+    """TFRecord's masked CRC (see :func:`~torchgrain.formats.tfrecord.masked_crc32c`) of
+    uint64 CRC-32C values, elementwise."""
+    return (
+        ((crcs >> np.uint64(15)) | (crcs << np.uint64(17))) + np.uint64(0xA282EAD8)
+    ) & np.uint64(0xFFFFFFFF)
+
+
+def _length_crcs(lengths: np.ndarray) -> np.ndarray:
+    """The masked CRC of each record's 8-byte length field, elementwise (one CRC when
+    the records share a length, else CRC-32C's table steps in numpy)."""
+    if bool((lengths == lengths[0]).all()):
+        return np.full(len(lengths), masked_crc32c(struct.pack("<Q", int(lengths[0]))), np.uint64)
+    v = lengths.astype(np.uint64)
+    crc = np.full(len(v), 0xFFFFFFFF, np.uint64)
+    for shift in range(0, 64, 8):
+        crc = _CRC_TABLE[(crc ^ (v >> np.uint64(shift))) & np.uint64(0xFF)] ^ (crc >> np.uint64(8))
+    return _mask(crc ^ np.uint64(0xFFFFFFFF))
+
+
+def _crc_table() -> np.ndarray:
+    table = np.arange(256, dtype=np.uint64)
+    for _ in range(8):  # CRC-32C (Castagnoli), reflected
+        table = np.where(
+            table & 1, (table >> np.uint64(1)) ^ np.uint64(0x82F63B78), table >> np.uint64(1)
+        )
+    return table
+
+
+_CRC_TABLE = _crc_table()
 
 
 def tfrecord_codec(
@@ -378,32 +540,68 @@ def _dataset_index(
 
     infos = map_files(info, len(files), max_workers=16 if remote else 1)
 
-    def offsets_of(i: int) -> np.ndarray:
-        """The file's offsets, or its count (``[n]``) when compressed."""
-        path = files[i]
+    def cache_of(i: int) -> str | None:
         size, stamp = infos[i]
-        cached = _cache_file(index_dir, path, size, stamp + ("\0count" if compressed[i] else ""))
-        if cached is not None and os.path.exists(cached):
+        return _cache_file(index_dir, files[i], size, stamp + ("\0count" if compressed[i] else ""))
+
+    # Files whose per-file cache was found sound: its offsets (when small) or None.
+    checked: dict[int, list[np.ndarray] | None] = {}
+
+    def cost_of(i: int) -> int:
+        """What file ``i``'s offsets take (the builder calls it first, then
+        ``offsets_of(i)``, in the same thread)."""
+        cached = cache_of(i)
+        if cached is not None:
             try:
-                index = np.load(cached)
-                if _fits(index, size, compressed[i]):
-                    return index
+                n, checked[i] = _check_cached(cached, infos[i][0], bool(compressed[i]))
+                return 8 * n
             except (OSError, ValueError):
-                pass  # unreadable or not an index of this file: build it again
+                pass  # missing, unreadable or not an index of this file: walked again
+        return 8 if compressed[i] else infos[i][0] // 2  # (at most one per 16 bytes)
+
+    def offsets_of(i: int) -> Iterator[np.ndarray]:
+        """The file's offsets in chunks, or its count (``[n]``) when compressed."""
+        path = files[i]
+        cached = cache_of(i)
+        if cached is not None and i in checked:
+            parts = checked.pop(i)
+            if parts is not None:  # read already
+                yield from parts
+                return
+            try:
+                got = _read_cached(cached)
+                first = next(got)  # (opened: what follows is read from the same file)
+            except (OSError, ValueError, StopIteration):
+                pass  # gone meanwhile: walked below (nothing of it was given yet)
+            else:
+                yield first
+                yield from got
+                return
         if compressed[i]:
             records = iter_tfrecord(
                 path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
             )
-            index = np.array([sum(1 for _ in records)], dtype=np.int64)
+            walked: Iterable[np.ndarray] = [np.array([sum(1 for _ in records)], dtype=np.int64)]
         elif remote:
-            index = retry_call(
-                index_tfrecord, path, filesystem=fs, url=path, policy=retry, what="indexing"
-            )
+            # One request per record: a remote walk is retried whole.
+            walked = [
+                retry_call(
+                    index_tfrecord, path, filesystem=fs, url=path, policy=retry, what="indexing"
+                )
+            ]
         else:
-            index = index_tfrecord(path)
-        if cached is not None:
-            _save(cached, index)
-        return index
+            walked = iter_tfrecord_offsets(path)
+        out = _CacheWriter(cached) if cached is not None else None
+        try:
+            for part in walked:
+                if out is not None:
+                    out.add(part)
+                yield part
+            if out is not None:
+                out.publish()
+        finally:
+            if out is not None:
+                out.discard()
 
     return tfrecord_index(
         files,
@@ -411,19 +609,117 @@ def _dataset_index(
         offsets_of,
         compressed,
         index_dir=None if index_dir is None else os.fspath(index_dir),
+        cost_of=cost_of,
     )
 
 
-def _fits(index: np.ndarray, size: int, compressed: bool) -> bool:
-    """Whether a cached ``index`` can be one of a file of ``size`` bytes: a count, or
-    increasing offsets from 0 that leave room for a frame each."""
-    if index.ndim != 1 or index.dtype != np.int64:
-        return False
+# A per-file cache is a .npy file of int64 offsets (or of one count), read and written
+# a chunk at a time.
+_NPY_DTYPE = np.dtype("<i8")
+
+
+def _npy_header(n: int) -> bytes:
+    out = io.BytesIO()
+    descr = np.lib.format.dtype_to_descr(_NPY_DTYPE)
+    np.lib.format.write_array_header_1_0(
+        out, {"descr": descr, "fortran_order": False, "shape": (n,)}
+    )
+    return out.getvalue()
+
+
+def _read_cached(path: str, chunk: int = _OFFSETS_CHUNK) -> Iterator[np.ndarray]:
+    """The offsets in the per-file cache at ``path``, a chunk at a time (``ValueError``:
+    not such a file)."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version != (1, 0):
+            raise ValueError("not an offsets index")
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        if len(shape) != 1 or fortran or dtype != _NPY_DTYPE:
+            raise ValueError("not an offsets index")
+        n = int(shape[0])
+        if os.fstat(f.fileno()).st_size != f.tell() + 8 * n:
+            raise ValueError("truncated or padded")
+        for a in range(0, n, chunk):
+            want = 8 * min(chunk, n - a)
+            data = f.read(want)
+            if len(data) != want:
+                raise ValueError("truncated")
+            yield np.frombuffer(data, _NPY_DTYPE).astype(np.int64)
+
+
+def _check_cached(path: str, size: int, compressed: bool) -> tuple[int, list[np.ndarray] | None]:
+    """The number of offsets in the per-file cache at ``path``, read a chunk at a time
+    and checked to be those of a file of ``size`` bytes (``ValueError`` otherwise): a
+    count, or increasing offsets from 0 that leave room for a frame each; and the
+    offsets themselves when they are one chunk (else None: read again when used)."""
+    parts = list(itertools.islice(_read_cached(path), 2)) if compressed else _read_cached(path)
     if compressed:
-        return len(index) == 1 and index[0] >= 0
-    return len(index) == 0 or (
-        index[0] == 0 and bool((np.diff(index) >= 16).all()) and int(index[-1]) <= size - 16
-    )
+        if len(parts) != 1 or len(parts[0]) != 1 or parts[0][0] < 0:
+            raise ValueError("not a count")
+        return 1, parts
+    n, prev, first = 0, -16, None
+    for part in parts:
+        if part[0] - prev < 16 or bool((np.diff(part) < 16).any()):
+            raise ValueError("not offsets")
+        prev = int(part[-1])
+        n += len(part)
+        first = part if first is None else first
+    if n and prev > size - 16:
+        raise ValueError("offsets past the end")
+    return n, ([] if first is None else [first]) if n <= _OFFSETS_CHUNK else None
+
+
+class _CacheWriter:
+    """A per-file cache written as a file's offsets are walked, published when complete
+    (a reader sees a whole index or none); a directory that refuses it costs a walk at
+    each open, said once per directory and process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.n = 0
+        self._out: contextlib.ExitStack | None = contextlib.ExitStack()
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # A cache: rebuilt if lost, so not flushed to disk before use.
+            self.f = self._out.enter_context(atomic_open(path, "wb", durable=False))
+            self.f.write(_npy_header(0))
+        except OSError as e:
+            self._failed(e)
+
+    def add(self, part: np.ndarray) -> None:
+        if self._out is None:
+            return
+        try:
+            self.f.write(np.ascontiguousarray(part, _NPY_DTYPE).tobytes())
+            self.n += len(part)
+        except OSError as e:
+            self._failed(e)
+
+    def publish(self) -> None:
+        if self._out is None:
+            return
+        try:
+            header = _npy_header(self.n)
+            if len(header) != len(_npy_header(0)):  # (not below 10^15 offsets)
+                raise OSError(f"no room for the header of {self.n} offsets")
+            self.f.seek(0)
+            self.f.write(header)
+            out, self._out = self._out, None
+            out.close()  # renamed into place
+        except OSError as e:
+            self._failed(e)
+
+    def discard(self) -> None:
+        """Remove what was written (nothing once published)."""
+        out, self._out = self._out, None
+        if out is not None:
+            with contextlib.suppress(OSError):
+                out.__exit__(OSError, OSError("discarded"), None)
+
+    def _failed(self, e: OSError) -> None:
+        self.discard()
+        _warn_unsaved(self.path, e)
 
 
 def _stamp(info: dict[str, Any]) -> str:
@@ -454,30 +750,24 @@ _REMEDY = (
 )
 
 
-def _save(path: str, offsets: np.ndarray) -> None:
-    """Write atomically: a reader sees a whole index or none (never a partial one). A
-    directory that refuses it (read-only, full) costs an index walk at each open, nothing
-    else: it is said once per directory and process, as the dataset index says it."""
+def _warn_unsaved(path: str, e: OSError) -> None:
+    """Say, once per directory and process, that a file's offsets cannot be kept there:
+    a directory that refuses them (read-only, full) costs an index walk at each open,
+    nothing else (as the dataset index says it)."""
     directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        # A cache: rebuilt if lost, so not flushed to disk before use.
-        with atomic_open(path, "wb", durable=False) as f:
-            np.save(f, offsets.astype(np.int64))
-    except OSError as e:
-        key = (os.getpid(), os.path.abspath(directory))
-        with _SAVE_LOCK:
-            if key in _SAVE_WARNED:
-                return
-            _SAVE_WARNED.add(key)
-        code = disk_full_errno(e)
-        reason = (
-            f"the TFRecord offset cache in {directory!r} cannot write {path!r} ({e})."
-            if code is None
-            else disk_full_error(code, "the TFRecord offset cache", directory, path, _REMEDY)
-        )
-        warnings.warn(
-            f"torchgrain: {reason} Each file's offsets are read again at each open.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    key = (os.getpid(), os.path.abspath(directory))
+    with _SAVE_LOCK:
+        if key in _SAVE_WARNED:
+            return
+        _SAVE_WARNED.add(key)
+    code = disk_full_errno(e)
+    reason = (
+        f"the TFRecord offset cache in {directory!r} cannot write {path!r} ({e})."
+        if code is None
+        else disk_full_error(code, "the TFRecord offset cache", directory, path, _REMEDY)
+    )
+    warnings.warn(
+        f"torchgrain: {reason} Each file's offsets are read again at each open.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -1,30 +1,34 @@
 """The TFRecord node index: where every record of a TFRecord dataset starts.
 
 Built once per machine from the shards' record offsets (:func:`tfrecord_index`); see
-:mod:`torchgrain.sources.node_index`.
+:mod:`torchgrain.sources.node_index`. The offsets are streamed into the index file as
+each shard is walked, a chunk at a time: the build holds a bounded number of bytes
+whatever the number of records, and nothing per record once the index is published.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from torchgrain.formats.index_file import INDEX_SUFFIX
-from torchgrain.io.fs import map_files
+from torchgrain.sources.node_index import store
 from torchgrain.sources.node_index.store import (
-    _BATCH,
     _VERSION,
     COUNTERS,
+    BuildProgress,
     _bad,
     _build,
     _cached,
+    _in_order,
     _Index,
     _key,
     _prefix,
     _shape,
+    dataset_name,
 )
 
 __all__ = ["TFRecordIndex", "tfrecord_index"]
@@ -36,6 +40,10 @@ _TF_COLUMNS = {
     "compressed": ("<i8", ()),
     "offsets": ("<i8", ()),
 }
+
+
+# What a file walked as it is written holds at once: about one chunk of offsets.
+_CHUNK_COST = 1 << 20
 
 
 class TFRecordIndex(_Index):
@@ -80,32 +88,69 @@ class TFRecordIndex(_Index):
 def tfrecord_index(
     paths: Sequence[str],
     infos: Sequence[tuple[int, str]],
-    offsets_of: Callable[[int], np.ndarray],
+    offsets_of: Callable[[int], Iterable[np.ndarray]],
     compressed: np.ndarray,
     *,
     index_dir: str | None,
+    cost_of: Callable[[int], int] | None = None,
 ) -> TFRecordIndex:
     """The index of TFRecord files ``paths``: ``infos[i]`` is file ``i``'s ``(size,
     version stamp)`` (its modification time or ETag), ``offsets_of(i)`` walks (or reads
-    from a per-file cache) its record offsets (its record count, ``[n]``, for a
-    compressed file). Built once per machine into ``index_dir``
-    (in memory when None)."""
+    from a per-file cache) its record offsets, as int64 arrays in order (a chunked walk:
+    :func:`~torchgrain.formats.tfrecord.iter_tfrecord_offsets`); a compressed file's
+    gives its record count, ``[n]``. Built once per machine into ``index_dir`` (in
+    memory when None).
+
+    Built in bounded memory: files are walked in parallel threads, each file's offsets
+    written into the index file as soon as the files before it are, while the offsets
+    walked and not yet written stay within
+    :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (``cost_of(i)``: the bytes
+    file ``i``'s offsets may take, default 8 per 16 bytes of file, the most a file can
+    hold); a file larger than a quarter of that is walked as it is written, a chunk at
+    a time. A build of more than a few seconds reports its progress on stderr.
+
+    Example:
+        >>> import numpy as np
+        >>> ix = tfrecord_index(["a", "b"], [(40, "1"), (16, "2")],
+        ...                     lambda i: [np.array([0, 20])] if i == 0 else [np.array([0])],
+        ...                     np.zeros(2, bool), index_dir=None)
+        >>> ix.counts.tolist(), ix.offsets.tolist()
+        ([2, 1], [0, 20, 40, 0, 16])
+    """
     s = len(paths)
     sizes = np.array([size for size, _ in infos], np.int64)
     key = _key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
+    if cost_of is None:
+        cost_of = lambda i: 8 if compressed[i] else int(sizes[i]) // 2  # noqa: E731
 
     def build(out: str | None) -> TFRecordIndex:
+        budget = store.BUILD_BYTES
+
+        def peek(i: int) -> tuple[int, int]:
+            cost = cost_of(i)
+            # A file too large to hold is walked as it is written (its cost: a chunk).
+            return (i, cost) if cost <= budget // 4 else (-1 - i, _CHUNK_COST)
+
+        def walk(i: int) -> Iterable[np.ndarray]:
+            return list(offsets_of(i)) if i >= 0 else offsets_of(-1 - i)
+
         def fill(sink: Any) -> dict[str, Any]:
             counts = np.zeros(s, np.int64)
-            for a in range(0, s, _BATCH):
-                part = map_files(lambda i, a=a: offsets_of(a + i), min(_BATCH, s - a))
-                for i, offs in enumerate(part):
-                    if compressed[a + i]:  # its count: a stream has no offsets
-                        counts[a + i] = int(offs[0])
-                        sink.append("offsets", sizes[a + i : a + i + 1])
+            progress = BuildProgress(s, dataset_name(paths))
+            for k, parts in enumerate(_in_order(s, peek, walk, budget=budget)):
+                n = 0
+                for part in parts:
+                    if compressed[k]:  # its count: a stream has no offsets
+                        n = int(part[0])
                     else:
-                        counts[a + i] = len(offs)
-                        sink.append("offsets", np.append(offs, sizes[a + i]))
+                        n += len(part)
+                        sink.append("offsets", part)
+                    del part
+                del parts  # its chunks go now, not when the next file comes
+                counts[k] = n
+                sink.append("offsets", sizes[k : k + 1])
+                progress.update(k + 1)
+            progress.close()
             base = np.zeros(s + 1, np.int64)
             np.cumsum(counts, out=base[1:])
             sink.append("rec_base", base)
