@@ -42,6 +42,11 @@ _FORK_RESTART_DELAY = 0.2
 # how often (seconds) the cache's hints are rewritten.
 _HORIZON = 8 * _SCAN
 _ADVISE_EVERY = 0.5
+# Range read-ahead: the most bytes a step asks for. A step's records are handed over
+# together when all of them arrived, and two steps are in flight: 256 records of 1 MiB
+# would hold 512 MiB in flight, far past the range store's budget (64 MiB), and 256 of
+# 100 KiB kept the reader waiting for 25 MB before its next batch.
+STEP_BYTES = 16 << 20
 
 
 class _NextUses:
@@ -291,10 +296,12 @@ class RangeReadAhead:
     without a shard cache), in the process that reads them (the walk starts when the
     process reads a batch: see :meth:`kick`).
 
-    A background thread walks the order from the reader's position, ``step`` records at
-    a time (two steps in flight), at most ``ahead`` records ahead of it and while the
-    process's range store has room (its ``max_bytes``, plus the two steps that may start
-    just under it, bounds the memory held); each step's ranges are fetched
+    A background thread walks the order from the reader's position, in steps of at most
+    ``step`` records and about ``step_bytes`` bytes (default :data:`STEP_BYTES`; the
+    reader's first batch tells the bytes per record, each step the next), two steps in
+    flight, at most ``ahead`` records ahead of it and while the process's range store has
+    room (its ``max_bytes``, plus the two steps that may start just under it, bounds the
+    memory held, whatever the records' size); each step's ranges are fetched
     across all its shards at once (:meth:`~torchgrain.sources.base.ShardedSource._prefetch_ranges`,
     ``max_inflight`` in flight). What the reader passed without using is dropped, and a
     new pass (``set_epoch``, a resume, a new ``iter(loader)``) cancels the walk and
@@ -326,10 +333,19 @@ class RangeReadAhead:
         True
     """
 
-    def __init__(self, source: Any, *, step: int = 256, ahead: int = 2048) -> None:
+    def __init__(
+        self,
+        source: Any,
+        *,
+        step: int = 256,
+        ahead: int = 2048,
+        step_bytes: int | None = None,
+    ) -> None:
         self.source = source
         self.step = int(step)
         self.ahead = int(ahead)
+        self.step_bytes = int(STEP_BYTES if step_bytes is None else step_bytes)
+        self.per_record: float | None = None  # bytes per record, as last planned
         self._generation = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -357,9 +373,17 @@ class RangeReadAhead:
             with self._lock:
                 self._pending = (order, start, count, position)
 
-    def kick(self) -> None:
+    @property
+    def pending(self) -> bool:
+        """Whether a walk is prepared and not started (the next :meth:`kick` starts it)."""
+        return self._pending is not None
+
+    def kick(self, per_record: float | None = None) -> None:
         """This process is reading a batch: start the walk :meth:`begin` prepared, from
-        where the reader is, if it has not started."""
+        where the reader is, if it has not started. ``per_record``: the bytes per record
+        of that batch, which sizes the first steps."""
+        if per_record:
+            self.per_record = float(per_record)
         with self._lock:
             pending, self._pending = self._pending, None
             generation = self._generation
@@ -421,12 +445,22 @@ class RangeReadAhead:
         from torchgrain.io.ranges import range_store
 
         src = self.source
-        src._prefetch_ranges(src.index.split(idx), owner=owner, lenient=True)
+        planned: list[int] = []
+        src._prefetch_ranges(src.index.split(idx), owner=owner, lenient=True, planned=planned)
+        if planned and len(idx):
+            self.per_record = planned[0] / len(idx)
         if not self._live(generation):
             range_store().drop(owner)  # cancelled while in flight
             return
         with self._lock:
             self.steps += 1
+
+    def _step_records(self) -> int:
+        """Records in the next step: ``step``, fewer where that is more than
+        ``step_bytes`` bytes."""
+        if not self.per_record:
+            return self.step
+        return max(1, min(self.step, int(self.step_bytes // self.per_record)))
 
     def _walk(
         self,
@@ -476,7 +510,8 @@ class RangeReadAhead:
                 if len(in_flight) >= 2 or pos >= reached + self.ahead or store.room() <= 0:
                     threading.Event().wait(0.005)
                     continue
-                stop = min(pos + self.step, count)
+                step = self._step_records()
+                stop = min(pos + step, count)
                 idx = src.index.check(np.asarray(order(pos, stop), dtype=np.int64))
                 owner = object()
                 with self._lock:

@@ -121,6 +121,7 @@ class FetchAhead:
         *,
         owner: object | None = None,
         lenient: bool = False,
+        planned: list[int] | None = None,
     ) -> object | None:
         """Fetch a remote batch's byte ranges (:meth:`_batch_ranges`) across all its
         shards at once, with up to ``max_inflight`` requests in flight, into this
@@ -132,17 +133,22 @@ class FetchAhead:
         missing are asked again); a batch that outlasts it raises
         :class:`~torchgrain.RemoteIOError` naming the URL. Other failures (a missing or
         truncated shard) are left to the shard's own read, which names the shard and
-        the record index. With ``lenient`` (read-ahead), every failure is."""
+        the record index. With ``lenient`` (read-ahead), every failure is. ``planned``,
+        when given, gets the bytes the batch's ranges hold appended (read-ahead sizes its
+        steps by it)."""
         if not self._reads_remote or not groups:
             return None
         files = self._batch_ranges(groups)
         if not files:
             return None
+        if planned is not None:
+            planned.append(_nbytes(files))
         if owner is None:  # a batch read here: the pass's range read-ahead may start
             owner = object()
             ahead = self._proc().range_ahead
-            if ahead is not None:
-                ahead.kick()
+            if ahead is not None and ahead.pending:
+                # This batch's bytes per record size the walk's first steps.
+                ahead.kick(per_record=_nbytes(files) / max(1, sum(len(g[1]) for g in groups)))
         store = range_store()
         label = files[0][1] if len(files) == 1 else f"{files[0][1]} and {len(files) - 1} more"
 
@@ -187,3 +193,8 @@ class FetchAhead:
         """Forget what :meth:`_prefetch_ranges` put and the batch did not use."""
         if owner is not None:
             range_store().drop(owner)
+
+
+def _nbytes(files: Sequence[tuple[str, str, Sequence[tuple[int, int]]]]) -> int:
+    """The bytes the ranges of :meth:`FetchAhead._batch_ranges` hold."""
+    return sum(int(e) - int(s) for _, _, ranges in files for s, e in ranges)

@@ -1,0 +1,82 @@
+"""Large records from a slow store: range read-ahead sized by bytes, and multi-range
+answers handed over without a copy, over a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import torchgrain as tg
+import torchgrain.io.readahead as readahead
+from tests.servers import RangeHTTPServer
+from torchgrain.io.fs import get_filesystem
+from torchgrain.io.inflight import cat_many
+from torchgrain.io.ranges import range_store
+
+RECORD = 40 << 10  # bytes of each record's blob
+
+
+@pytest.fixture
+def served(tmp_path):
+    """96 records of 40 KiB in 4 shards, on disk and behind an HTTP server."""
+    rng = np.random.default_rng(3)
+    recs = [{"i": i, "blob": rng.bytes(RECORD)} for i in range(96)]
+    d = tmp_path / "www" / "ds"
+    tg.write_array_record(recs, d, num_shards=4)
+    with RangeHTTPServer(tmp_path / "www", latency_s=0.005) as srv:
+        yield srv, str(d), recs
+
+
+def test_range_read_ahead_steps_are_sized_by_bytes(served, monkeypatch):
+    srv, _d, recs = served
+    # A step of at most 256 KiB: six records of 40 KiB, where it was 256 records.
+    monkeypatch.setattr(readahead, "STEP_BYTES", 256 << 10, raising=False)
+    src = tg.ArrayRecordSource(f"{srv.url}/ds", max_inflight=16)
+    steps: list[int] = []
+    fetch = src._prefetch_ranges
+
+    def counted(groups, **kw):
+        if kw.get("owner") is not None:  # a read-ahead step (a batch's own read has none)
+            steps.append(sum(len(rows) for _, rows, _ in groups))
+        return fetch(groups, **kw)
+
+    src._prefetch_ranges = counted
+    ds = tg.Dataset(src)
+    sampler = tg.GlobalShuffleSampler(ds, seed=0)
+
+    def slow_step(batch):  # slower than the reads: read-ahead runs ahead of the reader
+        threading.Event().wait(0.02)
+        return [(r["i"], r["blob"]) for r in batch]
+
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler, collate_fn=slow_step)
+    try:
+        got = [pair for batch in loader for pair in batch]
+    finally:
+        src.close()
+    assert sorted(i for i, _ in got) == list(range(len(recs)))
+    assert all(blob == recs[i]["blob"] for i, blob in got)
+    assert steps, "read-ahead fetched nothing ahead"
+    # Each step holds about 256 KiB (the first batch told the bytes per record).
+    assert max(steps) <= (256 << 10) // RECORD, steps
+    assert range_store().nbytes == 0
+
+
+def test_a_multirange_answer_is_handed_over_without_a_copy(served):
+    srv, d, _recs = served
+    srv.multirange = "parts"  # one part per range, as nginx answers
+    name = sorted(os.listdir(d))[0]
+    fs, path = get_filesystem(f"{srv.url}/ds/{name}")
+    with open(os.path.join(d, name), "rb") as f:
+        data = f.read()
+    starts = [0, 100_000, 50_000]
+    ends = [s + RECORD for s in starts]
+    got = cat_many(fs, [path] * 3, starts, ends, max_inflight=4)
+    assert srv.gets() == 1  # one request for the three ranges
+    assert [bytes(b) for b in got] == [data[s:e] for s, e in zip(starts, ends)]
+    # Views of one response body, not a copy of each range.
+    assert all(isinstance(b, memoryview) for b in got)
+    assert got[0].obj is got[1].obj is got[2].obj
