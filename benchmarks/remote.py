@@ -17,19 +17,33 @@ shuffled batches through ``ArrayRecordSource``:
 Targets: parallel >= 4x sequential; warm cache within 1.2x of local files; byte-range
 >= 10x whole-shard download on the larger-than-cache first epoch.
 
+``--large``: large records from a slow store against local disk instead (issue 38): 1,024
+records of 100 KiB in 16 shards, a global shuffle with no shard cache and no DataLoader
+workers (the reading process fetches the next batches while it decodes), 24 batches of
+32 timed from the start of the pass, at ``--latency-ms`` 30 by default, from nginx with its
+Lua module when installed (``benchmarks/_nginx_store.py``), else the threaded store. Each
+pass runs in a fresh process, local and remote interleaved, ``--repeats`` rounds; the
+ratio is the median of the rounds' ratios, and the process CPU per record of each is
+reported (the remote one includes receiving the bytes). Target: remote >= 0.5x local.
+Writes benchmarks/results/remote_large.json.
+
 Run:  python benchmarks/remote.py            (about two minutes on 2 cores)
       python benchmarks/remote.py --latency-ms 50 --workers 4
+      python benchmarks/remote.py --large --latency-ms 30 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 import torch
@@ -94,7 +108,89 @@ def _epoch_rates(src, args, epochs):
     return first / (t1 - t0), n / (t2 - t1)
 
 
+def _large_pass(where: str, batches: int, batch: int, max_inflight: int) -> dict:
+    """One pass over ``where`` in this (fresh) process: records/s and CPU s per record."""
+    src = (
+        tg.ArrayRecordSource(where, max_inflight=max_inflight)
+        if "://" in where
+        else tg.ArrayRecordSource(where)
+    )
+    src.__getitems__([int(o) for o in src.index.offsets[:-1]])  # footers read first
+    ds = tg.Dataset(src)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=batch,
+        sampler=tg.GlobalShuffleSampler(ds, seed=0),
+        collate_fn=lambda b: sum(len(r["x"]) for r in b),
+    )
+    t0, c0 = time.perf_counter(), time.process_time()
+    it = iter(loader)
+    got = sum(next(it) for _ in range(batches))
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert got == batches * batch * len(src[0]["x"])
+    return {"records/s": batches * batch / seconds, "cpu us/record": 1e6 * cpu / (batches * batch)}
+
+
+def large_vs_local(args: argparse.Namespace) -> None:
+    """``--large``: 100 KiB records from the store against local disk (module docstring)."""
+    from benchmarks import _nginx_store
+
+    print(describe_machine())
+    work = tempfile.mkdtemp(prefix="tg-bench-remote-large-")
+    server = None
+    runs: dict[str, list[dict]] = {"local": [], "remote": []}
+    try:
+        rng = np.random.default_rng(0)
+        d = os.path.join(work, "big")
+        tg.write_array_record(({"x": rng.bytes(100 << 10)} for _ in range(1024)), d, num_shards=16)
+        store = "nginx" if _nginx_store.available() else "threaded"
+        if store == "nginx":
+            server, url = _nginx_store.start(work)
+            for control in (
+                f"__latency?s={args.latency_ms / 1000}",
+                f"__rate?bps={args.mbps * 1e6}",
+            ):
+                with urllib.request.urlopen(f"{url}/{control}", timeout=30) as r:
+                    r.read()
+        else:
+            url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
+        print(f"store {store}: {args.latency_ms:g} ms per request; 1,024 x 100 KiB, 16 shards")
+        for r in range(args.repeats):
+            for mode, where in (("local", d), ("remote", f"{url}/big")):
+                cmd = [sys.executable, __file__, "--one-large", where, str(args.max_inflight)]
+                out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if out.returncode != 0:
+                    raise RuntimeError(f"{mode} failed:\n{out.stderr[-4000:]}")
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"round {r + 1}: {json.dumps({m: v[-1] for m, v in runs.items()})}")
+    finally:
+        if server is not None:
+            server.kill()
+        shutil.rmtree(work, ignore_errors=True)
+    ratio = statistics.median(
+        x["records/s"] / y["records/s"] for x, y in zip(runs["remote"], runs["local"])
+    )
+    rows = [
+        {
+            "mode": mode,
+            "records/s": statistics.median(x["records/s"] for x in runs[mode]),
+            "cpu us/record": statistics.median(x["cpu us/record"] for x in runs[mode]),
+        }
+        for mode in runs
+    ]
+    print_table(rows, ["mode", "records/s", "cpu us/record"])
+    target = {"remote_over_local": ratio, "target": ">= 0.5", "met": ratio >= 0.5}
+    print(target)
+    write_json(
+        "remote_large",
+        {"config": vars(args), "store": store, "runs": runs, "rows": rows, "target": target},
+    )
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--one-large":
+        print(json.dumps(_large_pass(sys.argv[2], 24, 32, int(sys.argv[3]))))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--mbps", type=float, default=50.0, help="per-connection MB/s")
@@ -105,7 +201,14 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=6, help="warm epochs timed (cache vs local)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--big-shard-mb", type=int, default=64)
+    p.add_argument("--max-inflight", type=int, default=128, help="--large: requests in flight")
+    p.add_argument("--large", action="store_true", help="100 KiB records vs local disk only")
     args = p.parse_args()
+    if args.large:
+        if "--latency-ms" not in sys.argv:
+            args.latency_ms = 30.0
+        large_vs_local(args)
+        return
     print(describe_machine())
     work = tempfile.mkdtemp(prefix="tg-bench-remote-")
     rows = []
