@@ -11,7 +11,15 @@ records fetched across its shards at once, ``max_inflight`` in flight). The boun
 capacity (one request per record); the ratio to it is printed beside each rate. The
 store, the client and the workers share this machine's cores: indicative.
 
-Run:  python benchmarks/remote_global_s3.py [--rounds 2]
+Each pass runs in a fresh process, rounds interleaved, with the variants of
+``benchmarks/remote_global.py --coalescing``: ``base`` (the starting code, ``--base``),
+``per_record`` (one request per record), ``earlier`` (each shard's ranges on its own,
+merged across 64 KiB holes) and ``after`` (the batch-wide fetch, nearby ranges merged
+within S3's gap and size cap: :func:`torchgrain.io.ranges.coalescing`). Requests are
+counted in the client (every S3 GET torchgrain makes, workers included). Target:
+``after`` at least ``per_record``'s and ``earlier``'s rate.
+
+Run:  python benchmarks/remote_global_s3.py [--rounds 3] [--base /tmp/base]
 Writes benchmarks/results/remote_global_s3.json.
 """
 
@@ -23,7 +31,6 @@ import multiprocessing as mp
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -31,9 +38,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torchgrain as tg
 from benchmarks._common import describe_machine, print_table, write_json
-from benchmarks.remote_global import _pass, _write
+from benchmarks.remote_global import _write, run_variants, summarise, targets
 
 BUCKET = "remote-global"
 
@@ -82,10 +88,13 @@ async def _client(url: str, span: int, size: int, seconds: float, conns: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=2, help="interleaved before/after rounds")
-    p.add_argument("--records", type=int, default=65536)
-    p.add_argument("--batches", type=int, default=12, help="batches of 256 timed per pass")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--records", type=int, default=32768)
+    p.add_argument("--batches", type=int, default=16, help="batches of 256 timed per pass")
     p.add_argument("--max-inflight", type=int, default=128)
+    p.add_argument("--workers", default="2,0")
+    p.add_argument("--base", default=None, help="the starting code's checkout (a variant)")
+    p.add_argument("--tree", default=None, help="the checkout to measure (default: this)")
     a = p.parse_args()
     import boto3
 
@@ -115,36 +124,52 @@ def main() -> None:
         capacity /= 5.0
         print(f"moto capacity (plain aiohttp client, 16 connections): {capacity:,.0f} req/s")
         opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+        variants = ["base", "per_record", "earlier", "after"]
+        if not a.base:
+            variants.remove("base")
         rows = []
-        for workers in (0, 2):
-            rates: dict[str, list[float]] = {"before": [], "after": []}
-            for _ in range(a.rounds):
-                for variant in ("before", "after"):
-                    src = tg.ArrayRecordSource(
-                        f"s3://{BUCKET}/r1024", storage_options=opts, max_inflight=a.max_inflight
-                    )
-                    if variant == "before":
-                        src._batch_ranges = lambda groups: None  # type: ignore[method-assign]
-                    rates[variant].append(_pass(src, workers=workers, batch=256, batches=a.batches))
-                    src.close()
-            for variant in ("before", "after"):
-                rate = statistics.median(rates[variant])
-                rows.append(
-                    {
-                        "workers": workers,
-                        "variant": variant,
-                        "records_per_s": rate,
-                        "bound": capacity,
-                        "of_bound": rate / capacity,
-                        "rounds": [round(r) for r in rates[variant]],
-                    }
-                )
-                print_table([rows[-1]], list(rows[-1]))
+        for workers in (int(w) for w in a.workers.split(",")):
+            specs = {
+                v: {
+                    "variant": v,
+                    "location": f"s3://{BUCKET}/r1024",
+                    "storage_options": opts,
+                    "workers": workers,
+                    "batch": 256,
+                    "batches": a.batches,
+                    "max_inflight": a.max_inflight,
+                }
+                for v in variants
+            }
+            got = run_variants(specs, a.rounds, a.base, a.tree)
+            for row in summarise(got, 256 * a.batches, 1024, store="moto-s3", workers=workers):
+                row["bound"] = capacity
+                row["of_bound"] = row["records_per_s"] / capacity
+                rows.append(row)
         print()
-        print_table(rows, list(rows[0]))
+        print_table(rows, ["workers", "variant", "records_per_s", "rounds", "requests"])
+        goals = []
+        for workers in {r["workers"] for r in rows}:
+            goal = targets([r for r in rows if r["workers"] == workers], "moto-s3")
+            goals.append({**goal, "workers": workers})
+        print(goals)
         write_json(
             "remote_global_s3",
-            {"capacity_requests_per_s": capacity, "max_inflight": a.max_inflight, "rows": rows},
+            {
+                "capacity_requests_per_s": capacity,
+                "settings": {
+                    "records": a.records,
+                    "record_bytes": 1024,
+                    "batch": 256,
+                    "batches": a.batches,
+                    "max_inflight": a.max_inflight,
+                    "rounds": a.rounds,
+                    "base": a.base,
+                    "note": "fresh process per pass, rounds interleaved; 2 shared cores",
+                },
+                "targets": goals,
+                "rows": rows,
+            },
         )
     finally:
         if proc is not None:

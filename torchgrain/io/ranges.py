@@ -6,7 +6,7 @@ flight together, latency paid once); locally, a memory map serves slices without
 system call per record. How near is near depends on the store (:func:`coalescing`): one
 that answers several ranges in one request (an HTTP file server) gets them so, and
 nearby ranges merged across a hole only on stores that answer one range per request
-(S3, GCS, most CDNs), where each request costs the client ~150 us of CPU.
+(S3, GCS, servers without multi-range support), where a request costs ~150 us of CPU.
 
 A batch that touches many remote files is fetched across all of them at once
 (:func:`fetch_batch`: up to ``max_inflight`` requests in flight in the process) into
