@@ -16,22 +16,28 @@ Example:
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import zstandard
 
+from torchgrain.formats._proto import decode_varints
 from torchgrain.formats.arrayrecord.riegeli import (
     _BLOCK,
     _CHUNK_HEADER,
     _CHUNK_SIMPLE,
     _CHUNK_TRANSPOSED,
+    _COMPRESSIONS,
+    _NONE,
+    _ZSTD,
+    _ZSTD_MAX_RATIO,
     ChunkDecoder,
     _ChunkDecodeError,
     _varint,
 )
 
-__all__ = ["parse_entries", "parse_footer"]
+__all__ = ["FooterReader", "parse_entries", "parse_footer"]
 
 _MAGIC = 0x71930E704FDAE05E
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
@@ -138,120 +144,353 @@ def parse_footer(
         CorruptDataError: not an ArrayRecord file, or a corrupt postscript or footer
             (named by ``dec``).
     """
-    post_pos = size - _BLOCK
-    try:
-        ctype, n, decoded, data = dec._chunk_payload(tail[post_pos - tail_start :], post_pos)
-        if ctype != _CHUNK_SIMPLE or n < 1:
-            raise _ChunkDecodeError("the last 64 KiB block holds no postscript chunk")
-        values, bounds = dec._decode_simple(data, n, decoded)
-        first = values[: bounds[1]] if bounds is not None else values
-        post = _parse_proto(first)
-    except (_ChunkDecodeError, ValueError, struct.error) as e:
-        raise dec._corrupt(
-            f"not an ArrayRecord file or truncated (bad postscript at offset {post_pos}: {e})"
-        ) from None
-    if post.get(2) != _MAGIC or not isinstance(post.get(1), int):
-        raise dec._corrupt(
-            "not an ArrayRecord file: the postscript lacks the ArrayRecord magic number"
-        )
-    footer_offset = post[1]
-    if not _CHUNK_HEADER <= footer_offset < post_pos:
-        raise dec._corrupt(f"postscript points to footer offset {footer_offset} outside the file")
-    # Between the footer's start and the postscript: the footer chunk and padding.
-    # A postscript pointing further back would make a remote open fetch the file's
-    # data as its footer.
-    if post_pos - footer_offset > dec._max_span():
-        raise dec._corrupt(
-            f"postscript points to a footer at offset {footer_offset}, "
-            f"{post_pos - footer_offset} bytes before it: more than a footer within "
-            f"max_chunk_bytes={dec._max_chunk} takes (a larger max_chunk_bytes reads "
-            "it, if the file is trusted)"
-        )
-
-    if footer_offset >= tail_start:
-        fbuf = tail[footer_offset - tail_start : post_pos - tail_start]
+    r = FooterReader(dec, tail, tail_start, size, fetch)
+    parts = list(r.slices())
+    if len(parts) == 1:
+        offsets, dsizes, ends = parts[0]
+    elif not parts:  # a file of no chunks
+        offsets, dsizes, ends = (np.zeros(0, np.int64) for _ in range(3))
     else:
-        fbuf = fetch([(footer_offset, post_pos)])[0]
-    try:
-        ctype, n, decoded, data = dec._chunk_payload(fbuf, footer_offset)
-        if ctype == _CHUNK_TRANSPOSED:
-            raise _ChunkDecodeError("the footer chunk is transposed")
-        if ctype != _CHUNK_SIMPLE or n < 1:
-            raise _ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
-        values, bounds = dec._decode_simple(data, n, decoded)
-        if bounds is None:
-            bounds = np.array([0, len(values)], np.int64)
-        bounds = np.asarray(bounds, np.int64)
-        meta_msg = _parse_proto(memoryview(values)[: int(bounds[1])])
-        meta_raw = meta_msg.get(1)
-        if not isinstance(meta_raw, bytes):
-            raise _ChunkDecodeError("footer metadata lacks array_record_metadata")
-        meta = _parse_proto(meta_raw)
-    except (_ChunkDecodeError, ValueError, struct.error) as e:
-        raise dec._corrupt(f"bad footer at offset {footer_offset}: {e}") from None
-    if meta.get(1) != 1:
-        raise dec._corrupt(f"unsupported ArrayRecord version {meta.get(1)!r}")
-    num_chunks = int(meta.get(2, 0))
-    num_records = int(meta.get(3, 0))
-    writer_options = meta.get(4, b"")
-    writer_options = (
-        writer_options.decode("utf-8", "replace") if isinstance(writer_options, bytes) else ""
-    )
-    if num_chunks != n - 1:
-        raise dec._corrupt(
-            f"footer metadata says {num_chunks} chunks, the footer holds {n - 1} entries"
-        )
-    offsets, dsizes, counts = parse_entries(dec, values, bounds)
-    if num_chunks:
-        if float(counts.sum(dtype=np.float64)) >= 2.0**62:  # int64 sums would wrap
-            raise dec._corrupt("footer entries hold more than 2**62 records")
-        if int(counts.sum()) != num_records:
-            raise dec._corrupt(
-                f"footer entries hold {int(counts.sum())} records, metadata says {num_records}"
-            )
-        if (
-            offsets[0] < _CHUNK_HEADER
-            or (num_chunks > 1 and bool(np.any(np.diff(offsets) <= 0)))
-            or offsets[-1] >= footer_offset
-        ):
-            raise dec._corrupt("footer chunk offsets are not increasing within the file")
-    elif num_records:
-        raise dec._corrupt(f"footer has no chunks but metadata says {num_records} records")
-    record_offsets = np.zeros(num_chunks + 1, np.int64)
-    np.cumsum(counts, out=record_offsets[1:])
-    chunk_ends = np.empty(num_chunks, np.int64)
+        offsets, dsizes, ends = (np.concatenate([p[j] for p in parts]) for j in range(3))
+    del parts
+    record_offsets = np.zeros(len(ends) + 1, np.int64)
+    record_offsets[1:] = ends
+    chunk_ends = np.empty(len(offsets), np.int64)
     chunk_ends[:-1] = offsets[1:]
-    if num_chunks:
-        chunk_ends[-1] = footer_offset
-        # A remote read fetches a chunk to the next one's offset: chunks listed far
-        # apart would make a read of one record fetch the bytes between.
-        spans = chunk_ends - offsets
-        c = int(np.argmax(spans))
-        if int(spans[c]) > dec._max_span():
-            raise dec._corrupt(
-                f"it spans {int(spans[c])} bytes to the next chunk's offset, more than a "
-                f"chunk within max_chunk_bytes={dec._max_chunk} takes (a larger "
-                "max_chunk_bytes reads it, if the file is trusted)",
-                chunk=c,
-            )
-    # Uniform group size (all chunks but the last hold g records) allows a division
-    # instead of a binary search for single-record reads.
-    group = 0
-    if num_chunks and counts[0] > 0:
-        g = int(counts[0])
-        if bool(np.all(counts[:-1] == g)) and int(counts[-1]) <= g and int(counts[-1]) > 0:
-            group = g
+    if len(offsets):
+        chunk_ends[-1] = r.footer_offset
     return _Footer(
         chunk_offsets=offsets,
         chunk_ends=chunk_ends,
         decoded_sizes=dsizes,
         record_offsets=record_offsets,
-        num_records=num_records,
-        writer_options=writer_options,
-        footer_offset=footer_offset,
+        num_records=r.num_records,
+        writer_options=r.writer_options,
+        footer_offset=r.footer_offset,
         file_size=size,
-        group_size=group,
+        group_size=r.group_size,
     )
+
+
+class _Stream:
+    """One buffer of a simple chunk (its record sizes or its values), read front to back
+    a piece at a time: a zstd stream is decompressed as it is read (the whole buffer is
+    never held), other compressions are decompressed whole first. The same checks as
+    :meth:`ChunkDecoder._decompress`, before anything is allocated from a declared size;
+    a stream that holds fewer or more bytes than it declares is an error."""
+
+    def __init__(self, dec: ChunkDecoder, ctype: int, comp: Any, limit: int, exact: bool) -> None:
+        self._reader: Any = None
+        self._buf: Any = None
+        self.pos = 0
+        if ctype != _ZSTD or not comp:
+            self._buf = memoryview(dec._decompress(ctype, comp, limit, exact)).cast("B")
+            self.size = len(self._buf)
+            return
+        size, p = _varint(comp, 0, len(comp))
+        if size > limit or (exact and size != limit):
+            raise _ChunkDecodeError(
+                f"compressed buffer declares {size} decompressed bytes, expected "
+                f"{'' if exact else 'at most '}{limit}"
+            )
+        if size > dec._max_chunk:
+            raise _ChunkDecodeError(dec._over_ceiling(size))
+        payload = comp[p:]
+        try:
+            declared = zstandard.frame_content_size(payload)
+        except zstandard.ZstdError as e:
+            raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+        if declared >= 0 and declared != size:
+            raise _ChunkDecodeError(f"zstd frame declares {declared} bytes, chunk says {size}")
+        if size > len(payload) * _ZSTD_MAX_RATIO:
+            raise _ChunkDecodeError(
+                f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
+            )
+        # A context of its own: the record sizes and the values are read in turns.
+        self._reader = zstandard.ZstdDecompressor().stream_reader(payload)
+        self.size = size
+
+    def read(self, k: int) -> Any:
+        """The next ``k`` bytes (``k`` at most what is left)."""
+        a = self.pos
+        self.pos += k
+        if self._reader is None:
+            return self._buf[a : a + k]
+        pieces = []
+        try:
+            while k:
+                got = self._reader.read(k)
+                if not got:
+                    raise _ChunkDecodeError(f"decompressed {a} bytes, expected {self.size}")
+                pieces.append(got)
+                a += len(got)
+                k -= len(got)
+        except zstandard.ZstdError as e:
+            raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def finish(self) -> None:
+        """Check that the stream holds nothing after the bytes read."""
+        if self._reader is not None:
+            try:
+                more = self._reader.read(1)
+            except zstandard.ZstdError as e:
+                raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+            if more:
+                raise _ChunkDecodeError(f"decompressed more than the {self.size} bytes expected")
+            self._reader.close()
+
+
+class FooterReader:
+    """A file's postscript and footer chunk header, read and checked; the footer's
+    entries read by :meth:`slices`, all at once or a slice of chunks at a time (a
+    footer of any size in bounded memory, for :mod:`torchgrain.sources.node_index`).
+    Arguments as :func:`parse_footer`'s.
+
+    Example:
+        >>> import os, tempfile
+        >>> from array_record.python.array_record_module import ArrayRecordWriter
+        >>> from torchgrain.formats.arrayrecord.file import ArrayRecordFile
+        >>> p = os.path.join(tempfile.mkdtemp(), "a.array_record")
+        >>> w = ArrayRecordWriter(p, "group_size:1")
+        >>> for i in range(5):
+        ...     w.write(b"%d" % i)
+        >>> w.close()
+        >>> f = ArrayRecordFile(p)
+        >>> view = f._local_view()
+        >>> r = FooterReader(f, view, 0, len(view), f._fetch)
+        >>> [ends.tolist() for _, _, ends in r.slices(step=2)], r.group_size
+        ([[1, 2], [3, 4], [5]], 1)
+    """
+
+    def __init__(
+        self,
+        dec: ChunkDecoder,
+        tail: memoryview,
+        tail_start: int,
+        size: int,
+        fetch: Callable[[list[tuple[int, int]]], list[memoryview]],
+    ) -> None:
+        post_pos = size - _BLOCK
+        try:
+            ctype, n, decoded, data = dec._chunk_payload(tail[post_pos - tail_start :], post_pos)
+            if ctype != _CHUNK_SIMPLE or n < 1:
+                raise _ChunkDecodeError("the last 64 KiB block holds no postscript chunk")
+            values, bounds = dec._decode_simple(data, n, decoded)
+            first = values[: bounds[1]] if bounds is not None else values
+            post = _parse_proto(first)
+        except (_ChunkDecodeError, ValueError, struct.error) as e:
+            raise dec._corrupt(
+                f"not an ArrayRecord file or truncated (bad postscript at offset {post_pos}: {e})"
+            ) from None
+        if post.get(2) != _MAGIC or not isinstance(post.get(1), int):
+            raise dec._corrupt(
+                "not an ArrayRecord file: the postscript lacks the ArrayRecord magic number"
+            )
+        footer_offset = post[1]
+        if not _CHUNK_HEADER <= footer_offset < post_pos:
+            raise dec._corrupt(
+                f"postscript points to footer offset {footer_offset} outside the file"
+            )
+        # Between the footer's start and the postscript: the footer chunk and padding.
+        # A postscript pointing further back would make a remote open fetch the file's
+        # data as its footer.
+        if post_pos - footer_offset > dec._max_span():
+            raise dec._corrupt(
+                f"postscript points to a footer at offset {footer_offset}, "
+                f"{post_pos - footer_offset} bytes before it: more than a footer within "
+                f"max_chunk_bytes={dec._max_chunk} takes (a larger max_chunk_bytes reads "
+                "it, if the file is trusted)"
+            )
+        if footer_offset >= tail_start:
+            fbuf = tail[footer_offset - tail_start : post_pos - tail_start]
+        else:
+            fbuf = fetch([(footer_offset, post_pos)])[0]
+        try:
+            ctype, n, decoded, data = dec._chunk_payload(fbuf, footer_offset)
+            if ctype == _CHUNK_TRANSPOSED:
+                raise _ChunkDecodeError("the footer chunk is transposed")
+            if ctype != _CHUNK_SIMPLE or n < 1:
+                raise _ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
+        except (_ChunkDecodeError, ValueError, struct.error) as e:
+            raise self._bad(dec, footer_offset, e) from None
+        self._dec, self._n, self._decoded, self._data = dec, n, decoded, data
+        #: Where the footer chunk begins; the file's size.
+        self.footer_offset, self.file_size = footer_offset, size
+        #: From the footer's metadata, once :meth:`slices` has begun.
+        self.num_records, self.writer_options = 0, ""
+        #: Records in every chunk but the last (which holds at most as many), or 0:
+        #: known once :meth:`slices` is done.
+        self.group_size = 0
+
+    @staticmethod
+    def _bad(dec: ChunkDecoder, footer_offset: int, e: Exception) -> Exception:
+        return dec._corrupt(f"bad footer at offset {footer_offset}: {e}")
+
+    def _metadata(self, first: Any) -> None:
+        dec = self._dec
+        meta_msg = _parse_proto(first)
+        meta_raw = meta_msg.get(1)
+        if not isinstance(meta_raw, bytes):
+            raise _ChunkDecodeError("footer metadata lacks array_record_metadata")
+        meta = _parse_proto(meta_raw)
+        if meta.get(1) != 1:
+            raise dec._corrupt(f"unsupported ArrayRecord version {meta.get(1)!r}")
+        num_chunks = int(meta.get(2, 0))
+        self.num_records = int(meta.get(3, 0))
+        options = meta.get(4, b"")
+        self.writer_options = (
+            options.decode("utf-8", "replace") if isinstance(options, bytes) else ""
+        )
+        if num_chunks != self._n - 1:
+            raise dec._corrupt(
+                f"footer metadata says {num_chunks} chunks, the footer holds {self._n - 1} entries"
+            )
+
+    def _whole(self) -> Iterator[tuple[Any, np.ndarray, int]]:
+        values, bounds = self._dec._decode_simple(self._data, self._n, self._decoded)
+        if bounds is None:
+            bounds = np.array([0, len(values)], np.int64)
+        bounds = np.asarray(bounds, np.int64)
+        self._metadata(memoryview(values)[: int(bounds[1])])
+        yield values, bounds, 0
+
+    def _streamed(self, step: int) -> Iterator[tuple[Any, np.ndarray, int]]:
+        """The footer's records ``step`` at a time: (their values, their bounds after an
+        empty record 0, the first entry's number), record 0 read as the metadata."""
+        data, n, decoded = self._data, self._n, self._decoded
+        size = len(data)
+        if size < 2:
+            raise _ChunkDecodeError(f"simple chunk data has only {size} bytes")
+        ctype = data[0]
+        if ctype not in _COMPRESSIONS:
+            raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
+        if ctype != _NONE and decoded > self._dec._max_chunk:
+            raise _ChunkDecodeError(self._dec._over_ceiling(decoded))
+        sizes_len, p = _varint(data, 1, size)
+        if sizes_len > size - p:
+            raise _ChunkDecodeError(
+                f"record-size buffer claims {sizes_len} bytes, only {size - p} remain"
+            )
+        sizes = _Stream(self._dec, ctype, data[p : p + sizes_len], 10 * n, False)
+        values = _Stream(self._dec, ctype, data[p + sizes_len :], decoded, True)
+        pend = np.zeros(0, np.uint8)  # record-size bytes read, not yet decoded
+        total = 0
+
+        def take(k: int) -> np.ndarray:
+            # Each varint ends with the one byte of it below 0x80: k more sizes take at
+            # least as many more bytes as they lack ends.
+            nonlocal pend, total
+            have = int(np.count_nonzero(pend < 0x80))
+            while have < k:
+                want = min(k - have, sizes.size - sizes.pos)
+                if want == 0:
+                    raise _ChunkDecodeError(f"record-size buffer holds fewer than {n} sizes")
+                more = np.frombuffer(sizes.read(want), np.uint8)
+                have += int(np.count_nonzero(more < 0x80))
+                pend = np.concatenate([pend, more])
+            cut = int(np.flatnonzero(pend < 0x80)[k - 1]) + 1
+            got = decode_varints(pend[:cut])[0]
+            pend = pend[cut:]
+            if int(got.max()) > decoded:
+                raise _ChunkDecodeError("a record size exceeds the chunk's decoded size")
+            got = got.astype(np.int64)
+            total += int(got.sum())
+            if total > decoded:
+                raise _ChunkDecodeError(
+                    f"record sizes add up to more than {decoded}, the chunk's decoded size"
+                )
+            return got
+
+        self._metadata(values.read(int(take(1)[0])))
+        for a in range(0, n - 1, step):
+            got = take(min(step, n - 1 - a))
+            bounds = np.zeros(len(got) + 2, np.int64)
+            np.cumsum(got, out=bounds[2:])
+            yield values.read(int(bounds[-1])), bounds, a
+        if len(pend) or sizes.pos != sizes.size:
+            raise _ChunkDecodeError("record-size buffer has trailing bytes")
+        sizes.finish()
+        if total != decoded:
+            raise _ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
+        values.finish()
+
+    def slices(
+        self, step: int | None = None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """The footer's entries as ``(chunk offsets, decoded sizes, record ends)`` int64
+        arrays (record ends: the prefix sums of the chunks' record counts), all in one
+        slice (``step=None``: the footer decoded whole) or ``step`` chunks at a time
+        (decoded as they come: what is held does not grow with the number of chunks).
+        Every check of the entries is made on the slice that shows it, the record count
+        and the last chunk's on the last: a caller that writes slices as they come
+        drops what it wrote when this raises.
+
+        Raises:
+            CorruptDataError: a corrupt footer (named by the reader).
+        """
+        dec, footer_offset, num_chunks = self._dec, self.footer_offset, self._n - 1
+        parts = self._whole() if step is None else self._streamed(max(1, step))
+        total, prev, group = 0, -1, -1
+        while True:
+            try:
+                part = next(parts, None)
+            except (_ChunkDecodeError, ValueError, struct.error) as e:
+                raise self._bad(dec, footer_offset, e) from None
+            if part is None:
+                break
+            values, bounds, a = part
+            del part
+            offsets, dsizes, counts = parse_entries(dec, values, bounds, first=a)
+            del values, bounds
+            k = len(offsets)
+            if not k:
+                continue
+            last = a + k == num_chunks
+            s = float(counts.sum(dtype=np.float64))
+            if s + total >= 2.0**62:  # int64 sums would wrap
+                raise dec._corrupt("footer entries hold more than 2**62 records")
+            ends = np.cumsum(counts)
+            ends += total
+            total = int(ends[-1])
+            if last and total != self.num_records:
+                raise dec._corrupt(
+                    f"footer entries hold {total} records, metadata says {self.num_records}"
+                )
+            if (
+                int(offsets[0]) <= max(prev, _CHUNK_HEADER - 1)
+                or (k > 1 and bool(np.any(np.diff(offsets) <= 0)))
+                or int(offsets[-1]) >= footer_offset
+            ):
+                raise dec._corrupt("footer chunk offsets are not increasing within the file")
+            # A remote read fetches a chunk to the next one's offset: chunks listed far
+            # apart would make a read of one record fetch the bytes between.
+            spans = np.empty(k + 1, np.int64)
+            spans[0] = int(offsets[0]) - prev if a else 0
+            spans[1:k] = np.diff(offsets)
+            spans[k] = footer_offset - int(offsets[-1]) if last else 0
+            c = int(np.argmax(spans))
+            if int(spans[c]) > dec._max_span():
+                raise dec._corrupt(
+                    f"it spans {int(spans[c])} bytes to the next chunk's offset, more than a "
+                    f"chunk within max_chunk_bytes={dec._max_chunk} takes (a larger "
+                    "max_chunk_bytes reads it, if the file is trusted)",
+                    chunk=a + c - 1,
+                )
+            prev = int(offsets[-1])
+            # Uniform group size (all chunks but the last hold g records) allows a
+            # division instead of a binary search for single-record reads.
+            if group < 0:
+                group = int(counts[0])
+            if group > 0:
+                body = counts[:-1] if last else counts
+                if not bool(np.all(body == group)) or (last and not 0 < int(counts[-1]) <= group):
+                    group = 0
+            del counts
+            yield offsets, dsizes, ends
+        if num_chunks == 0 and self.num_records:
+            raise dec._corrupt(f"footer has no chunks but metadata says {self.num_records} records")
+        self.group_size = max(group, 0)
 
 
 def _entries_fast(
@@ -297,9 +536,10 @@ def _entries_fast(
 
 
 def parse_entries(
-    dec: ChunkDecoder, values: Any, bounds: np.ndarray, vectorised: bool = True
+    dec: ChunkDecoder, values: Any, bounds: np.ndarray, vectorised: bool = True, first: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Footer entries 1..n as (chunk_offset, decoded_size, num_records) int64 arrays."""
+    """Footer entries 1..n as (chunk_offset, decoded_size, num_records) int64 arrays;
+    ``first``: the number of entry 1 in the footer (a slice of it), for errors."""
     n = len(bounds) - 2
     if vectorised:
         body_start = int(bounds[1])
@@ -314,10 +554,10 @@ def parse_entries(
         try:
             msg = _parse_proto(mv[int(bounds[i + 1]) : int(bounds[i + 2])])
         except ValueError as e:
-            raise dec._corrupt(f"footer entry {i}: {e}") from None
+            raise dec._corrupt(f"footer entry {first + i}: {e}") from None
         for j in range(3):
             x = msg.get(j + 1, 0)
             if not isinstance(x, int) or x >= 1 << 62:
-                raise dec._corrupt(f"footer entry {i}: bad field {j + 1}: {x!r}")
+                raise dec._corrupt(f"footer entry {first + i}: bad field {j + 1}: {x!r}")
             out[i, j] = x
     return out[:, 0].copy(), out[:, 1].copy(), out[:, 2].copy()

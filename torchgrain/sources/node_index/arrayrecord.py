@@ -17,7 +17,7 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
-from torchgrain.formats.arrayrecord.footer import _Footer, _parse_proto
+from torchgrain.formats.arrayrecord.footer import FooterReader, _Footer, _parse_proto
 from torchgrain.formats.arrayrecord.riegeli import (
     _BLOCK,
     _CHUNK_HEADER,
@@ -318,29 +318,51 @@ def build_arrayrecord_index(
     soon as the shards before it are, and the footers parsed and not yet written hold
     at most :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (each costs about
     :data:`_PARSE_COST` bytes per chunk while parsed; its entry count is read ahead
-    from the footer chunk's header). A build of more than a few seconds reports its
+    from the footer chunk's header). A local footer that would cost more than the whole
+    budget is read and written a slice of chunks at a time
+    (:class:`~torchgrain.formats.arrayrecord.footer.FooterReader`; with ``tolerate``,
+    read twice: checked whole before its first slice is written). A build of more than a few seconds reports its
     progress on stderr (:class:`~torchgrain.sources.node_index.store.BuildProgress`).
 
     Raises:
         CorruptDataError: a shard is not a readable ArrayRecord file (named).
     """
 
-    def peek(i: int) -> tuple[tuple[int, ArrayRecordFile | None], int]:
+    # A footer whose parse would cost more than the whole budget is read a slice of
+    # chunks at a time, a sixteenth of the budget each (what the threads' allocator
+    # arenas keep afterwards), written as it is read.
+    step = max(1, store.BUILD_BYTES // (16 * _PARSE_COST))
+
+    def peek(i: int) -> tuple[tuple[int, ArrayRecordFile | None, bool], int]:
         try:
             f = ArrayRecordFile(paths[i], filesystem=filesystem, max_chunk_bytes=max_chunk_bytes)
         except (CorruptDataError, OSError):
-            return (i, None), 0  # raised again, and handled, by footer()
+            return (i, None, False), 0  # raised again, and handled, by footer()
         n = _footer_entries(f)
-        return (i, f), _UNKNOWN_COST if n is None else min(n, 1 << 40) * _PARSE_COST
+        cost = _UNKNOWN_COST if n is None else min(n, 1 << 40) * _PARSE_COST
+        if cost > store.BUILD_BYTES:
+            return (i, f, True), step * _PARSE_COST
+        return (i, f, False), cost
 
-    def footer(state: tuple[int, ArrayRecordFile | None]) -> tuple[_Footer, bytes] | None:
-        i, f = state
+    def footer(
+        state: tuple[int, ArrayRecordFile | None, bool],
+    ) -> tuple[_Footer | FooterReader, bytes, ArrayRecordFile | None] | None:
+        i, f, sliced = state
         try:
             if f is None:
                 f = ArrayRecordFile(
                     paths[i], filesystem=filesystem, max_chunk_bytes=max_chunk_bytes
                 )
-            return _footer_of(f)
+            if not sliced:
+                return (*_footer_of(f), None)
+            view = f._local_view()
+            r = FooterReader(f, view, 0, len(view), f._fetch)
+            if tolerate:  # every check made before a slice is written
+                for _ in r.slices(step):
+                    pass
+            head = bytes(view[r.footer_offset : r.footer_offset + _CHUNK_HEADER])
+            got, f = (r, head, f), None  # the caller reads it, then closes the file
+            return got
         except (CorruptDataError, OSError):  # not found, a directory, unreadable...
             if not tolerate:
                 raise
@@ -364,8 +386,26 @@ def build_arrayrecord_index(
                 sink.append("file_size", np.zeros(1))
                 sink.append("group_size", np.array([_UNREADABLE]))
                 sink.append("footer_head", np.zeros((1, _CHUNK_HEADER), np.uint8))
+            elif got[2] is not None:  # a large footer: written a slice at a time
+                r, head, fh = got
+                try:
+                    sink.append("record_offsets", np.zeros(1))
+                    for offsets, dsizes, ends in r.slices(step):
+                        sink.append("offsets", offsets)
+                        sink.append("record_offsets", ends)
+                        sink.append("decoded", dsizes)
+                        nchunks[k] += len(offsets)
+                        del offsets, dsizes, ends
+                finally:
+                    fh.close()
+                counts[k] = r.num_records
+                sink.append("offsets", np.array([r.footer_offset]))
+                sink.append("file_size", np.array([r.file_size]))
+                sink.append("group_size", np.array([r.group_size]))
+                sink.append("footer_head", np.frombuffer(head, np.uint8).reshape(1, -1))
+                del r, fh
             else:
-                f, head = got
+                f, head, _ = got
                 counts[k] = f.num_records
                 nchunks[k] = len(f.chunk_offsets)
                 sink.append("offsets", np.append(f.chunk_offsets, f.footer_offset))
