@@ -41,12 +41,6 @@ def _run(tmp_path, code: str) -> str:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify")
-@pytest.mark.xfail(
-    strict=True,
-    reason="changes.Pin.release compares the fork generation only: a forked child that "
-    "frees its copy of a parent's Pin before torchgrain's after-fork hook has run removes "
-    "the parent's inotify watch (the instance is shared across fork)",
-)
 def test_a_forked_child_freeing_its_copy_of_a_pin_keeps_the_parents_watch(tmp_path):
     """The parent must still see a write to a file it mapped after a forked child let
     go of its copy of the parent's pin. A garbage collection in an earlier after-fork

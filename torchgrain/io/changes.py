@@ -214,6 +214,7 @@ def _adopt_at_fork() -> None:
     trusted = not old.lost
     for pin in pins:
         parents, pin.generation, pin.wd = pin.wd, w.generation, -1
+        pin.owner = process.token()
         if parents < 0:
             continue
         if old.modified.get(parents, 0) != pin.seen:
@@ -282,13 +283,13 @@ class Pin:
         path: its path (for messages, and for the stat when no watch is kept).
     """
 
-    __slots__ = ("__weakref__", "generation", "ident", "path", "seen", "verdict", "wd")
+    __slots__ = ("__weakref__", "generation", "ident", "owner", "path", "seen", "verdict", "wd")
 
     def __init__(self, fd: int, path: str) -> None:
         self.path = path
         self.verdict: str | None = None  # what a forked child found as it started
         w = _this_process()
-        self.generation = w.generation
+        self.generation, self.owner = w.generation, process.token()
         self.wd = w.add(fd)
         # After the watch is added a change raises an event: count from what came before.
         self.seen = 0
@@ -307,7 +308,7 @@ class Pin:
         """In a forked child: watch the file again, through its path (checked to be
         the same inode, size and time, so the new watch covers what the map holds)."""
         old = self.wd
-        self.generation, self.wd = w.generation, -1
+        self.generation, self.owner, self.wd = w.generation, process.token(), -1
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -328,7 +329,10 @@ class Pin:
     def release(self) -> None:
         """Stop watching (the map is gone); :func:`changed` then stats the path."""
         wd, self.wd = self.wd, -1
-        if wd >= 0 and self.generation == process.generation:
+        # The pid too, not only the generation: a forked child may free its copy of a
+        # parent's pin before the after-fork hooks have run, and the inotify instance is
+        # shared with the parent until then.
+        if wd >= 0 and self.generation == process.generation and self.owner == process.token():
             w = _watcher
             if w is not None and w.generation == self.generation:
                 w.release(wd)
