@@ -3,6 +3,7 @@ against hostile and changing inputs: each test here reproduces a defect found th
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import torchgrain as tg
-from torchgrain.formats.tfrecord import _frame
+from torchgrain.formats.tfrecord import _frame, _walk_buffered
 from torchgrain.io.region import supported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +50,7 @@ _HELD = textwrap.dedent(
     import numpy as np
     import torchgrain as tg
     from torchgrain.errors import CorruptDataError
-    from torchgrain.formats.tfrecord import _frame
+    from torchgrain.formats.tfrecord import _frame, _walk_buffered
 
     d = sys.argv[2]
     for f in range(3):
@@ -83,7 +84,7 @@ def test_shard_changed_during_another_read_is_refused_not_read(tmp_path):
     run = subprocess.run(
         [sys.executable, "-c", _HELD, ROOT, str(d)], capture_output=True, text=True, timeout=120
     )
-    assert run.returncode == 0, f"killed by signal {-run.returncode}: {run.stderr[-2000:]}"
+    assert run.returncode == 0, f"exit status {run.returncode}: {run.stderr[-2000:]}"
     assert "refused:" in run.stdout and "p1.tfrecord" in run.stdout
 
 
@@ -100,3 +101,16 @@ def test_index_dir_inside_the_data_directory_opens_twice(tmp_path):
     for _ in range(2):
         src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(d / ".index"))
         assert (len(src), src.num_shards) == (2, 1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="formats/tfrecord.py _walk_buffered: the same-length run takes every whole "
+    "frame in the block read, not only those within the size it walks (the one-by-one "
+    "walk stops there): a file appended to after its size was read gets offsets past it",
+)
+def test_offsets_walk_stops_at_the_size_it_was_given():
+    data = b"".join(_frame(b"ab") for _ in range(100))  # frames of 18 bytes
+    size = 18 * 60  # the size read before a writer appended 40 more records
+    parts = list(_walk_buffered(io.BytesIO(data), "x.tfrecord", size, True, 1 << 16))
+    assert np.concatenate(parts).tolist() == list(range(0, size, 18))
