@@ -457,9 +457,10 @@ class FooterReader:
                 raise dec._corrupt(
                     f"footer entries hold {total} records, metadata says {self.num_records}"
                 )
+            steps = np.diff(offsets)
             if (
                 int(offsets[0]) <= max(prev, _CHUNK_HEADER - 1)
-                or (k > 1 and bool(np.any(np.diff(offsets) <= 0)))
+                or (k > 1 and int(steps.min()) <= 0)
                 or int(offsets[-1]) >= footer_offset
             ):
                 raise dec._corrupt("footer chunk offsets are not increasing within the file")
@@ -467,7 +468,7 @@ class FooterReader:
             # apart would make a read of one record fetch the bytes between.
             spans = np.empty(k + 1, np.int64)
             spans[0] = int(offsets[0]) - prev if a else 0
-            spans[1:k] = np.diff(offsets)
+            spans[1:k] = steps
             spans[k] = footer_offset - int(offsets[-1]) if last else 0
             c = int(np.argmax(spans))
             if int(spans[c]) > dec._max_span():
