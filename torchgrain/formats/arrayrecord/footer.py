@@ -379,11 +379,12 @@ class FooterReader:
 
         def take(k: int) -> np.ndarray:
             # Each varint ends with the one byte of it below 0x80: k more sizes take at
-            # least as many more bytes as they lack ends.
+            # least as many more bytes as they lack ends (read 64 KiB at least, so long
+            # varints take few rounds).
             nonlocal pend, total
             have = int(np.count_nonzero(pend < 0x80))
             while have < k:
-                want = min(k - have, sizes.size - sizes.pos)
+                want = min(max(k - have, 1 << 16), sizes.size - sizes.pos)
                 if want == 0:
                     raise _ChunkDecodeError(f"record-size buffer holds fewer than {n} sizes")
                 more = np.frombuffer(sizes.read(want), np.uint8)
