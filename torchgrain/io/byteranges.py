@@ -23,7 +23,7 @@ Example:
     ...     b"\\r\\n--B\\r\\nContent-Range: bytes 10-11/20\\r\\n\\r\\nkl\\r\\n--B--\\r\\n"
     ... )
     >>> parts, size = parse_byteranges(body, "B")
-    >>> slice_parts(parts, [(0, 2), (10, 12), (1, 4)]), size
+    >>> [bytes(v) for v in slice_parts(parts, [(0, 2), (10, 12), (1, 4)])], size
     ([b'ab', b'kl', b'bcd'], 20)
 """
 
@@ -42,6 +42,7 @@ __all__ = [
     "parse_byteranges",
     "range_header",
     "response_limit",
+    "single_part",
     "slice_parts",
 ]
 
@@ -130,7 +131,7 @@ def boundary_of(content_type: str | None) -> str | None:
 
 
 def parse_byteranges(
-    body: bytes, boundary: str, *, size: int | None = None, max_parts: int = MAX_RANGES
+    body: bytes | bytearray, boundary: str, *, size: int | None = None, max_parts: int = MAX_RANGES
 ) -> tuple[list[tuple[int, memoryview]], int | None]:
     """The parts of a ``multipart/byteranges`` ``body`` (``(first byte, view of body)``
     each, in the order sent: nothing copied), and the file size they declare (None if
@@ -153,7 +154,7 @@ def parse_byteranges(
         delim = b"--" + boundary.encode("ascii")
     except UnicodeEncodeError:
         raise MultipartError(f"boundary {boundary[:80]!r} is not ASCII") from None
-    view = memoryview(body)
+    view = memoryview(body).toreadonly()  # a bytearray body: its parts stay read-only
     # The first boundary may follow a preamble (RFC 2046); nginx sends a blank line.
     pos = body.find(delim)
     if pos < 0 or pos > MAX_PART_HEADER_BYTES:
@@ -208,14 +209,15 @@ def slice_parts(
     ranges: Sequence[tuple[int, int]],
     *,
     size: int | None = None,
-) -> list[bytes | None]:
+) -> list[memoryview | None]:
     """The bytes of each half-open range in ``ranges``, from the part that holds all of it
-    (a server may merge ranges into one part); a range no part holds is a
-    :class:`MultipartError`, except one that ends past ``size`` (the file's, as the
-    parts declare it): servers leave those out, and it is None.
+    (a server may merge ranges into one part), as a view of that part (nothing copied:
+    the parts are views of a response body no one writes to or reuses); a range no part
+    holds is a :class:`MultipartError`, except one that ends past ``size`` (the file's,
+    as the parts declare it): servers leave those out, and it is None.
 
     Example:
-        >>> slice_parts([(10, b"abcdef")], [(11, 13), (15, 16)])
+        >>> [bytes(v) for v in slice_parts([(10, b"abcdef")], [(11, 13), (15, 16)])]
         [b'bc', b'f']
         >>> slice_parts([(10, b"abcdef")], [(15, 17)])
         Traceback (most recent call last):
@@ -226,14 +228,14 @@ def slice_parts(
     """
     ordered = sorted(parts, key=lambda p: p[0])
     firsts = [p[0] for p in ordered]
-    out: list[bytes | None] = []
+    out: list[memoryview | None] = []
     for s, e in ranges:
         k = bisect.bisect_right(firsts, s) - 1
         # the part starting last at or before s; a longer one further left may hold it too
         while k >= 0:
             first, data = ordered[k]
             if first + len(data) >= e:
-                out.append(bytes(data[s - first : e - first]))
+                out.append(memoryview(data)[s - first : e - first])
                 break
             k -= 1
         else:
@@ -241,3 +243,30 @@ def slice_parts(
                 raise MultipartError(f"no part holds bytes {s}-{e}")
             out.append(None)
     return out
+
+
+def single_part(
+    content_range: str | None, body: bytes | bytearray
+) -> tuple[list[tuple[int, memoryview]], int | None]:
+    """The answer to a multi-range request that is one ``206`` range (a server merged the
+    ranges, as RFC 9110 allows) as :func:`parse_byteranges` gives parts: its
+    ``Content-Range`` must be well formed and name exactly the bytes of ``body`` (a view
+    of it, nothing copied).
+
+    Example:
+        >>> parts, size = single_part("bytes 2-4/9", b"abc")
+        >>> [(first, bytes(data)) for first, data in parts], size
+        ([(2, b'abc')], 9)
+        >>> single_part("bytes 2-5/9", b"abc")
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.byteranges.MultipartError: part 0: bytes 2-5 of 9 hold 3 bytes
+    """
+    m = _CONTENT_RANGE.fullmatch((content_range or "").strip().encode("latin-1", "replace"))
+    if m is None:
+        raise MultipartError(f"part 0: bad Content-Range {(content_range or '')[:80]!r}")
+    first, last = int(m[1]), int(m[2])
+    total = None if m[3] == b"*" else int(m[3])
+    if last < first or (total is not None and last >= total) or last - first + 1 != len(body):
+        raise MultipartError(f"part 0: bytes {first}-{last} of {total} hold {len(body)} bytes")
+    return [(first, memoryview(body).toreadonly())], total

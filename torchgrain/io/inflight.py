@@ -40,6 +40,7 @@ from torchgrain.io.byteranges import (
     parse_byteranges,
     range_header,
     response_limit,
+    single_part,
     slice_parts,
 )
 from torchgrain.io.remote import (
@@ -55,6 +56,7 @@ from torchgrain.io.responses import (
     RangeAnswerError,
     ResponseSizeError,
     _changed,
+    _pieces,
     _read_capped,
     check_file_answer,
     range_request,
@@ -200,7 +202,7 @@ async def _get_ranges(
             raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status < 300)
         try:
             body = await _read_capped(
-                r.content.read,
+                _pieces(r.content),
                 response_limit(merged),
                 r.content_length,
                 why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
@@ -214,12 +216,7 @@ async def _get_ranges(
                 parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
             else:
                 # One part: the server merged the ranges (RFC 9110 allows it) into one.
-                head = r.headers.get("Content-Range", "").encode("latin-1", "replace")
-                parts, size = parse_byteranges(
-                    b"--x\r\nContent-Range: " + head + b"\r\n\r\n" + body + b"\r\n--x--",
-                    "x",
-                    max_parts=1,
-                )
+                parts, size = single_part(r.headers.get("Content-Range"), body)
         except MultipartError:
             raise
         except Exception as e:  # whatever else a malformed answer trips

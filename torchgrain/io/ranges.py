@@ -144,7 +144,8 @@ def _slices(
             j += 1
         at[i] = j
         used[j] += e - s
-        out[i] = memoryview(blobs[j])[s - merged[j][0] : e - merged[j][0]]
+        # Read-only: a body read into a bytearray is still no one's to write.
+        out[i] = memoryview(blobs[j]).toreadonly()[s - merged[j][0] : e - merged[j][0]]
     if own:
         for i in order:
             m = merged[at[i]]

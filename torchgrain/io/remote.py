@@ -231,8 +231,10 @@ def _capped_response() -> type:
                         "torchgrain reads of a page (remote.MAX_PAGE_BYTES)"
                     )
                 try:
-                    self._body = await _read_capped(
-                        self.content.read, limit, self.content_length, why=why
+                    # bytes, as aiohttp's own read gives (a body in pieces comes as
+                    # a bytearray)
+                    self._body = bytes(
+                        await _read_capped(self.content.read, limit, self.content_length, why=why)
                     )
                 except BaseException:
                     self.close()  # the rest of the body is never read

@@ -279,10 +279,16 @@ class _RedirectRefused(UnsafePathError, PermissionError):
 
 async def _read_capped(
     read: Callable[[int], Awaitable[bytes]], limit: int, declared: int | None, *, why: str
-) -> bytes:
-    """A body read with ``read(n)`` (up to ``n`` bytes, ``b""`` at its end), holding at
-    most ``limit`` bytes: one more is a :class:`ResponseSizeError` saying ``why``, raised
-    before the rest is read (before any, when the ``declared`` length is already over).
+) -> bytes | bytearray:
+    """A body read with ``read(n)`` (up to ``n`` bytes, ``b""`` at its end; it may return
+    more, see :func:`_pieces`), holding at most ``limit`` bytes: one more is a
+    :class:`ResponseSizeError` saying ``why``, raised before the rest is read (before any,
+    when the ``declared`` length is already over).
+
+    A body that comes in one piece is that piece; one in several pieces with a
+    ``declared`` length is copied piece by piece into one buffer of that length (a
+    ``bytearray``, never reused): each byte is copied once, where joining the pieces
+    copied it again (~30% of the event loop's time for 100 KiB ranges).
 
     Example:
         >>> import asyncio
@@ -293,17 +299,56 @@ async def _read_capped(
         Traceback (most recent call last):
         ...
         torchgrain.io.responses.ResponseSizeError: too long
+        >>> chunks = [b"abc", b"def", b""]
+        >>> asyncio.run(_read_capped(read, 6, 6, why="too long"))
+        bytearray(b'abcdef')
     """
     if declared is not None and declared > limit:
         raise ResponseSizeError(why)
-    parts: list[bytes] = []
+    pieces: list[bytes] = []
+    buf: bytearray | None = None
     got = 0
     while part := await read(limit + 1 - got):
-        got += len(part)
-        if got > limit:
+        end = got + len(part)
+        if end > limit:
             raise ResponseSizeError(why)
-        parts.append(part)
-    return b"".join(parts)
+        if buf is None and pieces and declared is not None and end <= declared:
+            buf = bytearray(declared)  # a second piece: into one buffer from now on
+            buf[:got] = pieces.pop()
+        if buf is None:
+            pieces.append(part)
+        elif end <= len(buf):
+            buf[got:end] = part
+        else:  # more than declared (a faulty transport): the pieces joined, as before
+            pieces, buf = [bytes(buf[:got]), part], None
+        got = end
+    if buf is not None:
+        return buf if got == len(buf) else buf[:got]
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+def _pieces(content: Any) -> Callable[[int], Awaitable[bytes]]:
+    """A ``read(n)`` for :func:`_read_capped` of an aiohttp ``StreamReader``: the pieces
+    as they arrived from the socket, one per call (``readchunk``), where ``read(n)`` and
+    ``readany()`` join whatever is buffered into a new ``bytes`` first.
+
+    Example:
+        >>> import asyncio
+        >>> class Content:
+        ...     got = [(b"ab", False), (b"", True), (b"c", False), (b"", False)]
+        ...     async def readchunk(self):
+        ...         return self.got.pop(0)
+        >>> asyncio.run(_read_capped(_pieces(Content()), 8, 3, why="too long"))
+        bytearray(b'abc')
+    """
+
+    async def read(n: int) -> bytes:
+        while True:
+            data, chunk_end = await content.readchunk()
+            if data or not chunk_end:  # (b"", True): the end of an HTTP chunk, not the body
+                return data
+
+    return read
 
 
 async def _on_redirect(session: Any, context: Any, params: Any) -> None:
@@ -382,7 +427,7 @@ async def _http_cat_file(
             )
             limit = end - start
             return await _read_capped(
-                r.content.read,
+                _pieces(r.content),
                 limit,
                 r.content_length,
                 why=(
