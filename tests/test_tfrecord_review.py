@@ -19,12 +19,6 @@ from torchgrain.io.region import supported
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sources/tfrecord.py _check_cached no longer requires a file's offsets to "
-    "start at 0 (the previous _fits did): a damaged per-file cache is used, and every "
-    "open fails on the dataset index built from it",
-)
 def test_per_file_cache_not_starting_at_zero_is_walked_again(tmp_path):
     d = tmp_path / "data"
     d.mkdir()

@@ -660,6 +660,10 @@ def _check_cached(path: str, size: int, compressed: bool) -> tuple[int, list[np.
         return 1, parts
     n, prev, first = 0, -16, None
     for part in parts:
+        # The first frame is at 0: a cache that starts later (damaged, or another
+        # file's) would leave every open failing on the dataset index built from it.
+        if first is None and part[0] != 0:
+            raise ValueError("not offsets from 0")
         if part[0] - prev < 16 or bool((np.diff(part) < 16).any()):
             raise ValueError("not offsets")
         prev = int(part[-1])
