@@ -68,12 +68,6 @@ _HELD = textwrap.dedent(
 
 
 @pytest.mark.skipif(not supported(), reason="one map of every file needs Linux x86-64/arm64")
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/region.py: a shard seen changed while another read held the region stays "
-    "mapped, and later acquires skip _gone for mapped, watched slots: its truncated "
-    "map is read (SIGBUS)",
-)
 def test_shard_changed_during_another_read_is_refused_not_read(tmp_path):
     d = tmp_path / "data"
     d.mkdir()

@@ -198,6 +198,7 @@ class ShardRegion:
         self._watched = np.zeros(slots, dtype=bool)
         self._seen = -1  # the changes this process had seen when every slot was checked
         self._gone: dict[int, str] = {}  # shards that changed while mapped: refused
+        self._stale: set[int] = set()  # of those, left mapped until the last release
         self._tick = 0
         self._inflight = 0
         self._lock = threading.Lock()
@@ -232,11 +233,13 @@ class ShardRegion:
         :func:`torchgrain.io.changes.poll` (saves a system call)."""
         self._own()
         with self._lock:
+            # A shard seen changed is refused first: while another read held the region
+            # it was left mapped, and its map may now end past the file (SIGBUS).
+            if self._gone:
+                self._refuse_gone(shards)
             slots = self.slot_of[shards]
             missing = slots < 0
             if missing.any():
-                if self._gone:
-                    self._refuse_gone(shards)
                 if not self._map_missing(np.unique(shards[missing]), shards):
                     return None
                 slots = self.slot_of[shards]
@@ -253,10 +256,10 @@ class ShardRegion:
         """:meth:`acquire` for one shard: the offset of its slot, or None."""
         self._own()
         with self._lock:
+            if shard in self._gone:  # (mapped or not: see acquire)
+                self._refuse_gone(np.array([shard]))
             k = int(self.slot_of[shard])
             if k < 0:
-                if self._gone:
-                    self._refuse_gone(np.array([shard]))
                 if not self._map_missing(np.array([shard]), np.array([shard])):
                     return None
                 k = int(self.slot_of[shard])
@@ -291,8 +294,10 @@ class ShardRegion:
             self._watched[k] = pin.wd >= 0
             if why is not None:
                 self._gone[int(self.owner[k])] = why
-                if not self._inflight:  # (else another thread reads it: left mapped)
+                if not self._inflight:
                     self._unmap_slot(k)
+                else:  # another read holds it: unmapped at the last release
+                    self._stale.add(int(self.owner[k]))
         if seen != self._seen:
             self._seen = seen
         if self._gone:
@@ -313,6 +318,14 @@ class ShardRegion:
         """End a read begun by a non-None :meth:`acquire`."""
         with self._lock:
             self._inflight -= 1
+            if not self._inflight and self._stale:
+                # Shards seen changed while a read held the region: unmapped now that
+                # nothing reads them (they stay refused).
+                for shard in self._stale:
+                    k = int(self.slot_of[shard])
+                    if k >= 0:
+                        self._unmap_slot(k)
+                self._stale.clear()
 
     def close(self) -> None:
         """Unmap every shard (when no read is in progress); the region stays usable."""
