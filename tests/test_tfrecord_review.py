@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import torchgrain as tg
-from torchgrain.formats.tfrecord import _frame, _walk_buffered
+from torchgrain.formats.tfrecord import _frame, _walk_buffered, iter_tfrecord_offsets
 from torchgrain.io.region import supported
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ _HELD = textwrap.dedent(
     import numpy as np
     import torchgrain as tg
     from torchgrain.errors import CorruptDataError
-    from torchgrain.formats.tfrecord import _frame, _walk_buffered
+    from torchgrain.formats.tfrecord import _frame, _walk_buffered, iter_tfrecord_offsets
 
     d = sys.argv[2]
     for f in range(3):
@@ -95,14 +95,15 @@ def test_index_dir_inside_the_data_directory_opens_twice(tmp_path):
         assert (len(src), src.num_shards) == (2, 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="formats/tfrecord.py _walk_buffered: the same-length run takes every whole "
-    "frame in the block read, not only those within the size it walks (the one-by-one "
-    "walk stops there): a file appended to after its size was read gets offsets past it",
-)
 def test_offsets_walk_stops_at_the_size_it_was_given():
     data = b"".join(_frame(b"ab") for _ in range(100))  # frames of 18 bytes
     size = 18 * 60  # the size read before a writer appended 40 more records
     parts = list(_walk_buffered(io.BytesIO(data), "x.tfrecord", size, True, 1 << 16))
     assert np.concatenate(parts).tolist() == list(range(0, size, 18))
+
+
+def test_offsets_walk_of_a_file_stops_at_the_size_recorded(tmp_path):
+    p = tmp_path / "x.tfrecord"
+    p.write_bytes(b"".join(_frame(b"ab") for _ in range(100)))  # appended after indexing
+    parts = iter_tfrecord_offsets(str(p), size=18 * 60)
+    assert np.concatenate(list(parts)).tolist() == list(range(0, 18 * 60, 18))

@@ -424,6 +424,7 @@ def iter_tfrecord_offsets(
     filesystem: fsspec.AbstractFileSystem | None = None,
     verify: bool = True,
     chunk: int = _OFFSETS_CHUNK,
+    size: int | None = None,
 ) -> Iterator[np.ndarray]:
     """The byte offsets of an uncompressed TFRecord file's records, in int64 arrays of
     about ``chunk`` offsets each, as its headers are walked: memory stays bounded
@@ -434,6 +435,10 @@ def iter_tfrecord_offsets(
     records) is checked with numpy for a whole block at once (each length field and
     its CRC), so tiny records cost no Python step each. Larger remote files take one
     small ranged read per record. Errors as :func:`index_tfrecord`'s.
+
+    ``size``: the file's size as already recorded (default: its size now); the walk
+    stops there, so a file appended to since is indexed as it was (a shorter file is
+    a truncated one).
 
     Example:
         >>> import os, tempfile
@@ -450,10 +455,13 @@ def iter_tfrecord_offsets(
         # A local path: opened directly (a dataset of 10^4 small files is walked in
         # about half the time it takes through the filesystem layer).
         with open(name, "rb") as f:
-            yield from _walk_buffered(f, name, os.fstat(f.fileno()).st_size, verify, chunk)
+            if size is None:
+                size = os.fstat(f.fileno()).st_size
+            yield from _walk_buffered(f, name, size, verify, chunk)
         return
     fs, p = _resolve(path, filesystem)
-    size = _file_size(fs, p)
+    if size is None:
+        size = _file_size(fs, p)
     if size is None:  # pragma: no cover - every fsspec filesystem we ship with has size()
         raise CorruptDataError(f"{name}: cannot determine the file size")
     unpack = _HEADER.unpack
@@ -535,7 +543,9 @@ def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> It
         stride = _FRAME_OVERHEAD + length
         same = same + 1 if length == prev else 0
         prev = length
-        run = min((len(buf) - rel) // stride, chunk)  # whole frames in the block
+        # Whole frames in the block and within the size walked (a file appended to
+        # since its size was read has more in the block: not indexed).
+        run = min((min(len(buf), size - base) - rel) // stride, chunk)
         if same >= _RUN and run > 1:
             # The headers in place (no copy): rows of length low, high, length CRC.
             heads = np.ndarray((run, 3), "<u4", buf, rel, (stride, 4))

@@ -590,7 +590,9 @@ def _dataset_index(
                 )
             ]
         else:
-            walked = iter_tfrecord_offsets(path)
+            # The size the index records: a file appended to meanwhile is indexed as
+            # it was when its size was read.
+            walked = iter_tfrecord_offsets(path, size=infos[i][0])
         out = _CacheWriter(cached) if cached is not None else None
         try:
             for part in walked:
