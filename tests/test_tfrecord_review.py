@@ -44,7 +44,7 @@ _HELD = textwrap.dedent(
     import numpy as np
     import torchgrain as tg
     from torchgrain.errors import CorruptDataError
-    from torchgrain.formats.tfrecord import _frame, _walk_buffered, iter_tfrecord_offsets
+    from torchgrain.formats.tfrecord import _frame, _walk_buffered
 
     d = sys.argv[2]
     for f in range(3):
@@ -80,12 +80,6 @@ def test_shard_changed_during_another_read_is_refused_not_read(tmp_path):
     assert "refused:" in run.stdout and "p1.tfrecord" in run.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/fs.py _is_data_file looks at the last name only: the per-file offset "
-    "caches (<key>-train.tfrecord.npy) in an index_dir inside the data directory are "
-    "listed as shards at the next open (as in TFRecordSource's own example)",
-)
 def test_index_dir_inside_the_data_directory_opens_twice(tmp_path):
     d = tmp_path / "data"
     d.mkdir()
@@ -107,3 +101,20 @@ def test_offsets_walk_of_a_file_stops_at_the_size_recorded(tmp_path):
     p.write_bytes(b"".join(_frame(b"ab") for _ in range(100)))  # appended after indexing
     parts = iter_tfrecord_offsets(str(p), size=18 * 60)
     assert np.concatenate(list(parts)).tolist() == list(range(0, 18 * 60, 18))
+
+
+def test_files_in_hidden_directories_are_not_shards(tmp_path):
+    d = tmp_path / "data"
+    (d / ".old").mkdir(parents=True)
+    (d / "train.tfrecord").write_bytes(_frame(b"x"))
+    (d / ".old" / "train.tfrecord").write_bytes(_frame(b"y") * 3)
+    assert len(tg.TFRecordSource(str(d), codec="raw", index_dir=None)) == 1
+
+
+def test_offset_caches_are_not_named_as_data_files(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "train.tfrecord").write_bytes(_frame(b"x"))
+    tg.TFRecordSource(str(d), codec="raw", index_dir=str(tmp_path / "ix"))
+    (cache,) = (tmp_path / "ix").glob("*.npy")
+    assert ".tfrecord" not in cache.name

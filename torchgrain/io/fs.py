@@ -186,7 +186,8 @@ def expand_paths(
 
     A directory is searched recursively for files whose name contains one of
     ``suffixes`` (so ``.array_record`` also finds ``x.array_record-00000-of-00008``).
-    Hidden files and files starting with ``_`` or ``.`` are skipped.
+    Files starting with ``_`` or ``.``, and files in directories starting with ``.``
+    (an ``index_dir`` kept inside the data directory), are skipped.
 
     What a listing or glob finds stays inside the directory (or the glob's fixed prefix):
     a data file listed outside it, or under a name with dot segments, backslashes or
@@ -232,7 +233,9 @@ def expand_paths(
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isdir(item_fs, stripped, url=item):
             listed = listing.find(stripped)
-            found = sorted(p for p in listed if _is_data_file(p, suffixes))
+            found = sorted(
+                p for p in listed if _is_data_file(p, suffixes) and not _hidden(stripped, p)
+            )
             skipped = non_data_files(stripped, listed, suffixes)
             if not found:
                 raise DatasetNotFoundError(
@@ -648,6 +651,20 @@ def _looks_like_data(path: str, suffixes: tuple[str, ...]) -> bool:
             return False
         path = decoded
     return True  # encoded more times than anyone decodes: treat it as data
+
+
+def _hidden(root: str, path: str) -> bool:
+    """Whether ``path`` lies in a hidden directory below ``root`` (``root/.index/x``): not
+    the dataset's (an index or cache kept beside it, a ``.git``), as users expect.
+
+    Example:
+        >>> _hidden("/d", "/d/.index/a.tfrecord"), _hidden("/home/.cache/d", "/home/.cache/d/a")
+        (True, False)
+    """
+    base = root.rstrip("/") + "/"
+    if not path.startswith(base):
+        return False  # (outside: the listing's confinement decides)
+    return any(s.startswith(".") for s in path[len(base) :].split("/")[:-1])
 
 
 def _is_data_file(path: str, suffixes: tuple[str, ...]) -> bool:

@@ -742,8 +742,9 @@ def _cache_file(
         return None
     key = hashlib.blake2b(f"{path}\0{size}\0{stamp}".encode(), digest_size=16).hexdigest()
     # The file's name, from the dataset, only makes the index's name readable: keep
-    # characters that cannot make it a path elsewhere.
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rstrip("/").rsplit("/", 1)[-1])[-60:]
+    # characters that cannot make it a path elsewhere, and no dot, so that no data
+    # suffix (.tfrecord) makes it a shard of an index_dir inside the data directory.
+    name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.rstrip("/").rsplit("/", 1)[-1])[-60:]
     return os.path.join(os.fspath(index_dir), f"{key}-{name}.npy")
 
 
