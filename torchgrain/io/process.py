@@ -39,6 +39,7 @@ __all__ = [
     "ForkSafeThreadPool",
     "StopsThreadsAtFork",
     "forked_from",
+    "forking",
     "generation",
     "note_thread",
     "stop_threads_at_fork",
@@ -123,6 +124,19 @@ def thread_pool(max_workers: int, thread_name_prefix: str) -> ThreadPoolExecutor
         [1, 2]
     """
     return ThreadPoolExecutor(max_workers, thread_name_prefix, initializer=note_thread)
+
+
+def forking() -> bool:
+    """Whether a fork of this process is under way (another thread is between the hooks
+    that stop torchgrain's threads before it and the parent's after it): an owner that
+    would start a thread now does its work in the calling thread instead, as the thread
+    would run across the fork.
+
+    Example:
+        >>> forking()
+        False
+    """
+    return _fork_lock.locked()
 
 
 def _wait_exited() -> None:

@@ -34,7 +34,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -42,10 +42,10 @@ import numpy as np
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
+from torchgrain.io import process
 from torchgrain.io.atomic import DISK_FULL_ERRNOS, naming_full_disk
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
-from torchgrain.io.process import thread_pool
 
 __all__ = [
     "BUILD_BYTES",
@@ -334,6 +334,83 @@ def dataset_name(paths: Sequence[str]) -> str:
         return f"{paths[0]} and {len(paths) - 1} more"
 
 
+class _Threads:
+    """The threads of one build (:func:`_in_order`), never running across a fork (see
+    :mod:`torchgrain.io.process`): right before this process forks, the calls not yet
+    started are cancelled (:class:`_Call` submits them again) and the running ones
+    joined; while the fork is under way the build runs its calls in its own thread,
+    starting none, and on threads again after it. A forked child gets threads of its own."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        # The threads run in the caller's context (its retry policy and deadlines), as
+        # map_files's do.
+        self.context = contextvars.copy_context()
+        self.lock = threading.Lock()
+        self.pool: ThreadPoolExecutor | None = None
+        self.token = process.token()
+        process.stop_threads_at_fork(self)
+
+    def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
+        return self.context.copy().run(fn, arg)
+
+    def submit(self, fn: Callable[[Any], Any], arg: Any) -> Future:
+        with self.lock:
+            if self.token != process.token():  # a forked child: no thread of the parent's
+                self.token, self.pool = process.token(), None
+            # A fork stops this build's threads holding this lock, once it is under way:
+            # a pool started before it is joined by it, none is started during it.
+            if not process.forking():
+                if self.pool is None:
+                    self.pool = process.thread_pool(self.workers, "torchgrain-index")
+                return self.pool.submit(self.run, fn, arg)
+        fut: Future = Future()
+        try:
+            fut.set_result(self.run(fn, arg))
+        except Exception as e:  # raised in its turn, as a thread's error is
+            fut.set_exception(e)
+        return fut
+
+    def close(self) -> None:
+        """Cancel the calls not started and join the running ones."""
+        with self.lock:
+            pool = self.pool  # kept until joined: a fork meanwhile joins it too
+        if pool is not None and self.token == process.token():
+            pool.shutdown(wait=True, cancel_futures=True)
+        with self.lock:
+            self.pool = None
+
+    def _stop_threads_for_fork(self) -> None:
+        with self.lock:
+            pool, self.pool = self.pool, None
+        if pool is not None and self.token == process.token():
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _restart_threads_after_fork(self) -> None:
+        pass  # threads start again with the next call
+
+
+class _Call:
+    """``fn(arg)`` on a build's threads (:class:`_Threads`), submitted again when a fork
+    cancelled it before it started."""
+
+    def __init__(self, threads: _Threads, fn: Callable[[Any], Any], arg: Any) -> None:
+        self.threads, self.fn, self.arg = threads, fn, arg
+        self.future = threads.submit(fn, arg)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> Any:
+        while True:
+            try:
+                return self.future.result()
+            except CancelledError:
+                if not self.future.cancelled():
+                    raise  # fn's own
+                self.future = self.threads.submit(self.fn, self.arg)
+
+
 def _in_order(
     n: int,
     peek: Callable[[int], tuple[Any, int]],
@@ -351,7 +428,9 @@ def _in_order(
     any size is built in bounded memory, its shards written as they come, in parallel as
     far as the budget allows. The first error (in order) is raised; shards not yet started
     are then not read. Only this generator starts work, and no thread waits for it: one
-    left unfinished (its caller raised) leaves nothing blocked.
+    left unfinished (its caller raised) leaves nothing blocked. No thread of a build runs
+    across a fork (:class:`_Threads`): a fork waits for the calls running, and the build
+    goes on after it.
 
     Example:
         >>> list(_in_order(4, lambda i: (i, 1), lambda x: x * x))
@@ -363,45 +442,38 @@ def _in_order(
         for i in range(n):
             yield work(peek(i)[0])
         return
-    # The threads run in the caller's context (its retry policy and deadlines), as
-    # map_files's do.
-    context = contextvars.copy_context()
-
-    def run(fn: Callable[[Any], Any], arg: Any) -> Any:
-        return context.copy().run(fn, arg)
-
-    pool = thread_pool(min(workers, n), "torchgrain-index")
-    peeks: collections.deque[Future] = collections.deque()  # shards peeked, not started
-    works: collections.deque[tuple[Future, int]] = collections.deque()  # started, in order
+    threads = _Threads(min(workers, n))
+    peeks: collections.deque[_Call] = collections.deque()  # shards peeked, not started
+    works: collections.deque[tuple[_Call, int]] = collections.deque()  # started, in order
     peeked = used = 0
     try:
         for _ in range(n):
             # Peek a few shards ahead (each may hold an open file: a few, not all).
             while peeked < n and len(peeks) + len(works) < 2 * workers:
-                peeks.append(pool.submit(run, peek, peeked))
+                peeks.append(_Call(threads, peek, peeked))
                 peeked += 1
             # Start the next shards while the budget allows (the first always), without
             # waiting on a peek while there is a result to hand over.
             while peeks and (not works or peeks[0].done()):
-                head = peeks[0]
-                if head.exception() is not None:
+                try:
+                    state, cost = peeks[0].result()
+                except Exception:
                     works.append((peeks.popleft(), 0))  # raised in its turn
                     continue
-                state, cost = head.result()
                 if works and used + cost > budget:
                     break
                 peeks.popleft()
-                works.append((pool.submit(run, work, state), cost))
+                works.append((_Call(threads, work, state), cost))
                 used += cost
                 del state
-            fut, cost = works.popleft()
-            result = fut.result()
-            del fut
+            call, cost = works.popleft()
+            result = call.result()
+            del call
             yield result
             del result
             used -= cost
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        threads.close()
 
 
 # ------------------------------------------------------------------ placement
