@@ -123,11 +123,6 @@ def test_no_index_build_thread_runs_across_a_fork(tmp_path):
     assert out == "[]"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a failed build leaves the shards its threads peeked ahead open "
-    "(store._in_order drops the peeked ArrayRecordFiles without closing them)",
-)
 def test_a_failed_build_closes_the_shards_it_opened_ahead(tmp_path):
     """A shard that cannot be read fails the build; the shards after it that were
     already opened to peek at their footers are closed by the build, not left to the

@@ -296,6 +296,12 @@ def _footer_entries(f: ArrayRecordFile) -> int | None:
         return None
 
 
+def _close_peeked(state: tuple[int, ArrayRecordFile | None, bool]) -> None:
+    """Close the file a build's peek opened (the build ended before it was read)."""
+    if state[1] is not None:
+        state[1].close()
+
+
 def build_arrayrecord_index(
     paths: Sequence[str],
     *,
@@ -379,7 +385,8 @@ def build_arrayrecord_index(
         progress = BuildProgress(s, dataset_name(paths))
         # Each shard's entries go into the sink (a file's columns) as soon as the shards
         # before it are in: nothing per record is held beyond the footers in flight.
-        for k, got in enumerate(_in_order(s, peek, footer, budget=store.BUILD_BYTES)):
+        shards = _in_order(s, peek, footer, budget=store.BUILD_BYTES, close=_close_peeked)
+        for k, got in enumerate(shards):
             if got is None:
                 sink.append("offsets", np.zeros(1))
                 sink.append("record_offsets", np.zeros(1))

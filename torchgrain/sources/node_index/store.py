@@ -418,6 +418,7 @@ def _in_order(
     *,
     budget: int | None = None,
     max_workers: int | None = None,
+    close: Callable[[Any], None] | None = None,
 ) -> Iterator[_T]:
     """``work(peek(i)[0])`` for ``i`` in ``0..n-1``, run on threads and yielded in order.
 
@@ -430,7 +431,10 @@ def _in_order(
     are then not read. Only this generator starts work, and no thread waits for it: one
     left unfinished (its caller raised) leaves nothing blocked. No thread of a build runs
     across a fork (:class:`_Threads`): a fork waits for the calls running, and the build
-    goes on after it.
+    goes on after it. ``close(state)`` (when given) is called, once the threads are
+    done, on the state of each shard peeked whose result was not handed over (the build
+    failed or was left first): what a peek opened is closed then, not by the garbage
+    collector (``work`` closes it itself when it fails).
 
     Example:
         >>> list(_in_order(4, lambda i: (i, 1), lambda x: x * x))
@@ -444,7 +448,8 @@ def _in_order(
         return
     threads = _Threads(min(workers, n))
     peeks: collections.deque[_Call] = collections.deque()  # shards peeked, not started
-    works: collections.deque[tuple[_Call, int]] = collections.deque()  # started, in order
+    # Started, in order, with their states (closed if their results are not handed over).
+    works: collections.deque[tuple[_Call, int, Any]] = collections.deque()
     peeked = used = 0
     try:
         for _ in range(n):
@@ -458,22 +463,32 @@ def _in_order(
                 try:
                     state, cost = peeks[0].result()
                 except Exception:
-                    works.append((peeks.popleft(), 0))  # raised in its turn
+                    works.append((peeks.popleft(), 0, None))  # raised in its turn
                     continue
                 if works and used + cost > budget:
                     break
                 peeks.popleft()
-                works.append((_Call(threads, work, state), cost))
+                works.append((_Call(threads, work, state), cost, state))
                 used += cost
                 del state
-            call, cost = works.popleft()
+            call, cost, _ = works[0]
             result = call.result()
+            works.popleft()
             del call
             yield result
             del result
             used -= cost
     finally:
-        threads.close()
+        threads.close()  # every call now finished or cancelled
+        if close is not None:
+            done = [c.future.result()[0] for c in peeks if _succeeded(c.future)]
+            for state in done + [state for _, _, state in works if state is not None]:
+                with contextlib.suppress(OSError):  # the build's own error goes on
+                    close(state)
+
+
+def _succeeded(fut: Future) -> bool:
+    return fut.done() and not fut.cancelled() and fut.exception() is None
 
 
 # ------------------------------------------------------------------ placement
