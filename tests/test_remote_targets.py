@@ -80,3 +80,49 @@ def test_a_multirange_answer_is_handed_over_without_a_copy(served):
     # Views of one response body, not a copy of each range.
     assert all(isinstance(b, memoryview) for b in got)
     assert got[0].obj is got[1].obj is got[2].obj
+
+
+def test_a_batch_decodes_each_shard_as_its_ranges_arrive(tmp_path):
+    """One shard served only once the batch's other shards are decoded: the batch decodes
+    them while that shard's request is still in flight (it waited for every request)."""
+    recs = [{"i": i, "blob": bytes([i]) * 512} for i in range(64)]
+    d = tmp_path / "www" / "ds"
+    tg.write_array_record(recs, d, num_shards=4)
+    slow = sorted(os.listdir(d))[0]
+    events: list[tuple[str, int | str]] = []
+    release = threading.Event()
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        count = srv._count
+
+        def held(method, path):  # the slow shard's answer waits for the others' decoding
+            if hold.is_set() and method == "GET" and path.endswith(slow):
+                release.wait(5)
+                events.append(("served", slow))
+            count(method, path)
+
+        hold = threading.Event()
+        srv._count = held
+        src = tg.ArrayRecordSource(f"{srv.url}/ds", max_inflight=16)
+        decode = src._read_decode
+
+        def told(shard, rows, indices, reader=None):
+            out = decode(shard, rows, indices, reader)
+            events.append(("decoded", int(shard)))
+            if {e for e in events if e[0] == "decoded"} >= {("decoded", s) for s in (1, 2, 3)}:
+                release.set()
+            return out
+
+        try:
+            _ = [src[i] for i in (0, 16, 32, 48)]  # footers read, before the hold
+            src._read_decode = told
+            events.clear()
+            hold.set()
+            indices = [5, 21, 37, 53, 6, 22, 38, 54]
+            got = src.__getitems__(indices)
+        finally:
+            src.close()
+    assert [r["i"] for r in got] == indices
+    assert all(r["blob"] == recs[i]["blob"] for r, i in zip(got, indices))
+    served = events.index(("served", slow))
+    assert {e for e in events[:served]} == {("decoded", s) for s in (1, 2, 3)}, events
+    assert events[served + 1 :] == [("decoded", 0)], events

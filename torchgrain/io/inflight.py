@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import queue
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -379,6 +381,7 @@ def cat_many(
     max_inflight: int = 64,
     multi_range: bool = True,
     what: str = "range read",
+    arrived: Callable[[list[int], list[Any]], None] | None = None,
 ) -> list[bytes | BaseException]:
     """Bytes ``[starts[i], ends[i])`` of ``paths[i]`` for each ``i``, of any files of
     ``fs``, with at most ``max_inflight`` requests in flight in this process (on an
@@ -386,7 +389,9 @@ def cat_many(
     request). Each result is checked as :func:`cat_file`'s; a request that failed has
     its exception in its place (a :class:`~torchgrain.io.retry.RequestTimeout` or a
     :class:`ResponseSizeError` for a transient failure, naming the URL and the range),
-    so a caller can keep what arrived and ask again for the rest. With ``multi_range``,
+    so a caller can keep what arrived and ask again for the rest. ``arrived(indices,
+    results)``, when given, is called on the calling thread with each request's results
+    as soon as it is answered, while the others are still in flight. With ``multi_range``,
     the ranges of one ``http(s)://`` file go out up to
     :data:`~torchgrain.io.byteranges.MAX_RANGES` in a request (see the module docstring).
 
@@ -411,6 +416,8 @@ def cat_many(
                 out.append(cat_file(fs, p, s, e, url=label, what=what))
             except Exception as exc:
                 out.append(exc)
+            if arrived is not None:
+                arrived([len(out) - 1], out[-1:])
         return out
     total = sum(e - s for s, e in zip(starts, ends))
     left, _, policy = remaining_seconds(total)
@@ -439,16 +446,45 @@ def cat_many(
             [seconds(e - s) for s, e in ranges],
         )
 
+    def finish(i: int, blob: Any) -> Any:
+        """Request ``i``'s result as the caller gets it: errors named, lengths checked."""
+        p, s, e, label = paths[i], starts[i], ends[i], labels[i]
+        if isinstance(blob, FSTimeoutError):
+            return RequestTimeout(
+                f"{what} of {label} (bytes {s}-{e}) did not complete within its "
+                f"{min(left, policy.request_seconds(e - s)):.3g} s limit "
+                "(RetryPolicy.request_timeout, or the operation's deadline)"
+            )
+        if isinstance(blob, FileNotFoundError):
+            try:
+                _raise_refusal(blob)
+            except UnsafePathError as refused:
+                return refused
+        elif not isinstance(blob, BaseException):
+            try:
+                _check_length(fs, p, s, e, len(blob), label)
+                request_done(e - s)
+            except Exception as bad:
+                return bad
+        return blob
+
+    def spread(idx: list[int], result: Any) -> list[Any]:
+        """One request's result, one entry per range it asked for."""
+        if len(idx) == 1 or isinstance(result, BaseException):
+            return [result] * len(idx)
+        return list(result)
+
+    if arrived is not None:
+        return _streamed(
+            fs, requests, request, spread, finish, len(starts), left, policy, arrived, what
+        )
+
     async def gather() -> list[Any]:
         done = await asyncio.gather(*map(request, requests), return_exceptions=True)
         got: list[Any] = [None] * len(starts)
         for idx, result in zip(requests, done):
-            if len(idx) == 1 or isinstance(result, BaseException):
-                for i in idx:
-                    got[i] = result
-            else:
-                for i, r in zip(idx, result):
-                    got[i] = r
+            for i, r in zip(idx, spread(idx, result)):
+                got[i] = r
         return got
 
     try:
@@ -458,23 +494,65 @@ def cat_many(
         err = RequestTimeout(f"{what} of {len(starts)} ranges did not complete within {left:.3g} s")
         err.__cause__ = e
         return [err] * len(starts)
-    for p, s, e, label, blob in zip(paths, starts, ends, labels, got):
-        if isinstance(blob, FSTimeoutError):
-            blob = RequestTimeout(
-                f"{what} of {label} (bytes {s}-{e}) did not complete within its "
-                f"{min(left, policy.request_seconds(e - s)):.3g} s limit "
-                "(RetryPolicy.request_timeout, or the operation's deadline)"
-            )
-        elif isinstance(blob, FileNotFoundError):
+    return [finish(i, blob) for i, blob in enumerate(got)]
+
+
+def _streamed(
+    fs: Any,
+    requests: list[list[int]],
+    request: Callable[[list[int]], Any],
+    spread: Callable[[list[int], Any], list[Any]],
+    finish: Callable[[int, Any], Any],
+    count: int,
+    left: float,
+    policy: Any,
+    arrived: Callable[[list[int], list[Any]], None],
+    what: str,
+) -> list[Any]:
+    """:func:`cat_many`'s requests on ``fs``'s loop, each request's results handed to
+    ``arrived`` on the calling thread as soon as it is answered (the caller works on them
+    while the others are in flight: no thread of its own); a request not answered within
+    ``left`` seconds and the policy's request timeout is a
+    :class:`~torchgrain.io.retry.RequestTimeout`."""
+    if fs.loop is None or fs.loop.is_closed():
+        raise RuntimeError("Loop is not running")
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+
+    async def one(k: int) -> None:
+        try:
+            result = await request(requests[k])
+        except Exception as e:  # (a cancellation is not an answer)
+            result = e
+        answers.put((k, result))
+
+    async def gather() -> None:
+        await asyncio.gather(*(one(k) for k in range(len(requests))))
+
+    got: list[Any] = [None] * count
+    waiting = set(range(len(requests)))
+    future = asyncio.run_coroutine_threadsafe(gather(), fs.loop)
+    deadline = time.monotonic() + left + policy.request_timeout
+    try:
+        while waiting:
             try:
-                _raise_refusal(blob)
-            except UnsafePathError as refused:
-                blob = refused
-        elif not isinstance(blob, BaseException):
-            try:
-                _check_length(fs, p, s, e, len(blob), label)
-                request_done(e - s)
-            except Exception as bad:
-                blob = bad
-        out.append(blob)
-    return out
+                k, result = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            waiting.discard(k)
+            idx = requests[k]
+            blobs = [finish(i, r) for i, r in zip(idx, spread(idx, result))]
+            for i, blob in zip(idx, blobs):
+                got[i] = blob
+            arrived(idx, blobs)
+    finally:
+        if waiting:
+            future.cancel()  # timed out (or the caller raised): nothing more comes
+    if waiting:
+        err = RequestTimeout(
+            f"{what} of {count} ranges: {len(waiting)} requests did not complete within "
+            f"{left:.3g} s"
+        )
+        for k in waiting:
+            for i in requests[k]:
+                got[i] = err
+    return got

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
 import fsspec
@@ -301,6 +301,7 @@ def fetch_batch(
     multi_range: bool = True,
     raise_errors: bool = True,
     wait_for_others: bool = True,
+    ready: Callable[[int], None] | None = None,
 ) -> int:
     """Fetch the byte ranges of many files of ``fs`` together into ``store``.
 
@@ -311,7 +312,10 @@ def fetch_batch(
     ``max_inflight`` in flight (:func:`~torchgrain.io.inflight.cat_many`; ``multi_range``:
     several ranges of a file in one request where the server answers so). What arrived is
     put in the store even when other requests failed (a retry asks only for the rest).
-    Returns the number of requests made.
+    ``ready(k)``, when given, is called (on the calling thread, while other requests may
+    still be in flight) once every range of ``files[k]`` is in the store; a file some of
+    whose ranges failed or came from another fetch is not told. Returns the number of
+    requests made.
 
     Raises (with ``raise_errors``, else failures are left to the readers):
         RequestTimeout / ResponseSizeError: a transient failure (retried by the
@@ -331,14 +335,36 @@ def fetch_batch(
     """
     claimed: list[tuple[str, list[tuple[int, int]]]] = []
     waits: list[threading.Event] = []
+    told: set[int] = set()
+    waited: set[int] = set()
     try:
-        for _path, url, ranges in files:
+        for k, (_path, url, ranges) in enumerate(files):
             want = [r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]]
             mine, others = store.claim(url, want)
             claimed.append((url, mine))
             waits.extend(others)
+            if others:
+                waited.add(k)
+
+        def tell(k: int) -> None:
+            if ready is not None and k not in waited:
+                told.add(k)
+                ready(k)
+
+        for k, (_url, mine) in enumerate(claimed):
+            if not mine:
+                tell(k)  # all in the store already (or being brought by another fetch)
         made = _fetch_claimed(
-            fs, files, claimed, store, owner, gap, max_inflight, multi_range, raise_errors
+            fs,
+            files,
+            claimed,
+            store,
+            owner,
+            gap,
+            max_inflight,
+            multi_range,
+            raise_errors,
+            tell if ready is not None else None,
         )
     finally:
         for url, mine in claimed:
@@ -348,9 +374,10 @@ def fetch_batch(
         # whatever it did not bring (it failed, or was cancelled and dropped them).
         for event in waits:
             event.wait(max(remaining_seconds(0)[0], 0.0))
+        rest = [k for k in range(len(files)) if k not in told]  # told: read already
         return made + fetch_batch(
             fs,
-            files,
+            [files[k] for k in rest],
             store=store,
             owner=owner,
             gap=gap,
@@ -358,6 +385,7 @@ def fetch_batch(
             multi_range=multi_range,
             raise_errors=raise_errors,
             wait_for_others=False,  # what is still missing then, its reader fetches
+            ready=None if ready is None else (lambda j: ready(rest[j])),
         )
     return made
 
@@ -372,17 +400,18 @@ def _fetch_claimed(
     max_inflight: int,
     multi_range: bool,
     raise_errors: bool,
+    ready: Callable[[int], None] | None = None,
 ) -> int:
     paths: list[str] = []
     urls: list[str] = []
     starts: list[int] = []
     ends: list[int] = []
     plans = []
-    for (path, url, _), (_, need) in zip(files, claimed):
+    for k, ((path, url, _), (_, need)) in enumerate(zip(files, claimed)):
         if not need:
             continue
         order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
-        plans.append((url, need, order, merged, len(starts)))
+        plans.append((k, url, need, order, merged, len(starts)))
         for m in merged:
             paths.append(path)
             urls.append(url)
@@ -390,28 +419,63 @@ def _fetch_claimed(
             ends.append(m[1])
     if not starts:
         return 0
-    blobs = inflight.cat_many(
-        fs, paths, starts, ends, urls=urls, max_inflight=max_inflight, multi_range=multi_range
-    )
-    failure: tuple[BaseException, str, int, int] | None = None
-    for url, need, order, merged, at in plans:
-        got = blobs[at : at + len(merged)]
-        bad = [k for k, b in enumerate(got) if isinstance(b, BaseException)]
-        if bad and failure is None:
-            k = bad[0]
-            failure = (got[k], url, merged[k][0], merged[k][1])  # type: ignore[assignment]
-        ok = [k for k in range(len(merged)) if k not in set(bad)]
+    failure: list[tuple[BaseException, str, int, int]] = []
+
+    def settle(plan: tuple, got: list) -> bool:
+        """Put what arrived of one file's requests in the store; True if all of it did."""
+        _k, url, need, order, merged, _at = plan
+        bad = [j for j, b in enumerate(got) if isinstance(b, BaseException)]
+        if bad and not failure:
+            failure.append((got[bad[0]], url, merged[bad[0]][0], merged[bad[0]][1]))
+        ok = [j for j in range(len(merged)) if j not in set(bad)]
         if not ok:
-            continue
+            return False
         if bad:  # keep the ranges whose request arrived
-            fine = [merged[k] for k in ok]
+            fine = [merged[j] for j in ok]
             order = [
                 i for i in order if any(m[0] <= need[i][0] and need[i][1] <= m[1] for m in fine)
             ]
-        views = _slices(need, order, [merged[k] for k in ok], [got[k] for k in ok], own=True)
+        views = _slices(need, order, [merged[j] for j in ok], [got[j] for j in ok], own=True)
         store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
-    if failure is not None and raise_errors:
-        _raise_failure(*failure)
+        return not bad
+
+    arrived = None
+    if ready is not None:
+        # Each file is put in the store, and its reader told, as soon as its last request
+        # is answered: the reader decodes it while the other files' requests are in flight.
+        plan_of = [0] * len(starts)
+        left = []
+        for n, plan in enumerate(plans):
+            plan_of[plan[5] : plan[5] + len(plan[4])] = [n] * len(plan[4])
+            left.append(len(plan[4]))
+        got_so_far: list = [None] * len(starts)
+
+        def arrived(idx: list[int], blobs: list) -> None:
+            for i, blob in zip(idx, blobs):
+                got_so_far[i] = blob
+                n = plan_of[i]
+                left[n] -= 1
+                if left[n] == 0:
+                    k, *_, merged, at = plans[n]
+                    if settle(plans[n], got_so_far[at : at + len(merged)]):
+                        ready(k)
+
+    blobs = inflight.cat_many(
+        fs,
+        paths,
+        starts,
+        ends,
+        urls=urls,
+        max_inflight=max_inflight,
+        multi_range=multi_range,
+        arrived=arrived,
+    )
+    if arrived is None or any(n > 0 for n in left):
+        for n, plan in enumerate(plans):
+            if arrived is None or left[n] > 0:  # (a request timed out: never arrived)
+                settle(plan, blobs[plan[5] : plan[5] + len(plan[4])])
+    if failure and raise_errors:
+        _raise_failure(*failure[0])
     return len(starts)
 
 

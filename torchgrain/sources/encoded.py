@@ -128,21 +128,33 @@ class EncodedSource(ShardedSource):
         groups = self.index.split(idx)
         for shard, _, positions in groups:
             self._check_readable(shard, int(idx[positions[0] if positions is not None else 0]))
-        # Remote, no shard cache: the batch's ranges fetched across its shards at once.
-        fetched = self._prefetch_ranges(groups)
+        # Remote, no shard cache: the batch's ranges fetched across its shards at once,
+        # each shard decoded as soon as its ranges are in (early), while the rest arrive.
+        early: dict[int, Any] = {}
+        fetched = self._prefetch_ranges(
+            groups,
+            read=(lambda k: self._read_decode(groups[k][0], groups[k][1], idx[groups[k][2]]))
+            if len(groups) > 1
+            else None,
+            early=early,
+        )
         try:
             if len(groups) == 1:
                 shard, rows, _ = groups[0]
                 return self._read_decode(shard, rows, idx)
             opened = self._prefetch_copies([g[0] for g in groups])
             t0 = time.perf_counter()
-            many = self._read_many(groups)
+            many = None if early else self._read_many(groups)
             if many is not None:
                 out = self._decode_many(many, groups, idx, t0)
             else:
                 read = lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0]))  # noqa: E731
                 # Fetched already: decoding needs no threads.
-                results = [read(g) for g in groups] if fetched else self._map(read, groups)
+                results = (
+                    [_early(early, k, read, g) for k, g in enumerate(groups)]
+                    if fetched
+                    else self._map(read, groups)
+                )
                 out = _in_request_order(results, groups, len(idx))
             if opened:
                 self._close_evicted_copies()
@@ -301,6 +313,17 @@ class EncodedSource(ShardedSource):
                 f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
                 f"with codec {self.codec.name!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
+
+
+def _early(early: dict[int, Any], k: int, read: Callable[[Any], Any], group: Any) -> Any:
+    """Group ``k``'s records as read early (:meth:`FetchAhead._prefetch_ranges`), its
+    error raised now, in the group's turn; else read now."""
+    if k not in early:
+        return read(group)
+    got = early.pop(k)
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def _in_request_order(

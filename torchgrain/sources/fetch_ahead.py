@@ -122,6 +122,8 @@ class FetchAhead:
         owner: object | None = None,
         lenient: bool = False,
         planned: list[int] | None = None,
+        read: Callable[[int], object] | None = None,
+        early: dict[int, object] | None = None,
     ) -> object | None:
         """Fetch a remote batch's byte ranges (:meth:`_batch_ranges`) across all its
         shards at once, with up to ``max_inflight`` requests in flight, into this
@@ -135,7 +137,13 @@ class FetchAhead:
         truncated shard) are left to the shard's own read, which names the shard and
         the record index. With ``lenient`` (read-ahead), every failure is. ``planned``,
         when given, gets the bytes the batch's ranges hold appended (read-ahead sizes its
-        steps by it)."""
+        steps by it).
+
+        ``read(k)`` and ``early``: the batch's group ``k`` read (and decoded) as soon as
+        all its ranges are in the store, while the other groups' requests are still in
+        flight, its result (or the exception it raised) put in ``early[k]``; the caller
+        reads the other groups afterwards, and raises a group's exception in the order it
+        would have met it. Same bytes, same checks: only sooner."""
         if not self._reads_remote or not groups:
             return None
         files = self._batch_ranges(groups)
@@ -143,6 +151,8 @@ class FetchAhead:
             return None
         if planned is not None:
             planned.append(_nbytes(files))
+        if len(files) != len(groups):
+            read = None  # (one entry per group, as _batch_ranges gives them)
         if owner is None:  # a batch read here: the pass's range read-ahead may start
             owner = object()
             ahead = self._proc().range_ahead
@@ -152,18 +162,29 @@ class FetchAhead:
         store = range_store()
         label = files[0][1] if len(files) == 1 else f"{files[0][1]} and {len(files) - 1} more"
 
+        def ready(k: int) -> None:
+            if read is None or early is None or k in early:
+                return
+            try:
+                early[k] = read(k)
+            except Exception as e:  # raised by the caller in the group's turn
+                early[k] = e
+
         def fetch() -> None:
             with self._proc().lock:
                 self._proc().io["remote_reads"] += 1
+            # A retry asks only for the groups not read yet (their ranges were taken).
+            left = [k for k in range(len(files)) if early is None or k not in early]
             fetch_batch(
                 self._fs,
-                files,
+                [files[k] for k in left],
                 store=store,
                 owner=owner,
                 gap=BATCH_GAP,
                 # io_threads=1 keeps its meaning: remote reads one at a time.
                 max_inflight=self.max_inflight if self.io_threads > 1 else 1,
                 multi_range=self.multi_range,
+                ready=None if read is None else (lambda j: ready(left[j])),
             )
 
         try:
