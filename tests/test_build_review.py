@@ -173,12 +173,6 @@ def test_a_range_kept_from_a_multirange_answer_holds_only_its_own_bytes(tmp_path
     assert held <= 2 * len(kept), f"a kept range of {len(kept)} bytes holds {held} bytes"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="node_index.arrayrecord's peek sends a footer of unknown size (every remote "
-    "shard: _UNKNOWN_COST, 16 MiB) down the sliced path when BUILD_BYTES is smaller, "
-    "and that path maps the file from the local disk",
-)
 def test_remote_shards_index_under_a_budget_below_the_unknown_footer_cost(tmp_path, monkeypatch):
     """build_arrayrecord_index(filesystem=...) of shards on another filesystem, with
     store.BUILD_BYTES at 8 MiB: the shards exist there, and are indexed (with the

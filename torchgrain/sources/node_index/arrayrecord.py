@@ -324,8 +324,10 @@ def build_arrayrecord_index(
     soon as the shards before it are, and the footers parsed and not yet written hold
     at most :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (each costs about
     :data:`_PARSE_COST` bytes per chunk while parsed; its entry count is read ahead
-    from the footer chunk's header). A local footer that would cost more than the whole
-    budget is read and written a slice of chunks at a time
+    from the footer chunk's header of a local file, a remote footer counted as
+    :data:`_UNKNOWN_COST`, and one over the whole budget read alone). A local footer
+    that would cost more than the whole budget is read and written a slice of chunks at
+    a time
     (:class:`~torchgrain.formats.arrayrecord.footer.FooterReader`; with ``tolerate``,
     read twice: checked whole before its first slice is written). A build of more than a few seconds reports its
     progress on stderr (:class:`~torchgrain.sources.node_index.store.BuildProgress`).
@@ -345,8 +347,10 @@ def build_arrayrecord_index(
         except (CorruptDataError, OSError):
             return (i, None, False), 0  # raised again, and handled, by footer()
         n = _footer_entries(f)
-        cost = _UNKNOWN_COST if n is None else min(n, 1 << 40) * _PARSE_COST
-        if cost > store.BUILD_BYTES:
+        if n is None:  # remote, or damaged: read whole, alone if over the budget
+            return (i, f, False), _UNKNOWN_COST
+        cost = min(n, 1 << 40) * _PARSE_COST
+        if cost > store.BUILD_BYTES:  # a local file, whose footer the slices map
             return (i, f, True), step * _PARSE_COST
         return (i, f, False), cost
 
