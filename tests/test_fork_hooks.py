@@ -5,6 +5,7 @@ again, a lock held by a thread of the parent at the fork included."""
 from __future__ import annotations
 
 import json
+import operator
 import os
 import threading
 
@@ -94,3 +95,20 @@ def test_a_region_whose_lock_a_parent_thread_held_at_the_fork_reads_in_the_child
         release.set()
         t.join(60)
     assert got == {"done": True, "bytes": "010203"}
+
+
+def test_fork_safe_pool_runs_a_task_in_the_caller_while_a_fork_is_under_way():
+    """A task submitted while another thread is between the before-fork and after-fork
+    hooks must not start a pool thread (it would run across the fork): it runs in the
+    calling thread, and the pool starts threads again once the fork is over."""
+    pool = process.ForkSafeThreadPool(2, "tg-test-forking")
+    here = threading.current_thread().name
+    process._fork_lock.acquire()  # what a fork in another thread holds
+    try:
+        assert pool.submit(lambda: threading.current_thread().name).result() == here
+        assert pool.submit(operator.truediv, 1, 0).exception() is not None
+        assert not [t for t in threading.enumerate() if t.name.startswith("tg-test-forking")]
+    finally:
+        process._fork_lock.release()
+    assert pool.submit(lambda: threading.current_thread().name).result() != here
+    pool.shutdown()

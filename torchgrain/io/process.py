@@ -233,18 +233,25 @@ class ForkSafeThreadPool(Executor):
         self._closed = False
         stop_threads_at_fork(self)
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        # Under the lock: a fork's stop hook (which takes it) then waits for this task
+        # rather than shutting the pool down between our lookup and our submit.
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            if self._token != token():  # inherited from the parent: its threads are not here
-                self._token, self._pool = token(), None
-            if self._pool is None:
-                self._pool = thread_pool(self._max_workers, self._prefix)
-            return self._pool
-
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
-        return self._executor().submit(fn, *args, **kwargs)
+            if not forking():
+                if self._token != token():  # inherited from the parent: no threads here
+                    self._token, self._pool = token(), None
+                if self._pool is None:
+                    self._pool = thread_pool(self._max_workers, self._prefix)
+                return self._pool.submit(fn, *args, **kwargs)
+        # Another thread is forking: a thread started now would run across the fork.
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # handed to the caller, as a pool thread does
+            done.set_exception(e)
+        return done
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._lock:
