@@ -25,6 +25,7 @@ Lua module when installed (``benchmarks/_nginx_store.py``), else the threaded st
 pass runs in a fresh process, local and remote interleaved, ``--repeats`` rounds; the
 ratio is the median of the rounds' ratios, and the process CPU per record of each is
 reported (the remote one includes receiving the bytes). Target: remote >= 0.5x local.
+``--trees A,B``: the remote pass of other checkouts too, in the same rounds (paired A/B).
 Writes benchmarks/results/remote_large.json.
 
 Run:  python benchmarks/remote.py            (about two minutes on 2 cores)
@@ -155,9 +156,16 @@ def large_vs_local(args: argparse.Namespace) -> None:
         else:
             url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
         print(f"store {store}: {args.latency_ms:g} ms per request; 1,024 x 100 KiB, 16 shards")
+        # --trees: other checkouts' remote passes beside this one's (paired A/B), each
+        # run by that checkout's copy of this script (its torchgrain).
+        passes = [("local", d, __file__), ("remote", f"{url}/big", __file__)]
+        for tree in filter(None, args.trees.split(",")):
+            runs[f"remote@{os.path.basename(tree.rstrip('/'))}"] = []
+            script = os.path.join(tree, "benchmarks", "remote.py")
+            passes.append((f"remote@{os.path.basename(tree.rstrip('/'))}", f"{url}/big", script))
         for r in range(args.repeats):
-            for mode, where in (("local", d), ("remote", f"{url}/big")):
-                cmd = [sys.executable, __file__, "--one-large", where, str(args.max_inflight)]
+            for mode, where, script in passes:
+                cmd = [sys.executable, script, "--one-large", where, str(args.max_inflight)]
                 out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                 if out.returncode != 0:
                     raise RuntimeError(f"{mode} failed:\n{out.stderr[-4000:]}")
@@ -167,18 +175,23 @@ def large_vs_local(args: argparse.Namespace) -> None:
         if server is not None:
             server.kill()
         shutil.rmtree(work, ignore_errors=True)
-    ratio = statistics.median(
-        x["records/s"] / y["records/s"] for x, y in zip(runs["remote"], runs["local"])
-    )
+
+    def over_local(mode: str) -> float:
+        return statistics.median(
+            x["records/s"] / y["records/s"] for x, y in zip(runs[mode], runs["local"])
+        )
+
+    ratio = over_local("remote")
     rows = [
         {
             "mode": mode,
             "records/s": statistics.median(x["records/s"] for x in runs[mode]),
+            "over local": 1.0 if mode == "local" else over_local(mode),
             "cpu us/record": statistics.median(x["cpu us/record"] for x in runs[mode]),
         }
         for mode in runs
     ]
-    print_table(rows, ["mode", "records/s", "cpu us/record"])
+    print_table(rows, ["mode", "records/s", "over local", "cpu us/record"])
     target = {"remote_over_local": ratio, "target": ">= 0.5", "met": ratio >= 0.5}
     print(target)
     write_json(
@@ -203,6 +216,11 @@ def main() -> None:
     p.add_argument("--big-shard-mb", type=int, default=64)
     p.add_argument("--max-inflight", type=int, default=128, help="--large: requests in flight")
     p.add_argument("--large", action="store_true", help="100 KiB records vs local disk only")
+    p.add_argument(
+        "--trees",
+        default="",
+        help="--large: other checkouts (comma-separated) whose remote passes run beside",
+    )
     args = p.parse_args()
     if args.large:
         if "--latency-ms" not in sys.argv:
