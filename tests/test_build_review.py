@@ -143,12 +143,6 @@ def test_a_failed_build_closes_the_shards_it_opened_ahead(tmp_path):
     assert unclosed == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="inflight._exact_parts hands ranges over as views of the whole multi-range "
-    "body, and ranges._slices(own=True) copies only out of blobs with holes: a range "
-    "kept in the RangeStore pins every range of its request, uncounted",
-)
 def test_a_range_kept_from_a_multirange_answer_holds_only_its_own_bytes(tmp_path):
     """16 ranges of 1,000 bytes in one multi-range request; the reader takes 15. The
     one left in the range store (counted there as 1,000 bytes) must not keep the

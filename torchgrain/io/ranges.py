@@ -28,6 +28,7 @@ import contextlib
 import mmap
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
@@ -147,11 +148,20 @@ def _slices(
         # Read-only: a body read into a bytearray is still no one's to write.
         out[i] = memoryview(blobs[j]).toreadonly()[s - merged[j][0] : e - merged[j][0]]
     if own:
+        # A blob that is a view of a larger body (one part of a multi-range answer)
+        # keeps that whole body alive too.
+        held = [_held(b) for b in blobs]
         for i in order:
             m = merged[at[i]]
-            if used[at[i]] < m[1] - m[0]:
+            if used[at[i]] < m[1] - m[0] or held[at[i]] > m[1] - m[0]:
                 out[i] = memoryview(bytes(out[i]))
     return out
+
+
+def _held(blob: Any) -> int:
+    """The bytes a blob keeps alive: a view keeps its whole underlying buffer."""
+    view = memoryview(blob)
+    return view.nbytes if view.obj is None else memoryview(view.obj).nbytes
 
 
 class RangeStore:
