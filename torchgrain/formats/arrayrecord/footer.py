@@ -31,7 +31,6 @@ from torchgrain.formats.arrayrecord.riegeli import (
     _COMPRESSIONS,
     _NONE,
     _ZSTD,
-    _ZSTD_MAX_RATIO,
     ChunkDecoder,
     _ChunkDecodeError,
     _varint,
@@ -187,25 +186,7 @@ class _Stream:
             self._buf = memoryview(dec._decompress(ctype, comp, limit, exact)).cast("B")
             self.size = len(self._buf)
             return
-        size, p = _varint(comp, 0, len(comp))
-        if size > limit or (exact and size != limit):
-            raise _ChunkDecodeError(
-                f"compressed buffer declares {size} decompressed bytes, expected "
-                f"{'' if exact else 'at most '}{limit}"
-            )
-        if size > dec._max_chunk:
-            raise _ChunkDecodeError(dec._over_ceiling(size))
-        payload = comp[p:]
-        try:
-            declared = zstandard.frame_content_size(payload)
-        except zstandard.ZstdError as e:
-            raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
-        if declared >= 0 and declared != size:
-            raise _ChunkDecodeError(f"zstd frame declares {declared} bytes, chunk says {size}")
-        if size > len(payload) * _ZSTD_MAX_RATIO:
-            raise _ChunkDecodeError(
-                f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
-            )
+        size, payload = dec._declared(ctype, comp, limit, exact)
         # A context of its own: the record sizes and the values are read in turns.
         self._reader = zstandard.ZstdDecompressor().stream_reader(payload)
         self.size = size

@@ -263,18 +263,10 @@ class ChunkDecoder:
                 )
             b += _BLOCK
 
-    def _decompress(self, ctype: int, comp: Any, limit: int, exact: bool) -> Any:
-        """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``.
-
-        Nothing is allocated from a declared size before it is checked against ``limit``,
-        ``max_chunk_bytes`` and what a stream of this length can hold, and the output
-        buffer is exactly the declared size: a stream that holds less or more is an error.
-        """
-        if ctype == _NONE:
-            n = len(comp)
-            if n > limit or (exact and n != limit):
-                raise _ChunkDecodeError(f"uncompressed buffer has {n} bytes, expected {limit}")
-            return comp
+    def _declared(self, ctype: int, comp: Any, limit: int, exact: bool) -> tuple[int, Any]:
+        """The size a compressed buffer declares (checked against ``limit``,
+        ``max_chunk_bytes`` and, for zstd, its frame header and what a stream of this
+        length can hold) and its compressed payload: nothing is allocated before this."""
         if not comp:
             raise _ChunkDecodeError("compressed buffer is empty")
         size = comp[0]
@@ -290,17 +282,34 @@ class ChunkDecoder:
         if size > self._max_chunk:
             raise _ChunkDecodeError(self._over_ceiling(size))
         payload = comp[p:]
+        if ctype == _ZSTD:
+            try:
+                declared = zstandard.frame_content_size(payload)
+            except zstandard.ZstdError as e:
+                raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+            if declared >= 0 and declared != size:
+                raise _ChunkDecodeError(f"zstd frame declares {declared} bytes, chunk says {size}")
+            if size > len(payload) * _ZSTD_MAX_RATIO:
+                raise _ChunkDecodeError(
+                    f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
+                )
+        return size, payload
+
+    def _decompress(self, ctype: int, comp: Any, limit: int, exact: bool) -> Any:
+        """Decompress one Riegeli buffer; its size must equal (or not exceed) ``limit``.
+
+        Nothing is allocated from a declared size before it is checked against ``limit``,
+        ``max_chunk_bytes`` and what a stream of this length can hold, and the output
+        buffer is exactly the declared size: a stream that holds less or more is an error.
+        """
+        if ctype == _NONE:
+            n = len(comp)
+            if n > limit or (exact and n != limit):
+                raise _ChunkDecodeError(f"uncompressed buffer has {n} bytes, expected {limit}")
+            return comp
+        size, payload = self._declared(ctype, comp, limit, exact)
         try:
             if ctype == _ZSTD:
-                declared = zstandard.frame_content_size(payload)
-                if declared >= 0 and declared != size:
-                    raise _ChunkDecodeError(
-                        f"zstd frame declares {declared} bytes, chunk says {size}"
-                    )
-                if size > len(payload) * _ZSTD_MAX_RATIO:
-                    raise _ChunkDecodeError(
-                        f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
-                    )
                 out = self._zstd().decompress(payload, max_output_size=size)
             elif ctype == _SNAPPY:
                 declared = cramjam.snappy.decompress_raw_len(payload)
