@@ -164,3 +164,11 @@ def start(root: str, *, max_ranges: int | None = None) -> tuple[subprocess.Popen
                 err = proc.stderr.read().decode() if proc.stderr else ""
                 raise RuntimeError(f"nginx did not start: {err[-2000:]}") from None
             time.sleep(0.05)
+
+
+def set_speed(url: str, latency_s: float, rate_bytes_per_s: float) -> None:
+    """Give the store at ``url`` (this module's nginx, or ``_common.start_http_store``'s
+    server) a latency per request and a bandwidth, through its control paths."""
+    for control in (f"__latency?s={latency_s}", f"__rate?bps={rate_bytes_per_s}"):
+        with urllib.request.urlopen(f"{url}/{control}", timeout=30) as r:
+            r.read()

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 
@@ -183,12 +182,7 @@ def main() -> None:
             from benchmarks import _nginx_store
 
             server, url = _nginx_store.start(work)
-            for control in (
-                f"__latency?s={args.latency_ms / 1000}",
-                f"__rate?bps={args.mbps * 1e6}",
-            ):
-                with urllib.request.urlopen(f"{url}/{control}", timeout=30) as r:
-                    r.read()
+            _nginx_store.set_speed(url, args.latency_ms / 1000, args.mbps * 1e6)
         else:
             url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
         budget = total // 3

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import numpy as np
 import torch
@@ -147,12 +146,7 @@ def large_vs_local(args: argparse.Namespace) -> None:
         store = "nginx" if _nginx_store.available() else "threaded"
         if store == "nginx":
             server, url = _nginx_store.start(work)
-            for control in (
-                f"__latency?s={args.latency_ms / 1000}",
-                f"__rate?bps={args.mbps * 1e6}",
-            ):
-                with urllib.request.urlopen(f"{url}/{control}", timeout=30) as r:
-                    r.read()
+            _nginx_store.set_speed(url, args.latency_ms / 1000, args.mbps * 1e6)
         else:
             url, server = start_http_store(work, args.latency_ms / 1000, args.mbps * 1e6)
         print(f"store {store}: {args.latency_ms:g} ms per request; 1,024 x 100 KiB, 16 shards")
