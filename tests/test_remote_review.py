@@ -1,0 +1,34 @@
+"""Review of the remote read path (multi-range bodies, decode as ranges arrive,
+coalescing): faults found by reproduction against real 127.0.0.1 servers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import torchgrain as tg
+from tests.servers import FaultProxy, RangeHTTPServer
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a batch's range read that fails on one shard after its retries names the "
+    "batch's first shard ('<shard 0> and 3 more'), not the shard whose requests failed "
+    "(the retries asked for that shard alone): FetchAhead._prefetch_ranges' label",
+)
+def test_a_batch_failing_on_one_shard_names_that_shard(tmp_path):
+    recs = [{"i": i, "blob": bytes([i]) * 3000} for i in range(64)]
+    d = tmp_path / "www" / "ds"
+    tg.write_array_record(recs, d, num_shards=4)
+    failing = sorted(n for n in os.listdir(d) if n.endswith(".array_record"))[2]
+    with RangeHTTPServer(tmp_path / "www") as srv, FaultProxy(srv.url) as proxy:
+        src = tg.ArrayRecordSource(f"{proxy.url}/ds", max_inflight=16)
+        try:
+            _ = [src[i] for i in (0, 16, 32, 48)]  # footers read before the fault
+            proxy.inject("truncate", times=None, match=failing, method="GET")
+            with pytest.raises(tg.RemoteIOError) as info:
+                src.__getitems__([5, 21, 37, 53, 6, 22, 38, 54])
+        finally:
+            src.close()
+    assert failing in str(info.value), str(info.value)
