@@ -11,12 +11,6 @@ import torchgrain as tg
 from tests.servers import FaultProxy, RangeHTTPServer
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a batch's range read that fails on one shard after its retries names the "
-    "batch's first shard ('<shard 0> and 3 more'), not the shard whose requests failed "
-    "(the retries asked for that shard alone): FetchAhead._prefetch_ranges' label",
-)
 def test_a_batch_failing_on_one_shard_names_that_shard(tmp_path):
     recs = [{"i": i, "blob": bytes([i]) * 3000} for i in range(64)]
     d = tmp_path / "www" / "ds"
@@ -34,12 +28,6 @@ def test_a_batch_failing_on_one_shard_names_that_shard(tmp_path):
     assert failing in str(info.value), str(info.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a shard's range read answered 416 (or 400) escapes as aiohttp's "
-    "ClientResponseError: ranges._raise_failure raises any HTTP status as it is, and the "
-    "shard's own read does again; no torchgrain error, no record index",
-)
 def test_a_shard_answered_416_raises_a_torchgrain_error_naming_the_record(tmp_path):
     recs = [{"i": i, "blob": bytes([i]) * 3000} for i in range(64)]
     d = tmp_path / "www" / "ds"

@@ -37,7 +37,7 @@ from fsspec.asyn import AsyncFileSystem
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes, inflight, process, remote
 from torchgrain.io.paths import is_http
-from torchgrain.io.retry import _permanent, http_status, is_transient, remaining_seconds
+from torchgrain.io.retry import _permanent, is_transient, remaining_seconds
 
 __all__ = [
     "MappedFile",
@@ -291,13 +291,11 @@ def _raise_failure(blob: BaseException, label: str, s: int, e: int) -> None:
     clearer = None if is_transient(blob) else _permanent(blob, label, f"reading bytes {s}-{e}")
     if clearer is not None:
         raise clearer from blob
-    if (
-        is_transient(blob)
-        or http_status(blob) is not None
-        or isinstance(blob, (FileNotFoundError, PermissionError, CorruptDataError))
+    if is_transient(blob) or isinstance(
+        blob, (FileNotFoundError, PermissionError, CorruptDataError)
     ):
         raise blob
-    raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
+    raise remote.refused(blob, label, s, e) from blob
 
 
 def fetch_batch(

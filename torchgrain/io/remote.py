@@ -596,11 +596,11 @@ def cat_ranges(
             if isinstance(blob, BaseException):
                 if (
                     is_transient(blob)
-                    or http_status(blob) is not None
+                    or http_status(blob) in (401, 403, 404, 410)
                     or isinstance(blob, (FileNotFoundError, PermissionError))
                 ):
                     raise blob  # retried, or named by the operation (not found, denied)
-                raise CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}") from blob
+                raise refused(blob, label, s, e) from blob
             _check_length(fs, path, s, e, len(blob), label)
 
     return call(
@@ -782,3 +782,21 @@ def open_input(
         return fs.open(path, "rb")
     raw = RemoteFile(fs, path, url=url, size=size, fresh=fresh)
     return io.BufferedReader(raw, REMOTE_BUFFER) if buffered else raw  # type: ignore[return-value]
+
+
+def refused(blob: BaseException, label: str, s: int, e: int) -> CorruptDataError:
+    """The error for a range read that failed for good, with no clearer name (not
+    missing, not denied): a status such as ``416`` (the file is shorter than its index
+    says) or a body that could not be read, naming the file and the bytes.
+
+    Example:
+        >>> refused(ValueError("bad"), "http://h/a", 0, 8)
+        CorruptDataError("http://h/a: reading bytes 0-8 failed: ValueError('bad')")
+    """
+    status = http_status(blob)
+    if status is None:
+        return CorruptDataError(f"{label}: reading bytes {s}-{e} failed: {blob!r}")
+    return CorruptDataError(
+        f"{label}: the server answered {status} to a read of bytes {s}-{e} ({blob}): the "
+        "file may have changed on the server since it was indexed"
+    )

@@ -441,7 +441,7 @@ def _permanent(exc: BaseException, url: str, what: str) -> BaseException | None:
 def retry_call(
     fn: Callable[..., T],
     *args: Any,
-    url: str,
+    url: str | Callable[[], str],
     policy: RetryPolicy | None = None,
     what: str = "read",
     on_retry: Callable[[int, BaseException], None] | None = None,
@@ -456,7 +456,8 @@ def retry_call(
 
     Args:
         fn: the operation; it must be safe to repeat (reads and whole-file downloads are).
-        url: the object concerned, named in errors.
+        url: the object concerned, named in errors (or a function that names it when
+            an error is raised: a batch whose files left change between attempts).
         policy: attempts, delays and deadlines (default: :func:`current_policy`).
         what: a few words for error messages (``"download"``, ``"range read"``).
         on_retry: called with ``(attempt, exception)`` before each retry (for counters).
@@ -477,11 +478,12 @@ def retry_call(
         ...     print("not found")
         not found
     """
+    name = url if callable(url) else (lambda: url)
     if _OPERATION.get() is not None:
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            clearer = None if is_transient(e) else _permanent(e, url, what)
+            clearer = None if is_transient(e) else _permanent(e, name(), what)
             if clearer is None:
                 raise
             raise clearer from e
@@ -495,7 +497,7 @@ def retry_call(
                 return fn(*args, **kwargs)
             except Exception as e:
                 if not is_transient(e):
-                    clearer = _permanent(e, url, what)
+                    clearer = _permanent(e, name(), what)
                     if clearer is None:
                         raise
                     raise clearer from e
@@ -512,7 +514,7 @@ def retry_call(
                         else f", its {policy.deadline:g} s deadline passed"
                     )
                     raise RemoteIOError(
-                        f"{what} of {url} failed after {attempt} attempt"
+                        f"{what} of {name()} failed after {attempt} attempt"
                         f"{'s' if attempt > 1 else ''} in {spent:.1f} s{why} (transient "
                         f"errors; last: {_describe(e)})"
                     ) from e

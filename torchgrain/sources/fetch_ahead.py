@@ -160,7 +160,10 @@ class FetchAhead:
                 # This batch's bytes per record size the walk's first steps.
                 ahead.kick(per_record=_nbytes(files) / max(1, sum(len(g[1]) for g in groups)))
         store = range_store()
-        label = files[0][1] if len(files) == 1 else f"{files[0][1]} and {len(files) - 1} more"
+        asked = [f[1] for f in files]  # the files of the last attempt, named if it fails
+
+        def label() -> str:
+            return asked[0] if len(asked) == 1 else f"{asked[0]} and {len(asked) - 1} more"
 
         def ready(k: int) -> None:
             if read is None or early is None or k in early:
@@ -175,6 +178,7 @@ class FetchAhead:
                 self._proc().io["remote_reads"] += 1
             # A retry asks only for the groups not read yet (their ranges were taken).
             left = [k for k in range(len(files)) if early is None or k not in early]
+            asked[:] = [files[k][1] for k in left] or asked
             fetch_batch(
                 self._fs,
                 [files[k] for k in left],
