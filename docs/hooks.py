@@ -401,6 +401,24 @@ def scale_targets(name: str) -> str:
     )
 
 
+def scale_model(name: str) -> str:
+    d = load(name)
+    return table(
+        [
+            ("loader", lambda r: r["loader"]),
+            ("fixed private MiB", lambda r: num(r["fixed_private_mib"], 3)),
+            ("private B/record", lambda r: num(r["private_bytes_per_record"], 3)),
+            ("private B/shard", lambda r: num(r["private_bytes_per_shard"], 3)),
+            ("mapped B/record (once per node)", lambda r: num(r["shared_bytes_per_record"], 3)),
+            ("GiB per process at 10^9", lambda r: num(r["private_gib_per_proc"], 3)),
+            ("node GiB, 64 processes", lambda r: num(r["node_gib"], 3)),
+            ("node / one process", lambda r: num(r["node_vs_one_proc"], 3)),
+        ],
+        d["memory_model"],
+        name,
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "random_access-warm": lambda: random_access("warm"),
     "random_access-fresh": lambda: random_access("fresh"),
@@ -426,6 +444,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "peers_remote_quiet3": lambda: peers_remote("peers_remote_quiet3"),
     "scale_medium": lambda: scale("scale_medium"),
     "scale_medium-targets": lambda: scale_targets("scale_medium"),
+    "scale_full": lambda: scale("scale_full"),
+    "scale_full-model": lambda: scale_model("scale_full"),
+    "scale_full-targets": lambda: scale_targets("scale_full"),
 }
 
 
