@@ -63,6 +63,19 @@ def _decoded_cache_ignores_the_hosts_free_space(monkeypatch):
     monkeypatch.setattr(decoded_cache, "default_min_free_bytes", lambda disk_total: 0)
 
 
+@pytest.fixture(autouse=True)
+def _no_remote_file_pinned_by_an_earlier_test():
+    """A process remembers each remote file's version (ETag, size) by URL and refuses a
+    file that changed (412 to If-Match). A test's server on 127.0.0.1 may get the port an
+    earlier test's server had, and serve other files at the same URLs: each test starts
+    as a fresh process would, with no file pinned."""
+    from torchgrain.io import responses
+
+    responses._PINS.clear()
+    yield
+    responses._PINS.clear()
+
+
 # Python >= 3.12 warns when a process with threads forks ("This process ... is
 # multi-threaded, use of fork() may lead to deadlocks in the child"). torchgrain's own
 # threads stop around a fork (torchgrain/io/process.py; tests/test_fork_safety.py checks
