@@ -104,7 +104,7 @@ def test_no_index_build_thread_runs_across_a_fork(tmp_path):
         got = []
 
         def build():
-            for x in store._in_order(16, lambda i: (i, 1), work, max_workers=4):
+            for x in store.in_order(16, lambda i: (i, 1), work, max_workers=4):
                 got.append(x)
 
         t = threading.Thread(target=build)

@@ -121,7 +121,7 @@ def test_shards_start_in_order_within_the_budget_and_the_first_error_is_raised()
         return i
 
     out = []
-    for i in store._in_order(40, peek, work, budget=100, max_workers=6):
+    for i in store.in_order(40, peek, work, budget=100, max_workers=6):
         out.append(i)
         with lock:
             held[0] -= costs[i]
@@ -139,7 +139,7 @@ def test_shards_start_in_order_within_the_budget_and_the_first_error_is_raised()
 
     got = []
     with pytest.raises(CorruptDataError, match="shard 5"):
-        for i in store._in_order(200, lambda i: (i, 1), failing, budget=3, max_workers=4):
+        for i in store.in_order(200, lambda i: (i, 1), failing, budget=3, max_workers=4):
             got.append(i)
     assert got == [0, 1, 2, 3, 4]
     assert max(started) < 5 + 3 + 4  # nothing far past the error was read
@@ -185,7 +185,7 @@ def test_a_build_abandoned_midway_leaves_no_thread_waiting(tmp_path):
     script = textwrap.dedent("""
         import sys
         from torchgrain.sources.node_index import store
-        gen = store._in_order(64, lambda i: (i, 10), lambda i: i, budget=20, max_workers=4)
+        gen = store.in_order(64, lambda i: (i, 10), lambda i: i, budget=20, max_workers=4)
         try:
             for i in gen:
                 if i == 3:

@@ -63,10 +63,10 @@ from torchgrain.sources.base import Source
 from torchgrain.sources.node_index.derived import (
     DEFAULT,
     DerivedIndex,
-    _hash,
     callable_fingerprint,
     dataset_fingerprint,
     derived_index,
+    hash_parts,
 )
 
 __all__ = ["FilterView", "columns", "filter_dataset"]
@@ -190,7 +190,7 @@ def filter_dataset(
                 f"(this is {ds!r}); filter it before the transforms, or give a function"
             )
         what = f"expression {predicate}"
-        ident = name if name is not None else _hash("expression", str(predicate))
+        ident = name if name is not None else hash_parts("expression", str(predicate))
         mode = "pushdown"
     else:
         if not callable(predicate):
@@ -204,7 +204,7 @@ def filter_dataset(
         if keys is not None:
             mode += f" of {keys}"
     dtype = "<u4" if n < 2**32 else "<u8"
-    key = "filter-" + _hash(dataset_fingerprint(ds), mode, ident, dtype)
+    key = "filter-" + hash_parts(dataset_fingerprint(ds), mode, ident, dtype)
     label = f"filter predicate {what}"
 
     def fill(sink: Any) -> dict[str, Any]:
@@ -354,7 +354,7 @@ class FilterView(View):
 
     def fingerprint(self) -> str:
         """The parent's identity and the selection's key."""
-        return _hash(dataset_fingerprint(self.children[0]), self.index.meta.get("key"))
+        return hash_parts(dataset_fingerprint(self.children[0]), self.index.meta.get("key"))
 
     def __repr__(self) -> str:
         return f"FilterView({self.children[0]!r}, {self.label}: {len(self)} kept)"

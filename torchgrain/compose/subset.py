@@ -36,9 +36,9 @@ from torchgrain.errors import CorruptDataError
 from torchgrain.sampling.permutation import KeyedPermutation
 from torchgrain.sources.node_index.derived import (
     DerivedIndex,
-    _hash,
     dataset_fingerprint,
     derived_index,
+    hash_parts,
 )
 
 __all__ = ["MAPPED_ABOVE", "Subset", "key_hash", "select", "split", "split_counts"]
@@ -71,7 +71,7 @@ class _ArrayRows:
     def identity(self) -> Any:
         if self.index is not None:
             return self.index.meta.get("key")
-        return _hash(self.rows.dtype.str, np.ascontiguousarray(self.rows).tobytes())
+        return hash_parts(self.rows.dtype.str, np.ascontiguousarray(self.rows).tobytes())
 
     def __getstate__(self) -> Any:
         # A mapped index pickles as its file's name; the array would be a copy.
@@ -196,7 +196,7 @@ def _mapped_selection(ds: Dataset, arr: np.ndarray, dtype: str) -> DerivedIndex:
     h = hashlib.blake2b(digest_size=16)
     for a in range(0, len(arr), _CHUNK):
         h.update(_checked(ds, arr[a : a + _CHUNK], dtype).tobytes())
-    key = "select-" + _hash(dataset_fingerprint(ds), dtype, len(arr), h.hexdigest())
+    key = "select-" + hash_parts(dataset_fingerprint(ds), dtype, len(arr), h.hexdigest())
 
     def fill(sink: Any) -> dict[str, Any]:
         for a in range(0, len(arr), _CHUNK):

@@ -32,21 +32,21 @@ from torchgrain.io.file_hash import file_checksum
 from torchgrain.io.fs import map_files
 from torchgrain.sources.node_index import store
 from torchgrain.sources.node_index.store import (
-    _VERSION,
     COUNTERS,
     INDEX_NAME,
+    VERSION,
     BuildProgress,
-    _bad,
-    _build,
-    _cached,
-    _in_order,
-    _Index,
-    _key,
-    _meta_int,
-    _open_trusted,
-    _prefix,
-    _shape,
+    NodeIndex,
+    build_index,
+    cached_index,
+    check_meta_int,
+    check_prefix,
+    check_shape,
     dataset_name,
+    in_order,
+    index_error,
+    index_key,
+    open_trusted,
 )
 
 __all__ = [
@@ -75,7 +75,7 @@ _AR_COLUMNS = {
 }
 
 
-class ArrayRecordIndex(_Index):
+class ArrayRecordIndex(NodeIndex):
     """Every chunk of every shard of an ArrayRecord dataset, in one set of arrays.
 
     For ``S`` shards, ``C`` chunks and ``N`` records: ``rec_base`` (``S + 1``: the
@@ -110,18 +110,18 @@ class ArrayRecordIndex(_Index):
 
     def _derive(self) -> None:
         a, meta, where, s, n = self._counts()
-        c = _meta_int(meta, where, "num_chunks")
-        self.rec_base = _shape(a, where, "rec_base", (s + 1,))
-        self.chunk_base = _shape(a, where, "chunk_base", (s + 1,))
-        self.file_size = _shape(a, where, "file_size", (s,))
-        self.mtime_ns = _shape(a, where, "mtime_ns", (s,))
-        self.group_size = _shape(a, where, "group_size", (s,))
-        self.footer_head = _shape(a, where, "footer_head", (s, _CHUNK_HEADER))
-        self.offsets = _shape(a, where, "offsets", (c + s,))
-        self.record_offsets = _shape(a, where, "record_offsets", (c + s,))
-        self.decoded = _shape(a, where, "decoded", (c,))
-        counts = _prefix(self.rec_base, n, where, "rec_base")
-        nchunks = _prefix(self.chunk_base, c, where, "chunk_base")
+        c = check_meta_int(meta, where, "num_chunks")
+        self.rec_base = check_shape(a, where, "rec_base", (s + 1,))
+        self.chunk_base = check_shape(a, where, "chunk_base", (s + 1,))
+        self.file_size = check_shape(a, where, "file_size", (s,))
+        self.mtime_ns = check_shape(a, where, "mtime_ns", (s,))
+        self.group_size = check_shape(a, where, "group_size", (s,))
+        self.footer_head = check_shape(a, where, "footer_head", (s, _CHUNK_HEADER))
+        self.offsets = check_shape(a, where, "offsets", (c + s,))
+        self.record_offsets = check_shape(a, where, "record_offsets", (c + s,))
+        self.decoded = check_shape(a, where, "decoded", (c,))
+        counts = check_prefix(self.rec_base, n, where, "rec_base")
+        nchunks = check_prefix(self.chunk_base, c, where, "chunk_base")
         # Per-shard consistency, vectorised: O(shards), whatever the number of records.
         starts = self.chunk_base[:-1] + np.arange(s, dtype=np.int64)
         ends = starts + nchunks
@@ -140,13 +140,13 @@ class ArrayRecordIndex(_Index):
             or bool((self.group_size < _UNREADABLE).any())
             or bool((~ok & (counts != 0)).any())
         ):
-            raise _bad(
+            raise index_error(
                 where,
                 "its per-shard entries are inconsistent (damaged or not made for these files)",
             )
         single = meta.get("single")
         if single is not bool(np.array_equal(nchunks, counts)):
-            raise _bad(where, "its one-record-per-chunk flag disagrees with its counts")
+            raise index_error(where, "its one-record-per-chunk flag disagrees with its counts")
         # Nothing per shard is kept beyond the mapped arrays: with 10,000 shards, every
         # private array of them costs every process 80 KB.
         #: Every chunk of the dataset holds exactly one record (files written with
@@ -389,7 +389,7 @@ def build_arrayrecord_index(
         progress = BuildProgress(s, dataset_name(paths))
         # Each shard's entries go into the sink (a file's columns) as soon as the shards
         # before it are in: nothing per record is held beyond the footers in flight.
-        shards = _in_order(s, peek, footer, budget=store.BUILD_BYTES, close=_close_peeked)
+        shards = in_order(s, peek, footer, budget=store.BUILD_BYTES, close=_close_peeked)
         for k, got in enumerate(shards):
             if got is None:
                 sink.append("offsets", np.zeros(1))
@@ -435,7 +435,7 @@ def build_arrayrecord_index(
             np.cumsum(per, out=base[1:])
             sink.append(name, base)
         meta = {
-            "version": _VERSION,
+            "version": VERSION,
             "num_shards": s,
             "num_records": int(counts.sum()),
             "num_chunks": int(nchunks.sum()),
@@ -445,12 +445,12 @@ def build_arrayrecord_index(
         COUNTERS["arrayrecord_builds"] += 1
         return meta
 
-    return _build(ArrayRecordIndex, out, _AR_COLUMNS, fill)
+    return build_index(ArrayRecordIndex, out, _AR_COLUMNS, fill)
 
 
 def _beside_key(names: Iterable[str]) -> str:
     """What an index beside the shards describes: the shards' names, relative to it."""
-    return _key("beside", [(n,) for n in names])
+    return index_key("beside", [(n,) for n in names])
 
 
 def write_dataset_index(root: str, names: Sequence[str]) -> dict[str, Any]:
@@ -526,7 +526,7 @@ def arrayrecord_index(
                 raise CorruptDataError(
                     f"it is {os.path.getsize(path)} bytes, the manifest says {entry.get('num_bytes')}"
                 )
-            ix = _open_trusted(path, ArrayRecordIndex, index_dir, checksum)
+            ix = open_trusted(path, ArrayRecordIndex, index_dir, checksum)
             why = agrees(ix)
             if why is not None:
                 raise CorruptDataError(why)
@@ -540,7 +540,7 @@ def arrayrecord_index(
     stats = _stats(paths)
     mtimes = [st.st_mtime_ns for st in stats]
 
-    key = _key(
+    key = index_key(
         "array_record",
         [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in zip(paths, stats)],
     )
@@ -568,4 +568,4 @@ def arrayrecord_index(
         return None  # counts: a manifest that disagrees with the shards is checked later
 
     name = "arrayrecord-" + key + INDEX_SUFFIX
-    return _cached(os.fspath(index_dir), name, ArrayRecordIndex, build, fits)
+    return cached_index(os.fspath(index_dir), name, ArrayRecordIndex, build, fits)

@@ -41,13 +41,19 @@ from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.protocols import Fingerprinted
 from torchgrain.sources.base import Source
 from torchgrain.sources.node_index.store import (
-    _Arrays,
-    _build,
-    _cached,
+    IndexArrays,
+    build_index,
+    cached_index,
     default_index_dir,
 )
 
-__all__ = ["DerivedIndex", "callable_fingerprint", "dataset_fingerprint", "derived_index"]
+__all__ = [
+    "DerivedIndex",
+    "callable_fingerprint",
+    "dataset_fingerprint",
+    "derived_index",
+    "hash_parts",
+]
 
 
 class _Default:
@@ -67,7 +73,7 @@ class DerivedIndex:
     spawned worker maps the same file, and refuses one replaced since it was opened.
     """
 
-    def __init__(self, arrays: _Arrays) -> None:
+    def __init__(self, arrays: IndexArrays) -> None:
         self._a = arrays
 
     @property
@@ -110,7 +116,7 @@ class _Maker:
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-    def __call__(self, arrays: _Arrays) -> DerivedIndex:
+    def __call__(self, arrays: IndexArrays) -> DerivedIndex:
         return DerivedIndex(arrays)
 
 
@@ -163,7 +169,7 @@ def derived_index(
         return meta
 
     def build(path: str | None) -> DerivedIndex:
-        return _build(maker, path, columns, fill_keyed)
+        return build_index(maker, path, columns, fill_keyed)
 
     def check(ix: DerivedIndex) -> str | None:
         if ix.meta.get("key") != key:
@@ -176,11 +182,17 @@ def derived_index(
         return build(None)
     if index_dir is DEFAULT:
         index_dir = default_index_dir(kind)
-    return _cached(os.fspath(index_dir), key + INDEX_SUFFIX, maker, build, check)
+    return cached_index(os.fspath(index_dir), key + INDEX_SUFFIX, maker, build, check)
 
 
 # ----------------------------------------------------------------- fingerprints
-def _hash(*parts: Any) -> str:
+def hash_parts(*parts: Any) -> str:
+    """A key from ``parts``: the hex blake2b (16 bytes) of their reprs (bytes as they are).
+
+    Example:
+        >>> hash_parts("filter", 3) == hash_parts("filter", 3) != hash_parts("filter", 4)
+        True
+    """
     h = hashlib.blake2b(digest_size=16)
     for p in parts:
         h.update(repr(p).encode() if not isinstance(p, bytes) else p)
@@ -216,9 +228,11 @@ def callable_fingerprint(fn: Any) -> str:
         False
     """
     if isinstance(fn, functools.partial):
-        return _hash("partial", callable_fingerprint(fn.func), fn.args, sorted(fn.keywords.items()))
+        return hash_parts(
+            "partial", callable_fingerprint(fn.func), fn.args, sorted(fn.keywords.items())
+        )
     if isinstance(fn, types.MethodType):  # its object's state too, not only its code
-        return _hash("method", callable_fingerprint(fn.__func__), _value(fn.__self__))
+        return hash_parts("method", callable_fingerprint(fn.__func__), _value(fn.__self__))
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
         cells = []
@@ -228,7 +242,7 @@ def callable_fingerprint(fn: Any) -> str:
             except ValueError:  # an empty cell
                 v = "<empty>"
             cells.append(callable_fingerprint(v) if callable(v) else _value(v))
-        return _hash(
+        return hash_parts(
             "function",
             fn.__module__,
             fn.__qualname__,
@@ -238,20 +252,20 @@ def callable_fingerprint(fn: Any) -> str:
             *cells,
         )
     if isinstance(fn, (types.BuiltinFunctionType, type)):
-        return _hash("named", getattr(fn, "__module__", ""), fn.__qualname__)
+        return hash_parts("named", getattr(fn, "__module__", ""), fn.__qualname__)
     call = getattr(type(fn).__call__, "__code__", None)
     parts = _code_parts(call, set()) if isinstance(call, types.CodeType) else []
-    return _hash("object", type(fn).__module__, type(fn).__qualname__, *parts, _value(fn))
+    return hash_parts("object", type(fn).__module__, type(fn).__qualname__, *parts, _value(fn))
 
 
 def _value(v: Any) -> str:
     """A stable digest of a value: its pickle, else its repr."""
     if isinstance(v, np.ndarray):
-        return _hash(v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
+        return hash_parts(v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
     try:
-        return _hash(pickle.dumps(v, protocol=4))
+        return hash_parts(pickle.dumps(v, protocol=4))
     except Exception:
-        return _hash(type(v).__qualname__, repr(v))
+        return hash_parts(type(v).__qualname__, repr(v))
 
 
 def _file_identity(path: str) -> tuple[Any, ...]:
@@ -295,16 +309,16 @@ def dataset_fingerprint(ds: Any) -> str:
         ops = []
         for op in ds._ops:
             ops.append((op[0], callable_fingerprint(op[1]), *op[2:]))
-        return _hash("dataset", dataset_fingerprint(ds.source), ops)
+        return hash_parts("dataset", dataset_fingerprint(ds.source), ops)
     if isinstance(ds, Fingerprinted):
-        return _hash("stated", type(ds).__qualname__, ds.fingerprint())
+        return hash_parts("stated", type(ds).__qualname__, ds.fingerprint())
     if isinstance(ds, Source):
         files = [_file_identity(p) for p in ds.paths]
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another
         # codec) are other records, and a predicate may see the difference.
         records = (list(ds.keys), sorted(ds.schema.items()))
-        return _hash(
+        return hash_parts(
             "source", type(ds).__module__, type(ds).__qualname__, len(ds), counts, files, records
         )
-    return _hash("sequence", type(ds).__module__, type(ds).__qualname__, len(ds))
+    return hash_parts("sequence", type(ds).__module__, type(ds).__qualname__, len(ds))

@@ -1,23 +1,27 @@
 """Index files of a node index: their arrays, checks, and where they live on a machine.
 
-What the ArrayRecord and TFRecord indexes (:mod:`.arrayrecord`, :mod:`.tfrecord`) share:
-the arrays of an index file or of memory (:class:`_Arrays`), the checks of their shapes
-and prefix sums, and the index directory: a key per set of files, one builder per
-machine under a lock, stamps of verified files, and least-recently-used pruning. A directory that cannot take an index (read-only, or
+What the ArrayRecord, TFRecord and derived indexes (:mod:`.arrayrecord`, :mod:`.tfrecord`,
+:mod:`.derived`) share, and their interface to it: the arrays of an index file or of
+memory (:class:`IndexArrays`, :class:`NodeIndex`), the checks of their shapes and prefix
+sums (:func:`check_shape`, :func:`check_prefix`, :func:`check_meta_int`), a build into a
+file or memory (:func:`build_index`), and the index directory (:func:`cached_index`,
+:func:`open_trusted`): a key per set of files (:func:`index_key`), one builder per machine
+under a lock, stamps of verified files, and least-recently-used pruning. A directory
+that cannot take an index (read-only, or
 with no room: a full disk, a spent quota, a file-size limit) leaves nothing partial in
 it; the index is built in the process's memory instead, with a warning (for no room, once
 per directory and process, naming the directory, the file and the remedy).
 
-Building streams: the shards are read in parallel threads (:func:`_in_order`), each
+Building streams: the shards are read in parallel threads (:func:`in_order`), each
 shard's entries written into the index file's columns as soon as the shards before it
 are, with at most :data:`BUILD_BYTES` of parsing held at once whatever the number of
 records; a build that takes more than a few seconds says how far it has got on stderr
 (:class:`BuildProgress`).
 
 Example:
-    >>> _key("tfrecord", [("a", 1, 2)]) == _key("tfrecord", [("a", 1, 2)])
+    >>> index_key("tfrecord", [("a", 1, 2)]) == index_key("tfrecord", [("a", 1, 2)])
     True
-    >>> _prefix(np.array([0, 2, 5]), 5, "(in memory)", "rec_base").tolist()
+    >>> check_prefix(np.array([0, 2, 5]), 5, "(in memory)", "rec_base").tolist()
     [2, 3]
 """
 
@@ -52,9 +56,22 @@ __all__ = [
     "COUNTERS",
     "INDEX_DIR_BYTES",
     "INDEX_NAME",
+    "VERSION",
     "BuildProgress",
+    "IndexArrays",
+    "NodeIndex",
+    "build_index",
+    "cached_index",
+    "check_meta_int",
+    "check_prefix",
+    "check_shape",
+    "dataset_name",
     "default_index_dir",
+    "in_order",
+    "index_error",
+    "index_key",
     "open_index",
+    "open_trusted",
 ]
 
 #: The index file torchgrain's writers put beside a dataset's shards.
@@ -63,7 +80,8 @@ INDEX_NAME = "torchgrain" + INDEX_SUFFIX
 COUNTERS = {"arrayrecord_builds": 0, "tfrecord_builds": 0, "verified": 0}
 #: Index files an index directory keeps, in bytes; the least recently used go first.
 INDEX_DIR_BYTES = 32 << 30
-_VERSION = 1
+#: The layout version every index kind writes in its metadata and its key.
+VERSION = 1
 _BATCH = 256  # shards whose footers are read together while building
 #: Bytes an index build may hold at once for shards read but not yet written into the
 #: index file (their parsed footers or offsets, as estimated by the reader); a shard
@@ -97,7 +115,7 @@ def default_index_dir(kind: str) -> str:
 
 
 # ---------------------------------------------------------------- the arrays
-class _Arrays:
+class IndexArrays:
     """Named arrays from an index file (mapped) or from memory; pickles as the file's name."""
 
     def __init__(
@@ -133,8 +151,8 @@ class _Arrays:
         self.arrays, self.meta, self.file = f.arrays, f.meta, f
 
 
-class _Index:
-    """What the ArrayRecord and TFRecord indexes share: their arrays (:class:`_Arrays`),
+class NodeIndex:
+    """What the ArrayRecord and TFRecord indexes share: their arrays (:class:`IndexArrays`),
     checked by the subclass's ``_derive`` when made and when unpickled (a pickle carries
     the index file's name, not its arrays)."""
 
@@ -142,7 +160,7 @@ class _Index:
     counts: np.ndarray  # records per shard
     file_size: np.ndarray  # bytes per shard
 
-    def __init__(self, arrays: _Arrays) -> None:
+    def __init__(self, arrays: IndexArrays) -> None:
         self._a = arrays
         self._derive()
 
@@ -166,10 +184,10 @@ class _Index:
         if f is not None:
             f.check(polled=polled)
 
-    def __getstate__(self) -> _Arrays:
+    def __getstate__(self) -> IndexArrays:
         return self._a
 
-    def __setstate__(self, arrays: _Arrays) -> None:
+    def __setstate__(self, arrays: IndexArrays) -> None:
         self._a = arrays
         self._derive()
 
@@ -178,14 +196,14 @@ class _Index:
         numbers of shards and records the metadata gives (checked)."""
         a, meta = self._a.arrays, self._a.meta
         where = repr(self._a.path) if self._a.path else "(in memory)"
-        if meta.get("version") != _VERSION:
-            raise _bad(where, f"unsupported version {meta.get('version')!r:.20}")
-        s = _meta_int(meta, where, "num_shards")
-        n = _meta_int(meta, where, "num_records")
+        if meta.get("version") != VERSION:
+            raise index_error(where, f"unsupported version {meta.get('version')!r:.20}")
+        s = check_meta_int(meta, where, "num_shards")
+        n = check_meta_int(meta, where, "num_records")
         return a, meta, where, s, n
 
     def not_made_for(self, key: str, sizes: np.ndarray) -> str | None:
-        """Why this index does not describe the files of ``key`` (:func:`_key`) whose
+        """Why this index does not describe the files of ``key`` (:func:`index_key`) whose
         sizes are ``sizes``, or None."""
         if self._a.meta.get("key") != key:  # a file under another's name
             return "it was made for other files"
@@ -194,28 +212,50 @@ class _Index:
         return None
 
 
-def _bad(where: str, msg: str) -> CorruptDataError:
+def index_error(where: str, msg: str) -> CorruptDataError:
+    """The error for a damaged index: ``index WHERE: MSG`` (``where``: its file, quoted).
+
+    Example:
+        >>> str(index_error("'/i.tgindex'", "bad num_shards"))
+        "index '/i.tgindex': bad num_shards"
+    """
     return CorruptDataError(f"index {where}: {msg}")
 
 
-def _shape(a: dict[str, np.ndarray], where: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def check_shape(
+    a: dict[str, np.ndarray], where: str, name: str, shape: tuple[int, ...]
+) -> np.ndarray:
+    """The array ``a[name]``, which must have ``shape`` (else :func:`index_error`).
+
+    Example:
+        >>> check_shape({"n": np.zeros(3)}, "(in memory)", "n", (3,)).shape
+        (3,)
+    """
     arr = a.get(name)
     if arr is None or arr.shape != shape:
         got = None if arr is None else arr.shape
-        raise _bad(where, f"array {name!r} has shape {got}, expected {shape}")
+        raise index_error(where, f"array {name!r} has shape {got}, expected {shape}")
     return arr
 
 
-def _meta_int(meta: dict[str, Any], where: str, key: str) -> int:
+def check_meta_int(meta: dict[str, Any], where: str, key: str) -> int:
+    """``meta[key]``, which must be an int in ``[0, 2**62)`` (else :func:`index_error`).
+
+    Example:
+        >>> check_meta_int({"num_shards": 4}, "(in memory)", "num_shards")
+        4
+    """
     v = meta.get(key)
     if type(v) is not int or not 0 <= v < 1 << 62:
-        raise _bad(where, f"bad {key} {v!r:.40}")
+        raise index_error(where, f"bad {key} {v!r:.40}")
     return v
 
 
-def _prefix(arr: np.ndarray, total: int, where: str, name: str) -> np.ndarray:
+def check_prefix(arr: np.ndarray, total: int, where: str, name: str) -> np.ndarray:
+    """The counts of the prefix sum ``arr``, which must rise from 0 to ``total`` (else
+    :func:`index_error`); see the module's example."""
     if len(arr) == 0 or arr[0] != 0 or arr[-1] != total or bool((np.diff(arr) < 0).any()):
-        raise _bad(where, f"{name} is not a prefix sum from 0 to {total}")
+        raise index_error(where, f"{name} is not a prefix sum from 0 to {total}")
     return np.diff(arr)
 
 
@@ -231,14 +271,14 @@ class _MemorySink:
         dtype, trailing = self.columns[name]
         self.parts[name].append(np.asarray(rows, dtype=np.dtype(dtype)).reshape(-1, *trailing))
 
-    def arrays(self, meta: dict[str, Any]) -> _Arrays:
+    def arrays(self, meta: dict[str, Any]) -> IndexArrays:
         out = {}
         for k, parts in self.parts.items():
             dtype, trailing = self.columns[k]
             arr = np.concatenate(parts) if parts else np.zeros((0, *trailing), np.dtype(dtype))
             arr.setflags(write=False)
             out[k] = arr
-        return _Arrays(self.kind, out, meta, None)
+        return IndexArrays(self.kind, out, meta, None)
 
     def abort(self) -> None:
         self.parts = {}
@@ -248,16 +288,16 @@ def open_index(path: str, cls: Any) -> Any:
     """Map and validate the index file at ``path`` as ``cls`` (:class:`ArrayRecordIndex`
     or :class:`TFRecordIndex`)."""
     f = IndexFile.open(path, cls.kind)
-    return cls(_Arrays(cls.kind, f.arrays, f.meta, f))
+    return cls(IndexArrays(cls.kind, f.arrays, f.meta, f))
 
 
-def _build(
+def build_index(
     cls: Any,
     out: str | None,
     columns: dict[str, tuple[str, tuple[int, ...]]],
     fill: Callable[[Any], dict[str, Any]],
 ) -> Any:
-    """A new index ``cls`` (:class:`_Index`): ``fill(sink)`` appends its columns to the
+    """A new index ``cls`` (:class:`NodeIndex`): ``fill(sink)`` appends its columns to the
     sink (an :class:`IndexFileWriter` or a :class:`_MemorySink`) and returns its metadata.
     Published atomically at ``out`` and mapped from there, or in memory (``out=None``);
     nothing is left at ``out`` when building fails."""
@@ -335,7 +375,7 @@ def dataset_name(paths: Sequence[str]) -> str:
 
 
 class _Threads:
-    """The threads of one build (:func:`_in_order`), never running across a fork (see
+    """The threads of one build (:func:`in_order`), never running across a fork (see
     :mod:`torchgrain.io.process`): right before this process forks, the calls not yet
     started are cancelled (:class:`_Call` submits them again) and the running ones
     joined; while the fork is under way the build runs its calls in its own thread,
@@ -411,7 +451,7 @@ class _Call:
                 self.future = self.threads.submit(self.fn, self.arg)
 
 
-def _in_order(
+def in_order(
     n: int,
     peek: Callable[[int], tuple[Any, int]],
     work: Callable[[Any], _T],
@@ -437,7 +477,7 @@ def _in_order(
     collector (``work`` closes it itself when it fails).
 
     Example:
-        >>> list(_in_order(4, lambda i: (i, 1), lambda x: x * x))
+        >>> list(in_order(4, lambda i: (i, 1), lambda x: x * x))
         [0, 1, 4, 9]
     """
     budget = BUILD_BYTES if budget is None else budget
@@ -492,9 +532,12 @@ def _succeeded(fut: Future) -> bool:
 
 
 # ------------------------------------------------------------------ placement
-def _key(kind: str, items: Sequence[tuple[Any, ...]]) -> str:
+def index_key(kind: str, items: Sequence[tuple[Any, ...]]) -> str:
+    """The name of an index of ``kind`` describing ``items`` (per file: its path, size,
+    modification time...): a hex blake2b of them and :data:`VERSION`; see the module's
+    example."""
     h = hashlib.blake2b(digest_size=16)
-    h.update(f"{kind}\0{_VERSION}\0".encode())
+    h.update(f"{kind}\0{VERSION}\0".encode())
     for item in items:
         h.update("\0".join(map(str, item)).encode() + b"\n")
     return h.hexdigest()
@@ -575,7 +618,7 @@ def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | Non
         st.st_ctime_ns,
         expect or f.checksum,
     )
-    return os.path.join(index_dir, _STAMPS, _key("verified", [item]))
+    return os.path.join(index_dir, _STAMPS, index_key("verified", [item]))
 
 
 def _write_stamp(stamp: str | None) -> None:
@@ -586,7 +629,7 @@ def _write_stamp(stamp: str | None) -> None:
                 pass
 
 
-def _open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None = None) -> Any:
+def open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None = None) -> Any:
     """Open the index file at ``path`` and check its contents once per machine: against
     ``expect`` (a manifest's ``blake2b-file`` checksum of the whole file) or its own
     header checksum. A stamp in ``index_dir`` remembers a verified file (see
@@ -614,7 +657,7 @@ def _open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None
     return ix
 
 
-def _cached(
+def cached_index(
     index_dir: str,
     name: str,
     cls: Any,
@@ -629,7 +672,7 @@ def _cached(
 
     def try_open() -> Any:
         try:
-            ix = _open_trusted(path, cls, index_dir)
+            ix = open_trusted(path, cls, index_dir)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except CorruptDataError as e:

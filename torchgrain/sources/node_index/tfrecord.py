@@ -17,18 +17,18 @@ import numpy as np
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.sources.node_index import store
 from torchgrain.sources.node_index.store import (
-    _VERSION,
     COUNTERS,
+    VERSION,
     BuildProgress,
-    _bad,
-    _build,
-    _cached,
-    _in_order,
-    _Index,
-    _key,
-    _prefix,
-    _shape,
+    NodeIndex,
+    build_index,
+    cached_index,
+    check_prefix,
+    check_shape,
     dataset_name,
+    in_order,
+    index_error,
+    index_key,
 )
 
 __all__ = ["TFRecordIndex", "tfrecord_index"]
@@ -46,7 +46,7 @@ _TF_COLUMNS = {
 _CHUNK_COST = 1 << 20
 
 
-class TFRecordIndex(_Index):
+class TFRecordIndex(NodeIndex):
     """Where every record of a TFRecord dataset starts, in one set of arrays.
 
     ``rec_base`` (``S + 1``), per shard ``file_size``, ``mtime_ns`` and ``compressed``
@@ -61,22 +61,22 @@ class TFRecordIndex(_Index):
 
     def _derive(self) -> None:
         a, _, where, s, n = self._counts()
-        self.rec_base = _shape(a, where, "rec_base", (s + 1,))
-        self.file_size = _shape(a, where, "file_size", (s,))
-        self.mtime_ns = _shape(a, where, "mtime_ns", (s,))
-        self.compressed = _shape(a, where, "compressed", (s,))
-        counts = _prefix(self.rec_base, n, where, "rec_base")
+        self.rec_base = check_shape(a, where, "rec_base", (s + 1,))
+        self.file_size = check_shape(a, where, "file_size", (s,))
+        self.mtime_ns = check_shape(a, where, "mtime_ns", (s,))
+        self.compressed = check_shape(a, where, "compressed", (s,))
+        counts = check_prefix(self.rec_base, n, where, "rec_base")
         plain = self.compressed == 0
         entries = np.where(plain, counts, 0) + 1  # offsets, then the size
         base = np.zeros(s, np.int64)
         np.cumsum(entries[:-1], out=base[1:])
-        self.offsets = _shape(a, where, "offsets", (int(entries.sum()),))
+        self.offsets = check_shape(a, where, "offsets", (int(entries.sum()),))
         if (
             bool((self.offsets[base + entries - 1] != self.file_size).any())
             or bool((plain & (counts > 0) & (self.offsets[base] != 0)).any())
             or bool((self.file_size < 0).any())
         ):
-            raise _bad(
+            raise index_error(
                 where,
                 "its per-shard entries are inconsistent (damaged or not made for these files)",
             )
@@ -119,7 +119,7 @@ def tfrecord_index(
     """
     s = len(paths)
     sizes = np.array([size for size, _ in infos], np.int64)
-    key = _key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
+    key = index_key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
     if cost_of is None:
         cost_of = lambda i: 8 if compressed[i] else int(sizes[i]) // 2  # noqa: E731
 
@@ -137,7 +137,7 @@ def tfrecord_index(
         def fill(sink: Any) -> dict[str, Any]:
             counts = np.zeros(s, np.int64)
             progress = BuildProgress(s, dataset_name(paths))
-            for k, parts in enumerate(_in_order(s, peek, walk, budget=budget)):
+            for k, parts in enumerate(in_order(s, peek, walk, budget=budget)):
                 n = 0
                 for part in parts:
                     if compressed[k]:  # its count: a stream has no offsets
@@ -158,7 +158,7 @@ def tfrecord_index(
             sink.append("mtime_ns", np.zeros(s, np.int64))
             sink.append("compressed", np.asarray(compressed, np.int64))
             meta = {
-                "version": _VERSION,
+                "version": VERSION,
                 "num_shards": s,
                 "num_records": int(counts.sum()),
                 "key": key,
@@ -166,7 +166,7 @@ def tfrecord_index(
             COUNTERS["tfrecord_builds"] += 1
             return meta
 
-        return _build(TFRecordIndex, out, _TF_COLUMNS, fill)
+        return build_index(TFRecordIndex, out, _TF_COLUMNS, fill)
 
     if index_dir is None:
         return build(None)
@@ -180,4 +180,4 @@ def tfrecord_index(
         return None
 
     name = "tfrecord-" + key + INDEX_SUFFIX
-    return _cached(os.fspath(index_dir), name, TFRecordIndex, build, fits)
+    return cached_index(os.fspath(index_dir), name, TFRecordIndex, build, fits)
