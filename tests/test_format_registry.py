@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,78 +18,43 @@ import pytest
 
 import torchgrain as tg
 from torchgrain.cli import main
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError
-from torchgrain.formats.codecs import describe_value
-from torchgrain.io.fs import expand_paths
+from torchgrain.errors import CorruptDataError
 from torchgrain.sources import registry
-from torchgrain.sources.base import ShardedSource
 from torchgrain.writers import OutputFormat, ShardWriter
 
 # ------------------------------------------------------------- the new format
 
 
-class NpySource(ShardedSource):
+class NpyFormat:
     """A directory of ``.npy`` files, one record ``{"array": ndarray}`` per file, in
     file-name order. ``allow_pickle`` stays off: object arrays are refused."""
 
-    def __init__(
-        self,
-        paths: str | os.PathLike | Sequence[str | os.PathLike],
-        *,
-        options: tg.ReadOptions | None = None,
-        **read_options: Any,
-    ) -> None:
-        opts = tg.ReadOptions.build(options, read_options)
-        fs, files = expand_paths(
-            paths,
-            suffixes=(".npy",),
-            storage_options=opts.storage_options,
-            filesystem=opts.filesystem,
-            kind="npy",
-            allow_external=opts.allow_external_paths,
-        )
-        self._init_shards(
-            filesystem=fs, paths=files, counts=np.ones(len(files), np.int64), options=opts
-        )
+    name, suffixes = "npy", (".npy",)
 
-    def _open_reader(self, shard: int, path: str, filesystem: Any) -> _NpyFile:
-        return _NpyFile(path, filesystem)
-
-    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        shards, _ = self.index.locate(indices)
-        return [
-            {"array": self._io(lambda s=s: self._reader(s).read(s), s, f"read of shard {s}")}
-            for s in shards.tolist()
-        ]
-
-    @property
-    def keys(self) -> list[str]:
-        return ["array"]
-
-    @property
-    def schema(self) -> dict[str, str]:
-        return {"array": describe_value(self[0]["array"])} if len(self) else {}
+    def open(self, file: tg.sources.ShardFile) -> _NpyFile:
+        return _NpyFile(file)
 
 
 class _NpyFile:
-    def __init__(self, path: str, filesystem: Any) -> None:
-        self.path, self.fs = path, filesystem
+    def __init__(self, file: tg.sources.ShardFile) -> None:
+        self.file = file
 
-    def read(self, shard: int) -> np.ndarray:
+    def __len__(self) -> int:
+        return 1
+
+    def read(self, rows: np.ndarray) -> list[dict[str, Any]]:
         try:
-            if self.fs is None:
-                data = open(self.path, "rb").read()  # noqa: SIM115 - read whole, closed by GC
-            else:
-                data = self.fs.cat_file(self.path)
-        except FileNotFoundError as e:
-            raise DatasetNotFoundError(f"npy shard {shard} {self.path!r} does not exist") from e
-        try:
-            return np.load(io.BytesIO(data), allow_pickle=False)
+            array = np.load(io.BytesIO(self.file.read()), allow_pickle=False)
         except ValueError as e:
-            raise CorruptDataError(f"npy shard {shard} {self.path!r}: {e}") from e
+            raise CorruptDataError(f"npy file {self.file.path!r}: {e}") from e
+        return [{"array": array} for _ in rows.tolist()]
 
     def close(self) -> None:
         pass
+
+
+class NpySource(tg.FormatSource):
+    format = NpyFormat()
 
 
 def write_npy(records: Any, directory: str, *, num_shards: int = 1) -> list[str]:
@@ -102,12 +66,8 @@ def write_npy(records: Any, directory: str, *, num_shards: int = 1) -> list[str]
     return paths
 
 
-NPY = registry.Format(
-    "npy",
-    NpySource,
-    (".npy",),
-    write=write_npy,
-    description="a directory of .npy files, one record per file",
+NPY = registry.Format.for_source(
+    NpySource, write=write_npy, description="a directory of .npy files, one record per file"
 )
 
 

@@ -37,6 +37,7 @@ from torchgrain.errors import (
 from torchgrain.formats.codecs import register_codec as register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import Source
+from torchgrain.sources.format import FormatSource
 from torchgrain.sources.index import ShardIndex as ShardIndex
 from torchgrain.sources.options import ReadOptions
 from torchgrain.sources.parquet import ParquetSource
@@ -135,6 +136,7 @@ __all__ = [
     "CudaPrefetcher",
     "Dataset",
     "DatasetNotFoundError",
+    "FormatSource",
     "GlobalShuffleSampler",
     "ParquetSource",
     "ReadOptions",

@@ -5,7 +5,9 @@ Every source implements :class:`Source` (``len``, ``src[i]``, ``__getitems__``,
 per-process readers, retry, parallel extraction, counters), read as one
 :class:`ReadOptions` says, and find records through a :class:`ShardIndex`. The registry
 finds a format by name or file names: :func:`open` opens any registered format, and a
-new format is one module plus a :func:`register_format` call with its :class:`Format`
+new format is a :class:`ShardFormat` (open a :class:`ShardFile`, read rows with a
+:class:`ShardReader`, optionally :class:`ReadsByteRanges`) that :class:`FormatSource`
+reads with all of the above, plus a :func:`register_format` call with its :class:`Format`
 (``torchgrain inspect``, ``bench`` and ``convert`` then know it). Codecs turn an
 encoded record's bytes into a dict; :func:`register_codec` adds one. Other packages'
 formats load through the ``torchgrain.formats`` entry-point group (:func:`load_plugins`),
@@ -27,6 +29,13 @@ from torchgrain.formats.codecs import merge_schema, register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.column import read_column
+from torchgrain.sources.format import (
+    FormatSource,
+    ReadsByteRanges,
+    ShardFile,
+    ShardFormat,
+    ShardReader,
+)
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.options import ReadOptions
 from torchgrain.sources.parquet import ParquetSource
@@ -45,9 +54,14 @@ from torchgrain.sources.tfrecord import TFRecordSource
 __all__ = [
     "ArrayRecordSource",
     "Format",
+    "FormatSource",
     "ParquetSource",
     "ReadOptions",
+    "ReadsByteRanges",
+    "ShardFile",
+    "ShardFormat",
     "ShardIndex",
+    "ShardReader",
     "ShardedSource",
     "Source",
     "TFRecordSource",

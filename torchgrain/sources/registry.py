@@ -40,6 +40,7 @@ from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.options import ReadOptions
 
 if TYPE_CHECKING:
+    from torchgrain.sources.format import FormatSource
     from torchgrain.writers import OutputFormat
 
 __all__ = [
@@ -94,6 +95,24 @@ class Format:
     options: tuple[str, ...] = ()
     read_options: bool = True
     output: OutputFormat | None = None
+
+    @classmethod
+    def for_source(cls, source: type[FormatSource], **fields: Any) -> Format:
+        """The format of a :class:`~torchgrain.FormatSource` subclass: its name and
+        suffixes are those of its ``format``; ``fields`` are the others (``write=``,
+        ``description=``, ``output=``...).
+
+        Example:
+            >>> import torchgrain as tg
+            >>> class Lines:
+            ...     name, suffixes = "lines", (".lines",)
+            >>> class LinesSource(tg.FormatSource):
+            ...     format = Lines()
+            >>> f = Format.for_source(LinesSource, description="text, one record a line")
+            >>> f.name, f.suffixes, f.source is LinesSource
+            ('lines', ('.lines',), True)
+        """
+        return cls(source.format.name, source, tuple(source.format.suffixes), **fields)
 
     @property
     def convert_output(self) -> bool:
