@@ -37,23 +37,10 @@ from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.block_cache import BlockCache, CacheInfo
 from torchgrain.sources.cache_fit import CacheFitting
-from torchgrain.sources.cached_copies import CachedCopies, _CachedCopy, _retire
+from torchgrain.sources.cached_copies import CachedCopies, OpenCopies
 from torchgrain.sources.fetch_ahead import FetchAhead
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
-
-# Names defined here before ShardedSource's parts moved to their own modules.
-from torchgrain.sources.cached_copies import (  # isort: skip
-    _EVICTED_GRACE_SECONDS as _EVICTED_GRACE_SECONDS,
-    _MAX_OPEN_CACHED as _MAX_OPEN_CACHED,
-    _READS as _READS,
-    _TOUCH_SECONDS as _TOUCH_SECONDS,
-    _in_grace as _in_grace,
-    _pin as _pin,
-    _release_batch as _release_batch,
-    _unpin as _unpin,
-)
-from torchgrain.sources.fetch_ahead import BATCH_GAP as BATCH_GAP  # isort: skip
 
 __all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
 
@@ -207,10 +194,7 @@ class _ProcessState:
         self.lock = threading.Lock()
         # shard -> reader of the shard itself (local file or remote URL)
         self.readers: OrderedDict[int, Any] = OrderedDict()
-        # shard -> the open reader of its local copy (with a shard cache)
-        self.cached: OrderedDict[int, _CachedCopy] = OrderedDict()
-        # per thread: ``batch``, the copies a batch opened ahead (see _prefetch_copies)
-        self.local = threading.local()
+        self.copies = OpenCopies(self.lock)  # the open local copies (with a shard cache)
         self.pool: process.ForkSafeThreadPool | None = None
         self.read_ahead: Any = None
         self.range_ahead: Any = None  # a RangeReadAhead (remote reads, no shard cache)
@@ -336,10 +320,8 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
             ahead.join(timeout=60)
         with st.lock:
             # Readers of cached copies still in use by a read close when it ends.
-            copies = [c.reader for c in st.cached.values() if _retire(c)]
-            readers = [*st.readers.values(), *copies]
+            readers = [*st.readers.values(), *st.copies.close_all()]
             st.readers.clear()
-            st.cached.clear()
             pool, st.pool = st.pool, None
         for r in readers:
             r.close()
@@ -410,7 +392,7 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
         """This process's reader of ``shard`` (opened on first use; LRU-bounded)."""
         st = self._proc()
         if self._uses_copies():
-            return self._cached_reader(st, shard)
+            return self._cached_reader(st.copies, shard)
         with st.lock:
             reader = st.readers.get(shard)
             if reader is not None:

@@ -29,17 +29,15 @@ import os
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from torchgrain.errors import CacheDiskFullError
 from torchgrain.io import changes
 from torchgrain.io.shard_cache import file_identity
 
-if TYPE_CHECKING:
-    from torchgrain.sources.base import _ProcessState
-
-__all__ = ["CachedCopies"]
+__all__ = ["CachedCopies", "OpenCopies"]
 
 T = TypeVar("T")
 
@@ -94,6 +92,32 @@ class _CachedCopy:
         self.retired = False
         self.evicted_at: float | None = None  # when it was first seen evicted
         self.touched = time.monotonic()  # its last hit in the cache (its LRU position)
+
+
+class OpenCopies:
+    """One process's open copies: shard -> its open copy (least recently used first),
+    and per thread the copies a batch opened ahead (:meth:`CachedCopies._prefetch_copies`),
+    guarded by ``lock`` (the lock of the process state that holds them).
+
+    Example:
+        >>> import threading
+        >>> copies = OpenCopies(threading.Lock())
+        >>> with copies.lock:
+        ...     copies.close_all()
+        []
+    """
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+        self.by_shard: OrderedDict[int, _CachedCopy] = OrderedDict()
+        self.local = threading.local()  # ``batch``: the copies this thread's batch pinned
+
+    def close_all(self) -> list[Any]:
+        """Take every copy out of the open set (call with ``lock`` held); the readers no
+        read uses, for the caller to close (the others close when their read ends)."""
+        unused = [c.reader for c in self.by_shard.values() if _retire(c)]
+        self.by_shard.clear()
+        return unused
 
 
 class CachedCopies:
@@ -152,7 +176,7 @@ class CachedCopies:
         _, checksum = self.shard_integrity(shard)
         return os.path.exists(self.cache.local_path(self._paths[shard], checksum=checksum))
 
-    def _cached_reader(self, st: _ProcessState, shard: int) -> Any:
+    def _cached_reader(self, st: OpenCopies, shard: int) -> Any:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
         open until the read that asked for it (:meth:`_io`) ends, at least; a reader of
         the remote shard itself once the cache's disk has no room."""
@@ -164,15 +188,15 @@ class CachedCopies:
             self._cache_full(e)
             return self._reader(shard)  # no longer through the cache (_uses_copies)
 
-    def _cached_copy(self, st: _ProcessState, shard: int, pins: list | None) -> _CachedCopy:
+    def _cached_copy(self, st: OpenCopies, shard: int, pins: list | None) -> _CachedCopy:
         """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
         it stays open until they are released."""
         assert self.cache is not None
-        copy = st.cached.get(shard)
+        copy = st.by_shard.get(shard)
         if copy is not None and self._still_readable(copy, shard):
             with st.lock:
-                if st.cached.get(shard) is copy:
-                    st.cached.move_to_end(shard)
+                if st.by_shard.get(shard) is copy:
+                    st.by_shard.move_to_end(shard)
                     _pin(copy, pins)
                     return copy
         size, checksum = self.shard_integrity(shard)
@@ -187,11 +211,11 @@ class CachedCopies:
         copy = _CachedCopy(path, ident, reader, pin, st.lock)
         with st.lock:
             _pin(copy, pins)
-            old = st.cached.pop(shard, None)
-            st.cached[shard] = copy
+            old = st.by_shard.pop(shard, None)
+            st.by_shard[shard] = copy
             retired = [old] if old is not None else []
-            while len(st.cached) > _MAX_OPEN_CACHED:
-                retired.append(st.cached.popitem(last=False)[1])
+            while len(st.by_shard) > _MAX_OPEN_CACHED:
+                retired.append(st.by_shard.popitem(last=False)[1])
             unused = [c.reader for c in retired if _retire(c)]
         for r in unused:
             r.close()
@@ -250,11 +274,11 @@ class CachedCopies:
         changed = {id(c) for c in pins if changes.changed(c.pin) is not None}
         if not changed:
             return False
-        st = self._proc()
+        st = self._proc().copies
         with st.lock:
-            for shard, copy in list(st.cached.items()):
+            for shard, copy in list(st.by_shard.items()):
                 if id(copy) in changed:
-                    del st.cached[shard]
+                    del st.by_shard[shard]
                     _retire(copy)  # (pinned by this read: closed when it ends)
         return True
 
@@ -263,10 +287,10 @@ class CachedCopies:
         retire those whose cached copy was evicted or replaced (they pin its disk
         blocks; they close once no other read uses them)."""
         assert self.cache is not None
-        st = self._proc()
+        st = self._proc().copies
         _release_batch(st)
         with st.lock:
-            copies = list(st.cached.items())
+            copies = list(st.by_shard.items())
         gone = []
         for shard, copy in copies:
             ident = self.cache.identity(copy.path)
@@ -277,8 +301,8 @@ class CachedCopies:
         with st.lock:
             unused = []
             for shard, copy in gone:
-                if st.cached.get(shard) is copy:
-                    del st.cached[shard]
+                if st.by_shard.get(shard) is copy:
+                    del st.by_shard[shard]
                     if _retire(copy):
                         unused.append(copy.reader)
         for r in unused:
@@ -292,12 +316,12 @@ class CachedCopies:
         (or this thread's next batch begins)."""
         if self.cache is None:
             return {}
-        st = self._proc()
+        st = self._proc().copies
         _release_batch(st)  # a batch that raised before its end
         if self.io_threads <= 1 or len(shards) <= 1 or not self._uses_copies():
             return {}
         with st.lock:
-            open_now = set(st.cached)
+            open_now = set(st.by_shard)
         missing = [s for s in shards if s not in open_now and not self._is_cached(s)]
         if not missing:
             return {}
@@ -384,7 +408,7 @@ def _unpin(pins: list[_CachedCopy]) -> None:
         r.close()
 
 
-def _release_batch(st: _ProcessState) -> None:
+def _release_batch(st: OpenCopies) -> None:
     """Release the readers this thread's batch opened ahead (see _prefetch_copies)."""
     batch = getattr(st.local, "batch", None)
     if batch is not None:
