@@ -33,7 +33,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.exceptions import FSTimeoutError
 
-from torchgrain.errors import UnsafePathError
+from torchgrain.io import remote
 from torchgrain.io.byteranges import (
     MAX_RANGES,
     MultipartError,
@@ -45,23 +45,23 @@ from torchgrain.io.byteranges import (
     single_part,
     slice_parts,
 )
+from torchgrain.io.paths import is_http
 from torchgrain.io.remote import (
-    _check_length,
-    _coroutine,
-    _protocols,
-    _raise_refusal,
     cat_file,
+    check_length,
+    redirect_refusal,
     remaining_seconds,
     request_done,
 )
 from torchgrain.io.responses import (
     RangeAnswerError,
     ResponseSizeError,
-    _changed,
-    _pieces,
-    _read_capped,
+    changed_error,
     check_file_answer,
     range_request,
+    read_capped,
+    request_coroutine,
+    socket_pieces,
 )
 from torchgrain.io.retry import RequestTimeout, is_transient_status
 
@@ -133,7 +133,10 @@ async def _limited(
     async with _semaphore(limit):
         try:
             return await asyncio.wait_for(
-                _coroutine(fs, "cat_file")(path, start=start, end=end), seconds
+                request_coroutine(fs, "cat_file", page_limit=remote.MAX_PAGE_BYTES)(
+                    path, start=start, end=end
+                ),
+                seconds,
             )
         except asyncio.TimeoutError as e:
             raise FSTimeoutError(f"bytes {start}-{end}") from e
@@ -159,7 +162,7 @@ def _multirange_server(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     http = _http_filesystem()
     if http is None or not isinstance(fs, http):
         return False
-    if not any(p in ("http", "https") for p in _protocols(fs)):
+    if not is_http(fs):
         return False
     return _servers(fs).answers.get(_origin(path), True)
 
@@ -192,7 +195,7 @@ async def _get_ranges(
     async with session.get(fs.encode_url(path), **kw) as r:
         if r.status == 412 and tag is not None:
             r.close()
-            raise _changed(path, tag)
+            raise changed_error(path, tag)
         if r.status in _NOT_FOUND:
             r.close()
             raise FileNotFoundError(path)
@@ -203,8 +206,8 @@ async def _get_ranges(
             r.close()  # the body (the whole file, an error page) is never read
             raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status < 300)
         try:
-            body = await _read_capped(
-                _pieces(r.content),
+            body = await read_capped(
+                socket_pieces(r.content),
                 response_limit(merged),
                 r.content_length,
                 why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
@@ -456,13 +459,10 @@ def cat_many(
                 "(RetryPolicy.request_timeout, or the operation's deadline)"
             )
         if isinstance(blob, FileNotFoundError):
-            try:
-                _raise_refusal(blob)
-            except UnsafePathError as refused:
-                return refused
+            return redirect_refusal(blob) or blob
         elif not isinstance(blob, BaseException):
             try:
-                _check_length(fs, p, s, e, len(blob), label)
+                check_length(fs, p, s, e, len(blob), label)
                 request_done(e - s)
             except Exception as bad:
                 return bad

@@ -63,24 +63,19 @@ import functools
 import io
 import numbers
 import re
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.callbacks import Callback
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.errors import CorruptDataError, UnsafePathError
 from torchgrain.io import loops  # noqa: F401  (its fork hook: see the module docstring)
 from torchgrain.io.paths import is_http
-from torchgrain.io.responses import (
-    _HTTP_READS,
-    _S3_READS,
-    ResponseSizeError,
-    _DownloadGuard,
-    _on_redirect,
-    _read_capped,
-)
+from torchgrain.io.responses import ResponseSizeError, read_capped, request_coroutine
 from torchgrain.io.responses import pin as _pin
 from torchgrain.io.responses import unchanged_since as _unchanged_since
 from torchgrain.io.retry import (
@@ -103,6 +98,7 @@ __all__ = [
     "carrying",
     "cat_file",
     "cat_ranges",
+    "check_length",
     "exists",
     "file_size",
     "get_file",
@@ -110,6 +106,7 @@ __all__ = [
     "isfile",
     "open_input",
     "pin",
+    "redirect_refusal",
     "storage_options_with_deadlines",
 ]
 
@@ -174,6 +171,29 @@ def storage_options_with_deadlines(
     return opts
 
 
+class _RedirectRefused(UnsafePathError, PermissionError):
+    """A server redirected a request away from the URL asked for.
+
+    A :class:`PermissionError` as well, so that fsspec's HTTP ``isdir`` (which treats a
+    ``ValueError`` as "not a directory") lets it through.
+    """
+
+
+async def _on_redirect(session: Any, context: Any, params: Any) -> None:
+    import yarl
+
+    location = params.response.headers.get("Location") or params.response.headers.get("URI")
+    url = params.url
+    target = url.join(yarl.URL(location or ""))
+    if not url.path.endswith("/") and target == url.with_path(url.path + "/", encoded=True):
+        return  # a directory's own URL
+    raise _RedirectRefused(
+        f"{url} redirects to {location!r}: torchgrain follows no redirect out of the "
+        "URL asked for (a server could point it at any host). If you trust this server, "
+        "open the dataset with allow_external_paths=True"
+    )
+
+
 async def _client(**kwargs: Any) -> Any:
     """An ``aiohttp.ClientSession`` (what fsspec's HTTP filesystem uses) whose responses
     are read with a byte cap, and that refuses redirects, except from a directory's URL to
@@ -234,7 +254,7 @@ def _capped_response() -> type:
                     # bytes, as aiohttp's own read gives (a body in pieces comes as
                     # a bytearray)
                     self._body = bytes(
-                        await _read_capped(self.content.read, limit, self.content_length, why=why)
+                        await read_capped(self.content.read, limit, self.content_length, why=why)
                     )
                 except BaseException:
                     self.close()  # the rest of the body is never read
@@ -245,29 +265,28 @@ def _capped_response() -> type:
 
 
 # ------------------------------------------------------------------------- requests
-def _raise_refusal(exc: BaseException) -> None:
-    """Raise the refused redirect that fsspec reports as "not found" (its HTTP ``info``
-    turns every failure into FileNotFoundError), so it is not taken for a missing file."""
+def redirect_refusal(exc: BaseException) -> UnsafePathError | None:
+    """The refused redirect behind ``exc`` (raised from it), or None: fsspec reports one
+    as "not found" (its HTTP ``info`` turns every failure into FileNotFoundError), and it
+    must not be taken for a missing file.
+
+    Example:
+        >>> redirect_refusal(FileNotFoundError("x")) is None
+        True
+        >>> try:
+        ...     raise FileNotFoundError("h://x/a") from UnsafePathError("redirected")
+        ... except FileNotFoundError as e:
+        ...     redirect_refusal(e)
+        UnsafePathError('redirected')
+    """
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, UnsafePathError):
-            raise type(cause)(*cause.args) from exc
+            refusal = type(cause)(*cause.args)
+            refusal.__cause__ = exc
+            return refusal
         cause = cause.__cause__ or cause.__context__
-
-
-def _coroutine(fs: AsyncFileSystem, method: str) -> Callable[..., Awaitable[Any]]:
-    """``fs._<method>``, or torchgrain's own where fsspec's would buffer a whole body
-    before anyone can check its length (s3fs's reads)."""
-    protocols = _protocols(fs)
-    if method in _S3_READS and any(p in ("s3", "s3a") for p in protocols):
-        return functools.partial(_S3_READS[method], fs, page_limit=MAX_PAGE_BYTES)
-    if method in _HTTP_READS and is_http(fs):
-        return functools.partial(_HTTP_READS[method], fs, page_limit=MAX_PAGE_BYTES)
-    return getattr(fs, "_" + method)
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return None
 
 
 def _deadline_call(
@@ -287,11 +306,19 @@ def _deadline_call(
             f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
         )
     try:
-        out = sync(fs.loop, _coroutine(fs, method), *args, timeout=seconds, **kwargs)
+        out = sync(
+            fs.loop,
+            request_coroutine(fs, method, page_limit=MAX_PAGE_BYTES),
+            *args,
+            timeout=seconds,
+            **kwargs,
+        )
         request_done(nbytes)  # progress: the operation may take that much longer
         return out
     except FileNotFoundError as e:
-        _raise_refusal(e)
+        refusal = redirect_refusal(e)
+        if refusal is not None:
+            raise refusal from e
         raise
     except FSTimeoutError as e:
         limit = (
@@ -496,9 +523,24 @@ def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None
     return None
 
 
-def _check_length(
+def check_length(
     fs: fsspec.AbstractFileSystem, path: str, start: int, end: int, got: int, label: str
 ) -> None:
+    """Check that ``got`` bytes came back for bytes ``[start, end)`` of ``path`` (named
+    ``label``): more is a :class:`ResponseSizeError` (transient); fewer is a
+    :class:`~torchgrain.CorruptDataError` when the file is shorter (its size asked of
+    ``fs``), else a :class:`ResponseSizeError`.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/l", b"abc")
+        >>> check_length(fs, "/c/l", 0, 3, 3, "memory://c/l")
+        >>> check_length(fs, "/c/l", 1, 5, 2, "memory://c/l")
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.CorruptDataError: memory://c/l: file is truncated: 3 bytes, so bytes 1-5 are missing
+    """
     want = end - start
     if got == want:
         return
@@ -566,7 +608,7 @@ def cat_file(
         url=label,
         what=what,
         nbytes=end - start,
-        check=lambda out: _check_length(fs, path, start, end, len(out), label),
+        check=lambda out: check_length(fs, path, start, end, len(out), label),
     )
 
 
@@ -601,7 +643,7 @@ def cat_ranges(
                 ):
                     raise blob  # retried, or named by the operation (not found, denied)
                 raise refused(blob, label, s, e) from blob
-            _check_length(fs, path, s, e, len(blob), label)
+            check_length(fs, path, s, e, len(blob), label)
 
     return call(
         fs,
@@ -614,6 +656,33 @@ def cat_ranges(
         nbytes=sum(e - s for s, e in zip(starts, ends)),
         check=check,
     )
+
+
+class _DownloadGuard(Callback):
+    """fsspec's progress callback, used to stop a download that brings too much or too
+    slowly (it is called with every piece written)."""
+
+    def __init__(self, nbytes: int, url: str, *, grace: float, policy: RetryPolicy) -> None:
+        super().__init__()
+        self.limit, self.url, self.grace, self.policy = nbytes, url, grace, policy
+        self.start = time.monotonic()
+
+    def set_size(self, size: int | None) -> None:
+        super().set_size(size)
+        self.value, self.start = 0, time.monotonic()  # a transfer (re)starts
+
+    def relative_update(self, inc: int = 1) -> None:
+        self.value += inc
+        if self.value > self.limit:
+            raise ResponseSizeError(
+                f"{self.url}: the download brought more than the {self.limit} bytes expected"
+            )
+        spent = time.monotonic() - self.start
+        if spent > self.grace + self.value / self.policy.min_rate:
+            raise RequestTimeout(
+                f"download of {self.url} fell behind {self.policy.min_rate:g} bytes/s "
+                f"(RetryPolicy.min_rate): {self.value} bytes in {spent:.1f} s"
+            )
 
 
 def get_file(

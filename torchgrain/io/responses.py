@@ -1,12 +1,10 @@
-"""What a remote server may send back: bodies with a byte cap, downloads that keep pace,
-no redirect away from the URL asked for.
+"""What a remote server may send back: bodies with a byte cap, range answers of the file
+opened.
 
 The checks :mod:`torchgrain.io.remote` puts on every response (see its docstring): a
 body read in pieces and given up as soon as it holds more than was asked for
-(:func:`_read_capped`, also S3's GETs: :data:`_S3_READS`), a download stopped when it
-brings too much or falls behind ``min_rate`` (:class:`_DownloadGuard`), and a redirect
-refused unless it leads from a directory's URL to the same URL with a trailing slash
-(:func:`_on_redirect`).
+(:func:`read_capped`), and torchgrain's own HTTP(S) and S3 requests, which read so
+(:func:`request_coroutine`).
 
 A range answer is the range asked, of the file opened (:func:`check_range_answer`): a
 ``206`` whose ``Content-Range`` names other bytes, or a file of another size than the one
@@ -20,25 +18,32 @@ Example:
     >>> chunks = [b"ab", b""]
     >>> async def read(n):
     ...     return chunks.pop(0)[:n]
-    >>> asyncio.run(_read_capped(read, 4, None, why="too long"))
+    >>> asyncio.run(read_capped(read, 4, None, why="too long"))
     b'ab'
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fsspec.callbacks import Callback
+from torchgrain.io.paths import is_http
 
-from torchgrain.errors import UnsafePathError
-from torchgrain.io.retry import RequestTimeout, RetryPolicy
-
-__all__ = ["RangeAnswerError", "ResponseSizeError", "check_range_answer", "pin", "pinned"]
+__all__ = [
+    "RangeAnswerError",
+    "ResponseSizeError",
+    "changed_error",
+    "check_range_answer",
+    "pin",
+    "pinned",
+    "read_capped",
+    "request_coroutine",
+    "socket_pieces",
+]
 
 
 class ResponseSizeError(ConnectionError):
@@ -269,19 +274,11 @@ def check_range_answer(
     _observe(path, total, etag, modified)
 
 
-class _RedirectRefused(UnsafePathError, PermissionError):
-    """A server redirected a request away from the URL asked for.
-
-    A :class:`PermissionError` as well, so that fsspec's HTTP ``isdir`` (which treats a
-    ``ValueError`` as "not a directory") lets it through.
-    """
-
-
-async def _read_capped(
+async def read_capped(
     read: Callable[[int], Awaitable[bytes]], limit: int, declared: int | None, *, why: str
 ) -> bytes | bytearray:
     """A body read with ``read(n)`` (up to ``n`` bytes, ``b""`` at its end; it may return
-    more, see :func:`_pieces`), holding at most ``limit`` bytes: one more is a
+    more, see :func:`socket_pieces`), holding at most ``limit`` bytes: one more is a
     :class:`ResponseSizeError` saying ``why``, raised before the rest is read (before any,
     when the ``declared`` length is already over).
 
@@ -295,12 +292,12 @@ async def _read_capped(
         >>> chunks = [b"abc", b"def", b""]
         >>> async def read(n):
         ...     return chunks.pop(0)[:n]
-        >>> asyncio.run(_read_capped(read, 4, None, why="too long"))
+        >>> asyncio.run(read_capped(read, 4, None, why="too long"))
         Traceback (most recent call last):
         ...
         torchgrain.io.responses.ResponseSizeError: too long
         >>> chunks = [b"abc", b"def", b""]
-        >>> asyncio.run(_read_capped(read, 6, 6, why="too long"))
+        >>> asyncio.run(read_capped(read, 6, 6, why="too long"))
         bytearray(b'abcdef')
     """
     if declared is not None and declared > limit:
@@ -327,8 +324,8 @@ async def _read_capped(
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-def _pieces(content: Any) -> Callable[[int], Awaitable[bytes]]:
-    """A ``read(n)`` for :func:`_read_capped` of an aiohttp ``StreamReader``: the pieces
+def socket_pieces(content: Any) -> Callable[[int], Awaitable[bytes]]:
+    """A ``read(n)`` for :func:`read_capped` of an aiohttp ``StreamReader``: the pieces
     as they arrived from the socket, one per call (``readchunk``), where ``read(n)`` and
     ``readany()`` join whatever is buffered into a new ``bytes`` first.
 
@@ -338,7 +335,7 @@ def _pieces(content: Any) -> Callable[[int], Awaitable[bytes]]:
         ...     got = [(b"ab", False), (b"", True), (b"c", False), (b"", False)]
         ...     async def readchunk(self):
         ...         return self.got.pop(0)
-        >>> asyncio.run(_read_capped(_pieces(Content()), 8, 3, why="too long"))
+        >>> asyncio.run(read_capped(socket_pieces(Content()), 8, 3, why="too long"))
         bytearray(b'abc')
     """
 
@@ -349,21 +346,6 @@ def _pieces(content: Any) -> Callable[[int], Awaitable[bytes]]:
                 return data
 
     return read
-
-
-async def _on_redirect(session: Any, context: Any, params: Any) -> None:
-    import yarl
-
-    location = params.response.headers.get("Location") or params.response.headers.get("URI")
-    url = params.url
-    target = url.join(yarl.URL(location or ""))
-    if not url.path.endswith("/") and target == url.with_path(url.path + "/", encoded=True):
-        return  # a directory's own URL
-    raise _RedirectRefused(
-        f"{url} redirects to {location!r}: torchgrain follows no redirect out of the "
-        "URL asked for (a server could point it at any host). If you trust this server, "
-        "open the dataset with allow_external_paths=True"
-    )
 
 
 def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str | None]:
@@ -389,7 +371,14 @@ def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str 
     return kw, tag
 
 
-def _changed(path: str, tag: str | None) -> RangeAnswerError:
+def changed_error(path: str, tag: str | None) -> RangeAnswerError:
+    """The error for a ``412`` answer to ``If-Match`` ``tag`` (sent for ``path``): the file
+    was replaced on the server since it was first read.
+
+    Example:
+        >>> print(changed_error("h://x/c", '"v1"'))
+        h://x/c: the server answers 412 to If-Match '"v1"': the file changed on the server since it was first read
+    """
     return RangeAnswerError(
         f"{path}: the server answers 412 to If-Match {tag!r}: the file changed on the server "
         "since it was first read"
@@ -410,7 +399,7 @@ async def _http_cat_file(
     async with session.get(fs.encode_url(path), **kw) as r:
         if r.status == 412 and tag is not None:
             r.close()
-            raise _changed(path, tag)
+            raise changed_error(path, tag)
         if r.status >= 400:
             r.close()  # an error page is no answer: the status says it all
             fs._raise_not_found_for_status(r, path)
@@ -426,8 +415,8 @@ async def _http_cat_file(
                 length=r.content_length,
             )
             limit = end - start
-            return await _read_capped(
-                _pieces(r.content),
+            return await read_capped(
+                socket_pieces(r.content),
                 limit,
                 r.content_length,
                 why=(
@@ -473,7 +462,7 @@ async def _s3_cat_file(
             raise
         refused = True
     if refused:  # raised out of the handler: its 412 is no status to give up on
-        raise _changed(path, tag)
+        raise changed_error(path, tag)
     body = resp["Body"]
     try:
         if ranged:
@@ -488,7 +477,7 @@ async def _s3_cat_file(
                 None if modified is None else str(modified),
                 length=resp.get("ContentLength"),
             )
-        return await _read_capped(body.read, limit, resp.get("ContentLength"), why=why)
+        return await read_capped(body.read, limit, resp.get("ContentLength"), why=why)
     finally:
         body.close()
 
@@ -565,28 +554,23 @@ _HTTP_READS: dict[str, Callable[..., Awaitable[Any]]] = {
 }
 
 
-class _DownloadGuard(Callback):
-    """fsspec's progress callback, used to stop a download that brings too much or too
-    slowly (it is called with every piece written)."""
+def request_coroutine(fs: Any, method: str, *, page_limit: int) -> Callable[..., Awaitable[Any]]:
+    """The coroutine function making request ``method`` (``"cat_file"``, ``"cat_ranges"``,
+    ``"head"``...) on async filesystem ``fs``: torchgrain's own on HTTP(S) and S3, where
+    fsspec's would buffer a whole body before anyone can check its length (a body read
+    with a byte cap, ``page_limit`` for one without a range; a range answer checked by
+    :func:`check_range_answer`), else ``fs._<method>``.
 
-    def __init__(self, nbytes: int, url: str, *, grace: float, policy: RetryPolicy) -> None:
-        super().__init__()
-        self.limit, self.url, self.grace, self.policy = nbytes, url, grace, policy
-        self.start = time.monotonic()
-
-    def set_size(self, size: int | None) -> None:
-        super().set_size(size)
-        self.value, self.start = 0, time.monotonic()  # a transfer (re)starts
-
-    def relative_update(self, inc: int = 1) -> None:
-        self.value += inc
-        if self.value > self.limit:
-            raise ResponseSizeError(
-                f"{self.url}: the download brought more than the {self.limit} bytes expected"
-            )
-        spent = time.monotonic() - self.start
-        if spent > self.grace + self.value / self.policy.min_rate:
-            raise RequestTimeout(
-                f"download of {self.url} fell behind {self.policy.min_rate:g} bytes/s "
-                f"(RetryPolicy.min_rate): {self.value} bytes in {spent:.1f} s"
-            )
+    Example:
+        >>> from fsspec.implementations.http import HTTPFileSystem
+        >>> request_coroutine(HTTPFileSystem(), "cat_file", page_limit=1 << 20).func.__name__
+        '_http_cat_file'
+    """
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if any(p in ("s3", "s3a") for p in protocols):
+        own = _S3_READS.get(method)
+    else:
+        own = _HTTP_READS.get(method) if is_http(fs) else None
+    if own is None:
+        return getattr(fs, "_" + method)
+    return functools.partial(own, fs, page_limit=page_limit)

@@ -59,6 +59,7 @@ __all__ = [
     "in_operation",
     "is_transient",
     "is_transient_status",
+    "permanent_error",
     "remaining_seconds",
     "request_done",
     "retry_call",
@@ -419,8 +420,17 @@ def _describe(exc: BaseException) -> str:
     return f"HTTP {status}, {text}" if status is not None else text
 
 
-def _permanent(exc: BaseException, url: str, what: str) -> BaseException | None:
-    """A clearer exception for errors no retry can fix, or None to re-raise as is."""
+def permanent_error(exc: BaseException, url: str, what: str) -> BaseException | None:
+    """A clearer exception for an error no retry can fix (a missing file:
+    :class:`~torchgrain.DatasetNotFoundError`; access denied: ``PermissionError``), naming
+    ``url`` and ``what`` failed, or None to re-raise ``exc`` as is.
+
+    Example:
+        >>> permanent_error(FileNotFoundError("gone"), "s3://b/k", "range read")
+        DatasetNotFoundError('s3://b/k does not exist (range read failed: gone)')
+        >>> permanent_error(ValueError("bad"), "s3://b/k", "range read") is None
+        True
+    """
     status = http_status(exc)
     if isinstance(exc, TorchgrainError):
         return None
@@ -483,7 +493,7 @@ def retry_call(
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            clearer = None if is_transient(e) else _permanent(e, name(), what)
+            clearer = None if is_transient(e) else permanent_error(e, name(), what)
             if clearer is None:
                 raise
             raise clearer from e
@@ -497,7 +507,7 @@ def retry_call(
                 return fn(*args, **kwargs)
             except Exception as e:
                 if not is_transient(e):
-                    clearer = _permanent(e, name(), what)
+                    clearer = permanent_error(e, name(), what)
                     if clearer is None:
                         raise
                     raise clearer from e
