@@ -53,10 +53,10 @@ from torchgrain.frameworks import dataloader as _dataloader
 from torchgrain.io import process
 from torchgrain.protocols import ReadsAhead, SetsEpoch
 from torchgrain.sampling.binding import LoaderBinding
-from torchgrain.sampling.layout import _complement, _compose, _layout_length, _layout_positions
-from torchgrain.sampling.permutation import _to_u64
+from torchgrain.sampling.layout import complement, compose, layout_length, layout_positions
+from torchgrain.sampling.permutation import to_u64
 from torchgrain.sampling.split import InterleavedSplit, Shares, Split
-from torchgrain.sampling.world import _check_world, resolve_world
+from torchgrain.sampling.world import check_world, resolve_world
 
 __all__ = ["LoaderBinding", "OrderFn", "ResumableSampler", "identity_order"]
 
@@ -137,16 +137,16 @@ class ResumableSampler(DistributedSampler):
         self.dataset = None if is_length else dataset_or_length
         # Explicit values are checked now; missing ones are looked up at each use.
         if num_replicas is not None and rank is not None:
-            _check_world(num_replicas, rank)
+            check_world(num_replicas, rank)
         elif num_replicas is not None:
-            _check_world(num_replicas, 0)
+            check_world(num_replicas, 0)
         elif rank is not None and operator.index(rank) < 0:
             raise ValueError(f"Invalid rank {rank}, rank should be >= 0")
         self._num_replicas_arg = None if num_replicas is None else operator.index(num_replicas)
         self._rank_arg = None if rank is None else operator.index(rank)
         self._external: str | None = None
         self.shuffle = bool(shuffle)
-        _to_u64(seed, "seed")
+        to_u64(seed, "seed")
         self.seed = operator.index(seed)
         self.drop_last = bool(drop_last)
         self.pad = bool(pad)
@@ -383,7 +383,7 @@ class ResumableSampler(DistributedSampler):
         world: tuple[int, int],
         order: OrderFn | None = None,
     ) -> np.ndarray:
-        length = _layout_length(layout)
+        length = layout_length(layout)
         shares = self._shares(length, world[0])
         start, stop = max(0, start), min(stop, shares.count(world[1]))
         if stop <= start:
@@ -392,7 +392,7 @@ class ResumableSampler(DistributedSampler):
         v = self.split().positions(shares, world[1], start, stop)
         if int(v.max()) >= length:  # padding: wrap around the virtual stream
             v %= length
-        return order(_layout_positions(layout, v))
+        return order(layout_positions(layout, v))
 
     def _current(self) -> tuple[np.ndarray, tuple[int, int]]:
         """Layout and world of the pass that :meth:`indices` and :meth:`state_dict`
@@ -419,7 +419,7 @@ class ResumableSampler(DistributedSampler):
         on a fresh epoch.
         """
         layout, world = self._current()
-        stop = self._count(_layout_length(layout), world) if stop is None else stop
+        stop = self._count(layout_length(layout), world) if stop is None else stop
         return self._indices_in(layout, operator.index(start), operator.index(stop), world)
 
     def set_epoch(self, epoch: int) -> None:
@@ -431,7 +431,7 @@ class ResumableSampler(DistributedSampler):
         beginning.
         """
         epoch = operator.index(epoch)
-        _to_u64(epoch, "epoch")
+        to_u64(epoch, "epoch")
         if epoch != self.epoch:
             self._read_ahead(None, 0, 0)  # the old order's read-ahead stops
             self.epoch = epoch
@@ -466,7 +466,7 @@ class ResumableSampler(DistributedSampler):
             layout, start = self._fresh_layout(), 0
         self._it_world, self._it_layout, self._it_start = world, layout, start
         self._it_chunk_start, self._it_chunk_len, self._it_chunk = start, 0, None
-        count = self._count(_layout_length(layout), world)
+        count = self._count(layout_length(layout), world)
         # Bind the epoch's order now: a set_epoch or load_state_dict while this
         # iterator is alive must not change the order of its later chunks.
         order = self._order()
@@ -604,7 +604,7 @@ class ResumableSampler(DistributedSampler):
         if consumed is None:
             pos = drawn
         else:
-            count = self._count(_layout_length(layout), world)
+            count = self._count(layout_length(layout), world)
             pos = min(start + consumed, count)
             if drawn_only and pos > drawn:
                 raise ValueError(
@@ -634,7 +634,7 @@ class ResumableSampler(DistributedSampler):
         """Whether ``state`` (saved by this sampler) is at the end of its pass."""
         layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
         replicas, rank = operator.index(state["num_replicas"]), self._current()[1][1]
-        shares = self._shares(_layout_length(layout), replicas)
+        shares = self._shares(layout_length(layout), replicas)
         if replicas == 1:
             shares = self._saved_shares(state, shares.length)
         return operator.index(state["position"]) >= shares.count(rank)
@@ -668,7 +668,7 @@ class ResumableSampler(DistributedSampler):
         ):
             raise ValueError(f"invalid layout in sampler state: {state['layout']!r}")
         pos = operator.index(state["position"])
-        old_count = self._saved_shares(state, _layout_length(layout)).count(0)
+        old_count = self._saved_shares(state, layout_length(layout)).count(0)
         if not 0 <= pos <= old_count:
             raise ValueError(f"position {pos} outside [0, {old_count}] in sampler state")
         self.load_order_state(state)
@@ -701,12 +701,12 @@ class ResumableSampler(DistributedSampler):
             and self._same_order(state)
         ):
             return layout, pos
-        shares = self._saved_shares(state, _layout_length(layout))
+        shares = self._saved_shares(state, layout_length(layout))
         consumed = self.split().from_state(state).consumed(shares, pos)
         # Padding draws were trained on too: they consume the positions they repeat, so
         # nothing is handed out twice.
-        rest = _complement(consumed, shares.length)
-        return _compose(layout, rest), 0
+        rest = complement(consumed, shares.length)
+        return compose(layout, rest), 0
 
 
 def _length_of(dataset_or_length: Any) -> int:

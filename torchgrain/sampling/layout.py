@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__: list[str] = []
+__all__ = ["complement", "compose", "layout_length", "layout_positions"]
 
 
-def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+def complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
     """The parts of ``[0, length)`` not covered by ``intervals`` of virtual positions.
 
     Positions past the end are padding and stand for ``v mod length`` (as in
     DistributedSampler, whose padding repeats the order's first indices), so a
     padding draw covers the position it repeats.
+
+    Example:
+        >>> complement([(2, 4), (10, 11)], 10)  # 10 pads position 0
+        [(1, 2), (4, 10)]
     """
     covered: list[tuple[int, int]] = []
     for s, e in intervals:
@@ -45,8 +49,13 @@ def _complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int
     return out
 
 
-def _compose(layout: np.ndarray, virtual: list[tuple[int, int]]) -> np.ndarray:
-    """Stream intervals of the given virtual intervals of ``layout``."""
+def compose(layout: np.ndarray, virtual: list[tuple[int, int]]) -> np.ndarray:
+    """Stream intervals of the given virtual intervals of ``layout``.
+
+    Example:
+        >>> compose(np.array([[0, 3], [5, 8]]), [(2, 4)]).tolist()
+        [[2, 3], [5, 6]]
+    """
     out: list[tuple[int, int]] = []
     base = 0
     for s, e in layout.tolist():
@@ -65,12 +74,24 @@ def _compose(layout: np.ndarray, virtual: list[tuple[int, int]]) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
-def _layout_length(layout: np.ndarray) -> int:
+def layout_length(layout: np.ndarray) -> int:
+    """The number of positions ``layout`` holds (its virtual stream's length).
+
+    Example:
+        >>> layout_length(np.array([[0, 3], [5, 8]]))
+        6
+    """
     return int((layout[:, 1] - layout[:, 0]).sum())
 
 
-def _layout_positions(layout: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Stream positions of virtual positions ``v`` (in ``[0, length)``) of ``layout``."""
+def layout_positions(layout: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Stream positions of virtual positions ``v`` (in ``[0, length)``) of ``layout``
+    (``v`` may be shifted in place).
+
+    Example:
+        >>> layout_positions(np.array([[0, 3], [5, 8]]), np.array([0, 3, 5])).tolist()
+        [0, 5, 7]
+    """
     if len(layout) == 1:
         if layout[0, 0]:
             v += layout[0, 0]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KeyedPermutation", "KeyedPermutations"]
+__all__ = ["KeyedPermutation", "KeyedPermutations", "to_u64"]
 
 _U64 = np.uint64
 _MASK64 = (1 << 64) - 1
@@ -46,8 +46,14 @@ def _rounds_for(bits: int) -> int:
     return 6
 
 
-def _to_u64(value: int, what: str) -> int:
-    """Reduce a Python int in [-2**63, 2**64) to its 64-bit two's-complement pattern."""
+def to_u64(value: int, what: str) -> int:
+    """Reduce a Python int in [-2**63, 2**64) to its 64-bit two's-complement pattern
+    (``ValueError`` naming ``what`` outside it): how a seed or an epoch is hashed.
+
+    Example:
+        >>> to_u64(-1, "seed") == 2**64 - 1, to_u64(7, "epoch")
+        (True, 7)
+    """
     value = operator.index(value)
     if not -(1 << 63) <= value < (1 << 64):
         raise ValueError(f"{what} must fit in 64 bits, got {value}")
@@ -77,8 +83,8 @@ def _derive_keys(seed: int, epoch: int, tag: bytes, rounds: int) -> np.ndarray:
     out = []
     for block in range(-(-rounds // 8)):
         h = hashlib.blake2b(digest_size=64, person=b"torchgrain.perm")
-        h.update(_to_u64(seed, "seed").to_bytes(8, "little"))
-        h.update(_to_u64(epoch, "epoch").to_bytes(8, "little"))
+        h.update(to_u64(seed, "seed").to_bytes(8, "little"))
+        h.update(to_u64(epoch, "epoch").to_bytes(8, "little"))
         h.update(block.to_bytes(4, "little"))
         h.update(tag)
         out.append(np.frombuffer(h.digest(), dtype="<u8"))

@@ -10,10 +10,17 @@ from __future__ import annotations
 import operator
 import os
 
-__all__ = ["resolve_world"]
+__all__ = ["check_world", "resolve_world"]
 
 
-def _check_world(num_replicas: int, rank: int) -> tuple[int, int]:
+def check_world(num_replicas: int, rank: int) -> tuple[int, int]:
+    """``(num_replicas, rank)`` as ints, checked: ``ValueError`` unless ``num_replicas
+    >= 1`` and ``0 <= rank < num_replicas`` (DistributedSampler's message).
+
+    Example:
+        >>> check_world(4, 3)
+        (4, 3)
+    """
     num_replicas, rank = operator.index(num_replicas), operator.index(rank)
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -69,4 +76,4 @@ def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
                 rank = env_rank if rank is None else rank
             num_replicas = 1 if num_replicas is None else num_replicas
             rank = 0 if rank is None else rank
-    return _check_world(num_replicas, rank)
+    return check_world(num_replicas, rank)
