@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import torchgrain as tg
-from torchgrain import _shm
+from torchgrain import shm as _shm
 from torchgrain.dataset import collate_columns
 
-pytestmark = pytest.mark.skipif(not _shm._ENABLED, reason="slots need Linux memfd")
+pytestmark = pytest.mark.skipif(not _shm.ENABLED, reason="slots need Linux memfd")
 
 N = 400
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from torchgrain import _shm
+from torchgrain import shm
 from torchgrain.columns import ColumnBatch, Ragged, set_allocator
 from torchgrain.frameworks import dataloader as _dataloader
 from torchgrain.tokens.collate import collate_records
@@ -80,7 +80,7 @@ def _grow_worker_pipe(size: int) -> int | None:
 # In a DataLoader worker, a batch's columns are carved out of one shared-memory arena
 # (sized by the batch before), so the batch crosses to the main process as a name plus a
 # few bytes of metadata per column, not as bytes, and not as one segment per column.
-# The arena is one of the worker's reusable slots (torchgrain._shm: mapped once by the
+# The arena is one of the worker's reusable slots (torchgrain.shm: mapped once by the
 # main process, freed when the batch's tensors are collected); when no slot can be had,
 # a fresh torch shared-memory segment that torch's own pickler moves. The allocator
 # hands out numpy views of the arena; the collate finds each column's tensor again by
@@ -95,7 +95,7 @@ _in_worker = False
 class _Arena:
     __slots__ = ("base", "capacity", "sent", "slot", "tensor", "used", "wanted")
 
-    def __init__(self, capacity: int, slot: _shm.Slot | None = None) -> None:
+    def __init__(self, capacity: int, slot: shm.Slot | None = None) -> None:
         self.slot = slot
         if slot is not None:
             self.capacity = slot.capacity
@@ -111,7 +111,7 @@ class _Arena:
 
 
 _arena: _Arena | None = None
-_slot_pool: _shm.SlotPool | None = None
+_slot_pool: shm.SlotPool | None = None
 
 
 def _forget_worker_check() -> None:
@@ -128,9 +128,9 @@ os.register_at_fork(after_in_child=_forget_worker_check)
 
 def _new_arena(capacity: int, max_slots: int) -> _Arena:
     global _slot_pool
-    if _shm._ENABLED and max_slots:
+    if shm.ENABLED and max_slots:
         if _slot_pool is None:
-            _slot_pool = _shm.SlotPool(max_slots)
+            _slot_pool = shm.SlotPool(max_slots)
         _slot_pool.max_slots = max_slots
         slot = _slot_pool.take(capacity)
         if slot is not None:
@@ -226,7 +226,7 @@ def collate_columns(batch: Sequence[ColumnBatch], *, collate_fn_map: Any = None)
     arena = _arena
     if arena is not None and arena.slot is not None and arena.used and not arena.sent:
         arena.sent = True
-        shipped = _shm.SlotBatch(out)
+        shipped = shm.SlotBatch(out)
         shipped.slot = arena.slot
         return shipped
     return out

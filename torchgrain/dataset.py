@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from torchgrain import _shm
+from torchgrain import shm
 from torchgrain._worker_batches import (
     WORKER_PIPE_BYTES,
     collate_columns,
@@ -240,7 +240,7 @@ class Dataset(torch.utils.data.Dataset):
         *,
         worker_pipe_bytes: int = WORKER_PIPE_BYTES,
         batch_format: str = "records",
-        worker_slots: int = _shm.MAX_SLOTS,
+        worker_slots: int = shm.MAX_SLOTS,
     ) -> None:
         if not isinstance(source, (Source, SizedIndexable)):
             raise TypeError("source must have __len__ and __getitem__")

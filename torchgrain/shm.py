@@ -57,7 +57,8 @@ _MAPPED = 2
 #: the few the main process holds (current batch, pin-memory thread, CUDA prefetcher).
 MAX_SLOTS = 8
 
-_ENABLED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+#: Whether slots can be made here (Linux memfd).
+ENABLED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 
 # Column descriptions in a slot batch's pickle.
 _IN_SLOT, _RAGGED, _OBJECT = 0, 1, 2
