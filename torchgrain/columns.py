@@ -40,7 +40,8 @@ import numpy as np
 from torchgrain.io import process
 
 # The public names; the helpers below them (can_stack, empty, gather_ranges, scratch,
-# set_allocator) serve the sources and the DataLoader workers.
+# set_allocator, column_of, row_of, as_tensor, dtype_holding) serve the sources, the
+# collators and the DataLoader workers.
 __all__ = ["BufferPool", "ColumnBatch", "Ragged"]
 
 # Ranges shorter than this on average are gathered with one fancy index; longer ones
@@ -176,7 +177,7 @@ class Ragged:
 
         if side not in ("right", "left"):
             raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-        values, offsets = _tensor(self.values), _tensor(self.offsets).to(torch.int64)
+        values, offsets = as_tensor(self.values), as_tensor(self.offsets).to(torch.int64)
         rows = len(offsets) - 1
         lengths = offsets[1:] - offsets[:-1]
         if rows < 0 or values.dim() != 1:
@@ -197,7 +198,7 @@ class Ragged:
             if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
                 raise ValueError(f"multiple_of must be a positive int, got {multiple_of!r}")
             width = -(-width // multiple_of) * multiple_of
-        dtype = _dtype_for(values.dtype, pad_value)
+        dtype = dtype_holding(values.dtype, pad_value)
         if dtype != values.dtype:  # torch.full would wrap -100 into uint16 tokens silently
             values = values.to(dtype)
         out = torch.full((rows, width), pad_value, dtype=dtype, device=values.device)
@@ -276,7 +277,7 @@ class ColumnBatch(dict):
     def records(self) -> list[dict[str, Any]]:
         """The rows as dicts (array rows are views into the columns)."""
         cols = list(dict.items(self))
-        return [{k: _row(col, i) for k, col in cols} for i in range(self.num_rows)]
+        return [{k: row_of(col, i) for k, col in cols} for i in range(self.num_rows)]
 
     def take(self, rows: Sequence[int] | np.ndarray) -> ColumnBatch:
         """The batch's ``rows``, in that order."""
@@ -347,7 +348,14 @@ def column_of(values: list[Any]) -> Any:
     return list(values)
 
 
-def _row(col: Any, i: int) -> Any:
+def row_of(col: Any, i: int) -> Any:
+    """Row ``i`` of a column (see :func:`column_of`) as a record holds it: a Python
+    scalar for a 1-D array or tensor, a row otherwise.
+
+    Example:
+        >>> row_of(np.array([3, 4]), 1), row_of(Ragged.from_values([b"ab", b"c"]), 1)
+        (4, b'c')
+    """
     if isinstance(col, Ragged):
         return col[i]
     if isinstance(col, np.ndarray):
@@ -377,8 +385,15 @@ def _signed_twin(dtype: Any) -> Any:
     return None
 
 
-def _dtype_for(dtype: Any, pad: int | float) -> Any:
-    """``dtype``, or one that holds the padding value too (-100 in uint16 tokens: int64)."""
+def dtype_holding(dtype: Any, pad: int | float) -> Any:
+    """The torch ``dtype``, or one that holds the padding value too (-100 in uint16
+    tokens: int64).
+
+    Example:
+        >>> import torch
+        >>> dtype_holding(torch.uint16, -100), dtype_holding(torch.int32, 0)
+        (torch.int64, torch.int32)
+    """
     import torch
 
     if dtype.is_floating_point or dtype.is_complex:
@@ -393,9 +408,14 @@ def _dtype_for(dtype: Any, pad: int | float) -> Any:
     return torch.int64
 
 
-def _tensor(x: Any) -> Any:
+def as_tensor(x: Any) -> Any:
     """``x`` as a torch tensor (numpy arrays shared, not copied: a read-only one, say a
-    view of a Parquet page, too; it is only read)."""
+    view of a Parquet page, too; it is only read).
+
+    Example:
+        >>> as_tensor(np.arange(3)).tolist()
+        [0, 1, 2]
+    """
     import torch
 
     if isinstance(x, torch.Tensor):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from torchgrain.columns import Ragged, _row, column_of, gather_ranges
+from torchgrain.columns import Ragged, column_of, gather_ranges, row_of
 from torchgrain.errors import TorchgrainError
 from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
@@ -199,7 +199,7 @@ def _join(parts: list[Any]) -> np.ndarray | Ragged:
     at = 0
     for p in parts:
         for i in range(len(p)):
-            out[at] = _row(p, i)
+            out[at] = row_of(p, i)
             at += 1
     return out
 

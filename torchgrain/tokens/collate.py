@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from torchgrain.columns import ColumnBatch, Ragged, _dtype_for, _tensor
+from torchgrain.columns import ColumnBatch, Ragged, as_tensor, dtype_holding
 from torchgrain.errors import RaggedBatchError
 from torchgrain.frameworks.dataloader import collate
 
@@ -228,7 +228,7 @@ class PadCollate:
         for r in rows[1:]:
             dtype = torch.promote_types(dtype, r.dtype)
         pad = self._pad_value(key)
-        dtype = _dtype_for(dtype, pad)
+        dtype = dtype_holding(dtype, pad)
         out = torch.full((len(rows), width), pad, dtype=dtype)
         for i, r in enumerate(rows):
             n = len(r)
@@ -279,8 +279,8 @@ class PadCollate:
         longest = int(lengths.max()) if n else 0
         width = self._width(key, longest, int(lengths.argmax()) if n else 0)
         pad = self._pad_value(key)
-        values = _tensor(col.values)
-        dtype = _dtype_for(values.dtype, pad)
+        values = as_tensor(col.values)
+        dtype = dtype_holding(values.dtype, pad)
         if dtype != values.dtype:
             col = Ragged(values.to(dtype), col.offsets, col.kind)
         out, lengths = col.to_padded(pad, side=self.side)
@@ -357,7 +357,7 @@ def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
         elif isinstance(value, np.ndarray):
             if value.dtype.kind not in "biuf":
                 raise TypeError(f"an array of {value.dtype}")
-            t = _tensor(value)
+            t = as_tensor(value)
         elif isinstance(value, (list, tuple)):
             t = torch.tensor(value) if value else torch.zeros(0, dtype=torch.int64)
         else:
