@@ -32,6 +32,7 @@ NEEDS = re.compile(r"<!-- docs-test: ([\w, -]+) -->")
 # Files whose examples other tests run, with the test that runs them.
 RUN_ELSEWHERE = {
     "README.md:first-example": "tests/test_newcomer.py",
+    "docs/snippets/fixed_format.py": "tests/test_format_contract.py",
     **{
         f"docs/snippets/frameworks/{p.name}" + suffix: "tests/test_docs_frameworks.py"
         for p in (DOCS / "snippets" / "frameworks").glob("train_*.py")

@@ -20,12 +20,15 @@ import torch
 from torch.utils.data import DataLoader
 
 import torchgrain as tg
+from docs.snippets.fixed_format import FIXED
 from tests.servers import RangeHTTPServer
+from torchgrain.sources import registry
 from torchgrain.sources.registry import detect_format, formats
 
 N = 53
 SHARDS = 3
-FORMATS = sorted(name for name, fmt in formats().items() if fmt.write is not None)
+# The registered formats, and the example format of docs/sources.md (a FormatSource).
+FORMATS = [*sorted(name for name, fmt in formats().items() if fmt.write is not None), FIXED.name]
 # The value types a schema may name (see tg.Source).
 _TYPE = re.compile(
     r"^(null|bool|int|float|str|bytes|map|time|Decimal|list(\[[^\]]*\])?|"
@@ -80,7 +83,9 @@ def private_cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(params=FORMATS)
-def dataset(request, tmp_path):
+def dataset(request, tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    registry.register_format(FIXED)  # for this test only
     fmt = formats()[request.param]
     root = tmp_path / f"ds-{fmt.name}"
     fmt.write(make_records(), str(root), num_shards=SHARDS)

@@ -373,13 +373,17 @@ class FormatSource(ShardedSource):
     def _ranges(self, shard: _Shard, k: int, rows: np.ndarray) -> list[tuple[int, int]]:
         """The byte ranges of ``rows`` of shard ``k``, checked: one per row, in the file."""
         ranges = [(int(s), int(e)) for s, e in shard.reader.byte_ranges(rows)]  # type: ignore[attr-defined]
-        bad = 0 if len(ranges) != len(rows) else _outside(ranges, shard.file.size)
+        size = shard.file.size
+        bad = 0 if len(ranges) != len(rows) else _outside(ranges, size)
         if bad is not None:
+            wrong = (
+                f"{len(ranges)} byte ranges for {len(rows)} records"
+                if len(ranges) != len(rows)
+                else f"bytes {list(ranges[bad])} of a {size}-byte file"
+            )
             raise CorruptDataError(
-                f"{self.format.name} shard {k} {shard.file.path!r}: the reader gave "
-                f"{len(ranges)} byte ranges for {len(rows)} records, or ranges outside the "
-                f"file of {shard.file.size} bytes (record index "
-                f"{int(self.index.offsets[k] + rows[bad])})"
+                f"{self.format.name} shard {k} {shard.file.path!r}: the reader gave {wrong} "
+                f"(record index {int(self.index.offsets[k] + rows[bad])})"
             )
         return ranges
 
@@ -434,7 +438,13 @@ class FormatSource(ShardedSource):
             "" if index is None else f", record index {index}"
         )
         if isinstance(e, CorruptDataError):
-            return None if f"shard {shard} " in str(e) else type(e)(f"{e} ({where})")
+            if f"shard {shard} " not in str(e):
+                return type(e)(f"{e} ({where})")
+            return (
+                None
+                if index is None or "record index" in str(e)
+                else type(e)(f"{e} (record index {index})")
+            )
         if isinstance(e, FileNotFoundError) and not isinstance(e, TorchgrainError):
             return DatasetNotFoundError(f"{where} does not exist: {e}")
         if isinstance(e, (TorchgrainError, OSError)):

@@ -1,0 +1,154 @@
+"""The public format contract (torchgrain/sources/format.py), through the example format of
+docs/sources.md (docs/snippets/fixed_format.py, imported as it is): local and remote
+reads under a global shuffle, a remote batch's byte ranges fetched across its shards at
+once, the shard cache, forked workers, pickles, and hostile readers."""
+
+from __future__ import annotations
+
+import pickle
+import runpy
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+import torchgrain as tg
+from docs.snippets.fixed_format import FixedReader, FixedSource, write_fixed
+from tests.servers import RangeHTTPServer
+from torchgrain.io.ranges import range_store
+from torchgrain.sources import registry
+
+N, SHARDS = 240, 8
+
+
+def records(n: int = N) -> list[dict]:
+    return [{"id": i, "x": np.full(1 + i % 5, i, np.int32), "s": "r" * (i % 7)} for i in range(n)]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["id"] == b["id"] and a["s"] == b["s"] and np.array_equal(a["x"], b["x"])
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = tmp_path / "data"
+    write_fixed(records(), str(root), num_shards=SHARDS)
+    return root
+
+
+def shuffled(src: tg.Source, batch: int = 48) -> list[list[int]]:
+    ds = tg.Dataset(src)
+    order = tg.GlobalShuffleSampler(ds, seed=5, num_replicas=1, rank=0).indices().tolist()
+    return [order[a : a + batch] for a in range(0, len(order), batch)]
+
+
+def test_the_documented_example_runs_and_registers_in_one_call(monkeypatch, capsys):
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    runpy.run_path("docs/snippets/fixed_format.py", run_name="__main__")
+    assert "FixedSource(format='fixed', num_records=10, num_shards=2)" in capsys.readouterr().out
+    assert registry.get_format("fixed").description == "fixed-width"
+
+
+def test_local_reads_under_a_global_shuffle_are_the_records_written(data):
+    src = FixedSource(str(data), io_threads=4)
+    truth = records()
+    assert len(src) == N and src.num_shards == SHARDS and src.keys == ["id", "x", "s"]
+    for batch in shuffled(src):
+        assert all(same(r, truth[i]) for r, i in zip(src.__getitems__(batch), batch, strict=True))
+    assert [r["id"] for r in src.iter_shard(3)] == list(range(90, 120))
+
+
+def test_a_remote_batch_is_fetched_across_its_shards_at_once(data):
+    truth = records()
+    with RangeHTTPServer(data.parent) as srv:
+        src = FixedSource(f"{srv.url}/data", max_inflight=16)
+        src.__getitems__(list(range(0, N, N // SHARDS)))  # each shard's reader open
+        srv.latency_s = 0.05  # so that requests in flight together are seen together
+        for batch in shuffled(src)[:3]:
+            srv.reset_counts()
+            assert len({i * SHARDS // N for i in batch}) == SHARDS  # every shard
+            served = range_store().stats["served"]
+            got = src.__getitems__(batch)
+            # Fetched for the whole batch, then each shard's ranges taken from the store.
+            assert range_store().stats["served"] - served == len(batch)
+            assert all(same(r, truth[i]) for r, i in zip(got, batch, strict=True))
+            assert srv.gets() <= SHARDS < len(batch)  # a request per shard at most
+            assert srv.max_inflight >= 2  # the shards' requests in flight together
+        assert pickle.loads(pickle.dumps(src))[7]["id"] == 7
+
+
+def test_the_shard_cache_makes_later_passes_local(data, tmp_path):
+    with RangeHTTPServer(data.parent) as srv:
+        src = FixedSource(f"{srv.url}/data", cache_dir=str(tmp_path / "cache"))
+        batches = shuffled(src)
+        first = [r["id"] for b in batches for r in src.__getitems__(b)]
+        assert src.io_stats["cache_misses"] == SHARDS  # each shard downloaded once
+        srv.reset_counts()
+        again = pickle.loads(pickle.dumps(src))  # another process, say: nothing open
+        second = [r["id"] for b in batches for r in again.__getitems__(b)]
+        assert first == second == [i for b in batches for i in b]
+        assert srv.gets() == 0 and again.io_stats["cache_hits"] == SHARDS
+
+
+def test_forked_workers_read_it_and_it_pickles_small(data):
+    src = FixedSource(str(data))
+    assert src[0]["id"] == 0  # a read in the parent before forking
+    assert len(pickle.dumps(src)) < 4096
+    ds = tg.Dataset(src)
+    sampler = tg.GlobalShuffleSampler(ds, seed=1, num_replicas=1, rank=0)
+    loader = DataLoader(
+        ds,
+        batch_size=16,
+        sampler=sampler,
+        num_workers=2,
+        multiprocessing_context="fork",
+        collate_fn=list,
+    )
+    assert [r["id"] for b in loader for r in b] == sampler.indices().tolist()
+
+
+class Dropping(FixedReader):
+    def decode(self, rows, chunks):
+        return super().decode(rows, chunks)[:-1]  # one record short
+
+
+class Outside(FixedReader):
+    def byte_ranges(self, rows):
+        return [(s, e + 10**6) for s, e in super().byte_ranges(rows)]
+
+
+class Lying(FixedReader):
+    def __len__(self):
+        return 10**6  # more records than the file holds
+
+
+@pytest.mark.parametrize("reader", [Dropping, Outside])
+def test_a_hostile_reader_is_corrupt_data_naming_shard_and_index(data, monkeypatch, reader):
+    src = FixedSource(str(data))
+    monkeypatch.setattr("docs.snippets.fixed_format.FixedReader", reader)
+    with pytest.raises(tg.CorruptDataError, match=r"fixed shard 2 .*data-00002-of-00008.*index 70"):
+        src.__getitems__([70, 71])
+    with RangeHTTPServer(data.parent) as srv:
+        remote = FixedSource(f"{srv.url}/data")
+        with pytest.raises(
+            tg.CorruptDataError, match=r"shard (2|5) .*data-0000(2|5).*index (70|150)"
+        ):
+            remote.__getitems__([70, 150])
+
+
+def test_a_shard_whose_count_changed_since_open_is_corrupt_data(data, monkeypatch):
+    src = FixedSource(str(data))
+    monkeypatch.setattr("docs.snippets.fixed_format.FixedReader", Lying)
+    with pytest.raises(tg.CorruptDataError, match=r"fixed shard 1 .* counted 30.*record index 40"):
+        src[40]
+
+
+def test_a_format_without_byte_ranges_reads_a_remote_batchs_shards_concurrently(tmp_path):
+    from tests.test_format_registry import NpySource, write_npy
+
+    write_npy(({"array": np.full(3, i, np.int16)} for i in range(6)), str(tmp_path / "npy"))
+    with RangeHTTPServer(tmp_path) as srv:
+        src = NpySource(f"{srv.url}/npy", io_threads=4)
+        srv.latency_s = 0.05
+        got = src.__getitems__([5, 0, 3, 1])
+        assert [int(r["array"][0]) for r in got] == [5, 0, 3, 1] and srv.max_inflight >= 2
