@@ -19,7 +19,7 @@ import numpy as np
 from torchgrain.convert.inputs import ConvertInput
 from torchgrain.convert.tasks import Task
 from torchgrain.errors import CorruptDataError, TorchgrainError
-from torchgrain.formats.codecs import _merge_one
+from torchgrain.formats.codecs import union_type
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from torchgrain.io import remote
 from torchgrain.io.atomic import atomic_write_text
@@ -79,11 +79,11 @@ def plan_tasks(
 def merge_schemas(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
     out = dict(a)
     for k, t in b.items():
-        out[k] = _merge_one(out[k], t) if k in out else (t if not a else _merge_one("null", t))
+        out[k] = union_type(out[k], t) if k in out else (t if not a else union_type("null", t))
     if b:
         for k in a:
             if k not in b:
-                out[k] = _merge_one(out[k], "null")
+                out[k] = union_type(out[k], "null")
     return out
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "register_codec",
     "schema_sampled",
     "sniff_codec",
+    "union_type",
 ]
 
 _NDARRAY_EXT = 1
@@ -436,7 +437,15 @@ def describe_value(value: Any) -> str:
     return type(value).__name__
 
 
-def _merge_one(a: str, b: str) -> str:
+def union_type(a: str, b: str) -> str:
+    """The type of values of types ``a`` or ``b`` (see :func:`describe_value`): their
+    alternatives joined by ``|``, an array dtype's differing shapes as one with ``?``
+    where they differ (``...`` where their dimensions do).
+
+    Example:
+        >>> union_type("int", "null|str"), union_type("uint8[2,3]", "uint8[2,4]")
+        ('int|null|str', 'uint8[2,?]')
+    """
     if a == b:
         return a
     parts = set(a.split("|")) | set(b.split("|"))
@@ -506,10 +515,10 @@ def merge_schema(schema: dict[str, str], record: dict[str, Any]) -> dict[str, st
     for k, v in record.items():
         t = describe_value(v)
         if k in out:
-            out[k] = _merge_one(out[k], t)
+            out[k] = union_type(out[k], t)
         else:
-            out[k] = t if first else _merge_one("null", t)
+            out[k] = t if first else union_type("null", t)
     for k in schema:
         if k not in record:
-            out[k] = _merge_one(out[k], "null")
+            out[k] = union_type(out[k], "null")
     return out
