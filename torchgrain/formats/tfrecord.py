@@ -54,7 +54,9 @@ from torchgrain.io.fs import PathLike, get_filesystem, is_local
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
+    "OFFSETS_CHUNK",
     "crc32c",
+    "crc32c_bytes",
     "index_tfrecord",
     "iter_tfrecord",
     "iter_tfrecord_offsets",
@@ -92,7 +94,9 @@ try:  # C implementation (SSE4.2 / ARMv8 CRC instructions): ~10 GB/s.
             data = bytes(data)  # the C extension only takes read-only bytes
         return _crc32c_bytes(data)
 
-    _crc = _crc32c_bytes  # hot path: callers pass bytes already
+    #: :func:`crc32c` of ``bytes`` only, without the conversion (a hot path's callers
+    #: pass bytes already).
+    crc32c_bytes = _crc32c_bytes
 
 except ImportError:  # pragma: no cover - exercised only without google-crc32c
     _TABLE = []
@@ -115,7 +119,7 @@ except ImportError:  # pragma: no cover - exercised only without google-crc32c
             crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
         return crc ^ 0xFFFFFFFF
 
-    _crc = crc32c
+    crc32c_bytes = crc32c
 
 
 def masked_crc32c(data: bytes | bytearray | memoryview) -> int:
@@ -376,7 +380,7 @@ def _iter_stream(
 
 
 def _masked(data: bytes) -> int:
-    crc = _crc(data)
+    crc = crc32c_bytes(data)
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
@@ -414,8 +418,8 @@ def index_tfrecord(
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-# Offsets per array :func:`iter_tfrecord_offsets` yields (512 KiB of int64).
-_OFFSETS_CHUNK = 1 << 16
+#: Offsets per array :func:`iter_tfrecord_offsets` yields (512 KiB of int64).
+OFFSETS_CHUNK = 1 << 16
 
 
 def iter_tfrecord_offsets(
@@ -423,7 +427,7 @@ def iter_tfrecord_offsets(
     *,
     filesystem: fsspec.AbstractFileSystem | None = None,
     verify: bool = True,
-    chunk: int = _OFFSETS_CHUNK,
+    chunk: int = OFFSETS_CHUNK,
     size: int | None = None,
 ) -> Iterator[np.ndarray]:
     """The byte offsets of an uncompressed TFRecord file's records, in int64 arrays of

@@ -44,9 +44,9 @@ from torchgrain.errors import (
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
-    _OFFSETS_CHUNK,
     DEFAULT_MAX_RECORD_BYTES,
-    _crc,
+    OFFSETS_CHUNK,
+    crc32c_bytes,
     index_tfrecord,
     iter_tfrecord,
     iter_tfrecord_offsets,
@@ -301,7 +301,7 @@ class TFRecordSource(EncodedSource):
             data = [bytes(view[a : a + n]) for a, n in zip(starts, lengths.tolist())]
             if self._verify:
                 ok &= (words[at + 8] & 0xFFFFFFFF) == _length_crcs(lengths)
-                crcs = np.fromiter(map(_crc, data), np.uint64, len(data))
+                crcs = np.fromiter(map(crc32c_bytes, data), np.uint64, len(data))
                 ok &= words[at + lengths + 8] >> np.uint64(32) == _mask(crcs)
             if not ok.all():
                 k = int(np.flatnonzero(~ok)[0])
@@ -629,7 +629,7 @@ def _npy_header(n: int) -> bytes:
     return out.getvalue()
 
 
-def _read_cached(path: str, chunk: int = _OFFSETS_CHUNK) -> Iterator[np.ndarray]:
+def _read_cached(path: str, chunk: int = OFFSETS_CHUNK) -> Iterator[np.ndarray]:
     """The offsets in the per-file cache at ``path``, a chunk at a time (``ValueError``:
     not such a file)."""
     with open(path, "rb") as f:
@@ -673,7 +673,7 @@ def _check_cached(path: str, size: int, compressed: bool) -> tuple[int, list[np.
         first = part if first is None else first
     if n and prev > size - 16:
         raise ValueError("offsets past the end")
-    return n, ([] if first is None else [first]) if n <= _OFFSETS_CHUNK else None
+    return n, ([] if first is None else [first]) if n <= OFFSETS_CHUNK else None
 
 
 class _CacheWriter:
