@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -69,6 +68,7 @@ class ShardFile:
     #: The file's size in bytes (for a remote file: asked when not given).
     size: int = -1
     _fd: int | None = field(default=None, init=False, repr=False, compare=False)
+    _seen: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fs = self.filesystem
@@ -81,6 +81,7 @@ class ShardFile:
         if self.size < 0:
             object.__setattr__(self, "size", remote.file_size(fs, path, url=self.path))
         remote.pin(fs, path, self.size)  # every answer must be of this version of the file
+        object.__setattr__(self, "_seen", remote.unchanged_since(fs, path, None))
 
     def read(self, *, max_bytes: int = MAX_FILE_BYTES) -> bytes:
         """The whole file; a :class:`~torchgrain.CorruptDataError` when it holds more than
@@ -103,7 +104,11 @@ class ShardFile:
             )
         fs = self.filesystem
         if fs is not None:
-            return fetch_ranges(fs, fs._strip_protocol(self.path), ranges, name=self.path)
+            path = fs._strip_protocol(self.path)
+            got = fetch_ranges(fs, path, ranges, name=self.path)
+            # Raises if this process has pinned another version of the file since.
+            object.__setattr__(self, "_seen", remote.unchanged_since(fs, path, self._seen))
+            return got
         assert self._fd is not None
         out = [memoryview(os.pread(self._fd, e - s, s)) for s, e in ranges]
         for (s, e), got in zip(ranges, out):
@@ -253,7 +258,6 @@ class FormatSource(ShardedSource):
                 shard.close()
 
         if where is not None and opts.io_threads > 1 and len(files) > 1:
-            pool: Executor
             with process.thread_pool(opts.io_threads, "torchgrain-open") as pool:
                 counted = list(pool.map(count, range(len(files))))
         else:
