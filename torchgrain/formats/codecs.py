@@ -46,7 +46,6 @@ __all__ = [
     "register_codec",
     "schema_sampled",
     "sniff_codec",
-    "union_type",
 ]
 
 _NDARRAY_EXT = 1

@@ -54,9 +54,7 @@ from torchgrain.io.fs import PathLike, get_filesystem, is_local
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
-    "OFFSETS_CHUNK",
     "crc32c",
-    "crc32c_bytes",
     "index_tfrecord",
     "iter_tfrecord",
     "iter_tfrecord_offsets",

@@ -47,13 +47,7 @@ from torchgrain.sources.node_index.store import (
     default_index_dir,
 )
 
-__all__ = [
-    "DerivedIndex",
-    "callable_fingerprint",
-    "dataset_fingerprint",
-    "derived_index",
-    "hash_parts",
-]
+__all__ = ["DerivedIndex", "callable_fingerprint", "dataset_fingerprint", "derived_index"]
 
 
 class _Default:

@@ -51,27 +51,16 @@ from torchgrain.io.atomic import DISK_FULL_ERRNOS, naming_full_disk
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
 
+# The names users see (re-exported by torchgrain.sources.node_index); the index kinds'
+# interface to the store (see the module docstring) is public too.
 __all__ = [
     "BUILD_BYTES",
     "COUNTERS",
     "INDEX_DIR_BYTES",
     "INDEX_NAME",
-    "VERSION",
     "BuildProgress",
-    "IndexArrays",
-    "NodeIndex",
-    "build_index",
-    "cached_index",
-    "check_meta_int",
-    "check_prefix",
-    "check_shape",
-    "dataset_name",
     "default_index_dir",
-    "in_order",
-    "index_error",
-    "index_key",
     "open_index",
-    "open_trusted",
 ]
 
 #: The index file torchgrain's writers put beside a dataset's shards.
