@@ -39,7 +39,7 @@ from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
 from torchgrain.protocols import ReadsAhead, SetsEpoch, SizedIndexable
 from torchgrain.sources.base import Source
 
-__all__ = ["Dataset", "collate_columns", "record_rng"]
+__all__ = ["Dataset", "EpochCell", "collate_columns", "describe_fn", "record_rng"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -103,13 +103,19 @@ def _record_rng_fast(seed: int, epoch: int, index: int, stream: int) -> np.rando
     return np.random.Generator(bg)
 
 
-class _EpochCell:
+class EpochCell:
     """The current epoch, shared with DataLoader worker processes.
 
     Persistent workers keep the Dataset they were started with, so a plain attribute
     set in the main process would never reach them. The value lives in a shared-memory
     int64 that forked workers inherit and spawned workers receive while being started;
     pickled any other way (e.g. ``copy.deepcopy``), the cell becomes a private copy.
+
+    Example:
+        >>> cell = EpochCell(3)
+        >>> cell.set(4)
+        >>> cell.get()
+        4
     """
 
     __slots__ = ("_shared", "_value")
@@ -170,12 +176,13 @@ def _name_of(fn: Any) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _describe_fn(fn: Any) -> str:
-    """``module.qualname (file:line)`` of a function, a callable object or a partial.
+def describe_fn(fn: Any) -> str:
+    """``module.qualname (file:line)`` of a function, a callable object or a partial: how
+    errors name a user's function.
 
     Example:
-        >>> _describe_fn(_describe_fn).split(" ")[0]
-        'torchgrain.dataset._describe_fn'
+        >>> describe_fn(describe_fn).split(" ")[0]
+        'torchgrain.dataset.describe_fn'
     """
     target = fn.func if isinstance(fn, functools.partial) else fn
     code = getattr(target, "__code__", None)
@@ -266,7 +273,7 @@ class Dataset(torch.utils.data.Dataset):
         self._worker_pipe_bytes = worker_pipe_bytes
         self.batch_format = batch_format
         self._ops: tuple[tuple[Any, ...], ...] = ()
-        self._epoch = _EpochCell(0)
+        self._epoch = EpochCell(0)
         self._stats = PipelineStats()
 
     # ---------------------------------------------------------- composition
@@ -277,7 +284,7 @@ class Dataset(torch.utils.data.Dataset):
         child._worker_slots = self._worker_slots
         child.batch_format = self.batch_format
         child._ops = (*self._ops, op)
-        child._epoch = _EpochCell(self._epoch.get())
+        child._epoch = EpochCell(self._epoch.get())
         child._stats = PipelineStats()
         return child
 
@@ -518,7 +525,7 @@ class Dataset(torch.utils.data.Dataset):
             raise
         if needs is not None:
             raise TypeError(
-                f"{op[0]} function {_describe_fn(op[1])} returned None for record index "
+                f"{op[0]} function {describe_fn(op[1])} returned None for record index "
                 f"{index} (epoch {epoch}); {needs} needs a record: does it lack a `return`?"
             )
         return rec

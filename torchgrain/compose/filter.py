@@ -55,8 +55,8 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.compose.view import View, _short, adapt, read_column_pairs
-from torchgrain.dataset import Dataset, _describe_fn
+from torchgrain.compose.view import View, adapt, read_column_pairs, short_repr
+from torchgrain.dataset import Dataset, describe_fn
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.protocols import HasBlockOffsets
 from torchgrain.sources.base import Source
@@ -198,7 +198,7 @@ def filter_dataset(
         vectorised = batched or isinstance(predicate, columns)
         keys = predicate.keys if isinstance(predicate, columns) else None
         fn = predicate.fn if isinstance(predicate, columns) else predicate
-        what = name if name is not None else _describe_fn(fn)
+        what = name if name is not None else describe_fn(fn)
         ident = name if name is not None else callable_fingerprint(fn)
         mode = "columns" if vectorised else "records"
         if keys is not None:
@@ -262,10 +262,10 @@ def _changes_with_epoch(ds: Any) -> str | None:
 
     if isinstance(ds, Dataset):
         if any(op[0] == "random_map" for op in ds._ops):
-            return f"{_short.repr(ds)} (random_map)"
+            return f"{short_repr(ds)} (random_map)"
         return _changes_with_epoch(ds._source)
     if isinstance(ds, Mix):
-        return f"the mixture {_short.repr(ds)}"
+        return f"the mixture {short_repr(ds)}"
     if isinstance(ds, View):
         for child in ds.children:
             found = _changes_with_epoch(child)

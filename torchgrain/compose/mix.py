@@ -41,7 +41,7 @@ import numpy as np
 
 from torchgrain.compose.concat import Concat
 from torchgrain.compose.view import View, check_indices
-from torchgrain.dataset import Dataset
+from torchgrain.dataset import Dataset, EpochCell
 from torchgrain.sampling.permutation import KeyedPermutations
 
 __all__ = ["Mix", "MixOrder", "mix", "mixture_counts", "mixture_length", "mixture_weights"]
@@ -274,8 +274,6 @@ class Mix(View):
         temperature: float | None = None,
         source_field: str | None = None,
     ) -> None:
-        from torchgrain.dataset import _EpochCell
-
         sources = Concat(children, names=names, source_field=source_field)
         super().__init__([sources])
         self.sources = sources
@@ -298,7 +296,7 @@ class Mix(View):
         self.counts = mixture_counts(operator.index(length), self.weights)
         self._order = MixOrder(self.counts)
         self._passes = _Passes(sizes, self.seed)
-        self._epoch = _EpochCell(0)
+        self._epoch = EpochCell(0)
 
     def block_offsets(self) -> np.ndarray:
         """One block: a mixture's positions are not where its sources store records

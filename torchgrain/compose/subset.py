@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from torchgrain.compose.view import View, check_indices
+from torchgrain.compose.view import View, check_indices, short_repr
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
 from torchgrain.sampling.permutation import KeyedPermutation
@@ -183,12 +183,7 @@ def _checked(ds: Dataset, arr: np.ndarray, dtype: str) -> np.ndarray:
     try:
         return check_indices(arr, len(ds)).astype(dtype)
     except (IndexError, TypeError) as e:
-        raise type(e)(f"select: {e} (in {_short(ds)})") from None
-
-
-def _short(ds: Any) -> str:
-    text = repr(ds)
-    return text if len(text) <= 200 else text[:197] + "..."
+        raise type(e)(f"select: {e} (in {short_repr(ds)})") from None
 
 
 def _mapped_selection(ds: Dataset, arr: np.ndarray, dtype: str) -> DerivedIndex:

@@ -80,6 +80,7 @@ __all__ = [
     "merge_schemas",
     "read_column_pairs",
     "read_pairs",
+    "short_repr",
 ]
 
 
@@ -310,8 +311,18 @@ keys only in b: ['y']; 'x': int in a, str in b
     return keys, schema
 
 
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 120
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 120
+
+
+def short_repr(x: Any) -> str:
+    """``repr(x)`` cut to about 120 characters, for error messages.
+
+    Example:
+        >>> len(short_repr(list(range(1000)))) < 130
+        True
+    """
+    return _SHORT.repr(x)
 
 
 class View(Source):
@@ -433,7 +444,7 @@ class View(Source):
 
     def describe_child(self, k: int) -> str:
         """How errors name child ``k``: its name and what it is."""
-        return f"dataset {self.names[k]!r} ({_short.repr(self.children[k])})"
+        return f"dataset {self.names[k]!r} ({short_repr(self.children[k])})"
 
     # --------------------------------------------------------- capabilities
     def set_epoch(self, epoch: int) -> None:
@@ -463,7 +474,7 @@ class View(Source):
         return fits
 
     def __repr__(self) -> str:
-        inner = ", ".join(_short.repr(c) for c in self.children)
+        inner = ", ".join(short_repr(c) for c in self.children)
         return f"{type(self).__name__}([{inner}])"
 
 
