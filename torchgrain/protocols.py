@@ -6,6 +6,13 @@ it, is stated here; components check with ``isinstance`` (these protocols are
 runtime-checkable) instead of looking for attributes by name. A class has a capability
 by defining the method; no registration or base class is needed.
 
+A wrapper (a :class:`~torchgrain.Dataset`, an adapter, a composed view) has a method only
+where it works, so that the check tells the truth: it sets the method on the instance when
+it is built, from what it wraps, and hides a default it inherits with a class attribute
+``None`` (what ``typing``'s runtime checks read as "no such method", on every Python
+version; a property that raises would still count as the method). One without block
+boundaries says why in its ``blocks_missing`` string.
+
 * :class:`SetsEpoch`: ``set_epoch(epoch)``. Samplers call it from their own
   ``set_epoch``/``load_state_dict`` (per-epoch random transforms follow), and a
   :class:`~torchgrain.Dataset` passes its epoch on to a source that has it.

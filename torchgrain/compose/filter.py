@@ -342,13 +342,10 @@ class FilterView(View):
         block-local order over a filtered Parquet source still reads row group by row
         group; one block when the parent has none."""
         parent = self.children[0]
-        try:
-            blocks = parent.block_offsets() if isinstance(parent, HasBlockOffsets) else None
-        except TypeError:
-            blocks = None
-        if blocks is None:
-            return np.unique(np.array([0, len(self)], dtype=np.int64))
-        out = np.searchsorted(self.selection, np.asarray(blocks, np.int64)).astype(np.int64)
+        if not isinstance(parent, HasBlockOffsets):
+            return super().block_offsets()
+        blocks = np.asarray(parent.block_offsets(), np.int64)
+        out = np.searchsorted(self.selection, blocks).astype(np.int64)
         out[-1] = len(self)
         return np.unique(np.r_[0, out])
 

@@ -260,6 +260,8 @@ class Mix(View):
     ``source_field``); position ``i`` of epoch ``e`` resolves to a record of it by
     arithmetic alone. The epoch is the one :meth:`set_epoch` sets (a torchgrain sampler
     calls it), kept in a cell shared with DataLoader workers, persistent ones included.
+    ``block_offsets`` is one block (a mixture's positions are not where its sources store
+    records together), so :class:`~torchgrain.BlockShuffleSampler` shuffles it whole.
     """
 
     def __init__(
@@ -297,12 +299,6 @@ class Mix(View):
         self._order = MixOrder(self.counts)
         self._passes = _Passes(sizes, self.seed)
         self._epoch = EpochCell(0)
-
-    def block_offsets(self) -> np.ndarray:
-        """One block: a mixture's positions are not where its sources store records
-        together, so :class:`~torchgrain.BlockShuffleSampler` shuffles it whole, as
-        :class:`~torchgrain.GlobalShuffleSampler` does."""
-        return np.array([0, len(self)], dtype=np.int64)
 
     def __len__(self) -> int:
         return self._order.length

@@ -122,9 +122,6 @@ class Subset(View):
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(len(indices), np.int64), self.rows.take(indices)
 
-    def block_offsets(self) -> np.ndarray:
-        return np.array([0, len(self)], dtype=np.int64)
-
     def _identity(self) -> Any:
         return self.rows.identity()
 

@@ -26,12 +26,16 @@ resolve (:meth:`View._locate`); this base does the rest, once for every view:
   whose transforms may change them) is not compared, and the view then says nothing
   either (empty keys and schema), as :class:`~torchgrain.adapters.SequenceSource` does.
 * **Capabilities, honestly forwarded**: ``set_epoch`` reaches every child that has it
-  (:class:`~torchgrain.protocols.SetsEpoch`), and ``read_ahead`` every child that has it
-  (:class:`~torchgrain.protocols.ReadsAhead`), with the pass's order re-mapped: the
-  child's ``order(a, b)`` gives the child indices that the view's positions ``[a, b)``
-  resolve to, in order (possibly fewer than ``b - a``); ``start``, ``count`` and
-  ``position`` stay the view's. :meth:`View.block_offsets` raises ``TypeError`` unless a
-  view has blocks that mean something (a concatenation: its children's blocks, shifted).
+  (:class:`~torchgrain.protocols.SetsEpoch`). A view has ``read_ahead``
+  (:class:`~torchgrain.protocols.ReadsAhead`) only when something under it reads ahead:
+  each such object below the view and the views among its children gets the pass once
+  (the same source under two children, or under two filters of it, one pass), with its
+  own order: its ``order(a, b)`` gives its indices that the view's positions ``[a, b)``
+  resolve to, in the pass's order (possibly fewer or more than ``b - a``); ``start``,
+  ``count`` and ``position`` stay the view's. ``block_offsets`` is one block (the
+  :class:`~torchgrain.Source` default: a view's positions are not where its records are
+  stored together) unless a view knows better (a concatenation: its children's blocks,
+  shifted; a filter: its parent's, as they fall in the selection).
 
 A view holds its children and a few numbers, never an array of its own length, and
 pickles as its children do (small, no open handles).
@@ -44,8 +48,8 @@ Example:
     ...     def _locate(self, indices):
     ...         return np.zeros(len(indices), np.int64), len(self) - 1 - indices
     >>> v = Reversed([[{"x": 0}, {"x": 1}, {"x": 2}]])
-    >>> v.__getitems__([0, 2]), v.locate([1])[1].tolist()
-    ([{'x': 2}, {'x': 0}], [1])
+    >>> v.__getitems__([0, 2]), v.locate([1])[1].tolist(), v.block_offsets().tolist()
+    ([{'x': 2}, {'x': 0}], [1], [0, 3])
     >>> v[3]
     Traceback (most recent call last):
     ...
@@ -329,7 +333,8 @@ class View(Source):
     """Base of composed datasets: a :class:`~torchgrain.Source` over ``children``.
 
     A subclass defines ``__len__`` and :meth:`_locate`; reads, index checks, keys and
-    schema, ``set_epoch`` and ``read_ahead`` come from here (see the module docstring).
+    schema, ``block_offsets``, ``set_epoch`` and ``read_ahead`` come from here (see the
+    module docstring).
 
     Args:
         children: the datasets composed (any :class:`~torchgrain.Source`,
@@ -372,6 +377,8 @@ class View(Source):
                 self._keys, self._schema = merge_schemas(described)
             except SchemaMismatchError:
                 self._keys, self._schema = [], {}
+        if _reading_ahead(self):
+            self.read_ahead = self._read_ahead
 
     # ------------------------------------------------------------ to define
     @abc.abstractmethod
@@ -419,12 +426,6 @@ class View(Source):
 
         return all(isinstance(c, Dataset) or c.reports_stats for c in self.children)
 
-    def block_offsets(self) -> np.ndarray:
-        raise TypeError(
-            f"{type(self).__name__} has no storage blocks of its own "
-            "(give BlockShuffleSampler block_offsets=, or use GlobalShuffleSampler)"
-        )
-
     def fingerprint(self) -> str:
         """A digest of the data the view reads: its type, :meth:`_identity` and its
         children's :func:`~torchgrain.sources.node_index.derived.dataset_fingerprint`
@@ -453,22 +454,19 @@ class View(Source):
             if isinstance(child, SetsEpoch):
                 child.set_epoch(epoch)
 
-    def read_ahead(
+    def _read_ahead(
         self,
         order: Callable[[int, int], np.ndarray] | None,
         start: int,
         count: int,
         position: Callable[[], int],
     ) -> Any:
-        """Passed on to every child that has ``read_ahead``, each with the order of the
-        child indices the pass's positions resolve to; the children's cache checks
-        together (None when none has any)."""
+        """The view's ``read_ahead`` (see the module docstring): the cache checks of the
+        objects under it together (None when none has any)."""
         fits: list[Any] | None = None
-        for k, child in enumerate(self.children):
-            if not isinstance(child, ReadsAhead):
-                continue
-            child_order = None if order is None else _ChildOrder(self, k, order)
-            got = child.read_ahead(child_order, start, count, position)
+        for target in _reading_ahead(self):
+            target_order = None if order is None else _PassOrder(self, target, order)
+            got = target.read_ahead(target_order, start, count, position)
             if got is not None:
                 fits = [*(fits or []), *got]
         return fits
@@ -478,15 +476,45 @@ class View(Source):
         return f"{type(self).__name__}([{inner}])"
 
 
-class _ChildOrder:
-    """Child ``k``'s order of a pass: the child indices that the view's positions
-    ``[a, b)`` resolve to, in order (a picklable callable)."""
+def _reading_ahead(view: View) -> list[Any]:
+    """The objects that read ahead under ``view`` and the views among its children, each
+    once (a source may be under two children, or under two views of it)."""
+    found: dict[int, Any] = {}
+    for child in view.children:
+        below = _reading_ahead(child) if isinstance(child, View) else [child]
+        found.update((id(x), x) for x in below if isinstance(x, ReadsAhead))
+    return list(found.values())
 
-    __slots__ = ("k", "order", "view")
 
-    def __init__(self, view: View, k: int, order: Callable[[int, int], np.ndarray]) -> None:
-        self.view, self.k, self.order = view, k, order
+class _PassOrder:
+    """The pass's order for ``target``, an object under ``view``: its indices that the
+    view's positions ``[a, b)`` resolve to, in the pass's order (a picklable callable)."""
+
+    __slots__ = ("order", "target", "view")
+
+    def __init__(self, view: View, target: Any, order: Callable[[int, int], np.ndarray]) -> None:
+        self.view, self.target, self.order = view, target, order
 
     def __call__(self, a: int, b: int) -> np.ndarray:
-        which, local = self.view.locate(np.asarray(self.order(a, b)))
-        return local[which == self.k]
+        indices = np.asarray(self.order(a, b), np.int64)
+        at: list[np.ndarray] = []
+        got: list[np.ndarray] = []
+        self._resolve(self.view, indices, np.arange(len(indices)), at, got)
+        if not got:
+            return np.zeros(0, np.int64)
+        # Several paths to the target (children of several views) merged in pass order.
+        return np.concatenate(got)[np.argsort(np.concatenate(at), kind="stable")]
+
+    def _resolve(
+        self, view: View, indices: np.ndarray, at: np.ndarray, out_at: list, out: list
+    ) -> None:
+        if len(indices) == 0:
+            return
+        which, local = view.locate(indices)
+        for k, child in enumerate(view.children):
+            mine = which == k
+            if child is self.target:
+                out_at.append(at[mine])
+                out.append(local[mine])
+            elif isinstance(child, View):
+                self._resolve(child, local[mine], at[mine], out_at, out)
