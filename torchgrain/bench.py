@@ -65,6 +65,8 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.protocols import HasBlockOffsets
+
 __all__ = [
     "available_cpus",
     "default_workers",
@@ -200,10 +202,9 @@ def token_column(schema: dict[str, str]) -> str | None:
 def _records_per_block(source: Any) -> int:
     """Typical records per storage block (an ArrayRecord file's group size); 1 for a
     dataset without blocks (a mixture)."""
-    try:
-        sizes = np.diff(source.block_offsets())
-    except TypeError:
+    if not isinstance(source, HasBlockOffsets):
         return 1
+    sizes = np.diff(source.block_offsets())
     sizes = sizes[sizes > 0]
     return int(np.median(sizes)) if len(sizes) else 1
 
