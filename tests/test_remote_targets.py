@@ -126,3 +126,35 @@ def test_a_batch_decodes_each_shard_as_its_ranges_arrive(tmp_path):
     served = events.index(("served", slow))
     assert {e for e in events[:served]} == {("decoded", s) for s in (1, 2, 3)}, events
     assert events[served + 1 :] == [("decoded", 0)], events
+
+
+def test_a_file_is_handed_over_once_when_its_last_request_is_in(served):
+    """cat_many(arrived=) wakes the calling thread once per file, with all of that file's
+    ranges (one request each here), not once per request; every byte as on disk."""
+    srv, d, _recs = served
+    names = sorted(os.listdir(d))[:3]
+    fs, _ = get_filesystem(f"{srv.url}/ds/{names[0]}")
+    paths, starts = [], []
+    for n, name in enumerate(names):
+        for k in range(4):  # four ranges of each file (interleaved below)
+            paths.append(get_filesystem(f"{srv.url}/ds/{name}")[1])
+            starts.append(k * 50_000 + n)
+    order = [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
+    paths = [paths[i] for i in order]
+    starts = [starts[i] for i in order]
+    ends = [s + 1000 for s in starts]
+    calls: list[list[int]] = []
+    got = cat_many(
+        fs,
+        paths,
+        starts,
+        ends,
+        max_inflight=4,
+        multi_range=False,
+        arrived=lambda idx, blobs: calls.append(sorted(idx)),
+    )
+    assert sorted(calls) == sorted([i for i in range(12) if paths[i] == p] for p in set(paths))
+    for p, s, e, blob in zip(paths, starts, ends, got):
+        with open(os.path.join(d, os.path.basename(p)), "rb") as f:
+            f.seek(s)
+            assert bytes(blob) == f.read(e - s)

@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import fsspec
-from fsspec.asyn import AsyncFileSystem, sync
+from fsspec.asyn import AsyncFileSystem
 from fsspec.exceptions import FSTimeoutError
 
 from torchgrain.io import remote
@@ -393,8 +393,9 @@ def cat_many(
     its exception in its place (a :class:`~torchgrain.io.retry.RequestTimeout` or a
     :class:`ResponseSizeError` for a transient failure, naming the URL and the range),
     so a caller can keep what arrived and ask again for the rest. ``arrived(indices,
-    results)``, when given, is called on the calling thread with each request's results
-    as soon as it is answered, while the others are still in flight. With ``multi_range``,
+    results)``, when given, is called on the calling thread with each file's results as
+    soon as its last request is answered, while the others are still in flight (requests
+    go out file after file: the first files complete first). With ``multi_range``,
     the ranges of one ``http(s)://`` file go out up to
     :data:`~torchgrain.io.byteranges.MAX_RANGES` in a request (see the module docstring).
 
@@ -474,31 +475,14 @@ def cat_many(
             return [result] * len(idx)
         return list(result)
 
-    if arrived is not None:
-        return _streamed(
-            fs, requests, request, spread, finish, len(starts), left, policy, arrived, what
-        )
-
-    async def gather() -> list[Any]:
-        done = await asyncio.gather(*map(request, requests), return_exceptions=True)
-        got: list[Any] = [None] * len(starts)
-        for idx, result in zip(requests, done):
-            for i, r in zip(idx, spread(idx, result)):
-                got[i] = r
-        return got
-
-    try:
-        # The loop bounds each request; this bounds the whole batch's wait.
-        got = sync(fs.loop, gather, timeout=left + policy.request_timeout)
-    except FSTimeoutError as e:
-        err = RequestTimeout(f"{what} of {len(starts)} ranges did not complete within {left:.3g} s")
-        err.__cause__ = e
-        return [err] * len(starts)
-    return [finish(i, blob) for i, blob in enumerate(got)]
+    return _streamed(
+        fs, paths, requests, request, spread, finish, len(starts), left, policy, what, arrived
+    )
 
 
 def _streamed(
     fs: Any,
+    paths: Sequence[str],
     requests: list[list[int]],
     request: Callable[[list[int]], Any],
     spread: Callable[[list[int], Any], list[Any]],
@@ -506,53 +490,77 @@ def _streamed(
     count: int,
     left: float,
     policy: Any,
-    arrived: Callable[[list[int], list[Any]], None],
     what: str,
+    arrived: Callable[[list[int], list[Any]], None] | None,
 ) -> list[Any]:
-    """:func:`cat_many`'s requests on ``fs``'s loop, each request's results handed to
-    ``arrived`` on the calling thread as soon as it is answered (the caller works on them
-    while the others are in flight: no thread of its own); a request not answered within
-    ``left`` seconds and the policy's request timeout is a
-    :class:`~torchgrain.io.retry.RequestTimeout`."""
+    """:func:`cat_many`'s requests on ``fs``'s loop, each file's results handed to
+    ``arrived`` on the calling thread once its last request is answered (the caller works
+    on them while the others are in flight: no thread of its own); a request not answered
+    within ``left`` seconds and the policy's request timeout is a
+    :class:`~torchgrain.io.retry.RequestTimeout`.
+
+    The loop wakes the calling thread once per file, not per request: each wake-up is a
+    handover of the GIL between the two threads, which the loop, busy sending and
+    receiving, pays for.
+    """
     if fs.loop is None or fs.loop.is_closed():
         raise RuntimeError("Loop is not running")
-    answers: queue.SimpleQueue = queue.SimpleQueue()
+    of_file: dict[str, list[int]] = {}  # the requests of each file, in order
+    for k, idx in enumerate(requests):
+        of_file.setdefault(paths[idx[0]], []).append(k)
+    unanswered = {p: len(ks) for p, ks in of_file.items()}  # (the loop's own)
+    results: list[Any] = [None] * len(requests)  # written by the loop, read once told
+    done: queue.SimpleQueue = queue.SimpleQueue()  # files all of whose requests are in
 
-    async def one(k: int) -> None:
-        try:
-            result = await request(requests[k])
-        except Exception as e:  # (a cancellation is not an answer)
-            result = e
-        answers.put((k, result))
+    def answered(k: int, task: asyncio.Future) -> None:
+        if task.cancelled():
+            return  # timed out (or the caller raised): nothing more comes
+        results[k] = task.exception() or task.result()
+        path = paths[requests[k][0]]
+        unanswered[path] -= 1
+        if not unanswered[path]:
+            done.put(path)
 
-    async def gather() -> None:
-        await asyncio.gather(*(one(k) for k in range(len(requests))))
+    async def send() -> None:
+        tasks = []
+        for k, idx in enumerate(requests):
+            tasks.append(asyncio.ensure_future(request(idx)))
+            tasks[-1].add_done_callback(functools.partial(answered, k))
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     got: list[Any] = [None] * count
-    waiting = set(range(len(requests)))
-    future = asyncio.run_coroutine_threadsafe(gather(), fs.loop)
+    waiting = set(of_file)
+    future = asyncio.run_coroutine_threadsafe(send(), fs.loop)
     deadline = time.monotonic() + left + policy.request_timeout
     try:
         while waiting:
             try:
-                k, result = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+                path = done.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            waiting.discard(k)
-            idx = requests[k]
-            blobs = [finish(i, r) for i, r in zip(idx, spread(idx, result))]
+            waiting.discard(path)
+            idx = [i for k in of_file[path] for i in requests[k]]
+            blobs = [
+                finish(i, r)
+                for k in of_file[path]
+                for i, r in zip(requests[k], spread(requests[k], results[k]))
+            ]
             for i, blob in zip(idx, blobs):
                 got[i] = blob
-            arrived(idx, blobs)
+            if arrived is not None:
+                arrived(idx, blobs)
     finally:
         if waiting:
-            future.cancel()  # timed out (or the caller raised): nothing more comes
+            future.cancel()
     if waiting:
+        # What arrived of a file still waiting is kept; the rest timed out.
         err = RequestTimeout(
-            f"{what} of {count} ranges: {len(waiting)} requests did not complete within "
-            f"{left:.3g} s"
+            f"{what} of {count} ranges: requests of {len(waiting)} files did not complete "
+            f"within {left:.3g} s"
         )
-        for k in waiting:
-            for i in requests[k]:
-                got[i] = err
+        for path in waiting:
+            for k in of_file[path]:
+                result = results[k]
+                for i, r in zip(requests[k], spread(requests[k], result)):
+                    got[i] = err if result is None else finish(i, r)
     return got
