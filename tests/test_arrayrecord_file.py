@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.formats._highwayhash import riegeli_hash
-from torchgrain.formats.arrayrecord import batch as arrayrecord_batch
 from torchgrain.formats.arrayrecord.footer import parse_entries
 from torchgrain.formats.arrayrecord_file import (
     ArrayRecordFile,
@@ -141,6 +140,7 @@ def test_one_record_chunks_take_the_batch_path(files, records, opt, raw):
     f.close()
 
 
+@pytest.mark.filterwarnings("ignore:read_many.*deprecated:DeprecationWarning")
 @given(
     picks=st.lists(
         st.tuples(st.sampled_from(OPTIONS), st.lists(st.integers(0, 399), max_size=40)),
@@ -155,25 +155,18 @@ def test_read_many_matches_the_records(files, picks):
     assert out == [[RECORDS[i] for i in rows] for _, rows in picks]
 
 
-def test_read_many_plans_one_record_files_together(files, records, monkeypatch, tmp_path):
-    """zstd and uncompressed one-record files take the joint path (one plan per layout);
-    a file with unusual chunks (empty records) is read on its own, correctly."""
-    calls = []
-    joint = arrayrecord_batch._read_many_singles
-
-    def spy(files_, rows_, ks, raw, one):
-        calls.append((len(ks), raw))
-        return joint(files_, rows_, ks, raw, one)
-
-    monkeypatch.setattr(arrayrecord_batch, "_read_many_singles", spy)
+def test_read_many_reads_each_file_and_is_deprecated(files, records, tmp_path):
+    """read_many is each file's read, with a DeprecationWarning: zstd and uncompressed
+    one-record files (each by its batch plan), a file with unusual chunks (empty records,
+    records over 64 KiB, headers split by a block boundary) and a grouped file."""
     opts = ["group_size:1", "group_size:1", "group_size:1,uncompressed",
             "group_size:1,uncompressed", "group_size:1,uncompressed", "group_size:100"]  # fmt: skip
     readers = [ArrayRecordFile(files[o]) for o in opts]
     rng = np.random.default_rng(5)
     small = [i for i, r in enumerate(records) if 0 < len(r) < 1000]
     rows = [rng.choice(small, 30) for _ in opts]
-    rows[1] = np.array([5, 102, 7, 199])  # records > 64 KiB: planned with the others
-    rows[3] = np.array([1, 13, 2, 26])  # empty records: the file goes on its own
+    rows[1] = np.array([5, 102, 7, 199])  # records > 64 KiB
+    rows[3] = np.array([1, 13, 2, 26])  # empty records
     # Small records: many 40-byte headers split by a block boundary, which nothing
     # in the batch plan may read.
     tiny = [bytes([i % 256]) * (i % 50) for i in range(6000)]
@@ -183,12 +176,15 @@ def test_read_many_plans_one_record_files_together(files, records, monkeypatch, 
     split = np.flatnonzero(low + 40 > BLOCK)
     assert len(split) >= 2
     rows.append(np.concatenate([split, np.arange(1, 40)]))
-    for reader, r in zip(readers, rows):  # layouts known, as after a first batch
-        read_many([reader, reader], [r, r])
-    calls.clear()
     want = [[records[i] for i in r] for r in rows[:-1]] + [[tiny[i] for i in rows[-1]]]
-    assert read_many(readers, rows) == want
-    assert sorted(calls) == [(2, False), (4, True)]
+    with pytest.warns(DeprecationWarning, match="read_many"):
+        assert read_many(readers, rows) == want
+    assert [r.read(rows_) for r, rows_ in zip(readers, rows)] == want
+    assert (readers[0]._raw_chunks, readers[2]._raw_chunks, readers[-1]._raw_chunks) == (
+        False,
+        True,
+        True,
+    )
 
 
 def careful_chunks(f: ArrayRecordFile, cs: np.ndarray) -> int:
@@ -198,6 +194,7 @@ def careful_chunks(f: ArrayRecordFile, cs: np.ndarray) -> int:
     return int(np.sum((low < 24) | (low + 40 >= BLOCK)))
 
 
+@pytest.mark.filterwarnings("ignore:read_many.*deprecated:DeprecationWarning")
 @pytest.mark.parametrize("opt", ["group_size:1", "group_size:1,uncompressed"])
 def test_frames_cut_by_block_headers(tmp_path, opt, monkeypatch):
     """Records of 12 KiB (one in five runs into the next block), 20 KiB (a 3-byte size)
@@ -233,6 +230,7 @@ def test_frames_cut_by_block_headers(tmp_path, opt, monkeypatch):
     assert len(careful) == careful_chunks(f, order)
 
 
+@pytest.mark.filterwarnings("ignore:read_many.*deprecated:DeprecationWarning")
 def test_read_many_checks_rows(files):
     """Rows out of range raise read()'s IndexError naming the file, known layout or not."""
     opt = "group_size:1"
@@ -246,16 +244,16 @@ def test_read_many_checks_rows(files):
             assert "f0.array_record" in str(info.value)
 
 
-def test_read_many_learns_the_layout_from_chunks_that_fit(files, records):
+def test_a_file_learns_its_layout_from_chunks_that_fit(files, records):
     """A first batch of chunks that fit neither plan (empty records) teaches nothing;
     the next one does."""
-    empty = [i for i, r in enumerate(records) if not r][:3]
-    small = [i for i, r in enumerate(records) if 0 < len(r) < 1000][:5]
-    f, g = (ArrayRecordFile(files["group_size:1,uncompressed"]) for _ in range(2))
-    assert read_many([f, g], [empty, empty]) == [[b""] * 3] * 2
+    empty = ([i for i, r in enumerate(records) if not r][:3] * 3)[:8]
+    small = [i for i, r in enumerate(records) if 0 < len(r) < 1000][:8]
+    f = ArrayRecordFile(files["group_size:1,uncompressed"])
+    assert f.read(empty) == [b""] * 8
     assert f._raw_chunks is None
-    assert read_many([f, g], [small, small]) == [[records[i] for i in small]] * 2
-    assert f._raw_chunks is True and g._raw_chunks is True
+    assert f.read(small) == [records[i] for i in small]
+    assert f._raw_chunks is True
 
 
 def test_block_boundary_cases_are_covered(files):

@@ -16,15 +16,14 @@ from torchgrain.errors import (
     DatasetNotFoundError,
     check_ceiling,
 )
-from torchgrain.formats.arrayrecord_file import (
-    _CHUNK_HEADER,
+from torchgrain.formats.arrayrecord import (
     DEFAULT_MAX_CHUNK_BYTES,
     ArrayRecordFile,
-    _fast_views,
-    read_many,
     read_mapped,
     read_num_records,
 )
+from torchgrain.formats.arrayrecord.footer import fast_views
+from torchgrain.formats.arrayrecord.riegeli import CHUNK_HEADER
 from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -453,6 +452,13 @@ class ArrayRecordSource(EncodedSource):
         yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
+    # Two paths. The region path (_read_single and _read_batch, through _read_mapped):
+    # local shards the dataset index covers, records of one-record chunks, read through
+    # this process's one map of the shards (io.region) with the bounds the index gives.
+    # The reader path (_read_rows, a reader per shard) for everything else: remote shards
+    # and their cached copies, verify_checksums, chunks of several records (the chunk
+    # cache), shards whose files disagree with the manifest or cannot be mapped (their
+    # reader names the error), and batches of more shards than may be mapped at once.
     def _read_rows(
         self, shard: int, rows: np.ndarray, index: int, reader: ArrayRecordFile | None
     ) -> list[bytes]:
@@ -463,9 +469,133 @@ class ArrayRecordSource(EncodedSource):
             f"range read of shard {shard} (record index {index})",
         )
 
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        got = self._read_mapped([index], ([shard], [row]))
+        return None if got is None else got[0]
+
+    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
+        few = None
+        if len(idx) <= _SINGLES:
+            # A few records: one by one in Python ints, cheaper than the batch plan's
+            # fixed cost (~0.2 ms of numpy steps).
+            few = tuple(a.tolist() for a in self.index._locate(idx))
+        return self._read_mapped(idx, few)
+
+    def _read_mapped(
+        self, idx: Any, few: tuple[list[int], list[int]] | None = None
+    ) -> list[bytes] | None:
+        """The region path: the raw records at global indices ``idx``, in request order,
+        or None where they take the reader path. With ``few`` (their shards and rows)
+        and one-record chunks throughout, each is read on its own; else one numpy plan
+        serves the batch (:func:`read_mapped`). Errors name the shard, file and record."""
+        mapped = self._region()
+        if mapped is None:
+            return None
+        region, decoder, footers = mapped
+        ix = self._dindex
+        assert ix is not None
+        bad = self._count_bad
+        if bad is not None and bad[few[0] if few else self.index._locate(idx)[0]].any():
+            return None  # the reader names the shard's count error
+        if few is not None and ix.single:
+            out = []
+            for s, r, i in zip(*few, idx):
+                at = self._acquire(region.acquire_one, s)
+                if at is None:
+                    return None
+                try:  # one record per chunk: the row is the chunk
+                    out.append(self._mapped_record(region, decoder, footers, at, s, r, int(i)))
+                finally:
+                    region.release()
+            return out
+        idx = np.asarray(idx)
+        shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
+        if not ix.single:
+            recs = ix.record_offsets
+            if bool((recs[entry + 1] - recs[entry] != 1).any()):
+                return None  # chunks of several records: the reader, with the chunk cache
+        base = self._acquire(region.acquire, shard)
+        if base is None:
+            return None
+        try:
+            pos = ix.offsets[entry]
+            end = ix.offsets[entry + 1]
+            size = ix.file_size[shard]
+            c = entry - ix.starts(shard)  # the chunk in its shard
+            # Every offset is bounded by its shard's footer before any byte is read.
+            outside = (pos < CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets(shard))
+            if outside.any():
+                k = int(np.flatnonzero(outside)[0])
+                raise self._outside(int(shard[k]), int(c[k]), int(pos[k]), int(end[k]), int(idx[k]))
+            return read_mapped(
+                region.u8,
+                region.view,
+                base + pos,
+                base + end,
+                base + size,
+                ix.decoded[chunk],
+                decoder=decoder,
+                careful=lambda k: self._mapped_record(
+                    region, decoder, footers, int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
+                ),
+                words=region.words,
+            )
+        finally:
+            region.release()
+
+    @staticmethod
+    def _acquire(acquire: Any, shards: Any) -> Any:
+        """``acquire(shards)`` of the region, or None where they cannot all be mapped
+        (the reader path then reads them, naming a shard that is missing or corrupt)."""
+        try:
+            return acquire(shards, polled=True)  # (_check_index polled)
+        except ChangedWhileOpen:
+            raise  # (the reader path may not see a same-size rewrite)
+        except (CorruptDataError, FileNotFoundError):
+            return None
+
+    def _mapped_record(
+        self,
+        region: ShardRegion,
+        decoder: ArrayRecordFile,
+        footers: dict[int, Any],
+        at: int,
+        shard: int,
+        chunk: int,
+        index: int,
+    ) -> bytes:
+        """The record of one-record chunk ``chunk`` of ``shard``, mapped at ``at`` of the
+        region, by the careful path (no reader per shard: no descriptor, map or context);
+        its bounds checked against the index, errors naming the shard and record."""
+        got = footers.get(shard)
+        if got is None:
+            if len(footers) >= _FOOTERS:
+                with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                    footers.pop(next(iter(footers)))  # another thread may be here too
+            footer = self._dindex.footer(shard)  # type: ignore[union-attr]
+            got = footers[shard] = (footer, fast_views(footer))
+        footer, fast = got
+        pos, end = fast[0][chunk], fast[1][chunk]
+        if not CHUNK_HEADER <= pos < end <= footer.footer_offset:
+            raise self._outside(shard, chunk, pos, end, index)
+        view = region.view[at : at + footer.file_size]
+        f = ArrayRecordFile.over(view, self._paths[shard], footer, decoder, fast)
+        try:
+            return f.chunk_record(chunk, footer)
+        except CorruptDataError as e:
+            raise self._named(e, shard, index) from e
+
+    def _outside(self, shard: int, chunk: int, pos: int, end: int, index: int) -> CorruptDataError:
+        return self._dindex.error(  # type: ignore[union-attr]
+            shard,
+            f"chunk {chunk} of {self._paths[shard]!r} at [{pos}, {end}) lies outside "
+            f"the file's chunks (record index {index})",
+        )
+
     def _region(self) -> tuple[ShardRegion, ArrayRecordFile, dict[int, Any]] | None:
         """This process's map of the dataset's local shards (inherited through fork:
-        the maps stay valid) and a decoder; None where batches are read shard by shard."""
+        the maps stay valid), a decoder and the index views of the shards records were
+        read from one by one (a few); None where every read takes the reader path."""
         mapped = self._mapped
         if mapped is None:
             if self._dindex is None or self._remote or self._verify or self.max_mapped_shards == 0:
@@ -480,8 +610,7 @@ class ArrayRecordSource(EncodedSource):
             except RegionUnavailable:
                 self._mapped = False
                 return None
-            # Only its zstd context is used: one per thread and process. The dict holds
-            # the index views of the shards single records were read from (a few).
+            # Only its zstd context is used: one per thread and process.
             mapped = self._mapped = (
                 region,
                 ArrayRecordFile(self._paths[0], max_chunk_bytes=self.max_chunk_bytes),
@@ -494,130 +623,6 @@ class ArrayRecordSource(EncodedSource):
         why = self._dindex.mismatch(shard, st, view if len(view) else None)
         if why is not None:
             raise self._shard_changed(shard, why)
-
-    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
-        # One record: Python ints and the mapped shard, no numpy call per step.
-        mapped = self._region()
-        ix = self._dindex
-        if mapped is None or ix is None or not ix.single:
-            return None
-        if self._count_bad is not None and self._count_bad[shard]:
-            return None  # the shard-by-shard path names the shard's error
-        region, decoder, footers = mapped
-        try:
-            at = region.acquire_one(shard, polled=True)  # (_check_index polled)
-        except ChangedWhileOpen:
-            raise  # (the shard-by-shard path may not see a same-size rewrite)
-        except (CorruptDataError, FileNotFoundError):
-            return None  # a shard that cannot be mapped: the reader names it
-        if at is None:
-            return None
-        try:
-            got = footers.get(shard)
-            if got is None:
-                if len(footers) >= _FOOTERS:
-                    with contextlib.suppress(RuntimeError, StopIteration, KeyError):
-                        footers.pop(next(iter(footers)))  # another thread may be here too
-                footer = ix.footer(shard)
-                got = footers[shard] = (footer, _fast_views(footer))
-            footer, fast = got
-            pos, end = int(footer.chunk_offsets[row]), int(footer.chunk_ends[row])
-            if not _CHUNK_HEADER <= pos < end <= footer.footer_offset:
-                raise ix.error(
-                    shard,
-                    f"chunk {row} of {self._paths[shard]!r} at [{pos}, {end}) lies outside "
-                    f"the file's chunks (record index {index})",
-                )
-            f = ArrayRecordFile._over(
-                region.view[at : at + footer.file_size], self._paths[shard], footer, decoder, fast
-            )
-            try:
-                return f._read_one(row, footer)
-            except CorruptDataError as e:
-                raise type(e)(
-                    f"{e} (shard {shard} of {self.num_shards}, reading record index {index})"
-                ) from e
-        finally:
-            region.release()
-
-    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
-        mapped = self._region()
-        if mapped is None:
-            return None
-        ix = self._dindex
-        assert ix is not None
-        if len(idx) <= _SINGLES and ix.single:
-            # A few records: each by the single-record path (Python ints, the same
-            # checks), cheaper than the batch plan's fixed cost (~0.2 ms of numpy steps).
-            shards, rows = self.index._locate(idx)
-            out = []
-            for s, r, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
-                data = self._read_single(s, r, i)
-                if data is None:
-                    break  # a shard that path does not read: the batch below
-                out.append(data)
-            else:
-                return out
-        bad = self._count_bad
-        if bad is not None and bad[self.index._locate(idx)[0]].any():
-            return None  # shard by shard: the shard's error names it and the record
-        shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
-        if not ix.single:
-            recs = ix.record_offsets
-            if bool((recs[entry + 1] - recs[entry] != 1).any()):
-                return None  # chunks of several records: shard by shard, with the chunk cache
-        region, decoder, _ = mapped
-        try:
-            base = region.acquire(shard, polled=True)  # (_check_index polled)
-        except ChangedWhileOpen:
-            raise  # (the shard-by-shard path may not see a same-size rewrite)
-        except (CorruptDataError, FileNotFoundError):
-            return None  # a shard cannot be mapped: shard by shard, which names it
-        if base is None:
-            return None  # more shards than may be mapped at once
-        try:
-            pos = ix.offsets[entry]
-            end = ix.offsets[entry + 1]
-            size = ix.file_size[shard]
-            # Every offset is bounded by its shard's footer before any byte is read.
-            bad = (pos < _CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets(shard))
-            if bad.any():
-                k = int(np.flatnonzero(bad)[0])
-                raise ix.error(
-                    int(shard[k]),
-                    f"chunk {int(entry[k] - ix.starts(shard[k]))} of {self._paths[shard[k]]!r} "
-                    f"at [{int(pos[k])}, {int(end[k])}) lies outside the file's chunks "
-                    f"(record index {int(idx[k])})",
-                )
-
-            def careful(k: int) -> bytes:
-                # The path that checks and reports everything, over the mapped shard:
-                # no reader (and no descriptor, map or context) per shard.
-                s = int(shard[k])
-                at = int(base[k])
-                f = ArrayRecordFile._over(
-                    region.view[at : at + int(size[k])], self._paths[s], ix.footer(s), decoder
-                )
-                try:
-                    return f._careful_record(int(entry[k] - ix.starts(s)), f._footer)
-                except CorruptDataError as e:
-                    raise type(e)(
-                        f"{e} (shard {s} of {self.num_shards}, reading record index {int(idx[k])})"
-                    ) from e
-
-            return read_mapped(
-                region.u8,
-                region.view,
-                base + pos,
-                base + end,
-                base + size,
-                ix.decoded[chunk],
-                decoder=decoder,
-                careful=careful,
-                words=region.words,
-            )
-        finally:
-            region.release()
 
     @property
     def manifest(self) -> Manifest | None:
@@ -674,27 +679,6 @@ class ArrayRecordSource(EncodedSource):
             return reader
 
         return self._io(opened, shard, f"footer read of shard {shard}")
-
-    def _read_many(
-        self, groups: list[tuple[int, np.ndarray, np.ndarray]]
-    ) -> list[list[bytes]] | None:
-        # Local files only: remote shards are fetched concurrently, one by one, and
-        # downloaded copies may be evicted while the batch opens others. All of the
-        # batch's files are open at once, so only as many as may stay open. An error is
-        # left to the shard-by-shard path, which names the shard.
-        limit = self.max_open_files
-        if self._remote or (limit is not None and len(groups) > limit):
-            return None
-        try:
-            readers = [self._reader(shard) for shard, _, _ in groups]
-            return read_many(
-                readers,
-                [rows for _, rows, _ in groups],
-                chunk_cache=self._blocks if self.cache_bytes else None,
-                cache_keys=[shard for shard, _, _ in groups],
-            )
-        except CorruptDataError:
-            return None
 
     def __repr__(self) -> str:
         return (

@@ -5,8 +5,9 @@ here once: a batch read (one read per shard, shards of a remote batch in paralle
 shard cache's downloads overlapped), decoding with errors that name the shard, row and
 record index, reading a shard in order (``iter_shard``, ``iter_shard_bytes``), and the
 schema from the first record. A format adds ``_read_rows`` (the raw records at some rows
-of one shard) and ``iter_shard_bytes``, and may add ``_read_many`` (a batch's shards read
-together, where that is faster than one by one).
+of one shard) and ``iter_shard_bytes``, and may add ``_read_batch`` and ``_read_single``
+(a faster path for the records it covers). Errors that a read raises get the shard and
+record index from one helper, :meth:`EncodedSource._named`.
 """
 
 from __future__ import annotations
@@ -49,15 +50,6 @@ class EncodedSource(ShardedSource):
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[bytes]:
         """The raw records ``[start, stop)`` of one shard, in order."""
-
-    def _read_many(
-        self, groups: list[tuple[int, np.ndarray, np.ndarray]]
-    ) -> list[list[bytes]] | None:
-        """Raw records of a batch's ``(shard, rows, positions)`` groups, one list per
-        group, where the format reads many shards faster together than one by one; None
-        (the default) reads each shard through :meth:`_read_rows`, which also names the
-        shard of any error."""
-        return None
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
         """Raw records at checked global indices ``idx``, in request order, read for the
@@ -143,19 +135,14 @@ class EncodedSource(ShardedSource):
                 shard, rows, _ = groups[0]
                 return self._read_decode(shard, rows, idx)
             opened = self._prefetch_copies([g[0] for g in groups])
-            t0 = time.perf_counter()
-            many = None if early else self._read_many(groups)
-            if many is not None:
-                out = self._decode_many(many, groups, idx, t0)
-            else:
-                read = lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0]))  # noqa: E731
-                # Fetched already: decoding needs no threads.
-                results = (
-                    [_early(early, k, read, g) for k, g in enumerate(groups)]
-                    if fetched
-                    else self._map(read, groups)
-                )
-                out = _in_request_order(results, groups, len(idx))
+            read = lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0]))  # noqa: E731
+            # Fetched already: decoding needs no threads.
+            results = (
+                [_early(early, k, read, g) for k, g in enumerate(groups)]
+                if fetched
+                else self._map(read, groups)
+            )
+            out = _in_request_order(results, groups, len(idx))
             if opened:
                 self._close_evicted_copies()
             return out
@@ -181,9 +168,7 @@ class EncodedSource(ShardedSource):
             try:
                 opened = self._prefetch_copies([g[0] for g in groups])
                 read = lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0]))  # noqa: E731
-                results = (self._read_many(groups) if len(groups) > 1 else None) or (
-                    [read(g) for g in groups] if fetched else self._map(read, groups)
-                )
+                results = [read(g) for g in groups] if fetched else self._map(read, groups)
                 blobs = _in_request_order(results, groups, len(idx))
                 if opened:
                     self._close_evicted_copies()
@@ -251,24 +236,12 @@ class EncodedSource(ShardedSource):
             raise self._named(e, shard, index) from e
 
     def _named(self, e: CorruptDataError, shard: int, index: int) -> CorruptDataError:
-        """``e`` with the shard and the record index it was reading (when not yet said)."""
+        """``e`` with the shard and the record index it was reading (when not yet said):
+        the one wording, ``(shard s of n, reading record index i)``, of every record read
+        (the formats' own fast paths too)."""
         if f"shard {shard} of" in str(e):
             return e
         return type(e)(f"{e} (shard {shard} of {self.num_shards}, reading record index {index})")
-
-    def _decode_many(
-        self,
-        many: list[list[bytes]],
-        groups: list[tuple[int, np.ndarray, np.ndarray]],
-        idx: np.ndarray,
-        t0: float,
-    ) -> list[dict[str, Any]]:
-        """Decode what :meth:`_read_many` read (``t0``: when the read began), in request
-        order; a record that fails names its shard, row and index."""
-        blobs = _in_request_order(many, groups, len(idx))
-        return self._decode_blobs(
-            blobs, t0, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
-        )
 
     def _decode_blobs(
         self, blobs: list[bytes], t0: float, where: Callable[[], tuple[list, list, list]]

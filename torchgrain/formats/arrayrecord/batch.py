@@ -9,11 +9,10 @@ plan does not recognise (a header cut by a block boundary, an empty record, anot
 compression) and frames that fail are read by the careful path, which checks and
 reports everything: the plan is a shortcut, never a weaker check.
 
-* :class:`OneRecordBatches`: the batch of one file (``ArrayRecordFile.read``), and the
-  small interface through which :func:`read_many` plans the rows of several files.
-* :func:`read_many`: several files' rows, planned together.
+* :class:`OneRecordBatches`: the batch of one file (``ArrayRecordFile.read``).
 * :func:`read_mapped`: chunks of many files mapped in one address range
   (:class:`~torchgrain.io.region.ShardRegion`), with no Python work per file.
+* :func:`read_many`: deprecated, each file's ``read``.
 
 Example:
     >>> _varints(np.array([[0xAC, 0x02, 0, 0]], np.uint8))
@@ -22,31 +21,30 @@ Example:
 
 from __future__ import annotations
 
-import itertools
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from torchgrain.formats.arrayrecord.riegeli import (
-    _BLOCK,
-    _BLOCK_HEADER,
-    _CHUNK_HEADER,
-    _CHUNK_SIMPLE,
-    _NONE,
-    _ZSTD,
+    BLOCK,
+    BLOCK_HEADER,
+    CHUNK_HEADER,
+    CHUNK_SIMPLE,
+    UNCOMPRESSED,
+    ZSTD,
     ChunkDecoder,
-    _phys_end,
-    _strip_block_headers,
+    phys_end,
+    strip_block_headers,
 )
 
 if TYPE_CHECKING:
     from torchgrain.formats.arrayrecord.file import ArrayRecordFile
-    from torchgrain.formats.arrayrecord.footer import _Footer
+    from torchgrain.formats.arrayrecord.footer import Footer
 
 __all__ = ["OneRecordBatches", "read_many", "read_mapped"]
 
-_MANY_MIN = 2  # rows of a file from which read_many plans them with other files' rows
 _BATCH_MAX_RECORD = 64 << 20  # larger records are decompressed one by one
 # Bytes gathered at each chunk of a batch: the 40-byte header and the simple chunk's
 # preamble (a one-record zstd chunk's sizes buffer takes 12 bytes).
@@ -66,12 +64,6 @@ class OneRecordBatches(ChunkDecoder):
     (:meth:`_local_view`), its index (:meth:`_ensure_footer`, :meth:`_fast_index`) and
     whether it is local (``_local``). Per process it learns whether the file's chunks
     are zstd or uncompressed (``_raw_chunks``) and keeps the map as a uint8 array.
-
-    What :func:`read_many` asks of a file is stated here, and nothing else:
-    :meth:`_joint_layout` (whether, and how, its rows join a joint plan),
-    :meth:`_joint_heads` (its chunks' headers, with what its index says of them),
-    :meth:`_rows_fit`, :meth:`_careful_record`, :meth:`_decompress_frames`,
-    ``num_records`` and ``read``.
     """
 
     _local: bool
@@ -90,14 +82,17 @@ class OneRecordBatches(ChunkDecoder):
     def _local_view(self) -> memoryview:
         raise NotImplementedError
 
-    def _ensure_footer(self) -> _Footer:
+    def _ensure_footer(self) -> Footer:
         raise NotImplementedError
 
-    def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    def _fast_index(self, f: Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+        raise NotImplementedError
+
+    def chunk_record(self, c: int, f: Footer | None = None) -> bytes:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ one file
-    def _heads(self, cs: np.ndarray, f: _Footer) -> tuple[memoryview, np.ndarray, np.ndarray]:
+    def _heads(self, cs: np.ndarray, f: Footer) -> tuple[memoryview, np.ndarray, np.ndarray]:
         """``(view, pos, heads)`` of local chunks ``cs``: the map, their offsets, and the
         first :data:`_HEADS` bytes at each (a chunk's header and the start of its data),
         gathered in one fancy index. Rows of chunks too close to the end of the file
@@ -113,7 +108,7 @@ class OneRecordBatches(ChunkDecoder):
         return view, pos, u8[at[:, None] + _HEAD_BYTES]
 
     def _chunk_plan(
-        self, cs: np.ndarray, f: _Footer, raw: bool = False
+        self, cs: np.ndarray, f: Footer, raw: bool = False
     ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
 
@@ -129,7 +124,7 @@ class OneRecordBatches(ChunkDecoder):
             ok &= recs[cs + 1] - recs[cs] == 1
         return view, ok, payload, end, decoded, cut
 
-    def _layout(self, arr: np.ndarray, f: _Footer) -> bool | None:
+    def _layout(self, arr: np.ndarray, f: Footer) -> bool | None:
         """Whether this file's one-record chunks are uncompressed (True) or zstd (False),
         learnt from the first chunks ``arr`` that fit either plan; None while none has.
         After 64 chunks that fit neither (other compressions), the answer is False: the
@@ -147,7 +142,7 @@ class OneRecordBatches(ChunkDecoder):
                 self._raw_chunks = False
         return self._raw_chunks
 
-    def _read_singles(self, arr: np.ndarray, f: _Footer) -> list[bytes] | None:
+    def _read_singles(self, arr: np.ndarray, f: Footer) -> list[bytes] | None:
         """Records at valid rows ``arr`` of a local ``group_size:1`` file, in request order,
         when most chunks have the common layout (else None: take the general path).
 
@@ -176,23 +171,11 @@ class OneRecordBatches(ChunkDecoder):
         if out is None:
             return None
         for k in np.flatnonzero(~ok).tolist():  # ascending: each lands at its position
-            out.insert(k, self._careful_record(int(arr[k]), f))
+            out.insert(k, self.chunk_record(int(arr[k]), f))
         return out
 
-    def _careful_record(self, c: int, f: _Footer | None = None) -> bytes:
-        """The record of local one-record chunk ``c``, through :meth:`_local_chunk` (which
-        checks and reports everything); ``f`` is the file's index (default: its own)."""
-        if f is None:
-            f = self._ensure_footer()
-        fast = self._fast or self._fast_index(f)
-        values, bounds = self._local_chunk(c, self._local_view(), fast)
-        if bounds is None:
-            return values if type(values) is bytes else bytes(values)
-        j = c - fast[3][c]  # 0: one record per chunk
-        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
-
     def _local_batch(
-        self, chunks: list[int], view: memoryview, fast: tuple, f: _Footer
+        self, chunks: list[int], view: memoryview, fast: tuple, f: Footer
     ) -> list[tuple[Any, Any]]:
         """Decode many local chunks at once: the common case vectorised
         (:meth:`_chunk_plan`), every other chunk through :meth:`_local_chunk`. Returns
@@ -216,49 +199,6 @@ class OneRecordBatches(ChunkDecoder):
                     out[k] = local_chunk(c, view, fast)
         return out
 
-    # ------------------------------------------------------------------ for read_many
-    def _joint_layout(self, rows: Any) -> bool | None:
-        """How ``rows`` of this file join other files' rows in :func:`read_many`'s plan:
-        True (uncompressed chunks) or False (zstd), or None when they are read on their
-        own (fewer than two, not a local ``group_size:1`` file, checksums verified, a row
-        out of range, or a layout not learnt yet)."""
-        f = self._ensure_footer()
-        arr = np.asarray(rows)
-        if not (
-            len(arr) >= _MANY_MIN
-            and arr.ndim == 1
-            and arr.dtype.kind in "iu"
-            and f.group_size == 1
-            and self._local
-            and not self._verify
-        ):
-            return None
-        raw = self._raw_chunks
-        if raw is None and self._rows_fit(arr):
-            raw = self._layout(arr.astype(np.int64), f)
-        return raw
-
-    def _joint_heads(
-        self, cs: np.ndarray
-    ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(view, pos, heads, chunk_ends, decoded_sizes)`` of valid local chunks ``cs``:
-        :meth:`_heads`, and the ends and decoded sizes the index gives them."""
-        f = self._ensure_footer()
-        view, pos, heads = self._heads(cs, f)
-        return view, pos, heads, f.chunk_ends[cs], f.decoded_sizes[cs]
-
-    def _rows_fit(self, rows: np.ndarray, strict: bool = False) -> bool:
-        """Whether every row lies in ``[0, num_records)``; with ``strict``, raise the
-        IndexError that ``read`` raises instead of returning False."""
-        f = self._ensure_footer()
-        lo, hi = int(rows.min()), int(rows.max())
-        if lo >= 0 and hi < f.num_records:
-            return True
-        if strict:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
-        return False
-
 
 def read_many(
     files: Sequence[ArrayRecordFile],
@@ -267,17 +207,12 @@ def read_many(
     chunk_cache: Any = None,
     cache_keys: Sequence[Any] | None = None,
 ) -> list[list[bytes]]:
-    """``[files[k].read(rows[k]) for k ...]``, with the work on local ``group_size:1``
-    files of one layout done for all of them at once.
+    """``[files[k].read(rows[k]) for k ...]`` (with ``chunk_cache`` and ``cache_keys[k]``).
 
-    A batch of a global shuffle touches many shards a few records each: planning each
-    file's chunks with numpy on its own costs more than decoding them. Here each file
-    gathers its chunks' headers (:meth:`OneRecordBatches._joint_heads`), and one :func:`_plan`
-    and one decompression loop serve the whole batch. Files that do not qualify (remote,
-    checksummed, grouped, fewer than two rows) take :meth:`ArrayRecordFile.read` (with
-    ``chunk_cache`` and ``cache_keys[k]``); unusual chunks of the others (a header split
-    by a block boundary, an empty record) are read one by one by the careful path, which
-    checks and reports everything.
+    Deprecated (a ``DeprecationWarning``): it planned the one-record chunks of several
+    files together, which :class:`~torchgrain.ArrayRecordSource` now does through one map
+    of the dataset's shards (:func:`read_mapped`); call :meth:`ArrayRecordFile.read` for
+    each file instead.
 
     Example:
         >>> import tempfile, os
@@ -290,88 +225,21 @@ def read_many(
         ...         w.write(b"%d-%d" % (k, i))
         ...     w.close()
         >>> files = [ArrayRecordFile(p) for p in paths]
-        >>> read_many(files, [np.array([3, 1]), np.array([19])])
+        >>> import warnings
+        >>> with warnings.catch_warnings(action="ignore"):
+        ...     read_many(files, [np.array([3, 1]), np.array([19])])
         [[b'0-3', b'0-1'], [b'1-19']]
     """
-    keys = cache_keys if cache_keys is not None else [None] * len(files)
-
-    def one(k: int) -> list[bytes]:
-        return files[k].read(rows[k], chunk_cache=chunk_cache, cache_key=keys[k])
-
-    out: list[Any] = [None] * len(files)
-    layouts: dict[bool, list[int]] = {False: [], True: []}
-    for k, (file, r) in enumerate(zip(files, rows)):
-        raw = file._joint_layout(r)
-        if raw is None:  # read() checks the rows and reads the file on its own
-            out[k] = one(k)
-        else:
-            layouts[raw].append(k)
-    for raw, ks in layouts.items():
-        if len(ks) == 1:
-            out[ks[0]] = one(ks[0])
-        elif ks:
-            for k, records in zip(ks, _read_many_singles(files, rows, ks, raw, one)):
-                out[k] = records
-    return out
-
-
-def _read_many_singles(
-    files: Sequence[ArrayRecordFile],
-    rows: Sequence[np.ndarray],
-    ks: list[int],
-    raw: bool,
-    one: Any,
-) -> list[list[bytes]]:
-    """:func:`read_many` for files ``ks``, of one layout (all zstd, or all
-    uncompressed); ``one(k)`` reads file ``k`` on its own (used when a zstd frame fails,
-    to find and name it)."""
-    files = [files[k] for k in ks]
-    rows = [np.asarray(rows[k], dtype=np.int64) for k in ks]
-    counts = [len(r) for r in rows]
-    every = np.concatenate(rows)
-    if ((every < 0) | (every >= np.repeat([g.num_records for g in files], counts))).any():
-        for file, r in zip(files, rows):  # the first file with a bad row raises
-            file._rows_fit(r, strict=True)
-    views, pos, heads, sizes, ends, decoded_sizes = [], [], [], [], [], []
-    for file, cs in zip(files, rows):
-        view, p, h, e, d = file._joint_heads(cs)
-        views.append(view)
-        pos.append(p)
-        heads.append(h)
-        sizes.append(np.full(len(cs), len(view), np.int64))
-        ends.append(e)
-        decoded_sizes.append(d)
-    ok, payload, end, decoded, cut = _plan(
-        np.concatenate(pos),
-        np.concatenate(heads),
-        np.concatenate(sizes),
-        np.concatenate(ends),
-        np.concatenate(decoded_sizes),
-        raw,
+    warnings.warn(
+        "read_many(files, rows) is deprecated: call files[k].read(rows[k]) for each file "
+        "(ArrayRecordSource reads local batches through one map of the shards)",
+        DeprecationWarning,
+        stacklevel=2,
     )
-    bounds = np.cumsum([0, *counts]).tolist()
-    spans = list(zip(views, bounds, bounds[1:], strict=False))
-    if ok.all():
-        parts = (_frames(v, payload[a:b], end[a:b], cut[a:b]) for v, a, b in spans)
-        lengths = decoded
-    else:  # unusual chunks are left out here and read one by one below
-        keep = [np.flatnonzero(ok[a:b]) + a for _, a, b in spans]
-        parts = (_frames(v, payload[k], end[k], cut[k]) for (v, _, _), k in zip(spans, keep))
-        lengths = decoded[ok]
-    frames = itertools.chain.from_iterable(parts)
-    if raw:
-        flat = list(map(bytes, frames))
-    else:
-        flat = files[0]._decompress_frames(frames, lengths.tolist())
-        if flat is None:  # a frame failed: the files on their own find and name it
-            return [one(k) for k in ks]
-    unusual = np.flatnonzero(~ok)
-    if len(unusual):
-        owner = (np.searchsorted(bounds, unusual, side="right") - 1).tolist()
-        for r, j in zip(unusual.tolist(), owner):  # ascending: each lands at its place
-            file = files[j]
-            flat.insert(r, file._careful_record(int(every[r])))
-    return [flat[a:b] for a, b in itertools.pairwise(bounds)]
+    keys = cache_keys if cache_keys is not None else [None] * len(files)
+    return [
+        f.read(r, chunk_cache=chunk_cache, cache_key=key) for f, r, key in zip(files, rows, keys)
+    ]
 
 
 def read_mapped(
@@ -431,7 +299,7 @@ def read_mapped(
         return out if out is not None else [careful(k) for k in range(len(pos))]
     miss = np.flatnonzero(~ok)
     # Files written uncompressed: the same plan for raw chunks (no learning per file).
-    raw = miss[heads[miss, _CHUNK_HEADER] == _NONE]
+    raw = miss[heads[miss, CHUNK_HEADER] == UNCOMPRESSED]
     raw_vals: list[bytes] = []
     if len(raw):
         r_ok, r_payload, r_end, _, r_cut = _plan(
@@ -485,19 +353,19 @@ def _plan(
     fields = heads.view("<u8")  # the header's five fields, then data
     data_size = fields[:, 1].astype(np.int64)
     type_num, decoded = fields[:, 3], fields[:, 4]
-    start = pos + _CHUNK_HEADER
+    start = pos + CHUNK_HEADER
     # Data that runs into the next blocks has their 24-byte headers in it (one 12 KiB
     # record in five, every record over 64 KiB): its frame is cut there.
     boundary = ((start >> 16) + 1) << 16
-    end = _phys_end(start, data_size)  # elementwise
+    end = phys_end(start, data_size)  # elementwise
     cut = (end > boundary).astype(np.int64)
     ok = (
         # The header inside a block, data after it: its offset in the block is in
-        # [_BLOCK_HEADER, _BLOCK - _CHUNK_HEADER), one unsigned comparison.
-        ((pos - _BLOCK_HEADER) & (_BLOCK - 1) < _BLOCK - _CHUNK_HEADER - _BLOCK_HEADER)
+        # [BLOCK_HEADER, BLOCK - CHUNK_HEADER), one unsigned comparison.
+        ((pos - BLOCK_HEADER) & (BLOCK - 1) < BLOCK - CHUNK_HEADER - BLOCK_HEADER)
         & (pos + _HEADS <= size)
         & (end <= chunk_ends)
-        & (type_num == (1 << 8 | _CHUNK_SIMPLE))  # a simple chunk of one record
+        & (type_num == (1 << 8 | CHUNK_SIMPLE))  # a simple chunk of one record
         & (decoded == decoded_sizes)
         & (data_size > 3)
         # zstandard's batch call frees twice on an empty output (a crash, not an
@@ -507,15 +375,15 @@ def _plan(
     # Simple chunk: compression byte, varint size of the sizes buffer, the sizes buffer
     # (skipped: one record's size is the decoded size), then the values. The preamble
     # must lie before the first cut.
-    kind = heads[:, _CHUNK_HEADER]
-    sizes_len = heads[:, _CHUNK_HEADER + 1].astype(np.int64)
+    kind = heads[:, CHUNK_HEADER]
+    sizes_len = heads[:, CHUNK_HEADER + 1].astype(np.int64)
     if raw:
         # Uncompressed: the sizes buffer (one varint: the record's size), then the record
         # to the chunk's end.
-        value, length = _varints(heads[:, _CHUNK_HEADER + 2 : _CHUNK_HEADER + 6])
+        value, length = _varints(heads[:, CHUNK_HEADER + 2 : CHUNK_HEADER + 6])
         payload = start + 2 + sizes_len
         ok &= (
-            (kind == _NONE)
+            (kind == UNCOMPRESSED)
             & (sizes_len >= 1)
             & (length == sizes_len)
             & (value == decoded)
@@ -524,8 +392,8 @@ def _plan(
         )
         return ok, payload, end, decoded, cut
     # zstd: the values' varint size, then the frame; both must lie in ``heads``.
-    room = _HEADS - _CHUNK_HEADER - 2 - 4
-    at = _CHUNK_HEADER + 2 + np.minimum(sizes_len, room)
+    room = _HEADS - CHUNK_HEADER - 2 - 4
+    at = CHUNK_HEADER + 2 + np.minimum(sizes_len, room)
     # Four bytes of each row from ``at``: one gather from the flat rows (cheaper per
     # call than take_along_axis).
     at += np.arange(0, len(at) * _HEADS, _HEADS)
@@ -533,7 +401,7 @@ def _plan(
     q = start + 2 + sizes_len
     payload = q + length
     ok &= (
-        (kind == _ZSTD)
+        (kind == ZSTD)
         & (sizes_len <= room)
         & (length > 0)
         & (value == decoded)
@@ -581,7 +449,7 @@ def _frames(
         return out
     if int((ends[at] - starts[at]).sum()) <= _JOIN_AT_ONCE:
         for k in at.tolist():
-            out[k] = _strip_block_headers(out[k], int(starts[k]))
+            out[k] = strip_block_headers(out[k], int(starts[k]))
         return out
     cut = cuts.astype(bool).tolist()
-    return (_strip_block_headers(x, a) if c else x for x, a, c in zip(out, starts.tolist(), cut))
+    return (strip_block_headers(x, a) if c else x for x, a, c in zip(out, starts.tolist(), cut))

@@ -44,12 +44,12 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, check_ceiling
 from torchgrain.formats.arrayrecord.batch import OneRecordBatches
-from torchgrain.formats.arrayrecord.footer import _fast_views, _Footer, parse_footer
+from torchgrain.formats.arrayrecord.footer import Footer, fast_views, parse_footer
 from torchgrain.formats.arrayrecord.riegeli import (
-    _BLOCK,
-    _CHUNK_HEADER,
+    BLOCK,
+    CHUNK_HEADER,
     DEFAULT_MAX_CHUNK_BYTES,
-    _ChunkDecodeError,
+    ChunkDecodeError,
 )
 from torchgrain.io import changes, process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
@@ -117,7 +117,7 @@ class ArrayRecordFile(OneRecordBatches):
         filesystem: fsspec.AbstractFileSystem | None = None,
         verify_checksums: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        footer: _Footer | None = None,
+        footer: Footer | None = None,
     ) -> None:
         self._max_chunk = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         self._url = os.fspath(path)
@@ -129,7 +129,7 @@ class ArrayRecordFile(OneRecordBatches):
         self._path = stripped
         self._local = is_local(filesystem)
         self._verify = bool(verify_checksums)
-        self._footer: _Footer | None = footer
+        self._footer: Footer | None = footer
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -250,7 +250,7 @@ class ArrayRecordFile(OneRecordBatches):
                 try:
                     pin = changes.Pin(fh.fileno(), self._path)
                     size = pin.size
-                    if size < _BLOCK:
+                    if size < BLOCK:
                         raise self._corrupt(
                             f"not an ArrayRecord file: {size} bytes, shorter than the "
                             "64 KiB postscript block (truncated?)"
@@ -281,24 +281,38 @@ class ArrayRecordFile(OneRecordBatches):
             why = f"it is {len(view)} bytes, the index says {f.file_size}"
         elif f.mtime_ns and os.fstat(fh.fileno()).st_mtime_ns != f.mtime_ns:
             why = "its modification time differs from the index's"
-        elif bytes(view[f.footer_offset : f.footer_offset + _CHUNK_HEADER]) != f.footer_head:
+        elif bytes(view[f.footer_offset : f.footer_offset + CHUNK_HEADER]) != f.footer_head:
             why = f"its footer (at offset {f.footer_offset}) differs from the index's"
         if why is not None:
             raise self._corrupt(f"the file changed after the dataset's index was made: {why}")
 
     @classmethod
-    def _over(
+    def over(
         cls,
         view: memoryview,
         url: str,
-        footer: _Footer,
+        footer: Footer,
         like: ArrayRecordFile,
         fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None,
     ) -> ArrayRecordFile:
-        """A reader of a file another object keeps mapped (``view``, valid while it is
-        used), with its index given (and ``fast``, what :meth:`_fast_index` made of it
-        before): for reading a few chunks, with no handle of its own; ``like``'s
-        decompression contexts are used."""
+        """A reader of a local file another object keeps mapped (``view``, valid while
+        it is used; the mapper checks it has not changed), with its index given (and
+        ``fast``, :func:`~.footer.fast_views` of it): for reading a few chunks, with no
+        handle of its own; ``like``'s decompression contexts are used.
+
+        Example:
+            >>> import tempfile, os
+            >>> from array_record.python.array_record_module import ArrayRecordWriter
+            >>> path = os.path.join(tempfile.mkdtemp(), "o.array_record")
+            >>> w = ArrayRecordWriter(path, "group_size:1")
+            >>> for i in range(3):
+            ...     w.write(b"rec %d" % i)
+            >>> w.close()
+            >>> f = ArrayRecordFile(path)
+            >>> g = ArrayRecordFile.over(f._local_view(), path, f._ensure_footer(), f)
+            >>> g.chunk_record(2)
+            b'rec 2'
+        """
         like._zstd()  # ``like`` of this process, with this thread's context
         new = cls.__new__(cls)
         new.__dict__.update(
@@ -343,14 +357,14 @@ class ArrayRecordFile(OneRecordBatches):
         except CorruptDataError as e:
             raise self._corrupt(str(e).replace(f"{self._url}: ", "", 1)) from e
 
-    def _fast_index(self, f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    def _fast_index(self, f: Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
         fast = self._fast
         if fast is None:
-            fast = self._fast = _fast_views(f)
+            fast = self._fast = fast_views(f)
         return fast
 
     # ------------------------------------------------------------------ footer
-    def _ensure_footer(self) -> _Footer:
+    def _ensure_footer(self) -> Footer:
         f = self._footer
         if f is None:
             with self._lock:
@@ -359,7 +373,7 @@ class ArrayRecordFile(OneRecordBatches):
             f = self._footer
         return f
 
-    def _read_footer(self) -> _Footer:
+    def _read_footer(self) -> Footer:
         # The whole tail in one read: locally a view of the map, remotely one request.
         if self._local:
             view = self._local_view()
@@ -371,7 +385,7 @@ class ArrayRecordFile(OneRecordBatches):
                 size = remote.file_size(self._fs, self._path, url=self._url)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"{self._where()} does not exist") from e
-            if size < _BLOCK:
+            if size < BLOCK:
                 raise self._corrupt(
                     f"not an ArrayRecord file: {size} bytes, shorter than the 64 KiB "
                     "postscript block (truncated?)"
@@ -416,7 +430,7 @@ class ArrayRecordFile(OneRecordBatches):
         """The path or URL this file was opened with."""
         return self._url
 
-    def _chunk_of(self, rows: np.ndarray, f: _Footer) -> np.ndarray:
+    def _chunk_of(self, rows: np.ndarray, f: Footer) -> np.ndarray:
         if f.group_size:
             return rows // f.group_size
         return np.searchsorted(f.record_offsets, rows, side="right") - 1
@@ -476,7 +490,7 @@ class ArrayRecordFile(OneRecordBatches):
         for c, buf in zip(chunks, bufs):
             try:
                 out.append(self._decode_chunk(c, buf))
-            except _ChunkDecodeError as e:
+            except ChunkDecodeError as e:
                 raise self._corrupt(str(e), chunk=c, row=int(f.record_offsets[c])) from None
         return out
 
@@ -580,7 +594,7 @@ class ArrayRecordFile(OneRecordBatches):
                     cache.put(keys[k], chunk, len(values) + 8 * len(bounds))
         return out
 
-    def _pread_chunks(self, chunks: list[int], f: _Footer, size: int) -> list[tuple[Any, Any]]:
+    def _pread_chunks(self, chunks: list[int], f: Footer, size: int) -> list[tuple[Any, Any]]:
         """Local chunks read with ``pread`` (see :meth:`_read_chunks`); the common case
         (header and data inside one block, no verification) decoded as
         :meth:`_local_chunk` does, anything else by the general path."""
@@ -605,11 +619,11 @@ class ArrayRecordFile(OneRecordBatches):
                     out.append(self._decode_simple(data, nrec, decoded))
                     continue
                 out.append(self._decode_chunk(c, buf))
-            except _ChunkDecodeError as e:
+            except ChunkDecodeError as e:
                 raise self._corrupt(str(e), chunk=c, row=int(f.record_offsets[c])) from None
         return out
 
-    def _read_one(self, row: int, f: _Footer) -> bytes:
+    def _read_one(self, row: int, f: Footer) -> bytes:
         if not 0 <= row < f.num_records:
             raise IndexError(f"{self._where(row=row)}: row out of range [0, {f.num_records})")
         if f.group_size:
@@ -628,6 +642,37 @@ class ArrayRecordFile(OneRecordBatches):
         if bounds is None:
             return values if type(values) is bytes else bytes(values)
         j = row - int(f.record_offsets[c])
+        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
+
+    def chunk_record(self, c: int, f: Footer | None = None) -> bytes:
+        """The record of local one-record chunk ``c``, through the careful path
+        (:meth:`_local_chunk`, which checks and reports everything); ``f`` is the file's
+        index (default: its own).
+
+        Example:
+            >>> import tempfile, os
+            >>> from array_record.python.array_record_module import ArrayRecordWriter
+            >>> from torchgrain.formats.arrayrecord import ArrayRecordFile
+            >>> path = os.path.join(tempfile.mkdtemp(), "c.array_record")
+            >>> w = ArrayRecordWriter(path, "group_size:1")
+            >>> for i in range(3):
+            ...     w.write(b"rec %d" % i)
+            >>> w.close()
+            >>> ArrayRecordFile(path).chunk_record(1)
+            b'rec 1'
+        """
+        if f is None:
+            f = self._ensure_footer()
+        view = self._view
+        if view is None or self._token[1] != process.generation:
+            view = self._local_view()
+        elif self._pin is not None:  # (a reader over another's map has none)
+            changes.check(self._pin, self._where())
+        fast = self._fast or self._fast_index(f)
+        values, bounds = self._local_chunk(c, view, fast)
+        if bounds is None:
+            return values if type(values) is bytes else bytes(values)
+        j = c - fast[3][c]  # 0: one record per chunk
         return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
 
     def read_range(self, start: int, stop: int) -> list[bytes]:

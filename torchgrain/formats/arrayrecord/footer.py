@@ -4,12 +4,12 @@ The postscript is in the last 64 KiB (file sizes are multiples of 64 KiB): a sim
 uncompressed chunk holding 3 identical copies of (footer offset, magic). The footer
 chunk uses the file's own compression; record 0 is the footer metadata (writer options
 are in it), then one (chunk offset, decoded size, record count) entry per chunk.
-:func:`parse_footer` turns them into a :class:`_Footer`: per chunk its offset, end and
+:func:`parse_footer` turns them into a :class:`Footer`: per chunk its offset, end and
 decoded size, and the prefix sums of its record counts, all checked against each other
 and against the file before any is used.
 
 Example:
-    >>> _parse_proto(bytes([0x08, 0x96, 0x01, 0x12, 0x02]) + b"hi")
+    >>> parse_proto(bytes([0x08, 0x96, 0x01, 0x12, 0x02]) + b"hi")
     {1: 150, 2: b'hi'}
 """
 
@@ -24,27 +24,35 @@ import zstandard
 
 from torchgrain.formats._proto import decode_varints
 from torchgrain.formats.arrayrecord.riegeli import (
-    _BLOCK,
-    _CHUNK_HEADER,
-    _CHUNK_SIMPLE,
-    _CHUNK_TRANSPOSED,
-    _COMPRESSIONS,
-    _NONE,
-    _ZSTD,
+    BLOCK,
+    CHUNK_HEADER,
+    CHUNK_SIMPLE,
+    CHUNK_TRANSPOSED,
+    COMPRESSIONS,
+    UNCOMPRESSED,
+    ZSTD,
+    ChunkDecodeError,
     ChunkDecoder,
-    _ChunkDecodeError,
-    _varint,
+    read_varint,
 )
 
-__all__ = ["FooterReader", "parse_entries", "parse_footer"]
+__all__ = ["Footer", "FooterReader", "fast_views", "parse_entries", "parse_footer", "parse_proto"]
 
 _MAGIC = 0x71930E704FDAE05E
 _ENTRY_TAGS = np.array([8, 16, 24], np.uint8)  # fields 1-3 of ArrayRecordFooter, varint
 
 
-def _fast_views(f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
-    """memoryviews over an index's arrays: indexing one gives a Python int several times
-    faster than indexing the numpy array (the hot path reads 4 per chunk)."""
+def fast_views(f: Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
+    """memoryviews over an index's arrays (chunk offsets, chunk ends, decoded sizes,
+    record offsets): indexing one gives a Python int several times faster than indexing
+    the numpy array (the hot path reads 4 per chunk).
+
+    Example:
+        >>> f = Footer(chunk_offsets=np.array([0, 9]), chunk_ends=np.array([9, 20]),
+        ...            decoded_sizes=np.array([3, 4]), record_offsets=np.array([0, 1, 2]))
+        >>> fast_views(f)[1][1]
+        20
+    """
     return (
         memoryview(f.chunk_offsets),
         memoryview(f.chunk_ends),
@@ -53,21 +61,25 @@ def _fast_views(f: _Footer) -> tuple[memoryview, memoryview, memoryview, memoryv
     )
 
 
-def _parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
+def parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
     """Parse a flat protobuf message: field number -> last value (int or bytes).
 
     Only what the ArrayRecord footer and postscript use; fixed-width fields are kept
     as ints, groups are rejected.
+
+    Example:
+        >>> parse_proto(b"\\x08\\x96\\x01\\x12\\x02hi")
+        {1: 150, 2: b'hi'}
     """
     out: dict[int, Any] = {}
     pos, end = 0, len(buf)
     while pos < end:
-        tag, pos = _varint(buf, pos, end)
+        tag, pos = read_varint(buf, pos, end)
         field, wire = tag >> 3, tag & 7
         if wire == 0:
-            out[field], pos = _varint(buf, pos, end)
+            out[field], pos = read_varint(buf, pos, end)
         elif wire == 2:
-            n, pos = _varint(buf, pos, end)
+            n, pos = read_varint(buf, pos, end)
             if n > end - pos:
                 raise ValueError("length-delimited field runs past the message")
             out[field] = bytes(buf[pos : pos + n])
@@ -87,7 +99,7 @@ def _parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
     return out
 
 
-class _Footer:
+class Footer:
     """The parsed index of one file: plain numpy arrays and ints, cheap to pickle.
 
     ``footer_head`` and ``mtime_ns`` are set on an index that did not come from the
@@ -130,7 +142,7 @@ def parse_footer(
     tail_start: int,
     size: int,
     fetch: Callable[[list[tuple[int, int]]], list[memoryview]],
-) -> _Footer:
+) -> Footer:
     """The index of a file of ``size`` bytes, from its postscript and footer.
 
     ``tail`` holds the file's bytes from ``tail_start`` to its end (at least the last
@@ -158,7 +170,7 @@ def parse_footer(
     chunk_ends[:-1] = offsets[1:]
     if len(offsets):
         chunk_ends[-1] = r.footer_offset
-    return _Footer(
+    return Footer(
         chunk_offsets=offsets,
         chunk_ends=chunk_ends,
         decoded_sizes=dsizes,
@@ -182,7 +194,7 @@ class _Stream:
         self._reader: Any = None
         self._buf: Any = None
         self.pos = 0
-        if ctype != _ZSTD or not comp:
+        if ctype != ZSTD or not comp:
             self._buf = memoryview(dec._decompress(ctype, comp, limit, exact)).cast("B")
             self.size = len(self._buf)
             return
@@ -202,12 +214,12 @@ class _Stream:
             while k:
                 got = self._reader.read(k)
                 if not got:
-                    raise _ChunkDecodeError(f"decompressed {a} bytes, expected {self.size}")
+                    raise ChunkDecodeError(f"decompressed {a} bytes, expected {self.size}")
                 pieces.append(got)
                 a += len(got)
                 k -= len(got)
         except zstandard.ZstdError as e:
-            raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+            raise ChunkDecodeError(f"zstd decompression failed: {e}") from None
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
     def finish(self) -> None:
@@ -216,9 +228,9 @@ class _Stream:
             try:
                 more = self._reader.read(1)
             except zstandard.ZstdError as e:
-                raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+                raise ChunkDecodeError(f"zstd decompression failed: {e}") from None
             if more:
-                raise _ChunkDecodeError(f"decompressed more than the {self.size} bytes expected")
+                raise ChunkDecodeError(f"decompressed more than the {self.size} bytes expected")
             self._reader.close()
 
 
@@ -252,15 +264,15 @@ class FooterReader:
         size: int,
         fetch: Callable[[list[tuple[int, int]]], list[memoryview]],
     ) -> None:
-        post_pos = size - _BLOCK
+        post_pos = size - BLOCK
         try:
             ctype, n, decoded, data = dec._chunk_payload(tail[post_pos - tail_start :], post_pos)
-            if ctype != _CHUNK_SIMPLE or n < 1:
-                raise _ChunkDecodeError("the last 64 KiB block holds no postscript chunk")
+            if ctype != CHUNK_SIMPLE or n < 1:
+                raise ChunkDecodeError("the last 64 KiB block holds no postscript chunk")
             values, bounds = dec._decode_simple(data, n, decoded)
             first = values[: bounds[1]] if bounds is not None else values
-            post = _parse_proto(first)
-        except (_ChunkDecodeError, ValueError, struct.error) as e:
+            post = parse_proto(first)
+        except (ChunkDecodeError, ValueError, struct.error) as e:
             raise dec._corrupt(
                 f"not an ArrayRecord file or truncated (bad postscript at offset {post_pos}: {e})"
             ) from None
@@ -269,7 +281,7 @@ class FooterReader:
                 "not an ArrayRecord file: the postscript lacks the ArrayRecord magic number"
             )
         footer_offset = post[1]
-        if not _CHUNK_HEADER <= footer_offset < post_pos:
+        if not CHUNK_HEADER <= footer_offset < post_pos:
             raise dec._corrupt(
                 f"postscript points to footer offset {footer_offset} outside the file"
             )
@@ -289,11 +301,11 @@ class FooterReader:
             fbuf = fetch([(footer_offset, post_pos)])[0]
         try:
             ctype, n, decoded, data = dec._chunk_payload(fbuf, footer_offset)
-            if ctype == _CHUNK_TRANSPOSED:
-                raise _ChunkDecodeError("the footer chunk is transposed")
-            if ctype != _CHUNK_SIMPLE or n < 1:
-                raise _ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
-        except (_ChunkDecodeError, ValueError, struct.error) as e:
+            if ctype == CHUNK_TRANSPOSED:
+                raise ChunkDecodeError("the footer chunk is transposed")
+            if ctype != CHUNK_SIMPLE or n < 1:
+                raise ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
+        except (ChunkDecodeError, ValueError, struct.error) as e:
             raise self._bad(dec, footer_offset, e) from None
         self._dec, self._n, self._decoded, self._data = dec, n, decoded, data
         #: Where the footer chunk begins; the file's size.
@@ -310,11 +322,11 @@ class FooterReader:
 
     def _metadata(self, first: Any) -> None:
         dec = self._dec
-        meta_msg = _parse_proto(first)
+        meta_msg = parse_proto(first)
         meta_raw = meta_msg.get(1)
         if not isinstance(meta_raw, bytes):
-            raise _ChunkDecodeError("footer metadata lacks array_record_metadata")
-        meta = _parse_proto(meta_raw)
+            raise ChunkDecodeError("footer metadata lacks array_record_metadata")
+        meta = parse_proto(meta_raw)
         if meta.get(1) != 1:
             raise dec._corrupt(f"unsupported ArrayRecord version {meta.get(1)!r}")
         num_chunks = int(meta.get(2, 0))
@@ -342,15 +354,15 @@ class FooterReader:
         data, n, decoded = self._data, self._n, self._decoded
         size = len(data)
         if size < 2:
-            raise _ChunkDecodeError(f"simple chunk data has only {size} bytes")
+            raise ChunkDecodeError(f"simple chunk data has only {size} bytes")
         ctype = data[0]
-        if ctype not in _COMPRESSIONS:
-            raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
-        if ctype != _NONE and decoded > self._dec._max_chunk:
-            raise _ChunkDecodeError(self._dec._over_ceiling(decoded))
-        sizes_len, p = _varint(data, 1, size)
+        if ctype not in COMPRESSIONS:
+            raise ChunkDecodeError(f"unknown compression type {ctype:#x}")
+        if ctype != UNCOMPRESSED and decoded > self._dec._max_chunk:
+            raise ChunkDecodeError(self._dec._over_ceiling(decoded))
+        sizes_len, p = read_varint(data, 1, size)
         if sizes_len > size - p:
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"record-size buffer claims {sizes_len} bytes, only {size - p} remain"
             )
         sizes = _Stream(self._dec, ctype, data[p : p + sizes_len], 10 * n, False)
@@ -367,7 +379,7 @@ class FooterReader:
             while have < k:
                 want = min(max(k - have, 1 << 16), sizes.size - sizes.pos)
                 if want == 0:
-                    raise _ChunkDecodeError(f"record-size buffer holds fewer than {n} sizes")
+                    raise ChunkDecodeError(f"record-size buffer holds fewer than {n} sizes")
                 more = np.frombuffer(sizes.read(want), np.uint8)
                 have += int(np.count_nonzero(more < 0x80))
                 pend = np.concatenate([pend, more])
@@ -375,11 +387,11 @@ class FooterReader:
             got = decode_varints(pend[:cut])[0]
             pend = pend[cut:]
             if int(got.max()) > decoded:
-                raise _ChunkDecodeError("a record size exceeds the chunk's decoded size")
+                raise ChunkDecodeError("a record size exceeds the chunk's decoded size")
             got = got.astype(np.int64)
             total += int(got.sum())
             if total > decoded:
-                raise _ChunkDecodeError(
+                raise ChunkDecodeError(
                     f"record sizes add up to more than {decoded}, the chunk's decoded size"
                 )
             return got
@@ -391,10 +403,10 @@ class FooterReader:
             np.cumsum(got, out=bounds[2:])
             yield values.read(int(bounds[-1])), bounds, a
         if len(pend) or sizes.pos != sizes.size:
-            raise _ChunkDecodeError("record-size buffer has trailing bytes")
+            raise ChunkDecodeError("record-size buffer has trailing bytes")
         sizes.finish()
         if total != decoded:
-            raise _ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
+            raise ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
         values.finish()
 
     def slices(
@@ -417,7 +429,7 @@ class FooterReader:
         while True:
             try:
                 part = next(parts, None)
-            except (_ChunkDecodeError, ValueError, struct.error) as e:
+            except (ChunkDecodeError, ValueError, struct.error) as e:
                 raise self._bad(dec, footer_offset, e) from None
             if part is None:
                 break
@@ -441,7 +453,7 @@ class FooterReader:
                 )
             steps = np.diff(offsets)
             if (
-                int(offsets[0]) <= max(prev, _CHUNK_HEADER - 1)
+                int(offsets[0]) <= max(prev, CHUNK_HEADER - 1)
                 or (k > 1 and int(steps.min()) <= 0)
                 or int(offsets[-1]) >= footer_offset
             ):
@@ -535,7 +547,7 @@ def parse_entries(
     mv = memoryview(values)
     for i in range(n):
         try:
-            msg = _parse_proto(mv[int(bounds[i + 1]) : int(bounds[i + 2])])
+            msg = parse_proto(mv[int(bounds[i + 1]) : int(bounds[i + 2])])
         except ValueError as e:
             raise dec._corrupt(f"footer entry {first + i}: {e}") from None
         for j in range(3):

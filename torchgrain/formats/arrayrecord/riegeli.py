@@ -16,9 +16,9 @@ Layout reminders (Riegeli/records):
   buffer starts with a varint of its decompressed size (not when uncompressed).
 
 Example:
-    >>> _phys_end(100, 40), _phys_end(_BLOCK - 8, 40)  # the second meets a block header
+    >>> phys_end(100, 40), phys_end(BLOCK - 8, 40)  # the second meets a block header
     (140, 65592)
-    >>> len(_strip_block_headers(memoryview(bytes(_BLOCK * 2))[_BLOCK - 6 : _BLOCK + 24], _BLOCK - 6))
+    >>> len(strip_block_headers(memoryview(bytes(BLOCK * 2))[BLOCK - 6 : BLOCK + 24], BLOCK - 6))
     6
 """
 
@@ -39,9 +39,30 @@ from torchgrain.formats._proto import decode_varints
 from torchgrain.io import process
 
 if TYPE_CHECKING:
-    from torchgrain.formats.arrayrecord.footer import _Footer
+    from torchgrain.formats.arrayrecord.footer import Footer
 
-__all__ = ["DEFAULT_MAX_CHUNK_BYTES", "ChunkDecoder", "TransposedChunkError"]
+__all__ = [
+    "BLOCK",
+    "BLOCK_HEADER",
+    "BLOCK_HEADER_STRUCT",
+    "BROTLI",
+    "CHUNK_HEADER",
+    "CHUNK_HEADER_STRUCT",
+    "CHUNK_SIMPLE",
+    "CHUNK_TRANSPOSED",
+    "COMPRESSIONS",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "SNAPPY",
+    "UNCOMPRESSED",
+    "USABLE",
+    "ZSTD",
+    "ChunkDecodeError",
+    "ChunkDecoder",
+    "TransposedChunkError",
+    "phys_end",
+    "read_varint",
+    "strip_block_headers",
+]
 
 #: The most bytes one compressed chunk may decompress to, unless a reader is given another
 #: ``max_chunk_bytes``. array_record's writer bounds a chunk by its record count
@@ -49,21 +70,24 @@ __all__ = ["DEFAULT_MAX_CHUNK_BYTES", "ChunkDecoder", "TransposedChunkError"]
 #: write) a chunk is one record, and 1 GiB is beyond the records these hold in practice.
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 
-_BLOCK = 1 << 16
-_BLOCK_HEADER = 24
-_USABLE = _BLOCK - _BLOCK_HEADER
-_CHUNK_HEADER = 40
+# The Riegeli layout the reader's modules share (see the module docstring).
+BLOCK = 1 << 16  #: bytes per block
+BLOCK_HEADER = 24  #: bytes of the header at the start of every block
+USABLE = BLOCK - BLOCK_HEADER  #: bytes of chunks per block
+CHUNK_HEADER = 40  #: bytes of a chunk header
 
-_CHUNK_SIMPLE = 0x72  # 'r'
-_CHUNK_TRANSPOSED = 0x74  # 't'
+CHUNK_SIMPLE = 0x72  #: chunk type 'r': records with their sizes
+CHUNK_TRANSPOSED = 0x74  #: chunk type 't' (writer option ``transpose``, not supported)
 
-_NONE = 0
-_BROTLI = 0x62  # 'b'
-_ZSTD = 0x7A  # 'z'
-_SNAPPY = 0x73  # 's'
-_COMPRESSIONS = {_NONE: "none", _BROTLI: "brotli", _ZSTD: "zstd", _SNAPPY: "snappy"}
-_HEADER = struct.Struct("<5Q")  # header_hash, data_size, data_hash, type|num_records, decoded
-_BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  # header_hash, previous_chunk, next_chunk
+# Compression types: the first byte of a simple chunk's data.
+UNCOMPRESSED = 0
+BROTLI = 0x62  # 'b'
+ZSTD = 0x7A  # 'z'
+SNAPPY = 0x73  # 's'
+COMPRESSIONS = {UNCOMPRESSED: "none", BROTLI: "brotli", ZSTD: "zstd", SNAPPY: "snappy"}
+#: header_hash, data_size, data_hash, type | num_records << 8, decoded_data_size
+CHUNK_HEADER_STRUCT = struct.Struct("<5Q")
+BLOCK_HEADER_STRUCT = struct.Struct("<3Q")  #: header_hash, previous_chunk, next_chunk
 # What a compressed stream of n bytes can hold at most, so that a size it declares can be
 # refused before anything is allocated: zstd's densest block is 4 bytes (an RLE block) per
 # 128 KiB of output; snappy's is a 3-byte copy of 64 bytes. Brotli has no useful bound.
@@ -75,8 +99,10 @@ class TransposedChunkError(CorruptDataError, NotImplementedError):
     """The file holds transposed chunks (writer option ``transpose``), which are not supported."""
 
 
-class _ChunkDecodeError(ValueError):
-    """Internal: bytes failed a check; re-raised as CorruptDataError naming file and chunk."""
+class ChunkDecodeError(ValueError):
+    """Bytes of a chunk failed a check: the reader re-raises it as a
+    :class:`~torchgrain.CorruptDataError` naming the file and chunk
+    (:meth:`ChunkDecoder._corrupt`)."""
 
 
 _SHARED = threading.local()  # per thread: the decompression context readers share
@@ -91,42 +117,57 @@ def _thread_decompressor() -> zstandard.ZstdDecompressor:
     return _SHARED.zstd
 
 
-def _phys_end(pos: int, size: int) -> int:
+def phys_end(pos: int, size: int) -> int:
     """Physical end of ``size`` logical bytes starting at physical ``pos``.
 
     Adds 24 bytes for every block header met on the way (a header at ``pos`` itself
-    counts when ``size > 0``); this is Riegeli's ``AddWithOverhead``.
+    counts when ``size > 0``); this is Riegeli's ``AddWithOverhead``. Works on numpy
+    arrays elementwise.
+
+    Example:
+        >>> phys_end(100, 40), phys_end(BLOCK - 8, 40)  # the second meets a block header
+        (140, 65592)
     """
-    # (``& (_BLOCK - 1)``: ``% _BLOCK`` for a power of two, cheaper on arrays)
-    return pos + size + (size + (pos + _USABLE - 1 & _BLOCK - 1)) // _USABLE * _BLOCK_HEADER
+    # (``& (BLOCK - 1)``: ``% BLOCK`` for a power of two, cheaper on arrays)
+    return pos + size + (size + (pos + USABLE - 1 & BLOCK - 1)) // USABLE * BLOCK_HEADER
 
 
-def _strip_block_headers(buf: memoryview, pos: int) -> memoryview | bytes:
+def strip_block_headers(buf: memoryview, pos: int) -> memoryview | bytes:
     """Logical bytes of the physical bytes ``buf`` that start at file position ``pos``.
 
     Zero-copy when ``buf`` crosses no block boundary (the common case).
+
+    Example:
+        >>> buf = memoryview(bytes(BLOCK * 2))[BLOCK - 6 : BLOCK + 24]
+        >>> len(strip_block_headers(buf, BLOCK - 6))  # 6 bytes, then a block header
+        6
     """
     end = pos + len(buf)
-    boundary = -(-pos // _BLOCK) * _BLOCK  # first block start >= pos
+    boundary = -(-pos // BLOCK) * BLOCK  # first block start >= pos
     if boundary >= end:
         return buf
     pieces = []
     cur = pos
     while boundary < end:
         pieces.append(buf[cur - pos : boundary - pos])
-        cur = min(boundary + _BLOCK_HEADER, end)
-        boundary += _BLOCK
+        cur = min(boundary + BLOCK_HEADER, end)
+        boundary += BLOCK
     pieces.append(buf[cur - pos :])
     return b"".join(pieces)
 
 
-def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    """Decode one varint64 from ``buf[pos:end]``; returns (value, next position)."""
+def read_varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
+    """Decode one varint64 from ``buf[pos:end]``; returns (value, next position).
+
+    Example:
+        >>> read_varint(b"\\x00\\xac\\x02", 1, 3)
+        (300, 3)
+    """
     result = 0
     shift = 0
     while True:
         if pos >= end or shift > 63:
-            raise _ChunkDecodeError("truncated or overlong varint")
+            raise ChunkDecodeError("truncated or overlong varint")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
@@ -146,7 +187,7 @@ def _decompress_into(into: Any, payload: Any, size: int) -> memoryview:
     buf = np.empty(size, np.uint8)
     got = into(payload, buf)
     if got != size:
-        raise _ChunkDecodeError(f"decompressed {got} bytes, the chunk declares {size}")
+        raise ChunkDecodeError(f"decompressed {got} bytes, the chunk declares {size}")
     return memoryview(buf)
 
 
@@ -169,7 +210,7 @@ class ChunkDecoder:
     per process, ``_token`` and ``_tls`` (this thread's zstd context), which
     :meth:`_reset_handles` makes anew after a fork.
 
-    Every check fails with :class:`_ChunkDecodeError`, which the reader re-raises as a
+    Every check fails with :class:`ChunkDecodeError`, which the reader re-raises as a
     :class:`~torchgrain.CorruptDataError` naming the file, chunk and record
     (:meth:`_corrupt`).
     """
@@ -177,7 +218,7 @@ class ChunkDecoder:
     _url: str
     _verify: bool
     _max_chunk: int
-    _footer: _Footer | None
+    _footer: Footer | None
     _token: tuple[int, int]
     _tls: threading.local
 
@@ -214,83 +255,83 @@ class ChunkDecoder:
         """Parse the chunk that starts at physical ``pos``; ``buf`` holds the bytes
         [pos, bound) that it may occupy. Returns (chunk_type, num_records,
         decoded_data_size, data) with block headers removed from ``data``."""
-        if pos % _BLOCK and pos % _BLOCK < _BLOCK_HEADER:
-            raise _ChunkDecodeError(f"chunk offset {pos} lies inside a block header")
+        if pos % BLOCK and pos % BLOCK < BLOCK_HEADER:
+            raise ChunkDecodeError(f"chunk offset {pos} lies inside a block header")
         bound = pos + len(buf)
-        hdr_end = _phys_end(pos, _CHUNK_HEADER)
+        hdr_end = phys_end(pos, CHUNK_HEADER)
         if hdr_end > bound:
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"chunk header at offset {pos} runs past the chunk's end ({bound}): truncated"
             )
-        if hdr_end - pos != _CHUNK_HEADER:  # a block header interrupts the chunk header
-            header = _strip_block_headers(buf[: hdr_end - pos], pos)
+        if hdr_end - pos != CHUNK_HEADER:  # a block header interrupts the chunk header
+            header = strip_block_headers(buf[: hdr_end - pos], pos)
         else:
-            header = buf[:_CHUNK_HEADER]
-        header_hash, data_size, data_hash, type_num, decoded = _HEADER.unpack(header)
+            header = buf[:CHUNK_HEADER]
+        header_hash, data_size, data_hash, type_num, decoded = CHUNK_HEADER_STRUCT.unpack(header)
         if self._verify and riegeli_hash(header[8:]) != header_hash:
-            raise _ChunkDecodeError(f"chunk header at offset {pos} fails its checksum")
+            raise ChunkDecodeError(f"chunk header at offset {pos} fails its checksum")
         # Bound data_size by the bytes that exist before touching them.
         if data_size > bound - hdr_end:
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"chunk at offset {pos} claims {data_size} data bytes but at most "
                 f"{bound - hdr_end} follow it (corrupt or truncated)"
             )
-        data_end = _phys_end(hdr_end, data_size)
+        data_end = phys_end(hdr_end, data_size)
         if data_end > bound:
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"chunk at offset {pos} with {data_size} data bytes runs past its end ({bound})"
             )
-        data = _strip_block_headers(buf[hdr_end - pos : data_end - pos], hdr_end)
+        data = strip_block_headers(buf[hdr_end - pos : data_end - pos], hdr_end)
         if self._verify:
             self._verify_block_headers(buf, pos, data_end)
         if self._verify and riegeli_hash(data) != data_hash:
-            raise _ChunkDecodeError(f"chunk data at offset {pos} fails its checksum")
+            raise ChunkDecodeError(f"chunk data at offset {pos} fails its checksum")
         return type_num & 0xFF, type_num >> 8, decoded, data
 
     @staticmethod
     def _verify_block_headers(buf: memoryview, pos: int, end: int) -> None:
         """Check the hash and back-pointer of every block header inside [pos, end)."""
-        b = -(-pos // _BLOCK) * _BLOCK
+        b = -(-pos // BLOCK) * BLOCK
         while b < end:
-            header = buf[b - pos : b - pos + _BLOCK_HEADER]
-            stored, previous_chunk, _ = _BLOCK_HEADER_STRUCT.unpack(header)
+            header = buf[b - pos : b - pos + BLOCK_HEADER]
+            stored, previous_chunk, _ = BLOCK_HEADER_STRUCT.unpack(header)
             if riegeli_hash(header[8:]) != stored:
-                raise _ChunkDecodeError(f"block header at offset {b} fails its checksum")
+                raise ChunkDecodeError(f"block header at offset {b} fails its checksum")
             if previous_chunk != b - pos:
-                raise _ChunkDecodeError(
+                raise ChunkDecodeError(
                     f"block header at offset {b} says its chunk starts at "
                     f"{b - previous_chunk}, not {pos}"
                 )
-            b += _BLOCK
+            b += BLOCK
 
     def _declared(self, ctype: int, comp: Any, limit: int, exact: bool) -> tuple[int, Any]:
         """The size a compressed buffer declares (checked against ``limit``,
         ``max_chunk_bytes`` and, for zstd, its frame header and what a stream of this
         length can hold) and its compressed payload: nothing is allocated before this."""
         if not comp:
-            raise _ChunkDecodeError("compressed buffer is empty")
+            raise ChunkDecodeError("compressed buffer is empty")
         size = comp[0]
         if size < 0x80:
             p = 1
         else:
-            size, p = _varint(comp, 0, len(comp))
+            size, p = read_varint(comp, 0, len(comp))
         if size > limit or (exact and size != limit):
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"compressed buffer declares {size} decompressed bytes, expected "
                 f"{'' if exact else 'at most '}{limit}"
             )
         if size > self._max_chunk:
-            raise _ChunkDecodeError(self._over_ceiling(size))
+            raise ChunkDecodeError(self._over_ceiling(size))
         payload = comp[p:]
-        if ctype == _ZSTD:
+        if ctype == ZSTD:
             try:
                 declared = zstandard.frame_content_size(payload)
             except zstandard.ZstdError as e:
-                raise _ChunkDecodeError(f"zstd decompression failed: {e}") from None
+                raise ChunkDecodeError(f"zstd decompression failed: {e}") from None
             if declared >= 0 and declared != size:
-                raise _ChunkDecodeError(f"zstd frame declares {declared} bytes, chunk says {size}")
+                raise ChunkDecodeError(f"zstd frame declares {declared} bytes, chunk says {size}")
             if size > len(payload) * _ZSTD_MAX_RATIO:
-                raise _ChunkDecodeError(
+                raise ChunkDecodeError(
                     f"a zstd stream of {len(payload)} bytes cannot hold the {size} it declares"
                 )
         return size, payload
@@ -302,47 +343,47 @@ class ChunkDecoder:
         ``max_chunk_bytes`` and what a stream of this length can hold, and the output
         buffer is exactly the declared size: a stream that holds less or more is an error.
         """
-        if ctype == _NONE:
+        if ctype == UNCOMPRESSED:
             n = len(comp)
             if n > limit or (exact and n != limit):
-                raise _ChunkDecodeError(f"uncompressed buffer has {n} bytes, expected {limit}")
+                raise ChunkDecodeError(f"uncompressed buffer has {n} bytes, expected {limit}")
             return comp
         size, payload = self._declared(ctype, comp, limit, exact)
         try:
-            if ctype == _ZSTD:
+            if ctype == ZSTD:
                 out = self._zstd().decompress(payload, max_output_size=size)
-            elif ctype == _SNAPPY:
+            elif ctype == SNAPPY:
                 declared = cramjam.snappy.decompress_raw_len(payload)
                 if declared != size:
-                    raise _ChunkDecodeError(
+                    raise ChunkDecodeError(
                         f"snappy stream declares {declared} bytes, chunk says {size}"
                     )
                 if size > len(payload) * _SNAPPY_MAX_RATIO:
-                    raise _ChunkDecodeError(
+                    raise ChunkDecodeError(
                         f"a snappy stream of {len(payload)} bytes cannot hold the {size} it declares"
                     )
                 out = _decompress_into(cramjam.snappy.decompress_raw_into, payload, size)
-            elif ctype == _BROTLI:
+            elif ctype == BROTLI:
                 # Into a buffer of exactly the declared size: a stream that holds more
                 # fails as soon as it fills it, one that holds less leaves a count short.
                 out = _decompress_into(cramjam.brotli.decompress_into, payload, size)
             else:
-                raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
-        except (_ChunkDecodeError, MemoryError):
+                raise ChunkDecodeError(f"unknown compression type {ctype:#x}")
+        except (ChunkDecodeError, MemoryError):
             raise
         except Exception as e:
-            raise _ChunkDecodeError(
-                f"{_COMPRESSIONS.get(ctype, hex(ctype))} decompression failed: {e}"
+            raise ChunkDecodeError(
+                f"{COMPRESSIONS.get(ctype, hex(ctype))} decompression failed: {e}"
             ) from e
         if len(out) != size:
-            raise _ChunkDecodeError(f"decompressed {len(out)} bytes, expected {size}")
+            raise ChunkDecodeError(f"decompressed {len(out)} bytes, expected {size}")
         return out
 
     def _max_span(self) -> int:
         """The most bytes a chunk of this file (the footer's too) may span: its header,
         data that decodes to at most ``max_chunk_bytes`` (and takes about as much when
         uncompressed), block headers and padding to a block boundary, with room to spare."""
-        return 2 * (self._max_chunk + _BLOCK)
+        return 2 * (self._max_chunk + BLOCK)
 
     def _over_ceiling(self, size: int) -> str:
         return (
@@ -360,29 +401,29 @@ class ChunkDecoder:
         """
         n = len(data)
         if n < 2:
-            raise _ChunkDecodeError(f"simple chunk data has only {n} bytes")
+            raise ChunkDecodeError(f"simple chunk data has only {n} bytes")
         ctype = data[0]
-        if ctype not in _COMPRESSIONS:
-            raise _ChunkDecodeError(f"unknown compression type {ctype:#x}")
-        if ctype != _NONE and decoded > self._max_chunk:
-            raise _ChunkDecodeError(self._over_ceiling(decoded))
+        if ctype not in COMPRESSIONS:
+            raise ChunkDecodeError(f"unknown compression type {ctype:#x}")
+        if ctype != UNCOMPRESSED and decoded > self._max_chunk:
+            raise ChunkDecodeError(self._over_ceiling(decoded))
         sizes_len = data[1]
         if sizes_len < 0x80:
             p = 2
         else:
-            sizes_len, p = _varint(data, 1, n)
+            sizes_len, p = read_varint(data, 1, n)
         if sizes_len > n - p:
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"record-size buffer claims {sizes_len} bytes, only {n - p} remain"
             )
         vstart = p + sizes_len
-        if num_records == 1 and ctype == _ZSTD and vstart < n:
+        if num_records == 1 and ctype == ZSTD and vstart < n:
             # Hot path (group_size 1, zstd): everything checked, nothing extra called.
             # Any failed check falls through to the general path, which reports it.
             size = data[vstart]
             q = vstart + 1
             if size >= 0x80:
-                size, q = _varint(data, vstart, n)
+                size, q = read_varint(data, vstart, n)
             if size == decoded:
                 payload = data[q:]
                 try:
@@ -406,27 +447,27 @@ class ChunkDecoder:
             q, end = 0, len(sizes_raw)
             total = 0
             for _ in range(num_records):
-                v, q = _varint(sizes_raw, q, end)
+                v, q = read_varint(sizes_raw, q, end)
                 total += v
                 bounds.append(total)
             if q != end:
-                raise _ChunkDecodeError("record-size buffer has trailing bytes")
+                raise ChunkDecodeError("record-size buffer has trailing bytes")
         else:
             try:
                 sizes, _ = decode_varints(np.frombuffer(sizes_raw, np.uint8))
             except ValueError as e:
-                raise _ChunkDecodeError(f"record-size buffer: {e}") from e
+                raise ChunkDecodeError(f"record-size buffer: {e}") from e
             if sizes.size != num_records:
-                raise _ChunkDecodeError(
+                raise ChunkDecodeError(
                     f"record-size buffer holds {sizes.size} sizes, expected {num_records}"
                 )
             if sizes.size and int(sizes.max()) > decoded:
-                raise _ChunkDecodeError("a record size exceeds the chunk's decoded size")
+                raise ChunkDecodeError("a record size exceeds the chunk's decoded size")
             bounds = np.zeros(num_records + 1, np.int64)
             np.cumsum(sizes.astype(np.int64), out=bounds[1:])
             total = int(bounds[-1])
         if total != decoded:
-            raise _ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
+            raise ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
         return self._decompress(ctype, data[vstart:], decoded, exact=True), bounds
 
     def _zstd_single(self, view: memoryview, start: int, end: int, decoded: int) -> Any:
@@ -450,7 +491,7 @@ class ChunkDecoder:
             b = view[q]
             q += 1
             if b >= 0x80:
-                size, q = _varint(view, q - 2, end)
+                size, q = read_varint(view, q - 2, end)
             else:
                 size = (size & 0x7F) | (b << 7)
         if size != decoded or size > self._max_chunk:
@@ -477,18 +518,18 @@ class ChunkDecoder:
         if simple is not None:
             start, size, nrec, decoded = simple
             end = start + size
-            if nrec == 1 and end - start > 3 and view[start] == _ZSTD:
+            if nrec == 1 and end - start > 3 and view[start] == ZSTD:
                 out = self._zstd_single(view, start, end, decoded)
                 if out is not None:
                     return out, None
             try:
                 return self._decode_simple(view[start:end], nrec, decoded)
-            except _ChunkDecodeError as e:
+            except ChunkDecodeError as e:
                 raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
         # Anything unusual: the general path, which checks and reports everything.
         try:
             return self._decode_chunk(c, view[pos : ends[c]])
-        except _ChunkDecodeError as e:
+        except ChunkDecodeError as e:
             raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
 
     def _simple_chunk(
@@ -500,22 +541,22 @@ class ChunkDecoder:
         the footer, no verification), which needs no further checks; else None."""
         _, ends, dsizes, recs = fast
         m = pos & 0xFFFF
-        if m < _BLOCK_HEADER or m + _CHUNK_HEADER > _BLOCK or self._verify:
+        if m < BLOCK_HEADER or m + CHUNK_HEADER > BLOCK or self._verify:
             return None
         at = pos if at is None else at
-        _, data_size, _, type_num, decoded = _HEADER.unpack_from(buf, at)
-        start = pos + _CHUNK_HEADER
+        _, data_size, _, type_num, decoded = CHUNK_HEADER_STRUCT.unpack_from(buf, at)
+        start = pos + CHUNK_HEADER
         end = start + data_size
         nrec = type_num >> 8
         if (
             start & 0xFFFF
             and start >> 16 == (end - 1) >> 16
             and end <= ends[c]
-            and type_num & 0xFF == _CHUNK_SIMPLE
+            and type_num & 0xFF == CHUNK_SIMPLE
             and decoded == dsizes[c]
             and nrec == recs[c + 1] - recs[c]
         ):
-            return at + _CHUNK_HEADER, data_size, nrec, decoded
+            return at + CHUNK_HEADER, data_size, nrec, decoded
         return None
 
     def _decode_chunk(self, c: int, buf: memoryview) -> tuple[Any, Any]:
@@ -524,21 +565,21 @@ class ChunkDecoder:
         pos = int(f.chunk_offsets[c])
         ctype, num_records, decoded, data = self._chunk_payload(buf, pos)
         expected_n = int(f.record_offsets[c + 1] - f.record_offsets[c])
-        if ctype == _CHUNK_TRANSPOSED:
+        if ctype == CHUNK_TRANSPOSED:
             raise TransposedChunkError(
                 f"{self._where(c)}: the chunk is transposed (written with the 'transpose' "
                 "writer option), which this reader does not decode; rewrite the file "
                 "without 'transpose' (e.g. torchgrain.write_array_record or "
                 "ArrayRecordWriter(path, 'group_size:1'))"
             )
-        if ctype != _CHUNK_SIMPLE:
-            raise _ChunkDecodeError(f"chunk type {ctype:#x} at offset {pos} is not a record chunk")
+        if ctype != CHUNK_SIMPLE:
+            raise ChunkDecodeError(f"chunk type {ctype:#x} at offset {pos} is not a record chunk")
         if num_records != expected_n:
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"chunk header says {num_records} records, the footer says {expected_n}"
             )
         if decoded != int(f.decoded_sizes[c]):
-            raise _ChunkDecodeError(
+            raise ChunkDecodeError(
                 f"chunk header says {decoded} decoded bytes, the footer says {int(f.decoded_sizes[c])}"
             )
         return self._decode_simple(data, num_records, decoded)

@@ -17,15 +17,15 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
-from torchgrain.formats.arrayrecord.footer import FooterReader, _Footer, _parse_proto
+from torchgrain.formats.arrayrecord.footer import Footer, FooterReader, parse_proto
 from torchgrain.formats.arrayrecord.riegeli import (
-    _BLOCK,
-    _CHUNK_HEADER,
-    _CHUNK_SIMPLE,
-    _HEADER,
+    BLOCK,
+    CHUNK_HEADER,
+    CHUNK_HEADER_STRUCT,
+    CHUNK_SIMPLE,
     DEFAULT_MAX_CHUNK_BYTES,
-    _phys_end,
-    _strip_block_headers,
+    phys_end,
+    strip_block_headers,
 )
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io.file_hash import file_checksum
@@ -68,7 +68,7 @@ _AR_COLUMNS = {
     "file_size": ("<i8", ()),
     "mtime_ns": ("<i8", ()),
     "group_size": ("<i8", ()),
-    "footer_head": ("|u1", (_CHUNK_HEADER,)),
+    "footer_head": ("|u1", (CHUNK_HEADER,)),
     "offsets": ("<i8", ()),
     "record_offsets": ("<i8", ()),
     "decoded": ("<i8", ()),
@@ -116,7 +116,7 @@ class ArrayRecordIndex(NodeIndex):
         self.file_size = check_shape(a, where, "file_size", (s,))
         self.mtime_ns = check_shape(a, where, "mtime_ns", (s,))
         self.group_size = check_shape(a, where, "group_size", (s,))
-        self.footer_head = check_shape(a, where, "footer_head", (s, _CHUNK_HEADER))
+        self.footer_head = check_shape(a, where, "footer_head", (s, CHUNK_HEADER))
         self.offsets = check_shape(a, where, "offsets", (c + s,))
         self.record_offsets = check_shape(a, where, "record_offsets", (c + s,))
         self.decoded = check_shape(a, where, "decoded", (c,))
@@ -135,7 +135,7 @@ class ArrayRecordIndex(NodeIndex):
             or bool((self.record_offsets[starts] != 0).any())
             or bool((self.record_offsets[ends] != counts).any())
             or bool((ok & (self.file_size < _MIN_FILE)).any())
-            or bool((ok & (foot < _CHUNK_HEADER)).any())
+            or bool((ok & (foot < CHUNK_HEADER)).any())
             or bool((ok & (foot > self.file_size - _MIN_FILE)).any())
             or bool((self.group_size < _UNREADABLE).any())
             or bool((~ok & (counts != 0)).any())
@@ -228,13 +228,13 @@ class ArrayRecordIndex(NodeIndex):
             + ("delete it to have it rebuilt)" if self.path else "reopen the dataset)")
         )
 
-    def footer(self, shard: int) -> _Footer:
+    def footer(self, shard: int) -> Footer:
         """Shard ``shard``'s index as :class:`ArrayRecordFile` takes it (views of the
         index's arrays: nothing copied per record)."""
         g = int(self.chunk_base[shard])
         a = g + shard
         n = int(self.chunk_base[shard + 1]) - g
-        return _Footer(
+        return Footer(
             chunk_offsets=self.offsets[a : a + n],
             chunk_ends=self.offsets[a + 1 : a + n + 1],
             decoded_sizes=self.decoded[g : g + n],
@@ -259,15 +259,15 @@ class ArrayRecordIndex(NodeIndex):
             return "its modification time differs from the index's"
         if view is not None and len(view) == size:
             fo = int(self.footer_offsets(shard))
-            if bytes(view[fo : fo + _CHUNK_HEADER]) != self.footer_head[shard].tobytes():
+            if bytes(view[fo : fo + CHUNK_HEADER]) != self.footer_head[shard].tobytes():
                 return f"its footer (at offset {fo}) differs from the index's"
         return None
 
 
-def _footer_of(f: ArrayRecordFile) -> tuple[_Footer, bytes]:
+def _footer_of(f: ArrayRecordFile) -> tuple[Footer, bytes]:
     ft = f._ensure_footer()
     fo = ft.footer_offset
-    head = bytes(f._fetch([(fo, fo + _CHUNK_HEADER)])[0])
+    head = bytes(f._fetch([(fo, fo + CHUNK_HEADER)])[0])
     return ft, head
 
 
@@ -280,18 +280,18 @@ def _footer_entries(f: ArrayRecordFile) -> int | None:
         if not f._local:
             return None
         view = f._local_view()
-        post = len(view) - _BLOCK
+        post = len(view) - BLOCK
         ctype, n, decoded, data = f._chunk_payload(view[post:], post)
-        if ctype != _CHUNK_SIMPLE or n < 1:
+        if ctype != CHUNK_SIMPLE or n < 1:
             return None
         values, bounds = f._decode_simple(data, n, decoded)
-        fo = _parse_proto(values[: int(bounds[1])] if bounds is not None else values).get(1)
-        if not isinstance(fo, int) or not _CHUNK_HEADER <= fo < post:
+        fo = parse_proto(values[: int(bounds[1])] if bounds is not None else values).get(1)
+        if not isinstance(fo, int) or not CHUNK_HEADER <= fo < post:
             return None
-        end = _phys_end(fo, _CHUNK_HEADER)  # block headers may interrupt the chunk header
+        end = phys_end(fo, CHUNK_HEADER)  # block headers may interrupt the chunk header
         if end > post:
             return None
-        return _HEADER.unpack(bytes(_strip_block_headers(view[fo:end], fo)))[3] >> 8
+        return CHUNK_HEADER_STRUCT.unpack(bytes(strip_block_headers(view[fo:end], fo)))[3] >> 8
     except Exception:  # the parse itself reports what is wrong, with its own words
         return None
 
@@ -356,7 +356,7 @@ def build_arrayrecord_index(
 
     def footer(
         state: tuple[int, ArrayRecordFile | None, bool],
-    ) -> tuple[_Footer | FooterReader, bytes, ArrayRecordFile | None] | None:
+    ) -> tuple[Footer | FooterReader, bytes, ArrayRecordFile | None] | None:
         i, f, sliced = state
         try:
             if f is None:
@@ -370,7 +370,7 @@ def build_arrayrecord_index(
             if tolerate:  # every check made before a slice is written
                 for _ in r.slices(step):
                     pass
-            head = bytes(view[r.footer_offset : r.footer_offset + _CHUNK_HEADER])
+            head = bytes(view[r.footer_offset : r.footer_offset + CHUNK_HEADER])
             got, f = (r, head, f), None  # the caller reads it, then closes the file
             return got
         except (CorruptDataError, OSError):  # not found, a directory, unreadable...
@@ -396,7 +396,7 @@ def build_arrayrecord_index(
                 sink.append("record_offsets", np.zeros(1))
                 sink.append("file_size", np.zeros(1))
                 sink.append("group_size", np.array([_UNREADABLE]))
-                sink.append("footer_head", np.zeros((1, _CHUNK_HEADER), np.uint8))
+                sink.append("footer_head", np.zeros((1, CHUNK_HEADER), np.uint8))
             elif got[2] is not None:  # a large footer: written a slice at a time
                 r, head, fh = got
                 try:
