@@ -325,9 +325,9 @@ def test_a_shard_cache_whose_directories_cannot_be_made_reads_by_ranges(tmp_path
 
 
 def test_a_rename_that_finds_no_room_leaves_no_record(tmp_path, monkeypatch):
-    from torchgrain.io import shard_cache
+    from torchgrain.io import node_store
 
-    monkeypatch.setattr(shard_cache, "publish", lambda *a, **k: _raise(errno.ENOSPC))
+    monkeypatch.setattr(node_store, "publish", lambda *a, **k: _raise(errno.ENOSPC))
     root = tmp_path / "www"
     root.mkdir()
     _write(str(root), "array_record")

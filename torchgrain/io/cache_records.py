@@ -8,9 +8,9 @@
 * The next-use hints of ``eviction="belady"``, ``DIR/.next-use``: one ``"<copy name>
   <position>"`` line per copy, the position in the sampler's order of its next use.
 
-Both are replaced atomically through a temp file named after them
-(``<name>.tmp-<pid>-<random>``); a record's, left by a killed writer, goes at the copy's
-next download (:func:`remove_record_temps`). They are the cache's own files, but anyone who can write to the directory can change them:
+Both are replaced atomically (:func:`~torchgrain.io.atomic.atomic_write_text`); a record's
+temp file left by a killed writer goes at the copy's next download
+(:func:`remove_record_temps`). They are the cache's own files, but anyone who can write to the directory can change them:
 a malformed record reads as none (the copy is downloaded again), a malformed hint as
 no hint (hints only order evictions).
 
@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 import zlib
+
+from torchgrain.io.atomic import atomic_write_text
 
 __all__ = [
     "Identity",
@@ -46,11 +47,8 @@ __all__ = [
     "write_record",
 ]
 
-#: What starts (a download's) or follows (a record's) the name of a temp file in a cache.
-TMP_PREFIX = ".tmp-"
 SUM_DIR = ".sums"  # the CRC of each copy, as downloaded
 NEXT_FILE = ".next-use"  # eviction="belady": copy name -> its next use (read-ahead's hints)
-CRC_BLOCK = 8 << 20  # bytes a CRC update reads at a time
 _READ_BLOCK = 1 << 20  # bytes file_crc reads at a time
 
 
@@ -102,7 +100,7 @@ def file_crc(path: str) -> tuple[str, Identity]:
 
 def write_record(record: str, crc: str, size: int) -> None:
     """Record at ``record`` the CRC and size of a copy that passed its download's checks."""
-    _replace_text(record, f"{crc} {size}\n")
+    atomic_write_text(record, f"{crc} {size}\n", durable=False)
 
 
 def read_record(record: str) -> tuple[str, int] | None:
@@ -118,7 +116,7 @@ def read_record(record: str) -> tuple[str, int] | None:
 
 def remove_record_temps(record: str) -> None:
     """Delete the temp files of ``record`` left by killed writers (the copy's lock held)."""
-    prefix = os.path.basename(record) + TMP_PREFIX
+    prefix = f".{os.path.basename(record)}.tmp-"  # (atomic.temp_name)
     with os.scandir(os.path.dirname(record)) as it:
         for e in it:
             if e.name.startswith(prefix):
@@ -136,7 +134,7 @@ def write_hints(path: str, hints: dict[str, int]) -> None:
         >>> read_hints(p)
         {'a': 3, 'b': 9}
     """
-    _replace_text(path, "".join(f"{n} {u}\n" for n, u in hints.items()))
+    atomic_write_text(path, "".join(f"{n} {u}\n" for n, u in hints.items()), durable=False)
 
 
 def read_hints(path: str) -> dict[str, int]:
@@ -152,16 +150,3 @@ def read_hints(path: str) -> dict[str, int]:
         with contextlib.suppress(ValueError):
             out[name] = int(use)
     return out
-
-
-def _replace_text(final: str, text: str) -> None:
-    """Write ``text`` to ``final`` through a temp file beside it (removed on an error)."""
-    tmp = f"{final}{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise

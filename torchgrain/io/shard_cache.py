@@ -5,50 +5,31 @@ Reading a shard's records one range at a time pays it again and again; fetching 
 whole shard once and reading the local copy pays it once per shard and epoch, and not
 at all in later epochs while the copy stays in the cache.
 
-Layout and safety rules (all processes of a machine may share one directory):
+The directory is a :class:`~torchgrain.io.node_store.NodeStore` (its locks, budget,
+eviction, temp files and atomic publish); what this cache adds:
 
 * A shard's copy is ``DIR/<key>-<name>``, where the key hashes the URL (and the
   checksum, when one is known), so shards with equal names in different datasets
-  never collide.
-* A download goes to ``DIR/.tmp-<key>-<size>-<pid>-<random>`` and is renamed into
-  place only after its size (and checksum, when known) checked out, so a file under
-  its final name is always complete. A killed download leaves only a ``.tmp-`` file,
-  which the next fetcher of that shard deletes.
-* Before the rename, the CRC-32 of the downloaded bytes (the bytes that passed the size
-  and checksum checks) is written to ``DIR/.sums/<key>-<name>``. A cached copy is
-  served only while it matches that record: each process checks a copy (its size and
-  CRC, a full read at several GB/s) the first time it uses it, and again whenever the
-  copy's identity (:func:`file_identity`: device, inode, size, modification and change
-  times) changes, e.g. a copy replaced by another process's download or written to in
-  place. The change time is the kernel's: every write, truncation, rename, link or
-  ``utime()`` moves it to the present and nothing sets it back, so a write that puts
-  the modification time back (``touch -r``, ``cp -p``), or a new file that reuses a
-  deleted copy's inode number, is checked too (the cache itself never touches a
-  published copy's inode: its LRU clock is the record's). A copy that fails is
-  discarded and downloaded again (``stats["rejected"]``, and a ``RuntimeWarning``);
-  a copy with no record (written by an older version) is downloaded again.
-* An exclusive ``fcntl.flock`` on ``DIR/.locks/<key>.lock`` is held while fetching:
-  two workers (threads or processes) asking for the same missing shard fetch it
-  once; the second waits and then finds it. A shared lock on it is held while a
-  copy is checked and opened (:meth:`ShardCache.fetch_open`): a download or an
-  eviction cannot replace or unlink it between the check and the open.
-* Eviction (least recently used first: a copy's last use is its record's modification
-  time, which hits refresh at most once a second per process; or, with
-  ``eviction="belady"``, the copy whose next use lies furthest in the sampler's order,
-  from the hints read-ahead writes to ``DIR/.next-use``: see :mod:`torchgrain.io.eviction`)
-  runs under ``DIR/.locks/evict.lock``, skips files whose shard lock is held (being
-  fetched, checked or opened), and only ever unlinks: a reader that has the file open
-  (or mapped) keeps reading it, POSIX frees the blocks when it closes. In-flight
-  downloads reserve their size (it is in the temp name), so concurrent downloads do not
-  overshoot the budget together.
-
-* A write that finds no room (the disk full, the quota spent, a file-size limit) raises
-  :class:`~torchgrain.CacheDiskFullError` naming the directory, the file and the remedy,
-  leaves nothing partial behind, and sets :attr:`ShardCache.disk_full` in this process:
-  sources then read their remote shards by ranges, without the cache, for the rest of
-  the process (and warn once).
-
-What the records guarantee, and their format: see :mod:`torchgrain.io.cache_records`.
+  never collide. A download goes to ``DIR/.tmp-<key>-<name>-<size>-<pid>-<random>``
+  (the size reserves its room) and is published only after its size (and checksum,
+  when known) checked out.
+* Before the rename, the CRC-32 of the downloaded bytes is written to
+  ``DIR/.sums/<key>-<name>`` (:mod:`torchgrain.io.cache_records`). A copy is served only
+  while it matches that record: each process checks it (size and CRC, a full read at
+  several GB/s) the first time it uses it, and again whenever its identity
+  (:func:`file_identity`, change time included) changes. A copy that fails is discarded
+  and downloaded again (``stats["rejected"]``, and a ``RuntimeWarning``); one with no
+  record is downloaded again. The record's modification time is the copy's last use
+  (touching the copy would move its change time).
+* The shard's lock is held exclusively while fetching (two workers missing one shard
+  fetch it once) and shared while a copy is checked and opened
+  (:meth:`ShardCache.fetch_open`), so no download or eviction replaces or unlinks it
+  in between.
+* ``eviction="belady"`` evicts the copy whose next use lies furthest in the sampler's
+  order, from the hints read-ahead writes to ``DIR/.next-use`` (:mod:`torchgrain.io.eviction`).
+* A write that finds no room raises :class:`~torchgrain.CacheDiskFullError` and sets
+  :attr:`ShardCache.disk_full`: sources then read their remote shards by ranges, without
+  the cache, for the rest of the process (and warn once).
 
 The cache assumes shards are immutable: the same URL always holds the same bytes
 (write a changed dataset to a new path, or give checksums in the manifest). Without
@@ -59,15 +40,13 @@ size the manifest or the store gave), not that the store still holds them.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import re
 import threading
 import time
-import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import fsspec
@@ -75,12 +54,9 @@ import fsspec
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CacheDiskFullError, CorruptDataError
 from torchgrain.io import process, remote
-from torchgrain.io.atomic import naming_full_disk, publish
 from torchgrain.io.cache_records import (
-    CRC_BLOCK,
     NEXT_FILE,
     SUM_DIR,
-    TMP_PREFIX,
     Identity,
     file_crc,
     file_identity,
@@ -93,6 +69,7 @@ from torchgrain.io.cache_records import (
 from torchgrain.io.eviction import EVICTION_POLICIES, victims
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
+from torchgrain.io.node_store import Entry, NodeStore
 from torchgrain.io.retry import RetryPolicy, retry_call
 
 __all__ = ["Identity", "ShardCache", "file_crc", "file_identity"]
@@ -105,14 +82,13 @@ T = TypeVar("T")
 Verifier = Callable[..., "str | None"]
 _CRC_TEXT = re.compile(r"crc32:[0-9a-f]{8}")
 
-_LOCK_DIR = ".locks"
-# The names these had here before the records moved to their own module.
-_TMP_PREFIX, _SUM_DIR, _NEXT_FILE, _CRC_BLOCK = TMP_PREFIX, SUM_DIR, NEXT_FILE, CRC_BLOCK
 # Refresh a copy's last use (its record's modification time) at most this often per
 # process (seconds): one utime() per shard per second is plenty for LRU order and keeps
 # most hits to a single stat() call.
 _TOUCH_INTERVAL = 1.0
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+_STATS = ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries")
+_STATS += ("verified", "bytes_verified", "rejected")
 
 
 class _ShortDownload(ConnectionError):
@@ -126,7 +102,7 @@ def _key(url: str, checksum: str | None) -> str:
     return h.hexdigest()[:24]
 
 
-class ShardCache:
+class ShardCache(NodeStore):
     """A byte-bounded, LRU, multi-process cache of whole remote files on local disk.
 
     Args:
@@ -173,6 +149,9 @@ class ShardCache:
         (1, 1, 100)
     """
 
+    _WHAT = "the shard cache"
+    _DIRS = (SUM_DIR,)
+
     def __init__(
         self,
         directory: str | os.PathLike,
@@ -186,80 +165,36 @@ class ShardCache:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        super().__init__(os.path.abspath(os.fspath(directory)), max_bytes=int(max_bytes))
         self.eviction = eviction
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.max_bytes = int(max_bytes)
         self.retry = retry or RetryPolicy()
         self.verify_hits = bool(verify_hits)
-        self._full_in: tuple[int, int] | None = None  # the process whose write found no room
-        self._full_error: CacheDiskFullError | None = None  # (and what it found)
+        self._init_process()
         with contextlib.suppress(CacheDiskFullError):  # (disk_full: sources read without it)
             self._make_dirs()
+
+    def _init_process(self) -> None:
         self._stats_lock = threading.Lock()
-        self._lock_token = process.token()
+        self._token = process.token()
         self._paths: dict[tuple[str, str | None], str] = {}
         # copy path -> identity of the file this process checked (or downloaded) there
         self._verified: dict[str, Identity] = {}
-        self._verified_token = process.token()
         # copy path -> when this process last refreshed its LRU position (monotonic)
         self._touched: dict[str, float] = {}
-        self.stats: dict[str, int] = dict.fromkeys(
-            (
-                "hits",
-                "misses",
-                "waits",
-                "bytes_fetched",
-                "evictions",
-                "bytes_evicted",
-                "retries",
-                "verified",
-                "bytes_verified",
-                "rejected",
-            ),
-            0,
-        )
+        self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_stats_lock"]
-        state["_paths"] = {}
-        state["_verified"] = {}  # checks are per process
-        state["_touched"] = {}
-        state["stats"] = dict.fromkeys(self.stats, 0)  # counters are per process
-        state["_full_in"] = None
-        state["_full_error"] = None
-        return state
+    def __getstate__(self) -> dict[str, Any]:  # (checks, counters and locks are per process)
+        keep = ("eviction", "directory", "max_bytes", "min_free_bytes", "retry", "verify_hits")
+        return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._stats_lock = threading.Lock()
-        self._lock_token = process.token()
+        self._init_process()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes}, stats={self.stats})"
 
     # ------------------------------------------------------------------ public
-    @property
-    def disk_full(self) -> bool:
-        """Whether a write of this process into the cache found no room (a full disk, a
-        spent quota, a file-size limit: it raised :class:`~torchgrain.CacheDiskFullError`).
-        Sources then read their remote shards without the cache in this process; a new
-        process (the next epoch's DataLoader workers, unless persistent) tries again.
-
-        Example:
-            >>> import tempfile
-            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).disk_full
-            False
-        """
-        # No system call unless a write found no room: sources ask at every read.
-        full = self._full_in
-        if full is None:
-            return False
-        if full == process.token():
-            return True
-        self._full_in = None  # a forked child of that process: it tries again
-        return False
-
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
         """Where the copy of ``url`` lives (whether or not it is cached now).
 
@@ -393,69 +328,52 @@ class ShardCache:
         opener: Callable[[str], T] | None,
         verify: Verifier | None = None,
     ) -> tuple[str, Identity, T | None]:
-        lock = self._lock_path(path)
+        name = os.path.basename(path)
         waited = self._hit(path, size) is None  # a hit now waited for another's download
         # A complete copy is checked and opened under a shared lock (several workers may
         # check one copy at once): downloads and evictions, which need the lock
         # exclusively, cannot replace or unlink it in between.
         failed = None  # the identity of a copy that failed its check
-        with self._flock(lock, shared=True):
+        with self._lock(name, shared=True):
             st = self._hit(path, size)
             if st is not None:
                 if self._check(path, st, url):
                     self._count(hits=1, waits=int(waited))
                     return path, file_identity(st), opener(path) if opener else None
                 failed = file_identity(st)
-        with self._flock(lock):
+        with self._lock(name):
             # Another worker may have fetched (or replaced) it while we waited for the lock.
             st = self._hit(path, size)
             if st is not None and file_identity(st) != failed and self._check(path, st, url):
                 self._count(hits=1, waits=int(waited))
                 return path, file_identity(st), opener(path) if opener else None
             if os.path.lexists(path):  # of the wrong size, or failed its check
-                self._discard(path)
-            self._remove_stale_tmp(path)
+                self._unlink(path)
+                self._checks().pop(path, None)
+                self._count(rejected=1)
+            self._remove_temps(name)
+            remove_record_temps(self._sum_path(path))
+            retrying: dict[str, Any] = {
+                "url": url,
+                "policy": self.retry,
+                "on_retry": self._on_retry,
+            }
             fs = filesystem
             if fs is None:
                 fs, rpath = get_filesystem(url, retry=self.retry)
             else:
                 rpath = fs._strip_protocol(url)
             if size is None or size < 0:
-                size = retry_call(
-                    remote.file_size,
-                    fs,
-                    rpath,
-                    url=url,
-                    policy=self.retry,
-                    what="size lookup",
-                    on_retry=self._on_retry,
-                )
+                size = retry_call(remote.file_size, fs, rpath, what="size lookup", **retrying)
             if size > self.max_bytes:
                 raise ValueError(
                     f"shard {url} is {size} bytes, larger than the cache budget "
                     f"max_bytes={self.max_bytes} of {self.directory}"
                 )
-            tmp = os.path.join(
-                self.directory,
-                f"{TMP_PREFIX}{os.path.basename(path)}-{size}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-            )
+            what = f" (the copy of {url}, {size:,} bytes)"
+            tmp = self._reserve(name, size, what)
             try:
-                # Reserve the space (the size is in the temp name), then make room for it.
-                with self._writing(tmp, f" (the copy of {url}, {size:,} bytes)"):
-                    open(tmp, "wb").close()
-                self._make_room(keep=path)
-                retry_call(
-                    self._download,
-                    fs,
-                    rpath,
-                    tmp,
-                    size,
-                    url,
-                    url=url,
-                    policy=self.retry,
-                    what="download",
-                    on_retry=self._on_retry,
-                )
+                retry_call(self._download, fs, rpath, tmp, size, url, what="download", **retrying)
                 crc = None
                 if checksum:
                     crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
@@ -465,16 +383,14 @@ class ShardCache:
                     crc, _ = file_crc(tmp)
                 with self._writing(self._sum_path(path), f" (the record of {url})"):
                     write_record(self._sum_path(path), crc, size)
-                with self._writing(path, f" (the copy of {url}, {size:,} bytes)"):
-                    publish(tmp, path, durable=False)  # mode from the umask
+                self._publish(tmp, path, size, what)
                 # After the rename, which moves the change time: the identity it keeps.
                 ident = file_identity(os.stat(path))
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
                 if not os.path.lexists(path):  # (not published: no record of it either)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self._sum_path(path))
+                    self._forget(path)
                 raise
             self._checks()[path] = ident
             self._count(misses=1, bytes_fetched=size)
@@ -483,11 +399,7 @@ class ShardCache:
                 self.directory,
                 f"{size_text(self.max_bytes)}; cache_dir_bytes= sets it",
             )
-            obj = opener(path) if opener else None
-        # Downloads that ran concurrently may together have overshot the budget
-        # (they could not evict each other while in flight): settle it now.
-        self._make_room(keep=path)
-        return path, ident, obj
+            return path, ident, opener(path) if opener else None
 
     def advise(self, next_use: dict[str, int | None]) -> None:
         """Tell the cache when each URL will be read next (a position in the sampler's
@@ -504,7 +416,7 @@ class ShardCache:
         """
         if self.eviction != "belady":
             return
-        with self._flock(os.path.join(self.directory, _LOCK_DIR, "next-use.lock"), mark=False):
+        with self._lock("next-use", mark=False):
             hints = self.next_uses()
             for url, use in next_use.items():
                 name = os.path.basename(self.local_path(url))
@@ -530,34 +442,15 @@ class ShardCache:
         """
         return read_hints(os.path.join(self.directory, NEXT_FILE))
 
-    def total_bytes(self) -> int:
-        """Bytes of complete files in the cache now (all processes).
-
-        Example:
-            >>> import tempfile
-            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).total_bytes()
-            0
-        """
-        return sum(size for _, size, _ in self._entries())
-
-    def clear(self) -> None:
-        """Delete every complete file of the cache (open readers keep theirs).
-
-        Example:
-            >>> import tempfile
-            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).clear()
-        """
-        with self._flock(os.path.join(self.directory, _LOCK_DIR, "evict.lock")):
-            for _, _, p in self._entries():
-                self._unlink_copy(p)
-
     # ----------------------------------------------------------------- helpers
+    def _remedy(self) -> str:
+        return (
+            "Free space on that disk, lower its budget (cache_dir_bytes, now "
+            f"{self.max_bytes:,} bytes), or pass cache_dir= a directory on a disk with room."
+        )
+
     def _count(self, **kw: int) -> None:
-        if self._lock_token != process.token():
-            # A forked child (a DataLoader worker): a background download in the
-            # parent may have held the lock at the fork, so the copy may be locked.
-            self._stats_lock = threading.Lock()
-            self._lock_token = process.token()
+        self._checks()  # (a forked child's own lock)
         with self._stats_lock:
             for k, v in kw.items():
                 self.stats[k] += v
@@ -589,11 +482,13 @@ class ShardCache:
 
     def _checks(self) -> dict[str, Identity]:
         """The copies this process has checked (path -> identity). A forked child
-        (a DataLoader worker) starts with none: each process checks what it uses."""
-        here = process.token()
-        if self._verified_token != here:
+        (a DataLoader worker) starts with none: each process checks what it uses. It
+        makes its own stats lock too: a download in the parent may have held it at the
+        fork."""
+        if self._token != process.token():
             self._verified = {}
-            self._verified_token = here
+            self._stats_lock = threading.Lock()
+            self._token = process.token()
         return self._verified
 
     def _check(self, path: str, st: os.stat_result, url: str) -> bool:
@@ -617,85 +512,37 @@ class ShardCache:
         self._checks()[path] = ident
         return True
 
-    def _discard(self, path: str) -> None:
-        """Delete a copy that failed its check (we hold its lock exclusively)."""
-        self._unlink_copy(path)
-        self._checks().pop(path, None)
-        self._count(rejected=1)
-
     def _sum_path(self, path: str) -> str:
         return os.path.join(self.directory, SUM_DIR, os.path.basename(path))
 
-    def _unlink_copy(self, path: str) -> bool:
-        """Delete a copy and its record; whether the copy was there."""
+    def _last_use(self, path: str, st: os.stat_result) -> int:
+        """A copy's last use: its record's modification time (0 without a record: it
+        would be fetched again)."""
         try:
-            os.unlink(path)
+            return os.stat(self._sum_path(path)).st_mtime_ns
         except FileNotFoundError:
-            return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._sum_path(path))
-        return True
+            return 0
 
-    @contextlib.contextmanager
-    def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
-        """Writes to ``path`` in the cache (``what`` says what it is): one that finds no
-        room raises :class:`~torchgrain.CacheDiskFullError` and (``mark``) sets
-        :attr:`disk_full`."""
-        try:
-            with naming_full_disk(
-                "the shard cache",
-                self.directory,
-                path,
-                "Free space on that disk, lower its budget (cache_dir_bytes, now "
-                f"{self.max_bytes:,} bytes), or pass cache_dir= a directory on a disk with room.",
-                what=what,
-            ):
-                yield
-        except OSError as e:
-            if mark and isinstance(e, CacheDiskFullError) and e.directory == self.directory:
-                self._full_in = process.token()  # (named above)
-                self._full_error = e
-            raise
+    def _forget(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._sum_path(path))
 
-    def _make_dirs(self, *, mark: bool = True) -> None:
-        """Make the cache's directories (a full disk: see :meth:`_writing`)."""
-        for sub in (_LOCK_DIR, SUM_DIR):
-            with self._writing(os.path.join(self.directory, sub), mark=mark):
-                os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
-
-    def _lock_path(self, path: str) -> str:
-        return os.path.join(self.directory, _LOCK_DIR, os.path.basename(path) + ".lock")
-
-    @contextlib.contextmanager
-    def _flock(
-        self, lock_path: str, *, blocking: bool = True, shared: bool = False, mark: bool = True
-    ) -> Iterator[bool]:
-        with self._writing(lock_path, " (a lock file)", mark=mark):
-            try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-            except FileNotFoundError:  # not made for want of room (or deleted): again
-                self._make_dirs(mark=mark)
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            try:
-                mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-                fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+    def _rank(self, entries: list[Entry]) -> list[Entry]:
+        """Belady: furthest next use first (the hints are by copy name)."""
+        if self.eviction != "belady":
+            return entries
+        hints = self.next_uses()
+        uses = {
+            p: hints[os.path.basename(p)] for _, _, p in entries if os.path.basename(p) in hints
+        }
+        return victims(entries, uses, sum(s for _, s, _ in entries), keep="")
 
     def _download(
         self, fs: fsspec.AbstractFileSystem, rpath: str, tmp: str, size: int, url: str
     ) -> None:
+        what = f" (the copy of {url}, {size:,} bytes)"
         # With a deadline that grows with the size (torchgrain.io.remote).
-        with self._writing(tmp, f" (the copy of {url}, {size:,} bytes)"):
+        with self._writing(tmp, what):
             remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
         got = os.path.getsize(tmp)
         if got < size:
@@ -707,83 +554,5 @@ class ShardCache:
         # Publish only data that is on disk: a crash right after the rename must not
         # leave a file that looks complete but is not. (A filesystem that allocates late
         # may report a full disk here.)
-        with self._writing(tmp, f" (the copy of {url}, {size:,} bytes)"), open(tmp, "rb+") as f:
+        with self._writing(tmp, what), open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-
-    def _remove_stale_tmp(self, path: str) -> None:
-        """Delete temp files of this shard left by killed downloads (we hold its lock)."""
-        prefix = TMP_PREFIX + os.path.basename(path) + "-"
-        with os.scandir(self.directory) as it:
-            for e in it:
-                if e.name.startswith(prefix):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-        remove_record_temps(self._sum_path(path))
-
-    def _entries(self) -> list[tuple[int, int, str]]:
-        """``(last use, size, path)`` of the complete copies; a copy's last use is its
-        record's modification time (0 without a record: it would be fetched again)."""
-        out = []
-        with os.scandir(self.directory) as it:
-            for e in it:
-                if e.name.startswith("."):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                try:
-                    used = os.stat(self._sum_path(e.path)).st_mtime_ns
-                except FileNotFoundError:
-                    used = 0
-                out.append((used, st.st_size, e.path))
-        return out
-
-    def _reserved(self) -> int:
-        """Bytes reserved by downloads in flight (their target size is in the temp name)."""
-        total = 0
-        with os.scandir(self.directory) as it:
-            tmps = [e for e in it if e.name.startswith(TMP_PREFIX)]
-        for e in tmps:
-            try:
-                base, size, _pid, _rand = e.name[len(TMP_PREFIX) :].rsplit("-", 3)
-                nbytes = int(size)
-            except ValueError:
-                continue
-            # Only the holder of a shard's lock writes its temp file: if nobody holds
-            # it, the download was killed and the file is garbage.
-            with self._flock(self._lock_path(base), blocking=False) as locked:
-                if locked:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.path)
-                    continue
-            total += nbytes
-        return total
-
-    def _make_room(self, keep: str) -> None:
-        with self._flock(os.path.join(self.directory, _LOCK_DIR, "evict.lock")):
-            entries = sorted(self._entries())
-            total = sum(s for _, s, _ in entries) + self._reserved()
-            if self.eviction == "belady" and total > self.max_bytes:
-                # Furthest next use first (the hints are by copy name); a copy that is
-                # busy is skipped below, so rank them all.
-                hints = self.next_uses()
-                uses = {
-                    p: hints[os.path.basename(p)]
-                    for _, _, p in entries
-                    if os.path.basename(p) in hints
-                }
-                entries = victims(entries, uses, sum(s for _, s, _ in entries), keep="")
-            for _, size, p in entries:
-                if total <= self.max_bytes:
-                    break
-                if p == keep:
-                    continue
-                # A held shard lock means a download or a fetch_open() is using it.
-                with self._flock(self._lock_path(p), blocking=False) as free:
-                    if not free:
-                        continue
-                    if not self._unlink_copy(p):  # readers holding it open keep reading
-                        continue
-                total -= size
-                self._count(evictions=1, bytes_evicted=size)

@@ -6,14 +6,15 @@ machine, not once per worker or epoch: the decoded table is written as an Arrow 
 file, and every process (DataLoader workers, ranks, later runs) memory-maps it. The
 mapped pages live in the page cache, shared by all processes, and cost no private memory.
 
-Layout and safety rules (every process of a machine may share one directory):
+The directory is a :class:`~torchgrain.io.node_store.NodeStore` (its locks, budget,
+eviction, temp files and atomic publish); what this cache adds:
 
 * An entry is ``DIR/<k[:2]>/<k>.arrow``, where ``k`` hashes what the entry was decoded
   from (file path, size, modification time, inode and change time, or a remote
   store's version, and footer; row group, columns and their types): a changed Parquet
   file has new keys, so a stale entry is never served (it ages out of the LRU order).
-  A remote file whose store reports no version (no ETag, generation or modification
-  time) has keys of its own for each opening of the dataset.
+  A remote file whose store reports no version has keys of its own for each opening
+  of the dataset. A build writes ``DIR/.tmp/<k>-<size>-<pid>-<random>``.
 * An entry is an Arrow IPC file followed by a trailer (magic, format version, CRC-32 of
   the IPC bytes, their length, the key). Cache files are untrusted input: a process
   checks the trailer, the CRC, the key, the schema and row count and validates the
@@ -21,35 +22,23 @@ Layout and safety rules (every process of a machine may share one directory):
   deleted and decoded again (never served). A file written or truncated while a
   process maps it (:mod:`torchgrain.io.changes` watches it) is let go by that process
   before it reads the map again, and decoded again (:meth:`DecodedCache.forget`).
-* A build writes ``DIR/.tmp/<k>-<pid>-<random>`` and renames it into place: a file
-  under its final name is always complete. A killed build leaves only a temp file,
-  deleted by the next builder of its key or by eviction.
-* An exclusive ``fcntl.flock`` on one of ``DIR/.locks/<n>`` (``n`` from the key) is
-  held while building: processes that miss the same row group at once decode it once;
-  the others wait, then map the published file. Locks are released by the kernel when
-  a process dies; a wait gives up after ``lock_timeout`` seconds and decodes anyway
-  (the rename is atomic either way).
-* The directory holds at most ``max_bytes`` of entries: a publish that would exceed it
-  first deletes the least recently used entries (by access time, refreshed when a
-  process maps an entry and at most once a minute while it uses it), down to 90% of the
-  budget, under ``DIR/.locks/evict``. Eviction only unlinks: processes that mapped a
-  file keep reading it. The running total lives in ``DIR/.usage`` (recounted whenever
-  an eviction runs).
-* The cache never fills its disk: an entry is written only while the filesystem keeps
-  ``min_free_bytes`` free after it (5% of the filesystem, at most 8 GiB, by default), least
-  recently used entries deleted first to make room.
+* Builds lock one of 256 stripes (processes missing one row group decode it once; a
+  wait gives up after ``lock_timeout`` seconds and decodes anyway). Entries are mapped
+  without a lock: eviction only unlinks, and a mapped file stays readable.
+* Eviction frees down to 90% of the budget, least recently used first (by access
+  time, refreshed when a process maps an entry and at most once a minute while it uses
+  it); the running total lives in ``DIR/.usage``. An entry is written only while the
+  filesystem keeps ``min_free_bytes`` free after it (5% of the filesystem, at most
+  8 GiB, by default).
 * A directory that refuses writes (full, read-only, deleted while in use, a file size
   limit) never fails a read: the row group is served as decoded, not stored, and the
   process warns once, naming the directory, the file it could not write, the row group
-  and the remedy (a full disk, quota or size limit as a
-  :class:`~torchgrain.CacheDiskFullError`'s message). Nothing partial is left: the temp
-  file is removed. A deleted directory is made again at the next build.
+  and the remedy. A deleted directory is made again at the next build.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import re
@@ -57,21 +46,20 @@ import shutil
 import struct
 import threading
 import time
-import uuid
 import warnings
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from torchgrain.caches import announce, size_text
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CacheDiskFullError, CorruptDataError
 from torchgrain.io import process
-from torchgrain.io.atomic import disk_full_errno, disk_full_error, naming_full_disk
 from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
+from torchgrain.io.node_store import NodeStore
 from torchgrain.sources.parquet.arrow_map import map_file_pinned
 
 __all__ = [
@@ -88,21 +76,12 @@ DEFAULT_DECODED_CACHE_BYTES = 64 << 30
 _MAGIC = b"TGROWGRP"
 _VERSION = 1
 _TRAILER = struct.Struct("<8sIIQ32s")  # magic, version, crc32, IPC length, key
-_LOCK_STRIPES = 256
-_TMP = ".tmp"
-_LOCKS = ".locks"
-_USAGE = ".usage"
-_EVICT_TO = 0.9  # an eviction frees space down to this share of the budget
 _TOUCH_SECONDS = 60.0
-_LOCK_POLL = 0.005
-_LOCK_POLL_MAX = 0.1
 # The default min_free_bytes: this share of the filesystem, at most _MIN_FREE_CAP (a
 # tenth of a 250 GB disk that is 90% full left a cache that never stored anything).
 _MIN_FREE_SHARE = 0.05
 _MIN_FREE_CAP = 8 << 30
-# After the disk had no room for an entry, builds store nothing for this long (instead
-# of listing the entries to make room at every row group decoded meanwhile).
-_FULL_SECONDS = 30.0
+_STATS = "hits builds waits corrupt changed evictions bytes_evicted bytes_written not_stored"
 
 
 def default_min_free_bytes(disk_total: int) -> int:
@@ -132,7 +111,7 @@ def entry_key(*parts: Any) -> str:
     return h.hexdigest()[:32]
 
 
-class DecodedCache:
+class DecodedCache(NodeStore):
     """A byte-bounded, LRU, multi-process cache of decoded Arrow tables on local disk.
 
     Args:
@@ -153,12 +132,12 @@ class DecodedCache:
     ``builds`` (entries this process decoded and published), ``waits`` (hits that
     waited for another process's build), ``corrupt`` (invalid files found and
     deleted), ``changed`` (entries let go as their file changed while mapped:
-    :meth:`forget`), ``evictions``, ``bytes_written``, ``not_stored`` (builds served without
-    being stored: too large, no room on the disk, or the directory refused them).
+    :meth:`forget`), ``evictions``, ``bytes_evicted``, ``bytes_written``, ``not_stored``
+    (builds served without being stored: too large, no room on the disk, or the
+    directory refused them).
 
-    The object holds no lock or map between calls (only descriptors of two small
-    bookkeeping files, never pickled): it pickles small and is safe to share with
-    forked or spawned DataLoader workers.
+    The object holds no lock, file or map between calls: it pickles small and is safe
+    to share with forked or spawned DataLoader workers.
 
     Example:
         >>> import tempfile, pyarrow as pa
@@ -172,6 +151,12 @@ class DecodedCache:
         >>> again.equals(t), cache.stats["hits"]
         (True, 1)
     """
+
+    _WHAT = "the decoded Parquet cache"
+    _TMP_DIR, _TMP_PREFIX = ".tmp", ""
+    _STRIPES = 256
+    _USAGE = ".usage"
+    _EVICT_TO = 0.9
 
     def __init__(
         self,
@@ -191,64 +176,32 @@ class DecodedCache:
             or min_free_bytes < 0
         ):
             raise ValueError(f"min_free_bytes must be an integer >= 0, got {min_free_bytes!r}")
-        self.directory = os.path.abspath(os.fspath(directory))
+        super().__init__(os.path.abspath(os.fspath(directory)), max_bytes=max_bytes or 0)
         self.lock_timeout = float(lock_timeout)
-        self.max_bytes = max_bytes  # (None: set below, once the directory is there)
-        with naming_full_disk(
-            "the decoded Parquet cache", self.directory, self.directory, self._remedy()
-        ):
+        self._init_process()
+        with self._writing(self.directory):
             self._make_dirs()
         disk = shutil.disk_usage(self.directory)
         if max_bytes is None:
             # What the cache holds (its running total) it may keep: a later run reuses it.
-            try:
-                with open(os.path.join(self.directory, _USAGE), "rb") as f:
-                    data = f.read(8)
-                held = max(0, struct.unpack("<q", data)[0]) if len(data) == 8 else 0
-            except OSError:
-                held = 0
+            held = self._read_usage() or 0
             max_bytes = max(1, min(DEFAULT_DECODED_CACHE_BYTES, (disk.free + held) // 2))
         self.max_bytes = max_bytes
-        if min_free_bytes is None:
-            min_free_bytes = default_min_free_bytes(disk.total)
-        self.min_free_bytes = min_free_bytes
-        self._init_process()
-
-    def _make_dirs(self) -> None:
-        for sub in (_TMP, _LOCKS):
-            os.makedirs(os.path.join(self.directory, sub), exist_ok=True)
+        self.min_free_bytes = (
+            default_min_free_bytes(disk.total) if min_free_bytes is None else min_free_bytes
+        )
 
     def _init_process(self) -> None:
         self._token = process.token()
-        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         # (device, inode) -> (size, mtime_ns) of files this process has verified
         self._verified: dict[tuple[int, int], tuple[int, int]] = {}
-        self._fds: dict[str, int] = {}
         self._warned = False  # of a refused write (once per process)
-        self._full_until = 0.0  # no room on the disk: store nothing until then
-        # flock excludes processes, not the threads of one sharing a descriptor.
-        self._evict_thread_lock = threading.Lock()
-        self.stats: dict[str, int] = dict.fromkeys(
-            (
-                "hits",
-                "builds",
-                "waits",
-                "corrupt",
-                "changed",
-                "evictions",
-                "bytes_written",
-                "not_stored",
-            ),
-            0,
-        )
+        self.stats: dict[str, int] = dict.fromkeys(_STATS.split(), 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "directory": self.directory,
-            "max_bytes": self.max_bytes,
-            "min_free_bytes": self.min_free_bytes,
-            "lock_timeout": self.lock_timeout,
-        }
+        keep = ("directory", "max_bytes", "min_free_bytes", "lock_timeout")
+        return {k: self.__dict__[k] for k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -317,7 +270,8 @@ class DecodedCache:
         if table is not None:
             self._count(hits=1)
             return table, path, pin
-        with self._stripe(key):
+        # (waiting at most lock_timeout, then building anyway: the rename keeps it whole)
+        with self._lock(key, wait=self.lock_timeout, strict=False):
             # Another process may have built it while we waited for the lock.
             table, pin = self._open(path, key, schema, num_rows)
             if table is not None:
@@ -327,7 +281,7 @@ class DecodedCache:
             built = build()
             if built.num_rows != num_rows or not built.schema.equals(schema):
                 raise ValueError(f"{name or key}: built table does not match its schema/rows")
-            if not self._publish(path, key, built, name or key):
+            if not self._store_table(path, key, built, name or key):
                 return built, None, None
             table, pin = self._open(path, key, schema, num_rows, trusted=True)
         if table is None:  # evicted at once by another process
@@ -349,13 +303,9 @@ class DecodedCache:
             False
         """
         self._check_process()
-        dev, ino = pin.ident[:2]
-        with self._lock:
-            self._verified.pop((dev, ino), None)
-        with contextlib.suppress(OSError):
-            now = os.stat(path)
-            if (now.st_dev, now.st_ino) == (dev, ino):
-                os.unlink(path)
+        with self._stats_lock:
+            self._verified.pop(pin.ident[:2], None)
+        self._discard(path, pin.ident[:2])
         self._count(changed=1)
 
     def touch(self, path: str) -> None:
@@ -363,30 +313,6 @@ class DecodedCache:
         now = time.time()
         with contextlib.suppress(OSError):
             os.utime(path, (now, os.stat(path).st_mtime))
-
-    def total_bytes(self) -> int:
-        """Bytes of the entries now on disk (all processes).
-
-        Example:
-            >>> import tempfile
-            >>> DecodedCache(tempfile.mkdtemp(), max_bytes=10).total_bytes()
-            0
-        """
-        return sum(size for _, size, _ in self._entries())
-
-    def clear(self) -> None:
-        """Delete every entry (processes that mapped one keep reading it).
-
-        Example:
-            >>> import tempfile
-            >>> DecodedCache(tempfile.mkdtemp(), max_bytes=10).clear()
-        """
-        self._check_process()
-        with self._evict_lock():
-            for _, _, p in self._entries():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
-            self._write_usage(0)
 
     # ----------------------------------------------------------------- opening
     def _open(
@@ -402,12 +328,10 @@ class DecodedCache:
             table = self._check(buf, st, key, schema, num_rows, trusted)
         except CorruptDataError:
             self._count(corrupt=1)
-            self._discard(path, st)
+            self._discard(path, (st.st_dev, st.st_ino))
             return None, None
-        now = time.time()
-        if now - st.st_atime > _TOUCH_SECONDS:
-            with contextlib.suppress(OSError):
-                os.utime(path, (now, st.st_mtime))
+        if time.time() - st.st_atime > _TOUCH_SECONDS:
+            self.touch(path)
         return table, pin
 
     def _check(
@@ -444,23 +368,22 @@ class DecodedCache:
         if table.num_rows != num_rows or not table.schema.equals(schema):
             raise CorruptDataError("decoded cache file holds another schema or row count")
         if first:
-            with self._lock:
+            with self._stats_lock:
                 self._verified[ident] = (st.st_size, st.st_mtime_ns)
         return table
 
-    def _discard(self, path: str, st: os.stat_result) -> None:
-        """Delete a corrupt file, unless it was replaced meanwhile."""
-        with contextlib.suppress(FileNotFoundError):
+    def _discard(self, path: str, ident: tuple[int, int]) -> None:
+        """Delete the file ``ident`` (device, inode) at ``path``, unless it was replaced."""
+        with contextlib.suppress(OSError):
             now = os.stat(path)
-            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+            if (now.st_dev, now.st_ino) == ident:
                 os.unlink(path)
 
     # --------------------------------------------------------------- building
-    def _publish(self, path: str, key: str, table: pa.Table, name: str) -> bool:
+    def _store_table(self, path: str, key: str, table: pa.Table, name: str) -> bool:
         """Write ``table`` (the entry ``name``) under a temp name and rename it to ``path``
         (we hold the key's lock). False when it was not stored."""
-        tmp = os.path.join(self.directory, _TMP, f"{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        what = f" ({name})"
+        what, tmp = f" ({name})", ""
         try:
             if not self._room_on_disk(table.nbytes):
                 self._refused(
@@ -468,35 +391,28 @@ class DecodedCache:
                     f"bytes free after writing {path!r}{what}. {self._remedy()}"
                 )
                 return False
-            nbytes = self._write(tmp, table, key)
+            if table.nbytes > self.max_bytes:  # (its file is larger still)
+                self._count(not_stored=1)
+                return False
+            tmp = self._reserve(key, table.nbytes, what)
+            with self._writing(tmp, what):
+                nbytes = self._write(tmp, table, key)
             if nbytes > self.max_bytes:
                 self._count(not_stored=1)
                 return False
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with self._evict_lock():
-                total = self._read_usage()
-                if total is None or total + nbytes > self.max_bytes:
-                    total = self._make_room(nbytes)
-                os.replace(tmp, path)
-                self._write_usage(total + nbytes)
-        except OSError as e:  # the directory refused it (full, read-only, deleted...)
-            code = disk_full_errno(e)
-            if code is not None:  # full disk, quota or size limit: say so, and what to do
-                full = disk_full_error(
-                    code,
-                    "the decoded Parquet cache",
-                    self.directory,
-                    tmp,
-                    self._remedy(),
-                    what=what,
-                )
-                self._refused(f"{full}", full=True)
-            else:
-                self._refused(f"{type(e).__name__}: {e} (writing {tmp!r}{what}). {self._remedy()}")
+            self._publish(tmp, path, nbytes, what)
+        except CacheDiskFullError as e:  # full disk, quota or size limit: say so, and what to do
+            self._refused(str(e), full=True)
+            return False
+        except OSError as e:  # the directory refused it (read-only, deleted...)
+            self._refused(
+                f"{type(e).__name__}: {e} (writing {tmp or path!r}{what}). {self._remedy()}"
+            )
             return False
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
         self._count(builds=1, bytes_written=nbytes)
         announce(
             "the decoded Parquet cache",
@@ -506,24 +422,8 @@ class DecodedCache:
         )
         return True
 
-    def _room_on_disk(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more leave ``min_free_bytes`` free on the disk, once least
-        recently used entries are deleted to make room if need be."""
-        if time.monotonic() < self._full_until:
-            return False
-        short = self.min_free_bytes + nbytes - shutil.disk_usage(self.directory).free
-        if short <= 0:
-            return True
-        with self._evict_lock():
-            self._write_usage(self._make_room(0, short))
-        # (files that processes still map free their blocks only when unmapped)
-        if self.min_free_bytes + nbytes <= shutil.disk_usage(self.directory).free:
-            return True
-        self._full_until = time.monotonic() + _FULL_SECONDS
-        return False
-
     def _remedy(self) -> str:
-        now = "" if self.max_bytes is None else f", now {self.max_bytes:,} bytes"
+        now = f", now {self.max_bytes:,} bytes" if self.max_bytes else ""
         return (
             f"Free space on that disk, lower the cache's budget (decoded_cache_bytes{now}), or "
             "pass decoded_cache= a directory on another local disk (its default lies under "
@@ -557,174 +457,6 @@ class DecodedCache:
             f.write(_TRAILER.pack(_MAGIC, _VERSION, out.crc, out.size, key.encode()))
         return out.size + _TRAILER.size
 
-    def _remove_temps(self, key: str) -> None:
-        """Delete temp files of ``key`` left by killed builds (we hold its lock)."""
-        tmp_dir = os.path.join(self.directory, _TMP)
-        with contextlib.suppress(OSError), os.scandir(tmp_dir) as it:
-            for e in it:
-                if e.name.startswith(key + "-"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(e.path)
-
-    # ---------------------------------------------------------------- eviction
-    def _entries(self) -> list[tuple[float, int, str]]:
-        """``(access time, size, path)`` of every entry."""
-        out = []
-        with os.scandir(self.directory) as top:
-            subdirs = [e.path for e in top if len(e.name) == 2 and e.is_dir()]
-        for d in subdirs:
-            with contextlib.suppress(FileNotFoundError), os.scandir(d) as it:
-                for e in it:
-                    if not e.name.endswith(".arrow"):
-                        continue
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    out.append((st.st_atime, st.st_size, e.path))
-        return out
-
-    def _make_room(self, nbytes: int, short: int = 0) -> int:
-        """Delete least recently used entries until ``nbytes`` more fit under 90% of the
-        budget, and ``short`` bytes more are free; return the bytes left (we hold the
-        eviction lock)."""
-        entries = sorted(self._entries())
-        total = sum(size for _, size, _ in entries)
-        target = max(0, min(int(self.max_bytes * _EVICT_TO) - nbytes, total - short))
-        for _, size, p in entries:
-            if total <= target:
-                break
-            try:
-                os.unlink(p)  # processes that mapped it keep reading it (POSIX)
-            except FileNotFoundError:
-                continue
-            total -= size
-            self._count(evictions=1)
-        self._sweep_temps()
-        return total
-
-    def _sweep_temps(self) -> None:
-        """Delete temp files whose builder is gone (its key's lock is free)."""
-        tmp_dir = os.path.join(self.directory, _TMP)
-        try:
-            with os.scandir(tmp_dir) as it:
-                names = [e.name for e in it]
-        except OSError:
-            return
-        for name in names:
-            key = name.split("-", 1)[0]
-            if len(key) != 32:
-                continue
-            with self._flock(self._stripe_path(key), blocking=False) as free:
-                if free:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(tmp_dir, name))
-
-    # The running total is 8 bytes written in place (under the eviction lock): a rename
-    # over an existing file makes some filesystems (ext4) flush it, about 1 ms each time.
-    def _read_usage(self) -> int | None:
-        data = os.pread(self._fd(_USAGE), 8, 0)
-        return struct.unpack("<q", data)[0] if len(data) == 8 else None
-
-    def _write_usage(self, total: int) -> None:
-        os.pwrite(self._fd(_USAGE), struct.pack("<q", max(0, total)), 0)
-
-    def _fd(self, name: str) -> int:
-        """This process's descriptor of a small shared file (kept open: each publish
-        uses it; a forked child opens its own, as a lock on an inherited descriptor
-        would be shared with the parent). Opened again when the file under its name is
-        another one (the directory was deleted and made again): a lock on the old one
-        would exclude nobody."""
-        path = os.path.join(self.directory, _LOCKS if name == "evict" else "", name)
-        fd = self._fds.get(name)
-        if fd is not None:
-            try:
-                if os.path.samestat(os.fstat(fd), os.stat(path)):
-                    return fd
-            except FileNotFoundError:
-                pass
-            del self._fds[name]
-            os.close(fd)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except FileNotFoundError:
-            self._make_dirs()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        self._fds[name] = fd
-        return fd
-
-    @contextlib.contextmanager
-    def _evict_lock(self) -> Iterator[None]:
-        with self._evict_thread_lock:
-            fd = self._fd("evict")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-
-    def __del__(self) -> None:
-        if getattr(self, "_token", None) == process.token():
-            for fd in getattr(self, "_fds", {}).values():
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
-    # ------------------------------------------------------------------- locks
-    def _stripe_path(self, key: str) -> str:
-        return os.path.join(self.directory, _LOCKS, str(int(key[:8], 16) % _LOCK_STRIPES))
-
-    @contextlib.contextmanager
-    def _stripe(self, key: str) -> Iterator[None]:
-        """Hold the build lock of ``key``'s stripe (waiting at most ``lock_timeout``;
-        without it when the lock file cannot be made: the rename keeps entries whole)."""
-        path = self._stripe_path(key)
-        try:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-            except FileNotFoundError:  # the directory was deleted: make it again
-                self._make_dirs()
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError:
-            yield
-            return
-        try:
-            locked = False
-            deadline = time.monotonic() + self.lock_timeout
-            pause = _LOCK_POLL
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        break  # build without it: the rename keeps the entry whole
-                    time.sleep(pause)
-                    pause = min(pause * 2, _LOCK_POLL_MAX)
-            try:
-                yield
-            finally:
-                if locked:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _flock(self, lock_path: str, *, blocking: bool = True) -> Iterator[bool]:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-
     def _check_process(self) -> None:
         if self._token != process.token():  # a forked child: counters and locks are its own
             verified = self._verified  # (files checked by the parent stay checked)
@@ -733,7 +465,7 @@ class DecodedCache:
 
     def _count(self, **kw: int) -> None:
         self._check_process()
-        with self._lock:
+        with self._stats_lock:
             for k, v in kw.items():
                 self.stats[k] += v
 

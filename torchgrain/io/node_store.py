@@ -1,0 +1,409 @@
+"""NodeStore: keyed files in one local directory, shared by every process of a machine.
+
+The rules of the node-local caches, kept once: :class:`~torchgrain.io.shard_cache.ShardCache`
+(whole remote shards) and :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`
+(decoded Parquet row groups) subclass it and keep what an entry is, its key and how it
+is verified.
+
+* An entry is a file named by its key, in the directory or one subdirectory below it;
+  names starting with ``.`` are the store's own. A file under its final name is
+  complete: a writer fills ``<_TMP_DIR>/<_TMP_PREFIX><name>-<size>-<pid>-<random>``
+  (:meth:`NodeStore._reserve`) and renames it into place (:meth:`NodeStore._publish`).
+* An ``fcntl.flock`` per entry (``.locks/<name>.lock``, or one of ``_STRIPES`` lock files
+  the names hash to) is held exclusively while the entry is written and shared while it
+  is checked and opened (:meth:`NodeStore._lock`). The kernel drops it when a process
+  dies, so a temp file whose entry's lock is free was left by a killed writer: it is
+  deleted by the entry's next writer or at the next eviction.
+* Entries plus the sizes in the names of temp files in flight (writes reserve their
+  room) stay within ``max_bytes``: eviction, under ``.locks/evict.lock``, unlinks least
+  recently used entries first (:meth:`NodeStore._last_use`, or in the order
+  :meth:`NodeStore._rank` gives) down to ``_EVICT_TO`` of the budget. It only unlinks
+  (a process that has a file open or mapped keeps reading it) and, with a lock per
+  entry, skips entries whose lock is held. With ``_USAGE``, a running total of the
+  entries' bytes in that file spares a listing at each publish (recounted at each
+  eviction).
+* :meth:`NodeStore._room_on_disk` keeps ``min_free_bytes`` free on the filesystem, least
+  recently used entries deleted first to make room.
+* A write that finds no room (a full disk, a spent quota, a file-size limit) raises
+  :class:`~torchgrain.CacheDiskFullError` naming the store, its directory, the file and
+  the remedy, leaves nothing partial, and sets :attr:`NodeStore.disk_full` in this process.
+
+A store holds no file or lock between calls, so it pickles and forks as it is.
+
+Example:
+    >>> import tempfile
+    >>> store = NodeStore(tempfile.mkdtemp(), max_bytes=10)
+    >>> a = os.path.join(store.directory, "a")
+    >>> with store._lock("a"):
+    ...     tmp = store._reserve("a", 3)
+    ...     _ = open(tmp, "wb").write(b"abc")
+    ...     store._publish(tmp, a, 3)
+    >>> with store._lock("b"):
+    ...     tmp = store._reserve("b", 9)  # no room for both: "a" goes
+    ...     store._reserved(), store.total_bytes(), os.path.exists(a)
+    (9, 0, False)
+    >>> store._reserved(), os.path.exists(tmp)  # its writer is gone: so is its temp file
+    (0, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import stat
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+
+from torchgrain.errors import CacheDiskFullError
+from torchgrain.io import process
+from torchgrain.io.atomic import naming_full_disk, publish
+
+__all__ = ["Entry", "NodeStore"]
+
+#: ``(last use, size, path)`` of an entry.
+Entry = tuple[int, int, str]
+
+_LOCKS = ".locks"
+_TOTAL = struct.Struct("<q")
+_POLL, _POLL_MAX = 0.005, 0.1  # seconds between tries of a lock waited for with a deadline
+# After the disk had no room for an entry, store nothing for this long (instead of listing
+# the entries to make room at every write meanwhile).
+_FULL_SECONDS = 30.0
+
+
+class NodeStore:
+    """A byte-bounded directory of entries shared by the processes of a machine.
+
+    ``directory`` (a local disk: the locks are ``flock``) holds at most ``max_bytes``
+    of entries and writes in flight, and :meth:`_room_on_disk` keeps ``min_free_bytes``
+    free on its filesystem. Subclasses set the class attributes below and may override
+    :meth:`_remedy`, :meth:`_count`, :meth:`_last_use`, :meth:`_forget` and :meth:`_rank`.
+    """
+
+    _WHAT = "the node store"  # what it is, in messages
+    _TMP_DIR, _TMP_PREFIX = "", ".tmp-"  # where temp files go, and how their names start
+    _DIRS: tuple[str, ...] = ()  # more subdirectories to make with the store's own
+    _STRIPES: int | None = None  # hash entry names to this many lock files, not one each
+    _USAGE: str | None = None  # file of a running total of the entries' bytes
+    _EVICT_TO = 1.0  # an eviction frees room down to this share of max_bytes
+    # (per process: a pickled store starts with these)
+    _full_in: tuple[int, int] | None = None  # the process whose write found no room
+    _full_error: CacheDiskFullError | None = None  # (and what it found)
+    _full_until = 0.0  # _room_on_disk: store nothing until then
+
+    def __init__(self, directory: str, *, max_bytes: int, min_free_bytes: int = 0) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+
+    # ------------------------------------------------------------------ public
+    @property
+    def disk_full(self) -> bool:
+        """Whether a write of this process into the store found no room (a full disk, a
+        spent quota, a file-size limit: it raised :class:`~torchgrain.CacheDiskFullError`).
+        Sources then read without the cache in this process; a new process (the next
+        epoch's DataLoader workers, unless persistent) tries again.
+
+        Example:
+            >>> import tempfile
+            >>> NodeStore(tempfile.mkdtemp(), max_bytes=10).disk_full
+            False
+        """
+        full = self._full_in  # (no system call unless a write found no room)
+        if full is None:
+            return False
+        if full == process.token():
+            return True
+        self._full_in = None  # a forked child of that process: it tries again
+        return False
+
+    def total_bytes(self) -> int:
+        """Bytes of complete entries now (all processes).
+
+        Example:
+            >>> import tempfile
+            >>> NodeStore(tempfile.mkdtemp(), max_bytes=10).total_bytes()
+            0
+        """
+        return sum(size for _, size, _ in self._entries())
+
+    def clear(self) -> None:
+        """Delete every entry (processes that have one open or mapped keep reading it).
+
+        Example:
+            >>> import tempfile
+            >>> NodeStore(tempfile.mkdtemp(), max_bytes=10).clear()
+        """
+        with self._evict_lock():
+            for _, _, path in self._entries():
+                self._unlink(path)
+            self._write_usage(0)
+
+    # ---------------------------------------------------------- for subclasses
+    def _remedy(self) -> str:
+        return f"Free space on that disk or lower the budget (now {self.max_bytes:,} bytes)."
+
+    def _count(self, **kw: int) -> None:
+        """Count events (``evictions=1, bytes_evicted=n``) in the subclass's stats."""
+
+    def _last_use(self, path: str, st: os.stat_result) -> int:
+        """An entry's LRU clock: its access time."""
+        return st.st_atime_ns
+
+    def _forget(self, path: str) -> None:
+        """Called with an entry's path once it is unlinked."""
+
+    def _rank(self, entries: list[Entry]) -> list[Entry]:
+        """``entries`` (least recently used first) in the order they are evicted."""
+        return entries
+
+    # ----------------------------------------------------------------- writing
+    @contextlib.contextmanager
+    def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
+        """Writes to ``path`` (``what`` says what it is): one that finds no room raises
+        :class:`~torchgrain.CacheDiskFullError` and (``mark``) sets :attr:`disk_full`."""
+        try:
+            with naming_full_disk(self._WHAT, self.directory, path, self._remedy(), what=what):
+                yield
+        except CacheDiskFullError as e:
+            if mark and e.directory == self.directory:
+                self._full_in = process.token()
+                self._full_error = e
+            raise
+
+    def _make_dirs(self, *, mark: bool = True) -> None:
+        """Make the store's directories (again, if they were deleted)."""
+        for sub in (_LOCKS, self._TMP_DIR, *self._DIRS):
+            path = os.path.join(self.directory, sub)
+            with self._writing(path, mark=mark):
+                os.makedirs(path, exist_ok=True)
+
+    # ------------------------------------------------------------------- locks
+    def _lock(
+        self, name: str, *, shared: bool = False, wait: float | None = None, **kw: bool
+    ) -> contextlib.AbstractContextManager[bool]:
+        """Hold the lock of entry ``name`` (shared or exclusive); yields whether it is held:
+        ``wait`` None waits for it, else gives up after that many seconds (0: one try).
+        See :meth:`_flock` for ``strict`` and ``mark``."""
+        if self._STRIPES:
+            name = str(zlib.crc32(name.encode()) % self._STRIPES)
+        return self._flock(os.path.join(self.directory, _LOCKS, name + ".lock"), shared, wait, **kw)
+
+    def _evict_lock(self) -> contextlib.AbstractContextManager[bool]:
+        """The lock under which entries are counted, evicted and published."""
+        return self._flock(os.path.join(self.directory, _LOCKS, "evict.lock"))
+
+    @contextlib.contextmanager
+    def _flock(
+        self,
+        path: str,
+        shared: bool = False,
+        wait: float | None = None,
+        strict: bool = True,
+        mark: bool = True,
+    ) -> Iterator[bool]:
+        """``strict=False``: a lock file that cannot be made yields False, not an error;
+        ``mark``: see :meth:`_writing`."""
+        # A new descriptor each time: flock excludes open files, not threads sharing one.
+        try:
+            with self._writing(path, " (a lock file)", mark=mark):
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+                except FileNotFoundError:  # not made for want of room, or deleted: again
+                    self._make_dirs(mark=mark)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError:
+            if strict:
+                raise
+            yield False
+            return
+        try:
+            mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+            deadline = None if wait is None else time.monotonic() + wait
+            pause = _POLL
+            while True:
+                try:
+                    fcntl.flock(fd, mode | (0 if deadline is None else fcntl.LOCK_NB))
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:  # type: ignore[operator]
+                        yield False
+                        return
+                    time.sleep(pause)
+                    pause = min(pause * 2, _POLL_MAX)
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------- temps
+    def _temps(self) -> list[tuple[str, str, int]]:
+        """``(path, entry name, reserved bytes)`` of the temp files."""
+        out = []
+        tmp_dir = os.path.join(self.directory, self._TMP_DIR)
+        with contextlib.suppress(FileNotFoundError), os.scandir(tmp_dir) as it:
+            for e in it:
+                if e.name.startswith(self._TMP_PREFIX):
+                    with contextlib.suppress(ValueError):
+                        name, size, _, _ = e.name[len(self._TMP_PREFIX) :].rsplit("-", 3)
+                        out.append((e.path, name, int(size)))
+        return out
+
+    def _remove_temps(self, name: str) -> None:
+        """Delete temp files of entry ``name`` left by killed writers (its lock held)."""
+        for path, of, _ in self._temps():
+            if of == name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _reserved(self, exclude: str = "") -> int:
+        """Bytes reserved by writes in flight (but ``exclude``); deletes the temp files
+        of writers that are gone (their entry's lock is free)."""
+        total = 0
+        for path, name, size in self._temps():
+            if path == exclude:
+                continue
+            with self._lock(name, wait=0) as free:
+                if free:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    continue
+            total += size
+        return total
+
+    def _reserve(self, name: str, size: int, what: str = "") -> str:
+        """A new temp file for entry ``name`` (its lock held) reserving ``size`` bytes,
+        least wanted entries evicted to make room for it; its path."""
+        tmp = os.path.join(
+            self.directory,
+            self._TMP_DIR,
+            f"{self._TMP_PREFIX}{name}-{size}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+        )
+        with self._writing(tmp, what):
+            open(tmp, "wb").close()
+        with self._evict_lock():
+            self._settle(0)
+        return tmp
+
+    def _publish(self, tmp: str, path: str, size: int, what: str = "") -> None:
+        """Rename the complete temp file ``tmp`` to the entry ``path`` (``size`` bytes; its
+        lock held), making room for it first: writes in flight may together have
+        overshot the budget (they cannot evict each other)."""
+        with self._writing(path, what):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with self._evict_lock():
+                held = self._settle(size, exclude=tmp)
+                publish(tmp, path, durable=False)  # mode from the umask
+                self._write_usage(held + size)
+
+    # ---------------------------------------------------------------- eviction
+    def _settle(self, size: int, exclude: str = "") -> int:
+        """The entries' bytes, once ``size`` more fit with the reservations (evicting if
+        need be; the eviction lock held)."""
+        held = self._read_usage()
+        if held is None or held + size + self._reserved(exclude) > self.max_bytes:
+            held = self._make_room(size, exclude=exclude)
+        return held
+
+    def _entries(self) -> list[Entry]:
+        """``(last use, size, path)`` of the complete entries (all processes)."""
+        out: list[Entry] = []
+
+        def scan(directory: str, below: bool) -> None:
+            with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
+                for e in it:
+                    if e.name.startswith("."):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if not stat.S_ISDIR(st.st_mode):
+                        out.append((self._last_use(e.path, st), st.st_size, e.path))
+                    elif below:
+                        scan(e.path, False)
+
+        scan(self.directory, True)
+        return out
+
+    def _make_room(self, need: int = 0, *, short: int = 0, exclude: str = "") -> int:
+        """Evict until ``need`` more bytes fit in ``_EVICT_TO`` of the budget with the
+        reservations (but ``exclude``) and ``short`` bytes more are free; return the
+        entries' bytes left (the eviction lock held)."""
+        entries = sorted(self._entries())
+        held = sum(size for _, size, _ in entries)
+        reserved = self._reserved(exclude)
+        target = max(0, min(int(self.max_bytes * self._EVICT_TO) - need, held + reserved - short))
+        for _, size, path in self._rank(entries) if held + reserved > target else ():
+            if held + reserved <= target:
+                break
+            # A held lock of its own: the entry is being written, checked or opened (a
+            # stripe says nothing of which entry: those stores map entries unlocked).
+            with contextlib.ExitStack() as stack:
+                if not self._STRIPES and not stack.enter_context(
+                    self._lock(os.path.basename(path), wait=0)
+                ):
+                    continue
+                if not self._unlink(path):
+                    continue
+            held -= size
+            self._count(evictions=1, bytes_evicted=size)
+        self._write_usage(held)
+        return held
+
+    def _unlink(self, path: str) -> bool:
+        """Delete an entry (readers that have it open keep reading it); whether it was
+        there."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        finally:
+            self._forget(path)
+        return True
+
+    def _room_on_disk(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more leave ``min_free_bytes`` free on the filesystem, once
+        least recently used entries are deleted to make room if need be."""
+        if time.monotonic() < self._full_until:
+            return False
+        short = self.min_free_bytes + nbytes - shutil.disk_usage(self.directory).free
+        if short <= 0:
+            return True
+        with self._evict_lock():
+            self._make_room(short=short)
+        # (files that processes still map free their blocks only when unmapped)
+        if self.min_free_bytes + nbytes <= shutil.disk_usage(self.directory).free:
+            return True
+        self._full_until = time.monotonic() + _FULL_SECONDS
+        return False
+
+    # ------------------------------------------------------------------- usage
+    # The running total is 8 bytes written in place (under the eviction lock): a rename
+    # over an existing file makes some filesystems (ext4) flush it, about 1 ms each time.
+    def _read_usage(self) -> int | None:
+        """The running total of the entries' bytes; None without one."""
+        if self._USAGE is None:
+            return None
+        try:
+            with open(os.path.join(self.directory, self._USAGE), "rb") as f:
+                data = f.read(_TOTAL.size)
+        except OSError:
+            return None
+        return max(0, _TOTAL.unpack(data)[0]) if len(data) == _TOTAL.size else None
+
+    def _write_usage(self, held: int) -> None:
+        if self._USAGE is not None:
+            path = os.path.join(self.directory, self._USAGE)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+            try:
+                os.pwrite(fd, _TOTAL.pack(max(0, held)), 0)
+            finally:
+                os.close(fd)
