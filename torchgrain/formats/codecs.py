@@ -371,7 +371,14 @@ def _lazy_builtin(name: str) -> Codec | None:
 
 
 def get_codec(name: str | Codec) -> Codec:
-    """Look a codec up by name (or pass a codec object through)."""
+    """Look a codec up by name (or pass a codec object through): what a format encodes
+    and decodes its records with (``tg.sources.get_codec``).
+
+    Example:
+        >>> codec = get_codec("msgpack")
+        >>> codec.decode(codec.encode({"a": 1}))
+        {'a': 1}
+    """
     if not isinstance(name, str):
         if not callable(getattr(name, "decode", None)):
             raise TypeError("codec must be a name or an object with a decode(data) method")

@@ -9,7 +9,8 @@ new format is a :class:`ShardFormat` (open a :class:`ShardFile`, read rows with 
 :class:`ShardReader`, optionally :class:`ReadsByteRanges`) that :class:`FormatSource`
 reads with all of the above, plus a :func:`register_format` call with its :class:`Format`
 (``torchgrain inspect``, ``bench`` and ``convert`` then know it). Codecs turn an
-encoded record's bytes into a dict; :func:`register_codec` adds one. Other packages'
+encoded record's bytes into a dict; :func:`get_codec` finds one by name and
+:func:`register_codec` adds one. Other packages'
 formats load through the ``torchgrain.formats`` entry-point group (:func:`load_plugins`),
 and :func:`merge_schema` builds a source's ``schema`` from its records. :func:`read_column`
 reads one column of any source or dataset the cheapest way (a Parquet column alone).
@@ -25,7 +26,7 @@ Example:
     ['array_record', 'parquet', 'tfrecord']
 """
 
-from torchgrain.formats.codecs import merge_schema, register_codec
+from torchgrain.formats.codecs import get_codec, merge_schema, register_codec
 from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.column import read_column
@@ -67,6 +68,7 @@ __all__ = [
     "TFRecordSource",
     "detect_format",
     "formats",
+    "get_codec",
     "get_format",
     "load_plugins",
     "merge_schema",
