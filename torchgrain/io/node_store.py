@@ -5,8 +5,8 @@ The rules of the node-local caches, kept once: :class:`~torchgrain.io.shard_cach
 (decoded Parquet row groups) subclass it and keep what an entry is, its key and how it
 is verified.
 
-* An entry is a file named by its key, in the directory or one subdirectory below it;
-  names starting with ``.`` are the store's own. A file under its final name is
+* An entry is a file named by its key, in the directory (or, ``_NESTED``, in its
+  subdirectories); names starting with ``.`` are the store's own. A file under its final name is
   complete: a writer fills ``<_TMP_DIR>/<_TMP_PREFIX><name>-<size>-<pid>-<random>``
   (:meth:`NodeStore._reserve`) and renames it into place (:meth:`NodeStore._publish`).
 * An ``fcntl.flock`` per entry (``.locks/<name>.lock``, or one of ``_STRIPES`` lock files
@@ -88,6 +88,7 @@ class NodeStore:
     _WHAT = "the node store"  # what it is, in messages
     _TMP_DIR, _TMP_PREFIX = "", ".tmp-"  # where temp files go, and how their names start
     _DIRS: tuple[str, ...] = ()  # more subdirectories to make with the store's own
+    _NESTED = False  # entries live in subdirectories of the directory, not in it
     _STRIPES: int | None = None  # hash entry names to this many lock files, not one each
     _USAGE: str | None = None  # file of a running total of the entries' bytes
     _EVICT_TO = 1.0  # an eviction frees room down to this share of max_bytes
@@ -313,7 +314,9 @@ class NodeStore:
         return held
 
     def _entries(self) -> list[Entry]:
-        """``(last use, size, path)`` of the complete entries (all processes)."""
+        """``(last use, size, path)`` of the complete entries (all processes): the
+        regular files not named ``.*`` in the directory, or in its subdirectories with
+        ``_NESTED`` (never anything else: the directory may hold a user's files)."""
         out: list[Entry] = []
 
         def scan(directory: str, below: bool) -> None:
@@ -325,12 +328,12 @@ class NodeStore:
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if not stat.S_ISDIR(st.st_mode):
-                        out.append((self._last_use(e.path, st), st.st_size, e.path))
-                    elif below:
+                    if below and stat.S_ISDIR(st.st_mode):
                         scan(e.path, False)
+                    elif not below and stat.S_ISREG(st.st_mode):
+                        out.append((self._last_use(e.path, st), st.st_size, e.path))
 
-        scan(self.directory, True)
+        scan(self.directory, self._NESTED)
         return out
 
     def _make_room(self, need: int = 0, *, short: int = 0, exclude: str = "") -> int:

@@ -283,11 +283,10 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
+        hit = self.lookup(url, size=size, checksum=checksum)
+        if hit is not None:
+            return hit[0]
         path = self.local_path(url, checksum=checksum)
-        st = self._hit(path, size)
-        if st is not None and self._checked(path, st):
-            self._count(hits=1)
-            return path
         return self._fetch_locked(url, path, filesystem, size, checksum, None, verify)[0]
 
     def fetch_open(

@@ -155,6 +155,7 @@ class DecodedCache(NodeStore):
     _WHAT = "the decoded Parquet cache"
     _TMP_DIR, _TMP_PREFIX = ".tmp", ""
     _STRIPES = 256
+    _NESTED = True
     _USAGE = ".usage"
     _EVICT_TO = 0.9
 
