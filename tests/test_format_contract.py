@@ -124,8 +124,8 @@ class Lying(FixedReader):
 
 @pytest.mark.parametrize("reader", [Dropping, Outside])
 def test_a_hostile_reader_is_corrupt_data_naming_shard_and_index(data, monkeypatch, reader):
-    src = FixedSource(str(data))
     monkeypatch.setattr("docs.snippets.fixed_format.FixedReader", reader)
+    src = FixedSource(str(data))
     with pytest.raises(tg.CorruptDataError, match=r"fixed shard 2 .*data-00002-of-00008.*index 70"):
         src.__getitems__([70, 71])
     with RangeHTTPServer(data.parent) as srv:
@@ -139,6 +139,7 @@ def test_a_hostile_reader_is_corrupt_data_naming_shard_and_index(data, monkeypat
 def test_a_shard_whose_count_changed_since_open_is_corrupt_data(data, monkeypatch):
     src = FixedSource(str(data))
     monkeypatch.setattr("docs.snippets.fixed_format.FixedReader", Lying)
+    src.close()  # the readers opened to count are let go: the shard is opened again
     with pytest.raises(tg.CorruptDataError, match=r"fixed shard 1 .* counted 30.*record index 40"):
         src[40]
 
@@ -152,3 +153,39 @@ def test_a_format_without_byte_ranges_reads_a_remote_batchs_shards_concurrently(
         srv.latency_s = 0.05
         got = src.__getitems__([5, 0, 3, 1])
         assert [int(r["array"][0]) for r in got] == [5, 0, 3, 1] and srv.max_inflight >= 2
+
+
+class Floats(FixedReader):
+    def byte_ranges(self, rows):
+        ranges = super().byte_ranges(rows)
+        return [(s + 0.5 if r % 2 else s, e) for r, (s, e) in zip(rows.tolist(), ranges)]
+
+
+def test_byte_ranges_not_of_integers_or_over_the_ceiling_are_corrupt_data(data, monkeypatch):
+    monkeypatch.setattr("docs.snippets.fixed_format.FixedReader", Floats)
+    with pytest.raises(tg.CorruptDataError, match=r"is not a byte range.*shard 1 .*index 31"):
+        FixedSource(str(data)).__getitems__([30, 31])  # (not truncated to [s, e))
+    with tg.sources.ShardFile(0, FixedSource(str(data)).paths[0]) as f:
+        assert len(f.read_ranges([(0, 8), (8, 16)], max_bytes=16)) == 2
+        with pytest.raises(tg.CorruptDataError, match="more than the 15 allowed"):
+            f.read_ranges([(0, 8), (8, 16)], max_bytes=15)
+
+
+def test_opening_sizes_shards_from_the_listing_and_keeps_their_readers(data, monkeypatch):
+    import fsspec
+
+    from torchgrain.io import remote
+
+    store = fsspec.filesystem("memory")
+    for f in data.iterdir():
+        store.pipe(f"/contract/{f.name}", f.read_bytes())
+    asked, file_size = [], remote.file_size
+    monkeypatch.setattr(remote, "file_size", lambda *a, **k: asked.append(a) or file_size(*a, **k))
+    src = FixedSource("memory://contract", io_threads=4)
+    assert asked == [] and src.shard_integrity(3)[0] == store.size(src.paths[3])
+    with RangeHTTPServer(data.parent) as srv:
+        remote_src = FixedSource(f"{srv.url}/data", max_open_files=SHARDS)
+        srv.reset_counts()
+        batch = list(range(0, N, N // SHARDS))
+        assert [r["id"] for r in remote_src.__getitems__(batch)] == batch
+        assert srv.gets() == SHARDS  # the records' ranges only: no shard opened again

@@ -1,7 +1,7 @@
 """Review of the public format contract (torchgrain/sources/format.py) through the example
 format of docs/sources.md (docs/snippets/fixed_format.py): faults found by reproduction,
-locally and against a real 127.0.0.1 server. Each test shows one fault and is a strict
-xfail until it is fixed."""
+locally and against a real 127.0.0.1 server. Each test showed one fault (a strict xfail
+until it was fixed)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ def use_reader(monkeypatch, reader: type) -> None:
     monkeypatch.setattr(fixed_format, "FixedReader", reader)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource.shard_integrity gives the shard cache no size: a copy of another "
-    "version of the file is served although the source sized the remote file when opened",
-)
 def test_a_cached_copy_of_an_older_version_is_not_served(tmp_path):
     # A job reads a remote dataset through cache_dir; the files are then replaced (same
     # names, same record counts, longer records). The next job counts and sizes the new
@@ -70,11 +65,6 @@ class _HugeLen(FixedReader):
         return 2**64
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the count at open calls len(reader) outside the naming of _open: a raw "
-    "ValueError/OverflowError naming no format, shard or file",
-)
 @pytest.mark.parametrize("reader", [_NegativeLen, _HugeLen])
 def test_a_shard_whose_reader_has_no_valid_length_is_corrupt_data_naming_it(
     data, monkeypatch, reader
@@ -95,17 +85,11 @@ class _CorruptOffsets(FixedReader):
         raise tg.CorruptDataError("offsets table points backwards")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a remote batch calls byte_ranges in _batch_ranges, before any naming: what the "
-    "reader raises escapes as it is (a ValueError, or a CorruptDataError without shard or "
-    "index), where a local read names the shard, file and record index",
-)
 @pytest.mark.parametrize("reader", [_HostileOffsets, _CorruptOffsets])
 def test_a_remote_reader_failing_to_give_byte_ranges_is_named(data, monkeypatch, reader):
     with RangeHTTPServer(data.parent) as srv:
-        src = FixedSource(f"{srv.url}/d")
         use_reader(monkeypatch, reader)
+        src = FixedSource(f"{srv.url}/d")
         with pytest.raises(
             tg.CorruptDataError, match=r"fixed shard 1 .*data-00001-of-00003.*record index 5"
         ):
@@ -117,24 +101,13 @@ class _Buggy(FixedReader):
         return [None + 1]  # a programming error of the format, not bad data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource._named turns every exception of the format's code into a "
-    "CorruptDataError, a TypeError of its own bug included: the data is blamed, and code "
-    "that handles corrupt data handles the bug too (torch and pyarrow let it surface)",
-)
 def test_a_bug_in_the_format_code_surfaces_as_itself(data, monkeypatch):
-    src = FixedSource(str(data))
     use_reader(monkeypatch, _Buggy)
+    src = FixedSource(str(data))
     with pytest.raises(TypeError):
         src.__getitems__([5])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a local ShardFile is not pinned (io/changes.Pin, as the built-in readers and "
-    "the shard cache's copies are): a shard rewritten in place is read on without notice",
-)
 def test_a_local_shard_rewritten_in_place_while_open_is_detected(data, tmp_path):
     src = FixedSource(str(data))
     assert src[1]["i"] == 1  # shard 0 open, its header read
@@ -149,12 +122,6 @@ def test_a_local_shard_rewritten_in_place_while_open_is_detected(data, tmp_path)
         src[2]  # returns {"i": 22}: the new file's record, at the offsets of the old one
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the open-file LRU closes an evicted reader's ShardFile (its fd) while another "
-    "thread reads through it: that read fails (AssertionError, reported as corrupt data), "
-    "or, in a narrower window, preads a reused descriptor: another file's bytes",
-)
 def test_a_reader_evicted_while_another_thread_reads_it_still_reads(data, monkeypatch):
     entered, release = threading.Event(), threading.Event()
 
@@ -165,8 +132,8 @@ def test_a_reader_evicted_while_another_thread_reads_it_still_reads(data, monkey
                 release.wait(30)
             return super().byte_ranges(rows)
 
-    src = FixedSource(str(data), max_open_files=1)
     use_reader(monkeypatch, Gated)
+    src = FixedSource(str(data), max_open_files=1)
     got: list = []
     reading = threading.Thread(target=lambda: got.append(_result(src, [0, 1])))
     reading.start()
@@ -188,12 +155,6 @@ def _result(src: tg.Source, indices: list[int]):
         return e
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource.schema and keys come from record 0 only: a key record 0 lacks is "
-    "missing, and no 'a|b' types, unlike the Source contract (merge_schema over sampled "
-    "records, as ArrayRecordSource does)",
-)
 def test_schema_and_keys_are_not_those_of_the_first_record_alone(tmp_path):
     recs = [{"i": 0}, {"i": 1, "label": "cat"}, {"i": 2, "label": None}]
     write_fixed(recs, str(tmp_path / "d"))
@@ -207,18 +168,14 @@ def test_schema_and_keys_are_not_those_of_the_first_record_alone(tmp_path):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_read_group names the first record of the shard's group, whichever record "
-    "failed: the error points at a good record",
-)
 def test_a_corrupt_record_error_names_that_record(data):
     # Record 6 (shard 1, row 2): its slot's length field claims more than the slot holds.
-    src = FixedSource(str(data))
-    width = int(np.frombuffer(Path(src.paths[1]).read_bytes()[8:12], "<u4")[0])
-    with open(src.paths[1], "r+b") as f:
+    path = data / "data-00001-of-00003.fixed"  # (before the source opens it: not a rewrite)
+    width = int(np.frombuffer(path.read_bytes()[8:12], "<u4")[0])
+    with open(path, "r+b") as f:
         f.seek(16 + 2 * width)
         f.write((width * 2).to_bytes(4, "little"))
+    src = FixedSource(str(data))
     with pytest.raises(tg.CorruptDataError, match=r"record index 6\b"):
         src.__getitems__([4, 5, 6, 7])
 
@@ -239,11 +196,6 @@ class _ReadOnly:
         pass
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a reader without byte ranges is counted with 0 bytes read (count_read(t, 0)): "
-    "tg.stats shows 0 MB read for every such format",
-)
 def test_bytes_a_reader_without_byte_ranges_reads_are_counted(data, monkeypatch):
     use_reader(monkeypatch, _ReadOnly)
     src = FixedSource(str(data))

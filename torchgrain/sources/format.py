@@ -7,43 +7,54 @@ at once. :class:`FormatSource` is the rest, the same as for the built-in formats
 listing, per-process readers that survive ``fork``, the open-file LRU, retries,
 ``io_threads``, the shard cache (``cache_dir``), read-ahead, cache-fit checks, the
 ``tg.stats`` counters, small pickles and errors that name the shard, file and record.
-A format reads its file only through :class:`ShardFile` (bounded whole-file reads and
-checked byte ranges), never through fsspec itself. docs/sources.md has a complete example.
+A format reads its file only through :class:`ShardFile` (bounded, checked reads of a file
+pinned to its version), never through fsspec itself. docs/sources.md has a complete example.
 """
 
 from __future__ import annotations
 
+import operator
 import os
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import fsspec
 import numpy as np
 
 from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, TorchgrainError
-from torchgrain.formats.codecs import describe_value
-from torchgrain.io import process, remote
+from torchgrain.formats.codecs import SCHEMA_SAMPLE_FIRST, merge_schema
+from torchgrain.io import changes, process, remote
 from torchgrain.io.fs import expand_paths, is_local
 from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call
-from torchgrain.sources.base import ShardedSource
+from torchgrain.sources.base import ShardedSource, iter_in_blocks
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["FormatSource", "ReadsByteRanges", "ShardFile", "ShardFormat", "ShardReader"]
 
-#: The most bytes :meth:`ShardFile.read` reads unless told otherwise.
+T = TypeVar("T")
+
+#: The most bytes one :meth:`ShardFile.read` or :meth:`ShardFile.read_ranges` call reads
+#: unless told otherwise.
 MAX_FILE_BYTES = 1 << 30
 
+#: What a bug in a format's own code raises, as opposed to what bad bytes make it raise:
+#: these surface as they are (see :class:`FormatSource`).
+BUGS = (TypeError, AttributeError, NameError, AssertionError, NotImplementedError, ImportError)
 
-@dataclass(frozen=True)
+
 class ShardFile:
     """One shard file, opened for reading: its number in the dataset, its path or URL and
     its filesystem (None for a local file). A local file is held open (a copy in the shard
-    cache stays readable once evicted) until :meth:`close`; a remote one is pinned to the
-    size and version it has now (a file replaced later is an error, never mixed bytes).
+    cache stays readable once evicted) until :meth:`close`, and pinned: a file written in
+    place since it was opened is a :class:`~torchgrain.CorruptDataError` at the next read
+    (:mod:`torchgrain.io.changes`: an inotify watch, ~0.1 ms to add and remove, and one
+    check a read; ``watch=False`` for a file read once, e.g. to count). A remote one is pinned to the
+    size (``size``, else asked) and version it has now: a file replaced later is an error,
+    never mixed bytes. A context manager (closes on exit).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -52,79 +63,112 @@ class ShardFile:
         >>> import os, tempfile
         >>> p = os.path.join(tempfile.mkdtemp(), "f.bin")
         >>> _ = open(p, "wb").write(b"0123456789")
-        >>> f = ShardFile(0, p)
-        >>> f.size, [bytes(b) for b in f.read_ranges([(8, 10), (0, 2)])], f.read(max_bytes=10)
+        >>> with ShardFile(0, p) as f:
+        ...     f.size, [bytes(b) for b in f.read_ranges([(8, 10), (0, 2)])], bytes(f.read())
         (10, [b'89', b'01'], b'0123456789')
-        >>> f.read_ranges([(8, 12)])
+        >>> ShardFile(0, p).read_ranges([(8, 12)])
         Traceback (most recent call last):
         ...
         torchgrain.errors.CorruptDataError: ...f.bin': bytes [8, 12) lie outside the file of 10 bytes
-        >>> f.close()
     """
 
-    shard: int
-    path: str
-    filesystem: fsspec.AbstractFileSystem | None = None
-    #: The file's size in bytes (for a remote file: asked when not given).
-    size: int = -1
-    _fd: int | None = field(default=None, init=False, repr=False, compare=False)
-    _seen: tuple | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        fs = self.filesystem
-        if fs is None:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            object.__setattr__(self, "_fd", fd)
-            object.__setattr__(self, "size", os.fstat(fd).st_size)
+    def __init__(
+        self,
+        shard: int,
+        path: str,
+        filesystem: fsspec.AbstractFileSystem | None = None,
+        size: int = -1,
+        *,
+        watch: bool = True,
+    ) -> None:
+        self.shard, self.path, self.filesystem = shard, path, filesystem
+        self._fd: int | None = None
+        self._pin: changes.Pin | None = None
+        if filesystem is None:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if watch:
+                    self._pin = changes.Pin(fd, path)
+                #: The file's size in bytes.
+                self.size: int = os.fstat(fd).st_size if self._pin is None else self._pin.size
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
             return
-        path = fs._strip_protocol(self.path)
-        if self.size < 0:
-            object.__setattr__(self, "size", remote.file_size(fs, path, url=self.path))
-        remote.pin(fs, path, self.size)  # every answer must be of this version of the file
-        object.__setattr__(self, "_seen", remote.unchanged_since(fs, path, None))
+        self._rpath = filesystem._strip_protocol(path)
+        self.size = size if size >= 0 else remote.file_size(filesystem, self._rpath, url=path)
+        remote.pin(filesystem, self._rpath, self.size)  # every answer must be of this version
+        self._seen = remote.unchanged_since(filesystem, self._rpath, None)
 
-    def read(self, *, max_bytes: int = MAX_FILE_BYTES) -> bytes:
-        """The whole file; a :class:`~torchgrain.CorruptDataError` when it holds more than
-        ``max_bytes``."""
-        if self.size > max_bytes:
-            raise CorruptDataError(
-                f"{self.path!r} is {self.size} bytes, more than the {max_bytes} allowed"
-            )
-        return bytes(self.read_ranges([(0, self.size)])[0])
+    def read(self, *, max_bytes: int = MAX_FILE_BYTES) -> memoryview:
+        """The whole file (read-only, not copied); a :class:`~torchgrain.CorruptDataError`
+        when it holds more than ``max_bytes``."""
+        return self.read_ranges([(0, self.size)], max_bytes=max_bytes)[0]
 
-    def read_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+    def read_ranges(
+        self, ranges: Sequence[tuple[int, int]], *, max_bytes: int = MAX_FILE_BYTES
+    ) -> list[memoryview]:
         """Bytes ``[start, end)`` of each range, in the order given (remote ones coalesced
-        and fetched together, or taken from what the batch fetched ahead); a range outside
-        the file or a file shorter than its size is a :class:`~torchgrain.CorruptDataError`."""
-        bad = _outside(ranges, self.size)
-        if bad is not None:
-            s, e = ranges[bad]
-            raise CorruptDataError(
-                f"{self.path!r}: bytes [{s}, {e}) lie outside the file of {self.size} bytes"
-            )
+        and fetched together, or taken from what the batch fetched ahead). A range that is
+        not two integers within the file, ranges of more than ``max_bytes`` in all, a file
+        shorter than its size or changed since it was opened: a
+        :class:`~torchgrain.CorruptDataError`."""
+        ranges = self._checked(ranges, max_bytes)
         fs = self.filesystem
         if fs is not None:
-            path = fs._strip_protocol(self.path)
-            got = fetch_ranges(fs, path, ranges, name=self.path)
+            out = fetch_ranges(fs, self._rpath, ranges, name=self.path)
             # Raises if this process has pinned another version of the file since.
-            object.__setattr__(self, "_seen", remote.unchanged_since(fs, path, self._seen))
-            return got
-        assert self._fd is not None
-        out = [memoryview(os.pread(self._fd, e - s, s)) for s, e in ranges]
-        for (s, e), got in zip(ranges, out):
-            if len(got) != e - s:
+            self._seen = remote.unchanged_since(fs, self._rpath, self._seen)
+        else:
+            if self._fd is None:
+                raise ValueError(f"I/O operation on closed file {self.path!r}")
+            out = [memoryview(os.pread(self._fd, e - s, s)) for s, e in ranges]
+            # After the reads: a change made before they ended is seen.
+            if self._pin is not None:
+                changes.check(self._pin, repr(self.path))
+            for (s, e), got in zip(ranges, out):
+                if len(got) != e - s:
+                    raise CorruptDataError(
+                        f"{self.path!r} is truncated: bytes [{s}, {e}) of a {self.size}-byte "
+                        f"file ended after {len(got)}"
+                    )
+        count_read(0, sum(e - s for s, e in ranges))
+        return out
+
+    def _checked(self, ranges: Sequence[tuple[int, int]], max_bytes: int) -> list[tuple[int, int]]:
+        """``ranges`` as pairs of ints, each within the file and ``max_bytes`` in all."""
+        out, total = [], 0
+        for r in ranges:
+            try:
+                s, e = map(operator.index, r)  # (a float is refused, not truncated)
+            except (TypeError, ValueError):
+                raise CorruptDataError(f"{self.path!r}: {r!r} is not a byte range") from None
+            if not 0 <= s <= e <= self.size:
                 raise CorruptDataError(
-                    f"{self.path!r} is truncated: bytes [{s}, {e}) of a {self.size}-byte file "
-                    f"ended after {len(got)}"
+                    f"{self.path!r}: bytes [{s}, {e}) lie outside the file of {self.size} bytes"
                 )
+            total += e - s
+            out.append((s, e))
+        if total > max_bytes:
+            raise CorruptDataError(
+                f"{self.path!r}: a read of {total} bytes, more than the {max_bytes} allowed"
+            )
         return out
 
     def close(self) -> None:
         """Close the local file (a remote one holds nothing)."""
-        fd = self._fd
+        fd, self._fd = self._fd, None
         if fd is not None:
-            object.__setattr__(self, "_fd", None)
+            if self._pin is not None:
+                self._pin.release()
             os.close(fd)
+
+    def __enter__(self) -> ShardFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @runtime_checkable
@@ -156,6 +200,7 @@ class ReadsByteRanges(Protocol):
         ...
 
 
+@runtime_checkable
 class ShardFormat(Protocol):
     """A file format: its name, the name fragments of its files (``.parquet`` also finds
     ``x.parquet.zst``) and how to open one of them."""
@@ -169,14 +214,37 @@ class ShardFormat(Protocol):
 
 
 class _Shard:
-    """A format's reader of one shard and the file it reads."""
+    """A format's reader of one shard, the file it reads and its record count. Closed once
+    no read uses it: the reader LRU may let it go while another thread reads it."""
 
-    __slots__ = ("file", "reader")
+    __slots__ = ("closed", "count", "file", "lock", "reader", "users")
 
-    def __init__(self, file: ShardFile, reader: ShardReader) -> None:
-        self.file, self.reader = file, reader
+    def __init__(self, file: ShardFile, reader: ShardReader, count: int) -> None:
+        self.file, self.reader, self.count = file, reader, count
+        self.lock = threading.Lock()
+        self.users, self.closed = 0, False
+
+    def use(self) -> bool:
+        """Count a read of it; False when it is closed (open the shard again)."""
+        with self.lock:
+            self.users += not self.closed
+            return not self.closed
+
+    def done(self) -> None:
+        with self.lock:
+            self.users -= 1
+            last = self.closed and not self.users
+        if last:
+            self._close()
 
     def close(self) -> None:
+        with self.lock:
+            now = not self.closed and not self.users
+            self.closed = True
+        if now:
+            self._close()
+
+    def _close(self) -> None:
         try:
             self.reader.close()
         finally:
@@ -188,24 +256,33 @@ class FormatSource(ShardedSource):
 
     ``format`` is the format (a subclass may set it as a class attribute instead: such a
     class is what :meth:`Format.for_source <torchgrain.sources.Format.for_source>`
-    registers). Each shard is opened once here to count its records (remote ones
-    concurrently on ``io_threads``); a batch reads each of its shards once (remote ones
-    concurrently, or fetched across all shards at once when the readers give
-    :class:`ReadsByteRanges`), in request order. ``keys`` and ``schema`` come from the
-    first record.
+    registers). Each shard is opened here to count its records (remote ones concurrently
+    on ``io_threads``, sized from the directory listing where it has sizes), and its
+    reader kept for the reads (up to ``max_open_files``). A batch reads each of its shards
+    once (remote ones concurrently, or fetched across all shards at once when the readers
+    give :class:`ReadsByteRanges`), in request order. ``keys`` and ``schema`` come from the
+    first 1,000 records (:func:`~torchgrain.sources.merge_schema`).
+
+    What the format raises: a torchgrain error or an ``OSError`` stays what it is; a bug
+    of its code (``TypeError``, ``AttributeError``, ``NameError``, ``AssertionError``,
+    ``NotImplementedError``, ``ImportError``) surfaces as itself, with a note naming the
+    format, shard, file and record (Python 3.11+); anything else (``ValueError``,
+    ``struct.error``, ``KeyError``, a library's own error...) is bad bytes: a
+    CorruptDataError. A format that meets bad bytes as a ``TypeError`` raises a
+    CorruptDataError itself.
 
     Raises:
         DatasetNotFoundError: no file of the format, or a missing shard (naming it).
         CorruptDataError: a shard the format cannot read, a reader that returns another
             number of records than asked, or byte ranges outside the file (naming the
-            format, shard, file and record index).
+            format, shard, file and the first record that fails alone).
 
     Example:
         >>> import os, tempfile, numpy as np, torchgrain as tg
         >>> class Lines:  # one record per line of a .lines file
         ...     name, suffixes = "lines", (".lines",)
         ...     def open(self, file):
-        ...         return LinesReader(file.read().decode().splitlines())
+        ...         return LinesReader(str(file.read(), "utf-8").splitlines())
         >>> class LinesReader:
         ...     def __init__(self, lines):
         ...         self.lines = lines
@@ -249,39 +326,61 @@ class FormatSource(ShardedSource):
         self._schema: dict[str, str] | None = None
         retry = opts.retry or RetryPolicy()
         where = None if is_local(fs) else fs
+        self._fs, self._paths = fs, files  # (what _listed_sizes reads; set again below)
+        listed = self._listed_sizes() if where is not None else {}
+        # The readers opened to count are kept for the reads, as many as the reader LRU
+        # holds (none when a remote shard is read through its cached copy).
+        limit = (
+            self.default_max_open_files if opts.max_open_files == "auto" else opts.max_open_files
+        )
+        keep = 0 if where is not None and opts.cache_dir is not None else limit or len(files)
+        opened: dict[int, _Shard] = {}
+        counts = np.zeros(len(files), np.int64)
+        sizes: dict[int, int] = {}
 
-        def count(k: int) -> tuple[int, int]:
-            shard = self._open(k, files[k], where, -1, retry)
-            try:
-                return len(shard.reader), shard.file.size
-            finally:
+        def count(k: int) -> None:
+            shard = self._open(k, files[k], where, listed.get(k, -1), retry, k < keep)
+            counts[k], sizes[k] = shard.count, shard.file.size
+            if k < keep:
+                opened[k] = shard
+            else:
                 shard.close()
 
-        if where is not None and opts.io_threads > 1 and len(files) > 1:
-            with process.thread_pool(opts.io_threads, "torchgrain-open") as pool:
-                counted = list(pool.map(count, range(len(files))))
-        else:
-            counted = [count(k) for k in range(len(files))]
-        self._init_shards(
-            filesystem=fs,
-            paths=files,
-            counts=np.array([n for n, _ in counted], dtype=np.int64),
-            options=opts,
-        )
-        self._sizes = {k: size for k, (_, size) in enumerate(counted)}
+        try:
+            if where is not None and opts.io_threads > 1 and len(files) > 1:
+                with process.thread_pool(opts.io_threads, "torchgrain-open") as pool:
+                    list(pool.map(count, range(len(files))))
+            else:
+                for k in range(len(files)):
+                    count(k)
+        except BaseException:
+            for shard in opened.values():
+                shard.close()
+            raise
+        self._init_shards(filesystem=fs, paths=files, counts=counts, options=opts)
+        self._sizes = sizes
+        self._proc().readers.update(sorted(opened.items()))
 
     # ---------------------------------------------------------------- contract
     @property
     def schema(self) -> dict[str, str]:
-        """Record key -> value type, from the first record."""
+        """Record key -> value type, from the first 1,000 records (a key some lack is
+        ``|null``, types that differ ``a|b``)."""
         if self._schema is None:
-            first = self.__getitems__([0]) if len(self) else [{}]
-            self._schema = {k: describe_value(v) for k, v in first[0].items()}
+            schema: dict[str, str] = {}
+            for record in iter_in_blocks(self, 0, min(len(self), SCHEMA_SAMPLE_FIRST), 128):
+                schema = merge_schema(schema, record)
+            self._schema = schema
         return dict(self._schema)
 
     @property
     def keys(self) -> list[str]:
         return list(self.schema)
+
+    def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
+        """``(size, None)``: the size the shard had when the dataset was opened (a cached
+        copy of another size is not served; a download of another size fails)."""
+        return self._sizes.get(shard), None
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """The records at ``indices``: each shard read once, remote ones concurrently (or
@@ -340,13 +439,15 @@ class FormatSource(ShardedSource):
         fs: fsspec.AbstractFileSystem | None,
         size: int,
         retry: RetryPolicy,
+        watch: bool = True,
     ) -> _Shard:
-        """Open ``shard`` with the format (remote ones retried), errors naming it."""
+        """Open and count ``shard`` with the format (remote ones retried), errors naming it."""
 
         def attempt() -> _Shard:
-            file = ShardFile(shard, path, fs, size)
+            file = ShardFile(shard, path, fs, size, watch=watch)
             try:
-                return _Shard(file, self.format.open(file))
+                reader = self.format.open(file)
+                return _Shard(file, reader, len(reader))
             except BaseException:
                 file.close()
                 raise
@@ -365,55 +466,65 @@ class FormatSource(ShardedSource):
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> _Shard:
         opened = self._open(shard, path, filesystem, self._sizes.get(shard, -1), self._retry)
-        n, want = len(opened.reader), int(self.index.counts[shard])
+        n, want = opened.count, int(self.index.counts[shard])
         if n != want:
             opened.close()
-            raise CorruptDataError(
-                f"{self.format.name} shard {shard} {path!r} holds {n} records where the "
-                f"dataset counted {want} when it was opened: the file changed"
+            raise _mark(
+                CorruptDataError(
+                    f"{self._where(shard, path)} holds {n} records where the dataset counted "
+                    f"{want} when it was opened: the file changed"
+                ),
+                None,
             )
         return opened
 
-    def _ranges(self, shard: _Shard, k: int, rows: np.ndarray) -> list[tuple[int, int]]:
-        """The byte ranges of ``rows`` of shard ``k``, checked: one per row, in the file."""
-        ranges = [(int(s), int(e)) for s, e in shard.reader.byte_ranges(rows)]  # type: ignore[attr-defined]
-        size = shard.file.size
-        bad = 0 if len(ranges) != len(rows) else _outside(ranges, size)
-        if bad is not None:
-            wrong = (
-                f"{len(ranges)} byte ranges for {len(rows)} records"
-                if len(ranges) != len(rows)
-                else f"bytes {list(ranges[bad])} of a {size}-byte file"
-            )
+    def _using(self, k: int, shard: _Shard | None, fn: Callable[[_Shard], T]) -> T:
+        """``fn`` of this process's reader of shard ``k`` (or ``shard``), which stays open
+        meanwhile (one the reader LRU closed before the read began is opened again)."""
+        s = shard or self._reader(k)
+        while not s.use():
+            s = self._reader(k)
+        try:
+            return fn(s)
+        finally:
+            s.done()
+
+    def _ranges(self, s: _Shard, rows: np.ndarray) -> list[tuple[int, int]]:
+        """The byte ranges of ``rows``, one per row (checked against the file when read)."""
+        ranges = s.reader.byte_ranges(rows)  # type: ignore[attr-defined]
+        if len(ranges) != len(rows):
             raise CorruptDataError(
-                f"{self.format.name} shard {k} {shard.file.path!r}: the reader gave {wrong} "
-                f"(record index {int(self.index.offsets[k] + rows[bad])})"
+                f"the reader gave {len(ranges)} byte ranges for {len(rows)} records"
             )
         return ranges
 
     def _batch_ranges(
         self, groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]]
     ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
-        shards = list(self._map(self._reader, [g[0] for g in groups]))
-        if not all(isinstance(s.reader, ReadsByteRanges) for s in shards):
-            return None  # each shard's read fetches its own
-        return [
-            (self._fs._strip_protocol(s.file.path), s.file.path, self._ranges(s, k, rows))
-            for (k, rows, _), s in zip(groups, shards)
-        ]
+        def planned(s: _Shard, k: int, rows: np.ndarray) -> tuple[str, str, list] | None:
+            if not isinstance(s.reader, ReadsByteRanges):
+                return None  # each shard's read fetches its own
+            ranges = self._in_shard(
+                lambda r: s.file._checked(self._ranges(s, r), MAX_FILE_BYTES), k, rows
+            )
+            return (s.file._rpath, s.file.path, ranges)
+
+        files = list(
+            self._map(lambda g: self._using(g[0], None, lambda s: planned(s, *g[:2])), groups)
+        )
+        return None if None in files else files  # type: ignore[return-value]
 
     def _read_group(
         self, k: int, rows: np.ndarray, shard: _Shard | None = None
     ) -> list[dict[str, Any]]:
         """The records at ``rows`` of shard ``k`` (one read), errors naming them."""
 
-        def read() -> list[dict[str, Any]]:
-            s = shard or self._reader(k)  # (here: a cached copy stays open for the read)
+        def read(s: _Shard, rows: np.ndarray) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             if isinstance(s.reader, ReadsByteRanges):
-                chunks = s.file.read_ranges(self._ranges(s, k, rows))
+                chunks = s.file.read_ranges(self._ranges(s, rows))
                 t1 = time.perf_counter()
-                count_read(t1 - t0, sum(len(c) for c in chunks))
+                count_read(t1 - t0, 0)  # (ShardFile counts the bytes)
                 records = s.reader.decode(rows, chunks)
                 count_decode(time.perf_counter() - t1)
             else:
@@ -425,40 +536,67 @@ class FormatSource(ShardedSource):
                 )
             return list(records)
 
-        first = int(self.index.offsets[k] + rows[0])
+        what = f"read of shard {k} (record index {int(self.index.offsets[k] + rows[0])})"
+        return self._in_shard(
+            lambda r: self._io(lambda: self._using(k, shard, lambda s: read(s, r)), k, what),
+            k,
+            rows,
+        )
+
+    def _in_shard(self, fn: Callable[[np.ndarray], T], k: int, rows: np.ndarray) -> T:
+        """``fn(rows)``, its errors naming the format, shard ``k``, file and record: of bad
+        data in several rows, the first row that fails alone."""
         try:
-            return self._io(read, k, f"read of shard {k} (record index {first})")
+            return fn(rows)
         except Exception as e:
-            named = self._named(e, k, self._paths[k], first)
+            base = int(self.index.offsets[k])
+            named = self._named(e, k, self._paths[k], base + int(rows[0]))
+            if isinstance(named, CorruptDataError) and len(rows) > 1 and not _is_named(e):
+                for j in range(len(rows)):
+                    try:
+                        fn(rows[j : j + 1])
+                    except Exception as alone:
+                        one = self._named(alone, k, self._paths[k], base + int(rows[j]))
+                        if isinstance(one, CorruptDataError):
+                            raise one from alone
+                        break
             if named is None:
                 raise
             raise named from e
 
+    def _where(self, shard: int, path: str) -> str:
+        return f"{self.format.name} shard {shard} {path!r}"
+
     def _named(self, e: Exception, shard: int, path: str, index: int | None) -> Exception | None:
         """``e`` as a torchgrain error naming the format, shard, file and record index (a
-        missing file a DatasetNotFoundError, anything else not an I/O error, what the
-        format raised on bad bytes, a CorruptDataError), or None to raise it as it is."""
-        where = f"{self.format.name} shard {shard} {path!r}" + (
-            "" if index is None else f", record index {index}"
-        )
+        missing file a DatasetNotFoundError, bad bytes a CorruptDataError: see the class
+        docstring), or None to raise it as it is."""
+        at = "" if index is None else f"record index {index}"
+        if _is_named(e):  # named without its record (by the shard's open): add it
+            if not at or e._torchgrain_at is not None or isinstance(e, BUGS):  # type: ignore[attr-defined]
+                return None
+            return _mark(type(e)(f"{e} ({at})"), index)
+        where = self._where(shard, path) + (f", {at}" if at else "")
+        if isinstance(e, BUGS):
+            if hasattr(e, "add_note"):  # (Python 3.11+)
+                e.add_note(f"raised by the {self.format.name} format reading {where}")
+            _mark(e, None)
+            return None
         if isinstance(e, CorruptDataError):
-            if f"shard {shard} " not in str(e):
-                return type(e)(f"{e} ({where})")
-            return (
-                None
-                if index is None or "record index" in str(e)
-                else type(e)(f"{e} (record index {index})")
-            )
+            return _mark(type(e)(f"{e} ({where})"), index)
         if isinstance(e, FileNotFoundError) and not isinstance(e, TorchgrainError):
-            return DatasetNotFoundError(f"{where} does not exist: {e}")
+            return _mark(DatasetNotFoundError(f"{where} does not exist: {e}"), index)
         if isinstance(e, (TorchgrainError, OSError)):
             return None
-        return CorruptDataError(f"{where}: {type(e).__name__}: {e}")
+        return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)
 
 
-def _outside(ranges: Sequence[tuple[int, int]], size: int) -> int | None:
-    """The position of the first range not within a file of ``size`` bytes, or None."""
-    for k, (s, e) in enumerate(ranges):
-        if not 0 <= s <= e <= size:
-            return k
-    return None
+def _mark(e: Exception, index: int | None) -> Exception:
+    """``e``, marked as naming its shard (and record ``index``, when not None): a later
+    step adds only what it lacks."""
+    e._torchgrain_at = index  # type: ignore[attr-defined]
+    return e
+
+
+def _is_named(e: BaseException) -> bool:
+    return hasattr(e, "_torchgrain_at")
