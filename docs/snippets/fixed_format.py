@@ -12,10 +12,9 @@ import struct
 import numpy as np
 
 import torchgrain as tg
-from torchgrain.formats.codecs import get_codec
 
 HEADER = struct.Struct("<8sII")
-CODEC = get_codec("msgpack")
+CODEC = tg.sources.get_codec("msgpack")
 
 
 class FixedFormat:
@@ -63,10 +62,13 @@ def write_fixed(records, directory: str, *, num_shards: int = 1) -> list[str]:
     paths = []
     for k in range(num_shards):
         part = blobs[len(blobs) * k // num_shards : len(blobs) * (k + 1) // num_shards]
-        paths.append(os.path.join(directory, f"data-{k:05d}-of-{num_shards:05d}.fixed"))
-        with open(paths[-1], "wb") as f:
+        name = f"data-{k:05d}-of-{num_shards:05d}.fixed"
+        tmp = os.path.join(directory, f".{name}.tmp")  # hidden: never read as a shard
+        with open(tmp, "wb") as f:
             f.write(HEADER.pack(b"FIXEDREC", width, len(part)))
             f.writelines(struct.pack("<I", len(b)) + b.ljust(width - 4, b"\0") for b in part)
+        paths.append(os.path.join(directory, name))
+        os.replace(tmp, paths[-1])  # complete, or not there: never a partial shard
     return paths
 
 
