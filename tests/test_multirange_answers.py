@@ -444,3 +444,23 @@ def test_one_range_past_the_end_does_not_turn_multi_range_off_for_the_origin():
         _expect(got[:-1])
         assert isinstance(got[-1], BaseException)
         assert inflight.multirange_servers(fs)[srv.url] is True
+
+
+def test_a_server_sending_whole_files_is_sent_one_multirange_request_per_batch():
+    """Until a server has answered a multi-range request, the first is sent alone and
+    the batch's other files wait for what it teaches: a server that sends whole files
+    (as a store answering one range per request does) gets one such request, not one per
+    file, and every range comes back as the file's bytes."""
+
+    def answer(h, ranges):
+        _raw(h, b"200 OK\r\nContent-Length: " + str(SIZE).encode(), DATA)
+
+    with Server(answer) as srv:
+        urls = [f"{srv.url}/f{k}.bin" for k in range(4) for _ in RANGES]
+        starts = [s for _ in range(4) for s, _ in RANGES]
+        ends = [e for _ in range(4) for _, e in RANGES]
+        fs = _fs()
+        got = inflight.cat_many(fs, urls, starts, ends, max_inflight=8)
+        assert [bytes(g) for g in got] == [DATA[s:e] for s, e in zip(starts, ends)]
+        assert len(srv.multi()) == 1, srv.multi()
+        assert inflight.multirange_servers(fs) == {srv.url: False}

@@ -12,10 +12,12 @@ read strictly by :mod:`torchgrain.io.byteranges`): nginx, Apache and other file 
 answer so, and a request costs the client far more CPU than a 1 KiB range does. A server
 that answers a multi-range request otherwise (the whole file, too few ranges, a malformed
 body) has those ranges asked one per request, and is asked so from then on (per
-filesystem and origin); so is one that refuses it with an error status (403, 416,
-501...) or drops it twice in a row, while the same ranges asked alone are served. A
-missing file, a busy server (429, 5xx) or a timeout is returned for every range, as one
-range's request would be, and retried by the operation. See :func:`_limited_ranges`.
+filesystem and origin; until a server has answered one, its first multi-range request
+goes alone and the others wait for what it teaches); so is one that refuses it with an
+error status (403, 416, 501...) or drops it twice in a row, while the same ranges asked
+alone are served. A missing file, a busy server (429, 5xx) or a timeout is returned for
+every range, as one range's request would be, and retried by the operation. See
+:func:`_limited_ranges`.
 """
 
 from __future__ import annotations
@@ -75,15 +77,18 @@ _LIMITS: weakref.WeakKeyDictionary[Any, dict[int, asyncio.Semaphore]] = weakref.
 class _Servers:
     """What one filesystem object has learnt of the servers it asked for several ranges
     at once, per origin: ``answers`` (True: it answers them so; False: it does not, and
-    is asked one range per request) and ``strikes`` (multi-range requests in a row whose
-    connection dropped while the same ranges asked alone were served)."""
+    is asked one range per request), ``strikes`` (multi-range requests in a row whose
+    connection dropped while the same ranges asked alone were served) and ``asking``
+    (the loop and the event of the first multi-range request, set once it is answered:
+    see :func:`_first_asked`)."""
 
-    __slots__ = ("answers", "ref", "strikes")
+    __slots__ = ("answers", "asking", "ref", "strikes")
 
     def __init__(self, ref: weakref.ref) -> None:
         self.ref = ref
         self.answers: dict[str, bool] = {}
         self.strikes: dict[str, int] = {}
+        self.asking: dict[str, tuple[Any, asyncio.Event]] = {}
 
 
 #: Per filesystem object, by identity (fsspec's filesystems compare equal by their
@@ -265,6 +270,23 @@ def _exact_parts(
     return out
 
 
+async def _first_asked(known: _Servers, origin: str) -> asyncio.Event | None:
+    """Until a multi-range request to ``origin`` is answered, the first is sent alone and
+    the others wait for what its answer teaches: a server that sends the whole file for
+    several ranges (as stores answering one range per request do) then sends one file,
+    not one per file of the batch, each of which would be asked again range by range.
+    Returns the event to set once this request is answered (the first), else None."""
+    if origin in known.answers:
+        return None
+    loop = asyncio.get_running_loop()
+    held = known.asking.get(origin)
+    if held is None or held[0] is not loop:  # (a forked child runs another loop)
+        known.asking[origin] = (loop, asyncio.Event())
+        return known.asking[origin][1]
+    await held[1].wait()
+    return None
+
+
 async def _limited_ranges(
     fs: Any,
     path: str,
@@ -287,16 +309,18 @@ async def _limited_ranges(
     known = _servers(fs)
     out: list[Any] = [None] * len(ranges)
     refused: str | None = None  # why the ranges are asked alone, when it may be the server
+    first = await _first_asked(known, origin)
     try:
-        async with _semaphore(limit):
-            parts, size = await asyncio.wait_for(
-                _get_ranges(fs, path, merge_ranges(ranges)), seconds
-            )
-        # Ranges past the end of the file: left out by the server, each asked alone
-        # (its own request names the problem).
-        out = _exact_parts(parts, ranges) or slice_parts(parts, ranges, size=size)
-        known.answers[origin] = True
-        known.strikes.pop(origin, None)
+        if known.answers.get(origin, True):  # (else the first request taught otherwise)
+            async with _semaphore(limit):
+                parts, size = await asyncio.wait_for(
+                    _get_ranges(fs, path, merge_ranges(ranges)), seconds
+                )
+            # Ranges past the end of the file: left out by the server, each asked alone
+            # (its own request names the problem).
+            out = _exact_parts(parts, ranges) or slice_parts(parts, ranges, size=size)
+            known.answers[origin] = True
+            known.strikes.pop(origin, None)
     except asyncio.TimeoutError as e:
         err = RequestTimeout(
             f"range read of {path}: {len(ranges)} ranges in one request did not complete "
@@ -318,6 +342,9 @@ async def _limited_ranges(
         if not _dropped(e):
             return [e] * len(ranges)  # as one range's request would fail: retried, or named
         refused = "dropped"
+    finally:
+        if first is not None:
+            first.set()
     alone = [k for k, got in enumerate(out) if got is None]
     if alone:
         got = await asyncio.gather(
