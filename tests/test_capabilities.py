@@ -106,7 +106,21 @@ def test_a_capability_exists_only_where_it_works(tmp_path):
         if blocks:
             assert ds.block_offsets()[-1] == len(ds), name
         else:
-            with pytest.raises(AttributeError, match="block boundaries"):
+            with pytest.raises(TypeError, match="block boundaries"):
                 ds.block_offsets()
             with pytest.raises(TypeError, match="needs a dataset with block_offsets"):
                 tg.BlockShuffleSampler(ds)
+
+
+def test_a_method_a_subclass_defines_is_its_capability():
+    # The wrapper's word (offers) covers the methods its own class defines; a subclass
+    # that says where the blocks of a plain list are has them.
+    class Halves(tg.Dataset):
+        def block_offsets(self) -> np.ndarray:
+            return np.array([0, 3, 6], np.int64)
+
+    ds = Halves([{"j": i} for i in range(6)])
+    assert isinstance(ds, HasBlockOffsets) and not isinstance(ds, ReadsAhead)
+    assert not isinstance(tg.Dataset([{"j": 0}]), HasBlockOffsets)
+    order = list(tg.BlockShuffleSampler(ds, num_replicas=1, rank=0, window=1))
+    assert sorted(order[:3]) in ([0, 1, 2], [3, 4, 5])

@@ -47,11 +47,6 @@ def _pass(ds) -> list[int]:
     return list(tg.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=3))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a source under two Datasets with transforms (or under one and directly) is "
-    "told one read-ahead pass per path, each cancelling the one before",
-)
 def test_a_source_under_a_transformed_dataset_and_another_input_gets_one_pass():
     # The composition finds the objects that read ahead by identity, stopping at the
     # first non-view: a Dataset with transforms is one (its read_ahead forwards to its
@@ -67,11 +62,6 @@ def test_a_source_under_a_transformed_dataset_and_another_input_gets_one_pass():
         assert s.passes == [[r["j"] for r in read]]  # 2 passes of 10 indices each
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a user subclass's block_offsets / read_ahead method is hidden by the one "
-    "set on the instance",
-)
 def test_a_subclass_method_for_a_capability_is_used():
     # The capability is set in __init__ as an instance attribute, which wins over a
     # method of the class: a subclass that says where its blocks are, or prepares its
@@ -98,11 +88,6 @@ def test_a_subclass_method_for_a_capability_is_used():
     assert told == [10]  # never called
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a view holds a bound method of itself: a dropped view (and the mapped "
-    "index of a filter or token windows) is freed only by the cycle collector",
-)
 def test_a_dropped_view_is_freed_at_once(tmp_path):
     # self.read_ahead = self._read_ahead (and Concat's, TokenWindows' block_offsets) is a
     # reference cycle. Measured with /proc/self/maps and the fds under the index
@@ -160,10 +145,6 @@ def test_shard_read_ahead_of_a_source_behind_another_input(tmp_path):
         store.rm(root, recursive=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlockShuffleSampler no longer says which input has no blocks, nor why",
-)
 def test_block_shuffle_says_which_input_has_no_blocks():
     # The view knows (its blocks_missing: "dataset '1' (SequenceSource([...])): list is
     # not a torchgrain Source: it has no block boundaries"), and the sampler's message
@@ -174,11 +155,6 @@ def test_block_shuffle_says_which_input_has_no_blocks():
         tg.BlockShuffleSampler(ds, num_replicas=1, rank=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="block_offsets() of an adapter, view or token windows without blocks is "
-    "\"'NoneType' object is not callable\"",
-)
 def test_calling_a_missing_block_offsets_says_why():
     # A Dataset raises AttributeError with the reason; what it wraps (ds.source, public)
     # hides the Source default with a class attribute None, so hasattr() is still True

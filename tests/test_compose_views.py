@@ -161,7 +161,7 @@ def test_block_shuffle_sampler_over_a_concat_stays_in_the_childrens_blocks(tmp_p
     sampler = tg.BlockShuffleSampler(ds, window=2, seed=1)
     order = list(sampler)
     assert sorted(order) == list(range(len(recs)))
-    with pytest.raises(AttributeError, match="dataset '1'"):
+    with pytest.raises(TypeError, match="dataset '1'"):
         tg.concat([sources[0], tg.Dataset([{"i": 1}])]).block_offsets()
 
 

@@ -55,7 +55,7 @@ def test_a_plain_sequence_is_adapted_once_and_the_dataset_still_hands_it_back():
     assert ds.source is items and repr(ds) == "Dataset(['a', 'b', 'c'])"
     assert isinstance(ds._source, SequenceSource) and isinstance(ds._source, tg.Source)
     assert ds.keys == [] and ds.schema == {}
-    with pytest.raises(AttributeError, match="list is not a torchgrain Source"):
+    with pytest.raises(TypeError, match="list is not a torchgrain Source"):
         ds.block_offsets()
 
 

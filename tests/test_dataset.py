@@ -126,7 +126,7 @@ def test_plain_sequences_and_getitems_fallback():
         ds.map(3)
     with pytest.raises(TypeError):
         ds.random_map(lambda r, g: r, seed=1.5)
-    with pytest.raises(AttributeError, match="block"):
+    with pytest.raises(TypeError, match="block"):
         ds.block_offsets()
 
 

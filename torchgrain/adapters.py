@@ -9,8 +9,10 @@ only the Source contract. The optional capabilities of the wrapped object
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from torchgrain.columns import ColumnBatch
 from torchgrain.protocols import (
@@ -31,14 +33,14 @@ class SequenceSource(Source):
 
     Reads use the object's own batched reads where it has them
     (:class:`~torchgrain.protocols.ReadsBatches`,
-    :class:`~torchgrain.protocols.ReadsColumns`), else one ``x[i]`` per index. It has
-    ``set_epoch`` and ``read_ahead`` (:class:`~torchgrain.protocols.SetsEpoch`,
-    :class:`~torchgrain.protocols.ReadsAhead`) only when the object has them: they are
-    the object's. A plain sequence does not say what its records hold or where its
-    storage blocks are: :attr:`keys` and :attr:`schema` are empty and there is no
-    ``block_offsets`` (``blocks_missing`` says so), unless ``describes_records`` says the
-    object is a record source itself (a :class:`~torchgrain.Dataset`), whose keys,
-    schema and blocks are then its own.
+    :class:`~torchgrain.protocols.ReadsColumns`), else one ``x[i]`` per index; its
+    ``set_epoch`` and ``read_ahead`` are the object's, and offered
+    (:class:`~torchgrain.protocols.DeclaresCapabilities`) only when the object has them.
+    A plain sequence does not say what its records hold or where its storage blocks are:
+    :attr:`keys` and :attr:`schema` are empty and :meth:`block_offsets` raises
+    ``TypeError`` saying so, unless ``describes_records`` says the object is a record
+    source itself (a :class:`~torchgrain.Dataset`), whose keys, schema and blocks are
+    then its own.
 
     Args:
         items: the object to read from.
@@ -49,11 +51,14 @@ class SequenceSource(Source):
         >>> src = SequenceSource(["a", "b", "c"])
         >>> len(src), src[1], src.__getitems__([2, 0]), src.keys
         (3, 'b', ['c', 'a'], [])
-        >>> isinstance(src, HasBlockOffsets), src.blocks_missing
-        (False, 'list is not a torchgrain Source: it has no block boundaries')
+        >>> isinstance(src, HasBlockOffsets), isinstance(src, ReadsAhead)
+        (False, False)
+        >>> src.block_offsets()
+        Traceback (most recent call last):
+        ...
+        TypeError: list is not a torchgrain Source: it has no block boundaries (give \
+BlockShuffleSampler block_offsets=)
     """
-
-    block_offsets = None  # the Source default hidden: set in __init__ when it holds
 
     def __init__(self, items: Any, *, describes_records: bool = False) -> None:
         if not isinstance(items, SizedIndexable):
@@ -62,18 +67,36 @@ class SequenceSource(Source):
         self.describes_records = bool(describes_records)
         self._batched = isinstance(items, ReadsBatches)
         self._columns = isinstance(items, ReadsColumns)
-        if isinstance(items, SetsEpoch):
-            self.set_epoch = items.set_epoch
-        if isinstance(items, ReadsAhead):
-            self.read_ahead = items.read_ahead
-        if self.describes_records and isinstance(items, HasBlockOffsets):
-            self.block_offsets = items.block_offsets
-        elif self.describes_records:
-            self.blocks_missing: str = getattr(items, "blocks_missing", "it has no blocks")
-        else:
-            self.blocks_missing = (
-                f"{type(items).__name__} is not a torchgrain Source: it has no block boundaries"
+
+    def offers(self, capability: type) -> bool:
+        """Whether the object has ``capability`` (blocks: only a record source's)."""
+        blocks = capability is not HasBlockOffsets or self.describes_records
+        return blocks and isinstance(self.items, capability)
+
+    def block_offsets(self) -> np.ndarray:
+        if not self.describes_records:
+            raise TypeError(
+                f"{type(self.items).__name__} is not a torchgrain Source: it has no "
+                "block boundaries (give BlockShuffleSampler block_offsets=)"
             )
+        return self.items.block_offsets()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the object when it has ``set_epoch``."""
+        if isinstance(self.items, SetsEpoch):
+            self.items.set_epoch(epoch)
+
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> Any:
+        """Passed on to the object when it has ``read_ahead``; None otherwise."""
+        if isinstance(self.items, ReadsAhead):
+            return self.items.read_ahead(order, start, count, position)
+        return None
 
     def __len__(self) -> int:
         return len(self.items)

@@ -36,7 +36,7 @@ from torchgrain._worker_batches import (
 from torchgrain.adapters import SequenceSource, checked_batch
 from torchgrain.columns import ColumnBatch
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
-from torchgrain.protocols import HasBlockOffsets, ReadsAhead, SetsEpoch, SizedIndexable
+from torchgrain.protocols import ReadsAhead, SetsEpoch, SizedIndexable
 from torchgrain.sources.base import Source
 
 __all__ = ["Dataset", "EpochCell", "collate_columns", "describe_fn", "record_rng"]
@@ -226,12 +226,12 @@ class Dataset(torch.utils.data.Dataset):
             segment per batch. Batches beyond that (a loop that keeps many) and ``0``
             take torch's own path.
 
-    Capabilities (:mod:`torchgrain.protocols`) are the source's: a Dataset has
-    ``block_offsets()`` (what :class:`~torchgrain.BlockShuffleSampler` keeps its reads
-    inside) and ``read_ahead(...)`` (samplers hand it each pass; what the source found of
-    the caches is kept for :func:`tg.stats <torchgrain.stats>`) only when its source has
-    them, so ``isinstance(ds, HasBlockOffsets)`` and ``isinstance(ds, ReadsAhead)`` say
-    so; ``ds.block_offsets`` over a plain sequence is an ``AttributeError`` saying why.
+    Capabilities (:mod:`torchgrain.protocols`) are the source's: ``block_offsets()``
+    (what :class:`~torchgrain.BlockShuffleSampler` keeps its reads inside; a
+    ``TypeError`` saying why over a plain sequence) and ``read_ahead(...)`` (samplers hand
+    it each pass; a no-op over a source without it) are offered (:meth:`offers`) only
+    when its source has them, so ``isinstance(ds, HasBlockOffsets)`` and
+    ``isinstance(ds, ReadsAhead)`` say so.
 
     Example:
         >>> import tempfile, numpy as np, torch, torchgrain as tg
@@ -282,24 +282,17 @@ class Dataset(torch.utils.data.Dataset):
         self._ops: tuple[tuple[Any, ...], ...] = ()
         self._epoch = EpochCell(0)
         self._stats = PipelineStats()
-        self._capabilities()
 
-    def _capabilities(self) -> None:
-        source = self._source
-        if isinstance(source, HasBlockOffsets):
-            self.block_offsets = source.block_offsets
-        else:
-            self.blocks_missing: str = getattr(
-                source, "blocks_missing", f"{source!r} has no block boundaries"
-            )
-        if isinstance(source, ReadsAhead):
-            self.read_ahead = functools.partial(_read_ahead, source.read_ahead, self._stats)
+    def offers(self, capability: type) -> bool:
+        """Whether ``capability`` (:mod:`torchgrain.protocols`) works here: the source's
+        (``set_epoch`` always does: random transforms follow the epoch).
 
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for an attribute the Dataset lacks: say why it has no blocks.
-        if name == "block_offsets" and "blocks_missing" in self.__dict__:
-            raise AttributeError(f"{self.blocks_missing} (give BlockShuffleSampler block_offsets=)")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        Example:
+            >>> from torchgrain.protocols import HasBlockOffsets, SetsEpoch
+            >>> Dataset([1, 2]).offers(HasBlockOffsets), Dataset([1, 2]).offers(SetsEpoch)
+            (False, True)
+        """
+        return capability is SetsEpoch or isinstance(self._source, capability)
 
     # ---------------------------------------------------------- composition
     def _derive(self, op: tuple[Any, ...]) -> Dataset:
@@ -311,7 +304,6 @@ class Dataset(torch.utils.data.Dataset):
         child._ops = (*self._ops, op)
         child._epoch = EpochCell(self._epoch.get())
         child._stats = PipelineStats()
-        child._capabilities()
         return child
 
     def map(self, fn: Callable[[dict[str, Any]], Any]) -> Dataset:
@@ -405,6 +397,28 @@ class Dataset(torch.utils.data.Dataset):
         return windows(self, column, seq_len, **options)
 
     # ---------------------------------------------------------------- epoch
+    def read_ahead(self, order: Any, start: int, count: int, position: Any) -> Any:
+        """Forwarded to the source (remote shards downloaded ahead of use, the pass
+        checked against the caches; see
+        :meth:`torchgrain.sources.base.ShardedSource.read_ahead`). Samplers call it at
+        the start of each pass; over a source without read-ahead it does nothing (and
+        :meth:`offers` says so). What the source found of the caches is kept for
+        :func:`tg.stats <torchgrain.stats>`.
+
+        Example:
+            >>> ds = Dataset([{"x": 1}, {"x": 2}])
+            >>> ds.read_ahead(lambda a, b: list(range(a, b)), 0, 2, lambda: 0)  # no-op here
+        """
+        source = self._source
+        fits = (
+            source.read_ahead(order, start, count, position)
+            if isinstance(source, ReadsAhead)
+            else None
+        )
+        if fits is not None:
+            self._stats.cache_fit = list(fits)  # what tg.stats reports of the pass
+        return fits
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch random transforms use (also reaches running DataLoader workers).
 
@@ -438,6 +452,12 @@ class Dataset(torch.utils.data.Dataset):
     def schema(self) -> dict[str, str]:
         """Schema of the source's records (before transforms); see :attr:`keys`."""
         return dict(self._source.schema)
+
+    def block_offsets(self) -> np.ndarray:
+        """Block boundaries of the source, for :class:`~torchgrain.BlockShuffleSampler`
+        (one block per shard for a source with no finer blocks); ``TypeError`` saying
+        why over a plain sequence."""
+        return self._source.block_offsets()
 
     def __getitem__(self, index: int) -> Any:
         return self._fetch([index], single=True)[0]
@@ -567,15 +587,6 @@ class Dataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         ops = "".join(f".{op[0]}({_name_of(op[1])})" for op in self._ops)
         return f"Dataset({self.source!r}){ops}"
-
-
-def _read_ahead(read_ahead: Callable[..., Any], stats: PipelineStats, *args: Any) -> Any:
-    """A Dataset's ``read_ahead(order, start, count, position)``: the source's, whose
-    cache checks are kept for :func:`tg.stats <torchgrain.stats>`."""
-    fits = read_ahead(*args)
-    if fits is not None:
-        stats.cache_fit = list(fits)
-    return fits
 
 
 class _BatchCount:

@@ -6,12 +6,12 @@ it, is stated here; components check with ``isinstance`` (these protocols are
 runtime-checkable) instead of looking for attributes by name. A class has a capability
 by defining the method; no registration or base class is needed.
 
-A wrapper (a :class:`~torchgrain.Dataset`, an adapter, a composed view) has a method only
-where it works, so that the check tells the truth: it sets the method on the instance when
-it is built, from what it wraps, and hides a default it inherits with a class attribute
-``None`` (what ``typing``'s runtime checks read as "no such method", on every Python
-version; a property that raises would still count as the method). One without block
-boundaries says why in its ``blocks_missing`` string.
+A wrapper (a :class:`~torchgrain.Dataset`, an adapter, a composed view, token windows)
+has the methods whatever it wraps, and says which of them work
+(:class:`DeclaresCapabilities`): the check of :class:`SetsEpoch`, :class:`ReadsAhead` and
+:class:`HasBlockOffsets` asks it, so ``isinstance`` tells the truth, while a method a
+subclass defines itself counts as working, and calling one that does not work raises a
+``TypeError`` saying why.
 
 * :class:`SetsEpoch`: ``set_epoch(epoch)``. Samplers call it from their own
   ``set_epoch``/``load_state_dict`` (per-epoch random transforms follow), and a
@@ -41,6 +41,11 @@ Example:
     (True, False)
     >>> isinstance([1, 2], SizedIndexable), isinstance(5, SizedIndexable)
     (True, False)
+    >>> class Wrapped(Shards):  # has the method, but says it does not work here
+    ...     def offers(self, capability):
+    ...         return capability is not SetsEpoch
+    >>> isinstance(Wrapped(), SetsEpoch), isinstance(Wrapped(), DeclaresCapabilities)
+    (False, True)
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "DeclaresCapabilities",
     "Fingerprinted",
     "HasBlockOffsets",
     "ReadsAhead",
@@ -62,14 +68,43 @@ __all__ = [
 
 
 @runtime_checkable
-class SetsEpoch(Protocol):
+class DeclaresCapabilities(Protocol):
+    """Has ``offers(capability)``: whether its methods of ``capability`` (one of the
+    protocols below with a check that asks) work, which for a wrapper depends on what it
+    wraps."""
+
+    def offers(self, capability: type) -> bool: ...
+
+
+class _Capability(type(Protocol)):  # type: ignore[misc]
+    """The check of an optional capability: the methods (typing's structural check),
+    and, for an object that :class:`DeclaresCapabilities`, its word, unless a subclass
+    of the class that says defines the methods itself (they are its own: they work)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if not super().__instancecheck__(obj):
+            return False
+        mro = [vars(k) for k in type(obj).__mro__]
+
+        def defined_at(name: str) -> int:
+            return next((k for k, names in enumerate(mro) if name in names), len(mro))
+
+        says = defined_at("offers")
+        methods = [name for name in vars(cls) if not name.startswith("_")]
+        if says == len(mro) or all(defined_at(name) < says for name in methods):
+            return True
+        return bool(obj.offers(cls))
+
+
+@runtime_checkable
+class SetsEpoch(Protocol, metaclass=_Capability):
     """Has ``set_epoch(epoch)``: told the epoch whenever a sampler's epoch changes."""
 
     def set_epoch(self, epoch: int) -> None: ...
 
 
 @runtime_checkable
-class ReadsAhead(Protocol):
+class ReadsAhead(Protocol, metaclass=_Capability):
     """Has ``read_ahead(order, start, count, position)``: prepares for a sampler's pass.
 
     ``order(a, b)`` gives the dataset indices at the pass's positions ``[a, b)``, the
@@ -89,7 +124,7 @@ class ReadsAhead(Protocol):
 
 
 @runtime_checkable
-class HasBlockOffsets(Protocol):
+class HasBlockOffsets(Protocol, metaclass=_Capability):
     """Has ``block_offsets()``: int64 prefix offsets of its storage blocks, from 0 to
     ``len(self)``."""
 

@@ -34,10 +34,9 @@ class Concat(View):
         source_field: a key added to every record, holding its dataset's name or
             position; None adds nothing.
 
-    It has ``block_offsets()`` only when every dataset has (a plain sequence has none).
+    It offers ``block_offsets()`` only when every dataset has blocks (a plain sequence
+    has none).
     """
-
-    block_offsets = None  # the Source default hidden: set in __init__ when it holds
 
     def __init__(
         self,
@@ -50,13 +49,6 @@ class Concat(View):
         self._index = ShardIndex([len(c) for c in self.children])
         self.source_field = source_field
         self._labels: list[Any] | None = None
-        lacking = [k for k, c in enumerate(self.children) if not isinstance(c, HasBlockOffsets)]
-        if lacking:
-            child = self.children[lacking[0]]
-            why = getattr(child, "blocks_missing", "it has no block boundaries")
-            self.blocks_missing = f"{self.describe_child(lacking[0])}: {why}"
-        else:
-            self.block_offsets = self._block_offsets
         if source_field is not None:
             if not isinstance(source_field, str):
                 raise TypeError(f"source_field must be a str, got {source_field!r}")
@@ -108,12 +100,24 @@ class Concat(View):
         )
         return batch
 
-    def _block_offsets(self) -> np.ndarray:
+    def offers(self, capability: type) -> bool:
+        if capability is HasBlockOffsets:
+            return all(isinstance(c, HasBlockOffsets) for c in self.children)
+        return super().offers(capability)
+
+    def block_offsets(self) -> np.ndarray:
         """Every dataset's storage blocks, shifted to where it starts in the view (so
-        :class:`~torchgrain.BlockShuffleSampler` keeps its reads inside them)."""
+        :class:`~torchgrain.BlockShuffleSampler` keeps its reads inside them).
+
+        Raises:
+            TypeError: a dataset has no block boundaries (a plain sequence).
+        """
         parts = [np.zeros(1, dtype=np.int64)]
         for k, child in enumerate(self.children):
-            blocks = np.asarray(child.block_offsets(), dtype=np.int64)
+            try:
+                blocks = np.asarray(child.block_offsets(), dtype=np.int64)
+            except TypeError as e:
+                raise TypeError(f"{self.describe_child(k)}: {e}") from None
             parts.append(blocks[1:] + self._index.offsets[k])
         return np.unique(np.concatenate(parts))
 

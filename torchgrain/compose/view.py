@@ -26,11 +26,11 @@ resolve (:meth:`View._locate`); this base does the rest, once for every view:
   whose transforms may change them) is not compared, and the view then says nothing
   either (empty keys and schema), as :class:`~torchgrain.adapters.SequenceSource` does.
 * **Capabilities, honestly forwarded**: ``set_epoch`` reaches every child that has it
-  (:class:`~torchgrain.protocols.SetsEpoch`). A view has ``read_ahead``
-  (:class:`~torchgrain.protocols.ReadsAhead`) only when something under it reads ahead:
-  each such object below the view and the views among its children gets the pass once
-  (the same source under two children, or under two filters of it, one pass), with its
-  own order: its ``order(a, b)`` gives its indices that the view's positions ``[a, b)``
+  (:class:`~torchgrain.protocols.SetsEpoch`). ``read_ahead`` is offered
+  (:class:`~torchgrain.protocols.ReadsAhead`) only when something under the view reads
+  ahead: each such source below it, through views and Datasets, gets the pass once (the
+  same source under two children, or under two filters of it, one pass), with its own
+  order: its ``order(a, b)`` gives its indices that the view's positions ``[a, b)``
   resolve to, in the pass's order (possibly fewer or more than ``b - a``); ``start``,
   ``count`` and ``position`` stay the view's. ``block_offsets`` is one block (the
   :class:`~torchgrain.Source` default: a view's positions are not where its records are
@@ -377,8 +377,6 @@ class View(Source):
                 self._keys, self._schema = merge_schemas(described)
             except SchemaMismatchError:
                 self._keys, self._schema = [], {}
-        if _reading_ahead(self):
-            self.read_ahead = self._read_ahead
 
     # ------------------------------------------------------------ to define
     @abc.abstractmethod
@@ -448,21 +446,26 @@ class View(Source):
         return f"dataset {self.names[k]!r} ({short_repr(self.children[k])})"
 
     # --------------------------------------------------------- capabilities
+    def offers(self, capability: type) -> bool:
+        """``read_ahead`` when something under the view reads ahead; the others always
+        (:class:`~torchgrain.protocols.DeclaresCapabilities`)."""
+        return capability is not ReadsAhead or any(isinstance(c, ReadsAhead) for c in self.children)
+
     def set_epoch(self, epoch: int) -> None:
         """Passed on to every child that has ``set_epoch``."""
         for child in self.children:
             if isinstance(child, SetsEpoch):
                 child.set_epoch(epoch)
 
-    def _read_ahead(
+    def read_ahead(
         self,
         order: Callable[[int, int], np.ndarray] | None,
         start: int,
         count: int,
         position: Callable[[], int],
     ) -> Any:
-        """The view's ``read_ahead`` (see the module docstring): the cache checks of the
-        objects under it together (None when none has any)."""
+        """Each source under the view told the pass once (see the module docstring): the
+        cache checks of them together (None when none has any)."""
         fits: list[Any] | None = None
         for target in _reading_ahead(self):
             target_order = None if order is None else _PassOrder(self, target, order)
@@ -476,18 +479,29 @@ class View(Source):
         return f"{type(self).__name__}([{inner}])"
 
 
+def _beneath(x: Any) -> Any:
+    """What ``x`` reads through with the same indices: a Dataset's source, an adapted
+    sequence; ``x`` itself otherwise."""
+    from torchgrain.adapters import SequenceSource
+    from torchgrain.dataset import Dataset
+
+    while isinstance(x, (Dataset, SequenceSource)):
+        x = x._source if isinstance(x, Dataset) else x.items
+    return x
+
+
 def _reading_ahead(view: View) -> list[Any]:
-    """The objects that read ahead under ``view`` and the views among its children, each
-    once (a source may be under two children, or under two views of it)."""
+    """The sources that read ahead under ``view``, through views and Datasets, each once
+    (a source may be under two children, or under two views of it)."""
     found: dict[int, Any] = {}
-    for child in view.children:
+    for child in map(_beneath, view.children):
         below = _reading_ahead(child) if isinstance(child, View) else [child]
         found.update((id(x), x) for x in below if isinstance(x, ReadsAhead))
     return list(found.values())
 
 
 class _PassOrder:
-    """The pass's order for ``target``, an object under ``view``: its indices that the
+    """The pass's order for ``target``, a source under ``view``: its indices that the
     view's positions ``[a, b)`` resolve to, in the pass's order (a picklable callable)."""
 
     __slots__ = ("order", "target", "view")
@@ -511,7 +525,7 @@ class _PassOrder:
         if len(indices) == 0:
             return
         which, local = view.locate(indices)
-        for k, child in enumerate(view.children):
+        for k, child in enumerate(map(_beneath, view.children)):
             mine = which == k
             if child is self.target:
                 out_at.append(at[mine])

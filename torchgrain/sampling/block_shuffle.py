@@ -151,7 +151,8 @@ class BlockShuffleSampler(ResumableSampler):
         if block_offsets is None:
             if not isinstance(dataset, HasBlockOffsets):
                 raise TypeError(
-                    "BlockShuffleSampler needs a dataset with block_offsets() or block_offsets="
+                    "BlockShuffleSampler needs a dataset with block_offsets() or "
+                    f"block_offsets={_why_no_blocks(dataset)}"
                 )
             block_offsets = dataset.block_offsets()
         offsets = np.asarray(block_offsets)
@@ -328,3 +329,15 @@ def _distinct(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         np.not_equal(s[1:], s[:-1], out=new[1:])
         return s[new], np.cumsum(new) - 1
     return np.unique(s, return_inverse=True)
+
+
+def _why_no_blocks(dataset: Any) -> str:
+    """Why a wrapper that does not offer ``block_offsets`` has none (its method raises
+    ``TypeError`` saying so: which input, and what it is); empty for any other object."""
+    method = getattr(dataset, "block_offsets", None)
+    try:
+        if callable(method):
+            method()
+    except TypeError as e:
+        return f": {e}"
+    return ""

@@ -452,11 +452,10 @@ class TokenWindows(Source):
     sums of each document's length with its ``bos``/``eos``) and, in pack mode, the
     bins. A DataLoader worker maps the same index files; it pickles small.
 
-    It has ``block_offsets()`` in concat mode over a dataset with blocks, and
-    ``read_ahead`` when the dataset has it.
+    It offers ``block_offsets()`` in concat mode over a dataset with blocks, and
+    ``read_ahead`` when the dataset has it
+    (:class:`~torchgrain.protocols.DeclaresCapabilities`).
     """
-
-    block_offsets = None  # the Source default hidden: set in __init__ when it holds
 
     def __init__(
         self,
@@ -482,17 +481,6 @@ class TokenWindows(Source):
             assert bins is not None
             self._n = len(bins.arrays["bins"]) - 1
         self._check = ShardIndex([self._n])
-        ds = docs.ds
-        if mode == "concat" and isinstance(ds, HasBlockOffsets):
-            self.block_offsets = self._block_offsets
-        else:
-            self.blocks_missing: str = (
-                ds.blocks_missing
-                if mode == "concat"
-                else f"token windows in {mode} mode have no block boundaries"
-            )
-        if isinstance(ds, ReadsAhead):
-            self.read_ahead = self._read_ahead
 
     # -------------------------------------------------------------- what it holds
     @property
@@ -654,10 +642,19 @@ class TokenWindows(Source):
         }
 
     # ------------------------------------------------------------- capabilities
-    def _block_offsets(self) -> np.ndarray:
+    def offers(self, capability: type) -> bool:
+        pack = capability is HasBlockOffsets and self.mode != "concat"
+        return not pack and isinstance(self._docs.ds, capability)
+
+    def block_offsets(self) -> np.ndarray:
         """Concat mode: the windows where the dataset's blocks (row groups, shards) start,
-        so :class:`~torchgrain.BlockShuffleSampler` keeps its reads in a few blocks (pack
-        mode has none: a window's documents come from anywhere)."""
+        so :class:`~torchgrain.BlockShuffleSampler` keeps its reads in a few blocks.
+        Pack mode: ``TypeError`` (a window's documents come from anywhere)."""
+        if self.mode != "concat":
+            raise TypeError(
+                f"token windows in {self.mode} mode have no block boundaries (give "
+                "BlockShuffleSampler block_offsets=)"
+            )
         blocks = np.asarray(self._docs.ds.block_offsets(), np.int64)
         starts = np.minimum(self.offsets[blocks] // self.seq_len, self._n)
         return np.unique(np.concatenate([[0], starts, [self._n]]))
@@ -667,17 +664,18 @@ class TokenWindows(Source):
         if isinstance(self._docs.ds, SetsEpoch):
             self._docs.ds.set_epoch(epoch)
 
-    def _read_ahead(
+    def read_ahead(
         self,
         order: Callable[[int, int], np.ndarray] | None,
         start: int,
         count: int,
         position: Callable[[], int],
     ) -> Any:
-        """``read_ahead``, passed on to the dataset of documents: its order for positions
-        ``[a, b)`` is the documents the windows at those positions touch (in order, each
-        once)."""
+        """Passed on to the dataset of documents: its order for positions ``[a, b)`` is
+        the documents the windows at those positions touch (in order, each once)."""
         child = self._docs.ds
+        if not isinstance(child, ReadsAhead):
+            return None
         if order is None:
             return child.read_ahead(None, start, count, position)
 
