@@ -118,11 +118,6 @@ def test_a_dropped_view_is_freed_at_once(tmp_path):
         gc.collect()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shard read-ahead takes offsets into a composed pass order for pass "
-    "positions: shards of a source behind another input are skipped as passed",
-)
 def test_shard_read_ahead_of_a_source_behind_another_input(tmp_path):
     # A composed order gives a source only its own indices (fewer than the positions
     # asked, or more for token windows), but ShardReadAhead counts the k-th index as

@@ -49,6 +49,28 @@ _ADVISE_EVERY = 0.5
 STEP_BYTES = 16 << 20
 
 
+def _used_at(
+    order: Callable[[int, int], np.ndarray], a: int, b: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The indices ``order`` gives for the pass's positions ``[a, b)``, and the position
+    each is used at: its own when there is one per position (a source's own pass), else
+    ``b - 1``. A composed pass gives a source only its own indices, fewer than the
+    positions (behind another input) or more (token windows' documents), known to lie in
+    ``[a, b)``: taken as used at the last, none counts as passed before the reader is
+    there.
+
+    Example:
+        >>> _used_at(lambda a, b: [7, 3, 5], 10, 13)[1].tolist()
+        [10, 11, 12]
+        >>> _used_at(lambda a, b: [7], 10, 13)[1].tolist()
+        [12]
+    """
+    indices = np.asarray(order(a, b), np.int64)
+    if len(indices) == b - a:
+        return indices, np.arange(a, b, dtype=np.int64)
+    return indices, np.full(len(indices), b - 1, np.int64)
+
+
 class _NextUses:
     """The next use of each shard ahead of the reader, told to a ``belady`` shard cache
     (:meth:`~torchgrain.io.shard_cache.ShardCache.advise`) as the reader moves on.
@@ -72,10 +94,11 @@ class _NextUses:
         src = self.src
         while self.scan < min(self.count, reached + _HORIZON):
             stop = min(self.scan + _SCAN, self.count)
-            shards = src.index.locate(np.asarray(self.order(self.scan, stop)))[0]
+            indices, at = _used_at(self.order, self.scan, stop)
+            shards = src.index.locate(indices)[0]
             uniq, first = np.unique(shards, return_index=True)
             for shard, k in zip(uniq.tolist(), first.tolist()):
-                self.future.setdefault(shard, collections.deque()).append(self.scan + k)
+                self.future.setdefault(shard, collections.deque()).append(int(at[k]))
             self.scan = stop
         hints: dict[str, int | None] = {}
         for shard in set(self.future) | set(self.told):
@@ -233,16 +256,17 @@ class ShardReadAhead:
                     hints.update(position())
                 while len(pending) < 2 * self.threads and scan < count and not seen.all():
                     stop = min(scan + _SCAN, count)
-                    shards = src.index.locate(np.asarray(order(scan, stop)))[0]
+                    indices, at = _used_at(order, scan, stop)
+                    shards = src.index.locate(indices)[0]
                     uniq, back = np.unique(shards[::-1], return_index=True)
-                    last_use[uniq] = scan + len(shards) - 1 - back
+                    last_use[uniq] = at[len(shards) - 1 - back]
                     first = np.unique(shards, return_index=True)[1]
                     for k in np.sort(first).tolist():
                         s = int(shards[k])
                         if not seen[s]:
                             seen[s] = True
-                            first_use[s] = scan + k
-                            pending.append((scan + k, s))
+                            first_use[s] = at[k]
+                            pending.append((int(at[k]), s))
                     scan = stop
                 in_flight = [f for f in in_flight if not f.done()]
                 if not pending:
