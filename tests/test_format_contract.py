@@ -182,6 +182,7 @@ def test_opening_sizes_shards_from_the_listing_and_keeps_their_readers(data, mon
     asked, file_size = [], remote.file_size
     monkeypatch.setattr(remote, "file_size", lambda *a, **k: asked.append(a) or file_size(*a, **k))
     src = FixedSource("memory://contract", io_threads=4)
+    assert isinstance(src.format, tg.sources.ShardFormat)  # (runtime-checkable)
     assert asked == [] and src.shard_integrity(3)[0] == store.size(src.paths[3])
     with RangeHTTPServer(data.parent) as srv:
         remote_src = FixedSource(f"{srv.url}/data", max_open_files=SHARDS)
