@@ -1,6 +1,6 @@
 """Review of honest capabilities (block_offsets / read_ahead set on the instance where
 they work, and read-ahead as a pass plan of each source's indices): faults found by
-reproduction. Each test shows one fault (a strict xfail until it is fixed)."""
+reproduction. Each test shows one fault (each fixed since)."""
 
 from __future__ import annotations
 
@@ -168,11 +168,6 @@ def test_calling_a_missing_block_offsets_says_why():
             x.block_offsets()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bench finds a mixture's records per block by HasBlockOffsets, which a "
-    "mixture has (one block of all its records)",
-)
 def test_bench_takes_a_mixture_for_a_dataset_without_blocks():
     # _records_per_block says "1 for a dataset without blocks (a mixture)", but a view
     # without blocks of its own has the Source default, one block: `torchgrain bench

@@ -201,12 +201,13 @@ def token_column(schema: dict[str, str]) -> str | None:
 
 def _records_per_block(source: Any) -> int:
     """Typical records per storage block (an ArrayRecord file's group size); 1 for a
-    dataset without blocks (a mixture)."""
+    dataset without blocks, or with one block of all its records (a mixture: a block
+    shuffle of it is the global shuffle)."""
     if not isinstance(source, HasBlockOffsets):
         return 1
     sizes = np.diff(source.block_offsets())
     sizes = sizes[sizes > 0]
-    return int(np.median(sizes)) if len(sizes) else 1
+    return int(np.median(sizes)) if len(sizes) > 1 else 1
 
 
 #: What ``collate=`` may name: how bench's DataLoader collates its batches.
