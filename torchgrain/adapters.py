@@ -9,7 +9,7 @@ only the Source contract. The optional capabilities of the wrapped object
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -86,13 +86,7 @@ BlockShuffleSampler block_offsets=)
         if isinstance(self.items, SetsEpoch):
             self.items.set_epoch(epoch)
 
-    def read_ahead(
-        self,
-        order: Callable[[int, int], np.ndarray] | None,
-        start: int,
-        count: int,
-        position: Callable[[], int],
-    ) -> Any:
+    def read_ahead(self, order: Any, start: int, count: int, position: Any) -> Any:
         """Passed on to the object when it has ``read_ahead``; None otherwise."""
         if isinstance(self.items, ReadsAhead):
             return self.items.read_ahead(order, start, count, position)
