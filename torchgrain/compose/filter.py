@@ -1,37 +1,17 @@
 """Filters: the records of a dataset for which a predicate holds, as a view.
 
-``ds.filter(predicate)`` finds the kept indices once, by a parallel pass over ``ds``
-(DataLoader worker processes, each reading contiguous ranges in batches, a progress bar
-on stderr), and stores them, in order, as a *selection index* through
-:func:`~torchgrain.sources.node_index.derived.derived_index`: one file per machine,
-memory-mapped read-only by every process (4 bytes per kept record, 8 when the dataset
-has 2^32 records or more), keyed by the dataset's identity
-(:func:`~torchgrain.sources.node_index.derived.dataset_fingerprint`: its files, sizes and
-modification times, its transforms) and the predicate's
-(:func:`~torchgrain.sources.node_index.derived.callable_fingerprint`, or a ``name`` you
-give). Another process, rank or spawned worker maps the same file without a pass; a
-changed shard or another predicate gives another key, and a new pass.
-
 The result is a :class:`~torchgrain.Dataset` over a :class:`FilterView`: item ``i`` is
 record ``selection[i]`` of ``ds``, batched reads stay batched, ``set_epoch`` and
 ``read_ahead`` reach ``ds`` (the pass's order mapped through the selection), and
 ``block_offsets`` are ``ds``'s blocks as they fall in the selection.
 
-A selection file is untrusted input: when a process opens it, its length must match its
-metadata and its entries be strictly increasing and below ``len(ds)``; anything else is
-a :class:`~torchgrain.CorruptDataError` naming the file (never records of other indices).
+The kept indices are found once, by a parallel pass over ``ds``, and stored as a
+*selection index* file per machine, memory-mapped by every process (4 bytes per kept
+record) and checked when opened (a :class:`~torchgrain.CorruptDataError` naming it).
+A predicate is a function of one record, a vectorised one over columns (:func:`columns`),
+or a :class:`pyarrow.compute.Expression` pushed down to Parquet files.
 
-Predicates:
-
-* a function of one record, returning a truth value (the common case);
-* a *vectorised* one (:func:`columns`, or ``batched=True``): a function of a
-  :class:`~torchgrain.columns.ColumnBatch` returning one bool per row; the pass reads
-  columns (``read_columns``), with no Python object per record where the source can;
-* a :class:`pyarrow.compute.Expression` over a :class:`~torchgrain.ParquetSource` read
-  without transforms (and ``ParquetSource(..., filter=expression)``): pushed down to the
-  files. Row groups whose footer statistics (min, max, null count) show that no row can
-  match are never read; the others are read with only the columns the expression names,
-  and the expression is evaluated by Arrow. The same selection index results.
+Design notes: docs/design-notes.md#compose-filter.
 
 Example:
     >>> import tempfile, torchgrain as tg

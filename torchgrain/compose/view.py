@@ -1,44 +1,13 @@
 """The composition contract: what every composed dataset (a *view*) shares.
 
-A view is a :class:`~torchgrain.Source` whose records are records of other datasets, its
-*children*: item ``i`` of the view resolves, by arithmetic or a mapped index, to a pair
-(child ``c``, child index ``j``). A subclass says only how long it is and how positions
-resolve (:meth:`View._locate`); this base does the rest, once for every view:
+A view is a :class:`~torchgrain.Source` whose item ``i`` resolves to a pair (child ``c``,
+child index ``j``). A subclass says only how long it is and how positions resolve
+(:meth:`View._locate`); this base does the rest for every view: children adapted
+(:func:`adapt`), one batched read per child per batch (:func:`read_pairs`), index checks,
+keys and schema merged (:func:`merge_schemas`), and ``set_epoch`` / ``read_ahead`` /
+``block_offsets`` offered only where they work. A view pickles small (no open handles).
 
-* **Children** (:func:`adapt`): a :class:`~torchgrain.Source` is read as it is; a
-  :class:`~torchgrain.Dataset` through its own ``__getitems__``, so its transforms
-  (``map``, ``random_map`` keyed by the child's own index) apply; a Dataset with no
-  transforms through its source (the source's column reads stay available); anything
-  else that :class:`~torchgrain.Dataset` accepts (a list, a torch dataset) as
-  ``tg.Dataset(x)`` would read it.
-* **Batched reads** (:func:`read_pairs`, :func:`read_column_pairs`): one batched call per
-  child per batch (``__getitems__``, or ``read_columns``), the records put back in
-  request order; a child that returns too few or too many records is an error naming it
-  (:func:`~torchgrain.adapters.checked_batch`), never a shifted batch.
-* **Index checks**: negative or out-of-range indices raise ``IndexError`` and
-  non-integers ``TypeError``, as every source does (:meth:`ShardIndex.check
-  <torchgrain.sources.index.ShardIndex.check>`).
-* **Keys and schema** (:func:`merge_schemas`): the children must agree (array shapes
-  that differ only in a dimension's size merge to ``?``, a type and its nullable form
-  merge to the nullable form); anything else is a
-  :class:`~torchgrain.SchemaMismatchError` naming both children and the keys and types
-  that differ. A child that does not describe its records (a plain sequence, a Dataset
-  whose transforms may change them) is not compared, and the view then says nothing
-  either (empty keys and schema), as :class:`~torchgrain.adapters.SequenceSource` does.
-* **Capabilities, honestly forwarded**: ``set_epoch`` reaches every child that has it
-  (:class:`~torchgrain.protocols.SetsEpoch`). ``read_ahead`` is offered
-  (:class:`~torchgrain.protocols.ReadsAhead`) only when something under the view reads
-  ahead: each such source below it, through views and Datasets, gets the pass once (the
-  same source under two children, or under two filters of it, one pass), with its own
-  order: its ``order(a, b)`` gives its indices that the view's positions ``[a, b)``
-  resolve to, in the pass's order (possibly fewer or more than ``b - a``); ``start``,
-  ``count`` and ``position`` stay the view's. ``block_offsets`` is one block (the
-  :class:`~torchgrain.Source` default: a view's positions are not where its records are
-  stored together) unless a view knows better (a concatenation: its children's blocks,
-  shifted; a filter: its parent's, as they fall in the selection).
-
-A view holds its children and a few numbers, never an array of its own length, and
-pickles as its children do (small, no open handles).
+Design notes: docs/design-notes.md#compose-view.
 
 Example:
     >>> import numpy as np

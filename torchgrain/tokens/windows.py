@@ -5,38 +5,13 @@ list or array of token ids per record, or text and a tokenizer) into a map-style
 of windows, each a dict of ``input_ids``, ``labels``, ``position_ids``, ``cu_seqlens``
 and ``document_ids``. Two modes:
 
-* ``mode="concat"`` (pretraining): the documents' tokens, each document with ``bos``
-  before it and ``eos`` after it when given, form one stream in document order; window
-  ``i`` is the stream's tokens ``[i * seq_len, (i + 1) * seq_len + 1)``: ``input_ids``
-  the first ``seq_len`` and ``labels`` the next-token shift, so every token of the
-  stream but the first is a label exactly once per epoch. There are
-  ``(total_tokens - 1) // seq_len`` windows: at most one partial window (fewer than
-  ``seq_len`` labels) is dropped per epoch. The index is the int64 prefix sums of the
-  documents' lengths (8 bytes per document, nothing per window, the same for every
-  ``seq_len``); a window finds its documents by binary search.
-* ``mode="pack"`` (fine-tuning): whole documents packed into windows by best-fit
-  decreasing over every document's length (longest first, each into the fullest open
-  window it fits: at least as full as first-fit decreasing), never split across windows; a document longer than
-  ``seq_len`` is truncated to its first ``seq_len`` tokens (counted in
-  :attr:`TokenWindows.truncated_documents`). The rest of a window is ``pad_id`` with
-  labels ``-100``; ``labels`` are the next token *within* a document (``-100`` at each
-  document's last token). The bins cost 8 bytes per document and 8 per window.
+``mode="concat"`` (pretraining) cuts the documents' token stream (with ``bos``/``eos``)
+into windows, each token but the first a label once per epoch; ``mode="pack"``
+(fine-tuning) packs whole documents by best-fit decreasing, padding the rest. The index
+(document lengths' prefix sums, 8 bytes per document) is built once per machine and
+checked when opened; a batch of windows is one batched read of the documents it touches.
 
-Document lengths come from the data without building Python objects per token where
-the format allows: a ``num_tokens`` column written beside the tokens (``lengths=``) is
-read alone; else a Parquet list column's row groups are read (that column only) and the
-lengths taken from the list offsets (pyarrow cannot skip decoding the values, so this
-costs one decode of the column, in parallel threads: 3.1 s for 10^7 documents here, 1.1 s
-from ``num_tokens``); any other dataset is read once, in DataLoader worker processes, a
-chunk of documents at a time (with a progress bar). The index is built once per machine (:mod:`torchgrain.sources.node_index.derived`:
-under a lock, memory-mapped by every process, keyed by the data's fingerprint, the
-column, ``bos``/``eos`` and the tokenizer), and checked when opened: a damaged or
-inconsistent file is rebuilt with a warning naming it.
-
-Reading a batch of windows reads the documents they touch with one batched read of the
-dataset (``read_columns`` of that column only, for Parquet). A document longer than a
-window is read once per window that touches it (a 10x longer document is read about 11
-times per epoch, which a global shuffle makes no cache avoid).
+Design notes: docs/design-notes.md#tokens-windows.
 """
 
 from __future__ import annotations
