@@ -1,29 +1,12 @@
 """Noticing that a memory-mapped local file changed, before its map is read.
 
-Reading a page of a map past the end of a file truncated since it was mapped (``cp`` or
-``rsync --inplace`` over a shard a job reads) raises SIGBUS. Python cannot catch it, nor
-recover: the faulting access repeats. So every reader of a mapped file (shards, index
-files, decoded-cache entries) calls :func:`changed` on the file's :class:`Pin` before it
-touches the map, and raises (or re-reads) instead of reading when the file changed.
+Reading a map past the end of a file truncated since it was mapped raises SIGBUS, which
+Python cannot catch. So every reader of a mapped file calls :func:`changed` on the file's
+:class:`Pin` before it touches the map: on Linux one inotify read per check (about 1 µs for
+every mapped file), else a stat per file (1-2 µs). A truncation within the batch after a
+check, or a write through another machine, is not seen.
 
-How a change is seen:
-
-* Linux: one inotify instance per process watches each mapped file (its inode, through
-  the descriptor it was mapped from) for ``IN_MODIFY``: any write or truncation made
-  through this machine's kernel, a same-size rewrite with its modification time restored
-  (``rsync -a --inplace``) included. A check reads the instance's queue once for every
-  mapped file (one non-blocking ``read``, about 1 µs) and looks the file's watch up.
-* Without inotify (another system, no ``/proc``, the per-user limit of watches or
-  instances reached, an overflowed queue): a check stats the file (its path) and
-  compares device, inode, size and modification time (about 1-2 µs per file). A
-  same-size rewrite that restores the modification time is not seen this way.
-
-What it guarantees, and what it cannot: a change made before a check is seen by it; a
-truncation between a check and the reads after it (a window of one batch) still kills
-the process, as it would for any program reading through a map. Writes through another
-machine (NFS, a cluster filesystem) raise no inotify event here. A file replaced by a
-rename, or deleted, is safe to keep reading: the map holds the old inode, which no one
-can open any more.
+Design notes: docs/design-notes.md#io-changes.
 
 Example:
     >>> import os, tempfile

@@ -1,30 +1,13 @@
 """A forked child leaves its parent's connections alone.
 
-Async fsspec filesystems (HTTP(S), s3fs, gcsfs) share one event loop per process,
-running in a thread of fsspec's. On Linux that loop waits on an ``epoll`` instance, and a
-forked DataLoader worker inherits it: not a copy, the very same kernel object, whose
-interest list says which sockets wake the parent's loop. The worker cannot run the
-inherited loop (its thread did not survive the fork) and builds its own filesystems, but
-the parent's are still in its memory; when a garbage collection in the worker frees one,
-fsspec closes its pooled connections, asyncio unregisters each socket from the inherited
-epoll, and so from the parent's. The parent's next request on such a connection is sent
-and its answer arrives, but the loop never hears of it: the request waits out its read
-timeout (20 s with torchgrain's defaults) and is retried, once per pooled connection, and
-a filesystem the user built without a read timeout hangs.
+A forked DataLoader worker inherits the parent's fsspec event loop's ``epoll`` instance
+and sockets: freeing the parent's filesystems in the child would unregister the parent's
+sockets (its requests then wait out a 20 s read timeout) or write TLS ``close_notify`` into
+its streams. So, in a forked child, before any of its code runs, every socket of the
+inherited loop is replaced by an unconnected one under the same descriptor, and the loop
+gets its own epoll. The hook is installed on import (by :mod:`torchgrain.io.remote`).
 
-The sockets themselves are shared the same way. Closing an HTTPS connection sends a TLS
-``close_notify`` on its socket, at once when nothing is queued: a worker freeing an
-inherited HTTPS connection would write into the parent's TLS stream, and the server
-would end the parent's connection (mid-request, a failed read to retry).
-
-So in a forked child, before any code of the child's can run, every socket of the
-inherited loop (its connections and its wake-up pipe) is replaced, under the same
-descriptor number, by an unconnected socket of the child's own, and the loop gets an
-epoll instance of its own (holding those replacements): whatever the child does with the
-parent's objects (close, write, unregister) no longer reaches the parent. The loop also
-stops saying it runs (its thread is the parent's), so fsspec closes what the child frees
-at once instead of waiting a second for that thread. The hook is installed when this
-module is imported (by :mod:`torchgrain.io.remote`).
+Design notes: docs/design-notes.md#io-loops.
 
 Example:
     >>> import asyncio

@@ -5,30 +5,14 @@ The rules of the node-local caches, kept once: :class:`~torchgrain.io.shard_cach
 (decoded Parquet row groups) subclass it and keep what an entry is, its key and how it
 is verified.
 
-* An entry is a file named by its key, in the directory (or, ``_NESTED``, in its
-  subdirectories); names starting with ``.`` are the store's own. A file under its final name is
-  complete: a writer fills ``<_TMP_DIR>/<_TMP_PREFIX><name>-<size>-<pid>-<random>``
-  (:meth:`NodeStore._reserve`) and renames it into place (:meth:`NodeStore._publish`).
-* An ``fcntl.flock`` per entry (``.locks/<name>.lock``, or one of ``_STRIPES`` lock files
-  the names hash to) is held exclusively while the entry is written and shared while it
-  is checked and opened (:meth:`NodeStore._lock`). The kernel drops it when a process
-  dies, so a temp file whose entry's lock is free was left by a killed writer: it is
-  deleted by the entry's next writer or at the next eviction.
-* Entries plus the sizes in the names of temp files in flight (writes reserve their
-  room) stay within ``max_bytes``: eviction, under ``.locks/evict.lock``, unlinks least
-  recently used entries first (:meth:`NodeStore._last_use`, or in the order
-  :meth:`NodeStore._rank` gives) down to ``_EVICT_TO`` of the budget. It only unlinks
-  (a process that has a file open or mapped keeps reading it) and, with a lock per
-  entry, skips entries whose lock is held. With ``_USAGE``, a running total of the
-  entries' bytes in that file spares a listing at each publish (recounted at each
-  eviction).
-* :meth:`NodeStore._room_on_disk` keeps ``min_free_bytes`` free on the filesystem, least
-  recently used entries deleted first to make room.
-* A write that finds no room (a full disk, a spent quota, a file-size limit) raises
-  :class:`~torchgrain.CacheDiskFullError` naming the store, its directory, the file and
-  the remedy, leaves nothing partial, and sets :attr:`NodeStore.disk_full` in this process.
-
 A store holds no file or lock between calls, so it pickles and forks as it is.
+
+An entry is a file named by its key, complete once renamed into place; an ``flock`` per
+entry guards writes, checks and eviction; entries and writes in flight stay within
+``max_bytes`` (least recently used evicted first, by unlinking only); a full disk raises
+:class:`~torchgrain.CacheDiskFullError` and leaves nothing partial.
+
+Design notes: docs/design-notes.md#io-node-store.
 
 Example:
     >>> import tempfile

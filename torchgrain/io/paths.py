@@ -1,38 +1,17 @@
 """Canonical paths and URLs, and the rule that keeps a dataset inside its root.
 
-A dataset names files: a manifest lists its shards, a directory listing (on an HTTP
-server, a page of links the server writes) lists what a directory holds, metadata may name
-sidecar files. None of these names can be trusted: ``%2e%2e/secret/x`` passes a naive
-``..`` test and is then decoded to ``../secret/x`` by the HTTP client (or by the server);
-``a\\..\\x`` is a parent reference to a Windows-style server; ``x\\0y`` ends a name early
-in C. So every name a dataset gives is canonicalised *before* it is checked and before any
-request is made for it, here and nowhere else:
-
-* **Every reading of a name is checked.** A name is looked at as written, after each
-  round of percent-decoding (up to :data:`MAX_DECODINGS`, since a proxy or server may decode
-  again what the client already decoded; IIS's ``%u002e`` escapes too) and after Unicode
-  NFKC normalisation (which turns full-width dots and solidus (U+FF0E, U+FF0F) into
-  ``../``, as some servers do). A name is unsafe if *any* of these readings has a dot
-  segment, an empty segment (``a//b``), a backslash, a control character (NUL, newline,
-  ...), or a percent-escape that is not UTF-8. A dot segment is ``.`` or ``..``, and what
-  servers read as one: ``..;x`` (Tomcat and Jetty drop ``;`` path parameters) and a
-  segment of dots and spaces only (``...``, ``.. ``: Windows drops trailing dots and spaces).
-* **A name is a name, not a pattern nor a spelling of another.** It is at most
-  :data:`MAX_NAME_BYTES` long (:data:`MAX_SEGMENT_BYTES` per segment), and the names of one
-  dataset are distinct in every reading, case aside: ``a.x`` and ``a%2ex`` are one file to
-  an HTTP server, ``A.x`` and ``a.x`` to a case-insensitive disk (:func:`resolve_all`).
-* **A name a dataset gives for one of its files is relative:** not absolute (``/x``,
-  ``//host/x``), no URL (``http://``, ``s3://``, fsspec's chained ``a::b``), no scheme or
-  Windows drive in front (``c:``, ``file:``), and, below an HTTP(S) root, no ``?`` or
-  ``#`` (a client would send them as a query or drop them as a fragment: the request would
-  not be for the file named).
-* **A listed location is inside the root** when it has the root's scheme, host, port and
-  user, and its path, decoded, starts with the root's path segments; it must also pass the
-  checks above. Locations the user gives (the root itself) are trusted and only put in
-  canonical form (dot segments resolved) for the comparison.
-
 Symbolic links inside a local dataset directory are the owner's doing and are followed as
 usual; nothing here resolves them.
+
+A dataset's names (a manifest's, a listing's, metadata's) are untrusted:
+``%2e%2e/secret/x`` passes a naive ``..`` test and is decoded later. So every name is
+canonicalised and checked here, before any request: in every reading (as written, after
+each percent-decoding, after NFKC) it has no dot segment, empty segment, backslash or
+control character; it is bounded in length and distinct from the dataset's other names;
+it is relative; a listed location must lie inside the root (same scheme, host, port, user
+and path prefix).
+
+Design notes: docs/design-notes.md#io-paths.
 
 Example:
     >>> import fsspec

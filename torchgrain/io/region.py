@@ -1,34 +1,14 @@
 """ShardRegion: the local shard files of a dataset mapped into one range of addresses.
 
-A batch of a global shuffle over thousands of shards reads one or two records from each
-of hundreds of files. With one memory map per file, even gathering the batch's chunk
-headers takes a numpy call per file: the batch's cost grows with the shards it touches.
-Here a process reserves one range of virtual addresses for a dataset and maps each shard
-into a slot of it when first read, so one numpy array spans every mapped shard: a
-batch's headers are gathered with one fancy index and its records are slices of one
-buffer, whatever the number of files.
+A batch of a global shuffle reads a record or two from each of hundreds of files. A process
+reserves one range of addresses (``PROT_NONE``, no memory) per dataset and maps each shard
+into a 64 KiB-aligned slot of it, so one numpy array spans every mapped shard: a batch's
+headers are one fancy index, whatever the number of files. Mapped shards hold no file
+descriptor and are bounded by ``vm.max_map_count``; Linux x86-64/arm64 only
+(:func:`supported`). Callers bound every offset by the shard's size (an unmapped address is
+a segfault), and :meth:`ShardRegion.acquire` checks the batch's shards for changes first.
 
-* Slots are multiples of 64 KiB: an address keeps its file offset's place in the 64 KiB
-  blocks of Riegeli files, so block arithmetic works on addresses directly.
-* A mapped shard holds no file descriptor (the file is closed once mapped) and costs a
-  kernel map entry, no Python object. How many stay mapped is bounded by
-  ``vm.max_map_count`` (:func:`~torchgrain.io.limits.free_maps`) or ``max_maps``; the
-  least recently used are unmapped when a batch needs room.
-* The reservation is address space only (``PROT_NONE``, ``MAP_NORESERVE``): no memory,
-  no swap. Mapped pages are the page cache's, shared by every process of the machine.
-* Forked children inherit the mapped shards; spawned ones map their own. Nothing here
-  is pickled.
-* Linux on x86-64 and arm64 only (:func:`supported`); elsewhere sources read shard by
-  shard.
-
-Every address handed to numpy must lie inside a mapped slot: callers bound their offsets
-by the shard's size before gathering (an unmapped address is a segmentation fault, not
-an exception). A file that shrinks while mapped would raise SIGBUS when a page past its
-new end is read: each shard is pinned when mapped (:class:`~torchgrain.io.changes.Pin`),
-and :meth:`ShardRegion.acquire` checks the batch's shards before handing out their
-slots (one ``poll`` of this process's inotify queue for all of them), raising
-:class:`~torchgrain.io.changes.ChangedWhileOpen` for one that changed; such a shard is
-refused from then on.
+Design notes: docs/design-notes.md#io-region.
 
 Example:
     >>> import os, tempfile

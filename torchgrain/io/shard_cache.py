@@ -1,40 +1,18 @@
 """ShardCache: whole remote shards copied to a local directory, shared by every process.
 
-On object storage each request pays a time-to-first-byte of tens of milliseconds.
-Reading a shard's records one range at a time pays it again and again; fetching the
-whole shard once and reading the local copy pays it once per shard and epoch, and not
-at all in later epochs while the copy stays in the cache.
-
-The directory is a :class:`~torchgrain.io.node_store.NodeStore` (its locks, budget,
-eviction, temp files and atomic publish); what this cache adds:
-
-* A shard's copy is ``DIR/<key>-<name>``, where the key hashes the URL (and the
-  checksum, when one is known), so shards with equal names in different datasets
-  never collide. A download goes to ``DIR/.tmp-<key>-<name>-<size>-<pid>-<random>``
-  (the size reserves its room) and is published only after its size (and checksum,
-  when known) checked out.
-* Before the rename, the CRC-32 of the downloaded bytes is written to
-  ``DIR/.sums/<key>-<name>`` (:mod:`torchgrain.io.cache_records`). A copy is served only
-  while it matches that record: each process checks it (size and CRC, a full read at
-  several GB/s) the first time it uses it, and again whenever its identity
-  (:func:`file_identity`, change time included) changes. A copy that fails is discarded
-  and downloaded again (``stats["rejected"]``, and a ``RuntimeWarning``); one with no
-  record is downloaded again. The record's modification time is the copy's last use
-  (touching the copy would move its change time).
-* The shard's lock is held exclusively while fetching (two workers missing one shard
-  fetch it once) and shared while a copy is checked and opened
-  (:meth:`ShardCache.fetch_open`), so no download or eviction replaces or unlinks it
-  in between.
-* ``eviction="belady"`` evicts the copy whose next use lies furthest in the sampler's
-  order, from the hints read-ahead writes to ``DIR/.next-use`` (:mod:`torchgrain.io.eviction`).
-* A write that finds no room raises :class:`~torchgrain.CacheDiskFullError` and sets
-  :attr:`ShardCache.disk_full`: sources then read their remote shards by ranges, without
-  the cache, for the rest of the process (and warn once).
-
 The cache assumes shards are immutable: the same URL always holds the same bytes
 (write a changed dataset to a new path, or give checksums in the manifest). Without
 a checksum, what a hit guarantees is that the copy holds the bytes downloaded (of the
 size the manifest or the store gave), not that the store still holds them.
+
+Each request to object storage pays tens of milliseconds before its first byte; a whole
+shard fetched once and read locally pays it once per shard, and not in later epochs. The
+directory is a :class:`~torchgrain.io.node_store.NodeStore`; this cache adds keys that hash
+the URL (and checksum), a CRC-32 record per copy checked by each process on first use, one
+fetch per shard across workers, optional ``eviction="belady"``, and reading by ranges after
+a :class:`~torchgrain.CacheDiskFullError`.
+
+Design notes: docs/design-notes.md#io-shard-cache.
 """
 
 from __future__ import annotations
@@ -106,35 +84,21 @@ class ShardCache(NodeStore):
     """A byte-bounded, LRU, multi-process cache of whole remote files on local disk.
 
     Args:
-        directory: local directory for the copies (created if missing). Put it on a
-            local disk (NVMe), not on a network filesystem: the locks are ``flock``.
-        max_bytes: budget for the files in the cache; the least recently used files
-            are deleted to stay under it. A single file larger than the budget is an
-            error.
+        directory: local directory for the copies (created if missing), on a local disk
+            (the locks are ``flock``).
+        max_bytes: budget for the files in the cache, least recently used deleted first; a
+            single file larger than the budget is an error.
         retry: retry policy for downloads (default :class:`RetryPolicy()`).
-        verify_hits: check a cached copy against the CRC recorded at its download the
-            first time each process (each DataLoader worker) uses it, and again when
-            the file changes (see the module docstring; about 1-4 GB/s of one core,
-            from the page cache). ``False`` trusts a copy of the right size.
-        eviction: ``"lru"`` (default) evicts the least recently used copies first;
-            ``"belady"`` the copies whose next use lies furthest ahead in the sampler's
-            order (never used again: first), as told by :meth:`advise` (read-ahead
-            calls it as it scans the order); copies it was told nothing of go first,
-            least recently used first among them. Belady's rule gets the most hits a
-            cache of equal shards can (``benchmarks/eviction.py``).
+        verify_hits: check a cached copy against the CRC recorded at its download the first
+            time each process uses it, and when the file changes (1-4 GB/s of one core);
+            ``False`` trusts a copy of the right size.
+        eviction: ``"lru"`` (default) or ``"belady"``: the copies whose next use lies
+            furthest ahead in the sampler's order, as told by :meth:`advise`.
 
-    Counters (this process only) are in :attr:`stats`: ``hits``, ``misses`` (files this
-    process downloaded), ``waits`` (hits that waited for another worker's download),
-    ``bytes_fetched``, ``evictions``, ``bytes_evicted``, ``retries``, ``verified`` and
-    ``bytes_verified`` (copies checked on a hit), ``rejected`` (copies discarded by a
-    check: changed on disk since their download, or with no record of it).
-
-    A write that finds the disk full (or a quota or file-size limit) raises
-    :class:`~torchgrain.CacheDiskFullError`, an ``OSError`` naming the directory, the file
-    and the remedy, and sets :attr:`disk_full` for this process.
-
-    The object holds no open file or lock between calls: it pickles small and is safe
-    to share with forked, spawned or forkserver DataLoader workers.
+    Counters of this process are in :attr:`stats`. A full disk raises
+    :class:`~torchgrain.CacheDiskFullError` and sets :attr:`disk_full`. The object holds no
+    open file or lock between calls: it pickles small. Design notes:
+    docs/design-notes.md#io-shard-cache.
 
     Example:
         >>> import tempfile, fsspec
