@@ -5,12 +5,12 @@ The rules of the node-local caches, kept once: :class:`~torchgrain.io.shard_cach
 (decoded Parquet row groups) subclass it and keep what an entry is, its key and how it
 is verified.
 
-A store holds no file or lock between calls, so it pickles and forks as it is.
-
 An entry is a file named by its key, complete once renamed into place; an ``flock`` per
 entry guards writes, checks and eviction; entries and writes in flight stay within
 ``max_bytes`` (least recently used evicted first, by unlinking only); a full disk raises
 :class:`~torchgrain.CacheDiskFullError` and leaves nothing partial.
+
+A store holds no file or lock between calls, so it pickles and forks as it is.
 
 Design notes: docs/design-notes.md#io-node-store.
 

@@ -1,8 +1,5 @@
 """Canonical paths and URLs, and the rule that keeps a dataset inside its root.
 
-Symbolic links inside a local dataset directory are the owner's doing and are followed as
-usual; nothing here resolves them.
-
 A dataset's names (a manifest's, a listing's, metadata's) are untrusted:
 ``%2e%2e/secret/x`` passes a naive ``..`` test and is decoded later. So every name is
 canonicalised and checked here, before any request: in every reading (as written, after
@@ -10,6 +7,9 @@ each percent-decoding, after NFKC) it has no dot segment, empty segment, backsla
 control character; it is bounded in length and distinct from the dataset's other names;
 it is relative; a listed location must lie inside the root (same scheme, host, port, user
 and path prefix).
+
+Symbolic links inside a local dataset directory are the owner's doing and are followed as
+usual; nothing here resolves them.
 
 Design notes: docs/design-notes.md#io-paths.
 
