@@ -10,36 +10,13 @@ a stock DataLoader with worker processes) in each access order:
   (``Source.block_offsets``) hold several records: Parquet row groups, ArrayRecord
   written with ``group_size`` > 1 (chunks), runs of TFRecord records.
 
-How it measures
-    Each order is measured in rounds, the orders taking turns (round 1 reads every
-    order once, then round 2...; each round starts the orders in another sequence and
-    reads another part of the data), so that a burst of other work on the machine, or
-    a page cache warmed by an earlier order, does not decide the comparison. Every
-    measurement starts its own DataLoader and times only what comes after each
-    worker's first batch (worker start-up, opening files and cold caches are reported
-    apart, as the time to the first batch). A round lasts ``round_seconds`` (3 s), and
-    rounds go on past ``repeats`` until the last ``repeats`` rounds of every order lie
-    within ``settle`` (5%) of their median, at most ``2 * repeats`` rounds; the rate
-    reported is the median of those last rounds, with their spread (lowest to highest).
-    Given ``seconds`` (a quick look), the measured time in total is that, split evenly
-    into exactly ``repeats`` rounds per order. A line is printed as each measurement
-    finishes.
+Orders are measured in interleaved rounds of ``round_seconds`` until they settle within
+5% (the median reported, with its spread; time to the first batch apart). It reports
+records/s, tokens/s, record MB/s, worker busyness and :func:`torchgrain.stats`, and
+suggestions that never recommend an order that measured slower. Batches are collated as
+training collates them (``collate``).
 
-What it reports
-    records/s; tokens/s when the records hold a column of token ids (see
-    :func:`token_column`: counted as ``len`` of that field of each record delivered,
-    nothing more read); record MB/s (the size of the records as delivered: decoded arrays,
-    bytes and strings); the time to the first batch; how busy the workers were; the
-    per-worker breakdown of :func:`torchgrain.stats`; and suggestions drawn from
-    those numbers. A suggestion never recommends an access order that measured
-    slower, and says when two orders differ by less than their spread.
-
-Batches are collated in the workers as training collates them (``collate``:
-``"default"``, torch's default collate, what a DataLoader without ``collate_fn`` uses;
-``"pad"``, :func:`torchgrain.pad_collate` for variable-length fields; ``"none"``, the
-list of records, for the cost of reading alone). Records that cannot be collated (token
-lists of different lengths under the default collate) fail before anything is timed,
-with the error training would meet. Transforms come on top.
+Design notes: docs/design-notes.md#bench.
 
 Example:
     >>> import tempfile, numpy as np, torchgrain as tg

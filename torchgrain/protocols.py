@@ -6,28 +6,13 @@ it, is stated here; components check with ``isinstance`` (these protocols are
 runtime-checkable) instead of looking for attributes by name. A class has a capability
 by defining the method; no registration or base class is needed.
 
-A wrapper (a :class:`~torchgrain.Dataset`, an adapter, a composed view, token windows)
-has the methods whatever it wraps, and says which of them work
-(:class:`DeclaresCapabilities`): the check of :class:`SetsEpoch`, :class:`ReadsAhead` and
-:class:`HasBlockOffsets` asks it, so ``isinstance`` tells the truth, while a method a
-subclass defines itself counts as working, and calling one that does not work raises a
-``TypeError`` saying why.
+A wrapper (a Dataset, an adapter, a view) says which of its methods work
+(:class:`DeclaresCapabilities`), so ``isinstance`` tells the truth; calling one that does
+not work raises a ``TypeError`` saying why. The protocols: :class:`SetsEpoch`,
+:class:`ReadsAhead`, :class:`HasBlockOffsets`, :class:`ReadsBatches`, :class:`ReadsColumns`,
+:class:`SizedIndexable`, :class:`Fingerprinted`.
 
-* :class:`SetsEpoch`: ``set_epoch(epoch)``. Samplers call it from their own
-  ``set_epoch``/``load_state_dict`` (per-epoch random transforms follow), and a
-  :class:`~torchgrain.Dataset` passes its epoch on to a source that has it.
-* :class:`ReadsAhead`: ``read_ahead(order, start, count, position)``. Samplers hand it
-  each pass's order (remote shards are downloaded ahead, caches checked).
-* :class:`HasBlockOffsets`: ``block_offsets()``. What
-  :class:`~torchgrain.BlockShuffleSampler` keeps its reads inside.
-* :class:`ReadsBatches` / :class:`ReadsColumns`: ``__getitems__(indices)`` /
-  ``read_columns(indices)``, the batched reads a plain sequence may offer
-  (:class:`~torchgrain.adapters.SequenceSource` uses them).
-* :class:`SizedIndexable`: ``len(x)`` and ``x[i]``: what a
-  :class:`~torchgrain.Dataset` accepts besides a source.
-* :class:`Fingerprinted`: ``fingerprint()``, a digest of the data it reads (composed
-  datasets state theirs from their children's): what keys the node-shared indexes
-  derived from a dataset (a filter's selection, token windows' document offsets).
+Design notes: docs/design-notes.md#protocols.
 
 Example:
     >>> class Shards:

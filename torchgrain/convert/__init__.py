@@ -3,32 +3,13 @@
 One call (or ``torchgrain convert SRC DST``) reads every record of the source, in order,
 and writes sharded output plus a manifest with per-shard record counts and checksums.
 
-How the work is split
-    The input is a list of shards (files). With ``match_shards=True`` (the default when
-    ``num_shards`` is not given) output shard ``i`` holds exactly input shard ``i``.
-    With ``num_shards=N`` the global record order (input shards in sorted order, records
-    in file order) is cut into ``N`` contiguous slices whose sizes differ by at most
-    one; that needs every input's record count first. Parquet and ArrayRecord footers
-    give counts cheaply; TFRecord has no footer, so its files are scanned first (an
-    uncompressed file by walking the 12-byte record headers, a gzip/zlib file by a full
-    decompression pass, which costs as much as a second read). Inputs are opened
-    through the format registry (:mod:`torchgrain.sources.registry`), so any
-    registered format converts; its source counts records when it opens (a TFRecord
-    source keeps the counts in its offset index cache, so a rerun does not scan again).
+Output shard ``i`` holds input shard ``i`` (``match_shards``) or a contiguous slice of the
+global order (``num_shards``, TFRecord inputs counted first). Shards are written by a
+``forkserver``/``spawn`` pool under a temporary name, read back, verified and renamed; a
+rerun after a crash skips finished shards. ``ShardInfo.checksum`` is a
+:mod:`torchgrain.formats.checksums` value.
 
-Parallel and resumable
-    Output shards are independent tasks run by a process pool (``forkserver`` or
-    ``spawn``: never ``fork``, which is unsafe after a parent has read ArrayRecord files
-    with the C++ reader). Each shard is written under a hidden temporary name, read back
-    and verified (record count, and a checksum over the records), then renamed. The
-    parent records every finished shard in ``DST/.torchgrain-convert/``; a rerun after a
-    crash (or ``kill -9``) skips finished shards and produces the same result. The
-    manifest is written last.
-
-Checksums
-    ``ShardInfo.checksum`` is a :mod:`torchgrain.formats.checksums` value: ``blake2b-records``
-    over the records of an ArrayRecord shard (independent of compression and group
-    size), ``blake2b-file`` over a Parquet file's bytes.
+Design notes: docs/design-notes.md#convert-module.
 
 Example:
     >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq, torchgrain as tg
@@ -162,40 +143,27 @@ def convert(
         src: directory, glob, file, list of these, or fsspec URLs.
         dst: output directory (local).
         to: ``"array_record"`` (the default: msgpack records plus a ``torchgrain.json``
-            manifest) or ``"parquet"`` (one ``.parquet`` file per output shard): the
-            registry's :func:`~torchgrain.sources.registry.output_formats`.
+            manifest) or ``"parquet"`` (one file per output shard): the registry's
+            :func:`~torchgrain.sources.registry.output_formats`.
         num_shards: cut the global record order into this many contiguous output shards.
-        match_shards: one output shard per input shard (the default when ``num_shards``
-            is not given).
+        match_shards: one output shard per input shard (the default without ``num_shards``).
         group_size: records per ArrayRecord chunk (1: fastest random access).
         workers: processes converting shards in parallel (1: in this process).
-        codec: how TFRecord/ArrayRecord records are decoded: ``"auto"`` (ArrayRecord:
-            the manifest's codec or sniffed; TFRecord: ``tf_example`` when the records
-            parse as ``tf.train.Example``, else ``raw``; TFDS directories: decoded per
-            their ``features.json``), ``"tf_example"``, ``"raw"`` (keep the bytes, as
-            ``{"bytes": ...}``), ``"msgpack"``, or a codec object.
+        codec: how TFRecord/ArrayRecord records are decoded: ``"auto"`` (sniffed, or the
+            manifest's or ``features.json``'s), ``"tf_example"``, ``"raw"``, ``"msgpack"``,
+            or a codec object.
         compression: ArrayRecord ``zstd[:LEVEL]`` (default ``zstd:3``), ``snappy``,
-            ``brotli``, ``uncompressed``; Parquet ``zstd`` (default), ``snappy``,
-            ``gzip``, ``lz4``, ``none``.
-        src_format: ``"auto"`` (detected from file names) or a registered format name
-            (:func:`torchgrain.sources.registry.formats`).
-        row_group_bytes: Parquet output row groups hold about this many bytes of
-            Arrow data (at most 65,536 rows).
+            ``brotli``, ``uncompressed``; Parquet ``zstd`` (default), ``snappy``, ``gzip``,
+            ``lz4``, ``none``.
+        src_format: ``"auto"`` (from file names) or a registered format name.
+        row_group_bytes: Parquet row groups of about this many bytes (at most 65,536 rows).
         verify: read every written shard back and check its count and checksum.
-        overwrite: replace whatever ``dst`` holds (another dataset or a conversion
-            with other inputs or options) instead of raising.
+        overwrite: replace whatever ``dst`` holds instead of raising.
         progress: show a progress bar (default: when stderr is a terminal).
         storage_options: fsspec options for remote sources.
-        tokenize: a :func:`torchgrain.tokens.tokenize.tokenize` function (say
-            ``tokenize("text", Tokenizer.from_file("tokenizer.json"), "tokens",
-            lengths="num_tokens")``) run over each batch of 256 records before they are
-            written: the output holds the token ids as an int32 list column (an array
-            field in ArrayRecord) and, with ``lengths``, each record's count (what token
-            windows read without decoding the tokens). A change of tokenizer or columns
-            is a change of options (a rerun does not resume the old conversion).
-        columns: the columns to convert (default: all). Parquet input reads only these
-            columns' pages; other formats read whole records and drop the other keys. A
-            column the input lacks is a ValueError naming it and the input's columns.
+        tokenize: a :func:`torchgrain.tokens.tokenize.tokenize` function run over each
+            batch of 256 records before they are written (token ids as an int32 list column).
+        columns: the columns to convert (default: all); a missing one is a ValueError.
 
     Returns:
         The manifest (written to ``dst/torchgrain.json`` for ArrayRecord output; kept in
@@ -205,6 +173,8 @@ def convert(
         CorruptDataError: a corrupt input record (the message names file and offset or
             record); shards finished before stay, the failing one leaves no file.
         FileExistsError: ``dst`` holds something else and ``overwrite`` is False.
+
+    Design notes (the options in full): docs/design-notes.md#convert-module.
 
     Example:
         >>> import os, tempfile, torchgrain as tg

@@ -1,38 +1,13 @@
 """Decode and encode serialized ``tf.train.Example`` protos without TensorFlow or protobuf.
 
-TFDS datasets (ArrayRecord or TFRecord) store each record as a ``tf.train.Example``::
+TFDS datasets (ArrayRecord or TFRecord) store each record as a ``tf.train.Example``. This
+module reads the wire format directly, accepting exactly what a conforming protobuf parser
+accepts. Decoded values: ``bytes_list`` -> ``list[bytes]``, ``int64_list`` -> ``int64``
+array, ``float_list`` -> ``float32`` array, no kind set -> ``[]`` (``squeeze=True`` makes
+one-element lists scalars). Malformed input raises
+:class:`~torchgrain.errors.RecordDecodeError`, with work and memory bounded by its size.
 
-    message Example   { Features features = 1; }
-    message Features  { map<string, Feature> feature = 1; }
-    message Feature   { oneof kind { BytesList bytes_list = 1;
-                                     FloatList float_list = 2;
-                                     Int64List int64_list = 3; } }
-    message BytesList { repeated bytes value = 1; }
-    message FloatList { repeated float value = 1 [packed = true]; }
-    message Int64List { repeated int64 value = 1 [packed = true]; }
-
-This module reads that wire format directly. It follows the protobuf parsing rules,
-so it accepts exactly what a conforming parser accepts for these messages: packed
-and unpacked repeated fields, fields in any order, unknown fields (skipped), a
-repeated ``features`` field or list (merged), a repeated map key (the last entry
-wins), a oneof set twice (the last kind wins).
-
-Decoded values follow one stable rule:
-
-* ``bytes_list`` -> ``list[bytes]``
-* ``int64_list`` -> ``np.ndarray`` of ``int64``
-* ``float_list`` -> ``np.ndarray`` of ``float32``
-* a ``Feature`` with no kind set -> ``[]``
-
-Arrays are freshly allocated and writable (``torch.from_numpy`` takes them as they
-are). With ``squeeze=True``, one-element lists become scalars (``bytes``,
-``np.int64``, ``np.float32``); other lengths, including empty, are left alone.
-
-Malformed input raises :class:`~torchgrain.errors.RecordDecodeError`; work and
-memory are bounded by the input size (every length is checked against the bytes
-that remain before anything is sliced or allocated).
-
-``SequenceExample`` is not supported.
+Design notes: docs/design-notes.md#formats-tf-example.
 
 Example:
     >>> import numpy as np

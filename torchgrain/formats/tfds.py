@@ -1,37 +1,12 @@
 """Read TensorFlow Datasets (TFDS) output without TensorFlow.
 
-``tfds build --file_format=array_record`` (or the default ``tfrecord``) writes, in one
-version directory::
+``tfds build`` (ArrayRecord or TFRecord) writes shards of ``tf.train.Example`` records next
+to ``dataset_info.json`` and ``features.json``; this module reads the feature spec and
+decodes each record as ``tfds.load`` would: tensors to numpy arrays, images to ``H x W x C``
+arrays (Pillow or OpenCV), class labels to ``int64``, text to ``str``, sequences with a
+leading length dimension. Both ``features.json`` layouts are read.
 
-    mnist/3.0.1/
-        dataset_info.json                          # name, splits, shard lengths, ...
-        features.json                              # the FeaturesDict, as JSON
-        mnist-train.array_record-00000-of-00001    # serialized tf.train.Example
-        mnist-test.array_record-00000-of-00001
-
-Each record is a ``tf.train.Example`` whose feature keys are the flattened feature
-paths (``"image"``, ``"label"``, ``"objects/bbox"`` for nested dicts). The feature
-spec says how to turn the stored lists back into what ``tfds.load`` yields:
-
-==========================  =================================================
-feature (``features.json``) decoded value
-==========================  =================================================
-``Tensor`` / ``Scalar``     ``numpy`` array of the spec's dtype and shape (unknown
-                            dims inferred); shape ``()`` gives a numpy scalar;
-                            string tensors give ``bytes`` / lists of ``bytes``;
-                            ``encoding: bytes`` / ``zlib`` tensors are unpacked
-``Image``                   ``uint8`` (or the spec's dtype) ``H x W x C`` array,
-                            decoded from PNG/JPEG with Pillow or OpenCV when one
-                            is installed (else the encoded ``bytes``)
-``ClassLabel``              ``numpy.int64`` scalar
-``Text``                    ``str``
-``FeaturesDict``            nested ``dict``
-``Sequence`` / ``Dataset``  the inner feature with a leading length dimension
-other feature types         the plain ``tf_example`` decoding (lists / arrays)
-==========================  =================================================
-
-Both the current ``features.json`` layout (``{"pythonClassName": ..., "featuresDict":
-{"features": {...}}}``) and the older ``{"type": ..., "content": ...}`` layout are read.
+Design notes: docs/design-notes.md#formats-tfds.
 
 Example:
     >>> import json, os, tempfile

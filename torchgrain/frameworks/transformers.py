@@ -1,35 +1,14 @@
 """HF ``transformers.Trainer`` with its training loader ordered by a torchgrain sampler.
 
-``Trainer`` builds its own training ``DataLoader`` (with a ``RandomSampler``) and has
-no argument for another sampler. :class:`SamplerMixin` overrides the one method
-``Trainer`` documents for this, ``get_train_dataloader``, and builds the same loader
-around a torchgrain sampler, prepared by the Trainer's ``accelerator`` and bound to
-it (:func:`torchgrain.bind`), so the sampler hands out one global order and
-Accelerate deals its batches to the processes. Only public ``Trainer`` API is used.
+``Trainer`` has no argument for a sampler. :class:`SamplerMixin` overrides the method
+``Trainer`` documents for this, ``get_train_dataloader``, and builds the same loader around
+a torchgrain sampler bound to the Trainer's ``accelerator`` (public ``Trainer`` API only):
+each epoch is one exact cover in an order that changes with the epoch, and a mid-epoch
+``resume_from_checkpoint`` continues exactly (skipping re-draws indices: about 3 s per ten
+million samples). Batches keep every key of the records: have ``Dataset.map`` return what
+the model's ``forward`` takes.
 
-What you get, on any number of processes:
-
-* each epoch one exact cover of the dataset (as ``DistributedSampler`` would: padded
-  to a whole number of steps unless ``dataloader_drop_last=True``), in an order that
-  changes with the epoch. The mixin's callback sets the sampler's epoch when the
-  Trainer begins one (``on_epoch_begin``), before any index of it is drawn: in a
-  resumed epoch the Trainer's own ``set_epoch`` goes to the loader
-  ``accelerate.skip_first_batches`` made, which does not pass it on to the sampler
-  (Trainer and Accelerate call ``set_epoch`` too, with the same number: no effect);
-* ``trainer.train(resume_from_checkpoint=...)`` from a mid-epoch checkpoint continues
-  exactly: the Trainer skips the batches of the epoch it already trained on, and the
-  sampler's order depends on (seed, epoch) only, so the skipped batches are the ones
-  trained before. Skipping draws the skipped indices again (no record is read): about
-  3 s per ten million samples on a 2-core machine, where ``tg.ResumableLoader`` loads a
-  position in O(1). Under Accelerate's ``dispatch_batches=True`` too: the loader under
-  the dispatcher reads one batch of ``batch_size x processes`` per step and the
-  dispatcher splits it (``split_batches``), so that the batches the resume skips
-  (``accelerate.skip_first_batches`` counts that loader's batches) are the steps
-  trained, not 1/processes of them.
-
-Training batches keep every key of the records (the Trainer's
-``remove_unused_columns`` applies to its own loader only): have ``Dataset.map`` return
-what the model's ``forward`` takes.
+Design notes: docs/design-notes.md#frameworks-transformers.
 
 Example:
     >>> from torchgrain.frameworks.transformers import SamplerMixin, Trainer
