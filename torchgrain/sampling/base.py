@@ -1,23 +1,12 @@
 """ResumableSampler: the public base of every torchgrain sampler.
 
-A sampler is two things on top of this base, and a new one is a small module that
-uses only public names:
+A sampler is an *order* (:meth:`ResumableSampler.epoch_order`: for a seed and an epoch, a
+permutation of ``[0, N)`` evaluated on demand in O(1) memory) and a *split*
+(:meth:`ResumableSampler.split`: how ranks and loader workers share it out). The base does
+the rest for every sampler (world discovery, padding, ``set_epoch``, iteration, exact and
+elastic resume, binding, read-ahead); a new sampler is a small module of public names.
 
-* an **order**: :meth:`ResumableSampler.epoch_order` returns, for a seed and an epoch, a
-  function from positions ``q`` (an int64 array of values in ``[0, N)``) to dataset
-  indices: a permutation of ``[0, N)``, evaluated on demand in O(1) memory (e.g. a
-  :class:`~torchgrain.sampling.KeyedPermutation`);
-* a **split**: :meth:`ResumableSampler.split` returns the
-  :class:`~torchgrain.sampling.Split` that shares the order out between ranks (and a
-  rank's draws between loader workers): :class:`~torchgrain.sampling.InterleavedSplit`
-  (the default) or :class:`~torchgrain.sampling.ContiguousSplit`.
-
-The base does the rest, the same way for every sampler: world discovery, padding and
-drop_last (:class:`~torchgrain.sampling.Shares`), ``set_epoch``, iteration and
-:meth:`~ResumableSampler.indices`, exact and elastic resume, binding to loaders,
-read-ahead. What else fixes an order (a window size, block boundaries) is saved and
-checked through :meth:`~ResumableSampler.order_state` and
-:meth:`~ResumableSampler.load_order_state`.
+Design notes: docs/design-notes.md#sampling-base.
 
 Example:
     >>> from torchgrain.sampling import ContiguousSplit, ResumableSampler
@@ -526,47 +515,17 @@ class ResumableSampler(DistributedSampler):
         """The sampler's position, to continue exactly where it stopped.
 
         Args:
-            consumed: how many of this rank's indices the training loop has used
-                since the current pass over the loader began (``iter(loader)``).
-                A DataLoader draws indices ahead of use (``prefetch_factor *
-                num_workers`` batches), so the sampler's own count runs ahead;
-                pass ``consumed=batches_done * batch_size`` to record what the loop
-                has really used. Omit it when the sampler's own count is right:
-                iterating the sampler directly, ``num_workers=0``, or torchdata's
-                ``StatefulDataLoader`` (it snapshots ``state_dict()`` at the moment
-                each batch's indices are drawn, so its saved state is exact).
-                :class:`~torchgrain.ResumableLoader` passes it for you.
-                Values past the end of the epoch mean "epoch finished".
+            consumed: how many of this rank's indices the training loop has used since the
+                current pass over the loader began (``iter(loader)``): pass
+                ``batches_done * batch_size``, since a DataLoader draws indices ahead of use.
+                Omit it where the sampler's own count is right (iterating the sampler,
+                ``num_workers=0``, torchdata's ``StatefulDataLoader``);
+                :class:`~torchgrain.ResumableLoader` passes it for you. Values past the end of
+                the epoch mean "epoch finished".
 
-        Returns a plain dict (ints and lists) safe for ``torch.save`` or JSON. All
-        ranks run in lockstep, so rank 0's state describes the whole job: the
-        samples consumed globally are every rank's first ``position`` draws of the
-        layout (or all of its draws, for a rank that has fewer with ``pad=False``).
-
-        Resume recipe with a plain DataLoader::
-
-            # save, after `step` batches of this epoch's pass over `loader`
-            ckpt = {"sampler": sampler.state_dict(consumed=step * batch_size), ...}
-            # restore, in a new process (any world size)
-            sampler.load_state_dict(ckpt["sampler"])
-            for epoch in range(sampler.epoch, epochs):
-                sampler.set_epoch(epoch)        # same epoch: keeps the position
-                for batch in loader: ...        # continues with the next batch
-
-        With ``num_workers > 0`` use ``step * batch_size`` counted by the loop, not
-        ``state_dict()`` alone. With ``drop_last=True`` on the DataLoader the count
-        is still ``step * batch_size``; a final partial batch may be counted in full
-        (values past the end of the epoch mean "finished").
-
-        Resume recipe with ``torchdata.stateful_dataloader.StatefulDataLoader``
-        (it stores this sampler's state inside its own)::
-
-            ckpt = {"loader": loader.state_dict(), "epoch": epoch, ...}
-            # restore: same sampler arguments (any world size), then
-            loader.load_state_dict(ckpt["loader"])
-            for epoch in range(ckpt["epoch"], epochs):
-                sampler.set_epoch(epoch)
-                for batch in loader: ...
+        Returns a plain dict (ints and lists) safe for ``torch.save`` or JSON; rank 0's state
+        describes the whole job. The resume recipes (a plain DataLoader, ``StatefulDataLoader``,
+        any world size): docs/samplers.md#exact-resume-also-onto-a-different-number-of-ranks.
 
         Example:
             >>> from torchgrain import GlobalShuffleSampler

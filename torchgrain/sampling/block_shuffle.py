@@ -24,75 +24,28 @@ __all__ = ["BlockShuffleSampler"]
 class BlockShuffleSampler(ResumableSampler):
     """Block-local shuffle: shuffled blocks, rows shuffled within a sliding window of blocks.
 
-    Columnar and chunked formats decode whole blocks (a Parquet row group, an
-    ArrayRecord chunk). A global shuffle touches a different block for nearly every
-    row; this sampler keeps reads block-local:
-
-    1. the order of the dataset's blocks is shuffled (a fresh order every epoch);
-    2. a window of ``window`` consecutive blocks of that order slides along it: each
-       block is cut into ``window`` pieces, and the epoch is a sequence of *stripes*,
-       stripe ``s`` holding a piece of each of the blocks ``s - window + 1 .. s``
-       (one block enters and one leaves from one stripe to the next; the first
-       stripes wrap around to the last blocks, so every stripe mixes ``window``
-       blocks). The rows of each stripe are shuffled among themselves (each stripe
-       with its own keyed permutation);
-    3. the resulting sequence of all ``N`` rows is cut into ``num_replicas``
-       contiguous runs of equal length: rank ``r`` takes positions
-       ``[r * n, (r + 1) * n)``, where ``n = len(sampler)`` (padding/drop_last as
-       in DistributedSampler, the padding wrapping to the sequence's start).
-
-    Any position of the order is computed directly from O(blocks) tables, so
-    ``indices(start, stop)`` and exact resume cost nothing extra. A reader whose
-    cache holds ``window + 1`` blocks (one more for each further stripe a batch
-    spans) decodes each block about once per epoch (the ``window - 1`` blocks that
-    wrap around are read at the start and at the end); a cache of exactly
-    ``window`` blocks thrashes under LRU eviction. Contiguous runs (instead of
-    DistributedSampler's round-robin) keep each rank on about ``1 / num_replicas``
-    of the blocks.
-
-    DataLoader workers: the DataLoader hands batch ``b`` to worker
-    ``b % num_workers``, so by default every worker reads from every stripe and
-    decodes every block of its rank. With ``deal_to_workers=True`` the sampler takes
-    the ``batch_size`` and ``num_workers`` of the DataLoader it is bound to
-    (``loader = tg.bind(DataLoader(...))``; :class:`~torchgrain.ResumableLoader` binds
-    too) and cuts the rank's run into ``num_workers`` contiguous parts, batch
-    ``b`` coming from part ``b % num_workers``: each worker reads its own part and
-    decodes about ``1 / num_workers`` of the blocks. Consecutive batches then come
-    from different parts of the epoch; the indices of the epoch are the same set, but
-    the order the training loop sees depends on ``num_workers`` (by default it does
-    not: the same order whatever the loader).
-
-    Shuffle quality trade-off: consecutive samples come from only ``window`` blocks
-    (about ``window`` distinct blocks in any 256 consecutive samples vs about 256
-    for :class:`GlobalShuffleSampler`), and the rows of one block all appear within
-    ``window`` consecutive stripes (about ``window`` blocks' worth of samples).
-    Rows that sit together in storage (e.g. sorted by class or time) therefore stay
-    correlated within a batch; grow ``window`` to mix more blocks per batch, at the
-    cost of more decoded blocks held in cache. ``benchmarks/sampler.py`` measures
-    both samplers side by side. ``shuffle=False`` yields ``0 .. N-1`` split into the
-    same contiguous runs.
-
-    Memory is O(number of blocks), not O(N); resume and elastic resume work as for
-    :class:`GlobalShuffleSampler` (the consumed part of each rank's run is known, the
-    rest is re-split contiguously over the new ranks).
+    Columnar and chunked formats decode whole blocks (a Parquet row group, an ArrayRecord
+    chunk), and a global shuffle touches another block for nearly every row. Here the
+    blocks' order is shuffled each epoch, a window of ``window`` consecutive blocks slides
+    along it (the rows of each *stripe* of ``window`` blocks shuffled among themselves), and
+    each rank takes one contiguous run of the order. A reader caching ``window + 1`` blocks
+    decodes each block about once per epoch; consecutive samples come from only ``window``
+    blocks (256 for a global shuffle), so grow ``window`` to mix more. Memory is O(blocks);
+    resume and elastic resume work as for :class:`GlobalShuffleSampler`. Design notes:
+    docs/design-notes.md#block-shuffle.
 
     Args:
         dataset: a dataset with ``block_offsets()`` (int64 prefix offsets starting at
             0 and ending at ``len(dataset)``), or ``None``/a length when
             ``block_offsets`` is given.
         window: blocks in the sliding shuffle window (default 8).
-        num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler
-            (with ``pad=False`` the first ``L % num_replicas`` ranks' runs are one longer).
+        num_replicas, rank, shuffle, seed, drop_last, pad: as for GlobalShuffleSampler.
         block_offsets: explicit prefix offsets (overrides ``dataset.block_offsets()``).
-        deal_to_workers: deal the rank's run to the workers of the DataLoader the
-            sampler is bound to (:func:`torchgrain.bind`), as above (default False). An
-            unbound sampler still finds the DataLoader iterating it, with a
-            DeprecationWarning.
+        deal_to_workers: deal the rank's run to the workers of the DataLoader the sampler
+            is bound to (:func:`torchgrain.bind`), each worker reading its own contiguous
+            part and decoding about ``1 / num_workers`` of the blocks (default False).
         batch_size, num_workers: deal batches as for a DataLoader with these settings
-            (what ``deal_to_workers`` would take from the loader; a value given is used,
-            a value left out comes from the bound loader). Saved in :meth:`state_dict`; resuming
-            under other values is an exact resume too (the rest of the epoch is
-            re-laid out, as for a new world size).
+            (a value left out comes from the bound loader); saved in :meth:`state_dict`.
 
     Example:
         >>> import numpy as np

@@ -14,37 +14,13 @@ class GlobalShuffleSampler(ResumableSampler):
     """Uniform global shuffle of any dataset size with O(1) index memory.
 
     A drop-in replacement for :class:`torch.utils.data.distributed.DistributedSampler`
-    with the same arguments and the same per-rank split: the epoch's order is a
-    sequence of all ``N`` indices, rank ``r`` takes its positions ``r, r + W, r + 2W,
-    ...``; without drop_last the sequence is padded with its own first positions to
-    ``ceil(N / W) * W`` (so which samples repeat changes every epoch); with drop_last
-    it is cut to ``floor(N / W) * W``. ``shuffle=False`` gives exactly
-    DistributedSampler's unshuffled order.
-
-    Differences from DistributedSampler, all deliberate:
-
-    * No permutation is materialised: index ``i`` of the order is computed on
-      demand by a keyed Feistel network over ``[0, N)``, vectorised over numpy
-      chunks (tens of millions of indices per second, constant memory, even at
-      ``N = 10**9`` where ``torch.randperm`` needs 8 GB).
-    * ``(seed, epoch)`` is hashed into the key: epoch 1 of seed ``s`` is unrelated
-      to epoch 0 of seed ``s + 1``. Seeds may be any 64-bit integer.
-    * World size and rank are decided at each use, not at construction: explicit
-      ``num_replicas``/``rank``, else the process group, else torchrun's
-      ``WORLD_SIZE``/``RANK`` environment (built before ``init_process_group``, it
-      still splits by rank), else a single replica instead of raising. A launched
-      process (``WORLD_SIZE > 1``) with neither ``RANK`` nor a process group raises.
-    * Driven by a loader that splits batches between processes itself (HF
-      Accelerate's prepared DataLoaders), it hands out the one global order.
-    * ``pad=False`` gives every sample exactly once over the ranks (for evaluation).
-    * :meth:`state_dict`/:meth:`load_state_dict` resume mid-epoch exactly, also
-      onto a different world size, and :meth:`indices` returns a whole range of
-      positions as a numpy array.
-    * If ``dataset_or_length`` has a callable ``set_epoch``, :meth:`set_epoch` and
-      :meth:`load_state_dict` call it, so per-epoch random transforms follow.
-    * Arguments after the dataset are keyword-only.
-
-    Memory: O(1) in N (round keys and one chunk of 65,536 indices being iterated).
+    (same arguments, per-rank split and padding; ``shuffle=False`` gives its order).
+    Index ``i`` of the order is computed on demand by a keyed Feistel network over
+    ``[0, N)`` (tens of millions of indices a second, constant memory: ``torch.randperm``
+    needs 8 GB at ``N = 10**9``). World size and rank are looked up at each use;
+    :meth:`state_dict` resumes mid-epoch exactly, also onto another world size; a dataset's
+    ``set_epoch`` is called. Arguments after the dataset are keyword-only. Design notes:
+    docs/design-notes.md#global-shuffle.
 
     Args:
         dataset_or_length: a sized dataset, or its length as an int.
