@@ -1,39 +1,14 @@
 """DecodedCache: decoded Parquet row groups on local disk, memory-mapped, shared by a node.
 
-A global shuffle over Parquet bigger than a process's memory cache would decode a whole
-row group for every few records it serves. This cache decodes each row group once per
-machine, not once per worker or epoch: the decoded table is written as an Arrow IPC
-file, and every process (DataLoader workers, ranks, later runs) memory-maps it. The
-mapped pages live in the page cache, shared by all processes, and cost no private memory.
+A global shuffle over Parquet would decode a whole row group for every few records it
+serves. This cache decodes each row group once per machine: the table is written as an
+Arrow IPC file that every process memory-maps (page cache, no private memory). The
+directory is a :class:`~torchgrain.io.node_store.NodeStore`; entries are keyed by what they
+were decoded from (a changed file has new keys), checked in full when first mapped (a bad
+one is decoded again, never served), and a directory that refuses writes never fails a
+read (the row group is served unstored, with one warning).
 
-The directory is a :class:`~torchgrain.io.node_store.NodeStore` (its locks, budget,
-eviction, temp files and atomic publish); what this cache adds:
-
-* An entry is ``DIR/<k[:2]>/<k>.arrow``, where ``k`` hashes what the entry was decoded
-  from (file path, size, modification time, inode and change time, or a remote
-  store's version, and footer; row group, columns and their types): a changed Parquet
-  file has new keys, so a stale entry is never served (it ages out of the LRU order).
-  A remote file whose store reports no version has keys of its own for each opening
-  of the dataset. A build writes ``DIR/.tmp/<k>-<size>-<pid>-<random>``.
-* An entry is an Arrow IPC file followed by a trailer (magic, format version, CRC-32 of
-  the IPC bytes, their length, the key). Cache files are untrusted input: a process
-  checks the trailer, the CRC, the key, the schema and row count and validates the
-  arrays in full the first time it maps a file; any mismatch is a corrupt entry,
-  deleted and decoded again (never served). A file written or truncated while a
-  process maps it (:mod:`torchgrain.io.changes` watches it) is let go by that process
-  before it reads the map again, and decoded again (:meth:`DecodedCache.forget`).
-* Builds lock one of 256 stripes (processes missing one row group decode it once; a
-  wait gives up after ``lock_timeout`` seconds and decodes anyway). Entries are mapped
-  without a lock: eviction only unlinks, and a mapped file stays readable.
-* Eviction frees down to 90% of the budget, least recently used first (by access
-  time, refreshed when a process maps an entry and at most once a minute while it uses
-  it); the running total lives in ``DIR/.usage``. An entry is written only while the
-  filesystem keeps ``min_free_bytes`` free after it (5% of the filesystem, at most
-  8 GiB, by default).
-* A directory that refuses writes (full, read-only, deleted while in use, a file size
-  limit) never fails a read: the row group is served as decoded, not stored, and the
-  process warns once, naming the directory, the file it could not write, the row group
-  and the remedy. A deleted directory is made again at the next build.
+Design notes: docs/design-notes.md#parquet-decoded-cache.
 """
 
 from __future__ import annotations
@@ -115,29 +90,19 @@ class DecodedCache(NodeStore):
     """A byte-bounded, LRU, multi-process cache of decoded Arrow tables on local disk.
 
     Args:
-        directory: local directory for the entries (created if missing). Put it on a
-            local disk, not a network filesystem: the locks are ``flock``.
-        max_bytes: budget for the entries' files; least recently used entries are
-            deleted to stay under it. An entry larger than the budget is not stored.
-            Default: 64 GiB, or half of what the disk has free plus what the cache
-            already holds there, whichever is less.
-        min_free_bytes: free space the cache leaves on its filesystem: an entry is
-            stored only while at least this much stays free (least recently used
-            entries are deleted first to make room). Default:
-            :func:`default_min_free_bytes` (5% of the filesystem, at most 8 GiB).
+        directory: local directory for the entries (created if missing), on a local disk
+            (the locks are ``flock``).
+        max_bytes: budget for the entries' files, least recently used deleted first; an
+            entry larger than the budget is not stored. Default: 64 GiB, or half of what the
+            disk has free plus what the cache already holds there, whichever is less.
+        min_free_bytes: free space the cache leaves on its filesystem (default
+            :func:`default_min_free_bytes`: 5% of the filesystem, at most 8 GiB).
         lock_timeout: the longest a process waits for another one's build of the same
             entry before decoding it itself.
 
-    Counters (this process only) are in :attr:`stats`: ``hits`` (entries mapped),
-    ``builds`` (entries this process decoded and published), ``waits`` (hits that
-    waited for another process's build), ``corrupt`` (invalid files found and
-    deleted), ``changed`` (entries let go as their file changed while mapped:
-    :meth:`forget`), ``evictions``, ``bytes_evicted``, ``bytes_written``, ``not_stored``
-    (builds served without being stored: too large, no room on the disk, or the
-    directory refused them).
-
-    The object holds no lock, file or map between calls: it pickles small and is safe
-    to share with forked or spawned DataLoader workers.
+    Counters of this process are in :attr:`stats`. The object holds no lock, file or map
+    between calls: it pickles small. Design notes:
+    docs/design-notes.md#parquet-decoded-cache.
 
     Example:
         >>> import tempfile, pyarrow as pa

@@ -1,33 +1,12 @@
-"""A pyarrow expression pushed down to a Parquet dataset: the rows that match it, reading
-only the row groups that can match, and only the columns it names.
+"""A pyarrow expression pushed down to a Parquet dataset: the rows that match it.
 
 :func:`matching_rows` is the pass behind ``ParquetSource(..., filter=expression)`` and
-``Dataset.filter(expression)`` (:mod:`torchgrain.compose.filter` stores what it finds).
-For each row group:
+``Dataset.filter(expression)``. A row group whose footer statistics (min, max, null count,
+read by torchgrain's own parser) show that no row can match is never read; the others are
+decoded with only the columns the expression names, and Arrow evaluates it. Pruning
+trusts the statistics, as every engine that prunes by them does.
 
-1. **Prune by statistics.** What the footer says of each column the expression names
-   (its ``min_value``, ``max_value`` and ``null_count``, read by torchgrain's own parser,
-   :func:`~torchgrain.formats.parquet_pages.footer_chunks`: pyarrow's metadata objects
-   abort the process on some hostile footers) becomes what Arrow calls a *guarantee*: a
-   row of the group either lies in ``[min, max]``, or is null (unless the footer says
-   there are none), or for floats is NaN (statistics leave NaN out). Arrow simplifies the
-   expression under each combination (``pyarrow.dataset``'s partition pruning, no I/O);
-   when every combination makes it false or null, no row can match and the row group is
-   not read. Columns without usable statistics (other types, a type widened across
-   files, sizes that do not fit the type, ``min > max``) constrain nothing: their row
-   groups are read. A hive partition key is its file's value.
-2. **Evaluate.** A row group that may match is decoded like any read of the source
-   (through its checks: ``max_row_group_bytes``, page headers), with only the named
-   columns, and Arrow evaluates the expression on it; rows where it is true are kept.
-
-The expression may name columns the source does not read (``ParquetSource(...,
-columns=["text"], filter=pc.field("lang") == "en")``): the pass reads them all the same,
-and the filtered records hold the source's columns only.
-
-Pruning trusts what a file's statistics say of its values, as every engine that prunes
-by them does: a file whose statistics lie loses the matching rows they hide (never
-gains others: every kept row was read and tested). A predicate function
-(``Dataset.filter(fn)``) reads every row instead.
+Design notes: docs/design-notes.md#parquet-pushdown.
 
 Example:
     >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq, pyarrow.compute as pc
