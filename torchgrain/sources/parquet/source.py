@@ -88,135 +88,40 @@ class ParquetSource(RowGroupLoader):
     """Random-access, key-value view of one or many Parquet files.
 
     Args:
-        paths: a directory (searched recursively for ``*.parquet`` / ``*.parq``,
-            including hive-partitioned ``key=value/`` sub-directories), a glob, a single
-            file, a list of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
-        columns: the columns to read (default: all). Only these columns' pages are read
-            and decoded; partition keys may be listed too.
-        options: how the files are read (:class:`~torchgrain.ReadOptions`: storage,
-            caches, threads, retries, limits, trust); each of its fields is also
-            accepted as a keyword argument (``cache_bytes=...``), which replaces that
-            field. Here ``cache_bytes`` is the budget of this process's row-group cache,
-            in bytes of decoded Arrow data (default 256 MiB; ``0`` disables it): each
-            DataLoader worker has its own; :meth:`cache_info` reports hits, misses (row
-            groups decoded or mapped) and evictions. Both batch formats share it:
-            records are built from the cached Arrow data per batch.
-            ``max_open_files`` defaults to 64 (each open file holds a descriptor and
-            its footer). ``verify_checksums`` (off by default) has pyarrow check the
-            CRC of every page that carries one: writers add them only when asked
-            (pyarrow's ``write_page_checksum``).
-        decoded_cache: the node-shared cache of decoded row groups on local disk (see
-            "Data bigger than the cache" below): ``"auto"`` (default) turns it on, in
-            :func:`~torchgrain.io.fs.default_cache_dir` ``/parquet-decoded``, when the
-            selected columns' decoded size (estimated from the footers) exceeds both
-            ``cache_bytes`` and 256 MiB, unless that directory is on a network
-            filesystem (NFS, SMB, Lustre...: a warning says so); ``True`` always, there; a directory path (or a
-            :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`) always,
-            there; ``False`` never. :attr:`decoded_cache` is the cache in use, or None.
-        decoded_cache_bytes: byte budget of that directory (default: 64 GiB, or half of
-            the disk's free space plus what the cache already holds, whichever is less;
-            least recently used row groups are deleted to stay under it). Whatever it is,
-            it never fills its disk: it stores a row group only while 5% of the
-            filesystem (at most 8 GiB) stays free (a :class:`DecodedCache` of your own sets
-            ``min_free_bytes``), and a directory that refuses writes (full, read-only,
-            deleted) is a warning, never a failed read.
-        partitioning: ``"hive"`` (default) turns ``key=value`` directory names below
-            the directory (or the fixed prefix of the glob) you give into columns;
+        paths: a directory (searched recursively for ``*.parquet`` / ``*.parq``, including
+            hive-partitioned ``key=value/`` sub-directories), a glob, a single file, a list
+            of these, or fsspec URLs (``s3://``, ``gs://``, ``memory://``...).
+        columns: the columns to read (default: all); only their pages are read and decoded.
+            Partition keys may be listed too.
+        options: how the files are read (:class:`~torchgrain.ReadOptions`); each of its
+            fields is also accepted as a keyword argument, which replaces that field. Here
+            ``cache_bytes`` is this process's row-group cache, in bytes of decoded Arrow data
+            (default 256 MiB; ``0`` disables it; :meth:`cache_info` reports it), and
+            ``max_open_files`` defaults to 64.
+        decoded_cache: the node-shared cache of decoded row groups on local disk:
+            ``"auto"`` (default: on when the selected columns' decoded size exceeds both
+            ``cache_bytes`` and 256 MiB, and the directory is not on a network filesystem),
+            ``True``, a directory path or a
+            :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`, or ``False``.
+            :attr:`decoded_cache` is the cache in use, or None.
+        decoded_cache_bytes: that directory's budget (default: 64 GiB, or half of the disk's
+            free space plus what the cache holds, whichever is less); it never fills its disk.
+        partitioning: ``"hive"`` (default) turns ``key=value`` directory names into columns;
             ``None`` ignores directory names.
-        max_row_group_bytes: the most bytes one row group's selected columns may need
-            decoded, counted from its footer's row count and the fixed part of each
-            value (8 bytes per int64, 4 per string or list: a lower bound of the real
-            size); default 16 GiB (:data:`DEFAULT_MAX_ROW_GROUP_BYTES`). A row group
-            over it raises :class:`~torchgrain.CorruptDataError` before pyarrow reserves
-            memory for it: a footer that claims billions of rows cannot make it do so.
-            The selected columns' page headers are checked against it too, before a
-            page is inflated: the fixed part of the values they hold (which counts list
-            items), and what the pages inflate to beyond that (a page of 1 GiB of zeros
-            compresses to a few KiB), each at most ``max_row_group_bytes``; the error
-            names the file, row group and column.
+        max_row_group_bytes: the most bytes one row group's selected columns (and each of
+            their pages) may need decoded, checked from the footer and page headers before
+            pyarrow reserves memory (default 16 GiB, :data:`DEFAULT_MAX_ROW_GROUP_BYTES`);
+            over it is a :class:`~torchgrain.CorruptDataError`.
         filter: a :class:`pyarrow.compute.Expression` (or any predicate
-            :func:`~torchgrain.compose.filter.filter_dataset` takes): the source is then
-            the rows where it holds, as a
-            :class:`~torchgrain.compose.filter.FilterView` over the whole source (the
-            same keys and schema; ``len`` counts the kept rows). An expression may name
-            any column of the files or hive partition key, selected by ``columns`` or
-            not (as in ``pq.read_table(columns=..., filters=...)``). The selection is
-            found once per machine, pushed down to the files
-            (:mod:`~torchgrain.sources.parquet.pushdown`: row groups whose statistics
-            rule out a match are not read, the others only for the columns the
-            expression names) and kept in the node-shared filter index directory.
+            :func:`~torchgrain.compose.filter.filter_dataset` takes): the source is then the
+            rows where it holds, found once per machine and pushed down to the files.
 
-    Records are dicts ``{column: value}``. Values map as follows:
-
-    ==============================================  =========================================
-    Parquet / Arrow type                            Python value
-    ==============================================  =========================================
-    integers, floats, bool                          ``int``, ``float``, ``bool``
-    string / large_string                           ``str``
-    binary / large_binary / fixed_size_binary       ``bytes``
-    list / large_list / fixed_size_list of numbers  ``numpy.ndarray`` (1-D; a list of lists
-                                                    is 2-D when rectangular, else a list of
-                                                    1-D arrays); a fresh, writable array
-    lists of strings, structs, or with null items   Python ``list`` (as ``to_pylist``)
-    struct                                          ``dict``
-    timestamp, date32, date64                       ``numpy.datetime64`` (same unit;
-                                                    time-zone aware values in UTC)
-    duration                                        ``numpy.timedelta64``
-    time32 / time64, decimal                        ``datetime.time``, ``decimal.Decimal``
-    dictionary-encoded                              the decoded value
-    map, other types                                as ``pyarrow``'s ``to_pylist``
-    null                                            ``None``
-    ==============================================  =========================================
-
-    :attr:`schema` names each key's type with pyarrow's names (``int64``, ``double``,
-    ``string``, ``binary``, ``list<float>``, ``fixed_size_list<float>[3]``,
-    ``struct<a: int64>``, ``timestamp[us]``...). Hive partition keys are ``int64`` when
-    every value is a decimal integer, else ``string``; ``__HIVE_DEFAULT_PARTITION__``
-    reads as ``None``.
-
-    Schemas of the files are merged at open time (for the selected columns):
-
-    * a column missing from some files reads as ``None`` there, provided it is nullable
-      in a file that has it; a required (non-nullable) column missing from a file
-      raises :class:`~torchgrain.SchemaMismatchError`;
-    * lossless widening is accepted and applied when reading: integers of the same
-      signedness to the wider one (and unsigned to a strictly wider signed integer),
-      floats to the wider float, ``string``/``large_string``, ``binary``/
-      ``large_binary``, a ``null``-typed column to the other type, dictionary-encoded
-      to its value type;
-    * anything else (``int64`` vs ``string``, ``int64`` vs ``double``, ``uint64`` vs
-      ``int64``, different timestamp units, different list item types...) raises
-      :class:`~torchgrain.SchemaMismatchError` naming both files and the column.
-
-    Caching and access order: a row group is decoded whole, into Arrow's compact form,
-    and cached so; a batch then builds the Python values of just its rows (a record's
-    values depend on that record alone). When the whole dataset's records, converted to
-    Python objects, fit ``cache_bytes`` too (small data), row groups are converted whole
-    once instead and records copied from them (until the process's cache first evicts).
-    With :class:`~torchgrain.BlockShuffleSampler`
-    a worker needs ``window + 1`` row groups of cache (one more for each further stripe
-    a batch spans) and decodes each row group about once per epoch. With
-    :class:`~torchgrain.GlobalShuffleSampler` nearly every record of a batch comes from
-    a different row group: it reads at the in-memory rate while the decoded data (about
-    its Arrow size) fits ``cache_bytes``.
-
-    Data bigger than the cache: with the decoded disk cache on (by default when the data
-    exceeds ``cache_bytes`` and 256 MiB), a row group missing from the in-memory cache is
-    memory-mapped from the node's decoded cache, where the first process of the machine
-    that needed it wrote it (Arrow IPC; concurrent builders decode it once; a changed
-    Parquet file gets new entries; entries are checked before use). Mapped row groups
-    cost no private memory, so a global shuffle over data of any size (within
-    ``decoded_cache_bytes`` of disk, and at best within the page cache) reads at the
-    in-memory rate from its second epoch on, and its first epoch decodes each row group
-    once. Without it, beyond ``cache_bytes`` each record would cost a row-group decode:
-    a sampler's pass that cannot fit the caches says so with a
-    :class:`~torchgrain.CacheThrashWarning` (once per source and process) and in
-    :func:`tg.stats <torchgrain.stats>`.
-
-    Opening reads only the files' footers (in parallel). No file handle is kept in
-    the pickled state: each process opens its own readers on first use, and a forked
-    child starts with fresh readers and an empty cache, so the source can be used in
-    the parent before DataLoader workers fork, pickles small, and works with ``spawn``.
+    Records are dicts ``{column: value}`` (numbers, ``str``, ``bytes``, numpy arrays for lists
+    of numbers, ``dict`` for structs, ``numpy.datetime64``, ``None``). The files' schemas are
+    merged at open (a missing nullable column reads as ``None``, lossless widening applied,
+    anything else a :class:`~torchgrain.SchemaMismatchError`). Opening reads only the footers;
+    each process opens its own readers, so the source pickles small. The value table, schema
+    rules and caching by access order: docs/parquet.md#parquetsource-in-full.
 
     Example:
         >>> import tempfile, os, pyarrow as pa, pyarrow.parquet as pq, torchgrain as tg
