@@ -52,64 +52,31 @@ def _is_int(value: Any) -> bool:
 class ReadOptions:
     """How a sharded dataset is read, whatever its format (see the module docstring).
 
+    The table of fields, defaults and their reasons: docs/sources.md (the options table).
+
     Attributes:
-        storage_options: fsspec options for remote paths (``s3://``, ``gs://``,
-            ``http(s)://``...; e.g. ``{"endpoint_url": ...}``). Copied when the value
-            is made.
-        filesystem: a ready fsspec filesystem to use instead of one inferred from the
-            paths (``storage_options`` is then unused).
-        cache_bytes: this process's in-memory cache of decoded blocks, in bytes:
-            Parquet row groups (Arrow data), ArrayRecord chunks of several records.
-            ``None`` (default): the format's own default, 256 MiB
-            (:data:`DEFAULT_CACHE_BYTES`); ``0`` disables it. Every DataLoader worker
-            has its own. TFRecord decodes no blocks (a record is a byte range): it
-            accepts the option, and its cache stays empty.
+        storage_options: fsspec options for remote paths (copied when the value is made).
+        filesystem: a ready fsspec filesystem to use instead of one inferred from the paths.
+        cache_bytes: this process's in-memory cache of decoded blocks, in bytes (``None``:
+            the format's default, :data:`DEFAULT_CACHE_BYTES`; ``0`` disables it).
         cache_dir: a local directory (or a :class:`~torchgrain.io.shard_cache.ShardCache`)
-            for whole copies of *remote* shards, each downloaded once per machine and
-            read locally after. Local shards are never copied. Default: none.
-        cache_dir_bytes: byte budget of ``cache_dir`` (default 16 GiB,
-            :data:`DEFAULT_CACHE_DIR_BYTES`; least recently used shards go first).
-        read_ahead_bytes: with ``cache_dir`` on remote storage, how many bytes of shards
-            a sampler's future order may have downloaded ahead of use (``None``,
-            default: half of ``cache_dir_bytes``; ``0``: no read-ahead). See
-            :mod:`torchgrain.io.readahead`.
-        io_threads: threads per process that read the remote shards of one batch
-            concurrently, overlapping request latency, and the read-ahead's concurrent
-            downloads (default 8; 1 = sequential). Local shards are read in the calling
-            thread.
-        max_inflight: remote range requests in flight per process when a batch is read
-            from remote shards without a shard cache (default 128,
-            :data:`DEFAULT_MAX_INFLIGHT`): the batch's records are fetched across all its
-            shards at once, neighbours coalesced (formats that can plan a batch's byte
-            ranges: ArrayRecord, TFRecord); a process that reads its own batches
-            (``num_workers=0``) also fetches the next ones in the sampler's order while
-            it decodes this one. ``1``: one request at a time.
-        multi_range: over ``http(s)://``, ask for up to 64 ranges of one shard in one
-            request (``multipart/byteranges``; default on). nginx, Apache and other file
-            servers answer so, and it spares the client most of its CPU per record; a
-            server that answers otherwise is asked one range per request from then on
-            (see :mod:`torchgrain.io.byteranges`). Object stores (``s3://``...) are
-            always asked one range per request.
-        retry: attempts and deadlines of remote reads and downloads (``None``, default:
-            :class:`~torchgrain.io.retry.RetryPolicy()`: 6 attempts, exponential
-            backoff; a read that makes no progress fails within 90 s).
-        max_open_files: shard readers (file descriptors) kept open per process, least
-            recently used closed first: ``"auto"`` (default; the format decides from
-            the open-files limit and the number of shards, see
-            :mod:`torchgrain.io.limits`), a number, or ``None`` for no limit.
-        allow_external_paths: a manifest or a server's directory listing may name
-            shards outside the dataset's directory (absolute paths, ``..``, other
-            URLs), and an HTTP(S) server may redirect. Off by default: a dataset from an
-            untrusted place must not pull other files into your batches, nor make this
-            process request other URLs (see :mod:`torchgrain.io.paths`).
-        verify_checksums: check the checksums the format stores on every read.
-            ``None`` (default): the format's default, which differs for a measured
-            reason: TFRecord on (CRC-32C at a few GB/s, and nothing else protects its
-            payload); ArrayRecord off (Riegeli's HighwayHash is computed in pure Python,
-            a few MB/s, and the mapped batch reads are skipped while it is on;
-            compressed chunks still fail to decompress when damaged); Parquet off
-            (pages carry a CRC only when the writer added one, which pyarrow does not by
-            default; on, pyarrow checks those it finds).
+            for whole copies of *remote* shards, each downloaded once per machine.
+        cache_dir_bytes: byte budget of ``cache_dir`` (:data:`DEFAULT_CACHE_DIR_BYTES`).
+        read_ahead_bytes: with ``cache_dir``, bytes of shards a sampler's future order may
+            have downloaded ahead of use (``None``: half of ``cache_dir_bytes``; ``0``: none).
+        io_threads: threads per process reading a batch's remote shards (default 8).
+        max_inflight: remote range requests in flight per process without a shard cache
+            (:data:`DEFAULT_MAX_INFLIGHT`; ``1``: one at a time).
+        multi_range: over ``http(s)://``, up to 64 ranges of one shard in one request
+            (default on; object stores always get one range per request).
+        retry: attempts and deadlines of remote reads (``None``:
+            :class:`~torchgrain.io.retry.RetryPolicy()`).
+        max_open_files: shard readers kept open per process: ``"auto"`` (default), a
+            number, or ``None`` for no limit.
+        allow_external_paths: let a manifest or listing name files outside the dataset,
+            and a server redirect (off by default: see :mod:`torchgrain.io.paths`).
+        verify_checksums: check the format's stored checksums on every read (``None``: the
+            format's default: TFRecord on, ArrayRecord and Parquet off, for measured costs).
 
     Raises:
         ValueError: a value out of range, naming the option.

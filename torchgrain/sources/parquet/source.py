@@ -96,8 +96,9 @@ class ParquetSource(RowGroupLoader):
         options: how the files are read (:class:`~torchgrain.ReadOptions`); each of its
             fields is also accepted as a keyword argument, which replaces that field. Here
             ``cache_bytes`` is this process's row-group cache, in bytes of decoded Arrow data
-            (default 256 MiB; ``0`` disables it; :meth:`cache_info` reports it), and
-            ``max_open_files`` defaults to 64.
+            (default 256 MiB; ``0`` disables it; :meth:`cache_info` reports it),
+            ``max_open_files`` defaults to 64, and ``verify_checksums`` is off (pages
+            carry a CRC only where the writer added one).
         decoded_cache: the node-shared cache of decoded row groups on local disk:
             ``"auto"`` (default: on when the selected columns' decoded size exceeds both
             ``cache_bytes`` and 256 MiB, and the directory is not on a network filesystem),
