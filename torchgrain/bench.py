@@ -632,7 +632,7 @@ def run_bench(
 
     Each round of each order lasts ``round_seconds``; rounds go on past ``repeats``
     until the last ``repeats`` of every order lie within ``settle`` (a share of their
-    median) of each other, at most ``2 * repeats`` (see the module docstring).
+    median) of each other, at most ``2 * repeats`` (docs/design-notes.md#bench).
     ``seconds``, when given, is instead the measured time in total, shared by exactly
     ``repeats`` rounds of every order. Start-up until each worker's first batch comes
     on top. ``collate`` is how batches are collated (:data:`COLLATES`: ``"default"``,

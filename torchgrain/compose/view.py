@@ -302,8 +302,8 @@ class View(Source):
     """Base of composed datasets: a :class:`~torchgrain.Source` over ``children``.
 
     A subclass defines ``__len__`` and :meth:`_locate`; reads, index checks, keys and
-    schema, ``block_offsets``, ``set_epoch`` and ``read_ahead`` come from here (see the
-    module docstring).
+    schema, ``block_offsets``, ``set_epoch`` and ``read_ahead`` come from here (design
+    notes: docs/design-notes.md#compose-view).
 
     Args:
         children: the datasets composed (any :class:`~torchgrain.Source`,
@@ -433,7 +433,7 @@ class View(Source):
         count: int,
         position: Callable[[], int],
     ) -> Any:
-        """Each source under the view told the pass once (see the module docstring): the
+        """Each source under the view told the pass once (docs/design-notes.md#compose-view): the
         cache checks of them together (None when none has any)."""
         fits: list[Any] | None = None
         for target in _reading_ahead(self):

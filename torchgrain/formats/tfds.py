@@ -233,7 +233,7 @@ class TFDSCodec(BaseCodec):
     """Decode TFDS ``tf.train.Example`` records per the dataset's feature spec.
 
     Args:
-        features: the parsed ``features.json`` (see the module docstring).
+        features: the parsed ``features.json`` (docs/design-notes.md#formats-tfds).
         decode_images: decode encoded images to arrays (needs Pillow or OpenCV).
 
     Records are nested dicts shaped like ``tfds.load``'s elements. Use it through
