@@ -452,10 +452,10 @@ class ArrayRecordSource(EncodedSource):
         yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
-    # Two paths. The region path (_read_single and _read_batch, through _read_mapped):
-    # local shards the dataset index covers, records of one-record chunks, read through
-    # this process's one map of the shards (io.region) with the bounds the index gives.
-    # The reader path (_read_rows, a reader per shard) for everything else: remote shards
+    # Two paths. The region path (_read_single, _read_batch; a record the batch plan
+    # does not read, and a single one, through _mapped_record): records of one-record
+    # chunks of local shards the dataset index covers, read through this process's one
+    # map of the shards (io.region) with the bounds the index gives. The reader path (_read_rows, a reader per shard) for everything else: remote shards
     # and their cached copies, verify_checksums, chunks of several records (the chunk
     # cache), shards whose files disagree with the manifest or cannot be mapped (their
     # reader names the error), and batches of more shards than may be mapped at once.
@@ -470,51 +470,57 @@ class ArrayRecordSource(EncodedSource):
         )
 
     def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
-        got = self._read_mapped([index], ([shard], [row]))
-        return None if got is None else got[0]
+        mapped = self._region()
+        ix, bad = self._dindex, self._count_bad
+        if mapped is None or ix is None or not ix.single or (bad is not None and bad[shard]):
+            return None  # the reader path (which names a shard's count error)
+        region = mapped[0]
+        try:
+            at = region.acquire_one(shard, polled=True)  # (_check_index polled)
+        except ChangedWhileOpen:
+            raise  # (the reader path may not see a same-size rewrite)
+        except (CorruptDataError, FileNotFoundError):
+            at = None  # a shard that cannot be mapped: its reader names the error
+        if at is None:  # (or more shards than may be mapped at once)
+            return None
+        try:  # one record per chunk: the row is the chunk
+            return self._mapped_record(mapped, at, shard, row, index)
+        finally:
+            region.release()
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
-        few = None
-        if len(idx) <= _SINGLES:
-            # A few records: one by one in Python ints, cheaper than the batch plan's
-            # fixed cost (~0.2 ms of numpy steps).
-            few = tuple(a.tolist() for a in self.index._locate(idx))
-        return self._read_mapped(idx, few)
-
-    def _read_mapped(
-        self, idx: Any, few: tuple[list[int], list[int]] | None = None
-    ) -> list[bytes] | None:
-        """The region path: the raw records at global indices ``idx``, in request order,
-        or None where they take the reader path. With ``few`` (their shards and rows)
-        and one-record chunks throughout, each is read on its own; else one numpy plan
-        serves the batch (:func:`read_mapped`). Errors name the shard, file and record."""
+        """The region path for a batch: one numpy plan (:func:`read_mapped`); up to
+        :data:`_SINGLES` records of a one-record-chunk dataset each by
+        :meth:`_read_single`, cheaper than the plan's fixed cost (~0.2 ms of numpy
+        steps). None: the batch takes the reader path."""
         mapped = self._region()
         if mapped is None:
             return None
-        region, decoder, footers = mapped
         ix = self._dindex
         assert ix is not None
-        bad = self._count_bad
-        if bad is not None and bad[few[0] if few else self.index._locate(idx)[0]].any():
-            return None  # the reader names the shard's count error
-        if few is not None and ix.single:
+        if len(idx) <= _SINGLES and ix.single:
             out = []
-            for s, r, i in zip(*few, idx):
-                at = self._acquire(region.acquire_one, s)
-                if at is None:
+            for s, r, i in zip(*(a.tolist() for a in self.index._locate(idx)), idx.tolist()):
+                data = self._read_single(s, r, i)
+                if data is None:
                     return None
-                try:  # one record per chunk: the row is the chunk
-                    out.append(self._mapped_record(region, decoder, footers, at, s, r, int(i)))
-                finally:
-                    region.release()
+                out.append(data)
             return out
-        idx = np.asarray(idx)
+        bad = self._count_bad
+        if bad is not None and bad[self.index._locate(idx)[0]].any():
+            return None  # the reader names the shard's count error
         shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
         if not ix.single:
             recs = ix.record_offsets
             if bool((recs[entry + 1] - recs[entry] != 1).any()):
                 return None  # chunks of several records: the reader, with the chunk cache
-        base = self._acquire(region.acquire, shard)
+        region = mapped[0]
+        try:
+            base = region.acquire(shard, polled=True)
+        except ChangedWhileOpen:
+            raise
+        except (CorruptDataError, FileNotFoundError):
+            base = None  # as in _read_single
         if base is None:
             return None
         try:
@@ -534,31 +540,18 @@ class ArrayRecordSource(EncodedSource):
                 base + end,
                 base + size,
                 ix.decoded[chunk],
-                decoder=decoder,
+                decoder=mapped[1],
                 careful=lambda k: self._mapped_record(
-                    region, decoder, footers, int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
+                    mapped, int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
                 ),
                 words=region.words,
             )
         finally:
             region.release()
 
-    @staticmethod
-    def _acquire(acquire: Any, shards: Any) -> Any:
-        """``acquire(shards)`` of the region, or None where they cannot all be mapped
-        (the reader path then reads them, naming a shard that is missing or corrupt)."""
-        try:
-            return acquire(shards, polled=True)  # (_check_index polled)
-        except ChangedWhileOpen:
-            raise  # (the reader path may not see a same-size rewrite)
-        except (CorruptDataError, FileNotFoundError):
-            return None
-
     def _mapped_record(
         self,
-        region: ShardRegion,
-        decoder: ArrayRecordFile,
-        footers: dict[int, Any],
+        mapped: tuple[ShardRegion, ArrayRecordFile, dict[int, Any]],
         at: int,
         shard: int,
         chunk: int,
@@ -567,6 +560,7 @@ class ArrayRecordSource(EncodedSource):
         """The record of one-record chunk ``chunk`` of ``shard``, mapped at ``at`` of the
         region, by the careful path (no reader per shard: no descriptor, map or context);
         its bounds checked against the index, errors naming the shard and record."""
+        region, decoder, footers = mapped
         got = footers.get(shard)
         if got is None:
             if len(footers) >= _FOOTERS:
