@@ -1,16 +1,11 @@
 """Optional capabilities of datasets and sources, stated as protocols.
 
-A :class:`~torchgrain.Source` must have what the :class:`~torchgrain.Source` base class
-requires. What a dataset or a source *may* offer on top, and what torchgrain does with
-it, is stated here; components check with ``isinstance`` (these protocols are
-runtime-checkable) instead of looking for attributes by name. A class has a capability
-by defining the method; no registration or base class is needed.
-
-A wrapper (a Dataset, an adapter, a view) says which of its methods work
-(:class:`DeclaresCapabilities`), so ``isinstance`` tells the truth; calling one that does
-not work raises a ``TypeError`` saying why. The protocols: :class:`SetsEpoch`,
-:class:`ReadsAhead`, :class:`HasBlockOffsets`, :class:`ReadsBatches`, :class:`ReadsColumns`,
-:class:`SizedIndexable`, :class:`Fingerprinted`.
+What a dataset or source *may* offer beyond the :class:`~torchgrain.Source` base, and what
+torchgrain does with it; components check with ``isinstance`` (runtime-checkable), and a
+class has a capability by defining the method. A wrapper (a Dataset, an adapter, a view)
+says which of its methods work (:class:`DeclaresCapabilities`), so ``isinstance`` tells the
+truth. The protocols: :class:`SetsEpoch`, :class:`ReadsAhead`, :class:`HasBlockOffsets`,
+:class:`ReadsBatches`, :class:`ReadsColumns`, :class:`SizedIndexable`, :class:`Fingerprinted`.
 
 Design notes: docs/design-notes.md#protocols.
 

@@ -1,16 +1,12 @@
 """NodeStore: keyed files in one local directory, shared by every process of a machine.
 
-The rules of the node-local caches, kept once: :class:`~torchgrain.io.shard_cache.ShardCache`
-(whole remote shards) and :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache`
-(decoded Parquet row groups) subclass it and keep what an entry is, its key and how it
-is verified.
-
-An entry is a file named by its key, complete once renamed into place; an ``flock`` per
-entry guards writes, checks and eviction; entries and writes in flight stay within
-``max_bytes`` (least recently used evicted first, by unlinking only); a full disk raises
-:class:`~torchgrain.CacheDiskFullError` and leaves nothing partial.
-
-A store holds no file or lock between calls, so it pickles and forks as it is.
+The rules of the node-local caches, kept once (:class:`~torchgrain.io.shard_cache.ShardCache`
+and :class:`~torchgrain.sources.parquet.decoded_cache.DecodedCache` subclass it and keep
+what an entry is, its key and how it is verified). An entry is a file named by its key,
+complete once renamed into place; an ``flock`` per entry guards writes, checks and
+eviction; entries and writes in flight stay within ``max_bytes`` (least recently used
+unlinked first); a full disk raises :class:`~torchgrain.CacheDiskFullError` and leaves
+nothing partial. A store holds no file or lock between calls: it pickles and forks as it is.
 
 Design notes: docs/design-notes.md#io-node-store.
 
