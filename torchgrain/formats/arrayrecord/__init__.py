@@ -4,8 +4,8 @@
   and the ``max_chunk_bytes`` ceiling.
 * :mod:`.footer`: the postscript and footer, parsed into the file's index.
 * :mod:`.file`: :class:`ArrayRecordFile`, reading records of a local or remote file.
-* :mod:`.batch`: batches of one-record chunks planned with numpy, of one file or many
-  (:func:`read_many`, :func:`read_mapped`).
+* :mod:`.batch`: batches of one-record chunks planned with numpy, of one file or of many
+  files mapped together (:func:`read_mapped`); :func:`read_many` is deprecated.
 
 Example:
     >>> import tempfile, os
