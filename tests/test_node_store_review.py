@@ -109,12 +109,6 @@ def test_a_decoded_cache_temp_file_of_the_previous_layout_is_swept(tmp_path):
     assert [p.name for p in left if p.exists()] == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: a record's temp file left by a killed writer of the previous "
-    "release (.sums/<copy>.tmp-<pid>-<random>) is never removed: remove_record_temps now "
-    "looks for .<copy>.tmp- only (the old code removed it at the copy's next download)",
-)
 def test_a_shard_record_temp_file_of_the_previous_layout_is_removed_at_the_download(
     tmp_path,
 ):
@@ -236,13 +230,6 @@ def test_a_decoded_entry_rewritten_in_place_with_its_time_put_back_is_not_served
     assert got.column("x").to_pylist() == [1, MARK, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="also in the starting code: the cache directory deleted during a download "
-    "fails the fetch with DatasetNotFoundError saying the remote file does not exist "
-    "(the local temp file is what went missing); the directory is made again only at "
-    "the next fetch",
-)
 def test_a_shard_cache_directory_deleted_during_a_download_does_not_blame_the_remote(
     tmp_path, monkeypatch
 ):

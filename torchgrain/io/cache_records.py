@@ -116,11 +116,13 @@ def read_record(record: str) -> tuple[str, int] | None:
 
 def remove_record_temps(record: str) -> None:
     """Delete the temp files of ``record`` left by killed writers (the copy's lock held)."""
-    prefix = f".{os.path.basename(record)}.tmp-"  # (atomic.temp_name)
-    with os.scandir(os.path.dirname(record)) as it:
+    # .<name>.tmp-<pid>-<random> (atomic.temp_name), or <name>.tmp-... (earlier releases).
+    # One that cannot be deleted is left: it is never read.
+    prefix = f"{os.path.basename(record)}.tmp-"
+    with contextlib.suppress(OSError), os.scandir(os.path.dirname(record)) as it:
         for e in it:
-            if e.name.startswith(prefix):
-                with contextlib.suppress(FileNotFoundError):
+            if e.name.removeprefix(".").startswith(prefix):
+                with contextlib.suppress(OSError):
                     os.unlink(e.path)
 
 

@@ -504,18 +504,28 @@ class ShardCache(NodeStore):
         self, fs: fsspec.AbstractFileSystem, rpath: str, tmp: str, size: int, url: str
     ) -> None:
         what = f" (the copy of {url}, {size:,} bytes)"
-        # With a deadline that grows with the size (torchgrain.io.remote).
-        with self._writing(tmp, what):
-            remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
-        got = os.path.getsize(tmp)
-        if got < size:
-            raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")
-        if got > size:
-            raise CorruptDataError(
-                f"downloaded {url} has {got} bytes, expected {size} (did the file change?)"
-            )
-        # Publish only data that is on disk: a crash right after the rename must not
-        # leave a file that looks complete but is not. (A filesystem that allocates late
-        # may report a full disk here.)
-        with self._writing(tmp, what), open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            # With a deadline that grows with the size (torchgrain.io.remote).
+            with self._writing(tmp, what):
+                remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
+            got = os.path.getsize(tmp)
+            if got < size:
+                raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")
+            if got > size:
+                raise CorruptDataError(
+                    f"downloaded {url} has {got} bytes, expected {size} (did the file change?)"
+                )
+            # Publish only data that is on disk: a crash right after the rename must not
+            # leave a file that looks complete but is not. (A filesystem that allocates
+            # late may report a full disk here.)
+            with self._writing(tmp, what), open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except FileNotFoundError as e:
+            if os.path.exists(tmp):  # (the remote file is missing)
+                raise
+            # The local temp file went missing (its directory deleted meanwhile): not the
+            # remote's fault, and no FileNotFoundError, which retries read as the remote's.
+            raise OSError(
+                f"{self._WHAT} in {self.directory!r} lost {tmp!r}{what} while writing it "
+                f"(was the directory deleted?): {e}"
+            ) from None
