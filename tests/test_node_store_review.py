@@ -208,13 +208,6 @@ def test_a_forked_child_of_a_process_that_found_the_disk_short_tries_again(tmp_p
     assert _fork(lambda: _build(cache, entry_key("a.parquet", 1), _table(1))[1]) == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="also in the starting code: a decoded entry this process verified is not "
-    "checked again while its inode, size and modification time are unchanged (no change "
-    "time in DecodedCache._verified, unlike the shard cache's file_identity): a byte "
-    "written in place with its time put back (touch -r, rsync --inplace) is served",
-)
 def test_a_decoded_entry_rewritten_in_place_with_its_time_put_back_is_not_served(tmp_path):
     cache = DecodedCache(tmp_path / "cache", max_bytes=1 << 20, min_free_bytes=0)
     key, t = entry_key("a.parquet", 0), _table(1, rows=3)

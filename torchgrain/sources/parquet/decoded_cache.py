@@ -32,6 +32,7 @@ import pyarrow.ipc as ipc
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CacheDiskFullError, CorruptDataError
 from torchgrain.io import process
+from torchgrain.io.cache_records import Identity, file_identity
 from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
 from torchgrain.io.node_store import NodeStore
@@ -160,8 +161,9 @@ class DecodedCache(NodeStore):
     def _init_process(self) -> None:
         self._token = process.token()
         self._stats_lock = threading.Lock()
-        # (device, inode) -> (size, mtime_ns) of files this process has verified
-        self._verified: dict[tuple[int, int], tuple[int, int]] = {}
+        # (device, inode) -> identity of the files this process has verified (the change
+        # time too: a file written in place with its times put back is checked again)
+        self._verified: dict[tuple[int, int], Identity] = {}
         self._warned = False  # of a refused write (once per process)
         self.stats: dict[str, int] = dict.fromkeys(_STATS.split(), 0)
 
@@ -320,8 +322,8 @@ class DecodedCache(NodeStore):
         if stored_key != key.encode():
             raise CorruptDataError("decoded cache file holds another entry")
         body = buf.slice(0, length)
-        ident = (st.st_dev, st.st_ino)
-        first = self._verified.get(ident) != (st.st_size, st.st_mtime_ns)
+        ident = file_identity(st)
+        first = self._verified.get(ident[:2]) != ident
         if first and not trusted and zlib.crc32(memoryview(body)) != crc:
             raise CorruptDataError("decoded cache file fails its checksum")
         try:
@@ -335,7 +337,7 @@ class DecodedCache(NodeStore):
             raise CorruptDataError("decoded cache file holds another schema or row count")
         if first:
             with self._stats_lock:
-                self._verified[ident] = (st.st_size, st.st_mtime_ns)
+                self._verified[ident[:2]] = ident
         return table
 
     def _discard(self, path: str, ident: tuple[int, int]) -> None:
