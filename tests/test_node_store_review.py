@@ -1,8 +1,7 @@
 """Review of the node-local store (torchgrain/io/node_store.py) under the shard cache and
 the decoded Parquet cache: faults found by reproduction, with real processes and files
-in tmp_path. Each test shows one fault (a strict xfail until it is fixed); the reason
-says whether the starting code of the store (each cache with its own lock, budget and
-eviction) had it too."""
+in tmp_path. Each test showed one fault (fixed since): seven were regressions against
+the caches' code before the store, the last two older."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import struct
 import warnings
 
 import pyarrow as pa
-import pytest
 
 from torchgrain.errors import DatasetNotFoundError
 from torchgrain.io import remote
@@ -58,12 +56,6 @@ def _fork(child) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: the store lists every regular file of every subdirectory of a "
-    "decoded cache (_NESTED) where the cache listed only DIR/<2 hex>/*.arrow, so its "
-    "eviction and clear() delete files that are not its entries, bypassing their locks",
-)
 def test_the_decoded_cache_never_evicts_files_that_are_not_its_entries(tmp_path):
     # A job keeps its shard cache in a subdirectory of its decoded cache's directory
     # (cache_dir=ROOT/shards, decoded_cache=ROOT), a user keeps notes there too. The
@@ -86,13 +78,6 @@ def test_the_decoded_cache_never_evicts_files_that_are_not_its_entries(tmp_path)
     assert cache.total_bytes() == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: a temp file a killed build of the previous release left "
-    "(DIR/.tmp/<key>-<pid>-<random>, no size in its name) is never deleted: "
-    "NodeStore._temps parses only <key>-<size>-<pid>-<random>, so neither the key's next "
-    "build nor eviction sweeps it (the old code did), and the budget never counts it",
-)
 def test_a_decoded_cache_temp_file_of_the_previous_layout_is_swept(tmp_path):
     cache = DecodedCache(tmp_path / "cache", max_bytes=4000, min_free_bytes=0)
     key, other = entry_key("a.parquet", 0), entry_key("b.parquet", 0)
@@ -137,13 +122,6 @@ def _undeletable(monkeypatch, path) -> None:
     monkeypatch.setattr(os, "unlink", unlink)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: NodeStore._remove_temps (and _temps) ignore only "
-    "FileNotFoundError (the decoded cache ignored any OSError there), and they run "
-    "outside _store_table's error handling: a temp file of the key that cannot be "
-    "deleted fails the read with PermissionError",
-)
 def test_a_temp_file_that_cannot_be_deleted_never_fails_a_read(tmp_path, monkeypatch):
     # A directory that refuses writes never fails a read (the decoded cache's rule).
     cache = DecodedCache(tmp_path / "cache", max_bytes=1 << 20, min_free_bytes=0)
@@ -155,13 +133,6 @@ def test_a_temp_file_that_cannot_be_deleted_never_fails_a_read(tmp_path, monkeyp
     assert got.equals(_table(0))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: every publish now sweeps the temp files of writers that are gone "
-    "(NodeStore._reserved, from _reserve and _publish, where the decoded cache swept them "
-    "only when an eviction ran): one that cannot be deleted makes every build refused, "
-    "with the cache far below its budget",
-)
 def test_a_temp_file_that_cannot_be_deleted_does_not_turn_the_cache_off(tmp_path, monkeypatch):
     cache = DecodedCache(tmp_path / "cache", max_bytes=1 << 20, min_free_bytes=0)
     assert _build(cache, entry_key("a.parquet", 0), _table(0))[1] is not None
@@ -173,14 +144,6 @@ def test_a_temp_file_that_cannot_be_deleted_does_not_turn_the_cache_off(tmp_path
     assert None not in stored and cache.stats["not_stored"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: a build reserves table.nbytes and the eviction that makes room "
-    "for it runs at the reservation, so a publish whose file is larger than that "
-    "reservation leaves the cache above 90% of its budget and the next publish evicts "
-    "again (here 3,656 of 4,000 bytes after 1 eviction; the old code evicted 2, leaving "
-    "2,742): stats['evictions'] differ for the same sequence",
-)
 def test_an_eviction_frees_down_to_90_percent_of_the_budget_after_the_publish(tmp_path):
     cache = DecodedCache(tmp_path / "cache", max_bytes=4000, min_free_bytes=0)
     sizes = []
@@ -192,13 +155,6 @@ def test_an_eviction_frees_down_to_90_percent_of_the_budget_after_the_publish(tm
     assert cache.total_bytes() <= 0.9 * cache.max_bytes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression: _full_until (no room on the disk: store nothing for 30 s) is no "
-    "longer reset in a forked child (DecodedCache._init_process reset it, the store keeps "
-    "it on the instance), so DataLoader workers forked from a process that once found the "
-    "disk short store nothing for 30 s",
-)
 def test_a_forked_child_of_a_process_that_found_the_disk_short_tries_again(tmp_path):
     cache = DecodedCache(tmp_path / "cache", max_bytes=1 << 20, min_free_bytes=1 << 62)
     with warnings.catch_warnings():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import os
 import shutil
 import stat
@@ -68,14 +69,15 @@ class NodeStore:
     _WHAT = "the node store"  # what it is, in messages
     _TMP_DIR, _TMP_PREFIX = "", ".tmp-"  # where temp files go, and how their names start
     _DIRS: tuple[str, ...] = ()  # more subdirectories to make with the store's own
-    _NESTED = False  # entries live in subdirectories of the directory, not in it
+    _ENTRIES = "[!.]*"  # the entries' paths in the directory (a glob per level: a/b)
     _STRIPES: int | None = None  # hash entry names to this many lock files, not one each
     _USAGE: str | None = None  # file of a running total of the entries' bytes
     _EVICT_TO = 1.0  # an eviction frees room down to this share of max_bytes
     # (per process: a pickled store starts with these)
     _full_in: tuple[int, int] | None = None  # the process whose write found no room
     _full_error: CacheDiskFullError | None = None  # (and what it found)
-    _full_until = 0.0  # _room_on_disk: store nothing until then
+    # _room_on_disk: the process (its token) that found no room stores nothing until then
+    _full_until: tuple[tuple[int, int] | None, float] = (None, 0.0)
 
     def __init__(self, directory: str, *, max_bytes: int, min_free_bytes: int = 0) -> None:
         self.directory = directory
@@ -229,19 +231,25 @@ class NodeStore:
         """``(path, entry name, reserved bytes)`` of the temp files."""
         out = []
         tmp_dir = os.path.join(self.directory, self._TMP_DIR)
-        with contextlib.suppress(FileNotFoundError), os.scandir(tmp_dir) as it:
+        with contextlib.suppress(OSError), os.scandir(tmp_dir) as it:
             for e in it:
-                if e.name.startswith(self._TMP_PREFIX):
-                    with contextlib.suppress(ValueError):
-                        name, size, _, _ = e.name[len(self._TMP_PREFIX) :].rsplit("-", 3)
-                        out.append((e.path, name, int(size)))
+                if not e.name.startswith(self._TMP_PREFIX):
+                    continue
+                # <name>-<size>-<pid>-<random>, or <name>-<pid>-<random> (a decoded cache's
+                # build of an earlier release: it reserved nothing)
+                name, *rest = e.name[len(self._TMP_PREFIX) :].rsplit("-", 3)
+                with contextlib.suppress(ValueError):
+                    if len(rest) >= 2:
+                        out.append((e.path, name, int(rest[0]) if len(rest) == 3 else 0))
         return out
 
     def _remove_temps(self, name: str) -> None:
         """Delete temp files of entry ``name`` left by killed writers (its lock held)."""
         for path, of, _ in self._temps():
             if of == name:
-                with contextlib.suppress(FileNotFoundError):
+                # (one that cannot be deleted, another user's in a directory with the
+                # sticky bit, is left: it is never read)
+                with contextlib.suppress(OSError):
                     os.unlink(path)
 
     def _reserved(self, exclude: str = "") -> int:
@@ -253,15 +261,16 @@ class NodeStore:
                 continue
             with self._lock(name, wait=0) as free:
                 if free:
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):  # (see _remove_temps)
                         os.unlink(path)
                     continue
             total += size
         return total
 
-    def _reserve(self, name: str, size: int, what: str = "") -> str:
-        """A new temp file for entry ``name`` (its lock held) reserving ``size`` bytes,
-        least wanted entries evicted to make room for it; its path."""
+    def _reserve(self, name: str, size: int, what: str = "", *, evict: bool = True) -> str:
+        """A new temp file for entry ``name`` (its lock held) reserving ``size`` bytes; its
+        path. ``evict``: least wanted entries are evicted now to make room for it (else at
+        the publish only: ``size`` is an estimate, and the publish knows the size)."""
         tmp = os.path.join(
             self.directory,
             self._TMP_DIR,
@@ -269,8 +278,9 @@ class NodeStore:
         )
         with self._writing(tmp, what):
             open(tmp, "wb").close()
-        with self._evict_lock():
-            self._settle(0)
+        if evict:
+            with self._evict_lock():
+                self._settle(0)
         return tmp
 
     def _publish(self, tmp: str, path: str, size: int, what: str = "") -> None:
@@ -295,25 +305,25 @@ class NodeStore:
 
     def _entries(self) -> list[Entry]:
         """``(last use, size, path)`` of the complete entries (all processes): the
-        regular files not named ``.*`` in the directory, or in its subdirectories with
-        ``_NESTED`` (never anything else: the directory may hold a user's files)."""
+        regular files whose path in the directory matches ``_ENTRIES``, no link followed
+        (never anything else: the directory may hold a user's files, or another cache)."""
         out: list[Entry] = []
 
-        def scan(directory: str, below: bool) -> None:
+        def scan(directory: str, levels: list[str]) -> None:
             with contextlib.suppress(FileNotFoundError), os.scandir(directory) as it:
                 for e in it:
-                    if e.name.startswith("."):
+                    if not fnmatch.fnmatchcase(e.name, levels[0]):
                         continue
                     try:
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                    if below and stat.S_ISDIR(st.st_mode):
-                        scan(e.path, False)
-                    elif not below and stat.S_ISREG(st.st_mode):
+                    if len(levels) > 1 and stat.S_ISDIR(st.st_mode):
+                        scan(e.path, levels[1:])
+                    elif len(levels) == 1 and stat.S_ISREG(st.st_mode):
                         out.append((self._last_use(e.path, st), st.st_size, e.path))
 
-        scan(self.directory, self._NESTED)
+        scan(self.directory, self._ENTRIES.split("/"))
         return out
 
     def _make_room(self, need: int = 0, *, short: int = 0, exclude: str = "") -> int:
@@ -355,7 +365,8 @@ class NodeStore:
     def _room_on_disk(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more leave ``min_free_bytes`` free on the filesystem, once
         least recently used entries are deleted to make room if need be."""
-        if time.monotonic() < self._full_until:
+        who, until = self._full_until
+        if who == process.token() and time.monotonic() < until:
             return False
         short = self.min_free_bytes + nbytes - shutil.disk_usage(self.directory).free
         if short <= 0:
@@ -365,7 +376,7 @@ class NodeStore:
         # (files that processes still map free their blocks only when unmapped)
         if self.min_free_bytes + nbytes <= shutil.disk_usage(self.directory).free:
             return True
-        self._full_until = time.monotonic() + _FULL_SECONDS
+        self._full_until = (process.token(), time.monotonic() + _FULL_SECONDS)
         return False
 
     # ------------------------------------------------------------------- usage

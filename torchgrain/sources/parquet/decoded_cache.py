@@ -121,7 +121,7 @@ class DecodedCache(NodeStore):
     _WHAT = "the decoded Parquet cache"
     _TMP_DIR, _TMP_PREFIX = ".tmp", ""
     _STRIPES = 256
-    _NESTED = True
+    _ENTRIES = "[0-9a-f][0-9a-f]/*.arrow"  # (path_of)
     _USAGE = ".usage"
     _EVICT_TO = 0.9
 
@@ -362,7 +362,8 @@ class DecodedCache(NodeStore):
             if table.nbytes > self.max_bytes:  # (its file is larger still)
                 self._count(not_stored=1)
                 return False
-            tmp = self._reserve(key, table.nbytes, what)
+            # (its file is larger: eviction makes room for that at the publish)
+            tmp = self._reserve(key, table.nbytes, what, evict=False)
             with self._writing(tmp, what):
                 nbytes = self._write(tmp, table, key)
             if nbytes > self.max_bytes:
