@@ -201,3 +201,15 @@ def test_a_shard_cache_directory_deleted_during_a_download_does_not_blame_the_re
         else:
             with open(path, "rb") as f:
                 assert f.read() == b"a" * 1000
+
+
+def test_refreshing_an_entrys_lru_time_keeps_its_modification_time(tmp_path):
+    # (Found with the cases above.) A pin without an inotify watch (none left, or not
+    # Linux) compares the modification time to the nanosecond: a refresh that rounded it
+    # through a float read as a change, and the entry was let go and decoded again.
+    cache = DecodedCache(tmp_path / "cache", max_bytes=1 << 20, min_free_bytes=0)
+    _, path = _build(cache, entry_key("a.parquet", 0), _table(0))
+    os.utime(path, ns=(1, 1_700_000_000_123_456_789))
+    cache.touch(path)
+    st = os.stat(path)
+    assert (st.st_mtime_ns, st.st_atime_ns > 1) == (1_700_000_000_123_456_789, True)

@@ -278,9 +278,10 @@ class DecodedCache(NodeStore):
 
     def touch(self, path: str) -> None:
         """Refresh an entry's LRU time (its access time)."""
-        now = time.time()
+        # Its modification time kept to the nanosecond (not through a float): a Pin
+        # without an inotify watch compares it, and would take the entry as changed.
         with contextlib.suppress(OSError):
-            os.utime(path, (now, os.stat(path).st_mtime))
+            os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
 
     # ----------------------------------------------------------------- opening
     def _open(
