@@ -41,11 +41,6 @@ def _batch(base, names, ranges=RANGES):
     return urls, starts, ends
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cat_many's batch deadline spreads a multi-range request's missing result "
-    "(None) as if it were a list: TypeError instead of RequestTimeout",
-)
 def test_a_multirange_request_unanswered_at_the_batch_deadline_is_a_request_timeout(root):
     # Every request stalls and one is in flight at a time: the batch's deadline (its
     # seconds plus one request timeout) passes while the last files' multi-range requests

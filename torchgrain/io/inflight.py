@@ -587,7 +587,7 @@ def _streamed(
         )
         for path in waiting:
             for k in of_file[path]:
-                result = results[k]
+                result = err if results[k] is None else results[k]  # (None: unanswered)
                 for i, r in zip(requests[k], spread(requests[k], result)):
-                    got[i] = err if result is None else finish(i, r)
+                    got[i] = finish(i, r)
     return got
