@@ -14,37 +14,10 @@ import numpy as np
 import pytest
 
 import torchgrain as tg
+from tests.test_capabilities import Recorder, _pass
 from torchgrain.compose.view import View
 
 QUIET = {"index_dir": None, "progress": False, "num_workers": 0}
-
-
-class Recorder(tg.Source):
-    """Records ``{"src": name, "j": j, "tokens": ...}``; keeps the order of each pass it
-    is told to read ahead (a cancel, order None, is not a pass)."""
-
-    def __init__(self, name: str, n: int) -> None:
-        self.name, self.n = name, n
-        self.passes: list[list[int]] = []
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitems__(self, indices):
-        idx = tg.ShardIndex([self.n]).check(indices).tolist()
-        return [{"src": self.name, "j": j, "tokens": np.arange(j % 5)} for j in idx]
-
-    keys = property(lambda self: ["src", "j", "tokens"])
-    schema = property(lambda self: {"src": "str", "j": "int", "tokens": "int64[?]"})
-
-    def read_ahead(self, order, start, count, position):
-        if order is not None:
-            self.passes.append(np.asarray(order(start, start + count)).tolist())
-
-
-def _pass(ds) -> list[int]:
-    """One pass of a shuffling sampler over ``ds`` (which tells ``ds`` to read ahead)."""
-    return list(tg.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=3))
 
 
 def test_a_source_under_a_transformed_dataset_and_another_input_gets_one_pass():
