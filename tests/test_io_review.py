@@ -54,11 +54,6 @@ def test_a_multirange_request_unanswered_at_the_batch_deadline_is_a_request_time
     assert all(isinstance(g, RequestTimeout) for g in got), got
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a batch's multi-range requests wait, without a deadline of their own, for "
-    "another thread's first multi-range request to the same server",
-)
 def test_a_stalled_first_request_of_one_thread_does_not_fail_another_threads_batch(root):
     # Thread A's first multi-range request to the server (large ranges: a long limit of
     # its own) stalls after its headers. Thread B then asks for two small ranges of another
@@ -89,11 +84,6 @@ def test_a_stalled_first_request_of_one_thread_does_not_fail_another_threads_bat
     assert got == [DATA["f1"][s:e] for s, e in RANGES]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a stalled first multi-range request holds back the batch's other files "
-    "until it times out (RetryPolicy.request_timeout, 60 s by default)",
-)
 def test_a_stalled_first_request_does_not_hold_back_the_batchs_other_files(root):
     # The first multi-range request to a server not asked yet stalls (headers never
     # come). The starting code handed the other files to arrived= (decode as they arrive)

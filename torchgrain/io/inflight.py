@@ -13,7 +13,7 @@ answer so, and a request costs the client far more CPU than a 1 KiB range does. 
 that answers a multi-range request otherwise (the whole file, too few ranges, a malformed
 body) has those ranges asked one per request, and is asked so from then on (per
 filesystem and origin; until a server has answered one, its first multi-range request
-goes alone and the others wait for what it teaches); so is one that refuses it with an
+goes first and the others wait for its headers, a fraction of a second at most); so is one that refuses it with an
 error status (403, 416, 501...) or drops it twice in a row, while the same ranges asked
 alone are served. A missing file, a busy server (429, 5xx) or a timeout is returned for
 every range, as one range's request would be, and retried by the operation. See
@@ -23,6 +23,7 @@ every range, as one range's request would be, and retried by the operation. See
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import queue
 import time
@@ -189,10 +190,11 @@ _NOT_FOUND = (404, 410)
 
 
 async def _get_ranges(
-    fs: Any, path: str, merged: list[tuple[int, int]]
+    fs: Any, path: str, merged: list[tuple[int, int]], heard: asyncio.Event | None = None
 ) -> tuple[list[tuple[int, memoryview]], int | None]:
     """The parts of one multi-range GET of ``merged`` (sorted, apart) as ``(first byte,
-    bytes)``, and the file size they declare. Raises :class:`_NotMultirange` when the
+    bytes)``, and the file size they declare; ``heard`` is set once a 206's headers are
+    in (see :func:`_first_asked`). Raises :class:`_NotMultirange` when the
     server answered otherwise, as one range's request would for a missing file or a busy
     server, and a :class:`MultipartError` for a body that is not what was asked for."""
     kw, tag = range_request(fs, path, range_header(merged))
@@ -210,6 +212,8 @@ async def _get_ranges(
         if r.status != 206:
             r.close()  # the body (the whole file, an error page) is never read
             raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status < 300)
+        if heard is not None:
+            heard.set()
         try:
             body = await read_capped(
                 socket_pieces(r.content),
@@ -270,20 +274,30 @@ def _exact_parts(
     return out
 
 
-async def _first_asked(known: _Servers, origin: str) -> asyncio.Event | None:
+#: The longest a multi-range request waits for the headers of the first one to a server
+#: not asked yet (a round trip, usually) before going out as if it had not waited.
+_PROBE_WAIT = 0.2
+
+
+async def _first_asked(known: _Servers, origin: str, seconds: float) -> asyncio.Event | None:
     """Until a multi-range request to ``origin`` is answered, the first is sent alone and
-    the others wait for what its answer teaches: a server that sends the whole file for
-    several ranges (as stores answering one range per request do) then sends one file,
-    not one per file of the batch, each of which would be asked again range by range.
-    Returns the event to set once this request is answered (the first), else None."""
+    the others wait for its headers, :data:`_PROBE_WAIT` or their own ``seconds`` at most:
+    a server that sends the whole file for several ranges (as stores answering one range
+    per request do) then sends one file, not one per file of the batch, each of which
+    would be asked again range by range. A stalled or failed first request holds the
+    others back no longer, and its failure stays its own. Returns the event to set once
+    this request's headers are in (the first), else None."""
     if origin in known.answers:
         return None
     loop = asyncio.get_running_loop()
     held = known.asking.get(origin)
-    if held is None or held[0] is not loop:  # (a forked child runs another loop)
+    # A forked child runs another loop; a first request answered without teaching
+    # anything (a timeout, a busy server) leaves the next to ask.
+    if held is None or held[0] is not loop or held[1].is_set():
         known.asking[origin] = (loop, asyncio.Event())
         return known.asking[origin][1]
-    await held[1].wait()
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(held[1].wait(), min(_PROBE_WAIT, seconds))
     return None
 
 
@@ -309,12 +323,12 @@ async def _limited_ranges(
     known = _servers(fs)
     out: list[Any] = [None] * len(ranges)
     refused: str | None = None  # why the ranges are asked alone, when it may be the server
-    first = await _first_asked(known, origin)
+    first = await _first_asked(known, origin, seconds)
     try:
         if known.answers.get(origin, True):  # (else the first request taught otherwise)
             async with _semaphore(limit):
                 parts, size = await asyncio.wait_for(
-                    _get_ranges(fs, path, merge_ranges(ranges)), seconds
+                    _get_ranges(fs, path, merge_ranges(ranges), first), seconds
                 )
             # Ranges past the end of the file: left out by the server, each asked alone
             # (its own request names the problem).
