@@ -435,8 +435,9 @@ def iter_tfrecord_offsets(
     Local files (and remote ones of up to 4 MiB) are read in 4 MiB blocks, records
     larger than a block seeked over; a run of records of one length (fixed-size
     records) is checked with numpy for a whole block at once (each length field and
-    its CRC), so tiny records cost no Python step each. Larger remote files take one
-    small ranged read per record. Errors as :func:`index_tfrecord`'s.
+    its CRC), so tiny records cost no Python step each. Larger remote files are walked a
+    header at a time through the remote file's 4 MiB read-ahead buffer: one ranged read
+    per 4 MiB, or per record larger than that. Errors as :func:`index_tfrecord`'s.
 
     ``size``: the file's size as already recorded (default: its size now); the walk
     stops there, so a file appended to since is indexed as it was (a shorter file is
