@@ -240,3 +240,27 @@ def test_fuzz_near_valid_gzip(records, pos, val):
     except CorruptDataError:
         return
     assert out == records  # a change gzip's own CRC did not catch must still be harmless
+
+
+def test_remote_walk_reads_headers_not_large_records(tmp_path, monkeypatch):
+    # A remote file is walked as a local one (same offsets); after a record larger than
+    # a block only the next header is fetched, not a block that would be skipped.
+    from tests.servers import RangeHTTPServer
+    from torchgrain.formats import tfrecord
+
+    monkeypatch.setattr(tfrecord, "_READ_SIZE", 16 << 10)  # small blocks: small data
+    rng = np.random.default_rng(0)
+    small = [bytes(int(n)) for n in rng.integers(0, 300, 2000)] + [b"s" * 40] * 500
+    write_tfrecord(small, tmp_path / "small.tfrecord")
+    write_tfrecord([b"L" * (100 << 10)] * 3, tmp_path / "large.tfrecord")
+    with RangeHTTPServer(tmp_path) as srv:
+        for name in ("small.tfrecord", "large.tfrecord"):
+            local = np.concatenate(list(tfrecord.iter_tfrecord_offsets(tmp_path / name)))
+            srv.reset_counts()
+            url = f"{srv.url}/{name}"
+            remote = np.concatenate(list(tfrecord.iter_tfrecord_offsets(url, chunk=700)))
+            np.testing.assert_array_equal(remote, local)
+            assert len(local) == (2500 if name == "small.tfrecord" else 3)
+        spans = [r.split("=")[1].split("-") for r in srv.range_log if r]
+        fetched = sum(int(e) - int(s) + 1 for s, e in spans)
+        assert fetched < os.path.getsize(tmp_path / "large.tfrecord") // 4, srv.range_log

@@ -432,12 +432,11 @@ def iter_tfrecord_offsets(
     about ``chunk`` offsets each, as its headers are walked: memory stays bounded
     whatever the number of records.
 
-    Local files (and remote ones of up to 4 MiB) are read in 4 MiB blocks, records
-    larger than a block seeked over; a run of records of one length (fixed-size
-    records) is checked with numpy for a whole block at once (each length field and
-    its CRC), so tiny records cost no Python step each. Larger remote files are walked a
-    header at a time through the remote file's 4 MiB read-ahead buffer: one ranged read
-    per 4 MiB, or per record larger than that. Errors as :func:`index_tfrecord`'s.
+    The file is read in 4 MiB blocks (one ranged read each for a remote file), records
+    larger than a block seeked over and the header after one read alone; a run of
+    records of one length (fixed-size records) is checked with numpy for a whole block
+    at once (each length field and its CRC), so tiny records cost no Python step each.
+    Errors as :func:`index_tfrecord`'s.
 
     ``size``: the file's size as already recorded (default: its size now); the walk
     stops there, so a file appended to since is indexed as it was (a shorter file is
@@ -467,26 +466,10 @@ def iter_tfrecord_offsets(
         size = _file_size(fs, p)
     if size is None:  # pragma: no cover - every fsspec filesystem we ship with has size()
         raise CorruptDataError(f"{name}: cannot determine the file size")
-    unpack = _HEADER.unpack
     # An index of the file as it is now: a same-size re-upload is indexed, not refused.
-    with remote.open_input(fs, p, url=name, fresh=True) as f:
-        if is_local(fs) or size <= _READ_SIZE:
-            # Local files go through the OS page cache; remote small files in one read.
-            yield from _walk_buffered(f, name, size, verify, chunk)
-            return
-        out = array.array("q")
-        off = 0
-        while off < size:
-            f.seek(off)
-            head = f.read(_HEADER_SIZE)
-            _check_header(head, name, off, size, verify)
-            out.append(off)
-            if len(out) >= chunk:
-                yield np.frombuffer(out, np.int64).copy()
-                out = array.array("q")
-            off += _FRAME_OVERHEAD + unpack(head)[0]
-        if out:
-            yield np.frombuffer(out, np.int64).copy()
+    # Unbuffered: each read of the walk is one ranged request of just the bytes it asks.
+    with remote.open_input(fs, p, url=name, fresh=True, buffered=False) as f:
+        yield from _walk_buffered(f, name, size, verify, chunk)
 
 
 def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataError:
@@ -512,7 +495,7 @@ def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> 
             f"({len(head)} of {_HEADER_SIZE} bytes present)"
         )
     length, len_crc = _HEADER.unpack(head)
-    if verify and _masked(head[:8]) != len_crc:
+    if verify and _masked(bytes(head[:8])) != len_crc:  # a remote block is a bytearray
         raise CorruptDataError(
             f"{name}: length checksum mismatch in the record at byte offset {off}"
         )
@@ -525,7 +508,9 @@ _RUN = 4  # records of one length in a row before the rest of the block is tried
 
 def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> Iterator[np.ndarray]:
     # Read the file in large blocks and walk the headers; records larger than a block
-    # are skipped with a seek. After _RUN records of one length, the records of that
+    # are skipped with a seek, and the header after one is read alone (the next record is
+    # likely as large: a block there would be mostly skipped, on a remote file fetched
+    # for nothing). After _RUN records of one length, the records of that
     # length that follow in the block are checked at once (their length fields and
     # CRCs gathered with numpy): the first that differs is walked one by one again.
     unpack = _HEADER.unpack_from
@@ -533,12 +518,12 @@ def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> It
     off = 0
     buf = b""
     base = 0
-    prev, same = -1, 0
+    prev, same, stride = -1, 0, 0
     while off < size:
         rel = off - base
         if rel < 0 or rel + _HEADER_SIZE > len(buf):
             f.seek(off)
-            buf = f.read(_READ_SIZE)
+            buf = f.read(_HEADER_SIZE if stride > _READ_SIZE else _READ_SIZE)
             base = off
             rel = 0
         _check_header(buf[rel : rel + _HEADER_SIZE], name, off, size, verify)
