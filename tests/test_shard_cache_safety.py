@@ -601,3 +601,40 @@ def test_a_verifiers_return_value_is_recorded_only_when_it_is_a_crc(tmp_path, re
         warnings.simplefilter("error")
         again.fetch("memory://verifier-returns/shard", checksum=checksum)
     assert again.stats["hits"] == 1 and again.stats["misses"] == 0
+
+
+@pytest.mark.parametrize("deletions", [1, 99])
+def test_a_cache_directory_deleted_during_a_download_never_fails_a_read(
+    served, tmp_path, monkeypatch, deletions
+):
+    """Deleted once (a user cleaning up), the directory is made again and the download
+    done once more; deleted again, the source reads by ranges, as on a full disk."""
+    import shutil
+
+    from torchgrain.io import remote
+
+    srv, root = served
+    _write(root, "array_record")
+    cache = tmp_path / "cache"
+    get_file = remote.get_file
+    left = [deletions]
+
+    def deleted_meanwhile(fs, rpath, lpath, **kwargs):
+        get_file(fs, rpath, lpath, **kwargs)
+        if left[0]:
+            left[0] -= 1
+            shutil.rmtree(cache)
+
+    monkeypatch.setattr(remote, "get_file", deleted_meanwhile)
+    # One download at a time (a batch per shard, no read-ahead): each deletion is whole.
+    src = _source("array_record", srv.url, root, cache, read_ahead_bytes=0)
+    per = N // SHARDS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for a in range(0, N, per):
+            assert _read(src, "batch", range(a, a + per)) == _expected(range(a, a + per))
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    if deletions == 1:
+        assert said == [] and len(_copies(cache)) == SHARDS  # the cache in use again
+    else:
+        assert len(said) == 1 and repr(str(cache)) in said[0], said

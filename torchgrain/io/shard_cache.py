@@ -18,6 +18,7 @@ Design notes: docs/design-notes.md#io-shard-cache.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -96,7 +97,8 @@ class ShardCache(NodeStore):
             furthest ahead in the sampler's order, as told by :meth:`advise`.
 
     Counters of this process are in :attr:`stats`. A full disk raises
-    :class:`~torchgrain.CacheDiskFullError` and sets :attr:`disk_full`. The object holds no
+    :class:`~torchgrain.CacheDiskFullError` and sets :attr:`disk_full`, as does a
+    directory deleted twice during one download (once, it is made again). The object holds no
     open file or lock between calls: it pickles small. Design notes:
     docs/design-notes.md#io-shard-cache.
 
@@ -334,27 +336,52 @@ class ShardCache(NodeStore):
                     f"max_bytes={self.max_bytes} of {self.directory}"
                 )
             what = f" (the copy of {url}, {size:,} bytes)"
-            tmp = self._reserve(name, size, what)
-            try:
-                retry_call(self._download, fs, rpath, tmp, size, url, what="download", **retrying)
-                crc = None
-                if checksum:
-                    crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
-                # What later hits are checked against: the bytes that passed the checks
-                # (a whole-file hash gave their CRC from the same read).
-                if not (isinstance(crc, str) and _CRC_TEXT.fullmatch(crc)):
-                    crc, _ = file_crc(tmp)
-                with self._writing(self._sum_path(path), f" (the record of {url})"):
-                    write_record(self._sum_path(path), crc, size)
-                self._publish(tmp, path, size, what)
-                # After the rename, which moves the change time: the identity it keeps.
-                ident = file_identity(os.stat(path))
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                if not os.path.lexists(path):  # (not published: no record of it either)
-                    self._forget(path)
-                raise
+            for again in (True, False):
+                tmp = self._reserve(name, size, what)
+                try:
+                    retry_call(
+                        self._download, fs, rpath, tmp, size, url, what="download", **retrying
+                    )
+                    crc = None
+                    if checksum:
+                        crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
+                    # What later hits are checked against: the bytes that passed the checks
+                    # (a whole-file hash gave their CRC from the same read).
+                    if not (isinstance(crc, str) and _CRC_TEXT.fullmatch(crc)):
+                        crc, _ = file_crc(tmp)
+                    with self._writing(self._sum_path(path), f" (the record of {url})"):
+                        write_record(self._sum_path(path), crc, size)
+                    self._publish(tmp, path, size, what)
+                    # After the rename, which moves the change time: the identity it keeps.
+                    ident = file_identity(os.stat(path))
+                    break
+                except BaseException as e:
+                    # A temp file gone with its directory: a FileNotFoundError (made a
+                    # DatasetNotFoundError by the retries), though the remote is not at fault.
+                    lost = isinstance(e, FileNotFoundError) and not os.path.exists(tmp)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                    if not os.path.lexists(path):  # (not published: no record of it either)
+                        self._forget(path)
+                    if not lost:
+                        raise
+                # The temp file went missing: the directory was deleted meanwhile (a user
+                # cleaning up). Made again, as the decoded cache does, for one more
+                # download; deleted again (or not made), the cache gives up as on a full
+                # disk, and sources read by ranges.
+                if again:
+                    with contextlib.suppress(OSError):
+                        self._make_dirs()
+                        continue
+                with self._writing(tmp, what):
+                    raise CacheDiskFullError(
+                        errno.ENOENT,
+                        f"{os.strerror(errno.ENOENT)}: {self._WHAT} in {self.directory!r} "
+                        f"lost {tmp!r}{what} while writing it: its directory was deleted, "
+                        "and made again it was deleted again (or could not be made).",
+                        directory=self.directory,
+                        path=tmp,
+                    ) from None
             self._checks()[path] = ident
             self._count(misses=1, bytes_fetched=size)
             announce(
@@ -504,28 +531,18 @@ class ShardCache(NodeStore):
         self, fs: fsspec.AbstractFileSystem, rpath: str, tmp: str, size: int, url: str
     ) -> None:
         what = f" (the copy of {url}, {size:,} bytes)"
-        try:
-            # With a deadline that grows with the size (torchgrain.io.remote).
-            with self._writing(tmp, what):
-                remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
-            got = os.path.getsize(tmp)
-            if got < size:
-                raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")
-            if got > size:
-                raise CorruptDataError(
-                    f"downloaded {url} has {got} bytes, expected {size} (did the file change?)"
-                )
-            # Publish only data that is on disk: a crash right after the rename must not
-            # leave a file that looks complete but is not. (A filesystem that allocates
-            # late may report a full disk here.)
-            with self._writing(tmp, what), open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        except FileNotFoundError as e:
-            if os.path.exists(tmp):  # (the remote file is missing)
-                raise
-            # The local temp file went missing (its directory deleted meanwhile): not the
-            # remote's fault, and no FileNotFoundError, which retries read as the remote's.
-            raise OSError(
-                f"{self._WHAT} in {self.directory!r} lost {tmp!r}{what} while writing it "
-                f"(was the directory deleted?): {e}"
-            ) from None
+        # With a deadline that grows with the size (torchgrain.io.remote).
+        with self._writing(tmp, what):
+            remote.get_file(fs, rpath, tmp, nbytes=size, url=url)
+        got = os.path.getsize(tmp)
+        if got < size:
+            raise _ShortDownload(f"transfer of {url} ended after {got} of {size} bytes")
+        if got > size:
+            raise CorruptDataError(
+                f"downloaded {url} has {got} bytes, expected {size} (did the file change?)"
+            )
+        # Publish only data that is on disk: a crash right after the rename must not
+        # leave a file that looks complete but is not. (A filesystem that allocates late
+        # may report a full disk here.)
+        with self._writing(tmp, what), open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
