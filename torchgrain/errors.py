@@ -78,7 +78,8 @@ class RemoteIOError(TorchgrainError, OSError):
 class CacheDiskFullError(TorchgrainError, OSError):
     """A cache on local disk could not write a file: its filesystem is full (``ENOSPC``),
     the user's disk quota is spent (``EDQUOT``) or the file outgrew a size limit (``EFBIG``:
-    the filesystem's largest file, or the process's ``ulimit -f``).
+    the filesystem's largest file, or the process's ``ulimit -f``), or (``ENOENT``) the
+    shard cache's directory was deleted during a download, made again and deleted again.
 
     An ``OSError`` with the ``errno`` of the failed write (``except OSError`` still
     catches it). The message names the cache, its directory, the file it was writing and
