@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.errors import TorchgrainError
+
 
 def _summarise(value: Any, limit: int = 60) -> str:
     if isinstance(value, np.ndarray):
@@ -22,6 +24,17 @@ def _summarise(value: Any, limit: int = 60) -> str:
         return f"ndarray {value.dtype}{list(value.shape)} {body}"
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fields(rec: dict[str, Any]) -> dict[str, str]:
+    """A record's fields, nested dicts flattened to ``a/b``, each summarised."""
+    return {k: _summarise(v) for k, v in _flatten(rec).items()}
+
+
+def _print_fields(title: str, fields: dict[str, Any]) -> None:
+    print(title)
+    for k, v in fields.items():
+        print(f"  {k:<24} {v}")
 
 
 def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -50,8 +63,6 @@ def _token_summary(src: Any, column: str) -> dict[str, Any]:
     lengths a token-window index is built from: a ``num_<column>`` count alone when the
     records have one (Parquet reads that column only), else the tokens' list offsets
     (Parquet) or one pass over the records (in worker processes); kept in memory."""
-    import numpy as np
-
     import torchgrain as tg
 
     count = f"num_{column}"
@@ -141,9 +152,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     # Files of the dataset's directories that are not its data (a stray stats.csv).
     out["skipped"] = skipped_files(args.path, registry.get_format(fmt).suffixes)
     if args.json:
-        out["samples"] = [
-            {k: _summarise(v) for k, v in _flatten(r).items()} for r in samples[: args.samples]
-        ]
+        out["samples"] = [_fields(r) for r in samples[: args.samples]]
         print(json.dumps(out, indent=1, default=str))
         return 0
     total = out["num_records"]
@@ -153,13 +162,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"records     {'unknown' if total is None else f'{total:,}'} in "
         f"{len(src.paths)} shard(s), {sum(sizes) / 1e6:,.1f} MB"
     )
-    print("keys (from the first records)")
-    for k, t in keys.items():
-        print(f"  {k:<24} {t}")
+    _print_fields("keys (from the first records)", keys)
     if schema and schema != keys:
-        print("schema")
-        for k, t in schema.items():
-            print(f"  {k:<24} {t}")
+        _print_fields("schema", schema)
     print("shards")
     shown = out["shards"][: args.max_shards]
     for s in shown:
@@ -182,9 +187,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for path in out["skipped"]:
             print(f"  {path}")
     for i, rec in enumerate(samples[: args.samples]):
-        print(f"record {i}")
-        for k, v in _flatten(rec).items():
-            print(f"  {k:<24} {_summarise(v)}")
+        _print_fields(f"record {i}", _fields(rec))
     return 0
 
 
@@ -214,10 +217,7 @@ def _inspect_spec(args: argparse.Namespace) -> int:
         out["seed"] = view.seed
     samples = ds.__getitems__(list(range(min(args.samples, len(ds)))))
     if args.json:
-        out["samples"] = [
-            {k: _summarise(v) for k, v in _flatten(r).items()} if isinstance(r, dict) else r
-            for r in samples
-        ]
+        out["samples"] = [_fields(r) if isinstance(r, dict) else r for r in samples]
         print(json.dumps(out, indent=1, default=str))
         return 0
     print(f"composition {args.path}: {out['kind']} of {len(counts)} datasets")
@@ -229,13 +229,9 @@ def _inspect_spec(args: argparse.Namespace) -> int:
             f"{weight}  {entry['dataset']}"
         )
     if out["schema"]:
-        print("schema")
-        for k, t in out["schema"].items():
-            print(f"  {k:<24} {t}")
+        _print_fields("schema", out["schema"])
     for i, rec in enumerate(samples):
-        print(f"record {i}")
-        for k, v in (_flatten(rec) if isinstance(rec, dict) else {"": rec}).items():
-            print(f"  {k:<24} {_summarise(v)}")
+        _print_fields(f"record {i}", _fields(rec if isinstance(rec, dict) else {"": rec}))
     return 0
 
 
@@ -306,18 +302,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         args.src,
         args.dst,
         to=to,
-        num_shards=args.num_shards,
-        match_shards=args.match_shards,
-        group_size=args.group_size,
-        workers=args.workers,
-        codec=args.codec,
-        compression=args.compression,
-        src_format=args.src_format,
-        overwrite=args.overwrite,
+        **_same_names(
+            args,
+            "num_shards match_shards group_size workers codec compression src_format "
+            "overwrite columns",
+        ),
         verify=not args.no_verify,
         progress=False if args.quiet else None,
         tokenize=_tokenize_option(args),
-        columns=args.columns,
     )
     if not args.quiet:
         size = sum(s.num_bytes for s in m.shards)
@@ -351,14 +343,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from torchgrain.demo import run_demo
 
     run_demo(
-        args.data_dir,
-        num_records=args.num_records,
-        batch_size=args.batch_size,
+        **_same_names(args, "data_dir num_records batch_size epochs max_steps seed device"),
         num_workers=args.workers,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        seed=args.seed,
-        device=args.device,
     )
     return 0
 
@@ -372,18 +358,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _detect("PATH", args.path)
     report = run_bench(
         args.path,
-        batch_size=args.batch_size,
+        **_same_names(
+            args,
+            "batch_size seconds round_seconds collate repeats columns cache_bytes "
+            "prefetch_factor seed tokens",
+        ),
         num_workers=args.workers,
-        seconds=args.seconds,
-        round_seconds=args.round_seconds,
-        collate=args.collate,
-        repeats=args.repeats,
         fmt=args.format,
-        columns=args.columns,
-        cache_bytes=args.cache_bytes,
-        prefetch_factor=args.prefetch_factor,
-        seed=args.seed,
-        tokens=args.tokens,
         out=None if args.json else _say,
     )
     if args.json:
@@ -394,6 +375,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _same_names(args: argparse.Namespace, names: str) -> dict[str, Any]:
+    """The options ``names`` of ``args``, passed on as keyword arguments of the same names."""
+    return {name: getattr(args, name) for name in names.split()}
+
+
 def _say(line: str) -> None:
     print(line, flush=True)  # each line as it comes, also into a pipe or a log file
 
@@ -401,6 +387,18 @@ def _say(line: str) -> None:
 # ------------------------------------------------------------------- errors
 class CliError(Exception):
     """A mistake in the command line: printed as ``torchgrain CMD: error: MESSAGE``."""
+
+
+# What a command reports in one line; anything else is a bug, shown with its traceback.
+_USER_ERRORS = (
+    CliError,
+    TorchgrainError,
+    OSError,
+    ValueError,
+    IndexError,
+    ImportError,
+    NotImplementedError,
+)
 
 
 def _check_exists(arg: str, paths: str | list[str]) -> None:
@@ -539,6 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(parser=c)  # unknown options are reported with this command's usage
         return c
 
+    def number(
+        parser: Any, flag: str, type: Any, default: Any, help: str, metavar: str = "N"
+    ) -> None:
+        parser.add_argument(flag, metavar=metavar, type=type, default=default, help=help)
+
     d = command("demo", "build a synthetic dataset and train a small model on it")
     d.add_argument(
         "--data-dir",
@@ -547,26 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to build the dataset, reused when it is there "
         "(default: demo-N under ~/.cache/torchgrain)",
     )
-    d.add_argument(
-        "--num-records", metavar="N", type=_positive_int, default=10_000, help="dataset size"
-    )
-    d.add_argument(
-        "--batch-size", metavar="N", type=_positive_int, default=64, help="records per step"
-    )
-    d.add_argument(
-        "--workers", metavar="N", type=_non_negative_int, default=2, help="DataLoader num_workers"
-    )
-    d.add_argument(
-        "--epochs", metavar="N", type=_positive_int, default=2, help="passes over the dataset"
-    )
-    d.add_argument(
-        "--max-steps",
-        metavar="N",
-        type=_positive_int,
-        default=None,
-        help="stop after this many steps",
-    )
-    d.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle and augmentation seed")
+    number(d, "--num-records", _positive_int, 10_000, "dataset size")
+    number(d, "--batch-size", _positive_int, 64, "records per step")
+    number(d, "--workers", _non_negative_int, 2, "DataLoader num_workers")
+    number(d, "--epochs", _positive_int, 2, "passes over the dataset")
+    number(d, "--max-steps", _positive_int, None, "stop after this many steps")
+    number(d, "--seed", int, 0, "shuffle and augmentation seed")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.set_defaults(func=cmd_demo)
 
@@ -591,12 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help=f"how encoded records decode (formats with a codec): {codecs}",
     )
-    i.add_argument(
-        "--samples", metavar="N", type=_non_negative_int, default=2, help="records to print"
-    )
-    i.add_argument(
-        "--max-shards", metavar="N", type=_non_negative_int, default=20, help="shards to list"
-    )
+    number(i, "--samples", _non_negative_int, 2, "records to print")
+    number(i, "--max-shards", _non_negative_int, 20, "shards to list")
     i.add_argument(
         "--tokens",
         metavar="COLUMN",
@@ -626,28 +611,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"output format (default: {DEFAULT_OUTPUT})",
     )
     g = c.add_mutually_exclusive_group()
-    g.add_argument(
+    number(
+        g,
         "--num-shards",
-        metavar="N",
-        type=_positive_int,
-        default=None,
-        help="cut the records into this many contiguous output shards",
+        _positive_int,
+        None,
+        "cut the records into this many contiguous output shards",
     )
     g.add_argument(
         "--match-shards",
         action="store_true",
         help="one output shard per input file (the default without --num-shards)",
     )
-    c.add_argument(
-        "--group-size",
-        metavar="N",
-        type=_positive_int,
-        default=1,
-        help="records per ArrayRecord chunk",
-    )
-    c.add_argument(
-        "--workers", metavar="N", type=_positive_int, default=1, help="converter processes"
-    )
+    number(c, "--group-size", _positive_int, 1, "records per ArrayRecord chunk")
+    number(c, "--workers", _positive_int, 1, "converter processes")
     c.add_argument(
         "--codec",
         default="auto",
@@ -706,32 +683,32 @@ def build_parser() -> argparse.ArgumentParser:
         "rounds each, and print the median rate, the spread of the rounds and suggestions.",
     )
     b.add_argument("path", nargs="+", metavar="PATH", help="dataset directory, glob or file(s)")
-    b.add_argument(
-        "--batch-size", metavar="N", type=_positive_int, default=256, help="DataLoader batch_size"
-    )
-    b.add_argument(
+    number(b, "--batch-size", _positive_int, 256, "DataLoader batch_size")
+    number(
+        b,
         "--workers",
-        metavar="N",
-        type=_non_negative_int,
-        default=None,
-        help="DataLoader num_workers (default: one per CPU this process may use, "
+        _non_negative_int,
+        None,
+        "DataLoader num_workers (default: one per CPU this process may use, "
         f"at most 16: {default_workers()} here)",
     )
-    b.add_argument(
+    number(
+        b,
         "--seconds",
-        metavar="S",
-        type=_positive_float,
-        default=None,
-        help="measured time in total, split into exactly --repeats rounds per access "
+        _positive_float,
+        None,
+        "measured time in total, split into exactly --repeats rounds per access "
         "order (a quick look; default: rounds of --round-seconds until they settle)",
-    )
-    b.add_argument(
-        "--round-seconds",
         metavar="S",
-        type=_positive_float,
-        default=3.0,
-        help="each round's measured time; rounds go on (at most 2x --repeats) until the "
+    )
+    number(
+        b,
+        "--round-seconds",
+        _positive_float,
+        3.0,
+        "each round's measured time; rounds go on (at most 2x --repeats) until the "
         "last --repeats of each order lie within 5%% of their median",
+        metavar="S",
     )
     b.add_argument(
         "--collate",
@@ -741,20 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
         "without collate_fn), pad (tg.pad_collate: variable-length fields padded), none "
         "(lists of records: reading alone)",
     )
-    b.add_argument(
-        "--repeats",
-        metavar="N",
-        type=_positive_int,
-        default=3,
-        help="rounds per access order (the spread)",
-    )
-    b.add_argument(
-        "--prefetch-factor",
-        metavar="N",
-        type=_positive_int,
-        default=4,
-        help="DataLoader prefetch_factor",
-    )
+    number(b, "--repeats", _positive_int, 3, "rounds per access order (the spread)")
+    number(b, "--prefetch-factor", _positive_int, 4, "DataLoader prefetch_factor")
     b.add_argument(
         "--format",
         default="auto",
@@ -762,15 +727,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dataset's format; auto: from its file names",
     )
     b.add_argument("--columns", nargs="+", default=None, help="Parquet columns to read")
-    b.add_argument(
+    number(
+        b,
         "--cache-bytes",
-        metavar="N",
-        type=_non_negative_int,
-        default=None,
-        help="each worker's block cache (Parquet row groups, ArrayRecord chunks), in bytes; "
+        _non_negative_int,
+        None,
+        "each worker's block cache (Parquet row groups, ArrayRecord chunks), in bytes; "
         "0: none (default: the source's, 256 MiB)",
     )
-    b.add_argument("--seed", metavar="N", type=int, default=0, help="shuffle seed")
+    number(b, "--seed", int, 0, "shuffle seed")
     b.add_argument(
         "--tokens",
         metavar="COLUMN",
@@ -874,20 +839,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return _exit_on_broken_pipe()
     except Exception as e:
-        from torchgrain.errors import TorchgrainError
-
-        if not isinstance(
-            e,
-            (
-                CliError,
-                TorchgrainError,
-                OSError,
-                ValueError,
-                IndexError,
-                ImportError,
-                NotImplementedError,
-            ),
-        ):
+        if not isinstance(e, _USER_ERRORS):
             raise  # a bug: the traceback says where
         try:
             print(f"{command.prog}: error: {_cli_words(str(e))}", file=sys.stderr)
