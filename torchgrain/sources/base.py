@@ -31,11 +31,11 @@ import numpy as np
 
 from torchgrain.columns import ColumnBatch
 from torchgrain.errors import warn_empty
-from torchgrain.io import process
+from torchgrain.io import process, remote
 from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
-from torchgrain.sources.block_cache import BlockCache, CacheInfo
+from torchgrain.sources.block_cache import BlockCache, CacheBlocks, CacheFit, CacheInfo
 from torchgrain.sources.cache_fit import CacheFitting
 from torchgrain.sources.cached_copies import CachedCopies, OpenCopies
 from torchgrain.sources.fetch_ahead import FetchAhead
@@ -202,7 +202,7 @@ class _ProcessState:
         self.io = {"remote_reads": 0, "retries": 0}
 
 
-class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
+class ShardedSource(FetchAhead, CachedCopies, Source):
     """Base of the sources over shard files (ArrayRecord, Parquet, TFRecord).
 
     Subclasses call :meth:`_init_shards` from their constructor, implement
@@ -273,10 +273,8 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
         if read_ahead_bytes is None:
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
-        self._sizes: dict[int, int] = {}
+        self.cache_fit = CacheFitting(type(self).__name__, self._paths)
         self._state: _ProcessState | None = None
-        # (process, cache) pairs already warned of a pass that cannot fit
-        self._thrash_warned: set[tuple[Any, str]] = set()
 
     # ------------------------------------------------------------------ contract
     def __len__(self) -> int:
@@ -328,6 +326,63 @@ class ShardedSource(FetchAhead, CachedCopies, CacheFitting, Source):
         if pool is not None:
             pool.shutdown(wait=False)
         st.blocks.clear()
+
+    def cache_blocks(self) -> list[CacheBlocks]:
+        """The caches a pass over this source goes through, for :meth:`check_cache_fit`:
+        the shard cache (``cache_dir``) for remote shards; formats add their decoded-
+        block cache."""
+        if self.cache is None or not self._remote:
+            return []
+        return [
+            CacheBlocks(
+                cache="shard cache (cache_dir)",
+                unit="shard",
+                offsets=self.index.offsets,
+                nbytes=lambda shards: np.array([self.shard_nbytes(int(s)) for s in shards]),
+                capacity=self.cache.max_bytes,
+                per_process=False,
+                remedies=(
+                    "raise cache_dir_bytes above the working set",
+                    "use BlockShuffleSampler (a few shards at a time, each read once a pass)",
+                    "rewrite the data in fewer, larger passes' worth of shards "
+                    "(torchgrain convert)",
+                ),
+            )
+        ]
+
+    def check_cache_fit(
+        self, order: Callable[[int, int], np.ndarray], start: int, count: int
+    ) -> list[CacheFit]:
+        """Whether a pass (``order``, ``start``, ``count`` as in :meth:`read_ahead`) fits
+        each of :meth:`cache_blocks`, replaying its start through a simulated cache (see
+        :func:`~torchgrain.sources.block_cache.check_fit`). A cache it does not fit gets
+        a :class:`~torchgrain.CacheThrashWarning`, once per source, cache and process.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).check_cache_fit(lambda a, b: range(a, b), 0, 4)
+            []
+        """
+        return self.cache_fit.check(self.cache_blocks(), order, start, count)
+
+    def shard_nbytes(self, shard: int) -> int:
+        """Size of a shard file in bytes (from the dataset's records, else from one
+        listing of the shards' directories, else asked for this shard).
+
+        Example:
+            >>> import os, tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> src = tg.ArrayRecordSource(d)
+            >>> src.shard_nbytes(0) == os.path.getsize(src.paths[0])
+            True
+        """
+        ask = lambda: remote.file_size(self._fs, self._paths[shard])  # noqa: E731
+        return self.cache_fit.nbytes(
+            shard, self._fs, self.shard_integrity, lambda: self._io(ask, shard, "size")
+        )
 
     # ------------------------------------------------------------- per process
     def _proc(self) -> _ProcessState:

@@ -1,129 +1,109 @@
 """Whether a pass fits a sharded source's caches, and the shard sizes it needs.
 
-Part of :class:`~torchgrain.sources.base.ShardedSource` (a base class of it, not an API of
-its own): :meth:`CacheFitting.check_cache_fit` replays the start of a sampler's pass
-through each cache the source reads through (:meth:`CacheFitting.cache_blocks`: the shard
-cache here; formats add their decoded-block cache) and warns once when it cannot fit.
+:class:`CacheFitting` is a helper a :class:`~torchgrain.sources.base.ShardedSource` holds
+(``src.cache_fit``): given the caches a pass goes through (the source's
+:meth:`~torchgrain.sources.base.ShardedSource.cache_blocks`), :meth:`CacheFitting.check`
+replays the start of a sampler's pass through each and warns once when it cannot fit;
+:meth:`CacheFitting.nbytes` knows the shards' sizes.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import fsspec
 import numpy as np
 
 from torchgrain.errors import CacheThrashWarning
 from torchgrain.io import process, remote
 from torchgrain.sources.block_cache import CacheBlocks, CacheFit, check_fit
 
-__all__ = ["CacheFitting"]
+__all__ = ["CacheFitting", "listed_sizes"]
 
 
 class CacheFitting:
-    """The cache-fit checks of :class:`~torchgrain.sources.base.ShardedSource`, and the
-    shard sizes they use."""
+    """The cache-fit checks of the source ``kind`` over ``paths``, and its shards' sizes
+    (``sizes``: shard -> bytes, those known; the rest are found on first use).
 
-    def _describe(self) -> str:
-        """A short name of the dataset for messages: the class and its first shard."""
-        more = f" and {self.num_shards - 1:,} more" if self.num_shards > 1 else ""
-        first = repr(self._paths[0]) if self._paths else "no files"
-        return f"{type(self).__name__}({first}{more})"
+    Example:
+        >>> fit = CacheFitting("MySource", ["a.rec", "b.rec"], {0: 10})
+        >>> fit.name, fit.nbytes(0, fsspec.filesystem("file"), lambda k: (None, None), int)
+        ("MySource('a.rec' and 1 more)", 10)
+    """
 
-    def cache_blocks(self) -> list[CacheBlocks]:
-        """The caches a pass over this source goes through, for :meth:`check_cache_fit`:
-        the shard cache (``cache_dir``) for remote shards; formats add their decoded-
-        block cache."""
-        if self.cache is None or not self._remote:
-            return []
-        return [
-            CacheBlocks(
-                cache="shard cache (cache_dir)",
-                unit="shard",
-                offsets=self.index.offsets,
-                nbytes=lambda shards: np.array([self.shard_nbytes(int(s)) for s in shards]),
-                capacity=self.cache.max_bytes,
-                per_process=False,
-                remedies=(
-                    "raise cache_dir_bytes above the working set",
-                    "use BlockShuffleSampler (a few shards at a time, each read once a pass)",
-                    "rewrite the data in fewer, larger passes' worth of shards "
-                    "(torchgrain convert)",
-                ),
-            )
-        ]
+    def __init__(self, kind: str, paths: Sequence[str], sizes: dict[int, int] | None = None):
+        more = f" and {len(paths) - 1:,} more" if len(paths) > 1 else ""
+        #: The dataset's name in messages: the class and its first shard.
+        self.name = f"{kind}({repr(paths[0]) if len(paths) else 'no files'}{more})"
+        self.paths = paths
+        self.sizes: dict[int, int] = dict(sizes or {})
+        # (process, cache) pairs already warned of a pass that cannot fit
+        self.warned: set[tuple[Any, str]] = set()
 
-    def check_cache_fit(
-        self, order: Callable[[int, int], np.ndarray], start: int, count: int
+    def check(
+        self,
+        caches: Sequence[CacheBlocks],
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
     ) -> list[CacheFit]:
-        """Whether a pass (``order``, ``start``, ``count`` as in :meth:`read_ahead`) fits
-        each of :meth:`cache_blocks`, replaying its start through a simulated cache (see
-        :func:`~torchgrain.sources.block_cache.check_fit`). A cache it does not fit gets
-        a :class:`~torchgrain.CacheThrashWarning`, once per source, cache and process.
-
-        Example:
-            >>> import tempfile, torchgrain as tg
-            >>> d = tempfile.mkdtemp()
-            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
-            >>> tg.ArrayRecordSource(d).check_cache_fit(lambda a, b: range(a, b), 0, 4)
-            []
-        """
+        """Whether a pass (``order``, ``start``, ``count`` as in ``read_ahead``) fits each
+        of ``caches`` (see :func:`~torchgrain.sources.block_cache.check_fit`); one it does
+        not fit gets a :class:`~torchgrain.CacheThrashWarning`, once per cache and process."""
         fits = []
-        for blocks in self.cache_blocks():
-            fit = check_fit(self._describe(), blocks, order, start, count)
+        for blocks in caches:
+            fit = check_fit(self.name, blocks, order, start, count)
             if fit is None:
                 continue
             fits.append(fit)
-            warned = self._thrash_warned
-            if not fit.fits and (process.token(), blocks.cache) not in warned:
-                warned.add((process.token(), blocks.cache))
-                warnings.warn(CacheThrashWarning(fit.message(), fit), stacklevel=4)
+            if not fit.fits and (process.token(), blocks.cache) not in self.warned:
+                self.warned.add((process.token(), blocks.cache))
+                warnings.warn(CacheThrashWarning(fit.message(), fit), stacklevel=5)
         return fits
 
-    def shard_nbytes(self, shard: int) -> int:
-        """Size of a shard file in bytes (from the dataset's records, else from one
-        listing of the shards' directories, else asked for this shard).
-
-        Example:
-            >>> import os, tempfile, torchgrain as tg
-            >>> d = tempfile.mkdtemp()
-            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
-            >>> src = tg.ArrayRecordSource(d)
-            >>> src.shard_nbytes(0) == os.path.getsize(src.paths[0])
-            True
-        """
-        size = self._sizes.get(shard)
+    def nbytes(
+        self,
+        shard: int,
+        filesystem: fsspec.AbstractFileSystem,
+        integrity: Callable[[int], tuple[int | None, str | None]],
+        ask: Callable[[], int],
+    ) -> int:
+        """Size of ``shard`` in bytes: known, else from the dataset's records
+        (``integrity(shard)``), else from one listing of the shards' directories on
+        ``filesystem``, else ``ask()``."""
+        size = self.sizes.get(shard)
         if size is None:
-            size = self.shard_integrity(shard)[0]
-            if size is None and not self._sizes:
-                self._sizes.update(self._listed_sizes())
-                size = self._sizes.get(shard)
+            size = integrity(shard)[0]
+            if size is None and not self.sizes:
+                self.sizes.update(listed_sizes(filesystem, self.paths))
+                size = self.sizes.get(shard)
             if size is None:
-                size = self._io(
-                    lambda: remote.file_size(self._fs, self._paths[shard]), shard, "size"
-                )
-            self._sizes[shard] = size
+                size = ask()
+            self.sizes[shard] = size
         return size
 
-    def _listed_sizes(self) -> dict[int, int]:
-        """Sizes of the shards from listings of their directories (one request each)."""
-        fs = self._fs
-        where: dict[str, list[int]] = {}
-        for k, path in enumerate(self._paths):
-            where.setdefault(fs._parent(path), []).append(k)
-        if len(where) > 16:
-            return {}
-        out = {}
-        for parent, shards in where.items():
-            try:
-                listing = {
-                    fs._strip_protocol(e["name"]): e.get("size")
-                    for e in remote.call(fs, "ls", parent, detail=True, what="listing")
-                }
-            except Exception:  # a store that cannot list: sizes are asked one by one
-                continue
-            for k in shards:
-                size = listing.get(fs._strip_protocol(self._paths[k]))
-                if isinstance(size, int) and size >= 0:
-                    out[k] = size
-        return out
+
+def listed_sizes(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> dict[int, int]:
+    """Sizes of the files ``paths`` (by position) from listings of their directories (one
+    request each; none where they lie in more than 16)."""
+    where: dict[str, list[int]] = {}
+    for k, path in enumerate(paths):
+        where.setdefault(fs._parent(path), []).append(k)
+    if len(where) > 16:
+        return {}
+    out = {}
+    for parent, shards in where.items():
+        try:
+            listing = {
+                fs._strip_protocol(e["name"]): e.get("size")
+                for e in remote.call(fs, "ls", parent, detail=True, what="listing")
+            }
+        except Exception:  # a store that cannot list: sizes are asked one by one
+            continue
+        for k in shards:
+            size = listing.get(fs._strip_protocol(paths[k]))
+            if isinstance(size, int) and size >= 0:
+                out[k] = size
+    return out

@@ -31,6 +31,7 @@ from torchgrain.io.fs import expand_paths, is_local
 from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
+from torchgrain.sources.cache_fit import listed_sizes
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["FormatSource", "ReadsByteRanges", "ShardFile", "ShardFormat", "ShardReader"]
@@ -326,8 +327,7 @@ class FormatSource(ShardedSource):
         self._schema: dict[str, str] | None = None
         retry = opts.retry or RetryPolicy()
         where = None if is_local(fs) else fs
-        self._fs, self._paths = fs, files  # (what _listed_sizes reads; set again below)
-        listed = self._listed_sizes() if where is not None else {}
+        listed = listed_sizes(fs, files) if where is not None else {}
         # The readers opened to count are kept for the reads, as many as the reader LRU
         # holds (none when a remote shard is read through its cached copy).
         limit = (
@@ -358,7 +358,7 @@ class FormatSource(ShardedSource):
                 shard.close()
             raise
         self._init_shards(filesystem=fs, paths=files, counts=counts, options=opts)
-        self._sizes = sizes
+        self.cache_fit.sizes = sizes
         self._proc().readers.update(sorted(opened.items()))
 
     # ---------------------------------------------------------------- contract
@@ -380,7 +380,7 @@ class FormatSource(ShardedSource):
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
         """``(size, None)``: the size the shard had when the dataset was opened (a cached
         copy of another size is not served; a download of another size fails)."""
-        return self._sizes.get(shard), None
+        return self.cache_fit.sizes.get(shard), None
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """The records at ``indices``: each shard read once, remote ones concurrently (or
@@ -465,7 +465,9 @@ class FormatSource(ShardedSource):
     def _open_reader(
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> _Shard:
-        opened = self._open(shard, path, filesystem, self._sizes.get(shard, -1), self._retry)
+        opened = self._open(
+            shard, path, filesystem, self.cache_fit.sizes.get(shard, -1), self._retry
+        )
         n, want = opened.count, int(self.index.counts[shard])
         if n != want:
             opened.close()
