@@ -114,18 +114,8 @@ def _skip(buf: bytes, pos: int, t: int, depth: int) -> int:
     if depth > _MAX_DEPTH:
         raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
     if t in (_LIST, _SET):
-        head = buf[pos]
-        pos += 1
-        size, kind = head >> 4, head & 15
-        if size == 15:
-            size, pos = _varint(buf, pos)
-        if kind in (_TRUE, _FALSE):  # a boolean element takes a byte of its own
-            return pos + size
-        for _ in range(size):  # each element takes a byte at least: as many as buf has
-            pos = _skip(buf, pos, kind, depth + 1)
-            if pos > len(buf):
-                raise IndexError
-        return pos
+        size, kind, pos = _list_head(buf, pos)
+        return _skip_items(buf, pos, kind, size, depth + 1)
     if t == _MAP:
         size, pos = _varint(buf, pos)
         if size:
@@ -291,30 +281,33 @@ def _fields(buf: bytes, pos: int, field: Callable[[int, int, int], int | None]) 
         pos = _skip(buf, pos, t, 1) if after is None else after
 
 
-def _list(buf: bytes, pos: int, item: Callable[[int], int]) -> int:
-    """Read a list of structs at ``pos`` with ``item(pos)`` (the position after each)."""
+def _list_head(buf: bytes, pos: int) -> tuple[int, int, int]:
+    """``(size, element type, position after)`` of the list or set header at ``pos``."""
     head = buf[pos]
-    pos += 1
-    size = head >> 4
+    size, pos = head >> 4, pos + 1
     if size == 15:
         size, pos = _varint(buf, pos)
-    if head & 15 != _STRUCT:
-        return _skip_items(buf, pos, head & 15, size)
-    for _ in range(size):
-        pos = item(pos)
-        if pos > len(buf):
-            raise IndexError
-    return pos
+    return size, head & 15, pos
 
 
-def _skip_items(buf: bytes, pos: int, kind: int, size: int) -> int:
-    if kind in (_TRUE, _FALSE):
+def _skip_items(
+    buf: bytes, pos: int, kind: int, size: int, depth: int, item: Callable[[int], int] | None = None
+) -> int:
+    """The position after ``size`` list elements of Thrift type ``kind`` at ``pos``, each
+    read with ``item(pos)`` if given (struct elements), else skipped."""
+    if kind in (_TRUE, _FALSE):  # a boolean element takes a byte of its own
         return pos + size
-    for _ in range(size):
-        pos = _skip(buf, pos, kind, 1)
+    for _ in range(size):  # each element takes a byte at least: as many as buf has
+        pos = _skip(buf, pos, kind, depth) if item is None else item(pos)
         if pos > len(buf):
             raise IndexError
     return pos
+
+
+def _list(buf: bytes, pos: int, item: Callable[[int], int]) -> int:
+    """Read a list of structs at ``pos`` with ``item(pos)`` (the position after each)."""
+    size, kind, pos = _list_head(buf, pos)
+    return _skip_items(buf, pos, kind, size, 1, item if kind == _STRUCT else None)
 
 
 def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
@@ -338,41 +331,30 @@ def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
     """
     groups: list[list[ColumnChunk]] = []
 
-    def meta(into: dict[int, int]) -> Callable[[int, int, int], int | None]:
-        def field(fid: int, t: int, pos: int) -> int | None:
-            if fid in (5, 6, 7, 9, 11) and t == _I64:
-                into[fid], pos = _zigzag(footer, pos)
-                return pos
-            return None
+    def chunk(pos: int) -> int:
+        found: dict[int, Any] = {}
+        stats: dict[int, Any] = {}
 
-        return field
-
-    def statistics(into: dict[int, Any]) -> Callable[[int, int, int], int | None]:
-        def field(fid: int, t: int, pos: int) -> int | None:
+        def statistics(fid: int, t: int, pos: int) -> int | None:
             if fid == 3 and t == _I64:  # null_count
-                into[fid], pos = _zigzag(footer, pos)
+                stats[fid], pos = _zigzag(footer, pos)
                 return pos
             if fid in (5, 6) and t == _BINARY:  # max_value, min_value
                 n, pos = _varint(footer, pos)
                 if pos + n > len(footer):
                     raise IndexError
-                into[fid] = bytes(footer[pos : pos + n])
+                stats[fid] = bytes(footer[pos : pos + n])
                 return pos + n
             return None
 
-        return field
-
-    def chunk(pos: int) -> int:
-        found: dict[int, Any] = {}
-        stats: dict[int, Any] = {}
-
         def column_meta(fid: int, t: int, pos: int) -> int | None:
-            if fid == 1 and t == _I32:  # the physical type
+            # The physical type; num_values, sizes, page offsets.
+            if (fid == 1 and t == _I32) or (fid in (5, 6, 7, 9, 11) and t == _I64):
                 found[fid], pos = _zigzag(footer, pos)
                 return pos
             if fid == 12 and t == _STRUCT:
-                return _fields(footer, pos, statistics(stats))
-            return meta(found)(fid, t, pos)
+                return _fields(footer, pos, statistics)
+            return None
 
         def field(fid: int, t: int, pos: int) -> int | None:
             if fid == 3 and t == _STRUCT:
