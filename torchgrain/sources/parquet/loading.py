@@ -213,28 +213,17 @@ class RowGroupLoader(ShardedSource):
         need = num_rows * int(self._row_bytes[shard])
         if need > self.max_row_group_bytes:
             raise CorruptDataError(
-                f"row group {local} of {self.paths[shard]!r} (shard {shard} of "
-                f"{self.num_shards}) says it holds {num_rows} rows: {need} bytes at least, "
-                f"decoded, more than max_row_group_bytes={self.max_row_group_bytes} allows "
-                f"(record index {index}; a larger max_row_group_bytes reads it, if the file "
-                "is trusted)"
+                f"{self._where(shard, local)} says it holds {num_rows} rows: {need} bytes at "
+                f"least, decoded, more than max_row_group_bytes={self.max_row_group_bytes} "
+                f"allows (record index {index}; a larger max_row_group_bytes reads it, if the "
+                "file is trusted)"
             )
 
         def read() -> pa.Table:
-            while True:
-                reader = self._reader(shard)
-                with reader.lock:  # pyarrow's reader is not safe for concurrent reads
-                    if not reader.closed:  # (else evicted meanwhile: open it again)
-                        # Arrow reads on its own threads: they keep to this read's deadline.
-                        with remote.carrying(reader.handle):
-                            try:
-                                self._check_pages(reader, shard, local, names, index)
-                                return reader.pf.read_row_group(
-                                    local, columns=names, use_threads=False
-                                )
-                            finally:
-                                if reader.staged is not None:
-                                    reader.staged.clear()
+            while True:  # a reader evicted meanwhile (closed) is opened again
+                table = self._read_checked(self._reader(shard), shard, local, names, index)
+                if table is not None:
+                    return table
 
         try:
             table = self._io(read, shard, f"read of row group {local} (record index {index})")
@@ -248,9 +237,9 @@ class RowGroupLoader(ShardedSource):
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptDataError(
-                f"cannot decode row group {local} of {self.paths[shard]!r} (shard {shard} of "
-                f"{self.num_shards}){self._failing_column(shard, local, names)} while "
-                f"reading record index {index}: {e}"
+                f"cannot decode {self._where(shard, local)}"
+                f"{self._failing_column(shard, local, names)} while reading record index "
+                f"{index}: {e}"
             ) from e
         if table.num_rows != num_rows:
             raise CorruptDataError(
@@ -269,6 +258,23 @@ class RowGroupLoader(ShardedSource):
                 col = col.cast(field.type)
             arrays.append(col)
         return pa.Table.from_arrays(arrays, schema=self._file_schema)
+
+    def _read_checked(
+        self, reader: ParquetReader, shard: int, local: int, names: list[str], index: int
+    ) -> pa.Table | None:
+        """Row group ``local``'s columns ``names``, their page headers checked first;
+        None if ``reader`` was closed."""
+        with reader.lock:  # pyarrow's reader is not safe for concurrent reads
+            if reader.closed:
+                return None
+            # Arrow reads on its own threads: they keep to this read's deadline.
+            with remote.carrying(reader.handle):
+                try:
+                    self._check_pages(reader, shard, local, names, index)
+                    return reader.pf.read_row_group(local, columns=names, use_threads=False)
+                finally:
+                    if reader.staged is not None:
+                        reader.staged.clear()
 
     def _check_pages(
         self, reader: ParquetReader, shard: int, local: int, names: list[str], index: int
@@ -289,20 +295,19 @@ class RowGroupLoader(ShardedSource):
         if key in reader.checked and reader.staged is None:
             return
         leaves = reader.leaves(key[1])
+        where = self._where(shard, local)
         try:
             row_group = reader.footer()[local]
             chunks = [row_group[j] for j, _, _ in leaves]
         except (CorruptDataError, IndexError) as e:
             raise CorruptDataError(
-                f"cannot decode row group {local} of {self.paths[shard]!r} (shard {shard} of "
-                f"{self.num_shards}): its footer: {e or 'fewer column chunks than columns'} "
-                f"(record index {index})"
+                f"cannot decode {where}: its footer: "
+                f"{e or 'fewer column chunks than columns'} (record index {index})"
             ) from None
         if reader.staged is not None:
             reader.staged.stage([chunk_range(c) for c in chunks])
             if key in reader.checked:
                 return
-        where = f"row group {local} of {self.paths[shard]!r} (shard {shard} of {self.num_shards})"
         fixed = rest = 0
         worst = (-1, "", 0, 0)
         for (_, width, name), chunk in zip(leaves, chunks):
@@ -328,6 +333,9 @@ class RowGroupLoader(ShardedSource):
             )
         reader.checked.add(key)
 
+    def _where(self, shard: int, local: int) -> str:
+        return f"row group {local} of {self.paths[shard]!r} (shard {shard} of {self.num_shards})"
+
     def _failing_column(self, shard: int, local: int, names: list[str]) -> str:
         """ ", column NAME" for the first of ``names`` whose own read fails, for an error
         message (a failed decode is read again column by column); "" if none does."""
@@ -335,18 +343,11 @@ class RowGroupLoader(ShardedSource):
             return f", column {names[0]!r}" if names else ""
         reader = self._reader(shard)
         for name in names:
-            with reader.lock:
-                if reader.closed:
-                    return ""
-                try:
-                    with remote.carrying(reader.handle):
-                        self._check_pages(reader, shard, local, [name], -1)
-                        reader.pf.read_row_group(local, columns=[name], use_threads=False)
-                except Exception:  # any failure names the column
-                    return f", column {name!r}"
-                finally:
-                    if reader.staged is not None:
-                        reader.staged.clear()
+            try:
+                if self._read_checked(reader, shard, local, [name], -1) is None:
+                    return ""  # closed meanwhile
+            except Exception:  # any failure names the column
+                return f", column {name!r}"
         return ""
 
 
