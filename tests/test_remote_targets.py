@@ -37,14 +37,14 @@ def test_range_read_ahead_steps_are_sized_by_bytes(served, monkeypatch):
     monkeypatch.setattr(readahead, "STEP_BYTES", 256 << 10, raising=False)
     src = tg.ArrayRecordSource(f"{srv.url}/ds", max_inflight=16)
     steps: list[int] = []
-    fetch = src._prefetch_ranges
+    fetch = src.ranges.prefetch
 
     def counted(groups, **kw):
         if kw.get("owner") is not None:  # a read-ahead step (a batch's own read has none)
             steps.append(sum(len(rows) for _, rows, _ in groups))
         return fetch(groups, **kw)
 
-    src._prefetch_ranges = counted
+    src.ranges.prefetch = counted
     ds = tg.Dataset(src)
     sampler = tg.GlobalShuffleSampler(ds, seed=0)
 

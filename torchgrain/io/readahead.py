@@ -326,7 +326,7 @@ class RangeReadAhead:
     flight, at most ``ahead`` records ahead of it and while the process's range store has
     room (its ``max_bytes``, plus the two steps that may start just under it, bounds the
     memory held, whatever the records' size); each step's ranges are fetched
-    across all its shards at once (:meth:`~torchgrain.sources.base.ShardedSource._prefetch_ranges`,
+    across all its shards at once (:meth:`~torchgrain.sources.fetch_ahead.BatchRanges.prefetch`,
     ``max_inflight`` in flight). What the reader passed without using is dropped, and a
     new pass (``set_epoch``, a resume, a new ``iter(loader)``) cancels the walk and
     drops what it fetched. Failures are left to the reads that need the bytes: read-ahead
@@ -470,7 +470,7 @@ class RangeReadAhead:
 
         src = self.source
         planned: list[int] = []
-        src._prefetch_ranges(src.index.split(idx), owner=owner, lenient=True, planned=planned)
+        src.ranges.prefetch(src.index.split(idx), owner=owner, lenient=True, planned=planned)
         if planned and len(idx):
             self.per_record = planned[0] / len(idx)
         if not self._live(generation):

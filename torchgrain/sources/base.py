@@ -38,7 +38,7 @@ from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.block_cache import BlockCache, CacheBlocks, CacheFit, CacheInfo
 from torchgrain.sources.cache_fit import CacheFitting
 from torchgrain.sources.cached_copies import CachedCopies, OpenCopies
-from torchgrain.sources.fetch_ahead import FetchAhead
+from torchgrain.sources.fetch_ahead import BatchRanges, Files, Groups
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
 
@@ -189,9 +189,10 @@ class RecordBytesSource(Protocol):
 class _ProcessState:
     """Readers, threads, caches and counters owned by one process."""
 
-    def __init__(self, cache_bytes: int) -> None:
+    def __init__(self, cache_bytes: int, fs: fsspec.AbstractFileSystem) -> None:
         self.token = process.token()
         self.lock = threading.Lock()
+        self.fs = fs  # the source's filesystem, made for this process
         # shard -> reader of the shard itself (local file or remote URL)
         self.readers: OrderedDict[int, Any] = OrderedDict()
         self.copies = OpenCopies(self.lock)  # the open local copies (with a shard cache)
@@ -202,7 +203,7 @@ class _ProcessState:
         self.io = {"remote_reads": 0, "retries": 0}
 
 
-class ShardedSource(FetchAhead, CachedCopies, Source):
+class ShardedSource(CachedCopies, Source):
     """Base of the sources over shard files (ArrayRecord, Parquet, TFRecord).
 
     Subclasses call :meth:`_init_shards` from their constructor, implement
@@ -274,6 +275,9 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
         self.cache_fit = CacheFitting(type(self).__name__, self._paths)
+        self.ranges = BatchRanges(
+            self._batch_ranges, self._proc, self._reads_remote, opts, self._retry
+        )
         self._state: _ProcessState | None = None
 
     # ------------------------------------------------------------------ contract
@@ -326,6 +330,80 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
         if pool is not None:
             pool.shutdown(wait=False)
         st.blocks.clear()
+
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray],
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> list[CacheFit]:
+        """Prepare for a sampler's pass: ``order(a, b)`` are the indices at positions
+        ``[a, b)``, the pass reads from ``start`` on (``count`` more), ``position()``
+        is how far it got. Samplers call this at the start of each pass.
+
+        First, whether the pass fits this source's caches (:meth:`check_cache_fit`):
+        one that does not is reported once per source and process with a
+        :class:`~torchgrain.CacheThrashWarning`, and every check is returned (the
+        :class:`~torchgrain.Dataset` keeps them for :func:`tg.stats <torchgrain.stats>`).
+
+        Then, on remote storage with a shard cache, the shards the pass will read are
+        downloaded in the background ahead of ``position()`` (see
+        :mod:`torchgrain.io.readahead`); nothing with ``read_ahead_bytes=0``. Without
+        one, the byte ranges of the records ahead are fetched into this process's range
+        store (:class:`~torchgrain.io.readahead.RangeReadAhead`). A new call cancels the
+        previous walk.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> src = tg.ArrayRecordSource(d)  # local files: nothing to read ahead
+            >>> src.read_ahead(lambda a, b: list(range(a, b)), 0, len(src), lambda: 0)
+            []
+            >>> src.read_ahead_bytes
+            0
+        """
+        fits = self.check_cache_fit(order, start, count) if order is not None else []
+        if self._reads_remote():
+            self._range_read_ahead(order, start, count, position)
+            return fits
+        if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
+            return fits
+        from torchgrain.io.readahead import ShardReadAhead
+
+        st = self._proc()
+        with st.lock:
+            if st.read_ahead is None:
+                st.read_ahead = ShardReadAhead(self, self.read_ahead_bytes, threads=self.io_threads)
+            ra = st.read_ahead
+        ra.begin(order, start, count, position)
+        return fits
+
+    def _range_read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> None:
+        """Without a shard cache: fetch the byte ranges of the records ahead of
+        ``position()`` into this process's range store while the loader decodes, where
+        this process reads the batches (no DataLoader workers: the walk starts at this
+        process's first batch read). A new pass cancels the old one's."""
+        from torchgrain.io.readahead import RangeReadAhead
+
+        st = self._proc()
+        with st.lock:
+            ra = st.range_ahead
+            if ra is None and order is not None and self.max_inflight > 1:
+                ra = st.range_ahead = RangeReadAhead(self)
+        if ra is None:
+            return
+        if order is None or count <= start:
+            ra.cancel()
+            return
+        ra.begin(order, start, count, position)  # walked once this process reads a batch
 
     def cache_blocks(self) -> list[CacheBlocks]:
         """The caches a pass over this source goes through, for :meth:`check_cache_fit`:
@@ -389,7 +467,13 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
         """This process's state, created on first use and again after a fork."""
         st = self._state
         if st is None or st.token != process.token():
-            new = _ProcessState(self.cache_bytes)
+            token = process.token()
+            if getattr(self, "_fs_token", token) != token:
+                # Async filesystems (s3fs, http) are bound to the event loop of the
+                # process that made them: a forked child needs its own instance.
+                self._fs = filesystem_for_this_process(self._fs)
+            self._fs_token = token
+            new = _ProcessState(self.cache_bytes, self._fs)
             if st is not None:
                 _INHERITED.append(st)
                 if not self._remote:
@@ -400,12 +484,6 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
                         child = self._reader_for_child(reader)
                         if child is not None:
                             new.readers[shard] = child
-            token = process.token()
-            if getattr(self, "_fs_token", token) != token:
-                # Async filesystems (s3fs, http) are bound to the event loop of the
-                # process that made them: a forked child needs its own instance.
-                self._fs = filesystem_for_this_process(self._fs)
-            self._fs_token = token
             st = self._state = new
         return st
 
@@ -435,6 +513,12 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
         """``(size in bytes, checksum)`` of a shard, where the dataset records them (a
         torchgrain manifest does); ``(None, None)`` otherwise."""
         return None, None
+
+    def _batch_ranges(self, groups: Groups) -> Files | None:
+        """``(path, url, ranges)`` per shard of a batch's ``(shard, rows, positions)``
+        groups: the byte ranges its reads will fetch (see :attr:`ranges`), or None where
+        the format cannot plan them (its reads then fetch their own, one shard at a time)."""
+        return None
 
     def _verify_copy(self, path: str, checksum: str, *, name: str) -> str | None:
         """Check a downloaded copy against its checksum (the shard cache's
@@ -470,7 +554,6 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
         return reader
 
     # --------------------------------------------------------------------- I/O
-    @property
     def _reads_remote(self) -> bool:
         """Whether reads go over the network (remote shards and no local copies)."""
         return self._remote and not self._uses_copies()
@@ -478,7 +561,7 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
     def _io(self, fn: Callable[[], T], shard: int, what: str) -> T:
         """Run one read of ``shard``; remote reads are counted and retried. Readers of
         cached copies that ``fn`` gets stay open until it returns."""
-        if not self._reads_remote:
+        if not self._reads_remote():
             if self.cache is not None:
                 return self._pinned(fn)
             return fn()
@@ -500,7 +583,7 @@ class ShardedSource(FetchAhead, CachedCopies, Source):
 
     def _parallel(self, n: int) -> bool:
         """Whether ``n`` shard reads of one batch should overlap on ``io_threads``."""
-        return self._reads_remote and self.io_threads > 1 and n > 1
+        return self._reads_remote() and self.io_threads > 1 and n > 1
 
     def _map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> Iterable[T]:
         """``fn`` over ``items`` (one per shard or block of a batch), in order.

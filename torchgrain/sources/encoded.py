@@ -123,7 +123,7 @@ class EncodedSource(ShardedSource):
         # Remote, no shard cache: the batch's ranges fetched across its shards at once,
         # each shard decoded as soon as its ranges are in (early), while the rest arrive.
         early: dict[int, Any] = {}
-        fetched = self._prefetch_ranges(
+        fetched = self.ranges.prefetch(
             groups,
             read=(lambda k: self._read_decode(groups[k][0], groups[k][1], idx[groups[k][2]]))
             if len(groups) > 1
@@ -147,7 +147,7 @@ class EncodedSource(ShardedSource):
                 self._close_evicted_copies()
             return out
         finally:
-            self._release_ranges(fetched)
+            self.ranges.release(fetched)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns, decoded for the whole batch at once when
@@ -164,7 +164,7 @@ class EncodedSource(ShardedSource):
             groups = group_by_shard(shards, rows)
             for shard, _, positions in groups:
                 self._check_readable(shard, int(idx[positions[0]]))
-            fetched = self._prefetch_ranges(groups)
+            fetched = self.ranges.prefetch(groups)
             try:
                 opened = self._prefetch_copies([g[0] for g in groups])
                 read = lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0]))  # noqa: E731
@@ -173,7 +173,7 @@ class EncodedSource(ShardedSource):
                 if opened:
                     self._close_evicted_copies()
             finally:
-                self._release_ranges(fetched)
+                self.ranges.release(fetched)
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         ends = np.cumsum(lengths)
         buf = _joined(blobs, ends)
@@ -289,7 +289,7 @@ class EncodedSource(ShardedSource):
 
 
 def _early(early: dict[int, Any], k: int, read: Callable[[Any], Any], group: Any) -> Any:
-    """Group ``k``'s records as read early (:meth:`FetchAhead._prefetch_ranges`), its
+    """Group ``k``'s records as read early (:meth:`~torchgrain.sources.fetch_ahead.BatchRanges.prefetch`), its
     error raised now, in the group's turn; else read now."""
     if k not in early:
         return read(group)

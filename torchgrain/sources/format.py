@@ -388,7 +388,7 @@ class FormatSource(ShardedSource):
         idx = self.index.check(indices)
         groups = self.index.split(idx)
         early: dict[int, Any] = {}
-        fetched = self._prefetch_ranges(
+        fetched = self.ranges.prefetch(
             groups,
             read=(lambda k: self._read_group(groups[k][0], groups[k][1]))
             if len(groups) > 1
@@ -423,7 +423,7 @@ class FormatSource(ShardedSource):
                 self._close_evicted_copies()
             return out
         finally:
-            self._release_ranges(fetched)
+            self.ranges.release(fetched)
 
     def __repr__(self) -> str:
         return (
