@@ -97,9 +97,7 @@ def record_nbytes(obj: Any) -> int:
     torch = sys.modules.get("torch")  # a tensor means torch is imported; importing it is slow
     if torch is not None and isinstance(obj, torch.Tensor):
         return int(obj.numel() * obj.element_size())
-    if isinstance(obj, (bytes, bytearray, memoryview)):
-        return len(obj)
-    if isinstance(obj, str):
+    if isinstance(obj, (bytes, bytearray, memoryview, str)):
         return len(obj)
     if isinstance(obj, dict):
         return sum(record_nbytes(v) for v in obj.values())
@@ -299,30 +297,23 @@ def _plans(
     import torchgrain as tg
 
     n = len(source)
-    out: list[Plan] = [("sequential", lambda ds, r: _Forever(_Sequential(n, n * r // repeats)))]
-    out.append(
-        (
-            "shuffled",
-            lambda ds, r: _Forever(
-                tg.GlobalShuffleSampler(ds, num_replicas=1, rank=0, seed=seed), first_epoch=r
-            ),
+
+    def shuffled(sampler: Any, **options: Any) -> Callable[[Any, int], Any]:
+        return lambda ds, r: _Forever(
+            sampler(ds, num_replicas=1, rank=0, seed=seed, **options), first_epoch=r
         )
-    )
+
+    out: list[Plan] = [
+        ("sequential", lambda ds, r: _Forever(_Sequential(n, n * r // repeats))),
+        ("shuffled", shuffled(tg.GlobalShuffleSampler)),
+    ]
     # Blocks worth shuffling (Parquet row groups, ArrayRecord chunks of several records,
     # runs of TFRecord records): with blocks of one record, a block shuffle is a global
     # shuffle.
     if (group_size or 1) > 1:
         # Each worker gets its own part of the epoch (the loader's batch_size/num_workers).
         deal = {"batch_size": batch_size, "num_workers": num_workers} if batch_size else {}
-        out.append(
-            (
-                "block-shuffled",
-                lambda ds, r: _Forever(
-                    tg.BlockShuffleSampler(ds, num_replicas=1, rank=0, seed=seed, **deal),
-                    first_epoch=r,
-                ),
-            )
-        )
+        out.append(("block-shuffled", shuffled(tg.BlockShuffleSampler, **deal)))
     return out
 
 
@@ -423,7 +414,7 @@ def _summary(mode: str, sampler: str, runs: list[dict[str, Any]], stats: Any) ->
             if runs[0].get("tokens_per_s") is not None
             else None
         ),
-        "spread": (max(rates) - min(rates)) / median if median else 0.0,
+        "spread": _spread(runs),
         "records": records,
         "seconds": round(sum(r["seconds"] for r in runs), 4),
         "mb_per_s": median * per_record / 1e6,
