@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import importlib
 import io
 import random
 import time
@@ -68,12 +69,13 @@ def augment_import_error(module: str, cause: BaseException | None = None) -> Imp
     return err
 
 
-def _require_albumentations() -> Any:
+def _require(module: str) -> Any:
+    """The optional ``module`` (albumentations, cv2), or the ImportError saying how to
+    install it."""
     try:
-        import albumentations
+        return importlib.import_module(module)
     except ImportError as e:
-        raise augment_import_error("albumentations", e) from e
-    return albumentations
+        raise augment_import_error(module, e) from e
 
 
 def _missing_key(record: Any, key: str, what: str) -> KeyError:
@@ -161,7 +163,7 @@ class Albumentations:
         image_key: str = "image",
         targets: Mapping[str, str] | None = None,
     ) -> None:
-        alb = _require_albumentations()
+        alb = _require("albumentations")
         if isinstance(transform, (list, tuple)):
             transform = alb.Compose(list(transform))
         if not callable(transform) or not callable(getattr(transform, "set_random_state", None)):
@@ -257,7 +259,7 @@ class DecodeImage:
         if backend == "auto":
             backend = _auto_backend()
         elif backend == "cv2":
-            _import_cv2()
+            _require("cv2")
         else:
             _import_pil()
         self.key = key
@@ -297,7 +299,7 @@ class DecodeImage:
         return image
 
     def _decode_cv2(self, data: Any) -> np.ndarray | None:
-        cv2 = _import_cv2()
+        cv2 = _require("cv2")
         buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
         if buf.size == 0:
             return None
@@ -355,14 +357,6 @@ def decode_image(key: str = "image", *, mode: str = "RGB", backend: str = "auto"
     return DecodeImage(key, mode=mode, backend=backend)
 
 
-def _import_cv2() -> Any:
-    try:
-        import cv2
-    except ImportError as e:
-        raise augment_import_error("cv2", e) from e
-    return cv2
-
-
 def _import_pil() -> Any:
     try:
         from PIL import Image, ImageOps
@@ -373,7 +367,7 @@ def _import_pil() -> Any:
 
 def _auto_backend() -> str:
     try:
-        _import_cv2()
+        _require("cv2")
         return "cv2"
     except ImportError:
         pass
