@@ -269,9 +269,7 @@ class ColumnBatch(dict):
     def from_records(cls, records: Sequence[dict[str, Any]]) -> ColumnBatch:
         """Columns of ``records`` (dicts with the same keys; a key missing somewhere
         becomes a list column with ``None`` there)."""
-        keys: dict[str, None] = {}
-        for r in records:
-            keys.update(dict.fromkeys(r))
+        keys = dict.fromkeys(k for r in records for k in r)
         return cls({k: column_of([r.get(k) for r in records]) for k in keys}, num_rows=len(records))
 
     def records(self) -> list[dict[str, Any]]:

@@ -122,15 +122,10 @@ class BlockShuffleSampler(ResumableSampler):
                 f"but starts at {offsets[b]}"
             )
         n = int(offsets[-1])
-        if dataset is not None and not isinstance(dataset, (int, np.integer)):
-            dn = len(dataset)
-        elif dataset is not None:
-            dn = int(dataset)
-        else:
-            dn = n
+        ds = None if dataset is None or isinstance(dataset, (int, np.integer)) else dataset
+        dn = n if dataset is None else len(ds) if ds is not None else int(dataset)
         if dn != n:
             raise ValueError(f"block_offsets end at {n} but the dataset has {dn} records")
-        ds = None if dataset is None or isinstance(dataset, (int, np.integer)) else dataset
         self.window = window
         self._offsets = offsets
         self._digest = hashlib.blake2b(offsets.tobytes(), digest_size=16).hexdigest()
