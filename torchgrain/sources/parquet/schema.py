@@ -40,11 +40,7 @@ def merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     if pa.types.is_null(b):
         return a
     if pa.types.is_integer(a) and pa.types.is_integer(b):
-        sa, sb = pa.types.is_signed_integer(a), pa.types.is_signed_integer(b)
-        if sa == sb:
-            return a if a.bit_width >= b.bit_width else b
-        signed, unsigned = (a, b) if sa else (b, a)
-        return signed if signed.bit_width > unsigned.bit_width else None
+        return common_type([a, b])
     if pa.types.is_floating(a) and pa.types.is_floating(b):
         return a if a.bit_width >= b.bit_width else b
     for small, large in ((pa.string(), pa.large_string()), (pa.binary(), pa.large_binary())):
@@ -231,6 +227,24 @@ def arrow_type_name(t: pa.DataType) -> str:
     return str(t)
 
 
+# Arrow types whose values are one Python type each (tested in this order).
+_VALUE_NAMES = (
+    (pa.types.is_null, "null"),
+    (pa.types.is_boolean, "bool"),
+    (pa.types.is_integer, "int"),
+    (pa.types.is_floating, "float"),
+    (pa.types.is_string, "str"),
+    (pa.types.is_large_string, "str"),
+    (pa.types.is_binary, "bytes"),
+    (pa.types.is_large_binary, "bytes"),
+    (pa.types.is_fixed_size_binary, "bytes"),
+    (pa.types.is_struct, "map"),
+    (pa.types.is_map, "list[tuple]"),
+    (pa.types.is_time, "time"),
+    (pa.types.is_decimal, "Decimal"),
+)
+
+
 def value_type_name(t: pa.DataType) -> str:
     """The type of the values a ParquetSource hands out for an Arrow column of type ``t``.
 
@@ -247,26 +261,9 @@ def value_type_name(t: pa.DataType) -> str:
         ('uint8[4,3]', 'str')
     """
     t = _value_type(t)
-    if pa.types.is_null(t):
-        return "null"
-    if pa.types.is_boolean(t):
-        return "bool"
-    if pa.types.is_integer(t):
-        return "int"
-    if pa.types.is_floating(t):
-        return "float"
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return "str"
-    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
-        return "bytes"
-    if pa.types.is_struct(t):
-        return "map"
-    if pa.types.is_map(t):
-        return "list[tuple]"
-    if pa.types.is_time(t):
-        return "time"
-    if pa.types.is_decimal(t):
-        return "Decimal"
+    name = next((name for is_type, name in _VALUE_NAMES if is_type(t)), None)
+    if name is not None:
+        return name
     leaf = _numpy_name(t)
     if leaf is not None:
         return leaf  # a temporal scalar: numpy datetime64 / timedelta64
