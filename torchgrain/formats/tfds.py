@@ -30,6 +30,7 @@ import posixpath
 import re
 import warnings
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -166,8 +167,7 @@ def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
         return ("sequence", _parse(spec["sequence"].get("feature", {})))
     if "image" in spec:
         im = spec["image"]
-        fmt = im.get("encodingFormat") or im.get("encoding_format")
-        return ("image", np.dtype(im.get("dtype", "uint8")), _dims(im.get("shape")), fmt)
+        return ("image", np.dtype(im.get("dtype", "uint8")), _dims(im.get("shape")))
     if "tensor" in spec:
         t = spec["tensor"]
         return ("tensor", t.get("dtype", "float32"), _dims(t.get("shape")), t.get("encoding"))
@@ -178,20 +178,19 @@ def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
     return ("raw",)
 
 
+# The older layout's feature types, by the key the newer one gives their content.
+_LEGACY_KINDS = {
+    "FeaturesDict": "featuresDict",
+    "Image": "image",
+    "Tensor": "tensor",
+    "ClassLabel": "classLabel",
+    "Text": "text",
+}
+
+
 def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
-    kind = str(spec["type"]).rsplit(".", 1)[-1]
-    c = spec.get("content") or {}
-    if kind == "FeaturesDict":
-        return ("dict", {k: _parse(v) for k, v in c.get("features", {}).items()})
-    if kind == "Image":
-        return ("image", np.dtype(c.get("dtype", "uint8")), _dims(c.get("shape")), None)
-    if kind == "Tensor":
-        return ("tensor", c.get("dtype", "float32"), _dims(c.get("shape")), c.get("encoding"))
-    if kind == "ClassLabel":
-        return ("label",)
-    if kind == "Text":
-        return ("text",)
-    return ("raw",)
+    kind = _LEGACY_KINDS.get(str(spec["type"]).rsplit(".", 1)[-1])
+    return ("raw",) if kind is None else _parse({kind: spec.get("content") or {}})
 
 
 def _decode_pil(data: bytes) -> np.ndarray:
@@ -250,7 +249,10 @@ class TFDSCodec(BaseCodec):
         if self._tree[0] != "dict":
             self._tree = ("dict", {})
         self._decoder = _image_decoder() if decode_images else None
-        if decode_images and self._decoder is None and _has_images(self._tree):
+        leaves = list(_leaves(self._tree, ""))
+        self._known = {k for k, _ in leaves}  # the features the spec decodes
+        has_images = any(kind == "image" for _, kind in leaves)
+        if decode_images and self._decoder is None and has_images:
             warnings.warn(
                 "neither Pillow nor OpenCV is installed: TFDS images are returned as encoded bytes",
                 stacklevel=2,
@@ -259,9 +261,8 @@ class TFDSCodec(BaseCodec):
     def decode(self, data: bytes | bytearray | memoryview) -> dict[str, Any]:
         flat = decode_tf_example(data)
         out = self._build(self._tree, "", flat, ())
-        known = _flat_keys(self._tree, "")
         for k, v in flat.items():  # features not in the spec are kept, undecoded
-            if k not in known:
+            if k not in self._known:
                 out[k] = v
         return out
 
@@ -313,26 +314,18 @@ class TFDSCodec(BaseCodec):
         return np.ascontiguousarray(arr)
 
     def __repr__(self) -> str:
-        return f"TFDSCodec(keys={sorted(_flat_keys(self._tree, ''))})"
+        return f"TFDSCodec(keys={sorted(self._known)})"
 
 
-def _has_images(node: tuple[Any, ...]) -> bool:
+def _leaves(node: tuple[Any, ...], key: str) -> Iterator[tuple[str, str]]:
+    """``(flat key, kind)`` of each feature of a parsed spec."""
     if node[0] == "dict":
-        return any(_has_images(c) for c in node[1].values())
-    if node[0] == "sequence":
-        return _has_images(node[1])
-    return node[0] == "image"
-
-
-def _flat_keys(node: tuple[Any, ...], key: str) -> set[str]:
-    if node[0] == "dict":
-        out: set[str] = set()
         for k, c in node[1].items():
-            out |= _flat_keys(c, f"{key}/{k}" if key else k)
-        return out
-    if node[0] == "sequence":
-        return _flat_keys(node[1], key)
-    return {key}
+            yield from _leaves(c, f"{key}/{k}" if key else k)
+    elif node[0] == "sequence":
+        yield from _leaves(node[1], key)
+    else:
+        yield key, node[0]
 
 
 def _one(value: Any) -> bytes:
