@@ -379,8 +379,7 @@ def _parse_features(
         # order or repeat, so collect the value ranges first and parse them once the
         # key is known (and wanted).
         key = ""
-        first = None
-        more = None
+        ranges = []
         while pos < entry_end:
             tag, pos = _tag(buf, pos, entry_end)
             if tag == 0x0A:
@@ -392,23 +391,15 @@ def _parse_features(
                 pos = e
             elif tag == 0x12:
                 e, s = _length(buf, pos, entry_end)
-                if first is None:
-                    first = (s, e)
-                else:
-                    if more is None:
-                        more = []
-                    more.append((s, e))
+                ranges.append((s, e))
                 pos = e
             else:
                 pos = _skip(buf, pos, entry_end, tag, depth + 1)
         if keys is not None and key not in keys:
             continue
         feat = _Feature()
-        if first is not None:
-            _parse_feature(buf, first[0], first[1], feat, depth + 2)
-            if more:
-                for s, e in more:
-                    _parse_feature(buf, s, e, feat, depth + 2)
+        for s, e in ranges:
+            _parse_feature(buf, s, e, feat, depth + 2)
         out[key] = _finish(buf, feat, squeeze)  # a repeated key replaces, as in a map
 
 
@@ -528,11 +519,8 @@ def _encode_feature(kind: int, values: Any) -> bytes:
     if kind == _BYTES:
         for v in values:
             _put_len(inner, 0x0A, v)
-    elif kind == _FLOAT:
-        if len(values):
-            _put_len(inner, 0x0A, values.tobytes())
-    elif len(values):
-        _put_len(inner, 0x0A, _int64_payload(values))
+    elif len(values):  # one packed list
+        _put_len(inner, 0x0A, values.tobytes() if kind == _FLOAT else _int64_payload(values))
     feature = bytearray()
     _put_len(feature, kind << 3 | _LEN, inner)
     return bytes(feature)
