@@ -331,10 +331,7 @@ class PipelineStats:
         if it is None or _stats_of(_dataloader.iterator_dataset(it)) is not self:
             return _OTHER
         loader = _dataloader.iterator_key(it)
-        if loader is None:
-            return _OTHER
-        block = self._slots().get(id(loader))
-        return block if block is not None else self._claim(loader)
+        return _OTHER if loader is None else self._claim(loader)
 
     def _locate(self) -> tuple[int, int | None, int]:
         """Where this process writes: once per process, except the loader in the main one."""
@@ -378,12 +375,7 @@ class PipelineStats:
 
     def add_wait(self, seconds: float, batches: int = 1, loader: Any = None) -> None:
         """Count the consumer's wait for ``batches`` batches of ``loader`` (a batch sampler)."""
-        if loader is None:
-            block = _OTHER
-        else:
-            block = self._slots().get(id(loader))
-            if block is None:
-                block = self._claim(loader)
+        block = _OTHER if loader is None else self._claim(loader)
         row = self._table()[block, _CONSUMER_ROW]
         row[_INDEX["wait_seconds"]] += seconds
         row[_INDEX["batches"]] += batches
@@ -533,12 +525,8 @@ class StatsReport:
 
 def _find_stats(obj: Any) -> PipelineStats:
     for candidate in (obj, getattr(obj, "dataset", None), getattr(obj, "loader", None)):
-        st = getattr(candidate, "_stats", None)
-        if isinstance(st, PipelineStats):
-            return st
-        inner = getattr(candidate, "dataset", None)
-        st = getattr(inner, "_stats", None)
-        if isinstance(st, PipelineStats):
+        st = _stats_of(candidate)
+        if st is not None:
             return st
     raise TypeError(f"{type(obj).__name__} is not a torchgrain Dataset or a DataLoader over one")
 
@@ -569,11 +557,11 @@ def stats(obj: Any, *, reset: bool = False) -> StatsReport:
     st = _find_stats(obj)
     loader = _loader_of(obj)
     table = st.snapshot(loader)
-    workers = {}
-    for r in range(_ROWS):
-        if table[r].any():
-            name = "main" if r == 0 else f"worker {r - 1}"
-            workers[name] = dict(zip(COUNTERS, table[r].tolist()))
+    workers = {
+        "main" if r == 0 else f"worker {r - 1}": dict(zip(COUNTERS, table[r].tolist()))
+        for r in range(_ROWS)
+        if table[r].any()
+    }
     total = dict(zip(COUNTERS, table[:_ROWS].sum(axis=0).tolist()))
     consumer = dict(zip(COUNTERS, table[_CONSUMER_ROW].tolist()))
     consumer["wall_seconds"] = getattr(obj, "wall_seconds", 0.0)
