@@ -369,11 +369,13 @@ class ArrayRecordFile(OneRecordBatches):
         if f is None:
             with self._lock:
                 if self._footer is None:
-                    self._footer = self._read_footer()
+                    self._footer = parse_footer(self, *self._tail(), self._fetch)
             f = self._footer
         return f
 
-    def _read_footer(self) -> Footer:
+    def _tail(self) -> tuple[memoryview, int, int]:
+        """The file's last bytes, at least its postscript block (what
+        :func:`parse_footer` takes): ``(bytes, where they begin, the file's size)``."""
         # The whole tail in one read: locally a view of the map, remotely one request.
         if self._local:
             view = self._local_view()
@@ -397,7 +399,7 @@ class ArrayRecordFile(OneRecordBatches):
             if len(tail) != size - tail_start:
                 raise self._corrupt("file changed size while it was being opened")
 
-        return parse_footer(self, tail, tail_start, size, self._fetch)
+        return tail, tail_start, size
 
     # ------------------------------------------------------------------ public API
     @property

@@ -155,32 +155,7 @@ def parse_footer(
         CorruptDataError: not an ArrayRecord file, or a corrupt postscript or footer
             (named by ``dec``).
     """
-    r = FooterReader(dec, tail, tail_start, size, fetch)
-    parts = list(r.slices())
-    if len(parts) == 1:
-        offsets, dsizes, ends = parts[0]
-    elif not parts:  # a file of no chunks
-        offsets, dsizes, ends = (np.zeros(0, np.int64) for _ in range(3))
-    else:
-        offsets, dsizes, ends = (np.concatenate([p[j] for p in parts]) for j in range(3))
-    del parts
-    record_offsets = np.zeros(len(ends) + 1, np.int64)
-    record_offsets[1:] = ends
-    chunk_ends = np.empty(len(offsets), np.int64)
-    chunk_ends[:-1] = offsets[1:]
-    if len(offsets):
-        chunk_ends[-1] = r.footer_offset
-    return Footer(
-        chunk_offsets=offsets,
-        chunk_ends=chunk_ends,
-        decoded_sizes=dsizes,
-        record_offsets=record_offsets,
-        num_records=r.num_records,
-        writer_options=r.writer_options,
-        footer_offset=r.footer_offset,
-        file_size=size,
-        group_size=r.group_size,
-    )
+    return FooterReader(dec, tail, tail_start, size, fetch).footer()
 
 
 class _Stream:
@@ -308,8 +283,10 @@ class FooterReader:
         except (ChunkDecodeError, ValueError, struct.error) as e:
             raise self._bad(dec, footer_offset, e) from None
         self._dec, self._n, self._decoded, self._data = dec, n, decoded, data
-        #: Where the footer chunk begins; the file's size.
-        self.footer_offset, self.file_size = footer_offset, size
+        #: Where the footer chunk begins; the file's size; the footer's chunk count.
+        self.footer_offset, self.file_size, self.num_chunks = footer_offset, size, n - 1
+        #: The footer chunk's 40-byte header as the file holds it (with its hash).
+        self.head = bytes(fbuf[:CHUNK_HEADER])
         #: From the footer's metadata, once :meth:`slices` has begun.
         self.num_records, self.writer_options = 0, ""
         #: Records in every chunk but the last (which holds at most as many), or 0:
@@ -409,6 +386,38 @@ class FooterReader:
             raise ChunkDecodeError(f"record sizes add up to {total}, chunk decodes to {decoded}")
         values.finish()
 
+    def footer(self) -> Footer:
+        """The whole footer, decoded at once, as a :class:`Footer`.
+
+        Raises:
+            CorruptDataError: a corrupt footer (named by the reader).
+        """
+        parts = list(self._slices(None))
+        if len(parts) == 1:
+            offsets, dsizes, ends = parts[0]
+        elif not parts:  # a file of no chunks
+            offsets, dsizes, ends = (np.zeros(0, np.int64) for _ in range(3))
+        else:
+            offsets, dsizes, ends = (np.concatenate([p[j] for p in parts]) for j in range(3))
+        del parts
+        record_offsets = np.zeros(len(ends) + 1, np.int64)
+        record_offsets[1:] = ends
+        chunk_ends = np.empty(len(offsets), np.int64)
+        chunk_ends[:-1] = offsets[1:]
+        if len(offsets):
+            chunk_ends[-1] = self.footer_offset
+        return Footer(
+            chunk_offsets=offsets,
+            chunk_ends=chunk_ends,
+            decoded_sizes=dsizes,
+            record_offsets=record_offsets,
+            num_records=self.num_records,
+            writer_options=self.writer_options,
+            footer_offset=self.footer_offset,
+            file_size=self.file_size,
+            group_size=self.group_size,
+        )
+
     def slices(
         self, step: int | None = None
     ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -423,7 +432,10 @@ class FooterReader:
         Raises:
             CorruptDataError: a corrupt footer (named by the reader).
         """
-        dec, footer_offset, num_chunks = self._dec, self.footer_offset, self._n - 1
+        return self._slices(step)
+
+    def _slices(self, step: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        dec, footer_offset, num_chunks = self._dec, self.footer_offset, self.num_chunks
         parts = self._whole() if step is None else self._streamed(max(1, step))
         total, prev, group = 0, -1, -1
         while True:

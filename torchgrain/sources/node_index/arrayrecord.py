@@ -17,15 +17,10 @@ import numpy as np
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
-from torchgrain.formats.arrayrecord.footer import Footer, FooterReader, parse_proto
+from torchgrain.formats.arrayrecord.footer import Footer, FooterReader
 from torchgrain.formats.arrayrecord.riegeli import (
-    BLOCK,
     CHUNK_HEADER,
-    CHUNK_HEADER_STRUCT,
-    CHUNK_SIMPLE,
     DEFAULT_MAX_CHUNK_BYTES,
-    phys_end,
-    strip_block_headers,
 )
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io.file_hash import file_checksum
@@ -61,7 +56,6 @@ _UNREADABLE = -1  # the group size recorded for a shard that could not be indexe
 # Bytes per chunk a footer holds at the peak of its parse (its entries' varints, the
 # record sizes, the arrays made of them: ~210 measured with tracemalloc, zstd and none).
 _PARSE_COST = 224
-_UNKNOWN_COST = 16 << 20  # a footer whose entry count cannot be read ahead
 _AR_COLUMNS = {
     "rec_base": ("<i8", ()),
     "chunk_base": ("<i8", ()),
@@ -264,39 +258,12 @@ class ArrayRecordIndex(NodeIndex):
         return None
 
 
-def _footer_of(f: ArrayRecordFile) -> tuple[Footer, bytes]:
-    ft = f._ensure_footer()
-    fo = ft.footer_offset
-    head = bytes(f._fetch([(fo, fo + CHUNK_HEADER)])[0])
-    return ft, head
+def _footer_of(r: FooterReader) -> Footer:
+    """The whole footer of a shard whose parse fits in the build's budget."""
+    return r.footer()
 
 
-def _footer_entries(f: ArrayRecordFile) -> int | None:
-    """How many entries the footer of local file ``f`` holds (its chunks, plus one), from
-    its postscript and the footer chunk's 40-byte header: what parsing the footer will
-    cost, known before it is parsed. None when it cannot be told (a remote file, or one
-    that the parse will name as damaged)."""
-    try:
-        if not f._local:
-            return None
-        view = f._local_view()
-        post = len(view) - BLOCK
-        ctype, n, decoded, data = f._chunk_payload(view[post:], post)
-        if ctype != CHUNK_SIMPLE or n < 1:
-            return None
-        values, bounds = f._decode_simple(data, n, decoded)
-        fo = parse_proto(values[: int(bounds[1])] if bounds is not None else values).get(1)
-        if not isinstance(fo, int) or not CHUNK_HEADER <= fo < post:
-            return None
-        end = phys_end(fo, CHUNK_HEADER)  # block headers may interrupt the chunk header
-        if end > post:
-            return None
-        return CHUNK_HEADER_STRUCT.unpack(bytes(strip_block_headers(view[fo:end], fo)))[3] >> 8
-    except Exception:  # the parse itself reports what is wrong, with its own words
-        return None
-
-
-def _close_peeked(state: tuple[int, ArrayRecordFile | None, bool]) -> None:
+def _close_peeked(state: tuple[int, ArrayRecordFile | None, FooterReader | None, bool]) -> None:
     """Close the file a build's peek opened (the build ended before it was read)."""
     if state[1] is not None:
         state[1].close()
@@ -323,14 +290,14 @@ def build_arrayrecord_index(
     Built in bounded memory: each footer is written into the index file's columns as
     soon as the shards before it are, and the footers parsed and not yet written hold
     at most :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (each costs about
-    :data:`_PARSE_COST` bytes per chunk while parsed; its entry count is read ahead
-    from the footer chunk's header of a local file, a remote footer counted as
-    :data:`_UNKNOWN_COST`, and one over the whole budget read alone). A local footer
-    that would cost more than the whole budget is read and written a slice of chunks at
-    a time
+    :data:`_PARSE_COST` bytes per chunk while parsed, its entry count read ahead from
+    the footer chunk's header). A footer that would cost more than the whole budget,
+    local or remote, is decoded and written a slice of chunks at a time
     (:class:`~torchgrain.formats.arrayrecord.footer.FooterReader`; with ``tolerate``,
-    read twice: checked whole before its first slice is written). A build of more than a few seconds reports its
-    progress on stderr (:class:`~torchgrain.sources.node_index.store.BuildProgress`).
+    read twice: checked whole before its first slice is written). A remote shard costs
+    two ranged requests at most (its last MiB, and its footer chunk where it begins
+    before that), whatever its chunk count. A build of more than a few seconds reports
+    its progress on stderr (:class:`~torchgrain.sources.node_index.store.BuildProgress`).
 
     Raises:
         CorruptDataError: a shard is not a readable ArrayRecord file (named).
@@ -341,37 +308,39 @@ def build_arrayrecord_index(
     # arenas keep afterwards), written as it is read.
     step = max(1, store.BUILD_BYTES // (16 * _PARSE_COST))
 
-    def peek(i: int) -> tuple[tuple[int, ArrayRecordFile | None, bool], int]:
+    def open_shard(i: int) -> tuple[ArrayRecordFile, FooterReader]:
+        f = ArrayRecordFile(paths[i], filesystem=filesystem, max_chunk_bytes=max_chunk_bytes)
         try:
-            f = ArrayRecordFile(paths[i], filesystem=filesystem, max_chunk_bytes=max_chunk_bytes)
+            return f, FooterReader(f, *f._tail(), f._fetch)
+        except BaseException:
+            f.close()
+            raise
+
+    def peek(i: int) -> tuple[tuple[int, ArrayRecordFile | None, FooterReader | None, bool], int]:
+        # The postscript and footer chunk (locally mapped, remotely fetched: the last
+        # MiB, and the footer where it begins before it) tell the parse's cost.
+        try:
+            f, r = open_shard(i)
         except (CorruptDataError, OSError):
-            return (i, None, False), 0  # raised again, and handled, by footer()
-        n = _footer_entries(f)
-        if n is None:  # remote, or damaged: read whole, alone if over the budget
-            return (i, f, False), _UNKNOWN_COST
-        cost = min(n, 1 << 40) * _PARSE_COST
-        if cost > store.BUILD_BYTES:  # a local file, whose footer the slices map
-            return (i, f, True), step * _PARSE_COST
-        return (i, f, False), cost
+            return (i, None, None, False), 0  # raised again, and handled, by footer()
+        cost = min(r.num_chunks + 1, 1 << 40) * _PARSE_COST
+        if cost > store.BUILD_BYTES:  # read and written a slice at a time
+            return (i, f, r, True), step * _PARSE_COST
+        return (i, f, r, False), cost
 
     def footer(
-        state: tuple[int, ArrayRecordFile | None, bool],
+        state: tuple[int, ArrayRecordFile | None, FooterReader | None, bool],
     ) -> tuple[Footer | FooterReader, bytes, ArrayRecordFile | None] | None:
-        i, f, sliced = state
+        i, f, r, sliced = state
         try:
-            if f is None:
-                f = ArrayRecordFile(
-                    paths[i], filesystem=filesystem, max_chunk_bytes=max_chunk_bytes
-                )
+            if r is None:  # the peek failed: its error again, raised or tolerated
+                f, r = open_shard(i)
             if not sliced:
-                return (*_footer_of(f), None)
-            view = f._local_view()
-            r = FooterReader(f, view, 0, len(view), f._fetch)
+                return _footer_of(r), r.head, None
             if tolerate:  # every check made before a slice is written
                 for _ in r.slices(step):
                     pass
-            head = bytes(view[r.footer_offset : r.footer_offset + CHUNK_HEADER])
-            got, f = (r, head, f), None  # the caller reads it, then closes the file
+            got, f = (r, r.head, f), None  # the caller reads it, then closes the file
             return got
         except (CorruptDataError, OSError):  # not found, a directory, unreadable...
             if not tolerate:
@@ -397,35 +366,30 @@ def build_arrayrecord_index(
                 sink.append("file_size", np.zeros(1))
                 sink.append("group_size", np.array([_UNREADABLE]))
                 sink.append("footer_head", np.zeros((1, CHUNK_HEADER), np.uint8))
-            elif got[2] is not None:  # a large footer: written a slice at a time
-                r, head, fh = got
+            else:  # a Footer, or a FooterReader of a large one: written a slice at a time
+                ft, head, fh = got
+                parts = (
+                    ft.slices(step)
+                    if fh is not None
+                    else [(ft.chunk_offsets, ft.decoded_sizes, ft.record_offsets[1:])]
+                )
                 try:
                     sink.append("record_offsets", np.zeros(1))
-                    for offsets, dsizes, ends in r.slices(step):
+                    for offsets, dsizes, ends in parts:
                         sink.append("offsets", offsets)
                         sink.append("record_offsets", ends)
                         sink.append("decoded", dsizes)
                         nchunks[k] += len(offsets)
                         del offsets, dsizes, ends
                 finally:
-                    fh.close()
-                counts[k] = r.num_records
-                sink.append("offsets", np.array([r.footer_offset]))
-                sink.append("file_size", np.array([r.file_size]))
-                sink.append("group_size", np.array([r.group_size]))
+                    if fh is not None:
+                        fh.close()
+                counts[k] = ft.num_records
+                sink.append("offsets", np.array([ft.footer_offset]))
+                sink.append("file_size", np.array([ft.file_size]))
+                sink.append("group_size", np.array([ft.group_size]))
                 sink.append("footer_head", np.frombuffer(head, np.uint8).reshape(1, -1))
-                del r, fh
-            else:
-                f, head, _ = got
-                counts[k] = f.num_records
-                nchunks[k] = len(f.chunk_offsets)
-                sink.append("offsets", np.append(f.chunk_offsets, f.footer_offset))
-                sink.append("record_offsets", f.record_offsets)
-                sink.append("decoded", f.decoded_sizes)
-                sink.append("file_size", np.array([f.file_size]))
-                sink.append("group_size", np.array([f.group_size]))
-                sink.append("footer_head", np.frombuffer(head, np.uint8).reshape(1, -1))
-                del f
+                del ft, fh, parts
             del got  # its footer's arrays go now, not when the next one comes
             progress.update(k + 1)
         progress.close()
