@@ -1,20 +1,27 @@
 """The node-shared dataset index is never trusted for files it does not describe: a
 TFRecord shard rewritten to the same size gets a fresh index, an index beside the
 shards edited in place after it was verified is verified again, a full index
-directory deletes its least recently used indexes first, and one process at a time
-holds the lock to build an index."""
+directory deletes its least recently used indexes first (never one under its lock), one
+process at a time holds the lock to build an index, a killed builder's temp files are
+swept, and an index directory of the earlier release is used as it is."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 import torchgrain as tg
 from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.sources.node_index import COUNTERS, INDEX_NAME, store
+from torchgrain.sources.node_index.derived import derived_index
+
+BASE = os.environ.get("TORCHGRAIN_BASE", "/tmp/base")  # the starting release's checkout
 
 
 def _records(src, idx):
@@ -96,7 +103,7 @@ def test_the_build_lock_excludes_every_other_holder(tmp_path):
     # One builder per machine: while one process builds, another that asks for the lock
     # (to build, or to wait for the build) does not get it, not even a shared one.
     path = str(tmp_path / "arrayrecord-x.tgindex")
-    with store._build_lock(path):
+    with store.IndexDir(str(tmp_path))._lock("arrayrecord-x.tgindex"):
         fd = os.open(path + ".lock", os.O_RDWR)
         try:
             with pytest.raises(BlockingIOError):
@@ -108,3 +115,70 @@ def test_the_build_lock_excludes_every_other_holder(tmp_path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released with the builder's
     finally:
         os.close(fd)
+
+
+def test_an_index_being_built_or_opened_under_its_lock_is_not_evicted(tmp_path, monkeypatch):
+    idx = tmp_path / "idx"
+    srcs = {}
+    for name in ("a", "b"):
+        _write_foreign(tmp_path / name)
+        srcs[name] = tg.ArrayRecordSource(tmp_path / name, codec="raw", index_dir=idx)
+    paths = {k: s._dindex.path for k, s in srcs.items()}
+    os.utime(paths["a"] + ".lock", (1_000_000_000, 1_000_000_000))  # "a" least recent
+    os.utime(paths["b"] + ".lock", (1_000_000_100, 1_000_000_100))
+    monkeypatch.setattr(store, "INDEX_DIR_BYTES", os.path.getsize(paths["a"]) * 5 // 2)
+    fd = os.open(paths["a"] + ".lock", os.O_RDWR)  # another process rebuilds "a"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _write_foreign(tmp_path / "c")
+        tg.ArrayRecordSource(tmp_path / "c", codec="raw", index_dir=idx)
+    finally:
+        os.close(fd)
+    assert os.path.exists(paths["a"]) and not os.path.exists(paths["b"])
+    # Evicted is unlinked, never truncated: a source that maps it reads on.
+    assert _records(srcs["b"], [39, 0]) == [b"39", b"0"]
+
+
+def test_a_killed_builders_temp_files_are_deleted_and_a_live_ones_kept(tmp_path):
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    dead = [  # this release's (a reserved file, its writer's), and an earlier release's
+        ".derived-x.tgindex-0-1-0a1b2c3d",
+        "..derived-x.tgindex-0-1-0a1b2c3d.kept.tmp-1-0a1b2c3d",
+        ".derived-y.tgindex.tmp-1-0a1b2c3d",
+        ".derived-y.tgindex.kept.tmp-1-0a1b2c3d",
+    ]
+    live = ".derived-z.tgindex-0-1-0a1b2c3d"
+    for name in [*dead, live]:
+        (idx / name).write_bytes(b"x" * 100)
+    fill = lambda sink: sink.append("kept", np.arange(3)) or {}  # noqa: E731
+    fd = os.open(idx / "derived-z.tgindex.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # its builder is alive
+        ix = derived_index("demo", "k", {"kept": ("<i8", ())}, fill, index_dir=str(idx))
+    finally:
+        os.close(fd)
+    assert ix.arrays["kept"].tolist() == [0, 1, 2]
+    assert [n for n in os.listdir(idx) if n.startswith(".")] == [live]
+
+
+@pytest.mark.skipif(not os.path.isdir(BASE), reason="no checkout of the starting release")
+def test_an_index_directory_of_the_earlier_release_is_used_as_it_is(tmp_path):
+    # Built by the starting release's code: found, not built or verified again.
+    _write_foreign(tmp_path / "ds")
+    idx = tmp_path / "idx"
+    script = (
+        "import sys, numpy as np, torchgrain as tg\n"
+        "from torchgrain.sources.node_index.derived import derived_index\n"
+        "tg.ArrayRecordSource(sys.argv[1], codec='raw', index_dir=sys.argv[2])\n"
+        "fill = lambda sink: sink.append('kept', np.arange(3)) or {}\n"
+        "derived_index('demo', 'k', {'kept': ('<i8', ())}, fill, index_dir=sys.argv[2])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=BASE)
+    subprocess.run([sys.executable, "-c", script, tmp_path / "ds", idx], env=env, check=True)
+    before = dict(COUNTERS)
+    src = tg.ArrayRecordSource(tmp_path / "ds", codec="raw", index_dir=idx)
+    fill = lambda sink: pytest.fail("built again")  # noqa: E731
+    ix = derived_index("demo", "k", {"kept": ("<i8", ())}, fill, index_dir=str(idx))
+    assert dict(COUNTERS) == before  # nothing built, nothing verified: its stamp was found
+    assert _records(src, [39, 0]) == [b"39", b"0"] and ix.arrays["kept"].tolist() == [0, 1, 2]

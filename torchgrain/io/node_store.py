@@ -49,7 +49,6 @@ __all__ = ["Entry", "NodeStore"]
 #: ``(last use, size, path)`` of an entry.
 Entry = tuple[int, int, str]
 
-_LOCKS = ".locks"
 _TOTAL = struct.Struct("<q")
 _POLL, _POLL_MAX = 0.005, 0.1  # seconds between tries of a lock waited for with a deadline
 # After the disk had no room for an entry, store nothing for this long (instead of listing
@@ -63,11 +62,13 @@ class NodeStore:
     ``directory`` (a local disk: the locks are ``flock``) holds at most ``max_bytes``
     of entries and writes in flight, and :meth:`_room_on_disk` keeps ``min_free_bytes``
     free on its filesystem. Subclasses set the class attributes below and may override
-    :meth:`_remedy`, :meth:`_count`, :meth:`_last_use`, :meth:`_forget` and :meth:`_rank`.
+    :meth:`_remedy`, :meth:`_count`, :meth:`_last_use`, :meth:`_forget`, :meth:`_rank`
+    and :meth:`_temp_of`.
     """
 
     _WHAT = "the node store"  # what it is, in messages
     _TMP_DIR, _TMP_PREFIX = "", ".tmp-"  # where temp files go, and how their names start
+    _LOCK_DIR = ".locks"  # where the lock files go
     _DIRS: tuple[str, ...] = ()  # more subdirectories to make with the store's own
     _ENTRIES = "[!.]*"  # the entries' paths in the directory (a glob per level: a/b)
     _STRIPES: int | None = None  # hash entry names to this many lock files, not one each
@@ -145,6 +146,16 @@ class NodeStore:
         """``entries`` (least recently used first) in the order they are evicted."""
         return entries
 
+    def _temp_of(self, stem: str) -> tuple[str, int] | None:
+        """``(entry name, reserved bytes)`` of the temp file ``<_TMP_PREFIX><stem>``: its
+        name is ``<name>-<size>-<pid>-<random>``, or ``<name>-<pid>-<random>`` (a decoded
+        cache's build of an earlier release: it reserved nothing); None: not a temp file."""
+        name, *rest = stem.rsplit("-", 3)
+        with contextlib.suppress(ValueError):
+            if len(rest) >= 2:
+                return name, int(rest[0]) if len(rest) == 3 else 0
+        return None
+
     # ----------------------------------------------------------------- writing
     @contextlib.contextmanager
     def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
@@ -161,7 +172,7 @@ class NodeStore:
 
     def _make_dirs(self, *, mark: bool = True) -> None:
         """Make the store's directories (again, if they were deleted)."""
-        for sub in (_LOCKS, self._TMP_DIR, *self._DIRS):
+        for sub in (self._LOCK_DIR, self._TMP_DIR, *self._DIRS):
             path = os.path.join(self.directory, sub)
             with self._writing(path, mark=mark):
                 os.makedirs(path, exist_ok=True)
@@ -175,11 +186,12 @@ class NodeStore:
         See :meth:`_flock` for ``strict`` and ``mark``."""
         if self._STRIPES:
             name = str(zlib.crc32(name.encode()) % self._STRIPES)
-        return self._flock(os.path.join(self.directory, _LOCKS, name + ".lock"), shared, wait, **kw)
+        lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
+        return self._flock(lock, shared, wait, **kw)
 
     def _evict_lock(self) -> contextlib.AbstractContextManager[bool]:
         """The lock under which entries are counted, evicted and published."""
-        return self._flock(os.path.join(self.directory, _LOCKS, "evict.lock"))
+        return self._flock(os.path.join(self.directory, self._LOCK_DIR, "evict.lock"))
 
     @contextlib.contextmanager
     def _flock(
@@ -233,14 +245,10 @@ class NodeStore:
         tmp_dir = os.path.join(self.directory, self._TMP_DIR)
         with contextlib.suppress(OSError), os.scandir(tmp_dir) as it:
             for e in it:
-                if not e.name.startswith(self._TMP_PREFIX):
-                    continue
-                # <name>-<size>-<pid>-<random>, or <name>-<pid>-<random> (a decoded cache's
-                # build of an earlier release: it reserved nothing)
-                name, *rest = e.name[len(self._TMP_PREFIX) :].rsplit("-", 3)
-                with contextlib.suppress(ValueError):
-                    if len(rest) >= 2:
-                        out.append((e.path, name, int(rest[0]) if len(rest) == 3 else 0))
+                if e.name.startswith(self._TMP_PREFIX):
+                    of = self._temp_of(e.name[len(self._TMP_PREFIX) :])
+                    if of is not None:
+                        out.append((e.path, *of))
         return out
 
     def _remove_temps(self, name: str) -> None:

@@ -6,11 +6,12 @@ memory (:class:`IndexArrays`, :class:`NodeIndex`), the checks of their shapes an
 sums (:func:`check_shape`, :func:`check_prefix`, :func:`check_meta_int`), a build into a
 file or memory (:func:`build_index`), and the index directory (:func:`cached_index`,
 :func:`open_trusted`): a key per set of files (:func:`index_key`), one builder per machine
-under a lock, stamps of verified files, and least-recently-used pruning. A directory
-that cannot take an index (read-only, or
-with no room: a full disk, a spent quota, a file-size limit) leaves nothing partial in
-it; the index is built in the process's memory instead, with a warning (for no room, once
-per directory and process, naming the directory, the file and the remedy).
+under its lock, and stamps of verified files. The directory is a node-local store
+(:class:`IndexDir`): its lock per index, byte budget and eviction, temp files and
+atomic publish. A directory that cannot take an index (read-only, or with no room: a
+full disk, a spent quota, a file-size limit) leaves nothing partial in it; the index is
+built in the process's memory instead, with a warning (for no room, once per directory
+and process, naming the directory, the file and the remedy).
 
 Building streams: the shards are read in parallel threads (:func:`in_order`), each
 shard's entries written into the index file's columns as soon as the shards before it
@@ -31,6 +32,7 @@ import collections
 import contextlib
 import contextvars
 import errno
+import functools
 import hashlib
 import os
 import sys
@@ -47,9 +49,10 @@ from torchgrain.caches import announce, size_text
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
 from torchgrain.io import process
-from torchgrain.io.atomic import DISK_FULL_ERRNOS, naming_full_disk
+from torchgrain.io.atomic import DISK_FULL_ERRNOS
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
+from torchgrain.io.node_store import NodeStore
 
 # The names users see (re-exported by torchgrain.sources.node_index); the index kinds'
 # interface to the store (see the module docstring) is public too.
@@ -86,9 +89,6 @@ _T = TypeVar("_T")
 # Why an index directory cannot take an index (anything else is raised).
 _UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST}
 _UNWRITABLE |= DISK_FULL_ERRNOS
-# (process id, index directory) already warned of a full disk: once per directory and process.
-_WARNED_FULL: set[tuple[int, str]] = set()
-_WARNED_LOCK = threading.Lock()
 _STAMPS = "verified"  # stamps of index files whose contents were checked
 _LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
 
@@ -532,61 +532,61 @@ def index_key(kind: str, items: Sequence[tuple[Any, ...]]) -> str:
     return h.hexdigest()
 
 
-@contextlib.contextmanager
-def _build_lock(path: str):
-    """Hold ``path + '.lock'`` (one builder per machine); after a long wait, go on
-    without it (publishing by rename stays atomic; the work may be done twice)."""
-    import fcntl
+class IndexDir(NodeStore):
+    """An index directory (:func:`cached_index`) as a node-local store: its entries are
+    the index files, at most :data:`INDEX_DIR_BYTES` of them. An index's lock file lies
+    beside it (``<file>.lock``, as before the store), and that file's time, touched at
+    each open, is the index's last use: the index's own times key its verification stamp.
+    One per directory and process (:func:`_index_dir`): :attr:`disk_full` lasts.
 
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)  # the umask applies
-    try:
-        deadline = time.monotonic() + _LOCK_WAIT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+    Example:
+        >>> import tempfile
+        >>> d = IndexDir(tempfile.mkdtemp())
+        >>> d.max_bytes == INDEX_DIR_BYTES, d._temp_of(".x.tgindex-0-7-0a1b2c3d.rows.tmp-7-0")
+        (True, ('x.tgindex', 0))
+    """
+
+    _WHAT = "the dataset index"
+    _LOCK_DIR, _TMP_PREFIX = "", "."
+    _ENTRIES = "[!.]*" + INDEX_SUFFIX
+    max_bytes = property(lambda self: INDEX_DIR_BYTES)  # (looked up when used)
+
+    def __init__(self, directory: str) -> None:
+        self.directory, self.min_free_bytes = directory, 0
+
+    def _remedy(self) -> str:
+        return (
+            "Free space on that disk, or pass index_dir= a directory on a disk with room (its "
+            "default lies under $TORCHGRAIN_CACHE; index_dir=None keeps indexes in memory)."
+        )
+
+    def _last_use(self, path: str, st: os.stat_result) -> int:
+        try:
+            return os.stat(path + ".lock").st_mtime_ns
+        except OSError:
+            return st.st_mtime_ns
+
+    def _temp_of(self, stem: str) -> tuple[str, int] | None:
+        # .<file>-0-<pid>-<random> (reserved: an index's size is known once built, and
+        # room made at its publish), and its writer's ..<that>[.<column>].tmp-<pid>-<random>
+        # (or .<file>[.<column>].tmp-<pid>-<random> of an earlier release's writer)
+        entry, suffix, _ = stem.lstrip(".").rpartition(INDEX_SUFFIX)
+        return (entry + suffix, 0) if suffix else None
 
 
-def _prune(directory: str, keep: str) -> None:
-    """Delete the least recently used index files beyond :data:`INDEX_DIR_BYTES` (a
-    file's use is the time of its lock file, touched at each open), and stamps unused
-    for a week (a missing stamp costs one more verification)."""
-    try:
-        entries = []
-        for e in os.scandir(directory):
-            if e.name.endswith(INDEX_SUFFIX) and e.path != keep:
-                size = e.stat().st_size
-                try:
-                    used = os.stat(e.path + ".lock").st_mtime
-                except OSError:
-                    used = e.stat().st_mtime
-                entries.append((used, size, e.path))
-        total = sum(size for _, size, _ in entries)
-        with contextlib.suppress(OSError):
-            total += os.path.getsize(keep)
-        for _, size, path in sorted(entries):
-            if total <= INDEX_DIR_BYTES:
-                break
-            with contextlib.suppress(OSError):
-                os.unlink(path)  # a process that maps it keeps its pages
-            with contextlib.suppress(OSError):
-                os.unlink(path + ".lock")
-            total -= size
-        stamps = os.path.join(directory, _STAMPS)
-        old = time.time() - 7 * 86400
-        for e in os.scandir(stamps) if os.path.isdir(stamps) else ():
+@functools.cache
+def _index_dir(directory: str) -> IndexDir:
+    return IndexDir(directory)
+
+
+def _prune_stamps(index_dir: str) -> None:
+    """Delete stamps unused for a week (a missing stamp costs one more verification)."""
+    old = time.time() - 7 * 86400
+    with contextlib.suppress(OSError), os.scandir(os.path.join(index_dir, _STAMPS)) as it:
+        for e in it:
             if e.stat().st_mtime < old:
                 with contextlib.suppress(OSError):
                     os.unlink(e.path)
-    except OSError:
-        pass
 
 
 def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | None:
@@ -655,8 +655,21 @@ def cached_index(
 ) -> Any:
     """The index ``name`` in ``index_dir``: opened when present and valid (``fits(ix)``
     says why an index does not describe the files, or None), else built once per
-    machine (``build(path)``) and published; built in memory (``build(None)``) when the
-    directory cannot be written."""
+    machine into a temp file of the directory (``build(tmp)``), which the store
+    publishes as ``name``; built in memory (``build(None)``) when the directory cannot
+    be written.
+
+    Example:
+        >>> import tempfile
+        >>> class Demo:
+        ...     kind = "demo"
+        ...     def __init__(self, arrays): self._a = arrays
+        >>> build = lambda out: build_index(Demo, out, {"a": ("<i8", ())}, lambda sink: {})
+        >>> d = tempfile.mkdtemp()
+        >>> ix = cached_index(d, "k.tgindex", Demo, build, lambda ix: None)
+        >>> ix._a.path == os.path.join(d, "k.tgindex"), sorted(os.listdir(d))
+        (True, ['evict.lock', 'k.tgindex', 'k.tgindex.lock', 'verified'])
+    """
     path = os.path.join(index_dir, name)
 
     def try_open() -> Any:
@@ -678,25 +691,29 @@ def cached_index(
     ix = try_open()
     if ix is not None:
         return ix
-    remedy = (
-        "Free space on that disk, or pass index_dir= a directory on a disk with room (its "
-        "default lies under $TORCHGRAIN_CACHE; index_dir=None keeps indexes in memory)."
-    )
+    store = _index_dir(index_dir)
+    if store.disk_full:  # found with no room by this process (which said so)
+        return build(None)
+    tmp = ""
     try:
-        with naming_full_disk("the dataset index", index_dir, path, remedy):
-            os.makedirs(index_dir, exist_ok=True)
-            with _build_lock(path):
-                ix = try_open()  # another process may have built it meanwhile
-                if ix is None:
-                    ix = build(path)
-                    _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
-                    announce(
-                        "the dataset index directory",
-                        index_dir,
-                        f"{size_text(INDEX_DIR_BYTES)}, least recently used files deleted "
-                        "first; index_dir= sets it, index_dir=None keeps indexes in memory",
-                    )
-                    _prune(index_dir, path)
+        # (waiting at most _LOCK_WAIT, then building anyway: the rename keeps it whole)
+        with store._lock(name, wait=_LOCK_WAIT):
+            ix = try_open()  # another process may have built it meanwhile
+            if ix is None:
+                store._remove_temps(name)  # a killed builder's
+                tmp = store._reserve(name, 0, evict=False)
+                with store._writing(path):
+                    build(tmp)
+                store._publish(tmp, path, os.path.getsize(tmp))
+                ix = open_index(path, cls)
+                _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
+                announce(
+                    "the dataset index directory",
+                    index_dir,
+                    f"{size_text(INDEX_DIR_BYTES)}, least recently used files deleted "
+                    "first; index_dir= sets it, index_dir=None keeps indexes in memory",
+                )
+                _prune_stamps(index_dir)
         return ix
     except OSError as e:
         if e.errno not in _UNWRITABLE or isinstance(e, DatasetNotFoundError):
@@ -707,18 +724,13 @@ def cached_index(
                 "process's memory instead (pass index_dir= a writable directory)",
                 stacklevel=3,
             )
-        elif _first_full(index_dir):
+        else:  # (once per directory and process: disk_full is set)
             warnings.warn(
                 f"torchgrain: {e} Keeping the dataset index in this process's memory instead.",
                 stacklevel=3,
             )
         return build(None)
-
-
-def _first_full(index_dir: str) -> bool:
-    """Whether this process has not yet warned of a full disk under ``index_dir``."""
-    key = (os.getpid(), os.path.abspath(index_dir))
-    with _WARNED_LOCK:
-        first = key not in _WARNED_FULL
-        _WARNED_FULL.add(key)
-    return first
+    finally:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
