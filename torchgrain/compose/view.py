@@ -33,6 +33,7 @@ import hashlib
 import itertools
 import reprlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
 
 __all__ = [
+    "Composed",
     "View",
     "adapt",
     "check_indices",
@@ -298,7 +300,64 @@ def short_repr(x: Any) -> str:
     return _SHORT.repr(x)
 
 
-class View(Source):
+class Composed(Source):
+    """A :class:`~torchgrain.Source` whose reads are reads of other datasets, its
+    ``children`` (a :class:`View`, token windows). A subclass says which of their
+    records a read of some of its indices reads (:meth:`pass_plan`); this base passes
+    ``set_epoch`` and a sampler's pass on: each source under a composition of them is
+    told the pass once (``read_ahead``, offered only when something under it reads
+    ahead), with its own indices that the pass's positions read, in pass order, through
+    every path to it.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> class Told(list):  # documents that print the pass they are told
+        ...     def read_ahead(self, order, start, count, position):
+        ...         print(order(start, start + count).tolist())
+        >>> docs = tg.Dataset(Told({"t": list(range(n))} for n in (3, 1, 2)))
+        >>> ds = tg.concat([docs.windows("t", 2, index_dir=None), docs.select([2, 0])])
+        >>> ds.read_ahead(lambda a, b: np.arange(a, b), 0, len(ds), lambda: 0)
+        [0, 1, 2, 2, 0]
+    """
+
+    children: tuple[Any, ...]
+
+    @abc.abstractmethod
+    def pass_plan(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(rows, child, child index)`` int64 arrays: a read of ``indices`` (int64)
+        reads record ``child index[k]`` of ``children[child[k]]`` for
+        ``indices[rows[k]]``, in the order of ``indices``."""
+
+    def offers(self, capability: type) -> bool:
+        """``read_ahead`` when something under it reads ahead; the others always
+        (:class:`~torchgrain.protocols.DeclaresCapabilities`)."""
+        return capability is not ReadsAhead or any(isinstance(c, ReadsAhead) for c in self.children)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to every child that has ``set_epoch``."""
+        for child in self.children:
+            if isinstance(child, SetsEpoch):
+                child.set_epoch(epoch)
+
+    def read_ahead(
+        self,
+        order: Callable[[int, int], np.ndarray] | None,
+        start: int,
+        count: int,
+        position: Callable[[], int],
+    ) -> Any:
+        """Each source under it told the pass once (docs/design-notes.md#compose-view): the
+        cache checks of them together (None when none has any)."""
+        fits: list[Any] | None = None
+        for target in _reading_ahead(self):
+            target_order = None if order is None else partial(_pass_order, self, target, order)
+            got = target.read_ahead(target_order, start, count, position)
+            if got is not None:
+                fits = [*(fits or []), *got]
+        return fits
+
+
+class View(Composed):
     """Base of composed datasets: a :class:`~torchgrain.Source` over ``children``.
 
     A subclass defines ``__len__`` and :meth:`_locate`; reads, index checks, keys and
@@ -414,34 +473,9 @@ class View(Source):
         """How errors name child ``k``: its name and what it is."""
         return f"dataset {self.names[k]!r} ({short_repr(self.children[k])})"
 
-    # --------------------------------------------------------- capabilities
-    def offers(self, capability: type) -> bool:
-        """``read_ahead`` when something under the view reads ahead; the others always
-        (:class:`~torchgrain.protocols.DeclaresCapabilities`)."""
-        return capability is not ReadsAhead or any(isinstance(c, ReadsAhead) for c in self.children)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Passed on to every child that has ``set_epoch``."""
-        for child in self.children:
-            if isinstance(child, SetsEpoch):
-                child.set_epoch(epoch)
-
-    def read_ahead(
-        self,
-        order: Callable[[int, int], np.ndarray] | None,
-        start: int,
-        count: int,
-        position: Callable[[], int],
-    ) -> Any:
-        """Each source under the view told the pass once (docs/design-notes.md#compose-view): the
-        cache checks of them together (None when none has any)."""
-        fits: list[Any] | None = None
-        for target in _reading_ahead(self):
-            target_order = None if order is None else _PassOrder(self, target, order)
-            got = target.read_ahead(target_order, start, count, position)
-            if got is not None:
-                fits = [*(fits or []), *got]
-        return fits
+    def pass_plan(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each of ``indices`` reads one child's record: :meth:`locate`'s."""
+        return np.arange(len(indices)), *self.locate(indices)
 
     def __repr__(self) -> str:
         inner = ", ".join(short_repr(c) for c in self.children)
@@ -459,45 +493,39 @@ def _beneath(x: Any) -> Any:
     return x
 
 
-def _reading_ahead(view: View) -> list[Any]:
-    """The sources that read ahead under ``view``, through views and Datasets, each once
-    (a source may be under two children, or under two views of it)."""
+def _reading_ahead(node: Composed) -> list[Any]:
+    """The sources that read ahead under ``node``, through compositions and Datasets,
+    each once (a source may be under two children, or under two views of it)."""
     found: dict[int, Any] = {}
-    for child in map(_beneath, view.children):
-        below = _reading_ahead(child) if isinstance(child, View) else [child]
+    for child in map(_beneath, node.children):
+        below = _reading_ahead(child) if isinstance(child, Composed) else [child]
         found.update((id(x), x) for x in below if isinstance(x, ReadsAhead))
     return list(found.values())
 
 
-class _PassOrder:
-    """The pass's order for ``target``, a source under ``view``: its indices that the
-    view's positions ``[a, b)`` resolve to, in the pass's order (a picklable callable)."""
+def _pass_order(
+    node: Composed, target: Any, order: Callable[[int, int], np.ndarray], a: int, b: int
+) -> np.ndarray:
+    """The pass's order for ``target``, a source under ``node``: its indices that the
+    positions ``[a, b)`` read, in the pass's order (bound by ``functools.partial``: a
+    picklable order)."""
+    at: list[np.ndarray] = [np.zeros(0, np.int64)]
+    got: list[np.ndarray] = [np.zeros(0, np.int64)]
 
-    __slots__ = ("order", "target", "view")
-
-    def __init__(self, view: View, target: Any, order: Callable[[int, int], np.ndarray]) -> None:
-        self.view, self.target, self.order = view, target, order
-
-    def __call__(self, a: int, b: int) -> np.ndarray:
-        indices = np.asarray(self.order(a, b), np.int64)
-        at: list[np.ndarray] = []
-        got: list[np.ndarray] = []
-        self._resolve(self.view, indices, np.arange(len(indices)), at, got)
-        if not got:
-            return np.zeros(0, np.int64)
-        # Several paths to the target (children of several views) merged in pass order.
-        return np.concatenate(got)[np.argsort(np.concatenate(at), kind="stable")]
-
-    def _resolve(
-        self, view: View, indices: np.ndarray, at: np.ndarray, out_at: list, out: list
-    ) -> None:
+    def resolve(node: Composed, indices: np.ndarray, rows: np.ndarray) -> None:
         if len(indices) == 0:
             return
-        which, local = view.locate(indices)
-        for k, child in enumerate(map(_beneath, view.children)):
+        pick, which, local = node.pass_plan(indices)
+        rows = rows[pick]
+        for k, child in enumerate(map(_beneath, node.children)):
             mine = which == k
-            if child is self.target:
-                out_at.append(at[mine])
-                out.append(local[mine])
-            elif isinstance(child, View):
-                self._resolve(child, local[mine], at[mine], out_at, out)
+            if child is target:
+                at.append(rows[mine])
+                got.append(local[mine])
+            elif isinstance(child, Composed):
+                resolve(child, local[mine], rows[mine])
+
+    indices = np.asarray(order(a, b), np.int64)
+    resolve(node, indices, np.arange(len(indices)))
+    # Several paths to the target (children of several views) merged in pass order.
+    return np.concatenate(got)[np.argsort(np.concatenate(at), kind="stable")]

@@ -31,9 +31,10 @@ import torch.utils.data
 
 from torchgrain.adapters import SequenceSource
 from torchgrain.columns import Ragged
+from torchgrain.compose.view import Composed
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
-from torchgrain.protocols import HasBlockOffsets, ReadsAhead, SetsEpoch
+from torchgrain.protocols import HasBlockOffsets
 from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index.derived import (
@@ -419,7 +420,7 @@ def _best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------- the view
-class TokenWindows(Source):
+class TokenWindows(Composed):
     """The windows of :func:`windows` as a :class:`~torchgrain.Source` over a dataset of
     documents (see the module docstring for the two modes).
 
@@ -429,7 +430,8 @@ class TokenWindows(Source):
 
     It offers ``block_offsets()`` in concat mode over a dataset with blocks, and
     ``read_ahead`` when the dataset has it
-    (:class:`~torchgrain.protocols.DeclaresCapabilities`).
+    (:class:`~torchgrain.protocols.DeclaresCapabilities`): a window's read is its
+    documents' (:meth:`pass_plan`), one level of a composition's pass plan.
     """
 
     def __init__(
@@ -634,36 +636,19 @@ class TokenWindows(Source):
         starts = np.minimum(self.offsets[blocks] // self.seq_len, self._n)
         return np.unique(np.concatenate([[0], starts, [self._n]]))
 
-    def set_epoch(self, epoch: int) -> None:
-        """Passed on to the dataset of documents."""
-        if isinstance(self._docs.ds, SetsEpoch):
-            self._docs.ds.set_epoch(epoch)
+    @property
+    def children(self) -> tuple[Dataset]:
+        """The dataset of documents (what ``set_epoch`` and ``read_ahead`` reach)."""
+        return (self._docs.ds,)
 
-    def read_ahead(
-        self,
-        order: Callable[[int, int], np.ndarray] | None,
-        start: int,
-        count: int,
-        position: Callable[[], int],
-    ) -> Any:
-        """Passed on to the dataset of documents: its order for positions ``[a, b)`` is
-        the documents the windows at those positions touch (in order, each once)."""
-        child = self._docs.ds
-        if not isinstance(child, ReadsAhead):
-            return None
-        if order is None:
-            return child.read_ahead(None, start, count, position)
-
-        def documents(a: int, b: int) -> np.ndarray:
-            wins = np.asarray(order(a, b), np.int64)
-            per = self._documents_of(wins)
-            if not per:
-                return np.zeros(0, np.int64)
-            d = np.concatenate(per)
-            _, first = np.unique(d, return_index=True)
-            return d[np.sort(first)]
-
-        return child.read_ahead(documents, start, count, position)
+    def pass_plan(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The documents the windows at ``indices`` read (their tokens and each one's
+        last label), in the windows' order, each once."""
+        per = self._documents_of(self._check.check(indices))
+        docs = np.concatenate([np.zeros(0, np.int64), *per])
+        rows = np.repeat(np.arange(len(per)), [len(d) for d in per])
+        keep = np.sort(np.unique(docs, return_index=True)[1])
+        return rows[keep], np.zeros(len(keep), np.int64), docs[keep]
 
     def fingerprint(self) -> str:
         """What the windows hold: the index's key, the mode and the window length."""
