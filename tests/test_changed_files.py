@@ -309,7 +309,7 @@ def test_a_cached_copy_changed_between_its_check_and_the_read_is_fetched_again(
         src = _source("array_record", srv.url, str(root), cache, **NO_BLOCK_CACHE["array_record"])
         assert _read(src, "record", [33]) == _expected([33])  # its copy is open now
         victim = _copy_holding(cache, 33)
-        checked = type(src)._still_readable
+        checked = type(src.cached_copies)._still_readable
         flips = []
 
         def check_then_change(self, copy, shard):
@@ -319,7 +319,7 @@ def test_a_cached_copy_changed_between_its_check_and_the_read_is_fetched_again(
                 _flip_payload(copy.path, 33, keep_mtime=False)
             return ok
 
-        monkeypatch.setattr(type(src), "_still_readable", check_then_change)
+        monkeypatch.setattr(type(src.cached_copies), "_still_readable", check_then_change)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert _read(src, "record", [33]) == _expected([33])

@@ -11,11 +11,12 @@ remote shards within a batch, an optional on-disk shard cache (``cache_dir``), a
 in-memory cache of decoded blocks (``cache_bytes``) and the ``tg.stats`` counters. A
 format adds a reader and the way one batch is read with it.
 
-This module holds its set-up, per-process state, readers and I/O; the rest of it is in
-its base classes, one module each along a read's way: :mod:`~torchgrain.sources.fetch_ahead`
-(a pass's read-ahead, a remote batch's byte ranges fetched at once),
-:mod:`~torchgrain.sources.cached_copies` (reads through the shard cache's local copies)
-and :mod:`~torchgrain.sources.cache_fit` (whether a pass fits the caches).
+This module holds its set-up, per-process state, readers and I/O; three helpers it holds,
+each given what it uses when made, do the rest: ``src.ranges``
+(:mod:`~torchgrain.sources.fetch_ahead`: a remote batch's byte ranges fetched at once),
+``src.cached_copies`` (:mod:`~torchgrain.sources.cached_copies`: reads through the shard
+cache's local copies) and ``src.cache_fit`` (:mod:`~torchgrain.sources.cache_fit`: the
+shards' sizes, whether a pass fits the caches).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class _ProcessState:
         self.io = {"remote_reads": 0, "retries": 0}
 
 
-class ShardedSource(CachedCopies, Source):
+class ShardedSource(Source):
     """Base of the sources over shard files (ArrayRecord, Parquet, TFRecord).
 
     Subclasses call :meth:`_init_shards` from their constructor, implement
@@ -274,6 +275,17 @@ class ShardedSource(CachedCopies, Source):
         if read_ahead_bytes is None:
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
+        self.cached_copies = CachedCopies(
+            self.cache,
+            self._paths,
+            self._proc,
+            self.shard_integrity,
+            self._open_reader,
+            self._touch,
+            self._verify_copy,
+            self._pool,
+            io_threads,
+        )
         self.cache_fit = CacheFitting(type(self).__name__, self._paths)
         self.ranges = BatchRanges(
             self._batch_ranges, self._proc, self._reads_remote, opts, self._retry
@@ -405,6 +417,19 @@ class ShardedSource(CachedCopies, Source):
             return
         ra.begin(order, start, count, position)  # walked once this process reads a batch
 
+    def prefetch_shard(self, shard: int) -> bool:
+        """Put a local copy of remote ``shard`` in the shard cache; whether it was
+        downloaded now (False: already there, or no shard cache).
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
+            >>> tg.ArrayRecordSource(d).prefetch_shard(0)  # no shard cache: nothing to do
+            False
+        """
+        return self.cached_copies.fetch(shard, self.shard_nbytes)
+
     def cache_blocks(self) -> list[CacheBlocks]:
         """The caches a pass over this source goes through, for :meth:`check_cache_fit`:
         the shard cache (``cache_dir``) for remote shards; formats add their decoded-
@@ -520,6 +545,10 @@ class ShardedSource(CachedCopies, Source):
         the format cannot plan them (its reads then fetch their own, one shard at a time)."""
         return None
 
+    def _touch(self, reader: Any) -> None:
+        """Make ``reader`` (of a cached copy) hold its file open (read its footer, map
+        it): a later eviction only unlinks the file."""
+
     def _verify_copy(self, path: str, checksum: str, *, name: str) -> str | None:
         """Check a downloaded copy against its checksum (the shard cache's
         :data:`~torchgrain.io.shard_cache.Verifier`)."""
@@ -530,8 +559,10 @@ class ShardedSource(CachedCopies, Source):
     def _reader(self, shard: int) -> Any:
         """This process's reader of ``shard`` (opened on first use; LRU-bounded)."""
         st = self._proc()
-        if self._uses_copies():
-            return self._cached_reader(st.copies, shard)
+        if self.cached_copies.in_use():
+            reader = self.cached_copies.reader(shard)
+            if reader is not None:
+                return reader
         with st.lock:
             reader = st.readers.get(shard)
             if reader is not None:
@@ -556,14 +587,14 @@ class ShardedSource(CachedCopies, Source):
     # --------------------------------------------------------------------- I/O
     def _reads_remote(self) -> bool:
         """Whether reads go over the network (remote shards and no local copies)."""
-        return self._remote and not self._uses_copies()
+        return self._remote and not self.cached_copies.in_use()
 
     def _io(self, fn: Callable[[], T], shard: int, what: str) -> T:
         """Run one read of ``shard``; remote reads are counted and retried. Readers of
         cached copies that ``fn`` gets stay open until it returns."""
         if not self._reads_remote():
             if self.cache is not None:
-                return self._pinned(fn)
+                return self.cached_copies.pinned(fn)
             return fn()
         st = self._proc()
         with st.lock:

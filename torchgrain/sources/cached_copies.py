@@ -1,13 +1,13 @@
 """Reading remote shards through their local copies in the shard cache (``cache_dir``).
 
-Part of :class:`~torchgrain.sources.base.ShardedSource` (a base class of it, not an API of
-its own). With a :class:`~torchgrain.io.shard_cache.ShardCache`, a read of a remote shard
-opens the shard's local copy (downloaded, and checked, on first access) and keeps a few
-such readers open per process. A reader is closed only once no read uses it: each read
-pins the copies it opens (:meth:`CachedCopies._pinned`), and a copy that leaves the open
-set (evicted, replaced on disk, or to bound the open readers) is retired, then closed by
-its last user. A batch opens its shards' copies ahead, downloading the missing ones
-concurrently (:meth:`CachedCopies._prefetch_copies`).
+:class:`CachedCopies` is a helper a :class:`~torchgrain.sources.base.ShardedSource` holds
+(``src.cached_copies``). With a :class:`~torchgrain.io.shard_cache.ShardCache`, a read of
+a remote shard opens the shard's local copy (downloaded, and checked, on first access)
+and keeps a few such readers open per process. A reader is closed only once no read uses
+it: each read pins the copies it opens (:meth:`CachedCopies.pinned`), and a copy that
+leaves the open set (evicted, replaced on disk, or to bound the open readers) is retired,
+then closed by its last user. A batch opens its shards' copies ahead, downloading the
+missing ones concurrently (:meth:`CachedCopies.prefetch`).
 
 Each open copy is pinned (:class:`~torchgrain.io.changes.Pin`: an inotify watch on its
 inode) when it is opened, under its shard lock. A copy written in place (a user, another
@@ -25,19 +25,23 @@ on by ranges, as without a cache, and it warns once per cache directory.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from concurrent.futures import Executor
+from typing import Any, Protocol, TypeVar
+
+import fsspec
 
 from torchgrain.errors import CacheDiskFullError
 from torchgrain.io import changes
-from torchgrain.io.shard_cache import file_identity
+from torchgrain.io.shard_cache import ShardCache, Verifier, file_identity
 
-__all__ = ["CachedCopies", "OpenCopies"]
+__all__ = ["CachedCopies", "CopyState", "OpenCopies"]
 
 T = TypeVar("T")
 
@@ -50,7 +54,7 @@ _EVICTED_GRACE_SECONDS = 1.0
 # How often an open copy in use counts as a hit, which refreshes its LRU position (the
 # cache's access-time clock has the same resolution).
 _TOUCH_SECONDS = 1.0
-# Per thread: ``pins``, the cached copies the running read (ShardedSource._pinned) uses.
+# Per thread: ``pins``, the cached copies the running read (CachedCopies.pinned) uses.
 _READS = threading.local()
 # (process id, cache directory) already warned of a full disk: once per cache and process.
 _WARNED_FULL: set[tuple[int, str]] = set()
@@ -96,7 +100,7 @@ class _CachedCopy:
 
 class OpenCopies:
     """One process's open copies: shard -> its open copy (least recently used first),
-    and per thread the copies a batch opened ahead (:meth:`CachedCopies._prefetch_copies`),
+    and per thread the copies a batch opened ahead (:meth:`CachedCopies.prefetch`),
     guarded by ``lock`` (the lock of the process state that holds them).
 
     Example:
@@ -120,13 +124,43 @@ class OpenCopies:
         return unused
 
 
-class CachedCopies:
-    """The shard-cache side of :class:`~torchgrain.sources.base.ShardedSource`: the
-    open readers of local copies of remote shards, and their downloads."""
+class CopyState(Protocol):
+    """What :class:`CachedCopies` uses of a source's per-process state."""
 
-    def _uses_copies(self) -> bool:
-        """Whether this process reads remote shards through the shard cache's copies
-        (there is a cache, and its disk has had room)."""
+    copies: OpenCopies  # this process's open copies
+    fs: fsspec.AbstractFileSystem  # the source's filesystem, made for this process
+
+
+@dataclasses.dataclass(eq=False)
+class CachedCopies:
+    """Reads of a source's remote shards through their local copies in ``cache``: the
+    open readers of the copies, and their downloads. ``paths`` are the shards' URLs,
+    ``state()`` this process's :class:`CopyState`, ``integrity(shard)`` a shard's
+    ``(size, checksum)`` where the dataset records them, ``open_reader(shard, path,
+    None)`` a reader of a local copy, ``touch(reader)`` makes it hold its file open (map it),
+    ``verify`` checks a download (the cache's
+    :data:`~torchgrain.io.shard_cache.Verifier`), and the missing copies of a batch
+    download concurrently on ``pool()``, when ``io_threads`` > 1.
+
+    Example:
+        >>> copies = CachedCopies(None, [], None, None, None, None, None, None, 1)
+        >>> copies.in_use(), copies.prefetch([0, 1])
+        (False, {})
+    """
+
+    cache: ShardCache | None
+    paths: Sequence[str]
+    state: Callable[[], CopyState]
+    integrity: Callable[[int], tuple[int | None, str | None]]
+    open_reader: Callable[[int, str, None], Any]
+    touch: Callable[[Any], None]
+    verify: Verifier
+    pool: Callable[[], Executor]
+    io_threads: int
+
+    def in_use(self) -> bool:
+        """Whether this process reads remote shards through the cache's copies (there is
+        a cache, and its disk has had room)."""
         cache = self.cache
         if cache is None:
             return False
@@ -160,38 +194,38 @@ class CachedCopies:
             pin = changes.Pin(fd, path)
         finally:
             os.close(fd)
-        reader = self._open_reader(shard, path, None)
+        reader = self.open_reader(shard, path, None)
         try:
-            self._touch(reader)  # opened (mapped) now: a later eviction only unlinks
+            self.touch(reader)  # opened (mapped) now: a later eviction only unlinks
         except BaseException:
             reader.close()
             raise
         return reader, pin
 
-    def _touch(self, reader: Any) -> None:
-        """Make ``reader`` hold its file open (read its footer, map it)."""
-
-    def _is_cached(self, shard: int) -> bool:
+    def is_cached(self, shard: int) -> bool:
+        """Whether the cache holds a copy of ``shard``."""
         assert self.cache is not None
-        _, checksum = self.shard_integrity(shard)
-        return os.path.exists(self.cache.local_path(self._paths[shard], checksum=checksum))
+        _, checksum = self.integrity(shard)
+        return os.path.exists(self.cache.local_path(self.paths[shard], checksum=checksum))
 
-    def _cached_reader(self, st: OpenCopies, shard: int) -> Any:
+    def reader(self, shard: int) -> Any | None:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
-        open until the read that asked for it (:meth:`_io`) ends, at least; a reader of
-        the remote shard itself once the cache's disk has no room."""
+        open until the read that asked for it (:meth:`pinned`) ends, at least; None once
+        the cache's disk has no room (the shard is then read without it)."""
         try:
-            return self._cached_copy(st, shard, getattr(_READS, "pins", None)).reader
+            return self._cached_copy(shard, getattr(_READS, "pins", None)).reader
         except CacheDiskFullError as e:
-            if self._uses_copies():  # (the cache did not give up: nothing to fall back to)
+            if self.in_use():  # (the cache did not give up: nothing to fall back to)
                 raise
             self._cache_full(e)
-            return self._reader(shard)  # no longer through the cache (_uses_copies)
+            return None
 
-    def _cached_copy(self, st: OpenCopies, shard: int, pins: list | None) -> _CachedCopy:
+    def _cached_copy(self, shard: int, pins: list | None) -> _CachedCopy:
         """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
         it stays open until they are released."""
         assert self.cache is not None
+        state = self.state()
+        st = state.copies
         copy = st.by_shard.get(shard)
         if copy is not None and self._still_readable(copy, shard):
             with st.lock:
@@ -199,14 +233,14 @@ class CachedCopies:
                     st.by_shard.move_to_end(shard)
                     _pin(copy, pins)
                     return copy
-        size, checksum = self.shard_integrity(shard)
+        size, checksum = self.integrity(shard)
         path, ident, (reader, pin) = self.cache.fetch_open(
-            self._paths[shard],
+            self.paths[shard],
             lambda p: self._open_local_copy(shard, p),
-            filesystem=self._fs,
+            filesystem=state.fs,
             size=size,
             checksum=checksum,
-            verify=self._verify_copy,
+            verify=self.verify,
         )
         copy = _CachedCopy(path, ident, reader, pin, st.lock)
         with st.lock:
@@ -240,14 +274,14 @@ class CachedCopies:
         now = time.monotonic()
         if now - copy.touched >= _TOUCH_SECONDS:
             # A hit: refreshes the copy's LRU position, at most once a second.
-            size, checksum = self.shard_integrity(shard)
-            hit = self.cache.lookup(self._paths[shard], size=size, checksum=checksum)
+            size, checksum = self.integrity(shard)
+            hit = self.cache.lookup(self.paths[shard], size=size, checksum=checksum)
             if hit != (copy.path, copy.ident):
                 return False
             copy.touched = now
         return True
 
-    def _pinned(self, fn: Callable[[], T]) -> T:
+    def pinned(self, fn: Callable[[], T]) -> T:
         """``fn()``, the readers of cached copies it gets staying open until it returns."""
         if getattr(_READS, "pins", None) is not None:  # within a read: that one holds them
             return fn()
@@ -274,7 +308,7 @@ class CachedCopies:
         changed = {id(c) for c in pins if changes.changed(c.pin) is not None}
         if not changed:
             return False
-        st = self._proc().copies
+        st = self.state().copies
         with st.lock:
             for shard, copy in list(st.by_shard.items()):
                 if id(copy) in changed:
@@ -282,12 +316,12 @@ class CachedCopies:
                     _retire(copy)  # (pinned by this read: closed when it ends)
         return True
 
-    def _close_evicted_copies(self) -> None:
-        """End a batch that :meth:`_prefetch_copies` opened: release its readers, and
+    def close_evicted(self) -> None:
+        """End a batch that :meth:`prefetch` opened: release its readers, and
         retire those whose cached copy was evicted or replaced (they pin its disk
         blocks; they close once no other read uses them)."""
         assert self.cache is not None
-        st = self._proc().copies
+        st = self.state().copies
         _release_batch(st)
         with st.lock:
             copies = list(st.by_shard.items())
@@ -308,32 +342,32 @@ class CachedCopies:
         for r in unused:
             r.close()
 
-    def _prefetch_copies(self, shards: Sequence[int]) -> dict[int, Any]:
+    def prefetch(self, shards: Sequence[int]) -> dict[int, Any]:
         """With a shard cache: open the batch's shards, downloading the missing ones
         concurrently. Readers opened here serve the batch even if a concurrent download
         evicts their copy meanwhile (eviction only unlinks): no shard is fetched twice
-        per batch. They stay open until :meth:`_close_evicted_copies` ends the batch
+        per batch. They stay open until :meth:`close_evicted` ends the batch
         (or this thread's next batch begins)."""
         if self.cache is None:
             return {}
-        st = self._proc().copies
+        st = self.state().copies
         _release_batch(st)  # a batch that raised before its end
-        if self.io_threads <= 1 or len(shards) <= 1 or not self._uses_copies():
+        if self.io_threads <= 1 or len(shards) <= 1 or not self.in_use():
             return {}
         with st.lock:
             open_now = set(st.by_shard)
-        missing = [s for s in shards if s not in open_now and not self._is_cached(s)]
+        missing = [s for s in shards if s not in open_now and not self.is_cached(s)]
         if not missing:
             return {}
         batch: list[_CachedCopy] = []
         st.local.batch = batch
 
         def get(shard: int) -> Any:
-            return self._cached_copy(st, shard, batch).reader
+            return self._cached_copy(shard, batch).reader
 
         # Open the cached ones first, before the downloads can evict them.
         opened = {s: get(s) for s in shards if s not in missing}
-        downloads = [(s, self._pool().submit(get, s)) for s in missing]
+        downloads = [(s, self.pool().submit(get, s)) for s in missing]
         full = False
         for s, f in downloads:  # all of them waited for: none pins a copy after we return
             try:
@@ -346,28 +380,20 @@ class CachedCopies:
             return {}
         return opened
 
-    def prefetch_shard(self, shard: int) -> bool:
-        """Put a local copy of remote ``shard`` in the shard cache; whether it was
-        downloaded now (False: already there, or no shard cache).
-
-        Example:
-            >>> import tempfile, torchgrain as tg
-            >>> d = tempfile.mkdtemp()
-            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, num_shards=2)
-            >>> tg.ArrayRecordSource(d).prefetch_shard(0)  # no shard cache: nothing to do
-            False
-        """
-        if not self._uses_copies() or self._is_cached(shard):
+    def fetch(self, shard: int, nbytes: Callable[[int], int]) -> bool:
+        """Put a local copy of remote ``shard`` (of ``nbytes(shard)`` bytes) in the cache;
+        whether it was downloaded now (False: already there, or no cache in use)."""
+        if not self.in_use() or self.is_cached(shard):
             return False
         assert self.cache is not None
-        _, checksum = self.shard_integrity(shard)
+        _, checksum = self.integrity(shard)
         try:
             self.cache.fetch(
-                self._paths[shard],
-                filesystem=self._fs,
-                size=self.shard_nbytes(shard),
+                self.paths[shard],
+                filesystem=self.state().fs,
+                size=nbytes(shard),
                 checksum=checksum,
-                verify=self._verify_copy,
+                verify=self.verify,
             )
         except CacheDiskFullError as e:
             self._cache_full(e)
@@ -409,7 +435,7 @@ def _unpin(pins: list[_CachedCopy]) -> None:
 
 
 def _release_batch(st: OpenCopies) -> None:
-    """Release the readers this thread's batch opened ahead (see _prefetch_copies)."""
+    """Release the readers this thread's batch opened ahead (see CachedCopies.prefetch)."""
     batch = getattr(st.local, "batch", None)
     if batch is not None:
         st.local.batch = None

@@ -134,7 +134,7 @@ class EncodedSource(ShardedSource):
             if len(groups) == 1:
                 shard, rows, _ = groups[0]
                 return self._read_decode(shard, rows, idx)
-            opened = self._prefetch_copies([g[0] for g in groups])
+            opened = self.cached_copies.prefetch([g[0] for g in groups])
             read = lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0]))  # noqa: E731
             # Fetched already: decoding needs no threads.
             results = (
@@ -144,7 +144,7 @@ class EncodedSource(ShardedSource):
             )
             out = _in_request_order(results, groups, len(idx))
             if opened:
-                self._close_evicted_copies()
+                self.cached_copies.close_evicted()
             return out
         finally:
             self.ranges.release(fetched)
@@ -166,12 +166,12 @@ class EncodedSource(ShardedSource):
                 self._check_readable(shard, int(idx[positions[0]]))
             fetched = self.ranges.prefetch(groups)
             try:
-                opened = self._prefetch_copies([g[0] for g in groups])
+                opened = self.cached_copies.prefetch([g[0] for g in groups])
                 read = lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0]))  # noqa: E731
                 results = [read(g) for g in groups] if fetched else self._map(read, groups)
                 blobs = _in_request_order(results, groups, len(idx))
                 if opened:
-                    self._close_evicted_copies()
+                    self.cached_copies.close_evicted()
             finally:
                 self.ranges.release(fetched)
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))

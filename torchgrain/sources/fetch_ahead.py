@@ -10,6 +10,7 @@ the batch's reads find them; the pass's range read-ahead
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -45,6 +46,7 @@ class IOState(Protocol):
     range_ahead: Any  # the pass's RangeReadAhead, or None
 
 
+@dataclasses.dataclass(eq=False)
 class BatchRanges:
     """Fetches a remote batch's byte ranges at once: ``plan(groups)`` gives the ranges a
     batch's reads will fetch (None where the format cannot plan them), ``state()`` this
@@ -58,16 +60,11 @@ class BatchRanges:
         True
     """
 
-    def __init__(
-        self,
-        plan: Callable[[Groups], Files | None],
-        state: Callable[[], IOState],
-        remote: Callable[[], bool],
-        options: ReadOptions,
-        retry: RetryPolicy,
-    ) -> None:
-        self.plan, self.state, self.remote = plan, state, remote
-        self.options, self.retry = options, retry
+    plan: Callable[[Groups], Files | None]
+    state: Callable[[], IOState]
+    remote: Callable[[], bool]
+    options: ReadOptions
+    retry: RetryPolicy
 
     def prefetch(
         self,

@@ -396,7 +396,7 @@ class FormatSource(ShardedSource):
             early=early,
         )
         try:
-            opened = self._prefetch_copies([g[0] for g in groups])
+            opened = self.cached_copies.prefetch([g[0] for g in groups])
 
             def one(k: int) -> list[dict[str, Any]]:
                 got = early.pop(k, None)
@@ -420,7 +420,7 @@ class FormatSource(ShardedSource):
                 for p, record in zip([] if positions is None else positions.tolist(), records):
                     out[p] = record
             if opened:
-                self._close_evicted_copies()
+                self.cached_copies.close_evicted()
             return out
         finally:
             self.ranges.release(fetched)
