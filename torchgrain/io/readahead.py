@@ -100,7 +100,7 @@ class _NextUses:
             for shard, k in zip(uniq.tolist(), first.tolist()):
                 self.future.setdefault(shard, collections.deque()).append(int(at[k]))
             self.scan = stop
-        hints: dict[str, int | None] = {}
+        hints: dict[int, int | None] = {}
         for shard in set(self.future) | set(self.told):
             uses = self.future.get(shard)
             while uses and uses[0] < reached:
@@ -108,9 +108,10 @@ class _NextUses:
             use = uses[0] if uses else None
             if self.told.get(shard, -1) != use:
                 self.told[shard] = use
-                hints[src._paths[shard]] = use
+                hints[shard] = use
         if hints:
-            src.cache.advise(hints)
+            paths = src.paths
+            src.cache.advise({paths[shard]: use for shard, use in hints.items()})
 
 
 class ShardReadAhead:
