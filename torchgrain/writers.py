@@ -200,15 +200,11 @@ def write_array_record(
         # only then publish the new shards. A crash in between leaves either complete new
         # shards without a manifest (still readable, counted from their footers) or an
         # incomplete -of-N shard set, which sources refuse: never old and new mixed.
-        if os.path.exists(manifest_path):
-            os.unlink(manifest_path)
-        if os.path.exists(os.path.join(root, INDEX_NAME)):
-            os.unlink(os.path.join(root, INDEX_NAME))
-        if old is not None:
-            for info in old.shards:
-                stale = os.path.join(root, info.path)
-                if os.path.exists(stale):
-                    os.unlink(stale)
+        old_shards = old.shards if old is not None else []
+        for name in (MANIFEST_NAME, INDEX_NAME, *(info.path for info in old_shards)):
+            stale = os.path.join(root, name)
+            if os.path.exists(stale):
+                os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
             publish(t, f)
@@ -257,10 +253,7 @@ def records_to_table(records: Sequence[dict[str, Any]]) -> Any:
     """
     import pyarrow as pa
 
-    keys: dict[str, None] = {}
-    for r in records:
-        for k in r:
-            keys.setdefault(k, None)
+    keys = dict.fromkeys(k for r in records for k in r)
     arrays = []
     for k in keys:
         values = [r.get(k) for r in records]
