@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -170,10 +171,10 @@ class PadCollate:
                 )
         keys = self._keys_of(batch)
         out: dict[str, Any] = {}
-        padded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for key in keys:
-            rows = [_as_row(rec[key], key, i) for i, rec in enumerate(batch)]
-            padded[key] = self._pad_rows(key, rows)
+        padded = {
+            key: self._pad_rows(key, [_as_row(rec[key], key, i) for i, rec in enumerate(batch)])
+            for key in keys
+        }
         rest = [{k: v for k, v in rec.items() if k not in padded} for rec in batch]
         if rest[0]:
             out.update(default_collate(rest))
@@ -224,11 +225,8 @@ class PadCollate:
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
         longest = int(lengths.max())
         width = self._width(key, longest, int(lengths.argmax()))
-        dtype = rows[0].dtype
-        for r in rows[1:]:
-            dtype = torch.promote_types(dtype, r.dtype)
         pad = self._pad_value(key)
-        dtype = dtype_holding(dtype, pad)
+        dtype = dtype_holding(functools.reduce(torch.promote_types, (r.dtype for r in rows)), pad)
         out = torch.full((len(rows), width), pad, dtype=dtype)
         for i, r in enumerate(rows):
             n = len(r)
@@ -257,9 +255,7 @@ class PadCollate:
             ]
         else:
             keys = [k for k, v in batch.items() if k not in _NOT_PADDED and _is_column_sequence(v)]
-        padded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for key in keys:
-            padded[key] = self._pad_column(key, batch[key], n)
+        padded = {key: self._pad_column(key, batch[key], n) for key in keys}
         rest = ColumnBatch({k: v for k, v in batch.items() if k not in padded}, num_rows=n)
         out = collate_columns([rest]) if dict.__len__(rest) else {}
         return self._finish(batch.keys(), out, padded)
@@ -296,8 +292,7 @@ class PadCollate:
         padded: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> dict[str, Any]:
         out = collated
-        for key, (tensor, _) in padded.items():
-            out[key] = tensor
+        out.update({key: tensor for key, (tensor, _) in padded.items()})
         mask_name = self.attention_mask
         if mask_name and mask_name not in padded and mask_name not in out and padded:
             first = next(iter(padded))
