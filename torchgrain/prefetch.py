@@ -337,12 +337,9 @@ class _PrefetchIterator(Iterator[Any]):
                 return
             thread.join()
         self._state = self._thread = None
-        # Drop batches nobody will consume.
-        while True:
-            try:
-                state.queue.get_nowait()
-            except queue.Empty:
-                break
+        # Drop batches nobody will consume (the producer has stopped: nothing comes in).
+        while not state.queue.empty():
+            state.queue.get_nowait()
         # Pinned buffers may still be read by in-flight copies: wait for them before freeing.
         for ready, _ in state.pending:
             ready.synchronize()
