@@ -109,14 +109,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for i in range(len(src.paths))
     ]
     fs = get_filesystem(src.paths[0])[0] if src.paths else None
-    sizes: list[int] = []
-    for (size, _), p in zip(integrity, src.paths):
-        if size is not None:
-            sizes.append(size)
-        else:
-            sizes.append(
-                remote.file_size(fs, get_filesystem(p)[1], url=p) if fs is not None else -1
-            )
+    sizes = [
+        remote.file_size(fs, get_filesystem(p)[1], url=p) if size is None else size
+        for (size, _), p in zip(integrity, src.paths)
+    ]
     # Types of every key, nested dicts flattened to "a/b", from the sampled records.
     keys: dict[str, str] = {}
     for rec in samples:
@@ -564,17 +560,17 @@ def build_parser() -> argparse.ArgumentParser:
     formats = ("auto", *registered())
     codecs = ", ".join(["auto", *available_codecs()])
     markers = "; ".join(f"{f.marker}: {f.name}" for f in registered().values() if f.marker)
+    markers = f" ({markers})" if markers else ""
+    auto = "auto: from its file names"
+
+    def format_option(parser: Any, flag: str, help: str, **kwargs: Any) -> None:
+        parser.add_argument(flag, default="auto", choices=formats, help=help, **kwargs)
+
     i = command("inspect", "shards, record count, keys, schema, codec, samples")
     i.add_argument(
         "path", nargs="+", metavar="PATH", help="dataset directory, glob, file(s) or URL"
     )
-    i.add_argument(
-        "--format",
-        default="auto",
-        choices=formats,
-        help="the dataset's format; auto: from its file names"
-        + (f" ({markers})" if markers else ""),
-    )
+    format_option(i, "--format", f"the dataset's format; {auto}{markers}")
     i.add_argument(
         "--codec",
         default="auto",
@@ -636,17 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="ArrayRecord: zstd[:LEVEL] (default zstd:3), snappy, brotli, uncompressed; "
         "Parquet: zstd (default), snappy, gzip, lz4, none",
     )
-    c.add_argument(
-        "--format",
-        dest="src_format",
-        default="auto",
-        choices=formats,
-        help="the input's format; auto: from its file names",
-    )
+    format_option(c, "--format", f"the input's format; {auto}", dest="src_format")
     # The earlier name of --format, still accepted.
-    c.add_argument(
-        "--src-format", dest="src_format", default="auto", choices=formats, help=argparse.SUPPRESS
-    )
+    format_option(c, "--src-format", argparse.SUPPRESS, dest="src_format")
     c.add_argument(
         "--tokenize",
         metavar="TOKENIZER_JSON",
@@ -720,12 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     number(b, "--repeats", _positive_int, 3, "rounds per access order (the spread)")
     number(b, "--prefetch-factor", _positive_int, 4, "DataLoader prefetch_factor")
-    b.add_argument(
-        "--format",
-        default="auto",
-        choices=formats,
-        help="the dataset's format; auto: from its file names",
-    )
+    format_option(b, "--format", f"the dataset's format; {auto}")
     b.add_argument("--columns", nargs="+", default=None, help="Parquet columns to read")
     number(
         b,
