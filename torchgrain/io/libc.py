@@ -1,4 +1,5 @@
-"""The C library's ``mmap`` and ``munmap``, typed for ctypes, loaded once per process.
+"""The C library's ``mmap`` and ``munmap``, typed for ctypes, loaded once per process;
+its allocator's ``malloc_trim``.
 
 Python's :mod:`mmap` cannot map at a chosen address (:mod:`torchgrain.io.region` needs
 that) and keeps a file descriptor per map (:mod:`torchgrain.sources.parquet.arrow_map`
@@ -8,6 +9,7 @@ Example:
     >>> lib = libc()
     >>> lib is None or callable(lib.mmap)
     True
+    >>> trim_heap()
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-__all__ = ["libc"]
+__all__ = ["libc", "trim_heap"]
 
 _libc: Any = None  # None: not loaded yet; False: not available here
 
@@ -44,3 +46,14 @@ def libc() -> Any | None:
         munmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc = lib
     return _libc or None
+
+
+def trim_heap() -> None:
+    """Give the C allocator's free memory back to the system: glibc's ``malloc_trim(0)``,
+    which releases the free pages of every arena, those of threads that have exited
+    included (what an index build's threads freed). Nothing where the C library has no
+    ``malloc_trim`` (musl, macOS)."""
+    lib = libc()
+    trim = getattr(lib, "malloc_trim", None) if lib is not None else None
+    if trim is not None:
+        trim(0)

@@ -25,6 +25,7 @@ from torchgrain.formats.arrayrecord.riegeli import (
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io.file_hash import file_checksum
 from torchgrain.io.fs import map_files
+from torchgrain.io.libc import trim_heap
 from torchgrain.sources.node_index import store
 from torchgrain.sources.node_index.store import (
     COUNTERS,
@@ -409,7 +410,12 @@ def build_arrayrecord_index(
         COUNTERS["arrayrecord_builds"] += 1
         return meta
 
-    return build_index(ArrayRecordIndex, out, _AR_COLUMNS, fill)
+    ix = build_index(ArrayRecordIndex, out, _AR_COLUMNS, fill)
+    # The footers' parses were freed into the build threads' malloc arenas, which glibc
+    # keeps: given back now that the threads are gone (10^7 records in 64 shards, 4
+    # threads: 37 MiB of private memory kept after the build, 24-32 MiB with this).
+    trim_heap()
+    return ix
 
 
 def _beside_key(names: Iterable[str]) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.formats.index_file import INDEX_SUFFIX
+from torchgrain.io.libc import trim_heap
 from torchgrain.sources.node_index import store
 from torchgrain.sources.node_index.store import (
     COUNTERS,
@@ -166,7 +167,9 @@ def tfrecord_index(
             COUNTERS["tfrecord_builds"] += 1
             return meta
 
-        return build_index(TFRecordIndex, out, _TF_COLUMNS, fill)
+        ix = build_index(TFRecordIndex, out, _TF_COLUMNS, fill)
+        trim_heap()  # what the walks freed in the build threads' malloc arenas
+        return ix
 
     if index_dir is None:
         return build(None)
