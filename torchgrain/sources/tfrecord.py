@@ -47,7 +47,6 @@ from torchgrain.formats.tfrecord import (
     DEFAULT_MAX_RECORD_BYTES,
     OFFSETS_CHUNK,
     crc32c_bytes,
-    index_tfrecord,
     iter_tfrecord,
     iter_tfrecord_offsets,
     masked_crc32c,
@@ -61,7 +60,7 @@ from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_file
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.region import RegionUnavailable, ShardRegion
-from torchgrain.io.retry import RetryPolicy, retry_call, using
+from torchgrain.io.retry import RetryPolicy, using
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.options import ReadOptions
@@ -583,12 +582,7 @@ def _dataset_index(
             )
             walked: Iterable[np.ndarray] = [np.array([sum(1 for _ in records)], dtype=np.int64)]
         elif remote:
-            # One request per record: a remote walk is retried whole.
-            walked = [
-                retry_call(
-                    index_tfrecord, path, filesystem=fs, url=path, policy=retry, what="indexing"
-                )
-            ]
+            walked = _remote_walk(path, fs, infos[i][0], retry)
         else:
             # The size the index records: a file appended to meanwhile is indexed as
             # it was when its size was read.
@@ -613,6 +607,21 @@ def _dataset_index(
         index_dir=None if index_dir is None else os.fspath(index_dir),
         cost_of=cost_of,
     )
+
+
+def _remote_walk(
+    path: str, fs: fsspec.AbstractFileSystem, size: int, retry: RetryPolicy | None
+) -> Iterator[np.ndarray]:
+    """A remote file's offsets a chunk at a time, as a local walk's (a file of any size in
+    bounded memory: walked whole, its offsets took 8 bytes a record at once), each ranged
+    read retried under the dataset's policy."""
+    walk = iter_tfrecord_offsets(path, filesystem=fs, size=size)
+    while True:
+        with using(retry):  # (set around each step: the generator runs in its caller's context)
+            part = next(walk, None)
+        if part is None:
+            return
+        yield part
 
 
 # A per-file cache is a .npy file of int64 offsets (or of one count), read and written
