@@ -89,11 +89,8 @@ class RowGroup:
 
     def charge(self) -> int:
         """What the cache is charged for this entry and its preparations."""
-        extra = 0
-        for prepared in (self.views, self.rows, self.templates):
-            if prepared is not None:
-                extra += prepared.nbytes
-        return self.nbytes + extra
+        prepared = (self.views, self.rows, self.templates)
+        return self.nbytes + sum(p.nbytes for p in prepared if p is not None)
 
 
 def int64_array(values: Any) -> pa.Array:
@@ -228,9 +225,11 @@ def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
     return values
 
 
-def _rows_with_null_items(child: pa.Array, outer: np.ndarray, n: int) -> np.ndarray | None:
-    """Which of the ``n`` rows (items ``child[outer[i]:outer[i + 1]]``) hold a null item;
-    None when none does."""
+def _rows_with_null_items(
+    child: pa.Array, outer: np.ndarray, n: int, mask: np.ndarray | None
+) -> np.ndarray | None:
+    """Which of the ``n`` rows (items ``child[outer[i]:outer[i + 1]]``) hold a null item
+    and are not null themselves (``mask``); None when none holds one."""
     child_mask = _null_mask(child)
     if child_mask is None:
         return None
@@ -241,6 +240,8 @@ def _rows_with_null_items(child: pa.Array, outer: np.ndarray, n: int) -> np.ndar
     owner = np.searchsorted(outer, pos, side="right") - 1
     flags = np.zeros(n, dtype=bool)
     flags[owner] = True
+    if mask is not None:
+        flags &= ~mask
     return flags
 
 
@@ -311,15 +312,12 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
     overhead = n * _PY_OBJECT_BYTES
     if pa.types.is_null(t):
         return Column("plain", [None] * n, n * 8)
-    if _is_number(t):
-        mask = _null_mask(arr)
-        values = _primitive_numpy(arr).tolist()
-        return Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
-    if _is_temporal(t):
-        # numpy scalars keep the unit (nanoseconds included); Python datetime cannot.
-        mask = _null_mask(arr)
-        values = list(_primitive_numpy(arr))
-        return Column("plain", _with_nulls(values, mask), arr.nbytes + overhead)
+    if _is_number(t) or _is_temporal(t):
+        # Temporal values as numpy scalars, which keep the unit (nanoseconds included);
+        # Python datetime cannot.
+        raw = _primitive_numpy(arr)
+        values = raw.tolist() if _is_number(t) else list(raw)
+        return Column("plain", _with_nulls(values, _null_mask(arr)), arr.nbytes + overhead)
     if any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
     if _is_list(t):
@@ -327,7 +325,8 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
         if converted is not None:
             return converted
     elif pa.types.is_map(t):
-        converted = _maps_to_python(arr)
+        mask = _null_mask(arr)
+        converted = _python_lists(arr, mask, _offsets(arr).tolist(), arr.values.flatten())
         if converted is not None:
             return converted
     elif pa.types.is_struct(t):
@@ -356,16 +355,14 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
     if not _is_list(child.type):
         leaf = _leaf_numpy(child)
         if leaf is None:
-            return _lists_to_python(arr, mask, bounds, child)
+            return _python_lists(arr, mask, bounds, [child])
         if pa.types.is_fixed_size_list(arr.type):
             k = arr.type.list_size
             rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
         else:
             rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
-        holed = _rows_with_null_items(child, outer, n)
+        holed = _rows_with_null_items(child, outer, n, mask)
         if holed is not None:
-            if mask is not None:
-                holed &= ~mask
             items = convert_column(child).values  # plain: numbers / temporal, with None
             for i in np.flatnonzero(holed).tolist():
                 rows[i] = items[bounds[i] : bounds[i + 1]]
@@ -374,14 +371,12 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
         leaf = _leaf_numpy(grandchild)
         if leaf is None:
             return None
-        holed = _rows_with_null_items(child, outer, n)
-        deep = _rows_with_null_items(grandchild, inner[outer], n) if grandchild.null_count else None
+        holed = _rows_with_null_items(child, outer, n, mask)
+        deep = _rows_with_null_items(grandchild, inner[outer], n, mask)
         if holed is None:
             holed = deep
         elif deep is not None:
             holed |= deep
-        if holed is not None and mask is not None:
-            holed &= ~mask
         if (
             holed is None
             and pa.types.is_fixed_size_list(arr.type)
@@ -408,31 +403,19 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
     return Column("copy", _with_nulls(rows, mask), leaf.nbytes + n * 2 * _PY_OBJECT_BYTES)
 
 
-def _lists_to_python(
-    arr: pa.Array, mask: np.ndarray | None, bounds: list[int], child: pa.Array
+def _python_lists(
+    arr: pa.Array, mask: np.ndarray | None, bounds: list[int], children: list[pa.Array]
 ) -> Column | None:
-    """Lists of strings or bytes as Python lists."""
-    values = convert_column(child)
-    if not values.plain:
+    """Lists of strings or bytes (one child) as Python lists, maps (two: keys, items) as
+    lists of ``(key, value)`` tuples like ``to_pylist``; None if a child is not plain."""
+    parts = [convert_column(c) for c in children]
+    if not all(p.plain for p in parts):
         return None
-    items = values.values
     n = len(arr)
+    items = parts[0].values if len(parts) == 1 else list(zip(*(p.values for p in parts)))
     rows: list[Any] = [items[bounds[i] : bounds[i + 1]] for i in range(n)]
-    return Column("lists", _with_nulls(rows, mask), values.nbytes + n * _PY_OBJECT_BYTES)
-
-
-def _maps_to_python(arr: pa.MapArray) -> Column | None:
-    """Map columns as lists of ``(key, value)`` tuples, like ``to_pylist``."""
-    n = len(arr)
-    mask = _null_mask(arr)
-    bounds = _offsets(arr).tolist()
-    key_arr, item_arr = arr.values.flatten()
-    keys, items = convert_column(key_arr), convert_column(item_arr)
-    if not (keys.plain and items.plain):
-        return None
-    pairs = list(zip(keys.values, items.values))
-    rows: list[Any] = [pairs[bounds[i] : bounds[i + 1]] for i in range(n)]
-    nbytes = keys.nbytes + items.nbytes + (len(pairs) + n) * _PY_OBJECT_BYTES
+    pairs = len(items) if len(parts) > 1 else 0  # a map's tuples
+    nbytes = sum(p.nbytes for p in parts) + (pairs + n) * _PY_OBJECT_BYTES
     return Column("lists", _with_nulls(rows, mask), nbytes)
 
 
@@ -546,9 +529,7 @@ def _column(arr: pa.Array) -> tuple[_Column, int]:
         if leaf is None:
             return _Column(_GENERIC), 0
         if child.null_count:
-            holed = _rows_with_null_items(child, _list_offsets(arr)[0], n)
-            if holed is not None and mask is not None:
-                holed &= ~mask
+            holed = _rows_with_null_items(child, _list_offsets(arr)[0], n, mask)
             if holed is not None and holed.any():
                 return _Column(_GENERIC), 0  # rows with null items: Python lists
         if leaf.base is None:
@@ -698,16 +679,6 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
     if kind == _BOOL:
         bits = [v.a for v in views]
         return [_BOOLS[bits[k][r]] for k, r in zip(ks, rs)]
-    if kind in (_STR, _BIN):
-        data = [v.a for v in views]
-        offs = [v.b for v in views]
-        out = []
-        for k, r in zip(ks, rs):
-            o = offs[k]
-            out.append(data[k][o[r] : o[r + 1]])
-        if kind == _STR:
-            return [str(v, "utf-8") for v in out]
-        return [bytes(v) for v in out]
     if kind == _FIXED_BIN:
         data = [v.a for v in views]
         w = views[0].b
@@ -715,14 +686,18 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
     if kind == _MATRIX:
         mats = [v.a for v in views]
         return [mats[k][r].copy() for k, r in zip(ks, rs)]
-    # _ARRAY: a fresh copy of each row's slice of the leaf values
-    leaves = [v.a for v in views]
+    # _STR, _BIN, _ARRAY: each row's slice of the values, decoded or copied
+    data = [v.a for v in views]
     offs = [v.b for v in views]
     out = []
     for k, r in zip(ks, rs):
         o = offs[k]
-        out.append(leaves[k][o[r] : o[r + 1]].copy())
-    return out
+        out.append(data[k][o[r] : o[r + 1]])
+    if kind == _STR:
+        return [str(v, "utf-8") for v in out]
+    if kind == _BIN:
+        return [bytes(v) for v in out]
+    return [v.copy() for v in out]
 
 
 def _generic(views: list[_Column], plan: GatherPlan) -> list[Any]:
@@ -844,21 +819,24 @@ def arrow_column(col: pa.ChunkedArray | pa.Array) -> Any:
 
 
 def _fast(arr: pa.Array) -> Any:
-    t = arr.type
-    if _is_number(t):
-        return _copy(_primitive_numpy(arr))
-    if _is_string(t) or _is_binary(t):
-        n = len(arr)
-        offsets = _offsets(arr)
-        lo, hi = int(offsets[0]), int(offsets[-1])
-        out_offsets = empty((n + 1,), np.int64)
-        np.subtract(offsets, lo, out=out_offsets, casting="unsafe")
-        return Ragged(
-            _copy(_binary_data(arr)[lo:hi]), out_offsets, "str" if _is_string(t) else "bytes"
-        )
-    if _is_list(t):
-        return _lists(arr)
-    return None
+    """The columns :func:`_view` reads, copied: lists of numbers whose rows have one
+    length as a matrix; and rectangular lists of lists of numbers ``[B, a, b]``."""
+    view = _view(arr)
+    if view is None:
+        return _cubes(arr) if _is_list(arr.type) else None
+    kind, data, offsets, ragged_kind = view
+    if kind == "dense":
+        return _copy(data)
+    n = len(arr)
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    values = data[lo:hi]
+    if ragged_kind == "array":
+        lengths = np.diff(offsets)
+        if n and (lengths == lengths[0]).all():
+            return _copy(values.reshape(n, int(lengths[0])))
+    out_offsets = empty((n + 1,), np.int64)
+    np.subtract(offsets, lo, out=out_offsets, casting="unsafe")
+    return Ragged(_copy(values), out_offsets, ragged_kind)
 
 
 def _copy(values: np.ndarray) -> np.ndarray:
@@ -867,34 +845,17 @@ def _copy(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _leaf(arr: pa.Array) -> np.ndarray | None:
-    if arr.null_count or not _is_number(arr.type):
-        return None
-    return _primitive_numpy(arr)
-
-
-def _lists(arr: pa.Array) -> Any:
+def _cubes(arr: pa.Array) -> np.ndarray | None:
+    """Lists of lists of numbers without nulls, every row ``a`` lists of ``b``, as one
+    ``[B, a, b]`` array; else None."""
     n = len(arr)
     outer, child = _list_offsets(arr)
-    if not _is_list(child.type):
-        leaf = _leaf(child)
-        if leaf is None:
-            return None
-        lengths = np.diff(outer)
-        values = leaf[int(outer[0]) : int(outer[-1])]
-        if n and (lengths == lengths[0]).all():
-            return _copy(values.reshape(n, int(lengths[0])))
-        offsets = empty((n + 1,), np.int64)
-        np.subtract(outer, outer[0], out=offsets)
-        return Ragged(_copy(values), offsets, "array")
-    if child.null_count:
+    if not _is_list(child.type) or child.null_count:
         return None
     inner, grandchild = _list_offsets(child)
-    if _is_list(grandchild.type):
+    if grandchild.null_count or not _is_number(grandchild.type):
         return None
-    leaf = _leaf(grandchild)
-    if leaf is None:
-        return None
+    leaf = _primitive_numpy(grandchild)
     rows = np.diff(outer)
     if not n or not (rows == rows[0]).all():
         return None
@@ -940,7 +901,7 @@ class GroupViews:
         self.values: dict[int, memoryview] = {}  # a ragged column's values, as bytes
         at = 0
         for pos, col in enumerate(table.columns):
-            view = _view(col)
+            view = _view(col.chunk(0)) if col.num_chunks == 1 else None
             if view is None:
                 continue
             kind, data, offsets, ragged_kind = view
@@ -975,11 +936,8 @@ class GroupViews:
         )
 
 
-def _view(col: pa.ChunkedArray) -> tuple[str, np.ndarray, Any, str] | None:
+def _view(arr: pa.Array) -> tuple[str, np.ndarray, Any, str] | None:
     """``(kind, data, offsets, ragged kind)`` of a column that gathers without Arrow."""
-    if col.num_chunks != 1:
-        return None
-    arr = col.chunk(0)
     if arr.null_count:
         return None
     t = arr.type
