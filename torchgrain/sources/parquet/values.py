@@ -668,26 +668,22 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
     """One column's values at ``(ks[i], rs[i])`` (null rows hold whatever their slot does)."""
     if kind == _NONE:
         return [None] * n
+    data = [v.a for v in views]
     if kind in (_NUM, _SCALAR):
         if len(views) == 1:
-            a = views[0].a
+            a = data[0]
             if kind == _NUM and n > 64:  # many rows of one row group: numpy's C loop
                 return np.asarray(a)[rs].tolist()
             return [a[r] for r in rs]
-        arrs = [v.a for v in views]
-        return [arrs[k][r] for k, r in zip(ks, rs)]
+        return [data[k][r] for k, r in zip(ks, rs)]
     if kind == _BOOL:
-        bits = [v.a for v in views]
-        return [_BOOLS[bits[k][r]] for k, r in zip(ks, rs)]
+        return [_BOOLS[data[k][r]] for k, r in zip(ks, rs)]
     if kind == _FIXED_BIN:
-        data = [v.a for v in views]
         w = views[0].b
         return [bytes(data[k][r * w : r * w + w]) for k, r in zip(ks, rs)]
     if kind == _MATRIX:
-        mats = [v.a for v in views]
-        return [mats[k][r].copy() for k, r in zip(ks, rs)]
+        return [data[k][r].copy() for k, r in zip(ks, rs)]
     # _STR, _BIN, _ARRAY: each row's slice of the values, decoded or copied
-    data = [v.a for v in views]
     offs = [v.b for v in views]
     out = []
     for k, r in zip(ks, rs):
