@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import mmap
 import os
 import secrets
@@ -307,12 +308,7 @@ def _materialize(desc: tuple[Any, ...], typed: dict[str, torch.Tensor]) -> Any:
     if tag == _IN_SLOT:
         _, offset, dtype, shape = desc
         flat = typed[dtype]  # the batch's memory as this dtype (offsets are aligned)
-        stride = []
-        step = 1
-        for n in reversed(shape):
-            stride.append(step)
-            step *= n
-        return flat.as_strided(shape, stride[::-1], offset // flat.element_size())
+        return flat.narrow(0, offset // flat.element_size(), math.prod(shape)).view(shape)
     if tag == _RAGGED:
         return Ragged(_materialize(desc[2], typed), _materialize(desc[3], typed), desc[1])
     return desc[1]
