@@ -148,14 +148,7 @@ class ResumableSampler(DistributedSampler):
         # (deprecated) the DataLoader shape an unbound sampler found on the call stack.
         self._binding: LoaderBinding | None = None
         self._found_shape: tuple[int | None, int] | None = None
-        # The latest iteration: its world, layout, first position, and a probe for how
-        # far it got (list iterator of the current chunk and that chunk's first position).
-        self._it_world: tuple[int, int] | None = None
-        self._it_layout = self._fresh_layout()
-        self._it_start = 0
-        self._it_chunk_start = 0
-        self._it_chunk_len = 0
-        self._it_chunk: Any = None
+        self._forget_iteration()
         # (seed, epoch) of the latest pass started since the last set_epoch or
         # load_state_dict (None: none), and whether the sampler warned already of a pass
         # that repeated it (EpochNotSetWarning) or of an empty dataset.
@@ -327,6 +320,14 @@ class ResumableSampler(DistributedSampler):
     def _fresh_layout(self) -> np.ndarray:
         return np.array([[0, self._n]], dtype=np.int64)
 
+    def _forget_iteration(self) -> None:
+        # The latest iteration: its world, layout, first position, and a probe for how
+        # far it got (list iterator of the current chunk and that chunk's first position).
+        self._it_world: tuple[int, int] | None = None
+        self._it_layout = self._fresh_layout()
+        self._it_start = self._it_chunk_start = self._it_chunk_len = 0
+        self._it_chunk: Any = None
+
     def _shares(self, length: int, replicas: int) -> Shares:
         """How ``replicas`` ranks of this sampler share a virtual stream of ``length``."""
         pad_to = self._pad_to() if replicas == 1 else 1
@@ -425,10 +426,7 @@ class ResumableSampler(DistributedSampler):
             self._read_ahead(None, 0, 0)  # the old order's read-ahead stops
             self.epoch = epoch
             self._loaded = None
-            self._it_world = None
-            self._it_layout = self._fresh_layout()
-            self._it_start = self._it_chunk_start = self._it_chunk_len = 0
-            self._it_chunk = None
+            self._forget_iteration()
         self._pass_key = None  # the same epoch again, said out loud: no warning
         self._propagate_epoch()
 
