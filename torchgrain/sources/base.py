@@ -612,10 +612,6 @@ class ShardedSource(Source):
         with st.lock:
             st.io["retries"] += 1
 
-    def _parallel(self, n: int) -> bool:
-        """Whether ``n`` shard reads of one batch should overlap on ``io_threads``."""
-        return self._reads_remote() and self.io_threads > 1 and n > 1
-
     def _map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> Iterable[T]:
         """``fn`` over ``items`` (one per shard or block of a batch), in order.
 
@@ -623,7 +619,7 @@ class ShardedSource(Source):
         latencies overlap (tf.data's parallel interleave); local ones run here, where
         they are fastest.
         """
-        if not self._parallel(len(items)):
+        if not (self._reads_remote() and self.io_threads > 1 and len(items) > 1):
             return (fn(x) for x in items)
         return self._pool().map(fn, items)
 
