@@ -255,9 +255,6 @@ class _Sequential:
     def __init__(self, n: int, start: int) -> None:
         self.n, self.start = n, start % max(n, 1)
 
-    def __len__(self) -> int:
-        return self.n
-
     def __iter__(self) -> Iterator[int]:
         yield from range(self.start, self.n)
         yield from range(self.start)
