@@ -566,16 +566,16 @@ def build_parser() -> argparse.ArgumentParser:
     def format_option(parser: Any, flag: str, help: str, **kwargs: Any) -> None:
         parser.add_argument(flag, default="auto", choices=formats, help=help, **kwargs)
 
+    def codec_option(parser: Any, records: str) -> None:
+        help = f"how {records} records decode (formats with a codec): {codecs}"
+        parser.add_argument("--codec", default="auto", help=help)
+
     i = command("inspect", "shards, record count, keys, schema, codec, samples")
     i.add_argument(
         "path", nargs="+", metavar="PATH", help="dataset directory, glob, file(s) or URL"
     )
     format_option(i, "--format", f"the dataset's format; {auto}{markers}")
-    i.add_argument(
-        "--codec",
-        default="auto",
-        help=f"how encoded records decode (formats with a codec): {codecs}",
-    )
+    codec_option(i, "encoded")
     number(i, "--samples", _non_negative_int, 2, "records to print")
     number(i, "--max-shards", _non_negative_int, 20, "shards to list")
     i.add_argument(
@@ -621,11 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     number(c, "--group-size", _positive_int, 1, "records per ArrayRecord chunk")
     number(c, "--workers", _positive_int, 1, "converter processes")
-    c.add_argument(
-        "--codec",
-        default="auto",
-        help=f"how input records decode (formats with a codec): {codecs}",
-    )
+    codec_option(c, "input")
     c.add_argument(
         "--compression",
         default=None,
