@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import pytest
 
 from torchgrain.sources.node_index import store
 
@@ -28,7 +27,6 @@ def _rows(ix) -> list[int]:
     return ix._a.arrays["a"].tolist()
 
 
-@pytest.mark.xfail(strict=True, reason="a build that outwaits the lock sweeps the holder's temps")
 def test_a_build_that_outwaits_the_lock_leaves_the_holders_build_whole(tmp_path, monkeypatch):
     # A process that waited _LOCK_WAIT for another's build builds too, without the lock:
     # it must not delete the temp files of the build still running under the lock.
@@ -80,7 +78,6 @@ def _in_thread(got: dict, key: str, fn) -> threading.Thread:
     return t
 
 
-@pytest.mark.xfail(strict=True, reason="an unlocked build's temps are swept once the lock is free")
 def test_a_build_that_outwaited_the_lock_keeps_its_temps_once_the_lock_is_free(
     tmp_path, monkeypatch
 ):

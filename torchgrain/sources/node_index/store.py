@@ -38,6 +38,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -697,11 +698,16 @@ def cached_index(
     tmp = ""
     try:
         # (waiting at most _LOCK_WAIT, then building anyway: the rename keeps it whole)
-        with store._lock(name, wait=_LOCK_WAIT):
+        with store._lock(name, wait=_LOCK_WAIT) as held, contextlib.ExitStack() as stack:
             ix = try_open()  # another process may have built it meanwhile
             if ix is None:
-                store._remove_temps(name)  # a killed builder's
-                tmp = store._reserve(name, 0, evict=False)
+                own = name
+                if held:
+                    store._remove_temps(name)  # a killed builder's
+                else:  # its temp files go under a lock of their own: sweeps keep them
+                    own = f"{uuid.uuid4().hex}-{name}"
+                    stack.enter_context(store._lock(own))
+                tmp = store._reserve(own, 0, evict=False)
                 with store._writing(path):
                     build(tmp)
                 store._publish(tmp, path, os.path.getsize(tmp))
