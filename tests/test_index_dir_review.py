@@ -128,7 +128,6 @@ def test_a_build_that_outwaited_the_lock_keeps_its_temps_once_the_lock_is_free(
         assert _rows(got[key]) == list(range(10))
 
 
-@pytest.mark.xfail(strict=True, reason="a lock file that is a directory raises IsADirectoryError")
 @pytest.mark.parametrize(
     "hostile",
     [

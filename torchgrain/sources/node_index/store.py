@@ -88,7 +88,7 @@ _PROGRESS_AFTER = 2.0  # seconds of building before progress is reported
 _PROGRESS_EVERY = 5.0  # seconds between progress lines
 _T = TypeVar("_T")
 # Why an index directory cannot take an index (anything else is raised).
-_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST}
+_UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
 _UNWRITABLE |= DISK_FULL_ERRNOS
 _STAMPS = "verified"  # stamps of index files whose contents were checked
 _LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
