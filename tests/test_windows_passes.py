@@ -60,3 +60,37 @@ def test_a_source_under_windows_and_another_input_gets_one_pass():
             assert set(got[at : at + len(new)]) == new, (name, i)
             at += len(new)
         assert at == len(got), name
+
+
+def test_a_composed_order_says_where_each_of_its_indices_is_read():
+    """A source's read-ahead positions under a composition are where the pass first reads
+    each index, also when there happen to be as many indices as positions (here 6 of
+    each: windows read two or three documents each), not one per position in turn."""
+    import numpy as np
+
+    from torchgrain.io.readahead import _used_at
+
+    s, other = Recorder("s", 8), Recorder("o", 2)
+    orders = []
+    s.read_ahead = lambda order, start, count, position: orders.append(order)
+    ds = tg.concat(
+        [
+            tg.Dataset(other).windows("tokens", 2, **QUIET),
+            tg.Dataset(s).windows("tokens", 2, **QUIET),
+        ]
+    )
+    n = len(ds)
+    ds.read_ahead(lambda a, b: np.arange(a, b), 0, n, lambda: 0)
+    (order,) = orders
+    indices, at = _used_at(order, 0, n)
+    assert len(indices) == n  # the case where counting alone cannot tell
+    read_at: dict[int, int] = {}
+    got: list[int] = []
+    s.__getitems__ = lambda idx, read=Recorder.__getitems__: (got.extend(idx), read(s, idx))[1]
+    for p in range(n):
+        got.clear()
+        ds.__getitems__([p])
+        for j in got:
+            read_at.setdefault(int(j), p)
+    first = dict(reversed(list(zip(indices.tolist(), at.tolist()))))
+    assert first == read_at

@@ -39,6 +39,7 @@ __all__ = [
     "DeclaresCapabilities",
     "Fingerprinted",
     "HasBlockOffsets",
+    "PlacedOrder",
     "ReadsAhead",
     "ReadsBatches",
     "ReadsColumns",
@@ -101,6 +102,21 @@ class ReadsAhead(Protocol, metaclass=_Capability):
         count: int,
         position: Callable[[], int],
     ) -> Any: ...
+
+
+@runtime_checkable
+class PlacedOrder(Protocol):
+    """An ``order`` for :meth:`ReadsAhead.read_ahead` that also says where each index is
+    read: ``placed(a, b)`` gives ``order(a, b)`` and the position in ``[a, b)`` of each.
+
+    A composition's order for one source under it is one (a source behind another input
+    gets fewer indices than positions, one under token windows more); a sampler's order,
+    with one index per position, needs not be.
+    """
+
+    def __call__(self, a: int, b: int) -> np.ndarray: ...
+
+    def placed(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @runtime_checkable

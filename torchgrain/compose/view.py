@@ -33,7 +33,6 @@ import hashlib
 import itertools
 import reprlib
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ import numpy as np
 from torchgrain.adapters import checked_batch
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.errors import SchemaMismatchError
-from torchgrain.protocols import ReadsAhead, SetsEpoch
+from torchgrain.protocols import PlacedOrder, ReadsAhead, SetsEpoch
 from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
 
@@ -350,7 +349,7 @@ class Composed(Source):
         cache checks of them together (None when none has any)."""
         fits: list[Any] | None = None
         for target in _reading_ahead(self):
-            target_order = None if order is None else partial(_pass_order, self, target, order)
+            target_order = None if order is None else _SourceOrder(self, target, order)
             got = target.read_ahead(target_order, start, count, position)
             if got is not None:
                 fits = [*(fits or []), *got]
@@ -503,29 +502,41 @@ def _reading_ahead(node: Composed) -> list[Any]:
     return list(found.values())
 
 
-def _pass_order(
-    node: Composed, target: Any, order: Callable[[int, int], np.ndarray], a: int, b: int
-) -> np.ndarray:
-    """The pass's order for ``target``, a source under ``node``: its indices that the
-    positions ``[a, b)`` read, in the pass's order (bound by ``functools.partial``: a
-    picklable order)."""
-    at: list[np.ndarray] = [np.zeros(0, np.int64)]
-    got: list[np.ndarray] = [np.zeros(0, np.int64)]
+class _SourceOrder:
+    """The pass's order for ``target``, a source under ``node`` (a picklable
+    :class:`~torchgrain.protocols.PlacedOrder`): its indices that the positions
+    ``[a, b)`` read, in the pass's order, and the position each is read at."""
 
-    def resolve(node: Composed, indices: np.ndarray, rows: np.ndarray) -> None:
-        if len(indices) == 0:
-            return
-        pick, which, local = node.pass_plan(indices)
-        rows = rows[pick]
-        for k, child in enumerate(map(_beneath, node.children)):
-            mine = which == k
-            if child is target:
-                at.append(rows[mine])
-                got.append(local[mine])
-            elif isinstance(child, Composed):
-                resolve(child, local[mine], rows[mine])
+    def __init__(self, node: Composed, target: Any, order: Callable[[int, int], np.ndarray]):
+        self.node, self.target, self.order = node, target, order
 
-    indices = np.asarray(order(a, b), np.int64)
-    resolve(node, indices, np.arange(len(indices)))
-    # Several paths to the target (children of several views) merged in pass order.
-    return np.concatenate(got)[np.argsort(np.concatenate(at), kind="stable")]
+    def __call__(self, a: int, b: int) -> np.ndarray:
+        return self.placed(a, b)[0]
+
+    def placed(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+        at: list[np.ndarray] = [np.zeros(0, np.int64)]
+        got: list[np.ndarray] = [np.zeros(0, np.int64)]
+
+        def resolve(node: Composed, indices: np.ndarray, rows: np.ndarray) -> None:
+            if len(indices) == 0:
+                return
+            pick, which, local = node.pass_plan(indices)
+            rows = rows[pick]
+            for k, child in enumerate(map(_beneath, node.children)):
+                mine = which == k
+                if child is self.target:
+                    at.append(rows[mine])
+                    got.append(local[mine])
+                elif isinstance(child, Composed):
+                    resolve(child, local[mine], rows[mine])
+
+        if isinstance(self.order, PlacedOrder):
+            indices, rows = (np.asarray(x, np.int64) for x in self.order.placed(a, b))
+        else:
+            indices = np.asarray(self.order(a, b), np.int64)
+            rows = np.arange(a, a + len(indices), dtype=np.int64)
+        resolve(self.node, indices, rows)
+        # Several paths to the target (children of several views) merged in pass order.
+        where = np.concatenate(at)
+        keep = np.argsort(where, kind="stable")
+        return np.concatenate(got)[keep], where[keep]

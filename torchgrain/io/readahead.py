@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.io import process
+from torchgrain.protocols import PlacedOrder
 
 __all__ = ["RangeReadAhead", "ShardReadAhead"]
 
@@ -53,11 +54,11 @@ def _used_at(
     order: Callable[[int, int], np.ndarray], a: int, b: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The indices ``order`` gives for the pass's positions ``[a, b)``, and the position
-    each is used at: its own when there is one per position (a source's own pass), else
-    ``b - 1``. A composed pass gives a source only its own indices, fewer than the
-    positions (behind another input) or more (token windows' documents), known to lie in
-    ``[a, b)``: taken as used at the last, none counts as passed before the reader is
-    there.
+    each is used at: what a :class:`~torchgrain.protocols.PlacedOrder` (a composition's
+    order for a source under it) says, else its own when there is one per position (a
+    source's own pass), else ``b - 1`` (an order made by hand that gives fewer or more,
+    known to lie in ``[a, b)``: taken as used at the last, none counts as passed before
+    the reader is there).
 
     Example:
         >>> _used_at(lambda a, b: [7, 3, 5], 10, 13)[1].tolist()
@@ -65,6 +66,9 @@ def _used_at(
         >>> _used_at(lambda a, b: [7], 10, 13)[1].tolist()
         [12]
     """
+    if isinstance(order, PlacedOrder):
+        indices, at = order.placed(a, b)
+        return np.asarray(indices, np.int64), np.asarray(at, np.int64)
     indices = np.asarray(order(a, b), np.int64)
     if len(indices) == b - a:
         return indices, np.arange(a, b, dtype=np.int64)
