@@ -705,7 +705,7 @@ def cached_index(
                 if held:
                     store._remove_temps(name)  # a killed builder's
                 else:  # its temp files go under a lock of their own: sweeps keep them
-                    own = f"{uuid.uuid4().hex}-{name}"
+                    own = f"{uuid.uuid4().hex[:8]}-{name}"
                     stack.enter_context(store._lock(own))
                 tmp = store._reserve(own, 0, evict=False)
                 with store._writing(path):
