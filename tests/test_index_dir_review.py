@@ -156,7 +156,6 @@ def test_a_lock_file_that_is_a_directory_does_not_fail_the_build(tmp_path, hosti
     assert not [n for n in os.listdir(d) if n.startswith(".k.")]  # nothing partial
 
 
-@pytest.mark.xfail(strict=True, reason="a rebuilt index keeps its evicted lock file's old time")
 def test_an_index_built_again_after_its_eviction_is_the_most_recently_used(tmp_path, monkeypatch):
     d = tmp_path / "index"
 

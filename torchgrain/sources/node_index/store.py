@@ -711,6 +711,8 @@ def cached_index(
                 with store._writing(path):
                     build(tmp)
                 store._publish(tmp, path, os.path.getsize(tmp))
+                with contextlib.suppress(OSError):  # its last use: the lock may be older
+                    os.utime(path + ".lock")
                 ix = open_index(path, cls)
                 _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
                 announce(
