@@ -36,7 +36,6 @@ def test_a_shallow_copy_of_a_source_reads_through_its_own_process_state(served):
     assert src.io_stats["remote_reads"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="every advise spells out all the shards' paths")
 def test_belady_hints_name_only_the_shards_they_advise(served, tmp_path, monkeypatch):
     # A belady cache is told the next uses of the shards ahead every half second; naming
     # them looked up those shards' paths, not all of the dataset's (a list of every path

@@ -114,7 +114,7 @@ class _NextUses:
                 self.told[shard] = use
                 hints[shard] = use
         if hints:
-            paths = src.paths
+            paths = src.cached_copies.paths  # (the compact sequence: only these are spelt out)
             src.cache.advise({paths[shard]: use for shard, use in hints.items()})
 
 
