@@ -24,7 +24,6 @@ def served(tmp_path):
         yield srv
 
 
-@pytest.mark.xfail(strict=True, reason="a shallow copy reads through the original's state")
 def test_a_shallow_copy_of_a_source_reads_through_its_own_process_state(served):
     # copy.copy of a source gave a source of its own (its per-process state is never
     # copied): a remote batch read through the copy was the copy's, counted in its

@@ -22,6 +22,7 @@ shards' sizes, whether a pass fits the caches).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -636,6 +637,24 @@ class ShardedSource(Source):
         state = self.__dict__.copy()
         state["_state"] = None  # readers, threads, caches and counters are per process
         return state
+
+    def __copy__(self) -> ShardedSource:
+        # A copy reads through a process state of its own, as an unpickled source does:
+        # the helpers' methods of this source are bound to the copy instead.
+        new = type(self).__new__(type(self))
+        state = self.__getstate__()
+        for name in ("cached_copies", "ranges"):
+            helper = state[name]
+            fields = {f.name: getattr(helper, f.name) for f in dataclasses.fields(helper)}
+            mine = {k: v for k, v in fields.items() if getattr(v, "__self__", None) is self}
+            state[name] = dataclasses.replace(
+                helper, **{k: getattr(new, v.__name__) for k, v in mine.items()}
+            )
+        if hasattr(new, "__setstate__"):
+            new.__setstate__(state)
+        else:
+            new.__dict__.update(state)
+        return new
 
 
 def iter_in_blocks(
