@@ -47,11 +47,6 @@ def _truncate_on_first_get(srv: RangeHTTPServer, path, keep: int) -> None:
     srv._take_fault = take  # type: ignore[method-assign]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 416 answer to the tail read escapes as aiohttp's ClientResponseError "
-    "(io/remote.cat_file does not name it; cat_ranges does, through refused())",
-)
 def test_a_shard_truncated_after_its_size_was_read_is_a_named_error(tmp_path):
     """The footer's tail (the last MiB) is asked from the size a HEAD gave; the file is
     truncated before the GET arrives, so the range starts past its end: 416."""
@@ -64,11 +59,6 @@ def test_a_shard_truncated_after_its_size_was_read_is_a_named_error(tmp_path):
             nar.build_arrayrecord_index([url], filesystem=fs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 416 answer to the tail read escapes as aiohttp's ClientResponseError, "
-    "which build_arrayrecord_index(tolerate=True) does not tolerate",
-)
 def test_a_tolerant_build_records_a_shard_truncated_meanwhile_as_unreadable(tmp_path):
     _arrayrecord(tmp_path / "a.ar", 3)
     _arrayrecord(tmp_path / "b.ar", 200_000)
