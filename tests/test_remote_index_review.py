@@ -142,3 +142,34 @@ def test_a_corrupt_remote_footer_is_named_in_a_tolerant_and_a_strict_build(tmp_p
                 nar.build_arrayrecord_index([url], filesystem=fs)
             ix = nar.build_arrayrecord_index([url], filesystem=fs, tolerate=True)
             assert ix.group_size.tolist() == [-1], name
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a 416 answer to a GET of the remote TFRecord walk escapes as aiohttp's "
+    "ClientResponseError",
+)
+def test_a_tfrecord_file_truncated_while_its_offsets_are_walked_is_a_named_error(tmp_path):
+    """A server without validators (no ETag, If-Match ignored) answers the walk's
+    second 4 MiB GET with 416: the file was truncated to 1 MiB after the first."""
+    import torchgrain as tg
+    from tests.test_tfrecord_many_files import _frame
+
+    path = tmp_path / "srv" / "a.tfrecord"
+    path.parent.mkdir()
+    path.write_bytes(_frame(b"x" * 100) * 100_000)  # 11.2 MB: 3 GETs of 4 MiB
+    with RangeHTTPServer(path.parent) as srv:
+        srv.etags = False
+        state = {"gets": 0}
+
+        def take() -> None:
+            if srv.log[-1][0] == "GET":
+                state["gets"] += 1
+                if state["gets"] == 2:
+                    with open(path, "r+b") as f:
+                        f.truncate(1 << 20)
+            return None
+
+        srv._take_fault = take  # type: ignore[method-assign]
+        with pytest.raises(TorchgrainError, match=r"a\.tfrecord"):
+            tg.TFRecordSource(srv.url + "/a.tfrecord", codec="raw", index_dir=tmp_path / "ix")
