@@ -144,11 +144,6 @@ def test_a_corrupt_remote_footer_is_named_in_a_tolerant_and_a_strict_build(tmp_p
             assert ix.group_size.tolist() == [-1], name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a 416 answer to a GET of the remote TFRecord walk escapes as aiohttp's "
-    "ClientResponseError",
-)
 def test_a_tfrecord_file_truncated_while_its_offsets_are_walked_is_a_named_error(tmp_path):
     """A server without validators (no ETag, If-Match ignored) answers the walk's
     second 4 MiB GET with 416: the file was truncated to 1 MiB after the first."""
