@@ -168,3 +168,77 @@ def test_a_tfrecord_file_truncated_while_its_offsets_are_walked_is_a_named_error
         srv._take_fault = take  # type: ignore[method-assign]
         with pytest.raises(TorchgrainError, match=r"a\.tfrecord"):
             tg.TFRecordSource(srv.url + "/a.tfrecord", codec="raw", index_dir=tmp_path / "ix")
+
+
+_MANY_BUILD = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+from torchgrain.io.fs import get_filesystem
+from torchgrain.sources.node_index import arrayrecord, store
+
+def status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+urls = sys.argv[2:]
+fs, path = get_filesystem(urls[0])
+fs.info(path)  # the HTTP session is set up before the baseline
+store.BUILD_BYTES = 4 << 20
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM, the peak resident size, to the current size
+base = status("VmRSS")
+ix = arrayrecord.build_arrayrecord_index(urls, filesystem=fs, out=sys.argv[1])
+print(json.dumps({"peak": status("VmHWM") - base, "counts": ix.counts.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.xfail(
+    strict=True,
+    reason="each remote shard's whole footer chunk is fetched by the build's peek, up to "
+    "2 x threads shards ahead, and not counted in BUILD_BYTES (only its parse is)",
+)
+def test_remote_footers_fetched_ahead_are_held_within_the_build_budget(tmp_path):
+    """8 remote shards of 3*10^5 chunks, footers stored uncompressed (3.3 MB each, before
+    the last MiB), BUILD_BYTES 4 MiB: the peak should not grow by much more than the
+    budget (and the 1 MiB tails read ahead) over the build of one of them. Measured:
+    +44 MiB, the footer chunks of the 8 shards peeked ahead held at once."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    root = tmp_path / "srv"
+    root.mkdir()
+    code = textwrap.dedent(f"""
+        from array_record.python.array_record_module import ArrayRecordWriter
+        w = ArrayRecordWriter({str(root / "s0.ar")!r}, "group_size:1,uncompressed")
+        for i in range(300_000):
+            w.write(b"x")
+        w.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    for k in range(1, 8):
+        os.link(root / "s0.ar", root / f"s{k}.ar")
+    tg_root = os.path.dirname(os.path.dirname(os.path.abspath(nar.__file__)))
+    tg_root = os.path.dirname(os.path.dirname(tg_root))
+    peaks = {}
+    with RangeHTTPServer(root) as srv:
+        for n in (1, 8):
+            p = subprocess.run(
+                [sys.executable, "-c", _MANY_BUILD, str(tmp_path / f"ix{n}")]
+                + [f"{srv.url}/s{k}.ar" for k in range(n)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                cwd=tmp_path,
+                env=dict(os.environ, PYTHONPATH=tg_root),
+            )
+            assert p.returncode == 0, p.stderr[-3000:]
+            got = json.loads(p.stdout.strip().splitlines()[-1])
+            assert got["counts"] == [300_000] * n
+            peaks[n] = got["peak"]
+    grown = peaks[8] - peaks[1]
+    assert grown < 16 << 20, f"{grown / 2**20:.0f} MiB more for 8 shards than for 1"
