@@ -200,10 +200,12 @@ def write_array_record(
         # only then publish the new shards. A crash in between leaves either complete new
         # shards without a manifest (still readable, counted from their footers) or an
         # incomplete -of-N shard set, which sources refuse: never old and new mixed.
+        # The old manifest is data: a file it names outside the dataset ("../x", an
+        # absolute path) is not the dataset's to remove.
         old_shards = old.shards if old is not None else []
         for name in (MANIFEST_NAME, INDEX_NAME, *(info.path for info in old_shards)):
-            stale = os.path.join(root, name)
-            if os.path.exists(stale):
+            stale = os.path.normpath(os.path.join(root, name))
+            if os.path.commonpath([root, os.path.dirname(stale)]) == root and os.path.exists(stale):
                 os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
