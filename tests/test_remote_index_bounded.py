@@ -20,9 +20,12 @@ from tests.servers import RangeHTTPServer
 
 TG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torchgrain.__file__)))
 
-_BUILD = textwrap.dedent("""
+# A child's set-up: the remote file's session opened, BUILD_BYTES set to argv[3] MiB, and
+# the peak resident size reset (status("VmHWM") - base: the peak beyond the imports).
+_MEASURE = textwrap.dedent("""
     import json, sys, warnings
     warnings.simplefilter("ignore")
+    import torchgrain as tg
     from torchgrain.io.fs import get_filesystem
     from torchgrain.sources.node_index import arrayrecord, store
 
@@ -34,10 +37,13 @@ _BUILD = textwrap.dedent("""
 
     fs, path = get_filesystem(sys.argv[1])
     fs.info(path)  # the HTTP session is set up before the baseline
-    store.BUILD_BYTES = 8 << 20
+    store.BUILD_BYTES = int(sys.argv[3]) << 20
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM, the peak resident size, to the current size
     base = status("VmRSS")
+""")
+
+_BUILD = _MEASURE + textwrap.dedent("""
     ix = arrayrecord.build_arrayrecord_index([path], filesystem=fs, out=sys.argv[2])
     print(json.dumps({"peak": status("VmHWM") - base, "counts": ix.counts.tolist(),
                       "group_size": ix.group_size.tolist()}))
@@ -65,7 +71,7 @@ def test_a_remote_footer_of_many_chunks_is_built_in_bounded_memory(tmp_path):
     size = (root / "a.array_record").stat().st_size
     with RangeHTTPServer(root) as srv:
         p = subprocess.run(
-            [sys.executable, "-c", _BUILD, srv.url + "/a.array_record", str(tmp_path / "ix")],
+            [sys.executable, "-c", _BUILD, srv.url + "/a.array_record", str(tmp_path / "ix"), "8"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -86,25 +92,7 @@ def test_a_remote_footer_of_many_chunks_is_built_in_bounded_memory(tmp_path):
     assert fetched < size // 8
 
 
-_TF_BUILD = textwrap.dedent("""
-    import json, sys, warnings
-    warnings.simplefilter("ignore")
-    import torchgrain as tg
-    from torchgrain.io.fs import get_filesystem
-    from torchgrain.sources.node_index import store
-
-    def status(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-
-    fs, path = get_filesystem(sys.argv[1])
-    fs.info(path)  # the HTTP session is set up before the baseline
-    store.BUILD_BYTES = 4 << 20
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = status("VmRSS")
+_TF_BUILD = _MEASURE + textwrap.dedent("""
     src = tg.TFRecordSource(sys.argv[1], codec="raw", index_dir=sys.argv[2])
     print(json.dumps({"peak": status("VmHWM") - base, "records": len(src),
                       "last": src[len(src) - 1]["bytes"].hex()}))
@@ -125,7 +113,7 @@ def test_a_remote_tfrecord_file_is_indexed_in_bounded_memory(tmp_path):
     (root / "a.tfrecord").write_bytes(_frame(b"") * (n - 1) + _frame(b"end"))
     with RangeHTTPServer(root) as srv:
         p = subprocess.run(
-            [sys.executable, "-c", _TF_BUILD, srv.url + "/a.tfrecord", str(tmp_path / "ix")],
+            [sys.executable, "-c", _TF_BUILD, srv.url + "/a.tfrecord", str(tmp_path / "ix"), "4"],
             capture_output=True,
             text=True,
             timeout=300,
