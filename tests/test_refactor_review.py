@@ -16,13 +16,18 @@ from torchgrain.errors import CorruptDataError
 from torchgrain.formats.manifest import MANIFEST_NAME
 
 
-@pytest.mark.parametrize("outside", ["../victim.txt", "ABSOLUTE", "../dsx/victim.txt"])
+@pytest.mark.parametrize(
+    "outside", ["../victim.txt", "ABSOLUTE", "../dsx/victim.txt", "link/victim.txt"]
+)
 def test_overwrite_deletes_nothing_outside_the_dataset(tmp_path, outside):
     """write_array_record(overwrite=True) removes the old shards its manifest lists: a
-    manifest naming '../victim.txt' or an absolute path had that file deleted."""
+    manifest naming '../victim.txt', an absolute path or a file under a link to another
+    directory had that file deleted."""
     ds = tmp_path / "ds"
     tg.write_array_record([{"x": 1}], str(ds), num_shards=1)
     name = str(tmp_path / "victim.txt") if outside == "ABSOLUTE" else outside
+    (tmp_path / "elsewhere").mkdir()
+    (ds / "link").symlink_to(tmp_path / "elsewhere")  # a directory link in the dataset
     victim = (ds / name).resolve()  # (a sibling directory whose name starts as ds's too)
     victim.parent.mkdir(exist_ok=True)
     victim.write_text("keep me")

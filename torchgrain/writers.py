@@ -201,11 +201,13 @@ def write_array_record(
         # shards without a manifest (still readable, counted from their footers) or an
         # incomplete -of-N shard set, which sources refuse: never old and new mixed.
         # The old manifest is data: a file it names outside the dataset ("../x", an
-        # absolute path) is not the dataset's to remove.
+        # absolute path, a link to another directory) is not the dataset's to remove.
         old_shards = old.shards if old is not None else []
+        real_root = os.path.realpath(root)
         for name in (MANIFEST_NAME, INDEX_NAME, *(info.path for info in old_shards)):
             stale = os.path.normpath(os.path.join(root, name))
-            if os.path.commonpath([root, os.path.dirname(stale)]) == root and os.path.exists(stale):
+            where = os.path.realpath(os.path.dirname(stale))  # (through a link in it too)
+            if os.path.commonpath([real_root, where]) == real_root and os.path.exists(stale):
                 os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
