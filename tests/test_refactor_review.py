@@ -54,3 +54,22 @@ def test_invalid_utf8_in_a_string_column_is_a_corrupt_data_error(tmp_path, cache
     with pytest.raises(CorruptDataError, match="row group 0") as err:
         src.__getitems__([1])
     assert os.fspath(path) in str(err.value)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="convert(overwrite=True) unlinks what a hostile manifest names"
+)
+def test_convert_overwrite_deletes_nothing_outside_the_dataset(tmp_path):
+    """tg.convert(..., overwrite=True) over a dataset removes the old shards its manifest
+    lists (convert/journal.remove_outputs): '../victim.txt' there had that file deleted."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    tg.write_array_record([{"x": 1}], str(src), num_shards=1)
+    tg.write_array_record([{"x": 1}], str(dst), num_shards=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    manifest["shards"].append(dict(manifest["shards"][0], path="../victim.txt"))
+    manifest["num_records"] = 2
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    tg.convert(str(src), str(dst), overwrite=True)
+    assert victim.read_text() == "keep me"
