@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
+from torchgrain.errors import CorruptDataError
 from torchgrain.sources.node_index import store
 
 _COLUMNS = {"a": ("<i8", ())}
@@ -182,10 +183,6 @@ def test_an_index_built_again_after_its_eviction_is_the_most_recently_used(tmp_p
     assert sorted(n for n in os.listdir(d) if n.endswith(".tgindex")) == ["a.tgindex", "d.tgindex"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="(older) an evicted index's unpickling raises FileNotFoundError: spawned workers fail",
-)
 def test_an_index_evicted_while_mapped_still_reaches_spawned_workers(tmp_path, monkeypatch):
     # A source pickles its index as the file's name; DataLoader workers that are spawned
     # (or forkserver's, each epoch unless persistent) map it again: after another
@@ -207,3 +204,34 @@ def test_an_index_evicted_while_mapped_still_reaches_spawned_workers(tmp_path, m
     assert not os.path.exists(os.path.join(d, "a.tgindex"))  # evicted
     assert _rows(a) == list(range(64))  # mapped here: read on
     assert pickle.loads(pickle.dumps(a._a)).arrays["a"].tolist() == list(range(64))
+
+
+def test_an_index_rebuilt_after_its_eviction_is_mapped_only_if_it_is_the_same(
+    tmp_path, monkeypatch
+):
+    # Another process's build of the evicted index (the same key) took its name: spawned
+    # workers map that file once it is checked to hold the same index, and refuse another.
+    d = str(tmp_path / "index")
+
+    def open_(key, n=64):
+        def fill(sink):
+            sink.append("a", np.arange(n))
+            return {}
+
+        return store.cached_index(d, key + ".tgindex", _Demo, _build(fill), lambda ix: None)
+
+    path = os.path.join(d, "a.tgindex")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = open_("a")
+        monkeypatch.setattr(store, "INDEX_DIR_BYTES", 1)
+        open_("b")  # evicts "a"
+        open_("a")  # built again: another file (this one's inode is still mapped)
+        rebuilt = os.stat(path).st_ino
+        assert rebuilt != a._a.file.identity[1]
+        assert pickle.loads(pickle.dumps(a._a)).arrays["a"].tolist() == list(range(64))
+        assert os.stat(path).st_ino == rebuilt  # mapped as it is, not published again
+        os.unlink(path)
+        open_("a", n=3)  # other contents under its name
+        with pytest.raises(CorruptDataError, match="replaced"):
+            pickle.dumps(a._a)

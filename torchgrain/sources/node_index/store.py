@@ -108,6 +108,10 @@ def default_index_dir(kind: str) -> str:
 class IndexArrays:
     """Named arrays from an index file (mapped) or from memory; pickles as the file's name."""
 
+    #: ``(index directory, class)`` of an index from :func:`cached_index`: pickling puts
+    #: its file back there when it was evicted while mapped (see :func:`_file_in_place`).
+    placed: tuple[str, Any] | None = None
+
     def __init__(
         self, kind: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], file: IndexFile | None
     ) -> None:
@@ -124,7 +128,8 @@ class IndexArrays:
     def __getstate__(self) -> dict[str, Any]:
         if self.file is None:
             return {"kind": self.kind, "arrays": self.arrays, "meta": self.meta}
-        return {"kind": self.kind, "path": self.file.path, "identity": self.file.identity}
+        f = self.file if self.placed is None else _file_in_place(self.file, *self.placed)
+        return {"kind": self.kind, "path": f.path, "identity": f.identity}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.kind = state["kind"]
@@ -134,11 +139,14 @@ class IndexArrays:
         # A spawned worker maps the file its parent opened: the very same file.
         f = IndexFile.open(state["path"], self.kind)
         if f.identity != tuple(state["identity"]):
-            raise CorruptDataError(
-                f"index file {state['path']!r} was replaced after the dataset was opened; "
-                "open the dataset again"
-            )
+            raise _replaced(state["path"])
         self.arrays, self.meta, self.file = f.arrays, f.meta, f
+
+
+def _replaced(path: str) -> CorruptDataError:
+    return CorruptDataError(
+        f"index file {path!r} was replaced after the dataset was opened; open the dataset again"
+    )
 
 
 class NodeIndex:
@@ -687,6 +695,7 @@ def cached_index(
             return None
         with contextlib.suppress(OSError):
             os.utime(path + ".lock")  # its place in the directory's LRU
+        ix._a.placed = (index_dir, cls)
         return ix
 
     ix = try_open()
@@ -714,6 +723,7 @@ def cached_index(
                 with contextlib.suppress(OSError):  # its last use: the lock may be older
                     os.utime(path + ".lock")
                 ix = open_index(path, cls)
+                ix._a.placed = (index_dir, cls)
                 _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
                 announce(
                     "the dataset index directory",
@@ -742,3 +752,37 @@ def cached_index(
         if tmp:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _file_in_place(f: IndexFile, index_dir: str, cls: Any) -> IndexFile:
+    """The file under ``f``'s name in ``index_dir`` holding ``f``'s bytes, for processes
+    that map it by that name (a pickle carries the name): ``f`` itself, or (``f`` was
+    evicted, or deleted, while mapped here) the same index built again by another process
+    (verified: size, checksum and metadata, its contents checked once per machine), or
+    else ``f``'s mapped bytes published there again, by :func:`cached_index`'s rules.
+
+    Raises:
+        CorruptDataError: another index now has that name; or ``f`` cannot be copied
+            (it changed while mapped), or put back (the directory cannot take it).
+    """
+    with contextlib.suppress(OSError):
+        st = os.stat(f.path)
+        if (st.st_dev, st.st_ino, st.st_size) == f.identity:
+            return f
+
+    def same(ix: Any) -> None:
+        g = ix._a.file
+        if (g.nbytes, g.checksum, g.meta) != (f.nbytes, f.checksum, f.meta):
+            raise _replaced(f.path)
+
+    def copy(tmp: str | None) -> None:
+        if tmp is None:  # (the directory said why it cannot take it)
+            raise CorruptDataError(
+                f"index file {f.path!r} was deleted while mapped, and its directory cannot "
+                "take it again: processes that map it by name (spawned workers) cannot"
+            )
+        f.check()  # the bytes verified when opened: none written, none truncated (SIGBUS)
+        with open(tmp, "wb") as out:  # (buffered: it writes all of a large buffer)
+            out.write(f._mm)
+
+    return cached_index(index_dir, os.path.basename(f.path), cls, copy, same)._a.file
