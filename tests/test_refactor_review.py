@@ -56,9 +56,6 @@ def test_invalid_utf8_in_a_string_column_is_a_corrupt_data_error(tmp_path, cache
     assert os.fspath(path) in str(err.value)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="convert(overwrite=True) unlinks what a hostile manifest names"
-)
 def test_convert_overwrite_deletes_nothing_outside_the_dataset(tmp_path):
     """tg.convert(..., overwrite=True) over a dataset removes the old shards its manifest
     lists (convert/journal.remove_outputs): '../victim.txt' there had that file deleted."""

@@ -38,6 +38,7 @@ from torchgrain.formats.codecs import MsgpackCodec, get_codec, merge_schema, sch
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_name
 from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.io.paths import local_file_in
 from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
 
 __all__ = [
@@ -203,11 +204,9 @@ def write_array_record(
         # The old manifest is data: a file it names outside the dataset ("../x", an
         # absolute path, a link to another directory) is not the dataset's to remove.
         old_shards = old.shards if old is not None else []
-        real_root = os.path.realpath(root)
         for name in (MANIFEST_NAME, INDEX_NAME, *(info.path for info in old_shards)):
-            stale = os.path.normpath(os.path.join(root, name))
-            where = os.path.realpath(os.path.dirname(stale))  # (through a link in it too)
-            if os.path.commonpath([real_root, where]) == real_root and os.path.exists(stale):
+            stale = local_file_in(root, name)
+            if stale is not None and os.path.exists(stale):
                 os.unlink(stale)
         shards = []
         for t, f, n, c, h in zip(temps, finals, names, counts, hashers):

@@ -23,6 +23,7 @@ from torchgrain.formats.codecs import union_type
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from torchgrain.io import remote
 from torchgrain.io.atomic import atomic_write_text
+from torchgrain.io.paths import local_file_in
 from torchgrain.sources.node_index import INDEX_NAME
 from torchgrain.sources.registry import formats, get_output
 from torchgrain.writers import OutputFormat, shard_name
@@ -168,9 +169,12 @@ def still_there(path: str, size: int) -> bool:
 
 
 def remove_outputs(root: str, plan: dict[str, Any]) -> None:
+    # The plan is data: a name it gives outside the output directory is not ours.
     for t in plan.get("tasks", []):
+        path = local_file_in(root, str(t["name"]))
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(root, t["name"]))
+            if path is not None:
+                os.unlink(path)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(root, MANIFEST_NAME))
     with contextlib.suppress(FileNotFoundError):

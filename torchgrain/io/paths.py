@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import os
 import posixpath
 import re
 import unicodedata
@@ -44,6 +45,7 @@ __all__ = [
     "confine",
     "is_http",
     "is_inside",
+    "local_file_in",
     "resolve_all",
     "resolve_inside",
     "unsafe_reason",
@@ -289,6 +291,25 @@ def is_inside(fs: Any, root: str, location: str) -> bool:
         return False
     root_auth, root_segs = _key_of_root(fs, root)
     return auth == root_auth and segs[: len(root_segs)] == root_segs
+
+
+def local_file_in(root: str, name: str) -> str | None:
+    """The local file ``root/name`` when it lies in the directory ``root``, else None.
+
+    ``name`` comes from data (an old manifest, a conversion plan): ``..``, absolute
+    names and links in its directories are resolved before the check, so a writer that
+    removes a dataset's old files removes only that dataset's.
+
+    Example:
+        >>> local_file_in("/data/ds", "a/x.parquet"), local_file_in("/data/ds", "../x")
+        ('/data/ds/a/x.parquet', None)
+        >>> local_file_in("/data/ds", "/etc/passwd") is None
+        True
+    """
+    path = os.path.normpath(os.path.join(root, name))
+    real_root = os.path.realpath(root)
+    where = os.path.realpath(os.path.dirname(path))
+    return path if os.path.commonpath([real_root, where]) == real_root else None
 
 
 def confine(fs: Any, root: str, location: str, *, where: str, what: str = "file") -> str:
