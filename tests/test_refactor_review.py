@@ -40,7 +40,6 @@ def test_overwrite_deletes_nothing_outside_the_dataset(tmp_path, outside):
     assert [r["x"] for r in tg.Dataset(tg.ArrayRecordSource(str(ds)))] == [2]
 
 
-@pytest.mark.xfail(strict=True, reason="invalid UTF-8 in a string column: bare UnicodeDecodeError")
 @pytest.mark.parametrize("cache_bytes", [None, 1])  # converted records; records built per batch
 def test_invalid_utf8_in_a_string_column_is_a_corrupt_data_error(tmp_path, cache_bytes):
     """A Parquet string column holding bytes that are not UTF-8 (Arrow does not check
