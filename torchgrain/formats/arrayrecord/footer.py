@@ -26,6 +26,7 @@ from torchgrain.formats._proto import decode_varints
 from torchgrain.formats.arrayrecord.riegeli import (
     BLOCK,
     CHUNK_HEADER,
+    CHUNK_HEADER_STRUCT,
     CHUNK_SIMPLE,
     CHUNK_TRANSPOSED,
     COMPRESSIONS,
@@ -33,7 +34,9 @@ from torchgrain.formats.arrayrecord.riegeli import (
     ZSTD,
     ChunkDecodeError,
     ChunkDecoder,
+    phys_end,
     read_varint,
+    strip_block_headers,
 )
 
 __all__ = ["Footer", "FooterReader", "fast_views", "parse_entries", "parse_footer", "parse_proto"]
@@ -213,7 +216,9 @@ class FooterReader:
     """A file's postscript and footer chunk header, read and checked; the footer's
     entries read by :meth:`slices`, all at once or a slice of chunks at a time (a
     footer of any size in bounded memory, for :mod:`torchgrain.sources.node_index`).
-    Arguments as :func:`parse_footer`'s.
+    Arguments as :func:`parse_footer`'s; a footer chunk that begins before ``tail`` is
+    fetched (:attr:`unfetched` bytes) when its entries are first read, its 40-byte
+    header only until then.
 
     Example:
         >>> import os, tempfile
@@ -270,28 +275,48 @@ class FooterReader:
                 f"max_chunk_bytes={dec._max_chunk} takes (a larger max_chunk_bytes reads "
                 "it, if the file is trusted)"
             )
+        self._dec, self._fetch, self._post_pos = dec, fetch, post_pos
+        #: Where the footer chunk begins; the file's size.
+        self.footer_offset, self.file_size = footer_offset, size
+        #: Bytes of the footer chunk that reading its entries fetches first (0: in ``tail``).
+        self.unfetched = 0
         if footer_offset >= tail_start:
             fbuf = tail[footer_offset - tail_start : post_pos - tail_start]
+            self.head = bytes(fbuf[:CHUNK_HEADER])
+            self._load(fbuf)
         else:
-            fbuf = fetch([(footer_offset, post_pos)])[0]
-        try:
-            ctype, n, decoded, data = dec._chunk_payload(fbuf, footer_offset)
-            if ctype == CHUNK_TRANSPOSED:
-                raise ChunkDecodeError("the footer chunk is transposed")
-            if ctype != CHUNK_SIMPLE or n < 1:
-                raise ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
-        except (ChunkDecodeError, ValueError, struct.error) as e:
-            raise self._bad(dec, footer_offset, e) from None
-        self._dec, self._n, self._decoded, self._data = dec, n, decoded, data
-        #: Where the footer chunk begins; the file's size; the footer's chunk count.
-        self.footer_offset, self.file_size, self.num_chunks = footer_offset, size, n - 1
-        #: The footer chunk's 40-byte header as the file holds it (with its hash).
-        self.head = bytes(fbuf[:CHUNK_HEADER])
+            # Its header only (its entry count: what reading them costs); the chunk is
+            # fetched when they are read, by a caller that counts it in its budget.
+            fbuf = fetch([(footer_offset, phys_end(footer_offset, CHUNK_HEADER))])[0]
+            self.head = bytes(fbuf[:CHUNK_HEADER])
+            try:
+                header = strip_block_headers(fbuf, footer_offset)[:CHUNK_HEADER]
+                n = CHUNK_HEADER_STRUCT.unpack(header)[3] >> 8
+            except struct.error as e:
+                raise self._bad(dec, footer_offset, e) from None
+            self.unfetched, self._data = post_pos - footer_offset, None
+            #: The footer's chunk count (checked against its metadata as it is read).
+            self.num_chunks = n - 1
         #: From the footer's metadata, once :meth:`slices` has begun.
         self.num_records, self.writer_options = 0, ""
         #: Records in every chunk but the last (which holds at most as many), or 0:
         #: known once :meth:`slices` is done.
         self.group_size = 0
+
+    def _load(self, fbuf: memoryview) -> None:
+        """The footer chunk ``fbuf`` (from its offset to the postscript), checked."""
+        dec = self._dec
+        try:
+            ctype, n, decoded, data = dec._chunk_payload(fbuf, self.footer_offset)
+            if ctype == CHUNK_TRANSPOSED:
+                raise ChunkDecodeError("the footer chunk is transposed")
+            if ctype != CHUNK_SIMPLE or n < 1:
+                raise ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
+        except (ChunkDecodeError, ValueError, struct.error) as e:
+            raise self._bad(dec, self.footer_offset, e) from None
+        if self.unfetched and (bytes(fbuf[:CHUNK_HEADER]) != self.head or n - 1 != self.num_chunks):
+            raise dec._corrupt(f"its footer (at offset {self.footer_offset}) changed while read")
+        self._n, self._decoded, self._data, self.num_chunks = n, decoded, data, n - 1
 
     @staticmethod
     def _bad(dec: ChunkDecoder, footer_offset: int, e: Exception) -> Exception:
@@ -435,6 +460,8 @@ class FooterReader:
         return self._slices(step)
 
     def _slices(self, step: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        if self._data is None:  # the footer chunk, fetched by whoever reads its entries
+            self._load(self._fetch([(self.footer_offset, self._post_pos)])[0])
         dec, footer_offset, num_chunks = self._dec, self.footer_offset, self.num_chunks
         parts = self._whole() if step is None else self._streamed(max(1, step))
         total, prev, group = 0, -1, -1

@@ -292,13 +292,15 @@ def build_arrayrecord_index(
     soon as the shards before it are, and the footers parsed and not yet written hold
     at most :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (each costs about
     :data:`_PARSE_COST` bytes per chunk while parsed, its entry count read ahead from
-    the footer chunk's header). A footer that would cost more than the whole budget,
+    the footer chunk's header, plus the footer chunk itself where it is fetched apart
+    from the file's last MiB). A footer that would cost more than the whole budget,
     local or remote, is decoded and written a slice of chunks at a time
     (:class:`~torchgrain.formats.arrayrecord.footer.FooterReader`; with ``tolerate``,
     read twice: checked whole before its first slice is written). A remote shard costs
-    two ranged requests at most (its last MiB, and its footer chunk where it begins
-    before that), whatever its chunk count. A build of more than a few seconds reports
-    its progress on stderr (:class:`~torchgrain.sources.node_index.store.BuildProgress`).
+    three ranged requests at most (its last MiB; where the footer begins before that,
+    its 40-byte header, then the footer chunk), whatever its chunk count. A build of more
+    than a few seconds reports its progress on stderr
+    (:class:`~torchgrain.sources.node_index.store.BuildProgress`).
 
     Raises:
         CorruptDataError: a shard is not a readable ArrayRecord file (named).
@@ -318,16 +320,17 @@ def build_arrayrecord_index(
             raise
 
     def peek(i: int) -> tuple[tuple[int, ArrayRecordFile | None, FooterReader | None, bool], int]:
-        # The postscript and footer chunk (locally mapped, remotely fetched: the last
-        # MiB, and the footer where it begins before it) tell the parse's cost.
+        # The postscript and footer chunk header (locally mapped, remotely fetched: the
+        # last MiB, and the footer's header where it begins before it) tell the cost:
+        # its parse, and the footer chunk that footer() fetches and holds.
         try:
             f, r = open_shard(i)
         except (CorruptDataError, OSError):
             return (i, None, None, False), 0  # raised again, and handled, by footer()
         cost = min(r.num_chunks + 1, 1 << 40) * _PARSE_COST
         if cost > store.BUILD_BYTES:  # read and written a slice at a time
-            return (i, f, r, True), step * _PARSE_COST
-        return (i, f, r, False), cost
+            return (i, f, r, True), step * _PARSE_COST + r.unfetched
+        return (i, f, r, False), cost + r.unfetched
 
     def footer(
         state: tuple[int, ArrayRecordFile | None, FooterReader | None, bool],
