@@ -447,6 +447,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "scale_full": lambda: scale("scale_full"),
     "scale_full-model": lambda: scale_model("scale_full"),
     "scale_full-targets": lambda: scale_targets("scale_full"),
+    "scale_full_2048_pq40x": lambda: scale("scale_full_2048_pq40x"),
+    "scale_full_2048_pq40x-targets": lambda: scale_targets("scale_full_2048_pq40x"),
 }
 
 
