@@ -574,7 +574,8 @@ def cat_file(
     ``limit`` (for a whole-file read) fails a file larger than it before reading it.
 
     Raises:
-        CorruptDataError: the file is shorter than the range, or larger than ``limit``.
+        CorruptDataError: the file is shorter than the range (the server answered 416 or
+            400), or larger than ``limit``.
         ResponseSizeError: (transient; inside an operation) the response's length is wrong.
 
     Example:
@@ -599,17 +600,24 @@ def cat_file(
     assert start is not None and end is not None
     if start >= end:
         return b""
-    return call(
-        fs,
-        "cat_file",
-        path,
-        start=start,
-        end=end,
-        url=label,
-        what=what,
-        nbytes=end - start,
-        check=lambda out: check_length(fs, path, start, end, len(out), label),
-    )
+    try:
+        return call(
+            fs,
+            "cat_file",
+            path,
+            start=start,
+            end=end,
+            url=label,
+            what=what,
+            nbytes=end - start,
+            check=lambda out: check_length(fs, path, start, end, len(out), label),
+        )
+    except Exception as exc:
+        # A range past the file's end (416; 400 from some stores): the file is shorter
+        # than the size it was read at, as cat_ranges says of the same answer.
+        if http_status(exc) not in (400, 416):
+            raise
+        raise refused(exc, label, start, end) from exc
 
 
 def cat_ranges(

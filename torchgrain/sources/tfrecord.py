@@ -60,7 +60,7 @@ from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_file
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile, fetch_ranges
 from torchgrain.io.region import RegionUnavailable, ShardRegion
-from torchgrain.io.retry import RetryPolicy, http_status, using
+from torchgrain.io.retry import RetryPolicy, using
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.options import ReadOptions
@@ -617,18 +617,8 @@ def _remote_walk(
     read retried under the dataset's policy."""
     walk = iter_tfrecord_offsets(path, filesystem=fs, size=size)
     while True:
-        try:
-            with using(retry):  # (set around each step: the generator runs in its caller's context)
-                part = next(walk, None)
-        except Exception as e:
-            if http_status(e) != 416:
-                raise
-            # A range within the size it reported is now past its end (no validators
-            # told the server's answers apart): truncated meanwhile.
-            raise CorruptDataError(
-                f"{path}: the server answered 416 to a read within the {size} bytes it "
-                "reported: the file is shorter now (changed while it was indexed?)"
-            ) from None
+        with using(retry):  # (set around each step: the generator runs in its caller's context)
+            part = next(walk, None)
         if part is None:
             return
         yield part

@@ -54,7 +54,6 @@ from torchgrain.formats.arrayrecord.riegeli import (
 from torchgrain.io import changes, process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
-from torchgrain.io.retry import http_status
 
 __all__ = ["ArrayRecordFile", "read_num_records"]
 
@@ -394,17 +393,9 @@ class ArrayRecordFile(OneRecordBatches):
                     "postscript block (truncated?)"
                 )
             tail_start = max(0, size - _REMOTE_TAIL)
-            try:
-                got = remote.cat_file(self._fs, self._path, tail_start, size, url=self._url)
-            except Exception as e:
-                if http_status(e) != 416:
-                    raise
-                # Truncated since its size was read: the tail now starts past its end.
-                raise self._corrupt(
-                    f"the server answered 416 to a read of bytes {tail_start}-{size}: the "
-                    f"file is shorter than the {size} bytes it reported (changed meanwhile?)"
-                ) from None
-            tail = memoryview(got)
+            tail = memoryview(
+                remote.cat_file(self._fs, self._path, tail_start, size, url=self._url)
+            )
             if len(tail) != size - tail_start:
                 raise self._corrupt("file changed size while it was being opened")
 
