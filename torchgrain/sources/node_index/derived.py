@@ -170,6 +170,11 @@ def derived_index(
             return "it was made for other data"
         if set(ix.arrays) != set(columns):
             return "it holds other arrays"
+        # (the file is untrusted: a fits() check indexes the arrays as built here)
+        for name, (dtype, shape) in columns.items():
+            a = ix.arrays[name]
+            if a.dtype != np.dtype(dtype) or a.shape[1:] != tuple(shape):
+                return f"its array {name!r} is {a.dtype.str}{list(a.shape[1:])}, not {dtype}{list(shape)}"
         return fits(ix) if fits is not None else None
 
     if index_dir is None:
