@@ -9,7 +9,6 @@ import os
 import warnings
 
 import numpy as np
-import pytest
 
 import torchgrain as tg
 from torchgrain.formats.index_file import IndexFile, IndexFileWriter
@@ -55,7 +54,6 @@ def test_window_offsets_of_another_shape_rebuilt(tmp_path):
     assert [w[i]["input_ids"].tolist() for i in range(len(w))] == want
 
 
-@pytest.mark.xfail(strict=True, reason="a shard's identity is its size, mtime and inode only")
 def test_filter_of_a_shard_rewritten_in_place_with_its_mtime_restored(tmp_path):
     # rsync --inplace -t, or any tool that keeps the modification time: same inode,
     # same size, same mtime; only the change time (which no user can set) moves.

@@ -268,7 +268,9 @@ def _value(v: Any) -> str:
 
 
 def _file_identity(path: str) -> tuple[Any, ...]:
-    """A local file's size, modification time and inode; a remote one's name only."""
+    """A local file's size, modification and change times and inode; a remote one's name
+    only. (The change time, which no user can set, moves when a file is rewritten in place
+    with its modification time restored: ``rsync --inplace -t``.)"""
     if "://" in path and not path.startswith("file://"):
         return (path,)
     local = path[len("file://") :] if path.startswith("file://") else path
@@ -276,7 +278,7 @@ def _file_identity(path: str) -> tuple[Any, ...]:
         st = os.stat(local)
     except OSError:
         return (path, "missing")
-    return (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    return (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def dataset_fingerprint(ds: Any) -> str:
@@ -285,7 +287,7 @@ def dataset_fingerprint(ds: Any) -> str:
     ``ds`` is a :class:`~torchgrain.Dataset` (its source and its transforms), an object
     that states its own (:class:`~torchgrain.protocols.Fingerprinted`: the composed
     datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, keys
-    and schema, and each local file's size, modification time and inode; remote files
+    and schema, and each local file's size, modification and change times and inode; remote files
     by name and record count only), or a plain sequence (its type and length: give a filter a
     ``name`` that says what it holds).
 
