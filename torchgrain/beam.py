@@ -40,7 +40,7 @@ from typing import Any
 
 from torchgrain.convert import DEFAULT_OUTPUT
 from torchgrain.convert.inputs import open_input
-from torchgrain.convert.journal import Journal, finish, manifest_path, plan_tasks, still_there
+from torchgrain.convert.journal import Journal, finish, finished, manifest_path, plan_tasks
 from torchgrain.convert.tasks import Job, Task, run_task
 from torchgrain.formats.manifest import Manifest
 from torchgrain.io.fs import get_filesystem, is_local
@@ -100,9 +100,7 @@ class ConvertShard:
     def __call__(self, task: Task) -> dict[str, Any]:
         journal = Journal(self.job.root)
         done = journal.done().get(task.index)
-        if done is not None and still_there(
-            os.path.join(self.job.root, done["path"]), done["num_bytes"]
-        ):
+        if done is not None and finished(self.job.root, task, done):
             return done
         result = run_task(self.job, task)
         os.makedirs(journal.dir, exist_ok=True)

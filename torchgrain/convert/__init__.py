@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import multiprocessing
 import os
 import queue
@@ -44,13 +45,14 @@ from torchgrain.convert.inputs import ConvertInput, open_input
 from torchgrain.convert.journal import (
     JOURNAL_DIR,
     Journal,
+    check_plan,
     fingerprint,
     finish,
+    finished,
     locked,
     plan_tasks,
     remove_outputs,
     remove_temps,
-    still_there,
 )
 from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback, worker_init
 from torchgrain.formats.checksums import RecordHasher, verify_shard
@@ -229,8 +231,17 @@ def convert(
         created.append(journal.dir)
     with _removed_if_nothing_done(root, created, journal), locked(journal):
         stamp = fingerprint(inp, options)
+        tasks = plan_tasks(inp.counts, len(inp.paths), num_shards, to)
+        # As stored (tuples as lists): a plan found in the journal is compared with it.
+        fresh = json.loads(
+            json.dumps(
+                {"fingerprint": stamp, "counts": inp.counts, "tasks": list(map(asdict, tasks))}
+            )
+        )
         plan = journal.load_plan()
-        if plan is not None and plan["fingerprint"] != stamp:
+        if plan is not None and plan["fingerprint"] == stamp and not overwrite:
+            check_plan(journal, plan, fresh)
+        elif plan is not None and plan != fresh:
             if not overwrite:
                 raise FileExistsError(
                     f"{root} holds a conversion of other inputs or options; pass "
@@ -262,22 +273,13 @@ def convert(
                     initargs=(progress_q, os.getpid()),
                 )
             if plan is None:
-                counts = inp.counts
-                tasks = plan_tasks(counts, len(inp.paths), num_shards, to)
-                plan = {
-                    "fingerprint": stamp,
-                    "counts": counts,
-                    "tasks": [asdict(t) for t in tasks],
-                }
-                journal.save_plan(plan)
-            tasks = [
-                Task(t["index"], t["name"], [tuple(p) for p in t["pieces"]], t["expected"])
-                for t in plan["tasks"]
-            ]
+                journal.save_plan(fresh)
+            plan = fresh
+            records = journal.done()
             done = {
-                i: r
-                for i, r in journal.done().items()
-                if still_there(os.path.join(root, r["path"]), r["num_bytes"])
+                t.index: records[t.index]
+                for t in tasks
+                if t.index in records and finished(root, t, records[t.index])
             }
             todo = [t for t in tasks if t.index not in done]
             job = Job(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,15 +32,16 @@ from torchgrain.writers import OutputFormat, shard_name
 __all__ = [
     "JOURNAL_DIR",
     "Journal",
+    "check_plan",
     "fingerprint",
     "finish",
+    "finished",
     "locked",
     "manifest_path",
     "merge_schemas",
     "plan_tasks",
     "remove_outputs",
     "remove_temps",
-    "still_there",
 ]
 
 JOURNAL_DIR = ".torchgrain-convert"
@@ -113,8 +115,14 @@ class Journal:
         p = os.path.join(self.dir, "plan.json")
         if not os.path.isfile(p):
             return None
-        with open(p) as f:
-            return json.load(f)
+        try:
+            with open(p) as f:
+                plan = json.load(f)
+        except ValueError as e:
+            raise CorruptDataError(f"the conversion plan {p} is not JSON: {e}") from None
+        if not isinstance(plan, dict) or not {"fingerprint", "counts", "tasks"} <= plan.keys():
+            raise CorruptDataError(f"the conversion plan {p} is not a plan")
+        return plan
 
     def save_plan(self, plan: dict[str, Any]) -> None:
         os.makedirs(self.dir, exist_ok=True)
@@ -125,9 +133,12 @@ class Journal:
         if os.path.isdir(self.dir):
             for n in os.listdir(self.dir):
                 if n.startswith("shard-") and n.endswith(".json"):
-                    with open(os.path.join(self.dir, n)) as f:
-                        r = json.load(f)
-                    out[int(r["index"])] = r
+                    # A record is written whole (atomically): one that is not is not
+                    # ours, and its shard is converted again (finished() checks the rest).
+                    with contextlib.suppress(ValueError, TypeError, KeyError):
+                        with open(os.path.join(self.dir, n)) as f:
+                            r = json.load(f)
+                        out[int(r["index"])] = r
         return out
 
     def record(self, result: dict[str, Any]) -> None:
@@ -146,6 +157,9 @@ class Journal:
 def locked(journal: Journal) -> Iterator[None]:
     import fcntl
 
+    if os.path.islink(journal.dir):
+        # Its plan, records and lock would be written (and cleared) wherever it points.
+        raise TorchgrainError(f"{journal.dir} is a link: remove it to convert into {journal.root}")
     os.makedirs(journal.dir, exist_ok=True)
     # 0o666 less the umask, as for every file torchgrain writes.
     fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
@@ -161,11 +175,38 @@ def locked(journal: Journal) -> Iterator[None]:
         os.close(fd)  # closing releases the lock (so does the process dying)
 
 
-def still_there(path: str, size: int) -> bool:
+def finished(root: str, task: Task, record: dict[str, Any]) -> bool:
+    """Whether the journal's ``record`` says ``task`` is done and its shard is still
+    there: the task's own file (not a link), of the size and count recorded. The record
+    is data: one naming another file or count is not taken, and the shard is redone."""
+    if record.get("path") != task.name or (
+        task.expected is not None and record.get("num_records") != task.expected
+    ):
+        return False
     try:
-        return os.path.getsize(path) == size
+        st = os.lstat(os.path.join(root, task.name))
     except OSError:
         return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == record.get("num_bytes")
+
+
+def check_plan(journal: Journal, plan: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """Raise CorruptDataError unless the journal's ``plan``, whose fingerprint matches
+    this conversion's, is the plan ``fresh`` made now from the same inputs: its names
+    and pieces are data, and one naming a file outside or other records is not used."""
+    if plan == fresh:
+        return
+    where = "its record counts"
+    old, new = plan["tasks"], fresh["tasks"]
+    if not isinstance(old, list) or len(old) != len(new):
+        where = "its number of tasks"
+    elif plan["counts"] == fresh["counts"]:
+        i = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+        where = f"task {i} ({new[i]['name']!r})"
+    raise CorruptDataError(
+        f"the conversion plan {os.path.join(journal.dir, 'plan.json')} is not the plan of "
+        f"these inputs ({where} differ); remove {journal.dir} or pass overwrite=True"
+    )
 
 
 def remove_outputs(root: str, plan: dict[str, Any]) -> None:
