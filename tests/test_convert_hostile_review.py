@@ -109,7 +109,6 @@ def test_journal_dir_linked_elsewhere_is_refused(tmp_path):
     assert os.listdir(elsewhere) == []
 
 
-@pytest.mark.xfail(strict=True, reason="a plan's odd names crash the overwrite with OSError")
 @pytest.mark.parametrize("name", ["sub", "a\x00b", "x" * 5000])
 def test_overwrite_skips_plan_names_that_are_not_files(tmp_path, name):
     src, dst, jdir = _converted(tmp_path)
@@ -123,7 +122,6 @@ def test_overwrite_skips_plan_names_that_are_not_files(tmp_path, name):
     assert (dst / "sub").is_dir()
 
 
-@pytest.mark.xfail(strict=True, reason="the run refused the lock removes the other's journal")
 def test_run_refused_the_lock_leaves_the_other_runs_journal(tmp_path, monkeypatch):
     import fcntl
     import sys

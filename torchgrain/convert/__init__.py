@@ -229,7 +229,9 @@ def convert(
     journal = Journal(root)
     if not os.path.isdir(journal.dir):
         created.append(journal.dir)
-    with _removed_if_nothing_done(root, created, journal), locked(journal):
+    # Locked first: a run refused the lock must not remove the journal of the run that
+    # holds it (both may have found the directory missing).
+    with locked(journal), _removed_if_nothing_done(root, created, journal):
         stamp = fingerprint(inp, options)
         tasks = plan_tasks(inp.counts, len(inp.paths), num_shards, to)
         # As stored (tuples as lists): a plan found in the journal is compared with it.

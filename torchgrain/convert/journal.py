@@ -210,10 +210,11 @@ def check_plan(journal: Journal, plan: dict[str, Any], fresh: dict[str, Any]) ->
 
 
 def remove_outputs(root: str, plan: dict[str, Any]) -> None:
-    # The plan is data: a name it gives outside the output directory is not ours.
+    # The plan is data: a name it gives that is not a file in the output directory
+    # (outside it, a directory, not a file name at all) is not ours.
     for t in plan.get("tasks", []):
-        path = local_file_in(root, str(t["name"]))
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError, ValueError):
+            path = local_file_in(root, str(t["name"]))
             if path is not None:
                 os.unlink(path)
     with contextlib.suppress(FileNotFoundError):
