@@ -86,7 +86,6 @@ def _aliases(depth: int) -> str:
     return f"[&a0 [x, x], {refs}]"
 
 
-@pytest.mark.xfail(strict=True, reason="a spec's values are written whole into its errors")
 @pytest.mark.parametrize(
     "entry", ["{aliases}", "{{path: a, columns: {aliases}}}", "{{path: {aliases}}}"]
 )

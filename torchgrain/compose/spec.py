@@ -40,6 +40,9 @@ _TOP_KEYS = {
 }
 # A description is a few entries; a bigger file is not one.
 _MAX_BYTES = 1 << 20
+# YAML aliases repeat a value without copying it: a few hundred bytes load as 2**40
+# values, which the checks (and the errors that show them) would walk for hours.
+_MAX_VALUES = 100_000
 
 
 class SpecError(TorchgrainError, ValueError):
@@ -80,9 +83,20 @@ def _read(path: str) -> Any:
     except ImportError:
         raise SpecError(f"{path}: reading YAML needs PyYAML (pip install pyyaml)") from None
     try:
-        return yaml.safe_load(text)  # safe_load: plain data, no objects built from tags
+        spec = yaml.safe_load(text)  # safe_load: plain data, no objects built from tags
     except (yaml.YAMLError, RecursionError) as e:
         raise SpecError(f"{path}: not valid YAML: {e}") from None
+    stack, count = [spec], 0  # (a list that holds itself counts forever too)
+    while stack:
+        value = stack.pop()
+        count += 1
+        if count > _MAX_VALUES:
+            raise SpecError(f"{path}: more than {_MAX_VALUES} values (YAML aliases?)")
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return spec
 
 
 def _entry_source(path: str, k: int, entry: Any, kind: str) -> tuple[str | None, Any, Any]:
