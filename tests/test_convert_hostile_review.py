@@ -152,7 +152,6 @@ def test_run_refused_the_lock_leaves_the_other_runs_journal(tmp_path, monkeypatc
             os.close(fd)
 
 
-@pytest.mark.xfail(strict=True, reason="a finished shard is known by its size only")
 def test_finished_shards_swapped_are_not_taken(tmp_path):
     # Two shards of one size swapped (or one replaced by a copy of another): a rerun
     # published them in the wrong order.

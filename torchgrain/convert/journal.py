@@ -177,8 +177,9 @@ def locked(journal: Journal) -> Iterator[None]:
 
 def finished(root: str, task: Task, record: dict[str, Any]) -> bool:
     """Whether the journal's ``record`` says ``task`` is done and its shard is still
-    there: the task's own file (not a link), of the size and count recorded. The record
-    is data: one naming another file or count is not taken, and the shard is redone."""
+    there: the task's own file (not a link), the very file written (inode and mtime), of
+    the size and count recorded. The record is data: one naming another file or count
+    is not taken, and the shard is redone."""
     if record.get("path") != task.name or (
         task.expected is not None and record.get("num_records") != task.expected
     ):
@@ -187,7 +188,11 @@ def finished(root: str, task: Task, record: dict[str, Any]) -> bool:
         st = os.lstat(os.path.join(root, task.name))
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode) and st.st_size == record.get("num_bytes")
+    return (
+        stat.S_ISREG(st.st_mode)
+        and st.st_size == record.get("num_bytes")
+        and [st.st_ino, st.st_mtime_ns] == record.get("file_id")
+    )
 
 
 def check_plan(journal: Journal, plan: dict[str, Any], fresh: dict[str, Any]) -> None:

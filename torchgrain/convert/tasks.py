@@ -243,7 +243,10 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
         "index": task.index,
         "path": task.name,
         "num_records": count,
-        "num_bytes": os.path.getsize(final),
+        "num_bytes": (st := os.stat(final)).st_size,
+        # Which file it is (journal.finished): a file of the same size under its name
+        # (another shard renamed, a copy) is not it.
+        "file_id": [st.st_ino, st.st_mtime_ns],
         "checksum": checksum,
         "file_checksum": whole,
         "schema": schema,
