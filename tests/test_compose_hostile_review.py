@@ -100,3 +100,19 @@ def test_spec_of_yaml_aliases_is_a_short_error(tmp_path, entry):
     with pytest.raises(SpecError) as e:
         load_spec(str(spec))
     assert len(str(e.value)) < 10_000
+
+
+@pytest.mark.xfail(strict=True, reason="load_spec lets mix's OverflowError through")
+@pytest.mark.parametrize(
+    ("weight", "extra"), [("1", ', "length": 100000000000000000000'), ("9" * 400, "")]
+)
+def test_spec_of_huge_numbers_is_a_spec_error(tmp_path, weight, extra):
+    from torchgrain.compose.spec import SpecError, load_spec
+
+    tg.write_array_record([{"x": 1}], str(tmp_path / "a"))
+    tg.write_array_record([{"x": 2}], str(tmp_path / "b"))
+    spec = tmp_path / "mix.json"
+    entries = f'{{"path": "a", "weight": {weight}}}, {{"path": "b", "weight": 1}}'
+    spec.write_text(f'{{"mix": [{entries}]{extra}}}')
+    with pytest.raises(SpecError, match=r"mix\.json"):
+        load_spec(str(spec))
