@@ -102,7 +102,6 @@ def test_spec_of_yaml_aliases_is_a_short_error(tmp_path, entry):
     assert len(str(e.value)) < 10_000
 
 
-@pytest.mark.xfail(strict=True, reason="load_spec lets mix's OverflowError through")
 @pytest.mark.parametrize(
     ("weight", "extra"), [("1", ', "length": 100000000000000000000'), ("9" * 400, "")]
 )

@@ -218,5 +218,5 @@ def load_spec(path: str) -> Any:
         return tg.mix(datasets, weights, **options)
     except SpecError:
         raise
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # (a length or weight of 400 digits)
         raise SpecError(f"{path}: {e}") from e
