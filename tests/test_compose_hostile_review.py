@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -115,3 +117,34 @@ def test_spec_of_huge_numbers_is_a_spec_error(tmp_path, weight, extra):
     spec.write_text(f'{{"mix": [{entries}]{extra}}}')
     with pytest.raises(SpecError, match=r"mix\.json"):
         load_spec(str(spec))
+
+
+_TRUNCATED = """
+import os, sys, warnings
+import numpy as np, torchgrain as tg
+data, ixd, mode = sys.argv[1:]
+w = tg.Dataset(tg.ArrayRecordSource(data)).windows(
+    "tokens", 4, eos=99, mode=mode, index_dir=ixd, progress=False
+)
+for path in w.source.index_paths:
+    os.truncate(path, 4096)  # (pages past the end: SIGBUS when touched)
+try:
+    w.source.__getitems__([len(w) - 1])
+except tg.CorruptDataError as e:
+    print("refused:", e)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="token windows read a truncated index without a check")
+@pytest.mark.parametrize("mode", ["concat", "pack"])
+def test_window_index_truncated_while_mapped_is_refused(tmp_path, mode):
+    data, ixd = str(tmp_path / "data"), str(tmp_path / "ix")
+    tg.write_array_record([{"tokens": np.arange(1 + i % 3)} for i in range(20_000)], data)
+    out = subprocess.run(
+        [sys.executable, "-c", _TRUNCATED, data, ixd, mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and ".tgindex" in out.stdout
