@@ -55,6 +55,7 @@ from torchgrain.convert.journal import (
     remove_temps,
 )
 from torchgrain.convert.tasks import Job, Task, run_task, set_progress_callback, worker_init
+from torchgrain.errors import CorruptDataError
 from torchgrain.formats.checksums import RecordHasher, verify_shard
 from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -253,7 +254,12 @@ def convert(
             journal.clear()
             plan = None
         if plan is None:
-            old = read_manifest(fs, root)
+            try:
+                old = read_manifest(fs, root)
+            except CorruptDataError:
+                if not overwrite:
+                    raise
+                old = None  # it is replaced; the files it names are not known
             if old is not None and not overwrite:
                 raise FileExistsError(
                     f"{root} already holds a torchgrain dataset ({MANIFEST_NAME}); pass "

@@ -234,7 +234,7 @@ def remove_temps(root: str) -> None:
     suffixes = [f.output.suffix for f in formats().values() if f.output is not None]
     for n in os.listdir(root):
         if n.startswith(".") and ".tmp-" in n and any(s in n for s in suffixes):
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # not ours
                 os.unlink(os.path.join(root, n))
 
 
