@@ -507,6 +507,11 @@ class TokenWindows(Composed):
 
     def _documents_of(self, idx: np.ndarray) -> list[np.ndarray]:
         """The (non-empty) documents each window in ``idx`` touches, in stream order."""
+        # An index file written or truncated since it was mapped is refused
+        # (ChangedWhileOpen, naming it): a page past a truncated end is a SIGBUS.
+        self._index.check_unchanged()
+        if self._bins is not None:
+            self._bins.check_unchanged()
         off = self.offsets
         if self.mode == "pack":
             assert self._bins is not None
