@@ -165,7 +165,6 @@ def test_finished_shards_swapped_are_not_taken(tmp_path):
     assert _ids(dst) == list(range(20))
 
 
-@pytest.mark.xfail(strict=True, reason="inputs are known by size and mtime only; not small")
 def test_input_rewritten_with_its_size_and_mtime_is_not_mixed(tmp_path):
     # A crash after shard 0; the two inputs' bytes exchanged (same sizes, their mtimes restored,
     # as cp -p or rsync -t do); the rerun kept the old shard 0 beside a new shard 1.
@@ -186,7 +185,7 @@ def test_input_rewritten_with_its_size_and_mtime_is_not_mixed(tmp_path):
     os.utime(p1, ns=(st1.st_atime_ns, st1.st_mtime_ns))
     try:
         tg.convert(src, dst, num_shards=2)
-    except TorchgrainError:
+    except (TorchgrainError, FileExistsError):  # FileExistsError: "of other inputs"
         return
     s = tg.ArrayRecordSource(dst)
     ids = [s[i]["id"] for i in range(len(s))]

@@ -95,9 +95,11 @@ def fingerprint(inp: ConvertInput, options: dict[str, Any]) -> dict[str, Any]:
     files = []
     for p in inp.paths:
         info = remote.call(fs, "info", inp.strip(p), url=p, what="lookup")
-        files.append(
-            {"path": p, "size": int(info.get("size") or 0), "mtime": str(info.get("mtime", ""))}
-        )
+        file = {"path": p, "size": int(info.get("size") or 0), "mtime": str(info.get("mtime", ""))}
+        # A local file's change time and inode too: bytes rewritten with the size and
+        # modification time kept (cp -p, rsync -t) must not resume beside the old shards.
+        file.update({k: str(info[k]) for k in ("created", "ino") if k in info})
+        files.append(file)
     return {"format": inp.format, "files": files, "options": options}
 
 
