@@ -107,7 +107,7 @@ class DecodedCache(NodeStore):
 
     Example:
         >>> import tempfile, pyarrow as pa
-        >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+        >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20, min_free_bytes=0)
         >>> t = pa.table({"x": [1, 2, 3]})
         >>> key = entry_key("example.parquet", 0)
         >>> got, path = cache.get_or_build(key, lambda: t, schema=t.schema, num_rows=3)
@@ -225,7 +225,7 @@ class DecodedCache(NodeStore):
         Example:
             >>> import tempfile, pyarrow as pa
             >>> from torchgrain.io.changes import changed
-            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20, min_free_bytes=0)
             >>> t = pa.table({"x": [1, 2]})
             >>> got, path, pin = cache.get_or_build_pinned(
             ...     entry_key("p", 0), lambda: t, schema=t.schema, num_rows=2)
@@ -263,7 +263,7 @@ class DecodedCache(NodeStore):
 
         Example:
             >>> import tempfile, pyarrow as pa
-            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20)
+            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20, min_free_bytes=0)
             >>> t = pa.table({"x": [1]})
             >>> _, path, pin = cache.get_or_build_pinned(
             ...     entry_key("q", 0), lambda: t, schema=t.schema, num_rows=1)
