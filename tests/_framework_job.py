@@ -509,7 +509,14 @@ def main(argv=None):
         "trainer": run_trainer,
         "torchrun": run_torchrun,
     }
-    jobs[args.framework](args)
+    try:
+        jobs[args.framework](args)
+    finally:
+        # A gloo process group left for the interpreter's exit can abort the process
+        # ("terminate called without an active exception", torch#190489): the HF Trainer
+        # and Accelerate leave theirs unless told to end.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -51,3 +51,4 @@ for epoch in range(loader.epoch, epochs):
             accelerator.save_state(checkpoint_dir)
 # --8<-- [end:recipe]
 accelerator.print(f"done at epoch {loader.epoch}, loss {loss.item():.3f}", flush=True)
+accelerator.end_training()  # ends the process group: a gloo one left to exit can abort

@@ -59,3 +59,4 @@ trainer = Trainer(
 trainer.train(resume_from_checkpoint=resume)  # True: from the last checkpoint in output_dir
 # --8<-- [end:recipe]
 print(f"done at step {trainer.state.global_step}", flush=True)  # one write: ranks share stdout
+trainer.accelerator.end_training()  # ends the process group: a gloo one left to exit can abort
