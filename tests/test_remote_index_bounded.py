@@ -20,8 +20,9 @@ from tests.servers import RangeHTTPServer
 
 TG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(torchgrain.__file__)))
 
-# A child's set-up: the remote file's session opened, BUILD_BYTES set to argv[3] MiB, and
-# the peak resident size reset (status("VmHWM") - base: the peak beyond the imports).
+# A child's set-up: argv is URL OUT MiB [URL...]; the remote file's session opened,
+# BUILD_BYTES set to MiB, and the peak resident size reset (status("VmHWM") - base: the
+# peak beyond the imports).
 _MEASURE = textwrap.dedent("""
     import json, sys, warnings
     warnings.simplefilter("ignore")
@@ -36,12 +37,42 @@ _MEASURE = textwrap.dedent("""
                     return int(line.split()[1]) * 1024
 
     fs, path = get_filesystem(sys.argv[1])
+    urls = [sys.argv[1], *sys.argv[4:]]
     fs.info(path)  # the HTTP session is set up before the baseline
     store.BUILD_BYTES = int(sys.argv[3]) << 20
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM, the peak resident size, to the current size
     base = status("VmRSS")
 """)
+
+
+def write_one_byte_records(path, n: int, options: str = "group_size:1") -> None:
+    """An ArrayRecord file of ``n`` records ``b"x"``, written in a child process (the
+    array_record module is not imported by the test process: it does not survive fork)."""
+    code = textwrap.dedent(f"""
+        from array_record.python.array_record_module import ArrayRecordWriter
+        w = ArrayRecordWriter({str(path)!r}, {options!r})
+        for i in range({n}):
+            w.write(b"x")
+        w.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def measure(script: str, *args: object, cwd) -> dict:
+    """Run ``script`` (``_MEASURE`` and a build) in a fresh child with ``args``; its last
+    line of output, parsed."""
+    p = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=TG_ROOT),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
 
 _BUILD = _MEASURE + textwrap.dedent("""
     ix = arrayrecord.build_arrayrecord_index([path], filesystem=fs, out=sys.argv[2])
@@ -60,28 +91,12 @@ def test_a_remote_footer_of_many_chunks_is_built_in_bounded_memory(tmp_path):
     n = 400_000
     root = tmp_path / "srv"
     root.mkdir()
-    code = textwrap.dedent(f"""
-        from array_record.python.array_record_module import ArrayRecordWriter
-        w = ArrayRecordWriter({str(root / "a.array_record")!r}, "group_size:1")
-        for i in range({n}):
-            w.write(b"x")
-        w.close()
-    """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    write_one_byte_records(root / "a.array_record", n)
     size = (root / "a.array_record").stat().st_size
     with RangeHTTPServer(root) as srv:
-        p = subprocess.run(
-            [sys.executable, "-c", _BUILD, srv.url + "/a.array_record", str(tmp_path / "ix"), "8"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            env=dict(os.environ, PYTHONPATH=TG_ROOT),
-        )
+        got = measure(_BUILD, srv.url + "/a.array_record", tmp_path / "ix", 8, cwd=tmp_path)
         gets = srv.gets()
         ranges = [r for r in srv.range_log if r is not None]
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["counts"] == [n] and got["group_size"] == [1]
     assert got["peak"] < 40 << 20, f"peak {got['peak'] / 2**20:.0f} MiB beyond the imports"
     fetched = 0
@@ -112,17 +127,8 @@ def test_a_remote_tfrecord_file_is_indexed_in_bounded_memory(tmp_path):
     root.mkdir()
     (root / "a.tfrecord").write_bytes(_frame(b"") * (n - 1) + _frame(b"end"))
     with RangeHTTPServer(root) as srv:
-        p = subprocess.run(
-            [sys.executable, "-c", _TF_BUILD, srv.url + "/a.tfrecord", str(tmp_path / "ix"), "4"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=tmp_path,
-            env=dict(os.environ, PYTHONPATH=TG_ROOT),
-        )
+        got = measure(_TF_BUILD, srv.url + "/a.tfrecord", tmp_path / "ix", 4, cwd=tmp_path)
         gets = srv.gets()
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["records"] == n and bytes.fromhex(got["last"]) == b"end"
     assert got["peak"] < 36 << 20, f"peak {got['peak'] / 2**20:.0f} MiB beyond the imports"
     assert gets <= 16 + 4, gets  # 12 blocks of 4 MiB, the reads of a record, a retry

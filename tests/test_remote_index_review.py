@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 import warnings
 
 import pytest
 
 from tests.servers import RangeHTTPServer
+from tests.test_remote_index_bounded import _MEASURE, measure, write_one_byte_records
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.io.fs import get_filesystem
 from torchgrain.sources.node_index import arrayrecord as nar
@@ -170,33 +172,17 @@ def test_a_tfrecord_file_truncated_while_its_offsets_are_walked_is_a_named_error
             tg.TFRecordSource(srv.url + "/a.tfrecord", codec="raw", index_dir=tmp_path / "ix")
 
 
-_MANY_BUILD = """
-import json, sys, warnings
-warnings.simplefilter("ignore")
-from torchgrain.formats.index_file import IndexFileWriter
-from torchgrain.io.fs import get_filesystem
-from torchgrain.sources.node_index import arrayrecord, store
-
-def status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-
-urls = sys.argv[2:]
-fs, path = get_filesystem(urls[0])
-fs.info(path)  # the HTTP session is set up before the baseline
-store.BUILD_BYTES = 4 << 20
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM, the peak resident size, to the current size
-base = status("VmRSS")
 # The peak of the build up to its publish: copying the columns into the index file (8 MiB
 # blocks) and mapping it (page-cache pages) come after the footers and hold none of them.
-publish, peak = IndexFileWriter.publish, []
-IndexFileWriter.publish = lambda w, meta: peak.append(status("VmHWM") - base) or publish(w, meta)
-ix = arrayrecord.build_arrayrecord_index(urls, filesystem=fs, out=sys.argv[1])
-print(json.dumps({"peak": peak[0], "counts": ix.counts.tolist()}))
-"""
+_MANY_BUILD = _MEASURE + textwrap.dedent("""
+    from torchgrain.formats.index_file import IndexFileWriter
+    publish, peak = IndexFileWriter.publish, []
+    IndexFileWriter.publish = (
+        lambda w, meta: peak.append(status("VmHWM") - base) or publish(w, meta)
+    )
+    ix = arrayrecord.build_arrayrecord_index(urls, filesystem=fs, out=sys.argv[2])
+    print(json.dumps({"peak": peak[0], "counts": ix.counts.tolist()}))
+""")
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
@@ -206,39 +192,16 @@ def test_remote_footers_fetched_ahead_are_held_within_the_build_budget(tmp_path)
     budget (and the 1 MiB tails read ahead) over the build of one of them, up to its
     publish. Measured: +37 MiB when the footer chunks of the 8 shards were fetched by
     the peeks, held at once; +6 MiB with only their headers peeked."""
-    import json
-    import subprocess
-    import sys
-    import textwrap
-
     root = tmp_path / "srv"
     root.mkdir()
-    code = textwrap.dedent(f"""
-        from array_record.python.array_record_module import ArrayRecordWriter
-        w = ArrayRecordWriter({str(root / "s0.ar")!r}, "group_size:1,uncompressed")
-        for i in range(300_000):
-            w.write(b"x")
-        w.close()
-    """)
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    write_one_byte_records(root / "s0.ar", 300_000, "group_size:1,uncompressed")
     for k in range(1, 8):
         os.link(root / "s0.ar", root / f"s{k}.ar")
-    tg_root = os.path.dirname(os.path.dirname(os.path.abspath(nar.__file__)))
-    tg_root = os.path.dirname(os.path.dirname(tg_root))
     peaks = {}
     with RangeHTTPServer(root) as srv:
         for n in (1, 8):
-            p = subprocess.run(
-                [sys.executable, "-c", _MANY_BUILD, str(tmp_path / f"ix{n}")]
-                + [f"{srv.url}/s{k}.ar" for k in range(n)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                cwd=tmp_path,
-                env=dict(os.environ, PYTHONPATH=tg_root),
-            )
-            assert p.returncode == 0, p.stderr[-3000:]
-            got = json.loads(p.stdout.strip().splitlines()[-1])
+            urls = [f"{srv.url}/s{k}.ar" for k in range(n)]
+            got = measure(_MANY_BUILD, urls[0], tmp_path / f"ix{n}", 4, *urls[1:], cwd=tmp_path)
             assert got["counts"] == [300_000] * n
             peaks[n] = got["peak"]
     grown = peaks[8] - peaks[1]
