@@ -1,0 +1,122 @@
+"""Parquet files as an attacker (or a careless job) leaves them: a file rewritten
+between the source's opening and its reads, and pages whose headers understate what
+Arrow allocates. Each must give the right values or a CorruptDataError naming the
+file, never other values, a bare Arrow/KeyError, or more memory than
+``max_row_group_bytes`` allows."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import torchgrain as tg
+from torchgrain.errors import CorruptDataError
+
+MiB = 1 << 20
+
+
+def _rewrite_in_place(path, table: pa.Table) -> None:
+    """Write ``table`` over ``path`` through the same inode (``cp``, ``rsync --inplace``)."""
+    tmp = f"{path}.new"
+    pq.write_table(table, tmp, row_group_size=4)
+    with open(tmp, "rb") as f:
+        data = f.read()
+    os.unlink(tmp)
+    with open(path, "r+b") as f:
+        f.truncate(0)
+        f.write(data)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a local shard is read through the footer read when its reader opened, "
+    "whatever the file holds now: an in-place rewrite is read as garbage or as other "
+    "columns (here x and y swapped), a replaced file with a bare KeyError",
+)
+def test_a_shard_rewritten_in_place_after_a_read_is_refused_not_read_by_the_old_footer(
+    tmp_path,
+):
+    # The reader opened by the first read keeps the old footer; the rewritten file has
+    # the same layout with its two columns swapped, so the old footer's offsets find the
+    # other column's pages: x read 0..7 from the new y, y read "b" from the new x.
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"x": list(range(8)), "y": ["a"] * 8}), path, row_group_size=4)
+    src = tg.ParquetSource(str(tmp_path), decoded_cache=False, cache_bytes=0)
+    assert src[0] == {"x": 0, "y": "a"}
+    _rewrite_in_place(path, pa.table({"y": list(range(8)), "x": ["b"] * 8}))
+    for read in (lambda: src.__getitems__([1, 5]), lambda: src.read_columns([1, 5])):
+        with pytest.raises(CorruptDataError, match=r"a\.parquet.*changed since the dataset"):
+            read()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="a bare KeyError naming no file; strings cast silently to int64"
+)
+def test_a_shard_replaced_before_its_first_read_is_refused_naming_it(tmp_path):
+    # Opened with columns x and y; replaced (a rename over it) by a file without x
+    # before any read: a bare KeyError ('Field "x" does not exist in schema'), or, with
+    # x a string column now, its strings cast silently to the old type.
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"x": list(range(8)), "y": ["a"] * 8}), path, row_group_size=4)
+    for new in (
+        pa.table({"y": ["b"] * 8}),
+        pa.table({"x": [str(10 * i) for i in range(8)], "y": ["b"] * 8}),
+    ):
+        src = tg.ParquetSource(str(tmp_path), decoded_cache=False, cache_bytes=0)
+        pq.write_table(new, f"{path}.tmp", row_group_size=4)
+        os.replace(f"{path}.tmp", path)
+        with pytest.raises(CorruptDataError, match=r"a\.parquet.*changed since the dataset"):
+            src.__getitems__([0, 5])
+        pq.write_table(pa.table({"x": list(range(8)), "y": ["a"] * 8}), path, row_group_size=4)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a dictionary-encoded string column is counted as its dictionary page once, "
+    "but Arrow materialises the entry once per value: a 300-byte file decodes to 64 MiB "
+    "under a 1 MiB ceiling (1 MiB x 65,536 rows: 64 GiB)",
+)
+def test_a_dictionary_entry_repeated_past_the_ceiling_is_refused(tmp_path):
+    n = 4096  # rows, each the dictionary's one 16 KiB entry: 64 MiB decoded
+    indices = pa.array(np.zeros(n, np.int32))
+    column = pa.DictionaryArray.from_arrays(indices, pa.array(["x" * (16 << 10)]))
+    # Without the stored Arrow schema the column reads as plain strings (as any
+    # non-Arrow writer's would).
+    pq.write_table(
+        pa.table({"s": column}), tmp_path / "a.parquet", store_schema=False, compression="zstd"
+    )
+    assert os.path.getsize(tmp_path / "a.parquet") < 4096
+    src = tg.ParquetSource(
+        str(tmp_path), max_row_group_bytes=MiB, decoded_cache=False, cache_bytes=0
+    )
+    with pytest.raises(CorruptDataError, match=r"a\.parquet.*max_row_group_bytes"):
+        src[0]
+
+
+@pytest.mark.xfail(strict=True, reason="a boolean counts 0 bytes against max_row_group_bytes")
+def test_rle_booleans_past_the_ceiling_are_refused(tmp_path):
+    # 2**24 booleans run-length encoded take a few KiB in the file and 2 MiB decoded (4
+    # MiB with their validity): a boolean counted as 0 bytes never reached the ceiling.
+    n = 1 << 24
+    pq.write_table(
+        pa.table({"b": pa.array(np.ones(n, bool))}),
+        tmp_path / "a.parquet",
+        use_dictionary=False,
+        column_encoding={"b": "RLE"},
+        data_page_version="2.0",
+        compression="zstd",
+        row_group_size=n,
+    )
+    assert os.path.getsize(tmp_path / "a.parquet") < 256 << 10
+    src = tg.ParquetSource(
+        str(tmp_path), max_row_group_bytes=256 << 10, decoded_cache=False, cache_bytes=0
+    )
+    with pytest.raises(CorruptDataError, match=r"a\.parquet.*max_row_group_bytes"):
+        src[0]
+    # An honest ceiling reads them.
+    src = tg.ParquetSource(str(tmp_path), max_row_group_bytes=4 * MiB, decoded_cache=False)
+    assert src[n - 1] == {"b": True}
