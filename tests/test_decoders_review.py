@@ -1,0 +1,53 @@
+"""Hostile bytes against the record decoders and their decompression (tf.Example,
+TFRecord streams, msgpack, ArrayRecord chunks): each test reproduces one fault found by
+building inputs an attacker controls, and is a strict xfail until the fault is fixed.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from torchgrain.formats.tf_example import decode_tf_example
+from torchgrain.formats.tfrecord import _frame, iter_tfrecord
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _ld(field: int, payload: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+@pytest.mark.xfail(strict=True, reason="an empty packed int64 run is refused as a truncated varint")
+def test_empty_packed_int64_list_decodes_as_protobuf_does():
+    # Feature{int64_list{value: packed []}}: protobuf reads an empty int64 list; a
+    # second packed run after it is concatenated (a writer that flushes per run).
+    data = _ld(1, _ld(1, _ld(1, b"a") + _ld(2, _ld(3, _ld(1, b"")))))
+    assert decode_tf_example(data)["a"].tolist() == []
+    assert decode_tf_example(data)["a"].dtype == np.int64
+    data = _ld(1, _ld(1, _ld(1, b"a") + _ld(2, _ld(3, _ld(1, b"") + _ld(1, b"\x05")))))
+    assert decode_tf_example(data)["a"].tolist() == [5]
+
+
+@pytest.mark.xfail(strict=True, reason="records of a second zlib stream are read twice")
+def test_concatenated_zlib_streams_give_each_record_once(tmp_path):
+    # Two zlib streams one after the other (``cat a.zz b.zz``), the first holding a
+    # record larger than a 1 MiB decompression step: the second stream's records were
+    # yielded twice (its bytes were fed to the decompressor from both unused_data and
+    # the stale unconsumed_tail), each copy with valid CRCs.
+    first = [np.random.default_rng(0).bytes(64) * (3 << 14)]  # 3 MiB
+    second = [b"second-%d" % i for i in range(3)]
+    path = tmp_path / "x.tfrecord.zlib"
+    path.write_bytes(
+        zlib.compress(b"".join(map(_frame, first))) + zlib.compress(b"".join(map(_frame, second)))
+    )
+    assert list(iter_tfrecord(path)) == first + second
