@@ -96,7 +96,12 @@ class _Documents:
         if len(docs) == 0:
             return []
         if self.columns is not None:
-            col = self.columns.read_columns(docs)[self.column]
+            batch = self.columns.read_columns(docs)
+            if self.column not in batch:
+                raise CorruptDataError(
+                    f"records {docs.tolist()[:8]} of {self.name} have no column {self.column!r}"
+                )
+            col = batch[self.column]
             if isinstance(col, Ragged) and col.kind == "array":
                 values, offsets = np.asarray(col.values), np.asarray(col.offsets)
                 if values.dtype.kind in "iu":
@@ -107,7 +112,7 @@ class _Documents:
                 return list(col)
             values = list(col)
         else:
-            values = [r[self.column] for r in self.ds.__getitems__(docs.tolist())]
+            values = [self._field(r, d) for r, d in zip(self.ds.__getitems__(docs.tolist()), docs)]
         if self.tokenizer is not None:
             values = _tokenize(self.tokenizer, values, self, docs)
         return [self._tokens(v, int(d)) for v, d in zip(values, docs.tolist())]
@@ -128,10 +133,21 @@ class _Documents:
                 f"negative token id ({int(values.min())})"
             )
 
+    def _field(self, record: Any, doc: int) -> Any:
+        if self.column not in record:
+            raise CorruptDataError(f"record {doc} of {self.name} has no column {self.column!r}")
+        return record[self.column]
+
     def _tokens(self, value: Any, doc: int) -> np.ndarray:
         if value is None:
             return np.zeros(0, np.int64)
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except ValueError as e:  # a ragged nested list: numpy refuses its shape
+            raise CorruptDataError(
+                f"record {doc} of {self.name}: column {self.column!r} holds "
+                f"{type(value).__name__} that is not a list of token ids ({e})"
+            ) from None
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise CorruptDataError(
                 f"record {doc} of {self.name}: column {self.column!r} holds "
