@@ -298,8 +298,8 @@ def _fast_list(kind_tag: int, buf: bytes, s: int, e: int) -> Any:
             arr.view(np.uint32)[0] = _U32.unpack_from(buf, ds)[0]
             return arr
         return np.frombuffer(buf, dtype=_F32, count=n >> 2, offset=ds).astype(np.float32)
-    # int64_list, packed
-    if de - ds <= 10 and buf[de - 1] < 0x80:
+    # int64_list, packed (an empty run is an empty list: _packed_varints)
+    if ds < de and de - ds <= 10 and buf[de - 1] < 0x80:
         v, p = _varint(buf, ds, de)
         if p == de:  # exactly one value: the common scalar feature
             arr = _I64_ONE.copy()
