@@ -637,7 +637,7 @@ class ArrayRecordSource(EncodedSource):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        super().__setstate__(state)
         if self.index is None:
             self._share_index()
 

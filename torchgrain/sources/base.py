@@ -22,7 +22,6 @@ shards' sizes, whether a pass fits the caches).
 from __future__ import annotations
 
 import abc
-import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -276,6 +275,14 @@ class ShardedSource(Source):
         if read_ahead_bytes is None:
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
+        self._state: _ProcessState | None = None
+        self._make_helpers({})
+
+    def _make_helpers(self, sizes: dict[int, int]) -> None:
+        """Make the helpers (:attr:`cached_copies`, :attr:`cache_fit`, :attr:`ranges`)
+        from this source's fields (``sizes``: the shards' sizes known so far): at set-up,
+        and for a copy or an unpickled source, whose helpers are its own, never the
+        original's (bound to its per-process state: lock, pool, counters, open copies)."""
         self.cached_copies = CachedCopies(
             self.cache,
             self._paths,
@@ -285,13 +292,12 @@ class ShardedSource(Source):
             self._touch,
             self._verify_copy,
             self._pool,
-            io_threads,
+            self.io_threads,
         )
-        self.cache_fit = CacheFitting(type(self).__name__, self._paths)
+        self.cache_fit = CacheFitting(type(self).__name__, self._paths, sizes)
         self.ranges = BatchRanges(
-            self._batch_ranges, self._proc, self._reads_remote, opts, self._retry
+            self._batch_ranges, self._proc, self._reads_remote, self.options, self._retry
         )
-        self._state: _ProcessState | None = None
 
     # ------------------------------------------------------------------ contract
     def __len__(self) -> int:
@@ -634,27 +640,18 @@ class ShardedSource(Source):
 
     # ----------------------------------------------------------------- pickling
     def __getstate__(self) -> dict[str, Any]:
+        # Readers, threads, caches and counters are per process, and the helpers are
+        # made again for the new source (copy.copy and deepcopy come here too): only the
+        # shards' sizes they learnt travel.
         state = self.__dict__.copy()
-        state["_state"] = None  # readers, threads, caches and counters are per process
+        state["_state"] = None
+        del state["cached_copies"], state["ranges"]
+        state["cache_fit"] = dict(self.cache_fit.sizes)
         return state
 
-    def __copy__(self) -> ShardedSource:
-        # A copy reads through a process state of its own, as an unpickled source does:
-        # the helpers' methods of this source are bound to the copy instead.
-        new = type(self).__new__(type(self))
-        state = self.__getstate__()
-        for name in ("cached_copies", "ranges"):
-            helper = state[name]
-            fields = {f.name: getattr(helper, f.name) for f in dataclasses.fields(helper)}
-            mine = {k: v for k, v in fields.items() if getattr(v, "__self__", None) is self}
-            state[name] = dataclasses.replace(
-                helper, **{k: getattr(new, v.__name__) for k, v in mine.items()}
-            )
-        if hasattr(new, "__setstate__"):
-            new.__setstate__(state)
-        else:
-            new.__dict__.update(state)
-        return new
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._make_helpers(state["cache_fit"])
 
 
 def iter_in_blocks(

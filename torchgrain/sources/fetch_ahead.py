@@ -1,7 +1,7 @@
 """A remote batch's byte ranges, fetched across its shards at once.
 
 :class:`BatchRanges` is a helper a :class:`~torchgrain.sources.base.ShardedSource` holds
-(``src.batch_ranges``). Per batch, without a shard cache,
+(``src.ranges``). Per batch, without a shard cache,
 :meth:`BatchRanges.prefetch` fetches the byte ranges of all the batch's shards at once,
 with up to ``max_inflight`` requests in flight, into this process's range store, where
 the batch's reads find them; the pass's range read-ahead
