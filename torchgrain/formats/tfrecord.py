@@ -210,11 +210,15 @@ class _ZlibStream(io.RawIOBase):
                 self._out = self._d.decompress(self._in, min(want, 1 << 20))
             except zlib.error as e:
                 raise CorruptDataError(f"{self._name}: bad zlib data ({e})") from e
-            self._in = self._d.unconsumed_tail
             if self._d.eof:
-                self._in = self._d.unused_data + self._in
+                # What follows the stream is all in unused_data: unconsumed_tail may
+                # still hold a stale copy of it (a call that began with a tail left by
+                # max_length), which read it twice.
+                self._in = self._d.unused_data
                 self._d = zlib.decompressobj()
                 self._fresh = True
+            else:
+                self._in = self._d.unconsumed_tail
         return b"".join(parts)
 
 
