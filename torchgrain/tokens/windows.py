@@ -44,6 +44,7 @@ from torchgrain.sources.node_index.derived import (
     dataset_fingerprint,
     derived_index,
 )
+from torchgrain.tokens.tokenize import tokenize_batch
 
 __all__ = ["TokenWindows", "WindowDataset", "collate_windows", "windows"]
 
@@ -320,15 +321,7 @@ def _tokenize(tokenizer: Any, texts: list[Any], docs: _Documents, ids: np.ndarra
                 f"record {d} of {docs.name}: column {docs.column!r} holds "
                 f"{type(t).__name__}, not text for the tokenizer"
             )
-    try:
-        from torchgrain.tokens.tokenize import tokenize_batch
-    except ImportError:  # pragma: no cover - before the tokenizer hooks land
-        out = list(tokenizer(texts))
-    else:
-        out = list(tokenize_batch(tokenizer, texts))
-    if len(out) != len(texts):
-        raise RuntimeError(f"the tokenizer returned {len(out)} results for {len(texts)} texts")
-    return out
+    return tokenize_batch(tokenizer, texts)
 
 
 # ----------------------------------------------------------------------- the indexes
