@@ -404,7 +404,9 @@ def test_the_dataset_index_names_a_full_disk(tmp_path, monkeypatch):
     said = [str(w.message) for w in caught if "dataset index" in str(w.message)]
     assert len(said) == 1 and os.strerror(errno.EDQUOT) in said[0]
     assert repr(index_dir) in said[0] and ".tgindex'" in said[0]
-    assert not [f for f in os.listdir(index_dir) if f.endswith(".tgindex") or ".tmp-" in f]
+    # (each file's offsets are entries of their own: kept)
+    index = [f for f in os.listdir(index_dir) if not f.endswith(".offsets.tgindex")]
+    assert not [f for f in index if f.endswith(".tgindex") or ".tmp-" in f]
 
 
 # ------------------------------------------------------------- a real ENOSPC: tmpfs
@@ -524,12 +526,12 @@ def test_statistics_without_shared_memory_never_fail_a_read(tmp_path):
 
 # ---------------------------------------------------------- the TFRecord offset cache
 def test_the_tfrecord_offset_cache_names_a_full_disk_once(tmp_path, monkeypatch):
-    from torchgrain.sources import tfrecord
+    from torchgrain.sources.node_index import store
 
-    def no_room(path, *args, **kwargs):
+    def no_room(self, *args, **kwargs):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
-    monkeypatch.setattr(tfrecord, "atomic_open", no_room)  # each file's offsets only
+    monkeypatch.setattr(store.EntryWriter, "write", no_room)  # each file's offsets only
     data = _write_tfrecords(tmp_path / "tf")
     files = sorted(os.path.join(data, f) for f in os.listdir(data))
     index_dir = str(tmp_path / "index")
@@ -541,8 +543,8 @@ def test_the_tfrecord_offset_cache_names_a_full_disk_once(tmp_path, monkeypatch)
     said = [str(w.message) for w in caught if "offset cache" in str(w.message)]
     assert len(said) == 1, said
     assert os.strerror(errno.EDQUOT) in said[0] and repr(index_dir) in said[0]
-    assert ".npy'" in said[0] and "index_dir=" in said[0]  # the file, the remedy
-    assert not [f for f in os.listdir(index_dir) if f.endswith(".npy") or ".tmp" in f]
+    assert ".offsets.tgindex'" in said[0] and "index_dir=" in said[0]  # the file, the remedy
+    assert not [f for f in os.listdir(index_dir) if f.endswith(".offsets.tgindex") or ".tmp" in f]
 
 
 # ------------------------------------------------------ an error from a worker process

@@ -26,9 +26,10 @@ def test_per_file_cache_not_starting_at_zero_is_walked_again(tmp_path):
     (d / "p.tfrecord").write_bytes(b"".join(_frame(r) for r in recs))
     ix = tmp_path / "index"
     tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
-    (cache,) = ix.glob("*.npy")
+    (cache,) = ix.glob("*.offsets.tgindex")
     # Increasing, 16 bytes apart, within the file: only the first offset is wrong.
-    np.save(cache, np.array([20, 40], np.int64))
+    with open(cache, "wb") as f:
+        np.save(f, np.array([20, 40], np.int64))
     for f in ix.glob("tfrecord-*"):
         if f.is_file():
             f.unlink()
@@ -116,5 +117,26 @@ def test_offset_caches_are_not_named_as_data_files(tmp_path):
     d.mkdir()
     (d / "train.tfrecord").write_bytes(_frame(b"x"))
     tg.TFRecordSource(str(d), codec="raw", index_dir=str(tmp_path / "ix"))
-    (cache,) = (tmp_path / "ix").glob("*.npy")
+    (cache,) = (tmp_path / "ix").glob("*.offsets.tgindex")
     assert ".tfrecord" not in cache.name
+
+
+def test_per_file_offset_caches_are_held_within_the_index_directory_budget(tmp_path, monkeypatch):
+    """Each file's offsets are entries of the index directory, as its dataset indexes:
+    counted in INDEX_DIR_BYTES and evicted least recently used first (they were files
+    beside the store, never counted nor evicted: one more per version of each file)."""
+    from torchgrain.sources.node_index import store
+
+    monkeypatch.setattr(store, "INDEX_DIR_BYTES", 4096)
+    d, ix = tmp_path / "data", tmp_path / "ix"
+    d.mkdir()
+    for version in range(6):
+        for k in range(4):
+            path = d / f"p{k}.tfrecord"
+            path.write_bytes(_frame(bytes([version]) * 8) * 20)
+            os.utime(path, ns=(10**18 + version, 10**18 + version))  # a new version
+        src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
+        assert src[79]["bytes"] == bytes([version]) * 8
+    held = [f for f in ix.iterdir() if f.suffix in (".tgindex", ".npy")]
+    assert sum(f.stat().st_size for f in held) <= 4096, sorted(f.name for f in held)
+    assert any(f.name.endswith(".offsets.tgindex") for f in held)

@@ -42,6 +42,7 @@ from torchgrain.errors import (
     check_ceiling,
 )
 from torchgrain.formats.codecs import Codec, get_codec
+from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
     DEFAULT_MAX_RECORD_BYTES,
@@ -54,7 +55,7 @@ from torchgrain.formats.tfrecord import (
     resolve_compression,
 )
 from torchgrain.io import remote as io_remote
-from torchgrain.io.atomic import atomic_open, disk_full_errno, disk_full_error
+from torchgrain.io.atomic import disk_full_errno, disk_full_error
 from torchgrain.io.changes import ChangedWhileOpen
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
@@ -63,6 +64,7 @@ from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, using
 from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
+from torchgrain.sources.node_index.store import EntryWriter, index_store
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
@@ -553,6 +555,8 @@ def _dataset_index(
         if cached is not None:
             try:
                 n, checked[i] = _check_cached(cached, infos[i][0], bool(compressed[i]))
+                with contextlib.suppress(OSError):  # its last use, for the store's LRU
+                    os.utime(cached + ".lock")
                 return 8 * n
             except (OSError, ValueError):
                 pass  # missing, unreadable or not an index of this file: walked again
@@ -687,18 +691,18 @@ def _check_cached(path: str, size: int, compressed: bool) -> tuple[int, list[np.
 
 class _CacheWriter:
     """A per-file cache written as a file's offsets are walked, published when complete
-    (a reader sees a whole index or none); a directory that refuses it costs a walk at
-    each open, said once per directory and process."""
+    (a reader sees a whole index or none) as an entry of the index directory, under its
+    budget; a directory that refuses it costs a walk at each open, said once per
+    directory and process."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.n = 0
-        self._out: contextlib.ExitStack | None = contextlib.ExitStack()
+        self._out: EntryWriter | None = None
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            # A cache: rebuilt if lost, so not flushed to disk before use.
-            self.f = self._out.enter_context(atomic_open(path, "wb", durable=False))
-            self.f.write(_npy_header(0))
+            self._out = index_store(os.path.dirname(path)).writer(os.path.basename(path))
+            if self._out is not None:
+                self._out.write(_npy_header(0))
         except OSError as e:
             self._failed(e)
 
@@ -706,7 +710,7 @@ class _CacheWriter:
         if self._out is None:
             return
         try:
-            self.f.write(np.ascontiguousarray(part, _NPY_DTYPE).tobytes())
+            self._out.write(np.ascontiguousarray(part, _NPY_DTYPE).tobytes())
             self.n += len(part)
         except OSError as e:
             self._failed(e)
@@ -718,10 +722,9 @@ class _CacheWriter:
             header = _npy_header(self.n)
             if len(header) != len(_npy_header(0)):  # (not below 10^15 offsets)
                 raise OSError(f"no room for the header of {self.n} offsets")
-            self.f.seek(0)
-            self.f.write(header)
+            self._out.write(header, at=0)
             out, self._out = self._out, None
-            out.close()  # renamed into place
+            out.publish()
         except OSError as e:
             self._failed(e)
 
@@ -729,8 +732,7 @@ class _CacheWriter:
         """Remove what was written (nothing once published)."""
         out, self._out = self._out, None
         if out is not None:
-            with contextlib.suppress(OSError):
-                out.__exit__(OSError, OSError("discarded"), None)
+            out.discard()
 
     def _failed(self, e: OSError) -> None:
         self.discard()
@@ -754,7 +756,9 @@ def _cache_file(
     # characters that cannot make it a path elsewhere, and no dot, so that no data
     # suffix (.tfrecord) makes it a shard of an index_dir inside the data directory.
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.rstrip("/").rsplit("/", 1)[-1])[-60:]
-    return os.path.join(os.fspath(index_dir), f"{key}-{name}.npy")
+    # (an entry of the directory's store: counted in its budget, evicted least recently
+    # used first; the .npy files of earlier releases are not read)
+    return os.path.join(os.fspath(index_dir), f"{key}-{name}.offsets{INDEX_SUFFIX}")
 
 
 # (process id, directory) already warned that a file's offsets cannot be kept there.

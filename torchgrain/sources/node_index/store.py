@@ -546,7 +546,7 @@ class IndexDir(NodeStore):
     the index files, at most :data:`INDEX_DIR_BYTES` of them. An index's lock file lies
     beside it (``<file>.lock``, as before the store), and that file's time, touched at
     each open, is the index's last use: the index's own times key its verification stamp.
-    One per directory and process (:func:`_index_dir`): :attr:`disk_full` lasts.
+    One per directory and process (:func:`index_store`): :attr:`disk_full` lasts.
 
     Example:
         >>> import tempfile
@@ -582,9 +582,89 @@ class IndexDir(NodeStore):
         entry, suffix, _ = stem.lstrip(".").rpartition(INDEX_SUFFIX)
         return (entry + suffix, 0) if suffix else None
 
+    def writer(self, name: str) -> EntryWriter | None:
+        """Entry ``name`` (a file name ending in ``.tgindex``) to write a piece at a time
+        and publish: counted against the directory's budget, least recently used entries
+        evicted to make room for it, as the indexes :func:`cached_index` builds. None when
+        another process writes it now, or this one found the disk full.
+
+        Raises:
+            OSError: the directory cannot take it (a
+                :class:`~torchgrain.CacheDiskFullError` on a full disk, said once).
+
+        Example:
+            >>> import tempfile
+            >>> d = index_store(tempfile.mkdtemp())
+            >>> w = d.writer("a.tgindex")
+            >>> w.write(b"abc"); w.publish()
+            >>> open(os.path.join(d.directory, "a.tgindex"), "rb").read(), d.total_bytes()
+            (b'abc', 3)
+        """
+        if self.disk_full:
+            return None
+        stack = contextlib.ExitStack()
+        try:
+            if not stack.enter_context(self._lock(name, wait=0)):
+                stack.close()
+                return None
+            self._remove_temps(name)  # a killed writer's
+            tmp = self._reserve(name, 0, evict=False)
+            stack.callback(_unlink_quietly, tmp)  # (once published: gone already)
+            with self._writing(tmp):
+                file = stack.enter_context(open(tmp, "wb"))  # noqa: SIM115 (held by the writer)
+        except BaseException:
+            stack.close()
+            raise
+        return EntryWriter(self, name, tmp, file, stack)
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+class EntryWriter:
+    """An entry of an :class:`IndexDir` being written (:meth:`IndexDir.writer`): its
+    lock held and its temp file open until :meth:`publish` or :meth:`discard`."""
+
+    def __init__(
+        self, store: IndexDir, name: str, tmp: str, file: Any, stack: contextlib.ExitStack
+    ) -> None:
+        self.store, self.name, self._tmp, self.file, self._stack = store, name, tmp, file, stack
+
+    def write(self, data: bytes | memoryview, at: int | None = None) -> None:
+        """Write ``data`` (at offset ``at``, else after what was written).
+
+        Raises:
+            OSError: as :meth:`IndexDir.writer`."""
+        with self.store._writing(self._tmp):
+            if at is not None:
+                self.file.seek(at)
+            self.file.write(data)
+            if at is not None:
+                self.file.seek(0, os.SEEK_END)
+
+    def publish(self) -> None:
+        """Put the entry in place (a reader sees a whole entry or none); raises as
+        :meth:`write`."""
+        try:
+            path = os.path.join(self.store.directory, self.name)
+            with self.store._writing(self._tmp):
+                self.file.close()
+            self.store._publish(self._tmp, path, os.path.getsize(self._tmp))
+            with contextlib.suppress(OSError):  # its last use
+                os.utime(path + ".lock")
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Delete what was written (nothing once published) and release the entry."""
+        self._stack.close()
+
 
 @functools.cache
-def _index_dir(directory: str) -> IndexDir:
+def index_store(directory: str) -> IndexDir:
+    """The :class:`IndexDir` of ``directory``: one per directory and process."""
     return IndexDir(directory)
 
 
@@ -701,7 +781,7 @@ def cached_index(
     ix = try_open()
     if ix is not None:
         return ix
-    store = _index_dir(index_dir)
+    store = index_store(index_dir)
     if store.disk_full:  # found with no room by this process (which said so)
         return build(None)
     tmp = ""
