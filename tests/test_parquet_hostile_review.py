@@ -31,12 +31,6 @@ def _rewrite_in_place(path, table: pa.Table) -> None:
         f.write(data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a local shard is read through the footer read when its reader opened, "
-    "whatever the file holds now: an in-place rewrite is read as garbage or as other "
-    "columns (here x and y swapped), a replaced file with a bare KeyError",
-)
 def test_a_shard_rewritten_in_place_after_a_read_is_refused_not_read_by_the_old_footer(
     tmp_path,
 ):
@@ -53,9 +47,6 @@ def test_a_shard_rewritten_in_place_after_a_read_is_refused_not_read_by_the_old_
             read()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a bare KeyError naming no file; strings cast silently to int64"
-)
 def test_a_shard_replaced_before_its_first_read_is_refused_naming_it(tmp_path):
     # Opened with columns x and y; replaced (a rename over it) by a file without x
     # before any read: a bare KeyError ('Field "x" does not exist in schema'), or, with
@@ -97,7 +88,6 @@ def test_a_dictionary_entry_repeated_past_the_ceiling_is_refused(tmp_path):
         src[0]
 
 
-@pytest.mark.xfail(strict=True, reason="a boolean counts 0 bytes against max_row_group_bytes")
 def test_rle_booleans_past_the_ceiling_are_refused(tmp_path):
     # 2**24 booleans run-length encoded take a few KiB in the file and 2 MiB decoded (4
     # MiB with their validity): a boolean counted as 0 bytes never reached the ceiling.

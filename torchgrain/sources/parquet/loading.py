@@ -151,8 +151,8 @@ class RowGroupLoader(ShardedSource):
 
         def build() -> pa.Table:
             # Never publish what a file changed since the dataset was opened holds under
-            # the key of what it held then (checked before and after the decode).
-            self._check_unchanged(shard, index)
+            # the key of what it held then (checked before the decode, of the file read,
+            # by _check_pages, and after it).
             table = self._decode(group, index)
             self._check_unchanged(shard, index)
             return table
@@ -191,14 +191,19 @@ class RowGroupLoader(ShardedSource):
             entries[k] = None
             mapped = mapped[got[0] + 1 :]
 
-    def _check_unchanged(self, shard: int, index: int) -> None:
+    def _check_unchanged(
+        self, shard: int, index: int, version: tuple[int, ...] | None = None
+    ) -> None:
         """Raise if a local file was written or replaced since opening (its size,
         modification time or inode changed; its change time is left out: a ``chmod``
-        or ``touch -a`` changes that, not the data)."""
+        or ``touch -a`` changes that, not the data): the file at its path, or the one a
+        reader has open (its ``version``)."""
         if self._remote:
             return
         path = self.paths[shard]
-        if local_version(os.stat(path))[:3] != self._identities[shard][1][:3]:
+        if version is None:
+            version = local_version(os.stat(path))[:3]
+        if version != self._identities[shard][1][:3]:
             raise CorruptDataError(
                 f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
                 f"opened (record index {index}): open it again"
@@ -299,9 +304,14 @@ class RowGroupLoader(ShardedSource):
 
         Runs under ``reader.lock``; a remote file's column chunks are fetched here, once,
         for this check and Arrow's decode."""
-        # A row group read again (a small cache) is not checked again while its file is
-        # unchanged (size, modification time); remote files are pinned when opened.
-        key = (local, tuple(names), reader.version())
+        # A local file changed since the dataset was opened is not read: the footer its
+        # reader holds may be older than the dataset's, its pages newer than both (read
+        # through it, a file rewritten with its columns swapped read them swapped). A
+        # row group read again (a small cache) is not checked again while its file is
+        # unchanged; remote files are pinned when opened.
+        version = reader.version()
+        self._check_unchanged(shard, index, version)
+        key = (local, tuple(names), version)
         if key in reader.checked and reader.staged is None:
             return
         leaves = reader.leaves(key[1])
@@ -320,7 +330,7 @@ class RowGroupLoader(ShardedSource):
                 return
         fixed = rest = 0
         worst = (-1, "", 0, 0)
-        for (_, width, name), chunk in zip(leaves, chunks):
+        for (_, bits, name), chunk in zip(leaves, chunks):
             try:
                 pages = chunk_pages(reader.read_at, *chunk_range(chunk), chunk.num_values)
             except CorruptDataError as e:
@@ -328,7 +338,7 @@ class RowGroupLoader(ShardedSource):
                     f"cannot decode {where}, column {name!r}: {e} (record index {index})"
                 ) from None
             inflated = max(pages.dictionary_bytes, pages.data_bytes)
-            own = pages.values * width
+            own = (pages.values * bits + 7) // 8
             fixed += own
             rest += max(0, inflated - own)
             worst = max(worst, (max(own, inflated), name, own, inflated))
@@ -402,9 +412,9 @@ def decoded_cache_for(
         return None
 
 
-# Bytes a value of each Parquet physical type takes while Arrow decodes it (a
-# FIXED_LEN_BYTE_ARRAY's are its length; a BYTE_ARRAY's offset is 4 bytes).
-_PHYSICAL_BYTES = {"BOOLEAN": 0, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8}
+# Bits a value of each Parquet physical type takes while Arrow decodes it (a
+# FIXED_LEN_BYTE_ARRAY's are its length; a BYTE_ARRAY's offset is 32 bits).
+_PHYSICAL_BITS = {"BOOLEAN": 1, "INT32": 32, "INT64": 64, "INT96": 96, "FLOAT": 32, "DOUBLE": 64}
 
 
 class ParquetReader:
@@ -435,14 +445,14 @@ class ParquetReader:
         self._leaves: dict[tuple[str, ...], list[tuple[int, int, str]]] = {}
         self._footer: list[list[ColumnChunk]] | None = None
         # (row group, columns, version) whose page headers passed the check.
-        self.checked: set[tuple[int, tuple[str, ...], tuple[int, int]]] = set()
+        self.checked: set[tuple[int, tuple[str, ...], tuple[int, ...] | None]] = set()
 
-    def version(self) -> tuple[int, int]:
-        """A local file's size and modification time (of the descriptor: the file read)."""
+    def version(self) -> tuple[int, ...] | None:
+        """A local file's size, modification time and inode (of the descriptor: the
+        file read); None for a remote one."""
         if self.fd is None:
-            return (0, 0)
-        st = os.fstat(self.fd)
-        return (st.st_size, st.st_mtime_ns)
+            return None
+        return local_version(os.fstat(self.fd))[:3]
 
     def read_at(self, offset: int, size: int) -> bytes:
         """At most ``size`` bytes of the file from ``offset`` (fewer at its end)."""
@@ -468,7 +478,7 @@ class ParquetReader:
         return self._footer
 
     def leaves(self, names: tuple[str, ...]) -> list[tuple[int, int, str]]:
-        """``(index, bytes per value, path)`` of each leaf column that reading the
+        """``(index, bits per value, path)`` of each leaf column that reading the
         columns ``names`` decodes (pyarrow's choice: every leaf below a name)."""
         found = self._leaves.get(names)
         if found is None:
@@ -479,8 +489,8 @@ class ParquetReader:
                 if any(".".join(path[:k]) in wanted for k in range(1, len(path) + 1)):
                     column = schema.column(j)
                     kind = column.physical_type
-                    width = column.length if kind == "FIXED_LEN_BYTE_ARRAY" else None
-                    found.append((j, width or _PHYSICAL_BYTES.get(kind, 4), ".".join(path)))
+                    width = column.length * 8 if kind == "FIXED_LEN_BYTE_ARRAY" else None
+                    found.append((j, width or _PHYSICAL_BITS.get(kind, 32), ".".join(path)))
             self._leaves[names] = found
         return found
 
