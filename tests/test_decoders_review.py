@@ -5,9 +5,11 @@ building inputs an attacker controls, and is a strict xfail until the fault is f
 
 from __future__ import annotations
 
+import tracemalloc
 import zlib
 
 import numpy as np
+import pytest
 
 from torchgrain.formats.tf_example import decode_tf_example
 from torchgrain.formats.tfrecord import _frame, iter_tfrecord
@@ -48,3 +50,22 @@ def test_concatenated_zlib_streams_give_each_record_once(tmp_path):
         zlib.compress(b"".join(map(_frame, first))) + zlib.compress(b"".join(map(_frame, second)))
     )
     assert list(iter_tfrecord(path)) == first + second
+
+
+@pytest.mark.xfail(
+    strict=True, reason="an unpacked float costs a tuple and two ints: ~50x its bytes"
+)
+def test_unpacked_floats_take_memory_in_proportion_to_their_bytes():
+    # A float_list written unpacked (tag, 4 bytes per value: valid protobuf) held a
+    # (start, end) tuple per value while parsing: ~50 bytes of memory per byte of
+    # input, so a 20 MB record took 1 GB. Packed floats take 2x; ints and bytes ~15x.
+    n = 200_000
+    data = _ld(1, _ld(1, _ld(1, b"a") + _ld(2, _ld(2, (b"\x0d" + b"\x00\x00\xc0\x3f") * n))))
+    tracemalloc.start()
+    try:
+        got = decode_tf_example(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got["a"].dtype == np.float32 and got["a"].tolist() == [1.5] * n
+    assert peak < 8 * len(data), f"{peak / len(data):.1f} bytes of memory per byte of input"
