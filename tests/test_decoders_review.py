@@ -9,7 +9,6 @@ import tracemalloc
 import zlib
 
 import numpy as np
-import pytest
 
 from torchgrain.formats.tf_example import decode_tf_example
 from torchgrain.formats.tfrecord import _frame, iter_tfrecord
@@ -52,9 +51,6 @@ def test_concatenated_zlib_streams_give_each_record_once(tmp_path):
     assert list(iter_tfrecord(path)) == first + second
 
 
-@pytest.mark.xfail(
-    strict=True, reason="an unpacked float costs a tuple and two ints: ~50x its bytes"
-)
 def test_unpacked_floats_take_memory_in_proportion_to_their_bytes():
     # A float_list written unpacked (tag, 4 bytes per value: valid protobuf) held a
     # (start, end) tuple per value while parsing: ~50 bytes of memory per byte of
