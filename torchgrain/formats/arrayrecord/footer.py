@@ -385,6 +385,10 @@ class FooterReader:
                 more = np.frombuffer(sizes.read(want), np.uint8)
                 have += int(np.count_nonzero(more < 0x80))
                 pend = np.concatenate([pend, more])
+                # pend holds `have` varints and the start of one more, 10 bytes each at
+                # most: a run of continuation bytes is refused here, not gathered whole.
+                if len(pend) > 10 * have + 9:
+                    raise ChunkDecodeError("record-size buffer: a varint longer than 10 bytes")
             cut = int(np.flatnonzero(pend < 0x80)[k - 1]) + 1
             got = decode_varints(pend[:cut])[0]
             pend = pend[cut:]
