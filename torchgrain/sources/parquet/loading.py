@@ -215,7 +215,10 @@ class RowGroupLoader(ShardedSource):
         num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
         present = self._present[shard]
         names = [f.name for f, p in zip(self._file_fields, present) if p]
-        need = num_rows * int(self._row_bytes[shard])
+        # A row takes a byte at least while Arrow decodes it (a nullable value's
+        # definition level takes two; a boolean's bit or a null's nothing would count 0:
+        # a footer claiming 2**31 rows of them made pyarrow reserve 4 GiB).
+        need = num_rows * max(1, int(self._row_bytes[shard]))
         if need > self.max_row_group_bytes:
             raise CorruptDataError(
                 f"{self._where(shard, local)} says it holds {num_rows} rows: {need} bytes at "
