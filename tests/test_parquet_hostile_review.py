@@ -178,3 +178,21 @@ def test_a_footer_claiming_billions_of_boolean_or_null_rows_is_refused(tmp_path)
     for path, line in zip(paths, lines):
         assert line.startswith("CorruptDataError") and path.name in line, line
         assert "max_row_group_bytes" in line, line
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a struct with two fields of one name reads as a dict holding the last one: "
+    "the other's values are dropped without an error (pyarrow refuses to convert it)",
+)
+def test_a_struct_with_a_field_name_twice_is_refused_not_read_as_one(tmp_path):
+    fields = [pa.field("a", pa.int64()), pa.field("a", pa.string())]
+    twice = pa.StructArray.from_arrays([pa.array([1, 2]), pa.array(["x", "y"])], fields=fields)
+    inner = pa.struct([pa.field("b", pa.int8()), pa.field("b", pa.int8())])
+    listed = pa.array([[{"b": 1}], []], pa.list_(inner))
+    columns = {"s": twice, "l": listed, "i": [1, 2]}
+    pq.write_table(pa.table(columns), tmp_path / "a.parquet")
+    for name in ("s", "l"):
+        with pytest.raises(tg.SchemaMismatchError, match=rf"a\.parquet.*{name}"):
+            tg.ParquetSource(str(tmp_path), columns=[name])
+    assert tg.ParquetSource(str(tmp_path), columns=["i"])[1] == {"i": 2}  # others open
