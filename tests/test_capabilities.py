@@ -71,11 +71,12 @@ def test_each_source_under_a_composition_reads_ahead_its_own_indices_in_pass_ord
     order = _pass(wins)
     lengths = np.array([len(r["tokens"]) for r in docs.__getitems__(range(len(docs)))])
     off = np.r_[0, np.cumsum(lengths)]
-    touched = [  # (an empty document is read by no window)
+    touched = [  # (an empty document by the window its place lies in, to check it)
         d
         for i in order
         for d in range(len(docs))
-        if off[d] < (i + 1) * 3 + 1 and off[d + 1] > max(i * 3, off[d])
+        if (off[d + 1] > off[d] and off[d] < (i + 1) * 3 + 1 and off[d + 1] > i * 3)
+        or (off[d + 1] == off[d] and (i * 3 < off[d] <= i * 3 + 3 or i == off[d] == 0))
     ]
     first = list(dict.fromkeys(touched))
     for src in (f, g):

@@ -381,11 +381,14 @@ def test_epoch_and_read_ahead_reach_the_documents_and_pickles_small(tmp_path):
     order = sampler.indices(0, 4)
     w.read_ahead(lambda a, b: order[a:b], 0, 4, lambda: 0)
     _, _, ids = stream_of(docs)
+    starts = np.cumsum([0] + [len(t) for t in docs])
     expect = []
     for i in order.tolist():  # the documents of those windows' tokens, in order, each once
-        for d in ids[i * 8 : i * 8 + 9].tolist():  # (the last label's document too)
-            if d not in expect:
-                expect.append(d)
+        touched = set(ids[i * 8 : i * 8 + 9].tolist())  # (the last label's document too)
+        # and the empty documents between them (read, to check that they are empty)
+        touched |= {d for d, t in enumerate(docs) if not len(t) and i * 8 < starts[d] <= i * 8 + 8}
+        touched |= {d for d, t in enumerate(docs) if not len(t) and i == starts[d] == 0}
+        expect += [d for d in sorted(touched) if d not in expect]
     assert inner.orders[-1] == expect
     # Pickled (as for a spawned worker): the index travels as its file's name.
     blob = pickle.dumps(w)

@@ -64,13 +64,14 @@ def test_a_source_under_windows_and_another_input_gets_one_pass():
 
 def test_a_composed_order_says_where_each_of_its_indices_is_read():
     """A source's read-ahead positions under a composition are where the pass first reads
-    each index, also when there happen to be as many indices as positions (here 6 of
-    each: windows read two or three documents each), not one per position in turn."""
+    each index, also when there happen to be as many indices as positions (here 8 of
+    each: windows read up to three documents each, empty ones too), not one per position
+    in turn."""
     import numpy as np
 
     from torchgrain.io.readahead import _used_at
 
-    s, other = Recorder("s", 8), Recorder("o", 2)
+    s, other = Recorder("s", 8), Recorder("o", 4)
     orders = []
     s.read_ahead = lambda order, start, count, position: orders.append(order)
     ds = tg.concat(

@@ -515,7 +515,9 @@ class TokenWindows(Composed):
         return dict(_SCHEMA)
 
     def _documents_of(self, idx: np.ndarray) -> list[np.ndarray]:
-        """The (non-empty) documents each window in ``idx`` touches, in stream order."""
+        """The documents each window in ``idx`` touches, in stream order; in concat mode
+        with the empty ones among them (read, so that an index that says a document is
+        empty is checked against its tokens: never skipped unread)."""
         # An index file written or truncated since it was mapped is refused
         # (ChangedWhileOpen, naming it): a page past a truncated end is a SIGBUS.
         self._index.check_unchanged()
@@ -529,12 +531,9 @@ class TokenWindows(Composed):
         L = self.seq_len
         starts = idx * L
         first = off.searchsorted(starts, side="right") - 1
+        first[starts == 0] = 0  # (empty documents before the first token: window 0's)
         last = off.searchsorted(starts + L + 1, side="left")
-        out = []
-        for a, b in zip(first.tolist(), last.tolist()):
-            d = np.arange(a, b, dtype=np.int64)
-            out.append(d[off[d + 1] > off[d]])
-        return out
+        return [np.arange(a, b, dtype=np.int64) for a, b in zip(first.tolist(), last.tolist())]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         idx = self._check.check(indices)
@@ -578,7 +577,7 @@ class TokenWindows(Composed):
         off = self.offsets
         first = off[docs]
         lo = np.maximum(first, s)
-        counts = np.minimum(off[docs + 1], s + L + 1) - lo
+        counts = np.maximum(np.minimum(off[docs + 1], s + L + 1) - lo, 0)
         # Each position's place in its document, and its document (vectorised).
         pos = np.arange(s, s + L + 1, dtype=np.int64) - np.repeat(first, counts)
         ids = np.repeat(docs, counts)
@@ -782,7 +781,9 @@ def windows(
             have it and no tokenizer or
             transform is given; None measures the tokens. A count that disagrees with
             the tokens is found when the document is read
-            (:class:`~torchgrain.CorruptDataError`).
+            (:class:`~torchgrain.CorruptDataError`), and a count of 0 with no
+            ``bos``/``eos`` when the index is built (those documents' tokens are read
+            then: no pack-mode window reads them).
         index_dir: where the node-shared index files live (default: the torchgrain
             cache's ``windows-index``; this process's memory for an in-memory sequence,
             which nothing on disk tells apart from another of its length); None keeps
@@ -841,11 +842,17 @@ def windows(
         lengths,
     )
 
+    # Documents a count column says are empty, with no bos/eos: no window reads them in
+    # pack mode, so their tokens are checked here, once per machine (lost unread else).
+    empty: list[np.ndarray] | None = [] if lengths is not None and not special else None
+
     def fill(sink: Any) -> dict[str, Any]:
         sink.append("offsets", np.zeros(1, np.int64))
         total, seen = 0, 0
         for lens in docs.lengths(num_workers, progress):
             lens = np.asarray(lens, np.int64) + special
+            if empty is not None:
+                empty.append(np.flatnonzero(lens == 0) + seen)
             seen += len(lens)
             part = np.cumsum(lens) + total
             # int64 wraps silently: a sum past 2**63 - 1 shows as a step down (each count
@@ -862,6 +869,16 @@ def windows(
                 sink.append("offsets", part)
         if seen != n:
             raise CorruptDataError(f"{docs.name} gave {seen} document lengths for {n} records")
+        unread = np.concatenate([np.zeros(0, np.int64), *(empty or ())])
+        for a in range(0, len(unread), 4096):
+            some = unread[a : a + 4096]
+            got = [len(t) for t in docs.read(some)]
+            if any(got):
+                k = next(k for k, g in enumerate(got) if g)
+                raise CorruptDataError(
+                    f"document {int(some[k])} of {docs.name}: column {lengths!r} says it has "
+                    f"0 tokens, column {column!r} has {got[k]}: not its token count"
+                )
         return {"documents": n, "tokens": total}
 
     index = derived_index(
