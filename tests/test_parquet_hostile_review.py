@@ -180,11 +180,6 @@ def test_a_footer_claiming_billions_of_boolean_or_null_rows_is_refused(tmp_path)
         assert "max_row_group_bytes" in line, line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a struct with two fields of one name reads as a dict holding the last one: "
-    "the other's values are dropped without an error (pyarrow refuses to convert it)",
-)
 def test_a_struct_with_a_field_name_twice_is_refused_not_read_as_one(tmp_path):
     fields = [pa.field("a", pa.int64()), pa.field("a", pa.string())]
     twice = pa.StructArray.from_arrays([pa.array([1, 2]), pa.array(["x", "y"])], fields=fields)

@@ -105,6 +105,12 @@ def merge_file_schemas(
                 raise SchemaMismatchError(
                     f"column {name!r} of {files[i]!r} is also a hive partition key in its path"
                 )
+            twice = _field_named_twice(field.type)
+            if twice is not None:  # a record's dict would hold one of them
+                raise SchemaMismatchError(
+                    f"column {name!r} of {files[i]!r} has a struct with more than one field "
+                    f"named {twice!r}"
+                )
             seen.setdefault(name, []).append((i, field.type, field.nullable))
     names = list(seen)
     present = np.zeros((len(files), len(names)), dtype=bool)
@@ -133,6 +139,15 @@ def merge_file_schemas(
     _warn_missing(files, names, present)
     present.setflags(write=False)
     return fields, present
+
+
+def _field_named_twice(t: pa.DataType) -> str | None:
+    """A name that a struct in type ``t`` (at any depth) gives two of its fields, or None."""
+    names = [t.field(i).name for i in range(t.num_fields)]
+    if pa.types.is_struct(t) and len(set(names)) != len(names):
+        return next(n for n in names if names.count(n) > 1)
+    found = (_field_named_twice(t.field(i).type) for i in range(t.num_fields))
+    return next((n for n in found if n is not None), None)
 
 
 def _warn_missing(files: list[str], names: list[str], present: np.ndarray) -> None:
