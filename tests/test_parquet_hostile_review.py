@@ -191,3 +191,19 @@ def test_a_struct_with_a_field_name_twice_is_refused_not_read_as_one(tmp_path):
         with pytest.raises(tg.SchemaMismatchError, match=rf"a\.parquet.*{name}"):
             tg.ParquetSource(str(tmp_path), columns=[name])
     assert tg.ParquetSource(str(tmp_path), columns=["i"])[1] == {"i": 2}  # others open
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="an empty list of fixed-size lists of k numbers reads as a (0, 0) array, "
+    "not (0, k) as its type (float32[?,3]) and its non-empty rows (n, 3) say",
+)
+def test_an_empty_list_of_fixed_size_lists_keeps_their_size(tmp_path):
+    rows = [[[1.0, 2.0, 3.0]], [], [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]]
+    column = pa.array(rows, pa.list_(pa.list_(pa.float32(), 3)))
+    pq.write_table(pa.table({"v": column}), tmp_path / "a.parquet")
+    src = tg.ParquetSource(str(tmp_path), decoded_cache=False)
+    assert src.schema == {"v": "float32[?,3]"}
+    got = [r["v"] for r in src.__getitems__([0, 1, 2])]
+    assert [v.shape for v in got] == [(1, 3), (0, 3), (2, 3)]
+    assert [np.asarray(v).shape for v in src.read_columns([1, 1])["v"]] == [(0, 3), (0, 3)]
