@@ -118,7 +118,6 @@ def test_sliced_footer_refuses_an_overlong_size_varint_at_once(tmp_path):
     assert peak < 4 << 20, f"{peak >> 20} MiB"
 
 
-@pytest.mark.xfail(strict=True, reason="a TFDS feature of another kind than its spec's is cast")
 @pytest.mark.parametrize(
     ("features", "key"),
     [

@@ -250,8 +250,9 @@ class TFDSCodec(BaseCodec):
             self._tree = ("dict", {})
         self._decoder = _image_decoder() if decode_images else None
         leaves = list(_leaves(self._tree, ""))
-        self._known = {k for k, _ in leaves}  # the features the spec decodes
-        has_images = any(kind == "image" for _, kind in leaves)
+        # The features the spec decodes, and the list kind each is stored as.
+        self._kinds = {k: _list_kind(leaf) for k, leaf in leaves}
+        has_images = any(leaf[0] == "image" for _, leaf in leaves)
         if decode_images and self._decoder is None and has_images:
             warnings.warn(
                 "neither Pillow nor OpenCV is installed: TFDS images are returned as encoded bytes",
@@ -262,7 +263,7 @@ class TFDSCodec(BaseCodec):
         flat = decode_tf_example(data)
         out = self._build(self._tree, "", flat, ())
         for k, v in flat.items():  # features not in the spec are kept, undecoded
-            if k not in self._known:
+            if k not in self._kinds:
                 out[k] = v
         return out
 
@@ -279,6 +280,11 @@ class TFDSCodec(BaseCodec):
             return None
         value = flat[key]
         try:
+            want, got = self._kinds[key], _stored_kind(value)
+            if want and got and got != want:
+                # Refused, as by tf.io.parse_example: a cast gave wrong values (a float
+                # label truncated, bytes(n) of an int a text of n NULs).
+                raise ValueError(f"stored as a {got} list, its spec wants a {want} list")
             if kind == "tensor":
                 return _tensor(value, node[1], (*lead, *node[2]), node[3])
             if kind == "label":
@@ -314,18 +320,45 @@ class TFDSCodec(BaseCodec):
         return np.ascontiguousarray(arr)
 
     def __repr__(self) -> str:
-        return f"TFDSCodec(keys={sorted(self._known)})"
+        return f"TFDSCodec(keys={sorted(self._kinds)})"
 
 
-def _leaves(node: tuple[Any, ...], key: str) -> Iterator[tuple[str, str]]:
-    """``(flat key, kind)`` of each feature of a parsed spec."""
+_NUMBER_LIST = {"f": "float", "i": "int64", "u": "int64", "b": "int64"}  # by dtype kind
+
+
+def _list_kind(node: tuple[Any, ...]) -> str | None:
+    """The list kind TFDS stores a leaf of the spec as (None: any)."""
+    kind = node[0]
+    if kind in ("text", "image"):
+        return "bytes"
+    if kind == "label":
+        return "int64"
+    if kind == "tensor":
+        if node[1] in ("string", "str", "object") or node[3] in ("bytes", "zlib"):
+            return "bytes"
+        try:
+            return _NUMBER_LIST.get(np.dtype(node[1]).kind)
+        except TypeError:  # a dtype numpy does not know: decoding the feature says so
+            return None
+    return None
+
+
+def _stored_kind(value: Any) -> str | None:
+    """The list kind of a decoded feature (None: an empty list, of no kind or bytes)."""
+    if isinstance(value, list):
+        return "bytes" if value else None
+    return _NUMBER_LIST[value.dtype.kind]
+
+
+def _leaves(node: tuple[Any, ...], key: str) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """``(flat key, leaf node)`` of each feature of a parsed spec."""
     if node[0] == "dict":
         for k, c in node[1].items():
             yield from _leaves(c, f"{key}/{k}" if key else k)
     elif node[0] == "sequence":
         yield from _leaves(node[1], key)
     else:
-        yield key, node[0]
+        yield key, node
 
 
 def _one(value: Any) -> bytes:
