@@ -34,7 +34,7 @@ from torchgrain._worker_batches import (
     start_columns_batch,
 )
 from torchgrain.adapters import SequenceSource, checked_batch
-from torchgrain.columns import ColumnBatch
+from torchgrain.columns import ColumnBatch, Ragged
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
 from torchgrain.protocols import ReadsAhead, SetsEpoch, SizedIndexable
 from torchgrain.sources.base import Source
@@ -144,6 +144,8 @@ class EpochCell:
 
 
 def _call_columns_fn(fn: Callable[[ColumnBatch], Any], batch: ColumnBatch) -> ColumnBatch:
+    rows = len(batch)
+    keys = list(dict.keys(batch))  # before fn, which may add to the batch in place
     out = fn(batch)
     if not isinstance(out, dict):
         raise TypeError(
@@ -151,12 +153,20 @@ def _call_columns_fn(fn: Callable[[ColumnBatch], Any], batch: ColumnBatch) -> Co
             f"batch's columns (a ColumnBatch or dict), got {type(out).__name__}"
         )
     if not isinstance(out, ColumnBatch):
-        out = ColumnBatch(out, num_rows=len(batch))
-    if len(out) != len(batch):
+        out = ColumnBatch(out, num_rows=rows)
+    if len(out) != rows:
         raise TypeError(
-            f"map_batch function {_name_of(fn)} returned "
-            f"{len(out)} rows for a batch of {len(batch)}"
+            f"map_batch function {_name_of(fn)} returned {len(out)} rows for a batch of {rows}"
         )
+    for key in keys:
+        # A column of the batch that lost rows would pair its values with other records'
+        # (a new key may hold the whole batch's values, of any length).
+        col = dict.get(out, key)
+        if (isinstance(col, (Ragged, list)) or getattr(col, "ndim", 0)) and len(col) != rows:
+            raise TypeError(
+                f"map_batch function {_name_of(fn)} returned column {key!r} of "
+                f"{len(col)} rows for a batch of {rows}"
+            )
     return out
 
 
