@@ -193,11 +193,6 @@ def test_a_struct_with_a_field_name_twice_is_refused_not_read_as_one(tmp_path):
     assert tg.ParquetSource(str(tmp_path), columns=["i"])[1] == {"i": 2}  # others open
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an empty list of fixed-size lists of k numbers reads as a (0, 0) array, "
-    "not (0, k) as its type (float32[?,3]) and its non-empty rows (n, 3) say",
-)
 def test_an_empty_list_of_fixed_size_lists_keeps_their_size(tmp_path):
     rows = [[[1.0, 2.0, 3.0]], [], [[4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]]
     column = pa.array(rows, pa.list_(pa.list_(pa.float32(), 3)))

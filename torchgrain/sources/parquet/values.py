@@ -387,6 +387,7 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
             rows = list(leaf[start : start + n * a * b].reshape(n, a, b))
         else:
             lengths = np.diff(inner)
+            width = getattr(child.type, "list_size", 0)  # an empty row's, where fixed
             rows = []
             for i in range(n):
                 lo, hi = bounds[i], bounds[i + 1]
@@ -394,7 +395,7 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
                 if holed is not None and holed[i]:
                     rows.append(arr.slice(i, 1).to_pylist()[0])  # as to_pylist
                 elif hi == lo:
-                    rows.append(leaf[0:0].reshape(0, 0))
+                    rows.append(leaf[0:0].reshape(0, width))
                 elif (lens == lens[0]).all():
                     part = leaf[int(inner[lo]) : int(inner[hi])]
                     rows.append(part.reshape(hi - lo, int(lens[0])))
@@ -860,7 +861,7 @@ def _cubes(arr: pa.Array) -> np.ndarray | None:
     if len(cols) and not (cols == cols[0]).all():
         return None
     a = int(rows[0])
-    b = int(cols[0]) if len(cols) else 0
+    b = int(cols[0]) if len(cols) else getattr(child.type, "list_size", 0)
     values = leaf[int(inner[0]) : int(inner[-1])]
     return _copy(values.reshape(n, a, b))
 
