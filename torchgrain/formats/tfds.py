@@ -284,7 +284,7 @@ class TFDSCodec(BaseCodec):
             if want and got and got != want:
                 # Refused, as by tf.io.parse_example: a cast gave wrong values (a float
                 # label truncated, bytes(n) of an int a text of n NULs).
-                raise ValueError(f"stored as a {got} list, its spec wants a {want} list")
+                raise ValueError(f"stored as {got}, its spec wants {want}")
             if kind == "tensor":
                 return _tensor(value, node[1], (*lead, *node[2]), node[3])
             if kind == "label":
@@ -323,19 +323,19 @@ class TFDSCodec(BaseCodec):
         return f"TFDSCodec(keys={sorted(self._kinds)})"
 
 
-_NUMBER_LIST = {"f": "float", "i": "int64", "u": "int64", "b": "int64"}  # by dtype kind
+_NUMBER_LIST = {"f": "float_list", "i": "int64_list", "u": "int64_list", "b": "int64_list"}
 
 
 def _list_kind(node: tuple[Any, ...]) -> str | None:
     """The list kind TFDS stores a leaf of the spec as (None: any)."""
     kind = node[0]
     if kind in ("text", "image"):
-        return "bytes"
+        return "bytes_list"
     if kind == "label":
-        return "int64"
+        return "int64_list"
     if kind == "tensor":
         if node[1] in ("string", "str", "object") or node[3] in ("bytes", "zlib"):
-            return "bytes"
+            return "bytes_list"
         try:
             return _NUMBER_LIST.get(np.dtype(node[1]).kind)
         except TypeError:  # a dtype numpy does not know: decoding the feature says so
@@ -346,7 +346,7 @@ def _list_kind(node: tuple[Any, ...]) -> str | None:
 def _stored_kind(value: Any) -> str | None:
     """The list kind of a decoded feature (None: an empty list, of no kind or bytes)."""
     if isinstance(value, list):
-        return "bytes" if value else None
+        return "bytes_list" if value else None
     return _NUMBER_LIST[value.dtype.kind]
 
 
