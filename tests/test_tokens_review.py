@@ -171,7 +171,8 @@ def test_a_record_without_the_token_column_is_a_named_error(records, mapped, mes
         ds.windows("t", 2, index_dir=None)
 
 
-def test_an_index_file_that_says_a_document_is_empty_loses_no_tokens_silently(tmp_path):
+@pytest.mark.parametrize("mode", ["concat", "pack"])
+def test_an_index_file_that_says_a_document_is_empty_loses_no_tokens_silently(tmp_path, mode):
     docs = [np.arange(1, 5), np.arange(10, 13), np.arange(20, 24)]
     ds = tg.Dataset([{"t": t} for t in docs])
     path = ds.windows("t", 4, index_dir=tmp_path).source.index_paths[0]
@@ -186,6 +187,6 @@ def test_an_index_file_that_says_a_document_is_empty_loses_no_tokens_silently(tm
         lambda sink: (sink.append("offsets", np.array([0, 4, 4, 8])), {"tokens": 8})[1],
         index_dir=tmp_path,
     )
-    w = ds.windows("t", 4, index_dir=tmp_path)
+    w = ds.windows("t", 4, mode=mode, index_dir=tmp_path)
     with pytest.raises(CorruptDataError, match="document 1 "):
         w.__getitems__(list(range(len(w))))

@@ -359,6 +359,8 @@ def _check_bins(ix: DerivedIndex, offsets: np.ndarray, seq_len: int, special: in
         return "it names documents the dataset does not have"
     if len(docs) and np.bincount(docs, minlength=n).max() > 1:
         return "it places a document twice"
+    if len(bins) > 1 and len(docs) != n:  # (empty ones too: a window reads them to check)
+        return "it leaves out documents"
     lens = np.minimum(offsets[docs + 1] - offsets[docs], seq_len)
     if len(docs) and (np.add.reduceat(lens, bins[:-1]) > seq_len).any():
         return f"a window holds more than {seq_len} tokens"
@@ -426,6 +428,31 @@ def _best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
     np.cumsum(np.bincount(which, minlength=count), out=bins[1:])
     grouped = np.argsort(which, kind="stable")
     return np.take(order, grouped, out=which), bins
+
+
+def _with_empty(
+    docs: np.ndarray, bins: np.ndarray, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_best_fit`'s windows with the empty documents added, in turn over the
+    windows: they take no room, and a window reads them, so an index that says a
+    document is empty is checked against its tokens (never left unread).
+
+    Example:
+        >>> lengths = np.array([3, 5, 0, 2, 4, 0])
+        >>> docs, bins = _with_empty(*_best_fit(lengths, 8), lengths)
+        >>> [docs[a:b].tolist() for a, b in zip(bins[:-1], bins[1:])]
+        [[1, 0, 2], [4, 3, 5]]
+    """
+    empty = np.flatnonzero(lengths == 0)
+    count = len(bins) - 1
+    if not count or not len(empty):
+        return docs, bins
+    which = np.repeat(np.arange(count, dtype=np.int64), np.diff(bins))
+    which = np.concatenate([which, np.arange(len(empty), dtype=np.int64) % count])
+    grouped = np.argsort(which, kind="stable")
+    out = np.zeros(count + 1, np.int64)
+    np.cumsum(np.bincount(which, minlength=count), out=out[1:])
+    return np.concatenate([docs, empty])[grouped], out
 
 
 # ----------------------------------------------------------------------- the view
@@ -614,6 +641,8 @@ class TokenWindows(Composed):
         at = 0
         for d in docs.tolist():
             n = min(int(off[d + 1] - off[d]), L)
+            if not n:  # an empty document: read to check it, nothing to place
+                continue
             self._augmented(tokens[d], 0, n, inputs[at : at + n])
             labels[at : at + n - 1] = inputs[at + 1 : at + n]
             pos[at : at + n] = np.arange(n)
@@ -900,7 +929,7 @@ def windows(
             lens = np.diff(offsets)
             truncated = int(np.count_nonzero(lens > seq_len))
             np.minimum(lens, seq_len, out=lens)
-            order, starts = _best_fit(lens, seq_len)
+            order, starts = _with_empty(*_best_fit(lens, seq_len), lens)
             sink.append("docs", order)
             sink.append("bins", starts)
             return {"tokens": int(lens.sum()), "truncated": truncated}
