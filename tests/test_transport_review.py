@@ -6,11 +6,17 @@ plain read of the same indices.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
 import numpy as np
 import pytest
 import torch
 
 import torchgrain as tg
+from torchgrain import shm
 from torchgrain.columns import ColumnBatch
 
 
@@ -36,3 +42,27 @@ def test_a_map_batch_column_of_another_length_is_an_error(fn):
     loader = torch.utils.data.DataLoader(ds, batch_size=4)
     with pytest.raises(TypeError, match=r"column 'x' of \d rows for a batch of 4"):
         next(iter(loader))
+
+
+def _send_a_slot_batch_and_exit(conn):
+    pool = shm.SlotPool(2)
+    slot = pool.take(64)
+    base = slot.arrays()
+    base[:8] = 7
+    batch = shm.SlotBatch({"x": torch.from_numpy(base[:8])})
+    batch.slot = slot
+    conn.send_bytes(bytes(ForkingPickler.dumps(batch)))  # its slot's descriptor goes along
+    os._exit(0)  # as a worker killed before the main process took the descriptor
+
+
+@pytest.mark.skipif(not shm.ENABLED, reason="slots need Linux memfd")
+@pytest.mark.xfail(strict=True, reason="a bare ConnectionRefusedError naming nothing")
+def test_a_slot_batch_whose_worker_is_gone_names_the_worker():
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    worker = ctx.Process(target=_send_a_slot_batch_and_exit, args=(theirs,))
+    worker.start()
+    data = ours.recv_bytes()
+    worker.join(60)
+    with pytest.raises(RuntimeError, match=f"worker {worker.pid} exited"):
+        pickle.loads(data)
