@@ -56,7 +56,6 @@ def _send_a_slot_batch_and_exit(conn):
 
 
 @pytest.mark.skipif(not shm.ENABLED, reason="slots need Linux memfd")
-@pytest.mark.xfail(strict=True, reason="a bare ConnectionRefusedError naming nothing")
 def test_a_slot_batch_whose_worker_is_gone_names_the_worker():
     ctx = multiprocessing.get_context("fork")
     ours, theirs = ctx.Pipe()

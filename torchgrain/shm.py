@@ -276,7 +276,13 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
                 f"never received ({name}): was a batch of that worker lost?"
             )
         _sweep()
-        fd = fd.detach()
+        try:
+            fd = fd.detach()  # from the worker, which must still be there to hand it over
+        except (OSError, EOFError) as e:
+            raise RuntimeError(
+                f"DataLoader worker {pid} exited before this process received the shared "
+                f"memory of its batch ({name})"
+            ) from e
         try:
             mm = mmap.mmap(fd, size)
         finally:
