@@ -65,3 +65,13 @@ def test_a_slot_batch_whose_worker_is_gone_names_the_worker():
     worker.join(60)
     with pytest.raises(RuntimeError, match=f"worker {worker.pid} exited"):
         pickle.loads(data)
+
+
+@pytest.mark.xfail(strict=True, reason="a bare UnicodeEncodeError")
+def test_a_str_column_that_utf8_cannot_hold_stays_a_list():
+    # A file name listed from disk that is not UTF-8 (os.fsdecode's surrogates): a
+    # records batch carries it; a columns batch must too, not fail on encoding it.
+    paths = [os.fsdecode(b"img_\xff.jpg"), "b.jpg"]
+    ds = tg.Dataset([{"path": p, "y": i} for i, p in enumerate(paths)], batch_format="columns")
+    batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=2)))
+    assert list(batch["path"]) == paths and batch["y"].tolist() == [0, 1]
