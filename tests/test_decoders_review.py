@@ -61,7 +61,7 @@ def test_unpacked_floats_take_memory_in_proportion_to_their_bytes():
     # A float_list written unpacked (tag, 4 bytes per value: valid protobuf) held a
     # (start, end) tuple per value while parsing: ~50 bytes of memory per byte of
     # input, so a 20 MB record took 1 GB. Packed floats take 2x; ints and bytes ~15x.
-    n = 200_000
+    n = 50_000
     data = _ld(1, _ld(1, _ld(1, b"a") + _ld(2, _ld(2, (b"\x0d" + b"\x00\x00\xc0\x3f") * n))))
     tracemalloc.start()
     try:
