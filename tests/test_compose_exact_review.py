@@ -24,10 +24,6 @@ def _noise(rec, rng):
     return {**rec, "x": int(rng.integers(100))}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a filter over tg.Dataset(mixture or random_map) is accepted: the epoch check does not look through a Dataset adapted as a sequence, and other records than the predicate kept are served at epoch 1",
-)
 @pytest.mark.parametrize("changing", ["mixture", "random_map"])
 def test_a_filter_over_a_dataset_wrapping_records_that_change_with_the_epoch_is_refused(changing):
     # tg.Dataset(dataset) adapts the inner Dataset as a sequence: the check of what
@@ -65,10 +61,6 @@ def test_source_field_never_overwrites_a_key_of_records_whose_keys_are_unknown(c
                 _all(ds)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a split by position of a mixture is accepted, and its parts share records across epochs",
-)
 def test_a_split_of_a_mixture_keeps_its_parts_disjoint_across_epochs():
     # A mixture's positions read other records at another epoch, so the parts of a
     # split by position were disjoint at each epoch but not across them: a record held

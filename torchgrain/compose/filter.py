@@ -49,7 +49,7 @@ from torchgrain.sources.node_index.derived import (
     hash_parts,
 )
 
-__all__ = ["FilterView", "columns", "filter_dataset"]
+__all__ = ["FilterView", "changes_with_epoch", "columns", "filter_dataset"]
 
 _RANGES_PER_WORKER = 8  # ranges a pass is cut into, per worker (a balanced finish)
 _MAX_RANGE_BATCHES = 64  # batches per range at most (what a worker hands back at once)
@@ -148,7 +148,7 @@ def filter_dataset(
         raise ValueError(f"num_workers must be an integer >= 0 or None, got {num_workers!r}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a string, got {type(name).__name__}")
-    changes = _changes_with_epoch(ds)
+    changes = changes_with_epoch(ds)
     if changes is not None:
         raise TypeError(
             f"cannot filter {changes}: its records change with the epoch, and a selection "
@@ -235,20 +235,32 @@ def _reader(ds: Dataset, keys: list[str] | None) -> Any:
     return Dataset(column_source(source, keys))
 
 
-def _changes_with_epoch(ds: Any) -> str | None:
-    """What makes ``ds``'s records depend on the epoch (a ``random_map``, a mixture,
-    anywhere under it), or None."""
+def changes_with_epoch(ds: Any, transforms: bool = True) -> str | None:
+    """What makes ``ds``'s records depend on the epoch, anywhere under it: a mixture
+    (which records its positions read), or with ``transforms`` a ``random_map`` (their
+    values); None when nothing does. A filter, a split and anything else found once
+    refuse what it names.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> noisy = tg.Dataset([{"x": 1}]).random_map(lambda r, rng: r)
+        >>> changes_with_epoch(tg.Dataset(noisy)) is None, changes_with_epoch(noisy, False)
+        (False, None)
+    """
+    from torchgrain.adapters import SequenceSource
     from torchgrain.compose.mix import Mix
 
     if isinstance(ds, Dataset):
-        if any(op[0] == "random_map" for op in ds._ops):
+        if transforms and any(op[0] == "random_map" for op in ds._ops):
             return f"{short_repr(ds)} (random_map)"
-        return _changes_with_epoch(ds._source)
+        return changes_with_epoch(ds._source, transforms)
+    if isinstance(ds, SequenceSource):  # tg.Dataset(a Dataset) reads it as a sequence
+        return changes_with_epoch(ds.items, transforms)
     if isinstance(ds, Mix):
         return f"the mixture {short_repr(ds)}"
     if isinstance(ds, View):
         for child in ds.children:
-            found = _changes_with_epoch(child)
+            found = changes_with_epoch(child, transforms)
             if found is not None:
                 return found
     return None

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.compose.filter import changes_with_epoch
 from torchgrain.compose.view import View, check_indices, short_repr
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
@@ -377,6 +378,15 @@ def split(
     if by is None:
         if filter_options:
             raise TypeError(f"split got options {sorted(filter_options)} that only by= takes")
+        mixture = changes_with_epoch(ds, transforms=False)
+        if mixture is not None:
+            # Its positions read other records at another epoch: parts disjoint at each
+            # epoch would share records across epochs (a held-out record trained on).
+            raise TypeError(
+                f"cannot split {mixture} by position: its positions read other records at "
+                "each epoch, so the parts would share records; split each dataset before "
+                "mixing them"
+            )
         counts = split_counts(n, fractions)
         parts, start = {}, 0
         for name, count in counts.items():
