@@ -39,10 +39,6 @@ def test_a_filter_over_a_dataset_wrapping_records_that_change_with_the_epoch_is_
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="concat/mix source_field silently replaces a key of records whose keys are not declared (lists, Datasets with transforms)",
-)
 @pytest.mark.parametrize("columns", [False, True])
 def test_source_field_never_overwrites_a_key_of_records_whose_keys_are_unknown(columns):
     # Records of a list or of a Dataset with transforms do not declare their keys, so
@@ -135,10 +131,6 @@ def test_a_mixture_at_a_large_epoch_reads_its_own_draws_not_wrapped_ones():
         assert got == int(perms(np.array([k]), np.array([within]))[0])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mix({1: a, '1': b}, {1: 0.9, '1': 0.1}) gives both datasets the weight of '1' without a word",
-)
 def test_weights_by_name_of_two_datasets_whose_names_read_alike_are_refused():
     # {1: ..., "1": ...}: names are str(key), so both datasets took the weight of "1"
     # (a 50/50 mixture where 90/10 was asked for).

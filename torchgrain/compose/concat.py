@@ -18,6 +18,7 @@ import numpy as np
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.compose.view import View
 from torchgrain.dataset import Dataset
+from torchgrain.errors import SchemaMismatchError
 from torchgrain.protocols import HasBlockOffsets
 from torchgrain.sources.index import ShardIndex
 
@@ -86,13 +87,24 @@ class Concat(View):
                     f"concat(source_field={field!r}) needs records that are dicts; "
                     f"{self.describe_child(k)} returned a {type(rec).__name__}"
                 )
+            if field in rec:  # keys not declared (a list, transforms): checked here
+                raise self._clash([k])
             out.append({**rec, field: labels[k]})
         return out
+
+    def _clash(self, children: list[int]) -> SchemaMismatchError:
+        read = " or ".join(self.describe_child(k) for k in children)
+        return SchemaMismatchError(
+            f"concat(source_field={self.source_field!r}): records of {read} have the key "
+            f"{self.source_field!r} already: choose another name"
+        )
 
     def _label_columns(self, batch: ColumnBatch, which: np.ndarray) -> ColumnBatch:
         if self._labels is None:
             return batch
         labels = self._labels
+        if self.source_field in batch:
+            raise self._clash(sorted(set(which.tolist())) or [0])
         batch[self.source_field] = (
             which.astype(np.int64)
             if isinstance(labels[0], int)

@@ -389,6 +389,8 @@ class View(Composed):
         if len(names) != len(self.children):
             raise ValueError(f"{len(names)} names for {len(self.children)} datasets")
         self.names: tuple[str, ...] = tuple(str(n) for n in names)
+        if len(set(self.names)) < len(self.names):  # {1: a, "1": b}: errors, labels, weights
+            raise ValueError(f"datasets must have distinct names, got {list(self.names)}")
         described = [
             (self.describe_child(k), c.keys, c.schema)
             for k, c in enumerate(self.children)
