@@ -94,10 +94,6 @@ def test_windows_of_a_mixture_are_refused_or_read_each_epochs_documents():
     assert got == stream[: len(got)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a mixture past the int64 range fails with a bare OverflowError, or wraps its length to a negative number",
-)
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -110,10 +106,6 @@ def test_a_mixture_of_more_records_than_int64_holds_is_a_value_error_naming_its_
         tg.mix([ids("a", 10), ids("b", 3)], **kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a mixture's draw numbers epoch * c_k + j wrap in int64: epoch 2**44 repeats epoch 0's records",
-)
 def test_a_mixture_at_a_large_epoch_reads_its_own_draws_not_wrapped_ones():
     # Draw numbers epoch * c_k + j were int64: at epoch 2**44 with 2**20 draws per epoch
     # they wrapped to epoch 0's, so that epoch repeated epoch 0's records exactly.

@@ -50,6 +50,8 @@ _STOPPING = ("first_exhausted", "all_exhausted")
 # Above this epoch length, (2j + 1) * c_m no longer fits in int64: the order is then
 # computed on Python integers (exact, slower); below it, on int64 arrays.
 _INT64_LIMIT = 1 << 31
+# Records per epoch at most: a sampler orders no more.
+_MAX_LENGTH = 1 << 62
 # Permutation families kept per process (one per pass number a batch touches).
 _PERMS_KEPT = 64
 
@@ -235,7 +237,9 @@ class _Passes:
         return perms
 
     def __call__(self, source: np.ndarray, g: np.ndarray) -> np.ndarray:
-        passes, within = np.divmod(g, self.sizes[source])
+        n = self.sizes[source]
+        # (g may be Python integers, at a big epoch: no divmod for those)
+        passes, within = g // n, (g % n).astype(np.int64, copy=False)
         if len(passes) and passes.min() == passes.max():  # the common case: one pass
             return self.family(int(passes[0]))(source, within)
         out = np.empty(len(g), dtype=np.int64)
@@ -294,6 +298,11 @@ class Mix(View):
             raise ValueError(f"length must be an integer >= 0, got {length!r}")
         elif stopping not in _STOPPING:
             raise ValueError(f"stopping must be one of {_STOPPING}, got {stopping!r}")
+        if length > _MAX_LENGTH:  # past int64 (and what a sampler orders)
+            raise ValueError(
+                f"a mixture of {length} records per epoch is more than 2**62 (weights "
+                f"{[float(w) for w in self.weights]}): give length=, or closer weights"
+            )
         self.stopping = stopping
         self.counts = mixture_counts(operator.index(length), self.weights)
         self._order = MixOrder(self.counts)
@@ -328,8 +337,11 @@ class Mix(View):
         source, draw = self._order(indices)
         epoch = self._epoch.get()
         # The draw's number over the whole run: this epoch's draws follow the previous
-        # epochs' (each had counts[k] of them).
-        record = self._passes(source, epoch * self.counts[source] + draw)
+        # epochs' (each had counts[k] of them); in Python integers where int64 would wrap.
+        counts = self.counts[source]
+        if (abs(epoch) + 1) * self._order.length >= 1 << 63:
+            counts = counts.astype(object)
+        record = self._passes(source, epoch * counts + draw)
         return source, record
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
