@@ -20,10 +20,6 @@ from torchgrain.dataset import record_rng
 
 
 # ------------------------------------------------------------------ augmentation
-@pytest.mark.xfail(
-    strict=True,
-    reason="the adapter's random.Random keeps gauss()'s second normal for the next record",
-)
 def test_albumentations_draws_do_not_depend_on_the_record_read_before():
     # random.Random.gauss keeps its second normal for the next call: a record's
     # augmentation took the previous record's draw, so it changed with the order a

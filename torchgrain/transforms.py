@@ -192,6 +192,7 @@ class Albumentations:
             missing = next(k for _, k in self._pairs if k not in record)
             raise _missing_key(record, missing, "Albumentations") from None
         self._py_random.gen = rng
+        self._py_random.gauss_next = None  # gauss() keeps a second normal: not for this record
         self.transform.set_random_state(rng, self._py_random)
         out = self.transform(**data)
         result = dict(record)
