@@ -67,7 +67,6 @@ def test_a_slot_batch_whose_worker_is_gone_names_the_worker():
         pickle.loads(data)
 
 
-@pytest.mark.xfail(strict=True, reason="a bare UnicodeEncodeError")
 def test_a_str_column_that_utf8_cannot_hold_stays_a_list():
     # A file name listed from disk that is not UTF-8 (os.fsdecode's surrogates): a
     # records batch carries it; a columns batch must too, not fail on encoding it.

@@ -6,7 +6,7 @@ A :class:`ColumnBatch` maps each key of a batch's records to
   one dtype and shape there;
 * a :class:`Ragged` when values differ in length (bytes, str, 1-D arrays of one dtype):
   one flat buffer and ``B + 1`` offsets, Arrow's layout for binary and list columns;
-* a plain list otherwise (nulls, nested values, mixed types).
+* a plain list otherwise (nulls, nested values, mixed types, str that UTF-8 cannot hold).
 
 Sources that can (``ArrayRecordSource`` and ``TFRecordSource`` with the msgpack or raw
 codec, ``ParquetSource``) build these straight from the bytes they decode, without a
@@ -340,7 +340,10 @@ def column_of(values: list[Any]) -> Any:
         if kind is float:
             return np.array(values, dtype=np.float64)
         if kind in (bytes, str):
-            return Ragged.from_values(values)
+            try:
+                return Ragged.from_values(values)
+            except UnicodeEncodeError:  # a str UTF-8 cannot hold (os.fsdecode's surrogates)
+                return list(values)
         if issubclass(kind, np.generic):
             return np.array(values)
     return list(values)
