@@ -73,7 +73,6 @@ def _root_with_caches(tmp_path, monkeypatch):
     return root
 
 
-@pytest.mark.xfail(strict=True, reason="an empty NAME is the cache root: every cache is cleared")
 def test_cache_clear_of_an_empty_name_clears_nothing(tmp_path, monkeypatch, capsys):
     # `torchgrain cache clear "$NAME"` with NAME unset: the root joined with "" was
     # taken for a cache, and every cache under it was deleted.
@@ -84,9 +83,6 @@ def test_cache_clear_of_an_empty_name_clears_nothing(tmp_path, monkeypatch, caps
     assert (root / "demo-10" / "data.array_record").exists()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="any directory under the root is taken for a cache and cleared"
-)
 def test_cache_clear_leaves_a_directory_under_the_root_that_is_no_cache(
     tmp_path, monkeypatch, capsys
 ):

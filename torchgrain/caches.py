@@ -105,6 +105,11 @@ def _kind(name: str, path: str) -> tuple[str, str]:
     return "other", ""
 
 
+def _marked(path: str) -> bool:
+    """Whether ``path`` holds a shard or decoded cache's bookkeeping (.sums or .locks)."""
+    return any(os.path.isdir(os.path.join(path, m)) for m in (".sums", ".locks"))
+
+
 def _walk(path: str) -> tuple[int, list[str]]:
     """Bytes of the regular files under ``path`` and their paths, never through a link."""
     total, files = 0, []
@@ -189,15 +194,14 @@ def clear_cache(name: str, root: str | os.PathLike | None = None) -> dict[str, A
 
     Raises:
         ValueError: ``name`` is not a cache of torchgrain's (not under ``root``, a link,
-            or a directory elsewhere that is not a shard or decoded cache).
+            a directory there or elsewhere that is not one of its caches).
     """
     from torchgrain.io.fs import default_cache_dir
 
     root = os.path.realpath(os.fspath(root if root is not None else default_cache_dir()))
     if os.sep in name or name in (".", ".."):
         path = os.path.abspath(name)
-        marks = (".sums", ".locks")
-        if os.path.islink(path) or not any(os.path.isdir(os.path.join(path, m)) for m in marks):
+        if os.path.islink(path) or not _marked(path):
             raise ValueError(
                 f"{name!r} is not a torchgrain cache directory (a shard cache or decoded "
                 "cache holds .sums or .locks); nothing deleted"
@@ -205,10 +209,13 @@ def clear_cache(name: str, root: str | os.PathLike | None = None) -> dict[str, A
         before = _describe(path, path)
     else:
         path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
+        # "" would be the root itself: every cache at once.
+        if not name or name.startswith(".") or not os.path.isdir(path) or os.path.islink(path):
             known = [c["name"] for c in list_caches(root)]
             raise ValueError(f"no cache {name!r} in {root}; the caches there are {known}")
         before = _describe(name, path)
+        if before["kind"] == "other" and not _marked(path):  # a dataset kept beside them
+            raise ValueError(f"{path!r} is not a torchgrain cache; nothing deleted")
     for e in list(os.scandir(path)):
         if e.name == ".locks" and e.is_dir(follow_symlinks=False):
             continue  # locks other processes may hold (empty files)

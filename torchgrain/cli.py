@@ -255,7 +255,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return 0
     if args.all and args.names:
         raise CliError("clear takes NAME... or --all, not both")
-    names = [c["name"] for c in list_caches(root)] if args.all else list(args.names)
+    if args.all:  # what list shows as "other" is not torchgrain's: left alone
+        names = [c["name"] for c in list_caches(root) if c["kind"] != "other"]
+    else:
+        names = list(args.names)
     names += [os.path.abspath(d) for d in args.dir]
     if not names and not args.all:
         raise CliError("clear needs NAME..., --dir DIR or --all (see torchgrain cache list)")
