@@ -152,3 +152,52 @@ def test_tfds_feature_stored_as_another_kind_than_its_spec_is_an_error(features,
     }
     with pytest.raises(RecordDecodeError, match=f"TFDS feature {key!r}"):
         TFDSCodec(spec).decode(encode_tf_example(features))
+
+
+def _peak_of(call) -> int:
+    """The peak memory (tracemalloc) of ``call()``, which must raise CorruptDataError."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptDataError, match=r"x\.array_record"):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.xfail(strict=True, reason="a chunk's record count is not bounded by its bytes")
+def test_chunk_claiming_more_records_than_its_bytes_is_refused_in_bounded_memory(tmp_path):
+    # Riegeli pads a chunk to at least as many bytes as it has records (a record's
+    # position is its chunk's offset plus its index; array_record's writer does so).
+    # A 128 KiB file whose chunk (and footer) claims 2**20 records of 2-byte sizes
+    # (2 MiB of varints in 206 bytes of zstd) decoded them all first: ~44 bytes of memory
+    # per byte of sizes (2**25 records: 1.5 GiB and 7 s, then a bare MemoryError
+    # under a 2 GiB address-space limit; 2**29, within max_chunk_bytes: ~44 GiB).
+    n = 1 << 20
+    sizes = _riegeli.compress("zstd", b"\xff\x7f" * n)
+    chunk = _riegeli.Chunk([b"x" * 10], sizes_buffer=sizes, num_records=n, footer_records=n)
+    path = tmp_path / "x.array_record"
+    _riegeli.write(str(path), [chunk])
+    f = ArrayRecordFile(str(path))
+    try:
+        assert _peak_of(lambda: f.read_range(0, 1)) < 16 << 20
+    finally:
+        f.close()
+
+
+@pytest.mark.xfail(
+    strict=True, reason="the footer chunk's record count is not bounded by its bytes"
+)
+def test_footer_claiming_more_records_than_its_bytes_is_refused_in_bounded_memory(tmp_path):
+    # The same for the footer chunk, read when a file is opened.
+    n = 1 << 20
+    sizes = _riegeli.compress("zstd", b"\xff\x7f" * n)
+    values = _riegeli.compress("zstd", b"x" * 10)
+    data = bytes([0x7A]) + _riegeli.varint(len(sizes)) + sizes + values
+    path = tmp_path / "x.array_record"
+    path.write_bytes(_array_record_of_footer(data, n, 10))
+    f = ArrayRecordFile(str(path))
+    try:
+        assert _peak_of(lambda: f.read_range(0, 1)) < 16 << 20
+    finally:
+        f.close()
