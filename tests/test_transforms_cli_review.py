@@ -144,3 +144,19 @@ def test_convert_to_parquet_refuses_a_directory_holding_a_parquet_dataset(tmp_pa
     with pytest.raises(FileExistsError):
         tg.convert(str(src), str(dst), to="parquet")
     assert pq.read_table(shard).to_pylist() == [{"y": "precious"}]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="build_demo_dataset rewrites any torchgrain dataset in --data-dir whose record "
+    "count is not --num-records (write_array_record(overwrite=True)): a user's dataset "
+    "there is replaced by synthetic images without a word",
+)
+def test_demo_never_replaces_a_dataset_that_is_not_its_own(tmp_path, monkeypatch):
+    data = tmp_path / "train"
+    tg.write_array_record([{"text": f"precious {i}"} for i in range(20)], data, num_shards=2)
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    args = "--num-records 16 --batch-size 8 --epochs 1 --workers 0 --max-steps 1 --device cpu"
+    main(["demo", "--data-dir", str(data), *args.split()])
+    src = tg.ArrayRecordSource(str(data))
+    assert (len(src), src.keys) == (20, ["text"])
