@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -74,3 +76,18 @@ def test_a_str_column_that_utf8_cannot_hold_stays_a_list():
     ds = tg.Dataset([{"path": p, "y": i} for i, p in enumerate(paths)], batch_format="columns")
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=2)))
     assert list(batch["path"]) == paths and batch["y"].tolist() == [0, 1]
+
+
+@pytest.mark.xfail(strict=True, reason="AttributeError printed by __del__ at exit")
+def test_a_prefetcher_pass_left_open_at_exit_prints_nothing():
+    # A script that keeps an iterator in a global: it is collected after the module's
+    # globals are cleared at exit, where its finaliser must not raise.
+    code = (
+        "import torchgrain.prefetch as prefetch\n"
+        "it = iter(prefetch.CudaPrefetcher([1, 2], device='cpu'))\n"
+        "assert next(it) == 1\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "Exception ignored" not in done.stderr, done.stderr
