@@ -78,7 +78,6 @@ def test_a_str_column_that_utf8_cannot_hold_stays_a_list():
     assert list(batch["path"]) == paths and batch["y"].tolist() == [0, 1]
 
 
-@pytest.mark.xfail(strict=True, reason="AttributeError printed by __del__ at exit")
 def test_a_prefetcher_pass_left_open_at_exit_prints_nothing():
     # A script that keeps an iterator in a global: it is collected after the module's
     # globals are cleared at exit, where its finaliser must not raise.

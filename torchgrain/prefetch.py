@@ -349,8 +349,9 @@ class _PrefetchIterator(Iterator[Any]):
             source.close()  # run the generator's cleanup now, not at some later collection
         del source
 
-    def __del__(self) -> None:
-        if sys.is_finalizing():
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        # (Bound here: at exit this module's globals, sys included, may be gone already.)
+        if _finalizing():
             return  # daemon threads are already frozen; joining one could hang the exit
         # A finaliser must never raise.
         with contextlib.suppress(Exception):
