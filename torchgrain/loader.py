@@ -16,6 +16,7 @@ loader you iterate directly.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -187,9 +188,10 @@ class ResumableLoader:
             self._taken += 1
             yield batch
         self._in_pass = False
-        if epoch is not None and self.sampler.epoch == epoch:
-            # A complete pass: the next one is the next epoch.
-            self.sampler.set_epoch(epoch + 1)
+        # A complete pass, also one with no batch (a resume saved at the last batch of an
+        # epoch whose partial batch the DataLoader drops): the next one is the next epoch.
+        if epoch is None or self.sampler.epoch == epoch:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
         self._taken = 0
 
     def __len__(self) -> int:
@@ -256,10 +258,17 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` at the next pass (same or different world size)."""
-        if state.get("version") != _STATE_VERSION or "sampler" not in state:
-            raise ValueError(f"not a ResumableLoader state: keys {sorted(state)}")
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a ResumableLoader state: {reprlib.repr(state)}")
         sampler = self.sampler
-        sampler.load_state_dict(state["sampler"])
+        sampler.load_state_dict(state.get("sampler"))  # type: ignore[arg-type]
+        # The loader's epoch is the sampler state's, or the next one for a finished pass:
+        # another would drop the saved position.
+        if state.get("epoch") not in (sampler.epoch, sampler.epoch + 1):
+            raise ValueError(
+                f"ResumableLoader state of epoch {state.get('epoch')!r} holds a sampler "
+                f"state of epoch {sampler.epoch}"
+            )
         if state["epoch"] != sampler.epoch:
             sampler.set_epoch(state["epoch"])
         # Loaders that count epochs themselves (Accelerate's set the epoch at every

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import reprlib
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -54,6 +55,10 @@ OrderFn = Callable[[np.ndarray], np.ndarray]
 
 # Python iteration converts this many indices to ints at a time.
 _ITER_CHUNK = 65536
+
+# Ranks a loaded state may name: far above any job, and the re-split of a contiguous
+# order after a resume walks them one by one (2**20 ranks: about 2 s).
+_MAX_WORLD = 1 << 20
 
 
 def identity_order(q: np.ndarray) -> np.ndarray:
@@ -608,31 +613,45 @@ class ResumableSampler(DistributedSampler):
         ``dataset.set_epoch(epoch)`` when the dataset has that method.
         """
         self._read_ahead(None, 0, 0)  # a resume starts a new pass: the walk stops
+        if not isinstance(state, dict):
+            raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
         if state.get("sampler") != self._state_kind():
             raise ValueError(f"state is for {state.get('sampler')!r}, not {self._state_kind()!r}")
         if state.get("version") != 1:
             raise ValueError(f"unsupported sampler state version {state.get('version')!r}")
+        # A state may have been edited, converted or cut short: every field is checked
+        # here, before anything changes, so none fails later as a builtin error.
+        for key in ("seed", "epoch", "num_replicas", "dataset_len", "position", "pad_to"):
+            value = state.get(key, 1 if key == "pad_to" else None)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"sampler state field {key!r} must be an int, got {value!r}")
+        for key in ("shuffle", "drop_last", "pad"):
+            default = True if key == "pad" else None  # states of earlier versions lack pad
+            if not isinstance(state.get(key, default), (bool, np.bool_)):
+                raise ValueError(f"sampler state field {key!r} must be a bool")
+        to_u64(state["seed"], "seed")
+        to_u64(state["epoch"], "epoch")
+        if not 1 <= state["num_replicas"] <= _MAX_WORLD or state.get("pad_to", 1) < 1:
+            raise ValueError(
+                f"sampler state field 'num_replicas' or 'pad_to' out of range: "
+                f"{state['num_replicas']}, {state.get('pad_to', 1)}"
+            )
         if state["dataset_len"] != self._n:
             raise ValueError(
                 f"state was saved for a dataset of {state['dataset_len']} records; "
                 f"this sampler's dataset has {self._n}"
             )
-        layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
-        if (
-            (layout[:, 0] < 0).any()
-            or (layout[:, 1] > self._n).any()
-            or (layout[:, 1] < layout[:, 0]).any()
-        ):
-            raise ValueError(f"invalid layout in sampler state: {state['layout']!r}")
+        layout = _checked_layout(state.get("layout"), self._n)
         pos = operator.index(state["position"])
         old_count = self._saved_shares(state, layout_length(layout)).count(0)
         if not 0 <= pos <= old_count:
             raise ValueError(f"position {pos} outside [0, {old_count}] in sampler state")
+        self.split().from_state(state)  # the split's own fields
         self.load_order_state(state)
 
-        self.seed = state["seed"]
+        self.seed = int(state["seed"])
         self.shuffle = bool(state["shuffle"])
-        self.epoch = state["epoch"]
+        self.epoch = int(state["epoch"])
         self._loaded = {**state, "layout": layout.tolist(), "position": pos}
         self._it_world = None
         self._it_layout, self._it_start = layout, pos
@@ -664,6 +683,23 @@ class ResumableSampler(DistributedSampler):
         # nothing is handed out twice.
         rest = complement(consumed, shares.length)
         return compose(layout, rest), 0
+
+
+def _checked_layout(raw: Any, n: int) -> np.ndarray:
+    """A saved layout as int64 ``(k, 2)``: ``k >= 1`` ascending, disjoint intervals
+    inside ``[0, n]``, as :meth:`ResumableSampler.state_dict` saves them (anything else
+    would repeat, reorder or drop records); else ``ValueError``."""
+    try:
+        layout = np.asarray(raw)
+    except (TypeError, ValueError):
+        layout = np.empty(0)
+    if layout.dtype.kind in "iu" and layout.ndim == 2 and layout.shape[1] == 2 and len(layout):
+        layout = layout.astype(np.int64)
+        starts, stops = layout[:, 0], layout[:, 1]
+        inside = starts[0] >= 0 and stops[-1] <= n and (stops >= starts).all()
+        if inside and (starts[1:] >= stops[:-1]).all():
+            return layout
+    raise ValueError(f"invalid layout in sampler state: {reprlib.repr(raw)}")
 
 
 def _length_of(dataset_or_length: Any) -> int:

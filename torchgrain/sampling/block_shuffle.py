@@ -166,7 +166,10 @@ class BlockShuffleSampler(ResumableSampler):
                 f"state was saved for different block boundaries ({state.get('num_blocks')} "
                 f"blocks); this dataset has {self.num_blocks}"
             )
-        self.window = operator.index(state["window"])
+        window = state.get("window")
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+            raise ValueError(f"sampler state field 'window' must be an int >= 1, got {window!r}")
+        self.window = int(window)
 
     def _build_tables(self, seed: int, epoch: int) -> tuple[Any, ...]:
         """Per-epoch block order, stripe offsets and stripe permutations: O(blocks).

@@ -31,6 +31,9 @@ import numpy as np
 
 __all__ = ["ContiguousSplit", "InterleavedSplit", "Shares", "Split"]
 
+# DataLoader workers a loaded state may name (each is a process: far above any loader).
+_MAX_WORKERS = 1 << 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Shares:
@@ -187,7 +190,11 @@ class ContiguousSplit(Split):
         return {"batch_size": self.batch_size, "num_workers": self.num_workers}
 
     def from_state(self, state: dict[str, Any]) -> ContiguousSplit:
-        return ContiguousSplit(state.get("batch_size"), state.get("num_workers") or 0)
+        workers = state.get("num_workers") or 0
+        # A saved run is re-split over its workers one by one: bound what a state names.
+        if operator.index(workers) > _MAX_WORKERS:
+            raise ValueError(f"num_workers {workers} in sampler state exceeds {_MAX_WORKERS}")
+        return ContiguousSplit(state.get("batch_size"), workers)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ContiguousSplit) and other.dealing == self.dealing
