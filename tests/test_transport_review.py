@@ -93,7 +93,6 @@ def test_a_prefetcher_pass_left_open_at_exit_prints_nothing():
 
 
 @pytest.mark.skipif(not shm.ENABLED, reason="slots need Linux memfd")
-@pytest.mark.xfail(strict=True, reason="one failed slot leaves every slot unused")
 def test_a_slot_that_cannot_be_made_leaves_the_others_in_use(monkeypatch):
     # Memory short for a moment (a bigger batch's new slot): the worker's slots already
     # made still carry batches, not torch's path, which needs fresh shared memory for

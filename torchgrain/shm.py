@@ -145,19 +145,19 @@ class SlotPool:
         self.slots: list[Slot] = []
         self._prefix = f"torchgrain-{os.getpid()}-{secrets.token_hex(4)}"
         self._names = itertools.count()
-        self.broken = False  # no slot could be made: torch's path from now on
+        self.broken = False  # a slot could not be made: no new ones from now on
         util.Finalize(self, _retire_all, args=(self.slots, process.token()), exitpriority=10)
 
     def take(self, nbytes: int) -> Slot | None:
         """A free slot of at least ``nbytes`` (the caller marks it in use with
         :meth:`Slot.arrays`); None when none can be had."""
-        if self.broken:
-            return None
         nbytes = -(-max(nbytes, 1) // _HEADER) * _HEADER  # every dtype views it whole
         free = [s for s in self.slots if s.free]
         fitting = [s for s in free if s.capacity >= nbytes]
         if fitting:
             return min(fitting, key=lambda s: s.capacity)
+        if self.broken:
+            return None
         if free:  # too small for batches like this one: replace the smallest
             old = min(free, key=lambda s: s.capacity)
             self.slots.remove(old)
