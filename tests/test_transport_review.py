@@ -11,6 +11,8 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -109,3 +111,43 @@ def test_a_slot_that_cannot_be_made_leaves_the_others_in_use(monkeypatch):
     monkeypatch.undo()
     del batch  # the first batch's slot is free again
     assert pool.take(100) is slot
+
+
+@pytest.mark.xfail(strict=True, reason="the waiting consumer hangs")
+def test_closing_a_prefetcher_ends_the_pass_a_consumer_waits_on():
+    # A training thread waits for a batch while another thread (shutdown, a watchdog)
+    # closes the prefetcher: the wait must end, not last forever.
+    from torchgrain.prefetch import CudaPrefetcher
+
+    first = threading.Event()
+
+    def slow_loader():
+        yield 0
+        first.wait(60)
+        time.sleep(0.2)  # the next batch is slow to come
+        yield 1
+
+    prefetcher = CudaPrefetcher(RepeatableLoader(slow_loader), device="cpu", depth=1)
+    got = []
+
+    def consume():
+        for batch in prefetcher:
+            got.append(batch)
+            first.set()
+        got.append("end")
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    assert first.wait(60)
+    time.sleep(0.05)  # the consumer now waits for batch 1
+    prefetcher.close()
+    consumer.join(30)
+    assert not consumer.is_alive() and got[0] == 0 and got[-1] == "end"
+
+
+class RepeatableLoader:
+    def __init__(self, make):
+        self.make = make
+
+    def __iter__(self):
+        return self.make()
