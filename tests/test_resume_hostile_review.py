@@ -82,6 +82,7 @@ def test_a_state_with_a_layout_no_sampler_saves_is_refused(layout):
         ("position", None),  # truncated: the field is missing
         ("num_replicas", None),
         ("drop_last", None),
+        ("shuffle", "False"),  # was taken as True: another order
     ],
 )
 def test_a_state_with_a_bad_or_missing_field_is_refused_naming_it(field, value):
@@ -107,15 +108,17 @@ def _block(**kwargs):
     )
 
 
-@pytest.mark.parametrize(("field", "value"), [("num_workers", 2**62), ("num_replicas", 2**62)])
-def test_a_block_state_of_an_absurd_world_is_refused_before_any_work(field, value):
+@pytest.mark.parametrize(
+    ("field", "value"), [("num_workers", 2**62), ("num_replicas", 2**62), ("window", 0)]
+)
+def test_a_block_state_of_an_absurd_world_or_window_is_refused_when_loaded(field, value):
     saved = _block(num_replicas=1, rank=0, batch_size=4, num_workers=2)
     it = iter(saved)
     for _ in range(10):
         next(it)
     state = {**saved.state_dict(), field: value}
     with pytest.raises(ValueError, match=field):
-        # Refused when loading: the re-split below would loop over 2**62 ranks.
+        # Refused when loading: a re-split would loop over 2**62 ranks.
         _block(num_replicas=1, rank=0).load_state_dict(state)
 
 
