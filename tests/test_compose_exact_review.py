@@ -73,12 +73,6 @@ def test_a_split_of_a_mixture_keeps_its_parts_disjoint_across_epochs():
     assert not held_out & {r["id"] for r in _all(parts["train"])}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="token windows index a mixture's documents at epoch 0 only: at epoch 1 a read "
-    "fails with 'the data changed since the index was built' (tokens/windows.py: refuse a "
-    "dataset whose records change with the epoch when the windows are built)",
-)
 def test_windows_of_a_mixture_are_refused_or_read_each_epochs_documents():
     docs_a = [{"t": [100 * k + j for j in range(k % 7 + 1)]} for k in range(40)]
     docs_b = [{"t": [10**5 + 100 * k + j for j in range(k % 7 + 1)]} for k in range(6)]

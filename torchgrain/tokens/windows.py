@@ -31,6 +31,7 @@ import torch.utils.data
 
 from torchgrain.adapters import SequenceSource
 from torchgrain.columns import Ragged
+from torchgrain.compose.filter import changes_with_epoch
 from torchgrain.compose.view import Composed
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
@@ -835,6 +836,13 @@ def windows(
     """
     if not isinstance(ds, Dataset):
         ds = Dataset(ds)
+    mixture = changes_with_epoch(ds, transforms=False)
+    if mixture is not None:  # its documents' lengths are indexed once, at one epoch
+        raise TypeError(
+            f"token windows need documents that stay the same from epoch to epoch; "
+            f"{mixture} reads other records each epoch: make the windows of each dataset, "
+            "then mix them (tg.mix([a.windows(...), b.windows(...)], weights))"
+        )
     if not isinstance(column, str):
         raise TypeError(f"column must be a record key (a str), got {column!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
