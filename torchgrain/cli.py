@@ -410,7 +410,11 @@ def _check_exists(arg: str, paths: str | list[str]) -> None:
             continue
         local = p.removeprefix("file://")
         if glob.has_magic(local):
-            if not glob.glob(local, recursive=True):
+            import fsspec
+
+            # fsspec's glob, as the sources list: glob.glob walks into linked directories
+            # (two links to "." made DIR/**/*.parquet 2**40 paths).
+            if not fsspec.filesystem("file").glob(local):
                 raise CliError(f"argument {arg}: {p!r} matches no file")
         elif not os.path.exists(local):
             raise CliError(f"argument {arg}: {p!r} does not exist")
