@@ -9,8 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import subprocess
-import sys
 import threading
 import time
 from multiprocessing.reduction import ForkingPickler
@@ -80,18 +78,15 @@ def test_a_str_column_that_utf8_cannot_hold_stays_a_list():
     assert list(batch["path"]) == paths and batch["y"].tolist() == [0, 1]
 
 
-def test_a_prefetcher_pass_left_open_at_exit_prints_nothing():
-    # A script that keeps an iterator in a global: it is collected after the module's
-    # globals are cleared at exit, where its finaliser must not raise.
-    code = (
-        "import torchgrain.prefetch as prefetch\n"
-        "it = iter(prefetch.CudaPrefetcher([1, 2], device='cpu'))\n"
-        "assert next(it) == 1\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert "Exception ignored" not in done.stderr, done.stderr
+def test_a_prefetcher_pass_left_open_at_exit_ends_quietly(monkeypatch):
+    # A script that keeps a pass in a global: it is collected at exit after the module's
+    # globals were cleared (sys among them), and its finaliser printed an AttributeError.
+    from torchgrain import prefetch
+
+    it = iter(prefetch.CudaPrefetcher([1, 2], device="cpu"))
+    assert next(it) == 1
+    monkeypatch.setattr(prefetch, "sys", None)  # as at exit
+    it.__del__()  # must not raise
 
 
 @pytest.mark.skipif(not shm.ENABLED, reason="slots need Linux memfd")
@@ -113,7 +108,6 @@ def test_a_slot_that_cannot_be_made_leaves_the_others_in_use(monkeypatch):
     assert pool.take(100) is slot
 
 
-@pytest.mark.xfail(strict=True, reason="the waiting consumer hangs")
 def test_closing_a_prefetcher_ends_the_pass_a_consumer_waits_on():
     # A training thread waits for a batch while another thread (shutdown, a watchdog)
     # closes the prefetcher: the wait must end, not last forever.

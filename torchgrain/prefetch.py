@@ -337,9 +337,11 @@ class _PrefetchIterator(Iterator[Any]):
                 return
             thread.join()
         self._state = self._thread = None
-        # Drop batches nobody will consume (the producer has stopped: nothing comes in).
+        # Drop batches nobody will consume (the producer has stopped: nothing comes in),
+        # and end the pass for a consumer waiting in another thread.
         while not state.queue.empty():
             state.queue.get_nowait()
+        state.queue.put((_DONE, None, None))
         # Pinned buffers may still be read by in-flight copies: wait for them before freeing.
         for ready, _ in state.pending:
             ready.synchronize()
