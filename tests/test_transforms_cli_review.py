@@ -165,9 +165,6 @@ def test_a_recursive_glob_over_a_directory_with_links_to_itself_is_checked_in_bo
     assert main([name, f"{data}/**/*.parquet", *options]) == 0
 
 
-@pytest.mark.xfail(
-    strict=True, reason="inspect prints the data's key names raw, control characters included"
-)
 def test_inspect_never_sends_the_datas_control_characters_to_the_terminal(tmp_path, capsys):
     # A key that sets the terminal's title and erases the line it is printed on.
     key = "\x1b]0;owned\x07\x1b[2Kx"

@@ -34,6 +34,8 @@ def _fields(rec: dict[str, Any]) -> dict[str, str]:
 def _print_fields(title: str, fields: dict[str, Any]) -> None:
     print(title)
     for k, v in fields.items():
+        # Names come from the data: shown escaped where a terminal would act on them.
+        k, v = (t if t.isprintable() else repr(t) for t in (str(k), str(v)))
         print(f"  {k:<24} {v}")
 
 
