@@ -242,11 +242,9 @@ class _Passes:
         passes, within = g // n, (g % n).astype(np.int64, copy=False)
         if len(passes) and passes.min() == passes.max():  # the common case: one pass
             return self.family(int(passes[0]))(source, within)
-        out = np.empty(len(g), dtype=np.int64)
-        for p in np.unique(passes).tolist():
-            sel = passes == p
-            out[sel] = self.family(int(p))(source[sel], within[sel])
-        return out
+        # An upsampled source's draws fall in many of its passes: all at once, a key
+        # hash per pass (a family each cost ~1 ms: 185 ms for a batch of 256 passes).
+        return self.family(0).at_epochs(passes, source, within)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"sizes": self.sizes.tolist(), "seed": self.seed}

@@ -274,14 +274,44 @@ class KeyedPermutations:
         if sizes.size and int(sizes.min()) < 0:
             raise ValueError("sizes must be >= 0")
         self.sizes = sizes.astype(np.int64)
+        self.seed, self.tag = seed, tag
         self._n = self.sizes.astype(_U64)
         self._a, self._c = _split_bits(self._n)
         bits = self._a + self._c
         many = self.sizes > 1
-        rounds = _rounds_for(int(bits[many].min()) if many.any() else 64)
-        base_keys = _derive_keys(seed, epoch, tag, rounds)
-        g = np.arange(len(self.sizes), dtype=_U64) * _U64(_GOLDEN)
-        self._keys = np.stack([_mix_array(g + k) for k in base_keys])
+        self._rounds = _rounds_for(int(bits[many].min()) if many.any() else 64)
+        self._keys = self._member_keys(
+            _derive_keys(seed, epoch, tag, self._rounds)[None, :],
+            np.arange(len(self.sizes), dtype=np.int64),
+        )
+
+    @staticmethod
+    def _member_keys(base: np.ndarray, member: np.ndarray) -> np.ndarray:
+        """Round keys ``(rounds, len(member))`` of each ``member``, from its epoch's base
+        keys (a row of ``base`` each, or one row for all)."""
+        g = member.astype(_U64) * _U64(_GOLDEN)
+        return np.stack([_mix_array(g + base[:, r]) for r in range(base.shape[1])])
+
+    def at_epochs(self, epoch: np.ndarray, member: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The images of ``x[i]`` under member ``member[i]`` of this family at epoch
+        ``epoch[i]`` (``KeyedPermutations(sizes, seed, epoch[i], tag)``), for many epochs
+        in one vectorised pass: one key hash per distinct epoch.
+
+        Example:
+            >>> import numpy as np
+            >>> p = KeyedPermutations(np.array([3, 5]), seed=1)
+            >>> m, x, e = np.array([0, 1, 1]), np.array([2, 4, 4]), np.array([0, 0, 7])
+            >>> got = p.at_epochs(e, m, x)
+            >>> got[:2].tolist() == p(m[:2], x[:2]).tolist()
+            True
+            >>> int(got[2]) == int(KeyedPermutations(np.array([3, 5]), seed=1, epoch=7)(m[2:], x[2:])[0])
+            True
+        """
+        epochs, which = np.unique(epoch, return_inverse=True)  # (int64, or Python ints)
+        base = np.stack([_derive_keys(self.seed, int(e), self.tag, self._rounds) for e in epochs])
+        keys = self._member_keys(base[which], member)
+        out = _permute(x.astype(_U64), self._n[member], keys, self._a[member], self._c[member])
+        return out.astype(np.int64)
 
     def __call__(self, member: np.ndarray, x: np.ndarray) -> np.ndarray:
         """The images of ``x[i]`` under member ``member[i]``, as int64.
