@@ -249,6 +249,7 @@ class FooterReader:
             ctype, n, decoded, data = dec._chunk_payload(tail[post_pos - tail_start :], post_pos)
             if ctype != CHUNK_SIMPLE or n < 1:
                 raise ChunkDecodeError("the last 64 KiB block holds no postscript chunk")
+            dec._fits(n, size - post_pos)
             values, bounds = dec._decode_simple(data, n, decoded)
             first = values[: bounds[1]] if bounds is not None else values
             post = parse_proto(first)
@@ -292,7 +293,8 @@ class FooterReader:
             try:
                 header = strip_block_headers(fbuf, footer_offset)[:CHUNK_HEADER]
                 n = CHUNK_HEADER_STRUCT.unpack(header)[3] >> 8
-            except struct.error as e:
+                dec._fits(n, post_pos - footer_offset)
+            except (struct.error, ChunkDecodeError) as e:
                 raise self._bad(dec, footer_offset, e) from None
             self.unfetched, self._data = post_pos - footer_offset, None
             #: The footer's chunk count (checked against its metadata as it is read).
@@ -312,6 +314,7 @@ class FooterReader:
                 raise ChunkDecodeError("the footer chunk is transposed")
             if ctype != CHUNK_SIMPLE or n < 1:
                 raise ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
+            dec._fits(n, len(fbuf))
         except (ChunkDecodeError, ValueError, struct.error) as e:
             raise self._bad(dec, self.footer_offset, e) from None
         if self.unfetched and (bytes(fbuf[:CHUNK_HEADER]) != self.head or n - 1 != self.num_chunks):

@@ -392,6 +392,16 @@ class ChunkDecoder:
             "is trusted)"
         )
 
+    def _fits(self, n: int, span: int) -> None:
+        """Riegeli pads a chunk to at least as many bytes as it has records (a record's
+        position is its chunk's offset plus its index): a chunk spanning ``span`` bytes
+        that claims more lies, and decoding their sizes would cost ~44 bytes each."""
+        if n > span:
+            why = f"the chunk claims {n} records in {span} bytes"
+            if n > self._max_chunk:  # their sizes alone, a byte each, are over it
+                why += f", their sizes alone over max_chunk_bytes={self._max_chunk}"
+            raise ChunkDecodeError(why)
+
     def _decode_simple(self, data: Any, num_records: int, decoded: int) -> tuple[Any, Any]:
         """Decode a simple chunk into (values buffer, record boundaries or None).
 
@@ -555,6 +565,7 @@ class ChunkDecoder:
             and type_num & 0xFF == CHUNK_SIMPLE
             and decoded == dsizes[c]
             and nrec == recs[c + 1] - recs[c]
+            and nrec <= ends[c] - pos
         ):
             return at + CHUNK_HEADER, data_size, nrec, decoded
         return None
@@ -582,6 +593,7 @@ class ChunkDecoder:
             raise ChunkDecodeError(
                 f"chunk header says {decoded} decoded bytes, the footer says {int(f.decoded_sizes[c])}"
             )
+        self._fits(num_records, len(buf))
         return self._decode_simple(data, num_records, decoded)
 
     def _decompress_frames(self, frames: Iterable[Any], sizes: list[int]) -> list[bytes] | None:
