@@ -68,12 +68,6 @@ def test_a_shard_replaced_before_its_first_read_is_refused_naming_it(tmp_path):
         pq.write_table(pa.table({"x": list(range(8)), "y": ["a"] * 8}), path, row_group_size=4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a dictionary-encoded string column is counted as its dictionary page once, "
-    "but Arrow materialises the entry once per value: a 300-byte file decodes to 64 MiB "
-    "under a 1 MiB ceiling (1 MiB x 65,536 rows: 64 GiB)",
-)
 def test_a_dictionary_entry_repeated_past_the_ceiling_is_refused(tmp_path):
     n = 4096  # rows, each the dictionary's one 16 KiB entry: 64 MiB decoded
     indices = pa.array(np.zeros(n, np.int32))
@@ -89,6 +83,23 @@ def test_a_dictionary_entry_repeated_past_the_ceiling_is_refused(tmp_path):
     )
     with pytest.raises(CorruptDataError, match=r"a\.parquet.*max_row_group_bytes"):
         src[0]
+
+
+def test_short_strings_beside_one_long_dictionary_entry_still_read(tmp_path):
+    # Their longest entry times their count (6.4 GB) is past the ceiling, what they
+    # decode to (164 KiB, and 400 KiB of offsets) is not: counted, not bounded.
+    n = 100_000
+    rows = ["ab"[i % 2] for i in range(n)]
+    rows[7] = "x" * (64 << 10)
+    pq.write_table(pa.table({"s": rows}), tmp_path / "a.parquet", store_schema=False)
+    assert (
+        pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(0).column(0).has_dictionary_page
+    )
+    src = tg.ParquetSource(
+        str(tmp_path), max_row_group_bytes=MiB, decoded_cache=False, cache_bytes=0
+    )
+    got = src.__getitems__([0, 7, n - 1])
+    assert [r["s"] for r in got] == ["a", rows[7], "b"]
 
 
 def test_rle_booleans_past_the_ceiling_are_refused(tmp_path):

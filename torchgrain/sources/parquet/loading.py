@@ -34,6 +34,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from torchgrain.errors import (
@@ -303,7 +304,9 @@ class RowGroupLoader(ShardedSource):
         undercount lists), or the rest of what their pages inflate to (each column's
         bytes beyond its fixed part: strings' bytes, or a decompression bomb's). Arrow
         allocates no more than the headers declare (it refuses a page that inflates to
-        more), so decoding takes at most twice the ceiling.
+        more), so decoding takes at most twice the ceiling. What the headers do not
+        bound, a dictionary-encoded string column's values (each a copy of its entry), is
+        read first.
 
         Runs under ``reader.lock``; a remote file's column chunks are fetched here, once,
         for this check and Arrow's decode."""
@@ -321,7 +324,7 @@ class RowGroupLoader(ShardedSource):
         where = self._where(shard, local)
         try:
             row_group = reader.footer()[local]
-            chunks = [row_group[j] for j, _, _ in leaves]
+            chunks = [row_group[j] for j, *_ in leaves]
         except (CorruptDataError, IndexError) as e:
             raise CorruptDataError(
                 f"cannot decode {where}: its footer: "
@@ -331,9 +334,12 @@ class RowGroupLoader(ShardedSource):
             reader.staged.stage([chunk_range(c) for c in chunks])
             if key in reader.checked:
                 return
-        fixed = rest = 0
-        worst = (-1, "", 0, 0)
-        for (_, bits, name), chunk in zip(leaves, chunks):
+        # Each leaf's (what it takes at most, name, its values' fixed part, what its
+        # pages inflate to); the dictionary-encoded strings, read below once these fit
+        # (such a read takes no more than the decode does).
+        sizes: list[tuple[int, str, int, int]] = []
+        strings = []
+        for (j, bits, name, kind), chunk in zip(leaves, chunks):
             try:
                 pages = chunk_pages(reader.read_at, *chunk_range(chunk), chunk.num_values)
             except CorruptDataError as e:
@@ -342,19 +348,47 @@ class RowGroupLoader(ShardedSource):
                 ) from None
             inflated = max(pages.dictionary_bytes, pages.data_bytes)
             own = (pages.values * bits + 7) // 8
-            fixed += own
-            rest += max(0, inflated - own)
-            worst = max(worst, (max(own, inflated), name, own, inflated))
+            if kind == "BYTE_ARRAY" and pages.dictionary_bytes:
+                strings.append((len(sizes), j, pages))
+            sizes.append((max(own, inflated), name, own, inflated))
+        self._check_sizes(sizes, where, index)
+        ceiling = self.max_row_group_bytes
+        for k, j, pages in strings:
+            # Arrow copies a dictionary entry for each value naming it (one 16 KiB entry
+            # named 4,096 times: a 300-byte file decodes to 64 MiB): the longest entry
+            # each at most (bounded by the dictionary page, then, read with the first
+            # row, by its longest entry), or what they add up to (read with every row;
+            # plain pages a writer fell back to cost 3x a decode here).
+            most = pages.values * (pages.dictionary_bytes - 4) + pages.data_bytes
+            for rows in (1, None):
+                if most <= ceiling:
+                    break
+                found = reader.read_leaf(local, j, rows)
+                arrays = [a for a in found if isinstance(a, pa.DictionaryArray)]
+                if rows is None:
+                    most = sum(map(_dictionary_value_bytes, arrays))
+                elif any(len(a.dictionary) for a in arrays):  # (empty: not read yet)
+                    most = pages.values * max(map(_longest_entry, arrays)) + pages.data_bytes
+            _, name, own, inflated = sizes[k]
+            if most > inflated:
+                sizes[k] = (max(own, most), name, own, most)
+                self._check_sizes(sizes, where, index)
+        reader.checked.add(key)
+
+    def _check_sizes(self, sizes: list[tuple[int, str, int, int]], where: str, index: int) -> None:
+        """Refuse a row group whose leaves' ``sizes`` (see _check_pages) need more than
+        ``max_row_group_bytes``, naming the largest leaf."""
+        fixed = sum(own for _, _, own, _ in sizes)
+        rest = sum(max(0, inflated - own) for _, _, own, inflated in sizes)
         if max(fixed, rest) > self.max_row_group_bytes:
-            _, name, own, inflated = worst
+            _, name, own, inflated = max(sizes)
             raise CorruptDataError(
-                f"{where}, column {name!r}: its page headers say it inflates to {inflated} "
+                f"{where}, column {name!r}: its pages say it inflates to {inflated} "
                 f"bytes (its values' fixed part: {own}); the selected columns' fixed part "
                 f"({fixed} bytes) or what they inflate to beyond it ({rest}) is more than "
                 f"max_row_group_bytes={self.max_row_group_bytes} allows (record index "
                 f"{index}; a larger max_row_group_bytes reads it, if the file is trusted)"
             )
-        reader.checked.add(key)
 
     def _where(self, shard: int, local: int) -> str:
         return f"row group {local} of {self.paths[shard]!r} (shard {shard} of {self.num_shards})"
@@ -420,6 +454,36 @@ def decoded_cache_for(
 _PHYSICAL_BITS = {"BOOLEAN": 1, "INT32": 32, "INT64": 64, "INT96": 96, "FLOAT": 32, "DOUBLE": 64}
 
 
+def _leaf_arrays(todo: list[pa.Array]) -> list[pa.Array]:
+    """The arrays of the leaves below the arrays ``todo`` (through lists, maps and
+    structs)."""
+    found = []
+    while todo:
+        a = todo.pop()
+        if isinstance(a, (pa.ListArray, pa.LargeListArray, pa.FixedSizeListArray)):
+            todo.append(a.values)  # a map's: its entries' struct
+        elif isinstance(a, pa.StructArray):
+            todo += [a.field(i) for i in range(a.type.num_fields)]
+        else:
+            found.append(a)
+    return found
+
+
+def _entry_lengths(a: pa.DictionaryArray) -> np.ndarray:
+    return pc.binary_length(a.dictionary).fill_null(0).to_numpy().astype(np.int64)
+
+
+def _longest_entry(a: pa.DictionaryArray) -> int:
+    return int(_entry_lengths(a).max(initial=0))
+
+
+def _dictionary_value_bytes(a: pa.DictionaryArray) -> int:
+    """The bytes of a dictionary array's values once decoded (their entries' lengths:
+    nothing is decoded)."""
+    indices = a.indices.fill_null(0).to_numpy()
+    return int(_entry_lengths(a).take(indices, mode="clip").sum()) if len(a.dictionary) else 0
+
+
 class ParquetReader:
     """One open Parquet file of one process.
 
@@ -445,7 +509,7 @@ class ParquetReader:
         self.staged = staged
         self.lock = threading.Lock()
         self.closed = False
-        self._leaves: dict[tuple[str, ...], list[tuple[int, int, str]]] = {}
+        self._leaves: dict[tuple[str, ...], list[tuple[int, int, str, str]]] = {}
         self._footer: list[list[ColumnChunk]] | None = None
         # (row group, columns, version) whose page headers passed the check.
         self.checked: set[tuple[int, tuple[str, ...], tuple[int, ...] | None]] = set()
@@ -480,9 +544,10 @@ class ParquetReader:
             self._footer = footer_chunks(self.read_at(size - 8 - n, n))
         return self._footer
 
-    def leaves(self, names: tuple[str, ...]) -> list[tuple[int, int, str]]:
-        """``(index, bits per value, path)`` of each leaf column that reading the
-        columns ``names`` decodes (pyarrow's choice: every leaf below a name)."""
+    def leaves(self, names: tuple[str, ...]) -> list[tuple[int, int, str, str]]:
+        """``(index, bits per value, path, physical type)`` of each leaf column that
+        reading the columns ``names`` decodes (pyarrow's choice: every leaf below a
+        name)."""
         found = self._leaves.get(names)
         if found is None:
             wanted = set(names)
@@ -493,9 +558,35 @@ class ParquetReader:
                     column = schema.column(j)
                     kind = column.physical_type
                     width = column.length * 8 if kind == "FIXED_LEN_BYTE_ARRAY" else None
-                    found.append((j, width or _PHYSICAL_BITS.get(kind, 32), ".".join(path)))
+                    bits = width or _PHYSICAL_BITS.get(kind, 32)
+                    found.append((j, bits, ".".join(path), kind))
             self._leaves[names] = found
         return found
+
+    def read_leaf(self, local: int, leaf: int, rows: int | None = None) -> list[pa.Array]:
+        """The arrays of the leaf column ``leaf`` in row group ``local`` (its first
+        ``rows`` rows; None: all), read by a pyarrow reader of its own over the same
+        bytes that keeps a string column's dictionary (no value is copied out of it).
+        Runs under ``lock``."""
+        source = self.staged or self.handle if self.fd is None else os.fdopen(os.dup(self.fd), "rb")
+        try:
+            pf = pq.ParquetFile(
+                source,
+                metadata=self.pf.metadata,
+                pre_buffer=False,
+                read_dictionary=[leaf],
+            )
+            if rows is None:
+                table = pf.reader.read_row_group(local, column_indices=[leaf], use_threads=False)
+                return _leaf_arrays(table.column(0).chunks)
+            batches = pf.reader.iter_batches(
+                rows, [local], column_indices=[leaf], use_threads=False
+            )
+            batch = next(batches, None)
+            return [] if batch is None else _leaf_arrays([batch.column(0)])
+        finally:
+            if self.fd is not None:
+                source.close()
 
     def close(self) -> None:
         with self.lock:
