@@ -127,12 +127,6 @@ def test_rle_booleans_past_the_ceiling_are_refused(tmp_path):
     assert src[n - 1] == {"b": True}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="INT96 timestamps are read as timestamp[ns] (pyarrow's default), whose int64 "
-    "wraps outside 1677-2262: Spark's 9999-12-31 and year-3000 or 1500 dates come out "
-    "as other dates, without an error",
-)
 def test_int96_timestamps_outside_the_nanosecond_range_are_not_other_dates(tmp_path):
     # Spark writes timestamps as INT96 by default; 9999-12-31 is a common "no end" date.
     days = [datetime.datetime(3000, 1, 1), datetime.datetime(2000, 1, 1)]

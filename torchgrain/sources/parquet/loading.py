@@ -304,9 +304,9 @@ class RowGroupLoader(ShardedSource):
         undercount lists), or the rest of what their pages inflate to (each column's
         bytes beyond its fixed part: strings' bytes, or a decompression bomb's). Arrow
         allocates no more than the headers declare (it refuses a page that inflates to
-        more), so decoding takes at most twice the ceiling. What the headers do not
-        bound, a dictionary-encoded string column's values (each a copy of its entry), is
-        read first.
+        more), so decoding takes at most twice the ceiling. Two things the headers do not
+        bound are read first: a dictionary-encoded string column's values (each a copy of
+        its entry), and INT96 timestamps (refused where Arrow's nanoseconds would wrap).
 
         Runs under ``reader.lock``; a remote file's column chunks are fetched here, once,
         for this check and Arrow's decode."""
@@ -335,10 +335,10 @@ class RowGroupLoader(ShardedSource):
             if key in reader.checked:
                 return
         # Each leaf's (what it takes at most, name, its values' fixed part, what its
-        # pages inflate to); the dictionary-encoded strings, read below once these fit
-        # (such a read takes no more than the decode does).
+        # pages inflate to); the dictionary-encoded strings and INT96 timestamps, read
+        # below once these fit (such a read takes no more than the decode does).
         sizes: list[tuple[int, str, int, int]] = []
-        strings = []
+        strings, int96 = [], []
         for (j, bits, name, kind), chunk in zip(leaves, chunks):
             try:
                 pages = chunk_pages(reader.read_at, *chunk_range(chunk), chunk.num_values)
@@ -350,6 +350,8 @@ class RowGroupLoader(ShardedSource):
             own = (pages.values * bits + 7) // 8
             if kind == "BYTE_ARRAY" and pages.dictionary_bytes:
                 strings.append((len(sizes), j, pages))
+            elif kind == "INT96":
+                int96.append((j, name))
             sizes.append((max(own, inflated), name, own, inflated))
         self._check_sizes(sizes, where, index)
         ceiling = self.max_row_group_bytes
@@ -373,6 +375,20 @@ class RowGroupLoader(ShardedSource):
             if most > inflated:
                 sizes[k] = (max(own, most), name, own, most)
                 self._check_sizes(sizes, where, index)
+        for j, name in int96:
+            # Arrow reads INT96 timestamps as timestamp[ns], whose int64 wraps outside
+            # 1677-2262 (Spark's 9999-12-31 read as 1816-03-29); in milliseconds none
+            # wraps, so they are read so first (a second decode of these columns).
+            for a in reader.read_leaf(local, j):
+                if not pa.types.is_timestamp(a.type):
+                    continue
+                low, high = pc.min_max(a.cast(pa.int64())).values()
+                if low.is_valid and max(-low.as_py(), high.as_py()) > _NS_LIMIT_MS:
+                    raise CorruptDataError(
+                        f"{where}, column {name!r}: an INT96 timestamp outside "
+                        "1677-09-21..2262-04-11, which Arrow's timestamp[ns] cannot hold "
+                        f"(it would read as another date; record index {index})"
+                    )
         reader.checked.add(key)
 
     def _check_sizes(self, sizes: list[tuple[int, str, int, int]], where: str, index: int) -> None:
@@ -452,6 +468,9 @@ def decoded_cache_for(
 # Bits a value of each Parquet physical type takes while Arrow decodes it (a
 # FIXED_LEN_BYTE_ARRAY's are its length; a BYTE_ARRAY's offset is 32 bits).
 _PHYSICAL_BITS = {"BOOLEAN": 1, "INT32": 32, "INT64": 64, "INT96": 96, "FLOAT": 32, "DOUBLE": 64}
+# The milliseconds since 1970 whose nanoseconds an int64 holds (give or take a
+# millisecond's nanoseconds).
+_NS_LIMIT_MS = (1 << 63) // 10**6 - 1
 
 
 def _leaf_arrays(todo: list[pa.Array]) -> list[pa.Array]:
@@ -566,8 +585,8 @@ class ParquetReader:
     def read_leaf(self, local: int, leaf: int, rows: int | None = None) -> list[pa.Array]:
         """The arrays of the leaf column ``leaf`` in row group ``local`` (its first
         ``rows`` rows; None: all), read by a pyarrow reader of its own over the same
-        bytes that keeps a string column's dictionary (no value is copied out of it).
-        Runs under ``lock``."""
+        bytes that keeps a string column's dictionary (no value is copied out of it)
+        and reads INT96 timestamps in milliseconds (none wraps). Runs under ``lock``."""
         source = self.staged or self.handle if self.fd is None else os.fdopen(os.dup(self.fd), "rb")
         try:
             pf = pq.ParquetFile(
@@ -575,6 +594,7 @@ class ParquetReader:
                 metadata=self.pf.metadata,
                 pre_buffer=False,
                 read_dictionary=[leaf],
+                coerce_int96_timestamp_unit="ms",
             )
             if rows is None:
                 table = pf.reader.read_row_group(local, column_indices=[leaf], use_threads=False)
