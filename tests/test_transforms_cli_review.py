@@ -36,12 +36,6 @@ def test_albumentations_draws_do_not_depend_on_the_record_read_before():
     assert np.array_equal(after_another[2]["image"], alone)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_record_rng_fast re-seeds one bit generator per thread: a random_map function "
-    "that reads another Dataset with a random_map (a mixup partner) goes on drawing from "
-    "the partner's stream, so records that pick the same partner get the same draws",
-)
 def test_random_map_reading_another_augmented_dataset_keeps_its_own_draws():
     partner = tg.Dataset([{"x": float(i)} for i in range(4)]).random_map(
         lambda r, rng: {"x": r["x"] + rng.random()}, seed=1
