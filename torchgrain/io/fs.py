@@ -254,8 +254,10 @@ def expand_paths(
             out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isfile(item_fs, stripped, url=item):
             out.append(_unstrip(item_fs, stripped))
-        else:
-            raise DatasetNotFoundError(f"{kind} path {item!r} does not exist")
+        else:  # (a FIFO, socket or device is never opened: a FIFO blocks its reader)
+            there = is_local(item_fs) and os.path.exists(stripped)
+            problem = "is not a regular file" if there else "does not exist"
+            raise DatasetNotFoundError(f"{kind} path {item!r} {problem}")
     assert fs is not None
     # Keep the first occurrence of each path, preserving the order given.
     seen: set[str] = set()
@@ -456,6 +458,10 @@ class _Listing:
         if not _paths.is_http(fs):
             # Object stores and local disks list by prefix: nothing outside is requested.
             found = remote.call(fs, "find", root, url=self.item, what="listing")
+            if is_local(fs):
+                # Regular files and links to them only: opening a FIFO named like a
+                # shard blocks until a writer comes; a socket or device holds no data.
+                found = [p for p in found if os.path.isfile(p)]
             return [p for p in found if self._keep(root, p)]
         # HTTP(S): a listing is the server's page of links. Walk it level by level and
         # request only directories inside the root (fsspec's own find would follow
