@@ -351,8 +351,9 @@ def check_output_dir(
         if not is_local(fs):
             continue
         if glob.has_magic(p) or not os.path.isdir(p):
-            # Files (those a glob names, too): none may lie inside the output.
-            for f in glob.glob(p, recursive=True) if glob.has_magic(p) else [p]:
+            # Files (those a glob names, too): none may lie inside the output. fsspec's
+            # glob, as the sources list: glob.glob walks into linked directories.
+            for f in fs.glob(p) if glob.has_magic(p) else [p]:
                 if _within(os.path.realpath(f), out):
                     raise ValueError(
                         f"the input file {f!r} is inside the output directory "
