@@ -168,12 +168,6 @@ def test_inspect_never_sends_the_datas_control_characters_to_the_terminal(tmp_pa
     assert repr(key) in out  # shown escaped, as Python writes it
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Parquet output keeps its manifest in .torchgrain-convert/, so a directory "
-    "holding Parquet shards and no journal is taken as empty: convert replaces a file of "
-    "the same name without overwrite=True",
-)
 def test_convert_to_parquet_refuses_a_directory_holding_a_parquet_dataset(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     tg.write_parquet([{"x": i} for i in range(5)], src)
@@ -182,6 +176,19 @@ def test_convert_to_parquet_refuses_a_directory_holding_a_parquet_dataset(tmp_pa
     with pytest.raises(FileExistsError):
         tg.convert(str(src), str(dst), to="parquet")
     assert pq.read_table(shard).to_pylist() == [{"y": "precious"}]
+
+
+def test_convert_names_the_file_it_would_replace_and_replaces_it_with_overwrite(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    tg.write_array_record([{"x": i} for i in range(5)], src)
+    tg.write_array_record([{"y": "precious"}], dst)
+    (dst / "torchgrain.json").unlink()  # shards without a manifest are someone's data too
+    (shard,) = dst.glob("*.array_record")
+    with pytest.raises(FileExistsError, match=f"holds '{shard.name}'"):
+        tg.convert(str(src), str(dst))
+    assert not (dst / ".torchgrain-convert").exists()  # the journal it made is gone
+    tg.convert(str(src), str(dst), overwrite=True)
+    assert [r["x"] for r in tg.ArrayRecordSource(str(dst))] == list(range(5))
 
 
 @pytest.mark.xfail(

@@ -260,11 +260,12 @@ def convert(
                 if not overwrite:
                     raise
                 old = None  # it is replaced; the files it names are not known
-            if old is not None and not overwrite:
-                raise FileExistsError(
-                    f"{root} already holds a torchgrain dataset ({MANIFEST_NAME}); pass "
-                    "overwrite=True"
-                )
+            # A shard of this plan's name not written by it (a dataset without a manifest
+            # in DST: Parquet output keeps its own in the journal) would be replaced.
+            taken = [t.name for t in tasks if os.path.lexists(os.path.join(root, t.name))]
+            if (old is not None or taken) and not overwrite:
+                what = repr(taken[0]) if old is None else f"a torchgrain dataset ({MANIFEST_NAME})"
+                raise FileExistsError(f"{root} already holds {what}; pass overwrite=True")
             if old is not None:
                 remove_outputs(root, {"tasks": [{"name": s.path} for s in old.shards]})
         remove_temps(root)
