@@ -145,6 +145,77 @@ def test_int96_timestamps_outside_the_nanosecond_range_are_not_other_dates(tmp_p
     assert [str(t.astype("datetime64[s]")) for t in got] == [d.isoformat() for d in days]
 
 
+def _int96_file(directory, days) -> None:
+    table = pa.table({"ts": pa.array(days, pa.timestamp("us"))})
+    pq.write_table(table, directory / "a.parquet", use_deprecated_int96_timestamps=True)
+
+
+def _ts_text(batch) -> list[str]:
+    """A batch's timestamps as text: records, columns, or a list of those (numpy compares
+    a datetime64[us] beyond 2262 to nanoseconds by wrapping it)."""
+    parts = batch if isinstance(batch, list) else [batch]
+    return [str(np.datetime64(v, "s")) for p in parts for v in np.atleast_1d(p["ts"])]
+
+
+def test_int96_timestamps_beyond_2262_read_exactly_at_another_unit(tmp_path):
+    import pickle
+
+    import torch
+
+    _int96_file(tmp_path, [datetime.datetime(9999, 12, 31), datetime.datetime(1970, 1, 1)])
+    want = ["9999-12-31T00:00:00", "1970-01-01T00:00:00"]
+    with pytest.raises(CorruptDataError, match=r'a\.parquet.*int96_timestamp_unit="us" reads'):
+        tg.ParquetSource(str(tmp_path), decoded_cache=False)[0]
+    with pytest.raises(ValueError, match="int96_timestamp_unit"):
+        tg.ParquetSource(str(tmp_path), int96_timestamp_unit="ps")
+    src = tg.ParquetSource(str(tmp_path), decoded_cache=False, int96_timestamp_unit="us")
+    assert src.arrow_schema.field("ts").type == pa.timestamp("us")
+    assert src.schema == {"ts": "datetime64[us]"}
+    assert _ts_text(src.__getitems__([0, 1])) == want
+    assert _ts_text(src.read_columns([0, 1])) == want
+    # What a spawned worker gets; tg.open passes the option on.
+    assert _ts_text(pickle.loads(pickle.dumps(src)).read_columns([0, 1])) == want
+    assert _ts_text(tg.open(str(tmp_path), int96_timestamp_unit="us").__getitems__([0, 1])) == want
+    for batch_format in ("records", "columns"):
+        ds = tg.Dataset(src, batch_format=batch_format)
+        for workers in (0, 2):
+            loader = torch.utils.data.DataLoader(
+                ds, batch_size=1, num_workers=workers, collate_fn=_ts_text
+            )
+            assert [t for b in loader for t in b] == want, (batch_format, workers)
+
+
+def test_int96_timestamps_past_the_microsecond_range_are_refused_at_us(tmp_path):
+    # Hostile bytes: the year 300,000 wraps an int64 of microseconds too.
+    ms = int(np.datetime64("300000-01-01", "ms").astype(np.int64))
+    table = pa.table({"ts": pa.array([ms, 0], pa.int64()).cast(pa.timestamp("ms"))})
+    pq.write_table(table, tmp_path / "a.parquet", use_deprecated_int96_timestamps=True)
+    src = tg.ParquetSource(str(tmp_path), decoded_cache=False, int96_timestamp_unit="us")
+    with pytest.raises(CorruptDataError, match=r'a\.parquet.*int96_timestamp_unit="ms" reads'):
+        src[0]
+    src = tg.ParquetSource(str(tmp_path), decoded_cache=False, int96_timestamp_unit="ms")
+    assert src[0]["ts"] == np.datetime64("300000-01-01", "ms")
+
+
+def test_a_decoded_cache_never_serves_a_table_of_another_int96_unit(tmp_path):
+    _int96_file(tmp_path, [datetime.datetime(2000, 1, 1), datetime.datetime(1970, 1, 1)])
+    from torchgrain.sources.parquet.decoded_cache import DecodedCache
+
+    # Each read goes to the disk cache (no memory cache): built once per unit, then hit.
+    cache = DecodedCache(tmp_path / "cache", min_free_bytes=0)
+    path = str(tmp_path / "a.parquet")
+    ns = tg.ParquetSource(path, decoded_cache=cache, cache_bytes=0)
+    us = tg.ParquetSource(path, decoded_cache=cache, cache_bytes=0, int96_timestamp_unit="us")
+    for src, unit in [(ns, "ns"), (us, "us"), (ns, "ns"), (us, "us")]:
+        got = src.read_columns([0, 1])["ts"]
+        assert got.dtype == np.dtype(f"datetime64[{unit}]")
+        assert got.astype("datetime64[s]").tolist() == [
+            datetime.datetime(2000, 1, 1),
+            datetime.datetime(1970, 1, 1),
+        ]
+    assert (cache.stats["builds"], cache.stats["hits"]) == (2, 2)
+
+
 _CLAIM_CHILD = """
 import resource, sys, warnings
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))

@@ -520,6 +520,7 @@ def _register_builtins() -> None:
                 "decoded_cache_bytes",
                 "partitioning",
                 "max_row_group_bytes",
+                "int96_timestamp_unit",
             ),
             output=PARQUET_OUTPUT,
         )

@@ -42,28 +42,34 @@ def read_footers(
     files: list[str],
     retry: RetryPolicy,
     columns: list[str] | None = None,
+    int96_timestamp_unit: str = "ns",
 ) -> tuple[list[np.ndarray], list[pa.Schema], list[np.ndarray], list[tuple[Any, ...]]]:
     """From the footers of every file (read in parallel): row-group sizes, the Arrow
-    schema, each row group's uncompressed size (of ``columns``: an estimate of its
-    decoded size) and what identifies the file's content (path, size, modification
-    time and inode, or the store's version, and a digest of the footer)."""
+    schema (INT96 timestamps at ``int96_timestamp_unit``, as the source decodes them),
+    each row group's uncompressed size (of ``columns``: an estimate of its decoded size)
+    and what identifies the file's content (path, size, modification time and inode,
+    or the store's version, and a digest of the footer)."""
     local = is_local(fs)
     opening = uuid.uuid4().hex
 
-    def metadata(shard: int) -> tuple[pq.FileMetaData, tuple[Any, ...]]:
+    def footer(source: Any) -> tuple[pq.FileMetaData, pa.Schema]:
+        with pq.ParquetFile(source, coerce_int96_timestamp_unit=int96_timestamp_unit) as pf:
+            return pf.metadata, pf.schema_arrow
+
+    def metadata(shard: int) -> tuple[pq.FileMetaData, pa.Schema, tuple[Any, ...]]:
         path = files[shard]
         try:
             if local:
                 st = os.stat(path)
-                return pq.read_metadata(path), local_version(st)
+                return *footer(path), local_version(st)
             # An opening reads the file as it is now (not against what an earlier
             # opening in this process pinned of it: a file re-uploaded since).
             with remote.open_input(fs, path, fresh=True) as f:
-                md = pq.read_metadata(f)
+                md, schema = footer(f)
             size, version = _remote_version(fs, path)
             # Nothing tells two versions of this file apart: its entries are this
             # opening's own (shared by its workers, never by a later opening).
-            return md, (size, version if version is not None else ("unversioned", opening))
+            return md, schema, (size, version if version is not None else ("unversioned", opening))
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -78,9 +84,9 @@ def read_footers(
 
     def one(shard: int) -> tuple[np.ndarray, pa.Schema, np.ndarray, tuple[Any, ...]]:
         if local:
-            md, version = metadata(shard)
+            md, schema, version = metadata(shard)
         else:
-            md, version = retry_call(
+            md, schema, version = retry_call(
                 metadata, shard, url=files[shard], policy=retry, what="footer read"
             )
         groups = [md.row_group(i) for i in range(md.num_row_groups)]
@@ -91,7 +97,6 @@ def read_footers(
                 f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
                 f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
             )
-        schema = md.schema.to_arrow_schema()
         if columns is None:
             nbytes = [g.total_byte_size for g in groups]
         else:

@@ -90,6 +90,7 @@ class RowGroupLoader(ShardedSource):
     _identities: list[tuple[Any, ...]]  # what each file's decoded-cache entries hash
     _verify: bool
     max_row_group_bytes: int
+    int96_timestamp_unit: str  # "ns", "us", "ms" or "s"
     decoded_cache: DecodedCache | None
 
     def _open_reader(
@@ -103,7 +104,12 @@ class RowGroupLoader(ShardedSource):
                 # reads measured 15-35% faster without, most on small row groups).
                 # Page headers are read through a descriptor of our own (same inode).
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                pf = pq.ParquetFile(path, pre_buffer=False, page_checksum_verification=self._verify)
+                pf = pq.ParquetFile(
+                    path,
+                    pre_buffer=False,
+                    page_checksum_verification=self._verify,
+                    coerce_int96_timestamp_unit=self.int96_timestamp_unit,
+                )
             else:
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
@@ -117,7 +123,10 @@ class RowGroupLoader(ShardedSource):
                     # Arrow decodes from the same bytes (StagedInput).
                     staged = StagedInput(handle, filesystem, path)
                 pf = pq.ParquetFile(
-                    staged or handle, pre_buffer=True, page_checksum_verification=self._verify
+                    staged or handle,
+                    pre_buffer=True,
+                    page_checksum_verification=self._verify,
+                    coerce_int96_timestamp_unit=self.int96_timestamp_unit,
                 )
         except FileNotFoundError as e:
             # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
@@ -306,7 +315,8 @@ class RowGroupLoader(ShardedSource):
         allocates no more than the headers declare (it refuses a page that inflates to
         more), so decoding takes at most twice the ceiling. Two things the headers do not
         bound are read first: a dictionary-encoded string column's values (each a copy of
-        its entry), and INT96 timestamps (refused where Arrow's nanoseconds would wrap).
+        its entry), and INT96 timestamps (refused where their int64 in nanoseconds or
+        microseconds would wrap).
 
         Runs under ``reader.lock``; a remote file's column chunks are fetched here, once,
         for this check and Arrow's decode."""
@@ -375,19 +385,22 @@ class RowGroupLoader(ShardedSource):
             if most > inflated:
                 sizes[k] = (max(own, most), name, own, most)
                 self._check_sizes(sizes, where, index)
-        for j, name in int96:
-            # Arrow reads INT96 timestamps as timestamp[ns], whose int64 wraps outside
-            # 1677-2262 (Spark's 9999-12-31 read as 1816-03-29); in milliseconds none
-            # wraps, so they are read so first (a second decode of these columns).
+        unit = self.int96_timestamp_unit
+        limit, dates, wider = _INT96_WRAPS.get(unit, (0, "", ""))
+        for j, name in int96 if limit else []:
+            # An INT96 timestamp read as timestamp[ns] wraps outside 1677-2262 (Spark's
+            # 9999-12-31 read as 1816-03-29), as timestamp[us] outside about 292,000
+            # years of 1970; in milliseconds none wraps, so they are read so first (a
+            # second decode of these columns).
             for a in reader.read_leaf(local, j):
                 if not pa.types.is_timestamp(a.type):
                     continue
                 low, high = pc.min_max(a.cast(pa.int64())).values()
-                if low.is_valid and max(-low.as_py(), high.as_py()) > _NS_LIMIT_MS:
+                if low.is_valid and max(-low.as_py(), high.as_py()) > limit:
                     raise CorruptDataError(
-                        f"{where}, column {name!r}: an INT96 timestamp outside "
-                        "1677-09-21..2262-04-11, which Arrow's timestamp[ns] cannot hold "
-                        f"(it would read as another date; record index {index})"
+                        f"{where}, column {name!r}: an INT96 timestamp outside {dates}, "
+                        f"which timestamp[{unit}] cannot hold (it would read as another "
+                        f'date; record index {index}; int96_timestamp_unit="{wider}" reads it)'
                     )
         reader.checked.add(key)
 
@@ -468,9 +481,12 @@ def decoded_cache_for(
 # Bits a value of each Parquet physical type takes while Arrow decodes it (a
 # FIXED_LEN_BYTE_ARRAY's are its length; a BYTE_ARRAY's offset is 32 bits).
 _PHYSICAL_BITS = {"BOOLEAN": 1, "INT32": 32, "INT64": 64, "INT96": 96, "FLOAT": 32, "DOUBLE": 64}
-# The milliseconds since 1970 whose nanoseconds an int64 holds (give or take a
-# millisecond's nanoseconds).
-_NS_LIMIT_MS = (1 << 63) // 10**6 - 1
+# For the INT96 units whose int64 can wrap: the milliseconds since 1970 it holds (give
+# or take a millisecond), those dates, and the next unit, which reads them.
+_INT96_WRAPS = {
+    "ns": ((1 << 63) // 10**6 - 1, "1677-09-21..2262-04-11", "us"),
+    "us": ((1 << 63) // 10**3 - 1, "-290308-12-21..294247-01-10", "ms"),
+}
 
 
 def _leaf_arrays(todo: list[pa.Array]) -> list[pa.Array]:

@@ -121,6 +121,7 @@ def column_source(src: Any, columns: list[str], **options: Any) -> Any:
         partitioning=None,
         decoded_cache=False,
         max_row_group_bytes=src.max_row_group_bytes,
+        int96_timestamp_unit=src.int96_timestamp_unit,
         **options,
     )
     if not np.array_equal(sub._rg_offsets, src._rg_offsets):

@@ -113,6 +113,10 @@ class ParquetSource(RowGroupLoader):
             their pages) may need decoded, checked from the footer and page headers before
             pyarrow reserves memory (default 16 GiB, :data:`DEFAULT_MAX_ROW_GROUP_BYTES`);
             over it is a :class:`~torchgrain.CorruptDataError`.
+        int96_timestamp_unit: the unit INT96 timestamps (Spark's legacy default) read at:
+            ``"ns"`` (default; Arrow's), ``"us"``, ``"ms"`` or ``"s"``. In nanoseconds a
+            date outside 1677-09-21..2262-04-11 (Spark's 9999-12-31) is a
+            :class:`~torchgrain.CorruptDataError`; ``"us"`` reads it.
         filter: a :class:`pyarrow.compute.Expression` (or any predicate
             :func:`~torchgrain.compose.filter.filter_dataset` takes): the source is then the
             rows where it holds, found once per machine and pushed down to the files.
@@ -167,6 +171,7 @@ class ParquetSource(RowGroupLoader):
         decoded_cache_bytes: int | None = None,
         partitioning: str | None = "hive",
         max_row_group_bytes: int = DEFAULT_MAX_ROW_GROUP_BYTES,
+        int96_timestamp_unit: str = "ns",
         filter: Any = None,  # (taken by __new__)
         **read_options: Any,
     ) -> None:
@@ -174,6 +179,11 @@ class ParquetSource(RowGroupLoader):
         cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
         self._verify = opts.verify_or(False)
         self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
+        if int96_timestamp_unit not in ("ns", "us", "ms", "s"):
+            raise ValueError(
+                f"int96_timestamp_unit must be 'ns', 'us', 'ms' or 's', got {int96_timestamp_unit!r}"
+            )
+        self.int96_timestamp_unit = int96_timestamp_unit
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
         if isinstance(columns, str):
@@ -194,7 +204,9 @@ class ParquetSource(RowGroupLoader):
         parts = partitions(fs, files, bases) if partitioning == "hive" else [{} for _ in files]
         part_keys = check_partition_keys(files, parts)
 
-        counts, schemas, rg_bytes, identities = read_footers(fs, files, retry, columns)
+        counts, schemas, rg_bytes, identities = read_footers(
+            fs, files, retry, columns, int96_timestamp_unit
+        )
         fields, present = merge_file_schemas(files, schemas, columns, part_keys)
         self._file_fields: list[pa.Field] = fields
         self._file_schema = pa.schema(fields)
