@@ -191,12 +191,6 @@ def test_convert_names_the_file_it_would_replace_and_replaces_it_with_overwrite(
     assert [r["x"] for r in tg.ArrayRecordSource(str(dst))] == list(range(5))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="build_demo_dataset rewrites any torchgrain dataset in --data-dir whose record "
-    "count is not --num-records (write_array_record(overwrite=True)): a user's dataset "
-    "there is replaced by synthetic images without a word",
-)
 def test_demo_never_replaces_a_dataset_that_is_not_its_own(tmp_path, monkeypatch):
     data = tmp_path / "train"
     tg.write_array_record([{"text": f"precious {i}"} for i in range(20)], data, num_shards=2)

@@ -43,8 +43,30 @@ def synthetic_records(num_records: int, seed: int = 0) -> Iterator[dict[str, Any
         yield {"image": img.clip(0, 255).astype(np.uint8), "label": label, "id": f"img-{i:07d}"}
 
 
+#: The file the demo writes beside its dataset: it replaces no dataset without it.
+_MARKER = ".torchgrain-demo"
+
+
 def build_demo_dataset(directory: str, num_records: int, num_shards: int = 8) -> str:
-    """Write the synthetic dataset to ``directory`` unless a matching one is there."""
+    """Write the synthetic dataset to ``directory`` unless a matching one is there.
+
+    It writes only into a missing or empty directory, or over a dataset of its own
+    (marked by a ``.torchgrain-demo`` file); a directory holding anything else is a
+    FileExistsError naming it, never replaced.
+
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = build_demo_dataset(d, 4, num_shards=1)
+        >>> _ = build_demo_dataset(d, 6, num_shards=1)  # its own: rebuilt
+        >>> len(tg.ArrayRecordSource(d))
+        6
+        >>> _ = tg.write_array_record([{"text": "mine"}], os.path.join(d, "mine"))
+        >>> build_demo_dataset(os.path.join(d, "mine"), 4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        FileExistsError: '.../mine' holds files the demo did not write: ...
+    """
     from torchgrain.formats.manifest import read_manifest
     from torchgrain.io.fs import get_filesystem
     from torchgrain.writers import write_array_record
@@ -53,6 +75,14 @@ def build_demo_dataset(directory: str, num_records: int, num_shards: int = 8) ->
     existing = read_manifest(fs, root) if fs.isdir(root) else None
     if existing is not None and existing.num_records == num_records:
         return directory
+    marker = os.path.join(root, _MARKER)
+    if os.path.isdir(root) and os.listdir(root) and not os.path.exists(marker):
+        raise FileExistsError(
+            f"{directory!r} holds files the demo did not write: it writes only into an "
+            "empty directory or over its own dataset; pass another --data-dir"
+        )
+    os.makedirs(root, exist_ok=True)
+    open(marker, "w").close()
     write_array_record(
         _Sized(synthetic_records(num_records), num_records),
         directory,
