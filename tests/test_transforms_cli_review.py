@@ -199,3 +199,38 @@ def test_demo_never_replaces_a_dataset_that_is_not_its_own(tmp_path, monkeypatch
     main(["demo", "--data-dir", str(data), *args.split()])
     src = tg.ArrayRecordSource(str(data))
     assert (len(src), src.keys) == (20, ["text"])
+
+
+_FIFO_SHARD = """
+import os, sys, warnings
+warnings.simplefilter("ignore")
+import numpy as np, torchgrain as tg
+d, ix = sys.argv[1], sys.argv[2]
+tg.write_array_record([{"i": np.int64(i)} for i in range(20)], d, num_shards=2)
+tg.ArrayRecordSource(d, index_dir=ix)[0]  # the index: counts from the files
+first = os.path.join(d, sorted(f for f in os.listdir(d) if f.endswith(".array_record"))[0])
+os.unlink(first)
+os.mkfifo(first)
+try:
+    tg.ArrayRecordSource(d, index_dir=ix)[0]
+except tg.CorruptDataError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_fifo_in_place_of_a_shard_a_manifest_names_is_refused_not_waited_on(tmp_path):
+    """A shard replaced by a FIFO, named by the dataset's manifest (no listing): opening
+    it waited for a writer forever; it is a CorruptDataError naming it (a child with a
+    deadline: a hang fails the test, not the run)."""
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", _FIFO_SHARD, str(tmp_path / "ds"), str(tmp_path / "ix")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(tg.__file__))),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "refused:" in p.stdout and "is not a regular file" in p.stdout, p.stdout

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import stat
 import struct
 import sys
 import threading
@@ -37,7 +38,16 @@ from torchgrain.errors import CorruptDataError
 from torchgrain.io import process
 from torchgrain.io.libc import libc
 
-__all__ = ["ChangedWhileOpen", "Pin", "changed", "check", "first_changed", "poll", "seen"]
+__all__ = [
+    "ChangedWhileOpen",
+    "Pin",
+    "changed",
+    "check",
+    "first_changed",
+    "open_regular",
+    "poll",
+    "seen",
+]
 
 _IN_MODIFY = 0x2
 _IN_Q_OVERFLOW = 0x4000
@@ -414,3 +424,29 @@ def check(pin: Pin, what: str, *, polled: bool = False) -> None:
             "as its bytes are no longer the ones indexed (a shard rewritten in place under "
             "a running job, e.g. by cp or rsync --inplace); open the dataset again"
         )
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path`` (what a shard's reader pins
+    and maps). Anything else a listing or a manifest may name is refused, never opened
+    for reading: a FIFO's open would wait for a writer forever, a socket or device holds
+    no data.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        CorruptDataError: it is not a regular file.
+
+    Example:
+        >>> import os, tempfile
+        >>> d = tempfile.mkdtemp(); os.mkfifo(os.path.join(d, "f"))
+        >>> open_regular(os.path.join(d, "f"))
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.CorruptDataError: '...f' is not a regular file
+    """
+    # O_NONBLOCK: the open of a FIFO returns at once (reads of a regular file ignore it)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptDataError(f"{path!r} is not a regular file")
+    return fd

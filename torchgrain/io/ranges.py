@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -568,7 +569,7 @@ class MappedFile:
             if self._view is None or self._token != process.token():
                 # After a fork the parent's map is inherited but not ours to close.
                 self._mm = None
-                with open(self.path, "rb") as f:
+                with os.fdopen(changes.open_regular(self.path), "rb") as f:
                     pin = changes.Pin(f.fileno(), self.path)
                     size = pin.size
                     self._mm = (

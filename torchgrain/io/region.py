@@ -339,7 +339,7 @@ class ShardRegion:
     def _map(self, shard: int, k: int) -> bool:
         path = self.paths[shard]
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = changes.open_regular(path)  # (a FIFO a manifest names: refused)
         except FileNotFoundError:
             raise DatasetNotFoundError(f"shard {shard} {path!r} does not exist") from None
         try:

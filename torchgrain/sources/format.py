@@ -86,7 +86,7 @@ class ShardFile:
         self._fd: int | None = None
         self._pin: changes.Pin | None = None
         if filesystem is None:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = changes.open_regular(path)
             try:
                 if watch:
                     self._pin = changes.Pin(fd, path)

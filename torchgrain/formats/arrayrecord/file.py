@@ -244,7 +244,9 @@ class ArrayRecordFile(OneRecordBatches):
         with self._lock:
             if self._view is None:
                 try:
-                    fh = open(self._path, "rb")  # noqa: SIM115 - kept open with the map
+                    fh = os.fdopen(
+                        changes.open_regular(self._path), "rb"
+                    )  # (kept open with the map)
                 except FileNotFoundError as e:
                     raise FileNotFoundError(f"{self._where()} does not exist") from e
                 try:

@@ -20,7 +20,7 @@ import os
 
 import pyarrow as pa
 
-from torchgrain.io.changes import Pin
+from torchgrain.io.changes import Pin, open_regular
 from torchgrain.io.libc import libc
 
 __all__ = ["map_file", "map_file_pinned"]
@@ -55,7 +55,7 @@ def map_file_pinned(path: str) -> tuple[pa.Buffer, os.stat_result, Pin]:
     """:func:`map_file`, and the file's :class:`~torchgrain.io.changes.Pin` (taken before
     it is mapped, watched while the map lives): check it before reading the buffer
     again later, as a file truncated meanwhile would kill the process with SIGBUS."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         pin = Pin(fd, path)
         st = os.fstat(fd)
