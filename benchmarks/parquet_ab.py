@@ -100,19 +100,14 @@ def run(case: str, root: str, data: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def make_data(data: str) -> None:
+def columns_table(rows: int, rng: Any) -> Any:
+    """The columns cases' table (a pyarrow Table): ids, labels, scores, 16-float vectors
+    and 24-120 byte payloads, drawn from ``rng`` (perf_ab.py builds the same)."""
     import numpy as np
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    from parquet_access import make_files
 
-    access = os.path.join(data, "access")
-    os.makedirs(access)
-    make_files(access, 200_000, 8, 64, 1024)
-    rows = 200_000
-    rng = np.random.default_rng(0)
     lengths = rng.integers(24, 121, rows)
-    table = pa.table(
+    return pa.table(
         {
             "id": pa.array(np.arange(rows, dtype=np.int64)),
             "label": pa.array((np.arange(rows) % 1000).astype(np.int32)),
@@ -123,6 +118,18 @@ def make_data(data: str) -> None:
             "payload": pa.array([rng.bytes(int(k)) for k in lengths], pa.binary()),
         }
     )
+
+
+def make_data(data: str) -> None:
+    import numpy as np
+    import pyarrow.parquet as pq
+    from parquet_access import make_files
+
+    access = os.path.join(data, "access")
+    os.makedirs(access)
+    make_files(access, 200_000, 8, 64, 1024)
+    rows = 200_000
+    table = columns_table(rows, np.random.default_rng(0))
     cols = os.path.join(data, "columns")
     os.makedirs(cols)
     pq.write_table(table, os.path.join(cols, "part-0.parquet"), row_group_size=rows // 20)

@@ -171,6 +171,7 @@ def make_data(data: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     from array_record.python.array_record_module import ArrayRecordWriter
+    from parquet_ab import columns_table
     from parquet_access import make_files
 
     from torchgrain.formats.tf_example import encode_tf_example
@@ -194,19 +195,7 @@ def make_data(data: str) -> None:
                 write_tfrecord(examples, os.path.join(data, "tfrecord", f"part-{s:05d}.tfrecord"))
     os.makedirs(os.path.join(data, "access"))
     make_files(os.path.join(data, "access"), 50_000, 8, 16, 1024)
-    rows = 100_000
-    lengths = rng.integers(24, 121, rows)
-    table = pa.table(
-        {
-            "id": pa.array(np.arange(rows, dtype=np.int64)),
-            "label": pa.array((np.arange(rows) % 1000).astype(np.int32)),
-            "score": pa.array(rng.random(rows, dtype=np.float32)),
-            "vec": pa.FixedSizeListArray.from_arrays(
-                pa.array(rng.random(rows * 16, dtype=np.float32)), 16
-            ),
-            "payload": pa.array([rng.bytes(int(k)) for k in lengths], pa.binary()),
-        }
-    )
+    table = columns_table(100_000, rng)
     os.makedirs(os.path.join(data, "columns"))
     pq.write_table(table, os.path.join(data, "columns", "part-0.parquet"), row_group_size=10_000)
     doc_len = np.maximum(1, rng.lognormal(np.log(400), 1.0, 3_000).astype(np.int64))

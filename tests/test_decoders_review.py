@@ -12,25 +12,13 @@ import _riegeli
 import numpy as np
 import pytest
 
+from tests.test_tf_example import _ld
 from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
 from torchgrain.formats.arrayrecord.footer import FooterReader
 from torchgrain.formats.tf_example import decode_tf_example, encode_tf_example
 from torchgrain.formats.tfds import TFDSCodec
 from torchgrain.formats.tfrecord import _frame, iter_tfrecord
-
-
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while v >= 0x80:
-        out.append(v & 0x7F | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def _ld(field: int, payload: bytes) -> bytes:
-    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
 
 
 def test_empty_packed_int64_list_decodes_as_protobuf_does():
