@@ -359,7 +359,8 @@ def test_an_index_file_replaced_after_the_dataset_was_opened_is_refused(tmp_path
 
 
 def _cached_index(idx_dir) -> str:
-    (name,) = [n for n in os.listdir(idx_dir) if n.endswith(".tgindex")]
+    # (a TFRecord file's own offsets are entries beside it: *.offsets.tgindex)
+    (name,) = [n for n in os.listdir(idx_dir) if n.endswith(".tgindex") and ".offsets." not in n]
     return os.path.join(idx_dir, name)
 
 
