@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import select
 import stat
@@ -434,7 +435,8 @@ def open_regular(path: str) -> int:
 
     Raises:
         FileNotFoundError: nothing is there.
-        CorruptDataError: it is not a regular file.
+        IsADirectoryError: a directory is there (as ``open`` raises it).
+        CorruptDataError: anything else that is not a regular file.
 
     Example:
         >>> import os, tempfile
@@ -446,7 +448,10 @@ def open_regular(path: str) -> int:
     """
     # O_NONBLOCK: the open of a FIFO returns at once (reads of a regular file ignore it)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         raise CorruptDataError(f"{path!r} is not a regular file")
     return fd

@@ -342,6 +342,8 @@ class ShardRegion:
             fd = changes.open_regular(path)  # (a FIFO a manifest names: refused)
         except FileNotFoundError:
             raise DatasetNotFoundError(f"shard {shard} {path!r} does not exist") from None
+        except IsADirectoryError:
+            raise CorruptDataError(f"shard {shard} {path!r} is a directory") from None
         try:
             pin = changes.Pin(fd, path)  # before the size is checked: changes from now on
             st = os.fstat(fd)
