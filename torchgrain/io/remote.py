@@ -491,6 +491,39 @@ def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = Non
     return int(got)
 
 
+def size_and_version(
+    fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None
+) -> tuple[int, str | None]:
+    """The size of remote ``path`` (checked as :func:`file_size` checks it) and what tells
+    its versions apart: the store's version id, ETag or modification time, whichever it
+    reports first (None: none), from one ``info`` request.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/v", b"abc")
+        >>> size, version = size_and_version(fs, "/c/v")
+        >>> size, version is not None
+        (3, True)
+    """
+    label = url or path
+    info = call(fs, "info", path, url=label, what="size and version")
+    size = info.get("size")
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
+        raise CorruptDataError(
+            f"{label}: the server reports no size ({size!r}); reading byte ranges needs one"
+        )
+    for name in _VERSION_KEYS:
+        if info.get(name):
+            return int(size), str(info[name])
+    return int(size), None
+
+
+# What names a version of a remote file in fsspec's info, the most specific first.
+_VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash")
+_VERSION_KEYS += ("mtime", "LastModified", "last_modified", "updated", "created")
+
+
 def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None, *, fresh: bool = False) -> None:
     """Pin the size of remote file ``path`` (of ``fs``) as the dataset's opening found it:
     every range answer must name a file of that size (and, once one has given them, the

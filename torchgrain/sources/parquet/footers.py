@@ -66,7 +66,7 @@ def read_footers(
             # opening in this process pinned of it: a file re-uploaded since).
             with remote.open_input(fs, path, fresh=True) as f:
                 md, schema = footer(f)
-            size, version = _remote_version(fs, path)
+            size, version = remote.size_and_version(fs, path, url=path)
             # Nothing tells two versions of this file apart: its entries are this
             # opening's own (shared by its workers, never by a later opening).
             return md, schema, (size, version if version is not None else ("unversioned", opening))
@@ -185,16 +185,3 @@ def local_version(st: os.stat_result) -> tuple[int, ...]:
     size and modification time (``cp -p``, ``rsync -t``): the kernel sets the change
     time on every write, rename or ``utime``, and no one can set it back."""
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-
-def _remote_version(fs: fsspec.AbstractFileSystem, path: str) -> tuple[Any, ...]:
-    """``(size, version)`` of a remote file from ``fs.info``: the store's version, ETag or
-    modification time, whichever it reports (``None`` when it reports none)."""
-    info = remote.call(fs, "info", path, what="size and version")
-    for name in ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash"):
-        if info.get(name):
-            return info.get("size"), str(info[name])
-    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        if info.get(name):
-            return info.get("size"), str(info[name])
-    return info.get("size"), None
