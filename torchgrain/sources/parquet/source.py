@@ -65,6 +65,7 @@ from torchgrain.sources.parquet.values import (
     copy_records,
     gather,
     int64_array,
+    take_rows,
     views_bytes,
 )
 
@@ -395,14 +396,8 @@ class ParquetSource(RowGroupLoader):
                 continue
             col = gathered.get(int(pos))
             if col is None:  # Arrow does it: each group's rows, then request order
-                parts = [
-                    e.table.column(int(pos)).take(int64_array(r))
-                    for e, r in zip(entries, plan.rows)
-                ]
-                # Chunks, not the ChunkedArrays: those pyarrow converts value by value.
-                chunks = [c for part in parts for c in part.chunks]
-                joined = pa.chunked_array(chunks, type=entries[0].table.schema.field(int(pos)).type)
-                col = arrow_column(joined.combine_chunks().take(int64_array(plan.where)))
+                joined = take_rows([e.table.column(int(pos)) for e in entries], plan)
+                col = arrow_column(joined.take(int64_array(plan.where)))
             columns[key] = col
         count_decode(time.perf_counter() - t_start - read_seconds)
         return ColumnBatch(columns, num_rows=n)

@@ -36,6 +36,7 @@ __all__ = [
     "copy_records",
     "gather",
     "int64_array",
+    "take_rows",
     "views_bytes",
 ]
 
@@ -465,10 +466,11 @@ class GatherPlan:
         self.where[order] = np.arange(n)
 
 
-# ------------------------------------------------------------- records, built per batch
+# ------------------------------------------------------------- one column, read without Arrow
 # Column kinds (ints: compared once per column and batch).
-_GENERIC, _NONE, _NUM, _BOOL, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(10)
-_BOOLS = (False, True)
+_GENERIC, _NONE, _NUM, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(9)
+# A variable-length kind's Ragged kind, in a batch of columns.
+_RAGGED = {_STR: "str", _BIN: "bytes", _ARRAY: "array"}
 # Each distinct layout (kind and nulls of every column) gets a number: a batch compares
 # its row groups' numbers, not their layouts.
 _SIGNATURES: dict[tuple[tuple[int, bool], ...], int] = {}
@@ -478,69 +480,77 @@ _COLUMN_OVERHEAD = 512
 
 
 class _Column:
-    """How to read one column of one row group: ``kind`` and its buffers.
+    """One column of one row group as numpy views of its Arrow buffers: ``kind`` says
+    how to read them. Both batch formats read it (:class:`RowViews`, :class:`GroupViews`).
 
-    ``a``/``b`` depend on the kind: values (memoryview or numpy), offsets (memoryview),
-    the byte width of fixed-size binary. ``nulls`` is a ``bytes`` with 1 for each null
-    row, or None when the column has none. ``arrow`` is the column itself (generic kind).
+    ``values``: the numbers, bools or temporal values (``_NUM``, ``_SCALAR``); the rows
+    ``[n, k]`` of a fixed-size list (``_MATRIX``); the bytes of fixed-size binary, ``width``
+    a row (``_FIXED_BIN``); or the flat values that row ``r`` of a string, binary or list
+    column slices at ``offsets[r]:offsets[r + 1]``. ``nulls`` is a ``bytes`` with 1 for
+    each null row, or None; ``private`` the bytes this view allocated (bools, null masks,
+    casts). ``_GENERIC`` columns (nested types, lists holding nulls...) need ``arrow``.
     """
 
-    __slots__ = ("a", "arrow", "b", "kind", "nulls")
+    __slots__ = ("arrow", "kind", "nulls", "offsets", "private", "values", "width")
 
-    def __init__(self, kind: int, a: Any = None, b: Any = None, nulls: bytes | None = None):
-        self.kind = kind
-        self.a = a
-        self.b = b
-        self.nulls = nulls
-        self.arrow: pa.Array | None = None
+    def __init__(self, arr: pa.Array) -> None:
+        self.arrow = arr
+        self.kind = _GENERIC
+        self.values: Any = None
+        self.offsets: Any = None
+        self.width = 0
+        self.nulls: bytes | None = None
+        self.private = 0
 
 
-def _column(arr: pa.Array) -> tuple[_Column, int]:
-    """The view of one column, and the private bytes it allocated."""
+def _column(arr: pa.Array) -> _Column:
+    """The view of one column (no copy but bools, null masks and casts)."""
     t = arr.type
     n = len(arr)
-    mask = _null_mask(arr)
-    nulls = None if mask is None else mask.tobytes()
-    private = 0 if nulls is None else n
     off = arr.offset
+    col = _Column(arr)
     if pa.types.is_null(t):
-        return _Column(_NONE), 0
-    if pa.types.is_boolean(t):
-        bits = _primitive_numpy(arr).view(np.uint8).tobytes()
-        return _Column(_BOOL, bits, None, nulls), private + n
-    # memoryview reads native numbers only, and no half floats.
-    if _is_number(t) and not pa.types.is_float16(t) and sys.byteorder == "little":
-        return _Column(_NUM, memoryview(_primitive_numpy(arr)), None, nulls), private
-    if _is_temporal(t):
-        values = _primitive_numpy(arr)
-        private += 0 if values.base is not None else values.nbytes
-        return _Column(_SCALAR, values, None, nulls), private
-    if _is_string(t) or _is_binary(t):
-        data = memoryview(_binary_data(arr))
-        kind = _STR if _is_string(t) else _BIN
-        return _Column(kind, data, memoryview(_offsets(arr)), nulls), private
-    if pa.types.is_fixed_size_binary(t):
-        width = t.byte_width
-        buf = arr.buffers()[1]
-        data = memoryview(buf if buf is not None else bytes((off + n) * width))
-        return _Column(_FIXED_BIN, data[off * width : (off + n) * width], width, nulls), private
-    if _is_list(t) and not _is_list(t.value_type):
+        col.kind = _NONE
+        return col
+    if _is_number(t) or _is_temporal(t):
+        col.kind = _NUM if _is_number(t) else _SCALAR
+        col.values = fresh = _primitive_numpy(arr)
+    elif _is_string(t) or _is_binary(t):
+        col.kind = _STR if _is_string(t) else _BIN
+        col.values, col.offsets, fresh = _binary_data(arr), _offsets(arr), None
+    elif pa.types.is_fixed_size_binary(t):
+        col.kind, col.width, fresh = _FIXED_BIN, t.byte_width, None
+        w = col.width
+        buf = arr.buffers()[1] or bytes((off + n) * w)
+        col.values = np.frombuffer(buf, np.uint8)[off * w : (off + n) * w]
+    elif _is_list(t) and (fresh := _leaf_numpy(arr.values)) is not None:
         child = arr.values
-        leaf = _leaf_numpy(child)
-        if leaf is None:
-            return _Column(_GENERIC), 0
         if child.null_count:
-            holed = _rows_with_null_items(child, _list_offsets(arr)[0], n, mask)
+            holed = _rows_with_null_items(child, _list_offsets(arr)[0], n, _null_mask(arr))
             if holed is not None and holed.any():
-                return _Column(_GENERIC), 0  # rows with null items: Python lists
-        if leaf.base is None:
-            private += leaf.nbytes
+                return col  # rows with null items: Python lists
         if pa.types.is_fixed_size_list(t):
             k = t.list_size
-            rows = leaf[off * k : (off + n) * k].reshape(n, k)
-            return _Column(_MATRIX, rows, None, nulls), private
-        return _Column(_ARRAY, leaf, memoryview(_offsets(arr)), nulls), private
-    return _Column(_GENERIC), 0
+            col.kind, col.values = _MATRIX, fresh[off * k : (off + n) * k].reshape(n, k)
+        else:
+            col.kind, col.values, col.offsets = _ARRAY, fresh, _offsets(arr)
+    else:
+        return col
+    mask = _null_mask(arr)
+    if mask is not None:
+        col.nulls = mask.tobytes()
+        col.private = n
+    if fresh is not None and (fresh.base is None or pa.types.is_boolean(t)):
+        col.private += fresh.nbytes  # a cast, or bits unpacked
+    return col
+
+
+def _gathers(col: _Column) -> bool:
+    """Whether a batch of columns gathers ``col`` from its numpy views (no nulls;
+    numbers, strings, binary, fixed-size lists and lists of numbers)."""
+    if col.nulls is not None or col.kind in (_GENERIC, _NONE, _SCALAR, _FIXED_BIN):
+        return False
+    return col.kind in (_STR, _BIN) or col.values.dtype.kind in "biuf"
 
 
 class RowViews:
@@ -566,10 +576,17 @@ class RowViews:
             arr = _array(col)
             if col.num_chunks > 1 or pa.types.is_dictionary(col.type):
                 nbytes += arr.nbytes  # a copy
-            view, private = _column(arr)
-            view.arrow = arr
+            view = _column(arr)
+            # Records index memoryviews (Python numbers and bytes at C speed), which read
+            # native numbers only, and no half floats.
+            if view.kind == _NUM and (view.values.dtype == np.float16 or sys.byteorder != "little"):
+                view = _Column(arr)
+            if view.kind in (_NUM, _STR, _BIN, _FIXED_BIN):
+                view.values = memoryview(view.values)
+            if view.offsets is not None:
+                view.offsets = memoryview(view.offsets)
             columns.append(view)
-            nbytes += private + _COLUMN_OVERHEAD
+            nbytes += view.private + _COLUMN_OVERHEAD
         self.columns = columns
         self.nbytes = nbytes
         # Row groups of one signature read every column the same way (the common case:
@@ -610,9 +627,10 @@ def build_records(
             if any(v.kind != kind for v in views):
                 kind = _GENERIC
             nullable = any(v.nulls is not None for v in views)
-        if kind == _GENERIC:
+        if kind == _GENERIC:  # through Arrow, converted, in request order
             plan = plan or GatherPlan(which, rows)
-            columns.append(_generic(views, plan))
+            arrays = [views[g].arrow for g in plan.groups.tolist()]
+            columns.append(convert_column(take_rows(arrays, plan)).take(plan.where.tolist()))
             continue
         values = _values(kind, views, k_list, r_list, n)
         if nullable:
@@ -669,7 +687,7 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
     """One column's values at ``(ks[i], rs[i])`` (null rows hold whatever their slot does)."""
     if kind == _NONE:
         return [None] * n
-    data = [v.a for v in views]
+    data = [v.values for v in views]
     if kind in (_NUM, _SCALAR):
         if len(views) == 1:
             a = data[0]
@@ -677,15 +695,13 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
                 return np.asarray(a)[rs].tolist()
             return [a[r] for r in rs]
         return [data[k][r] for k, r in zip(ks, rs)]
-    if kind == _BOOL:
-        return [_BOOLS[data[k][r]] for k, r in zip(ks, rs)]
     if kind == _FIXED_BIN:
-        w = views[0].b
+        w = views[0].width
         return [bytes(data[k][r * w : r * w + w]) for k, r in zip(ks, rs)]
     if kind == _MATRIX:
         return [data[k][r].copy() for k, r in zip(ks, rs)]
     # _STR, _BIN, _ARRAY: each row's slice of the values, decoded or copied
-    offs = [v.b for v in views]
+    offs = [v.offsets for v in views]
     out = []
     for k, r in zip(ks, rs):
         o = offs[k]
@@ -697,15 +713,20 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
     return [v.copy() for v in out]
 
 
-def _generic(views: list[_Column], plan: GatherPlan) -> list[Any]:
-    """A column through Arrow: each row group's rows, joined, converted, request order."""
+def take_rows(columns: list[Any], plan: GatherPlan) -> pa.Array:
+    """One column of a batch's row groups (``columns[k]``: an Arrow array or chunked
+    array) through Arrow: each group's rows (``plan.rows[k]``), joined in staged order.
+
+    Example:
+        >>> plan = GatherPlan(np.array([1, 0]), np.array([0, 1]))
+        >>> take_rows([pa.array([1, 2]), pa.chunked_array([[3]])], plan).to_pylist()
+        [2, 3]
+    """
     pieces = []
-    for g, r in zip(plan.groups.tolist(), plan.rows):
-        arr = views[g].arrow
-        assert arr is not None
-        pieces.append(arr.slice(int(r[0]), 1) if len(r) == 1 else arr.take(int64_array(r)))
-    joined = pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
-    return convert_column(joined).take(plan.where.tolist())
+    for col, r in zip(columns, plan.rows):
+        part = col.slice(int(r[0]), 1) if len(r) == 1 else col.take(int64_array(r))
+        pieces += part.chunks if isinstance(part, pa.ChunkedArray) else [part]
+    return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
 
 class RowTemplates:
@@ -809,31 +830,23 @@ def arrow_column(col: pa.ChunkedArray | pa.Array) -> Any:
         (2, 2)
     """
     arr = _array(col)
-    out = _fast(arr) if arr.null_count == 0 else None
-    if out is not None:
-        return out
-    return column_of(convert_column(arr).take(list(range(len(arr)))))
-
-
-def _fast(arr: pa.Array) -> Any:
-    """The columns :func:`_view` reads, copied: lists of numbers whose rows have one
-    length as a matrix; and rectangular lists of lists of numbers ``[B, a, b]``."""
-    view = _view(arr)
-    if view is None:
-        return _cubes(arr) if _is_list(arr.type) else None
-    kind, data, offsets, ragged_kind = view
-    if kind == "dense":
+    view = _column(arr)
+    if not _gathers(view):
+        out = _cubes(arr) if _is_list(arr.type) and arr.null_count == 0 else None
+        return column_of(convert_column(arr).take(list(range(len(arr))))) if out is None else out
+    data, offsets = view.values, view.offsets
+    if offsets is None:
         return _copy(data)
     n = len(arr)
     lo, hi = int(offsets[0]), int(offsets[-1])
     values = data[lo:hi]
-    if ragged_kind == "array":
+    if view.kind == _ARRAY:  # lists of numbers whose rows have one length: a matrix
         lengths = np.diff(offsets)
         if n and (lengths == lengths[0]).all():
             return _copy(values.reshape(n, int(lengths[0])))
     out_offsets = empty((n + 1,), np.int64)
     np.subtract(offsets, lo, out=out_offsets, casting="unsafe")
-    return Ragged(_copy(values), out_offsets, ragged_kind)
+    return Ragged(_copy(values), out_offsets, _RAGGED[view.kind])
 
 
 def _copy(values: np.ndarray) -> np.ndarray:
@@ -874,12 +887,12 @@ def _cubes(arr: pa.Array) -> np.ndarray | None:
 class GroupViews:
     """A cached row group prepared for columnar reads.
 
-    ``layout`` lists the packed columns as ``(column, kind, byte offset, dtype, row
-    shape, ragged kind)``: ``"dense"`` columns (numbers, bools, fixed-size lists of
-    numbers) hold their values, ``"ragged"`` ones (binary, string, lists of numbers)
-    their rows' start and length (two int64) while ``values[column]`` holds the flat
-    values. Columns missing from ``layout`` need Arrow (nulls, dictionaries, temporal
-    or nested types). ``nbytes`` is the memory the packing adds.
+    ``layout`` lists the packed columns (those :func:`_gathers`) as ``(column, byte
+    offset, dtype, row shape, ragged kind)``: dense columns (ragged kind ``""``: numbers,
+    bools, fixed-size lists of numbers) hold their values, ragged ones (binary, string,
+    lists of numbers) their rows' start and length (two int64) while ``values[column]``
+    holds the flat values. Other columns need Arrow (nulls, dictionaries, temporal or
+    nested types). ``nbytes`` is the memory the packing adds.
 
     Example:
         >>> v = GroupViews(pa.table({"x": [1, 2, 3], "s": ["a", "bc", None]}))
@@ -898,22 +911,23 @@ class GroupViews:
         self.values: dict[int, memoryview] = {}  # a ragged column's values, as bytes
         at = 0
         for pos, col in enumerate(table.columns):
-            view = _view(col.chunk(0)) if col.num_chunks == 1 else None
-            if view is None:
+            view = _column(col.chunk(0)) if col.num_chunks == 1 else None
+            if view is None or not _gathers(view):
                 continue
-            kind, data, offsets, ragged_kind = view
-            if kind == "dense":
+            data = view.values
+            ragged_kind = _RAGGED.get(view.kind, "")
+            if not ragged_kind:
                 part = np.ascontiguousarray(data).reshape(rows, -1).view(np.uint8)
                 shape = data.shape[1:]
             else:
-                bounds = np.asarray(offsets, np.int64)
+                bounds = np.asarray(view.offsets, np.int64)
                 part = np.empty((rows, 2), np.int64)
                 part[:, 0] = bounds[:-1]
                 part[:, 1] = bounds[1:] - bounds[:-1]
                 part = part.view(np.uint8)
                 shape = ()
                 self.values[pos] = memoryview(np.ascontiguousarray(data).view(np.uint8))
-            layout.append((pos, kind, at, data.dtype, shape, ragged_kind))
+            layout.append((pos, at, data.dtype, shape, ragged_kind))
             parts.append(part)
             at += part.shape[1]
         self.layout = tuple(layout)
@@ -924,34 +938,13 @@ class GroupViews:
             {
                 "names": [f"c{pos}" for pos, *_ in layout],
                 "formats": [
-                    (dtype, shape) if kind == "dense" else (np.int64, (2,))
-                    for _, kind, _, dtype, shape, _ in layout
+                    (np.int64, (2,)) if ragged else (dtype, shape)
+                    for _, _, dtype, shape, ragged in layout
                 ],
-                "offsets": [at for _, _, at, *_ in layout],
+                "offsets": [at for _, at, *_ in layout],
                 "itemsize": max(at, 1),
             }
         )
-
-
-def _view(arr: pa.Array) -> tuple[str, np.ndarray, Any, str] | None:
-    """``(kind, data, offsets, ragged kind)`` of a column that gathers without Arrow."""
-    if arr.null_count:
-        return None
-    t = arr.type
-    if _is_number(t):
-        return "dense", _primitive_numpy(arr), None, ""
-    if pa.types.is_fixed_size_list(t) and _is_number(t.value_type) and arr.values.null_count == 0:
-        k = t.list_size
-        values = _primitive_numpy(arr.values)[arr.offset * k : (arr.offset + len(arr)) * k]
-        return "dense", values.reshape(len(arr), k), None, ""
-    if _is_string(t) or _is_binary(t):
-        return "ragged", _binary_data(arr), _offsets(arr), "str" if _is_string(t) else "bytes"
-    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_number(t.value_type):
-        if arr.values.null_count:
-            return None
-        offsets, child = _list_offsets(arr)
-        return "ragged", _primitive_numpy(child), offsets, "array"
-    return None
 
 
 def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
@@ -975,9 +968,9 @@ def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
     record = first.record
     typed = rows.view(record).reshape(n)
     out: dict[int, Any] = {}
-    for pos, kind, _, dtype, shape, ragged_kind in first.layout:
+    for pos, _, dtype, shape, ragged_kind in first.layout:
         field = f"c{pos}"
-        if kind == "dense":
+        if not ragged_kind:
             col = empty((n, *shape), dtype)
             col[...] = typed[field]
             out[pos] = col
