@@ -66,7 +66,6 @@ def _decoded(directory) -> tuple[DecodedCache, pa.Table]:
     return cache, table
 
 
-@pytest.mark.xfail(strict=True, reason="the running total is written through a link (older)")
 def test_a_decoded_caches_total_replaced_by_a_link_never_writes_outside_it(tmp_path):
     cache, table = _decoded(tmp_path / "cache")
     outside = tmp_path / "user.txt"
@@ -81,7 +80,6 @@ def test_a_decoded_caches_total_replaced_by_a_link_never_writes_outside_it(tmp_p
     assert outside.read_bytes() == b"a user's file"
 
 
-@pytest.mark.xfail(strict=True, reason="the running total is opened as it is: a FIFO hangs (older)")
 def test_a_decoded_caches_total_replaced_by_a_fifo_never_hangs(tmp_path):
     cache, table = _decoded(tmp_path / "cache")
     usage = str(tmp_path / "cache" / ".usage")

@@ -390,21 +390,39 @@ class NodeStore:
     # ------------------------------------------------------------------- usage
     # The running total is 8 bytes written in place (under the eviction lock): a rename
     # over an existing file makes some filesystems (ext4) flush it, about 1 ms each time.
+    def _usage_fd(self, flags: int) -> int:
+        """The running total's file opened with ``flags``, if it is a regular file: a link
+        or a FIFO put in its place (anyone who can write to the directory can) is never
+        followed (written through, outside the store) or waited on (forever)."""
+        path = os.path.join(self.directory, self._USAGE or "")
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{path!r} is not a regular file")
+        return fd
+
     def _read_usage(self) -> int | None:
         """The running total of the entries' bytes; None without one."""
         if self._USAGE is None:
             return None
         try:
-            with open(os.path.join(self.directory, self._USAGE), "rb") as f:
-                data = f.read(_TOTAL.size)
+            fd = self._usage_fd(os.O_RDONLY)
         except OSError:
             return None
+        try:
+            data = os.pread(fd, _TOTAL.size, 0)
+        finally:
+            os.close(fd)
         return max(0, _TOTAL.unpack(data)[0]) if len(data) == _TOTAL.size else None
 
     def _write_usage(self, held: int) -> None:
         if self._USAGE is not None:
-            path = os.path.join(self.directory, self._USAGE)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+            try:
+                fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
+            except OSError:  # not a regular file: replaced by one
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.directory, self._USAGE))
+                fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
             try:
                 os.pwrite(fd, _TOTAL.pack(max(0, held)), 0)
             finally:
