@@ -109,7 +109,6 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-@pytest.mark.xfail(strict=True, reason="a copy's CRC record is opened as it is (older)")
 def test_a_copys_crc_record_replaced_by_a_fifo_never_hangs(tmp_path):
     url, path = _fetched(tmp_path)
     cache = ShardCache(str(tmp_path / "cache"), max_bytes=1000)  # (checks each copy once)
@@ -120,7 +119,6 @@ def test_a_copys_crc_record_replaced_by_a_fifo_never_hangs(tmp_path):
     assert data == b"r" * 100
 
 
-@pytest.mark.xfail(strict=True, reason="the directory's unlink raises IsADirectoryError (older)")
 def test_a_copy_replaced_by_a_directory_is_a_named_error(tmp_path):
     url, path = _fetched(tmp_path)
     os.unlink(path)
@@ -131,7 +129,6 @@ def test_a_copy_replaced_by_a_directory_is_a_named_error(tmp_path):
     assert url in str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="a copy's path is followed and opened as it is (older)")
 @pytest.mark.parametrize("what", ["fifo", "link"])
 def test_a_copy_that_is_not_a_regular_file_is_never_opened(tmp_path, what):
     # verify_hits=False trusts a copy of the right size, and without a size from the

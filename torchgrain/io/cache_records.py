@@ -35,6 +35,7 @@ import os
 import zlib
 
 from torchgrain.io.atomic import atomic_write_text
+from torchgrain.io.changes import open_regular
 
 __all__ = [
     "Identity",
@@ -106,11 +107,12 @@ def write_record(record: str, crc: str, size: int) -> None:
 def read_record(record: str) -> tuple[str, int] | None:
     """``(crc, size)`` recorded at ``record``; None when there is none or it is malformed."""
     try:
-        with open(record) as f:
+        # (open_regular: a FIFO put in its place would wait for a writer forever)
+        with open(open_regular(record)) as f:
             text = f.read(200)
         crc, size = text.split()
         return crc, int(size)
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):  # (a CorruptDataError is a ValueError)
         return None
 
 

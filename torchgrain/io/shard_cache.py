@@ -22,6 +22,7 @@ import errno
 import hashlib
 import os
 import re
+import stat
 import threading
 import time
 import warnings
@@ -312,8 +313,14 @@ class ShardCache(NodeStore):
             if st is not None and file_identity(st) != failed and self._check(path, st, url):
                 self._count(hits=1, waits=int(waited))
                 return path, file_identity(st), opener(path) if opener else None
-            if os.path.lexists(path):  # of the wrong size, or failed its check
-                self._unlink(path)
+            if os.path.lexists(path):  # of the wrong size, failed its check, not a file
+                try:
+                    self._unlink(path)
+                except IsADirectoryError:
+                    raise CorruptDataError(
+                        f"{path!r}, where {self._WHAT} keeps its copy of {url}, is a "
+                        "directory (not made by the cache: remove it)"
+                    ) from None
                 self._checks().pop(path, None)
                 self._count(rejected=1)
             self._remove_temps(name)
@@ -450,8 +457,12 @@ class ShardCache(NodeStore):
 
     def _hit(self, path: str, size: int | None) -> os.stat_result | None:
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            # Not a copy (a link, a FIFO, a directory put in its place): never opened,
+            # even unchecked (verify_hits=False); the fetch that follows replaces it.
             return None
         if size is not None and size >= 0 and st.st_size != size:
             # A copy of another size (the remote changed, or the manifest did): never
