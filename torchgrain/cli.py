@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import re
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from torchgrain.errors import TorchgrainError
+from torchgrain.sources import registry
 
 
 def _summarise(value: Any, limit: int = 60) -> str:
@@ -42,22 +44,14 @@ def _print_fields(title: str, fields: dict[str, Any]) -> None:
 def _flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in rec.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
+        out.update(_flatten(v, f"{prefix}{k}/") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
 def _head(src: Any, n: int) -> list[dict[str, Any]]:
     """The first ``n`` records, read in order (compressed files have no random access)."""
-    out: list[dict[str, Any]] = []
-    for shard in range(src.num_shards):
-        for rec in src.iter_shard(shard, 0, n - len(out)):
-            out.append(rec)
-        if len(out) >= n:
-            break
-    return out
+    shards = (src.iter_shard(shard, 0, n) for shard in range(src.num_shards))
+    return list(itertools.islice(itertools.chain.from_iterable(shards), n))
 
 
 def _token_summary(src: Any, column: str) -> dict[str, Any]:
@@ -73,33 +67,29 @@ def _token_summary(src: Any, column: str) -> dict[str, Any]:
         column, 1, lengths=count if has_count else None, index_dir=None, progress=False
     )
     lengths = np.diff(w.source.offsets)
-    q = np.percentile(lengths, [50, 90, 99]) if len(lengths) else [0, 0, 0]
+    some = lengths if len(lengths) else np.zeros(1, np.int64)  # (zeros for no document)
+    q = np.percentile(some, [50, 90, 99])
     return {
         "column": column,
         "lengths_from": count if has_count else column,
         "documents": len(lengths),
         "tokens": int(lengths.sum()),
-        "mean": float(lengths.mean()) if len(lengths) else 0.0,
-        "min": int(lengths.min()) if len(lengths) else 0,
-        "p50": float(q[0]),
-        "p90": float(q[1]),
-        "p99": float(q[2]),
-        "max": int(lengths.max()) if len(lengths) else 0,
+        "mean": float(some.mean()),
+        "min": int(some.min()),
+        **{f"p{p}": float(v) for p, v in zip((50, 90, 99), q)},
+        "max": int(some.max()),
     }
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from torchgrain.compose.spec import is_spec
     from torchgrain.formats.codecs import describe_value
     from torchgrain.io import remote
     from torchgrain.io.fs import get_filesystem, skipped_files
-    from torchgrain.sources import registry
     from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
-    _check_exists("PATH", args.path)
-    if args.format == "auto" and is_spec(args.path):
+    fmt = _input_format("PATH", args.path, args.format)
+    if fmt == "auto":
         return _inspect_spec(args)
-    fmt = _detect("PATH", args.path) if args.format == "auto" else args.format
     src = registry.open(
         args.path, format=fmt, **({} if args.codec == "auto" else {"codec": args.codec})
     )
@@ -110,9 +100,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         src.shard_integrity(i) if isinstance(src, ShardedSource) else (None, None)
         for i in range(len(src.paths))
     ]
-    fs = get_filesystem(src.paths[0])[0] if src.paths else None
     sizes = [
-        remote.file_size(fs, get_filesystem(p)[1], url=p) if size is None else size
+        remote.file_size(*get_filesystem(p), url=p) if size is None else size
         for (size, _), p in zip(integrity, src.paths)
     ]
     # Types of every key, nested dicts flattened to "a/b", from the sampled records.
@@ -133,13 +122,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "keys": keys,
         "schema": schema,
         "shards": [
-            {"path": p, "num_records": n, "num_bytes": b}
-            for p, n, b in zip(src.paths, counts, sizes)
+            {"path": p, "num_records": n, "num_bytes": b, **({"checksum": c} if c else {})}
+            for p, n, b, (_, c) in zip(src.paths, counts, sizes, integrity)
         ],
     }
-    for shard, (_, checksum) in zip(out["shards"], integrity):
-        if checksum:
-            shard["checksum"] = checksum
     from torchgrain.bench import token_column
 
     column = token_column({**keys, **schema}) if args.tokens == "auto" else args.tokens
@@ -181,9 +167,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"p90 {t['p90']:,.0f}, p99 {t['p99']:,.0f}, max {t['max']:,}"
         )
     if out["skipped"]:
-        print("skipped (not data)")
-        for path in out["skipped"]:
-            print(f"  {path}")
+        print("skipped (not data)", *(f"  {path}" for path in out["skipped"]), sep="\n")
     for i, rec in enumerate(samples[: args.samples]):
         _print_fields(f"record {i}", _fields(rec))
     return 0
@@ -264,12 +248,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     names += [os.path.abspath(d) for d in args.dir]
     if not names and not args.all:
         raise CliError("clear needs NAME..., --dir DIR or --all (see torchgrain cache list)")
-    cleared = []
-    for name in names:
-        try:
-            cleared.append(clear_cache(name, root))
-        except ValueError as e:
-            raise CliError(str(e)) from None
+    cleared = [clear_cache(name, root) for name in names]  # (a ValueError names the cache)
     if args.json:
         print(json.dumps({"root": root, "cleared": cleared}, indent=1))
     else:
@@ -290,10 +269,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import torchgrain as tg
     from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
 
-    _check_exists("SRC", args.src)
+    _input_format("SRC", args.src, args.src_format, specs=False)
     _check_directory("DST", args.dst)
-    if args.src_format == "auto":
-        _detect("SRC", args.src)
     try:
         check_output_dir(args.src, args.dst)
     except ValueError as e:
@@ -352,11 +329,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from torchgrain.bench import run_bench
-    from torchgrain.compose.spec import is_spec
 
-    _check_exists("PATH", args.path)
-    if args.format == "auto" and not is_spec(args.path):
-        _detect("PATH", args.path)
+    _input_format("PATH", args.path, args.format)
     report = run_bench(
         args.path,
         **_same_names(
@@ -370,8 +344,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     if args.json:
         for mode in report["modes"]:
-            st = mode.pop("stats")
-            mode["workers"] = st.workers
+            mode["workers"] = mode.pop("stats").workers
         print(json.dumps(report, indent=1, default=str))
     return 0
 
@@ -386,20 +359,12 @@ def _say(line: str) -> None:
 
 
 # ------------------------------------------------------------------- errors
-class CliError(Exception):
+class CliError(ValueError):
     """A mistake in the command line: printed as ``torchgrain CMD: error: MESSAGE``."""
 
 
 # What a command reports in one line; anything else is a bug, shown with its traceback.
-_USER_ERRORS = (
-    CliError,
-    TorchgrainError,
-    OSError,
-    ValueError,
-    IndexError,
-    ImportError,
-    NotImplementedError,
-)
+_USER_ERRORS = (TorchgrainError, OSError, ValueError, IndexError, ImportError, NotImplementedError)
 
 
 def _check_exists(arg: str, paths: str | list[str]) -> None:
@@ -436,12 +401,17 @@ def _check_directory(arg: str, path: str) -> None:
         raise CliError(f"argument {arg}: {path!r} is not a directory{above}")
 
 
-def _detect(arg: str, path: Any) -> str:
-    """The format of ``path`` from its file names, or an error naming ``--format``."""
-    from torchgrain.sources.registry import detect_format
+def _input_format(arg: str, path: Any, fmt: str, specs: bool = True) -> str:
+    """``fmt``, or the format of input ``path`` from its file names (``"auto"`` for a
+    composition file, with ``specs``), once every local path named exists; errors name
+    ``arg``."""
+    from torchgrain.compose.spec import is_spec
 
+    _check_exists(arg, path)
+    if fmt != "auto" or (specs and is_spec(path)):
+        return fmt
     try:
-        return detect_format(path)
+        return registry.detect_format(path)
     except ValueError as e:
         raise CliError(f"argument {arg}: {e}") from None
 
@@ -472,48 +442,34 @@ def _cli_words(message: str) -> str:
 
 
 # ------------------------------------------------------------------ parsing
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _number(cast: type, name: str, ok: Callable[[Any], bool], need: str) -> Any:
+    """An argparse type: ``cast`` of the text, refused unless ``ok``."""
+
+    def parse(text: str) -> Any:
+        value = cast(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {need}, got {value}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in its errors
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
-
-
-_positive_int.__name__ = "positive integer"  # argparse names the type in its errors
-_non_negative_int.__name__ = "integer"
-_positive_float.__name__ = "number"
+_positive_int = _number(int, "positive integer", lambda v: v >= 1, "a positive integer")
+_non_negative_int = _number(int, "integer", lambda v: v >= 0, "0 or more")
+_positive_float = _number(float, "number", lambda v: v > 0, "more than 0")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default in its help (except where there is none to show)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            "default" not in text
-            and default is not None
-            and default is not False
-            and default is not argparse.SUPPRESS
-            and action.option_strings
-            and not isinstance(action, argparse._HelpAction)
-        ):
-            text += f" (default: {' '.join(default) if isinstance(default, list) else default})"
-        return text
+        text, default = action.help or "", action.default
+        if default is None or default is False or default is argparse.SUPPRESS:
+            return text  # (the help action's default is SUPPRESS)
+        if "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: {' '.join(default) if isinstance(default, list) else default})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -527,8 +483,6 @@ def build_parser() -> argparse.ArgumentParser:
     from torchgrain.bench import default_workers
     from torchgrain.convert import DEFAULT_OUTPUT
     from torchgrain.formats.codecs import available_codecs
-    from torchgrain.sources.registry import formats as registered
-    from torchgrain.sources.registry import output_formats
 
     p = argparse.ArgumentParser(
         prog="torchgrain",
@@ -537,9 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    def command(name: str, func: Any, help: str, **kwargs: Any) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, formatter_class=_HelpFormatter, **kwargs)
-        c.set_defaults(parser=c)  # unknown options are reported with this command's usage
+        c.set_defaults(parser=c, func=func)  # parser: unknown options get this usage
         return c
 
     def number(
@@ -547,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     ) -> None:
         parser.add_argument(flag, metavar=metavar, type=type, default=default, help=help)
 
-    d = command("demo", "build a synthetic dataset and train a small model on it")
+    d = command("demo", cmd_demo, "build a synthetic dataset and train a small model on it")
     d.add_argument(
         "--data-dir",
         metavar="DIR",
@@ -562,13 +516,12 @@ def build_parser() -> argparse.ArgumentParser:
     number(d, "--max-steps", _positive_int, None, "stop after this many steps")
     number(d, "--seed", int, 0, "shuffle and augmentation seed")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    d.set_defaults(func=cmd_demo)
 
     # Formats and outputs are the registry's: a format registered before this runs is
     # one more choice.
-    formats = ("auto", *registered())
+    formats = ("auto", *registry.formats())
     codecs = ", ".join(["auto", *available_codecs()])
-    markers = "; ".join(f"{f.marker}: {f.name}" for f in registered().values() if f.marker)
+    markers = "; ".join(f"{f.marker}: {f.name}" for f in registry.formats().values() if f.marker)
     markers = f" ({markers})" if markers else ""
     auto = "auto: from its file names"
 
@@ -579,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
         help = f"how {records} records decode (formats with a codec): {codecs}"
         parser.add_argument("--codec", default="auto", help=help)
 
-    i = command("inspect", "shards, record count, keys, schema, codec, samples")
+    i = command("inspect", cmd_inspect, "shards, record count, keys, schema, codec, samples")
     i.add_argument(
         "path", nargs="+", metavar="PATH", help="dataset directory, glob, file(s) or URL"
     )
@@ -596,12 +549,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens, input_ids or token_ids, or with a num_COLUMN beside it)",
     )
     i.add_argument("--json", action="store_true", help="machine-readable output")
-    i.set_defaults(func=cmd_inspect)
 
     c = command(
         "convert",
-        f"convert a dataset of any format ({', '.join(registered())}) to "
-        f"{' or '.join(output_formats())}",
+        cmd_convert,
+        f"convert a dataset of any format ({', '.join(registry.formats())}) to "
+        f"{' or '.join(registry.output_formats())}",
         description="Convert a dataset; resumable (rerun after a crash to continue), "
         "parallel, every shard verified (count and checksum).",
     )
@@ -611,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--to",
-        choices=output_formats(),
+        choices=registry.output_formats(),
         default=None,
         help=f"output format (default: {DEFAULT_OUTPUT})",
     )
@@ -667,10 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
     c.add_argument("--no-verify", action="store_true", help="skip reading shards back")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
-    c.set_defaults(func=cmd_convert)
 
     b = command(
         "bench",
+        cmd_bench,
         "measure reading a dataset (sequential and shuffled) and suggest what would help",
         description="Read a dataset through a DataLoader in each access order, several "
         "rounds each, and print the median rate, the spread of the rounds and suggestions.",
@@ -732,10 +685,10 @@ def build_parser() -> argparse.ArgumentParser:
         "named tokens, input_ids or token_ids, or with a num_COLUMN beside it)",
     )
     b.add_argument("--json", action="store_true", help="machine-readable output")
-    b.set_defaults(func=cmd_bench)
 
     k = command(
         "cache",
+        cmd_cache,
         "list torchgrain's caches on disk (size, entries, dataset) or clear them",
         description="torchgrain's caches under $TORCHGRAIN_CACHE (default "
         "~/.cache/torchgrain): decoded Parquet row groups, dataset indexes, demo data; "
@@ -753,7 +706,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a shard cache's directory (cache_dir=) to list or clear too",
     )
     k.add_argument("--json", action="store_true", help="machine-readable output")
-    k.set_defaults(func=cmd_cache)
     for reads in (i, c, b):
         reads.add_argument(
             "--allow-external-paths",
@@ -817,7 +769,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(value, list) and len(value) == 1:
             setattr(args, attr, value[0])
     previous = _stop_on_sigterm()
-    trust = _allow_external_paths(getattr(args, "allow_external_paths", False))
+    # --allow-external-paths: every dataset this command opens, here and in the worker
+    # processes it starts, is read with allow_external_paths=True (they inherit it).
+    allow, env = getattr(args, "allow_external_paths", False), registry.ALLOW_EXTERNAL_PATHS_ENV
+    trusted = os.environ.get(env)
+    if allow:
+        os.environ[env] = "1"
     try:
         return int(args.func(args) or 0)
     except _Terminated:
@@ -835,29 +792,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exit_on_broken_pipe()
         return 2
     finally:
-        trust()
+        if allow and trusted is None:
+            os.environ.pop(env, None)
+        elif allow:
+            os.environ[env] = trusted
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _allow_external_paths(allow: bool) -> Any:
-    """With ``--allow-external-paths``: every dataset this command opens, in this process
-    and the worker processes it starts, with ``allow_external_paths=True`` (through the
-    environment, which they inherit); returns what puts the environment back."""
-    from torchgrain.sources.registry import ALLOW_EXTERNAL_PATHS_ENV
-
-    before = os.environ.get(ALLOW_EXTERNAL_PATHS_ENV)
-    if not allow:
-        return lambda: None
-    os.environ[ALLOW_EXTERNAL_PATHS_ENV] = "1"
-
-    def restore() -> None:
-        if before is None:
-            os.environ.pop(ALLOW_EXTERNAL_PATHS_ENV, None)
-        else:
-            os.environ[ALLOW_EXTERNAL_PATHS_ENV] = before
-
-    return restore
 
 
 if __name__ == "__main__":
