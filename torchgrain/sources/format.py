@@ -55,7 +55,9 @@ class ShardFile:
     (:mod:`torchgrain.io.changes`: an inotify watch, ~0.1 ms to add and remove, and one
     check a read; ``watch=False`` for a file read once, e.g. to count). A remote one is pinned to the
     size (``size``, else asked) and version it has now: a file replaced later is an error,
-    never mixed bytes. A context manager (closes on exit).
+    never mixed bytes. Reads count their bytes in the process's statistics, unless
+    ``count=False`` (a source that counts the records it returns). A context manager
+    (closes on exit).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -81,8 +83,9 @@ class ShardFile:
         size: int = -1,
         *,
         watch: bool = True,
+        count: bool = True,
     ) -> None:
-        self.shard, self.path, self.filesystem = shard, path, filesystem
+        self.shard, self.path, self.filesystem, self._count = shard, path, filesystem, count
         self._fd: int | None = None
         self._pin: changes.Pin | None = None
         if filesystem is None:
@@ -134,7 +137,8 @@ class ShardFile:
                         f"{self.path!r} is truncated: bytes [{s}, {e}) of a {self.size}-byte "
                         f"file ended after {len(got)}"
                     )
-        count_read(0, sum(e - s for s, e in ranges))
+        if self._count:
+            count_read(0, sum(e - s for s, e in ranges))
         return out
 
     def _checked(self, ranges: Sequence[tuple[int, int]], max_bytes: int) -> list[tuple[int, int]]:
