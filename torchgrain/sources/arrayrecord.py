@@ -375,48 +375,38 @@ class ArrayRecordSource(EncodedSource):
     def cache_blocks(self) -> list[CacheBlocks]:
         """The caches a pass goes through (see :meth:`check_cache_fit`): the shard cache
         for remote shards, and for local ones the chunk cache, which holds chunks of
-        several records (files written with ``group_size`` > 1) decompressed. From the
-        dataset index where there is one (local shards), else every shard's footer. A chunk is counted at about its stored (compressed) size,
-        less than what it costs decompressed: the check may miss a thrash of data that
-        compresses well, and does not invent one."""
+        several records (files written with ``group_size`` > 1) decompressed, from the
+        dataset index (no shard opened). A chunk is counted at about its stored
+        (compressed) size, less than what it costs decompressed: the check may miss a
+        thrash of data that compresses well, and does not invent one."""
         out = super().cache_blocks()
         if not self.cache_bytes or self._remote:
             return out
         ix = self._dindex
-        if ix is not None and ix.single:
-            # Every chunk holds one record (the dataset index says so without opening a
-            # shard): nothing goes through the chunk cache.
+        if ix is None or ix.single:
+            # No shard, or every chunk holds one record (the dataset index says so
+            # without opening a shard): nothing goes through the chunk cache.
             return out
-        if ix is not None:
-            # From the mapped dataset index, in one numpy step: no reader per shard.
-            shards = self.num_shards
-            footer = ix.chunk_base[1:] + np.arange(shards)  # each shard's last entry
-            chunk = np.ones(len(ix.offsets), dtype=bool)
-            chunk[footer] = False
-            e = np.flatnonzero(chunk)
-            owner = np.repeat(np.arange(shards), np.diff(ix.chunk_base))
-            stored = np.maximum(ix.offsets[e + 1] - ix.offsets[e], 0)
-            records = ix.record_offsets[e + 1] - ix.record_offsets[e]
-            offsets = [np.zeros(1, np.int64), ix.record_offsets[e + 1] + self.index.offsets[owner]]
-            sizes = [np.where(records > 1, stored, 0)]  # 1-record chunks: not cached
-        else:
-            offsets, sizes = [np.zeros(1, dtype=np.int64)], []
-            for shard in range(self.num_shards):
-                reader = self._reader(shard)
-                records = reader.record_offsets
-                starts = reader.chunk_offsets
-                ends = np.append(starts[1:], self.shard_nbytes(shard))
-                stored = np.maximum(ends - starts, 0)
-                offsets.append(records[1:] + self.index.offsets[shard])
-                sizes.append(np.where(np.diff(records) > 1, stored, 0))  # 1-record: not cached
-        nbytes = np.concatenate([np.zeros(0, dtype=np.int64), *sizes]).astype(np.int64)
+        # From the mapped dataset index, in one numpy step: no reader per shard.
+        shards = self.num_shards
+        footer = ix.chunk_base[1:] + np.arange(shards)  # each shard's last entry
+        chunk = np.ones(len(ix.offsets), dtype=bool)
+        chunk[footer] = False
+        e = np.flatnonzero(chunk)
+        owner = np.repeat(np.arange(shards), np.diff(ix.chunk_base))
+        stored = np.maximum(ix.offsets[e + 1] - ix.offsets[e], 0)
+        records = ix.record_offsets[e + 1] - ix.record_offsets[e]
+        offsets = np.concatenate(
+            [np.zeros(1, np.int64), ix.record_offsets[e + 1] + self.index.offsets[owner]]
+        )
+        nbytes = np.where(records > 1, stored, 0).astype(np.int64)  # 1-record chunks: not cached
         if not nbytes.any():
             return out  # no chunk of several records: nothing goes through the cache
         out.append(
             CacheBlocks(
                 cache="chunk cache",
                 unit="chunk",
-                offsets=np.concatenate(offsets),
+                offsets=offsets,
                 nbytes=lambda c: nbytes[c],
                 capacity=self.cache_bytes,
                 per_process=True,
@@ -452,13 +442,14 @@ class ArrayRecordSource(EncodedSource):
         yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
-    # Two paths. The region path (_read_single, _read_batch; a record the batch plan
-    # does not read, and a single one, through _mapped_record): records of one-record
-    # chunks of local shards the dataset index covers, read through this process's one
-    # map of the shards (io.region) with the bounds the index gives. The reader path (_read_rows, a reader per shard) for everything else: remote shards
-    # and their cached copies, verify_checksums, chunks of several records (the chunk
-    # cache), shards whose files disagree with the manifest or cannot be mapped (their
-    # reader names the error), and batches of more shards than may be mapped at once.
+    # Two paths, chosen once per read (a batch, or src[i]) by _acquire: the mapped path
+    # (_read_batch, and _read_single for one record) for records of one-record chunks of
+    # local shards the dataset index covers, read through this process's one map of the
+    # shards (io.region) within the bounds the index gives; the reader path (_read_rows,
+    # a reader per shard) for everything else: remote shards and their cached copies,
+    # verify_checksums, chunks of several records (the chunk cache), shards whose files
+    # disagree with the manifest or cannot be mapped (their reader names the error), and
+    # batches of more shards than may be mapped at once.
     def _read_rows(
         self, shard: int, rows: np.ndarray, index: int, reader: ArrayRecordFile | None
     ) -> list[bytes]:
@@ -469,98 +460,81 @@ class ArrayRecordSource(EncodedSource):
             f"range read of shard {shard} (record index {index})",
         )
 
-    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
-        mapped = self._region()
-        ix, bad = self._dindex, self._count_bad
-        if mapped is None or ix is None or not ix.single or (bad is not None and bad[shard]):
-            return None  # the reader path (which names a shard's count error)
-        region = mapped[0]
+    def _acquire(self, shards: Any, one_record: bool) -> Any:
+        """The choice of path: where ``shards`` (an int, or an array of a batch's) are
+        mapped (:meth:`ShardRegion.acquire <torchgrain.io.region.ShardRegion.acquire>`;
+        release the region after reading), or None for the reader path: no map, a
+        chunk of several records, a shard whose count disagrees with the manifest or
+        that cannot be mapped (its reader names the error), too many shards at once."""
+        region = self._region()
+        bad = self._count_bad
+        if region is None or not one_record or (bad is not None and bad[shards].any()):
+            return None
         try:
-            at = region.acquire_one(shard, polled=True)  # (_check_index polled)
+            if isinstance(shards, int):
+                return region.acquire_one(shards, polled=True)  # (_check_index polled)
+            return region.acquire(shards, polled=True)
         except ChangedWhileOpen:
             raise  # (the reader path may not see a same-size rewrite)
         except (CorruptDataError, FileNotFoundError):
-            at = None  # a shard that cannot be mapped: its reader names the error
-        if at is None:  # (or more shards than may be mapped at once)
+            return None
+
+    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
+        # One record without the batch's numpy steps (they would double its cost).
+        at = self._acquire(shard, self._dindex is not None and self._dindex.single)
+        if at is None:
             return None
         try:  # one record per chunk: the row is the chunk
-            return self._mapped_record(mapped, at, shard, row, index)
+            return self._mapped_record(at, shard, row, index)
         finally:
-            region.release()
+            self._mapped[0].release()
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
-        """The region path for a batch: one numpy plan (:func:`read_mapped`); up to
-        :data:`_SINGLES` records of a one-record-chunk dataset each by
-        :meth:`_read_single`, cheaper than the plan's fixed cost (~0.2 ms of numpy
-        steps). None: the batch takes the reader path."""
-        mapped = self._region()
-        if mapped is None:
-            return None
+        """The mapped path for a batch: one numpy plan (:func:`read_mapped`), or for up
+        to :data:`_SINGLES` records each by :meth:`_mapped_record`, cheaper than the
+        plan's fixed cost (~0.2 ms of numpy steps)."""
         ix = self._dindex
-        assert ix is not None
-        if len(idx) <= _SINGLES and ix.single:
-            out = []
-            for s, r, i in zip(*(a.tolist() for a in self.index._locate(idx)), idx.tolist()):
-                data = self._read_single(s, r, i)
-                if data is None:
-                    return None
-                out.append(data)
-            return out
-        bad = self._count_bad
-        if bad is not None and bad[self.index._locate(idx)[0]].any():
-            return None  # the reader names the shard's count error
+        if ix is None or self._region() is None:
+            return None
         shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
-        if not ix.single:
-            recs = ix.record_offsets
-            if bool((recs[entry + 1] - recs[entry] != 1).any()):
-                return None  # chunks of several records: the reader, with the chunk cache
-        region = mapped[0]
-        try:
-            base = region.acquire(shard, polled=True)
-        except ChangedWhileOpen:
-            raise
-        except (CorruptDataError, FileNotFoundError):
-            base = None  # as in _read_single
+        recs = ix.record_offsets
+        base = self._acquire(shard, ix.single or bool((recs[entry + 1] - recs[entry] == 1).all()))
         if base is None:
             return None
+        region, decoder, _ = self._mapped
         try:
             pos = ix.offsets[entry]
             end = ix.offsets[entry + 1]
-            size = ix.file_size[shard]
             c = entry - ix.starts(shard)  # the chunk in its shard
             # Every offset is bounded by its shard's footer before any byte is read.
             outside = (pos < CHUNK_HEADER) | (end <= pos) | (end > ix.footer_offsets(shard))
             if outside.any():
                 k = int(np.flatnonzero(outside)[0])
                 raise self._outside(int(shard[k]), int(c[k]), int(pos[k]), int(end[k]), int(idx[k]))
+            careful = lambda k: self._mapped_record(  # noqa: E731
+                int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
+            )
+            if len(idx) <= _SINGLES:
+                return [careful(k) for k in range(len(idx))]
             return read_mapped(
                 region.u8,
                 region.view,
                 base + pos,
                 base + end,
-                base + size,
+                base + ix.file_size[shard],
                 ix.decoded[chunk],
-                decoder=mapped[1],
-                careful=lambda k: self._mapped_record(
-                    mapped, int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
-                ),
+                decoder=decoder,
+                careful=careful,
                 words=region.words,
             )
         finally:
             region.release()
 
-    def _mapped_record(
-        self,
-        mapped: tuple[ShardRegion, ArrayRecordFile, dict[int, Any]],
-        at: int,
-        shard: int,
-        chunk: int,
-        index: int,
-    ) -> bytes:
+    def _mapped_record(self, at: int, shard: int, chunk: int, index: int) -> bytes:
         """The record of one-record chunk ``chunk`` of ``shard``, mapped at ``at`` of the
         region, by the careful path (no reader per shard: no descriptor, map or context);
         its bounds checked against the index, errors naming the shard and record."""
-        region, decoder, footers = mapped
+        region, decoder, footers = self._mapped
         got = footers.get(shard)
         if got is None:
             if len(footers) >= _FOOTERS:
@@ -586,10 +560,11 @@ class ArrayRecordSource(EncodedSource):
             f"the file's chunks (record index {index})",
         )
 
-    def _region(self) -> tuple[ShardRegion, ArrayRecordFile, dict[int, Any]] | None:
+    def _region(self) -> ShardRegion | None:
         """This process's map of the dataset's local shards (inherited through fork:
-        the maps stay valid), a decoder and the index views of the shards records were
-        read from one by one (a few); None where every read takes the reader path."""
+        the maps stay valid; kept in ``_mapped`` with a decoder and the index views of
+        the shards records were read from one by one, a few); None where every read
+        takes the reader path."""
         mapped = self._mapped
         if mapped is None:
             if self._dindex is None or self._remote or self._verify or self.max_mapped_shards == 0:
@@ -610,7 +585,7 @@ class ArrayRecordSource(EncodedSource):
                 ArrayRecordFile(self._paths[0], max_chunk_bytes=self.max_chunk_bytes),
                 {},
             )
-        return mapped or None
+        return mapped[0] if mapped else None
 
     def _check_mapped(self, shard: int, st: os.stat_result, view: memoryview) -> None:
         assert self._dindex is not None
