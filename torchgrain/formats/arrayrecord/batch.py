@@ -153,13 +153,6 @@ class OneRecordBatches(ChunkDecoder):
         """
         raw = bool(self._layout(arr, f))
         view, ok, payload, end, decoded, cut = self._chunk_plan(arr, f, raw=raw)
-        if ok.all():
-            frames = _frames(view, payload, end, cut)
-            if raw:
-                return list(map(bytes, frames))
-            return self._decompress_frames(frames, decoded.tolist())
-        # Some chunks are unusual (a header split by a block boundary, data crossing two
-        # boundaries, an empty record): those take the careful path, one by one.
         good = np.flatnonzero(ok)
         if len(good) < len(arr) // 2:
             return None
@@ -170,33 +163,10 @@ class OneRecordBatches(ChunkDecoder):
             out = self._decompress_frames(frames, decoded[good].tolist())
         if out is None:
             return None
+        # Unusual chunks (a header split by a block boundary, data crossing two
+        # boundaries, an empty record) take the careful path, one by one.
         for k in np.flatnonzero(~ok).tolist():  # ascending: each lands at its position
             out.insert(k, self.chunk_record(int(arr[k]), f))
-        return out
-
-    def _local_batch(
-        self, chunks: list[int], view: memoryview, fast: tuple, f: Footer
-    ) -> list[tuple[Any, Any]]:
-        """Decode many local chunks at once: the common case vectorised
-        (:meth:`_chunk_plan`), every other chunk through :meth:`_local_chunk`. Returns
-        what :meth:`_read_chunks` does, in the order given.
-        """
-        cs = np.asarray(chunks, dtype=np.int64)
-        view, ok, payload, end, decoded, cut = self._chunk_plan(cs, f)
-        out: list[Any] = [None] * len(chunks)
-        fast_k = np.flatnonzero(ok)
-        values = None
-        if len(fast_k):
-            frames = _frames(view, payload[fast_k], end[fast_k], cut[fast_k])
-            values = self._decompress_frames(frames, decoded[fast_k].tolist())
-            if values is not None:
-                for k, v in zip(fast_k.tolist(), values):
-                    out[k] = (v, None)
-        if values is None or len(fast_k) < len(chunks):
-            local_chunk = self._local_chunk
-            for k, c in enumerate(chunks):
-                if out[k] is None:
-                    out[k] = local_chunk(c, view, fast)
         return out
 
 
@@ -293,39 +263,34 @@ def read_mapped(
     else:
         heads = u8[at[:, None] + _HEAD_BYTES]
     ok, payload, end, dec, cut = _plan(pos, heads, file_ends, chunk_ends, decoded, False)
-    if ok.all():
-        out = decoder._decompress_frames(_frames(view, payload, end, cut), dec.tolist())
-        # A frame failed: the careful path finds and names it.
-        return out if out is not None else [careful(k) for k in range(len(pos))]
-    miss = np.flatnonzero(~ok)
-    # Files written uncompressed: the same plan for raw chunks (no learning per file).
-    raw = miss[heads[miss, CHUNK_HEADER] == UNCOMPRESSED]
-    raw_vals: list[bytes] = []
-    if len(raw):
-        r_ok, r_payload, r_end, _, r_cut = _plan(
-            pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
-        )
-        raw = raw[r_ok]
-        raw_vals = list(map(bytes, _frames(view, r_payload[r_ok], r_end[r_ok], r_cut[r_ok])))
-        if len(raw) == len(pos):
-            return raw_vals
-    z = np.flatnonzero(ok)
-    vals: list[Any] = []
-    if len(z):
-        vals = decoder._decompress_frames(
-            _frames(view, payload[z], end[z], cut[z]), dec[z].tolist()
-        ) or [careful(k) for k in z.tolist()]
-    if len(raw) == 0:  # zstd chunks and a few unusual ones: those take their places
-        for k in miss.tolist():  # ascending: each lands at its position
-            vals.insert(k, careful(k))
-        return vals
     out: list[Any] = [None] * len(pos)
-    for keys, values in ((z, vals), (raw, raw_vals)):
-        for k, v in zip(keys.tolist(), values):
-            out[k] = v
-    for k in np.setdiff1d(miss, raw).tolist():
-        out[k] = careful(k)
-    return out
+    if ok.all():  # the common case: no Python work per record
+        vals = decoder._decompress_frames(_frames(view, payload, end, cut), dec.tolist())
+        if vals is not None:
+            return vals
+    else:
+        z = np.flatnonzero(ok)
+        _fill(out, z, _frames(view, payload[z], end[z], cut[z]), dec[z], decoder)
+        # Files written uncompressed: the same plan for raw chunks (no learning per file).
+        miss = np.flatnonzero(~ok)
+        raw = miss[heads[miss, CHUNK_HEADER] == UNCOMPRESSED]
+        if len(raw):
+            ok, payload, end, _, cut = _plan(
+                pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
+            )
+            _fill(out, raw[ok], _frames(view, payload[ok], end[ok], cut[ok]), None, None)
+    # Unusual chunks and frames that failed: the careful path, which names them.
+    return [careful(k) if v is None else v for k, v in enumerate(out)]
+
+
+def _fill(
+    out: list[Any], rows: np.ndarray, frames: Iterable[Any], sizes: Any, decoder: Any
+) -> None:
+    """``out[rows[k]]``: frame ``k`` decompressed to ``sizes[k]`` bytes with
+    ``decoder``'s context (all left None when one fails), or copied without one."""
+    vals = decoder._decompress_frames(frames, sizes.tolist()) if decoder else map(bytes, frames)
+    for k, v in zip(rows.tolist(), vals or ()):
+        out[k] = v
 
 
 def _plan(

@@ -57,7 +57,7 @@ from torchgrain.io.ranges import fetch_ranges
 
 __all__ = ["ArrayRecordFile", "read_num_records"]
 
-_BATCH_MIN = 8  # chunks per read from which decoding them together pays
+_BATCH_MIN = 8  # records per read from which planning them together pays
 # How many bytes at the end of a remote file to fetch in the first request: the
 # postscript (64 KiB) plus, usually, the whole footer, so opening costs one round trip.
 _REMOTE_TAIL = 1 << 20
@@ -484,8 +484,6 @@ class ArrayRecordFile(OneRecordBatches):
             if unmapped:
                 return self._pread_chunks(chunks, f, len(view))
             fast = self._fast_index(f)
-            if len(chunks) >= _BATCH_MIN and not self._verify:
-                return self._local_batch(chunks, view, fast, f)
             local_chunk = self._local_chunk
             return [local_chunk(c, view, fast) for c in chunks]
         ranges = [(int(f.chunk_offsets[c]), int(f.chunk_ends[c])) for c in chunks]
@@ -634,19 +632,23 @@ class ArrayRecordFile(OneRecordBatches):
             c = row // f.group_size
         else:
             c = int(np.searchsorted(f.record_offsets, row, side="right")) - 1
-        view = self._view
-        if view is not None and self._token[1] == process.generation:
-            pin = self._pin
-            if pin is not None:
-                changes.check(pin, self._where())
-            fast = self._fast or self._fast_index(f)
-            values, bounds = self._local_chunk(c, view, fast)
-        else:
-            values, bounds = self._read_chunks([c])[0]
+        values, bounds = self._chunk(c, f)
         if bounds is None:
             return values if type(values) is bytes else bytes(values)
         j = row - int(f.record_offsets[c])
         return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
+
+    def _chunk(self, c: int, f: Footer) -> tuple[Any, Any]:
+        """Decoded chunk ``c``; a local one through the map (mapped now if not yet,
+        else checked unchanged), by :meth:`_local_chunk`."""
+        if not self._local:
+            return self._read_chunks([c])[0]
+        view = self._view
+        if view is None or self._token[1] != process.generation:
+            view = self._local_view()
+        elif self._pin is not None:  # (a reader over another's map has none)
+            changes.check(self._pin, self._where())
+        return self._local_chunk(c, view, self._fast or self._fast_index(f))
 
     def chunk_record(self, c: int, f: Footer | None = None) -> bytes:
         """The record of local one-record chunk ``c``, through the careful path
@@ -665,19 +667,10 @@ class ArrayRecordFile(OneRecordBatches):
             >>> ArrayRecordFile(path).chunk_record(1)
             b'rec 1'
         """
-        if f is None:
-            f = self._ensure_footer()
-        view = self._view
-        if view is None or self._token[1] != process.generation:
-            view = self._local_view()
-        elif self._pin is not None:  # (a reader over another's map has none)
-            changes.check(self._pin, self._where())
-        fast = self._fast or self._fast_index(f)
-        values, bounds = self._local_chunk(c, view, fast)
+        values, bounds = self._chunk(c, f or self._ensure_footer())
         if bounds is None:
             return values if type(values) is bytes else bytes(values)
-        j = c - fast[3][c]  # 0: one record per chunk
-        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
+        return bytes(values[int(bounds[0]) : int(bounds[1])])  # its one record
 
     def read_range(self, start: int, stop: int) -> list[bytes]:
         """Records ``start`` to ``stop - 1`` (clipped to the file), in order.
@@ -693,25 +686,9 @@ class ArrayRecordFile(OneRecordBatches):
             >>> ArrayRecordFile(path).read_range(2, 7)
             [b'2', b'3', b'4', b'5', b'6']
         """
-        f = self._ensure_footer()
         start = max(0, int(start))
-        stop = min(int(stop), f.num_records)
-        if stop <= start:
-            return []
-        c0 = int(np.searchsorted(f.record_offsets, start, side="right")) - 1
-        c1 = int(np.searchsorted(f.record_offsets, stop - 1, side="right"))
-        chunks = list(range(c0, c1))
-        out: list[bytes] = []
-        for c, (values, bounds) in zip(chunks, self._read_chunks(chunks)):
-            base = int(f.record_offsets[c])
-            lo = max(start - base, 0)
-            hi = min(stop - base, int(f.record_offsets[c + 1]) - base)
-            if bounds is None:
-                out.append(values if isinstance(values, bytes) else bytes(values))
-                continue
-            b = bounds.tolist() if isinstance(bounds, np.ndarray) else bounds
-            out.extend(bytes(values[b[j] : b[j + 1]]) for j in range(lo, hi))
-        return out
+        stop = min(int(stop), self.num_records)
+        return self.read(np.arange(start, stop)) if start < stop else []
 
 
 def read_num_records(
