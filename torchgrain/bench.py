@@ -32,6 +32,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import re
 import statistics
@@ -92,17 +94,13 @@ def record_nbytes(obj: Any) -> int:
         >>> record_nbytes({"a": np.zeros(4, np.float32), "b": b"xyz", "c": 1})
         27
     """
-    if isinstance(obj, np.ndarray):
-        return int(obj.nbytes)
     torch = sys.modules.get("torch")  # a tensor means torch is imported; importing it is slow
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return int(obj.numel() * obj.element_size())
+    if isinstance(obj, np.ndarray) or (torch is not None and isinstance(obj, torch.Tensor)):
+        return int(obj.nbytes)
     if isinstance(obj, (bytes, bytearray, memoryview, str)):
         return len(obj)
-    if isinstance(obj, dict):
-        return sum(record_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(record_nbytes(v) for v in obj)
+    if isinstance(obj, (dict, list, tuple)):
+        return sum(map(record_nbytes, obj.values() if isinstance(obj, dict) else obj))
     return 8
 
 
@@ -142,9 +140,7 @@ def open_dataset_source(
             )
         return load_spec(path).source, "composition"
     name = registry.detect_format(path) if fmt == "auto" else fmt
-    options: dict[str, Any] = {}
-    if columns:
-        options["columns"] = list(columns)
+    options: dict[str, Any] = {"columns": list(columns)} if columns else {}
     if cache_bytes is not None:
         options["cache_bytes"] = cache_bytes
     return registry.open(path, format=name, **options), name
@@ -201,26 +197,19 @@ def _collate_fn(collate: str) -> Callable[[list[Any]], Any] | None:
         import torchgrain as tg
 
         return tg.pad_collate()
-    if collate == "none":
-        return None
-    raise ValueError(f"collate must be one of {COLLATES}, got {collate!r}")
+    return None
 
 
-class _Counted:
-    """bench's ``collate_fn``: counts a batch's records, their bytes and the token ids
-    in field ``tokens`` in the worker that read it, then collates it as training
-    would; returns ``(collated batch, records, bytes, tokens)``."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any] | None, tokens: str | None) -> None:
-        self.collate = collate
-        self.tokens = tokens
-
-    def __call__(self, batch: list[Any]) -> tuple[Any, int, int, int]:
-        nbytes = sum(record_nbytes(r) for r in batch)
-        t = self.tokens
-        ntokens = sum(len(r[t]) for r in batch if r.get(t) is not None) if t else 0
-        out = self.collate(batch) if self.collate is not None else batch
-        return out, len(batch), nbytes, ntokens
+def _counted(
+    collate: Callable[[list[Any]], Any] | None, tokens: str | None, batch: list[Any]
+) -> tuple[Any, int, int, int]:
+    """bench's ``collate_fn`` (``collate`` and ``tokens`` bound): counts a batch's records,
+    their bytes and the token ids in field ``tokens`` in the worker that read it, then
+    collates it as training would; returns ``(collated batch, records, bytes, tokens)``."""
+    t = tokens
+    ntokens = sum(len(r[t]) for r in batch if r.get(t) is not None) if t else 0
+    counts = len(batch), sum(map(record_nbytes, batch)), ntokens
+    return (collate(batch) if collate is not None else batch, *counts)
 
 
 def _check_collates(
@@ -248,70 +237,47 @@ def _check_collates(
         ) from e
 
 
-class _Sequential:
-    """Storage order from ``start`` to the end, then from 0: each round of the
-    benchmark starts reading at another place (not where the page cache is warm)."""
-
-    def __init__(self, n: int, start: int) -> None:
-        self.n, self.start = n, start % max(n, 1)
-
-    def __iter__(self) -> Iterator[int]:
-        yield from range(self.start, self.n)
-        yield from range(self.start)
-
-
-class _Forever:
+def _forever(sampler: Any, first_epoch: int) -> Iterator[int]:
     """Pass after pass of ``sampler`` (a new epoch each pass, from ``first_epoch``), so a
     timed run never runs dry and each round reads another permutation."""
-
-    def __init__(self, sampler: Any, first_epoch: int = 0) -> None:
-        self.sampler = sampler
-        self.first_epoch = first_epoch
-
-    def __iter__(self) -> Iterator[int]:
-        epoch = self.first_epoch
-        while True:
-            if hasattr(self.sampler, "set_epoch"):
-                self.sampler.set_epoch(epoch)
-            yield from (int(i) for i in self.sampler)
-            epoch += 1
+    for epoch in itertools.count(first_epoch):
+        sampler.set_epoch(epoch)
+        yield from map(int, sampler)
 
 
-#: An access order: its name, and ``make(dataset, round)`` giving its sampler.
-Plan = tuple[str, Callable[[Any, int], Any]]
+#: An access order: its name, its sampler's, and ``make(dataset, round)`` giving the
+#: indices it reads.
+Plan = tuple[str, str, Callable[[Any, int], Iterator[int]]]
 
 
 def _plans(
-    source: Any,
-    fmt: str,
-    group_size: int | None,
-    seed: int,
-    batch_size: int | None = None,
-    num_workers: int = 0,
-    repeats: int = 1,
+    n: int, group_size: int, seed: int, batch_size: int, num_workers: int, repeats: int
 ) -> list[Plan]:
     """The access orders to measure."""
     import torchgrain as tg
 
-    n = len(source)
-
-    def shuffled(sampler: Any, **options: Any) -> Callable[[Any, int], Any]:
-        return lambda ds, r: _Forever(
-            sampler(ds, num_replicas=1, rank=0, seed=seed, **options), first_epoch=r
-        )
+    def shuffled(sampler: Any, **options: Any) -> Callable[[Any, int], Iterator[int]]:
+        return lambda ds, r: _forever(sampler(ds, num_replicas=1, rank=0, seed=seed, **options), r)
 
     out: list[Plan] = [
-        ("sequential", lambda ds, r: _Forever(_Sequential(n, n * r // repeats))),
-        ("shuffled", shuffled(tg.GlobalShuffleSampler)),
+        # Storage order, each round from another place (not where the page cache is warm).
+        ("sequential", "SequentialSampler", lambda ds, r: _cycle(n, n * r // repeats)),
+        ("shuffled", "GlobalShuffleSampler", shuffled(tg.GlobalShuffleSampler)),
     ]
     # Blocks worth shuffling (Parquet row groups, ArrayRecord chunks of several records,
     # runs of TFRecord records): with blocks of one record, a block shuffle is a global
-    # shuffle.
-    if (group_size or 1) > 1:
-        # Each worker gets its own part of the epoch (the loader's batch_size/num_workers).
-        deal = {"batch_size": batch_size, "num_workers": num_workers} if batch_size else {}
-        out.append(("block-shuffled", shuffled(tg.BlockShuffleSampler, **deal)))
+    # shuffle. Each worker gets its own part of the epoch (batch_size/num_workers).
+    if group_size > 1:
+        deal = {"batch_size": batch_size, "num_workers": num_workers}
+        out.append(
+            ("block-shuffled", "BlockShuffleSampler", shuffled(tg.BlockShuffleSampler, **deal))
+        )
     return out
+
+
+def _cycle(n: int, start: int) -> Iterator[int]:
+    """``start``, ``start + 1``... modulo ``n``, for ever."""
+    return (i % n for i in itertools.count(start))
 
 
 def _measure(
@@ -343,28 +309,23 @@ def _measure(
         sampler=sampler,
         num_workers=num_workers,
         prefetch_factor=prefetch_factor if num_workers else None,
-        collate_fn=_Counted(_collate_fn(collate), tokens),
+        collate_fn=functools.partial(_counted, _collate_fn(collate), tokens),
     )
     warm = max(num_workers, 1)
-    records = nbytes = batches = ntokens = 0
+    records = nbytes = ntokens = 0
     start = time.perf_counter()
     first = timed_from = last = None
     it = iter(loader)
     try:
         for k, (_, n, size, ntok) in enumerate(it):
             now = time.perf_counter()
-            if first is None:
-                first = now
+            first = first or now
             if k < warm:
                 timed_from = now
                 continue
-            records += n
-            batches += 1
-            nbytes += size
-            ntokens += ntok
-            last = now
-            if now - timed_from >= seconds and batches >= 2:  # type: ignore[operator]
-                break
+            records, nbytes, ntokens, last = records + n, nbytes + size, ntokens + ntok, now
+            if now - timed_from >= seconds and k > warm:  # type: ignore[operator]
+                break  # (two batches timed at least)
     finally:
         del it  # stops the workers
     end = time.perf_counter()
@@ -510,8 +471,7 @@ def suggest(
     cpus = cpu_count or available_cpus()
     by = {m["mode"]: m for m in modes}
     out: list[str] = []
-    seq, shuf = by.get("sequential"), by.get("shuffled")
-    block = by.get("block-shuffled")
+    seq, shuf, block = (by.get(k) for k in ("sequential", "shuffled", "block-shuffled"))
     if num_workers == 0:
         out.append(
             "use worker processes: with num_workers=0 every read happens in the training "
@@ -549,9 +509,7 @@ def suggest(
                 "per record; pin_memory and CudaPrefetcher overlap the copy to the GPU"
             )
     if shuf is not None:
-        pick = recommend(modes)
-        if pick == "BlockShuffleSampler":
-            assert block is not None
+        if block is not None and _faster(block, shuf):  # (what recommend() says)
             out.append(
                 "use BlockShuffleSampler if a block-local shuffle is random enough for your "
                 f"model: it read {_rate(block)}, {block['records_per_s'] / shuf['records_per_s']:.1f}x "
@@ -640,18 +598,16 @@ def run_bench(
     ``settled`` (whether they lay within ``settle``)), ``recommendation`` (the sampler
     the numbers favour) and ``suggestions``. ``out=None`` prints nothing.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if num_workers is None:
-        num_workers = default_workers()
-    if num_workers < 0:
-        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if seconds is not None and not seconds > 0:
-        raise ValueError(f"seconds must be > 0, got {seconds}")
-    if not round_seconds > 0:
-        raise ValueError(f"round_seconds must be > 0, got {round_seconds}")
+    num_workers = default_workers() if num_workers is None else num_workers
+    for name, value, ok, need in (
+        ("batch_size", batch_size, batch_size >= 1, ">= 1"),
+        ("num_workers", num_workers, num_workers >= 0, ">= 0"),
+        ("repeats", repeats, repeats >= 1, ">= 1"),
+        ("seconds", seconds, seconds is None or seconds > 0, "> 0"),
+        ("round_seconds", round_seconds, round_seconds > 0, "> 0"),
+    ):
+        if not ok:
+            raise ValueError(f"{name} must be {need}, got {value}")
     if collate not in COLLATES:
         raise ValueError(f"collate must be one of {COLLATES}, got {collate!r}")
     import torchgrain as tg
@@ -672,7 +628,7 @@ def run_bench(
             raise ValueError(f"column {tokens!r} of {path!r} is {kind}, not a list of token ids")
     _check_collates(tg.Dataset(source), n, batch_size, collate, path, seed)
     group_size = _records_per_block(source)
-    plans = _plans(source, fmt, group_size, seed, batch_size, num_workers, repeats)
+    plans = _plans(n, group_size, seed, batch_size, num_workers, repeats)
     fixed = seconds is not None
     per = seconds / (len(plans) * repeats) if seconds is not None else round_seconds
     max_rounds = repeats if fixed else 2 * repeats
@@ -687,19 +643,14 @@ def run_bench(
         f"CPUs available), prefetch_factor {prefetch_factor if num_workers else '-'}, "
         + ("batches not collated" if collate == "none" else f"{collate} collate")
     )
+    until = f"; up to {max_rounds} rounds, until the last {repeats} of each order lie within"
     say(
         f"timing    {len(plans)} access orders x {repeats} rounds, {per:.1f}s each, timed "
         "after every worker's first batch"
-        + (
-            ""
-            if fixed
-            else f"; up to {max_rounds} rounds, until the last {repeats} of each order lie "
-            f"within {100 * settle:.0f}% of their median"
-        )
+        + ("" if fixed else f"{until} {100 * settle:.0f}% of their median")
     )
-    datasets = {mode: tg.Dataset(source) for mode, _ in plans}  # a stats table each
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, _ in plans}
-    samplers: dict[str, str] = {}
+    datasets = {mode: tg.Dataset(source) for mode, *_ in plans}  # a stats table each
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, *_ in plans}
 
     def settled() -> bool:
         return all(_spread(v[-repeats:]) <= settle for v in runs.values())
@@ -707,15 +658,10 @@ def run_bench(
     r = 0
     while r < max_rounds and not (r >= repeats and (fixed or settled())):
         # Each round starts with another order, so that none always runs first (cold).
-        for mode, make in plans[r % len(plans) :] + plans[: r % len(plans)]:
-            sampler = make(datasets[mode], r)
-            inner = sampler.sampler
-            samplers[mode] = (
-                "SequentialSampler" if isinstance(inner, _Sequential) else type(inner).__name__
-            )
+        for mode, _, make in plans[r % len(plans) :] + plans[: r % len(plans)]:
             m = _measure(
                 datasets[mode],
-                sampler,
+                make(datasets[mode], r),
                 batch_size=batch_size,
                 num_workers=num_workers,
                 prefetch_factor=prefetch_factor,
@@ -732,11 +678,11 @@ def run_bench(
         r += 1
     modes = [
         {
-            **_summary(mode, samplers[mode], runs[mode][-repeats:], tg.stats(datasets[mode])),
+            **_summary(mode, sampler, runs[mode][-repeats:], tg.stats(datasets[mode])),
             "rounds": len(runs[mode]),
             "settled": _spread(runs[mode][-repeats:]) <= settle,
         }
-        for mode, _ in plans
+        for mode, sampler, _ in plans
     ]
     if not fixed and not settled():
         say(
