@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import itertools
 import json
@@ -14,10 +15,20 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import fsspec
 import numpy as np
 
+import torchgrain as tg
+from torchgrain.bench import default_workers, run_bench, token_column
+from torchgrain.caches import clear_cache, list_caches, size_text
+from torchgrain.compose.spec import is_spec, load_spec
+from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
 from torchgrain.errors import TorchgrainError
+from torchgrain.formats.codecs import available_codecs, describe_value
+from torchgrain.io import remote
+from torchgrain.io.fs import default_cache_dir, get_filesystem, skipped_files
 from torchgrain.sources import registry
+from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
 
 def _summarise(value: Any, limit: int = 60) -> str:
@@ -59,8 +70,6 @@ def _token_summary(src: Any, column: str) -> dict[str, Any]:
     lengths a token-window index is built from: a ``num_<column>`` count alone when the
     records have one (Parquet reads that column only), else the tokens' list offsets
     (Parquet) or one pass over the records (in worker processes); kept in memory."""
-    import torchgrain as tg
-
     count = f"num_{column}"
     has_count = count in (src.keys or [])
     w = tg.Dataset(src).windows(
@@ -82,11 +91,6 @@ def _token_summary(src: Any, column: str) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from torchgrain.formats.codecs import describe_value
-    from torchgrain.io import remote
-    from torchgrain.io.fs import get_filesystem, skipped_files
-    from torchgrain.sources.base import RecordBytesSource, ShardedSource
-
     fmt = _input_format("PATH", args.path, args.format)
     if fmt == "auto":
         return _inspect_spec(args)
@@ -126,8 +130,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             for p, n, b, (_, c) in zip(src.paths, counts, sizes, integrity)
         ],
     }
-    from torchgrain.bench import token_column
-
     column = token_column({**keys, **schema}) if args.tokens == "auto" else args.tokens
     if column is not None and column not in keys and column not in (src.keys or []):
         raise CliError(f"argument --tokens: the records have no column {column!r}")
@@ -176,8 +178,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _inspect_spec(args: argparse.Namespace) -> int:
     """``inspect`` of a composition file: its datasets, the records each gives per epoch,
     the merged keys and the first records."""
-    from torchgrain.compose.mix import Mix
-    from torchgrain.compose.spec import load_spec
+    from torchgrain.compose.mix import Mix  # (imports torch)
 
     ds = load_spec(args.path)
     view = ds.source
@@ -218,9 +219,6 @@ def _inspect_spec(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from torchgrain.caches import clear_cache, list_caches, size_text
-    from torchgrain.io.fs import default_cache_dir
-
     root = default_cache_dir()
     if args.action == "list":
         if args.names or args.all:
@@ -266,9 +264,6 @@ def _column_names(text: str) -> list[str]:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import torchgrain as tg
-    from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
-
     _input_format("SRC", args.src, args.src_format, specs=False)
     _check_directory("DST", args.dst)
     try:
@@ -328,8 +323,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from torchgrain.bench import run_bench
-
     _input_format("PATH", args.path, args.format)
     report = run_bench(
         args.path,
@@ -377,8 +370,6 @@ def _check_exists(arg: str, paths: str | list[str]) -> None:
             continue
         local = p.removeprefix("file://")
         if glob.has_magic(local):
-            import fsspec
-
             # fsspec's glob, as the sources list: glob.glob walks into linked directories
             # (two links to "." made DIR/**/*.parquet 2**40 paths).
             if not fsspec.filesystem("file").glob(local):
@@ -405,8 +396,6 @@ def _input_format(arg: str, path: Any, fmt: str, specs: bool = True) -> str:
     """``fmt``, or the format of input ``path`` from its file names (``"auto"`` for a
     composition file, with ``specs``), once every local path named exists; errors name
     ``arg``."""
-    from torchgrain.compose.spec import is_spec
-
     _check_exists(arg, path)
     if fmt != "auto" or (specs and is_spec(path)):
         return fmt
@@ -480,10 +469,6 @@ def build_parser() -> argparse.ArgumentParser:
         >>> args.command, args.path, args.seconds, args.repeats
         ('bench', ['data/'], 3.0, 3)
     """
-    from torchgrain.bench import default_workers
-    from torchgrain.convert import DEFAULT_OUTPUT
-    from torchgrain.formats.codecs import available_codecs
-
     p = argparse.ArgumentParser(
         prog="torchgrain",
         description="Fast, deterministic data loading for PyTorch from Parquet and ArrayRecord.",
@@ -719,11 +704,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _exit_on_broken_pipe() -> int:
     """The reader of our output went away (``torchgrain inspect ... | head``): stop
     quietly, with the status a Unix tool killed by SIGPIPE has (128 + 13)."""
-    try:  # nothing more reaches the pipe, not even Python's flush at exit
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
+    # Nothing more reaches the pipe, not even Python's flush at exit.
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 128 + int(signal.SIGPIPE)
 
 
