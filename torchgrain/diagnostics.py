@@ -76,7 +76,11 @@ COUNTERS = (
     "cache_misses",
     "wait_seconds",
 )
-_INDEX = {name: i for i, name in enumerate(COUNTERS)}
+#: Where each counter is in a row: ``local_counters()[COUNTER["bytes_read"]]``.
+COUNTER = {name: i for i, name in enumerate(COUNTERS)}
+_BYTES_READ, _READ_SECONDS, _DECODE_SECONDS = (
+    COUNTER[k] for k in ("bytes_read", "read_seconds", "decode_seconds")
+)
 _ROWS = 64  # row 0: main process; rows 1..63: DataLoader workers 0..62 (and beyond, folded)
 _CONSUMER_ROW = _ROWS  # the training loop's waits
 # The table holds one block of rows per DataLoader reading the Dataset, so that loaders
@@ -97,14 +101,9 @@ _slot_lock = threading.RLock()
 _warned_private: tuple[int, int] | None = None
 
 
-def _reset_local_counters() -> None:
-    global _local
-    _local = np.zeros(len(COUNTERS), dtype=np.float64)
-
-
 def _after_fork_in_child() -> None:
-    global _slot_lock
-    _reset_local_counters()  # a forked child (a DataLoader worker) starts from zero
+    global _local, _slot_lock
+    _local = np.zeros(len(COUNTERS), dtype=np.float64)  # a forked worker starts from zero
     _slot_lock = threading.RLock()  # another thread may have held it at the fork
 
 
@@ -116,12 +115,6 @@ def local_counters() -> np.ndarray:
     return _local
 
 
-COUNTER = _INDEX
-_BYTES_READ = _INDEX["bytes_read"]
-_READ_SECONDS = _INDEX["read_seconds"]
-_DECODE_SECONDS = _INDEX["decode_seconds"]
-
-
 def count_read(seconds: float, nbytes: int) -> None:
     """Count a source's read: its seconds and the bytes it read, in this process.
 
@@ -131,9 +124,8 @@ def count_read(seconds: float, nbytes: int) -> None:
         >>> (local_counters() - before)[[COUNTER["read_seconds"], COUNTER["bytes_read"]]]
         array([  0.5, 100. ])
     """
-    counters = _local
-    counters[_READ_SECONDS] += seconds
-    counters[_BYTES_READ] += nbytes
+    _local[_READ_SECONDS] += seconds
+    _local[_BYTES_READ] += nbytes
 
 
 def count_decode(seconds: float) -> None:
@@ -144,8 +136,7 @@ def count_decode(seconds: float) -> None:
 def _stats_of(dataset: Any) -> PipelineStats | None:
     """The table of a torchgrain Dataset, or of one that a wrapper (e.g. ``Subset``) holds."""
     for candidate in (dataset, getattr(dataset, "dataset", None)):
-        st = getattr(candidate, "_stats", None)
-        if isinstance(st, PipelineStats):
+        if isinstance(st := getattr(candidate, "_stats", None), PipelineStats):
             return st
     return None
 
@@ -173,6 +164,7 @@ def _loader_of(obj: Any) -> Any | None:
     return None
 
 
+@dataclass
 class _Owner:
     """Which slot each loader holds, known only to the process that iterates the loaders.
 
@@ -181,12 +173,9 @@ class _Owner:
     forked worker sees a copy of its parent's (``token`` tells whose it is).
     """
 
-    __slots__ = ("pinned", "slots", "token")
-
-    def __init__(self) -> None:
-        self.token = process.token()
-        self.slots: dict[int, int] = {}
-        self.pinned: dict[int, Any] = {}  # batch samplers without weakref support
+    token: tuple[int, int] = field(default_factory=process.token)
+    slots: dict[int, int] = field(default_factory=dict)
+    pinned: dict[int, Any] = field(default_factory=dict)  # samplers without weakrefs
 
 
 def _release(
@@ -377,8 +366,8 @@ class PipelineStats:
         """Count the consumer's wait for ``batches`` batches of ``loader`` (a batch sampler)."""
         block = _OTHER if loader is None else self._claim(loader)
         row = self._table()[block, _CONSUMER_ROW]
-        row[_INDEX["wait_seconds"]] += seconds
-        row[_INDEX["batches"]] += batches
+        row[COUNTER["wait_seconds"]] += seconds
+        row[COUNTER["batches"]] += batches
 
     # ---------------------------------------------------------------- reading
     def snapshot(self, loader: Any = None) -> np.ndarray:
@@ -525,8 +514,7 @@ class StatsReport:
 
 def _find_stats(obj: Any) -> PipelineStats:
     for candidate in (obj, getattr(obj, "dataset", None), getattr(obj, "loader", None)):
-        st = _stats_of(candidate)
-        if st is not None:
+        if (st := _stats_of(candidate)) is not None:
             return st
     raise TypeError(f"{type(obj).__name__} is not a torchgrain Dataset or a DataLoader over one")
 
@@ -567,9 +555,7 @@ def stats(obj: Any, *, reset: bool = False) -> StatsReport:
     consumer["wall_seconds"] = getattr(obj, "wall_seconds", 0.0)
     if reset:
         st.reset(loader)
-    return StatsReport(
-        workers=workers, total=total, consumer=consumer, cache_fit=list(st.cache_fit)
-    )
+    return StatsReport(workers, total, consumer, list(st.cache_fit))
 
 
 class timed(Iterable[Any]):
