@@ -209,18 +209,17 @@ def load_plugins() -> dict[str, list[str]]:
     """
     global _PLUGINS
     with _PLUGINS_LOCK:
-        if _PLUGINS is not None:
-            return {name: added for name, added in _PLUGINS.items() if added}
-        _PLUGINS = {}  # set first: a plugin that reads the registry does not load again
-        from importlib.metadata import entry_points
+        if _PLUGINS is None:
+            _PLUGINS = {}  # set first: a plugin that reads the registry does not load again
+            from importlib.metadata import entry_points
 
-        try:
-            found = list(entry_points(group=PLUGIN_GROUP))
-        except Exception as e:  # a damaged metadata file must not stop the registry
-            warn_once(("plugins", PLUGIN_GROUP), f"torchgrain: cannot list plugins: {e!r}")
-            found = []
-        for ep in found:
-            _PLUGINS[ep.name] = _load_plugin(ep)
+            try:
+                found = list(entry_points(group=PLUGIN_GROUP))
+            except Exception as e:  # a damaged metadata file must not stop the registry
+                warn_once(("plugins", PLUGIN_GROUP), f"torchgrain: cannot list plugins: {e!r}")
+                found = []
+            for ep in found:
+                _PLUGINS[ep.name] = _load_plugin(ep)
         return {name: added for name, added in _PLUGINS.items() if added}
 
 
@@ -232,16 +231,13 @@ def _load_plugin(ep: Any) -> list[str]:
     before = dict(_FORMATS)
     try:
         obj = ep.load()
-        if isinstance(obj, Format):
-            register_format(obj)
-        elif callable(obj):
-            made = obj()
-            if isinstance(made, Format):
-                register_format(made)
-            elif made is not None:
-                raise TypeError(f"it returned a {type(made).__name__}, not a Format or None")
-        else:
+        if not isinstance(obj, Format) and not callable(obj):
             raise TypeError(f"it is a {type(obj).__name__}, not a Format or a callable")
+        made = obj if isinstance(obj, Format) else obj()
+        if isinstance(made, Format):
+            register_format(made)
+        elif made is not None:
+            raise TypeError(f"it returned a {type(made).__name__}, not a Format or None")
         replaced = sorted(n for n, f in before.items() if _FORMATS.get(n) is not f)
         if replaced:
             raise ValueError(f"it would replace the registered format(s) {replaced}")
@@ -373,7 +369,9 @@ def detect_format(
                         )[1]
                     ]
                 elif not remote.exists(fs, p, url=where):
-                    raise DatasetNotFoundError(f"path {where!r} does not exist{_cwd(where, fs)}")
+                    relative = is_local(fs) and not where.startswith(("/", "file:"))
+                    cwd = f" (in {os.getcwd()})" if relative else ""  # where it was looked for
+                    raise DatasetNotFoundError(f"path {where!r} does not exist{cwd}")
         for name in names:
             found.update(f.name for f in _FORMATS.values() if f.matches(name))
     if len(found) == 1:
@@ -392,13 +390,6 @@ def detect_format(
 
 def _of_a_format(name: str) -> bool:
     return any(f.matches(name) for f in _FORMATS.values())
-
-
-def _cwd(where: str, fs: Any) -> str:
-    """For a relative local path: the directory it was looked for in."""
-    if is_local(fs) and not where.startswith(("/", "file:")):
-        return f" (in {os.getcwd()})"
-    return ""
 
 
 def open(
@@ -438,18 +429,17 @@ def open(
         ...
         ValueError: columns= applies to parquet, not array_record
     """
-    trusted = format_options.get("allow_external_paths")
-    if trusted is None and options is not None:
-        trusted = options.allow_external_paths
+
+    def given(name: str) -> Any:  # an option, as a keyword or in ``options``
+        value = format_options.get(name)
+        return getattr(options, name, None) if value is None else value
+
+    trusted = bool(given("allow_external_paths"))
     # The command line's --allow-external-paths, carried to the processes it starts.
     from_env = not trusted and os.environ.get(ALLOW_EXTERNAL_PATHS_ENV) == "1"
-    if format == "auto":
-        storage = format_options.get("storage_options")
-        if storage is None and options is not None:
-            storage = options.storage_options
-        format = detect_format(
-            paths, storage_options=storage, allow_external_paths=bool(trusted or from_env)
-        )
+    if format == "auto":  # (detect_format reads the environment too)
+        storage = given("storage_options")
+        format = detect_format(paths, storage_options=storage, allow_external_paths=trusted)
     fmt = get_format(format)
     if from_env and fmt.accepts("allow_external_paths"):
         format_options["allow_external_paths"] = True
@@ -470,16 +460,13 @@ def _write_tfrecord(
     from torchgrain.formats.tfrecord import write_tfrecord
     from torchgrain.writers import shard_name
 
-    records = list(records)
+    records, paths = list(records), []
     os.makedirs(directory, exist_ok=True)
-    paths = []
-    n = len(records)
     for i in range(num_shards):
         name = shard_name(i, num_shards).replace(".array_record", ".tfrecord")
-        path = os.path.join(directory, name)
-        part = records[n * i // num_shards : n * (i + 1) // num_shards]
-        write_tfrecord((encode_tf_example(r) for r in part), path)
-        paths.append(path)
+        paths.append(os.path.join(directory, name))
+        part = records[len(records) * i // num_shards : len(records) * (i + 1) // num_shards]
+        write_tfrecord((encode_tf_example(r) for r in part), paths[-1])
     return paths
 
 
