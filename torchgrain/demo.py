@@ -260,16 +260,14 @@ class _Progress:
             f"{samples / elapsed:,.0f} samples/s  data wait {100 * wait / elapsed:.0f}%"
         )
         if self.tty:
-            sys.stdout.write("\r" + line + "\x1b[K")
-            sys.stdout.flush()
+            print("\r" + line + "\x1b[K", end="", flush=True)
             self.shown = True
         else:
             self.log(line)
 
     def close(self) -> None:
         if self.shown:
-            sys.stdout.write("\r\x1b[K")
-            sys.stdout.flush()
+            print("\r\x1b[K", end="", flush=True)
 
 
 def run_demo(
@@ -385,15 +383,8 @@ def run_demo(
     seconds = time.perf_counter() - start
     report = tg.stats(feed)
     wait = sum(e.wait_seconds for e in results)
-    result = DemoResult(
-        steps,
-        samples,
-        seconds,
-        wait,
-        losses[0] if losses else 0.0,
-        losses[-1] if losses else 0.0,
-        results,
-    )
+    first, last = (losses[0], losses[-1]) if losses else (0.0, 0.0)
+    result = DemoResult(steps, samples, seconds, wait, first, last, results)
     why = explain_first_epoch(results, num_workers)
     if why:
         log(why)
