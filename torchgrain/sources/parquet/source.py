@@ -494,11 +494,7 @@ class ParquetSource(RowGroupLoader):
         stop = n if stop is None else min(stop, n)
         base = int(self.index.offsets[shard])
         a, end = base + max(start, 0), base + stop
-        constants = {
-            j: self._part_values[key][shard : shard + 1].tolist()[0]
-            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
-            if pos < 0
-        }
+        constants = self._shard_constants(shard)
         while a < end:
             g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
             first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
@@ -581,6 +577,14 @@ class ParquetSource(RowGroupLoader):
         views = [entry.rows for entry in entries]
         return build_records(self._keys, self._file_pos, views, which, rows, constants)
 
+    def _shard_constants(self, shard: int) -> dict[int, Any]:
+        """The values of the hive partition keys in file ``shard``, by key position."""
+        return {
+            j: self._part_values[key][shard : shard + 1].tolist()[0]
+            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
+            if pos < 0
+        }
+
     def _prepare(self, entries: list[RowGroup], groups: list[int], form: str) -> None:
         """Prepare cached row groups for a batch format, each once (a benign race), and
         charge the cache for what that adds: ``"rows"`` (views for building records),
@@ -595,12 +599,7 @@ class ParquetSource(RowGroupLoader):
             elif form == "templates":
                 if entry.templates is not None:
                     continue
-                shard = int(self._rg_shard[group])
-                constants = {
-                    j: self._part_values[key][shard : shard + 1].tolist()[0]
-                    for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
-                    if pos < 0
-                }
+                constants = self._shard_constants(int(self._rg_shard[group]))
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
                 if not entry.mapped and entry.views is None:
                     entry.drop_table()  # the converted records hold its values

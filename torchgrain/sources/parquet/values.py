@@ -378,14 +378,9 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
             holed = deep
         elif deep is not None:
             holed |= deep
-        if (
-            holed is None
-            and pa.types.is_fixed_size_list(arr.type)
-            and pa.types.is_fixed_size_list(child.type)
-        ):
-            a, b = arr.type.list_size, child.type.list_size
-            start = int(inner[bounds[0]])
-            rows = list(leaf[start : start + n * a * b].reshape(n, a, b))
+        cube = _cube(outer, inner, leaf, child.type) if holed is None else None
+        if cube is not None:
+            rows = list(cube)
         else:
             lengths = np.diff(inner)
             width = getattr(child.type, "list_size", 0)  # an empty row's, where fixed
@@ -858,25 +853,28 @@ def _copy(values: np.ndarray) -> np.ndarray:
 def _cubes(arr: pa.Array) -> np.ndarray | None:
     """Lists of lists of numbers without nulls, every row ``a`` lists of ``b``, as one
     ``[B, a, b]`` array; else None."""
-    n = len(arr)
     outer, child = _list_offsets(arr)
     if not _is_list(child.type) or child.null_count:
         return None
     inner, grandchild = _list_offsets(child)
     if grandchild.null_count or not _is_number(grandchild.type):
         return None
-    leaf = _primitive_numpy(grandchild)
+    cube = _cube(outer, inner, _primitive_numpy(grandchild), child.type)
+    return None if cube is None else _copy(cube)
+
+
+def _cube(outer: np.ndarray, inner: np.ndarray, leaf: np.ndarray, inner_type: pa.DataType) -> Any:
+    """The ``[n, a, b]`` view of ``leaf`` where each of the ``n`` rows (``outer``) holds
+    ``a`` lists (``inner``) of ``b`` items; else None."""
     rows = np.diff(outer)
-    if not n or not (rows == rows[0]).all():
+    if not len(rows) or not (rows == rows[0]).all():
         return None
     inner = inner[int(outer[0]) : int(outer[-1]) + 1]
     cols = np.diff(inner)
     if len(cols) and not (cols == cols[0]).all():
         return None
-    a = int(rows[0])
-    b = int(cols[0]) if len(cols) else getattr(child.type, "list_size", 0)
-    values = leaf[int(inner[0]) : int(inner[-1])]
-    return _copy(values.reshape(n, a, b))
+    b = int(cols[0]) if len(cols) else getattr(inner_type, "list_size", 0)  # where fixed
+    return leaf[int(inner[0]) : int(inner[-1])].reshape(len(rows), int(rows[0]), b)
 
 
 # A cached row group is prepared once for columnar reads (:class:`GroupViews`): its
