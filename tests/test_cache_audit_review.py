@@ -277,7 +277,6 @@ def test_a_shard_re_uploaded_with_its_size_is_not_served_from_the_old_copy(tmp_p
             assert got == [2, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="the next-use hints are opened as they are (older)")
 def test_next_use_hints_replaced_by_a_fifo_never_hang(tmp_path):
     url = f"memory://audit-{uuid.uuid4().hex}/shard-0"
     fsspec.filesystem("memory").pipe(url, b"r" * 100)

@@ -145,9 +145,9 @@ def read_hints(path: str) -> dict[str, int]:
     """The next-use hints at ``path`` (see :func:`write_hints`), malformed lines ignored."""
     out: dict[str, int] = {}
     try:
-        with open(path) as f:
+        with open(open_regular(path)) as f:  # (see read_record)
             text = f.read(64 << 20)
-    except FileNotFoundError:
+    except (OSError, ValueError):
         return out
     for line in text.splitlines():
         name, _, use = line.partition(" ")
