@@ -360,6 +360,7 @@ def _summary(mode: str, sampler: str, runs: list[dict[str, Any]], stats: Any) ->
     per_record = sum(r["bytes"] for r in runs) / max(records, 1)
     median = statistics.median(rates)
     busy = [r["busy_fraction"] for r in runs if r["busy_fraction"] is not None]
+    tokens = [r["tokens_per_s"] for r in runs if r["tokens_per_s"] is not None]
     return {
         "mode": mode,
         "sampler": sampler,
@@ -367,11 +368,7 @@ def _summary(mode: str, sampler: str, runs: list[dict[str, Any]], stats: Any) ->
         "records_per_s": median,
         "records_per_s_min": min(rates),
         "records_per_s_max": max(rates),
-        "tokens_per_s": (
-            statistics.median(r["tokens_per_s"] for r in runs)
-            if runs[0].get("tokens_per_s") is not None
-            else None
-        ),
+        "tokens_per_s": statistics.median(tokens) if tokens else None,
         "spread": _spread(runs),
         "records": records,
         "seconds": round(sum(r["seconds"] for r in runs), 4),

@@ -239,11 +239,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
         return 0
     if args.all and args.names:
         raise CliError("clear takes NAME... or --all, not both")
-    if args.all:  # what list shows as "other" is not torchgrain's: left alone
-        names = [c["name"] for c in list_caches(root) if c["kind"] != "other"]
-    else:
-        names = list(args.names)
-    names += [os.path.abspath(d) for d in args.dir]
+    # What list shows as "other" is not torchgrain's: left alone.
+    mine = [c["name"] for c in list_caches(root) if c["kind"] != "other"] if args.all else []
+    names = [*mine, *args.names, *map(os.path.abspath, args.dir)]
     if not names and not args.all:
         raise CliError("clear needs NAME..., --dir DIR or --all (see torchgrain cache list)")
     cleared = [clear_cache(name, root) for name in names]  # (a ValueError names the cache)

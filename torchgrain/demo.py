@@ -199,11 +199,10 @@ def explain_first_epoch(epochs: list[EpochResult], num_workers: int) -> str:
         >>> print(explain_first_epoch([first, e(1, 1.1, 0.1, 0.01, [0.1] * 10)], 2))
         epoch 0 took 1.8s more than the pace of the later epochs: 0.8s starting 2 workers until the first batch, 0.4s the first step (setting up the model's kernels and memory), 0.1s more waiting for data (first reads of the shards: disk, page cache, per-worker readers), 0.5s in the steps themselves (a busier CPU)
     """
-    if len(epochs) < 2 or not epochs[0].steps:
+    later = [e for e in epochs[1:] if e.steps]
+    if not later or not epochs[0].steps:
         return ""
-    first, later = epochs[0], [e for e in epochs[1:] if e.steps]
-    if not later:
-        return ""
+    first = epochs[0]
     per_step = sum(e.seconds for e in later) / sum(e.steps for e in later)
     wait_per_step = sum(e.wait_seconds for e in later) / sum(e.steps for e in later)
     # The mean step, as in per_step: a median would leave the later epochs' slow steps
@@ -331,7 +330,7 @@ def run_demo(
         f"{epochs} epoch(s), {len(loader)} steps/epoch"
     )
 
-    steps = samples = 0
+    steps = 0
     losses: list[float] = []
     results: list[EpochResult] = []
     feed = tg.timed(loader)  # records how long each step waits for its batch (tg.stats)
@@ -362,7 +361,6 @@ def run_demo(
             ep.steps += 1
             ep.samples += len(y)
             steps += 1
-            samples += len(y)
             progress.update(ep.steps, ep.samples, ep.wait_seconds)
         del it  # a loop stopped early by max_steps lets go of its batches
         progress.close()
@@ -382,7 +380,7 @@ def run_demo(
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     report = tg.stats(feed)
-    wait = sum(e.wait_seconds for e in results)
+    wait, samples = sum(e.wait_seconds for e in results), sum(e.samples for e in results)
     first, last = (losses[0], losses[-1]) if losses else (0.0, 0.0)
     result = DemoResult(steps, samples, seconds, wait, first, last, results)
     why = explain_first_epoch(results, num_workers)
