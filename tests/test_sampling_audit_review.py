@@ -25,7 +25,6 @@ def _saved_state(**fields):
     return {**saved.state_dict(), **fields}
 
 
-@pytest.mark.xfail(strict=True, reason="a re-split walks every worker of every rank")
 def test_a_block_state_of_more_rank_workers_than_any_job_is_refused_when_loaded():
     # 2**20 ranks and 2**16 workers each pass the bounds on each alone; the re-split of
     # the rest of the epoch onto this world walked every worker of every rank in Python:
@@ -35,7 +34,6 @@ def test_a_block_state_of_more_rank_workers_than_any_job_is_refused_when_loaded(
         _block(num_replicas=1, rank=0).load_state_dict(state)
 
 
-@pytest.mark.xfail(strict=True, reason="batch_size and num_workers are not type-checked")
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -33,6 +33,8 @@ __all__ = ["ContiguousSplit", "InterleavedSplit", "Shares", "Split"]
 
 # DataLoader workers a loaded state may name (each is a process: far above any loader).
 _MAX_WORKERS = 1 << 16
+# Workers of all ranks together a loaded state may name (a re-split walks each one).
+_MAX_READERS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,11 +192,19 @@ class ContiguousSplit(Split):
         return {"batch_size": self.batch_size, "num_workers": self.num_workers}
 
     def from_state(self, state: dict[str, Any]) -> ContiguousSplit:
-        workers = state.get("num_workers") or 0
-        # A saved run is re-split over its workers one by one: bound what a state names.
-        if operator.index(workers) > _MAX_WORKERS:
-            raise ValueError(f"num_workers {workers} in sampler state exceeds {_MAX_WORKERS}")
-        return ContiguousSplit(state.get("batch_size"), workers)
+        batch_size, workers = state.get("batch_size"), state.get("num_workers") or 0
+        # A saved run is re-split over each rank's workers one by one: bound what a state
+        # names, all ranks' workers together too (2**20 ranks of 2**16 workers: hours).
+        replicas = operator.index(state.get("num_replicas", 1))
+        for key, value, top in (
+            ("batch_size", 1 if batch_size is None else batch_size, 1 << 62),
+            ("num_workers", workers, min(_MAX_WORKERS, _MAX_READERS // max(1, replicas))),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"sampler state field {key!r} must be an int, got {value!r}")
+            if not 0 <= value <= top:
+                raise ValueError(f"sampler state field {key!r} out of [0, {top}]: {value}")
+        return ContiguousSplit(batch_size, workers)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ContiguousSplit) and other.dealing == self.dealing
