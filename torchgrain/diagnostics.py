@@ -38,7 +38,6 @@ import multiprocessing.context
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.errors import warn_once
 from torchgrain.frameworks import dataloader as _dataloader
 from torchgrain.io import process
 
@@ -97,8 +97,6 @@ _local = np.zeros(len(COUNTERS), dtype=np.float64)
 # Claims and releases of slots, in the process that owns the loaders. Re-entrant: a
 # release runs when a batch sampler is freed, which may happen inside a claim.
 _slot_lock = threading.RLock()
-# The process that warned that the statistics have no shared memory (see _shared_array).
-_warned_private: tuple[int, int] | None = None
 
 
 def _after_fork_in_child() -> None:
@@ -210,16 +208,13 @@ def _shared_array(typecode: str, n: int) -> Any:
     try:
         return multiprocessing.RawArray(typecode, n)
     except OSError as e:
-        global _warned_private
-        if _warned_private != process.token():
-            _warned_private = process.token()
-            warnings.warn(
-                f"torchgrain: the pipeline statistics cannot have shared memory ({e}); "
-                "stats() counts only what each process reads itself until it ends. Free "
-                "space (or files) in /dev/shm.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        warn_once(
+            ("stats without shared memory", process.token()),
+            f"torchgrain: the pipeline statistics cannot have shared memory ({e}); "
+            "stats() counts only what each process reads itself until it ends. Free "
+            "space (or files) in /dev/shm.",
+            RuntimeWarning,
+        )
         return np.zeros(n, dtype=np.float64 if typecode == "d" else np.int64)
 
 
