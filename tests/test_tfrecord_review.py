@@ -140,3 +140,70 @@ def test_per_file_offset_caches_are_held_within_the_index_directory_budget(tmp_p
     held = [f for f in ix.iterdir() if f.suffix in (".tgindex", ".npy")]
     assert sum(f.stat().st_size for f in held) <= 4096, sorted(f.name for f in held)
     assert any(f.name.endswith(".offsets.tgindex") for f in held)
+
+
+def _reopen(d, ix):
+    """The source opened again once its dataset index is gone (its files' own offsets
+    kept: the index is built from them)."""
+    for f in ix.glob("tfrecord-*"):
+        if f.is_file():
+            f.unlink()
+    return tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
+
+
+def test_offsets_kept_in_an_earlier_format_are_walked_again_not_misread(tmp_path):
+    """An entry an earlier release kept (a .npy file of offsets, or of a compressed
+    file's count) under the name of a file's offsets is not taken for them: it holds
+    plausible offsets here (from 0, 20 bytes apart, within the file) of 2 records of 3,
+    and a count of 7 of a stream of 3."""
+    d, ix = tmp_path / "data", tmp_path / "index"
+    d.mkdir()
+    recs = [b"a" * 4, b"b" * 4, b"c" * 4]  # frames at 0, 20 and 40
+    (d / "p.tfrecord").write_bytes(b"".join(_frame(r) for r in recs))
+    tg.formats.tfrecord.write_tfrecord(recs, str(d / "q.tfrecord.gz"))
+    tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
+    kept = sorted(ix.glob("*.offsets.tgindex"))
+    assert len(kept) == 2
+    for entry in kept:
+        with open(entry, "wb") as f:
+            np.save(f, np.array([7] if "_gz" in entry.name else [0, 20], np.int64))
+    src = _reopen(d, ix)
+    assert len(src) == 6
+    assert [r["bytes"] for r in src.__getitems__([0, 1, 2])] == recs
+    assert [r["bytes"] for r in src.iter_shard(1)] == recs
+    for entry in kept:  # kept again, in the format of this release
+        assert not entry.read_bytes().startswith(b"\x93NUMPY")
+
+
+@pytest.mark.parametrize("records", [3, (1 << 16) + 5])
+def test_offsets_kept_per_file_rebuild_the_dataset_index_without_a_walk(
+    tmp_path, monkeypatch, records
+):
+    """A file's offsets kept in the index directory build the dataset index again
+    without walking the file: one chunk of offsets, and more than one (read twice:
+    checked, then given)."""
+    from torchgrain.sources import tfrecord as source
+
+    d, ix = tmp_path / "data", tmp_path / "index"
+    d.mkdir()
+    (d / "p.tfrecord").write_bytes(_frame(b"") * records)  # 16-byte frames
+    tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("walked again")
+
+    monkeypatch.setattr(source, "iter_tfrecord_offsets", no_walk)
+    src = _reopen(d, ix)
+    assert len(src) == records
+    assert src._tfindex.offsets[[0, 1, records - 1, records]].tolist() == [
+        0,
+        16,
+        16 * (records - 1),
+        16 * records,
+    ]
+    (entry,) = ix.glob("*.offsets.tgindex")
+    with open(entry, "r+b") as f:  # damaged: its last offset past the file's end
+        f.seek(-8, os.SEEK_END)
+        f.write(np.int64(16 * records).tobytes())
+    with pytest.raises(AssertionError, match="walked again"):
+        _reopen(d, ix)

@@ -344,7 +344,7 @@ def _iter_stream(
             )
         length, len_crc = unpack_header(buf, pos)
         offset = base + pos
-        if verify and _masked(buf[pos : pos + 8]) != len_crc:
+        if verify and masked_crc32c(buf[pos : pos + 8]) != len_crc:
             raise CorruptDataError(
                 f"{name}: length checksum mismatch in the record at byte offset {offset}"
             )
@@ -373,17 +373,12 @@ def _iter_stream(
             pos = 0
             end = need
         data = buf[pos + _HEADER_SIZE : end - 4]
-        if verify and _masked(data) != unpack_footer(buf, end - 4)[0]:
+        if verify and masked_crc32c(data) != unpack_footer(buf, end - 4)[0]:
             raise CorruptDataError(
                 f"{name}: data checksum mismatch in the record at byte offset {offset}"
             )
         pos = end
         yield data
-
-
-def _masked(data: bytes) -> int:
-    crc = crc32c_bytes(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
 def index_tfrecord(
@@ -499,7 +494,7 @@ def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> 
             f"({len(head)} of {_HEADER_SIZE} bytes present)"
         )
     length, len_crc = _HEADER.unpack(head)
-    if verify and _masked(bytes(head[:8])) != len_crc:  # a remote block is a bytearray
+    if verify and masked_crc32c(head[:8]) != len_crc:  # a remote block is a bytearray
         raise CorruptDataError(
             f"{name}: length checksum mismatch in the record at byte offset {off}"
         )
@@ -543,7 +538,7 @@ def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> It
             heads = np.ndarray((run, 3), "<u4", buf, rel, (stride, 4))
             ok = (heads[:, 0] == length & 0xFFFFFFFF) & (heads[:, 1] == length >> 32)
             if verify:
-                ok &= heads[:, 2] == _masked(_LEN.pack(length))
+                ok &= heads[:, 2] == masked_crc32c(_LEN.pack(length))
             n = int(np.argmin(ok)) if not ok.all() else run
             out.frombytes(np.arange(off, off + n * stride, stride, dtype=np.int64).tobytes())
             off += n * stride
@@ -597,7 +592,7 @@ def read_tfrecord_at(
     if len(head) < _HEADER_SIZE:
         raise CorruptDataError(f"{label}: truncated record header at byte offset {offset}")
     length, len_crc = _HEADER.unpack(head)
-    if verify and _masked(head[:8]) != len_crc:
+    if verify and masked_crc32c(head[:8]) != len_crc:
         raise CorruptDataError(
             f"{label}: length checksum mismatch in the record at byte offset {offset}"
         )
@@ -616,7 +611,7 @@ def read_tfrecord_at(
     if len(body) < length + 4:
         raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
     data = body[:length]
-    if verify and _masked(data) != _FOOTER.unpack_from(body, length)[0]:
+    if verify and masked_crc32c(data) != _FOOTER.unpack_from(body, length)[0]:
         raise CorruptDataError(
             f"{label}: data checksum mismatch in the record at byte offset {offset}"
         )
@@ -642,12 +637,12 @@ def parse_frame(frame: bytes | memoryview, *, name: str, offset: int, verify: bo
             f"frame holds {len(frame) - _FRAME_OVERHEAD} (was the file changed after it was "
             "indexed?)"
         )
-    if verify and _masked(bytes(frame[:8])) != len_crc:
+    if verify and masked_crc32c(frame[:8]) != len_crc:
         raise CorruptDataError(
             f"{name}: length checksum mismatch in the record at byte offset {offset}"
         )
     data = bytes(frame[_HEADER_SIZE : _HEADER_SIZE + length])
-    if verify and _masked(data) != _FOOTER.unpack_from(frame, _HEADER_SIZE + length)[0]:
+    if verify and masked_crc32c(data) != _FOOTER.unpack_from(frame, _HEADER_SIZE + length)[0]:
         raise CorruptDataError(
             f"{name}: data checksum mismatch in the record at byte offset {offset}"
         )
@@ -656,7 +651,9 @@ def parse_frame(frame: bytes | memoryview, *, name: str, offset: int, verify: bo
 
 def _frame(record: bytes) -> bytes:
     length = _LEN.pack(len(record))
-    return b"".join((length, _FOOTER.pack(_masked(length)), record, _FOOTER.pack(_masked(record))))
+    return b"".join(
+        (length, _FOOTER.pack(masked_crc32c(length)), record, _FOOTER.pack(masked_crc32c(record)))
+    )
 
 
 def write_tfrecord(

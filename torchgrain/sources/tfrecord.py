@@ -22,13 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import itertools
 import os
 import re
 import struct
-import threading
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -40,6 +37,7 @@ from torchgrain.errors import (
     DatasetNotFoundError,
     RecordDecodeError,
     check_ceiling,
+    warn_once,
 )
 from torchgrain.formats.codecs import Codec, get_codec
 from torchgrain.formats.index_file import INDEX_SUFFIX
@@ -54,15 +52,17 @@ from torchgrain.formats.tfrecord import (
     parse_frame,
     resolve_compression,
 )
+from torchgrain.io import process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
 from torchgrain.io.changes import ChangedWhileOpen
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
-from torchgrain.io.ranges import MappedFile, fetch_ranges
+from torchgrain.io.ranges import MappedFile
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, using
 from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.format import ShardFile
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
 from torchgrain.sources.options import ReadOptions
@@ -158,22 +158,12 @@ class TFRecordSource(EncodedSource):
             max_open_files=max_open_files,
         )
         with using(retry):
-            if isinstance(codec, str) and codec in ("auto", "tf_example"):
+            if isinstance(codec, str) and codec == "auto":
+                codec = tfrecord_codec(files, fs, max_record_bytes)
+            elif isinstance(codec, str) and codec == "tf_example":
                 # TFDS output: decode per its features.json (images, shapes, scalars).
                 codec = tfds_codec_for(files, fs) or codec
-            self.codec: Codec = (
-                tfrecord_codec(files, fs, max_record_bytes) if codec == "auto" else get_codec(codec)
-            )
-
-    # Record i of shard s spans _bounds[_base[s] + i] .. _bounds[_base[s] + i + 1]: each
-    # shard's offsets followed by its size, in one array of the mapped dataset index.
-    @property
-    def _bounds(self) -> np.ndarray:
-        return self._tfindex.offsets
-
-    @property
-    def _base(self) -> np.ndarray:
-        return self._tfindex.base
+            self.codec: Codec = get_codec(codec)
 
     # ------------------------------------------------------------ the contract
     def _node_index(self) -> Any:
@@ -191,12 +181,12 @@ class TFRecordSource(EncodedSource):
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
         parts = [np.zeros(1, dtype=np.int64)]
         for s in range(self.num_shards):
-            b = self._base[s]
+            b = self._tfindex.base[s]
             n = int(self.index.counts[s])
             if self._compressed[s]:  # read in order only: one block
                 parts.append(np.array([n]) + self.index.offsets[s])
                 continue
-            starts = self._bounds[b : b + n + 1]
+            starts = self._tfindex.offsets[b : b + n + 1]
             cuts = np.unique(np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES)))
             cuts = cuts[(cuts > 0) & (cuts < n)]
             parts.append(np.append(cuts, n) + self.index.offsets[s])
@@ -210,17 +200,16 @@ class TFRecordSource(EncodedSource):
         stop = n if stop is None else min(stop, n)
         if start >= stop:
             return
-        path = self._paths[shard]
-        offset = 0 if self._compressed[shard] else int(self._bounds[self._base[shard] + start])
-        skip = start if self._compressed[shard] else 0
-        fs = self._fs if self._remote else None
+        ix, plain = self._tfindex, not self._compressed[shard]
+        # (a compressed stream is read from its start, its first records skipped)
         it = iter_tfrecord(
-            path,
-            filesystem=fs,
+            self._paths[shard],
+            filesystem=self._fs if self._remote else None,
             verify=self._verify,
-            offset=offset,
+            offset=int(ix.offsets[ix.base[shard] + start]) if plain else 0,
             max_record_bytes=self.max_record_bytes,
         )
+        skip = 0 if plain else start
         try:
             wanted = itertools.islice(it, skip, skip + stop - start)
             yield from self._in_order(shard, start, wanted)
@@ -231,8 +220,9 @@ class TFRecordSource(EncodedSource):
     def _open_reader(
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> Any:
-        if filesystem is not None:
-            return _RemoteFile(filesystem, path, int(self._tfindex.file_size[shard]))
+        if filesystem is not None:  # (pinned to the size indexed; records counted as read)
+            size = int(self._tfindex.file_size[shard])
+            return ShardFile(shard, path, filesystem, size, count=False)
         if not os.path.exists(path):
             raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist")
         return MappedFile(path)
@@ -258,8 +248,8 @@ class TFRecordSource(EncodedSource):
         """Where the records at ``rows`` of ``shard`` lie in their files (``first``,
         ``last``), checked against the files' sizes and ``max_record_bytes`` (offsets
         come from an index file: untrusted)."""
-        entry = self._base[shard] + rows
-        first, last = self._bounds[entry], self._bounds[entry + 1]
+        entry = self._tfindex.base[shard] + rows
+        first, last = self._tfindex.offsets[entry], self._tfindex.offsets[entry + 1]
         size = self._tfindex.file_size[shard]
         # A frame is >= 16 bytes: every byte read below lies inside its file.
         bad = (first < 0) | (last - first < 16) | (last > size)
@@ -306,18 +296,13 @@ class TFRecordSource(EncodedSource):
                 ok &= words[at + lengths + 8] >> np.uint64(32) == _mask(crcs)
             if not ok.all():
                 k = int(np.flatnonzero(~ok)[0])
-                s = int(shard[k])
-                a, f = int(at[k]), int(first[k])
-                try:
-                    frame = view[a : a + int(lengths[k]) + 16]
-                    parse_frame(frame, name=self._paths[s], offset=f, verify=self._verify)
+                s, a, f = int(shard[k]), int(at[k]), int(first[k])
+                name = self._paths[s]
+                try:  # (it raises: the frame failed the same checks)
+                    parse_frame(view[a : a + int(lengths[k]) + 16], name=name, offset=f)
+                    raise CorruptDataError(f"{name!r}: bad record at byte offset {f}")
                 except CorruptDataError as e:
                     raise self._named(e, s, int(idx[k])) from e
-                raise self._named(  # pragma: no cover - parse_frame raises above
-                    CorruptDataError(f"{self._paths[s]!r}: bad record at byte offset {f}"),
-                    s,
-                    int(idx[k]),
-                )
             return data
         finally:
             region.release()
@@ -326,8 +311,8 @@ class TFRecordSource(EncodedSource):
         region = self._region()
         if region is None:
             return None
-        e = int(self._base[shard]) + row
-        first, last = int(self._bounds[e]), int(self._bounds[e + 1])
+        e = int(self._tfindex.base[shard]) + row
+        first, last = int(self._tfindex.offsets[e]), int(self._tfindex.offsets[e + 1])
         if not (first >= 0 and last - first >= 16 and last <= self._tfindex.file_size[shard]):
             return None  # the batch path names the damage
         if last - first - 16 > self.max_record_bytes:
@@ -384,12 +369,12 @@ class TFRecordSource(EncodedSource):
         self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
     ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
         # The frames _read_rows asks for (it checks them against the file's size).
-        out = []
+        out, ix = [], self._tfindex
         for shard, rows, _ in groups:
-            b = self._base[shard] + rows
+            b = ix.base[shard] + rows
             url = self._paths[shard]
-            ranges = list(zip(self._bounds[b].tolist(), self._bounds[b + 1].tolist()))
-            size = int(self._tfindex.file_size[shard])
+            ranges = list(zip(ix.offsets[b].tolist(), ix.offsets[b + 1].tolist()))
+            size = int(ix.file_size[shard])
             ranges = [(s, e) for s, e in ranges if 0 <= s < e <= size]
             path = self._fs._strip_protocol(url)
             io_remote.pin(self._fs, path, size)  # answers must be of the file indexed
@@ -403,11 +388,11 @@ class TFRecordSource(EncodedSource):
 
         def read() -> list[Any]:
             r = reader or self._reader(shard)
-            if not isinstance(r, MappedFile):
-                return r.read(list(zip(starts, ends)))
+            if not isinstance(r, MappedFile):  # (frames checked: within a record's ceiling)
+                return r.read_ranges(list(zip(starts, ends)), max_bytes=1 << 62)
             view = r.view(polled=True)  # (_check_index polled for this read)
             if ends and max(ends) > len(view):
-                expected = int(self._bounds[self._base[shard] + self.index.counts[shard]])
+                expected = int(self._tfindex.file_size[shard])  # (its last offset)
                 raise CorruptDataError(
                     f"TFRecord shard {shard} {name!r} is truncated: {len(view)} bytes where "
                     f"its index expects {expected} (record index {index})"
@@ -424,25 +409,6 @@ class TFRecordSource(EncodedSource):
             f"TFRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
             f"codec={self.codec.name!r})"
         )
-
-
-class _RemoteFile:
-    """A remote TFRecord file: coalesced range reads, nothing held open."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, url: str, size: int) -> None:
-        self.fs, self.url = fs, url
-        self.path = fs._strip_protocol(url)
-        # Range answers must be of the file the index was built from (its size).
-        io_remote.pin(fs, self.path, size)
-        self._seen = io_remote.unchanged_since(fs, self.path, None)
-
-    def read(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
-        got = fetch_ranges(self.fs, self.path, ranges, name=self.url)
-        self._seen = io_remote.unchanged_since(self.fs, self.path, self._seen)
-        return got
-
-    def close(self) -> None:
-        pass
 
 
 def _mask(crcs: np.ndarray) -> np.ndarray:
@@ -485,17 +451,13 @@ def tfrecord_codec(
     """The codec of TFRecord files: TFDS's feature specs when present, else ``tf_example``
     when the first record parses as a ``tf.train.Example``, else ``raw``."""
     from torchgrain.formats.tf_example import decode_tf_example
-    from torchgrain.formats.tfds import tfds_codec_for
 
     tfds = tfds_codec_for(files, fs)
     if tfds is not None:
         return tfds
-    remote = not is_local(fs)
+    filesystem = None if is_local(fs) else fs
     for path in files:
-        records = iter_tfrecord(
-            path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
-        )
-        for rec in records:
+        for rec in iter_tfrecord(path, filesystem=filesystem, max_record_bytes=max_record_bytes):
             try:
                 decode_tf_example(rec)
             except RecordDecodeError:
@@ -515,93 +477,36 @@ def _dataset_index(
 ) -> TFRecordIndex:
     """The dataset's index: mapped from ``index_dir`` when this machine has built it
     for these very files (sizes and versions), else built from each file's offsets
-    (from the per-file cache when it has them, else walked). A compressed file has no
-    offsets (records of a stream are only counted): its per-file entry is its count."""
+    (kept per file in ``index_dir`` when they are there and sound, else walked). A
+    compressed file has no offsets (records of a stream are only counted): what is kept
+    of it is its count."""
     remote = not is_local(fs)
+    infos = map_files(
+        lambda i: _size_and_stamp(fs, files[i], i, remote),
+        len(files),
+        max_workers=16 if remote else 1,
+    )
 
-    def info(i: int) -> tuple[int, str]:
-        path = files[i]
-        try:
-            st = (
-                io_remote.call(fs, "info", fs._strip_protocol(path), url=path, what="size lookup")
-                if remote
-                else os.stat(path)
-            )
-        except FileNotFoundError:
-            raise DatasetNotFoundError(f"TFRecord shard {i} {path!r} does not exist") from None
-        if not remote:
-            return int(st.st_size), f"{st.st_mtime_ns}"
-        size = st.get("size")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            raise CorruptDataError(
-                f"TFRecord shard {i} {path!r}: the server reports no size ({size!r}); "
-                "random access needs one"
-            )
-        return size, _stamp(st)
-
-    infos = map_files(info, len(files), max_workers=16 if remote else 1)
-
-    def cache_of(i: int) -> str | None:
-        size, stamp = infos[i]
-        return _cache_file(index_dir, files[i], size, stamp + ("\0count" if compressed[i] else ""))
-
-    # Files whose per-file cache was found sound: its offsets (when small) or None.
-    checked: dict[int, list[np.ndarray] | None] = {}
-
-    def cost_of(i: int) -> int:
-        """What file ``i``'s offsets take (the builder calls it first, then
-        ``offsets_of(i)``, in the same thread)."""
-        cached = cache_of(i)
-        if cached is not None:
-            try:
-                n, checked[i] = _check_cached(cached, infos[i][0], bool(compressed[i]))
-                with contextlib.suppress(OSError):  # its last use, for the store's LRU
-                    os.utime(cached + ".lock")
-                return 8 * n
-            except (OSError, ValueError):
-                pass  # missing, unreadable or not an index of this file: walked again
-        return 8 if compressed[i] else infos[i][0] // 2  # (at most one per 16 bytes)
-
-    def offsets_of(i: int) -> Iterator[np.ndarray]:
-        """The file's offsets in chunks, or its count (``[n]``) when compressed."""
-        path = files[i]
-        cached = cache_of(i)
-        if cached is not None and i in checked:
-            parts = checked.pop(i)
-            if parts is not None:  # read already
-                yield from parts
-                return
-            try:
-                got = _read_cached(cached)
-                first = next(got)  # (opened: what follows is read from the same file)
-            except (OSError, ValueError, StopIteration):
-                pass  # gone meanwhile: walked below (nothing of it was given yet)
-            else:
-                yield first
-                yield from got
-                return
-        if compressed[i]:
+    def offsets_of(i: int) -> Iterable[np.ndarray]:
+        """File ``i``'s offsets in chunks, or its count (``[n]``) when compressed."""
+        path, (size, stamp), count = files[i], infos[i], bool(compressed[i])
+        kept = _cache_file(index_dir, path, size, stamp + ("\0count" if count else ""))
+        got = _read_kept(kept, size, count)
+        if got is not None:
+            return got
+        walked: Iterable[np.ndarray]
+        if count:
             records = iter_tfrecord(
                 path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
             )
-            walked: Iterable[np.ndarray] = [np.array([sum(1 for _ in records)], dtype=np.int64)]
+            walked = [np.array([sum(1 for _ in records)], dtype=np.int64)]
         elif remote:
-            walked = _remote_walk(path, fs, infos[i][0], retry)
+            walked = _remote_walk(path, fs, size, retry)
         else:
             # The size the index records: a file appended to meanwhile is indexed as
             # it was when its size was read.
-            walked = iter_tfrecord_offsets(path, size=infos[i][0])
-        out = _CacheWriter(cached) if cached is not None else None
-        try:
-            for part in walked:
-                if out is not None:
-                    out.add(part)
-                yield part
-            if out is not None:
-                out.publish()
-        finally:
-            if out is not None:
-                out.discard()
+            walked = iter_tfrecord_offsets(path, size=size)
+        return walked if kept is None else _keeping(kept, size, walked)
 
     return tfrecord_index(
         files,
@@ -609,8 +514,22 @@ def _dataset_index(
         offsets_of,
         compressed,
         index_dir=None if index_dir is None else os.fspath(index_dir),
-        cost_of=cost_of,
     )
+
+
+def _size_and_stamp(
+    fs: fsspec.AbstractFileSystem, path: str, shard: int, remote: bool
+) -> tuple[int, str]:
+    """A file's size and what tells its versions apart (its modification time, or the
+    store's version or ETag; "" where a server gives none)."""
+    try:
+        if not remote:
+            st = os.stat(path)
+            return st.st_size, str(st.st_mtime_ns)
+        size, version = io_remote.size_and_version(fs, fs._strip_protocol(path), url=path)
+    except FileNotFoundError:
+        raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist") from None
+    return size, version or ""
 
 
 def _remote_walk(
@@ -628,122 +547,106 @@ def _remote_walk(
         yield part
 
 
-# A per-file cache is a .npy file of int64 offsets (or of one count), read and written
-# a chunk at a time.
-_NPY_DTYPE = np.dtype("<i8")
+# A file's kept offsets: its size and their number n (int64), then the n offsets (one
+# count for a compressed file), read and written a chunk at a time. An entry of an
+# earlier release (a .npy file) does not start with the file's size: walked again.
+_HEAD = struct.Struct("<qq")
 
 
-def _npy_header(n: int) -> bytes:
-    out = io.BytesIO()
-    descr = np.lib.format.dtype_to_descr(_NPY_DTYPE)
-    np.lib.format.write_array_header_1_0(
-        out, {"descr": descr, "fortran_order": False, "shape": (n,)}
-    )
-    return out.getvalue()
-
-
-def _read_cached(path: str, chunk: int = OFFSETS_CHUNK) -> Iterator[np.ndarray]:
-    """The offsets in the per-file cache at ``path``, a chunk at a time (``ValueError``:
-    not such a file)."""
+def _kept_chunks(path: str, size: int) -> Iterator[np.ndarray]:
+    """The offsets kept at ``path`` for a file of ``size`` bytes, a chunk at a time
+    (``ValueError``: not such a file's)."""
     with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        if version != (1, 0):
-            raise ValueError("not an offsets index")
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        if len(shape) != 1 or fortran or dtype != _NPY_DTYPE:
-            raise ValueError("not an offsets index")
-        n = int(shape[0])
-        if os.fstat(f.fileno()).st_size != f.tell() + 8 * n:
-            raise ValueError("truncated or padded")
-        for a in range(0, n, chunk):
-            want = 8 * min(chunk, n - a)
+        head = f.read(_HEAD.size)
+        kept_size, n = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1)
+        if kept_size != size or os.fstat(f.fileno()).st_size != _HEAD.size + 8 * n:
+            raise ValueError("not the offsets of this file")
+        for a in range(0, n, OFFSETS_CHUNK):
+            want = 8 * min(OFFSETS_CHUNK, n - a)
             data = f.read(want)
             if len(data) != want:
                 raise ValueError("truncated")
-            yield np.frombuffer(data, _NPY_DTYPE).astype(np.int64)
+            yield np.frombuffer(data, "<i8").astype(np.int64)
 
 
-def _check_cached(path: str, size: int, compressed: bool) -> tuple[int, list[np.ndarray] | None]:
-    """The number of offsets in the per-file cache at ``path``, read a chunk at a time
-    and checked to be those of a file of ``size`` bytes (``ValueError`` otherwise): a
-    count, or increasing offsets from 0 that leave room for a frame each; and the
-    offsets themselves when they are one chunk (else None: read again when used)."""
-    parts = list(itertools.islice(_read_cached(path), 2)) if compressed else _read_cached(path)
-    if compressed:
-        if len(parts) != 1 or len(parts[0]) != 1 or parts[0][0] < 0:
-            raise ValueError("not a count")
-        return 1, parts
-    n, prev, first = 0, -16, None
-    for part in parts:
-        # The first frame is at 0: a cache that starts later (damaged, or another
-        # file's) would leave every open failing on the dataset index built from it.
-        if first is None and part[0] != 0:
-            raise ValueError("not offsets from 0")
-        if part[0] - prev < 16 or bool((np.diff(part) < 16).any()):
-            raise ValueError("not offsets")
-        prev = int(part[-1])
-        n += len(part)
-        first = part if first is None else first
-    if n and prev > size - 16:
-        raise ValueError("offsets past the end")
-    return n, ([] if first is None else [first]) if n <= OFFSETS_CHUNK else None
+def _read_kept(path: str | None, size: int, count: bool) -> Iterable[np.ndarray] | None:
+    """The offsets kept at ``path`` for a file of ``size`` bytes (``count``: its count,
+    ``[n]``), a chunk at a time, or None where none are kept or what is kept cannot be
+    that file's: a count, or offsets from 0 at least 16 bytes apart, the last a frame's
+    length before the end (a damaged entry would leave every open failing on the dataset
+    index built from it). Checked in one pass; one chunk is kept from it, more read
+    again (bounded memory)."""
+    if path is None:
+        return None
+    n, prev, parts = 0, -16, []
+    try:
+        for part in _kept_chunks(path, size):
+            if not count and (
+                (n == 0 and part[0] != 0) or (np.diff(part, prepend=prev) < 16).any()
+            ):
+                raise ValueError("not offsets")
+            n, prev = n + len(part), int(part[-1])
+            if n <= OFFSETS_CHUNK:
+                parts.append(part)
+    except (OSError, ValueError):
+        return None
+    if (n != 1 or prev < 0) if count else prev > size - 16:
+        return None
+    with contextlib.suppress(OSError):  # its last use, for the store's LRU
+        os.utime(path + ".lock")
+    return parts if n <= OFFSETS_CHUNK else _kept_chunks(path, size)
 
 
-class _CacheWriter:
-    """A per-file cache written as a file's offsets are walked, published when complete
-    (a reader sees a whole index or none) as an entry of the index directory, under its
-    budget; a directory that refuses it costs a walk at each open, said once per
-    directory and process."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.n = 0
-        self._out: EntryWriter | None = None
+def _keeping(path: str, size: int, parts: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """``parts`` (a file's offsets as walked), kept at ``path`` as they pass: an entry of
+    the index directory (within its budget, evicted least recently used first) published
+    once whole, so a reader sees all of it or none."""
+    out, n = None, 0
+    try:
         try:
-            self._out = index_store(os.path.dirname(path)).writer(os.path.basename(path))
-            if self._out is not None:
-                self._out.write(_npy_header(0))
+            out = index_store(os.path.dirname(path)).writer(os.path.basename(path))
+            if out is not None:
+                out.write(_HEAD.pack(size, 0))
         except OSError as e:
-            self._failed(e)
-
-    def add(self, part: np.ndarray) -> None:
-        if self._out is None:
-            return
-        try:
-            self._out.write(np.ascontiguousarray(part, _NPY_DTYPE).tobytes())
-            self.n += len(part)
-        except OSError as e:
-            self._failed(e)
-
-    def publish(self) -> None:
-        if self._out is None:
-            return
-        try:
-            header = _npy_header(self.n)
-            if len(header) != len(_npy_header(0)):  # (not below 10^15 offsets)
-                raise OSError(f"no room for the header of {self.n} offsets")
-            self._out.write(header, at=0)
-            out, self._out = self._out, None
-            out.publish()
-        except OSError as e:
-            self._failed(e)
-
-    def discard(self) -> None:
-        """Remove what was written (nothing once published)."""
-        out, self._out = self._out, None
+            out = _unsaved(out, path, e)
+        for part in parts:
+            if out is not None:
+                try:
+                    out.write(np.asarray(part, "<i8").tobytes())
+                except OSError as e:
+                    out = _unsaved(out, path, e)
+            n += len(part)
+            yield part
+        if out is not None:
+            try:
+                out.write(_HEAD.pack(size, n), at=0)
+                out.publish()
+            except OSError as e:
+                out = _unsaved(out, path, e)
+    finally:
         if out is not None:
             out.discard()
 
-    def _failed(self, e: OSError) -> None:
-        self.discard()
-        _warn_unsaved(self.path, e)
 
-
-def _stamp(info: dict[str, Any]) -> str:
-    for key in ("ETag", "etag", "mtime", "LastModified", "last_modified", "updated"):
-        if info.get(key) is not None:
-            return f"{key}={info[key]}"
-    return ""
+def _unsaved(out: EntryWriter | None, path: str, e: OSError) -> None:
+    """Discard ``out`` and say, once per directory and process, that a file's offsets
+    cannot be kept there: a directory that refuses them (read-only, full) costs a walk
+    at each open, nothing else (as the dataset index says it)."""
+    if out is not None:
+        out.discard()
+    directory = os.path.dirname(path)
+    code = disk_full_errno(e)
+    what = "the TFRecord offset cache"
+    reason = (
+        f"{what} in {directory!r} cannot write {path!r} ({e})."
+        if code is None
+        else disk_full_error(code, what, directory, path, index_store(directory)._remedy())
+    )
+    warn_once(
+        (process.token(), "tfrecord offsets", os.path.abspath(directory)),
+        f"torchgrain: {reason} Each file's offsets are read again at each open.",
+        RuntimeWarning,
+    )
 
 
 def _cache_file(
@@ -757,37 +660,5 @@ def _cache_file(
     # suffix (.tfrecord) makes it a shard of an index_dir inside the data directory.
     name = re.sub(r"[^A-Za-z0-9_-]+", "_", path.rstrip("/").rsplit("/", 1)[-1])[-60:]
     # (an entry of the directory's store: counted in its budget, evicted least recently
-    # used first; the .npy files of earlier releases are not read)
+    # used first)
     return os.path.join(os.fspath(index_dir), f"{key}-{name}.offsets{INDEX_SUFFIX}")
-
-
-# (process id, directory) already warned that a file's offsets cannot be kept there.
-_SAVE_WARNED: set[tuple[int, str]] = set()
-_SAVE_LOCK = threading.Lock()
-_REMEDY = (
-    "Free space on that disk, or pass index_dir= a directory on a disk with room (its "
-    "default lies under $TORCHGRAIN_CACHE; index_dir=None keeps indexes in memory)."
-)
-
-
-def _warn_unsaved(path: str, e: OSError) -> None:
-    """Say, once per directory and process, that a file's offsets cannot be kept there:
-    a directory that refuses them (read-only, full) costs an index walk at each open,
-    nothing else (as the dataset index says it)."""
-    directory = os.path.dirname(path)
-    key = (os.getpid(), os.path.abspath(directory))
-    with _SAVE_LOCK:
-        if key in _SAVE_WARNED:
-            return
-        _SAVE_WARNED.add(key)
-    code = disk_full_errno(e)
-    reason = (
-        f"the TFRecord offset cache in {directory!r} cannot write {path!r} ({e})."
-        if code is None
-        else disk_full_error(code, "the TFRecord offset cache", directory, path, _REMEDY)
-    )
-    warnings.warn(
-        f"torchgrain: {reason} Each file's offsets are read again at each open.",
-        RuntimeWarning,
-        stacklevel=2,
-    )

@@ -93,7 +93,6 @@ def tfrecord_index(
     compressed: np.ndarray,
     *,
     index_dir: str | None,
-    cost_of: Callable[[int], int] | None = None,
 ) -> TFRecordIndex:
     """The index of TFRecord files ``paths``: ``infos[i]`` is file ``i``'s ``(size,
     version stamp)`` (its modification time or ETag), ``offsets_of(i)`` walks (or reads
@@ -105,10 +104,10 @@ def tfrecord_index(
     Built in bounded memory: files are walked in parallel threads, each file's offsets
     written into the index file as soon as the files before it are, while the offsets
     walked and not yet written stay within
-    :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (``cost_of(i)``: the bytes
-    file ``i``'s offsets may take, default 8 per 16 bytes of file, the most a file can
-    hold); a file larger than a quarter of that is walked as it is written, a chunk at
-    a time. A build of more than a few seconds reports its progress on stderr.
+    :data:`~torchgrain.sources.node_index.store.BUILD_BYTES` (a file's offsets take at
+    most 8 bytes per 16 bytes of file); a file whose offsets may take more than a
+    quarter of that is walked as it is written, a chunk at a time. A build of more than
+    a few seconds reports its progress on stderr.
 
     Example:
         >>> import numpy as np
@@ -121,14 +120,12 @@ def tfrecord_index(
     s = len(paths)
     sizes = np.array([size for size, _ in infos], np.int64)
     key = index_key("tfrecord", [(p, size, stamp) for p, (size, stamp) in zip(paths, infos)])
-    if cost_of is None:
-        cost_of = lambda i: 8 if compressed[i] else int(sizes[i]) // 2  # noqa: E731
 
     def build(out: str | None) -> TFRecordIndex:
         budget = store.BUILD_BYTES
 
         def peek(i: int) -> tuple[int, int]:
-            cost = cost_of(i)
+            cost = 8 if compressed[i] else int(sizes[i]) // 2
             # A file too large to hold is walked as it is written (its cost: a chunk).
             return (i, cost) if cost <= budget // 4 else (-1 - i, _CHUNK_COST)
 
