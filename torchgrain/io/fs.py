@@ -169,8 +169,10 @@ def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return fs.unstrip_protocol(path)
 
 
-def _has_glob(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
+def _has_glob(path: str, fs: fsspec.AbstractFileSystem | None = None) -> bool:
+    # On HTTP(S) a "?" starts the query (a signed URL's), never a wildcard, as fsspec's
+    # HTTP filesystem reads it.
+    return any(ch in path for ch in ("*[" if fs is not None and _paths.is_http(fs) else "*?["))
 
 
 def expand_paths(
@@ -225,7 +227,7 @@ def expand_paths(
         if fs is None:
             fs = item_fs
         listing = _Listing(item_fs, item, suffixes, allow_external)
-        if _has_glob(stripped):
+        if _has_glob(stripped, item_fs):
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
@@ -326,7 +328,7 @@ def skipped_files(
     out: list[str] = []
     for item in map(os.fspath, items):
         fs, p = get_filesystem(item, storage_options, allow_redirects=allow_external)
-        if _has_glob(p) or not remote.isdir(fs, p, url=item):
+        if _has_glob(p, fs) or not remote.isdir(fs, p, url=item):
             continue
         listed = _Listing(fs, item, suffixes, allow_external).find(p)
         out.extend(_unstrip(fs, f) for f in non_data_files(p, listed, suffixes))
