@@ -288,7 +288,11 @@ def _fill(
 ) -> None:
     """``out[rows[k]]``: frame ``k`` decompressed to ``sizes[k]`` bytes with
     ``decoder``'s context (all left None when one fails), or copied without one."""
-    vals = decoder._decompress_frames(frames, sizes.tolist()) if decoder else map(bytes, frames)
+    vals = (
+        map(bytes, frames)
+        if decoder is None
+        else decoder._decompress_frames(frames, sizes.tolist())
+    )
     for k, v in zip(rows.tolist(), vals or ()):
         out[k] = v
 
