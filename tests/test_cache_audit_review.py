@@ -318,11 +318,6 @@ def test_a_shard_re_uploaded_during_a_job_is_a_named_error_not_a_new_copy(tmp_pa
             [int(src[i]["v"]) for i in (5, 70)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a shard cache directory that refuses writes fails every read of a remote shard "
-    "with a bare OSError naming a lock file (older)",
-)
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
 def test_a_shard_cache_directory_that_refuses_writes_is_read_around(tmp_path, monkeypatch, code):
     # A read-only mount, or a directory of another user (EACCES; this suite may run as

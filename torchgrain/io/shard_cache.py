@@ -26,7 +26,7 @@ import stat
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import fsspec
@@ -34,6 +34,7 @@ import fsspec
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CacheDiskFullError, CorruptDataError
 from torchgrain.io import process, remote
+from torchgrain.io.atomic import disk_full_error
 from torchgrain.io.cache_records import (
     NEXT_FILE,
     SUM_DIR,
@@ -69,6 +70,8 @@ _TOUCH_INTERVAL = 1.0
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 _STATS = ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries")
 _STATS += ("verified", "bytes_verified", "rejected")
+# What a directory that refuses writes answers: read-only, or not this user's.
+_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 class _ShortDownload(ConnectionError):
@@ -440,6 +443,26 @@ class ShardCache(NodeStore):
         return read_hints(os.path.join(self.directory, NEXT_FILE))
 
     # ----------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
+        """:meth:`NodeStore._writing`; a write the directory refuses (a read-only mount,
+        another user's directory) makes the cache as unusable as a full disk does: the
+        same :class:`~torchgrain.CacheDiskFullError` (with its ``errno``), and sources
+        read without the cache."""
+        try:
+            with super()._writing(path, what, mark=mark):
+                yield
+        except CacheDiskFullError:
+            raise
+        except OSError as e:
+            if e.errno not in _REFUSED or not str(e.filename).startswith(self.directory):
+                raise  # (a remote's refusal, during a download, is not the directory's)
+            remedy = "Pass cache_dir= a directory this process can write to."
+            with super()._writing(path, what, mark=mark):  # (sets disk_full)
+                raise disk_full_error(
+                    e.errno, self._WHAT, self.directory, path, remedy, what=what
+                ) from e
+
     def _remedy(self) -> str:
         return (
             "Free space on that disk, lower its budget (cache_dir_bytes, now "
