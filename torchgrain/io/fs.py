@@ -494,7 +494,10 @@ class _Listing:
                     raise
                 raise self._out_of_time(policy, len(seen)) from e
             for entry in entries:
-                name = entry["name"]
+                # A link "./name" (Caddy's listings) is "name", as a browser and aiohttp
+                # resolve it; fsspec joins it as written. A dot segment in any other
+                # reading (%2e) is still refused.
+                name = re.sub(r"/(?:\./)+", "/", entry["name"])
                 if entry.get("type") != "directory":
                     if self._keep(root, name):
                         files.append(name)
