@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import torchgrain as tg
 from tests.conftest import make_records
@@ -139,3 +140,5 @@ def test_a_listing_whose_links_start_with_dot_slash_is_read(tmp_path):
         src = tg.ParquetSource(f"{srv.url}/pq", retry=QUICK)
         assert src.paths == [f"{srv.url}/pq/a.parquet", f"{srv.url}/pq/sub/b.parquet"]
         assert [r["x"] for r in src.__getitems__([0, 1, 2])] == [1, 2, 3]
+        loader = torch.utils.data.DataLoader(src, batch_size=None, num_workers=2)
+        assert sorted(int(r["x"]) for r in loader) == [1, 2, 3]
