@@ -230,7 +230,7 @@ def _rows_with_null_items(
     child: pa.Array, outer: np.ndarray, n: int, mask: np.ndarray | None
 ) -> np.ndarray | None:
     """Which of the ``n`` rows (items ``child[outer[i]:outer[i + 1]]``) hold a null item
-    and are not null themselves (``mask``); None when none holds one."""
+    and are not null themselves (``mask``); None when none does."""
     child_mask = _null_mask(child)
     if child_mask is None:
         return None
@@ -243,7 +243,7 @@ def _rows_with_null_items(
     flags[owner] = True
     if mask is not None:
         flags &= ~mask
-    return flags
+    return flags if flags.any() else None
 
 
 # ------------------------------------------------------------- whole-column conversion
@@ -520,10 +520,11 @@ def _column(arr: pa.Array) -> _Column:
         col.values = np.frombuffer(buf, np.uint8)[off * w : (off + n) * w]
     elif _is_list(t) and (fresh := _leaf_numpy(arr.values)) is not None:
         child = arr.values
-        if child.null_count:
-            holed = _rows_with_null_items(child, _list_offsets(arr)[0], n, _null_mask(arr))
-            if holed is not None and holed.any():
-                return col  # rows with null items: Python lists
+        if (
+            child.null_count
+            and _rows_with_null_items(child, _list_offsets(arr)[0], n, _null_mask(arr)) is not None
+        ):
+            return col  # rows with null items: Python lists
         if pa.types.is_fixed_size_list(t):
             k = t.list_size
             col.kind, col.values = _MATRIX, fresh[off * k : (off + n) * k].reshape(n, k)
