@@ -386,7 +386,9 @@ class CudaPrefetcher(Iterable[Any]):
         pin_memory: pin host tensors before a CUDA copy. ``None`` (default) pins unless
             the loader is a ``DataLoader`` with ``pin_memory=True``.
 
-    ``len(prefetcher)`` is ``len(loader)``. An exception raised by the loader (or the
+    ``len(prefetcher)`` is ``len(loader)``, and the loader's other attributes are the
+    prefetcher's: to resume, wrap it in :class:`~torchgrain.ResumableLoader` (which counts
+    the batches the loop took), not the other way round (a ``TypeError``). An exception raised by the loader (or the
     transform) is re-raised in the consumer at the position of the failed batch, with
     its original type and traceback. Leaving the loop early, closing the iterator,
     deleting it or letting it be garbage collected stops and joins the thread and frees
@@ -425,6 +427,16 @@ class CudaPrefetcher(Iterable[Any]):
             raise ValueError(f"CudaPrefetcher: depth must be a positive int, got {depth!r}")
         if transform is not None and not callable(transform):
             raise TypeError(f"CudaPrefetcher: transform must be callable, got {transform!r}")
+        from torchgrain.loader import ResumableLoader
+
+        if isinstance(loader, ResumableLoader):
+            # It would count the batches pulled ahead as taken by the loop: its state_dict()
+            # would skip them on resume.
+            raise TypeError(
+                "CudaPrefetcher over a ResumableLoader: its state would skip the batches "
+                "prefetched ahead of the loop; wrap the other way round: "
+                "tg.ResumableLoader(tg.CudaPrefetcher(loader, ...))"
+            )
         self.loader = loader
         self.device = _resolve_device(device)
         self.depth = depth
@@ -467,6 +479,13 @@ class CudaPrefetcher(Iterable[Any]):
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # The loader's public attributes (sampler, batch_size, num_workers, ...), so that a
+        # tg.ResumableLoader around the prefetcher finds and binds its sampler.
+        if name.startswith("_") or name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
     def close(self) -> None:
         """Stop the pass in progress, if any, and release its thread and batches."""
