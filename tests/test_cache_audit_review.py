@@ -203,11 +203,6 @@ def test_a_shard_truncated_between_its_check_and_the_read_is_not_a_sigbus(tmp_pa
     assert proc.stdout.startswith(("named:", "served 60 True")), proc.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodedCache._open takes only an OSError as no entry; open_regular's "
-    "CorruptDataError for a FIFO fails the read (older)",
-)
 def test_a_decoded_cache_entry_replaced_by_a_fifo_is_decoded_again(tmp_path):
     import pyarrow.parquet as pq
 

@@ -293,6 +293,9 @@ class DecodedCache(NodeStore):
             buf, st, pin = map_file_pinned(path)
         except OSError:  # missing, or unreadable (decoded again, and replaced if it can)
             return None, None
+        except CorruptDataError:  # not a regular file (a FIFO, a device): decoded again,
+            self._count(corrupt=1)  # and replaced by the new entry's rename
+            return None, None
         try:
             table = self._check(buf, st, key, schema, num_rows, trusted)
         except CorruptDataError:
