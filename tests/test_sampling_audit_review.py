@@ -88,3 +88,14 @@ def test_a_resumable_loader_around_a_prefetcher_resumes_after_the_batches_the_lo
     resumed.load_state_dict(state)
     assert head + [b.tolist() for b in resumed] == full
     assert resumed.epoch == 1
+
+
+@pytest.mark.xfail(strict=True, reason="an explicit num_replicas drops torchrun's RANK")
+def test_a_sampler_given_num_replicas_alone_takes_its_rank_from_torchrun(monkeypatch):
+    # Under torchrun (WORLD_SIZE, RANK) before a process group exists, a sampler given
+    # num_replicas but no rank was rank 0 in every process: each read rank 0's part.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    s = tg.GlobalShuffleSampler(10, num_replicas=4, seed=2)
+    assert (s.num_replicas, s.rank) == (4, 3)
+    assert list(s) == list(tg.GlobalShuffleSampler(10, num_replicas=4, rank=3, seed=2))
