@@ -90,7 +90,6 @@ def test_a_resumable_loader_around_a_prefetcher_resumes_after_the_batches_the_lo
     assert resumed.epoch == 1
 
 
-@pytest.mark.xfail(strict=True, reason="an explicit num_replicas drops torchrun's RANK")
 def test_a_sampler_given_num_replicas_alone_takes_its_rank_from_torchrun(monkeypatch):
     # Under torchrun (WORLD_SIZE, RANK) before a process group exists, a sampler given
     # num_replicas but no rank was rank 0 in every process: each read rank 0's part.

@@ -64,16 +64,17 @@ def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
         else:
             env_world = _env_int("WORLD_SIZE")
             if env_world is not None and env_world > 1 and num_replicas is None:
-                env_rank = _env_int("RANK")
-                if env_rank is None and rank is None:
+                num_replicas = env_world
+                if rank is None and _env_int("RANK") is None:
                     raise RuntimeError(
                         f"WORLD_SIZE={env_world} is set but RANK is not, and no torch.distributed "
                         "process group is initialised, so this process cannot tell which part "
                         "of the data is its own. Call torch.distributed.init_process_group() "
                         "before iterating the sampler, or pass num_replicas= and rank="
                     )
-                num_replicas = env_world
-                rank = env_rank if rank is None else rank
             num_replicas = 1 if num_replicas is None else num_replicas
+            if rank is None and num_replicas > 1:
+                # Also when num_replicas is given: torchrun's RANK, not rank 0 in every process.
+                rank = _env_int("RANK")
             rank = 0 if rank is None else rank
     return check_world(num_replicas, rank)
