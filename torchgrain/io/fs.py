@@ -103,7 +103,7 @@ def canonical_local_path(path: str) -> str:
         '/data/val/*.parquet'
     """
     head, tail = path, ""
-    if _has_glob(path):
+    if has_glob(path):
         cut = path.rfind("/", 0, min(path.index(c) for c in "*?[" if c in path))
         head, tail = path[: max(cut, 0)], path[max(cut, 0) :]
     parts = head.split("/")
@@ -169,9 +169,16 @@ def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     return fs.unstrip_protocol(path)
 
 
-def _has_glob(path: str, fs: fsspec.AbstractFileSystem | None = None) -> bool:
-    # On HTTP(S) a "?" starts the query (a signed URL's), never a wildcard, as fsspec's
-    # HTTP filesystem reads it.
+def has_glob(path: str, fs: fsspec.AbstractFileSystem | None = None) -> bool:
+    """Whether ``path`` (of ``fs``) is a glob: it holds ``*``, ``[`` or ``?``, except on
+    HTTP(S), where a ``?`` starts the URL's query (a signed URL's), never a wildcard, as
+    fsspec's HTTP filesystem reads it.
+
+    Example:
+        >>> from fsspec.implementations.http import HTTPFileSystem
+        >>> has_glob("/d/a?.parquet"), has_glob("https://h/a.parquet?sig=x", HTTPFileSystem())
+        (True, False)
+    """
     return any(ch in path for ch in ("*[" if fs is not None and _paths.is_http(fs) else "*?["))
 
 
@@ -227,7 +234,7 @@ def expand_paths(
         if fs is None:
             fs = item_fs
         listing = _Listing(item_fs, item, suffixes, allow_external)
-        if _has_glob(stripped, item_fs):
+        if has_glob(stripped, item_fs):
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
@@ -328,7 +335,7 @@ def skipped_files(
     out: list[str] = []
     for item in map(os.fspath, items):
         fs, p = get_filesystem(item, storage_options, allow_redirects=allow_external)
-        if _has_glob(p, fs) or not remote.isdir(fs, p, url=item):
+        if has_glob(p, fs) or not remote.isdir(fs, p, url=item):
             continue
         listed = _Listing(fs, item, suffixes, allow_external).find(p)
         out.extend(_unstrip(fs, f) for f in non_data_files(p, listed, suffixes))

@@ -24,7 +24,7 @@ import fsspec
 from torchgrain.errors import DatasetNotFoundError
 from torchgrain.formats.manifest import Manifest, read_manifest
 from torchgrain.io import remote
-from torchgrain.io.fs import expand_paths, get_filesystem
+from torchgrain.io.fs import expand_paths, get_filesystem, has_glob
 from torchgrain.io.paths import resolve_all
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "resolve_dataset"]
@@ -48,7 +48,7 @@ def resolve_dataset(
         else:
             fs, root = get_filesystem(paths, storage_options, allow_redirects=allow_external_paths)
         where = os.fspath(paths)
-        if not any(ch in root for ch in "*?[") and remote.isdir(fs, root, url=where):
+        if not has_glob(root, fs) and remote.isdir(fs, root, url=where):
             manifest = read_manifest(fs, root)
             if manifest is not None:
                 files = _shard_paths(

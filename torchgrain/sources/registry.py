@@ -32,6 +32,7 @@ from torchgrain.io.fs import (
     describe_files,
     expand_paths,
     get_filesystem,
+    has_glob,
     is_local,
     list_files,
     non_data_files,
@@ -334,7 +335,7 @@ def detect_format(
     for item in items:
         fs, p = get_filesystem(item, storage_options, allow_redirects=allow_external_paths)
         where = os.fspath(item)
-        glob = any(ch in p for ch in "*?[")
+        glob = has_glob(p, fs)
         if not glob and remote.isdir(fs, p, url=where):
             marked = [
                 f.name
@@ -353,7 +354,8 @@ def detect_format(
                     + describe_files(p, non_data_files(p, listed, suffixes), "; it holds ")
                 )
         else:
-            names = [where.rstrip("/").rsplit("/", 1)[-1]]
+            # A "?" outside a glob starts an HTTP(S) URL's query: the name is before it.
+            names = [(where if glob else where.split("?")[0]).rstrip("/").rsplit("/", 1)[-1]]
             if not _of_a_format(names[0]):
                 # The name cannot tell: a typo, a glob over other names, a file of
                 # another format. Only now is anything asked of the filesystem.

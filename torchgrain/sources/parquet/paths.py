@@ -13,15 +13,17 @@ import numpy as np
 import pyarrow as pa
 
 from torchgrain.errors import DatasetNotFoundError, SchemaMismatchError
-from torchgrain.io.fs import canonical_local_path, expand_paths, get_filesystem, is_local
+from torchgrain.io.fs import (
+    canonical_local_path,
+    expand_paths,
+    get_filesystem,
+    has_glob,
+    is_local,
+)
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
 _INT_RE = re.compile(r"-?(0|[1-9][0-9]*)")
-
-
-def _has_glob(path: str) -> bool:
-    return any(ch in path for ch in "*?[")
 
 
 def resolve(
@@ -67,7 +69,7 @@ def resolve(
             if is_local(filesystem):
                 stripped = canonical_local_path(stripped)
         stripped = stripped.rstrip("/")
-        if _has_glob(stripped):
+        if has_glob(stripped, item_fs):
             prefix = stripped[: min(stripped.index(c) for c in "*?[" if c in stripped)]
             base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         elif len(found) == 1 and item_fs._strip_protocol(found[0]).rstrip("/") == stripped:
