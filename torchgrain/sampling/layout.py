@@ -50,25 +50,32 @@ def complement(intervals: list[tuple[int, int]], length: int) -> list[tuple[int,
 
 
 def compose(layout: np.ndarray, virtual: list[tuple[int, int]]) -> np.ndarray:
-    """Stream intervals of the given virtual intervals of ``layout``.
+    """Stream intervals of the given virtual intervals of ``layout`` (ascending and
+    disjoint, as :func:`complement` gives them): one walk over both, O(k + m).
 
     Example:
         >>> compose(np.array([[0, 3], [5, 8]]), [(2, 4)]).tolist()
         [[2, 3], [5, 6]]
     """
     out: list[tuple[int, int]] = []
-    base = 0
-    for s, e in layout.tolist():
-        seg_len = e - s
-        for vs, ve in virtual:
-            lo, hi = max(vs, base), min(ve, base + seg_len)
+    segments = layout.tolist()
+    i = base = 0  # segment i starts at virtual position base
+    for vs, ve in virtual:
+        while i < len(segments) and base + segments[i][1] - segments[i][0] <= vs:
+            base += segments[i][1] - segments[i][0]
+            i += 1
+        j, b = i, base
+        while j < len(segments) and b < ve:
+            s, e = segments[j]
+            lo, hi = max(vs, b), min(ve, b + e - s)
             if lo < hi:
-                a, b = s + lo - base, s + hi - base
+                a, c = s + lo - b, s + hi - b
                 if out and out[-1][1] == a:
-                    out[-1] = (out[-1][0], b)
+                    out[-1] = (out[-1][0], c)
                 else:
-                    out.append((a, b))
-        base += seg_len
+                    out.append((a, c))
+            b += e - s
+            j += 1
     if not out:
         out.append((0, 0))
     return np.asarray(out, dtype=np.int64).reshape(-1, 2)
