@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import re
 import time
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 import torchgrain as tg
 from tests.conftest import make_records
 from tests.servers import FaultProxy, RangeHTTPServer
+from torchgrain.formats.codecs import get_codec
 from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import responses
@@ -70,12 +72,6 @@ def _parquet(path, first: int) -> None:
     pq.write_table(t, path, compression="none", use_dictionary=False, row_group_size=50)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the ETag/Last-Modified pinned at opening stay in the opening process "
-    "(io/responses._PINS) and do not travel with a pickled source: a spawned worker pins "
-    "the first answer it gets, so a file replaced since the opening is read as the new file",
-)
 @pytest.mark.timeout(60)
 def test_a_file_replaced_after_opening_is_refused_by_a_spawned_worker(tmp_path, monkeypatch):
     """The dataset's files are pinned when it is opened: a file replaced on the server
@@ -101,6 +97,66 @@ def test_a_file_replaced_after_opening_is_refused_by_a_spawned_worker(tmp_path, 
         worker = pickle.loads(state)
         with pytest.raises(tg.RemoteIOError, match=r"p1\.parquet"):
             pytest.fail(f"read the replaced file: {worker[150]}")
+
+
+class _Lines:
+    """The smallest format: one int per line (a reader is its list)."""
+
+    name, suffixes = "lines", (".lines",)
+
+    def open(self, file):
+        return _LinesReader(bytes(file.read()).split())
+
+
+class _LinesReader(list):
+    def read(self, rows):
+        return [{"i": int(self[r])} for r in rows.tolist()]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["ar", "tf", "lines"])
+def test_every_pickled_source_refuses_a_file_replaced_after_opening(tmp_path, monkeypatch, kind):
+    """As the Parquet test above, for each kind of source over remote files: a spawned
+    worker (the source unpickled where nothing is pinned) refuses a shard whose ETag and
+    Last-Modified changed since the opening read it (same bytes, a later mtime)."""
+    recs = [{"i": i} for i in range(8)]
+    (tmp_path / kind).mkdir()
+    if kind == "ar":
+        tg.write_array_record(recs, tmp_path / kind, num_shards=2)
+    for s in range(2):
+        part = recs[4 * s : 4 * s + 4]
+        if kind == "tf":
+            write_tfrecord(
+                [get_codec("msgpack").encode(r) for r in part], tmp_path / kind / f"{s}.tfrecord"
+            )
+        elif kind == "lines":
+            (tmp_path / kind / f"{s}.lines").write_text("".join(f"{r['i']}\n" for r in part))
+    with RangeHTTPServer(tmp_path) as srv:
+        url = f"{srv.url}/{kind}"
+        make = {
+            "ar": lambda: tg.ArrayRecordSource(url, retry=QUICK),
+            "tf": lambda: tg.TFRecordSource(url, codec="msgpack", index_dir=None, retry=QUICK),
+            "lines": lambda: tg.FormatSource(url, format=_Lines(), retry=QUICK),
+        }[kind]
+        src = make()
+        assert src[6] == {"i": 6}
+        name = src.paths[1].rsplit("/", 1)[1]
+        later = time.time() + 100
+        os.utime(tmp_path / kind / name, (later, later))
+        state = pickle.dumps(src)
+        monkeypatch.setattr(responses, "_PINS", {})
+        worker = pickle.loads(state)
+        assert worker[0] == {"i": 0}
+        with pytest.raises(tg.RemoteIOError, match=re.escape(name)):
+            pytest.fail(f"read the replaced file: {worker[6]}")
+        # A process that has read the new version (a later opening) refuses the old one.
+        monkeypatch.setattr(responses, "_PINS", {})
+        assert make()[6] == {"i": 6}
+        with pytest.raises(tg.RemoteIOError, match=re.escape(name)):
+            pickle.loads(state)
 
 
 @pytest.mark.timeout(60)

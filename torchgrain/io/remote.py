@@ -72,10 +72,17 @@ from fsspec.asyn import AsyncFileSystem, sync
 from fsspec.callbacks import Callback
 from fsspec.exceptions import FSTimeoutError
 
-from torchgrain.errors import CorruptDataError, UnsafePathError
+from torchgrain.errors import CorruptDataError, RemoteIOError, UnsafePathError
 from torchgrain.io import loops  # noqa: F401  (its fork hook: see the module docstring)
 from torchgrain.io.paths import is_http
-from torchgrain.io.responses import ResponseSizeError, read_capped, request_coroutine
+from torchgrain.io.responses import (
+    RangeAnswerError,
+    ResponseSizeError,
+    check_file_answer,
+    pinned,
+    read_capped,
+    request_coroutine,
+)
 from torchgrain.io.responses import pin as _pin
 from torchgrain.io.responses import unchanged_since as _unchanged_since
 from torchgrain.io.retry import (
@@ -106,7 +113,9 @@ __all__ = [
     "isfile",
     "open_input",
     "pin",
+    "pins_of",
     "redirect_refusal",
+    "restore_pins",
     "storage_options_with_deadlines",
 ]
 
@@ -554,6 +563,69 @@ def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None
     if isinstance(fs, AsyncFileSystem):
         return _unchanged_since(path, seen)
     return None
+
+
+def pins_of(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> list[tuple | None] | None:
+    """What this process has pinned of remote files ``paths`` of ``fs`` (size, ``ETag``,
+    ``Last-Modified``; None for a file it has not), for a pickle of the source reading
+    them: a spawned worker restores them (:func:`restore_pins`) as a forked one inherits
+    them, and refuses a file replaced on the server since the opening. Local and
+    in-memory files: None.
+
+    Example:
+        >>> import fsspec
+        >>> pins_of(fsspec.filesystem("memory"), ["/c/p"]) is None
+        True
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return None
+    # Equal values are one object, pickled once: files written in the same second share a
+    # Last-Modified, files of one size and no validator yet share a pin (8 -> 2 bytes).
+    same: dict[Any, Any] = {}
+    got = [pinned(fs._strip_protocol(p)) for p in paths]
+    return [
+        None if g is None else same.setdefault(t, t)
+        for g in got
+        for t in [(g.size, *(same.setdefault(v, v) for v in (g.etag, g.modified)))]
+    ]
+
+
+def restore_pins(
+    fs: fsspec.AbstractFileSystem, paths: Sequence[str], pins: list[tuple | None] | None
+) -> None:
+    """Pin in this process what :func:`pins_of` found of ``paths`` in another, where this
+    one has pinned nothing of them yet.
+
+    Raises:
+        RemoteIOError: this process has pinned another version of one of the files (a
+            later opening of a file replaced since), naming its URL: offsets taken from
+            one version never index the other.
+
+    Example:
+        >>> from fsspec.implementations.http import HTTPFileSystem
+        >>> fs = HTTPFileSystem()
+        >>> restore_pins(fs, ["http://h/r"], [(3, '"v1"', None)])
+        >>> pins_of(fs, ["http://h/r"])
+        [(3, '"v1"', None)]
+        >>> restore_pins(fs, ["http://h/r"], [(3, '"v0"', None)])
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.RemoteIOError: http://h/r: this process has read another version of the file (size, ETag, Last-Modified: (3, '"v1"', None)) than the dataset's opening did ((3, '"v0"', None)): the file changed on the server since; open the dataset again
+    """
+    for path, pin in zip(paths, pins or ()):
+        if pin is None:
+            continue
+        key = fs._strip_protocol(path)
+        try:
+            check_file_answer(key, *pin)
+        except RangeAnswerError:
+            now = pinned(key)
+            raise RemoteIOError(
+                f"{path}: this process has read another version of the file (size, ETag, "
+                f"Last-Modified: {now and (now.size, now.etag, now.modified)}) than the "
+                f"dataset's opening did ({pin}): the file changed on the server since; open "
+                "the dataset again"
+            ) from None
 
 
 def check_length(

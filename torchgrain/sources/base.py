@@ -642,14 +642,17 @@ class ShardedSource(Source):
     def __getstate__(self) -> dict[str, Any]:
         # Readers, threads, caches and counters are per process, and the helpers are
         # made again for the new source (copy.copy and deepcopy come here too): only the
-        # shards' sizes they learnt travel.
+        # shards' sizes they learnt travel, and the versions of the remote files pinned
+        # in this process (a spawned worker has none of its own to refuse a replaced file).
         state = self.__dict__.copy()
         state["_state"] = None
         del state["cached_copies"], state["ranges"]
         state["cache_fit"] = dict(self.cache_fit.sizes)
+        state["_pins"] = remote.pins_of(self._fs, self._paths)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        remote.restore_pins(state["_fs"], state["_paths"], state.pop("_pins", None))
         self.__dict__.update(state)
         self._make_helpers(state["cache_fit"])
 
