@@ -270,31 +270,27 @@ def read_mapped(
             return vals
     else:
         z = np.flatnonzero(ok)
-        _fill(out, z, _frames(view, payload[z], end[z], cut[z]), dec[z], decoder)
-        # Files written uncompressed: the same plan for raw chunks (no learning per file).
+        vals = decoder._decompress_frames(
+            _frames(view, payload[z], end[z], cut[z]), dec[z].tolist()
+        )
         miss = np.flatnonzero(~ok)
+        # Files written uncompressed: the same plan for raw chunks (no learning per file).
         raw = miss[heads[miss, CHUNK_HEADER] == UNCOMPRESSED]
+        if vals is not None and not len(raw):  # a few unusual chunks: in their places
+            for k in miss.tolist():  # ascending: each lands at its position
+                vals.insert(k, careful(k))
+            return vals
+        got: list[tuple[np.ndarray, Iterable[Any]]] = [(z, vals or ())]
         if len(raw):
             ok, payload, end, _, cut = _plan(
                 pos[raw], heads[raw], file_ends[raw], chunk_ends[raw], decoded[raw], True
             )
-            _fill(out, raw[ok], _frames(view, payload[ok], end[ok], cut[ok]), None, None)
+            got.append((raw[ok], map(bytes, _frames(view, payload[ok], end[ok], cut[ok]))))
+        for rows, values in got:
+            for k, v in zip(rows.tolist(), values):
+                out[k] = v
     # Unusual chunks and frames that failed: the careful path, which names them.
     return [careful(k) if v is None else v for k, v in enumerate(out)]
-
-
-def _fill(
-    out: list[Any], rows: np.ndarray, frames: Iterable[Any], sizes: Any, decoder: Any
-) -> None:
-    """``out[rows[k]]``: frame ``k`` decompressed to ``sizes[k]`` bytes with
-    ``decoder``'s context (all left None when one fails), or copied without one."""
-    vals = (
-        map(bytes, frames)
-        if decoder is None
-        else decoder._decompress_frames(frames, sizes.tolist())
-    )
-    for k, v in zip(rows.tolist(), vals or ()):
-        out[k] = v
 
 
 def _plan(
