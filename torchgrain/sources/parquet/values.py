@@ -2,7 +2,8 @@
 and for columns.
 
 A cached :class:`RowGroup` keeps its decoded table in Arrow's compact form and is
-prepared once per batch format: :class:`RowViews` (records built per batch by
+prepared once per batch format, from one view of each column (``_column``: its kind and
+numpy views of its buffers): :class:`RowViews` (records built per batch by
 :func:`build_records`: a value costs one index into a memoryview or numpy view, whichever
 row group it sits in), :class:`RowTemplates` (records converted whole while they fit the
 cache, copied by :func:`copy_records`) or :class:`GroupViews` (columns, by :func:`gather`
