@@ -243,11 +243,6 @@ def _ar_without_manifest(directory: str, version: int) -> None:
             os.utime(os.path.join(directory, name), (st.st_atime + 60 * version,) * 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a copy is keyed by the URL (and a manifest's checksum) only: a shard "
-    "re-uploaded with its size is served from the old copy (older; documented)",
-)
 def test_a_shard_re_uploaded_with_its_size_is_not_served_from_the_old_copy(tmp_path):
     import torchgrain as tg
     from tests.servers import RangeHTTPServer
@@ -283,11 +278,6 @@ def test_next_use_hints_replaced_by_a_fifo_never_hang(tmp_path):
     assert cache.next_uses() == {os.path.basename(cache.local_path(url)): 3}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a download into the shard cache does not check the remote's version pinned "
-    "when the dataset was opened (older)",
-)
 def test_a_shard_re_uploaded_during_a_job_is_a_named_error_not_a_new_copy(tmp_path, monkeypatch):
     # Without the cache, the read of a re-uploaded shard is a RemoteIOError: "the file
     # changed on the server since it was first read". Through a copy downloaded again

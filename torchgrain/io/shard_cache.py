@@ -1,9 +1,13 @@
 """ShardCache: whole remote shards copied to a local directory, shared by every process.
 
-The cache assumes shards are immutable: the same URL always holds the same bytes
-(write a changed dataset to a new path, or give checksums in the manifest). Without
-a checksum, what a hit guarantees is that the copy holds the bytes downloaded (of the
-size the manifest or the store gave), not that the store still holds them.
+Without a checksum in the manifest, a download is checked against the version (the
+``ETag``, else ``Last-Modified``) that this process pins for the remote file
+(:func:`torchgrain.io.remote.pin`: from the dataset's opening and its answers, else asked once
+with one ``info`` request) after it arrives: a file changed on the server is a
+:class:`~torchgrain.RemoteIOError`, as without the cache. The cache assumes shards are
+immutable otherwise: the same URL always holds the same bytes (write a changed dataset to a
+new path, or give checksums in the manifest); a hit guarantees that the copy holds the bytes
+downloaded (of the size the manifest or the store gave), not that the store still holds them.
 
 Each request to object storage pays tens of milliseconds before its first byte; a whole
 shard fetched once and read locally pays it once per shard, and not in later epochs. The
@@ -33,7 +37,7 @@ import fsspec
 
 from torchgrain.caches import announce, size_text
 from torchgrain.errors import CacheDiskFullError, CorruptDataError
-from torchgrain.io import process, remote
+from torchgrain.io import process, remote, responses
 from torchgrain.io.atomic import disk_full_error
 from torchgrain.io.cache_records import (
     NEXT_FILE,
@@ -149,6 +153,7 @@ class ShardCache(NodeStore):
         self._paths: dict[tuple[str, str | None], str] = {}
         # copy path -> identity of the file this process checked (or downloaded) there
         self._verified: dict[str, Identity] = {}
+        self._unversioned: set[str] = set()  # remote files whose store names no version
         # copy path -> when this process last refreshed its LRU position (monotonic)
         self._touched: dict[str, float] = {}
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
@@ -234,7 +239,8 @@ class ShardCache(NodeStore):
                 filesystem on a miss when not given. A cached copy of another size is
                 discarded and fetched again, as is one that fails its check (see
                 ``verify_hits``).
-            checksum: the expected checksum, checked before the copy is published.
+            checksum: the expected checksum, checked before the copy is published
+                (without one, a download's remote version: see the module docstring).
             verify: ``verify(path, checksum, name=...)`` raising
                 :class:`~torchgrain.CorruptDataError` on a mismatch (default: a whole-file
                 hash, ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``; sources
@@ -249,7 +255,8 @@ class ShardCache(NodeStore):
 
         Raises:
             DatasetNotFoundError / PermissionError: the object is missing / forbidden.
-            RemoteIOError: transient failures outlasted the retry policy.
+            RemoteIOError: transient failures outlasted the retry policy, or the file
+                changed on the server since this process pinned its version.
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
@@ -298,6 +305,13 @@ class ShardCache(NodeStore):
         verify: Verifier | None = None,
     ) -> tuple[str, Identity, T | None]:
         name = os.path.basename(path)
+        fs = filesystem
+        if fs is None:
+            fs, rpath = get_filesystem(url, retry=self.retry)
+        else:
+            rpath = fs._strip_protocol(url)
+        # (a checksum checks the bytes themselves: no version needed)
+        version = None if checksum else self._version(fs, rpath, url)
         waited = self._hit(path, size) is None  # a hit now waited for another's download
         # A complete copy is checked and opened under a shared lock (several workers may
         # check one copy at once): downloads and evictions, which need the lock
@@ -328,16 +342,9 @@ class ShardCache(NodeStore):
                 self._count(rejected=1)
             self._remove_temps(name)
             remove_record_temps(self._sum_path(path))
-            retrying: dict[str, Any] = {
-                "url": url,
-                "policy": self.retry,
-                "on_retry": self._on_retry,
-            }
-            fs = filesystem
-            if fs is None:
-                fs, rpath = get_filesystem(url, retry=self.retry)
-            else:
-                rpath = fs._strip_protocol(url)
+            retrying = self._retrying(url)
+            if (size is None or size < 0) and version:  # (its lookup pinned the size)
+                size = remote.unchanged_since(fs, rpath, None)[0]  # type: ignore[index]
             if size is None or size < 0:
                 size = retry_call(remote.file_size, fs, rpath, what="size lookup", **retrying)
             if size > self.max_bytes:
@@ -352,6 +359,8 @@ class ShardCache(NodeStore):
                     retry_call(
                         self._download, fs, rpath, tmp, size, url, what="download", **retrying
                     )
+                    if version:  # of the version pinned: the file did not change meanwhile
+                        retry_call(self._observe, fs, rpath, url, what="version check", **retrying)
                     crc = None
                     if checksum:
                         crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
@@ -535,6 +544,45 @@ class ShardCache(NodeStore):
             return False
         self._checks()[path] = ident
         return True
+
+    def _retrying(self, url: str) -> dict[str, Any]:
+        return {"url": url, "policy": self.retry, "on_retry": self._on_retry}
+
+    def _version(self, fs: fsspec.AbstractFileSystem, rpath: str, url: str) -> str | None:
+        """The version of remote ``rpath`` this process reads (a word): its ``ETag``, else
+        ``Last-Modified``, as pinned (:func:`remote.pin`: by the dataset's opening and its
+        answers; no request), else asked of the store once and pinned. None for local and
+        in-memory files and where the store names none."""
+        seen = remote.unchanged_since(fs, rpath, None)  # (size, ETag, Last-Modified) pinned
+        if seen is None or rpath in self._unversioned:
+            return None
+        if not (seen[1] or seen[2]):
+            retry_call(self._observe, fs, rpath, url, what="version lookup", **self._retrying(url))
+            seen = remote.unchanged_since(fs, rpath, None) or seen
+        tag = seen[1] or seen[2]
+        if not tag:
+            self._unversioned.add(rpath)
+            return None
+        # (a compressing proxy weakens an ETag, W/"x": the same object)
+        return hashlib.sha256(tag.removeprefix("W/").encode()).hexdigest()[:24]
+
+    def _observe(self, fs: fsspec.AbstractFileSystem, rpath: str, url: str) -> None:
+        """Ask the store for ``rpath``'s size and validators and check them against what
+        this process pinned (pinning them where none are): another version raises
+        :class:`~torchgrain.io.responses.RangeAnswerError`, retried once, then a
+        :class:`~torchgrain.RemoteIOError` saying the file changed on the server."""
+        info = remote.call(fs, "info", rpath, url=url, what="version lookup")
+        size = info.get("size")
+        if remote.unchanged_since(fs, rpath, None)[0] is not None:  # type: ignore[index]
+            size = None  # (a pinned size is the download's to check: it names the bytes)
+        etag = info.get("ETag") or info.get("etag")
+        modified = info.get("Last-Modified") or info.get("LastModified")
+        responses.check_file_answer(
+            rpath,
+            size if isinstance(size, int) and not isinstance(size, bool) else None,
+            str(etag) if etag else None,
+            str(modified) if modified else None,
+        )
 
     def _sum_path(self, path: str) -> str:
         return os.path.join(self.directory, SUM_DIR, os.path.basename(path))
