@@ -582,12 +582,15 @@ def pins_of(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> list[tuple |
     # Equal values are one object, pickled once: files written in the same second share a
     # Last-Modified, files of one size and no validator yet share a pin (8 -> 2 bytes).
     same: dict[Any, Any] = {}
-    got = [pinned(fs._strip_protocol(p)) for p in paths]
-    return [
-        None if g is None else same.setdefault(t, t)
-        for g in got
-        for t in [(g.size, *(same.setdefault(v, v) for v in (g.etag, g.modified)))]
-    ]
+
+    def one(path: str) -> tuple | None:
+        got = pinned(fs._strip_protocol(path))
+        if got is None:
+            return None
+        pin = (got.size, *(same.setdefault(v, v) for v in (got.etag, got.modified)))
+        return same.setdefault(pin, pin)
+
+    return [one(p) for p in paths]
 
 
 def restore_pins(

@@ -377,11 +377,11 @@ def changed_error(path: str, tag: str | None) -> RangeAnswerError:
 
     Example:
         >>> print(changed_error("h://x/c", '"v1"'))
-        h://x/c: the server answers 412 to If-Match '"v1"': the file changed on the server since it was first read
+        h://x/c: the server answers 412 to If-Match '"v1"', the ETag pinned when it was first read: the file changed on the server since
     """
     return RangeAnswerError(
-        f"{path}: the server answers 412 to If-Match {tag!r}: the file changed on the server "
-        "since it was first read"
+        f"{path}: the server answers 412 to If-Match {tag!r}, the ETag pinned when it was "
+        "first read: the file changed on the server since"
     )
 
 
