@@ -303,6 +303,34 @@ def test_a_shard_re_uploaded_during_a_job_is_a_named_error_not_a_new_copy(tmp_pa
             [int(src[i]["v"]) for i in (5, 70)]
 
 
+def test_a_copy_of_another_version_is_a_miss_for_the_next_job(tmp_path):
+    # The next job (a process that has pinned nothing of the file) finds the copy of the
+    # shard's previous upload, of the same size: its record names the version it is of, the
+    # store another, so it is downloaded again; a hit of the version pinned asks nothing.
+    from tests.servers import RangeHTTPServer
+    from torchgrain.io import remote
+    from torchgrain.io.fs import get_filesystem
+
+    (tmp_path / "www").mkdir()
+    shard = tmp_path / "www" / "shard"
+    warnings.simplefilter("ignore")  # (the cache's notice of where it writes)
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        url = f"{srv.url}/shard"
+        fs, rpath = get_filesystem(url)
+        shard.write_bytes(b"1" * 100)
+        ShardCache(str(tmp_path / "c"), max_bytes=1000).fetch(url, filesystem=fs)
+        shard.write_bytes(b"2" * 100)
+        os.utime(shard, (shard.stat().st_mtime + 60,) * 2)  # a minute later: another ETag
+        remote.pin(fs, rpath, None, fresh=True)  # (as the next job's opening: nothing pinned)
+        cache = ShardCache(str(tmp_path / "c"), max_bytes=1000)
+        with open(cache.fetch(url, filesystem=fs), "rb") as f:
+            assert f.read() == b"2" * 100
+        asked = len(srv.log)
+        with open(cache.fetch(url, filesystem=fs), "rb") as f:
+            assert f.read() == b"2" * 100
+    assert (cache.stats["misses"], cache.stats["hits"], len(srv.log)) == (1, 1, asked)
+
+
 @pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES])
 def test_a_shard_cache_directory_that_refuses_writes_is_read_around(tmp_path, monkeypatch, code):
     # A read-only mount, or a directory of another user (EACCES; this suite may run as

@@ -1,10 +1,11 @@
 """The small files a :class:`~torchgrain.io.shard_cache.ShardCache` keeps beside its copies.
 
-* The CRC record of each copy, ``DIR/.sums/<copy name>``: ``"crc32:<hex> <size>"``, the
-  CRC-32 and size of the bytes that passed the download's checks. A hit is served only
+* The CRC record of each copy, ``DIR/.sums/<copy name>``: ``"crc32:<hex> <size>
+  [<version>]"``, the CRC-32 and size of the bytes that passed the download's checks, and
+  the remote file's version they are of (where the store names one). A hit is served only
   while the copy matches it (its :func:`file_crc`, computed again whenever its
-  :func:`file_identity` changes); the record's modification time is the copy's last use
-  (its LRU position).
+  :func:`file_identity` changes) and is of the version read; the record's modification
+  time is the copy's last use (its LRU position).
 * The next-use hints of ``eviction="belady"``, ``DIR/.next-use``: one ``"<copy name>
   <position>"`` line per copy, the position in the sampler's order of its next use.
 
@@ -99,18 +100,31 @@ def file_crc(path: str) -> tuple[str, Identity]:
     return f"crc32:{crc:08x}", file_identity(st)
 
 
-def write_record(record: str, crc: str, size: int) -> None:
-    """Record at ``record`` the CRC and size of a copy that passed its download's checks."""
-    atomic_write_text(record, f"{crc} {size}\n", durable=False)
+def write_record(record: str, crc: str, size: int, version: str | None = None) -> None:
+    """Record at ``record`` the CRC and size of a copy that passed its download's checks,
+    and the version of the remote file it is (one word; None: none known)."""
+    atomic_write_text(record, f"{crc} {size}{f' {version}' if version else ''}\n", durable=False)
 
 
-def read_record(record: str) -> tuple[str, int] | None:
-    """``(crc, size)`` recorded at ``record``; None when there is none or it is malformed."""
+def read_record(record: str, version: str | None = None) -> tuple[str, int] | None:
+    """``(crc, size)`` recorded at ``record``; None when there is none, it is malformed, or
+    it is of another ``version`` than the one given (a copy of another version of the
+    remote file, or without one: downloaded again).
+
+    Example:
+        >>> import os, tempfile
+        >>> record = os.path.join(tempfile.mkdtemp(), "copy")
+        >>> write_record(record, "crc32:352441c2", 3, "v1")
+        >>> read_record(record, "v1"), read_record(record, "v2")
+        (('crc32:352441c2', 3), None)
+    """
     try:
         # (open_regular: a FIFO put in its place would wait for a writer forever)
         with open(open_regular(record)) as f:
             text = f.read(200)
-        crc, size = text.split()
+        crc, size, *recorded = text.split()
+        if len(recorded) > 1 or (version is not None and recorded != [version]):
+            return None
         return crc, int(size)
     except (OSError, ValueError):  # (a CorruptDataError is a ValueError)
         return None

@@ -1,13 +1,12 @@
 """ShardCache: whole remote shards copied to a local directory, shared by every process.
 
-Without a checksum in the manifest, a download is checked against the version (the
-``ETag``, else ``Last-Modified``) that this process pins for the remote file
+A copy is of one version of its remote file: without a checksum in the manifest, its record
+names the version (the ``ETag``, else ``Last-Modified``) that this process pins for the file
 (:func:`torchgrain.io.remote.pin`: from the dataset's opening and its answers, else asked once
-with one ``info`` request) after it arrives: a file changed on the server is a
-:class:`~torchgrain.RemoteIOError`, as without the cache. The cache assumes shards are
-immutable otherwise: the same URL always holds the same bytes (write a changed dataset to a
-new path, or give checksums in the manifest); a hit guarantees that the copy holds the bytes
-downloaded (of the size the manifest or the store gave), not that the store still holds them.
+with one ``info`` request), a copy of another version is a miss (downloaded again), and a
+download is checked against the pinned version after it arrives (a file changed on the server
+is a :class:`~torchgrain.RemoteIOError`, as without the cache). A store that names no version
+is taken to keep the same bytes at a URL (write a changed dataset to a new path).
 
 Each request to object storage pays tens of milliseconds before its first byte; a whole
 shard fetched once and read locally pays it once per shard, and not in later epochs. The
@@ -100,7 +99,7 @@ class ShardCache(NodeStore):
         retry: retry policy for downloads (default :class:`RetryPolicy()`).
         verify_hits: check a cached copy against the CRC recorded at its download the first
             time each process uses it, and when the file changes (1-4 GB/s of one core);
-            ``False`` trusts a copy of the right size.
+            ``False`` trusts a copy of the right size (and version).
         eviction: ``"lru"`` (default) or ``"belady"``: the copies whose next use lies
             furthest ahead in the sampler's order, as told by :meth:`advise`.
 
@@ -151,8 +150,9 @@ class ShardCache(NodeStore):
         self._stats_lock = threading.Lock()
         self._token = process.token()
         self._paths: dict[tuple[str, str | None], str] = {}
-        # copy path -> identity of the file this process checked (or downloaded) there
-        self._verified: dict[str, Identity] = {}
+        # copy path -> identity of the file this process checked (or downloaded) there,
+        # and the remote version it was checked as (None: any)
+        self._verified: dict[str, tuple[Identity, str | None]] = {}
         self._unversioned: set[str] = set()  # remote files whose store names no version
         # copy path -> when this process last refreshed its LRU position (monotonic)
         self._touched: dict[str, float] = {}
@@ -239,8 +239,9 @@ class ShardCache(NodeStore):
                 filesystem on a miss when not given. A cached copy of another size is
                 discarded and fetched again, as is one that fails its check (see
                 ``verify_hits``).
-            checksum: the expected checksum, checked before the copy is published
-                (without one, a download's remote version: see the module docstring).
+            checksum: the expected checksum, checked before the copy is published.
+                Without one, a remote copy is of the version this process reads (see
+                the module docstring): a copy of another version is fetched again.
             verify: ``verify(path, checksum, name=...)`` raising
                 :class:`~torchgrain.CorruptDataError` on a mismatch (default: a whole-file
                 hash, ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``; sources
@@ -260,9 +261,6 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
-        hit = self.lookup(url, size=size, checksum=checksum)
-        if hit is not None:
-            return hit[0]
         path = self.local_path(url, checksum=checksum)
         return self._fetch_locked(url, path, filesystem, size, checksum, None, verify)[0]
 
@@ -320,14 +318,18 @@ class ShardCache(NodeStore):
         with self._lock(name, shared=True):
             st = self._hit(path, size)
             if st is not None:
-                if self._check(path, st, url):
+                if self._check(path, st, url, version):
                     self._count(hits=1, waits=int(waited))
                     return path, file_identity(st), opener(path) if opener else None
                 failed = file_identity(st)
         with self._lock(name):
             # Another worker may have fetched (or replaced) it while we waited for the lock.
             st = self._hit(path, size)
-            if st is not None and file_identity(st) != failed and self._check(path, st, url):
+            if (
+                st is not None
+                and file_identity(st) != failed
+                and self._check(path, st, url, version)
+            ):
                 self._count(hits=1, waits=int(waited))
                 return path, file_identity(st), opener(path) if opener else None
             if os.path.lexists(path):  # of the wrong size, failed its check, not a file
@@ -369,7 +371,7 @@ class ShardCache(NodeStore):
                     if not (isinstance(crc, str) and _CRC_TEXT.fullmatch(crc)):
                         crc, _ = file_crc(tmp)
                     with self._writing(self._sum_path(path), f" (the record of {url})"):
-                        write_record(self._sum_path(path), crc, size)
+                        write_record(self._sum_path(path), crc, size, version)
                     self._publish(tmp, path, size, what)
                     # After the rename, which moves the change time: the identity it keeps.
                     ident = file_identity(os.stat(path))
@@ -401,7 +403,7 @@ class ShardCache(NodeStore):
                         directory=self.directory,
                         path=tmp,
                     ) from None
-            self._checks()[path] = ident
+            self._checks()[path] = (ident, version)
             self._count(misses=1, bytes_fetched=size)
             announce(
                 "the shard cache (local copies of remote shards)",
@@ -509,12 +511,16 @@ class ShardCache(NodeStore):
                 os.utime(self._sum_path(path))
         return st
 
-    def _checked(self, path: str, st: os.stat_result) -> bool:
-        """Whether this process has checked the file ``st`` describes (no I/O)."""
-        return not self.verify_hits or self._checks().get(path) == file_identity(st)
+    def _checked(self, path: str, st: os.stat_result, version: str | None = None) -> bool:
+        """Whether this process has checked the file ``st`` describes, as of ``version``
+        when given (no I/O)."""
+        got = self._checks().get(path)
+        if got is not None and got[0] == file_identity(st) and version in (None, got[1]):
+            return True
+        return not self.verify_hits and version is None
 
-    def _checks(self) -> dict[str, Identity]:
-        """The copies this process has checked (path -> identity). A forked child
+    def _checks(self) -> dict[str, tuple[Identity, str | None]]:
+        """The copies this process has checked (path -> identity, version). A forked child
         (a DataLoader worker) starts with none: each process checks what it uses. It
         makes its own stats lock too: a download in the parent may have held it at the
         fork."""
@@ -524,14 +530,18 @@ class ShardCache(NodeStore):
             self._token = process.token()
         return self._verified
 
-    def _check(self, path: str, st: os.stat_result, url: str) -> bool:
-        """Whether the copy at ``path`` (``st``) holds the bytes its download recorded:
-        size and CRC, read once per process per identity. Call with the shard lock held."""
-        if self._checked(path, st):
+    def _check(self, path: str, st: os.stat_result, url: str, version: str | None) -> bool:
+        """Whether the copy at ``path`` (``st``) holds the bytes its download recorded, of
+        ``version`` when given: size, version and CRC (unless not ``verify_hits``), read once
+        per process per identity. Call with the shard lock held."""
+        if self._checked(path, st, version):
             return True
-        recorded = read_record(self._sum_path(path))
+        recorded = read_record(self._sum_path(path), version)
         if recorded is None or recorded[1] != st.st_size:
             return False  # no record of a checked download (or not this one's): refetch
+        if not self.verify_hits:
+            self._checks()[path] = (file_identity(st), version)
+            return True
         crc, ident = file_crc(path)
         self._count(verified=1, bytes_verified=st.st_size)
         if crc != recorded[0] or ident != file_identity(st):
@@ -542,17 +552,17 @@ class ShardCache(NodeStore):
                 stacklevel=2,
             )
             return False
-        self._checks()[path] = ident
+        self._checks()[path] = (ident, version)
         return True
 
     def _retrying(self, url: str) -> dict[str, Any]:
         return {"url": url, "policy": self.retry, "on_retry": self._on_retry}
 
     def _version(self, fs: fsspec.AbstractFileSystem, rpath: str, url: str) -> str | None:
-        """The version of remote ``rpath`` this process reads (a word): its ``ETag``, else
-        ``Last-Modified``, as pinned (:func:`remote.pin`: by the dataset's opening and its
-        answers; no request), else asked of the store once and pinned. None for local and
-        in-memory files and where the store names none."""
+        """The version of remote ``rpath`` this process reads (a word for the copy's
+        record): its ``ETag``, else ``Last-Modified``, as pinned (:func:`remote.pin`: by
+        the dataset's opening and its answers; no request), else asked of the store once and
+        pinned. None for local and in-memory files and where the store names none."""
         seen = remote.unchanged_since(fs, rpath, None)  # (size, ETag, Last-Modified) pinned
         if seen is None or rpath in self._unversioned:
             return None
