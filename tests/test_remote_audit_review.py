@@ -35,11 +35,6 @@ QUICK = RetryPolicy(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an S3 listing answer (ListObjectsV2) is read whole by botocore: the "
-    "MAX_PAGE_BYTES cap covers HTTP pages and S3 object bodies only",
-)
 @pytest.mark.timeout(120)
 def test_an_s3_listing_far_larger_than_a_page_is_given_up_without_being_buffered(
     tmp_path, moto_s3, monkeypatch
@@ -64,6 +59,16 @@ def test_an_s3_listing_far_larger_than_a_page_is_given_up_without_being_buffered
         assert proxy.hits() == 1
         # What a capped read lets out: the page, plus the loopback's socket buffers.
         assert proxy.flooded < 16 << 20, proxy.flooded
+        proxy.inject(
+            "flood",
+            times=None,
+            match="list-type",
+            method="GET",
+            total=total,
+            content_type="text/xml",
+        )
+        with pytest.raises(tg.RemoteIOError, match=r"audit-listing\?list-type=2.*MAX_PAGE_BYTES"):
+            tg.ArrayRecordSource("s3://audit-listing/ar", storage_options=opts, retry=QUICK)
 
 
 def _parquet(path, first: int) -> None:

@@ -99,6 +99,7 @@ from torchgrain.io.retry import (
 )
 
 __all__ = [
+    "CappedS3Session",
     "RemoteFile",
     "ResponseSizeError",
     "call",
@@ -144,15 +145,16 @@ def storage_options_with_deadlines(
     total, which the per-request deadline gives) and a client that reads bodies with a
     byte cap (see the module docstring) and refuses redirects unless ``allow_redirects``
     (a ``get_client`` of your own replaces both); for ``s3``/``s3a`` botocore's
-    ``connect_timeout`` and ``read_timeout``. Other protocols are returned unchanged
-    (their requests still get the per-request deadline).
+    ``connect_timeout`` and ``read_timeout``, and an HTTP session that reads the answers
+    botocore reads whole with the same cap (:class:`CappedS3Session`). Other protocols are
+    returned unchanged (their requests still get the per-request deadline).
 
     Example:
         >>> opts = storage_options_with_deadlines("s3", {"anon": True})
-        >>> opts["anon"], opts["config_kwargs"]
-        (True, {'connect_timeout': 10.0, 'read_timeout': 20.0, 'max_pool_connections': 256})
+        >>> opts["anon"], opts["config_kwargs"]["read_timeout"]
+        (True, 20.0)
         >>> storage_options_with_deadlines("s3", {"config_kwargs": {"read_timeout": 5}})
-        {'config_kwargs': {'read_timeout': 5, 'connect_timeout': 10.0, 'max_pool_connections': 256}}
+        {'config_kwargs': {'read_timeout': 5, 'connect_timeout': 10.0, 'max_pool_connections': 256, 'http_session_cls': <class 'torchgrain.io.remote.CappedS3Session'>}}
     """
     policy = policy or current_policy()
     opts = dict(storage_options or {})
@@ -176,8 +178,68 @@ def storage_options_with_deadlines(
         config.setdefault("read_timeout", float(policy.read_timeout))
         # botocore keeps 10 connections unless told: a source's max_inflight needs more.
         config.setdefault("max_pool_connections", MAX_CONNECTIONS)
+        if _takes_http_session_cls():
+            config.setdefault("http_session_cls", CappedS3Session)
         opts["config_kwargs"] = config
     return opts
+
+
+@functools.cache
+def _takes_http_session_cls() -> bool:
+    # aiobotocore's AioConfig takes http_session_cls since 2.12.2 (3.10.0 in
+    # scripts/constraints.txt); an older one reads listings whole, as before.
+    import inspect
+
+    from aiobotocore.config import AioConfig
+
+    return "http_session_cls" in inspect.signature(AioConfig).parameters
+
+
+class CappedS3Session:
+    """aiobotocore's HTTP session (``AioConfig(http_session_cls=...)``), whose answers
+    botocore reads whole (a listing, an error, any answer but an object's body) are read
+    with a byte cap: more than :data:`MAX_PAGE_BYTES` is a :class:`ResponseSizeError`
+    naming the URL, given up before the rest is read (aiobotocore held a whole endless
+    listing). An object's body is left to its reader (:func:`torchgrain.io.responses.
+    request_coroutine` reads it capped). A class of this module, so that a filesystem's
+    options pickle; what it makes is an ``aiobotocore.httpsession.AIOHTTPSession`` whose
+    ``send`` reads the body itself: a hook on aiobotocore's session API (its ``send``, the
+    request's ``stream_output``, the response's ``_content``; checked against 3.10.0)."""
+
+    def __new__(cls, **kwargs: Any) -> Any:
+        return _capped_s3_session()(**kwargs)
+
+
+@functools.cache
+def _capped_s3_session() -> type:
+    from aiobotocore.httpsession import AIOHTTPSession
+
+    class Session(AIOHTTPSession):
+        async def send(self, request: Any) -> Any:
+            stream = request.stream_output
+            request.stream_output = True  # aiobotocore's send then leaves the body unread
+            try:
+                response = await super().send(request)
+            finally:
+                request.stream_output = stream
+            if stream and response.status_code < 300:
+                return response  # an object's body, for its reader
+            raw = response.raw
+            why = (
+                f"{request.url}: the answer holds more than {MAX_PAGE_BYTES} bytes, the most "
+                "torchgrain reads of a listing or an error (remote.MAX_PAGE_BYTES)"
+            )
+            try:
+                body = await read_capped(
+                    raw.content.read, MAX_PAGE_BYTES, raw.content_length, why=why
+                )
+            except BaseException:
+                raw.close()  # the rest of the body is never read
+                raise
+            response._content = bytes(body)  # what botocore's parser reads
+            return response
+
+    return Session
 
 
 class _RedirectRefused(UnsafePathError, PermissionError):
