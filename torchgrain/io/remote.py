@@ -229,10 +229,10 @@ def _capped_s3_session() -> type:
                 f"{request.url}: the answer holds more than {MAX_PAGE_BYTES} bytes, the most "
                 "torchgrain reads of a listing or an error (remote.MAX_PAGE_BYTES)"
             )
+            # (a HEAD answer's Content-Length is the object's, and it has no body)
+            declared = None if request.method == "HEAD" else raw.content_length
             try:
-                body = await read_capped(
-                    raw.content.read, MAX_PAGE_BYTES, raw.content_length, why=why
-                )
+                body = await read_capped(raw.content.read, MAX_PAGE_BYTES, declared, why=why)
             except BaseException:
                 raw.close()  # the rest of the body is never read
                 raise
