@@ -4,13 +4,22 @@ version, the capped S3 session, and '?' on HTTP(S) (reproduced against servers o
 
 from __future__ import annotations
 
+import copy
+import os
+import pickle
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-import torchgrain as tg  # noqa: F401
-from torchgrain.io.shard_cache import ShardCache
-from torchgrain.io import remote
+import torchgrain as tg
+from tests.servers import RangeHTTPServer
+from torchgrain.io import remote, responses
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy
+from torchgrain.io.shard_cache import ShardCache
 
 QUICK = RetryPolicy(
     attempts=2,
@@ -39,3 +48,39 @@ def test_the_size_of_an_s3_object_larger_than_a_page_is_answered(tmp_path, moto_
     cache = ShardCache(tmp_path / "cache", max_bytes=8 << 20, retry=QUICK)
     with open(cache.fetch("s3://pins-head/big", filesystem=fs), "rb") as f:
         assert f.read() == b"x" * (3 << 20)
+
+
+def _parquet(path, first: int) -> None:
+    # Uncompressed plain int64: another version of the file has the same size and layout.
+    t = pa.table({"x": np.arange(first, first + 100, dtype=np.int64)})
+    pq.write_table(t, path, compression="none", use_dictionary=False, row_group_size=50)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="older: a source's pickle carries the process's pins, not its own"
+)
+@pytest.mark.timeout(60)
+def test_a_copy_of_a_source_opened_before_a_reupload_refuses_the_new_version(tmp_path, monkeypatch):
+    """A source opened on one version of a file, then the file replaced (same size) and the
+    dataset opened again in the same process: the second opening pins the new version, and
+    pins_of gives the process's pins, not the first source's, so its copy (copy.copy, a
+    spawned DataLoader worker's unpickled source) reads the new bytes under the old
+    opening's index without an error, where the source itself still reads the old rows."""
+    (tmp_path / "pq").mkdir()
+    _parquet(tmp_path / "pq" / "p0.parquet", 0)
+    _parquet(tmp_path / "pq" / "p1.parquet", 1000)
+    with RangeHTTPServer(tmp_path) as srv:
+        first = tg.ParquetSource(f"{srv.url}/pq", retry=QUICK, cache_bytes=0)
+        assert first[150] == {"x": 1050}
+        replaced = tmp_path / "pq" / "p1.parquet"
+        _parquet(replaced, 5000)
+        later = time.time() + 100  # another ETag and Last-Modified
+        os.utime(replaced, (later, later))
+        again = tg.ParquetSource(f"{srv.url}/pq", retry=QUICK, cache_bytes=0)
+        assert again[150] == {"x": 5050}
+        state = pickle.dumps(first)
+        with pytest.raises(tg.RemoteIOError, match=r"p1\.parquet"):
+            pytest.fail(f"a copy read the new file: {copy.copy(first)[150]}")
+        monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
+        with pytest.raises(tg.RemoteIOError, match=r"p1\.parquet"):
+            pytest.fail(f"a spawned worker read the new file: {pickle.loads(state)[150]}")
