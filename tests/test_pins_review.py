@@ -15,7 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
+from tests.conftest import make_records
 from tests.servers import RangeHTTPServer
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import remote, responses
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy
@@ -84,3 +87,31 @@ def test_a_copy_of_a_source_opened_before_a_reupload_refuses_the_new_version(tmp
         monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
         with pytest.raises(tg.RemoteIOError, match=r"p1\.parquet"):
             pytest.fail(f"a spawned worker read the new file: {pickle.loads(state)[150]}")
+
+
+QUERY = "X-Amz-Credential=AK%2Fx/20260101/us-east-1/s3/aws4_request&X-Amz-Signature=ab"
+
+
+@pytest.mark.xfail(strict=True, reason="the TFDS metadata is looked for inside the query")
+@pytest.mark.timeout(60)
+def test_an_arrayrecord_or_tfrecord_url_whose_query_holds_a_slash_is_that_file(tmp_path):
+    """A signed URL whose query holds '/' (as the Parquet test of the same query in
+    test_remote_audit_review): ArrayRecordSource, TFRecordSource, tg.open and the CLI's
+    inspect look for the TFDS metadata in the file's "directory", cut at the query's last
+    '/' (.../a.tfrecord?X-Amz-Credential=AK%2Fx/.../s3/dataset_info.json), which the server
+    answers with the shard itself: a CorruptDataError 'TFDS metadata ... is not JSON'."""
+    tg.write_array_record(make_records(6), tmp_path / "ar", num_shards=1)
+    (shard,) = [n for n in os.listdir(tmp_path / "ar") if n.endswith(".array_record")]
+    (tmp_path / "tf").mkdir()
+    write_tfrecord(
+        [encode_tf_example({"x": [i]}) for i in range(5)], tmp_path / "tf" / "a.tfrecord"
+    )
+    with RangeHTTPServer(tmp_path) as srv:
+        ar_url, tf_url = f"{srv.url}/ar/{shard}?{QUERY}", f"{srv.url}/tf/a.tfrecord?{QUERY}"
+        for ar in (tg.ArrayRecordSource(ar_url, retry=QUICK), tg.open(ar_url, retry=QUICK)):
+            assert [r["id"] for r in ar.__getitems__([0, 5])] == ["r0", "r5"]
+        for tf in (
+            tg.TFRecordSource(tf_url, retry=QUICK, index_dir=None),
+            tg.open(tf_url, retry=QUICK, index_dir=None),
+        ):
+            assert [int(tf[i]["x"][0]) for i in (0, 4)] == [0, 4]
