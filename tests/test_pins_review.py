@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import torchgrain as tg
 from tests.conftest import make_records
@@ -115,3 +116,30 @@ def test_an_arrayrecord_or_tfrecord_url_whose_query_holds_a_slash_is_that_file(t
             tg.open(tf_url, retry=QUICK, index_dir=None),
         ):
             assert [int(tf[i]["x"][0]) for i in (0, 4)] == [0, 4]
+
+
+@pytest.mark.timeout(90)
+def test_an_s3_tfrecord_file_larger_than_a_page_is_read_by_dataloader_workers(
+    tmp_path, moto_s3, monkeypatch
+):
+    """TFRecordSource asks an S3 file's size and version with one info (a HEAD): of a
+    file over remote.MAX_PAGE_BYTES the capped S3 session refused the answer (its
+    Content-Length is the object's), so such a dataset could not be opened."""
+    client, endpoint = moto_s3
+    client.create_bucket(Bucket="pins-tf")
+    records = [encode_tf_example({"x": [i], "pad": [b"p" * 1000]}) for i in range(2000)]
+    write_tfrecord(records, tmp_path / "a.tfrecord")
+    assert (tmp_path / "a.tfrecord").stat().st_size > 1 << 20
+    client.upload_file(str(tmp_path / "a.tfrecord"), "pins-tf", "tf/a.tfrecord")
+    monkeypatch.setattr(remote, "MAX_PAGE_BYTES", 1 << 20)
+    opts = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    src = tg.TFRecordSource(
+        "s3://pins-tf/tf/a.tfrecord", storage_options=opts, retry=QUICK, index_dir=None
+    )
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(src, [0, 999, 1999]),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
+    assert sorted(int(r["x"][0]) for r in loader) == [0, 999, 1999]
