@@ -93,7 +93,6 @@ def test_a_copy_of_a_source_opened_before_a_reupload_refuses_the_new_version(tmp
 QUERY = "X-Amz-Credential=AK%2Fx/20260101/us-east-1/s3/aws4_request&X-Amz-Signature=ab"
 
 
-@pytest.mark.xfail(strict=True, reason="the TFDS metadata is looked for inside the query")
 @pytest.mark.timeout(60)
 def test_an_arrayrecord_or_tfrecord_url_whose_query_holds_a_slash_is_that_file(tmp_path):
     """A signed URL whose query holds '/' (as the Parquet test of the same query in

@@ -40,6 +40,7 @@ from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import BaseCodec
 from torchgrain.formats.tf_example import decode_tf_example
 from torchgrain.io import remote
+from torchgrain.io.paths import is_http
 
 __all__ = ["TFDSCodec", "check_single_split", "read_tfds_features", "tfds_codec_for"]
 
@@ -135,6 +136,8 @@ def tfds_codec_for(
     if not files:
         return None
     stripped = fs._strip_protocol(files[0])
+    if is_http(fs):  # a signed URL's query may hold '/': the directory is the path's
+        stripped = stripped.split("?", 1)[0]
     directory = posixpath.dirname(stripped)
     features, info = read_tfds_features(fs, directory)
     if features is None:
