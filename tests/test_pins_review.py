@@ -144,7 +144,6 @@ def test_an_s3_tfrecord_file_larger_than_a_page_is_read_by_dataloader_workers(
     assert sorted(int(r["x"][0]) for r in loader) == [0, 999, 1999]
 
 
-@pytest.mark.xfail(strict=True, reason="older: a re-opening sends the old ETag as If-Match")
 @pytest.mark.timeout(60)
 def test_a_file_replaced_on_the_server_can_be_opened_again_in_the_same_process(tmp_path):
     """An opening reads a dataset as it is now (a later opening pins anew: io/responses.pin),

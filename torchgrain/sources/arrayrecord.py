@@ -157,6 +157,7 @@ class ArrayRecordSource(EncodedSource):
         self._dindex: ArrayRecordIndex | None = None
         self._count_bad: np.ndarray | None = None  # shards whose files disagree with the manifest
         self._mapped: Any = None  # this process's ShardRegion and decoder (not pickled)
+        fresh = False  # (set where the shards are pinned anew below)
         if local and len(shard_paths):
             if index_dir is ...:
                 index_dir = default_index_dir("arrayrecord")
@@ -172,6 +173,12 @@ class ArrayRecordSource(EncodedSource):
             elif not np.array_equal(self._dindex.counts, counts):
                 self._count_bad = self._dindex.counts != counts
         elif counts is None:  # remote files without a manifest: count from footers
+            # An opening reads the shards as they are now: what an earlier opening in this
+            # process pinned of them (a dataset re-uploaded since) is taken anew, before
+            # the footers are read (they pin the answers' size and validators).
+            for path in shard_paths:
+                remote.pin(fs, fs._strip_protocol(path), None, fresh=True)
+            fresh = True
             counts = retry_call(
                 read_num_records,
                 list(shard_paths),
@@ -192,10 +199,9 @@ class ArrayRecordSource(EncodedSource):
             options=opts,
             max_open_files=max_open_files,
         )
-        if not local:
-            # An opening reads the shards as they are now: what an earlier opening in this
-            # process pinned of them (a dataset re-uploaded since) is taken anew, from the
-            # manifest's sizes and the first answers (its workers inherit or make these).
+        if not local and not fresh:
+            # The same, from the manifest's sizes and the first answers (its workers
+            # inherit or make these).
             for shard, path in enumerate(self._paths):
                 size = self.shard_integrity(shard)[0]
                 remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
