@@ -7,13 +7,10 @@ import glob
 import os
 import threading
 
-import pytest
-
 import torchgrain as tg
 from torchgrain.formats.tfrecord import write_tfrecord
 
 
-@pytest.mark.xfail(strict=True, reason="a FIFO as a kept offsets entry: open() waits forever")
 def test_a_fifo_in_place_of_a_files_kept_offsets_does_not_hang_the_open(tmp_path):
     # A FIFO where the index directory keeps a TFRecord file's offsets (a damaged or
     # hostile index_dir): the open waited for a writer forever. It is not the file's

@@ -55,7 +55,7 @@ from torchgrain.formats.tfrecord import (
 from torchgrain.io import process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
-from torchgrain.io.changes import ChangedWhileOpen
+from torchgrain.io.changes import ChangedWhileOpen, open_regular
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile
@@ -556,7 +556,7 @@ _HEAD = struct.Struct("<qq")
 def _kept_chunks(path: str, size: int) -> Iterator[np.ndarray]:
     """The offsets kept at ``path`` for a file of ``size`` bytes, a chunk at a time
     (``ValueError``: not such a file's)."""
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:  # (a FIFO's open would wait forever)
         head = f.read(_HEAD.size)
         kept_size, n = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1)
         if kept_size != size or os.fstat(f.fileno()).st_size != _HEAD.size + 8 * n:
