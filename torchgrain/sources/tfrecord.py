@@ -26,6 +26,7 @@ import itertools
 import os
 import re
 import struct
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -547,10 +548,11 @@ def _remote_walk(
         yield part
 
 
-# A file's kept offsets: its size and their number n (int64), then the n offsets (one
-# count for a compressed file), read and written a chunk at a time. An entry of an
-# earlier release (a .npy file) does not start with the file's size: walked again.
-_HEAD = struct.Struct("<qq")
+# A file's kept offsets: its size, their number n and their CRC-32 (int64), then the
+# n offsets (one count for a compressed file), read and written a chunk at a time. The
+# CRC: a compressed file's count cannot be checked against its file (a damaged one lost
+# records). An entry of an earlier release (a .npy file, or no CRC) is walked again.
+_HEAD = struct.Struct("<qqq")
 
 
 def _kept_chunks(path: str, size: int) -> Iterator[np.ndarray]:
@@ -558,15 +560,19 @@ def _kept_chunks(path: str, size: int) -> Iterator[np.ndarray]:
     (``ValueError``: not such a file's)."""
     with open(open_regular(path), "rb") as f:  # (a FIFO's open would wait forever)
         head = f.read(_HEAD.size)
-        kept_size, n = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1)
+        kept_size, n, crc = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1, 0)
         if kept_size != size or os.fstat(f.fileno()).st_size != _HEAD.size + 8 * n:
             raise ValueError("not the offsets of this file")
+        got = 0
         for a in range(0, n, OFFSETS_CHUNK):
             want = 8 * min(OFFSETS_CHUNK, n - a)
             data = f.read(want)
             if len(data) != want:
                 raise ValueError("truncated")
+            got = zlib.crc32(data, got)
             yield np.frombuffer(data, "<i8").astype(np.int64)
+        if got != crc:
+            raise ValueError("damaged")
 
 
 def _read_kept(path: str | None, size: int, count: bool) -> Iterable[np.ndarray] | None:
@@ -601,25 +607,27 @@ def _keeping(path: str, size: int, parts: Iterable[np.ndarray]) -> Iterator[np.n
     """``parts`` (a file's offsets as walked), kept at ``path`` as they pass: an entry of
     the index directory (within its budget, evicted least recently used first) published
     once whole, so a reader sees all of it or none."""
-    out, n = None, 0
+    out, n, crc = None, 0, 0
     try:
         try:
             out = index_store(os.path.dirname(path)).writer(os.path.basename(path))
             if out is not None:
-                out.write(_HEAD.pack(size, 0))
+                out.write(_HEAD.pack(size, 0, 0))
         except OSError as e:
             out = _unsaved(out, path, e)
         for part in parts:
             if out is not None:
                 try:
-                    out.write(np.asarray(part, "<i8").tobytes())
+                    data = np.asarray(part, "<i8").tobytes()
+                    out.write(data)
+                    crc = zlib.crc32(data, crc)
                 except OSError as e:
                     out = _unsaved(out, path, e)
             n += len(part)
             yield part
         if out is not None:
             try:
-                out.write(_HEAD.pack(size, n), at=0)
+                out.write(_HEAD.pack(size, n, crc), at=0)
                 out.publish()
             except OSError as e:
                 out = _unsaved(out, path, e)
