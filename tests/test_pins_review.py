@@ -18,22 +18,12 @@ import torch
 import torchgrain as tg
 from tests.conftest import make_records
 from tests.servers import RangeHTTPServer
+from tests.test_remote_audit_review import QUICK
 from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import remote, responses
 from torchgrain.io.fs import get_filesystem
-from torchgrain.io.retry import RetryPolicy
 from torchgrain.io.shard_cache import ShardCache
-
-QUICK = RetryPolicy(
-    attempts=2,
-    base_delay=0.01,
-    max_delay=0.05,
-    connect_timeout=2.0,
-    read_timeout=5.0,
-    request_timeout=10.0,
-    deadline=20.0,
-)
 
 
 @pytest.mark.timeout(60)
