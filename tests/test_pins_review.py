@@ -9,16 +9,13 @@ import os
 import pickle
 import time
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 import torchgrain as tg
 from tests.conftest import make_records
 from tests.servers import RangeHTTPServer
-from tests.test_remote_audit_review import QUICK
+from tests.test_remote_audit_review import QUICK, _parquet, _replace_parquet
 from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import remote, responses
@@ -44,12 +41,6 @@ def test_the_size_of_an_s3_object_larger_than_a_page_is_answered(tmp_path, moto_
         assert f.read() == b"x" * (3 << 20)
 
 
-def _parquet(path, first: int) -> None:
-    # Uncompressed plain int64: another version of the file has the same size and layout.
-    t = pa.table({"x": np.arange(first, first + 100, dtype=np.int64)})
-    pq.write_table(t, path, compression="none", use_dictionary=False, row_group_size=50)
-
-
 @pytest.mark.xfail(
     strict=True, reason="older: a source's pickle carries the process's pins, not its own"
 )
@@ -66,10 +57,7 @@ def test_a_copy_of_a_source_opened_before_a_reupload_refuses_the_new_version(tmp
     with RangeHTTPServer(tmp_path) as srv:
         first = tg.ParquetSource(f"{srv.url}/pq", retry=QUICK, cache_bytes=0)
         assert first[150] == {"x": 1050}
-        replaced = tmp_path / "pq" / "p1.parquet"
-        _parquet(replaced, 5000)
-        later = time.time() + 100  # another ETag and Last-Modified
-        os.utime(replaced, (later, later))
+        _replace_parquet(tmp_path / "pq" / "p1.parquet", 5000)
         again = tg.ParquetSource(f"{srv.url}/pq", retry=QUICK, cache_bytes=0)
         assert again[150] == {"x": 5050}
         state = pickle.dumps(first)

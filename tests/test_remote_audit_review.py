@@ -77,6 +77,16 @@ def _parquet(path, first: int) -> None:
     pq.write_table(t, path, compression="none", use_dictionary=False, row_group_size=50)
 
 
+def _replace_parquet(path, first: int) -> None:
+    """Another version of ``path`` (see :func:`_parquet`): same size, other values, and a
+    later modification time (another ETag and Last-Modified: nginx's is mtime-size)."""
+    size = path.stat().st_size
+    _parquet(path, first)
+    later = time.time() + 100
+    os.utime(path, (later, later))
+    assert path.stat().st_size == size
+
+
 @pytest.mark.timeout(60)
 def test_a_file_replaced_after_opening_is_refused_by_a_spawned_worker(tmp_path, monkeypatch):
     """The dataset's files are pinned when it is opened: a file replaced on the server
@@ -90,12 +100,7 @@ def test_a_file_replaced_after_opening_is_refused_by_a_spawned_worker(tmp_path, 
     with RangeHTTPServer(tmp_path) as srv:
         src = tg.ParquetSource(f"{srv.url}/pq", retry=QUICK, cache_bytes=0)
         assert src[150] == {"x": 1050}
-        replaced = tmp_path / "pq" / "p1.parquet"
-        size = replaced.stat().st_size
-        _parquet(replaced, 5000)
-        later = time.time() + 100  # another ETag and Last-Modified (nginx's: mtime-size)
-        os.utime(replaced, (later, later))
-        assert replaced.stat().st_size == size
+        _replace_parquet(tmp_path / "pq" / "p1.parquet", 5000)
         # What a spawned worker starts with: the source as pickled, no pins of its own.
         state = pickle.dumps(src)
         monkeypatch.setattr(responses, "_PINS", {})
