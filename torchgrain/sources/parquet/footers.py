@@ -33,6 +33,7 @@ from torchgrain.formats.parquet_pages import footer_chunks
 from torchgrain.io import remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.sources.parquet.schema import is_list_type
 
 __all__ = ["local_version", "read_footers"]
 
@@ -153,7 +154,7 @@ def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
             return sum(leaves(f.type) for f in t)
         if pa.types.is_map(t):
             return leaves(t.key_type) + leaves(t.item_type)
-        if _is_list_type(t):
+        if is_list_type(t):
             return leaves(t.value_type)
         return 1
 
@@ -166,17 +167,9 @@ def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
     return out
 
 
-def _is_list_type(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
-
-
 def _footer_digest(md: pq.FileMetaData) -> str:
-    """A digest of the serialized footer (row-group layout, statistics...), or ``""``."""
-    try:
-        footer = md.__reduce__()[1][0]
-    except Exception:  # pragma: no cover - a pyarrow without it: size and time only
-        return ""
-    return hashlib.sha256(memoryview(footer)).hexdigest()
+    """A digest of the serialized footer (row-group layout, statistics...)."""
+    return hashlib.sha256(memoryview(md.__reduce__()[1][0])).hexdigest()
 
 
 def local_version(st: os.stat_result) -> tuple[int, ...]:

@@ -282,9 +282,9 @@ def value_type_name(t: pa.DataType) -> str:
     leaf = _numpy_name(t)
     if leaf is not None:
         return leaf  # a temporal scalar: numpy datetime64 / timedelta64
-    if _is_list_type(t):
+    if is_list_type(t):
         dims, inner = [_list_length(t)], _value_type(t.value_type)
-        if _is_list_type(inner):
+        if is_list_type(inner):
             dims.append(_list_length(inner))
             inner = _value_type(inner.value_type)
         leaf = "bool" if pa.types.is_boolean(inner) else _numpy_name(inner)
@@ -294,7 +294,8 @@ def value_type_name(t: pa.DataType) -> str:
     return str(t)
 
 
-def _is_list_type(t: pa.DataType) -> bool:
+def is_list_type(t: pa.DataType) -> bool:
+    """Whether ``t`` is a list, large list or fixed-size list type."""
     return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
@@ -302,25 +303,34 @@ def _list_length(t: pa.DataType) -> str:
     return str(t.list_size) if pa.types.is_fixed_size_list(t) else "?"
 
 
+def numpy_dtype(t: pa.DataType) -> tuple[np.dtype, np.dtype | None]:
+    """(storage dtype, dtype to view/cast as) of a fixed-width number or temporal type.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> numpy_dtype(pa.int16()), numpy_dtype(pa.date32())
+        ((dtype('int16'), None), (dtype('int32'), dtype('<M8[D]')))
+    """
+    if pa.types.is_integer(t):
+        kind = "i" if pa.types.is_signed_integer(t) else "u"
+        return np.dtype(f"<{kind}{t.bit_width // 8}"), None
+    if pa.types.is_floating(t):
+        return np.dtype(f"<f{t.bit_width // 8}"), None
+    if pa.types.is_timestamp(t):
+        return np.dtype("<i8"), np.dtype(f"datetime64[{t.unit}]")
+    if pa.types.is_duration(t):
+        return np.dtype("<i8"), np.dtype(f"timedelta64[{t.unit}]")
+    if pa.types.is_date32(t):
+        return np.dtype("<i4"), np.dtype("datetime64[D]")
+    if pa.types.is_date64(t):
+        return np.dtype("<i8"), np.dtype("datetime64[ms]")
+    raise TypeError(f"no numpy dtype for {t}")
+
+
 def _numpy_name(t: pa.DataType) -> str | None:
     """numpy dtype name of a fixed-width number or temporal type (None otherwise)."""
-    if pa.types.is_integer(t) or pa.types.is_floating(t):
-        return _NUMBER_NAMES[str(t)]
-    if pa.types.is_timestamp(t):
-        return f"datetime64[{t.unit}]"
-    if pa.types.is_duration(t):
-        return f"timedelta64[{t.unit}]"
-    if pa.types.is_date32(t):
-        return "datetime64[D]"
-    if pa.types.is_date64(t):
-        return "datetime64[ms]"
-    return None
-
-
-_NUMBER_NAMES = {
-    **{f"int{b}": f"int{b}" for b in (8, 16, 32, 64)},
-    **{f"uint{b}": f"uint{b}" for b in (8, 16, 32, 64)},
-    "halffloat": "float16",
-    "float": "float32",
-    "double": "float64",
-}
+    try:
+        storage, view = numpy_dtype(t)
+    except TypeError:
+        return None
+    return (view or storage).name

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from torchgrain.columns import Ragged, column_of, empty
+from torchgrain.sources.parquet.schema import is_list_type, numpy_dtype
 
 __all__ = [
     "Column",
@@ -128,35 +129,17 @@ def _null_mask(arr: pa.Array) -> np.ndarray | None:
     return ~_bits(arr.buffers()[0], arr.offset, len(arr))
 
 
-def _numpy_dtype(t: pa.DataType) -> tuple[np.dtype, np.dtype | None]:
-    """(storage dtype, dtype to view/cast as) of a fixed-width number or temporal type."""
-    if pa.types.is_integer(t):
-        kind = "i" if pa.types.is_signed_integer(t) else "u"
-        return np.dtype(f"<{kind}{t.bit_width // 8}"), None
-    if pa.types.is_floating(t):
-        return np.dtype(f"<f{t.bit_width // 8}"), None
-    if pa.types.is_timestamp(t):
-        return np.dtype("<i8"), np.dtype(f"datetime64[{t.unit}]")
-    if pa.types.is_duration(t):
-        return np.dtype("<i8"), np.dtype(f"timedelta64[{t.unit}]")
-    if pa.types.is_date32(t):
-        return np.dtype("<i4"), np.dtype("datetime64[D]")
-    if pa.types.is_date64(t):
-        return np.dtype("<i8"), np.dtype("datetime64[ms]")
-    raise TypeError(f"no numpy dtype for {t}")
-
-
 def _primitive_numpy(arr: pa.Array) -> np.ndarray:
     """Values of a bool/number/temporal array (whatever sits in null slots)."""
     n = len(arr)
     buf = arr.buffers()[1]
     boolean = pa.types.is_boolean(arr.type)
     if buf is None:  # no data buffer (e.g. all null): the values are never looked at
-        storage = np.dtype(bool) if boolean else _numpy_dtype(arr.type)[0]
+        storage = np.dtype(bool) if boolean else numpy_dtype(arr.type)[0]
         buf = np.zeros((arr.offset + n) * storage.itemsize, dtype=np.uint8)
     if boolean:
         return _bits(buf, arr.offset, n)
-    storage, view = _numpy_dtype(arr.type)
+    storage, view = numpy_dtype(arr.type)
     values = np.frombuffer(buf, dtype=storage, count=arr.offset + n)[arr.offset :]
     if view is None:
         return values
@@ -204,10 +187,6 @@ def _is_number(t: pa.DataType) -> bool:
 
 def _is_temporal(t: pa.DataType) -> bool:
     return pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t)
-
-
-def _is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -322,7 +301,7 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
         return Column("plain", _with_nulls(values, _null_mask(arr)), arr.nbytes + overhead)
     if any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
-    if _is_list(t):
+    if is_list_type(t):
         converted = _lists_to_numpy(arr)
         if converted is not None:
             return converted
@@ -354,7 +333,7 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
     outer, child = _list_offsets(arr)
     bounds = outer.tolist()
     leaf = None
-    if not _is_list(child.type):
+    if not is_list_type(child.type):
         leaf = _leaf_numpy(child)
         if leaf is None:
             return _python_lists(arr, mask, bounds, [child])
@@ -519,7 +498,7 @@ def _column(arr: pa.Array) -> _Column:
         w = col.width
         buf = arr.buffers()[1] or bytes((off + n) * w)
         col.values = np.frombuffer(buf, np.uint8)[off * w : (off + n) * w]
-    elif _is_list(t) and (fresh := _leaf_numpy(arr.values)) is not None:
+    elif is_list_type(t) and (fresh := _leaf_numpy(arr.values)) is not None:
         child = arr.values
         if (
             child.null_count
@@ -829,7 +808,7 @@ def arrow_column(col: pa.ChunkedArray | pa.Array) -> Any:
     arr = _array(col)
     view = _column(arr)
     if not _gathers(view):
-        out = _cubes(arr) if _is_list(arr.type) and arr.null_count == 0 else None
+        out = _cubes(arr) if is_list_type(arr.type) and arr.null_count == 0 else None
         return column_of(convert_column(arr).take(list(range(len(arr))))) if out is None else out
     data, offsets = view.values, view.offsets
     if offsets is None:
@@ -856,7 +835,7 @@ def _cubes(arr: pa.Array) -> np.ndarray | None:
     """Lists of lists of numbers without nulls, every row ``a`` lists of ``b``, as one
     ``[B, a, b]`` array; else None."""
     outer, child = _list_offsets(arr)
-    if not _is_list(child.type) or child.null_count:
+    if not is_list_type(child.type) or child.null_count:
         return None
     inner, grandchild = _list_offsets(child)
     if grandchild.null_count or not _is_number(grandchild.type):
