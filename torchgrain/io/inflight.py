@@ -166,9 +166,7 @@ def _multirange_server(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     """Whether ``path``'s ranges may go out together: an HTTP(S) file whose server has
     not answered a multi-range request otherwise."""
     http = _http_filesystem()
-    if http is None or not isinstance(fs, http):
-        return False
-    if not is_http(fs):
+    if http is None or not isinstance(fs, http) or not is_http(fs):
         return False
     return _servers(fs).answers.get(_origin(path), True)
 
@@ -200,17 +198,14 @@ async def _get_ranges(
     kw, tag = range_request(fs, path, range_header(merged))
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), **kw) as r:
-        if r.status == 412 and tag is not None:
-            r.close()
-            raise changed_error(path, tag)
-        if r.status in _NOT_FOUND:
-            r.close()
-            raise FileNotFoundError(path)
-        if is_transient_status(r.status):
-            r.close()
-            r.raise_for_status()  # as fsspec's own request raises it: retried
         if r.status != 206:
             r.close()  # the body (the whole file, an error page) is never read
+            if r.status == 412 and tag is not None:
+                raise changed_error(path, tag)
+            if r.status in _NOT_FOUND:
+                raise FileNotFoundError(path)
+            if is_transient_status(r.status):
+                r.raise_for_status()  # as fsspec's own request raises it: retried
             raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status < 300)
         if heard is not None:
             heard.set()
@@ -497,7 +492,7 @@ def cat_many(
         if isinstance(blob, FSTimeoutError):
             return RequestTimeout(
                 f"{what} of {label} (bytes {s}-{e}) did not complete within its "
-                f"{min(left, policy.request_seconds(e - s)):.3g} s limit "
+                f"{seconds(e - s):.3g} s limit "
                 "(RetryPolicy.request_timeout, or the operation's deadline)"
             )
         if isinstance(blob, FileNotFoundError):
@@ -516,34 +511,10 @@ def cat_many(
             return [result] * len(idx)
         return list(result)
 
-    return _streamed(
-        fs, paths, requests, request, spread, finish, len(starts), left, policy, what, arrived
-    )
-
-
-def _streamed(
-    fs: Any,
-    paths: Sequence[str],
-    requests: list[list[int]],
-    request: Callable[[list[int]], Any],
-    spread: Callable[[list[int], Any], list[Any]],
-    finish: Callable[[int, Any], Any],
-    count: int,
-    left: float,
-    policy: Any,
-    what: str,
-    arrived: Callable[[list[int], list[Any]], None] | None,
-) -> list[Any]:
-    """:func:`cat_many`'s requests on ``fs``'s loop, each file's results handed to
-    ``arrived`` on the calling thread once its last request is answered (the caller works
-    on them while the others are in flight: no thread of its own); a request not answered
-    within ``left`` seconds and the policy's request timeout is a
-    :class:`~torchgrain.io.retry.RequestTimeout`.
-
-    The loop wakes the calling thread once per file, not per request: each wake-up is a
-    handover of the GIL between the two threads, which the loop, busy sending and
-    receiving, pays for.
-    """
+    # The requests go out on fs's loop; each file's results are handed to ``arrived`` on
+    # the calling thread once its last request is answered (the caller works on them while
+    # the others are in flight). The loop wakes the calling thread once per file, not per
+    # request: each wake-up is a handover of the GIL, which the busy loop pays for.
     if fs.loop is None or fs.loop.is_closed():
         raise RuntimeError("Loop is not running")
     of_file: dict[str, list[int]] = {}  # the requests of each file, in order
@@ -569,6 +540,7 @@ def _streamed(
             tasks[-1].add_done_callback(functools.partial(answered, k))
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    count = len(starts)
     got: list[Any] = [None] * count
     waiting = set(of_file)
     future = asyncio.run_coroutine_threadsafe(send(), fs.loop)
