@@ -331,28 +331,21 @@ class ParquetSource(RowGroupLoader):
         t_start = time.perf_counter()
         convert = self._convert_rows and self._blocks.evictions == 0
         form = "templates" if convert else "rows"
-        distinct_list = distinct.tolist()
-        entries, read_seconds = self._entries(distinct_list, idx[first], form)
+        entries, read_seconds = self._entries(distinct.tolist(), idx[first], form)
         rows = idx - self._rg_offsets[groups]
-        converted = np.array([e.templates is not None for e in entries])[which]
-        if converted.all():
+        # Every entry is prepared for the form asked for (one converted before the cache
+        # first evicted, its table let go, is loaded again for building records).
+        if convert:
             out = copy_records([e.templates for e in entries], which, rows)
-        elif not converted.any():
-            out = self._build(entries, distinct, which, rows)
-        else:  # some row groups converted (before the cache first evicted), some not
-            out = [None] * len(idx)
-            done = np.flatnonzero(converted)
-            for i, rec in zip(
-                done.tolist(), copy_records([e.templates for e in entries], which[done], rows[done])
-            ):
-                out[i] = rec
-            rest = np.flatnonzero(~converted)
-            keep, sub = np.unique(which[rest], return_inverse=True)
-            built = self._build(
-                [entries[k] for k in keep.tolist()], distinct[keep], sub, rows[rest]
-            )
-            for i, rec in zip(rest.tolist(), built):
-                out[i] = rec
+        else:
+            constants = {}
+            if self._part_keys:
+                shards = self._rg_shard[distinct][which]
+                for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
+                    if pos < 0:  # a hive partition key: one value per file
+                        constants[j] = self._part_values[key][shards].tolist()
+            views = [e.rows for e in entries]
+            out = build_records(self._keys, self._file_pos, views, which, rows, constants)
         count_decode(time.perf_counter() - t_start - read_seconds)
         trimmer().settle()  # the decode buffers this read freed go back to the system
         return out
@@ -440,16 +433,15 @@ class ParquetSource(RowGroupLoader):
                 )
             )
         elif self.cache_bytes > 0:
-            if self._convert_rows:  # converted records: Python objects beside the values
+            # Converted records: Python objects beside the values; else Arrow data and
+            # the views records are built from.
+            convert = self._convert_rows
+            per_row = converted_bytes(1, len(self._keys)) if convert else 0
+            per_group = 0 if convert else views_bytes(len(self._file_fields))
 
-                def cost(g: np.ndarray) -> np.ndarray:
-                    rows = self._rg_offsets[g + 1] - self._rg_offsets[g]
-                    return self._rg_bytes[g] + converted_bytes(1, len(self._keys)) * rows
-
-            else:  # Arrow data and the views records are built from
-
-                def cost(g: np.ndarray) -> np.ndarray:
-                    return self._rg_bytes[g] + views_bytes(len(self._file_fields))
+            def cost(g: np.ndarray) -> np.ndarray:
+                rows = self._rg_offsets[g + 1] - self._rg_offsets[g]
+                return self._rg_bytes[g] + per_row * rows + per_group
 
             out.append(
                 CacheBlocks(
@@ -562,20 +554,6 @@ class ParquetSource(RowGroupLoader):
         counters[COUNTER["cache_hits"]] += len(entries) - len(missing)
         count_read(read_seconds, read_bytes)
         return entries, read_seconds  # type: ignore[return-value]
-
-    def _build(
-        self, entries: list[RowGroup], distinct: np.ndarray, which: np.ndarray, rows: np.ndarray
-    ) -> list[dict[str, Any]]:
-        """Records built from the compact data of ``entries`` (see :func:`build_records`)."""
-        self._prepare(entries, distinct.tolist(), "rows")
-        constants = {}
-        if self._part_keys:
-            shards = self._rg_shard[distinct][which]
-            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
-                if pos < 0:  # a hive partition key: one value per file
-                    constants[j] = self._part_values[key][shards].tolist()
-        views = [entry.rows for entry in entries]
-        return build_records(self._keys, self._file_pos, views, which, rows, constants)
 
     def _shard_constants(self, shard: int) -> dict[int, Any]:
         """The values of the hive partition keys in file ``shard``, by key position."""
