@@ -175,13 +175,20 @@ def concat(
         >>> [r["x"] for r in ds.__getitems__([4, 0, 3])]
         [11, 0, 10]
     """
-    if isinstance(datasets, Mapping):
-        names: list[str] | None = [str(k) for k in datasets]
-        children = list(datasets.values())
-    else:
-        if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence):
-            raise TypeError(
-                f"concat needs a list or dict of datasets, got {type(datasets).__name__}"
-            )
-        names, children = None, list(datasets)
+    names, children = named_datasets(datasets, "concat")
     return Dataset(Concat(children, names=names, source_field=source_field))
+
+
+def named_datasets(datasets: Any, what: str) -> tuple[list[str] | None, list[Any]]:
+    """The names (None for a list) and the datasets of a list or a dict ``name -> dataset``
+    given to ``what``.
+
+    Example:
+        >>> named_datasets({"a": [1], 2: [3]}, "concat")
+        (['a', '2'], [[1], [3]])
+    """
+    if isinstance(datasets, Mapping):
+        return [str(k) for k in datasets], list(datasets.values())
+    if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence):
+        raise TypeError(f"{what} needs a list or dict of datasets, got {type(datasets).__name__}")
+    return None, list(datasets)

@@ -30,16 +30,16 @@ sampler sets (:meth:`Mix.set_epoch`), shared with DataLoader workers.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from torchgrain.compose.concat import Concat
+from torchgrain.compose.concat import Concat, named_datasets
 from torchgrain.compose.view import View, check_indices
 from torchgrain.dataset import Dataset, EpochCell
 from torchgrain.sampling.permutation import KeyedPermutations
@@ -123,9 +123,7 @@ def mixture_length(
     if stopping not in _STOPPING:
         raise ValueError(f"stopping must be one of {_STOPPING}, got {stopping!r}")
     ratios = [Fraction(n) / w for n, w in zip(sizes, weights) if w > 0]
-    if stopping == "first_exhausted":
-        return math.floor(min(ratios))
-    return math.ceil(max(ratios))
+    return math.floor(min(ratios)) if stopping == "first_exhausted" else math.ceil(max(ratios))
 
 
 def mixture_counts(length: int, weights: Sequence[Fraction]) -> np.ndarray:
@@ -136,14 +134,24 @@ def mixture_counts(length: int, weights: Sequence[Fraction]) -> np.ndarray:
         >>> mixture_counts(10, mixture_weights([1, 1, 1], [1, 1, 1])).tolist()
         [4, 3, 3]
     """
-    quotas = [length * w for w in weights]
-    counts = [math.floor(q) for q in quotas]
-    short = length - sum(counts)
-    # Largest fractional part first; sorted() is stable, so ties keep source order.
-    by_remainder = sorted(range(len(quotas)), key=lambda k: quotas[k] - counts[k], reverse=True)
+    return np.array(largest_remainder([length * w for w in weights], length), dtype=np.int64)
+
+
+def largest_remainder(shares: Sequence[Fraction], total: int) -> list[int]:
+    """``shares`` rounded to integers summing to ``total``: each gets its floor, and the
+    largest fractional parts one more (ties to the lower position).
+
+    Example:
+        >>> largest_remainder([Fraction(5, 2), Fraction(5, 2), Fraction(1, 2)], 5)
+        [3, 2, 0]
+    """
+    counts = [math.floor(s) for s in shares]
+    short = total - sum(counts)
+    # Largest fractional part first; sorted() is stable, so ties keep their order.
+    by_remainder = sorted(range(len(shares)), key=lambda k: shares[k] - counts[k], reverse=True)
     for k in by_remainder[:short]:
         counts[k] += 1
-    return np.array(counts, dtype=np.int64)
+    return counts
 
 
 class MixOrder:
@@ -177,16 +185,12 @@ class MixOrder:
         self._earlier = (m[None, :] < m[:, None])[None]  # [., k, m]: m before k on ties
         self._others = ((m[None, :] != m[:, None]) & (self.counts > 0)[None, :])[None]
 
-    def _ints(self, x: Any) -> np.ndarray:
-        return np.asarray(x, dtype=object) if self._exact else np.asarray(x, dtype=np.int64)
-
     def _rank(self, j: np.ndarray) -> np.ndarray:
         """Number of draws before draw ``j[:, k]`` of source ``k`` in the merged order,
         for a (positions, sources) array ``j``."""
-        c = self._c
+        c, ck = self._c, self._ck
         # Source m's times (2j'+1)/(2c_m) against ours (2j+1)/(2c_k): compare x / c_k.
         x = (2 * j + 1)[:, :, None] * c
-        ck = self._ck
         ties = (x // ck + 1) // 2  # m < k: ties go to m, count times <= ours
         strict = (-(-x // ck)) // 2  # m > k: count times < ours
         before = np.minimum(np.where(self._earlier, ties, strict), c) * self._others
@@ -194,7 +198,7 @@ class MixOrder:
 
     def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(source, draw)`` int64 arrays for positions in ``[0, length)``."""
-        i = self._ints(positions)[:, None]
+        i = np.asarray(positions, dtype=object if self._exact else np.int64)[:, None]
         # For every source at once, search the number of its draws among positions
         # [0, i]: the largest cnt with rank(cnt - 1) <= i (a few steps in a window
         # around the proportional estimate).
@@ -223,18 +227,10 @@ class _Passes:
     def __init__(self, sizes: Sequence[int], seed: int) -> None:
         self.sizes = np.asarray(sizes, dtype=np.int64)
         self.seed = seed
-        self._families: OrderedDict[int, KeyedPermutations] = OrderedDict()
+        self.family = functools.lru_cache(_PERMS_KEPT)(self._family)
 
-    def family(self, p: int) -> KeyedPermutations:
-        perms = self._families.get(p)
-        if perms is None:
-            perms = KeyedPermutations(self.sizes, self.seed, epoch=p, tag=b"mix")
-            self._families[p] = perms
-            if len(self._families) > _PERMS_KEPT:
-                self._families.popitem(last=False)
-        else:
-            self._families.move_to_end(p)
-        return perms
+    def _family(self, p: int) -> KeyedPermutations:
+        return KeyedPermutations(self.sizes, self.seed, epoch=p, tag=b"mix")
 
     def __call__(self, source: np.ndarray, g: np.ndarray) -> np.ndarray:
         n = self.sizes[source]
@@ -339,8 +335,7 @@ class Mix(View):
         counts = self.counts[source]
         if (abs(epoch) + 1) * self._order.length >= 1 << 63:
             counts = counts.astype(object)
-        record = self._passes(source, epoch * counts + draw)
-        return source, record
+        return source, self._passes(source, epoch * counts + draw)
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         source, record = self._resolve(indices)
@@ -412,21 +407,15 @@ def mix(
         >>> ds.source.counts.tolist()
         [6, 6]
     """
-    if isinstance(datasets, Mapping):
-        names: list[str] | None = [str(k) for k in datasets]
-        children = list(datasets.values())
-        if isinstance(weights, Mapping):
-            unknown = sorted(set(map(str, weights)) - set(names))
-            if unknown:
-                raise ValueError(f"weights name datasets that are not mixed: {unknown}")
-            by_name = {str(k): w for k, w in weights.items()}  # names are str(key)
-            weights = [by_name.get(n, 0) for n in names]
-    else:
-        if isinstance(datasets, (str, bytes)) or not isinstance(datasets, Sequence):
-            raise TypeError(f"mix needs a list or dict of datasets, got {type(datasets).__name__}")
-        if isinstance(weights, Mapping):
+    names, children = named_datasets(datasets, "mix")
+    if isinstance(weights, Mapping):
+        if names is None:
             raise TypeError("weights by name need datasets by name (a dict)")
-        names, children = None, list(datasets)
+        unknown = sorted(set(map(str, weights)) - set(names))
+        if unknown:
+            raise ValueError(f"weights name datasets that are not mixed: {unknown}")
+        by_name = {str(k): w for k, w in weights.items()}  # names are str(key)
+        weights = [by_name.get(n, 0) for n in names]
     return Dataset(
         Mix(
             children,

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.compose.filter import changes_with_epoch
+from torchgrain.compose.mix import largest_remainder
 from torchgrain.compose.view import View, check_indices, short_repr
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
@@ -170,11 +171,11 @@ def select(ds: Any, indices: Any) -> Dataset:
         raise ValueError(f"select needs a one-dimensional array of indices, got shape {arr.shape}")
     dtype = "<u4" if n <= 1 << 32 else "<i8"
     if len(arr) <= MAPPED_ABOVE:
-        rows = _checked(ds, arr, dtype)
-        return _wrap(ds, Subset(ds, _ArrayRows(rows), label="select"))
-    # A chunk at a time: a large array (a memory-mapped one) is never copied whole.
-    index = _mapped_selection(ds, arr, dtype)
-    return _wrap(ds, Subset(ds, _ArrayRows(index.arrays["indices"], index), label="select"))
+        rows = _ArrayRows(_checked(ds, arr, dtype))
+    else:  # a chunk at a time: a large array (a memory-mapped one) is never copied whole
+        index = _mapped_selection(ds, arr, dtype)
+        rows = _ArrayRows(index.arrays["indices"], index)
+    return _wrap(ds, Subset(ds, rows, label="select"))
 
 
 def _checked(ds: Dataset, arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -200,7 +201,7 @@ def _mapped_selection(ds: Dataset, arr: np.ndarray, dtype: str) -> DerivedIndex:
         return _selection_problem(ix, n, arr, dtype)
 
     ix = derived_index("select", key, {"indices": (dtype, ())}, fill, fits=fits)
-    problem = _selection_problem(ix, n, arr, dtype)
+    problem = fits(ix)
     if problem is not None:
         raise CorruptDataError(f"selection index {ix.path or '(in memory)'} is damaged: {problem}")
     return ix
@@ -268,12 +269,7 @@ def split_counts(n: int, fractions: Mapping[str, float | int]) -> dict[str, int]
     if total:
         exact = [f * total / sum(exact) for f in exact]
     shares = [f * n for f in exact]
-    counts = [math.floor(s) for s in shares]
-    left = math.floor(sum(shares)) - sum(counts)
-    by_remainder = sorted(range(len(shares)), key=lambda k: (-(shares[k] - counts[k]), k))
-    for k in by_remainder[:left]:
-        counts[k] += 1
-    return dict(zip(fractions, counts))
+    return dict(zip(fractions, largest_remainder(shares, math.floor(sum(shares)))))
 
 
 def key_hash(value: Any, seed: int = 0) -> int:
