@@ -418,20 +418,15 @@ def _pass(
         collate_fn=_as_is,
         prefetch_factor=2 if num_workers > 0 else None,
     )
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    from tqdm import tqdm
 
-        bar = tqdm(total=n, unit="rec", desc=label[:60], file=sys.stderr, leave=False)
-    try:
+    with tqdm(
+        total=n, unit="rec", desc=label[:60], file=sys.stderr, leave=False, disable=not progress
+    ) as bar:
         for start, stop, bits in loader:
             mask = np.unpackbits(bits, count=stop - start).view(bool)
             yield np.flatnonzero(mask) + start
-            if bar is not None:
-                bar.update(stop - start)
-    finally:
-        if bar is not None:
-            bar.close()
+            bar.update(stop - start)
 
 
 def _as_is(item: Any) -> Any:

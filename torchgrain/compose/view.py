@@ -230,15 +230,9 @@ def join_types(a: str, b: str) -> str | None:
         return a
     (pa, na), (pb, nb) = _split_type(a), _split_type(b)
     if pa == pb:
-        joined = a if na else b
-    elif len(pa) == 1 and len(pb) == 1:
-        array = _join_array(next(iter(pa)), next(iter(pb)))
-        if array is None:
-            return None
-        joined = f"{array}|null" if na or nb else array
-    else:
-        return None
-    return joined
+        return a if na else b
+    array = _join_array(*pa, *pb) if len(pa) == 1 and len(pb) == 1 else None
+    return f"{array}|null" if array is not None and (na or nb) else array
 
 
 def merge_schemas(
@@ -396,16 +390,14 @@ class View(Composed):
             for k, c in enumerate(self.children)
             if describes_records(c)
         ]
-        if len(described) < len(self.children):
-            self._keys: list[str] = []
-            self._schema: dict[str, str] = {}
-        elif same_keys:
-            self._keys, self._schema = merge_schemas(described)
-        else:
+        self._keys: list[str] = []
+        self._schema: dict[str, str] = {}
+        if len(described) == len(self.children):
             try:
                 self._keys, self._schema = merge_schemas(described)
             except SchemaMismatchError:
-                self._keys, self._schema = [], {}
+                if same_keys:
+                    raise
 
     # ------------------------------------------------------------ to define
     @abc.abstractmethod
