@@ -279,18 +279,14 @@ class Dataset(torch.utils.data.Dataset):
     ) -> None:
         if not isinstance(source, (Source, SizedIndexable)):
             raise TypeError("source must have __len__ and __getitem__")
-        if (
-            not isinstance(worker_pipe_bytes, int)
-            or isinstance(worker_pipe_bytes, bool)
-            or worker_pipe_bytes < 0
+        for name, value in (
+            ("worker_pipe_bytes", worker_pipe_bytes),
+            ("worker_slots", worker_slots),
         ):
-            raise ValueError(
-                f"worker_pipe_bytes must be an integer >= 0, got {worker_pipe_bytes!r}"
-            )
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if batch_format not in ("records", "columns"):
             raise ValueError(f"batch_format must be 'records' or 'columns', got {batch_format!r}")
-        if not isinstance(worker_slots, int) or isinstance(worker_slots, bool) or worker_slots < 0:
-            raise ValueError(f"worker_slots must be an integer >= 0, got {worker_slots!r}")
         # Adapted once, here: from now on the source is read through the Source contract.
         self._source: Source = (
             source
@@ -496,25 +492,16 @@ class Dataset(torch.utils.data.Dataset):
         start_columns_batch(self._worker_slots)
         count = _BatchCount(self._source.reports_stats)
         ops = self._ops
-        k = 0
-        while k < len(ops) and ops[k][0] == "map_batch":
-            k += 1  # leading map_batch ops work on columns
-        if k == len(ops) or k > 0:
-            batch = self._source.read_columns(indices)
-        else:
-            batch = None
+        # Leading map_batch ops work on columns.
+        k = next((k for k, op in enumerate(ops) if op[0] != "map_batch"), len(ops))
+        batch = self._source.read_columns(indices) if k or not ops else None
         count.read_done()  # any op after this may decode
-        epoch = self._epoch.get()
-        if batch is not None:
-            for op in ops[:k]:
-                batch = _call_columns_fn(op[1], batch)
-            rest = ops[k:]
-        else:
-            rest = ops
-        if rest:
+        for op in ops[:k]:
+            batch = _call_columns_fn(op[1], batch)
+        if k < len(ops):
             # Per-record ops see records; a later map_batch gets the columns again.
             records = batch.records() if batch is not None else self._read(indices)
-            records = self._apply_many(records, indices, epoch, rest, columns=True)
+            records = self._apply_many(records, indices, self._epoch.get(), ops[k:], columns=True)
             batch = (
                 records if isinstance(records, ColumnBatch) else ColumnBatch.from_records(records)
             )
@@ -584,22 +571,20 @@ class Dataset(torch.utils.data.Dataset):
         # Records that become a column batch must be records, None included.
         last = "the column batch" if columns else None
         start = 0
-        if all(op[0] != "map_batch" for op in ops):  # the common case, kept lean
-            return [self._apply(r, int(i), epoch, ops, last) for r, i in zip(records, indices)]
         for k, op in enumerate(ops):
-            if op[0] == "map_batch":
-                if k > start:
-                    run = ops[start:k]
-                    records = [
-                        self._apply(r, int(i), epoch, run, "the next function (map_batch)")
-                        for r, i in zip(records, indices)
-                    ]
-                if columns:
-                    batch = _call_columns_fn(op[1], ColumnBatch.from_records(list(records)))
-                    records = batch.records() if k + 1 < len(ops) else batch
-                else:
-                    records = _call_batch_fn(op[1], list(records))
-                start = k + 1
+            if op[0] != "map_batch":
+                continue
+            if k > start:
+                run, then = ops[start:k], "the next function (map_batch)"
+                records = [
+                    self._apply(r, int(i), epoch, run, then) for r, i in zip(records, indices)
+                ]
+            if columns:
+                batch = _call_columns_fn(op[1], ColumnBatch.from_records(list(records)))
+                records = batch.records() if k + 1 < len(ops) else batch
+            else:
+                records = _call_batch_fn(op[1], list(records))
+            start = k + 1
         if start < len(ops):
             run = ops[start:]
             records = [self._apply(r, int(i), epoch, run, last) for r, i in zip(records, indices)]
