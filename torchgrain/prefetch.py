@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import queue
 import sys
 import threading
@@ -70,22 +71,17 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
                 return clone
             except (AttributeError, TypeError):
                 return items
-    if isinstance(obj, tuple):
+    if isinstance(obj, (list, tuple)):
+        mapped: Any = [_map_tensors(fn, v) for v in obj]
         if hasattr(obj, "_fields"):  # namedtuple: positional constructor
-            return type(obj)(*(_map_tensors(fn, v) for v in obj))
-        mapped = tuple(_map_tensors(fn, v) for v in obj)
-        return mapped if type(obj) is tuple else _rebuild_sequence(obj, mapped)
-    if isinstance(obj, list):
-        mapped_list = [_map_tensors(fn, v) for v in obj]
-        return mapped_list if type(obj) is list else _rebuild_sequence(obj, mapped_list)
-    return obj
-
-
-def _rebuild_sequence(original: Any, mapped: Any) -> Any:
-    try:
-        return type(original)(mapped)
-    except TypeError:
+            return type(obj)(*mapped)
+        if isinstance(obj, tuple):
+            mapped = tuple(mapped)
+        if type(obj) not in (list, tuple):  # a subclass: rebuilt when it can be
+            with contextlib.suppress(TypeError):
+                return type(obj)(mapped)
         return mapped
+    return obj
 
 
 def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -156,22 +152,15 @@ class _PassState:
         self.error_note = ""
 
 
+@dataclasses.dataclass
 class _Transfer:
     """How one prefetcher moves a host batch to its device; runs in the producer thread."""
 
-    def __init__(
-        self,
-        device: torch.device,
-        stream: Any,
-        pin: bool,
-        non_blocking: bool,
-        transform: Callable[[Any], Any] | None,
-    ) -> None:
-        self.device = device
-        self.stream = stream
-        self.pin = pin
-        self.non_blocking = non_blocking
-        self.transform = transform
+    device: torch.device
+    stream: Any
+    pin: bool
+    non_blocking: bool
+    transform: Callable[[Any], Any] | None
 
     def __call__(self, state: _PassState, host_batch: Any) -> tuple[Any, Any]:
         """Return ``(device_batch, ready_event)``; ``ready_event`` is None off CUDA."""
@@ -250,13 +239,13 @@ def _produce(state: _PassState, transfer: _Transfer) -> None:
                 return
             try:
                 batch, ready = transfer(state, host_batch)
-            except StopIteration as exc:
-                # A StopIteration escaping a transform must not end the consumer's loop
-                # silently (the same reasoning as PEP 479).
+            except BaseException as exc:
                 state.error_note = f"while moving batch {index} to {transfer.device}"
-                raise RuntimeError("CudaPrefetcher: the transform raised StopIteration") from exc
-            except BaseException:
-                state.error_note = f"while moving batch {index} to {transfer.device}"
+                if isinstance(exc, StopIteration):
+                    # It must not end the consumer's loop silently (as in PEP 479).
+                    raise RuntimeError(
+                        "CudaPrefetcher: the transform raised StopIteration"
+                    ) from exc
                 raise
             del host_batch
             q.put((_BATCH, batch, ready))
