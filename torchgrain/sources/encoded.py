@@ -25,7 +25,8 @@ from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.io import changes
 from torchgrain.sources.base import ShardedSource
-from torchgrain.sources.index import group_by_shard
+from torchgrain.sources.fetch_ahead import take_early
+from torchgrain.sources.index import in_request_order
 
 __all__ = ["EncodedSource"]
 
@@ -117,37 +118,7 @@ class EncodedSource(ShardedSource):
             return self._decode_blobs(
                 blobs, t0, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
             )
-        groups = self.index.split(idx)
-        for shard, _, positions in groups:
-            self._check_readable(shard, int(idx[positions[0] if positions is not None else 0]))
-        # Remote, no shard cache: the batch's ranges fetched across its shards at once,
-        # each shard decoded as soon as its ranges are in (early), while the rest arrive.
-        early: dict[int, Any] = {}
-        fetched = self.ranges.prefetch(
-            groups,
-            read=(lambda k: self._read_decode(groups[k][0], groups[k][1], idx[groups[k][2]]))
-            if len(groups) > 1
-            else None,
-            early=early,
-        )
-        try:
-            if len(groups) == 1:
-                shard, rows, _ = groups[0]
-                return self._read_decode(shard, rows, idx)
-            opened = self.cached_copies.prefetch([g[0] for g in groups])
-            read = lambda g: self._read_decode(g[0], g[1], idx[g[2]], opened.get(g[0]))  # noqa: E731
-            # Fetched already: decoding needs no threads.
-            results = (
-                [_early(early, k, read, g) for k, g in enumerate(groups)]
-                if fetched
-                else self._map(read, groups)
-            )
-            out = _in_request_order(results, groups, len(idx))
-            if opened:
-                self.cached_copies.close_evicted()
-            return out
-        finally:
-            self.ranges.release(fetched)
+        return self._read_groups(idx, self._read_decode)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns, decoded for the whole batch at once when
@@ -160,20 +131,10 @@ class EncodedSource(ShardedSource):
         t0 = time.perf_counter()
         blobs = self._read_batch(idx)
         if blobs is None:
-            shards, rows = self.index._locate(idx)
-            groups = group_by_shard(shards, rows)
-            for shard, _, positions in groups:
-                self._check_readable(shard, int(idx[positions[0]]))
-            fetched = self.ranges.prefetch(groups)
-            try:
-                opened = self.cached_copies.prefetch([g[0] for g in groups])
-                read = lambda g: self._read_named(g[0], g[1], int(idx[g[2][0]]), opened.get(g[0]))  # noqa: E731
-                results = [read(g) for g in groups] if fetched else self._map(read, groups)
-                blobs = _in_request_order(results, groups, len(idx))
-                if opened:
-                    self.cached_copies.close_evicted()
-            finally:
-                self.ranges.release(fetched)
+            blobs = self._read_groups(
+                idx,
+                lambda shard, rows, ix, reader: self._read_named(shard, rows, int(ix[0]), reader),
+            )
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         ends = np.cumsum(lengths)
         buf = _joined(blobs, ends)
@@ -201,6 +162,42 @@ class EncodedSource(ShardedSource):
             yield self._decode(data, shard, row, base + row)
 
     # ---------------------------------------------------------------- reading
+    def _read_groups(
+        self, idx: np.ndarray, read: Callable[[int, np.ndarray, np.ndarray, Any], list[Any]]
+    ) -> list[Any]:
+        """The reader path of a batch: ``read(shard, rows, indices, reader)`` once per
+        shard (remote ones concurrently, the shard cache's downloads overlapped; without
+        one, the batch's ranges fetched across its shards at once and each shard read as
+        soon as its ranges are in, while the rest arrive), in request order."""
+        groups = self.index.split(idx)
+
+        def one(g: tuple[int, np.ndarray, Any], reader: Any = None) -> list[Any]:
+            return read(g[0], g[1], idx if g[2] is None else idx[g[2]], reader)
+
+        for shard, _, positions in groups:
+            self._check_readable(shard, int(idx[0 if positions is None else positions[0]]))
+        early: dict[int, Any] = {}
+        fetched = self.ranges.prefetch(
+            groups, read=(lambda k: one(groups[k])) if len(groups) > 1 else None, early=early
+        )
+        try:
+            if len(groups) == 1:
+                return one(groups[0])
+            opened = self.cached_copies.prefetch([g[0] for g in groups])
+            with_copy = lambda g: one(g, opened.get(g[0]))  # noqa: E731
+            # Fetched already: reading needs no threads.
+            results = (
+                [take_early(early, k, with_copy, g) for k, g in enumerate(groups)]
+                if fetched
+                else self._map(with_copy, groups)
+            )
+            out = in_request_order(results, groups, len(idx))
+            if opened:
+                self.cached_copies.close_evicted()
+            return out
+        finally:
+            self.ranges.release(fetched)
+
     def _read_decode(
         self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any = None
     ) -> list[dict[str, Any]]:
@@ -286,29 +283,6 @@ class EncodedSource(ShardedSource):
                 f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
                 f"with codec {self.codec.name!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
-
-
-def _early(early: dict[int, Any], k: int, read: Callable[[Any], Any], group: Any) -> Any:
-    """Group ``k``'s records as read early (:meth:`~torchgrain.sources.fetch_ahead.BatchRanges.prefetch`), its
-    error raised now, in the group's turn; else read now."""
-    if k not in early:
-        return read(group)
-    got = early.pop(k)
-    if isinstance(got, BaseException):
-        raise got
-    return got
-
-
-def _in_request_order(
-    results: Iterable[list[Any]], groups: list[tuple[int, np.ndarray, np.ndarray]], n: int
-) -> list[Any]:
-    """Per-group results (one list per ``(shard, rows, positions)`` group) as one list
-    in the batch's order."""
-    out: list[Any] = [None] * n
-    for (_shard, _rows, positions), items in zip(groups, results):
-        for p, item in zip(positions.tolist(), items):
-            out[p] = item
-    return out
 
 
 def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:

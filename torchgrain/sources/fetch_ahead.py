@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import fsspec
 import numpy as np
@@ -24,6 +24,8 @@ from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["BATCH_GAP", "BatchRanges", "IOState"]
+
+T = TypeVar("T")
 
 #: Ranges of a remote batch closer than this are fetched as one request. Small: with
 #: many requests in flight, latency is paid once per batch either way, and a larger gap
@@ -172,6 +174,27 @@ class BatchRanges:
         """Forget what :meth:`prefetch` put and the batch did not use."""
         if owner is not None:
             range_store().drop(owner)
+
+
+def take_early(early: dict[int, Any], k: int, read: Callable[[Any], T], group: Any) -> T:
+    """Group ``k``'s result as :meth:`BatchRanges.prefetch` read it early, its error
+    raised now, in the group's turn; else ``read(group)`` now.
+
+    Example:
+        >>> early = {0: ["early"], 1: ValueError("bad")}
+        >>> take_early(early, 0, lambda g: ["now"], None), take_early(early, 2, len, "ab")
+        (['early'], 2)
+        >>> take_early(early, 1, len, "ab")
+        Traceback (most recent call last):
+        ...
+        ValueError: bad
+    """
+    if k not in early:
+        return read(group)
+    got = early.pop(k)
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def _nbytes(files: Files) -> int:

@@ -32,6 +32,8 @@ from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
 from torchgrain.sources.cache_fit import listed_sizes
+from torchgrain.sources.fetch_ahead import take_early
+from torchgrain.sources.index import in_request_order
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["FormatSource", "ReadsByteRanges", "ShardFile", "ShardFormat", "ShardReader"]
@@ -401,28 +403,13 @@ class FormatSource(ShardedSource):
         )
         try:
             opened = self.cached_copies.prefetch([g[0] for g in groups])
-
-            def one(k: int) -> list[dict[str, Any]]:
-                got = early.pop(k, None)
-                if isinstance(got, BaseException):
-                    raise got  # raised in the group's turn, as a read now would
-                return (
-                    got
-                    if got is not None
-                    else self._read_group(*groups[k][:2], opened.get(groups[k][0]))
-                )
-
+            read = lambda g: self._read_group(g[0], g[1], opened.get(g[0]))  # noqa: E731
             results = (
-                [one(k) for k in range(len(groups))]
+                [take_early(early, k, read, g) for k, g in enumerate(groups)]
                 if fetched
-                else self._map(one, range(len(groups)))
+                else self._map(read, groups)
             )
-            out: list[Any] = [None] * len(idx)
-            for (_, _, positions), records in zip(groups, results):
-                if positions is None:
-                    out = records
-                for p, record in zip([] if positions is None else positions.tolist(), records):
-                    out[p] = record
+            out = in_request_order(results, groups, len(idx))
             if opened:
                 self.cached_copies.close_evicted()
             return out

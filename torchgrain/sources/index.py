@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -192,3 +193,25 @@ def group_by_shard(
         (shard, rows[pos], pos)
         for shard, pos in zip(heads, (order[a:b] for a, b in itertools.pairwise(cuts)))
     ]
+
+
+def in_request_order(
+    results: Iterable[list[Any]],
+    groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]],
+    n: int,
+) -> list[Any]:
+    """Per-group results (one list per ``(shard, rows, positions)`` group, as
+    :meth:`ShardIndex.split` gives them) as one list of ``n`` in the request's order.
+
+    Example:
+        >>> g = group_by_shard(np.array([1, 0, 1]), np.array([5, 7, 2]))
+        >>> in_request_order([["b"], ["a", "c"]], g, 3)
+        ['a', 'b', 'c']
+    """
+    out: list[Any] = [None] * n
+    for (_, _, positions), items in zip(groups, results):
+        if positions is None:  # one group: already in order
+            return list(items)
+        for p, item in zip(positions.tolist(), items):
+            out[p] = item
+    return out
