@@ -39,13 +39,13 @@ import gzip
 import io
 import os
 import struct
-import uuid
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import fsspec
 import numpy as np
+from google_crc32c import value as crc32c_bytes  # C (SSE4.2 / ARMv8 CRC): ~10 GB/s
 
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.io import remote
@@ -78,46 +78,18 @@ _READ_SIZE = 4 << 20  # read 4 MiB at a time: few syscalls, bounded memory
 #: real ones (images, audio, token sequences) are kilobytes to megabytes.
 DEFAULT_MAX_RECORD_BYTES = 1 << 30
 
-try:  # C implementation (SSE4.2 / ARMv8 CRC instructions): ~10 GB/s.
-    from google_crc32c import value as _crc32c_bytes
 
-    def crc32c(data: bytes | bytearray | memoryview) -> int:
-        """CRC-32C (Castagnoli) of ``data``.
+def crc32c(data: bytes | bytearray | memoryview) -> int:
+    """CRC-32C (Castagnoli) of ``data`` (:data:`crc32c_bytes` takes ``bytes`` only,
+    without the conversion: a hot path's callers pass bytes already).
 
-        Example:
-            >>> hex(crc32c(b"123456789"))
-            '0xe3069283'
-        """
-        if type(data) is not bytes:
-            data = bytes(data)  # the C extension only takes read-only bytes
-        return _crc32c_bytes(data)
-
-    #: :func:`crc32c` of ``bytes`` only, without the conversion (a hot path's callers
-    #: pass bytes already).
-    crc32c_bytes = _crc32c_bytes
-
-except ImportError:  # pragma: no cover - exercised only without google-crc32c
-    _TABLE = []
-    for _i in range(256):
-        _c = _i
-        for _ in range(8):
-            _c = (_c >> 1) ^ 0x82F63B78 if _c & 1 else _c >> 1
-        _TABLE.append(_c)
-
-    def crc32c(data: bytes | bytearray | memoryview) -> int:
-        """CRC-32C (Castagnoli) of ``data`` (pure-Python fallback, slow).
-
-        Example:
-            >>> hex(crc32c(b"123456789"))
-            '0xe3069283'
-        """
-        crc = 0xFFFFFFFF
-        table = _TABLE
-        for b in bytes(data):
-            crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-        return crc ^ 0xFFFFFFFF
-
-    crc32c_bytes = crc32c
+    Example:
+        >>> hex(crc32c(b"123456789"))
+        '0xe3069283'
+    """
+    if type(data) is not bytes:
+        data = bytes(data)  # the C extension only takes read-only bytes
+    return crc32c_bytes(data)
 
 
 def masked_crc32c(data: bytes | bytearray | memoryview) -> int:
@@ -182,9 +154,6 @@ class _ZlibStream(io.RawIOBase):
         self._fresh = True  # current decompressor has consumed nothing yet
         self._out = b""
 
-    def readable(self) -> bool:
-        return True
-
     def read(self, size: int = -1) -> bytes:
         if size is None or size < 0:
             size = 1 << 62
@@ -228,9 +197,6 @@ class _GzipStream(io.RawIOBase):
     def __init__(self, raw: IO[bytes], name: str) -> None:
         self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
         self._name = name
-
-    def readable(self) -> bool:
-        return True
 
     def read(self, size: int = -1) -> bytes:
         try:
@@ -322,7 +288,6 @@ def _iter_stream(
     base: int = 0,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
-    unpack_header = _HEADER.unpack_from
     unpack_footer = _FOOTER.unpack_from
     buf = b""
     pos = 0  # position of the next record in buf
@@ -342,16 +307,9 @@ def _iter_stream(
                 f"{name}: truncated record header at byte offset {base + pos} "
                 f"({avail} of {_HEADER_SIZE} bytes present)"
             )
-        length, len_crc = unpack_header(buf, pos)
         offset = base + pos
-        if verify and masked_crc32c(buf[pos : pos + 8]) != len_crc:
-            raise CorruptDataError(
-                f"{name}: length checksum mismatch in the record at byte offset {offset}"
-            )
-        if size is not None and length > size - offset - _FRAME_OVERHEAD:
-            raise _too_long(name, offset, length, size)
-        if length > max_record_bytes:
-            raise _over_ceiling(name, offset, length, max_record_bytes)
+        head = buf[pos : pos + _HEADER_SIZE]
+        length = _length(head, name, offset, size, verify, max_record_bytes)
         end = pos + _HEADER_SIZE + length + 4
         if end > len(buf):
             # The record runs past the buffer: read exactly what is missing, in bounded
@@ -462,32 +420,18 @@ def iter_tfrecord_offsets(
         return
     fs, p = _resolve(path, filesystem)
     if size is None:
-        size = _file_size(fs, p)
-    if size is None:  # pragma: no cover - every fsspec filesystem we ship with has size()
-        raise CorruptDataError(f"{name}: cannot determine the file size")
+        size = remote.file_size(fs, p, url=name)
     # An index of the file as it is now: a same-size re-upload is indexed, not refused.
     # Unbuffered: each read of the walk is one ranged request of just the bytes it asks.
     with remote.open_input(fs, p, url=name, fresh=True, buffered=False) as f:
         yield from _walk_buffered(f, name, size, verify, chunk)
 
 
-def _too_long(name: str, offset: int, length: int, size: int) -> CorruptDataError:
-    left = max(size - offset - _FRAME_OVERHEAD, 0)
-    return CorruptDataError(
-        f"{name}: truncated record (or corrupt length) at byte offset {offset}: the length "
-        f"field says {length} data bytes, the file has room for {left}"
-    )
-
-
-def _over_ceiling(name: str, offset: int, length: int, limit: int) -> CorruptDataError:
-    return CorruptDataError(
-        f"{name}: the record at byte offset {offset} is {length} bytes long, more than "
-        f"max_record_bytes={limit} allows (a larger max_record_bytes reads it, if the "
-        "file is trusted)"
-    )
-
-
-def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> None:
+def _length(
+    head: bytes, name: str, off: int, size: int | None, verify: bool, limit: int | None = None
+) -> int:
+    """The length field of the record header ``head`` at byte ``off``, checked: its CRC
+    (``verify``), that the record fits in a file of ``size`` bytes and in ``limit``."""
     if len(head) < _HEADER_SIZE:
         raise CorruptDataError(
             f"{name}: truncated record header at byte offset {off} "
@@ -498,8 +442,19 @@ def _check_header(head: bytes, name: str, off: int, size: int, verify: bool) -> 
         raise CorruptDataError(
             f"{name}: length checksum mismatch in the record at byte offset {off}"
         )
-    if length > size - off - _FRAME_OVERHEAD:
-        raise _too_long(name, off, length, size)
+    if size is not None and length > size - off - _FRAME_OVERHEAD:
+        raise CorruptDataError(
+            f"{name}: truncated record (or corrupt length) at byte offset {off}: the length "
+            f"field says {length} data bytes, the file has room for "
+            f"{max(size - off - _FRAME_OVERHEAD, 0)}"
+        )
+    if limit is not None and length > limit:
+        raise CorruptDataError(
+            f"{name}: the record at byte offset {off} is {length} bytes long, more than "
+            f"max_record_bytes={limit} allows (a larger max_record_bytes reads it, if the "
+            "file is trusted)"
+        )
+    return length
 
 
 _RUN = 4  # records of one length in a row before the rest of the block is tried at once
@@ -512,7 +467,6 @@ def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> It
     # for nothing). After _RUN records of one length, the records of that
     # length that follow in the block are checked at once (their length fields and
     # CRCs gathered with numpy): the first that differs is walked one by one again.
-    unpack = _HEADER.unpack_from
     out = array.array("q")
     off = 0
     buf = b""
@@ -525,8 +479,7 @@ def _walk_buffered(f: Any, name: str, size: int, verify: bool, chunk: int) -> It
             buf = f.read(_HEADER_SIZE if stride > _READ_SIZE else _READ_SIZE)
             base = off
             rel = 0
-        _check_header(buf[rel : rel + _HEADER_SIZE], name, off, size, verify)
-        length = unpack(buf, rel)[0]
+        length = _length(buf[rel : rel + _HEADER_SIZE], name, off, size, verify)
         stride = _FRAME_OVERHEAD + length
         same = same + 1 if length == prev else 0
         prev = length
@@ -587,26 +540,13 @@ def read_tfrecord_at(
             )
     f = source
     label = name or str(getattr(f, "name", "<stream>"))
-    f.seek(offset)
-    head = f.read(_HEADER_SIZE)
-    if len(head) < _HEADER_SIZE:
-        raise CorruptDataError(f"{label}: truncated record header at byte offset {offset}")
-    length, len_crc = _HEADER.unpack(head)
-    if verify and masked_crc32c(head[:8]) != len_crc:
-        raise CorruptDataError(
-            f"{label}: length checksum mismatch in the record at byte offset {offset}"
-        )
     # Bound the read by what the file can hold before trusting the length.
     try:
         end = f.seek(0, io.SEEK_END)
     except (OSError, ValueError):  # pragma: no cover - unseekable-to-end streams
         end = None
-    if end is not None:
-        if length > end - offset - _FRAME_OVERHEAD:
-            raise _too_long(label, offset, length, end)
-        f.seek(offset + _HEADER_SIZE)
-    if length > max_record_bytes:
-        raise _over_ceiling(label, offset, length, max_record_bytes)
+    f.seek(offset)
+    length = _length(f.read(_HEADER_SIZE), label, offset, end, verify, max_record_bytes)
     body = f.read(length + 4)
     if len(body) < length + 4:
         raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
@@ -678,15 +618,7 @@ def write_tfrecord(
     fs, p = _resolve(path, filesystem)
     comp = resolve_compression(os.fspath(path), compression)
     local = is_local(fs)
-    if local:
-        tmp = temp_name(p)
-    else:
-        parent, _, base = p.rpartition("/")
-        tmp = (
-            f"{parent}/.{base}.tmp-{uuid.uuid4().hex}"
-            if parent
-            else f".{base}.tmp-{uuid.uuid4().hex}"
-        )
+    tmp = temp_name(p)  # (a remote path's parent is cut at "/" as a local one's)
     count = 0
     try:
         with fs.open(tmp, "wb") as raw:
