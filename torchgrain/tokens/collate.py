@@ -24,8 +24,9 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -112,38 +113,32 @@ def pad_collate(
     return fn if batch is None else fn(batch)
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class PadCollate:
     """The collate :func:`pad_collate` makes (see there for the arguments)."""
 
-    def __init__(
-        self,
-        *,
-        keys: Sequence[str] | None = None,
-        pad_id: int | float = 0,
-        pad_values: Mapping[str, int | float] | None = None,
-        multiple_of: int | None = None,
-        max_length: int | None = None,
-        side: str = "right",
-        attention_mask: str | None = "attention_mask",
-        labels_pad: int | float = -100,
-    ) -> None:
-        if isinstance(keys, str):
-            raise TypeError(f"keys must be a list of field names, got the string {keys!r}")
-        if side not in _SIDES:
-            raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-        for name, value in (("multiple_of", multiple_of), ("max_length", max_length)):
+    keys: Sequence[str] | None = None
+    pad_id: int | float = 0
+    pad_values: Mapping[str, int | float] | None = None
+    multiple_of: int | None = None
+    max_length: int | None = None
+    side: str = "right"
+    attention_mask: str | None = "attention_mask"
+    labels_pad: int | float = -100
+
+    def __post_init__(self) -> None:
+        if isinstance(self.keys, str):
+            raise TypeError(f"keys must be a list of field names, got the string {self.keys!r}")
+        if self.side not in _SIDES:
+            raise ValueError(f"side must be 'right' or 'left', got {self.side!r}")
+        for name in ("multiple_of", "max_length"):
+            value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        self.keys = None if keys is None else list(keys)
-        self.pad_id = pad_id
-        self.pad_values = dict(pad_values or {})
-        self.multiple_of = multiple_of
-        self.max_length = max_length
-        self.side = side
-        self.attention_mask = attention_mask
-        self.labels_pad = labels_pad
+        self.keys = None if self.keys is None else list(self.keys)
+        self.pad_values = dict(self.pad_values or {})
 
     def __repr__(self) -> str:
         return (
@@ -182,21 +177,22 @@ class PadCollate:
 
     # ------------------------------------------------------------ internals
     def _keys_of(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
-        first = records[0]
-        if self.keys is not None:
-            keys = list(self.keys)
-            for i, rec in enumerate(records):
-                for key in keys:
-                    if key not in rec:
-                        raise KeyError(
-                            f"pad_collate: record {i} of the batch has no field {key!r} "
-                            f"(its fields: {sorted(rec)})"
-                        )
-            extra = [k for k in ("labels", self.attention_mask) if k and k not in keys]
-        else:
-            keys, extra = [], [k for k in first if k not in _NOT_PADDED]
-        keys += [k for k in extra if k in first and _all_sequences([r.get(k) for r in records])]
-        return keys
+        for i, rec in enumerate(records):
+            for key in self.keys or ():
+                if key not in rec:
+                    raise KeyError(
+                        f"pad_collate: record {i} of the batch has no field {key!r} "
+                        f"(its fields: {sorted(rec)})"
+                    )
+        return self._padded(records[0], lambda k: _all_sequences([r.get(k) for r in records]))
+
+    def _padded(self, fields: Iterable[str], pads: Callable[[str], bool]) -> list[str]:
+        """The fields padded: those named, and ``labels`` and the mask's field when
+        ``pads`` says they hold sequences; else every such field but ``cu_seqlens``."""
+        if self.keys is None:
+            return [k for k in fields if k not in _NOT_PADDED and pads(k)]
+        extra = [k for k in ("labels", self.attention_mask) if k and k not in self.keys]
+        return [*self.keys, *(k for k in extra if k in fields and pads(k))]
 
     def _pad_value(self, key: str) -> int | float:
         if key in self.pad_values:
@@ -240,21 +236,13 @@ class PadCollate:
         from torchgrain._worker_batches import collate_columns
 
         n = len(batch)
-        if self.keys is not None:
-            keys = list(self.keys)
-            for key in keys:
-                if key not in batch:
-                    raise KeyError(
-                        f"pad_collate: the columns batch has no field {key!r} (its fields: "
-                        f"{sorted(batch)})"
-                    )
-            keys += [
-                k
-                for k in ("labels", self.attention_mask)
-                if k and k not in keys and _is_column_sequence(batch.get(k))
-            ]
-        else:
-            keys = [k for k, v in batch.items() if k not in _NOT_PADDED and _is_column_sequence(v)]
+        for key in self.keys or ():
+            if key not in batch:
+                raise KeyError(
+                    f"pad_collate: the columns batch has no field {key!r} (its fields: "
+                    f"{sorted(batch)})"
+                )
+        keys = self._padded(batch, lambda k: _is_column_sequence(batch[k]))
         padded = {key: self._pad_column(key, batch[key], n) for key in keys}
         rest = ColumnBatch({k: v for k, v in batch.items() if k not in padded}, num_rows=n)
         out = collate_columns([rest]) if dict.__len__(rest) else {}
@@ -305,9 +293,7 @@ class PadCollate:
                 mask = pos[None, :] >= (width - lengths)[:, None]
             out[mask_name] = mask.to(torch.int64)
         # The records' field order, then what was added.
-        ordered = {k: out[k] for k in order if k in out}
-        for k, v in out.items():
-            ordered.setdefault(k, v)
+        ordered = {**{k: out[k] for k in order if k in out}, **out}
         if type(out) is dict:
             return ordered
         out.clear()  # a worker's shared-memory batch: keep its type
@@ -329,13 +315,10 @@ def _is_sequence(value: Any) -> bool:
 
 def _all_sequences(values: list[Any]) -> bool:
     """Whether every value is a 1-D sequence of numbers (or empty), one at least not."""
-    found = False
-    for v in values:
-        if _is_sequence(v):
-            found = True
-        elif not (isinstance(v, (list, tuple)) and not v):
-            return False
-    return found
+    seqs = [_is_sequence(v) for v in values]
+    return any(seqs) and all(
+        s or (isinstance(v, (list, tuple)) and not v) for s, v in zip(seqs, values)
+    )
 
 
 def _is_column_sequence(col: Any) -> bool:

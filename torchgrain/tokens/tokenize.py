@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -118,26 +119,22 @@ def _ids(row: Any, i: int, name: str) -> np.ndarray:
     return arr
 
 
+@dataclasses.dataclass(eq=False)
 class Tokenize:
     """A ``Dataset.map_batch`` function that adds the token ids of a text field (made by
     :func:`tokenize`; see there)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        column: str = "text",
-        output: str = "tokens",
-        lengths: str | None = None,
-    ) -> None:
-        if not (hasattr(tokenizer, "encode_batch") or callable(tokenizer)):
+    tokenizer: Any
+    column: str = "text"
+    output: str = "tokens"
+    lengths: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (hasattr(self.tokenizer, "encode_batch") or callable(self.tokenizer)):
             raise TypeError(
                 f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a "
-                f"callable on a list of strings, got {type(tokenizer).__name__}"
+                f"callable on a list of strings, got {type(self.tokenizer).__name__}"
             )
-        self.tokenizer = tokenizer
-        self.column = column
-        self.output = output
-        self.lengths = lengths
 
     def __repr__(self) -> str:
         return (
