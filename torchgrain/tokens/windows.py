@@ -54,7 +54,6 @@ IGNORE = -100
 _KIND = "windows"
 _CHUNK = 1024  # documents per read when measuring lengths by reading the column
 _PACK_STEP = 1 << 16  # documents' lengths taken at a time by the pack build
-_KEYS = ["input_ids", "labels", "position_ids", "cu_seqlens", "document_ids"]
 _SCHEMA = {
     "input_ids": "int64[?]",
     "labels": "int64[?]",
@@ -75,15 +74,16 @@ class _Documents:
         self.length_column = length_column
         self.name = _describe(ds.source)
         source = ds._source
+        # length_parquet: a Parquet source of the one column the lengths are read from
+        # (the tokens' list offsets, or the count column), when there is one.
         self.parquet = self.length_parquet = None
         if not ds._ops and tokenizer is None:
-            if length_column is not None:
-                narrowed = _narrowed_parquet(source, length_column)
-                if _is_parquet(narrowed) and narrowed.keys == [length_column]:
-                    self.length_parquet = narrowed
             source = _narrowed_parquet(source, column)
-            if _is_parquet(source):
-                self.parquet = source
+            self.parquet = source if _is_parquet(source) else None
+            counted = column if length_column is None else length_column
+            counts = source if counted == column else _narrowed_parquet(ds._source, counted)
+            if _is_parquet(counts) and counts.keys == [counted]:
+                self.length_parquet = counts
         # Native column reads (no Python object per token) when the dataset is the
         # source itself; through the Dataset (its transforms) otherwise.
         self.columns = (
@@ -164,12 +164,7 @@ class _Documents:
         if self.length_parquet is not None:
             yield from _parquet_lengths(self.length_parquet, num_workers, progress)
             return
-        parquet = self.parquet
-        if self.length_column is None and parquet is not None and parquet.keys == [self.column]:
-            yield from _parquet_lengths(parquet, num_workers, progress)
-            return
-        n = len(self.ds)
-        chunks = _LengthChunks(self, n)
+        chunks = _LengthChunks(self, len(self.ds))
         if num_workers is None:
             num_workers = min(os.cpu_count() or 1, 8) if len(chunks) >= 16 else 0
         loader = torch.utils.data.DataLoader(
@@ -264,6 +259,7 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     offsets = source._rg_offsets
 
@@ -292,13 +288,7 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
                 f"column {column!r} of {source!r} is {col.type}, not a list of token "
                 "ids (pass tokenizer= for a text column)"
             )
-        parts = []
-        for chunk in col.chunks:
-            lens = np.diff(chunk.offsets.to_numpy()).astype(np.int64)
-            if chunk.null_count:
-                lens[chunk.is_null().to_numpy(zero_copy_only=False)] = 0
-            parts.append(lens)
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return pc.list_value_length(col).fill_null(0).to_numpy().astype(np.int64)
 
     groups = range(source.num_row_groups)
     workers = num_workers or min(os.cpu_count() or 1, 8)
@@ -367,11 +357,8 @@ def _check_bins(ix: DerivedIndex, offsets: np.ndarray, seq_len: int, special: in
         return f"a window holds more than {seq_len} tokens"
     if int(lens.sum()) != ix.meta.get("tokens"):
         return "its token count is wrong"
-    # No document twice, so the dataset's own count is met only with none left out.
-    step, total = 1 << 20, 0
-    for a in range(0, n, step):
-        total += int(np.minimum(np.diff(offsets[a : a + step + 1]), seq_len).sum())
-    if int(lens.sum()) != total:
+    # Each document once, in range: all n of them, or no windows and no tokens at all.
+    if len(docs) != n and offsets[-1] > 0:
         return "it leaves out documents"
     return None
 
@@ -488,12 +475,9 @@ class TokenWindows(Composed):
         self._bins = bins
         self.seq_len = seq_len
         self.bos, self.eos, self.mode, self.pad_id = bos, eos, mode, pad_id
+        # (bins: pack mode's windows; None in concat mode)
         tokens = int(index.meta["tokens"])
-        if mode == "concat":
-            self._n = max(0, (tokens - 1) // seq_len)
-        else:
-            assert bins is not None
-            self._n = len(bins.arrays["bins"]) - 1
+        self._n = max(0, (tokens - 1) // seq_len) if bins is None else len(bins.arrays["bins"]) - 1
         self._check = ShardIndex([self._n])
 
     # -------------------------------------------------------------- what it holds
@@ -515,9 +499,8 @@ class TokenWindows(Composed):
     def packing_efficiency(self) -> float:
         """Share of the windows' ``seq_len * len(self)`` positions that hold a document's
         token (pack mode); in concat mode every position does (1.0)."""
-        if self.mode == "concat" or self._n == 0:
+        if self._bins is None or self._n == 0:
             return 1.0
-        assert self._bins is not None
         return int(self._bins.meta["tokens"]) / (self._n * self.seq_len)
 
     @property
@@ -536,7 +519,7 @@ class TokenWindows(Composed):
 
     @property
     def keys(self) -> list[str]:
-        return list(_KEYS)
+        return list(_SCHEMA)
 
     @property
     def schema(self) -> dict[str, str]:
@@ -551,11 +534,9 @@ class TokenWindows(Composed):
         self._index.check_unchanged()
         if self._bins is not None:
             self._bins.check_unchanged()
-        off = self.offsets
-        if self.mode == "pack":
-            assert self._bins is not None
             docs, bins = self._bins.arrays["docs"], self._bins.arrays["bins"]
             return [docs[bins[i] : bins[i + 1]] for i in idx.tolist()]
+        off = self.offsets
         L = self.seq_len
         starts = idx * L
         first = off.searchsorted(starts, side="right") - 1
