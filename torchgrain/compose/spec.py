@@ -192,17 +192,15 @@ def load_spec(path: str) -> Any:
     entries = spec[kind]
     if not isinstance(entries, list) or not entries:
         raise SpecError(f"{path}: {kind!r} must be a non-empty list of datasets")
-    parts = [_entry_source(path, k, e, kind) for k, e in enumerate(entries)]
-    names = [n if n is not None else str(k) for k, (n, _, _) in enumerate(parts)]
+    given, children, weights = map(
+        list, zip(*(_entry_source(path, k, e, kind) for k, e in enumerate(entries)))
+    )
+    names = [n if n is not None else str(k) for k, n in enumerate(given)]
     if len(set(names)) != len(names):
         raise SpecError(f"{path}: two {kind} entries have the same name ({names})")
-    datasets: Any = (
-        dict(zip(names, (d for _, d, _ in parts)))
-        if any(n is not None for n, _, _ in parts)
-        else [d for _, d, _ in parts]
-    )
+    named = any(n is not None for n in given)
+    datasets: Any = dict(zip(names, children)) if named else children
     options = {k: spec[k] for k in _TOP_KEYS[kind] if k in spec}
-    weights = [w for _, _, w in parts]
     try:
         if kind == "concat":
             if any(w is not None for w in weights):
