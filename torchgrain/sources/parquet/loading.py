@@ -104,12 +104,7 @@ class RowGroupLoader(ShardedSource):
                 # reads measured 15-35% faster without, most on small row groups).
                 # Page headers are read through a descriptor of our own (same inode).
                 fd = changes.open_regular(path)  # (before pyarrow's open: a FIFO blocks it)
-                pf = pq.ParquetFile(
-                    path,
-                    pre_buffer=False,
-                    page_checksum_verification=self._verify,
-                    coerce_int96_timestamp_unit=self.int96_timestamp_unit,
-                )
+                source = path
             else:
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
@@ -122,12 +117,13 @@ class RowGroupLoader(ShardedSource):
                     # Column chunks are fetched once, their page headers checked, and
                     # Arrow decodes from the same bytes (StagedInput).
                     staged = StagedInput(handle, filesystem, path)
-                pf = pq.ParquetFile(
-                    staged or handle,
-                    pre_buffer=True,
-                    page_checksum_verification=self._verify,
-                    coerce_int96_timestamp_unit=self.int96_timestamp_unit,
-                )
+                source = staged or handle
+            pf = pq.ParquetFile(
+                source,
+                pre_buffer=filesystem is not None,
+                page_checksum_verification=self._verify,
+                coerce_int96_timestamp_unit=self.int96_timestamp_unit,
+            )
         except FileNotFoundError as e:
             # Keep the cause: fsspec's HTTP filesystem reports a 503 this way too, and
             # retries tell the two apart by it.
@@ -276,15 +272,10 @@ class RowGroupLoader(ShardedSource):
                 ) from None
         if table.schema.equals(self._file_schema):
             return table  # the common case: this file has every column with its type
-        arrays = []
-        for field, p in zip(self._file_fields, present):
-            if not p:
-                arrays.append(pa.nulls(num_rows, field.type))
-                continue
-            col = table.column(field.name)
-            if not col.type.equals(field.type):
-                col = col.cast(field.type)
-            arrays.append(col)
+        arrays = [
+            table.column(f.name).cast(f.type) if p else pa.nulls(num_rows, f.type)
+            for f, p in zip(self._file_fields, present)
+        ]
         return pa.Table.from_arrays(arrays, schema=self._file_schema)
 
     def _read_checked(
