@@ -31,6 +31,7 @@ not be sent again).
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 import mmap
@@ -39,6 +40,7 @@ import secrets
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from multiprocessing import reduction, util
 from typing import Any
 
@@ -64,25 +66,15 @@ ENABLED = sys.platform.startswith("linux") and hasattr(os, "memfd_create")
 # Column descriptions in a slot batch's pickle.
 _IN_SLOT, _RAGGED, _OBJECT = 0, 1, 2
 
-_DTYPE_NAMES = {
-    dt: str(dt).removeprefix("torch.")
-    for dt in (
-        torch.bool,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        *(getattr(torch, name) for name in ("uint16", "uint32", "uint64") if hasattr(torch, name)),
-    )
+# The dtypes a column in a slot may have, by name (torch >= 2.3 has uint16..uint64;
+# there is no float8).
+_SIZED = (f"{kind}{bits}" for kind in ("int", "uint", "float") for bits in (8, 16, 32, 64))
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("bool", "bfloat16", "complex64", "complex128", *_SIZED)
+    if hasattr(torch, name)
 }
-_DTYPES = {name: dt for dt, name in _DTYPE_NAMES.items()}
+_DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 
 # ------------------------------------------------------------------ worker side
@@ -309,25 +301,20 @@ def _sweep() -> None:
                 del _mapped[key]
 
 
-def _materialize(desc: tuple[Any, ...], typed: dict[str, torch.Tensor]) -> Any:
+def _materialize(desc: tuple[Any, ...], typed: Callable[[str], torch.Tensor]) -> Any:
     tag = desc[0]
     if tag == _IN_SLOT:
         _, offset, dtype, shape = desc
-        flat = typed[dtype]  # the batch's memory as this dtype (offsets are aligned)
+        flat = typed(dtype)  # the batch's memory as this dtype (offsets are aligned)
         return flat.narrow(0, offset // flat.element_size(), math.prod(shape)).view(shape)
     if tag == _RAGGED:
         return Ragged(_materialize(desc[2], typed), _materialize(desc[3], typed), desc[1])
     return desc[1]
 
 
-class _Typed(dict):
+def _typed(flat: torch.Tensor) -> Callable[[str], torch.Tensor]:
     """The batch's uint8 tensor viewed as each dtype a column asks for, made on demand."""
-
-    __slots__ = ("flat",)
-
-    def __missing__(self, dtype: str) -> torch.Tensor:
-        out = self[dtype] = self.flat.view(_DTYPES[dtype])
-        return out
+    return functools.cache(lambda dtype: flat.view(_DTYPES[dtype]))
 
 
 def _rebuild(
@@ -343,8 +330,7 @@ def _rebuild(
     batch_base = np.frombuffer(entry.mm, np.uint8, count=size - _HEADER, offset=_HEADER)
     entry.batches[id(batch_base)] = batch_base
     weakref.finalize(batch_base, _release, entry.header, process.token()).atexit = False
-    typed = _Typed()
-    typed.flat = torch.from_numpy(batch_base)
+    typed = _typed(torch.from_numpy(batch_base))
     return {k: _materialize(desc, typed) for k, desc in items}
 
 
@@ -353,14 +339,11 @@ def _copy_out(name: str, fd: Any, items: list[tuple[str, Any]]) -> dict[str, Any
         os.close(fd.detach())
     slot = _own[name]
     data = torch.from_numpy(np.frombuffer(slot.mm, np.uint8, count=slot.capacity, offset=_HEADER))
-    typed = _Typed()
-    typed.flat = data
+    typed = _typed(data)
     return {k: _clone(_materialize(desc, typed)) for k, desc in items}
 
 
 def _clone(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, Ragged):
-        return Ragged(_clone(value.values), _clone(value.offsets), value.kind)
-    return value
+    return value.map_arrays(_clone) if isinstance(value, Ragged) else value
