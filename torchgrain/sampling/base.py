@@ -130,10 +130,8 @@ class ResumableSampler(DistributedSampler):
         is_length = isinstance(dataset_or_length, (int, np.integer))
         self.dataset = None if is_length else dataset_or_length
         # Explicit values are checked now; missing ones are looked up at each use.
-        if num_replicas is not None and rank is not None:
-            check_world(num_replicas, rank)
-        elif num_replicas is not None:
-            check_world(num_replicas, 0)
+        if num_replicas is not None:
+            check_world(num_replicas, 0 if rank is None else rank)
         elif rank is not None and operator.index(rank) < 0:
             raise ValueError(f"Invalid rank {rank}, rank should be >= 0")
         self._num_replicas_arg = None if num_replicas is None else operator.index(num_replicas)
@@ -357,16 +355,12 @@ class ResumableSampler(DistributedSampler):
         drop, pad = bool(state["drop_last"]), bool(state.get("pad", True))
         return Shares(length, replicas, drop, pad, pad_to)
 
-    def _same_order(self, state: dict[str, Any]) -> bool:
-        """Whether this sampler's per-rank order equals the one ``state`` was saved in,
-        given the same world size and drop_last."""
+    def _same_order(self, state: dict[str, Any], replicas: int) -> bool:
+        """Whether this sampler, over ``replicas`` ranks, continues each rank's order of
+        ``state`` (the same world, drop_last, padding and split)."""
         split = self.split()
-        same_pad_to = state.get("pad_to", 1) == (
-            self._pad_to() if operator.index(state["num_replicas"]) == 1 else 1
-        )
         return (
-            bool(state.get("pad", True)) == self.pad
-            and same_pad_to
+            self._saved_shares(state, 0) == self._shares(0, replicas)
             and split.from_state(state) == split
         )
 
@@ -669,13 +663,8 @@ class ResumableSampler(DistributedSampler):
         samples not consumed globally are re-split over the new ranks, from position 0.
         """
         layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
-        old_w = operator.index(state["num_replicas"])
         pos = operator.index(state["position"])
-        if (
-            old_w == world[0]
-            and bool(state["drop_last"]) == self.drop_last
-            and self._same_order(state)
-        ):
+        if self._same_order(state, world[0]):
             return layout, pos
         shares = self._saved_shares(state, layout_length(layout))
         consumed = self.split().from_state(state).consumed(shares, pos)
