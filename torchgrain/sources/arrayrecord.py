@@ -29,14 +29,13 @@ from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io import remote
-from torchgrain.io.changes import ChangedWhileOpen
 from torchgrain.io.fs import ShardPaths, is_local
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import retry_call, using
 from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
 from torchgrain.sources.block_cache import CacheBlocks
-from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 from torchgrain.sources.options import ReadOptions
@@ -156,7 +155,6 @@ class ArrayRecordSource(EncodedSource):
         del manifest, files
         self._dindex: ArrayRecordIndex | None = None
         self._count_bad: np.ndarray | None = None  # shards whose files disagree with the manifest
-        self._mapped: Any = None  # this process's ShardRegion and decoder (not pickled)
         fresh = False  # (set where the shards are pinned anew below)
         if local and len(shard_paths):
             if index_dir is ...:
@@ -205,6 +203,7 @@ class ArrayRecordSource(EncodedSource):
             for shard, path in enumerate(self._paths):
                 size = self.shard_integrity(shard)[0]
                 remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
+            self._hold_pins()
         if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(list(shard_paths), fs) or codec
@@ -476,14 +475,7 @@ class ArrayRecordSource(EncodedSource):
         bad = self._count_bad
         if region is None or not one_record or (bad is not None and bad[shards].any()):
             return None
-        try:
-            if isinstance(shards, int):
-                return region.acquire_one(shards, polled=True)  # (_check_index polled)
-            return region.acquire(shards, polled=True)
-        except ChangedWhileOpen:
-            raise  # (the reader path may not see a same-size rewrite)
-        except (CorruptDataError, FileNotFoundError):
-            return None
+        return acquired(region, shards)
 
     def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
         # One record without the batch's numpy steps (they would double its cost).
@@ -618,7 +610,6 @@ class ArrayRecordSource(EncodedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_mapped"] = None  # maps belong to one process
         if self._dindex is not None:  # local: the index holds what reading needs
             state["_manifest"] = None
             if self._count_bad is None:

@@ -24,6 +24,7 @@ from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.io import changes
+from torchgrain.io.region import ShardRegion
 from torchgrain.sources.base import ShardedSource
 from torchgrain.sources.fetch_ahead import take_early
 from torchgrain.sources.index import in_request_order
@@ -36,6 +37,7 @@ class EncodedSource(ShardedSource):
 
     codec: Codec
     _schema: dict[str, str] | None = None
+    _mapped: Any = None  # the format's map of the shards in this process (not pickled)
 
     # ------------------------------------------------------------ for formats
     @abc.abstractmethod
@@ -96,6 +98,11 @@ class EncodedSource(ShardedSource):
     def _node_index(self) -> Any:
         """The source's node-shared index (:mod:`torchgrain.sources.node_index`), if any."""
         return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_mapped"] = None  # maps belong to one process
+        return state
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         self._check_index()
@@ -283,6 +290,21 @@ class EncodedSource(ShardedSource):
                 f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
                 f"with codec {self.codec.name!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
+
+
+def acquired(region: ShardRegion, shards: int | np.ndarray) -> Any:
+    """Where ``shards`` (one, or a batch's array) are mapped in ``region`` (release it
+    after reading), or None for the reader path: a shard that cannot be mapped now (its
+    reader names the error), or more than may be mapped at once. A file changed while
+    open raises: the reader path may not see a same-size rewrite."""
+    try:
+        if isinstance(shards, int):
+            return region.acquire_one(shards, polled=True)  # (_check_index polled)
+        return region.acquire(shards, polled=True)
+    except changes.ChangedWhileOpen:
+        raise
+    except (CorruptDataError, FileNotFoundError):
+        return None
 
 
 def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:

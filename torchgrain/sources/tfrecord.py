@@ -56,13 +56,13 @@ from torchgrain.formats.tfrecord import (
 from torchgrain.io import process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
-from torchgrain.io.changes import ChangedWhileOpen, open_regular
+from torchgrain.io.changes import open_regular
 from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, using
-from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.format import ShardFile
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
@@ -144,7 +144,6 @@ class TFRecordSource(EncodedSource):
                 fs, files, index_dir, retry, self._compressed, max_record_bytes
             )
         counts = self._tfindex.counts
-        self._mapped: Any = None  # this process's ShardRegion (not pickled)
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # A local reader is a memory map, which holds a file descriptor; remote
@@ -273,14 +272,9 @@ class TFRecordSource(EncodedSource):
         if bool(self._compressed[shard].any()):
             return None  # file by file: the error says to convert it
         first, last = self._frames(shard, rows, idx)
-        try:
-            base = region.acquire(shard, polled=True)  # (_check_index polled)
-        except ChangedWhileOpen:
-            raise
-        except (CorruptDataError, FileNotFoundError):
-            return None  # a file that cannot be mapped: file by file, which names it
+        base = acquired(region, shard)
         if base is None:
-            return None  # more files than may be mapped at once
+            return None  # file by file
         try:
             at = base + first
             lengths = last - first - 16
@@ -318,12 +312,7 @@ class TFRecordSource(EncodedSource):
             return None  # the batch path names the damage
         if last - first - 16 > self.max_record_bytes:
             return None
-        try:
-            at = region.acquire_one(shard, polled=True)  # (_check_index polled)
-        except ChangedWhileOpen:
-            raise
-        except (CorruptDataError, FileNotFoundError):
-            return None
+        at = acquired(region, shard)
         if at is None:
             return None
         try:
@@ -355,11 +344,6 @@ class TFRecordSource(EncodedSource):
             f"{self.max_record_bytes} allows (record index {index}; a larger "
             "max_record_bytes reads it, if the file is trusted)"
         )
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state["_mapped"] = None  # maps belong to one process
-        return state
 
     def close(self) -> None:
         super().close()
