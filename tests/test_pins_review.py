@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import re
 import time
 
 import pytest
@@ -41,9 +42,6 @@ def test_the_size_of_an_s3_object_larger_than_a_page_is_answered(tmp_path, moto_
         assert f.read() == b"x" * (3 << 20)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="older: a source's pickle carries the process's pins, not its own"
-)
 @pytest.mark.timeout(60)
 def test_a_copy_of_a_source_opened_before_a_reupload_refuses_the_new_version(tmp_path, monkeypatch):
     """A source opened on one version of a file, then the file replaced (same size) and the
@@ -143,3 +141,70 @@ def test_a_file_replaced_on_the_server_can_be_opened_again_in_the_same_process(t
         later = time.time() + 100  # another ETag and Last-Modified
         os.utime(served, (later, later))
         assert tg.ArrayRecordSource(url, retry=QUICK)[0] == {"v": "b" * 50}
+
+
+def _replace(path, data: bytes) -> None:
+    """``path`` rewritten with ``data`` (its size), with a later modification time
+    (another ETag and Last-Modified)."""
+    assert len(data) == path.stat().st_size
+    path.write_bytes(data)
+    later = time.time() + 100
+    os.utime(path, (later, later))
+
+
+def _copies_refuse(first, again, monkeypatch, name: str) -> None:
+    """``first``'s copy, and its pickle restored in a process that pinned nothing
+    (a spawned worker's), refuse the file ``name`` replaced since ``first`` was opened;
+    those of ``again``, opened since, read the new version."""
+    state, new = pickle.dumps(first), pickle.dumps(again)
+    assert copy.copy(again)[3] == again[3]
+    with pytest.raises(tg.RemoteIOError, match=name):
+        pytest.fail(f"a copy read the new file: {copy.copy(first)[3]}")
+    monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
+    with pytest.raises(tg.RemoteIOError, match=name):
+        pytest.fail(f"a spawned worker read the new file: {pickle.loads(state)[3]}")
+    monkeypatch.setattr(responses, "_PINS", {})
+    assert pickle.loads(new)[3] == again[3]
+
+
+@pytest.mark.timeout(60)
+def test_a_copy_of_a_tfrecord_source_opened_before_a_reupload_refuses_the_new_version(
+    tmp_path, monkeypatch
+):
+    """As the Parquet test above, of a TFRecord file: the copy of a source opened before
+    the file was replaced (same size) and opened again reads the new records at the old
+    index's offsets."""
+    (tmp_path / "tf").mkdir()
+    served = tmp_path / "tf" / "a.tfrecord"
+    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
+    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    with RangeHTTPServer(tmp_path) as srv:
+        url = f"{srv.url}/tf/a.tfrecord"
+        first = tg.TFRecordSource(url, retry=QUICK, index_dir=None)
+        assert first[3]["v"] == [b"a3"]
+        _replace(served, (tmp_path / "b").read_bytes())
+        again = tg.TFRecordSource(url, retry=QUICK, index_dir=None)
+        assert again[3]["v"] == [b"b3"]
+        _copies_refuse(first, again, monkeypatch, r"a\.tfrecord")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("by", ["url", "manifest"])
+def test_a_copy_of_an_arrayrecord_source_opened_before_a_reupload_refuses_the_new_version(
+    tmp_path, monkeypatch, by
+):
+    """As the Parquet test above, of an ArrayRecord file named by its URL (its footers
+    pin it) or listed in a manifest (its sizes pin it)."""
+    (tmp_path / "www").mkdir()
+    for name, ch in (("www/ar", "a"), ("v2", "b")):
+        tg.write_array_record([{"v": ch * 50} for _ in range(8)], tmp_path / name, num_shards=1)
+    (shard,) = [n for n in os.listdir(tmp_path / "v2") if n.endswith(".array_record")]
+    served = tmp_path / "www" / "ar" / shard
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        url = f"{srv.url}/ar/{shard}" if by == "url" else f"{srv.url}/ar"
+        first = tg.ArrayRecordSource(url, retry=QUICK)
+        assert first[3] == {"v": "a" * 50}
+        _replace(served, (tmp_path / "v2" / shard).read_bytes())
+        again = tg.ArrayRecordSource(url, retry=QUICK)
+        assert again[3] == {"v": "b" * 50}
+        _copies_refuse(first, again, monkeypatch, re.escape(shard))

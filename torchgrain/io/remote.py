@@ -110,6 +110,7 @@ __all__ = [
     "exists",
     "file_size",
     "get_file",
+    "held_pins",
     "isdir",
     "isfile",
     "open_input",
@@ -627,12 +628,32 @@ def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None
     return None
 
 
-def pins_of(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> list[tuple | None] | None:
-    """What this process has pinned of remote files ``paths`` of ``fs`` (size, ``ETag``,
-    ``Last-Modified``; None for a file it has not), for a pickle of the source reading
-    them: a spawned worker restores them (:func:`restore_pins`) as a forked one inherits
-    them, and refuses a file replaced on the server since the opening. Local and
-    in-memory files: None.
+def held_pins(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> list[Any] | None:
+    """What this process has pinned of remote files ``paths`` of ``fs`` now (None for a
+    file it has not), kept by a source as its opening left them: a later opening of a
+    file replaced since pins a new one, never changing these (see :func:`pins_of`).
+    Local and in-memory files: None.
+
+    Example:
+        >>> import fsspec
+        >>> held_pins(fsspec.filesystem("memory"), ["/c/p"]) is None
+        True
+    """
+    if not isinstance(fs, AsyncFileSystem):
+        return None
+    return [pinned(fs._strip_protocol(p)) for p in paths]
+
+
+def pins_of(
+    fs: fsspec.AbstractFileSystem, paths: Sequence[str], held: list[Any] | None = None
+) -> list[tuple | None] | None:
+    """What a source knows of the versions of remote files ``paths`` of ``fs`` (size,
+    ``ETag``, ``Last-Modified``; None for a file it knows nothing of), for its pickle: a
+    spawned worker restores them (:func:`restore_pins`) as a forked one inherits them,
+    and refuses a file replaced on the server since the opening. ``held``: the pins
+    the source kept (:func:`held_pins`), those of its own opening, whatever a later
+    opening in this process pinned since; a file it has none of takes (and keeps, in
+    ``held``) this process's pin of it now. Local and in-memory files: None.
 
     Example:
         >>> import fsspec
@@ -645,14 +666,18 @@ def pins_of(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> list[tuple |
     # Last-Modified, files of one size and no validator yet share a pin (8 -> 2 bytes).
     same: dict[Any, Any] = {}
 
-    def one(path: str) -> tuple | None:
-        got = pinned(fs._strip_protocol(path))
+    def one(k: int, path: str) -> tuple | None:
+        got = held[k] if held is not None else None
+        if got is None:
+            got = pinned(fs._strip_protocol(path))
+            if held is not None:
+                held[k] = got
         if got is None:
             return None
         pin = (got.size, *(same.setdefault(v, v) for v in (got.etag, got.modified)))
         return same.setdefault(pin, pin)
 
-    return [one(p) for p in paths]
+    return [one(k, p) for k, p in enumerate(paths)]
 
 
 def restore_pins(

@@ -277,6 +277,13 @@ class ShardedSource(Source):
         self.read_ahead_bytes = int(read_ahead_bytes)
         self._state: _ProcessState | None = None
         self._make_helpers({})
+        self._hold_pins()
+
+    def _hold_pins(self) -> None:
+        """Keep the versions of the remote files this opening pinned: its pickle carries
+        them, not those a later opening in this process pins of a file replaced since
+        (a subclass whose opening pins after :meth:`_init_shards` calls it again)."""
+        self._held = remote.held_pins(self._fs, self._paths)
 
     def _make_helpers(self, sizes: dict[int, int]) -> None:
         """Make the helpers (:attr:`cached_copies`, :attr:`cache_fit`, :attr:`ranges`)
@@ -606,13 +613,17 @@ class ShardedSource(Source):
         st = self._proc()
         with st.lock:
             st.io["remote_reads"] += 1
-        return retry_call(
+        got = retry_call(
             fn,
             url=self._paths[shard],
             policy=self._retry,
             what=what,
             on_retry=self._count_retry,
         )
+        if self._held is not None and self._held[shard] is None:
+            # The version its first read found, if the opening pinned none.
+            self._held[shard] = remote.held_pins(self._fs, [self._paths[shard]])[0]  # type: ignore[index]
+        return got
 
     def _count_retry(self, attempt: int, exc: BaseException) -> None:
         st = self._proc()
@@ -642,19 +653,20 @@ class ShardedSource(Source):
     def __getstate__(self) -> dict[str, Any]:
         # Readers, threads, caches and counters are per process, and the helpers are
         # made again for the new source (copy.copy and deepcopy come here too): only the
-        # shards' sizes they learnt travel, and the versions of the remote files pinned
-        # in this process (a spawned worker has none of its own to refuse a replaced file).
+        # shards' sizes they learnt travel, and the versions of the remote files this
+        # source read (a spawned worker has none of its own to refuse a replaced file).
         state = self.__dict__.copy()
         state["_state"] = None
-        del state["cached_copies"], state["ranges"]
+        del state["cached_copies"], state["ranges"], state["_held"]
         state["cache_fit"] = dict(self.cache_fit.sizes)
-        state["_pins"] = remote.pins_of(self._fs, self._paths)
+        state["_pins"] = remote.pins_of(self._fs, self._paths, self._held)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         remote.restore_pins(state["_fs"], state["_paths"], state.pop("_pins", None))
         self.__dict__.update(state)
         self._make_helpers(state["cache_fit"])
+        self._hold_pins()
 
 
 def iter_in_blocks(
