@@ -412,11 +412,7 @@ def _pass(
     step = min(max(batch_size, math.ceil(n / parts)), batch_size * _MAX_RANGE_BATCHES)
     tester = _RangeTester(ds, predicate, vectorised, label, batch_size, step)
     loader = torch.utils.data.DataLoader(
-        tester,
-        batch_size=None,
-        num_workers=num_workers,
-        collate_fn=_as_is,
-        prefetch_factor=2 if num_workers > 0 else None,
+        tester, batch_size=None, num_workers=num_workers, collate_fn=_as_is
     )
     from tqdm import tqdm
 

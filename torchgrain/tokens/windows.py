@@ -19,7 +19,6 @@ from __future__ import annotations
 import array
 import bisect
 import copy
-import hashlib
 import os
 import reprlib
 import warnings
@@ -44,6 +43,7 @@ from torchgrain.sources.node_index.derived import (
     callable_fingerprint,
     dataset_fingerprint,
     derived_index,
+    hash_parts,
 )
 from torchgrain.tokens.tokenize import tokenize_batch
 
@@ -316,14 +316,6 @@ def _tokenize(tokenizer: Any, texts: list[Any], docs: _Documents, ids: np.ndarra
 
 
 # ----------------------------------------------------------------------- the indexes
-def _key(*parts: Any) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        h.update(repr(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 def _check_offsets(ix: DerivedIndex, documents: int, special: int) -> str | None:
     """Why the document index ``ix`` does not fit: its prefix sums must start at 0,
     grow by at least ``special`` tokens per document and end at its ``tokens``."""
@@ -677,7 +669,7 @@ class TokenWindows(Composed):
     def fingerprint(self) -> str:
         """What the windows hold: the index's key, the mode and the window length."""
         bins = self._bins.meta["key"] if self._bins is not None else None
-        return _key(self._index.meta["key"], bins, self.mode, self.seq_len, self.pad_id)
+        return hash_parts(self._index.meta["key"], bins, self.mode, self.seq_len, self.pad_id)
 
     def __repr__(self) -> str:
         return (
@@ -850,15 +842,8 @@ def windows(
     docs = _Documents(ds, column, tokenizer, lengths)
     special = (bos is not None) + (eos is not None)
     n = len(ds)
-    key = _key(
-        "documents",
-        dataset_fingerprint(ds),
-        column,
-        bos,
-        eos,
-        callable_fingerprint(tokenizer) if tokenizer is not None else None,
-        lengths,
-    )
+    tokenized = callable_fingerprint(tokenizer) if tokenizer is not None else None
+    key = hash_parts("documents", dataset_fingerprint(ds), column, bos, eos, tokenized, lengths)
 
     # Documents a count column says are empty, with no bos/eos: no window reads them in
     # pack mode, so their tokens are checked here, once per machine (lost unread else).
@@ -873,18 +858,17 @@ def windows(
                 empty.append(np.flatnonzero(lens == 0) + seen)
             seen += len(lens)
             part = np.cumsum(lens) + total
+            if not len(part):
+                continue
             # int64 wraps silently: a sum past 2**63 - 1 shows as a step down (each count
             # is below 2**63), which would leave a wrong (often empty) set of windows.
-            if len(part) and (
-                lens.min() < special or part[0] < total or (part[1:] < part[:-1]).any()
-            ):
+            if lens.min() < special or part[0] < total or (part[1:] < part[:-1]).any():
                 raise CorruptDataError(
                     f"the token counts of {docs.name} add up past 2**63 - 1 (documents up to "
                     f"{seen}): not token counts"
                 )
-            if len(part):
-                total = int(part[-1])
-                sink.append("offsets", part)
+            total = int(part[-1])
+            sink.append("offsets", part)
         if seen != n:
             raise CorruptDataError(f"{docs.name} gave {seen} document lengths for {n} records")
         unread = np.concatenate([np.zeros(0, np.int64), *(empty or ())])
@@ -925,7 +909,7 @@ def windows(
 
         bins = derived_index(
             _KIND,
-            _key("pack", index.meta["key"], seq_len),
+            hash_parts("pack", index.meta["key"], seq_len),
             {"docs": ("<i8", ()), "bins": ("<i8", ())},
             fill_bins,
             index_dir=index_dir,
