@@ -123,8 +123,6 @@ class ReadOptions:
 
             if not isinstance(fs, fsspec.AbstractFileSystem):
                 raise TypeError(f"filesystem must be an fsspec filesystem, got {type(fs).__name__}")
-        if self.cache_bytes is not None and (not _is_int(self.cache_bytes) or self.cache_bytes < 0):
-            raise ValueError(f"cache_bytes must be an integer >= 0, got {self.cache_bytes!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             from torchgrain.io.shard_cache import ShardCache
 
@@ -133,17 +131,11 @@ class ReadOptions:
                     "cache_dir must be a directory path or a ShardCache, got "
                     f"{type(self.cache_dir).__name__}"
                 )
-        if not _is_int(self.cache_dir_bytes) or self.cache_dir_bytes < 1:
-            raise ValueError(
-                f"cache_dir_bytes must be an integer >= 1, got {self.cache_dir_bytes!r}"
-            )
-        ra = self.read_ahead_bytes
-        if ra is not None and (not _is_int(ra) or ra < 0):
-            raise ValueError(f"read_ahead_bytes must be an integer >= 0, got {ra!r}")
-        if not _is_int(self.io_threads) or self.io_threads < 1:
-            raise ValueError(f"io_threads must be an integer >= 1, got {self.io_threads!r}")
-        if not _is_int(self.max_inflight) or self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be an integer >= 1, got {self.max_inflight!r}")
+        optional = ("cache_bytes", "read_ahead_bytes")  # (None: the default)
+        for name in (*optional, "cache_dir_bytes", "io_threads", "max_inflight"):
+            v, low = getattr(self, name), 0 if name in optional else 1
+            if (v is not None or low) and (not _is_int(v) or v < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
             raise TypeError(f"retry must be a RetryPolicy, got {type(self.retry).__name__}")
         m = self.max_open_files
