@@ -51,8 +51,17 @@ def resolve_dataset(
         if not has_glob(root, fs) and remote.isdir(fs, root, url=where):
             manifest = read_manifest(fs, root)
             if manifest is not None:
-                files = _shard_paths(
-                    fs, root, [s.path for s in manifest.shards], where, allow_external_paths
+                # A shard name is a relative path below the dataset directory, checked in
+                # every reading (percent-decoded, normalised): ``..`` segments, an absolute
+                # path or a URL would let an untrusted dataset read any file the process
+                # can. A symlink inside the directory is the user's own doing: followed.
+                files = resolve_all(
+                    fs,
+                    root,
+                    [s.path for s in manifest.shards],
+                    where=f"the manifest of {where!r}",
+                    what=lambda k: f"shard {k}",
+                    allow_external=allow_external_paths,
                 )
                 ends = sorted({0, len(files) - 1}) if files else []
                 missing = [k for k in ends if not remote.exists(fs, files[k])]
@@ -83,27 +92,3 @@ def resolve_dataset(
         allow_external=allow_external_paths,
     )
     return None, fs, files, None
-
-
-def _shard_paths(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
-    names: list[str],
-    where: str,
-    allow_external: bool,
-) -> list[str]:
-    """Where a manifest's shards are: inside ``root`` unless the user allows more.
-
-    A shard name is a relative path below the dataset directory, checked in every reading
-    (percent-decoded, normalised) by :func:`torchgrain.io.paths.resolve_all`: ``..``
-    segments, an absolute path or a URL would let an untrusted dataset read any file the
-    process can. A symlink inside the directory is the user's own doing and is followed.
-    """
-    return resolve_all(
-        fs,
-        root,
-        names,
-        where=f"the manifest of {where!r}",
-        what=lambda k: f"shard {k}",
-        allow_external=allow_external,
-    )
