@@ -186,21 +186,16 @@ def _join(parts: list[Any]) -> np.ndarray | Ragged:
         and (r.kind != "array" or r.values.dtype == first.values.dtype)
         for r in ragged
     ):
-        sizes = [int(r.offsets[-1]) for r in ragged]
-        offsets = np.zeros(sum(len(r) for r in ragged) + 1, dtype=np.int64)
-        at = base = 0
-        for r, size in zip(ragged, sizes):
-            offsets[at + 1 : at + len(r) + 1] = r.offsets[1:] + base
-            at, base = at + len(r), base + size
+        lengths = np.concatenate([np.diff(r.offsets) for r in ragged])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
         return Ragged(
             np.concatenate([r.values[: r.offsets[-1]] for r in ragged]), offsets, first.kind
         )
-    out = np.empty(sum(len(p) for p in parts), dtype=object)
-    at = 0
-    for p in parts:
-        for i in range(len(p)):
-            out[at] = row_of(p, i)
-            at += 1
+    values = [row_of(p, i) for p in parts for i in range(len(p))]
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
     return out
 
 
