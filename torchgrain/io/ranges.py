@@ -30,7 +30,6 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -68,11 +67,6 @@ SINGLE_RANGE_GAP = 64 << 10
 SINGLE_RANGE_MAX = 256 << 10
 
 
-def _origin(path: str) -> str:
-    parts = urlsplit(path)
-    return f"{parts.scheme}://{parts.netloc}".lower()
-
-
 def coalescing(
     fs: fsspec.AbstractFileSystem, path: str, gap: int, *, multi_range: bool = True
 ) -> tuple[int, int]:
@@ -91,7 +85,11 @@ def coalescing(
     """
     if not isinstance(fs, AsyncFileSystem):
         return gap, MAX_REQUEST  # no requests: nothing to save
-    if multi_range and is_http(fs) and inflight.multirange_servers(fs).get(_origin(path), True):
+    if (
+        multi_range
+        and is_http(fs)
+        and inflight.multirange_servers(fs).get(inflight._origin(path), True)
+    ):
         return gap, MAX_REQUEST
     return max(gap, SINGLE_RANGE_GAP), SINGLE_RANGE_MAX
 
@@ -210,9 +208,6 @@ class RangeStore:
                     self._ranges[key] = (v, owner)
                     self.nbytes += e - s
                     self.stats["put"] += 1
-
-    def has(self, url: str, start: int, end: int) -> bool:
-        return (url, start, end) in self._ranges
 
     def claim(
         self, url: str, ranges: Sequence[tuple[int, int]]
@@ -364,16 +359,7 @@ def fetch_batch(
             if not mine:
                 tell(k)  # all in the store already (or being brought by another fetch)
         made = _fetch_claimed(
-            fs,
-            files,
-            claimed,
-            store,
-            owner,
-            gap,
-            max_inflight,
-            multi_range,
-            raise_errors,
-            tell if ready is not None else None,
+            fs, files, claimed, store, owner, gap, max_inflight, multi_range, raise_errors, tell
         )
     finally:
         for url, mine in claimed:
@@ -409,7 +395,7 @@ def _fetch_claimed(
     max_inflight: int,
     multi_range: bool,
     raise_errors: bool,
-    ready: Callable[[int], None] | None = None,
+    ready: Callable[[int], None],
 ) -> int:
     paths: list[str] = []
     urls: list[str] = []
@@ -448,26 +434,24 @@ def _fetch_claimed(
         store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
         return not bad
 
-    arrived = None
-    if ready is not None:
-        # Each file is put in the store, and its reader told, as soon as its last request
-        # is answered: the reader decodes it while the other files' requests are in flight.
-        plan_of = [0] * len(starts)
-        left = []
-        for n, plan in enumerate(plans):
-            plan_of[plan[5] : plan[5] + len(plan[4])] = [n] * len(plan[4])
-            left.append(len(plan[4]))
-        got_so_far: list = [None] * len(starts)
+    # Each file is put in the store, and its reader told, as soon as its last request is
+    # answered: the reader decodes it while the other files' requests are in flight.
+    plan_of = [0] * len(starts)
+    left = []
+    for n, plan in enumerate(plans):
+        plan_of[plan[5] : plan[5] + len(plan[4])] = [n] * len(plan[4])
+        left.append(len(plan[4]))
+    got_so_far: list = [None] * len(starts)
 
-        def arrived(idx: list[int], blobs: list) -> None:
-            for i, blob in zip(idx, blobs):
-                got_so_far[i] = blob
-                n = plan_of[i]
-                left[n] -= 1
-                if left[n] == 0:
-                    k, *_, merged, at = plans[n]
-                    if settle(plans[n], got_so_far[at : at + len(merged)]):
-                        ready(k)
+    def arrived(idx: list[int], blobs: list) -> None:
+        for i, blob in zip(idx, blobs):
+            got_so_far[i] = blob
+            n = plan_of[i]
+            left[n] -= 1
+            if left[n] == 0:
+                k, *_, merged, at = plans[n]
+                if settle(plans[n], got_so_far[at : at + len(merged)]):
+                    ready(k)
 
     blobs = inflight.cat_many(
         fs,
@@ -479,10 +463,9 @@ def _fetch_claimed(
         multi_range=multi_range,
         arrived=arrived,
     )
-    if arrived is None or any(n > 0 for n in left):
-        for n, plan in enumerate(plans):
-            if arrived is None or left[n] > 0:  # (a request timed out: never arrived)
-                settle(plan, blobs[plan[5] : plan[5] + len(plan[4])])
+    for n, plan in enumerate(plans):
+        if left[n] > 0:  # (a request timed out: never arrived)
+            settle(plan, blobs[plan[5] : plan[5] + len(plan[4])])
     if failure and raise_errors:
         _raise_failure(*failure[0])
     return len(starts)
