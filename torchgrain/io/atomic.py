@@ -115,13 +115,12 @@ def temp_name(path: str | os.PathLike[str]) -> str:
     return os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _fsync_dir(directory: str) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
-        fd = os.open(directory or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def publish(
@@ -147,15 +146,12 @@ def publish(
     """
     path = os.fspath(path)
     if durable:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
     os.chmod(tmp, file_mode() if mode is None else mode)
     os.replace(tmp, path)
     if durable:
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+            _fsync(os.path.dirname(os.path.abspath(path)))
 
 
 @contextlib.contextmanager
