@@ -224,12 +224,7 @@ class ShardRegion:
                     return None
                 slots = self.slot_of[shards]
             self._verify(slots, changes.seen() if polled else changes.poll())
-            self._tick += 1
-            if self._tick >= 1 << 32:  # start the clock again, keeping the order
-                self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
-                self._tick = int(self.used.max()) + 1
-            self.used[slots] = self._tick
-            self._inflight += 1
+            self._use(slots)
         return slots * np.int64(self.slot_size)
 
     def acquire_one(self, shard: int, *, polled: bool = False) -> int | None:
@@ -246,13 +241,17 @@ class ShardRegion:
             seen = changes.seen() if polled else changes.poll()
             if seen != self._seen or not self._watched[k]:  # (else nothing to look at)
                 self._verify(np.array([k]), seen)
-            self._tick += 1
-            if self._tick >= 1 << 32:
-                self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
-                self._tick = int(self.used.max()) + 1
-            self.used[k] = self._tick
-            self._inflight += 1
+            self._use(k)
         return k * self.slot_size
+
+    def _use(self, slots: Any) -> None:
+        """Begin a read of ``slots`` (the lock held): stamp their last use."""
+        self._tick += 1
+        if self._tick >= 1 << 32:  # start the clock again, keeping the order
+            self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
+            self._tick = int(self.used.max()) + 1
+        self.used[slots] = self._tick
+        self._inflight += 1
 
     def _verify(self, slots: np.ndarray, seen: int) -> None:
         """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if a shard of ``slots``
@@ -278,8 +277,7 @@ class ShardRegion:
                     self._unmap_slot(k)
                 else:  # another read holds it: unmapped at the last release
                     self._stale.add(int(self.owner[k]))
-        if seen != self._seen:
-            self._seen = seen
+        self._seen = seen
         if self._gone:
             self._refuse_gone(batch)
 
