@@ -307,9 +307,7 @@ def dataset_fingerprint(ds: Any) -> str:
     if isinstance(ds, SequenceSource):
         return dataset_fingerprint(ds.items)
     if isinstance(ds, Dataset):
-        ops = []
-        for op in ds._ops:
-            ops.append((op[0], callable_fingerprint(op[1]), *op[2:]))
+        ops = [(op[0], callable_fingerprint(op[1]), *op[2:]) for op in ds._ops]
         return hash_parts("dataset", dataset_fingerprint(ds.source), ops)
     if isinstance(ds, Fingerprinted):
         return hash_parts("stated", type(ds).__qualname__, ds.fingerprint())

@@ -133,7 +133,7 @@ class RowGroupLoader(ShardedSource):
                 handle.close()
             if fd is not None:
                 os.close(fd)
-            if isinstance(e, UnsafePathError):  # a refused redirect: not a corrupt file
+            if isinstance(e, (UnsafePathError, PermissionError)):  # refused: not corrupt
                 raise
             raise CorruptDataError(
                 f"cannot open Parquet shard {path!r} (shard {shard} of {self.num_shards}): {e}"
@@ -371,7 +371,8 @@ class RowGroupLoader(ShardedSource):
                 if rows is None:
                     most = sum(map(_dictionary_value_bytes, arrays))
                 elif any(len(a.dictionary) for a in arrays):  # (empty: not read yet)
-                    most = pages.values * max(map(_longest_entry, arrays)) + pages.data_bytes
+                    longest = max(int(_entry_lengths(a).max(initial=0)) for a in arrays)
+                    most = pages.values * longest + pages.data_bytes
             _, name, own, inflated = sizes[k]
             if most > inflated:
                 sizes[k] = (max(own, most), name, own, most)
@@ -497,10 +498,6 @@ def _leaf_arrays(todo: list[pa.Array]) -> list[pa.Array]:
 
 def _entry_lengths(a: pa.DictionaryArray) -> np.ndarray:
     return pc.binary_length(a.dictionary).fill_null(0).to_numpy().astype(np.int64)
-
-
-def _longest_entry(a: pa.DictionaryArray) -> int:
-    return int(_entry_lengths(a).max(initial=0))
 
 
 def _dictionary_value_bytes(a: pa.DictionaryArray) -> int:
@@ -710,9 +707,6 @@ class StagedInput(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def tell(self) -> int:
-        return self._pos
-
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_SET:
             self._pos = offset
@@ -735,11 +729,6 @@ class StagedInput(io.RawIOBase):
         data = self.handle.read(size)
         self._pos = pos + len(data)
         return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(memoryview(buffer)))
-        memoryview(buffer).cast("B")[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         self._ranges = []

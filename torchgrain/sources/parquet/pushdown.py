@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -170,10 +171,7 @@ def _prune(src: Any, sub: Any, schema: pa.Schema, expression: pc.Expression) -> 
     cases: list[tuple[int, pc.Expression]] = []
     for g in range(groups):
         states = [_states(src, sub, g, field) for field in schema]
-        combos = 1
-        for s in states:
-            combos *= len(s)
-        if combos > _MAX_CASES:
+        if math.prod(map(len, states)) > _MAX_CASES:
             continue
         for combo in itertools.product(*states):
             terms = [t for t in combo if t is not None]
