@@ -20,6 +20,7 @@ and what to do instead.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -116,18 +117,14 @@ class BlockCache:
     def get_many(self, keys: list[Hashable]) -> list[Any]:
         """:meth:`get` for several keys under one lock (``None`` for the absent ones)."""
         with self._lock:
-            get = self._entries.get
-            refresh = self._entries.move_to_end
-            items = [get(key) for key in keys]
-            out = [None if item is None else item[0] for item in items]
-            hits = 0
+            items = [self._entries.get(key) for key in keys]
             for key, item in zip(keys, items):
                 if item is not None:
-                    refresh(key)
-                    hits += 1
-            self._hits += hits
-            self._misses += len(keys) - hits
-        return out
+                    self._entries.move_to_end(key)
+            misses = items.count(None)
+            self._hits += len(keys) - misses
+            self._misses += misses
+        return [None if item is None else item[0] for item in items]
 
     def put(self, key: Hashable, value: Any, nbytes: int) -> bool:
         """Store ``value`` costing ``nbytes``; evict least recently used entries to fit.
@@ -334,20 +331,23 @@ def check_fit(
         return None
     offsets = np.asarray(blocks.offsets, dtype=np.int64)
     num_blocks = max(1, len(offsets) - 1)
+    fit = functools.partial(
+        CacheFit,
+        source=source,
+        cache=blocks.cache,
+        unit=blocks.unit,
+        capacity_bytes=int(blocks.capacity),
+        per_process=blocks.per_process,
+        remedies=blocks.remedies,
+    )
     if blocks.total is not None and blocks.total <= blocks.capacity:
-        return CacheFit(  # the whole dataset fits: each block loads once at most
-            source=source,
-            cache=blocks.cache,
-            unit=blocks.unit,
-            capacity_bytes=int(blocks.capacity),
-            per_process=blocks.per_process,
+        return fit(  # the whole dataset fits: each block loads once at most
             sampled=0,
             blocks=num_blocks,
             working_set_bytes=int(blocks.total),
             hit_rate=1.0,
             loads_per_record=min(1.0, num_blocks / count),
             loads_per_block=1.0,
-            remedies=blocks.remedies,
         )
     lru = _LRU(blocks.capacity)
     touched: list[np.ndarray] = []
@@ -385,19 +385,13 @@ def check_fit(
         if lru.steady:
             loads += (count - sampled) * (changes / sampled) * lru.misses_after / lru.steady
         spanned = min(num_blocks, max(len(seen), round(len(seen) * count / sampled)))
-    return CacheFit(
-        source=source,
-        cache=blocks.cache,
-        unit=blocks.unit,
-        capacity_bytes=int(blocks.capacity),
-        per_process=blocks.per_process,
+    return fit(
         sampled=sampled,
         blocks=len(seen),
         working_set_bytes=working,
         hit_rate=1.0 if lru.steady == 0 else lru.hits_after / lru.steady,
         loads_per_record=loads / count,
         loads_per_block=max(1.0, loads / spanned) if lru.steady else lru.misses / len(seen),
-        remedies=blocks.remedies,
     )
 
 
@@ -453,8 +447,8 @@ class _LRU:
 
 
 def _size(n: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
         n /= 1024
-    return f"{n:,.1f} TiB"  # pragma: no cover
+    return f"{n:,.1f} TiB"
