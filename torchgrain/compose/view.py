@@ -145,9 +145,7 @@ def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndar
         return _get_columns(children[groups[0][0] if groups else 0], local.tolist())
     parts = [_get_columns(children[c], local[rows].tolist()) for c, rows in groups]
     back = _back(groups, len(which))
-    keys: dict[str, None] = {}
-    for part in parts:
-        keys.update(dict.fromkeys(dict.keys(part)))
+    keys = dict.fromkeys(k for part in parts for k in dict.keys(part))
     columns = {}
     for key in keys:
         cols = [dict.get(part, key) for part in parts]

@@ -225,11 +225,8 @@ class PadCollate:
         dtype = dtype_holding(functools.reduce(torch.promote_types, (r.dtype for r in rows)), pad)
         out = torch.full((len(rows), width), pad, dtype=dtype)
         for i, r in enumerate(rows):
-            n = len(r)
-            if self.side == "right":
-                out[i, :n] = r
-            else:
-                out[i, width - n :] = r
+            at = 0 if self.side == "right" else width - len(r)
+            out[i, at : at + len(r)] = r
         return out, lengths
 
     def _columns(self, batch: ColumnBatch) -> dict[str, Any]:
