@@ -35,14 +35,6 @@ WORKER_PIPE_BYTES = 1 << 20
 _pipe_checked = False  # per process: reset in forked children, fresh in spawned ones
 
 
-def _forget_pipe_check() -> None:
-    global _pipe_checked
-    _pipe_checked = False
-
-
-os.register_at_fork(after_in_child=_forget_pipe_check)
-
-
 def _grow_worker_pipe(size: int) -> int | None:
     """Enlarge the pipe that carries this DataLoader worker's batches to the main process.
 
@@ -114,16 +106,14 @@ _arena: _Arena | None = None
 _slot_pool: shm.SlotPool | None = None
 
 
-def _forget_worker_check() -> None:
-    global _worker_checked, _in_worker, _arena, _slot_pool
-    _worker_checked = False
-    _in_worker = False
-    _arena = None
-    _slot_pool = None
+def _forget_after_fork() -> None:
+    global _pipe_checked, _worker_checked, _in_worker, _arena, _slot_pool
+    _pipe_checked = _worker_checked = _in_worker = False
+    _arena = _slot_pool = None
     _shared.clear()
 
 
-os.register_at_fork(after_in_child=_forget_worker_check)
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _new_arena(capacity: int, max_slots: int) -> _Arena:
@@ -167,8 +157,9 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype)).dtype  # raises TypeError if torch has none
 
 
-def _use_shared_memory_in_workers(max_slots: int) -> None:
-    """At the start of a columns batch: in a worker, a fresh arena for its columns."""
+def start_columns_batch(max_slots: int) -> None:
+    """At the start of a columns batch: in a worker, a fresh arena for its columns (in
+    one of up to ``max_slots`` reusable shared-memory slots)."""
     global _worker_checked, _in_worker, _arena
     _shared.clear()  # columns of a batch that was never collated
     if not _worker_checked:
@@ -205,7 +196,7 @@ def _as_tensor(value: Any) -> Any:
         except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
             return value
     if isinstance(value, Ragged):
-        return Ragged(_as_tensor(value.values), _as_tensor(value.offsets), value.kind)
+        return value.map_arrays(_as_tensor)
     return value
 
 
@@ -243,9 +234,3 @@ def grow_pipe_once(size: int) -> None:
     process asks (see :func:`_grow_worker_pipe`); later calls cost one check."""
     if not _pipe_checked:
         _grow_worker_pipe(size)
-
-
-def start_columns_batch(max_slots: int) -> None:
-    """At the start of a columns batch: in a worker, a fresh arena for its columns (in
-    one of up to ``max_slots`` reusable shared-memory slots)."""
-    _use_shared_memory_in_workers(max_slots)
