@@ -181,7 +181,8 @@ class DecodedCache(NodeStore):
     # ------------------------------------------------------------------ public
     def path_of(self, key: str) -> str:
         """Where the entry ``key`` lives (whether or not it is cached now)."""
-        _check_key(key)
+        if not isinstance(key, str) or _KEY.fullmatch(key) is None:
+            raise ValueError(f"a decoded cache key is 32 lowercase hex digits, got {key!r}")
         return os.path.join(self.directory, key[:2], key + ".arrow")
 
     def get_or_build(
@@ -486,8 +487,3 @@ class _ChecksummedFile:
 
     def seekable(self) -> bool:
         return False
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
-        raise ValueError(f"a decoded cache key is 32 lowercase hex digits, got {key!r}")

@@ -98,11 +98,14 @@ def read_footers(
                 f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
                 f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
             )
+        footer = md.__reduce__()[1][0]  # the serialized footer
         if columns is None:
             nbytes = [g.total_byte_size for g in groups]
         else:
-            nbytes = _selected_bytes(md, _selected_leaves(schema, set(columns)), files, shard)
-        identity = (files[shard], version, _footer_digest(md))
+            leaves = _selected_leaves(schema, set(columns))
+            nbytes = _selected_bytes(footer, md.num_row_groups, leaves, files, shard)
+        # A digest of the footer (row-group layout, statistics...) identifies the content.
+        identity = (files[shard], version, hashlib.sha256(memoryview(footer)).hexdigest())
         return counts, schema, np.array(nbytes, dtype=np.int64), identity
 
     results = map_files(one, len(files))
@@ -115,15 +118,15 @@ def read_footers(
 
 
 def _selected_bytes(
-    md: pq.FileMetaData, leaves: list[int], files: list[str], shard: int
+    footer: bytes, num_row_groups: int, leaves: list[int], files: list[str], shard: int
 ) -> list[int]:
     """Each row group's uncompressed size of the column chunks ``leaves``, read from the
     serialized footer by torchgrain's own parser: pyarrow's ``RowGroupMetaData.column``
     aborts the process on some hostile footers (statistics that do not fit their
     column's type: a C++ exception it does not catch)."""
     try:
-        groups = footer_chunks(bytes(md.__reduce__()[1][0]))
-        if len(groups) != md.num_row_groups or any(j >= len(g) for g in groups for j in leaves):
+        groups = footer_chunks(bytes(footer))
+        if len(groups) != num_row_groups or any(j >= len(g) for g in groups for j in leaves):
             raise CorruptDataError("its row groups do not list every column chunk")
     except CorruptDataError as e:
         raise CorruptDataError(
@@ -165,11 +168,6 @@ def _selected_leaves(schema: pa.Schema, wanted: set[str]) -> list[int]:
             out.extend(range(at, at + n))
         at += n
     return out
-
-
-def _footer_digest(md: pq.FileMetaData) -> str:
-    """A digest of the serialized footer (row-group layout, statistics...)."""
-    return hashlib.sha256(memoryview(md.__reduce__()[1][0])).hexdigest()
 
 
 def local_version(st: os.stat_result) -> tuple[int, ...]:

@@ -368,12 +368,6 @@ class ParquetSource(RowGroupLoader):
         idx = self.index.check(indices)
         if len(idx) == 0:
             return ColumnBatch({key: [] for key in self._keys}, num_rows=0)
-        out = self._read_columns(idx)
-        trimmer().settle()  # the decode buffers this read freed go back to the system
-        return out
-
-    def _read_columns(self, idx: np.ndarray) -> ColumnBatch:
-        n = len(idx)
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         plan = GatherPlan(groups, idx - self._rg_offsets[groups])
         distinct = plan.groups.tolist()
@@ -393,7 +387,8 @@ class ParquetSource(RowGroupLoader):
                 col = arrow_column(joined.take(int64_array(plan.where)))
             columns[key] = col
         count_decode(time.perf_counter() - t_start - read_seconds)
-        return ColumnBatch(columns, num_rows=n)
+        trimmer().settle()  # the decode buffers this read freed go back to the system
+        return ColumnBatch(columns, num_rows=len(idx))
 
     @property
     def io_stats(self) -> dict[str, int]:
