@@ -261,8 +261,7 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
-        path = self.local_path(url, checksum=checksum)
-        return self._fetch_locked(url, path, filesystem, size, checksum, None, verify)[0]
+        return self._fetch_locked(url, filesystem, size, checksum, None, verify)[0]
 
     def fetch_open(
         self,
@@ -289,19 +288,18 @@ class ShardCache(NodeStore):
             >>> f.read(), f.close()
             (b'abc', None)
         """
-        path = self.local_path(url, checksum=checksum)
-        return self._fetch_locked(url, path, filesystem, size, checksum, opener, verify)
+        return self._fetch_locked(url, filesystem, size, checksum, opener, verify)
 
     def _fetch_locked(
         self,
         url: str,
-        path: str,
         filesystem: fsspec.AbstractFileSystem | None,
         size: int | None,
         checksum: str | None,
         opener: Callable[[str], T] | None,
-        verify: Verifier | None = None,
+        verify: Verifier | None,
     ) -> tuple[str, Identity, T | None]:
+        path = self.local_path(url, checksum=checksum)
         name = os.path.basename(path)
         fs = filesystem
         if fs is None:
