@@ -47,12 +47,10 @@ def next_uses(trace: Sequence[int] | np.ndarray) -> np.ndarray:
         [2, 4, 3, 4]
     """
     arr = np.asarray(trace, dtype=np.int64)
+    order = np.argsort(arr, kind="stable")  # by item, then by position
     out = np.full(len(arr), len(arr), dtype=np.int64)
-    last: dict[int, int] = {}
-    for i in range(len(arr) - 1, -1, -1):
-        item = int(arr[i])
-        out[i] = last.get(item, len(arr))
-        last[item] = i
+    same = arr[order[1:]] == arr[order[:-1]]
+    out[order[:-1][same]] = order[1:][same]
     return out
 
 
