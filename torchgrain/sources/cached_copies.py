@@ -61,6 +61,7 @@ _WARNED_FULL: set[tuple[int, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class _CachedCopy:
     """An open reader of a shard's local copy, and how many reads are using it.
 
@@ -69,33 +70,18 @@ class _CachedCopy:
     thread never has a reader closed under it.
     """
 
-    __slots__ = (
-        "evicted_at",
-        "ident",
-        "lock",
-        "path",
-        "pin",
-        "pins",
-        "reader",
-        "retired",
-        "touched",
-    )
-
-    def __init__(
-        self, path: str, ident: tuple[int, ...], reader: Any, pin: changes.Pin, lock: Any
-    ) -> None:
-        self.lock = lock  # the lock of the process state it belongs to
-        self.path = path
-        self.ident = ident  # of the file the reader opened (see ShardCache.lookup)
-        self.reader = reader
-        # The file's inode, watched from before the reader opened it: says whether its
-        # bytes changed once the path no longer leads to it (evicted, or deleted by
-        # another process because it changed).
-        self.pin = pin
-        self.pins = 0
-        self.retired = False
-        self.evicted_at: float | None = None  # when it was first seen evicted
-        self.touched = time.monotonic()  # its last hit in the cache (its LRU position)
+    path: str
+    ident: tuple[int, ...]  # of the file the reader opened (see ShardCache.lookup)
+    reader: Any
+    # The file's inode, watched from before the reader opened it: says whether its
+    # bytes changed once the path no longer leads to it (evicted, or deleted by
+    # another process because it changed).
+    pin: changes.Pin
+    lock: Any  # the lock of the process state it belongs to
+    pins: int = 0
+    retired: bool = False
+    evicted_at: float | None = None  # when it was first seen evicted
+    touched: float = dataclasses.field(default_factory=time.monotonic)  # its last hit (LRU)
 
 
 class OpenCopies:
