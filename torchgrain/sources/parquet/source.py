@@ -565,13 +565,11 @@ class ParquetSource(RowGroupLoader):
         ``"views"`` (packed columns)."""
         cache = self._blocks
         for group, entry in zip(groups, entries):
+            if getattr(entry, form) is not None:
+                continue
             if form == "rows":
-                if entry.rows is not None:
-                    continue
                 entry.rows = RowViews(entry.table)
             elif form == "templates":
-                if entry.templates is not None:
-                    continue
                 constants = self._shard_constants(int(self._rg_shard[group]))
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
                 if not entry.mapped and entry.views is None:
@@ -579,10 +577,8 @@ class ParquetSource(RowGroupLoader):
                     # Let its buffers go now, not at the end of the batch (a global
                     # shuffle's first batch converts nearly every row group).
                     trimmer().settle()
-            elif entry.views is None:
-                entry.views = GroupViews(entry.table)
             else:
-                continue
+                entry.views = GroupViews(entry.table)
             if cache.max_bytes > 0:
                 cache.put(group, entry, entry.charge())
 
