@@ -138,8 +138,7 @@ def filter_dataset(
         >>> len(kept), kept[0], kept.source.selection.tolist()
         (3, {'x': 50}, [5, 6, 7])
     """
-    if not isinstance(ds, Dataset):
-        ds = Dataset(ds)
+    ds = ds if isinstance(ds, Dataset) else Dataset(ds)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if num_workers is not None and (

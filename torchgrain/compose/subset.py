@@ -131,10 +131,6 @@ class Subset(View):
         return f"Subset({self.children[0]!r}, {self.label}: {len(self)} records)"
 
 
-def _as_dataset(ds: Any) -> Dataset:
-    return ds if isinstance(ds, Dataset) else Dataset(ds)
-
-
 def _wrap(ds: Dataset, view: View) -> Dataset:
     return Dataset(view, batch_format=ds.batch_format)
 
@@ -162,7 +158,7 @@ def select(ds: Any, indices: Any) -> Dataset:
         IndexError: select: record index 10 out of range for a dataset of 10 records \
 (in Dataset(...))
     """
-    ds = _as_dataset(ds)
+    ds = ds if isinstance(ds, Dataset) else Dataset(ds)
     n = len(ds)
     if isinstance(indices, (str, bytes, Mapping)):
         raise TypeError(f"select needs an array of integer indices, got {type(indices).__name__}")
@@ -366,7 +362,7 @@ def split(
         >>> sorted(seen) == sorted(r["id"] for r in ds)
         True
     """
-    ds = _as_dataset(ds)
+    ds = ds if isinstance(ds, Dataset) else Dataset(ds)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
         raise TypeError(f"seed must be an integer, got {seed!r}")
     seed = int(seed)

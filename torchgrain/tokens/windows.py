@@ -807,8 +807,7 @@ def windows(
         >>> p[0]["input_ids"].tolist(), p[0]["labels"].tolist()
         ([0, 1, 2, 3, 4, 0], [1, 2, 3, 4, -100, -100])
     """
-    if not isinstance(ds, Dataset):
-        ds = Dataset(ds)
+    ds = ds if isinstance(ds, Dataset) else Dataset(ds)
     mixture = changes_with_epoch(ds, transforms=False)
     if mixture is not None:  # its documents' lengths are indexed once, at one epoch
         raise TypeError(
