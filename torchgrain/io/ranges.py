@@ -37,7 +37,7 @@ from fsspec.asyn import AsyncFileSystem
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes, inflight, process, remote
 from torchgrain.io.paths import is_http
-from torchgrain.io.retry import is_transient, permanent_error, remaining_seconds
+from torchgrain.io.retry import http_status, is_transient, permanent_error, remaining_seconds
 
 __all__ = [
     "MappedFile",
@@ -284,7 +284,9 @@ def _raise_failure(blob: BaseException, label: str, s: int, e: int) -> None:
     """Raise a failed request's error: as it is when it is retried (transient), as
     :class:`~torchgrain.DatasetNotFoundError` or ``PermissionError`` naming the file when
     it is missing or denied, as it is for another HTTP status, else as corrupt data."""
-    clearer = None if is_transient(blob) else permanent_error(blob, label, f"reading bytes {s}-{e}")
+    # (a 400 to a range read: some stores' answer to bytes past the end, as 416)
+    skip = is_transient(blob) or http_status(blob) == 400
+    clearer = None if skip else permanent_error(blob, label, f"reading bytes {s}-{e}")
     if clearer is not None:
         raise clearer from blob
     if is_transient(blob) or isinstance(

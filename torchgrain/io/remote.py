@@ -93,6 +93,7 @@ from torchgrain.io.retry import (
     in_operation,
     is_transient,
     is_transient_status,
+    permanent_error,
     remaining_seconds,
     request_done,
     retry_call,
@@ -540,6 +541,15 @@ def _http_file(fs: fsspec.AbstractFileSystem, path: str, label: str) -> bool:
     return not page
 
 
+def _refused(e: FileNotFoundError, label: str, what: str) -> None:
+    """Raise the refusal ``e`` reports, if it does: fsspec's HTTP ``info`` reports any
+    failed answer as FileNotFoundError, and one refused (400, 401, 403) is not a missing
+    file."""
+    refusal = permanent_error(e, label, what) if http_status(e) in (400, 401, 403) else None
+    if refusal is not None:
+        raise refusal from e
+
+
 def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> int:
     """The size of ``path`` in bytes (a request with a deadline, see :func:`call`).
 
@@ -555,7 +565,11 @@ def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = Non
         3
     """
     label = url or path
-    got = call(fs, "size", path, url=label, what="size lookup")
+    try:
+        got = call(fs, "size", path, url=label, what="size lookup")
+    except FileNotFoundError as e:
+        _refused(e, label, "size lookup")
+        raise
     if isinstance(got, bool) or not isinstance(got, numbers.Integral) or got < 0:
         raise CorruptDataError(
             f"{label}: the server reports no size ({got!r}); reading byte ranges needs one"
@@ -579,7 +593,11 @@ def size_and_version(
         (3, True)
     """
     label = url or path
-    info = call(fs, "info", path, url=label, what="size and version")
+    try:
+        info = call(fs, "info", path, url=label, what="size and version")
+    except FileNotFoundError as e:
+        _refused(e, label, "size and version lookup")
+        raise
     size = info.get("size")
     if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
         raise CorruptDataError(

@@ -422,8 +422,9 @@ def _describe(exc: BaseException) -> str:
 
 def permanent_error(exc: BaseException, url: str, what: str) -> BaseException | None:
     """A clearer exception for an error no retry can fix (a missing file:
-    :class:`~torchgrain.DatasetNotFoundError`; access denied: ``PermissionError``), naming
-    ``url`` and ``what`` failed, or None to re-raise ``exc`` as is.
+    :class:`~torchgrain.DatasetNotFoundError`; access denied: ``PermissionError``; a
+    request refused as bad, 400: :class:`~torchgrain.RemoteIOError`), naming ``url``, the
+    status and ``what`` failed, or None to re-raise ``exc`` as is.
 
     Example:
         >>> permanent_error(FileNotFoundError("gone"), "s3://b/k", "range read")
@@ -438,12 +439,17 @@ def permanent_error(exc: BaseException, url: str, what: str) -> BaseException | 
         status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
     ):
         return DatasetNotFoundError(f"{url} does not exist ({what} failed: {exc})")
+    said = "" if status is None else f"HTTP {status}; "
     if status in (401, 403) or (
         status is None and any(isinstance(e, PermissionError) for e in _chain(exc))
     ):
         return PermissionError(
-            f"access to {url} was denied ({what} failed: {exc}); check the credentials in "
-            "storage_options"
+            f"access to {url} was denied ({said}{what} failed: {exc}); check the "
+            "credentials in storage_options"
+        )
+    if status == 400:
+        return RemoteIOError(
+            f"{url}: the server answered HTTP 400 (bad request) to the {what}: {exc}"
         )
     return None
 
