@@ -145,25 +145,13 @@ class ArrayRecordFile(OneRecordBatches):
         # times faster than indexing the numpy array (the hot path reads 4 per chunk).
         self._fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None
 
+    _STATE = ("_url", "_fs", "_path", "_local", "_verify", "_footer", "_max_chunk")
+
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "url": self._url,
-            "fs": self._fs,
-            "path": self._path,
-            "local": self._local,
-            "verify": self._verify,
-            "footer": self._footer,
-            "max_chunk": self._max_chunk,
-        }
+        return {k: getattr(self, k) for k in self._STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._url = state["url"]
-        self._fs = state["fs"]
-        self._path = state["path"]
-        self._local = state["local"]
-        self._verify = state["verify"]
-        self._footer = state["footer"]
-        self._max_chunk = state.get("max_chunk", DEFAULT_MAX_CHUNK_BYTES)
+        self.__dict__.update(state)
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -317,27 +305,10 @@ class ArrayRecordFile(OneRecordBatches):
         """
         like._zstd()  # ``like`` of this process, with this thread's context
         new = cls.__new__(cls)
-        new.__dict__.update(
-            _url=url,
-            _path=url,
-            _fs=None,
-            _local=True,
-            _verify=False,
-            _max_chunk=like._max_chunk,
-            _footer=footer,
-            _lock=like._lock,  # never taken: the footer is given, the view made
-            _token=like._token,
-            _file=None,
-            _mm=None,
-            _pin=None,  # the region that maps it checks it
-            _view=view,
-            _tls=like._tls,
-            _fast=fast,
-            _u8=None,
-            _raw_chunks=None,
-            _layout_misses=0,
-            _u8_view=None,
-        )
+        state = dict(_url=url, _path=url, _fs=None, _local=True, _verify=False, _footer=footer)
+        new.__setstate__({**state, "_max_chunk": like._max_chunk})
+        # No pin: the region that maps it checks it.
+        new._view, new._fast, new._tls = view, fast, like._tls
         return new
 
     # ------------------------------------------------------------------ raw bytes
@@ -381,26 +352,20 @@ class ArrayRecordFile(OneRecordBatches):
         # The whole tail in one read: locally a view of the map, remotely one request.
         if self._local:
             view = self._local_view()
-            size = len(view)
-            tail_start = 0
-            tail = view
-        else:
-            try:
-                size = remote.file_size(self._fs, self._path, url=self._url)
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"{self._where()} does not exist") from e
-            if size < BLOCK:
-                raise self._corrupt(
-                    f"not an ArrayRecord file: {size} bytes, shorter than the 64 KiB "
-                    "postscript block (truncated?)"
-                )
-            tail_start = max(0, size - _REMOTE_TAIL)
-            tail = memoryview(
-                remote.cat_file(self._fs, self._path, tail_start, size, url=self._url)
+            return view, 0, len(view)
+        try:
+            size = remote.file_size(self._fs, self._path, url=self._url)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{self._where()} does not exist") from e
+        if size < BLOCK:
+            raise self._corrupt(
+                f"not an ArrayRecord file: {size} bytes, shorter than the 64 KiB "
+                "postscript block (truncated?)"
             )
-            if len(tail) != size - tail_start:
-                raise self._corrupt("file changed size while it was being opened")
-
+        tail_start = max(0, size - _REMOTE_TAIL)
+        tail = memoryview(remote.cat_file(self._fs, self._path, tail_start, size, url=self._url))
+        if len(tail) != size - tail_start:
+            raise self._corrupt("file changed size while it was being opened")
         return tail, tail_start, size
 
     # ------------------------------------------------------------------ public API
@@ -538,11 +503,8 @@ class ArrayRecordFile(OneRecordBatches):
         if n == 0:
             return []
         arr = np.asarray(rows)
-        if arr.dtype.kind not in "iu":
-            if arr.dtype.kind == "f" or arr.dtype == object:
-                arr = arr.astype(np.int64)
-            else:
-                raise TypeError(f"rows must be integers, got dtype {arr.dtype}")
+        if arr.dtype.kind not in "iuf" and arr.dtype != object:
+            raise TypeError(f"rows must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False).ravel()
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= f.num_records:
@@ -628,10 +590,8 @@ class ArrayRecordFile(OneRecordBatches):
     def _read_one(self, row: int, f: Footer) -> bytes:
         if not 0 <= row < f.num_records:
             raise IndexError(f"{self._where(row=row)}: row out of range [0, {f.num_records})")
-        if f.group_size:
-            c = row // f.group_size
-        else:
-            c = int(np.searchsorted(f.record_offsets, row, side="right")) - 1
+        g = f.group_size
+        c = row // g if g else int(np.searchsorted(f.record_offsets, row, side="right")) - 1
         values, bounds = self._chunk(c, f)
         if bounds is None:
             return values if type(values) is bytes else bytes(values)

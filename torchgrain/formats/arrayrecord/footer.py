@@ -131,13 +131,6 @@ class Footer:
         for k, v in kw.items():
             setattr(self, k, v)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
-
 
 def parse_footer(
     dec: ChunkDecoder,

@@ -310,11 +310,7 @@ class ChunkDecoder:
         length can hold) and its compressed payload: nothing is allocated before this."""
         if not comp:
             raise ChunkDecodeError("compressed buffer is empty")
-        size = comp[0]
-        if size < 0x80:
-            p = 1
-        else:
-            size, p = read_varint(comp, 0, len(comp))
+        size, p = read_varint(comp, 0, len(comp))
         if size > limit or (exact and size != limit):
             raise ChunkDecodeError(
                 f"compressed buffer declares {size} decompressed bytes, expected "
@@ -427,27 +423,12 @@ class ChunkDecoder:
                 f"record-size buffer claims {sizes_len} bytes, only {n - p} remain"
             )
         vstart = p + sizes_len
-        if num_records == 1 and ctype == ZSTD and vstart < n:
-            # Hot path (group_size 1, zstd): everything checked, nothing extra called.
-            # Any failed check falls through to the general path, which reports it.
-            size = data[vstart]
-            q = vstart + 1
-            if size >= 0x80:
-                size, q = read_varint(data, vstart, n)
-            if size == decoded:
-                payload = data[q:]
-                try:
-                    fits = zstandard.frame_content_size(payload) == size
-                    if fits:
-                        try:
-                            d = self._tls.zstd
-                        except AttributeError:
-                            d = self._zstd()
-                        out = d.decompress(payload, max_output_size=size)
-                except zstandard.ZstdError:
-                    fits = False
-                if fits and len(out) == size:
-                    return out, None
+        if num_records == 1 and ctype == ZSTD:
+            # Hot path (group_size 1, zstd): any failed check falls through to the
+            # general path, which reports it.
+            out = self._zstd_single(data, 0, n, decoded)
+            if out is not None:
+                return out, None
         if num_records == 1:
             # The sizes buffer holds one varint equal to the decoded size: skip it.
             return self._decompress(ctype, data[vstart:], decoded, exact=True), None
