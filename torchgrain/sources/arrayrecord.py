@@ -250,9 +250,7 @@ class ArrayRecordSource(EncodedSource):
             raise self._shard_changed(shard, str(e)) from None
         except FileNotFoundError as e:
             f.close()
-            raise DatasetNotFoundError(
-                f"shard {shard} {path!r} of this dataset does not exist ({e})"
-            ) from e
+            raise _missing(shard, path, e) from e
         return f
 
     def _counted_file(
@@ -272,20 +270,14 @@ class ArrayRecordSource(EncodedSource):
             remote.pin(filesystem, f._path, size)
         try:
             self._check_count(shard, f)
-        except (IsADirectoryError, NotADirectoryError) as e:
+        except BaseException as e:
             f.close()
-            raise CorruptDataError(
-                f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
-            ) from e
-        except FileNotFoundError as e:
-            f.close()
-            if isinstance(e, DatasetNotFoundError):
-                raise
-            raise DatasetNotFoundError(
-                f"shard {shard} {path!r} of this dataset does not exist ({e})"
-            ) from e
-        except BaseException:
-            f.close()
+            if isinstance(e, (IsADirectoryError, NotADirectoryError)):
+                raise CorruptDataError(
+                    f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
+                ) from e
+            if isinstance(e, FileNotFoundError) and not isinstance(e, DatasetNotFoundError):
+                raise _missing(shard, path, e) from e
             raise
         return f
 
@@ -394,10 +386,8 @@ class ArrayRecordSource(EncodedSource):
             return out
         # From the mapped dataset index, in one numpy step: no reader per shard.
         shards = self.num_shards
-        footer = ix.chunk_base[1:] + np.arange(shards)  # each shard's last entry
-        chunk = np.ones(len(ix.offsets), dtype=bool)
-        chunk[footer] = False
-        e = np.flatnonzero(chunk)
+        # Every entry but each shard's last (its footer) is a chunk.
+        e = np.delete(np.arange(len(ix.offsets)), ix.chunk_base[1:] + np.arange(shards))
         owner = np.repeat(np.arange(shards), np.diff(ix.chunk_base))
         stored = np.maximum(ix.offsets[e + 1] - ix.offsets[e], 0)
         records = ix.record_offsets[e + 1] - ix.record_offsets[e]
@@ -659,6 +649,10 @@ class ArrayRecordSource(EncodedSource):
             f"ArrayRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
             f"codec={self.codec.name!r}, keys={self.keys if self._schema else '?'})"
         )
+
+
+def _missing(shard: int, path: str, e: OSError) -> DatasetNotFoundError:
+    return DatasetNotFoundError(f"shard {shard} {path!r} of this dataset does not exist ({e})")
 
 
 def _old_cache_budget(keywords: dict[str, Any]) -> dict[str, Any]:
