@@ -254,17 +254,14 @@ class ForkSafeThreadPool(Executor):
         return done
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._stop_threads_for_fork(wait, cancel_futures)
+
+    def _stop_threads_for_fork(self, wait: bool = True, cancel_futures: bool = False) -> None:
         with self._lock:
-            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None and self._token == token():
             pool.shutdown(wait=wait, cancel_futures=cancel_futures)
-
-    def _stop_threads_for_fork(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and self._token == token():
-            pool.shutdown(wait=True)
 
     def _restart_threads_after_fork(self) -> None:
         pass  # threads start again with the next task
