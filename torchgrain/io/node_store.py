@@ -98,13 +98,10 @@ class NodeStore:
             >>> NodeStore(tempfile.mkdtemp(), max_bytes=10).disk_full
             False
         """
-        full = self._full_in  # (no system call unless a write found no room)
-        if full is None:
-            return False
-        if full == process.token():
-            return True
-        self._full_in = None  # a forked child of that process: it tries again
-        return False
+        # (no system call unless a write found no room)
+        if self._full_in is not None and self._full_in != process.token():
+            self._full_in = None  # a forked child of that process: it tries again
+        return self._full_in is not None
 
     def total_bytes(self) -> int:
         """Bytes of complete entries now (all processes).
