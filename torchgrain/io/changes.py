@@ -179,9 +179,8 @@ def _before_fork() -> None:
         and w.lock.acquire(timeout=0.1)
     ):
         try:
-            w.poll()
-        except Exception:  # a hook must not fail the fork
-            pass
+            with contextlib.suppress(Exception):  # a hook must not fail the fork
+                w.poll()
         finally:
             w.lock.release()
 
