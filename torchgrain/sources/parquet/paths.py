@@ -42,9 +42,7 @@ def resolve(
     if not items:
         raise DatasetNotFoundError("no Parquet paths given")
     fs: fsspec.AbstractFileSystem | None = filesystem
-    files: list[str] = []
-    bases: list[str] = []
-    seen: set[str] = set()
+    bases: dict[str, str] = {}  # file -> the base directory of its first item
     for item in items:
         item_fs, found = expand_paths(
             item,
@@ -77,12 +75,9 @@ def resolve(
         else:
             base = stripped
         for f in found:
-            if f not in seen:
-                seen.add(f)
-                files.append(f)
-                bases.append(base)
+            bases.setdefault(f, base)
     assert fs is not None
-    return fs, files, bases
+    return fs, list(bases), list(bases.values())
 
 
 def partitions(

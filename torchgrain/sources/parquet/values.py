@@ -301,15 +301,12 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
         return Column("plain", _with_nulls(values, _null_mask(arr)), arr.nbytes + overhead)
     if any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
+    converted = None  # (None: through to_pylist)
     if is_list_type(t):
         converted = _lists_to_numpy(arr)
-        if converted is not None:
-            return converted
     elif pa.types.is_map(t):
         mask = _null_mask(arr)
         converted = _python_lists(arr, mask, _offsets(arr).tolist(), arr.values.flatten())
-        if converted is not None:
-            return converted
     elif pa.types.is_struct(t):
         children = [convert_column(c) for c in arr.flatten()]
         names = [f.name for f in t]
@@ -317,7 +314,7 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
         valid = None if mask is None else (~mask).tolist()
         nbytes = sum(c.nbytes for c in children) + overhead
         return Column("struct", (names, children, valid), nbytes)
-    return Column("arrow", arr, arr.nbytes + overhead)
+    return converted or Column("arrow", arr, arr.nbytes + overhead)
 
 
 def _lists_to_numpy(arr: pa.Array) -> Column | None:
