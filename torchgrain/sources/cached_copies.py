@@ -29,7 +29,6 @@ import dataclasses
 import os
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -37,7 +36,7 @@ from typing import Any, Protocol, TypeVar
 
 import fsspec
 
-from torchgrain.errors import CacheDiskFullError
+from torchgrain.errors import CacheDiskFullError, warn_once
 from torchgrain.io import changes
 from torchgrain.io.shard_cache import ShardCache, Verifier, file_identity
 
@@ -56,9 +55,6 @@ _EVICTED_GRACE_SECONDS = 1.0
 _TOUCH_SECONDS = 1.0
 # Per thread: ``pins``, the cached copies the running read (CachedCopies.pinned) uses.
 _READS = threading.local()
-# (process id, cache directory) already warned of a full disk: once per cache and process.
-_WARNED_FULL: set[tuple[int, str]] = set()
-_WARNED_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -160,16 +156,11 @@ class CachedCopies:
         """Go on without the shard cache in this process (its disk has no room: it set
         ``disk_full``); say so once per cache directory and process."""
         assert self.cache is not None
-        key = (os.getpid(), self.cache.directory)
-        with _WARNED_LOCK:
-            if key in _WARNED_FULL:
-                return
-            _WARNED_FULL.add(key)
-        warnings.warn(
+        warn_once(
+            (os.getpid(), "cache disk full", self.cache.directory),
             f"torchgrain: {err} Until this process ends, it reads the remote shards "
             "without the shard cache (byte ranges from the store).",
             RuntimeWarning,
-            stacklevel=4,
         )
 
     def _open_local_copy(self, shard: int, path: str) -> tuple[Any, changes.Pin]:
@@ -189,10 +180,11 @@ class CachedCopies:
         return reader, pin
 
     def is_cached(self, shard: int) -> bool:
-        """Whether the cache holds a copy of ``shard``."""
+        """Whether the cache holds a copy of ``shard``, of the version read."""
         assert self.cache is not None
-        _, checksum = self.integrity(shard)
-        return os.path.exists(self.cache.local_path(self.paths[shard], checksum=checksum))
+        size, checksum = self.integrity(shard)
+        fs = self.state().fs
+        return self.cache.holds(self.paths[shard], filesystem=fs, size=size, checksum=checksum)
 
     def reader(self, shard: int) -> Any | None:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
