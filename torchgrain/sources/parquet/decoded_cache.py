@@ -473,17 +473,8 @@ class _ChecksummedFile:
         self.size += view.nbytes
         return self.f.write(view)
 
-    def tell(self) -> int:
-        return self.size
-
     def flush(self) -> None:
         self.f.flush()
 
     def close(self) -> None:  # the caller closes the file itself, after the trailer
         self.closed = True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
