@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 import struct
 from typing import Any, Protocol, runtime_checkable
 
@@ -200,7 +201,7 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode value of type {type(obj).__name__}")
 
 
-def _decode_ndarray(code: int, data: bytes, writable: bool) -> Any:
+def _decode_ndarray(writable: bool, code: int, data: bytes) -> Any:
     if code != _NDARRAY_EXT:
         raise ValueError(f"unknown msgpack extension type {code}")
     view = memoryview(data)
@@ -219,9 +220,7 @@ def _decode_ndarray(code: int, data: bytes, writable: bool) -> Any:
     if len(view) < start:
         raise ValueError("truncated ndarray shape")
     shape = struct.unpack_from(f"<{ndim}Q", data, 2 + n)
-    count = 1
-    for s in shape:
-        count *= s
+    count = math.prod(shape)
     if count * dtype.itemsize != len(view) - start:
         raise ValueError(
             f"ndarray payload of {len(view) - start} bytes does not match shape {shape} {dtype}"
@@ -229,14 +228,6 @@ def _decode_ndarray(code: int, data: bytes, writable: bool) -> Any:
     payload = bytearray(view[start:]) if writable else data
     arr = np.frombuffer(payload, dtype=dtype, count=count, offset=0 if writable else start)
     return arr.reshape(shape)
-
-
-def _ext_hook_copy(code: int, data: bytes) -> Any:
-    return _decode_ndarray(code, data, True)
-
-
-def _ext_hook_view(code: int, data: bytes) -> Any:
-    return _decode_ndarray(code, data, False)
 
 
 class MsgpackCodec(BaseCodec):
@@ -252,7 +243,7 @@ class MsgpackCodec(BaseCodec):
 
     def __init__(self, *, zero_copy: bool = False) -> None:
         self.zero_copy = zero_copy
-        self._hook = _ext_hook_view if zero_copy else _ext_hook_copy
+        self._hook = functools.partial(_decode_ndarray, not zero_copy)
 
     def encode(self, record: dict[str, Any]) -> bytes:
         if not isinstance(record, dict):
@@ -358,18 +349,6 @@ def register_codec(name: str, codec: Codec) -> None:
     _REGISTRY[name] = as_codec(codec)
 
 
-def _lazy_builtin(name: str) -> Codec | None:
-    if name == "tf_example":
-        try:
-            from torchgrain.formats.tf_example import TFExampleCodec
-        except ImportError:  # pragma: no cover - module ships with the package
-            return None
-        codec = TFExampleCodec()
-        _REGISTRY[name] = codec
-        return codec
-    return None
-
-
 def get_codec(name: str | Codec) -> Codec:
     """Look a codec up by name (or pass a codec object through): what a format encodes
     and decodes its records with (``tg.sources.get_codec``).
@@ -383,7 +362,11 @@ def get_codec(name: str | Codec) -> Codec:
         if not callable(getattr(name, "decode", None)):
             raise TypeError("codec must be a name or an object with a decode(data) method")
         return as_codec(name)
-    codec = _REGISTRY.get(name) or _lazy_builtin(name)
+    codec = _REGISTRY.get(name)
+    if codec is None and name == "tf_example":  # imported on first use
+        from torchgrain.formats.tf_example import TFExampleCodec
+
+        codec = _REGISTRY[name] = TFExampleCodec()
     if codec is None:
         raise ValueError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}")
     return codec
@@ -391,8 +374,7 @@ def get_codec(name: str | Codec) -> Codec:
 
 def available_codecs() -> list[str]:
     """Names accepted by ``codec=``."""
-    names = set(_REGISTRY) | {"tf_example"}
-    return sorted(names)
+    return sorted(set(_REGISTRY) | {"tf_example"})
 
 
 def sniff_codec(sample: bytes | memoryview) -> str:

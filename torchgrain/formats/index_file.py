@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -61,6 +62,7 @@ _DTYPES = {k: np.dtype(k) for k in ("<i8", "<u8", "<i4", "<u4", "|u1")}
 _COPY = 8 << 20
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class IndexFile:
     """A validated, read-only, memory-mapped index file.
 
@@ -70,27 +72,15 @@ class IndexFile:
     since (call it before reading the arrays again).
     """
 
-    def __init__(
-        self,
-        path: str,
-        kind: str,
-        meta: dict[str, Any],
-        arrays: dict[str, np.ndarray],
-        identity: tuple[int, int, int],
-        mm: mmap.mmap | None = None,
-        body: int = 0,
-        checksum: str | None = None,
-        pin: changes.Pin | None = None,
-    ) -> None:
-        self.path = path
-        self.kind = kind
-        self.meta = meta
-        self.arrays = arrays
-        self.identity = identity
-        self._mm = mm
-        self._body = body
-        self.checksum = checksum
-        self._pin = pin
+    path: str
+    kind: str
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    identity: tuple[int, int, int]
+    _mm: mmap.mmap | None = None
+    _body: int = 0
+    checksum: str | None = None
+    _pin: changes.Pin | None = None
 
     def check(self, *, polled: bool = False) -> None:
         """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if the file was written
@@ -269,10 +259,6 @@ class IndexFileWriter:
             )
         fh.write(rows.tobytes())
         col[4] += len(rows)
-
-    def rows(self, name: str) -> int:
-        """Rows appended to column ``name`` so far."""
-        return self._columns[name][4]
 
     def publish(self, meta: dict[str, Any]) -> None:
         """Write the header and the columns into one file, fsync it and rename it into

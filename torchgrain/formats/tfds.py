@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -89,11 +90,10 @@ def read_tfds_features(
     features = _read_json(fs, f"{d}/{FEATURES_JSON}")
     if features is None and isinstance(info, dict) and isinstance(info.get("features"), dict):
         features = info["features"]
-    if not isinstance(features, dict):
-        features = None
-    if not isinstance(info, dict):
-        info = None
-    return features, info
+    return (
+        features if isinstance(features, dict) else None,
+        info if isinstance(info, dict) else None,
+    )
 
 
 def check_single_split(files: list[str], info: dict[str, Any] | None) -> None:
@@ -223,11 +223,9 @@ def _decode_cv2(data: bytes) -> np.ndarray:
 def _image_decoder() -> Any:
     """PNG/JPEG bytes -> ndarray with Pillow, else OpenCV, else None."""
     for module, fn in (("PIL.Image", _decode_pil), ("cv2", _decode_cv2)):
-        try:
+        with contextlib.suppress(ImportError):
             __import__(module)
-        except ImportError:
-            continue
-        return fn
+            return fn
     return None
 
 
@@ -409,7 +407,7 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
         if shape == ():
             return _one(value)
         return list(value)
-    dt = np.dtype("bool" if dtype == "bool" else dtype)
+    dt = np.dtype(dtype)
     if encoding in ("bytes", "zlib"):
         blobs = value if isinstance(value, list) else [value]
         if encoding == "zlib":
