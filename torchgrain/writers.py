@@ -165,18 +165,8 @@ def write_array_record(
     schema: dict[str, str] = {}
     writers: list[Any] = []
     try:
-        if isinstance(records, Sized):
-            total = len(records)
-            bounds = [total * i // num_shards for i in range(1, num_shards + 1)]
-
-            def shard_of(k: int) -> int:  # contiguous slices keep the input order
-                return bisect.bisect_right(bounds, k)
-        else:
-            total = -1
-
-            def shard_of(k: int) -> int:  # round-robin for iterators of unknown length
-                return k % num_shards
-
+        total = len(records) if isinstance(records, Sized) else -1
+        bounds = [total * i // num_shards for i in range(1, num_shards + 1)]
         writers = [ArrayRecordWriter(t, options) for t in temps]
         k = -1
         for k, rec in enumerate(records):
@@ -186,7 +176,9 @@ def write_array_record(
                 data = enc.encode(rec)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"cannot encode record {k}: {e}") from e
-            s = shard_of(k)
+            # Contiguous slices keep the input order; round-robin for iterators of
+            # unknown length.
+            s = bisect.bisect_right(bounds, k) if total >= 0 else k % num_shards
             writers[s].write(data)
             hashers[s].update(data)
             counts[s] += 1
@@ -518,7 +510,6 @@ class ParquetOut(ShardWriter):
         self._pending.append(record)
         if len(self._pending) >= 512:
             self._convert()
-        return None
 
     def _convert(self) -> None:
         if self._pending:

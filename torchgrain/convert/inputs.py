@@ -18,7 +18,6 @@ from typing import Any
 
 from torchgrain.errors import RecordDecodeError
 from torchgrain.formats.codecs import Codec, MsgpackCodec, get_codec
-from torchgrain.io import remote
 from torchgrain.io.fs import get_filesystem
 from torchgrain.sources import registry
 from torchgrain.sources.base import RecordBytesSource, Source
@@ -75,10 +74,6 @@ class ConvertInput:
 
     def strip(self, path: str) -> str:
         return get_filesystem(path, self.storage_options)[1]
-
-    def sizes(self) -> list[int]:
-        fs = self.filesystem()
-        return [remote.file_size(fs, self.strip(p), url=p) for p in self.paths]
 
     def records(
         self, shard: int, start: int, stop: int | None, bytes_ok: bool

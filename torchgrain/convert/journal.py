@@ -224,10 +224,9 @@ def remove_outputs(root: str, plan: dict[str, Any]) -> None:
             path = local_file_in(root, str(t["name"]))
             if path is not None:
                 os.unlink(path)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(root, MANIFEST_NAME))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(root, INDEX_NAME))
+    for name in (MANIFEST_NAME, INDEX_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(root, name))
 
 
 def remove_temps(root: str) -> None:

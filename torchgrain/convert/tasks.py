@@ -198,13 +198,12 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
         try:
             for shard, start, stop in task.pieces:
                 where = f"input shard {shard} ({inp.paths[shard]!r})"
-                k = start
                 records = inp.records(
                     shard, start, stop, output.msgpack_records and job.transform is None
                 )
                 if job.transform is not None:
                     records = _transformed(records, job.transform, start, where)
-                for rec, size in records:
+                for k, (rec, size) in enumerate(records, start):
                     try:
                         written = out.add(rec)
                     except (TypeError, ValueError) as e:
@@ -216,7 +215,6 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
                             schema, rec if isinstance(rec, dict) else msgpack.decode(rec)
                         )
                     count += 1
-                    k += 1
                     report.add(size if written is None else written)
             out.close()
         except BaseException:
