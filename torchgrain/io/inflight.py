@@ -83,32 +83,21 @@ class _Servers:
     (the loop and the event of the first multi-range request, set once it is answered:
     see :func:`_first_asked`)."""
 
-    __slots__ = ("answers", "asking", "ref", "strikes")
+    __slots__ = ("answers", "asking", "strikes")
 
-    def __init__(self, ref: weakref.ref) -> None:
-        self.ref = ref
+    def __init__(self) -> None:
         self.answers: dict[str, bool] = {}
         self.strikes: dict[str, int] = {}
         self.asking: dict[str, tuple[Any, asyncio.Event]] = {}
 
 
-#: Per filesystem object, by identity (fsspec's filesystems compare equal by their
-#: options, and a weak dictionary would drop an entry when an equal one dies).
-_MULTIRANGE: dict[int, _Servers] = {}
-
-
 def _servers(fs: Any) -> _Servers:
-    key = id(fs)
-    entry = _MULTIRANGE.get(key)
-    if entry is None or entry.ref() is not fs:
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            held = _MULTIRANGE.get(key)
-            if held is not None and held.ref is ref:
-                del _MULTIRANGE[key]
-
-        entry = _MULTIRANGE[key] = _Servers(weakref.ref(fs, forget))
-    return entry
+    # Kept on the filesystem object itself: fsspec's filesystems compare equal by their
+    # options, and the record is of this object (a copy unpickled elsewhere starts anew).
+    known = fs.__dict__.get("_torchgrain_servers")
+    if known is None:
+        known = fs.__dict__["_torchgrain_servers"] = _Servers()
+    return known
 
 
 def multirange_servers(fs: fsspec.AbstractFileSystem) -> dict[str, bool]:
