@@ -47,8 +47,7 @@ class _Mapping:
 
 def map_file(path: str) -> tuple[pa.Buffer, os.stat_result]:
     """A read-only map of the whole file as an Arrow buffer, and its stat."""
-    buf, st, _ = map_file_pinned(path)
-    return buf, st
+    return map_file_pinned(path)[:2]
 
 
 def map_file_pinned(path: str) -> tuple[pa.Buffer, os.stat_result, Pin]:

@@ -203,10 +203,7 @@ class DecodedCache(NodeStore):
         (larger than the budget, no room on the disk, a directory that refuses writes),
         the table ``build()`` made is returned as it is, with ``path`` None.
         """
-        table, path, _ = self.get_or_build_pinned(
-            key, build, schema=schema, num_rows=num_rows, name=name
-        )
-        return table, path
+        return self.get_or_build_pinned(key, build, schema=schema, num_rows=num_rows, name=name)[:2]
 
     def get_or_build_pinned(
         self,
