@@ -208,3 +208,23 @@ def test_a_copy_of_an_arrayrecord_source_opened_before_a_reupload_refuses_the_ne
         again = tg.ArrayRecordSource(url, retry=QUICK)
         assert again[3] == {"v": "b" * 50}
         _copies_refuse(first, again, monkeypatch, re.escape(shard))
+
+
+@pytest.mark.timeout(60)
+def test_read_ahead_fetches_a_shard_whose_cached_copy_is_of_another_version(tmp_path):
+    """Read-ahead (prefetch_shard) took a shard cache's copy of a file replaced since
+    (same size, another ETag) for the shard: it fetched nothing, and the read that needed
+    the shard downloaded it on its own path."""
+    (tmp_path / "pq").mkdir()
+    _parquet(tmp_path / "pq" / "p0.parquet", 0)
+    _parquet(tmp_path / "pq" / "p1.parquet", 1000)
+    with RangeHTTPServer(tmp_path) as srv:
+        url, cache = f"{srv.url}/pq", tmp_path / "cache"
+        assert tg.ParquetSource(url, retry=QUICK, cache_dir=cache)[150] == {"x": 1050}
+        _replace_parquet(tmp_path / "pq" / "p1.parquet", 5000)
+        again = tg.ParquetSource(url, retry=QUICK, cache_dir=cache)
+        assert again.prefetch_shard(1)
+        assert not again.prefetch_shard(1)
+        srv.reset_counts()
+        assert again[150] == {"x": 5050}
+        assert srv.gets() == 0

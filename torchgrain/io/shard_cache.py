@@ -208,6 +208,41 @@ class ShardCache(NodeStore):
         self._count(hits=1)
         return path, file_identity(st)
 
+    def holds(
+        self,
+        url: str,
+        *,
+        filesystem: fsspec.AbstractFileSystem | None = None,
+        size: int | None = None,
+        checksum: str | None = None,
+    ) -> bool:
+        """Whether :meth:`fetch` would find a copy of ``url`` here, of the version this
+        process reads (pinned; asked of the store once where none is), not another one
+        downloaded before the file was replaced. Downloads, checks and counts nothing.
+
+        Example:
+            >>> import tempfile
+            >>> ShardCache(tempfile.mkdtemp(), max_bytes=10).holds("memory://b/x")
+            False
+        """
+        path = self.local_path(url, checksum=checksum)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return False
+        if size is not None and size >= 0 and st.st_size != size:
+            return False
+        fs, rpath = (
+            (filesystem, filesystem._strip_protocol(url))
+            if filesystem is not None
+            else get_filesystem(url, retry=self.retry)
+        )
+        version = None if checksum else self._version(fs, rpath, url)
+        if self._checked(path, st, version):
+            return True
+        recorded = read_record(self._sum_path(path), version)
+        return recorded is not None and recorded[1] == st.st_size
+
     def identity(self, path: str) -> Identity | None:
         """The identity of the file at ``path`` now (see :meth:`lookup`), None if missing.
 
