@@ -133,9 +133,9 @@ class Format:
             >>> get_format("tfrecord").accepts("cache_bytes")
             True
         """
-        if option in self.options:
-            return True
-        return self.read_options and (option == "options" or option in ReadOptions.names())
+        return option in self.options or (
+            self.read_options and (option == "options" or option in ReadOptions.names())
+        )
 
     def check_options(self, options: Iterable[str]) -> None:
         """Raise ``ValueError`` for an option this format does not take, naming the
@@ -484,7 +484,7 @@ def _register_builtins() -> None:
         write_parquet,
     )
 
-    register_format(
+    for fmt in (
         Format(
             "array_record",
             ArrayRecordSource,
@@ -494,9 +494,7 @@ def _register_builtins() -> None:
             description="ArrayRecord shards (torchgrain's, with a manifest, or TFDS's)",
             options=("codec", "max_chunk_bytes", "index_dir", "max_mapped_shards"),
             output=ARRAY_RECORD_OUTPUT,
-        )
-    )
-    register_format(
+        ),
         Format(
             "parquet",
             ParquetSource,
@@ -512,9 +510,7 @@ def _register_builtins() -> None:
                 "int96_timestamp_unit",
             ),
             output=PARQUET_OUTPUT,
-        )
-    )
-    register_format(
+        ),
         Format(
             "tfrecord",
             TFRecordSource,
@@ -522,8 +518,9 @@ def _register_builtins() -> None:
             write=_write_tfrecord,
             description="TFRecord files of tf.train.Example (or raw) records",
             options=("codec", "index_dir", "max_record_bytes"),
-        )
-    )
+        ),
+    ):
+        register_format(fmt)
 
 
 _register_builtins()
