@@ -232,34 +232,29 @@ class ArrayRecordFile(OneRecordBatches):
         with self._lock:
             if self._view is None:
                 try:
-                    fh = os.fdopen(
-                        changes.open_regular(self._path), "rb"
-                    )  # (kept open with the map)
+                    fh = os.fdopen(changes.open_regular(self._path), "rb")  # kept with the map
                 except FileNotFoundError as e:
                     raise FileNotFoundError(f"{self._where()} does not exist") from e
-                try:
+                with contextlib.ExitStack() as undo:  # on an error: all closed, last first
+                    undo.callback(fh.close)
                     pin = changes.Pin(fh.fileno(), self._path)
-                    size = pin.size
-                    if size < BLOCK:
-                        raise self._corrupt(
-                            f"not an ArrayRecord file: {size} bytes, shorter than the "
-                            "64 KiB postscript block (truncated?)"
-                        )
+                    self._check_size(pin.size)
                     mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-                except BaseException:
-                    fh.close()
-                    raise
-                view = memoryview(mm)
-                try:
+                    undo.callback(mm.close)
+                    view = memoryview(mm)
+                    undo.callback(view.release)
                     self._check_given_footer(view, fh)
-                except BaseException:
-                    view.release()
-                    mm.close()
-                    fh.close()
-                    raise
+                    undo.pop_all()
                 self._file, self._mm, self._pin = fh, mm, pin
                 self._view = view
             return self._view
+
+    def _check_size(self, size: int) -> None:
+        if size < BLOCK:
+            raise self._corrupt(
+                f"not an ArrayRecord file: {size} bytes, shorter than the 64 KiB "
+                "postscript block (truncated?)"
+            )
 
     def _check_given_footer(self, view: memoryview, fh: Any) -> None:
         """A footer that came from a dataset's index must describe this very file."""
@@ -357,11 +352,7 @@ class ArrayRecordFile(OneRecordBatches):
             size = remote.file_size(self._fs, self._path, url=self._url)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{self._where()} does not exist") from e
-        if size < BLOCK:
-            raise self._corrupt(
-                f"not an ArrayRecord file: {size} bytes, shorter than the 64 KiB "
-                "postscript block (truncated?)"
-            )
+        self._check_size(size)
         tail_start = max(0, size - _REMOTE_TAIL)
         tail = memoryview(remote.cat_file(self._fs, self._path, tail_start, size, url=self._url))
         if len(tail) != size - tail_start:
@@ -559,9 +550,8 @@ class ArrayRecordFile(OneRecordBatches):
         return out
 
     def _pread_chunks(self, chunks: list[int], f: Footer, size: int) -> list[tuple[Any, Any]]:
-        """Local chunks read with ``pread`` (see :meth:`_read_chunks`); the common case
-        (header and data inside one block, no verification) decoded as
-        :meth:`_local_chunk` does, anything else by the general path."""
+        """Local chunks read with ``pread`` (see :meth:`_read_chunks`), each decoded by
+        :meth:`_local_chunk`."""
         fd = self._file.fileno()
         fast = self._fast or self._fast_index(f)
         offs, ends = fast[0], fast[1]
@@ -575,16 +565,7 @@ class ArrayRecordFile(OneRecordBatches):
                 raise self._corrupt(
                     f"file is truncated: read {len(buf)} of {end_c - pos} bytes", chunk=c
                 )
-            try:
-                simple = self._simple_chunk(buf, pos, c, fast, at=0)
-                if simple is not None:
-                    start, nbytes, nrec, decoded = simple
-                    data = buf[start : start + nbytes]
-                    out.append(self._decode_simple(data, nrec, decoded))
-                    continue
-                out.append(self._decode_chunk(c, buf))
-            except ChunkDecodeError as e:
-                raise self._corrupt(str(e), chunk=c, row=int(f.record_offsets[c])) from None
+            out.append(self._local_chunk(c, buf, fast, pos))
         return out
 
     def _read_one(self, row: int, f: Footer) -> bytes:

@@ -29,8 +29,6 @@ from torchgrain.formats.arrayrecord.riegeli import (
     CHUNK_HEADER_STRUCT,
     CHUNK_SIMPLE,
     CHUNK_TRANSPOSED,
-    COMPRESSIONS,
-    UNCOMPRESSED,
     ZSTD,
     ChunkDecodeError,
     ChunkDecoder,
@@ -288,7 +286,7 @@ class FooterReader:
                 n = CHUNK_HEADER_STRUCT.unpack(header)[3] >> 8
                 dec._fits(n, post_pos - footer_offset)
             except (struct.error, ChunkDecodeError) as e:
-                raise self._bad(dec, footer_offset, e) from None
+                raise self._bad(e) from None
             self.unfetched, self._data = post_pos - footer_offset, None
             #: The footer's chunk count (checked against its metadata as it is read).
             self.num_chunks = n - 1
@@ -309,14 +307,13 @@ class FooterReader:
                 raise ChunkDecodeError(f"footer chunk has type {ctype:#x} and {n} records")
             dec._fits(n, len(fbuf))
         except (ChunkDecodeError, ValueError, struct.error) as e:
-            raise self._bad(dec, self.footer_offset, e) from None
+            raise self._bad(e) from None
         if self.unfetched and (bytes(fbuf[:CHUNK_HEADER]) != self.head or n - 1 != self.num_chunks):
             raise dec._corrupt(f"its footer (at offset {self.footer_offset}) changed while read")
         self._n, self._decoded, self._data, self.num_chunks = n, decoded, data, n - 1
 
-    @staticmethod
-    def _bad(dec: ChunkDecoder, footer_offset: int, e: Exception) -> Exception:
-        return dec._corrupt(f"bad footer at offset {footer_offset}: {e}")
+    def _bad(self, e: Exception) -> Exception:
+        return self._dec._corrupt(f"bad footer at offset {self.footer_offset}: {e}")
 
     def _metadata(self, first: Any) -> None:
         dec = self._dec
@@ -340,9 +337,7 @@ class FooterReader:
 
     def _whole(self) -> Iterator[tuple[Any, np.ndarray, int]]:
         values, bounds = self._dec._decode_simple(self._data, self._n, self._decoded)
-        if bounds is None:
-            bounds = np.array([0, len(values)], np.int64)
-        bounds = np.asarray(bounds, np.int64)
+        bounds = np.asarray([0, len(values)] if bounds is None else bounds, np.int64)
         self._metadata(memoryview(values)[: int(bounds[1])])
         yield values, bounds, 0
 
@@ -350,21 +345,9 @@ class FooterReader:
         """The footer's records ``step`` at a time: (their values, their bounds after an
         empty record 0, the first entry's number), record 0 read as the metadata."""
         data, n, decoded = self._data, self._n, self._decoded
-        size = len(data)
-        if size < 2:
-            raise ChunkDecodeError(f"simple chunk data has only {size} bytes")
-        ctype = data[0]
-        if ctype not in COMPRESSIONS:
-            raise ChunkDecodeError(f"unknown compression type {ctype:#x}")
-        if ctype != UNCOMPRESSED and decoded > self._dec._max_chunk:
-            raise ChunkDecodeError(self._dec._over_ceiling(decoded))
-        sizes_len, p = read_varint(data, 1, size)
-        if sizes_len > size - p:
-            raise ChunkDecodeError(
-                f"record-size buffer claims {sizes_len} bytes, only {size - p} remain"
-            )
-        sizes = _Stream(self._dec, ctype, data[p : p + sizes_len], 10 * n, False)
-        values = _Stream(self._dec, ctype, data[p + sizes_len :], decoded, True)
+        ctype, p, vstart = self._dec._simple_head(data, decoded)
+        sizes = _Stream(self._dec, ctype, data[p:vstart], 10 * n, False)
+        values = _Stream(self._dec, ctype, data[vstart:], decoded, True)
         pend = np.zeros(0, np.uint8)  # record-size bytes read, not yet decoded
         total = 0
 
@@ -469,7 +452,7 @@ class FooterReader:
             try:
                 part = next(parts, None)
             except (ChunkDecodeError, ValueError, struct.error) as e:
-                raise self._bad(dec, footer_offset, e) from None
+                raise self._bad(e) from None
             if part is None:
                 break
             values, bounds, a = part

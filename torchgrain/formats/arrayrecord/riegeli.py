@@ -398,13 +398,9 @@ class ChunkDecoder:
                 why += f", their sizes alone over max_chunk_bytes={self._max_chunk}"
             raise ChunkDecodeError(why)
 
-    def _decode_simple(self, data: Any, num_records: int, decoded: int) -> tuple[Any, Any]:
-        """Decode a simple chunk into (values buffer, record boundaries or None).
-
-        Boundaries are None when the chunk holds one record (the whole buffer). With
-        several records, the record sizes are decoded and checked against the decoded
-        size before the values are decompressed.
-        """
+    def _simple_head(self, data: Any, decoded: int) -> tuple[int, int, int]:
+        """``(compression type, start, end)`` of a simple chunk's record-size buffer in
+        its ``data``, checked before anything is decompressed."""
         n = len(data)
         if n < 2:
             raise ChunkDecodeError(f"simple chunk data has only {n} bytes")
@@ -413,20 +409,25 @@ class ChunkDecoder:
             raise ChunkDecodeError(f"unknown compression type {ctype:#x}")
         if ctype != UNCOMPRESSED and decoded > self._max_chunk:
             raise ChunkDecodeError(self._over_ceiling(decoded))
-        sizes_len = data[1]
-        if sizes_len < 0x80:
-            p = 2
-        else:
-            sizes_len, p = read_varint(data, 1, n)
+        sizes_len, p = read_varint(data, 1, n)
         if sizes_len > n - p:
             raise ChunkDecodeError(
                 f"record-size buffer claims {sizes_len} bytes, only {n - p} remain"
             )
-        vstart = p + sizes_len
+        return ctype, p, p + sizes_len
+
+    def _decode_simple(self, data: Any, num_records: int, decoded: int) -> tuple[Any, Any]:
+        """Decode a simple chunk into (values buffer, record boundaries or None).
+
+        Boundaries are None when the chunk holds one record (the whole buffer). With
+        several records, the record sizes are decoded and checked against the decoded
+        size before the values are decompressed.
+        """
+        ctype, p, vstart = self._simple_head(data, decoded)
         if num_records == 1 and ctype == ZSTD:
             # Hot path (group_size 1, zstd): any failed check falls through to the
             # general path, which reports it.
-            out = self._zstd_single(data, 0, n, decoded)
+            out = self._zstd_single(data, 0, len(data), decoded)
             if out is not None:
                 return out, None
         if num_records == 1:
@@ -500,41 +501,37 @@ class ChunkDecoder:
             return None
         return out if len(out) == size else None
 
-    def _local_chunk(self, c: int, view: memoryview, fast: tuple) -> tuple[Any, Any]:
-        """Decode local chunk ``c``; the common case (header and data inside one block,
-        no checksum verification) is parsed in place with no copy and few checks."""
+    def _local_chunk(self, c: int, view: Any, fast: tuple, base: int = 0) -> tuple[Any, Any]:
+        """Decode local chunk ``c`` from ``view``, the file's bytes from offset ``base``
+        on (the whole map, or the chunk alone); the common case (header and data inside
+        one block, no checksum verification) is parsed in place with no copy and few
+        checks."""
         offs, ends, _, recs = fast
         pos = offs[c]
-        simple = self._simple_chunk(view, pos, c, fast)
-        if simple is not None:
+        try:
+            simple = self._simple_chunk(view, pos, c, fast, pos - base)
+            if simple is None:  # anything unusual: the path that checks and reports all
+                return self._decode_chunk(c, view[pos - base : ends[c] - base])
             start, size, nrec, decoded = simple
             end = start + size
-            if nrec == 1 and end - start > 3 and view[start] == ZSTD:
+            if nrec == 1 and size > 3 and view[start] == ZSTD:
                 out = self._zstd_single(view, start, end, decoded)
                 if out is not None:
                     return out, None
-            try:
-                return self._decode_simple(view[start:end], nrec, decoded)
-            except ChunkDecodeError as e:
-                raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
-        # Anything unusual: the general path, which checks and reports everything.
-        try:
-            return self._decode_chunk(c, view[pos : ends[c]])
+            return self._decode_simple(view[start:end], nrec, decoded)
         except ChunkDecodeError as e:
             raise self._corrupt(str(e), chunk=c, row=recs[c]) from None
 
     def _simple_chunk(
-        self, buf: Any, pos: int, c: int, fast: tuple[Any, Any, Any, Any], at: int | None = None
+        self, buf: Any, pos: int, c: int, fast: tuple[Any, Any, Any, Any], at: int
     ) -> tuple[int, int, int, int] | None:
-        """For chunk ``c`` (file offset ``pos``, its header at ``buf[at]``, default
-        ``at=pos``): ``(where its data starts in buf, its size, records, decoded size)`` in the
+        """For chunk ``c`` (file offset ``pos``, its header at ``buf[at]``): ``(where its data starts in buf, its size, records, decoded size)`` in the
         common case (header and data inside one block, a simple chunk whose counts match
         the footer, no verification), which needs no further checks; else None."""
         _, ends, dsizes, recs = fast
         m = pos & 0xFFFF
         if m < BLOCK_HEADER or m + CHUNK_HEADER > BLOCK or self._verify:
             return None
-        at = pos if at is None else at
         _, data_size, _, type_num, decoded = CHUNK_HEADER_STRUCT.unpack_from(buf, at)
         start = pos + CHUNK_HEADER
         end = start + data_size
