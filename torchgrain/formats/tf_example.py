@@ -243,12 +243,7 @@ def _finish(buf: bytes, feat: _Feature, squeeze: bool) -> Any:
             return parts[0]
         return parts
     if kind == _INT64:
-        if len(parts) == 1:
-            arr = parts[0]
-        elif parts:
-            arr = np.concatenate(parts)
-        else:
-            arr = np.empty(0, dtype=np.int64)
+        arr = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     elif kind == _FLOAT:
         arr = np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=_F32)
         arr = arr.astype(np.float32)
@@ -549,10 +544,7 @@ def encode_tf_example(features: Mapping[str, Any]) -> bytes:
             raise TypeError(f"feature names must be str, got {type(name).__name__}")
         entry = bytearray()
         _put_len(entry, 0x0A, name.encode("utf-8"))
-        entry += b"\x12"
-        feat = _encode_feature(*_classify(name, value))
-        _put_varint(entry, len(feat))
-        entry += feat
+        _put_len(entry, 0x12, _encode_feature(*_classify(name, value)))
         _put_len(body, 0x0A, entry)
     out = bytearray()
     if body:
