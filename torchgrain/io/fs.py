@@ -140,9 +140,7 @@ def filesystem_for_this_process(fs: fsspec.AbstractFileSystem) -> fsspec.Abstrac
         >>> filesystem_for_this_process(fs) is fs
         True
     """
-    if is_local(fs):
-        return fs
-    return pickle.loads(pickle.dumps(fs))
+    return fs if is_local(fs) else pickle.loads(pickle.dumps(fs))
 
 
 def map_files(fn: Callable[[int], T], n: int, *, max_workers: int = 16) -> list[T]:
@@ -164,9 +162,7 @@ def map_files(fn: Callable[[int], T], n: int, *, max_workers: int = 16) -> list[
 
 def _unstrip(fs: fsspec.AbstractFileSystem, path: str) -> str:
     """Give back a URL that fsspec can open again (keeps the protocol for remote files)."""
-    if is_local(fs):
-        return path
-    return fs.unstrip_protocol(path)
+    return path if is_local(fs) else fs.unstrip_protocol(path)
 
 
 def has_glob(path: str, fs: fsspec.AbstractFileSystem | None = None) -> bool:
@@ -238,8 +234,6 @@ def expand_paths(
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
-            listing.check_distinct(found)
-            out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isdir(item_fs, stripped, url=item):
             listed = listing.find(stripped)
             found = sorted(
@@ -259,14 +253,14 @@ def expand_paths(
                     "`torchgrain inspect` lists them",
                 )
             check_shard_sets(found, where=item)
-            listing.check_distinct(found)
-            out.extend(_unstrip(item_fs, p) for p in found)
         elif remote.isfile(item_fs, stripped, url=item):
-            out.append(_unstrip(item_fs, stripped))
+            found = [stripped]
         else:  # (a FIFO, socket or device is never opened: a FIFO blocks its reader)
             there = is_local(item_fs) and os.path.exists(stripped)
             problem = "is not a regular file" if there else "does not exist"
             raise DatasetNotFoundError(f"{kind} path {item!r} {problem}")
+        listing.check_distinct(found)
+        out.extend(_unstrip(item_fs, p) for p in found)
     assert fs is not None
     # Keep the first occurrence of each path, preserving the order given.
     seen: set[str] = set()
@@ -687,6 +681,4 @@ def _hidden(root: str, path: str) -> bool:
 
 def _is_data_file(path: str, suffixes: tuple[str, ...]) -> bool:
     name = path.rstrip("/").rsplit("/", 1)[-1]
-    if name.startswith((".", "_")):
-        return False
-    return any(s in name for s in suffixes)
+    return not name.startswith((".", "_")) and any(s in name for s in suffixes)
