@@ -15,6 +15,11 @@ from __future__ import annotations
 import contextlib
 import threading
 
+try:
+    import resource
+except ImportError:  # pragma: no cover - not on Linux or macOS
+    resource = None  # type: ignore[assignment]
+
 __all__ = [
     "default_max_open_files",
     "free_maps",
@@ -34,9 +39,7 @@ _lock = threading.Lock()
 
 def open_files_limit() -> int:
     """This process's soft limit on open file descriptors (``ulimit -n``)."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not on Linux or macOS
+    if resource is None:  # pragma: no cover
         return 1024
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
@@ -51,16 +54,12 @@ def raise_open_files_limit(wanted: int) -> int:
         >>> raise_open_files_limit(1) == open_files_limit()
         True
     """
-    try:
-        import resource
-    except ImportError:  # pragma: no cover
+    if resource is None:  # pragma: no cover
         return open_files_limit()
     with _lock:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY or soft >= wanted:
-            return open_files_limit()
         target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        if target > soft:
+        if soft != resource.RLIM_INFINITY and soft < target:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     return open_files_limit()
