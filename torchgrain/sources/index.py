@@ -195,11 +195,7 @@ def group_by_shard(
     ]
 
 
-def in_request_order(
-    results: Iterable[list[Any]],
-    groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]],
-    n: int,
-) -> list[Any]:
+def in_request_order(results: Iterable[list[Any]], groups: Sequence[tuple], n: int) -> list[Any]:
     """Per-group results (one list per ``(shard, rows, positions)`` group, as
     :meth:`ShardIndex.split` gives them) as one list of ``n`` in the request's order.
 

@@ -255,11 +255,22 @@ class TFRecordSource(EncodedSource):
         bad = (first < 0) | (last - first < 16) | (last > size)
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
-            raise self._damaged(int(shard[k]), int(rows[k]), first[k], last[k], int(idx[k]))
+            s, where = int(shard[k]), self._tfindex.path
+            raise CorruptDataError(
+                f"TFRecord shard {s} {self._paths[s]!r}: the dataset's index "
+                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
+                f"[{int(first[k])}, {int(last[k])}) of a {int(size[k])}-byte file (record "
+                f"index {int(idx[k])}); the index is damaged (delete it to have it rebuilt)"
+            )
         lengths = last - first - 16
         if int(lengths.max()) > self.max_record_bytes:
             k = int(np.argmax(lengths))
-            raise self._too_long(int(shard[k]), int(rows[k]), int(lengths[k]), int(idx[k]))
+            raise CorruptDataError(
+                f"TFRecord shard {int(shard[k])} {self._paths[int(shard[k])]!r}: record "
+                f"{int(rows[k])} is {int(lengths[k])} bytes long, more than max_record_bytes="
+                f"{self.max_record_bytes} allows (record index {int(idx[k])}; a larger "
+                "max_record_bytes reads it, if the file is trusted)"
+            )
         return first, last
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
@@ -326,24 +337,6 @@ class TFRecordSource(EncodedSource):
             raise self._named(e, shard, index) from e
         finally:
             region.release()
-
-    def _damaged(self, shard: int, row: int, first: int, last: int, index: int) -> CorruptDataError:
-        where = self._tfindex.path
-        size = int(self._tfindex.file_size[shard])
-        return CorruptDataError(
-            f"TFRecord shard {shard} {self._paths[shard]!r}: the dataset's index "
-            f"{'file ' + repr(where) if where else ''} puts row {row} at bytes "
-            f"[{int(first)}, {int(last)}) of a {size}-byte file (record index "
-            f"{index}); the index is damaged (delete it to have it rebuilt)"
-        )
-
-    def _too_long(self, shard: int, row: int, length: int, index: int) -> CorruptDataError:
-        return CorruptDataError(
-            f"TFRecord shard {shard} {self._paths[shard]!r}: record {row} is "
-            f"{length} bytes long, more than max_record_bytes="
-            f"{self.max_record_bytes} allows (record index {index}; a larger "
-            "max_record_bytes reads it, if the file is trusted)"
-        )
 
     def close(self) -> None:
         super().close()
