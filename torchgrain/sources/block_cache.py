@@ -90,10 +90,7 @@ class BlockCache:
             raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
-        self._bytes = 0
-        self._hits = 0
-        self._misses = 0
-        self._evictions = 0
+        self._bytes = self._hits = self._misses = self._evictions = 0
         self._lock = threading.Lock()
         _CACHES.add(self)
 

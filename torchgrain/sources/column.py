@@ -86,15 +86,13 @@ def read_column(
         raise ValueError(f"chunk must be an integer >= 1, got {chunk!r}")
     source = _unwrap(source)
     n = len(source)
+    order = None  # (None: already in reading order)
     if indices is None:
         idx = np.arange(n, dtype=np.int64)
-        order = None
     else:
         idx = ShardIndex(np.array([n], dtype=np.int64)).check(indices)
-        order = np.argsort(idx, kind="stable")
-        if (idx[1:] >= idx[:-1]).all():
-            order = None  # already in reading order
-        else:
+        if not (idx[1:] >= idx[:-1]).all():
+            order = np.argsort(idx, kind="stable")
             idx = idx[order]
     keys = [] if _is_dataset(source) else list(getattr(source, "keys", []))
     if keys and key not in keys:
