@@ -59,34 +59,6 @@ def _import_beam() -> Any:
     return beam
 
 
-def _prepare(
-    src: Any,
-    dst: str | os.PathLike,
-    *,
-    to: str,
-    num_shards: int | None,
-    group_size: int,
-    codec: Any,
-    compression: str | None,
-    src_format: str,
-    verify: bool,
-    storage_options: dict[str, Any] | None,
-) -> tuple[Job, list[Task], dict[str, Any]]:
-    output = get_output(to)
-    fs, root = get_filesystem(dst)
-    if not is_local(fs):
-        raise NotImplementedError(f"dst must be a directory all workers can write: {dst!r}")
-    root = os.path.abspath(root)
-    os.makedirs(root, exist_ok=True)
-    compression, options = output.options(group_size, compression)
-    inp = open_input(src, src_format, codec, storage_options)
-    counts = inp.counts
-    tasks = plan_tasks(counts, len(inp.paths), num_shards, to)
-    job = Job(inp, root, to, options, compression, 32 << 20, verify, output=output)
-    plan = {"counts": counts, "tasks": [asdict(t) for t in tasks], "group_size": group_size}
-    return job, tasks, plan
-
-
 class ConvertShard:
     """Beam ``DoFn``-like callable: converts one planned output shard (idempotent).
 
@@ -135,18 +107,18 @@ def build_pipeline(
     ``num_shards`` is given).
     """
     beam = _import_beam()
-    job, tasks, plan = _prepare(
-        src,
-        dst,
-        to=to,
-        num_shards=num_shards,
-        group_size=group_size,
-        codec=codec,
-        compression=compression,
-        src_format=src_format,
-        verify=verify,
-        storage_options=storage_options,
-    )
+    output = get_output(to)
+    fs, root = get_filesystem(dst)
+    if not is_local(fs):
+        raise NotImplementedError(f"dst must be a directory all workers can write: {dst!r}")
+    root = os.path.abspath(root)
+    os.makedirs(root, exist_ok=True)
+    compression, options = output.options(group_size, compression)
+    inp = open_input(src, src_format, codec, storage_options)
+    counts = inp.counts
+    tasks = plan_tasks(counts, len(inp.paths), num_shards, to)
+    job = Job(inp, root, to, options, compression, 32 << 20, verify, output=output)
+    plan = {"counts": counts, "tasks": [asdict(t) for t in tasks], "group_size": group_size}
     return (
         pipeline
         | "PlanShards" >> beam.Create(tasks)

@@ -401,12 +401,10 @@ def dtype_holding(dtype: Any, pad: int | float) -> Any:
         return dtype
     if isinstance(pad, float) and not float(pad).is_integer():
         return torch.get_default_dtype()
-    info = torch.iinfo(dtype) if dtype != torch.bool else None
-    if info is not None and info.min <= pad <= info.max:
-        return dtype
-    if dtype == torch.bool and pad in (0, 1):
-        return dtype
-    return torch.int64
+    if dtype == torch.bool:
+        return dtype if pad in (0, 1) else torch.int64
+    info = torch.iinfo(dtype)
+    return dtype if info.min <= pad <= info.max else torch.int64
 
 
 def as_tensor(x: Any) -> Any:
@@ -557,10 +555,7 @@ def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         out = _allocator(tuple(shape), np.dtype(dtype))
         if out is not None:
             return out
-    pool = POOL
-    if math.prod(shape) * np.dtype(dtype).itemsize < pool.min_bytes:
-        return np.empty(shape, dtype)
-    out = pool.empty(tuple(shape), dtype)
+    out = POOL.empty(tuple(shape), dtype)
     return np.empty(shape, dtype) if out is None else out
 
 

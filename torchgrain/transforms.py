@@ -543,14 +543,12 @@ class ToTensor:
             for k in keys:
                 if k not in record:
                     raise _missing_key(record, k, "ToTensor")
+        first = self.channels_first
         for k in keys:
             t = _to_tensor(record[k], k)
             if self.dtype is not None:
                 t = t.to(self.dtype)
-            if (
-                self.channels_first is True
-                or (not isinstance(self.channels_first, bool) and k in self.channels_first)
-            ) and t.ndim == 3:
+            if t.ndim == 3 and (first is True or (first is not False and k in first)):
                 t = t.permute(2, 0, 1)
             out[k] = t
         return out
