@@ -77,12 +77,10 @@ def size_text(nbytes: int) -> str:
         >>> size_text(64 << 30), size_text(1536)
         ('64.0 GiB', '1.5 KiB')
     """
-    size = float(nbytes)
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.1f} {unit}" if unit != "bytes" else f"{int(size)} bytes"
-        size /= 1024
-    return f"{size:.1f} TiB"  # (not reached)
+    if nbytes < 1024:
+        return f"{int(nbytes)} bytes"
+    power = min(3, (int(nbytes).bit_length() - 1) // 10)  # the largest unit below it
+    return f"{nbytes / 1024**power:.1f} {('KiB', 'MiB', 'GiB')[power - 1]}"
 
 
 def _name_in_root(directory: str) -> str:
@@ -143,16 +141,13 @@ def _describe(name: str, path: str) -> dict[str, Any]:
             not any(p.startswith(".") for p in f.split(os.sep)) and not f.endswith(".lock")
             for f in rel
         )
-    dataset = None
-    if name.startswith("demo-"):
-        dataset = path
     return {
         "name": name,
         "kind": kind,
         "path": path,
         "bytes": nbytes,
         "entries": entries,
-        "dataset": dataset,
+        "dataset": path if name.startswith("demo-") else None,
     }
 
 
@@ -169,14 +164,15 @@ def list_caches(
     from torchgrain.io.fs import default_cache_dir
 
     root = os.path.realpath(os.fspath(root if root is not None else default_cache_dir()))
-    out = []
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         entries = []
-    for e in entries:
-        if e.is_dir(follow_symlinks=False) and not e.name.startswith("."):
-            out.append(_describe(e.name, e.path))
+    out = [
+        _describe(e.name, e.path)
+        for e in entries
+        if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+    ]
     for d in extra:
         path = os.path.realpath(os.fspath(d))
         if not os.path.isdir(path):
