@@ -404,10 +404,14 @@ def _fetch_claimed(
     starts: list[int] = []
     ends: list[int] = []
     plans = []
+    plan_of: list[int] = []  # each request's plan
+    left: list[int] = []  # each plan's requests not answered yet
     for k, ((path, url, _), (_, need)) in enumerate(zip(files, claimed)):
         if not need:
             continue
         order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
+        plan_of.extend([len(plans)] * len(merged))
+        left.append(len(merged))
         plans.append((k, url, need, order, merged, len(starts)))
         for m in merged:
             paths.append(path)
@@ -418,9 +422,10 @@ def _fetch_claimed(
         return 0
     failure: list[tuple[BaseException, str, int, int]] = []
 
-    def settle(plan: tuple, got: list) -> bool:
+    def settle(plan: tuple, results: list) -> bool:
         """Put what arrived of one file's requests in the store; True if all of it did."""
-        _k, url, need, order, merged, _at = plan
+        _k, url, need, order, merged, at = plan
+        got = results[at : at + len(merged)]
         bad = [j for j, b in enumerate(got) if isinstance(b, BaseException)]
         if bad and not failure:
             failure.append((got[bad[0]], url, merged[bad[0]][0], merged[bad[0]][1]))
@@ -438,11 +443,6 @@ def _fetch_claimed(
 
     # Each file is put in the store, and its reader told, as soon as its last request is
     # answered: the reader decodes it while the other files' requests are in flight.
-    plan_of = [0] * len(starts)
-    left = []
-    for n, plan in enumerate(plans):
-        plan_of[plan[5] : plan[5] + len(plan[4])] = [n] * len(plan[4])
-        left.append(len(plan[4]))
     got_so_far: list = [None] * len(starts)
 
     def arrived(idx: list[int], blobs: list) -> None:
@@ -450,10 +450,8 @@ def _fetch_claimed(
             got_so_far[i] = blob
             n = plan_of[i]
             left[n] -= 1
-            if left[n] == 0:
-                k, *_, merged, at = plans[n]
-                if settle(plans[n], got_so_far[at : at + len(merged)]):
-                    ready(k)
+            if left[n] == 0 and settle(plans[n], got_so_far):
+                ready(plans[n][0])
 
     blobs = inflight.cat_many(
         fs,
@@ -467,7 +465,7 @@ def _fetch_claimed(
     )
     for n, plan in enumerate(plans):
         if left[n] > 0:  # (a request timed out: never arrived)
-            settle(plan, blobs[plan[5] : plan[5] + len(plan[4])])
+            settle(plan, blobs)
     if failure and raise_errors:
         _raise_failure(*failure[0])
     return len(starts)
