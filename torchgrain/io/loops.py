@@ -117,12 +117,8 @@ def _detach_after_fork_in_child() -> None:
             logger.warning("torchgrain: could not detach an inherited event loop", exc_info=True)
 
 
-def _forget_after_fork_in_parent() -> None:
-    _loop_at_fork.clear()
-
-
 os.register_at_fork(
     before=_note_loop_before_fork,
-    after_in_parent=_forget_after_fork_in_parent,
+    after_in_parent=_loop_at_fork.clear,
     after_in_child=_detach_after_fork_in_child,
 )

@@ -88,10 +88,6 @@ class RegionUnavailable(OSError):
     """No address range could be reserved (address-space limit, unsupported platform)."""
 
 
-def _unmap(addr: int, length: int) -> None:
-    libc().munmap(addr, length)
-
-
 class _Guard:
     """Unmaps the reservation once neither the region nor any view of it is left."""
 
@@ -154,7 +150,7 @@ class ShardRegion:
         self._start = start
         size = slots * self.slot_size
         guard = _Guard()
-        weakref.finalize(guard, _unmap, base, length).atexit = False
+        weakref.finalize(guard, libc().munmap, base, length).atexit = False
         mem = type("_Mapped", (ctypes.c_ubyte * size,), {}).from_address(start)
         mem.guard = guard  # views of the region keep the reservation alive
         #: The whole region as uint8 (read-only); slot ``k`` is ``[k * slot_size, ...)``.
