@@ -300,7 +300,7 @@ class Pin:
     def _adopt(self, w: _Watcher) -> str | None:
         """In a forked child: watch the file again, through its path (checked to be
         the same inode, size and time, so the new watch covers what the map holds)."""
-        old = self.wd
+        # (the parent's watch, dropped here, is the parent's to release)
         self.generation, self.owner, self.wd = w.generation, process.token(), -1
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -316,7 +316,6 @@ class Pin:
                 return _WHY
         finally:
             os.close(fd)
-        del old  # the parent's watch: the parent's to release
         return None
 
     def release(self) -> None:
