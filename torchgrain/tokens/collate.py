@@ -224,9 +224,9 @@ class PadCollate:
         pad = self._pad_value(key)
         dtype = dtype_holding(functools.reduce(torch.promote_types, (r.dtype for r in rows)), pad)
         out = torch.full((len(rows), width), pad, dtype=dtype)
-        for i, r in enumerate(rows):
-            at = 0 if self.side == "right" else width - len(r)
-            out[i, at : at + len(r)] = r
+        for i, (r, n) in enumerate(zip(rows, lengths.tolist())):
+            at = 0 if self.side == "right" else width - n
+            out[i, at : at + n] = r
         return out, lengths
 
     def _columns(self, batch: ColumnBatch) -> dict[str, Any]:
@@ -312,10 +312,13 @@ def _is_sequence(value: Any) -> bool:
 
 def _all_sequences(values: list[Any]) -> bool:
     """Whether every value is a 1-D sequence of numbers (or empty), one at least not."""
-    seqs = [_is_sequence(v) for v in values]
-    return any(seqs) and all(
-        s or (isinstance(v, (list, tuple)) and not v) for s, v in zip(seqs, values)
-    )
+    found = False
+    for v in values:
+        if _is_sequence(v):
+            found = True
+        elif not (isinstance(v, (list, tuple)) and not v):
+            return False
+    return found
 
 
 def _is_column_sequence(col: Any) -> bool:
