@@ -269,13 +269,9 @@ class ResumableLoader:
                 f"ResumableLoader state of epoch {state.get('epoch')!r} holds a sampler "
                 f"state of epoch {sampler.epoch}"
             )
-        if state["epoch"] != sampler.epoch:
-            sampler.set_epoch(state["epoch"])
         # Loaders that count epochs themselves (Accelerate's set the epoch at every
-        # pass) must count from the resumed one.
-        hook = getattr(self.loader, "set_epoch", None)
-        if callable(hook):
-            hook(state["epoch"])
+        # pass) must count from the resumed one; the epoch in effect keeps the position.
+        self.set_epoch(state["epoch"])
         self._taken = 0
         self._in_pass = False
 
