@@ -45,10 +45,6 @@ _MODULE = "accelerate.data_loader"
 _SEARCH_DEPTH = 48
 
 
-def _module() -> Any | None:
-    return sys.modules.get(_MODULE)
-
-
 def _name(obj: Any) -> str:
     cls = type(obj)
     return f"{cls.__module__}.{cls.__name__}"
@@ -78,7 +74,7 @@ def describe(loader: Any) -> dict[str, Any] | None:
     reads for all (``dispatch_batches``), and what the loader fills its last step up
     to. None for a loader that splits nothing (one process).
     """
-    mod = _module()
+    mod = sys.modules.get(_MODULE)
     if mod is None:
         return None
     num_workers = int(getattr(loader, "num_workers", 0) or 0)
@@ -90,9 +86,8 @@ def describe(loader: Any) -> dict[str, Any] | None:
         batch_size = getattr(inner, "batch_size", None)
         drop_last = bool(getattr(inner, "drop_last", False))
         processes = int(loader.state.num_processes)
-        step = None
-        if batch_size is not None:
-            step = batch_size if loader.split_batches else batch_size * processes
+        batches = 1 if loader.split_batches else processes  # per step
+        step = None if batch_size is None else batch_size * batches
         return {
             "sharder": _name(loader),
             "batch_size": batch_size,
@@ -109,9 +104,8 @@ def describe(loader: Any) -> dict[str, Any] | None:
         # default) the last step is filled up to full batches with the first samples
         # of the pass.
         batch_size = shard.batch_size
-        step = None
-        if batch_size is not None:
-            step = batch_size if shard.split_batches else batch_size * shard.num_processes
+        batches = 1 if shard.split_batches else shard.num_processes
+        step = None if batch_size is None else batch_size * batches
         even = bool(shard.even_batches) and not bool(shard.drop_last)
         return {
             "sharder": _name(shard),
@@ -141,7 +135,7 @@ def sharder_driving(sampler: Any, *, skip: int = 2) -> str | None:
     frames. Under ``dispatch_batches`` the DataLoader's own iterator sits between the
     sampler and the dispatcher, so the walk goes past it.
     """
-    mod = _module()
+    mod = sys.modules.get(_MODULE)
     if mod is None:
         return None
     frame: FrameType | None = sys._getframe(skip)

@@ -47,17 +47,6 @@ __all__ = [
 _SEARCH_DEPTH = 96
 
 
-def _self_of(frame: FrameType) -> Any:
-    if "self" not in frame.f_code.co_varnames:
-        return None
-    return frame.f_locals.get("self")
-
-
-def _iterator_class() -> type | None:
-    module = sys.modules.get("torch.utils.data.dataloader")
-    return getattr(module, "_BaseDataLoaderIter", None)
-
-
 def loader_key(loader: Any) -> Any | None:
     """What names a DataLoader for :func:`torchgrain.stats`: the object it draws each
     batch's indices from (its ``batch_sampler``, or its ``sampler`` without automatic
@@ -100,7 +89,8 @@ def loader_iterator(*, skip: int = 2, depth: int = _SEARCH_DEPTH) -> Any | None:
     worker process now (while it pickles the dataset for a spawned worker, or forks).
     None when there is none.
     """
-    iterator_cls = _iterator_class()
+    module = sys.modules.get("torch.utils.data.dataloader")
+    iterator_cls = getattr(module, "_BaseDataLoaderIter", None)
     if iterator_cls is None:
         return None
     kinds = _ITERATOR_CODE
@@ -111,13 +101,13 @@ def loader_iterator(*, skip: int = 2, depth: int = _SEARCH_DEPTH) -> Any | None:
         code = frame.f_code
         kind = kinds.get(code)
         if kind is not False:
-            obj = _self_of(frame)
-            if obj is not None and isinstance(obj, iterator_cls):
-                if kind is None:
-                    _remember(code, True)
+            has_self = "self" in code.co_varnames  # (reading f_locals costs more)
+            obj = frame.f_locals.get("self") if has_self else None
+            found = isinstance(obj, iterator_cls)
+            if kind is None and (obj is not None or not has_self):
+                _remember(code, found)
+            if found:
                 return obj
-            if kind is None and (obj is not None or "self" not in code.co_varnames):
-                _remember(code, False)
         frame = frame.f_back
     return None
 
