@@ -70,16 +70,24 @@ class Shares:
 
     def count(self, rank: int) -> int:
         """Positions rank ``rank`` draws."""
-        if self.num_replicas == 1:
-            return _padded_count(self.length, self.pad_to)
-        return _rank_count(self.length, self.num_replicas, rank, self.drop_last, self.pad)
+        length, w = self.length, self.num_replicas
+        if w == 1:  # padded up to a multiple of pad_to
+            return length if self.pad_to <= 1 else -(-length // self.pad_to) * self.pad_to
+        if self.drop_last:
+            return length // w
+        if self.pad:
+            return -(-length // w)
+        return length // w + (rank < length % w)
 
     def start(self, rank: int) -> int:
         """The ranks before ``rank`` draw this many positions together (where rank
         ``rank``'s run starts, for a contiguous split)."""
-        if self.num_replicas == 1:
+        length, w = self.length, self.num_replicas
+        if w == 1:
             return 0
-        return _run_start(self.length, self.num_replicas, rank, self.drop_last, self.pad)
+        if self.pad and not self.drop_last:
+            return rank * -(-length // w)
+        return rank * (length // w) + (0 if self.drop_last else min(rank, length % w))
 
 
 class Split(abc.ABC):
@@ -186,7 +194,8 @@ class ContiguousSplit(Split):
     @property
     def dealing(self) -> tuple[int, int] | None:
         """``(batch_size, num_workers)`` when the run is dealt to workers, else None."""
-        return _deal_config(self.state())
+        b, w = self.batch_size, self.num_workers or 0
+        return (int(b), int(w)) if b is not None and w > 1 else None
 
     def state(self) -> dict[str, Any]:
         return {"batch_size": self.batch_size, "num_workers": self.num_workers}
@@ -239,36 +248,6 @@ class ContiguousSplit(Split):
                     (start + a, start + b) for a, b in _dealt_prefixes(count, drawn, *config)
                 )
         return out
-
-
-def _padded_count(length: int, pad_to: int) -> int:
-    """Draws of a single replica from a stream of ``length`` padded to a multiple of
-    ``pad_to``."""
-    if pad_to <= 1 or length <= 0:
-        return length
-    return -(-length // pad_to) * pad_to
-
-
-def _rank_count(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:
-    """Draws of rank ``r`` of ``w`` from a virtual stream of ``length``."""
-    if drop_last:
-        return length // w
-    if pad:
-        return -(-length // w)
-    return length // w + (r < length % w)
-
-
-def _run_start(length: int, w: int, r: int, drop_last: bool, pad: bool) -> int:
-    """First virtual position of rank ``r``'s contiguous run."""
-    if pad and not drop_last:
-        return r * -(-length // w)
-    return r * (length // w) + (0 if drop_last else min(r, length % w))
-
-
-def _deal_config(state: dict[str, Any]) -> tuple[int, int] | None:
-    """``(batch_size, num_workers)`` when the saved order deals batches to workers."""
-    b, w = state.get("batch_size"), state.get("num_workers") or 0
-    return (int(b), int(w)) if b is not None and w > 1 else None
 
 
 def _dealt_parts(count: int, batch_size: int, num_workers: int) -> np.ndarray:
