@@ -58,9 +58,7 @@ class Concat(View):
                     f"source_field {source_field!r} is already a key of the records "
                     f"({self._keys}): choose another name"
                 )
-            self._labels = (
-                list(self.names) if names is not None else list(range(len(self.children)))
-            )
+            self._labels = list(self.names if names is not None else range(len(self.children)))
             if self._keys:
                 self._keys.append(source_field)
                 self._schema[source_field] = "str" if names is not None else "int"

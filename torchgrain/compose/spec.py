@@ -56,12 +56,8 @@ def is_spec(path: Any) -> bool:
         >>> is_spec("mixture.json"), is_spec("train/")
         (False, False)
     """
-    return (
-        isinstance(path, str)
-        and path.lower().endswith(_SUFFIXES)
-        and "://" not in path
-        and os.path.isfile(path)
-    )
+    local = isinstance(path, str) and "://" not in path
+    return local and path.lower().endswith(_SUFFIXES) and os.path.isfile(path)
 
 
 def _read(path: str) -> Any:
