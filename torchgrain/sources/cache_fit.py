@@ -52,14 +52,11 @@ class CacheFitting:
         """Whether a pass (``order``, ``start``, ``count`` as in ``read_ahead``) fits each
         of ``caches`` (see :func:`~torchgrain.sources.block_cache.check_fit`); one it does
         not fit gets a :class:`~torchgrain.CacheThrashWarning`, once per cache and process."""
-        fits = []
-        for blocks in caches:
-            fit = check_fit(self.name, blocks, order, start, count)
-            if fit is None:
-                continue
-            fits.append(fit)
-            if not fit.fits and (process.token(), blocks.cache) not in self.warned:
-                self.warned.add((process.token(), blocks.cache))
+        fits = [f for b in caches if (f := check_fit(self.name, b, order, start, count))]
+        for fit in fits:
+            key = (process.token(), fit.cache)
+            if not fit.fits and key not in self.warned:
+                self.warned.add(key)
                 warnings.warn(CacheThrashWarning(fit.message(), fit), stacklevel=5)
         return fits
 

@@ -350,10 +350,9 @@ class TFRecordSource(EncodedSource):
         out, ix = [], self._tfindex
         for shard, rows, _ in groups:
             b = ix.base[shard] + rows
-            url = self._paths[shard]
-            ranges = list(zip(ix.offsets[b].tolist(), ix.offsets[b + 1].tolist()))
-            size = int(ix.file_size[shard])
-            ranges = [(s, e) for s, e in ranges if 0 <= s < e <= size]
+            url, size = self._paths[shard], int(ix.file_size[shard])
+            starts, ends = ix.offsets[b].tolist(), ix.offsets[b + 1].tolist()
+            ranges = [(s, e) for s, e in zip(starts, ends) if 0 <= s < e <= size]
             path = self._fs._strip_protocol(url)
             io_remote.pin(self._fs, path, size)  # answers must be of the file indexed
             out.append((path, url, ranges))
