@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import io
@@ -259,10 +260,8 @@ class DecodeImage:
             raise ValueError(f"backend must be 'auto', 'cv2' or 'pillow', got {backend!r}")
         if backend == "auto":
             backend = _auto_backend()
-        elif backend == "cv2":
-            _require("cv2")
         else:
-            _import_pil()
+            _BACKENDS[backend]()
         self.key = key
         self.mode = mode
         self.backend = backend
@@ -366,20 +365,18 @@ def _import_pil() -> Any:
     return Image, ImageOps
 
 
+# Each backend's import, raising ImportError (saying how to install it) when it is missing.
+_BACKENDS: dict[str, Callable[[], Any]] = {"cv2": lambda: _require("cv2"), "pillow": _import_pil}
+
+
 def _auto_backend() -> str:
-    try:
-        _require("cv2")
-        return "cv2"
-    except ImportError:
-        pass
-    try:
-        _import_pil()
-        return "pillow"
-    except ImportError:
-        raise ImportError(
-            "decode_image needs OpenCV or Pillow, neither is installed; install one with: "
-            f"{_AUGMENT_HINT}"
-        ) from None
+    for backend, load in _BACKENDS.items():  # cv2 first: it decodes faster
+        with contextlib.suppress(ImportError):
+            load()
+            return backend
+    raise ImportError(
+        f"decode_image needs OpenCV or Pillow, neither is installed; install one with: {_AUGMENT_HINT}"
+    )
 
 
 # --------------------------------------------------------------------- key helpers
