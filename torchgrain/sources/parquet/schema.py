@@ -14,10 +14,8 @@ __all__ = ["arrow_type_name", "common_type", "fixed_bytes", "merge_types", "valu
 
 
 def all_names(schemas: list[pa.Schema]) -> list[str]:
-    names: dict[str, None] = {}
-    for s in schemas:
-        names.update(dict.fromkeys(s.names))
-    return list(names)
+    """Every column name of ``schemas``, in order of first appearance."""
+    return list(dict.fromkeys(n for s in schemas for n in s.names))
 
 
 def _value_type(t: pa.DataType) -> pa.DataType:
