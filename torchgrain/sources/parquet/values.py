@@ -193,10 +193,6 @@ def _is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
-def _is_binary(t: pa.DataType) -> bool:
-    return pa.types.is_binary(t) or pa.types.is_large_binary(t)
-
-
 def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
     """A numeric/bool/temporal child as read-only numpy (null slots undefined), else None."""
     if not (_is_number(arr.type) or _is_temporal(arr.type)):
@@ -487,7 +483,7 @@ def _column(arr: pa.Array) -> _Column:
     if _is_number(t) or _is_temporal(t):
         col.kind = _NUM if _is_number(t) else _SCALAR
         col.values = fresh = _primitive_numpy(arr)
-    elif _is_string(t) or _is_binary(t):
+    elif _is_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
         col.kind = _STR if _is_string(t) else _BIN
         col.values, col.offsets, fresh = _binary_data(arr), _offsets(arr), None
     elif pa.types.is_fixed_size_binary(t):
