@@ -131,18 +131,6 @@ def resolve_compression(path: PathLike, compression: str | None) -> str:
     )
 
 
-def _open_stream(
-    fs: fsspec.AbstractFileSystem, path: str, compression: str
-) -> tuple[IO[bytes], IO[bytes]]:
-    """Open ``path`` for reading; returns (stream of record bytes, underlying file)."""
-    raw = remote.open_input(fs, path)  # remote reads with deadlines and checked lengths
-    if compression == "gzip":
-        return _GzipStream(raw, path), raw
-    if compression == "zlib":
-        return _ZlibStream(raw, path), raw
-    return raw, raw
-
-
 class _ZlibStream(io.RawIOBase):
     """Decompressed view of one or more concatenated zlib streams, read in bounded steps."""
 
@@ -270,7 +258,9 @@ def iter_tfrecord(
     size = _file_size(fs, p) if comp == "" else None
     if offset and comp != "":
         raise ValueError(f"{name}: cannot start a compressed TFRecord file at an offset")
-    stream, raw = _open_stream(fs, p, comp)
+    raw = remote.open_input(fs, p)  # remote reads with deadlines and checked lengths
+    wrap = {"gzip": _GzipStream, "zlib": _ZlibStream}.get(comp)
+    stream = wrap(raw, p) if wrap else raw
     try:
         if offset:
             stream.seek(offset)
