@@ -292,10 +292,8 @@ def _column(values: list[Any]) -> Any:
                 )
             offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
             np.cumsum(lengths, out=offsets[1:])
-            if level == 0 and mask.any():
-                out = pa.ListArray.from_arrays(pa.array(offsets), out, mask=pa.array(mask))
-            else:
-                out = pa.ListArray.from_arrays(pa.array(offsets), out)
+            nulls = pa.array(mask) if level == 0 and mask.any() else None
+            out = pa.ListArray.from_arrays(pa.array(offsets), out, mask=nulls)
         return out
     ints = present and all(isinstance(v, int) and not isinstance(v, bool) for v in present)
     if ints and max(present) > np.iinfo(np.int64).max:

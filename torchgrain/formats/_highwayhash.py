@@ -70,18 +70,11 @@ class _State:
             b = (v0[i] + mul1[i]) & _M64
             v0[i] = b
             mul1[i] ^= (b & _M32) * (a >> 32)
-        add1, add0 = _zipper(v1[1], v1[0])
-        v0[1] = (v0[1] + add1) & _M64
-        v0[0] = (v0[0] + add0) & _M64
-        add1, add0 = _zipper(v1[3], v1[2])
-        v0[3] = (v0[3] + add1) & _M64
-        v0[2] = (v0[2] + add0) & _M64
-        add1, add0 = _zipper(v0[1], v0[0])
-        v1[1] = (v1[1] + add1) & _M64
-        v1[0] = (v1[0] + add0) & _M64
-        add1, add0 = _zipper(v0[3], v0[2])
-        v1[3] = (v1[3] + add1) & _M64
-        v1[2] = (v1[2] + add0) & _M64
+        for src, dst in ((v1, v0), (v0, v1)):  # v0 from v1, then v1 from the new v0
+            for hi, lo in ((1, 0), (3, 2)):
+                add1, add0 = _zipper(src[hi], src[lo])
+                dst[hi] = (dst[hi] + add1) & _M64
+                dst[lo] = (dst[lo] + add0) & _M64
 
     def update_remainder(self, rest: bytes) -> None:
         size_mod32 = len(rest)
@@ -111,13 +104,7 @@ class _State:
     def finalize64(self) -> int:
         for _ in range(4):
             v0 = self.v0
-            permuted = [
-                ((v0[2] >> 32) | (v0[2] << 32)) & _M64,
-                ((v0[3] >> 32) | (v0[3] << 32)) & _M64,
-                ((v0[0] >> 32) | (v0[0] << 32)) & _M64,
-                ((v0[1] >> 32) | (v0[1] << 32)) & _M64,
-            ]
-            self.update(permuted)
+            self.update([((v0[i] >> 32) | (v0[i] << 32)) & _M64 for i in (2, 3, 0, 1)])
         return (self.v0[0] + self.v1[0] + self.mul0[0] + self.mul1[0]) & _M64
 
 

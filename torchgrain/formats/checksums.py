@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import struct
 from collections.abc import Iterable
@@ -60,16 +61,10 @@ class RecordHasher:
 def _records_checksum(path: str) -> tuple[int, str]:
     from torchgrain.formats.arrayrecord_file import ArrayRecordFile
 
-    f = ArrayRecordFile(path)
-    try:
+    with ArrayRecordFile(path) as f:
         n = f.num_records
-        h = RecordHasher()
-        for a in range(0, n, _READ_BATCH):
-            for rec in f.read_range(a, min(a + _READ_BATCH, n)):
-                h.update(rec)
-        return n, h.hexdigest()
-    finally:
-        f.close()
+        batches = (f.read_range(a, a + _READ_BATCH) for a in range(0, n, _READ_BATCH))
+        return n, RecordHasher.of(itertools.chain.from_iterable(batches))
 
 
 def verify_file(path: str, checksum: str, *, name: str | None = None) -> str | None:

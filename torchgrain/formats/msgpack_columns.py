@@ -135,10 +135,8 @@ def _value_column(
         if (end > ends).any():
             return None
         out = np.empty(len(pos), dtype=np.float64)
-        if wide.any():
-            out[wide] = _big_endian(buf, pos[wide] + 1, 8, False).view(">f8")
-        if (~wide).any():
-            out[~wide] = _big_endian(buf, pos[~wide] + 1, 4, False).view(">f4")
+        out[wide] = _big_endian(buf, pos[wide] + 1, 8, False).view(">f8")
+        out[~wide] = _big_endian(buf, pos[~wide] + 1, 4, False).view(">f4")
         return out, end
     if kind == _BOOL:
         return t == 0xC3, pos + 1

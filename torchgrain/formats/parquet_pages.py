@@ -53,6 +53,7 @@ _MAX_DEPTH = 64  # nesting of Thrift structs and containers in one header
 # Thrift compact protocol types.
 _STOP, _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY = range(9)
 _LIST, _SET, _MAP, _STRUCT = 9, 10, 11, 12
+_FIXED = {_TRUE: 0, _FALSE: 0, _BYTE: 1, _DOUBLE: 8}  # bytes of a value (a boolean's: none)
 
 
 class PageHeader(NamedTuple):
@@ -105,12 +106,8 @@ def _skip(buf: bytes, pos: int, t: int, depth: int) -> int:
         return pos + n
     if t == _STRUCT:
         return _skip_struct(buf, pos, depth + 1)
-    if t in (_TRUE, _FALSE):
-        return pos
-    if t == _BYTE:
-        return pos + 1
-    if t == _DOUBLE:
-        return pos + 8
+    if t in _FIXED:
+        return pos + _FIXED[t]
     if depth > _MAX_DEPTH:
         raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
     if t in (_LIST, _SET):
@@ -186,20 +183,7 @@ def page_header(buf: bytes) -> PageHeader | None:
                 fid, pos = _zigzag(buf, pos)
             ids[-1] = fid
             if 3 < t < 7:
-                v = buf[pos]
-                pos += 1
-                if v > 0x7F:
-                    v &= 0x7F
-                    shift = 7
-                    while True:
-                        c = buf[pos]
-                        pos += 1
-                        v |= (c & 0x7F) << shift
-                        if c < 0x80:
-                            break
-                        shift += 7
-                        if shift > 63:
-                            raise ValueError("a varint longer than 10 bytes")
+                v, pos = _varint(buf, pos)
                 if t == 5 and fid <= 3:
                     if depth == 1:  # type, uncompressed and compressed size
                         top[fid] = (v >> 1) ^ -(v & 1)

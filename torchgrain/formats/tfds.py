@@ -404,9 +404,7 @@ def _inflate(blobs: list[bytes], limit: int) -> list[bytes]:
 
 def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None) -> Any:
     if dtype in ("string", "str", "object"):
-        if shape == ():
-            return _one(value)
-        return list(value)
+        return _one(value) if shape == () else list(value)
     dt = np.dtype(dtype)
     if encoding in ("bytes", "zlib"):
         blobs = value if isinstance(value, list) else [value]

@@ -658,11 +658,8 @@ def read_num_records(
     paths = list(paths)
 
     def count(p: str) -> int:
-        f = ArrayRecordFile(p, filesystem=filesystem, max_chunk_bytes=max_chunk_bytes)
-        try:
+        with ArrayRecordFile(p, filesystem=filesystem, max_chunk_bytes=max_chunk_bytes) as f:
             return f.num_records
-        finally:
-            f.close()
 
     return np.array(
         map_files(lambda i: count(paths[i]), len(paths), max_workers=max_workers), np.int64

@@ -85,16 +85,12 @@ def parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
                 raise ValueError("length-delimited field runs past the message")
             out[field] = bytes(buf[pos : pos + n])
             pos += n
-        elif wire == 1:
-            if end - pos < 8:
-                raise ValueError("truncated fixed64 field")
-            out[field] = int.from_bytes(buf[pos : pos + 8], "little")
-            pos += 8
-        elif wire == 5:
-            if end - pos < 4:
-                raise ValueError("truncated fixed32 field")
-            out[field] = int.from_bytes(buf[pos : pos + 4], "little")
-            pos += 4
+        elif wire in (1, 5):  # fixed64, fixed32
+            width = 8 if wire == 1 else 4
+            if end - pos < width:
+                raise ValueError(f"truncated fixed{8 * width} field")
+            out[field] = int.from_bytes(buf[pos : pos + width], "little")
+            pos += width
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
     return out
@@ -400,14 +396,8 @@ class FooterReader:
         Raises:
             CorruptDataError: a corrupt footer (named by the reader).
         """
-        parts = list(self._slices(None))
-        if len(parts) == 1:
-            offsets, dsizes, ends = parts[0]
-        elif not parts:  # a file of no chunks
-            offsets, dsizes, ends = (np.zeros(0, np.int64) for _ in range(3))
-        else:
-            offsets, dsizes, ends = (np.concatenate([p[j] for p in parts]) for j in range(3))
-        del parts
+        parts = list(self._slices(None))  # one slice (none for a file of no chunks)
+        offsets, dsizes, ends = parts[0] if parts else [np.zeros(0, np.int64) for _ in range(3)]
         record_offsets = np.zeros(len(ends) + 1, np.int64)
         record_offsets[1:] = ends
         chunk_ends = np.empty(len(offsets), np.int64)
