@@ -399,9 +399,7 @@ def build_arrayrecord_index(
         progress.close()
         sink.append("mtime_ns", np.asarray(mtimes if mtimes is not None else np.zeros(s), np.int64))
         for name, per in (("rec_base", counts), ("chunk_base", nchunks)):
-            base = np.zeros(s + 1, np.int64)
-            np.cumsum(per, out=base[1:])
-            sink.append(name, base)
+            sink.append(name, np.concatenate([[0], np.cumsum(per)]))
         meta = {
             "version": VERSION,
             "num_shards": s,
