@@ -205,9 +205,7 @@ def _decode_ndarray(writable: bool, code: int, data: bytes) -> Any:
     if code != _NDARRAY_EXT:
         raise ValueError(f"unknown msgpack extension type {code}")
     view = memoryview(data)
-    if len(view) < 2:
-        raise ValueError("truncated ndarray header")
-    n = view[0]
+    n = view[0] if len(view) else 0
     if len(view) < 2 + n:
         raise ValueError("truncated ndarray header")
     dtype = np.dtype(bytes(view[1 : 1 + n]).decode("ascii"))

@@ -220,23 +220,17 @@ def _parse_feature(buf: bytes, pos: int, end: int, feat: _Feature, depth: int) -
         pos = sub_end
 
 
-def _finish(buf: bytes, feat: _Feature, squeeze: bool) -> Any:
-    kind = feat.kind
-    parts = feat.parts
+def _finish(feat: _Feature, squeeze: bool) -> Any:
+    kind, parts = feat.kind, feat.parts
     if kind == _BYTES:
-        if squeeze and len(parts) == 1:
-            return parts[0]
-        return parts
+        return parts[0] if squeeze and len(parts) == 1 else parts
     if kind == _INT64:
         arr = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
     elif kind == _FLOAT:
-        arr = np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=_F32)
-        arr = arr.astype(np.float32)
+        arr = np.frombuffer(b"".join(parts), dtype=_F32).astype(np.float32)
     else:
         return []
-    if squeeze and len(arr) == 1:
-        return arr[0]
-    return arr
+    return arr[0] if squeeze and len(arr) == 1 else arr
 
 
 _SLOW = object()  # the fast path saw a layout it does not handle
@@ -381,7 +375,7 @@ def _parse_features(
         feat = _Feature()
         for s, e in ranges:
             _parse_feature(buf, s, e, feat, depth + 2)
-        out[key] = _finish(buf, feat, squeeze)  # a repeated key replaces, as in a map
+        out[key] = _finish(feat, squeeze)  # a repeated key replaces, as in a map
 
 
 def decode_tf_example(

@@ -442,8 +442,7 @@ class ArrayRecordFile(OneRecordBatches):
             fast = self._fast_index(f)
             local_chunk = self._local_chunk
             return [local_chunk(c, view, fast) for c in chunks]
-        ranges = [(int(f.chunk_offsets[c]), int(f.chunk_ends[c])) for c in chunks]
-        bufs = self._fetch(ranges)
+        bufs = self._fetch([(int(f.chunk_offsets[c]), int(f.chunk_ends[c])) for c in chunks])
         out = []
         for c, buf in zip(chunks, bufs):
             try:

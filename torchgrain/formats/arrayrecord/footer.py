@@ -54,12 +54,8 @@ def fast_views(f: Footer) -> tuple[memoryview, memoryview, memoryview, memoryvie
         >>> fast_views(f)[1][1]
         20
     """
-    return (
-        memoryview(f.chunk_offsets),
-        memoryview(f.chunk_ends),
-        memoryview(f.decoded_sizes),
-        memoryview(f.record_offsets),
-    )
+    arrays = (f.chunk_offsets, f.chunk_ends, f.decoded_sizes, f.record_offsets)
+    return tuple(map(memoryview, arrays))  # type: ignore[return-value]
 
 
 def parse_proto(buf: bytes | memoryview) -> dict[int, Any]:
