@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torchgrain.sampling.base import OrderFn, ResumableSampler
@@ -81,9 +82,5 @@ class GlobalShuffleSampler(ResumableSampler):
         if p is None or (p.seed, p.epoch) != (seed, epoch):
             p = KeyedPermutation(self.dataset_len, seed, epoch)
             self._perm = p
-
-        def order(q: Any) -> Any:
-            # q is a fresh in-range int64 array: no range pass, no copy.
-            return p(q, check=False)
-
-        return order
+        # Positions are fresh in-range int64 arrays: no range pass, no copy.
+        return functools.partial(p, check=False)
