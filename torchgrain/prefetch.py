@@ -60,17 +60,14 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         items = {k: _map_tensors(fn, v) for k, v in obj.items()}
         if type(obj) is dict:
             return items
-        try:
-            # OrderedDict, user Mapping subclasses constructed from a dict.
+        with contextlib.suppress(TypeError):  # OrderedDict, Mappings built from a dict
             return type(obj)(items)
-        except TypeError:
-            # e.g. defaultdict (needs its factory first): copy it, then overwrite values.
-            try:
-                clone = obj.copy()  # type: ignore[attr-defined]
-                clone.update(items)
-                return clone
-            except (AttributeError, TypeError):
-                return items
+        # e.g. defaultdict (needs its factory first): copy it, then overwrite values.
+        with contextlib.suppress(AttributeError, TypeError):
+            clone = obj.copy()  # type: ignore[attr-defined]
+            clone.update(items)
+            return clone
+        return items
     if isinstance(obj, (list, tuple)):
         mapped: Any = [_map_tensors(fn, v) for v in obj]
         if hasattr(obj, "_fields"):  # namedtuple: positional constructor
