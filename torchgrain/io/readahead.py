@@ -24,7 +24,7 @@ import collections
 import contextlib
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -118,7 +118,30 @@ class _NextUses:
             src.cache.advise({paths[shard]: use for shard, use in hints.items()})
 
 
-class ShardReadAhead:
+class _Walker:
+    """A walk of a sampler's order on a thread of its own; a new generation cancels it."""
+
+    _thread: threading.Thread | None = None
+    _generation = 0
+    _walk: Callable[..., None]
+
+    def _start(self, name: str, *args: Any) -> None:
+        self._thread = threading.Thread(target=self._walk, args=args, name=name, daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the current walk to finish (its downloads included); whether it did."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
+        return True
+
+    def _live(self, generation: int) -> bool:
+        return self._generation == generation
+
+
+class ShardReadAhead(_Walker):
     """Downloads a source's shards ahead of use (see the module docstring).
 
     Args:
@@ -148,9 +171,7 @@ class ShardReadAhead:
         self.source = source
         self.budget = int(budget)
         self.threads = threads
-        self._generation = 0
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._walk_args: tuple[Any, ...] | None = None  # the current walk, to restart it
         self._wake = threading.Event()  # set when the current walk is cancelled
         self._resume_walk = False
@@ -177,22 +198,7 @@ class ShardReadAhead:
         self._walk_args = (order, count, position)
         if self.budget <= 0 or count <= start:
             return
-        thread = threading.Thread(
-            target=self._walk,
-            args=(generation, wake, delay, order, start, count, position),
-            name="torchgrain-read-ahead",
-            daemon=True,
-        )
-        self._thread = thread
-        thread.start()
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the current walk to finish (its downloads included); whether it did."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
+        self._start("torchgrain-read-ahead", generation, wake, delay, order, start, count, position)
 
     def cancel(self) -> None:
         """Stop the current walk (downloads in flight finish)."""
@@ -216,9 +222,6 @@ class ShardReadAhead:
             order, count, position = self._walk_args
             self.begin(order, position(), count, position, delay=_FORK_RESTART_DELAY)
         self._resume_walk = False
-
-    def _live(self, generation: int) -> bool:
-        return self._generation == generation
 
     def _walk(self, generation: int, wake: threading.Event, delay: float, *args: Any) -> None:
         process.note_thread()
@@ -294,7 +297,7 @@ class ShardReadAhead:
                     live = (first_use >= 0) & (first_use <= reached) & (last_use >= reached)
                     fits = int(sizes[live].sum()) + held + size <= capacity
                 if (ahead and not fits) or len(in_flight) >= self.threads:
-                    self._wait(generation, 0.02)
+                    threading.Event().wait(0.02)
                     continue
                 pending.popleft()
                 ahead.append((use, size))
@@ -306,10 +309,7 @@ class ShardReadAhead:
         # is fetched again by its reader; which one goes follows them).
         while hints is not None and self._live(generation) and position() < count:
             hints.update(position())
-            self._wait(generation, 0.1)
-
-    def _wait(self, generation: int, seconds: float) -> None:
-        threading.Event().wait(seconds)
+            threading.Event().wait(0.1)
 
     def _fetch(self, generation: int, shard: int) -> None:
         if not self._live(generation):
@@ -320,7 +320,7 @@ class ShardReadAhead:
                     self.fetched += 1
 
 
-class RangeReadAhead:
+class RangeReadAhead(_Walker):
     """Fetches the byte ranges of the records a sampler will ask for next (remote reads
     without a shard cache), in the process that reads them (the walk starts when the
     process reads a batch: see :meth:`kick`).
@@ -375,9 +375,7 @@ class RangeReadAhead:
         self.ahead = int(ahead)
         self.step_bytes = int(STEP_BYTES if step_bytes is None else step_bytes)
         self.per_record: float | None = None  # bytes per record, as last planned
-        self._generation = 0
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
         self._owners: collections.deque[tuple[int, object]] = collections.deque()
         # The pass begun and not yet walked: (order, start, count, position).
         self._pending: tuple[Any, int, int, Callable[[], int]] | None = None
@@ -423,14 +421,7 @@ class RangeReadAhead:
         if count <= start:
             return
         self._walking = (order, count, position)
-        thread = threading.Thread(
-            target=self._walk,
-            args=(generation, order, start, count, position),
-            name="torchgrain-range-ahead",
-            daemon=True,
-        )
-        self._thread = thread
-        thread.start()
+        self._start("torchgrain-range-ahead", generation, order, start, count, position)
 
     def _stop_threads_for_fork(self) -> None:
         # The walk stops (what it fetched is dropped) before this process forks; the
@@ -459,17 +450,6 @@ class RangeReadAhead:
         for _, owner in owners:
             store.drop(owner)
 
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait for the current walk to end; whether it did."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            return not thread.is_alive()
-        return True
-
-    def _live(self, generation: int) -> bool:
-        return self._generation == generation
-
     def _step(self, generation: int, idx: np.ndarray, owner: object) -> None:
         from torchgrain.io.ranges import range_store
 
@@ -495,7 +475,7 @@ class RangeReadAhead:
         self,
         generation: int,
         order: Callable[[int, int], np.ndarray],
-        start: int,
+        pos: int,
         count: int,
         position: Callable[[], int],
     ) -> None:
@@ -503,29 +483,13 @@ class RangeReadAhead:
 
         process.note_thread()
         src, store = self.source, range_store()
-        pos = start
+        in_flight: list[Future[Any]] = []
         # Two steps in flight: the next one's requests start while the last of this
         # one's are still out, so the process's max_inflight stays busy.
-        pool = process.thread_pool(2, "torchgrain-range-ahead")
-        in_flight: list[Future[Any]] = []
-        try:
-            self._walk_steps(generation, order, count, position, src, store, pos, pool, in_flight)
-        finally:
-            pool.shutdown(wait=True)
-
-    def _walk_steps(
-        self,
-        generation: int,
-        order: Callable[[int, int], np.ndarray],
-        count: int,
-        position: Callable[[], int],
-        src: Any,
-        store: Any,
-        pos: int,
-        pool: ThreadPoolExecutor,
-        in_flight: list[Future[Any]],
-    ) -> None:
-        with contextlib.suppress(Exception):  # the reads that need the bytes report errors
+        with (
+            process.thread_pool(2, "torchgrain-range-ahead") as pool,
+            contextlib.suppress(Exception),  # the reads that need the bytes report errors
+        ):
             while self._live(generation) and pos < count:
                 reached = position()
                 with self._lock:
@@ -535,7 +499,7 @@ class RangeReadAhead:
                 pos = max(pos, reached)
                 if pos >= count:
                     break
-                in_flight[:] = [f for f in in_flight if not f.done()]
+                in_flight = [f for f in in_flight if not f.done()]
                 if len(in_flight) >= 2 or pos >= reached + self.ahead or store.room() <= 0:
                     threading.Event().wait(0.005)
                     continue
