@@ -24,12 +24,6 @@ def _replace(path, data: bytes) -> None:
     os.utime(path, (later, later))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource's ShardFile pins a remote file's size without fresh=True: a second "
-    "opening of a file replaced by one of the same size keeps the first opening's ETag, and "
-    "its reads are refused as 'changed'",
-)
 @pytest.mark.timeout(60)
 def test_a_format_source_url_replaced_on_the_server_can_be_opened_again(tmp_path):
     """As ArrayRecord's (tests/test_pins_review): an opening reads the file as it is now."""

@@ -56,8 +56,9 @@ class ShardFile:
     place since it was opened is a :class:`~torchgrain.CorruptDataError` at the next read
     (:mod:`torchgrain.io.changes`: an inotify watch, ~0.1 ms to add and remove, and one
     check a read; ``watch=False`` for a file read once, e.g. to count). A remote one is pinned to the
-    size (``size``, else asked) and version it has now: a file replaced later is an error,
-    never mixed bytes. Reads count their bytes in the process's statistics, unless
+    size (``size``, else asked) and version it has now (``fresh=True``: a dataset's opening,
+    which takes the server's version anew; else the version this process pinned before): a
+    file replaced later is an error, never mixed bytes. Reads count their bytes in the process's statistics, unless
     ``count=False`` (a source that counts the records it returns). A context manager
     (closes on exit).
 
@@ -86,6 +87,7 @@ class ShardFile:
         *,
         watch: bool = True,
         count: bool = True,
+        fresh: bool = False,
     ) -> None:
         self.shard, self.path, self.filesystem, self._count = shard, path, filesystem, count
         self._fd: int | None = None
@@ -104,7 +106,9 @@ class ShardFile:
             return
         self._rpath = filesystem._strip_protocol(path)
         self.size = size if size >= 0 else remote.file_size(filesystem, self._rpath, url=path)
-        remote.pin(filesystem, self._rpath, self.size)  # every answer must be of this version
+        # Every answer must be of this version: the one found now by an opening (``fresh``),
+        # else the one this process pinned when it opened the dataset.
+        remote.pin(filesystem, self._rpath, self.size, fresh=fresh)
         self._seen = remote.unchanged_since(filesystem, self._rpath, None)
 
     def read(self, *, max_bytes: int = MAX_FILE_BYTES) -> memoryview:
@@ -345,7 +349,7 @@ class FormatSource(ShardedSource):
         sizes: dict[int, int] = {}
 
         def count(k: int) -> None:
-            shard = self._open(k, files[k], where, listed.get(k, -1), retry, k < keep)
+            shard = self._open(k, files[k], where, listed.get(k, -1), retry, k < keep, True)
             counts[k], sizes[k] = shard.count, shard.file.size
             if k < keep:
                 opened[k] = shard
@@ -431,11 +435,13 @@ class FormatSource(ShardedSource):
         size: int,
         retry: RetryPolicy,
         watch: bool = True,
+        fresh: bool = False,
     ) -> _Shard:
-        """Open and count ``shard`` with the format (remote ones retried), errors naming it."""
+        """Open and count ``shard`` with the format (remote ones retried), errors naming it
+        (``fresh``: the dataset's opening, which pins the file's version as it is now)."""
 
         def attempt() -> _Shard:
-            file = ShardFile(shard, path, fs, size, watch=watch)
+            file = ShardFile(shard, path, fs, size, watch=watch, fresh=fresh)
             try:
                 reader = self.format.open(file)
                 return _Shard(file, reader, len(reader))
