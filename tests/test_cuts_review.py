@@ -37,12 +37,6 @@ def test_a_format_source_url_replaced_on_the_server_can_be_opened_again(tmp_path
         assert FixedSource(url, retry=QUICK)[3] == {"v": "b3"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sources/parquet/footers.metadata turns every OSError of the footer read into "
-    "CorruptDataError: a 401/403 to the opening's size lookup (a PermissionError since "
-    "e13ab39; a DatasetNotFoundError before) is 'cannot read the Parquet footer'",
-)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("code", [401, 403])
 def test_a_refused_parquet_opening_is_access_denied_whichever_request_is_refused(tmp_path, code):

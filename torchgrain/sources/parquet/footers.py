@@ -28,7 +28,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, UnsafePathError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RemoteIOError,
+    UnsafePathError,
+)
 from torchgrain.formats.parquet_pages import footer_chunks
 from torchgrain.io import remote
 from torchgrain.io.fs import is_local, map_files
@@ -74,11 +79,11 @@ def read_footers(
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
-            refused = _refusal(e)
-            if refused is e:  # a refused redirect: not a corrupt file
+            cause = _not_the_bytes(e)
+            if cause is e:
                 raise
-            if refused is not None:
-                raise refused from e
+            if cause is not None:
+                raise cause from e
             raise CorruptDataError(
                 f"cannot read the Parquet footer of {path!r} (shard {shard} of {len(files)}): {e}"
             ) from e
@@ -136,13 +141,18 @@ def _selected_bytes(
     return [sum(g[j].total_uncompressed_size for j in leaves) for g in groups]
 
 
-def _refusal(exc: BaseException) -> UnsafePathError | None:
-    """The refused redirect behind ``exc`` (Arrow re-raises what a read raised, or wraps
-    it), if any."""
+#: What a footer read raises that says nothing of the file's bytes: a refused redirect,
+#: access denied (HTTP 401/403), retries run out. Never a corrupt file.
+_NOT_THE_BYTES = (UnsafePathError, PermissionError, RemoteIOError)
+
+
+def _not_the_bytes(exc: BaseException) -> BaseException | None:
+    """The error behind ``exc`` that is not about the file's bytes (Arrow re-raises what a
+    read raised, or wraps it), if any."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
-        if isinstance(e, UnsafePathError):
+        if isinstance(e, _NOT_THE_BYTES):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__
