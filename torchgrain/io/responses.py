@@ -151,40 +151,10 @@ def _same_tag(a: str, b: str) -> bool:
     return a.removeprefix("W/") == b.removeprefix("W/")
 
 
-def _observe(path: str, size: int | None, etag: str | None, modified: str | None) -> None:
-    """Check an answer's file size and validators against the pin of ``path`` (made from
-    this answer where there is none yet)."""
-    got = _PINS.get(path)
-    if got is None:
-        _PINS[path] = _Pin(size, etag or None, modified or None)
-        return
-    if size is not None:
-        if got.size is None:
-            got.size = size
-        elif size != got.size:
-            raise RangeAnswerError(
-                f"{path}: the answer names a file of {size} bytes, not the {got.size} pinned "
-                "when it was opened (the file changed on the server?)"
-            )
-    for name, have, new in (("ETag", got.etag, etag), ("Last-Modified", got.modified, modified)):
-        if not new:
-            continue
-        if have is None:
-            if name == "ETag":
-                got.etag = new
-            else:
-                got.modified = new
-        elif not (_same_tag(have, new) if name == "ETag" else have == new):
-            raise RangeAnswerError(
-                f"{path}: the answer's {name} is {new[:80]!r}, not {have[:80]!r} as when it "
-                "was first read: the file changed on the server while it was being read"
-            )
-
-
 def check_file_answer(path: str, size: int | None, etag: str | None, modified: str | None) -> None:
     """Check that an answer (a multi-range one, whose parts agree with each other) is of
     the file pinned for ``path``: its size, ``ETag`` and ``Last-Modified`` (see
-    :func:`pin`).
+    :func:`pin`; the first answer of a file with no pin pins it).
 
     Raises:
         RangeAnswerError: another size or validator than pinned.
@@ -197,7 +167,29 @@ def check_file_answer(path: str, size: int | None, etag: str | None, modified: s
         ...
         torchgrain.io.responses.RangeAnswerError: h://x/m: the answer's ETag is '"v2"', not '"v1"' as when it was first read: the file changed on the server while it was being read
     """
-    _observe(path, size, etag, modified)
+    got = _PINS.get(path)
+    if got is None:
+        _PINS[path] = _Pin(size, etag or None, modified or None)
+        return
+    if size is not None:
+        if got.size is None:
+            got.size = size
+        elif size != got.size:
+            raise RangeAnswerError(
+                f"{path}: the answer names a file of {size} bytes, not the {got.size} pinned "
+                "when it was opened (the file changed on the server?)"
+            )
+    for name, attr, new in (("ETag", "etag", etag), ("Last-Modified", "modified", modified)):
+        if not new:
+            continue
+        have = getattr(got, attr)
+        if have is None:
+            setattr(got, attr, new)
+        elif not (_same_tag(have, new) if name == "ETag" else have == new):
+            raise RangeAnswerError(
+                f"{path}: the answer's {name} is {new[:80]!r}, not {have[:80]!r} as when it "
+                "was first read: the file changed on the server while it was being read"
+            )
 
 
 _ANSWER_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)", re.IGNORECASE)
@@ -250,7 +242,7 @@ def check_range_answer(
                 f"file{'' if size is None else f'; {size} bytes pinned'}) {held}: the "
                 "server does not honour Range requests, or the response is corrupt"
             )
-        _observe(path, None, etag, modified)
+        check_file_answer(path, None, etag, modified)
         return
     m = _ANSWER_RANGE.fullmatch((content_range or "").strip())
     if status != 206 or m is None:
@@ -271,7 +263,7 @@ def check_range_answer(
             f"{path}: asked for bytes {start}-{end - 1}, the answer holds bytes "
             f"{first}-{last} (Content-Range {content_range[:80]!r})"
         )
-    _observe(path, total, etag, modified)
+    check_file_answer(path, total, etag, modified)
 
 
 async def read_capped(
@@ -359,15 +351,12 @@ def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str 
         'bytes=0-9'
     """
     kw = dict(fs.kwargs)
-    headers = dict(kw.pop("headers", None) or {})
-    headers["Range"] = ranges
     # The file's bytes: a server that compresses partial content for a client accepting
     # gzip (aiohttp's default) sends a body whose length is not the range's.
-    headers["Accept-Encoding"] = "identity"
+    kw["headers"] = {**(kw.get("headers") or {}), "Range": ranges, "Accept-Encoding": "identity"}
     tag = if_match(path)
     if tag is not None:
-        headers["If-Match"] = tag
-    kw["headers"] = headers
+        kw["headers"]["If-Match"] = tag
     return kw, tag
 
 
@@ -503,54 +492,41 @@ def _precondition_failed(exc: BaseException) -> bool:
     return False
 
 
-async def _gather_reads(
+async def _cat_ranges(
     read: Callable[..., Awaitable[bytes]],
     fs: Any,
     paths: list[str],
     starts: list[int],
     ends: list[int],
+    *,
     page_limit: int,
 ) -> list[bytes | BaseException]:
-    """``read`` for each range, concurrently; failures are returned in place (as fsspec's
-    ``cat_ranges`` does)."""
+    """``read`` (:func:`_s3_cat_file`, :func:`_http_cat_file`) for each range,
+    concurrently; failures are returned in place (as fsspec's ``cat_ranges`` does)."""
     reads = [read(fs, p, s, e, page_limit=page_limit) for p, s, e in zip(paths, starts, ends)]
     return await asyncio.gather(*reads, return_exceptions=True)
-
-
-async def _s3_cat_ranges(
-    fs: Any, paths: list[str], starts: list[int], ends: list[int], *, page_limit: int
-) -> list[bytes | BaseException]:
-    """:func:`_s3_cat_file` for each range, concurrently."""
-    return await _gather_reads(_s3_cat_file, fs, paths, starts, ends, page_limit)
-
-
-async def _http_cat_ranges(
-    fs: Any, paths: list[str], starts: list[int], ends: list[int], *, page_limit: int
-) -> list[bytes | BaseException]:
-    """:func:`_http_cat_file` for each range, concurrently."""
-    return await _gather_reads(_http_cat_file, fs, paths, starts, ends, page_limit)
 
 
 async def _http_head(fs: Any, path: str, *, page_limit: int) -> dict[str, Any]:
     """One ``HEAD`` of ``path``: ``{"status", "headers", "url"}`` (the redirect from a
     directory's URL to the same with a trailing slash is followed, no other)."""
     kw = dict(fs.kwargs)
-    headers = dict(kw.pop("headers", None) or {})
-    headers["Accept-Encoding"] = "identity"  # the size of the file, not of a compression
+    # The size of the file, not of a compression.
+    kw["headers"] = {**(kw.get("headers") or {}), "Accept-Encoding": "identity"}
     kw.setdefault("allow_redirects", True)  # refused by the client's check, but that one
     session = await fs.set_session()
-    async with session.head(fs.encode_url(path), headers=headers, **kw) as r:
+    async with session.head(fs.encode_url(path), **kw) as r:
         return {"status": r.status, "headers": dict(r.headers), "url": str(r.url)}
 
 
 _S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "cat_file": _s3_cat_file,
-    "cat_ranges": _s3_cat_ranges,
+    "cat_ranges": functools.partial(_cat_ranges, _s3_cat_file),
 }
 _HTTP_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "head": _http_head,
     "cat_file": _http_cat_file,
-    "cat_ranges": _http_cat_ranges,
+    "cat_ranges": functools.partial(_cat_ranges, _http_cat_file),
 }
 
 
@@ -567,10 +543,8 @@ def request_coroutine(fs: Any, method: str, *, page_limit: int) -> Callable[...,
         '_http_cat_file'
     """
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if any(p in ("s3", "s3a") for p in protocols):
-        own = _S3_READS.get(method)
-    else:
-        own = _HTTP_READS.get(method) if is_http(fs) else None
+    reads = _S3_READS if {"s3", "s3a"} & set(protocols) else _HTTP_READS if is_http(fs) else {}
+    own = reads.get(method)
     if own is None:
         return getattr(fs, "_" + method)
     return functools.partial(own, fs, page_limit=page_limit)
