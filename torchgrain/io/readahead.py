@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.io import process
+from torchgrain.io.ranges import range_store
 from torchgrain.protocols import PlacedOrder
 
 __all__ = ["RangeReadAhead", "ShardReadAhead"]
@@ -440,8 +441,6 @@ class RangeReadAhead(_Walker):
     def cancel(self) -> None:
         """Stop the walk and drop what it fetched that was not used (requests in flight
         finish; what they bring is dropped too)."""
-        from torchgrain.io.ranges import range_store
-
         with self._lock:
             self._generation += 1
             self._pending = None
@@ -451,8 +450,6 @@ class RangeReadAhead(_Walker):
             store.drop(owner)
 
     def _step(self, generation: int, idx: np.ndarray, owner: object) -> None:
-        from torchgrain.io.ranges import range_store
-
         src = self.source
         planned: list[int] = []
         src.ranges.prefetch(src.index.split(idx), owner=owner, lenient=True, planned=planned)
@@ -464,13 +461,6 @@ class RangeReadAhead(_Walker):
         with self._lock:
             self.steps += 1
 
-    def _step_records(self) -> int:
-        """Records in the next step: ``step``, fewer where that is more than
-        ``step_bytes`` bytes."""
-        if not self.per_record:
-            return self.step
-        return max(1, min(self.step, int(self.step_bytes // self.per_record)))
-
     def _walk(
         self,
         generation: int,
@@ -479,8 +469,6 @@ class RangeReadAhead(_Walker):
         count: int,
         position: Callable[[], int],
     ) -> None:
-        from torchgrain.io.ranges import range_store
-
         process.note_thread()
         src, store = self.source, range_store()
         in_flight: list[Future[Any]] = []
@@ -503,7 +491,9 @@ class RangeReadAhead(_Walker):
                 if len(in_flight) >= 2 or pos >= reached + self.ahead or store.room() <= 0:
                     threading.Event().wait(0.005)
                     continue
-                step = self._step_records()
+                step = self.step  # fewer records where that is more than step_bytes bytes
+                if self.per_record:
+                    step = max(1, min(step, int(self.step_bytes // self.per_record)))
                 stop = min(pos + step, count)
                 idx = src.index.check(np.asarray(order(pos, stop), dtype=np.int64))
                 owner = object()

@@ -34,6 +34,7 @@ from torchgrain.columns import ColumnBatch
 from torchgrain.errors import warn_empty
 from torchgrain.io import process, remote
 from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
+from torchgrain.io.readahead import RangeReadAhead, ShardReadAhead
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.block_cache import BlockCache, CacheBlocks, CacheFit, CacheInfo
@@ -134,9 +135,7 @@ class Source(abc.ABC):
         :class:`~torchgrain.BlockShuffleSampler` keeps reads inside a few blocks at a
         time. One block per shard unless the format has finer ones.
         """
-        offsets = np.zeros(self.num_shards + 1, dtype=np.int64)
-        np.cumsum(self.shard_counts, out=offsets[1:])
-        return np.unique(offsets)
+        return np.unique(np.concatenate(([0], np.cumsum(self.shard_counts, dtype=np.int64))))
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns (see :mod:`torchgrain.columns`).
@@ -239,17 +238,13 @@ class ShardedSource(Source):
         name in ``keywords`` replacing it) says how they are read; ``cache_bytes`` and
         ``max_open_files`` are the values the format resolved from them (None and
         ``"auto"``: from ``options``, then the defaults)."""
-        self.options = ReadOptions.build(options, keywords)
-        opts = self.options
+        self.options = opts = ReadOptions.build(options, keywords)
         if cache_bytes is None:
             cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
         if max_open_files in ("auto", ...):
             max_open_files = opts.max_open_files
         if max_open_files in ("auto", ...):
             max_open_files = self.default_max_open_files
-        cache_dir, cache_dir_bytes = opts.cache_dir, opts.cache_dir_bytes
-        read_ahead_bytes, retry = opts.read_ahead_bytes, opts.retry
-        io_threads = opts.io_threads
         self.max_inflight = opts.max_inflight
         self.multi_range = opts.multi_range
         self._fs = filesystem
@@ -262,16 +257,17 @@ class ShardedSource(Source):
             first = repr(self._paths[0]) if len(self._paths) else "with no shard files"
             warn_empty(f"{type(self).__name__} {first}{more}")
         self.cache_bytes = cache_bytes
-        self.io_threads = io_threads
+        self.io_threads = opts.io_threads
         self.max_open_files = max_open_files
-        self._retry = retry or RetryPolicy()
+        self._retry = opts.retry or RetryPolicy()
         self.cache: ShardCache | None = None
-        if self._remote and cache_dir is not None:
+        if self._remote and opts.cache_dir is not None:
             self.cache = (
-                cache_dir
-                if isinstance(cache_dir, ShardCache)
-                else ShardCache(cache_dir, max_bytes=cache_dir_bytes, retry=self._retry)
+                opts.cache_dir
+                if isinstance(opts.cache_dir, ShardCache)
+                else ShardCache(opts.cache_dir, max_bytes=opts.cache_dir_bytes, retry=self._retry)
             )
+        read_ahead_bytes = opts.read_ahead_bytes
         if read_ahead_bytes is None:
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
@@ -392,12 +388,22 @@ class ShardedSource(Source):
         """
         fits = self.check_cache_fit(order, start, count) if order is not None else []
         if self._reads_remote():
-            self._range_read_ahead(order, start, count, position)
+            # Without a shard cache: the byte ranges of the records ahead of position()
+            # are fetched into this process's range store while the loader decodes, where
+            # this process reads the batches (no DataLoader workers: the walk starts at
+            # this process's first batch read). A new pass cancels the old one's.
+            st = self._proc()
+            with st.lock:
+                ra = st.range_ahead
+                if ra is None and order is not None and self.max_inflight > 1:
+                    ra = st.range_ahead = RangeReadAhead(self)
+            if ra is not None and order is None:
+                ra.cancel()
+            elif ra is not None:
+                ra.begin(order, start, count, position)  # (begin cancels the old walk)
             return fits
         if self.cache is None or not self._remote or self.read_ahead_bytes <= 0:
             return fits
-        from torchgrain.io.readahead import ShardReadAhead
-
         st = self._proc()
         with st.lock:
             if st.read_ahead is None:
@@ -405,31 +411,6 @@ class ShardedSource(Source):
             ra = st.read_ahead
         ra.begin(order, start, count, position)
         return fits
-
-    def _range_read_ahead(
-        self,
-        order: Callable[[int, int], np.ndarray] | None,
-        start: int,
-        count: int,
-        position: Callable[[], int],
-    ) -> None:
-        """Without a shard cache: fetch the byte ranges of the records ahead of
-        ``position()`` into this process's range store while the loader decodes, where
-        this process reads the batches (no DataLoader workers: the walk starts at this
-        process's first batch read). A new pass cancels the old one's."""
-        from torchgrain.io.readahead import RangeReadAhead
-
-        st = self._proc()
-        with st.lock:
-            ra = st.range_ahead
-            if ra is None and order is not None and self.max_inflight > 1:
-                ra = st.range_ahead = RangeReadAhead(self)
-        if ra is None:
-            return
-        if order is None or count <= start:
-            ra.cancel()
-            return
-        ra.begin(order, start, count, position)  # walked once this process reads a batch
 
     def prefetch_shard(self, shard: int) -> bool:
         """Put a local copy of remote ``shard`` in the shard cache; whether it was
