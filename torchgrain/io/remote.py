@@ -163,16 +163,12 @@ def storage_options_with_deadlines(
     if protocol in ("http", "https"):
         import aiohttp
 
-        client = dict(opts.get("client_kwargs") or {})
-        client.setdefault(
-            "timeout",
-            aiohttp.ClientTimeout(
-                total=None,  # a download may take long: the per-request deadline covers it
-                sock_connect=policy.connect_timeout,
-                sock_read=policy.read_timeout,
-            ),
+        timeout = aiohttp.ClientTimeout(
+            total=None,  # a download may take long: the per-request deadline covers it
+            sock_connect=policy.connect_timeout,
+            sock_read=policy.read_timeout,
         )
-        opts["client_kwargs"] = client
+        opts["client_kwargs"] = {"timeout": timeout, **(opts.get("client_kwargs") or {})}
         opts.setdefault("get_client", _client_following_redirects if allow_redirects else _client)
     elif protocol in ("s3", "s3a"):
         config = dict(opts.get("config_kwargs") or {})
@@ -362,46 +358,6 @@ def redirect_refusal(exc: BaseException) -> UnsafePathError | None:
     return None
 
 
-def _deadline_call(
-    fs: AsyncFileSystem,
-    method: str,
-    args: tuple,
-    kwargs: dict[str, Any],
-    *,
-    label: str,
-    what: str,
-    nbytes: int,
-) -> Any:
-    """One request through fsspec's ``sync``, cancelled when its time is up."""
-    seconds, own, policy = remaining_seconds(nbytes)
-    if seconds <= 0:
-        raise RequestTimeout(
-            f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
-        )
-    try:
-        out = sync(
-            fs.loop,
-            request_coroutine(fs, method, page_limit=MAX_PAGE_BYTES),
-            *args,
-            timeout=seconds,
-            **kwargs,
-        )
-        request_done(nbytes)  # progress: the operation may take that much longer
-        return out
-    except FileNotFoundError as e:
-        refusal = redirect_refusal(e)
-        if refusal is not None:
-            raise refusal from e
-        raise
-    except FSTimeoutError as e:
-        limit = (
-            f"its {own:.3g} s limit (RetryPolicy.request_timeout)"
-            if seconds >= own
-            else f"the {seconds:.3g} s left of the operation's deadline (RetryPolicy.deadline)"
-        )
-        raise RequestTimeout(f"{what} of {label} did not complete within {limit}") from e
-
-
 def call(
     fs: fsspec.AbstractFileSystem,
     method: str,
@@ -428,19 +384,45 @@ def call(
         3
     """
     label = url or str(args[0] if args else "")
-    if not isinstance(fs, AsyncFileSystem) or fs.asynchronous:
-        out = getattr(fs, method)(*args, **kwargs)
-        if check is not None:
-            check(out)
-        return out
+    direct = not isinstance(fs, AsyncFileSystem) or fs.asynchronous
 
     def attempt() -> Any:
-        out = _deadline_call(fs, method, args, kwargs, label=label, what=what, nbytes=nbytes)
+        out = getattr(fs, method)(*args, **kwargs) if direct else request()
         if check is not None:
             check(out)
         return out
 
-    if in_operation():
+    def request() -> Any:
+        # One request through fsspec's ``sync``, cancelled when its time is up.
+        seconds, own, policy = remaining_seconds(nbytes)
+        if seconds <= 0:
+            raise RequestTimeout(
+                f"{what} of {label}: the operation's {policy.deadline:g} s deadline has passed"
+            )
+        try:
+            out = sync(
+                fs.loop,
+                request_coroutine(fs, method, page_limit=MAX_PAGE_BYTES),
+                *args,
+                timeout=seconds,
+                **kwargs,
+            )
+            request_done(nbytes)  # progress: the operation may take that much longer
+            return out
+        except FileNotFoundError as e:
+            refusal = redirect_refusal(e)
+            if refusal is not None:
+                raise refusal from e
+            raise
+        except FSTimeoutError as e:
+            limit = (
+                f"its {own:.3g} s limit (RetryPolicy.request_timeout)"
+                if seconds >= own
+                else f"the {seconds:.3g} s left of the operation's deadline (RetryPolicy.deadline)"
+            )
+            raise RequestTimeout(f"{what} of {label} did not complete within {limit}") from e
+
+    if direct or in_operation():
         return attempt()
     return retry_call(attempt, url=label, what=what)
 
@@ -528,26 +510,39 @@ def _http_file(fs: fsspec.AbstractFileSystem, path: str, label: str) -> bool:
         if is_transient(e):
             raise
         return False
-    status, headers = head["status"], {k.lower(): v for k, v in head["headers"].items()}
-    if status != 200 or str(head["url"]).endswith("/"):
-        return False
-    if not str(headers.get("content-length", "")).isdigit():
-        return False
+    headers = {k.lower(): v for k, v in head["headers"].items()}
     # An HTML page is listed, whether or not it serves byte ranges: a directory's listing
     # served as a static file (an index.html, a CDN) says Accept-Ranges: bytes too.
     page = (
         str(headers.get("content-type", "")).lower().startswith(("text/html", "application/xhtml"))
     )
-    return not page
+    return (
+        head["status"] == 200
+        and not str(head["url"]).endswith("/")
+        and str(headers.get("content-length", "")).isdigit()
+        and not page
+    )
 
 
-def _refused(e: FileNotFoundError, label: str, what: str) -> None:
-    """Raise the refusal ``e`` reports, if it does: fsspec's HTTP ``info`` reports any
-    failed answer as FileNotFoundError, and one refused (400, 401, 403) is not a missing
-    file."""
-    refusal = permanent_error(e, label, what) if http_status(e) in (400, 401, 403) else None
-    if refusal is not None:
-        raise refusal from e
+def _lookup(fs: fsspec.AbstractFileSystem, method: str, path: str, label: str, what: str) -> Any:
+    """``call(fs, method, path)``, whose refusal (400, 401, 403) is raised as one: fsspec's
+    HTTP ``info`` reports any failed answer as FileNotFoundError, and a refused one is not
+    a missing file."""
+    try:
+        return call(fs, method, path, url=label, what=what)
+    except FileNotFoundError as e:
+        refusal = permanent_error(e, label, what) if http_status(e) in (400, 401, 403) else None
+        if refusal is not None:
+            raise refusal from e
+        raise
+
+
+def _checked_size(got: Any, label: str) -> int:
+    if isinstance(got, bool) or not isinstance(got, numbers.Integral) or got < 0:
+        raise CorruptDataError(
+            f"{label}: the server reports no size ({got!r}); reading byte ranges needs one"
+        )
+    return int(got)
 
 
 def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) -> int:
@@ -565,16 +560,7 @@ def file_size(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = Non
         3
     """
     label = url or path
-    try:
-        got = call(fs, "size", path, url=label, what="size lookup")
-    except FileNotFoundError as e:
-        _refused(e, label, "size lookup")
-        raise
-    if isinstance(got, bool) or not isinstance(got, numbers.Integral) or got < 0:
-        raise CorruptDataError(
-            f"{label}: the server reports no size ({got!r}); reading byte ranges needs one"
-        )
-    return int(got)
+    return _checked_size(_lookup(fs, "size", path, label, "size lookup"), label)
 
 
 def size_and_version(
@@ -593,20 +579,9 @@ def size_and_version(
         (3, True)
     """
     label = url or path
-    try:
-        info = call(fs, "info", path, url=label, what="size and version")
-    except FileNotFoundError as e:
-        _refused(e, label, "size and version lookup")
-        raise
-    size = info.get("size")
-    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
-        raise CorruptDataError(
-            f"{label}: the server reports no size ({size!r}); reading byte ranges needs one"
-        )
-    for name in _VERSION_KEYS:
-        if info.get(name):
-            return int(size), str(info[name])
-    return int(size), None
+    info = _lookup(fs, "info", path, label, "size and version lookup")
+    size = _checked_size(info.get("size"), label)
+    return size, next((str(info[k]) for k in _VERSION_KEYS if info.get(k)), None)
 
 
 # What names a version of a remote file in fsspec's info, the most specific first.
@@ -990,8 +965,7 @@ class RemoteFile(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        pos = base + offset
+        pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence] + offset
         if pos < 0:
             raise ValueError(f"negative seek position {pos}")
         self._pos = pos
