@@ -51,8 +51,17 @@ class CacheFitting:
     ) -> list[CacheFit]:
         """Whether a pass (``order``, ``start``, ``count`` as in ``read_ahead``) fits each
         of ``caches`` (see :func:`~torchgrain.sources.block_cache.check_fit`); one it does
-        not fit gets a :class:`~torchgrain.CacheThrashWarning`, once per cache and process."""
-        fits = [f for b in caches if (f := check_fit(self.name, b, order, start, count))]
+        not fit gets a :class:`~torchgrain.CacheThrashWarning`, once per cache and process.
+        A cache whose shards' sizes cannot be learnt (the server fails) is not checked: the
+        read that needs the shard raises the error, naming it."""
+        fits = []
+        for b in caches:
+            try:
+                fit = check_fit(self.name, b, order, start, count)
+            except OSError:
+                continue
+            if fit:
+                fits.append(fit)
         for fit in fits:
             key = (process.token(), fit.cache)
             if not fit.fits and key not in self.warned:
