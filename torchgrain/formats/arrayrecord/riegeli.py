@@ -530,7 +530,12 @@ class ChunkDecoder:
         the footer, no verification), which needs no further checks; else None."""
         _, ends, dsizes, recs = fast
         m = pos & 0xFFFF
-        if m < BLOCK_HEADER or m + CHUNK_HEADER > BLOCK or self._verify:
+        if (
+            m < BLOCK_HEADER
+            or m + CHUNK_HEADER > BLOCK
+            or at + CHUNK_HEADER > len(buf)
+            or self._verify
+        ):
             return None
         _, data_size, _, type_num, decoded = CHUNK_HEADER_STRUCT.unpack_from(buf, at)
         start = pos + CHUNK_HEADER
