@@ -142,6 +142,9 @@ class _ZlibStream(io.RawIOBase):
         self._fresh = True  # current decompressor has consumed nothing yet
         self._out = b""
 
+    def readable(self) -> bool:
+        return True
+
     def read(self, size: int = -1) -> bytes:
         if size is None or size < 0:
             size = 1 << 62
@@ -185,6 +188,9 @@ class _GzipStream(io.RawIOBase):
     def __init__(self, raw: IO[bytes], name: str) -> None:
         self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
         self._name = name
+
+    def readable(self) -> bool:
+        return True
 
     def read(self, size: int = -1) -> bytes:
         try:
