@@ -57,8 +57,9 @@ class ShardFile:
     (:mod:`torchgrain.io.changes`: an inotify watch, ~0.1 ms to add and remove, and one
     check a read; ``watch=False`` for a file read once, e.g. to count). A remote one is pinned to the
     size (``size``, else asked) and version it has now (``fresh=True``: a dataset's opening,
-    which takes the server's version anew; else the version this process pinned before): a
-    file replaced later is an error, never mixed bytes. Reads count their bytes in the process's statistics, unless
+    which takes the server's version anew; else the version this process pinned before,
+    which must be ``seen``, the ``(size, ETag, Last-Modified)`` the dataset's opening read,
+    when given): a file replaced later is an error, never mixed bytes. Reads count their bytes in the process's statistics, unless
     ``count=False`` (a source that counts the records it returns). A context manager
     (closes on exit).
 
@@ -88,6 +89,7 @@ class ShardFile:
         watch: bool = True,
         count: bool = True,
         fresh: bool = False,
+        seen: tuple | None = None,
     ) -> None:
         self.shard, self.path, self.filesystem, self._count = shard, path, filesystem, count
         self._fd: int | None = None
@@ -109,7 +111,7 @@ class ShardFile:
         # Every answer must be of this version: the one found now by an opening (``fresh``),
         # else the one this process pinned when it opened the dataset.
         remote.pin(filesystem, self._rpath, self.size, fresh=fresh)
-        self._seen = remote.unchanged_since(filesystem, self._rpath, None)
+        self._seen = remote.unchanged_since(filesystem, self._rpath, seen)
 
     def read(self, *, max_bytes: int = MAX_FILE_BYTES) -> memoryview:
         """The whole file (read-only, not copied); a :class:`~torchgrain.CorruptDataError`
@@ -436,12 +438,13 @@ class FormatSource(ShardedSource):
         retry: RetryPolicy,
         watch: bool = True,
         fresh: bool = False,
+        seen: tuple | None = None,
     ) -> _Shard:
         """Open and count ``shard`` with the format (remote ones retried), errors naming it
-        (``fresh``: the dataset's opening, which pins the file's version as it is now)."""
+        (``fresh``, ``seen``: as :class:`ShardFile`'s)."""
 
         def attempt() -> _Shard:
-            file = ShardFile(shard, path, fs, size, watch=watch, fresh=fresh)
+            file = ShardFile(shard, path, fs, size, watch=watch, fresh=fresh, seen=seen)
             try:
                 reader = self.format.open(file)
                 return _Shard(file, reader, len(reader))
@@ -462,9 +465,11 @@ class FormatSource(ShardedSource):
     def _open_reader(
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> _Shard:
-        opened = self._open(
-            shard, path, filesystem, self.cache_fit.sizes.get(shard, -1), self._retry
-        )
+        # The version the dataset's opening read: one a later opening pinned is refused.
+        held = self._held[shard] if self._held is not None else None
+        seen = (held.size, held.etag, held.modified) if held is not None else None
+        size = self.cache_fit.sizes.get(shard, -1)
+        opened = self._open(shard, path, filesystem, size, self._retry, seen=seen)
         n, want = opened.count, int(self.index.counts[shard])
         if n != want:
             opened.close()
