@@ -264,15 +264,15 @@ class ArrayRecordSource(EncodedSource):
             verify_checksums=self._verify,
             max_chunk_bytes=self.max_chunk_bytes,
         )
-        if filesystem is not None:
-            # Range answers must be of the file the manifest lists (its size, if given).
-            size = self.shard_integrity(shard)[0]
-            remote.pin(filesystem, f._path, size)
-            # The version the dataset's opening read: one a later opening pinned is refused.
-            held = self._held[shard] if self._held is not None else None
-            seen = (held.size, held.etag, held.modified) if held is not None else None
-            f._seen = remote.unchanged_since(filesystem, f._path, seen)
         try:
+            if filesystem is not None:
+                # Range answers must be of the file the manifest lists (its size, if given),
+                # and of the version the dataset's opening read: one a later opening pinned
+                # is refused.
+                remote.pin(filesystem, f._path, self.shard_integrity(shard)[0])
+                held = self._held[shard] if self._held is not None else None
+                seen = (held.size, held.etag, held.modified) if held is not None else None
+                f._seen = remote.unchanged_since(filesystem, f._path, seen)
             self._check_count(shard, f)
         except BaseException as e:
             f.close()
