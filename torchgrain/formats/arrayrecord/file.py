@@ -65,6 +65,11 @@ _REMOTE_TAIL = 1 << 20
 _REMOTE_GAP = 1 << 16
 
 
+#: A reader's handles and per-file state as :meth:`ArrayRecordFile._reset_handles` leaves them.
+_NO_HANDLES = dict.fromkeys(("_file", "_mm", "_pin", "_seen", "_u8", "_u8_view", "_raw_chunks"))
+_NO_HANDLES["_layout_misses"] = 0
+
+
 class ArrayRecordFile(OneRecordBatches):
     """Reads one ArrayRecord file (local path or fsspec URL) without the C++ library.
 
@@ -300,10 +305,10 @@ class ArrayRecordFile(OneRecordBatches):
         """
         like._zstd()  # ``like`` of this process, with this thread's context
         new = cls.__new__(cls)
-        state = dict(_url=url, _path=url, _fs=None, _local=True, _verify=False, _footer=footer)
-        new.__setstate__({**state, "_max_chunk": like._max_chunk})
-        # No pin: the region that maps it checks it.
-        new._view, new._fast, new._tls = view, fast, like._tls
+        # ``like``'s lock (never taken), token and contexts, no handles (no pin: the
+        # region that maps it checks it): no system call or thread-local per reader.
+        new.__dict__ = {**vars(like), **_NO_HANDLES, "_url": url, "_path": url, "_fs": None}
+        new.__dict__.update(_local=True, _verify=False, _footer=footer, _view=view, _fast=fast)
         return new
 
     # ------------------------------------------------------------------ raw bytes
