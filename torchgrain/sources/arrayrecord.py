@@ -197,6 +197,9 @@ class ArrayRecordSource(EncodedSource):
             options=opts,
             max_open_files=max_open_files,
         )
+        if fresh and self._held is not None:
+            # The footer reads found each file's size: a pass's cache-fit check asks for none.
+            self.cache_fit.sizes = {k: p.size for k, p in enumerate(self._held) if p and p.size}
         if not local and not fresh:
             # The same, from the manifest's sizes and the first answers (its workers
             # inherit or make these).
