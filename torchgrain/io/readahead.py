@@ -285,7 +285,11 @@ class ShardReadAhead(_Walker):
                     ahead.popleft()  # in use now: no longer ahead
                 use, shard = pending[0]
                 if sizes[shard] == 0:
-                    sizes[shard] = src.shard_nbytes(shard)
+                    try:
+                        sizes[shard] = src.shard_nbytes(shard)
+                    except Exception:  # its read reports the error: warm the others
+                        pending.popleft()
+                        continue
                 if use < reached:  # the reader got there first
                     pending.popleft()
                     continue
