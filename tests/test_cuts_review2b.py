@@ -24,12 +24,6 @@ def _replace(path: Path, data: bytes) -> None:
     os.utime(path, (later, later))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="b06f9b6: a later opening re-pins the URL fresh, and a source opened before "
-    "fetches its cached copy against that new pin: it reads the new file's bytes at "
-    "its old opening's counts instead of refusing them",
-)
 @pytest.mark.timeout(60)
 def test_a_source_opened_before_a_replacement_refuses_it_through_its_shard_cache(tmp_path):
     (tmp_path / "www").mkdir()

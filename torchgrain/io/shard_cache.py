@@ -5,8 +5,10 @@ names the version (the ``ETag``, else ``Last-Modified``) that this process pins 
 (:func:`torchgrain.io.remote.pin`: from the dataset's opening and its answers, else asked once
 with one ``info`` request), a copy of another version is a miss (downloaded again), and a
 download is checked against the pinned version after it arrives (a file changed on the server
-is a :class:`~torchgrain.RemoteIOError`, as without the cache). A store that names no version
-is taken to keep the same bytes at a URL (write a changed dataset to a new path).
+is a :class:`~torchgrain.RemoteIOError`, as without the cache). A reader passes the version
+its dataset's opening read (``seen``): where a later opening in the process pinned another
+one (the file replaced since), its copies and downloads are a RemoteIOError. A store that
+names no version is taken to keep the same bytes at a URL (write a changed dataset to a new path).
 
 Each request to object storage pays tens of milliseconds before its first byte; a whole
 shard fetched once and read locally pays it once per shard, and not in later epochs. The
@@ -35,7 +37,7 @@ from typing import Any, TypeVar
 import fsspec
 
 from torchgrain.caches import announce, size_text
-from torchgrain.errors import CacheDiskFullError, CorruptDataError
+from torchgrain.errors import CacheDiskFullError, CorruptDataError, RemoteIOError
 from torchgrain.io import process, remote, responses
 from torchgrain.io.atomic import disk_full_error
 from torchgrain.io.cache_records import (
@@ -215,6 +217,7 @@ class ShardCache(NodeStore):
         filesystem: fsspec.AbstractFileSystem | None = None,
         size: int | None = None,
         checksum: str | None = None,
+        seen: tuple | None = None,
     ) -> bool:
         """Whether :meth:`fetch` would find a copy of ``url`` here, of the version this
         process reads (pinned; asked of the store once where none is), not another one
@@ -237,7 +240,7 @@ class ShardCache(NodeStore):
             if filesystem is not None
             else get_filesystem(url, retry=self.retry)
         )
-        version = None if checksum else self._version(fs, rpath, url)
+        version = None if checksum else self._version(fs, rpath, url, seen)
         if self._checked(path, st, version):
             return True
         recorded = read_record(self._sum_path(path), version)
@@ -264,6 +267,7 @@ class ShardCache(NodeStore):
         size: int | None = None,
         checksum: str | None = None,
         verify: Verifier | None = None,
+        seen: tuple | None = None,
     ) -> str:
         """Return the path of a complete local copy of ``url``, downloading it if needed.
 
@@ -284,6 +288,9 @@ class ShardCache(NodeStore):
                 return the file's ``"crc32:<8 hex digits>"`` (zlib's CRC-32) when it read
                 the whole file: the cache then records it instead of reading the file
                 again; any other return value is ignored.
+            seen: the ``(size, ETag, Last-Modified)`` the reader's dataset opening read
+                of ``url`` (default: this process's pin): a copy or download of another
+                version (a later opening re-pinned the URL) is a RemoteIOError.
 
         The copy may be evicted by another process at any time after this returns;
         open it at once, or use :meth:`fetch_open`, which opens it before any eviction
@@ -296,7 +303,7 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
-        return self._fetch_locked(url, filesystem, size, checksum, None, verify)[0]
+        return self._fetch_locked(url, filesystem, size, checksum, None, verify, seen)[0]
 
     def fetch_open(
         self,
@@ -307,6 +314,7 @@ class ShardCache(NodeStore):
         size: int | None = None,
         checksum: str | None = None,
         verify: Verifier | None = None,
+        seen: tuple | None = None,
     ) -> tuple[str, int, T]:
         """Like :meth:`fetch`, then ``opener(path)`` while the copy cannot be evicted.
 
@@ -323,7 +331,7 @@ class ShardCache(NodeStore):
             >>> f.read(), f.close()
             (b'abc', None)
         """
-        return self._fetch_locked(url, filesystem, size, checksum, opener, verify)
+        return self._fetch_locked(url, filesystem, size, checksum, opener, verify, seen)
 
     def _fetch_locked(
         self,
@@ -333,6 +341,7 @@ class ShardCache(NodeStore):
         checksum: str | None,
         opener: Callable[[str], T] | None,
         verify: Verifier | None,
+        seen: tuple | None = None,
     ) -> tuple[str, Identity, T | None]:
         path = self.local_path(url, checksum=checksum)
         name = os.path.basename(path)
@@ -342,7 +351,7 @@ class ShardCache(NodeStore):
         else:
             rpath = fs._strip_protocol(url)
         # (a checksum checks the bytes themselves: no version needed)
-        version = None if checksum else self._version(fs, rpath, url)
+        version = None if checksum else self._version(fs, rpath, url, seen)
         waited = self._hit(path, size) is None  # a hit now waited for another's download
         # A complete copy is checked and opened under a shared lock (several workers may
         # check one copy at once): downloads and evictions, which need the lock
@@ -396,6 +405,7 @@ class ShardCache(NodeStore):
                     )
                     if version:  # of the version pinned: the file did not change meanwhile
                         retry_call(self._observe, fs, rpath, url, what="version check", **retrying)
+                        self._pinned(fs, rpath, url, seen)  # (not re-pinned meanwhile)
                     crc = None
                     if checksum:
                         crc = (verify or verify_file_hash)(tmp, checksum, name=f"downloaded {url}")
@@ -591,17 +601,33 @@ class ShardCache(NodeStore):
     def _retrying(self, url: str) -> dict[str, Any]:
         return {"url": url, "policy": self.retry, "on_retry": self._on_retry}
 
-    def _version(self, fs: fsspec.AbstractFileSystem, rpath: str, url: str) -> str | None:
-        """The version of remote ``rpath`` this process reads (a word for the copy's
+    def _pinned(
+        self, fs: fsspec.AbstractFileSystem, rpath: str, url: str, seen: tuple | None
+    ) -> tuple | None:
+        """What this process pinned of ``rpath`` (size, ETag, Last-Modified), which must
+        be ``seen`` where given: another version is a RemoteIOError naming ``url``."""
+        try:
+            return remote.unchanged_since(fs, rpath, seen)
+        except responses.RangeAnswerError as e:
+            raise RemoteIOError(
+                f"{url}: {e}; its copy in {self.directory} is neither read nor downloaded"
+            ) from None
+
+    def _version(
+        self, fs: fsspec.AbstractFileSystem, rpath: str, url: str, seen: tuple | None = None
+    ) -> str | None:
+        """The version of remote ``rpath`` the reader reads (a word for the copy's
         record): its ``ETag``, else ``Last-Modified``, as pinned (:func:`remote.pin`: by
         the dataset's opening and its answers; no request), else asked of the store once and
-        pinned. None for local and in-memory files and where the store names none."""
-        seen = remote.unchanged_since(fs, rpath, None)  # (size, ETag, Last-Modified) pinned
-        if seen is None or rpath in self._unversioned:
+        pinned; ``seen``, the reader's opening's, must be it. None for local and in-memory
+        files and where the store names none."""
+        pinned = self._pinned(fs, rpath, url, seen)  # (size, ETag, Last-Modified)
+        if pinned is None or rpath in self._unversioned:
             return None
-        if not (seen[1] or seen[2]):
+        if not (pinned[1] or pinned[2]):
             retry_call(self._observe, fs, rpath, url, what="version lookup", **self._retrying(url))
-            seen = remote.unchanged_since(fs, rpath, None) or seen
+            pinned = self._pinned(fs, rpath, url, seen) or pinned
+        seen = pinned
         tag = seen[1] or seen[2]
         if not tag:
             self._unversioned.add(rpath)

@@ -296,6 +296,7 @@ class ShardedSource(Source):
             self._verify_copy,
             self._pool,
             self.io_threads,
+            self._held_version,
         )
         self.cache_fit = CacheFitting(type(self).__name__, self._paths, sizes)
         self.ranges = BatchRanges(
@@ -528,6 +529,12 @@ class ShardedSource(Source):
         :class:`~torchgrain.CorruptDataError` for one that is not of this format; both
         naming the shard and the file.
         """
+
+    def _held_version(self, shard: int) -> tuple | None:
+        """``(size, ETag, Last-Modified)`` of remote ``shard`` as this source's opening
+        (or its first read) pinned it; None where it pinned nothing."""
+        held = self._held[shard] if self._held is not None else None
+        return (held.size, held.etag, held.modified) if held is not None else None
 
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
         """``(size in bytes, checksum)`` of a shard, where the dataset records them (a

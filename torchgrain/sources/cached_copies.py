@@ -122,7 +122,9 @@ class CachedCopies:
     None)`` a reader of a local copy, ``touch(reader)`` makes it hold its file open (map it),
     ``verify`` checks a download (the cache's
     :data:`~torchgrain.io.shard_cache.Verifier`), and the missing copies of a batch
-    download concurrently on ``pool()``, when ``io_threads`` > 1.
+    download concurrently on ``pool()``, when ``io_threads`` > 1. ``seen(shard)``: the
+    ``(size, ETag, Last-Modified)`` the source's opening read of the shard (None: the
+    process's pin), the only version its copies and downloads may be of.
 
     Example:
         >>> copies = CachedCopies(None, [], None, None, None, None, None, None, 1)
@@ -139,6 +141,10 @@ class CachedCopies:
     verify: Verifier
     pool: Callable[[], Executor]
     io_threads: int
+    seen: Callable[[int], tuple | None] | None = None
+
+    def _seen(self, shard: int) -> tuple | None:
+        return self.seen(shard) if self.seen is not None else None
 
     def in_use(self) -> bool:
         """Whether this process reads remote shards through the cache's copies (there is
@@ -184,7 +190,9 @@ class CachedCopies:
         assert self.cache is not None
         size, checksum = self.integrity(shard)
         fs = self.state().fs
-        return self.cache.holds(self.paths[shard], filesystem=fs, size=size, checksum=checksum)
+        return self.cache.holds(
+            self.paths[shard], filesystem=fs, size=size, checksum=checksum, seen=self._seen(shard)
+        )
 
     def reader(self, shard: int) -> Any | None:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
@@ -219,6 +227,7 @@ class CachedCopies:
             size=size,
             checksum=checksum,
             verify=self.verify,
+            seen=self._seen(shard),
         )
         copy = _CachedCopy(path, ident, reader, pin, st.lock)
         with st.lock:
@@ -372,6 +381,7 @@ class CachedCopies:
                 size=nbytes(shard),
                 checksum=checksum,
                 verify=self.verify,
+                seen=self._seen(shard),
             )
         except CacheDiskFullError as e:
             self._cache_full(e)
