@@ -15,12 +15,6 @@ from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sources/tfrecord: a remote shard's ShardFile is opened without the version its "
-    "opening held (seen=), so it takes the one a later opening pinned: the new records are "
-    "read at the old index's offsets",
-)
 @pytest.mark.timeout(60)
 def test_a_tfrecord_reader_opened_again_after_a_new_opening_refuses_the_new_version(tmp_path):
     (tmp_path / "www").mkdir()
@@ -41,11 +35,6 @@ def test_a_tfrecord_reader_opened_again_after_a_new_opening_refuses_the_new_vers
         assert first[7]["v"] == [b"a2"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sources/parquet: a remote shard's reader opened again takes the version a "
-    "later opening pinned, not its own opening's: the new values are read",
-)
 @pytest.mark.timeout(60)
 def test_a_parquet_reader_opened_again_after_a_new_opening_refuses_the_new_version(tmp_path):
     (tmp_path / "www").mkdir()

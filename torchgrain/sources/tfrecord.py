@@ -224,7 +224,9 @@ class TFRecordSource(EncodedSource):
     ) -> Any:
         if filesystem is not None:  # (pinned to the size indexed; records counted as read)
             size = int(self._tfindex.file_size[shard])
-            return ShardFile(shard, path, filesystem, size, count=False)
+            # The version the dataset's opening read: one a later opening pinned is refused.
+            seen = self._held_version(shard)
+            return ShardFile(shard, path, filesystem, size, count=False, seen=seen)
         if not os.path.exists(path):
             raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist")
         return MappedFile(path)

@@ -114,6 +114,9 @@ class RowGroupLoader(ShardedSource):
                 handle = remote.open_input(filesystem, path, size=self._identities[shard][1][0])
                 raw = handle.raw if isinstance(handle, io.BufferedReader) else None
                 if isinstance(raw, remote.RemoteFile):
+                    # Of the version the dataset's opening read: one a later opening
+                    # pinned is refused, not read at the old footer's offsets.
+                    raw._seen = remote.unchanged_since(filesystem, path, self._held_version(shard))
                     # Column chunks are fetched once, their page headers checked, and
                     # Arrow decodes from the same bytes (StagedInput).
                     staged = StagedInput(handle, filesystem, path)
