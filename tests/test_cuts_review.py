@@ -1,40 +1,13 @@
-"""Review of behaviour changes: each test reproduces a bug on real components (servers on
-127.0.0.1, files written here) and is expected to fail until it is fixed."""
+"""Review of behaviour changes: each test reproduced a bug on real components (servers on
+127.0.0.1, files written here) and was a strict xfail until the bug was fixed."""
 
 from __future__ import annotations
-
-import os
-import time
-from pathlib import Path
 
 import pytest
 
 import torchgrain as tg
-from docs.snippets.fixed_format import FixedSource, write_fixed
 from tests.servers import RangeHTTPServer
 from tests.test_remote_audit_review import QUICK
-
-
-def _replace(path, data: bytes) -> None:
-    """``path`` rewritten with ``data`` (its size), with a later modification time
-    (another ETag and Last-Modified)."""
-    assert len(data) == path.stat().st_size
-    path.write_bytes(data)
-    later = time.time() + 100
-    os.utime(path, (later, later))
-
-
-@pytest.mark.timeout(60)
-def test_a_format_source_url_replaced_on_the_server_can_be_opened_again(tmp_path):
-    """As ArrayRecord's (tests/test_pins_review): an opening reads the file as it is now."""
-    (tmp_path / "www").mkdir()
-    (served,) = write_fixed([{"v": f"a{i}"} for i in range(8)], str(tmp_path / "www"))
-    (other,) = write_fixed([{"v": f"b{i}"} for i in range(8)], str(tmp_path / "v2"))
-    with RangeHTTPServer(tmp_path / "www") as srv:
-        url = f"{srv.url}/{os.path.basename(served)}"
-        assert FixedSource(url, retry=QUICK)[3] == {"v": "a3"}
-        _replace(tmp_path / "www" / os.path.basename(served), Path(other).read_bytes())
-        assert FixedSource(url, retry=QUICK)[3] == {"v": "b3"}
 
 
 @pytest.mark.timeout(60)

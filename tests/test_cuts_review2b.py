@@ -1,27 +1,19 @@
-"""Behaviour the line cuts and fixes after e20345b changed (each xfail test names the
-commit; it passes at e20345b)."""
+"""A FormatSource opened before a same-size replacement, read through its shard cache after
+a later opening re-pinned the URL: a regression of the fresh pin at opening (b06f9b6),
+a strict xfail until the cached copies were checked against the source's own version."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from docs.snippets.fixed_format import FixedSource, write_fixed
 from tests.servers import RangeHTTPServer
+from tests.test_pins_review import _replace
 from tests.test_remote_audit_review import QUICK
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """``path`` rewritten with ``data`` (its size), with a later modification time
-    (another ETag and Last-Modified)."""
-    assert len(data) == path.stat().st_size
-    path.write_bytes(data)
-    later = time.time() + 100
-    os.utime(path, (later, later))
 
 
 @pytest.mark.timeout(60)

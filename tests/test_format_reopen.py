@@ -10,7 +10,7 @@ import pytest
 
 from docs.snippets.fixed_format import FixedSource, write_fixed
 from tests.servers import RangeHTTPServer
-from tests.test_cuts_review import _replace
+from tests.test_pins_review import _replace
 from tests.test_remote_audit_review import QUICK
 
 
