@@ -691,6 +691,11 @@ class StagedInput(io.RawIOBase):
                 url=self.name,
                 what="column chunks",
             )
+            raw = getattr(self.handle, "raw", None)
+            if isinstance(raw, remote.RemoteFile):
+                # Of the version the reader opened: cat_ranges checks answers against
+                # this process's pin, which a later opening may have taken anew.
+                raw._seen = remote.unchanged_since(self._fs, self._path, raw._seen)
             kept += [(s, bytes(b)) for (s, _), b in zip(wanted, blobs)]
         self._ranges = kept
 
