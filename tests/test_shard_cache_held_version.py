@@ -89,7 +89,15 @@ def _workers_read(src, index: int):
         multiprocessing_context="fork",
         collate_fn=lambda x: x,
     )
-    return list(loader)
+    it = iter(loader)
+    try:
+        return list(it)
+    finally:
+        # Stopped here, not by the garbage collector: the error a worker raised keeps
+        # the iterator in a cycle (its traceback), and collected later, on whichever
+        # thread allocates (the remote I/O loop's too), it finds its queues closed and
+        # waits 5 s for each worker, stalling the next test's requests past their timeout.
+        it._shutdown_workers()
 
 
 @pytest.mark.timeout(120)
