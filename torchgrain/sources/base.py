@@ -40,8 +40,8 @@ from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.block_cache import BlockCache, CacheBlocks, CacheFit, CacheInfo
 from torchgrain.sources.cache_fit import CacheFitting
 from torchgrain.sources.cached_copies import CachedCopies, OpenCopies
-from torchgrain.sources.fetch_ahead import BatchRanges, Files, Groups
-from torchgrain.sources.index import ShardIndex
+from torchgrain.sources.fetch_ahead import BatchRanges, Files, Groups, take_early
+from torchgrain.sources.index import ShardIndex, in_request_order
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
 
 __all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
@@ -617,6 +617,36 @@ class ShardedSource(Source):
         st = self._proc()
         with st.lock:
             st.io["retries"] += 1
+
+    def _read_shard_groups(
+        self, groups: list[tuple[int, np.ndarray, Any]], n: int, read: Callable[..., list[Any]]
+    ) -> list[Any]:
+        """``read(group, reader=None)`` once per ``(shard, rows, positions)`` group of a
+        batch of ``n`` (:meth:`ShardIndex.split <torchgrain.sources.index.ShardIndex.split>`),
+        in request order: remote shards concurrently, the shard cache's downloads
+        overlapped (``reader``: the open copy); without a cache, the batch's ranges fetched
+        across its shards at once and each group read as soon as its ranges are in."""
+        early: dict[int, Any] = {}
+        fetched = self.ranges.prefetch(
+            groups, read=(lambda k: read(groups[k])) if len(groups) > 1 else None, early=early
+        )
+        try:
+            if len(groups) == 1:
+                return read(groups[0])
+            opened = self.cached_copies.prefetch([g[0] for g in groups])
+            with_copy = lambda g: read(g, opened.get(g[0]))  # noqa: E731
+            # Fetched already: reading needs no threads.
+            results = (
+                [take_early(early, k, with_copy, g) for k, g in enumerate(groups)]
+                if fetched
+                else self._map(with_copy, groups)
+            )
+            out = in_request_order(results, groups, n)
+            if opened:
+                self.cached_copies.close_evicted()
+            return out
+        finally:
+            self.ranges.release(fetched)
 
     def _map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> Iterable[T]:
         """``fn`` over ``items`` (one per shard or block of a batch), in order.

@@ -26,8 +26,6 @@ from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.io import changes
 from torchgrain.io.region import ShardRegion
 from torchgrain.sources.base import ShardedSource
-from torchgrain.sources.fetch_ahead import take_early
-from torchgrain.sources.index import in_request_order
 
 __all__ = ["EncodedSource"]
 
@@ -183,27 +181,7 @@ class EncodedSource(ShardedSource):
 
         for shard, _, positions in groups:
             self._check_readable(shard, int(idx[0 if positions is None else positions[0]]))
-        early: dict[int, Any] = {}
-        fetched = self.ranges.prefetch(
-            groups, read=(lambda k: one(groups[k])) if len(groups) > 1 else None, early=early
-        )
-        try:
-            if len(groups) == 1:
-                return one(groups[0])
-            opened = self.cached_copies.prefetch([g[0] for g in groups])
-            with_copy = lambda g: one(g, opened.get(g[0]))  # noqa: E731
-            # Fetched already: reading needs no threads.
-            results = (
-                [take_early(early, k, with_copy, g) for k, g in enumerate(groups)]
-                if fetched
-                else self._map(with_copy, groups)
-            )
-            out = in_request_order(results, groups, len(idx))
-            if opened:
-                self.cached_copies.close_evicted()
-            return out
-        finally:
-            self.ranges.release(fetched)
+        return self._read_shard_groups(groups, len(idx), one)
 
     def _read_decode(
         self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any = None

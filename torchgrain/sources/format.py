@@ -32,8 +32,6 @@ from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
 from torchgrain.sources.cache_fit import listed_sizes
-from torchgrain.sources.fetch_ahead import take_early
-from torchgrain.sources.index import in_request_order
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["FormatSource", "ReadsByteRanges", "ShardFile", "ShardFormat", "ShardReader"]
@@ -399,28 +397,9 @@ class FormatSource(ShardedSource):
         fetched together), in request order."""
         idx = self.index.check(indices)
         groups = self.index.split(idx)
-        early: dict[int, Any] = {}
-        fetched = self.ranges.prefetch(
-            groups,
-            read=(lambda k: self._read_group(groups[k][0], groups[k][1]))
-            if len(groups) > 1
-            else None,
-            early=early,
+        return self._read_shard_groups(
+            groups, len(idx), lambda g, reader=None: self._read_group(g[0], g[1], reader)
         )
-        try:
-            opened = self.cached_copies.prefetch([g[0] for g in groups])
-            read = lambda g: self._read_group(g[0], g[1], opened.get(g[0]))  # noqa: E731
-            results = (
-                [take_early(early, k, read, g) for k, g in enumerate(groups)]
-                if fetched
-                else self._map(read, groups)
-            )
-            out = in_request_order(results, groups, len(idx))
-            if opened:
-                self.cached_copies.close_evicted()
-            return out
-        finally:
-            self.ranges.release(fetched)
 
     def __repr__(self) -> str:
         return (
