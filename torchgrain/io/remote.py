@@ -938,6 +938,7 @@ class RemoteFile(io.RawIOBase):
         size: int | None = None,
         url: str | None = None,
         fresh: bool = False,
+        seen: tuple | None = None,
     ) -> None:
         super().__init__()
         self._fs = fs
@@ -948,7 +949,7 @@ class RemoteFile(io.RawIOBase):
         # file was replaced by one of the same size reads the new one); a read at offsets
         # found earlier keeps the pinned validators.
         pin(fs, path, self._size, fresh=fresh and size is None)
-        self._seen = unchanged_since(fs, path, None)
+        self._seen = unchanged_since(fs, path, seen)
         self._pos = 0
         self._context: contextvars.Context | None = None
 
@@ -982,9 +983,15 @@ class RemoteFile(io.RawIOBase):
             data = context.copy().run(cat_file, self._fs, self._path, self._pos, end, url=self.name)
         else:
             data = cat_file(self._fs, self._path, self._pos, end, url=self.name)
-        self._seen = unchanged_since(self._fs, self._path, self._seen)
+        self.check_unchanged()
         self._pos = end
         return data
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`~torchgrain.RemoteIOError` if this process has pinned another
+        version of the file than the one this file was opened on (see
+        :func:`unchanged_since`): reads made around it (``cat_ranges``) call it too."""
+        self._seen = unchanged_since(self._fs, self._path, self._seen)
 
     def readall(self) -> bytes:
         return self.read(-1)
@@ -1026,13 +1033,16 @@ def open_input(
     buffered: bool = True,
     size: int | None = None,
     fresh: bool = False,
+    seen: tuple | None = None,
 ) -> IO[bytes]:
     """Open ``path`` for reading: ``fs.open`` for a local or in-memory file, else a
     :class:`RemoteFile` behind a :data:`REMOTE_BUFFER`-byte read-ahead buffer (unless
     ``buffered=False``, for readers that ask for exactly the ranges they need). ``size``:
     the file's size as the dataset's opening found it (pinned, see :func:`pin`; else
     asked for now). ``fresh``: this is an opening of the file as it is now (an index
-    build): the size asked and the validators of its answers are pinned anew.
+    build): the size asked and the validators of its answers are pinned anew. ``seen``:
+    the ``(size, ETag, Last-Modified)`` a source's opening read; another version pinned
+    since is refused.
 
     Example:
         >>> import fsspec
@@ -1044,7 +1054,7 @@ def open_input(
     """
     if not isinstance(fs, AsyncFileSystem):
         return fs.open(path, "rb")
-    raw = RemoteFile(fs, path, url=url, size=size, fresh=fresh)
+    raw = RemoteFile(fs, path, url=url, size=size, fresh=fresh, seen=seen)
     return io.BufferedReader(raw, REMOTE_BUFFER) if buffered else raw  # type: ignore[return-value]
 
 

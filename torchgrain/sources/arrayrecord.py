@@ -273,9 +273,7 @@ class ArrayRecordSource(EncodedSource):
                 # and of the version the dataset's opening read: one a later opening pinned
                 # is refused.
                 remote.pin(filesystem, f._path, self.shard_integrity(shard)[0])
-                held = self._held[shard] if self._held is not None else None
-                seen = (held.size, held.etag, held.modified) if held is not None else None
-                f._seen = remote.unchanged_since(filesystem, f._path, seen)
+                f._seen = remote.unchanged_since(filesystem, f._path, self._held_version(shard))
             self._check_count(shard, f)
         except BaseException as e:
             f.close()

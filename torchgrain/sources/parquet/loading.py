@@ -111,12 +111,16 @@ class RowGroupLoader(ShardedSource):
                 # (neighbouring row groups often come in one request).
                 # The size the footer read found at open (pinned: answers of another
                 # file are refused), and no size lookup here.
-                handle = remote.open_input(filesystem, path, size=self._identities[shard][1][0])
+                # Of the version the dataset's opening read: one a later opening pinned is
+                # refused, not read at the old footer's offsets.
+                handle = remote.open_input(
+                    filesystem,
+                    path,
+                    size=self._identities[shard][1][0],
+                    seen=self._held_version(shard),
+                )
                 raw = handle.raw if isinstance(handle, io.BufferedReader) else None
                 if isinstance(raw, remote.RemoteFile):
-                    # Of the version the dataset's opening read: one a later opening
-                    # pinned is refused, not read at the old footer's offsets.
-                    raw._seen = remote.unchanged_since(filesystem, path, self._held_version(shard))
                     # Column chunks are fetched once, their page headers checked, and
                     # Arrow decodes from the same bytes (StagedInput).
                     staged = StagedInput(handle, filesystem, path)
@@ -695,7 +699,7 @@ class StagedInput(io.RawIOBase):
             if isinstance(raw, remote.RemoteFile):
                 # Of the version the reader opened: cat_ranges checks answers against
                 # this process's pin, which a later opening may have taken anew.
-                raw._seen = remote.unchanged_since(self._fs, self._path, raw._seen)
+                raw.check_unchanged()
             kept += [(s, bytes(b)) for (s, _), b in zip(wanted, blobs)]
         self._ranges = kept
 
