@@ -229,11 +229,8 @@ class ShardCache(NodeStore):
             False
         """
         path = self.local_path(url, checksum=checksum)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return False
-        if size is not None and size >= 0 and st.st_size != size:
+        st = _copy_stat(path, size)
+        if st is None:
             return False
         fs, rpath = (
             (filesystem, filesystem._strip_protocol(url))
@@ -533,17 +530,8 @@ class ShardCache(NodeStore):
         self._count(retries=1)
 
     def _hit(self, path: str, size: int | None) -> os.stat_result | None:
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            # Not a copy (a link, a FIFO, a directory put in its place): never opened,
-            # even unchecked (verify_hits=False); the fetch that follows replaces it.
-            return None
-        if size is not None and size >= 0 and st.st_size != size:
-            # A copy of another size (the remote changed, or the manifest did): never
-            # serve it; the fetch that follows replaces it under the shard lock.
+        st = _copy_stat(path, size)
+        if st is None:
             return None
         now = time.monotonic()
         if now - self._touched.get(path, -_TOUCH_INTERVAL) >= _TOUCH_INTERVAL:
@@ -627,8 +615,7 @@ class ShardCache(NodeStore):
         if not (pinned[1] or pinned[2]):
             retry_call(self._observe, fs, rpath, url, what="version lookup", **self._retrying(url))
             pinned = self._pinned(fs, rpath, url, seen) or pinned
-        seen = pinned
-        tag = seen[1] or seen[2]
+        tag = pinned[1] or pinned[2]
         if not tag:
             self._unversioned.add(rpath)
             return None
@@ -697,3 +684,18 @@ class ShardCache(NodeStore):
         # may report a full disk here.)
         with self._writing(tmp, what), open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+
+
+def _copy_stat(path: str, size: int | None) -> os.stat_result | None:
+    """The stat of the copy at ``path`` if it can be served: a regular file (a link, a
+    FIFO or a directory put in its place is never opened, even unchecked with
+    ``verify_hits=False``; the fetch that follows replaces it) of ``size`` bytes where
+    given (a copy of another size, the remote or the manifest changed, is never
+    served); else None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or (size is not None and size >= 0 and st.st_size != size):
+        return None
+    return st

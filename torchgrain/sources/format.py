@@ -445,9 +445,8 @@ class FormatSource(ShardedSource):
         self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
     ) -> _Shard:
         # The version the dataset's opening read: one a later opening pinned is refused.
-        held = self._held[shard] if self._held is not None else None
-        seen = (held.size, held.etag, held.modified) if held is not None else None
         size = self.cache_fit.sizes.get(shard, -1)
+        seen = self._held_version(shard)
         opened = self._open(shard, path, filesystem, size, self._retry, seen=seen)
         n, want = opened.count, int(self.index.counts[shard])
         if n != want:
