@@ -1,0 +1,58 @@
+"""Indexes cached on disk by composed datasets, keyed by what they were derived from:
+two different derivations must never share one cached file, and a cached file that
+misstates the data is found before any record is lost."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+
+import torchgrain as tg
+from torchgrain.errors import CorruptDataError
+from torchgrain.sources.node_index.derived import derived_index
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a pushed-down expression is keyed by str(expr), which elides long is_in value sets",
+)
+def test_two_is_in_expressions_that_print_alike_do_not_share_a_selection(tmp_path):
+    tg.write_parquet(({"x": i} for i in range(200)), str(tmp_path / "data"))
+    ds = tg.Dataset(tg.ParquetSource(str(tmp_path / "data")))
+    first = list(range(100))
+    # The same first and last ten values, other ones between: Arrow prints both sets as
+    # "0, 1, ..., 9, ..., 90, ..., 99".
+    second = first[:10] + list(range(110, 190)) + first[90:]
+    index_dir = str(tmp_path / "indexes")
+    ds.filter(pc.field("x").isin(first), index_dir=index_dir, progress=False)
+    kept = ds.filter(pc.field("x").isin(second), index_dir=index_dir, progress=False)
+    assert sorted(r["x"] for r in kept) == sorted(second)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="concat windows never read documents past the last window, so a cached index "
+    "that shortens the last document drops windows with no error",
+)
+def test_an_index_file_that_shortens_the_last_document_loses_no_windows_silently(tmp_path):
+    docs = [np.arange(1, 5), np.arange(10, 13), np.arange(20, 30)]  # 4 + 3 + 10 tokens
+    ds = tg.Dataset([{"t": t} for t in docs])
+    assert len(ds.windows("t", 4, index_dir=tmp_path)) == 4  # (17 - 1) // 4
+    path = ds.windows("t", 4, index_dir=tmp_path).source.index_paths[0]
+    key = os.path.basename(path).split(".")[0]
+    os.remove(path)
+    # A well-formed file (sound checksum, offsets rising from 0 to its token count) that
+    # says document 2 has 1 token, not 10: documents 0 and 1 are as they are.
+    derived_index(
+        "windows",
+        key,
+        {"offsets": ("<i8", ())},
+        lambda sink: (sink.append("offsets", np.array([0, 4, 7, 8])), {"tokens": 8})[1],
+        index_dir=tmp_path,
+    )
+    w = ds.windows("t", 4, index_dir=tmp_path)
+    with pytest.raises(CorruptDataError, match="document 2 "):
+        w.__getitems__(list(range(len(w))))
