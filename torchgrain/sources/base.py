@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import fsspec
@@ -232,12 +232,14 @@ class ShardedSource(Source):
         options: ReadOptions | None = None,
         cache_bytes: int | None = None,
         max_open_files: int | str | type[Ellipsis] | None = "auto",
+        sizes: Mapping[int, int] | None = None,
         **keywords: Any,
     ) -> None:
         """Set up the shards: ``options`` (with any :class:`ReadOptions` field given by
         name in ``keywords`` replacing it) says how they are read; ``cache_bytes`` and
         ``max_open_files`` are the values the format resolved from them (None and
-        ``"auto"``: from ``options``, then the defaults)."""
+        ``"auto"``: from ``options``, then the defaults); ``sizes``: the shards' sizes in
+        bytes that the opening found (shard -> bytes; the rest are asked when needed)."""
         self.options = opts = ReadOptions.build(options, keywords)
         if cache_bytes is None:
             cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
@@ -272,7 +274,7 @@ class ShardedSource(Source):
             read_ahead_bytes = self.cache.max_bytes // 2 if self.cache is not None else 0
         self.read_ahead_bytes = int(read_ahead_bytes)
         self._state: _ProcessState | None = None
-        self._make_helpers({})
+        self._make_helpers(sizes)
         self._hold_pins()
 
     def _hold_pins(self) -> None:
@@ -281,7 +283,7 @@ class ShardedSource(Source):
         (a subclass whose opening pins after :meth:`_init_shards` calls it again)."""
         self._held = remote.held_pins(self._fs, self._paths)
 
-    def _make_helpers(self, sizes: dict[int, int]) -> None:
+    def _make_helpers(self, sizes: Mapping[int, int] | None) -> None:
         """Make the helpers (:attr:`cached_copies`, :attr:`cache_fit`, :attr:`ranges`)
         from this source's fields (``sizes``: the shards' sizes known so far): at set-up,
         and for a copy or an unpickled source, whose helpers are its own, never the
@@ -672,12 +674,15 @@ class ShardedSource(Source):
         # Readers, threads, caches and counters are per process, and the helpers are
         # made again for the new source (copy.copy and deepcopy come here too): only the
         # shards' sizes they learnt travel, and the versions of the remote files this
-        # source read (a spawned worker has none of its own to refuse a replaced file).
+        # source read (a spawned worker has none of its own to refuse a replaced file):
+        # those it holds, else this process's now; the source itself is left as it was
+        # (it holds the version of its own first read, see _io).
         state = self.__dict__.copy()
         state["_state"] = None
         del state["cached_copies"], state["ranges"], state["_held"]
         state["cache_fit"] = dict(self.cache_fit.sizes)
-        state["_pins"] = remote.pins_of(self._fs, self._paths, self._held)
+        held = list(self._held) if self._held is not None else None
+        state["_pins"] = remote.pins_of(self._fs, self._paths, held)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

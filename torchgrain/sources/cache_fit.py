@@ -10,7 +10,7 @@ replays the start of a sampler's pass through each and warns once when it cannot
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -33,7 +33,7 @@ class CacheFitting:
         ("MySource('a.rec' and 1 more)", 10)
     """
 
-    def __init__(self, kind: str, paths: Sequence[str], sizes: dict[int, int] | None = None):
+    def __init__(self, kind: str, paths: Sequence[str], sizes: Mapping[int, int] | None = None):
         more = f" and {len(paths) - 1:,} more" if len(paths) > 1 else ""
         #: The dataset's name in messages: the class and its first shard.
         self.name = f"{kind}({repr(paths[0]) if len(paths) else 'no files'}{more})"

@@ -156,9 +156,9 @@ class TFRecordSource(EncodedSource):
             options=opts,
             cache_bytes=0,  # nothing to decompress: a record is a byte range
             max_open_files=max_open_files,
+            # The index holds each file's size: a pass's cache-fit check asks for none.
+            sizes=dict(enumerate(self._tfindex.file_size.tolist())),
         )
-        # The index holds each file's size: a pass's cache-fit check asks for none.
-        self.cache_fit.sizes = dict(enumerate(self._tfindex.file_size.tolist()))
         with using(retry):
             if isinstance(codec, str) and codec == "auto":
                 codec = tfrecord_codec(files, fs, max_record_bytes)
