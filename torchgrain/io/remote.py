@@ -621,6 +621,33 @@ def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None
     return None
 
 
+class Version:
+    """The version of remote file ``path`` (of ``fs``) that a reader takes offsets from:
+    ``size`` is pinned (:func:`pin`; ``fresh``: taken anew, an opening of the file as it
+    is now), and ``seen`` is kept, the ``(size, ETag, Last-Modified)`` a source's opening
+    read (None: what this process has pinned now). :meth:`check`, after each read, raises
+    a :class:`~torchgrain.RemoteIOError` once a later opening in this process has pinned
+    another (see :func:`unchanged_since`). Local and in-memory files: never raises.
+
+    Example:
+        >>> import fsspec
+        >>> v = Version(fsspec.filesystem("memory"), "/c/p", 3, None)
+        >>> v.check(), v.seen
+        (None, None)
+    """
+
+    def __init__(
+        self, fs: Any, path: str, size: int | None, seen: tuple | None, fresh: bool = False
+    ) -> None:
+        pin(fs, path, size, fresh=fresh)
+        self.fs, self.path = fs, path
+        self.seen = unchanged_since(fs, path, seen)
+
+    def check(self) -> None:
+        """Raise if this process has pinned another version of the file since."""
+        self.seen = unchanged_since(self.fs, self.path, self.seen)
+
+
 def held_pins(fs: fsspec.AbstractFileSystem, paths: Sequence[str]) -> list[Any] | None:
     """What this process has pinned of remote files ``paths`` of ``fs`` now (None for a
     file it has not), kept by a source as its opening left them: a later opening of a
@@ -948,8 +975,7 @@ class RemoteFile(io.RawIOBase):
         # fresh: an opening that reads the file as it is now (an index build after the
         # file was replaced by one of the same size reads the new one); a read at offsets
         # found earlier keeps the pinned validators.
-        pin(fs, path, self._size, fresh=fresh and size is None)
-        self._seen = unchanged_since(fs, path, seen)
+        self._version = Version(fs, path, self._size, seen, fresh and size is None)
         self._pos = 0
         self._context: contextvars.Context | None = None
 
@@ -991,7 +1017,7 @@ class RemoteFile(io.RawIOBase):
         """Raise :class:`~torchgrain.RemoteIOError` if this process has pinned another
         version of the file than the one this file was opened on (see
         :func:`unchanged_since`): reads made around it (``cat_ranges``) call it too."""
-        self._seen = unchanged_since(self._fs, self._path, self._seen)
+        self._version.check()
 
     def readall(self) -> bytes:
         return self.read(-1)

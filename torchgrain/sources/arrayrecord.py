@@ -186,6 +186,10 @@ class ArrayRecordSource(EncodedSource):
                 policy=retry,
                 what="reading shard footers",
             )
+        elif not local:  # with a manifest: its sizes and the first answers' validators
+            for shard, path in enumerate(shard_paths):
+                size = self.shard_integrity(shard)[0]
+                remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # Local readers hold two descriptors each (the file, its map); remote ones none.
@@ -200,13 +204,6 @@ class ArrayRecordSource(EncodedSource):
         if fresh and self._held is not None:
             # The footer reads found each file's size: a pass's cache-fit check asks for none.
             self.cache_fit.sizes = {k: p.size for k, p in enumerate(self._held) if p and p.size}
-        if not local and not fresh:
-            # The same, from the manifest's sizes and the first answers (its workers
-            # inherit or make these).
-            for shard, path in enumerate(self._paths):
-                size = self.shard_integrity(shard)[0]
-                remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
-            self._hold_pins()
         if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(list(shard_paths), fs) or codec
@@ -261,19 +258,20 @@ class ArrayRecordSource(EncodedSource):
     ) -> ArrayRecordFile:
         """A reader of shard ``shard`` whose record count has been checked against the
         manifest's; a shard that is a directory or missing is an error naming it."""
+        version = None
+        if filesystem is not None:
+            # Range answers must be of the file the manifest lists (its size, if given), and
+            # of the version the dataset's opening read: one a later opening pinned is refused.
+            rpath, held = filesystem._strip_protocol(path), self._held_version(shard)
+            version = remote.Version(filesystem, rpath, self.shard_integrity(shard)[0], held)
         f = ArrayRecordFile(
             path,
             filesystem=filesystem,
             verify_checksums=self._verify,
             max_chunk_bytes=self.max_chunk_bytes,
+            version=version,
         )
         try:
-            if filesystem is not None:
-                # Range answers must be of the file the manifest lists (its size, if given),
-                # and of the version the dataset's opening read: one a later opening pinned
-                # is refused.
-                remote.pin(filesystem, f._path, self.shard_integrity(shard)[0])
-                f._seen = remote.unchanged_since(filesystem, f._path, self._held_version(shard))
             self._check_count(shard, f)
         except BaseException as e:
             f.close()

@@ -108,8 +108,7 @@ class ShardFile:
         self.size = size if size >= 0 else remote.file_size(filesystem, self._rpath, url=path)
         # Every answer must be of this version: the one found now by an opening (``fresh``),
         # else the one this process pinned when it opened the dataset.
-        remote.pin(filesystem, self._rpath, self.size, fresh=fresh)
-        self._seen = remote.unchanged_since(filesystem, self._rpath, seen)
+        self._version = remote.Version(filesystem, self._rpath, self.size, seen, fresh)
 
     def read(self, *, max_bytes: int = MAX_FILE_BYTES) -> memoryview:
         """The whole file (read-only, not copied); a :class:`~torchgrain.CorruptDataError`
@@ -128,8 +127,7 @@ class ShardFile:
         fs = self.filesystem
         if fs is not None:
             out = fetch_ranges(fs, self._rpath, ranges, name=self.path)
-            # Raises if this process has pinned another version of the file since.
-            self._seen = remote.unchanged_since(fs, self._rpath, self._seen)
+            self._version.check()  # (this process pinned another version since: raises)
         else:
             if self._fd is None:
                 raise ValueError(f"I/O operation on closed file {self.path!r}")

@@ -66,7 +66,7 @@ _REMOTE_GAP = 1 << 16
 
 
 #: A reader's handles and per-file state as :meth:`ArrayRecordFile._reset_handles` leaves them.
-_NO_HANDLES = dict.fromkeys(("_file", "_mm", "_pin", "_seen", "_u8", "_u8_view", "_raw_chunks"))
+_NO_HANDLES = dict.fromkeys(("_file", "_mm", "_pin", "_u8", "_u8_view", "_raw_chunks"))
 _NO_HANDLES["_layout_misses"] = 0
 
 
@@ -92,6 +92,9 @@ class ArrayRecordFile(OneRecordBatches):
             (:meth:`torchgrain.sources.node_index.ArrayRecordIndex.footer`), used
             instead of parsing the file's footer; a local file is checked against it
             (size, footer chunk header) when first mapped in each process.
+        version: a remote file's version that every read must be of
+            (:class:`torchgrain.io.remote.Version`; default: the one this process has
+            pinned now, if any).
 
     Raises:
         CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt
@@ -123,6 +126,7 @@ class ArrayRecordFile(OneRecordBatches):
         verify_checksums: bool = False,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         footer: Footer | None = None,
+        version: remote.Version | None = None,
     ) -> None:
         self._max_chunk = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         self._url = os.fspath(path)
@@ -135,6 +139,9 @@ class ArrayRecordFile(OneRecordBatches):
         self._local = is_local(filesystem)
         self._verify = bool(verify_checksums)
         self._footer: Footer | None = footer
+        if version is None and not self._local:
+            version = remote.Version(filesystem, stripped, None, None)
+        self._version = version
         self._lock = threading.RLock()
         self._reset_handles()
 
@@ -145,12 +152,11 @@ class ArrayRecordFile(OneRecordBatches):
         self._mm: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._pin: changes.Pin | None = None  # checked before each read through the map
-        self._seen: tuple | None = None  # a remote file's pinned identity when first read
         # memoryviews over the footer arrays: indexing one gives a Python int several
         # times faster than indexing the numpy array (the hot path reads 4 per chunk).
         self._fast: tuple[memoryview, memoryview, memoryview, memoryview] | None = None
 
-    _STATE = ("_url", "_fs", "_path", "_local", "_verify", "_footer", "_max_chunk")
+    _STATE = ("_url", "_fs", "_path", "_local", "_verify", "_footer", "_max_chunk", "_version")
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self._STATE}
@@ -322,8 +328,7 @@ class ArrayRecordFile(OneRecordBatches):
         # Remote: ranges that touch or nearly touch are fetched together, in one batch.
         try:
             got = fetch_ranges(self._fs, self._path, ranges, gap=_REMOTE_GAP, name=self._url)
-            # (the file this reader took its footer from: not one re-opened since)
-            self._seen = remote.unchanged_since(self._fs, self._path, self._seen)
+            self._version.check()  # (the file its footer came from: not one re-opened since)
             return got
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{self._where()} does not exist") from e
