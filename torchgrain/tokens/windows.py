@@ -342,16 +342,15 @@ def _check_bins(ix: DerivedIndex, offsets: np.ndarray, seq_len: int, special: in
         return "it names documents the dataset does not have"
     if len(docs) and np.bincount(docs, minlength=n).max() > 1:
         return "it places a document twice"
-    if len(bins) > 1 and len(docs) != n:  # (empty ones too: a window reads them to check)
+    # Each document once, in range: all n of them (empty ones too: a window reads them
+    # to check), or no windows and no tokens at all.
+    if len(docs) != n and (len(bins) > 1 or offsets[-1] > 0):
         return "it leaves out documents"
     lens = np.minimum(offsets[docs + 1] - offsets[docs], seq_len)
     if len(docs) and (np.add.reduceat(lens, bins[:-1]) > seq_len).any():
         return f"a window holds more than {seq_len} tokens"
     if int(lens.sum()) != ix.meta.get("tokens"):
         return "its token count is wrong"
-    # Each document once, in range: all n of them, or no windows and no tokens at all.
-    if len(docs) != n and offsets[-1] > 0:
-        return "it leaves out documents"
     return None
 
 
