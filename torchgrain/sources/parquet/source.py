@@ -274,9 +274,9 @@ class ParquetSource(RowGroupLoader):
             paths=files,
             counts=np.array([int(c.sum()) for c in counts], dtype=np.int64),
             options=opts,
+            # The footer reads found each file's size: a pass's cache-fit check asks for none.
+            sizes={k: int(ident[1][0]) for k, ident in enumerate(identities)},
         )
-        # The footer reads found each file's size: a pass's cache-fit check asks for none.
-        self.cache_fit.sizes = {k: int(ident[1][0]) for k, ident in enumerate(identities)}
         # Reads use Arrow's take, which imports pyarrow.compute (about 50 ms) on first
         # use: import it here, so that forked DataLoader workers inherit it.
         import pyarrow.compute  # noqa: F401
