@@ -75,3 +75,39 @@ def test_init_shards_keeps_the_sizes_an_opening_found(tmp_path):
     assert src.cache_fit.sizes == {0: 5, 1: 7}
     assert src.shard_nbytes(1) == 7
     assert pickle.loads(pickle.dumps(src)).cache_fit.sizes == {0: 5, 1: 7}
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_checks_the_version_of_each_cached_copy_it_opens_once(tmp_path, monkeypatch):
+    """A batch over shards whose copies are in the shard cache but not open worked out
+    each one's version (a pin check and a hash of its validator) twice: once to ask
+    whether the cache holds it, again to open it."""
+    from torchgrain.io.shard_cache import ShardCache
+
+    (tmp_path / "tf").mkdir()
+    for k in range(3):
+        records = [encode_tf_example({"v": [b"%d-%d" % (k, i)]}) for i in range(4)]
+        write_tfrecord(records, tmp_path / "tf" / f"a{k}.tfrecord")
+    with RangeHTTPServer(tmp_path) as srv:
+        urls = [f"{srv.url}/tf/a{k}.tfrecord" for k in range(3)]
+        cache = tmp_path / "cache"
+
+        def open_():
+            return tg.TFRecordSource(
+                urls, retry=QUICK, index_dir=None, cache_dir=cache, io_threads=4
+            )
+
+        assert [r["v"] for r in open_().__getitems__([0, 4, 8])] == [[b"0-0"], [b"1-0"], [b"2-0"]]
+        src = open_()  # the copies are there; none is open
+        versions = []
+        real = ShardCache._version
+        monkeypatch.setattr(
+            ShardCache, "_version", lambda self, *a: versions.append(a[1]) or real(self, *a)
+        )
+        srv.reset_counts()
+        assert [r["v"] for r in src.__getitems__([1, 5, 9])] == [[b"0-1"], [b"1-1"], [b"2-1"]]
+        assert srv.gets() == 0
+        assert sorted(versions) == sorted(src._fs._strip_protocol(u) for u in urls)
+        versions.clear()
+        assert [r["v"] for r in src.__getitems__([2, 6])] == [[b"0-2"], [b"1-2"]]
+        assert versions == []  # (open: no version work)

@@ -300,7 +300,9 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
-        return self._fetch_locked(url, filesystem, size, checksum, None, verify, seen)[0]
+        got = self._fetch_locked(url, filesystem, size, checksum, None, verify, seen)
+        assert got is not None  # (downloaded where missing)
+        return got[0]
 
     def fetch_open(
         self,
@@ -312,13 +314,16 @@ class ShardCache(NodeStore):
         checksum: str | None = None,
         verify: Verifier | None = None,
         seen: tuple | None = None,
-    ) -> tuple[str, int, T]:
+        download: bool = True,
+    ) -> tuple[str, int, T] | None:
         """Like :meth:`fetch`, then ``opener(path)`` while the copy cannot be evicted.
 
         Returns ``(path, identity, opener(path))``. The copy is checked (see
         ``verify_hits``) and opened under its shard lock, which eviction and downloads
         respect: ``opener`` opens the very file that was checked, and a reader that
-        opens (or maps) it keeps it readable for as long as it likes.
+        opens (or maps) it keeps it readable for as long as it likes. ``download=False``:
+        None where no copy of the right size is here (nothing fetched, no lock taken);
+        a copy that fails its check is fetched again, as always.
 
         Example:
             >>> import tempfile, fsspec
@@ -328,7 +333,7 @@ class ShardCache(NodeStore):
             >>> f.read(), f.close()
             (b'abc', None)
         """
-        return self._fetch_locked(url, filesystem, size, checksum, opener, verify, seen)
+        return self._fetch_locked(url, filesystem, size, checksum, opener, verify, seen, download)
 
     def _fetch_locked(
         self,
@@ -339,7 +344,8 @@ class ShardCache(NodeStore):
         opener: Callable[[str], T] | None,
         verify: Verifier | None,
         seen: tuple | None = None,
-    ) -> tuple[str, Identity, T | None]:
+        download: bool = True,
+    ) -> tuple[str, Identity, T | None] | None:
         path = self.local_path(url, checksum=checksum)
         name = os.path.basename(path)
         fs = filesystem
@@ -350,6 +356,8 @@ class ShardCache(NodeStore):
         # (a checksum checks the bytes themselves: no version needed)
         version = None if checksum else self._version(fs, rpath, url, seen)
         waited = self._hit(path, size) is None  # a hit now waited for another's download
+        if waited and not download:
+            return None
         # A complete copy is checked and opened under a shared lock (several workers may
         # check one copy at once): downloads and evictions, which need the lock
         # exclusively, cannot replace or unlink it in between.

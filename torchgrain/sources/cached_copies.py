@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from typing import Any, Protocol, TypeVar
 
 import fsspec
@@ -206,9 +206,10 @@ class CachedCopies:
             self._cache_full(e)
             return None
 
-    def _cached_copy(self, shard: int, pins: list | None) -> _CachedCopy:
+    def _cached_copy(self, shard: int, pins: list | None, download: bool = True) -> Any:
         """The open copy of remote ``shard``, pinned into ``pins`` (when given) so that
-        it stays open until they are released."""
+        it stays open until they are released (``download=False``: None where the cache
+        has no copy of it, see :meth:`ShardCache.fetch_open`)."""
         assert self.cache is not None
         state = self.state()
         st = state.copies
@@ -220,7 +221,7 @@ class CachedCopies:
                     _pin(copy, pins)
                     return copy
         size, checksum = self.integrity(shard)
-        path, ident, (reader, pin) = self.cache.fetch_open(
+        got = self.cache.fetch_open(
             self.paths[shard],
             lambda p: self._open_local_copy(shard, p),
             filesystem=state.fs,
@@ -228,7 +229,11 @@ class CachedCopies:
             checksum=checksum,
             verify=self.verify,
             seen=self._seen(shard),
+            download=download,
         )
+        if got is None:
+            return None
+        path, ident, (reader, pin) = got
         copy = _CachedCopy(path, ident, reader, pin, st.lock)
         with st.lock:
             _pin(copy, pins)
@@ -330,11 +335,12 @@ class CachedCopies:
             r.close()
 
     def prefetch(self, shards: Sequence[int]) -> dict[int, Any]:
-        """With a shard cache: open the batch's shards, downloading the missing ones
-        concurrently. Readers opened here serve the batch even if a concurrent download
-        evicts their copy meanwhile (eviction only unlinks): no shard is fetched twice
-        per batch. They stay open until :meth:`close_evicted` ends the batch
-        (or this thread's next batch begins)."""
+        """With a shard cache: open the batch's shards concurrently, the cached copies
+        first, then the missing ones downloaded ({} where none was missing: the batch's
+        reads find the copies open). Readers opened here serve the batch even if a
+        concurrent download evicts their copy meanwhile (eviction only unlinks): no shard
+        is fetched twice per batch. They stay open until :meth:`close_evicted` ends the
+        batch (or this thread's next batch begins)."""
         if self.cache is None:
             return {}
         st = self.state().copies
@@ -342,30 +348,46 @@ class CachedCopies:
         if self.io_threads <= 1 or len(shards) <= 1 or not self.in_use():
             return {}
         with st.lock:
-            open_now = set(st.by_shard)
-        missing = [s for s in shards if s not in open_now and not self.is_cached(s)]
-        if not missing:
-            return {}
+            closed = [s for s in shards if s not in st.by_shard]
         batch: list[_CachedCopy] = []
         st.local.batch = batch
 
-        def get(shard: int) -> Any:
-            return self._cached_copy(shard, batch).reader
+        def get(shard: int, download: bool = True) -> Any:
+            copy = self._cached_copy(shard, batch, download)
+            return copy.reader if copy is not None else None
 
-        # Open the cached ones first, before the downloads can evict them.
-        opened = {s: get(s) for s in shards if s not in missing}
-        downloads = [(s, self.pool().submit(get, s)) for s in missing]
-        full = False
-        for s, f in downloads:  # all of them waited for: none pins a copy after we return
+        # Open the cached ones first, before the downloads can evict them (each checked
+        # once: the reads then find them open).
+        found = self._each(lambda s: get(s, False), closed)
+        missing = [s for s in closed if found is not None and found[s] is None]
+        if missing:
+            assert found is not None
+            opened = {s: get(s) for s in shards if s not in closed}
+            opened |= {s: r for s, r in found.items() if r is not None}
+            downloaded = self._each(get, missing)
+            if downloaded is not None:
+                return opened | downloaded
+        # Every copy open already, or no room for one: the batch's reads open them.
+        _release_batch(st)
+        return {}
+
+    def _each(self, get: Callable[[int], Any], shards: Sequence[int]) -> dict[int, Any] | None:
+        """``get(shard)`` of each of ``shards``, concurrently on ``pool()``, all of them
+        waited for (none pins a copy after this returns, nor after it raises the first
+        error); None once the cache's disk has no room (it said so: the shards are then
+        read by ranges)."""
+        got = [(s, self.pool().submit(get, s)) for s in shards]
+        wait([f for _, f in got])
+        out: dict[int, Any] | None = {}
+        for s, f in got:
             try:
-                opened[s] = f.result()
+                reader = f.result()
             except CacheDiskFullError as e:
                 self._cache_full(e)
-                full = True
-        if full:  # the batch's reads open their shards themselves, by ranges
-            _release_batch(st)
-            return {}
-        return opened
+                out = None
+            if out is not None:
+                out[s] = reader
+        return out
 
     def fetch(self, shard: int, nbytes: Callable[[int], int]) -> bool:
         """Put a local copy of remote ``shard`` (of ``nbytes(shard)`` bytes) in the cache;
