@@ -185,15 +185,6 @@ class CachedCopies:
             raise
         return reader, pin
 
-    def is_cached(self, shard: int) -> bool:
-        """Whether the cache holds a copy of ``shard``, of the version read."""
-        assert self.cache is not None
-        size, checksum = self.integrity(shard)
-        fs = self.state().fs
-        return self.cache.holds(
-            self.paths[shard], filesystem=fs, size=size, checksum=checksum, seen=self._seen(shard)
-        )
-
     def reader(self, shard: int) -> Any | None:
         """A reader of the local copy of remote ``shard`` (fetched on first access),
         open until the read that asked for it (:meth:`pinned`) ends, at least; None once
@@ -392,18 +383,21 @@ class CachedCopies:
     def fetch(self, shard: int, nbytes: Callable[[int], int]) -> bool:
         """Put a local copy of remote ``shard`` (of ``nbytes(shard)`` bytes) in the cache;
         whether it was downloaded now (False: already there, or no cache in use)."""
-        if not self.in_use() or self.is_cached(shard):
+        if not self.in_use():
             return False
         assert self.cache is not None
-        _, checksum = self.integrity(shard)
+        size, checksum = self.integrity(shard)
+        url, fs, seen = self.paths[shard], self.state().fs, self._seen(shard)
+        if self.cache.holds(url, filesystem=fs, size=size, checksum=checksum, seen=seen):
+            return False
         try:
             self.cache.fetch(
-                self.paths[shard],
-                filesystem=self.state().fs,
+                url,
+                filesystem=fs,
                 size=nbytes(shard),
                 checksum=checksum,
                 verify=self.verify,
-                seen=self._seen(shard),
+                seen=seen,
             )
         except CacheDiskFullError as e:
             self._cache_full(e)
