@@ -300,9 +300,7 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
-        got = self._fetch_locked(url, filesystem, size, checksum, None, verify, seen)
-        assert got is not None  # (downloaded where missing)
-        return got[0]
+        return self._fetch_locked(url, filesystem, size, checksum, None, verify, seen)[0]  # type: ignore[index]
 
     def fetch_open(
         self,

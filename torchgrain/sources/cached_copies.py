@@ -367,18 +367,14 @@ class CachedCopies:
         waited for (none pins a copy after this returns, nor after it raises the first
         error); None once the cache's disk has no room (it said so: the shards are then
         read by ranges)."""
-        got = [(s, self.pool().submit(get, s)) for s in shards]
-        wait([f for _, f in got])
-        out: dict[int, Any] | None = {}
-        for s, f in got:
-            try:
-                reader = f.result()
-            except CacheDiskFullError as e:
-                self._cache_full(e)
-                out = None
-            if out is not None:
-                out[s] = reader
-        return out
+        got = {s: self.pool().submit(get, s) for s in shards}
+        wait(got.values())
+        full = [e for f in got.values() if isinstance(e := f.exception(), CacheDiskFullError)]
+        for e in full:
+            self._cache_full(e)
+        # (any other error raised, the first shard's first)
+        out = {s: f.result() for s, f in got.items() if f.exception() not in full}
+        return None if full else out
 
     def fetch(self, shard: int, nbytes: Callable[[int], int]) -> bool:
         """Put a local copy of remote ``shard`` (of ``nbytes(shard)`` bytes) in the cache;
