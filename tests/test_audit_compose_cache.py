@@ -56,3 +56,17 @@ def test_an_index_file_that_shortens_the_last_document_loses_no_windows_silently
     w = ds.windows("t", 4, index_dir=tmp_path)
     with pytest.raises(CorruptDataError, match="document 2 "):
         w.__getitems__(list(range(len(w))))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="windows keep an in-memory list's index in memory only when the list is the "
+    "top source: under a concat it goes to the shared cache keyed by the list's length",
+)
+def test_windows_of_a_concatenation_of_lists_do_not_share_a_cached_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
+    for lengths in ((3, 5), (6, 2)):  # two lists of one length, other documents
+        docs = tg.concat([[{"t": np.arange(1, n + 1)} for n in lengths]])
+        windows = docs.windows("t", 2, progress=False)
+        assert len(windows) == 3
+        windows.__getitems__([0, 1, 2])  # a CorruptDataError: "the data changed"
