@@ -49,7 +49,7 @@ from torchgrain.sources.node_index.derived import (
     hash_parts,
 )
 
-__all__ = ["FilterView", "changes_with_epoch", "columns", "filter_dataset"]
+__all__ = ["FilterView", "changes_with_epoch", "columns", "filter_dataset", "identified"]
 
 _RANGES_PER_WORKER = 8  # ranges a pass is cut into, per worker (a balanced finish)
 _MAX_RANGE_BATCHES = 64  # batches per range at most (what a worker hands back at once)
@@ -154,7 +154,7 @@ def filter_dataset(
             "is found once (the predicate would not hold at other epochs); filter the "
             "data before random_map, or each dataset before mixing them"
         )
-    if index_dir is DEFAULT and not _identified(ds):
+    if index_dir is DEFAULT and not identified(ds):
         # Records held in memory (a list) are fingerprinted by type and length only: a
         # file in the shared cache could be the selection of another list of that length.
         index_dir = None
@@ -265,15 +265,25 @@ def changes_with_epoch(ds: Any, transforms: bool = True) -> str | None:
     return None
 
 
-def _identified(ds: Any) -> bool:
+def identified(ds: Any) -> bool:
     """Whether every source under ``ds`` reads files (so that its fingerprint changes
-    with its records), not records held in memory."""
+    with its records), not records held in memory: an index derived from ``ds`` may go
+    to the shared cache only then.
+
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_parquet(({"x": i} for i in range(3)), d)
+        >>> files, listed = tg.Dataset(tg.ParquetSource(d)), tg.Dataset([{"x": 0}])
+        >>> identified(files), identified(listed), identified(tg.concat([files, listed]))
+        (True, False, False)
+    """
     from torchgrain.adapters import SequenceSource
 
     if isinstance(ds, Dataset):
-        return _identified(ds._source)
+        return identified(ds._source)
     if isinstance(ds, View):
-        return all(_identified(c) for c in ds.children)
+        return all(identified(c) for c in ds.children)
     return isinstance(ds, Source) and not isinstance(ds, SequenceSource)
 
 
