@@ -22,6 +22,8 @@ unless said; the shapes of ``ab.py`` and ``parquet_ab.py``, fewer records):
 * ``ar-global`` / ``ar-block``: 100k msgpack records (64 bytes and a label), 8 zstd
   ArrayRecord shards from the C++ writer, ``GlobalShuffleSampler`` / ``BlockShuffleSampler``
   (window 8);
+* ``ar-single``: the same records one at a time, ``src[i]`` in a shuffled order (a
+  "batch": 256 calls);
 * ``tfrecord-global``: the same records as ``tf.train.Example`` in 8 TFRecord files;
 * ``pq-global`` / ``pq-block``: ``parquet_access.py``'s rows (~1 KiB each), 50k rows in 8
   files of 16 row groups, ``ParquetSource(cache_bytes=1 GiB)``, records;
@@ -67,6 +69,7 @@ sys.path.insert(0, HERE)
 from _common import describe_machine, print_table, write_json  # noqa: E402
 
 CASES = (
+    "ar-single",
     "ar-global",
     "ar-block",
     "tfrecord-global",
@@ -95,6 +98,9 @@ def _loader(case: str, data: str) -> tuple[Any, Any]:
     import torchgrain as tg
 
     batch, collate, order = 256, _passthrough, case.rsplit("-", 1)[-1]
+    if case == "ar-single":
+        singles = _Singles(tg.ArrayRecordSource(os.path.join(data, "ar")), batch)
+        return singles, singles
     if case.startswith("ar-"):
         ds = tg.Dataset(tg.ArrayRecordSource(os.path.join(data, "ar")))
     elif case == "tfrecord-global":
@@ -119,6 +125,24 @@ def _loader(case: str, data: str) -> tuple[Any, Any]:
         ds, batch_size=batch, sampler=sampler, collate_fn=collate, num_workers=0
     )
     return sampler, loader
+
+
+class _Singles:
+    """``src[i]`` for every record of ``src``, in an order shuffled per epoch, in lists of
+    ``batch`` (the sampler and loader of ``ar-single``)."""
+
+    def __init__(self, src: Any, batch: int) -> None:
+        self.src, self.batch, self.order = src, batch, None
+
+    def set_epoch(self, epoch: int) -> None:
+        import numpy as np
+
+        self.order = np.random.default_rng(epoch).permutation(len(self.src)).tolist()
+
+    def __iter__(self) -> Any:
+        src, order = self.src, self.order
+        for s in range(0, len(order), self.batch):
+            yield [src[i] for i in order[s : s + self.batch]]
 
 
 def _cpu() -> float:

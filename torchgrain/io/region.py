@@ -162,10 +162,10 @@ class ShardRegion:
         self.words.flags.writeable = False
         self.view = memoryview(self.u8)
         self._check = check
-        # Per shard and slot: 4 + 8 bytes (what a process keeps per shard).
+        # Per shard and slot: 4 + 12 bytes (what a process keeps per shard).
         self.slot_of = np.full(n, -1, dtype=np.int32)
         self.owner = np.full(slots, -1, dtype=np.int32)
-        self.used = np.zeros(slots, dtype=np.uint32)  # the batch that last used a slot
+        self.used = np.zeros(slots, dtype=np.int64)  # the read that last used a slot
         self.mapped = 0
         self.maps_done = 0  # shards mapped by this process (a counter for tests and stats)
         # Per slot: the mapped file's pin, and whether it is watched (changes are then
@@ -220,7 +220,9 @@ class ShardRegion:
                     return None
                 slots = self.slot_of[shards]
             self._verify(slots, changes.seen() if polled else changes.poll())
-            self._use(slots)
+            self._tick += 1  # (a count that never reaches 2**63)
+            self.used[slots] = self._tick
+            self._inflight += 1
         return slots * np.int64(self.slot_size)
 
     def acquire_one(self, shard: int, *, polled: bool = False) -> int | None:
@@ -237,17 +239,10 @@ class ShardRegion:
             seen = changes.seen() if polled else changes.poll()
             if seen != self._seen or not self._watched[k]:  # (else nothing to look at)
                 self._verify(np.array([k]), seen)
-            self._use(k)
+            self._tick += 1
+            self.used[k] = self._tick
+            self._inflight += 1
         return k * self.slot_size
-
-    def _use(self, slots: Any) -> None:
-        """Begin a read of ``slots`` (the lock held): stamp their last use."""
-        self._tick += 1
-        if self._tick >= 1 << 32:  # start the clock again, keeping the order
-            self.used[:] = np.argsort(np.argsort(self.used, kind="stable")) + 1
-            self._tick = int(self.used.max()) + 1
-        self.used[slots] = self._tick
-        self._inflight += 1
 
     def _verify(self, slots: np.ndarray, seen: int) -> None:
         """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if a shard of ``slots``

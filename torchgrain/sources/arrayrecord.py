@@ -138,8 +138,10 @@ class ArrayRecordSource(EncodedSource):
                 paths, opts.storage_options, opts.filesystem, opts.allow_external_paths
             )
         local = is_local(fs)
-        self._has_manifest = manifest is not None
-        self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if manifest is not None else None
+        has_manifest = manifest is not None
+        # (None: no manifest; no attribute says so: one more would leave the source's dict
+        # unshared, every attribute lookup of every read slower)
+        self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if has_manifest else None
         shard_paths = ShardPaths(files)
         counts = None
         manifest_codec = schema = None
@@ -204,10 +206,10 @@ class ArrayRecordSource(EncodedSource):
         if fresh and self._held is not None:
             # The footer reads found each file's size: a pass's cache-fit check asks for none.
             self.cache_fit.sizes = {k: p.size for k, p in enumerate(self._held) if p and p.size}
-        if not self._has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
+        if not has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(list(shard_paths), fs) or codec
-        if codec == "auto" and self._has_manifest:
+        if codec == "auto" and has_manifest:
             try:
                 self.codec: Codec = get_codec(manifest_codec)
             except ValueError as e:  # the dataset's word, not the caller's
@@ -258,18 +260,15 @@ class ArrayRecordSource(EncodedSource):
     ) -> ArrayRecordFile:
         """A reader of shard ``shard`` whose record count has been checked against the
         manifest's; a shard that is a directory or missing is an error naming it."""
-        version = None
-        if filesystem is not None:
-            # Range answers must be of the file the manifest lists (its size, if given), and
-            # of the version the dataset's opening read: one a later opening pinned is refused.
-            rpath, held = filesystem._strip_protocol(path), self._held_version(shard)
-            version = remote.Version(filesystem, rpath, self.shard_integrity(shard)[0], held)
+        # Range answers must be of the file the manifest lists (its size, if given), and of
+        # the version the dataset's opening read: one a later opening pinned is refused.
         f = ArrayRecordFile(
             path,
             filesystem=filesystem,
             verify_checksums=self._verify,
             max_chunk_bytes=self.max_chunk_bytes,
-            version=version,
+            size=None if filesystem is None else self.shard_integrity(shard)[0],
+            seen=self._held_version(shard),
         )
         try:
             self._check_count(shard, f)
@@ -287,7 +286,7 @@ class ArrayRecordSource(EncodedSource):
     def _shard_changed(self, shard: int, why: str) -> CorruptDataError:
         """The error for a shard that is not the file its index describes: the count
         error when it holds other records than the manifest lists, else the change."""
-        if self._has_manifest:
+        if self._manifest_dir is not None:
             f = ArrayRecordFile(self._paths[shard], max_chunk_bytes=self.max_chunk_bytes)
             try:
                 self._check_count(shard, f)
@@ -300,7 +299,7 @@ class ArrayRecordSource(EncodedSource):
             f"describes ({why}); "
             + (
                 "it was replaced after the dataset was written: rewrite the dataset"
-                if self._has_manifest
+                if self._manifest_dir is not None
                 else "it changed after the dataset was opened: open it again"
             )
         )
@@ -321,7 +320,7 @@ class ArrayRecordSource(EncodedSource):
 
     def _check_count(self, shard: int, f: ArrayRecordFile) -> None:
         """A shard must hold exactly the records the manifest promised (none skipped)."""
-        if not self._has_manifest:
+        if self._manifest_dir is None:
             return
         expected = int(self.index.counts[shard])
         n = f.num_records
@@ -597,7 +596,7 @@ class ArrayRecordSource(EncodedSource):
         """The dataset's ``torchgrain.json`` (None for files without one). A worker that
         received the source pickled reads it again on first use: its shard list costs
         every process hundreds of bytes per shard."""
-        if self._manifest is None and self._has_manifest:
+        if self._manifest is None and self._manifest_dir is not None:
             self._manifest = read_manifest(self._fs, self._manifest_dir)
         return self._manifest
 

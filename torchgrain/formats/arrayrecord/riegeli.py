@@ -263,10 +263,8 @@ class ChunkDecoder:
             raise ChunkDecodeError(
                 f"chunk header at offset {pos} runs past the chunk's end ({bound}): truncated"
             )
-        if hdr_end - pos != CHUNK_HEADER:  # a block header interrupts the chunk header
-            header = strip_block_headers(buf[: hdr_end - pos], pos)
-        else:
-            header = buf[:CHUNK_HEADER]
+        # (a view of the buffer, unless a block header interrupts the chunk header)
+        header = strip_block_headers(buf[: hdr_end - pos], pos)
         header_hash, data_size, data_hash, type_num, decoded = CHUNK_HEADER_STRUCT.unpack(header)
         if self._verify and riegeli_hash(header[8:]) != header_hash:
             raise ChunkDecodeError(f"chunk header at offset {pos} fails its checksum")
