@@ -48,11 +48,6 @@ def test_a_float32_and_a_float64_bound_that_print_alike_do_not_share_a_selection
     assert [r["x"] for r in kept] == [0.05]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="concat windows never read documents past the last window, so a cached index "
-    "that shortens the last document drops windows with no error",
-)
 def test_an_index_file_that_shortens_the_last_document_loses_no_windows_silently(tmp_path):
     docs = [np.arange(1, 5), np.arange(10, 13), np.arange(20, 30)]  # 4 + 3 + 10 tokens
     ds = tg.Dataset([{"t": t} for t in docs])

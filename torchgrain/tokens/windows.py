@@ -518,8 +518,9 @@ class TokenWindows(Composed):
 
     def _documents_of(self, idx: np.ndarray) -> list[np.ndarray]:
         """The documents each window in ``idx`` touches, in stream order; in concat mode
-        with the empty ones among them (read, so that an index that says a document is
-        empty is checked against its tokens: never skipped unread)."""
+        with the empty ones among them and, for the last window, every document after it
+        (read, so that each document's length in the index is checked against its
+        tokens: none is left unread)."""
         # An index file written or truncated since it was mapped is refused
         # (ChangedWhileOpen, naming it): a page past a truncated end is a SIGBUS.
         self._index.check_unchanged()
@@ -533,6 +534,7 @@ class TokenWindows(Composed):
         first = off.searchsorted(starts, side="right") - 1
         first[starts == 0] = 0  # (empty documents before the first token: window 0's)
         last = off.searchsorted(starts + L + 1, side="left")
+        last[idx == self._n - 1] = len(off) - 1  # (the tail: fewer than L + 1 tokens)
         return [np.arange(a, b, dtype=np.int64) for a, b in zip(first.tolist(), last.tolist())]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
@@ -561,7 +563,7 @@ class TokenWindows(Composed):
     def _augmented(self, t: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
         """Tokens ``[lo, hi)`` of ``[bos] + t + [eos]`` into ``out``."""
         nb = self.bos is not None
-        if nb and lo == 0:
+        if nb and lo == 0 < hi:  # (hi 0: a document after the last window's tokens)
             out[0] = self.bos
         tl, th = max(lo - nb, 0), min(hi - nb, len(t))
         if th > tl:
