@@ -22,11 +22,6 @@ def test_a_filter_of_the_documents_themselves_is_refused():
         _noisy_documents().filter(lambda r: True, index_dir=None, progress=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="changes_with_epoch looks under Views only, not under token windows (a "
-    "Composed): a filter of windows of random_map'd documents is built at one epoch",
-)
 def test_a_filter_of_windows_of_documents_that_change_with_the_epoch_is_refused():
     windows = _noisy_documents().windows("t", 4, index_dir=None, progress=False)
     with pytest.raises(TypeError, match="random_map"):
@@ -39,11 +34,6 @@ def test_a_filter_of_windows_of_documents_that_change_with_the_epoch_is_refused(
             assert all(r["input_ids"].max() > 7 for r in kept)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_identified looks under Views only: windows of an in-memory list count as "
-    "files, so a filter of them uses the shared cache keyed by the list's length",
-)
 def test_a_filter_of_windows_of_records_in_memory_is_not_shared_through_the_cache(
     tmp_path, monkeypatch
 ):

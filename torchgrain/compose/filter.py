@@ -35,7 +35,7 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.compose.view import View, adapt, read_column_pairs, short_repr
+from torchgrain.compose.view import Composed, View, adapt, read_column_pairs, short_repr
 from torchgrain.dataset import Dataset, describe_fn
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.protocols import HasBlockOffsets
@@ -257,7 +257,7 @@ def changes_with_epoch(ds: Any, transforms: bool = True) -> str | None:
         return changes_with_epoch(ds.items, transforms)
     if isinstance(ds, Mix):
         return f"the mixture {short_repr(ds)}"
-    if isinstance(ds, View):
+    if isinstance(ds, Composed):  # a view, token windows: what it reads is its children's
         for child in ds.children:
             found = changes_with_epoch(child, transforms)
             if found is not None:
@@ -282,7 +282,7 @@ def identified(ds: Any) -> bool:
 
     if isinstance(ds, Dataset):
         return identified(ds._source)
-    if isinstance(ds, View):
+    if isinstance(ds, Composed):
         return all(identified(c) for c in ds.children)
     return isinstance(ds, Source) and not isinstance(ds, SequenceSource)
 
