@@ -16,10 +16,6 @@ from torchgrain.errors import CorruptDataError
 from torchgrain.sources.node_index.derived import derived_index
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pushed-down expression is keyed by str(expr), which elides long is_in value sets",
-)
 def test_two_is_in_expressions_that_print_alike_do_not_share_a_selection(tmp_path):
     tg.write_parquet(({"x": i} for i in range(200)), str(tmp_path / "data"))
     ds = tg.Dataset(tg.ParquetSource(str(tmp_path / "data")))
@@ -33,11 +29,6 @@ def test_two_is_in_expressions_that_print_alike_do_not_share_a_selection(tmp_pat
     assert sorted(r["x"] for r in kept) == sorted(second)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pushed-down expression is keyed by str(expr): a float32 and a float64 "
-    "bound both print as 0.1",
-)
 def test_a_float32_and_a_float64_bound_that_print_alike_do_not_share_a_selection(tmp_path):
     tg.write_parquet(({"x": v} for v in [0.05, 0.1, 0.2]), str(tmp_path / "data"))
     ds = tg.Dataset(tg.ParquetSource(str(tmp_path / "data")))

@@ -169,7 +169,7 @@ def filter_dataset(
                 f"(this is {ds!r}); filter it before the transforms, or give a function"
             )
         what = f"expression {predicate}"
-        ident = name if name is not None else hash_parts("expression", str(predicate))
+        ident = name if name is not None else _expression_key(predicate)
         mode = "pushdown"
     else:
         if not callable(predicate):
@@ -285,6 +285,22 @@ def identified(ds: Any) -> bool:
     if isinstance(ds, Composed):
         return all(identified(c) for c in ds.children)
     return isinstance(ds, Source) and not isinstance(ds, SequenceSource)
+
+
+def _expression_key(expr: Any) -> str:
+    """What keys a pushed-down expression's selection: a hash of its serialized form
+    (Arrow's, holding every value and type, the same in every process), not its
+    ``str``, which elides long ``is_in`` sets and prints ``float32(0.1)`` as ``0.1``."""
+    import pickle
+
+    try:
+        data = pickle.dumps(expr, protocol=4)
+    except Exception as e:
+        raise TypeError(
+            f"cannot key the selection of expression {short_repr(str(expr))}: it does not "
+            f"serialize ({type(e).__name__}: {e}); give the filter a name="
+        ) from e
+    return hash_parts("expression", data)
 
 
 def _is_expression(predicate: Any) -> bool:
