@@ -60,11 +60,6 @@ def test_an_index_file_that_shortens_the_last_document_loses_no_windows_silently
         w.__getitems__(list(range(len(w))))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="windows keep an in-memory list's index in memory only when the list is the "
-    "top source: under a concat it goes to the shared cache keyed by the list's length",
-)
 def test_windows_of_a_concatenation_of_lists_do_not_share_a_cached_index(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHGRAIN_CACHE", str(tmp_path / "cache"))
     for lengths in ((3, 5), (6, 2)):  # two lists of one length, other documents

@@ -28,9 +28,8 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from torchgrain.adapters import SequenceSource
 from torchgrain.columns import Ragged
-from torchgrain.compose.filter import changes_with_epoch
+from torchgrain.compose.filter import changes_with_epoch, identified
 from torchgrain.compose.view import Composed
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
@@ -789,9 +788,9 @@ def windows(
             ``bos``/``eos`` when the index is built (those documents' tokens are read
             then: no pack-mode window reads them).
         index_dir: where the node-shared index files live (default: the torchgrain
-            cache's ``windows-index``; this process's memory for an in-memory sequence,
-            which nothing on disk tells apart from another of its length); None keeps
-            them in this process's memory.
+            cache's ``windows-index``; this process's memory when records held in
+            memory are among the documents' sources, which nothing on disk tells apart
+            from others of their length); None keeps them in this process's memory.
         num_workers: processes of the pass that measures document lengths (default: up
             to 8 for large datasets, none for small ones).
         progress: show a progress bar during that pass.
@@ -835,9 +834,9 @@ def windows(
         lengths = f"num_{column}" if auto and f"num_{column}" in ds.keys else None
     if lengths is not None and not isinstance(lengths, str):
         raise TypeError(f"lengths must be a record key (a str) or None, got {lengths!r}")
-    if index_dir is DEFAULT and isinstance(ds._source, SequenceSource):
-        # An in-memory sequence is fingerprinted by its type and length alone: two lists
-        # of one length would share one cached index (and fail as changed data when read).
+    if index_dir is DEFAULT and not identified(ds):
+        # Records held in memory are fingerprinted by their type and length alone: two
+        # lists of one length would share one cached index (and fail as changed data).
         index_dir = None
     docs = _Documents(ds, column, tokenizer, lengths)
     special = (bos is not None) + (eos is not None)
