@@ -8,8 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 import torchgrain as tg
 
 _FILTER = textwrap.dedent(
@@ -24,11 +22,6 @@ _FILTER = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a predicate's set constant is keyed by its repr, whose order follows the "
-    "process's string hash seed: each process builds its own selection",
-)
 def test_processes_with_other_hash_seeds_share_one_selection(tmp_path):
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     langs = ["en", "de", "xx", "fr", "es", "it", "pt", "zz"] * 4
@@ -46,3 +39,79 @@ def test_processes_with_other_hash_seeds_share_one_selection(tmp_path):
         )
         paths.add(out.stdout.strip())
     assert len(paths) == 1, paths
+
+
+_PUSHDOWN = textwrap.dedent(
+    """
+    import sys
+    import pyarrow as pa, pyarrow.compute as pc
+    import torchgrain as tg
+    ds = tg.Dataset(tg.ParquetSource(sys.argv[1]))
+    expr = pc.field("lang").isin(["en", "de", "fr"]) & (pc.field("x") < pa.scalar(0.5, pa.float32()))
+    kept = ds.filter(expr, index_dir=sys.argv[2], progress=False)
+    print(kept.source.index.path, len(kept))
+    """
+)
+
+
+def test_processes_with_other_hash_seeds_share_one_pushed_down_selection(tmp_path):
+    data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
+    langs = ["en", "de", "xx", "fr"] * 4
+    tg.write_parquet(({"lang": lang, "x": k / 16} for k, lang in enumerate(langs)), data)
+    got = set()
+    for hash_seed in ("1", "2", "3"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "NO_ALBUMENTATIONS_UPDATE": "1"}
+        out = subprocess.run(
+            [sys.executable, "-c", _PUSHDOWN, data, index_dir],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        got.add(out.stdout.strip())
+    assert len(got) == 1 and got.pop().endswith(" 6"), got
+    assert len([f for f in os.listdir(index_dir) if f.endswith(".tgindex")]) == 1
+
+
+_FINGERPRINTS = textwrap.dedent(
+    """
+    import functools
+    from torchgrain.sources.node_index.derived import callable_fingerprint
+
+    def allowed(r, langs=frozenset()):
+        return r["lang"] in langs
+
+    def closure(langs):
+        return lambda r: r["lang"] in langs
+
+    class Keeps:
+        def __init__(self):
+            self.langs = {"tags": [{"en", "de", "fr"}, frozenset({("es", 1), ("it", 2)})]}
+
+        def __call__(self, r):
+            return r["lang"] in self.langs["tags"][0]
+
+    print(
+        callable_fingerprint(closure({"en", "de", "fr", "es", "it", "pt"})),
+        callable_fingerprint(functools.partial(allowed, langs={"en", "de", "fr", "es"})),
+        callable_fingerprint(Keeps()),
+    )
+    """
+)
+
+
+def test_sets_in_closures_partials_and_objects_fingerprint_alike_in_every_process():
+    got = set()
+    for hash_seed in ("1", "2", "3", "4"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "NO_ALBUMENTATIONS_UPDATE": "1"}
+        out = subprocess.run(
+            [sys.executable, "-c", _FINGERPRINTS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        got.add(out.stdout.strip())
+    assert len(got) == 1, got

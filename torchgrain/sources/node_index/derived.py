@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
 import pickle
 import types
@@ -207,8 +208,19 @@ def _code_parts(code: types.CodeType, seen: set[int]) -> list[Any]:
                 seen.add(id(c))
                 parts.extend(_code_parts(c, seen))
         else:
-            parts.append(repr(c))
+            parts.append(_const_repr(c))
     return parts
+
+
+def _const_repr(c: Any) -> str:
+    """``repr`` of a code constant, a frozenset's elements sorted (its own order follows
+    the process's string hash seed: ``x in {"a", "b"}``)."""
+    if isinstance(c, frozenset):
+        return "frozenset({" + ", ".join(sorted(map(_const_repr, c))) + "})"
+    if isinstance(c, tuple):
+        inner = [_const_repr(x) for x in c]
+        return "(" + ", ".join(inner) + ("," if len(inner) == 1 else "") + ")"
+    return repr(c)
 
 
 def callable_fingerprint(fn: Any) -> str:
@@ -228,7 +240,7 @@ def callable_fingerprint(fn: Any) -> str:
     """
     if isinstance(fn, functools.partial):
         return hash_parts(
-            "partial", callable_fingerprint(fn.func), fn.args, sorted(fn.keywords.items())
+            "partial", callable_fingerprint(fn.func), _value(fn.args), _value(fn.keywords)
         )
     if isinstance(fn, types.MethodType):  # its object's state too, not only its code
         return hash_parts("method", callable_fingerprint(fn.__func__), _value(fn.__self__))
@@ -246,8 +258,8 @@ def callable_fingerprint(fn: Any) -> str:
             fn.__module__,
             fn.__qualname__,
             *_code_parts(code, set()),
-            fn.__defaults__,
-            sorted((fn.__kwdefaults__ or {}).items()),
+            _value(fn.__defaults__),
+            _value(fn.__kwdefaults__),
             *cells,
         )
     if isinstance(fn, (types.BuiltinFunctionType, type)):
@@ -258,13 +270,40 @@ def callable_fingerprint(fn: Any) -> str:
 
 
 def _value(v: Any) -> str:
-    """A stable digest of a value: its pickle, else its repr."""
+    """A stable digest of a value: its pickle (sets anywhere in it sorted), else its repr.
+
+    Example:
+        >>> _value({"en", "de"}) == _value({"de", "en"}) != _value({"en"})
+        True
+    """
     if isinstance(v, np.ndarray):
         return hash_parts(v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
     try:
-        return hash_parts(pickle.dumps(v, protocol=4))
+        out = io.BytesIO()
+        _SortedSets(out, protocol=4).dump(v)
+        return hash_parts(out.getvalue())
     except Exception:
         return hash_parts(type(v).__qualname__, repr(v))
+
+
+class _SortedSets(pickle.Pickler):
+    """A pickler that writes a set or frozenset as its type and its elements' digests,
+    sorted: a set's own order follows the process's string hash seed."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, (set, frozenset)):
+            elements = sorted(map(_element_key, obj))
+            return ("set", type(obj).__module__, type(obj).__qualname__, elements)
+        return None
+
+
+_ATOMIC = frozenset({str, bytes, int, float, complex, bool, type(None)})
+
+
+def _element_key(x: Any) -> bytes:
+    """What a set's element is sorted and keyed by: its pickle (a str, a number), else
+    its digest (:func:`_value`)."""
+    return pickle.dumps(x, protocol=4) if type(x) in _ATOMIC else _value(x).encode()
 
 
 def _file_identity(path: str) -> tuple[Any, ...]:
