@@ -543,6 +543,13 @@ class TokenWindows(Composed):
             return []
         # One batched read for the whole batch: each document once.
         wanted = np.unique(np.concatenate(per_window))
+        read = self._read(wanted)
+        tokens = dict(zip(wanted.tolist(), read))
+        build = self._concat_window if self.mode == "concat" else self._packed_window
+        return [build(i, d, tokens) for i, d in zip(idx.tolist(), per_window)]
+
+    def _read(self, wanted: np.ndarray) -> list[np.ndarray]:
+        """The tokens of documents ``wanted``, each checked against its length in the index."""
         read = self._docs.read(wanted)
         special = (self.bos is not None) + (self.eos is not None)
         expect = self.offsets[wanted + 1] - self.offsets[wanted] - special
@@ -555,9 +562,7 @@ class TokenWindows(Composed):
                 f"({self._index.path or 'in memory'}) says {int(expect[k])}: the data "
                 "changed since the index was built"
             )
-        tokens = dict(zip(wanted.tolist(), read))
-        build = self._concat_window if self.mode == "concat" else self._packed_window
-        return [build(i, d, tokens) for i, d in zip(idx.tolist(), per_window)]
+        return read
 
     def _augmented(self, t: np.ndarray, lo: int, hi: int, out: np.ndarray) -> None:
         """Tokens ``[lo, hi)`` of ``[bos] + t + [eos]`` into ``out``."""
@@ -924,4 +929,7 @@ def windows(
                 stacklevel=3,
             )
     view = TokenWindows(docs, index, seq_len, bos=bos, eos=eos, mode=mode, pad_id=pad_id, bins=bins)
+    if not len(view):  # no window reads the documents (fewer than seq_len + 1 tokens)
+        for a in range(0, n, _CHUNK):
+            view._read(np.arange(a, min(n, a + _CHUNK)))
     return WindowDataset(view, batch_format=ds.batch_format)
