@@ -279,8 +279,7 @@ class ShardedSource(Source):
 
     def _hold_pins(self) -> None:
         """Keep the versions of the remote files this opening pinned: its pickle carries
-        them, not those a later opening in this process pins of a file replaced since
-        (a subclass whose opening pins after :meth:`_init_shards` calls it again)."""
+        them, not those a later opening in this process pins of a file replaced since."""
         self._held = remote.held_pins(self._fs, self._paths)
 
     def _make_helpers(self, sizes: Mapping[int, int] | None) -> None:

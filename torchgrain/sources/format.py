@@ -365,8 +365,7 @@ class FormatSource(ShardedSource):
             for shard in opened.values():
                 shard.close()
             raise
-        self._init_shards(filesystem=fs, paths=files, counts=counts, options=opts)
-        self.cache_fit.sizes = sizes
+        self._init_shards(filesystem=fs, paths=files, counts=counts, options=opts, sizes=sizes)
         self._proc().readers.update(sorted(opened.items()))
 
     # ---------------------------------------------------------------- contract
