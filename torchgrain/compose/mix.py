@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from torchgrain.compose.concat import Concat, named_datasets
-from torchgrain.compose.view import View, check_indices
+from torchgrain.compose.view import View, check_indices, short_repr
 from torchgrain.dataset import Dataset, EpochCell
 from torchgrain.sampling.permutation import KeyedPermutations
 
@@ -62,8 +62,14 @@ def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
     for w in weights:
         if isinstance(w, bool) or not isinstance(w, (int, float, Fraction, np.number)):
             raise TypeError(f"{what} must be numbers, got {w!r}")
-        if not math.isfinite(float(w)) or w < 0:
-            raise ValueError(f"{what} must be finite and >= 0, got {w!r}")
+        try:
+            finite = math.isfinite(float(w))
+        except OverflowError:  # an int or Fraction past a float's range
+            finite = False
+        if not finite or w < 0:
+            raise ValueError(
+                f"{what} must be finite and >= 0 (within a float's range), got {_number(w)}"
+            )
         # A float is taken as the shortest decimal that reads back as it (0.6 is 3/5,
         # not 0.59999999999999997779...), so that [0.6, 0.4] of 60 records is 100.
         out.append(Fraction(w) if isinstance(w, (int, Fraction)) else Fraction(repr(float(w))))
@@ -71,6 +77,14 @@ def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
     if total == 0:
         raise ValueError(f"{what} must not all be 0")
     return [f / total for f in out]
+
+
+def _number(w: Any) -> str:
+    """``w`` for an error message: cut short, an integer too long to print by its size."""
+    try:
+        return short_repr(w)
+    except ValueError:  # past Python's int printing limit (4300 digits)
+        return f"an integer of {w.bit_length()} bits"
 
 
 def mixture_weights(
