@@ -311,6 +311,9 @@ class Composed(Source):
         [0, 1, 2, 2, 0]
     """
 
+    #: The datasets it reads (an attribute or a property): every walk of a composition
+    #: (``set_epoch``, the pass, what changes with the epoch, what reads files) goes
+    #: through it.
     children: tuple[Any, ...]
 
     @abc.abstractmethod
