@@ -60,7 +60,7 @@ for several ranges, as S3 and GCS do) and on nginx answering multi-range request
 * ``gap_<K>k`` (``--gaps``): ``after`` with another single-range gap, for tuning.
 
 Targets (one-range store): ``after`` at least ``per_record``'s and ``earlier``'s rate.
-Writes benchmarks/results/remote_global_coalescing.json.
+Writes benchmarks/results/remote_global_coalescing.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -436,9 +436,10 @@ def coalescing_main(a: argparse.Namespace) -> None:
         }
         print(json.dumps(out["targets"], indent=1))
         os.makedirs(RESULTS_DIR, exist_ok=True)
-        with open(os.path.join(RESULTS_DIR, "remote_global_coalescing.json"), "w") as f:
+        name = a.out or "remote_global_coalescing.json"
+        with open(os.path.join(RESULTS_DIR, name), "w") as f:
             json.dump(out, f, indent=1)
-        print("wrote benchmarks/results/remote_global_coalescing.json")
+        print(f"wrote benchmarks/results/{name}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
