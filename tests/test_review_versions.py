@@ -114,13 +114,6 @@ def test_a_spawned_copy_of_old_and_new_sources_of_one_file_reads_the_new_one(tmp
             child[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ShardCache._fetch_locked unlinks a copy whose record names another version and "
-    "downloads the file before checking the version: a spawned worker of a source opened "
-    "before a re-upload deletes the copy a source opened since made in the same cache_dir, "
-    "and fetches the whole new file, only to refuse it",
-)
 @pytest.mark.timeout(60)
 def test_a_spawned_old_source_leaves_the_new_versions_cached_copy(tmp_path, monkeypatch):
     (tmp_path / "tf").mkdir()

@@ -377,6 +377,8 @@ class ShardCache(NodeStore):
             ):
                 self._count(hits=1, waits=int(waited))
                 return path, file_identity(st), opener(path) if opener else None
+            if version and self._of_another_version(path, version):
+                self._refuse_replaced(fs, rpath, url)  # (else an older copy: fetched again)
             if os.path.lexists(path):  # of the wrong size, failed its check, not a file
                 try:
                     self._unlink(path)
@@ -645,6 +647,33 @@ class ShardCache(NodeStore):
             str(etag) if etag else None,
             str(modified) if modified else None,
         )
+
+    def _of_another_version(self, path: str, version: str) -> bool:
+        """Whether the copy at ``path`` is a complete one its record names another
+        version of than ``version`` (no version: one the store named none for)."""
+        st = _copy_stat(path, None)
+        recorded = read_record(self._sum_path(path))
+        if st is None or recorded is None or recorded[1] != st.st_size:
+            return False
+        return read_record(self._sum_path(path), version) is None
+
+    def _refuse_replaced(self, fs: fsspec.AbstractFileSystem, rpath: str, url: str) -> None:
+        """Ask the store for ``rpath``'s version (one ``info`` request): one other than
+        this process pinned (the file replaced since the reader's dataset was opened; a
+        copy of another version is the newer one's) is a RemoteIOError naming ``url``,
+        and that copy is neither deleted nor downloaded again."""
+        try:
+            retry_call(self._observe, fs, rpath, url, what="version lookup", **self._retrying(url))
+        except (RemoteIOError, responses.RangeAnswerError) as e:
+            cause = e if isinstance(e, responses.RangeAnswerError) else e.__cause__
+            if not isinstance(cause, responses.RangeAnswerError):
+                raise
+            raise RemoteIOError(
+                f"{url} was replaced on the server since the source reading it was opened "
+                f"(the store serves another version than the one pinned then); its copy in "
+                f"{self.directory}, of another version, is kept for the sources opened since. "
+                "Open the source again to read the new file."
+            ) from None
 
     def _sum_path(self, path: str) -> str:
         return os.path.join(self.directory, SUM_DIR, os.path.basename(path))
