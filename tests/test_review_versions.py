@@ -30,12 +30,6 @@ def _two_versions(tmp_path) -> tuple[str, bytes]:
     return shard, (tmp_path / "v2" / shard).read_bytes()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ArrayRecordFile built without seen= takes this process's pin at construction "
-    "(remote.Version), not at its first read: a reader that has read nothing yet is refused "
-    "the version a later opening pinned, which a reader built a moment later reads",
-)
 @pytest.mark.timeout(60)
 def test_a_remote_arrayrecord_file_that_read_nothing_reads_the_version_pinned_since(tmp_path):
     shard, new = _two_versions(tmp_path)

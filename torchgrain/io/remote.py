@@ -622,12 +622,16 @@ def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None
 
 
 class Version:
-    """The version of remote file ``path`` (of ``fs``) that a reader takes offsets from:
+    """The version of remote file ``path`` (of ``fs``) that a reader takes offsets from.
+
     ``size`` is pinned (:func:`pin`; ``fresh``: taken anew, an opening of the file as it
     is now), and ``seen`` is kept, the ``(size, ETag, Last-Modified)`` a source's opening
-    read (None: what this process has pinned now). :meth:`check`, after each read, raises
-    a :class:`~torchgrain.RemoteIOError` once a later opening in this process has pinned
-    another (see :func:`unchanged_since`). Local and in-memory files: never raises.
+    read (None: the reader read nothing of the file yet; its version is the one its
+    first read finds).
+
+    :meth:`check`, after each read, raises a :class:`~torchgrain.RemoteIOError` once a
+    later opening in this process has pinned another version (see :func:`unchanged_since`).
+    Local and in-memory files: never raises.
 
     Example:
         >>> import fsspec
@@ -641,10 +645,11 @@ class Version:
     ) -> None:
         pin(fs, path, size, fresh=fresh)
         self.fs, self.path = fs, path
-        self.seen = unchanged_since(fs, path, seen)
+        self.seen = unchanged_since(fs, path, seen) if seen is not None else None
 
     def check(self) -> None:
-        """Raise if this process has pinned another version of the file since."""
+        """Raise if this process has pinned another version of the file than the reader's
+        (its first read's, where it was given none)."""
         self.seen = unchanged_since(self.fs, self.path, self.seen)
 
 

@@ -98,7 +98,7 @@ class ArrayRecordFile(OneRecordBatches):
             be of a file of this size (see :class:`torchgrain.io.remote.Version`).
         seen: the ``(size, ETag, Last-Modified)`` of a remote file that the dataset's
             opening read: a version pinned since by a later opening is refused (default:
-            the one this process has pinned now, if any).
+            the one its first read finds).
 
     Raises:
         CorruptDataError: (on first use) not an ArrayRecord file, truncated, or corrupt
