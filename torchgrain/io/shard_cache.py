@@ -3,7 +3,8 @@
 A copy is of one version of its remote file: without a checksum in the manifest, its record
 names the version (the ``ETag``, else ``Last-Modified``) that this process pins for the file
 (:func:`torchgrain.io.remote.pin`: from the dataset's opening and its answers, else asked once
-with one ``info`` request), a copy of another version is a miss (downloaded again), and a
+with one ``info`` request), a copy of another version is a miss (downloaded again where
+the store still serves the pinned one; else kept, the newer one's, and the reader refused), and a
 download is checked against the pinned version after it arrives (a file changed on the server
 is a :class:`~torchgrain.RemoteIOError`, as without the cache). A reader passes the version
 its dataset's opening read (``seen``): where a later opening in the process pinned another
@@ -277,7 +278,8 @@ class ShardCache(NodeStore):
                 ``verify_hits``).
             checksum: the expected checksum, checked before the copy is published.
                 Without one, a remote copy is of the version this process reads (see
-                the module docstring): a copy of another version is fetched again.
+                the module docstring): a copy of another version is fetched again, unless
+                the store serves another version than pinned (a RemoteIOError; the copy kept).
             verify: ``verify(path, checksum, name=...)`` raising
                 :class:`~torchgrain.CorruptDataError` on a mismatch (default: a whole-file
                 hash, ``blake2b-file:...`` or ``[hashlib algorithm:]hexdigest``; sources
@@ -669,10 +671,10 @@ class ShardCache(NodeStore):
             if not isinstance(cause, responses.RangeAnswerError):
                 raise
             raise RemoteIOError(
-                f"{url} was replaced on the server since the source reading it was opened "
-                f"(the store serves another version than the one pinned then); its copy in "
-                f"{self.directory}, of another version, is kept for the sources opened since. "
-                "Open the source again to read the new file."
+                f"{url} changed on the server: it was replaced since the source reading it "
+                "was opened (the store serves another version than the one pinned then); its "
+                f"copy in {self.directory}, of another version, is kept for the sources opened "
+                "since. Open the source again to read the new file."
             ) from None
 
     def _sum_path(self, path: str) -> str:
