@@ -44,13 +44,6 @@ def test_a_remote_arrayrecord_file_that_read_nothing_reads_the_version_pinned_si
         assert b"b0" in early.read([0])[0]  # refused: "changed since it was read from"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="remote.Version pins the size it is given before checking seen=: a reader of an "
-    "old manifest's source, reopened after a re-upload of another size, re-pins the old size "
-    "(pin() replaces a pin of another size), and the source opened since on the new files "
-    "has its open reader's answers refused",
-)
 @pytest.mark.timeout(60)
 def test_an_old_sources_refused_reopen_leaves_the_new_sources_pin(tmp_path):
     (tmp_path / "www").mkdir()

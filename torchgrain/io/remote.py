@@ -624,10 +624,12 @@ def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None
 class Version:
     """The version of remote file ``path`` (of ``fs``) that a reader takes offsets from.
 
+    ``seen``: the ``(size, ETag, Last-Modified)`` a source's opening read. It is checked
+    against this process's pin now: a later opening that pinned another version refuses
+    the reader at once, and the reader never pins another size over it (it pins ``size``
+    only of a file nothing has pinned). None: the reader read nothing of the file yet;
     ``size`` is pinned (:func:`pin`; ``fresh``: taken anew, an opening of the file as it
-    is now), and ``seen`` is kept, the ``(size, ETag, Last-Modified)`` a source's opening
-    read (None: the reader read nothing of the file yet; its version is the one its
-    first read finds).
+    is now) and the version is the one its first read finds.
 
     :meth:`check`, after each read, raises a :class:`~torchgrain.RemoteIOError` once a
     later opening in this process has pinned another version (see :func:`unchanged_since`).
@@ -643,9 +645,16 @@ class Version:
     def __init__(
         self, fs: Any, path: str, size: int | None, seen: tuple | None, fresh: bool = False
     ) -> None:
-        pin(fs, path, size, fresh=fresh)
         self.fs, self.path = fs, path
-        self.seen = unchanged_since(fs, path, seen) if seen is not None else None
+        if seen is None:
+            pin(fs, path, size, fresh=fresh)
+        else:
+            if seen[0] is None and size is not None:
+                seen = (int(size), *seen[1:])
+            seen = unchanged_since(fs, path, seen)  # (raises: another version pinned since)
+            if seen is not None and pinned(path) is None:
+                pin(fs, path, seen[0])
+        self.seen = seen
 
     def check(self) -> None:
         """Raise if this process has pinned another version of the file than the reader's
