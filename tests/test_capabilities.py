@@ -77,6 +77,7 @@ def test_each_source_under_a_composition_reads_ahead_its_own_indices_in_pass_ord
         for d in range(len(docs))
         if (off[d + 1] > off[d] and off[d] < (i + 1) * 3 + 1 and off[d + 1] > i * 3)
         or (off[d + 1] == off[d] and (i * 3 < off[d] <= i * 3 + 3 or i == off[d] == 0))
+        or (i == len(wins) - 1 and off[d] >= i * 3)  # the last one: every document after it
     ]
     first = list(dict.fromkeys(touched))
     for src in (f, g):
