@@ -70,13 +70,6 @@ def test_an_old_sources_refused_reopen_leaves_the_new_sources_pin(tmp_path):
         assert new[1]["v"].startswith("v21")  # refused: the old size pinned again
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore_pins raises at unpickling when two sources of one dataset hold two "
-    "versions of a file: a spawned worker cannot load a dataset that concatenates a source "
-    "opened before a re-upload with one opened after, though the parent and forked workers "
-    "read the new source and refuse only the old one's reads",
-)
 @pytest.mark.timeout(60)
 def test_a_spawned_copy_of_old_and_new_sources_of_one_file_reads_the_new_one(tmp_path, monkeypatch):
     (tmp_path / "tf").mkdir()

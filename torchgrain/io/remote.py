@@ -78,6 +78,7 @@ from torchgrain.io.paths import is_http
 from torchgrain.io.responses import (
     RangeAnswerError,
     ResponseSizeError,
+    _Pin,
     check_file_answer,
     pinned,
     read_capped,
@@ -118,6 +119,7 @@ __all__ = [
     "pin",
     "pins_of",
     "redirect_refusal",
+    "replaced_pins",
     "restore_pins",
     "storage_options_with_deadlines",
 ]
@@ -714,42 +716,91 @@ def pins_of(
     return [one(k, p) for k, p in enumerate(paths)]
 
 
-def restore_pins(
+def replaced_pins(
     fs: fsspec.AbstractFileSystem, paths: Sequence[str], pins: list[tuple | None] | None
-) -> None:
+) -> list[int] | None:
+    """Where :func:`pins_of`'s ``pins`` of ``paths`` are not what this process pins now:
+    versions a later opening here replaced (a file re-uploaded since), which a copy of
+    the source holds but never pins in its process (see :func:`restore_pins`). None: none.
+
+    Example:
+        >>> from fsspec.implementations.http import HTTPFileSystem
+        >>> fs = HTTPFileSystem()
+        >>> pin(fs, "http://h/q", 3)
+        >>> replaced_pins(fs, ["http://h/q"], [(3, None, None)]) is None
+        True
+        >>> replaced_pins(fs, ["http://h/q"], [(4, None, None)])
+        [0]
+    """
+    out = []
+    for k, (path, held) in enumerate(zip(paths, pins or ())):
+        now = pinned(fs._strip_protocol(path)) if held is not None else None
+        if now is not None and _differ(held, (now.size, now.etag, now.modified)):
+            out.append(k)
+    return out or None
+
+
+def _differ(a: tuple, b: tuple) -> bool:
+    return any(x is not None and y is not None and x != y for x, y in zip(a, b))
+
+
+def restore_pins(
+    fs: fsspec.AbstractFileSystem,
+    paths: Sequence[str],
+    pins: list[tuple | None] | None,
+    replaced: Sequence[int] | None = None,
+) -> list[Any] | None:
     """Pin in this process what :func:`pins_of` found of ``paths`` in another, where this
-    one has pinned nothing of them yet.
+    one has pinned nothing of them yet; return the versions the unpickled source holds
+    (as :func:`held_pins` does): those pickled. The versions ``replaced`` there by a later
+    opening (:func:`replaced_pins`) are held, never pinned or checked here: as in the
+    process it was pickled in, the source is refused when it reads such a file
+    (:class:`Version`), and other sources of the file read. ``pins`` None (local files):
+    what this process pins now.
 
     Raises:
-        RemoteIOError: this process has pinned another version of one of the files (a
-            later opening of a file replaced since), naming its URL: offsets taken from
+        RemoteIOError: this process has pinned another version of one of the other files
+            (a later opening of a file replaced since), naming its URL: offsets taken from
             one version never index the other.
 
     Example:
         >>> from fsspec.implementations.http import HTTPFileSystem
         >>> fs = HTTPFileSystem()
-        >>> restore_pins(fs, ["http://h/r"], [(3, '"v1"', None)])
-        >>> pins_of(fs, ["http://h/r"])
-        [(3, '"v1"', None)]
+        >>> held = restore_pins(fs, ["http://h/r"], [(3, '"v1"', None)])
+        >>> pins_of(fs, ["http://h/r"]), held == held_pins(fs, ["http://h/r"])
+        ([(3, '"v1"', None)], True)
+        >>> old = restore_pins(fs, ["http://h/r"], [(3, '"v0"', None)], replaced=[0])
+        >>> pins_of(fs, ["http://h/r"]), pins_of(fs, ["http://h/r"], old)
+        ([(3, '"v1"', None)], [(3, '"v0"', None)])
         >>> restore_pins(fs, ["http://h/r"], [(3, '"v0"', None)])
         Traceback (most recent call last):
         ...
         torchgrain.errors.RemoteIOError: http://h/r: this process has read another version of the file (size, ETag, Last-Modified: (3, '"v1"', None)) than the dataset's opening did ((3, '"v0"', None)): the file changed on the server since; open the dataset again
     """
-    for path, pin in zip(paths, pins or ()):
-        if pin is None:
+    if pins is None:
+        return held_pins(fs, paths)
+    skip = set(replaced or ())
+    held: list[Any] = []
+    for k, (path, version) in enumerate(zip(paths, pins)):
+        if version is None:
+            held.append(None)  # (the version its first read finds: see ShardedSource._io)
             continue
         key = fs._strip_protocol(path)
-        try:
-            check_file_answer(key, *pin)
-        except RangeAnswerError:
-            now = pinned(key)
-            raise RemoteIOError(
-                f"{path}: this process has read another version of the file (size, ETag, "
-                f"Last-Modified: {now and (now.size, now.etag, now.modified)}) than the "
-                f"dataset's opening did ({pin}): the file changed on the server since; open "
-                "the dataset again"
-            ) from None
+        if k not in skip:
+            try:
+                check_file_answer(key, *version)
+            except RangeAnswerError:
+                now = pinned(key)
+                raise RemoteIOError(
+                    f"{path}: this process has read another version of the file (size, "
+                    f"ETag, Last-Modified: {now and (now.size, now.etag, now.modified)}) "
+                    f"than the dataset's opening did ({version}): the file changed on the "
+                    "server since; open the dataset again"
+                ) from None
+        now = pinned(key)
+        same = now is not None and (now.size, now.etag, now.modified) == version
+        held.append(now if same else _Pin(*version))
+    return held
 
 
 def check_length(

@@ -681,14 +681,17 @@ class ShardedSource(Source):
         del state["cached_copies"], state["ranges"], state["_held"]
         state["cache_fit"] = dict(self.cache_fit.sizes)
         held = list(self._held) if self._held is not None else None
-        state["_pins"] = remote.pins_of(self._fs, self._paths, held)
+        pins = state["_pins"] = remote.pins_of(self._fs, self._paths, held)
+        # (those a later opening here replaced: held by the copy, never pinned in its process)
+        state["_replaced"] = remote.replaced_pins(self._fs, self._paths, pins)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        remote.restore_pins(state["_fs"], state["_paths"], state.pop("_pins", None))
+        pins, replaced = state.pop("_pins", None), state.pop("_replaced", None)
         self.__dict__.update(state)
         self._make_helpers(state["cache_fit"])
-        self._hold_pins()
+        # The versions it was pickled with: a file replaced since is refused when read.
+        self._held = remote.restore_pins(self._fs, self._paths, pins, replaced)
 
 
 def iter_in_blocks(
