@@ -76,9 +76,9 @@ from torchgrain.errors import CorruptDataError, RemoteIOError, UnsafePathError
 from torchgrain.io import loops  # noqa: F401  (its fork hook: see the module docstring)
 from torchgrain.io.paths import is_http
 from torchgrain.io.responses import (
+    Pin,
     RangeAnswerError,
     ResponseSizeError,
-    _Pin,
     check_file_answer,
     pinned,
     read_capped,
@@ -799,7 +799,7 @@ def restore_pins(
                 ) from None
         now = pinned(key)
         same = now is not None and (now.size, now.etag, now.modified) == version
-        held.append(now if same else _Pin(*version))
+        held.append(now if same else Pin(*version))
     return held
 
 

@@ -34,6 +34,7 @@ from typing import Any
 from torchgrain.io.paths import is_http
 
 __all__ = [
+    "Pin",
     "RangeAnswerError",
     "ResponseSizeError",
     "changed_error",
@@ -63,9 +64,14 @@ class RangeAnswerError(ResponseSizeError):
 
 
 @dataclass
-class _Pin:
+class Pin:
     """What identifies a remote object a process reads: its size, and the ``ETag`` and
-    ``Last-Modified`` of the first answer that had them."""
+    ``Last-Modified`` of the first answer that had them.
+
+    Example:
+        >>> Pin(10, '"e1"')
+        Pin(size=10, etag='"e1"', modified=None)
+    """
 
     size: int | None = None
     etag: str | None = None
@@ -74,7 +80,7 @@ class _Pin:
 
 #: Per process (inherited by forked workers): object path -> its pin. One small entry per
 #: file read, never more than the dataset's files.
-_PINS: dict[str, _Pin] = {}
+_PINS: dict[str, Pin] = {}
 
 
 def pin(path: str, size: int | None, *, fresh: bool = False) -> None:
@@ -100,7 +106,7 @@ def pin(path: str, size: int | None, *, fresh: bool = False) -> None:
         return
     got = _PINS.get(path)
     if fresh or got is None or got.size != int(size):
-        _PINS[path] = _Pin(int(size))
+        _PINS[path] = Pin(int(size))
 
 
 def unchanged_since(path: str, seen: tuple | None) -> tuple | None:
@@ -133,7 +139,7 @@ def unchanged_since(path: str, seen: tuple | None) -> tuple | None:
     return tuple(a if a is not None else b for a, b in zip(seen, now))
 
 
-def pinned(path: str) -> _Pin | None:
+def pinned(path: str) -> Pin | None:
     """The pin of ``path``, if any (see :func:`pin`)."""
     return _PINS.get(path)
 
@@ -169,7 +175,7 @@ def check_file_answer(path: str, size: int | None, etag: str | None, modified: s
     """
     got = _PINS.get(path)
     if got is None:
-        _PINS[path] = _Pin(size, etag or None, modified or None)
+        _PINS[path] = Pin(size, etag or None, modified or None)
         return
     if size is not None:
         if got.size is None:
