@@ -4,16 +4,14 @@ misstates the data is found before any record is lost."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
 import torchgrain as tg
+from tests._forged import forge_window_offsets
 from torchgrain.errors import CorruptDataError
-from torchgrain.sources.node_index.derived import derived_index
 
 
 def test_two_is_in_expressions_that_print_alike_do_not_share_a_selection(tmp_path):
@@ -43,18 +41,9 @@ def test_an_index_file_that_shortens_the_last_document_loses_no_windows_silently
     docs = [np.arange(1, 5), np.arange(10, 13), np.arange(20, 30)]  # 4 + 3 + 10 tokens
     ds = tg.Dataset([{"t": t} for t in docs])
     assert len(ds.windows("t", 4, index_dir=tmp_path)) == 4  # (17 - 1) // 4
-    path = ds.windows("t", 4, index_dir=tmp_path).source.index_paths[0]
-    key = os.path.basename(path).split(".")[0]
-    os.remove(path)
     # A well-formed file (sound checksum, offsets rising from 0 to its token count) that
     # says document 2 has 1 token, not 10: documents 0 and 1 are as they are.
-    derived_index(
-        "windows",
-        key,
-        {"offsets": ("<i8", ())},
-        lambda sink: (sink.append("offsets", np.array([0, 4, 7, 8])), {"tokens": 8})[1],
-        index_dir=tmp_path,
-    )
+    forge_window_offsets(ds, tmp_path, [0, 4, 7, 8], 8)
     w = ds.windows("t", 4, index_dir=tmp_path)
     with pytest.raises(CorruptDataError, match="document 2 "):
         w.__getitems__(list(range(len(w))))

@@ -1,13 +1,11 @@
 """The last concat window reads every document after it (its lengths checked too)."""
 
-import os
-
 import numpy as np
 import pytest
 
 import torchgrain as tg
+from tests._forged import forge_window_offsets
 from torchgrain.errors import CorruptDataError
-from torchgrain.sources.node_index.derived import derived_index
 
 
 def test_the_last_window_with_bos_reads_the_documents_after_its_tokens():
@@ -27,18 +25,9 @@ def test_the_last_window_with_bos_reads_the_documents_after_its_tokens():
 def test_an_index_file_that_leaves_no_window_has_its_documents_checked(tmp_path, mode):
     docs = [np.arange(1, 5), np.arange(10, 13), np.arange(20, 30)]  # 4 + 3 + 10 tokens
     ds = tg.Dataset([{"t": t} for t in docs])
-    path = ds.windows("t", 4, index_dir=tmp_path).source.index_paths[0]
-    key = os.path.basename(path).split(".")[0]
-    os.remove(path)
     # A well-formed file that says the documents hold 2 tokens in all: no concat window
     # (a pack window of documents 0 to 2).
-    derived_index(
-        "windows",
-        key,
-        {"offsets": ("<i8", ())},
-        lambda sink: (sink.append("offsets", np.array([0, 1, 2, 2])), {"tokens": 2})[1],
-        index_dir=tmp_path,
-    )
+    forge_window_offsets(ds, tmp_path, [0, 1, 2, 2], 2)
     with pytest.raises(CorruptDataError, match="document 0 "):
         w = ds.windows("t", 4, mode=mode, index_dir=tmp_path)
         w.__getitems__(list(range(len(w))))

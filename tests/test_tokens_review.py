@@ -5,7 +5,6 @@ token count that lies, a ragged nested list, a record without the token column."
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 
 import numpy as np
@@ -17,8 +16,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 import torchgrain as tg
+from tests._forged import forge_window_offsets
 from torchgrain.errors import CorruptDataError
-from torchgrain.sources.node_index.derived import derived_index
 from torchgrain.tokens.windows import IGNORE, collate_windows
 
 
@@ -175,18 +174,9 @@ def test_a_record_without_the_token_column_is_a_named_error(records, mapped, mes
 def test_an_index_file_that_says_a_document_is_empty_loses_no_tokens_silently(tmp_path, mode):
     docs = [np.arange(1, 5), np.arange(10, 13), np.arange(20, 24)]
     ds = tg.Dataset([{"t": t} for t in docs])
-    path = ds.windows("t", 4, index_dir=tmp_path).source.index_paths[0]
-    key = os.path.basename(path).split(".")[0]
-    os.remove(path)
     # A well-formed file (sound checksum, offsets rising from 0 to its token count) that
     # says document 1 is empty.
-    derived_index(
-        "windows",
-        key,
-        {"offsets": ("<i8", ())},
-        lambda sink: (sink.append("offsets", np.array([0, 4, 4, 8])), {"tokens": 8})[1],
-        index_dir=tmp_path,
-    )
+    forge_window_offsets(ds, tmp_path, [0, 4, 4, 8], 8)
     w = ds.windows("t", 4, mode=mode, index_dir=tmp_path)
     with pytest.raises(CorruptDataError, match="document 1 "):
         w.__getitems__(list(range(len(w))))
