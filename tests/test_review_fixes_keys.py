@@ -11,7 +11,6 @@ import textwrap
 import threading
 
 import numpy as np
-import pytest
 
 import torchgrain as tg
 
@@ -23,11 +22,6 @@ def _keep_ids(ids):
     return lambda r: r["x"] in cfg["ids"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a closure value that does not pickle is keyed by its repr, which elides a "
-    "large array's middle: a second filter is served the first one's selection",
-)
 def test_closures_over_arrays_differing_in_the_middle_get_their_own_selections(tmp_path):
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     tg.write_array_record([{"x": k} for k in range(10)], data)
@@ -56,11 +50,6 @@ _DICT_FROM_SET = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a dict's pickle follows its insertion order: one built from a set keys the "
-    "same predicate differently under each hash seed (each rank builds its own selection)",
-)
 def test_processes_share_the_selection_of_a_closure_over_a_dict_built_from_a_set(tmp_path):
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     tg.write_array_record([{"lang": g} for g in ["en", "xx", "de", "fr"] * 4], data)

@@ -33,6 +33,7 @@ import io
 import os
 import pickle
 import types
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -230,7 +231,9 @@ def callable_fingerprint(fn: Any) -> str:
     object's pickled state.
 
     Globals a function reads are not part of it: name a predicate (``filter(...,
-    name=...)``) when it depends on a global that changes.
+    name=...)``) when it depends on a global that changes. A function holding a value
+    that does not pickle (a lock, an open file) gets a digest of its own at each call,
+    shared with no other: name it to share its selection between calls and processes.
 
     Example:
         >>> callable_fingerprint(lambda r: r["x"] > 1) == callable_fingerprint(lambda r: r["x"] > 1)
@@ -270,30 +273,42 @@ def callable_fingerprint(fn: Any) -> str:
 
 
 def _value(v: Any) -> str:
-    """A stable digest of a value: its pickle (sets anywhere in it sorted), else its repr.
+    """A stable digest of a value: its pickle (the elements of sets and the items of
+    dicts anywhere in it sorted). A value that does not pickle gets a digest of its own,
+    shared with no other value: its ``repr`` may leave parts out (a large array's
+    middle) or name a memory address another object takes later.
 
     Example:
         >>> _value({"en", "de"}) == _value({"de", "en"}) != _value({"en"})
         True
+        >>> _value(dict.fromkeys("ab")) == _value(dict.fromkeys("ba"))
+        True
+        >>> import threading; lock = threading.Lock()
+        >>> _value(lock) == _value(lock)
+        False
     """
     if isinstance(v, np.ndarray):
         return hash_parts(v.dtype.str, v.shape, np.ascontiguousarray(v).tobytes())
     try:
         out = io.BytesIO()
-        _SortedSets(out, protocol=4).dump(v)
+        _Canonical(out, protocol=4).dump(v)
         return hash_parts(out.getvalue())
     except Exception:
-        return hash_parts(type(v).__qualname__, repr(v))
+        return hash_parts("unpicklable", type(v).__qualname__, uuid.uuid4().hex)
 
 
-class _SortedSets(pickle.Pickler):
+class _Canonical(pickle.Pickler):
     """A pickler that writes a set or frozenset as its type and its elements' digests,
-    sorted: a set's own order follows the process's string hash seed."""
+    sorted, and a dict as its type and its items' digests, sorted: their own order
+    follows the process's string hash seed (``dict.fromkeys(a_set)``)."""
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, (set, frozenset)):
             elements = sorted(map(_element_key, obj))
             return ("set", type(obj).__module__, type(obj).__qualname__, elements)
+        if isinstance(obj, dict):
+            items = sorted((_element_key(k), _element_key(x)) for k, x in obj.items())
+            return ("dict", type(obj).__module__, type(obj).__qualname__, items)
         return None
 
 
@@ -301,8 +316,8 @@ _ATOMIC = frozenset({str, bytes, int, float, complex, bool, type(None)})
 
 
 def _element_key(x: Any) -> bytes:
-    """What a set's element is sorted and keyed by: its pickle (a str, a number), else
-    its digest (:func:`_value`)."""
+    """What a set's element or a dict's key or value is sorted and keyed by: its pickle
+    (a str, a number), else its digest (:func:`_value`)."""
     return pickle.dumps(x, protocol=4) if type(x) in _ATOMIC else _value(x).encode()
 
 
