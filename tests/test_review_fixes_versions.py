@@ -19,13 +19,6 @@ from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import remote, responses
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Version.check()'s first call takes the version pinned at the check, not the one "
-    "the read before it was served: a re-upload pinned in between (another thread's "
-    "opening) is accepted, and the reader serves the old version's tail records and the "
-    "new version's others (another layout: a CorruptDataError, not a changed file)",
-)
 @pytest.mark.timeout(60)
 def test_a_reupload_pinned_between_a_first_read_and_its_check_never_mixes_versions(
     tmp_path, monkeypatch

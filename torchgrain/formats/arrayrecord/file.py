@@ -42,7 +42,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from torchgrain.errors import CorruptDataError, check_ceiling
+from torchgrain.errors import CorruptDataError, RemoteIOError, check_ceiling
 from torchgrain.formats.arrayrecord.batch import OneRecordBatches
 from torchgrain.formats.arrayrecord.footer import Footer, fast_views, parse_footer
 from torchgrain.formats.arrayrecord.riegeli import (
@@ -54,6 +54,7 @@ from torchgrain.formats.arrayrecord.riegeli import (
 from torchgrain.io import changes, process, remote
 from torchgrain.io.fs import get_filesystem, is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
+from torchgrain.io.responses import RangeAnswerError
 
 __all__ = ["ArrayRecordFile", "read_num_records"]
 
@@ -341,7 +342,10 @@ class ArrayRecordFile(OneRecordBatches):
         # Remote: ranges that touch or nearly touch are fetched together, in one batch.
         try:
             got = fetch_ranges(self._fs, self._path, ranges, gap=_REMOTE_GAP, name=self._url)
-            self._version.check()  # (the file its footer came from: not one re-opened since)
+            try:
+                self._version.check()  # (the file its footer came from: not one re-opened since)
+            except RangeAnswerError as e:  # (another version pinned: no retry reads this one)
+                raise RemoteIOError(f"{self._where()}: {e}") from e
             return got
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{self._where()} does not exist") from e
@@ -378,6 +382,7 @@ class ArrayRecordFile(OneRecordBatches):
         self._check_size(size)
         tail_start = max(0, size - _REMOTE_TAIL)
         tail = memoryview(remote.cat_file(self._fs, self._path, tail_start, size, url=self._url))
+        self._version.served()  # (the version of these bytes, not one pinned before a check)
         if len(tail) != size - tail_start:
             raise self._corrupt("file changed size while it was being opened")
         return tail, tail_start, size
