@@ -51,12 +51,6 @@ def test_a_reupload_pinned_between_a_first_read_and_its_check_never_mixes_versio
         assert raced and len(seen) <= 1, f"records of both versions: {seen}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restore_pins pins an unpickled source's versions where this process pinned none: "
-    "a source pickled before a re-upload, unpickled first, pins the old version, and the "
-    "pickle of a source opened since is then refused at unpickling (the other order reads)",
-)
 @pytest.mark.timeout(60)
 def test_a_source_pickled_before_a_reupload_unpickled_first_leaves_the_new_one_readable(
     tmp_path, monkeypatch

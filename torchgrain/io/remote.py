@@ -79,10 +79,10 @@ from torchgrain.io.responses import (
     Pin,
     RangeAnswerError,
     ResponseSizeError,
-    check_file_answer,
     pinned,
     read_capped,
     request_coroutine,
+    restore,
 )
 from torchgrain.io.responses import pin as _pin
 from torchgrain.io.responses import unchanged_since as _unchanged_since
@@ -763,13 +763,15 @@ def restore_pins(
     (as :func:`held_pins` does): those pickled. The versions ``replaced`` there by a later
     opening (:func:`replaced_pins`) are held, never pinned or checked here: as in the
     process it was pickled in, the source is refused when it reads such a file
-    (:class:`Version`), and other sources of the file read. ``pins`` None (local files):
-    what this process pins now.
+    (:class:`Version`), and other sources of the file read. A version pinned here only
+    by another unpickled source (no answer read it yet) refuses neither: the first answer
+    decides which source reads (see :func:`torchgrain.io.responses.restore`). ``pins``
+    None (local files): what this process pins now.
 
     Raises:
-        RemoteIOError: this process has pinned another version of one of the other files
-            (a later opening of a file replaced since), naming its URL: offsets taken from
-            one version never index the other.
+        RemoteIOError: this process has read or opened another version of one of the
+            other files (a later opening of a file replaced since), naming its URL:
+            offsets taken from one version never index the other.
 
     Example:
         >>> from fsspec.implementations.http import HTTPFileSystem
@@ -780,6 +782,8 @@ def restore_pins(
         >>> old = restore_pins(fs, ["http://h/r"], [(3, '"v0"', None)], replaced=[0])
         >>> pins_of(fs, ["http://h/r"]), pins_of(fs, ["http://h/r"], old)
         ([(3, '"v1"', None)], [(3, '"v0"', None)])
+        >>> from torchgrain.io.responses import check_file_answer
+        >>> check_file_answer("http://h/r", 3, '"v1"', None)  # an answer read here
         >>> restore_pins(fs, ["http://h/r"], [(3, '"v0"', None)])
         Traceback (most recent call last):
         ...
@@ -796,7 +800,7 @@ def restore_pins(
         key = fs._strip_protocol(path)
         if k not in skip:
             try:
-                check_file_answer(key, *version)
+                restore(key, version)
             except RangeAnswerError:
                 now = pinned(key)
                 raise RemoteIOError(

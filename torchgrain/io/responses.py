@@ -28,7 +28,7 @@ import asyncio
 import functools
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchgrain.io.paths import is_http
@@ -76,6 +76,9 @@ class Pin:
     size: int | None = None
     etag: str | None = None
     modified: str | None = None
+    #: Taken from an unpickled source's pickle, no answer has confirmed it yet (see
+    #: :func:`torchgrain.io.remote.restore_pins`).
+    restored: bool = field(default=False, repr=False, compare=False)
 
 
 #: Per process (inherited by forked workers): object path -> its pin. One small entry per
@@ -196,6 +199,43 @@ def check_file_answer(path: str, size: int | None, etag: str | None, modified: s
                 f"{path}: the answer's {name} is {new[:80]!r}, not {have[:80]!r} as when it "
                 "was first read: the file changed on the server while it was being read"
             )
+    got.restored = False  # (an answer of this version)
+
+
+def restore(path: str, version: tuple) -> Pin:
+    """Pin ``version`` (size, ``ETag``, ``Last-Modified``) of ``path`` from an unpickled
+    source's pickle, where this process has pinned nothing of it, and return the pin now.
+    A pin that only another pickle restored (no answer here confirmed it) of another
+    version pins neither: the pin is emptied and the first answer decides, so that the
+    order pickles are loaded in never refuses the source of the version the server
+    serves (the other one is refused at its read).
+
+    Raises:
+        RangeAnswerError: another version pinned by an opening or an answer here.
+
+    Example:
+        >>> restore("h://x/r", (3, '"v1"', None)).etag
+        '"v1"'
+        >>> restore("h://x/r", (3, '"v0"', None))  # two pickles, no answer yet
+        Pin(size=None, etag=None, modified=None)
+        >>> check_file_answer("h://x/r", 3, '"v1"', None)  # the server's answer
+        >>> restore("h://x/r", (3, '"v0"', None))
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.responses.RangeAnswerError: h://x/r: the answer's ETag is '"v0"', not '"v1"' as when it was first read: the file changed on the server while it was being read
+    """
+    got = _PINS.get(path)
+    if got is not None and got.restored:
+        now = (got.size, got.etag, got.modified)
+        if now == (None, None, None) or any(
+            a is not None and b is not None and a != b for a, b in zip(now, version)
+        ):
+            _PINS[path] = got = Pin(restored=True)
+            return got
+    check_file_answer(path, *version)
+    if got is None or got.restored:
+        _PINS[path].restored = True  # (no answer of it yet)
+    return _PINS[path]
 
 
 _ANSWER_RANGE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)", re.IGNORECASE)
