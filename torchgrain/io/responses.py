@@ -134,7 +134,10 @@ def unchanged_since(path: str, seen: tuple | None) -> tuple | None:
     now = (got.size, got.etag, got.modified) if got is not None else (None, None, None)
     if seen is None:
         return now
-    if any(a is not None and b is not None and a != b for a, b in zip(seen, now)):
+    if any(
+        a is not None and b is not None and not (_same_tag(a, b) if k == 1 else a == b)
+        for k, (a, b) in enumerate(zip(seen, now))
+    ):
         raise RangeAnswerError(
             f"{path} changed since it was read from: {now} now, {seen} then "
             "(open the dataset again)"
