@@ -283,6 +283,9 @@ def _value(v: Any) -> str:
         True
         >>> _value(dict.fromkeys("ab")) == _value(dict.fromkeys("ba"))
         True
+        >>> from collections import OrderedDict as O
+        >>> _value(O.fromkeys("ab")) == _value(O.fromkeys("ba"))
+        False
         >>> import threading; lock = threading.Lock()
         >>> _value(lock) == _value(lock)
         False
@@ -299,16 +302,16 @@ def _value(v: Any) -> str:
 
 class _Canonical(pickle.Pickler):
     """A pickler that writes a set or frozenset as its type and its elements' digests,
-    sorted, and a dict as its type and its items' digests, sorted: their own order
-    follows the process's string hash seed (``dict.fromkeys(a_set)``)."""
+    sorted, and a plain dict as its items' digests, sorted: their own order follows the
+    process's string hash seed (``dict.fromkeys(a_set)``)."""
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, (set, frozenset)):
             elements = sorted(map(_element_key, obj))
             return ("set", type(obj).__module__, type(obj).__qualname__, elements)
-        if isinstance(obj, dict):
+        if type(obj) is dict:  # (an OrderedDict's order is part of its value)
             items = sorted((_element_key(k), _element_key(x)) for k, x in obj.items())
-            return ("dict", type(obj).__module__, type(obj).__qualname__, items)
+            return ("dict", items)
         return None
 
 
