@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
+import pickle
 
 import pytest
 
+import torchgrain as tg
+from tests.servers import RangeHTTPServer
+from tests.test_pins_review import _replace
+from tests.test_remote_audit_review import QUICK
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import responses
 from torchgrain.sources.node_index.derived import callable_fingerprint
 
@@ -101,3 +109,36 @@ def test_an_emptied_pin_never_refuses_a_whole_file_answer_of_the_served_version(
     responses.restore(path, (5, '"v0"', None))  # a source pickled before the re-upload
     # The source of "v1" reads its whole file from a server that ignores Range:
     responses.check_range_answer(path, 0, 3, 200, None, '"v1"', None, length=3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="an emptied pin: the old source's version check (one HEAD) pins the version "
+    "served instead of refusing it, so the new version's copy is deleted and the file "
+    "downloaded again before the old source is refused",
+)
+def test_an_emptied_pin_leaves_the_new_versions_cached_copy(tmp_path, monkeypatch):
+    (tmp_path / "tf").mkdir()
+    served = tmp_path / "tf" / "a.tfrecord"
+    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
+    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    with RangeHTTPServer(tmp_path) as srv:
+        url, cache = f"{srv.url}/tf/a.tfrecord", str(tmp_path / "cache")
+        old = tg.TFRecordSource([url], retry=QUICK, index_dir=None, cache_dir=cache)
+        assert old[0] == {"v": [b"a0"]}
+        before = pickle.dumps(old)
+        _replace(served, (tmp_path / "b").read_bytes())
+        new = tg.TFRecordSource([url], retry=QUICK, index_dir=None, cache_dir=cache)
+        assert new[0] == {"v": [b"b0"]}
+        after = pickle.dumps(new)
+        copy = new.cached_copies.cache.local_path(url)
+        ident = os.stat(copy).st_ino
+        monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
+        new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
+        srv.reset_counts()
+        with pytest.raises(tg.RemoteIOError, match=r"a\.tfrecord"):
+            old_copy[0]  # the first read: of the old source
+        assert os.path.exists(copy) and os.stat(copy).st_ino == ident  # deleted
+        assert srv.gets() == 0  # the new file downloaded, then refused
+        assert new_copy[0] == {"v": [b"b0"]}
