@@ -7,6 +7,7 @@ import collections
 import functools
 import os
 import pickle
+import re
 
 import pytest
 
@@ -14,6 +15,7 @@ import torchgrain as tg
 from tests.servers import RangeHTTPServer
 from tests.test_pins_review import _replace
 from tests.test_remote_audit_review import QUICK
+from tests.test_shard_cache_held_version import KINDS, _served, _workers_read
 from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import responses
@@ -142,3 +144,30 @@ def test_an_emptied_pin_leaves_the_new_versions_cached_copy(tmp_path, monkeypatc
         assert os.path.exists(copy) and os.stat(copy).st_ino == ident  # deleted
         assert srv.gets() == 0  # the new file downloaded, then refused
         assert new_copy[0] == {"v": [b"b0"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [False, True], ids=["process", "forked-workers"])
+@pytest.mark.parametrize("cached", [False, True], ids=["ranges", "cache"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_emptied_pin_refuses_the_old_source_at_its_first_read(
+    tmp_path, monkeypatch, kind, cached, workers
+):
+    under, name, open_source, replace, (v1, v2) = _served(kind, tmp_path)
+    cache = str(tmp_path / "cache") if cached else None
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        url = f"{srv.url}/{under}"
+        first = open_source(url, cache)
+        assert first[3] == v1
+        before = pickle.dumps(first)
+        replace()
+        again = open_source(url, cache)
+        assert again[3] == v2
+        after = pickle.dumps(again)
+        monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
+        new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
+        with pytest.raises(Exception, match=re.escape(name)):
+            got = _workers_read(old_copy, 3) if workers else old_copy[3]
+            pytest.fail(f"read the replaced file: {got} (v1: {v1})")
+        assert new_copy[3] == v2
+        assert _workers_read(new_copy, 3) == [v2, v2]
