@@ -171,3 +171,29 @@ def test_an_emptied_pin_refuses_the_old_source_at_its_first_read(
             pytest.fail(f"read the replaced file: {got} (v1: {v1})")
         assert new_copy[3] == v2
         assert _workers_read(new_copy, 3) == [v2, v2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cached", [False, True], ids=["ranges", "cache"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_emptied_pin_old_pickle_first_new_source_reads_first(
+    tmp_path, monkeypatch, kind, cached
+):
+    under, name, open_source, replace, (v1, v2) = _served(kind, tmp_path)
+    cache = str(tmp_path / "cache") if cached else None
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        url = f"{srv.url}/{under}"
+        first = open_source(url, cache)
+        assert first[3] == v1
+        before = pickle.dumps(first)
+        replace()
+        again = open_source(url, cache)
+        assert again[3] == v2
+        after = pickle.dumps(again)
+        monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
+        old_copy, new_copy = pickle.loads(before), pickle.loads(after)  # the pin emptied
+        assert new_copy[3] == v2  # the first answer: of the version served
+        with pytest.raises(tg.RemoteIOError, match=re.escape(name)):
+            got = old_copy[3]
+            pytest.fail(f"read the replaced file: {got} (v1: {v1})")
+        assert new_copy[2] == again[2]
