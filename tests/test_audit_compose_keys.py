@@ -4,11 +4,10 @@ another process, rank or run maps the file one of them built, with no pass of it
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import torchgrain as tg
+from tests._seeds import outputs_under_hash_seeds
 
 _FILTER = textwrap.dedent(
     """
@@ -26,18 +25,7 @@ def test_processes_with_other_hash_seeds_share_one_selection(tmp_path):
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     langs = ["en", "de", "xx", "fr", "es", "it", "pt", "zz"] * 4
     tg.write_array_record([{"lang": lang} for lang in langs], data)
-    paths = set()
-    for hash_seed in ("1", "2", "3"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "NO_ALBUMENTATIONS_UPDATE": "1"}
-        out = subprocess.run(
-            [sys.executable, "-c", _FILTER, data, index_dir],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        paths.add(out.stdout.strip())
+    paths = outputs_under_hash_seeds(_FILTER, data, index_dir)
     assert len(paths) == 1, paths
 
 
@@ -58,18 +46,7 @@ def test_processes_with_other_hash_seeds_share_one_pushed_down_selection(tmp_pat
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     langs = ["en", "de", "xx", "fr"] * 4
     tg.write_parquet(({"lang": lang, "x": k / 16} for k, lang in enumerate(langs)), data)
-    got = set()
-    for hash_seed in ("1", "2", "3"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "NO_ALBUMENTATIONS_UPDATE": "1"}
-        out = subprocess.run(
-            [sys.executable, "-c", _PUSHDOWN, data, index_dir],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        got.add(out.stdout.strip())
+    got = outputs_under_hash_seeds(_PUSHDOWN, data, index_dir)
     assert len(got) == 1 and got.pop().endswith(" 6"), got
     assert len([f for f in os.listdir(index_dir) if f.endswith(".tgindex")]) == 1
 
@@ -102,16 +79,5 @@ _FINGERPRINTS = textwrap.dedent(
 
 
 def test_sets_in_closures_partials_and_objects_fingerprint_alike_in_every_process():
-    got = set()
-    for hash_seed in ("1", "2", "3", "4"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "NO_ALBUMENTATIONS_UPDATE": "1"}
-        out = subprocess.run(
-            [sys.executable, "-c", _FINGERPRINTS],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        got.add(out.stdout.strip())
+    got = outputs_under_hash_seeds(_FINGERPRINTS, seeds="1234")
     assert len(got) == 1, got

@@ -4,15 +4,13 @@ and one closing over a dict built from a set."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import threading
 
 import numpy as np
 
 import torchgrain as tg
+from tests._seeds import outputs_under_hash_seeds
 
 _LOCK = threading.Lock()
 
@@ -53,16 +51,5 @@ _DICT_FROM_SET = textwrap.dedent(
 def test_processes_share_the_selection_of_a_closure_over_a_dict_built_from_a_set(tmp_path):
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     tg.write_array_record([{"lang": g} for g in ["en", "xx", "de", "fr"] * 4], data)
-    paths = set()
-    for hash_seed in ("1", "2", "3"):
-        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "NO_ALBUMENTATIONS_UPDATE": "1"}
-        out = subprocess.run(
-            [sys.executable, "-c", _DICT_FROM_SET, data, index_dir],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        paths.add(out.stdout.strip())
+    paths = outputs_under_hash_seeds(_DICT_FROM_SET, data, index_dir)
     assert len(paths) == 1, paths
