@@ -102,7 +102,8 @@ def test_a_dict_keyed_with_mixed_types_keys_and_a_reduce_state():
 @pytest.mark.xfail(
     strict=True,
     reason="an emptied pin has no size: a 200 (Range ignored) with the whole file of the "
-    "version served is refused as not the range asked, for every source, retried or not",
+    "version served is refused as not the range asked, retried or not (a remote "
+    "ArrayRecordFile's tail read of a file under 1 MiB)",
 )
 def test_an_emptied_pin_never_refuses_a_whole_file_answer_of_the_served_version(monkeypatch):
     monkeypatch.setattr(responses, "_PINS", {})
@@ -197,3 +198,27 @@ def test_an_emptied_pin_old_pickle_first_new_source_reads_first(
             got = old_copy[3]
             pytest.fail(f"read the replaced file: {got} (v1: {v1})")
         assert new_copy[2] == again[2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["new-reads-first", "old-reads-first"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_emptied_pin_refuses_the_old_sources_batch_reads(tmp_path, monkeypatch, kind, order):
+    under, name, open_source, replace, (v1, v2) = _served(kind, tmp_path)
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        url = f"{srv.url}/{under}"
+        first = open_source(url, None)
+        assert first[3] == v1
+        before = pickle.dumps(first)
+        replace()
+        again = open_source(url, None)
+        assert again[3] == v2
+        after = pickle.dumps(again)
+        monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
+        new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
+        if order == "new-reads-first":
+            assert new_copy.__getitems__([1, 3, 5])[1] == v2
+        with pytest.raises(tg.RemoteIOError, match=re.escape(name)):
+            got = old_copy.__getitems__([1, 3, 5, 7])
+            pytest.fail(f"read the replaced file: {got} (v1: {v1})")
+        assert new_copy.__getitems__([0, 3, 6])[1] == v2
