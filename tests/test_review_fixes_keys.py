@@ -42,13 +42,13 @@ _DICT_FROM_SET = textwrap.dedent(
         table = dict.fromkeys(langs, True)  # insertion order follows the hash seed
         return lambda r: table.get(r["lang"], False)
     ds = tg.Dataset(tg.ArrayRecordSource(sys.argv[1]))
-    kept = ds.filter(make(), index_dir=sys.argv[2], num_workers=0, progress=False)
+    kept = ds.filter(make(), index_dir=sys.argv[2], num_workers=0, progress=False, name="langs")
     print(kept.source.index.path)
     """
 )
 
 
-def test_processes_share_the_selection_of_a_closure_over_a_dict_built_from_a_set(tmp_path):
+def test_processes_share_the_selection_of_a_named_closure_over_a_dict_built_from_a_set(tmp_path):
     data, index_dir = str(tmp_path / "data"), str(tmp_path / "indexes")
     tg.write_array_record([{"lang": g} for g in ["en", "xx", "de", "fr"] * 4], data)
     paths = outputs_under_hash_seeds(_DICT_FROM_SET, data, index_dir)

@@ -234,6 +234,8 @@ def callable_fingerprint(fn: Any) -> str:
     name=...)``) when it depends on a global that changes. A function holding a value
     that does not pickle (a lock, an open file) gets a digest of its own at each call,
     shared with no other: name it to share its selection between calls and processes.
+    A dict's order is part of it (a predicate may read it): one built from a set, whose
+    order follows the string hash seed, keys each process apart unless named.
 
     Example:
         >>> callable_fingerprint(lambda r: r["x"] > 1) == callable_fingerprint(lambda r: r["x"] > 1)
@@ -273,18 +275,15 @@ def callable_fingerprint(fn: Any) -> str:
 
 
 def _value(v: Any) -> str:
-    """A stable digest of a value: its pickle (the elements of sets and the items of
-    dicts anywhere in it sorted). A value that does not pickle gets a digest of its own,
+    """A stable digest of a value: its pickle (the elements of sets anywhere in it
+    sorted). A value that does not pickle gets a digest of its own,
     shared with no other value: its ``repr`` may leave parts out (a large array's
     middle) or name a memory address another object takes later.
 
     Example:
         >>> _value({"en", "de"}) == _value({"de", "en"}) != _value({"en"})
         True
-        >>> _value(dict.fromkeys("ab")) == _value(dict.fromkeys("ba"))
-        True
-        >>> from collections import OrderedDict as O
-        >>> _value(O.fromkeys("ab")) == _value(O.fromkeys("ba"))
+        >>> _value(dict.fromkeys("ab")) == _value(dict.fromkeys("ba"))  # (its order read)
         False
         >>> import threading; lock = threading.Lock()
         >>> _value(lock) == _value(lock)
@@ -302,16 +301,13 @@ def _value(v: Any) -> str:
 
 class _Canonical(pickle.Pickler):
     """A pickler that writes a set or frozenset as its type and its elements' digests,
-    sorted, and a plain dict as its items' digests, sorted: their own order follows the
-    process's string hash seed (``dict.fromkeys(a_set)``)."""
+    sorted: a set's own order follows the process's string hash seed. (A subclass
+    pickles as it says, its state included; a dict keeps its order, which a predicate
+    may read: one built from a set, ``dict.fromkeys(a_set)``, keys each process apart.)"""
 
     def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, (set, frozenset)):
-            elements = sorted(map(_element_key, obj))
-            return ("set", type(obj).__module__, type(obj).__qualname__, elements)
-        if type(obj) is dict:  # (an OrderedDict's order is part of its value)
-            items = sorted((_element_key(k), _element_key(x)) for k, x in obj.items())
-            return ("dict", items)
+        if type(obj) in (set, frozenset):
+            return (type(obj).__name__, sorted(map(_element_key, obj)))
         return None
 
 
@@ -319,8 +315,8 @@ _ATOMIC = frozenset({str, bytes, int, float, complex, bool, type(None)})
 
 
 def _element_key(x: Any) -> bytes:
-    """What a set's element or a dict's key or value is sorted and keyed by: its pickle
-    (a str, a number), else its digest (:func:`_value`)."""
+    """What a set's element is sorted and keyed by: its pickle (a str, a number), else
+    its digest (:func:`_value`)."""
     return pickle.dumps(x, protocol=4) if type(x) in _ATOMIC else _value(x).encode()
 
 
