@@ -103,12 +103,6 @@ def test_an_emptied_pin_never_refuses_a_whole_file_answer_of_the_served_version(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="an emptied pin: the old source's version check (one HEAD) pins the version "
-    "served instead of refusing it, so the new version's copy is deleted and the file "
-    "downloaded again before the old source is refused",
-)
 def test_an_emptied_pin_leaves_the_new_versions_cached_copy(tmp_path, monkeypatch):
     (tmp_path / "tf").mkdir()
     served = tmp_path / "tf" / "a.tfrecord"

@@ -380,7 +380,7 @@ class ShardCache(NodeStore):
                 self._count(hits=1, waits=int(waited))
                 return path, file_identity(st), opener(path) if opener else None
             if version and self._of_another_version(path, version):
-                self._refuse_replaced(fs, rpath, url)  # (else an older copy: fetched again)
+                self._refuse_replaced(fs, rpath, url, seen)  # (else an older copy: fetched again)
             if os.path.lexists(path):  # of the wrong size, failed its check, not a file
                 try:
                     self._unlink(path)
@@ -659,13 +659,17 @@ class ShardCache(NodeStore):
             return False
         return read_record(self._sum_path(path), version) is None
 
-    def _refuse_replaced(self, fs: fsspec.AbstractFileSystem, rpath: str, url: str) -> None:
+    def _refuse_replaced(
+        self, fs: fsspec.AbstractFileSystem, rpath: str, url: str, seen: tuple | None
+    ) -> None:
         """Ask the store for ``rpath``'s version (one ``info`` request): one other than
-        this process pinned (the file replaced since the reader's dataset was opened; a
-        copy of another version is the newer one's) is a RemoteIOError naming ``url``,
-        and that copy is neither deleted nor downloaded again."""
+        this process pinned, or than ``seen`` (the reader's opening's, where no pin holds:
+        two unpickled sources disagreed), is the file replaced since the reader's dataset
+        was opened (a copy of another version is the newer one's): a RemoteIOError naming
+        ``url``, and that copy is neither deleted nor downloaded again."""
         try:
             retry_call(self._observe, fs, rpath, url, what="version lookup", **self._retrying(url))
+            remote.unchanged_since(fs, rpath, seen)
         except (RemoteIOError, responses.RangeAnswerError) as e:
             cause = e if isinstance(e, responses.RangeAnswerError) else e.__cause__
             if not isinstance(cause, responses.RangeAnswerError):
