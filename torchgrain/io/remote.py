@@ -633,8 +633,7 @@ class Version:
     ``size`` is pinned (:func:`pin`; ``fresh``: taken anew, an opening of the file as it
     is now) and the version is the one its first read finds.
 
-    :meth:`served`, right after the first read, takes that version; :meth:`check`, after
-    each read, raises a :class:`~torchgrain.RemoteIOError` once a later opening in this
+    :meth:`check`, after each read, raises a :class:`~torchgrain.RemoteIOError` once a later opening in this
     process has pinned another version (see :func:`unchanged_since`).
     Local and in-memory files: never raises.
 
@@ -660,15 +659,11 @@ class Version:
         self.seen = seen
 
     def check(self) -> None:
-        """Raise if this process has pinned another version of the file than the reader's
-        (its first read's, where it was given none)."""
-        self.seen = unchanged_since(self.fs, self.path, self.seen)
-
-    def served(self) -> None:
-        """Take what this process pins now as the reader's version, where it was given
-        none: called right after its first read (whose answer the pin checked or set),
-        so that a later opening that pins another version before the next :meth:`check`
-        refuses the reader instead of becoming its version (records of both versions)."""
+        """Raise if this process has pinned another version of the file than the reader's.
+        Where it was given none, the first call takes what this process pins then as the
+        reader's version: called right after the first read (whose answer the pin checked
+        or set), a later opening that pins another version refuses the reader instead of
+        becoming its version (records of both versions)."""
         self.seen = unchanged_since(self.fs, self.path, self.seen)
 
 

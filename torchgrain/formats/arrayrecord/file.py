@@ -382,7 +382,7 @@ class ArrayRecordFile(OneRecordBatches):
         self._check_size(size)
         tail_start = max(0, size - _REMOTE_TAIL)
         tail = memoryview(remote.cat_file(self._fs, self._path, tail_start, size, url=self._url))
-        self._version.served()  # (the version of these bytes, not one pinned before a check)
+        self._version.check()  # (the version of these bytes, not one pinned later)
         if len(tail) != size - tail_start:
             raise self._corrupt("file changed size while it was being opened")
         return tail, tail_start, size
