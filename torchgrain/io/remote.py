@@ -79,6 +79,7 @@ from torchgrain.io.responses import (
     Pin,
     RangeAnswerError,
     ResponseSizeError,
+    differ,
     pinned,
     read_capped,
     request_coroutine,
@@ -738,13 +739,9 @@ def replaced_pins(
     out = []
     for k, (path, held) in enumerate(zip(paths, pins or ())):
         now = pinned(fs._strip_protocol(path)) if held is not None else None
-        if now is not None and _differ(held, (now.size, now.etag, now.modified)):
+        if now is not None and differ(held, (now.size, now.etag, now.modified)):
             out.append(k)
     return out or None
-
-
-def _differ(a: tuple, b: tuple) -> bool:
-    return any(x is not None and y is not None and x != y for x, y in zip(a, b))
 
 
 def restore_pins(

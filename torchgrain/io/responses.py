@@ -39,6 +39,7 @@ __all__ = [
     "ResponseSizeError",
     "changed_error",
     "check_range_answer",
+    "differ",
     "pin",
     "pinned",
     "read_capped",
@@ -134,15 +135,26 @@ def unchanged_since(path: str, seen: tuple | None) -> tuple | None:
     now = (got.size, got.etag, got.modified) if got is not None else (None, None, None)
     if seen is None:
         return now
-    if any(
-        a is not None and b is not None and not (_same_tag(a, b) if k == 1 else a == b)
-        for k, (a, b) in enumerate(zip(seen, now))
-    ):
+    if differ(seen, now):
         raise RangeAnswerError(
             f"{path} changed since it was read from: {now} now, {seen} then "
             "(open the dataset again)"
         )
     return tuple(a if a is not None else b for a, b in zip(seen, now))
+
+
+def differ(a: tuple, b: tuple) -> bool:
+    """Whether two versions (size, ``ETag``, ``Last-Modified``) are of other files: a
+    field both know differs (a weakened ETag, ``W/"x"``, is the same object's).
+
+    Example:
+        >>> differ((3, '"x"', None), (3, 'W/"x"', "Mon")), differ((3, None, None), (4, None, None))
+        (False, True)
+    """
+    return any(
+        x is not None and y is not None and not (_same_tag(x, y) if k == 1 else x == y)
+        for k, (x, y) in enumerate(zip(a, b))
+    )
 
 
 def pinned(path: str) -> Pin | None:
@@ -230,9 +242,7 @@ def restore(path: str, version: tuple) -> Pin:
     got = _PINS.get(path)
     if got is not None and got.restored:
         now = (got.size, got.etag, got.modified)
-        if now == (None, None, None) or any(
-            a is not None and b is not None and a != b for a, b in zip(now, version)
-        ):
+        if now == (None, None, None) or differ(now, version):
             _PINS[path] = got = Pin(restored=True)
             return got
     check_file_answer(path, *version)
