@@ -10,7 +10,7 @@ import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
-from tests.test_pins_review import _replace
+from tests.test_pins_review import _replace, _two_tfrecords
 from tests.test_remote_audit_review import QUICK
 from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
@@ -25,10 +25,7 @@ def test_pickling_a_remote_source_leaves_its_pins_as_they_were(tmp_path, monkeyp
     and the source still holds nothing (pickling filled its pins, so that a pickle taken
     before the first read decided what the source itself accepts); pickled after, the
     pickle carries the pin it holds. A spawned copy refuses the file replaced since."""
-    (tmp_path / "tf").mkdir()
-    served = tmp_path / "tf" / "a.tfrecord"
-    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
-    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    served = _two_tfrecords(tmp_path)
     with RangeHTTPServer(tmp_path) as srv:
         with monkeypatch.context() as m:  # an opening that pinned nothing
             m.setattr(remote, "held_pins", lambda fs, paths: [None] * len(paths))

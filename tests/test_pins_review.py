@@ -143,6 +143,16 @@ def test_a_file_replaced_on_the_server_can_be_opened_again_in_the_same_process(t
         assert tg.ArrayRecordSource(url, retry=QUICK)[0] == {"v": "b" * 50}
 
 
+def _two_tfrecords(tmp_path):
+    """``tf/a.tfrecord`` under ``tmp_path`` (records ``a0``-``a4``, the served file),
+    and ``b``, of the same size (``b0``-``b4``), to replace it with."""
+    (tmp_path / "tf").mkdir()
+    served = tmp_path / "tf" / "a.tfrecord"
+    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
+    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    return served
+
+
 def _replace(path, data: bytes) -> None:
     """``path`` rewritten with ``data`` (its size), with a later modification time
     (another ETag and Last-Modified)."""
@@ -174,10 +184,7 @@ def test_a_copy_of_a_tfrecord_source_opened_before_a_reupload_refuses_the_new_ve
     """As the Parquet test above, of a TFRecord file: the copy of a source opened before
     the file was replaced (same size) and opened again reads the new records at the old
     index's offsets."""
-    (tmp_path / "tf").mkdir()
-    served = tmp_path / "tf" / "a.tfrecord"
-    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
-    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    served = _two_tfrecords(tmp_path)
     with RangeHTTPServer(tmp_path) as srv:
         url = f"{srv.url}/tf/a.tfrecord"
         first = tg.TFRecordSource(url, retry=QUICK, index_dir=None)

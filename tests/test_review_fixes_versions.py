@@ -11,11 +11,9 @@ import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
-from tests.test_pins_review import _replace
+from tests.test_pins_review import _replace, _two_tfrecords
 from tests.test_remote_audit_review import QUICK
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
-from torchgrain.formats.tf_example import encode_tf_example
-from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import remote, responses
 
 
@@ -55,10 +53,7 @@ def test_a_reupload_pinned_between_a_first_read_and_its_check_never_mixes_versio
 def test_a_source_pickled_before_a_reupload_unpickled_first_leaves_the_new_one_readable(
     tmp_path, monkeypatch
 ):
-    (tmp_path / "tf").mkdir()
-    served = tmp_path / "tf" / "a.tfrecord"
-    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
-    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    served = _two_tfrecords(tmp_path)
     with RangeHTTPServer(tmp_path) as srv:
         url = f"{srv.url}/tf/a.tfrecord"
         old = tg.TFRecordSource(url, retry=QUICK, index_dir=None)

@@ -13,11 +13,9 @@ import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
-from tests.test_pins_review import _replace
+from tests.test_pins_review import _replace, _two_tfrecords
 from tests.test_remote_audit_review import QUICK
 from tests.test_shard_cache_held_version import KINDS, _served, _workers_read
-from torchgrain.formats.tf_example import encode_tf_example
-from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import responses
 from torchgrain.sources.node_index.derived import callable_fingerprint
 
@@ -104,10 +102,7 @@ def test_an_emptied_pin_never_refuses_a_whole_file_answer_of_the_served_version(
 
 @pytest.mark.timeout(60)
 def test_an_emptied_pin_leaves_the_new_versions_cached_copy(tmp_path, monkeypatch):
-    (tmp_path / "tf").mkdir()
-    served = tmp_path / "tf" / "a.tfrecord"
-    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
-    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    served = _two_tfrecords(tmp_path)
     with RangeHTTPServer(tmp_path) as srv:
         url, cache = f"{srv.url}/tf/a.tfrecord", str(tmp_path / "cache")
         old = tg.TFRecordSource([url], retry=QUICK, index_dir=None, cache_dir=cache)
@@ -129,6 +124,18 @@ def test_an_emptied_pin_leaves_the_new_versions_cached_copy(tmp_path, monkeypatc
         assert new_copy[0] == {"v": [b"b0"]}
 
 
+def _pickles_across_reupload(url, cache, open_source, replace, v1, v2):
+    """Pickles of a source opened before ``replace()`` (it reads ``v1``) and of one
+    opened after it (``v2``)."""
+    first = open_source(url, cache)
+    assert first[3] == v1
+    before = pickle.dumps(first)
+    replace()
+    again = open_source(url, cache)
+    assert again[3] == v2
+    return before, pickle.dumps(again)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [False, True], ids=["process", "forked-workers"])
 @pytest.mark.parametrize("cached", [False, True], ids=["ranges", "cache"])
@@ -140,13 +147,7 @@ def test_an_emptied_pin_refuses_the_old_source_at_its_first_read(
     cache = str(tmp_path / "cache") if cached else None
     with RangeHTTPServer(tmp_path / "www") as srv:
         url = f"{srv.url}/{under}"
-        first = open_source(url, cache)
-        assert first[3] == v1
-        before = pickle.dumps(first)
-        replace()
-        again = open_source(url, cache)
-        assert again[3] == v2
-        after = pickle.dumps(again)
+        before, after = _pickles_across_reupload(url, cache, open_source, replace, v1, v2)
         monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
         new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
         with pytest.raises(Exception, match=re.escape(name)):
@@ -189,13 +190,7 @@ def test_an_emptied_pin_refuses_the_old_sources_batch_reads(tmp_path, monkeypatc
     under, name, open_source, replace, (v1, v2) = _served(kind, tmp_path)
     with RangeHTTPServer(tmp_path / "www") as srv:
         url = f"{srv.url}/{under}"
-        first = open_source(url, None)
-        assert first[3] == v1
-        before = pickle.dumps(first)
-        replace()
-        again = open_source(url, None)
-        assert again[3] == v2
-        after = pickle.dumps(again)
+        before, after = _pickles_across_reupload(url, None, open_source, replace, v1, v2)
         monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
         new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
         if order == "new-reads-first":

@@ -11,11 +11,9 @@ import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
-from tests.test_pins_review import _replace
+from tests.test_pins_review import _replace, _two_tfrecords
 from tests.test_remote_audit_review import QUICK
 from torchgrain.formats.arrayrecord.file import ArrayRecordFile
-from torchgrain.formats.tf_example import encode_tf_example
-from torchgrain.formats.tfrecord import write_tfrecord
 from torchgrain.io import responses
 
 
@@ -72,10 +70,7 @@ def test_an_old_sources_refused_reopen_leaves_the_new_sources_pin(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_spawned_copy_of_old_and_new_sources_of_one_file_reads_the_new_one(tmp_path, monkeypatch):
-    (tmp_path / "tf").mkdir()
-    served = tmp_path / "tf" / "a.tfrecord"
-    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
-    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    served = _two_tfrecords(tmp_path)
     with RangeHTTPServer(tmp_path) as srv:
         url = f"{srv.url}/tf/a.tfrecord"
         old = tg.TFRecordSource(url, retry=QUICK, index_dir=None)
@@ -96,10 +91,7 @@ def test_a_spawned_copy_of_old_and_new_sources_of_one_file_reads_the_new_one(tmp
 
 @pytest.mark.timeout(60)
 def test_a_spawned_old_source_leaves_the_new_versions_cached_copy(tmp_path, monkeypatch):
-    (tmp_path / "tf").mkdir()
-    served = tmp_path / "tf" / "a.tfrecord"
-    write_tfrecord([encode_tf_example({"v": [b"a%d" % i]}) for i in range(5)], served)
-    write_tfrecord([encode_tf_example({"v": [b"b%d" % i]}) for i in range(5)], tmp_path / "b")
+    served = _two_tfrecords(tmp_path)
     with RangeHTTPServer(tmp_path) as srv:
         url, cache = f"{srv.url}/tf/a.tfrecord", str(tmp_path / "cache")
         old = tg.TFRecordSource([url], retry=QUICK, index_dir=None, cache_dir=cache)
