@@ -85,12 +85,6 @@ def test_a_dict_keyed_with_mixed_types_keys_and_a_reduce_state():
     assert callable_fingerprint(a) != callable_fingerprint(b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an emptied pin has no size: a 200 (Range ignored) with the whole file of the "
-    "version served is refused as not the range asked, retried or not (a remote "
-    "ArrayRecordFile's tail read of a file under 1 MiB)",
-)
 def test_an_emptied_pin_never_refuses_a_whole_file_answer_of_the_served_version(monkeypatch):
     monkeypatch.setattr(responses, "_PINS", {})
     path = "h://x/whole"

@@ -273,7 +273,7 @@ def check_range_answer(
     A ``206`` must name ``start`` and ``end - 1`` (or end early at the file's last byte:
     the file is shorter, which the caller reports) of a file of the pinned size. A ``200``
     is the whole file: it is used only when that is the range asked (from byte 0 to the
-    pinned size). Any other ``200`` is refused before its body is read: a server that
+    pinned size, or, where no size is pinned, to its ``Content-Length``). Any other ``200`` is refused before its body is read: a server that
     sends the first bytes of a file whatever was asked would otherwise pass for one that
     honours ``Range``, and slicing a range out of a whole shard costs a shard per record.
 
@@ -290,6 +290,8 @@ def check_range_answer(
     if status == 200:
         got = _PINS.get(path)
         size = got.size if got is not None else None
+        if size is None and start == 0 and length == end:
+            size = length  # (none pinned: a whole file of the bytes asked for is them)
         if start != 0 or size is None or end != size or length not in (None, size):
             held = (
                 f"holds more than the {end - start} bytes asked for"
