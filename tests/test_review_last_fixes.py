@@ -120,14 +120,14 @@ def test_an_emptied_pin_leaves_the_new_versions_cached_copy(tmp_path, monkeypatc
 
 def _pickles_across_reupload(url, cache, open_source, replace, v1, v2):
     """Pickles of a source opened before ``replace()`` (it reads ``v1``) and of one
-    opened after it (``v2``)."""
+    opened after it (``v2``), and that source."""
     first = open_source(url, cache)
     assert first[3] == v1
     before = pickle.dumps(first)
     replace()
     again = open_source(url, cache)
     assert again[3] == v2
-    return before, pickle.dumps(again)
+    return before, pickle.dumps(again), again
 
 
 @pytest.mark.timeout(120)
@@ -141,7 +141,7 @@ def test_an_emptied_pin_refuses_the_old_source_at_its_first_read(
     cache = str(tmp_path / "cache") if cached else None
     with RangeHTTPServer(tmp_path / "www") as srv:
         url = f"{srv.url}/{under}"
-        before, after = _pickles_across_reupload(url, cache, open_source, replace, v1, v2)
+        before, after, _ = _pickles_across_reupload(url, cache, open_source, replace, v1, v2)
         monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
         new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
         with pytest.raises(Exception, match=re.escape(name)):
@@ -161,13 +161,7 @@ def test_an_emptied_pin_old_pickle_first_new_source_reads_first(
     cache = str(tmp_path / "cache") if cached else None
     with RangeHTTPServer(tmp_path / "www") as srv:
         url = f"{srv.url}/{under}"
-        first = open_source(url, cache)
-        assert first[3] == v1
-        before = pickle.dumps(first)
-        replace()
-        again = open_source(url, cache)
-        assert again[3] == v2
-        after = pickle.dumps(again)
+        before, after, again = _pickles_across_reupload(url, cache, open_source, replace, v1, v2)
         monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
         old_copy, new_copy = pickle.loads(before), pickle.loads(after)  # the pin emptied
         assert new_copy[3] == v2  # the first answer: of the version served
@@ -184,7 +178,7 @@ def test_an_emptied_pin_refuses_the_old_sources_batch_reads(tmp_path, monkeypatc
     under, name, open_source, replace, (v1, v2) = _served(kind, tmp_path)
     with RangeHTTPServer(tmp_path / "www") as srv:
         url = f"{srv.url}/{under}"
-        before, after = _pickles_across_reupload(url, None, open_source, replace, v1, v2)
+        before, after, _ = _pickles_across_reupload(url, None, open_source, replace, v1, v2)
         monkeypatch.setattr(responses, "_PINS", {})  # a spawned worker's
         new_copy, old_copy = pickle.loads(after), pickle.loads(before)  # the pin emptied
         if order == "new-reads-first":
