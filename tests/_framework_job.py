@@ -20,6 +20,7 @@ DataLoader workers start that way.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
 import os
@@ -514,9 +515,12 @@ def main(argv=None):
     finally:
         # A gloo process group left for the interpreter's exit can abort the process
         # ("terminate called without an active exception", torch#190489): the HF Trainer
-        # and Accelerate leave theirs unless told to end.
+        # and Accelerate leave theirs unless told to end, and their objects hold it in
+        # reference cycles (the DDP model), so it outlives destroy_process_group() until
+        # a collection frees it and joins its threads (gloo_tcp_loop, pt_gloo_runloop).
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        gc.collect()
 
 
 if __name__ == "__main__":
