@@ -13,6 +13,7 @@ import torch
 import torchgrain as tg
 from torchgrain.columns import ColumnBatch, Ragged
 from torchgrain.errors import RaggedBatchError, TorchgrainError
+from torchgrain.tokens.windows import collate_windows
 
 
 def _records():
@@ -172,3 +173,14 @@ def test_window_boundaries_are_not_padded_but_pointed_to_collate_windows():
             collate(batch)
     named = tg.pad_collate(batch, keys=["cu_seqlens"], attention_mask=None)
     assert named["cu_seqlens"].tolist() == [[0, 3, 4], [0, 4, 0]]  # asked for by name
+
+
+def test_collate_windows_refuses_a_batch_past_int32_cu_seqlens():
+    # Zero-stride windows: 2 x 2**30 tokens, nothing allocated before the check.
+    big = np.broadcast_to(np.int64(0), (2**30,))
+    window = {k: big for k in ("input_ids", "labels", "position_ids", "document_ids")}
+    window["cu_seqlens"] = np.array([0, 2**30], np.int32)
+    with pytest.raises(ValueError, match="2\\*\\*31 tokens"):
+        collate_windows([window, window])
+    with pytest.raises(ValueError, match="below 2\\*\\*31"):
+        tg.Dataset([{"t": np.arange(5)}]).windows("t", 2**31, index_dir=None)

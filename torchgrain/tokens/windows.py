@@ -703,6 +703,9 @@ class WindowDataset(Dataset):
         return self.source.num_tokens
 
 
+_CU_LIMIT = 2**31  # cu_seqlens are int32, as variable-length attention kernels take them
+
+
 def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """A DataLoader ``collate_fn`` for windows: ``input_ids``, ``labels``,
     ``position_ids`` and ``document_ids`` stacked into ``[B, seq_len]`` int64 tensors,
@@ -719,11 +722,16 @@ def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """
     if not batch:
         raise ValueError("collate_windows needs at least one window")
+    L = len(batch[0]["input_ids"])
+    if len(batch) * L >= _CU_LIMIT:
+        raise ValueError(
+            f"a batch of {len(batch)} windows of {L} tokens holds 2**31 tokens or more, "
+            "past what its int32 cu_seqlens can count: use smaller batches"
+        )
     out: dict[str, Any] = {
         k: torch.from_numpy(np.stack([r[k] for r in batch]))
         for k in ("input_ids", "labels", "position_ids", "document_ids")
     }
-    L = out["input_ids"].shape[1]
     parts = [np.asarray(r["cu_seqlens"][:-1], np.int64) + b * L for b, r in enumerate(batch)]
     cu = np.concatenate([*parts, [len(batch) * L]]).astype(np.int32)
     out["cu_seqlens"] = torch.from_numpy(cu)
@@ -824,6 +832,8 @@ def windows(
         raise TypeError(f"column must be a record key (a str), got {column!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
+    if seq_len >= _CU_LIMIT:  # a window's cu_seqlens are int32
+        raise ValueError(f"seq_len must be below 2**31, got {seq_len}")
     seq_len = int(seq_len)
     if mode not in ("concat", "pack"):
         raise ValueError(f"mode must be 'concat' or 'pack', got {mode!r}")
