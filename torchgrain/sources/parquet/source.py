@@ -29,15 +29,11 @@ import pyarrow as pa
 
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, count_decode, count_read, local_counters
-from torchgrain.errors import (
-    check_ceiling,
-)
+from torchgrain.errors import check_ceiling
 from torchgrain.io.retry import using
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, ReadOptions
-from torchgrain.sources.parquet.decoded_cache import (
-    DecodedCache,
-)
+from torchgrain.sources.parquet.decoded_cache import DecodedCache
 from torchgrain.sources.parquet.footers import read_footers
 from torchgrain.sources.parquet.loading import RowGroupLoader, decoded_cache_for
 from torchgrain.sources.parquet.paths import (
@@ -83,6 +79,15 @@ _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
 # A mapped entry's access time (its LRU position in the disk cache) is refreshed at most
 # this often while a process uses it.
 _TOUCH_SECONDS = 60.0
+# Remedies of a pass whose row groups do not fit a cache (cache_blocks).
+_SHUFFLE = (
+    "use BlockShuffleSampler (row groups in random order, rows shuffled within a window "
+    "of a few: each decoded once a pass)"
+)
+_CONVERT = (
+    "convert to ArrayRecord (torchgrain convert SRC DST --to array_record): records read "
+    "one by one, no row groups"
+)
 
 
 class ParquetSource(RowGroupLoader):
@@ -340,12 +345,7 @@ class ParquetSource(RowGroupLoader):
         if convert:
             out = copy_records([e.templates for e in entries], which, rows)
         else:
-            constants = {}
-            if self._part_keys:
-                shards = self._rg_shard[distinct][which]
-                for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
-                    if pos < 0:  # a hive partition key: one value per file
-                        constants[j] = self._part_values[key][shards].tolist()
+            constants = self._constants(self._rg_shard[distinct][which])
             views = [e.rows for e in entries]
             out = build_records(self._keys, self._file_pos, views, which, rows, constants)
         count_decode(time.perf_counter() - t_start - read_seconds)
@@ -410,58 +410,45 @@ class ParquetSource(RowGroupLoader):
         shard cache. Row groups cost their decoded size estimated from the footers."""
         out = super().cache_blocks()
         disk = self.decoded_cache
-        if disk is not None:
-            out.append(
-                CacheBlocks(
-                    cache="decoded disk cache",
-                    unit="row group",
-                    offsets=self._rg_offsets,
-                    nbytes=lambda g: self._rg_bytes[g],
-                    capacity=disk.max_bytes,
-                    per_process=False,
-                    total=int(self._rg_bytes.sum()),
-                    remedies=(
-                        "raise decoded_cache_bytes above the working set (disk allowing)",
-                        "use BlockShuffleSampler (row groups in random order, rows "
-                        "shuffled within a window of a few: each decoded once a pass)",
-                        "convert to ArrayRecord (torchgrain convert SRC DST --to "
-                        "array_record): records read one by one, no row groups",
-                    ),
-                )
-            )
-        elif self.cache_bytes > 0:
-            # Converted records: Python objects beside the values; else Arrow data and
-            # the views records are built from.
-            convert = self._convert_rows
-            per_row = converted_bytes(1, len(self._keys)) if convert else 0
-            per_group = 0 if convert else views_bytes(len(self._file_fields))
+        if disk is None and self.cache_bytes <= 0:
+            return out
+        # In memory, converted records hold Python objects beside the values, or else
+        # the views records are built from are charged too (_convert_rows needs no disk).
+        convert = self._convert_rows
+        per_row = converted_bytes(1, len(self._keys)) if convert else 0
+        per_group = views_bytes(len(self._file_fields)) if disk is None and not convert else 0
 
-            def cost(g: np.ndarray) -> np.ndarray:
-                rows = self._rg_offsets[g + 1] - self._rg_offsets[g]
-                return self._rg_bytes[g] + per_row * rows + per_group
+        def cost(g: np.ndarray) -> np.ndarray:
+            rows = self._rg_offsets[g + 1] - self._rg_offsets[g]
+            return self._rg_bytes[g] + per_row * rows + per_group
 
-            out.append(
-                CacheBlocks(
-                    cache="row-group cache",
-                    unit="row group",
-                    offsets=self._rg_offsets,
-                    nbytes=cost,
-                    capacity=self.cache_bytes,
-                    per_process=True,
-                    total=int(cost(np.arange(self.num_row_groups)).sum()),
-                    remedies=(
-                        "decoded_cache=True (each row group decoded once per machine "
-                        "into a memory-mapped disk cache, read at the in-memory rate "
-                        "after)",
-                        "use BlockShuffleSampler (row groups in random order, rows "
-                        "shuffled within a window of a few: each decoded once a pass)",
-                        "raise cache_bytes above the working set, memory allowing "
-                        "(every DataLoader worker holds its own)",
-                        "convert to ArrayRecord (torchgrain convert SRC DST --to "
-                        "array_record): records read one by one, no row groups",
-                    ),
-                )
+        if disk is None:
+            remedies: tuple[str, ...] = (
+                "decoded_cache=True (each row group decoded once per machine into a "
+                "memory-mapped disk cache, read at the in-memory rate after)",
+                _SHUFFLE,
+                "raise cache_bytes above the working set, memory allowing (every "
+                "DataLoader worker holds its own)",
+                _CONVERT,
             )
+        else:
+            remedies = (
+                "raise decoded_cache_bytes above the working set (disk allowing)",
+                _SHUFFLE,
+                _CONVERT,
+            )
+        out.append(
+            CacheBlocks(
+                cache="row-group cache" if disk is None else "decoded disk cache",
+                unit="row group",
+                offsets=self._rg_offsets,
+                nbytes=cost,
+                capacity=self.cache_bytes if disk is None else disk.max_bytes,
+                per_process=disk is None,
+                total=int(cost(np.arange(self.num_row_groups)).sum()),
+                remedies=remedies,
+            )
+        )
         return out
 
     def block_offsets(self) -> np.ndarray:
@@ -483,7 +470,6 @@ class ParquetSource(RowGroupLoader):
         stop = n if stop is None else min(stop, n)
         base = int(self.index.offsets[shard])
         a, end = base + max(start, 0), base + stop
-        constants = self._shard_constants(shard)
         while a < end:
             g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
             first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
@@ -495,9 +481,9 @@ class ParquetSource(RowGroupLoader):
                 d = min(c + _SEQUENTIAL_ROWS, end, last)
                 rows = np.arange(c - first, d - first, dtype=np.int64)
                 which = np.zeros(len(rows), dtype=np.int64)
-                chunk_constants = {j: [v] * len(rows) for j, v in constants.items()}
+                constants = self._constants(np.full(len(rows), shard))
                 yield from build_records(
-                    self._keys, self._file_pos, [views], which, rows, chunk_constants
+                    self._keys, self._file_pos, [views], which, rows, constants
                 )
             a = min(end, last)
 
@@ -552,10 +538,11 @@ class ParquetSource(RowGroupLoader):
         count_read(read_seconds, read_bytes)
         return entries, read_seconds  # type: ignore[return-value]
 
-    def _shard_constants(self, shard: int) -> dict[int, Any]:
-        """The values of the hive partition keys in file ``shard``, by key position."""
+    def _constants(self, shards: np.ndarray) -> dict[int, list[Any]]:
+        """The values of the hive partition keys in files ``shards`` (one per row), by
+        key position."""
         return {
-            j: self._part_values[key][shard : shard + 1].tolist()[0]
+            j: self._part_values[key][shards].tolist()
             for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
             if pos < 0
         }
@@ -572,7 +559,8 @@ class ParquetSource(RowGroupLoader):
             if form == "rows":
                 entry.rows = RowViews(entry.table)
             elif form == "templates":
-                constants = self._shard_constants(int(self._rg_shard[group]))
+                shards = np.full(entry.table.num_rows, self._rg_shard[group])
+                constants = self._constants(shards)
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
                 if not entry.mapped and entry.views is None:
                     entry.drop_table()  # the converted records hold its values
