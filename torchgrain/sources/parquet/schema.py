@@ -30,21 +30,7 @@ def merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
         >>> merge_types(pa.int32(), pa.int64()), merge_types(pa.int64(), pa.string())
         (DataType(int64), None)
     """
-    a, b = _value_type(a), _value_type(b)
-    if a.equals(b):
-        return a
-    if pa.types.is_null(a):
-        return b
-    if pa.types.is_null(b):
-        return a
-    if pa.types.is_integer(a) and pa.types.is_integer(b):
-        return common_type([a, b])
-    if pa.types.is_floating(a) and pa.types.is_floating(b):
-        return a if a.bit_width >= b.bit_width else b
-    for small, large in ((pa.string(), pa.large_string()), (pa.binary(), pa.large_binary())):
-        if {str(a), str(b)} == {str(small), str(large)}:
-            return large
-    return None
+    return common_type([a, b])
 
 
 def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
@@ -60,24 +46,25 @@ def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
         >>> common_type([pa.uint8(), pa.int8()]) is None   # no int16 among them
         True
     """
-    values = [_value_type(t) for t in types]
-    values = [t for t in values if not pa.types.is_null(t)]
+    values = [t for t in map(_value_type, types) if not pa.types.is_null(t)]
     if not values:
         return pa.null()
+    if all(t.equals(values[0]) for t in values):
+        return values[0]
     if all(pa.types.is_integer(t) for t in values):
         signed = [t for t in values if pa.types.is_signed_integer(t)]
         unsigned = [t for t in values if not pa.types.is_signed_integer(t)]
-        widest_s = max(signed, key=lambda t: t.bit_width) if signed else None
-        widest_u = max(unsigned, key=lambda t: t.bit_width) if unsigned else None
-        if widest_s is None or widest_u is None:
-            return widest_s or widest_u
-        return widest_s if widest_s.bit_width > widest_u.bit_width else None
-    out: pa.DataType | None = values[0]
-    for t in values[1:]:
-        out = merge_types(out, t)
-        if out is None:
-            return None
-    return out
+        widest = max(signed or unsigned, key=lambda t: t.bit_width)
+        if signed and unsigned and widest.bit_width <= max(t.bit_width for t in unsigned):
+            return None  # no signed type holds every unsigned one
+        return widest
+    if all(pa.types.is_floating(t) for t in values):
+        return max(values, key=lambda t: t.bit_width)
+    names = {str(t) for t in values}
+    for small, large in ((pa.string(), pa.large_string()), (pa.binary(), pa.large_binary())):
+        if names == {str(small), str(large)}:
+            return large
+    return None
 
 
 def merge_file_schemas(
