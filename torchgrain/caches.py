@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,22 +112,13 @@ def _marked(path: str) -> bool:
 def _walk(path: str) -> tuple[int, list[str]]:
     """Bytes of the regular files under ``path`` and their paths, never through a link."""
     total, files = 0, []
-    stack = [path]
-    while stack:
-        d = stack.pop()
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            continue
-        for e in entries:
-            if e.is_dir(follow_symlinks=False):
-                stack.append(e.path)
-            elif e.is_file(follow_symlinks=False):
-                try:
-                    total += e.stat(follow_symlinks=False).st_size
-                except OSError:
-                    continue
-                files.append(e.path)
+    for d, _, names in os.walk(path):  # (unreadable directories skipped)
+        for f in (os.path.join(d, n) for n in names):
+            with contextlib.suppress(OSError):
+                st = os.lstat(f)
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+                    files.append(f)
     return total, files
 
 

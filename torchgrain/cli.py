@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import itertools
 import json
@@ -331,7 +332,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ),
         num_workers=args.workers,
         fmt=args.format,
-        out=None if args.json else _say,
+        # Each line as it comes, also into a pipe or a log file.
+        out=None if args.json else functools.partial(print, flush=True),
     )
     if args.json:
         for mode in report["modes"]:
@@ -343,10 +345,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _same_names(args: argparse.Namespace, names: str) -> dict[str, Any]:
     """The options ``names`` of ``args``, passed on as keyword arguments of the same names."""
     return {name: getattr(args, name) for name in names.split()}
-
-
-def _say(line: str) -> None:
-    print(line, flush=True)  # each line as it comes, also into a pipe or a log file
 
 
 # ------------------------------------------------------------------- errors
@@ -452,9 +450,9 @@ class _HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text, default = action.help or "", action.default
-        if default is None or default is False or default is argparse.SUPPRESS:
-            return text  # (the help action's default is SUPPRESS)
-        if "default" in text or not action.option_strings:
+        # (The help action's default is SUPPRESS.)
+        none = default is None or default is False or default is argparse.SUPPRESS
+        if none or "default" in text or not action.option_strings:
             return text
         return f"{text} (default: {' '.join(default) if isinstance(default, list) else default})"
 
@@ -488,7 +486,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--data-dir",
         metavar="DIR",
-        default=None,
         help="where to build the dataset, reused when it is there "
         "(default: demo-N under ~/.cache/torchgrain)",
     )
@@ -498,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     number(d, "--epochs", _positive_int, 2, "passes over the dataset")
     number(d, "--max-steps", _positive_int, None, "stop after this many steps")
     number(d, "--seed", int, 0, "shuffle and augmentation seed")
-    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    d.add_argument("--device", help="cpu or cuda (default: cuda if available)")
 
     # Formats and outputs are the registry's: a format registered before this runs is
     # one more choice.
@@ -546,10 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dst", metavar="DST", help="output directory (not inside SRC; created if needed)"
     )
     c.add_argument(
-        "--to",
-        choices=registry.output_formats(),
-        default=None,
-        help=f"output format (default: {DEFAULT_OUTPUT})",
+        "--to", choices=registry.output_formats(), help=f"output format (default: {DEFAULT_OUTPUT})"
     )
     g = c.add_mutually_exclusive_group()
     number(
@@ -569,7 +563,6 @@ def build_parser() -> argparse.ArgumentParser:
     codec_option(c, "input")
     c.add_argument(
         "--compression",
-        default=None,
         help="ArrayRecord: zstd[:LEVEL] (default zstd:3), snappy, brotli, uncompressed; "
         "Parquet: zstd (default), snappy, gzip, lz4, none",
     )
@@ -579,7 +572,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--tokenize",
         metavar="TOKENIZER_JSON",
-        default=None,
         help="tokenize --text-column with this Hugging Face tokenizer.json; writes the ids "
         "(int32) and their count (num_TOKENS_COLUMN)",
     )
@@ -597,7 +589,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A,B",
         type=_column_names,
         action="extend",
-        default=None,
         help="convert only these columns (Parquet input reads only them); comma-separated",
     )
     c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
@@ -650,7 +641,7 @@ def build_parser() -> argparse.ArgumentParser:
     number(b, "--repeats", _positive_int, 3, "rounds per access order (the spread)")
     number(b, "--prefetch-factor", _positive_int, 4, "DataLoader prefetch_factor")
     format_option(b, "--format", f"the dataset's format; {auto}")
-    b.add_argument("--columns", nargs="+", default=None, help="Parquet columns to read")
+    b.add_argument("--columns", nargs="+", help="Parquet columns to read")
     number(
         b,
         "--cache-bytes",

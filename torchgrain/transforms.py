@@ -106,10 +106,8 @@ class _GeneratorRandom(random.Random):
         return float(self.gen.random())  # type: ignore[union-attr]
 
     def getrandbits(self, k: int) -> int:
-        if k <= 0:
-            if k < 0:
-                raise ValueError("number of bits must be non-negative")
-            return 0
+        if k < 0:
+            raise ValueError("number of bits must be non-negative")
         n = (k + 7) // 8
         return int.from_bytes(self.gen.bytes(n), "little") >> (8 * n - k)  # type: ignore[union-attr]
 
@@ -241,10 +239,6 @@ _MODES = ("RGB", "BGR", "L")
 _EXIF_ORIENTATION = 0x0112
 
 
-def _head(data: bytes | memoryview) -> str:
-    return bytes(data[:8]).hex(" ")
-
-
 class DecodeImage:
     """Decode JPEG/PNG/... bytes under ``key`` into an HWC ``uint8`` numpy array.
 
@@ -284,17 +278,14 @@ class DecodeImage:
                 f"decode_image: key {self.key!r} holds {type(data).__name__}, expected bytes"
             )
         t0 = time.perf_counter()
-        if self.backend == "cv2":
-            image = self._decode_cv2(data)
-        else:
-            image = self._decode_pillow(data)
+        image = (self._decode_cv2 if self.backend == "cv2" else self._decode_pillow)(data)
         # tg.stats counts image decoding as decode, not as the map's transform time.
         local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t0
         if image is None:
             buf = memoryview(data).cast("B")
             raise RecordDecodeError(
                 f"decode_image: key {self.key!r} holds {buf.nbytes} bytes that {self.backend} "
-                f"cannot decode as an image (first bytes: {_head(buf)})"
+                f"cannot decode as an image (first bytes: {bytes(buf[:8]).hex(' ')})"
             )
         return image
 

@@ -57,14 +57,16 @@ __all__ = [
 ]
 
 
-def shard_name(index: int, num_shards: int, prefix: str = "data") -> str:
+def shard_name(
+    index: int, num_shards: int, prefix: str = "data", suffix: str = ".array_record"
+) -> str:
     """File name of shard ``index`` of ``num_shards``.
 
     Example:
-        >>> shard_name(3, 8)
-        'data-00003-of-00008.array_record'
+        >>> shard_name(3, 8), shard_name(0, 2, suffix=".parquet")
+        ('data-00003-of-00008.array_record', 'data-00000-of-00002.parquet')
     """
-    return f"{prefix}-{index:05d}-of-{num_shards:05d}.array_record"
+    return f"{prefix}-{index:05d}-of-{num_shards:05d}{suffix}"
 
 
 def array_record_options(group_size: int, compression: str) -> str:
@@ -336,9 +338,7 @@ def write_parquet(
     n = len(records)
     for i in range(num_shards):
         part = records[n * i // num_shards : n * (i + 1) // num_shards]
-        final = os.path.join(
-            directory, shard_name(i, num_shards, prefix).replace(".array_record", ".parquet")
-        )
+        final = os.path.join(directory, shard_name(i, num_shards, prefix, ".parquet"))
         with atomic_path(final) as tmp:
             pq.write_table(
                 records_to_table(part), tmp, row_group_size=row_group_size, compression=compression
@@ -515,9 +515,8 @@ class ParquetOut(ShardWriter):
             self._pending = []
             self._tables.append(t)
             self._bytes += t.nbytes
-            if self._bytes >= self._target or sum(x.num_rows for x in self._tables) >= (
-                PARQUET_MAX_ROWS
-            ):
+            rows = sum(x.num_rows for x in self._tables)
+            if self._bytes >= self._target or rows >= PARQUET_MAX_ROWS:
                 self._flush()
 
     def _flush(self) -> None:

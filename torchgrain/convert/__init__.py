@@ -389,14 +389,11 @@ def _make_dirs(root: str) -> list[str]:
     """``os.makedirs(root)``; returns the directories it created, outermost first."""
     missing = []
     d = root
-    while not os.path.isdir(d):
-        missing.append(d)
-        parent = os.path.dirname(d)
-        if parent == d:
-            break
-        d = parent
+    while not os.path.isdir(d) and os.path.dirname(d) != d:
+        missing.insert(0, d)
+        d = os.path.dirname(d)
     os.makedirs(root, exist_ok=True)
-    return missing[::-1]
+    return missing
 
 
 @contextlib.contextmanager

@@ -51,13 +51,14 @@ def plan_tasks(
     counts: list[int] | None, num_inputs: int, num_shards: int | None, to: str
 ) -> list[Task]:
     suffix = get_output(to).suffix
-
-    def name(i: int, n: int) -> str:
-        return shard_name(i, n).replace(".array_record", suffix)
-
     if num_shards is None:
         return [
-            Task(i, name(i, num_inputs), [(i, 0, None)], None if counts is None else counts[i])
+            Task(
+                i,
+                shard_name(i, num_inputs, suffix=suffix),
+                [(i, 0, None)],
+                None if counts is None else counts[i],
+            )
             for i in range(num_inputs)
         ]
     assert counts is not None
@@ -75,7 +76,7 @@ def plan_tasks(
             if hi <= a or hi == lo:
                 continue
             pieces.append((s, max(a, lo) - lo, min(b, hi) - lo))
-        tasks.append(Task(j, name(j, num_shards), pieces, b - a))
+        tasks.append(Task(j, shard_name(j, num_shards, suffix=suffix), pieces, b - a))
     return tasks
 
 
