@@ -84,6 +84,7 @@ from torchgrain.io.responses import (
     read_capped,
     request_coroutine,
     restore,
+    too_long,
 )
 from torchgrain.io.responses import pin as _pin
 from torchgrain.io.responses import unchanged_since as _unchanged_since
@@ -310,12 +311,8 @@ def _capped_response() -> type:
             if self._body is None:
                 asked = _RANGE.fullmatch(self.request_info.headers.get("Range", ""))
                 if asked and self.status < 300:  # an error's page is no answer to the range
-                    limit = int(asked[2]) - int(asked[1]) + 1
-                    why = (
-                        f"{self.url}: the response for bytes {asked[1]}-{asked[2]} holds "
-                        f"more than the {limit} bytes asked for: the server does not honour "
-                        "Range requests, or the response is corrupt"
-                    )
+                    start, end = int(asked[1]), int(asked[2]) + 1
+                    limit, why = end - start, too_long(str(self.url), start, end)
                 else:
                     limit = MAX_PAGE_BYTES
                     why = (

@@ -45,6 +45,7 @@ __all__ = [
     "read_capped",
     "request_coroutine",
     "socket_pieces",
+    "too_long",
 ]
 
 
@@ -421,6 +422,19 @@ def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str 
     return kw, tag
 
 
+def too_long(path: str, start: int, end: int) -> str:
+    """Why a response for bytes ``[start, end)`` of ``path`` holding more is refused.
+
+    Example:
+        >>> too_long("h://x/t", 2, 4)
+        'h://x/t: the response for bytes 2-3 holds more than the 2 bytes asked for: the server does not honour Range requests, or the response is corrupt'
+    """
+    return (
+        f"{path}: the response for bytes {start}-{end - 1} holds more than the {end - start} "
+        "bytes asked for: the server does not honour Range requests, or the response is corrupt"
+    )
+
+
 def changed_error(path: str, tag: str | None) -> RangeAnswerError:
     """The error for a ``412`` answer to ``If-Match`` ``tag`` (sent for ``path``): the file
     was replaced on the server since it was first read.
@@ -464,16 +478,11 @@ async def _http_cat_file(
                 r.headers.get("Last-Modified"),
                 length=r.content_length,
             )
-            limit = end - start
             return await read_capped(
                 socket_pieces(r.content),
-                limit,
+                end - start,
                 r.content_length,
-                why=(
-                    f"{path}: the response for bytes {start}-{end - 1} holds more than the "
-                    f"{limit} bytes asked for: the server does not honour Range requests, or "
-                    "the response is corrupt"
-                ),
+                why=too_long(path, start, end),
             )
         except BaseException:
             r.close()  # the rest of the body is never read
@@ -495,24 +504,16 @@ async def _s3_cat_file(
         tag = if_match(path)
         if tag is not None:
             extra["IfMatch"] = tag
-        limit = end - start
-        why = (
-            f"{path}: the response for bytes {start}-{end - 1} holds more than the {limit} "
-            "bytes asked for: the server does not honour Range requests, or the response "
-            "is corrupt"
-        )
+        limit, why = end - start, too_long(path, start, end)
     else:
         limit = page_limit
         why = f"{path}: the object holds more than {limit} bytes (remote.MAX_PAGE_BYTES)"
-    refused = False
     try:
         resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
     except Exception as e:
         if tag is None or not _precondition_failed(e):
             raise
-        refused = True
-    if refused:  # raised out of the handler: its 412 is no status to give up on
-        raise changed_error(path, tag)
+        raise changed_error(path, tag) from None  # (its 412 is no status to give up on)
     body = resp["Body"]
     try:
         if ranged:

@@ -378,16 +378,19 @@ def is_transient(exc: BaseException) -> bool:
     status = http_status(exc)
     if status is not None:
         return is_transient_status(status)
-    for e in _chain(exc):
-        if _error_code(e) in _TRANSIENT_CODES:
-            return True
-        if isinstance(e, (ConnectionError, TimeoutError)):
-            return True
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO:
-            return True
-        if any(t.__name__ in _TRANSIENT_NAMES for t in type(e).__mro__):
-            return True
-    return False
+    return any(
+        _error_code(e) in _TRANSIENT_CODES
+        or _transient_type(e)
+        or (isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO)
+        for e in _chain(exc)
+    )
+
+
+def _transient_type(e: BaseException) -> bool:
+    """Whether ``e`` is a connection failure or a timeout by its type."""
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(
+        t.__name__ in _TRANSIENT_NAMES for t in type(e).__mro__
+    )
 
 
 def _retries(exc: BaseException) -> float:
@@ -406,13 +409,7 @@ def _describe(exc: BaseException) -> str:
         e
         for e in _chain(exc)
         if (status is not None and http_status(e) == status)
-        or (
-            status is None
-            and (
-                isinstance(e, (ConnectionError, TimeoutError))
-                or any(t.__name__ in _TRANSIENT_NAMES for t in type(e).__mro__)
-            )
-        )
+        or (status is None and _transient_type(e))
     ]
     # The deepest cause that says something (a bare TimeoutError() explains nothing).
     culprit = ([e for e in matches if str(e)] or matches or [exc])[-1]
