@@ -531,12 +531,11 @@ def arrayrecord_index(
     sizes = np.array([st.st_size for st in stats], np.int64)
 
     def fits(ix: ArrayRecordIndex) -> str | None:
-        why = ix.not_made_for(key, sizes)
-        if why is not None:
-            return why
-        if not np.array_equal(ix.mtime_ns, np.asarray(mtimes, np.int64)):
-            return "it describes other versions of the files"
-        return None  # counts: a manifest that disagrees with the shards is checked later
+        # (counts: a manifest that disagrees with the shards is checked later)
+        same = np.array_equal(ix.mtime_ns, np.asarray(mtimes, np.int64))
+        return ix.not_made_for(key, sizes) or (
+            None if same else "it describes other versions of the files"
+        )
 
     name = "arrayrecord-" + key + INDEX_SUFFIX
     return cached_index(os.fspath(index_dir), name, ArrayRecordIndex, build, fits)

@@ -159,10 +159,7 @@ def derived_index(
     maker = _Maker(kind)
 
     def fill_keyed(sink: Any) -> dict[str, Any]:
-        meta = dict(fill(sink))
-        meta["key"] = key
-        meta["version"] = 1
-        return meta
+        return {**fill(sink), "key": key, "version": 1}
 
     def build(path: str | None) -> DerivedIndex:
         return build_index(maker, path, columns, fill_keyed)

@@ -170,12 +170,8 @@ def tfrecord_index(
         return build(None)
 
     def fits(ix: TFRecordIndex) -> str | None:
-        why = ix.not_made_for(key, sizes)
-        if why is not None:
-            return why
-        if not np.array_equal(ix.compressed != 0, np.asarray(compressed, bool)):
-            return "it describes other files"
-        return None
+        same = np.array_equal(ix.compressed != 0, np.asarray(compressed, bool))
+        return ix.not_made_for(key, sizes) or (None if same else "it describes other files")
 
     name = "tfrecord-" + key + INDEX_SUFFIX
     return cached_index(os.fspath(index_dir), name, TFRecordIndex, build, fits)
