@@ -268,10 +268,8 @@ def _plans(
     # runs of TFRecord records): with blocks of one record, a block shuffle is a global
     # shuffle. Each worker gets its own part of the epoch (batch_size/num_workers).
     if group_size > 1:
-        deal = {"batch_size": batch_size, "num_workers": num_workers}
-        out.append(
-            ("block-shuffled", "BlockShuffleSampler", shuffled(tg.BlockShuffleSampler, **deal))
-        )
+        block = shuffled(tg.BlockShuffleSampler, batch_size=batch_size, num_workers=num_workers)
+        out.append(("block-shuffled", "BlockShuffleSampler", block))
     return out
 
 

@@ -375,10 +375,7 @@ class PipelineStats:
 
     def reset(self, loader: Any = None) -> None:
         """Zero ``loader``'s rows, or the whole table."""
-        if loader is None:
-            self._table()[:] = 0
-            return
-        block = self.slot_of(loader)
+        block = slice(None) if loader is None else self.slot_of(loader)
         if block is not None:
             self._table()[block] = 0
 

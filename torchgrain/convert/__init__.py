@@ -34,7 +34,6 @@ import os
 import queue
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -94,16 +93,15 @@ class _Progress:
             self._bar = tqdm(total=total, unit="rec", unit_scale=True, desc="convert")
         self._t0 = time.monotonic()
         self._bytes = 0
-        self._lock = threading.Lock()
 
     def update(self, records: int, nbytes: int) -> None:
+        """Called in the thread that runs the conversion (``_execute``) only."""
         if self._bar is None:
             return
-        with self._lock:
-            self._bytes += nbytes
-            self._bar.update(records)
-            mbps = self._bytes / max(time.monotonic() - self._t0, 1e-9) / 1e6
-            self._bar.set_postfix_str(f"{mbps:.1f} MB/s", refresh=False)
+        self._bytes += nbytes
+        self._bar.update(records)
+        mbps = self._bytes / max(time.monotonic() - self._t0, 1e-9) / 1e6
+        self._bar.set_postfix_str(f"{mbps:.1f} MB/s", refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -52,14 +52,10 @@ def plan_tasks(
 ) -> list[Task]:
     suffix = get_output(to).suffix
     if num_shards is None:
+        sizes = counts if counts is not None else [None] * num_inputs
         return [
-            Task(
-                i,
-                shard_name(i, num_inputs, suffix=suffix),
-                [(i, 0, None)],
-                None if counts is None else counts[i],
-            )
-            for i in range(num_inputs)
+            Task(i, shard_name(i, num_inputs, suffix=suffix), [(i, 0, None)], n)
+            for i, n in enumerate(sizes)
         ]
     assert counts is not None
     offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
@@ -259,14 +255,9 @@ def finish(
     for r in results:
         if r["num_records"]:
             schema = merge_schemas(schema, r["schema"])
+    fields = ("path", "num_records", "num_bytes", "checksum")
     shards = [
-        ShardInfo(
-            path=r["path"],
-            num_records=r["num_records"],
-            num_bytes=r["num_bytes"],
-            checksum=r["checksum"],
-            file_checksum=r.get("file_checksum"),
-        )
+        ShardInfo(**{k: r[k] for k in fields}, file_checksum=r.get("file_checksum"))
         for r in results
     ]
     manifest = Manifest(codec=output.codec, shards=shards, schema=schema)
