@@ -143,7 +143,8 @@ def _selected_bytes(
 
 #: What a footer read raises that says nothing of the file's bytes: a refused redirect,
 #: access denied (HTTP 401/403), retries run out. Never a corrupt file.
-_NOT_THE_BYTES = (UnsafePathError, PermissionError, RemoteIOError)
+# Errors of a read that say nothing about the file's bytes (refused, or the store failed).
+NOT_THE_BYTES = (UnsafePathError, PermissionError, RemoteIOError)
 
 
 def _not_the_bytes(exc: BaseException) -> BaseException | None:
@@ -152,7 +153,7 @@ def _not_the_bytes(exc: BaseException) -> BaseException | None:
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
-        if isinstance(e, _NOT_THE_BYTES):
+        if isinstance(e, NOT_THE_BYTES):
             return e
         seen.add(id(e))
         e = e.__cause__ or e.__context__

@@ -37,12 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from torchgrain.errors import (
-    CorruptDataError,
-    DatasetNotFoundError,
-    RemoteIOError,
-    UnsafePathError,
-)
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, UnsafePathError
 from torchgrain.formats.parquet_pages import (
     ColumnChunk,
     chunk_pages,
@@ -57,7 +52,7 @@ from torchgrain.sources.parquet.decoded_cache import (
     entry_key,
     on_network_filesystem,
 )
-from torchgrain.sources.parquet.footers import local_version
+from torchgrain.sources.parquet.footers import NOT_THE_BYTES, local_version
 from torchgrain.sources.parquet.values import RowGroup
 
 __all__ = ["ParquetReader", "RowGroupLoader", "StagedInput", "decoded_cache_for"]
@@ -248,13 +243,7 @@ class RowGroupLoader(ShardedSource):
 
         try:
             table = self._io(read, shard, f"read of row group {local} (record index {index})")
-        except (
-            RemoteIOError,
-            DatasetNotFoundError,
-            PermissionError,
-            UnsafePathError,
-            CorruptDataError,
-        ):
+        except (*NOT_THE_BYTES, DatasetNotFoundError, CorruptDataError):
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptDataError(
@@ -447,13 +436,13 @@ def decoded_cache_for(
         return option
     if option is False or option is None:
         return None
-    if option is True or option == "auto":
-        if option == "auto" and (
-            cache_bytes <= 0 or data_bytes <= max(cache_bytes, _AUTO_MIN_BYTES)
-        ):
-            return None
-        directory: str | os.PathLike = os.path.join(default_cache_dir(), "parquet-decoded")
-        if option == "auto" and on_network_filesystem(directory):
+    auto = option == "auto"
+    if auto and (cache_bytes <= 0 or data_bytes <= max(cache_bytes, _AUTO_MIN_BYTES)):
+        return None
+    directory: Any = option
+    if option is True or auto:
+        directory = os.path.join(default_cache_dir(), "parquet-decoded")
+        if auto and on_network_filesystem(directory):
             warnings.warn(
                 f"torchgrain: the data exceed the row-group cache, but {directory!r} is on "
                 "a network filesystem (quotas, slow writes, unsafe locks): the decoded "
@@ -462,12 +451,10 @@ def decoded_cache_for(
                 stacklevel=4,
             )
             return None
-    else:
-        directory = option
     try:
         return DecodedCache(directory, max_bytes=max_bytes)
     except OSError as e:
-        if option != "auto":
+        if not auto:
             raise
         warnings.warn(
             f"torchgrain: the decoded Parquet cache cannot use {directory!r} ({e}); "
@@ -720,12 +707,8 @@ class StagedInput(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            self._pos = offset
-        elif whence == io.SEEK_CUR:
-            self._pos += offset
-        else:
-            self._pos = self._size + offset
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos}.get(whence, self._size)
+        self._pos = base + offset
         return self._pos
 
     def read(self, size: int | None = -1) -> bytes:
