@@ -262,10 +262,7 @@ def expand_paths(
         listing.check_distinct(found)
         out.extend(_unstrip(item_fs, p) for p in found)
     assert fs is not None
-    # Keep the first occurrence of each path, preserving the order given.
-    seen: set[str] = set()
-    unique = [p for p in out if not (p in seen or seen.add(p))]
-    return fs, unique
+    return fs, list(dict.fromkeys(out))  # the first occurrence of each path, in order
 
 
 # Files beside a dataset's data that are its own metadata, skipped without a notice (as are

@@ -160,15 +160,9 @@ def _multirange_server(fs: fsspec.AbstractFileSystem, path: str) -> bool:
     return _servers(fs).answers.get(_origin(path), True)
 
 
-class _NotMultirange(Exception):
-    """A server's answer to a multi-range request was not one: ``ignores_ranges`` when it
-    sent the whole file or a broken multipart body (it will again), else a refusal with
-    an error status that one range asked alone may not get (a firewall's 403 for many
-    ranges, a 416, a 501)."""
-
-    def __init__(self, message: str, *, ignores_ranges: bool) -> None:
-        super().__init__(message)
-        self.ignores_ranges = ignores_ranges
+class _Refused(Exception):
+    """A multi-range request refused with an error status that one range asked alone may
+    not get (a firewall's 403 for many ranges, a 416, a 501)."""
 
 
 #: Statuses of a multi-range request that say nothing of multi-range support: the file
@@ -181,9 +175,10 @@ async def _get_ranges(
 ) -> tuple[list[tuple[int, memoryview]], int | None]:
     """The parts of one multi-range GET of ``merged`` (sorted, apart) as ``(first byte,
     bytes)``, and the file size they declare; ``heard`` is set once a 206's headers are
-    in (see :func:`_first_asked`). Raises :class:`_NotMultirange` when the
-    server answered otherwise, as one range's request would for a missing file or a busy
-    server, and a :class:`MultipartError` for a body that is not what was asked for."""
+    in (see :func:`_first_asked`). Raises :class:`_Refused` for an error status, as one
+    range's request would for a missing file or a busy server, and a
+    :class:`MultipartError` for an answer that is not what was asked for (the whole file,
+    a broken body)."""
     kw, tag = range_request(fs, path, range_header(merged))
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), **kw) as r:
@@ -195,7 +190,9 @@ async def _get_ranges(
                 raise FileNotFoundError(path)
             if is_transient_status(r.status):
                 r.raise_for_status()  # as fsspec's own request raises it: retried
-            raise _NotMultirange(f"status {r.status}", ignores_ranges=r.status < 300)
+            if r.status < 300:  # the whole file: the server ignores ranges, and will again
+                raise MultipartError(f"status {r.status}, not a multi-range answer")
+            raise _Refused(f"status {r.status}")
         if heard is not None:
             heard.set()
         try:
@@ -331,11 +328,8 @@ async def _limited_ranges(
         return [e] * len(ranges)  # another file than the one opened: retried, then an error
     except (MultipartError, ResponseSizeError):
         known.answers[origin] = False  # a broken answer: never asked so again
-    except _NotMultirange as e:
-        if e.ignores_ranges:
-            known.answers[origin] = False
-        else:
-            refused = "status"
+    except _Refused:
+        refused = "status"
     except Exception as e:
         if not _dropped(e):
             return [e] * len(ranges)  # as one range's request would fail: retried, or named

@@ -88,17 +88,13 @@ def is_http(fs: Any) -> bool:
 def _readings(text: str) -> list[str]:
     """``text`` as written, after each round of percent-decoding, and NFKC-normalised."""
     out = [text]
-    current = text
     for _ in range(MAX_DECODINGS):
-        if "%" not in current:
-            break
-        decoded = unquote(current, errors="strict")
-        if decoded == current:
+        decoded = unquote(out[-1], errors="strict")  # (a text without "%": itself)
+        if decoded == out[-1]:
             break
         out.append(decoded)
-        current = decoded
     else:
-        if "%" in current and unquote(current, errors="strict") != current:
+        if unquote(out[-1], errors="strict") != out[-1]:
             raise _Unsafe(f"is percent-encoded more than {MAX_DECODINGS} times")
     for reading in list(out):
         iis = _IIS_ESCAPE.sub(lambda m: chr(int(m[1], 16)), reading)

@@ -504,10 +504,8 @@ def _http_file(fs: fsspec.AbstractFileSystem, path: str, label: str) -> bool:
 
     try:
         head = call(fs, "head", path, url=label, what="lookup", check=busy)
-    except UnsafePathError:
-        raise
     except Exception as e:
-        if is_transient(e):
+        if is_transient(e) or isinstance(e, UnsafePathError):
             raise
         return False
     headers = {k.lower(): v for k, v in head["headers"].items()}
