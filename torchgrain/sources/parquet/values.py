@@ -238,11 +238,10 @@ class Column:
         [None, array([1, 2])]
     """
 
-    __slots__ = ("kind", "nbytes", "plain", "values")
+    __slots__ = ("kind", "nbytes", "values")
 
     def __init__(self, kind: str, values: Any, nbytes: int) -> None:
         self.kind = kind
-        self.plain = kind == "plain"
         self.values = values
         self.nbytes = int(nbytes)
 
@@ -257,11 +256,8 @@ class Column:
             return [None if values[r] is None else list(values[r]) for r in rows]
         if kind == "struct":
             names, children, valid = values
-            if not names:
-                out: list[Any] = [{} for _ in rows]
-            else:
-                cols = [c.take(rows) for c in children]
-                out = [dict(zip(names, vals)) for vals in zip(*cols)]
+            cols = [c.take(rows) for c in children]
+            out = [dict(zip(names, vals)) for vals in zip(*cols)] if names else [{} for _ in rows]
             if valid is not None:
                 out = [rec if valid[r] else None for rec, r in zip(out, rows)]
             return out
@@ -379,7 +375,7 @@ def _python_lists(
     """Lists of strings or bytes (one child) as Python lists, maps (two: keys, items) as
     lists of ``(key, value)`` tuples like ``to_pylist``; None if a child is not plain."""
     parts = [convert_column(c) for c in children]
-    if not all(p.plain for p in parts):
+    if any(p.kind != "plain" for p in parts):
         return None
     n = len(arr)
     items = parts[0].values if len(parts) == 1 else list(zip(*(p.values for p in parts)))
@@ -735,7 +731,7 @@ class RowTemplates:
                 continue
             col = convert_column(table.column(pos))
             nbytes += col.nbytes
-            if col.plain:
+            if col.kind == "plain":
                 for rec, value in zip(records, col.values):
                     rec[key] = value
             else:  # a placeholder keeps the key order; each read fills a fresh value
@@ -892,10 +888,7 @@ class GroupViews:
                 shape = data.shape[1:]
             else:
                 bounds = np.asarray(view.offsets, np.int64)
-                part = np.empty((rows, 2), np.int64)
-                part[:, 0] = bounds[:-1]
-                part[:, 1] = bounds[1:] - bounds[:-1]
-                part = part.view(np.uint8)
+                part = np.stack([bounds[:-1], np.diff(bounds)], axis=1).view(np.uint8)
                 shape = ()
                 self.values[pos] = memoryview(np.ascontiguousarray(data).view(np.uint8))
             layout.append((pos, at, data.dtype, shape, ragged_kind))
@@ -939,12 +932,10 @@ def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
     record = first.record
     typed = rows.view(record).reshape(n)
     out: dict[int, Any] = {}
-    for pos, _, dtype, shape, ragged_kind in first.layout:
+    for pos, _, dtype, _, ragged_kind in first.layout:
         field = f"c{pos}"
         if not ragged_kind:
-            col = empty((n, *shape), dtype)
-            col[...] = typed[field]
-            out[pos] = col
+            out[pos] = _copy(typed[field])
         else:
             pairs = typed[field] if len(groups) == 1 else staged.view(record).reshape(n)[field]
             data = [g.values[pos] for g in groups]
