@@ -226,9 +226,8 @@ class ParquetSource(RowGroupLoader):
         self._part_values: dict[str, np.ndarray] = {}
         self._part_types: dict[str, pa.DataType] = {}
         for key in part_keys:
-            values, typ = partition_values([p[key] for p in parts])
-            self._part_values[key] = values
-            self._part_types[key] = typ
+            parsed = partition_values([p[key] for p in parts])
+            self._part_values[key], self._part_types[key] = parsed
         self._file_columns = all_names(schemas)
         file_names = [f.name for f in fields]
         if columns is not None:
