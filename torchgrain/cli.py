@@ -159,8 +159,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"  {n:>10}  {s['num_bytes'] / 1e6:>10,.2f} MB  {s['path']}")
     if len(out["shards"]) > len(shown):
         print(f"  ... {len(out['shards']) - len(shown)} more")
-    if out.get("tokens"):
-        t = out["tokens"]
+    if t := out.get("tokens"):
         print(
             f"tokens      {t['tokens']:,} in {t['column']!r} ({t['documents']:,} documents; "
             f"counted from {t['lengths_from']!r})"

@@ -194,10 +194,7 @@ class Albumentations:
         self._py_random.gauss_next = None  # gauss() keeps a second normal: not for this record
         self.transform.set_random_state(rng, self._py_random)
         out = self.transform(**data)
-        result = dict(record)
-        for name, key in self._pairs:
-            result[key] = out[name]
-        return result
+        return {**record, **{key: out[name] for name, key in self._pairs}}
 
     def __repr__(self) -> str:
         names = [type(t).__name__ for t in getattr(self.transform, "transforms", ())]
@@ -611,11 +608,8 @@ class MaskTokens:
         to_mask = chosen & (action < self.mask_replace_prob)
         masked[to_mask] = self.mask_id
         if self.random_replace_prob > 0:
-            to_random = (
-                chosen
-                & (action >= self.mask_replace_prob)
-                & (action < self.mask_replace_prob + self.random_replace_prob)
-            )
+            below = self.mask_replace_prob + self.random_replace_prob
+            to_random = chosen & ~to_mask & (action < below)
             n = int(to_random.sum())
             if n:
                 masked[to_random] = rng.integers(0, self.vocab_size, n)
