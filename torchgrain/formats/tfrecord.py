@@ -613,7 +613,6 @@ def write_tfrecord(
     """
     fs, p = _resolve(path, filesystem)
     comp = resolve_compression(os.fspath(path), compression)
-    local = is_local(fs)
     tmp = temp_name(p)  # (a remote path's parent is cut at "/" as a local one's)
     count = 0
     try:
@@ -641,7 +640,7 @@ def write_tfrecord(
                 out.write(b"".join(pending))
             if out is not raw:
                 out.close()
-        if local:
+        if is_local(fs):
             publish(tmp, p)
         else:
             fs.mv(tmp, p)

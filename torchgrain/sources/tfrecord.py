@@ -323,10 +323,9 @@ class TFRecordSource(EncodedSource):
             return None
         e = int(self._tfindex.base[shard]) + row
         first, last = int(self._tfindex.offsets[e]), int(self._tfindex.offsets[e + 1])
-        if not (first >= 0 and last - first >= 16 and last <= self._tfindex.file_size[shard]):
+        size = self._tfindex.file_size[shard]
+        if not (first >= 0 and 16 <= last - first <= self.max_record_bytes + 16 and last <= size):
             return None  # the batch path names the damage
-        if last - first - 16 > self.max_record_bytes:
-            return None
         at = acquired(region, shard)
         if at is None:
             return None

@@ -552,8 +552,8 @@ class ArrayRecordFile(OneRecordBatches):
                 for i in order_l[first[k] : ends[k]]:
                     out[i] = rec
             else:
-                if isinstance(bounds, np.ndarray):
-                    bounds = bounds.tolist() if ends[k] - first[k] > 8 else bounds
+                if isinstance(bounds, np.ndarray) and ends[k] - first[k] > 8:
+                    bounds = bounds.tolist()
                 for i in order_l[first[k] : ends[k]]:
                     j = local[i]
                     out[i] = bytes(values[int(bounds[j]) : int(bounds[j + 1])])
