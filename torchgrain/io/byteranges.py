@@ -77,8 +77,7 @@ def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for s, e in sorted(r for r in ranges if r[1] > r[0]):
         if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
+            out[-1] = (out[-1][0], max(out[-1][1], e))
         else:
             out.append((s, e))
     return out
@@ -125,9 +124,7 @@ def boundary_of(content_type: str | None) -> str | None:
     if kind.strip().lower() != "multipart/byteranges":
         return None
     m = _BOUNDARY.search(params)
-    if m is None:
-        return None
-    return m.group(1) or m.group(2)
+    return (m[1] or m[2]) if m else None
 
 
 def parse_byteranges(

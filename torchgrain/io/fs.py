@@ -294,11 +294,9 @@ def non_data_files(root: str, listed: Iterable[str], suffixes: Iterable[str]) ->
             continue
         rel = p[len(base) :] if p.startswith(base) else p
         segments = [s for s in rel.split("/") if s]
-        if not segments or any(s.startswith((".", "_")) for s in segments):
-            continue
-        if _METADATA_NAMES.fullmatch(segments[-1]):
-            continue
-        out.append(p)
+        hidden = not segments or any(s.startswith((".", "_")) for s in segments)
+        if not (hidden or _METADATA_NAMES.fullmatch(segments[-1])):
+            out.append(p)
     return sorted(out)
 
 

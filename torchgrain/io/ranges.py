@@ -352,9 +352,6 @@ def fetch_batch(
                 told.add(k)
                 ready(k)
 
-        for k, (_url, mine) in enumerate(claimed):
-            if not mine:
-                tell(k)  # all in the store already (or being brought by another fetch)
         made = _fetch_claimed(
             fs, files, claimed, store, owner, gap, max_inflight, multi_range, raise_errors, tell
         )
@@ -403,16 +400,16 @@ def _fetch_claimed(
     left: list[int] = []  # each plan's requests not answered yet
     for k, ((path, url, _), (_, need)) in enumerate(zip(files, claimed)):
         if not need:
+            ready(k)  # all in the store already (or being brought by another fetch)
             continue
         order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
         plan_of.extend([len(plans)] * len(merged))
         left.append(len(merged))
         plans.append((k, url, need, order, merged, len(starts)))
-        for m in merged:
-            paths.append(path)
-            urls.append(url)
-            starts.append(m[0])
-            ends.append(m[1])
+        paths += [path] * len(merged)
+        urls += [url] * len(merged)
+        starts += [m[0] for m in merged]
+        ends += [m[1] for m in merged]
     if not starts:
         return 0
     failure: list[tuple[BaseException, str, int, int]] = []

@@ -283,8 +283,7 @@ def remaining_seconds(nbytes: int = 0) -> tuple[float, float, RetryPolicy]:
         >>> remaining_seconds(0)[:2]
         (60.0, 60.0)
     """
-    op = _OPERATION.get()
-    policy = op.policy if op is not None else current_policy()
+    op, policy = _OPERATION.get(), current_policy()
     own = policy.request_seconds(nbytes)
     if op is None:
         return own, own, policy
@@ -343,11 +342,8 @@ def http_status(exc: BaseException) -> int | None:
 
 def _error_code(e: BaseException) -> str | None:
     response = getattr(e, "response", None)
-    if isinstance(response, dict):
-        err = response.get("Error") or {}
-        code = err.get("Code")
-        return str(code) if code is not None else None
-    return None
+    code = (response.get("Error") or {}).get("Code") if isinstance(response, dict) else None
+    return None if code is None else str(code)
 
 
 def is_transient_status(status: int) -> bool:
