@@ -24,9 +24,6 @@ from torchgrain.sources.base import RecordBytesSource, Source
 
 __all__ = ["ConvertInput", "open_input"]
 
-# Where a worker keeps the source it opened for the job's input (one per process).
-_OPENED: dict[int, Source] = {}
-
 
 class ConvertInput:
     """A picklable description of the source of a conversion (see the module docstring)."""

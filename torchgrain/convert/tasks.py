@@ -152,11 +152,9 @@ def _transformed(
     pairs: Iterator[tuple[Any, int]], fn: Callable[[list[Any]], list[Any]], start: int, where: str
 ) -> Iterator[tuple[Any, int]]:
     """``(record, size)`` pairs with ``fn`` applied to each batch of records."""
-    first = start
-    while True:
-        chunk = list(itertools.islice(pairs, _TRANSFORM_BATCH))
-        if not chunk:
-            return
+    # Every batch but the last holds _TRANSFORM_BATCH records.
+    batches = iter(lambda: list(itertools.islice(pairs, _TRANSFORM_BATCH)), [])
+    for first, chunk in zip(itertools.count(start, _TRANSFORM_BATCH), batches):
         records = [rec for rec, _ in chunk]
         try:
             out = fn(records)
@@ -173,7 +171,6 @@ def _transformed(
                 f"{len(records)} records (one record per record expected)"
             )
         yield from zip(out, (size for _, size in chunk))
-        first += len(chunk)
 
 
 def run_task(job: Job, task: Task) -> dict[str, Any]:
