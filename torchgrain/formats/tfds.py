@@ -316,9 +316,7 @@ class TFDSCodec(BaseCodec):
         arr = self._decoder(data)
         if arr.ndim == 2 and len(shape) == 3:
             arr = arr[:, :, None]
-        if arr.dtype != dtype:
-            arr = arr.astype(dtype)
-        return np.ascontiguousarray(arr)
+        return np.ascontiguousarray(arr, dtype=dtype)
 
     def __repr__(self) -> str:
         return f"TFDSCodec(keys={sorted(self._kinds)})"
@@ -417,7 +415,5 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
         parts = [np.frombuffer(b, dtype=dt) for b in blobs]
         arr = np.concatenate(parts) if parts else np.zeros(0, dt)
     else:
-        arr = np.asarray(value)
-        if arr.dtype != dt:
-            arr = arr.astype(dt)
+        arr = np.asarray(value, dtype=dt)
     return _reshape(np.ascontiguousarray(arr), shape)
