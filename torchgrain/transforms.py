@@ -99,8 +99,7 @@ class _GeneratorRandom(random.Random):
         self.gen: np.random.Generator | None = None
 
     def seed(self, a: Any = None, version: int = 2) -> None:
-        # Called by random.Random.__init__; there is no state of our own to seed.
-        return None
+        """Called by ``random.Random.__init__``; there is no state of our own to seed."""
 
     def random(self) -> float:
         return float(self.gen.random())  # type: ignore[union-attr]
@@ -521,13 +520,11 @@ class ToTensor:
 
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(record)
-        if self.keys is None:
+        keys = self.keys
+        if keys is None:
             keys = [k for k, v in record.items() if isinstance(v, np.ndarray)]
-        else:
-            keys = self.keys
-            for k in keys:
-                if k not in record:
-                    raise _missing_key(record, k, "ToTensor")
+        elif missing := [k for k in keys if k not in record]:
+            raise _missing_key(record, missing[0], "ToTensor")
         first = self.channels_first
         for k in keys:
             t = _to_tensor(record[k], k)
