@@ -461,11 +461,10 @@ async def _http_cat_file(
     kw, tag = range_request(fs, path, f"bytes={start}-{end - 1}")
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), **kw) as r:
-        if r.status == 412 and tag is not None:
-            r.close()
-            raise changed_error(path, tag)
         if r.status >= 400:
             r.close()  # an error page is no answer: the status says it all
+            if r.status == 412 and tag is not None:
+                raise changed_error(path, tag)
             fs._raise_not_found_for_status(r, path)
         try:
             check_range_answer(
