@@ -152,8 +152,7 @@ def _ints(
     end = pos + 1
     fix = (t < 0x80) | (t >= 0xE0)
     out[fix] = t[fix].astype(np.int64)
-    neg = t >= 0xE0
-    out[neg] -= 256
+    out[t >= 0xE0] -= 256  # negative fixints
     for code in np.unique(t[~fix]).tolist():
         width, signed = _INT_WIDTH[code]
         m = t == code
