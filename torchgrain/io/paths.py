@@ -30,6 +30,7 @@ import functools
 import os
 import posixpath
 import re
+import types
 import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -248,19 +249,11 @@ def _decoded(text: str, form: str) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _root_key(cls: type, protocol: Any, root: str) -> tuple[tuple, tuple[str, ...]]:
-    """A root's key (the same for every listed location compared with it)."""
-    return _location_key(_Kind(cls, protocol), root, trusted=True)
-
-
-class _Kind:
-    """What :func:`_location_key` needs of a filesystem: its class's protocol and path
-    stripping (both class-level in fsspec), without holding the instance."""
-
-    def __init__(self, cls: type, protocol: Any) -> None:
-        self._cls, self.protocol = cls, protocol
-
-    def _strip_protocol(self, path: str) -> str:
-        return self._cls._strip_protocol(path)
+    """A root's key (the same for every listed location compared with it). What
+    :func:`_location_key` needs of a filesystem, its protocol and path stripping, are
+    its class's in fsspec: the cache holds no instance."""
+    kind = types.SimpleNamespace(protocol=protocol, _strip_protocol=cls._strip_protocol)
+    return _location_key(kind, root, trusted=True)
 
 
 def _key_of_root(fs: Any, root: str) -> tuple[tuple, tuple[str, ...]]:
