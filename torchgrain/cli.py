@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
         return c
 
     def number(
-        parser: Any, flag: str, type: Any, default: Any, help: str, metavar: str = "N"
+        parser: Any, flag: str, type: Any, help: str, default: Any = None, metavar: str = "N"
     ) -> None:
         parser.add_argument(flag, metavar=metavar, type=type, default=default, help=help)
 
@@ -488,12 +488,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to build the dataset, reused when it is there "
         "(default: demo-N under ~/.cache/torchgrain)",
     )
-    number(d, "--num-records", _positive_int, 10_000, "dataset size")
-    number(d, "--batch-size", _positive_int, 64, "records per step")
-    number(d, "--workers", _non_negative_int, 2, "DataLoader num_workers")
-    number(d, "--epochs", _positive_int, 2, "passes over the dataset")
-    number(d, "--max-steps", _positive_int, None, "stop after this many steps")
-    number(d, "--seed", int, 0, "shuffle and augmentation seed")
+    number(d, "--num-records", _positive_int, "dataset size", 10_000)
+    number(d, "--batch-size", _positive_int, "records per step", 64)
+    number(d, "--workers", _non_negative_int, "DataLoader num_workers", 2)
+    number(d, "--epochs", _positive_int, "passes over the dataset", 2)
+    number(d, "--max-steps", _positive_int, "stop after this many steps")
+    number(d, "--seed", int, "shuffle and augmentation seed", 0)
     d.add_argument("--device", help="cpu or cuda (default: cuda if available)")
 
     # Formats and outputs are the registry's: a format registered before this runs is
@@ -517,8 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     format_option(i, "--format", f"the dataset's format; {auto}{markers}")
     codec_option(i, "encoded")
-    number(i, "--samples", _non_negative_int, 2, "records to print")
-    number(i, "--max-shards", _non_negative_int, 20, "shards to list")
+    number(i, "--samples", _non_negative_int, "records to print", 2)
+    number(i, "--max-shards", _non_negative_int, "shards to list", 20)
     i.add_argument(
         "--tokens",
         metavar="COLUMN",
@@ -549,7 +549,6 @@ def build_parser() -> argparse.ArgumentParser:
         g,
         "--num-shards",
         _positive_int,
-        None,
         "cut the records into this many contiguous output shards",
     )
     g.add_argument(
@@ -557,8 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="one output shard per input file (the default without --num-shards)",
     )
-    number(c, "--group-size", _positive_int, 1, "records per ArrayRecord chunk")
-    number(c, "--workers", _positive_int, 1, "converter processes")
+    number(c, "--group-size", _positive_int, "records per ArrayRecord chunk", 1)
+    number(c, "--workers", _positive_int, "converter processes", 1)
     codec_option(c, "input")
     c.add_argument(
         "--compression",
@@ -602,12 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
         "rounds each, and print the median rate, the spread of the rounds and suggestions.",
     )
     b.add_argument("path", nargs="+", metavar="PATH", help="dataset directory, glob or file(s)")
-    number(b, "--batch-size", _positive_int, 256, "DataLoader batch_size")
+    number(b, "--batch-size", _positive_int, "DataLoader batch_size", 256)
     number(
         b,
         "--workers",
         _non_negative_int,
-        None,
         "DataLoader num_workers (default: one per CPU this process may use, "
         f"at most 16: {default_workers()} here)",
     )
@@ -615,7 +613,6 @@ def build_parser() -> argparse.ArgumentParser:
         b,
         "--seconds",
         _positive_float,
-        None,
         "measured time in total, split into exactly --repeats rounds per access "
         "order (a quick look; default: rounds of --round-seconds until they settle)",
         metavar="S",
@@ -624,9 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
         b,
         "--round-seconds",
         _positive_float,
-        3.0,
         "each round's measured time; rounds go on (at most 2x --repeats) until the "
         "last --repeats of each order lie within 5%% of their median",
+        3.0,
         metavar="S",
     )
     b.add_argument(
@@ -637,19 +634,18 @@ def build_parser() -> argparse.ArgumentParser:
         "without collate_fn), pad (tg.pad_collate: variable-length fields padded), none "
         "(lists of records: reading alone)",
     )
-    number(b, "--repeats", _positive_int, 3, "rounds per access order (the spread)")
-    number(b, "--prefetch-factor", _positive_int, 4, "DataLoader prefetch_factor")
+    number(b, "--repeats", _positive_int, "rounds per access order (the spread)", 3)
+    number(b, "--prefetch-factor", _positive_int, "DataLoader prefetch_factor", 4)
     format_option(b, "--format", f"the dataset's format; {auto}")
     b.add_argument("--columns", nargs="+", help="Parquet columns to read")
     number(
         b,
         "--cache-bytes",
         _non_negative_int,
-        None,
         "each worker's block cache (Parquet row groups, ArrayRecord chunks), in bytes; "
         "0: none (default: the source's, 256 MiB)",
     )
-    number(b, "--seed", int, 0, "shuffle seed")
+    number(b, "--seed", int, "shuffle seed", 0)
     b.add_argument(
         "--tokens",
         metavar="COLUMN",
