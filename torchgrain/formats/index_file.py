@@ -209,8 +209,7 @@ def _arrays(
                 f"file's {size} bytes (truncated?)",
             )
         spans.append((offset, offset + nbytes, name))
-        arr = np.frombuffer(mm, dtype=dt, count=count, offset=offset).reshape(shape)
-        out[name] = arr
+        out[name] = np.frombuffer(mm, dtype=dt, count=count, offset=offset).reshape(shape)
     spans.sort()
     for (_, end, a), (begin, _, b) in itertools.pairwise(spans):
         if begin < end:
