@@ -84,10 +84,8 @@ class _Progress:
     """tqdm bar on a terminal (records and MB/s), silent otherwise."""
 
     def __init__(self, total: int | None, enabled: bool | None) -> None:
-        if enabled is None:
-            enabled = sys.stderr.isatty()
         self._bar = None
-        if enabled:
+        if enabled or (enabled is None and sys.stderr.isatty()):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, unit="rec", unit_scale=True, desc="convert")
@@ -344,8 +342,7 @@ def check_output_dir(
         >>> check_output_dir(os.path.join(d, "a"), os.path.join(d, "b"))  # apart: fine
     """
     out = os.path.realpath(os.fspath(dst))
-    items = [src] if isinstance(src, (str, os.PathLike)) else list(src)
-    for item in items:
+    for item in [src] if isinstance(src, (str, os.PathLike)) else src:
         fs, p = get_filesystem(item)
         if not is_local(fs):
             continue
