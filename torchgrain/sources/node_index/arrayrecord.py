@@ -400,7 +400,8 @@ def build_arrayrecord_index(
         sink.append("mtime_ns", np.asarray(mtimes if mtimes is not None else np.zeros(s), np.int64))
         for name, per in (("rec_base", counts), ("chunk_base", nchunks)):
             sink.append(name, np.concatenate([[0], np.cumsum(per)]))
-        meta = {
+        COUNTERS["arrayrecord_builds"] += 1
+        return {
             "version": VERSION,
             "num_shards": s,
             "num_records": int(counts.sum()),
@@ -408,8 +409,6 @@ def build_arrayrecord_index(
             "single": bool(np.array_equal(counts, nchunks)),
             "key": key,
         }
-        COUNTERS["arrayrecord_builds"] += 1
-        return meta
 
     ix = build_index(ArrayRecordIndex, out, _AR_COLUMNS, fill)
     # The footers' parses were freed into the build threads' malloc arenas, which glibc

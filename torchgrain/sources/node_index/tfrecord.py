@@ -153,14 +153,13 @@ def tfrecord_index(
             sink.append("file_size", sizes)
             sink.append("mtime_ns", np.zeros(s, np.int64))
             sink.append("compressed", np.asarray(compressed, np.int64))
-            meta = {
+            COUNTERS["tfrecord_builds"] += 1
+            return {
                 "version": VERSION,
                 "num_shards": s,
                 "num_records": int(counts.sum()),
                 "key": key,
             }
-            COUNTERS["tfrecord_builds"] += 1
-            return meta
 
         ix = build_index(TFRecordIndex, out, _TF_COLUMNS, fill)
         trim_heap()  # what the walks freed in the build threads' malloc arenas
