@@ -488,17 +488,10 @@ def retry_call(
         not found
     """
     name = url if callable(url) else (lambda: url)
-    if _OPERATION.get() is not None:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:
-            clearer = None if is_transient(e) else permanent_error(e, name(), what)
-            if clearer is None:
-                raise
-            raise clearer from e
-    policy = policy or current_policy()
+    outer = _OPERATION.get()  # an operation in progress: it retries, not this call
+    op = outer or _Operation(policy or current_policy())
+    policy = op.policy
     rng = random.Random()
-    op = _Operation(policy)
     token = _OPERATION.set(op)
     try:
         for attempt in range(1, policy.attempts + 1):
@@ -510,6 +503,8 @@ def retry_call(
                     if clearer is None:
                         raise
                     raise clearer from e
+                if outer is not None:
+                    raise
                 delay = policy.delay(attempt - 1, rng)
                 left = op.remaining()
                 cap = _retries(e)
