@@ -193,7 +193,10 @@ class Albumentations:
         self._py_random.gauss_next = None  # gauss() keeps a second normal: not for this record
         self.transform.set_random_state(rng, self._py_random)
         out = self.transform(**data)
-        return {**record, **{key: out[name] for name, key in self._pairs}}
+        result = dict(record)
+        for name, key in self._pairs:
+            result[key] = out[name]
+        return result
 
     def __repr__(self) -> str:
         names = [type(t).__name__ for t in getattr(self.transform, "transforms", ())]
@@ -274,7 +277,10 @@ class DecodeImage:
                 f"decode_image: key {self.key!r} holds {type(data).__name__}, expected bytes"
             )
         t0 = time.perf_counter()
-        image = (self._decode_cv2 if self.backend == "cv2" else self._decode_pillow)(data)
+        if self.backend == "cv2":
+            image = self._decode_cv2(data)
+        else:
+            image = self._decode_pillow(data)
         # tg.stats counts image decoding as decode, not as the map's transform time.
         local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t0
         if image is None:
@@ -520,11 +526,13 @@ class ToTensor:
 
     def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
         out = dict(record)
-        keys = self.keys
-        if keys is None:
+        if self.keys is None:
             keys = [k for k, v in record.items() if isinstance(v, np.ndarray)]
-        elif missing := [k for k in keys if k not in record]:
-            raise _missing_key(record, missing[0], "ToTensor")
+        else:
+            keys = self.keys
+            for k in keys:
+                if k not in record:
+                    raise _missing_key(record, k, "ToTensor")
         first = self.channels_first
         for k in keys:
             t = _to_tensor(record[k], k)
