@@ -574,8 +574,7 @@ class ShardPaths(Sequence[str]):
                     self._prefix = ""
                     return
         # by character, not by path component: only the shared text is stored once
-        prefix = os.path.commonprefix(paths) if paths else ""  # noqa: RUF071
-        self._prefix = prefix
+        self._prefix = prefix = os.path.commonprefix(paths)  # noqa: RUF071 ("" for none)
         rest = [p[len(prefix) :].encode("utf-8", "surrogateescape") for p in paths]
         self._names = np.array(rest, dtype=f"S{max(map(len, rest), default=1) or 1}")
         if any(r.endswith(b"\0") for r in rest):  # numpy would strip them: keep a list
