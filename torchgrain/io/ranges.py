@@ -238,12 +238,10 @@ class RangeStore:
         with self._lock:
             for s, e in ranges:
                 got = self._ranges.pop((url, s, e), None)
-                if got is None:
-                    out.append(None)
-                else:
+                if got is not None:
                     self.nbytes -= e - s
                     self.stats["served"] += 1
-                    out.append(got[0])
+                out.append(None if got is None else got[0])
         return out
 
     def drop(self, owner: object) -> None:
