@@ -134,6 +134,8 @@ def write_array_record(
         >>> tg.ArrayRecordSource(d)[4]["label"]
         4
     """
+    from array_record.python.array_record_module import ArrayRecordWriter
+
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     fs, root = get_filesystem(directory)
@@ -161,12 +163,13 @@ def write_array_record(
     finals = [os.path.join(root, n) for n in names]
     temps = [temp_name(f) for f in finals]
     counts = [0] * num_shards
+    hashers = [RecordHasher() for _ in range(num_shards)]
     schema: dict[str, str] = {}
-    writers: list[ArrayRecordOut] = []
+    writers: list[Any] = []
     try:
         total = len(records) if isinstance(records, Sized) else -1
         bounds = [total * i // num_shards for i in range(1, num_shards + 1)]
-        writers = [ArrayRecordOut(t, options) for t in temps]
+        writers = [ArrayRecordWriter(t, options) for t in temps]
         k = -1
         for k, rec in enumerate(records):
             if total >= 0 and k >= total:
@@ -178,7 +181,8 @@ def write_array_record(
             # Contiguous slices keep the input order; round-robin for iterators of
             # unknown length.
             s = bisect.bisect_right(bounds, k) if total >= 0 else k % num_shards
-            writers[s].add(data)  # (bytes: written as they are, and hashed)
+            writers[s].write(data)
+            hashers[s].update(data)
             counts[s] += 1
             if schema_sampled(k):
                 schema = merge_schema(schema, rec)
@@ -186,6 +190,7 @@ def write_array_record(
             raise TorchgrainError(f"records yielded {k + 1} items but its length is {total}")
         for w in writers:
             w.close()
+        writers = []
         # Replacing a dataset: first retire the old manifest, then every old shard, and
         # only then publish the new shards. A crash in between leaves either complete new
         # shards without a manifest (still readable, counted from their footers) or an
@@ -198,14 +203,14 @@ def write_array_record(
             if stale is not None and os.path.exists(stale):
                 os.unlink(stale)
         shards = []
-        for w, f, n, c in zip(writers, finals, names, counts):
-            publish(w.path, f)
+        for t, f, n, c, h in zip(temps, finals, names, counts, hashers):
+            publish(t, f)
             shards.append(
                 ShardInfo(
                     path=n,
                     num_records=c,
                     num_bytes=os.path.getsize(f),
-                    checksum=w.checksum(),
+                    checksum=h.hexdigest(),
                     file_checksum=file_checksum(f),
                 )
             )
@@ -217,7 +222,8 @@ def write_array_record(
         atomic_write_text(manifest_path, manifest.to_json())
     finally:
         for w in writers:
-            w.abort()  # (closed already when all went well)
+            with contextlib.suppress(Exception):
+                w.close()
         for t in temps:
             if os.path.exists(t):
                 os.unlink(t)
