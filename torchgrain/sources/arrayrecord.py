@@ -489,7 +489,7 @@ class ArrayRecordSource(EncodedSource):
             return None
         if len(idx) <= _SINGLES and ix.single:
             out = []
-            for s, r, i in zip(*(a.tolist() for a in self.index._locate(idx)), idx.tolist()):
+            for s, r, i in zip(*self._where(idx)):
                 out.append(self._read_single(s, r, i))
                 if out[-1] is None:
                     return None  # (a shard that cannot be mapped now: the reader path)

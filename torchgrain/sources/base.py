@@ -275,11 +275,8 @@ class ShardedSource(Source):
         self.read_ahead_bytes = int(read_ahead_bytes)
         self._state: _ProcessState | None = None
         self._make_helpers(sizes)
-        self._hold_pins()
-
-    def _hold_pins(self) -> None:
-        """Keep the versions of the remote files this opening pinned: its pickle carries
-        them, not those a later opening in this process pins of a file replaced since."""
+        # The versions of the remote files this opening pinned: its pickle carries them,
+        # not those a later opening in this process pins of a file replaced since.
         self._held = remote.held_pins(self._fs, self._paths)
 
     def _make_helpers(self, sizes: Mapping[int, int] | None) -> None:

@@ -127,7 +127,7 @@ class CachedCopies:
     process's pin), the only version its copies and downloads may be of.
 
     Example:
-        >>> copies = CachedCopies(None, [], None, None, None, None, None, None, 1)
+        >>> copies = CachedCopies(None, [], None, None, None, None, None, None, 1, None)
         >>> copies.in_use(), copies.prefetch([0, 1])
         (False, {})
     """
@@ -141,10 +141,7 @@ class CachedCopies:
     verify: Verifier
     pool: Callable[[], Executor]
     io_threads: int
-    seen: Callable[[int], tuple | None] | None = None
-
-    def _seen(self, shard: int) -> tuple | None:
-        return self.seen(shard) if self.seen is not None else None
+    seen: Callable[[int], tuple | None]
 
     def in_use(self) -> bool:
         """Whether this process reads remote shards through the cache's copies (there is
@@ -219,7 +216,7 @@ class CachedCopies:
             size=size,
             checksum=checksum,
             verify=self.verify,
-            seen=self._seen(shard),
+            seen=self.seen(shard),
             download=download,
         )
         if got is None:
@@ -383,7 +380,7 @@ class CachedCopies:
             return False
         assert self.cache is not None
         size, checksum = self.integrity(shard)
-        url, fs, seen = self.paths[shard], self.state().fs, self._seen(shard)
+        url, fs, seen = self.paths[shard], self.state().fs, self.seen(shard)
         if self.cache.holds(url, filesystem=fs, size=size, checksum=checksum, seen=seen):
             return False
         try:

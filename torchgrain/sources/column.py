@@ -113,8 +113,7 @@ def read_column(
 def _unwrap(source: Any) -> Any:
     """A Dataset without transforms as the source it reads; anything else as it is."""
     # (torchgrain.dataset imports torch: a Dataset exists only once it is imported)
-    dataset = sys.modules.get("torchgrain.dataset")
-    while dataset is not None and isinstance(source, dataset.Dataset) and not source._ops:
+    while _is_dataset(source) and not source._ops:
         source = source._source
     if not isinstance(source, Source) and not _is_dataset(source):
         from torchgrain.adapters import SequenceSource
@@ -140,19 +139,15 @@ def _reader(source: Any, key: str) -> tuple[Any, Any]:
         values, ends = source._part_values[key], np.cumsum(source.shard_counts)
         return (
             lambda ix: column_of(values[ends.searchsorted(ix, side="right")].tolist())
-        ), _nothing
+        ), lambda: None
     if isinstance(source, ParquetSource) and source.keys != [key]:
         sub = column_source(source, [key])
         return (lambda ix: _get(sub.read_columns(ix), key, source, ix)), sub.close
     if _is_dataset(source):
         ds = copy.copy(source)
         ds.batch_format = "columns"
-        return (lambda ix: _get(ds.__getitems__(ix)[0], key, source, ix)), _nothing
-    return (lambda ix: _get(source.read_columns(ix), key, source, ix)), _nothing
-
-
-def _nothing() -> None:
-    pass
+        return (lambda ix: _get(ds.__getitems__(ix)[0], key, source, ix)), lambda: None
+    return (lambda ix: _get(source.read_columns(ix), key, source, ix)), lambda: None
 
 
 def _get(batch: Any, key: str, source: Any, ix: np.ndarray) -> Any:
@@ -191,10 +186,7 @@ def _join(parts: list[Any]) -> np.ndarray | Ragged:
             np.concatenate([r.values[: r.offsets[-1]] for r in ragged]), offsets, first.kind
         )
     values = [row_of(p, i) for p in parts for i in range(len(p))]
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
+    return np.fromiter(values, dtype=object, count=len(values))  # (nested values as they are)
 
 
 def _as_ragged(part: Any) -> Ragged | None:

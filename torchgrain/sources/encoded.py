@@ -120,9 +120,7 @@ class EncodedSource(ShardedSource):
         t0 = time.perf_counter()
         blobs = self._read_batch(idx) if len(idx) else None
         if blobs is not None:
-            return self._decode_blobs(
-                blobs, t0, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
-            )
+            return self._decode_blobs(blobs, t0, lambda: self._where(idx))
         return self._read_groups(idx, self._read_decode)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
@@ -150,11 +148,7 @@ class EncodedSource(ShardedSource):
         except Exception:  # a batch decoder that fails: the records one by one name the culprit
             batch = None
         if batch is None:  # no column form, or not a uniform batch: from the records
-            batch = ColumnBatch.from_records(
-                self._decode_all(
-                    blobs, lambda: (*(a.tolist() for a in self.index._locate(idx)), idx.tolist())
-                )
-            )
+            batch = ColumnBatch.from_records(self._decode_all(blobs, lambda: self._where(idx)))
         count_decode(time.perf_counter() - t1)
         return batch
 
@@ -167,6 +161,11 @@ class EncodedSource(ShardedSource):
             yield self._decode(data, shard, row, base + row)
 
     # ---------------------------------------------------------------- reading
+    def _where(self, idx: np.ndarray) -> tuple[list, list, list]:
+        """The shard, row and index of each of checked indices ``idx`` (for messages)."""
+        shards, rows = self.index._locate(idx)
+        return shards.tolist(), rows.tolist(), idx.tolist()
+
     def _read_groups(
         self, idx: np.ndarray, read: Callable[[int, np.ndarray, np.ndarray, Any], list[Any]]
     ) -> list[Any]:
@@ -292,8 +291,5 @@ def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:
     if total < (1 << 20):
         buf[:] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
         return buf
-    start = 0
-    for blob, end in zip(blobs, ends.tolist()):
-        buf[start:end] = np.frombuffer(blob, dtype=np.uint8)
-        start = end
-    return buf
+    # (large: one copy, not a joined bytes copied again)
+    return np.concatenate([np.frombuffer(b, dtype=np.uint8) for b in blobs], out=buf)
