@@ -13,6 +13,7 @@ point a run was resumed from, and differs between epochs.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import multiprocessing
@@ -313,11 +314,7 @@ class Dataset(torch.utils.data.Dataset):
 
     # ---------------------------------------------------------- composition
     def _derive(self, op: tuple[Any, ...]) -> Dataset:
-        child = Dataset.__new__(Dataset)
-        child._source = self._source
-        child._worker_pipe_bytes = self._worker_pipe_bytes
-        child._worker_slots = self._worker_slots
-        child.batch_format = self.batch_format
+        child = copy.copy(self)
         child._ops = (*self._ops, op)
         child._epoch = EpochCell(self._epoch.get())
         child._stats = PipelineStats()
@@ -518,8 +515,7 @@ class Dataset(torch.utils.data.Dataset):
         records = [self._source[indices[0]]] if single else self._read(indices)
         count.read_done()
         if self._ops:
-            epoch = self._epoch.get()
-            records = self._apply_many(records, indices, epoch)
+            records = self._apply_many(records, indices, self._epoch.get())
             count.transformed()
         count.done(len(records), self._stats)
         return records

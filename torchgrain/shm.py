@@ -322,9 +322,7 @@ def _rebuild(
 ) -> dict[str, Any]:
     if worker == process.token():  # a copy made in the worker itself (pickle, deepcopy)
         return _copy_out(name, fd, items)
-    entry = _mapped.get(name) if fd is None else None
-    if entry is None:
-        entry = _open(name, worker[0], size, fd)
+    entry = _open(name, worker[0], size, fd)
     # A new array object per batch: every column is a view of it, so it is collected
     # (and the slot freed for the worker) only once no tensor of this batch is left.
     batch_base = np.frombuffer(entry.mm, np.uint8, count=size - _HEADER, offset=_HEADER)

@@ -692,10 +692,8 @@ def _checked_layout(raw: Any, n: int) -> np.ndarray:
 
 
 def _length_of(dataset_or_length: Any) -> int:
-    if isinstance(dataset_or_length, (int, np.integer)):
-        n = int(dataset_or_length)
-    else:
-        n = len(dataset_or_length)
+    is_length = isinstance(dataset_or_length, (int, np.integer))
+    n = int(dataset_or_length) if is_length else len(dataset_or_length)
     if n < 0:
         raise ValueError(f"dataset length must be >= 0, got {n}")
     return n

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.errors import check_ceiling
 from torchgrain.protocols import HasBlockOffsets
 from torchgrain.sampling.base import OrderFn, ResumableSampler
 from torchgrain.sampling.permutation import KeyedPermutation, KeyedPermutations
@@ -87,17 +88,11 @@ class BlockShuffleSampler(ResumableSampler):
         num_workers: int | None = None,
         deal_to_workers: bool = False,
     ) -> None:
-        window = operator.index(window)
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        window = check_ceiling("window", operator.index(window), 1)
         if num_workers is not None:
-            num_workers = operator.index(num_workers)
-            if num_workers < 0:
-                raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+            num_workers = check_ceiling("num_workers", operator.index(num_workers), 0)
         if batch_size is not None:
-            batch_size = operator.index(batch_size)
-            if batch_size < 1:
-                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            batch_size = check_ceiling("batch_size", operator.index(batch_size), 1)
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.deal_to_workers = bool(deal_to_workers)
@@ -255,9 +250,7 @@ class BlockShuffleSampler(ResumableSampler):
             return None, 0
         learn = self.deal_to_workers or self.num_workers is not None or self.batch_size is not None
         loader_batch_size, loader_workers = self.loader_shape()
-        batch_size = self.batch_size
-        if batch_size is None and learn:
-            batch_size = loader_batch_size
+        batch_size = loader_batch_size if self.batch_size is None and learn else self.batch_size
         num_workers = self.num_workers
         if num_workers is None:
             num_workers = (loader_workers or 0) if self.deal_to_workers else 0
