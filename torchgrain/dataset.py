@@ -423,12 +423,9 @@ class Dataset(torch.utils.data.Dataset):
             >>> ds = Dataset([{"x": 1}, {"x": 2}])
             >>> ds.read_ahead(lambda a, b: list(range(a, b)), 0, 2, lambda: 0)  # no-op here
         """
-        source = self._source
-        fits = (
-            source.read_ahead(order, start, count, position)
-            if isinstance(source, ReadsAhead)
-            else None
-        )
+        if not isinstance(self._source, ReadsAhead):
+            return None
+        fits = self._source.read_ahead(order, start, count, position)
         if fits is not None:
             self._stats.cache_fit = list(fits)  # what tg.stats reports of the pass
         return fits

@@ -109,11 +109,6 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     return device
 
 
-def _loader_pins(loader: Any) -> bool:
-    """True when the loader already yields batches in pinned memory."""
-    return isinstance(loader, torch.utils.data.DataLoader) and bool(loader.pin_memory)
-
-
 class _PassState:
     """What the producer thread and the consumer share during one pass.
 
@@ -164,8 +159,7 @@ class _Transfer:
         if self.stream is None:
             batch = host_batch
             if self.device.type != "cpu":
-                device = self.device
-                batch = _map_tensors(lambda t: t.to(device), batch)
+                batch = _map_tensors(lambda t: t.to(self.device), batch)
             if self.transform is not None:
                 batch = self.transform(batch)
             return batch, None
@@ -451,8 +445,9 @@ class CudaPrefetcher(Iterable[Any]):
     def _pin_for_pass(self) -> bool:
         if self.device.type != "cuda":
             return False
-        if self.pin_memory is None:
-            return not _loader_pins(self.loader)
+        if self.pin_memory is None:  # unless the loader yields pinned batches already
+            loader = self.loader
+            return not (isinstance(loader, torch.utils.data.DataLoader) and loader.pin_memory)
         return bool(self.pin_memory)
 
     def __iter__(self) -> Iterator[Any]:

@@ -323,12 +323,16 @@ class ResumableSampler(DistributedSampler):
     def _fresh_layout(self) -> np.ndarray:
         return np.array([[0, self._n]], dtype=np.int64)
 
-    def _forget_iteration(self) -> None:
-        # The latest iteration: its world, layout, first position, and a probe for how
-        # far it got (list iterator of the current chunk and that chunk's first position).
-        self._it_world: tuple[int, int] | None = None
-        self._it_layout = self._fresh_layout()
-        self._it_start = self._it_chunk_start = self._it_chunk_len = 0
+    def _forget_iteration(
+        self, layout: np.ndarray | None = None, start: int = 0, world: tuple[int, int] | None = None
+    ) -> None:
+        # The latest iteration (none yet: a fresh epoch's): its world, layout, first
+        # position, and a probe for how far it got (list iterator of the current chunk
+        # and that chunk's first position).
+        self._it_world = world
+        self._it_layout = self._fresh_layout() if layout is None else layout
+        self._it_start = self._it_chunk_start = start
+        self._it_chunk_len = 0
         self._it_chunk: Any = None
 
     def _shares(self, length: int, replicas: int) -> Shares:
@@ -450,8 +454,7 @@ class ResumableSampler(DistributedSampler):
             self._loaded = None
         else:
             layout, start = self._fresh_layout(), 0
-        self._it_world, self._it_layout, self._it_start = world, layout, start
-        self._it_chunk_start, self._it_chunk_len, self._it_chunk = start, 0, None
+        self._forget_iteration(layout, start, world)
         count = self._count(layout_length(layout), world)
         # Bind the epoch's order now: a set_epoch or load_state_dict while this
         # iterator is alive must not change the order of its later chunks.
@@ -647,9 +650,7 @@ class ResumableSampler(DistributedSampler):
         self.shuffle = bool(state["shuffle"])
         self.epoch = int(state["epoch"])
         self._loaded = {**state, "layout": layout.tolist(), "position": pos}
-        self._it_world = None
-        self._it_layout, self._it_start = layout, pos
-        self._it_chunk_start, self._it_chunk_len, self._it_chunk = pos, 0, None
+        self._forget_iteration(layout, pos)
         self._pass_key = None
         self._propagate_epoch()
 

@@ -324,8 +324,7 @@ class ArrayRecordSource(EncodedSource):
             return
         expected = int(self.index.counts[shard])
         n = f.num_records
-        if n != expected:
-            f.close()
+        if n != expected:  # (the callers close f)
             raise CorruptDataError(
                 f"shard {shard} {self._paths[shard]!r} holds {n} records but the dataset's "
                 f"manifest lists {expected}: the shard was replaced after the manifest was "

@@ -593,9 +593,7 @@ class ShardedSource(Source):
         """Run one read of ``shard``; remote reads are counted and retried. Readers of
         cached copies that ``fn`` gets stay open until it returns."""
         if not self._reads_remote():
-            if self.cache is not None:
-                return self.cached_copies.pinned(fn)
-            return fn()
+            return self.cached_copies.pinned(fn) if self.cache is not None else fn()
         st = self._proc()
         with st.lock:
             st.io["remote_reads"] += 1

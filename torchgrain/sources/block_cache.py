@@ -148,9 +148,8 @@ class BlockCache:
 
     def get_or_load(self, key: Hashable, load: Callable[[], tuple[Any, int]]) -> Any:
         """Return the cached value, or call ``load() -> (value, nbytes)`` and cache it."""
-        sentinel = _MISSING
-        value = self.get(key, sentinel)
-        if value is not sentinel:
+        value = self.get(key, _MISSING)
+        if value is not _MISSING:
             return value
         value, nbytes = load()
         self.put(key, value, nbytes)
