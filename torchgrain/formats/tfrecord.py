@@ -152,10 +152,9 @@ class _ZlibStream(io.RawIOBase):
         want = size
         while want > 0:
             if self._out:
-                piece = self._out[:want]
+                parts.append(self._out[:want])
                 self._out = self._out[want:]
-                parts.append(piece)
-                want -= len(piece)
+                want -= len(parts[-1])
                 continue
             if not self._in:
                 self._in = self._raw.read(1 << 16)

@@ -309,8 +309,7 @@ class FooterReader:
 
     def _metadata(self, first: Any) -> None:
         dec = self._dec
-        meta_msg = parse_proto(first)
-        meta_raw = meta_msg.get(1)
+        meta_raw = parse_proto(first).get(1)
         if not isinstance(meta_raw, bytes):
             raise ChunkDecodeError("footer metadata lacks array_record_metadata")
         meta = parse_proto(meta_raw)
