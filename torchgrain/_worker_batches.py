@@ -134,8 +134,8 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
     if arena is None:
         return None
     try:
-        torch_dtype = _torch_dtype(dtype)
-    except TypeError:
+        torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
+    except TypeError:  # a dtype torch does not have
         return None
     size = -(-max(nbytes, 1) // _ARENA_ALIGN) * _ARENA_ALIGN
     arena.wanted += size
@@ -151,10 +151,6 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
     out = tensor.numpy()
     _shared[out.ctypes.data] = (out, tensor)
     return out
-
-
-def _torch_dtype(dtype: np.dtype) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype)).dtype  # raises TypeError if torch has none
 
 
 def start_columns_batch(max_slots: int) -> None:
@@ -189,8 +185,7 @@ def _as_tensor(value: Any) -> Any:
             out = _shared_empty(value.shape, value.dtype)
             if out is not None:
                 out[...] = value
-                made = _shared.pop(out.ctypes.data)
-                return made[1] if made[1] is not None else torch.from_numpy(out)
+                return _as_tensor(out)  # (the array the allocator handed out)
         try:
             return torch.from_numpy(value)
         except TypeError:  # a dtype torch does not have (str, bytes): stays numpy
