@@ -213,8 +213,7 @@ class TFRecordSource(EncodedSource):
         )
         skip = 0 if plain else start
         try:
-            wanted = itertools.islice(it, skip, skip + stop - start)
-            yield from self._in_order(shard, start, wanted)
+            yield from self._in_order(shard, start, itertools.islice(it, skip, skip + stop - start))
         finally:
             it.close()
 

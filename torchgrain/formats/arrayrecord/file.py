@@ -535,8 +535,7 @@ class ArrayRecordFile(OneRecordBatches):
         chunk_ids = self._chunk_of(arr, f)
         # Sorting groups rows by chunk and makes local reads walk the file forwards.
         order = np.argsort(chunk_ids, kind="stable")
-        sorted_chunks = chunk_ids[order]
-        uniq, first = np.unique(sorted_chunks, return_index=True)
+        uniq, first = np.unique(chunk_ids[order], return_index=True)
         uniq_list = uniq.tolist()
         if chunk_cache is not None and f.num_records > len(f.chunk_offsets):
             decoded = self._read_chunks_cached(uniq_list, chunk_cache, cache_key)

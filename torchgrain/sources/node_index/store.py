@@ -344,8 +344,7 @@ class BuildProgress:
     def close(self) -> None:
         """The build ended (the last line, if any was said)."""
         if self.said:
-            took = time.monotonic() - self.start
-            self._say(f"{self.total}/{self.total}, done in {took:.1f} s")
+            self._say(f"{self.total}/{self.total}, done in {time.monotonic() - self.start:.1f} s")
 
     def _say(self, how_far: str) -> None:
         self.said = True
