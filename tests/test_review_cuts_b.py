@@ -13,12 +13,6 @@ from torchgrain.convert.journal import plan_tasks
 from torchgrain.transforms import _GeneratorRandom
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 12),
-    strict=True,
-    reason="caches._walk goes through os.walk, which recurses once per directory level "
-    "before Python 3.12: a cache nested deeper than the recursion limit raises RecursionError",
-)
 def test_list_caches_counts_a_file_below_the_recursion_limits_depth(tmp_path):
     cache = tmp_path / "shards"
     dirs = [str(cache)]
@@ -38,11 +32,6 @@ def test_list_caches_counts_a_file_below_the_recursion_limits_depth(tmp_path):
             os.rmdir(d)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_GeneratorRandom.getrandbits(0) reads gen.bytes(0), which advances the record's "
-    "generator: randbytes(0) or getrandbits(0) shifts every later draw of the record",
-)
 def test_zero_random_bits_leave_the_records_generator_as_it_was():
     g = _GeneratorRandom()
     g.gen = np.random.default_rng(5)
@@ -50,11 +39,6 @@ def test_zero_random_bits_leave_the_records_generator_as_it_was():
     assert g.random() == np.random.default_rng(5).random()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plan_tasks plans one task per count (enumerate(counts)), not one per input: "
-    "counts of another length than the inputs plan fewer inputs or a task beyond them",
-)
 @pytest.mark.parametrize("counts", [[1, 2], [1, 2, 3, 4]], ids=["fewer", "more"])
 def test_a_plan_per_input_has_one_task_per_input_or_refuses(counts):
     try:

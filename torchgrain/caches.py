@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,13 +111,19 @@ def _marked(path: str) -> bool:
 def _walk(path: str) -> tuple[int, list[str]]:
     """Bytes of the regular files under ``path`` and their paths, never through a link."""
     total, files = 0, []
-    for d, _, names in os.walk(path):  # (unreadable directories skipped)
-        for f in (os.path.join(d, n) for n in names):
-            with contextlib.suppress(OSError):
-                st = os.lstat(f)
-                if stat.S_ISREG(st.st_mode):
-                    total += st.st_size
-                    files.append(f)
+    stack = [path]  # not os.walk: it recurses a level deep per directory before 3.12
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+            elif e.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    total += e.stat(follow_symlinks=False).st_size
+                    files.append(e.path)
     return total, files
 
 

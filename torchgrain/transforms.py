@@ -105,8 +105,10 @@ class _GeneratorRandom(random.Random):
         return float(self.gen.random())  # type: ignore[union-attr]
 
     def getrandbits(self, k: int) -> int:
-        if k < 0:
-            raise ValueError("number of bits must be non-negative")
+        if k <= 0:  # numpy's gen.bytes(0) still advances the generator
+            if k < 0:
+                raise ValueError("number of bits must be non-negative")
+            return 0
         n = (k + 7) // 8
         return int.from_bytes(self.gen.bytes(n), "little") >> (8 * n - k)  # type: ignore[union-attr]
 

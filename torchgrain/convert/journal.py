@@ -51,6 +51,11 @@ def plan_tasks(
     counts: list[int] | None, num_inputs: int, num_shards: int | None, to: str
 ) -> list[Task]:
     suffix = get_output(to).suffix
+    if counts is not None and len(counts) != num_inputs:  # a format's counts, not one per file
+        raise ValueError(
+            f"the input lists {num_inputs} files but {len(counts)} record counts: "
+            "its format's shard_counts must hold one count per file"
+        )
     if num_shards is None:
         sizes = counts if counts is not None else [None] * num_inputs
         return [
