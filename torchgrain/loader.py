@@ -169,8 +169,10 @@ class ResumableLoader:
         self.sampler = sampler
         self._binding = _binding_of(loader)
         sampler.bind_loader(self._binding)
-        self._taken = 0  # batches the loop took in the current pass
-        self._in_pass = False
+        # Batches the loop took in the current pass, until it completes: a loop that
+        # breaks out (or fails) has still taken them, and state_dict() says so, not
+        # where prefetching had got to.
+        self._taken = 0
 
     # -- iteration ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -178,27 +180,23 @@ class ResumableLoader:
 
     def _batches(self) -> Iterator[Any]:
         self._taken = 0
-        # Until the pass completes: a loop that breaks out (or fails) has still taken
-        # its batches, and state_dict() says so, not where prefetching had got to.
-        self._in_pass = True
         epoch = None  # the pass's epoch, read once the loader has started (and set it)
         for batch in self.loader:
             if epoch is None:
                 epoch = self.sampler.epoch
             self._taken += 1
             yield batch
-        self._in_pass = False
+        self._taken = 0
         # A complete pass, also one with no batch (a resume saved at the last batch of an
         # epoch whose partial batch the DataLoader drops): the next one is the next epoch.
         if epoch is None or self.sampler.epoch == epoch:
             self.sampler.set_epoch(self.sampler.epoch + 1)
-        self._taken = 0
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "sampler", "_binding", "_taken", "_in_pass"):
+        if name in ("loader", "sampler", "_binding", "_taken"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -224,7 +222,7 @@ class ResumableLoader:
         end of a pass, it points at the start of the next epoch.
         """
         sampler = self.sampler
-        if self._taken and self._in_pass:
+        if self._taken:
             consumed = self._taken * self._positions_per_step()
             # Under a loader that reads in one process for all (Accelerate's
             # dispatch_batches), the other processes' samplers draw nothing: the steps
@@ -273,7 +271,6 @@ class ResumableLoader:
         # pass) must count from the resumed one; the epoch in effect keeps the position.
         self.set_epoch(state["epoch"])
         self._taken = 0
-        self._in_pass = False
 
     def __repr__(self) -> str:
         return f"ResumableLoader({self.loader!r}, epoch={self.epoch})"
