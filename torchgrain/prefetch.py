@@ -180,7 +180,7 @@ class _Transfer:
             copied.record(self.stream)
             # Keep the pinned source buffers referenced until the copy has completed (even
             # if the transform below fails); the producer drops them once
-            # ``copied.query()`` is true (see ``_release_finished``), ``close`` waits.
+            # ``copied.query()`` is true (see ``_produce``), ``close`` waits.
             state.pending.append((copied, host_batch))
             if self.transform is None:
                 return batch, copied
@@ -196,12 +196,6 @@ def _pin(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory()
 
 
-def _release_finished(pending: collections.deque[tuple[Any, Any]]) -> None:
-    # Copies on one stream complete in order, so stop at the first unfinished one.
-    while pending and pending[0][0].query():
-        pending.popleft()
-
-
 def _produce(state: _PassState, transfer: _Transfer) -> None:
     """Body of the producer thread: pull, pin, copy, transform, hand over, repeat."""
     q = state.queue
@@ -210,8 +204,9 @@ def _produce(state: _PassState, transfer: _Transfer) -> None:
             state.slots.acquire()
             if state.stop.is_set():
                 return
-            if state.pending:
-                _release_finished(state.pending)
+            # Copies on one stream complete in order: stop at the first unfinished one.
+            while state.pending and state.pending[0][0].query():
+                state.pending.popleft()
             source = state.source
             if source is None:
                 return

@@ -126,8 +126,10 @@ class ResumableSampler(DistributedSampler):
         drop_last: bool = False,
         pad: bool = True,
     ) -> None:
-        n = _length_of(dataset_or_length)
         is_length = isinstance(dataset_or_length, (int, np.integer))
+        n = int(dataset_or_length) if is_length else len(dataset_or_length)
+        if n < 0:
+            raise ValueError(f"dataset length must be >= 0, got {n}")
         self.dataset = None if is_length else dataset_or_length
         # Explicit values are checked now; missing ones are looked up at each use.
         if num_replicas is not None:
@@ -690,11 +692,3 @@ def _checked_layout(raw: Any, n: int) -> np.ndarray:
         if inside and (starts[1:] >= stops[:-1]).all():
             return layout
     raise ValueError(f"invalid layout in sampler state: {reprlib.repr(raw)}")
-
-
-def _length_of(dataset_or_length: Any) -> int:
-    is_length = isinstance(dataset_or_length, (int, np.integer))
-    n = int(dataset_or_length) if is_length else len(dataset_or_length)
-    if n < 0:
-        raise ValueError(f"dataset length must be >= 0, got {n}")
-    return n

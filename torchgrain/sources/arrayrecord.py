@@ -625,8 +625,7 @@ class ArrayRecordSource(EncodedSource):
         # process, the missing ones concurrently); chunks in the chunk cache are not.
         open_now = self._proc().readers
         missing = [g[0] for g in groups if getattr(open_now.get(g[0]), "_footer", None) is None]
-        if missing:
-            list(self._map(self._ensure_footer_of, missing))
+        list(self._map(self._ensure_footer_of, missing))
         readers = [self._reader(g[0]) for g in groups]
         cache = self._blocks if self.cache_bytes else None
         out = []
@@ -637,13 +636,9 @@ class ArrayRecordSource(EncodedSource):
             out.append((reader._path, reader.path, ranges))
         return out
 
-    def _ensure_footer_of(self, shard: int) -> ArrayRecordFile:
-        def opened() -> ArrayRecordFile:
-            reader = self._reader(shard)
-            reader._ensure_footer()
-            return reader
-
-        return self._io(opened, shard, f"footer read of shard {shard}")
+    def _ensure_footer_of(self, shard: int) -> None:
+        what = f"footer read of shard {shard}"
+        self._io(lambda: self._reader(shard)._ensure_footer(), shard, what)
 
     def __repr__(self) -> str:
         return (
