@@ -1,0 +1,72 @@
+"""Behaviour that the line cuts in torchgrain/formats and the node indexes must keep: how a
+TFDS tensor takes its spec's dtype, and the metadata a derived index's ``fill`` returns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchgrain.errors import RecordDecodeError
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfds import TFDSCodec
+from torchgrain.sources.node_index.derived import derived_index
+
+
+def _codec(dtype: str) -> TFDSCodec:
+    tensor = {"shape": {"dimensions": ["-1"]}, "dtype": dtype}
+    return TFDSCodec({"featuresDict": {"features": {"x": {"tensor": tensor}}}})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_tensor converts with np.asarray(value, dtype=dt) instead of np.asarray(value)"
+    ".astype(dt): bytes that are no datetime now fail in numpy's object conversion ('Cannot "
+    "create a NumPy datetime other than NaT with generic units'), which names no value",
+)
+def test_a_datetime_tensor_of_bytes_that_are_no_date_names_them():
+    with pytest.raises(RecordDecodeError, match="'x'") as e:
+        _codec("datetime64").decode(encode_tf_example({"x": [b"abc"]}))
+    assert "abc" in str(e.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_tensor converts with np.asarray(value, dtype=dt): bytes that are not UTF-8 now "
+    "fail as a UnicodeDecodeError (\"'utf-8' codec can't decode byte 0xff\") instead of "
+    "numpy's datetime parse error",
+)
+def test_a_datetime_tensor_of_bytes_not_utf8_fails_as_a_parse_error():
+    with pytest.raises(RecordDecodeError, match="'x'") as e:
+        _codec("datetime64[s]").decode(encode_tf_example({"x": [b"\xff"]}))
+    assert type(e.value.__cause__) is ValueError
+    assert "datetime" in str(e.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_tensor converts with np.asarray(value, dtype=dt): an empty feature of an "
+    "unsized bytes/str spec dtype is now |S1 / <U1, not the |S32 / <U32 that "
+    "np.asarray([]).astype(dt) gives",
+)
+@pytest.mark.parametrize("dtype", ["S", "U"])
+def test_an_empty_feature_of_an_unsized_string_tensor_keeps_its_dtype(dtype):
+    got = _codec(dtype).decode(encode_tf_example({"x": []}))["x"]
+    assert got.shape == (0,)
+    assert got.dtype == np.asarray([]).astype(dtype).dtype
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fill_keyed builds {**fill(sink), ...}: a fill that returns its metadata as "
+    "(name, value) pairs now raises TypeError ('list' object is not a mapping), where "
+    "dict(fill(sink)) took it",
+)
+def test_a_derived_index_takes_metadata_returned_as_pairs():
+    def fill(sink):
+        sink.append("kept", np.arange(3, dtype="<u4"))
+        return [("n", 3)]
+
+    ix = derived_index("demo", "pairs1", {"kept": ("<u4", ())}, fill, index_dir=None)
+    assert ix.meta["n"] == 3
+    assert ix.meta["key"] == "pairs1"
+    assert ix.arrays["kept"].tolist() == [0, 1, 2]
