@@ -274,9 +274,7 @@ class ResumableSampler(DistributedSampler):
         unknown."""
         if self._binding is not None:
             return self._binding.batch_size, self._binding.num_workers
-        if self._found_shape is not None:
-            return self._found_shape
-        return None, None
+        return self._found_shape or (None, None)
 
     @property
     def num_replicas(self) -> int:  # type: ignore[override]

@@ -189,13 +189,7 @@ class EncodedSource(ShardedSource):
         t0 = time.perf_counter()
         blobs = self._read_named(shard, rows, int(indices[0]), reader)
         return self._decode_blobs(
-            blobs,
-            t0,
-            lambda: (
-                [shard] * len(blobs),
-                np.asarray(rows).tolist(),
-                np.asarray(indices).tolist(),
-            ),
+            blobs, t0, lambda: ([shard] * len(blobs), rows.tolist(), indices.tolist())
         )
 
     def _read_named(self, shard: int, rows: np.ndarray, first: int, reader: Any) -> list[bytes]:
