@@ -190,8 +190,7 @@ class ArrayRecordSource(EncodedSource):
             )
         elif not local:  # with a manifest: its sizes and the first answers' validators
             for shard, path in enumerate(shard_paths):
-                size = self.shard_integrity(shard)[0]
-                remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
+                remote.pin(fs, fs._strip_protocol(path), self.shard_integrity(shard)[0], fresh=True)
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # Local readers hold two descriptors each (the file, its map); remote ones none.
@@ -364,11 +363,9 @@ class ArrayRecordSource(EncodedSource):
             self._check_counts(np.arange(self.num_shards))
             owner = np.repeat(np.arange(self.num_shards), np.diff(ix.chunk_base) + 1)
             return np.unique(ix.record_offsets + self.index.offsets[owner])
-        parts = [np.zeros(1, dtype=np.int64)]
-        for shard in range(self.num_shards):
-            offs = self._reader(shard).record_offsets
-            parts.append(offs[1:] + self.index.offsets[shard])
-        return np.concatenate(parts)
+        base = self.index.offsets
+        parts = [self._reader(s).record_offsets[1:] + base[s] for s in range(self.num_shards)]
+        return np.concatenate([np.zeros(1, dtype=np.int64), *parts])
 
     def cache_blocks(self) -> list[CacheBlocks]:
         """The caches a pass goes through (see :meth:`check_cache_fit`): the shard cache

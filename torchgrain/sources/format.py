@@ -359,8 +359,7 @@ class FormatSource(ShardedSource):
                 with process.thread_pool(opts.io_threads, "torchgrain-open") as pool:
                     list(pool.map(count, range(len(files))))
             else:
-                for k in range(len(files)):
-                    count(k)
+                list(map(count, range(len(files))))
         except BaseException:
             for shard in opened.values():
                 shard.close()
