@@ -304,6 +304,11 @@ class ShardedSource(Source):
         return len(self.index)
 
     @property
+    def keys(self) -> list[str]:
+        """The record keys: those of :attr:`schema`."""
+        return list(self.schema)
+
+    @property
     def paths(self) -> list[str]:
         return list(self._paths)
 

@@ -78,11 +78,6 @@ class EncodedSource(ShardedSource):
             self._schema = {} if first is None else {k: describe_value(v) for k, v in first.items()}
         return dict(self._schema)
 
-    @property
-    def keys(self) -> list[str]:
-        """The record keys."""
-        return list(self.schema)
-
     def _check_index(self) -> None:
         """Read this process's file events once for the operation
         (:func:`torchgrain.io.changes.poll`: the reads that follow check their maps

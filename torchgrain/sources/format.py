@@ -379,10 +379,6 @@ class FormatSource(ShardedSource):
             self._schema = schema
         return dict(self._schema)
 
-    @property
-    def keys(self) -> list[str]:
-        return list(self.schema)
-
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
         """``(size, None)``: the size the shard had when the dataset was opened (a cached
         copy of another size is not served; a download of another size fails)."""
