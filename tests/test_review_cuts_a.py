@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import types
 
-import pytest
 from fsspec.asyn import AsyncFileSystem
 
 from torchgrain.io import ranges, retry
@@ -19,23 +18,11 @@ class _HttpLike(AsyncFileSystem):
     protocol = ("https", "http")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="coalescing asks inflight._multirange_server, which is False for any filesystem "
-    "that is not an HTTPFileSystem: an http(s) async filesystem of another class now gets "
-    "SINGLE_RANGE_GAP / SINGLE_RANGE_MAX instead of the gap it was given and MAX_REQUEST",
-)
 def test_an_http_async_filesystem_of_another_class_coalesces_with_the_gap_given():
     fs = _HttpLike()
     assert ranges.coalescing(fs, "https://h.example/x", 4096) == (4096, ranges.MAX_REQUEST)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a retry_call inside an operation now runs the attempt loop, which seeds a "
-    "random.Random from the OS for its jitter first: 0.25 -> 12 us a call (one per shard of "
-    "a remote ArrayRecord batch), though it never retries",
-)
 def test_a_retry_call_inside_an_operation_seeds_no_generator_of_its_own(monkeypatch):
     made = []
 

@@ -488,10 +488,17 @@ def retry_call(
         not found
     """
     name = url if callable(url) else (lambda: url)
-    outer = _OPERATION.get()  # an operation in progress: it retries, not this call
-    op = outer or _Operation(policy or current_policy())
-    policy = op.policy
+    if _OPERATION.get() is not None:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            clearer = None if is_transient(e) else permanent_error(e, name(), what)
+            if clearer is None:
+                raise
+            raise clearer from e
+    policy = policy or current_policy()
     rng = random.Random()
+    op = _Operation(policy)
     token = _OPERATION.set(op)
     try:
         for attempt in range(1, policy.attempts + 1):
@@ -503,8 +510,6 @@ def retry_call(
                     if clearer is None:
                         raise
                     raise clearer from e
-                if outer is not None:
-                    raise
                 delay = policy.delay(attempt - 1, rng)
                 left = op.remaining()
                 cap = _retries(e)
