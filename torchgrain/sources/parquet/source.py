@@ -469,6 +469,7 @@ class ParquetSource(RowGroupLoader):
         stop = n if stop is None else min(stop, n)
         base = int(self.index.offsets[shard])
         a, end = base + max(start, 0), base + stop
+        constants = self._shard_constants(shard)
         while a < end:
             g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
             first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
@@ -480,9 +481,9 @@ class ParquetSource(RowGroupLoader):
                 d = min(c + _SEQUENTIAL_ROWS, end, last)
                 rows = np.arange(c - first, d - first, dtype=np.int64)
                 which = np.zeros(len(rows), dtype=np.int64)
-                constants = self._constants(np.full(len(rows), shard))
+                chunk_constants = {j: [v] * len(rows) for j, v in constants.items()}
                 yield from build_records(
-                    self._keys, self._file_pos, [views], which, rows, constants
+                    self._keys, self._file_pos, [views], which, rows, chunk_constants
                 )
             a = min(end, last)
 
@@ -546,6 +547,14 @@ class ParquetSource(RowGroupLoader):
             if pos < 0
         }
 
+    def _shard_constants(self, shard: int) -> dict[int, Any]:
+        """The values of the hive partition keys in file ``shard``, by key position."""
+        return {
+            j: self._part_values[key][shard : shard + 1].tolist()[0]
+            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
+            if pos < 0
+        }
+
     def _prepare(self, entries: list[RowGroup], groups: list[int], form: str) -> None:
         """Prepare cached row groups for a batch format, each once (a benign race), and
         charge the cache for what that adds: ``"rows"`` (views for building records),
@@ -558,8 +567,7 @@ class ParquetSource(RowGroupLoader):
             if form == "rows":
                 entry.rows = RowViews(entry.table)
             elif form == "templates":
-                shards = np.full(entry.table.num_rows, self._rg_shard[group])
-                constants = self._constants(shards)
+                constants = self._shard_constants(int(self._rg_shard[group]))
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
                 if not entry.mapped and entry.views is None:
                     entry.drop_table()  # the converted records hold its values

@@ -717,7 +717,7 @@ class RowTemplates:
         table: pa.Table,
         keys: tuple[str, ...] | list[str],
         positions: list[int],
-        constants: dict[int, list[Any]],
+        constants: dict[int, Any],
     ) -> None:
         n = table.num_rows
         records: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -725,8 +725,9 @@ class RowTemplates:
         nbytes = 0
         # Filled column by column: about 2x faster than a dict per row from a zip.
         for j, (key, pos) in enumerate(zip(keys, positions)):
-            if pos < 0:  # a hive partition key: its values, one per row
-                for rec, value in zip(records, constants[j]):
+            if pos < 0:  # one value for the whole row group (a hive partition key)
+                value = constants[j]
+                for rec in records:
                     rec[key] = value
                 continue
             col = convert_column(table.column(pos))
