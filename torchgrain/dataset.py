@@ -105,9 +105,7 @@ def _call_with_rng(
     The bit generator leaves the thread's slot for the call: a function that reads another
     augmented dataset (a mixup partner) seeds one of its own there, not this record's.
     """
-    bg = _tls.__dict__.pop("bg", None)
-    if bg is None:
-        bg = np.random.PCG64(_SEED_SEQUENCE)
+    bg = _tls.__dict__.pop("bg", None) or np.random.PCG64(_SEED_SEQUENCE)
     bg.state = _pcg_state(seed, epoch, index, stream)
     try:
         return fn(rec, np.random.Generator(bg))
