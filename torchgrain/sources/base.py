@@ -597,25 +597,24 @@ class ShardedSource(Source):
         cached copies that ``fn`` gets stay open until it returns."""
         if not self._reads_remote():
             return self.cached_copies.pinned(fn) if self.cache is not None else fn()
-        st = self._proc()
-        with st.lock:
-            st.io["remote_reads"] += 1
+        self._count("remote_reads")
         got = retry_call(
             fn,
             url=self._paths[shard],
             policy=self._retry,
             what=what,
-            on_retry=self._count_retry,
+            on_retry=lambda attempt, exc: self._count("retries"),
         )
         if self._held is not None and self._held[shard] is None:
             # The version its first read found, if the opening pinned none.
             self._held[shard] = remote.held_pins(self._fs, [self._paths[shard]])[0]  # type: ignore[index]
         return got
 
-    def _count_retry(self, attempt: int, exc: BaseException) -> None:
+    def _count(self, counter: str) -> None:
+        """Add one to this process's I/O counter ``counter`` (see :attr:`io_stats`)."""
         st = self._proc()
         with st.lock:
-            st.io["retries"] += 1
+            st.io[counter] += 1
 
     def _read_shard_groups(
         self, groups: list[tuple[int, np.ndarray, Any]], n: int, read: Callable[..., list[Any]]
