@@ -122,9 +122,7 @@ def _new_arena(capacity: int, max_slots: int) -> _Arena:
         if _slot_pool is None:
             _slot_pool = shm.SlotPool(max_slots)
         _slot_pool.max_slots = max_slots
-        slot = _slot_pool.take(capacity)
-        if slot is not None:
-            return _Arena(capacity, slot)
+        return _Arena(capacity, _slot_pool.take(capacity))  # (None: a torch segment)
     return _Arena(capacity)
 
 
