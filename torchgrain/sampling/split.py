@@ -229,8 +229,7 @@ class ContiguousSplit(Split):
         config = self.dealing
         if config is None:
             return np.arange(first + start, first + stop, dtype=np.int64)
-        j = np.arange(start, stop, dtype=np.int64)
-        return first + _deal(j, shares.count(rank), *config)
+        return first + _deal(np.arange(start, stop, dtype=np.int64), shares.count(rank), *config)
 
     def consumed(self, shares: Shares, position: int) -> list[tuple[int, int]]:
         # Rank r's run starts at start(r) and has count(r) draws; without dealing it
