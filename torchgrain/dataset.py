@@ -37,7 +37,7 @@ from torchgrain._worker_batches import (
 from torchgrain.adapters import SequenceSource, checked_batch
 from torchgrain.columns import ColumnBatch, Ragged
 from torchgrain.diagnostics import COUNTER, PipelineStats, local_counters
-from torchgrain.protocols import ReadsAhead, SetsEpoch, SizedIndexable
+from torchgrain.protocols import ReadsAhead, SetsEpoch
 from torchgrain.sources.base import Source
 
 __all__ = ["Dataset", "EpochCell", "collate_columns", "describe_fn", "record_rng"]
@@ -276,8 +276,13 @@ class Dataset(torch.utils.data.Dataset):
         batch_format: str = "records",
         worker_slots: int = shm.MAX_SLOTS,
     ) -> None:
-        if not isinstance(source, (Source, SizedIndexable)):
-            raise TypeError("source must have __len__ and __getitem__")
+        # Adapted once, here (SequenceSource refuses what has no __len__ and __getitem__):
+        # from now on the source is read through the Source contract.
+        self._source: Source = (
+            source
+            if isinstance(source, Source)
+            else SequenceSource(source, describes_records=isinstance(source, Dataset))
+        )
         for name, value in (
             ("worker_pipe_bytes", worker_pipe_bytes),
             ("worker_slots", worker_slots),
@@ -286,12 +291,6 @@ class Dataset(torch.utils.data.Dataset):
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if batch_format not in ("records", "columns"):
             raise ValueError(f"batch_format must be 'records' or 'columns', got {batch_format!r}")
-        # Adapted once, here: from now on the source is read through the Source contract.
-        self._source: Source = (
-            source
-            if isinstance(source, Source)
-            else SequenceSource(source, describes_records=isinstance(source, Dataset))
-        )
         self._worker_slots = worker_slots
         self._worker_pipe_bytes = worker_pipe_bytes
         self.batch_format = batch_format
