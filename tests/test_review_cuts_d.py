@@ -48,3 +48,16 @@ def test_sharded_source_exposes_its_request_options(tmp_path) -> None:
     src = tg.ArrayRecordSource(tmp_path / "ar")
     assert src.max_inflight == src.options.max_inflight
     assert src.multi_range == src.options.multi_range
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Format.convert_output went as unused, but Format is public (tg.sources.Format): "
+    "reading it is an AttributeError now",
+)
+def test_format_says_whether_convert_writes_it() -> None:
+    from torchgrain.sources import formats, get_format
+
+    for name in formats():
+        fmt = get_format(name)
+        assert fmt.convert_output is (fmt.output is not None)
