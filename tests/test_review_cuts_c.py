@@ -26,24 +26,12 @@ def _codec(dtype: str) -> TFDSCodec:
     return TFDSCodec({"featuresDict": {"features": {"x": {"tensor": tensor}}}})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tensor converts with np.asarray(value, dtype=dt) instead of np.asarray(value)"
-    ".astype(dt): bytes that are no datetime now fail in numpy's object conversion ('Cannot "
-    "create a NumPy datetime other than NaT with generic units'), which names no value",
-)
 def test_a_datetime_tensor_of_bytes_that_are_no_date_names_them():
     with pytest.raises(RecordDecodeError, match="'x'") as e:
         _codec("datetime64").decode(encode_tf_example({"x": [b"abc"]}))
     assert "abc" in str(e.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tensor converts with np.asarray(value, dtype=dt): bytes that are not UTF-8 now "
-    "fail as a UnicodeDecodeError (\"'utf-8' codec can't decode byte 0xff\") instead of "
-    "numpy's datetime parse error",
-)
 def test_a_datetime_tensor_of_bytes_not_utf8_fails_as_a_parse_error():
     with pytest.raises(RecordDecodeError, match="'x'") as e:
         _codec("datetime64[s]").decode(encode_tf_example({"x": [b"\xff"]}))
@@ -51,12 +39,6 @@ def test_a_datetime_tensor_of_bytes_not_utf8_fails_as_a_parse_error():
     assert "datetime" in str(e.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tensor converts with np.asarray(value, dtype=dt): an empty feature of an "
-    "unsized bytes/str spec dtype is now |S1 / <U1, not the |S32 / <U32 that "
-    "np.asarray([]).astype(dt) gives",
-)
 @pytest.mark.parametrize("dtype", ["S", "U"])
 def test_an_empty_feature_of_an_unsized_string_tensor_keeps_its_dtype(dtype):
     got = _codec(dtype).decode(encode_tf_example({"x": []}))["x"]
@@ -64,12 +46,6 @@ def test_an_empty_feature_of_an_unsized_string_tensor_keeps_its_dtype(dtype):
     assert got.dtype == np.asarray([]).astype(dtype).dtype
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fill_keyed builds {**fill(sink), ...}: a fill that returns its metadata as "
-    "(name, value) pairs now raises TypeError ('list' object is not a mapping), where "
-    "dict(fill(sink)) took it",
-)
 def test_a_derived_index_takes_metadata_returned_as_pairs():
     def fill(sink):
         sink.append("kept", np.arange(3, dtype="<u4"))
@@ -81,12 +57,6 @@ def test_a_derived_index_takes_metadata_returned_as_pairs():
     assert ix.arrays["kept"].tolist() == [0, 1, 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_default passes an ndarray through np.asarray as it does a numpy scalar: one more "
-    "numpy call per array encoded, +5% for _default of a small array and +3% for "
-    "MsgpackCodec.encode of a record of two (30/30 interleaved rounds), same bytes",
-)
 def test_an_ndarray_is_encoded_without_another_conversion(monkeypatch):
     calls = []
     real = np.asarray
@@ -102,12 +72,6 @@ def test_an_ndarray_is_encoded_without_another_conversion(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read_tfrecord_at enters a contextlib.ExitStack on every call, an open file's too "
-    "(it opened a path by calling itself on the open file): 4.0 -> 4.75 us a record from an "
-    "open file, 1.8 -> 2.6 us from a BytesIO (20/20 interleaved rounds)",
-)
 def test_a_record_read_from_an_open_file_enters_no_exit_stack(monkeypatch, tmp_path):
     p = str(tmp_path / "a.tfrecord")
     write_tfrecord([b"ab", b"cde"], p)
@@ -124,12 +88,6 @@ def test_a_record_read_from_an_open_file_enters_no_exit_stack(monkeypatch, tmp_p
     assert made == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_classify sends a bytes, str or float scalar through the list path (a second "
-    "_classify and its all() scans): encode_tf_example of one such feature 1.6-1.7x the "
-    "time, of {image bytes, label, score, text} 12.97 -> 17.16 us (25/25 interleaved rounds)",
-)
 def test_a_bytes_str_or_float_scalar_feature_is_classified_once(monkeypatch):
     calls = []
     real = tf_example._classify
@@ -145,12 +103,6 @@ def test_a_bytes_str_or_float_scalar_feature_is_classified_once(monkeypatch):
     assert calls == ["b", "s", "f"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FooterReader.footer makes chunk_ends and record_offsets with two np.append calls "
-    "(ravel + concatenate each, ~1 us apiece): parse_footer of an 8-chunk file 66 -> 68.6 us "
-    "(+3.8%, 5/5 interleaved processes), once a file opened",
-)
 def test_a_footer_makes_its_arrays_without_np_append(monkeypatch, tmp_path):
     p = str(tmp_path / "a.array_record")
     recs = [b"r%d" % i for i in range(10)]

@@ -82,10 +82,13 @@ class _State:
         whole = size_mod32 & ~3
         for i in range(4):
             self.v0[i] = (self.v0[i] + (size_mod32 << 32) + size_mod32) & _M64
-        for i in range(4):  # each 32-bit half of v1 rotated left by size_mod32
-            lo, hi = self.v1[i] & _M32, self.v1[i] >> 32
-            rot = [((h << size_mod32) | (h >> (32 - size_mod32))) & _M32 for h in (lo, hi)]
-            self.v1[i] = rot[0] | (rot[1] << 32)
+        count = size_mod32
+        for i in range(4):
+            half0 = self.v1[i] & _M32
+            half1 = self.v1[i] >> 32
+            half0 = ((half0 << count) | (half0 >> (32 - count))) & _M32
+            half1 = ((half1 << count) | (half1 >> (32 - count))) & _M32
+            self.v1[i] = half0 | (half1 << 32)
         packet = bytearray(32)
         packet[:whole] = rest[:whole]
         tail = rest[whole:]

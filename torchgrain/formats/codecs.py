@@ -191,7 +191,10 @@ def _encode_ndarray(arr: np.ndarray) -> msgpack.ExtType:
 
 
 def _default(obj: Any) -> Any:
-    if isinstance(obj, (np.ndarray, np.generic)):  # (numpy scalars keep their dtype: 0-d)
+    if isinstance(obj, np.ndarray):
+        return _encode_ndarray(obj)
+    if isinstance(obj, np.generic):
+        # numpy scalars keep their dtype as 0-d arrays.
         return _encode_ndarray(np.asarray(obj))
     if isinstance(obj, (bytearray, memoryview)):
         return bytes(obj)

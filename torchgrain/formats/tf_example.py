@@ -127,6 +127,10 @@ def _skip(buf: bytes, pos: int, end: int, tag: int, depth: int) -> int:
     raise _err(f"invalid wire type {wt}", pos)
 
 
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v & _SIGN64 else v
+
+
 def _packed_varints(buf: bytes, start: int, end: int) -> np.ndarray:
     """Decode packed varints in ``buf[start:end]`` to int64 (two's complement)."""
     n = end - start
@@ -206,7 +210,7 @@ def _parse_feature(buf: bytes, pos: int, end: int, feat: _Feature, depth: int) -
                 pos += 4
             elif tag == 0x08 and kind == _INT64:  # one unpacked varint
                 v, pos = _varint(buf, pos, sub_end)
-                loose.append(v - (1 << 64) if v & _SIGN64 else v)
+                loose.append(_signed(v))
             else:
                 pos = _skip(buf, pos, sub_end, tag, sub_depth)
         if kind == _FLOAT:
@@ -442,9 +446,14 @@ def _int64_payload(values: np.ndarray) -> bytes:
 
 def _classify(name: str, value: Any) -> tuple[int, Any]:
     """Return (kind, normalised values) for one feature value."""
-    scalars = (bytes, bytearray, memoryview, str, int, float, np.integer, np.floating, np.bool_)
-    if isinstance(value, scalars):
-        return _classify(name, [value])  # a scalar: a list of one
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _BYTES, [bytes(value)]
+    if isinstance(value, str):
+        return _BYTES, [value.encode("utf-8")]
+    if isinstance(value, (bool, int, np.integer, np.bool_)):
+        return _classify(name, [value])
+    if isinstance(value, (float, np.floating)):
+        return _FLOAT, np.array([value], dtype=_F32)
     if isinstance(value, np.ndarray):
         flat = value.ravel()
         k = flat.dtype.kind
@@ -517,7 +526,10 @@ def encode_tf_example(features: Mapping[str, Any]) -> bytes:
         _put_len(entry, 0x12, _encode_feature(*_classify(name, value)))
         _put_len(body, 0x0A, entry)
     out = bytearray()
-    _put_len(out, 0x0A, body)  # (no features: an empty Features message, as TensorFlow's)
+    if body:
+        _put_len(out, 0x0A, body)
+    else:
+        out += b"\x0a\x00"  # an empty Features message, as TensorFlow writes it
     return bytes(out)
 
 

@@ -415,5 +415,7 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
         parts = [np.frombuffer(b, dtype=dt) for b in blobs]
         arr = np.concatenate(parts) if parts else np.zeros(0, dt)
     else:
-        arr = np.asarray(value, dtype=dt)
+        arr = np.asarray(value)
+        if arr.dtype != dt:  # (not asarray(value, dt): its errors name no value)
+            arr = arr.astype(dt)
     return _reshape(np.ascontiguousarray(arr), shape)

@@ -523,29 +523,34 @@ def read_tfrecord_at(
         >>> read_tfrecord_at(p, 19)
         b'de'
     """
-    with contextlib.ExitStack() as stack:
-        f: Any = source
-        if isinstance(source, (str, os.PathLike)):
-            name = os.fspath(source)
-            fs, p = _resolve(source, filesystem)
-            f = stack.enter_context(remote.open_input(fs, p, url=name))
-        label = name or str(getattr(f, "name", "<stream>"))
-        # Bound the read by what the file can hold before trusting the length.
-        try:
-            end = f.seek(0, io.SEEK_END)
-        except (OSError, ValueError):  # pragma: no cover - unseekable-to-end streams
-            end = None
-        f.seek(offset)
-        length = _length(f.read(_HEADER_SIZE), label, offset, end, verify, max_record_bytes)
-        body = f.read(length + 4)
-        if len(body) < length + 4:
-            raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
-        data = body[:length]
-        if verify and masked_crc32c(data) != _FOOTER.unpack_from(body, length)[0]:
-            raise CorruptDataError(
-                f"{label}: data checksum mismatch in the record at byte offset {offset}"
+    if isinstance(source, (str, os.PathLike)):
+        fs, p = _resolve(source, filesystem)
+        with remote.open_input(fs, p, url=os.fspath(source)) as f:
+            return read_tfrecord_at(
+                f,
+                offset,
+                verify=verify,
+                name=os.fspath(source),
+                max_record_bytes=max_record_bytes,
             )
-        return data
+    f = source
+    label = name or str(getattr(f, "name", "<stream>"))
+    # Bound the read by what the file can hold before trusting the length.
+    try:
+        end = f.seek(0, io.SEEK_END)
+    except (OSError, ValueError):  # pragma: no cover - unseekable-to-end streams
+        end = None
+    f.seek(offset)
+    length = _length(f.read(_HEADER_SIZE), label, offset, end, verify, max_record_bytes)
+    body = f.read(length + 4)
+    if len(body) < length + 4:
+        raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
+    data = body[:length]
+    if verify and masked_crc32c(data) != _FOOTER.unpack_from(body, length)[0]:
+        raise CorruptDataError(
+            f"{label}: data checksum mismatch in the record at byte offset {offset}"
+        )
+    return data
 
 
 def parse_frame(frame: bytes | memoryview, *, name: str, offset: int, verify: bool = True) -> bytes:

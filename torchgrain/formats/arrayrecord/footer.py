@@ -393,12 +393,17 @@ class FooterReader:
         """
         parts = list(self._slices(None))  # one slice (none for a file of no chunks)
         offsets, dsizes, ends = parts[0] if parts else [np.zeros(0, np.int64) for _ in range(3)]
+        record_offsets = np.zeros(len(ends) + 1, np.int64)
+        record_offsets[1:] = ends
+        chunk_ends = np.empty(len(offsets), np.int64)
+        chunk_ends[:-1] = offsets[1:]
+        if len(offsets):
+            chunk_ends[-1] = self.footer_offset
         return Footer(
             chunk_offsets=offsets,
-            # Each chunk ends where the next begins, the last where the footer does.
-            chunk_ends=np.append(offsets[1:], self.footer_offset)[: len(offsets)],
+            chunk_ends=chunk_ends,
             decoded_sizes=dsizes,
-            record_offsets=np.append(0, ends),
+            record_offsets=record_offsets,
             num_records=self.num_records,
             writer_options=self.writer_options,
             footer_offset=self.footer_offset,

@@ -159,7 +159,7 @@ def derived_index(
     maker = _Maker(kind)
 
     def fill_keyed(sink: Any) -> dict[str, Any]:
-        return {**fill(sink), "key": key, "version": 1}
+        return {**dict(fill(sink)), "key": key, "version": 1}
 
     def build(path: str | None) -> DerivedIndex:
         return build_index(maker, path, columns, fill_keyed)
