@@ -13,7 +13,6 @@ point a run was resumed from, and differs between epochs.
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
 import multiprocessing
@@ -311,7 +310,11 @@ class Dataset(torch.utils.data.Dataset):
 
     # ---------------------------------------------------------- composition
     def _derive(self, op: tuple[Any, ...]) -> Dataset:
-        child = copy.copy(self)
+        child = Dataset.__new__(Dataset)  # a plain Dataset, whatever the class of self
+        child._source = self._source
+        child._worker_pipe_bytes = self._worker_pipe_bytes
+        child._worker_slots = self._worker_slots
+        child.batch_format = self.batch_format
         child._ops = (*self._ops, op)
         child._epoch = EpochCell(self._epoch.get())
         child._stats = PipelineStats()

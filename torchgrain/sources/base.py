@@ -247,6 +247,8 @@ class ShardedSource(Source):
             max_open_files = opts.max_open_files
         if max_open_files in ("auto", ...):
             max_open_files = self.default_max_open_files
+        self.max_inflight = opts.max_inflight
+        self.multi_range = opts.multi_range
         self._fs = filesystem
         self._fs_token = process.token()  # the process ``_fs`` belongs to
         self._remote = not is_local(filesystem)
@@ -397,7 +399,7 @@ class ShardedSource(Source):
             st = self._proc()
             with st.lock:
                 ra = st.range_ahead
-                if ra is None and order is not None and self.options.max_inflight > 1:
+                if ra is None and order is not None and self.max_inflight > 1:
                     ra = st.range_ahead = RangeReadAhead(self)
             if ra is not None and order is None:
                 ra.cancel()

@@ -115,6 +115,11 @@ class Format:
         """
         return cls(source.format.name, source, tuple(source.format.suffixes), **fields)
 
+    @property
+    def convert_output(self) -> bool:
+        """Whether ``torchgrain convert`` can write this format (it has an ``output``)."""
+        return self.output is not None
+
     def matches(self, file_name: str) -> bool:
         """Whether a file name (no directory) is one of this format's files."""
         return not file_name.startswith((".", "_")) and any(s in file_name for s in self.suffixes)
