@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
-from torchgrain.columns import Ragged
+from torchgrain.columns import ColumnBatch, Ragged
 from torchgrain.sources import read_column
 
 N = 23
@@ -158,3 +158,24 @@ def test_a_source_giving_fewer_values_than_asked_is_an_error():
 
     with pytest.raises(tg.TorchgrainError, match=r"gave 1 values of 'x' for 2 records"):
         read_column(Short(), "x", chunk=2)
+
+
+def test_a_chunk_given_as_an_object_array_keeps_its_values():
+    # A source's read_columns may hold a column of mixed values as an object array.
+    class Mixed(tg.Source):
+        keys = ["x"]
+        schema = {"x": "object"}
+
+        def __len__(self):
+            return 4
+
+        def __getitems__(self, indices):
+            return [{"x": i} for i in indices]
+
+        def read_columns(self, indices):
+            values = [None if i == 3 else i for i in indices]
+            col = np.array(values) if None not in values else np.array(values, dtype=object)
+            return ColumnBatch({"x": col}, num_rows=len(values))
+
+    got = read_column(Mixed(), "x", chunk=2)
+    assert got.dtype == object and got.tolist() == [0, 1, 2, None]

@@ -185,8 +185,15 @@ def _join(parts: list[Any]) -> np.ndarray | Ragged:
         return Ragged(
             np.concatenate([r.values[: r.offsets[-1]] for r in ragged]), offsets, first.kind
         )
-    values = [row_of(p, i) for p in parts for i in range(len(p))]
+    values = [
+        v for p in parts for v in (p if _is_objects(p) else (row_of(p, i) for i in range(len(p))))
+    ]
     return np.fromiter(values, dtype=object, count=len(values))  # (nested values as they are)
+
+
+def _is_objects(part: Any) -> bool:
+    """Whether a chunk's column is an object array: its values are held as they are."""
+    return isinstance(part, np.ndarray) and part.dtype == object and part.ndim == 1
 
 
 def _as_ragged(part: Any) -> Ragged | None:
