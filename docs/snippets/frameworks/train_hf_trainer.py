@@ -2,6 +2,7 @@
 `python train_hf_trainer.py` for one process). It saves a checkpoint every 10 steps; run it again
 to resume from the last one."""
 
+import gc
 import os
 import shutil
 
@@ -59,4 +60,8 @@ trainer = Trainer(
 trainer.train(resume_from_checkpoint=resume)  # True: from the last checkpoint in output_dir
 # --8<-- [end:recipe]
 print(f"done at step {trainer.state.global_step}", flush=True)  # one write: ranks share stdout
-trainer.accelerator.end_training()  # ends the process group: a gloo one left to exit can abort
+# A gloo group left to the interpreter's exit can abort it: end the group, then free the
+# Trainer, whose reference cycles (its DDP model) keep the group's threads running.
+trainer.accelerator.end_training()
+del trainer
+gc.collect()
