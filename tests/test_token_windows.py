@@ -489,6 +489,25 @@ def test_parquet_lists_of_other_than_integers_are_refused_when_indexed(tmp_path)
             ds.windows(column, 1, index_dir=None)
 
 
+def test_parquet_fixed_size_list_token_columns_are_read(tmp_path):
+    # Pre-packed or fixed-length token rows (HF datasets' Sequence(length=n)) are stored as
+    # fixed_size_list<int>; a null row is an empty document, as a null list is.
+    rows = [np.arange(8) + 10 * i for i in range(7)]
+    values = pa.array(np.concatenate(rows).astype(np.int32))
+    column = pa.FixedSizeListArray.from_arrays(values, 8, mask=pa.array([i == 3 for i in range(7)]))
+    pq.write_table(pa.table({"tokens": column}), tmp_path / "a.parquet", row_group_size=3)
+    ds = tg.Dataset(tg.ParquetSource(tmp_path / "a.parquet"))
+    docs = [np.zeros(0, np.int64) if i == 3 else r for i, r in enumerate(rows)]
+    check_concat(ds.windows("tokens", 5, eos=999, index_dir=tmp_path / "ix"), docs, 5, eos=999)
+    pack = ds.windows("tokens", 9, mode="pack", index_dir=tmp_path / "ix")
+    got = sorted(
+        t
+        for w in pack.__getitems__(list(range(len(pack))))
+        for t in w["input_ids"][w["document_ids"] >= 0].tolist()
+    )
+    assert got == sorted(np.concatenate(docs).tolist())
+
+
 def test_text_stored_as_bytes_is_tokenized_as_utf8():
     def tokenizer(batch):
         return [[ord(c) for c in t] for t in batch]

@@ -260,6 +260,8 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from torchgrain.sources.parquet.schema import is_list_type
+
     offsets = source._rg_offsets
 
     def lengths_of(g: int) -> np.ndarray:
@@ -279,10 +281,7 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
             return counts
         # (a list of lists or of strings has list offsets too: counted, they would build
         # an index that fails only at the first read)
-        if not (
-            (pa.types.is_list(col.type) or pa.types.is_large_list(col.type))
-            and pa.types.is_integer(col.type.value_type)
-        ):
+        if not (is_list_type(col.type) and pa.types.is_integer(col.type.value_type)):
             raise TypeError(
                 f"column {column!r} of {source!r} is {col.type}, not a list of token "
                 "ids (pass tokenizer= for a text column)"
