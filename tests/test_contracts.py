@@ -84,6 +84,15 @@ def test_a_batched_read_that_loses_records_is_an_error_naming_the_sequence():
         tg.Dataset(Batched(10, short=True), batch_format="columns").__getitems__([0, 1, 2])
 
 
+def test_a_bool_index_is_refused_as_the_built_in_sources_refuse_it():
+    # A list reads True as record 1 and False as record 0: a mask passed by mistake.
+    ds = tg.Dataset([{"a": i} for i in range(3)])
+    for index in (True, False, np.True_):
+        with pytest.raises(TypeError, match="record index must be an integer, got bool"):
+            ds[index]
+    assert ds[1] == {"a": 1} and ds[np.int64(2)] == {"a": 2}
+
+
 def test_a_sequence_with_its_own_columns_reader_gives_the_columns_batch():
     class Columnar(Batched):
         def read_columns(self, indices):

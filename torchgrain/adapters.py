@@ -96,6 +96,8 @@ BlockShuffleSampler block_offsets=)
         return len(self.items)
 
     def __getitem__(self, index: int) -> Any:
+        if isinstance(index, (bool, np.bool_)):  # (a list would read record 0 or 1)
+            raise TypeError(f"record index must be an integer, got {type(index).__name__}")
         return self.items[index]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
