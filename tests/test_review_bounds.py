@@ -1,0 +1,197 @@
+"""Reads outside the dataset given, and waits without an end, found by reproduction.
+
+Each case runs in a child process with a timeout (a hang fails the test, it never stalls
+the run), against files made here or a raw HTTP server on 127.0.0.1 whose answers to
+chosen paths never come. Each is a strict xfail: it fails because of the fault, and
+passes once it is fixed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: A policy whose every wait is short: a read it governs ends within about
+#: ``deadline + read_timeout`` (1.5 s), after ``attempts`` tries.
+POLICY = (
+    "RetryPolicy(attempts=2, base_delay=0.05, jitter=0.0, connect_timeout=0.5, "
+    "read_timeout=0.5, request_timeout=1.0, deadline=1.0)"
+)
+
+
+class SilentServer:
+    """HTTP/1.1 on 127.0.0.1 serving ``files`` (path -> bytes, with ``Range``); a request
+    whose path matches ``silent`` (a regex) from its ``after``-th on (1-based) is read and
+    never answered, its connection held open until :meth:`close`."""
+
+    def __init__(self, files: dict[str, bytes], silent: str = "$^", after: int = 1) -> None:
+        self.files, self.silent, self.after = files, re.compile(silent), after
+        self.matched = 0
+        self._stop = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+    def __enter__(self) -> SilentServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as f:
+            try:
+                while line := f.readline():
+                    method, path = line.decode("latin-1").split(" ")[:2]
+                    headers = {}
+                    while (h := f.readline().decode("latin-1").strip()) != "":
+                        key, _, value = h.partition(":")
+                        headers[key.strip().lower()] = value.strip()
+                    if self.silent.fullmatch(path):
+                        self.matched += 1
+                        if self.matched >= self.after:
+                            self._stop.wait()  # never answered
+                            return
+                    conn.sendall(self._answer(method, path, headers.get("range")))
+            except (OSError, ValueError):
+                return
+
+    def _answer(self, method: str, path: str, rng: str | None) -> bytes:
+        data = self.files.get(path.split("?")[0])
+        if data is None:
+            return b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+        head, body = "200 OK", data
+        if rng and (m := re.fullmatch(r"bytes=(\d*)-(\d*)", rng)):
+            a = int(m[1]) if m[1] else max(0, len(data) - int(m[2]))
+            b = min(int(m[2]) if m[1] and m[2] else len(data) - 1, len(data) - 1)
+            head, body = (
+                f"206 Partial Content\r\nContent-Range: bytes {a}-{b}/{len(data)}",
+                data[a : b + 1],
+            )
+        out = f"HTTP/1.1 {head}\r\nAccept-Ranges: bytes\r\nContent-Length: {len(body)}\r\n\r\n"
+        return out.encode() + (b"" if method == "HEAD" else body)
+
+
+def run_child(code: str, timeout: float) -> tuple[str, float]:
+    """Run ``code`` in a fresh interpreter (the repository importable); its stdout and
+    the seconds it took. A child still running after ``timeout`` is killed and the test
+    fails, naming the wait."""
+    start = time.monotonic()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": ROOT, "NO_ALBUMENTATIONS_UPDATE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still waiting after {timeout:g} s")
+    took = time.monotonic() - start
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout, took
+
+
+# ------------------------------------------------------------------ local files
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the index file a manifest names is opened with a plain open() "
+    "(formats/index_file.py IndexFile.open, from node_index/arrayrecord.py arrayrecord_index "
+    "via open_trusted): a FIFO there blocks the open until a writer comes, forever",
+)
+def test_a_fifo_named_as_the_dataset_index_file_is_not_waited_on(tmp_path):
+    """A dataset directory whose ``torchgrain.tgindex`` is a FIFO (its manifest's size 0)
+    opens (the index refused, the shards indexed instead) and reads, as a FIFO shard is
+    refused (changes.open_regular)."""
+    code = f"""
+        import json, os, warnings
+        import torchgrain as tg
+        d = {str(tmp_path / "ds")!r}
+        tg.write_array_record([{{"x": i}} for i in range(10)], d, num_shards=2)
+        os.unlink(os.path.join(d, "torchgrain.tgindex"))
+        os.mkfifo(os.path.join(d, "torchgrain.tgindex"))
+        with open(os.path.join(d, "torchgrain.json")) as f:
+            manifest = json.load(f)
+        manifest["index"]["num_bytes"] = 0
+        with open(os.path.join(d, "torchgrain.json"), "w") as f:
+            json.dump(manifest, f)
+        warnings.simplefilter("ignore")
+        src = tg.ArrayRecordSource(d, index_dir=None)
+        print(len(src), src[9]["x"])
+    """
+    out, _ = run_child(code, timeout=7)
+    assert out.split() == ["10", "9"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="NodeStore._evict_lock (io/node_store.py _flock with wait=None) waits without "
+    "an end for the store's evict.lock: a process that holds it (stopped, or stuck on the "
+    "disk) blocks every opening that publishes a dataset index (store.py cached_index "
+    "-> NodeStore._publish), while entry locks are waited on for a bounded time",
+)
+def test_an_index_dir_whose_eviction_lock_another_process_holds_does_not_block_opening(
+    tmp_path,
+):
+    """Opening local ArrayRecord shards (no index yet) with ``index_dir`` whose eviction
+    lock another process holds: the index is built and the source opens, without waiting
+    for that process."""
+    ds, ix = tmp_path / "ds", tmp_path / "ix"
+    ix.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time\n"
+            f"fd = os.open({str(ix / 'evict.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n",  # until the test closes its stdin
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code = f"""
+            import os, warnings
+            import torchgrain as tg
+            d = {str(ds)!r}
+            tg.write_array_record([{{"x": i}} for i in range(10)], d, num_shards=2)
+            os.unlink(os.path.join(d, "torchgrain.json"))  # (its index too: built here)
+            os.unlink(os.path.join(d, "torchgrain.tgindex"))
+            warnings.simplefilter("ignore")
+            src = tg.ArrayRecordSource(d, index_dir={str(ix)!r})
+            print(len(src), src[9]["x"])
+        """
+        out, _ = run_child(code, timeout=7)
+        assert out.split() == ["10", "9"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
