@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import torch
+import torch.distributed.nn  # before the process group exists: see the end
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
@@ -51,4 +52,9 @@ for epoch in range(loader.epoch, epochs):
             accelerator.save_state(checkpoint_dir)
 # --8<-- [end:recipe]
 accelerator.print(f"done at epoch {loader.epoch}, loss {loss.item():.3f}", flush=True)
-accelerator.end_training()  # ends the process group: a gloo one left to exit can abort
+# A gloo group left to the interpreter's exit can abort it: end the group, then free the
+# DDP model, which holds the group and its threads. torch.distributed.nn is imported
+# above: first imported after the group exists (DDP does), its functions keep the group
+# as their default argument.
+accelerator.end_training()
+model, optimizer = accelerator.free_memory(model, optimizer)
