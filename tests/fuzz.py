@@ -1318,7 +1318,8 @@ class RangeAnswerTarget(Target):
     exactly the file's bytes asked for, and its header must say so (a reference parser)."""
 
     name = "range_answer"
-    _HEADER = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
+    # (range units are case-insensitive, RFC 9110 14.1)
+    _HEADER = re.compile(r"(?i:bytes) (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 
     def make(self, rng: random.Random) -> dict[str, Any]:
         size = rng.randint(1, 5000)
