@@ -60,6 +60,20 @@ def _arrayrecord(tmp_path):
     return lambda idx: tg.ArrayRecordSource(paths, index_dir=idx)  # (no manifest: index_dir)
 
 
+def _selection(tmp_path):
+    recs = [{"i": i} for i in range(300)]
+    tg.write_array_record(recs, tmp_path / "sel", num_shards=3)
+    ds = tg.Dataset(tg.ArrayRecordSource(tmp_path / "sel", index_dir=None))
+    return lambda idx: ds.filter(_even_i, index_dir=idx, num_workers=0, progress=False)
+
+
+def _even_i(r) -> bool:
+    return int(r["i"]) % 2 == 0
+
+
+_MAKERS = {"tfrecord": _tfrecord, "arrayrecord": _arrayrecord, "selection": _selection}
+
+
 def _records(src) -> list:
     out = []
     for i in range(len(src)):
@@ -75,12 +89,12 @@ def _the_index(idx) -> str:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="IndexFile.open (formats/index_file.py) opens the index with a blocking open(): "
-    "a FIFO under the index's name waits for a writer forever",
+    reason="IndexFile.open (formats/index_file.py) opens an index (or selection) with a "
+    "blocking open(): a FIFO under its name waits for a writer forever",
 )
-@pytest.mark.parametrize("fmt", ["tfrecord", "arrayrecord"])
+@pytest.mark.parametrize("fmt", sorted(_MAKERS))
 def test_a_fifo_under_a_dataset_index_name_is_never_waited_on(tmp_path, fmt):
-    open_source = (_tfrecord if fmt == "tfrecord" else _arrayrecord)(tmp_path)
+    open_source = _MAKERS[fmt](tmp_path)
     idx = str(tmp_path / "idx")
     truth = _records(open_source(idx))
     path = _the_index(idx)
@@ -96,9 +110,9 @@ def test_a_fifo_under_a_dataset_index_name_is_never_waited_on(tmp_path, fmt):
     reason="cached_index (node_index/store.py) lets the IsADirectoryError of a directory "
     "under the index's name through: neither rebuilt nor a named error",
 )
-@pytest.mark.parametrize("fmt", ["tfrecord", "arrayrecord"])
+@pytest.mark.parametrize("fmt", sorted(_MAKERS))
 def test_a_directory_under_a_dataset_index_name_is_rebuilt_or_named(tmp_path, fmt):
-    open_source = (_tfrecord if fmt == "tfrecord" else _arrayrecord)(tmp_path)
+    open_source = _MAKERS[fmt](tmp_path)
     idx = str(tmp_path / "idx")
     truth = _records(open_source(idx))
     path = _the_index(idx)
@@ -150,3 +164,39 @@ def test_a_predicate_objects_changed_method_gets_a_new_selection(tmp_path, monke
     sys.modules.pop(name, None)
     assert kept[0] == list(range(0, 60, 2))
     assert kept[1] == list(range(0, 60, 3))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dataset_fingerprint (node_index/derived.py) keys a remote file by its name and "
+    "record count only, though the source holds its version (ETag, size, Last-Modified): a "
+    "remote shard replaced by another of as many records keeps its old selection",
+)
+def test_a_remote_shard_replaced_gets_a_new_selection(tmp_path):
+    from servers import RangeHTTPServer
+
+    from torchgrain.io import responses
+
+    www = tmp_path / "www"
+    tg.write_parquet([{"v": i} for i in range(40)], www, num_shards=2, row_group_size=10)
+    tg.write_parquet([{"v": i + 1} for i in range(40)], tmp_path / "new", num_shards=2)
+    idx = tmp_path / "idx"
+    names = sorted(os.listdir(www))
+
+    def kept(url: str) -> list[int]:
+        responses._PINS.clear()  # as in a fresh process: no version remembered
+        src = tg.ParquetSource([f"{url}/{n}" for n in names])
+        f = tg.Dataset(src).filter(_even, index_dir=idx, num_workers=0, progress=False)
+        return [int(f[i]["v"]) for i in range(len(f))]
+
+    with RangeHTTPServer(www) as srv:
+        assert kept(srv.url) == list(range(0, 40, 2))
+        for n in names:  # the objects replaced: other values, as many rows, a later version
+            st = os.stat(www / n)
+            os.replace(tmp_path / "new" / n, www / n)
+            os.utime(www / n, (st.st_atime + 10, st.st_mtime + 10))
+        assert kept(srv.url) == list(range(2, 41, 2))
+
+
+def _even(r) -> bool:
+    return int(r["v"]) % 2 == 0
