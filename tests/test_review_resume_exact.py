@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import torchgrain as tg
 
@@ -454,3 +454,38 @@ def test_an_end_of_epoch_stateful_checkpoint_resumes_a_torch_sampler_exactly(num
 def test_an_end_of_epoch_stateful_checkpoint_resumes_exactly(num_workers):
     reference, resumed = _end_of_epoch_resume(num_workers)
     assert resumed == reference
+
+
+class _Hooked(Dataset):
+    """Records 0..n-1; reading one first calls ``hook`` (a signal handler or a
+    checkpoint thread that asks for the loader's state while a batch is read)."""
+
+    def __init__(self, n, hook):
+        self.n, self.hook = n, hook
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.hook()
+        return i
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ResumableLoader.state_dict with no batch taken yet in a pass (_taken == 0) "
+    "gives the sampler's drawn position, past the batches being read",
+)
+def test_a_checkpoint_asked_for_while_a_pass_reads_its_first_batch_resumes_at_that_batch():
+    saved = []
+
+    def make(hook=lambda: None):
+        s = tg.GlobalShuffleSampler(12, num_replicas=1, rank=0, seed=1)
+        return tg.ResumableLoader(DataLoader(_Hooked(12, hook), batch_size=3, sampler=s))
+
+    reference = _run(make())[0]
+    loader = make(lambda: saved or saved.append(json.loads(json.dumps(loader.state_dict()))))
+    assert _run(loader)[0] == reference
+    resumed = make()
+    resumed.load_state_dict(saved[0])  # taken before any batch reached the loop
+    assert _run(resumed)[0] == reference
