@@ -567,3 +567,19 @@ def test_a_loader_that_returns_batches_out_of_order_is_refused_or_resumed_exactl
     resumed.load_state_dict(state)
     rest = [x for batch in resumed for x in batch.tolist()]
     assert sorted(taken + rest) == list(range(12))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a sampler built from a length has no dataset to tell the epoch, and "
+    "ResumableLoader does not tell the loader's dataset either: the mixture stays at "
+    "epoch 0 and reads the same draws every epoch",
+)
+def test_a_mixture_under_a_loader_whose_sampler_was_built_from_its_length_moves_on():
+    big = [{"id": f"a{i}"} for i in range(10)]
+    mixed = tg.mix([big, [{"id": "b0"}, {"id": "b1"}]], [0.5, 0.5])  # 2 of big an epoch
+    sampler = tg.GlobalShuffleSampler(len(mixed), num_replicas=1, rank=0)
+    loader = tg.ResumableLoader(DataLoader(mixed, batch_size=4, sampler=sampler, collate_fn=_ids))
+    seen = {x for _ in range(5) for batch in loader for x in batch}
+    assert loader.epoch == 5
+    assert {f"a{i}" for i in range(10)} <= seen  # one pass of big over 5 epochs
