@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import time
 import warnings
 
 import numpy as np
@@ -522,22 +521,19 @@ def test_a_checkpoint_at_the_start_of_an_epoch_after_a_pass_left_early():
 
 class _LateSecondBatch(Dataset):
     """Records 0..11; record 3 (the second batch of 3, read by worker 1) is read only
-    once record 8 (the third batch, worker 0) has been: the third batch is ready first."""
+    once the loop has the third batch (worker 0's second): the third batch comes first."""
 
     def __init__(self):
         import multiprocessing
 
-        self.third_read = multiprocessing.get_context("fork").Event()
+        self.third_taken = multiprocessing.get_context("fork").Event()
 
     def __len__(self):
         return 12
 
     def __getitem__(self, i):
-        if i == 8:
-            self.third_read.set()
         if i == 3:
-            self.third_read.wait(timeout=10)
-            time.sleep(0.3)
+            self.third_taken.wait(timeout=10)
         return i
 
 
@@ -548,9 +544,11 @@ class _LateSecondBatch(Dataset):
     "third batch and never reads the second",
 )
 def test_a_loader_that_returns_batches_out_of_order_is_refused_or_resumed_exactly():
+    data = _LateSecondBatch()
+
     def make(**kw):
         s = tg.GlobalShuffleSampler(12, num_replicas=1, rank=0, shuffle=False)
-        return tg.ResumableLoader(DataLoader(_LateSecondBatch(), batch_size=3, sampler=s, **kw))
+        return tg.ResumableLoader(DataLoader(data, batch_size=3, sampler=s, **kw))
 
     try:
         loader = make(num_workers=2, prefetch_factor=2, multiprocessing_context="fork",
@@ -558,6 +556,8 @@ def test_a_loader_that_returns_batches_out_of_order_is_refused_or_resumed_exactl
         taken = []
         for batch in loader:
             taken += batch.tolist()
+            if 6 in taken:
+                data.third_taken.set()
             if len(taken) == 6:
                 state = json.loads(json.dumps(loader.state_dict()))
                 break
