@@ -136,10 +136,16 @@ class IndexFile:
 
         Raises:
             FileNotFoundError: no such file.
-            CorruptDataError: not an index file of ``kind``, truncated, or with an
-                array table that does not fit the file (the message names the file).
+            IsADirectoryError: a directory is there.
+            CorruptDataError: not an index file of ``kind``, truncated, with an array
+                table that does not fit the file, or not a regular file (a FIFO there
+                is never waited on); the message names the file.
         """
-        with open(path, "rb") as fh:
+        try:
+            fd = changes.open_regular(path)
+        except CorruptDataError:
+            raise _bad(path, "not a regular file") from None
+        with open(fd, "rb") as fh:
             pin = changes.Pin(fh.fileno(), path)  # before its bytes are read
             st = os.fstat(fh.fileno())
             size = st.st_size

@@ -763,8 +763,8 @@ def cached_index(
     def try_open() -> Any:
         try:
             ix = open_trusted(path, cls, index_dir)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None  # (a directory there: the publish says it cannot write, once)
         except CorruptDataError as e:
             warnings.warn(f"rebuilding a damaged dataset index: {e}", stacklevel=4)
             return None
