@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -134,6 +135,53 @@ def test_a_bound_method_predicate_is_keyed_by_its_object(tmp_path):
     opts = {"index_dir": str(tmp_path / "ix"), "progress": False, "num_workers": 0}
     assert len(ds.filter(_Above(1).keep, **opts)) == 8
     assert [r["x"] for r in ds.filter(_Above(5).keep, **opts)] == [6, 7, 8, 9]  # was 2..9
+
+
+_RELEASE = """
+class Base:
+    def above(self, r):
+        return r["x"] > {limit}
+
+
+class Keep(Base):
+    def __call__(self, r):
+        return self.above(r)
+
+    def keep(self, r):
+        return self.above(r)
+"""
+
+
+def _release(limit: int, monkeypatch) -> type:
+    """Class ``Keep`` of one module, whose base's helper method compares with ``limit``
+    (the same names whatever ``limit``: another release of the module)."""
+    module = types.ModuleType("tg_test_release")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(_RELEASE.format(limit=limit), module.__dict__)
+    return module.Keep
+
+
+def test_a_changed_method_of_a_callables_class_or_base_is_another_key(monkeypatch):
+    ds = tg.Dataset([{"x": i} for i in range(10)])
+    keep = _release(1, monkeypatch)
+    one = callable_fingerprint(keep()), callable_fingerprint(keep().keep)
+    mapped = dataset_fingerprint(ds.map(keep()))
+    assert one == (callable_fingerprint(keep()), callable_fingerprint(keep().keep))
+    keep = _release(5, monkeypatch)
+    two = callable_fingerprint(keep()), callable_fingerprint(keep().keep)
+    assert one[0] != two[0] and one[1] != two[1]
+    assert mapped != dataset_fingerprint(ds.map(keep()))
+
+
+def test_a_nested_function_that_calls_itself_is_keyed():
+    def make(k):
+        def count(n):
+            return k if n == 0 else count(n - 1)
+
+        return count
+
+    assert callable_fingerprint(make(1)) == callable_fingerprint(make(1))
+    assert callable_fingerprint(make(1)) != callable_fingerprint(make(2))
 
 
 def test_a_filter_over_other_columns_of_the_same_files_is_not_reused(tmp_path):

@@ -224,8 +224,8 @@ def _const_repr(c: Any) -> str:
 def callable_fingerprint(fn: Any) -> str:
     """A hex digest of what a function computes: its code (and that of nested
     functions), constants, defaults and closure values; for a partial, its function and
-    arguments; for a callable object or a bound method, its class's code and the
-    object's pickled state.
+    arguments; for a callable object or a bound method, its class's code (every method
+    of it and of the classes it inherits from) and the object's pickled state.
 
     Globals a function reads are not part of it: name a predicate (``filter(...,
     name=...)``) when it depends on a global that changes. A function holding a value
@@ -240,12 +240,30 @@ def callable_fingerprint(fn: Any) -> str:
         >>> callable_fingerprint(lambda r: r["x"] > 1) == callable_fingerprint(lambda r: r["x"] > 2)
         False
     """
+    return _fingerprint(fn, set())
+
+
+def _fingerprint(fn: Any, active: set[int]) -> str:
+    """:func:`callable_fingerprint` of ``fn``, met again inside one of the callables in
+    ``active`` (being keyed): a nested function that calls itself is in its own closure."""
+    if id(fn) in active:
+        return hash_parts("itself")
+    active.add(id(fn))
+    try:
+        return _keyed(fn, active)
+    finally:
+        active.discard(id(fn))
+
+
+def _keyed(fn: Any, active: set[int]) -> str:
     if isinstance(fn, functools.partial):
         return hash_parts(
-            "partial", callable_fingerprint(fn.func), _value(fn.args), _value(fn.keywords)
+            "partial", _fingerprint(fn.func, active), _value(fn.args), _value(fn.keywords)
         )
-    if isinstance(fn, types.MethodType):  # its object's state too, not only its code
-        return hash_parts("method", callable_fingerprint(fn.__func__), _value(fn.__self__))
+    if isinstance(fn, types.MethodType):  # its object's class and state, not only its code
+        owner = fn.__self__ if isinstance(fn.__self__, type) else type(fn.__self__)
+        code = _class_code(owner, active)
+        return hash_parts("method", _fingerprint(fn.__func__, active), *code, _value(fn.__self__))
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
         cells = []
@@ -254,7 +272,7 @@ def callable_fingerprint(fn: Any) -> str:
                 v = cell.cell_contents
             except ValueError:  # an empty cell
                 v = "<empty>"
-            cells.append(callable_fingerprint(v) if callable(v) else _value(v))
+            cells.append(_fingerprint(v, active) if callable(v) else _value(v))
         return hash_parts(
             "function",
             fn.__module__,
@@ -266,9 +284,37 @@ def callable_fingerprint(fn: Any) -> str:
         )
     if isinstance(fn, (types.BuiltinFunctionType, type)):
         return hash_parts("named", getattr(fn, "__module__", ""), fn.__qualname__)
-    call = getattr(type(fn).__call__, "__code__", None)
-    parts = _code_parts(call, set()) if isinstance(call, types.CodeType) else []
-    return hash_parts("object", type(fn).__module__, type(fn).__qualname__, *parts, _value(fn))
+    return hash_parts("object", *_class_code(type(fn), active), _value(fn))
+
+
+def _class_code(cls: type, active: set[int]) -> list[str]:
+    """The name and code of ``cls`` and of each class it inherits from (builtins' left
+    out): every function it defines (methods, static and class methods, properties'
+    accessors), in name order, keyed as :func:`callable_fingerprint` keys a function: a
+    changed helper method is another class.
+
+    Example:
+        >>> class K:
+        ...     def f(self): return 1
+        >>> before = _class_code(K, set())
+        >>> class K:
+        ...     def f(self): return 2
+        >>> before == _class_code(K, set())
+        False
+    """
+    parts = []
+    for c in cls.__mro__:
+        if c.__module__ == "builtins":
+            continue
+        parts += [c.__module__, c.__qualname__]
+        for name, v in sorted(vars(c).items()):
+            if isinstance(v, (staticmethod, classmethod)):
+                v = v.__func__
+            fns = (v.fget, v.fset, v.fdel) if isinstance(v, property) else (v,)
+            for f in fns:
+                if isinstance(f, types.FunctionType):
+                    parts += [name, _fingerprint(f, active)]
+    return parts
 
 
 def _value(v: Any) -> str:
