@@ -146,12 +146,6 @@ def _release(holder: subprocess.Popen) -> None:
 # ------------------------------------------------------------------ local files
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the index file a manifest names is opened with a plain open() "
-    "(formats/index_file.py IndexFile.open, from node_index/arrayrecord.py arrayrecord_index "
-    "via open_trusted): a FIFO there blocks the open until a writer comes, forever",
-)
 def test_a_fifo_named_as_the_dataset_index_file_is_not_waited_on(tmp_path):
     """A dataset directory whose ``torchgrain.tgindex`` is a FIFO (its manifest's size 0)
     opens (the index refused, the shards indexed instead) and reads, as a FIFO shard is
