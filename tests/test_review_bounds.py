@@ -8,6 +8,7 @@ passes once it is fixed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -308,6 +309,33 @@ def test_a_fork_after_a_mapped_shard_was_replaced_by_a_fifo_does_not_block_the_c
     """
     out, _ = run_child(code, timeout=9)
     assert out.strip() == "done", out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="NodeStore._flock (io/node_store.py) opens a lock file with "
+    "os.open(O_RDWR | O_CREAT) and no O_NOFOLLOW: a link put in its place (anyone who "
+    "can write to a shared store's directory can) makes the process create, lock and "
+    "touch a file wherever the link points; the store's usage file refuses links "
+    "(NodeStore._usage_fd), its lock files do not",
+)
+def test_a_link_planted_as_a_store_lock_file_creates_nothing_outside_the_store(tmp_path):
+    """An index directory whose ``evict.lock`` is a link to a file that does not exist:
+    opening local shards with it makes no file at the link's target."""
+    import torchgrain as tg
+
+    ds, ix, target = tmp_path / "ds", tmp_path / "ix", tmp_path / "elsewhere" / "made"
+    tg.write_array_record([{"x": i} for i in range(10)], str(ds), num_shards=1)
+    (ds / "torchgrain.json").unlink()  # (its index too: built into the directory)
+    (ds / "torchgrain.tgindex").unlink()
+    ix.mkdir()
+    target.parent.mkdir()
+    os.symlink(target, ix / "evict.lock")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.suppress(OSError):  # refusing the directory is a fix too
+            assert len(tg.ArrayRecordSource(str(ds), index_dir=str(ix))) == 10
+    assert not os.path.lexists(target)
 
 
 # ------------------------------------------------------------------ HTTP deadlines
