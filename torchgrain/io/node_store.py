@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import fnmatch
 import os
@@ -54,6 +55,10 @@ _POLL, _POLL_MAX = 0.005, 0.1  # seconds between tries of a lock waited for with
 # After the disk had no room for an entry, store nothing for this long (instead of listing
 # the entries to make room at every write meanwhile).
 _FULL_SECONDS = 30.0
+# The longest a process waits for the eviction lock (held for a listing and unlinks, not
+# for seconds unless its holder is stopped or stuck on its disk); the write is then refused,
+# and for _FULL_SECONDS its writes take one try of the lock.
+_EVICT_WAIT = 2.0
 
 
 class NodeStore:
@@ -79,6 +84,8 @@ class NodeStore:
     _full_error: CacheDiskFullError | None = None  # (and what it found)
     # _room_on_disk: the process (its token) that found no room stores nothing until then
     _full_until: tuple[tuple[int, int] | None, float] = (None, 0.0)
+    # _evict_lock: the process that waited for it in vain tries it once until then
+    _evict_stuck: tuple[tuple[int, int] | None, float] = (None, 0.0)
 
     def __init__(self, directory: str, *, max_bytes: int, min_free_bytes: int = 0) -> None:
         self.directory = directory
@@ -186,9 +193,28 @@ class NodeStore:
         lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
         return self._flock(lock, shared, wait, **kw)
 
-    def _evict_lock(self) -> contextlib.AbstractContextManager[bool]:
-        """The lock under which entries are counted, evicted and published."""
-        return self._flock(os.path.join(self.directory, self._LOCK_DIR, "evict.lock"))
+    @contextlib.contextmanager
+    def _evict_lock(self) -> Iterator[None]:
+        """The lock under which entries are counted, evicted and published, waited for at
+        most :data:`_EVICT_WAIT` seconds.
+
+        Raises:
+            BlockingIOError: another process holds it (named; the write is refused).
+        """
+        path = os.path.join(self.directory, self._LOCK_DIR, "evict.lock")
+        who, until = self._evict_stuck
+        stuck = who == process.token() and time.monotonic() < until
+        with self._flock(path, wait=0 if stuck else _EVICT_WAIT) as held:
+            if not held:
+                self._evict_stuck = (process.token(), time.monotonic() + _FULL_SECONDS)
+                with self._writing(path, " (the eviction lock)"):
+                    raise BlockingIOError(
+                        errno.EAGAIN,
+                        f"the eviction lock is held by another process (for more than "
+                        f"{_EVICT_WAIT:g} s: stopped, or stuck on its disk)",
+                        path,
+                    )
+            yield
 
     @contextlib.contextmanager
     def _flock(
@@ -284,8 +310,13 @@ class NodeStore:
         with self._writing(tmp, what):
             open(tmp, "wb").close()
         if evict:
-            with self._evict_lock():
-                self._settle(0)
+            try:
+                with self._evict_lock():
+                    self._settle(0)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         return tmp
 
     def _publish(self, tmp: str, path: str, size: int, what: str = "") -> None:

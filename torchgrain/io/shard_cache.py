@@ -76,8 +76,20 @@ _TOUCH_INTERVAL = 1.0
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 _STATS = ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries")
 _STATS += ("verified", "bytes_verified", "rejected")
-# What a directory that refuses writes answers: read-only, or not this user's.
-_REFUSED = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
+# What a directory that refuses writes answers (read-only, or not this user's; one of its
+# own files or folders of the wrong kind; its eviction lock held elsewhere), and the remedy.
+_ELSEWHERE = "pass cache_dir= a directory this process can write to."
+_REFUSED = dict.fromkeys((errno.EACCES, errno.EPERM, errno.EROFS), _ELSEWHERE.capitalize())
+_REFUSED.update(
+    dict.fromkeys(
+        (errno.EEXIST, errno.ENOTDIR, errno.EISDIR),
+        "Something of another kind than the cache makes lies on that path (a file for a "
+        f"folder, or the reverse): remove it, or {_ELSEWHERE}",
+    )
+)
+_REFUSED[errno.EAGAIN] = (
+    f"Another process holds that lock (stopped, or stuck): end it, or {_ELSEWHERE}"
+)
 
 
 class _ShortDownload(ConnectionError):
@@ -518,10 +530,9 @@ class ShardCache(NodeStore):
         except OSError as e:
             if e.errno not in _REFUSED or not str(e.filename).startswith(self.directory):
                 raise  # (a remote's refusal, during a download, is not the directory's)
-            remedy = "Pass cache_dir= a directory this process can write to."
             with super()._writing(path, what, mark=mark):  # (sets disk_full)
                 raise disk_full_error(
-                    e.errno, self._WHAT, self.directory, path, remedy, what=what
+                    e.errno, self._WHAT, self.directory, path, _REFUSED[e.errno], what=what
                 ) from e
 
     def _remedy(self) -> str:
@@ -548,7 +559,7 @@ class ShardCache(NodeStore):
             # The record's time, not the copy's: a utime() on the copy would move its
             # change time, which is part of its identity.
             self._touched[path] = now
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # (missing, or .sums not a folder)
                 os.utime(self._sum_path(path))
         return st
 
@@ -689,11 +700,13 @@ class ShardCache(NodeStore):
         would be fetched again)."""
         try:
             return os.stat(self._sum_path(path)).st_mtime_ns
-        except FileNotFoundError:
+        except OSError:  # (missing, or .sums not a folder)
             return 0
 
     def _forget(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        # (a record that cannot be deleted, .sums not a folder or the record one, reads
+        # as none: the copy is fetched again, and the record's write says why it fails)
+        with contextlib.suppress(OSError):
             os.unlink(self._sum_path(path))
 
     def _rank(self, entries: list[Entry]) -> list[Entry]:

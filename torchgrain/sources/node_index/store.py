@@ -87,8 +87,10 @@ _BUILD_THREADS = max(4, min(16, os.cpu_count() or 1))
 _PROGRESS_AFTER = 2.0  # seconds of building before progress is reported
 _PROGRESS_EVERY = 5.0  # seconds between progress lines
 _T = TypeVar("_T")
-# Why an index directory cannot take an index (anything else is raised).
+# Why an index directory cannot take an index (anything else is raised; EAGAIN: its
+# eviction lock held by another process, NodeStore._evict_lock).
 _UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
+_UNWRITABLE |= {errno.EAGAIN}
 _UNWRITABLE |= DISK_FULL_ERRNOS
 _STAMPS = "verified"  # stamps of index files whose contents were checked
 _LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too

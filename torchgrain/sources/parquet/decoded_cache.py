@@ -146,7 +146,8 @@ class DecodedCache(NodeStore):
         super().__init__(os.path.abspath(os.fspath(directory)), max_bytes=max_bytes or 0)
         self.lock_timeout = float(lock_timeout)
         self._init_process()
-        with self._writing(self.directory):
+        # (a file under one of its folders' names: its writes are refused, said once)
+        with self._writing(self.directory), contextlib.suppress(FileExistsError):
             self._make_dirs()
         disk = shutil.disk_usage(self.directory)
         if max_bytes is None:
