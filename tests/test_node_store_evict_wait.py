@@ -1,0 +1,41 @@
+"""A node-local store's eviction lock held by another process: a write waits for it a
+bounded time, then is refused, naming the lock; the same process then tries it once."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+
+import pytest
+
+from torchgrain.io import node_store
+from torchgrain.io.node_store import NodeStore
+
+
+def test_a_held_eviction_lock_refuses_the_write_then_is_tried_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_store, "_EVICT_WAIT", 0.3)
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(node_store.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    store = NodeStore(str(tmp_path), max_bytes=100)
+    (tmp_path / ".locks").mkdir()
+    lock = str(tmp_path / ".locks" / "evict.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)  # (another open file: flock excludes it)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        start = time.monotonic()
+        with store._lock("a"), pytest.raises(BlockingIOError, match=r"evict\.lock"):
+            store._reserve("a", 3)
+        assert time.monotonic() - start >= 0.3
+        assert store._temps() == []  # its reservation is not left behind
+        sleeps.clear()
+        with store._lock("b"), pytest.raises(BlockingIOError):
+            store._reserve("b", 3)
+        assert sleeps == []  # one try, no wait
+    finally:
+        os.close(fd)
+    with store._lock("c"):  # free again: taken at the first try
+        tmp = store._reserve("c", 3)
+        store._publish(tmp, str(tmp_path / "c"), 0)
+    assert store.total_bytes() == 0 and os.path.exists(tmp_path / "c")
