@@ -371,6 +371,37 @@ def test_a_parquet_footer_length_is_bounded_before_it_is_read(tmp_path):
     assert int(out) < 256, f"the opening grew by {out.strip()} MiB"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="sources/node_index/store.py _prune_stamps scans <index_dir>/verified with "
+    "os.scandir, which follows a link there, and unlinks every file in it unused for a "
+    "week (and _write_stamp writes its stamp through it): a link `verified` planted in "
+    "an index directory (a shared one, or one kept inside a downloaded dataset) makes "
+    "every index build delete the week-old files of the directory it points to",
+)
+def test_a_link_planted_as_the_stamps_directory_deletes_nothing_outside_it(tmp_path):
+    """An index directory whose ``verified`` is a link to another directory holding a
+    file last changed ten days ago: building an index there leaves that file alone."""
+    import torchgrain as tg
+
+    ds, ix, elsewhere = tmp_path / "ds", tmp_path / "ix", tmp_path / "elsewhere"
+    tg.write_array_record([{"x": i} for i in range(10)], str(ds), num_shards=1)
+    (ds / "torchgrain.json").unlink()  # (its index too: built into the directory)
+    (ds / "torchgrain.tgindex").unlink()
+    ix.mkdir()
+    elsewhere.mkdir()
+    precious = elsewhere / "notes.txt"
+    precious.write_text("mine")
+    old = time.time() - 10 * 86400
+    os.utime(precious, (old, old))
+    os.symlink(elsewhere, ix / "verified")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.suppress(OSError):  # refusing the directory is a fix too
+            assert len(tg.ArrayRecordSource(str(ds), index_dir=str(ix))) == 10
+    assert sorted(os.listdir(elsewhere)) == ["notes.txt"]
+
+
 # ------------------------------------------------------------------ HTTP deadlines
 # A source given ``retry=`` keeps every request of its opening to that policy: a server
 # that never answers is a RemoteIOError naming the file within about the policy's
