@@ -193,3 +193,44 @@ def test_a_filter_over_other_columns_of_the_same_files_is_not_reused(tmp_path):
     both = tg.Dataset(tg.ParquetSource(d)).filter(no_y, **opts)
     assert len(only_x) == 10  # no 'y' read: every record passes
     assert [r["x"] for r in both] == [1, 3, 5, 7, 9]  # was the 10 of the other selection
+
+
+def _first_byte_even(r) -> bool:
+    return r["bytes"][0] % 2 == 0
+
+
+def test_a_remote_tfrecord_shard_is_keyed_by_the_version_its_opening_indexed(tmp_path):
+    """A remote file's key holds its version as the source's opening read it (here its
+    ETag): the same on a later opening of the same files (its index reused, nothing
+    read), another once a file is replaced by one of as many records and bytes."""
+    from servers import RangeHTTPServer
+
+    from torchgrain.formats.tfrecord import write_tfrecord
+    from torchgrain.io import responses
+
+    www = tmp_path / "www"
+    www.mkdir()
+    names = [f"d-{s}.tfrecord" for s in range(2)]
+    for s, n in enumerate(names):
+        write_tfrecord([bytes([s * 20 + i]) * 8 for i in range(20)], www / n)
+    opts = {"index_dir": str(tmp_path / "sel"), "num_workers": 0, "progress": False}
+
+    def opened(url: str) -> tg.TFRecordSource:
+        responses._PINS.clear()  # as in a fresh process: no version remembered
+        urls = [f"{url}/{n}" for n in names]
+        return tg.TFRecordSource(urls, codec="raw", index_dir=str(tmp_path / "ix"))
+
+    def kept(url: str) -> list[int]:
+        f = tg.Dataset(opened(url)).filter(_first_byte_even, **opts)
+        return [f[i]["bytes"][0] for i in range(len(f))]
+
+    with RangeHTTPServer(www) as srv:
+        key = dataset_fingerprint(opened(srv.url))
+        assert key == dataset_fingerprint(opened(srv.url))
+        assert kept(srv.url) == list(range(0, 40, 2))
+        for s, n in enumerate(names):  # as many records and bytes, a later version
+            st = os.stat(www / n)
+            write_tfrecord([bytes([s * 20 + i + 1]) * 8 for i in range(20)], www / n)
+            os.utime(www / n, (st.st_atime + 10, st.st_mtime + 10))
+        assert key != dataset_fingerprint(opened(srv.url))
+        assert kept(srv.url) == list(range(2, 41, 2))

@@ -207,3 +207,55 @@ def test_offsets_kept_per_file_rebuild_the_dataset_index_without_a_walk(
         f.write(np.int64(16 * records).tobytes())
     with pytest.raises(AssertionError, match="walked again"):
         _reopen(d, ix)
+
+
+def _stored_gzip(path, records) -> None:
+    """A gzip TFRecord file of ``records``, stored (not deflated): its size is theirs."""
+    import gzip
+
+    data = b"".join(_frame(r) for r in records)
+    path.write_bytes(gzip.compress(data, compresslevel=0, mtime=0))
+
+
+@pytest.mark.parametrize("counted, now", [(100, 50), (50, 100)], ids=["fewer", "more"])
+def test_a_compressed_stream_other_than_counted_is_an_error_not_fewer_records(
+    tmp_path, counted, now
+):
+    """A stream rewritten in place with its size and modification time kept (its index
+    reused): reading it in order ends at the count indexed, or short of it, never
+    silently; it is a named CorruptDataError."""
+    d = tmp_path / "data"
+    d.mkdir()
+    path = d / "d-0.tfrecord.gz"
+    records = {100: [b"a%029d" % i for i in range(100)], 50: [b"b%075d" % i for i in range(50)]}
+    _stored_gzip(path, records[counted])
+    st = os.stat(path)
+    ix = tmp_path / "ix"
+    assert len(tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))) == counted
+    _stored_gzip(path, records[now])
+    assert os.path.getsize(path) == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
+    assert len(src) == counted  # (the index of the file as it was)
+    said = "more" if now > counted else "fewer"
+    with pytest.raises(tg.CorruptDataError, match=f"shard 0 .*{said}"):
+        list(src.iter_shard(0))
+    assert len(list(src.iter_shard(0, 0, 10))) == 10  # (a part of it: no more read)
+
+
+def test_offsets_kept_for_another_file_of_the_same_size_are_not_taken(tmp_path):
+    """Each file's kept offsets hold its key: an entry of another file (of the same size)
+    under its name is walked again, not read as its offsets."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "p.tfrecord").write_bytes(_frame(b"x" * 4) * 10)  # 20-byte frames
+    (b / "p.tfrecord").write_bytes(_frame(b"y" * 24) * 5)  # 40-byte frames
+    ix_a, ix_b = tmp_path / "ix_a", tmp_path / "ix_b"
+    tg.TFRecordSource(str(a), codec="raw", index_dir=str(ix_a))
+    tg.TFRecordSource(str(b), codec="raw", index_dir=str(ix_b))
+    (entry_a,) = ix_a.glob("*.offsets.tgindex")
+    (entry_b,) = ix_b.glob("*.offsets.tgindex")
+    os.replace(entry_b, entry_a)
+    src = _reopen(a, ix_a)
+    assert [r["bytes"] for r in src.__getitems__(range(10))] == [b"x" * 4] * 10

@@ -539,6 +539,21 @@ class ShardedSource(Source):
         held = self._held[shard] if self._held is not None else None
         return (held.size, held.etag, held.modified) if held is not None else None
 
+    def shard_version(self, shard: int) -> tuple | None:
+        """The version of remote ``shard`` this source's opening read, as a tuple that
+        tells it from others (what keys a filter's selection): ``(size, ETag,
+        Last-Modified)`` as pinned, fields it has none of None; None for a local file or
+        one it pinned nothing of.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d)
+            >>> tg.ArrayRecordSource(d).shard_version(0) is None  # (a local file)
+            True
+        """
+        return self._held_version(shard)
+
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
         """``(size in bytes, checksum)`` of a shard, where the dataset records them (a
         torchgrain manifest does); ``(None, None)`` otherwise."""

@@ -140,9 +140,11 @@ class TFRecordSource(EncodedSource):
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
         self._compressed.setflags(write=False)
         with using(retry):
-            self._tfindex = _dataset_index(
+            self._tfindex, infos = _dataset_index(
                 fs, files, index_dir, retry, self._compressed, max_record_bytes
             )
+        # What tells each remote file's version apart, as the index was built from it.
+        self._versions = None if is_local(fs) else infos
         counts = self._tfindex.counts
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
@@ -170,6 +172,21 @@ class TFRecordSource(EncodedSource):
     # ------------------------------------------------------------ the contract
     def _node_index(self) -> Any:
         return self._tfindex
+
+    def shard_version(self, shard: int) -> tuple | None:
+        """The version of remote ``shard`` this source indexed: its size and what its
+        store said tells its versions apart (a version id, ETag or modification time);
+        None for a local file.
+
+        Example:
+            >>> import os, tempfile, torchgrain as tg
+            >>> from torchgrain.formats.tfrecord import write_tfrecord
+            >>> d = tempfile.mkdtemp()
+            >>> _ = write_tfrecord([b"x"], os.path.join(d, "a.tfrecord"))
+            >>> tg.TFRecordSource(d, index_dir=None).shard_version(0) is None  # (local)
+            True
+        """
+        return None if self._versions is None else tuple(self._versions[shard])
 
     def _check_readable(self, shard: int, index: int) -> None:
         if self._compressed[shard]:
@@ -211,9 +228,23 @@ class TFRecordSource(EncodedSource):
             offset=int(ix.offsets[ix.base[shard] + start]) if plain else 0,
             max_record_bytes=self.max_record_bytes,
         )
-        skip = 0 if plain else start
+        skip, want = 0 if plain else start, stop - start
+        got = 0
         try:
-            yield from self._in_order(shard, start, itertools.islice(it, skip, skip + stop - start))
+            for data in self._in_order(shard, start, itertools.islice(it, skip, skip + want)):
+                yield data
+                got += 1
+            # The count comes from an index file (untrusted): a stream that ends before
+            # it, or goes on after it, is not the one counted.
+            more = not plain and stop == n and next(self._in_order(shard, n, it), None) is not None
+            if got < want or more:
+                raise CorruptDataError(
+                    f"TFRecord shard {shard} {self._paths[shard]!r} holds "
+                    f"{'more' if more else 'fewer'} records than the {n} its index counts "
+                    f"(record index {int(self.index.offsets[shard]) + start + got}); the "
+                    "file changed since it was indexed, or the index is damaged (delete it "
+                    "to have it rebuilt)"
+                )
         finally:
             it.close()
 
@@ -453,12 +484,12 @@ def _dataset_index(
     retry: RetryPolicy,
     compressed: np.ndarray,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-) -> TFRecordIndex:
-    """The dataset's index: mapped from ``index_dir`` when this machine has built it
-    for these very files (sizes and versions), else built from each file's offsets
-    (kept per file in ``index_dir`` when they are there and sound, else walked). A
-    compressed file has no offsets (records of a stream are only counted): what is kept
-    of it is its count."""
+) -> tuple[TFRecordIndex, list[tuple[int, str]]]:
+    """The dataset's index and each file's ``(size, version stamp)`` it was built for:
+    mapped from ``index_dir`` when this machine has built it for these very files (sizes
+    and versions), else built from each file's offsets (kept per file in ``index_dir``
+    when they are there and sound, else walked). A compressed file has no offsets
+    (records of a stream are only counted): what is kept of it is its count."""
     remote = not is_local(fs)
     infos = map_files(
         lambda i: _size_and_stamp(fs, files[i], i, remote),
@@ -469,8 +500,9 @@ def _dataset_index(
     def offsets_of(i: int) -> Iterable[np.ndarray]:
         """File ``i``'s offsets in chunks, or its count (``[n]``) when compressed."""
         path, (size, stamp), count = files[i], infos[i], bool(compressed[i])
-        kept = _cache_file(index_dir, path, size, stamp + ("\0count" if count else ""))
-        got = _read_kept(kept, size, count)
+        stamp += "\0count" if count else ""
+        key, kept = _entry_key(path, size, stamp), _cache_file(index_dir, path, size, stamp)
+        got = _read_kept(kept, size, key, count)
         if got is not None:
             return got
         walked: Iterable[np.ndarray]
@@ -485,15 +517,16 @@ def _dataset_index(
             # The size the index records: a file appended to meanwhile is indexed as
             # it was when its size was read.
             walked = iter_tfrecord_offsets(path, size=size)
-        return walked if kept is None else _keeping(kept, size, walked)
+        return walked if kept is None else _keeping(kept, key, walked)
 
-    return tfrecord_index(
+    index = tfrecord_index(
         files,
         infos,
         offsets_of,
         compressed,
         index_dir=None if index_dir is None else os.fspath(index_dir),
     )
+    return index, infos
 
 
 def _size_and_stamp(
@@ -526,20 +559,22 @@ def _remote_walk(
         yield part
 
 
-# A file's kept offsets: its size, their number n and their CRC-32 (int64), then the
-# n offsets (one count for a compressed file), read and written a chunk at a time. The
-# CRC: a compressed file's count cannot be checked against its file (a damaged one lost
-# records). An entry of an earlier release (a .npy file, or no CRC) is walked again.
-_HEAD = struct.Struct("<qqq")
+# A file's kept offsets: the digest of its key (:func:`_entry_key`: its URL, size and
+# version), their number n and their CRC-32 (int64), then the n offsets (one count for a
+# compressed file), read and written a chunk at a time. The key: an entry under another
+# file's name (another file of the same size) is not that file's. The CRC: a compressed
+# file's count cannot be checked against its file (a damaged one lost records). An entry
+# of an earlier release (a .npy file, or no key or CRC) is walked again.
+_HEAD = struct.Struct("<16sqq")
 
 
-def _kept_chunks(path: str, size: int) -> Iterator[np.ndarray]:
-    """The offsets kept at ``path`` for a file of ``size`` bytes, a chunk at a time
-    (``ValueError``: not such a file's)."""
+def _kept_chunks(path: str, key: bytes) -> Iterator[np.ndarray]:
+    """The offsets kept at ``path`` for the file of ``key``, a chunk at a time
+    (``ValueError``: not that file's)."""
     with open(open_regular(path), "rb") as f:  # (a FIFO's open would wait forever)
         head = f.read(_HEAD.size)
-        kept_size, n, crc = _HEAD.unpack(head) if len(head) == _HEAD.size else (-1, -1, 0)
-        if kept_size != size or os.fstat(f.fileno()).st_size != _HEAD.size + 8 * n:
+        kept_key, n, crc = _HEAD.unpack(head) if len(head) == _HEAD.size else (b"", -1, 0)
+        if kept_key != key or os.fstat(f.fileno()).st_size != _HEAD.size + 8 * n:
             raise ValueError("not the offsets of this file")
         got = 0
         for a in range(0, n, OFFSETS_CHUNK):
@@ -553,10 +588,11 @@ def _kept_chunks(path: str, size: int) -> Iterator[np.ndarray]:
             raise ValueError("damaged")
 
 
-def _read_kept(path: str | None, size: int, count: bool) -> Iterable[np.ndarray] | None:
-    """The offsets kept at ``path`` for a file of ``size`` bytes (``count``: its count,
-    ``[n]``), a chunk at a time, or None where none are kept or what is kept cannot be
-    that file's: a count, or offsets from 0 at least 16 bytes apart, the last a frame's
+def _read_kept(path: str | None, size: int, key: bytes, count: bool) -> Iterable[np.ndarray] | None:
+    """The offsets kept at ``path`` for the file of ``key``, of ``size`` bytes (``count``:
+    its count, ``[n]``), a chunk at a time, or None where none are kept or what is kept
+    cannot be that file's: another key, a count, or offsets from 0 at least 16 bytes
+    apart, the last a frame's
     length before the end (a damaged entry would leave every open failing on the dataset
     index built from it). Checked in one pass; one chunk is kept from it, more read
     again (bounded memory)."""
@@ -564,7 +600,7 @@ def _read_kept(path: str | None, size: int, count: bool) -> Iterable[np.ndarray]
         return None
     n, prev, parts = 0, -16, []
     try:
-        for part in _kept_chunks(path, size):
+        for part in _kept_chunks(path, key):
             if not count and (
                 (n == 0 and part[0] != 0) or (np.diff(part, prepend=prev) < 16).any()
             ):
@@ -578,19 +614,19 @@ def _read_kept(path: str | None, size: int, count: bool) -> Iterable[np.ndarray]
         return None
     with contextlib.suppress(OSError):  # its last use, for the store's LRU
         os.utime(path + ".lock")
-    return parts if n <= OFFSETS_CHUNK else _kept_chunks(path, size)
+    return parts if n <= OFFSETS_CHUNK else _kept_chunks(path, key)
 
 
-def _keeping(path: str, size: int, parts: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
-    """``parts`` (a file's offsets as walked), kept at ``path`` as they pass: an entry of
-    the index directory (within its budget, evicted least recently used first) published
-    once whole, so a reader sees all of it or none."""
+def _keeping(path: str, key: bytes, parts: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """``parts`` (the offsets of the file of ``key`` as walked), kept at ``path`` as they
+    pass: an entry of the index directory (within its budget, evicted least recently used
+    first) published once whole, so a reader sees all of it or none."""
     out, n, crc = None, 0, 0
     try:
         try:
             out = index_store(os.path.dirname(path)).writer(os.path.basename(path))
             if out is not None:
-                out.write(_HEAD.pack(size, 0, 0))
+                out.write(_HEAD.pack(key, 0, 0))
         except OSError as e:
             out = _unsaved(out, path, e)
         for part in parts:
@@ -605,7 +641,7 @@ def _keeping(path: str, size: int, parts: Iterable[np.ndarray]) -> Iterator[np.n
             yield part
         if out is not None:
             try:
-                out.write(_HEAD.pack(size, n, crc), at=0)
+                out.write(_HEAD.pack(key, n, crc), at=0)
                 out.publish()
             except OSError as e:
                 out = _unsaved(out, path, e)
@@ -640,7 +676,7 @@ def _cache_file(
 ) -> str | None:
     if index_dir is None:
         return None
-    key = hashlib.blake2b(f"{path}\0{size}\0{stamp}".encode(), digest_size=16).hexdigest()
+    key = _entry_key(path, size, stamp).hex()
     # The file's name, from the dataset, only makes the index's name readable: keep
     # characters that cannot make it a path elsewhere, and no dot, so that no data
     # suffix (.tfrecord) makes it a shard of an index_dir inside the data directory.
@@ -648,3 +684,9 @@ def _cache_file(
     # (an entry of the directory's store: counted in its budget, evicted least recently
     # used first)
     return os.path.join(os.fspath(index_dir), f"{key}-{name}.offsets{INDEX_SUFFIX}")
+
+
+def _entry_key(path: str, size: int, stamp: str) -> bytes:
+    """What names the kept offsets of a file: a digest of its URL, size and version
+    stamp (its entry's name, and the first field of the entry's head)."""
+    return hashlib.blake2b(f"{path}\0{size}\0{stamp}".encode(), digest_size=16).digest()

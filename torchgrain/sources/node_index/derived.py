@@ -10,7 +10,7 @@ once per machine), least-recently-used files pruned, and kept in the process's m
 with a warning when the directory cannot be written.
 
 The key names what the arrays were computed from: :func:`dataset_fingerprint` (the
-source's files, sizes and modification times, its length, the transforms applied) and
+source's files and their versions, its length, the transforms applied) and
 whatever else the computation depends on (:func:`callable_fingerprint` of a predicate,
 a column name, options). Another dataset, a changed shard or another predicate gives
 another key, hence another file.
@@ -363,12 +363,13 @@ def _element_key(x: Any) -> bytes:
     return pickle.dumps(x, protocol=4) if type(x) in _ATOMIC else _value(x).encode()
 
 
-def _file_identity(path: str) -> tuple[Any, ...]:
+def _file_identity(path: str, version: Callable[[], tuple | None]) -> tuple[Any, ...]:
     """A local file's size, modification and change times and inode; a remote one's name
-    only. (The change time, which no user can set, moves when a file is rewritten in place
-    with its modification time restored: ``rsync --inplace -t``.)"""
+    and ``version()``, the version its source's opening read (size, ETag, ...). (The change
+    time, which no user can set, moves when a file is rewritten in place with its
+    modification time restored: ``rsync --inplace -t``.)"""
     if "://" in path and not path.startswith("file://"):
-        return (path,)
+        return (path, version())
     local = path[len("file://") :] if path.startswith("file://") else path
     try:
         st = os.stat(local)
@@ -383,9 +384,10 @@ def dataset_fingerprint(ds: Any) -> str:
     ``ds`` is a :class:`~torchgrain.Dataset` (its source and its transforms), an object
     that states its own (:class:`~torchgrain.protocols.Fingerprinted`: the composed
     datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, keys
-    and schema, and each local file's size, modification and change times and inode; remote files
-    by name and record count only), or a plain sequence (its type and length: give a filter a
-    ``name`` that says what it holds).
+    and schema, and each local file's size, modification and change times and inode; a remote
+    file's name and the version its opening read: ``shard_version``, size, ETag and
+    Last-Modified as the server gave them), or a plain sequence (its type and length: give a
+    filter a ``name`` that says what it holds).
 
     Example:
         >>> import tempfile, numpy as np, torchgrain as tg
@@ -408,7 +410,8 @@ def dataset_fingerprint(ds: Any) -> str:
     if isinstance(ds, Fingerprinted):
         return hash_parts("stated", type(ds).__qualname__, ds.fingerprint())
     if isinstance(ds, Source):
-        files = [_file_identity(p) for p in ds.paths]
+        held = getattr(ds, "shard_version", lambda shard: None)
+        files = [_file_identity(p, functools.partial(held, k)) for k, p in enumerate(ds.paths)]
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another
         # codec) are other records, and a predicate may see the difference.
