@@ -1,9 +1,10 @@
-"""Reads outside the dataset given, and waits without an end, found by reproduction.
+"""Reads and writes outside what a loader is given, waits without an end, and memory
+held beyond the bytes on disk, found by reproduction.
 
-Each case runs in a child process with a timeout (a hang fails the test, it never stalls
-the run), against files made here or a raw HTTP server on 127.0.0.1 whose answers to
-chosen paths never come. Each is a strict xfail: it fails because of the fault, and
-passes once it is fixed.
+A case that may wait runs in a child process with a timeout (a hang fails the test, it
+never stalls the run), against files made here or a raw HTTP server on 127.0.0.1 whose
+answers to chosen paths never come. A fault not fixed yet is a strict xfail: it fails
+because of the fault, and passes once it is fixed.
 """
 
 from __future__ import annotations
