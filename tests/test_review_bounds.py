@@ -172,13 +172,6 @@ def test_a_fifo_named_as_the_dataset_index_file_is_not_waited_on(tmp_path):
     assert out.split() == ["10", "9"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NodeStore._evict_lock (io/node_store.py _flock with wait=None) waits without "
-    "an end for the store's evict.lock: a process that holds it (stopped, or stuck on the "
-    "disk) blocks every opening that publishes a dataset index (store.py cached_index "
-    "-> NodeStore._publish), while entry locks are waited on for a bounded time",
-)
 def test_an_index_dir_whose_eviction_lock_another_process_holds_does_not_block_opening(
     tmp_path,
 ):
