@@ -388,11 +388,6 @@ def test_a_loader_state_of_the_next_epoch_but_mid_epoch_is_refused():
         _numbered_loader().load_state_dict({**state, "epoch": 1})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pass still iterated after set_epoch writes its progress into the new "
-    "epoch's state (ResumableSampler._chunks sets _it_chunk_* unconditionally)",
-)
 def test_a_pass_that_goes_on_after_set_epoch_does_not_move_the_new_epochs_position():
     s = tg.GlobalShuffleSampler(70_000, num_replicas=1, rank=0, seed=1)
     old = iter(s)
@@ -443,13 +438,6 @@ def test_an_end_of_epoch_stateful_checkpoint_resumes_a_torch_sampler_exactly(num
     assert resumed == reference
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StatefulDataLoader restores a finished iterator's sampler state when the next "
-    "pass starts, after the loop's set_epoch(epoch + 1): load_state_dict puts the sampler "
-    "back to the finished epoch (num_workers=0: epoch 1 is skipped; 2: epoch 0's order "
-    "is read again as epoch 1)",
-)
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_an_end_of_epoch_stateful_checkpoint_resumes_exactly(num_workers):
     reference, resumed = _end_of_epoch_resume(num_workers)

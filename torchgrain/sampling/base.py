@@ -153,6 +153,8 @@ class ResumableSampler(DistributedSampler):
         # (deprecated) the DataLoader shape an unbound sampler found on the call stack.
         self._binding: LoaderBinding | None = None
         self._found_shape: tuple[int | None, int] | None = None
+        # Counts _forget_iteration calls: which iteration the progress fields describe.
+        self._iteration = 0
         self._forget_iteration()
         # (seed, epoch) of the latest pass started since the last set_epoch or
         # load_state_dict (None: none), and whether the sampler warned already of a pass
@@ -329,6 +331,7 @@ class ResumableSampler(DistributedSampler):
         # The latest iteration (none yet: a fresh epoch's): its world, layout, first
         # position, and a probe for how far it got (list iterator of the current chunk
         # and that chunk's first position).
+        self._iteration += 1
         self._it_world = world
         self._it_layout = self._fresh_layout() if layout is None else layout
         self._it_start = self._it_chunk_start = start
@@ -455,6 +458,7 @@ class ResumableSampler(DistributedSampler):
         else:
             layout, start = self._fresh_layout(), 0
         self._forget_iteration(layout, start, world)
+        mine = self._iteration  # a set_epoch, a load or a newer pass ends this one's say
         count = self._count(layout_length(layout), world)
         # Bind the epoch's order now: a set_epoch or load_state_dict while this
         # iterator is alive must not change the order of its later chunks.
@@ -466,7 +470,8 @@ class ResumableSampler(DistributedSampler):
             chunk = self._indices_in(layout, s, stop, world, order).tolist()
             it = iter(chunk)
             # Keep the list iterator: its __length_hint__ says how far the consumer got.
-            self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
+            if self._iteration == mine:
+                self._it_chunk_start, self._it_chunk_len, self._it_chunk = s, len(chunk), it
             yield it
 
     def _check_pass_start(self) -> None:
@@ -589,13 +594,12 @@ class ResumableSampler(DistributedSampler):
         state.update(self.split().state())
         return state
 
-    def _finished(self, state: dict[str, Any]) -> bool:
-        """Whether ``state`` (saved by this sampler) is at the end of its pass."""
+    def _finished(self, state: dict[str, Any], rank: int | None = None) -> bool:
+        """Whether ``state`` (saved by this sampler, or checked) is at the end of its
+        pass for ``rank`` (default: this sampler's; the last rank draws the fewest)."""
         layout = np.asarray(state["layout"], dtype=np.int64).reshape(-1, 2)
-        replicas, rank = operator.index(state["num_replicas"]), self._current()[1][1]
-        shares = self._shares(layout_length(layout), replicas)
-        if replicas == 1:
-            shares = self._saved_shares(state, shares.length)
+        rank = self._current()[1][1] if rank is None else rank
+        shares = self._saved_shares(state, layout_length(layout))
         return operator.index(state["position"]) >= shares.count(rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -608,8 +612,22 @@ class ResumableSampler(DistributedSampler):
         are re-split over the new ranks, each exactly once (plus padding, or minus
         a tail shorter than ``num_replicas`` with drop_last). Also calls
         ``dataset.set_epoch(epoch)`` when the dataset has that method.
+
+        The end of epoch ``e``'s pass is where epoch ``e + 1`` starts: its state loaded
+        into a sampler already set to ``e + 1`` changes nothing (torchdata's
+        ``StatefulDataLoader`` restores the state it saved after an epoch's loop when
+        the next pass starts, after that loop's ``set_epoch(e + 1)``).
         """
-        self._read_ahead(None, 0, 0)  # a resume starts a new pass: the walk stops
+        checked = self._checked_state(state)
+        self.load_order_state(state)
+        if checked["epoch"] + 1 == self.epoch and self._finished(checked, self._world()[1]):
+            return
+        self._apply_state(checked)
+
+    def _checked_state(self, state: Any) -> dict[str, Any]:
+        """``state`` checked field by field (``ValueError`` for anything
+        :meth:`state_dict` would not have saved), as :meth:`_apply_state` takes it;
+        changes nothing."""
         if not isinstance(state, dict):
             raise ValueError(f"sampler state must be a dict, got {type(state).__name__}")
         if state.get("sampler") != self._state_kind():
@@ -644,13 +662,16 @@ class ResumableSampler(DistributedSampler):
         if not 0 <= pos <= old_count:
             raise ValueError(f"position {pos} outside [0, {old_count}] in sampler state")
         self.split().from_state(state)  # the split's own fields
-        self.load_order_state(state)
+        return {**state, "layout": layout.tolist(), "position": pos}
 
-        self.seed = int(state["seed"])
-        self.shuffle = bool(state["shuffle"])
-        self.epoch = int(state["epoch"])
-        self._loaded = {**state, "layout": layout.tolist(), "position": pos}
-        self._forget_iteration(layout, pos)
+    def _apply_state(self, checked: dict[str, Any]) -> None:
+        """Continue from ``checked`` (from :meth:`_checked_state`) at the next pass."""
+        self._read_ahead(None, 0, 0)  # a resume starts a new pass: the walk stops
+        self.seed = int(checked["seed"])
+        self.shuffle = bool(checked["shuffle"])
+        self.epoch = int(checked["epoch"])
+        self._loaded = checked
+        self._forget_iteration(np.asarray(checked["layout"], dtype=np.int64), checked["position"])
         self._pass_key = None
         self._propagate_epoch()
 
