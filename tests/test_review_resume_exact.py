@@ -362,11 +362,6 @@ def _numbered_loader():
     return tg.ResumableLoader(DataLoader(list(range(12)), batch_size=4, sampler=s))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader.load_state_dict loads the sampler state before it checks the "
-    "loader state's epoch: a refused state still moves the sampler",
-)
 def test_a_refused_loader_state_leaves_the_sampler_as_it_was():
     fresh = _run(_numbered_loader())[0]
     _, state = _run(_numbered_loader(), stop=1)
@@ -376,11 +371,6 @@ def test_a_refused_loader_state_leaves_the_sampler_as_it_was():
     assert _run(loader)[0] == fresh  # read: epoch 0 from its second batch on
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader.load_state_dict takes a state of the next epoch whatever its "
-    "sampler position: the rest of the saved epoch is dropped",
-)
 def test_a_loader_state_of_the_next_epoch_but_mid_epoch_is_refused():
     _, state = _run(_numbered_loader(), stop=1)  # epoch 0, 8 records still to read
     assert (state["epoch"], state["sampler"]["position"]) == (0, 4)
@@ -459,11 +449,6 @@ class _Hooked(Dataset):
         return i
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader.state_dict with no batch taken yet in a pass (_taken == 0) "
-    "gives the sampler's drawn position, past the batches being read",
-)
 def test_a_checkpoint_asked_for_while_a_pass_reads_its_first_batch_resumes_at_that_batch():
     saved = []
 
@@ -479,11 +464,6 @@ def test_a_checkpoint_asked_for_while_a_pass_reads_its_first_batch_resumes_at_th
     assert _run(resumed)[0] == reference
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader keeps counting the batches of a pass the loop left (break) "
-    "after set_epoch moves on: state_dict at the next epoch's start raises ValueError",
-)
 def test_a_checkpoint_at_the_start_of_an_epoch_after_a_pass_left_early():
     """A loop of a fixed number of steps per epoch, checkpointing as each epoch starts."""
 
@@ -525,12 +505,6 @@ class _LateSecondBatch(Dataset):
         return i
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader counts batches taken as the first ones drawn, which a "
-    "DataLoader with in_order=False does not hand out first: the resume repeats the "
-    "third batch and never reads the second",
-)
 def test_a_loader_that_returns_batches_out_of_order_is_refused_or_resumed_exactly():
     data = _LateSecondBatch()
 
@@ -557,12 +531,6 @@ def test_a_loader_that_returns_batches_out_of_order_is_refused_or_resumed_exactl
     assert sorted(taken + rest) == list(range(12))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a sampler built from a length has no dataset to tell the epoch, and "
-    "ResumableLoader does not tell the loader's dataset either: the mixture stays at "
-    "epoch 0 and reads the same draws every epoch",
-)
 def test_a_mixture_under_a_loader_whose_sampler_was_built_from_its_length_moves_on():
     big = [{"id": f"a{i}"} for i in range(10)]
     mixed = tg.mix([big, [{"id": "b0"}, {"id": "b1"}]], [0.5, 0.5])  # 2 of big an epoch

@@ -16,11 +16,13 @@ loader you iterate directly.
 
 from __future__ import annotations
 
+import numbers
 import reprlib
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from torchgrain.frameworks import accelerate as _accelerate
+from torchgrain.protocols import SetsEpoch
 from torchgrain.sampling.base import LoaderBinding, ResumableSampler
 
 __all__ = ["ResumableLoader", "bind"]
@@ -57,7 +59,19 @@ def find_sampler(loader: Any) -> ResumableSampler:
 
 def _binding_of(loader: Any) -> LoaderBinding:
     """What ``loader`` says about how it uses its sampler (public attributes, and
-    :mod:`torchgrain.frameworks.accelerate` for Accelerate's prepared loaders)."""
+    :mod:`torchgrain.frameworks.accelerate` for Accelerate's prepared loaders).
+
+    A loader that hands out batches in the order its workers finish them (``in_order=False``
+    with workers) is refused: neither the batches a loop took nor the sampler's own count
+    tell which of the drawn positions are done.
+    """
+    if getattr(loader, "in_order", True) is False and getattr(loader, "num_workers", 0):
+        raise ValueError(
+            f"{type(loader).__name__}(in_order=False, num_workers={loader.num_workers}) hands "
+            "out batches as its workers finish them, so no position in the sampler's order "
+            "says which were read: a resume would repeat some and lose others. Build it with "
+            "in_order=True (the default)"
+        )
     described = _accelerate.describe(loader)
     if described is not None:
         return LoaderBinding(**described)
@@ -85,7 +99,9 @@ def bind(loader: L, *, sampler: ResumableSampler | None = None) -> L:
     Works with torch's ``DataLoader``, torchdata's ``StatefulDataLoader``, Accelerate's
     prepared loaders, Ray Train's ``prepare_data_loader`` result, and any loader with
     ``batch_size``/``num_workers`` attributes and a ``sampler`` (or
-    ``batch_sampler.sampler``); pass ``sampler=`` when it is kept elsewhere. For a loader
+    ``batch_sampler.sampler``); pass ``sampler=`` when it is kept elsewhere. A loader with
+    ``in_order=False`` and workers raises ``ValueError`` (its batches come in no order a
+    position can describe). For a loader
     that splits batches in a way torchgrain does not know, call
     :meth:`~torchgrain.sampling.ResumableSampler.bind_loader` with a
     :class:`~torchgrain.LoaderBinding` instead.
@@ -125,7 +141,12 @@ class ResumableLoader:
     other attribute (``dataset``, ``batch_size``, ``sampler``, ...) is the wrapped
     loader's.
 
-    It binds the loader to the sampler (:func:`bind`). Works with a torch
+    A dataset that :class:`~torchgrain.protocols.SetsEpoch` (a mixture, random maps)
+    is told each pass's epoch as the pass starts when the sampler does not tell it
+    (a sampler built from a length).
+
+    It binds the loader to the sampler (:func:`bind`), which refuses a loader with
+    ``in_order=False`` and workers. Works with a torch
     ``DataLoader``, with loaders prepared by HF Accelerate (``accelerator.prepare``, in
     every mode: ``split_batches``, ``dispatch_batches``, ``even_batches=False``), whose
     batches the sampler then orders globally (register it with
@@ -171,8 +192,10 @@ class ResumableLoader:
         sampler.bind_loader(self._binding)
         # Batches the loop took in the current pass, until it completes: a loop that
         # breaks out (or fails) has still taken them, and state_dict() says so, not
-        # where prefetching had got to.
+        # where prefetching had got to. They count in the sampler's iteration _counts
+        # only (a set_epoch or a load after a break starts another).
         self._taken = 0
+        self._counts: int | None = None
 
     # -- iteration ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -180,10 +203,11 @@ class ResumableLoader:
 
     def _batches(self) -> Iterator[Any]:
         self._taken = 0
+        self._tell_dataset()
         epoch = None  # the pass's epoch, read once the loader has started (and set it)
         for batch in self.loader:
             if epoch is None:
-                epoch = self.sampler.epoch
+                epoch, self._counts = self.sampler.epoch, self.sampler._iteration
             self._taken += 1
             yield batch
         self._taken = 0
@@ -196,7 +220,7 @@ class ResumableLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "sampler", "_binding", "_taken"):
+        if name in ("loader", "sampler", "_binding", "_taken", "_counts"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -213,23 +237,29 @@ class ResumableLoader:
         if callable(hook):
             hook(epoch)
         self.sampler.set_epoch(epoch)
+        self._tell_dataset()
+
+    def _tell_dataset(self) -> None:
+        """The sampler's epoch to the loader's dataset, when the sampler does not tell it."""
+        dataset = getattr(self.loader, "dataset", None)
+        if dataset is not self.sampler.dataset and isinstance(dataset, SetsEpoch):
+            dataset.set_epoch(self.sampler.epoch)
 
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Where the training loop is: the sampler's state after the batches it took.
 
         A plain dict (ints and lists), safe for ``torch.save`` and JSON. Saved at the
-        end of a pass, it points at the start of the next epoch.
+        end of a pass, it points at the start of the next epoch; asked for while a pass
+        reads its first batch, at the pass's start.
         """
         sampler = self.sampler
-        if self._taken:
-            consumed = self._taken * self._positions_per_step()
-            # Under a loader that reads in one process for all (Accelerate's
-            # dispatch_batches), the other processes' samplers draw nothing: the steps
-            # taken say where every process is.
-            state = sampler._state(consumed, drawn_only=not self._binding.reads_for_all)
-        else:
-            state = sampler.state_dict()
+        taken = self._taken if self._counts == sampler._iteration else 0
+        consumed = taken * self._positions_per_step() if taken else 0
+        # Under a loader that reads in one process for all (Accelerate's
+        # dispatch_batches), the other processes' samplers draw nothing: the steps
+        # taken say where every process is.
+        state = sampler._state(consumed, drawn_only=not self._binding.reads_for_all)
         epoch = state["epoch"]
         if sampler._finished(state):
             epoch += 1
@@ -255,18 +285,26 @@ class ResumableLoader:
         return step
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` at the next pass (same or different world size)."""
+        """Continue from ``state`` at the next pass (same or different world size).
+
+        A state that does not hold together raises ``ValueError`` and changes nothing.
+        """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise ValueError(f"not a ResumableLoader state: {reprlib.repr(state)}")
         sampler = self.sampler
-        sampler.load_state_dict(state.get("sampler"))  # type: ignore[arg-type]
-        # The loader's epoch is the sampler state's, or the next one for a finished pass:
-        # another would drop the saved position.
-        if state.get("epoch") not in (sampler.epoch, sampler.epoch + 1):
+        inner = sampler._checked_state(state.get("sampler"))
+        # The loader's epoch is the sampler state's, or the next one for a pass finished
+        # (on the rank that drew the fewest): another would drop the saved position.
+        epoch, saved = state.get("epoch"), inner["epoch"]
+        finished = sampler._finished(inner, rank=inner["num_replicas"] - 1)
+        if not isinstance(epoch, numbers.Integral) or epoch not in (saved, saved + finished):
             raise ValueError(
-                f"ResumableLoader state of epoch {state.get('epoch')!r} holds a sampler "
-                f"state of epoch {sampler.epoch}"
+                f"ResumableLoader state of epoch {epoch!r} holds a sampler state of epoch "
+                f"{saved} at position {inner['position']}"
+                + ("" if finished else ", in the middle of its pass")
             )
+        sampler.load_order_state(inner)
+        sampler._apply_state(inner)
         # Loaders that count epochs themselves (Accelerate's set the epoch at every
         # pass) must count from the resumed one; the epoch in effect keeps the position.
         self.set_epoch(state["epoch"])
