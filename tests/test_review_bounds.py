@@ -396,6 +396,38 @@ def test_a_link_planted_as_the_stamps_directory_deletes_nothing_outside_it(tmp_p
     assert sorted(os.listdir(elsewhere)) == ["notes.txt"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="NodeStore._make_dirs (io/node_store.py) takes the store's subdirectories "
+    "as they are (os.makedirs(exist_ok=True) accepts a link to a directory): a shard "
+    "cache whose .locks and .sums are links writes its lock files and its copies' "
+    "records into the directories they point to",
+)
+def test_a_shard_cache_whose_subdirectories_are_links_writes_nothing_where_they_point(
+    tmp_path,
+):
+    """A remote Parquet shard read through a ``cache_dir`` whose ``.locks`` and
+    ``.sums`` are links to other directories: nothing is written into those."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import torchgrain as tg
+
+    pq.write_table(pa.table({"x": list(range(10))}), tmp_path / "a.parquet")
+    cache, locks, sums = tmp_path / "cache", tmp_path / "locks", tmp_path / "sums"
+    for d in (cache, locks, sums):
+        d.mkdir()
+    os.symlink(locks, cache / ".locks")
+    os.symlink(sums, cache / ".sums")
+    data = (tmp_path / "a.parquet").read_bytes()
+    with SilentServer({"/ds/a.parquet": data}) as srv, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with contextlib.suppress(OSError):  # refusing the directory is a fix too
+            src = tg.ParquetSource(srv.url + "/ds/a.parquet", cache_dir=str(cache))
+            assert src[1] == {"x": 1}
+    assert os.listdir(locks) == [] and os.listdir(sums) == []
+
+
 # ------------------------------------------------------------------ HTTP deadlines
 # A source given ``retry=`` keeps every request of its opening to that policy: a server
 # that never answers is a RemoteIOError naming the file within about the policy's
