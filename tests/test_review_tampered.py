@@ -87,11 +87,6 @@ def _the_index(idx) -> str:
     return os.path.join(idx, name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="IndexFile.open (formats/index_file.py) opens an index (or selection) with a "
-    "blocking open(): a FIFO under its name waits for a writer forever",
-)
 @pytest.mark.parametrize("fmt", sorted(_MAKERS))
 def test_a_fifo_under_a_dataset_index_name_is_never_waited_on(tmp_path, fmt):
     open_source = _MAKERS[fmt](tmp_path)
@@ -105,11 +100,6 @@ def test_a_fifo_under_a_dataset_index_name_is_never_waited_on(tmp_path, fmt):
     assert error is not None or got == truth
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cached_index (node_index/store.py) lets the IsADirectoryError of a directory "
-    "under the index's name through: neither rebuilt nor a named error",
-)
 @pytest.mark.parametrize("fmt", sorted(_MAKERS))
 def test_a_directory_under_a_dataset_index_name_is_rebuilt_or_named(tmp_path, fmt):
     open_source = _MAKERS[fmt](tmp_path)
@@ -139,12 +129,6 @@ PREDICATE = Keep()
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="callable_fingerprint (node_index/derived.py) of a callable object hashes its "
-    "__call__'s code only, not the rest of its class's code it documents: a changed "
-    "helper method keeps the key, and the old selection is served",
-)
 def test_a_predicate_objects_changed_method_gets_a_new_selection(tmp_path, monkeypatch):
     recs = [{"i": i} for i in range(60)]
     tg.write_array_record(recs, tmp_path / "ar", num_shards=2)
@@ -166,12 +150,6 @@ def test_a_predicate_objects_changed_method_gets_a_new_selection(tmp_path, monke
     assert kept[1] == list(range(0, 60, 3))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dataset_fingerprint (node_index/derived.py) keys a remote file by its name and "
-    "record count only, though the source holds its version (ETag, size, Last-Modified): a "
-    "remote shard replaced by another of as many records keeps its old selection",
-)
 def test_a_remote_shard_replaced_gets_a_new_selection(tmp_path):
     from servers import RangeHTTPServer
 
@@ -202,11 +180,6 @@ def _even(r) -> bool:
     return int(r["v"]) % 2 == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a directory under a copy's CRC record name (.sums/NAME) is reported as the "
-    "copy being a directory (io/shard_cache.py): the error names a file that is not one",
-)
 def test_a_directory_under_a_copys_record_name_is_named_as_the_record(tmp_path):
     import uuid
 
@@ -240,12 +213,6 @@ def _gzip_tfrecord(path, records) -> None:
     os.unlink(raw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a file's offsets entry (sources/tfrecord.py) is not bound to its file (no key "
-    "in it), and a compressed shard is read up to the count it gives, never checked "
-    "against the stream's end: another same-size file's entry drops records silently",
-)
 def test_a_compressed_shards_count_from_another_files_entry_loses_no_record(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -269,12 +236,6 @@ def test_a_compressed_shards_count_from_another_files_entry_loses_no_record(tmp_
     assert [r["bytes"] for r in got] == [b"a%029d" % i for i in range(100)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the shard cache (io/shard_cache.py, io/node_store.py) lets the OSError of a "
-    "lock that is a directory, or of .sums that is not one, through: IsADirectoryError / "
-    "FileExistsError, neither a read without the cache nor a named TorchgrainError",
-)
 @pytest.mark.parametrize(
     "what", ["lock-dir", "evict-lock-dir", "sums-fifo", "sums-file"], ids=lambda w: w
 )
@@ -322,12 +283,6 @@ def test_a_shard_caches_own_file_of_the_wrong_kind_is_named_or_worked_around(tmp
         assert data == b"r" * 100
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NodeStore._make_dirs (io/node_store.py) lets makedirs' FileExistsError through "
-    "when a store's own folder (.tmp, .locks) is a file: the decoded Parquet cache fails "
-    "the read it promises never to fail (served as decoded, one warning)",
-)
 @pytest.mark.parametrize("name", [".tmp", ".locks"])
 def test_a_decoded_cache_whose_own_folder_is_a_file_never_fails_a_read(tmp_path, name):
     recs = [{"i": i, "s": f"r{i}"} for i in range(60)]
