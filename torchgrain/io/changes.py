@@ -55,6 +55,7 @@ _IN_Q_OVERFLOW = 0x4000
 _IN_IGNORED = 0x8000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, name length
 _WHY = "its size, modification time or contents changed"
+_NOT_REGULAR = "it was replaced by something that is not a regular file"
 
 
 class ChangedWhileOpen(CorruptDataError):
@@ -214,9 +215,12 @@ def _adopt_at_fork() -> None:
             pin.verdict = _WHY  # changed before the fork
             continue
         try:
-            fd = os.open(pin.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _reopen(pin.path)
         except OSError:
             pin.verdict = "" if trusted else "it was deleted or replaced"
+            continue
+        if fd < 0:
+            pin.verdict = _NOT_REGULAR
             continue
         try:
             wd = w.add(fd)  # (before the stat: a change after it raises an event)
@@ -232,6 +236,20 @@ def _adopt_at_fork() -> None:
                 w.release(wd)
         finally:
             os.close(fd)
+
+
+def _reopen(path: str) -> int:
+    """A descriptor of the regular file at ``path`` (to watch and stat it), or -1 when
+    something else is there now (closed again: a FIFO's open would wait for a writer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return -1
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork)
@@ -303,9 +321,11 @@ class Pin:
         # (the parent's watch, dropped here, is the parent's to release)
         self.generation, self.owner, self.wd = w.generation, process.token(), -1
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _reopen(self.path)
         except OSError:
             return "it was deleted or replaced"
+        if fd < 0:
+            return _NOT_REGULAR
         try:
             wd = w.add(fd)
             if wd >= 0:
