@@ -197,7 +197,8 @@ def _adopt_at_fork() -> None:
     """In a forked child, at once: each pin the parent watched is watched again here (a
     file changed after the fork must raise an event this child reads). One whose path no
     longer names its inode (replaced by a rename, or deleted) is kept as unchanged: the
-    child's maps hold that inode, which no one can open by its path any more."""
+    child's maps hold that inode, which no one can open by its path any more. Anything but
+    a regular file there now (a FIFO, a device) is taken as a change, and never waited on."""
     old = _watcher
     pins = [pin for pin in list(_live) if old is not None and pin.generation == old.generation]
     if old is None or not pins:
