@@ -39,3 +39,34 @@ def test_a_held_eviction_lock_refuses_the_write_then_is_tried_once(tmp_path, mon
         tmp = store._reserve("c", 3)
         store._publish(tmp, str(tmp_path / "c"), 0)
     assert store.total_bytes() == 0 and os.path.exists(tmp_path / "c")
+
+
+def test_a_held_eviction_lock_refuses_one_download_and_leaves_the_shard_cache_on(
+    tmp_path, monkeypatch
+):
+    # Many processes queued on the lock are not a full disk: the download that waited in
+    # vain is refused (its read goes by ranges), and the cache stays in use afterwards.
+    import uuid
+
+    import fsspec
+
+    from torchgrain.errors import CacheDiskFullError
+    from torchgrain.io.shard_cache import ShardCache
+
+    monkeypatch.setattr(node_store, "_EVICT_WAIT", 0.2)
+    url = f"memory://evict-{uuid.uuid4().hex}/shard-0"
+    fsspec.filesystem("memory").pipe(url, b"r" * 100)
+    cache = ShardCache(str(tmp_path / "cache"), max_bytes=1000)
+    (tmp_path / "cache" / ".locks").mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(tmp_path / "cache" / ".locks" / "evict.lock"), os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(CacheDiskFullError, match="holds that lock"):
+            cache.fetch(url, size=100)
+        assert not cache.disk_full
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(NodeStore, "_evict_stuck", (None, 0.0))
+    with open(cache.fetch(url, size=100), "rb") as f:
+        assert f.read() == b"r" * 100
+    assert not cache.disk_full

@@ -185,6 +185,8 @@ def test_an_index_dir_whose_eviction_lock_another_process_holds_does_not_block_o
         code = f"""
             import os, warnings
             import torchgrain as tg
+            from torchgrain.io import node_store
+            node_store._EVICT_WAIT = 1.0  # (30 s by default: the bound, not its length)
             d = {str(ds)!r}
             tg.write_array_record([{{"x": i}} for i in range(10)], d, num_shards=2)
             os.unlink(os.path.join(d, "torchgrain.json"))  # (its index too: built here)

@@ -55,10 +55,10 @@ _POLL, _POLL_MAX = 0.005, 0.1  # seconds between tries of a lock waited for with
 # After the disk had no room for an entry, store nothing for this long (instead of listing
 # the entries to make room at every write meanwhile).
 _FULL_SECONDS = 30.0
-# The longest a process waits for the eviction lock (held for a listing and unlinks, not
-# for seconds unless its holder is stopped or stuck on its disk); the write is then refused,
-# and for _FULL_SECONDS its writes take one try of the lock.
-_EVICT_WAIT = 2.0
+# The longest a process waits for the eviction lock (held for a listing and unlinks, each
+# holder in turn: seconds only when many processes queue on a slow disk, or its holder is
+# stopped); the write is then refused, and for _FULL_SECONDS its writes take one try of it.
+_EVICT_WAIT = 30.0
 
 
 class NodeStore:

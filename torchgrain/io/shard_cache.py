@@ -530,7 +530,8 @@ class ShardCache(NodeStore):
         except OSError as e:
             if e.errno not in _REFUSED or not str(e.filename).startswith(self.directory):
                 raise  # (a remote's refusal, during a download, is not the directory's)
-            with super()._writing(path, what, mark=mark):  # (sets disk_full)
+            # (sets disk_full; an eviction lock held elsewhere refuses this write only)
+            with super()._writing(path, what, mark=mark and e.errno != errno.EAGAIN):
                 raise disk_full_error(
                     e.errno, self._WHAT, self.directory, path, _REFUSED[e.errno], what=what
                 ) from e
