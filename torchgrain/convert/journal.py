@@ -24,6 +24,7 @@ from torchgrain.formats.codecs import union_type
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from torchgrain.io import remote
 from torchgrain.io.atomic import atomic_write_text
+from torchgrain.io.changes import open_regular
 from torchgrain.io.paths import local_file_in
 from torchgrain.sources.node_index import INDEX_NAME
 from torchgrain.sources.registry import formats, get_output
@@ -137,10 +138,11 @@ class Journal:
         if os.path.isdir(self.dir):
             for n in os.listdir(self.dir):
                 if n.startswith("shard-") and n.endswith(".json"):
-                    # A record is written whole (atomically): one that is not is not
-                    # ours, and its shard is converted again (finished() checks the rest).
-                    with contextlib.suppress(ValueError, TypeError, KeyError):
-                        with open(os.path.join(self.dir, n)) as f:
+                    # A record is written whole (atomically): one that is not (nor a
+                    # regular file: a FIFO's open would wait) is not ours, and its shard
+                    # is converted again (finished() checks the rest).
+                    with contextlib.suppress(ValueError, TypeError, KeyError, IsADirectoryError):
+                        with open(open_regular(os.path.join(self.dir, n))) as f:
                             r = json.load(f)
                         out[int(r["index"])] = r
         return out
