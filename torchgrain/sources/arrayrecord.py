@@ -205,18 +205,19 @@ class ArrayRecordSource(EncodedSource):
         if fresh and self._held is not None:
             # The footer reads found each file's size: a pass's cache-fit check asks for none.
             self.cache_fit.sizes = {k: p.size for k, p in enumerate(self._held) if p and p.size}
-        if not has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
-            # TFDS output: decode per its features.json (images, shapes, scalars).
-            codec = tfds_codec_for(list(shard_paths), fs) or codec
-        if codec == "auto" and has_manifest:
-            try:
-                self.codec: Codec = get_codec(manifest_codec)
-            except ValueError as e:  # the dataset's word, not the caller's
-                raise CorruptDataError(
-                    f"the manifest ({MANIFEST_NAME}) of {os.fspath(paths)!r}: {e}"
-                ) from None
-        else:
-            self.codec = get_codec(self._sniff() if codec == "auto" else codec)
+        with using(retry):  # the TFDS metadata's lookup, the codec's sniff
+            if not has_manifest and isinstance(codec, str) and codec in ("auto", "tf_example"):
+                # TFDS output: decode per its features.json (images, shapes, scalars).
+                codec = tfds_codec_for(list(shard_paths), fs) or codec
+            if codec == "auto" and has_manifest:
+                try:
+                    self.codec: Codec = get_codec(manifest_codec)
+                except ValueError as e:  # the dataset's word, not the caller's
+                    raise CorruptDataError(
+                        f"the manifest ({MANIFEST_NAME}) of {os.fspath(paths)!r}: {e}"
+                    ) from None
+            else:
+                self.codec = get_codec(self._sniff() if codec == "auto" else codec)
         self._schema: dict[str, str] | None = schema
         self._share_index()
 

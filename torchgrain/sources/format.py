@@ -29,7 +29,7 @@ from torchgrain.formats.codecs import SCHEMA_SAMPLE_FIRST, merge_schema
 from torchgrain.io import changes, process, remote
 from torchgrain.io.fs import expand_paths, is_local
 from torchgrain.io.ranges import fetch_ranges
-from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
 from torchgrain.sources.cache_fit import listed_sizes
 from torchgrain.sources.options import ReadOptions
@@ -324,18 +324,19 @@ class FormatSource(ShardedSource):
             raise TypeError("FormatSource needs a format= (or a subclass's format attribute)")
         self.format = fmt  # type: ignore[misc]
         opts = ReadOptions.build(options, read_options)
-        fs, files = expand_paths(
-            paths,
-            suffixes=fmt.suffixes,
-            storage_options=opts.storage_options,
-            filesystem=opts.filesystem,
-            kind=fmt.name,
-            allow_external=opts.allow_external_paths,
-        )
+        retry = opts.retry_policy
+        with using(retry):  # the transport and open-time requests keep to its deadlines
+            fs, files = expand_paths(
+                paths,
+                suffixes=fmt.suffixes,
+                storage_options=opts.storage_options,
+                filesystem=opts.filesystem,
+                kind=fmt.name,
+                allow_external=opts.allow_external_paths,
+            )
+            where = None if is_local(fs) else fs
+            listed = listed_sizes(fs, files) if where is not None else {}
         self._schema: dict[str, str] | None = None
-        retry = opts.retry or RetryPolicy()
-        where = None if is_local(fs) else fs
-        listed = listed_sizes(fs, files) if where is not None else {}
         # The readers opened to count are kept for the reads, as many as the reader LRU
         # holds (none when a remote shard is read through its cached copy).
         limit = (

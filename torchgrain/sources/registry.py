@@ -37,6 +37,7 @@ from torchgrain.io.fs import (
     list_files,
     non_data_files,
 )
+from torchgrain.io.retry import using
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.options import ReadOptions
 
@@ -441,7 +442,8 @@ def open(
     from_env = not trusted and os.environ.get(ALLOW_EXTERNAL_PATHS_ENV) == "1"
     if format == "auto":  # (detect_format reads the environment too)
         storage = given("storage_options")
-        format = detect_format(paths, storage_options=storage, allow_external_paths=trusted)
+        with using(given("retry")):  # its lookups keep to the source's deadlines
+            format = detect_format(paths, storage_options=storage, allow_external_paths=trusted)
     fmt = get_format(format)
     if from_env and fmt.accepts("allow_external_paths"):
         format_options["allow_external_paths"] = True
