@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import uuid
 from typing import Any
@@ -35,12 +36,20 @@ from torchgrain.errors import (
     UnsafePathError,
 )
 from torchgrain.formats.parquet_pages import footer_chunks
-from torchgrain.io import remote
+from torchgrain.io import changes, remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
 from torchgrain.sources.parquet.schema import is_list_type
 
-__all__ = ["local_version", "read_footers"]
+__all__ = ["MAX_FOOTER_BYTES", "bounded_footer", "local_version", "read_footers"]
+
+#: The longest Parquet footer (its serialized metadata) a file may declare: pyarrow
+#: holds all of it before it parses it, whatever the file's bytes on disk (a sparse
+#: file may claim a 1 GiB footer in a few KiB). Footers of files with thousands of
+#: columns and row groups take a few MiB.
+MAX_FOOTER_BYTES = 64 << 20
+
+_TAIL_READ = 64 << 10  # what pyarrow reads first of a file's end
 
 
 def read_footers(
@@ -58,7 +67,8 @@ def read_footers(
     local = is_local(fs)
     opening = uuid.uuid4().hex
 
-    def footer(source: Any) -> tuple[pq.FileMetaData, pa.Schema]:
+    def footer(f: Any, size: int) -> tuple[pq.FileMetaData, pa.Schema]:
+        source = bounded_footer(f, size)
         with pq.ParquetFile(source, coerce_int96_timestamp_unit=int96_timestamp_unit) as pf:
             return pf.metadata, pf.schema_arrow
 
@@ -66,12 +76,14 @@ def read_footers(
         path = files[shard]
         try:
             if local:
-                st = os.stat(path)
-                return *footer(path), local_version(st)
+                # (a FIFO's open would wait for a writer: refused)
+                with open(changes.open_regular(path), "rb") as f:
+                    st = os.fstat(f.fileno())
+                    return *footer(f, st.st_size), local_version(st)
             # An opening reads the file as it is now (not against what an earlier
             # opening in this process pinned of it: a file re-uploaded since).
             with remote.open_input(fs, path, fresh=True) as f:
-                md, schema = footer(f)
+                md, schema = footer(f, f.seek(0, io.SEEK_END))
             size, version = remote.size_and_version(fs, path, url=path)
             # Nothing tells two versions of this file apart: its entries are this
             # opening's own (shared by its workers, never by a later opening).
@@ -120,6 +132,60 @@ def read_footers(
         [r[2] for r in results],
         [r[3] for r in results],
     )
+
+
+def bounded_footer(f: Any, size: int) -> Any:
+    """What pyarrow opens to read the footer of the Parquet file ``f`` (of ``size``
+    bytes): the footer, read here, behind the two magic numbers (the reads pyarrow would
+    make: its last 64 KiB, then the rest of a longer footer), or ``f`` itself when its
+    tail is not a plain footer's (pyarrow then says what is wrong). Pyarrow reads
+    whatever length a footer declares before parsing it: one longer than
+    :data:`MAX_FOOTER_BYTES` is refused first.
+
+    Raises:
+        CorruptDataError: the footer declares more than :data:`MAX_FOOTER_BYTES`.
+
+    Example:
+        >>> import io, pyarrow as pa, pyarrow.parquet as pq
+        >>> buf = io.BytesIO(); pq.write_table(pa.table({"x": [1, 2]}), buf)
+        >>> f = io.BytesIO(buf.getvalue())
+        >>> pq.ParquetFile(bounded_footer(f, len(buf.getvalue()))).metadata.num_rows
+        2
+        >>> fake = b"PAR1" + bytes(100) + (1 << 30).to_bytes(4, "little") + b"PAR1"
+        >>> bounded_footer(io.BytesIO(fake), len(fake))
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.CorruptDataError: its footer declares 1073741824 bytes (the file holds 112), more than ...
+    """
+    take = min(size, _TAIL_READ)
+    f.seek(size - take)
+    tail = _read_exactly(f, take)
+    if take < 12 or tail[-4:] not in (b"PAR1", b"PARE"):
+        f.seek(0)
+        return f  # (not a footer pyarrow reads: its own error names what is wrong)
+    n = int.from_bytes(tail[-8:-4], "little")
+    if n > MAX_FOOTER_BYTES:
+        raise CorruptDataError(
+            f"its footer declares {n} bytes (the file holds {size}), more than "
+            f"MAX_FOOTER_BYTES={MAX_FOOTER_BYTES} allows"
+        )
+    if tail[-4:] != b"PAR1" or n > size - 12:  # (encrypted, or longer than the file)
+        f.seek(0)
+        return f
+    if n + 8 > take:
+        f.seek(size - 8 - n)
+        tail = _read_exactly(f, n + 8 - take) + tail
+    return pa.BufferReader(b"PAR1" + tail[-8 - n :])
+
+
+def _read_exactly(f: Any, n: int) -> bytes:
+    data = f.read(n)
+    while len(data) < n:  # (a raw read may return less)
+        more = f.read(n - len(data))
+        if not more:
+            raise CorruptDataError(f"the file ended {n - len(data)} bytes early")
+        data += more
+    return data
 
 
 def _selected_bytes(
