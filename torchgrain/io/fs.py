@@ -457,9 +457,7 @@ class _Listing:
             # Object stores and local disks list by prefix: nothing outside is requested.
             found = remote.call(fs, "find", root, url=self.item, what="listing")
             if is_local(fs):
-                # Regular files and links to them only: opening a FIFO named like a
-                # shard blocks until a writer comes; a socket or device holds no data.
-                found = [p for p in found if os.path.isfile(p)]
+                found = self._regular(root, found)
             return [p for p in found if self._keep(root, p)]
         # HTTP(S): a listing is the server's page of links. Walk it level by level and
         # request only directories inside the root (fsspec's own find would follow
@@ -512,6 +510,34 @@ class _Listing:
                 pending.append((name, depth + 1))
         return files
 
+    def _regular(self, root: str, found: list[str]) -> list[str]:
+        """The regular files (and links to them) of a local listing below ``root``. A
+        FIFO is never opened (its open waits for a writer), nor a socket or device: those
+        a user would look for are named in a warning. A link named like data whose target
+        is missing (a disk not mounted) is an error: its records would be lost."""
+        kept, odd = [], []
+        for p in found:
+            if os.path.isfile(p):
+                kept.append(p)
+            elif not os.path.isdir(p):
+                odd.append(p)
+        data = [p for p in odd if _is_data_file(p, self.suffixes) and not _hidden(root, p)]
+        for p in data:
+            if not os.path.exists(p):  # (a FIFO, socket or device exists)
+                link = f", a link to {os.readlink(p)!r}," if os.path.islink(p) else ""
+                raise DatasetNotFoundError(
+                    f"{self.item!r} holds {p!r}{link} which does not exist: its records "
+                    "cannot be read (restore its target, or remove the link)"
+                )
+        told = sorted({*data, *non_data_files(root, odd, self.suffixes)})
+        if told:
+            warn_once(
+                ("not regular files", root, self.suffixes),
+                f"{self.item!r} holds {describe_files(root, told)}, skipped: not regular "
+                "files (a FIFO, socket or device is never opened; nor a link to a missing file)",
+            )
+        return kept
+
     def _out_of_time(self, policy: RetryPolicy, directories: int) -> RemoteIOError:
         return RemoteIOError(
             f"the listing of {self.item!r} did not end within its {policy.deadline:g} s "
@@ -525,7 +551,10 @@ class _Listing:
         base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
         if not _paths.is_http(fs):
             found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
-            files = [p for p in found if remote.isfile(fs, p, url=_unstrip(fs, p))]
+            if is_local(fs):
+                files = self._regular(base, found)
+            else:
+                files = [p for p in found if remote.isfile(fs, p, url=_unstrip(fs, p))]
             return [p for p in files if self._keep(base, p)]
         rel = pattern[len(base) :].lstrip("/")
         depth = None if "**" in rel else rel.count("/") + 1
