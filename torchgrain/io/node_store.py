@@ -175,11 +175,19 @@ class NodeStore:
             raise
 
     def _make_dirs(self, *, mark: bool = True) -> None:
-        """Make the store's directories (again, if they were deleted)."""
+        """Make the store's directories (again, if they were deleted).
+
+        Raises:
+            OSError: ``ELOOP``, one of its own folders is a link (anyone who can write to
+                the directory can put one there: the store would write where it points);
+                the directory itself may be one.
+        """
         for sub in (self._LOCK_DIR, self._TMP_DIR, *self._DIRS):
             path = os.path.join(self.directory, sub)
             with self._writing(path, mark=mark):
                 os.makedirs(path, exist_ok=True)
+                if sub and os.path.islink(path):
+                    raise OSError(errno.ELOOP, f"{self._WHAT}'s own folder is a link", path)
 
     # ------------------------------------------------------------------- locks
     def _lock(
@@ -231,10 +239,10 @@ class NodeStore:
         try:
             with self._writing(path, " (a lock file)", mark=mark):
                 try:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+                    fd = self._open_lock(path)
                 except FileNotFoundError:  # not made for want of room, or deleted: again
                     self._make_dirs(mark=mark)
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+                    fd = self._open_lock(path)
         except OSError:
             if strict:
                 raise
@@ -260,6 +268,23 @@ class NodeStore:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def _open_lock(self, path: str) -> int:
+        """The lock file ``path`` opened (made if need be). A link put in its place, or in
+        place of its folder (anyone who can write to the directory can) is never
+        followed: an OSError (ELOOP), the write refused. The store's directory itself
+        may be a link."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        directory, name = os.path.split(path)
+        if os.path.normpath(directory) == os.path.normpath(self.directory):
+            return os.open(path, flags, 0o666)
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            return os.open(name, flags, 0o666, dir_fd=dir_fd)
+        except OSError as e:  # (named by its whole path: see ShardCache._writing)
+            raise OSError(e.errno, e.strerror, path) from None
+        finally:
+            os.close(dir_fd)
 
     # ------------------------------------------------------------------- temps
     def _temps(self) -> list[tuple[str, str, int]]:

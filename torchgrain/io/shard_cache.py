@@ -77,16 +77,21 @@ _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 _STATS = ("hits", "misses", "waits", "bytes_fetched", "evictions", "bytes_evicted", "retries")
 _STATS += ("verified", "bytes_verified", "rejected")
 # What a directory that refuses writes answers (read-only, or not this user's; one of its
-# own files or folders of the wrong kind; its eviction lock held elsewhere), and the remedy.
+# own files or folders of the wrong kind, or a link; a lock held elsewhere), and the remedy.
 _ELSEWHERE = "pass cache_dir= a directory this process can write to."
 _REFUSED = dict.fromkeys((errno.EACCES, errno.EPERM, errno.EROFS), _ELSEWHERE.capitalize())
 _REFUSED.update(
     dict.fromkeys(
-        (errno.EEXIST, errno.ENOTDIR, errno.EISDIR),
+        (errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ELOOP),
         "Something of another kind than the cache makes lies on that path (a file for a "
-        f"folder, or the reverse): remove it, or {_ELSEWHERE}",
+        f"folder, or the reverse, or a link): remove it, or {_ELSEWHERE}",
     )
 )
+# The longest a read waits for the lock of a shard's copy (another process downloads or
+# checks it, or holds it stopped): the retry policy's deadline, at most this; the copy is
+# then refused to this read (which goes by ranges), and for _ENTRY_WAIT each lock waited
+# for in vain takes one try.
+_ENTRY_WAIT = 30.0
 _REFUSED[errno.EAGAIN] = (
     f"Another process holds that lock (stopped, or stuck): end it, or {_ELSEWHERE}"
 )
@@ -171,6 +176,8 @@ class ShardCache(NodeStore):
         self._unversioned: set[str] = set()  # remote files whose store names no version
         # copy path -> when this process last refreshed its LRU position (monotonic)
         self._touched: dict[str, float] = {}
+        # copy name -> until when its lock, waited for in vain, takes one try (monotonic)
+        self._stuck: dict[str, float] = {}
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
 
     def __getstate__(self) -> dict[str, Any]:  # (checks, counters and locks are per process)
@@ -180,6 +187,8 @@ class ShardCache(NodeStore):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_process()
+        with contextlib.suppress(CacheDiskFullError):  # (its folders checked here too)
+            self._make_dirs()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes}, stats={self.stats})"
@@ -374,14 +383,14 @@ class ShardCache(NodeStore):
         # check one copy at once): downloads and evictions, which need the lock
         # exclusively, cannot replace or unlink it in between.
         failed = None  # the identity of a copy that failed its check
-        with self._lock(name, shared=True):
+        with self._entry_lock(name, url, shared=True):
             st = self._hit(path, size)
             if st is not None:
                 if self._check(path, st, url, version):
                     self._count(hits=1, waits=int(waited))
                     return path, file_identity(st), opener(path) if opener else None
                 failed = file_identity(st)
-        with self._lock(name):
+        with self._entry_lock(name, url):
             # Another worker may have fetched (or replaced) it while we waited for the lock.
             st = self._hit(path, size)
             if (
@@ -516,6 +525,31 @@ class ShardCache(NodeStore):
         return read_hints(os.path.join(self.directory, NEXT_FILE))
 
     # ----------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _entry_lock(self, name: str, url: str, shared: bool = False) -> Iterator[None]:
+        """Hold the lock of the copy ``name`` of ``url``, waited for at most the retry
+        policy's deadline (and :data:`_ENTRY_WAIT`).
+
+        Raises:
+            CacheDiskFullError: ``EAGAIN``, another process holds it (named; the cache
+                stays in use).
+        """
+        stuck = self._stuck.get(name, 0.0) > time.monotonic()
+        wait = 0.0 if stuck else min(_ENTRY_WAIT, self.retry.deadline)
+        with self._lock(name, shared=shared, wait=wait) as held:
+            if not held:
+                self._stuck[name] = time.monotonic() + _ENTRY_WAIT
+                lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
+                with self._writing(lock, f" (the lock of the copy of {url})", mark=False):
+                    raise BlockingIOError(
+                        errno.EAGAIN,
+                        f"the lock of the copy of {url} is held by another process (for "
+                        f"more than {wait:g} s: stopped, or stuck on its disk)",
+                        lock,
+                    )
+            self._stuck.pop(name, None)
+            yield
+
     @contextlib.contextmanager
     def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
         """:meth:`NodeStore._writing`; a write the directory refuses (a read-only mount,

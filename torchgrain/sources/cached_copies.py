@@ -26,6 +26,7 @@ on by ranges, as without a cache, and it warns once per cache directory.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -189,6 +190,8 @@ class CachedCopies:
         try:
             return self._cached_copy(shard, getattr(_READS, "pins", None)).reader
         except CacheDiskFullError as e:
+            if e.errno == errno.EAGAIN:  # a lock held elsewhere: this read goes by ranges
+                return None
             if self.in_use():  # (the cache did not give up: nothing to fall back to)
                 raise
             self._cache_full(e)

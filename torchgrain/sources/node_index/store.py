@@ -35,6 +35,7 @@ import errno
 import functools
 import hashlib
 import os
+import stat
 import sys
 import threading
 import time
@@ -90,7 +91,7 @@ _T = TypeVar("_T")
 # Why an index directory cannot take an index (anything else is raised; EAGAIN: its
 # eviction lock held by another process, NodeStore._evict_lock).
 _UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
-_UNWRITABLE |= {errno.EAGAIN}
+_UNWRITABLE |= {errno.EAGAIN, errno.ELOOP}  # (ELOOP: a link where a lock file goes)
 _UNWRITABLE |= DISK_FULL_ERRNOS
 _STAMPS = "verified"  # stamps of index files whose contents were checked
 _LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
@@ -669,14 +670,31 @@ def index_store(directory: str) -> IndexDir:
     return IndexDir(directory)
 
 
+@contextlib.contextmanager
+def _stamps(directory: str, make: bool = False) -> Iterator[int]:
+    """The stamps' folder ``directory`` opened (made first, ``make``): a link there
+    (anyone who can write to a shared index directory can put one) is never followed,
+    an OSError (ELOOP): no stamp is written, read or deleted where it points."""
+    if make:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _prune_stamps(index_dir: str) -> None:
     """Delete stamps unused for a week (a missing stamp costs one more verification)."""
     old = time.time() - 7 * 86400
-    with contextlib.suppress(OSError), os.scandir(os.path.join(index_dir, _STAMPS)) as it:
-        for e in it:
-            if e.stat().st_mtime < old:
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)
+    with contextlib.suppress(OSError), _stamps(os.path.join(index_dir, _STAMPS)) as fd:
+        for name in os.listdir(fd):
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode) and st.st_mtime < old:
+                    os.unlink(name, dir_fd=fd)
 
 
 def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | None:
@@ -702,10 +720,23 @@ def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | Non
 
 def _write_stamp(stamp: str | None) -> None:
     if stamp is not None:
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(stamp), exist_ok=True)
-            with open(stamp, "w"):
-                pass
+        directory, name = os.path.split(stamp)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
+        with contextlib.suppress(OSError), _stamps(directory, make=True) as fd:
+            os.close(os.open(name, flags | os.O_CLOEXEC, 0o666, dir_fd=fd))
+
+
+def _stamped(stamp: str) -> bool:
+    """Whether the stamp ``stamp`` is there (its last use moved to now)."""
+    directory, name = os.path.split(stamp)
+    try:
+        with _stamps(directory) as fd:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            with contextlib.suppress(OSError):
+                os.utime(name, dir_fd=fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None = None) -> Any:
@@ -721,9 +752,7 @@ def open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None 
     ix = open_index(path, cls)
     f = ix._a.file
     stamp = _stamp(f, index_dir, expect)
-    if stamp is not None and os.path.exists(stamp):
-        with contextlib.suppress(OSError):
-            os.utime(stamp)
+    if stamp is not None and _stamped(stamp):
         return ix
     if expect is not None:
         verify_file_hash(path, expect, name=f"index file {path!r}")
