@@ -120,3 +120,44 @@ def test_a_folder_made_a_link_after_the_cache_was_made_is_refused_in_its_workers
     worker = pickle.loads(pickle.dumps(cache))  # (a DataLoader worker's)
     assert worker.disk_full and r".sums" in str(worker._full_error)
     assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_a_batch_whose_copies_locks_are_held_reads_by_ranges_without_a_word(tmp_path):
+    import io
+    import pickle
+    import warnings
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import torchgrain as tg
+
+    base = f"memory://links-{uuid.uuid4().hex}"
+    for i in range(2):
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"x": list(range(i * 10, i * 10 + 10))}), buf)
+        fsspec.filesystem("memory").pipe(f"{base}/s{i}.parquet", buf.getvalue())
+    paths = [f"{base}/s0.parquet", f"{base}/s1.parquet"]
+    retry = RetryPolicy(deadline=0.3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the cache's notice)
+        src = tg.ParquetSource(paths, cache_dir=str(tmp_path), retry=retry, io_threads=2)
+        src.__getitems__([1, 15])  # (the copies and their locks made)
+    fds = []
+    for n in os.listdir(tmp_path / ".locks"):
+        if n != "evict.lock":
+            fds.append(os.open(tmp_path / ".locks" / n, os.O_RDWR))
+            fcntl.flock(fds[-1], fcntl.LOCK_EX)
+    try:
+        worker = pickle.loads(pickle.dumps(src))  # (a process that has no copy open)
+        start = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert worker.cached_copies.prefetch([0, 1]) == {}  # (a batch's opens)
+            assert worker.__getitems__([1, 15]) == [{"x": 1}, {"x": 15}]
+            assert worker[3] == {"x": 3}
+        assert time.monotonic() - start < 3
+        assert not worker.cached_copies.cache.disk_full
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -160,6 +160,8 @@ class CachedCopies:
         """Go on without the shard cache in this process (its disk has no room: it set
         ``disk_full``); say so once per cache directory and process."""
         assert self.cache is not None
+        if err.errno == errno.EAGAIN:  # (a lock held elsewhere: that read only, no word)
+            return
         warn_once(
             (os.getpid(), "cache disk full", self.cache.directory),
             f"torchgrain: {err} Until this process ends, it reads the remote shards "
