@@ -70,3 +70,50 @@ def test_a_held_eviction_lock_refuses_one_download_and_leaves_the_shard_cache_on
     with open(cache.fetch(url, size=100), "rb") as f:
         assert f.read() == b"r" * 100
     assert not cache.disk_full
+
+
+def test_a_copy_whose_download_grows_is_waited_for_past_the_lock_wait(tmp_path, monkeypatch):
+    # Another process holds a copy's lock while its download grows: a reader waits for
+    # it however long it takes (the wait bound is for a holder that makes no progress).
+    import threading
+    import uuid
+
+    import fsspec
+
+    from torchgrain.io import shard_cache
+    from torchgrain.io.shard_cache import ShardCache
+
+    monkeypatch.setattr(shard_cache, "_ENTRY_WAIT", 0.2)
+    url = f"memory://grow-{uuid.uuid4().hex}/shard-0"
+    fsspec.filesystem("memory").pipe(url, b"r" * 100)
+    cache = ShardCache(str(tmp_path / "cache"), max_bytes=1000)
+    cache.fetch(url, size=100)
+    locks = tmp_path / "cache" / ".locks"
+    (lock,) = [n for n in os.listdir(locks) if n != "evict.lock"]
+    name = lock[: -len(".lock")]
+    for f in os.listdir(tmp_path / "cache"):  # (the copy gone: fetched again)
+        if f.startswith(name[:8]) and os.path.isfile(tmp_path / "cache" / f):
+            os.unlink(tmp_path / "cache" / f)
+    fd = os.open(str(locks / lock), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    tmp_dir = tmp_path / "cache" / cache._TMP_DIR
+    temp = tmp_dir / f"{cache._TMP_PREFIX}{name}-100-1-abcdef12"
+
+    def download() -> None:  # grows for 1 s, then gives up its lock
+        with open(temp, "wb") as f:
+            for _ in range(10):
+                f.write(b"x")
+                f.flush()
+                time.sleep(0.1)
+        os.unlink(temp)
+        os.close(fd)
+
+    t = threading.Thread(target=download)
+    start = time.monotonic()
+    t.start()
+    try:
+        with open(cache.fetch(url, size=100), "rb") as f:
+            assert f.read() == b"r" * 100
+        assert time.monotonic() - start >= 0.9  # waited past the 0.2 s bound
+    finally:
+        t.join()

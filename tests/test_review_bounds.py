@@ -3,8 +3,7 @@ held beyond the bytes on disk, found by reproduction.
 
 A case that may wait runs in a child process with a timeout (a hang fails the test, it
 never stalls the run), against files made here or a raw HTTP server on 127.0.0.1 whose
-answers to chosen paths never come. A fault not fixed yet is a strict xfail: it fails
-because of the fault, and passes once it is fixed.
+answers to chosen paths never come.
 """
 
 from __future__ import annotations
@@ -201,13 +200,6 @@ def test_an_index_dir_whose_eviction_lock_another_process_holds_does_not_block_o
         _release(holder)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the local listing keeps only os.path.isfile paths (io/fs.py _Listing.find), "
-    "before non_data_files sees the listing: a link named like a shard whose target is "
-    "missing (another disk not mounted) is dropped without a word, and the dataset "
-    "opens with fewer records (so is a FIFO or a device named like a shard)",
-)
 def test_a_dangling_link_named_like_a_shard_is_not_skipped_silently(tmp_path):
     """A directory holding ``a.parquet`` and a link ``b.parquet`` to a missing file: the
     opening fails naming ``b.parquet``, or at least warns of it; it does not read
@@ -230,12 +222,6 @@ def test_a_dangling_link_named_like_a_shard_is_not_skipped_silently(tmp_path):
     assert "b.parquet" in told, told
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Journal.done (convert/journal.py) opens every shard-*.json of the output's "
-    ".torchgrain-convert with a plain open(): a FIFO there blocks torchgrain.convert "
-    "forever (the records of io/cache_records.py go through open_regular for this)",
-)
 def test_convert_does_not_wait_on_a_fifo_in_its_journal(tmp_path):
     """An output directory whose journal holds a FIFO named like a shard's record: the
     conversion converts that shard (a record that is not a whole file is not ours) or
@@ -260,13 +246,6 @@ def test_convert_does_not_wait_on_a_fifo_in_its_journal(tmp_path):
     assert out.strip() == "10" or "shard-00000.json" in out, out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/changes.py _adopt_at_fork (the after-fork hook) re-opens each mapped "
-    "file's path with os.open(O_RDONLY), without O_NONBLOCK: a shard replaced by a FIFO "
-    "(renamed over it) while a process maps it blocks every forked child (DataLoader "
-    "workers) in the hook, before it runs anything, forever",
-)
 def test_a_fork_after_a_mapped_shard_was_replaced_by_a_fifo_does_not_block_the_child(
     tmp_path,
 ):
@@ -307,14 +286,6 @@ def test_a_fork_after_a_mapped_shard_was_replaced_by_a_fifo_does_not_block_the_c
     assert out.strip() == "done", out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NodeStore._flock (io/node_store.py) opens a lock file with "
-    "os.open(O_RDWR | O_CREAT) and no O_NOFOLLOW: a link put in its place (anyone who "
-    "can write to a shared store's directory can) makes the process create, lock and "
-    "touch a file wherever the link points; the store's usage file refuses links "
-    "(NodeStore._usage_fd), its lock files do not",
-)
 def test_a_link_planted_as_a_store_lock_file_creates_nothing_outside_the_store(tmp_path):
     """An index directory whose ``evict.lock`` is a link to a file that does not exist:
     opening local shards with it makes no file at the link's target."""
@@ -334,14 +305,6 @@ def test_a_link_planted_as_a_store_lock_file_creates_nothing_outside_the_store(t
     assert not os.path.lexists(target)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Parquet footer's length (the 4 bytes before the closing PAR1) is trusted "
-    "up to the file's size: sources/parquet/footers.py read_footers opens the file with "
-    "pq.ParquetFile, which reads the whole declared footer into memory before parsing "
-    "it; a sparse file of a few KiB on disk whose footer claims 1 GiB costs each opening "
-    "1 GiB (3 GiB: 3.1 GB resident, 21 s)",
-)
 def test_a_parquet_footer_length_is_bounded_before_it_is_read(tmp_path):
     """A sparse Parquet file of 1 GiB whose footer claims all of it: the opening refuses
     it (naming the file) without reading or holding that much."""
@@ -367,14 +330,6 @@ def test_a_parquet_footer_length_is_bounded_before_it_is_read(tmp_path):
     assert int(out) < 256, f"the opening grew by {out.strip()} MiB"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sources/node_index/store.py _prune_stamps scans <index_dir>/verified with "
-    "os.scandir, which follows a link there, and unlinks every file in it unused for a "
-    "week (and _write_stamp writes its stamp through it): a link `verified` planted in "
-    "an index directory (a shared one, or one kept inside a downloaded dataset) makes "
-    "every index build delete the week-old files of the directory it points to",
-)
 def test_a_link_planted_as_the_stamps_directory_deletes_nothing_outside_it(tmp_path):
     """An index directory whose ``verified`` is a link to another directory holding a
     file last changed ten days ago: building an index there leaves that file alone."""
@@ -398,13 +353,6 @@ def test_a_link_planted_as_the_stamps_directory_deletes_nothing_outside_it(tmp_p
     assert sorted(os.listdir(elsewhere)) == ["notes.txt"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="NodeStore._make_dirs (io/node_store.py) takes the store's subdirectories "
-    "as they are (os.makedirs(exist_ok=True) accepts a link to a directory): a shard "
-    "cache whose .locks and .sums are links writes its lock files and its copies' "
-    "records into the directories they point to",
-)
 def test_a_shard_cache_whose_subdirectories_are_links_writes_nothing_where_they_point(
     tmp_path,
 ):
@@ -477,13 +425,6 @@ def shard(tmp_path_factory):
     return name, (d / name).read_bytes()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torchgrain.open detects the format (sources/registry.py open -> detect_format: "
-    "get_filesystem, remote.isdir, list_files) outside `using(retry)`: the transport and "
-    "the lookups get the default policy (20 s read timeout, 6 attempts, 90 s deadline); "
-    "measured 90.4 s against a 3 s deadline",
-)
 def test_open_detects_the_format_within_the_retry_deadline(shard):
     name, data = shard
     with SilentServer({f"/{name}": data}, silent=".*") as srv:
@@ -492,12 +433,6 @@ def test_open_detects_the_format_within_the_retry_deadline(shard):
     assert took < 4, (took, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource.__init__ (sources/format.py) expands its paths (expand_paths: "
-    "get_filesystem, the lookup) and lists sizes outside `using(retry)`: the default "
-    "policy's 90 s deadline, measured 90.6 s against a 1 s one",
-)
 def test_a_format_source_opens_within_the_retry_deadline():
     code = """
         class Lines:
@@ -514,13 +449,6 @@ def test_a_format_source_opens_within_the_retry_deadline():
     assert took < 4, (took, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ArrayRecordSource.__init__ (sources/arrayrecord.py) looks for TFDS metadata "
-    "(tfds_codec_for: dataset_info.json, features.json) after its `with using(retry)` "
-    "block: the lookup keeps to the default policy (6 attempts), measured 14.5 s against "
-    "a 3 s deadline",
-)
 def test_an_array_record_source_looks_for_tfds_metadata_within_the_retry_deadline(shard):
     name, data = shard
     with SilentServer({f"/{name}": data}, silent=r"/(features|dataset_info)\.json") as srv:
@@ -531,13 +459,6 @@ def test_an_array_record_source_looks_for_tfds_metadata_within_the_retry_deadlin
     assert took < 4, (took, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ArrayRecordSource.__init__ (sources/arrayrecord.py) reads a record to sniff "
-    "the codec (self._sniff()) after its `with using(retry)` block: that read keeps to "
-    "the default policy (6 attempts, 90 s deadline): 5.2 s against a 1 s deadline, and "
-    "more than 40 s against a 3 s one when the server trickles its answer's headers",
-)
 def test_an_array_record_source_sniffs_its_codec_within_the_retry_deadline(shard):
     import torchgrain as tg
 
@@ -555,12 +476,6 @@ def test_an_array_record_source_sniffs_its_codec_within_the_retry_deadline(shard
     assert took < 4, (took, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ShardCache._fetch_locked (io/shard_cache.py) waits for the copy's lock "
-    "(NodeStore._lock, wait=None) without an end and outside any deadline: a process "
-    "that holds it (stopped, or stuck) blocks every read of that shard on the machine",
-)
 def test_a_shard_cache_entry_lock_another_process_holds_does_not_block_reads(tmp_path):
     """A remote Parquet shard read through ``cache_dir`` whose copy's lock another
     process holds: the read ends within the retry policy's deadline (read by ranges, or

@@ -87,10 +87,10 @@ _REFUSED.update(
         f"folder, or the reverse, or a link): remove it, or {_ELSEWHERE}",
     )
 )
-# The longest a read waits for the lock of a shard's copy (another process downloads or
-# checks it, or holds it stopped): the retry policy's deadline, at most this; the copy is
-# then refused to this read (which goes by ranges), and for _ENTRY_WAIT each lock waited
-# for in vain takes one try.
+# The longest a read waits for the lock of a shard's copy while no download of it grows
+# (another process checks it, or holds it stopped): the retry policy's deadline, at most
+# this; the copy is then refused to this read (which goes by ranges), and for _ENTRY_WAIT
+# each lock waited for in vain takes one try. A download that grows is waited for.
 _ENTRY_WAIT = 30.0
 _REFUSED[errno.EAGAIN] = (
     f"Another process holds that lock (stopped, or stuck): end it, or {_ELSEWHERE}"
@@ -536,19 +536,36 @@ class ShardCache(NodeStore):
         """
         stuck = self._stuck.get(name, 0.0) > time.monotonic()
         wait = 0.0 if stuck else min(_ENTRY_WAIT, self.retry.deadline)
-        with self._lock(name, shared=shared, wait=wait) as held:
-            if not held:
-                self._stuck[name] = time.monotonic() + _ENTRY_WAIT
-                lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
-                with self._writing(lock, f" (the lock of the copy of {url})", mark=False):
-                    raise BlockingIOError(
-                        errno.EAGAIN,
-                        f"the lock of the copy of {url} is held by another process (for "
-                        f"more than {wait:g} s: stopped, or stuck on its disk)",
-                        lock,
-                    )
-            self._stuck.pop(name, None)
-            yield
+        seen = None if stuck else self._download_state(name)
+        while True:
+            with self._lock(name, shared=shared, wait=wait) as held:
+                if held:
+                    self._stuck.pop(name, None)
+                    yield
+                    return
+            now = None if stuck else self._download_state(name)
+            if now == seen:  # (no download under way grew meanwhile)
+                break
+            seen = now
+        self._stuck[name] = time.monotonic() + _ENTRY_WAIT
+        lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
+        with self._writing(lock, f" (the lock of the copy of {url})", mark=False):
+            raise BlockingIOError(
+                errno.EAGAIN,
+                f"the lock of the copy of {url} is held by another process (for more than "
+                f"{wait:g} s with no download of it growing: stopped, or stuck on its disk)",
+                lock,
+            )
+
+    def _download_state(self, name: str) -> list[tuple[str, int]]:
+        """The temp files of the copy ``name`` and their sizes: one that grows is a
+        download under way, which a reader waits for however long it takes."""
+        out = []
+        for path, of, _ in self._temps():
+            if of == name:
+                with contextlib.suppress(OSError):
+                    out.append((path, os.stat(path).st_size))
+        return sorted(out)
 
     @contextlib.contextmanager
     def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
