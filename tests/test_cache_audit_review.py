@@ -28,7 +28,7 @@ from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _finishes(fn, fifo: str, seconds: float = 5.0):
+def _finishes(fn, fifo: str | None, seconds: float = 5.0):
     """``fn()`` in a thread that must end within ``seconds``; one stuck on ``fifo`` (an
     open waiting for the other end) is let go, and the test fails."""
     out: dict = {}
@@ -44,7 +44,7 @@ def _finishes(fn, fifo: str, seconds: float = 5.0):
     t.join(seconds)
     hung = t.is_alive()
     for _ in range(100):  # let it go: open the other end until it is done
-        if not t.is_alive():
+        if not t.is_alive() or fifo is None:
             break
         fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
         t.join(0.05)

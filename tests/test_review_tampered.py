@@ -11,39 +11,24 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import threading
 
 import numpy as np
 import pytest
 
 import torchgrain as tg
+from tests.test_cache_audit_review import _finishes as _finishes_or_raise
 from torchgrain.formats.tfrecord import write_tfrecord
 
 
 def _finishes(fn, fifo: str | None = None, seconds: float = 8.0):
-    """``fn()`` in a thread that must end within ``seconds`` (one stuck opening ``fifo``
-    is let go by opening its other end); returns ``(value, error)``."""
-    out: dict = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as e:
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    hung = t.is_alive()
-    for _ in range(100):
-        if not t.is_alive() or fifo is None:
-            break
-        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-        t.join(0.05)
-        os.close(fd)
-        t.join(0.05)
-    assert not hung, f"waited forever on {fifo}"
-    return out.get("value"), out.get("error")
+    """``(fn(), None)``, or ``(None, error)`` when it raised; it must end within
+    ``seconds`` (one stuck opening ``fifo`` is let go, and the test fails)."""
+    try:
+        return _finishes_or_raise(fn, fifo, seconds), None
+    except AssertionError:
+        raise
+    except Exception as e:
+        return None, e
 
 
 def _tfrecord(tmp_path):
