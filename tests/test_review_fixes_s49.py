@@ -7,6 +7,7 @@ import threading
 import typing
 
 import pytest
+import torch
 
 from torchgrain.sources.node_index.derived import callable_fingerprint
 
@@ -57,6 +58,11 @@ class _ProtocolKeep(_Keeps):
         return r["x"] > 1
 
 
+class _TorchDataset(torch.utils.data.Dataset):  # (Generic[T_co] among its bases)
+    def keep(self, r):
+        return r["x"] > 1
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="_class_code keys typing.Generic.__class_getitem__, whose closure holds an "
@@ -64,8 +70,8 @@ class _ProtocolKeep(_Keeps):
 )
 @pytest.mark.parametrize(
     "make",
-    [_GenericKeep, _ProtocolKeep, lambda: _GenericKeep().__call__],
-    ids=["generic", "protocol", "bound-method"],
+    [_GenericKeep, _ProtocolKeep, lambda: _GenericKeep().__call__, lambda: _TorchDataset().keep],
+    ids=["generic", "protocol", "bound-method", "torch-dataset-method"],
 )
 def test_callable_of_a_generic_or_protocol_class_keys_the_same_twice(make):
     assert callable_fingerprint(make()) == callable_fingerprint(make())
