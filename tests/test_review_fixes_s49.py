@@ -32,11 +32,6 @@ class _KeepsLarge:
         return 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_class_code keys every method with its closure values: an unpicklable one "
-    "(a lock) gets a fresh digest each time, so the filter's index is never reused",
-)
 def test_callable_object_with_locked_helper_keys_the_same_twice():
     assert callable_fingerprint(_KeepsLarge()) == callable_fingerprint(_KeepsLarge())
 
@@ -63,11 +58,6 @@ class _TorchDataset(torch.utils.data.Dataset):  # (Generic[T_co] among its bases
         return r["x"] > 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_class_code keys typing.Generic.__class_getitem__, whose closure holds an "
-    "lru_cache wrapper that does not pickle: a fresh digest each time (and each process)",
-)
 @pytest.mark.parametrize(
     "make",
     [_GenericKeep, _ProtocolKeep, lambda: _GenericKeep().__call__, lambda: _TorchDataset().keep],
@@ -86,11 +76,6 @@ class _CountingGenericKeep(typing.Generic[_T]):
         return int(r["x"]) > 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Generic predicate's key differs at each opening: the filter runs again and "
-    "writes another index file each time",
-)
 def test_filter_with_generic_predicate_reuses_its_index(tmp_path):
     import numpy as np
 

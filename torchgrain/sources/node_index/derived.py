@@ -262,7 +262,7 @@ def _keyed(fn: Any, active: set[int]) -> str:
         )
     if isinstance(fn, types.MethodType):  # its object's class and state, not only its code
         owner = fn.__self__ if isinstance(fn.__self__, type) else type(fn.__self__)
-        code = _class_code(owner, active)
+        code = _class_code(owner)
         return hash_parts("method", _fingerprint(fn.__func__, active), *code, _value(fn.__self__))
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
@@ -284,22 +284,24 @@ def _keyed(fn: Any, active: set[int]) -> str:
         )
     if isinstance(fn, (types.BuiltinFunctionType, type)):
         return hash_parts("named", getattr(fn, "__module__", ""), fn.__qualname__)
-    return hash_parts("object", *_class_code(type(fn), active), _value(fn))
+    return hash_parts("object", *_class_code(type(fn)), _value(fn))
 
 
-def _class_code(cls: type, active: set[int]) -> list[str]:
+def _class_code(cls: type) -> list[Any]:
     """The name and code of ``cls`` and of each class it inherits from (builtins' left
-    out): every function it defines (methods, static and class methods, properties'
-    accessors), in name order, keyed as :func:`callable_fingerprint` keys a function: a
-    changed helper method is another class.
+    out): the code of every function it defines (methods, static and class methods,
+    properties' accessors) and of the functions their closures hold (a decorator's
+    wrapped method), in name order: a changed helper method is another class. Only code:
+    other values a method holds (a decorator's lock, typing's caches) key nothing, as
+    they would key each call apart.
 
     Example:
         >>> class K:
         ...     def f(self): return 1
-        >>> before = _class_code(K, set())
+        >>> before = _class_code(K)
         >>> class K:
         ...     def f(self): return 2
-        >>> before == _class_code(K, set())
+        >>> before == _class_code(K)
         False
     """
     parts = []
@@ -313,7 +315,21 @@ def _class_code(cls: type, active: set[int]) -> list[str]:
             fns = (v.fget, v.fset, v.fdel) if isinstance(v, property) else (v,)
             for f in fns:
                 if isinstance(f, types.FunctionType):
-                    parts += [name, _fingerprint(f, active)]
+                    parts += [name, *_function_code(f, set())]
+    return parts
+
+
+def _function_code(f: types.FunctionType, seen: set[int]) -> list[Any]:
+    """The code of ``f`` and of the functions its closure holds, recursively."""
+    parts = _code_parts(f.__code__, set())
+    for cell in f.__closure__ or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, types.FunctionType) and id(v) not in seen:
+            seen.add(id(v))
+            parts += _function_code(v, seen)
     return parts
 
 
