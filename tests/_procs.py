@@ -129,10 +129,12 @@ def run_job(
     """``subprocess.run(cmd, capture_output=True, text=True)`` for a multi-process job
     (torchrun, Lightning's launcher, DataLoader workers), in a process group of its own.
 
-    Past ``timeout`` seconds every process of the group writes its threads' stacks to
-    the job's stderr (SIGUSR1, see tests/_stack_dumps), the group is killed, and
+    Past ``timeout`` seconds every process of the job writes its threads' stacks to the
+    job's stderr (SIGUSR1, see tests/_stack_dumps), the job is killed, and
     :class:`JobTimeout` is raised with the end of that output: a hang fails with where
-    each process was stuck, and leaves no process behind.
+    each process was stuck, and leaves no process behind. The job's processes are its
+    process group and every descendant of its first process: torchrun starts its ranks
+    in sessions of their own, outside the group, holding the job's output pipes.
     """
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (STACK_DUMPS, env.get("PYTHONPATH")) if x)
@@ -148,21 +150,42 @@ def run_job(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        group = [p for p in in_group(proc.pid) if p.running]
-        listing = "\n".join(describe(p.pid) for p in group)
-        for p in group:
+        job = _job_processes(proc.pid)
+        listing = "\n".join(describe(p.pid) for p in job)
+        for p in job:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGUSR1)
         time.sleep(3)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        for _ in range(10):  # what the job started meanwhile is killed in the next round
+            # Children first: once the first process is gone, its orphans leave its tree.
+            kill(_job_processes(proc.pid)[::-1])
+            try:
+                out, err = proc.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            proc.kill()
+            proc.stdout.close()
+            proc.stderr.close()
+            proc.wait()
+            out, err = "", "(the job's output pipes stayed open after it was killed)"
         raise JobTimeout(
             f"{cmd[:6]} ran past {timeout:.0f} s; its processes:\n{listing}\n"
             f"--- stdout (end) ---\n{out[-3000:]}\n--- stderr with stacks (end) ---\n"
             f"{err[-30000:]}"
         ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _job_processes(root: int) -> list[Proc]:
+    """The running processes of the job whose first process is ``root``: that process,
+    its process group and its descendants, parents before their children."""
+    procs = snapshot()
+    found = {root: procs[root]} if root in procs else {}
+    found.update((p.pid, p) for p in descendants(root, procs))
+    found.update((p.pid, p) for p in procs.values() if p.pgid == root)
+    return [p for p in found.values() if p.running]
 
 
 #: Jobs that ran past their deadline and passed when run again: (command, message with

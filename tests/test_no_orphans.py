@@ -76,6 +76,35 @@ def test_a_job_past_its_deadline_fails_with_the_stacks_of_all_its_processes():
     )
 
 
+def test_a_job_whose_processes_left_its_session_is_still_dumped_and_killed():
+    """torchrun starts each rank in a session of its own: a hung rank is outside the job's
+    process group but holds its output pipes. It is dumped and killed like the rest, and
+    the timeout ends instead of waiting for the pipes to close."""
+    code = (
+        "import os, time\n"
+        "def parent_waits(): time.sleep(120)\n"
+        "def rank_waits(): time.sleep(120)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    rank_waits()\n"
+        "else:\n"
+        "    parent_waits()\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(_procs.JobTimeout) as raised:
+        _procs.run_job([sys.executable, "-c", code], timeout=5, env=dict(os.environ))
+    assert time.monotonic() - start < 60
+    message = str(raised.value)
+    assert "parent_waits" in message and "rank_waits" in message, message
+    pids = [
+        int(line.split()[1].rstrip(":")) for line in message.splitlines() if line.startswith("pid ")
+    ]
+    assert len(pids) == 2, message
+    assert not _procs.wait_gone(
+        lambda: [p for p in _procs.snapshot().values() if p.pid in pids], 10
+    )
+
+
 def test_a_job_that_hangs_once_is_run_again_and_reported(tmp_path):
     """The first run hangs, the second finishes: the test passes, and the hang (with its
     stacks) is kept for the report at the end of the test run."""
