@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.protocols import HasBlockOffsets
 
 __all__ = [
@@ -110,6 +111,7 @@ def open_dataset_source(
     fmt: str = "auto",
     columns: Sequence[str] | None = None,
     cache_bytes: int | None = None,
+    retry: RetryPolicy | None = None,
 ) -> tuple[Any, str]:
     """Open ``path`` as a source of any registered format; returns ``(source, format)``.
 
@@ -119,7 +121,7 @@ def open_dataset_source(
     ``tg.open`` (:func:`torchgrain.sources.registry.open`), which says when the format
     takes no ``columns`` (or ``cache_bytes``). Opening reads only metadata (a manifest,
     footers or cached indexes). ``cache_bytes`` sets the source's per-process block
-    cache (None: its default).
+    cache (None: its default); ``retry`` its remote reads' policy (None: its default).
 
     Example:
         >>> import tempfile, torchgrain as tg
@@ -138,9 +140,12 @@ def open_dataset_source(
                 f"{path!r} describes a composition: give columns in its entries "
                 "(columns= and cache_bytes= are for one dataset)"
             )
-        return load_spec(path).source, "composition"
-    name = registry.detect_format(path) if fmt == "auto" else fmt
+        return load_spec(path, retry).source, "composition"
+    with using(retry or current_policy()):
+        name = registry.detect_format(path) if fmt == "auto" else fmt
     options: dict[str, Any] = {"columns": list(columns)} if columns else {}
+    if retry is not None:
+        options["retry"] = retry
     if cache_bytes is not None:
         options["cache_bytes"] = cache_bytes
     return registry.open(path, format=name, **options), name
@@ -568,6 +573,7 @@ def run_bench(
     round_seconds: float = 3.0,
     settle: float = 0.05,
     out: Callable[[str], None] | None = print,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
     """Measure ``path`` in each access order; print and return the results.
 
@@ -583,7 +589,8 @@ def run_bench(
     ``cache_bytes`` sets each worker's block cache (Parquet row groups, ArrayRecord
     chunks; None: the source's default), to see what a larger one, or none, changes.
     ``tokens`` names a field of token ids to report tokens/s of (``"auto"``: the one
-    :func:`token_column` finds in the source's schema; None: none).
+    :func:`token_column` finds in the source's schema; None: none). ``retry`` is the
+    policy of remote reads, in every worker (None: the source's default).
 
     Returns a dict with ``format``, ``num_records``, ``num_workers``, ``modes`` (one dict
     per access order: ``records_per_s`` (the median), ``tokens_per_s`` (the median; None
@@ -608,7 +615,9 @@ def run_bench(
     import torchgrain as tg
 
     say = out or (lambda _line: None)
-    source, fmt = open_dataset_source(path, fmt=fmt, columns=columns, cache_bytes=cache_bytes)
+    source, fmt = open_dataset_source(
+        path, fmt=fmt, columns=columns, cache_bytes=cache_bytes, retry=retry
+    )
     n = len(source)
     if n == 0:
         raise ValueError(f"{path!r} holds no records")

@@ -8,6 +8,7 @@ import functools
 import glob
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -28,6 +29,7 @@ from torchgrain.errors import TorchgrainError
 from torchgrain.formats.codecs import available_codecs, describe_value
 from torchgrain.io import remote
 from torchgrain.io.fs import default_cache_dir, get_filesystem, skipped_files
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources import registry
 from torchgrain.sources.base import RecordBytesSource, ShardedSource
 
@@ -95,9 +97,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     fmt = _input_format("PATH", args.path, args.format)
     if fmt == "auto":
         return _inspect_spec(args)
-    src = registry.open(
-        args.path, format=fmt, **({} if args.codec == "auto" else {"codec": args.codec})
-    )
+    options = {} if args.codec == "auto" else {"codec": args.codec}
+    if args.retry is not None:
+        options["retry"] = args.retry
+    src = registry.open(args.path, format=fmt, **options)
     counts = [int(n) for n in src.shard_counts]
     samples = _head(src, max(args.samples, 1))
     codec = src.codec.name if isinstance(src, RecordBytesSource) else fmt
@@ -180,7 +183,7 @@ def _inspect_spec(args: argparse.Namespace) -> int:
     the merged keys and the first records."""
     from torchgrain.compose.mix import Mix  # (imports torch)
 
-    ds = load_spec(args.path)
+    ds = load_spec(args.path, args.retry)
     view = ds.source
     sources = view.sources if isinstance(view, Mix) else view
     counts = view.counts.tolist() if isinstance(view, Mix) else [len(c) for c in sources.children]
@@ -276,7 +279,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         **_same_names(
             args,
             "num_shards match_shards group_size workers codec compression src_format "
-            "overwrite columns",
+            "overwrite columns retry",
         ),
         verify=not args.no_verify,
         progress=False if args.quiet else None,
@@ -327,7 +330,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         **_same_names(
             args,
             "batch_size seconds round_seconds collate repeats columns cache_bytes "
-            "prefetch_factor seed tokens",
+            "prefetch_factor seed tokens retry",
         ),
         num_workers=args.workers,
         fmt=args.format,
@@ -339,6 +342,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
             mode["workers"] = mode.pop("stats").workers
         print(json.dumps(report, indent=1, default=str))
     return 0
+
+
+def _retry_policy(args: argparse.Namespace) -> RetryPolicy | None:
+    """The policy ``--retries``, ``--deadline`` and ``--request-timeout`` make (the
+    default's other fields), or None where none is given (each source's default).
+
+    Example:
+        >>> p = _retry_policy(build_parser().parse_args(["inspect", "d", "--retries", "0"]))
+        >>> p.attempts, p.deadline
+        (1, 90.0)
+    """
+    retries = getattr(args, "retries", None)
+    given = {
+        "attempts": None if retries is None else retries + 1,
+        "deadline": getattr(args, "deadline", None),
+        "request_timeout": getattr(args, "request_timeout", None),
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    return RetryPolicy(**given) if given else None
 
 
 def _same_names(args: argparse.Namespace, names: str) -> dict[str, Any]:
@@ -407,6 +429,9 @@ _FLAGS = [
     (re.compile(r"\bcodec=(?=\W|$)"), "--codec"),
     (re.compile(r"\bcolumns=(?=\W|$)"), "--columns"),
     (re.compile(r"\ballow_external_paths=True\b"), "--allow-external-paths"),
+    (re.compile(r"\bretry=(?=\W|$)"), "--retries, --deadline and --request-timeout"),
+    (re.compile(r"\bRetryPolicy\.deadline\b"), "--deadline"),
+    (re.compile(r"\bRetryPolicy\.request_timeout\b"), "--request-timeout"),
 ]
 
 
@@ -442,6 +467,7 @@ def _number(cast: type, name: str, ok: Callable[[Any], bool], need: str) -> Any:
 _positive_int = _number(int, "positive integer", lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, "integer", lambda v: v >= 0, "0 or more")
 _positive_float = _number(float, "number", lambda v: v > 0, "more than 0")
+_seconds = _number(float, "seconds", lambda v: math.isfinite(v) and v > 0, "finite and more than 0")
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -675,12 +701,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="a shard cache's directory (cache_dir=) to list or clear too",
     )
     k.add_argument("--json", action="store_true", help="machine-readable output")
+    policy = RetryPolicy()
     for reads in (i, c, b):
         reads.add_argument(
             "--allow-external-paths",
             action="store_true",
             help="read files a dataset names outside its directory (a manifest's shard "
             "paths, an HTTP listing's links): only for datasets you trust",
+        )
+        # Defaults shown, not set: without these options each source keeps its own.
+        remote = reads.add_argument_group("remote reads (http(s)://, s3://, gs://, ...)")
+        number(
+            remote,
+            "--retries",
+            _non_negative_int,
+            "retries of a remote read that failed transiently (HTTP 5xx or 429, a reset "
+            f"connection, a timeout); 0: none (default: {policy.attempts - 1})",
+        )
+        number(
+            remote,
+            "--deadline",
+            _seconds,
+            "seconds one remote read may take, its retries and the waits between them "
+            "included (plus 1 s per MiB it brought): a stalled server fails within about "
+            f"this (default: {policy.deadline:g})",
+            metavar="S",
+        )
+        number(
+            remote,
+            "--request-timeout",
+            _seconds,
+            "seconds one remote request may take before it is cancelled and retried "
+            f"(plus 1 s per MiB it asks for) (default: {policy.request_timeout:g})",
+            metavar="S",
         )
     return p
 
@@ -735,6 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, attr, None)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, attr, value[0])
+    args.retry = _retry_policy(args)
     previous = _stop_on_sigterm()
     # --allow-external-paths: every dataset this command opens, here and in the worker
     # processes it starts, is read with allow_external_paths=True (they inherit it).
@@ -743,7 +797,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if allow:
         os.environ[env] = "1"
     try:
-        return int(args.func(args) or 0)
+        # The policy passed to every source this command opens (and through them to the
+        # processes it starts), and in force for its lookups outside them (format
+        # detection, file sizes, a conversion's fingerprint).
+        with using(args.retry or current_policy()):
+            return int(args.func(args) or 0)
     except _Terminated:
         return 128 + int(signal.SIGTERM)
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchgrain.errors import TorchgrainError
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 
 __all__ = ["SpecError", "is_spec", "load_spec"]
 
@@ -95,7 +96,9 @@ def _read(path: str) -> Any:
     return spec
 
 
-def _entry_source(path: str, k: int, entry: Any, kind: str) -> tuple[str | None, Any, Any]:
+def _entry_source(
+    path: str, k: int, entry: Any, kind: str, retry: RetryPolicy | None
+) -> tuple[str | None, Any, Any]:
     """(name, dataset, weight) of entry ``k``."""
     from torchgrain.sources import registry
 
@@ -110,7 +113,7 @@ def _entry_source(path: str, k: int, entry: Any, kind: str) -> tuple[str | None,
         raise SpecError(f"{where}: 'path' must be a non-empty string, got {target!r}")
     if "://" not in target and not os.path.isabs(target):
         target = os.path.join(os.path.dirname(os.path.abspath(path)), target)
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {} if retry is None else {"retry": retry}
     columns = entry.get("columns")
     if columns is not None:
         if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
@@ -122,7 +125,8 @@ def _entry_source(path: str, k: int, entry: Any, kind: str) -> tuple[str | None,
     fmt = entry.get("format", "auto")
     try:
         if fmt == "auto":
-            fmt = registry.detect_format(target)
+            with using(retry or current_policy()):
+                fmt = registry.detect_format(target)
         src = registry.open(target, format=fmt, **options)
     except (ValueError, TypeError, OSError) as e:
         raise SpecError(f"{where} ({entry['path']!r}): {e}") from e
@@ -156,9 +160,10 @@ def _filtered(where: str, src: Any, fmt: str, conditions: Any) -> Any:
         raise SpecError(f"{where}: 'filter': {e}") from e
 
 
-def load_spec(path: str) -> Any:
+def load_spec(path: str, retry: RetryPolicy | None = None) -> Any:
     """The :class:`~torchgrain.Dataset` a composition file describes (see the module
-    docstring).
+    docstring); ``retry``: the policy of every dataset's remote reads (default: each
+    source's, :class:`~torchgrain.io.retry.RetryPolicy()`).
 
     Example:
         >>> import json, os, tempfile, torchgrain as tg
@@ -189,7 +194,7 @@ def load_spec(path: str) -> Any:
     if not isinstance(entries, list) or not entries:
         raise SpecError(f"{path}: {kind!r} must be a non-empty list of datasets")
     given, children, weights = map(
-        list, zip(*(_entry_source(path, k, e, kind) for k, e in enumerate(entries)))
+        list, zip(*(_entry_source(path, k, e, kind, retry) for k, e in enumerate(entries)))
     )
     names = [n if n is not None else str(k) for k, n in enumerate(given)]
     if len(set(names)) != len(names):

@@ -60,6 +60,7 @@ from torchgrain.formats.codecs import Codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.io.atomic import file_mode
 from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources.registry import detect_format, get_output
 from torchgrain.writers import records_to_table
 
@@ -135,6 +136,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     tokenize: Any = None,
     columns: Sequence[str] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> Manifest:
     """Convert a Parquet, TFRecord or ArrayRecord dataset; resumable, verified, parallel.
 
@@ -163,6 +165,8 @@ def convert(
         tokenize: a :func:`torchgrain.tokens.tokenize.tokenize` function run over each
             batch of 256 records before they are written (token ids as an int32 list column).
         columns: the columns to convert (default: all); a missing one is a ValueError.
+        retry: attempts and deadlines of the input's remote reads, in every worker
+            (default: the source's, :class:`~torchgrain.io.retry.RetryPolicy()`).
 
     Returns:
         The manifest (written to ``dst/torchgrain.json`` for ArrayRecord output; kept in
@@ -202,7 +206,7 @@ def convert(
         )
     root = os.path.abspath(root)
     check_output_dir(src, root)
-    inp = open_input(src, src_format, codec, storage_options, columns)
+    inp = open_input(src, src_format, codec, storage_options, columns, retry)
     options = {
         "to": to,
         "num_shards": num_shards,
@@ -228,7 +232,8 @@ def convert(
         created.append(journal.dir)
     # Locked first: a run refused the lock must not remove the journal of the run that
     # holds it (both may have found the directory missing).
-    with locked(journal), _removed_if_nothing_done(root, created, journal):
+    policy = using(retry or current_policy())  # (the input's lookups: its fingerprint)
+    with policy, locked(journal), _removed_if_nothing_done(root, created, journal):
         stamp = fingerprint(inp, options)
         tasks = plan_tasks(inp.counts, len(inp.paths), num_shards, to)
         # As stored (tuples as lists): a plan found in the journal is compared with it.

@@ -19,6 +19,7 @@ from typing import Any
 from torchgrain.errors import RecordDecodeError
 from torchgrain.formats.codecs import Codec, MsgpackCodec, get_codec
 from torchgrain.io.fs import get_filesystem
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources import registry
 from torchgrain.sources.base import RecordBytesSource, Source
 
@@ -125,18 +126,18 @@ def open_input(
     codec: Any,
     storage_options: dict[str, Any] | None,
     columns: Sequence[str] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> ConvertInput:
     """Open the source of a conversion through the format registry (``tg.open``): the
     options it needs are asked of the format, and one it does not take is an error
     naming the formats that do. ``columns``: the only columns read (a format that
     selects columns) or kept (any other); one the dataset lacks is a ValueError naming
-    it and the dataset's columns."""
-    fmt = registry.get_format(
-        registry.detect_format(src, storage_options=storage_options)
-        if src_format == "auto"
-        else src_format
-    )
-    options: dict[str, Any] = {}
+    it and the dataset's columns. ``retry``: the source's policy (each worker's too)."""
+    if src_format == "auto":
+        with using(retry or current_policy()):  # its lookups keep to the policy
+            src_format = registry.detect_format(src, storage_options=storage_options)
+    fmt = registry.get_format(src_format)
+    options: dict[str, Any] = {} if retry is None else {"retry": retry}
     if storage_options is not None:
         options["storage_options"] = storage_options
     if codec not in ("auto", None) or fmt.accepts("codec"):
