@@ -397,3 +397,38 @@ def test_a_numpy_array_that_is_not_utf8_bytes_is_never_tokenized_as_its_memory(t
     except (TypeError, ValueError):
         return  # refused: a text that is not a string, named
     assert got == [[104, 105], [121, 111]]
+
+
+def test_a_concatenation_of_a_filter_and_a_split_resumes_exactly_in_other_workers():
+    docs = tg.Dataset([{"t": np.arange(10 * d, 10 * d + d % 5, dtype=np.int64)} for d in range(30)])
+    w = docs.windows("t", 2, index_dir=None, progress=False)
+    both = tg.concat(
+        {
+            "even": w.filter(_first_token_even, **QUIET),
+            "part": tg.split(w, {"a": 0.6, "b": 0.4}, seed=2)["b"],
+        },
+        source_field="from",
+    )
+
+    def loader(workers):
+        sampler = tg.GlobalShuffleSampler(both, seed=9)
+        return tg.ResumableLoader(
+            torch.utils.data.DataLoader(
+                both, batch_size=3, sampler=sampler, num_workers=workers, collate_fn=list
+            )
+        )
+
+    whole = [(x["from"], *_pairs([x])[0]) for b in loader(0) for x in b]
+    assert sorted(map(str, whole)) == sorted(
+        map(str, ((x["from"], *_pairs([x])[0]) for x in _all(both)))
+    )
+    first, head = loader(2), []
+    for k, batch in enumerate(first):
+        head += batch
+        if k == 2:
+            state = first.state_dict()
+            break
+    rest = loader(0)
+    rest.load_state_dict(state)
+    tail = [x for b in rest for x in b]
+    assert [(x["from"], *_pairs([x])[0]) for x in head + tail] == whole
