@@ -43,11 +43,14 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
             its post-processor says), a ``transformers`` tokenizer (called with the list;
             ``input_ids`` of the result), or a callable taking the list of strings and
             returning one sequence of ids per string (or a mapping with ``input_ids``).
-        texts: strings (``bytes`` are decoded as UTF-8).
+        texts: strings (a 0-d numpy str array counts as its str) or UTF-8 bytes
+            (``bytes``, ``bytearray``, a memoryview of bytes, a 1-D uint8 or int8 array),
+            decoded as UTF-8.
 
     Raises:
-        TypeError: a text that is not a string (naming its position), or a tokenizer
-            result of the wrong shape.
+        TypeError: a text that is neither a string nor bytes (naming its position and
+            type: a numpy array of another dtype is never read as its raw memory), or a
+            tokenizer result of the wrong shape.
         ValueError: text that is not UTF-8, a tokenizer that returned another number of
             sequences, or ids outside ``[0, 2**31)``.
 
@@ -84,14 +87,30 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
 
 
 def _text(value: Any, i: int) -> str:
+    """Text ``i`` of a batch as a str: a str (a 0-d numpy str array too), or UTF-8 bytes
+    (bytes, bytearray, a memoryview of bytes, a 1-D uint8 or int8 array); never another
+    value's raw memory."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind == "U":
+        value = str(value)
     if isinstance(value, str):
         return value
-    if isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
-        try:
-            return bytes(value).decode()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"text {i} of the batch is not UTF-8: {e}") from None
-    raise TypeError(f"text {i} of the batch is a {type(value).__name__}, not a string")
+    if isinstance(value, np.ndarray):
+        ok = value.ndim == 1 and value.dtype in (np.uint8, np.int8)
+        what = f"numpy array of {value.dtype} and shape {list(value.shape)}"
+    elif isinstance(value, memoryview):
+        ok = value.format in ("B", "b", "c") and value.ndim == 1
+        what = f"memoryview of format {value.format!r} and shape {list(value.shape or ())}"
+    else:
+        ok = isinstance(value, (bytes, bytearray))
+        what = type(value).__name__
+    if not ok:
+        raise TypeError(
+            f"text {i} of the batch is a {what}, not a string or UTF-8 bytes (a 1-D uint8 array)"
+        )
+    try:
+        return bytes(value).decode()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"text {i} of the batch is not UTF-8: {e}") from None
 
 
 def _ids(row: Any, i: int, name: str) -> np.ndarray:
