@@ -87,6 +87,9 @@ class ShardIndex:
         if isinstance(indices, (list, tuple)) and bool in set(map(type, indices)):
             raise TypeError("record indices must be integers, got bool")
         arr = np.asarray(indices)
+        if arr.dtype.kind == "f" and isinstance(indices, (list, tuple)):
+            # Ints past int64 mixed with others promote to float64: check them as ints.
+            arr = np.asarray(indices, dtype=object)
         if arr.dtype == object or arr.dtype.kind not in "iu":
             if arr.size == 0:
                 return np.zeros(0, dtype=np.int64)
