@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import torchgrain as tg
+from torchgrain.compose.mix import mixture_weights
 from torchgrain.sources.index import ShardIndex
 
 
@@ -22,3 +24,20 @@ def test_a_float_in_a_batch_is_the_type_error_naming_it():
     with pytest.raises(TypeError, match=r"\[1\.5\]"):
         ShardIndex([3, 4]).check([0, 1.5])
     assert ShardIndex([3, 4]).check([6, 0]).tolist() == [6, 0]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_numpy_float_weights_are_the_decimals_they_print_as(dtype):
+    weights = list(np.array([0.9, 0.1], dtype))
+    assert mixture_weights([5, 5], weights) == mixture_weights([5, 5], [0.9, 0.1])
+    m = tg.mix([[{"x": i} for i in range(10)]] * 2, weights, length=5)
+    assert m.source.counts.tolist() == [5, 0]
+
+
+def test_numpy_integer_weights_are_exact_and_complex_ones_refused():
+    big = 2**62 + 1
+    assert mixture_weights([1, 1], [np.int64(big), np.uint64(big - 2)]) == mixture_weights(
+        [1, 1], [big, big - 2]
+    )
+    with pytest.raises(TypeError, match="numbers"):
+        mixture_weights([1, 1], [np.complex64(1), 1])

@@ -57,10 +57,12 @@ _PERMS_KEPT = 64
 
 
 def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
-    """Normalised exact weights (floats are converted exactly, not re-rounded)."""
+    """Normalised exact weights (a float is the decimal it prints as, never re-rounded)."""
     out = []
     for w in weights:
-        if isinstance(w, bool) or not isinstance(w, (int, float, Fraction, np.number)):
+        if isinstance(w, bool) or not isinstance(
+            w, (int, float, Fraction, np.integer, np.floating)
+        ):
             raise TypeError(f"{what} must be numbers, got {w!r}")
         try:
             finite = math.isfinite(float(w))
@@ -71,8 +73,14 @@ def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
                 f"{what} must be finite and >= 0 (within a float's range), got {_number(w)}"
             )
         # A float is taken as the shortest decimal that reads back as it (0.6 is 3/5,
-        # not 0.59999999999999997779...), so that [0.6, 0.4] of 60 records is 100.
-        out.append(Fraction(w) if isinstance(w, (int, Fraction)) else Fraction(repr(float(w))))
+        # not 0.59999999999999997779...), so that [0.6, 0.4] of 60 records is 100; a
+        # numpy float as the one of its own precision (float32 0.9 is 9/10).
+        if isinstance(w, (int, np.integer)):
+            out.append(Fraction(int(w)))
+        elif isinstance(w, Fraction):
+            out.append(w)
+        else:
+            out.append(Fraction(str(w) if isinstance(w, np.floating) else repr(float(w))))
     total = sum(out, Fraction(0))
     if total == 0:
         raise ValueError(f"{what} must not all be 0")
