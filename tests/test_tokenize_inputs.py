@@ -4,6 +4,7 @@ are not strings or UTF-8 bytes, padded tokenizer output, ids a padded dtype cann
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
 from torchgrain.tokens.tokenize import tokenize_batch
@@ -50,3 +51,44 @@ def test_texts_the_docstring_promises_are_read_as_text(text):
 def test_other_values_are_refused_naming_their_position_and_type(text):
     with pytest.raises(TypeError, match=r"text 1 of the batch is a .*not a string"):
         tokenize_batch(_codepoints, ["yo", text])
+
+
+def _collate(batch, columns, **kw):
+    import torchgrain as tg
+    from torchgrain.columns import ColumnBatch
+
+    return tg.pad_collate(ColumnBatch.from_records(batch) if columns else batch, **kw)
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["records", "columns"])
+def test_pad_collate_refuses_uint64_ids_int64_cannot_hold_naming_the_field(columns):
+    big = 2**63 + 5
+    batch = [{"ids": np.array([7], np.uint64)}, {"ids": np.array([1, big], np.uint64)}]
+    with pytest.raises(ValueError, match=rf"field 'ids' of (record|row) 1 .*{big}.*2\*\*63"):
+        _collate(batch, columns, pad_id=-1)
+    fits = [{"ids": np.array([7], np.uint64)}, {"ids": np.array([1, 2**63 - 1], np.uint64)}]
+    out = _collate(fits, columns, pad_id=-1)["ids"]
+    assert out.tolist() == [[7, -1], [1, 2**63 - 1]]
+    assert _collate(batch, columns)["ids"].tolist() == [[7, 0], [1, big]]  # pad 0: uint64
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["records", "columns"])
+def test_pad_collate_never_rounds_integer_ids_to_a_float_pad(columns):
+    batch = [{"ids": np.array([2**24 + 1], np.int64)}, {"ids": np.array([1, 2], np.int64)}]
+    with pytest.raises(ValueError, match=r"padding value 0.5 of field 'ids' is not an integer"):
+        _collate(batch, columns, pad_id=0.5)
+    out = _collate(batch, columns, pad_id=3.0)["ids"]  # an integer, as a float
+    assert out.dtype == torch.int64 and out.tolist() == [[2**24 + 1, 3], [1, 2]]
+
+
+def test_pad_collate_promotes_unsigned_and_signed_rows_to_a_dtype_holding_both():
+    import torchgrain as tg
+
+    batch = [{"ids": np.array([2**32 - 1], np.uint32)}, {"ids": np.array([-3, 4], np.int32)}]
+    out = tg.pad_collate(batch)["ids"]
+    assert out.dtype == torch.int64 and out.tolist() == [[2**32 - 1, 0], [-3, 4]]
+    small = [{"ids": np.array([200], np.uint8)}, {"ids": np.array([-3, 4], np.int8)}]
+    assert tg.pad_collate(small)["ids"].dtype == torch.int16
+    mixed = [{"ids": np.array([2**63 + 1], np.uint64)}, {"ids": np.array([-3], np.int64)}]
+    with pytest.raises(ValueError, match=r"field 'ids' of record 0"):
+        tg.pad_collate(mixed)

@@ -200,6 +200,13 @@ class Ragged:
             width = -(-width // multiple_of) * multiple_of
         dtype = dtype_holding(values.dtype, pad_value)
         if dtype != values.dtype:  # torch.full would wrap -100 into uint16 tokens silently
+            past = unsigned_past_int64(values[start:end]) if dtype == torch.int64 else None
+            if past is not None:
+                raise ValueError(
+                    f"a Ragged's value {values[start + past].item()} is above "
+                    f"2**63 - 1: int64, which the padding value {pad_value!r} needs, cannot "
+                    "hold it"
+                )
             values = values.to(dtype)
         out = torch.full((rows, width), pad_value, dtype=dtype, device=values.device)
         if end > start:
@@ -388,7 +395,15 @@ def _signed_twin(dtype: Any) -> Any:
 
 def dtype_holding(dtype: Any, pad: int | float) -> Any:
     """The torch ``dtype``, or one that holds the padding value too (-100 in uint16
-    tokens: int64).
+    tokens: int64; 0.5 in int8 values: float32, in int32 ones: float64, exactly).
+
+    Raises:
+        ValueError: a padding value no dtype holds with every value of ``dtype``
+            exactly (0.5 with 64-bit integers, whose ids a float would round; an
+            integer outside int64).
+
+    A uint64 ``dtype`` under a negative pad gives int64: values above ``2**63 - 1``
+    do not fit it (see :func:`unsigned_past_int64`).
 
     Example:
         >>> import torch
@@ -400,11 +415,38 @@ def dtype_holding(dtype: Any, pad: int | float) -> Any:
     if dtype.is_floating_point or dtype.is_complex:
         return dtype
     if isinstance(pad, float) and not float(pad).is_integer():
-        return torch.get_default_dtype()
+        bits = 1 if dtype == torch.bool else torch.iinfo(dtype).bits
+        if bits > 32:
+            raise ValueError(
+                f"a padding value {pad!r} in {dtype} values: no float dtype holds every "
+                f"{dtype} value exactly; pad with an integer"
+            )
+        return torch.float32 if bits <= 16 else torch.float64
     if dtype == torch.bool:
         return dtype if pad in (0, 1) else torch.int64
     info = torch.iinfo(dtype)
-    return dtype if info.min <= pad <= info.max else torch.int64
+    if info.min <= pad <= info.max:
+        return dtype
+    if not -(2**63) <= pad < 2**63:
+        raise ValueError(f"a padding value {pad!r} outside int64 for {dtype} values")
+    return torch.int64
+
+
+def unsigned_past_int64(values: Any) -> int | None:
+    """The position of the first value of a uint64 tensor above ``2**63 - 1`` (which
+    int64 cannot hold), or None.
+
+    Example:
+        >>> import torch
+        >>> unsigned_past_int64(torch.tensor([1, 2**63 + 5], dtype=torch.uint64))
+        1
+    """
+    import torch
+
+    if values.dtype != torch.uint64:
+        return None
+    over = torch.nonzero(values.view(torch.int64) < 0)
+    return int(over[0, 0]) if len(over) else None
 
 
 def as_tensor(x: Any) -> Any:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from torchgrain.columns import ColumnBatch, Ragged, as_tensor, dtype_holding
+from torchgrain.columns import ColumnBatch, Ragged, as_tensor, dtype_holding, unsigned_past_int64
 from torchgrain.errors import RaggedBatchError
 from torchgrain.frameworks.dataloader import collate
 
@@ -222,7 +222,9 @@ class PadCollate:
         longest = int(lengths.max())
         width = self._width(key, longest, int(lengths.argmax()))
         pad = self._pad_value(key)
-        dtype = dtype_holding(functools.reduce(torch.promote_types, (r.dtype for r in rows)), pad)
+        dtype = _dtype_of(key, [r.dtype for r in rows], pad)
+        for i, r in enumerate(rows):
+            _check_fits(key, r, dtype, pad, lambda at, i=i: f"record {i}")
         out = torch.full((len(rows), width), pad, dtype=dtype)
         for i, (r, n) in enumerate(zip(rows, lengths.tolist())):
             at = 0 if self.side == "right" else width - n
@@ -261,7 +263,16 @@ class PadCollate:
         width = self._width(key, longest, int(lengths.argmax()) if n else 0)
         pad = self._pad_value(key)
         values = as_tensor(col.values)
-        dtype = dtype_holding(values.dtype, pad)
+        dtype = _dtype_of(key, [values.dtype], pad)
+        offsets = np.asarray(col.offsets)
+        start, end = (int(offsets[0]), int(offsets[-1])) if n else (0, 0)
+        _check_fits(
+            key,
+            values[start:end],
+            dtype,
+            pad,
+            lambda at: f"row {int(np.searchsorted(offsets, start + at, 'right')) - 1}",
+        )
         if dtype != values.dtype:
             col = Ragged(values.to(dtype), col.offsets, col.kind)
         out, lengths = col.to_padded(pad, side=self.side)
@@ -296,6 +307,52 @@ class PadCollate:
         out.clear()  # a worker's shared-memory batch: keep its type
         out.update(ordered)
         return out
+
+
+def _dtype_of(key: str, dtypes: list[torch.dtype], pad: int | float) -> torch.dtype:
+    """The dtype a padded field gets: its rows' (promoted: uint32 with int32 is int64),
+    holding ``pad`` too; integer ids are never put in floats."""
+    floats = [d for d in dtypes if d.is_floating_point or d.is_complex]
+    if floats:  # integer rows among float ones go into floats, as torch promotes them
+        return functools.reduce(torch.promote_types, floats)
+    if isinstance(pad, float):
+        if not pad.is_integer():
+            raise ValueError(
+                f"pad_collate: the padding value {pad!r} of field {key!r} is not an integer "
+                f"and its values are integers ({', '.join(sorted(map(str, set(dtypes))))}): "
+                "floats would round ids above 2**24; pad with an integer"
+            )
+        pad = int(pad)
+    if all(d == torch.bool for d in dtypes):
+        return dtype_holding(torch.bool, pad)
+    ranges = [
+        (0, 1) if d == torch.bool else (torch.iinfo(d).min, torch.iinfo(d).max) for d in dtypes
+    ]
+    lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    candidates = [torch.uint8, torch.uint16, torch.uint32, torch.uint64] if lo == 0 else []
+    candidates += [torch.int8, torch.int16, torch.int32, torch.int64]
+    # The smallest integer dtype holding every row's dtype (int64 at most: uint64 rows
+    # with signed ones, checked value by value).
+    fits = [d for d in candidates if torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
+    try:
+        return dtype_holding(fits[0] if fits else torch.int64, pad)
+    except ValueError as e:
+        raise ValueError(f"pad_collate: field {key!r}: {e}") from None
+
+
+def _check_fits(
+    key: str, values: torch.Tensor, dtype: torch.dtype, pad: int | float, where: Callable
+) -> None:
+    """A ValueError naming the field when uint64 ``values`` exceed int64 ``dtype``."""
+    if dtype != torch.int64 or values.dtype != torch.uint64:
+        return
+    at = unsigned_past_int64(values)
+    if at is not None:
+        raise ValueError(
+            f"pad_collate: field {key!r} of {where(at)} of the batch holds "
+            f"{values[at].item()}, above 2**63 - 1: int64, which the padding value {pad!r} "
+            "and the field's other rows need, cannot hold it"
+        )
 
 
 def _is_sequence(value: Any) -> bool:
