@@ -4,8 +4,8 @@ are not strings or UTF-8 bytes, padded tokenizer output, ids a padded dtype cann
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from torchgrain.tokens.tokenize import tokenize_batch
 
@@ -92,3 +92,17 @@ def test_pad_collate_promotes_unsigned_and_signed_rows_to_a_dtype_holding_both()
     mixed = [{"ids": np.array([2**63 + 1], np.uint64)}, {"ids": np.array([-3], np.int64)}]
     with pytest.raises(ValueError, match=r"field 'ids' of record 0"):
         tg.pad_collate(mixed)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "mapping"])
+def test_a_padded_2d_tokenizer_output_is_refused_not_read_row_by_row(kind):
+    def padded(texts):  # return_tensors="np": rows padded with 0 to the longest
+        ids = np.zeros((len(texts), max(map(len, texts))), np.int64)
+        for i, t in enumerate(texts):
+            ids[i, : len(t)] = [ord(c) for c in t]
+        if kind == "torch":
+            return torch.from_numpy(ids)
+        return {"input_ids": ids} if kind == "mapping" else ids
+
+    with pytest.raises(TypeError, match=r"shape \[2, 3\], padded: return a list of unpadded"):
+        tokenize_batch(padded, ["hi", "you"])

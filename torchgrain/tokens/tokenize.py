@@ -42,7 +42,9 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
         tokenizer: a ``tokenizers.Tokenizer`` (``encode_batch``; special tokens added as
             its post-processor says), a ``transformers`` tokenizer (called with the list;
             ``input_ids`` of the result), or a callable taking the list of strings and
-            returning one sequence of ids per string (or a mapping with ``input_ids``).
+            returning one sequence of ids per string (or a mapping with ``input_ids``):
+            a list of unpadded sequences, never one padded 2-D array or tensor
+            (``return_tensors``), whose pad ids cannot be told from tokens.
         texts: strings (a 0-d numpy str array counts as its str) or UTF-8 bytes
             (``bytes``, ``bytearray``, a memoryview of bytes, a 1-D uint8 or int8 array),
             decoded as UTF-8.
@@ -50,7 +52,7 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
     Raises:
         TypeError: a text that is neither a string nor bytes (naming its position and
             type: a numpy array of another dtype is never read as its raw memory), or a
-            tokenizer result of the wrong shape.
+            tokenizer result of the wrong shape (a padded 2-D array among them).
         ValueError: text that is not UTF-8, a tokenizer that returned another number of
             sequences, or ids outside ``[0, 2**31)``.
 
@@ -78,8 +80,13 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
             f"callable on a list of strings, got {type(tokenizer).__name__}"
         )
     name = type(tokenizer).__name__
-    if isinstance(ids, np.ndarray) and ids.ndim == 2:  # one padded array: rows
-        ids = list(ids)
+    if not isinstance(ids, (list, tuple)) and len(getattr(ids, "shape", ())) > 1:
+        # return_tensors="np"/"pt": one padded array, whose pad ids would be taken as tokens
+        raise TypeError(
+            f"tokenizer {name} returned one {type(ids).__name__} of shape "
+            f"{list(ids.shape)}, padded: return a list of unpadded id sequences, one per "
+            "text (no return_tensors, no padding)"
+        )
     if not isinstance(ids, Sequence) or len(ids) != len(strings):
         got = f"{len(ids)} sequences" if isinstance(ids, Sequence) else type(ids).__name__
         raise ValueError(f"tokenizer {name} returned {got} for {len(strings)} texts")
