@@ -139,7 +139,7 @@ def test_bad_arguments(kwargs, error, match):
 def test_empty_source_named_and_weight_zero_allowed():
     with pytest.raises(ValueError, match=r"'empty'.*no records"):
         tg.mix({"a": ids("a", 3), "empty": []}, {"a": 1, "empty": 1})
-    ds = tg.mix({"a": ids("a", 3), "empty": []}, {"a": 1})
+    ds = tg.mix({"a": ids("a", 3), "empty": []}, {"a": 1, "empty": 0})
     assert sorted(r["id"] for r in ds.__getitems__(range(len(ds)))) == ["a0", "a1", "a2"]
 
 

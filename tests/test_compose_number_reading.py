@@ -41,3 +41,11 @@ def test_numpy_integer_weights_are_exact_and_complex_ones_refused():
     )
     with pytest.raises(TypeError, match="numbers"):
         mixture_weights([1, 1], [np.complex64(1), 1])
+
+
+def test_weights_by_name_must_name_every_dataset():
+    data = {"web": [{"x": 1}] * 4, "books": [{"x": 2}] * 4, "code": [{"x": 3}] * 4}
+    with pytest.raises(ValueError, match=r"\['books', 'code'\] have no weight"):
+        tg.mix(data, {"web": 0.7})
+    m = tg.mix(data, {"web": 0.7, "books": 0, "code": 0})  # weight 0: left out, said so
+    assert m.source.counts.tolist() == [len(m), 0, 0]

@@ -404,8 +404,8 @@ def mix(
             ``name -> dataset``. Keys and schemas must agree, as for
             :func:`~torchgrain.concat`.
         weights: one weight per dataset (any non-negative numbers, normalised; a dict
-            by name when ``datasets`` is a dict). None: by ``temperature``, else
-            proportional to the datasets' sizes.
+            by name when ``datasets`` is a dict, naming every dataset: weight 0 leaves
+            one out). None: by ``temperature``, else proportional to the datasets' sizes.
         seed: the mixture's seed (64-bit).
         length: records per epoch; None: by ``stopping``.
         stopping: ``"first_exhausted"`` (the longest epoch in which no dataset gives more
@@ -437,7 +437,10 @@ def mix(
         if unknown:
             raise ValueError(f"weights name datasets that are not mixed: {unknown}")
         by_name = {str(k): w for k, w in weights.items()}  # names are str(key)
-        weights = [by_name.get(n, 0) for n in names]
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise ValueError(f"datasets {missing} have no weight (give each one; 0 leaves it out)")
+        weights = [by_name[n] for n in names]
     return Dataset(
         Mix(
             children,
