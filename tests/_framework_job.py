@@ -20,6 +20,7 @@ DataLoader workers start that way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -113,11 +114,13 @@ def write(out, rank, payload):
 
 
 # --------------------------------------------------------------------------- Lightning
-# Module-level classes: ddp_spawn pickles the module into the processes it starts.
-try:
-    import lightning as L
-except ImportError:  # the other frameworks' runs do not need it
-    L = None
+# Module-level classes: ddp_spawn pickles the module into the processes it starts. Only
+# Lightning's runs import it: spawn and forkserver DataLoader workers import this module
+# again (with the job's argv), and Lightning's imports cost each of them seconds.
+L = None
+if sys.argv[1:2] == ["lightning"]:
+    with contextlib.suppress(ImportError):  # (its test is skipped then)
+        import lightning as L
 
 if L is not None:
 
