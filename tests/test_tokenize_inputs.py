@@ -106,3 +106,13 @@ def test_a_padded_2d_tokenizer_output_is_refused_not_read_row_by_row(kind):
 
     with pytest.raises(TypeError, match=r"shape \[2, 3\], padded: return a list of unpadded"):
         tokenize_batch(padded, ["hi", "you"])
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["records", "columns"])
+def test_pad_collate_of_rows_all_empty_is_a_b_by_0_tensor_with_its_mask(columns):
+    batch = [{"ids": [], "y": 1}, {"ids": [], "y": 2}]
+    out = _collate(batch, columns)
+    assert out["ids"].shape == (2, 0) and out["attention_mask"].shape == (2, 0)
+    assert out["y"].tolist() == [1, 2]
+    some = _collate([{"ids": [], "y": 1}, {"ids": [4], "y": 2}], columns)
+    assert some["ids"].tolist() == [[0], [4]] and some["attention_mask"].tolist() == [[0], [1]]

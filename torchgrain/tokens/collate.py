@@ -368,14 +368,11 @@ def _is_sequence(value: Any) -> bool:
 
 
 def _all_sequences(values: list[Any]) -> bool:
-    """Whether every value is a 1-D sequence of numbers (or empty), one at least not."""
-    found = False
-    for v in values:
-        if _is_sequence(v):
-            found = True
-        elif not (isinstance(v, (list, tuple)) and not v):
-            return False
-    return found
+    """Whether every value is a 1-D sequence of numbers or empty (all empty: a ``[B, 0]``
+    tensor, so a batch's shape does not depend on its content)."""
+    return bool(values) and all(
+        _is_sequence(v) or (isinstance(v, (list, tuple)) and not v) for v in values
+    )
 
 
 def _is_column_sequence(col: Any) -> bool:
