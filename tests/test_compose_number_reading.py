@@ -9,6 +9,7 @@ import pytest
 
 import torchgrain as tg
 from torchgrain.compose.mix import mixture_weights
+from torchgrain.compose.subset import split_counts
 from torchgrain.sources.index import ShardIndex
 
 
@@ -49,3 +50,14 @@ def test_weights_by_name_must_name_every_dataset():
         tg.mix(data, {"web": 0.7})
     m = tg.mix(data, {"web": 0.7, "books": 0, "code": 0})  # weight 0: left out, said so
     assert m.source.counts.tolist() == [len(m), 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_numpy_float_fractions_are_the_decimals_they_print_as(dtype):
+    for fractions in ([0.9, 0.1], [0.8, 0.1, 0.1], [0.7, 0.2, 0.1]):
+        named = dict(zip("abc", np.array(fractions, dtype)))
+        want = split_counts(1000, dict(zip("abc", fractions)))
+        assert split_counts(1000, named) == want
+        assert sum(want.values()) == 1000
+        parts = tg.split(tg.Dataset([{"x": i} for i in range(100)]), named, seed=0)
+        assert sorted(r["x"] for p in parts.values() for r in p) == list(range(100))

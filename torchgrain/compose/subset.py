@@ -228,7 +228,8 @@ def split_counts(n: int, fractions: Mapping[str, float | int]) -> dict[str, int]
     records left over go one each to the parts with the largest remainders (the earlier
     part on a tie). The counts sum to ``floor(s * n)``, where ``s`` is the fractions' sum
     rounded to 9 decimals (the fractions are scaled to sum to exactly ``s``): fractions
-    that sum to 1 give every record a part; a smaller sum leaves the rest in none.
+    that sum to 1 give every record a part; a smaller sum leaves the rest in none. A
+    numpy float is the decimal it prints as (``np.float32(0.9)`` is 0.9).
 
     Example:
         >>> split_counts(10, {"train": 0.98, "val": 0.02})
@@ -256,6 +257,8 @@ def split_counts(n: int, fractions: Mapping[str, float | int]) -> dict[str, int]
         return {k: int(v) for k, v in fractions.items()}
     if any(isinstance(v, (int, np.integer)) and v != 0 for v in values):
         raise TypeError(f"split takes fractions or counts, not both: {dict(fractions)}")
+    # A numpy float is the decimal it prints as (float32 0.9 is 0.9, not 0.899999976...).
+    values = [float(str(v)) if isinstance(v, np.floating) else v for v in values]
     exact = [Fraction(float(v)) for v in values]
     # The sum, to 9 decimals: fractions meant to sum to 1 or 0.5 do, whatever float
     # rounding did to them; the parts are scaled to sum to exactly that.
