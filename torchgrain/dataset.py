@@ -405,7 +405,17 @@ class Dataset(torch.utils.data.Dataset):
 
     def windows(self, column: str, seq_len: int, **options: Any) -> Dataset:
         """Fixed-length token windows over the documents of ``column``, as a new Dataset;
-        see :func:`torchgrain.tokens.windows.windows`."""
+        see :func:`torchgrain.tokens.windows.windows`.
+
+        A null token list (Parquet) or None (in memory, ArrayRecord) counts as an empty
+        document. Transforms before the windows must keep each document's token count
+        from epoch to epoch (a ``random_map`` that changes it fails when read).
+
+        Example:
+            >>> ds = Dataset([{"t": [1, 2, 3]}, {"t": None}, {"t": [4, 5]}])
+            >>> [w["input_ids"].tolist() for w in ds.windows("t", 2, index_dir=None)]
+            [[1, 2], [3, 4]]
+        """
         from torchgrain.tokens.windows import windows
 
         return windows(self, column, seq_len, **options)

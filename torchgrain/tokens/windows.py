@@ -559,7 +559,9 @@ class TokenWindows(Composed):
                 f"document {int(wanted[k])} of {self._docs.name}: column "
                 f"{self._docs.column!r} has {int(got[k])} tokens, its window index "
                 f"({self._index.path or 'in memory'}) says {int(expect[k])}: the data "
-                "changed since the index was built"
+                "changed since the index was built, or a transform before the windows (a "
+                "random_map, say) changes token counts from epoch to epoch, which cannot "
+                "be under windows: apply it to the windows instead"
             )
         return read
 
@@ -780,7 +782,9 @@ def windows(
         ds: the documents: a :class:`~torchgrain.Dataset`, a Source, or anything
             ``Dataset`` accepts. Its transforms apply before ``column`` is read.
         column: the record key holding each document's token ids (a list or 1-D
-            integer array; None reads as empty), or its text when ``tokenizer`` is given.
+            integer array; a null list in Parquet, or None in memory or ArrayRecord
+            records, counts as an empty document: its ``bos``/``eos`` only), or its text
+            when ``tokenizer`` is given.
         seq_len: tokens per window.
         eos, bos: token ids added after / before every document (None: none).
         mode: ``"concat"`` (windows across documents) or ``"pack"`` (whole documents
