@@ -32,6 +32,8 @@ from torchgrain.writers import OutputFormat, shard_name
 
 __all__ = [
     "JOURNAL_DIR",
+    "MAX_PLAN_BYTES",
+    "MAX_RECORD_BYTES",
     "Journal",
     "check_plan",
     "fingerprint",
@@ -46,6 +48,14 @@ __all__ = [
 ]
 
 JOURNAL_DIR = ".torchgrain-convert"
+
+#: The most bytes of the journal's plan read: it holds about 350 bytes per input file
+#: (its path, size, times; its count; its output shard's task), so this is a plan of some
+#: 700,000 files, and the manifest's own ceiling.
+MAX_PLAN_BYTES = 256 << 20
+#: The most bytes of a shard's record read: a few hundred, and its schema's tens of bytes
+#: a column. A longer one is not ours: its shard is converted again (nothing is lost).
+MAX_RECORD_BYTES = 16 << 20
 
 
 def plan_tasks(
@@ -117,12 +127,30 @@ class Journal:
         self.dir = os.path.join(self.root, JOURNAL_DIR)
 
     def load_plan(self) -> dict[str, Any] | None:
+        """The plan the journal holds (None if none), read no further than
+        :data:`MAX_PLAN_BYTES`.
+
+        Raises:
+            CorruptDataError: it is longer, not JSON, or not a plan.
+
+        Example:
+            >>> import tempfile
+            >>> j = Journal(tempfile.mkdtemp())
+            >>> j.save_plan({"fingerprint": {}, "counts": None, "tasks": []})
+            >>> j.load_plan()["tasks"], Journal(tempfile.mkdtemp()).load_plan()
+            ([], None)
+        """
         p = os.path.join(self.dir, "plan.json")
         if not os.path.isfile(p):
             return None
+        data = _read_at_most(p, MAX_PLAN_BYTES)
+        if data is None:
+            raise CorruptDataError(
+                f"the conversion plan {p} holds more than MAX_PLAN_BYTES={MAX_PLAN_BYTES} "
+                f"bytes: it is not ours; remove {self.dir} or pass overwrite=True"
+            )
         try:
-            with open(p) as f:
-                plan = json.load(f)
+            plan = json.loads(data)
         except ValueError as e:
             raise CorruptDataError(f"the conversion plan {p} is not JSON: {e}") from None
         if not isinstance(plan, dict) or not {"fingerprint", "counts", "tasks"} <= plan.keys():
@@ -141,10 +169,12 @@ class Journal:
                     # A record is written whole (atomically): one that is not (nor a
                     # regular file: a FIFO's open would wait) is not ours, and its shard
                     # is converted again (finished() checks the rest).
+                    # Nor one longer than any we write (MAX_RECORD_BYTES).
                     with contextlib.suppress(ValueError, TypeError, KeyError, IsADirectoryError):
-                        with open(open_regular(os.path.join(self.dir, n))) as f:
-                            r = json.load(f)
-                        out[int(r["index"])] = r
+                        data = _read_at_most(os.path.join(self.dir, n), MAX_RECORD_BYTES)
+                        if data is not None:
+                            r = json.loads(data)
+                            out[int(r["index"])] = r
         return out
 
     def record(self, result: dict[str, Any]) -> None:
@@ -157,6 +187,19 @@ class Journal:
             for n in os.listdir(self.dir):
                 if n != "lock":
                     os.unlink(os.path.join(self.dir, n))
+
+
+def _read_at_most(path: str, limit: int) -> bytes | None:
+    """The bytes of the regular file ``path``, or None if it holds more than ``limit``
+    (no more than ``limit + 1`` are read, whatever its size)."""
+    with open(open_regular(path), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            return None
+        data = f.read(size + 1)  # (a read allocates what it asks for first)
+        if len(data) > size:  # it grew meanwhile
+            data += f.read(limit + 1 - len(data))
+    return data if len(data) <= limit else None
 
 
 @contextlib.contextmanager
