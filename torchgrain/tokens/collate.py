@@ -86,9 +86,16 @@ def pad_collate(
         labels_pad: the padding value of ``labels`` (-100: ignored by
             ``torch.nn.functional.cross_entropy``).
 
-    Each field is padded to its own longest row in the batch. Other fields go through
-    torch's default collate. Errors name the field and the record's position in the
-    batch.
+    Each field is padded to its own longest row in the batch (rows all empty: a
+    ``[B, 0]`` tensor), in its rows' dtype promoted to hold them all and the padding
+    value (uint32 with int32 rows, or uint16 ones under -100: int64). Other fields go
+    through torch's default collate. Errors name the field and the record's position in
+    the batch.
+
+    Raises:
+        ValueError: a padding value that is not an integer over integer ids (floats
+            would round them), or uint64 ids above ``2**63 - 1`` where int64 is needed
+            (a negative padding value, signed rows beside them): never a wrong id.
 
     Example:
         >>> import numpy as np, torch
