@@ -30,6 +30,7 @@ import tempfile
 
 import numpy as np
 import torch
+import torch.distributed.nn  # before any process group exists: see main()
 from torch.utils.data import DataLoader
 
 import torchgrain as tg
@@ -519,11 +520,13 @@ def main(argv=None):
         # A gloo process group left for the interpreter's exit can abort the process
         # ("terminate called without an active exception", torch#190489): the HF Trainer
         # and Accelerate leave theirs unless told to end, and their objects hold it in
-        # reference cycles (the DDP model), so it outlives destroy_process_group() until
-        # a collection frees it and joins its threads (gloo_tcp_loop, pt_gloo_runloop).
+        # reference cycles (the DDP model). Those are collected first, while the group is
+        # registered: a collection that frees the last hold on an ended group joins its
+        # threads (gloo_tcp_loop, pt_gloo_runloop) with the GIL held, which a thread
+        # freeing a finished collective's tensors waits for (a hang, seen 1 in ~80 runs).
+        gc.collect()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        gc.collect()
 
 
 if __name__ == "__main__":

@@ -52,9 +52,11 @@ for epoch in range(loader.epoch, epochs):
             accelerator.save_state(checkpoint_dir)
 # --8<-- [end:recipe]
 accelerator.print(f"done at epoch {loader.epoch}, loss {loss.item():.3f}", flush=True)
-# A gloo group left to the interpreter's exit can abort it: end the group, then free the
-# DDP model, which holds the group and its threads. torch.distributed.nn is imported
-# above: first imported after the group exists (DDP does), its functions keep the group
-# as their default argument.
-accelerator.end_training()
+# Free the DDP model, then end the group. A gloo group left to the interpreter's exit can
+# abort it, and the DDP model holds the group. The other order can hang: a collection
+# that frees the last hold on an ended group joins its threads while holding the GIL,
+# which a thread freeing a finished collective's tensors waits for. torch.distributed.nn
+# is imported above: first imported after the group exists (DDP does), its functions
+# keep the group as their default argument.
 model, optimizer = accelerator.free_memory(model, optimizer)
+accelerator.end_training()

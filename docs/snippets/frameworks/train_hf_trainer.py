@@ -2,12 +2,12 @@
 `python train_hf_trainer.py` for one process). It saves a checkpoint every 10 steps; run it again
 to resume from the last one."""
 
-import gc
 import os
 import shutil
 
 import numpy as np
 import torch
+import torch.distributed.nn  # before the process group exists: see the end
 from transformers import TrainingArguments
 
 import torchgrain as tg
@@ -60,8 +60,13 @@ trainer = Trainer(
 trainer.train(resume_from_checkpoint=resume)  # True: from the last checkpoint in output_dir
 # --8<-- [end:recipe]
 print(f"done at step {trainer.state.global_step}", flush=True)  # one write: ranks share stdout
-# A gloo group left to the interpreter's exit can abort it: end the group, then free the
-# Trainer, whose reference cycles (its DDP model) keep the group's threads running.
-trainer.accelerator.end_training()
+# Free the Trainer, then end the group. A gloo group left to the interpreter's exit can
+# abort it, and the Trainer's objects (its DDP model) hold the group in reference cycles.
+# The other order can hang: a collection that frees the last hold on an ended group joins
+# its threads while holding the GIL, which a thread freeing a finished collective's
+# tensors waits for. torch.distributed.nn is imported above: first imported after the
+# group exists (DDP does), its functions keep the group as their default argument.
+accelerator = trainer.accelerator
 del trainer
-gc.collect()
+accelerator.free_memory()  # (collects)
+accelerator.end_training()
