@@ -116,11 +116,6 @@ def test_every_composed_dataset_refuses_indices_outside_itself(name):
         ds.__getitems__(np.array([True, False]))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sources/index.py:89 ShardIndex.check: np.asarray([0, 2**63]) is float64, so a "
-    "batch with an index in [2**63, 2**64) is a TypeError naming index 0 as a float",
-)
 @pytest.mark.parametrize("name", ["concat", "filter", "windows"])
 def test_a_batch_with_an_index_past_int64_is_an_index_error_naming_it(name):
     ds = _composed()[name]
@@ -158,11 +153,6 @@ def test_mixture_counts_are_the_exact_largest_remainder(weights, length):
     assert got == _ref_counts(length, weights)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mix.py _fractions takes a numpy float32 weight as the float64 it widens to "
-    "(0.899999976...), not the decimal it prints as (0.9): the counts then differ",
-)
 def test_numpy_float32_weights_are_the_decimals_they_print_as():
     # [0.9, 0.1] of 5 records: shares 4.5 and 0.5, the tie to the earlier dataset.
     weights = np.array([0.9, 0.1], np.float32)
@@ -321,32 +311,17 @@ def test_composed_datasets_over_windows_read_the_windows_they_name():
     assert all(g in ref for g in got) and len(got) == len(mixed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mix.py:424 weights by name give a dataset the dict leaves out weight 0 without "
-    "a word (positional weights must be one per dataset; a spec entry without one is refused)",
-)
 def test_weights_by_name_that_leave_a_dataset_out_are_refused():
     with pytest.raises(ValueError, match="books"):
         tg.mix({"web": _recs("w", 10), "books": _recs("b", 10)}, {"web": 0.7})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="subset.py:259 split_counts takes a numpy float32 fraction as the float64 it "
-    "widens to: 0.9 + 0.1 sums to 0.999999978, and a record of 100 is in no part",
-)
 def test_numpy_float32_fractions_that_sum_to_1_put_every_record_in_a_part():
     fractions = dict(zip(["train", "val"], np.array([0.9, 0.1], np.float32)))
     parts = tg.split(tg.Dataset(_recs("r", 100)), fractions, seed=0)
     assert sum(len(p) for p in parts.values()) == 100
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="subset.py:262 numpy float32 fractions 0.8 + 0.1 + 0.1 sum to 1.000000015 as "
-    "float64, and are refused as more than 1",
-)
 def test_numpy_float32_fractions_that_print_as_summing_to_1_are_accepted():
     fractions = dict(zip("abc", np.array([0.8, 0.1, 0.1], np.float32)))
     assert sum(split_counts(1000, fractions).values()) == 1000
@@ -382,12 +357,6 @@ def _codepoints(texts):
     return [[ord(c) for c in t] for t in texts]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tokens/tokenize.py:89 _text takes any numpy array as text by its raw memory "
-    "(bytes(value)): a str array 'hi' is tokenized as 'h\\0\\0\\0i\\0\\0\\0' and an int64 "
-    "array as its 8-byte words, without an error",
-)
 @pytest.mark.parametrize("text", [np.array("hi"), np.array([104, 105])], ids=["str", "int64"])
 def test_a_numpy_array_that_is_not_utf8_bytes_is_never_tokenized_as_its_memory(text):
     from torchgrain.tokens.tokenize import tokenize
@@ -435,11 +404,6 @@ def test_a_concatenation_of_a_filter_and_a_split_resumes_exactly_in_other_worker
     assert [(x["from"], *_pairs([x])[0]) for x in head + tail] == whole
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="columns.py:407 dtype_holding widens uint64 rows to int64 for a negative pad "
-    "(labels' -100) without looking at the values: ids above 2**63 - 1 wrap negative",
-)
 @pytest.mark.parametrize("columns", [False, True])
 def test_pad_collate_never_wraps_uint64_ids_above_int64(columns):
     from torchgrain.columns import ColumnBatch
