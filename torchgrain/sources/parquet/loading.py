@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -52,7 +53,7 @@ from torchgrain.sources.parquet.decoded_cache import (
     entry_key,
     on_network_filesystem,
 )
-from torchgrain.sources.parquet.footers import NOT_THE_BYTES, local_version
+from torchgrain.sources.parquet.footers import NOT_THE_BYTES, bounded_footer, local_version
 from torchgrain.sources.parquet.values import RowGroup
 
 __all__ = ["ParquetReader", "RowGroupLoader", "StagedInput", "decoded_cache_for"]
@@ -99,7 +100,15 @@ class RowGroupLoader(ShardedSource):
                 # reads measured 15-35% faster without, most on small row groups).
                 # Page headers are read through a descriptor of our own (same inode).
                 fd = changes.open_regular(path)  # (before pyarrow's open: a FIFO blocks it)
+                version = local_version(os.fstat(fd))[:3]
+                if not self._remote and version != self._identities[shard][1][:3]:
+                    raise CorruptDataError(  # (a cached copy's footer digest is checked)
+                        "it changed since the dataset was opened (its size, modification "
+                        "time or inode): open it again"
+                    )
                 source = path
+                with open(fd, "rb", closefd=False) as f:
+                    footer = self._checked_footer(shard, f)
             else:
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
@@ -120,8 +129,11 @@ class RowGroupLoader(ShardedSource):
                     # Arrow decodes from the same bytes (StagedInput).
                     staged = StagedInput(handle, filesystem, path)
                 source = staged or handle
+                footer = self._checked_footer(shard, source)
+            # Arrow reads no footer of its own: the one the dataset's opening read.
             pf = pq.ParquetFile(
                 source,
+                metadata=footer[0],
                 pre_buffer=filesystem is not None,
                 page_checksum_verification=self._verify,
                 coerce_int96_timestamp_unit=self.int96_timestamp_unit,
@@ -140,7 +152,29 @@ class RowGroupLoader(ShardedSource):
             raise CorruptDataError(
                 f"cannot open Parquet shard {path!r} (shard {shard} of {self.num_shards}): {e}"
             ) from e
-        return ParquetReader(pf, handle, fd, staged)
+        return ParquetReader(pf, footer[1], handle, fd, staged)
+
+    def _checked_footer(self, shard: int, f: Any) -> tuple[pq.FileMetaData, bytes]:
+        """The footer of ``shard``'s open file ``f`` (its metadata, and serialized), read
+        no longer than :data:`MAX_FOOTER_BYTES` (the file may have been replaced by one
+        that claims any length) and refused unless it is the one the dataset's opening
+        read (its digest)."""
+        size = f.seek(0, io.SEEK_END)  # (a remote file's: pinned, no request)
+        source = bounded_footer(f, size)
+        with pq.ParquetFile(source) as pf:
+            md = pf.metadata
+        digest = self._identities[shard][2]  # (of the footer as pyarrow serializes it)
+        if isinstance(source, pa.BufferReader):
+            source.seek(0)
+            footer = source.read_buffer()[4:-8]
+            if hashlib.sha256(footer).hexdigest() == digest:
+                return md, footer.to_pybytes()  # (the common case: no serializing)
+        footer = md.__reduce__()[1][0]
+        if hashlib.sha256(footer).hexdigest() != digest:
+            raise CorruptDataError(
+                "it changed since the dataset was opened (its footer differs): open it again"
+            )
+        return md, footer.to_pybytes()
 
     def _load(self, group: int, index: int) -> RowGroup:
         """Decode one row group, or map it from the decoded disk cache (built there by the
@@ -237,7 +271,11 @@ class RowGroupLoader(ShardedSource):
 
         def read() -> pa.Table:
             while True:  # a reader evicted meanwhile (closed) is opened again
-                table = self._read_checked(self._reader(shard), shard, local, names, index)
+                try:
+                    reader = self._reader(shard)
+                except CorruptDataError as e:
+                    raise CorruptDataError(f"{e} (record index {index})") from e
+                table = self._read_checked(reader, shard, local, names, index)
                 if table is not None:
                     return table
 
@@ -508,19 +546,33 @@ class ParquetReader:
     the process when we tried): reads hold ``lock``. ``close`` waits for a read in
     progress, and a reader closed (evicted) meanwhile is opened again by its user.
     Page headers are read with :meth:`read_at`: through ``fd`` (a local file), the
-    column chunks ``staged`` for Arrow (a remote one), or ``handle``.
+    column chunks ``staged`` for Arrow (a remote one), or ``handle``; the column chunks
+    are parsed from ``footer``, the serialized footer ``pf`` was opened with.
     """
 
-    __slots__ = ("_footer", "_leaves", "checked", "closed", "fd", "handle", "lock", "pf", "staged")
+    __slots__ = (
+        "_footer",
+        "_leaves",
+        "_serialized",
+        "checked",
+        "closed",
+        "fd",
+        "handle",
+        "lock",
+        "pf",
+        "staged",
+    )
 
     def __init__(
         self,
         pf: pq.ParquetFile,
+        footer: bytes,
         handle: Any,
         fd: int | None = None,
         staged: StagedInput | None = None,
     ) -> None:
         self.pf = pf
+        self._serialized: bytes | None = footer
         self.handle = handle
         self.fd = fd
         self.staged = staged
@@ -547,18 +599,15 @@ class ParquetReader:
         return source.read(size)
 
     def footer(self) -> list[list[ColumnChunk]]:
-        """Each row group's column chunks, read from the footer once (not through
-        pyarrow's metadata objects: some hostile footers make them abort the process)."""
+        """Each row group's column chunks, parsed once from the serialized footer (not
+        through pyarrow's metadata objects: some hostile footers make them abort the
+        process)."""
         if self._footer is None:
-            if self.fd is not None:
-                size = os.fstat(self.fd).st_size
-            else:
-                size = (self.staged or self.handle).seek(0, io.SEEK_END)
-            tail = self.read_at(size - 8, 8) if size >= 12 else b""
-            n = int.from_bytes(tail[:4], "little") if len(tail) == 8 else -1
-            if not 0 <= n <= size - 12:
-                raise CorruptDataError(f"a footer of {n} bytes in a file of {size}")
-            self._footer = footer_chunks(self.read_at(size - 8 - n, n))
+            serialized = self._serialized  # (None: parsed by another thread meanwhile)
+            if serialized is not None:
+                self._footer = footer_chunks(serialized)
+                self._serialized = None
+        assert self._footer is not None
         return self._footer
 
     def leaves(self, names: tuple[str, ...]) -> list[tuple[int, int, str, str]]:
