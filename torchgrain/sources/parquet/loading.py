@@ -106,7 +106,10 @@ class RowGroupLoader(ShardedSource):
                         "it changed since the dataset was opened (its size, modification "
                         "time or inode): open it again"
                     )
-                source = path
+                # Arrow opens the file our descriptor holds, not what the path names by
+                # then (a file swapped in between would be read at this one's offsets).
+                proc_fd = f"/proc/self/fd/{fd}"
+                source = proc_fd if os.path.exists(proc_fd) else path
                 with open(fd, "rb", closefd=False) as f:
                     footer = self._checked_footer(shard, f)
             else:
