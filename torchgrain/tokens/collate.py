@@ -88,7 +88,8 @@ def pad_collate(
 
     Each field is padded to its own longest row in the batch (rows all empty: a
     ``[B, 0]`` tensor), in its rows' dtype promoted to hold them all and the padding
-    value (uint32 with int32 rows, or uint16 ones under -100: int64). Other fields go
+    value (uint32 with int32 rows, or uint16 ones under -100: int64; an empty row's
+    dtype is left out, as ``np.array([])`` is float64). Other fields go
     through torch's default collate. Errors name the field and the record's position in
     the batch.
 
@@ -229,7 +230,8 @@ class PadCollate:
         longest = int(lengths.max())
         width = self._width(key, longest, int(lengths.argmax()))
         pad = self._pad_value(key)
-        dtype = _dtype_of(key, [r.dtype for r in rows], pad)
+        # An empty row's dtype says nothing (np.array([]) is float64): left out.
+        dtype = _dtype_of(key, [r.dtype for r in rows if len(r)] or [r.dtype for r in rows], pad)
         for i, r in enumerate(rows):
             _check_fits(key, r, dtype, pad, lambda at, i=i: f"record {i}")
         out = torch.full((len(rows), width), pad, dtype=dtype)
