@@ -46,8 +46,8 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
             a list of unpadded sequences, never one padded 2-D array or tensor
             (``return_tensors``), whose pad ids cannot be told from tokens.
         texts: strings (a 0-d numpy str array counts as its str) or UTF-8 bytes
-            (``bytes``, ``bytearray``, a memoryview of bytes, a 1-D uint8 or int8 array),
-            decoded as UTF-8.
+            (``bytes``, ``bytearray``, a memoryview of bytes, a 0-d numpy bytes array, a
+            1-D uint8 or int8 array), decoded as UTF-8.
 
     Raises:
         TypeError: a text that is neither a string nor bytes (naming its position and
@@ -95,10 +95,10 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
 
 def _text(value: Any, i: int) -> str:
     """Text ``i`` of a batch as a str: a str (a 0-d numpy str array too), or UTF-8 bytes
-    (bytes, bytearray, a memoryview of bytes, a 1-D uint8 or int8 array); never another
-    value's raw memory."""
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind == "U":
-        value = str(value)
+    (bytes, bytearray, a memoryview of bytes, a 0-d numpy bytes array, a 1-D uint8 or int8
+    array); never another value's raw memory."""
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "US":
+        value = value.item()  # its str or bytes
     if isinstance(value, str):
         return value
     if isinstance(value, np.ndarray):
