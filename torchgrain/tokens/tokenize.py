@@ -43,8 +43,9 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
             its post-processor says), a ``transformers`` tokenizer (called with the list;
             ``input_ids`` of the result), or a callable taking the list of strings and
             returning one sequence of ids per string (or a mapping with ``input_ids``):
-            a list of unpadded sequences, never one padded 2-D array or tensor
-            (``return_tensors``), whose pad ids cannot be told from tokens.
+            a list (or 1-D object array) of unpadded sequences, never one padded 2-D
+            array or tensor (``return_tensors``), whose pad ids cannot be told from
+            tokens.
         texts: strings (a 0-d numpy str array counts as its str) or UTF-8 bytes
             (``bytes``, ``bytearray``, a memoryview of bytes, a 0-d numpy bytes array, a
             1-D uint8 or int8 array), decoded as UTF-8.
@@ -87,6 +88,8 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
             f"{list(ids.shape)}, padded: return a list of unpadded id sequences, one per "
             "text (no return_tensors, no padding)"
         )
+    if isinstance(ids, np.ndarray) and ids.ndim == 1:  # an object array of id arrays
+        ids = list(ids)
     if not isinstance(ids, Sequence) or len(ids) != len(strings):
         got = f"{len(ids)} sequences" if isinstance(ids, Sequence) else type(ids).__name__
         raise ValueError(f"tokenizer {name} returned {got} for {len(strings)} texts")
