@@ -226,16 +226,19 @@ class PadCollate:
         return width
 
     def _pad_rows(self, key: str, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+        sizes = [len(r) for r in rows]
+        lengths = torch.tensor(sizes, dtype=torch.int64)
         longest = int(lengths.max())
         width = self._width(key, longest, int(lengths.argmax()))
         pad = self._pad_value(key)
-        # An empty row's dtype says nothing (np.array([]) is float64): left out.
-        dtype = _dtype_of(key, [r.dtype for r in rows if len(r)] or [r.dtype for r in rows], pad)
-        for i, r in enumerate(rows):
-            _check_fits(key, r, dtype, pad, lambda at, i=i: f"record {i}")
+        # The distinct dtypes; an empty row's says nothing (np.array([]) is float64).
+        dtypes = dict.fromkeys(r.dtype for r, n in zip(rows, sizes) if n)
+        dtype = _dtype_of(key, list(dtypes or dict.fromkeys(r.dtype for r in rows)), pad)
+        if torch.uint64 in dtypes and dtype == torch.int64:
+            for i, r in enumerate(rows):
+                _check_fits(key, r, dtype, pad, lambda at, i=i: f"record {i}")
         out = torch.full((len(rows), width), pad, dtype=dtype)
-        for i, (r, n) in enumerate(zip(rows, lengths.tolist())):
+        for i, (r, n) in enumerate(zip(rows, sizes)):
             at = 0 if self.side == "right" else width - n
             out[i, at : at + n] = r
         return out, lengths
@@ -319,8 +322,8 @@ class PadCollate:
 
 
 def _dtype_of(key: str, dtypes: list[torch.dtype], pad: int | float) -> torch.dtype:
-    """The dtype a padded field gets: its rows' (promoted: uint32 with int32 is int64),
-    holding ``pad`` too; integer ids are never put in floats."""
+    """The dtype a padded field gets: its rows' distinct ``dtypes`` promoted (uint32 with
+    int32 is int64), holding ``pad`` too; integer ids are never put in floats."""
     floats = [d for d in dtypes if d.is_floating_point or d.is_complex]
     if floats:  # integer rows among float ones go into floats, as torch promotes them
         return functools.reduce(torch.promote_types, floats)
@@ -332,21 +335,26 @@ def _dtype_of(key: str, dtypes: list[torch.dtype], pad: int | float) -> torch.dt
                 "floats would round ids above 2**24; pad with an integer"
             )
         pad = int(pad)
+    try:
+        return dtype_holding(_holding(tuple(dtypes)), pad)
+    except ValueError as e:
+        raise ValueError(f"pad_collate: field {key!r}: {e}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _holding(dtypes: tuple[torch.dtype, ...]) -> torch.dtype:
+    """The smallest integer dtype holding every one of the integer ``dtypes`` (int64 at
+    most: uint64 with signed ones, checked value by value)."""
     if all(d == torch.bool for d in dtypes):
-        return dtype_holding(torch.bool, pad)
+        return torch.bool
     ranges = [
         (0, 1) if d == torch.bool else (torch.iinfo(d).min, torch.iinfo(d).max) for d in dtypes
     ]
     lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
     candidates = [torch.uint8, torch.uint16, torch.uint32, torch.uint64] if lo == 0 else []
     candidates += [torch.int8, torch.int16, torch.int32, torch.int64]
-    # The smallest integer dtype holding every row's dtype (int64 at most: uint64 rows
-    # with signed ones, checked value by value).
     fits = [d for d in candidates if torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max]
-    try:
-        return dtype_holding(fits[0] if fits else torch.int64, pad)
-    except ValueError as e:
-        raise ValueError(f"pad_collate: field {key!r}: {e}") from None
+    return fits[0] if fits else torch.int64
 
 
 def _check_fits(
