@@ -96,6 +96,10 @@ def start_method():
     method = os.environ.get("TORCHGRAIN_TEST_START_METHOD")
     if method:
         multiprocessing.set_start_method(method, force=True)
+    if method == "forkserver":
+        # Imported once, in the fork server: each DataLoader worker it forks has them
+        # (otherwise every worker of every pass imports torch again, seconds each).
+        multiprocessing.set_forkserver_preload(["__main__", "numpy", "torch", "torchgrain"])
 
 
 def record(seen, epoch, batch):
