@@ -165,6 +165,8 @@ def test_array_record_arrays_to_parquet_keep_dtype_and_values(tmp_path, dtype, r
 def test_parquet_source_round_trips(tmp_path, ints, texts, to):
     d = _fresh(tmp_path, "pq")
     (d / "src").mkdir()
+    if to == "parquet":  # past int64: test_parquet_to_parquet_uint64_column_in_shards (xfail)
+        ints = [None if v is None else v % 2**63 for v in ints]
     n = len(ints)
     table = pa.table(
         {
@@ -345,3 +347,42 @@ def test_parquet_to_parquet_keeps_column_types(tmp_path):
 def test_tf_example_float64_past_float32_range_is_an_error():
     with pytest.raises(ValueError):
         decode_tf_example(encode_tf_example({"x": np.array([1e300])}))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Parquet output: each shard's schema is inferred from its own records "
+    "(records_to_table) and never unified: ints in one shard and a uint64 past int64 "
+    "(or floats, or int8 and int16 arrays) in another convert 'successfully' into a "
+    "dataset that is a SchemaMismatchError on opening",
+)
+def test_parquet_output_shards_agree_on_a_column_type(tmp_path):
+    tg.write_array_record([{"x": 1}, {"x": 2**63}], tmp_path / "src")
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", num_shards=2)
+    assert [r["x"] for r in _read(tmp_path / "out")] == [1, 2**63]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Parquet output: nested lists keep no length for the levels below a zero-length "
+    "one, so a float32 array of shape (0, 2) reads back with shape (0, 0)",
+)
+def test_parquet_output_keeps_the_shape_of_an_empty_2d_array(tmp_path):
+    tg.write_array_record([{"x": np.zeros((0, 2), np.float32)}], tmp_path / "src")
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet")
+    assert np.asarray(_read(tmp_path / "out")[0]["x"]).shape == (0, 2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Parquet -> Parquet of one uint64 column: a shard whose values all fit int64 is "
+    "written int64, one with a value past it uint64 (records_to_table infers per shard), and "
+    "the converted dataset is a SchemaMismatchError on opening",
+)
+def test_parquet_to_parquet_uint64_column_in_shards(tmp_path):
+    (tmp_path / "src").mkdir()
+    pq.write_table(
+        pa.table({"u": pa.array([0, 2**63], pa.uint64())}), tmp_path / "src" / "a.parquet"
+    )
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", num_shards=2)
+    assert [r["u"] for r in _read(tmp_path / "out")] == [0, 2**63]
