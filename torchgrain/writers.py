@@ -50,6 +50,7 @@ __all__ = [
     "ParquetOutput",
     "ShardWriter",
     "array_record_options",
+    "check_shard_schemas",
     "records_to_table",
     "shard_name",
     "write_array_record",
@@ -586,6 +587,59 @@ class ParquetOutput(OutputFormat):
 
     def verify(self, path: str, num_records: int, checksum: str) -> None:
         verify_shard(path, num_records, checksum)
+
+    def finish(self, root: str, manifest: Manifest, group_size: int) -> None:
+        """Check that the shards, each typed from its own records, open as one dataset.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": 1}, {"x": "a"}], d + "/in")
+            >>> tg.convert(d + "/in", d + "/out", to="parquet", num_shards=2)
+            Traceback (most recent call last):
+            ...
+            torchgrain.errors.SchemaMismatchError: the Parquet output shards ... nothing was published
+        """
+        check_shard_schemas(root, [s.path for s in manifest.shards if s.num_records])
+
+
+def check_shard_schemas(root: str, names: Sequence[str]) -> None:
+    """Raise ``SchemaMismatchError`` unless the Parquet files ``names`` in ``root`` have
+    column types a :class:`~torchgrain.ParquetSource` reconciles (their footers only).
+
+    Example:
+        >>> import tempfile, pyarrow as pa, pyarrow.parquet as pq
+        >>> d = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": pa.array([1], pa.int64())}), d + "/a.parquet")
+        >>> pq.write_table(pa.table({"x": pa.array([2**63], pa.uint64())}), d + "/b.parquet")
+        >>> check_shard_schemas(d, ["a.parquet", "a.parquet"])
+        >>> check_shard_schemas(d, ["a.parquet", "b.parquet"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.SchemaMismatchError: ... column 'x' is int64 in a.parquet but uint64 in b.parquet...
+    """
+    import pyarrow.parquet as pq
+
+    from torchgrain.errors import SchemaMismatchError
+    from torchgrain.sources.parquet.schema import arrow_type_name, common_type
+
+    seen: dict[str, list[tuple[str, Any]]] = {}  # column -> [(shard, type)]
+    for name in names:
+        for field in pq.read_schema(os.path.join(root, name)):
+            entries = seen.setdefault(field.name, [])
+            entries.append((name, field.type))
+            if common_type([t for _, t in entries]) is not None:
+                continue
+            other, typ = next(
+                ((n, t) for n, t in entries[:-1] if common_type([t, field.type]) is None),
+                entries[0],
+            )
+            raise SchemaMismatchError(
+                f"the Parquet output shards in {root!r} do not agree: column {field.name!r} is "
+                f"{arrow_type_name(typ)} in {other} but {arrow_type_name(field.type)} in {name} "
+                "(each shard is typed from its own records; give the column one type in every "
+                "record, or convert to array_record); nothing was published"
+            )
 
 
 ARRAY_RECORD_OUTPUT = ArrayRecordOutput()
