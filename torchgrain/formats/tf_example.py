@@ -444,6 +444,26 @@ def _int64_payload(values: np.ndarray) -> bytes:
     return bytes(out)
 
 
+def _float32(name: str, values: Any) -> np.ndarray:
+    """``values`` as a float32 array; a ValueError for a finite value past its range
+    (a float_list holds float32: it would be written as inf)."""
+    try:
+        src = np.asarray(values)
+        if src.dtype.kind != "f":
+            src = src.astype(np.float64)
+    except OverflowError:
+        raise ValueError(f"feature {name!r}: a value does not fit in float32") from None
+    with np.errstate(over="ignore"):
+        out = src.astype(_F32)
+    lost = np.isinf(out) & ~np.isinf(src)
+    if lost.any():
+        raise ValueError(
+            f"feature {name!r}: value {src[lost][0]} does not fit in float32 (an Example's "
+            "float_list); scale it, or store it as bytes"
+        )
+    return out
+
+
 def _classify(name: str, value: Any) -> tuple[int, Any]:
     """Return (kind, normalised values) for one feature value."""
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -453,7 +473,7 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
     if isinstance(value, (bool, int, np.integer, np.bool_)):
         return _classify(name, [value])
     if isinstance(value, (float, np.floating)):
-        return _FLOAT, np.array([value], dtype=_F32)
+        return _FLOAT, _float32(name, [value])
     if isinstance(value, np.ndarray):
         flat = value.ravel()
         k = flat.dtype.kind
@@ -462,7 +482,7 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
                 raise ValueError(f"feature {name!r}: uint64 value does not fit in int64")
             return _INT64, flat.astype(np.int64)
         if k == "f":
-            return _FLOAT, flat.astype(_F32)
+            return _FLOAT, _float32(name, flat)
         if k == "S":
             return _BYTES, [bytes(x) for x in flat.tolist()]
         if k == "U":
@@ -481,7 +501,7 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
             except OverflowError:
                 raise ValueError(f"feature {name!r}: integer does not fit in int64") from None
         if all(isinstance(x, (bool, int, float, np.integer, np.floating)) for x in value):
-            return _FLOAT, np.array(value, dtype=_F32)
+            return _FLOAT, _float32(name, value)
         raise TypeError(f"feature {name!r}: a list must hold only bytes/str, ints or floats")
     raise TypeError(
         f"feature {name!r}: cannot store a {type(value).__name__} in an Example "
