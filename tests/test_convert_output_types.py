@@ -40,3 +40,22 @@ def test_tf_example_infinities_and_float32_extremes_are_kept():
     v = np.array([np.inf, -np.inf, np.nan, np.finfo(np.float32).max, 1e-45])
     out = decode_tf_example(encode_tf_example({"x": v}))["x"]
     assert np.array_equal(out, v.astype(np.float32), equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(0, 2), (2, 0, 3), (1, 0, 0, 1)])
+def test_parquet_refuses_an_array_whose_shape_it_would_lose(tmp_path, shape):
+    recs = [{"x": np.zeros((1, 1) + (1,) * (len(shape) - 2), np.float32)}]
+    recs.append({"x": np.zeros(shape, np.float32)})
+    with pytest.raises(TypeError, match=rf"key 'x'.*shape \({shape[0]}, "):
+        tg.write_parquet(recs, tmp_path)
+    tg.write_array_record(recs, tmp_path / "src")
+    with pytest.raises(
+        TypeError, match=r"output shard data-00000-of-00001.parquet .*key .x.*records 0..1 of"
+    ):
+        tg.convert(tmp_path / "src", tmp_path / "out", to="parquet")
+
+
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 0), (3, 2, 0)])
+def test_parquet_keeps_empty_arrays_of_these_shapes(tmp_path, shape):
+    tg.write_parquet([{"x": np.zeros(shape, np.int16)}], tmp_path)
+    assert np.asarray(tg.open(tmp_path)[0]["x"]).shape == shape

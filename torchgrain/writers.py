@@ -276,6 +276,13 @@ def _column(values: list[Any]) -> Any:
                 f"{sorted(str(d) for d in dtypes)}, ndim {sorted(ndims)}"
             )
         dtype, ndim = dtypes.pop(), ndims.pop()
+        for a in arrs:
+            # Nested lists keep no length below an empty one: (0, 2) would read back (0, 0).
+            if any(n == 0 and any(a.shape[d + 1 :]) for d, n in enumerate(a.shape[:-1])):
+                raise TypeError(
+                    f"an array of shape {a.shape} loses its shape in Parquet (nothing records "
+                    "the sizes below a zero-length dimension); reshape it or write array_record"
+                )
         mask = np.array([v is None for v in values])
         if ndim == 0:
             flat = np.zeros(len(values), dtype=dtype)
@@ -502,17 +509,25 @@ class ParquetOut(ShardWriter):
         self._pending: list[dict[str, Any]] = []
         self._tables: list[Any] = []
         self._bytes = 0
+        self._added = 0  # records added
 
     def add(self, record: dict[str, Any] | bytes) -> None:
         if not isinstance(record, dict):
             raise TypeError("Parquet output takes records as dicts")
         self._pending.append(record)
+        self._added += 1
         if len(self._pending) >= 512:
             self._convert()
 
     def _convert(self) -> None:
         if self._pending:
-            t = records_to_table(self._pending)
+            try:
+                t = records_to_table(self._pending)
+            except TypeError as e:
+                first = self._added - len(self._pending)
+                raise TypeError(
+                    f"{e} (in records {first}..{self._added - 1} of {self.path})"
+                ) from e
             self._pending = []
             self._tables.append(t)
             self._bytes += t.nbytes

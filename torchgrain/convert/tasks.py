@@ -213,7 +213,17 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
                         )
                     count += 1
                     report.add(size if written is None else written)
-            out.close()
+            try:
+                out.close()  # a format that writes in batches meets their errors here
+            except (TypeError, ValueError) as e:
+                if isinstance(e, TorchgrainError):
+                    raise
+                names = [repr(inp.paths[shard]) for shard, _, _ in task.pieces[:3]]
+                more = f" and {len(task.pieces) - 3} more" if len(task.pieces) > 3 else ""
+                raise (TypeError if isinstance(e, TypeError) else ValueError)(
+                    f"cannot write output shard {task.name} as {job.to} (from input "
+                    f"{', '.join(names)}{more}): {e}"
+                ) from e
         except BaseException:
             out.abort()
             raise
