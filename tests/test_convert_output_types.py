@@ -59,3 +59,33 @@ def test_parquet_refuses_an_array_whose_shape_it_would_lose(tmp_path, shape):
 def test_parquet_keeps_empty_arrays_of_these_shapes(tmp_path, shape):
     tg.write_parquet([{"x": np.zeros(shape, np.int16)}], tmp_path)
     assert np.asarray(tg.open(tmp_path)[0]["x"]).shape == shape
+
+
+@pytest.mark.parametrize("row_group_bytes", [1, 32 << 20])
+def test_parquet_shard_ints_past_int64_after_its_first_batches(tmp_path, row_group_bytes):
+    recs = [{"x": i, "y": None} for i in range(1500)] + [{"x": 2**64 - 1, "y": 3}]
+    tg.write_array_record(recs, tmp_path / "src")
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", row_group_bytes=row_group_bytes)
+    out = tg.open(tmp_path / "out")
+    assert [out[i]["x"] for i in (0, 1499, 1500)] == [0, 1499, 2**64 - 1]
+    assert out[1500]["y"] == 3 and out[3]["y"] is None
+    assert not [n for n in os.listdir(tmp_path / "out") if ".tmp-" in n]
+
+
+def test_parquet_shard_negative_ints_and_ints_past_int64_are_refused(tmp_path):
+    recs = [{"x": -1}] * 512 + [{"x": 2**63}]
+    tg.write_array_record(recs, tmp_path / "src")
+    with pytest.raises(TypeError, match=r"output shard data-.*key 'x'.* -1 and ints past int64"):
+        tg.convert(tmp_path / "src", tmp_path / "out", to="parquet")
+
+
+def test_parquet_shard_column_null_or_missing_in_its_first_row_group(tmp_path):
+    recs = [{"a": i, "n": None} for i in range(1100)]
+    recs += [{"a": 1100, "n": [b"x"], "late": "z"}, {"a": 1101, "n": []}]
+    tg.write_array_record(recs, tmp_path / "src")
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", row_group_bytes=1)
+    out = tg.open(tmp_path / "out")
+    assert [out[i]["a"] for i in range(len(recs))] == list(range(1102))
+    assert out[0]["n"] is None and out[0].get("late") is None
+    assert [bytes(v) for v in out[1100]["n"]] == [b"x"] and out[1100]["late"] == "z"
+    assert len(out[1101]["n"]) == 0

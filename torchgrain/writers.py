@@ -541,13 +541,41 @@ class ParquetOut(ShardWriter):
 
         if not self._tables:
             return
-        table = pa.concat_tables(self._tables, promote_options="permissive")
-        self._tables, self._bytes = [], 0
+        tables, self._tables, self._bytes = self._tables, [], 0
+        # Each batch is typed from its own records: give them, and the row groups written
+        # before, one schema (a column null or missing so far gets its type; Python ints
+        # are int64 unless one is past it, then uint64 where every value is >= 0).
+        schemas = [t.schema for t in tables]
+        if self._writer is not None:
+            schemas.insert(0, self._writer.schema)
+        schema = _one_schema(schemas)
+        tables = [_conformed(t, schema, self.path) for t in tables]
+        if self._writer is not None and not self._writer.schema.equals(schema):
+            self._rewrite_written(schema)
+        table = pa.concat_tables(tables)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema, compression=self._compression)
-        elif not table.schema.equals(self._writer.schema):
-            table = table.cast(self._writer.schema)
         self._writer.write_table(table, row_group_size=table.num_rows)
+
+    def _rewrite_written(self, schema: Any) -> None:
+        """Rewrite the row groups written so far with ``schema``."""
+        import pyarrow.parquet as pq
+
+        self._writer.close()
+        self._writer = None
+        tmp = temp_name(self.path)
+        try:
+            writer = pq.ParquetWriter(tmp, schema, compression=self._compression)
+            with pq.ParquetFile(self.path) as pf:
+                for i in range(pf.num_row_groups):
+                    t = _conformed(pf.read_row_group(i), schema, self.path)
+                    writer.write_table(t, row_group_size=t.num_rows)
+            os.replace(tmp, self.path)  # the writer's open file goes on under this name
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._writer = writer
 
     def close(self) -> None:
         import pyarrow as pa
@@ -566,6 +594,48 @@ class ParquetOut(ShardWriter):
             with contextlib.suppress(Exception):
                 self._writer.close()
             self._writer = None
+
+
+def _one_schema(schemas: Sequence[Any]) -> Any:
+    """The schema batches of ``schemas`` are written with: Arrow's permissive unification,
+    but a column int64 in one and uint64 in another is uint64."""
+    import pyarrow as pa
+
+    types: dict[str, set[Any]] = {}
+    for schema in schemas:
+        for f in schema:
+            types.setdefault(f.name, set()).add(f.type)
+    wide = {n for n, ts in types.items() if {pa.int64(), pa.uint64()} <= ts}
+    if wide:
+        schemas = [
+            pa.schema(f.with_type(pa.uint64()) if f.name in wide else f for f in s) for s in schemas
+        ]
+    return pa.unify_schemas(schemas, promote_options="permissive")
+
+
+def _conformed(table: Any, schema: Any, path: str) -> Any:
+    """``table`` cast to ``schema`` (a column it lacks: nulls); a TypeError naming the
+    column where an int64 column to be uint64 holds a negative value."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if table.schema.equals(schema):
+        return table
+    columns = []
+    for f in schema:
+        if f.name not in table.schema.names:
+            columns.append(pa.nulls(table.num_rows, f.type))
+            continue
+        column = table.column(f.name)
+        if column.type == pa.int64() and f.type == pa.uint64():
+            low = pc.min(column).as_py()
+            if low is not None and low < 0:
+                raise TypeError(
+                    f"cannot store key {f.name!r} in Parquet: it holds {low} and ints past "
+                    f"int64 in one output shard ({path}); no Parquet integer type holds both"
+                )
+        columns.append(column.cast(f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 class ParquetOutput(OutputFormat):
