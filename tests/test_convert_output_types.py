@@ -13,7 +13,7 @@ import torchgrain as tg
 @pytest.mark.parametrize(
     "recs",
     [
-        [{"x": 1}, {"x": 2**63}],
+        [{"x": 1}, {"x": 1.5}],
         [{"x": np.arange(2, dtype=np.int8)}, {"x": np.arange(2, dtype=np.int16)}],
         [{"x": {"a": 1}}, {"x": {"b": 1}}],
         [{"x": 1}, {"x": "a"}],
@@ -89,3 +89,31 @@ def test_parquet_shard_column_null_or_missing_in_its_first_row_group(tmp_path):
     assert out[0]["n"] is None and out[0].get("late") is None
     assert [bytes(v) for v in out[1100]["n"]] == [b"x"] and out[1100]["late"] == "z"
     assert len(out[1101]["n"]) == 0
+
+
+@pytest.mark.parametrize("compression", ["none", "snappy"])
+def test_parquet_shards_typed_apart_without_a_value_changed_are_rewritten(tmp_path, compression):
+    import pyarrow.parquet as pq
+
+    recs = [{"x": 1, "s": [], "n": None}, {"x": 2**63, "s": [b"a"], "n": {"a": 1}}]
+    tg.write_array_record(recs, tmp_path / "src")
+    m = tg.convert(
+        tmp_path / "src", tmp_path / "out", to="parquet", num_shards=2, compression=compression
+    )
+    out = tg.open(tmp_path / "out")
+    assert [out[0]["x"], out[1]["x"]] == [1, 2**63]
+    assert [list(out[0]["s"]), [bytes(v) for v in out[1]["s"]]] == [[], [b"a"]]
+    assert out[0]["n"] is None and out[1]["n"] == {"a": 1}
+    for s in m.shards:
+        path = tmp_path / "out" / s.path
+        tg.writers.verify_shard(str(path), s.num_records, s.checksum)
+        assert s.num_bytes == os.path.getsize(path)
+        codec = pq.read_metadata(path).row_group(0).column(0).compression
+        assert codec == {"none": "UNCOMPRESSED", "snappy": "SNAPPY"}[compression]
+    assert not [n for n in os.listdir(tmp_path / "out") if ".tmp-" in n]
+
+
+def test_parquet_shards_negative_int64_and_uint64_are_refused(tmp_path):
+    tg.write_array_record([{"x": -1}, {"x": 2**63}], tmp_path / "src")
+    with pytest.raises(tg.SchemaMismatchError, match="'x' is int64 in data-00000-of-00002"):
+        tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", num_shards=2)

@@ -676,6 +676,11 @@ class ParquetOutput(OutputFormat):
     def finish(self, root: str, manifest: Manifest, group_size: int) -> None:
         """Check that the shards, each typed from its own records, open as one dataset.
 
+        A shard whose column is of a type the others hold with no value changed (a
+        column of nulls or empty lists typed; an int64 column of no negative value
+        uint64) is rewritten with their type; other differences are a
+        ``SchemaMismatchError`` naming two shards and the column.
+
         Example:
             >>> import tempfile, torchgrain as tg
             >>> d = tempfile.mkdtemp()
@@ -685,7 +690,90 @@ class ParquetOutput(OutputFormat):
             ...
             torchgrain.errors.SchemaMismatchError: the Parquet output shards ... nothing was published
         """
-        check_shard_schemas(root, [s.path for s in manifest.shards if s.num_records])
+        shards = [s for s in manifest.shards if s.num_records]
+        for shard, schema in _reconciled(root, [s.path for s in shards]).items():
+            info = shards[[s.path for s in shards].index(shard)]
+            path = os.path.join(root, shard)
+            _rewrite(path, schema, str(manifest.extra.get("compression", "zstd")))
+            info.num_bytes = os.path.getsize(path)
+            info.checksum = file_checksum(path)
+        check_shard_schemas(root, [s.path for s in shards])
+
+
+def _fills(a: Any, b: Any) -> bool:
+    """Whether type ``a`` is ``b`` with some of its types null (its values are then
+    nulls or empty lists, which ``b`` holds unchanged)."""
+    import pyarrow as pa
+
+    if a.equals(b) or pa.types.is_null(a):
+        return True
+    for is_kind in (pa.types.is_list, pa.types.is_large_list):
+        if is_kind(a) and is_kind(b):
+            return _fills(a.value_type, b.value_type)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        names = [a.field(i).name for i in range(a.num_fields)]
+        return names == [b.field(i).name for i in range(b.num_fields)] and all(
+            _fills(a.field(i).type, b.field(i).type) for i in range(a.num_fields)
+        )
+    return False
+
+
+def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
+    """The Parquet files among ``names`` whose columns become those of the others
+    without a changed value (a null type typed; int64 with no negative value uint64),
+    and the schema each is rewritten with."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    schemas = {n: pq.read_schema(os.path.join(root, n)) for n in names}
+    types: dict[str, list[Any]] = {}
+    for schema in schemas.values():
+        for f in schema:
+            types.setdefault(f.name, []).append(f.type)
+    target = {}
+    for column, ts in types.items():
+        for t in ts:
+            if all(_fills(u, t) or (u == pa.int64() and t == pa.uint64()) for u in ts):
+                target[column] = t
+                break
+    out = {}
+    for n, schema in schemas.items():
+        changed = [
+            (i, f) for i, f in enumerate(schema) if f.name in target and f.type != target[f.name]
+        ]
+        if not changed:
+            continue
+        if any(f.type == pa.int64() for _, f in changed):
+            table = pq.read_table(
+                os.path.join(root, n), columns=[f.name for _, f in changed if f.type == pa.int64()]
+            )
+            if any((pc.min(c).as_py() or 0) < 0 for c in table.columns):
+                continue  # left as it is: check_shard_schemas names it
+        for i, f in changed:
+            schema = schema.set(i, f.with_type(target[f.name]))
+        out[n] = schema
+    return out
+
+
+def _rewrite(path: str, schema: Any, compression: str) -> None:
+    """Rewrite the Parquet file ``path`` with ``schema``, a row group at a time."""
+    import pyarrow.parquet as pq
+
+    tmp = temp_name(path)
+    try:
+        with (
+            pq.ParquetFile(path) as pf,
+            pq.ParquetWriter(tmp, schema, compression=compression) as writer,
+        ):
+            for i in range(pf.num_row_groups):
+                t = pf.read_row_group(i).cast(schema)
+                writer.write_table(t, row_group_size=t.num_rows)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def check_shard_schemas(root: str, names: Sequence[str]) -> None:
