@@ -558,24 +558,10 @@ class ParquetOut(ShardWriter):
         self._writer.write_table(table, row_group_size=table.num_rows)
 
     def _rewrite_written(self, schema: Any) -> None:
-        """Rewrite the row groups written so far with ``schema``."""
-        import pyarrow.parquet as pq
-
+        """Rewrite the row groups written so far with ``schema``; the writer goes on."""
         self._writer.close()
         self._writer = None
-        tmp = temp_name(self.path)
-        try:
-            writer = pq.ParquetWriter(tmp, schema, compression=self._compression)
-            with pq.ParquetFile(self.path) as pf:
-                for i in range(pf.num_row_groups):
-                    t = _conformed(pf.read_row_group(i), schema, self.path)
-                    writer.write_table(t, row_group_size=t.num_rows)
-            os.replace(tmp, self.path)  # the writer's open file goes on under this name
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        self._writer = writer
+        self._writer = _rewrite(self.path, schema, self._compression, keep_open=True)
 
     def close(self) -> None:
         import pyarrow as pa
@@ -756,24 +742,30 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _rewrite(path: str, schema: Any, compression: str) -> None:
-    """Rewrite the Parquet file ``path`` with ``schema``, a row group at a time."""
+def _rewrite(path: str, schema: Any, compression: str, *, keep_open: bool = False) -> Any:
+    """Rewrite the Parquet file ``path`` with ``schema``, a row group at a time (see
+    :func:`_conformed`); with ``keep_open``, its writer is returned open (more row groups
+    follow), else None."""
     import pyarrow.parquet as pq
 
-    tmp = temp_name(path)
+    tmp, writer = temp_name(path), None
     try:
-        with (
-            pq.ParquetFile(path) as pf,
-            pq.ParquetWriter(tmp, schema, compression=compression) as writer,
-        ):
+        writer = pq.ParquetWriter(tmp, schema, compression=compression)
+        with pq.ParquetFile(path) as pf:
             for i in range(pf.num_row_groups):
-                t = pf.read_row_group(i).cast(schema)
+                t = _conformed(pf.read_row_group(i), schema, path)
                 writer.write_table(t, row_group_size=t.num_rows)
-        os.replace(tmp, path)
+        if not keep_open:
+            writer.close()
+        os.replace(tmp, path)  # (an open writer's file goes on under this name)
     except BaseException:
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return writer if keep_open else None
 
 
 def check_shard_schemas(root: str, names: Sequence[str]) -> None:
