@@ -12,10 +12,13 @@ import contextlib
 import os
 import warnings
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
+from tests.servers import RangeHTTPServer
 from torchgrain.errors import TorchgrainError
 from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 
@@ -54,3 +57,37 @@ def test_a_link_in_place_of_a_decoded_cache_folder_gets_no_entry_outside_the_cac
         warnings.simplefilter("ignore")
         cache.get_or_build(key, lambda: table, schema=table.schema, num_rows=2)
     assert os.listdir(elsewhere) == [], "the decoded cache wrote an entry outside its directory"
+
+
+@pytest.fixture(scope="module")
+def www(tmp_path_factory):
+    """A web server: ``flat/a.parquet`` (0..4) inside a dataset, ``secret/b.parquet``
+    (100..102) outside it."""
+    root = tmp_path_factory.mktemp("www")
+    for sub, values in (("flat", np.arange(5)), ("secret", np.arange(100, 103))):
+        (root / sub).mkdir()
+        pq.write_table(
+            pa.table({"x": values}), root / sub / f"{'a' if sub == 'flat' else 'b'}.parquet"
+        )
+    with RangeHTTPServer(root) as srv:
+        yield srv
+
+
+def _secret(log) -> list[str]:
+    return [p for _, p in log if "secret" in p]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="io/fs.py get_filesystem skips storage_options_with_deadlines for a chained URL "
+    "('::'): simplecache::http(s) gets aiohttp's own client, which follows any redirect",
+)
+def test_a_redirect_is_refused_behind_a_chained_url_too(www):
+    www.redirects["/flat/r.parquet"] = "/secret/b.parquet"
+    www.log.clear()
+    try:
+        with pytest.raises(tg.UnsafePathError, match="redirects to"):
+            tg.ParquetSource([f"simplecache::{www.url}/flat/r.parquet"], cache_bytes=0)
+        assert _secret(www.log) == []
+    finally:
+        www.redirects.clear()
