@@ -91,3 +91,31 @@ def test_a_redirect_is_refused_behind_a_chained_url_too(www):
         assert _secret(www.log) == []
     finally:
         www.redirects.clear()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="beam.ConvertShard records each shard in DST/.torchgrain-convert without the "
+    "check convert's journal.locked makes (a link there is refused): the record is "
+    "written where the link points",
+)
+def test_a_beam_shard_writes_no_journal_record_through_a_linked_journal_folder(tmp_path):
+    from torchgrain.beam import ConvertShard
+    from torchgrain.convert.inputs import open_input
+    from torchgrain.convert.journal import plan_tasks
+    from torchgrain.convert.tasks import Job
+    from torchgrain.sources.registry import get_output
+
+    src, dst, elsewhere = tmp_path / "in", tmp_path / "out", tmp_path / "elsewhere"
+    tg.write_parquet([{"x": i} for i in range(4)], src)
+    dst.mkdir()
+    elsewhere.mkdir()
+    os.symlink(elsewhere, dst / ".torchgrain-convert")
+    output = get_output("array_record")
+    compression, options = output.options(1, None)
+    inp = open_input(str(src), "auto", "auto", None)
+    tasks = plan_tasks(inp.counts, len(inp.paths), None, "array_record")
+    job = Job(inp, str(dst), "array_record", options, compression, 32 << 20, True, output=output)
+    with contextlib.suppress(TorchgrainError, OSError):  # refusing is a right outcome too
+        ConvertShard(job)(tasks[0])
+    assert os.listdir(elsewhere) == [], "a shard's record was written outside DST"
