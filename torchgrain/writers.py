@@ -28,7 +28,7 @@ import bisect
 import contextlib
 import os
 from collections.abc import Iterable, Sequence, Sized
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_n
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.io.paths import local_file_in
 from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 __all__ = [
     "ARRAY_RECORD_OUTPUT",
@@ -231,7 +234,7 @@ def write_array_record(
     return finals
 
 
-def records_to_table(records: Sequence[dict[str, Any]]) -> Any:
+def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None = None) -> Any:
     """Build a ``pyarrow.Table`` from record dicts (the Parquet writer of :func:`convert`).
 
     numpy arrays become (nested) lists of their dtype, so :class:`~torchgrain.ParquetSource`
@@ -239,27 +242,156 @@ def records_to_table(records: Sequence[dict[str, Any]]) -> Any:
     ``None`` is a null. Other values go through ``pyarrow.array``'s inference. A key
     missing from some records is null there.
 
+    With ``schema`` (a ``pyarrow.Schema``: a Parquet source's columns), its columns come
+    first, each of its type (a column no record has: nulls), then the records' other keys
+    as above; a value that its column's type does not hold exactly (an int past the
+    type's range, a float it would round, a string in a binary column) is an error.
+
     Raises:
-        TypeError: a column mixes arrays of different dtypes or ranks with other values.
+        TypeError: a column mixes arrays of different dtypes or ranks with other values,
+            or holds a value its ``schema`` type does not (the message names the column).
 
     Example:
-        >>> import numpy as np
+        >>> import numpy as np, pyarrow as pa
         >>> t = records_to_table([{"x": np.arange(3, dtype=np.int16), "s": "a"},
         ...                       {"x": np.arange(2, dtype=np.int16), "s": None}])
         >>> t.schema.field("x").type, t.column("s").to_pylist()
         (ListType(list<item: int16>), ['a', None])
+        >>> records_to_table([{"u": 200}], pa.schema({"u": pa.uint8()})).schema.field("u").type
+        DataType(uint8)
+        >>> records_to_table([{"u": 300}], pa.schema({"u": pa.uint8()}))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: cannot store key 'u' in Parquet as its source's uint8: ...
     """
     import pyarrow as pa
 
     keys = dict.fromkeys(k for r in records for k in r)
+    fields = [] if schema is None else list(schema)
+    typed = {f.name for f in fields}
+    fields += [k for k in keys if k not in typed]
     arrays = []
-    for k in keys:
+    for f in fields:
+        k = f if isinstance(f, str) else f.name
         values = [r.get(k) for r in records]
         try:
-            arrays.append(_column(values))
+            arrays.append(_column(values) if isinstance(f, str) else _typed_column(values, f.type))
         except (TypeError, ValueError, OverflowError, pa.ArrowException) as e:
-            raise TypeError(f"cannot store key {k!r} in Parquet: {e}") from e
-    return pa.Table.from_arrays(arrays, names=list(keys))
+            what = "" if isinstance(f, str) else f" as its source's {f.type}"
+            raise TypeError(f"cannot store key {k!r} in Parquet{what}: {e}") from e
+    if schema is None:
+        return pa.Table.from_arrays(arrays, names=list(keys))
+    out = pa.schema(
+        [f if not isinstance(f, str) else pa.field(f, a.type) for f, a in zip(fields, arrays)]
+    )
+    return pa.Table.from_arrays(arrays, schema=out)
+
+
+def _python_types(kind: Any) -> tuple[type, ...] | None:
+    """The Python (and numpy) types whose values an Arrow type of ``kind`` takes as they
+    are (None: any, left to pyarrow)."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_integer(kind):
+        return (int, np.integer)
+    if t.is_floating(kind):
+        return (float, int, np.floating, np.integer)
+    if t.is_string(kind) or t.is_large_string(kind):
+        return (str,)
+    if t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind):
+        return (bytes,)
+    if t.is_boolean(kind):
+        return (bool, np.bool_)
+    return None
+
+
+def _typed_column(values: list[Any], kind: Any) -> Any:
+    """``values`` as an Arrow array of type ``kind``, each value held exactly (else a
+    ValueError or TypeError)."""
+    import pyarrow as pa
+
+    allowed = _python_types(kind)
+    if allowed is not None:
+        for t in set(map(type, values)):
+            if t is not type(None) and (
+                not issubclass(t, allowed)
+                or (issubclass(t, (bool, np.bool_)) and bool not in allowed)
+            ):
+                v = next(v for v in values if type(v) is t)
+                raise TypeError(f"it holds {v!r} ({t.__name__})")
+    if pa.types.is_float16(kind) or pa.types.is_float32(kind):
+        # Arrow rounds a Python float to the narrower type without a word.
+        mask = np.fromiter((v is None for v in values), bool, len(values))
+        wide = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
+        with np.errstate(over="ignore"):  # (past the type's range: refused below)
+            narrow = wide.astype(kind.to_pandas_dtype())
+        bad = (narrow != wide) & ~(np.isnan(wide) & np.isnan(narrow))
+        if bad.any():
+            raise ValueError(f"{values[int(np.argmax(bad))]!r} is not a {kind} value")
+        return pa.array(narrow, type=kind, mask=mask if mask.any() else None)
+    temporal = _temporal_unit(kind)
+    if temporal is not None:
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, (np.datetime64, np.timedelta64)) for v in present):
+            # What a ParquetSource returns; Arrow takes such scalars only of a type
+            # without a time zone, and of its own unit.
+            exact = np.array(present)
+            if exact.dtype.kind != np.dtype(temporal).kind:
+                raise TypeError(f"it holds {exact.dtype} values")
+            within = exact.astype(temporal)
+            same = (within == exact) | (np.isnat(within) & np.isnat(exact))
+            if not same.all():
+                raise ValueError(f"{present[int(np.argmin(same))]!r} is not a {kind} value")
+            mask = np.fromiter((v is None for v in values), bool, len(values))
+            full = np.zeros(len(values), dtype=temporal)
+            full[~mask] = within
+            return pa.array(full, mask=mask if mask.any() else None).cast(kind)
+    if _is_list(kind) and _all_arrays(values):
+        # Arrow builds lists from 1-D arrays only, and casts their values to the type
+        # without a word: nested lists from numpy's shapes, of the arrays' own dtype,
+        # then cast to the column's list type (fixed size, large) if another.
+        built = _column(values)
+        if not _same_leaves(built.type, kind):
+            raise TypeError(f"it holds arrays of {built.type}")
+        return built.cast(kind)
+    return pa.array(values, type=kind)
+
+
+def _temporal_unit(kind: Any) -> str | None:
+    """The numpy dtype (``datetime64[us]``...) of an Arrow date, timestamp or duration
+    type; None for another."""
+    import pyarrow as pa
+
+    if pa.types.is_timestamp(kind):
+        return f"datetime64[{kind.unit}]"
+    if pa.types.is_date32(kind):
+        return "datetime64[D]"
+    if pa.types.is_date64(kind):
+        return "datetime64[ms]"
+    if pa.types.is_duration(kind):
+        return f"timedelta64[{kind.unit}]"
+    return None
+
+
+def _all_arrays(values: list[Any]) -> bool:
+    present = [v for v in values if v is not None]
+    return bool(present) and all(isinstance(v, np.ndarray) and v.ndim for v in present)
+
+
+def _is_list(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return (
+        pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    )
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    """Whether list types ``a`` and ``b`` nest alike down to the same value type."""
+    if _is_list(a) and _is_list(b):
+        return _same_leaves(a.value_type, b.value_type)
+    return a.equals(b)
 
 
 def _column(values: list[Any]) -> Any:
@@ -418,6 +550,38 @@ class OutputFormat(abc.ABC):
     ) -> ShardWriter:
         """A writer of one output shard at ``path``."""
 
+    def writer(
+        self,
+        path: str,
+        *,
+        compression: str,
+        writer_options: str,
+        row_group_bytes: int,
+        arrow_schema: pa.Schema | None = None,
+    ) -> ShardWriter:
+        """The writer of one output shard the conversion opens: :meth:`open`'s, told the
+        input's Arrow schema where the input has one (a Parquet source: its selected
+        columns, in order), which a format keeping Arrow types writes those columns
+        with. The default leaves it aside.
+
+        Example:
+            >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq
+            >>> path = os.path.join(tempfile.mkdtemp(), "x.parquet")
+            >>> w = PARQUET_OUTPUT.writer(path, compression="zstd", writer_options="",
+            ...                           row_group_bytes=1 << 20,
+            ...                           arrow_schema=pa.schema({"i": pa.int8()}))
+            >>> _ = w.add({"i": 3})
+            >>> w.close()
+            >>> pq.read_schema(path).field("i").type
+            DataType(int8)
+        """
+        return self.open(
+            path,
+            compression=compression,
+            writer_options=writer_options,
+            row_group_bytes=row_group_bytes,
+        )
+
     def verify(self, path: str, num_records: int, checksum: str) -> None:
         """Read a written shard back: ``CorruptDataError`` unless it matches ``checksum``
         (and, where the format can count them, holds ``num_records`` records)."""
@@ -501,8 +665,11 @@ PARQUET_MAX_ROWS = 1 << 16  # rows per output row group at most
 class ParquetOut(ShardWriter):
     """Writes one output Parquet file, a row group of about ``row_group_bytes`` at a time."""
 
-    def __init__(self, path: str, compression: str, row_group_bytes: int) -> None:
+    def __init__(
+        self, path: str, compression: str, row_group_bytes: int, schema: pa.Schema | None = None
+    ) -> None:
         super().__init__(path)
+        self._schema = schema  # the types of the input's columns (a Parquet input)
         self._compression = compression
         self._target = row_group_bytes
         self._writer: Any = None
@@ -522,7 +689,7 @@ class ParquetOut(ShardWriter):
     def _convert(self) -> None:
         if self._pending:
             try:
-                t = records_to_table(self._pending)
+                t = records_to_table(self._pending, self._schema)
             except TypeError as e:
                 first = self._added - len(self._pending)
                 raise TypeError(
@@ -569,8 +736,9 @@ class ParquetOut(ShardWriter):
 
         self._convert()
         self._flush()
-        if self._writer is None:  # no records: an empty file with an empty schema
-            pq.write_table(pa.table({}), self.path, compression=self._compression)
+        if self._writer is None:  # no records: an empty file, of the input's columns if known
+            empty = pa.table({}) if self._schema is None else self._schema.empty_table()
+            pq.write_table(empty, self.path, compression=self._compression)
         else:
             self._writer.close()
             self._writer = None
@@ -655,6 +823,19 @@ class ParquetOutput(OutputFormat):
         self, path: str, *, compression: str, writer_options: str, row_group_bytes: int
     ) -> ShardWriter:
         return ParquetOut(path, compression, row_group_bytes)
+
+    def writer(
+        self,
+        path: str,
+        *,
+        compression: str,
+        writer_options: str,
+        row_group_bytes: int,
+        arrow_schema: pa.Schema | None = None,
+    ) -> ShardWriter:
+        """The input's columns keep their Arrow types (``arrow_schema``), each value
+        checked to fit; other keys are typed from their values."""
+        return ParquetOut(path, compression, row_group_bytes, arrow_schema)
 
     def verify(self, path: str, num_records: int, checksum: str) -> None:
         verify_shard(path, num_records, checksum)

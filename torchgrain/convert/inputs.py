@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import pyarrow as pa
+
 from torchgrain.errors import RecordDecodeError
 from torchgrain.formats.codecs import Codec, MsgpackCodec, get_codec
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources import registry
 from torchgrain.sources.base import RecordBytesSource, Source
+from torchgrain.sources.parquet import ParquetSource
 
 __all__ = ["ConvertInput", "open_input"]
 
@@ -53,6 +56,14 @@ class ConvertInput:
                 raise ValueError(
                     f"column {missing[0]!r} is not in {src!r}; its columns are {list(s.keys)}"
                 )
+        #: The Arrow types of the records' keys, in order, where the input has them (a
+        #: Parquet source: its selected columns and hive partition keys); None otherwise.
+        self.arrow_schema: pa.Schema | None = None
+        if isinstance(s, ParquetSource):
+            schema = s.arrow_schema
+            self.arrow_schema = (
+                schema if self.keep is None else pa.schema([schema.field(c) for c in self.keep])
+            )
         # Records already msgpack-encoded can be copied as they are (all their keys kept).
         self.passthrough = type(self.codec) is MsgpackCodec and self.keep is None
         self.options = {**options, **({"codec": self.codec} if self.codec is not None else {})}

@@ -185,11 +185,12 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
     output = job.output
     assert output is not None
     try:
-        out = output.open(
+        out = output.writer(
             tmp,
             compression=job.compression,
             writer_options=job.writer_options,
             row_group_bytes=job.row_group_bytes,
+            arrow_schema=inp.arrow_schema,
         )
         msgpack = MsgpackCodec()
         try:
