@@ -119,3 +119,25 @@ def test_a_beam_shard_writes_no_journal_record_through_a_linked_journal_folder(t
     with contextlib.suppress(TorchgrainError, OSError):  # refusing is a right outcome too
         ConvertShard(job)(tasks[0])
     assert os.listdir(elsewhere) == [], "a shard's record was written outside DST"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="io/fs.py _Listing.find: a linked directory is not walked (docs/conversion.md says "
+    "so) but, unlike a skipped file or a link to a missing file, it is not named either "
+    "(_regular drops it as a directory): its shards are left out without a word",
+)
+def test_a_linked_folder_of_shards_is_read_or_named_never_skipped_silently(tmp_path):
+    tg.write_parquet([{"x": i} for i in range(3)], tmp_path / "ds")
+    tg.write_parquet([{"x": 100 + i} for i in range(2)], tmp_path / "more")
+    os.symlink(tmp_path / "more", tmp_path / "ds" / "more")
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        try:
+            n = len(tg.open(str(tmp_path / "ds")))
+        except (TorchgrainError, OSError) as e:  # refusing, naming the link, is right too
+            assert "more" in str(e)
+            return
+    assert n == 5 or any("more" in str(w.message) for w in told), (
+        f"{n} records: the linked folder's 2 were skipped without a word"
+    )
