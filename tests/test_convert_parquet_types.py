@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import glob
+import json
 import math
 import os
 
@@ -296,3 +297,29 @@ def test_any_int_or_narrow_float_column_converts_unchanged(tmp_path_factory, col
     # Bit for bit (nan payloads aside: Arrow's float16 reads them as Python floats).
     want, have = column.to_pylist(), got.to_pylist()
     assert all(_same(w, h) for w, h in zip(want, have)) and len(want) == len(have)
+
+
+def _file_ids(out) -> dict[str, tuple[int, int]]:
+    return {
+        os.path.basename(p): (os.stat(p).st_ino, os.stat(p).st_mtime_ns)
+        for p in glob.glob(str(out / "*.parquet"))
+    }
+
+
+def test_a_shard_the_last_step_rewrote_is_not_converted_again_by_a_rerun(tmp_path):
+    # Shard 0 holds only None (typed null): the last step rewrites it as int64, and the
+    # journal records the rewritten file, so a rerun finds every shard done.
+    tg.write_array_record([{"x": None}, {"x": 1}], tmp_path / "src")
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", num_shards=2)
+    before = _file_ids(tmp_path / "out")
+    assert pq.read_schema(tmp_path / "out" / "data-00000-of-00002.parquet").field("x").type == (
+        pa.int64()
+    )
+    m = tg.convert(tmp_path / "src", tmp_path / "out", to="parquet", num_shards=2)
+    assert _file_ids(tmp_path / "out") == before
+    assert [r["x"] for r in tg.ParquetSource(tmp_path / "out")] == [None, 1]
+    journal = tmp_path / "out" / ".torchgrain-convert"
+    for info in m.shards:
+        index = int(info.path.split("-")[1])
+        record = json.loads((journal / f"shard-{index:05d}.json").read_text())
+        assert (record["num_bytes"], record["checksum"]) == (info.num_bytes, info.checksum)

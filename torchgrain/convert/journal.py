@@ -314,6 +314,21 @@ def finish(
     manifest.extra["compression"] = compression
     manifest.extra["converted_from"] = {"format": inp.format, "num_files": len(inp.paths)}
     output.finish(root, manifest, group_size)
+    # A shard the format's last step rewrote (Parquet: a column typed as the other
+    # shards') is recorded as it now is, so that a rerun finds it done.
+    journal = Journal(root)
+    for r, info in zip(results, manifest.shards):
+        if (info.num_bytes, info.checksum) != (r["num_bytes"], r["checksum"]):
+            st = os.stat(os.path.join(root, info.path))
+            journal.record(
+                {
+                    **r,
+                    "num_bytes": st.st_size,
+                    "checksum": info.checksum,
+                    "file_checksum": info.file_checksum,
+                    "file_id": [st.st_ino, st.st_mtime_ns],
+                }
+            )
     atomic_write_text(manifest_path(root, output), manifest.to_json())
     return manifest
 
