@@ -99,6 +99,14 @@ COLUMNS: dict[str, pa.Array] = {
         [{"a": 1, "b": "x"}, None, {"a": None, "b": "y"}] + [{"a": 2, "b": "z"}] * 4,
     ),
     "map": _column(pa.map_(pa.string(), pa.uint8()), [[("a", 1)], None, []] + [[("b", 255)]] * 4),
+    "struct_float": _column(
+        pa.struct({"f": pa.float32(), "h": pa.list_(pa.float16())}),
+        [{"f": 0.5, "h": [0.25, None]}, None, {"f": None, "h": []}]
+        + [{"f": 1e30, "h": [6e-8]}] * 4,
+    ),
+    "map_float": _column(
+        pa.map_(pa.string(), pa.float32()), [[("a", 0.5)], None, []] + [[("b", 1e-30)]] * 4
+    ),
     "null": pa.nulls(_N),
 }
 
@@ -246,6 +254,10 @@ def test_a_value_the_source_type_cannot_hold_is_an_error_naming_column_and_recor
         (np.array([1000], np.int16), pa.list_(pa.int8())),
         (np.array([0.1]), pa.list_(pa.float32())),
         (np.array([[1.5]]), pa.list_(pa.list_(pa.float32()))),
+        ([0.5, 0.1], pa.list_(pa.float32())),  # pyarrow alone rounds these too
+        ([[1e300]], pa.large_list(pa.list_(pa.float16()))),
+        ({"a": 0.1}, pa.struct({"a": pa.float32()})),
+        ([("k", 0.1)], pa.map_(pa.string(), pa.float32())),
     ],
 )
 def test_records_to_table_refuses_a_value_its_schema_type_does_not_hold(value, typ):

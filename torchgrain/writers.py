@@ -27,7 +27,7 @@ import abc
 import bisect
 import contextlib
 import os
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -328,7 +328,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
             narrow = wide.astype(kind.to_pandas_dtype())
         bad = (narrow != wide) & ~(np.isnan(wide) & np.isnan(narrow))
         if bad.any():
-            raise ValueError(f"{values[int(np.argmax(bad))]!r} is not a {kind} value")
+            raise ValueError(f"{values[int(np.argmax(bad))]!r} is not a {_float_in(kind)} value")
         return pa.array(narrow, type=kind, mask=mask if mask.any() else None)
     temporal = _temporal_unit(kind)
     if temporal is not None:
@@ -355,7 +355,71 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if not _same_leaves(built.type, kind):
             raise TypeError(f"it holds arrays of {built.type}")
         return built.cast(kind)
-    return pa.array(values, type=kind)
+    wide_kind = _widened(kind)
+    if wide_kind.equals(kind):
+        return pa.array(values, type=kind)
+    # float16/float32 values inside lists, structs or maps: Arrow rounds a Python float
+    # to them without a word, so they are built as float64 and checked to round trip.
+    wide = pa.array(values, type=wide_kind)
+    narrow = wide.cast(kind)
+    for a, b in zip(_float_leaves(wide), _float_leaves(narrow.cast(wide_kind))):
+        x, y = a.to_numpy(zero_copy_only=False), b.to_numpy(zero_copy_only=False)
+        bad = (x != y) & ~(np.isnan(x) & np.isnan(y))
+        if bad.any():
+            raise ValueError(f"{float(x[int(np.argmax(bad))])!r} is not a {_float_in(kind)} value")
+    return narrow
+
+
+def _widened(kind: Any) -> Any:
+    """``kind`` with every float16 and float32 in it float64."""
+    import pyarrow as pa
+
+    t = pa.types
+    if t.is_float16(kind) or t.is_float32(kind):
+        return pa.float64()
+    if t.is_map(kind):
+        return pa.map_(
+            kind.key_field.with_type(_widened(kind.key_type)),
+            kind.item_field.with_type(_widened(kind.item_type)),
+        )
+    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+        field = kind.value_field.with_type(_widened(kind.value_type))
+        if t.is_fixed_size_list(kind):
+            return pa.list_(field, kind.list_size)
+        return pa.large_list(field) if t.is_large_list(kind) else pa.list_(field)
+    if t.is_struct(kind):
+        return pa.struct([f.with_type(_widened(f.type)) for f in kind])
+    return kind
+
+
+def _float_leaves(array: Any) -> Iterator[Any]:
+    """The float64 arrays at the bottom of a (nested) array, in order."""
+    import pyarrow as pa
+
+    t = array.type
+    if pa.types.is_float64(t):
+        yield array
+    elif pa.types.is_struct(t):
+        for i in range(t.num_fields):
+            yield from _float_leaves(array.field(i))
+    elif pa.types.is_map(t):
+        yield from _float_leaves(array.keys)
+        yield from _float_leaves(array.items)
+    elif _is_list(t):
+        yield from _float_leaves(array.flatten())
+
+
+def _float_in(kind: Any) -> str | None:
+    """The name of the first float16 or float32 type in ``kind``."""
+    import pyarrow as pa
+
+    if pa.types.is_float16(kind) or pa.types.is_float32(kind):
+        return np.dtype(kind.to_pandas_dtype()).name
+    for i in range(kind.num_fields):
+        found = _float_in(kind.field(i).type)
+        if found is not None:
+            return found
+    return None
 
 
 def _temporal_unit(kind: Any) -> str | None:
