@@ -302,12 +302,6 @@ def test_parquet_output_empty_list_shard(tmp_path):
     assert [list(r["s"]) for r in _read(tmp_path / "out")] == [[], [b"a"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Parquet -> Parquet: ParquetSource hands scalars over as Python values and "
-    "records_to_table infers the column again: uint8 becomes int64, float16 double, a "
-    "time zone is dropped",
-)
 def test_parquet_to_parquet_keeps_column_types(tmp_path):
     (tmp_path / "src").mkdir()
     table = pa.table(
