@@ -23,11 +23,6 @@ from torchgrain.errors import TorchgrainError
 from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="journal.locked opens DST/.torchgrain-convert/lock with O_CREAT and without "
-    "O_NOFOLLOW: a link put there makes the conversion create the link's target outside DST",
-)
 def test_a_link_in_place_of_the_conversion_lock_creates_nothing_outside_the_output(tmp_path):
     src, dst = tmp_path / "in", tmp_path / "out"
     tg.write_parquet([{"x": i} for i in range(4)], src)
@@ -93,12 +88,6 @@ def test_a_redirect_is_refused_behind_a_chained_url_too(www):
         www.redirects.clear()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="beam.ConvertShard records each shard in DST/.torchgrain-convert without the "
-    "check convert's journal.locked makes (a link there is refused): the record is "
-    "written where the link points",
-)
 def test_a_beam_shard_writes_no_journal_record_through_a_linked_journal_folder(tmp_path):
     from torchgrain.beam import ConvertShard
     from torchgrain.convert.inputs import open_input

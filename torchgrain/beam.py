@@ -75,7 +75,7 @@ class ConvertShard:
         if done is not None and finished(self.job.root, task, done):
             return done
         result = run_task(self.job, task)
-        os.makedirs(journal.dir, exist_ok=True)
+        journal.make()
         journal.record(result)
         return result
 

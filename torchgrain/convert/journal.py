@@ -157,8 +157,25 @@ class Journal:
             raise CorruptDataError(f"the conversion plan {p} is not a plan")
         return plan
 
-    def save_plan(self, plan: dict[str, Any]) -> None:
+    def make(self) -> None:
+        """Make the journal's directory; a link in its place is refused (its plan, records
+        and lock would be written, and cleared, wherever it points).
+
+        Raises:
+            TorchgrainError: ``DST/.torchgrain-convert`` is a link.
+
+        Example:
+            >>> import tempfile
+            >>> j = Journal(tempfile.mkdtemp())
+            >>> j.make(); os.path.isdir(j.dir)
+            True
+        """
+        if os.path.islink(self.dir):
+            raise TorchgrainError(f"{self.dir} is a link: remove it to convert into {self.root}")
         os.makedirs(self.dir, exist_ok=True)
+
+    def save_plan(self, plan: dict[str, Any]) -> None:
+        self.make()
         atomic_write_text(os.path.join(self.dir, "plan.json"), json.dumps(plan))
 
     def done(self) -> dict[int, dict[str, Any]]:
@@ -206,13 +223,18 @@ def _read_at_most(path: str, limit: int) -> bytes | None:
 def locked(journal: Journal) -> Iterator[None]:
     import fcntl
 
-    if os.path.islink(journal.dir):
-        # Its plan, records and lock would be written (and cleared) wherever it points.
-        raise TorchgrainError(f"{journal.dir} is a link: remove it to convert into {journal.root}")
-    os.makedirs(journal.dir, exist_ok=True)
-    # 0o666 less the umask, as for every file torchgrain writes.
-    fd = os.open(os.path.join(journal.dir, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    journal.make()
+    # 0o666 less the umask, as for every file torchgrain writes. A link in the lock's place
+    # is not followed (its target would be made outside DST), nor a FIFO waited on.
+    path = os.path.join(journal.dir, "lock")
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        raise TorchgrainError(f"cannot take the conversion's lock {path}: {e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TorchgrainError(f"the conversion's lock {path} is not a regular file: remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
