@@ -134,3 +134,23 @@ def test_dicts_of_the_same_keys_in_another_order_in_two_shards_convert(tmp_path)
     tg.convert(str(tmp_path / "in"), str(tmp_path / "out"), to="parquet", num_shards=2)
     src = tg.ParquetSource(str(tmp_path / "out"))
     assert [src[i] for i in range(2)] == [{"m": {"a": 1, "b": 2}}, {"m": {"a": 4, "b": 3}}]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RetryPolicy.delay computes base_delay * 2.0**retry: retry 1024 is an "
+    "OverflowError, not a wait (--retries takes any count)",
+)
+def test_a_policy_of_more_than_1024_retries_retries_them_all() -> None:
+    from torchgrain.io.retry import retry_call
+
+    policy = RetryPolicy(attempts=1100, base_delay=0.0, max_delay=0.0, deadline=60)
+    calls = []
+
+    def reset() -> None:
+        calls.append(1)
+        raise ConnectionResetError("reset by peer")
+
+    with pytest.raises(tg.RemoteIOError):
+        retry_call(reset, url="http://127.0.0.1:9/a.parquet", policy=policy, what="read")
+    assert len(calls) == 1100
