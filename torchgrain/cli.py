@@ -25,9 +25,10 @@ from torchgrain.bench import default_workers, run_bench, token_column
 from torchgrain.caches import clear_cache, list_caches, size_text
 from torchgrain.compose.spec import is_spec, load_spec
 from torchgrain.convert import DEFAULT_OUTPUT, check_output_dir
-from torchgrain.errors import TorchgrainError
+from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.codecs import available_codecs, describe_value
 from torchgrain.io import remote
+from torchgrain.io.changes import open_regular
 from torchgrain.io.fs import default_cache_dir, get_filesystem, skipped_files
 from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources import registry
@@ -300,13 +301,13 @@ def _tokenize_option(args: argparse.Namespace) -> Any:
         return None
     from torchgrain.tokens.tokenize import tokenize
 
-    _check_exists("--tokenize", args.tokenize)
+    data = _read_regular("--tokenize", args.tokenize)
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise CliError("--tokenize needs the tokenizers package: pip install tokenizers") from None
     try:
-        tokenizer = Tokenizer.from_file(args.tokenize)
+        tokenizer = Tokenizer.from_str(data.decode())
     except Exception as e:  # the library's own error type for a malformed file
         raise CliError(f"argument --tokenize: cannot load {args.tokenize!r}: {e}") from None
     tokens = args.tokens_column
@@ -393,6 +394,34 @@ def _check_exists(arg: str, paths: str | list[str]) -> None:
                 raise CliError(f"argument {arg}: {p!r} matches no file")
         elif not os.path.exists(local):
             raise CliError(f"argument {arg}: {p!r} does not exist")
+
+
+def _read_regular(arg: str, path: str) -> bytes:
+    """The bytes of the local regular file ``path`` given for ``arg``; a FIFO, socket or
+    device there is refused, never waited on or read without end.
+
+    Example:
+        >>> import tempfile
+        >>> _read_regular("--tokenize", tempfile.mkdtemp())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchgrain.cli.CliError: argument --tokenize: '...' is a directory, not a file
+    """
+    if "://" in path and not path.startswith("file://"):
+        raise CliError(f"argument {arg}: {path!r} must be a local file")
+    _check_exists(arg, path)
+    try:
+        fd = open_regular(path.removeprefix("file://"))
+    except IsADirectoryError:
+        raise CliError(f"argument {arg}: {path!r} is a directory, not a file") from None
+    except CorruptDataError:
+        raise CliError(
+            f"argument {arg}: {path!r} is not a regular file (a FIFO, socket or device)"
+        ) from None
+    except OSError as e:
+        raise CliError(f"argument {arg}: cannot read {path!r}: {e.strerror}") from None
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def _check_directory(arg: str, path: str) -> None:

@@ -82,7 +82,8 @@ def build_demo_dataset(directory: str, num_records: int, num_shards: int = 8) ->
             "empty directory or over its own dataset; pass another --data-dir"
         )
     os.makedirs(root, exist_ok=True)
-    open(marker, "w").close()
+    # O_NONBLOCK: a FIFO in the marker's place is an error (ENXIO), not waited on.
+    os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o666))
     write_array_record(
         _Sized(synthetic_records(num_records), num_records),
         directory,

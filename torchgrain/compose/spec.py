@@ -28,7 +28,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchgrain.errors import TorchgrainError
+from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.io.changes import open_regular
 from torchgrain.io.retry import RetryPolicy, current_policy, using
 
 __all__ = ["SpecError", "is_spec", "load_spec"]
@@ -51,18 +52,29 @@ class SpecError(TorchgrainError, ValueError):
 
 
 def is_spec(path: Any) -> bool:
-    """Whether ``path`` names a composition file (a local ``.json``/``.yaml``/``.yml`` file).
+    """Whether ``path`` names a composition file: a local ``.json``/``.yaml``/``.yml``
+    path that exists and is not a directory (a FIFO so named too, which
+    :func:`load_spec` then refuses by name).
 
     Example:
         >>> is_spec("mixture.json"), is_spec("train/")
         (False, False)
     """
     local = isinstance(path, str) and "://" not in path
-    return local and path.lower().endswith(_SUFFIXES) and os.path.isfile(path)
+    return (
+        local
+        and path.lower().endswith(_SUFFIXES)
+        and os.path.exists(path)
+        and not os.path.isdir(path)
+    )
 
 
 def _read(path: str) -> Any:
-    with open(path, "rb") as f:
+    try:
+        fd = open_regular(path)  # (a FIFO's plain open would wait for a writer forever)
+    except CorruptDataError:
+        raise SpecError(f"{path}: not a regular file (a FIFO, socket or device)") from None
+    with open(fd, "rb") as f:
         data = f.read(_MAX_BYTES + 1)
     if len(data) > _MAX_BYTES:
         raise SpecError(f"{path}: larger than {_MAX_BYTES} bytes: not a composition file")
