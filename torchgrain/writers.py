@@ -738,7 +738,7 @@ class ParquetOut(ShardWriter):
         self._target = row_group_bytes
         self._writer: Any = None
         self._pending: list[dict[str, Any]] = []
-        self._tables: list[Any] = []
+        self._tables: list[tuple[int, Any]] = []  # (its first record, a batch's table)
         self._bytes = 0
         self._added = 0  # records added
 
@@ -752,17 +752,17 @@ class ParquetOut(ShardWriter):
 
     def _convert(self) -> None:
         if self._pending:
+            first = self._added - len(self._pending)
             try:
                 t = records_to_table(self._pending, self._schema)
             except TypeError as e:
-                first = self._added - len(self._pending)
                 raise TypeError(
                     f"{e} (in records {first}..{self._added - 1} of {self.path})"
                 ) from e
             self._pending = []
-            self._tables.append(t)
+            self._tables.append((first, t))
             self._bytes += t.nbytes
-            rows = sum(x.num_rows for x in self._tables)
+            rows = sum(x.num_rows for _, x in self._tables)
             if self._bytes >= self._target or rows >= PARQUET_MAX_ROWS:
                 self._flush()
 
@@ -776,11 +776,13 @@ class ParquetOut(ShardWriter):
         # Each batch is typed from its own records: give them, and the row groups written
         # before, one schema (a column null or missing so far gets its type; Python ints
         # are int64 unless one is past it, then uint64 where every value is >= 0).
+        where = [f"records {first}..{first + t.num_rows - 1}" for first, t in tables]
+        tables = [t for _, t in tables]
         schemas = [t.schema for t in tables]
         if self._writer is not None:
             schemas.insert(0, self._writer.schema)
         schema = _one_schema(schemas)
-        tables = [_conformed(t, schema, self.path) for t in tables]
+        tables = [_conformed(t, schema, self.path, w) for t, w in zip(tables, where)]
         if self._writer is not None and not self._writer.schema.equals(schema):
             self._rewrite_written(schema)
         table = pa.concat_tables(tables)
@@ -831,9 +833,10 @@ def _one_schema(schemas: Sequence[Any]) -> Any:
     return pa.unify_schemas(schemas, promote_options="permissive")
 
 
-def _conformed(table: Any, schema: Any, path: str) -> Any:
-    """``table`` cast to ``schema`` (a column it lacks: nulls); a TypeError naming the
-    column where an int64 column to be uint64 holds a negative value."""
+def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
+    """``table`` (``where`` in the file ``path``: its records or row group) cast to
+    ``schema`` (a column it lacks: nulls); a TypeError naming the column, ``where`` and
+    ``path`` where a value does not cast (a negative int to uint64)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -852,7 +855,12 @@ def _conformed(table: Any, schema: Any, path: str) -> Any:
                     f"cannot store key {f.name!r} in Parquet: it holds {low} and ints past "
                     f"int64 in one output shard ({path}); no Parquet integer type holds both"
                 )
-        columns.append(column.cast(f.type))
+        try:
+            columns.append(column.cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise TypeError(
+                f"cannot store key {f.name!r} in Parquet as {f.type}: {e} ({where} of {path})"
+            ) from e
     return pa.Table.from_arrays(columns, schema=schema)
 
 
@@ -998,7 +1006,7 @@ def _rewrite(path: str, schema: Any, compression: str, *, keep_open: bool = Fals
         writer = pq.ParquetWriter(tmp, schema, compression=compression)
         with pq.ParquetFile(path) as pf:
             for i in range(pf.num_row_groups):
-                t = _conformed(pf.read_row_group(i), schema, path)
+                t = _conformed(pf.read_row_group(i), schema, path, f"row group {i}")
                 writer.write_table(t, row_group_size=t.num_rows)
         if not keep_open:
             writer.close()
