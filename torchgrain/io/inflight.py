@@ -66,7 +66,7 @@ from torchgrain.io.responses import (
     request_coroutine,
     socket_pieces,
 )
-from torchgrain.io.retry import RequestTimeout, is_transient_status
+from torchgrain.io.retry import RequestTimeout, is_transient_status, wait_seconds
 
 __all__ = ["cat_many", "multirange_servers"]
 
@@ -531,7 +531,7 @@ def cat_many(
     try:
         while waiting:
             try:
-                path = done.get(timeout=max(0.0, deadline - time.monotonic()))
+                path = done.get(timeout=wait_seconds(deadline - time.monotonic()))
             except queue.Empty:
                 break
             waiting.discard(path)

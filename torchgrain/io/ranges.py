@@ -37,7 +37,13 @@ from fsspec.asyn import AsyncFileSystem
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes, inflight, process, remote
 from torchgrain.io.paths import is_http
-from torchgrain.io.retry import http_status, is_transient, permanent_error, remaining_seconds
+from torchgrain.io.retry import (
+    http_status,
+    is_transient,
+    permanent_error,
+    remaining_seconds,
+    wait_seconds,
+)
 
 __all__ = [
     "MappedFile",
@@ -365,7 +371,7 @@ def fetch_batch(
         # Ranges another fetch (read-ahead) was bringing: wait for it to end, then fetch
         # whatever it did not bring (it failed, or was cancelled and dropped them).
         for event in waits:
-            event.wait(max(remaining_seconds(0)[0], 0.0))
+            event.wait(wait_seconds(remaining_seconds(0)[0]))
         rest = [k for k in range(len(files)) if k not in told]  # told: read already
         return made + fetch_batch(
             fs,

@@ -44,6 +44,7 @@ import contextvars
 import errno
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ __all__ = [
     "request_done",
     "retry_call",
     "using",
+    "wait_seconds",
 ]
 
 T = TypeVar("T")
@@ -129,7 +131,7 @@ _TRANSIENT_CODES = frozenset(
 class RetryPolicy:
     """How often, how patiently and for how long to try a remote read.
 
-    The delay before retry ``k`` (0-based) is ``min(max_delay, base_delay * 2**k)``
+    The delay before retry ``k`` (0-based) is ``min(max_delay, base_delay * 2**min(k, 63))``
     scaled by a random factor in ``[1 - jitter, 1]``, so that many workers hitting the
     same throttled bucket do not retry in lock-step.
 
@@ -177,8 +179,11 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ValueError(f"attempts must be >= 1, got {self.attempts}")
-        if self.base_delay < 0 or self.max_delay < 0:
-            raise ValueError("delays must be >= 0")
+        if not (self.base_delay >= 0 and self.max_delay >= 0):  # (NaN too)
+            raise ValueError(
+                f"delays must be >= 0, got base_delay={self.base_delay!r}, "
+                f"max_delay={self.max_delay!r}"
+            )
         if not 0.0 <= self.jitter <= 1.0:
             raise ValueError(f"jitter must be in [0, 1], got {self.jitter}")
         for name in ("connect_timeout", "read_timeout", "request_timeout", "min_rate", "deadline"):
@@ -190,7 +195,8 @@ class RetryPolicy:
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (0 for the first retry)."""
-        d = min(self.max_delay, self.base_delay * (2.0**retry))
+        # (2.0**1024 is an OverflowError: past 2**63 any delay is max_delay anyway)
+        d = min(self.max_delay, self.base_delay * 2.0 ** min(retry, 63))
         if self.jitter:
             d *= 1.0 - self.jitter * (rng or random).random()
         return d
@@ -291,6 +297,18 @@ def remaining_seconds(nbytes: int = 0) -> tuple[float, float, RetryPolicy]:
     if left <= 0:
         return left, own, policy
     return min(own, left + max(nbytes, 0) / policy.min_rate), own, policy
+
+
+def wait_seconds(seconds: float) -> float:
+    """``seconds`` as a blocking wait (``Event.wait``, ``Queue.get``, ``time.sleep``) takes
+    them: at least 0 and at most ``threading.TIMEOUT_MAX`` (about 292 years; a longer
+    wait is an OverflowError, though a policy's seconds may be any finite number).
+
+    Example:
+        >>> wait_seconds(-1.0), wait_seconds(2.5), wait_seconds(1e10) == threading.TIMEOUT_MAX
+        (0.0, 2.5, True)
+    """
+    return min(max(seconds, 0.0), threading.TIMEOUT_MAX)
 
 
 def request_done(nbytes: int) -> None:
@@ -529,7 +547,7 @@ def retry_call(
                     ) from e
                 if on_retry is not None:
                     on_retry(attempt, e)
-                time.sleep(delay)
+                time.sleep(wait_seconds(delay))
     finally:
         _OPERATION.reset(token)
     raise AssertionError("unreachable")  # pragma: no cover
