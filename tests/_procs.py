@@ -11,9 +11,12 @@ import os
 import signal
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 
 PR_SET_CHILD_SUBREAPER = 36
+#: The environment variable that marks every process of one :func:`run_job`.
+JOB_MARK = "TORCHGRAIN_TEST_JOB"
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,9 @@ def run_job(
     """
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (STACK_DUMPS, env.get("PYTHONPATH")) if x)
+    # Every process of the job inherits this mark: one whose launcher exited (an orphan
+    # in a session of its own) is found by it.
+    mark = env[JOB_MARK] = uuid.uuid4().hex
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -150,7 +156,7 @@ def run_job(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        job = _job_processes(proc.pid)
+        job = _job_processes(proc.pid, mark)
         listing = "\n".join(describe(p.pid) for p in job)
         for p in job:
             with contextlib.suppress(ProcessLookupError):
@@ -158,7 +164,7 @@ def run_job(
         time.sleep(3)
         for _ in range(10):  # what the job started meanwhile is killed in the next round
             # Children first: once the first process is gone, its orphans leave its tree.
-            kill(_job_processes(proc.pid)[::-1])
+            kill(_job_processes(proc.pid, mark)[::-1])
             try:
                 out, err = proc.communicate(timeout=5)
                 break
@@ -178,14 +184,25 @@ def run_job(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _job_processes(root: int) -> list[Proc]:
+def _job_processes(root: int, mark: str) -> list[Proc]:
     """The running processes of the job whose first process is ``root``: that process,
-    its process group and its descendants, parents before their children."""
+    its process group, its descendants, then those whose environment holds the job's
+    ``mark`` (a rank whose launcher exited), parents before their children."""
     procs = snapshot()
     found = {root: procs[root]} if root in procs else {}
     found.update((p.pid, p) for p in descendants(root, procs))
     found.update((p.pid, p) for p in procs.values() if p.pgid == root)
+    found.update((p.pid, p) for p in procs.values() if p.pid not in found and _marked(p, mark))
     return [p for p in found.values() if p.running]
+
+
+def _marked(p: Proc, mark: str) -> bool:
+    """Whether ``p`` started with ``JOB_MARK=mark`` in its environment."""
+    try:
+        with open(f"/proc/{p.pid}/environ", "rb") as f:
+            return f"{JOB_MARK}={mark}".encode() in f.read().split(b"\0")
+    except OSError:  # exited meanwhile, or another user's
+        return False
 
 
 #: Jobs that ran past their deadline and passed when run again: (command, message with

@@ -105,6 +105,32 @@ def test_a_job_whose_processes_left_its_session_is_still_dumped_and_killed():
     )
 
 
+def test_a_rank_whose_launcher_exited_is_still_dumped_and_killed():
+    """A rank in a session of its own whose launcher has exited is nobody's descendant in
+    the job (the test process, a subreaper, adopts it) and holds the job's output pipes:
+    it is found by the job's mark, dumped and killed, and the timeout ends."""
+    code = (
+        "import os, time\n"
+        "def rank_waits(): time.sleep(120)\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    rank_waits()\n"
+    )
+    start = time.monotonic()
+    with pytest.raises(_procs.JobTimeout) as raised:
+        _procs.run_job([sys.executable, "-c", code], timeout=5, env=dict(os.environ))
+    assert time.monotonic() - start < 30
+    message = str(raised.value)
+    assert "rank_waits" in message, message
+    pids = [
+        int(line.split()[1].rstrip(":")) for line in message.splitlines() if line.startswith("pid ")
+    ]
+    assert len(pids) == 1, message
+    assert not _procs.wait_gone(
+        lambda: [p for p in _procs.snapshot().values() if p.pid in pids], 10
+    )
+
+
 def test_a_job_that_hangs_once_is_run_again_and_reported(tmp_path):
     """The first run hangs, the second finishes: the test passes, and the hang (with its
     stacks) is kept for the report at the end of the test run."""
