@@ -43,12 +43,6 @@ def run_child(code: str, timeout: float) -> tuple[subprocess.CompletedProcess[st
     return done, done.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_spec opens the composition file with a plain open(): a FIFO there is "
-    "waited on forever (compose/spec.py _read), where every dataset path is refused as "
-    "'not a regular file'",
-)
 def test_a_fifo_named_as_a_composition_file_is_refused_not_waited_on(tmp_path):
     spec = tmp_path / "mixture.json"
     os.mkfifo(spec)
@@ -248,12 +242,6 @@ except tg.TorchgrainError as e:
     assert float(seconds) < 4.0 and int(pages) <= 10, done.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="convert --tokenize hands its path to tokenizers' Tokenizer.from_file after "
-    "checking only that it exists (cli.py _tokenize_option, _check_exists): a FIFO there "
-    "is waited on forever, where a FIFO named as a dataset path is refused",
-)
 def test_a_fifo_named_as_the_tokenizer_file_is_refused_not_waited_on(tmp_path):
     src, fifo = str(tmp_path / "src"), tmp_path / "tokenizer.json"
     tg.write_parquet([{"text": "hello world"} for _ in range(5)], src)
