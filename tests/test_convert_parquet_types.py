@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchgrain as tg
+from torchgrain.sources.parquet.schema import numpy_dtype
 from torchgrain.writers import records_to_table
 
 _N = 7  # rows; every column has a null in row 1 (but the non-nullable ones)
@@ -31,12 +32,12 @@ def _column(typ: pa.DataType, values: list) -> pa.Array:
 
 
 def _ints(typ: pa.DataType) -> pa.Array:
-    info = np.iinfo(typ.to_pandas_dtype())
+    info = np.iinfo(numpy_dtype(typ)[0])
     return _column(typ, [int(info.min), None, int(info.max), 0, 1, -1 if info.min else 2, 7])
 
 
 def _floats(typ: pa.DataType) -> pa.Array:
-    dt = typ.to_pandas_dtype()
+    dt = numpy_dtype(typ)[0]
     values = [1.5, None, float(np.finfo(dt).max), float(np.finfo(dt).tiny), -0.0, math.inf]
     values.append(float(dt(0.1)))  # 0.1 as that type rounds it
     return pa.array(np.array([0 if v is None else v for v in values], dt), mask=_NULL_ROW)
@@ -279,7 +280,7 @@ _INT_TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.uint8(), pa.uint16(), pa.uin
 def _typed_columns(draw):
     typ = draw(st.sampled_from([*_INT_TYPES, pa.float16(), pa.float32()]))
     n = draw(st.integers(1, 12))
-    dt = np.dtype(typ.to_pandas_dtype())
+    dt = numpy_dtype(typ)[0]
     if dt.kind == "f":
         bits = draw(st.lists(st.integers(0, 2 ** (8 * dt.itemsize) - 1), min_size=n, max_size=n))
         values = np.array(bits, f"u{dt.itemsize}").view(dt)  # every bit pattern: nan, inf...
