@@ -39,7 +39,7 @@ def _ints(typ: pa.DataType) -> pa.Array:
 def _floats(typ: pa.DataType) -> pa.Array:
     dt = numpy_dtype(typ)[0]
     values = [1.5, None, float(np.finfo(dt).max), float(np.finfo(dt).tiny), -0.0, math.inf]
-    values.append(float(dt(0.1)))  # 0.1 as that type rounds it
+    values.append(float(dt.type(0.1)))  # 0.1 as that type rounds it
     return pa.array(np.array([0 if v is None else v for v in values], dt), mask=_NULL_ROW)
 
 
