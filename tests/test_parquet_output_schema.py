@@ -3,6 +3,10 @@ refused naming its key, records and shard, never widened or cast."""
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
@@ -13,3 +17,47 @@ def test_an_int_a_float_does_not_hold_beside_a_float_names_key_records_and_shard
     tg.write_array_record(records, str(tmp_path / "in"))
     with pytest.raises(TypeError, match=r"key 'k'.*records 0\.\.511.*data-00000-of-00001"):
         tg.convert(str(tmp_path / "in"), str(tmp_path / "out"), to="parquet", num_shards=1)
+
+
+@pytest.mark.parametrize(
+    "first, then, kinds",
+    [
+        (np.arange(3, dtype=np.int8), np.arange(3, dtype=np.int16), "list<item: int8>.*int16"),
+        (np.uint8(1), np.int8(-1), "uint8 in records 0..511 but int8 in records 512..512"),
+        ("a", b"b", "string in records 0..511 but binary in records 512..512"),
+        (1, 1.5, "int64 in records 0..511 but double"),
+        ({"a": 1}, {"a": 1, "b": 2}, "struct<a: int64> in records 0..511 but struct<a: int64, b"),
+    ],
+)
+@pytest.mark.parametrize("row_group_bytes", [1, 32 << 20])
+def test_a_key_typed_apart_in_two_batches_of_one_shard_is_refused(
+    tmp_path, first, then, kinds, row_group_bytes
+):
+    tg.write_array_record([{"a": first}] * 512 + [{"a": then}], str(tmp_path / "in"))
+    with pytest.raises(TypeError, match=rf"key 'a'.*{kinds}.*data-00000-of-00001"):
+        tg.convert(
+            str(tmp_path / "in"),
+            str(tmp_path / "out"),
+            to="parquet",
+            row_group_bytes=row_group_bytes,
+        )
+    assert not os.path.exists(tmp_path / "out" / "data-00000-of-00001.parquet")
+
+
+@pytest.mark.parametrize("row_group_bytes", [1, 32 << 20])
+def test_what_two_shards_reconcile_two_batches_of_one_shard_reconcile(tmp_path, row_group_bytes):
+    recs = [{"n": None, "e": [], "x": i} for i in range(512)]
+    recs += [{"n": {"a": 1.5}, "e": [b"x"], "x": 2**64 - 1}]
+    tg.write_array_record(recs, str(tmp_path / "in"))
+    tg.convert(
+        str(tmp_path / "in"), str(tmp_path / "out"), to="parquet", row_group_bytes=row_group_bytes
+    )
+    schema = pq.read_schema(str(tmp_path / "out" / "data-00000-of-00001.parquet"))
+    assert [str(f.type) for f in schema] == [
+        "struct<a: double>",
+        "list<element: binary>",
+        "uint64",
+    ]
+    out = tg.open(str(tmp_path / "out"))
+    assert out[0]["n"] is None and len(out[0]["e"]) == 0 and out[511]["x"] == 511
+    assert out[512]["n"] == {"a": 1.5} and out[512]["x"] == 2**64 - 1

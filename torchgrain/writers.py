@@ -774,14 +774,16 @@ class ParquetOut(ShardWriter):
             return
         tables, self._tables, self._bytes = self._tables, [], 0
         # Each batch is typed from its own records: give them, and the row groups written
-        # before, one schema (a column null or missing so far gets its type; Python ints
-        # are int64 unless one is past it, then uint64 where every value is >= 0).
+        # before, one schema as shards get one (a column null or missing so far gets its
+        # type; int64 beside uint64 is uint64 where no value is negative; else an error).
         where = [f"records {first}..{first + t.num_rows - 1}" for first, t in tables]
+        written = f"records 0..{tables[0][0] - 1}"  # (in the row groups written before)
         tables = [t for _, t in tables]
         schemas = [t.schema for t in tables]
         if self._writer is not None:
-            schemas.insert(0, self._writer.schema)
-        schema = _one_schema(schemas)
+            schema = _one_schema([self._writer.schema, *schemas], [written, *where], self.path)
+        else:
+            schema = _one_schema(schemas, where, self.path)
         tables = [_conformed(t, schema, self.path, w) for t, w in zip(tables, where)]
         if self._writer is not None and not self._writer.schema.equals(schema):
             self._rewrite_written(schema)
@@ -816,21 +818,37 @@ class ParquetOut(ShardWriter):
             self._writer = None
 
 
-def _one_schema(schemas: Sequence[Any]) -> Any:
-    """The schema batches of ``schemas`` are written with: Arrow's permissive unification,
-    but a column int64 in one and uint64 in another is uint64."""
+def _one_schema(schemas: Sequence[Any], where: Sequence[str], path: str) -> Any:
+    """The schema a shard's batches of ``schemas`` (``where`` in the file ``path``: their
+    records) are written with: each column's :func:`_common` type, else a TypeError naming
+    the column and two of its batches."""
     import pyarrow as pa
 
-    types: dict[str, set[Any]] = {}
-    for schema in schemas:
+    seen: dict[str, dict[Any, tuple[Any, str]]] = {}  # column -> {type: (field, where)}
+    for schema, w in zip(schemas, where):
         for f in schema:
-            types.setdefault(f.name, set()).add(f.type)
-    wide = {n for n, ts in types.items() if {pa.int64(), pa.uint64()} <= ts}
-    if wide:
-        schemas = [
-            pa.schema(f.with_type(pa.uint64()) if f.name in wide else f for f in s) for s in schemas
-        ]
-    return pa.unify_schemas(schemas, promote_options="permissive")
+            seen.setdefault(f.name, {}).setdefault(f.type, (f, w))
+    fields = []
+    for name, kinds in seen.items():
+        target = _common(list(kinds))
+        if target is None:
+            first = next(iter(kinds.items()))
+            (a, (_, wa)), (b, (_, wb)) = next(
+                (
+                    (x, y)
+                    for x in kinds.items()
+                    for y in kinds.items()
+                    if _common([x[0], y[0]]) is None
+                ),
+                (first, first),
+            )
+            raise TypeError(
+                f"cannot store key {name!r} in Parquet: it is {a} in {wa} but {b} in {wb} of one "
+                f"output shard ({path}); give the key one type in every record, or convert to "
+                "array_record"
+            )
+        fields.append(next(iter(kinds.values()))[0].with_type(target))
+    return pa.schema(fields)
 
 
 def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
@@ -957,6 +975,27 @@ def _fills(a: Any, b: Any) -> bool:
     return False
 
 
+def _common(types: Sequence[Any]) -> Any:
+    """The one of ``types`` each of them becomes with no value changed (a null type typed,
+    int64 of no negative value uint64: see :func:`_fills`), or None.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _common([pa.list_(pa.null()), pa.list_(pa.int8())])
+        ListType(list<item: int8>)
+        >>> _common([pa.int64(), pa.uint64()])
+        DataType(uint64)
+        >>> _common([pa.list_(pa.int8()), pa.list_(pa.int16())]) is None
+        True
+    """
+    import pyarrow as pa
+
+    for t in types:
+        if all(_fills(u, t) or (u == pa.int64() and t == pa.uint64()) for u in types):
+            return t
+    return None
+
+
 def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     """The Parquet files among ``names`` whose columns become those of the others
     without a changed value (a null type typed; int64 with no negative value uint64),
@@ -972,10 +1011,9 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
             types.setdefault(f.name, []).append(f.type)
     target = {}
     for column, ts in types.items():
-        for t in ts:
-            if all(_fills(u, t) or (u == pa.int64() and t == pa.uint64()) for u in ts):
-                target[column] = t
-                break
+        common = _common(list(dict.fromkeys(ts)))
+        if common is not None:
+            target[column] = common
     out = {}
     for n, schema in schemas.items():
         changed = [
