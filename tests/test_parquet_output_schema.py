@@ -61,3 +61,35 @@ def test_what_two_shards_reconcile_two_batches_of_one_shard_reconcile(tmp_path, 
     out = tg.open(str(tmp_path / "out"))
     assert out[0]["n"] is None and len(out[0]["e"]) == 0 and out[511]["x"] == 511
     assert out[512]["n"] == {"a": 1.5} and out[512]["x"] == 2**64 - 1
+
+
+@pytest.mark.parametrize("num_shards, row_group_bytes", [(2, 32 << 20), (1, 1), (1, 32 << 20)])
+def test_dicts_of_the_same_keys_in_another_order_convert_by_name(
+    tmp_path, num_shards, row_group_bytes
+):
+    first = {"m": {"a": 1, "b": "x"}, "l": [{"p": 1.5, "q": b"z"}]}
+    then = {"m": {"b": "y", "a": 2}, "l": [{"q": b"w", "p": 2.5}]}
+    recs = [first] * 512 + [then] if num_shards == 1 else [first, then]
+    tg.write_array_record(recs, str(tmp_path / "in"))
+    tg.convert(
+        str(tmp_path / "in"),
+        str(tmp_path / "out"),
+        to="parquet",
+        num_shards=num_shards,
+        row_group_bytes=row_group_bytes,
+    )
+    out = tg.open(str(tmp_path / "out"))
+    last = out[len(recs) - 1]
+    assert last["m"] == {"a": 2, "b": "y"} and list(last["m"]) == ["a", "b"]
+    assert [(e["p"], bytes(e["q"])) for e in last["l"]] == [(2.5, b"w")]
+    assert out[0]["m"] == {"a": 1, "b": "x"}
+    for name in os.listdir(tmp_path / "out"):
+        if name.endswith(".parquet"):
+            m = pq.read_schema(str(tmp_path / "out" / name)).field("m").type
+            assert [f.name for f in m] == ["a", "b"]
+
+
+def test_dicts_of_other_keys_in_two_batches_or_shards_are_still_refused(tmp_path):
+    tg.write_array_record([{"m": {"a": 1, "b": 2}}, {"m": {"b": 3, "c": 4}}], str(tmp_path / "in"))
+    with pytest.raises(tg.SchemaMismatchError, match="column 'm'"):
+        tg.convert(str(tmp_path / "in"), str(tmp_path / "out"), to="parquet", num_shards=2)

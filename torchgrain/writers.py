@@ -959,7 +959,17 @@ class ParquetOutput(OutputFormat):
 
 def _fills(a: Any, b: Any) -> bool:
     """Whether type ``a`` is ``b`` with some of its types null (its values are then
-    nulls or empty lists, which ``b`` holds unchanged)."""
+    nulls or empty lists, which ``b`` holds unchanged), or a struct's fields in another
+    order.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _fills(pa.struct({"b": pa.null(), "a": pa.int8()}),
+        ...        pa.struct({"a": pa.int8(), "b": pa.string()}))
+        True
+        >>> _fills(pa.struct({"a": pa.int8()}), pa.struct({"a": pa.int8(), "b": pa.int8()}))
+        False
+    """
     import pyarrow as pa
 
     if a.equals(b) or pa.types.is_null(a):
@@ -968,9 +978,14 @@ def _fills(a: Any, b: Any) -> bool:
         if is_kind(a) and is_kind(b):
             return _fills(a.value_type, b.value_type)
     if pa.types.is_struct(a) and pa.types.is_struct(b):
-        names = [a.field(i).name for i in range(a.num_fields)]
-        return names == [b.field(i).name for i in range(b.num_fields)] and all(
-            _fills(a.field(i).type, b.field(i).type) for i in range(a.num_fields)
+        # The same names in any order (a record's dict keys in another order): matched
+        # by name, and written in ``b``'s order.
+        of_b = {f.name: f.type for f in b}
+        names = {f.name for f in a}
+        return (
+            len(names) == a.num_fields == b.num_fields == len(of_b)
+            and names == of_b.keys()
+            and all(_fills(f.type, of_b[f.name]) for f in a)
         )
     return False
 
