@@ -93,3 +93,40 @@ def test_dicts_of_other_keys_in_two_batches_or_shards_are_still_refused(tmp_path
     tg.write_array_record([{"m": {"a": 1, "b": 2}}, {"m": {"b": 3, "c": 4}}], str(tmp_path / "in"))
     with pytest.raises(tg.SchemaMismatchError, match="column 'm'"):
         tg.convert(str(tmp_path / "in"), str(tmp_path / "out"), to="parquet", num_shards=2)
+
+
+def _late_keys_shard(path: str, n: int) -> tg.writers.ShardWriter:
+    """A Parquet output shard of ``n`` row groups, key ``k{i}`` typed from the i-th on."""
+    w = tg.writers.PARQUET_OUTPUT.open(
+        path, compression="zstd", writer_options="", row_group_bytes=1
+    )
+    for b in range(n):
+        for r in range(512):
+            w.add({f"k{i}": (b * 512 + r if i <= b else None) for i in range(n)})
+    return w
+
+
+def test_a_key_typed_in_each_row_group_rewrites_each_row_group_once(tmp_path, monkeypatch):
+    reads = []
+    read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(
+        pq.ParquetFile,
+        "read_row_group",
+        lambda self, i, *a, **k: reads.append(i) or read_row_group(self, i, *a, **k),
+    )
+    path = str(tmp_path / "x.parquet")
+    w = _late_keys_shard(path, 12)
+    w.close()
+    assert len(reads) == 12  # (a rewrite at each new type read 66)
+    monkeypatch.undo()
+    t = pq.read_table(path)
+    assert pq.ParquetFile(path).num_row_groups == 12 and t.num_rows == 12 * 512
+    assert t.column("k0").to_pylist() == list(range(12 * 512))
+    assert t.column("k11").to_pylist() == [None] * (11 * 512) + list(range(11 * 512, 12 * 512))
+    assert os.listdir(tmp_path) == ["x.parquet"]
+
+
+def test_an_aborted_shard_leaves_no_file_of_its_earlier_row_groups(tmp_path):
+    w = _late_keys_shard(str(tmp_path / "x.parquet"), 3)
+    w.abort()
+    assert [n for n in os.listdir(tmp_path) if n != "x.parquet"] == []

@@ -737,6 +737,9 @@ class ParquetOut(ShardWriter):
         self._compression = compression
         self._target = row_group_bytes
         self._writer: Any = None
+        # Files of the row groups written before the schema last changed, in order: each
+        # is rewritten once, at close (a rewrite at each change grew as the square).
+        self._parts: list[str] = []
         self._pending: list[dict[str, Any]] = []
         self._tables: list[tuple[int, Any]] = []  # (its first record, a batch's table)
         self._bytes = 0
@@ -786,17 +789,14 @@ class ParquetOut(ShardWriter):
             schema = _one_schema(schemas, where, self.path)
         tables = [_conformed(t, schema, self.path, w) for t, w in zip(tables, where)]
         if self._writer is not None and not self._writer.schema.equals(schema):
-            self._rewrite_written(schema)
+            self._writer.close()
+            self._writer = None
+            self._parts.append(temp_name(self.path))
+            os.replace(self.path, self._parts[-1])
         table = pa.concat_tables(tables)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, table.schema, compression=self._compression)
         self._writer.write_table(table, row_group_size=table.num_rows)
-
-    def _rewrite_written(self, schema: Any) -> None:
-        """Rewrite the row groups written so far with ``schema``; the writer goes on."""
-        self._writer.close()
-        self._writer = None
-        self._writer = _rewrite(self.path, schema, self._compression, keep_open=True)
 
     def close(self) -> None:
         import pyarrow as pa
@@ -808,14 +808,25 @@ class ParquetOut(ShardWriter):
             empty = pa.table({}) if self._schema is None else self._schema.empty_table()
             pq.write_table(empty, self.path, compression=self._compression)
         else:
+            schema = self._writer.schema
             self._writer.close()
             self._writer = None
+            if self._parts:
+                _rewrite(self.path, schema, self._compression, self._parts)
+                self._drop_parts()
 
     def abort(self) -> None:
         if self._writer is not None:
             with contextlib.suppress(Exception):
                 self._writer.close()
             self._writer = None
+        self._drop_parts()
+
+    def _drop_parts(self) -> None:
+        for part in self._parts:
+            with contextlib.suppress(OSError):
+                os.unlink(part)
+        self._parts = []
 
 
 def _one_schema(schemas: Sequence[Any], where: Sequence[str], path: str) -> Any:
@@ -871,7 +882,8 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
             if low is not None and low < 0:
                 raise TypeError(
                     f"cannot store key {f.name!r} in Parquet: it holds {low} and ints past "
-                    f"int64 in one output shard ({path}); no Parquet integer type holds both"
+                    f"int64 in one output shard ({where} of {path}); no Parquet integer type "
+                    "holds both"
                 )
         try:
             columns.append(column.cast(f.type))
@@ -1048,22 +1060,22 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _rewrite(path: str, schema: Any, compression: str, *, keep_open: bool = False) -> Any:
+def _rewrite(path: str, schema: Any, compression: str, parts: Sequence[str] = ()) -> None:
     """Rewrite the Parquet file ``path`` with ``schema``, a row group at a time (see
-    :func:`_conformed`); with ``keep_open``, its writer is returned open (more row groups
-    follow), else None."""
+    :func:`_conformed`), after the row groups of the files ``parts`` (left as they are)."""
     import pyarrow.parquet as pq
 
-    tmp, writer = temp_name(path), None
+    tmp, writer, k = temp_name(path), None, 0
     try:
         writer = pq.ParquetWriter(tmp, schema, compression=compression)
-        with pq.ParquetFile(path) as pf:
-            for i in range(pf.num_row_groups):
-                t = _conformed(pf.read_row_group(i), schema, path, f"row group {i}")
-                writer.write_table(t, row_group_size=t.num_rows)
-        if not keep_open:
-            writer.close()
-        os.replace(tmp, path)  # (an open writer's file goes on under this name)
+        for part in [*parts, path]:
+            with pq.ParquetFile(part) as pf:
+                for i in range(pf.num_row_groups):
+                    t = _conformed(pf.read_row_group(i), schema, path, f"row group {k}")
+                    writer.write_table(t, row_group_size=t.num_rows)
+                    k += 1
+        writer.close()
+        os.replace(tmp, path)
     except BaseException:
         if writer is not None:
             with contextlib.suppress(Exception):
@@ -1071,7 +1083,6 @@ def _rewrite(path: str, schema: Any, compression: str, *, keep_open: bool = Fals
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    return writer if keep_open else None
 
 
 def check_shard_schemas(root: str, names: Sequence[str]) -> None:
