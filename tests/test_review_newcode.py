@@ -17,12 +17,6 @@ from torchgrain.io.ranges import RangeStore, fetch_batch
 from torchgrain.io.retry import RetryPolicy, using
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a wait for another fetch's ranges is Event.wait(seconds left): past "
-    "threading.TIMEOUT_MAX (~9.2e9 s), which --deadline/--request-timeout accept, it is "
-    "an OverflowError",
-)
 def test_a_long_deadline_waits_for_another_fetch_of_the_same_ranges() -> None:
     import fsspec
 
@@ -136,11 +130,6 @@ def test_dicts_of_the_same_keys_in_another_order_in_two_shards_convert(tmp_path)
     assert [src[i] for i in range(2)] == [{"m": {"a": 1, "b": 2}}, {"m": {"a": 4, "b": 3}}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RetryPolicy.delay computes base_delay * 2.0**retry: retry 1024 is an "
-    "OverflowError, not a wait (--retries takes any count)",
-)
 def test_a_policy_of_more_than_1024_retries_retries_them_all() -> None:
     from torchgrain.io.retry import retry_call
 
