@@ -130,3 +130,26 @@ def test_an_aborted_shard_leaves_no_file_of_its_earlier_row_groups(tmp_path):
     w = _late_keys_shard(str(tmp_path / "x.parquet"), 3)
     w.abort()
     assert [n for n in os.listdir(tmp_path) if n != "x.parquet"] == []
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+@pytest.mark.parametrize("low", [-1, 0])
+def test_an_int64_shard_beside_a_uint64_one_is_checked_for_negative_values(
+    tmp_path, monkeypatch, statistics, low
+):
+    import pyarrow as pa
+
+    a = pa.table({"x": pa.array([5, None, low, 7], pa.int64()), "y": [[1]] * 4})
+    pq.write_table(a, str(tmp_path / "a.parquet"), row_group_size=2, write_statistics=statistics)
+    pq.write_table(pa.table({"x": pa.array([2**63], pa.uint64())}), str(tmp_path / "b.parquet"))
+    reads = []
+    read_row_group = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(
+        pq.ParquetFile,
+        "read_row_group",
+        lambda self, i, *a, **k: reads.append(i) or read_row_group(self, i, *a, **k),
+    )
+    monkeypatch.setattr(pq, "read_table", None)  # (never the whole file)
+    got = tg.writers._reconciled(str(tmp_path), ["a.parquet", "b.parquet"])
+    assert list(got) == ([] if low < 0 else ["a.parquet"])
+    assert len(reads) == (0 if statistics else 2)

@@ -1025,10 +1025,8 @@ def _common(types: Sequence[Any]) -> Any:
 
 def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     """The Parquet files among ``names`` whose columns become those of the others
-    without a changed value (a null type typed; int64 with no negative value uint64),
-    and the schema each is rewritten with."""
+    without a changed value (see :func:`_common`), and the schema each is rewritten with."""
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     schemas = {n: pq.read_schema(os.path.join(root, n)) for n in names}
@@ -1048,16 +1046,37 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
         ]
         if not changed:
             continue
-        if any(f.type == pa.int64() for _, f in changed):
-            table = pq.read_table(
-                os.path.join(root, n), columns=[f.name for _, f in changed if f.type == pa.int64()]
-            )
-            if any((pc.min(c).as_py() or 0) < 0 for c in table.columns):
-                continue  # left as it is: check_shard_schemas names it
+        ints = [f.name for _, f in changed if f.type == pa.int64()]
+        if ints and _negative(os.path.join(root, n), ints):
+            continue  # left as it is: check_shard_schemas names it
         for i, f in changed:
             schema = schema.set(i, f.with_type(target[f.name]))
         out[n] = schema
     return out
+
+
+def _negative(path: str, columns: Sequence[str]) -> bool:
+    """Whether an int64 column of ``columns`` of the Parquet file ``path`` holds a value
+    below 0: its row groups' statistics where written, else a row group's column at a
+    time (bounded memory)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(path) as pf:
+        meta = pf.metadata
+        leaf = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+        for i in range(meta.num_row_groups):
+            for name in columns:
+                stats = meta.row_group(i).column(leaf[name]).statistics
+                if stats is not None and stats.has_min_max:
+                    low = stats.min
+                elif stats is not None and stats.num_values == 0:  # nulls only
+                    continue
+                else:
+                    low = pc.min(pf.read_row_group(i, columns=[name]).column(0)).as_py()
+                if low is not None and low < 0:
+                    return True
+    return False
 
 
 def _rewrite(path: str, schema: Any, compression: str, parts: Sequence[str] = ()) -> None:
