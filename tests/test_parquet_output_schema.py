@@ -153,3 +153,15 @@ def test_an_int64_shard_beside_a_uint64_one_is_checked_for_negative_values(
     got = tg.writers._reconciled(str(tmp_path), ["a.parquet", "b.parquet"])
     assert list(got) == ([] if low < 0 else ["a.parquet"])
     assert len(reads) == (0 if statistics else 2)
+
+
+def test_a_column_named_as_a_struct_field_path_is_checked_by_its_values(tmp_path):
+    import pyarrow as pa
+
+    a = pa.table({"a.b": pa.array([-1], pa.int64()), "a": pa.array([{"b": 5}])})
+    pq.write_table(a, str(tmp_path / "a.parquet"))
+    pq.write_table(
+        pa.table({"a.b": pa.array([2**63], pa.uint64()), "a": pa.array([{"b": 6}])}),
+        str(tmp_path / "b.parquet"),
+    )
+    assert tg.writers._reconciled(str(tmp_path), ["a.parquet", "b.parquet"]) == {}

@@ -1064,10 +1064,14 @@ def _negative(path: str, columns: Sequence[str]) -> bool:
 
     with pq.ParquetFile(path) as pf:
         meta = pf.metadata
-        leaf = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+        leaf: dict[str, int | None] = {}  # a top-level column's leaf (None: a path of two)
+        for j in range(meta.num_columns):
+            path_j = meta.schema.column(j).path
+            leaf[path_j] = None if path_j in leaf else j
         for i in range(meta.num_row_groups):
             for name in columns:
-                stats = meta.row_group(i).column(leaf[name]).statistics
+                j = leaf.get(name)
+                stats = None if j is None else meta.row_group(i).column(j).statistics
                 if stats is not None and stats.has_min_max:
                     low = stats.min
                 elif stats is not None and stats.num_values == 0:  # nulls only
