@@ -74,11 +74,20 @@ def get_filesystem(
         True
     """
     text = os.fspath(path)
-    protocol = split_protocol(text)[0]
-    if protocol is not None and "::" not in text:
-        storage_options = remote.storage_options_with_deadlines(
-            protocol, storage_options, retry or current_policy(), allow_redirects=allow_redirects
-        )
+    policy = retry or current_policy()
+    if "::" not in text:
+        protocol = split_protocol(text)[0]
+        if protocol is not None:
+            storage_options = remote.storage_options_with_deadlines(
+                protocol, storage_options, policy, allow_redirects=allow_redirects
+            )
+    else:  # a chain (simplecache::s3://...): each layer takes the options keyed by its name
+        storage_options = dict(storage_options or {})
+        for link in text.split("::")[1:]:
+            protocol = split_protocol(link)[0] or link
+            storage_options[protocol] = remote.storage_options_with_deadlines(
+                protocol, storage_options.get(protocol), policy, allow_redirects=allow_redirects
+            )
     fs, stripped = url_to_fs(text, **(storage_options or {}))
     if is_local(fs):
         stripped = canonical_local_path(stripped)

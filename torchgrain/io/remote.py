@@ -387,7 +387,13 @@ def call(
     direct = not isinstance(fs, AsyncFileSystem) or fs.asynchronous
 
     def attempt() -> Any:
-        out = getattr(fs, method)(*args, **kwargs) if direct else request()
+        try:
+            out = getattr(fs, method)(*args, **kwargs) if direct else request()
+        except FileNotFoundError as e:  # (a chain's layers, simplecache::http, are direct)
+            refusal = redirect_refusal(e)
+            if refusal is not None:
+                raise refusal from e
+            raise
         if check is not None:
             check(out)
         return out
@@ -409,11 +415,6 @@ def call(
             )
             request_done(nbytes)  # progress: the operation may take that much longer
             return out
-        except FileNotFoundError as e:
-            refusal = redirect_refusal(e)
-            if refusal is not None:
-                raise refusal from e
-            raise
         except FSTimeoutError as e:
             limit = (
                 f"its {own:.3g} s limit (RetryPolicy.request_timeout)"
@@ -433,6 +434,15 @@ def call(
 # exception, ``isdir`` every OSError (timeouts included). A flaky server would then make
 # a dataset "not exist". These ask ``info`` (or, for an HTTP directory, its listing) and
 # let transient failures be retried; only "not found" is a "no".
+def _answers_itself(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs``'s own probes can be taken at their word: a local or in-memory
+    filesystem's. A chain's (``simplecache::http``) swallow a remote layer's failures, a
+    refused redirect included: those ask ``info`` too."""
+    return not isinstance(fs, AsyncFileSystem) and not isinstance(
+        getattr(fs, "fs", None), fsspec.AbstractFileSystem
+    )
+
+
 def _info_or_none(fs: fsspec.AbstractFileSystem, path: str, url: str | None) -> Any:
     try:
         return call(fs, "info", path, url=url or path, what="lookup")
@@ -450,7 +460,7 @@ def exists(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) 
         >>> exists(fsspec.filesystem("memory"), "/nowhere/x")
         False
     """
-    if not isinstance(fs, AsyncFileSystem):
+    if _answers_itself(fs):
         return fs.exists(path)
     return _info_or_none(fs, path, url) is not None
 
@@ -463,7 +473,7 @@ def isfile(fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None) 
         >>> isfile(fsspec.filesystem("memory"), "/nowhere/x")
         False
     """
-    if not isinstance(fs, AsyncFileSystem):
+    if _answers_itself(fs):
         return fs.isfile(path)
     info = _info_or_none(fs, path, url)
     return info is not None and info.get("type", "file") == "file"
