@@ -4,6 +4,9 @@ listing is bounded in pages, objects and time."""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +14,7 @@ import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
+from torchgrain.errors import DatasetWarning
 from torchgrain.io import fs as tgfs
 from torchgrain.io import remote
 from torchgrain.io.retry import RetryPolicy
@@ -43,3 +47,23 @@ def test_a_chained_url_dataset_reads(tmp_path):
     with RangeHTTPServer(tmp_path) as srv:
         src = tg.ParquetSource([f"simplecache::{srv.url}/flat/a.parquet"], cache_bytes=0)
         assert [src[i]["x"] for i in range(len(src))] == list(range(5))
+
+
+# ----------------------------------------------------------------------- linked folders
+def test_a_linked_folder_is_named_in_the_not_regular_files_warning(tmp_path):
+    tg.write_parquet([{"x": i} for i in range(3)], tmp_path / "ds")
+    tg.write_parquet([{"x": 100 + i} for i in range(2)], tmp_path / "more")
+    os.symlink(tmp_path / "more", tmp_path / "ds" / "more")
+    with pytest.warns(DatasetWarning, match=r"1 linked folder: 'more'.*not regular files"):
+        assert len(tg.ParquetSource(str(tmp_path / "ds"))) == 3
+    assert len(tg.ParquetSource(str(tmp_path / "ds" / "more"))) == 2  # named: read
+
+
+def test_a_hidden_linked_folder_is_not_the_datasets(tmp_path):
+    tg.write_parquet([{"x": i} for i in range(3)], tmp_path / "ds")
+    (tmp_path / "snap").mkdir()
+    os.symlink(tmp_path / "snap", tmp_path / "ds" / ".snapshot")
+    os.symlink(tmp_path / "snap", tmp_path / "ds" / "_tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(tg.ParquetSource(str(tmp_path / "ds"))) == 3

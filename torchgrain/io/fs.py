@@ -340,13 +340,17 @@ def skipped_files(
     return out
 
 
-def describe_files(root: str, files: Sequence[str], lead: str = "", most: int = 5) -> str:
+def describe_files(
+    root: str, files: Sequence[str], lead: str = "", most: int = 5, *, noun: str = "other file"
+) -> str:
     """``files`` named relative to ``root`` for a message: the first ``most`` and a count
-    (``""`` for none, else ``lead`` in front).
+    of ``noun`` (``""`` for none, else ``lead`` in front).
 
     Example:
         >>> describe_files("/d", ["/d/a.csv", "/d/sub/b.txt"], "; it holds ")
         "; it holds 2 other files: 'a.csv', 'sub/b.txt'"
+        >>> describe_files("/d", ["/d/more"], noun="linked folder")
+        "1 linked folder: 'more'"
     """
     if not files:
         return ""
@@ -354,7 +358,7 @@ def describe_files(root: str, files: Sequence[str], lead: str = "", most: int = 
     names = [f[len(base) :] if f.startswith(base) else f for f in files]
     shown = ", ".join(repr(n) for n in names[:most])
     more = f" and {len(names) - most} more" if len(names) > most else ""
-    count = "1 other file" if len(names) == 1 else f"{len(names)} other files"
+    count = f"1 {noun}" if len(names) == 1 else f"{len(names)} {noun}s"
     return f"{lead}{count}: {shown}{more}"
 
 
@@ -522,14 +526,17 @@ class _Listing:
     def _regular(self, root: str, found: list[str]) -> list[str]:
         """The regular files (and links to them) of a local listing below ``root``. A
         FIFO is never opened (its open waits for a writer), nor a socket or device: those
-        a user would look for are named in a warning. A link named like data whose target
-        is missing (a disk not mounted) is an error: its records would be lost."""
-        kept, odd = [], []
+        a user would look for are named in a warning, as is a linked folder (fsspec does
+        not walk one). A link named like data whose target is missing (a disk not
+        mounted) is an error: its records would be lost."""
+        kept, odd, linked = [], [], []
         for p in found:
             if os.path.isfile(p):
                 kept.append(p)
             elif not os.path.isdir(p):
                 odd.append(p)
+            elif os.path.islink(p) and not _hidden(root, p) and _is_data_file(p, ("",)):
+                linked.append(p)  # listed, never walked (one named "." or "_" is not ours)
         data = [p for p in odd if _is_data_file(p, self.suffixes) and not _hidden(root, p)]
         for p in data:
             if not os.path.exists(p):  # (a FIFO, socket or device exists)
@@ -539,11 +546,13 @@ class _Listing:
                     "cannot be read (restore its target, or remove the link)"
                 )
         told = sorted({*data, *non_data_files(root, odd, self.suffixes)})
-        if told:
+        if told or linked:
+            what = [describe_files(root, told), describe_files(root, linked, noun="linked folder")]
             warn_once(
                 ("not regular files", root, self.suffixes),
-                f"{self.item!r} holds {describe_files(root, told)}, skipped: not regular "
-                "files (a FIFO, socket or device is never opened; nor a link to a missing file)",
+                f"{self.item!r} holds {' and '.join(filter(None, what))}, skipped: not regular "
+                "files (a FIFO, socket or device is never opened; nor a link to a missing file; "
+                "a listing does not walk into a linked folder: name the folder to read it)",
             )
         return kept
 
