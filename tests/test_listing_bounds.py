@@ -5,7 +5,9 @@ listing is bounded in pages, objects and time."""
 from __future__ import annotations
 
 import os
+import threading
 import warnings
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pyarrow as pa
@@ -13,11 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
-from tests.servers import RangeHTTPServer
+from tests.servers import RangeHTTPServer, start_moto_s3
 from torchgrain.errors import DatasetWarning
 from torchgrain.io import fs as tgfs
 from torchgrain.io import remote
-from torchgrain.io.retry import RetryPolicy
+from torchgrain.io.retry import RetryPolicy, using
 
 
 # ------------------------------------------------------------------------ chained URLs
@@ -67,3 +69,102 @@ def test_a_hidden_linked_folder_is_not_the_datasets(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(tg.ParquetSource(str(tmp_path / "ds"))) == 3
+
+
+# -------------------------------------------------------------------------- S3 listings
+def _listing_server(page):
+    """An S3 endpoint whose ``n``-th listing page (from 1) is ``page(n)``; returns
+    ``(server, url, pages served)``."""
+    served = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self):
+            if "list-type=2" not in self.path:
+                return self.do_HEAD()
+            served[0] += 1
+            body = page(served[0]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", served
+
+
+def _page(n: int, token: str) -> str:
+    more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        "<Name>bkt</Name><Prefix>ds/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+        f"<IsTruncated>true</IsTruncated>{more}"
+        f"<Contents><Key>ds/x{n}.array_record</Key><LastModified>2020-01-01T00:00:00.000Z"
+        '</LastModified><ETag>"a"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>'
+        "</Contents></ListBucketResult>"
+    )
+
+
+@pytest.mark.parametrize(
+    "token, refused_at",
+    [(lambda n: "AB"[n % 2], 4), (lambda n: "", 2)],  # (page 1: the directory probe's)
+    ids=["cycling-tokens", "no-token"],
+)
+def test_an_s3_listing_that_does_not_end_is_refused_at_once(token, refused_at):
+    pytest.importorskip("s3fs")
+    server, url, served = _listing_server(lambda n: _page(n, token(n)))
+    opts = {"endpoint_url": url, "key": "k", "secret": "s"}
+    try:
+        with (
+            using(RetryPolicy(attempts=1, deadline=20.0)),
+            pytest.raises(tg.CorruptDataError, match=r"s3://bkt/ds.*does not end"),
+        ):
+            tgfs.expand_paths("s3://bkt/ds", suffixes=[".array_record"], storage_options=opts)
+        assert served[0] == refused_at
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    server, endpoint = start_moto_s3()
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    client.create_bucket(Bucket="lst")
+    for key in ("ds/a.array_record", "ds/b.array_record", "ds/sub/c.array_record", "ds/sub/"):
+        client.put_object(Bucket="lst", Key=key, Body=b"")
+    yield {"endpoint_url": endpoint}
+    server.stop()
+
+
+def test_an_s3_listing_past_max_listed_objects_is_refused_naming_the_cap(s3, monkeypatch):
+    monkeypatch.setattr(tgfs, "MAX_LISTED_OBJECTS", 2)
+    with pytest.raises(tg.CorruptDataError, match=r"s3://lst/ds.*more than 2 objects"):
+        tgfs.expand_paths("s3://lst/ds", suffixes=[".array_record"], storage_options=s3)
+
+
+@pytest.mark.parametrize(
+    "given, names",
+    [
+        ("s3://lst/ds", ["a", "b", "sub/c"]),
+        ("s3://lst/ds/*.array_record", ["a", "b"]),
+        ("s3://lst/ds/**/*.array_record", ["a", "b", "sub/c"]),
+        ("s3://lst/ds/s*/*.array_record", ["sub/c"]),
+    ],
+)
+def test_an_s3_listing_or_glob_finds_its_objects(s3, given, names):
+    _, files = tgfs.expand_paths(given, suffixes=[".array_record"], storage_options=s3)
+    assert files == [f"s3://lst/ds/{n}.array_record" for n in names]

@@ -388,6 +388,18 @@ def list_files(
 MAX_LISTING_DEPTH = 32
 #: Directories one listing may walk (HTTP(S): one request each).
 MAX_LISTED_DIRECTORIES = 100_000
+#: Objects one S3 listing may name (a page holds up to 1,000): ~100 MB of names.
+MAX_LISTED_OBJECTS = 1_000_000
+
+
+def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is s3fs's (not version-aware: that one lists object versions)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return (
+        bool({"s3", "s3a"} & set(protocols))
+        and hasattr(fs, "_call_s3")
+        and not getattr(fs, "version_aware", False)
+    )
 
 
 #: A glob's wildcards inside one path segment: a run of stars, ``?``, a ``[...]`` class.
@@ -468,7 +480,10 @@ class _Listing:
         fs = self.fs
         if not _paths.is_http(fs):
             # Object stores and local disks list by prefix: nothing outside is requested.
-            found = remote.call(fs, "find", root, url=self.item, what="listing")
+            if _is_s3(fs):
+                found = self._s3_keys(root, one_level=max_depth == 1)
+            else:
+                found = remote.call(fs, "find", root, url=self.item, what="listing")
             if is_local(fs):
                 found = self._regular(root, found)
             return [p for p in found if self._keep(root, p)]
@@ -490,7 +505,7 @@ class _Listing:
                 )
             left = end - time.monotonic()
             if left <= 0:
-                raise self._out_of_time(policy, len(seen))
+                raise self._out_of_time(policy, f"{len(seen)} directories")
             try:
                 with using(dataclasses.replace(policy, deadline=left)):
                     entries = remote.call(
@@ -499,7 +514,7 @@ class _Listing:
             except RemoteIOError as e:
                 if time.monotonic() < end:
                     raise
-                raise self._out_of_time(policy, len(seen)) from e
+                raise self._out_of_time(policy, f"{len(seen)} directories") from e
             for entry in entries:
                 # A link "./name" (Caddy's listings) is "name", as a browser and aiohttp
                 # resolve it; fsspec joins it as written. A dot segment in any other
@@ -522,6 +537,53 @@ class _Listing:
                 seen.add(key)
                 pending.append((name, depth + 1))
         return files
+
+    def _s3_keys(self, root: str, *, one_level: bool = False) -> list[str]:
+        """The objects below prefix ``root`` of an S3 filesystem (one level of them if
+        ``one_level``), page by page under one deadline. s3fs's own listing follows a
+        continuation token for as long as the server sends one, keeping every page: a
+        token seen before, or more than :data:`MAX_LISTED_OBJECTS` objects, is refused."""
+        fs = self.fs
+        bucket, key, _ = fs.split_path(root)
+        ask = {"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key else "", **fs.req_kw}
+        if one_level:
+            ask["Delimiter"] = "/"
+        policy = current_policy()
+        end = time.monotonic() + policy.deadline
+        keys: list[str] = []
+        tokens: set[int] = set()  # (hashes: a token is as long as the server makes it)
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise self._out_of_time(policy, f"{len(tokens) + 1} pages")
+            try:
+                with using(dataclasses.replace(policy, deadline=left)):
+                    page = remote.call(
+                        fs, "call_s3", "list_objects_v2", url=self.item, what="listing", **ask
+                    )
+            except RemoteIOError as e:
+                if time.monotonic() < end:
+                    raise
+                raise self._out_of_time(policy, f"{len(tokens) + 1} pages") from e
+            keys.extend(
+                f"{bucket}/{c['Key']}" for c in page.get("Contents") or () if c["Key"][-1:] != "/"
+            )
+            if len(keys) > MAX_LISTED_OBJECTS:
+                raise CorruptDataError(
+                    f"the listing of {self.item!r} has more than {MAX_LISTED_OBJECTS} objects "
+                    "(fs.MAX_LISTED_OBJECTS): refusing to hold it; name a narrower prefix"
+                )
+            if not page.get("IsTruncated"):
+                return keys
+            token = page.get("NextContinuationToken") or ""
+            if not token or hash(token) in tokens:
+                named = "a continuation token seen before" if token else "no continuation token"
+                raise CorruptDataError(
+                    f"the listing of {self.item!r} does not end: page {len(tokens) + 1} says "
+                    f"there is more but names {named}"
+                )
+            tokens.add(hash(token))
+            ask["ContinuationToken"] = token
 
     def _regular(self, root: str, found: list[str]) -> list[str]:
         """The regular files (and links to them) of a local listing below ``root``. A
@@ -556,18 +618,18 @@ class _Listing:
             )
         return kept
 
-    def _out_of_time(self, policy: RetryPolicy, directories: int) -> RemoteIOError:
+    def _out_of_time(self, policy: RetryPolicy, walked: str) -> RemoteIOError:
         return RemoteIOError(
             f"the listing of {self.item!r} did not end within its {policy.deadline:g} s "
-            f"deadline (RetryPolicy.deadline) after {directories} directories; name the "
-            "files (or a glob), or give the source a longer deadline"
+            f"deadline (RetryPolicy.deadline) after {walked}; name the files (or a glob), "
+            "or give the source a longer deadline"
         )
 
     def glob(self, pattern: str) -> list[str]:
         fs = self.fs
         cut = min(pattern.index(c) for c in "*?[" if c in pattern)
         base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
-        if not _paths.is_http(fs):
+        if not _paths.is_http(fs) and not _is_s3(fs):
             found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
             if is_local(fs):
                 files = self._regular(base, found)
