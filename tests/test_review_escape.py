@@ -72,11 +72,6 @@ def _secret(log) -> list[str]:
     return [p for _, p in log if "secret" in p]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/fs.py get_filesystem skips storage_options_with_deadlines for a chained URL "
-    "('::'): simplecache::http(s) gets aiohttp's own client, which follows any redirect",
-)
 def test_a_redirect_is_refused_behind_a_chained_url_too(www):
     www.redirects["/flat/r.parquet"] = "/secret/b.parquet"
     www.log.clear()
@@ -110,12 +105,6 @@ def test_a_beam_shard_writes_no_journal_record_through_a_linked_journal_folder(t
     assert os.listdir(elsewhere) == [], "a shard's record was written outside DST"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/fs.py _Listing.find: a linked directory is not walked (docs/conversion.md says "
-    "so) but, unlike a skipped file or a link to a missing file, it is not named either "
-    "(_regular drops it as a directory): its shards are left out without a word",
-)
 def test_a_linked_folder_of_shards_is_read_or_named_never_skipped_silently(tmp_path):
     tg.write_parquet([{"x": i} for i in range(3)], tmp_path / "ds")
     tg.write_parquet([{"x": 100 + i} for i in range(2)], tmp_path / "more")

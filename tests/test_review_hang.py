@@ -211,14 +211,6 @@ URL = f"http://127.0.0.1:{server.server_address[1]}"
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an S3 listing whose every page says IsTruncated with the same "
-    "NextContinuationToken is requested again and again (s3fs's own loop, reached "
-    "through io/fs.py _Listing.find -> remote.call(fs, 'find')), every page's entries "
-    "kept, until RetryPolicy.request_timeout (60 s, then retried to the 90 s deadline; "
-    "~17 MiB/s of entries here), and then named as a timeout",
-)
 def test_an_s3_listing_that_repeats_its_continuation_token_ends_at_once(tmp_path):
     done, err = run_child(
         _LOOPING_S3
