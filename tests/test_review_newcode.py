@@ -86,12 +86,6 @@ def test_a_shard_rewritten_in_place_with_its_size_and_mtime_kept_is_refused(tmp_
         src[5]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="writers._conformed casts a shard's earlier batches to the type a later one "
-    "gives the column (int64 to double) with no key in its error: a bare 'Integer value "
-    "... not in range'",
-)
 def test_an_int_past_2_53_before_a_float_in_one_shard_is_an_error_naming_its_key(
     tmp_path,
 ) -> None:
@@ -102,13 +96,6 @@ def test_an_int_past_2_53_before_a_float_in_one_shard_is_an_error_naming_its_key
     assert "'k'" in str(got.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="writers._one_schema unifies a shard's batches with pyarrow's permissive "
-    "promotion: int8 arrays in one batch of 512 records and int16 arrays in the next are "
-    "written list<int16> (the int8 arrays read back int16), though one batch holding "
-    "both is a TypeError and two shards a SchemaMismatchError",
-)
 def test_int8_and_int16_arrays_in_two_batches_of_one_shard_are_refused(tmp_path) -> None:
     records = [{"a": np.arange(3, dtype=np.int8)}] * 512 + [{"a": np.arange(3, dtype=np.int16)}]
     tg.write_array_record(records, str(tmp_path / "in"))
@@ -116,12 +103,6 @@ def test_int8_and_int16_arrays_in_two_batches_of_one_shard_are_refused(tmp_path)
         tg.convert(str(tmp_path / "in"), str(tmp_path / "out"), to="parquet", num_shards=1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="writers._fills compares a struct's field names in order: dicts of the same "
-    "keys in another order in two shards are a SchemaMismatchError after every shard "
-    "was converted, though one shard takes them in one batch or two",
-)
 def test_dicts_of_the_same_keys_in_another_order_in_two_shards_convert(tmp_path) -> None:
     records = [{"m": {"a": 1, "b": 2}}, {"m": {"b": 3, "a": 4}}]
     tg.write_array_record(records, str(tmp_path / "in"))
