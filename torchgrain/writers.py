@@ -325,7 +325,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         mask = np.fromiter((v is None for v in values), bool, len(values))
         wide = np.array([0.0 if v is None else v for v in values], dtype=np.float64)
         with np.errstate(over="ignore"):  # (past the type's range: refused below)
-            narrow = wide.astype(kind.to_pandas_dtype())
+            narrow = wide.astype(f"<f{kind.bit_width // 8}")
         bad = (narrow != wide) & ~(np.isnan(wide) & np.isnan(narrow))
         if bad.any():
             raise ValueError(f"{values[int(np.argmax(bad))]!r} is not a {_float_in(kind)} value")
@@ -414,7 +414,7 @@ def _float_in(kind: Any) -> str | None:
     import pyarrow as pa
 
     if pa.types.is_float16(kind) or pa.types.is_float32(kind):
-        return np.dtype(kind.to_pandas_dtype()).name
+        return np.dtype(f"<f{kind.bit_width // 8}").name
     for i in range(kind.num_fields):
         found = _float_in(kind.field(i).type)
         if found is not None:
