@@ -100,8 +100,9 @@ class RowGroupLoader(ShardedSource):
                 # reads measured 15-35% faster without, most on small row groups).
                 # Page headers are read through a descriptor of our own (same inode).
                 fd = changes.open_regular(path)  # (before pyarrow's open: a FIFO blocks it)
-                version = local_version(os.fstat(fd))[:3]
-                if not self._remote and version != self._identities[shard][1][:3]:
+                version = local_version(os.fstat(fd))
+                seen = None if self._remote else self._identities[shard][1]
+                if seen is not None and version[:3] != seen[:3]:  # (replaced: not read)
                     raise CorruptDataError(  # (a cached copy's footer digest is checked)
                         "it changed since the dataset was opened (its size, modification "
                         "time or inode): open it again"
@@ -111,7 +112,13 @@ class RowGroupLoader(ShardedSource):
                 proc_fd = f"/proc/self/fd/{fd}"
                 source = proc_fd if os.path.exists(proc_fd) else path
                 with open(fd, "rb", closefd=False) as f:
-                    footer = self._checked_footer(shard, f)
+                    footer = self._checked_footer(shard, f)  # (bounded: named if damaged)
+                if seen is not None and version != seen:
+                    raise CorruptDataError(
+                        "it changed since the dataset was opened (its change time: written "
+                        "in place with its size and times put back, or its mode, owner or "
+                        "links changed): open it again"
+                    )
             else:
                 # Reads are range requests with a deadline, checked to bring back exactly
                 # the bytes asked for, through a read-ahead buffer like fsspec's own
@@ -240,18 +247,22 @@ class RowGroupLoader(ShardedSource):
         self, shard: int, index: int, version: tuple[int, ...] | None = None
     ) -> None:
         """Raise if a local file was written or replaced since opening (its size,
-        modification time or inode changed; its change time is left out: a ``chmod``
-        or ``touch -a`` changes that, not the data): the file at its path, or the one a
-        reader has open (its ``version``)."""
+        modification time, inode or change time changed): the file at its path, or the
+        one a reader has open (its ``version``). The change time catches a write in
+        place with the size and modification time put back (``cp -p``, ``rsync
+        --inplace -t``); a ``chmod``, ``chown`` or new link moves it too, and is
+        refused alike (nothing tells it from a write)."""
         if self._remote:
             return
         path = self.paths[shard]
         if version is None:
-            version = local_version(os.stat(path))[:3]
-        if version != self._identities[shard][1][:3]:
+            version = local_version(os.stat(path))
+        if version != self._identities[shard][1]:
             raise CorruptDataError(
                 f"Parquet shard {path!r} (shard {shard}) changed since the dataset was "
-                f"opened (record index {index}): open it again"
+                f"opened (record index {index}): its size, modification time, inode or "
+                "change time differs (written, even with its times put back, or its mode, "
+                "owner or links changed): open it again"
             )
 
     def _decode(self, group: int, index: int) -> pa.Table:
@@ -587,11 +598,11 @@ class ParquetReader:
         self.checked: set[tuple[int, tuple[str, ...], tuple[int, ...] | None]] = set()
 
     def version(self) -> tuple[int, ...] | None:
-        """A local file's size, modification time and inode (of the descriptor: the
-        file read); None for a remote one."""
+        """A local file's size, modification time, inode and change time (of the
+        descriptor: the file read); None for a remote one."""
         if self.fd is None:
             return None
-        return local_version(os.fstat(self.fd))[:3]
+        return local_version(os.fstat(self.fd))
 
     def read_at(self, offset: int, size: int) -> bytes:
         """At most ``size`` bytes of the file from ``offset`` (fewer at its end)."""
