@@ -53,14 +53,6 @@ def _same_size_shard(path: str, base: int) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a local shard's version check leaves its change time out "
-    "(loading.py _check_unchanged and _open_reader compare [:3]): a shard rewritten in "
-    "place with its size and mtime kept (cp -p onto it) is decoded and published in the "
-    "decoded cache under the old key, though docs/parquet.md says a source opened "
-    "before such a change refuses to decode it",
-)
 def test_a_shard_rewritten_in_place_with_its_size_and_mtime_kept_is_refused(tmp_path) -> None:
     path = str(tmp_path / "ds" / "a.parquet")
     os.makedirs(os.path.dirname(path))
