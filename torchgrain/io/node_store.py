@@ -43,7 +43,7 @@ from collections.abc import Iterator
 
 from torchgrain.errors import CacheDiskFullError
 from torchgrain.io import process
-from torchgrain.io.atomic import naming_full_disk, publish
+from torchgrain.io.atomic import file_mode, naming_full_disk, publish
 
 __all__ = ["Entry", "NodeStore"]
 
@@ -196,10 +196,13 @@ class NodeStore:
         """Hold the lock of entry ``name`` (shared or exclusive); yields whether it is held:
         ``wait`` None waits for it, else gives up after that many seconds (0: one try).
         See :meth:`_flock` for ``strict`` and ``mark``."""
+        return self._flock(self._lock_path(name), shared, wait, **kw)
+
+    def _lock_path(self, name: str) -> str:
+        """The lock file of entry ``name`` (its stripe's, with ``_STRIPES``)."""
         if self._STRIPES:
             name = str(zlib.crc32(name.encode()) % self._STRIPES)
-        lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
-        return self._flock(lock, shared, wait, **kw)
+        return os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
 
     @contextlib.contextmanager
     def _evict_lock(self) -> Iterator[None]:
@@ -347,13 +350,49 @@ class NodeStore:
     def _publish(self, tmp: str, path: str, size: int, what: str = "") -> None:
         """Rename the complete temp file ``tmp`` to the entry ``path`` (``size`` bytes; its
         lock held), making room for it first: writes in flight may together have
-        overshot the budget (they cannot evict each other)."""
-        with self._writing(path, what):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with self._evict_lock():
-                held = self._settle(size, exclude=tmp)
+        overshot the budget (they cannot evict each other).
+
+        Raises:
+            OSError: ``ELOOP``, the entry's folder is a link (see :meth:`_folder`).
+        """
+        folder, name = os.path.split(path)
+        with (
+            self._writing(path, what),
+            self._folder(folder, make=True) as dir_fd,
+            self._evict_lock(),
+        ):
+            held = self._settle(size, exclude=tmp)
+            if dir_fd is None:
                 publish(tmp, path, durable=False)  # mode from the umask
-                self._write_usage(held + size)
+            else:  # (the same, into the folder opened)
+                os.chmod(tmp, file_mode())
+                os.replace(tmp, name, dst_dir_fd=dir_fd)
+            self._write_usage(held + size)
+
+    @contextlib.contextmanager
+    def _folder(self, folder: str, *, make: bool = False) -> Iterator[int | None]:
+        """The entries' folder ``folder`` opened (made first, ``make``) without following
+        a link put in its place (anyone who can write to the directory can: the store
+        would write, read or delete where it points): an OSError (ELOOP). None for the
+        store's directory, which may itself be a link."""
+        if os.path.normpath(folder) == os.path.normpath(self.directory):
+            yield None
+            return
+        if make:
+            os.makedirs(folder, exist_ok=True)
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(folder, flags)
+        except OSError as e:
+            if e.errno == errno.ENOTDIR and os.path.islink(folder):  # (O_DIRECTORY said so)
+                e = OSError(errno.ELOOP, os.strerror(errno.ELOOP), folder)
+            if e.errno == errno.ELOOP:
+                raise OSError(errno.ELOOP, f"{self._WHAT}'s folder is a link", folder) from None
+            raise
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     # ---------------------------------------------------------------- eviction
     def _settle(self, size: int, exclude: str = "") -> int:

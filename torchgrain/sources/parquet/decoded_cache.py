@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -99,7 +100,8 @@ class DecodedCache(NodeStore):
         min_free_bytes: free space the cache leaves on its filesystem (default
             :func:`default_min_free_bytes`: 5% of the filesystem, at most 8 GiB).
         lock_timeout: the longest a process waits for another one's build of the same
-            entry before decoding it itself.
+            entry (its lock stripe's) before decoding it itself, unstored; the process then
+            tries that lock once each time (decoding unstored while it is held), said once.
 
     Counters of this process are in :attr:`stats`. The object holds no lock, file or map
     between calls: it pickles small. Design notes:
@@ -166,6 +168,10 @@ class DecodedCache(NodeStore):
         # time too: a file written in place with its times put back is checked again)
         self._verified: dict[tuple[int, int], Identity] = {}
         self._warned = False  # of a refused write (once per process)
+        # lock files waited for in vain (lock_timeout): their entries are decoded, not
+        # stored, while another process holds them (said once per process)
+        self._stuck: set[str] = set()
+        self._said_stuck = False
         self.stats: dict[str, int] = dict.fromkeys(_STATS.split(), 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -237,17 +243,32 @@ class DecodedCache(NodeStore):
         if table is not None:
             self._count(hits=1)
             return table, path, pin
-        # (waiting at most lock_timeout, then building anyway: the rename keeps it whole)
-        with self._lock(key, wait=self.lock_timeout, strict=False):
+
+        def made() -> pa.Table:
+            built = build()
+            if built.num_rows != num_rows or not built.schema.equals(schema):
+                raise ValueError(f"{name or key}: built table does not match its schema/rows")
+            return built
+
+        # A lock waited for lock_timeout in vain is stuck: then tried once each time.
+        lock = self._lock_path(key)
+        wait = 0 if lock in self._stuck else self.lock_timeout
+        with contextlib.ExitStack() as stack:
+            held: bool | None = None  # (None: no lock file; the write is refused, said once)
+            with contextlib.suppress(OSError):
+                held = stack.enter_context(self._lock(key, wait=wait))
             # Another process may have built it while we waited for the lock.
             table, pin = self._open(path, key, schema, num_rows)
             if table is not None:
                 self._count(hits=1, waits=1)
                 return table, path, pin
+            if held is False:  # its holder is stopped or stuck: decoded, not stored
+                self._stuck_on(lock)
+                self._count(not_stored=1)
+                return made(), None, None
+            self._stuck.discard(lock)
             self._remove_temps(key)
-            built = build()
-            if built.num_rows != num_rows or not built.schema.equals(schema):
-                raise ValueError(f"{name or key}: built table does not match its schema/rows")
+            built = made()
             if not self._store_table(path, key, built, name or key):
                 return built, None, None
             table, pin = self._open(path, key, schema, num_rows, trusted=True)
@@ -287,8 +308,11 @@ class DecodedCache(NodeStore):
         self, path: str, key: str, schema: pa.Schema, num_rows: int, trusted: bool = False
     ) -> tuple[pa.Table | None, Pin | None]:
         """The mapped, checked table of ``path`` and its file's pin; None when there is
-        none (a corrupt file is deleted, counted and reported as none)."""
+        none (a corrupt file is deleted, counted and reported as none; so is one through a
+        link in place of its folder: its build's publish refuses the link)."""
         try:
+            if stat.S_ISLNK(os.lstat(os.path.dirname(path)).st_mode):
+                return None, None
             buf, st, pin = map_file_pinned(path)
         except OSError:  # missing, or unreadable (decoded again, and replaced if it can)
             return None, None
@@ -344,11 +368,13 @@ class DecodedCache(NodeStore):
         return table
 
     def _discard(self, path: str, ident: tuple[int, int]) -> None:
-        """Delete the file ``ident`` (device, inode) at ``path``, unless it was replaced."""
-        with contextlib.suppress(OSError):
-            now = os.stat(path)
+        """Delete the file ``ident`` (device, inode) at ``path``, unless it was replaced
+        (never through a link in place of its folder)."""
+        folder, name = os.path.split(path)
+        with contextlib.suppress(OSError), self._folder(folder) as fd:
+            now = os.stat(name, dir_fd=fd, follow_symlinks=False)
             if (now.st_dev, now.st_ino) == ident:
-                os.unlink(path)
+                os.unlink(name, dir_fd=fd)
 
     # --------------------------------------------------------------- building
     def _store_table(self, path: str, key: str, table: pa.Table, name: str) -> bool:
@@ -418,6 +444,24 @@ class DecodedCache(NodeStore):
             stacklevel=2,
         )
 
+    def _stuck_on(self, lock: str) -> None:
+        """Remember the lock file ``lock`` as held for good by another process (waited for
+        ``lock_timeout`` in vain): the entries under it are tried once, then decoded
+        without the cache; said once per process."""
+        with self._stats_lock:
+            self._stuck.add(lock)
+            said, self._said_stuck = self._said_stuck, True
+        if said:
+            return
+        warnings.warn(
+            f"torchgrain: the decoded Parquet cache's lock {lock!r} was held by another "
+            f"process for more than lock_timeout={self.lock_timeout:g} s (stopped, or stuck "
+            "on its disk): the row groups under it are decoded without the cache in this "
+            "process while it is held. End that process (see `fuser` on the lock) to "
+            "cache them again.",
+            stacklevel=4,
+        )
+
     def _write(self, tmp: str, table: pa.Table, key: str) -> int:
         """Write the IPC file and its trailer to ``tmp``; return the file's size."""
         if any(c.num_chunks > 1 for c in table.columns):
@@ -432,8 +476,9 @@ class DecodedCache(NodeStore):
     def _check_process(self) -> None:
         if self._token != process.token():  # a forked child: counters and locks are its own
             verified = self._verified  # (files checked by the parent stay checked)
+            stuck = self._stuck  # (and locks found stuck stay so, until found free)
             self._init_process()
-            self._verified = dict(verified)
+            self._verified, self._stuck = dict(verified), set(stuck)
 
     def _count(self, **kw: int) -> None:
         self._check_process()
