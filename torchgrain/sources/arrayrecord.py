@@ -167,6 +167,7 @@ class ArrayRecordSource(EncodedSource):
                 counts=counts,
                 beside=index_entry,
                 max_chunk_bytes=max_chunk_bytes,
+                lock_wait=None if opts.retry is None else opts.retry.deadline,
             )
             if counts is None:
                 counts = self._dindex.counts

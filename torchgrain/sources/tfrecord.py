@@ -141,7 +141,13 @@ class TFRecordSource(EncodedSource):
         self._compressed.setflags(write=False)
         with using(retry):
             self._tfindex, infos = _dataset_index(
-                fs, files, index_dir, retry, self._compressed, max_record_bytes
+                fs,
+                files,
+                index_dir,
+                retry,
+                self._compressed,
+                max_record_bytes,
+                lock_wait=None if opts.retry is None else opts.retry.deadline,
             )
         # What tells each remote file's version apart, as the index was built from it.
         self._versions = None if is_local(fs) else infos
@@ -484,6 +490,7 @@ def _dataset_index(
     retry: RetryPolicy,
     compressed: np.ndarray,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    lock_wait: float | None = None,
 ) -> tuple[TFRecordIndex, list[tuple[int, str]]]:
     """The dataset's index and each file's ``(size, version stamp)`` it was built for:
     mapped from ``index_dir`` when this machine has built it for these very files (sizes
@@ -525,6 +532,7 @@ def _dataset_index(
         offsets_of,
         compressed,
         index_dir=None if index_dir is None else os.fspath(index_dir),
+        lock_wait=lock_wait,
     )
     return index, infos
 

@@ -464,10 +464,12 @@ def arrayrecord_index(
     counts: np.ndarray | None = None,
     beside: tuple[str, dict[str, Any]] | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    lock_wait: float | None = None,
 ) -> ArrayRecordIndex:
     """The index of local ArrayRecord shards ``paths``, from wherever it is cheapest
     (see the module docstring): ``beside`` is the index file a manifest names, with its
-    manifest entry; ``counts`` the records per shard the manifest promises.
+    manifest entry; ``counts`` the records per shard the manifest promises;
+    ``lock_wait`` bounds a wait for another process's build (see :func:`cached_index`).
 
     Raises:
         CorruptDataError: a shard is not a readable ArrayRecord file.
@@ -537,4 +539,6 @@ def arrayrecord_index(
         )
 
     name = "arrayrecord-" + key + INDEX_SUFFIX
-    return cached_index(os.fspath(index_dir), name, ArrayRecordIndex, build, fits)
+    return cached_index(
+        os.fspath(index_dir), name, ArrayRecordIndex, build, fits, deadline=lock_wait
+    )

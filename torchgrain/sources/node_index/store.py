@@ -62,9 +62,11 @@ __all__ = [
     "BUILD_BYTES",
     "COUNTERS",
     "INDEX_DIR_BYTES",
+    "INDEX_LOCK_WAIT_ENV",
     "INDEX_NAME",
     "BuildProgress",
     "default_index_dir",
+    "index_lock_wait",
     "open_index",
 ]
 
@@ -94,7 +96,35 @@ _UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXI
 _UNWRITABLE |= {errno.EAGAIN, errno.ELOOP}  # (ELOOP: a link where a lock file goes)
 _UNWRITABLE |= DISK_FULL_ERRNOS
 _STAMPS = "verified"  # stamps of index files whose contents were checked
-_LOCK_WAIT = 900.0  # seconds to wait for another process's build before building too
+#: The environment variable bounding, in seconds, how long an open waits for another
+#: process's build of the same index (default 900) before building it too; ``0``: never.
+INDEX_LOCK_WAIT_ENV = "TORCHGRAIN_INDEX_LOCK_WAIT"
+_LOCK_WAIT = 900.0  # (its default)
+_SAY_WAIT = 5.0  # seconds of waiting for another process's build before saying so
+
+
+def index_lock_wait(deadline: float | None = None) -> float:
+    """Seconds an open waits for another process's build of the same index before building
+    it too: ``$TORCHGRAIN_INDEX_LOCK_WAIT``, else 900, and at most a
+    source's retry ``deadline`` when it was given one (``retry=RetryPolicy(deadline=...)``).
+
+    Raises:
+        ValueError: the variable is not a number of seconds >= 0 (named).
+
+    Example:
+        >>> index_lock_wait() == float(os.environ.get(INDEX_LOCK_WAIT_ENV, 900))
+        True
+        >>> index_lock_wait(2.0)
+        2.0
+    """
+    text = os.environ.get(INDEX_LOCK_WAIT_ENV, "").strip()
+    try:
+        wait = float(text) if text else _LOCK_WAIT
+    except ValueError:
+        wait = -1.0
+    if not 0 <= wait < float("inf"):
+        raise ValueError(f"{INDEX_LOCK_WAIT_ENV} must be a number of seconds >= 0, got {text!r}")
+    return wait if deadline is None else min(wait, max(0.0, deadline))
 
 
 def default_index_dir(kind: str) -> str:
@@ -771,12 +801,16 @@ def cached_index(
     cls: Any,
     build: Callable[[str | None], Any],
     fits: Callable[[Any], str | None],
+    *,
+    deadline: float | None = None,
 ) -> Any:
     """The index ``name`` in ``index_dir``: opened when present and valid (``fits(ix)``
     says why an index does not describe the files, or None), else built once per
     machine into a temp file of the directory (``build(tmp)``), which the store
     publishes as ``name``; built in memory (``build(None)``) when the directory cannot
-    be written.
+    be written. Another process's build of it under way is waited for at most
+    :func:`index_lock_wait` seconds (``deadline``: a source's retry deadline), and said
+    on stderr after a few seconds; then this process builds it too.
 
     Example:
         >>> import tempfile
@@ -816,8 +850,9 @@ def cached_index(
         return build(None)
     tmp = ""
     try:
-        # (waiting at most _LOCK_WAIT, then building anyway: the rename keeps it whole)
-        with store._lock(name, wait=_LOCK_WAIT) as held, contextlib.ExitStack() as stack:
+        # (waiting a bounded time, then building anyway: the rename keeps it whole)
+        wait = index_lock_wait(deadline)
+        with _build_lock(store, name, wait) as held, contextlib.ExitStack() as stack:
             ix = try_open()  # another process may have built it meanwhile
             if ix is None:
                 own = name
@@ -862,6 +897,29 @@ def cached_index(
         if tmp:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def _build_lock(store: IndexDir, name: str, wait: float) -> Iterator[bool]:
+    """Hold the lock of the index ``name``'s build, waited for at most ``wait`` seconds;
+    yields whether it is held. A wait past :data:`_SAY_WAIT` says what it waits for (the
+    lock held by another process: a build under way, or a builder stopped or stuck)."""
+    first = min(wait, _SAY_WAIT)
+    with store._lock(name, wait=first) as held:
+        if held or wait <= first:
+            yield held
+            return
+    lock = os.path.join(store.directory, store._LOCK_DIR, name + ".lock")
+    warnings.warn(
+        f"torchgrain: waiting up to {wait:g} s for another process's build of a dataset index "
+        f"in {store.directory!r} (it holds {lock!r}), then building it here too. If no "
+        "process builds it (one stopped, or stuck on its disk: see `fuser` on the lock), "
+        f"end that process; {INDEX_LOCK_WAIT_ENV}= (seconds) or the source's "
+        "retry=RetryPolicy(deadline=) bounds the wait",
+        stacklevel=5,
+    )
+    with store._lock(name, wait=wait - first) as held:
+        yield held
 
 
 def _file_in_place(f: IndexFile, index_dir: str, cls: Any) -> IndexFile:

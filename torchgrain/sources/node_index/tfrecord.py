@@ -93,13 +93,15 @@ def tfrecord_index(
     compressed: np.ndarray,
     *,
     index_dir: str | None,
+    lock_wait: float | None = None,
 ) -> TFRecordIndex:
     """The index of TFRecord files ``paths``: ``infos[i]`` is file ``i``'s ``(size,
     version stamp)`` (its modification time or ETag), ``offsets_of(i)`` walks (or reads
     from a per-file cache) its record offsets, as int64 arrays in order (a chunked walk:
     :func:`~torchgrain.formats.tfrecord.iter_tfrecord_offsets`); a compressed file's
     gives its record count, ``[n]``. Built once per machine into ``index_dir`` (in
-    memory when None).
+    memory when None); ``lock_wait`` bounds a wait for another process's build (see
+    :func:`~torchgrain.sources.node_index.store.cached_index`).
 
     Built in bounded memory: files are walked in parallel threads, each file's offsets
     written into the index file as soon as the files before it are, while the offsets
@@ -173,4 +175,4 @@ def tfrecord_index(
         return ix.not_made_for(key, sizes) or (None if same else "it describes other files")
 
     name = "tfrecord-" + key + INDEX_SUFFIX
-    return cached_index(os.fspath(index_dir), name, TFRecordIndex, build, fits)
+    return cached_index(os.fspath(index_dir), name, TFRecordIndex, build, fits, deadline=lock_wait)
