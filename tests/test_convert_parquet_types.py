@@ -102,8 +102,9 @@ COLUMNS: dict[str, pa.Array] = {
     "map": _column(pa.map_(pa.string(), pa.uint8()), [[("a", 1)], None, []] + [[("b", 255)]] * 4),
     "struct_float": _column(
         pa.struct({"f": pa.float32(), "h": pa.list_(pa.float16())}),
-        [{"f": 0.5, "h": [0.25, None]}, None, {"f": None, "h": []}]
-        + [{"f": 1e30, "h": [6e-8]}] * 4,
+        # (numpy float16 values: older pyarrow builds float16 from nothing else)
+        [{"f": 0.5, "h": [np.float16(0.25), None]}, None, {"f": None, "h": []}]
+        + [{"f": 1e30, "h": [np.float16(6e-8)]}] * 4,
     ),
     "map_float": _column(
         pa.map_(pa.string(), pa.float32()), [[("a", 0.5)], None, []] + [[("b", 1e-30)]] * 4
@@ -124,6 +125,8 @@ def _source(tmp_path, table: pa.Table, files: int = 2) -> str:
 
 def _same(a, b) -> bool:
     """Equal values of the same Python type, nan equal to nan, -0.0 apart from 0.0."""
+    # (older pyarrow hands float16 values over as numpy scalars)
+    a, b = (float(x) if isinstance(x, np.floating) else x for x in (a, b))
     if type(a) is not type(b):
         return False
     if isinstance(a, float):
@@ -163,6 +166,11 @@ def _check(src: str, out: str, num_shards: int) -> None:
             assert _same(w[c], g[c]), (k, c, w[c], g[c])
 
 
+@pytest.mark.skipif(
+    int(pa.__version__.split(".")[0]) < 16,
+    reason="older pyarrow cannot write this test's table (lists with null slots of non-zero "
+    "length)",
+)
 @pytest.mark.parametrize("num_shards", [1, 3])
 def test_parquet_to_parquet_keeps_every_column_type_and_value(tmp_path, num_shards):
     table = pa.table(COLUMNS)
@@ -188,7 +196,8 @@ def test_a_dictionary_column_is_written_as_its_values_type(tmp_path):
 
 
 def test_selected_columns_keep_their_types_in_the_selected_order(tmp_path):
-    table = pa.table({"a": pa.array([1, 2], pa.int8()), "b": pa.array([1.5, None], pa.float16())})
+    b = pa.array(np.array([1.5, 0], np.float16), mask=np.array([False, True]))
+    table = pa.table({"a": pa.array([1, 2], pa.int8()), "b": b})
     src = _source(tmp_path, table, files=1)
     tg.convert(src, tmp_path / "out", to="parquet", columns=["b", "a"])
     (out,) = glob.glob(str(tmp_path / "out" / "*.parquet"))
