@@ -88,3 +88,27 @@ def test_a_bad_index_lock_wait_variable_is_an_error_naming_it(monkeypatch):
     assert node_index.index_lock_wait() == 30.0 and node_index.index_lock_wait(2.5) == 2.5
     monkeypatch.delenv(node_index.INDEX_LOCK_WAIT_ENV)
     assert node_index.index_lock_wait() == 900.0
+
+
+def test_a_tfrecord_index_build_lock_wait_keeps_to_the_sources_retry_deadline(tmp_path):
+    from torchgrain.formats.tfrecord import write_tfrecord
+
+    data = tmp_path / "tf"
+    data.mkdir()
+    for k in range(2):
+        write_tfrecord([b"r%d" % i for i in range(5)], str(data / f"part-{k}.tfrecord"))
+    probe, idx = tmp_path / "probe", tmp_path / "idx"
+    tg.TFRecordSource(str(data), codec="raw", index_dir=str(probe))
+    (name,) = [n for n in os.listdir(probe) if n.startswith("tfrecord-") and n.endswith(".lock")]
+    fd = _hold(str(idx / name))
+    try:
+        start = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            src = tg.TFRecordSource(
+                str(data), codec="raw", index_dir=str(idx), retry=RetryPolicy(deadline=0.3)
+            )
+        took = time.monotonic() - start
+    finally:
+        os.close(fd)
+    assert len(src) == 10 and took < 3, took
