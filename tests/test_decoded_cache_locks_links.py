@@ -134,3 +134,27 @@ def test_a_stuck_stripe_leaves_the_other_stripes_cached(tmp_path):
             assert _get(cache, other, table)[1] == cache.path_of(other)
     finally:
         os.close(fd)
+
+
+def test_a_forked_child_keeps_knowing_a_stuck_stripe(tmp_path):
+    cache, table = _cache(tmp_path / "cache", lock_timeout=2.0), pa.table({"x": [1]})
+    first, second = _same_stripe(2)
+    fd = _hold(cache._lock_path(first))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert _get(cache, first, table)[1] is None  # (one wait: now known stuck)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                start = time.monotonic()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _, path = _get(cache, second, table)
+                code = 0 if path is None and time.monotonic() - start < 1.5 else 3
+            finally:
+                os._exit(code)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        os.close(fd)
