@@ -14,8 +14,6 @@ import sys
 import textwrap
 import warnings
 
-import pytest
-
 import torchgrain as tg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -67,12 +65,6 @@ def _index_lock_name(data: str, probe: str) -> str:
     return name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a process that finds another's build of a dataset index under way waits up "
-    "to 900 s for its lock (node_index/store.py _LOCK_WAIT, cached_index), saying "
-    "nothing, and neither the source's retry deadline nor any option bounds it",
-)
 def test_an_index_build_lock_another_process_holds_is_said_or_bounded(tmp_path):
     """Another process holds the lock of a dataset index's build (a stopped or stuck
     builder): the open either ends within seconds, or says on stderr what it waits for
@@ -253,14 +245,6 @@ def test_a_fifo_named_as_the_tokenizer_file_is_refused_not_waited_on(tmp_path):
     assert done.returncode != 0 and "--tokenize" in err and str(fifo) in err, err[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the decoded Parquet cache locks builds by one of 256 stripes "
-    "(io/node_store.py NodeStore._lock, DecodedCache._STRIPES) and remembers no stripe "
-    "waited for in vain (as ShardCache._stuck does): a process stopped while it holds "
-    "one makes every other entry of that stripe wait the whole lock_timeout (600 s by "
-    "default), one after the other, though nobody builds them",
-)
 def test_a_stopped_builder_costs_one_decoded_cache_wait_not_one_per_entry(tmp_path):
     import zlib
 
