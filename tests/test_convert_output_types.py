@@ -13,7 +13,7 @@ import torchgrain as tg
 @pytest.mark.parametrize(
     "recs",
     [
-        [{"x": 1}, {"x": 1.5}],
+        [{"x": 2**53 + 1}, {"x": 1.5}],
         [{"x": np.arange(2, dtype=np.int8)}, {"x": np.arange(2, dtype=np.int16)}],
         [{"x": {"a": 1}}, {"x": {"b": 1}}],
         [{"x": 1}, {"x": "a"}],

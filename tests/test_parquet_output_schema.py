@@ -25,7 +25,7 @@ def test_an_int_a_float_does_not_hold_beside_a_float_names_key_records_and_shard
         (np.arange(3, dtype=np.int8), np.arange(3, dtype=np.int16), "list<item: int8>.*int16"),
         (np.uint8(1), np.int8(-1), "uint8 in records 0..511 but int8 in records 512..512"),
         ("a", b"b", "string in records 0..511 but binary in records 512..512"),
-        (1, 1.5, "int64 in records 0..511 but double"),
+        (True, 1, "bool in records 0..511 but int64 in records 512..512"),
         ({"a": 1}, {"a": 1, "b": 2}, "struct<a: int64> in records 0..511 but struct<a: int64, b"),
     ],
 )

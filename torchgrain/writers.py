@@ -877,6 +877,13 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
             columns.append(pa.nulls(table.num_rows, f.type))
             continue
         column = table.column(f.name)
+        if _to_double(column.type, f.type):
+            value = _past_double(column)
+            if value is not None:
+                raise TypeError(
+                    f"cannot store key {f.name!r} in Parquet: it holds {value} and floats in one "
+                    f"output shard ({where} of {path}); a double rounds an int past 2**53"
+                )
         if column.type == pa.int64() and f.type == pa.uint64():
             low = pc.min(column).as_py()
             if low is not None and low < 0:
@@ -1004,7 +1011,8 @@ def _fills(a: Any, b: Any) -> bool:
 
 def _common(types: Sequence[Any]) -> Any:
     """The one of ``types`` each of them becomes with no value changed (a null type typed,
-    int64 of no negative value uint64: see :func:`_fills`), or None.
+    int64 of no negative value uint64, int64 of no value past 2**53 double, lists of them
+    alike: see :func:`_fills`, :func:`_to_double`), or None.
 
     Example:
         >>> import pyarrow as pa
@@ -1012,15 +1020,65 @@ def _common(types: Sequence[Any]) -> Any:
         ListType(list<item: int8>)
         >>> _common([pa.int64(), pa.uint64()])
         DataType(uint64)
+        >>> _common([pa.list_(pa.int64()), pa.list_(pa.float64()), pa.list_(pa.null())])
+        ListType(list<item: double>)
         >>> _common([pa.list_(pa.int8()), pa.list_(pa.int16())]) is None
         True
     """
     import pyarrow as pa
 
     for t in types:
-        if all(_fills(u, t) or (u == pa.int64() and t == pa.uint64()) for u in types):
+        if all(
+            _fills(u, t) or (u == pa.int64() and t == pa.uint64()) or _to_double(u, t)
+            for u in types
+        ):
             return t
     return None
+
+
+def _to_double(a: Any, b: Any) -> bool:
+    """Whether type ``a`` is int64 and ``b`` double, or lists of them (its values then
+    need checking: :func:`_past_double`).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _to_double(pa.list_(pa.int64()), pa.list_(pa.float64()))
+        True
+        >>> _to_double(pa.int32(), pa.float64()) or _to_double(pa.bool_(), pa.float64())
+        False
+    """
+    import pyarrow as pa
+
+    while _is_list(a) and _is_list(b) and type(a) is type(b):
+        a, b = a.value_type, b.value_type
+    return a == pa.int64() and b == pa.float64()
+
+
+def _past_double(column: Any) -> int | None:
+    """The first int of an int64 (or list of int64) array that a double rounds (past
+    2**53 either side), or None.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _past_double(pa.array([[1, None], [2**53 + 1, -(2**53) - 1]]))
+        9007199254740993
+        >>> _past_double(pa.array([2**53, -(2**53), None])) is None
+        True
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    while _is_list(column.type):
+        column = pc.list_flatten(column)
+    limits = pc.min_max(column)
+    low, high = limits["min"].as_py(), limits["max"].as_py()
+    if low is None or (low >= -_DOUBLE_INTS and high <= _DOUBLE_INTS):
+        return None
+    past = pc.or_(pc.less(column, -_DOUBLE_INTS), pc.greater(column, _DOUBLE_INTS))
+    return column[pc.index(past, pa.scalar(True)).as_py()].as_py()
+
+
+_DOUBLE_INTS = 2**53  # a double holds every int up to this (either side), not all past it
 
 
 def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
@@ -1046,46 +1104,91 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
         ]
         if not changed:
             continue
-        ints = [f.name for _, f in changed if f.type == pa.int64()]
-        if ints and _negative(os.path.join(root, n), ints):
+        path = os.path.join(root, n)
+        ints = [
+            f.name for _, f in changed if f.type == pa.int64() and target[f.name] == pa.uint64()
+        ]
+        if ints and _outside(path, ints, 0, None) is not None:
             continue  # left as it is: check_shard_schemas names it
+        doubles = [f.name for _, f in changed if _to_double(f.type, target[f.name])]
+        past = _outside(path, doubles, -_DOUBLE_INTS, _DOUBLE_INTS) if doubles else None
+        if past is not None:
+            from torchgrain.errors import SchemaMismatchError
+
+            column, value = past
+            other = next(m for m, s in schemas.items() if s.field(column).type == target[column])
+            raise SchemaMismatchError(
+                f"the Parquet output shards in {root!r} do not agree: column {column!r} is "
+                f"{schema.field(column).type} in {n} but {target[column]} in {other}, and {n} "
+                f"holds {value}, which a double rounds (past 2**53); give the column one type "
+                "in every record, or convert to array_record; nothing was published"
+            )
         for i, f in changed:
             schema = schema.set(i, f.with_type(target[f.name]))
         out[n] = schema
     return out
 
 
-def _negative(path: str, columns: Sequence[str]) -> bool:
-    """Whether an int64 column of ``columns`` of the Parquet file ``path`` holds a value
-    below 0: its row groups' statistics where written, else a row group's column at a
-    time (bounded memory)."""
+def _outside(
+    path: str, columns: Sequence[str], low: int, high: int | None
+) -> tuple[str, int] | None:
+    """A column of ``columns`` (int64, or lists of int64) of the Parquet file ``path`` and
+    an int of it outside ``low..high`` (None: no bound), or None. Its row groups'
+    statistics decide where written, else a row group's column at a time (bounded
+    memory); a double's bound (``high`` given) names the row group's first such int."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as pf:
         meta = pf.metadata
-        leaf: dict[str, int | None] = {}  # a top-level column's leaf (None: a path of two)
+        # A leaf's (path, lists above it) -> its index; None: two of them (a top-level
+        # column named as a struct field's path, 'a.b'), read instead.
+        leaf: dict[tuple[str, int], int | None] = {}
         for j in range(meta.num_columns):
-            path_j = meta.schema.column(j).path
-            leaf[path_j] = None if path_j in leaf else j
+            c = meta.schema.column(j)
+            key = (c.path, c.max_repetition_level)
+            leaf[key] = None if key in leaf else j
+        arrow = pf.schema_arrow
         for i in range(meta.num_row_groups):
             for name in columns:
-                j = leaf.get(name)
+                kind, depth = arrow.field(name).type, 0
+                while _is_list(kind):
+                    kind, depth = kind.value_type, depth + 1
+                paths = (name + ".list.element" * depth, name + ".list.item" * depth)
+                j = next((leaf[(p, depth)] for p in paths if (p, depth) in leaf), None)
                 stats = None if j is None else meta.row_group(i).column(j).statistics
+                column = None
                 if stats is not None and stats.has_min_max:
-                    low = stats.min
+                    bounds = stats.min, stats.max
                 elif stats is not None and stats.num_values == 0:  # nulls only
                     continue
                 else:
-                    low = pc.min(pf.read_row_group(i, columns=[name]).column(0)).as_py()
-                if low is not None and low < 0:
-                    return True
-    return False
+                    column = pf.read_row_group(i, columns=[name]).column(0)
+                    while _is_list(column.type):
+                        column = pc.list_flatten(column)
+                    limits = pc.min_max(column)
+                    bounds = limits["min"].as_py(), limits["max"].as_py()
+                if bounds[0] is None:
+                    continue
+                if bounds[0] < low:
+                    value = bounds[0]
+                elif high is not None and bounds[1] > high:
+                    value = bounds[1]
+                else:
+                    continue
+                if high is not None:  # (a failure: the row group read to name its first)
+                    if column is None:
+                        column = pf.read_row_group(i, columns=[name]).column(0)
+                    first = _past_double(column)
+                    value = value if first is None else first
+                return name, value
+    return None
 
 
 def _rewrite(path: str, schema: Any, compression: str, parts: Sequence[str] = ()) -> None:
     """Rewrite the Parquet file ``path`` with ``schema``, a row group at a time (see
-    :func:`_conformed`), after the row groups of the files ``parts`` (left as they are)."""
+    :func:`_conformed`: an error names the row group's records), after the row groups of
+    the files ``parts`` (left as they are)."""
     import pyarrow.parquet as pq
 
     tmp, writer, k = temp_name(path), None, 0
@@ -1094,9 +1197,10 @@ def _rewrite(path: str, schema: Any, compression: str, parts: Sequence[str] = ()
         for part in [*parts, path]:
             with pq.ParquetFile(part) as pf:
                 for i in range(pf.num_row_groups):
-                    t = _conformed(pf.read_row_group(i), schema, path, f"row group {k}")
+                    t = pf.read_row_group(i)
+                    t = _conformed(t, schema, path, f"records {k}..{k + t.num_rows - 1}")
                     writer.write_table(t, row_group_size=t.num_rows)
-                    k += 1
+                    k += t.num_rows
         writer.close()
         os.replace(tmp, path)
     except BaseException:
