@@ -249,3 +249,26 @@ def test_opening_an_s3_dataset_asks_no_head_request_per_shard(moto_s3, given):
         assert len(src) == 12
         heads = [p for m, p in proxy.log if m == "HEAD"]
     assert len(heads) <= 1, heads  # (the root's own probe)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=tg.CorruptDataError,
+    reason="io/fs.py _Listing.glob lists an S3 glob's whole folder (_s3_keys of the part "
+    "before the last '/' ahead of the wildcard), not the keys of its literal prefix "
+    "('data/train-'), as s3fs's glob did: a folder of more than MAX_LISTED_OBJECTS other "
+    "objects refuses a glob naming two",
+)
+def test_an_s3_glob_lists_only_its_literal_prefix(moto_s3, monkeypatch):
+    client, endpoint = moto_s3
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket="rf51g")
+    for name in [f"junk-{i}" for i in range(8)] + ["train-0", "train-1"]:
+        client.put_object(Bucket="rf51g", Key=f"data/{name}.parquet", Body=b"")
+    monkeypatch.setattr(tgfs, "MAX_LISTED_OBJECTS", 5, raising=False)
+    _, files = tgfs.expand_paths(
+        "s3://rf51g/data/train-*.parquet",
+        suffixes=[".parquet"],
+        storage_options={"endpoint_url": endpoint},
+    )
+    assert files == [f"s3://rf51g/data/train-{i}.parquet" for i in range(2)]
