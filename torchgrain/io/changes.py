@@ -19,7 +19,7 @@ Example:
     True
     >>> os.truncate(p, 10)
     >>> changed(pin)
-    'its size, modification time or contents changed'
+    'its size, modification or change time, or contents changed'
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "ChangedWhileOpen",
     "Pin",
     "changed",
+    "changed_since_opening",
     "check",
     "first_changed",
     "open_regular",
@@ -54,7 +55,7 @@ _IN_MODIFY = 0x2
 _IN_Q_OVERFLOW = 0x4000
 _IN_IGNORED = 0x8000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, name length
-_WHY = "its size, modification time or contents changed"
+_WHY = "its size, modification or change time, or contents changed"
 _NOT_REGULAR = "it was replaced by something that is not a regular file"
 
 
@@ -279,13 +280,32 @@ def seen() -> int:
     return _this_process().events
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    # The change time: a write in place with the size and modification time put back
+    # (cp -p, rsync --inplace -t) moves it, and no one can set it back.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def changed_since_opening(shard: int, path: str) -> CorruptDataError:
+    """The error for local shard ``shard`` at ``path`` whose change time is not the one
+    its dataset's opening saw (``st_ctime_ns``, compared when a process first opens or
+    maps the shard: a change from then on is seen by its :class:`Pin`).
+
+    Example:
+        >>> print(changed_since_opening(3, "/d/a.tfrecord"))  # doctest: +ELLIPSIS
+        shard 3 '/d/a.tfrecord' changed since the dataset was opened (its change time ...
+    """
+    return CorruptDataError(
+        f"shard {shard} {path!r} changed since the dataset was opened (its change time "
+        "differs: written, even with its size and modification time put back as cp -p "
+        "and rsync --inplace -t do, or its mode, owner or links changed): not read; "
+        "open it again"
+    )
 
 
 class Pin:
     """A local file as it was when a reader opened it to map it: its identity (device,
-    inode, size, modification time) and, where inotify works, a watch on it.
+    inode, size, modification and change times) and, where inotify works, a watch on it.
 
     Take it from the open descriptor the file is mapped from, before reading anything
     through the map. The watch is released when the pin is garbage collected.
@@ -318,7 +338,7 @@ class Pin:
 
     def _adopt(self, w: _Watcher) -> str | None:
         """In a forked child: watch the file again, through its path (checked to be
-        the same inode, size and time, so the new watch covers what the map holds)."""
+        the same inode, size and times, so the new watch covers what the map holds)."""
         # (the parent's watch, dropped here, is the parent's to release)
         self.generation, self.owner, self.wd = w.generation, process.token(), -1
         try:

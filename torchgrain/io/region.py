@@ -104,6 +104,9 @@ class ShardRegion:
         check: called as ``check(shard, stat, view)`` after mapping a shard (``view``:
             the file's bytes; do not keep it); raising refuses the shard (it is
             unmapped and the error propagates).
+        ctimes: each file's change time (``st_ctime_ns``) when the dataset was opened;
+            a file whose change time differs when a process maps it is refused
+            (:func:`~torchgrain.io.changes.changed_since_opening`), before its map.
 
     Raises:
         RegionUnavailable: on an unsupported platform, or when no address range can be
@@ -117,6 +120,7 @@ class ShardRegion:
         *,
         max_maps: int | None = None,
         check: Callable[[int, os.stat_result, memoryview], None] | None = None,
+        ctimes: np.ndarray | None = None,
     ) -> None:
         if not supported():
             raise RegionUnavailable("mapping files at fixed addresses needs Linux x86-64/arm64")
@@ -162,6 +166,7 @@ class ShardRegion:
         self.words.flags.writeable = False
         self.view = memoryview(self.u8)
         self._check = check
+        self._ctimes = ctimes
         # Per shard and slot: 4 + 12 bytes (what a process keeps per shard).
         self.slot_of = np.full(n, -1, dtype=np.int32)
         self.owner = np.full(slots, -1, dtype=np.int32)
@@ -346,6 +351,8 @@ class ShardRegion:
                     f"shard {shard} {path!r} is {st.st_size} bytes, its index says {size}: "
                     "the file changed after its index was made"
                 )
+            if self._ctimes is not None and st.st_ctime_ns != self._ctimes[shard]:
+                raise changes.changed_since_opening(shard, path)
             addr = self._start + k * self.slot_size
             if size:
                 got = _mmap_fn()(addr, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)

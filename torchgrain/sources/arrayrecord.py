@@ -38,6 +38,7 @@ from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
+from torchgrain.sources.node_index.arrayrecord import stat_shards
 from torchgrain.sources.options import ReadOptions
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
@@ -115,6 +116,11 @@ class ArrayRecordSource(EncodedSource):
         [9, 0, 5]
     """
 
+    # The manifest, where kept (remote shards): a local source reads it again if asked
+    # (a class default: one attribute more on every source would leave its dict unshared,
+    # every attribute lookup of every read slower; so is the shards' change times').
+    _manifest: Manifest | None = None
+
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
@@ -153,7 +159,8 @@ class ArrayRecordSource(EncodedSource):
         # shard list costs hundreds of bytes per shard, and parsing it leaves the
         # allocator's pages pinned if objects made meanwhile outlive it: it is dropped
         # before anything lasting is made (and read again only if asked for).
-        self._manifest = None if local else manifest
+        if not local:
+            self._manifest = manifest
         del manifest, files
         self._dindex: ArrayRecordIndex | None = None
         self._count_bad: np.ndarray | None = None  # shards whose files disagree with the manifest
@@ -161,6 +168,12 @@ class ArrayRecordSource(EncodedSource):
         if local and len(shard_paths):
             if index_dir is ...:
                 index_dir = default_index_dir("arrayrecord")
+            # Before the index is read or built: a shard written from now on (even with
+            # its size and modification time put back) is refused when a process opens it.
+            stats = stat_shards(shard_paths)
+            ctimes = np.array([-1 if st is None else st.st_ctime_ns for st in stats], np.int64)
+            ctimes.setflags(write=False)
+            self._ctimes = ctimes
             self._dindex = arrayrecord_index(
                 shard_paths,
                 index_dir=None if index_dir is None else os.fspath(index_dir),
@@ -168,7 +181,9 @@ class ArrayRecordSource(EncodedSource):
                 beside=index_entry,
                 max_chunk_bytes=max_chunk_bytes,
                 lock_wait=None if opts.retry is None else opts.retry.deadline,
+                stats=stats,
             )
+            del stats
             if counts is None:
                 counts = self._dindex.counts
             elif not np.array_equal(self._dindex.counts, counts):
@@ -254,6 +269,11 @@ class ArrayRecordSource(EncodedSource):
         except FileNotFoundError as e:
             f.close()
             raise _missing(shard, path, e) from e
+        try:
+            self._check_opened(shard)  # (pinned: a change from now on is the pin's)
+        except BaseException:
+            f.close()
+            raise
         return f
 
     def _counted_file(
@@ -314,7 +334,24 @@ class ArrayRecordSource(EncodedSource):
             self._counted_file(shard, self._paths[shard], None).close()
 
     def _reader_for_child(self, reader: ArrayRecordFile) -> ArrayRecordFile | None:
-        return reader.for_child() if reader.has_index else None
+        if not reader.has_index:
+            return None
+        child = reader.for_child()
+        parent = reader._pin
+        if self._ctimes is None or parent is None:
+            return child
+        # A local shard: mapped now, and kept only if it is the very file the parent's
+        # reader pinned (checked then against the opening's); else opened afresh, which
+        # names the change when the shard is read.
+        try:
+            child._local_view()
+        except (OSError, CorruptDataError):
+            child.close()
+            return None
+        if child._pin is None or child._pin.ident != parent.ident:
+            child.close()
+            return None
+        return child
 
     def _touch(self, reader: ArrayRecordFile) -> None:
         reader.num_records  # noqa: B018 - maps the file now: later eviction only unlinks
@@ -571,6 +608,7 @@ class ArrayRecordSource(EncodedSource):
                     self._dindex.file_size,
                     max_maps=self.max_mapped_shards,
                     check=self._check_mapped,
+                    ctimes=self._ctimes,
                 )
             except RegionUnavailable:
                 self._mapped = False
@@ -601,7 +639,7 @@ class ArrayRecordSource(EncodedSource):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._dindex is not None:  # local: the index holds what reading needs
-            state["_manifest"] = None
+            state.pop("_manifest", None)
             if self._count_bad is None:
                 state["index"] = None  # the mapped index's, after unpickling
         return state

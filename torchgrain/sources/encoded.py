@@ -13,6 +13,7 @@ record index from one helper, :meth:`EncodedSource._named`.
 from __future__ import annotations
 
 import abc
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -36,6 +37,9 @@ class EncodedSource(ShardedSource):
     codec: Codec
     _schema: dict[str, str] | None = None
     _mapped: Any = None  # the format's map of the shards in this process (not pickled)
+    # Each local shard's change time (st_ctime_ns) at the dataset's opening (8 bytes a
+    # shard, pickled with the source); None for remote shards.
+    _ctimes: np.ndarray | None = None
 
     # ------------------------------------------------------------ for formats
     @abc.abstractmethod
@@ -87,6 +91,18 @@ class EncodedSource(ShardedSource):
         ix = self._node_index()
         if ix is not None:
             ix.check_unchanged(polled=True)
+
+    def _check_opened(self, shard: int) -> None:
+        """Raise if local ``shard`` is not the file the dataset's opening saw (its change
+        time differs: :func:`~torchgrain.io.changes.changed_since_opening`). Called once
+        a process's reader has pinned the file (a change from then on is the pin's to
+        see), not per read."""
+        ctimes = self._ctimes
+        if ctimes is None:
+            return
+        path = self._paths[shard]
+        if os.stat(path).st_ctime_ns != ctimes[shard]:
+            raise changes.changed_since_opening(shard, path)
 
     def _node_index(self) -> Any:
         """The source's node-shared index (:mod:`torchgrain.sources.node_index`), if any."""

@@ -140,7 +140,7 @@ class TFRecordSource(EncodedSource):
         self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
         self._compressed.setflags(write=False)
         with using(retry):
-            self._tfindex, infos = _dataset_index(
+            self._tfindex, infos, self._ctimes = _dataset_index(
                 fs,
                 files,
                 index_dir,
@@ -225,6 +225,7 @@ class TFRecordSource(EncodedSource):
         stop = n if stop is None else min(stop, n)
         if start >= stop:
             return
+        self._check_opened(shard)  # (read through a file of its own: not pinned)
         ix, plain = self._tfindex, not self._compressed[shard]
         # (a compressed stream is read from its start, its first records skipped)
         it = iter_tfrecord(
@@ -265,7 +266,14 @@ class TFRecordSource(EncodedSource):
             return ShardFile(shard, path, filesystem, size, count=False, seen=seen)
         if not os.path.exists(path):
             raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist")
-        return MappedFile(path)
+        f = MappedFile(path)
+        try:
+            f.view()  # mapped and pinned now: a change from now on is the pin's to see
+            self._check_opened(shard)
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def _touch(self, reader: Any) -> None:
         reader.view()
@@ -278,7 +286,7 @@ class TFRecordSource(EncodedSource):
             if self._remote or not self.num_shards or bool(self._compressed.all()):
                 return None
             try:
-                region = ShardRegion(self._paths, self._tfindex.file_size)
+                region = ShardRegion(self._paths, self._tfindex.file_size, ctimes=self._ctimes)
             except RegionUnavailable:
                 region = False
             self._mapped = region
@@ -491,18 +499,24 @@ def _dataset_index(
     compressed: np.ndarray,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
     lock_wait: float | None = None,
-) -> tuple[TFRecordIndex, list[tuple[int, str]]]:
-    """The dataset's index and each file's ``(size, version stamp)`` it was built for:
-    mapped from ``index_dir`` when this machine has built it for these very files (sizes
-    and versions), else built from each file's offsets (kept per file in ``index_dir``
-    when they are there and sound, else walked). A compressed file has no offsets
-    (records of a stream are only counted): what is kept of it is its count."""
+) -> tuple[TFRecordIndex, list[tuple[int, str]], np.ndarray | None]:
+    """The dataset's index, each file's ``(size, version stamp)`` it was built for, and
+    each local file's change time (``st_ctime_ns``, taken with its size: None for remote
+    files): mapped from ``index_dir`` when this machine has built it for these very
+    files (sizes and versions), else built from each file's offsets (kept per file in
+    ``index_dir`` when they are there and sound, else walked). A compressed file has no
+    offsets (records of a stream are only counted): what is kept of it is its count."""
     remote = not is_local(fs)
-    infos = map_files(
+    got = map_files(
         lambda i: _size_and_stamp(fs, files[i], i, remote),
         len(files),
         max_workers=16 if remote else 1,
     )
+    infos = [(size, stamp) for size, stamp, _ in got]
+    ctimes = None
+    if not remote:
+        ctimes = np.array([ctime for _, _, ctime in got], np.int64)
+        ctimes.setflags(write=False)
 
     def offsets_of(i: int) -> Iterable[np.ndarray]:
         """File ``i``'s offsets in chunks, or its count (``[n]``) when compressed."""
@@ -534,22 +548,23 @@ def _dataset_index(
         index_dir=None if index_dir is None else os.fspath(index_dir),
         lock_wait=lock_wait,
     )
-    return index, infos
+    return index, infos, ctimes
 
 
 def _size_and_stamp(
     fs: fsspec.AbstractFileSystem, path: str, shard: int, remote: bool
-) -> tuple[int, str]:
-    """A file's size and what tells its versions apart (its modification time, or the
-    store's version or ETag; "" where a server gives none)."""
+) -> tuple[int, str, int]:
+    """A file's size, what tells its versions apart (its modification time, or the
+    store's version or ETag; "" where a server gives none) and a local file's change
+    time (0 for a remote one)."""
     try:
         if not remote:
             st = os.stat(path)
-            return st.st_size, str(st.st_mtime_ns)
+            return st.st_size, str(st.st_mtime_ns), st.st_ctime_ns
         size, version = io_remote.size_and_version(fs, fs._strip_protocol(path), url=path)
     except FileNotFoundError:
         raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist") from None
-    return size, version or ""
+    return size, version or "", 0
 
 
 def _remote_walk(

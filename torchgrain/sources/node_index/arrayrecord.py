@@ -49,6 +49,7 @@ __all__ = [
     "ArrayRecordIndex",
     "arrayrecord_index",
     "build_arrayrecord_index",
+    "stat_shards",
     "write_dataset_index",
 ]
 
@@ -447,12 +448,23 @@ def write_dataset_index(root: str, names: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def _stats(paths: Sequence[str]) -> list[os.stat_result]:
-    def one(i: int) -> os.stat_result:
+def stat_shards(paths: Sequence[str]) -> list[os.stat_result | None]:
+    """Each local shard's ``stat`` (None for one that does not exist), in parallel
+    threads for many shards: what an opening keeps of the files (sizes, times).
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "a")
+        >>> _ = open(p, "wb").write(b"abc")
+        >>> [None if st is None else st.st_size for st in stat_shards([p, p + "x"])]
+        [3, None]
+    """
+
+    def one(i: int) -> os.stat_result | None:
         try:
             return os.stat(paths[i])
         except FileNotFoundError:
-            raise DatasetNotFoundError(f"shard {i} {paths[i]!r} does not exist") from None
+            return None
 
     return map_files(one, len(paths), max_workers=8 if len(paths) > 256 else 1)
 
@@ -465,11 +477,14 @@ def arrayrecord_index(
     beside: tuple[str, dict[str, Any]] | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     lock_wait: float | None = None,
+    stats: Sequence[os.stat_result | None] | None = None,
 ) -> ArrayRecordIndex:
     """The index of local ArrayRecord shards ``paths``, from wherever it is cheapest
     (see the module docstring): ``beside`` is the index file a manifest names, with its
     manifest entry; ``counts`` the records per shard the manifest promises;
-    ``lock_wait`` bounds a wait for another process's build (see :func:`cached_index`).
+    ``lock_wait`` bounds a wait for another process's build (see :func:`cached_index`);
+    ``stats`` the shards' :func:`stat_shards`, where the caller took them (else taken
+    here, when needed).
 
     Raises:
         CorruptDataError: a shard is not a readable ArrayRecord file.
@@ -509,12 +524,16 @@ def arrayrecord_index(
                 "for this machine instead",
                 stacklevel=3,
             )
-    stats = _stats(paths)
-    mtimes = [st.st_mtime_ns for st in stats]
+    found: list[os.stat_result] = []
+    for i, st in enumerate(stat_shards(paths) if stats is None else stats):
+        if st is None:
+            raise DatasetNotFoundError(f"shard {i} {paths[i]!r} does not exist")
+        found.append(st)
+    mtimes = [st.st_mtime_ns for st in found]
 
     key = index_key(
         "array_record",
-        [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in zip(paths, stats)],
+        [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in zip(paths, found)],
     )
 
     def build(out: str | None) -> ArrayRecordIndex:
@@ -529,7 +548,7 @@ def arrayrecord_index(
 
     if index_dir is None:
         return build(None)
-    sizes = np.array([st.st_size for st in stats], np.int64)
+    sizes = np.array([st.st_size for st in found], np.int64)
 
     def fits(ix: ArrayRecordIndex) -> str | None:
         # (counts: a manifest that disagrees with the shards is checked later)
