@@ -11,7 +11,6 @@ import warnings
 import zlib
 
 import pyarrow as pa
-import pytest
 
 import torchgrain as tg
 from torchgrain.sources.node_index import store as node_index
@@ -35,12 +34,6 @@ def _array_record_without_index(tmp_path) -> str:
     return data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cached_index (sources/node_index/store.py) builds an index whose lock it gave up "
-    "on under a lock file of its own, '<random>-<name>.lock', that nothing ever deletes "
-    "(not an entry, not a temp file): one more file in the index directory per give-up",
-)
 def test_an_index_build_given_up_on_leaves_no_lock_file_of_its_own(tmp_path, monkeypatch):
     data = _array_record_without_index(tmp_path)
     probe, idx = tmp_path / "probe", tmp_path / "idx"
@@ -73,13 +66,6 @@ def _same_stripe(n: int) -> list[str]:
     return [k for k in keys if zlib.crc32(k.encode()) % DecodedCache._STRIPES == stripe][:n]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodedCache.__getstate__ (sources/parquet/decoded_cache.py) drops _stuck: a "
-    "worker started by spawn or forkserver (a DataLoader's, each epoch without "
-    "persistent_workers) waits lock_timeout (default 600 s) again for a stripe its parent "
-    "found held for good, where a forked one does not",
-)
 def test_a_spawned_worker_keeps_a_decoded_cache_stripe_its_parent_found_stuck(tmp_path):
     from torchgrain.sources.parquet.decoded_cache import DecodedCache
 

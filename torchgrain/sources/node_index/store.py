@@ -861,6 +861,8 @@ def cached_index(
                 else:  # its temp files go under a lock of their own: sweeps keep them
                     own = f"{uuid.uuid4().hex[:8]}-{name}"
                     stack.enter_context(store._lock(own))
+                    # No other process has its name: it goes (still held) when the build ends.
+                    stack.callback(_unlink_quietly, store._lock_path(own))
                 tmp = store._reserve(own, 0, evict=False)
                 with store._writing(path):
                     build(tmp)

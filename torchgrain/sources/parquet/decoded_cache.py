@@ -176,11 +176,15 @@ class DecodedCache(NodeStore):
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("directory", "max_bytes", "min_free_bytes", "lock_timeout")
-        return {k: self.__dict__[k] for k in keep}
+        # The stripes found held for good travel too: a spawned worker does not wait
+        # lock_timeout for them again (a forked one keeps them as it is).
+        return {**{k: self.__dict__[k] for k in keep}, "stuck": sorted(self._stuck)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        stuck = state.pop("stuck", ())
         self.__dict__.update(state)
         self._init_process()
+        self._stuck.update(stuck)
 
     def __repr__(self) -> str:
         return f"DecodedCache({self.directory!r}, max_bytes={self.max_bytes})"
