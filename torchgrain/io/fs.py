@@ -402,6 +402,47 @@ def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
     )
 
 
+def _fill_dircache(
+    fs: fsspec.AbstractFileSystem, prefix: str, files: list[dict[str, Any]], folders: list[str]
+) -> None:
+    """Put a finished S3 listing of ``prefix`` (``bucket/key...``) in ``fs.dircache`` as
+    s3fs's own listing would, so that each file's size and ETag asks no HEAD request.
+    Only the folders the prefix lists whole are entered, each replacing what was there
+    (a shard rewritten since its last listing has its new size)."""
+    listed: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def whole(folder: str) -> bool:
+        return f"{folder}/".startswith(prefix)
+
+    def enter(name: str, info: dict[str, Any]) -> None:
+        parent = name.rsplit("/", 1)[0]
+        while "/" in name and whole(parent):
+            entries = listed.setdefault(parent, {})
+            if name in entries:
+                return
+            entries[name] = info
+            name, parent = parent, parent.rsplit("/", 1)[0]
+            info = {"Key": name, "name": name, "Size": 0, "size": 0}
+            info.update(StorageClass="DIRECTORY", type="directory")
+
+    for c in files:
+        enter(c["Key"], {**c, "name": c["Key"], "size": c["Size"]})
+    for name in folders:
+        enter(
+            name,
+            {
+                "Key": name,
+                "name": name,
+                "Size": 0,
+                "size": 0,
+                "StorageClass": "DIRECTORY",
+                "type": "directory",
+            },
+        )
+    for folder, entries in listed.items():
+        fs.dircache[folder] = sorted(entries.values(), key=lambda info: info["name"])
+
+
 #: A glob's wildcards inside one path segment: a run of stars, ``?``, a ``[...]`` class.
 _WILDCARD = re.compile(r"\*+|\?|\[!?\]?[^\]]*\]")
 
@@ -550,7 +591,8 @@ class _Listing:
             ask["Delimiter"] = "/"
         policy = current_policy()
         end = time.monotonic() + policy.deadline
-        keys: list[str] = []
+        keys: list[dict[str, Any]] = []
+        folders: list[str] = []
         tokens: set[int] = set()  # (hashes: a token is as long as the server makes it)
         while True:
             left = end - time.monotonic()
@@ -565,16 +607,19 @@ class _Listing:
                 if time.monotonic() < end:
                     raise
                 raise self._out_of_time(policy, f"{len(tokens) + 1} pages") from e
-            keys.extend(
-                f"{bucket}/{c['Key']}" for c in page.get("Contents") or () if c["Key"][-1:] != "/"
-            )
+            for c in page.get("Contents") or ():
+                if c["Key"][-1:] != "/":  # (a folder's placeholder is no file)
+                    keys.append({**c, "Key": f"{bucket}/{c['Key']}", "type": "file"})
+            for c in page.get("CommonPrefixes") or ():
+                folders.append(f"{bucket}/{c['Prefix'].rstrip('/')}")
             if len(keys) > MAX_LISTED_OBJECTS:
                 raise CorruptDataError(
                     f"the listing of {self.item!r} has more than {MAX_LISTED_OBJECTS} objects "
                     "(fs.MAX_LISTED_OBJECTS): refusing to hold it; name a narrower prefix"
                 )
             if not page.get("IsTruncated"):
-                return keys
+                _fill_dircache(fs, f"{bucket}/{ask['Prefix']}", keys, folders)
+                return [c["Key"] for c in keys]
             token = page.get("NextContinuationToken") or ""
             if not token or hash(token) in tokens:
                 named = "a continuation token seen before" if token else "no continuation token"
