@@ -355,7 +355,15 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if not _same_leaves(built.type, kind):
             raise TypeError(f"it holds arrays of {built.type}")
         return built.cast(kind)
+    if _is_list(kind) and any(isinstance(v, np.ndarray) and v.ndim > 1 for v in values):
+        # Square rows (2-D arrays) beside ragged ones (lists of arrays): Arrow takes 1-D
+        # arrays only.
+        values = [_one_d(v) for v in values]
     wide_kind = _widened(kind)
+    if _has_temporal(kind):
+        # Timestamps and dates inside structs or maps: Arrow builds them from numpy
+        # scalars of the type's own unit only, zoneless (cast after) and dates as ints.
+        values = [_in_units(v, kind) for v in values]
     if wide_kind.equals(kind):
         return pa.array(values, type=kind)
     # float16/float32 values inside lists, structs or maps: Arrow rounds a Python float
@@ -371,12 +379,14 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
 
 
 def _widened(kind: Any) -> Any:
-    """``kind`` with every float16 and float32 in it float64."""
+    """``kind`` with every float16 and float32 in it float64 and every timestamp zoneless."""
     import pyarrow as pa
 
     t = pa.types
     if t.is_float16(kind) or t.is_float32(kind):
         return pa.float64()
+    if t.is_timestamp(kind):
+        return pa.timestamp(kind.unit)
     if t.is_map(kind):
         return pa.map_(
             kind.key_field.with_type(_widened(kind.key_type)),
@@ -390,6 +400,60 @@ def _widened(kind: Any) -> Any:
     if t.is_struct(kind):
         return pa.struct([f.with_type(_widened(f.type)) for f in kind])
     return kind
+
+
+def _one_d(value: Any) -> Any:
+    """``value`` with each array of two or more dimensions in it a list of 1-D arrays."""
+    if isinstance(value, np.ndarray) and value.ndim > 1:
+        return [_one_d(a) for a in value]
+    return value
+
+
+def _has_temporal(kind: Any) -> bool:
+    """Whether ``kind`` has a date, timestamp or duration in it."""
+    if _temporal_unit(kind) is not None:
+        return True
+    return any(_has_temporal(kind.field(i).type) for i in range(kind.num_fields))
+
+
+def _in_units(value: Any, kind: Any) -> Any:
+    """``value`` with each numpy datetime64/timedelta64 in it in the unit of its place
+    in ``kind`` (a date's as an int, which Arrow takes); ValueError where one would lose
+    precision."""
+    import pyarrow as pa
+
+    if value is None:
+        return None
+    unit = _temporal_unit(kind)
+    if unit is not None and isinstance(value, (np.ndarray, np.datetime64, np.timedelta64)):
+        got = np.asarray(value)
+        if got.dtype.kind in "mM" and got.dtype != np.dtype(unit):
+            if got.dtype.kind != np.dtype(unit).kind:
+                raise TypeError(f"it holds {got.dtype} values")
+            within = got.astype(unit)
+            if not ((within == got) | np.isnat(got)).all():
+                raise ValueError(f"{value!r} is not a {kind} value")
+            got = within
+        if isinstance(value, np.ndarray):
+            return got
+        return (
+            int(got.astype(np.int64)) if pa.types.is_date(kind) and not np.isnat(got) else got[()]
+        )
+    if pa.types.is_struct(kind) and isinstance(value, dict):
+        fields = {f.name: f.type for f in kind}
+        return {k: _in_units(v, fields[k]) if k in fields else v for k, v in value.items()}
+    if pa.types.is_map(kind) and isinstance(value, (list, tuple)):
+        return [
+            (_in_units(p[0], kind.key_type), _in_units(p[1], kind.item_type))
+            if isinstance(p, tuple) and len(p) == 2
+            else p
+            for p in value
+        ]
+    if _is_list(kind) and isinstance(value, (list, tuple, np.ndarray)):
+        if isinstance(value, np.ndarray) and value.dtype.kind in "mM":
+            return _in_units(value, kind.value_type)
+        return [_in_units(v, kind.value_type) for v in value]
+    return value
 
 
 def _float_leaves(array: Any) -> Iterator[Any]:
@@ -453,8 +517,12 @@ def _is_list(kind: Any) -> bool:
 
 def _same_leaves(a: Any, b: Any) -> bool:
     """Whether list types ``a`` and ``b`` nest alike down to the same value type."""
+    import pyarrow as pa
+
     if _is_list(a) and _is_list(b):
         return _same_leaves(a.value_type, b.value_type)
+    if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
+        return a.unit == b.unit
     return a.equals(b)
 
 
