@@ -173,6 +173,19 @@ def _transformed(
         yield from zip(out, (size for _, size in chunk))
 
 
+def _untransformed(schema: Any, transform: Any) -> Any:
+    """``schema`` less the columns a tokenize ``transform`` writes: typed from the
+    records, not the source (token ids replace a ``tokens`` column of another type)."""
+    import pyarrow as pa
+
+    from torchgrain.tokens.tokenize import Tokenize
+
+    if schema is None or not isinstance(transform, Tokenize):
+        return schema
+    written = {transform.output, transform.lengths}
+    return pa.schema([f for f in schema if f.name not in written], schema.metadata)
+
+
 def run_task(job: Job, task: Task) -> dict[str, Any]:
     """Write one output shard; returns its ShardInfo fields plus its schema."""
     final = os.path.join(job.root, task.name)
@@ -190,7 +203,7 @@ def run_task(job: Job, task: Task) -> dict[str, Any]:
             compression=job.compression,
             writer_options=job.writer_options,
             row_group_bytes=job.row_group_bytes,
-            arrow_schema=inp.arrow_schema,
+            arrow_schema=_untransformed(inp.arrow_schema, job.transform),
         )
         msgpack = MsgpackCodec()
         try:
