@@ -39,13 +39,6 @@ _T = datetime.datetime(2020, 2, 29, 12, 0, 0, 1000, tzinfo=datetime.timezone.utc
 
 
 # Converted (without the zone) before the source's schema was written: now a TypeError.
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="a list or struct of zoned timestamps is refused: writers._same_leaves compares "
-    "the values' timestamp[ms] with timestamp[ms, tz=UTC], and pa.array does not build a "
-    "zoned struct field from numpy datetime64 values",
-)
 @pytest.mark.parametrize(
     "typ, value",
     [
@@ -59,12 +52,6 @@ def test_a_nested_zoned_timestamp_column_converts_to_parquet_with_its_type(tmp_p
     _assert_kept(tmp_path, pa.table({"t": pa.array([value, None], typ)}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="a date inside a struct or map is refused: pa.array does not build date32 from "
-    "the numpy datetime64[D] values a ParquetSource returns there",
-)
 @pytest.mark.parametrize(
     "typ, value",
     [
@@ -77,12 +64,6 @@ def test_a_date_inside_a_struct_or_map_converts_to_parquet(tmp_path, typ, value)
     _assert_kept(tmp_path, pa.table({"t": pa.array([value, None], typ)}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="list<list<int8>> rows read as a 2-D array or an empty array beside ragged ones "
-    "go to pa.array, which takes 1-D arrays only",
-)
 @pytest.mark.parametrize(
     "rows",
     [[[[1], [2, 3]], []], [[[1, 2], [3, 4]], [[1], [2, 3]]]],
@@ -200,14 +181,6 @@ def test_a_chained_s3_listing_that_repeats_its_token_is_refused():
 
 
 # ---------------------------------------------------- tokenizing a Parquet corpus again
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="writers._typed_column refuses the tokenizer's int32 id arrays for a source "
-    "column list<int64> (or list<uint16>) that holds every id exactly: _same_leaves asks "
-    "for the very value type, and ConvertInput.arrow_schema types the column the "
-    "transform writes as the source's",
-)
 @pytest.mark.parametrize("old", [pa.int64(), pa.uint16()])
 def test_a_parquet_corpus_with_a_tokens_column_tokenizes_again(tmp_path, old):
     from torchgrain.tokens.tokenize import tokenize
