@@ -443,6 +443,15 @@ def _fill_dircache(
         fs.dircache[folder] = sorted(entries.values(), key=lambda info: info["name"])
 
 
+def _s3_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem | None:
+    """The S3 filesystem ``fs`` lists through (a chain's caching layer lists its inner
+    one's), or None."""
+    for layer in (fs, getattr(fs, "fs", None)):
+        if layer is not None and _is_s3(layer):
+            return layer
+    return None
+
+
 #: A glob's wildcards inside one path segment: a run of stars, ``?``, a ``[...]`` class.
 _WILDCARD = re.compile(r"\*+|\?|\[!?\]?[^\]]*\]")
 
@@ -517,12 +526,14 @@ class _Listing:
         if _paths.is_http(self.fs) and not self.allow_external:
             _paths.check_distinct(files, where=f"the listing of {self.item!r}")
 
-    def find(self, root: str, max_depth: int | None = None) -> list[str]:
+    def find(self, root: str, max_depth: int | None = None, start: str = "") -> list[str]:
+        """The files below ``root`` (S3: only the keys below ``root/start``)."""
         fs = self.fs
         if not _paths.is_http(fs):
             # Object stores and local disks list by prefix: nothing outside is requested.
-            if _is_s3(fs):
-                found = self._s3_keys(root, one_level=max_depth == 1)
+            s3 = _s3_of(fs)
+            if s3 is not None:
+                found = self._s3_keys(s3, root, start, one_level=max_depth == 1)
             else:
                 found = remote.call(fs, "find", root, url=self.item, what="listing")
             if is_local(fs):
@@ -579,14 +590,19 @@ class _Listing:
                 pending.append((name, depth + 1))
         return files
 
-    def _s3_keys(self, root: str, *, one_level: bool = False) -> list[str]:
+    def _s3_keys(
+        self, fs: fsspec.AbstractFileSystem, root: str, start: str = "", *, one_level: bool = False
+    ) -> list[str]:
         """The objects below prefix ``root`` of an S3 filesystem (one level of them if
-        ``one_level``), page by page under one deadline. s3fs's own listing follows a
+        ``one_level``) whose names go on with ``start``, page by page under one deadline. s3fs's own listing follows a
         continuation token for as long as the server sends one, keeping every page: a
         token seen before, or more than :data:`MAX_LISTED_OBJECTS` objects, is refused."""
-        fs = self.fs
         bucket, key, _ = fs.split_path(root)
-        ask = {"Bucket": bucket, "Prefix": key.rstrip("/") + "/" if key else "", **fs.req_kw}
+        ask = {
+            "Bucket": bucket,
+            "Prefix": (key.rstrip("/") + "/" if key else "") + start,
+            **fs.req_kw,
+        }
         if one_level:
             ask["Delimiter"] = "/"
         policy = current_policy()
@@ -674,7 +690,7 @@ class _Listing:
         fs = self.fs
         cut = min(pattern.index(c) for c in "*?[" if c in pattern)
         base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
-        if not _paths.is_http(fs) and not _is_s3(fs):
+        if not _paths.is_http(fs) and _s3_of(fs) is None:
             found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
             if is_local(fs):
                 files = self._regular(base, found)
@@ -686,7 +702,9 @@ class _Listing:
         regex = re.compile((glob_translate or _glob_translate)(rel))
         return [
             p
-            for p in self.find(base, max_depth=depth)
+            for p in self.find(
+                base, max_depth=depth, start=re.split(r"[*?\[/]", rel, maxsplit=1)[0]
+            )
             if regex.fullmatch(p[len(base) :].lstrip("/"))
         ]
 
