@@ -690,16 +690,21 @@ class _Listing:
         fs = self.fs
         cut = min(pattern.index(c) for c in "*?[" if c in pattern)
         base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
-        if not _paths.is_http(fs) and _s3_of(fs) is None:
-            found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
-            if is_local(fs):
-                files = self._regular(base, found)
-            else:
-                files = [p for p in found if remote.isfile(fs, p, url=_unstrip(fs, p))]
-            return [p for p in files if self._keep(base, p)]
         rel = pattern[len(base) :].lstrip("/")
         depth = None if "**" in rel else rel.count("/") + 1
         regex = re.compile((glob_translate or _glob_translate)(rel))
+        if is_local(fs):
+            # Listed whole (to its depth): a linked folder the pattern passes is named.
+            root = base or ("/" if pattern.startswith("/") else "")
+            found = remote.call(fs, "find", root, maxdepth=depth, url=self.item, what="listing")
+            found = [
+                p for p in found if regex.fullmatch(p[len(base) :].lstrip("/")) or os.path.isdir(p)
+            ]
+            return [p for p in self._regular(root, found) if self._keep(root, p)]
+        if not _paths.is_http(fs) and _s3_of(fs) is None:
+            found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
+            files = [p for p in found if remote.isfile(fs, p, url=_unstrip(fs, p))]
+            return [p for p in files if self._keep(base, p)]
         return [
             p
             for p in self.find(
