@@ -1,6 +1,6 @@
-"""Parquet -> Parquet conversion of nested temporal and nested list columns, and a local
-glob meeting a linked folder: cases the source's Arrow schema and the linked-folder
-warning do not cover yet (strict xfail until they do)."""
+"""Parquet -> Parquet conversion of nested temporal and nested list columns, re-tokenizing
+a typed tokens column, local globs meeting a linked folder and S3 listings (HEAD requests,
+glob prefixes, a chained S3 listing): each was a bug, reproduced here first."""
 
 from __future__ import annotations
 
@@ -93,12 +93,6 @@ def test_a_listed_directory_names_its_linked_folder(tmp_path):
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="io/fs.py _Listing.glob hands _regular only fsspec's glob matches, never the "
-    "linked folder the glob passed through: its shards are left out without a word",
-)
 @pytest.mark.parametrize("pattern", ["**/*.parquet", "*/*.parquet"])
 def test_a_glob_names_the_linked_folder_it_does_not_walk(tmp_path, pattern):
     ds = _linked_dataset(tmp_path)
@@ -152,13 +146,6 @@ def _page(n: int, token: str, truncated: bool = True) -> str:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="io/fs.py _is_s3 is false for a chain's caching layer (simplecache::s3), so "
-    "_Listing.find asks its find, s3fs's own unbounded loop over the tokens, run directly "
-    "by remote.call without the listing's deadline (it never ends; here it stops at page 40)",
-)
 def test_a_chained_s3_listing_that_repeats_its_token_is_refused():
     pytest.importorskip("s3fs")
     # Tokens A, B, A, B... until page 40, which ends the listing (so a loop that does not
@@ -197,13 +184,6 @@ def test_a_parquet_corpus_with_a_tokens_column_tokenizes_again(tmp_path, old):
 
 
 # ------------------------------------------------------- requests of an S3 dataset's open
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="io/fs.py _Listing._s3_keys keeps the keys of its list_objects_v2 pages only, "
-    "not s3fs's dircache entries that fs.find filled: every shard's size and ETag is "
-    "then a HEAD request (two a shard)",
-)
 @pytest.mark.parametrize("given", ["s3://rf51/ds", "s3://rf51/ds/**/*.parquet"])
 def test_opening_an_s3_dataset_asks_no_head_request_per_shard(moto_s3, given):
     import io
@@ -224,14 +204,6 @@ def test_opening_an_s3_dataset_asks_no_head_request_per_shard(moto_s3, given):
     assert len(heads) <= 1, heads  # (the root's own probe)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=tg.CorruptDataError,
-    reason="io/fs.py _Listing.glob lists an S3 glob's whole folder (_s3_keys of the part "
-    "before the last '/' ahead of the wildcard), not the keys of its literal prefix "
-    "('data/train-'), as s3fs's glob did: a folder of more than MAX_LISTED_OBJECTS other "
-    "objects refuses a glob naming two",
-)
 def test_an_s3_glob_lists_only_its_literal_prefix(moto_s3, monkeypatch):
     client, endpoint = moto_s3
     with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
