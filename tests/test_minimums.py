@@ -123,7 +123,7 @@ def test_torchgrain_imports_and_globs_with_an_fsspec_without_glob_translate(tmp_
         "from torchgrain.io import fs\n"
         "assert fs.glob_translate is None\n"
         "listing = fs._Listing(fsspec.filesystem('http'), 'http://h/d', ('.parquet',), False)\n"
-        "listing.find = lambda base, max_depth=None: ['http://h/d/a/x.parquet', "
+        "listing.find = lambda base, max_depth=None, **kw: ['http://h/d/a/x.parquet', "
         "'http://h/d/b/y.tfrecord']\n"
         "print(listing.glob('http://h/d/*/*.parquet'))\n"
     )
