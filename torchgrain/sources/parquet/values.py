@@ -312,7 +312,8 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
 def _lists_to_numpy(arr: pa.Array) -> Column | None:
     """List columns of numbers as per-row numpy arrays (2-D where rectangular).
 
-    Rows are read-only views of one buffer here; ``take`` copies them. Lists whose items
+    Rows are read-only views of one buffer here (lists of lists without nulls whose rows
+    have one shape: one ``[n, a, b]`` array); ``take`` copies them. Lists whose items
     are not numbers are Python lists (None when the caller should use ``to_pylist``). A
     row holding a null item (or a null inner list) is a Python list, whatever the rows
     read with it hold.
@@ -347,10 +348,8 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
             holed = deep
         elif deep is not None:
             holed |= deep
-        cube = _cube(outer, inner, leaf, child.type) if holed is None else None
-        if cube is not None:
-            rows = list(cube)
-        else:
+        rows = _cube(outer, inner, leaf, child.type) if holed is None else None
+        if rows is None:
             lengths = np.diff(inner)
             width = getattr(child.type, "list_size", 0)  # an empty row's, where fixed
             rows = []
@@ -366,7 +365,9 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
                     rows.append(part.reshape(hi - lo, int(lens[0])))
                 else:
                     rows.append([leaf[int(inner[j]) : int(inner[j + 1])] for j in range(lo, hi)])
-    return Column("copy", _with_nulls(rows, mask), leaf.nbytes + n * 2 * _PY_OBJECT_BYTES)
+    if mask is not None:
+        rows = _with_nulls(list(rows), mask)
+    return Column("copy", rows, leaf.nbytes + n * 2 * _PY_OBJECT_BYTES)
 
 
 def _python_lists(
@@ -797,8 +798,10 @@ def arrow_column(col: pa.ChunkedArray | pa.Array) -> Any:
     arr = _array(col)
     view = _column(arr)
     if not _gathers(view):
-        out = _cubes(arr) if is_list_type(arr.type) and arr.null_count == 0 else None
-        return column_of(convert_column(arr).take(list(range(len(arr))))) if out is None else out
+        converted = convert_column(arr)
+        if isinstance(converted.values, np.ndarray):  # lists of lists of one shape
+            return _copy(converted.values)
+        return column_of(converted.take(list(range(len(arr)))))
     data, offsets = view.values, view.offsets
     if offsets is None:
         return _copy(data)
@@ -818,19 +821,6 @@ def _copy(values: np.ndarray) -> np.ndarray:
     out = empty(values.shape, values.dtype)
     out[...] = values
     return out
-
-
-def _cubes(arr: pa.Array) -> np.ndarray | None:
-    """Lists of lists of numbers without nulls, every row ``a`` lists of ``b``, as one
-    ``[B, a, b]`` array; else None."""
-    outer, child = _list_offsets(arr)
-    if not is_list_type(child.type) or child.null_count:
-        return None
-    inner, grandchild = _list_offsets(child)
-    if grandchild.null_count or not _is_number(grandchild.type):
-        return None
-    cube = _cube(outer, inner, _primitive_numpy(grandchild), child.type)
-    return None if cube is None else _copy(cube)
 
 
 def _cube(outer: np.ndarray, inner: np.ndarray, leaf: np.ndarray, inner_type: pa.DataType) -> Any:
