@@ -182,3 +182,39 @@ def test_an_index_directory_of_the_earlier_release_is_used_as_it_is(tmp_path):
     ix = derived_index("demo", "k", {"kept": ("<i8", ())}, fill, index_dir=str(idx))
     assert dict(COUNTERS) == before  # nothing built, nothing verified: its stamp was found
     assert _records(src, [39, 0]) == [b"39", b"0"] and ix.arrays["kept"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_an_openings_stats_are_each_shards_in_order_on_a_quick_or_a_slow_file_system(
+    tmp_path, monkeypatch, slow
+):
+    """stat_shards stats a local disk's files one after another and a slow file system's
+    (over 50 µs a file) on threads: either way each shard's own stat, in order, None for
+    a missing one."""
+    import threading
+    import time
+
+    from torchgrain.sources.node_index import arrayrecord as ar_index
+
+    paths = []
+    for i in range(300):
+        p = tmp_path / f"{i:03d}.bin"
+        if i != 250:
+            p.write_bytes(b"x" * i)
+        paths.append(str(p))
+    threads = set()
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        threads.add(threading.get_ident())
+        if slow:
+            time.sleep(0.0002)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(ar_index.os, "stat", stat)
+    got = ar_index.stat_shards(paths)
+    assert [None if st is None else st.st_size for st in got] == [
+        None if i == 250 else i for i in range(300)
+    ]
+    if slow:  # (a quick disk's stats may still go to threads on a machine this busy)
+        assert len(threads) > 1
