@@ -469,7 +469,6 @@ class ParquetSource(RowGroupLoader):
         stop = n if stop is None else min(stop, n)
         base = int(self.index.offsets[shard])
         a, end = base + max(start, 0), base + stop
-        constants = self._shard_constants(shard)
         while a < end:
             g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
             first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
@@ -481,9 +480,9 @@ class ParquetSource(RowGroupLoader):
                 d = min(c + _SEQUENTIAL_ROWS, end, last)
                 rows = np.arange(c - first, d - first, dtype=np.int64)
                 which = np.zeros(len(rows), dtype=np.int64)
-                chunk_constants = {j: [v] * len(rows) for j, v in constants.items()}
+                constants = self._constants(np.full(len(rows), shard))
                 yield from build_records(
-                    self._keys, self._file_pos, [views], which, rows, chunk_constants
+                    self._keys, self._file_pos, [views], which, rows, constants
                 )
             a = min(end, last)
 
@@ -547,14 +546,6 @@ class ParquetSource(RowGroupLoader):
             if pos < 0
         }
 
-    def _shard_constants(self, shard: int) -> dict[int, Any]:
-        """The values of the hive partition keys in file ``shard``, by key position."""
-        return {
-            j: self._part_values[key][shard : shard + 1].tolist()[0]
-            for j, (key, pos) in enumerate(zip(self._keys, self._file_pos))
-            if pos < 0
-        }
-
     def _prepare(self, entries: list[RowGroup], groups: list[int], form: str) -> None:
         """Prepare cached row groups for a batch format, each once (a benign race), and
         charge the cache for what that adds: ``"rows"`` (views for building records),
@@ -567,7 +558,8 @@ class ParquetSource(RowGroupLoader):
             if form == "rows":
                 entry.rows = RowViews(entry.table)
             elif form == "templates":
-                constants = self._shard_constants(int(self._rg_shard[group]))
+                one = self._constants(self._rg_shard[group : group + 1])  # (a value each)
+                constants = {j: v * entry.table.num_rows for j, v in one.items()}
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
                 if not entry.mapped and entry.views is None:
                     entry.drop_table()  # the converted records hold its values

@@ -704,6 +704,8 @@ class RowTemplates:
     str, bytes, None, numpy scalars...) filled in; ``mutable`` the ``(key, column)``
     pairs whose values are made fresh for every read (arrays, lists, dicts), whose
     keys hold None in the templates. ``nbytes`` estimates what the Python objects cost.
+    ``keys``, ``positions`` and ``constants`` (one value per row) are as in
+    :func:`build_records`.
 
     Example:
         >>> t = RowTemplates(pa.table({"x": [1, 2], "v": [[1.0], [2.0]]}), ("x", "v"), [0, 1], {})
@@ -718,7 +720,7 @@ class RowTemplates:
         table: pa.Table,
         keys: tuple[str, ...] | list[str],
         positions: list[int],
-        constants: dict[int, Any],
+        constants: dict[int, list[Any]],
     ) -> None:
         n = table.num_rows
         records: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -726,12 +728,7 @@ class RowTemplates:
         nbytes = 0
         # Filled column by column: about 2x faster than a dict per row from a zip.
         for j, (key, pos) in enumerate(zip(keys, positions)):
-            if pos < 0:  # one value for the whole row group (a hive partition key)
-                value = constants[j]
-                for rec in records:
-                    rec[key] = value
-                continue
-            col = convert_column(table.column(pos))
+            col = Column("plain", constants[j], 0) if pos < 0 else convert_column(table.column(pos))
             nbytes += col.nbytes
             if col.kind == "plain":
                 for rec, value in zip(records, col.values):
