@@ -775,3 +775,51 @@ class FaultProxy(_Serving):
     def close(self) -> None:
         self._release.set()  # stalled answers end
         super().close()
+
+
+# ------------------------------------------------------------------- S3 listing pages
+def s3_listing_server(page: Any) -> tuple[ThreadingHTTPServer, str, list[int]]:
+    """An S3 endpoint whose ``n``-th listing page (from 1) is ``page(n)`` (an XML text;
+    every other request a 404); returns ``(server, url, [pages served])``."""
+    served = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            if "list-type=2" not in self.path:
+                return self.do_HEAD()
+            served[0] += 1
+            body = page(served[0]).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}", served
+
+
+def s3_listing_page(n: int, token: str, truncated: bool = True) -> str:
+    """Listing page ``n`` of bucket ``bkt`` under ``ds/``: one key, ``ds/x<n>.array_record``,
+    and ``token`` as its continuation token (none when empty)."""
+    more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+        "<Name>bkt</Name><Prefix>ds/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
+        f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>{more}"
+        f"<Contents><Key>ds/x{n}.array_record</Key><LastModified>2020-01-01T00:00:00.000Z"
+        '</LastModified><ETag>"a"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>'
+        "</Contents></ListBucketResult>"
+    )

@@ -5,7 +5,6 @@ without the cache until it is free."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 import warnings
@@ -14,6 +13,7 @@ import zlib
 import pyarrow as pa
 import pytest
 
+from tests._locks import hold_flock
 from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 
 
@@ -83,20 +83,11 @@ def _same_stripe(n: int) -> list[str]:
     return [k for k in keys if zlib.crc32(k.encode()) % DecodedCache._STRIPES == stripe][:n]
 
 
-def _hold(path) -> int:
-    """Hold an exclusive flock on ``path`` through a descriptor of its own (another
-    process, as far as flock tells)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
 def test_a_stripe_held_for_good_costs_one_wait_then_decodes_uncached_until_free(tmp_path):
     cache, table = _cache(tmp_path / "cache", lock_timeout=0.5), pa.table({"x": [1, 2, 3]})
     keys = _same_stripe(4)
     lock = cache._lock_path(keys[0])
-    fd = _hold(lock)
+    fd = hold_flock(lock)
     try:
         start = time.monotonic()
         with pytest.warns(UserWarning, match="held by another process") as said:
@@ -126,7 +117,7 @@ def test_a_stuck_stripe_leaves_the_other_stripes_cached(tmp_path):
         for i in range(100)
         if cache._lock_path(entry_key("other", i)) != cache._lock_path(stuck)
     )
-    fd = _hold(cache._lock_path(stuck))
+    fd = hold_flock(cache._lock_path(stuck))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -139,7 +130,7 @@ def test_a_stuck_stripe_leaves_the_other_stripes_cached(tmp_path):
 def test_a_forked_child_keeps_knowing_a_stuck_stripe(tmp_path):
     cache, table = _cache(tmp_path / "cache", lock_timeout=2.0), pa.table({"x": [1]})
     first, second = _same_stripe(2)
-    fd = _hold(cache._lock_path(first))
+    fd = hold_flock(cache._lock_path(first))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

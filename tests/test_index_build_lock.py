@@ -4,7 +4,6 @@ $TORCHGRAIN_INDEX_LOCK_WAIT seconds, or the source's retry deadline, then builds
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 import warnings
@@ -12,26 +11,9 @@ import warnings
 import pytest
 
 import torchgrain as tg
+from tests._locks import array_record_without_index, hold_flock
 from torchgrain.io.retry import RetryPolicy
 from torchgrain.sources.node_index import store as node_index
-
-
-def _hold(path) -> int:
-    """Hold an exclusive flock on ``path`` through a descriptor of its own (another
-    process, as far as flock tells)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-def _array_record_without_index(tmp_path) -> str:
-    data = str(tmp_path / "ds")
-    tg.write_array_record([{"x": i} for i in range(10)], data, num_shards=2)
-    for n in os.listdir(data):  # no manifest, no index beside the shards: one is built
-        if not n.endswith(".array_record"):
-            os.unlink(os.path.join(data, n))
-    return data
 
 
 def _index_lock(tmp_path, data: str) -> str:
@@ -44,11 +26,11 @@ def _index_lock(tmp_path, data: str) -> str:
 
 
 def test_a_held_index_build_lock_is_said_then_waited_for_at_most_the_knob(tmp_path, monkeypatch):
-    data = _array_record_without_index(tmp_path)
+    data = array_record_without_index(tmp_path)
     name, idx = _index_lock(tmp_path, data), tmp_path / "idx"
     monkeypatch.setattr(node_index, "_SAY_WAIT", 0.2)
     monkeypatch.setenv(node_index.INDEX_LOCK_WAIT_ENV, "0.8")
-    fd = _hold(str(idx / name))
+    fd = hold_flock(str(idx / name))
     try:
         start = time.monotonic()
         with pytest.warns(UserWarning, match="waiting up to 0.8 s") as said:
@@ -62,9 +44,9 @@ def test_a_held_index_build_lock_is_said_then_waited_for_at_most_the_knob(tmp_pa
 
 
 def test_an_index_build_lock_wait_keeps_to_the_sources_retry_deadline(tmp_path, monkeypatch):
-    data = _array_record_without_index(tmp_path)
+    data = array_record_without_index(tmp_path)
     name, idx = _index_lock(tmp_path, data), tmp_path / "idx"
-    fd = _hold(str(idx / name))
+    fd = hold_flock(str(idx / name))
     try:
         start = time.monotonic()
         with warnings.catch_warnings(record=True) as said:
@@ -100,7 +82,7 @@ def test_a_tfrecord_index_build_lock_wait_keeps_to_the_sources_retry_deadline(tm
     probe, idx = tmp_path / "probe", tmp_path / "idx"
     tg.TFRecordSource(str(data), codec="raw", index_dir=str(probe))
     (name,) = [n for n in os.listdir(probe) if n.startswith("tfrecord-") and n.endswith(".lock")]
-    fd = _hold(str(idx / name))
+    fd = hold_flock(str(idx / name))
     try:
         start = time.monotonic()
         with warnings.catch_warnings():

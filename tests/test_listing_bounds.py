@@ -5,9 +5,7 @@ listing is bounded in pages, objects and time."""
 from __future__ import annotations
 
 import os
-import threading
 import warnings
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pyarrow as pa
@@ -15,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
-from tests.servers import RangeHTTPServer, start_moto_s3
+from tests.servers import RangeHTTPServer, s3_listing_page, s3_listing_server, start_moto_s3
 from torchgrain.errors import DatasetWarning
 from torchgrain.io import fs as tgfs
 from torchgrain.io import remote
@@ -72,51 +70,6 @@ def test_a_hidden_linked_folder_is_not_the_datasets(tmp_path):
 
 
 # -------------------------------------------------------------------------- S3 listings
-def _listing_server(page):
-    """An S3 endpoint whose ``n``-th listing page (from 1) is ``page(n)``; returns
-    ``(server, url, pages served)``."""
-    served = [0]
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def do_HEAD(self):
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_GET(self):
-            if "list-type=2" not in self.path:
-                return self.do_HEAD()
-            served[0] += 1
-            body = page(served[0]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}", served
-
-
-def _page(n: int, token: str) -> str:
-    more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>'
-        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
-        "<Name>bkt</Name><Prefix>ds/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
-        f"<IsTruncated>true</IsTruncated>{more}"
-        f"<Contents><Key>ds/x{n}.array_record</Key><LastModified>2020-01-01T00:00:00.000Z"
-        '</LastModified><ETag>"a"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>'
-        "</Contents></ListBucketResult>"
-    )
-
-
 @pytest.mark.parametrize(
     "token, refused_at",
     [(lambda n: "AB"[n % 2], 4), (lambda n: "", 2)],  # (page 1: the directory probe's)
@@ -124,7 +77,7 @@ def _page(n: int, token: str) -> str:
 )
 def test_an_s3_listing_that_does_not_end_is_refused_at_once(token, refused_at):
     pytest.importorskip("s3fs")
-    server, url, served = _listing_server(lambda n: _page(n, token(n)))
+    server, url, served = s3_listing_server(lambda n: s3_listing_page(n, token(n)))
     opts = {"endpoint_url": url, "key": "k", "secret": "s"}
     try:
         with (

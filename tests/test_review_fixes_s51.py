@@ -7,14 +7,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
+from tests.servers import s3_listing_page, s3_listing_server
 from torchgrain.errors import DatasetWarning
 from torchgrain.io import fs as tgfs
 from torchgrain.io.retry import RetryPolicy, using
@@ -101,57 +100,14 @@ def test_a_glob_names_the_linked_folder_it_does_not_walk(tmp_path, pattern):
 
 
 # ------------------------------------------------------------- a chained S3 listing
-def _listing_server(page):
-    """An S3 endpoint whose ``n``-th listing page (from 1) is ``page(n)``; returns
-    ``(server, url, pages served)``."""
-    served = [0]
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):
-            pass
-
-        def do_HEAD(self):
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_GET(self):
-            if "list-type=2" not in self.path:
-                return self.do_HEAD()
-            served[0] += 1
-            body = page(served[0]).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}", served
-
-
-def _page(n: int, token: str, truncated: bool = True) -> str:
-    more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
-    return (
-        '<?xml version="1.0" encoding="UTF-8"?>'
-        '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
-        "<Name>bkt</Name><Prefix>ds/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>"
-        f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>{more}"
-        f"<Contents><Key>ds/x{n}.array_record</Key><LastModified>2020-01-01T00:00:00.000Z"
-        '</LastModified><ETag>"a"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>'
-        "</Contents></ListBucketResult>"
-    )
-
-
 def test_a_chained_s3_listing_that_repeats_its_token_is_refused():
     pytest.importorskip("s3fs")
     # Tokens A, B, A, B... until page 40, which ends the listing (so a loop that does not
     # refuse a repeated token ends too, instead of holding the test).
-    server, url, served = _listing_server(
-        lambda n: _page(n, "AB"[n % 2]) if n < 40 else _page(n, "", truncated=False)
+    server, url, served = s3_listing_server(
+        lambda n: (
+            s3_listing_page(n, "AB"[n % 2]) if n < 40 else s3_listing_page(n, "", truncated=False)
+        )
     )
     opts = {"s3": {"endpoint_url": url, "key": "k", "secret": "s"}}
     try:

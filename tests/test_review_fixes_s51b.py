@@ -3,7 +3,6 @@ handling, the Parquet shard version and the Parquet output schema."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pickle
 import time
@@ -13,36 +12,19 @@ import zlib
 import pyarrow as pa
 
 import torchgrain as tg
+from tests._locks import array_record_without_index, hold_flock
 from torchgrain.sources.node_index import store as node_index
 
 
-def _hold(path) -> int:
-    """Hold an exclusive flock on ``path`` through a descriptor of its own (another
-    process, as far as flock tells)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-def _array_record_without_index(tmp_path) -> str:
-    data = str(tmp_path / "ds")
-    tg.write_array_record([{"x": i} for i in range(10)], data, num_shards=2)
-    for n in os.listdir(data):  # no manifest, no index beside the shards: one is built
-        if not n.endswith(".array_record"):
-            os.unlink(os.path.join(data, n))
-    return data
-
-
 def test_an_index_build_given_up_on_leaves_no_lock_file_of_its_own(tmp_path, monkeypatch):
-    data = _array_record_without_index(tmp_path)
+    data = array_record_without_index(tmp_path)
     probe, idx = tmp_path / "probe", tmp_path / "idx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tg.ArrayRecordSource(data, codec="msgpack", index_dir=str(probe))
     (name,) = [n for n in os.listdir(probe) if n.endswith(".tgindex.lock")]
     monkeypatch.setenv(node_index.INDEX_LOCK_WAIT_ENV, "0")  # (documented: never wait)
-    fd = _hold(str(idx / name))  # a builder stopped holding the index's lock
+    fd = hold_flock(str(idx / name))  # a builder stopped holding the index's lock
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -72,7 +54,7 @@ def test_a_spawned_worker_keeps_a_decoded_cache_stripe_its_parent_found_stuck(tm
     cache = DecodedCache(str(tmp_path / "c"), max_bytes=1 << 20, min_free_bytes=0, lock_timeout=1)
     table = pa.table({"x": [1, 2, 3]})
     first, second = _same_stripe(2)
-    fd = _hold(cache._lock_path(first))  # a builder stopped holding the stripe
+    fd = hold_flock(cache._lock_path(first))  # a builder stopped holding the stripe
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
