@@ -129,3 +129,42 @@ def test_a_glob_names_no_linked_folder_it_does_not_pass(tmp_path, pattern) -> No
         _, files = tgfs.expand_paths(f"{ds}/{pattern}", suffixes=[".parquet"])
     assert files  # (the pattern's files are found)
     assert [str(w.message) for w in got if "linked folder" in str(w.message)] == []
+
+
+def _parquet_bytes(n: int) -> bytes:
+    import io
+
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": list(range(n))}), buf)
+    return buf.getvalue()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="s3fs's listing cache, filled by a listing of the folder, answers a later "
+    "opening of a narrower URL (the shard's name, a glob of a longer literal prefix): a "
+    "shard added since 'does not exist', one rewritten since is read with its old size",
+)
+@pytest.mark.parametrize("second", ["s3://{b}/data/c.parquet", "s3://{b}/data/c*.parquet"])
+@pytest.mark.parametrize("change", ["added", "rewritten"])
+def test_an_s3_shard_changed_since_a_listing_is_seen_by_a_narrower_opening(
+    moto_s3, second, change
+) -> None:
+    import contextlib
+
+    import torchgrain as tg
+
+    client, endpoint = moto_s3
+    bucket = f"rf52-{change}-{'glob' if '*' in second else 'name'}"
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=bucket)
+    so = {"endpoint_url": endpoint}
+    client.put_object(Bucket=bucket, Key="data/a.parquet", Body=_parquet_bytes(2))
+    if change == "rewritten":
+        client.put_object(Bucket=bucket, Key="data/c.parquet", Body=_parquet_bytes(3))
+    assert len(tg.ParquetSource(f"s3://{bucket}/data/", storage_options=so)) in (2, 5)
+    client.put_object(Bucket=bucket, Key="data/c.parquet", Body=_parquet_bytes(50))
+    src = tg.ParquetSource(second.format(b=bucket), storage_options=so)
+    assert len(src) == 50 and src[49]["x"] == 49
