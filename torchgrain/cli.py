@@ -526,244 +526,190 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, func: Any, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    def options(parser: Any, table: dict[Any, Any]) -> None:
+        """Add ``table``'s arguments, each ``key: help`` (or ``add_argument``'s keywords,
+        help included). A key ``"--flag"`` is an on/off flag; ``(name, kind, default,
+        metavar, nargs)`` (the last two optional) takes strings (kind None), one of the
+        choices ``kind`` (a tuple) or numbers ``kind`` parses (metavar N)."""
+        for key, help in table.items():
+            kw = {**help} if isinstance(help, dict) else {"help": help}
+            if isinstance(key, str):
+                parser.add_argument(*key.split(), action="store_true", **kw)
+                continue
+            name, kind, default, metavar, nargs = (*key, None, None)[:5]
+            if isinstance(kind, tuple):
+                kw["choices"] = kind
+            elif kind is not None:
+                kw["type"], metavar = kind, metavar or "N"
+            if default is not None:
+                kw["default"] = default
+            parser.add_argument(name, metavar=metavar, nargs=nargs, **kw)
+
+    def command(name: str, func: Any, help: str, table: dict[Any, Any], **kwargs: Any) -> Any:
         c = sub.add_parser(name, help=help, formatter_class=_HelpFormatter, **kwargs)
         c.set_defaults(parser=c, func=func)  # parser: unknown options get this usage
+        options(c, table)
         return c
-
-    def number(
-        parser: Any, flag: str, type: Any, help: str, default: Any = None, metavar: str = "N"
-    ) -> None:
-        parser.add_argument(flag, metavar=metavar, type=type, default=default, help=help)
-
-    d = command("demo", cmd_demo, "build a synthetic dataset and train a small model on it")
-    d.add_argument(
-        "--data-dir",
-        metavar="DIR",
-        help="where to build the dataset, reused when it is there "
-        "(default: demo-N under ~/.cache/torchgrain)",
-    )
-    number(d, "--num-records", _positive_int, "dataset size", 10_000)
-    number(d, "--batch-size", _positive_int, "records per step", 64)
-    number(d, "--workers", _non_negative_int, "DataLoader num_workers", 2)
-    number(d, "--epochs", _positive_int, "passes over the dataset", 2)
-    number(d, "--max-steps", _positive_int, "stop after this many steps")
-    number(d, "--seed", int, "shuffle and augmentation seed", 0)
-    d.add_argument("--device", help="cpu or cuda (default: cuda if available)")
 
     # Formats and outputs are the registry's: a format registered before this runs is
     # one more choice.
     formats = ("auto", *registry.formats())
+    outputs = tuple(registry.output_formats())
     codecs = ", ".join(["auto", *available_codecs()])
     markers = "; ".join(f"{f.marker}: {f.name}" for f in registry.formats().values() if f.marker)
     markers = f" ({markers})" if markers else ""
     auto = "auto: from its file names"
+    token_names = "named tokens, input_ids or token_ids, or with a num_COLUMN beside it)"
+    o: dict[Any, Any] = {
+        ("--data-dir", None, None, "DIR"): "where to build the dataset, reused when it is "
+        "there (default: demo-N under ~/.cache/torchgrain)",
+        ("--num-records", _positive_int, 10_000): "dataset size",
+        ("--batch-size", _positive_int, 64): "records per step",
+        ("--workers", _non_negative_int, 2): "DataLoader num_workers",
+        ("--epochs", _positive_int, 2): "passes over the dataset",
+        ("--max-steps", _positive_int, None): "stop after this many steps",
+        ("--seed", int, 0): "shuffle and augmentation seed",
+        ("--device", None, None): "cpu or cuda (default: cuda if available)",
+    }
+    command("demo", cmd_demo, "build a synthetic dataset and train a small model on it", o)
 
-    def format_option(parser: Any, flag: str, help: str, **kwargs: Any) -> None:
-        parser.add_argument(flag, default="auto", choices=formats, help=help, **kwargs)
+    o = {
+        ("path", None, None, "PATH", "+"): "dataset directory, glob, file(s) or URL",
+        ("--format", formats, "auto"): f"the dataset's format; {auto}{markers}",
+        ("--codec", None, "auto"): f"how encoded records decode (formats with a codec): {codecs}",
+        ("--samples", _non_negative_int, 2): "records to print",
+        ("--max-shards", _non_negative_int, 20): "shards to list",
+        ("--tokens", None, "auto", "COLUMN"): "count the tokens and document lengths of this "
+        "column of token ids, reading its num_COLUMN alone when there is one (auto: a "
+        f"list-of-ints column {token_names}",
+        "--json": "machine-readable output",
+    }
+    i = command("inspect", cmd_inspect, "shards, record count, keys, schema, codec, samples", o)
 
-    def codec_option(parser: Any, records: str) -> None:
-        help = f"how {records} records decode (formats with a codec): {codecs}"
-        parser.add_argument("--codec", default="auto", help=help)
-
-    i = command("inspect", cmd_inspect, "shards, record count, keys, schema, codec, samples")
-    i.add_argument(
-        "path", nargs="+", metavar="PATH", help="dataset directory, glob, file(s) or URL"
-    )
-    format_option(i, "--format", f"the dataset's format; {auto}{markers}")
-    codec_option(i, "encoded")
-    number(i, "--samples", _non_negative_int, "records to print", 2)
-    number(i, "--max-shards", _non_negative_int, "shards to list", 20)
-    i.add_argument(
-        "--tokens",
-        metavar="COLUMN",
-        default="auto",
-        help="count the tokens and document lengths of this column of token ids, reading "
-        "its num_COLUMN alone when there is one (auto: a list-of-ints column named "
-        "tokens, input_ids or token_ids, or with a num_COLUMN beside it)",
-    )
-    i.add_argument("--json", action="store_true", help="machine-readable output")
-
+    o = {
+        ("src", None, None, "SRC", "+"): "source directory, glob, file(s) or URL",
+        ("dst", None, None, "DST"): "output directory (not inside SRC; created if needed)",
+        ("--to", outputs, None): f"output format (default: {DEFAULT_OUTPUT})",
+    }
     c = command(
         "convert",
         cmd_convert,
         f"convert a dataset of any format ({', '.join(registry.formats())}) to "
-        f"{' or '.join(registry.output_formats())}",
+        f"{' or '.join(outputs)}",
+        o,
         description="Convert a dataset; resumable (rerun after a crash to continue), "
         "parallel, every shard verified (count and checksum).",
     )
-    c.add_argument("src", nargs="+", metavar="SRC", help="source directory, glob, file(s) or URL")
-    c.add_argument(
-        "dst", metavar="DST", help="output directory (not inside SRC; created if needed)"
-    )
-    c.add_argument(
-        "--to", choices=registry.output_formats(), help=f"output format (default: {DEFAULT_OUTPUT})"
-    )
-    g = c.add_mutually_exclusive_group()
-    number(
-        g,
-        "--num-shards",
-        _positive_int,
-        "cut the records into this many contiguous output shards",
-    )
-    g.add_argument(
-        "--match-shards",
-        action="store_true",
-        help="one output shard per input file (the default without --num-shards)",
-    )
-    number(c, "--group-size", _positive_int, "records per ArrayRecord chunk", 1)
-    number(c, "--workers", _positive_int, "converter processes", 1)
-    codec_option(c, "input")
-    c.add_argument(
-        "--compression",
-        help="ArrayRecord: zstd[:LEVEL] (default zstd:3), snappy, brotli, uncompressed; "
-        "Parquet: zstd (default), snappy, gzip, lz4, none",
-    )
-    format_option(c, "--format", f"the input's format; {auto}", dest="src_format")
-    # The earlier name of --format, still accepted.
-    format_option(c, "--src-format", argparse.SUPPRESS, dest="src_format")
-    c.add_argument(
-        "--tokenize",
-        metavar="TOKENIZER_JSON",
-        help="tokenize --text-column with this Hugging Face tokenizer.json; writes the ids "
-        "(int32) and their count (num_TOKENS_COLUMN)",
-    )
-    c.add_argument(
-        "--text-column", default="text", metavar="NAME", help="with --tokenize: the text field"
-    )
-    c.add_argument(
-        "--tokens-column",
-        default="tokens",
-        metavar="NAME",
-        help="with --tokenize: the field written (its count: num_NAME)",
-    )
-    c.add_argument(
-        "--columns",
-        metavar="A,B",
-        type=_column_names,
-        action="extend",
-        help="convert only these columns (Parquet input reads only them); comma-separated",
-    )
-    c.add_argument("--overwrite", action="store_true", help="replace what DST holds")
-    c.add_argument("--no-verify", action="store_true", help="skip reading shards back")
-    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    o = {
+        ("--num-shards", _positive_int, None): "cut the records into this many contiguous "
+        "output shards",
+        "--match-shards": "one output shard per input file (the default without --num-shards)",
+    }
+    options(c.add_mutually_exclusive_group(), o)
+    o = {
+        ("--group-size", _positive_int, 1): "records per ArrayRecord chunk",
+        ("--workers", _positive_int, 1): "converter processes",
+        ("--codec", None, "auto"): f"how input records decode (formats with a codec): {codecs}",
+        ("--compression", None, None): "ArrayRecord: zstd[:LEVEL] (default zstd:3), snappy, "
+        "brotli, uncompressed; Parquet: zstd (default), snappy, gzip, lz4, none",
+        ("--format", formats, "auto"): {
+            "help": f"the input's format; {auto}",
+            "dest": "src_format",
+        },
+        # The earlier name of --format, still accepted.
+        ("--src-format", formats, "auto"): {"help": argparse.SUPPRESS, "dest": "src_format"},
+        ("--tokenize", None, None, "TOKENIZER_JSON"): "tokenize --text-column with this "
+        "Hugging Face tokenizer.json; writes the ids (int32) and their count "
+        "(num_TOKENS_COLUMN)",
+        ("--text-column", None, "text", "NAME"): "with --tokenize: the text field",
+        ("--tokens-column", None, "tokens", "NAME"): "with --tokenize: the field written "
+        "(its count: num_NAME)",
+        ("--columns", _column_names, None, "A,B"): {
+            "help": "convert only these columns (Parquet input reads only them); comma-separated",
+            "action": "extend",
+        },
+        "--overwrite": "replace what DST holds",
+        "--no-verify": "skip reading shards back",
+        "-q --quiet": "no progress bar or summary",
+    }
+    options(c, o)
 
+    o = {
+        ("path", None, None, "PATH", "+"): "dataset directory, glob or file(s)",
+        ("--batch-size", _positive_int, 256): "DataLoader batch_size",
+        ("--workers", _non_negative_int, None): "DataLoader num_workers (default: one per "
+        f"CPU this process may use, at most 16: {default_workers()} here)",
+        ("--seconds", _positive_float, None, "S"): "measured time in total, split into "
+        "exactly --repeats rounds per access order (a quick look; default: rounds of "
+        "--round-seconds until they settle)",
+        ("--round-seconds", _positive_float, 3.0, "S"): "each round's measured time; rounds "
+        "go on (at most 2x --repeats) until the last --repeats of each order lie within 5%% "
+        "of their median",
+        ("--collate", ("default", "pad", "none"), "default"): "how batches are collated in "
+        "the workers: default (torch's, as a DataLoader without collate_fn), pad "
+        "(tg.pad_collate: variable-length fields padded), none (lists of records: reading "
+        "alone)",
+        ("--repeats", _positive_int, 3): "rounds per access order (the spread)",
+        ("--prefetch-factor", _positive_int, 4): "DataLoader prefetch_factor",
+        ("--format", formats, "auto"): f"the dataset's format; {auto}",
+        ("--columns", None, None, None, "+"): "Parquet columns to read",
+        ("--cache-bytes", _non_negative_int, None): "each worker's block cache (Parquet row "
+        "groups, ArrayRecord chunks), in bytes; 0: none (default: the source's, 256 MiB)",
+        ("--seed", int, 0): "shuffle seed",
+        ("--tokens", None, "auto", "COLUMN"): "report tokens/s of this column of token ids "
+        f"(auto: a list-of-ints column {token_names}",
+        "--json": "machine-readable output",
+    }
     b = command(
         "bench",
         cmd_bench,
         "measure reading a dataset (sequential and shuffled) and suggest what would help",
+        o,
         description="Read a dataset through a DataLoader in each access order, several "
         "rounds each, and print the median rate, the spread of the rounds and suggestions.",
     )
-    b.add_argument("path", nargs="+", metavar="PATH", help="dataset directory, glob or file(s)")
-    number(b, "--batch-size", _positive_int, "DataLoader batch_size", 256)
-    number(
-        b,
-        "--workers",
-        _non_negative_int,
-        "DataLoader num_workers (default: one per CPU this process may use, "
-        f"at most 16: {default_workers()} here)",
-    )
-    number(
-        b,
-        "--seconds",
-        _positive_float,
-        "measured time in total, split into exactly --repeats rounds per access "
-        "order (a quick look; default: rounds of --round-seconds until they settle)",
-        metavar="S",
-    )
-    number(
-        b,
-        "--round-seconds",
-        _positive_float,
-        "each round's measured time; rounds go on (at most 2x --repeats) until the "
-        "last --repeats of each order lie within 5%% of their median",
-        3.0,
-        metavar="S",
-    )
-    b.add_argument(
-        "--collate",
-        choices=("default", "pad", "none"),
-        default="default",
-        help="how batches are collated in the workers: default (torch's, as a DataLoader "
-        "without collate_fn), pad (tg.pad_collate: variable-length fields padded), none "
-        "(lists of records: reading alone)",
-    )
-    number(b, "--repeats", _positive_int, "rounds per access order (the spread)", 3)
-    number(b, "--prefetch-factor", _positive_int, "DataLoader prefetch_factor", 4)
-    format_option(b, "--format", f"the dataset's format; {auto}")
-    b.add_argument("--columns", nargs="+", help="Parquet columns to read")
-    number(
-        b,
-        "--cache-bytes",
-        _non_negative_int,
-        "each worker's block cache (Parquet row groups, ArrayRecord chunks), in bytes; "
-        "0: none (default: the source's, 256 MiB)",
-    )
-    number(b, "--seed", int, "shuffle seed", 0)
-    b.add_argument(
-        "--tokens",
-        metavar="COLUMN",
-        default="auto",
-        help="report tokens/s of this column of token ids (auto: a list-of-ints column "
-        "named tokens, input_ids or token_ids, or with a num_COLUMN beside it)",
-    )
-    b.add_argument("--json", action="store_true", help="machine-readable output")
 
-    k = command(
+    o = {
+        ("action", ("list", "clear"), None): "list, or clear",
+        ("names", None, None, "NAME", "*"): "clear: the caches (from list)",
+        "--all": "clear: every cache listed",
+        ("--dir", None, None, "DIR"): {
+            "help": "a shard cache's directory (cache_dir=) to list or clear too",
+            "action": "append",
+            "default": [],
+        },
+        "--json": "machine-readable output",
+    }
+    command(
         "cache",
         cmd_cache,
         "list torchgrain's caches on disk (size, entries, dataset) or clear them",
+        o,
         description="torchgrain's caches under $TORCHGRAIN_CACHE (default "
         "~/.cache/torchgrain): decoded Parquet row groups, dataset indexes, demo data; "
         "and shard caches (cache_dir=) given with --dir. Clearing deletes only what lies "
         "inside a cache's directory (links are removed, never followed).",
     )
-    k.add_argument("action", choices=("list", "clear"), help="list, or clear")
-    k.add_argument("names", nargs="*", metavar="NAME", help="clear: the caches (from list)")
-    k.add_argument("--all", action="store_true", help="clear: every cache listed")
-    k.add_argument(
-        "--dir",
-        action="append",
-        default=[],
-        metavar="DIR",
-        help="a shard cache's directory (cache_dir=) to list or clear too",
-    )
-    k.add_argument("--json", action="store_true", help="machine-readable output")
     policy = RetryPolicy()
     for reads in (i, c, b):
-        reads.add_argument(
-            "--allow-external-paths",
-            action="store_true",
-            help="read files a dataset names outside its directory (a manifest's shard "
-            "paths, an HTTP listing's links): only for datasets you trust",
-        )
+        o = {
+            "--allow-external-paths": "read files a dataset names outside its directory (a "
+            "manifest's shard paths, an HTTP listing's links): only for datasets you trust",
+        }
+        options(reads, o)
         # Defaults shown, not set: without these options each source keeps its own.
-        remote = reads.add_argument_group("remote reads (http(s)://, s3://, gs://, ...)")
-        number(
-            remote,
-            "--retries",
-            _non_negative_int,
-            "retries of a remote read that failed transiently (HTTP 5xx or 429, a reset "
-            f"connection, a timeout); 0: none (default: {policy.attempts - 1})",
-        )
-        number(
-            remote,
-            "--deadline",
-            _seconds,
-            "seconds one remote read may take, its retries and the waits between them "
-            "included (plus 1 s per MiB it brought): a stalled server fails within about "
-            f"this (default: {policy.deadline:g})",
-            metavar="S",
-        )
-        number(
-            remote,
-            "--request-timeout",
-            _seconds,
-            "seconds one remote request may take before it is cancelled and retried "
-            f"(plus 1 s per MiB it asks for) (default: {policy.request_timeout:g})",
-            metavar="S",
-        )
+        o = {
+            ("--retries", _non_negative_int, None): "retries of a remote read that failed "
+            "transiently (HTTP 5xx or 429, a reset connection, a timeout); 0: none "
+            f"(default: {policy.attempts - 1})",
+            ("--deadline", _seconds, None, "S"): "seconds one remote read may take, its "
+            "retries and the waits between them included (plus 1 s per MiB it brought): a "
+            f"stalled server fails within about this (default: {policy.deadline:g})",
+            ("--request-timeout", _seconds, None, "S"): "seconds one remote request may take "
+            "before it is cancelled and retried (plus 1 s per MiB it asks for) (default: "
+            f"{policy.request_timeout:g})",
+        }
+        options(reads.add_argument_group("remote reads (http(s)://, s3://, gs://, ...)"), o)
     return p
 
 
