@@ -126,12 +126,7 @@ def read_footers(
         return counts, schema, np.array(nbytes, dtype=np.int64), identity
 
     results = map_files(one, len(files))
-    return (
-        [r[0] for r in results],
-        [r[1] for r in results],
-        [r[2] for r in results],
-        [r[3] for r in results],
-    )
+    return tuple([r[i] for r in results] for i in range(4))  # type: ignore[return-value]
 
 
 def bounded_footer(f: Any, size: int) -> Any:

@@ -906,28 +906,21 @@ def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
     first = groups[0]
     if not first.layout or not all(g.layout == first.layout for g in groups):
         return {}
-    n = plan.n
-    if len(groups) == 1:
-        staged = first.packed.take(plan.rows[0], axis=0)
-        rows = staged
-    else:
-        staged = np.empty((n, first.packed.shape[1]), np.uint8)
-        b = plan.bounds
-        for k, g in enumerate(groups):
-            g.packed.take(plan.rows[k], axis=0, out=staged[b[k] : b[k + 1]])
-        rows = staged.take(plan.where, axis=0)
+    n, b = plan.n, plan.bounds
+    staged = np.empty((n, first.packed.shape[1]), np.uint8)
+    for k, g in enumerate(groups):
+        g.packed.take(plan.rows[k], axis=0, out=staged[b[k] : b[k + 1]])
+    rows = staged if len(groups) == 1 else staged.take(plan.where, axis=0)
     # Each packed column as a typed (strided) view, copied once into its own array.
-    record = first.record
-    typed = rows.view(record).reshape(n)
+    typed, pairs = (a.view(first.record).reshape(n) for a in (rows, staged))
     out: dict[int, Any] = {}
     for pos, _, dtype, _, ragged_kind in first.layout:
         field = f"c{pos}"
         if not ragged_kind:
             out[pos] = _copy(typed[field])
         else:
-            pairs = typed[field] if len(groups) == 1 else staged.view(record).reshape(n)[field]
             data = [g.values[pos] for g in groups]
-            out[pos] = _gather_values(data, pairs, plan, dtype, ragged_kind)
+            out[pos] = _gather_values(data, pairs[field], plan, dtype, ragged_kind)
     return out
 
 
@@ -940,18 +933,13 @@ def _gather_values(
     item = dtype.itemsize
     starts = (pairs[:, 0] * item).tolist()
     ends = ((pairs[:, 0] + pairs[:, 1]) * item).tolist()
-    if len(data) == 1:
-        view = data[0]
-        parts = [view[a:e] for a, e in zip(starts, ends)]
-        lengths = pairs[:, 1]
-    else:
-        b = plan.bounds
-        staged = []
-        for k, view in enumerate(data):
-            lo, hi = b[k], b[k + 1]
-            staged += [view[a:e] for a, e in zip(starts[lo:hi], ends[lo:hi])]
-        parts = [staged[j] for j in plan.where.tolist()]
-        lengths = pairs[:, 1][plan.where]
+    b, parts = plan.bounds, []
+    for k, view in enumerate(data):
+        parts += [view[a:e] for a, e in zip(starts[b[k] : b[k + 1]], ends[b[k] : b[k + 1]])]
+    lengths = pairs[:, 1]
+    if len(data) > 1:  # in request order
+        parts = [parts[j] for j in plan.where.tolist()]
+        lengths = lengths[plan.where]
     offsets = empty((n + 1,), np.int64)
     offsets[0] = 0
     np.cumsum(lengths, out=offsets[1:])
