@@ -135,8 +135,7 @@ def _primitive_numpy(arr: pa.Array) -> np.ndarray:
     buf = arr.buffers()[1]
     boolean = pa.types.is_boolean(arr.type)
     if buf is None:  # no data buffer (e.g. all null): the values are never looked at
-        storage = np.dtype(bool) if boolean else numpy_dtype(arr.type)[0]
-        buf = np.zeros((arr.offset + n) * storage.itemsize, dtype=np.uint8)
+        buf = bytes((arr.offset + n) * (1 if boolean else numpy_dtype(arr.type)[0].itemsize))
     if boolean:
         return _bits(buf, arr.offset, n)
     storage, view = numpy_dtype(arr.type)
@@ -187,10 +186,6 @@ def _is_number(t: pa.DataType) -> bool:
 
 def _is_temporal(t: pa.DataType) -> bool:
     return pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_duration(t)
-
-
-def _is_string(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
 
 
 def _leaf_numpy(arr: pa.Array) -> np.ndarray | None:
@@ -294,11 +289,8 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
     if any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
     converted = None  # (None: through to_pylist)
-    if is_list_type(t):
+    if is_list_type(t) or pa.types.is_map(t):
         converted = _lists_to_numpy(arr)
-    elif pa.types.is_map(t):
-        mask = _null_mask(arr)
-        converted = _python_lists(arr, mask, _offsets(arr).tolist(), arr.values.flatten())
     elif pa.types.is_struct(t):
         children = [convert_column(c) for c in arr.flatten()]
         names = [f.name for f in t]
@@ -310,7 +302,8 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
 
 
 def _lists_to_numpy(arr: pa.Array) -> Column | None:
-    """List columns of numbers as per-row numpy arrays (2-D where rectangular).
+    """List columns of numbers as per-row numpy arrays (2-D where rectangular), and
+    maps as lists of ``(key, value)`` tuples.
 
     Rows are read-only views of one buffer here (lists of lists without nulls whose rows
     have one shape: one ``[n, a, b]`` array); ``take`` copies them. Lists whose items
@@ -326,7 +319,8 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
     if not is_list_type(child.type):
         leaf = _leaf_numpy(child)
         if leaf is None:
-            return _python_lists(arr, mask, bounds, [child])
+            children = child.flatten() if pa.types.is_map(arr.type) else [child]
+            return _python_lists(arr, mask, bounds, children)
         if pa.types.is_fixed_size_list(arr.type):
             k = arr.type.list_size
             rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
@@ -434,6 +428,8 @@ class GatherPlan:
 # ------------------------------------------------------------- one column, read without Arrow
 # Column kinds (ints: compared once per column and batch).
 _GENERIC, _NONE, _NUM, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(9)
+# A string or binary type's kind.
+_BYTES = {pa.string(): _STR, pa.large_string(): _STR, pa.binary(): _BIN, pa.large_binary(): _BIN}
 # A variable-length kind's Ragged kind, in a batch of columns.
 _RAGGED = {_STR: "str", _BIN: "bytes", _ARRAY: "array"}
 # Each distinct layout (kind and nulls of every column) gets a number: a batch compares
@@ -480,9 +476,8 @@ def _column(arr: pa.Array) -> _Column:
     if _is_number(t) or _is_temporal(t):
         col.kind = _NUM if _is_number(t) else _SCALAR
         col.values = fresh = _primitive_numpy(arr)
-    elif _is_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
-        col.kind = _STR if _is_string(t) else _BIN
-        col.values, col.offsets, fresh = _binary_data(arr), _offsets(arr), None
+    elif t in _BYTES:
+        col.kind, col.values, col.offsets, fresh = _BYTES[t], _binary_data(arr), _offsets(arr), None
     elif pa.types.is_fixed_size_binary(t):
         col.kind, col.width, fresh = _FIXED_BIN, t.byte_width, None
         w = col.width
