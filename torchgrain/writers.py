@@ -266,12 +266,11 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
     """
     import pyarrow as pa
 
-    keys = dict.fromkeys(k for r in records for k in r)
-    fields = [] if schema is None else list(schema)
+    fields: list[Any] = [] if schema is None else list(schema)
     typed = {f.name for f in fields}
-    fields += [k for k in keys if k not in typed]
+    fields += dict.fromkeys(k for r in records for k in r if k not in typed)
     arrays = []
-    for f in fields:
+    for i, f in enumerate(fields):
         k = f if isinstance(f, str) else f.name
         values = [r.get(k) for r in records]
         try:
@@ -279,12 +278,8 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
         except (TypeError, ValueError, OverflowError, pa.ArrowException) as e:
             what = "" if isinstance(f, str) else f" as its source's {f.type}"
             raise TypeError(f"cannot store key {k!r} in Parquet{what}: {e}") from e
-    if schema is None:
-        return pa.Table.from_arrays(arrays, names=list(keys))
-    out = pa.schema(
-        [f if not isinstance(f, str) else pa.field(f, a.type) for f, a in zip(fields, arrays)]
-    )
-    return pa.Table.from_arrays(arrays, schema=out)
+        fields[i] = pa.field(f, arrays[-1].type) if isinstance(f, str) else f
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
 def _python_types(kind: Any) -> tuple[type, ...] | None:
@@ -360,7 +355,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         # arrays only.
         values = [_one_d(v) for v in values]
     wide_kind = _widened(kind)
-    if _has_temporal(kind):
+    if _first(kind, _temporal_unit) is not None:
         # Timestamps and dates inside structs or maps: Arrow builds them from numpy
         # scalars of the type's own unit only, zoneless (cast after) and dates as ints.
         values = [_in_units(v, kind) for v in values]
@@ -392,11 +387,11 @@ def _widened(kind: Any) -> Any:
             kind.key_field.with_type(_widened(kind.key_type)),
             kind.item_field.with_type(_widened(kind.item_type)),
         )
-    if t.is_list(kind) or t.is_large_list(kind) or t.is_fixed_size_list(kind):
+    if _is_list(kind):
         field = kind.value_field.with_type(_widened(kind.value_type))
-        if t.is_fixed_size_list(kind):
-            return pa.list_(field, kind.list_size)
-        return pa.large_list(field) if t.is_large_list(kind) else pa.list_(field)
+        if t.is_large_list(kind):
+            return pa.large_list(field)
+        return pa.list_(field, getattr(kind, "list_size", -1))
     if t.is_struct(kind):
         return pa.struct([f.with_type(_widened(f.type)) for f in kind])
     return kind
@@ -407,13 +402,6 @@ def _one_d(value: Any) -> Any:
     if isinstance(value, np.ndarray) and value.ndim > 1:
         return [_one_d(a) for a in value]
     return value
-
-
-def _has_temporal(kind: Any) -> bool:
-    """Whether ``kind`` has a date, timestamp or duration in it."""
-    if _temporal_unit(kind) is not None:
-        return True
-    return any(_has_temporal(kind.field(i).type) for i in range(kind.num_fields))
 
 
 def _in_units(value: Any, kind: Any) -> Any:
@@ -473,17 +461,21 @@ def _float_leaves(array: Any) -> Iterator[Any]:
         yield from _float_leaves(array.flatten())
 
 
-def _float_in(kind: Any) -> str | None:
+def _first(kind: Any, test: Any) -> Any:
+    """The first type in ``kind`` (itself, then its fields' depth first) that ``test``
+    holds for, or None."""
+    if test(kind):
+        return kind
+    found = (_first(kind.field(i).type, test) for i in range(kind.num_fields))
+    return next((t for t in found if t is not None), None)
+
+
+def _float_in(kind: Any) -> str:
     """The name of the first float16 or float32 type in ``kind``."""
     import pyarrow as pa
 
-    if pa.types.is_float16(kind) or pa.types.is_float32(kind):
-        return np.dtype(f"<f{kind.bit_width // 8}").name
-    for i in range(kind.num_fields):
-        found = _float_in(kind.field(i).type)
-        if found is not None:
-            return found
-    return None
+    narrow = _first(kind, lambda t: pa.types.is_float16(t) or pa.types.is_float32(t))
+    return np.dtype(f"<f{narrow.bit_width // 8}").name
 
 
 def _temporal_unit(kind: Any) -> str | None:
