@@ -167,6 +167,9 @@ _scalar = st.one_of(
 _value = st.one_of(
     _scalar,
     st.lists(_scalar, max_size=4),
+    st.dictionaries(
+        st.text(max_size=3), st.one_of(_scalar, st.lists(_scalar, max_size=2)), max_size=3
+    ),
     st.sampled_from(
         [np.zeros(0, np.float16), np.array([-0.0, np.nan], np.float32), np.arange(6).reshape(2, 3)]
     ),
@@ -667,3 +670,18 @@ def test_schema_of_nested_lists_names_the_types_the_records_hold(tmp_path):
     tg.write_array_record([{"l": [1, None]}, {"l": [2]}, {"l": [1.5, True]}], tmp_path)
     schema = tg.ArrayRecordSource(tmp_path).schema["l"]
     assert _alternatives(schema) == {"list[int|null]", "list[int]", "list[bool|float]"}, schema
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="MsgpackCodec.encode checks only the record's own keys: a nested dict with an "
+    "int key is written, and the reader (strict_map_key=True) can never decode that record",
+)
+def test_a_record_the_writer_accepts_reads_back(tmp_path):
+    record = {"meta": {1: "one", "two": 2}}
+    try:
+        tg.write_array_record([record], tmp_path)
+    except TypeError as e:  # refused when written: nothing unreadable on disk
+        assert "meta" in str(e) or "key" in str(e)
+        return
+    same(record, tg.ArrayRecordSource(tmp_path)[0])
