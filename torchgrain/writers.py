@@ -927,7 +927,6 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
     ``schema`` (a column it lacks: nulls); a TypeError naming the column, ``where`` and
     ``path`` where a value does not cast (a negative int to uint64)."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     if table.schema.equals(schema):
         return table
@@ -938,15 +937,15 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
             continue
         column = table.column(f.name)
         if _to_double(column.type, f.type):
-            value = _past_double(column)
+            value = _outside_of(column, -_DOUBLE_INTS, _DOUBLE_INTS)
             if value is not None:
                 raise TypeError(
                     f"cannot store key {f.name!r} in Parquet: it holds {value} and floats in one "
                     f"output shard ({where} of {path}); a double rounds an int past 2**53"
                 )
         if column.type == pa.int64() and f.type == pa.uint64():
-            low = pc.min(column).as_py()
-            if low is not None and low < 0:
+            low = _outside_of(column, 0)
+            if low is not None:
                 raise TypeError(
                     f"cannot store key {f.name!r} in Parquet: it holds {low} and ints past "
                     f"int64 in one output shard ({where} of {path}); no Parquet integer type "
@@ -1098,7 +1097,7 @@ def _common(types: Sequence[Any]) -> Any:
 
 def _to_double(a: Any, b: Any) -> bool:
     """Whether type ``a`` is int64 and ``b`` double, or lists of them (its values then
-    need checking: :func:`_past_double`).
+    need checking: :func:`_outside_of`).
 
     Example:
         >>> import pyarrow as pa
@@ -1114,16 +1113,19 @@ def _to_double(a: Any, b: Any) -> bool:
     return a == pa.int64() and b == pa.float64()
 
 
-def _past_double(column: Any) -> int | None:
-    """The first int of an int64 (or list of int64) array that a double rounds (past
-    2**53 either side), or None.
+def _outside_of(column: Any, low: int, high: int | None = None) -> int | None:
+    """An int of an int64 (or list of int64) array outside ``low..high``, or None: the
+    least where no ``high`` is given, else the first (a double's bound: the first int a
+    double rounds, past 2**53 either side).
 
     Example:
         >>> import pyarrow as pa
-        >>> _past_double(pa.array([[1, None], [2**53 + 1, -(2**53) - 1]]))
+        >>> _outside_of(pa.array([[1, None], [2**53 + 1, -(2**53) - 1]]), -(2**53), 2**53)
         9007199254740993
-        >>> _past_double(pa.array([2**53, -(2**53), None])) is None
+        >>> _outside_of(pa.array([2**53, -(2**53), None]), -(2**53), 2**53) is None
         True
+        >>> _outside_of(pa.array([3, -1, -5, None]), 0)
+        -5
     """
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -1131,10 +1133,12 @@ def _past_double(column: Any) -> int | None:
     while _is_list(column.type):
         column = pc.list_flatten(column)
     limits = pc.min_max(column)
-    low, high = limits["min"].as_py(), limits["max"].as_py()
-    if low is None or (low >= -_DOUBLE_INTS and high <= _DOUBLE_INTS):
+    least, most = limits["min"].as_py(), limits["max"].as_py()
+    if least is None or (least >= low and (high is None or most <= high)):
         return None
-    past = pc.or_(pc.less(column, -_DOUBLE_INTS), pc.greater(column, _DOUBLE_INTS))
+    if high is None:
+        return least
+    past = pc.or_(pc.less(column, low), pc.greater(column, high))
     return column[pc.index(past, pa.scalar(True)).as_py()].as_py()
 
 
@@ -1196,7 +1200,6 @@ def _outside(
     an int of it outside ``low..high`` (None: no bound), or None. Its row groups'
     statistics decide where written, else a row group's column at a time (bounded
     memory); a double's bound (``high`` given) names the row group's first such int."""
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as pf:
@@ -1217,31 +1220,20 @@ def _outside(
                 paths = (name + ".list.element" * depth, name + ".list.item" * depth)
                 j = next((leaf[(p, depth)] for p in paths if (p, depth) in leaf), None)
                 stats = None if j is None else meta.row_group(i).column(j).statistics
-                column = None
+                bound = None
                 if stats is not None and stats.has_min_max:
-                    bounds = stats.min, stats.max
+                    if stats.min >= low and (high is None or stats.max <= high):
+                        continue
+                    bound = stats.min if stats.min < low else stats.max
+                    if high is None:
+                        return name, bound
                 elif stats is not None and stats.num_values == 0:  # nulls only
                     continue
-                else:
-                    column = pf.read_row_group(i, columns=[name]).column(0)
-                    while _is_list(column.type):
-                        column = pc.list_flatten(column)
-                    limits = pc.min_max(column)
-                    bounds = limits["min"].as_py(), limits["max"].as_py()
-                if bounds[0] is None:
-                    continue
-                if bounds[0] < low:
-                    value = bounds[0]
-                elif high is not None and bounds[1] > high:
-                    value = bounds[1]
-                else:
-                    continue
-                if high is not None:  # (a failure: the row group read to name its first)
-                    if column is None:
-                        column = pf.read_row_group(i, columns=[name]).column(0)
-                    first = _past_double(column)
-                    value = value if first is None else first
-                return name, value
+                # No statistics, or a double's bound passed: the row group read (to name
+                # the first int past it).
+                value = _outside_of(pf.read_row_group(i, columns=[name]).column(0), low, high)
+                if value is not None or bound is not None:
+                    return name, bound if value is None else value
     return None
 
 
