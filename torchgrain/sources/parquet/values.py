@@ -259,18 +259,6 @@ class Column:
         return values.take(int64_array(rows)).to_pylist()
 
 
-# Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
-_PYLIST_TYPES = (
-    pa.types.is_string,
-    pa.types.is_large_string,
-    pa.types.is_binary,
-    pa.types.is_large_binary,
-    pa.types.is_fixed_size_binary,
-    pa.types.is_decimal,
-    pa.types.is_time,
-)
-
-
 def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
     """Convert a column column-wise (no per-cell pyarrow scalars) for gathering."""
     arr = _array(col)
@@ -286,7 +274,8 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
         raw = _primitive_numpy(arr)
         values = raw.tolist() if _is_number(t) else list(raw)
         return Column("plain", _with_nulls(values, _null_mask(arr)), arr.nbytes + overhead)
-    if any(is_type(t) for is_type in _PYLIST_TYPES):
+    # Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
+    if t in _BYTES or any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
     converted = None  # (None: through to_pylist)
     if is_list_type(t) or pa.types.is_map(t):
@@ -430,6 +419,8 @@ class GatherPlan:
 _GENERIC, _NONE, _NUM, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(9)
 # A string or binary type's kind.
 _BYTES = {pa.string(): _STR, pa.large_string(): _STR, pa.binary(): _BIN, pa.large_binary(): _BIN}
+# Other types whose values to_pylist makes immutable (convert_column).
+_PYLIST_TYPES = (pa.types.is_fixed_size_binary, pa.types.is_decimal, pa.types.is_time)
 # A variable-length kind's Ragged kind, in a batch of columns.
 _RAGGED = {_STR: "str", _BIN: "bytes", _ARRAY: "array"}
 # Each distinct layout (kind and nulls of every column) gets a number: a batch compares
