@@ -903,20 +903,12 @@ def _one_schema(schemas: Sequence[Any], where: Sequence[str], path: str) -> Any:
     for name, kinds in seen.items():
         target = _common(list(kinds))
         if target is None:
-            first = next(iter(kinds.items()))
-            (a, (_, wa)), (b, (_, wb)) = next(
-                (
-                    (x, y)
-                    for x in kinds.items()
-                    for y in kinds.items()
-                    if _common([x[0], y[0]]) is None
-                ),
-                (first, first),
-            )
+            pairs = [(x, y) for x in kinds for y in kinds if _common([x, y]) is None]
+            a, b = pairs[0] if pairs else [next(iter(kinds))] * 2
             raise TypeError(
-                f"cannot store key {name!r} in Parquet: it is {a} in {wa} but {b} in {wb} of one "
-                f"output shard ({path}); give the key one type in every record, or convert to "
-                "array_record"
+                f"cannot store key {name!r} in Parquet: it is {a} in {kinds[a][1]} but {b} in "
+                f"{kinds[b][1]} of one output shard ({path}); give the key one type in every "
+                "record, or convert to array_record"
             )
         fields.append(next(iter(kinds.values()))[0].with_type(target))
     return pa.schema(fields)
@@ -1152,15 +1144,11 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     schemas = {n: pq.read_schema(os.path.join(root, n)) for n in names}
-    types: dict[str, list[Any]] = {}
+    types: dict[str, dict[Any, None]] = {}  # column -> its types, in order
     for schema in schemas.values():
         for f in schema:
-            types.setdefault(f.name, []).append(f.type)
-    target = {}
-    for column, ts in types.items():
-        common = _common(list(dict.fromkeys(ts)))
-        if common is not None:
-            target[column] = common
+            types.setdefault(f.name, {})[f.type] = None
+    target = {c: t for c, ts in types.items() if (t := _common(list(ts))) is not None}
     out = {}
     for n, schema in schemas.items():
         changed = [
