@@ -399,6 +399,64 @@ def test_parquet_decoded_cache_gives_the_same_values_cold_and_warm(awkward_parqu
         _check_parquet(tg.ParquetSource(d, decoded_cache=tmp_path / "decoded"), expect)
 
 
+def _unwrap(batch):
+    """A columns batch as the Dataset returns it (a one-element list) without collation."""
+    return batch[0] if isinstance(batch, list) else batch
+
+
+def _as_is(batch):
+    return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_parquet_loader_hands_the_model_the_documented_values(awkward_parquet, num_workers):
+    d, _, expect = awkward_parquet
+    src = tg.ParquetSource(d, decoded_cache=False)
+    sampler = tg.GlobalShuffleSampler(src, seed=9)
+    order = list(sampler)
+    for fmt in ("records", "columns"):
+        loader = torch.utils.data.DataLoader(
+            tg.Dataset(src, batch_format=fmt),
+            batch_size=7,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_unwrap if fmt == "columns" else _as_is,
+        )
+        pos = 0
+        for batch in loader:
+            ids = order[pos : pos + len(batch)]
+            pos += len(batch)
+            if fmt == "records":
+                same([expect[j] for j in ids], batch, "records")
+            else:
+                want = ColumnBatch.from_records([expect[j] for j in ids])
+                same_columns(want, batch, native=_NATIVE)
+        assert pos == len(expect)
+
+
+def test_samplers_cover_views_over_empty_shards_once_per_epoch(tmp_path):
+    tg.write_array_record(RECS[:10], tmp_path / "ar", num_shards=13, group_size=2)
+    (tmp_path / "pq").mkdir()
+    for k, (lo, hi) in enumerate([(10, 13), (13, 13), (13, 30), (30, 30), (30, 40)]):
+        t = pa.table({"id": pa.array(range(lo, hi), pa.int64())})
+        pq.write_table(t, tmp_path / "pq" / f"f{k}.parquet", row_group_size=[2, 1, 5, 1, 3][k])
+    ar = tg.Dataset(tg.ArrayRecordSource(tmp_path / "ar")).map(lambda r: {"id": r["id"]})
+    c = tg.concat([ar, tg.ParquetSource(tmp_path / "pq", decoded_cache=False)])
+    f = c.filter(lambda r: r["id"] % 3 != 1, index_dir=None, num_workers=0, progress=False)
+    for ds, ids in ((c, list(range(40))), (f, [i for i in range(40) if i % 3 != 1])):
+        assert [r["id"] for r in ds.__getitems__(range(len(ds)))] == ids
+        for cls in (tg.GlobalShuffleSampler, tg.BlockShuffleSampler):
+            for world, epoch in ((1, 0), (3, 0), (3, 5)):
+                seen = []
+                for rank in range(world):
+                    s = cls(ds, seed=4, num_replicas=world, rank=rank, drop_last=True)
+                    s.set_epoch(epoch)
+                    seen += list(s)
+                assert len(seen) == len(set(seen)) == len(ds) // world * world
+                if world == 1:
+                    assert sorted(seen) == list(range(len(ds)))
+
+
 @pytest.mark.parametrize(
     "expr",
     [
