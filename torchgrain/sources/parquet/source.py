@@ -223,11 +223,9 @@ class ParquetSource(RowGroupLoader):
         self._part_keys = [k for k in part_keys if columns is None or k in columns]
         # Every partition key's values and every column of the files, read or not: a
         # filter expression may name any of them (pushdown.matching_rows).
-        self._part_values: dict[str, np.ndarray] = {}
-        self._part_types: dict[str, pa.DataType] = {}
-        for key in part_keys:
-            parsed = partition_values([p[key] for p in parts])
-            self._part_values[key], self._part_types[key] = parsed
+        parsed = {key: partition_values([p[key] for p in parts]) for key in part_keys}
+        self._part_values: dict[str, np.ndarray] = {k: v for k, (v, _) in parsed.items()}
+        self._part_types: dict[str, pa.DataType] = {k: t for k, (_, t) in parsed.items()}
         self._file_columns = all_names(schemas)
         file_names = [f.name for f in fields]
         if columns is not None:
@@ -248,12 +246,10 @@ class ParquetSource(RowGroupLoader):
 
         # Row-group index, all numpy: global row offsets (R + 1), owning shard, local number.
         rg_counts = np.concatenate([np.zeros(0, np.int64), *counts]).astype(np.int64)
-        self._rg_offsets = np.zeros(len(rg_counts) + 1, dtype=np.int64)
-        np.cumsum(rg_counts, out=self._rg_offsets[1:])
+        self._rg_offsets = np.concatenate([[0], np.cumsum(rg_counts)]).astype(np.int64)
         self._rg_shard = np.repeat(np.arange(len(files), dtype=np.int64), [len(c) for c in counts])
-        self._rg_local = np.concatenate(
-            [np.zeros(0, np.int64), *[np.arange(len(c), dtype=np.int64) for c in counts]]
-        )
+        first = np.searchsorted(self._rg_shard, self._rg_shard)  # each file's first row group
+        self._rg_local = np.arange(len(rg_counts), dtype=np.int64) - first
         # Estimated decoded bytes of each row group (the selected columns), from footers.
         self._rg_bytes = np.concatenate([np.zeros(0, np.int64), *rg_bytes]).astype(np.int64)
         for a in (self._rg_offsets, self._rg_shard, self._rg_local, self._rg_bytes):

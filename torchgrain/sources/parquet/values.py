@@ -848,7 +848,7 @@ class GroupViews:
     def __init__(self, table: pa.Table) -> None:
         rows = table.num_rows
         parts: list[np.ndarray] = []
-        layout = []
+        layout, fields = [], []  # fields: of one packed row as a record (c<column>)
         self.values: dict[int, memoryview] = {}  # a ragged column's values, as bytes
         at = 0
         for pos, col in enumerate(table.columns):
@@ -866,22 +866,15 @@ class GroupViews:
                 shape = ()
                 self.values[pos] = memoryview(np.ascontiguousarray(data).view(np.uint8))
             layout.append((pos, at, data.dtype, shape, ragged_kind))
+            fields.append((f"c{pos}", (np.int64, (2,)) if ragged_kind else (data.dtype, shape), at))
             parts.append(part)
             at += part.shape[1]
         self.layout = tuple(layout)
         self.packed = np.concatenate(parts, axis=1) if parts else np.empty((rows, 0), np.uint8)
         self.nbytes = self.packed.nbytes
-        # One packed row as a record: field ``c<column>`` per column.
+        names, formats, offsets = (list(f) for f in zip(*fields)) if fields else ([], [], [])
         self.record = np.dtype(
-            {
-                "names": [f"c{pos}" for pos, *_ in layout],
-                "formats": [
-                    (np.int64, (2,)) if ragged else (dtype, shape)
-                    for _, _, dtype, shape, ragged in layout
-                ],
-                "offsets": [at for _, at, *_ in layout],
-                "itemsize": max(at, 1),
-            }
+            {"names": names, "formats": formats, "offsets": offsets, "itemsize": max(at, 1)}
         )
 
 
