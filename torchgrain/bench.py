@@ -143,11 +143,8 @@ def open_dataset_source(
         return load_spec(path, retry).source, "composition"
     with using(retry or current_policy()):
         name = registry.detect_format(path) if fmt == "auto" else fmt
-    options: dict[str, Any] = {"columns": list(columns)} if columns else {}
-    if retry is not None:
-        options["retry"] = retry
-    if cache_bytes is not None:
-        options["cache_bytes"] = cache_bytes
+    options = {"columns": list(columns) if columns else None, "retry": retry}
+    options = {k: v for k, v in {**options, "cache_bytes": cache_bytes}.items() if v is not None}
     return registry.open(path, format=name, **options), name
 
 
@@ -417,9 +414,8 @@ def recommend(modes: Sequence[dict[str, Any]]) -> str:
     """
     by = {m["mode"]: m for m in modes}
     shuf, block = by.get("shuffled"), by.get("block-shuffled")
-    if shuf is not None and block is not None and _faster(block, shuf):
-        return "BlockShuffleSampler"
-    return "GlobalShuffleSampler"
+    faster = shuf is not None and block is not None and _faster(block, shuf)
+    return "BlockShuffleSampler" if faster else "GlobalShuffleSampler"
 
 
 def _slow_shuffle_remedies(fmt: str, group_size: int | None) -> str:
