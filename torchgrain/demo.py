@@ -387,11 +387,9 @@ def run_demo(
     why = explain_first_epoch(results, num_workers)
     if why:
         log(why)
-    later = results[1:]
-    steady = ""
-    if later and sum(e.seconds for e in later) > 0:
-        rate = sum(e.samples for e in later) / sum(e.seconds for e in later)
-        steady = f"; {rate:,.0f} samples/s after the first epoch"
+    later = sum(e.seconds for e in results[1:])
+    rate = sum(e.samples for e in results[1:]) / later if later > 0 else 0.0
+    steady = f"; {rate:,.0f} samples/s after the first epoch" if later > 0 else ""
     log(
         f"throughput {result.samples_per_second:,.0f} samples/s over {steps} steps "
         f"({samples} samples, {seconds:.1f}s){steady}"
