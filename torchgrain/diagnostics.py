@@ -480,14 +480,9 @@ class StatsReport:
             f"{'process':<10}" + "".join(f"{c:>16}" for c in cols),
         ]
         for name, row in [*self.workers.items(), ("total", self.total)]:
-            vals = (
-                f"{row['records']:,.0f}",
-                f"{row['bytes_read'] / 1e6:,.1f}",
-                f"{row['read_seconds']:.2f}",
-                f"{row['decode_seconds']:.2f}",
-                f"{row['transform_seconds']:.2f}",
-                f"{row['cache_hits']:,.0f}/{row['cache_misses']:,.0f}",
-            )
+            seconds = (f"{row[f'{k}_seconds']:.2f}" for k in ("read", "decode", "transform"))
+            vals = (f"{row['records']:,.0f}", f"{row['bytes_read'] / 1e6:,.1f}", *seconds)
+            vals += (f"{row['cache_hits']:,.0f}/{row['cache_misses']:,.0f}",)
             lines.append(f"{name:<10}" + "".join(f"{v:>16}" for v in vals))
         rate, per_batch = self.cache_hit_rate, self.misses_per_batch
         if rate is not None and per_batch is not None:
