@@ -166,11 +166,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if t := out.get("tokens"):
         print(
             f"tokens      {t['tokens']:,} in {t['column']!r} ({t['documents']:,} documents; "
-            f"counted from {t['lengths_from']!r})"
-        )
-        print(
-            f"  length    mean {t['mean']:,.1f}, min {t['min']:,}, p50 {t['p50']:,.0f}, "
-            f"p90 {t['p90']:,.0f}, p99 {t['p99']:,.0f}, max {t['max']:,}"
+            f"counted from {t['lengths_from']!r})\n  length    mean {t['mean']:,.1f}, min "
+            f"{t['min']:,}, p50 {t['p50']:,.0f}, p90 {t['p90']:,.0f}, p99 {t['p99']:,.0f}, "
+            f"max {t['max']:,}"
         )
     if out["skipped"]:
         print("skipped (not data)", *(f"  {path}" for path in out["skipped"]), sep="\n")
