@@ -98,10 +98,8 @@ def merge_file_schemas(
                 )
             seen.setdefault(name, []).append((i, field.type, field.nullable))
     names = list(seen)
-    present = np.zeros((len(files), len(names)), dtype=bool)
-    for i, s in enumerate(schemas):
-        have = set(s.names)
-        present[i] = [n in have for n in names]
+    have = [set(s.names) for s in schemas]
+    present = np.array([[n in h for n in names] for h in have], bool).reshape(len(have), len(names))
     fields = []
     for j, name in enumerate(names):
         entries = seen[name]
@@ -215,10 +213,8 @@ def arrow_type_name(t: pa.DataType) -> str:
         return arrow_type_name(t.value_type)
     if pa.types.is_fixed_size_list(t):
         return f"fixed_size_list<{arrow_type_name(t.value_type)}>[{t.list_size}]"
-    if pa.types.is_large_list(t):
-        return f"large_list<{arrow_type_name(t.value_type)}>"
-    if pa.types.is_list(t):
-        return f"list<{arrow_type_name(t.value_type)}>"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"{'large_' * pa.types.is_large_list(t)}list<{arrow_type_name(t.value_type)}>"
     if pa.types.is_map(t):
         return f"map<{arrow_type_name(t.key_type)}, {arrow_type_name(t.item_type)}>"
     if pa.types.is_struct(t):
@@ -296,19 +292,15 @@ def numpy_dtype(t: pa.DataType) -> tuple[np.dtype, np.dtype | None]:
         >>> numpy_dtype(pa.int16()), numpy_dtype(pa.date32())
         ((dtype('int16'), None), (dtype('int32'), dtype('<M8[D]')))
     """
-    if pa.types.is_integer(t):
-        kind = "i" if pa.types.is_signed_integer(t) else "u"
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
         return np.dtype(f"<{kind}{t.bit_width // 8}"), None
-    if pa.types.is_floating(t):
-        return np.dtype(f"<f{t.bit_width // 8}"), None
-    if pa.types.is_timestamp(t):
-        return np.dtype("<i8"), np.dtype(f"datetime64[{t.unit}]")
-    if pa.types.is_duration(t):
-        return np.dtype("<i8"), np.dtype(f"timedelta64[{t.unit}]")
-    if pa.types.is_date32(t):
-        return np.dtype("<i4"), np.dtype("datetime64[D]")
-    if pa.types.is_date64(t):
-        return np.dtype("<i8"), np.dtype("datetime64[ms]")
+    if pa.types.is_timestamp(t) or pa.types.is_duration(t):
+        kind = "datetime64" if pa.types.is_timestamp(t) else "timedelta64"
+        return np.dtype("<i8"), np.dtype(f"{kind}[{t.unit}]")
+    if pa.types.is_date(t):  # (date32: days, date64: milliseconds)
+        unit = "D" if pa.types.is_date32(t) else "ms"
+        return np.dtype(f"<i{t.bit_width // 8}"), np.dtype(f"datetime64[{unit}]")
     raise TypeError(f"no numpy dtype for {t}")
 
 
