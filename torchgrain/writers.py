@@ -331,13 +331,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if present and all(isinstance(v, (np.datetime64, np.timedelta64)) for v in present):
             # What a ParquetSource returns; Arrow takes such scalars only of a type
             # without a time zone, and of its own unit.
-            exact = np.array(present)
-            if exact.dtype.kind != np.dtype(temporal).kind:
-                raise TypeError(f"it holds {exact.dtype} values")
-            within = exact.astype(temporal)
-            same = (within == exact) | (np.isnat(within) & np.isnat(exact))
-            if not same.all():
-                raise ValueError(f"{present[int(np.argmin(same))]!r} is not a {kind} value")
+            within = _in_units(np.array(present), kind)
             mask = np.fromiter((v is None for v in values), bool, len(values))
             full = np.zeros(len(values), dtype=temporal)
             full[~mask] = within
@@ -419,8 +413,9 @@ def _in_units(value: Any, kind: Any) -> Any:
             if got.dtype.kind != np.dtype(unit).kind:
                 raise TypeError(f"it holds {got.dtype} values")
             within = got.astype(unit)
-            if not ((within == got) | np.isnat(got)).all():
-                raise ValueError(f"{value!r} is not a {kind} value")
+            same = (within == got) | np.isnat(got)
+            if not same.all():
+                raise ValueError(f"{got.flat[int(np.argmin(same))]!r} is not a {kind} value")
             got = within
         if isinstance(value, np.ndarray):
             return got
