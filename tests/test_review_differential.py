@@ -743,3 +743,41 @@ def test_a_record_the_writer_accepts_reads_back(tmp_path):
         assert "meta" in str(e) or "key" in str(e)
         return
     same(record, tg.ArrayRecordSource(tmp_path)[0])
+
+
+def _two_tfrecord_shards(tmp_path):
+    """Shards of 6 and 12 records of one size: an offset of one is a frame start in both."""
+    write_tfrecord([b"A%02d" % i for i in range(6)], tmp_path / "a.tfrecord")
+    write_tfrecord([b"B%02d" % i for i in range(12)], tmp_path / "b.tfrecord")
+    return tg.TFRecordSource(tmp_path, codec="raw", index_dir=None)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TFRecordSource.iter_shard_bytes takes a negative start as an index into the "
+    "whole dataset's offsets: it reads shard 1 from an offset of shard 0 (records B05-B08)",
+)
+def test_tfrecord_iter_shard_with_a_negative_start_never_reads_other_records(tmp_path):
+    src = _two_tfrecord_shards(tmp_path)
+    try:
+        got = list(src.iter_shard_bytes(1, -2, 2))
+    except (IndexError, ValueError):
+        return
+    assert got == [b"B00", b"B01"]  # [max(start, 0), stop), as ArrayRecord and Parquet read
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="EncodedSource.iter_shard checks no shard number: -1 reads nothing from an "
+    "ArrayRecord dataset and the last shard of a TFRecord one (Source.iter_shard raises)",
+)
+@pytest.mark.parametrize("fmt", ["array_record", "tfrecord"])
+def test_iter_shard_of_a_shard_out_of_range_is_an_index_error(tmp_path, fmt):
+    if fmt == "tfrecord":
+        src = _two_tfrecord_shards(tmp_path)
+    else:
+        tg.write_array_record([{"v": i} for i in range(18)], tmp_path, num_shards=2)
+        src = tg.ArrayRecordSource(tmp_path)
+    for shard in (-1, 2):
+        with pytest.raises(IndexError):
+            list(src.iter_shard(shard, 0, 2))
