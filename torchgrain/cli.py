@@ -353,11 +353,8 @@ def _retry_policy(args: argparse.Namespace) -> RetryPolicy | None:
         (1, 90.0)
     """
     retries = getattr(args, "retries", None)
-    given = {
-        "attempts": None if retries is None else retries + 1,
-        "deadline": getattr(args, "deadline", None),
-        "request_timeout": getattr(args, "request_timeout", None),
-    }
+    given = {k: getattr(args, k, None) for k in ("deadline", "request_timeout")}
+    given["attempts"] = None if retries is None else retries + 1
     given = {k: v for k, v in given.items() if v is not None}
     return RetryPolicy(**given) if given else None
 
