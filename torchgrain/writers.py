@@ -288,17 +288,14 @@ def _python_types(kind: Any) -> tuple[type, ...] | None:
     import pyarrow as pa
 
     t = pa.types
-    if t.is_integer(kind):
-        return (int, np.integer)
-    if t.is_floating(kind):
-        return (float, int, np.floating, np.integer)
-    if t.is_string(kind) or t.is_large_string(kind):
-        return (str,)
-    if t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind):
-        return (bytes,)
-    if t.is_boolean(kind):
-        return (bool, np.bool_)
-    return None
+    table = (
+        (t.is_integer(kind), (int, np.integer)),
+        (t.is_floating(kind), (float, int, np.floating, np.integer)),
+        (t.is_string(kind) or t.is_large_string(kind), (str,)),
+        (t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind), (bytes,)),
+        (t.is_boolean(kind), (bool, np.bool_)),
+    )
+    return next((types for match, types in table if match), None)
 
 
 def _typed_column(values: list[Any], kind: Any) -> Any:
@@ -1012,14 +1009,13 @@ class ParquetOutput(OutputFormat):
             ...
             torchgrain.errors.SchemaMismatchError: the Parquet output shards ... nothing was published
         """
-        shards = [s for s in manifest.shards if s.num_records]
-        for shard, schema in _reconciled(root, [s.path for s in shards]).items():
-            info = shards[[s.path for s in shards].index(shard)]
-            path = os.path.join(root, shard)
+        shards = {s.path: s for s in manifest.shards if s.num_records}
+        for shard, schema in _reconciled(root, list(shards)).items():
+            info, path = shards[shard], os.path.join(root, shard)
             _rewrite(path, schema, str(manifest.extra.get("compression", "zstd")))
             info.num_bytes = os.path.getsize(path)
             info.checksum = file_checksum(path)
-        check_shard_schemas(root, [s.path for s in shards])
+        check_shard_schemas(root, list(shards))
 
 
 def _fills(a: Any, b: Any) -> bool:
