@@ -277,17 +277,15 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
     # Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
     if t in _BYTES or any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
-    converted = None  # (None: through to_pylist)
-    if is_list_type(t) or pa.types.is_map(t):
-        converted = _lists_to_numpy(arr)
-    elif pa.types.is_struct(t):
+    if pa.types.is_struct(t):
         children = [convert_column(c) for c in arr.flatten()]
         names = [f.name for f in t]
         mask = _null_mask(arr)
         valid = None if mask is None else (~mask).tolist()
         nbytes = sum(c.nbytes for c in children) + overhead
         return Column("struct", (names, children, valid), nbytes)
-    return converted or Column("arrow", arr, arr.nbytes + overhead)
+    converted = _lists_to_numpy(arr) if is_list_type(t) or pa.types.is_map(t) else None
+    return converted or Column("arrow", arr, arr.nbytes + overhead)  # (None: to_pylist)
 
 
 def _lists_to_numpy(arr: pa.Array) -> Column | None:
@@ -304,7 +302,6 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
     mask = _null_mask(arr)
     outer, child = _list_offsets(arr)
     bounds = outer.tolist()
-    leaf = None
     if not is_list_type(child.type):
         leaf = _leaf_numpy(child)
         if leaf is None:
@@ -475,11 +472,8 @@ def _column(arr: pa.Array) -> _Column:
         buf = arr.buffers()[1] or bytes((off + n) * w)
         col.values = np.frombuffer(buf, np.uint8)[off * w : (off + n) * w]
     elif is_list_type(t) and (fresh := _leaf_numpy(arr.values)) is not None:
-        child = arr.values
-        if (
-            child.null_count
-            and _rows_with_null_items(child, _list_offsets(arr)[0], n, _null_mask(arr)) is not None
-        ):
+        holed = _rows_with_null_items(arr.values, _list_offsets(arr)[0], n, _null_mask(arr))
+        if holed is not None:
             return col  # rows with null items: Python lists
         if pa.types.is_fixed_size_list(t):
             k = t.list_size
