@@ -226,7 +226,7 @@ def _adopt_at_fork() -> None:
             continue
         try:
             wd = w.add(fd)  # (before the stat: a change after it raises an event)
-            now = _identity(os.fstat(fd))
+            now = _identity(os.fstat(fd), pin.ctime)
             if now == pin.ident:
                 pin.wd, pin.seen = wd, 0
                 continue
@@ -280,10 +280,11 @@ def seen() -> int:
     return _this_process().events
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+def _identity(st: os.stat_result, ctime: bool = True) -> tuple[int, int, int, int, int]:
     # The change time: a write in place with the size and modification time put back
-    # (cp -p, rsync --inplace -t) moves it, and no one can set it back.
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    # (cp -p, rsync --inplace -t) moves it, and no one can set it back (nor can a
+    # touch of the access time alone: not compared for a pin taken with ctime=False).
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns if ctime else 0)
 
 
 def changed_since_opening(shard: int, path: str) -> CorruptDataError:
@@ -313,12 +314,35 @@ class Pin:
     Args:
         fd: the open file.
         path: its path (for messages, and for the stat when no watch is kept).
+        ctime: compare the change time too. False for a file only ever replaced, never
+            written in place, whose access time its owner sets (a decoded-cache entry's
+            LRU touch moves the change time): its stat compares what a touch cannot move.
+
+    Example:
+        >>> import os, tempfile
+        >>> p = os.path.join(tempfile.mkdtemp(), "e")
+        >>> _ = open(p, "wb").write(b"abc")
+        >>> fd = os.open(p, os.O_RDONLY); pin = Pin(fd, p, ctime=False); os.close(fd)
+        >>> os.utime(p, ns=(0, os.stat(p).st_mtime_ns))  # its access time (and change time)
+        >>> pin.release(); changed(pin) is None
+        True
     """
 
-    __slots__ = ("__weakref__", "generation", "ident", "owner", "path", "seen", "verdict", "wd")
+    __slots__ = (
+        "__weakref__",
+        "ctime",
+        "generation",
+        "ident",
+        "owner",
+        "path",
+        "seen",
+        "verdict",
+        "wd",
+    )
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, *, ctime: bool = True) -> None:
         self.path = path
+        self.ctime = ctime
         self.verdict: str | None = None  # what a forked child found as it started
         w = _this_process()
         self.generation, self.owner = w.generation, process.token()
@@ -329,7 +353,7 @@ class Pin:
             w.poll()
             self.seen = w.modified.get(self.wd, 0)
             _live.add(self)
-        self.ident = _identity(os.fstat(fd))
+        self.ident = _identity(os.fstat(fd), ctime)
 
     @property
     def size(self) -> int:
@@ -353,7 +377,7 @@ class Pin:
                 w.poll()
                 self.seen = w.modified.get(wd, 0)
             self.wd = wd
-            if _identity(os.fstat(fd)) != self.ident:
+            if _identity(os.fstat(fd), self.ctime) != self.ident:
                 return _WHY
         finally:
             os.close(fd)
@@ -405,7 +429,7 @@ def changed(pin: Pin, *, polled: bool = False) -> str | None:
         st = os.stat(pin.path)
     except OSError:
         return "it was deleted or replaced"
-    now = _identity(st)
+    now = _identity(st, pin.ctime)
     if now[:2] != pin.ident[:2]:
         return "it was replaced by another file"
     return None if now == pin.ident else _WHY

@@ -50,13 +50,14 @@ def map_file(path: str) -> tuple[pa.Buffer, os.stat_result]:
     return map_file_pinned(path)[:2]
 
 
-def map_file_pinned(path: str) -> tuple[pa.Buffer, os.stat_result, Pin]:
+def map_file_pinned(path: str, *, ctime: bool = True) -> tuple[pa.Buffer, os.stat_result, Pin]:
     """:func:`map_file`, and the file's :class:`~torchgrain.io.changes.Pin` (taken before
-    it is mapped, watched while the map lives): check it before reading the buffer
-    again later, as a file truncated meanwhile would kill the process with SIGBUS."""
+    it is mapped, watched while the map lives; ``ctime`` as there): check it before
+    reading the buffer again later, as a file truncated meanwhile would kill the process
+    with SIGBUS."""
     fd = open_regular(path)
     try:
-        pin = Pin(fd, path)
+        pin = Pin(fd, path, ctime=ctime)
         st = os.fstat(fd)
         if st.st_size == 0:
             return pa.py_buffer(b""), st, pin

@@ -300,12 +300,27 @@ class DecodedCache(NodeStore):
         self._discard(path, pin.ident[:2])
         self._count(changed=1)
 
-    def touch(self, path: str) -> None:
-        """Refresh an entry's LRU time (its access time)."""
+    def touch(self, path: str, st: os.stat_result | None = None) -> None:
+        """Refresh an entry's LRU time (its access time; ``st``: its stat, if just taken).
+
+        It moves the file's change time, which the entry's pins do not compare: a
+        touch, this process's or another's, never reads as a change.
+
+        Example:
+            >>> import tempfile, pyarrow as pa
+            >>> from torchgrain.io.changes import changed
+            >>> cache = DecodedCache(tempfile.mkdtemp(), max_bytes=1 << 20, min_free_bytes=0)
+            >>> t = pa.table({"x": [1]})
+            >>> _, path, pin = cache.get_or_build_pinned(
+            ...     entry_key("t", 0), lambda: t, schema=t.schema, num_rows=1)
+            >>> cache.touch(path); changed(pin) is None
+            True
+        """
         # Its modification time kept to the nanosecond (not through a float): a Pin
         # without an inotify watch compares it, and would take the entry as changed.
         with contextlib.suppress(OSError):
-            os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+            mtime = (st or os.stat(path)).st_mtime_ns
+            os.utime(path, ns=(time.time_ns(), mtime))
 
     # ----------------------------------------------------------------- opening
     def _open(
@@ -317,7 +332,13 @@ class DecodedCache(NodeStore):
         try:
             if stat.S_ISLNK(os.lstat(os.path.dirname(path)).st_mode):
                 return None, None
-            buf, st, pin = map_file_pinned(path)
+            # Touched before it is pinned and checked: the identity this process verifies
+            # holds the change time the touch moved.
+            before = os.stat(path)
+            if stat.S_ISREG(before.st_mode) and time.time() - before.st_atime > _TOUCH_SECONDS:
+                self.touch(path, before)
+            # (its pin compares no change time: any process's touch moves it)
+            buf, st, pin = map_file_pinned(path, ctime=False)
         except OSError:  # missing, or unreadable (decoded again, and replaced if it can)
             return None, None
         except CorruptDataError:  # not a regular file (a FIFO, a device): decoded again,
@@ -329,8 +350,6 @@ class DecodedCache(NodeStore):
             self._count(corrupt=1)
             self._discard(path, (st.st_dev, st.st_ino))
             return None, None
-        if time.time() - st.st_atime > _TOUCH_SECONDS:
-            self.touch(path)
         return table, pin
 
     def _check(
