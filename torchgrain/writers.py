@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -536,18 +537,12 @@ def _column(values: list[Any]) -> Any:
             flat = np.zeros(len(values), dtype=dtype)
             flat[~mask] = [a[()] for a in arrs]
             return pa.array(flat, mask=mask if mask.any() else None)
-        flat = np.concatenate([a.ravel() for a in arrs]) if arrs else np.zeros(0, dtype)
-        out = pa.array(flat)
-        shapes = [a.shape for a in arrs]
+        out = pa.array(np.concatenate([a.ravel() for a in arrs]))
+        shapes = [(0,) * ndim if v is None else np.shape(v) for v in values]
         # Innermost level first: level k has prod(shape[:k]) lists of shape[k] items each.
         for level in range(ndim - 1, -1, -1):
-            if level == 0:
-                lengths = np.zeros(len(values), dtype=np.int64)
-                lengths[~mask] = [s[0] for s in shapes]
-            else:
-                lengths = np.concatenate(
-                    [np.full(int(np.prod(s[:level])), s[level], np.int64) for s in shapes]
-                )
+            counts = [math.prod(s[:level]) for s in shapes] if level else 1
+            lengths = np.repeat(np.array([s[level] for s in shapes], np.int64), counts)
             offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
             np.cumsum(lengths, out=offsets[1:])
             nulls = pa.array(mask) if level == 0 and mask.any() else None
