@@ -307,11 +307,7 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
         if leaf is None:
             children = child.flatten() if pa.types.is_map(arr.type) else [child]
             return _python_lists(arr, mask, bounds, children)
-        if pa.types.is_fixed_size_list(arr.type):
-            k = arr.type.list_size
-            rows: list[Any] = list(leaf[bounds[0] : bounds[0] + n * k].reshape(n, k))
-        else:
-            rows = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
+        rows: Any = [leaf[bounds[i] : bounds[i + 1]] for i in range(n)]
         holed = _rows_with_null_items(child, outer, n, mask)
         if holed is not None:
             items = convert_column(child).values  # plain: numbers / temporal, with None
