@@ -168,20 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=1)
     p.add_argument("--codec", default="auto")
     p.add_argument("--compression", default=None)
-    args = p.parse_args(argv)
+    args = vars(p.parse_args(argv))  # the rest: run_conversion's keyword arguments
+    src, dst = args.pop("src"), args.pop("dst")
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    m = run_conversion(
-        args.src if len(args.src) > 1 else args.src[0],
-        args.dst,
-        pipeline_options=PipelineOptions(beam_args),
-        to=args.to,
-        num_shards=args.num_shards,
-        group_size=args.group_size,
-        codec=args.codec,
-        compression=args.compression,
-    )
-    print(f"wrote {m.num_records:,} records in {len(m.shards)} shard(s) to {args.dst}")
+    options = PipelineOptions(beam_args)
+    m = run_conversion(src if len(src) > 1 else src[0], dst, pipeline_options=options, **args)
+    print(f"wrote {m.num_records:,} records in {len(m.shards)} shard(s) to {dst}")
     return 0
 
 
