@@ -424,8 +424,7 @@ def _check_directory(arg: str, path: str) -> None:
     or above it."""
     if "://" in path and not path.startswith("file://"):
         return
-    target = os.path.abspath(path.removeprefix("file://"))
-    d = target
+    d = target = os.path.abspath(path.removeprefix("file://"))
     while not os.path.exists(d) and os.path.dirname(d) != d:
         d = os.path.dirname(d)
     if not os.path.isdir(d):
