@@ -384,8 +384,7 @@ def run_demo(
     wait, samples = sum(e.wait_seconds for e in results), sum(e.samples for e in results)
     first, last = (losses[0], losses[-1]) if losses else (0.0, 0.0)
     result = DemoResult(steps, samples, seconds, wait, first, last, results)
-    why = explain_first_epoch(results, num_workers)
-    if why:
+    if why := explain_first_epoch(results, num_workers):
         log(why)
     later = sum(e.seconds for e in results[1:])
     rate = sum(e.samples for e in results[1:]) / later if later > 0 else 0.0
