@@ -67,8 +67,8 @@ class NodeStore:
     ``directory`` (a local disk: the locks are ``flock``) holds at most ``max_bytes``
     of entries and writes in flight, and :meth:`_room_on_disk` keeps ``min_free_bytes``
     free on its filesystem. Subclasses set the class attributes below and may override
-    :meth:`_remedy`, :meth:`_count`, :meth:`_last_use`, :meth:`_forget`, :meth:`_rank`
-    and :meth:`_temp_of`.
+    :meth:`_remedy`, :meth:`_count`, :meth:`_last_use`, :meth:`_forget`, :meth:`_rank`,
+    :meth:`_temp_of` and :meth:`_own_lock`.
     """
 
     _WHAT = "the node store"  # what it is, in messages
@@ -160,6 +160,11 @@ class NodeStore:
                 return name, int(rest[0]) if len(rest) == 3 else 0
         return None
 
+    def _own_lock(self, name: str) -> bool:
+        """Whether ``name`` is a writer's lock of its own, taken by no other process (not
+        an entry's shared lock): a sweep that finds it free deletes it with its temp file."""
+        return False
+
     # ----------------------------------------------------------------- writing
     @contextlib.contextmanager
     def _writing(self, path: str, what: str = "", *, mark: bool = True) -> Iterator[None]:
@@ -195,7 +200,7 @@ class NodeStore:
     ) -> contextlib.AbstractContextManager[bool]:
         """Hold the lock of entry ``name`` (shared or exclusive); yields whether it is held:
         ``wait`` None waits for it, else gives up after that many seconds (0: one try).
-        See :meth:`_flock` for ``strict`` and ``mark``."""
+        See :meth:`_flock` for ``strict``, ``mark`` and ``drop``."""
         return self._flock(self._lock_path(name), shared, wait, **kw)
 
     def _lock_path(self, name: str) -> str:
@@ -235,9 +240,11 @@ class NodeStore:
         wait: float | None = None,
         strict: bool = True,
         mark: bool = True,
+        drop: bool = False,
     ) -> Iterator[bool]:
         """``strict=False``: a lock file that cannot be made yields False, not an error;
-        ``mark``: see :meth:`_writing`."""
+        ``mark``: see :meth:`_writing`; ``drop``: a lock file no other process takes,
+        deleted while still held (if its path still names it) once let go."""
         # A new descriptor each time: flock excludes open files, not threads sharing one.
         try:
             with self._writing(path, " (a lock file)", mark=mark):
@@ -268,6 +275,8 @@ class NodeStore:
             try:
                 yield True
             finally:
+                if drop:
+                    _unlink_if(path, fd)
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
@@ -318,7 +327,8 @@ class NodeStore:
         for path, name, size in self._temps():
             if path == exclude:
                 continue
-            with self._lock(name, wait=0) as free:
+            # (a writer's own lock goes too: its name is never used again)
+            with self._lock(name, wait=0, drop=self._own_lock(name)) as free:
                 if free:
                     with contextlib.suppress(OSError):  # (see _remove_temps)
                         os.unlink(path)
@@ -519,3 +529,12 @@ class NodeStore:
                 os.pwrite(fd, _TOTAL.pack(max(0, held)), 0)
             finally:
                 os.close(fd)
+
+
+def _unlink_if(path: str, fd: int) -> None:
+    """Delete the file at ``path`` if it is still the one open as ``fd`` (another process
+    may have made a new one there since)."""
+    with contextlib.suppress(OSError):
+        st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+            os.unlink(path)

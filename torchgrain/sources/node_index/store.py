@@ -35,6 +35,7 @@ import errno
 import functools
 import hashlib
 import os
+import re
 import stat
 import sys
 import threading
@@ -614,6 +615,11 @@ class IndexDir(NodeStore):
         entry, suffix, _ = stem.lstrip(".").rpartition(INDEX_SUFFIX)
         return (entry + suffix, 0) if suffix else None
 
+    def _own_lock(self, name: str) -> bool:
+        # <8 hex>-<name>: a builder's lock of its own (cached_index), whose shared lock
+        # was held too long; no index is named so (a kind, or 32 hex digits, comes first)
+        return _OWN_LOCK.fullmatch(name) is not None
+
     def writer(self, name: str) -> EntryWriter | None:
         """Entry ``name`` (a file name ending in ``.tgindex``) to write a piece at a time
         and publish: counted against the directory's budget, least recently used entries
@@ -648,6 +654,9 @@ class IndexDir(NodeStore):
             stack.close()
             raise
         return EntryWriter(self, name, tmp, file, stack)
+
+
+_OWN_LOCK = re.compile(r"[0-9a-f]{8}-.+")
 
 
 def _unlink_quietly(path: str) -> None:
@@ -848,7 +857,6 @@ def cached_index(
     store = index_store(index_dir)
     if store.disk_full:  # found with no room by this process (which said so)
         return build(None)
-    tmp = ""
     try:
         # (waiting a bounded time, then building anyway: the rename keeps it whole)
         wait = index_lock_wait(deadline)
@@ -860,10 +868,12 @@ def cached_index(
                     store._remove_temps(name)  # a killed builder's
                 else:  # its temp files go under a lock of their own: sweeps keep them
                     own = f"{uuid.uuid4().hex[:8]}-{name}"
-                    stack.enter_context(store._lock(own))
-                    # No other process has its name: it goes (still held) when the build ends.
-                    stack.callback(_unlink_quietly, store._lock_path(own))
+                    # No other process takes it: it goes (still held) when the build ends,
+                    # or with the temp file of a killed build (NodeStore._reserved).
+                    stack.enter_context(store._lock(own, drop=True))
                 tmp = store._reserve(own, 0, evict=False)
+                # (gone before its lock is let go: a sweep in between would keep it)
+                stack.callback(_unlink_quietly, tmp)
                 with store._writing(path):
                     build(tmp)
                 store._publish(tmp, path, os.path.getsize(tmp))
@@ -895,10 +905,6 @@ def cached_index(
                 stacklevel=3,
             )
         return build(None)
-    finally:
-        if tmp:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 @contextlib.contextmanager
