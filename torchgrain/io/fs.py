@@ -534,10 +534,10 @@ class _Listing:
             s3 = _s3_of(fs)
             if s3 is not None:
                 found = self._s3_keys(s3, root, start, one_level=max_depth == 1)
+            elif is_local(fs):
+                found = self._regular(root, self._local_find(root))
             else:
                 found = remote.call(fs, "find", root, url=self.item, what="listing")
-            if is_local(fs):
-                found = self._regular(root, found)
             return [p for p in found if self._keep(root, p)]
         # HTTP(S): a listing is the server's page of links. Walk it level by level and
         # request only directories inside the root (fsspec's own find would follow
@@ -646,15 +646,23 @@ class _Listing:
             tokens.add(hash(token))
             ask["ContinuationToken"] = token
 
-    def _regular(self, root: str, found: list[str]) -> list[str]:
+    def _local_find(self, root: str, max_depth: int | None = None) -> dict[str, dict[str, Any]]:
+        """Each non-folder below a local ``root`` with its listed type (a link, a FIFO:
+        ``type`` "other"; a linked folder is one, never walked)."""
+        return remote.call(
+            self.fs, "find", root, maxdepth=max_depth, detail=True, url=self.item, what="listing"
+        )
+
+    def _regular(self, root: str, found: dict[str, dict[str, Any]]) -> list[str]:
         """The regular files (and links to them) of a local listing below ``root``. A
         FIFO is never opened (its open waits for a writer), nor a socket or device: those
         a user would look for are named in a warning, as is a linked folder (fsspec does
         not walk one). A link named like data whose target is missing (a disk not
-        mounted) is an error: its records would be lost."""
+        mounted) is an error: its records would be lost. Only what the listing does not
+        call a plain file is looked at again."""
         kept, odd, linked = [], [], []
-        for p in found:
-            if os.path.isfile(p):
+        for p, info in found.items():
+            if info.get("type") == "file" or os.path.isfile(p):  # (a link is "other")
                 kept.append(p)
             elif not os.path.isdir(p):
                 odd.append(p)
@@ -692,14 +700,24 @@ class _Listing:
         base = pattern[:cut].rsplit("/", 1)[0] if "/" in pattern[:cut] else ""
         rel = pattern[len(base) :].lstrip("/")
         depth = None if "**" in rel else rel.count("/") + 1
-        regex = re.compile((glob_translate or _glob_translate)(rel))
+        translate = glob_translate or _glob_translate
+        regex = re.compile(translate(rel))
         if is_local(fs):
-            # Listed whole (to its depth): a linked folder the pattern passes is named.
+            # Listed to its depth: what the pattern names, and a linked folder it passes
+            # (one matching a leading part of it: named in a warning), is looked at.
             root = base or ("/" if pattern.startswith("/") else "")
-            found = remote.call(fs, "find", root, maxdepth=depth, url=self.item, what="listing")
-            found = [
-                p for p in found if regex.fullmatch(p[len(base) :].lstrip("/")) or os.path.isdir(p)
-            ]
+            parts = rel.split("/")
+            leads = [re.compile(translate("/".join(parts[:k]))) for k in range(1, len(parts))]
+
+            def named(p: str, info: dict[str, Any]) -> bool:
+                r = p[len(base) :].lstrip("/")
+                if regex.fullmatch(r):
+                    return True
+                linked = bool(info.get("islink")) and any(x.fullmatch(r) for x in leads)
+                return linked and os.path.isdir(p)
+
+            found = self._local_find(root, depth)
+            found = {p: info for p, info in found.items() if named(p, info)}
             return [p for p in self._regular(root, found) if self._keep(root, p)]
         if not _paths.is_http(fs) and _s3_of(fs) is None:
             found = remote.call(fs, "glob", pattern, url=self.item, what="listing")
