@@ -84,8 +84,7 @@ def array_record_options(group_size: int, compression: str) -> str:
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     allowed = ("zstd", "snappy", "brotli", "uncompressed")
-    base = compression.split(":", 1)[0]
-    if base not in allowed:
+    if compression.split(":", 1)[0] not in allowed:
         raise ValueError(f"compression must be one of {allowed} (optionally 'zstd:LEVEL')")
     return f"group_size:{group_size},{compression}"
 

@@ -307,8 +307,7 @@ def convert(
             counts = plan["counts"]
             total = int(sum(counts)) if counts is not None else None
             bar = _Progress(total, progress)
-            if bar._bar is not None and done:
-                bar._bar.update(sum(r["num_records"] for r in done.values()))
+            bar.update(sum(r["num_records"] for r in done.values()), 0)  # (resumed)
             try:
                 for result in _execute(job, todo, pool, progress_q, bar):
                     journal.record(result)
