@@ -34,6 +34,7 @@ from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import retry_call, using
 from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
+from torchgrain.sources.base import shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.index import ShardIndex
@@ -459,11 +460,10 @@ class ArrayRecordSource(EncodedSource):
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[bytes]:
         """The raw records ``[start, stop)`` of one shard, in order, read in blocks."""
-        n = int(self.index.counts[shard])
-        stop = n if stop is None else min(stop, n)
+        start, stop = shard_rows(self.index.counts, shard, start, stop)
 
         def records() -> Iterator[bytes]:
-            for a in range(max(start, 0), stop, _SEQUENTIAL_BLOCK):
+            for a in range(start, stop, _SEQUENTIAL_BLOCK):
                 b = min(a + _SEQUENTIAL_BLOCK, stop)
                 yield from self._io(
                     lambda a=a, b=b: self._reader(shard).read_range(a, b),

@@ -151,12 +151,9 @@ class Source(abc.ABC):
         """Records ``[start, stop)`` of one shard, in order: sequential reading (what
         ``torchgrain convert`` and ``inspect`` use), without a random access per record."""
         counts = self.shard_counts
-        if not 0 <= shard < len(counts):
-            raise IndexError(f"shard {shard} out of range [0, {len(counts)})")
+        start, stop = shard_rows(counts, shard, start, stop)
         base = int(counts[:shard].sum())
-        n = int(counts[shard])
-        stop = n if stop is None else min(stop, n)
-        yield from iter_in_blocks(self, base + max(start, 0), base + stop)
+        yield from iter_in_blocks(self, base + start, base + stop)
 
     @property
     def io_stats(self) -> dict[str, int]:
@@ -706,6 +703,29 @@ class ShardedSource(Source):
         self._make_helpers(state["cache_fit"])
         # The versions it was pickled with: a file replaced since is refused when read.
         self._held = remote.restore_pins(self._fs, self._paths, pins, replaced)
+
+
+def shard_rows(counts: np.ndarray, shard: int, start: int, stop: int | None) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``shard`` (of a dataset with ``counts`` records per
+    shard) clipped to it, as :meth:`Source.iter_shard` reads them: a negative ``start``
+    is 0, ``stop`` at most the shard's count (``None``: all of it).
+
+    Raises:
+        IndexError: ``shard`` is not a shard of the dataset.
+
+    Example:
+        >>> import numpy as np
+        >>> shard_rows(np.array([3, 5]), 1, -2, None), shard_rows(np.array([3, 5]), 0, 1, 9)
+        ((0, 5), (1, 3))
+        >>> shard_rows(np.array([3, 5]), -1, 0, None)
+        Traceback (most recent call last):
+        ...
+        IndexError: shard -1 out of range [0, 2)
+    """
+    if not 0 <= shard < len(counts):
+        raise IndexError(f"shard {shard} out of range [0, {len(counts)})")
+    n = int(counts[shard])
+    return max(start, 0), n if stop is None else min(stop, n)
 
 
 def iter_in_blocks(

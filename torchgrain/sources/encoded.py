@@ -26,7 +26,7 @@ from torchgrain.errors import CorruptDataError, RecordDecodeError
 from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.io import changes
 from torchgrain.io.region import ShardRegion
-from torchgrain.sources.base import ShardedSource
+from torchgrain.sources.base import ShardedSource, shard_rows
 
 __all__ = ["EncodedSource"]
 
@@ -167,8 +167,9 @@ class EncodedSource(ShardedSource):
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[dict[str, Any]]:
         """Records ``[start, stop)`` of one shard, in order (compressed files too)."""
+        start, stop = shard_rows(self.index.counts, shard, start, stop)
         base = int(self.index.offsets[shard])
-        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), max(start, 0)):
+        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
             yield self._decode(data, shard, row, base + row)
 
     # ---------------------------------------------------------------- reading

@@ -62,6 +62,7 @@ from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, using
+from torchgrain.sources.base import shard_rows
 from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.format import ShardFile
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
@@ -222,7 +223,7 @@ class TFRecordSource(EncodedSource):
     ) -> Iterator[bytes]:
         """The raw bytes of records ``[start, stop)`` of one shard, in order."""
         n = int(self.index.counts[shard])
-        stop = n if stop is None else min(stop, n)
+        start, stop = shard_rows(self.index.counts, shard, start, stop)
         if start >= stop:
             return
         self._check_opened(shard)  # (read through a file of its own: not pinned)
