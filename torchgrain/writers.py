@@ -282,11 +282,13 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _python_types(kind: Any) -> tuple[type, ...] | None:
-    """The Python (and numpy) types whose values an Arrow type of ``kind`` takes as they
-    are (None: any, left to pyarrow)."""
+def _typed_column(values: list[Any], kind: Any) -> Any:
+    """``values`` as an Arrow array of type ``kind``, each value held exactly (else a
+    ValueError or TypeError)."""
     import pyarrow as pa
 
+    # The Python (and numpy) types whose values the type takes as they are (other
+    # types: left to pyarrow).
     t = pa.types
     table = (
         (t.is_integer(kind), (int, np.integer)),
@@ -295,23 +297,15 @@ def _python_types(kind: Any) -> tuple[type, ...] | None:
         (t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind), (bytes,)),
         (t.is_boolean(kind), (bool, np.bool_)),
     )
-    return next((types for match, types in table if match), None)
-
-
-def _typed_column(values: list[Any], kind: Any) -> Any:
-    """``values`` as an Arrow array of type ``kind``, each value held exactly (else a
-    ValueError or TypeError)."""
-    import pyarrow as pa
-
-    allowed = _python_types(kind)
+    allowed = next((types for match, types in table if match), None)
     if allowed is not None:
-        for t in set(map(type, values)):
-            if t is not type(None) and (
-                not issubclass(t, allowed)
-                or (issubclass(t, (bool, np.bool_)) and bool not in allowed)
+        for typ in set(map(type, values)):
+            if typ is not type(None) and (
+                not issubclass(typ, allowed)
+                or (issubclass(typ, (bool, np.bool_)) and bool not in allowed)
             ):
-                v = next(v for v in values if type(v) is t)
-                raise TypeError(f"it holds {v!r} ({t.__name__})")
+                v = next(v for v in values if type(v) is typ)
+                raise TypeError(f"it holds {v!r} ({typ.__name__})")
     if pa.types.is_float16(kind) or pa.types.is_float32(kind):
         # Arrow rounds a Python float to the narrower type without a word.
         mask = np.fromiter((v is None for v in values), bool, len(values))
@@ -333,7 +327,8 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
             full = np.zeros(len(values), dtype=temporal)
             full[~mask] = within
             return pa.array(full, mask=mask if mask.any() else None).cast(kind)
-    if _is_list(kind) and _all_arrays(values):
+    arrays = [v for v in values if v is not None] if _is_list(kind) else []
+    if arrays and all(isinstance(v, np.ndarray) and v.ndim for v in arrays):
         # Arrow builds lists from 1-D arrays only, and casts their values to the type
         # without a word: nested lists from numpy's shapes, of the arrays' own dtype,
         # then cast to the column's list type (fixed size, large) if another.
@@ -484,11 +479,6 @@ def _temporal_unit(kind: Any) -> str | None:
     if pa.types.is_duration(kind):
         return f"timedelta64[{kind.unit}]"
     return None
-
-
-def _all_arrays(values: list[Any]) -> bool:
-    present = [v for v in values if v is not None]
-    return bool(present) and all(isinstance(v, np.ndarray) and v.ndim for v in present)
 
 
 def _is_list(kind: Any) -> bool:
