@@ -752,11 +752,6 @@ def _two_tfrecord_shards(tmp_path):
     return tg.TFRecordSource(tmp_path, codec="raw", index_dir=None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TFRecordSource.iter_shard_bytes takes a negative start as an index into the "
-    "whole dataset's offsets: it reads shard 1 from an offset of shard 0 (records B05-B08)",
-)
 def test_tfrecord_iter_shard_with_a_negative_start_never_reads_other_records(tmp_path):
     src = _two_tfrecord_shards(tmp_path)
     try:
@@ -766,11 +761,6 @@ def test_tfrecord_iter_shard_with_a_negative_start_never_reads_other_records(tmp
     assert got == [b"B00", b"B01"]  # [max(start, 0), stop), as ArrayRecord and Parquet read
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EncodedSource.iter_shard checks no shard number: -1 reads nothing from an "
-    "ArrayRecord dataset and the last shard of a TFRecord one (Source.iter_shard raises)",
-)
 @pytest.mark.parametrize("fmt", ["array_record", "tfrecord"])
 def test_iter_shard_of_a_shard_out_of_range_is_an_index_error(tmp_path, fmt):
     if fmt == "tfrecord":

@@ -21,11 +21,6 @@ def no_inotify(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(changes, "_watcher", None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Pin's identity now holds the change time, and DecodedCache.touch's utime "
-    "(its LRU access time) moves it: without inotify a touched entry reads as changed",
-)
 def test_decoded_cache_touch_keeps_its_pin(tmp_path, no_inotify) -> None:
     from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 
@@ -40,11 +35,6 @@ def test_decoded_cache_touch_keeps_its_pin(tmp_path, no_inotify) -> None:
     assert changes.changed(pin) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DecodedCache._open touches an entry whose access time is old after pinning "
-    "it: without inotify the pin a hit returns already reads as changed",
-)
 def test_decoded_cache_hit_on_old_entry_returns_a_sound_pin(tmp_path, no_inotify) -> None:
     from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key
 
@@ -70,12 +60,6 @@ def _array_record_without_index(data: str, n: int) -> str:
     return data
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a give-up builder killed mid-build (cached_index's lock of its own, "
-    "'<random>-<name>.lock') leaves that lock file for good: the next publish's sweep "
-    "(NodeStore._reserved) deletes its temp file and opens, so keeps, its lock",
-)
 def test_a_killed_give_up_builder_leaves_no_lock_file(tmp_path) -> None:
     import warnings
 
@@ -101,12 +85,6 @@ def test_a_killed_give_up_builder_leaves_no_lock_file(tmp_path) -> None:
     assert not os.path.exists(store._lock_path(own))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="io/fs.py _Listing.glob keeps every folder its local find lists (`or "
-    "os.path.isdir(p)`), matched or not: a linked folder the pattern cannot reach is "
-    "named in the 'not regular files' DatasetWarning",
-)
 @pytest.mark.parametrize(
     "pattern", ["train-*.parquet", "*.parquet", "[ab].parquet", "s*/*.parquet"]
 )
