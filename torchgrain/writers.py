@@ -1119,10 +1119,10 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     schemas = {n: pq.read_schema(os.path.join(root, n)) for n in names}
-    types: dict[str, dict[Any, None]] = {}  # column -> its types, in order
-    for schema in schemas.values():
+    types: dict[str, dict[Any, str]] = {}  # column -> {type: the first file of it}
+    for n, schema in schemas.items():
         for f in schema:
-            types.setdefault(f.name, {})[f.type] = None
+            types.setdefault(f.name, {}).setdefault(f.type, n)
     target = {c: t for c, ts in types.items() if (t := _common(list(ts))) is not None}
     out = {}
     for n, schema in schemas.items():
@@ -1143,12 +1143,12 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
             from torchgrain.errors import SchemaMismatchError
 
             column, value = past
-            other = next(m for m, s in schemas.items() if s.field(column).type == target[column])
             raise SchemaMismatchError(
                 f"the Parquet output shards in {root!r} do not agree: column {column!r} is "
-                f"{schema.field(column).type} in {n} but {target[column]} in {other}, and {n} "
-                f"holds {value}, which a double rounds (past 2**53); give the column one type "
-                "in every record, or convert to array_record; nothing was published"
+                f"{schema.field(column).type} in {n} but {target[column]} in "
+                f"{types[column][target[column]]}, and {n} holds {value}, which a double "
+                "rounds (past 2**53); give the column one type in every record, or convert to "
+                "array_record; nothing was published"
             )
         for i, f in changed:
             schema = schema.set(i, f.with_type(target[f.name]))
