@@ -40,6 +40,7 @@ import numpy as np
 from torchgrain.adapters import checked_batch
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.errors import SchemaMismatchError
+from torchgrain.formats.codecs import split_type
 from torchgrain.protocols import PlacedOrder, ReadsAhead, SetsEpoch
 from torchgrain.sources.base import Source
 from torchgrain.sources.index import ShardIndex
@@ -194,7 +195,7 @@ def _get_columns(child: Any, indices: list[int]) -> ColumnBatch:
 
 
 def _split_type(t: str) -> tuple[frozenset[str], bool]:
-    parts = set(t.split("|"))
+    parts = set(split_type(t))
     nullable = "null" in parts
     parts.discard("null")
     return frozenset(parts), nullable
@@ -202,13 +203,14 @@ def _split_type(t: str) -> tuple[frozenset[str], bool]:
 
 def _join_array(a: str, b: str) -> str | None:
     """``uint8[64,?]`` and ``uint8[32,3]`` -> ``uint8[?,?]``: one dtype and rank, the
-    sizes that differ become ``?``; None when they are not such a pair."""
+    sizes that differ become ``?``; None when they are not such a pair (lists included:
+    ``list[int]`` and ``list[str]`` disagree)."""
     if not (a.endswith("]") and b.endswith("]") and "[" in a and "[" in b):
         return None
     da, _, sa = a[:-1].partition("[")
     db, _, sb = b[:-1].partition("[")
     dims_a, dims_b = sa.split(",") if sa else [], sb.split(",") if sb else []
-    if da != db or len(dims_a) != len(dims_b):
+    if da != db or da == "list" or len(dims_a) != len(dims_b):
         return None
     dims = [x if x == y else "?" for x, y in zip(dims_a, dims_b)]
     return f"{da}[{','.join(dims)}]"

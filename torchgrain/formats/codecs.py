@@ -47,6 +47,7 @@ __all__ = [
     "register_codec",
     "schema_sampled",
     "sniff_codec",
+    "split_type",
 ]
 
 _NDARRAY_EXT = 1
@@ -423,6 +424,29 @@ def describe_value(value: Any) -> str:
     return type(value).__name__
 
 
+def split_type(t: str) -> list[str]:
+    """A type's alternatives (see :func:`describe_value`): ``t`` split at each ``|``
+    outside brackets, so a list's element types stay in their ``list[...]``.
+
+    Example:
+        >>> split_type("list[int|null]|null|uint8[2,3]")
+        ['list[int|null]', 'null', 'uint8[2,3]']
+    """
+    if "[" not in t:
+        return t.split("|")
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(t):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "|" and depth == 0:
+            out.append(t[start:i])
+            start = i + 1
+    out.append(t[start:])
+    return out
+
+
 def union_type(a: str, b: str) -> str:
     """The type of values of types ``a`` or ``b`` (see :func:`describe_value`): their
     alternatives joined by ``|``, an array dtype's differing shapes as one with ``?``
@@ -431,10 +455,12 @@ def union_type(a: str, b: str) -> str:
     Example:
         >>> union_type("int", "null|str"), union_type("uint8[2,3]", "uint8[2,4]")
         ('int|null|str', 'uint8[2,?]')
+        >>> union_type("list[bool|float]", "list[int]")
+        'list[bool|float]|list[int]'
     """
     if a == b:
         return a
-    parts = set(a.split("|")) | set(b.split("|"))
+    parts = {*split_type(a), *split_type(b)}
     # Arrays of one dtype but different shapes: keep the dtype, mark varying dims with '?'.
     arrays = [p for p in parts if p.endswith("]") and "[" in p and not p.startswith("list")]
     by_dtype: dict[str, list[str]] = {}
