@@ -396,8 +396,6 @@ def _in_units(value: Any, kind: Any) -> Any:
     precision."""
     import pyarrow as pa
 
-    if value is None:
-        return None
     unit = _temporal_unit(kind)
     if unit is not None and isinstance(value, (np.ndarray, np.datetime64, np.timedelta64)):
         got = np.asarray(value)
