@@ -35,7 +35,7 @@ except ImportError:  # fsspec before 2023.12: the same translation, below
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError, warn_once
 from torchgrain.io import paths as _paths
 from torchgrain.io import process, remote
-from torchgrain.io.retry import RetryPolicy, current_policy, using
+from torchgrain.io.retry import RetryPolicy, current_policy, is_transient, using
 
 PathLike = str | os.PathLike
 T = TypeVar("T")
@@ -239,7 +239,10 @@ def expand_paths(
         if fs is None:
             fs = item_fs
         listing = _Listing(item_fs, item, suffixes, allow_external)
-        if has_glob(stripped, item_fs):
+        globbed = has_glob(stripped, item_fs)
+        if not globbed:
+            _refresh_cached(item_fs, stripped, item)
+        if globbed:
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
@@ -407,16 +410,19 @@ def _fill_dircache(
 ) -> None:
     """Put a finished S3 listing of ``prefix`` (``bucket/key...``) in ``fs.dircache`` as
     s3fs's own listing would, so that each file's size and ETag asks no HEAD request.
-    Only the folders the prefix lists whole are entered, each replacing what was there
-    (a shard rewritten since its last listing has its new size)."""
+    The folders the prefix lists whole are entered, each replacing what was there (a
+    shard rewritten since its last listing has its new size); in a folder it lists in
+    part (``bucket/data/`` of ``bucket/data/c``), already cached, the entries whose
+    names go on with the prefix are replaced."""
     listed: dict[str, dict[str, dict[str, Any]]] = {}
+    part = prefix.rsplit("/", 1)[0] if not prefix.endswith("/") else None
 
     def whole(folder: str) -> bool:
         return f"{folder}/".startswith(prefix)
 
     def enter(name: str, info: dict[str, Any]) -> None:
         parent = name.rsplit("/", 1)[0]
-        while "/" in name and whole(parent):
+        while "/" in name and (whole(parent) or parent == part):
             entries = listed.setdefault(parent, {})
             if name in entries:
                 return
@@ -439,8 +445,41 @@ def _fill_dircache(
                 "type": "directory",
             },
         )
+    if part is not None:
+        entries = listed.pop(part, {})
+        if part in fs.dircache:  # (alone, a part is never taken for the folder's listing)
+            kept = [e for e in fs.dircache[part] if not e["name"].startswith(prefix)]
+            _cache(fs, part, [*kept, *entries.values()])
     for folder, entries in listed.items():
-        fs.dircache[folder] = sorted(entries.values(), key=lambda info: info["name"])
+        _cache(fs, folder, entries.values())
+
+
+def _cache(fs: fsspec.AbstractFileSystem, folder: str, entries: Iterable[dict[str, Any]]) -> None:
+    fs.dircache[folder] = sorted(entries, key=lambda info: info["name"])
+
+
+def _refresh_cached(fs: fsspec.AbstractFileSystem, path: str, url: str) -> None:
+    """Ask S3 anew about a named ``path`` whose folder s3fs's listing cache holds (a
+    listing of it since), and put the answer there: a shard added or rewritten since is
+    seen as it is now. (A folder is listed anew when opened: nothing is asked here.)"""
+    s3 = _s3_of(fs)
+    if s3 is None:
+        return
+    path = path.rstrip("/")
+    parent = s3._parent(path)
+    cached = s3.dircache.get(parent)
+    if path in s3.dircache or cached is None:
+        return
+    if any(e["name"] == path and e["type"] == "directory" for e in cached):
+        return
+    try:
+        info = remote.call(s3, "info", path, refresh=True, url=url, what="lookup")
+    except FileNotFoundError as e:
+        if is_transient(e):
+            raise  # inside an operation: it retries
+        info = None
+    kept = [e for e in cached if e["name"] != path]
+    _cache(s3, parent, [*kept, info] if info is not None else kept)
 
 
 def _s3_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem | None:
