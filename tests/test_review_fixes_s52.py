@@ -119,12 +119,6 @@ def _parquet_bytes(n: int) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="s3fs's listing cache, filled by a listing of the folder, answers a later "
-    "opening of a narrower URL (the shard's name, a glob of a longer literal prefix): a "
-    "shard added since 'does not exist', one rewritten since is read with its old size",
-)
 @pytest.mark.parametrize("second", ["s3://{b}/data/c.parquet", "s3://{b}/data/c*.parquet"])
 @pytest.mark.parametrize("change", ["added", "rewritten"])
 def test_an_s3_shard_changed_since_a_listing_is_seen_by_a_narrower_opening(
