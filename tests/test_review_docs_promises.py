@@ -76,3 +76,40 @@ def test_concat_source_field_clash_is_a_schema_mismatch_naming_the_input(tmp_pat
             },
             source_field="id",
         )
+
+
+# ------------------------------------------------------------------ indices
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/troubleshooting.md:34 says a negative index is an IndexError naming the index "
+    "and the dataset size (as every source does, docs/composing.md:19-20); a tg.Dataset over a "
+    "list (SequenceSource.__getitem__, torchgrain/adapters.py:98-101) reads items[-1], the last "
+    "record, with random_map draws keyed by -1 rather than by its own index",
+)
+def test_a_dataset_over_a_list_refuses_a_negative_index():
+    ds = tg.Dataset([{"i": i} for i in range(3)])
+    with pytest.raises(IndexError) as e:
+        ds[-1]
+    assert "-1" in str(e.value) and "3" in str(e.value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/troubleshooting.md:34 says an index out of range is an IndexError naming the "
+    "index and the dataset size; a tg.Dataset over a list raises Python's bare 'list index out "
+    "of range' (torchgrain/adapters.py:101 and :105)",
+)
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_dataset_over_a_list_names_an_index_out_of_range_and_its_size(batched):
+    ds = tg.Dataset([{"i": i} for i in range(3)])
+    with pytest.raises(IndexError) as e:
+        ds.__getitems__([0, 7]) if batched else ds[7]
+    assert "7" in str(e.value) and "3" in str(e.value), str(e.value)
+
+
+def test_a_source_and_a_dataset_over_it_refuse_a_negative_index(tmp_path):
+    # What the promise above holds the list-backed dataset to.
+    tg.write_parquet([{"i": i} for i in range(3)], tmp_path / "d")
+    for ds in (tg.open(tmp_path / "d"), tg.Dataset(tg.open(tmp_path / "d"))):
+        with pytest.raises(IndexError, match=r"record index -1 out of range for a dataset of 3"):
+            ds[-1]
