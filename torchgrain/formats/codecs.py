@@ -57,6 +57,8 @@ _MAX_NDIM = 32
 _UNPACK_LIMITS: dict[str, int] = {}
 _DICT = {dict}
 _BYTES = {bytes}
+#: Value types that hold no map: a record of these alone needs no look at nested keys.
+_FLAT = frozenset({str, int, float, bool, bytes, type(None), np.ndarray})
 
 
 @runtime_checkable
@@ -202,6 +204,24 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode value of type {type(obj).__name__}")
 
 
+def _check_map_keys(value: Any, path: tuple[Any, ...]) -> None:
+    """Refuse a map inside a record value whose key the reader cannot decode (msgpack
+    reads back str and bytes keys only), naming the key's path (``['meta'][1]``)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, bytes)):
+                where = "".join(f"[{p!r}]" for p in (*path, k))
+                raise TypeError(
+                    f"record key {where} is not str or bytes ({type(k).__name__}): the keys "
+                    "of a record's maps must be, or the record cannot be read back"
+                )
+            if type(v) not in _FLAT:
+                _check_map_keys(v, (*path, k))
+    elif isinstance(value, (list, tuple)) and not set(map(type, value)) <= _FLAT:
+        for i, v in enumerate(value):
+            _check_map_keys(v, (*path, i))
+
+
 def _decode_ndarray(writable: bool, code: int, data: bytes) -> Any:
     if code != _NDARRAY_EXT:
         raise ValueError(f"unknown msgpack extension type {code}")
@@ -247,10 +267,13 @@ class MsgpackCodec(BaseCodec):
     def encode(self, record: dict[str, Any]) -> bytes:
         if not isinstance(record, dict):
             raise TypeError(f"a record must be a dict, got {type(record).__name__}")
-        for k in record:
+        out = msgpack.packb(record, default=_default, use_bin_type=True)
+        for k, v in record.items():
             if not isinstance(k, str):
                 raise TypeError(f"record keys must be str, got {k!r}")
-        return msgpack.packb(record, default=_default, use_bin_type=True)
+            if type(v) not in _FLAT:
+                _check_map_keys(v, (k,))
+        return out
 
     def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
         """A batch of records (``buf[starts[i]:ends[i]]``) as columns, or None when they
