@@ -468,8 +468,11 @@ def _column(arr: pa.Array) -> _Column:
         buf = arr.buffers()[1] or bytes((off + n) * w)
         col.values = np.frombuffer(buf, np.uint8)[off * w : (off + n) * w]
     elif is_list_type(t) and (fresh := _leaf_numpy(arr.values)) is not None:
-        holed = _rows_with_null_items(arr.values, _list_offsets(arr)[0], n, _null_mask(arr))
-        if holed is not None:
+        child = arr.values
+        if (
+            child.null_count  # (its offsets are not read without nulls)
+            and _rows_with_null_items(child, _list_offsets(arr)[0], n, _null_mask(arr)) is not None
+        ):
             return col  # rows with null items: Python lists
         if pa.types.is_fixed_size_list(t):
             k = t.list_size
