@@ -318,12 +318,9 @@ def _lists_to_numpy(arr: pa.Array) -> Column | None:
         leaf = _leaf_numpy(grandchild)
         if leaf is None:
             return None
-        holed = _rows_with_null_items(child, outer, n, mask)
-        deep = _rows_with_null_items(grandchild, inner[outer], n, mask)
-        if holed is None:
-            holed = deep
-        elif deep is not None:
-            holed |= deep
+        levels = ((child, outer), (grandchild, inner[outer]))  # null lists, null items
+        found = [h for c, o in levels if (h := _rows_with_null_items(c, o, n, mask)) is not None]
+        holed = np.logical_or.reduce(found) if found else None
         rows = _cube(outer, inner, leaf, child.type) if holed is None else None
         if rows is None:
             lengths = np.diff(inner)
