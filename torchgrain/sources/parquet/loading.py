@@ -600,9 +600,7 @@ class ParquetReader:
     def version(self) -> tuple[int, ...] | None:
         """A local file's size, modification time, inode and change time (of the
         descriptor: the file read); None for a remote one."""
-        if self.fd is None:
-            return None
-        return local_version(os.fstat(self.fd))
+        return None if self.fd is None else local_version(os.fstat(self.fd))
 
     def read_at(self, offset: int, size: int) -> bytes:
         """At most ``size`` bytes of the file from ``offset`` (fewer at its end)."""

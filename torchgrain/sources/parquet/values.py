@@ -142,9 +142,7 @@ def _primitive_numpy(arr: pa.Array) -> np.ndarray:
     values = np.frombuffer(buf, dtype=storage, count=arr.offset + n)[arr.offset :]
     if view is None:
         return values
-    if view.itemsize == storage.itemsize:
-        return values.view(view)
-    return values.astype(view)
+    return values.view(view) if view.itemsize == storage.itemsize else values.astype(view)
 
 
 def _offsets(arr: pa.Array) -> np.ndarray:
@@ -275,7 +273,7 @@ def convert_column(col: pa.ChunkedArray | pa.Array) -> Column:
         values = raw.tolist() if _is_number(t) else list(raw)
         return Column("plain", _with_nulls(values, _null_mask(arr)), arr.nbytes + overhead)
     # Values that ``to_pylist`` turns into immutable Python objects in a fast C loop.
-    if t in _BYTES or any(is_type(t) for is_type in _PYLIST_TYPES):
+    if t.id in _BYTES or any(is_type(t) for is_type in _PYLIST_TYPES):
         return Column("plain", arr.to_pylist(), arr.nbytes + overhead)
     if pa.types.is_struct(t):
         children = [convert_column(c) for c in arr.flatten()]
@@ -407,8 +405,9 @@ class GatherPlan:
 # ------------------------------------------------------------- one column, read without Arrow
 # Column kinds (ints: compared once per column and batch).
 _GENERIC, _NONE, _NUM, _SCALAR, _STR, _BIN, _FIXED_BIN, _ARRAY, _MATRIX = range(9)
-# A string or binary type's kind.
-_BYTES = {pa.string(): _STR, pa.large_string(): _STR, pa.binary(): _BIN, pa.large_binary(): _BIN}
+# A string or binary type's kind, by type id (hashing a type formats its name).
+_BYTES = {pa.string().id: _STR, pa.large_string().id: _STR}
+_BYTES |= {pa.binary().id: _BIN, pa.large_binary().id: _BIN}
 # Other types whose values to_pylist makes immutable (convert_column).
 _PYLIST_TYPES = (pa.types.is_fixed_size_binary, pa.types.is_decimal, pa.types.is_time)
 # A variable-length kind's Ragged kind, in a batch of columns.
@@ -457,8 +456,8 @@ def _column(arr: pa.Array) -> _Column:
     if _is_number(t) or _is_temporal(t):
         col.kind = _NUM if _is_number(t) else _SCALAR
         col.values = fresh = _primitive_numpy(arr)
-    elif t in _BYTES:
-        col.kind, col.values, col.offsets, fresh = _BYTES[t], _binary_data(arr), _offsets(arr), None
+    elif (kind := _BYTES.get(t.id)) is not None:
+        col.kind, col.values, col.offsets, fresh = kind, _binary_data(arr), _offsets(arr), None
     elif pa.types.is_fixed_size_binary(t):
         col.kind, col.width, fresh = _FIXED_BIN, t.byte_width, None
         w = col.width
