@@ -172,3 +172,36 @@ def test_tg_open_names_a_linked_folder_once(tmp_path):
         assert len(tg.open(tmp_path / "d")) == 1
     told = [str(w.message) for w in seen if issubclass(w.category, DatasetWarning)]
     assert len([m for m in told if "linked folder" in m]) == 1, told
+
+
+# ------------------------------------------------------------------ option values
+def _bad_option(tmp_path, fmt: str, **options):
+    if fmt == "parquet":
+        tg.write_parquet([{"i": i} for i in range(4)], tmp_path / "d")
+    else:
+        tg.write_array_record([{"i": i} for i in range(4)], tmp_path / "d")
+    return tg.open(tmp_path / "d", **options)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/sources.md:169 says a bad value is an error naming the option; "
+    "ParquetSource(decoded_cache=True, decoded_cache_bytes=-5) says 'max_bytes must be an "
+    "integer > 0' (DecodedCache's own name, torchgrain/sources/parquet/decoded_cache.py), and "
+    "with decoded_cache='auto' a bad decoded_cache_bytes is not checked at all",
+)
+@pytest.mark.parametrize("cache", [True, "auto"])
+def test_a_bad_decoded_cache_bytes_is_an_error_naming_it(tmp_path, cache):
+    with pytest.raises(ValueError, match="decoded_cache_bytes"):
+        _bad_option(tmp_path, "parquet", decoded_cache=cache, decoded_cache_bytes=-5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="docs/sources.md:169 says a bad value is an error naming the option; index_dir=5 "
+    "(ArrayRecord, TFRecord) is os.fspath's TypeError 'expected str, bytes or os.PathLike "
+    "object, not int', which names no option",
+)
+def test_a_bad_index_dir_is_an_error_naming_it(tmp_path):
+    with pytest.raises(TypeError, match="index_dir"):
+        _bad_option(tmp_path, "array_record", index_dir=5)
