@@ -239,8 +239,10 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
 
     numpy arrays become (nested) lists of their dtype, so :class:`~torchgrain.ParquetSource`
     reads 1-D arrays back as arrays of the same dtype; numpy scalars keep their dtype;
-    ``None`` is a null. Other values go through ``pyarrow.array``'s inference. A key
-    missing from some records is null there.
+    ``None`` is a null. Lists beside arrays in a column (Python scalars beside numpy
+    scalars) are written with the arrays' dtype, nulls kept, each item held exactly (not
+    1.5 or ``True`` for int16, nor 300 for int8). Other values go through
+    ``pyarrow.array``'s inference. A key missing from some records is null there.
 
     With ``schema`` (a ``pyarrow.Schema``: a Parquet source's columns), its columns come
     first, each of its type (a column no record has: nulls), then the records' other keys
@@ -248,8 +250,10 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
     type's range, a float it would round, a string in a binary column) is an error.
 
     Raises:
-        TypeError: a column mixes arrays of different dtypes or ranks with other values,
-            or holds a value its ``schema`` type does not (the message names the column).
+        TypeError: a column holds arrays of different dtypes or ranks, a value beside
+            arrays that their dtype does not hold exactly or of another shape (the message
+            names the record), or a value its ``schema`` type does not (the message names
+            the column).
 
     Example:
         >>> import numpy as np, pyarrow as pa
@@ -502,7 +506,10 @@ def _column(values: list[Any]) -> Any:
     import pyarrow as pa
 
     present = [v for v in values if v is not None]
-    if present and all(isinstance(v, (np.ndarray, np.generic)) for v in present):
+    numpy = [isinstance(v, (np.ndarray, np.generic)) for v in values]
+    if any(numpy) and len(present) != sum(numpy):
+        return _beside_arrays(values, numpy)
+    if any(numpy):  # (every value a numpy array or scalar, or None)
         arrs = [np.asarray(v) for v in present]
         dtypes = {a.dtype for a in arrs}
         ndims = {a.ndim for a in arrs}
@@ -540,6 +547,86 @@ def _column(values: list[Any]) -> Any:
         # Python ints: int64 unless a value needs uint64 (msgpack keeps both ranges).
         return pa.array(values, pa.uint64())
     return pa.array(values)
+
+
+def _beside_arrays(values: list[Any], numpy: list[bool]) -> Any:
+    """A column of numpy arrays (or scalars: ``numpy``) beside other values (lists, Python
+    scalars), all of the arrays' type: each other value of their shape, its items of a
+    Python type the dtype takes and held by it exactly, else a TypeError naming the record.
+
+    Example:
+        >>> _beside_arrays([np.array([7, 8], np.int16), [3, None]], [True, False]).to_pylist()
+        [[7, 8], [3, None]]
+        >>> _beside_arrays([np.array([True]), [1]], [True, False])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: record 1 holds 1 (int) beside arrays of bool (in [1])
+    """
+    import pyarrow as pa
+
+    built = _column([v if n else None for v, n in zip(values, numpy)])
+    first = np.asarray(next(v for v, n in zip(values, numpy) if n))
+    dtype, ndim = first.dtype, first.ndim
+    others = [None if n else v for v, n in zip(values, numpy)]
+    for i, v in enumerate(others):
+        stray = _stray(v, ndim, dtype)
+        if stray is not None:
+            raise TypeError(
+                f"record {i} holds {stray[0]!r} ({type(stray[0]).__name__}) beside arrays of "
+                f"{dtype}" + ("" if stray[0] is v else f" (in {v!r})")
+            )
+    try:
+        typed = _typed_column(others, built.type)
+    except (TypeError, ValueError, OverflowError, pa.ArrowException):
+        for i, v in enumerate(others):  # the first record its type refuses, named
+            if v is not None:
+                try:
+                    _typed_column([v], built.type)
+                except (TypeError, ValueError, OverflowError, pa.ArrowException) as e:
+                    raise TypeError(f"record {i} holds {v!r}, not {dtype} values: {e}") from e
+        raise
+    # Each record from the arrays' column or the others'.
+    order = np.arange(len(values)) + np.where(numpy, 0, len(values))
+    return pa.concat_arrays([built, typed]).take(pa.array(order))
+
+
+# The Python (and numpy) types a list item beside arrays of a dtype's kind may be, to be
+# written as that dtype (a bool is never an int or a float here).
+_ITEMS: dict[str, tuple[type, ...]] = {
+    "b": (bool, np.bool_),
+    "i": (int, np.integer),
+    "u": (int, np.integer),
+    "f": (float, int, np.floating, np.integer),
+    "U": (str,),
+    "S": (bytes,),
+    "M": (np.datetime64,),
+    "m": (np.timedelta64,),
+}
+
+
+def _stray(value: Any, depth: int, dtype: np.dtype) -> tuple[Any] | None:
+    """The first part of ``value`` (beside arrays of ``dtype`` and ``depth`` dimensions)
+    that is neither a list (or an array of ``dtype``) at a level above ``depth`` nor an
+    item of a type ``dtype`` takes at it, in a tuple; None where there is none (a None is
+    a null at every level).
+
+    Example:
+        >>> _stray([[1, None], None], 2, np.dtype(np.int8)) is None
+        True
+        >>> _stray([1, 2.5], 1, np.dtype(np.int8)), _stray([True], 1, np.dtype(np.int8))
+        ((2.5,), (True,))
+    """
+    if value is None or (
+        isinstance(value, np.ndarray) and value.dtype == dtype and value.ndim == depth
+    ):
+        return None
+    if depth == 0:
+        allowed = _ITEMS.get(dtype.kind, ())
+        bad = isinstance(value, (bool, np.bool_)) and dtype.kind != "b"
+        return None if isinstance(value, allowed) and not bad else (value,)
+    if not isinstance(value, (list, tuple)):
+        return (value,)
+    return next((s for v in value if (s := _stray(v, depth - 1, dtype)) is not None), None)
 
 
 def write_parquet(
