@@ -87,7 +87,8 @@ def pad_collate(
             ``torch.nn.functional.cross_entropy``).
 
     Each field is padded to its own longest row in the batch (rows all empty: a
-    ``[B, 0]`` tensor), in its rows' dtype promoted to hold them all and the padding
+    ``[B, 0]`` tensor), in its rows' dtype (a list's is numpy's: Python floats float64,
+    as torch's default collate keeps them) promoted to hold them all and the padding
     value (uint32 with int32 rows, or uint16 ones under -100: int64; an empty row's
     dtype is left out, as ``np.array([])`` is float64). Other fields go
     through torch's default collate. Errors name the field and the record's position in
@@ -401,14 +402,14 @@ def _is_column_sequence(col: Any) -> bool:
 
 def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
     try:
+        if isinstance(value, (list, tuple)):  # Python floats stay float64, as default_collate's
+            value = np.asarray(value) if value else np.zeros(0, np.int64)
         if isinstance(value, torch.Tensor):
             t = value
         elif isinstance(value, np.ndarray):
             if value.dtype.kind not in "biuf":
                 raise TypeError(f"an array of {value.dtype}")
             t = as_tensor(value)
-        elif isinstance(value, (list, tuple)):
-            t = torch.tensor(value) if value else torch.zeros(0, dtype=torch.int64)
         else:
             raise TypeError(f"a {type(value).__name__}")
         if t.ndim != 1:
