@@ -480,17 +480,17 @@ class LabelToIndex:
 def _to_tensor(value: Any, key: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind in "OUSV":
-            raise TypeError(f"ToTensor: key {key!r} holds a {value.dtype} array")
-        # torch.from_numpy shares memory but refuses negative strides (flips) and
-        # warns on read-only buffers (zero-copy decoded records): copy those.
-        if not value.flags.writeable or any(s < 0 for s in value.strides):
-            value = value.copy()
-        return torch.from_numpy(value)
     if isinstance(value, (str, bytes)):
         raise TypeError(f"ToTensor: key {key!r} holds {type(value).__name__}")
-    return torch.as_tensor(value)
+    if not isinstance(value, np.ndarray):  # Python floats stay float64, as default_collate's
+        value = np.asarray(value)
+    if value.dtype.kind in "OUSV":
+        raise TypeError(f"ToTensor: key {key!r} holds a {value.dtype} array")
+    # torch.from_numpy shares memory but refuses negative strides (flips) and
+    # warns on read-only buffers (zero-copy decoded records): copy those.
+    if not value.flags.writeable or any(s < 0 for s in value.strides):
+        value = value.copy()
+    return torch.from_numpy(value)
 
 
 class ToTensor:
@@ -498,6 +498,8 @@ class ToTensor:
 
     Args:
         keys: keys to convert; by default every numpy array value (others are kept).
+            A number or list converts with numpy's dtype (Python floats float64, as
+            torch's default collate makes them).
         dtype: optional torch dtype to cast converted values to (no rescaling).
         channels_first: move the last axis of 3-D arrays first (HWC -> CHW): ``True``
             for every converted key, or a collection of keys.
