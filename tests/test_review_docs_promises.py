@@ -39,7 +39,7 @@ def _option_help(text: str, option: str) -> str:
 @pytest.mark.xfail(
     strict=True,
     reason="docs/conversion.md:390 and README.md:145 say --help shows every default; "
-    "cli._HelpFormatter (torchgrain/cli.py:502) leaves out the default of any option whose "
+    "cli._HelpFormatter (torchgrain/cli.py:503) leaves out the default of any option whose "
     "help contains the word 'default', so bench --collate (default 'default') shows none",
 )
 def test_bench_help_shows_the_default_of_collate(capsys):
@@ -130,7 +130,7 @@ def test_a_source_and_a_dataset_over_it_refuse_a_negative_index(tmp_path):
                 "a ValueError naming the URL, size, budget and cache directory (not a "
                 "CorruptDataError, which the table keeps for damaged data); ParquetSource "
                 "wraps the shard cache's ValueError into CorruptDataError('cannot decode row "
-                "group 0 ..., column ...') (torchgrain/sources/parquet/loading.py:298-304)",
+                "group 0 ..., column ...') (torchgrain/sources/parquet/loading.py:300-304)",
             ),
         ),
     ],
