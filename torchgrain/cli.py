@@ -494,13 +494,14 @@ _seconds = _number(float, "seconds", lambda v: math.isfinite(v) and v > 0, "fini
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Shows each option's default in its help (except where there is none to show)."""
+    """Shows each option's default in its help (except where there is none to show, or
+    the help already says it as ``(default...``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text, default = action.help or "", action.default
-        # (The help action's default is SUPPRESS.)
+        # (The help action's default is SUPPRESS; an appending option's is [].)
         none = default is None or default is False or default is argparse.SUPPRESS
-        if none or "default" in text or not action.option_strings:
+        if none or default == [] or "(default" in text or not action.option_strings:
             return text
         return f"{text} (default: {' '.join(default) if isinstance(default, list) else default})"
 
