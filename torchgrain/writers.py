@@ -330,7 +330,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
             mask = np.fromiter((v is None for v in values), bool, len(values))
             full = np.zeros(len(values), dtype=temporal)
             full[~mask] = within
-            return pa.array(full, mask=mask if mask.any() else None).cast(kind)
+            return _from_numpy(full, mask).cast(kind)
     arrays = [v for v in values if v is not None] if _is_list(kind) else []
     if arrays and all(isinstance(v, np.ndarray) and v.ndim for v in arrays):
         # Arrow builds lists from 1-D arrays only, and casts their values to the type
@@ -413,9 +413,9 @@ def _in_units(value: Any, kind: Any) -> Any:
             got = within
         if isinstance(value, np.ndarray):
             return got
-        return (
-            int(got.astype(np.int64)) if pa.types.is_date(kind) and not np.isnat(got) else got[()]
-        )
+        if np.isnat(got):
+            return None  # a null (Arrow refuses a NaT date scalar)
+        return int(got.astype(np.int64)) if pa.types.is_date(kind) else got[()]
     if pa.types.is_struct(kind) and isinstance(value, dict):
         fields = {f.name: f.type for f in kind}
         return {k: _in_units(v, fields[k]) if k in fields else v for k, v in value.items()}
@@ -428,7 +428,10 @@ def _in_units(value: Any, kind: Any) -> Any:
         ]
     if _is_list(kind) and isinstance(value, (list, tuple, np.ndarray)):
         if isinstance(value, np.ndarray) and value.dtype.kind in "mM":
-            return _in_units(value, kind.value_type)
+            got = _in_units(value, kind.value_type)
+            if not np.isnat(got).any():
+                return got
+            value = list(got)  # each NaT None, below
         return [_in_units(v, kind.value_type) for v in value]
     return value
 
@@ -530,8 +533,8 @@ def _column(values: list[Any]) -> Any:
         if ndim == 0:
             flat = np.zeros(len(values), dtype=dtype)
             flat[~mask] = [a[()] for a in arrs]
-            return pa.array(flat, mask=mask if mask.any() else None)
-        out = pa.array(np.concatenate([a.ravel() for a in arrs]))
+            return _from_numpy(flat, mask)
+        out = _from_numpy(np.concatenate([a.ravel() for a in arrs]))
         shapes = [(0,) * ndim if v is None else np.shape(v) for v in values]
         # Innermost level first: level k has prod(shape[:k]) lists of shape[k] items each.
         for level in range(ndim - 1, -1, -1):
@@ -547,6 +550,23 @@ def _column(values: list[Any]) -> Any:
         # Python ints: int64 unless a value needs uint64 (msgpack keeps both ranges).
         return pa.array(values, pa.uint64())
     return pa.array(values)
+
+
+def _from_numpy(values: np.ndarray, mask: np.ndarray | None = None) -> Any:
+    """A 1-D numpy array as an Arrow array, null where ``mask`` is set and where a value
+    is NaT (which Arrow, given a mask, writes as a date or time: 1970-01-01, or int64's
+    least).
+
+    Example:
+        >>> d = np.array(["NaT", "2020-01-02", "2020-01-03"], "datetime64[D]")
+        >>> _from_numpy(d, np.array([False, False, True])).to_pylist()
+        [None, datetime.date(2020, 1, 2), None]
+    """
+    import pyarrow as pa
+
+    if values.dtype.kind in "mM":
+        mask = np.isnat(values) if mask is None else mask | np.isnat(values)
+    return pa.array(values, mask=mask if mask is not None and mask.any() else None)
 
 
 def _beside_arrays(values: list[Any], numpy: list[bool]) -> Any:
