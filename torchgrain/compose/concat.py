@@ -54,9 +54,8 @@ class Concat(View):
             if not isinstance(source_field, str):
                 raise TypeError(f"source_field must be a str, got {source_field!r}")
             if source_field in self._keys:
-                raise ValueError(
-                    f"source_field {source_field!r} is already a key of the records "
-                    f"({self._keys}): choose another name"
+                raise self._clash(
+                    [k for k, c in enumerate(self.children) if source_field in c.keys]
                 )
             self._labels = list(self.names if names is not None else range(len(self.children)))
             if self._keys:
@@ -93,8 +92,8 @@ class Concat(View):
     def _clash(self, children: list[int]) -> SchemaMismatchError:
         read = " or ".join(self.describe_child(k) for k in children)
         return SchemaMismatchError(
-            f"concat(source_field={self.source_field!r}): records of {read} have the key "
-            f"{self.source_field!r} already: choose another name"
+            f"concat(source_field={self.source_field!r}): {self.source_field!r} is already "
+            f"a key of the records of {read}: choose another name"
         )
 
     def _label_columns(self, batch: ColumnBatch, which: np.ndarray) -> ColumnBatch:
