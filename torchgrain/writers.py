@@ -505,6 +505,9 @@ def _same_leaves(a: Any, b: Any) -> bool:
     return a.equals(b)
 
 
+_LIST_ITEMS = 2**31 - 1  # the most items a batch's lists hold at one level (int32 offsets)
+
+
 def _column(values: list[Any]) -> Any:
     import pyarrow as pa
 
@@ -540,8 +543,14 @@ def _column(values: list[Any]) -> Any:
         for level in range(ndim - 1, -1, -1):
             counts = [math.prod(s[:level]) for s in shapes] if level else 1
             lengths = np.repeat(np.array([s[level] for s in shapes], np.int64), counts)
-            offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
             np.cumsum(lengths, out=offsets[1:])
+            if offsets[-1] > _LIST_ITEMS:
+                raise ValueError(
+                    f"too many elements for one batch: {offsets[-1]} at one list level of its "
+                    f"arrays, past {_LIST_ITEMS} (a Parquet list's int32 offsets)"
+                )
+            offsets = offsets.astype(np.int32)
             nulls = pa.array(mask) if level == 0 and mask.any() else None
             out = pa.ListArray.from_arrays(pa.array(offsets), out, mask=nulls)
         return out
