@@ -684,11 +684,6 @@ def test_convert_parquet_to_arrayrecord_and_parquet_keeps_every_value(awkward_pa
 
 
 # ------------------------------------------------------------------------ known bugs
-@pytest.mark.xfail(
-    strict=True,
-    reason="writers._column: arrays beside lists fall to pa.array's inference, which "
-    "widens a bool or int16 array to int64 instead of refusing the mixed column",
-)
 @pytest.mark.parametrize(
     "array,other",
     [(np.array([True, False]), [1, None]), (np.array([7, 8], np.int16), [3, None])],
@@ -719,22 +714,12 @@ def _alternatives(t: str) -> set[str]:
     return out | {cur}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="codecs.union_type splits a type at every '|', also inside list[...]: "
-    "list[int|null] and list[int] merge to the garbled 'list[int|list[int]|null]'",
-)
 def test_schema_of_nested_lists_names_the_types_the_records_hold(tmp_path):
     tg.write_array_record([{"l": [1, None]}, {"l": [2]}, {"l": [1.5, True]}], tmp_path)
     schema = tg.ArrayRecordSource(tmp_path).schema["l"]
     assert _alternatives(schema) == {"list[int|null]", "list[int]", "list[bool|float]"}, schema
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MsgpackCodec.encode checks only the record's own keys: a nested dict with an "
-    "int key is written, and the reader (strict_map_key=True) can never decode that record",
-)
 def test_a_record_the_writer_accepts_reads_back(tmp_path):
     record = {"meta": {1: "one", "two": 2}}
     try:
@@ -773,12 +758,6 @@ def test_iter_shard_of_a_shard_out_of_range_is_an_index_error(tmp_path, fmt):
             list(src.iter_shard(shard, 0, 2))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tokens/collate._as_row builds a list's tensor with torch.tensor, whose default "
-    "dtype float32 rounds Python floats (0.1) and turns 1e300 into inf; default_collate "
-    "keeps them float64",
-)
 @pytest.mark.parametrize("form", ["records", "columns"])
 def test_pad_collate_keeps_a_lists_floats(form):
     recs = [{"x": [1e300, 0.1]}, {"x": [2.0]}]
