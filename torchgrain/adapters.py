@@ -9,6 +9,7 @@ only the Source contract. The optional capabilities of the wrapped object
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from torchgrain.protocols import (
     SizedIndexable,
 )
 from torchgrain.sources.base import Source
+from torchgrain.sources.index import ShardIndex
 
 __all__ = ["SequenceSource", "checked_batch"]
 
@@ -67,6 +69,7 @@ BlockShuffleSampler block_offsets=)
         self.describes_records = bool(describes_records)
         self._batched = isinstance(items, ReadsBatches)
         self._columns = isinstance(items, ReadsColumns)
+        self._index = ShardIndex([len(items)])
 
     def offers(self, capability: type) -> bool:
         """Whether the object has ``capability`` (blocks: only a record source's)."""
@@ -96,17 +99,36 @@ BlockShuffleSampler block_offsets=)
         return len(self.items)
 
     def __getitem__(self, index: int) -> Any:
-        if isinstance(index, (bool, np.bool_)):  # (a list would read record 0 or 1)
-            raise TypeError(f"record index must be an integer, got {type(index).__name__}")
+        # As every source: no wrap-around (a list would read its last item at -1, and
+        # random_map would key its draws by -1), an error naming the index and size.
+        try:
+            if isinstance(index, (bool, np.bool_)):  # (a list would read record 0 or 1)
+                raise TypeError
+            i, n = operator.index(index), len(self.items)
+        except TypeError:
+            raise TypeError(
+                f"record index must be an integer, got {type(index).__name__}"
+            ) from None
+        if not 0 <= i < n:
+            raise IndexError(f"record index {i} out of range for a dataset of {n} records")
         return self.items[index]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        self._check(indices)
         if not self._batched:
             return [self.items[i] for i in indices]
         return checked_batch(self.items, self.items.__getitems__(indices), indices)
 
+    def _check(self, indices: Sequence[int]) -> None:
+        """``IndexError`` / ``TypeError`` for indices any source would refuse."""
+        n = len(self.items)  # (a list may grow)
+        if len(self._index) != n:
+            self._index = ShardIndex([n])
+        self._index.check(indices)
+
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         if self._columns:
+            self._check(indices)
             return self.items.read_columns(indices)
         return ColumnBatch.from_records(self.__getitems__(indices))
 
