@@ -370,11 +370,15 @@ class ParquetSource(RowGroupLoader):
         distinct = plan.groups.tolist()
         t_start = time.perf_counter()
         entries, read_seconds = self._entries(distinct, idx[plan.first], "views")
-        gathered = gather([entry.views for entry in entries], plan)
+        views = [entry.views for entry in entries]
+        gathered = gather(views, plan)
         columns: dict[str, Any] = {}
-        constants = self._constants(self._rg_shard[groups])  # hive partition keys
-        for j, (key, pos) in enumerate(zip(self._keys, self._file_pos)):
-            col = column_of(constants[j]) if pos < 0 else gathered.get(int(pos))
+        shards = self._rg_shard[groups]
+        for key, pos in zip(self._keys, self._file_pos):
+            if pos < 0:  # a hive partition key: one value per file
+                columns[key] = column_of(self._part_values[key][shards].tolist())
+                continue
+            col = gathered.get(int(pos))
             if col is None:  # Arrow does it: each group's rows, then request order
                 joined = take_rows([e.table.column(int(pos)) for e in entries], plan)
                 col = arrow_column(joined.take(int64_array(plan.where)))
