@@ -718,8 +718,8 @@ class _Listing:
         told = sorted({*data, *non_data_files(root, odd, self.suffixes)})
         if told or linked:
             what = [describe_files(root, told), describe_files(root, linked, noun="linked folder")]
-            warn_once(
-                ("not regular files", root, self.suffixes),
+            warn_once(  # keyed by what it names (format detection lists other suffixes)
+                ("not regular files", root, tuple(told), tuple(linked)),
                 f"{self.item!r} holds {' and '.join(filter(None, what))}, skipped: not regular "
                 "files (a FIFO, socket or device is never opened; nor a link to a missing file; "
                 "a listing does not walk into a linked folder: name the folder to read it)",
