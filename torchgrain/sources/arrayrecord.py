@@ -40,7 +40,7 @@ from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 from torchgrain.sources.node_index.arrayrecord import stat_shards
-from torchgrain.sources.options import ReadOptions
+from torchgrain.sources.options import ReadOptions, check_dir_option
 
 __all__ = ["ARRAY_RECORD_SUFFIXES", "ArrayRecordSource"]
 
@@ -134,6 +134,7 @@ class ArrayRecordSource(EncodedSource):
         **read_options: Any,
     ) -> None:
         opts = ReadOptions.build(options, _old_cache_budget(read_options))
+        index_dir = check_dir_option("index_dir", index_dir)
         self._verify = opts.verify_or(False)
         self.max_chunk_bytes = check_ceiling("max_chunk_bytes", max_chunk_bytes, 1)
         if max_mapped_shards is not None and max_mapped_shards < 0:

@@ -48,6 +48,31 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_dir_option(name: str, value: Any) -> Any:
+    """A source's directory option ``name`` (``index_dir``...), checked: a path as a
+    ``str``, or ``None`` / ``...`` (off / the default) as given; a ``TypeError`` naming
+    the option otherwise.
+
+    Example:
+        >>> import pathlib
+        >>> check_dir_option("index_dir", pathlib.Path("/tmp/ix")), check_dir_option("index_dir", None)
+        ('/tmp/ix', None)
+        >>> check_dir_option("index_dir", 5)
+        Traceback (most recent call last):
+        ...
+        TypeError: index_dir must be a directory path, None or ..., got int 5
+    """
+    if value is None or value is ...:
+        return value
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str):
+            return path
+    raise TypeError(
+        f"{name} must be a directory path, None or ..., got {type(value).__name__} {value!r}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadOptions:
     """How a sharded dataset is read, whatever its format (see the module docstring).

@@ -67,7 +67,7 @@ from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.format import ShardFile
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
-from torchgrain.sources.options import ReadOptions
+from torchgrain.sources.options import ReadOptions, check_dir_option
 
 __all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
 
@@ -124,6 +124,7 @@ class TFRecordSource(EncodedSource):
         **read_options: Any,
     ) -> None:
         opts = ReadOptions.build(options, read_options)
+        index_dir = check_dir_option("index_dir", index_dir)
         self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
         retry = opts.retry_policy
         with using(retry):  # the transport and open-time requests keep to its deadlines
