@@ -880,7 +880,8 @@ def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
         g.packed.take(plan.rows[k], axis=0, out=staged[b[k] : b[k + 1]])
     rows = staged if len(groups) == 1 else staged.take(plan.where, axis=0)
     # Each packed column as a typed (strided) view, copied once into its own array.
-    typed, pairs = (a.view(first.record).reshape(n) for a in (rows, staged))
+    typed = rows.view(first.record).reshape(n)
+    pairs = staged.view(first.record).reshape(n)  # (the ragged columns' starts and lengths)
     out: dict[int, Any] = {}
     for pos, _, dtype, _, ragged_kind in first.layout:
         field = f"c{pos}"
@@ -903,7 +904,8 @@ def _gather_values(
     ends = ((pairs[:, 0] + pairs[:, 1]) * item).tolist()
     b, parts = plan.bounds, []
     for k, view in enumerate(data):
-        parts += [view[a:e] for a, e in zip(starts[b[k] : b[k + 1]], ends[b[k] : b[k + 1]])]
+        lo, hi = b[k], b[k + 1]
+        parts += [view[a:e] for a, e in zip(starts[lo:hi], ends[lo:hi])]
     lengths = pairs[:, 1]
     if len(data) > 1:  # in request order
         parts = [parts[j] for j in plan.where.tolist()]
