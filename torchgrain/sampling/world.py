@@ -45,9 +45,10 @@ def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
     """World size and rank, decided now: explicit values, else the initialised process
     group, else torchrun's ``WORLD_SIZE``/``RANK`` environment, else (1, 0).
 
-    A process started by a launcher (``WORLD_SIZE > 1``) without ``RANK`` and without
-    a process group cannot know its part of the data: that raises instead of silently
-    reading everything, as :class:`~torch.utils.data.DistributedSampler` does.
+    A process started by a launcher (``WORLD_SIZE > 1``), or given ``num_replicas > 1``,
+    without a rank (``rank=``, ``RANK`` or a process group) cannot know its part of the
+    data: that raises instead of silently reading everything (or rank 0's part in every
+    process), as :class:`~torch.utils.data.DistributedSampler` does.
 
     Example:
         >>> resolve_world(4, 1)
@@ -63,18 +64,20 @@ def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]
             rank = dist.get_rank() if rank is None else rank
         else:
             env_world = _env_int("WORLD_SIZE")
-            if env_world is not None and env_world > 1 and num_replicas is None:
-                num_replicas = env_world
-                if rank is None and _env_int("RANK") is None:
-                    raise RuntimeError(
-                        f"WORLD_SIZE={env_world} is set but RANK is not, and no torch.distributed "
-                        "process group is initialised, so this process cannot tell which part "
-                        "of the data is its own. Call torch.distributed.init_process_group() "
-                        "before iterating the sampler, or pass num_replicas= and rank="
-                    )
-            num_replicas = 1 if num_replicas is None else num_replicas
+            if num_replicas is None:
+                num_replicas = env_world if env_world is not None and env_world > 1 else 1
+                told = f"WORLD_SIZE={env_world} is set"
+            else:
+                told = f"num_replicas={num_replicas} is given"
             if rank is None and num_replicas > 1:
-                # Also when num_replicas is given: torchrun's RANK, not rank 0 in every process.
+                # torchrun's RANK, never rank 0 in every process.
                 rank = _env_int("RANK")
+                if rank is None:
+                    raise RuntimeError(
+                        f"{told} but RANK is not, and no torch.distributed process group is "
+                        "initialised, so this process cannot tell which part of the data is "
+                        "its own. Call torch.distributed.init_process_group() before "
+                        "iterating the sampler, or pass num_replicas= and rank="
+                    )
             rank = 0 if rank is None else rank
     return check_world(num_replicas, rank)
