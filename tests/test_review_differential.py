@@ -746,10 +746,13 @@ def test_tfrecord_iter_shard_with_a_negative_start_never_reads_other_records(tmp
     assert got == [b"B00", b"B01"]  # [max(start, 0), stop), as ArrayRecord and Parquet read
 
 
-@pytest.mark.parametrize("fmt", ["array_record", "tfrecord"])
+@pytest.mark.parametrize("fmt", ["array_record", "tfrecord", "parquet"])
 def test_iter_shard_of_a_shard_out_of_range_is_an_index_error(tmp_path, fmt):
     if fmt == "tfrecord":
         src = _two_tfrecord_shards(tmp_path)
+    elif fmt == "parquet":
+        tg.write_parquet([{"v": i} for i in range(18)], tmp_path, num_shards=2)
+        src = tg.ParquetSource(tmp_path)
     else:
         tg.write_array_record([{"v": i} for i in range(18)], tmp_path, num_shards=2)
         src = tg.ArrayRecordSource(tmp_path)

@@ -36,36 +36,17 @@ def _option_help(text: str, option: str) -> str:
 
 
 # ------------------------------------------------------------------ the command line
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/conversion.md:390 and README.md:145 say --help shows every default; "
-    "cli._HelpFormatter (torchgrain/cli.py:503) leaves out the default of any option whose "
-    "help contains the word 'default', so bench --collate (default 'default') shows none",
-)
 def test_bench_help_shows_the_default_of_collate(capsys):
     text = _option_help(_help(capsys, "bench"), "--collate")
     assert re.search(r"\(default: default\)", text), text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/conversion.md:390 and README.md:145 say --help shows every default; "
-    "cache --help shows '--dir DIR ... (default: )' (torchgrain/cli.py:505 joins the empty "
-    "list default into nothing)",
-)
 def test_cache_help_shows_no_empty_default(capsys):
     text = _option_help(_help(capsys, "cache", "list"), "--dir")
     assert "(default: )" not in text, text
 
 
 # ------------------------------------------------------------------ composing
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/composing.md:56-58 says source_field never replaces a key the records "
-    "have: a SchemaMismatchError naming the input when the inputs declare their keys; "
-    "Concat.__init__ (torchgrain/compose/concat.py:57) raises a plain ValueError naming "
-    "no input",
-)
 def test_concat_source_field_clash_is_a_schema_mismatch_naming_the_input(tmp_path):
     tg.write_parquet([{"id": i} for i in range(4)], tmp_path / "books")
     tg.write_parquet([{"id": i} for i in range(4)], tmp_path / "web")
@@ -81,13 +62,6 @@ def test_concat_source_field_clash_is_a_schema_mismatch_naming_the_input(tmp_pat
 
 
 # ------------------------------------------------------------------ indices
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/troubleshooting.md:34 says a negative index is an IndexError naming the index "
-    "and the dataset size (as every source does, docs/composing.md:19-20); a tg.Dataset over a "
-    "list (SequenceSource.__getitem__, torchgrain/adapters.py:98-101) reads items[-1], the last "
-    "record, with random_map draws keyed by -1 rather than by its own index",
-)
 def test_a_dataset_over_a_list_refuses_a_negative_index():
     ds = tg.Dataset([{"i": i} for i in range(3)])
     with pytest.raises(IndexError) as e:
@@ -95,12 +69,6 @@ def test_a_dataset_over_a_list_refuses_a_negative_index():
     assert "-1" in str(e.value) and "3" in str(e.value)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/troubleshooting.md:34 says an index out of range is an IndexError naming the "
-    "index and the dataset size; a tg.Dataset over a list raises Python's bare 'list index out "
-    "of range' (torchgrain/adapters.py:101 and :105)",
-)
 @pytest.mark.parametrize("batched", [False, True])
 def test_a_dataset_over_a_list_names_an_index_out_of_range_and_its_size(batched):
     ds = tg.Dataset([{"i": i} for i in range(3)])
@@ -122,17 +90,7 @@ def test_a_source_and_a_dataset_over_it_refuse_a_negative_index(tmp_path):
     "fmt",
     [
         "array_record",
-        pytest.param(
-            "parquet",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="docs/troubleshooting.md:53 says a shard larger than cache_dir_bytes is "
-                "a ValueError naming the URL, size, budget and cache directory (not a "
-                "CorruptDataError, which the table keeps for damaged data); ParquetSource "
-                "wraps the shard cache's ValueError into CorruptDataError('cannot decode row "
-                "group 0 ..., column ...') (torchgrain/sources/parquet/loading.py:300-304)",
-            ),
-        ),
+        "parquet",
     ],
 )
 def test_a_shard_over_the_cache_budget_is_a_value_error_naming_url_size_and_budget(tmp_path, fmt):
@@ -152,13 +110,6 @@ def test_a_shard_over_the_cache_budget_is_a_value_error_naming_url_size_and_budg
 
 
 # ------------------------------------------------------------------ notices
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/troubleshooting.md:62-63 says each notice is a warning issued once per dataset "
-    "and process; tg.open of a directory holding a linked folder warns twice, once for the "
-    "format's detection and once for the source's own listing (the warn_once key of "
-    "torchgrain/io/fs.py:722 holds the suffixes listed, which differ between the two)",
-)
 def test_tg_open_names_a_linked_folder_once(tmp_path):
     import warnings
 
@@ -183,25 +134,12 @@ def _bad_option(tmp_path, fmt: str, **options):
     return tg.open(tmp_path / "d", **options)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/sources.md:169 says a bad value is an error naming the option; "
-    "ParquetSource(decoded_cache=True, decoded_cache_bytes=-5) says 'max_bytes must be an "
-    "integer > 0' (DecodedCache's own name, torchgrain/sources/parquet/decoded_cache.py), and "
-    "with decoded_cache='auto' a bad decoded_cache_bytes is not checked at all",
-)
 @pytest.mark.parametrize("cache", [True, "auto"])
 def test_a_bad_decoded_cache_bytes_is_an_error_naming_it(tmp_path, cache):
     with pytest.raises(ValueError, match="decoded_cache_bytes"):
         _bad_option(tmp_path, "parquet", decoded_cache=cache, decoded_cache_bytes=-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/sources.md:169 says a bad value is an error naming the option; index_dir=5 "
-    "(ArrayRecord, TFRecord) is os.fspath's TypeError 'expected str, bytes or os.PathLike "
-    "object, not int', which names no option",
-)
 def test_a_bad_index_dir_is_an_error_naming_it(tmp_path):
     with pytest.raises(TypeError, match="index_dir"):
         _bad_option(tmp_path, "array_record", index_dir=5)

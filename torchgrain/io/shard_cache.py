@@ -59,7 +59,7 @@ from torchgrain.io.fs import get_filesystem
 from torchgrain.io.node_store import Entry, NodeStore
 from torchgrain.io.retry import RetryPolicy, retry_call
 
-__all__ = ["Identity", "ShardCache", "file_crc", "file_identity"]
+__all__ = ["Identity", "ShardCache", "ShardTooLargeError", "file_crc", "file_identity"]
 
 T = TypeVar("T")
 #: ``verify(path, checksum, name=...)``: raise CorruptDataError when ``path`` does not
@@ -106,6 +106,16 @@ def _key(url: str, checksum: str | None) -> str:
     if checksum:
         h.update(b"\0" + checksum.encode())
     return h.hexdigest()[:24]
+
+
+class ShardTooLargeError(ValueError):
+    """A shard larger than the whole budget of the shard cache asked to keep a copy of it
+    (a setting to change, not damaged data: readers pass it on as it is).
+
+    Example:
+        >>> issubclass(ShardTooLargeError, ValueError)
+        True
+    """
 
 
 class ShardCache(NodeStore):
@@ -420,7 +430,7 @@ class ShardCache(NodeStore):
             if size is None or size < 0:
                 size = retry_call(remote.file_size, fs, rpath, what="size lookup", **retrying)
             if size > self.max_bytes:
-                raise ValueError(
+                raise ShardTooLargeError(
                     f"shard {url} is {size} bytes, larger than the cache budget "
                     f"max_bytes={self.max_bytes} of {self.directory}"
                 )

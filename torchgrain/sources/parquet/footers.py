@@ -39,6 +39,7 @@ from torchgrain.formats.parquet_pages import footer_chunks
 from torchgrain.io import changes, remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.retry import RetryPolicy, retry_call
+from torchgrain.io.shard_cache import ShardTooLargeError
 from torchgrain.sources.parquet.schema import is_list_type
 
 __all__ = ["MAX_FOOTER_BYTES", "bounded_footer", "local_version", "read_footers"]
@@ -202,10 +203,10 @@ def _selected_bytes(
     return [sum(g[j].total_uncompressed_size for j in leaves) for g in groups]
 
 
-#: What a footer read raises that says nothing of the file's bytes: a refused redirect,
-#: access denied (HTTP 401/403), retries run out. Never a corrupt file.
-# Errors of a read that say nothing about the file's bytes (refused, or the store failed).
-NOT_THE_BYTES = (UnsafePathError, PermissionError, RemoteIOError)
+#: What a read raises that says nothing of the file's bytes: a refused redirect, access
+#: denied (HTTP 401/403), retries run out, a shard too large for the shard cache's budget.
+#: Never a corrupt file.
+NOT_THE_BYTES = (UnsafePathError, PermissionError, RemoteIOError, ShardTooLargeError)
 
 
 def _not_the_bytes(exc: BaseException) -> BaseException | None:

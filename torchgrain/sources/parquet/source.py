@@ -31,6 +31,7 @@ from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, count_decode, count_read, local_counters
 from torchgrain.errors import check_ceiling
 from torchgrain.io.retry import using
+from torchgrain.sources.base import shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, ReadOptions
 from torchgrain.sources.parquet.decoded_cache import DecodedCache
@@ -185,6 +186,8 @@ class ParquetSource(RowGroupLoader):
         cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
         self._verify = opts.verify_or(False)
         self.max_row_group_bytes = check_ceiling("max_row_group_bytes", max_row_group_bytes, 0)
+        if decoded_cache_bytes is not None:
+            check_ceiling("decoded_cache_bytes", decoded_cache_bytes, 1)
         if int96_timestamp_unit not in ("ns", "us", "ms", "s"):
             raise ValueError(
                 f"int96_timestamp_unit must be 'ns', 'us', 'ms' or 's', got {int96_timestamp_unit!r}"
@@ -461,10 +464,9 @@ class ParquetSource(RowGroupLoader):
         decoded once, straight from the file (a sequential read, such as a conversion,
         neither needs nor fills the caches; a dataset bigger than the memory cache is not
         copied into the decoded disk cache by reading it once)."""
-        n = int(self.index.counts[shard])
-        stop = n if stop is None else min(stop, n)
+        start, stop = shard_rows(self.index.counts, shard, start, stop)
         base = int(self.index.offsets[shard])
-        a, end = base + max(start, 0), base + stop
+        a, end = base + start, base + stop
         while a < end:
             g = int(self._rg_offsets.searchsorted(a, side="right")) - 1
             first, last = int(self._rg_offsets[g]), int(self._rg_offsets[g + 1])
