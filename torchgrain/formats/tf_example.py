@@ -127,10 +127,6 @@ def _skip(buf: bytes, pos: int, end: int, tag: int, depth: int) -> int:
     raise _err(f"invalid wire type {wt}", pos)
 
 
-def _signed(v: int) -> int:
-    return v - (1 << 64) if v & _SIGN64 else v
-
-
 def _packed_varints(buf: bytes, start: int, end: int) -> np.ndarray:
     """Decode packed varints in ``buf[start:end]`` to int64 (two's complement)."""
     n = end - start
@@ -210,7 +206,7 @@ def _parse_feature(buf: bytes, pos: int, end: int, feat: _Feature, depth: int) -
                 pos += 4
             elif tag == 0x08 and kind == _INT64:  # one unpacked varint
                 v, pos = _varint(buf, pos, sub_end)
-                loose.append(_signed(v))
+                loose.append(v - (1 << 64) if v & _SIGN64 else v)
             else:
                 pos = _skip(buf, pos, sub_end, tag, sub_depth)
         if kind == _FLOAT:
