@@ -159,10 +159,18 @@ def _dims(shape: Any) -> tuple[int, ...]:
     return tuple(-1 if d is None else int(d) for d in (shape or []))
 
 
+# The older layout's feature types, by the key the newer one gives their content (the
+# type's name, lower camel case).
+_LEGACY_KINDS = {
+    t: t[0].lower() + t[1:] for t in ("FeaturesDict", "Image", "Tensor", "ClassLabel", "Text")
+}
+
+
 def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
     """Turn one feature's JSON into a small tuple tree."""
     if "type" in spec and "content" in spec:  # the older layout
-        return _parse_legacy(spec)
+        kind = _LEGACY_KINDS.get(str(spec["type"]).rsplit(".", 1)[-1])
+        return ("raw",) if kind is None else _parse({kind: spec.get("content") or {}})
     if "featuresDict" in spec:
         feats = spec["featuresDict"].get("features", {})
         return ("dict", {k: _parse(v) for k, v in feats.items()})
@@ -179,21 +187,6 @@ def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
     if "text" in spec:
         return ("text",)
     return ("raw",)
-
-
-# The older layout's feature types, by the key the newer one gives their content.
-_LEGACY_KINDS = {
-    "FeaturesDict": "featuresDict",
-    "Image": "image",
-    "Tensor": "tensor",
-    "ClassLabel": "classLabel",
-    "Text": "text",
-}
-
-
-def _parse_legacy(spec: dict[str, Any]) -> tuple[Any, ...]:
-    kind = _LEGACY_KINDS.get(str(spec["type"]).rsplit(".", 1)[-1])
-    return ("raw",) if kind is None else _parse({kind: spec.get("content") or {}})
 
 
 def _decode_pil(data: bytes) -> np.ndarray:
