@@ -105,7 +105,9 @@ def _skip(buf: bytes, pos: int, t: int, depth: int) -> int:
         n, pos = _varint(buf, pos)
         return pos + n
     if t == _STRUCT:
-        return _skip_struct(buf, pos, depth + 1)
+        if depth >= _MAX_DEPTH:
+            raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
+        return _fields(buf, pos, None, depth + 1)
     if t in _FIXED:
         return pos + _FIXED[t]
     if depth > _MAX_DEPTH:
@@ -126,20 +128,6 @@ def _skip(buf: bytes, pos: int, t: int, depth: int) -> int:
                     raise IndexError
         return pos
     raise ValueError(f"unknown Thrift type {t}")
-
-
-def _skip_struct(buf: bytes, pos: int, depth: int) -> int:
-    if depth > _MAX_DEPTH:
-        raise ValueError(f"Thrift values nested more than {_MAX_DEPTH} deep")
-    while True:
-        head = buf[pos]
-        pos += 1
-        t = head & 15
-        if t == _STOP:
-            return pos
-        if not head >> 4:  # the field id follows, in full
-            _, pos = _varint(buf, pos)
-        pos = _skip(buf, pos, t, depth)
 
 
 def _zigzag(buf: bytes, pos: int) -> tuple[int, int]:
@@ -246,10 +234,12 @@ class ColumnChunk(NamedTuple):
     max_value: bytes | None = None
 
 
-def _fields(buf: bytes, pos: int, field: Callable[[int, int, int], int | None]) -> int:
-    """Read a struct at ``pos``: ``field(id, type, pos)`` reads a field's value and
-    returns the position after it, or returns None to have it skipped. Returns the
-    position after the struct."""
+def _fields(
+    buf: bytes, pos: int, field: Callable[[int, int, int], int | None] | None, depth: int = 1
+) -> int:
+    """Read a struct at ``pos``, nested ``depth`` deep: ``field(id, type, pos)`` reads a
+    field's value and returns the position after it, or returns None to have it skipped
+    (``field`` None: every field is). Returns the position after the struct."""
     fid = 0
     while True:
         head = buf[pos]
@@ -261,8 +251,8 @@ def _fields(buf: bytes, pos: int, field: Callable[[int, int, int], int | None]) 
             fid += head >> 4
         else:
             fid, pos = _zigzag(buf, pos)
-        after = field(fid, t, pos)
-        pos = _skip(buf, pos, t, 1) if after is None else after
+        after = None if field is None else field(fid, t, pos)
+        pos = _skip(buf, pos, t, depth) if after is None else after
 
 
 def _list_head(buf: bytes, pos: int) -> tuple[int, int, int]:
