@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -435,7 +436,7 @@ def _pass(
         num_workers = min(cpus or 1, n // (4 * batch_size))
     parts = max(1, num_workers) * _RANGES_PER_WORKER
     step = min(max(batch_size, math.ceil(n / parts)), batch_size * _MAX_RANGE_BATCHES)
-    tester = _RangeTester(ds, predicate, vectorised, label, batch_size, step)
+    tester = _RangeTester(adapt(ds), repr(ds), predicate, vectorised, label, batch_size, step, n)
     loader = torch.utils.data.DataLoader(
         tester, batch_size=None, num_workers=num_workers, collate_fn=_as_is
     )
@@ -454,27 +455,20 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+@dataclasses.dataclass(eq=False)
 class _RangeTester(torch.utils.data.Dataset):
-    """Item ``k``: range ``[k * step, (k + 1) * step)`` of the dataset tested, as
-    ``(start, stop, packed bits)`` (one bit per record: 1 kept)."""
+    """Item ``k``: range ``[k * step, (k + 1) * step)`` of the ``n`` records of ``child``
+    (the dataset :func:`adapt` made of the one ``name`` names) tested, as ``(start, stop,
+    packed bits)`` (one bit per record: 1 kept)."""
 
-    def __init__(
-        self,
-        ds: Dataset,
-        predicate: Callable[[Any], Any],
-        vectorised: bool,
-        label: str,
-        batch_size: int,
-        step: int,
-    ) -> None:
-        self.child = adapt(ds)
-        self.name = repr(ds)
-        self.predicate = predicate
-        self.vectorised = vectorised
-        self.label = label
-        self.batch_size = batch_size
-        self.step = step
-        self.n = len(ds)
+    child: Any
+    name: str
+    predicate: Callable[[Any], Any]
+    vectorised: bool
+    label: str
+    batch_size: int
+    step: int
+    n: int
 
     def __len__(self) -> int:
         return -(-self.n // self.step)
