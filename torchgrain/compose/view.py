@@ -258,12 +258,10 @@ keys only in b: ['y']; 'x': int in a, str in b
     keys, schema = list(keys), dict(schema)
     for name, other_keys, other_schema in described[1:]:
         problems = []
-        only_first = [k for k in keys if k not in other_keys]
-        only_other = [k for k in other_keys if k not in keys]
-        if only_first:
-            problems.append(f"keys only in {first}: {only_first}")
-        if only_other:
-            problems.append(f"keys only in {name}: {only_other}")
+        for who, have, lack in ((first, keys, other_keys), (name, other_keys, keys)):
+            only = [k for k in have if k not in lack]
+            if only:
+                problems.append(f"keys only in {who}: {only}")
         for k in keys:
             if k in other_keys:
                 a, b = schema.get(k, "?"), other_schema.get(k, "?")
