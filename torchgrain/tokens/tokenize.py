@@ -76,10 +76,7 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
         if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):  # a BatchEncoding
             ids = ids["input_ids"]
     else:
-        raise TypeError(
-            f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a "
-            f"callable on a list of strings, got {type(tokenizer).__name__}"
-        )
+        raise _not_a_tokenizer(tokenizer)
     name = type(tokenizer).__name__
     if not isinstance(ids, (list, tuple)) and len(getattr(ids, "shape", ())) > 1:
         # return_tensors="np"/"pt": one padded array, whose pad ids would be taken as tokens
@@ -94,6 +91,13 @@ def tokenize_batch(tokenizer: Any, texts: Sequence[str | bytes]) -> list[np.ndar
         got = f"{len(ids)} sequences" if isinstance(ids, Sequence) else type(ids).__name__
         raise ValueError(f"tokenizer {name} returned {got} for {len(strings)} texts")
     return [_ids(row, i, name) for i, row in enumerate(ids)]
+
+
+def _not_a_tokenizer(tokenizer: Any) -> TypeError:
+    return TypeError(
+        "tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a "
+        f"callable on a list of strings, got {type(tokenizer).__name__}"
+    )
 
 
 def _text(value: Any, i: int) -> str:
@@ -160,10 +164,7 @@ class Tokenize:
 
     def __post_init__(self) -> None:
         if not (hasattr(self.tokenizer, "encode_batch") or callable(self.tokenizer)):
-            raise TypeError(
-                f"tokenizer must be a tokenizers.Tokenizer, a transformers tokenizer or a "
-                f"callable on a list of strings, got {type(self.tokenizer).__name__}"
-            )
+            raise _not_a_tokenizer(self.tokenizer)
 
     def __repr__(self) -> str:
         return (
