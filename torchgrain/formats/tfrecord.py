@@ -297,11 +297,7 @@ def _iter_stream(
                 pos = 0
                 continue
             if avail == 0:
-                return
-            raise CorruptDataError(
-                f"{name}: truncated record header at byte offset {base + pos} "
-                f"({avail} of {_HEADER_SIZE} bytes present)"
-            )
+                return  # else a truncated header, which _length reports
         offset = base + pos
         head = buf[pos : pos + _HEADER_SIZE]
         length = _length(head, name, offset, size, verify, max_record_bytes)
@@ -525,13 +521,10 @@ def read_tfrecord_at(
     """
     if isinstance(source, (str, os.PathLike)):
         fs, p = _resolve(source, filesystem)
-        with remote.open_input(fs, p, url=os.fspath(source)) as f:
+        name = os.fspath(source)
+        with remote.open_input(fs, p, url=name) as f:
             return read_tfrecord_at(
-                f,
-                offset,
-                verify=verify,
-                name=os.fspath(source),
-                max_record_bytes=max_record_bytes,
+                f, offset, verify=verify, name=name, max_record_bytes=max_record_bytes
             )
     f = source
     label = name or str(getattr(f, "name", "<stream>"))
@@ -622,21 +615,15 @@ def write_tfrecord(
                 out = _ZlibWriter(raw)
             else:
                 out = raw
-            pending: list[bytes] = []
-            pending_size = 0
+            pending = bytearray()
             for rec in records:
-                if type(rec) is not bytes:
-                    rec = bytes(rec)
-                frame = _frame(rec)
-                pending.append(frame)
-                pending_size += len(frame)
+                pending += _frame(rec if type(rec) is bytes else bytes(rec))
                 count += 1
-                if pending_size >= _READ_SIZE:
-                    out.write(b"".join(pending))
-                    pending.clear()
-                    pending_size = 0
+                if len(pending) >= _READ_SIZE:
+                    out.write(pending)
+                    pending = bytearray()  # (a new one: the written one may still be held)
             if pending:
-                out.write(b"".join(pending))
+                out.write(pending)
             if out is not raw:
                 out.close()
         if is_local(fs):
