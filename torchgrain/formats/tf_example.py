@@ -425,10 +425,12 @@ def _put_varint(out: bytearray, v: int) -> None:
     out.append(v)
 
 
-def _put_len(out: bytearray, field_tag: int, payload: bytes | bytearray) -> None:
+def _put_len(out: bytearray, field_tag: int, payload: bytes | bytearray) -> bytearray:
+    """Append a length-delimited field to ``out``; returns ``out``."""
     out.append(field_tag)
     _put_varint(out, len(payload))
     out += payload
+    return out
 
 
 def _int64_payload(values: np.ndarray) -> bytes:
@@ -505,16 +507,14 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
     )
 
 
-def _encode_feature(kind: int, values: Any) -> bytes:
+def _encode_feature(kind: int, values: Any) -> bytearray:
     inner = bytearray()
     if kind == _BYTES:
         for v in values:
             _put_len(inner, 0x0A, v)
     elif len(values):  # one packed list
         _put_len(inner, 0x0A, values.tobytes() if kind == _FLOAT else _int64_payload(values))
-    feature = bytearray()
-    _put_len(feature, kind << 3 | _LEN, inner)
-    return bytes(feature)
+    return _put_len(bytearray(), kind << 3 | _LEN, inner)
 
 
 def encode_tf_example(features: Mapping[str, Any]) -> bytes:
@@ -537,16 +537,11 @@ def encode_tf_example(features: Mapping[str, Any]) -> bytes:
     for name, value in features.items():
         if not isinstance(name, str):
             raise TypeError(f"feature names must be str, got {type(name).__name__}")
-        entry = bytearray()
-        _put_len(entry, 0x0A, name.encode("utf-8"))
+        entry = _put_len(bytearray(), 0x0A, name.encode("utf-8"))
         _put_len(entry, 0x12, _encode_feature(*_classify(name, value)))
         _put_len(body, 0x0A, entry)
-    out = bytearray()
-    if body:
-        _put_len(out, 0x0A, body)
-    else:
-        out += b"\x0a\x00"  # an empty Features message, as TensorFlow writes it
-    return bytes(out)
+    # (no features: an empty Features message, 0a 00, as TensorFlow writes it)
+    return bytes(_put_len(bytearray(), 0x0A, body))
 
 
 class TFExampleCodec(BaseCodec):
