@@ -19,3 +19,17 @@ def test_to_tensor_keeps_a_list_of_bfloat16_scalar_tensors():
     out = tg.ToTensor(keys=["x"])({"x": x})["x"]
     assert out.dtype == torch.bfloat16
     assert out.tolist() == [1.5, 2.5]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tokens/collate.py _as_row: np.asarray of a row listing bfloat16 tensors (numpy "
+    "has no bfloat16) is refused, where torch.tensor padded them as bfloat16",
+)
+def test_pad_collate_pads_a_named_field_of_bfloat16_scalar_tensors():
+    def row(*xs):
+        return {"w": [torch.tensor(x, dtype=torch.bfloat16) for x in xs]}
+
+    out = tg.pad_collate([row(1.5, 2.5), row(3.5)], keys=["w"])
+    assert out["w"].dtype == torch.bfloat16
+    assert out["w"].tolist() == [[1.5, 2.5], [3.5, 0.0]]
