@@ -259,10 +259,8 @@ def changes_with_epoch(ds: Any, transforms: bool = True) -> str | None:
     if isinstance(ds, Mix):
         return f"the mixture {short_repr(ds)}"
     if isinstance(ds, Composed):  # a view, token windows: what it reads is its children's
-        for child in ds.children:
-            found = changes_with_epoch(child, transforms)
-            if found is not None:
-                return found
+        found = (changes_with_epoch(child, transforms) for child in ds.children)
+        return next((f for f in found if f is not None), None)
     return None
 
 
