@@ -60,13 +60,9 @@ def is_spec(path: Any) -> bool:
         >>> is_spec("mixture.json"), is_spec("train/")
         (False, False)
     """
-    local = isinstance(path, str) and "://" not in path
-    return (
-        local
-        and path.lower().endswith(_SUFFIXES)
-        and os.path.exists(path)
-        and not os.path.isdir(path)
-    )
+    if not (isinstance(path, str) and "://" not in path and path.lower().endswith(_SUFFIXES)):
+        return False
+    return os.path.exists(path) and not os.path.isdir(path)
 
 
 def _read(path: str) -> Any:
