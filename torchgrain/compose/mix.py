@@ -53,6 +53,7 @@ _INT64_LIMIT = 1 << 31
 # Records per epoch at most: a sampler orders no more.
 _MAX_LENGTH = 1 << 62
 # Permutation families kept per process (one per pass number a batch touches).
+_NUMBERS = (int, float, Fraction, np.integer, np.floating)  # what a weight may be
 _PERMS_KEPT = 64
 
 
@@ -60,9 +61,7 @@ def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
     """Normalised exact weights (a float is the decimal it prints as, never re-rounded)."""
     out = []
     for w in weights:
-        if isinstance(w, bool) or not isinstance(
-            w, (int, float, Fraction, np.integer, np.floating)
-        ):
+        if isinstance(w, bool) or not isinstance(w, _NUMBERS):
             raise TypeError(f"{what} must be numbers, got {w!r}")
         try:
             finite = math.isfinite(float(w))
