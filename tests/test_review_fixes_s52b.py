@@ -65,3 +65,22 @@ def test_concat_joins_token_lists_with_an_empty_list_or_a_null_item(tmp_path, fi
     tg.write_array_record([{"ids": [3]}], tmp_path / "b")
     ds = tg.concat([tg.open(tmp_path / "a"), tg.open(tmp_path / "b")])
     assert [r["ids"] for r in ds] == [r["ids"] for r in first] + [[3]]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="sources/options.py check_dir_option keeps '~' as it is: index_dir='~/ix' "
+    "makes a folder named '~' in the working directory, where a dataset path's '~' "
+    "is the home directory",
+)
+def test_an_index_dir_under_the_home_directory_is_made_there(tmp_path, monkeypatch):
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    tg.write_array_record([{"i": i} for i in range(3)], tmp_path / "data")
+    src = tg.ArrayRecordSource(str(tmp_path / "data"), index_dir="~/ix")
+    assert len(src) == 3
+    assert sorted(p.name for p in cwd.iterdir()) == []
+    assert (home / "ix").is_dir()
