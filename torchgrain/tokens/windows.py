@@ -538,8 +538,7 @@ class TokenWindows(Composed):
             return []
         # One batched read for the whole batch: each document once.
         wanted = np.unique(np.concatenate(per_window))
-        read = self._read(wanted)
-        tokens = dict(zip(wanted.tolist(), read))
+        tokens = dict(zip(wanted.tolist(), self._read(wanted)))
         build = self._concat_window if self.mode == "concat" else self._packed_window
         return [build(i, d, tokens) for i, d in zip(idx.tolist(), per_window)]
 
