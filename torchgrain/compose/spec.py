@@ -138,10 +138,9 @@ def _entry_source(
         src = registry.open(target, format=fmt, **options)
     except (ValueError, TypeError, OSError) as e:
         raise SpecError(f"{where} ({entry['path']!r}): {e}") from e
-    ds: Any = src
     if entry.get("filter") is not None:
-        ds = _filtered(where, src, fmt, entry["filter"])
-    return name, ds, entry.get("weight")
+        src = _filtered(where, src, fmt, entry["filter"])
+    return name, src, entry.get("weight")
 
 
 def _filtered(where: str, src: Any, fmt: str, conditions: Any) -> Any:
