@@ -213,8 +213,7 @@ def filter_dataset(
     ix = derived_index(
         "filter", key, {"selection": (dtype, ())}, fill, index_dir=index_dir, fits=fits
     )
-    view = FilterView(ds, ix, label=what)
-    return Dataset(view, batch_format=ds.batch_format)
+    return Dataset(FilterView(ds, ix, label=what), batch_format=ds.batch_format)
 
 
 def _reader(ds: Dataset, keys: list[str] | None) -> Any:
