@@ -182,11 +182,7 @@ def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
     if "tensor" in spec:
         t = spec["tensor"]
         return ("tensor", t.get("dtype", "float32"), _dims(t.get("shape")), t.get("encoding"))
-    if "classLabel" in spec:
-        return ("label",)
-    if "text" in spec:
-        return ("text",)
-    return ("raw",)
+    return ("label",) if "classLabel" in spec else ("text",) if "text" in spec else ("raw",)
 
 
 def _decode_pil(data: bytes) -> np.ndarray:
