@@ -482,8 +482,16 @@ def _to_tensor(value: Any, key: str) -> torch.Tensor:
         return value
     if isinstance(value, (str, bytes)):
         raise TypeError(f"ToTensor: key {key!r} holds {type(value).__name__}")
-    if not isinstance(value, np.ndarray):  # Python floats stay float64, as default_collate's
-        value = np.asarray(value)
+    try:
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            # numpy has no bfloat16 and refuses tensors requiring grad: torch keeps them
+            if all(isinstance(v, torch.Tensor) for v in value):
+                return torch.stack(value)
+            return torch.as_tensor(value)
+        if not isinstance(value, np.ndarray):  # Python floats stay float64, as default_collate's
+            value = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"ToTensor: key {key!r} cannot be made a tensor: {e}") from None
     if value.dtype.kind in "OUSV":
         raise TypeError(f"ToTensor: key {key!r} holds a {value.dtype} array")
     # torch.from_numpy shares memory but refuses negative strides (flips) and
@@ -499,7 +507,7 @@ class ToTensor:
     Args:
         keys: keys to convert; by default every numpy array value (others are kept).
             A number or list converts with numpy's dtype (Python floats float64, as
-            torch's default collate makes them).
+            torch's default collate makes them); a list of tensors is stacked in theirs.
         dtype: optional torch dtype to cast converted values to (no rescaling).
         channels_first: move the last axis of 3-D arrays first (HWC -> CHW): ``True``
             for every converted key, or a collection of keys.

@@ -402,7 +402,13 @@ def _is_column_sequence(col: Any) -> bool:
 
 def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
     try:
-        if isinstance(value, (list, tuple)):  # Python floats stay float64, as default_collate's
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            # numpy has no bfloat16 and refuses tensors requiring grad: torch keeps them
+            if all(isinstance(v, torch.Tensor) for v in value):
+                value = torch.stack(value)
+            else:
+                value = torch.as_tensor(value)
+        elif isinstance(value, (list, tuple)):  # Python floats stay float64, as default_collate's
             value = np.asarray(value) if value else np.zeros(0, np.int64)
         if isinstance(value, torch.Tensor):
             t = value
