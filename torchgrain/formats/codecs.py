@@ -267,10 +267,11 @@ class MsgpackCodec(BaseCodec):
     def encode(self, record: dict[str, Any]) -> bytes:
         if not isinstance(record, dict):
             raise TypeError(f"a record must be a dict, got {type(record).__name__}")
-        out = msgpack.packb(record, default=_default, use_bin_type=True)
-        for k, v in record.items():
+        for k in record:  # before packing, which would blame a key it cannot pack as a value
             if not isinstance(k, str):
                 raise TypeError(f"record keys must be str, got {k!r}")
+        out = msgpack.packb(record, default=_default, use_bin_type=True)
+        for k, v in record.items():
             if type(v) not in _FLAT:
                 _check_map_keys(v, (k,))
         return out
