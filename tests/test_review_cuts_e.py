@@ -63,11 +63,6 @@ def test_an_int64_shards_negative_int_is_found_with_or_without_statistics(tmp_pa
     assert tg.writers._outside(path, ["y"], 0, None) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a typed column's lossy datetime64 is named in the unit numpy gives the whole "
-    "column (ns here), not as the record holds it (ms)",
-)
 def test_a_lossy_datetime_in_a_typed_column_is_named_as_the_record_holds_it():
     values = [np.datetime64("2020-01-01T00:00:00.500", "ms"), np.datetime64(1, "ns")]
     with pytest.raises(TypeError) as e:

@@ -326,7 +326,12 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if present and all(isinstance(v, (np.datetime64, np.timedelta64)) for v in present):
             # What a ParquetSource returns; Arrow takes such scalars only of a type
             # without a time zone, and of its own unit.
-            within = _in_units(np.array(present), kind)
+            try:
+                within = _in_units(np.array(present), kind)
+            except ValueError:
+                for v in present:  # (named in its own unit, not the column's finest)
+                    _in_units(v, kind)
+                raise
             mask = np.fromiter((v is None for v in values), bool, len(values))
             full = np.zeros(len(values), dtype=temporal)
             full[~mask] = within
