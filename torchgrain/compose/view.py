@@ -225,12 +225,20 @@ def join_types(a: str, b: str) -> str | None:
         ('float32[?]', 'int|null')
         >>> join_types("int", "str") is None
         True
+        >>> join_types("list|list[int]", "list[int]")  # an empty list beside list[int]
+        'list|list[int]'
     """
     if a == b:
         return a
     (pa, na), (pb, nb) = _split_type(a), _split_type(b)
     if pa == pb:
         return a if na else b
+    # A bare 'list' (only empty lists seen) is to list[...] what null is to a type.
+    la = {p for p in pa if p.split("[", 1)[0] == "list"}
+    lb = {p for p in pb if p.split("[", 1)[0] == "list"}
+    ea, eb = la - {"list"}, lb - {"list"}
+    if la and lb and pa - la == pb - lb and (ea == eb or not ea or not eb):
+        return "|".join(sorted(pa | pb | ({"null"} if na or nb else set())))
     array = _join_array(*pa, *pb) if len(pa) == 1 and len(pb) == 1 else None
     return f"{array}|null" if array is not None and (na or nb) else array
 
