@@ -18,6 +18,7 @@ import fnmatch
 import os
 import pickle
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -226,8 +227,8 @@ def expand_paths(
     suffixes = tuple(suffixes)
     fs = filesystem
     out: list[str] = []
-    for item in items:
-        item = os.fspath(item)
+    resolved = []
+    for item in map(os.fspath, items):
         if filesystem is None:
             item_fs, stripped = get_filesystem(
                 item, storage_options, allow_redirects=allow_external
@@ -236,13 +237,14 @@ def expand_paths(
             item_fs, stripped = filesystem, filesystem._strip_protocol(item)
             if is_local(filesystem):
                 stripped = canonical_local_path(stripped)
+        resolved.append((item, item_fs, stripped))
+    named = [(f, p, item) for item, f, p in resolved if not has_glob(p, f)]
+    _refresh_named(named, suffixes, allow_external)
+    for item, item_fs, stripped in resolved:
         if fs is None:
             fs = item_fs
         listing = _Listing(item_fs, item, suffixes, allow_external)
-        globbed = has_glob(stripped, item_fs)
-        if not globbed:
-            _refresh_cached(item_fs, stripped, item)
-        if globbed:
+        if has_glob(stripped, item_fs):
             found = sorted(listing.glob(stripped))
             if not found:
                 raise DatasetNotFoundError(f"glob {item!r} matched no {kind} file")
@@ -445,41 +447,82 @@ def _fill_dircache(
                 "type": "directory",
             },
         )
-    if part is not None:
-        entries = listed.pop(part, {})
-        if part in fs.dircache:  # (alone, a part is never taken for the folder's listing)
-            kept = [e for e in fs.dircache[part] if not e["name"].startswith(prefix)]
-            _cache(fs, part, [*kept, *entries.values()])
-    for folder, entries in listed.items():
-        _cache(fs, folder, entries.values())
+    with _DIRCACHE_LOCK:
+        if part is not None:
+            entries = listed.pop(part, {})
+            if part in fs.dircache:  # (alone, a part is never taken for the folder's listing)
+                kept = [e for e in fs.dircache[part] if not e["name"].startswith(prefix)]
+                _cache(fs, part, [*kept, *entries.values()])
+        for folder, entries in listed.items():
+            _cache(fs, folder, entries.values())
 
 
 def _cache(fs: fsspec.AbstractFileSystem, folder: str, entries: Iterable[dict[str, Any]]) -> None:
     fs.dircache[folder] = sorted(entries, key=lambda info: info["name"])
 
 
-def _refresh_cached(fs: fsspec.AbstractFileSystem, path: str, url: str) -> None:
-    """Ask S3 anew about a named ``path`` whose folder s3fs's listing cache holds (a
-    listing of it since), and put the answer there: a shard added or rewritten since is
-    seen as it is now. (A folder is listed anew when opened: nothing is asked here.)"""
-    s3 = _s3_of(fs)
-    if s3 is None:
-        return
-    path = path.rstrip("/")
-    parent = s3._parent(path)
-    cached = s3.dircache.get(parent)
-    if path in s3.dircache or cached is None:
-        return
-    if any(e["name"] == path and e["type"] == "directory" for e in cached):
-        return
-    try:
-        info = remote.call(s3, "info", path, refresh=True, url=url, what="lookup")
-    except FileNotFoundError as e:
-        if is_transient(e):
-            raise  # inside an operation: it retries
-        info = None
-    kept = [e for e in cached if e["name"] != path]
-    _cache(s3, parent, [*kept, info] if info is not None else kept)
+#: Guards each read-modify-write of an S3 filesystem's listing cache: two threads opening
+#: at once each keep the other's entries.
+_DIRCACHE_LOCK = threading.Lock()
+
+
+def _new_dircache_lock() -> None:
+    global _DIRCACHE_LOCK  # (a thread may have held it at the fork: the child's copy stays held)
+    _DIRCACHE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_dircache_lock)
+
+#: Objects an S3 listing page names.
+_S3_PAGE = 1000
+
+
+def _refresh_named(
+    named: Iterable[tuple[fsspec.AbstractFileSystem, str, str]],
+    suffixes: tuple[str, ...],
+    allow_external: bool,
+) -> None:
+    """Ask S3 anew about the named paths ``(fs, path, url)`` whose folder s3fs's listing
+    cache holds (a listing of it since), and put the answers there: a shard added,
+    rewritten or removed since is seen as it is now. Each such folder is asked once: one
+    HEAD for one name, else one listing (page by page) of its names' common prefix, or a
+    HEAD per name where fewer than that listing's pages. (A folder is listed anew when
+    opened: nothing is asked here.)"""
+    folders: dict[tuple[int, str], tuple[fsspec.AbstractFileSystem, dict[str, str]]] = {}
+    for fs, path, url in named:
+        s3 = _s3_of(fs)
+        if s3 is None:
+            continue
+        path = path.rstrip("/")
+        parent = s3._parent(path)
+        cached = s3.dircache.get(parent)
+        if path in s3.dircache or cached is None:
+            continue
+        if any(e["name"] == path and e["type"] == "directory" for e in cached):
+            continue
+        folders.setdefault((id(s3), parent), (s3, {}))[1].setdefault(path, url)
+    for (_, parent), (s3, urls) in folders.items():
+        prefix = os.path.commonprefix(list(urls))  # noqa: RUF071 - of keys
+        under = sum(e["name"].startswith(prefix) for e in s3.dircache.get(parent, ()))
+        if len(urls) > 1 and max(1, -(-under // _S3_PAGE)) < len(urls):
+            where = next(iter(urls.values())).rsplit("/", 1)[0] + "/"
+            start = prefix[len(parent) + 1 :]
+            _Listing(s3, where, suffixes, allow_external)._s3_keys(
+                s3, parent, start, one_level=True
+            )
+            continue
+        for path, url in urls.items():
+            try:
+                info = remote.call(s3, "info", path, refresh=True, url=url, what="lookup")
+            except FileNotFoundError as e:
+                if is_transient(e):
+                    raise  # inside an operation: it retries
+                info = None
+            with _DIRCACHE_LOCK:
+                cached = s3.dircache.get(parent)
+                if cached is not None:  # (else dropped since: s3fs asks anew)
+                    kept = [e for e in cached if e["name"] != path]
+                    _cache(s3, parent, [*kept, info] if info is not None else kept)
 
 
 def _s3_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem | None:
