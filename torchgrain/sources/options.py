@@ -50,8 +50,8 @@ def _is_int(value: Any) -> bool:
 
 def check_dir_option(name: str, value: Any) -> Any:
     """A source's directory option ``name`` (``index_dir``...), checked: a path as a
-    ``str``, or ``None`` / ``...`` (off / the default) as given; a ``TypeError`` naming
-    the option otherwise.
+    ``str`` (a leading ``~`` expanded), or ``None`` / ``...`` (off / the default) as
+    given; a ``TypeError`` naming the option otherwise.
 
     Example:
         >>> import pathlib
@@ -67,7 +67,7 @@ def check_dir_option(name: str, value: Any) -> Any:
     if isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         if isinstance(path, str):
-            return path
+            return os.path.expanduser(path)  # '~' is the home directory, as in dataset paths
     raise TypeError(
         f"{name} must be a directory path, None or ..., got {type(value).__name__} {value!r}"
     )
@@ -148,7 +148,9 @@ class ReadOptions:
 
             if not isinstance(fs, fsspec.AbstractFileSystem):
                 raise TypeError(f"filesystem must be an fsspec filesystem, got {type(fs).__name__}")
-        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+        if isinstance(self.cache_dir, (str, os.PathLike)):
+            object.__setattr__(self, "cache_dir", check_dir_option("cache_dir", self.cache_dir))
+        elif self.cache_dir is not None:
             from torchgrain.io.shard_cache import ShardCache
 
             if not isinstance(self.cache_dir, ShardCache):
