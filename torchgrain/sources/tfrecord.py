@@ -223,8 +223,8 @@ class TFRecordSource(EncodedSource):
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[bytes]:
         """The raw bytes of records ``[start, stop)`` of one shard, in order."""
-        n = int(self.index.counts[shard])
         start, stop = shard_rows(self.index.counts, shard, start, stop)
+        n = int(self.index.counts[shard])
         if start >= stop:
             return
         self._check_opened(shard)  # (read through a file of its own: not pinned)
