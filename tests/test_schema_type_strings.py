@@ -26,10 +26,11 @@ def test_union_type_keeps_each_lists_element_types():
 @pytest.mark.parametrize(
     ("a", "b", "joined"),
     [
-        ("list[int|null|str]", "list[int|str]|null", None),
+        ("list[int|null|str]", "list[int|str]|null", "list[int|null|str]|null"),
         ("list[int|null|str]", "list[int|null|str]|null", "list[int|null|str]|null"),
         ("list[int]", "list[str]", None),
         ("list[int]|null", "list[int]", "list[int]|null"),
+        ("list[int]|list[int|null]", "list[int]", "list[int|null]"),
         ("float32[2]", "float32[3]|null", "float32[?]|null"),
     ],
 )

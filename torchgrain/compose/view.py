@@ -237,8 +237,16 @@ def join_types(a: str, b: str) -> str | None:
     la = {p for p in pa if p.split("[", 1)[0] == "list"}
     lb = {p for p in pb if p.split("[", 1)[0] == "list"}
     ea, eb = la - {"list"}, lb - {"list"}
-    if la and lb and pa - la == pb - lb and (ea == eb or not ea or not eb):
-        return "|".join(sorted(pa | pb | ({"null"} if na or nb else set())))
+    if la and lb and pa - la == pb - lb:
+        if ea and eb and ea != eb:  # element types join as a type's do
+            inner: str | None = None
+            for element in sorted(e[5:-1] for e in ea | eb):
+                inner = element if inner is None else join_types(inner, element)
+                if inner is None:
+                    return None
+            ea = eb = {f"list[{inner}]"}
+        bare = (la | lb) & {"list"}
+        return "|".join(sorted((pa - la) | bare | ea | eb | ({"null"} if na or nb else set())))
     array = _join_array(*pa, *pb) if len(pa) == 1 and len(pb) == 1 else None
     return f"{array}|null" if array is not None and (na or nb) else array
 
