@@ -30,3 +30,14 @@ def test_an_index_dir_path_or_none_opens(tmp_path, fmt):
     _write(fmt, tmp_path / "d")
     for index_dir in (tmp_path / "ix", str(tmp_path / "ix2"), None):
         assert len(tg.open(tmp_path / "d", format=fmt, index_dir=index_dir)) == 4
+
+
+@pytest.mark.parametrize("view", ["filter", "windows"])
+def test_a_derived_indexs_bad_index_dir_names_the_option(tmp_path, view):
+    _write("array_record", tmp_path / "d")
+    ds = tg.Dataset(tg.open(tmp_path / "d"))
+    with pytest.raises(TypeError, match="index_dir must be a directory path"):
+        if view == "filter":
+            ds.filter(lambda r: r["i"] > 1, index_dir=5)
+        else:
+            ds.map(lambda r: {"tokens": [r["i"]] * 3}).windows("tokens", 2, index_dir=5)

@@ -48,6 +48,7 @@ from torchgrain.sources.node_index.store import (
     cached_index,
     default_index_dir,
 )
+from torchgrain.sources.options import check_dir_option
 
 __all__ = ["DerivedIndex", "callable_fingerprint", "dataset_fingerprint", "derived_index"]
 
@@ -180,7 +181,8 @@ def derived_index(
         return build(None)
     if index_dir is DEFAULT:
         index_dir = default_index_dir(kind)
-    return cached_index(os.fspath(index_dir), key + INDEX_SUFFIX, maker, build, check)
+    path = check_dir_option("index_dir", index_dir)
+    return cached_index(path, key + INDEX_SUFFIX, maker, build, check)
 
 
 # ----------------------------------------------------------------- fingerprints
