@@ -4,6 +4,7 @@ loop keeps, sends elsewhere or views must keep their bytes; failures must end in
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
@@ -81,5 +82,46 @@ def test_a_numpy_view_survives_sending_the_batch_to_another_process(
     # (read before the epoch ends: the slot is unmapped then, and reading the view
     # would crash the process)
     del images
+    assert len(list(it)) == N // 16 - 9
+    assert bad == []
+
+
+def _check_in_child(batch, labels, records, go, results):
+    go.wait(10)
+    results.put(_bad_rows(batch["image"].numpy(), labels, records))
+
+
+@pytest.mark.parametrize(
+    "worker_slots",
+    [
+        0,
+        pytest.param(
+            _shm.MAX_SLOTS,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a process forked while a batch is alive keeps the slot's mapping; "
+                "the slot is freed when the parent drops the batch and rewritten under "
+                "the child",
+            ),
+        ),
+    ],
+)
+def test_a_batch_handed_to_a_forked_process_keeps_its_bytes(data_dir, records, worker_slots):
+    # e.g. a batch saved or logged by a process of its own while training goes on
+    ctx = mp.get_context("fork")
+    loader = _loader(data_dir, worker_slots=worker_slots)
+    it = iter(loader)
+    first = next(it)
+    labels = first["label"].tolist()
+    go, results = ctx.Event(), ctx.SimpleQueue()
+    child = ctx.Process(target=_check_in_child, args=(first, labels, records, go, results))
+    child.start()
+    del first
+    gc.collect()
+    for _ in range(8):  # the worker's slots are used again
+        next(it)
+    go.set()
+    bad = results.get()
+    child.join(10)
     assert len(list(it)) == N // 16 - 9
     assert bad == []
