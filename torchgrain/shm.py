@@ -222,14 +222,15 @@ class SlotBatch(dict):
 
 # ------------------------------------------------------------------ main side
 class _Mapped:
-    __slots__ = ("batches", "header", "mm", "pid")
+    __slots__ = ("header", "live", "mm", "pid")
 
     def __init__(self, mm: mmap.mmap, pid: int) -> None:
         self.mm = mm
         self.pid = pid
         self.header = np.frombuffer(mm, np.uint8, count=_HEADER)
-        # The batches rebuilt from this slot that are still alive here, by id.
-        self.batches: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+        # Batches rebuilt from this slot that are still alive here (counted, not weakly
+        # referenced: a dying batch's finalizer runs before a weak reference to it clears).
+        self.live = 0
 
 
 _mapped: dict[str, _Mapped] = {}
@@ -261,6 +262,7 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
         if entry is not None:
             if fd is not None:
                 os.close(fd.detach())  # sent again before this process said it has it
+            entry.live += 1
             return entry
         if fd is None:
             raise RuntimeError(
@@ -281,14 +283,17 @@ def _open(name: str, pid: int, size: int, fd: Any) -> _Mapped:
             os.close(fd)
         entry = _mapped[name] = _Mapped(mm, pid)
         entry.header[_MAPPED] = 1
+        entry.live += 1  # the batch being rebuilt (under the lock: not swept meanwhile)
         return entry
 
 
-def _release(header: np.ndarray, owner: tuple[int, int]) -> None:
+def _release(entry: _Mapped, owner: tuple[int, int]) -> None:
     if process.token() != owner:  # a process forked while the batch was alive
         return
-    header[_BUSY] = 0
-    if header[_RETIRED]:  # its worker is done: unmap what no batch uses any more
+    with _lock:
+        entry.live -= 1
+    entry.header[_BUSY] = 0
+    if entry.header[_RETIRED]:  # its worker is done: unmap what no batch uses any more
         _sweep()
 
 
@@ -297,7 +302,7 @@ def _sweep() -> None:
     gone (their mappings live on in any batch that still uses them)."""
     with _lock:
         for key, old in list(_mapped.items()):
-            if not old.batches and (old.header[_RETIRED] or not _alive(old.pid)):
+            if not old.live and (old.header[_RETIRED] or not _alive(old.pid)):
                 del _mapped[key]
 
 
@@ -326,8 +331,7 @@ def _rebuild(
     # A new array object per batch: every column is a view of it, so it is collected
     # (and the slot freed for the worker) only once no tensor of this batch is left.
     batch_base = np.frombuffer(entry.mm, np.uint8, count=size - _HEADER, offset=_HEADER)
-    entry.batches[id(batch_base)] = batch_base
-    weakref.finalize(batch_base, _release, entry.header, process.token()).atexit = False
+    weakref.finalize(batch_base, _release, entry, process.token()).atexit = False
     typed = _typed(torch.from_numpy(batch_base))
     return {k: _materialize(desc, typed) for k, desc in items}
 
