@@ -25,7 +25,9 @@ released the batch it received. Each slot starts with a header of :data:`_HEADER
 byte 0 is 1 from the moment a batch in the slot is pickled until the main process has
 dropped it, byte 1 is 1 once the worker has given the slot up (the main process may then
 unmap it), byte 2 is 1 once the main process has mapped the slot (its descriptor need
-not be sent again).
+not be sent again), byte 3 is 1 once the main process forked while a batch of the slot
+was alive (the child may still read it: the worker gives the slot up instead of writing
+it again).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ _HEADER = 64
 _BUSY = 0
 _RETIRED = 1
 _MAPPED = 2
+_PINNED = 3
 #: Slots one worker keeps at most: the batches it has queued (``prefetch_factor``) plus
 #: the few the main process holds (current batch, pin-memory thread, CUDA prefetcher).
 MAX_SLOTS = 8
@@ -145,16 +148,17 @@ class SlotPool:
         :meth:`Slot.arrays`); None when none can be had."""
         nbytes = -(-max(nbytes, 1) // _HEADER) * _HEADER  # every dtype views it whole
         free = [s for s in self.slots if s.free]
+        if any(s.header[_PINNED] for s in free):  # a forked process may read them
+            for old in [s for s in free if s.header[_PINNED]]:
+                self._drop(old)
+            free = [s for s in free if not s.header[_PINNED]]
         fitting = [s for s in free if s.capacity >= nbytes]
         if fitting:
             return min(fitting, key=lambda s: s.capacity)
         if self.broken:
             return None
         if free:  # too small for batches like this one: replace the smallest
-            old = min(free, key=lambda s: s.capacity)
-            self.slots.remove(old)
-            old.retire()
-            os.close(old.fd)
+            self._drop(min(free, key=lambda s: s.capacity))
         elif len(self.slots) >= self.max_slots:
             return None
         try:
@@ -165,6 +169,12 @@ class SlotPool:
         self.slots.append(slot)
         _own[slot.name] = slot
         return slot
+
+    def _drop(self, slot: Slot) -> None:
+        """Give ``slot`` up for good, freeing its place in the pool."""
+        self.slots.remove(slot)
+        slot.retire()
+        os.close(slot.fd)
 
 
 def _retire_all(slots: list[Slot], owner: tuple[int, int]) -> None:
@@ -243,7 +253,16 @@ def _forget_after_fork() -> None:
     _mapped.clear()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+def _pin_before_fork() -> None:
+    # The child inherits the mappings of the batches alive now and may read them after
+    # this process drops them: their workers must not write those slots again.
+    with _lock:
+        for entry in _mapped.values():
+            if entry.live:
+                entry.header[_PINNED] = 1
+
+
+os.register_at_fork(before=_pin_before_fork, after_in_child=_forget_after_fork)
 
 
 def _alive(pid: int) -> bool:
