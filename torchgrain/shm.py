@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
 
 from torchgrain.columns import Ragged
 from torchgrain.io import process
@@ -232,12 +233,14 @@ class SlotBatch(dict):
 
 # ------------------------------------------------------------------ main side
 class _Mapped:
-    __slots__ = ("header", "live", "mm", "pid")
+    __slots__ = ("address", "end", "header", "live", "mm", "pid")
 
     def __init__(self, mm: mmap.mmap, pid: int) -> None:
         self.mm = mm
         self.pid = pid
         self.header = np.frombuffer(mm, np.uint8, count=_HEADER)
+        self.address = self.header.ctypes.data
+        self.end = self.address + len(mm)
         # Batches rebuilt from this slot that are still alive here (counted, not weakly
         # referenced: a dying batch's finalizer runs before a weak reference to it clears).
         self.live = 0
@@ -263,6 +266,22 @@ def _pin_before_fork() -> None:
 
 
 os.register_at_fork(before=_pin_before_fork, after_in_child=_forget_after_fork)
+
+
+def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    # torch's pickler moves a storage it sends into new shared memory in place: one of a
+    # slot would leave the slot (freed, then rewritten by its worker) under any numpy
+    # view of it. Such a storage is sent as a copy; the slot's stays as it is.
+    if _mapped and storage.device.type == "cpu":
+        address = storage.data_ptr()
+        with _lock:
+            inside = any(e.address <= address < e.end for e in _mapped.values())
+        if inside:
+            storage = storage.clone()
+    return _torch_reduce_storage(storage)
+
+
+reduction.ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
 
 
 def _alive(pid: int) -> bool:
