@@ -1,0 +1,121 @@
+"""Named S3 shards refreshed per folder, list element joins, ToTensor lists of tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from torchgrain.io import fs as tgfs
+from torchgrain.tokens.collate import pad_collate
+
+
+def _parquet(rows: int) -> bytes:
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": list(range(rows))}), buf)
+    return buf.getvalue()
+
+
+def _bucket(client, name: str) -> str:
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=name)
+    return name
+
+
+def _fresh(client, endpoint, bucket, folder, before, after, named):
+    for key in before:
+        client.put_object(Bucket=bucket, Key=key, Body=_parquet(2))
+    opts = {"endpoint_url": endpoint}
+    tgfs.expand_paths(f"s3://{bucket}/{folder}", suffixes=[".parquet"], storage_options=opts)
+    for key in after:
+        client.put_object(Bucket=bucket, Key=key, Body=_parquet(5))
+    urls = [f"s3://{bucket}/{k}" for k in named]
+    fs, got = tgfs.expand_paths(urls, suffixes=[".parquet"], storage_options=opts)
+    return fs, urls, got
+
+
+def test_named_shards_at_a_bucket_root_are_fresh_after_its_listing(moto_s3):
+    client, endpoint = moto_s3
+    b = _bucket(client, "rl-root")
+    fs, urls, got = _fresh(
+        client,
+        endpoint,
+        b,
+        "",
+        ["a.parquet", "b.parquet"],
+        ["c.parquet", "a.parquet"],
+        ["a.parquet", "b.parquet", "c.parquet"],
+    )
+    assert got == urls
+    assert fs.info(urls[0])["size"] == len(_parquet(5))
+
+
+def test_named_shards_with_spaces_percent_and_unicode_are_found_after_a_listing(moto_s3):
+    client, endpoint = moto_s3
+    b = _bucket(client, "rl-odd")
+    names = ["d/é 1%2F.parquet", "d/é 2+&.parquet"]
+    _fs, urls, got = _fresh(
+        client, endpoint, b, "d/", ["d/z.parquet"], names, [*names, "d/z.parquet"]
+    )
+    assert got == urls
+
+
+def test_named_shards_of_two_folders_are_each_found_after_a_listing(moto_s3):
+    client, endpoint = moto_s3
+    b = _bucket(client, "rl-two")
+    client.put_object(Bucket=b, Key="e/z.parquet", Body=_parquet(2))
+    tgfs.expand_paths(
+        f"s3://{b}/e/", suffixes=[".parquet"], storage_options={"endpoint_url": endpoint}
+    )
+    names = ["d/p1.parquet", "d/p2.parquet", "e/p1.parquet", "e/p2.parquet"]
+    _fs, urls, got = _fresh(client, endpoint, b, "d/", ["d/z.parquet"], names, names)
+    assert got == urls
+
+
+def test_a_folder_created_since_a_listing_named_beside_shards_is_walked(moto_s3):
+    client, endpoint = moto_s3
+    b = _bucket(client, "rl-fold")
+    _fs, urls, got = _fresh(
+        client,
+        endpoint,
+        b,
+        "d/",
+        ["d/z.parquet"],
+        ["d/sub/x.parquet", "d/p.parquet"],
+        ["d/sub", "d/p.parquet", "d/z.parquet"],
+    )
+    assert got == [f"s3://{b}/d/sub/x.parquet", *urls[1:]]
+
+
+def test_a_named_shard_past_the_first_page_of_its_prefix_is_found(moto_s3):
+    client, endpoint = moto_s3
+    b = _bucket(client, "rl-page")
+    before = [f"d/k{i:04d}.parquet" for i in range(1001)]
+    body = _parquet(2)
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda k: client.put_object(Bucket=b, Key=k, Body=body), before))
+    named = ["d/k0000.parquet", "d/k0500.parquet", "d/k9999.parquet"]
+    _fs, urls, got = _fresh(client, endpoint, b, "d/", [], ["d/k9999.parquet"], named)
+    assert got == urls
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="pad_collate's default keys take a list of 0-d tensors for no sequence "
+    "(_is_sequence asks that its first item be a Python or numpy number): the field goes "
+    "to torch's default collate, 'each element in list of batch should be of equal size', "
+    "naming no field, where keys=['ids'] pads it",
+)
+def test_pad_collate_finds_a_list_of_tensors_field_by_default():
+    batch = [{"ids": [torch.tensor(1), torch.tensor(2)]}, {"ids": [torch.tensor(3)]}]
+    told = pad_collate(batch, keys=["ids"])
+    assert told["ids"].tolist() == [[1, 2], [3, 0]]
+    found = pad_collate(batch)
+    assert found["ids"].tolist() == [[1, 2], [3, 0]]
+    assert found["attention_mask"].tolist() == [[1, 1], [1, 0]]
