@@ -151,3 +151,18 @@ def test_datetimes_of_mixed_units_each_exact_in_the_column_unit_are_written():
     )
     got = table.column("u").to_pylist()
     assert [d.year for d in got] == [2500, 2020]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="MsgpackCodec.encode (codecs.py:273-276) checks top-level keys before packing "
+    "but nested map keys (_check_map_keys) after: a nested date key is 'cannot encode "
+    "value of type date', naming no key",
+)
+def test_msgpack_names_a_nested_date_key_as_a_key():
+    import datetime
+
+    from torchgrain.formats.codecs import MsgpackCodec
+
+    with pytest.raises(TypeError, match=r"record key \['a'\]\[datetime\.date\(2020, 1, 1\)\]"):
+        MsgpackCodec().encode({"a": {datetime.date(2020, 1, 1): 1}})
