@@ -68,6 +68,8 @@ TESTS=(
   tests/test_tf_example.py tests/test_tfds.py tests/test_format_registry.py
   tests/test_sampler_contract.py tests/test_resumable_loader.py tests/test_convert.py
   tests/test_paths.py tests/test_convert_parquet_types.py tests/test_parquet_output_schema.py
+  tests/test_review_differential.py tests/test_parquet_output_nat.py
+  tests/test_parquet_output_beside_arrays.py tests/test_parquet_output_list_offsets.py
 )
 # These tests write their data with Arrow's Parquet writer, which in pyarrow 15 and 16
 # refuses a fixed-size list column holding nulls ("Lists with non-zero length null

@@ -303,6 +303,14 @@ def test_encoder_types():
     assert decode_tf_example(b"") == {}
 
 
+@pytest.mark.parametrize("value", [2**63, 2**63 + 5, 2**63 + 1000])
+def test_a_uint64_just_past_int64_is_refused_not_wrapped(value):
+    # (numpy 1 compares a uint64 scalar with a Python int as floats: 2**63 + 5 and
+    # 2**63 - 1 are the same float there)
+    with pytest.raises(ValueError, match="does not fit in int64"):
+        encode_tf_example({"x": np.array([1, value], dtype=np.uint64)})
+
+
 def test_codec_protocol():
     codec = TFExampleCodec()
     assert codec.name == "tf_example"

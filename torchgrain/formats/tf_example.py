@@ -476,7 +476,8 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
         flat = value.ravel()
         k = flat.dtype.kind
         if k in "iub":
-            if k == "u" and flat.size and flat.max() > np.iinfo(np.int64).max:
+            # (against a uint64: numpy 1 compares a uint64 scalar with a Python int as floats)
+            if k == "u" and flat.size and flat.max() > np.uint64(np.iinfo(np.int64).max):
                 raise ValueError(f"feature {name!r}: uint64 value does not fit in int64")
             return _INT64, flat.astype(np.int64)
         if k == "f":

@@ -121,7 +121,8 @@ class _Documents:
     def _check_range(self, values: np.ndarray, docs: np.ndarray) -> None:
         """Token ids must be >= 0 and fit the windows' int64 (only a uint64 array can
         hold more)."""
-        if values.dtype == np.uint64 and values.size and values.max() > np.iinfo(np.int64).max:
+        # (against a uint64: numpy 1 compares a uint64 scalar with a Python int as floats)
+        if values.dtype == np.uint64 and values.size and values.max() > _INT64_MAX:
             raise CorruptDataError(
                 f"records {docs.tolist()[:8]} of {self.name}: column {self.column!r} holds a "
                 "token id above 2**63 - 1"
@@ -699,6 +700,7 @@ class WindowDataset(Dataset):
         return self.source.num_tokens
 
 
+_INT64_MAX = np.uint64(np.iinfo(np.int64).max)
 _CU_LIMIT = 2**31  # cu_seqlens are int32, as variable-length attention kernels take them
 
 
