@@ -166,3 +166,18 @@ def test_msgpack_names_a_nested_date_key_as_a_key():
 
     with pytest.raises(TypeError, match=r"record key \['a'\]\[datetime\.date\(2020, 1, 1\)\]"):
         MsgpackCodec().encode({"a": {datetime.date(2020, 1, 1): 1}})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="since e0a4e71 a list mixing a tensor and a Python float goes through "
+    "torch.as_tensor (transforms.py:490, collate.py:410), whose floats are float32, where "
+    "numpy kept them float64 as documented: 0.1 loses its digits",
+)
+def test_a_list_of_a_tensor_and_a_python_float_keeps_float64():
+    from torchgrain.transforms import ToTensor
+
+    assert ToTensor(keys=["a"])({"a": [1, 0.1]})["a"].dtype == torch.float64
+    assert ToTensor(keys=["a"])({"a": [torch.tensor(1), 0.1]})["a"].dtype == torch.float64
+    padded = pad_collate([{"a": [torch.tensor(1), 0.1]}], keys=["a"])
+    assert padded["a"].dtype == torch.float64
