@@ -326,12 +326,10 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if present and all(isinstance(v, (np.datetime64, np.timedelta64)) for v in present):
             # What a ParquetSource returns; Arrow takes such scalars only of a type
             # without a time zone, and of its own unit.
-            try:
+            if len({v.dtype for v in present}) == 1:
                 within = _in_units(np.array(present), kind)
-            except ValueError:
-                for v in present:  # (named in its own unit, not the column's finest)
-                    _in_units(v, kind)
-                raise
+            else:  # (one array of them would be in the finest unit: a year 2500 wraps in ns)
+                within = np.array([_in_units(v, kind) for v in present], dtype=temporal)
             mask = np.fromiter((v is None for v in values), bool, len(values))
             full = np.zeros(len(values), dtype=temporal)
             full[~mask] = within
@@ -412,7 +410,9 @@ def _in_units(value: Any, kind: Any) -> Any:
             if got.dtype.kind != np.dtype(unit).kind:
                 raise TypeError(f"it holds {got.dtype} values")
             within = got.astype(unit)
-            same = (within == got) | np.isnat(got)
+            # Back in its own unit: a value past the other unit's range wraps without a
+            # word (a year 2500 in ns), and compares equal in the finer unit too.
+            same = (within.astype(got.dtype) == got) | np.isnat(got)
             if not same.all():
                 raise ValueError(f"{got.flat[int(np.argmin(same))]!r} is not a {kind} value")
             got = within
