@@ -487,7 +487,7 @@ def _to_tensor(value: Any, key: str) -> torch.Tensor:
             # numpy has no bfloat16 and refuses tensors requiring grad: torch keeps them
             if all(isinstance(v, torch.Tensor) for v in value):
                 return torch.stack(value)
-            return torch.as_tensor(value)
+            value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
         if not isinstance(value, np.ndarray):  # Python floats stay float64, as default_collate's
             value = np.asarray(value)
     except (TypeError, ValueError, RuntimeError) as e:
