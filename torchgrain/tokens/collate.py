@@ -377,12 +377,12 @@ def _is_sequence(value: Any) -> bool:
     """A value pad_collate pads unless told: a 1-D array, tensor or list of numbers."""
     if isinstance(value, (np.ndarray, torch.Tensor)):
         return value.ndim == 1 and (not isinstance(value, np.ndarray) or value.dtype.kind in "biuf")
-    return (
-        isinstance(value, (list, tuple))
-        and bool(value)
-        and isinstance(value[0], (int, float, np.integer, np.floating))
-        and not isinstance(value[0], bool)
-    )
+    if not isinstance(value, (list, tuple)) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, torch.Tensor):  # a 0-d tensor of a number
+        return first.ndim == 0 and not first.dtype.is_complex and first.dtype != torch.bool
+    return isinstance(first, (int, float, np.integer, np.floating)) and not isinstance(first, bool)
 
 
 def _all_sequences(values: list[Any]) -> bool:
@@ -406,8 +406,10 @@ def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
             # numpy has no bfloat16 and refuses tensors requiring grad: torch keeps them
             if all(isinstance(v, torch.Tensor) for v in value):
                 value = torch.stack(value)
-            else:
-                value = torch.as_tensor(value)
+            else:  # numpy, so Python floats stay float64
+                value = np.asarray(
+                    [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
+                )
         elif isinstance(value, (list, tuple)):  # Python floats stay float64, as default_collate's
             value = np.asarray(value) if value else np.zeros(0, np.int64)
         if isinstance(value, torch.Tensor):
