@@ -270,11 +270,13 @@ class MsgpackCodec(BaseCodec):
         for k in record:  # before packing, which would blame a key it cannot pack as a value
             if not isinstance(k, str):
                 raise TypeError(f"record keys must be str, got {k!r}")
-        out = msgpack.packb(record, default=_default, use_bin_type=True)
-        for k, v in record.items():
-            if type(v) not in _FLAT:
-                _check_map_keys(v, (k,))
-        return out
+        try:  # nested keys too
+            for k, v in record.items():
+                if type(v) not in _FLAT:
+                    _check_map_keys(v, (k,))
+        except RecursionError:
+            pass  # a cyclic or too deep value: packb refuses it
+        return msgpack.packb(record, default=_default, use_bin_type=True)
 
     def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
         """A batch of records (``buf[starts[i]:ends[i]]``) as columns, or None when they
