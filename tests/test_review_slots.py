@@ -137,12 +137,6 @@ def _slot_fds():
     return [link for link in out if link.startswith("/memfd:torchgrain-")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the release of a slot's last batch sweeps while the dying batch is still "
-    "counted in the slot's WeakValueDictionary, so the slot stays mapped (and its "
-    "descriptor open) after its worker is gone",
-)
 def test_a_deleted_loader_leaves_no_slot_mapped_once_its_batches_are_dropped(data_dir, records):
     gc.collect()
     _shm._sweep()  # slots of loaders before this one
