@@ -105,14 +105,6 @@ def test_a_named_shard_past_the_first_page_of_its_prefix_is_found(moto_s3):
     assert got == urls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="pad_collate's default keys take a list of 0-d tensors for no sequence "
-    "(_is_sequence asks that its first item be a Python or numpy number): the field goes "
-    "to torch's default collate, 'each element in list of batch should be of equal size', "
-    "naming no field, where keys=['ids'] pads it",
-)
 def test_pad_collate_finds_a_list_of_tensors_field_by_default():
     batch = [{"ids": [torch.tensor(1), torch.tensor(2)]}, {"ids": [torch.tensor(3)]}]
     told = pad_collate(batch, keys=["ids"])
@@ -141,12 +133,6 @@ def test_datetimes_of_mixed_units_each_exact_in_the_column_unit_are_written():
     assert [d.year for d in got] == [2500, 2020]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MsgpackCodec.encode (codecs.py:273-276) checks top-level keys before packing "
-    "but nested map keys (_check_map_keys) after: a nested date key is 'cannot encode "
-    "value of type date', naming no key",
-)
 def test_msgpack_names_a_nested_date_key_as_a_key():
     import datetime
 
@@ -156,12 +142,6 @@ def test_msgpack_names_a_nested_date_key_as_a_key():
         MsgpackCodec().encode({"a": {datetime.date(2020, 1, 1): 1}})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="since e0a4e71 a list mixing a tensor and a Python float goes through "
-    "torch.as_tensor (transforms.py:490, collate.py:410), whose floats are float32, where "
-    "numpy kept them float64 as documented: 0.1 loses its digits",
-)
 def test_a_list_of_a_tensor_and_a_python_float_keeps_float64():
     from torchgrain.transforms import ToTensor
 

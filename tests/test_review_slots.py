@@ -56,15 +56,7 @@ def _bad_rows(images, labels, records):
     "worker_slots",
     [
         0,
-        pytest.param(
-            _shm.MAX_SLOTS,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a batch sent to another process has its slot storage moved by "
-                "share_memory_: a numpy view taken before points at the slot, which is "
-                "freed and rewritten",
-            ),
-        ),
+        _shm.MAX_SLOTS,
     ],
 )
 def test_a_numpy_view_survives_sending_the_batch_to_another_process(
@@ -97,15 +89,7 @@ def _check_in_child(batch, labels, records, go, results):
     "worker_slots",
     [
         0,
-        pytest.param(
-            _shm.MAX_SLOTS,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a process forked while a batch is alive keeps the slot's mapping; "
-                "the slot is freed when the parent drops the batch and rewritten under "
-                "the child",
-            ),
-        ),
+        _shm.MAX_SLOTS,
     ],
 )
 def test_a_batch_handed_to_a_forked_process_keeps_its_bytes(data_dir, records, worker_slots):
