@@ -435,7 +435,7 @@ def _pass(
     step = min(max(batch_size, math.ceil(n / parts)), batch_size * _MAX_RANGE_BATCHES)
     tester = _RangeTester(adapt(ds), repr(ds), predicate, vectorised, label, batch_size, step, n)
     loader = torch.utils.data.DataLoader(
-        tester, batch_size=None, num_workers=num_workers, collate_fn=_as_is
+        tester, batch_size=None, num_workers=num_workers, collate_fn=as_is
     )
     from tqdm import tqdm
 
@@ -448,7 +448,14 @@ def _pass(
             bar.update(stop - start)
 
 
-def _as_is(item: Any) -> Any:
+def as_is(item: Any) -> Any:
+    """A DataLoader's ``collate_fn`` for items that are whole batches already (picklable
+    to spawned workers, unlike a lambda).
+
+    Example:
+        >>> as_is([1, 2])
+        [1, 2]
+    """
     return item
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain.columns import Ragged
-from torchgrain.compose.filter import _as_is, changes_with_epoch, identified
+from torchgrain.compose.filter import as_is, changes_with_epoch, identified
 from torchgrain.compose.view import Composed
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
@@ -168,7 +168,7 @@ class _Documents:
         if num_workers is None:
             num_workers = min(os.cpu_count() or 1, 8) if len(chunks) >= 16 else 0
         loader = torch.utils.data.DataLoader(
-            chunks, batch_size=None, num_workers=num_workers, collate_fn=_as_is
+            chunks, batch_size=None, num_workers=num_workers, collate_fn=as_is
         )
         yield from _progress(loader, len(chunks), progress, f"document lengths of {self.name}")
 
