@@ -24,10 +24,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import gzip
 import html
 import http.client
+import io
 import os
 import posixpath
 import re
@@ -823,3 +825,21 @@ def s3_listing_page(n: int, token: str, truncated: bool = True) -> str:
         '</LastModified><ETag>"a"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>'
         "</Contents></ListBucketResult>"
     )
+
+
+def parquet_bytes(rows: int) -> bytes:
+    """A Parquet file of one int column ``x`` holding ``0..rows-1``, as bytes (an object
+    to put in a bucket)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"x": list(range(rows))}), buf)
+    return buf.getvalue()
+
+
+def make_bucket(client: Any, name: str) -> str:
+    """Bucket ``name`` on the S3 server ``client`` talks to (made unless it exists)."""
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+        client.create_bucket(Bucket=name)
+    return name

@@ -2,39 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.servers import make_bucket, parquet_bytes
 from torchgrain.io import fs as tgfs
 from torchgrain.tokens.collate import pad_collate
 
 
-def _parquet(rows: int) -> bytes:
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"x": list(range(rows))}), buf)
-    return buf.getvalue()
-
-
-def _bucket(client, name: str) -> str:
-    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-        client.create_bucket(Bucket=name)
-    return name
-
-
 def _fresh(client, endpoint, bucket, folder, before, after, named):
     for key in before:
-        client.put_object(Bucket=bucket, Key=key, Body=_parquet(2))
+        client.put_object(Bucket=bucket, Key=key, Body=parquet_bytes(2))
     opts = {"endpoint_url": endpoint}
     tgfs.expand_paths(f"s3://{bucket}/{folder}", suffixes=[".parquet"], storage_options=opts)
     for key in after:
-        client.put_object(Bucket=bucket, Key=key, Body=_parquet(5))
+        client.put_object(Bucket=bucket, Key=key, Body=parquet_bytes(5))
     urls = [f"s3://{bucket}/{k}" for k in named]
     fs, got = tgfs.expand_paths(urls, suffixes=[".parquet"], storage_options=opts)
     return fs, urls, got
@@ -42,7 +28,7 @@ def _fresh(client, endpoint, bucket, folder, before, after, named):
 
 def test_named_shards_at_a_bucket_root_are_fresh_after_its_listing(moto_s3):
     client, endpoint = moto_s3
-    b = _bucket(client, "rl-root")
+    b = make_bucket(client, "rl-root")
     fs, urls, got = _fresh(
         client,
         endpoint,
@@ -53,12 +39,12 @@ def test_named_shards_at_a_bucket_root_are_fresh_after_its_listing(moto_s3):
         ["a.parquet", "b.parquet", "c.parquet"],
     )
     assert got == urls
-    assert fs.info(urls[0])["size"] == len(_parquet(5))
+    assert fs.info(urls[0])["size"] == len(parquet_bytes(5))
 
 
 def test_named_shards_with_spaces_percent_and_unicode_are_found_after_a_listing(moto_s3):
     client, endpoint = moto_s3
-    b = _bucket(client, "rl-odd")
+    b = make_bucket(client, "rl-odd")
     names = ["d/é 1%2F.parquet", "d/é 2+&.parquet"]
     _fs, urls, got = _fresh(
         client, endpoint, b, "d/", ["d/z.parquet"], names, [*names, "d/z.parquet"]
@@ -68,8 +54,8 @@ def test_named_shards_with_spaces_percent_and_unicode_are_found_after_a_listing(
 
 def test_named_shards_of_two_folders_are_each_found_after_a_listing(moto_s3):
     client, endpoint = moto_s3
-    b = _bucket(client, "rl-two")
-    client.put_object(Bucket=b, Key="e/z.parquet", Body=_parquet(2))
+    b = make_bucket(client, "rl-two")
+    client.put_object(Bucket=b, Key="e/z.parquet", Body=parquet_bytes(2))
     tgfs.expand_paths(
         f"s3://{b}/e/", suffixes=[".parquet"], storage_options={"endpoint_url": endpoint}
     )
@@ -80,7 +66,7 @@ def test_named_shards_of_two_folders_are_each_found_after_a_listing(moto_s3):
 
 def test_a_folder_created_since_a_listing_named_beside_shards_is_walked(moto_s3):
     client, endpoint = moto_s3
-    b = _bucket(client, "rl-fold")
+    b = make_bucket(client, "rl-fold")
     _fs, urls, got = _fresh(
         client,
         endpoint,
@@ -95,9 +81,9 @@ def test_a_folder_created_since_a_listing_named_beside_shards_is_walked(moto_s3)
 
 def test_a_named_shard_past_the_first_page_of_its_prefix_is_found(moto_s3):
     client, endpoint = moto_s3
-    b = _bucket(client, "rl-page")
+    b = make_bucket(client, "rl-page")
     before = [f"d/k{i:04d}.parquet" for i in range(1001)]
-    body = _parquet(2)
+    body = parquet_bytes(2)
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda k: client.put_object(Bucket=b, Key=k, Body=body), before))
     named = ["d/k0000.parquet", "d/k0500.parquet", "d/k9999.parquet"]

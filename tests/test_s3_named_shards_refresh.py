@@ -3,38 +3,23 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import threading
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
+from tests.servers import make_bucket, parquet_bytes
 from torchgrain.errors import DatasetNotFoundError
 from torchgrain.io import fs as tgfs
-
-
-def _parquet(rows: int) -> bytes:
-    buf = io.BytesIO()
-    pq.write_table(pa.table({"x": list(range(rows))}), buf)
-    return buf.getvalue()
-
-
-def _bucket(client, name: str) -> str:
-    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
-        client.create_bucket(Bucket=name)
-    return name
 
 
 def test_40_named_s3_shards_after_a_listing_ask_at_most_2_requests_and_are_fresh(moto_s3):
     from tests.servers import FaultProxy
 
     client, endpoint = moto_s3
-    bucket = _bucket(client, "nsr-many")
+    bucket = make_bucket(client, "nsr-many")
     names = [f"data/p{i:02d}.parquet" for i in range(40)]
     for key in names:
-        client.put_object(Bucket=bucket, Key=key, Body=_parquet(2))
+        client.put_object(Bucket=bucket, Key=key, Body=parquet_bytes(2))
     with FaultProxy(endpoint) as proxy:
         opts = {"endpoint_url": proxy.url}
         _, files = tgfs.expand_paths(
@@ -42,8 +27,8 @@ def test_40_named_s3_shards_after_a_listing_ask_at_most_2_requests_and_are_fresh
         )
         assert len(files) == 40
         for key in names[:20]:  # rewritten since the listing
-            client.put_object(Bucket=bucket, Key=key, Body=_parquet(30))
-        client.put_object(Bucket=bucket, Key="data/p40.parquet", Body=_parquet(3))  # added
+            client.put_object(Bucket=bucket, Key=key, Body=parquet_bytes(30))
+        client.put_object(Bucket=bucket, Key="data/p40.parquet", Body=parquet_bytes(3))  # added
         client.delete_object(Bucket=bucket, Key=names[39])  # removed
         named = [f"s3://{bucket}/{key}" for key in [*names[:39], "data/p40.parquet"]]
         proxy.log.clear()
@@ -55,19 +40,19 @@ def test_40_named_s3_shards_after_a_listing_ask_at_most_2_requests_and_are_fresh
     assert got == named
     assert len(asked) <= 2, asked
     sizes = {f: fs2.info(f)["size"] for f in got}  # (the cache's answers)
-    assert sizes[named[0]] == len(_parquet(30)) and sizes[named[20]] == len(_parquet(2))
-    assert sizes[named[-1]] == len(_parquet(3))
+    assert sizes[named[0]] == len(parquet_bytes(30)) and sizes[named[20]] == len(parquet_bytes(2))
+    assert sizes[named[-1]] == len(parquet_bytes(3))
 
 
 def test_threads_refreshing_one_s3_folder_keep_each_others_entries(moto_s3, monkeypatch):
     client, endpoint = moto_s3
-    bucket = _bucket(client, "nsr-threads")
+    bucket = make_bucket(client, "nsr-threads")
     for name in ("a", "b"):
-        client.put_object(Bucket=bucket, Key=f"data/{name}.parquet", Body=_parquet(2))
+        client.put_object(Bucket=bucket, Key=f"data/{name}.parquet", Body=parquet_bytes(2))
     opts = {"endpoint_url": endpoint}
     fs, _ = tgfs.expand_paths(f"s3://{bucket}/data/", suffixes=[".parquet"], storage_options=opts)
     for name in ("c", "d"):  # added since: each thread's HEAD finds its own
-        client.put_object(Bucket=bucket, Key=f"data/{name}.parquet", Body=_parquet(2))
+        client.put_object(Bucket=bucket, Key=f"data/{name}.parquet", Body=parquet_bytes(2))
     both = threading.Barrier(2)
     real = tgfs.remote.call
     waited = threading.local()
