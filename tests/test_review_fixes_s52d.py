@@ -74,3 +74,22 @@ def test_rows_of_a_slot_column_sent_one_by_one_share_one_copy(image_dir):
     # A plain tensor's rows arrive as views of one segment (slot_bytes in all); here each
     # row is a copy of the whole slot: rows * slot_bytes.
     assert held <= 2 * slot_bytes, (held, slot_bytes, rows)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tokens/collate.py _as_row: a list mixing a uint64 tensor past int64 with a Python "
+    "int goes through np.asarray of the values, float64, so the id is rounded (2**63 + 5 as "
+    "2**63), where torch refused it before: pad_collate promises never a wrong id",
+)
+def test_pad_collate_never_rounds_a_uint64_id_in_a_list_mixing_tensors_and_ints():
+    from torchgrain.tokens.collate import pad_collate
+
+    big = 2**63 + 5
+    row = [torch.tensor(big, dtype=torch.uint64), 1]
+    try:
+        out = pad_collate([{"input_ids": row}])["input_ids"]
+    except (TypeError, ValueError):
+        return  # refused, naming the field: fine
+    assert not out.dtype.is_floating_point, out.dtype
+    assert int(out[0, 0]) == big
