@@ -233,7 +233,7 @@ class SlotBatch(dict):
 
 # ------------------------------------------------------------------ main side
 class _Mapped:
-    __slots__ = ("address", "end", "header", "live", "mm", "pid")
+    __slots__ = ("address", "copies", "end", "header", "live", "mm", "pid")
 
     def __init__(self, mm: mmap.mmap, pid: int) -> None:
         self.mm = mm
@@ -244,6 +244,9 @@ class _Mapped:
         # Batches rebuilt from this slot that are still alive here (counted, not weakly
         # referenced: a dying batch's finalizer runs before a weak reference to it clears).
         self.live = 0
+        # Storages of its batch sent to another process: (address, bytes) -> the copy sent
+        # (one copy a storage, however many of its tensors are sent; gone at the release).
+        self.copies: dict[tuple[int, int], torch.UntypedStorage] = {}
 
 
 _mapped: dict[str, _Mapped] = {}
@@ -273,11 +276,14 @@ def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
     # slot would leave the slot (freed, then rewritten by its worker) under any numpy
     # view of it. Such a storage is sent as a copy; the slot's stays as it is.
     if _mapped and storage.device.type == "cpu":
-        address = storage.data_ptr()
+        address, key = storage.data_ptr(), (storage.data_ptr(), storage.nbytes())
         with _lock:
-            inside = any(e.address <= address < e.end for e in _mapped.values())
-        if inside:
-            storage = storage.clone()
+            entry = next((e for e in _mapped.values() if e.address <= address < e.end), None)
+            if entry is not None:
+                copy = entry.copies.get(key)
+                if copy is None:
+                    copy = entry.copies[key] = storage.clone()
+                storage = copy
     return _torch_reduce_storage(storage)
 
 
@@ -330,6 +336,7 @@ def _release(entry: _Mapped, owner: tuple[int, int]) -> None:
         return
     with _lock:
         entry.live -= 1
+        entry.copies.clear()  # (before the worker may write the slot's next batch)
     entry.header[_BUSY] = 0
     if entry.header[_RETIRED]:  # its worker is done: unmap what no batch uses any more
         _sweep()
