@@ -400,6 +400,22 @@ def _is_column_sequence(col: Any) -> bool:
     return isinstance(col, Ragged) and col.kind == "array"
 
 
+def _numpy_row(items: Sequence[Any]) -> np.ndarray:
+    """``items`` as numpy makes them, except ints past int64, which numpy would round to
+    float64: uint64 when none is negative (ValueError else, or past 2**64)."""
+    arr = np.asarray(items)
+    if arr.dtype.kind == "f" and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items
+    ):
+        if min(items) < 0:
+            raise ValueError("ints past int64's range beside negative ones")
+        try:
+            arr = np.array(items, dtype=np.uint64)
+        except OverflowError:
+            raise ValueError("an int past uint64's range") from None
+    return arr
+
+
 def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
     try:
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
@@ -407,11 +423,11 @@ def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
             if all(isinstance(v, torch.Tensor) for v in value):
                 value = torch.stack(value)
             else:  # numpy, so Python floats stay float64
-                value = np.asarray(
+                value = _numpy_row(
                     [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
                 )
         elif isinstance(value, (list, tuple)):  # Python floats stay float64, as default_collate's
-            value = np.asarray(value) if value else np.zeros(0, np.int64)
+            value = _numpy_row(value) if value else np.zeros(0, np.int64)
         if isinstance(value, torch.Tensor):
             t = value
         elif isinstance(value, np.ndarray):
