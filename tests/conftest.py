@@ -131,14 +131,20 @@ def pytest_configure(config):
 
 
 def _own_mp_helpers() -> set[int]:
-    """This process's multiprocessing fork server and resource tracker: they serve it
-    until it exits (their pipes from it close then), so they may be running now."""
+    """This process's multiprocessing fork server and resource tracker, and torch's shared
+    memory manager (started by the ``file_system`` sharing strategy): they serve it until
+    it exits (their connections from it close then), so they may be running now."""
     pids = set()
     with contextlib.suppress(Exception):
         from multiprocessing import forkserver, resource_tracker
 
         pids.add(forkserver._forkserver._forkserver_pid)
         pids.add(resource_tracker._resource_tracker._pid)
+    for p in _procs.descendants(os.getpid()):
+        with contextlib.suppress(OSError), open(f"/proc/{p.pid}/comm") as f:
+            # (comm is cut to 15 characters: "torch_shm_manag")
+            if p.ppid == os.getpid() and "torch_shm_manager".startswith(f.read().strip()):
+                pids.add(p.pid)
     return pids - {None}
 
 
