@@ -20,6 +20,7 @@ DataLoader workers start that way.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import gc
 import json
@@ -180,6 +181,10 @@ if L is not None:
     class SaveAt(L.Callback):
         def __init__(self, step, path):
             self.step, self.path = step, path
+
+        def setup(self, trainer, pl_module, stage):
+            # A rank ddp_spawn started exits without main()'s finally: its group ends at exit.
+            atexit.register(end_process_group)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if self.step and trainer.global_step == self.step:
@@ -528,9 +533,13 @@ def main(argv=None):
         # registered: a collection that frees the last hold on an ended group joins its
         # threads (gloo_tcp_loop, pt_gloo_runloop) with the GIL held, which a thread
         # freeing a finished collective's tensors waits for (a hang, seen 1 in ~80 runs).
-        gc.collect()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        end_process_group()
+
+
+def end_process_group() -> None:
+    gc.collect()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
