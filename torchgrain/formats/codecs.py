@@ -210,16 +210,55 @@ def _check_map_keys(value: Any, path: tuple[Any, ...]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, (str, bytes)):
-                where = "".join(f"[{p!r}]" for p in (*path, k))
-                raise TypeError(
-                    f"record key {where} is not str or bytes ({type(k).__name__}): the keys "
-                    "of a record's maps must be, or the record cannot be read back"
-                )
+                raise _key_error((*path, k))
             if type(v) not in _FLAT:
                 _check_map_keys(v, (*path, k))
     elif isinstance(value, (list, tuple)) and not set(map(type, value)) <= _FLAT:
         for i, v in enumerate(value):
             _check_map_keys(v, (*path, i))
+
+
+def _key_error(path: tuple[Any, ...]) -> TypeError:
+    where = "".join(f"[{p!r}]" for p in path)
+    return TypeError(
+        f"record key {where} is not str or bytes ({type(path[-1]).__name__}): the keys "
+        "of a record's maps must be, or the record cannot be read back"
+    )
+
+
+def _check_deep_map_keys(record: dict[str, Any]) -> None:
+    """:func:`_check_map_keys` of every value of ``record`` without recursion, for a
+    record deeper than Python's stack that msgpack packed (so acyclic, and at most its
+    1024 levels deep).
+
+    Example:
+        >>> v = {1: "x"}
+        >>> for _ in range(1010):
+        ...     v = [v]
+        >>> _check_deep_map_keys({"a": v})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: record key ['a'][0][0]...[0][1] is not str or bytes (int): ...
+    """
+    # (value, its parent's entry, its key there): a path is built only when refused
+    stack: list[tuple[Any, Any, Any]] = [(v, None, k) for k, v in reversed(record.items())]
+    while stack:
+        entry = stack.pop()
+        value = entry[0]
+        if isinstance(value, dict):
+            items = list(value.items())
+            for k in value:
+                if not isinstance(k, (str, bytes)):
+                    path = [k]
+                    while entry is not None:
+                        path.append(entry[2])
+                        entry = entry[1]
+                    raise _key_error(tuple(reversed(path)))
+        elif isinstance(value, (list, tuple)):
+            items = list(enumerate(value))
+        else:
+            continue
+        stack.extend((v, entry, k) for k, v in reversed(items) if type(v) not in _FLAT)
 
 
 def _decode_ndarray(writable: bool, code: int, data: bytes) -> Any:
@@ -275,7 +314,11 @@ class MsgpackCodec(BaseCodec):
                 if type(v) not in _FLAT:
                     _check_map_keys(v, (k,))
         except RecursionError:
-            pass  # a cyclic or too deep value: packb refuses it
+            # A cyclic value, or one deeper than msgpack's 1024 levels: packb refuses it;
+            # else one deeper than Python's stack allows, checked without recursion.
+            packed = msgpack.packb(record, default=_default, use_bin_type=True)
+            _check_deep_map_keys(record)
+            return packed
         return msgpack.packb(record, default=_default, use_bin_type=True)
 
     def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
