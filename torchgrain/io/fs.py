@@ -225,7 +225,6 @@ def expand_paths(
     if not items:
         raise DatasetNotFoundError(f"no {kind} paths given")
     suffixes = tuple(suffixes)
-    fs = filesystem
     out: list[str] = []
     resolved = []
     for item in map(os.fspath, items):
@@ -241,8 +240,6 @@ def expand_paths(
     named = [(f, p, item) for item, f, p in resolved if not has_glob(p, f)]
     _refresh_named(named, suffixes, allow_external)
     for item, item_fs, stripped in resolved:
-        if fs is None:
-            fs = item_fs
         listing = _Listing(item_fs, item, suffixes, allow_external)
         if has_glob(stripped, item_fs):
             found = sorted(listing.glob(stripped))
@@ -275,8 +272,7 @@ def expand_paths(
             raise DatasetNotFoundError(f"{kind} path {item!r} {problem}")
         listing.check_distinct(found)
         out.extend(_unstrip(item_fs, p) for p in found)
-    assert fs is not None
-    return fs, list(dict.fromkeys(out))  # the first occurrence of each path, in order
+    return resolved[0][1], list(dict.fromkeys(out))  # the first occurrence of each path, in order
 
 
 # Files beside a dataset's data that are its own metadata, skipped without a notice (as are
@@ -430,23 +426,15 @@ def _fill_dircache(
                 return
             entries[name] = info
             name, parent = parent, parent.rsplit("/", 1)[0]
-            info = {"Key": name, "name": name, "Size": 0, "size": 0}
-            info.update(StorageClass="DIRECTORY", type="directory")
+            info = folder(name)
+
+    def folder(name: str) -> dict[str, Any]:
+        return dict(Key=name, name=name, Size=0, size=0, StorageClass="DIRECTORY", type="directory")
 
     for c in files:
         enter(c["Key"], {**c, "name": c["Key"], "size": c["Size"]})
     for name in folders:
-        enter(
-            name,
-            {
-                "Key": name,
-                "name": name,
-                "Size": 0,
-                "size": 0,
-                "StorageClass": "DIRECTORY",
-                "type": "directory",
-            },
-        )
+        enter(name, folder(name))
     with _DIRCACHE_LOCK:
         if part is not None:
             entries = listed.pop(part, {})
@@ -625,8 +613,7 @@ class _Listing:
         # request only directories inside the root (fsspec's own find would follow
         # every link it is given). The walk, all its pages, keeps to one deadline: a
         # server serving each page slowly (but in time) must not make it endless.
-        policy = current_policy()
-        end = time.monotonic() + policy.deadline
+        end = time.monotonic() + current_policy().deadline
         files: list[str] = []
         pending = [(root, 0)]
         seen = {root.rstrip("/")}
@@ -637,18 +624,10 @@ class _Listing:
                     f"the listing of {self.item!r} has more than {MAX_LISTED_DIRECTORIES} "
                     "directories: refusing to walk it further"
                 )
-            left = end - time.monotonic()
-            if left <= 0:
-                raise self._out_of_time(policy, f"{len(seen)} directories")
-            try:
-                with using(dataclasses.replace(policy, deadline=left)):
-                    entries = remote.call(
-                        fs, "ls", directory, detail=True, url=directory, what="listing"
-                    )
-            except RemoteIOError as e:
-                if time.monotonic() < end:
-                    raise
-                raise self._out_of_time(policy, f"{len(seen)} directories") from e
+            walked = f"{len(seen)} directories"
+            entries = self._in_time(
+                end, walked, fs, "ls", directory, detail=True, url=directory, what="listing"
+            )
             for entry in entries:
                 # A link "./name" (Caddy's listings) is "name", as a browser and aiohttp
                 # resolve it; fsspec joins it as written. A dot segment in any other
@@ -687,24 +666,15 @@ class _Listing:
         }
         if one_level:
             ask["Delimiter"] = "/"
-        policy = current_policy()
-        end = time.monotonic() + policy.deadline
+        end = time.monotonic() + current_policy().deadline
         keys: list[dict[str, Any]] = []
         folders: list[str] = []
         tokens: set[int] = set()  # (hashes: a token is as long as the server makes it)
         while True:
-            left = end - time.monotonic()
-            if left <= 0:
-                raise self._out_of_time(policy, f"{len(tokens) + 1} pages")
-            try:
-                with using(dataclasses.replace(policy, deadline=left)):
-                    page = remote.call(
-                        fs, "call_s3", "list_objects_v2", url=self.item, what="listing", **ask
-                    )
-            except RemoteIOError as e:
-                if time.monotonic() < end:
-                    raise
-                raise self._out_of_time(policy, f"{len(tokens) + 1} pages") from e
+            walked = f"{len(tokens) + 1} pages"
+            page = self._in_time(
+                end, walked, fs, "call_s3", "list_objects_v2", url=self.item, what="listing", **ask
+            )
             for c in page.get("Contents") or ():
                 if c["Key"][-1:] != "/":  # (a folder's placeholder is no file)
                     keys.append({**c, "Key": f"{bucket}/{c['Key']}", "type": "file"})
@@ -769,12 +739,25 @@ class _Listing:
             )
         return kept
 
-    def _out_of_time(self, policy: RetryPolicy, walked: str) -> RemoteIOError:
-        return RemoteIOError(
+    def _in_time(self, end: float, walked: str, *call: Any, **kwargs: Any) -> Any:
+        """``remote.call(*call, **kwargs)`` within what is left of the listing's deadline
+        (``end``, of the current policy); past it, a RemoteIOError saying what was
+        ``walked``."""
+        policy = current_policy()
+        left, cause = end - time.monotonic(), None
+        try:
+            if left > 0:
+                with using(dataclasses.replace(policy, deadline=left)):
+                    return remote.call(*call, **kwargs)
+        except RemoteIOError as e:
+            if time.monotonic() < end:
+                raise
+            cause = e
+        raise RemoteIOError(
             f"the listing of {self.item!r} did not end within its {policy.deadline:g} s "
             f"deadline (RetryPolicy.deadline) after {walked}; name the files (or a glob), "
             "or give the source a longer deadline"
-        )
+        ) from cause
 
     def glob(self, pattern: str) -> list[str]:
         fs = self.fs
