@@ -53,7 +53,6 @@ __all__ = [
 
 _IN_MODIFY = 0x2
 _IN_Q_OVERFLOW = 0x4000
-_IN_IGNORED = 0x8000
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, name length
 _WHY = "its size, modification or change time, or contents changed"
 _NOT_REGULAR = "it was replaced by something that is not a regular file"
@@ -217,12 +216,12 @@ def _adopt_at_fork() -> None:
             pin.verdict = _WHY  # changed before the fork
             continue
         try:
-            fd = _reopen(pin.path)
+            fd = open_regular(pin.path)
+        except (IsADirectoryError, CorruptDataError):
+            pin.verdict = _NOT_REGULAR
+            continue
         except OSError:
             pin.verdict = "" if trusted else "it was deleted or replaced"
-            continue
-        if fd < 0:
-            pin.verdict = _NOT_REGULAR
             continue
         try:
             wd = w.add(fd)  # (before the stat: a change after it raises an event)
@@ -238,20 +237,6 @@ def _adopt_at_fork() -> None:
                 w.release(wd)
         finally:
             os.close(fd)
-
-
-def _reopen(path: str) -> int:
-    """A descriptor of the regular file at ``path`` (to watch and stat it), or -1 when
-    something else is there now (closed again: a FIFO's open would wait for a writer)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-            return fd
-    except OSError:
-        os.close(fd)
-        raise
-    os.close(fd)
-    return -1
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork)
@@ -366,11 +351,11 @@ class Pin:
         # (the parent's watch, dropped here, is the parent's to release)
         self.generation, self.owner, self.wd = w.generation, process.token(), -1
         try:
-            fd = _reopen(self.path)
+            fd = open_regular(self.path)
+        except (IsADirectoryError, CorruptDataError):
+            return _NOT_REGULAR
         except OSError:
             return "it was deleted or replaced"
-        if fd < 0:
-            return _NOT_REGULAR
         try:
             wd = w.add(fd)
             if wd >= 0:
@@ -511,7 +496,11 @@ def open_regular(path: str) -> int:
     """
     # O_NONBLOCK: the open of a FIFO returns at once (reads of a regular file ignore it)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    mode = os.fstat(fd).st_mode
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
     if not stat.S_ISREG(mode):
         os.close(fd)
         if stat.S_ISDIR(mode):
