@@ -393,16 +393,6 @@ MAX_LISTED_DIRECTORIES = 100_000
 MAX_LISTED_OBJECTS = 1_000_000
 
 
-def _is_s3(fs: fsspec.AbstractFileSystem) -> bool:
-    """Whether ``fs`` is s3fs's (not version-aware: that one lists object versions)."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return (
-        bool({"s3", "s3a"} & set(protocols))
-        and hasattr(fs, "_call_s3")
-        and not getattr(fs, "version_aware", False)
-    )
-
-
 def _fill_dircache(
     fs: fsspec.AbstractFileSystem, prefix: str, files: list[dict[str, Any]], folders: list[str]
 ) -> None:
@@ -415,12 +405,9 @@ def _fill_dircache(
     listed: dict[str, dict[str, dict[str, Any]]] = {}
     part = prefix.rsplit("/", 1)[0] if not prefix.endswith("/") else None
 
-    def whole(folder: str) -> bool:
-        return f"{folder}/".startswith(prefix)
-
     def enter(name: str, info: dict[str, Any]) -> None:
         parent = name.rsplit("/", 1)[0]
-        while "/" in name and (whole(parent) or parent == part):
+        while "/" in name and (f"{parent}/".startswith(prefix) or parent == part):
             entries = listed.setdefault(parent, {})
             if name in entries:
                 return
@@ -515,9 +502,13 @@ def _refresh_named(
 
 def _s3_of(fs: fsspec.AbstractFileSystem) -> fsspec.AbstractFileSystem | None:
     """The S3 filesystem ``fs`` lists through (a chain's caching layer lists its inner
-    one's), or None."""
+    one's), or None. Only s3fs's, not version-aware (that one lists object versions)."""
     for layer in (fs, getattr(fs, "fs", None)):
-        if layer is not None and _is_s3(layer):
+        if layer is None or not hasattr(layer, "_call_s3"):
+            continue
+        protocols = layer.protocol
+        protocols = protocols if isinstance(protocols, (tuple, list)) else (protocols,)
+        if {"s3", "s3a"} & set(protocols) and not getattr(layer, "version_aware", False):
             return layer
     return None
 
