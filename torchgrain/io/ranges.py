@@ -36,7 +36,6 @@ from fsspec.asyn import AsyncFileSystem
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes, inflight, process, remote
-from torchgrain.io.paths import is_http
 from torchgrain.io.retry import (
     http_status,
     is_transient,
@@ -89,12 +88,9 @@ def coalescing(
         >>> coalescing(fsspec.filesystem("memory"), "/x", 4096)
         (4096, 4194304)
     """
-    if not isinstance(fs, AsyncFileSystem):
-        return gap, MAX_REQUEST  # no requests: nothing to save
-    if (
-        multi_range
-        and is_http(fs)
-        and inflight.multirange_servers(fs).get(inflight._origin(path), True)
+    # (no requests locally: nothing to save)
+    if not isinstance(fs, AsyncFileSystem) or (
+        multi_range and inflight._multirange_server(fs, path)
     ):
         return gap, MAX_REQUEST
     return max(gap, SINGLE_RANGE_GAP), SINGLE_RANGE_MAX
@@ -343,10 +339,90 @@ def fetch_batch(
         >>> [bytes(v) for v in store.take("memory://fb/a", [(4, 6), (0, 2)])]
         [b'45', b'01']
     """
+
     claimed: list[tuple[str, list[tuple[int, int]]]] = []
     waits: list[threading.Event] = []
     told: set[int] = set()
     waited: set[int] = set()
+
+    def tell(k: int) -> None:
+        if ready is not None and k not in waited:
+            told.add(k)
+            ready(k)
+
+    def fetch() -> int:
+        """Fetch the ``claimed`` ranges; tell each file's reader once it is all stored."""
+        paths: list[str] = []
+        urls: list[str] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        plans = []
+        plan_of: list[int] = []  # each request's plan
+        left: list[int] = []  # each plan's requests not answered yet
+        for k, ((path, url, _), (_, need)) in enumerate(zip(files, claimed)):
+            if not need:
+                tell(k)  # all in the store already (or being brought by another fetch)
+                continue
+            order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
+            plan_of.extend([len(plans)] * len(merged))
+            left.append(len(merged))
+            plans.append((k, url, need, order, merged, len(starts)))
+            paths += [path] * len(merged)
+            urls += [url] * len(merged)
+            starts += [m[0] for m in merged]
+            ends += [m[1] for m in merged]
+        if not starts:
+            return 0
+        failure: list[tuple[BaseException, str, int, int]] = []
+
+        def settle(plan: tuple, results: list) -> bool:
+            """Put what arrived of one file's requests in the store; True if all of it did."""
+            _k, url, need, order, merged, at = plan
+            got = results[at : at + len(merged)]
+            bad = [j for j, b in enumerate(got) if isinstance(b, BaseException)]
+            if bad and not failure:
+                failure.append((got[bad[0]], url, merged[bad[0]][0], merged[bad[0]][1]))
+            ok = [j for j in range(len(merged)) if j not in set(bad)]
+            if not ok:
+                return False
+            if bad:  # keep the ranges whose request arrived
+                fine = [merged[j] for j in ok]
+                order = [
+                    i for i in order if any(m[0] <= need[i][0] and need[i][1] <= m[1] for m in fine)
+                ]
+            views = _slices(need, order, [merged[j] for j in ok], [got[j] for j in ok], own=True)
+            store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
+            return not bad
+
+        # Each file is put in the store, and its reader told, as soon as its last request is
+        # answered: the reader decodes it while the other files' requests are in flight.
+        got_so_far: list = [None] * len(starts)
+
+        def arrived(idx: list[int], blobs: list) -> None:
+            for i, blob in zip(idx, blobs):
+                got_so_far[i] = blob
+                n = plan_of[i]
+                left[n] -= 1
+                if left[n] == 0 and settle(plans[n], got_so_far):
+                    tell(plans[n][0])
+
+        blobs = inflight.cat_many(
+            fs,
+            paths,
+            starts,
+            ends,
+            urls=urls,
+            max_inflight=max_inflight,
+            multi_range=multi_range,
+            arrived=arrived,
+        )
+        for n, plan in enumerate(plans):
+            if left[n] > 0:  # (a request timed out: never arrived)
+                settle(plan, blobs)
+        if failure and raise_errors:
+            _raise_failure(*failure[0])
+        return len(starts)
+
     try:
         for k, (_path, url, ranges) in enumerate(files):
             want = [r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]]
@@ -356,14 +432,7 @@ def fetch_batch(
             if others:
                 waited.add(k)
 
-        def tell(k: int) -> None:
-            if ready is not None and k not in waited:
-                told.add(k)
-                ready(k)
-
-        made = _fetch_claimed(
-            fs, files, claimed, store, owner, gap, max_inflight, multi_range, raise_errors, tell
-        )
+        made = fetch()
     finally:
         for url, mine in claimed:
             store.release(url, mine)
@@ -386,90 +455,6 @@ def fetch_batch(
             ready=None if ready is None else (lambda j: ready(rest[j])),
         )
     return made
-
-
-def _fetch_claimed(
-    fs: fsspec.AbstractFileSystem,
-    files: Sequence[tuple[str, str, Sequence[tuple[int, int]]]],
-    claimed: list[tuple[str, list[tuple[int, int]]]],
-    store: RangeStore,
-    owner: object,
-    gap: int,
-    max_inflight: int,
-    multi_range: bool,
-    raise_errors: bool,
-    ready: Callable[[int], None],
-) -> int:
-    paths: list[str] = []
-    urls: list[str] = []
-    starts: list[int] = []
-    ends: list[int] = []
-    plans = []
-    plan_of: list[int] = []  # each request's plan
-    left: list[int] = []  # each plan's requests not answered yet
-    for k, ((path, url, _), (_, need)) in enumerate(zip(files, claimed)):
-        if not need:
-            ready(k)  # all in the store already (or being brought by another fetch)
-            continue
-        order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
-        plan_of.extend([len(plans)] * len(merged))
-        left.append(len(merged))
-        plans.append((k, url, need, order, merged, len(starts)))
-        paths += [path] * len(merged)
-        urls += [url] * len(merged)
-        starts += [m[0] for m in merged]
-        ends += [m[1] for m in merged]
-    if not starts:
-        return 0
-    failure: list[tuple[BaseException, str, int, int]] = []
-
-    def settle(plan: tuple, results: list) -> bool:
-        """Put what arrived of one file's requests in the store; True if all of it did."""
-        _k, url, need, order, merged, at = plan
-        got = results[at : at + len(merged)]
-        bad = [j for j, b in enumerate(got) if isinstance(b, BaseException)]
-        if bad and not failure:
-            failure.append((got[bad[0]], url, merged[bad[0]][0], merged[bad[0]][1]))
-        ok = [j for j in range(len(merged)) if j not in set(bad)]
-        if not ok:
-            return False
-        if bad:  # keep the ranges whose request arrived
-            fine = [merged[j] for j in ok]
-            order = [
-                i for i in order if any(m[0] <= need[i][0] and need[i][1] <= m[1] for m in fine)
-            ]
-        views = _slices(need, order, [merged[j] for j in ok], [got[j] for j in ok], own=True)
-        store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
-        return not bad
-
-    # Each file is put in the store, and its reader told, as soon as its last request is
-    # answered: the reader decodes it while the other files' requests are in flight.
-    got_so_far: list = [None] * len(starts)
-
-    def arrived(idx: list[int], blobs: list) -> None:
-        for i, blob in zip(idx, blobs):
-            got_so_far[i] = blob
-            n = plan_of[i]
-            left[n] -= 1
-            if left[n] == 0 and settle(plans[n], got_so_far):
-                ready(plans[n][0])
-
-    blobs = inflight.cat_many(
-        fs,
-        paths,
-        starts,
-        ends,
-        urls=urls,
-        max_inflight=max_inflight,
-        multi_range=multi_range,
-        arrived=arrived,
-    )
-    for n, plan in enumerate(plans):
-        if left[n] > 0:  # (a request timed out: never arrived)
-            settle(plan, blobs)
-    if failure and raise_errors:
-        _raise_failure(*failure[0])
-    return len(starts)
 
 
 def fetch_ranges(
