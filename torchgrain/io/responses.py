@@ -166,8 +166,7 @@ def pinned(path: str) -> Pin | None:
 def if_match(path: str) -> str | None:
     """The ``ETag`` to send as ``If-Match`` for ``path``: a strong one (a weak one never
     matches ``If-Match``), once an answer gave it."""
-    got = _PINS.get(path)
-    etag = got.etag if got is not None else None
+    etag = getattr(_PINS.get(path), "etag", None)
     return etag if etag is not None and not etag.startswith("W/") else None
 
 
@@ -539,14 +538,11 @@ def _precondition_failed(exc: BaseException) -> bool:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            err = response.get("Error") or {}
-            meta = response.get("ResponseMetadata") or {}
-            if (
-                err.get("Code") in ("PreconditionFailed", "412")
-                or meta.get("HTTPStatusCode") == 412
-            ):
-                return True
+        if isinstance(response, dict) and (
+            (response.get("Error") or {}).get("Code") in ("PreconditionFailed", "412")
+            or (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") == 412
+        ):
+            return True
         if "PreconditionFailed" in str(e) or "Precondition Failed" in str(e):
             return True
         e = e.__cause__ or e.__context__

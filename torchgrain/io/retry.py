@@ -348,11 +348,9 @@ def http_status(exc: BaseException) -> int | None:
             return status
         response = getattr(e, "response", None)
         if isinstance(response, dict):  # botocore ClientError
-            meta = response.get("ResponseMetadata") or {}
-            code = meta.get("HTTPStatusCode")
-            if isinstance(code, int):
-                return code
-        code = getattr(response, "status_code", None)
+            code = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        else:
+            code = getattr(response, "status_code", None)
         if isinstance(code, int):
             return code
     return None
