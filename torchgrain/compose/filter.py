@@ -36,7 +36,7 @@ import numpy as np
 import torch.utils.data
 
 from torchgrain.columns import ColumnBatch
-from torchgrain.compose.view import Composed, View, adapt, read_column_pairs, short_repr
+from torchgrain.compose.view import Composed, View, adapt, read_columns_of, short_repr
 from torchgrain.dataset import Dataset, describe_fn
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.protocols import HasBlockOffsets
@@ -488,11 +488,7 @@ class _RangeTester(torch.utils.data.Dataset):
 
     def _test(self, a: int, b: int) -> np.ndarray:
         if self.vectorised:
-            if isinstance(self.child, Source):
-                # (an array of indices: a source checks it without a Python int each)
-                batch = self.child.read_columns(np.arange(a, b))
-            else:
-                batch = read_column_pairs([self.child], np.zeros(b - a, np.int64), np.arange(a, b))
+            batch = read_columns_of(self.child, np.arange(a, b))
             try:
                 got = self.predicate(batch)
             except Exception as e:
