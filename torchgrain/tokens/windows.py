@@ -293,21 +293,20 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
 
 
 def _tokenize(tokenizer: Any, texts: list[Any], docs: _Documents, ids: np.ndarray) -> list[Any]:
-    texts = list(texts)
-    for k, (t, d) in enumerate(zip(texts, ids.tolist())):
-        if isinstance(t, bytes):  # text as TFRecord, ArrayRecord or binary columns hold it
-            try:
-                texts[k] = t = t.decode()
-            except UnicodeDecodeError as e:
-                raise CorruptDataError(
-                    f"record {d} of {docs.name}: column {docs.column!r} is not UTF-8 text ({e})"
-                ) from None
-        if not isinstance(t, str):
+    strings = []
+    for t, d in zip(texts, ids.tolist()):
+        if not isinstance(t, (str, bytes)):
             raise CorruptDataError(
                 f"record {d} of {docs.name}: column {docs.column!r} holds "
                 f"{type(t).__name__}, not text for the tokenizer"
             )
-    return tokenize_batch(tokenizer, texts)
+        try:  # (bytes: text as TFRecord, ArrayRecord or binary columns hold it)
+            strings.append(t if isinstance(t, str) else t.decode())
+        except UnicodeDecodeError as e:
+            raise CorruptDataError(
+                f"record {d} of {docs.name}: column {docs.column!r} is not UTF-8 text ({e})"
+            ) from None
+    return tokenize_batch(tokenizer, strings)
 
 
 # ----------------------------------------------------------------------- the indexes
@@ -398,10 +397,15 @@ def _best_fit(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
         which[a : a + len(got)] = got
     count = len(below)
     del below
+    return _grouped(order, which, count, out=which)
+
+
+def _grouped(docs: np.ndarray, which: np.ndarray, count: int, out: Any = None) -> Any:
+    """``docs`` grouped by their window ``which`` (in order within a window), and the
+    ``count + 1`` windows' offsets into them."""
     bins = np.zeros(count + 1, np.int64)
     np.cumsum(np.bincount(which, minlength=count), out=bins[1:])
-    grouped = np.argsort(which, kind="stable")
-    return np.take(order, grouped, out=which), bins
+    return np.take(docs, np.argsort(which, kind="stable"), out=out), bins
 
 
 def _with_empty(
@@ -423,10 +427,7 @@ def _with_empty(
         return docs, bins
     which = np.repeat(np.arange(count, dtype=np.int64), np.diff(bins))
     which = np.concatenate([which, np.arange(len(empty), dtype=np.int64) % count])
-    grouped = np.argsort(which, kind="stable")
-    out = np.zeros(count + 1, np.int64)
-    np.cumsum(np.bincount(which, minlength=count), out=out[1:])
-    return np.concatenate([docs, empty])[grouped], out
+    return _grouped(np.concatenate([docs, empty]), which, count)
 
 
 # ----------------------------------------------------------------------- the view
