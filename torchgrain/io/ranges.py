@@ -36,6 +36,7 @@ from fsspec.asyn import AsyncFileSystem
 
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes, inflight, process, remote
+from torchgrain.io.paths import is_http
 from torchgrain.io.retry import (
     http_status,
     is_transient,
@@ -88,9 +89,12 @@ def coalescing(
         >>> coalescing(fsspec.filesystem("memory"), "/x", 4096)
         (4096, 4194304)
     """
-    # (no requests locally: nothing to save)
-    if not isinstance(fs, AsyncFileSystem) or (
-        multi_range and inflight._multirange_server(fs, path)
+    if not isinstance(fs, AsyncFileSystem):
+        return gap, MAX_REQUEST  # no requests: nothing to save
+    if (
+        multi_range
+        and is_http(fs)
+        and inflight.multirange_servers(fs).get(inflight._origin(path), True)
     ):
         return gap, MAX_REQUEST
     return max(gap, SINGLE_RANGE_GAP), SINGLE_RANGE_MAX
