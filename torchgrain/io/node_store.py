@@ -45,7 +45,7 @@ from torchgrain.errors import CacheDiskFullError
 from torchgrain.io import process
 from torchgrain.io.atomic import file_mode, naming_full_disk, publish
 
-__all__ = ["Entry", "NodeStore"]
+__all__ = ["Entry", "NodeStore", "unlink_quietly"]
 
 #: ``(last use, size, path)`` of an entry.
 Entry = tuple[int, int, str]
@@ -200,7 +200,7 @@ class NodeStore:
     ) -> contextlib.AbstractContextManager[bool]:
         """Hold the lock of entry ``name`` (shared or exclusive); yields whether it is held:
         ``wait`` None waits for it, else gives up after that many seconds (0: one try).
-        See :meth:`_flock` for ``strict``, ``mark`` and ``drop``."""
+        See :meth:`_flock` for ``mark`` and ``drop``."""
         return self._flock(self._lock_path(name), shared, wait, **kw)
 
     def _lock_path(self, name: str) -> str:
@@ -238,26 +238,18 @@ class NodeStore:
         path: str,
         shared: bool = False,
         wait: float | None = None,
-        strict: bool = True,
         mark: bool = True,
         drop: bool = False,
     ) -> Iterator[bool]:
-        """``strict=False``: a lock file that cannot be made yields False, not an error;
-        ``mark``: see :meth:`_writing`; ``drop``: a lock file no other process takes,
+        """``mark``: see :meth:`_writing`; ``drop``: a lock file no other process takes,
         deleted while still held (if its path still names it) once let go."""
         # A new descriptor each time: flock excludes open files, not threads sharing one.
-        try:
-            with self._writing(path, " (a lock file)", mark=mark):
-                try:
-                    fd = self._open_lock(path)
-                except FileNotFoundError:  # not made for want of room, or deleted: again
-                    self._make_dirs(mark=mark)
-                    fd = self._open_lock(path)
-        except OSError:
-            if strict:
-                raise
-            yield False
-            return
+        with self._writing(path, " (a lock file)", mark=mark):
+            try:
+                fd = self._open_lock(path)
+            except FileNotFoundError:  # not made for want of room, or deleted: again
+                self._make_dirs(mark=mark)
+                fd = self._open_lock(path)
         try:
             mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             deadline = None if wait is None else time.monotonic() + wait
@@ -287,16 +279,11 @@ class NodeStore:
         followed: an OSError (ELOOP), the write refused. The store's directory itself
         may be a link."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        directory, name = os.path.split(path)
-        if os.path.normpath(directory) == os.path.normpath(self.directory):
-            return os.open(path, flags, 0o666)
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            return os.open(name, flags, 0o666, dir_fd=dir_fd)
-        except OSError as e:  # (named by its whole path: see ShardCache._writing)
-            raise OSError(e.errno, e.strerror, path) from None
-        finally:
-            os.close(dir_fd)
+        with self._folder(os.path.dirname(path)) as dir_fd:
+            try:
+                return os.open(_at(path, dir_fd), flags, 0o666, dir_fd=dir_fd)
+            except OSError as e:  # (named by its whole path: see ShardCache._writing)
+                raise OSError(e.errno, e.strerror, path) from None
 
     # ------------------------------------------------------------------- temps
     def _temps(self) -> list[tuple[str, str, int]]:
@@ -315,10 +302,7 @@ class NodeStore:
         """Delete temp files of entry ``name`` left by killed writers (its lock held)."""
         for path, of, _ in self._temps():
             if of == name:
-                # (one that cannot be deleted, another user's in a directory with the
-                # sticky bit, is left: it is never read)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+                unlink_quietly(path)
 
     def _reserved(self, exclude: str = "") -> int:
         """Bytes reserved by writes in flight (but ``exclude``); deletes the temp files
@@ -330,8 +314,7 @@ class NodeStore:
             # (a writer's own lock goes too: its name is never used again)
             with self._lock(name, wait=0, drop=self._own_lock(name)) as free:
                 if free:
-                    with contextlib.suppress(OSError):  # (see _remove_temps)
-                        os.unlink(path)
+                    unlink_quietly(path)
                     continue
             total += size
         return total
@@ -352,8 +335,7 @@ class NodeStore:
                 with self._evict_lock():
                     self._settle(0)
             except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                unlink_quietly(tmp)
                 raise
         return tmp
 
@@ -365,10 +347,9 @@ class NodeStore:
         Raises:
             OSError: ``ELOOP``, the entry's folder is a link (see :meth:`_folder`).
         """
-        folder, name = os.path.split(path)
         with (
             self._writing(path, what),
-            self._folder(folder, make=True) as dir_fd,
+            self._folder(os.path.dirname(path), make=True) as dir_fd,
             self._evict_lock(),
         ):
             held = self._settle(size, exclude=tmp)
@@ -376,7 +357,7 @@ class NodeStore:
                 publish(tmp, path, durable=False)  # mode from the umask
             else:  # (the same, into the folder opened)
                 os.chmod(tmp, file_mode())
-                os.replace(tmp, name, dst_dir_fd=dir_fd)
+                os.replace(tmp, os.path.basename(path), dst_dir_fd=dir_fd)
             self._write_usage(held + size)
 
     @contextlib.contextmanager
@@ -538,3 +519,19 @@ def _unlink_if(path: str, fd: int) -> None:
         st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
         if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
             os.unlink(path)
+
+
+def _at(path: str, dir_fd: int | None) -> str:
+    """``path`` as named in its folder opened as ``dir_fd`` (:meth:`NodeStore._folder`)."""
+    return path if dir_fd is None else os.path.basename(path)
+
+
+def unlink_quietly(path: str) -> None:
+    """Delete ``path`` if it can be (one that cannot, another user's in a directory with
+    the sticky bit, is left: temp files are never read).
+
+    Example:
+        >>> unlink_quietly("/nonexistent/x")
+    """
+    with contextlib.suppress(OSError):
+        os.unlink(path)

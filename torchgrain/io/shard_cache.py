@@ -264,11 +264,7 @@ class ShardCache(NodeStore):
         st = _copy_stat(path, size)
         if st is None:
             return False
-        fs, rpath = (
-            (filesystem, filesystem._strip_protocol(url))
-            if filesystem is not None
-            else get_filesystem(url, retry=self.retry)
-        )
+        fs, rpath = self._remote(url, filesystem)
         version = None if checksum else self._version(fs, rpath, url, seen)
         if self._checked(path, st, version):
             return True
@@ -379,11 +375,7 @@ class ShardCache(NodeStore):
     ) -> tuple[str, Identity, T | None] | None:
         path = self.local_path(url, checksum=checksum)
         name = os.path.basename(path)
-        fs = filesystem
-        if fs is None:
-            fs, rpath = get_filesystem(url, retry=self.retry)
-        else:
-            rpath = fs._strip_protocol(url)
+        fs, rpath = self._remote(url, filesystem)
         # (a checksum checks the bytes themselves: no version needed)
         version = None if checksum else self._version(fs, rpath, url, seen)
         waited = self._hit(path, size) is None  # a hit now waited for another's download
@@ -558,7 +550,7 @@ class ShardCache(NodeStore):
                 break
             seen = now
         self._stuck[name] = time.monotonic() + _ENTRY_WAIT
-        lock = os.path.join(self.directory, self._LOCK_DIR, name + ".lock")
+        lock = self._lock_path(name)
         with self._writing(lock, f" (the lock of the copy of {url})", mark=False):
             raise BlockingIOError(
                 errno.EAGAIN,
@@ -668,6 +660,14 @@ class ShardCache(NodeStore):
             return False
         self._checks()[path] = (ident, version)
         return True
+
+    def _remote(
+        self, url: str, fs: fsspec.AbstractFileSystem | None
+    ) -> tuple[fsspec.AbstractFileSystem, str]:
+        """The filesystem that reads ``url`` (``fs``, else inferred) and its path there."""
+        return (
+            get_filesystem(url, retry=self.retry) if fs is None else (fs, fs._strip_protocol(url))
+        )
 
     def _retrying(self, url: str) -> dict[str, Any]:
         return {"url": url, "policy": self.retry, "on_retry": self._on_retry}

@@ -55,7 +55,7 @@ from torchgrain.io import process
 from torchgrain.io.atomic import DISK_FULL_ERRNOS
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
-from torchgrain.io.node_store import NodeStore
+from torchgrain.io.node_store import NodeStore, unlink_quietly
 
 # The names users see (re-exported by torchgrain.sources.node_index); the index kinds'
 # interface to the store (see the module docstring) is public too.
@@ -647,7 +647,7 @@ class IndexDir(NodeStore):
                 return None
             self._remove_temps(name)  # a killed writer's
             tmp = self._reserve(name, 0, evict=False)
-            stack.callback(_unlink_quietly, tmp)  # (once published: gone already)
+            stack.callback(unlink_quietly, tmp)  # (once published: gone already)
             with self._writing(tmp):
                 file = stack.enter_context(open(tmp, "wb"))  # noqa: SIM115 (held by the writer)
         except BaseException:
@@ -657,11 +657,6 @@ class IndexDir(NodeStore):
 
 
 _OWN_LOCK = re.compile(r"[0-9a-f]{8}-.+")
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
 
 
 class EntryWriter:
@@ -709,20 +704,11 @@ def index_store(directory: str) -> IndexDir:
     return IndexDir(directory)
 
 
-@contextlib.contextmanager
-def _stamps(directory: str, make: bool = False) -> Iterator[int]:
-    """The stamps' folder ``directory`` opened (made first, ``make``): a link there
-    (anyone who can write to a shared index directory can put one) is never followed,
-    an OSError (ELOOP): no stamp is written, read or deleted where it points."""
-    if make:
-        os.makedirs(os.path.dirname(directory), exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(directory)
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
+def _stamps(directory: str, make: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """The stamps' folder ``directory`` opened (made first, ``make``) as its index
+    directory's folder (:meth:`NodeStore._folder`): a link there is never followed, an
+    OSError (ELOOP): no stamp is written, read or deleted where it points."""
+    return index_store(os.path.dirname(directory))._folder(directory, make=make)
 
 
 def _prune_stamps(index_dir: str) -> None:
@@ -873,7 +859,7 @@ def cached_index(
                     stack.enter_context(store._lock(own, drop=True))
                 tmp = store._reserve(own, 0, evict=False)
                 # (gone before its lock is let go: a sweep in between would keep it)
-                stack.callback(_unlink_quietly, tmp)
+                stack.callback(unlink_quietly, tmp)
                 with store._writing(path):
                     build(tmp)
                 store._publish(tmp, path, os.path.getsize(tmp))
@@ -917,7 +903,7 @@ def _build_lock(store: IndexDir, name: str, wait: float) -> Iterator[bool]:
         if held or wait <= first:
             yield held
             return
-    lock = os.path.join(store.directory, store._LOCK_DIR, name + ".lock")
+    lock = store._lock_path(name)
     warnings.warn(
         f"torchgrain: waiting up to {wait:g} s for another process's build of a dataset index "
         f"in {store.directory!r} (it holds {lock!r}), then building it here too. If no "

@@ -36,7 +36,7 @@ from torchgrain.io import process
 from torchgrain.io.cache_records import Identity, file_identity
 from torchgrain.io.changes import Pin
 from torchgrain.io.mounts import NETWORK_FILESYSTEMS, filesystem_type
-from torchgrain.io.node_store import NodeStore
+from torchgrain.io.node_store import NodeStore, unlink_quietly
 from torchgrain.sources.parquet.arrow_map import map_file_pinned
 
 __all__ = [
@@ -135,16 +135,9 @@ class DecodedCache(NodeStore):
         min_free_bytes: int | None = None,
         lock_timeout: float = 600.0,
     ) -> None:
-        if max_bytes is not None and (
-            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0
-        ):
-            raise ValueError(f"max_bytes must be an integer > 0, got {max_bytes!r}")
-        if min_free_bytes is not None and (
-            not isinstance(min_free_bytes, int)
-            or isinstance(min_free_bytes, bool)
-            or min_free_bytes < 0
-        ):
-            raise ValueError(f"min_free_bytes must be an integer >= 0, got {min_free_bytes!r}")
+        for what, v, low in (("max_bytes", max_bytes, 1), ("min_free_bytes", min_free_bytes, 0)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise ValueError(f"{what} must be an integer {'> 0' if low else '>= 0'}, got {v!r}")
         super().__init__(os.path.abspath(os.fspath(directory)), max_bytes=max_bytes or 0)
         self.lock_timeout = float(lock_timeout)
         self._init_process()
@@ -432,8 +425,7 @@ class DecodedCache(NodeStore):
             return False
         finally:
             if tmp:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                unlink_quietly(tmp)
         self._count(builds=1, bytes_written=nbytes)
         announce(
             "the decoded Parquet cache",
