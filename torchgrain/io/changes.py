@@ -204,39 +204,9 @@ def _adopt_at_fork() -> None:
     if old is None or not pins:
         return
     w = _new_watcher()
-    # The parent's events say what happened to a file before the fork, unless its queue
-    # overflowed: then a file that is no longer at its path is refused, as by a stat.
-    trusted = not old.lost
     for pin in pins:
-        parents, pin.generation, pin.wd = pin.wd, w.generation, -1
-        pin.owner = process.token()
-        if parents < 0:
-            continue
-        if old.modified.get(parents, 0) != pin.seen:
-            pin.verdict = _WHY  # changed before the fork
-            continue
-        try:
-            fd = open_regular(pin.path)
-        except (IsADirectoryError, CorruptDataError):
-            pin.verdict = _NOT_REGULAR
-            continue
-        except OSError:
-            pin.verdict = "" if trusted else "it was deleted or replaced"
-            continue
-        try:
-            wd = w.add(fd)  # (before the stat: a change after it raises an event)
-            now = _identity(os.fstat(fd), pin.ctime)
-            if now == pin.ident:
-                pin.wd, pin.seen = wd, 0
-                continue
-            if now[:2] == pin.ident[:2]:
-                pin.verdict = _WHY
-            else:  # replaced: unchanged, as far as the parent's events tell
-                pin.verdict = "" if trusted else "it was replaced by another file"
-            if wd >= 0:
-                w.release(wd)
-        finally:
-            os.close(fd)
+        if (why := pin._adopt(w, old)) is not None:
+            pin.verdict = why
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_after_fork)
@@ -345,28 +315,45 @@ class Pin:
         """The file's size when pinned."""
         return self.ident[2]
 
-    def _adopt(self, w: _Watcher) -> str | None:
+    def _adopt(self, w: _Watcher, old: _Watcher | None = None) -> str | None:
         """In a forked child: watch the file again, through its path (checked to be
-        the same inode, size and times, so the new watch covers what the map holds)."""
+        the same inode, size and times, so the new watch covers what the map holds).
+
+        At the fork (``old``: the parent's watcher), the parent's events say what
+        happened to the file before it, unless its queue overflowed: a file no longer at
+        its path (replaced by a rename, or deleted) is then unchanged (``""``), as the
+        child's maps hold that inode, which no one can open by its path any more; after
+        an overflow it is refused, as by a stat."""
         # (the parent's watch, dropped here, is the parent's to release)
-        self.generation, self.owner, self.wd = w.generation, process.token(), -1
+        parents, self.generation, self.owner, self.wd = self.wd, w.generation, process.token(), -1
+        if old is not None and parents < 0:
+            return None
+        if old is not None and old.modified.get(parents, 0) != self.seen:
+            return _WHY  # changed before the fork
+        trusted = old is not None and not old.lost
         try:
             fd = open_regular(self.path)
         except (IsADirectoryError, CorruptDataError):
             return _NOT_REGULAR
         except OSError:
-            return "it was deleted or replaced"
+            return "" if trusted else "it was deleted or replaced"
         try:
-            wd = w.add(fd)
+            wd = w.add(fd)  # (before the stat: a change after it raises an event)
             if wd >= 0:
-                w.poll()
+                if old is None:
+                    w.poll()
                 self.seen = w.modified.get(wd, 0)
+            now = _identity(os.fstat(fd), self.ctime)
+            if now != self.ident and old is not None:
+                if wd >= 0:
+                    w.release(wd)
+                if now[:2] == self.ident[:2]:
+                    return _WHY
+                return "" if trusted else "it was replaced by another file"
             self.wd = wd
-            if _identity(os.fstat(fd), self.ctime) != self.ident:
-                return _WHY
+            return None if now == self.ident else _WHY
         finally:
             os.close(fd)
-        return None
 
     def release(self) -> None:
         """Stop watching (the map is gone); :func:`changed` then stats the path."""
