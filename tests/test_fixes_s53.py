@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+import torch
 
+import torchgrain as tg
 from torchgrain.formats.codecs import MsgpackCodec
+from torchgrain.transforms import ToTensor
 
 
 def _nested(depth: int, bottom: object) -> object:
@@ -15,19 +18,33 @@ def _nested(depth: int, bottom: object) -> object:
     return bottom
 
 
+# msgpack packs 1024 levels (1.2; 511 in 1.0): past Python's default recursion limit
+# (1000), or not.
+DEEP = 1010
+PACKS_DEEP = True
+try:
+    msgpack.packb(_nested(DEEP + 2, 1))
+except ValueError:
+    PACKS_DEEP = False
+
+
 def test_encode_refuses_an_int_map_key_deeper_than_pythons_stack():
-    # 1010 lists: past Python's default recursion limit (1000), within msgpack's 1024
-    # levels, so packb takes the record; read back, the int key fails every decode.
-    record = {"a": _nested(1010, {"ok": {1: "x"}})}
-    with pytest.raises(TypeError, match=r"record key \['a'\]\[0\]\[0\].*\['ok'\]\[1\] is not str"):
-        MsgpackCodec().encode(record)
+    # Packed, the int key deeper than Python's stack fails every read.
+    record = {"a": _nested(DEEP, {"ok": {1: "x"}})}
+    if PACKS_DEEP:
+        with pytest.raises(TypeError, match=r"record key \['a'\]\[0\]\[0\].*\['ok'\]\[1\] is not"):
+            MsgpackCodec().encode(record)
+    else:
+        with pytest.raises(ValueError, match="recursion limit"):
+            MsgpackCodec().encode(record)
 
 
+@pytest.mark.skipif(not PACKS_DEEP, reason="this msgpack packs fewer levels than Python recurses")
 def test_encode_keeps_str_keys_deeper_than_pythons_stack():
     c = MsgpackCodec()
-    back = c.decode(c.encode({"a": _nested(1010, {"k": [1, {b"z": 2}]}), "b": 3}))
+    back = c.decode(c.encode({"a": _nested(DEEP, {"k": [1, {b"z": 2}]}), "b": 3}))
     inner = back["a"]
-    for _ in range(1010):
+    for _ in range(DEEP):
         (inner,) = inner
     assert inner == {"k": [1, {b"z": 2}]} and back["b"] == 3
 
@@ -40,4 +57,43 @@ def test_encode_refuses_a_record_deeper_than_msgpack_takes():
     cyclic.append(cyclic)
     with pytest.raises(ValueError, match="recursion limit"):
         MsgpackCodec().encode({"a": cyclic})
-    assert msgpack.packb(_nested(1010, 1))  # (1010 levels are within msgpack's)
+
+
+# ------------------------------------------------------- ToTensor: ints past int64
+@pytest.mark.parametrize(
+    "value",
+    [
+        [1, 2**63 + 5],
+        [[1, 2**63 + 5], [2, 3]],
+        [2**63 + 5],
+        2**63 + 5,
+        [torch.tensor(1), 2**63 + 5],
+    ],
+)
+def test_to_tensor_keeps_ints_past_int64_as_uint64(value):
+    out = ToTensor(keys=["ids"])({"ids": value})["ids"]
+    want = (
+        [v.item() if isinstance(v, torch.Tensor) else v for v in value]
+        if isinstance(value, list)
+        else value
+    )
+    assert out.dtype == torch.uint64 and out.tolist() == want
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ([-1, 2**63], r"9223372036854775808 \(past int64\) beside -1"),
+        ([[1], [-(2**63) - 1]], r"-9223372036854775809 is past int64's and uint64's range"),
+        ([2**64, 1], r"18446744073709551616 is past int64's and uint64's range"),
+    ],
+)
+def test_to_tensor_names_the_key_of_ints_no_dtype_holds(value, why):
+    with pytest.raises(TypeError, match=rf"ToTensor: key 'ids' .*{why}"):
+        ToTensor(keys=["ids"])({"ids": value})
+
+
+def test_pad_collate_keeps_a_row_of_ints_past_int64_alone():
+    # numpy makes [2**63 + 5] its ulonglong, which torch refused
+    out = tg.pad_collate([{"ids": [2**63 + 5]}], keys=["ids"])["ids"]
+    assert out.dtype == torch.uint64 and out.tolist() == [[2**63 + 5]]

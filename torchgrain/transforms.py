@@ -35,6 +35,7 @@ import torch
 
 from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import RecordDecodeError
+from torchgrain.tokens.collate import exact_numpy
 
 __all__ = [
     "Albumentations",
@@ -489,7 +490,7 @@ def _to_tensor(value: Any, key: str) -> torch.Tensor:
                 return torch.stack(value)
             value = [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
         if not isinstance(value, np.ndarray):  # Python floats stay float64, as default_collate's
-            value = np.asarray(value)
+            value = exact_numpy(value)
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(f"ToTensor: key {key!r} cannot be made a tensor: {e}") from None
     if value.dtype.kind in "OUSV":
@@ -507,7 +508,9 @@ class ToTensor:
     Args:
         keys: keys to convert; by default every numpy array value (others are kept).
             A number or list converts with numpy's dtype (Python floats float64, as
-            torch's default collate makes them); a list of tensors is stacked in theirs.
+            torch's default collate makes them), except ints past int64, which numpy
+            would round: uint64 as they are (beside a negative int, or past 2**64, a
+            TypeError naming the key); a list of tensors is stacked in theirs.
         dtype: optional torch dtype to cast converted values to (no rescaling).
         channels_first: move the last axis of 3-D arrays first (HWC -> CHW): ``True``
             for every converted key, or a collection of keys.

@@ -400,20 +400,47 @@ def _is_column_sequence(col: Any) -> bool:
     return isinstance(col, Ragged) and col.kind == "array"
 
 
-def _numpy_row(items: Sequence[Any]) -> np.ndarray:
-    """``items`` as numpy makes them, except ints past int64, which numpy would round to
-    float64: uint64 when none is negative (ValueError else, or past 2**64)."""
+def exact_numpy(items: Any) -> np.ndarray:
+    """``items`` (a number or a list, nested or not) as numpy makes it, except ints past
+    int64, which numpy would round to float64 (or keep as objects, or make a uint64
+    torch refuses): uint64 when none is negative, else a ValueError.
+
+    Example:
+        >>> exact_numpy([1, 2**63 + 5])
+        array([                  1, 9223372036854775813], dtype=uint64)
+        >>> exact_numpy([[1.5, 2]]).dtype
+        dtype('float64')
+        >>> exact_numpy([-1, 2**63])
+        Traceback (most recent call last):
+        ...
+        ValueError: 9223372036854775808 (past int64) beside -1: no integer dtype holds both
+    """
     arr = np.asarray(items)
-    if arr.dtype.kind == "f" and all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in items
-    ):
-        if min(items) < 0:
-            raise ValueError("ints past int64's range beside negative ones")
-        try:
-            arr = np.array(items, dtype=np.uint64)
-        except OverflowError:
-            raise ValueError("an int past uint64's range") from None
-    return arr
+    if arr.dtype.kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
+        return arr if arr.dtype.char == _UINT64 else arr.view(np.uint64)
+    if arr.dtype.kind not in "fO" or not arr.size or isinstance(items, np.ndarray):
+        return arr
+    first = items
+    for _ in range(arr.ndim):
+        first = first[0]
+    if not _is_int(first):  # (a float: numpy's float64 is what was given)
+        return arr
+    leaves = items if arr.ndim <= 1 else np.array(items, dtype=object).ravel().tolist()
+    if arr.ndim and not all(map(_is_int, leaves)):
+        return arr
+    lo, hi = (leaves, leaves) if not arr.ndim else (min(leaves), max(leaves))
+    if lo < -(2**63) or hi >= 2**64:
+        raise ValueError(f"{lo if lo < -(2**63) else hi} is past int64's and uint64's range")
+    if lo < 0:
+        raise ValueError(f"{hi} (past int64) beside {lo}: no integer dtype holds both")
+    return np.array(items, dtype=np.uint64)
+
+
+_UINT64 = np.dtype(np.uint64).char
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
@@ -423,11 +450,11 @@ def _as_row(value: Any, key: str, i: int) -> torch.Tensor:
             if all(isinstance(v, torch.Tensor) for v in value):
                 value = torch.stack(value)
             else:  # numpy, so Python floats stay float64
-                value = _numpy_row(
+                value = exact_numpy(
                     [v.tolist() if isinstance(v, torch.Tensor) else v for v in value]
                 )
         elif isinstance(value, (list, tuple)):  # Python floats stay float64, as default_collate's
-            value = _numpy_row(value) if value else np.zeros(0, np.int64)
+            value = exact_numpy(value) if value else np.zeros(0, np.int64)
         if isinstance(value, torch.Tensor):
             t = value
         elif isinstance(value, np.ndarray):
