@@ -116,19 +116,17 @@ def resolve_compression(path: PathLike, compression: str | None) -> str:
     """
     if compression is None:
         name = os.fspath(path).lower()
-        if name.endswith((".gz", ".gzip")):
-            return "gzip"
-        if name.endswith((".zlib", ".zz")):
-            return "zlib"
-        return ""
-    c = compression.lower()
-    if c in ("", "none"):
-        return ""
-    if c in ("gzip", "zlib"):
-        return c
-    raise ValueError(
-        f"unknown TFRecord compression {compression!r}; use None, '', 'gzip' or 'zlib'"
-    )
+        return next((c for c, ends in _SUFFIXES.items() if name.endswith(ends)), "")
+    c = _COMPRESSIONS.get(compression.lower())
+    if c is None:
+        raise ValueError(
+            f"unknown TFRecord compression {compression!r}; use None, '', 'gzip' or 'zlib'"
+        )
+    return c
+
+
+_SUFFIXES = {"gzip": (".gz", ".gzip"), "zlib": (".zlib", ".zz")}
+_COMPRESSIONS = {"": "", "none": "", "gzip": "gzip", "zlib": "zlib"}
 
 
 class _ZlibStream(io.RawIOBase):
@@ -283,7 +281,6 @@ def _iter_stream(
     base: int = 0,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
 ) -> Iterator[bytes]:
-    unpack_footer = _FOOTER.unpack_from
     buf = b""
     pos = 0  # position of the next record in buf
     # base: file offset of buf[0]
@@ -321,11 +318,7 @@ def _iter_stream(
             base = offset
             pos = 0
             end = need
-        data = buf[pos + _HEADER_SIZE : end - 4]
-        if verify and masked_crc32c(data) != unpack_footer(buf, end - 4)[0]:
-            raise CorruptDataError(
-                f"{name}: data checksum mismatch in the record at byte offset {offset}"
-            )
+        data = _data(buf, pos + _HEADER_SIZE, length, name, offset, verify)
         pos = end
         yield data
 
@@ -538,12 +531,7 @@ def read_tfrecord_at(
     body = f.read(length + 4)
     if len(body) < length + 4:
         raise CorruptDataError(f"{label}: truncated record at byte offset {offset}")
-    data = body[:length]
-    if verify and masked_crc32c(data) != _FOOTER.unpack_from(body, length)[0]:
-        raise CorruptDataError(
-            f"{label}: data checksum mismatch in the record at byte offset {offset}"
-        )
-    return data
+    return _data(body, 0, length, label, offset, verify)
 
 
 def parse_frame(frame: bytes | memoryview, *, name: str, offset: int, verify: bool = True) -> bytes:
@@ -569,8 +557,14 @@ def parse_frame(frame: bytes | memoryview, *, name: str, offset: int, verify: bo
         raise CorruptDataError(
             f"{name}: length checksum mismatch in the record at byte offset {offset}"
         )
-    data = bytes(frame[_HEADER_SIZE : _HEADER_SIZE + length])
-    if verify and masked_crc32c(data) != _FOOTER.unpack_from(frame, _HEADER_SIZE + length)[0]:
+    return _data(frame, _HEADER_SIZE, length, name, offset, verify)
+
+
+def _data(buf: Any, at: int, length: int, name: str, offset: int, verify: bool) -> bytes:
+    """The ``length`` data bytes at ``buf[at:]`` of the record at byte ``offset``, the
+    CRC after them checked (``verify``)."""
+    data = bytes(buf[at : at + length])  # (a bytes slice: not copied again)
+    if verify and masked_crc32c(data) != _FOOTER.unpack_from(buf, at + length)[0]:
         raise CorruptDataError(
             f"{name}: data checksum mismatch in the record at byte offset {offset}"
         )
@@ -609,12 +603,11 @@ def write_tfrecord(
     count = 0
     try:
         with fs.open(tmp, "wb") as raw:
+            out: Any = raw
             if comp == "gzip":
-                out: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0)
+                out = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0)
             elif comp == "zlib":
                 out = _ZlibWriter(raw)
-            else:
-                out = raw
             pending = bytearray()
             for rec in records:
                 pending += _frame(rec if type(rec) is bytes else bytes(rec))
