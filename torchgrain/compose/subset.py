@@ -53,12 +53,17 @@ _CHUNK = 1 << 20  # entries checked or written at a time (bounded temporaries)
 
 
 class _ArrayRows:
-    """Child indices held in an array (in memory, or mapped from a derived index)."""
+    """Child indices held in an array (in memory), or mapped from a derived index (which
+    pickles as its file's name: the array would be a copy)."""
 
-    __slots__ = ("index", "rows")
+    __slots__ = ("_rows", "index")
 
-    def __init__(self, rows: np.ndarray, index: DerivedIndex | None = None) -> None:
-        self.rows, self.index = rows, index
+    def __init__(self, rows: np.ndarray | None, index: DerivedIndex | None = None) -> None:
+        self._rows, self.index = (rows, None) if index is None else (None, index)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self._rows if self.index is None else self.index.arrays["indices"]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -74,15 +79,6 @@ class _ArrayRows:
         if self.index is not None:
             return self.index.meta.get("key")
         return hash_parts(self.rows.dtype.str, np.ascontiguousarray(self.rows).tobytes())
-
-    def __getstate__(self) -> Any:
-        # A mapped index pickles as its file's name; the array would be a copy.
-        return (None, self.index) if self.index is not None else (self.rows, None)
-
-    def __setstate__(self, state: Any) -> None:
-        rows, index = state
-        self.index = index
-        self.rows = index.arrays["indices"] if index is not None else rows
 
 
 class _PermutedRows:
@@ -169,8 +165,7 @@ def select(ds: Any, indices: Any) -> Dataset:
     if len(arr) <= MAPPED_ABOVE:
         rows = _ArrayRows(_checked(ds, arr, dtype))
     else:  # a chunk at a time: a large array (a memory-mapped one) is never copied whole
-        index = _mapped_selection(ds, arr, dtype)
-        rows = _ArrayRows(index.arrays["indices"], index)
+        rows = _ArrayRows(None, _mapped_selection(ds, arr, dtype))
     return _wrap(ds, Subset(ds, rows, label="select"))
 
 
