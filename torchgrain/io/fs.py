@@ -270,7 +270,10 @@ def expand_paths(
             there = is_local(item_fs) and os.path.exists(stripped)
             problem = "is not a regular file" if there else "does not exist"
             raise DatasetNotFoundError(f"{kind} path {item!r} {problem}")
-        listing.check_distinct(found)
+        if _paths.is_http(item_fs) and not allow_external:
+            # Two links to one file (a.x, %61.x) would read its records twice (a disk or an
+            # object store lists each file once).
+            _paths.check_distinct(found, where=f"the listing of {item!r}")
         out.extend(_unstrip(item_fs, p) for p in found)
     return resolved[0][1], list(dict.fromkeys(out))  # the first occurrence of each path, in order
 
@@ -428,8 +431,8 @@ def _fill_dircache(
             if part in fs.dircache:  # (alone, a part is never taken for the folder's listing)
                 kept = [e for e in fs.dircache[part] if not e["name"].startswith(prefix)]
                 _cache(fs, part, [*kept, *entries.values()])
-        for folder, entries in listed.items():
-            _cache(fs, folder, entries.values())
+        for name, entries in listed.items():
+            _cache(fs, name, entries.values())
 
 
 def _cache(fs: fsspec.AbstractFileSystem, folder: str, entries: Iterable[dict[str, Any]]) -> None:
@@ -580,12 +583,6 @@ class _Listing:
             return True
         _paths.confine(self.fs, root, path, where=f"the listing of {self.item!r}")
         raise AssertionError("unreachable")  # pragma: no cover - confine raised
-
-    def check_distinct(self, files: list[str]) -> None:
-        """On HTTP(S), refuse two links to one file (``a.x``, ``%61.x``): its records
-        would be read twice. (A disk or an object store lists each file once.)"""
-        if _paths.is_http(self.fs) and not self.allow_external:
-            _paths.check_distinct(files, where=f"the listing of {self.item!r}")
 
     def find(self, root: str, max_depth: int | None = None, start: str = "") -> list[str]:
         """The files below ``root`` (S3: only the keys below ``root/start``)."""
