@@ -898,17 +898,21 @@ def windows(
                 )
         return {"documents": n, "tokens": total}
 
-    index = derived_index(
-        _KIND,
-        key,
-        {"offsets": ("<i8", ())},
-        fill,
-        index_dir=index_dir,
-        fits=lambda ix: _check_offsets(ix, n, special),
-    )
-    why = _check_offsets(index, n, special)
-    if why is not None:  # built here, and still wrong: never serve it
-        raise CorruptDataError(f"token-window index {index.path or '(in memory)'}: {why}")
+    def built(what: str, key: str, names: list[str], fill: Any, check: Any, *args: Any) -> Any:
+        """The index of arrays ``names`` (int64), never served when ``check(ix, *args)``
+        finds it wrong (a file is checked when opened; one built here, after)."""
+
+        def fits(ix: DerivedIndex) -> str | None:
+            return check(ix, *args)
+
+        columns = dict.fromkeys(names, ("<i8", ()))
+        ix = derived_index(_KIND, key, columns, fill, index_dir=index_dir, fits=fits)
+        why = fits(ix)
+        if why is not None:
+            raise CorruptDataError(f"token-window {what} {ix.path or '(in memory)'}: {why}")
+        return ix
+
+    index = built("index", key, ["offsets"], fill, _check_offsets, n, special)
     bins = None
     if mode == "pack":
         offsets = index.arrays["offsets"]
@@ -922,17 +926,10 @@ def windows(
             sink.append("bins", starts)
             return {"tokens": int(lens.sum()), "truncated": truncated}
 
-        bins = derived_index(
-            _KIND,
-            hash_parts("pack", index.meta["key"], seq_len),
-            {"docs": ("<i8", ()), "bins": ("<i8", ())},
-            fill_bins,
-            index_dir=index_dir,
-            fits=lambda ix: _check_bins(ix, offsets, seq_len, special),
+        key = hash_parts("pack", index.meta["key"], seq_len)
+        bins = built(
+            "bins", key, ["docs", "bins"], fill_bins, _check_bins, offsets, seq_len, special
         )
-        why = _check_bins(bins, offsets, seq_len, special)
-        if why is not None:
-            raise CorruptDataError(f"token-window bins {bins.path or '(in memory)'}: {why}")
         if bins.meta["truncated"]:
             warnings.warn(
                 f"{bins.meta['truncated']} documents of {docs.name} are longer than "
