@@ -182,10 +182,8 @@ def read_columns_of(child: Any, indices: np.ndarray) -> ColumnBatch:
 
 
 def _split_type(t: str) -> tuple[frozenset[str], bool]:
-    parts = set(split_type(t))
-    nullable = "null" in parts
-    parts.discard("null")
-    return frozenset(parts), nullable
+    parts = frozenset(split_type(t))
+    return parts - {"null"}, "null" in parts
 
 
 def _join_array(a: str, b: str) -> str | None:
