@@ -243,9 +243,9 @@ class ShardReadAhead(_Walker):
     ) -> None:
         src = self.source
         n = src.num_shards
-        seen = np.zeros(n, dtype=bool)
-        # Positions of each shard's first and (latest scanned) last use, and its size once
-        # known: the shards in use now must stay cached beside those fetched ahead.
+        # Positions of each shard's first (-1: not seen yet) and (latest scanned) last use,
+        # and its size once known: the shards in use now must stay cached beside those
+        # fetched ahead.
         first_use = np.full(n, -1, dtype=np.int64)
         last_use = np.full(n, -1, dtype=np.int64)
         sizes = np.zeros(n, dtype=np.int64)
@@ -263,7 +263,7 @@ class ShardReadAhead(_Walker):
             while self._live(generation):
                 if hints is not None:
                     hints.update(position())
-                while len(pending) < 2 * self.threads and scan < count and not seen.all():
+                while len(pending) < 2 * self.threads and scan < count and (first_use < 0).any():
                     stop = min(scan + _SCAN, count)
                     indices, at = _used_at(order, scan, stop)
                     shards = src.index.locate(indices)[0]
@@ -272,8 +272,7 @@ class ShardReadAhead(_Walker):
                     first = np.unique(shards, return_index=True)[1]
                     for k in np.sort(first).tolist():
                         s = int(shards[k])
-                        if not seen[s]:
-                            seen[s] = True
+                        if first_use[s] < 0:
                             first_use[s] = at[k]
                             pending.append((int(at[k]), s))
                     scan = stop
