@@ -27,7 +27,7 @@ from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, TorchgrainError
 from torchgrain.formats.codecs import SCHEMA_SAMPLE_FIRST, merge_schema
 from torchgrain.io import changes, process, remote
-from torchgrain.io.fs import expand_paths, is_local
+from torchgrain.io.fs import is_local
 from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
@@ -325,16 +325,9 @@ class FormatSource(ShardedSource):
         self.format = fmt  # type: ignore[misc]
         opts = ReadOptions.build(options, read_options)
         retry = opts.retry_policy
-        with using(retry):  # the transport and open-time requests keep to its deadlines
-            fs, files = expand_paths(
-                paths,
-                suffixes=fmt.suffixes,
-                storage_options=opts.storage_options,
-                filesystem=opts.filesystem,
-                kind=fmt.name,
-                allow_external=opts.allow_external_paths,
-            )
-            where = None if is_local(fs) else fs
+        fs, files = opts._expand(paths, fmt.suffixes, fmt.name)
+        where = None if is_local(fs) else fs
+        with using(retry):  # the open-time requests keep to its deadlines
             listed = listed_sizes(fs, files) if where is not None else {}
         self._schema: dict[str, str] | None = None
         # The readers opened to count are kept for the reads, as many as the reader LRU

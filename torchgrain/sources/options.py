@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from torchgrain.io.retry import RetryPolicy
@@ -227,3 +227,20 @@ class ReadOptions:
     def verify_or(self, default: bool) -> bool:
         """:attr:`verify_checksums`, or a format's ``default`` when it is None."""
         return default if self.verify_checksums is None else self.verify_checksums
+
+    def _expand(self, paths: Any, suffixes: Sequence[str], kind: str) -> tuple[Any, list[str]]:
+        """The filesystem and files of a source's ``paths`` (its files: names holding one of
+        ``suffixes``), listed through this storage, within the retry policy's deadlines
+        (:func:`~torchgrain.io.fs.expand_paths`)."""
+        from torchgrain.io.fs import expand_paths
+        from torchgrain.io.retry import using
+
+        with using(self.retry_policy):  # the transport and listing keep to its deadlines
+            return expand_paths(
+                paths,
+                suffixes=suffixes,
+                storage_options=self.storage_options,
+                filesystem=self.filesystem,
+                kind=kind,
+                allow_external=self.allow_external_paths,
+            )

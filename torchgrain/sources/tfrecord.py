@@ -57,7 +57,7 @@ from torchgrain.io import process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
 from torchgrain.io.changes import open_regular
-from torchgrain.io.fs import default_cache_dir, expand_paths, is_local, map_files
+from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile
 from torchgrain.io.region import RegionUnavailable, ShardRegion
@@ -127,15 +127,7 @@ class TFRecordSource(EncodedSource):
         index_dir = check_dir_option("index_dir", index_dir)
         self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
         retry = opts.retry_policy
-        with using(retry):  # the transport and open-time requests keep to its deadlines
-            fs, files = expand_paths(
-                paths,
-                suffixes=TFRECORD_SUFFIXES,
-                storage_options=opts.storage_options,
-                filesystem=opts.filesystem,
-                kind="TFRecord",
-                allow_external=opts.allow_external_paths,
-            )
+        fs, files = opts._expand(paths, TFRECORD_SUFFIXES, "TFRecord")
         if index_dir is ...:
             index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
         self._verify = opts.verify_or(True)
