@@ -230,14 +230,12 @@ class ShardedSource(Source):
         cache_bytes: int | None = None,
         max_open_files: int | str | type[Ellipsis] | None = "auto",
         sizes: Mapping[int, int] | None = None,
-        **keywords: Any,
     ) -> None:
-        """Set up the shards: ``options`` (with any :class:`ReadOptions` field given by
-        name in ``keywords`` replacing it) says how they are read; ``cache_bytes`` and
+        """Set up the shards: ``options`` says how they are read; ``cache_bytes`` and
         ``max_open_files`` are the values the format resolved from them (None and
         ``"auto"``: from ``options``, then the defaults); ``sizes``: the shards' sizes in
         bytes that the opening found (shard -> bytes; the rest are asked when needed)."""
-        self.options = opts = ReadOptions.build(options, keywords)
+        self.options = opts = ReadOptions.build(options)
         if cache_bytes is None:
             cache_bytes = opts.cache_bytes_or(DEFAULT_CACHE_BYTES)
         if max_open_files in ("auto", ...):
