@@ -312,23 +312,19 @@ class TFDSCodec(BaseCodec):
 
 
 _NUMBER_LIST = {"f": "float_list", "i": "int64_list", "u": "int64_list", "b": "int64_list"}
+_LEAF_LIST = {"text": "bytes_list", "image": "bytes_list", "label": "int64_list"}
 
 
 def _list_kind(node: tuple[Any, ...]) -> str | None:
     """The list kind TFDS stores a leaf of the spec as (None: any)."""
-    kind = node[0]
-    if kind in ("text", "image"):
+    if node[0] != "tensor":
+        return _LEAF_LIST.get(node[0])
+    if node[1] in ("string", "str", "object") or node[3] in ("bytes", "zlib"):
         return "bytes_list"
-    if kind == "label":
-        return "int64_list"
-    if kind == "tensor":
-        if node[1] in ("string", "str", "object") or node[3] in ("bytes", "zlib"):
-            return "bytes_list"
-        try:
-            return _NUMBER_LIST.get(np.dtype(node[1]).kind)
-        except TypeError:  # a dtype numpy does not know: decoding the feature says so
-            return None
-    return None
+    try:
+        return _NUMBER_LIST.get(np.dtype(node[1]).kind)
+    except TypeError:  # a dtype numpy does not know: decoding the feature says so
+        return None
 
 
 def _stored_kind(value: Any) -> str | None:
