@@ -61,13 +61,13 @@ class OneRecordBatches(ChunkDecoder):
     """Reads a batch of a local file's one-record chunks through one numpy plan.
 
     The base of :class:`~.file.ArrayRecordFile`, which provides its map
-    (:meth:`_local_view`), its index (:meth:`_ensure_footer`, :meth:`_fast_index`) and
-    whether it is local (``_local``). Per process it learns whether the file's chunks
-    are zstd or uncompressed (``_raw_chunks``) and keeps the map as a uint8 array.
+    (``_local_view()``) and the careful path for one chunk (``chunk_record(c, f)``).
+    Per process it learns whether the file's chunks are zstd or uncompressed
+    (``_raw_chunks``) and keeps the map as a uint8 array.
     """
 
-    _local: bool
-    _fast: tuple[memoryview, memoryview, memoryview, memoryview] | None
+    _local_view: Callable[[], memoryview]
+    chunk_record: Callable[[int, Footer], bytes]
 
     def _reset_handles(self) -> None:
         super()._reset_handles()
@@ -77,19 +77,6 @@ class OneRecordBatches(ChunkDecoder):
         # Whether the file's one-record chunks are uncompressed (None: not known yet).
         self._raw_chunks: bool | None = None
         self._layout_misses = 0  # chunks that fitted neither layout while not known
-
-    # What the file provides.
-    def _local_view(self) -> memoryview:
-        raise NotImplementedError
-
-    def _ensure_footer(self) -> Footer:
-        raise NotImplementedError
-
-    def _fast_index(self, f: Footer) -> tuple[memoryview, memoryview, memoryview, memoryview]:
-        raise NotImplementedError
-
-    def chunk_record(self, c: int, f: Footer | None = None) -> bytes:
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ one file
     def _heads(self, cs: np.ndarray, f: Footer) -> tuple[memoryview, np.ndarray, np.ndarray]:
@@ -110,19 +97,14 @@ class OneRecordBatches(ChunkDecoder):
     def _chunk_plan(
         self, cs: np.ndarray, f: Footer, raw: bool = False
     ) -> tuple[memoryview, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Where the values of local chunks ``cs`` (int64) lie, for the common layout.
+        """Where the values of local chunks ``cs`` (int64) of a ``group_size:1`` file
+        (every chunk one record, as its footer says) lie, for the common layout.
 
         Returns ``(view, ok, payload, end, size, cut)`` as :func:`_plan` does, for the
         map ``view``.
         """
         view, pos, heads = self._heads(cs, f)
-        ok, payload, end, decoded, cut = _plan(
-            pos, heads, len(view), f.chunk_ends[cs], f.decoded_sizes[cs], raw
-        )
-        if f.group_size != 1:  # the footer must agree: one record in the chunk
-            recs = f.record_offsets
-            ok &= recs[cs + 1] - recs[cs] == 1
-        return view, ok, payload, end, decoded, cut
+        return (view, *_plan(pos, heads, len(view), f.chunk_ends[cs], f.decoded_sizes[cs], raw))
 
     def _layout(self, arr: np.ndarray, f: Footer) -> bool | None:
         """Whether this file's one-record chunks are uncompressed (True) or zstd (False),

@@ -333,13 +333,9 @@ class ArrayRecordFile(OneRecordBatches):
 
     # ------------------------------------------------------------------ raw bytes
     def _fetch(self, ranges: list[tuple[int, int]]) -> list[memoryview]:
-        """Physical byte ranges [start, end) of the file, as memoryviews."""
-        if self._local:
-            view = self._local_view()
-            if ranges and max(e for _, e in ranges) > len(view):
-                raise self._corrupt(f"file is truncated: {len(view)} bytes")
-            return [view[s:e] for s, e in ranges]
-        # Remote: ranges that touch or nearly touch are fetched together, in one batch.
+        """Physical byte ranges [start, end) of a remote file, as memoryviews (a local
+        file is read through its map: its footer from the whole-file tail). Ranges
+        that touch or nearly touch are fetched together, in one batch."""
         try:
             got = fetch_ranges(self._fs, self._path, ranges, gap=_REMOTE_GAP, name=self._url)
             try:
@@ -447,11 +443,16 @@ class ArrayRecordFile(OneRecordBatches):
         """
         f = self._ensure_footer()
         arr = np.asarray(rows, dtype=np.int64).ravel()
-        if len(arr) and (int(arr.min()) < 0 or int(arr.max()) >= f.num_records):
-            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-            raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
+        if len(arr):
+            self._check_rows(int(arr.min()), int(arr.max()), f)
         chunks = np.unique(self._chunk_of(arr, f))
         return chunks, list(zip(f.chunk_offsets[chunks].tolist(), f.chunk_ends[chunks].tolist()))
+
+    def _check_rows(self, lo: int, hi: int, f: Footer) -> None:
+        """Rows ``lo`` to ``hi`` (the least and greatest asked for) must be in the file."""
+        if lo < 0 or hi >= f.num_records:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
 
     def _read_chunks(self, chunks: list[int], *, unmapped: bool = False) -> list[tuple[Any, Any]]:
         """Decoded chunks. With ``unmapped`` (their contents are kept elsewhere, in a
@@ -524,10 +525,7 @@ class ArrayRecordFile(OneRecordBatches):
         if arr.dtype.kind not in "iuf" and arr.dtype != object:
             raise TypeError(f"rows must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False).ravel()
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= f.num_records:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"{self._where(row=bad)}: row out of range [0, {f.num_records})")
+        self._check_rows(int(arr.min()), int(arr.max()), f)
         if f.group_size == 1 and self._local and not self._verify and n >= _BATCH_MIN:
             out_singles = self._read_singles(arr, f)
             if out_singles is not None:
@@ -595,32 +593,16 @@ class ArrayRecordFile(OneRecordBatches):
         return out
 
     def _read_one(self, row: int, f: Footer) -> bytes:
-        if not 0 <= row < f.num_records:
-            raise IndexError(f"{self._where(row=row)}: row out of range [0, {f.num_records})")
+        self._check_rows(row, row, f)
         g = f.group_size
         c = row // g if g else int(np.searchsorted(f.record_offsets, row, side="right")) - 1
-        values, bounds = self._chunk(c, f)
-        if bounds is None:
-            return values if type(values) is bytes else bytes(values)
-        j = row - int(f.record_offsets[c])
-        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
+        return self.chunk_record(c, f, row - int(f.record_offsets[c]))
 
-    def _chunk(self, c: int, f: Footer) -> tuple[Any, Any]:
-        """Decoded chunk ``c``; a local one through the map (mapped now if not yet,
-        else checked unchanged), by :meth:`_local_chunk`."""
-        if not self._local:
-            return self._read_chunks([c])[0]
-        view = self._view
-        if view is None or self._token[1] != process.generation:
-            view = self._local_view()
-        elif self._pin is not None:  # (a reader over another's map has none)
-            changes.check(self._pin, self._where())
-        return self._local_chunk(c, view, self._fast or self._fast_index(f))
-
-    def chunk_record(self, c: int, f: Footer | None = None) -> bytes:
-        """The record of local one-record chunk ``c``, through the careful path
-        (:meth:`_local_chunk`, which checks and reports everything); ``f`` is the file's
-        index (default: its own).
+    def chunk_record(self, c: int, f: Footer | None = None, j: int = 0) -> bytes:
+        """The record of local one-record chunk ``c`` (record ``j`` of a chunk of
+        several), through the careful path (:meth:`_local_chunk`, which checks and
+        reports everything; a local chunk through the map, mapped now if not yet, else
+        checked unchanged); ``f`` is the file's index (default: its own).
 
         Example:
             >>> import tempfile, os
@@ -634,10 +616,19 @@ class ArrayRecordFile(OneRecordBatches):
             >>> ArrayRecordFile(path).chunk_record(1)
             b'rec 1'
         """
-        values, bounds = self._chunk(c, f or self._ensure_footer())
+        f = f or self._ensure_footer()
+        if not self._local:
+            values, bounds = self._read_chunks([c])[0]
+        else:
+            view = self._view
+            if view is None or self._token[1] != process.generation:
+                view = self._local_view()
+            elif self._pin is not None:  # (a reader over another's map has none)
+                changes.check(self._pin, self._where())
+            values, bounds = self._local_chunk(c, view, self._fast or self._fast_index(f))
         if bounds is None:
             return values if type(values) is bytes else bytes(values)
-        return bytes(values[int(bounds[0]) : int(bounds[1])])  # its one record
+        return bytes(values[int(bounds[j]) : int(bounds[j + 1])])
 
     def read_range(self, start: int, stop: int) -> list[bytes]:
         """Records ``start`` to ``stop - 1`` (clipped to the file), in order.

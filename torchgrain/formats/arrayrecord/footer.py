@@ -391,7 +391,7 @@ class FooterReader:
         Raises:
             CorruptDataError: a corrupt footer (named by the reader).
         """
-        parts = list(self._slices(None))  # one slice (none for a file of no chunks)
+        parts = list(self.slices())  # one slice (none for a file of no chunks)
         offsets, dsizes, ends = parts[0] if parts else [np.zeros(0, np.int64) for _ in range(3)]
         record_offsets = np.zeros(len(ends) + 1, np.int64)
         record_offsets[1:] = ends
@@ -425,9 +425,6 @@ class FooterReader:
         Raises:
             CorruptDataError: a corrupt footer (named by the reader).
         """
-        return self._slices(step)
-
-    def _slices(self, step: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self._data is None:  # the footer chunk, fetched by whoever reads its entries
             self._load(self._fetch([(self.footer_offset, self._post_pos)])[0])
         dec, footer_offset, num_chunks = self._dec, self.footer_offset, self.num_chunks
