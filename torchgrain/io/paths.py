@@ -97,15 +97,8 @@ def _readings(text: str) -> list[str]:
     else:
         if unquote(out[-1], errors="strict") != out[-1]:
             raise _Unsafe(f"is percent-encoded more than {MAX_DECODINGS} times")
-    for reading in list(out):
-        iis = _IIS_ESCAPE.sub(lambda m: chr(int(m[1], 16)), reading)
-        if iis != reading:
-            out.append(iis)
-    for reading in list(out):
-        normal = unicodedata.normalize("NFKC", reading)
-        if normal != reading:
-            out.append(normal)
-    return out
+    out += [iis for r in out if (iis := _IIS_ESCAPE.sub(lambda m: chr(int(m[1], 16)), r)) != r]
+    return out + [nfkc for r in out if (nfkc := unicodedata.normalize("NFKC", r)) != r]
 
 
 class _Unsafe(Exception):
