@@ -503,8 +503,7 @@ class NodeStore:
             try:
                 fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
             except OSError:  # not a regular file: replaced by one
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.directory, self._USAGE))
+                unlink_quietly(os.path.join(self.directory, self._USAGE))
                 fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
             try:
                 os.pwrite(fd, _TOTAL.pack(max(0, held)), 0)

@@ -56,7 +56,7 @@ from torchgrain.io.cache_records import (
 from torchgrain.io.eviction import EVICTION_POLICIES, victims
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import get_filesystem
-from torchgrain.io.node_store import Entry, NodeStore
+from torchgrain.io.node_store import Entry, NodeStore, unlink_quietly
 from torchgrain.io.retry import RetryPolicy, retry_call
 
 __all__ = ["Identity", "ShardCache", "ShardTooLargeError", "file_crc", "file_identity"]
@@ -768,8 +768,7 @@ class ShardCache(NodeStore):
     def _forget(self, path: str) -> None:
         # (a record that cannot be deleted, .sums not a folder or the record one, reads
         # as none: the copy is fetched again, and the record's write says why it fails)
-        with contextlib.suppress(OSError):
-            os.unlink(self._sum_path(path))
+        unlink_quietly(self._sum_path(path))
 
     def _rank(self, entries: list[Entry]) -> list[Entry]:
         """Belady: furthest next use first (the hints are by copy name)."""

@@ -44,6 +44,7 @@ from torchgrain.protocols import Fingerprinted
 from torchgrain.sources.base import Source
 from torchgrain.sources.node_index.store import (
     IndexArrays,
+    NodeIndex,
     build_index,
     cached_index,
     default_index_dir,
@@ -62,16 +63,17 @@ class _Default:
 DEFAULT: Any = _Default()
 
 
-class DerivedIndex:
+class DerivedIndex(NodeIndex):
     """Named read-only arrays of a derived index, and the metadata they were built with.
 
     Mapped from an index file every process of the machine shares (or held in memory
-    when the index directory could not be written). Pickles as the file's name: a
+    when the index directory could not be written); :attr:`path` and
+    :meth:`check_unchanged` as every node index's. Pickles as the file's name: a
     spawned worker maps the same file, and refuses one replaced since it was opened.
     """
 
-    def __init__(self, arrays: IndexArrays) -> None:
-        self._a = arrays
+    def _derive(self) -> None:
+        """Nothing: the arrays are what ``fill`` appended, checked by their index's ``fits``."""
 
     @property
     def kind(self) -> str:
@@ -86,17 +88,6 @@ class DerivedIndex:
     def meta(self) -> dict[str, Any]:
         """The metadata ``fill`` returned, plus ``key``."""
         return self._a.meta
-
-    @property
-    def path(self) -> str | None:
-        """The mapped index file (None: in this process's memory)."""
-        return self._a.path
-
-    def check_unchanged(self) -> None:
-        """Raise :class:`~torchgrain.io.changes.ChangedWhileOpen` if the mapped file was
-        written or truncated since it was opened."""
-        if self._a.file is not None:
-            self._a.file.check()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (DerivedIndex, (self._a,))

@@ -620,6 +620,13 @@ class IndexDir(NodeStore):
         # was held too long; no index is named so (a kind, or 32 hex digits, comes first)
         return _OWN_LOCK.fullmatch(name) is not None
 
+    def _put(self, tmp: str, path: str) -> None:
+        """Publish the complete temp file ``tmp`` as the index ``path``, its last use now
+        (its lock file's time: the lock may be older than the index)."""
+        self._publish(tmp, path, os.path.getsize(tmp))
+        with contextlib.suppress(OSError):
+            os.utime(path + ".lock")
+
     def writer(self, name: str) -> EntryWriter | None:
         """Entry ``name`` (a file name ending in ``.tgindex``) to write a piece at a time
         and publish: counted against the directory's budget, least recently used entries
@@ -687,9 +694,7 @@ class EntryWriter:
             path = os.path.join(self.store.directory, self.name)
             with self.store._writing(self._tmp):
                 self.file.close()
-            self.store._publish(self._tmp, path, os.path.getsize(self._tmp))
-            with contextlib.suppress(OSError):  # its last use
-                os.utime(path + ".lock")
+            self.store._put(self._tmp, path)
         finally:
             self.discard()
 
@@ -862,9 +867,7 @@ def cached_index(
                 stack.callback(unlink_quietly, tmp)
                 with store._writing(path):
                     build(tmp)
-                store._publish(tmp, path, os.path.getsize(tmp))
-                with contextlib.suppress(OSError):  # its last use: the lock may be older
-                    os.utime(path + ".lock")
+                store._put(tmp, path)
                 ix = open_index(path, cls)
                 ix._a.placed = (index_dir, cls)
                 _write_stamp(_stamp(ix._a.file, index_dir, None))  # built here: sound
@@ -879,17 +882,14 @@ def cached_index(
     except OSError as e:
         if e.errno not in _UNWRITABLE or isinstance(e, DatasetNotFoundError):
             raise
-        if e.errno not in DISK_FULL_ERRNOS:
-            warnings.warn(
-                f"cannot write the dataset index into {index_dir!r} ({e}); keeping it in this "
-                "process's memory instead (pass index_dir= a writable directory)",
-                stacklevel=3,
-            )
-        else:  # (once per directory and process: disk_full is set)
-            warnings.warn(
-                f"torchgrain: {e} Keeping the dataset index in this process's memory instead.",
-                stacklevel=3,
-            )
+        # (no room is said once per directory and process: disk_full is set)
+        warnings.warn(
+            f"torchgrain: {e} Keeping the dataset index in this process's memory instead."
+            if e.errno in DISK_FULL_ERRNOS
+            else f"cannot write the dataset index into {index_dir!r} ({e}); keeping it in "
+            "this process's memory instead (pass index_dir= a writable directory)",
+            stacklevel=3,
+        )
         return build(None)
 
 
