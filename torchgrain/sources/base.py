@@ -40,7 +40,7 @@ from torchgrain.io.shard_cache import ShardCache
 from torchgrain.sources.block_cache import BlockCache, CacheBlocks, CacheFit, CacheInfo
 from torchgrain.sources.cache_fit import CacheFitting
 from torchgrain.sources.cached_copies import CachedCopies, OpenCopies
-from torchgrain.sources.fetch_ahead import BatchRanges, Files, Groups, take_early
+from torchgrain.sources.fetch_ahead import BatchRanges, Files, Groups, count_io, take_early
 from torchgrain.sources.index import ShardIndex, in_request_order
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
 
@@ -609,24 +609,18 @@ class ShardedSource(Source):
         cached copies that ``fn`` gets stay open until it returns."""
         if not self._reads_remote():
             return self.cached_copies.pinned(fn) if self.cache is not None else fn()
-        self._count("remote_reads")
+        count_io(self._proc(), "remote_reads")
         got = retry_call(
             fn,
             url=self._paths[shard],
             policy=self._retry,
             what=what,
-            on_retry=lambda attempt, exc: self._count("retries"),
+            on_retry=lambda attempt, exc: count_io(self._proc(), "retries"),
         )
         if self._held is not None and self._held[shard] is None:
             # The version its first read found, if the opening pinned none.
             self._held[shard] = remote.held_pins(self._fs, [self._paths[shard]])[0]  # type: ignore[index]
         return got
-
-    def _count(self, counter: str) -> None:
-        """Add one to this process's I/O counter ``counter`` (see :attr:`io_stats`)."""
-        st = self._proc()
-        with st.lock:
-            st.io[counter] += 1
 
     def _read_shard_groups(
         self, groups: list[tuple[int, np.ndarray, Any]], n: int, read: Callable[..., list[Any]]

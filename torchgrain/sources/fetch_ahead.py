@@ -125,13 +125,8 @@ class BatchRanges:
             except Exception as e:  # raised by the caller in the group's turn
                 early[k] = e
 
-        def count(key: str) -> None:
-            st = self.state()
-            with st.lock:
-                st.io[key] += 1
-
         def fetch() -> None:
-            count("remote_reads")
+            count_io(self.state(), "remote_reads")
             # A retry asks only for the groups not read yet (their ranges were taken).
             left = [k for k in range(len(files)) if early is None or k not in early]
             asked[:] = [files[k][1] for k in left] or asked
@@ -153,7 +148,7 @@ class BatchRanges:
                 url=label,
                 policy=self.retry,
                 what="range read of a batch",
-                on_retry=lambda attempt, exc: count("retries"),
+                on_retry=lambda attempt, exc: count_io(self.state(), "retries"),
             )
         except (RemoteIOError, DatasetNotFoundError, PermissionError):
             # Out of retries, or missing or denied (never asked again): named the URL.
@@ -174,6 +169,12 @@ class BatchRanges:
         """Forget what :meth:`prefetch` put and the batch did not use."""
         if owner is not None:
             range_store().drop(owner)
+
+
+def count_io(state: IOState, key: str) -> None:
+    """Add one to ``state``'s I/O counter ``key`` ("remote_reads", "retries")."""
+    with state.lock:
+        state.io[key] += 1
 
 
 def take_early(early: dict[int, Any], k: int, read: Callable[[Any], T], group: Any) -> T:
