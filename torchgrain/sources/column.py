@@ -180,8 +180,7 @@ def _join(parts: list[Any]) -> np.ndarray | Ragged:
         for r in ragged
     ):
         lengths = np.concatenate([np.diff(r.offsets) for r in ragged])
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
+        offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
         return Ragged(
             np.concatenate([r.values[: r.offsets[-1]] for r in ragged]), offsets, first.kind
         )
@@ -216,8 +215,7 @@ def _take(col: np.ndarray | Ragged, rows: np.ndarray) -> np.ndarray | Ragged:
         return col[rows]
     starts = col.offsets[:-1][rows]
     lengths = col.offsets[1:][rows] - starts
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     values = np.empty(int(offsets[-1]), dtype=col.values.dtype)
     gather_ranges(col.values, starts, lengths, values)
     return Ragged(values, offsets, col.kind)

@@ -38,10 +38,8 @@ class ShardIndex:
             raise ValueError("counts must be one-dimensional")
         if (counts < 0).any():
             raise ValueError("shard record counts must be >= 0")
-        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        offsets.setflags(write=False)
-        self.offsets = offsets
+        self.offsets = np.concatenate(([0], np.cumsum(counts)))
+        self.offsets.setflags(write=False)
 
     @classmethod
     def from_offsets(cls, offsets: np.ndarray) -> ShardIndex:
