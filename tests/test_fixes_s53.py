@@ -97,3 +97,62 @@ def test_pad_collate_keeps_a_row_of_ints_past_int64_alone():
     # numpy makes [2**63 + 5] its ulonglong, which torch refused
     out = tg.pad_collate([{"ids": [2**63 + 5]}], keys=["ids"])["ids"]
     assert out.dtype == torch.uint64 and out.tolist() == [[2**63 + 5]]
+
+
+# ------------------------------------------- Parquet output: ints past int64 in lists
+@pytest.mark.parametrize(
+    ("records", "kind"),
+    [
+        ([{"ids": [1, 2**63]}, {"ids": None}, {"ids": []}], "list<element: uint64>"),
+        ([{"ids": [[2**64 - 1], [0]]}], "list<element: list<element: uint64>>"),
+        ([{"m": {"a": 2**63 + 5, "s": "x"}}, {"m": {"a": 1, "s": "y"}}], "struct<a: uint64"),
+        ([{"m": [{"a": [2**63]}]}], "list<element: struct<a: list<element: uint64>>>"),
+        ([{"x": 2**63}, {"x": None}], "uint64"),
+    ],
+)
+def test_write_parquet_keeps_ints_past_int64_at_any_depth(tmp_path, records, kind):
+    import pyarrow.parquet as pq
+
+    (path,) = tg.write_parquet(records, tmp_path)
+    table = pq.read_table(path)
+    (key,) = table.column_names
+    assert str(table.schema.field(key).type).startswith(kind)
+    assert table.column(key).to_pylist() == [r[key] for r in records]
+
+
+@pytest.mark.parametrize(
+    ("records", "why"),
+    [
+        (
+            [{"ids": [1]}, {"ids": [-1, 2**63]}],
+            r"record 1 holds -1 and 9223372036854775808 \(past int64\) in \[\*\]: no integer",
+        ),
+        (
+            [{"x": -1}, {"x": 2**63}],
+            r"record 0 holds -1 and record 1 holds 9223372036854775808 \(past int64\): no",
+        ),
+        ([{"ids": [1]}, {"ids": [2**64]}], r"record 1 holds 18446744073709551616 in \[\*\], past"),
+        ([{"m": {"a": [-(2**63) - 1]}}], r"record 0 holds -9223372036854775809 in \['a'\]\[\*\]"),
+        ([{"ids": [0.5]}, {"ids": [2**63]}], r"record 1 holds 9223372036854775808 \(past int64\)"),
+    ],
+)
+def test_write_parquet_names_key_and_record_of_an_int_no_type_holds(tmp_path, records, why):
+    key = next(iter(records[0]))
+    with pytest.raises(TypeError, match=rf"cannot store key '{key}' in Parquet: {why}"):
+        tg.write_parquet(records, tmp_path)
+
+
+def test_convert_to_parquet_makes_lists_of_ints_uint64_across_batches(tmp_path):
+    import pyarrow.parquet as pq
+
+    # Records are typed 512 at a time: list<int64>, then list<uint64>.
+    records = [{"ids": [i]} for i in range(600)] + [{"ids": [2**63 + 5]}]
+    tg.write_array_record(records, tmp_path / "src")
+    tg.convert(tmp_path / "src", tmp_path / "out", to="parquet")
+    table = pq.read_table(next((tmp_path / "out").glob("*.parquet")))
+    assert str(table.schema.field("ids").type) == "list<element: uint64>"
+    assert table.column("ids").to_pylist() == [r["ids"] for r in records]
+    records[0] = {"ids": [-1]}
+    tg.write_array_record(records, tmp_path / "neg")
+    with pytest.raises(TypeError, match=r"'ids' in Parquet: it holds -1 and ints past int64"):
+        tg.convert(tmp_path / "neg", tmp_path / "out2", to="parquet")

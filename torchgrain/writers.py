@@ -242,7 +242,8 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
     ``None`` is a null. Lists beside arrays in a column (Python scalars beside numpy
     scalars) are written with the arrays' dtype, nulls kept, each item held exactly (not
     1.5 or ``True`` for int16, nor 300 for int8). Other values go through
-    ``pyarrow.array``'s inference. A key missing from some records is null there.
+    ``pyarrow.array``'s inference, except Python ints past int64 (at any depth: in lists,
+    dicts), which make their place uint64. A key missing from some records is null there.
 
     With ``schema`` (a ``pyarrow.Schema``: a Parquet source's columns), its columns come
     first, each of its type (a column no record has: nulls), then the records' other keys
@@ -252,8 +253,9 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
     Raises:
         TypeError: a column holds arrays of different dtypes or ranks, a value beside
             arrays that their dtype does not hold exactly or of another shape (the message
-            names the record), or a value its ``schema`` type does not (the message names
-            the column).
+            names the record), an int past int64 beside a negative one, past 2**64 or
+            beside floats (the message names the record), or a value its ``schema`` type
+            does not (the message names the column).
 
     Example:
         >>> import numpy as np, pyarrow as pa
@@ -559,11 +561,96 @@ def _column(values: list[Any]) -> Any:
             nulls = pa.array(mask) if level == 0 and mask.any() else None
             out = pa.ListArray.from_arrays(pa.array(offsets), out, mask=nulls)
         return out
-    ints = present and all(isinstance(v, int) and not isinstance(v, bool) for v in present)
-    if ints and max(present) > np.iinfo(np.int64).max:
-        # Python ints: int64 unless a value needs uint64 (msgpack keeps both ranges).
-        return pa.array(values, pa.uint64())
-    return pa.array(values)
+    try:
+        return pa.array(values)
+    except (OverflowError, pa.ArrowInvalid):
+        # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
+        kind = _uint64_type(values)
+        if kind is None:
+            raise
+        return pa.array(values, kind)
+
+
+_LIST = object()  # a path step into a list's items (others: a struct's field name)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _uint64_type(values: list[Any]) -> Any:
+    """The Arrow type of Python ``values`` holding ints past int64 (which Arrow's
+    inference refuses): what Arrow infers with uint64 where such ints are, or None when
+    none is; a ValueError naming the record where one is negative, past 2**64, or beside
+    another type than int.
+
+    Example:
+        >>> _uint64_type([{"ids": [1, 2**63]}, None])
+        StructType(struct<ids: list<item: uint64>>)
+        >>> _uint64_type([[1, 2**63], [-1]])
+        Traceback (most recent call last):
+        ...
+        ValueError: record 1 holds -1 and record 0 holds 9223372036854775808 (past int64) in [*]: no integer type holds both
+    """
+    import pyarrow as pa
+
+    # path -> [least int, its record, greatest int, its record], for paths of an int past int64
+    seen: dict[tuple[Any, ...], list[Any]] = {}
+    wide: set[tuple[Any, ...]] = set()
+
+    def walk(v: Any, path: tuple[Any, ...], i: int) -> Any:  # ``v`` with such ints 0
+        if isinstance(v, int) and not isinstance(v, bool):
+            at = seen.get(path)
+            if at is None:
+                seen[path] = [v, i, v, i]
+            elif v < at[0]:
+                at[:2] = v, i
+            elif v > at[2]:
+                at[2:] = v, i
+            if _INT64[0] <= v <= _INT64[1]:
+                return v
+            wide.add(path)
+            return 0
+        if isinstance(v, (list, tuple)):
+            return [walk(x, (*path, _LIST), i) for x in v]
+        if isinstance(v, dict):
+            return {k: walk(x, (*path, k), i) for k, x in v.items()}
+        return v
+
+    zeroed = [walk(v, (), i) for i, v in enumerate(values)]
+    if not wide:
+        return None
+    kind = pa.array(zeroed).type
+    for path in sorted(wide, key=len):
+        lo, lo_at, hi, hi_at = seen[path]
+        where = f" in {''.join('[*]' if p is _LIST else f'[{p!r}]' for p in path)}" if path else ""
+        if lo < _INT64[0] or hi >= 2**64:
+            v, at = (lo, lo_at) if lo < _INT64[0] else (hi, hi_at)
+            raise ValueError(f"record {at} holds {v}{where}, past int64's and uint64's range")
+        if lo < 0:
+            also = "" if lo_at == hi_at else f"record {hi_at} holds "
+            raise ValueError(
+                f"record {lo_at} holds {lo} and {also}{hi} (past int64){where}: no integer "
+                "type holds both"
+            )
+        kind = _with_uint64(kind, path, f"record {hi_at} holds {hi} (past int64){where}")
+    return kind
+
+
+def _with_uint64(kind: Any, path: tuple[Any, ...], what: str) -> Any:
+    """``kind`` with uint64 for the int64 at ``path`` (a ValueError beginning ``what``
+    when another type is there)."""
+    import pyarrow as pa
+
+    if not path:
+        if kind != pa.int64():
+            raise ValueError(f"{what} beside values of another type: {kind} would not hold it")
+        return pa.uint64()
+    if path[0] is _LIST:
+        return pa.list_(kind.value_field.with_type(_with_uint64(kind.value_type, path[1:], what)))
+    return pa.struct(
+        [
+            f.with_type(_with_uint64(f.type, path[1:], what)) if f.name == path[0] else f
+            for f in kind
+        ]
+    )
 
 
 def _from_numpy(values: np.ndarray, mask: np.ndarray | None = None) -> Any:
@@ -1030,7 +1117,7 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
                     f"cannot store key {f.name!r} in Parquet: it holds {value} and floats in one "
                     f"output shard ({where} of {path}); a double rounds an int past 2**53"
                 )
-        if column.type == pa.int64() and f.type == pa.uint64():
+        if _to_uint64(column.type, f.type):
             low = _outside_of(column, 0)
             if low is not None:
                 raise TypeError(
@@ -1157,7 +1244,7 @@ def _fills(a: Any, b: Any) -> bool:
 def _common(types: Sequence[Any]) -> Any:
     """The one of ``types`` each of them becomes with no value changed (a null type typed,
     int64 of no negative value uint64, int64 of no value past 2**53 double, lists of them
-    alike: see :func:`_fills`, :func:`_to_double`), or None.
+    alike: see :func:`_fills`, :func:`_to_uint64`, :func:`_to_double`), or None.
 
     Example:
         >>> import pyarrow as pa
@@ -1170,13 +1257,8 @@ def _common(types: Sequence[Any]) -> Any:
         >>> _common([pa.list_(pa.int8()), pa.list_(pa.int16())]) is None
         True
     """
-    import pyarrow as pa
-
     for t in types:
-        if all(
-            _fills(u, t) or (u == pa.int64() and t == pa.uint64()) or _to_double(u, t)
-            for u in types
-        ):
+        if all(_fills(u, t) or _to_uint64(u, t) or _to_double(u, t) for u in types):
             return t
     return None
 
@@ -1194,9 +1276,29 @@ def _to_double(a: Any, b: Any) -> bool:
     """
     import pyarrow as pa
 
+    return _int64_as(a, b, pa.float64())
+
+
+def _to_uint64(a: Any, b: Any) -> bool:
+    """Whether type ``a`` is int64 and ``b`` uint64, or lists of them (its values then
+    need checking: :func:`_outside_of`).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _to_uint64(pa.list_(pa.int64()), pa.list_(pa.uint64()))
+        True
+    """
+    import pyarrow as pa
+
+    return _int64_as(a, b, pa.uint64())
+
+
+def _int64_as(a: Any, b: Any, leaf: Any) -> bool:
+    import pyarrow as pa
+
     while _is_list(a) and _is_list(b) and type(a) is type(b):
         a, b = a.value_type, b.value_type
-    return a == pa.int64() and b == pa.float64()
+    return a == pa.int64() and b == leaf
 
 
 def _outside_of(column: Any, low: int, high: int | None = None) -> int | None:
@@ -1234,7 +1336,6 @@ _DOUBLE_INTS = 2**53  # a double holds every int up to this (either side), not a
 def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     """The Parquet files among ``names`` whose columns become those of the others
     without a changed value (see :func:`_common`), and the schema each is rewritten with."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     schemas = {n: pq.read_schema(os.path.join(root, n)) for n in names}
@@ -1251,9 +1352,7 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
         if not changed:
             continue
         path = os.path.join(root, n)
-        ints = [
-            f.name for _, f in changed if f.type == pa.int64() and target[f.name] == pa.uint64()
-        ]
+        ints = [f.name for _, f in changed if _to_uint64(f.type, target[f.name])]
         if ints and _outside(path, ints, 0, None) is not None:
             continue  # left as it is: check_shard_schemas names it
         doubles = [f.name for _, f in changed if _to_double(f.type, target[f.name])]
