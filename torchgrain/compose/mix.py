@@ -263,11 +263,8 @@ class _Passes:
         # hash per pass (a family each cost ~1 ms: 185 ms for a batch of 256 passes).
         return self.family(0).at_epochs(passes, source, within)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"sizes": self.sizes.tolist(), "seed": self.seed}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["sizes"], state["seed"])  # type: ignore[misc]
+    def __reduce__(self) -> tuple[Any, ...]:  # (made again: its cache holds no state)
+        return _Passes, (self.sizes.tolist(), self.seed)
 
 
 class Mix(View):
