@@ -811,16 +811,15 @@ class ShardPaths(Sequence[str]):
         self._n = len(paths)
         self._template: tuple[str, int, str] | None = None
         self._names: np.ndarray | None = None
-        if paths:
-            m = _SHARD_NAME.match(paths[0])
-            if m and int(m["i"]) == 0 and int(m["n"]) == len(paths):
-                head = f"{m['stem']}-"
-                tail = f"-of-{m['n']}{m['ext'] or ''}"
-                width = len(m["i"])
-                if all(p == f"{head}{i:0{width}d}{tail}" for i, p in enumerate(paths)):
-                    self._template = (head, width, tail)
-                    self._prefix = ""
-                    return
+        m = _SHARD_NAME.match(paths[0]) if paths else None
+        if m and int(m["i"]) == 0 and int(m["n"]) == len(paths):
+            head = f"{m['stem']}-"
+            tail = f"-of-{m['n']}{m['ext'] or ''}"
+            width = len(m["i"])
+            if all(p == f"{head}{i:0{width}d}{tail}" for i, p in enumerate(paths)):
+                self._template = (head, width, tail)
+                self._prefix = ""
+                return
         # by character, not by path component: only the shared text is stored once
         self._prefix = prefix = os.path.commonprefix(paths)  # noqa: RUF071 ("" for none)
         rest = [p[len(prefix) :].encode("utf-8", "surrogateescape") for p in paths]
