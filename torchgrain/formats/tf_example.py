@@ -468,8 +468,10 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
         return _BYTES, [bytes(value)]
     if isinstance(value, str):
         return _BYTES, [value.encode("utf-8")]
-    if isinstance(value, (bool, int, float, np.integer, np.bool_, np.floating)):
-        return _classify(name, [value])  # (a list of one: int64 or float)
+    if isinstance(value, (bool, int, np.integer, np.bool_)):
+        return _classify(name, [value])
+    if isinstance(value, (float, np.floating)):
+        return _FLOAT, _float32(name, [value])
     if isinstance(value, np.ndarray):
         flat = value.ravel()
         k = flat.dtype.kind
