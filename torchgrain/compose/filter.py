@@ -163,8 +163,7 @@ def filter_dataset(
     if _is_expression(predicate):
         from torchgrain.sources.parquet.source import ParquetSource
 
-        source = ds._source
-        if ds._ops or not isinstance(source, ParquetSource):
+        if ds._ops or not isinstance(ds._source, ParquetSource):
             raise TypeError(
                 "a pyarrow expression filters a ParquetSource read without transforms "
                 f"(this is {ds!r}); filter it before the transforms, or give a function"

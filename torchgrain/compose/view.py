@@ -48,6 +48,7 @@ __all__ = [
     "Composed",
     "View",
     "adapt",
+    "as_records",
     "check_indices",
     "describes_records",
     "join_types",
@@ -76,11 +77,22 @@ def adapt(child: Any) -> Any:
         return Dataset(child)._source  # how a Dataset would read it
     if not child._ops:
         return child._source  # nothing to apply: read (and read columns) from the source
-    if child.batch_format != "records":
-        # A view reads records from it (its epoch cell and stats stay shared).
-        child = copy.copy(child)
-        child.batch_format = "records"
-    return child
+    return as_records(child)
+
+
+def as_records(ds: Any) -> Any:
+    """The Dataset ``ds`` reading records: itself, or a copy (its epoch cell and stats
+    stay shared) when it reads another ``batch_format``.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> as_records(tg.Dataset([{"x": 1}], batch_format="columns")).batch_format
+        'records'
+    """
+    if ds.batch_format != "records":
+        ds = copy.copy(ds)
+        ds.batch_format = "records"
+    return ds
 
 
 def describes_records(child: Any) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import array
 import bisect
-import copy
 import os
 import reprlib
 import warnings
@@ -30,7 +29,7 @@ import torch.utils.data
 
 from torchgrain.columns import Ragged
 from torchgrain.compose.filter import as_is, changes_with_epoch, identified
-from torchgrain.compose.view import Composed
+from torchgrain.compose.view import Composed, as_records
 from torchgrain.dataset import Dataset
 from torchgrain.errors import CorruptDataError
 from torchgrain.protocols import HasBlockOffsets
@@ -88,10 +87,7 @@ class _Documents:
         self.columns = (
             source if not ds._ops and type(source).read_columns is not Source.read_columns else None
         )
-        if ds.batch_format != "records":
-            ds = copy.copy(ds)
-            ds.batch_format = "records"
-        self.ds = ds
+        self.ds = as_records(ds)
 
     def read(self, docs: np.ndarray) -> list[np.ndarray]:
         if len(docs) == 0:
