@@ -345,15 +345,12 @@ class ArrayRecordSource(EncodedSource):
         # A local shard: mapped now, and kept only if it is the very file the parent's
         # reader pinned (checked then against the opening's); else opened afresh, which
         # names the change when the shard is read.
-        try:
+        with contextlib.suppress(OSError, CorruptDataError):
             child._local_view()
-        except (OSError, CorruptDataError):
-            child.close()
-            return None
-        if child._pin is None or child._pin.ident != parent.ident:
-            child.close()
-            return None
-        return child
+            if child._pin is not None and child._pin.ident == parent.ident:
+                return child
+        child.close()
+        return None
 
     def _touch(self, reader: ArrayRecordFile) -> None:
         reader.num_records  # noqa: B018 - maps the file now: later eviction only unlinks
@@ -475,14 +472,15 @@ class ArrayRecordSource(EncodedSource):
         yield from self._in_order(shard, start, records())
 
     # ---------------------------------------------------------------- reading
-    # Two paths, chosen once per read (a batch, or a record) by _acquire: the mapped path
+    # Two paths, chosen once per read (a batch, or a record): the mapped path
     # (_read_batch, and _read_single for one record) for records of one-record chunks of
     # local shards the dataset index covers, read through this process's one map of the
     # shards (io.region) within the bounds the index gives; the reader path (_read_rows,
     # a reader per shard) for everything else: remote shards and their cached copies,
-    # verify_checksums, chunks of several records (the chunk cache), shards whose files
-    # disagree with the manifest or cannot be mapped (their reader names the error), and
-    # batches of more shards than may be mapped at once.
+    # verify_checksums, chunks of several records (the chunk cache), datasets whose files
+    # disagree with the manifest, shards that cannot be mapped (their reader names the
+    # error), and batches of more shards than may be mapped at once (see
+    # :func:`~torchgrain.sources.encoded.acquired`).
     def _read_rows(
         self, shard: int, rows: np.ndarray, index: int, reader: ArrayRecordFile | None
     ) -> list[bytes]:
@@ -493,27 +491,19 @@ class ArrayRecordSource(EncodedSource):
             f"range read of shard {shard} (record index {index})",
         )
 
-    def _acquire(self, shards: Any, one_record: bool) -> Any:
-        """The choice of path: where ``shards`` (an int, or an array of a batch's) are
-        mapped (:meth:`ShardRegion.acquire <torchgrain.io.region.ShardRegion.acquire>`;
-        release the region after reading), or None for the reader path: no map, a
-        chunk of several records, a shard whose count disagrees with the manifest or
-        that cannot be mapped (its reader names the error), too many shards at once."""
-        region = self._region()
-        bad = self._count_bad
-        if region is None or not one_record or (bad is not None and bad[shards].any()):
-            return None
-        return acquired(region, shards)
-
     def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
         # One record without the batch's numpy steps (they would double its cost).
-        at = self._acquire(shard, self._dindex is not None and self._dindex.single)
+        ix = self._dindex
+        if ix is None or not ix.single or self._region() is None:
+            return None
+        region = self._mapped[0]
+        at = acquired(region, shard)
         if at is None:
             return None
         try:  # one record per chunk: the row is the chunk
             return self._mapped_record(at, shard, row, index)
         finally:
-            self._mapped[0].release()
+            region.release()
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
         """The mapped path for a batch: one numpy plan (:func:`read_mapped`); up to
@@ -524,18 +514,16 @@ class ArrayRecordSource(EncodedSource):
         if ix is None or self._region() is None:
             return None
         if len(idx) <= _SINGLES and ix.single:
-            out = []
-            for s, r, i in zip(*self._where(idx)):
-                out.append(self._read_single(s, r, i))
-                if out[-1] is None:
-                    return None  # (a shard that cannot be mapped now: the reader path)
-            return out
+            out = [self._read_single(s, r, i) for s, r, i in zip(*self._where(idx))]
+            return None if None in out else out  # (a shard not mapped now: the reader path)
         shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
         recs = ix.record_offsets
-        base = self._acquire(shard, ix.single or bool((recs[entry + 1] - recs[entry] == 1).all()))
-        if base is None:
+        if not (ix.single or bool((recs[entry + 1] - recs[entry] == 1).all())):
             return None
         region, decoder, _ = self._mapped
+        base = acquired(region, shard)
+        if base is None:
+            return None
         try:
             pos = ix.offsets[entry]
             end = ix.offsets[entry + 1]
@@ -580,12 +568,9 @@ class ArrayRecordSource(EncodedSource):
         view = region.view[at : at + footer.file_size]
         f = ArrayRecordFile.over(view, self._paths[shard], footer, decoder, fast)
         try:  # (chunk_record's checks of its map are the region's)
-            values, bounds = f._local_chunk(chunk, view, fast)
+            return f.chunk_record(chunk, footer)
         except CorruptDataError as e:
             raise self._named(e, shard, index) from e
-        if bounds is None:
-            return values if type(values) is bytes else bytes(values)
-        return bytes(values[int(bounds[0]) : int(bounds[1])])  # its one record
 
     def _outside(self, shard: int, chunk: int, pos: int, end: int, index: int) -> CorruptDataError:
         return self._dindex.error(  # type: ignore[union-attr]
@@ -598,10 +583,12 @@ class ArrayRecordSource(EncodedSource):
         """This process's map of the dataset's local shards (inherited through fork:
         the maps stay valid; kept in ``_mapped`` with a decoder and the index views of
         the shards records were read from one by one, a few); None where every read
-        takes the reader path."""
+        takes the reader path (its readers name a shard whose count disagrees with the
+        manifest)."""
         mapped = self._mapped
         if mapped is None:
-            if self._dindex is None or self._remote or self._verify or self.max_mapped_shards == 0:
+            off = self._remote or self._verify or self.max_mapped_shards == 0
+            if off or self._dindex is None or self._count_bad is not None:
                 return None
             try:
                 region = ShardRegion(

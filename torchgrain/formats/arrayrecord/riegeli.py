@@ -282,8 +282,8 @@ class ChunkDecoder:
         data = strip_block_headers(buf[hdr_end - pos : data_end - pos], hdr_end)
         if self._verify:
             self._verify_block_headers(buf, pos, data_end)
-        if self._verify and riegeli_hash(data) != data_hash:
-            raise ChunkDecodeError(f"chunk data at offset {pos} fails its checksum")
+            if riegeli_hash(data) != data_hash:
+                raise ChunkDecodeError(f"chunk data at offset {pos} fails its checksum")
         return type_num & 0xFF, type_num >> 8, decoded, data
 
     @staticmethod
