@@ -150,8 +150,7 @@ class ShardRegion:
             )
         self.num_slots = slots
         self.capacity = slots  # slots that may be mapped at once (lowered on ENOMEM)
-        start = -(-base // SLOT_ALIGN) * SLOT_ALIGN
-        self._start = start
+        self._start = start = -(-base // SLOT_ALIGN) * SLOT_ALIGN
         size = slots * self.slot_size
         guard = _Guard()
         weakref.finalize(guard, libc().munmap, base, length).atexit = False
@@ -280,12 +279,11 @@ class ShardRegion:
     def _refuse_gone(self, shards: np.ndarray) -> None:
         gone = [s for s in np.unique(shards).tolist() if s in self._gone]
         if gone:
-            pin_path = self.paths[gone[0]]
             raise changes.ChangedWhileOpen(
-                f"shard {gone[0]} {pin_path!r} changed while open ({self._gone[gone[0]]} "
-                "after it was memory-mapped): not read, as its bytes are no longer the "
-                "ones its index describes (a shard rewritten in place under a running job, "
-                "e.g. by cp or rsync --inplace); open the dataset again"
+                f"shard {gone[0]} {self.paths[gone[0]]!r} changed while open "
+                f"({self._gone[gone[0]]} after it was memory-mapped): not read, as its bytes "
+                "are no longer the ones its index describes (a shard rewritten in place under "
+                "a running job, e.g. by cp or rsync --inplace); open the dataset again"
             )
 
     def release(self) -> None:
