@@ -416,13 +416,15 @@ def exact_numpy(items: Any) -> np.ndarray:
         ValueError: 9223372036854775808 (past int64) beside -1: no integer dtype holds both
     """
     arr = np.asarray(items)
-    if arr.dtype.kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
+    kind = arr.dtype.kind
+    if kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
         return arr if arr.dtype.char == _UINT64 else arr.view(np.uint64)
-    if arr.dtype.kind not in "fO" or not arr.size or isinstance(items, np.ndarray):
+    ndim = arr.ndim
+    if kind not in "fO" or arr is items or (kind == "f" and not ndim) or not arr.size:
         return arr
     first = items
-    for _ in range(arr.ndim):
-        first = first[0]
+    while ndim:
+        first, ndim = first[0], ndim - 1
     if not _is_int(first):  # (a float: numpy's float64 is what was given)
         return arr
     leaves = items if arr.ndim <= 1 else np.array(items, dtype=object).ravel().tolist()
