@@ -26,8 +26,8 @@ import numpy as np
 from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, TorchgrainError
 from torchgrain.formats.codecs import SCHEMA_SAMPLE_FIRST, merge_schema
-from torchgrain.io import changes, process, remote
-from torchgrain.io.fs import is_local
+from torchgrain.io import changes, remote
+from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
@@ -348,12 +348,8 @@ class FormatSource(ShardedSource):
             else:
                 shard.close()
 
-        try:
-            if where is not None and opts.io_threads > 1 and len(files) > 1:
-                with process.thread_pool(opts.io_threads, "torchgrain-open") as pool:
-                    list(pool.map(count, range(len(files))))
-            else:
-                list(map(count, range(len(files))))
+        try:  # (remote shards concurrently, on io_threads)
+            map_files(count, len(files), max_workers=1 if where is None else opts.io_threads)
         except BaseException:
             for shard in opened.values():
                 shard.close()
