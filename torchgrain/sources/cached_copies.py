@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 import fsspec
 
 from torchgrain.errors import CacheDiskFullError, warn_once
-from torchgrain.io import changes
+from torchgrain.io import changes, process
 from torchgrain.io.shard_cache import ShardCache, Verifier, file_identity
 
 __all__ = ["CachedCopies", "CopyState", "OpenCopies"]
@@ -163,7 +163,7 @@ class CachedCopies:
         if err.errno == errno.EAGAIN:  # (a lock held elsewhere: that read only, no word)
             return
         warn_once(
-            (os.getpid(), "cache disk full", self.cache.directory),
+            (process.token(), "cache disk full", self.cache.directory),
             f"torchgrain: {err} Until this process ends, it reads the remote shards "
             "without the shard cache (byte ranges from the store).",
             RuntimeWarning,
