@@ -429,11 +429,7 @@ def first_changed(pins: list[Pin]) -> tuple[int, str] | None:
         here = w.generation
         if all(pin.wd >= 0 and pin.generation == here for pin in pins):
             return None
-    for k, pin in enumerate(pins):
-        why = changed(pin)
-        if why is not None:
-            return k, why
-    return None
+    return next(((k, why) for k, pin in enumerate(pins) if (why := changed(pin)) is not None), None)
 
 
 def check(pin: Pin, what: str, *, polled: bool = False) -> None:
