@@ -231,6 +231,30 @@ def _dropped(exc: BaseException) -> bool:
     )
 
 
+def _exact_parts(
+    parts: Sequence[tuple[int, memoryview]], ranges: Sequence[tuple[int, int]]
+) -> list[memoryview] | None:
+    """Each range's part, where every range is exactly one part of the answer (the usual
+    answer to ranges apart): views of the body, not copies (a copy of every byte costs
+    about 0.3 ms per MB here, a tenth of receiving it). None otherwise.
+
+    Example:
+        >>> body = memoryview(b"abcdef")
+        >>> [bytes(v) for v in _exact_parts([(0, body[:2]), (9, body[2:])], [(9, 13), (0, 2)])]
+        [b'cdef', b'ab']
+        >>> _exact_parts([(0, body)], [(0, 2), (4, 6)]) is None  # merged: sliced instead
+        True
+    """
+    by_first = {first: data for first, data in parts}
+    out = []
+    for s, e in ranges:
+        data = by_first.get(s)
+        if data is None or len(data) != e - s:
+            return None
+        out.append(data)
+    return out
+
+
 #: The longest a multi-range request waits for the headers of the first one to a server
 #: not asked yet (a round trip, usually) before going out as if it had not waited.
 _PROBE_WAIT = 0.2
@@ -289,7 +313,7 @@ async def _limited_ranges(
                 )
             # Ranges past the end of the file: left out by the server, each asked alone
             # (its own request names the problem).
-            out = slice_parts(parts, ranges, size=size)
+            out = _exact_parts(parts, ranges) or slice_parts(parts, ranges, size=size)
             known.answers[origin] = True
             known.strikes.pop(origin, None)
     except asyncio.TimeoutError as e:
