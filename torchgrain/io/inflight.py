@@ -59,12 +59,9 @@ from torchgrain.io.remote import (
 from torchgrain.io.responses import (
     RangeAnswerError,
     ResponseSizeError,
-    changed_error,
     check_file_answer,
-    range_request,
-    read_capped,
+    ranged_get,
     request_coroutine,
-    socket_pieces,
 )
 from torchgrain.io.retry import RequestTimeout, is_transient_status, wait_seconds
 
@@ -78,8 +75,9 @@ _LIMITS: weakref.WeakKeyDictionary[Any, dict[int, asyncio.Semaphore]] = weakref.
 class _Servers:
     """What one filesystem object has learnt of the servers it asked for several ranges
     at once, per origin: ``answers`` (True: it answers them so; False: it does not, and
-    is asked one range per request), ``strikes`` (multi-range requests in a row whose
-    connection dropped while the same ranges asked alone were served) and ``asking``
+    is asked one range per request), ``strikes`` (against it, while the same ranges asked
+    alone were served: 1 per multi-range request in a row whose connection dropped, 2 for
+    one refused with an error status; at 2 it answers False) and ``asking``
     (the loop and the event of the first multi-range request, set once it is answered:
     see :func:`_first_asked`)."""
 
@@ -179,13 +177,9 @@ async def _get_ranges(
     range's request would for a missing file or a busy server, and a
     :class:`MultipartError` for an answer that is not what was asked for (the whole file,
     a broken body)."""
-    kw, tag = range_request(fs, path, range_header(merged))
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(path), **kw) as r:
-        if r.status != 206:
-            r.close()  # the body (the whole file, an error page) is never read
-            if r.status == 412 and tag is not None:
-                raise changed_error(path, tag)
+
+    def answer(r: Any) -> tuple[int, str]:
+        if r.status != 206:  # the body (the whole file, an error page) is never read
             if r.status in _NOT_FOUND:
                 raise FileNotFoundError(path)
             if is_transient_status(r.status):
@@ -195,30 +189,24 @@ async def _get_ranges(
             raise _Refused(f"status {r.status}")
         if heard is not None:
             heard.set()
-        try:
-            body = await read_capped(
-                socket_pieces(r.content),
-                response_limit(merged),
-                r.content_length,
-                why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
-            )
-        except BaseException:
-            r.close()
-            raise
-        boundary = boundary_of(r.headers.get("Content-Type"))
-        try:
-            if boundary is not None:
-                parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
-            else:
-                # One part: the server merged the ranges (RFC 9110 allows it) into one.
-                parts, size = single_part(r.headers.get("Content-Range"), body)
-        except MultipartError:
-            raise
-        except Exception as e:  # whatever else a malformed answer trips
-            raise MultipartError(f"{type(e).__name__}: {e}") from e
-        # The parts agree with each other; the file they are of must be the one opened.
-        check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
-        return parts, size
+        why = f"{path}: a multi-range answer holds more than {len(merged)} ranges do"
+        return response_limit(merged), why
+
+    r, body = await ranged_get(fs, path, range_header(merged), answer)
+    boundary = boundary_of(r.headers.get("Content-Type"))
+    try:
+        if boundary is not None:
+            parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
+        else:
+            # One part: the server merged the ranges (RFC 9110 allows it) into one.
+            parts, size = single_part(r.headers.get("Content-Range"), body)
+    except MultipartError:
+        raise
+    except Exception as e:  # whatever else a malformed answer trips
+        raise MultipartError(f"{type(e).__name__}: {e}") from e
+    # The parts agree with each other; the file they are of must be the one opened.
+    check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
+    return parts, size
 
 
 def _dropped(exc: BaseException) -> bool:
@@ -303,7 +291,9 @@ async def _limited_ranges(
     origin = _origin(path)
     known = _servers(fs)
     out: list[Any] = [None] * len(ranges)
-    refused: str | None = None  # why the ranges are asked alone, when it may be the server
+    # Strikes against the server if the ranges asked alone are served: an error status
+    # (2, at once), a dropped connection (1: two in a row).
+    strike = 0
     first = await _first_asked(known, origin, seconds)
     try:
         if known.answers.get(origin, True):  # (else the first request taught otherwise)
@@ -329,11 +319,11 @@ async def _limited_ranges(
     except (MultipartError, ResponseSizeError):
         known.answers[origin] = False  # a broken answer: never asked so again
     except _Refused:
-        refused = "status"
+        strike = 2
     except Exception as e:
         if not _dropped(e):
             return [e] * len(ranges)  # as one range's request would fail: retried, or named
-        refused = "dropped"
+        strike = 1
     finally:
         if first is not None:
             first.set()
@@ -345,11 +335,8 @@ async def _limited_ranges(
         )
         for k, blob in zip(alone, got):
             out[k] = blob
-        served = all(not isinstance(b, BaseException) for b in got)
-        if refused == "status" and served:
-            known.answers[origin] = False
-        elif refused == "dropped" and served:
-            known.strikes[origin] = known.strikes.get(origin, 0) + 1
+        if strike and all(not isinstance(b, BaseException) for b in got):
+            known.strikes[origin] = known.strikes.get(origin, 0) + strike
             if known.strikes[origin] >= 2:
                 known.answers[origin] = False
     return out
