@@ -544,10 +544,8 @@ class MappedFile:
                 self._mm = None
                 with os.fdopen(changes.open_regular(self.path), "rb") as f:
                     pin = changes.Pin(f.fileno(), self.path)
-                    size = pin.size
-                    self._mm = (
-                        mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) if size else None
-                    )
+                    if pin.size:
+                        self._mm = mmap.mmap(f.fileno(), pin.size, access=mmap.ACCESS_READ)
                 self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
                 self._pin = pin
                 self._token = process.token()
