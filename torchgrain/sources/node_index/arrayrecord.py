@@ -106,18 +106,14 @@ class ArrayRecordIndex(NodeIndex):
     kind = "array_record"
 
     def _derive(self) -> None:
-        a, meta, where, s, n = self._counts()
+        a, meta, where, s, counts = self._counts()
         c = check_meta_int(meta, where, "num_chunks")
-        self.rec_base = check_shape(a, where, "rec_base", (s + 1,))
         self.chunk_base = check_shape(a, where, "chunk_base", (s + 1,))
-        self.file_size = check_shape(a, where, "file_size", (s,))
-        self.mtime_ns = check_shape(a, where, "mtime_ns", (s,))
         self.group_size = check_shape(a, where, "group_size", (s,))
         self.footer_head = check_shape(a, where, "footer_head", (s, CHUNK_HEADER))
         self.offsets = check_shape(a, where, "offsets", (c + s,))
         self.record_offsets = check_shape(a, where, "record_offsets", (c + s,))
         self.decoded = check_shape(a, where, "decoded", (c,))
-        counts = check_prefix(self.rec_base, n, where, "rec_base")
         nchunks = check_prefix(self.chunk_base, c, where, "chunk_base")
         # Per-shard consistency, vectorised: O(shards), whatever the number of records.
         starts = self.chunk_base[:-1] + np.arange(s, dtype=np.int64)

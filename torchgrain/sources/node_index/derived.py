@@ -259,13 +259,7 @@ def _keyed(fn: Any, active: set[int]) -> str:
         return hash_parts("method", _fingerprint(fn.__func__, active), *code, _value(fn.__self__))
     code = getattr(fn, "__code__", None)
     if isinstance(code, types.CodeType):
-        cells = []
-        for cell in fn.__closure__ or ():
-            try:
-                v = cell.cell_contents
-            except ValueError:  # an empty cell
-                v = "<empty>"
-            cells.append(_fingerprint(v, active) if callable(v) else _value(v))
+        cells = [_fingerprint(v, active) if callable(v) else _value(v) for v in _cells(fn)]
         return hash_parts(
             "function",
             fn.__module__,
@@ -315,15 +309,22 @@ def _class_code(cls: type) -> list[Any]:
 def _function_code(f: types.FunctionType, seen: set[int]) -> list[Any]:
     """The code of ``f`` and of the functions its closure holds, recursively."""
     parts = _code_parts(f.__code__, set())
-    for cell in f.__closure__ or ():
-        try:
-            v = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
+    for v in _cells(f):
         if isinstance(v, types.FunctionType) and id(v) not in seen:
             seen.add(id(v))
             parts += _function_code(v, seen)
     return parts
+
+
+def _cells(fn: Any) -> list[Any]:
+    """The values ``fn``'s closure holds (``"<empty>"`` for an empty cell)."""
+    out = []
+    for cell in fn.__closure__ or ():
+        try:
+            out.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            out.append("<empty>")
+    return out
 
 
 def _value(v: Any) -> str:

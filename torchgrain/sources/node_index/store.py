@@ -190,7 +190,7 @@ class NodeIndex:
 
     kind: str
     counts: np.ndarray  # records per shard
-    file_size: np.ndarray  # bytes per shard
+    file_size: np.ndarray  # bytes per shard (and rec_base, mtime_ns: see _counts)
 
     def __init__(self, arrays: IndexArrays) -> None:
         self._a = arrays
@@ -223,16 +223,21 @@ class NodeIndex:
         self._a = arrays
         self._derive()
 
-    def _counts(self) -> tuple[dict[str, np.ndarray], dict[str, Any], str, int, int]:
-        """For ``_derive``: the arrays, the metadata, the index's name in errors, and the
-        numbers of shards and records the metadata gives (checked)."""
+    def _counts(self) -> tuple[dict[str, np.ndarray], dict[str, Any], str, int, np.ndarray]:
+        """For ``_derive``: the arrays, the metadata, the index's name in errors, the
+        number of shards the metadata gives and the records per shard (checked against
+        its number of records); sets the arrays every kind has, checked: ``rec_base``,
+        ``file_size`` and ``mtime_ns``."""
         a, meta = self._a.arrays, self._a.meta
         where = repr(self._a.path) if self._a.path else "(in memory)"
         if meta.get("version") != VERSION:
             raise index_error(where, f"unsupported version {meta.get('version')!r:.20}")
         s = check_meta_int(meta, where, "num_shards")
         n = check_meta_int(meta, where, "num_records")
-        return a, meta, where, s, n
+        self.rec_base = check_shape(a, where, "rec_base", (s + 1,))
+        self.file_size = check_shape(a, where, "file_size", (s,))
+        self.mtime_ns = check_shape(a, where, "mtime_ns", (s,))
+        return a, meta, where, s, check_prefix(self.rec_base, n, where, "rec_base")
 
     def not_made_for(self, key: str, sizes: np.ndarray) -> str | None:
         """Why this index does not describe the files of ``key`` (:func:`index_key`) whose

@@ -24,7 +24,6 @@ from torchgrain.sources.node_index.store import (
     NodeIndex,
     build_index,
     cached_index,
-    check_prefix,
     check_shape,
     dataset_name,
     in_order,
@@ -61,12 +60,8 @@ class TFRecordIndex(NodeIndex):
     kind = "tfrecord"
 
     def _derive(self) -> None:
-        a, _, where, s, n = self._counts()
-        self.rec_base = check_shape(a, where, "rec_base", (s + 1,))
-        self.file_size = check_shape(a, where, "file_size", (s,))
-        self.mtime_ns = check_shape(a, where, "mtime_ns", (s,))
+        a, _, where, s, counts = self._counts()
         self.compressed = check_shape(a, where, "compressed", (s,))
-        counts = check_prefix(self.rec_base, n, where, "rec_base")
         plain = self.compressed == 0
         entries = np.where(plain, counts, 0) + 1  # offsets, then the size
         base = np.zeros(s, np.int64)
