@@ -202,13 +202,11 @@ class TFRecordSource(EncodedSource):
         for s in range(self.num_shards):
             b = self._tfindex.base[s]
             n = int(self.index.counts[s])
-            if self._compressed[s]:  # read in order only: one block
-                parts.append(np.array([n]) + self.index.offsets[s])
-                continue
-            starts = self._tfindex.offsets[b : b + n + 1]
-            cuts = np.unique(np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES)))
-            cuts = cuts[(cuts > 0) & (cuts < n)]
-            parts.append(np.append(cuts, n) + self.index.offsets[s])
+            cuts = np.zeros(0, np.int64)
+            if not self._compressed[s]:  # (read in order only: one block)
+                starts = self._tfindex.offsets[b : b + n + 1]
+                cuts = np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES))
+            parts.append(np.append(cuts[(cuts > 0) & (cuts < n)], n) + self.index.offsets[s])
         return np.unique(np.concatenate(parts))
 
     def iter_shard_bytes(
