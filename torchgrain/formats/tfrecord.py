@@ -129,7 +129,12 @@ _SUFFIXES = {"gzip": (".gz", ".gzip"), "zlib": (".zlib", ".zz")}
 _COMPRESSIONS = {"": "", "none": "", "gzip": "gzip", "zlib": "zlib"}
 
 
-class _ZlibStream(io.RawIOBase):
+class _Stream(io.RawIOBase):
+    def readable(self) -> bool:
+        return True
+
+
+class _ZlibStream(_Stream):
     """Decompressed view of one or more concatenated zlib streams, read in bounded steps."""
 
     def __init__(self, raw: IO[bytes], name: str) -> None:
@@ -139,9 +144,6 @@ class _ZlibStream(io.RawIOBase):
         self._in = b""  # compressed bytes not yet given to the decompressor
         self._fresh = True  # current decompressor has consumed nothing yet
         self._out = b""
-
-    def readable(self) -> bool:
-        return True
 
     def read(self, size: int = -1) -> bytes:
         if size is None or size < 0:
@@ -179,15 +181,12 @@ class _ZlibStream(io.RawIOBase):
         return b"".join(parts)
 
 
-class _GzipStream(io.RawIOBase):
+class _GzipStream(_Stream):
     """gzip decompression that reports bad or truncated data as CorruptDataError."""
 
     def __init__(self, raw: IO[bytes], name: str) -> None:
         self._gz = gzip.GzipFile(fileobj=raw, mode="rb")
         self._name = name
-
-    def readable(self) -> bool:
-        return True
 
     def read(self, size: int = -1) -> bytes:
         try:
