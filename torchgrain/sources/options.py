@@ -135,29 +135,22 @@ class ReadOptions:
     verify_checksums: bool | None = None
 
     def __post_init__(self) -> None:
-        so = self.storage_options
-        if so is not None:
-            if not isinstance(so, Mapping):
-                raise TypeError(
-                    f"storage_options must be a mapping of fsspec options, got {type(so).__name__}"
-                )
-            object.__setattr__(self, "storage_options", dict(so))
-        fs = self.filesystem
-        if fs is not None:
-            import fsspec
+        import fsspec
 
-            if not isinstance(fs, fsspec.AbstractFileSystem):
-                raise TypeError(f"filesystem must be an fsspec filesystem, got {type(fs).__name__}")
+        from torchgrain.io.shard_cache import ShardCache
+
+        for name, kinds, what in (
+            ("storage_options", Mapping, "a mapping of fsspec options"),
+            ("filesystem", fsspec.AbstractFileSystem, "an fsspec filesystem"),
+            ("cache_dir", (str, os.PathLike, ShardCache), "a directory path or a ShardCache"),
+        ):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, kinds):
+                raise TypeError(f"{name} must be {what}, got {type(v).__name__}")
+        if self.storage_options is not None:
+            object.__setattr__(self, "storage_options", dict(self.storage_options))
         if isinstance(self.cache_dir, (str, os.PathLike)):
             object.__setattr__(self, "cache_dir", check_dir_option("cache_dir", self.cache_dir))
-        elif self.cache_dir is not None:
-            from torchgrain.io.shard_cache import ShardCache
-
-            if not isinstance(self.cache_dir, ShardCache):
-                raise TypeError(
-                    "cache_dir must be a directory path or a ShardCache, got "
-                    f"{type(self.cache_dir).__name__}"
-                )
         optional = ("cache_bytes", "read_ahead_bytes")  # (None: the default)
         for name in (*optional, "cache_dir_bytes", "io_threads", "max_inflight"):
             v, low = getattr(self, name), 0 if name in optional else 1
