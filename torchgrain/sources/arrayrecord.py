@@ -151,8 +151,7 @@ class ArrayRecordSource(EncodedSource):
         # unshared, every attribute lookup of every read slower)
         self._manifest_dir = fs._strip_protocol(os.fspath(paths)) if has_manifest else None
         shard_paths = ShardPaths(files)
-        counts = None
-        manifest_codec = schema = None
+        counts = manifest_codec = schema = None
         if manifest is not None:
             counts = np.array([s.num_records for s in manifest.shards], dtype=np.int64)
             manifest_codec = manifest.codec

@@ -391,10 +391,9 @@ class FooterReader:
         Raises:
             CorruptDataError: a corrupt footer (named by the reader).
         """
-        parts = list(self.slices())  # one slice (none for a file of no chunks)
+        parts = list(self._slices(None))  # one slice (none for a file of no chunks)
         offsets, dsizes, ends = parts[0] if parts else [np.zeros(0, np.int64) for _ in range(3)]
-        record_offsets = np.zeros(len(ends) + 1, np.int64)
-        record_offsets[1:] = ends
+        record_offsets = np.concatenate([np.zeros(1, np.int64), ends])
         chunk_ends = np.empty(len(offsets), np.int64)
         chunk_ends[:-1] = offsets[1:]
         if len(offsets):
@@ -425,6 +424,9 @@ class FooterReader:
         Raises:
             CorruptDataError: a corrupt footer (named by the reader).
         """
+        return self._slices(step)
+
+    def _slices(self, step: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self._data is None:  # the footer chunk, fetched by whoever reads its entries
             self._load(self._fetch([(self.footer_offset, self._post_pos)])[0])
         dec, footer_offset, num_chunks = self._dec, self.footer_offset, self.num_chunks
