@@ -18,15 +18,23 @@ BIG = 2**63 + 5
     reason="a dict's int past int64 makes its struct field uint64 within a batch only: "
     "struct<a: int64> of an earlier batch beside struct<a: uint64> is refused",
 )
-def test_convert_to_parquet_makes_dict_ints_uint64_across_batches(tmp_path):
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda v: {"a": v}, "struct<a: uint64>"),
+        (lambda v: {"a": [v]}, "struct<a: list<element: uint64>>"),
+        (lambda v: [{"a": v}], "list<element: struct<a: uint64>>"),
+    ],
+)
+def test_convert_to_parquet_makes_dict_ints_uint64_across_batches(tmp_path, make, kind):
     import pyarrow.parquet as pq
 
     # Records are typed 512 at a time: struct<a: int64>, then struct<a: uint64>.
-    records = [{"m": {"a": i}} for i in range(600)] + [{"m": {"a": BIG}}]
+    records = [{"m": make(i)} for i in range(600)] + [{"m": make(BIG)}]
     tg.write_array_record(records, tmp_path / "src")
     tg.convert(tmp_path / "src", tmp_path / "out", to="parquet")
     table = pq.read_table(next((tmp_path / "out").glob("*.parquet")))
-    assert str(table.schema.field("m").type) == "struct<a: uint64>"
+    assert str(table.schema.field("m").type) == kind
     assert table.column("m").to_pylist() == [r["m"] for r in records]
 
 
