@@ -263,14 +263,12 @@ class ArrayRecordSource(EncodedSource):
             max_chunk_bytes=self.max_chunk_bytes,
         )
         try:
-            f._local_view()
-        except CorruptDataError as e:
-            f.close()
-            raise self._shard_changed(shard, str(e)) from None
-        except FileNotFoundError as e:
-            f.close()
-            raise _missing(shard, path, e) from e
-        try:
+            try:
+                f._local_view()
+            except CorruptDataError as e:
+                raise self._shard_changed(shard, str(e)) from None
+            except FileNotFoundError as e:
+                raise _missing(shard, path, e) from e
             self._check_opened(shard)  # (pinned: a change from now on is the pin's)
         except BaseException:
             f.close()
