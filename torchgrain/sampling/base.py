@@ -390,13 +390,15 @@ class ResumableSampler(DistributedSampler):
             v %= length
         return order(layout_positions(layout, v))
 
-    def _current(self) -> tuple[np.ndarray, tuple[int, int]]:
-        """Layout and world of the pass that :meth:`indices` and :meth:`state_dict`
-        describe: a loaded resume, else the latest iteration, else a fresh epoch."""
+    def _current(self) -> tuple[np.ndarray, tuple[int, int], int]:
+        """Layout, world and first position of the pass that :meth:`indices` and
+        :meth:`state_dict` describe: a loaded resume, else the latest iteration, else a
+        fresh epoch."""
         if self._loaded is not None:
             world = self._world()
-            return self._resume_layout(self._loaded, world)[0], world
-        return self._it_layout, self._it_world or self._world()
+            layout, start = self._resume_layout(self._loaded, world)
+            return layout, world, start
+        return self._it_layout, self._it_world or self._world(), self._it_start
 
     # -- public API -----------------------------------------------------------------
     def __len__(self) -> int:
@@ -414,7 +416,7 @@ class ResumableSampler(DistributedSampler):
         positions). ``list(sampler) == sampler.indices(0, len(sampler)).tolist()``
         on a fresh epoch.
         """
-        layout, world = self._current()
+        layout, world, _ = self._current()
         stop = self._count(layout_length(layout), world) if stop is None else stop
         return self._indices_in(layout, operator.index(start), operator.index(stop), world)
 
@@ -559,12 +561,8 @@ class ResumableSampler(DistributedSampler):
                 raise ValueError(
                     "consumed must be 0 or None before iteration of a loaded state starts"
                 )
-            world = self._world()
-            layout, start = self._resume_layout(self._loaded, world)
-            drawn = start
-        else:
-            layout, world = self._current()
-            start, drawn = self._it_start, self._drawn()
+        layout, world, start = self._current()
+        drawn = start if self._loaded is not None else self._drawn()
         if consumed is None:
             pos = drawn
         else:

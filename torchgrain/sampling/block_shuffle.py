@@ -182,10 +182,7 @@ class BlockShuffleSampler(ResumableSampler):
             return self._tables
         nb = self.num_blocks
         sizes = np.diff(self._offsets)
-        if nb > 1:
-            order = KeyedPermutation(nb, seed, epoch, tag=b"blocks")(np.arange(nb))
-        else:
-            order = np.arange(nb, dtype=np.int64)
+        order = KeyedPermutation(nb, seed, epoch, tag=b"blocks")(np.arange(nb))  # int64
         w = max(1, min(self.window, nb))
         # Piece k of the j-th block has base[j] + (k < rem[j]) rows and starts at row
         # k * base[j] + min(k, rem[j]) of the block.

@@ -37,13 +37,7 @@ def _rounds_for(bits: int) -> int:
     positions over 40,000 keys (tests/test_sampling.py keeps a version of them);
     small domains are cheap, so the extra rounds cost nothing measurable.
     """
-    if bits <= 3:
-        return 18
-    if bits <= 5:
-        return 12
-    if bits <= 9:
-        return 8
-    return 6
+    return next((rounds for top, rounds in ((3, 18), (5, 12), (9, 8)) if bits <= top), 6)
 
 
 def to_u64(value: int, what: str) -> int:
