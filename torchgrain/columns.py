@@ -82,8 +82,7 @@ class Ragged:
     def from_values(cls, values: Sequence[Any]) -> Ragged:
         """From a list of bytes, str, or 1-D arrays of one dtype."""
         if values and isinstance(values[0], str):
-            data = [v.encode() for v in values]
-            kind = "str"
+            data, kind = [v.encode() for v in values], "str"
         elif values and isinstance(values[0], np.ndarray):
             data, kind = values, "array"
         else:
@@ -317,6 +316,10 @@ def can_stack(rows: int, shape: Sequence[int], itemsize: int) -> bool:
     return itemsize * math.prod(d for d in dims if d) < 1 << 63
 
 
+# The array dtype of a column of Python scalars of one type.
+_SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64}
+
+
 def column_of(values: list[Any]) -> Any:
     """The column form of one key's values (see the module docstring)."""
     if not values:
@@ -337,15 +340,11 @@ def column_of(values: list[Any]) -> Any:
     kinds = {type(v) for v in values}
     if len(kinds) == 1:
         kind = kinds.pop()
-        if kind is bool:
-            return np.array(values, dtype=bool)
-        if kind is int:
+        if kind in _SCALAR_DTYPES:
             try:
-                return np.array(values, dtype=np.int64)
-            except OverflowError:
+                return np.array(values, dtype=_SCALAR_DTYPES[kind])
+            except OverflowError:  # an int outside int64
                 return list(values)
-        if kind is float:
-            return np.array(values, dtype=np.float64)
         if kind in (bytes, str):
             try:
                 return Ragged.from_values(values)
