@@ -310,6 +310,9 @@ class Dataset(torch.utils.data.Dataset):
 
     # ---------------------------------------------------------- composition
     def _derive(self, op: tuple[Any, ...]) -> Dataset:
+        """A Dataset that applies ``op`` (a name, its callable and its arguments) too."""
+        if not callable(op[1]):
+            raise TypeError(f"{op[0]} needs a callable")
         child = Dataset.__new__(Dataset)  # a plain Dataset, whatever the class of self
         child._source = self._source
         child._worker_pipe_bytes = self._worker_pipe_bytes
@@ -328,8 +331,6 @@ class Dataset(torch.utils.data.Dataset):
             >>> ds[1]
             20
         """
-        if not callable(fn):
-            raise TypeError("map needs a callable")
         return self._derive(("map", fn))
 
     def random_map(
@@ -348,8 +349,6 @@ class Dataset(torch.utils.data.Dataset):
             >>> ds[2] == ds[2], 2 < ds[2] < 3
             (True, True)
         """
-        if not callable(fn):
-            raise TypeError("random_map needs a callable")
         if not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
         stream = sum(1 for op in self._ops if op[0] == "random_map")
@@ -379,8 +378,6 @@ class Dataset(torch.utils.data.Dataset):
             >>> ds[2]["x"].tolist()
             [1.0, 1.0]
         """
-        if not callable(fn):
-            raise TypeError("map_batch needs a callable")
         return self._derive(("map_batch", fn))
 
     # ---------------------------------------------------------------- views
@@ -522,7 +519,7 @@ class Dataset(torch.utils.data.Dataset):
         records = [self._source[indices[0]]] if single else self._read(indices)
         count.read_done()
         if self._ops:
-            records = self._apply_many(records, indices, self._epoch.get())
+            records = self._apply_many(records, indices, self._epoch.get(), self._ops)
             count.transformed()
         count.done(len(records), self._stats)
         return records
@@ -565,12 +562,11 @@ class Dataset(torch.utils.data.Dataset):
         records: Sequence[Any],
         indices: Sequence[int],
         epoch: int,
-        ops: tuple[tuple[Any, ...], ...] | None = None,
+        ops: tuple[tuple[Any, ...], ...],
         columns: bool = False,
     ) -> Any:
         """Run the ops: per-record ops record by record, each map_batch on the whole batch
         (a list of records, or with ``columns`` a ColumnBatch)."""
-        ops = self._ops if ops is None else ops
         # Records that become a column batch must be records, None included.
         last = "the column batch" if columns else None
         start = 0
