@@ -98,9 +98,7 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    device = torch.device(device)
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(
             f"CudaPrefetcher: device {device} was requested but CUDA is not available; "
@@ -191,9 +189,7 @@ class _Transfer:
 
 
 def _pin(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type != "cpu" or t.is_pinned():
-        return t
-    return t.pin_memory()
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 
 
 def _produce(state: _PassState, transfer: _Transfer) -> None:
