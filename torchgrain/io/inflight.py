@@ -59,9 +59,12 @@ from torchgrain.io.remote import (
 from torchgrain.io.responses import (
     RangeAnswerError,
     ResponseSizeError,
+    changed_error,
     check_file_answer,
-    ranged_get,
+    range_request,
+    read_capped,
     request_coroutine,
+    socket_pieces,
 )
 from torchgrain.io.retry import RequestTimeout, is_transient_status, wait_seconds
 
@@ -177,9 +180,13 @@ async def _get_ranges(
     range's request would for a missing file or a busy server, and a
     :class:`MultipartError` for an answer that is not what was asked for (the whole file,
     a broken body)."""
-
-    def answer(r: Any) -> tuple[int, str]:
-        if r.status != 206:  # the body (the whole file, an error page) is never read
+    kw, tag = range_request(fs, path, range_header(merged))
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), **kw) as r:
+        if r.status != 206:
+            r.close()  # the body (the whole file, an error page) is never read
+            if r.status == 412 and tag is not None:
+                raise changed_error(path, tag)
             if r.status in _NOT_FOUND:
                 raise FileNotFoundError(path)
             if is_transient_status(r.status):
@@ -189,24 +196,30 @@ async def _get_ranges(
             raise _Refused(f"status {r.status}")
         if heard is not None:
             heard.set()
-        why = f"{path}: a multi-range answer holds more than {len(merged)} ranges do"
-        return response_limit(merged), why
-
-    r, body = await ranged_get(fs, path, range_header(merged), answer)
-    boundary = boundary_of(r.headers.get("Content-Type"))
-    try:
-        if boundary is not None:
-            parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
-        else:
-            # One part: the server merged the ranges (RFC 9110 allows it) into one.
-            parts, size = single_part(r.headers.get("Content-Range"), body)
-    except MultipartError:
-        raise
-    except Exception as e:  # whatever else a malformed answer trips
-        raise MultipartError(f"{type(e).__name__}: {e}") from e
-    # The parts agree with each other; the file they are of must be the one opened.
-    check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
-    return parts, size
+        try:
+            body = await read_capped(
+                socket_pieces(r.content),
+                response_limit(merged),
+                r.content_length,
+                why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
+            )
+        except BaseException:
+            r.close()
+            raise
+        boundary = boundary_of(r.headers.get("Content-Type"))
+        try:
+            if boundary is not None:
+                parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
+            else:
+                # One part: the server merged the ranges (RFC 9110 allows it) into one.
+                parts, size = single_part(r.headers.get("Content-Range"), body)
+        except MultipartError:
+            raise
+        except Exception as e:  # whatever else a malformed answer trips
+            raise MultipartError(f"{type(e).__name__}: {e}") from e
+        # The parts agree with each other; the file they are of must be the one opened.
+        check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
+        return parts, size
 
 
 def _dropped(exc: BaseException) -> bool:

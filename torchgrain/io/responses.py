@@ -42,7 +42,6 @@ __all__ = [
     "differ",
     "pin",
     "pinned",
-    "ranged_get",
     "read_capped",
     "request_coroutine",
     "socket_pieces",
@@ -449,61 +448,43 @@ def changed_error(path: str, tag: str | None) -> RangeAnswerError:
     )
 
 
-async def ranged_get(
-    fs: Any, path: str, ranges: str, answer: Callable[[Any], tuple[int, str]]
-) -> tuple[Any, bytes | bytearray]:
-    """One GET of ``ranges`` (a ``Range`` header's value) of ``path`` with HTTP filesystem
-    ``fs`` (:func:`range_request`: ``If-Match`` the pinned ``ETag``, whose ``412`` is
-    :func:`changed_error`): ``answer(response)`` checks the answer's status and headers
-    and returns the most bytes its body may hold and why more is refused; the body is
-    read so (:func:`read_capped`). Returns the response (its headers) and the body. A
-    response refused or read in part is closed: the rest of its body is never read.
-
-    Example:
-        >>> import asyncio
-        >>> asyncio.iscoroutinefunction(ranged_get)
-        True
-    """
-    kw, tag = range_request(fs, path, ranges)
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(path), **kw) as r:
-        try:
-            if r.status == 412 and tag is not None:
-                raise changed_error(path, tag)
-            limit, why = answer(r)
-            return r, await read_capped(socket_pieces(r.content), limit, r.content_length, why=why)
-        except BaseException:
-            r.close()
-            raise
-
-
 async def _http_cat_file(
     fs: Any, path: str, start: int | None = None, end: int | None = None, *, page_limit: int
 ) -> bytes:
     """fsspec's HTTP ``cat_file`` with the answer checked (:func:`check_range_answer`):
-    one GET of bytes ``[start, end)`` (:func:`ranged_get`), its body read with a byte cap
-    (an error page is no answer: the status says it all). Without a range (a page, a
-    manifest) fsspec's own, through the capped response of
-    :func:`torchgrain.io.remote._client`."""
+    one GET of bytes ``[start, end)``, ``If-Match`` the pinned ``ETag``, its body read with
+    a byte cap. Without a range (a page, a manifest) fsspec's own, through the capped
+    response of :func:`torchgrain.io.remote._client`."""
     if start is None or end is None or start >= end:
         return await fs._cat_file(path, start=start, end=end)
-
-    def answer(r: Any) -> tuple[int, str]:
+    kw, tag = range_request(fs, path, f"bytes={start}-{end - 1}")
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), **kw) as r:
         if r.status >= 400:
+            r.close()  # an error page is no answer: the status says it all
+            if r.status == 412 and tag is not None:
+                raise changed_error(path, tag)
             fs._raise_not_found_for_status(r, path)
-        check_range_answer(
-            path,
-            start,
-            end,
-            r.status,
-            r.headers.get("Content-Range"),
-            r.headers.get("ETag"),
-            r.headers.get("Last-Modified"),
-            length=r.content_length,
-        )
-        return end - start, too_long(path, start, end)
-
-    return (await ranged_get(fs, path, f"bytes={start}-{end - 1}", answer))[1]
+        try:
+            check_range_answer(
+                path,
+                start,
+                end,
+                r.status,
+                r.headers.get("Content-Range"),
+                r.headers.get("ETag"),
+                r.headers.get("Last-Modified"),
+                length=r.content_length,
+            )
+            return await read_capped(
+                socket_pieces(r.content),
+                end - start,
+                r.content_length,
+                why=too_long(path, start, end),
+            )
+        except BaseException:
+            r.close()  # the rest of the body is never read
+            raise
 
 
 async def _s3_cat_file(
