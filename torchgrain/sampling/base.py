@@ -435,10 +435,12 @@ class ResumableSampler(DistributedSampler):
             self.epoch = epoch
             self._loaded = None
             self._forget_iteration()
-        self._pass_key = None  # the same epoch again, said out loud: no warning
         self._propagate_epoch()
 
     def _propagate_epoch(self) -> None:
+        """The epoch, said out loud (the same one again too: no warning of a repeated
+        pass), reaches the dataset."""
+        self._pass_key = None
         if isinstance(self.dataset, SetsEpoch):
             self.dataset.set_epoch(self.epoch)
 
@@ -670,7 +672,6 @@ class ResumableSampler(DistributedSampler):
         self.epoch = int(checked["epoch"])
         self._loaded = checked
         self._forget_iteration(np.asarray(checked["layout"], dtype=np.int64), checked["position"])
-        self._pass_key = None
         self._propagate_epoch()
 
     def _resume_layout(
