@@ -121,6 +121,10 @@ def _differential(data: bytes) -> None:
 @example(b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01")  # 11-byte varint
 @example(b"\x0b\x0c")  # empty group, skipped
 @example(b"\x0c")  # end-group without a start
+@example(bytes.fromhex("0b000000000c"))  # field 0 in a skipped group: upb skips it
+@example(bytes.fromhex("0b03040c"))  # a field-0 group inside a skipped group
+@example(bytes.fromhex("0b800000000c"))  # field 0 as a two-byte tag: refused
+@example(bytes.fromhex("0a020000"))  # field 0 in Features: refused
 def test_arbitrary_bytes_match_protobuf(data):
     """Any input: only RecordDecodeError, and exactly the protobuf library's verdict."""
     _differential(data)

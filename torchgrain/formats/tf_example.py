@@ -67,10 +67,14 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
             raise _err("varint longer than 10 bytes", start)
 
 
-def _tag(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+def _tag(buf: bytes, pos: int, end: int, in_group: bool = False) -> tuple[int, int]:
+    """A field's tag and the position after it. Field number 0 is malformed, except as a
+    one-byte tag inside a skipped group, which protobuf's parser (upb) skips too."""
     b = buf[pos]
     if b < 0x80:
         tag, pos = b, pos + 1
+        if in_group:
+            return tag, pos
     else:
         start = pos
         tag, pos = _varint(buf, pos, end)
@@ -112,7 +116,7 @@ def _skip(buf: bytes, pos: int, end: int, tag: int, depth: int) -> int:
                 raise _err("groups nested too deeply", pos)
             if pos >= end:
                 raise _err("unterminated group", pos)
-            t, pos = _tag(buf, pos, end)
+            t, pos = _tag(buf, pos, end, in_group=True)
             w = t & 7
             if w == _EGROUP:
                 if t >> 3 != stack.pop():
