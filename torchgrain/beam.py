@@ -156,10 +156,8 @@ def run_conversion(
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m torchgrain.beam SRC DST [options] [-- beam pipeline options]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    beam_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, beam_args = argv[:cut], argv[cut + 1 :]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, beam_args = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(prog="python -m torchgrain.beam")
     p.add_argument("src", nargs="+")
     p.add_argument("dst")

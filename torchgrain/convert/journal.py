@@ -359,6 +359,5 @@ def manifest_path(root: str, output: OutputFormat) -> str:
     """Where a conversion into ``root`` writes its manifest: the dataset's
     ``torchgrain.json`` for a format whose sources read it, else the journal's
     ``result.json``."""
-    if output.manifest_in_dataset:
-        return os.path.join(root, MANIFEST_NAME)
-    return os.path.join(root, JOURNAL_DIR, "result.json")
+    name = MANIFEST_NAME if output.manifest_in_dataset else os.path.join(JOURNAL_DIR, "result.json")
+    return os.path.join(root, name)
