@@ -184,8 +184,7 @@ class Ragged:
                 f"a Ragged needs 1-D values and at least one offset, got values of shape "
                 f"{list(values.shape)} and {len(offsets)} offsets"
             )
-        start = int(offsets[0]) if rows else 0
-        end = int(offsets[-1]) if rows else 0
+        start, end = (int(offsets[0]), int(offsets[-1])) if rows else (0, 0)
         if rows and (bool((lengths < 0).any()) or start < 0 or end > len(values)):
             raise ValueError(
                 f"Ragged offsets must ascend within its {len(values)} values, got "

@@ -260,9 +260,7 @@ class ResumableLoader:
         # dispatch_batches), the other processes' samplers draw nothing: the steps
         # taken say where every process is.
         state = sampler._state(consumed, drawn_only=not self._binding.reads_for_all)
-        epoch = state["epoch"]
-        if sampler._finished(state):
-            epoch += 1
+        epoch = state["epoch"] + int(sampler._finished(state))
         return {"version": _STATE_VERSION, "epoch": epoch, "sampler": state}
 
     def _positions_per_step(self) -> int:
