@@ -120,12 +120,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             t = describe_value(v)
             keys[k] = t if keys.get(k, t) == t else f"{keys[k]}|{t}"
     schema = src.schema
-    known = [c for c in counts if c >= 0]
     out = {
         "paths": args.path,
         "format": fmt,
         "num_shards": len(src.paths),
-        "num_records": sum(known) if len(known) == len(counts) else None,
+        "num_records": None if min(counts, default=0) < 0 else sum(counts),
         "num_bytes": sum(sizes),
         "codec": codec,
         "keys": keys,
@@ -778,9 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return _exit_on_broken_pipe()
-    except Exception as e:
-        if not isinstance(e, _USER_ERRORS):
-            raise  # a bug: the traceback says where
+    except _USER_ERRORS as e:  # (anything else is a bug: the traceback says where)
         try:
             print(f"{command.prog}: error: {_cli_words(str(e))}", file=sys.stderr)
         except BrokenPipeError:
