@@ -87,11 +87,8 @@ def _iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
         yield obj
     elif isinstance(obj, Ragged):
         yield from _iter_tensors([obj.values, obj.offsets])
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _iter_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    elif isinstance(obj, (Mapping, list, tuple)):
+        for v in obj.values() if isinstance(obj, Mapping) else obj:
             yield from _iter_tensors(v)
 
 
