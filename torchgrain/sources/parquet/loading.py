@@ -28,7 +28,6 @@ import hashlib
 import io
 import os
 import threading
-import time
 import warnings
 from typing import Any
 
@@ -219,10 +218,7 @@ class RowGroupLoader(ShardedSource):
         if path is None:  # not stored (too large, disk full): decoded here
             return RowGroup(table)
         charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
-        entry = RowGroup(table, mapped_bytes=charge, path=path)
-        entry.pin = pin
-        entry.touched = time.monotonic()
-        return entry
+        return RowGroup(table, (charge, path, pin))
 
     def _drop_changed(self, entries: list[RowGroup | None]) -> None:
         """Set to None the cached row groups mapped from decoded-cache files that were

@@ -158,10 +158,8 @@ def _conflict(entries: list[tuple[int, pa.DataType, bool]]) -> tuple[Any, Any]:
     file whose type breaks the merge, and an earlier file it conflicts with."""
     for k in range(1, len(entries)):
         if common_type([t for _, t, _ in entries[: k + 1]]) is None:
-            for e in entries[:k]:
-                if common_type([e[1], entries[k][1]]) is None:
-                    return e, entries[k]
-            return entries[0], entries[k]
+            pair = (e for e in entries[:k] if common_type([e[1], entries[k][1]]) is None)
+            return next(pair, entries[0]), entries[k]
     return entries[0], entries[-1]
 
 

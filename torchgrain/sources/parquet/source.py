@@ -559,7 +559,7 @@ class ParquetSource(RowGroupLoader):
                 one = self._constants(self._rg_shard[group : group + 1])  # (a value each)
                 constants = {j: v * entry.table.num_rows for j, v in one.items()}
                 entry.templates = RowTemplates(entry.table, self._keys, self._file_pos, constants)
-                if not entry.mapped and entry.views is None:
+                if entry.path is None and entry.views is None:
                     entry.drop_table()  # the converted records hold its values
                     # Let its buffers go now, not at the end of the batch (a global
                     # shuffle's first batch converts nearly every row group).

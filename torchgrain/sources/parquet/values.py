@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import sys
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,15 +53,15 @@ class RowGroup:
     """A cached row group in Arrow's compact form, for both batch formats.
 
     ``table`` is the decoded row group, in this process's memory or memory-mapped from
-    the node's decoded disk cache (``mapped``: its buffers cost no private memory). It is
+    the node's decoded disk cache (``mapped``: its charge, the file it lives in (``path``)
+    and that file's ``pin``; its buffers cost no private memory). It is
     prepared lazily for each batch format: ``rows`` (:class:`RowViews`), ``templates``
     (:class:`RowTemplates`, when the source's converted records fit its cache) and
     ``views`` (:class:`GroupViews`). ``nbytes`` is what the cache is charged: the table's
-    size (a mapped table: ``mapped_bytes``) plus what its preparations added.
+    size (a mapped table: its charge) plus what its preparations added.
     """
 
     __slots__ = (
-        "mapped",
         "nbytes",
         "path",
         "pin",
@@ -70,18 +72,15 @@ class RowGroup:
         "views",
     )
 
-    def __init__(
-        self, table: pa.Table, *, mapped_bytes: int | None = None, path: str | None = None
-    ) -> None:
+    def __init__(self, table: pa.Table, mapped: tuple[int, str, Any] | None = None) -> None:
         self.table: pa.Table | None = table
         self.views: Any = None
         self.rows: Any = None
         self.templates: Any = None
-        self.mapped = mapped_bytes is not None
-        self.nbytes = int(table.nbytes if mapped_bytes is None else mapped_bytes)
-        self.path = path  # the decoded-cache file a mapped table lives in
-        self.pin: Any = None  # and that file's torchgrain.io.changes.Pin
-        self.touched = 0.0  # when this process last refreshed that file's LRU time
+        # A mapped table's charge, the decoded-cache file it lives in and that file's
+        # torchgrain.io.changes.Pin; when this process last refreshed the file's LRU time.
+        self.nbytes, self.path, self.pin = mapped or (int(table.nbytes), None, None)
+        self.touched = time.monotonic()
 
     def drop_table(self) -> None:
         """Let the decoded table go (its records were converted) and stop charging it."""
@@ -244,7 +243,7 @@ class Column:
         if kind == "struct":
             names, children, valid = values
             cols = [c.take(rows) for c in children]
-            out = [dict(zip(names, vals)) for vals in zip(*cols)] if names else [{} for _ in rows]
+            out = _records(names, cols, len(rows))
             if valid is not None:
                 out = [rec if valid[r] else None for rec, r in zip(out, rows)]
             return out
@@ -440,8 +439,8 @@ def _column(arr: pa.Array) -> _Column:
         data = np.frombuffer(arr.buffers()[2] or b"", np.uint8)  # (offsets index into it)
         col.kind, col.values, col.offsets, fresh = kind, data, _offsets(arr), None
     elif pa.types.is_fixed_size_binary(t):
-        col.kind, col.width, fresh = _FIXED_BIN, t.byte_width, None
-        w = col.width
+        col.kind, fresh = _FIXED_BIN, None
+        w = col.width = t.byte_width
         buf = arr.buffers()[1] or bytes((off + n) * w)
         col.values = np.frombuffer(buf, np.uint8)[off * w : (off + n) * w]
     elif is_list_type(t) and (fresh := _leaf_numpy(arr.values)) is not None:
@@ -484,7 +483,7 @@ class RowViews:
 
     Example:
         >>> v = RowViews(pa.table({"x": [1, 2], "s": ["a", None]}))
-        >>> build_records(("x", "s"), [0, 1], [v], np.array([0, 0]), np.array([1, 0]))
+        >>> build_records(("x", "s"), [0, 1], [v], np.array([0, 0]), np.array([1, 0]), {})
         [{'x': 2, 's': None}, {'x': 1, 's': 'a'}]
     """
 
@@ -523,7 +522,7 @@ def build_records(
     groups: list[RowViews],
     which: np.ndarray,
     rows: np.ndarray,
-    constants: dict[int, list[Any]] | None = None,
+    constants: dict[int, list[Any]],
 ) -> list[dict[str, Any]]:
     """The records of a batch, in request order.
 
@@ -540,7 +539,6 @@ def build_records(
     per_group = [g.columns for g in groups]
     for j, pos in enumerate(positions):
         if pos < 0:
-            assert constants is not None
             columns.append(constants[j])
             continue
         views = [c[pos] for c in per_group]
@@ -562,23 +560,23 @@ def build_records(
                 if m is not None and m[r]:
                     values[i] = None
         columns.append(values)
-    if not keys:
-        return [{} for _ in range(n)]
-    return _records(keys, columns)
+    return _records(keys, columns, n)
 
 
-def _records(keys: tuple[str, ...] | list[str], columns: list[list[Any]]) -> list[dict[str, Any]]:
-    """One dict per row of ``columns`` (``columns[j]`` holds key ``j``'s values).
+def _records(keys: Sequence[str], columns: list[list[Any]], rows: int) -> list[dict[str, Any]]:
+    """One dict per row of ``columns`` (``columns[j]`` holds key ``j``'s ``rows`` values).
 
     Dict displays (``{k0: a, k1: b}``) build a record about 3x faster than
     ``dict(zip(keys, row))``: the first four keys are set so, the others four at a time
     in one pass over the records.
 
     Example:
-        >>> _records(["a", "b"], [[1, 2], ["x", "y"]])
+        >>> _records(["a", "b"], [[1, 2], ["x", "y"]], 2)
         [{'a': 1, 'b': 'x'}, {'a': 2, 'b': 'y'}]
     """
     n = len(keys)
+    if n == 0:
+        return [{} for _ in range(rows)]
     if n == 1:
         (k0,) = keys
         return [{k0: a} for a in columns[0]]
@@ -686,7 +684,7 @@ class RowTemplates:
         # A placeholder keeps a mutable value's key in order; each read fills it afresh.
         self.mutable = [(key, c) for key, c in zip(keys, cols) if c.kind != "plain"]
         values = [c.values if c.kind == "plain" else [None] * n for c in cols]
-        self.records = _records(keys, values) if keys else [{} for _ in range(n)]
+        self.records = _records(keys, values, n)
         self.nbytes = sum(c.nbytes for c in cols) + n * sum(map(sys.getsizeof, self.records[:1]))
 
 
