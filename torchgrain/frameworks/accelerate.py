@@ -84,7 +84,6 @@ def describe(loader: Any) -> dict[str, Any] | None:
         # num_processes with the first samples of the pass.
         inner = getattr(loader, "batch_sampler", None)
         batch_size = getattr(inner, "batch_size", None)
-        drop_last = bool(getattr(inner, "drop_last", False))
         processes = int(loader.state.num_processes)
         batches = 1 if loader.split_batches else processes  # per step
         step = None if batch_size is None else batch_size * batches
@@ -94,7 +93,7 @@ def describe(loader: Any) -> dict[str, Any] | None:
             "num_workers": num_workers,
             "step": step,
             "reads_for_all": True,
-            "pad_to": 1 if drop_last else processes,
+            "pad_to": 1 if getattr(inner, "drop_last", False) else processes,
         }
     if isinstance(loader, mod.DataLoaderShard):
         shard = _shard_sampler(loader, mod)
