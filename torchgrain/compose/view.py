@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import copy
 import hashlib
+import itertools
 import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +43,7 @@ from torchgrain.errors import SchemaMismatchError
 from torchgrain.formats.codecs import split_type
 from torchgrain.protocols import PlacedOrder, ReadsAhead, SetsEpoch
 from torchgrain.sources.base import Source
-from torchgrain.sources.index import ShardIndex, group_by_shard, in_request_order
+from torchgrain.sources.index import ShardIndex
 
 __all__ = [
     "Composed",
@@ -129,14 +130,17 @@ def read_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndarray) ->
         >>> read_pairs(children, np.array([1, 0, 0]), np.array([0, 1, 0]))
         ['c', 'b', 'a']
     """
-    groups = group_by_shard(which, local)
+    groups = _groups(which)
+    if not groups:
+        return []
     if len(groups) == 1:  # the common case of a block-local order: nothing to put back
         child = children[groups[0][0]]
         return checked_batch(child, child.__getitems__(local.tolist()), local)
-    read = [
-        checked_batch(children[c], children[c].__getitems__(r.tolist()), at) for c, r, at in groups
-    ]
-    return in_request_order(read, groups, len(which))
+    flat: list[Any] = []
+    for c, rows in groups:
+        child = children[c]
+        flat += checked_batch(child, child.__getitems__(local[rows].tolist()), rows)
+    return [flat[j] for j in _back(groups, len(which)).tolist()]
 
 
 def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndarray) -> ColumnBatch:
@@ -150,12 +154,11 @@ def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndar
         >>> b["x"].tolist()
         [3, 1, 2]
     """
-    groups = group_by_shard(which, local)
+    groups = _groups(which)
     if len(groups) <= 1:  # the common case of a block-local order: no join
         return read_columns_of(children[groups[0][0] if groups else 0], local)
-    parts = [read_columns_of(children[c], rows) for c, rows, _ in groups]
-    back = np.empty(len(which), dtype=np.int64)  # where row k is in the parts end to end
-    back[np.concatenate([at for *_, at in groups])] = np.arange(len(which))
+    parts = [read_columns_of(children[c], local[rows]) for c, rows in groups]
+    back = _back(groups, len(which))
     keys = dict.fromkeys(k for part in parts for k in dict.keys(part))
     columns = {}
     for key in keys:
@@ -176,6 +179,25 @@ def read_column_pairs(children: Sequence[Any], which: np.ndarray, local: np.ndar
             ]
             columns[key] = column_of([values[b] for b in back.tolist()])
     return ColumnBatch(columns, num_rows=len(which))
+
+
+def _groups(which: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    """(child, positions in the batch) for each child the batch touches, in child order,
+    positions in request order; none for an empty batch."""
+    if len(which) == 0:
+        return []
+    order = np.argsort(which, kind="stable")
+    ranked = which[order]
+    cuts = (np.flatnonzero(ranked[1:] != ranked[:-1]) + 1).tolist()
+    bounds = [0, *cuts, len(which)]
+    return [(int(ranked[a]), order[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def _back(groups: list[tuple[int, np.ndarray]], n: int) -> np.ndarray:
+    """Where row ``k`` of the batch is in the groups' rows laid end to end."""
+    back = np.empty(n, dtype=np.int64)
+    back[np.concatenate([rows for _, rows in groups])] = np.arange(n)
+    return back
 
 
 def read_columns_of(child: Any, indices: np.ndarray) -> ColumnBatch:
