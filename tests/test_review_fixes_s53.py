@@ -399,3 +399,14 @@ def test_default_collate_of_to_tensor_ints_past_int64_keeps_them_or_names_the_ke
         assert "'k'" in str(e)
     else:
         assert batch["k"].dtype == torch.uint64 and batch["k"].tolist() == [[1, BIG], [2, 3]]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="exact_numpy's _is_int takes Python and numpy scalars, not a 0-d int array: "
+    "[np.array(5), 2**63 + 5] is numpy's float64, 2**63 + 5 rounded to 2**63 silently",
+)
+@pytest.mark.parametrize("value", [[np.array(5), BIG], [BIG, np.array(5)]])
+def test_to_tensor_keeps_ints_past_int64_beside_0d_int_arrays(value):
+    out = _to_tensor(value)
+    assert out.dtype == torch.uint64 and out.tolist() == [int(v) for v in value]
