@@ -284,11 +284,6 @@ def test_protobuf_skips_a_longer_field_0_tag_in_a_group(hexdata):
     assert _protobuf(bytes.fromhex(hexdata)) == {}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tf_example._tag skips field number 0 inside a group for a one-byte tag only; "
-    "protobuf (upb) skips it whatever the tag's length (0b 8000 00 0c is accepted)",
-)
 @pytest.mark.parametrize("hexdata", LONG_FIELD_0)
 def test_decode_skips_a_longer_field_0_tag_in_a_group(hexdata):
     assert _ours(bytes.fromhex(hexdata)) == {}

@@ -123,7 +123,8 @@ def _differential(data: bytes) -> None:
 @example(b"\x0c")  # end-group without a start
 @example(bytes.fromhex("0b000000000c"))  # field 0 in a skipped group: upb skips it
 @example(bytes.fromhex("0b03040c"))  # a field-0 group inside a skipped group
-@example(bytes.fromhex("0b800000000c"))  # field 0 as a two-byte tag: refused
+@example(bytes.fromhex("0b8000000c"))  # field 0 as a two-byte tag in a group
+@example(bytes.fromhex("0b800000000c"))  # the same, unterminated: refused
 @example(bytes.fromhex("0a020000"))  # field 0 in Features: refused
 def test_arbitrary_bytes_match_protobuf(data):
     """Any input: only RecordDecodeError, and exactly the protobuf library's verdict."""

@@ -68,19 +68,17 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
 
 
 def _tag(buf: bytes, pos: int, end: int, in_group: bool = False) -> tuple[int, int]:
-    """A field's tag and the position after it. Field number 0 is malformed, except as a
-    one-byte tag inside a skipped group, which protobuf's parser (upb) skips too."""
+    """A field's tag and the position after it. Field number 0 is malformed, except
+    inside a skipped group, where protobuf's parser (upb) skips it too."""
     b = buf[pos]
     if b < 0x80:
         tag, pos = b, pos + 1
-        if in_group:
-            return tag, pos
     else:
         start = pos
         tag, pos = _varint(buf, pos, end)
         if pos - start > 5 or tag > 0xFFFFFFFF:
             raise _err("field tag out of range", start)
-    if tag >> 3 == 0:
+    if tag >> 3 == 0 and not in_group:
         raise _err("field number 0", pos - 1)
     return tag, pos
 
