@@ -55,12 +55,6 @@ def test_convert_to_parquet_makes_dict_ints_uint64_across_shards(tmp_path):
 
 
 # ToTensor and pad_collate: numpy's unsigned ints narrower than 64 bits
-@pytest.mark.xfail(
-    strict=True,
-    reason="exact_numpy views every unsigned array as uint64 (meant for numpy's ulonglong "
-    "only): eight uint8 become one uint64 (a list of uint8 images too), a uint16 scalar "
-    "is refused",
-)
 @pytest.mark.parametrize(
     ("value", "dtype"),
     [
@@ -78,11 +72,6 @@ def test_to_tensor_keeps_narrow_unsigned_numpy_ints_as_they_are(value, dtype):
     assert out.tolist() == np.asarray(value).tolist()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pad_collate's rows go through exact_numpy, which views a uint8 or uint32 row "
-    "as uint64 (eight uint8 become one number)",
-)
 def test_pad_collate_keeps_a_row_of_narrow_unsigned_numpy_ints():
     rows = [{"ids": [np.uint8(1)] * 8}, {"ids": [np.uint8(2)] * 3}]
     out = tg.pad_collate(rows, keys=["ids"])["ids"]

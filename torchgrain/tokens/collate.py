@@ -418,7 +418,7 @@ def exact_numpy(items: Any) -> np.ndarray:
     arr = np.asarray(items)
     kind = arr.dtype.kind
     if kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
-        return arr if arr.dtype.char == _UINT64 else arr.view(np.uint64)
+        return arr.view(np.uint64) if arr.itemsize == 8 and arr.dtype.char != _UINT64 else arr
     ndim = arr.ndim
     if kind not in "fO" or arr is items or (kind == "f" and not ndim) or not arr.size:
         return arr
