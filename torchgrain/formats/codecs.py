@@ -318,6 +318,10 @@ class MsgpackCodec(BaseCodec):
             # else one deeper than Python's stack allows, checked without recursion.
             packed = msgpack.packb(record, default=_default, use_bin_type=True)
             _check_deep_map_keys(record)
+            try:  # (msgpack packs an empty list or map one level deeper than it unpacks)
+                self.decode(packed)
+            except RecordDecodeError as e:
+                raise ValueError(f"a record nested too deeply to be read back: {e}") from None
             return packed
         return msgpack.packb(record, default=_default, use_bin_type=True)
 
