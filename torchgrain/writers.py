@@ -596,15 +596,16 @@ def _uint64_type(values: list[Any]) -> Any:
     wide: set[tuple[Any, ...]] = set()
 
     def walk(v: Any, path: tuple[Any, ...], i: int) -> Any:  # ``v`` with such ints 0
-        if isinstance(v, int) and not isinstance(v, bool):
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+            n = int(v)  # (a numpy int beside them too)
             at = seen.get(path)
             if at is None:
-                seen[path] = [v, i, v, i]
-            elif v < at[0]:
-                at[:2] = v, i
-            elif v > at[2]:
-                at[2:] = v, i
-            if _INT64[0] <= v <= _INT64[1]:
+                seen[path] = [n, i, n, i]
+            elif n < at[0]:
+                at[:2] = n, i
+            elif n > at[2]:
+                at[2:] = n, i
+            if _INT64[0] <= n <= _INT64[1]:
                 return v
             wide.add(path)
             return 0
