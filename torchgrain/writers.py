@@ -618,7 +618,7 @@ def _uint64_type(values: list[Any]) -> Any:
     zeroed = [walk(v, (), i) for i, v in enumerate(values)]
     if not wide:
         return None
-    kind = pa.array(zeroed).type
+    paths = []
     for path in sorted(wide, key=len):
         lo, lo_at, hi, hi_at = seen[path]
         where = f" in {''.join('[*]' if p is _LIST else f'[{p!r}]' for p in path)}" if path else ""
@@ -631,7 +631,15 @@ def _uint64_type(values: list[Any]) -> Any:
                 f"record {lo_at} holds {lo} and {also}{hi} (past int64){where}: no integer "
                 "type holds both"
             )
-        kind = _with_uint64(kind, path, f"record {hi_at} holds {hi} (past int64){where}")
+        paths.append((path, f"record {hi_at} holds {hi} (past int64){where}"))
+    try:
+        kind = pa.array(zeroed).type
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # (it names a 0 no record holds)
+        raise ValueError(
+            f"{paths[0][1]} beside values of another type: no Arrow type holds both"
+        ) from e
+    for path, what in paths:
+        kind = _with_uint64(kind, path, what)
     return kind
 
 
