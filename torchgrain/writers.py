@@ -770,8 +770,9 @@ def write_parquet(
 ) -> list[str]:
     """Write records as ``num_shards`` Parquet files (contiguous slices, in order).
 
-    Values map to Arrow as :func:`records_to_table` describes; each file is written under
-    a hidden temporary name and renamed when complete.
+    Values map to Arrow as :func:`records_to_table` describes, typed from all the records
+    at once (every shard of one schema); each file is written under a hidden temporary
+    name and renamed when complete.
 
     Example:
         >>> import tempfile, numpy as np, torchgrain as tg
@@ -789,15 +790,14 @@ def write_parquet(
     records = list(records)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
+    table = records_to_table(records)  # (one type for every shard: they are in memory)
     paths = []
     n = len(records)
     for i in range(num_shards):
-        part = records[n * i // num_shards : n * (i + 1) // num_shards]
+        part = table.slice(n * i // num_shards, n * (i + 1) // num_shards - n * i // num_shards)
         final = os.path.join(directory, shard_name(i, num_shards, prefix, ".parquet"))
         with atomic_path(final) as tmp:
-            pq.write_table(
-                records_to_table(part), tmp, row_group_size=row_group_size, compression=compression
-            )
+            pq.write_table(part, tmp, row_group_size=row_group_size, compression=compression)
         paths.append(final)
     return paths
 
