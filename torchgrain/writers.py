@@ -234,7 +234,9 @@ def write_array_record(
     return finals
 
 
-def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None = None) -> Any:
+def records_to_table(
+    records: Sequence[dict[str, Any]], schema: pa.Schema | None = None, *, first: int = 0
+) -> Any:
     """Build a ``pyarrow.Table`` from record dicts (the Parquet writer of :func:`convert`).
 
     numpy arrays become (nested) lists of their dtype, so :class:`~torchgrain.ParquetSource`
@@ -249,6 +251,9 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
     first, each of its type (a column no record has: nulls), then the records' other keys
     as above; a value that its column's type does not hold exactly (an int past the
     type's range, a float it would round, a string in a binary column) is an error.
+
+    Errors number the records from ``first`` (the index of ``records[0]`` in a longer
+    input written a batch at a time).
 
     Raises:
         TypeError: a column holds arrays of different dtypes or ranks, a value beside
@@ -280,7 +285,9 @@ def records_to_table(records: Sequence[dict[str, Any]], schema: pa.Schema | None
         k = f if isinstance(f, str) else f.name
         values = [r.get(k) for r in records]
         try:
-            arrays.append(_column(values) if isinstance(f, str) else _typed_column(values, f.type))
+            arrays.append(
+                _column(values, first) if isinstance(f, str) else _typed_column(values, f.type)
+            )
         except (TypeError, ValueError, OverflowError, pa.ArrowException) as e:
             what = "" if isinstance(f, str) else f" as its source's {f.type}"
             raise TypeError(f"cannot store key {k!r} in Parquet{what}: {e}") from e
@@ -515,13 +522,14 @@ def _same_leaves(a: Any, b: Any) -> bool:
 _LIST_ITEMS = 2**31 - 1  # the most items a batch's lists hold at one level (int32 offsets)
 
 
-def _column(values: list[Any]) -> Any:
+def _column(values: list[Any], first: int = 0) -> Any:
+    """``values`` as an Arrow array, errors numbering them from ``first``."""
     import pyarrow as pa
 
     present = [v for v in values if v is not None]
     numpy = [isinstance(v, (np.ndarray, np.generic)) for v in values]
     if any(numpy) and len(present) != sum(numpy):
-        return _beside_arrays(values, numpy)
+        return _beside_arrays(values, numpy, first)
     if any(numpy):  # (every value a numpy array or scalar, or None)
         arrs = [np.asarray(v) for v in present]
         dtypes = {a.dtype for a in arrs}
@@ -565,7 +573,7 @@ def _column(values: list[Any]) -> Any:
         return pa.array(values)
     except (OverflowError, pa.ArrowInvalid):
         # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
-        kind = _uint64_type(values)
+        kind = _uint64_type(values, first)
         if kind is None:
             raise
         return pa.array(values, kind)
@@ -575,11 +583,11 @@ _LIST = object()  # a path step into a list's items (others: a struct's field na
 _INT64 = (-(2**63), 2**63 - 1)
 
 
-def _uint64_type(values: list[Any]) -> Any:
+def _uint64_type(values: list[Any], first: int = 0) -> Any:
     """The Arrow type of Python ``values`` holding ints past int64 (which Arrow's
     inference refuses): what Arrow infers with uint64 where such ints are, or None when
     none is; a ValueError naming the record where one is negative, past 2**64, or beside
-    another type than int.
+    another type than int (numbered from ``first``).
 
     Example:
         >>> _uint64_type([{"ids": [1, 2**63]}, None])
@@ -615,7 +623,7 @@ def _uint64_type(values: list[Any]) -> Any:
             return {k: walk(x, (*path, k), i) for k, x in v.items()}
         return v
 
-    zeroed = [walk(v, (), i) for i, v in enumerate(values)]
+    zeroed = [walk(v, (), i) for i, v in enumerate(values, first)]
     if not wide:
         return None
     paths = []
@@ -679,10 +687,11 @@ def _from_numpy(values: np.ndarray, mask: np.ndarray | None = None) -> Any:
     return pa.array(values, mask=mask if mask is not None and mask.any() else None)
 
 
-def _beside_arrays(values: list[Any], numpy: list[bool]) -> Any:
+def _beside_arrays(values: list[Any], numpy: list[bool], first: int = 0) -> Any:
     """A column of numpy arrays (or scalars: ``numpy``) beside other values (lists, Python
     scalars), all of the arrays' type: each other value of their shape, its items of a
-    Python type the dtype takes and held by it exactly, else a TypeError naming the record.
+    Python type the dtype takes and held by it exactly, else a TypeError naming the record
+    (numbered from ``first``).
 
     Example:
         >>> _beside_arrays([np.array([7, 8], np.int16), [3, None]], [True, False]).to_pylist()
@@ -695,10 +704,10 @@ def _beside_arrays(values: list[Any], numpy: list[bool]) -> Any:
     import pyarrow as pa
 
     built = _column([v if n else None for v, n in zip(values, numpy)])
-    first = np.asarray(next(v for v, n in zip(values, numpy) if n))
-    dtype, ndim = first.dtype, first.ndim
+    sample = np.asarray(next(v for v, n in zip(values, numpy) if n))
+    dtype, ndim = sample.dtype, sample.ndim
     others = [None if n else v for v, n in zip(values, numpy)]
-    for i, v in enumerate(others):
+    for i, v in enumerate(others, first):
         stray = _stray(v, ndim, dtype)
         if stray is not None:
             raise TypeError(
@@ -708,7 +717,7 @@ def _beside_arrays(values: list[Any], numpy: list[bool]) -> Any:
     try:
         typed = _typed_column(others, built.type)
     except (TypeError, ValueError, OverflowError, pa.ArrowException):
-        for i, v in enumerate(others):  # the first record its type refuses, named
+        for i, v in enumerate(others, first):  # the first record its type refuses, named
             if v is not None:
                 try:
                     _typed_column([v], built.type)
@@ -1008,7 +1017,7 @@ class ParquetOut(ShardWriter):
         if self._pending:
             first = self._added - len(self._pending)
             try:
-                t = records_to_table(self._pending, self._schema)
+                t = records_to_table(self._pending, self._schema, first=first)
             except TypeError as e:
                 raise TypeError(
                     f"{e} (in records {first}..{self._added - 1} of {self.path})"
