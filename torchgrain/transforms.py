@@ -35,7 +35,7 @@ import torch
 
 from torchgrain.diagnostics import COUNTER, local_counters
 from torchgrain.errors import RecordDecodeError
-from torchgrain.tokens.collate import exact_numpy
+from torchgrain.tokens.collate import exact_numpy, holds_tensor
 
 __all__ = [
     "Albumentations",
@@ -484,7 +484,7 @@ def _to_tensor(value: Any, key: str) -> torch.Tensor:
     if isinstance(value, (str, bytes)):
         raise TypeError(f"ToTensor: key {key!r} holds {type(value).__name__}")
     try:
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        if isinstance(value, (list, tuple)) and holds_tensor(value):
             # numpy has no bfloat16 and refuses tensors requiring grad: torch keeps them
             if all(isinstance(v, torch.Tensor) for v in value):
                 return torch.stack(value)
@@ -509,8 +509,8 @@ class ToTensor:
         keys: keys to convert; by default every numpy array value (others are kept).
             A number or list converts with numpy's dtype (Python floats float64, as
             torch's default collate makes them), except ints past int64, which numpy
-            would round: uint64 as they are (beside a negative int, or past 2**64, a
-            TypeError naming the key); a list of tensors is stacked in theirs.
+            would round: uint64 as they are (beside a negative int or a float, or past
+            2**64, a TypeError naming the key); a list of tensors is stacked in theirs.
         dtype: optional torch dtype to cast converted values to (no rescaling).
         channels_first: move the last axis of 3-D arrays first (HWC -> CHW): ``True``
             for every converted key, or a collection of keys.
