@@ -539,9 +539,12 @@ def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
             raise
         except (RuntimeError, TypeError, ValueError) as e:
             message = _ragged_message(key, values)
-            if message is None:
+            if message is not None:
+                raise RaggedBatchError(message) from e
+            exact = _as_uint64(key, values)
+            if exact is None:
                 raise
-            raise RaggedBatchError(message) from e
+            out[key] = collate(exact, collate_fn_map=collate_fn_map)
     if type(elem) is dict:
         return out
     try:  # a dict subclass keeps its type, as torch's default collate keeps it
@@ -550,6 +553,30 @@ def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
         return clone
     except TypeError:
         return out
+
+
+def _as_uint64(key: str, values: list[Any]) -> list[torch.Tensor] | None:
+    """Tensors of uint64 (which torch does not promote) beside other ints or bools, all
+    made uint64 where none is negative, else a TypeError naming the key; None when
+    ``values`` are not such tensors."""
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        return None
+    dtypes = {v.dtype for v in values}
+    if torch.uint64 not in dtypes or len(dtypes) < 2:
+        return None
+    wide = next(i for i, v in enumerate(values) if v.dtype == torch.uint64)
+    for i, v in enumerate(values):
+        if v.dtype.is_floating_point or v.dtype.is_complex:
+            raise TypeError(
+                f"cannot collate key {key!r}: entry {i} holds {v.dtype} beside uint64 at "
+                f"entry {wide}, which {v.dtype} would round"
+            )
+        if v.dtype != torch.uint64 and v.numel() and bool((v < 0).any()):
+            raise TypeError(
+                f"cannot collate key {key!r}: entry {i} holds {v.min().item()} beside uint64 "
+                f"at entry {wide}: no integer dtype holds both"
+            )
+    return [v.to(torch.uint64) for v in values]
 
 
 def _ragged_message(key: str, values: list[Any]) -> str | None:
