@@ -426,7 +426,8 @@ def exact_numpy(items: Any) -> np.ndarray:
         ndim = arr.ndim
         if arr is items or not ndim or not arr.size:
             return arr
-        top = max(items) if ndim == 1 and len(items) <= 32 else np.fmax.reduce(arr, None)
+        small = ndim == 1 and isinstance(items, (list, tuple)) and len(items) <= 32
+        top = max(items) if small else np.fmax.reduce(arr, None)
         if top < 2.0**63:  # (a NaN: looked at below)
             return arr
     elif kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
