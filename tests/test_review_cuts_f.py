@@ -109,3 +109,33 @@ def test_encode_writes_no_record_that_every_read_refuses(bottom):
     for _ in range(1023):
         (back,) = back
     assert back == bottom
+
+
+@pytest.mark.skipif(not _packs_deep(), reason="this msgpack packs fewer levels than it unpacks")
+@pytest.mark.xfail(
+    strict=True,
+    reason="encode reads a record back only when its map-key check ran out of Python's "
+    "stack: under a raised recursion limit (sys.setrecursionlimit(5000)) an empty list at "
+    "msgpack's 1024th level is written, and every read raises StackError",
+)
+def test_encode_writes_no_unreadable_record_under_a_raised_recursion_limit():
+    import sys
+
+    from torchgrain.formats.codecs import MsgpackCodec
+
+    value: object = []
+    for _ in range(1023):
+        value = [value]
+    codec = MsgpackCodec()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(5000)
+    try:
+        packed = codec.encode({"a": value})
+    except ValueError:
+        return  # refused when written
+    finally:
+        sys.setrecursionlimit(limit)
+    back = codec.decode(packed)["a"]
+    for _ in range(1023):
+        (back,) = back
+    assert back == []
