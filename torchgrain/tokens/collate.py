@@ -423,12 +423,10 @@ def exact_numpy(items: Any) -> np.ndarray:
     arr = np.asarray(items)
     kind = arr.dtype.kind
     if kind == "f":  # (numpy's float64 holds ints in [2**63, 2**64) too, rounded)
-        ndim = arr.ndim
-        if arr is items or not ndim or not arr.size:
-            return arr
-        small = ndim == 1 and isinstance(items, (list, tuple)) and len(items) <= 32
-        top = max(items) if small else np.fmax.reduce(arr, None)
-        if top < 2.0**63:  # (a NaN: looked at below)
+        if type(items) is list and 0 < len(items) <= 32 and arr.ndim == 1:
+            if max(items) < 2.0**63:  # (a NaN first: looked at below)
+                return arr
+        elif arr is items or not arr.ndim or not arr.size or np.fmax.reduce(arr, None) < 2.0**63:
             return arr
     elif kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
         return arr if arr.dtype.char == _UINT64 else arr.view(np.uint64)
