@@ -204,18 +204,27 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode value of type {type(obj).__name__}")
 
 
-def _check_map_keys(value: Any, path: tuple[Any, ...]) -> None:
+#: Levels of nesting past which a record is read back once at encode: msgpack packs an
+#: empty list or map one level deeper than it unpacks (511 levels is msgpack 1.0's limit).
+_DEEP = 500
+
+
+def _check_map_keys(value: Any, path: tuple[Any, ...]) -> int:
     """Refuse a map inside a record value whose key the reader cannot decode (msgpack
-    reads back str and bytes keys only), naming the key's path (``['meta'][1]``)."""
+    reads back str and bytes keys only), naming the key's path (``['meta'][1]``); else
+    the length of the deepest path it holds."""
+    deepest = len(path)
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, (str, bytes)):
                 raise _key_error((*path, k))
-            if type(v) not in _FLAT:
-                _check_map_keys(v, (*path, k))
+            if type(v) not in _FLAT and (d := _check_map_keys(v, (*path, k))) > deepest:
+                deepest = d
     elif isinstance(value, (list, tuple)) and not set(map(type, value)) <= _FLAT:
         for i, v in enumerate(value):
-            _check_map_keys(v, (*path, i))
+            if (d := _check_map_keys(v, (*path, i))) > deepest:
+                deepest = d
+    return deepest
 
 
 def _key_error(path: tuple[Any, ...]) -> TypeError:
@@ -309,21 +318,28 @@ class MsgpackCodec(BaseCodec):
         for k in record:  # before packing, which would blame a key it cannot pack as a value
             if not isinstance(k, str):
                 raise TypeError(f"record keys must be str, got {k!r}")
+        depth = 0
         try:  # nested keys too
             for k, v in record.items():
-                if type(v) not in _FLAT:
-                    _check_map_keys(v, (k,))
+                if type(v) not in _FLAT and (d := _check_map_keys(v, (k,))) > depth:
+                    depth = d
         except RecursionError:
             # A cyclic value, or one deeper than msgpack's limit: packb refuses it;
             # else one deeper than Python's stack allows, checked without recursion.
             packed = msgpack.packb(record, default=_default, use_bin_type=True)
             _check_deep_map_keys(record)
-            try:  # (msgpack packs an empty list or map one level deeper than it unpacks)
-                self.decode(packed)
-            except RecordDecodeError as e:
-                raise ValueError(f"a record nested too deeply to be read back: {e}") from None
-            return packed
-        return msgpack.packb(record, default=_default, use_bin_type=True)
+            return self._read_back(packed)
+        packed = msgpack.packb(record, default=_default, use_bin_type=True)
+        return packed if depth <= _DEEP else self._read_back(packed)
+
+    def _read_back(self, packed: bytes) -> bytes:
+        """``packed``, a deep record, once it is read back (msgpack packs an empty list
+        or map at a level it does not unpack)."""
+        try:
+            self.decode(packed)
+        except RecordDecodeError as e:
+            raise ValueError(f"a record nested too deeply to be read back: {e}") from None
+        return packed
 
     def decode_columns(self, buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> Any:
         """A batch of records (``buf[starts[i]:ends[i]]``) as columns, or None when they
