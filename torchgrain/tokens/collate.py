@@ -429,7 +429,7 @@ def exact_numpy(items: Any) -> np.ndarray:
         elif arr is items or not arr.ndim or not arr.size or np.fmax.reduce(arr, None) < 2.0**63:
             return arr
     elif kind == "u":  # (numpy's ulonglong for ints past int64: torch takes ulong)
-        return arr if arr.dtype.char == _UINT64 else arr.view(np.uint64)
+        return arr.view(np.uint64) if arr.itemsize == 8 and arr.dtype.char != _UINT64 else arr
     elif kind != "O" or arr is items or not arr.size:
         return arr
     if not arr.ndim:
