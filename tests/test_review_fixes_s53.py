@@ -1,7 +1,7 @@
 """Ints past int64 through ToTensor, pad_collate and Parquet output, msgpack map keys
 deeper than Python's stack, field 0 inside a skipped tf.train.Example group: values
 handed on exactly as given (or refused naming the record), the common case no slower.
-Each strict xfail asserts what should hold."""
+Each test asserts what should hold."""
 
 from __future__ import annotations
 
@@ -88,13 +88,6 @@ def _ratio(fast, slow, rounds: int = 15, number: int = 100) -> float:
     return b / a
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exact_numpy checks each item of a float list whose first item is an int (a "
-    "nested one through an object array), where no int past int64 can be: ToTensor of "
-    "[[0, 10, 20, 30], ..., [0.5, 1, 2, 3]] takes 5-6x numpy's time, of boxes starting "
-    "with an int 1.6x, of 511 ints and a float 2.1x (before: numpy's asarray alone)",
-)
 def test_exact_numpy_of_floats_beside_ints_costs_what_numpy_does():
     boxes = [[0, 10, 20, 30]] * 255 + [[0.5, 1, 2, 3]]
     assert exact_numpy(boxes).dtype == np.float64
@@ -164,13 +157,6 @@ def test_write_parquet_refuses_naming_the_record(tmp_path, records):
         tg.write_parquet(records, tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="writers._uint64_type's walk counts Python ints only (isinstance(v, int)): a "
-    "numpy int beside an int past int64 is neither checked nor zeroed, so a negative one "
-    "fails in pyarrow ('can't convert negative value to unsigned int', no record), a "
-    "numpy uint64 past int64 fails ('Python int too large to convert to C long')",
-)
 @pytest.mark.parametrize(
     ("records", "why"),
     [
@@ -192,13 +178,6 @@ def test_write_parquet_numpy_ints_beside_ints_past_int64(tmp_path, records, why)
     assert pq.read_table(path).column("x").to_pylist() == [_norm(r["x"]) for r in records]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="writers._uint64_type infers the type of the records with their ints past int64 "
-    "made 0, and pyarrow's error then names that 0 ('Could not convert 0 with type int: "
-    "tried to convert to boolean'), a value no record holds, and no record (before: it "
-    "named 9223372036854775808)",
-)
 @pytest.mark.parametrize("records", [[{"x": [True, 2**63]}], [{"x": True}, {"x": [2**63]}]])
 def test_write_parquet_int_past_int64_beside_a_bool_names_it(tmp_path, records):
     with pytest.raises(TypeError, match=r"record \d holds 9223372036854775808"):
@@ -321,12 +300,6 @@ def test_decode_matches_protobuf_on_field_0_in_groups():
             assert got == want, data.hex()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="convert types its records 512 at a time and writers._uint64_type numbers them "
-    "within the batch: 'record 87 holds -1 and record 88 holds ...' for the input's "
-    "records 599 and 600 (only '(in records 512..600 of ...)' follows)",
-)
 @pytest.mark.parametrize(
     ("last", "why"),
     [
@@ -342,12 +315,6 @@ def test_convert_names_the_input_record_of_an_int_no_type_holds(tmp_path, last, 
         tg.convert(tmp_path / "src", tmp_path / "out", to="parquet")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exact_numpy returns numpy's float64 for ints past int64 beside floats (at the "
-    "first float, or when not every item is an int): 2**63 + 5 becomes 2**63, silently, "
-    "where Parquet output refuses the same mix naming the record",
-)
 @pytest.mark.parametrize(
     "value", [[BIG, 1.5], [1.5, BIG], [[BIG, 1], [2.5, 1]], [BIG, np.float32(1.0)]]
 )
@@ -359,13 +326,6 @@ def test_ints_past_int64_beside_floats_are_refused_not_rounded(value):
         tg.pad_collate([{"ids": row}], keys=["ids"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="write_parquet types each of its shards from that shard's records alone: "
-    "list<int64> in one beside list<uint64> in the next (int64 and uint64 too), and "
-    "ParquetSource refuses the dataset it wrote (SchemaMismatchError); convert's shards "
-    "agree (writers._reconciled)",
-)
 @pytest.mark.parametrize(
     ("first", "last"),
     [([1], [BIG]), ([[1]], [[BIG]]), (1, BIG), ({"a": [1]}, {"a": [BIG]})],
@@ -378,13 +338,6 @@ def test_write_parquet_shards_agree_on_ints_past_int64(tmp_path, first, last):
     assert _norm(back) == [_norm(r["ids"]) for r in records]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ToTensor makes a list uint64 only where an int past int64 is: batched beside "
-    "another record's int64, torch's default collate raises 'Promotion for uint16, uint32, "
-    "uint64 types is not supported' naming no key (collate_records re-raises what is not "
-    "ragged); before, both were float64",
-)
 def test_default_collate_of_to_tensor_ints_past_int64_keeps_them_or_names_the_key():
     ds = tg.Dataset([{"k": [1, BIG]}, {"k": [2, 3]}]).map(ToTensor(keys=["k"]))
     loader = torch.utils.data.DataLoader(ds, batch_size=2)
@@ -396,11 +349,6 @@ def test_default_collate_of_to_tensor_ints_past_int64_keeps_them_or_names_the_ke
         assert batch["k"].dtype == torch.uint64 and batch["k"].tolist() == [[1, BIG], [2, 3]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exact_numpy's _is_int takes Python and numpy scalars, not a 0-d int array: "
-    "[np.array(5), 2**63 + 5] is numpy's float64, 2**63 + 5 rounded to 2**63 silently",
-)
 @pytest.mark.parametrize("value", [[np.array(5), BIG], [BIG, np.array(5)]])
 def test_to_tensor_keeps_ints_past_int64_beside_0d_int_arrays(value):
     out = _to_tensor(value)
