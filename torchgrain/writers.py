@@ -1129,14 +1129,14 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
             continue
         column = table.column(f.name)
         if _to_double(column.type, f.type):
-            value = _outside_of(column, -_DOUBLE_INTS, _DOUBLE_INTS)
+            value = _first_outside(column, f.type, -_DOUBLE_INTS, _DOUBLE_INTS)
             if value is not None:
                 raise TypeError(
                     f"cannot store key {f.name!r} in Parquet: it holds {value} and floats in one "
                     f"output shard ({where} of {path}); a double rounds an int past 2**53"
                 )
         if _to_uint64(column.type, f.type):
-            low = _outside_of(column, 0)
+            low = _first_outside(column, f.type, 0)
             if low is not None:
                 raise TypeError(
                     f"cannot store key {f.name!r} in Parquet: it holds {low} and ints past "
@@ -1261,8 +1261,8 @@ def _fills(a: Any, b: Any) -> bool:
 
 def _common(types: Sequence[Any]) -> Any:
     """The one of ``types`` each of them becomes with no value changed (a null type typed,
-    int64 of no negative value uint64, int64 of no value past 2**53 double, lists of them
-    alike: see :func:`_fills`, :func:`_to_uint64`, :func:`_to_double`), or None.
+    int64 of no negative value uint64, int64 of no value past 2**53 double, at any depth:
+    in lists and struct fields; see :func:`_becomes`), or None.
 
     Example:
         >>> import pyarrow as pa
@@ -1272,17 +1272,50 @@ def _common(types: Sequence[Any]) -> Any:
         DataType(uint64)
         >>> _common([pa.list_(pa.int64()), pa.list_(pa.float64()), pa.list_(pa.null())])
         ListType(list<item: double>)
+        >>> _common([pa.struct({"a": pa.int64()}), pa.struct({"a": pa.uint64()})])
+        StructType(struct<a: uint64>)
         >>> _common([pa.list_(pa.int8()), pa.list_(pa.int16())]) is None
         True
     """
     for t in types:
-        if all(_fills(u, t) or _to_uint64(u, t) or _to_double(u, t) for u in types):
+        if all(_becomes(u, t) for u in types):
             return t
     return None
 
 
+def _becomes(a: Any, b: Any) -> bool:
+    """Whether type ``a`` is ``b`` but for types :func:`_fills` and int64 where ``b`` has
+    uint64 or double (its values then need checking: :func:`_int64_leaves`), at any depth.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _becomes(pa.list_(pa.struct({"a": pa.int64(), "b": pa.null()})),
+        ...          pa.list_(pa.struct({"b": pa.string(), "a": pa.uint64()})))
+        True
+        >>> _becomes(pa.struct({"a": pa.int32()}), pa.struct({"a": pa.uint64()}))
+        False
+    """
+    import pyarrow as pa
+
+    if _fills(a, b):
+        return True
+    if a == pa.int64():
+        return b == pa.uint64() or b == pa.float64()
+    if _is_list(a) and _is_list(b) and type(a) is type(b):
+        return _becomes(a.value_type, b.value_type)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        of_b = {f.name: f.type for f in b}
+        names = {f.name for f in a}
+        return (
+            len(names) == a.num_fields == b.num_fields == len(of_b)
+            and names == of_b.keys()
+            and all(_becomes(f.type, of_b[f.name]) for f in a)
+        )
+    return False
+
+
 def _to_double(a: Any, b: Any) -> bool:
-    """Whether type ``a`` is int64 and ``b`` double, or lists of them (its values then
+    """Whether type ``a`` has int64 where ``b`` has double, at any depth (its values then
     need checking: :func:`_outside_of`).
 
     Example:
@@ -1298,12 +1331,15 @@ def _to_double(a: Any, b: Any) -> bool:
 
 
 def _to_uint64(a: Any, b: Any) -> bool:
-    """Whether type ``a`` is int64 and ``b`` uint64, or lists of them (its values then
+    """Whether type ``a`` has int64 where ``b`` has uint64, at any depth (its values then
     need checking: :func:`_outside_of`).
 
     Example:
         >>> import pyarrow as pa
         >>> _to_uint64(pa.list_(pa.int64()), pa.list_(pa.uint64()))
+        True
+        >>> _to_uint64(pa.struct({"a": pa.list_(pa.int64())}),
+        ...            pa.struct({"a": pa.list_(pa.uint64())}))
         True
     """
     import pyarrow as pa
@@ -1314,9 +1350,54 @@ def _to_uint64(a: Any, b: Any) -> bool:
 def _int64_as(a: Any, b: Any, leaf: Any) -> bool:
     import pyarrow as pa
 
-    while _is_list(a) and _is_list(b) and type(a) is type(b):
-        a, b = a.value_type, b.value_type
-    return a == pa.int64() and b == leaf
+    if a == pa.int64():
+        return b == leaf
+    if _is_list(a) and _is_list(b) and type(a) is type(b):
+        return _int64_as(a.value_type, b.value_type, leaf)
+    if pa.types.is_struct(a) and pa.types.is_struct(b):
+        of_b = {f.name: f.type for f in b}
+        return any(f.name in of_b and _int64_as(f.type, of_b[f.name], leaf) for f in a)
+    return False
+
+
+def _int64_leaves(column: Any, kind: Any, leaf: Any) -> Iterator[Any]:
+    """The int64 arrays of ``column`` (an array, or a chunked one) where type ``kind`` has
+    ``leaf``: its values, its lists' items, its structs' fields (nulls above them kept).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> column = pa.array([[{"a": 1, "b": 2}], None, [{"a": -3, "b": 4}]])
+        >>> kind = pa.list_(pa.struct({"a": pa.uint64(), "b": pa.int64()}))
+        >>> [a.to_pylist() for a in _int64_leaves(column, kind, pa.uint64())]
+        [[1, -3]]
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    t = column.type
+    if t == pa.int64():
+        if kind == leaf:
+            yield column
+    elif _is_list(t) and _is_list(kind):
+        yield from _int64_leaves(pc.list_flatten(column), kind.value_type, leaf)
+    elif pa.types.is_struct(t) and pa.types.is_struct(kind):
+        of_kind = {f.name: f.type for f in kind}
+        for f, child in zip(t, column.flatten()):
+            if f.name in of_kind:
+                yield from _int64_leaves(child, of_kind[f.name], leaf)
+
+
+def _first_outside(column: Any, kind: Any, low: int, high: int | None = None) -> int | None:
+    """:func:`_outside_of` of the int64 arrays of ``column`` where ``kind`` has uint64
+    (``high`` None) or double: the first int found outside ``low..high``, or None."""
+    import pyarrow as pa
+
+    leaf = pa.uint64() if high is None else pa.float64()
+    for ints in _int64_leaves(column, kind, leaf):
+        value = _outside_of(ints, low, high)
+        if value is not None:
+            return value
+    return None
 
 
 def _outside_of(column: Any, low: int, high: int | None = None) -> int | None:
@@ -1370,10 +1451,10 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
         if not changed:
             continue
         path = os.path.join(root, n)
-        ints = [f.name for _, f in changed if _to_uint64(f.type, target[f.name])]
+        ints = {f.name: target[f.name] for _, f in changed if _to_uint64(f.type, target[f.name])}
         if ints and _outside(path, ints, 0, None) is not None:
             continue  # left as it is: check_shard_schemas names it
-        doubles = [f.name for _, f in changed if _to_double(f.type, target[f.name])]
+        doubles = {f.name: target[f.name] for _, f in changed if _to_double(f.type, target[f.name])}
         past = _outside(path, doubles, -_DOUBLE_INTS, _DOUBLE_INTS) if doubles else None
         if past is not None:
             from torchgrain.errors import SchemaMismatchError
@@ -1393,12 +1474,14 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
 
 
 def _outside(
-    path: str, columns: Sequence[str], low: int, high: int | None
+    path: str, columns: dict[str, Any], low: int, high: int | None
 ) -> tuple[str, int] | None:
-    """A column of ``columns`` (int64, or lists of int64) of the Parquet file ``path`` and
-    an int of it outside ``low..high`` (None: no bound), or None. Its row groups'
+    """A column of ``columns`` (name -> the type it becomes: its int64s uint64 where
+    ``high`` is None, else double) of the Parquet file ``path`` and an int of it outside
+    ``low..high`` (None: no bound), or None. Its row groups'
     statistics decide where written, else a row group's column at a time (bounded
     memory); a double's bound (``high`` given) names the row group's first such int."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     with pq.ParquetFile(path) as pf:
@@ -1418,6 +1501,8 @@ def _outside(
                     kind, depth = kind.value_type, depth + 1
                 paths = (name + ".list.element" * depth, name + ".list.item" * depth)
                 j = next((leaf[(p, depth)] for p in paths if (p, depth) in leaf), None)
+                if kind != pa.int64():  # (int64s in structs: read)
+                    j = None
                 stats = None if j is None else meta.row_group(i).column(j).statistics
                 bound = None
                 if stats is not None and stats.has_min_max:
@@ -1430,7 +1515,8 @@ def _outside(
                     continue
                 # No statistics, or a double's bound passed: the row group read (to name
                 # the first int past it).
-                value = _outside_of(pf.read_row_group(i, columns=[name]).column(0), low, high)
+                column = pf.read_row_group(i, columns=[name]).column(0)
+                value = _first_outside(column, columns[name], low, high)
                 if value is not None or bound is not None:
                     return name, bound if value is None else value
     return None
