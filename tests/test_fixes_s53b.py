@@ -50,3 +50,14 @@ def test_convert_to_parquet_keeps_struct_ints_across_batches_with_nulls(tmp_path
     kinds, table = _convert(tmp_path, records)
     assert kinds == ["struct<a: list<element: uint64>>"]
     assert table.column("m").to_pylist() == [r["m"] for r in records]
+
+
+@pytest.mark.parametrize(
+    "records",
+    [[{"x": ["a", 2**63]}], [{"x": "a"}, {"x": 2**63}], [{"x": {"k": ["a", 2**63]}}]],
+)
+def test_parquet_output_names_an_int_past_int64_beside_a_string(records):
+    from torchgrain.writers import records_to_table
+
+    with pytest.raises(TypeError, match=r"key 'x'.*record \d holds 9223372036854775808"):
+        records_to_table(records)

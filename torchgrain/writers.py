@@ -571,7 +571,7 @@ def _column(values: list[Any], first: int = 0) -> Any:
         return out
     try:
         return pa.array(values)
-    except (OverflowError, pa.ArrowInvalid):
+    except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):  # ('a' first: a TypeError)
         # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
         kind = _uint64_type(values, first)
         if kind is None:
