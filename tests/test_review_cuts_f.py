@@ -13,11 +13,6 @@ from torchgrain.transforms import ToTensor
 BIG = 2**63 + 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a dict's int past int64 makes its struct field uint64 within a batch only: "
-    "struct<a: int64> of an earlier batch beside struct<a: uint64> is refused",
-)
 @pytest.mark.parametrize(
     ("make", "kind"),
     [
@@ -38,11 +33,6 @@ def test_convert_to_parquet_makes_dict_ints_uint64_across_batches(tmp_path, make
     assert table.column("m").to_pylist() == [r["m"] for r in records]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="output shards of struct<a: int64> and struct<a: uint64> are not reconciled "
-    "(list<int64> and list<uint64> are): the conversion is refused",
-)
 def test_convert_to_parquet_makes_dict_ints_uint64_across_shards(tmp_path):
     import pyarrow.parquet as pq
 
