@@ -61,3 +61,20 @@ def test_parquet_output_names_an_int_past_int64_beside_a_string(records):
 
     with pytest.raises(TypeError, match=r"key 'x'.*record \d holds 9223372036854775808"):
         records_to_table(records)
+
+
+def test_a_record_past_msgpacks_unpack_depth_is_named_as_such():
+    import msgpack
+
+    from torchgrain.errors import RecordDecodeError
+    from torchgrain.formats.codecs import MsgpackCodec
+
+    value: object = []
+    for _ in range(1023):
+        value = [value]
+    try:
+        packed = msgpack.packb({"a": value})
+    except ValueError:
+        pytest.skip("this msgpack packs fewer levels than it unpacks")
+    with pytest.raises(RecordDecodeError, match="undecodable msgpack record: StackError"):
+        MsgpackCodec().decode(packed)

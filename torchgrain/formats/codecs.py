@@ -354,7 +354,9 @@ class MsgpackCodec(BaseCodec):
                 data, ext_hook=self._hook, raw=False, strict_map_key=True, use_list=True
             )
         except Exception as e:
-            raise RecordDecodeError(f"undecodable msgpack record: {e}") from None
+            raise RecordDecodeError(
+                f"undecodable msgpack record: {str(e) or type(e).__name__}"
+            ) from None
         if not isinstance(out, dict):
             raise RecordDecodeError(f"msgpack record is a {type(out).__name__}, not a map")
         return out
