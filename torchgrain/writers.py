@@ -571,12 +571,45 @@ def _column(values: list[Any], first: int = 0) -> Any:
         return out
     try:
         return pa.array(values)
-    except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):  # ('a' first: a TypeError)
+    except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError) as e:  # ('a' first: a TypeError)
         # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
         kind = _uint64_type(values, first)
         if kind is None:
-            raise
+            raise TypeError(f"{e} ({_clash(values, first)})") from e
         return pa.array(values, kind)
+
+
+def _clash(values: list[Any], first: int = 0) -> str:
+    """The records of ``values`` (numbered from ``first``) that Arrow's inference refuses
+    together: the first that does beside those before it, and the last of those it clashes with.
+
+    Example:
+        >>> _clash([0.5, 1, 2**53 + 1, 2.5], first=10)
+        'records 10 and 12'
+        >>> _clash([1, [2, "a"]])
+        'record 1'
+    """
+    import pyarrow as pa
+
+    def fails(part: list[Any]) -> bool:
+        try:
+            pa.array(part)
+        except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):
+            return True
+        return False
+
+    lo, hi = 1, len(values)  # the shortest failing prefix, by bisection
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fails(values[:mid]) else (mid + 1, hi)
+    end = lo - 1
+    lo, hi = 0, end  # the latest start of a failing run ending there
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fails(values[mid : end + 1]) else (lo, mid - 1)
+    if lo == end:
+        return f"record {first + end}"
+    return f"records {first + lo} and {first + end}"
 
 
 _LIST = object()  # a path step into a list's items (others: a struct's field name)
@@ -805,8 +838,11 @@ def write_parquet(
     for i in range(num_shards):
         part = table.slice(n * i // num_shards, n * (i + 1) // num_shards - n * i // num_shards)
         final = os.path.join(directory, shard_name(i, num_shards, prefix, ".parquet"))
-        with atomic_path(final) as tmp:
-            pq.write_table(part, tmp, row_group_size=row_group_size, compression=compression)
+        try:
+            with atomic_path(final) as tmp:
+                pq.write_table(part, tmp, row_group_size=row_group_size, compression=compression)
+        except OSError as e:  # (a full disk: Arrow's message names no file)
+            raise OSError(e.errno, f"cannot write Parquet file: {e.strerror or e}", final) from e
         paths.append(final)
     return paths
 
