@@ -1262,39 +1262,6 @@ class ParquetOutput(OutputFormat):
         check_shard_schemas(root, list(shards))
 
 
-def _fills(a: Any, b: Any) -> bool:
-    """Whether type ``a`` is ``b`` with some of its types null (its values are then
-    nulls or empty lists, which ``b`` holds unchanged), or a struct's fields in another
-    order.
-
-    Example:
-        >>> import pyarrow as pa
-        >>> _fills(pa.struct({"b": pa.null(), "a": pa.int8()}),
-        ...        pa.struct({"a": pa.int8(), "b": pa.string()}))
-        True
-        >>> _fills(pa.struct({"a": pa.int8()}), pa.struct({"a": pa.int8(), "b": pa.int8()}))
-        False
-    """
-    import pyarrow as pa
-
-    if a.equals(b) or pa.types.is_null(a):
-        return True
-    for is_kind in (pa.types.is_list, pa.types.is_large_list):
-        if is_kind(a) and is_kind(b):
-            return _fills(a.value_type, b.value_type)
-    if pa.types.is_struct(a) and pa.types.is_struct(b):
-        # The same names in any order (a record's dict keys in another order): matched
-        # by name, and written in ``b``'s order.
-        of_b = {f.name: f.type for f in b}
-        names = {f.name for f in a}
-        return (
-            len(names) == a.num_fields == b.num_fields == len(of_b)
-            and names == of_b.keys()
-            and all(_fills(f.type, of_b[f.name]) for f in a)
-        )
-    return False
-
-
 def _common(types: Sequence[Any]) -> Any:
     """The one of ``types`` each of them becomes with no value changed (a null type typed,
     int64 of no negative value uint64, int64 of no value past 2**53 double, at any depth:
@@ -1320,8 +1287,10 @@ def _common(types: Sequence[Any]) -> Any:
 
 
 def _becomes(a: Any, b: Any) -> bool:
-    """Whether type ``a`` is ``b`` but for types :func:`_fills` and int64 where ``b`` has
-    uint64 or double (its values then need checking: :func:`_int64_leaves`), at any depth.
+    """Whether type ``a`` is ``b`` but for null types (its values are then nulls or
+    empty lists, which ``b`` holds unchanged), a struct's fields in another order
+    (matched by name, written in ``b``'s order), and int64 where ``b`` has uint64 or
+    double (its values then need checking: :func:`_int64_leaves`), at any depth.
 
     Example:
         >>> import pyarrow as pa
@@ -1330,10 +1299,12 @@ def _becomes(a: Any, b: Any) -> bool:
         True
         >>> _becomes(pa.struct({"a": pa.int32()}), pa.struct({"a": pa.uint64()}))
         False
+        >>> _becomes(pa.struct({"a": pa.int8()}), pa.struct({"a": pa.int8(), "b": pa.int8()}))
+        False
     """
     import pyarrow as pa
 
-    if _fills(a, b):
+    if a.equals(b) or pa.types.is_null(a):
         return True
     if a == pa.int64():
         return b == pa.uint64() or b == pa.float64()
