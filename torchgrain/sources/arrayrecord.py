@@ -564,10 +564,13 @@ class ArrayRecordSource(EncodedSource):
             raise self._outside(shard, chunk, pos, end, index)
         view = region.view[at : at + footer.file_size]
         f = ArrayRecordFile.over(view, self._paths[shard], footer, decoder, fast)
-        try:  # (chunk_record's checks of its map are the region's)
-            return f.chunk_record(chunk, footer)
+        try:  # (the checks of its map are the region's: the chunk read from it directly)
+            values, bounds = f._local_chunk(chunk, view, fast)
         except CorruptDataError as e:
             raise self._named(e, shard, index) from e
+        if bounds is None:
+            return values if type(values) is bytes else bytes(values)
+        return bytes(values[int(bounds[0]) : int(bounds[1])])  # its one record
 
     def _outside(self, shard: int, chunk: int, pos: int, end: int, index: int) -> CorruptDataError:
         return self._dindex.error(  # type: ignore[union-attr]
