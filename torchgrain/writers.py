@@ -1369,7 +1369,8 @@ def _int64_as(a: Any, b: Any, leaf: Any) -> bool:
 
 def _int64_leaves(column: Any, kind: Any, leaf: Any) -> Iterator[Any]:
     """The int64 arrays of ``column`` (an array, or a chunked one) where type ``kind`` has
-    ``leaf``: its values, its lists' items, its structs' fields (nulls above them kept).
+    ``leaf`` (None: every one): its values, its lists' items, its structs' fields (nulls
+    above them kept).
 
     Example:
         >>> import pyarrow as pa
@@ -1383,12 +1384,14 @@ def _int64_leaves(column: Any, kind: Any, leaf: Any) -> Iterator[Any]:
 
     t = column.type
     if t == pa.int64():
-        if kind == leaf:
+        if kind is None or kind == leaf:
             yield column
-    elif _is_list(t) and _is_list(kind):
-        yield from _int64_leaves(pc.list_flatten(column), kind.value_type, leaf)
-    elif pa.types.is_struct(t) and pa.types.is_struct(kind):
-        of_kind = {f.name: f.type for f in kind}
+    elif _is_list(t) and (kind is None or _is_list(kind)):
+        inner = None if kind is None else kind.value_type
+        yield from _int64_leaves(pc.list_flatten(column), inner, leaf)
+    elif pa.types.is_struct(t) and (kind is None or pa.types.is_struct(kind)):
+        names = t if kind is None else kind
+        of_kind = {f.name: None if kind is None else f.type for f in names}
         for f, child in zip(t, column.flatten()):
             if f.name in of_kind:
                 yield from _int64_leaves(child, of_kind[f.name], leaf)
@@ -1481,16 +1484,18 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
 
 
 def _outside(
-    path: str, columns: dict[str, Any], low: int, high: int | None
+    path: str, columns: dict[str, Any] | Sequence[str], low: int, high: int | None
 ) -> tuple[str, int] | None:
     """A column of ``columns`` (name -> the type it becomes: its int64s uint64 where
-    ``high`` is None, else double) of the Parquet file ``path`` and an int of it outside
-    ``low..high`` (None: no bound), or None. Its row groups'
+    ``high`` is None, else double; names alone: every int64 of them) of the Parquet file
+    ``path`` and an int of it outside ``low..high`` (None: no bound), or None. Its row groups'
     statistics decide where written, else a row group's column at a time (bounded
     memory); a double's bound (``high`` given) names the row group's first such int."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if not isinstance(columns, dict):
+        columns = dict.fromkeys(columns)
     with pq.ParquetFile(path) as pf:
         meta = pf.metadata
         # A leaf's (path, lists above it) -> its index; None: two of them (a top-level
