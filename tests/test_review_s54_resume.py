@@ -40,3 +40,74 @@ def test_state_loaded_during_a_pass_is_where_the_next_pass_starts(workers):
     for _ in it:  # the pass that was running reads on to its end
         pass
     assert [b.tolist() for b in loader] == reference[2:]
+
+
+@pytest.fixture
+def no_launcher_env(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _prepared(n, processes, rank, workers=0, drop_last=False, even=True):
+    from accelerate.data_loader import prepare_data_loader
+
+    data = list(range(n))
+    sampler = tg.GlobalShuffleSampler(data, seed=1)
+    loader = DataLoader(
+        data, batch_size=4, sampler=sampler, num_workers=workers, drop_last=drop_last
+    )
+    return tg.ResumableLoader(
+        prepare_data_loader(
+            loader,
+            num_processes=processes,
+            process_index=rank,
+            put_on_device=False,
+            even_batches=even,
+        )
+    )
+
+
+def _epochs(loader, epochs):
+    """(epoch, batches) of every pass from the loader's epoch on."""
+    return [(loader.epoch, [b.tolist() for b in loader]) for _ in range(loader.epoch, epochs)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ResumableLoader: after a resumed pass with no batch, an Accelerate loader (whose "
+    "epoch counter only moves on a pass that yields) sets the sampler back to that epoch",
+)
+@pytest.mark.parametrize(
+    "processes, drop_last, even",
+    [(1, True, True), (2, False, False)],
+    ids=["one-process-drop-last", "two-processes-uneven"],
+)
+def test_accelerate_resume_at_an_epochs_last_step_moves_on(
+    processes, drop_last, even, no_launcher_env
+):
+    """A state saved at the last step of an epoch, where the resumed pass has no batch left
+    for a process (the DataLoader drops the partial batch, or even_batches=False gave this
+    process one batch fewer), goes on with the next epochs exactly as the uninterrupted run
+    does: the docs promise the empty pass moves on to the next epoch, never a replay of the
+    epoch just finished."""
+    pytest.importorskip("accelerate")
+    n, epochs = 18, 3
+    reference = {
+        r: _epochs(_prepared(n, processes, r, 0, drop_last, even), epochs) for r in range(processes)
+    }
+    stop = len(reference[0][0][1]) - (0 if drop_last else 1)  # rank 0's last full step
+    state = None
+    for r in range(processes):
+        loader = _prepared(n, processes, r, 0, drop_last, even)
+        for step, _ in enumerate(loader, start=1):
+            if step == stop:
+                break
+        if r == 0:
+            state = pickle.loads(pickle.dumps(loader.state_dict()))
+    for r in range(processes):
+        resumed = _prepared(n, processes, r, 0, drop_last, even)
+        resumed.load_state_dict(state)
+        passes = _epochs(resumed, epochs)
+        rest = [b for _, batches in passes for b in batches]
+        expected = reference[r][0][1][stop:] + [b for _, bs in reference[r][1:] for b in bs]
+        assert rest == expected, f"process {r}"
