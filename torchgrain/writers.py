@@ -444,7 +444,9 @@ def _in_units(value: Any, kind: Any) -> Any:
         if isinstance(value, np.ndarray) and value.dtype.kind in "mM":
             got = _in_units(value, kind.value_type)
             if not np.isnat(got).any():
-                return got
+                # Arrow takes a list of dates as ints (as datetime64[D], only alone: not
+                # beside a Python list of them).
+                return got.astype(np.int64) if pa.types.is_date(kind.value_type) else got
             value = list(got)  # each NaT None, below
         return [_in_units(v, kind.value_type) for v in value]
     return value
