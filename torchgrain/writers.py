@@ -348,7 +348,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         # Arrow builds lists from 1-D arrays only, and casts their values to the type
         # without a word: nested lists from numpy's shapes, of the arrays' own dtype,
         # then cast to the column's list type (fixed size, large) if another.
-        built = _column(values)
+        built = _column(values, fixed=_fixed_sizes(kind))
         if not _same_leaves(built.type, kind):
             raise TypeError(f"it holds arrays of {built.type}")
         return built.cast(kind)
@@ -510,6 +510,26 @@ def _is_list(kind: Any) -> bool:
     )
 
 
+def _fixed_sizes(kind: Any) -> tuple[int, ...]:
+    """The sizes of the fixed-size lists innermost in list type ``kind`` (those of an
+    array's last dimensions there).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _fixed_sizes(pa.list_(pa.list_(pa.list_(pa.float32(), 3), 4)))
+        (4, 3)
+        >>> _fixed_sizes(pa.list_(pa.list_(pa.float32()), 4))
+        ()
+    """
+    import pyarrow as pa
+
+    sizes: tuple[int, ...] = ()
+    while _is_list(kind):
+        sizes = (*sizes, kind.list_size) if pa.types.is_fixed_size_list(kind) else ()
+        kind = kind.value_type
+    return sizes
+
+
 def _same_leaves(a: Any, b: Any) -> bool:
     """Whether list types ``a`` and ``b`` nest alike down to the same value type."""
     import pyarrow as pa
@@ -524,8 +544,10 @@ def _same_leaves(a: Any, b: Any) -> bool:
 _LIST_ITEMS = 2**31 - 1  # the most items a batch's lists hold at one level (int32 offsets)
 
 
-def _column(values: list[Any], first: int = 0) -> Any:
-    """``values`` as an Arrow array, errors numbering them from ``first``."""
+def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> Any:
+    """``values`` as an Arrow array, errors numbering them from ``first``; ``fixed``: the
+    sizes of the innermost dimensions of its arrays that their column's type records
+    (its fixed-size lists, see :func:`_fixed_sizes`)."""
     import pyarrow as pa
 
     present = [v for v in values if v is not None]
@@ -542,9 +564,13 @@ def _column(values: list[Any], first: int = 0) -> Any:
                 f"{sorted(str(d) for d in dtypes)}, ndim {sorted(ndims)}"
             )
         dtype, ndim = dtypes.pop(), ndims.pop()
+        end = ndim - len(fixed)
         for a in arrs:
-            # Nested lists keep no length below an empty one: (0, 2) would read back (0, 0).
-            if any(n == 0 and any(a.shape[d + 1 :]) for d, n in enumerate(a.shape[:-1])):
+            if fixed and a.size == 0 and a.shape[end:] != fixed:  # (else: refused by the cast)
+                raise TypeError(f"an array of shape {a.shape} in fixed-size lists of {fixed}")
+            # Nested lists keep no length below an empty one: (0, 2) would read back (0, 0),
+            # but for the sizes a fixed-size list records.
+            if any(n == 0 and any(a.shape[d + 1 : end]) for d, n in enumerate(a.shape[:-1])):
                 raise TypeError(
                     f"an array of shape {a.shape} loses its shape in Parquet (nothing records "
                     "the sizes below a zero-length dimension); reshape it or write array_record"
