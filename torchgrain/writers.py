@@ -352,10 +352,10 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if not _same_leaves(built.type, kind):
             raise TypeError(f"it holds arrays of {built.type}")
         return built.cast(kind)
-    if _is_list(kind) and any(isinstance(v, np.ndarray) and v.ndim > 1 for v in values):
-        # Square rows (2-D arrays) beside ragged ones (lists of arrays): Arrow takes 1-D
-        # arrays only.
-        values = [_one_d(v) for v in values]
+    if _first(kind, _is_matrix) is not None:
+        # Square rows (2-D arrays) beside ragged ones (lists of arrays), or in structs and
+        # maps: Arrow takes 1-D arrays only.
+        values = [_one_d(v, kind) for v in values]
     wide_kind = _widened(kind)
     if _first(kind, _temporal_unit) is not None:
         # Timestamps and dates inside structs or maps: Arrow builds them from numpy
@@ -399,11 +399,42 @@ def _widened(kind: Any) -> Any:
     return kind
 
 
-def _one_d(value: Any) -> Any:
-    """``value`` with each array of two or more dimensions in it a list of 1-D arrays."""
-    if isinstance(value, np.ndarray) and value.ndim > 1:
-        return [_one_d(a) for a in value]
+def _one_d(value: Any, kind: Any) -> Any:
+    """``value`` with each array of two or more dimensions in it a list of 1-D arrays,
+    where ``kind`` (its type) has a list of lists, at any depth.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _one_d({"m": np.eye(2), "n": 1}, pa.struct({"m": pa.list_(pa.list_(pa.float64()))}))
+        {'m': [array([1., 0.]), array([0., 1.])], 'n': 1}
+    """
+    import pyarrow as pa
+
+    if _first(kind, _is_matrix) is None:
+        return value
+    if _is_list(kind):
+        if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 1):
+            inner = kind.value_type
+            if _first(inner, _is_matrix) is None:  # (its items: 1-D arrays or lists)
+                return list(value) if isinstance(value, np.ndarray) else value
+            return [_one_d(v, inner) for v in value]
+        return value
+    if pa.types.is_struct(kind) and isinstance(value, dict):
+        fields = {f.name: f.type for f in kind}
+        return {k: _one_d(v, fields[k]) if k in fields else v for k, v in value.items()}
+    if pa.types.is_map(kind) and isinstance(value, (list, tuple)):
+        return [
+            (_one_d(p[0], kind.key_type), _one_d(p[1], kind.item_type))
+            if isinstance(p, tuple) and len(p) == 2
+            else p
+            for p in value
+        ]
     return value
+
+
+def _is_matrix(kind: Any) -> bool:
+    """Whether type ``kind`` is a list of lists (where a 2-D array goes)."""
+    return _is_list(kind) and _is_list(kind.value_type)
 
 
 def _in_units(value: Any, kind: Any) -> Any:
