@@ -22,6 +22,35 @@ def _value_type(t: pa.DataType) -> pa.DataType:
     return t.value_type if pa.types.is_dictionary(t) else t
 
 
+def _decoded(t: pa.DataType) -> pa.DataType:
+    """``t`` with each dictionary type in it (at any depth: list items, struct fields,
+    map keys and items) its value type, as :func:`arrow_type_name` names it.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> _decoded(pa.list_(pa.dictionary(pa.int32(), pa.string())))
+        ListType(list<item: string>)
+    """
+    if pa.types.is_dictionary(t):
+        return _decoded(t.value_type)
+    if t.num_fields == 0:
+        return t
+    if is_list_type(t):
+        field = t.value_field.with_type(_decoded(t.value_type))
+        if pa.types.is_large_list(t):
+            return pa.large_list(field)
+        return pa.list_(field, t.list_size if pa.types.is_fixed_size_list(t) else -1)
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_decoded(f.type)) for f in t])
+    if pa.types.is_map(t):
+        return pa.map_(
+            t.key_field.with_type(_decoded(t.key_type)),
+            t.item_field.with_type(_decoded(t.item_type)),
+            keys_sorted=t.keys_sorted,
+        )
+    return t
+
+
 def merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
     """The type both ``a`` and ``b`` widen to without loss, or None (see ParquetSource).
 
@@ -46,7 +75,7 @@ def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
         >>> common_type([pa.uint8(), pa.int8()]) is None   # no int16 among them
         True
     """
-    values = [t for t in map(_value_type, types) if not pa.types.is_null(t)]
+    values = [t for t in map(_decoded, types) if not pa.types.is_null(t)]
     if not values:
         return pa.null()
     if all(t.equals(values[0]) for t in values):
