@@ -592,9 +592,10 @@ def size_and_version(
     return size, next((str(info[k]) for k in _VERSION_KEYS if info.get(k)), None)
 
 
-# What names a version of a remote file in fsspec's info, the most specific first.
+# What names a version of a remote file in fsspec's info, the most specific first
+# ("Last-Modified": HTTP's, for a server that sends no ETag).
 _VERSION_KEYS = ("generation", "version_id", "VersionId", "ETag", "etag", "md5Hash")
-_VERSION_KEYS += ("mtime", "LastModified", "last_modified", "updated", "created")
+_VERSION_KEYS += ("Last-Modified", "mtime", "LastModified", "last_modified", "updated", "created")
 
 
 def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None, *, fresh: bool = False) -> None:
