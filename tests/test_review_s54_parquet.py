@@ -8,7 +8,6 @@ import datetime
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 import torchgrain as tg
 
@@ -22,11 +21,6 @@ def _convert_parquet(tmp_path, column: pa.Array) -> tuple[tg.ParquetSource, tg.P
     return tg.ParquetSource(str(src_dir)), tg.ParquetSource(str(tmp_path / "out"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Parquet to Parquet refuses a list<fixed_size_list> row with no items: "
-    "its (0, k) array is taken for a shape Parquet loses",
-)
 def test_convert_keeps_empty_rows_of_a_list_of_fixed_size_lists(tmp_path):
     """Bounding boxes as list<fixed_size_list<float, 4>>: an image without boxes reads as
     an array of shape (0, 4), which the column's fixed size records; converting the file
@@ -43,11 +37,6 @@ def test_convert_keeps_empty_rows_of_a_list_of_fixed_size_lists(tmp_path):
     assert got == expected
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Parquet to Parquet refuses a struct holding a rectangular list of lists "
-    "(read as a 2-D array, which Arrow does not take inside a struct)",
-)
 def test_convert_keeps_a_matrix_inside_a_struct(tmp_path):
     """A struct field list<list<float>> whose lists have one length reads as a 2-D array
     in the record's dict; converting the file to Parquet writes it back as the nested
@@ -60,11 +49,6 @@ def test_convert_keeps_a_matrix_inside_a_struct(tmp_path):
     assert pq.read_table(out.paths[0]).column("v").to_pylist() == column.to_pylist()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Parquet to Parquet refuses a list<date32> column where a row holds a null "
-    "date beside rows without (datetime64[D] arrays handed to Arrow as dates)",
-)
 def test_convert_keeps_dates_in_lists_with_null_items(tmp_path):
     """list<date32>: a row with a null item reads as a Python list, the others as
     datetime64[D] arrays; converting the file to Parquet keeps both rows' dates and the
@@ -78,11 +62,6 @@ def test_convert_keeps_dates_in_lists_with_null_items(tmp_path):
     assert pq.read_table(out.paths[0]).column("v").to_pylist() == column.to_pylist()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a list of dictionary-encoded strings beside a list of strings in another file "
-    "is refused, with a message naming the same type twice",
-)
 def test_files_with_dictionary_encoded_strings_inside_lists_are_read(tmp_path):
     """Dictionary-encoded values widen to their value type when files are merged, inside
     a list as at the top level: one file's list<dictionary<string>> beside another's
