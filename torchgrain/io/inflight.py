@@ -61,6 +61,7 @@ from torchgrain.io.responses import (
     ResponseSizeError,
     changed_error,
     check_file_answer,
+    content_range,
     range_request,
     read_capped,
     request_coroutine,
@@ -179,7 +180,7 @@ async def _get_ranges(
     in (see :func:`_first_asked`). Raises :class:`_Refused` for an error status, as one
     range's request would for a missing file or a busy server, and a
     :class:`MultipartError` for an answer that is not what was asked for (the whole file,
-    a broken body)."""
+    a broken body); one with two ``Content-Range`` headers is a :class:`RangeAnswerError`."""
     kw, tag = range_request(fs, path, range_header(merged))
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), **kw) as r:
@@ -197,6 +198,7 @@ async def _get_ranges(
         if heard is not None:
             heard.set()
         try:
+            ranged = content_range(path, r.headers)  # (two are refused before the body)
             body = await read_capped(
                 socket_pieces(r.content),
                 response_limit(merged),
@@ -212,7 +214,7 @@ async def _get_ranges(
                 parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
             else:
                 # One part: the server merged the ranges (RFC 9110 allows it) into one.
-                parts, size = single_part(r.headers.get("Content-Range"), body)
+                parts, size = single_part(ranged, body)
         except MultipartError:
             raise
         except Exception as e:  # whatever else a malformed answer trips

@@ -7,10 +7,10 @@ body read in pieces and given up as soon as it holds more than was asked for
 (:func:`request_coroutine`).
 
 A range answer is the range asked, of the file opened (:func:`check_range_answer`): a
-``206`` whose ``Content-Range`` names other bytes, or a file of another size than the one
-pinned when the file was opened (:func:`pin`), or whose ``ETag``/``Last-Modified`` differ
-from the first answer's, is a :class:`RangeAnswerError`; so is a ``200`` (the whole file)
-unless it is exactly the range asked. A pinned ``ETag`` is sent as ``If-Match`` (HTTP and
+``206`` whose ``Content-Range`` names other bytes (or that has two), or a file of another
+size than the one pinned when the file was opened (:func:`pin`), or whose
+``ETag``/``Last-Modified`` differ from the first answer's, is a :class:`RangeAnswerError`;
+so is a ``200`` (the whole file) unless it is exactly the range asked. A pinned ``ETag`` is sent as ``If-Match`` (HTTP and
 S3), so a store that honours it answers ``412`` for a replaced object.
 
 Example:
@@ -39,6 +39,7 @@ __all__ = [
     "ResponseSizeError",
     "changed_error",
     "check_range_answer",
+    "content_range",
     "differ",
     "pin",
     "pinned",
@@ -421,6 +422,33 @@ def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str 
     return kw, tag
 
 
+def content_range(path: str, headers: Any) -> str | None:
+    """The ``Content-Range`` of an answer for ``path`` (aiohttp's ``headers``), None where
+    it has none. A field that may appear once: an answer with two (a proxy that adds its
+    own beside its upstream's) says two things of the bytes it holds, and is refused.
+
+    Raises:
+        RangeAnswerError: more than one ``Content-Range``.
+
+    Example:
+        >>> from multidict import CIMultiDict
+        >>> content_range("h://x/n", CIMultiDict([("Content-Range", "bytes 0-1/4")]))
+        'bytes 0-1/4'
+        >>> content_range("h://x/n", CIMultiDict([("Content-Range", "bytes 2-3/4")] * 2))
+        Traceback (most recent call last):
+        ...
+        torchgrain.io.responses.RangeAnswerError: h://x/n: the answer has 2 Content-Range headers ('bytes 2-3/4', 'bytes 2-3/4'): it cannot say which bytes it holds
+    """
+    got = headers.getall("Content-Range", ())
+    if len(got) > 1:
+        named = ", ".join(repr(v[:80]) for v in got[:4])
+        raise RangeAnswerError(
+            f"{path}: the answer has {len(got)} Content-Range headers ({named}): it cannot "
+            "say which bytes it holds"
+        )
+    return got[0] if got else None
+
+
 def too_long(path: str, start: int, end: int) -> str:
     """Why a response for bytes ``[start, end)`` of ``path`` holding more is refused.
 
@@ -471,7 +499,7 @@ async def _http_cat_file(
                 start,
                 end,
                 r.status,
-                r.headers.get("Content-Range"),
+                content_range(path, r.headers),
                 r.headers.get("ETag"),
                 r.headers.get("Last-Modified"),
                 length=r.content_length,
