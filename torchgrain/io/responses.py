@@ -10,8 +10,12 @@ A range answer is the range asked, of the file opened (:func:`check_range_answer
 ``206`` whose ``Content-Range`` names other bytes (or that has two), or a file of another
 size than the one pinned when the file was opened (:func:`pin`), or whose
 ``ETag``/``Last-Modified`` differ from the first answer's, is a :class:`RangeAnswerError`;
-so is a ``200`` (the whole file) unless it is exactly the range asked. A pinned ``ETag`` is sent as ``If-Match`` (HTTP and
-S3), so a store that honours it answers ``412`` for a replaced object.
+so is a ``200`` (the whole file) unless it is exactly the range asked. A pinned ``ETag``
+is sent as ``If-Match`` (HTTP and S3), so a store that honours it answers ``412`` for a
+replaced object.
+
+A directory listing over HTTP(S) is a page of links, read as a browser reads them
+(:func:`page_links`).
 
 Example:
     >>> import asyncio
@@ -26,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import html
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urljoin
 
 from torchgrain.io.paths import is_http
 
@@ -41,6 +47,7 @@ __all__ = [
     "check_range_answer",
     "content_range",
     "differ",
+    "page_links",
     "pin",
     "pinned",
     "read_capped",
@@ -604,12 +611,94 @@ async def _http_head(fs: Any, path: str, *, page_limit: int) -> dict[str, Any]:
         return {"status": r.status, "headers": dict(r.headers), "url": str(r.url)}
 
 
+# A page's links, as fsspec's HTTP listing finds them: each ``<a href="...">``, and
+# (``simple_links``) each bare http(s) URL in its text.
+_HREF = re.compile(r"""<(a|A)\s+(?:[^>]*?\s+)?(href|HREF)=["'](?P<url>[^"']+)""")
+_BARE_URL = re.compile(r"""(?P<url>http[s]?://[-a-zA-Z0-9@:%_+.~#?&/=]+)""")
+_ABSOLUTE = re.compile(r"(?i:https?:)|/")
+_HTTP_SCHEME = re.compile(r"(?i)https?:")
+
+
+def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
+    """The links of listing page ``url`` (its HTML ``text``) that may be its entries, as
+    URLs, sorted: each resolved against the page as a browser does (HTML entities
+    unescaped: ``q&amp;a`` is ``q&a``), ``url`` taken for a folder. An http(s) URL or a
+    path from the server's root is kept only below ``url`` (http and https alike, as
+    fsspec does); any other link is relative (``https_logs.parquet`` too: fsspec took
+    every link starting with ``http`` for another site's, and its file was lost;
+    ``a:b.parquet`` too, a name, not a scheme) and is kept wherever it resolves, but
+    ``..``: the listing's caller confines what it finds.
+
+    Example:
+        >>> page = '<a href="https_logs.x">h</a> <a href="q&amp;a.x">q</a> <a href="../">up</a>'
+        >>> page += '<a href="/d/s/">s</a> <a href="http://other/d/b.x">o</a> <a href="a:b.x">'
+        >>> page_links("http://h/d", page)
+        ['http://h/d/a:b.x', 'http://h/d/https_logs.x', 'http://h/d/q&a.x', 'http://h/d/s/']
+    """
+    hrefs = [m["url"] for m in _HREF.finditer(text)]
+    if simple_links:
+        hrefs += _BARE_URL.findall(text)
+    folder = url.rstrip("/") + "/"
+    under = _HTTP_SCHEME.sub("", folder, count=1)
+    out = set()
+    for href in hrefs:
+        link = html.unescape(href)
+        if _ABSOLUTE.match(link):
+            got = urljoin(folder, link)
+            if _HTTP_SCHEME.match(got) and _HTTP_SCHEME.sub("", got, count=1).startswith(under):
+                out.add(got)
+        elif link not in ("..", "../"):  # (an FTP-like parent)
+            out.add(urljoin(folder, "./" + link))  # ("./": a colon in a name is no scheme)
+    return sorted(out)
+
+
+async def _http_ls(
+    fs: Any, url: str, detail: bool = True, *, page_limit: int, **kwargs: Any
+) -> list[Any]:
+    """fsspec's HTTP ``ls``, its links read by :func:`page_links` (the page read by
+    fsspec's session, capped at ``page_limit`` by :func:`torchgrain.io.remote._client`)."""
+    if fs.use_listings_cache and url in fs.dircache:
+        names = [e["name"] for e in fs.dircache[url]]
+    else:
+        names = []
+        session = await fs.set_session()
+        async with session.get(fs.encode_url(url), **fs.kwargs) as r:
+            fs._raise_not_found_for_status(r, url)
+            mimetype = r.headers.get("Content-Type")
+            if mimetype is not None:
+                mimetype = mimetype.partition(";")[0]
+            if mimetype in ("text/html", None):
+                try:
+                    text = await r.text(errors="ignore")
+                    names = page_links(url, text, simple_links=fs.simple_links)
+                except UnicodeDecodeError:
+                    pass  # binary, not HTML
+        if not names and url.endswith("/"):
+            names = await _http_ls(fs, url.rstrip("/"), detail=False, page_limit=page_limit)
+        fs.dircache[url] = [_entry(n) for n in names]
+    return [_entry(n) for n in names] if detail else names
+
+
+def _entry(name: str) -> dict[str, Any]:
+    return {"name": name, "size": None, "type": "directory" if name.endswith("/") else "file"}
+
+
+async def _http_isdir(fs: Any, path: str, *, page_limit: int) -> bool:
+    """fsspec's HTTP ``isdir``: whether ``path`` is a page of links (:func:`_http_ls`)."""
+    try:
+        return bool(await _http_ls(fs, path, detail=False, page_limit=page_limit))
+    except (FileNotFoundError, ValueError):
+        return False
+
+
 _S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "cat_file": _s3_cat_file,
     "cat_ranges": functools.partial(_cat_ranges, _s3_cat_file),
 }
 _HTTP_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "head": _http_head,
+    "ls": _http_ls,
+    "isdir": _http_isdir,
     "cat_file": _http_cat_file,
     "cat_ranges": functools.partial(_cat_ranges, _http_cat_file),
 }
