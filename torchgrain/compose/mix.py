@@ -21,6 +21,11 @@ An epoch of a mixture has ``L`` positions. Source ``k`` fills exactly ``c_k`` of
   source and pass). So a source gives every record once per pass, never the
   same record twice within a pass, and an upsampled source starts a new pass (a new
   order) exactly when it runs out, independently of the other sources' passes.
+* **A mixture under a mixture.** A source whose positions read other records at
+  another epoch (a mixture anywhere under it) is read, for its draws in pass ``p``, as
+  at epoch ``p``: one pass over it is one of its epochs, so it too gives each of its
+  records once per pass (read at the current epoch instead, a pass that spans epochs
+  would read some records twice and others never).
 
 A sampler over the mixture (global shuffle, block shuffle, distributed) sees an
 ordinary map-style dataset of length ``L``; its position is the whole state, so
@@ -30,6 +35,7 @@ sampler sets (:meth:`Mix.set_epoch`), shared with DataLoader workers.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import operator
@@ -39,10 +45,19 @@ from typing import Any
 
 import numpy as np
 
+from torchgrain.columns import ColumnBatch
 from torchgrain.compose.concat import Concat, named_datasets
-from torchgrain.compose.view import View, check_indices, short_repr
+from torchgrain.compose.filter import changes_with_epoch
+from torchgrain.compose.view import (
+    View,
+    check_indices,
+    read_column_pairs,
+    read_pairs,
+    short_repr,
+)
 from torchgrain.dataset import Dataset, EpochCell
 from torchgrain.sampling.permutation import KeyedPermutations
+from torchgrain.sources.base import Source
 
 __all__ = ["Mix", "MixOrder", "mix", "mixture_counts", "mixture_length", "mixture_weights"]
 
@@ -55,6 +70,11 @@ _MAX_LENGTH = 1 << 62
 # Permutation families kept per process (one per pass number a batch touches).
 _NUMBERS = (int, float, Fraction, np.integer, np.floating)  # what a weight may be
 _PERMS_KEPT = 64
+# The epoch that mixtures resolve their positions in while a mixture above them reads
+# one of its passes over them (None: each its own, the one set_epoch set).
+_READ_EPOCH: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "torchgrain_mix_read_epoch", default=None
+)
 
 
 def _fractions(weights: Sequence[Any], what: str = "weights") -> list[Fraction]:
@@ -278,6 +298,8 @@ class Mix(View):
     calls it), kept in a cell shared with DataLoader workers, persistent ones included.
     ``block_offsets`` is one block (a mixture's positions are not where its sources store
     records together), so :class:`~torchgrain.BlockShuffleSampler` shuffles it whole.
+    A source with a mixture under it is read, for its draws in pass ``p``, as at epoch
+    ``p`` (see the module docstring).
     """
 
     def __init__(
@@ -320,6 +342,10 @@ class Mix(View):
         self._order = MixOrder(self.counts)
         self._passes = _Passes(sizes, self.seed)
         self._epoch = EpochCell(0)
+        # The sources read as at the epoch of their pass: those with a mixture under them.
+        self._by_pass = np.array(
+            [changes_with_epoch(c, transforms=False) is not None for c in sources.children]
+        )
 
     def __len__(self) -> int:
         return self._order.length
@@ -346,14 +372,46 @@ class Mix(View):
         return self._resolve(check_indices(indices, len(self)))
 
     def _resolve(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        source, number = self._numbers(indices)
+        return source, self._passes(source, number)
+
+    def _numbers(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, draw number over the whole run)`` of each position."""
         source, draw = self._order(indices)
-        epoch = self._epoch.get()
+        epoch = _READ_EPOCH.get()  # a pass of a mixture above this one, else its own
+        if epoch is None:
+            epoch = self._epoch.get()
         # The draw's number over the whole run: this epoch's draws follow the previous
         # epochs' (each had counts[k] of them); in Python integers where int64 would wrap.
         counts = self.counts[source]
         if (abs(epoch) + 1) * self._order.length >= 1 << 63:
             counts = counts.astype(object)
-        return source, self._passes(source, epoch * counts + draw)
+        return source, epoch * counts + draw
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        if not self._by_pass.any():
+            return super().__getitems__(indices)
+        return read_pairs(*self._readers(check_indices(indices, len(self))))
+
+    def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        if not self._by_pass.any():
+            return super().read_columns(indices)
+        return read_column_pairs(*self._readers(check_indices(indices, len(self))))
+
+    def _readers(self, indices: np.ndarray) -> tuple[list[Any], np.ndarray, np.ndarray]:
+        """``(readers, reader, index)``: reader 0 is the sources as they are, reader
+        ``1 + q`` the sources as at epoch ``passes[q]``, for the draws in that pass of a
+        source with a mixture under it."""
+        source, number = self._numbers(indices)
+        local = self.sources.offsets[source] + self._passes(source, number)
+        by_pass = self._by_pass[source]
+        passes, reader = np.unique(
+            number[by_pass] // self._passes.sizes[source[by_pass]], return_inverse=True
+        )
+        which = np.zeros(len(indices), dtype=np.int64)
+        which[by_pass] = 1 + reader.reshape(-1)
+        readers = [self.sources, *(_AtEpoch(self.sources, int(p)) for p in passes.tolist())]
+        return readers, which, local
 
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         source, record = self._resolve(indices)
@@ -365,6 +423,39 @@ class Mix(View):
     def __repr__(self) -> str:
         inner = ", ".join(repr(c) for c in self.sources.children)
         return f"Mix([{inner}], counts={self.counts.tolist()}, seed={self.seed})"
+
+
+class _AtEpoch(Source):
+    """``source`` read as at ``epoch``: every mixture under it resolves its positions
+    in that epoch (its own epoch, the one ``set_epoch`` set, is left as it is)."""
+
+    def __init__(self, source: Concat, epoch: int) -> None:
+        self.source, self.epoch = source, epoch
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def keys(self) -> list[str]:
+        return self.source.keys
+
+    @property
+    def schema(self) -> dict[str, str]:
+        return self.source.schema
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        token = _READ_EPOCH.set(self.epoch)
+        try:
+            return self.source.__getitems__(indices)
+        finally:
+            _READ_EPOCH.reset(token)
+
+    def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        token = _READ_EPOCH.set(self.epoch)
+        try:
+            return self.source.read_columns(indices)
+        finally:
+            _READ_EPOCH.reset(token)
 
 
 def mix(
