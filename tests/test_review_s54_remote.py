@@ -9,7 +9,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 import torchgrain as tg
 from tests import servers
@@ -35,11 +34,6 @@ class _LastModifiedServer(RangeHTTPServer):
         super()._serve(_LastModifiedOnly)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fsspec's HTTP ls takes a relative link whose name starts with 'http' for an "
-    "absolute URL of another site and drops it: the file's records are silently lost",
-)
 def test_a_listed_file_whose_name_starts_with_http_is_read(tmp_path):
     """A directory listing with relative links (nginx's autoindex, Apache's, Python's
     ``http.server``) naming ``https_logs.parquet`` beside ``a.parquet``: both files are
@@ -60,11 +54,6 @@ def test_a_listed_file_whose_name_starts_with_http_is_read(tmp_path):
             src.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="remote.size_and_version does not know fsspec HTTP's 'Last-Modified' info key: "
-    "a TFRecord index kept for a re-uploaded file (no ETag) is reused by its size alone",
-)
 def test_a_tfrecord_file_re_uploaded_on_a_server_without_etags_is_indexed_anew(tmp_path):
     """A TFRecord file served with ``Last-Modified`` and no ``ETag``, re-uploaded with the
     same size and other records (a new ``Last-Modified``), then opened again: its kept
@@ -122,11 +111,6 @@ class _TwoContentRanges(BaseHTTPRequestHandler):
         self.wfile.write(self.data[:n])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="responses._http_cat_file checks only the first of two Content-Range headers: "
-    "an answer that also names the bytes it holds (other ones) is handed over as the range",
-)
 def test_a_range_answer_with_two_content_ranges_is_never_taken_for_the_range(tmp_path):
     """A ``206`` with two ``Content-Range`` headers (a field that may appear once), the
     first naming the bytes asked for, the second the file's first bytes, which its body
