@@ -204,16 +204,17 @@ class ResumableLoader:
     def _batches(self) -> Iterator[Any]:
         self._taken = 0
         self._tell_dataset()
-        epoch = None  # the pass's epoch, read once the loader has started (and set it)
+        counts = None  # the pass's sampler iteration, read once the loader has started it
         for batch in self.loader:
-            if epoch is None:
-                epoch, self._counts = self.sampler.epoch, self.sampler._iteration
+            if counts is None:
+                counts = self._counts = self.sampler._iteration
             self._taken += 1
             yield batch
         self._taken = 0
         # A complete pass, also one with no batch (a resume saved at the last batch of an
-        # epoch whose partial batch the DataLoader drops): the next one is the next epoch.
-        if epoch is None or self.sampler.epoch == epoch:
+        # epoch whose partial batch the DataLoader drops): the next one is the next epoch,
+        # unless a load or another epoch came during the pass (where the next one starts).
+        if counts is None or self.sampler._iteration == counts:
             self.sampler.set_epoch(self.sampler.epoch + 1)
 
     def __len__(self) -> int:
