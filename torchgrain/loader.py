@@ -214,8 +214,9 @@ class ResumableLoader:
         # A complete pass, also one with no batch (a resume saved at the last batch of an
         # epoch whose partial batch the DataLoader drops): the next one is the next epoch,
         # unless a load or another epoch came during the pass (where the next one starts).
+        # The wrapped loader is told too: Accelerate's counts only passes that yield.
         if counts is None or self.sampler._iteration == counts:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.set_epoch(self.sampler.epoch + 1)
 
     def __len__(self) -> int:
         return len(self.loader)
