@@ -19,11 +19,6 @@ def _loader(data, workers=0, batch=4, seed=1):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader: a pass of the loaded state's epoch that runs to its end after "
-    "load_state_dict moves the sampler to the next epoch, dropping the loaded position",
-)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_state_loaded_during_a_pass_is_where_the_next_pass_starts(workers):
     """A state loaded while a pass is still read (a rollback to a checkpoint of the same
@@ -73,11 +68,6 @@ def _epochs(loader, epochs):
     return [(loader.epoch, [b.tolist() for b in loader]) for _ in range(loader.epoch, epochs)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResumableLoader: after a resumed pass with no batch, an Accelerate loader (whose "
-    "epoch counter only moves on a pass that yields) sets the sampler back to that epoch",
-)
 @pytest.mark.parametrize(
     "processes, drop_last, even",
     [(1, True, True), (2, False, False)],
@@ -114,12 +104,6 @@ def test_accelerate_resume_at_an_epochs_last_step_moves_on(
         assert rest == expected, f"process {r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mix over a mixture read in part each epoch: the outer pass over the inner "
-    "mixture's positions spans epochs whose positions read other records, so some records "
-    "are read twice and others never in one pass",
-)
 def test_mixture_of_a_mixture_reads_each_record_once_per_pass():
     """A mixture mixed again and read half per epoch: after two epochs (one whole pass over
     the inner mixture's 20 positions) each of its 20 records has been read exactly once,
