@@ -501,6 +501,7 @@ FAULTS = (
     "ignore_range",
     "flood",
     "no_length",
+    "garbled",
 )
 
 
@@ -565,6 +566,11 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
+            return
+        if kind == "garbled":
+            line = fault.params.get("line", "HTTP/1.1 2OO OK")
+            self.wfile.write(f"{line}\r\nContent-Length: x1\r\n\r\nnot http".encode())
+            self.close_connection = True
             return
         if kind == "flood" and self.command == "GET":
             p = fault.params
@@ -689,7 +695,10 @@ class FaultProxy(_Serving):
       ``content_type``; the bytes that went out before the client hung up are counted
       in :attr:`flooded`;
     * ``"no_length"``: the answer without a ``Content-Length`` (the body, if any, ends
-      when the connection closes), so that the client learns no size from it.
+      when the connection closes), so that the client learns no size from it;
+    * ``"garbled"``: an answer no HTTP parser accepts (a status line of ``line``, default
+      ``HTTP/1.1 2OO OK``, and a ``Content-Length`` that is no number), then the connection
+      closed: a broken proxy or a flipped bit on the way.
 
     :attr:`log` holds every ``(method, raw path)`` the proxy was asked for, faulty or not.
 

@@ -161,6 +161,7 @@ RECOVERABLE = {
     "length-longer-then-silence": {"kind": "longer", "close": False},
     "length-shorter": {"kind": "shorter", "times": 2},
     "range-ignored": {"kind": "ignore_range"},
+    "garbled": {"kind": "garbled", "times": 2},
 }
 
 
@@ -196,6 +197,7 @@ PERMANENT = {
     "503": ({"kind": "status", "code": 503}, "HTTP 503"),
     "length-shorter": ({"kind": "shorter"}, "ResponseSizeError"),
     "range-ignored": ({"kind": "ignore_range"}, "does not honour Range"),
+    "garbled": ({"kind": "garbled"}, "BadStatusLine"),
 }
 
 

@@ -46,7 +46,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -96,6 +96,10 @@ _TRANSIENT_NAMES = frozenset(
         "ServerTimeoutError",
         "ClientOSError",
         "ContentLengthError",
+        # an answer aiohttp could not parse (a bad status line or header: a broken proxy,
+        # a flipped bit); the ClientResponseError raised from it says 400, which the
+        # server never sent (see http_status)
+        "HttpProcessingError",
         # botocore / aiobotocore
         "EndpointConnectionError",
         "ConnectionClosedError",
@@ -343,6 +347,8 @@ def http_status(exc: BaseException) -> int | None:
         True
     """
     for e in _chain(exc):
+        if _name_in_mro(e.__cause__, ("HttpProcessingError",)):
+            continue  # aiohttp's code for an answer it could not parse, not the server's
         status = getattr(e, "status", None)
         if isinstance(status, int) and 100 <= status < 600:
             return status
@@ -400,9 +406,12 @@ def is_transient(exc: BaseException) -> bool:
 
 def _transient_type(e: BaseException) -> bool:
     """Whether ``e`` is a connection failure or a timeout by its type."""
-    return isinstance(e, (ConnectionError, TimeoutError)) or any(
-        t.__name__ in _TRANSIENT_NAMES for t in type(e).__mro__
-    )
+    return isinstance(e, (ConnectionError, TimeoutError)) or _name_in_mro(e, _TRANSIENT_NAMES)
+
+
+def _name_in_mro(e: BaseException | None, names: Collection[str]) -> bool:
+    """Whether a class of ``e`` (None: no) has one of ``names``."""
+    return e is not None and any(t.__name__ in names for t in type(e).__mro__)
 
 
 def _retries(exc: BaseException) -> float:
