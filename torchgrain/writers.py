@@ -413,6 +413,8 @@ def _one_d(value: Any, kind: Any) -> Any:
     if _first(kind, _is_matrix) is None:
         return value
     if _is_list(kind):
+        if isinstance(value, np.ndarray):
+            _check_shape(value, _fixed_sizes(kind))
         if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 1):
             inner = kind.value_type
             if _first(inner, _is_matrix) is None:  # (its items: 1-D arrays or lists)
@@ -595,17 +597,8 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
                 f"{sorted(str(d) for d in dtypes)}, ndim {sorted(ndims)}"
             )
         dtype, ndim = dtypes.pop(), ndims.pop()
-        end = ndim - len(fixed)
         for a in arrs:
-            if fixed and a.size == 0 and a.shape[end:] != fixed:  # (else: refused by the cast)
-                raise TypeError(f"an array of shape {a.shape} in fixed-size lists of {fixed}")
-            # Nested lists keep no length below an empty one: (0, 2) would read back (0, 0),
-            # but for the sizes a fixed-size list records.
-            if any(n == 0 and any(a.shape[d + 1 : end]) for d, n in enumerate(a.shape[:-1])):
-                raise TypeError(
-                    f"an array of shape {a.shape} loses its shape in Parquet (nothing records "
-                    "the sizes below a zero-length dimension); reshape it or write array_record"
-                )
+            _check_shape(a, fixed)
         mask = np.array([v is None for v in values])
         if ndim == 0:
             flat = np.zeros(len(values), dtype=dtype)
@@ -636,6 +629,29 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
         if kind is None:
             raise TypeError(f"{e} ({_clash(values, first)})") from e
         return pa.array(values, kind)
+
+
+def _check_shape(a: np.ndarray, fixed: tuple[int, ...] = ()) -> None:
+    """A TypeError where Parquet would not keep array ``a``'s shape as nested lists whose
+    innermost ``fixed`` sizes are fixed-size lists (see :func:`_fixed_sizes`).
+
+    Example:
+        >>> _check_shape(np.zeros((0, 4)), (4,))
+        >>> _check_shape(np.zeros((0, 4)))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: an array of shape (0, 4) loses its shape in Parquet ...
+    """
+    end = a.ndim - len(fixed)
+    if fixed and a.size == 0 and a.shape[end:] != fixed:  # (else: refused by the cast)
+        raise TypeError(f"an array of shape {a.shape} in fixed-size lists of {fixed}")
+    # Nested lists keep no length below an empty one: (0, 2) would read back (0, 0), but
+    # for the sizes a fixed-size list records.
+    if any(n == 0 and any(a.shape[d + 1 : end]) for d, n in enumerate(a.shape[:-1])):
+        raise TypeError(
+            f"an array of shape {a.shape} loses its shape in Parquet (nothing records "
+            "the sizes below a zero-length dimension); reshape it or write array_record"
+        )
 
 
 def _clash(values: list[Any], first: int = 0) -> str:
