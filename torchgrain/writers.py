@@ -300,23 +300,10 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
     ValueError or TypeError)."""
     import pyarrow as pa
 
-    # The Python (and numpy) types whose values the type takes as they are (other
-    # types: left to pyarrow).
-    t = pa.types
-    table = (
-        (t.is_integer(kind), (int, np.integer)),
-        (t.is_floating(kind), (float, int, np.floating, np.integer)),
-        (t.is_string(kind) or t.is_large_string(kind), (str,)),
-        (t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind), (bytes,)),
-        (t.is_boolean(kind), (bool, np.bool_)),
-    )
-    allowed = next((types for match, types in table if match), None)
+    allowed = _takes(kind)
     if allowed is not None:
         for typ in set(map(type, values)):
-            if typ is not type(None) and (
-                not issubclass(typ, allowed)
-                or (issubclass(typ, (bool, np.bool_)) and bool not in allowed)
-            ):
+            if typ is not type(None) and _foreign(typ, allowed):
                 v = next(v for v in values if type(v) is typ)
                 raise TypeError(f"it holds {v!r} ({typ.__name__})")
     if pa.types.is_float16(kind) or pa.types.is_float32(kind):
@@ -375,6 +362,30 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
     return narrow
 
 
+def _takes(kind: Any) -> tuple[type, ...] | None:
+    """The Python (and numpy) types whose values Arrow type ``kind`` takes as they are;
+    None for a type whose values are left to pyarrow."""
+    import pyarrow as pa
+
+    t = pa.types
+    table = (
+        (t.is_integer(kind), (int, np.integer)),
+        (t.is_floating(kind), (float, int, np.floating, np.integer)),
+        (t.is_string(kind) or t.is_large_string(kind), (str,)),
+        (t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind), (bytes,)),
+        (t.is_boolean(kind), (bool, np.bool_)),
+    )
+    return next((types for match, types in table if match), None)
+
+
+def _foreign(typ: type, allowed: tuple[type, ...]) -> bool:
+    """Whether values of Python type ``typ`` are none of ``allowed`` (see :func:`_takes`;
+    a bool is an int or a float nowhere)."""
+    return not issubclass(typ, allowed) or (
+        issubclass(typ, (bool, np.bool_)) and bool not in allowed
+    )
+
+
 def _widened(kind: Any) -> Any:
     """``kind`` with every float16 and float32 in it float64 and every timestamp zoneless."""
     import pyarrow as pa
@@ -410,15 +421,20 @@ def _one_d(value: Any, kind: Any) -> Any:
     """
     import pyarrow as pa
 
+    if isinstance(value, np.ndarray) and _is_list(kind):
+        _check_array(value, kind)
     if _first(kind, _is_matrix) is None:
         return value
     if _is_list(kind):
-        if isinstance(value, np.ndarray):
-            _check_shape(value, _fixed_sizes(kind))
         if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 1):
             inner = kind.value_type
             if _first(inner, _is_matrix) is None:  # (its items: 1-D arrays or lists)
-                return list(value) if isinstance(value, np.ndarray) else value
+                if isinstance(value, np.ndarray):
+                    return list(value)
+                for v in value:  # (rows of different lengths)
+                    if isinstance(v, np.ndarray) and _is_list(inner):
+                        _check_array(v, inner)
+                return value
             return [_one_d(v, inner) for v in value]
         return value
     if pa.types.is_struct(kind) and isinstance(value, dict):
@@ -432,6 +448,18 @@ def _one_d(value: Any, kind: Any) -> Any:
             for p in value
         ]
     return value
+
+
+def _check_array(value: np.ndarray, kind: Any) -> None:
+    """A TypeError where list type ``kind`` would not hold array ``value`` as it is:
+    another shape (see :func:`_check_shape`), or items its leaves hold otherwise (Arrow
+    casts an array's values without a word: 1.5 to int 1)."""
+    _check_shape(value, _fixed_sizes(kind))
+    while _is_list(kind):
+        kind = kind.value_type
+    allowed = _takes(kind)
+    if allowed is not None and value.dtype != object and _foreign(value.dtype.type, allowed):
+        raise TypeError(f"it holds an array of {value.dtype}, not {kind} values")
 
 
 def _is_matrix(kind: Any) -> bool:
