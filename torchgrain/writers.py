@@ -467,6 +467,9 @@ def _is_matrix(kind: Any) -> bool:
     return _is_list(kind) and _is_list(kind.value_type)
 
 
+_DAY_MS = 86_400_000  # a day in a date64's ms
+
+
 def _in_units(value: Any, kind: Any) -> Any:
     """``value`` with each numpy datetime64/timedelta64 in it in the unit of its place
     in ``kind`` (a date's as an int, which Arrow takes); ValueError where one would lose
@@ -486,6 +489,12 @@ def _in_units(value: Any, kind: Any) -> Any:
             if not same.all():
                 raise ValueError(f"{got.flat[int(np.argmin(same))]!r} is not a {kind} value")
             got = within
+        if pa.types.is_date64(kind) and got.dtype.kind == "M":
+            # A date64 holds whole days: Arrow takes any ms, which Parquet writes as the
+            # day it truncates to (1969-12-31T05:00 as 1970-01-01).
+            whole = (got.astype(np.int64) % _DAY_MS == 0) | np.isnat(got)
+            if not whole.all():
+                raise ValueError(f"{got.flat[int(np.argmin(whole))]!r} is not a {kind} value")
         if isinstance(value, np.ndarray):
             return got
         if np.isnat(got):
