@@ -96,3 +96,22 @@ def test_read_ahead_under_a_mixture_of_a_mixture_is_told_the_records_read():
         order = list(sampler)
         read = [int(r["x"][1:]) for r in outer.__getitems__(order) if r["x"][0] == "a"]
         assert a.told[-1] == read, f"epoch {epoch}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a mixture read at no indices raises ValueError (no permutation family to stack) "
+    "instead of returning an empty batch",
+)
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_mixture_read_at_no_indices_is_an_empty_batch(nested):
+    """Reading a mixture at no indices gives no records (as every source and view does),
+    also through a selection of none of its positions."""
+    a = [{"x": i} for i in range(5)]
+    b = [{"x": -i} for i in range(5)]
+    ds = tg.mix([a, b], [0.5, 0.5], seed=1)
+    if nested:
+        ds = tg.mix([ds, [{"x": 100 + i} for i in range(10)]], [0.5, 0.5], seed=2)
+    assert ds.source.__getitems__([]) == []
+    assert ds.source.read_columns([]).num_rows == 0
+    assert len(ds.select([]).source.read_columns([])) == 0
