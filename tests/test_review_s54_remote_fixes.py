@@ -4,6 +4,8 @@ HTTP server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -113,3 +115,23 @@ def test_an_empty_folders_listing_page_is_never_read_as_a_shard(tmp_path):
         )
         with pytest.raises(tg.DatasetNotFoundError, match="empty"):
             tg.ParquetSource(srv.url + "/empty/")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="page_links' href pattern backtracks in cubic time over whitespace inside an "
+    "<a tag: a 1 KB page holds the listing (and the process) for seconds, 32 KB for days",
+)
+def test_a_listing_page_with_a_long_a_tag_is_read_in_time(tmp_path):
+    """A listing page of under 1 KB whose second ``<a`` tag holds 600 spaces before its
+    ``>`` (a broken page, or a hostile one): the listing is one pass over the page, in
+    well under a second. The link pattern backtracked over the spaces in cubic time:
+    seconds for this page (the request's deadline cannot stop a regular expression
+    holding the interpreter), days for a 32 KB page."""
+    (tmp_path / "ds").mkdir()
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "ds" / "a.parquet")
+    with RangeHTTPServer(tmp_path) as srv:
+        srv.listings["/ds"] = '<a href="a.parquet">a.parquet</a>\n<a' + " " * 600 + ">notes</a>\n"
+        start = time.monotonic()
+        assert _rows(srv.url + "/ds/") == [1, 2]
+        assert time.monotonic() - start < 3.0
