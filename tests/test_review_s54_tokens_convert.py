@@ -7,6 +7,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import torchgrain as tg
 
@@ -46,3 +47,34 @@ def test_auto_lengths_ignore_a_count_column_that_only_some_parquet_files_have(tm
     w = ds.windows("t", 2, index_dir=None, progress=False)
     got = [w[i]["input_ids"].tolist() for i in range(len(w))]
     assert got == _stream([[1, 2, 3], [4], [5, 6], [7, 8, 9]], 2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pad_collate pads float16/bfloat16 rows in their own dtype whatever the padding "
+    "value: one it cannot hold is rounded (2049 -> 2048) or a bare torch RuntimeError",
+)
+@pytest.mark.parametrize(
+    ("dtype", "pad"),
+    [(torch.float16, 2049), (torch.bfloat16, 257), (torch.float16, -1e9)],
+    ids=["float16-2049", "bfloat16-257", "float16-minus-1e9"],
+)
+def test_pad_collate_float_rows_keep_the_padding_value(dtype, pad):
+    """pad_collate promises each padded field "in its rows' dtype ... promoted to hold
+    them all and the padding value". Float16 or bfloat16 rows padded with a value their
+    dtype cannot hold exactly (a sentinel such as 2049, or -1e9 as attention biases use)
+    must come out in a dtype that holds it (the values unchanged), or as a ValueError
+    naming the field; today the padding is silently rounded (2049 reads 2048, 257 reads
+    256) or fails with torch's "cannot be converted to type c10::Half without overflow",
+    which names no field."""
+    batch = [
+        {"feats": torch.tensor([1.5], dtype=dtype)},
+        {"feats": torch.tensor([2.0, 3.0], dtype=dtype)},
+    ]
+    try:
+        out = tg.pad_collate(batch, keys=["feats"], pad_id=pad)["feats"]
+    except ValueError as e:
+        assert "feats" in str(e)
+        return
+    assert out[0, 1].item() == pad
+    assert out[0, 0].item() == 1.5 and out[1].tolist() == [2.0, 3.0]
