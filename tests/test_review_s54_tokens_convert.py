@@ -4,12 +4,15 @@ dataset refused because of an option the user did not give."""
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 import torchgrain as tg
+from torchgrain.formats.tf_example import encode_tf_example
+from torchgrain.formats.tfrecord import write_tfrecord
 
 
 def _stream(docs: list[list[int]], seq_len: int) -> list[list[int]]:
@@ -47,6 +50,38 @@ def test_auto_lengths_ignore_a_count_column_that_only_some_parquet_files_have(tm
     w = ds.windows("t", 2, index_dir=None, progress=False)
     got = [w[i]["input_ids"].tolist() for i in range(len(w))]
     assert got == _stream([[1, 2, 3], [4], [5, 6], [7, 8, 9]], 2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lengths='auto' takes a num_<column> of one-element lists (tf.Example's ints) as "
+    "token counts: refused as corrupt (TFRecord) or counted as 1 per document (Parquet)",
+)
+@pytest.mark.parametrize("where", ["tfrecord", "parquet"])
+def test_auto_lengths_of_tf_example_counts_give_the_windows(tmp_path, where):
+    """A tf.Example holds every int as a list, so a TFRecord corpus with ``tokens`` and
+    ``num_tokens`` features reads ``num_tokens`` as ``array([3])``, and converted to
+    Parquet as a ``list<int64>`` column. The default ``lengths="auto"`` picks that column
+    all the same: from the TFRecord files windows() fails ("its token count
+    'num_tokens' is array([3]), not an int"), and from Parquet the index counts each
+    list's length (1) as the document's tokens, so the first window read fails saying
+    the data changed since the index was built. Valid data with no option given must
+    give the windows (as ``lengths=None`` does)."""
+    docs = [[1, 2, 3], [4], [5, 6]]
+    (tmp_path / "tf").mkdir()
+    examples = [
+        encode_tf_example({"tokens": np.array(t, np.int64), "num_tokens": np.array([len(t)])})
+        for t in docs
+    ]
+    write_tfrecord(examples, str(tmp_path / "tf" / "a.tfrecord"))
+    path = tmp_path / "tf" / "a.tfrecord"
+    if where == "parquet":
+        tg.convert(tmp_path / "tf", tmp_path / "pq", to="parquet")
+        path = tmp_path / "pq"
+    ds = tg.Dataset(tg.open(str(path)))
+    w = ds.windows("tokens", 2, index_dir=None, progress=False)
+    got = [w[i]["input_ids"].tolist() for i in range(len(w))]
+    assert got == _stream(docs, 2)
 
 
 @pytest.mark.xfail(
