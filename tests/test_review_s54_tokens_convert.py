@@ -113,3 +113,25 @@ def test_pad_collate_float_rows_keep_the_padding_value(dtype, pad):
         return
     assert out[0, 1].item() == pad
     assert out[0, 0].item() == 1.5 and out[1].tolist() == [2.0, 3.0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="collate_windows keeps only its five window keys: a field a map added to the "
+    "windows (a loss mask, MaskTokens' labels_key) is dropped without an error",
+)
+def test_collate_windows_keeps_the_fields_a_map_adds(tmp_path):
+    """Windows are a dataset like any other, and a ``map`` or ``random_map`` on them may
+    add fields (a loss mask, ``MaskTokens(labels_key="mlm_labels")``). The collate the
+    windows are documented with must hand those to the model too (collated as torch's
+    default collate does, as pad_collate does with the fields it does not pad), never
+    drop them from the batch silently (``model(**batch)`` then runs without them)."""
+    from torchgrain.tokens.windows import collate_windows
+
+    docs = [{"t": np.arange(9)}]
+    w = tg.Dataset(docs).windows("t", 4, index_dir=None, progress=False)
+    masked = w.map(lambda r: {**r, "loss_mask": (r["input_ids"] % 2).astype(np.int64)})
+    batch = collate_windows([masked[0], masked[1]])
+    assert "loss_mask" in batch
+    assert batch["loss_mask"].tolist() == [[0, 1, 0, 1], [0, 1, 0, 1]]
+    assert batch["input_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
