@@ -39,7 +39,7 @@ import contextvars
 import functools
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -274,10 +274,12 @@ class _Passes:
         return KeyedPermutations(self.sizes, self.seed, epoch=p, tag=b"mix")
 
     def __call__(self, source: np.ndarray, g: np.ndarray) -> np.ndarray:
+        if not len(g):  # (a read of no indices)
+            return np.zeros(0, dtype=np.int64)
         n = self.sizes[source]
         # (g may be Python integers, at a big epoch: no divmod for those)
         passes, within = g // n, (g % n).astype(np.int64, copy=False)
-        if len(passes) and passes.min() == passes.max():  # the common case: one pass
+        if passes.min() == passes.max():  # the common case: one pass
             return self.family(int(passes[0]))(source, within)
         # An upsampled source's draws fall in many of its passes: all at once, a key
         # hash per pass (a family each cost ~1 ms: 185 ms for a batch of 256 passes).
@@ -413,6 +415,23 @@ class Mix(View):
         readers = [self.sources, *(_AtEpoch(self.sources, int(p)) for p in passes.tolist())]
         return readers, which, local
 
+    def _place(
+        self,
+        target: Any,
+        indices: np.ndarray,
+        rows: np.ndarray,
+        found: list[tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        # A pass plan reads through the readers a read does (the by-pass sources' rows
+        # at their pass's epoch), so read-ahead is told the records the reads read.
+        if not self._by_pass.any():
+            return super()._place(target, indices, rows, found)
+        readers, which, local = self._readers(check_indices(indices, len(self)))
+        for k, reader in enumerate(readers):
+            mine = which == k
+            if mine.any():
+                reader._place(target, local[mine], rows[mine], found)
+
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         source, record = self._resolve(indices)
         return np.zeros(len(indices), dtype=np.int64), self.sources.offsets[source] + record
@@ -426,8 +445,9 @@ class Mix(View):
 
 
 class _AtEpoch(Source):
-    """``source`` read as at ``epoch``: every mixture under it resolves its positions
-    in that epoch (its own epoch, the one ``set_epoch`` set, is left as it is)."""
+    """``source`` read (and planned, for read-ahead) as at ``epoch``: every mixture under
+    it resolves its positions in that epoch (its own epoch, the one ``set_epoch`` set, is
+    left as it is)."""
 
     def __init__(self, source: Concat, epoch: int) -> None:
         self.source, self.epoch = source, epoch
@@ -443,19 +463,27 @@ class _AtEpoch(Source):
     def schema(self) -> dict[str, str]:
         return self.source.schema
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+    def _at_epoch(self, call: Callable[..., Any], *args: Any) -> Any:
         token = _READ_EPOCH.set(self.epoch)
         try:
-            return self.source.__getitems__(indices)
+            return call(*args)
         finally:
             _READ_EPOCH.reset(token)
 
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        return self._at_epoch(self.source.__getitems__, indices)
+
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
-        token = _READ_EPOCH.set(self.epoch)
-        try:
-            return self.source.read_columns(indices)
-        finally:
-            _READ_EPOCH.reset(token)
+        return self._at_epoch(self.source.read_columns, indices)
+
+    def _place(
+        self,
+        target: Any,
+        indices: np.ndarray,
+        rows: np.ndarray,
+        found: list[tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        self._at_epoch(self.source._place, target, indices, rows, found)
 
 
 def mix(
