@@ -357,6 +357,26 @@ class Composed(Source):
         reads record ``child index[k]`` of ``children[child[k]]`` for
         ``indices[rows[k]]``, in the order of ``indices``."""
 
+    def _place(
+        self,
+        target: Any,
+        indices: np.ndarray,
+        rows: np.ndarray,
+        found: list[tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        """Add to ``found`` the pass positions and indices of ``target``'s records that a
+        read of ``indices`` (at the pass positions ``rows``) reads, through every path to
+        it: :meth:`pass_plan`'s, one level at a time (a composition that reads some of its
+        children's rows otherwise, at another epoch, overrides it)."""
+        pick, which, local = self.pass_plan(indices)
+        rows = rows[pick]
+        for k, child in enumerate(map(_beneath, self.children)):
+            mine = which == k
+            if child is target:
+                found.append((rows[mine], local[mine]))
+            elif isinstance(child, Composed) and mine.any():
+                child._place(target, local[mine], rows[mine], found)
+
     def offers(self, capability: type) -> bool:
         """``read_ahead`` when something under it reads ahead; the others always
         (:class:`~torchgrain.protocols.DeclaresCapabilities`)."""
@@ -544,29 +564,15 @@ class _SourceOrder:
         return self.placed(a, b)[0]
 
     def placed(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray]:
-        at: list[np.ndarray] = [np.zeros(0, np.int64)]
-        got: list[np.ndarray] = [np.zeros(0, np.int64)]
-
-        def resolve(node: Composed, indices: np.ndarray, rows: np.ndarray) -> None:
-            if len(indices) == 0:
-                return
-            pick, which, local = node.pass_plan(indices)
-            rows = rows[pick]
-            for k, child in enumerate(map(_beneath, node.children)):
-                mine = which == k
-                if child is self.target:
-                    at.append(rows[mine])
-                    got.append(local[mine])
-                elif isinstance(child, Composed):
-                    resolve(child, local[mine], rows[mine])
-
         if isinstance(self.order, PlacedOrder):
             indices, rows = (np.asarray(x, np.int64) for x in self.order.placed(a, b))
         else:
             indices = np.asarray(self.order(a, b), np.int64)
             rows = np.arange(a, a + len(indices), dtype=np.int64)
-        resolve(self.node, indices, rows)
+        found = [(np.zeros(0, np.int64), np.zeros(0, np.int64))]
+        if len(indices):
+            self.node._place(self.target, indices, rows, found)
         # Several paths to the target (children of several views) merged in pass order.
-        where = np.concatenate(at)
+        where = np.concatenate([at for at, _ in found])
         keep = np.argsort(where, kind="stable")
-        return np.concatenate(got)[keep], where[keep]
+        return np.concatenate([got for _, got in found])[keep], where[keep]
