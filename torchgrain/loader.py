@@ -214,9 +214,14 @@ class ResumableLoader:
         # A complete pass, also one with no batch (a resume saved at the last batch of an
         # epoch whose partial batch the DataLoader drops): the next one is the next epoch,
         # unless a load or another epoch came during the pass (where the next one starts).
-        # The wrapped loader is told too: Accelerate's counts only passes that yield.
+        # The wrapped loader is told too: Accelerate's counts only passes that yield, and
+        # adds one as a pass ends even after a load or a set_epoch during it (its next
+        # pass would set that epoch, dropping the loaded position): it is told the epoch
+        # in effect, which keeps the position.
         if counts is None or self.sampler._iteration == counts:
             self.set_epoch(self.sampler.epoch + 1)
+        else:
+            self.set_epoch(self.sampler.epoch)
 
     def __len__(self) -> int:
         return len(self.loader)
