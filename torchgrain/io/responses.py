@@ -611,12 +611,29 @@ async def _http_head(fs: Any, path: str, *, page_limit: int) -> dict[str, Any]:
         return {"status": r.status, "headers": dict(r.headers), "url": str(r.url)}
 
 
-# A page's links, as fsspec's HTTP listing finds them: each ``<a href="...">``, and
-# (``simple_links``) each bare http(s) URL in its text.
-_HREF = re.compile(r"""<(a|A)\s+(?:[^>]*?\s+)?(href|HREF)=["'](?P<url>[^"']+)""")
+# A page's links, as a browser reads them: the ``href`` of each ``<a`` tag, and
+# (``simple_links``) each bare http(s) URL in its text. A tag runs to its ``>`` outside
+# quotes; its attributes, to the next quote like the one that opened the value. Each
+# pattern is one pass (no nested quantifiers over the same characters: fsspec's
+# backtracked in cubic time over spaces inside an ``<a`` tag).
+_A_TAG = re.compile(r"""<[aA](?=[\t\n\f\r /])(?:[^>"']|"[^"]*"|'[^']*')*""")
+_ATTRIBUTE = re.compile(
+    r"""([^\t\n\f\r />][^\t\n\f\r />=]*)[\t\n\f\r ]*"""
+    r"""(?:=[\t\n\f\r ]*("[^"]*"|'[^']*'|[^\t\n\f\r >"'][^\t\n\f\r >]*))?"""
+)
 _BARE_URL = re.compile(r"""(?P<url>http[s]?://[-a-zA-Z0-9@:%_+.~#?&/=]+)""")
 _ABSOLUTE = re.compile(r"(?i:https?:)|/")
 _HTTP_SCHEME = re.compile(r"(?i)https?:")
+
+
+def _href(tag: str) -> str | None:
+    """The raw value of the first ``href`` attribute of ``<a`` tag ``tag``, if any (a
+    browser takes the first of two)."""
+    for m in _ATTRIBUTE.finditer(tag, 2):
+        if m[1].lower() == "href":
+            value = m[2] or ""
+            return value[1:-1] if value[:1] in ("'", '"') else value
+    return None
 
 
 def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
@@ -635,7 +652,7 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
         >>> page_links("http://h/d", page)
         ['http://h/d/a:b.x', 'http://h/d/https_logs.x', 'http://h/d/q&a.x', 'http://h/d/s/']
     """
-    hrefs = [m["url"] for m in _HREF.finditer(text)]
+    hrefs = [href for tag in _A_TAG.findall(text) if (href := _href(tag))]
     if simple_links:
         hrefs += _BARE_URL.findall(text)
     folder = url.rstrip("/") + "/"
