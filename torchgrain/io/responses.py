@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import html
+import html.entities
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -624,6 +625,8 @@ _ATTRIBUTE = re.compile(
 _BARE_URL = re.compile(r"""(?P<url>http[s]?://[-a-zA-Z0-9@:%_+.~#?&/=]+)""")
 _ABSOLUTE = re.compile(r"(?i:https?:)|/")
 _HTTP_SCHEME = re.compile(r"(?i)https?:")
+# A character reference, as html.unescape finds them.
+_CHARREF = re.compile(r"&(#[0-9]+;?|#[xX][0-9a-fA-F]+;?|[^\t\n\f <&#;]{1,32};?)")
 
 
 def _href(tag: str) -> str | None:
@@ -636,15 +639,40 @@ def _href(tag: str) -> str | None:
     return None
 
 
+def _attribute_reference(m: re.Match[str]) -> str:
+    ref = m[1]
+    if ref[0] == "#" or ref in html.entities.html5:
+        return html.unescape(m[0])  # a number, a name ending in ";", a legacy one alone
+    for end in range(len(ref) - 1, 1, -1):
+        if ref[:end] in html.entities.html5:  # a legacy name without ";" ("&not")
+            after = ref[end]
+            if after == "=" or (after.isascii() and after.isalnum()):
+                return m[0]  # in an attribute, "&notes" is the text it is
+            return html.entities.html5[ref[:end]] + ref[end:]
+    return m[0]
+
+
+def unescape_attribute(value: str) -> str:
+    """An HTML attribute's value as a browser reads it: ``html.unescape``, but for a
+    legacy reference without ``;`` followed by a letter, digit or ``=``, left as it is.
+
+    Example:
+        >>> unescape_attribute("q&amp;a&not;r&notes&not.x&#39;")
+        "q&a¬r&notes¬.x'"
+    """
+    return _CHARREF.sub(_attribute_reference, value) if "&" in value else value
+
+
 def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     """The links of listing page ``url`` (its HTML ``text``) that may be its entries, as
     URLs, sorted: each resolved against the page as a browser does (HTML entities
-    unescaped: ``q&amp;a`` is ``q&a``), ``url`` taken for a folder. An http(s) URL or a
-    path from the server's root is kept only below ``url`` (http and https alike, as
-    fsspec does); any other link is relative (``https_logs.parquet`` too: fsspec took
-    every link starting with ``http`` for another site's, and its file was lost;
-    ``a:b.parquet`` too, a name, not a scheme) and is kept wherever it resolves, but
-    ``..``: the listing's caller confines what it finds.
+    unescaped as in an attribute: ``q&amp;a`` is ``q&a``, ``r&notes`` itself), ``url``
+    taken for a folder. An http(s) URL or a path from the server's root is kept only
+    below ``url`` (http and https alike, as fsspec does); any other link is relative
+    (``https_logs.parquet`` too: fsspec took every link starting with ``http`` for
+    another site's, and its file was lost; ``a:b.parquet`` too, a name, not a scheme)
+    and is kept wherever it resolves, but ``..``: the listing's caller confines what it
+    finds.
 
     Example:
         >>> page = '<a href="https_logs.x">h</a> <a href="q&amp;a.x">q</a> <a href="../">up</a>'
@@ -652,14 +680,13 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
         >>> page_links("http://h/d", page)
         ['http://h/d/a:b.x', 'http://h/d/https_logs.x', 'http://h/d/q&a.x', 'http://h/d/s/']
     """
-    hrefs = [href for tag in _A_TAG.findall(text) if (href := _href(tag))]
+    hrefs = [unescape_attribute(href) for tag in _A_TAG.findall(text) if (href := _href(tag))]
     if simple_links:
-        hrefs += _BARE_URL.findall(text)
+        hrefs += map(html.unescape, _BARE_URL.findall(text))  # (text, not an attribute)
     folder = url.rstrip("/") + "/"
     under = _HTTP_SCHEME.sub("", folder, count=1)
     out = set()
-    for href in hrefs:
-        link = html.unescape(href)
+    for link in hrefs:
         if _ABSOLUTE.match(link):
             got = urljoin(folder, link)
             if _HTTP_SCHEME.match(got) and _HTTP_SCHEME.sub("", got, count=1).startswith(under):
