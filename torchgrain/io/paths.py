@@ -34,7 +34,7 @@ import types
 import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from torchgrain.errors import UnsafePathError
 
@@ -50,6 +50,7 @@ __all__ = [
     "resolve_all",
     "resolve_inside",
     "unsafe_reason",
+    "url_key",
 ]
 
 #: Rounds of percent-decoding a name is checked through; a name that still decodes to
@@ -202,18 +203,7 @@ def _location_key(fs: Any, location: str, *, trusted: bool) -> tuple[tuple, tupl
         parts = urlsplit(location)
         if not trusted and (parts.query or parts.fragment or location.endswith(("?", "#"))):
             raise _Unsafe("has a query or a fragment")
-        scheme = parts.scheme.lower()
-        try:
-            port = parts.port or _DEFAULT_PORTS.get(scheme)
-        except ValueError:
-            raise _Unsafe("has an invalid port") from None
-        authority: tuple = (
-            scheme,
-            (parts.hostname or "").lower(),
-            port,
-            parts.username,
-            parts.password,
-        )
+        authority = _authority(parts)
         path = parts.path
     else:
         authority = ()
@@ -225,6 +215,36 @@ def _location_key(fs: Any, location: str, *, trusted: bool) -> tuple[tuple, tupl
     if trusted:
         text = posixpath.normpath("/" + text)
     return authority, tuple(s for s in text.split("/") if s)
+
+
+def _authority(parts: SplitResult) -> tuple:
+    """A URL's scheme, host, port (its scheme's default when none is written), user and
+    password, for comparisons."""
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or _DEFAULT_PORTS.get(scheme)
+    except ValueError:
+        raise _Unsafe("has an invalid port") from None
+    return (scheme, (parts.hostname or "").lower(), port, parts.username, parts.password)
+
+
+def url_key(url: str) -> tuple[tuple, tuple[str, ...]] | None:
+    """The ``(authority, path segments)`` of an http(s) URL that :func:`is_inside`
+    compares: segments percent-decoded, neither checked nor resolved (what a listing
+    finds is confined by its caller). None for a URL with an invalid port.
+
+    Example:
+        >>> url_key("http://H:80/my%20data/a.x") == url_key("http://h/my data/a.x")
+        True
+        >>> url_key("http://h/d/a.x")
+        (('http', 'h', 80, None, None), ('d', 'a.x'))
+    """
+    parts = urlsplit(url)
+    try:
+        authority = _authority(parts)
+    except _Unsafe:
+        return None
+    return authority, tuple(s for s in _decoded(parts.path, "NFC").split("/") if s)
 
 
 def _decoded(text: str, form: str) -> str:

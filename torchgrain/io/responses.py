@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin
 
+from torchgrain.io import paths as _paths
 from torchgrain.io.paths import is_http
 
 __all__ = [
@@ -668,11 +669,12 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     URLs, sorted: each resolved against the page as a browser does (HTML entities
     unescaped as in an attribute: ``q&amp;a`` is ``q&a``, ``r&notes`` itself), ``url``
     taken for a folder. An http(s) URL or a path from the server's root is kept only
-    below ``url`` (http and https alike, as fsspec does); any other link is relative
-    (``https_logs.parquet`` too: fsspec took every link starting with ``http`` for
-    another site's, and its file was lost; ``a:b.parquet`` too, a name, not a scheme)
-    and is kept wherever it resolves, but ``..``: the listing's caller confines what it
-    finds.
+    below ``url`` (same scheme, host, port and percent-decoded path segments, as
+    :func:`~torchgrain.io.paths.is_inside` compares them: ``/my%20data/a.x`` is below
+    ``http://h/my data/``); any other link is relative (``https_logs.parquet`` too:
+    fsspec took every link starting with ``http`` for another site's, and its file was
+    lost; ``a:b.parquet`` too, a name, not a scheme) and is kept wherever it resolves,
+    but ``..``: the listing's caller confines what it finds.
 
     Example:
         >>> page = '<a href="https_logs.x">h</a> <a href="q&amp;a.x">q</a> <a href="../">up</a>'
@@ -684,12 +686,22 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     if simple_links:
         hrefs += map(html.unescape, _BARE_URL.findall(text))  # (text, not an attribute)
     folder = url.rstrip("/") + "/"
-    under = _HTTP_SCHEME.sub("", folder, count=1)
+    root = _paths.url_key(folder)
     out = set()
     for link in hrefs:
         if _ABSOLUTE.match(link):
             got = urljoin(folder, link)
-            if _HTTP_SCHEME.match(got) and _HTTP_SCHEME.sub("", got, count=1).startswith(under):
+            if got.startswith(folder) and len(got) > len(folder):
+                out.add(got)  # (the common case, without decoding)
+                continue
+            key = _paths.url_key(got) if _HTTP_SCHEME.match(got) else None
+            if (
+                root is not None
+                and key is not None
+                and key[0] == root[0]
+                and key[1][: len(root[1])] == root[1]
+                and len(key[1]) > len(root[1])
+            ):
                 out.add(got)
         elif link not in ("..", "../"):  # (an FTP-like parent)
             out.add(urljoin(folder, "./" + link))  # ("./": a colon in a name is no scheme)
