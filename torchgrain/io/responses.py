@@ -708,30 +708,43 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     return sorted(out)
 
 
+async def _http_listing(fs: Any, url: str, *, page_limit: int) -> tuple[list[str], bool]:
+    """The links of page ``url`` (:func:`page_links`; for a URL ending in ``/`` with none,
+    those of the URL without it, as fsspec lists), and whether it is a folder's page even
+    without any: an HTML answer, or one at a URL ending in ``/`` (an empty folder's
+    listing has no link but ``../``, and is no file)."""
+    if fs.use_listings_cache and url in fs.dircache:
+        return [e["name"] for e in fs.dircache[url]], url.endswith("/")
+    names = []
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), **fs.kwargs) as r:
+        fs._raise_not_found_for_status(r, url)
+        mimetype = r.headers.get("Content-Type")
+        if mimetype is not None:
+            mimetype = mimetype.partition(";")[0].strip().lower()
+        folder = (
+            mimetype in ("text/html", "application/xhtml+xml")
+            or url.endswith("/")
+            or str(r.url).endswith("/")
+        )
+        if mimetype in ("text/html", None):
+            try:
+                text = await r.text(errors="ignore")
+                names = page_links(url, text, simple_links=fs.simple_links)
+            except UnicodeDecodeError:
+                pass  # binary, not HTML
+    if not names and url.endswith("/"):
+        names = await _http_ls(fs, url.rstrip("/"), detail=False, page_limit=page_limit)
+    fs.dircache[url] = [_entry(n) for n in names]
+    return names, folder
+
+
 async def _http_ls(
     fs: Any, url: str, detail: bool = True, *, page_limit: int, **kwargs: Any
 ) -> list[Any]:
     """fsspec's HTTP ``ls``, its links read by :func:`page_links` (the page read by
     fsspec's session, capped at ``page_limit`` by :func:`torchgrain.io.remote._client`)."""
-    if fs.use_listings_cache and url in fs.dircache:
-        names = [e["name"] for e in fs.dircache[url]]
-    else:
-        names = []
-        session = await fs.set_session()
-        async with session.get(fs.encode_url(url), **fs.kwargs) as r:
-            fs._raise_not_found_for_status(r, url)
-            mimetype = r.headers.get("Content-Type")
-            if mimetype is not None:
-                mimetype = mimetype.partition(";")[0]
-            if mimetype in ("text/html", None):
-                try:
-                    text = await r.text(errors="ignore")
-                    names = page_links(url, text, simple_links=fs.simple_links)
-                except UnicodeDecodeError:
-                    pass  # binary, not HTML
-        if not names and url.endswith("/"):
-            names = await _http_ls(fs, url.rstrip("/"), detail=False, page_limit=page_limit)
-        fs.dircache[url] = [_entry(n) for n in names]
+    names, _ = await _http_listing(fs, url, page_limit=page_limit)
     return [_entry(n) for n in names] if detail else names
 
 
@@ -740,11 +753,14 @@ def _entry(name: str) -> dict[str, Any]:
 
 
 async def _http_isdir(fs: Any, path: str, *, page_limit: int) -> bool:
-    """fsspec's HTTP ``isdir``: whether ``path`` is a page of links (:func:`_http_ls`)."""
+    """fsspec's HTTP ``isdir``: whether ``path`` is a page of links, or a folder's page
+    with none (:func:`_http_listing`: an empty folder is a dataset without files, its
+    page never read as one)."""
     try:
-        return bool(await _http_ls(fs, path, detail=False, page_limit=page_limit))
+        names, folder = await _http_listing(fs, path, page_limit=page_limit)
     except (FileNotFoundError, ValueError):
         return False
+    return bool(names) or folder
 
 
 _S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
