@@ -153,11 +153,6 @@ def _optional_key_input(tmp_path, fmt):
     return src
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="convert(columns=...) fails midway on a record without a selected key, which "
-    "the same conversion without columns= converts",
-)
 @pytest.mark.parametrize("fmt", ["array_record", "tfrecord"])
 @pytest.mark.parametrize("to", ["array_record", "parquet"])
 def test_convert_columns_keeps_records_without_an_optional_key(tmp_path, fmt, to):

@@ -90,14 +90,10 @@ class ConvertInput:
         """``(record, input bytes)`` pairs of ``[start, stop)`` of one input shard: msgpack
         bytes when they can pass through unchanged, else dicts."""
         if self.keep is not None:
-            for k, (rec, n) in enumerate(self._records(shard, start, stop, False), start):
-                try:
-                    yield {c: rec[c] for c in self.keep}, n
-                except KeyError as e:
-                    raise ValueError(
-                        f"record {k} of {self.paths[shard]!r} has no column {e.args[0]!r}; "
-                        f"its columns are {list(rec)}"
-                    ) from None
+            # A key some records lack (an optional feature) is left out of those, as
+            # without ``columns=``; one the whole input lacks was refused at the opening.
+            for rec, n in self._records(shard, start, stop, False):
+                yield {c: rec[c] for c in self.keep if c in rec}, n
             return
         yield from self._records(shard, start, stop, bytes_ok)
 
