@@ -30,11 +30,6 @@ def _prepared(n=20):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under an Accelerate-prepared loader a state loaded or an epoch set during a "
-    "pass is dropped: the loader's own epoch count moves on at the pass's end",
-)
 @pytest.mark.parametrize("change", ["load_state_dict", "set_epoch"])
 def test_accelerate_keeps_a_state_loaded_or_an_epoch_set_during_a_pass(change, no_launcher_env):
     """A state loaded while a pass is still read (a rollback to a checkpoint of the same
@@ -75,11 +70,6 @@ class _Told(list):
             self.told.append(np.asarray(order(start, start + count)).tolist())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="read-ahead under a mixture of mixtures is told the inner mixture's records "
-    "at its own epoch, while the reads resolve it at the epoch of the outer pass over it",
-)
 def test_read_ahead_under_a_mixture_of_a_mixture_is_told_the_records_read():
     """A source under a mixture that is itself mixed (and read in part each epoch) is told,
     by the sampler's read-ahead, the records the pass then reads, in the order it reads
@@ -98,11 +88,6 @@ def test_read_ahead_under_a_mixture_of_a_mixture_is_told_the_records_read():
         assert a.told[-1] == read, f"epoch {epoch}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a mixture read at no indices raises ValueError (no permutation family to stack) "
-    "instead of returning an empty batch",
-)
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
 def test_mixture_read_at_no_indices_is_an_empty_batch(nested):
     """Reading a mixture at no indices gives no records (as every source and view does),
