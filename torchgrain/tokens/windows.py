@@ -220,6 +220,18 @@ def _is_parquet(source: Any) -> bool:
     return isinstance(source, ParquetSource)
 
 
+def _counts_in(source: Any, name: str) -> bool:
+    """Whether ``lengths="auto"`` takes ``name`` for the token counts: a key of the
+    records; in Parquet, a column of every file (a file without it would read no
+    count)."""
+    if name not in source.keys or not _is_parquet(source):
+        return name in source.keys
+    names = [f.name for f in source._file_fields]
+    if name not in names:
+        return True  # a partition key: its values are read and checked one by one
+    return bool(source._present[:, names.index(name)].all())
+
+
 def _narrowed_parquet(source: Source, column: str) -> Source:
     """A Parquet source reading ``column`` only (the same files and options), so that a
     window's read decodes no other column; other sources as they are."""
@@ -791,7 +803,7 @@ def windows(
             the index instead of the tokens (an int column of Parquet: no token
             decoded); ``"auto"`` (default) uses ``num_<column>`` (``num_tokens`` for
             ``tokens``), what ``torchgrain convert --tokenize`` writes, when the records
-            have it and no tokenizer or
+            have it (in Parquet, as a column of every file) and no tokenizer or
             transform is given; None measures the tokens. A count that disagrees with
             the tokens is found when the document is read
             (:class:`~torchgrain.CorruptDataError`), and a count of 0 with no
@@ -843,7 +855,7 @@ def windows(
         # (num_<column>, as convert --tokenize --tokens-column and inspect name it: a
         # num_tokens beside another column may count something else)
         auto = tokenizer is None and not ds._ops
-        lengths = f"num_{column}" if auto and f"num_{column}" in ds.keys else None
+        lengths = f"num_{column}" if auto and _counts_in(ds._source, f"num_{column}") else None
     if lengths is not None and not isinstance(lengths, str):
         raise TypeError(f"lengths must be a record key (a str) or None, got {lengths!r}")
     if index_dir is DEFAULT and not identified(ds):
