@@ -158,7 +158,8 @@ class _Documents:
     def lengths(self, num_workers: int | None, progress: bool) -> Iterator[np.ndarray]:
         """Every document's token count, a chunk at a time, in document order."""
         if self.length_parquet is not None:
-            yield from _parquet_lengths(self.length_parquet, num_workers, progress)
+            counts = self.length_column is not None
+            yield from _parquet_lengths(self.length_parquet, counts, num_workers, progress)
             return
         chunks = _LengthChunks(self, len(self.ds))
         if num_workers is None:
@@ -222,14 +223,19 @@ def _is_parquet(source: Any) -> bool:
 
 def _counts_in(source: Any, name: str) -> bool:
     """Whether ``lengths="auto"`` takes ``name`` for the token counts: a key of the
-    records; in Parquet, a column of every file (a file without it would read no
-    count)."""
+    records; in Parquet, an integer column of every file (a file without it would read
+    no count; a list column, as a tf.Example's num_tokens converts, counts no tokens)."""
     if name not in source.keys or not _is_parquet(source):
         return name in source.keys
+    import pyarrow as pa
+
     names = [f.name for f in source._file_fields]
     if name not in names:
         return True  # a partition key: its values are read and checked one by one
-    return bool(source._present[:, names.index(name)].all())
+    pos = names.index(name)
+    return pa.types.is_integer(source._file_fields[pos].type) and bool(
+        source._present[:, pos].all()
+    )
 
 
 def _narrowed_parquet(source: Source, column: str) -> Source:
@@ -254,11 +260,13 @@ def _narrowed_parquet(source: Source, column: str) -> Source:
     return narrowed
 
 
-def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> Iterator[np.ndarray]:
+def _parquet_lengths(
+    source: Any, counts: bool, num_workers: int | None, progress: bool
+) -> Iterator[np.ndarray]:
     """The token counts of the source's only column, a row group at a time (in threads:
-    Arrow decodes without the GIL): a list column's lengths from its list offsets (a
-    null list has length 0), or an integer column's values (token counts written beside
-    the tokens)."""
+    Arrow decodes without the GIL): with ``counts``, an integer column's values (token
+    counts written beside the tokens), else a list column's lengths from its list
+    offsets (a null list has length 0)."""
     column = source.keys[0]
     from concurrent.futures import ThreadPoolExecutor
 
@@ -267,6 +275,20 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
 
     from torchgrain.sources.parquet.schema import is_list_type
 
+    typ = source.arrow_schema.field(0).type
+    # (a list of ints taken for counts would count 1 per document, as a tf.Example's
+    # num_tokens converted to Parquet; a list of lists or of strings has list offsets
+    # too: either would build an index that fails only at the first read)
+    if counts and not pa.types.is_integer(typ):
+        raise TypeError(
+            f"token count column {column!r} of {source!r} is {typ}, not an integer column "
+            "(lengths=None measures the tokens)"
+        )
+    if not counts and not (is_list_type(typ) and pa.types.is_integer(typ.value_type)):
+        raise TypeError(
+            f"column {column!r} of {source!r} is {typ}, not a list of token ids (pass "
+            "tokenizer= for a text column)"
+        )
     offsets = source._rg_offsets
 
     def lengths_of(g: int) -> np.ndarray:
@@ -274,23 +296,16 @@ def _parquet_lengths(source: Any, num_workers: int | None, progress: bool) -> It
         if int(offsets[g + 1]) == first:
             return np.zeros(0, np.int64)
         col = source._decode(g, first).column(0)
-        if pa.types.is_integer(col.type):
-            counts = col.to_numpy().astype(np.int64) if col.null_count == 0 else None
-            if counts is None or (counts < 0).any():
+        if counts:
+            values = col.to_numpy().astype(np.int64) if col.null_count == 0 else None
+            if values is None or (values < 0).any():
                 where = int(source._rg_local[g])
                 path = source.paths[int(source._rg_shard[g])]
                 raise CorruptDataError(
                     f"row group {where} of {path!r}: token count column {column!r} holds "
                     "nulls or negative values"
                 )
-            return counts
-        # (a list of lists or of strings has list offsets too: counted, they would build
-        # an index that fails only at the first read)
-        if not (is_list_type(col.type) and pa.types.is_integer(col.type.value_type)):
-            raise TypeError(
-                f"column {column!r} of {source!r} is {col.type}, not a list of token "
-                "ids (pass tokenizer= for a text column)"
-            )
+            return values
         return pc.list_value_length(col).fill_null(0).to_numpy().astype(np.int64)
 
     groups = range(source.num_row_groups)
@@ -803,7 +818,7 @@ def windows(
             the index instead of the tokens (an int column of Parquet: no token
             decoded); ``"auto"`` (default) uses ``num_<column>`` (``num_tokens`` for
             ``tokens``), what ``torchgrain convert --tokenize`` writes, when the records
-            have it (in Parquet, as a column of every file) and no tokenizer or
+            have it (in Parquet, as an integer column of every file) and no tokenizer or
             transform is given; None measures the tokens. A count that disagrees with
             the tokens is found when the document is read
             (:class:`~torchgrain.CorruptDataError`), and a count of 0 with no
