@@ -733,7 +733,8 @@ def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ``position_ids`` and ``document_ids`` stacked into ``[B, seq_len]`` int64 tensors,
     and the batch as variable-length attention kernels take it flattened to ``B *
     seq_len`` tokens: ``cu_seqlens`` (int32, every window's boundaries shifted to its
-    place, from 0 to ``B * seq_len``) and ``max_seqlen`` (an int). Picklable.
+    place, from 0 to ``B * seq_len``) and ``max_seqlen`` (an int). Other fields (a
+    ``map``'s loss mask) go through torch's default collate. Picklable.
 
     Example:
         >>> import numpy as np
@@ -758,6 +759,9 @@ def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     cu = np.concatenate([*parts, [len(batch) * L]]).astype(np.int32)
     out["cu_seqlens"] = torch.from_numpy(cu)
     out["max_seqlen"] = int(np.diff(cu).max())
+    extra = [k for k in batch[0] if k not in _SCHEMA]
+    if extra:
+        out.update(torch.utils.data.default_collate([{k: r[k] for k in extra} for r in batch]))
     return out
 
 
