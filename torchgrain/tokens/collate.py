@@ -89,15 +89,16 @@ def pad_collate(
     Each field is padded to its own longest row in the batch (rows all empty: a
     ``[B, 0]`` tensor), in its rows' dtype (a list's is numpy's: Python floats float64,
     as torch's default collate keeps them) promoted to hold them all and the padding
-    value (uint32 with int32 rows, or uint16 ones under -100: int64; an empty row's
-    dtype is left out, as ``np.array([])`` is float64). Other fields go
-    through torch's default collate. Errors name the field and the record's position in
-    the batch.
+    value (uint32 with int32 rows, or uint16 ones under -100: int64; float16 ones
+    padded with 2049 or -1e9: float32; an empty row's dtype is left out, as
+    ``np.array([])`` is float64). Other fields go through torch's default collate.
+    Errors name the field and the record's position in the batch.
 
     Raises:
         ValueError: a padding value that is not an integer over integer ids (floats
             would round them), or uint64 ids above ``2**63 - 1`` where int64 is needed
-            (a negative padding value, signed rows beside them): never a wrong id.
+            (a negative padding value, signed rows beside them): never a wrong id;
+            over float rows, a padding value no float dtype holds (2**53 + 1).
 
     Example:
         >>> import numpy as np, torch
@@ -327,7 +328,13 @@ def _dtype_of(key: str, dtypes: list[torch.dtype], pad: int | float) -> torch.dt
     int32 is int64), holding ``pad`` too; integer ids are never put in floats."""
     floats = [d for d in dtypes if d.is_floating_point or d.is_complex]
     if floats:  # integer rows among float ones go into floats, as torch promotes them
-        return functools.reduce(torch.promote_types, floats)
+        dtype = _float_holding(functools.reduce(torch.promote_types, floats), pad)
+        if dtype is None:
+            raise ValueError(
+                f"pad_collate: no float dtype holds the padding value {pad!r} of field "
+                f"{key!r} exactly: pad with a value float64 holds"
+            )
+        return dtype
     if isinstance(pad, float):
         if not pad.is_integer():
             raise ValueError(
@@ -340,6 +347,26 @@ def _dtype_of(key: str, dtypes: list[torch.dtype], pad: int | float) -> torch.dt
         return dtype_holding(_holding(tuple(dtypes)), pad)
     except ValueError as e:
         raise ValueError(f"pad_collate: field {key!r}: {e}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _float_holding(dtype: torch.dtype, pad: int | float) -> torch.dtype | None:
+    """The first of ``dtype``, float32 and float64 (none narrower than ``dtype``) that
+    holds ``pad`` (float16 rounds a sentinel 2049 to 2048 and makes -1e9 -inf): exactly,
+    or a fraction (0.1, which only float64 holds exactly) rounded as the rows' values
+    are, within the dtype's range; None if none does (a complex ``dtype`` as it is)."""
+    if dtype.is_complex or pad != pad:  # (NaN: every float dtype holds one)
+        return dtype
+    wider = [d for d in (torch.float32, torch.float64) if d.itemsize > dtype.itemsize]
+    for d in (dtype, *wider):
+        try:
+            held = torch.tensor(pad, dtype=d).item()
+        except OverflowError:  # an int past float64's range
+            continue
+        fraction = isinstance(pad, float) and not pad.is_integer()
+        if held == pad or (fraction and abs(held) != float("inf")):
+            return d
+    return None
 
 
 @functools.lru_cache(maxsize=256)
