@@ -22,11 +22,6 @@ def _stream(docs: list[list[int]], seq_len: int) -> list[list[int]]:
     return [flat[i * seq_len : (i + 1) * seq_len] for i in range(n)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lengths='auto' takes num_<column> when only some files have it, and then "
-    "refuses the others' missing counts as corrupt data",
-)
 def test_auto_lengths_ignore_a_count_column_that_only_some_parquet_files_have(tmp_path):
     """``lengths="auto"`` (the default) uses ``num_<column>`` "when the records have it".
     In a directory where one Parquet file has the count column (written by ``convert
@@ -52,11 +47,6 @@ def test_auto_lengths_ignore_a_count_column_that_only_some_parquet_files_have(tm
     assert got == _stream([[1, 2, 3], [4], [5, 6], [7, 8, 9]], 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a list<int> count column (a tf.Example num_tokens converted to Parquet) is "
-    "counted by its list lengths: every document indexed as 1 token",
-)
 def test_a_count_column_of_lists_is_not_taken_for_token_counts(tmp_path):
     """A tf.Example holds every int as a list, so a TFRecord corpus with ``tokens`` and
     ``num_tokens`` features converts to Parquet with ``num_tokens`` a ``list<int64>``
@@ -84,11 +74,6 @@ def test_a_count_column_of_lists_is_not_taken_for_token_counts(tmp_path):
     assert got == _stream(docs, 2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pad_collate pads float16/bfloat16 rows in their own dtype whatever the padding "
-    "value: one it cannot hold is rounded (2049 -> 2048) or a bare torch RuntimeError",
-)
 @pytest.mark.parametrize(
     ("dtype", "pad"),
     [(torch.float16, 2049), (torch.bfloat16, 257), (torch.float16, -1e9)],
@@ -115,11 +100,6 @@ def test_pad_collate_float_rows_keep_the_padding_value(dtype, pad):
     assert out[0, 0].item() == 1.5 and out[1].tolist() == [2.0, 3.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="collate_windows keeps only its five window keys: a field a map added to the "
-    "windows (a loss mask, MaskTokens' labels_key) is dropped without an error",
-)
 def test_collate_windows_keeps_the_fields_a_map_adds(tmp_path):
     """Windows are a dataset like any other, and a ``map`` or ``random_map`` on them may
     add fields (a loss mask, ``MaskTokens(labels_key="mlm_labels")``). The collate the
@@ -170,3 +150,22 @@ def test_convert_columns_keeps_records_without_an_optional_key(tmp_path, fmt, to
         want = full[i].get("b")
         got = sel[i].get("b")
         assert (None if want is None else list(want)) == (None if got is None else list(got))
+
+
+def test_inspect_measures_the_tokens_beside_a_count_column_of_lists(tmp_path, capsys):
+    """``torchgrain inspect`` takes the count column that ``windows(lengths="auto")``
+    takes: a ``num_tokens`` of one-element lists (a tf.Example's, converted to Parquet)
+    counts no tokens, so the token lists are measured, not refused or counted as 1 each."""
+    import json
+
+    from torchgrain.cli import main
+
+    sizes = [3, 0, 5, 2]
+    tokens = [list(range(n)) for n in sizes]
+    table = pa.table({"tokens": tokens, "num_tokens": [[n] for n in sizes]})
+    path = tmp_path / "docs.parquet"
+    pq.write_table(table, path)
+    assert main(["inspect", str(path), "--json", "--samples", "0"]) == 0
+    got = json.loads(capsys.readouterr().out)["tokens"]
+    assert got["lengths_from"] == "tokens"
+    assert (got["documents"], got["tokens"], got["max"]) == (4, 10, 5)

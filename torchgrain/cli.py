@@ -33,6 +33,7 @@ from torchgrain.io.fs import default_cache_dir, get_filesystem, skipped_files
 from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources import registry
 from torchgrain.sources.base import RecordBytesSource, ShardedSource
+from torchgrain.tokens.windows import count_column
 
 
 def _summarise(value: Any, limit: int = 60) -> str:
@@ -74,17 +75,15 @@ def _token_summary(src: Any, column: str) -> dict[str, Any]:
     lengths a token-window index is built from: a ``num_<column>`` count alone when the
     records have one (Parquet reads that column only), else the tokens' list offsets
     (Parquet) or one pass over the records (in worker processes); kept in memory."""
-    count = f"num_{column}"
-    has_count = count in (src.keys or [])
-    w = tg.Dataset(src).windows(
-        column, 1, lengths=count if has_count else None, index_dir=None, progress=False
-    )
+    ds = tg.Dataset(src)
+    count = count_column(ds, column)
+    w = ds.windows(column, 1, lengths=count, index_dir=None, progress=False)
     lengths = np.diff(w.source.offsets)
     some = lengths if len(lengths) else np.zeros(1, np.int64)  # (zeros for no document)
     q = np.percentile(some, [50, 90, 99])
     return {
         "column": column,
-        "lengths_from": count if has_count else column,
+        "lengths_from": count or column,
         "documents": len(lengths),
         "tokens": int(lengths.sum()),
         "mean": float(some.mean()),

@@ -221,21 +221,37 @@ def _is_parquet(source: Any) -> bool:
     return isinstance(source, ParquetSource)
 
 
-def _counts_in(source: Any, name: str) -> bool:
-    """Whether ``lengths="auto"`` takes ``name`` for the token counts: a key of the
-    records; in Parquet, an integer column of every file (a file without it would read
-    no count; a list column, as a tf.Example's num_tokens converts, counts no tokens)."""
-    if name not in source.keys or not _is_parquet(source):
-        return name in source.keys
+def count_column(ds: Dataset, column: str) -> str | None:
+    """The column ``windows(lengths="auto")`` takes the token counts of ``column`` from:
+    ``num_<column>`` (what ``torchgrain convert --tokenize`` writes beside the tokens) when
+    the records have it, in Parquet only as an integer column of every file (a file
+    without it would read no count; a list column, as a tf.Example's num_tokens
+    converts, counts no tokens); else None (the tokens are measured).
+
+    Example:
+        >>> import os, tempfile, pyarrow as pa, pyarrow.parquet as pq, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"t": [[1, 2]], "num_t": [2]}), os.path.join(d, "a.parquet"))
+        >>> pq.write_table(pa.table({"t": [[3]], "num_t": [[1]]}), os.path.join(d, "b.parquet"))
+        >>> count_column(tg.Dataset(tg.ParquetSource(os.path.join(d, "a.parquet"))), "t")
+        'num_t'
+        >>> count_column(tg.Dataset(tg.ParquetSource(os.path.join(d, "b.parquet"))), "t") is None
+        True
+    """
+    name, source = f"num_{column}", ds._source
+    keys = source.keys or []
+    if name not in keys:
+        return None
+    if not _is_parquet(source):
+        return name
     import pyarrow as pa
 
     names = [f.name for f in source._file_fields]
     if name not in names:
-        return True  # a partition key: its values are read and checked one by one
+        return name  # a partition key: its values are read and checked one by one
     pos = names.index(name)
-    return pa.types.is_integer(source._file_fields[pos].type) and bool(
-        source._present[:, pos].all()
-    )
+    whole = pa.types.is_integer(source._file_fields[pos].type) and source._present[:, pos].all()
+    return name if whole else None
 
 
 def _narrowed_parquet(source: Source, column: str) -> Source:
@@ -874,7 +890,7 @@ def windows(
         # (num_<column>, as convert --tokenize --tokens-column and inspect name it: a
         # num_tokens beside another column may count something else)
         auto = tokenizer is None and not ds._ops
-        lengths = f"num_{column}" if auto and _counts_in(ds._source, f"num_{column}") else None
+        lengths = count_column(ds, column) if auto else None
     if lengths is not None and not isinstance(lengths, str):
         raise TypeError(f"lengths must be a record key (a str) or None, got {lengths!r}")
     if index_dir is DEFAULT and not identified(ds):
