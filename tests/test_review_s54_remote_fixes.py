@@ -22,11 +22,6 @@ def _rows(url: str) -> list[int]:
         src.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="page_links unescapes a raw '&' in an href as a legacy entity without ';' "
-    "(&not, &para, &reg...), which a browser leaves alone in an attribute",
-)
 def test_a_raw_ampersand_in_a_go_file_server_link_names_the_file(tmp_path):
     """Go's ``net/http`` FileServer writes a listing's links unescaped for HTML
     (``<a href="r&notes.parquet">``): in an attribute, a browser reads ``&not`` followed
@@ -44,11 +39,6 @@ def test_a_raw_ampersand_in_a_go_file_server_link_names_the_file(tmp_path):
         assert _rows(srv.url + "/ds/") == [1, 2, 3, 4]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="page_links' href pattern stops at a quote of the other kind: "
-    "href=\"it's.parquet\" is read as 'it' and the file is dropped",
-)
 def test_an_apostrophe_in_an_apache_listing_link_keeps_the_file(tmp_path):
     """Apache's mod_autoindex leaves ``'`` in its links (``<a href="it's.parquet">``, a
     valid double-quoted attribute). The link was cut at the apostrophe, listed as a file
@@ -67,11 +57,6 @@ def test_an_apostrophe_in_an_apache_listing_link_keeps_the_file(tmp_path):
         assert _rows(srv.url + "/ds/") == [1, 2, 3, 4]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="page_links keeps a link from the server's root only if it starts with the "
-    "folder's URL as typed: '/my%20data/a.parquet' is not under 'http://h/my data/'",
-)
 def test_links_from_the_servers_root_list_a_folder_named_with_a_space(tmp_path):
     """A listing whose links are paths from the server's root, percent-encoded (as
     Node's http-server and other static servers write them: ``/my%20data/a.parquet``),
@@ -93,11 +78,6 @@ def test_links_from_the_servers_root_list_a_folder_named_with_a_space(tmp_path):
         assert _rows(srv.url + "/my data/") == [1, 2, 3]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="expand_paths takes a listing page with no entry for a file (isdir False, "
-    "isfile True): the HTML page is read as a shard",
-)
 def test_an_empty_folders_listing_page_is_never_read_as_a_shard(tmp_path):
     """An empty folder as nginx's autoindex lists it (one link, to ``../``), opened at
     its URL with a trailing slash: a dataset with no file, a DatasetNotFoundError naming
@@ -117,11 +97,6 @@ def test_an_empty_folders_listing_page_is_never_read_as_a_shard(tmp_path):
             tg.ParquetSource(srv.url + "/empty/")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="page_links' href pattern backtracks in cubic time over whitespace inside an "
-    "<a tag: a 1 KB page holds the listing (and the process) for seconds, 32 KB for days",
-)
 def test_a_listing_page_with_a_long_a_tag_is_read_in_time(tmp_path):
     """A listing page of under 1 KB whose second ``<a`` tag holds 600 spaces before its
     ``>`` (a broken page, or a hostile one): the listing is one pass over the page, in
