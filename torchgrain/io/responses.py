@@ -711,8 +711,9 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
 async def _http_listing(fs: Any, url: str, *, page_limit: int) -> tuple[list[str], bool]:
     """The links of page ``url`` (:func:`page_links`; for a URL ending in ``/`` with none,
     those of the URL without it, as fsspec lists), and whether it is a folder's page even
-    without any: an HTML answer, or one at a URL ending in ``/`` (an empty folder's
-    listing has no link but ``../``, and is no file)."""
+    without any: one at a URL ending in ``/``, asked or redirected to (an empty folder's
+    listing has no link but ``../``, and is no file; a file served as ``text/html`` by a
+    server's wrong default type has none either, and is a file)."""
     if fs.use_listings_cache and url in fs.dircache:
         return [e["name"] for e in fs.dircache[url]], url.endswith("/")
     names = []
@@ -722,11 +723,7 @@ async def _http_listing(fs: Any, url: str, *, page_limit: int) -> tuple[list[str
         mimetype = r.headers.get("Content-Type")
         if mimetype is not None:
             mimetype = mimetype.partition(";")[0].strip().lower()
-        folder = (
-            mimetype in ("text/html", "application/xhtml+xml")
-            or url.endswith("/")
-            or str(r.url).endswith("/")
-        )
+        folder = url.endswith("/") or str(r.url).endswith("/")
         if mimetype in ("text/html", None):
             try:
                 text = await r.text(errors="ignore")
