@@ -623,6 +623,15 @@ _ATTRIBUTE = re.compile(
     r"""([^\t\n\f\r />][^\t\n\f\r />=]*)[\t\n\f\r ]*"""
     r"""(?:=[\t\n\f\r ]*("[^"]*"|'[^']*'|[^\t\n\f\r >"'][^\t\n\f\r >]*))?"""
 )
+# What a browser makes no link of: a comment (one left open runs to the page's end), and
+# the text of a <script> or <style> element (a script's string "<a href='x'>" is no tag).
+# One pass: each alternative scans forward once from its start.
+_NOT_MARKUP = re.compile(
+    r"""<!--(?:-?>|.*?(?:--!?>|\Z))"""
+    r"""|<(script|style)(?=[\t\n\f\r />])(?:[^>"']|"[^"]*"|'[^']*')*"""
+    r"""(?:>.*?(?:</\1(?=[\t\n\f\r />])|\Z))?""",
+    re.IGNORECASE | re.DOTALL,
+)
 _BARE_URL = re.compile(r"""(?P<url>http[s]?://[-a-zA-Z0-9@:%_+.~#?&/=]+)""")
 _ABSOLUTE = re.compile(r"(?i:https?:)|/")
 _HTTP_SCHEME = re.compile(r"(?i)https?:")
@@ -674,7 +683,8 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     ``http://h/my data/``); any other link is relative (``https_logs.parquet`` too:
     fsspec took every link starting with ``http`` for another site's, and its file was
     lost; ``a:b.parquet`` too, a name, not a scheme) and is kept wherever it resolves,
-    but ``..``: the listing's caller confines what it finds.
+    but ``..``: the listing's caller confines what it finds. As for a browser, a link in a
+    comment or a ``<script>``/``<style>`` is none.
 
     Example:
         >>> page = '<a href="https_logs.x">h</a> <a href="q&amp;a.x">q</a> <a href="../">up</a>'
@@ -682,6 +692,7 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
         >>> page_links("http://h/d", page)
         ['http://h/d/a:b.x', 'http://h/d/https_logs.x', 'http://h/d/q&a.x', 'http://h/d/s/']
     """
+    text = _NOT_MARKUP.sub("", text)
     hrefs = [unescape_attribute(href) for tag in _A_TAG.findall(text) if (href := _href(tag))]
     if simple_links:
         hrefs += map(html.unescape, _BARE_URL.findall(text))  # (text, not an attribute)
