@@ -684,7 +684,8 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     fsspec took every link starting with ``http`` for another site's, and its file was
     lost; ``a:b.parquet`` too, a name, not a scheme) and is kept wherever it resolves,
     but ``..``: the listing's caller confines what it finds. As for a browser, a link in a
-    comment or a ``<script>``/``<style>`` is none.
+    comment or a ``<script>``/``<style>`` is none, a ``#fragment`` is not part of its URL,
+    and a link to the page itself is no entry.
 
     Example:
         >>> page = '<a href="https_logs.x">h</a> <a href="q&amp;a.x">q</a> <a href="../">up</a>'
@@ -700,6 +701,7 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     root = _paths.url_key(folder)
     out = set()
     for link in hrefs:
+        link = link.partition("#")[0]  # (a fragment is never sent: "a.x#sha256=..." is a.x)
         if _ABSOLUTE.match(link):
             got = urljoin(folder, link)
             if got.startswith(folder) and len(got) > len(folder):
@@ -716,6 +718,7 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
                 out.add(got)
         elif link not in ("..", "../"):  # (an FTP-like parent)
             out.add(urljoin(folder, "./" + link))  # ("./": a colon in a name is no scheme)
+    out.discard(folder)  # ("#top", "./": the page itself)
     return sorted(out)
 
 
