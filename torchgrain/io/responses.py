@@ -684,8 +684,8 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
     fsspec took every link starting with ``http`` for another site's, and its file was
     lost; ``a:b.parquet`` too, a name, not a scheme) and is kept wherever it resolves,
     but ``..``: the listing's caller confines what it finds. As for a browser, a link in a
-    comment or a ``<script>``/``<style>`` is none, a ``#fragment`` is not part of its URL,
-    and a link to the page itself is no entry.
+    comment or a ``<script>``/``<style>`` is none, spaces around an ``href`` and a
+    ``#fragment`` are not part of its URL, and a link to the page itself is no entry.
 
     Example:
         >>> page = '<a href="https_logs.x">h</a> <a href="q&amp;a.x">q</a> <a href="../">up</a>'
@@ -694,7 +694,11 @@ def page_links(url: str, text: str, *, simple_links: bool = True) -> list[str]:
         ['http://h/d/a:b.x', 'http://h/d/https_logs.x', 'http://h/d/q&a.x', 'http://h/d/s/']
     """
     text = _NOT_MARKUP.sub("", text)
-    hrefs = [unescape_attribute(href) for tag in _A_TAG.findall(text) if (href := _href(tag))]
+    hrefs = [
+        unescape_attribute(href).strip(" \t\n\f\r")
+        for tag in _A_TAG.findall(text)
+        if (href := _href(tag))
+    ]
     if simple_links:
         hrefs += map(html.unescape, _BARE_URL.findall(text))  # (text, not an attribute)
     folder = url.rstrip("/") + "/"
