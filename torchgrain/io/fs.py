@@ -603,6 +603,9 @@ class _Listing:
         # server serving each page slowly (but in time) must not make it endless.
         end = time.monotonic() + current_policy().deadline
         files: list[str] = []
+        # A file linked from two pages (a flat index and its folder's) is one file; two
+        # links written otherwise ("a", "%61") are refused as naming one file twice.
+        found: set[str] = set()
         pending = [(root, 0)]
         seen = {root.rstrip("/")}
         while pending:
@@ -622,7 +625,8 @@ class _Listing:
                 # reading (%2e) is still refused.
                 name = re.sub(r"/(?:\./)+", "/", entry["name"])
                 if entry.get("type") != "directory":
-                    if self._keep(root, name):
+                    if name not in found and self._keep(root, name):
+                        found.add(name)
                         files.append(name)
                     continue
                 key = name.rstrip("/")
