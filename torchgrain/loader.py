@@ -240,11 +240,29 @@ class ResumableLoader:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (the wrapped loader's ``set_epoch`` if it has one, else the
         sampler's); the epoch in effect keeps a loaded position."""
+        if epoch != self.sampler.epoch:
+            self._drop_unstarted_iterator()
         hook = getattr(self.loader, "set_epoch", None)
         if callable(hook):
             hook(epoch)
         self.sampler.set_epoch(epoch)
         self._tell_dataset()
+
+    def _drop_unstarted_iterator(self) -> None:
+        """Drop the iterator a torchdata ``StatefulDataLoader`` made for a ``state_dict()``
+        before its first pass (Accelerate's prepare asks for one) and has not handed out:
+        its workers drew the pass's first indices already, and the next pass would read
+        those, not the position or epoch set since. Workers that do not persist are shut
+        down; persistent ones are reset by the next pass, which drops what they read."""
+        loader = getattr(self.loader, "base_dataloader", self.loader)  # Accelerate's
+        if getattr(loader, "_initial_iter_for_state_dict", False) is not True:
+            return
+        loader._initial_iter_for_state_dict = False
+        if loader.num_workers > 0 and loader.persistent_workers:
+            return
+        iterator, loader._iterator = loader._iterator, None
+        if loader.num_workers > 0:
+            iterator._shutdown_workers()
 
     def _tell_dataset(self) -> None:
         """The sampler's epoch to the loader's dataset, when the sampler does not tell it."""
@@ -308,6 +326,7 @@ class ResumableLoader:
                 f"{saved} at position {inner['position']}"
                 + ("" if finished else ", in the middle of its pass")
             )
+        self._drop_unstarted_iterator()
         sampler.load_order_state(inner)
         sampler._apply_state(inner)
         # Loaders that count epochs themselves (Accelerate's set the epoch at every
