@@ -41,10 +41,6 @@ def _loader(kind):
     return tg.ResumableLoader(loader)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a StatefulDataLoader iterator started before load_state_dict reads the pass from 0",
-)
 @pytest.mark.parametrize("kind", ["accelerate", "stateful"])
 def test_resume_mid_pass_through_an_iterator_made_before_the_load(kind, no_launcher_env):
     """A state saved after 2 batches and loaded into a new loader (2 workers) continues at
@@ -68,10 +64,6 @@ def test_resume_mid_pass_through_an_iterator_made_before_the_load(kind, no_launc
     assert sorted(x for batch in taken + rest for x in batch) == list(range(N))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a StatefulDataLoader iterator started before set_epoch reads the old epoch",
-)
 @pytest.mark.parametrize("kind", ["accelerate", "stateful"])
 def test_epoch_set_before_the_first_pass_through_an_iterator_made_before(kind, no_launcher_env):
     """An epoch set before the first pass is that pass's order with 2 workers, also when
