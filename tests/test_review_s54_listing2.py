@@ -8,7 +8,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer, parquet_bytes
@@ -22,9 +21,6 @@ def _rows(url: str) -> list[int]:
         src.close()
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a file linked from two listing pages is refused as two unsafe names"
-)
 def test_a_file_linked_from_a_flat_index_and_its_folders_page_is_read_once(tmp_path):
     """A static index.html (as S3-website and CDN index generators write them) that
     links every file below it, those of its subfolders too, as well as each subfolder's
@@ -43,7 +39,6 @@ def test_a_file_linked_from_a_flat_index_and_its_folders_page_is_read_once(tmp_p
         assert _rows(srv.url + "/ds/") == [1, 2, 3, 4]
 
 
-@pytest.mark.xfail(strict=True, reason="a link inside an HTML comment is listed as a file")
 def test_a_link_in_an_html_comment_is_no_file_of_the_folder(tmp_path):
     """A generated index page that keeps a removed file's entry commented out
     (``<!-- <a href="old.parquet"> -->``): a browser shows no such link, the server has
@@ -60,7 +55,6 @@ def test_a_link_in_an_html_comment_is_no_file_of_the_folder(tmp_path):
         assert _rows(srv.url + "/ds/") == [1, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="a link in a <script> text is listed as a file")
 def test_a_link_in_a_script_is_no_file_of_the_folder(tmp_path):
     """A listing page (Caddy's browse template, a CDN's index) with a script building
     markup in a string (``'<a href="' + name + '">'``, ``"<a href='x.parquet'>"``): a
@@ -78,7 +72,6 @@ def test_a_link_in_a_script_is_no_file_of_the_folder(tmp_path):
         assert _rows(srv.url + "/ds/") == [1, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="a link's #fragment is kept in the file's URL and refused")
 def test_links_with_a_hash_fragment_name_the_files_before_it(tmp_path):
     """A "simple" index page (PEP 503's format, which many file mirrors write) links
     each file with its digest in the fragment: ``<a href="a.parquet#sha256=...">``. A
@@ -98,7 +91,6 @@ def test_links_with_a_hash_fragment_name_the_files_before_it(tmp_path):
         assert _rows(srv.url + "/ds/") == [1, 2, 3]
 
 
-@pytest.mark.xfail(strict=True, reason="spaces around an href are kept in the file's URL")
 def test_spaces_around_a_link_are_not_part_of_the_file_name(tmp_path):
     """A hand-written or templated index page with spaces around a link
     (``<a href=" a.parquet ">``): a browser strips leading and trailing whitespace
@@ -152,7 +144,6 @@ class _HtmlTyped(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="a data file served as text/html is taken for a folder")
 def test_a_parquet_file_served_as_text_html_is_read_as_the_file(tmp_path):
     """A server with a wrong default Content-Type (text/html for every file) serving
     one Parquet file, opened by its URL: the file's bytes hold no link, it is a file,
