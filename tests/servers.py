@@ -847,6 +847,17 @@ def parquet_bytes(rows: int) -> bytes:
     return buf.getvalue()
 
 
+def parquet_column(url: str) -> list[int]:
+    """Column ``x`` of every record of the Parquet dataset at ``url``, sorted."""
+    import torchgrain as tg
+
+    src = tg.ParquetSource(url)
+    try:
+        return sorted(int(src[i]["x"]) for i in range(len(src)))
+    finally:
+        src.close()
+
+
 def make_bucket(client: Any, name: str) -> str:
     """Bucket ``name`` on the S3 server ``client`` talks to (made unless it exists)."""
     with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):

@@ -11,14 +11,7 @@ import pyarrow.parquet as pq
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer, parquet_bytes
-
-
-def _rows(url: str) -> list[int]:
-    src = tg.ParquetSource(url)
-    try:
-        return sorted(int(src[i]["x"]) for i in range(len(src)))
-    finally:
-        src.close()
+from tests.servers import parquet_column as _rows
 
 
 def test_a_file_linked_from_a_flat_index_and_its_folders_page_is_read_once(tmp_path):

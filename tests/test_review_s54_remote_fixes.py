@@ -12,14 +12,7 @@ import pytest
 
 import torchgrain as tg
 from tests.servers import RangeHTTPServer
-
-
-def _rows(url: str) -> list[int]:
-    src = tg.ParquetSource(url)
-    try:
-        return sorted(int(src[i]["x"]) for i in range(len(src)))
-    finally:
-        src.close()
+from tests.servers import parquet_column as _rows
 
 
 def test_a_raw_ampersand_in_a_go_file_server_link_names_the_file(tmp_path):
