@@ -112,17 +112,6 @@ class _PassState:
     finaliser, which stops and joins the thread.
     """
 
-    __slots__ = (
-        "error_note",
-        "pending",
-        "produced",
-        "queue",
-        "slots",
-        "source",
-        "start_event",
-        "stop",
-    )
-
     def __init__(self, source: Iterator[Any], depth: int, start_event: Any) -> None:
         self.source: Iterator[Any] | None = source
         self.queue: queue.SimpleQueue[tuple[int, Any, Any]] = queue.SimpleQueue()

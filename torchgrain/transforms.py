@@ -113,11 +113,10 @@ class _GeneratorRandom(random.Random):
         n = (k + 7) // 8
         return int.from_bytes(self.gen.bytes(n), "little") >> (8 * n - k)  # type: ignore[union-attr]
 
-    def getstate(self) -> Any:
+    def getstate(self, *state: Any) -> Any:
         raise TypeError("_GeneratorRandom has no state of its own")
 
-    def setstate(self, state: Any) -> None:
-        raise TypeError("_GeneratorRandom has no state of its own")
+    setstate = getstate
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_GeneratorRandom, ())
@@ -196,10 +195,7 @@ class Albumentations:
         self._py_random.gauss_next = None  # gauss() keeps a second normal: not for this record
         self.transform.set_random_state(rng, self._py_random)
         out = self.transform(**data)
-        result = dict(record)
-        for name, key in self._pairs:
-            result[key] = out[name]
-        return result
+        return {**record, **{key: out[name] for name, key in self._pairs}}
 
     def __repr__(self) -> str:
         names = [type(t).__name__ for t in getattr(self.transform, "transforms", ())]
@@ -280,10 +276,7 @@ class DecodeImage:
                 f"decode_image: key {self.key!r} holds {type(data).__name__}, expected bytes"
             )
         t0 = time.perf_counter()
-        if self.backend == "cv2":
-            image = self._decode_cv2(data)
-        else:
-            image = self._decode_pillow(data)
+        image = (self._decode_cv2 if self.backend == "cv2" else self._decode_pillow)(data)
         # tg.stats counts image decoding as decode, not as the map's transform time.
         local_counters()[COUNTER["decode_seconds"]] += time.perf_counter() - t0
         if image is None:

@@ -143,6 +143,7 @@ class ReadOptions:
             ("storage_options", Mapping, "a mapping of fsspec options"),
             ("filesystem", fsspec.AbstractFileSystem, "an fsspec filesystem"),
             ("cache_dir", (str, os.PathLike, ShardCache), "a directory path or a ShardCache"),
+            ("retry", RetryPolicy, "a RetryPolicy"),
         ):
             v = getattr(self, name)
             if v is not None and not isinstance(v, kinds):
@@ -156,8 +157,6 @@ class ReadOptions:
             v, low = getattr(self, name), 0 if name in optional else 1
             if (v is not None or low) and (not _is_int(v) or v < low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
-        if self.retry is not None and not isinstance(self.retry, RetryPolicy):
-            raise TypeError(f"retry must be a RetryPolicy, got {type(self.retry).__name__}")
         m = self.max_open_files
         if m is ...:  # the earlier spelling of "auto"
             object.__setattr__(self, "max_open_files", "auto")
