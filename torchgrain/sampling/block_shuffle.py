@@ -235,23 +235,19 @@ class BlockShuffleSampler(ResumableSampler):
 
     # -- the split ---------------------------------------------------------------------
     def split(self) -> ContiguousSplit:
-        """Contiguous runs per rank, dealt to the loader's workers when asked to."""
-        return ContiguousSplit(*self._dealing())
-
-    def _dealing(self) -> tuple[int | None, int]:
-        """``(batch_size, num_workers)`` the current pass deals batches by: the values
-        given, the rest from the DataLoader the sampler is bound to when asked to deal;
-        none under a batch-sharding loader (its processes, not workers, take the
-        batches)."""
+        """Contiguous runs per rank, dealt to the loader's workers when asked to: by the
+        ``batch_size`` and ``num_workers`` given, the rest from the DataLoader the sampler
+        is bound to when asked to deal; never under a batch-sharding loader (its
+        processes, not workers, take the batches)."""
         if self.sharded_by is not None:
-            return None, 0
+            return ContiguousSplit()
         learn = self.deal_to_workers or self.num_workers is not None or self.batch_size is not None
         loader_batch_size, loader_workers = self.loader_shape()
         batch_size = loader_batch_size if self.batch_size is None and learn else self.batch_size
         num_workers = self.num_workers
         if num_workers is None:
             num_workers = (loader_workers or 0) if self.deal_to_workers else 0
-        return batch_size, num_workers
+        return ContiguousSplit(batch_size, num_workers)
 
     def uses_loader_shape(self) -> bool:
         if self.sharded_by is not None:

@@ -208,17 +208,14 @@ class KeyedPermutation:
 
     def _apply(self, x: Any, inverse: bool, check: bool = True) -> np.ndarray:
         x = np.asarray(x)
-        if not check and x.dtype == np.int64 and x.ndim == 1:
-            if self.n <= 1:
-                return x
-            # Non-negative int64 reinterpreted as uint64: no copy, no range pass.
-            out = _permute(x.view(_U64), _U64(self.n), self._keys, self._a, self._c, inverse)
-            return out.view(np.int64)
-        if x.size and (int(x.min()) < 0 or int(x.max()) >= self.n):
+        # check=False on 1-D int64: non-negative int64 reinterpreted as uint64, no copy,
+        # no range pass.
+        fast = not check and x.dtype == np.int64 and x.ndim == 1
+        if not fast and x.size and (int(x.min()) < 0 or int(x.max()) >= self.n):
             raise IndexError(f"values must be in [0, {self.n}) for a permutation of size {self.n}")
         if self.n <= 1:
-            return x.astype(np.int64)
-        flat = x.reshape(-1).astype(_U64)
+            return x if fast else x.astype(np.int64)
+        flat = x.view(_U64) if fast else x.reshape(-1).astype(_U64)
         out = _permute(flat, _U64(self.n), self._keys, self._a, self._c, inverse)
         return out.view(np.int64).reshape(x.shape)
 
