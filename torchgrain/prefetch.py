@@ -160,8 +160,7 @@ class _Transfer:
                 self.stream.wait_event(state.start_event)
                 state.start_event = None
             batch = _map_tensors(lambda t: t.to(device, non_blocking=non_blocking), host_batch)
-            copied = torch.cuda.Event()
-            copied.record(self.stream)
+            copied = self.stream.record_event()
             # Keep the pinned source buffers referenced until the copy has completed (even
             # if the transform below fails); the producer drops them once
             # ``copied.query()`` is true (see ``_produce``), ``close`` waits.
@@ -169,8 +168,7 @@ class _Transfer:
             if self.transform is None:
                 return batch, copied
             batch = self.transform(batch)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+            ready = self.stream.record_event()
         return batch, ready
 
 
@@ -232,8 +230,7 @@ class _PrefetchIterator(Iterator[Any]):
         self._device = owner.device
         start_event = None
         if self._stream is not None:
-            start_event = torch.cuda.Event()
-            start_event.record(torch.cuda.current_stream(self._device))
+            start_event = torch.cuda.current_stream(self._device).record_event()
         transfer = _Transfer(
             owner.device, self._stream, owner._pin_for_pass(), owner.non_blocking, owner.transform
         )

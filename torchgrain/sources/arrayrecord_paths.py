@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -55,11 +56,11 @@ def resolve_dataset(
                 # every reading (percent-decoded, normalised): ``..`` segments, an absolute
                 # path or a URL would let an untrusted dataset read any file the process
                 # can. A symlink inside the directory is the user's own doing: followed.
-                files = resolve_all(
-                    fs,
-                    root,
+                resolve = functools.partial(
+                    resolve_all, fs, root, where=f"the manifest of {where!r}"
+                )
+                files = resolve(
                     [s.path for s in manifest.shards],
-                    where=f"the manifest of {where!r}",
                     what=lambda k: f"shard {k}",
                     allow_external=allow_external_paths,
                 )
@@ -74,14 +75,7 @@ def resolve_dataset(
                 index = None
                 if isinstance(entry, dict) and isinstance(entry.get("path"), str):
                     # The index file is named like a shard: inside the dataset, always.
-                    path = resolve_all(
-                        fs,
-                        root,
-                        [entry["path"]],
-                        where=f"the manifest of {where!r}",
-                        what=lambda k: "its index file",
-                    )[0]
-                    index = (path, entry)
+                    index = (resolve([entry["path"]], what=lambda k: "its index file")[0], entry)
                 return manifest, fs, files, index
     fs, files = expand_paths(
         paths,

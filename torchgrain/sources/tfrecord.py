@@ -145,7 +145,6 @@ class TFRecordSource(EncodedSource):
             )
         # What tells each remote file's version apart, as the index was built from it.
         self._versions = None if is_local(fs) else infos
-        counts = self._tfindex.counts
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # A local reader is a memory map, which holds a file descriptor; remote
@@ -154,7 +153,7 @@ class TFRecordSource(EncodedSource):
         self._init_shards(
             filesystem=fs,
             paths=files,
-            counts=counts,
+            counts=self._tfindex.counts,
             options=opts,
             cache_bytes=0,  # nothing to decompress: a record is a byte range
             max_open_files=max_open_files,
