@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import operator
 import struct
 
 __all__ = ["RIEGELI_KEY", "highwayhash64", "riegeli_hash"]
@@ -29,26 +30,14 @@ _INIT_MUL1 = (0x3BD39E10CB0EF593, 0xC0ACF169B5F18A8C, 0xBE5466CF34E90C6C, 0x4528
 _LANES = struct.Struct("<4Q")
 
 
+# The bytes of (v1 << 64 | v0), little-endian, in the order the zipper merge takes them.
+_ZIPPER = operator.itemgetter(3, 12, 2, 5, 14, 1, 15, 0, 11, 4, 10, 13, 9, 6, 8, 7)
+
+
 def _zipper(v1: int, v0: int) -> tuple[int, int]:
     """The byte shuffle that mixes multiplication results across lanes: (add1, add0)."""
-    add0 = (
-        (((v0 & 0xFF000000) | (v1 & 0xFF00000000)) >> 24)
-        | (((v0 & 0xFF0000000000) | (v1 & 0xFF000000000000)) >> 16)
-        | (v0 & 0xFF0000)
-        | ((v0 & 0xFF00) << 32)
-        | ((v1 & 0xFF00000000000000) >> 8)
-        | ((v0 << 56) & _M64)
-    )
-    add1 = (
-        (((v1 & 0xFF000000) | (v0 & 0xFF00000000)) >> 24)
-        | (v1 & 0xFF0000)
-        | ((v1 & 0xFF0000000000) >> 16)
-        | ((v1 & 0xFF00) << 24)
-        | ((v0 & 0xFF000000000000) >> 8)
-        | ((v1 & 0xFF) << 48)
-        | (v0 & 0xFF00000000000000)
-    )
-    return add1, add0
+    out = int.from_bytes(bytes(_ZIPPER((v0 | v1 << 64).to_bytes(16, "little"))), "little")
+    return out >> 64, out & _M64
 
 
 class _State:
@@ -77,28 +66,22 @@ class _State:
                 dst[lo] = (dst[lo] + add0) & _M64
 
     def update_remainder(self, rest: bytes) -> None:
-        size_mod32 = len(rest)
-        size_mod4 = size_mod32 & 3
-        whole = size_mod32 & ~3
+        n = len(rest)
         for i in range(4):
-            self.v0[i] = (self.v0[i] + (size_mod32 << 32) + size_mod32) & _M64
-        count = size_mod32
-        for i in range(4):
-            half0 = self.v1[i] & _M32
-            half1 = self.v1[i] >> 32
-            half0 = ((half0 << count) | (half0 >> (32 - count))) & _M32
-            half1 = ((half1 << count) | (half1 >> (32 - count))) & _M32
+            self.v0[i] = (self.v0[i] + (n << 32) + n) & _M64
+            half0, half1 = self.v1[i] & _M32, self.v1[i] >> 32
+            half0 = ((half0 << n) | (half0 >> (32 - n))) & _M32
+            half1 = ((half1 << n) | (half1 >> (32 - n))) & _M32
             self.v1[i] = half0 | (half1 << 32)
+        mod4, whole = n & 3, n & ~3
         packet = bytearray(32)
         packet[:whole] = rest[:whole]
-        tail = rest[whole:]
-        if size_mod32 & 16:
+        if n & 16:
             # The last four input bytes, which may overlap the whole-word part.
-            packet[28:32] = rest[size_mod32 - 4 : size_mod32]
-        elif size_mod4:
-            packet[16] = tail[0]
-            packet[17] = tail[size_mod4 >> 1]
-            packet[18] = tail[size_mod4 - 1]
+            packet[28:32] = rest[n - 4 : n]
+        elif mod4:
+            tail = rest[whole:]
+            packet[16:19] = tail[0], tail[mod4 >> 1], tail[mod4 - 1]
         self.update(_LANES.unpack(packet))
 
     def finalize64(self) -> int:
