@@ -154,17 +154,8 @@ def _packed_varints(buf: bytes, start: int, end: int) -> np.ndarray:
     return values.view(np.int64)
 
 
-class _Feature:
-    """Parse state of one ``Feature``: the oneof kind and the pieces collected so far."""
-
-    __slots__ = ("kind", "parts")
-
-    def __init__(self) -> None:
-        self.kind = 0
-        self.parts: list[Any] = []
-
-
-def _parse_feature(buf: bytes, pos: int, end: int, feat: _Feature, depth: int) -> None:
+def _parse_feature(buf: bytes, pos: int, end: int, feat: list[Any], depth: int) -> None:
+    """Parse one ``Feature`` into ``feat``: ``[oneof kind, the pieces collected so far]``."""
     while pos < end:
         tag, pos = _tag(buf, pos, end)
         kind = tag >> 3
@@ -172,12 +163,11 @@ def _parse_feature(buf: bytes, pos: int, end: int, feat: _Feature, depth: int) -
             pos = _skip(buf, pos, end, tag, depth)
             continue
         sub_end, pos = _length(buf, pos, end)
-        if feat.kind != kind:
+        if feat[0] != kind:
             # Setting a different member of a oneof discards the previous one; setting
             # the same member again merges (concatenates the repeated values).
-            feat.kind = kind
-            feat.parts = []
-        parts = feat.parts
+            feat[:] = kind, []
+        parts = feat[1]
         sub_depth = depth + 1
         if sub_depth > _MAX_DEPTH:
             raise _err("messages nested too deeply", pos)
@@ -218,8 +208,7 @@ def _parse_feature(buf: bytes, pos: int, end: int, feat: _Feature, depth: int) -
         pos = sub_end
 
 
-def _finish(feat: _Feature, squeeze: bool) -> Any:
-    kind, parts = feat.kind, feat.parts
+def _finish(kind: int, parts: list[Any], squeeze: bool) -> Any:
     if kind == _BYTES:
         return parts[0] if squeeze and len(parts) == 1 else parts
     if kind == _INT64:
@@ -370,10 +359,10 @@ def _parse_features(
                 pos = _skip(buf, pos, entry_end, tag, depth + 1)
         if keys is not None and key not in keys:
             continue
-        feat = _Feature()
+        feat: list[Any] = [0, []]
         for s, e in ranges:
             _parse_feature(buf, s, e, feat, depth + 2)
-        out[key] = _finish(feat, squeeze)  # a repeated key replaces, as in a map
+        out[key] = _finish(*feat, squeeze)  # a repeated key replaces, as in a map
 
 
 def decode_tf_example(
@@ -484,11 +473,7 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
             return _INT64, flat.astype(np.int64)
         if k == "f":
             return _FLOAT, _float32(name, flat)
-        if k == "S":
-            return _BYTES, [bytes(x) for x in flat.tolist()]
-        if k == "U":
-            return _BYTES, [x.encode("utf-8") for x in flat.tolist()]
-        if k == "O":
+        if k in "SUO":  # bytes, str or objects: as a list of them
             return _classify(name, flat.tolist())
         raise TypeError(f"feature {name!r}: cannot store a {flat.dtype} array in an Example")
     if isinstance(value, (list, tuple)):
