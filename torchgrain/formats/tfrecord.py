@@ -602,20 +602,19 @@ def write_tfrecord(
     count = 0
     try:
         with fs.open(tmp, "wb") as raw:
-            out: Any = raw
-            if comp == "gzip":
-                out = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0)
-            elif comp == "zlib":
-                out = _ZlibWriter(raw)
+            out: Any = gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if comp == "gzip" else raw
+            z = zlib.compressobj() if comp == "zlib" else None
             pending = bytearray()
             for rec in records:
                 pending += _frame(rec if type(rec) is bytes else bytes(rec))
                 count += 1
                 if len(pending) >= _READ_SIZE:
-                    out.write(pending)
+                    out.write(z.compress(pending) if z else pending)
                     pending = bytearray()  # (a new one: the written one may still be held)
             if pending:
-                out.write(pending)
+                out.write(z.compress(pending) if z else pending)
+            if z:
+                raw.write(z.flush())
             if out is not raw:
                 out.close()
         if is_local(fs):
@@ -627,15 +626,3 @@ def write_tfrecord(
             fs.rm(tmp)
         raise
     return count
-
-
-class _ZlibWriter:
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self._c = zlib.compressobj()
-
-    def write(self, data: bytes) -> None:
-        self._raw.write(self._c.compress(data))
-
-    def close(self) -> None:
-        self._raw.write(self._c.flush())
