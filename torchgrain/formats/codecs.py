@@ -495,24 +495,22 @@ def describe_value(value: Any) -> str:
         return f"{value.dtype.name}[{','.join(str(s) for s in value.shape)}]"
     if isinstance(value, np.generic):
         return value.dtype.name
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return "bytes"
     if isinstance(value, (list, tuple)):
         inner = sorted({describe_value(v) for v in value[:16]})
         return f"list[{'|'.join(inner)}]" if inner else "list"
-    if isinstance(value, dict):
-        return "map"
-    return type(value).__name__
+    # (bool before int: a bool is an int)
+    return next((t for types, t in _TYPE_NAMES if isinstance(value, types)), type(value).__name__)
+
+
+_TYPE_NAMES = (
+    (type(None), "null"),
+    (bool, "bool"),
+    (int, "int"),
+    (float, "float"),
+    (str, "str"),
+    ((bytes, bytearray, memoryview), "bytes"),
+    (dict, "map"),
+)
 
 
 def split_type(t: str) -> list[str]:
