@@ -57,8 +57,9 @@ _INT_WIDTH = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, Fa
 _INT_WIDTH.update({0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)})
 # Binaries and strings: (header length, width of the length field) by header byte.
 _SIZED = {0xC4: (2, 1), 0xC5: (3, 2), 0xC6: (5, 4), 0xD9: (2, 1), 0xDA: (3, 2), 0xDB: (5, 4)}
-# Extensions: (offset of the type byte, offset of the data, width of the length field).
-_EXT_LAYOUT = {0xC7: (2, 3, 1), 0xC8: (3, 4, 2), 0xC9: (5, 6, 4)}
+# Extensions: (offset of the data, width of the length field); the type byte is just
+# before the data.
+_EXT_LAYOUT = {0xC7: (3, 1), 0xC8: (4, 2), 0xC9: (6, 4)}
 _FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
 
 
@@ -214,19 +215,18 @@ def _ndarrays(
     n = len(pos)
     data = np.empty(n, dtype=np.int64)
     length = np.empty(n, dtype=np.int64)
-    type_at = np.empty(n, dtype=np.int64)
     for code in np.unique(t).tolist():
         m = t == code
         if code in _FIXEXT:
-            type_at[m], data[m], length[m] = pos[m] + 1, pos[m] + 2, _FIXEXT[code]
+            data[m], length[m] = pos[m] + 2, _FIXEXT[code]
         else:
-            type_off, data_off, width = _EXT_LAYOUT[code]
+            data_off, width = _EXT_LAYOUT[code]
             if (pos[m] + data_off > ends[m]).any():
                 return None
             length[m] = _big_endian(buf, pos[m] + 1, width, False).astype(np.int64)
-            type_at[m], data[m] = pos[m] + type_off, pos[m] + data_off
+            data[m] = pos[m] + data_off
     end = data + length
-    if (end > ends).any() or not (buf[type_at] == _NDARRAY_EXT).all() or (length < 2).any():
+    if (end > ends).any() or not (buf[data - 1] == _NDARRAY_EXT).all() or (length < 2).any():
         return None
     # The array header of the first record; the others must match it (same dtype, and
     # for a dense column the same shape).

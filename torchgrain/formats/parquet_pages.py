@@ -338,19 +338,8 @@ def footer_chunks(footer: bytes) -> list[list[ColumnChunk]]:
         pos = _fields(footer, pos, field)
         if 5 not in found or 7 not in found or 9 not in found:
             raise ValueError("a column chunk without its metadata")
-        groups[-1].append(
-            ColumnChunk(
-                found[5],
-                found[7],
-                found[9],
-                found.get(11),
-                found.get(6, 0),
-                found.get(1),
-                stats.get(3),
-                stats.get(6),
-                stats.get(5),
-            )
-        )
+        sizes = found[5], found[7], found[9], found.get(11), found.get(6, 0), found.get(1)
+        groups[-1].append(ColumnChunk(*sizes, stats.get(3), stats.get(6), stats.get(5)))
         return pos
 
     def group(pos: int) -> int:
