@@ -108,15 +108,6 @@ class ChunkDecodeError(ValueError):
 _SHARED = threading.local()  # per thread: the decompression context readers share
 
 
-def _thread_decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompression context (a new one after a fork)."""
-    token = process.token()
-    if getattr(_SHARED, "token", None) != token:
-        _SHARED.zstd = zstandard.ZstdDecompressor()
-        _SHARED.token = token
-    return _SHARED.zstd
-
-
 def phys_end(pos: int, size: int) -> int:
     """Physical end of ``size`` logical bytes starting at physical ``pos``.
 
@@ -248,7 +239,10 @@ class ChunkDecoder:
             self._reset_handles()
         d = getattr(self._tls, "zstd", None)
         if d is None:
-            d = self._tls.zstd = _thread_decompressor()
+            # This thread's context (a new one after a fork).
+            if getattr(_SHARED, "token", None) != self._token:
+                _SHARED.zstd, _SHARED.token = zstandard.ZstdDecompressor(), self._token
+            d = self._tls.zstd = _SHARED.zstd
         return d
 
     def _chunk_payload(self, buf: memoryview, pos: int) -> tuple[int, int, int, Any]:
