@@ -35,11 +35,7 @@ __all__ = ["read_column"]
 
 
 def read_column(
-    source: Any,
-    key: str,
-    *,
-    indices: Sequence[int] | np.ndarray | None = None,
-    chunk: int = 65536,
+    source: Any, key: str, *, indices: Sequence[int] | np.ndarray | None = None, chunk: int = 65536
 ) -> np.ndarray | Ragged:
     """The values of ``key`` for every record of ``source`` (or the records at
     ``indices``, in that order), read the cheapest way (see the module docstring).

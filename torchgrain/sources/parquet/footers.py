@@ -29,12 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from torchgrain.errors import (
-    CorruptDataError,
-    DatasetNotFoundError,
-    RemoteIOError,
-    UnsafePathError,
-)
+from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError, UnsafePathError
 from torchgrain.formats.parquet_pages import footer_chunks
 from torchgrain.io import changes, remote
 from torchgrain.io.fs import is_local, map_files

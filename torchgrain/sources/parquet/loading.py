@@ -38,20 +38,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, UnsafePathError
-from torchgrain.formats.parquet_pages import (
-    ColumnChunk,
-    chunk_pages,
-    chunk_range,
-    footer_chunks,
-)
+from torchgrain.formats.parquet_pages import ColumnChunk, chunk_pages, chunk_range, footer_chunks
 from torchgrain.io import changes, remote
 from torchgrain.io.fs import default_cache_dir
 from torchgrain.sources.base import ShardedSource
-from torchgrain.sources.parquet.decoded_cache import (
-    DecodedCache,
-    entry_key,
-    on_network_filesystem,
-)
+from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key, on_network_filesystem
 from torchgrain.sources.parquet.footers import NOT_THE_BYTES, bounded_footer, local_version
 from torchgrain.sources.parquet.values import RowGroup
 
@@ -194,10 +185,7 @@ class RowGroupLoader(ShardedSource):
         shard = int(self._rg_shard[group])
         local = int(self._rg_local[group])
         key = entry_key(
-            self._identities[shard],
-            local,
-            self._present[shard].tobytes(),
-            self._schema_bytes,
+            self._identities[shard], local, self._present[shard].tobytes(), self._schema_bytes
         )
 
         def build() -> pa.Table:

@@ -13,13 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from torchgrain.errors import DatasetNotFoundError, SchemaMismatchError
-from torchgrain.io.fs import (
-    canonical_local_path,
-    expand_paths,
-    get_filesystem,
-    has_glob,
-    is_local,
-)
+from torchgrain.io.fs import canonical_local_path, expand_paths, get_filesystem, has_glob, is_local
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"

@@ -97,10 +97,7 @@ def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
 
 
 def merge_file_schemas(
-    files: list[str],
-    schemas: list[pa.Schema],
-    columns: list[str] | None,
-    part_keys: list[str],
+    files: list[str], schemas: list[pa.Schema], columns: list[str] | None, part_keys: list[str]
 ) -> tuple[list[pa.Field], np.ndarray]:
     """Merge the selected columns of every file; return fields and a presence matrix."""
     wanted = None if columns is None else set(columns)

@@ -61,16 +61,7 @@ class RowGroup:
     size (a mapped table: its charge) plus what its preparations added.
     """
 
-    __slots__ = (
-        "nbytes",
-        "path",
-        "pin",
-        "rows",
-        "table",
-        "templates",
-        "touched",
-        "views",
-    )
+    __slots__ = ("nbytes", "path", "pin", "rows", "table", "templates", "touched", "views")
 
     def __init__(self, table: pa.Table, mapped: tuple[int, str, Any] | None = None) -> None:
         self.table: pa.Table | None = table
