@@ -337,51 +337,35 @@ class DecodedCache(NodeStore):
         except CorruptDataError:  # not a regular file (a FIFO, a device): decoded again,
             self._count(corrupt=1)  # and replaced by the new entry's rename
             return None, None
-        try:
-            table = self._check(buf, st, key, schema, num_rows, trusted)
-        except CorruptDataError:
+        size = buf.size
+        try:  # (any fault: the file is deleted, and the entry decoded again)
+            if size < _TRAILER.size:
+                raise CorruptDataError(f"decoded cache file of {size} bytes")
+            magic, version, crc, length, stored_key = _TRAILER.unpack(
+                buf.slice(size - _TRAILER.size).to_pybytes()
+            )
+            if magic != _MAGIC or version != _VERSION or length != size - _TRAILER.size:
+                raise CorruptDataError("not a decoded cache file of this version")
+            if stored_key != key.encode():
+                raise CorruptDataError("decoded cache file holds another entry")
+            body = buf.slice(0, length)
+            ident = file_identity(st)
+            first = self._verified.get(ident[:2]) != ident
+            if first and not trusted and zlib.crc32(memoryview(body)) != crc:
+                raise CorruptDataError("decoded cache file fails its checksum")
+            table = ipc.open_file(pa.BufferReader(body)).read_all()
+            if first and not trusted:
+                table.validate(full=True)
+            if table.num_rows != num_rows or not table.schema.equals(schema):
+                raise CorruptDataError("decoded cache file holds another schema or row count")
+        except (pa.ArrowException, OSError, ValueError):  # (CorruptDataError too)
             self._count(corrupt=1)
             self._discard(path, (st.st_dev, st.st_ino))
             return None, None
-        return table, pin
-
-    def _check(
-        self,
-        buf: pa.Buffer,
-        st: os.stat_result,
-        key: str,
-        schema: pa.Schema,
-        num_rows: int,
-        trusted: bool,
-    ) -> pa.Table:
-        size = buf.size
-        if size < _TRAILER.size:
-            raise CorruptDataError(f"decoded cache file of {size} bytes")
-        magic, version, crc, length, stored_key = _TRAILER.unpack(
-            buf.slice(size - _TRAILER.size).to_pybytes()
-        )
-        if magic != _MAGIC or version != _VERSION or length != size - _TRAILER.size:
-            raise CorruptDataError("not a decoded cache file of this version")
-        if stored_key != key.encode():
-            raise CorruptDataError("decoded cache file holds another entry")
-        body = buf.slice(0, length)
-        ident = file_identity(st)
-        first = self._verified.get(ident[:2]) != ident
-        if first and not trusted and zlib.crc32(memoryview(body)) != crc:
-            raise CorruptDataError("decoded cache file fails its checksum")
-        try:
-            reader = ipc.open_file(pa.BufferReader(body))
-            table = reader.read_all()
-            if first and not trusted:
-                table.validate(full=True)
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise CorruptDataError(f"decoded cache file does not read: {e}") from e
-        if table.num_rows != num_rows or not table.schema.equals(schema):
-            raise CorruptDataError("decoded cache file holds another schema or row count")
         if first:
             with self._stats_lock:
                 self._verified[ident[:2]] = ident
-        return table
+        return table, pin
 
     def _discard(self, path: str, ident: tuple[int, int]) -> None:
         """Delete the file ``ident`` (device, inode) at ``path``, unless it was replaced
@@ -490,10 +474,11 @@ class DecodedCache(NodeStore):
 
     def _check_process(self) -> None:
         if self._token != process.token():  # a forked child: counters and locks are its own
-            verified = self._verified  # (files checked by the parent stay checked)
-            stuck = self._stuck  # (and locks found stuck stay so, until found free)
+            # (files checked by the parent stay checked, and locks found stuck stay so,
+            # until found free)
+            verified, stuck = dict(self._verified), set(self._stuck)
             self._init_process()
-            self._verified, self._stuck = dict(verified), set(stuck)
+            self._verified, self._stuck = verified, stuck
 
     def _count(self, **kw: int) -> None:
         self._check_process()

@@ -113,6 +113,4 @@ def partition_values(values: list[str | None]) -> tuple[np.ndarray, pa.DataType]
     if present and all(_INT_RE.fullmatch(v) and abs(int(v)) < 2**63 for v in present):
         typ = pa.int64()
         values = [None if v is None else int(v) for v in values]
-    arr = np.empty(len(values), dtype=object)
-    arr[:] = values
-    return arr, typ
+    return np.array(values, dtype=object), typ

@@ -21,8 +21,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -175,10 +177,7 @@ def _prune(src: Any, sub: Any, schema: pa.Schema, expression: pc.Expression) -> 
             continue
         for combo in itertools.product(*states):
             terms = [t for t in combo if t is not None]
-            guarantee = terms[0] if terms else pc.scalar(True)
-            for t in terms[1:]:
-                guarantee = guarantee & t
-            cases.append((g, guarantee))
+            cases.append((g, functools.reduce(operator.and_, terms) if terms else pc.scalar(True)))
         keep[g] = False
     if not cases:
         return keep
@@ -250,10 +249,8 @@ def _range(chunk: Any, typ: pa.DataType) -> tuple[pa.Scalar, pa.Scalar] | None:
     elif kind == 6 and (pa.types.is_binary(typ) or pa.types.is_large_binary(typ)):
         values = [low, high]
     else:
-        table = dict(_PLAIN)
-        if pa.types.is_unsigned_integer(typ):
-            table.update(_UNSIGNED)
-        dtype, types = table.get(kind, ("", ()))
+        unsigned = _UNSIGNED if pa.types.is_unsigned_integer(typ) else {}
+        dtype, types = {**_PLAIN, **unsigned}.get(kind, ("", ()))
         if not any(typ.equals(t) for t in types):
             return None
         width = np.dtype(dtype).itemsize

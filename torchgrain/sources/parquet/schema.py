@@ -33,8 +33,6 @@ def _decoded(t: pa.DataType) -> pa.DataType:
     """
     if pa.types.is_dictionary(t):
         return _decoded(t.value_type)
-    if t.num_fields == 0:
-        return t
     if is_list_type(t):
         field = t.value_field.with_type(_decoded(t.value_type))
         if pa.types.is_large_list(t):

@@ -285,14 +285,6 @@ class ParquetSource(RowGroupLoader):
         import pyarrow.compute  # noqa: F401
 
     # ------------------------------------------------------------ the contract
-    def __len__(self) -> int:
-        return len(self.index)
-
-    @property
-    def num_shards(self) -> int:
-        """Number of Parquet files."""
-        return self.index.num_shards
-
     @property
     def num_row_groups(self) -> int:
         """Number of row groups over all files (empty ones included)."""
@@ -311,9 +303,8 @@ class ParquetSource(RowGroupLoader):
         Arrow types. A column some files lack (read as ``None`` there) adds ``|null``.
         """
         out = {}
-        for f in self.arrow_schema:
+        for f, pos in zip(self.arrow_schema, self._file_pos):  # (in the order of keys)
             name = value_type_name(f.type)
-            pos = self._file_pos[self._keys.index(f.name)]
             if pos >= 0 and not self._present[:, pos].all() and name != "null":
                 name += "|null"
             out[f.name] = name

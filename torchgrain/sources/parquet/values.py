@@ -66,8 +66,7 @@ class RowGroup:
     def __init__(self, table: pa.Table, mapped: tuple[int, str, Any] | None = None) -> None:
         self.table: pa.Table | None = table
         self.views: Any = None
-        self.rows: Any = None
-        self.templates: Any = None
+        self.rows = self.templates = None
         # A mapped table's charge, the decoded-cache file it lives in and that file's
         # torchgrain.io.changes.Pin; when this process last refreshed the file's LRU time.
         self.nbytes, self.path, self.pin = mapped or (int(table.nbytes), None, None)
@@ -409,9 +408,8 @@ class _Column:
         self.kind = _GENERIC
         self.values: Any = None
         self.offsets: Any = None
-        self.width = 0
         self.nulls: bytes | None = None
-        self.private = 0
+        self.width = self.private = 0
 
 
 def _column(arr: pa.Array) -> _Column:
@@ -613,10 +611,7 @@ def _values(kind: int, views: list[_Column], ks: list[int], rs: list[int], n: in
         return [data[k][r].copy() for k, r in zip(ks, rs)]
     # _STR, _BIN, _ARRAY: each row's slice of the values, decoded or copied
     offs = [v.offsets for v in views]
-    out = []
-    for k, r in zip(ks, rs):
-        o = offs[k]
-        out.append(data[k][o[r] : o[r + 1]])
+    out = [data[k][offs[k][r] : offs[k][r + 1]] for k, r in zip(ks, rs)]
     if kind == _STR:
         return [str(v, "utf-8") for v in out]
     if kind == _BIN:
