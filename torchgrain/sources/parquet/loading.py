@@ -203,10 +203,9 @@ class RowGroupLoader(ShardedSource):
             num_rows=int(self._rg_offsets[group + 1] - self._rg_offsets[group]),
             name=f"row group {local} of {self.paths[shard]!r}",
         )
-        if path is None:  # not stored (too large, disk full): decoded here
-            return RowGroup(table)
         charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
-        return RowGroup(table, (charge, path, pin))
+        # (path None: not stored (too large, disk full), decoded here)
+        return RowGroup(table, None if path is None else (charge, path, pin))
 
     def _drop_changed(self, entries: list[RowGroup | None]) -> None:
         """Set to None the cached row groups mapped from decoded-cache files that were
