@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -123,22 +122,10 @@ def simulate(
     size = (lambda item: 1) if sizes is None else (lambda item: int(sizes[item]))
     nxt = next_uses(arr)
     hits = downloaded = 0
-    if policy == "lru":
-        lru: OrderedDict[int, int] = OrderedDict()
-        held = 0
-        for item in arr.tolist():
-            if item in lru:
-                hits += 1
-                lru.move_to_end(item)
-                continue
-            downloaded += size(item)
-            lru[item] = size(item)
-            held += size(item)
-            while held > capacity and len(lru) > 1:
-                held -= lru.popitem(last=False)[1]
-        return Simulation(policy, len(arr), hits, downloaded)
-    # Belady: evict the cached item whose next use is furthest (as known at the time of
-    # the eviction: within ``horizon``, else never), least recently used among equals.
+    # Evict the cached item whose next use is furthest (as known at the time of the
+    # eviction: within ``reach``, else never; under "lru", never for all), least
+    # recently used among equals.
+    reach = -1 if policy == "lru" else len(arr) if horizon is None else horizon
     cached: dict[int, tuple[int, int]] = {}  # item -> (true next use, last use)
     held = 0
     for i, item in enumerate(arr.tolist()):
@@ -152,7 +139,7 @@ def simulate(
 
             def rank(entry: tuple[int, tuple[int, int]], now: int = i) -> tuple[int, int]:
                 use, last = entry[1]
-                if use >= len(arr) or (horizon is not None and use - now > horizon):
+                if use >= len(arr) or use - now > reach:
                     use = NEVER
                 return (use, -last)
 
