@@ -173,10 +173,10 @@ class ShardCache(NodeStore):
         self.retry = retry or RetryPolicy()
         self.verify_hits = bool(verify_hits)
         self._init_process()
-        with contextlib.suppress(CacheDiskFullError):  # (disk_full: sources read without it)
-            self._make_dirs()
 
     def _init_process(self) -> None:
+        """This process's own state (checks, counters, locks), and the store's folders
+        made (or checked: links) where the disk allows (disk_full: sources read without it)."""
         self._stats_lock = threading.Lock()
         self._token = process.token()
         self._paths: dict[tuple[str, str | None], str] = {}
@@ -189,6 +189,8 @@ class ShardCache(NodeStore):
         # copy name -> until when its lock, waited for in vain, takes one try (monotonic)
         self._stuck: dict[str, float] = {}
         self.stats: dict[str, int] = dict.fromkeys(_STATS, 0)
+        with contextlib.suppress(CacheDiskFullError):
+            self._make_dirs()
 
     def __getstate__(self) -> dict[str, Any]:  # (checks, counters and locks are per process)
         keep = ("eviction", "directory", "max_bytes", "min_free_bytes", "retry", "verify_hits")
@@ -197,8 +199,6 @@ class ShardCache(NodeStore):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_process()
-        with contextlib.suppress(CacheDiskFullError):  # (its folders checked here too)
-            self._make_dirs()
 
     def __repr__(self) -> str:
         return f"ShardCache({self.directory!r}, max_bytes={self.max_bytes}, stats={self.stats})"

@@ -38,12 +38,11 @@ import os
 import re
 import stat
 import sys
-import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import numpy as np
@@ -410,60 +409,33 @@ def dataset_name(paths: Sequence[str]) -> str:
         return f"{paths[0]} and {len(paths) - 1} more"
 
 
-class _Threads:
+class _Threads(process.ForkSafeThreadPool):
     """The threads of one build (:func:`in_order`), never running across a fork (see
-    :mod:`torchgrain.io.process`): right before this process forks, the calls not yet
-    started are cancelled (:class:`_Call` submits them again) and the running ones
-    joined; while the fork is under way the build runs its calls in its own thread,
-    starting none, and on threads again after it. A forked child gets threads of its own."""
+    :class:`~torchgrain.io.process.ForkSafeThreadPool`): right before this process forks,
+    the calls not yet started are cancelled (:class:`_Call` submits them again) and the
+    running ones joined; while the fork is under way the build runs its calls in its own
+    thread, starting none, and on threads again after it. A forked child gets threads of
+    its own."""
 
     def __init__(self, workers: int) -> None:
-        self.workers = workers
+        super().__init__(workers, "torchgrain-index")
         # The threads run in the caller's context (its retry policy and deadlines), as
         # map_files's do.
         self.context = contextvars.copy_context()
-        self.lock = threading.Lock()
-        self.pool: ThreadPoolExecutor | None = None
-        self.token = process.token()
-        process.stop_threads_at_fork(self)
 
-    def run(self, fn: Callable[[Any], Any], arg: Any) -> Any:
-        return self.context.copy().run(fn, arg)
-
-    def submit(self, fn: Callable[[Any], Any], arg: Any) -> Future:
-        with self.lock:
-            if self.token != process.token():  # a forked child: no thread of the parent's
-                self.token, self.pool = process.token(), None
-            # A fork stops this build's threads holding this lock, once it is under way:
-            # a pool started before it is joined by it, none is started during it.
-            if not process.forking():
-                if self.pool is None:
-                    self.pool = process.thread_pool(self.workers, "torchgrain-index")
-                return self.pool.submit(self.run, fn, arg)
-        fut: Future = Future()
-        try:
-            fut.set_result(self.run(fn, arg))
-        except Exception as e:  # raised in its turn, as a thread's error is
-            fut.set_exception(e)
-        return fut
+    def submit(self, fn: Callable[[Any], Any], arg: Any) -> Future:  # type: ignore[override]
+        return super().submit(self.context.copy().run, fn, arg)
 
     def close(self) -> None:
         """Cancel the calls not started and join the running ones."""
-        with self.lock:
-            pool = self.pool  # kept until joined: a fork meanwhile joins it too
-        if pool is not None and self.token == process.token():
+        with self._lock:
+            pool = self._pool  # kept until joined: a fork meanwhile joins it too
+        if pool is not None and self._token == process.token():
             pool.shutdown(wait=True, cancel_futures=True)
-        with self.lock:
-            self.pool = None
+        self.shutdown()
 
-    def _stop_threads_for_fork(self) -> None:
-        with self.lock:
-            pool, self.pool = self.pool, None
-        if pool is not None and self.token == process.token():
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _restart_threads_after_fork(self) -> None:
-        pass  # threads start again with the next call
+    def _stop_threads_for_fork(self, wait: bool = True, cancel_futures: bool = True) -> None:
+        super()._stop_threads_for_fork(wait, cancel_futures)
 
 
 class _Call:
