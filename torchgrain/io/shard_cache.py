@@ -101,13 +101,6 @@ class _ShortDownload(ConnectionError):
     """The transfer ended early (counted as transient: the connection dropped)."""
 
 
-def _key(url: str, checksum: str | None) -> str:
-    h = hashlib.sha256(url.encode())
-    if checksum:
-        h.update(b"\0" + checksum.encode())
-    return h.hexdigest()[:24]
-
-
 class ShardTooLargeError(ValueError):
     """A shard larger than the whole budget of the shard cache asked to keep a copy of it
     (a setting to change, not damaged data: readers pass it on as it is).
@@ -216,7 +209,8 @@ class ShardCache(NodeStore):
         path = self._paths.get((url, checksum))
         if path is None:
             name = _SAFE_NAME.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-80:]
-            path = os.path.join(self.directory, f"{_key(url, checksum)}-{name}")
+            key = hashlib.sha256(url.encode() + (b"\0" + checksum.encode() if checksum else b""))
+            path = os.path.join(self.directory, f"{key.hexdigest()[:24]}-{name}")
             self._paths[(url, checksum)] = path
         return path
 
@@ -329,7 +323,10 @@ class ShardCache(NodeStore):
             CorruptDataError: the downloaded bytes have the wrong size or checksum.
             ValueError: the file is larger than the whole cache budget.
         """
-        return self._fetch_locked(url, filesystem, size, checksum, None, verify, seen)[0]  # type: ignore[index]
+        got = self.fetch_open(  # (no opener: the path only)
+            url, None, filesystem=filesystem, size=size, checksum=checksum, verify=verify, seen=seen
+        )  # type: ignore[arg-type]
+        return got[0]  # type: ignore[index]
 
     def fetch_open(
         self,
@@ -360,19 +357,6 @@ class ShardCache(NodeStore):
             >>> f.read(), f.close()
             (b'abc', None)
         """
-        return self._fetch_locked(url, filesystem, size, checksum, opener, verify, seen, download)
-
-    def _fetch_locked(
-        self,
-        url: str,
-        filesystem: fsspec.AbstractFileSystem | None,
-        size: int | None,
-        checksum: str | None,
-        opener: Callable[[str], T] | None,
-        verify: Verifier | None,
-        seen: tuple | None = None,
-        download: bool = True,
-    ) -> tuple[str, Identity, T | None] | None:
         path = self.local_path(url, checksum=checksum)
         name = os.path.basename(path)
         fs, rpath = self._remote(url, filesystem)
@@ -601,9 +585,6 @@ class ShardCache(NodeStore):
             for k, v in kw.items():
                 self.stats[k] += v
 
-    def _on_retry(self, attempt: int, exc: BaseException) -> None:
-        self._count(retries=1)
-
     def _hit(self, path: str, size: int | None) -> os.stat_result | None:
         st = _copy_stat(path, size)
         if st is None:
@@ -670,7 +651,7 @@ class ShardCache(NodeStore):
         )
 
     def _retrying(self, url: str) -> dict[str, Any]:
-        return {"url": url, "policy": self.retry, "on_retry": self._on_retry}
+        return {"url": url, "policy": self.retry, "on_retry": lambda *_: self._count(retries=1)}
 
     def _pinned(
         self, fs: fsspec.AbstractFileSystem, rpath: str, url: str, seen: tuple | None
