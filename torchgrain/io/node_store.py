@@ -88,9 +88,7 @@ class NodeStore:
     _evict_stuck: tuple[tuple[int, int] | None, float] = (None, 0.0)
 
     def __init__(self, directory: str, *, max_bytes: int, min_free_bytes: int = 0) -> None:
-        self.directory = directory
-        self.max_bytes = max_bytes
-        self.min_free_bytes = min_free_bytes
+        self.directory, self.max_bytes, self.min_free_bytes = directory, max_bytes, min_free_bytes
 
     # ------------------------------------------------------------------ public
     @property
@@ -281,7 +279,8 @@ class NodeStore:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         with self._folder(os.path.dirname(path)) as dir_fd:
             try:
-                return os.open(_at(path, dir_fd), flags, 0o666, dir_fd=dir_fd)
+                name = path if dir_fd is None else os.path.basename(path)
+                return os.open(name, flags, 0o666, dir_fd=dir_fd)
             except OSError as e:  # (named by its whole path: see ShardCache._writing)
                 raise OSError(e.errno, e.strerror, path) from None
 
@@ -518,11 +517,6 @@ def _unlink_if(path: str, fd: int) -> None:
         st, now = os.fstat(fd), os.stat(path, follow_symlinks=False)
         if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
             os.unlink(path)
-
-
-def _at(path: str, dir_fd: int | None) -> str:
-    """``path`` as named in its folder opened as ``dir_fd`` (:meth:`NodeStore._folder`)."""
-    return path if dir_fd is None else os.path.basename(path)
 
 
 def unlink_quietly(path: str) -> None:

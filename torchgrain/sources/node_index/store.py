@@ -148,10 +148,7 @@ class IndexArrays:
     def __init__(
         self, kind: str, arrays: dict[str, np.ndarray], meta: dict[str, Any], file: IndexFile | None
     ) -> None:
-        self.kind = kind
-        self.arrays = arrays
-        self.meta = meta
-        self.file = file
+        self.kind, self.arrays, self.meta, self.file = kind, arrays, meta, file
 
     @property
     def path(self) -> str | None:
@@ -366,11 +363,9 @@ class BuildProgress:
     """
 
     def __init__(self, total: int, what: str) -> None:
-        self.total = total
-        self.what = what
+        self.total, self.what, self.said = total, what, False
         self.start = time.monotonic()
         self._next = self.start + _PROGRESS_AFTER
-        self.said = False
 
     def update(self, done: int) -> None:
         """``done`` of the ``total`` shards are indexed."""
@@ -446,9 +441,6 @@ class _Call:
         self.threads, self.fn, self.arg = threads, fn, arg
         self.future = threads.submit(fn, arg)
 
-    def done(self) -> bool:
-        return self.future.done()
-
     def result(self) -> Any:
         while True:
             try:
@@ -507,7 +499,7 @@ def in_order(
                 peeked += 1
             # Start the next shards while the budget allows (the first always), without
             # waiting on a peek while there is a result to hand over.
-            while peeks and (not works or peeks[0].done()):
+            while peeks and (not works or peeks[0].future.done()):
                 try:
                     state, cost = peeks[0].result()
                 except Exception:
