@@ -357,11 +357,8 @@ def check_fit(
         sampled += len(idx)
         ids = offsets.searchsorted(idx, side="right") - 1
         # Consecutive indices in one block hit whatever the cache: replay the changes.
-        keep = np.empty(len(ids), dtype=bool)
-        keep[0] = ids[0] != last
-        np.not_equal(ids[1:], ids[:-1], out=keep[1:])
+        stream = ids[np.diff(ids, prepend=last) != 0]
         last = int(ids[-1])
-        stream = ids[keep]
         distinct = np.unique(stream)
         touched.append(distinct)
         costs = np.asarray(blocks.nbytes(distinct), dtype=np.int64)
@@ -407,14 +404,8 @@ class _LRU:
 
     def replay(self, stream: list[int], costs: dict[int, int]) -> None:
         """Feed ``stream`` (block numbers; ``costs[b]`` bytes each)."""
-        lru, capacity = self.blocks, self.capacity
-        used, misses, hits_after, misses_after, full = (
-            self.used,
-            self.misses,
-            self.hits_after,
-            self.misses_after,
-            self.full,
-        )
+        lru, capacity, used, full = self.blocks, self.capacity, self.used, self.full
+        misses, hits_after, misses_after = self.misses, self.hits_after, self.misses_after
         for b in stream:
             if b in lru:
                 lru.move_to_end(b)
@@ -433,13 +424,8 @@ class _LRU:
                 full = True
             lru[b] = c
             used += c
-        self.used, self.misses, self.hits_after, self.misses_after, self.full = (
-            used,
-            misses,
-            hits_after,
-            misses_after,
-            full,
-        )
+        self.used, self.full = used, full
+        self.misses, self.hits_after, self.misses_after = misses, hits_after, misses_after
 
 
 def _size(n: float) -> str:
