@@ -32,6 +32,7 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import types
 import uuid
 from collections.abc import Callable
@@ -89,9 +90,6 @@ class DerivedIndex(NodeIndex):
         """The metadata ``fill`` returned, plus ``key``."""
         return self._a.meta
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (DerivedIndex, (self._a,))
-
     def __repr__(self) -> str:
         where = self.path or "(in memory)"
         shapes = {k: v.shape for k, v in self.arrays.items()}
@@ -140,13 +138,7 @@ def derived_index(
             its checks is rebuilt with a warning; one that fails after being built
             here raises.
     """
-    if not (
-        isinstance(key, str)
-        and 0 < len(key) <= 128
-        and all(c.isalnum() or c in "_.-" for c in key)
-        and key.isascii()
-        and not key.startswith(".")
-    ):
+    if not isinstance(key, str) or not re.fullmatch(r"(?!\.)[\w.-]{1,128}", key, re.ASCII):
         raise ValueError(f"bad derived-index key {key!r:.140}")
     maker = _Maker(kind)
 
