@@ -626,19 +626,18 @@ class ShardCache(NodeStore):
         recorded = read_record(self._sum_path(path), version)
         if recorded is None or recorded[1] != st.st_size:
             return False  # no record of a checked download (or not this one's): refetch
-        if not self.verify_hits:
-            self._checks()[path] = (file_identity(st), version)
-            return True
-        crc, ident = file_crc(path)
-        self._count(verified=1, bytes_verified=st.st_size)
-        if crc != recorded[0] or ident != file_identity(st):
-            warnings.warn(
-                f"cached copy {path} of {url} no longer matches what was downloaded "
-                f"({crc}, recorded {recorded[0]}): it changed on disk; downloading it again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return False
+        ident = file_identity(st)
+        if self.verify_hits:
+            crc, read = file_crc(path)
+            self._count(verified=1, bytes_verified=st.st_size)
+            if crc != recorded[0] or read != ident:
+                warnings.warn(
+                    f"cached copy {path} of {url} no longer matches what was downloaded "
+                    f"({crc}, recorded {recorded[0]}): it changed on disk; downloading it again",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return False
         self._checks()[path] = (ident, version)
         return True
 
