@@ -60,15 +60,9 @@ _UNREADABLE = -1  # the group size recorded for a shard that could not be indexe
 # record sizes, the arrays made of them: ~210 measured with tracemalloc, zstd and none).
 _PARSE_COST = 224
 _AR_COLUMNS = {
-    "rec_base": ("<i8", ()),
-    "chunk_base": ("<i8", ()),
-    "file_size": ("<i8", ()),
-    "mtime_ns": ("<i8", ()),
-    "group_size": ("<i8", ()),
+    **dict.fromkeys(("rec_base", "chunk_base", "file_size", "mtime_ns", "group_size"), ("<i8", ())),
     "footer_head": ("|u1", (CHUNK_HEADER,)),
-    "offsets": ("<i8", ()),
-    "record_offsets": ("<i8", ()),
-    "decoded": ("<i8", ()),
+    **dict.fromkeys(("offsets", "record_offsets", "decoded"), ("<i8", ())),
 }
 
 
@@ -362,12 +356,9 @@ def build_arrayrecord_index(
         # before it are in: nothing per record is held beyond the footers in flight.
         shards = in_order(s, peek, footer, budget=store.BUILD_BYTES, close=_close_peeked)
         for k, got in enumerate(shards):
-            if got is None:
-                sink.append("offsets", np.zeros(1))
+            if got is None:  # (no chunks: a footer offset and file size of 0)
                 sink.append("record_offsets", np.zeros(1))
-                sink.append("file_size", np.zeros(1))
-                sink.append("group_size", np.array([_UNREADABLE]))
-                sink.append("footer_head", np.zeros((1, CHUNK_HEADER), np.uint8))
+                tail = (0, 0, _UNREADABLE, bytes(CHUNK_HEADER))
             else:  # a Footer, or a FooterReader of a large one: written a slice at a time
                 ft, head, fh = got
                 parts = (
@@ -387,11 +378,11 @@ def build_arrayrecord_index(
                     if fh is not None:
                         fh.close()
                 counts[k] = ft.num_records
-                sink.append("offsets", np.array([ft.footer_offset]))
-                sink.append("file_size", np.array([ft.file_size]))
-                sink.append("group_size", np.array([ft.group_size]))
-                sink.append("footer_head", np.frombuffer(head, np.uint8).reshape(1, -1))
+                tail = (ft.footer_offset, ft.file_size, ft.group_size, head)
                 del ft, fh, parts
+            for name, v in zip(("offsets", "file_size", "group_size"), tail):
+                sink.append(name, np.array([v]))
+            sink.append("footer_head", np.frombuffer(tail[3], np.uint8).reshape(1, -1))
             del got  # its footer's arrays go now, not when the next one comes
             progress.update(k + 1)
         progress.close()

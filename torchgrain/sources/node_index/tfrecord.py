@@ -33,13 +33,9 @@ from torchgrain.sources.node_index.store import (
 
 __all__ = ["TFRecordIndex", "tfrecord_index"]
 
-_TF_COLUMNS = {
-    "rec_base": ("<i8", ()),
-    "file_size": ("<i8", ()),
-    "mtime_ns": ("<i8", ()),
-    "compressed": ("<i8", ()),
-    "offsets": ("<i8", ()),
-}
+_TF_COLUMNS = dict.fromkeys(
+    ("rec_base", "file_size", "mtime_ns", "compressed", "offsets"), ("<i8", ())
+)
 
 
 # What a file walked as it is written holds at once: about one chunk of offsets.
