@@ -52,6 +52,7 @@ from torchgrain.errors import CorruptDataError, DatasetNotFoundError
 from torchgrain.formats.index_file import INDEX_SUFFIX, IndexFile, IndexFileWriter
 from torchgrain.io import process
 from torchgrain.io.atomic import DISK_FULL_ERRNOS
+from torchgrain.io.cache_records import file_identity
 from torchgrain.io.file_hash import verify_file_hash
 from torchgrain.io.fs import default_cache_dir
 from torchgrain.io.node_store import NodeStore, unlink_quietly
@@ -705,15 +706,8 @@ def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | Non
     st = os.stat(f.path)
     if (st.st_dev, st.st_ino, st.st_size) != f.identity:
         return None  # replaced since it was opened: verify what was opened, stamp nothing
-    item = (
-        os.path.abspath(f.path),
-        st.st_dev,
-        st.st_ino,
-        st.st_size,
-        st.st_mtime_ns,
-        st.st_ctime_ns,
-        expect or f.checksum,
-    )
+    # (identity: device, inode, size, modification and change times)
+    item = (os.path.abspath(f.path), *file_identity(st), expect or f.checksum)
     return os.path.join(index_dir, _STAMPS, index_key("verified", [item]))
 
 
