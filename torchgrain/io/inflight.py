@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import queue
 import time
@@ -59,10 +60,9 @@ from torchgrain.io.remote import (
 from torchgrain.io.responses import (
     RangeAnswerError,
     ResponseSizeError,
-    changed_error,
     check_file_answer,
     content_range,
-    range_request,
+    ranged_get,
     read_capped,
     request_coroutine,
     socket_pieces,
@@ -76,6 +76,7 @@ __all__ = ["cat_many", "multirange_servers"]
 _LIMITS: weakref.WeakKeyDictionary[Any, dict[int, asyncio.Semaphore]] = weakref.WeakKeyDictionary()
 
 
+@dataclasses.dataclass(eq=False)
 class _Servers:
     """What one filesystem object has learnt of the servers it asked for several ranges
     at once, per origin: ``answers`` (True: it answers them so; False: it does not, and
@@ -85,12 +86,9 @@ class _Servers:
     (the loop and the event of the first multi-range request, set once it is answered:
     see :func:`_first_asked`)."""
 
-    __slots__ = ("answers", "asking", "strikes")
-
-    def __init__(self) -> None:
-        self.answers: dict[str, bool] = {}
-        self.strikes: dict[str, int] = {}
-        self.asking: dict[str, tuple[Any, asyncio.Event]] = {}
+    answers: dict[str, bool] = dataclasses.field(default_factory=dict)
+    strikes: dict[str, int] = dataclasses.field(default_factory=dict)
+    asking: dict[str, tuple[Any, asyncio.Event]] = dataclasses.field(default_factory=dict)
 
 
 def _servers(fs: Any) -> _Servers:
@@ -167,11 +165,6 @@ class _Refused(Exception):
     not get (a firewall's 403 for many ranges, a 416, a 501)."""
 
 
-#: Statuses of a multi-range request that say nothing of multi-range support: the file
-#: is gone (raised as one range's request raises it); a busy server is retried as it is.
-_NOT_FOUND = (404, 410)
-
-
 async def _get_ranges(
     fs: Any, path: str, merged: list[tuple[int, int]], heard: asyncio.Event | None = None
 ) -> tuple[list[tuple[int, memoryview]], int | None]:
@@ -181,14 +174,9 @@ async def _get_ranges(
     range's request would for a missing file or a busy server, and a
     :class:`MultipartError` for an answer that is not what was asked for (the whole file,
     a broken body); one with two ``Content-Range`` headers is a :class:`RangeAnswerError`."""
-    kw, tag = range_request(fs, path, range_header(merged))
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(path), **kw) as r:
-        if r.status != 206:
-            r.close()  # the body (the whole file, an error page) is never read
-            if r.status == 412 and tag is not None:
-                raise changed_error(path, tag)
-            if r.status in _NOT_FOUND:
+    async with ranged_get(fs, path, range_header(merged)) as r:
+        if r.status != 206:  # (its body, the whole file or an error page, is never read)
+            if r.status in (404, 410):  # the file is gone: as one range's request raises it
                 raise FileNotFoundError(path)
             if is_transient_status(r.status):
                 r.raise_for_status()  # as fsspec's own request raises it: retried
@@ -197,31 +185,27 @@ async def _get_ranges(
             raise _Refused(f"status {r.status}")
         if heard is not None:
             heard.set()
-        try:
-            ranged = content_range(path, r.headers)  # (two are refused before the body)
-            body = await read_capped(
-                socket_pieces(r.content),
-                response_limit(merged),
-                r.content_length,
-                why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
-            )
-        except BaseException:
-            r.close()
-            raise
-        boundary = boundary_of(r.headers.get("Content-Type"))
-        try:
-            if boundary is not None:
-                parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
-            else:
-                # One part: the server merged the ranges (RFC 9110 allows it) into one.
-                parts, size = single_part(ranged, body)
-        except MultipartError:
-            raise
-        except Exception as e:  # whatever else a malformed answer trips
-            raise MultipartError(f"{type(e).__name__}: {e}") from e
-        # The parts agree with each other; the file they are of must be the one opened.
-        check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
-        return parts, size
+        ranged = content_range(path, r.headers)  # (two are refused before the body)
+        body = await read_capped(
+            socket_pieces(r.content),
+            response_limit(merged),
+            r.content_length,
+            why=f"{path}: a multi-range answer holds more than {len(merged)} ranges do",
+        )
+    boundary = boundary_of(r.headers.get("Content-Type"))
+    try:
+        if boundary is not None:
+            parts, size = parse_byteranges(body, boundary, max_parts=len(merged))
+        else:
+            # One part: the server merged the ranges (RFC 9110 allows it) into one.
+            parts, size = single_part(ranged, body)
+    except MultipartError:
+        raise
+    except Exception as e:  # whatever else a malformed answer trips
+        raise MultipartError(f"{type(e).__name__}: {e}") from e
+    # The parts agree with each other; the file they are of must be the one opened.
+    check_file_answer(path, size, r.headers.get("ETag"), r.headers.get("Last-Modified"))
+    return parts, size
 
 
 def _dropped(exc: BaseException) -> bool:

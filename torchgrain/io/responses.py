@@ -29,17 +29,19 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import html
 import html.entities
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urljoin
 
 from torchgrain.io import paths as _paths
 from torchgrain.io.paths import is_http
+from torchgrain.io.retry import _chain
 
 __all__ = [
     "Pin",
@@ -298,8 +300,7 @@ def check_range_answer(
         torchgrain.io.responses.RangeAnswerError: h://x/e: asked for bytes 8-11, the answer holds bytes 7-10 (Content-Range 'bytes 7-10/20')
     """
     if status == 200:
-        got = _PINS.get(path)
-        size = got.size if got is not None else None
+        size = getattr(_PINS.get(path), "size", None)
         if size is None and start == 0 and length == end:
             size = length  # (none pinned: a whole file of the bytes asked for is them)
         if start != 0 or size is None or end != size or length not in (None, size):
@@ -431,6 +432,24 @@ def range_request(fs: Any, path: str, ranges: str) -> tuple[dict[str, Any], str 
     return kw, tag
 
 
+@contextlib.asynccontextmanager
+async def ranged_get(fs: Any, path: str, ranges: str) -> AsyncIterator[Any]:
+    """The answer to a GET of ``ranges`` of ``path`` (see :func:`range_request`): a ``412``
+    to its ``If-Match`` is raised as :func:`changed_error`, and the answer is closed when
+    the block raises (the rest of its body, an error page or the whole file, is never
+    read)."""
+    kw, tag = range_request(fs, path, ranges)
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), **kw) as r:
+        try:
+            if r.status == 412 and tag is not None:
+                raise changed_error(path, tag)
+            yield r
+        except BaseException:
+            r.close()
+            raise
+
+
 def content_range(path: str, headers: Any) -> str | None:
     """The ``Content-Range`` of an answer for ``path`` (aiohttp's ``headers``), None where
     it has none. A field that may appear once: an answer with two (a proxy that adds its
@@ -494,34 +513,22 @@ async def _http_cat_file(
     response of :func:`torchgrain.io.remote._client`."""
     if start is None or end is None or start >= end:
         return await fs._cat_file(path, start=start, end=end)
-    kw, tag = range_request(fs, path, f"bytes={start}-{end - 1}")
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(path), **kw) as r:
-        if r.status >= 400:
-            r.close()  # an error page is no answer: the status says it all
-            if r.status == 412 and tag is not None:
-                raise changed_error(path, tag)
+    async with ranged_get(fs, path, f"bytes={start}-{end - 1}") as r:
+        if r.status >= 400:  # (an error page is no answer: the status says it all)
             fs._raise_not_found_for_status(r, path)
-        try:
-            check_range_answer(
-                path,
-                start,
-                end,
-                r.status,
-                content_range(path, r.headers),
-                r.headers.get("ETag"),
-                r.headers.get("Last-Modified"),
-                length=r.content_length,
-            )
-            return await read_capped(
-                socket_pieces(r.content),
-                end - start,
-                r.content_length,
-                why=too_long(path, start, end),
-            )
-        except BaseException:
-            r.close()  # the rest of the body is never read
-            raise
+        check_range_answer(
+            path,
+            start,
+            end,
+            r.status,
+            content_range(path, r.headers),
+            r.headers.get("ETag"),
+            r.headers.get("Last-Modified"),
+            length=r.content_length,
+        )
+        return await read_capped(
+            socket_pieces(r.content), end - start, r.content_length, why=too_long(path, start, end)
+        )
 
 
 async def _s3_cat_file(
@@ -570,10 +577,7 @@ async def _s3_cat_file(
 
 def _precondition_failed(exc: BaseException) -> bool:
     """Whether an S3 error (as s3fs raises it, wrapped or not) is a ``412``."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in _chain(exc, suppressed=True):
         response = getattr(e, "response", None)
         if isinstance(response, dict) and (
             (response.get("Error") or {}).get("Code") in ("PreconditionFailed", "412")
@@ -582,7 +586,6 @@ def _precondition_failed(exc: BaseException) -> bool:
             return True
         if "PreconditionFailed" in str(e) or "Precondition Failed" in str(e):
             return True
-        e = e.__cause__ or e.__context__
     return False
 
 

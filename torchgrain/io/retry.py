@@ -327,13 +327,16 @@ def request_done(nbytes: int) -> None:
         op.allowance += max(nbytes, 0) / op.policy.min_rate
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def _chain(exc: BaseException, *, suppressed: bool = False) -> Iterator[BaseException]:
+    """``exc`` and the errors it wraps (``__cause__``, else ``__context__``; with
+    ``suppressed``, a context hidden by ``raise ... from None`` too), each once."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         yield e
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        hidden = e.__suppress_context__ and not suppressed
+        e = e.__cause__ or (None if hidden else e.__context__)
 
 
 def http_status(exc: BaseException) -> int | None:
