@@ -20,7 +20,7 @@ import pickle
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -36,7 +36,7 @@ except ImportError:  # fsspec before 2023.12: the same translation, below
 from torchgrain.errors import CorruptDataError, DatasetNotFoundError, RemoteIOError, warn_once
 from torchgrain.io import paths as _paths
 from torchgrain.io import process, remote
-from torchgrain.io.retry import RetryPolicy, current_policy, is_transient, using
+from torchgrain.io.retry import RetryPolicy, current_policy, using
 
 PathLike = str | os.PathLike
 T = TypeVar("T")
@@ -490,12 +490,7 @@ def _refresh_named(
             )
             continue
         for path, url in urls.items():
-            try:
-                info = remote.call(s3, "info", path, refresh=True, url=url, what="lookup")
-            except FileNotFoundError as e:
-                if is_transient(e):
-                    raise  # inside an operation: it retries
-                info = None
+            info = remote._info_or_none(s3, path, url, refresh=True)
             with _DIRCACHE_LOCK:
                 cached = s3.dircache.get(parent)
                 if cached is not None:  # (else dropped since: s3fs asks anew)
@@ -846,9 +841,6 @@ class ShardPaths(Sequence[str]):
             return f"{head}{i:0{width}d}{tail}"
         assert self._names is not None
         return self._prefix + self._names[i].decode("utf-8", "surrogateescape")
-
-    def __iter__(self) -> Iterator[str]:
-        return (self[i] for i in range(self._n))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (ShardPaths, list, tuple)):

@@ -233,15 +233,23 @@ def _capped_s3_session() -> type:
             )
             # (a HEAD answer's Content-Length is the object's, and it has no body)
             declared = None if request.method == "HEAD" else raw.content_length
-            try:
-                body = await read_capped(raw.content.read, MAX_PAGE_BYTES, declared, why=why)
-            except BaseException:
-                raw.close()  # the rest of the body is never read
-                raise
-            response._content = bytes(body)  # what botocore's parser reads
+            # what botocore's parser reads
+            response._content = await _read_whole(raw, MAX_PAGE_BYTES, declared, why)
             return response
 
     return Session
+
+
+async def _read_whole(response: Any, limit: int, declared: int | None, why: str) -> bytes:
+    """The body of aiohttp ``response`` (its ``content``), read with a byte cap
+    (:func:`read_capped`), as ``bytes`` (as aiohttp's own read gives it: a body in pieces
+    comes as a bytearray); the response is closed if the read fails (the rest of the body
+    is never read)."""
+    try:
+        return bytes(await read_capped(response.content.read, limit, declared, why=why))
+    except BaseException:
+        response.close()
+        raise
 
 
 class _RedirectRefused(UnsafePathError, PermissionError):
@@ -319,15 +327,7 @@ def _capped_response() -> type:
                         f"{self.url}: the response holds more than {limit} bytes, the most "
                         "torchgrain reads of a page (remote.MAX_PAGE_BYTES)"
                     )
-                try:
-                    # bytes, as aiohttp's own read gives (a body in pieces comes as
-                    # a bytearray)
-                    self._body = bytes(
-                        await read_capped(self.content.read, limit, self.content_length, why=why)
-                    )
-                except BaseException:
-                    self.close()  # the rest of the body is never read
-                    raise
+                self._body = await _read_whole(self, limit, self.content_length, why)
             return await super().read()
 
     return CappedResponse
@@ -443,9 +443,10 @@ def _answers_itself(fs: fsspec.AbstractFileSystem) -> bool:
     )
 
 
-def _info_or_none(fs: fsspec.AbstractFileSystem, path: str, url: str | None) -> Any:
+def _info_or_none(fs: fsspec.AbstractFileSystem, path: str, url: str | None, **kwargs: Any) -> Any:
+    """``fs.info(path, **kwargs)`` (see :func:`call`), or None for a missing file."""
     try:
-        return call(fs, "info", path, url=url or path, what="lookup")
+        return call(fs, "info", path, url=url or path, what="lookup", **kwargs)
     except FileNotFoundError as e:
         if is_transient(e):
             raise  # inside an operation: it retries (fsspec reports a 503 on HEAD this way)
