@@ -343,9 +343,6 @@ def fetch_batch(
         >>> [bytes(v) for v in store.take("memory://fb/a", [(4, 6), (0, 2)])]
         [b'45', b'01']
     """
-
-    claimed: list[tuple[str, list[tuple[int, int]]]] = []
-    waits: list[threading.Event] = []
     told: set[int] = set()
     waited: set[int] = set()
 
@@ -354,39 +351,58 @@ def fetch_batch(
             told.add(k)
             ready(k)
 
-    def fetch() -> int:
+    def fetch(todo: Sequence[int]) -> tuple[int, list[threading.Event]]:
+        """Fetch what the store lacks of ``files[k]`` for each ``k`` in ``todo``: the number
+        of requests made, and the events of the ranges another fetch is bringing."""
+        waited.clear()
+        claimed: list[tuple[int, str, list[tuple[int, int]]]] = []
+        waits: list[threading.Event] = []
+        try:
+            for k in todo:
+                _path, url, ranges = files[k]
+                want = [
+                    r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]
+                ]
+                mine, others = store.claim(url, want)
+                claimed.append((k, url, mine))
+                waits.extend(others)
+                if others:
+                    waited.add(k)
+            return request(claimed), waits
+        finally:
+            for _k, url, mine in claimed:
+                store.release(url, mine)
+
+    def request(claimed: list[tuple[int, str, list[tuple[int, int]]]]) -> int:
         """Fetch the ``claimed`` ranges; tell each file's reader once it is all stored."""
-        paths: list[str] = []
-        urls: list[str] = []
-        starts: list[int] = []
-        ends: list[int] = []
+        asked: list[tuple[str, str, int, int]] = []  # each request's (path, url, start, end)
         plans = []
         plan_of: list[int] = []  # each request's plan
         left: list[int] = []  # each plan's requests not answered yet
-        for k, ((path, url, _), (_, need)) in enumerate(zip(files, claimed)):
+        for k, url, need in claimed:
+            path = files[k][0]
             if not need:
                 tell(k)  # all in the store already (or being brought by another fetch)
                 continue
             order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
             plan_of.extend([len(plans)] * len(merged))
             left.append(len(merged))
-            plans.append((k, url, need, order, merged, len(starts)))
-            paths += [path] * len(merged)
-            urls += [url] * len(merged)
-            starts += [m[0] for m in merged]
-            ends += [m[1] for m in merged]
-        if not starts:
+            plans.append((k, url, need, order, merged, len(asked)))
+            asked += [(path, url, s, e) for s, e in merged]
+        if not asked:
             return 0
+        paths, urls, starts, ends = map(list, zip(*asked))
         failure: list[tuple[BaseException, str, int, int]] = []
 
         def settle(plan: tuple, results: list) -> bool:
             """Put what arrived of one file's requests in the store; True if all of it did."""
             _k, url, need, order, merged, at = plan
             got = results[at : at + len(merged)]
-            bad = [j for j, b in enumerate(got) if isinstance(b, BaseException)]
+            ok = [j for j, b in enumerate(got) if not isinstance(b, BaseException)]
+            bad = len(ok) < len(merged)
             if bad and not failure:
-                failure.append((got[bad[0]], url, merged[bad[0]][0], merged[bad[0]][1]))
-            ok = [j for j in range(len(merged)) if j not in set(bad)]
+                j = next(j for j, b in enumerate(got) if isinstance(b, BaseException))
+                failure.append((got[j], url, *merged[j]))
             if not ok:
                 return False
             if bad:  # keep the ranges whose request arrived
@@ -427,37 +443,14 @@ def fetch_batch(
             _raise_failure(*failure[0])
         return len(starts)
 
-    try:
-        for k, (_path, url, ranges) in enumerate(files):
-            want = [r for r in dict.fromkeys((int(s), int(e)) for s, e in ranges) if r[0] < r[1]]
-            mine, others = store.claim(url, want)
-            claimed.append((url, mine))
-            waits.extend(others)
-            if others:
-                waited.add(k)
-
-        made = fetch()
-    finally:
-        for url, mine in claimed:
-            store.release(url, mine)
+    made, waits = fetch(range(len(files)))
     if waits and wait_for_others:
         # Ranges another fetch (read-ahead) was bringing: wait for it to end, then fetch
-        # whatever it did not bring (it failed, or was cancelled and dropped them).
+        # whatever it did not bring (it failed, or was cancelled and dropped them), once:
+        # what is still missing then, its reader fetches.
         for event in waits:
             event.wait(wait_seconds(remaining_seconds(0)[0]))
-        rest = [k for k in range(len(files)) if k not in told]  # told: read already
-        return made + fetch_batch(
-            fs,
-            [files[k] for k in rest],
-            store=store,
-            owner=owner,
-            gap=gap,
-            max_inflight=max_inflight,
-            multi_range=multi_range,
-            raise_errors=raise_errors,
-            wait_for_others=False,  # what is still missing then, its reader fetches
-            ready=None if ready is None else (lambda j: ready(rest[j])),
-        )
+        made += fetch([k for k in range(len(files)) if k not in told])[0]  # told: read already
     return made
 
 
