@@ -597,10 +597,9 @@ class _Listing:
         # every link it is given). The walk, all its pages, keeps to one deadline: a
         # server serving each page slowly (but in time) must not make it endless.
         end = time.monotonic() + current_policy().deadline
-        files: list[str] = []
         # A file linked from two pages (a flat index and its folder's) is one file; two
         # links written otherwise ("a", "%61") are refused as naming one file twice.
-        found: set[str] = set()
+        found: dict[str, None] = {}  # (in the order found)
         pending = [(root, 0)]
         seen = {root.rstrip("/")}
         while pending:
@@ -621,8 +620,7 @@ class _Listing:
                 name = re.sub(r"/(?:\./)+", "/", entry["name"])
                 if entry.get("type") != "directory":
                     if name not in found and self._keep(root, name):
-                        found.add(name)
-                        files.append(name)
+                        found[name] = None
                     continue
                 key = name.rstrip("/")
                 if key in seen or not _paths.is_inside(fs, root, name):
@@ -636,7 +634,7 @@ class _Listing:
                     )
                 seen.add(key)
                 pending.append((name, depth + 1))
-        return files
+        return list(found)
 
     def _s3_keys(
         self, fs: fsspec.AbstractFileSystem, root: str, start: str = "", *, one_level: bool = False

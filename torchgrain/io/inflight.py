@@ -367,8 +367,7 @@ def _requests(
             if ends[i] <= starts[i]:
                 out.append([i])  # an empty range: asked alone (fsspec answers b"")
                 continue
-            apart = starts[i] > reach
-            if apart and merged == MAX_RANGES:
+            if starts[i] > reach and merged == MAX_RANGES:
                 out.append(group)
                 group, merged, reach = [], 0, -1
             merged += starts[i] > reach
