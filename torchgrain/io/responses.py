@@ -41,7 +41,7 @@ from urllib.parse import urljoin
 
 from torchgrain.io import paths as _paths
 from torchgrain.io.paths import is_http
-from torchgrain.io.retry import _chain
+from torchgrain.io.retry import error_chain
 
 __all__ = [
     "Pin",
@@ -300,7 +300,8 @@ def check_range_answer(
         torchgrain.io.responses.RangeAnswerError: h://x/e: asked for bytes 8-11, the answer holds bytes 7-10 (Content-Range 'bytes 7-10/20')
     """
     if status == 200:
-        size = getattr(_PINS.get(path), "size", None)
+        got = _PINS.get(path)
+        size = got.size if got is not None else None
         if size is None and start == 0 and length == end:
             size = length  # (none pinned: a whole file of the bytes asked for is them)
         if start != 0 or size is None or end != size or length not in (None, size):
@@ -577,7 +578,7 @@ async def _s3_cat_file(
 
 def _precondition_failed(exc: BaseException) -> bool:
     """Whether an S3 error (as s3fs raises it, wrapped or not) is a ``412``."""
-    for e in _chain(exc, suppressed=True):
+    for e in error_chain(exc, suppressed=True):
         response = getattr(e, "response", None)
         if isinstance(response, dict) and (
             (response.get("Error") or {}).get("Code") in ("PreconditionFailed", "412")

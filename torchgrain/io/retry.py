@@ -56,6 +56,7 @@ __all__ = [
     "RequestTimeout",
     "RetryPolicy",
     "current_policy",
+    "error_chain",
     "http_status",
     "in_operation",
     "is_transient",
@@ -327,9 +328,20 @@ def request_done(nbytes: int) -> None:
         op.allowance += max(nbytes, 0) / op.policy.min_rate
 
 
-def _chain(exc: BaseException, *, suppressed: bool = False) -> Iterator[BaseException]:
+def error_chain(exc: BaseException, *, suppressed: bool = False) -> Iterator[BaseException]:
     """``exc`` and the errors it wraps (``__cause__``, else ``__context__``; with
-    ``suppressed``, a context hidden by ``raise ... from None`` too), each once."""
+    ``suppressed``, a context hidden by ``raise ... from None`` too), each once.
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise KeyError("inner")
+        ...     except KeyError as e:
+        ...         raise ValueError("outer") from e
+        ... except ValueError as e:
+        ...     [type(x).__name__ for x in error_chain(e)]
+        ['ValueError', 'KeyError']
+    """
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -349,7 +361,7 @@ def http_status(exc: BaseException) -> int | None:
         >>> http_status(ValueError("x")) is None
         True
     """
-    for e in _chain(exc):
+    for e in error_chain(exc):
         if _name_in_mro(e.__cause__, ("HttpProcessingError",)):
             continue  # aiohttp's code for an answer it could not parse, not the server's
         status = getattr(e, "status", None)
@@ -403,7 +415,7 @@ def is_transient(exc: BaseException) -> bool:
         _error_code(e) in _TRANSIENT_CODES
         or _transient_type(e)
         or (isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNO)
-        for e in _chain(exc)
+        for e in error_chain(exc)
     )
 
 
@@ -421,7 +433,7 @@ def _retries(exc: BaseException) -> float:
     """How many times an error may be retried: the ``retries`` of an error in its chain
     that sets one (a range answer naming other bytes: once), else without limit (the
     policy's attempts)."""
-    caps = [e.retries for e in _chain(exc) if isinstance(getattr(e, "retries", None), int)]
+    caps = [e.retries for e in error_chain(exc) if isinstance(getattr(e, "retries", None), int)]
     return min(caps) if caps else math.inf
 
 
@@ -431,7 +443,7 @@ def _describe(exc: BaseException) -> str:
     status = http_status(exc)
     matches = [
         e
-        for e in _chain(exc)
+        for e in error_chain(exc)
         if (status is not None and http_status(e) == status)
         or (status is None and _transient_type(e))
     ]
@@ -457,12 +469,12 @@ def permanent_error(exc: BaseException, url: str, what: str) -> BaseException | 
     if isinstance(exc, TorchgrainError):
         return None
     if status in (404, 410) or (
-        status is None and any(isinstance(e, FileNotFoundError) for e in _chain(exc))
+        status is None and any(isinstance(e, FileNotFoundError) for e in error_chain(exc))
     ):
         return DatasetNotFoundError(f"{url} does not exist ({what} failed: {exc})")
     said = "" if status is None else f"HTTP {status}; "
     if status in (401, 403) or (
-        status is None and any(isinstance(e, PermissionError) for e in _chain(exc))
+        status is None and any(isinstance(e, PermissionError) for e in error_chain(exc))
     ):
         return PermissionError(
             f"access to {url} was denied ({said}{what} failed: {exc}); check the "
