@@ -112,7 +112,7 @@ class Slot:
         the slot.)"""
         self.in_use = True
         base = np.frombuffer(self.mm, np.uint8, count=self.capacity, offset=_HEADER)
-        weakref.finalize(base, _set_free, self).atexit = False
+        weakref.finalize(base, setattr, self, "in_use", False).atexit = False
         return base
 
     @property
@@ -122,10 +122,6 @@ class Slot:
     def retire(self) -> None:
         """Give the slot up: no batch will use it again (the main process may unmap it)."""
         self.header[_RETIRED] = 1
-
-
-def _set_free(slot: Slot) -> None:
-    slot.in_use = False
 
 
 # This worker's slots by name (a batch unpickled in the worker that made it is copied out

@@ -391,13 +391,9 @@ class Mix(View):
         return source, epoch * counts + draw
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        if not self._by_pass.any():
-            return super().__getitems__(indices)
         return read_pairs(*self._readers(check_indices(indices, len(self))))
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
-        if not self._by_pass.any():
-            return super().read_columns(indices)
         return read_column_pairs(*self._readers(check_indices(indices, len(self))))
 
     def _readers(self, indices: np.ndarray) -> tuple[list[Any], np.ndarray, np.ndarray]:
@@ -424,8 +420,6 @@ class Mix(View):
     ) -> None:
         # A pass plan reads through the readers a read does (the by-pass sources' rows
         # at their pass's epoch), so read-ahead is told the records the reads read.
-        if not self._by_pass.any():
-            return super()._place(target, indices, rows, found)
         readers, which, local = self._readers(check_indices(indices, len(self)))
         for k, reader in enumerate(readers):
             mine = which == k

@@ -215,11 +215,6 @@ def read_columns_of(child: Any, indices: np.ndarray) -> ColumnBatch:
     return ColumnBatch.from_records(records)
 
 
-def _split_type(t: str) -> tuple[frozenset[str], bool]:
-    parts = frozenset(split_type(t))
-    return parts - {"null"}, "null" in parts
-
-
 def _join_array(a: str, b: str) -> str | None:
     """``uint8[64,?]`` and ``uint8[32,3]`` -> ``uint8[?,?]``: one dtype and rank, the
     sizes that differ become ``?``; None when they are not such a pair (lists included:
@@ -249,7 +244,9 @@ def join_types(a: str, b: str) -> str | None:
     """
     if a == b:
         return a
-    (pa, na), (pb, nb) = _split_type(a), _split_type(b)
+    pa, pb = frozenset(split_type(a)), frozenset(split_type(b))
+    na, nb = "null" in pa, "null" in pb
+    pa, pb = pa - {"null"}, pb - {"null"}
     if pa == pb:
         return a if na else b
     # A bare 'list' (only empty lists seen) is to list[...] what null is to a type.

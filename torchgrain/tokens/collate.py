@@ -110,16 +110,7 @@ def pad_collate(
         >>> out["labels"].tolist(), out["attention_mask"].tolist()
         ([[-100, -100, 1, 2], [-100, 3, 4, 5]], [[0, 0, 1, 1], [0, 1, 1, 1]])
     """
-    fn = PadCollate(
-        keys=keys,
-        pad_id=pad_id,
-        pad_values=pad_values,
-        multiple_of=multiple_of,
-        max_length=max_length,
-        side=side,
-        attention_mask=attention_mask,
-        labels_pad=labels_pad,
-    )
+    fn = PadCollate(**{k: v for k, v in locals().items() if k != "batch"})  # the options
     return fn if batch is None else fn(batch)
 
 
@@ -213,7 +204,12 @@ class PadCollate:
             return 0
         return self.pad_id
 
-    def _width(self, key: str, longest: int, row: int) -> int:
+    def _layout(
+        self, key: str, lengths: Any, dtypes: list[torch.dtype]
+    ) -> tuple[int, int | float, torch.dtype]:
+        """The padded width, the padding value and the dtype of field ``key``, whose rows
+        have ``lengths`` and the distinct ``dtypes``."""
+        longest, row = (int(lengths.max()), int(lengths.argmax())) if len(lengths) else (0, 0)
         if self.max_length is not None and longest > self.max_length:
             raise ValueError(
                 f"pad_collate: field {key!r} of record {row} of the batch holds {longest} "
@@ -225,17 +221,17 @@ class PadCollate:
             width = -(-width // self.multiple_of) * self.multiple_of
         if self.max_length is not None:
             width = min(width, self.max_length)
-        return width
+        pad = self._pad_value(key)
+        return width, pad, _dtype_of(key, dtypes, pad)
 
     def _pad_rows(self, key: str, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         sizes = [len(r) for r in rows]
         lengths = torch.tensor(sizes, dtype=torch.int64)
-        longest = int(lengths.max())
-        width = self._width(key, longest, int(lengths.argmax()))
-        pad = self._pad_value(key)
         # The distinct dtypes; an empty row's says nothing (np.array([]) is float64).
         dtypes = dict.fromkeys(r.dtype for r, n in zip(rows, sizes) if n)
-        dtype = _dtype_of(key, list(dtypes or dict.fromkeys(r.dtype for r in rows)), pad)
+        width, pad, dtype = self._layout(
+            key, lengths, list(dtypes or dict.fromkeys(r.dtype for r in rows))
+        )
         if torch.uint64 in dtypes and dtype == torch.int64:
             for i, r in enumerate(rows):
                 _check_fits(key, r, dtype, pad, lambda at, i=i: f"record {i}")
@@ -272,12 +268,8 @@ class PadCollate:
                 f"pad_collate: field {key!r} of the columns batch is not variable-length "
                 f"values (a Ragged) but {type(col).__name__}"
             )
-        lengths = col.lengths()
-        longest = int(lengths.max()) if n else 0
-        width = self._width(key, longest, int(lengths.argmax()) if n else 0)
-        pad = self._pad_value(key)
         values = as_tensor(col.values)
-        dtype = _dtype_of(key, [values.dtype], pad)
+        width, pad, dtype = self._layout(key, col.lengths(), [values.dtype])
         offsets = np.asarray(col.offsets)
         start, end = (int(offsets[0]), int(offsets[-1])) if n else (0, 0)
         _check_fits(
