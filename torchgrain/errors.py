@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -122,11 +123,8 @@ class CacheDiskFullError(TorchgrainError, OSError):
     def __reduce__(self) -> tuple[object, ...]:
         # (a DataLoader worker's error may be pickled to the main process)
         message = self.strerror if self.errno is not None else str(self)
-        return (_disk_full, (self.errno, message, self.directory, self.path))
-
-
-def _disk_full(code: int | None, message: str, directory: str | None, path: str | None) -> OSError:
-    return CacheDiskFullError(code, message, directory=directory, path=path)
+        made = functools.partial(CacheDiskFullError, directory=self.directory, path=self.path)
+        return (made, (self.errno, message))
 
 
 class CacheThrashWarning(UserWarning):

@@ -22,6 +22,7 @@ augmentation in the part as in the whole) and forwards ``set_epoch`` and ``read_
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import struct
 from collections.abc import Mapping
@@ -378,12 +379,11 @@ def split(
                 "mixing them"
             )
         counts = split_counts(n, fractions)
-        parts, start = {}, 0
-        for name, count in counts.items():
-            rows = _PermutedRows(n, seed, start, count)
-            parts[name] = _wrap(ds, Subset(ds, rows, label=f"split {name!r}"))
-            start += count
-        return parts
+        starts = itertools.accumulate(counts.values(), initial=0)
+        return {
+            name: _wrap(ds, Subset(ds, _PermutedRows(n, seed, a, c), label=f"split {name!r}"))
+            for (name, c), a in zip(counts.items(), starts)
+        }
     if not isinstance(by, str):
         raise TypeError(f"by must be a record key (a str), got {by!r}")
     if any(
@@ -392,10 +392,8 @@ def split(
         raise TypeError("split by= takes fractions, not counts (a hash cannot give exact counts)")
     # Shares of the 64-bit hash range, by the same largest-remainder rounding.
     bounds = split_counts(1 << 64, fractions)
-    parts, lo = {}, 0
-    for name, width in bounds.items():
-        hi = lo + width
+    edges, parts = list(itertools.accumulate(bounds.values(), initial=0)), {}
+    for name, lo, hi in zip(bounds, edges, edges[1:]):
         label = f"tg.split(by={by!r}, seed={seed}) part {name!r} [{lo}, {hi})"
         parts[name] = ds.filter(_InPart(by, seed, lo, hi), name=label, **filter_options)
-        lo = hi
     return parts

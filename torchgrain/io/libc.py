@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import ctypes
+from ctypes import c_int, c_long, c_size_t, c_void_p
 from typing import Any
 
 __all__ = ["libc", "trim_heap"]
@@ -33,17 +34,10 @@ def libc() -> Any | None:
         except (OSError, AttributeError):
             _libc = False
             return None
-        mmap_fn.restype = ctypes.c_void_p
-        mmap_fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        munmap_fn.restype = ctypes.c_int
-        munmap_fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        mmap_fn.restype = c_void_p
+        mmap_fn.argtypes = [c_void_p, c_size_t, c_int, c_int, c_int, c_long]
+        munmap_fn.restype = c_int
+        munmap_fn.argtypes = [c_void_p, c_size_t]
         _libc = lib
     return _libc or None
 
