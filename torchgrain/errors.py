@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import threading
@@ -123,8 +122,11 @@ class CacheDiskFullError(TorchgrainError, OSError):
     def __reduce__(self) -> tuple[object, ...]:
         # (a DataLoader worker's error may be pickled to the main process)
         message = self.strerror if self.errno is not None else str(self)
-        made = functools.partial(CacheDiskFullError, directory=self.directory, path=self.path)
-        return (made, (self.errno, message))
+        return (_disk_full, (self.errno, message, self.directory, self.path))
+
+
+def _disk_full(code: int | None, message: str, directory: str | None, path: str | None) -> OSError:
+    return CacheDiskFullError(code, message, directory=directory, path=path)
 
 
 class CacheThrashWarning(UserWarning):
