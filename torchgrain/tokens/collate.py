@@ -110,7 +110,16 @@ def pad_collate(
         >>> out["labels"].tolist(), out["attention_mask"].tolist()
         ([[-100, -100, 1, 2], [-100, 3, 4, 5]], [[0, 0, 1, 1], [0, 1, 1, 1]])
     """
-    fn = PadCollate(**{k: v for k, v in locals().items() if k != "batch"})  # the options
+    fn = PadCollate(
+        keys=keys,
+        pad_id=pad_id,
+        pad_values=pad_values,
+        multiple_of=multiple_of,
+        max_length=max_length,
+        side=side,
+        attention_mask=attention_mask,
+        labels_pad=labels_pad,
+    )
     return fn if batch is None else fn(batch)
 
 
