@@ -8,6 +8,7 @@ skips finished shards. The manifest is written last.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import stat
@@ -221,8 +222,6 @@ def _read_at_most(path: str, limit: int) -> bytes | None:
 
 @contextlib.contextmanager
 def locked(journal: Journal) -> Iterator[None]:
-    import fcntl
-
     journal.make()
     # 0o666 less the umask, as for every file torchgrain writes. A link in the lock's place
     # is not followed (its target would be made outside DST), nor a FIFO waited on.

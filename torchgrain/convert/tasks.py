@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from torchgrain.convert.inputs import ConvertInput
 from torchgrain.errors import CorruptDataError, TorchgrainError
 from torchgrain.formats.codecs import MsgpackCodec, merge_schema, schema_sampled
@@ -176,8 +178,6 @@ def _transformed(
 def _untransformed(schema: Any, transform: Any) -> Any:
     """``schema`` less the columns a tokenize ``transform`` writes: typed from the
     records, not the source (token ids replace a ``tokens`` column of another type)."""
-    import pyarrow as pa
-
     from torchgrain.tokens.tokenize import Tokenize
 
     if schema is None or not isinstance(transform, Tokenize):
