@@ -29,11 +29,14 @@ import contextlib
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence, Sized
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.errors import CorruptDataError, SchemaMismatchError, TorchgrainError
 from torchgrain.formats.checksums import RecordHasher, file_checksum, verify_file, verify_shard
 from torchgrain.formats.codecs import MsgpackCodec, get_codec, merge_schema, schema_sampled
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
@@ -41,9 +44,7 @@ from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_n
 from torchgrain.io.fs import get_filesystem, is_local
 from torchgrain.io.paths import local_file_in
 from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
-
-if TYPE_CHECKING:
-    import pyarrow as pa
+from torchgrain.sources.parquet.schema import arrow_type_name, common_type
 
 __all__ = [
     "ARRAY_RECORD_OUTPUT",
@@ -218,11 +219,11 @@ def write_array_record(
                     file_checksum=file_checksum(f),
                 )
             )
-        manifest = Manifest(codec=enc.name, shards=shards, schema=schema, group_size=group_size)
+        manifest = Manifest(codec=enc.name, shards=shards, schema=schema)
         manifest.extra["compression"] = compression
-        # Every chunk's offset and size, mapped by every process that reads the dataset
-        # (see torchgrain.sources.node_index); recorded with its checksum.
-        manifest.extra["index"] = write_dataset_index(root, names)
+        # The group size, and every chunk's offset and size (the dataset's index, mapped by
+        # every process that reads it: torchgrain.sources.node_index) with its checksum.
+        ARRAY_RECORD_OUTPUT.finish(root, manifest, group_size)
         atomic_write_text(manifest_path, manifest.to_json())
     finally:
         for w in writers:
@@ -275,8 +276,6 @@ def records_to_table(
         ...
         TypeError: cannot store key 'u' in Parquet as its source's uint8: ...
     """
-    import pyarrow as pa
-
     fields: list[Any] = [] if schema is None else list(schema)
     typed = {f.name for f in fields}
     fields += dict.fromkeys(k for r in records for k in r if k not in typed)
@@ -298,8 +297,6 @@ def records_to_table(
 def _typed_column(values: list[Any], kind: Any) -> Any:
     """``values`` as an Arrow array of type ``kind``, each value held exactly (else a
     ValueError or TypeError)."""
-    import pyarrow as pa
-
     allowed = _takes(kind)
     if allowed is not None:
         for typ in set(map(type, values)):
@@ -365,8 +362,6 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
 def _takes(kind: Any) -> tuple[type, ...] | None:
     """The Python (and numpy) types whose values Arrow type ``kind`` takes as they are;
     None for a type whose values are left to pyarrow."""
-    import pyarrow as pa
-
     t = pa.types
     table = (
         (t.is_integer(kind), (int, np.integer)),
@@ -388,8 +383,6 @@ def _foreign(typ: type, allowed: tuple[type, ...]) -> bool:
 
 def _widened(kind: Any) -> Any:
     """``kind`` with every float16 and float32 in it float64 and every timestamp zoneless."""
-    import pyarrow as pa
-
     t = pa.types
     if t.is_float16(kind) or t.is_float32(kind):
         return pa.float64()
@@ -419,8 +412,6 @@ def _one_d(value: Any, kind: Any) -> Any:
         >>> _one_d({"m": np.eye(2), "n": 1}, pa.struct({"m": pa.list_(pa.list_(pa.float64()))}))
         {'m': [array([1., 0.]), array([0., 1.])], 'n': 1}
     """
-    import pyarrow as pa
-
     if isinstance(value, np.ndarray) and _is_list(kind):
         _check_array(value, kind)
     if _first(kind, _is_matrix) is None:
@@ -437,12 +428,18 @@ def _one_d(value: Any, kind: Any) -> Any:
                 return value
             return [_one_d(v, inner) for v in value]
         return value
+    return _in_fields(value, kind, _one_d)
+
+
+def _in_fields(value: Any, kind: Any, fn: Any) -> Any:
+    """``value`` with ``fn(item, its type)`` applied to each of its fields (a dict where
+    ``kind`` is a struct) or keys and items (pairs where ``kind`` is a map); else as it is."""
     if pa.types.is_struct(kind) and isinstance(value, dict):
         fields = {f.name: f.type for f in kind}
-        return {k: _one_d(v, fields[k]) if k in fields else v for k, v in value.items()}
+        return {k: fn(v, fields[k]) if k in fields else v for k, v in value.items()}
     if pa.types.is_map(kind) and isinstance(value, (list, tuple)):
         return [
-            (_one_d(p[0], kind.key_type), _one_d(p[1], kind.item_type))
+            (fn(p[0], kind.key_type), fn(p[1], kind.item_type))
             if isinstance(p, tuple) and len(p) == 2
             else p
             for p in value
@@ -474,8 +471,6 @@ def _in_units(value: Any, kind: Any) -> Any:
     """``value`` with each numpy datetime64/timedelta64 in it in the unit of its place
     in ``kind`` (a date's as an int, which Arrow takes); ValueError where one would lose
     precision."""
-    import pyarrow as pa
-
     unit = _temporal_unit(kind)
     if unit is not None and isinstance(value, (np.ndarray, np.datetime64, np.timedelta64)):
         got = np.asarray(value)
@@ -500,16 +495,6 @@ def _in_units(value: Any, kind: Any) -> Any:
         if np.isnat(got):
             return None  # a null (Arrow refuses a NaT date scalar)
         return int(got.astype(np.int64)) if pa.types.is_date(kind) else got[()]
-    if pa.types.is_struct(kind) and isinstance(value, dict):
-        fields = {f.name: f.type for f in kind}
-        return {k: _in_units(v, fields[k]) if k in fields else v for k, v in value.items()}
-    if pa.types.is_map(kind) and isinstance(value, (list, tuple)):
-        return [
-            (_in_units(p[0], kind.key_type), _in_units(p[1], kind.item_type))
-            if isinstance(p, tuple) and len(p) == 2
-            else p
-            for p in value
-        ]
     if _is_list(kind) and isinstance(value, (list, tuple, np.ndarray)):
         if isinstance(value, np.ndarray) and value.dtype.kind in "mM":
             got = _in_units(value, kind.value_type)
@@ -519,13 +504,11 @@ def _in_units(value: Any, kind: Any) -> Any:
                 return got.astype(np.int64) if pa.types.is_date(kind.value_type) else got
             value = list(got)  # each NaT None, below
         return [_in_units(v, kind.value_type) for v in value]
-    return value
+    return _in_fields(value, kind, _in_units)
 
 
 def _float_leaves(array: Any) -> Iterator[Any]:
     """The float64 arrays at the bottom of a (nested) array, in order."""
-    import pyarrow as pa
-
     t = array.type
     if pa.types.is_float64(t):
         yield array
@@ -550,8 +533,6 @@ def _first(kind: Any, test: Any) -> Any:
 
 def _float_in(kind: Any) -> str:
     """The name of the first float16 or float32 type in ``kind``."""
-    import pyarrow as pa
-
     narrow = _first(kind, lambda t: pa.types.is_float16(t) or pa.types.is_float32(t))
     return np.dtype(f"<f{narrow.bit_width // 8}").name
 
@@ -559,25 +540,18 @@ def _float_in(kind: Any) -> str:
 def _temporal_unit(kind: Any) -> str | None:
     """The numpy dtype (``datetime64[us]``...) of an Arrow date, timestamp or duration
     type; None for another."""
-    import pyarrow as pa
-
     if pa.types.is_timestamp(kind):
         return f"datetime64[{kind.unit}]"
-    if pa.types.is_date32(kind):
-        return "datetime64[D]"
-    if pa.types.is_date64(kind):
-        return "datetime64[ms]"
     if pa.types.is_duration(kind):
         return f"timedelta64[{kind.unit}]"
-    return None
+    return _DATES.get(kind.id)
+
+
+_DATES = {pa.date32().id: "datetime64[D]", pa.date64().id: "datetime64[ms]"}  # by Arrow type id
 
 
 def _is_list(kind: Any) -> bool:
-    import pyarrow as pa
-
-    return (
-        pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
-    )
+    return isinstance(kind, (pa.ListType, pa.LargeListType, pa.FixedSizeListType))
 
 
 def _fixed_sizes(kind: Any) -> tuple[int, ...]:
@@ -591,8 +565,6 @@ def _fixed_sizes(kind: Any) -> tuple[int, ...]:
         >>> _fixed_sizes(pa.list_(pa.list_(pa.float32()), 4))
         ()
     """
-    import pyarrow as pa
-
     sizes: tuple[int, ...] = ()
     while _is_list(kind):
         sizes = (*sizes, kind.list_size) if pa.types.is_fixed_size_list(kind) else ()
@@ -602,8 +574,6 @@ def _fixed_sizes(kind: Any) -> tuple[int, ...]:
 
 def _same_leaves(a: Any, b: Any) -> bool:
     """Whether list types ``a`` and ``b`` nest alike down to the same value type."""
-    import pyarrow as pa
-
     if _is_list(a) and _is_list(b):
         return _same_leaves(a.value_type, b.value_type)
     if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
@@ -618,8 +588,6 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
     """``values`` as an Arrow array, errors numbering them from ``first``; ``fixed``: the
     sizes of the innermost dimensions of its arrays that their column's type records
     (its fixed-size lists, see :func:`_fixed_sizes`)."""
-    import pyarrow as pa
-
     present = [v for v in values if v is not None]
     numpy = [isinstance(v, (np.ndarray, np.generic)) for v in values]
     if any(numpy) and len(present) != sum(numpy):
@@ -701,7 +669,6 @@ def _clash(values: list[Any], first: int = 0) -> str:
         >>> _clash([1, [2, "a"]])
         'record 1'
     """
-    import pyarrow as pa
 
     def fails(part: list[Any]) -> bool:
         try:
@@ -742,8 +709,6 @@ def _uint64_type(values: list[Any], first: int = 0) -> Any:
         ...
         ValueError: record 1 holds -1 and record 0 holds 9223372036854775808 (past int64) in [*]: no integer type holds both
     """
-    import pyarrow as pa
-
     # path -> [least int, its record, greatest int, its record], for paths of an int past int64
     seen: dict[tuple[Any, ...], list[Any]] = {}
     wide: set[tuple[Any, ...]] = set()
@@ -799,8 +764,6 @@ def _uint64_type(values: list[Any], first: int = 0) -> Any:
 def _with_uint64(kind: Any, path: tuple[Any, ...], what: str) -> Any:
     """``kind`` with uint64 for the int64 at ``path`` (a ValueError beginning ``what``
     when another type is there)."""
-    import pyarrow as pa
-
     if not path:
         if kind != pa.int64():
             raise ValueError(f"{what} beside values of another type: {kind} would not hold it")
@@ -825,8 +788,6 @@ def _from_numpy(values: np.ndarray, mask: np.ndarray | None = None) -> Any:
         >>> _from_numpy(d, np.array([False, False, True])).to_pylist()
         [None, datetime.date(2020, 1, 2), None]
     """
-    import pyarrow as pa
-
     if values.dtype.kind in "mM":
         mask = np.isnat(values) if mask is None else mask | np.isnat(values)
     return pa.array(values, mask=mask if mask is not None and mask.any() else None)
@@ -846,8 +807,6 @@ def _beside_arrays(values: list[Any], numpy: list[bool], first: int = 0) -> Any:
         ...
         TypeError: record 1 holds 1 (int) beside arrays of bool (in [1])
     """
-    import pyarrow as pa
-
     built = _column([v if n else None for v, n in zip(values, numpy)])
     sample = np.asarray(next(v for v, n in zip(values, numpy) if n))
     dtype, ndim = sample.dtype, sample.ndim
@@ -905,9 +864,7 @@ def _stray(value: Any, depth: int, dtype: np.dtype) -> tuple[Any] | None:
     ):
         return None
     if depth == 0:
-        allowed = _ITEMS.get(dtype.kind, ())
-        bad = isinstance(value, (bool, np.bool_)) and dtype.kind != "b"
-        return None if isinstance(value, allowed) and not bad else (value,)
+        return (value,) if _foreign(type(value), _ITEMS.get(dtype.kind, ())) else None
     if not isinstance(value, (list, tuple)):
         return (value,)
     return next((s for v in value if (s := _stray(v, depth - 1, dtype)) is not None), None)
@@ -937,8 +894,6 @@ def write_parquet(
         >>> len(src), src[4]["id"], src.schema["v"]
         (5, 4, 'float32[?]')
     """
-    import pyarrow.parquet as pq
-
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     records = list(records)
@@ -1178,9 +1133,6 @@ class ParquetOut(ShardWriter):
                 self._flush()
 
     def _flush(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         if not self._tables:
             return
         tables, self._tables, self._bytes = self._tables, [], 0
@@ -1188,13 +1140,11 @@ class ParquetOut(ShardWriter):
         # before, one schema as shards get one (a column null or missing so far gets its
         # type; int64 beside uint64 is uint64 where no value is negative; else an error).
         where = [f"records {first}..{first + t.num_rows - 1}" for first, t in tables]
-        written = f"records 0..{tables[0][0] - 1}"  # (in the row groups written before)
+        batches = [(t.schema, w) for (_, t), w in zip(tables, where)]
+        if self._writer is not None:  # (the row groups written before)
+            batches.insert(0, (self._writer.schema, f"records 0..{tables[0][0] - 1}"))
         tables = [t for _, t in tables]
-        schemas = [t.schema for t in tables]
-        if self._writer is not None:
-            schema = _one_schema([self._writer.schema, *schemas], [written, *where], self.path)
-        else:
-            schema = _one_schema(schemas, where, self.path)
+        schema = _one_schema(batches, self.path)
         tables = [_conformed(t, schema, self.path, w) for t, w in zip(tables, where)]
         if self._writer is not None and not self._writer.schema.equals(schema):
             self._writer.close()
@@ -1207,9 +1157,6 @@ class ParquetOut(ShardWriter):
         self._writer.write_table(table, row_group_size=table.num_rows)
 
     def close(self) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         self._convert()
         self._flush()
         if self._writer is None:  # no records: an empty file, of the input's columns if known
@@ -1237,14 +1184,12 @@ class ParquetOut(ShardWriter):
         self._parts = []
 
 
-def _one_schema(schemas: Sequence[Any], where: Sequence[str], path: str) -> Any:
-    """The schema a shard's batches of ``schemas`` (``where`` in the file ``path``: their
-    records) are written with: each column's :func:`_common` type, else a TypeError naming
+def _one_schema(batches: Sequence[tuple[Any, str]], path: str) -> Any:
+    """The schema a shard's batches (``(schema, where in the file path: its records)``
+    pairs) are written with: each column's :func:`_common` type, else a TypeError naming
     the column and two of its batches."""
-    import pyarrow as pa
-
     seen: dict[str, dict[Any, tuple[Any, str]]] = {}  # column -> {type: (field, where)}
-    for schema, w in zip(schemas, where):
+    for schema, w in batches:
         for f in schema:
             seen.setdefault(f.name, {}).setdefault(f.type, (f, w))
     fields = []
@@ -1266,8 +1211,6 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
     """``table`` (``where`` in the file ``path``: its records or row group) cast to
     ``schema`` (a column it lacks: nulls); a TypeError naming the column, ``where`` and
     ``path`` where a value does not cast (a negative int to uint64)."""
-    import pyarrow as pa
-
     if table.schema.equals(schema):
         return table
     columns = []
@@ -1276,14 +1219,14 @@ def _conformed(table: Any, schema: Any, path: str, where: str) -> Any:
             columns.append(pa.nulls(table.num_rows, f.type))
             continue
         column = table.column(f.name)
-        if _to_double(column.type, f.type):
+        if _int64_as(column.type, f.type, pa.float64()):
             value = _first_outside(column, f.type, -_DOUBLE_INTS, _DOUBLE_INTS)
             if value is not None:
                 raise TypeError(
                     f"cannot store key {f.name!r} in Parquet: it holds {value} and floats in one "
                     f"output shard ({where} of {path}); a double rounds an int past 2**53"
                 )
-        if _to_uint64(column.type, f.type):
+        if _int64_as(column.type, f.type, pa.uint64()):
             low = _first_outside(column, f.type, 0)
             if low is not None:
                 raise TypeError(
@@ -1414,8 +1357,6 @@ def _becomes(a: Any, b: Any) -> bool:
         >>> _becomes(pa.struct({"a": pa.int8()}), pa.struct({"a": pa.int8(), "b": pa.int8()}))
         False
     """
-    import pyarrow as pa
-
     if a.equals(b) or pa.types.is_null(a):
         return True
     if a == pa.int64():
@@ -1433,42 +1374,20 @@ def _becomes(a: Any, b: Any) -> bool:
     return False
 
 
-def _to_double(a: Any, b: Any) -> bool:
-    """Whether type ``a`` has int64 where ``b`` has double, at any depth (its values then
-    need checking: :func:`_outside_of`).
-
-    Example:
-        >>> import pyarrow as pa
-        >>> _to_double(pa.list_(pa.int64()), pa.list_(pa.float64()))
-        True
-        >>> _to_double(pa.int32(), pa.float64()) or _to_double(pa.bool_(), pa.float64())
-        False
-    """
-    import pyarrow as pa
-
-    return _int64_as(a, b, pa.float64())
-
-
-def _to_uint64(a: Any, b: Any) -> bool:
-    """Whether type ``a`` has int64 where ``b`` has uint64, at any depth (its values then
-    need checking: :func:`_outside_of`).
-
-    Example:
-        >>> import pyarrow as pa
-        >>> _to_uint64(pa.list_(pa.int64()), pa.list_(pa.uint64()))
-        True
-        >>> _to_uint64(pa.struct({"a": pa.list_(pa.int64())}),
-        ...            pa.struct({"a": pa.list_(pa.uint64())}))
-        True
-    """
-    import pyarrow as pa
-
-    return _int64_as(a, b, pa.uint64())
-
-
 def _int64_as(a: Any, b: Any, leaf: Any) -> bool:
-    import pyarrow as pa
+    """Whether type ``a`` has int64 where ``b`` has ``leaf`` (uint64 or double), at any
+    depth (its values then need checking: :func:`_first_outside`).
 
+    Example:
+        >>> import pyarrow as pa
+        >>> _int64_as(pa.list_(pa.int64()), pa.list_(pa.float64()), pa.float64())
+        True
+        >>> _int64_as(pa.int32(), pa.float64(), pa.float64())
+        False
+        >>> _int64_as(pa.struct({"a": pa.list_(pa.int64())}),
+        ...           pa.struct({"a": pa.list_(pa.uint64())}), pa.uint64())
+        True
+    """
     if a == pa.int64():
         return b == leaf
     if _is_list(a) and _is_list(b) and type(a) is type(b):
@@ -1491,9 +1410,6 @@ def _int64_leaves(column: Any, kind: Any, leaf: Any) -> Iterator[Any]:
         >>> [a.to_pylist() for a in _int64_leaves(column, kind, pa.uint64())]
         [[1, -3]]
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     t = column.type
     if t == pa.int64():
         if kind is None or kind == leaf:
@@ -1510,45 +1426,31 @@ def _int64_leaves(column: Any, kind: Any, leaf: Any) -> Iterator[Any]:
 
 
 def _first_outside(column: Any, kind: Any, low: int, high: int | None = None) -> int | None:
-    """:func:`_outside_of` of the int64 arrays of ``column`` where ``kind`` has uint64
-    (``high`` None) or double: the first int found outside ``low..high``, or None."""
-    import pyarrow as pa
-
-    leaf = pa.uint64() if high is None else pa.float64()
-    for ints in _int64_leaves(column, kind, leaf):
-        value = _outside_of(ints, low, high)
-        if value is not None:
-            return value
-    return None
-
-
-def _outside_of(column: Any, low: int, high: int | None = None) -> int | None:
-    """An int of an int64 (or list of int64) array outside ``low..high``, or None: the
-    least where no ``high`` is given, else the first (a double's bound: the first int a
-    double rounds, past 2**53 either side).
+    """An int of the int64 arrays of ``column`` (see :func:`_int64_leaves`) where ``kind``
+    has uint64 (``high`` None) or double (``kind`` None: every one) outside ``low..high``,
+    or None: the least where no ``high`` is given, else the first (a double's bound: the
+    first int a double rounds, past 2**53 either side).
 
     Example:
         >>> import pyarrow as pa
-        >>> _outside_of(pa.array([[1, None], [2**53 + 1, -(2**53) - 1]]), -(2**53), 2**53)
+        >>> _first_outside(pa.array([[1, None], [2**53 + 1, -(2**53) - 1]]), None, -(2**53), 2**53)
         9007199254740993
-        >>> _outside_of(pa.array([2**53, -(2**53), None]), -(2**53), 2**53) is None
+        >>> _first_outside(pa.array([2**53, -(2**53), None]), None, -(2**53), 2**53) is None
         True
-        >>> _outside_of(pa.array([3, -1, -5, None]), 0)
+        >>> _first_outside(pa.array([3, -1, -5, None]), None, 0)
         -5
     """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    while _is_list(column.type):
-        column = pc.list_flatten(column)
-    limits = pc.min_max(column)
-    least, most = limits["min"].as_py(), limits["max"].as_py()
-    if least is None or (least >= low and (high is None or most <= high)):
-        return None
-    if high is None:
-        return least
-    past = pc.or_(pc.less(column, low), pc.greater(column, high))
-    return column[pc.index(past, pa.scalar(True)).as_py()].as_py()
+    leaf = pa.uint64() if high is None else pa.float64()
+    for ints in _int64_leaves(column, kind, leaf):
+        limits = pc.min_max(ints)
+        least, most = limits["min"].as_py(), limits["max"].as_py()
+        if least is None or (least >= low and (high is None or most <= high)):
+            continue
+        if high is None:
+            return least
+        past = pc.or_(pc.less(ints, low), pc.greater(ints, high))
+        return ints[pc.index(past, pa.scalar(True)).as_py()].as_py()
+    return None
 
 
 _DOUBLE_INTS = 2**53  # a double holds every int up to this (either side), not all past it
@@ -1557,8 +1459,6 @@ _DOUBLE_INTS = 2**53  # a double holds every int up to this (either side), not a
 def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
     """The Parquet files among ``names`` whose columns become those of the others
     without a changed value (see :func:`_common`), and the schema each is rewritten with."""
-    import pyarrow.parquet as pq
-
     schemas = {n: pq.read_schema(os.path.join(root, n)) for n in names}
     types: dict[str, dict[Any, str]] = {}  # column -> {type: the first file of it}
     for n, schema in schemas.items():
@@ -1573,14 +1473,13 @@ def _reconciled(root: str, names: Sequence[str]) -> dict[str, Any]:
         if not changed:
             continue
         path = os.path.join(root, n)
-        ints = {f.name: target[f.name] for _, f in changed if _to_uint64(f.type, target[f.name])}
+        becomes = {f.name: (f.type, target[f.name]) for _, f in changed}
+        ints = {c: t for c, (a, t) in becomes.items() if _int64_as(a, t, pa.uint64())}
         if ints and _outside(path, ints, 0, None) is not None:
             continue  # left as it is: check_shard_schemas names it
-        doubles = {f.name: target[f.name] for _, f in changed if _to_double(f.type, target[f.name])}
+        doubles = {c: t for c, (a, t) in becomes.items() if _int64_as(a, t, pa.float64())}
         past = _outside(path, doubles, -_DOUBLE_INTS, _DOUBLE_INTS) if doubles else None
         if past is not None:
-            from torchgrain.errors import SchemaMismatchError
-
             column, value = past
             raise SchemaMismatchError(
                 f"the Parquet output shards in {root!r} do not agree: column {column!r} is "
@@ -1603,9 +1502,6 @@ def _outside(
     ``path`` and an int of it outside ``low..high`` (None: no bound), or None. Its row groups'
     statistics decide where written, else a row group's column at a time (bounded
     memory); a double's bound (``high`` given) names the row group's first such int."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     if not isinstance(columns, dict):
         columns = dict.fromkeys(columns)
     with pq.ParquetFile(path) as pf:
@@ -1650,8 +1546,6 @@ def _rewrite(path: str, schema: Any, compression: str, parts: Sequence[str] = ()
     """Rewrite the Parquet file ``path`` with ``schema``, a row group at a time (see
     :func:`_conformed`: an error names the row group's records), after the row groups of
     the files ``parts`` (left as they are)."""
-    import pyarrow.parquet as pq
-
     tmp, writer, k = temp_name(path), None, 0
     try:
         writer = pq.ParquetWriter(tmp, schema, compression=compression)
@@ -1688,11 +1582,6 @@ def check_shard_schemas(root: str, names: Sequence[str]) -> None:
         ...
         torchgrain.errors.SchemaMismatchError: ... column 'x' is int64 in a.parquet but uint64 in b.parquet...
     """
-    import pyarrow.parquet as pq
-
-    from torchgrain.errors import SchemaMismatchError
-    from torchgrain.sources.parquet.schema import arrow_type_name, common_type
-
     # column -> {type: the first shard of it}: a type already seen is not checked again
     # (a check per shard over all shards before took 1.6 s for 2,000 shards, growing as
     # the square of their number).
