@@ -716,10 +716,8 @@ def _uint64_type(values: list[Any], first: int = 0) -> Any:
     def walk(v: Any, path: tuple[Any, ...], i: int) -> Any:  # ``v`` with such ints 0
         if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
             n = int(v)  # (a numpy int beside them too)
-            at = seen.get(path)
-            if at is None:
-                seen[path] = [n, i, n, i]
-            elif n < at[0]:
+            at = seen.setdefault(path, [n, i, n, i])
+            if n < at[0]:
                 at[:2] = n, i
             elif n > at[2]:
                 at[2:] = n, i

@@ -318,8 +318,7 @@ def convert(
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=True)
         results = [done[t.index] for t in tasks]
-        manifest = finish(root, inp, output, group_size, compression, plan, results)
-    return manifest
+        return finish(root, inp, output, group_size, compression, plan, results)
 
 
 def check_output_dir(
