@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence, Sized
@@ -299,10 +300,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
     ValueError or TypeError)."""
     allowed = _takes(kind)
     if allowed is not None:
-        for typ in set(map(type, values)):
-            if typ is not type(None) and _foreign(typ, allowed):
-                v = next(v for v in values if type(v) is typ)
-                raise TypeError(f"it holds {v!r} ({typ.__name__})")
+        _check_types(values, allowed)
     if pa.types.is_float16(kind) or pa.types.is_float32(kind):
         # Arrow rounds a Python float to the narrower type without a word.
         mask = np.fromiter((v is None for v in values), bool, len(values))
@@ -336,10 +334,11 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         if not _same_leaves(built.type, kind):
             raise TypeError(f"it holds arrays of {built.type}")
         return built.cast(kind)
-    if _first(kind, _is_matrix) is not None:
+    if _is_nested(kind):
         # Square rows (2-D arrays) beside ragged ones (lists of arrays), or in structs and
-        # maps: Arrow takes 1-D arrays only.
-        values = [_one_d(v, kind) for v in values]
+        # maps: Arrow takes 1-D arrays only; and it casts a nested array's values, or a
+        # float in an integer leaf, without a word (1.5 to 1).
+        values = [_exact(v, kind) for v in values]
     wide_kind = _widened(kind)
     if _first(kind, _temporal_unit) is not None:
         # Timestamps and dates inside structs or maps: Arrow builds them from numpy
@@ -359,6 +358,7 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
     return narrow
 
 
+@functools.lru_cache(maxsize=1024)  # (called per value of nested columns)
 def _takes(kind: Any) -> tuple[type, ...] | None:
     """The Python (and numpy) types whose values Arrow type ``kind`` takes as they are;
     None for a type whose values are left to pyarrow."""
@@ -403,39 +403,58 @@ def _widened(kind: Any) -> Any:
     return kind
 
 
-def _one_d(value: Any, kind: Any) -> Any:
-    """``value`` with each array of two or more dimensions in it a list of 1-D arrays,
-    where ``kind`` (its type) has a list of lists, at any depth.
+def _exact(value: Any, kind: Any) -> Any:
+    """``value`` as Arrow holds it exactly in nested type ``kind``: each array of two or
+    more dimensions a list of 1-D arrays where ``kind`` has a list of lists, each array
+    checked against its place (:func:`_check_array`) and each number in an integer leaf
+    an integer, at any depth; else a TypeError.
 
     Example:
         >>> import pyarrow as pa
-        >>> _one_d({"m": np.eye(2), "n": 1}, pa.struct({"m": pa.list_(pa.list_(pa.float64()))}))
+        >>> _exact({"m": np.eye(2), "n": 1}, pa.struct({"m": pa.list_(pa.list_(pa.float64()))}))
         {'m': [array([1., 0.]), array([0., 1.])], 'n': 1}
+        >>> _exact({"a": [1, 1.5]}, pa.struct({"a": pa.list_(pa.int32())}))
+        Traceback (most recent call last):
+        ...
+        TypeError: it holds 1.5 (float)
     """
-    if isinstance(value, np.ndarray) and _is_list(kind):
+    if pa.types.is_integer(kind):
+        _check_types((value,), _takes(kind))
+    elif isinstance(value, np.ndarray) and _is_list(kind):
         _check_array(value, kind)
-    if _first(kind, _is_matrix) is None:
-        return value
-    if _is_list(kind):
-        if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim > 1):
+        if value.ndim > 1 and _is_matrix(kind):
             inner = kind.value_type
-            if _first(inner, _is_matrix) is None:  # (its items: 1-D arrays or lists)
-                if isinstance(value, np.ndarray):
-                    return list(value)
-                for v in value:  # (rows of different lengths)
-                    if isinstance(v, np.ndarray) and _is_list(inner):
-                        _check_array(v, inner)
-                return value
-            return [_one_d(v, inner) for v in value]
-        return value
-    return _in_fields(value, kind, _one_d)
+            return [_exact(v, inner) for v in value] if _is_matrix(inner) else list(value)
+    elif isinstance(value, (list, tuple)) and _is_list(kind):
+        inner = kind.value_type
+        if pa.types.is_integer(inner):
+            _check_types(value, _takes(inner))
+        elif _is_nested(inner):
+            return [_exact(v, inner) for v in value]
+    else:
+        return _in_fields(value, kind, _exact)
+    return value
+
+
+def _is_nested(kind: Any) -> bool:
+    """Whether type ``kind`` is a list, struct or map."""
+    return _is_list(kind) or pa.types.is_struct(kind) or pa.types.is_map(kind)
+
+
+def _check_types(values: Sequence[Any], allowed: tuple[type, ...]) -> None:
+    """A TypeError naming the first of ``values`` (None aside) of a type that is none of
+    ``allowed`` (see :func:`_foreign`)."""
+    for typ in set(map(type, values)):
+        if typ is not type(None) and _foreign(typ, allowed):
+            v = next(v for v in values if type(v) is typ)
+            raise TypeError(f"it holds {v!r} ({typ.__name__})")
 
 
 def _in_fields(value: Any, kind: Any, fn: Any) -> Any:
     """``value`` with ``fn(item, its type)`` applied to each of its fields (a dict where
     ``kind`` is a struct) or keys and items (pairs where ``kind`` is a map); else as it is."""
     if pa.types.is_struct(kind) and isinstance(value, dict):
-        fields = {f.name: f.type for f in kind}
+        fields = _field_types(kind)
         return {k: fn(v, fields[k]) if k in fields else v for k, v in value.items()}
     if pa.types.is_map(kind) and isinstance(value, (list, tuple)):
         return [
@@ -445,6 +464,12 @@ def _in_fields(value: Any, kind: Any, fn: Any) -> Any:
             for p in value
         ]
     return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _field_types(kind: Any) -> dict[str, Any]:
+    """Field name -> type of struct type ``kind``."""
+    return {f.name: f.type for f in kind}
 
 
 def _check_array(value: np.ndarray, kind: Any) -> None:
