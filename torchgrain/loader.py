@@ -32,13 +32,18 @@ L = TypeVar("L")
 _STATE_VERSION = 1
 
 
-def find_sampler(loader: Any) -> ResumableSampler:
-    """The torchgrain sampler that orders ``loader``'s batches.
+def find_sampler(loader: Any, sampler: ResumableSampler | None = None) -> ResumableSampler:
+    """The torchgrain sampler that orders ``loader``'s batches: ``sampler`` when given
+    (checked to be one), else found on the loader.
 
     Looks where torch's DataLoader and Accelerate's prepared loaders keep it: the
     ``sampler``, the ``batch_sampler``'s ``sampler``, and one level of batch-sampler
     wrapping (Accelerate's ``BatchSamplerShard``).
     """
+    if sampler is not None:
+        if not isinstance(sampler, ResumableSampler):
+            raise TypeError(f"sampler must be a torchgrain sampler, got {type(sampler).__name__}")
+        return sampler
     seen: list[Any] = []
     for attr in ("sampler", "batch_sampler"):
         obj = getattr(loader, attr, None)
@@ -117,11 +122,9 @@ def bind(loader: L, *, sampler: ResumableSampler | None = None) -> L:
         (5, 2)
     """
     target = loader.loader if isinstance(loader, ResumableLoader) else loader
-    if sampler is None:
-        sampler = loader.sampler if isinstance(loader, ResumableLoader) else find_sampler(target)
-    elif not isinstance(sampler, ResumableSampler):
-        raise TypeError(f"sampler must be a torchgrain sampler, got {type(sampler).__name__}")
-    sampler.bind_loader(_binding_of(target))
+    if sampler is None and isinstance(loader, ResumableLoader):
+        sampler = loader.sampler
+    find_sampler(target, sampler).bind_loader(_binding_of(target))
     return loader
 
 
@@ -182,12 +185,8 @@ class ResumableLoader:
     """
 
     def __init__(self, loader: Any, *, sampler: ResumableSampler | None = None) -> None:
-        if sampler is None:
-            sampler = find_sampler(loader)
-        elif not isinstance(sampler, ResumableSampler):
-            raise TypeError(f"sampler must be a torchgrain sampler, got {type(sampler).__name__}")
         self.loader = loader
-        self.sampler = sampler
+        self.sampler = sampler = find_sampler(loader, sampler)
         self._binding = _binding_of(loader)
         sampler.bind_loader(self._binding)
         # Batches the loop took in the current pass, until it completes: a loop that
@@ -199,9 +198,6 @@ class ResumableLoader:
 
     # -- iteration ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        return self._batches()
-
-    def _batches(self) -> Iterator[Any]:
         self._taken = 0
         self._tell_dataset()
         counts = None  # the pass's sampler iteration, read once the loader has started it
@@ -218,10 +214,7 @@ class ResumableLoader:
         # adds one as a pass ends even after a load or a set_epoch during it (its next
         # pass would set that epoch, dropping the loaded position): it is told the epoch
         # in effect, which keeps the position.
-        if counts is None or self.sampler._iteration == counts:
-            self.set_epoch(self.sampler.epoch + 1)
-        else:
-            self.set_epoch(self.sampler.epoch)
+        self.set_epoch(self.sampler.epoch + (counts is None or self.sampler._iteration == counts))
 
     def __len__(self) -> int:
         return len(self.loader)

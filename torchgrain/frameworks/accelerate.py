@@ -83,37 +83,25 @@ def describe(loader: Any) -> dict[str, Any] | None:
         # step, or one that it splits; it fills the last step up to a multiple of
         # num_processes with the first samples of the pass.
         inner = getattr(loader, "batch_sampler", None)
-        batch_size = getattr(inner, "batch_size", None)
-        processes = int(loader.state.num_processes)
-        batches = 1 if loader.split_batches else processes  # per step
-        step = None if batch_size is None else batch_size * batches
-        return {
-            "sharder": _name(loader),
-            "batch_size": batch_size,
-            "num_workers": num_workers,
-            "step": step,
-            "reads_for_all": True,
-            "pad_to": 1 if getattr(inner, "drop_last", False) else processes,
-        }
-    if isinstance(loader, mod.DataLoaderShard):
-        shard = _shard_sampler(loader, mod)
-        if shard is None:  # one process: the loader splits nothing
+        sharder, batch_size = loader, getattr(inner, "batch_size", None)
+        processes, split = int(loader.state.num_processes), loader.split_batches
+    elif isinstance(loader, mod.DataLoaderShard):
+        sharder = _shard_sampler(loader, mod)
+        if sharder is None:  # one process: the loader splits nothing
             return None
-        # Every process keeps its batches of the one order; with even_batches (the
-        # default) the last step is filled up to full batches with the first samples
-        # of the pass.
-        batch_size = shard.batch_size
-        batches = 1 if shard.split_batches else shard.num_processes
-        step = None if batch_size is None else batch_size * batches
-        even = bool(shard.even_batches) and not bool(shard.drop_last)
-        return {
-            "sharder": _name(shard),
-            "batch_size": batch_size,
-            "num_workers": num_workers,
-            "step": step,
-            "pad_to": step if even and step is not None else 1,
-        }
-    return None
+        batch_size = sharder.batch_size
+        processes, split = sharder.num_processes, sharder.split_batches
+    else:
+        return None
+    step = None if batch_size is None else batch_size * (1 if split else processes)
+    out = {"sharder": _name(sharder), "batch_size": batch_size, "num_workers": num_workers}
+    if sharder is loader:
+        pad_to = 1 if getattr(inner, "drop_last", False) else processes
+        return {**out, "step": step, "reads_for_all": True, "pad_to": pad_to}
+    # Every process keeps its batches of the one order; with even_batches (the default)
+    # the last step is filled up to full batches with the first samples of the pass.
+    even = bool(sharder.even_batches) and not bool(sharder.drop_last)
+    return {**out, "step": step, "pad_to": step if even and step is not None else 1}
 
 
 def _drives(obj: Any, sampler: Any, mod: Any) -> bool:

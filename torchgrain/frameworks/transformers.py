@@ -85,22 +85,20 @@ class SamplerMixin:
         accelerator = trainer.accelerator
         config = accelerator.dataloader_config
         dispatch = config.dispatch_batches is True and not config.split_batches
-        processes = accelerator.num_processes
-        if dispatch and processes > 1:
+        if split := dispatch and accelerator.num_processes > 1:
             # Under dispatch_batches process 0 reads num_processes batches per step, but
             # the Trainer's resume skips (with accelerate.skip_first_batches) as many
             # batches of the loader under the dispatcher as steps were trained: 1/P of
             # what was read, so records were trained twice and others never. One batch
             # of P * batch_size split between the processes (split_batches) hands each
             # process the same records per step, and makes one step one batch to skip.
-            kwargs["batch_size"] = args.train_batch_size * processes
+            kwargs["batch_size"] = args.train_batch_size * accelerator.num_processes
             config.split_batches = True
-            try:
-                loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, **kwargs))
-            finally:
-                config.split_batches = False
-        else:
+        try:
             loader = accelerator.prepare(torch.utils.data.DataLoader(dataset, **kwargs))
+        finally:
+            if split:
+                config.split_batches = False
         return bind(loader, sampler=self.train_sampler)
 
 
