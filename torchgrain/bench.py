@@ -189,17 +189,14 @@ COLLATES = ("default", "pad", "none")
 
 def _collate_fn(collate: str) -> Callable[[list[Any]], Any] | None:
     """The collate ``collate`` names (:data:`COLLATES`); None: the list of records."""
-    if collate == "default":
-        import torch.utils.data
+    if collate == "none":
+        return None
+    import torch.utils.data
 
-        import torchgrain.dataset  # (registers its dict collate: ragged keys named)
+    import torchgrain as tg
+    import torchgrain.dataset  # (registers its dict collate: ragged keys named)
 
-        return torch.utils.data.default_collate
-    if collate == "pad":
-        import torchgrain as tg
-
-        return tg.pad_collate()
-    return None
+    return torch.utils.data.default_collate if collate == "default" else tg.pad_collate()
 
 
 def _counted(
@@ -263,7 +260,7 @@ def _plans(
 
     out: list[Plan] = [
         # Storage order, each round from another place (not where the page cache is warm).
-        ("sequential", "SequentialSampler", lambda ds, r: _cycle(n, n * r // repeats)),
+        ("sequential", "SequentialSampler", lambda ds, r: _cycle(n, r, repeats)),
         ("shuffled", "GlobalShuffleSampler", shuffled(tg.GlobalShuffleSampler)),
     ]
     # Blocks worth shuffling (Parquet row groups, ArrayRecord chunks of several records,
@@ -275,24 +272,17 @@ def _plans(
     return out
 
 
-def _cycle(n: int, start: int) -> Iterator[int]:
-    """``start``, ``start + 1``... modulo ``n``, for ever."""
-    return (i % n for i in itertools.count(start))
+def _cycle(n: int, r: int, repeats: int) -> Iterator[int]:
+    """Round ``r``'s storage order: from ``n * r // repeats``, modulo ``n``, for ever."""
+    return (i % n for i in itertools.count(n * r // repeats))
 
 
 def _measure(
-    ds: Any,
-    sampler: Any,
-    *,
-    batch_size: int,
-    num_workers: int,
-    prefetch_factor: int,
-    seconds: float,
-    tokens: str | None = None,
-    collate: str = "none",
+    ds: Any, sampler: Any, seconds: float, tokens: str | None, collate: str, **loader: int
 ) -> dict[str, Any]:
-    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own,
-    its batches collated in the workers by ``collate`` (:data:`COLLATES`; counting the
+    """One timed read of ``ds`` in ``sampler``'s order, in a DataLoader of its own
+    (``loader``: its ``batch_size``, ``num_workers`` and ``prefetch_factor``), its
+    batches collated in the workers by ``collate`` (:data:`COLLATES`; counting the
     token ids in field ``tokens`` of the records when given).
 
     The clock starts when every worker has delivered its first batch (the loader hands
@@ -303,19 +293,20 @@ def _measure(
 
     import torchgrain as tg
 
-    loader = torch.utils.data.DataLoader(
+    num_workers = loader["num_workers"]
+    data_loader = torch.utils.data.DataLoader(
         ds,
-        batch_size=batch_size,
+        batch_size=loader["batch_size"],
         sampler=sampler,
         num_workers=num_workers,
-        prefetch_factor=prefetch_factor if num_workers else None,
+        prefetch_factor=loader["prefetch_factor"] if num_workers else None,
         collate_fn=functools.partial(_counted, _collate_fn(collate), tokens),
     )
     warm = max(num_workers, 1)
     records = nbytes = ntokens = 0
     start = time.perf_counter()
     first = timed_from = last = None
-    it = iter(loader)
+    it = iter(data_loader)
     try:
         for k, (_, n, size, ntok) in enumerate(it):
             now = time.perf_counter()
@@ -330,7 +321,7 @@ def _measure(
         del it  # stops the workers
     end = time.perf_counter()
     elapsed = max((last or end) - (timed_from or start), 1e-9)
-    rep = tg.stats(loader)
+    rep = tg.stats(data_loader)
     busy = sum(
         row["read_seconds"] + row["decode_seconds"] + row["transform_seconds"]
         for row in rep.workers.values()
@@ -649,6 +640,7 @@ def run_bench(
         "after every worker's first batch"
         + ("" if fixed else f"{until} {100 * settle:.0f}% of their median")
     )
+    loader = dict(batch_size=batch_size, num_workers=num_workers, prefetch_factor=prefetch_factor)
     datasets = {mode: tg.Dataset(source) for mode, *_ in plans}  # a stats table each
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode, *_ in plans}
 
@@ -659,16 +651,7 @@ def run_bench(
     while r < max_rounds and not (r >= repeats and (fixed or settled())):
         # Each round starts with another order, so that none always runs first (cold).
         for mode, _, make in plans[r % len(plans) :] + plans[: r % len(plans)]:
-            m = _measure(
-                datasets[mode],
-                make(datasets[mode], r),
-                batch_size=batch_size,
-                num_workers=num_workers,
-                prefetch_factor=prefetch_factor,
-                seconds=per,
-                tokens=tokens,
-                collate=collate,
-            )
+            m = _measure(datasets[mode], make(datasets[mode], r), per, tokens, collate, **loader)
             runs[mode].append(m)
             say(
                 f"  round {r + 1}/{max_rounds}  {mode:<15}{m['records_per_s']:>12,.0f} records/s"

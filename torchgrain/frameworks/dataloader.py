@@ -164,10 +164,8 @@ def driving_loader_shape(sampler: Any, *, skip: int = 2) -> tuple[int | None, in
 def register_collate(kind: type, fn: Any) -> bool:
     """Have torch's ``default_collate`` (the DataLoader's default ``collate_fn``) collate a
     batch of ``kind`` with ``fn(batch, *, collate_fn_map)``; whether it could."""
-    try:
-        from torch.utils.data._utils.collate import default_collate_fn_map
-    except ImportError:  # pragma: no cover - torch < 1.13
-        return False
+    from torch.utils.data._utils.collate import default_collate_fn_map  # (torch >= 1.13)
+
     default_collate_fn_map[kind] = fn
     return True
 
