@@ -138,8 +138,14 @@ class SmallCNN(torch.nn.Module):
         return self.net(x)
 
 
+class _Rate:
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0  # type: ignore[attr-defined]
+
+
 @dataclass
-class EpochResult:
+class EpochResult(_Rate):
     """What one epoch of the demo measured.
 
     Example:
@@ -158,16 +164,12 @@ class EpochResult:
     first_batch_seconds: float  #: the wait for the epoch's first batch
 
     @property
-    def samples_per_second(self) -> float:
-        return self.samples / self.seconds if self.seconds else 0.0
-
-    @property
     def median_step_seconds(self) -> float:
         return float(np.median(self.step_seconds)) if self.step_seconds else 0.0
 
 
 @dataclass
-class DemoResult:
+class DemoResult(_Rate):
     steps: int
     samples: int
     seconds: float
@@ -175,10 +177,6 @@ class DemoResult:
     first_loss: float
     last_loss: float
     epochs: list[EpochResult] = field(default_factory=list)
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / self.seconds if self.seconds else 0.0
 
     @property
     def wait_fraction(self) -> float:
