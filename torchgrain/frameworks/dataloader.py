@@ -105,7 +105,9 @@ def loader_iterator(*, skip: int = 2, depth: int = _SEARCH_DEPTH) -> Any | None:
             obj = frame.f_locals.get("self") if has_self else None
             found = isinstance(obj, iterator_cls)
             if kind is None and (obj is not None or not has_self):
-                _remember(code, found)
+                if len(kinds) >= _CODE_CACHE_SIZE:
+                    kinds.clear()
+                kinds[code] = found
             if found:
                 return obj
         frame = frame.f_back
@@ -117,12 +119,6 @@ def loader_iterator(*, skip: int = 2, depth: int = _SEARCH_DEPTH) -> Any | None:
 # a lookup at every batch then reads the locals of one frame only, not of each frame.
 _ITERATOR_CODE: dict[CodeType, bool] = {}
 _CODE_CACHE_SIZE = 4096  # code objects are few, unless code is compiled on the fly
-
-
-def _remember(code: CodeType, is_iterator: bool) -> None:
-    if len(_ITERATOR_CODE) >= _CODE_CACHE_SIZE:
-        _ITERATOR_CODE.clear()
-    _ITERATOR_CODE[code] = is_iterator
 
 
 def worker_result_pipe() -> int | None:
