@@ -12,11 +12,6 @@ import torchgrain as tg
 from torchgrain.columns import ColumnBatch, Ragged
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Ragged column over max_length: torch's TypeError on its values, not the "
-    "max_length ValueError naming the field and record",
-)
 def test_a_ragged_column_over_max_length_is_reported_before_its_values_are_converted(
     tmp_path,
 ):

@@ -213,11 +213,9 @@ class PadCollate:
             return 0
         return self.pad_id
 
-    def _layout(
-        self, key: str, lengths: Any, dtypes: list[torch.dtype]
-    ) -> tuple[int, int | float, torch.dtype]:
-        """The padded width, the padding value and the dtype of field ``key``, whose rows
-        have ``lengths`` and the distinct ``dtypes``."""
+    def _layout(self, key: str, lengths: Any) -> tuple[int, int | float]:
+        """The padded width and the padding value of field ``key``, whose rows have
+        ``lengths`` (a ValueError past ``max_length``, before any value is converted)."""
         longest, row = (int(lengths.max()), int(lengths.argmax())) if len(lengths) else (0, 0)
         if self.max_length is not None and longest > self.max_length:
             raise ValueError(
@@ -230,17 +228,15 @@ class PadCollate:
             width = -(-width // self.multiple_of) * self.multiple_of
         if self.max_length is not None:
             width = min(width, self.max_length)
-        pad = self._pad_value(key)
-        return width, pad, _dtype_of(key, dtypes, pad)
+        return width, self._pad_value(key)
 
     def _pad_rows(self, key: str, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         sizes = [len(r) for r in rows]
         lengths = torch.tensor(sizes, dtype=torch.int64)
         # The distinct dtypes; an empty row's says nothing (np.array([]) is float64).
         dtypes = dict.fromkeys(r.dtype for r, n in zip(rows, sizes) if n)
-        width, pad, dtype = self._layout(
-            key, lengths, list(dtypes or dict.fromkeys(r.dtype for r in rows))
-        )
+        width, pad = self._layout(key, lengths)
+        dtype = _dtype_of(key, list(dtypes or dict.fromkeys(r.dtype for r in rows)), pad)
         if torch.uint64 in dtypes and dtype == torch.int64:
             for i, r in enumerate(rows):
                 _check_fits(key, r, dtype, pad, lambda at, i=i: f"record {i}")
@@ -277,8 +273,9 @@ class PadCollate:
                 f"pad_collate: field {key!r} of the columns batch is not variable-length "
                 f"values (a Ragged) but {type(col).__name__}"
             )
+        width, pad = self._layout(key, col.lengths())
         values = as_tensor(col.values)
-        width, pad, dtype = self._layout(key, col.lengths(), [values.dtype])
+        dtype = _dtype_of(key, [values.dtype], pad)
         offsets = np.asarray(col.offsets)
         start, end = (int(offsets[0]), int(offsets[-1])) if n else (0, 0)
         _check_fits(
