@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.writers import records_to_table, write_parquet
 
 
@@ -142,3 +143,35 @@ def test_write_parquet_bool_beside_numbers_is_refused_or_kept(tmp_path, records)
     flat = [v for r in back for v in (r["k"] if isinstance(r["k"], list) else [r["k"]])]
     given = [v for r in records for v in (r["k"] if isinstance(r["k"], list) else [r["k"]])]
     assert [type(v) is bool for v in flat] == [isinstance(v, (bool, np.bool_)) for v in given]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a dict with keys its struct type lacks is written without them, without an error",
+)
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        (pa.struct({"a": pa.int32()}), {"a": 1, "b": 2}),
+        (pa.list_(pa.struct({"a": pa.int32()})), [{"a": 1, "b": "kept?"}]),
+    ],
+    ids=["struct", "list_of_struct"],
+)
+def test_struct_column_refuses_dict_with_other_keys(tmp_path, kind, value):
+    """A dict ``{"a": 1, "b": 2}`` in a ``struct<a: int32>`` column read back ``{"a": 1}``:
+    key ``b`` and its value were dropped. It is a TypeError naming the column."""
+    schema = pa.schema({"s": kind})
+    with pytest.raises(TypeError, match="'s'"):
+        _round_trip(tmp_path, [{"s": value}], schema)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a str feature that is not valid UTF-8 raises an error that names no feature",
+)
+@pytest.mark.parametrize("value", ["\ud800", ["ok", "\ud800"]], ids=["str", "list_of_str"])
+def test_tf_example_text_not_utf8_error_names_feature(value):
+    """A str holding a lone surrogate (which UTF-8 cannot encode) raised a bare
+    UnicodeEncodeError; every other value an Example cannot hold names its feature."""
+    with pytest.raises(ValueError, match="'caption'"):
+        encode_tf_example({"id": 1, "caption": value})
