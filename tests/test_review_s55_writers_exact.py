@@ -175,3 +175,34 @@ def test_tf_example_text_not_utf8_error_names_feature(value):
     UnicodeEncodeError; every other value an Example cannot hold names its feature."""
     with pytest.raises(ValueError, match="'caption'"):
         encode_tf_example({"id": 1, "caption": value})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a numpy float16 beside Python ints in a list or struct is written as a truncated int",
+)
+@pytest.mark.parametrize(
+    "records",
+    [
+        [{"k": [np.float16(1.5), 2]}],
+        [{"k": [2049, np.float16(1.5)]}],
+        [{"k": {"a": np.float16(1.5)}}, {"k": {"a": 3}}],
+    ],
+    ids=["float16_first", "float16_after_int", "struct_field_across_records"],
+)
+def test_write_parquet_float16_beside_ints_keeps_its_value(tmp_path, records):
+    """``[np.float16(1.5), 2]`` was written as ``list<int64>`` and read back ``[1, 2]`` (a
+    struct field likewise): Arrow's inference takes the float16 for an int. It reads back
+    1.5, or is a TypeError naming the key."""
+    try:
+        write_parquet(records, tmp_path / "out")
+    except TypeError as e:
+        assert "'k'" in str(e)
+        return
+    back = pq.read_table(tmp_path / "out").to_pylist()
+    assert back == [
+        {"k": [float(v) for v in r["k"]] if isinstance(r["k"], list) else r["k"]} for r in records
+    ]
+    assert 1.5 in [
+        v for r in back for v in (r["k"] if isinstance(r["k"], list) else r["k"].values())
+    ]
