@@ -453,12 +453,21 @@ def _float32(name: str, values: Any) -> np.ndarray:
     return out
 
 
+def _utf8(name: str, text: str) -> bytes:
+    """``text`` in UTF-8; a ValueError naming feature ``name`` where it holds what UTF-8
+    cannot encode (a lone surrogate)."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"feature {name!r}: text UTF-8 cannot encode: {e}") from None
+
+
 def _classify(name: str, value: Any) -> tuple[int, Any]:
     """Return (kind, normalised values) for one feature value."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return _BYTES, [bytes(value)]
     if isinstance(value, str):
-        return _BYTES, [value.encode("utf-8")]
+        return _BYTES, [_utf8(name, value)]
     if isinstance(value, (bool, int, np.integer, np.bool_)):
         return _classify(name, [value])
     if isinstance(value, (float, np.floating)):
@@ -480,7 +489,7 @@ def _classify(name: str, value: Any) -> tuple[int, Any]:
         if not value:
             return _BYTES, []
         if all(isinstance(x, (bytes, bytearray, memoryview, str)) for x in value):
-            return _BYTES, [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in value]
+            return _BYTES, [_utf8(name, x) if isinstance(x, str) else bytes(x) for x in value]
         if all(isinstance(x, (bool, int, np.integer, np.bool_)) for x in value):
             try:
                 return _INT64, np.array([int(x) for x in value], dtype=np.int64)
