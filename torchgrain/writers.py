@@ -452,8 +452,8 @@ def _check_types(values: Sequence[Any], allowed: tuple[type, ...]) -> None:
 
 def _in_fields(value: Any, kind: Any, fn: Any) -> Any:
     """``value`` with ``fn(item, its type)`` applied to each of its fields (a dict where
-    ``kind`` is a struct) or keys and items (pairs where ``kind`` is a map); else as it is.
-    A TypeError where a dict has keys its struct type lacks (Arrow drops them without a word).
+    ``kind`` is a struct) or keys and items (pairs or a dict, as pairs, where ``kind`` is a
+    map); else as it is. A TypeError where a dict has keys its struct type lacks (Arrow drops them without a word).
     """
     if pa.types.is_struct(kind) and isinstance(value, dict):
         fields = _field_types(kind)
@@ -461,7 +461,9 @@ def _in_fields(value: Any, kind: Any, fn: Any) -> Any:
             other = [k for k in value if k not in fields]
             raise TypeError(f"it holds a dict with keys {other} that {kind} lacks")
         return {k: fn(v, fields[k]) for k, v in value.items()}
-    if pa.types.is_map(kind) and isinstance(value, (list, tuple)):
+    if pa.types.is_map(kind) and isinstance(value, (list, tuple, dict)):
+        if isinstance(value, dict):
+            value = list(value.items())
         return [
             (fn(p[0], kind.key_type), fn(p[1], kind.item_type))
             if isinstance(p, tuple) and len(p) == 2
