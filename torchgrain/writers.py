@@ -406,8 +406,9 @@ def _widened(kind: Any) -> Any:
 def _exact(value: Any, kind: Any) -> Any:
     """``value`` as Arrow holds it exactly in nested type ``kind``: each array of two or
     more dimensions a list of 1-D arrays where ``kind`` has a list of lists, each array
-    checked against its place (:func:`_check_array`) and each number in an integer leaf
-    an integer, at any depth; else a TypeError.
+    checked against its place (:func:`_check_array`) and each value in a leaf of a type
+    :func:`_takes` knows of a type it takes (an int in an integer leaf, bytes in a binary
+    one), at any depth; else a TypeError.
 
     Example:
         >>> import pyarrow as pa
@@ -418,8 +419,9 @@ def _exact(value: Any, kind: Any) -> Any:
         ...
         TypeError: it holds 1.5 (float)
     """
-    if pa.types.is_integer(kind):
-        _check_types((value,), _takes(kind))
+    allowed = _takes(kind)
+    if allowed is not None:
+        _check_types((value,), allowed)
     elif isinstance(value, np.ndarray) and _is_list(kind):
         _check_array(value, kind)
         if value.ndim > 1 and _is_matrix(kind):
@@ -427,8 +429,9 @@ def _exact(value: Any, kind: Any) -> Any:
             return [_exact(v, inner) for v in value] if _is_matrix(inner) else list(value)
     elif isinstance(value, (list, tuple)) and _is_list(kind):
         inner = kind.value_type
-        if pa.types.is_integer(inner):
-            _check_types(value, _takes(inner))
+        allowed = _takes(inner)
+        if allowed is not None:
+            _check_types(value, allowed)
         elif _is_nested(inner):
             return [_exact(v, inner) for v in value]
     else:
