@@ -27,6 +27,7 @@ import abc
 import bisect
 import contextlib
 import functools
+import itertools
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence, Sized
@@ -261,8 +262,10 @@ def records_to_table(
         TypeError: a column holds arrays of different dtypes or ranks, a value beside
             arrays that their dtype does not hold exactly or of another shape (the message
             names the record), an int past int64 beside a negative one, past 2**64 or
-            beside floats (the message names the record), or a value its ``schema`` type
-            does not (the message names the column).
+            beside floats (the message names the record), a str beside bytes or a bool
+            (or numpy float16) beside numbers that inference would write as the others'
+            type (the message names the records), or a value its ``schema`` type does not
+            (the message names the column).
 
     Example:
         >>> import numpy as np, pyarrow as pa
@@ -662,13 +665,55 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
             out = pa.ListArray.from_arrays(pa.array(offsets), out, mask=nulls)
         return out
     try:
-        return pa.array(values)
+        built = pa.array(values)
     except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError) as e:  # ('a' first: a TypeError)
         # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
         kind = _uint64_type(values, first)
         if kind is None:
             raise TypeError(f"{e} ({_clash(values, first)})") from e
-        return pa.array(values, kind)
+        built = pa.array(values, kind)
+    try:
+        _check_inferred(values, built.type)
+    except TypeError as e:
+        raise TypeError(f"{e} ({_clash(values, first)})") from e
+    return built
+
+
+def _merged(kind: Any) -> tuple[type, ...] | None:
+    """The Python (and numpy) types that Arrow's inference writes as a leaf of type
+    ``kind`` beside its own values, changing them: a str as binary beside bytes (and
+    bytes as a string), a bool as a number, a numpy float16 as an int; None for none."""
+    t = pa.types
+    table = (
+        (t.is_string(kind), (bytes,)),
+        (t.is_binary(kind), (str,)),
+        (t.is_integer(kind), (bool, np.bool_, np.floating)),
+        (t.is_floating(kind), (bool, np.bool_)),
+    )
+    return next((types for match, types in table if match), None)
+
+
+def _check_inferred(values: Iterable[Any], kind: Any) -> None:
+    """A TypeError where Arrow inferred type ``kind`` for Python ``values`` by changing
+    some of their leaves to another type (see :func:`_merged`), at any depth.
+
+    Example:
+        >>> _check_inferred([["a"], [b"b"]], pa.list_(pa.string()))
+        Traceback (most recent call last):
+        ...
+        TypeError: it holds bytes beside string values
+    """
+    if _is_list(kind):
+        lists = (v for v in values if isinstance(v, (list, tuple)))
+        _check_inferred(itertools.chain.from_iterable(lists), kind.value_type)
+    elif pa.types.is_struct(kind):
+        dicts = [v for v in values if isinstance(v, dict)]
+        for f in kind:
+            _check_inferred([d.get(f.name) for d in dicts], f.type)
+    elif (banned := _merged(kind)) is not None:
+        for typ in set(map(type, values)):
+            if issubclass(typ, banned):
+                raise TypeError(f"it holds {typ.__name__} beside {kind} values")
 
 
 def _check_shape(a: np.ndarray, fixed: tuple[int, ...] = ()) -> None:
@@ -707,8 +752,8 @@ def _clash(values: list[Any], first: int = 0) -> str:
 
     def fails(part: list[Any]) -> bool:
         try:
-            pa.array(part)
-        except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError):
+            _check_inferred(part, pa.array(part).type)
+        except (OverflowError, TypeError, pa.ArrowInvalid):  # (an ArrowTypeError a TypeError)
             return True
         return False
 
