@@ -313,6 +313,11 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
         bad = (narrow != wide) & ~(np.isnan(wide) & np.isnan(narrow))
         if bad.any():
             raise ValueError(f"{values[int(np.argmax(bad))]!r} is not a {_float_in(kind)} value")
+        if any(issubclass(t, (int, np.integer)) for t in set(map(type, values))):
+            # An int past 2**53 is rounded by float64 already (2**53 + 1 to 2**53).
+            for i, v in enumerate(values):
+                if isinstance(v, (int, np.integer)) and int(narrow[i]) != v:
+                    raise ValueError(f"{v!r} is not a {_float_in(kind)} value")
         return pa.array(narrow, type=kind, mask=mask if mask.any() else None)
     temporal = _temporal_unit(kind)
     if temporal is not None:
