@@ -402,6 +402,8 @@ class Mix(View):
         source with a mixture under it."""
         source, number = self._numbers(indices)
         local = self.sources.offsets[source] + self._passes(source, number)
+        if not self._by_pass.any():  # (no mixture under it: one reader)
+            return [self.sources], np.zeros(len(indices), dtype=np.int64), local
         by_pass = self._by_pass[source]
         passes, reader = np.unique(
             number[by_pass] // self._passes.sizes[source[by_pass]], return_inverse=True
