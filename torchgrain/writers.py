@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
+import datetime as dt
 import functools
 import itertools
 import math
@@ -304,6 +305,9 @@ def _typed_column(values: list[Any], kind: Any) -> Any:
     allowed = _takes(kind)
     if allowed is not None:
         _check_types(values, allowed)
+    step = _python_step(kind)
+    if step is not None:
+        _check_steps(values, kind, step)
     if pa.types.is_float16(kind) or pa.types.is_float32(kind):
         # Arrow rounds a Python float to the narrower type without a word.
         mask = np.fromiter((v is None for v in values), bool, len(values))
@@ -416,7 +420,8 @@ def _exact(value: Any, kind: Any) -> Any:
     more dimensions a list of 1-D arrays where ``kind`` has a list of lists, each array
     checked against its place (:func:`_check_array`) and each value in a leaf of a type
     :func:`_takes` knows of a type it takes (an int in an integer leaf, bytes in a binary
-    one), at any depth; else a TypeError.
+    one), at any depth; else a TypeError (a ValueError for a Python datetime, time or
+    timedelta its temporal leaf would truncate, see :func:`_python_step`).
 
     Example:
         >>> import pyarrow as pa
@@ -427,10 +432,7 @@ def _exact(value: Any, kind: Any) -> Any:
         ...
         TypeError: it holds 1.5 (float)
     """
-    allowed = _takes(kind)
-    if allowed is not None:
-        _check_types((value,), allowed)
-    elif isinstance(value, np.ndarray) and _is_list(kind):
+    if isinstance(value, np.ndarray) and _is_list(kind):
         _check_array(value, kind)
         if value.ndim > 1 and _is_matrix(kind):
             inner = kind.value_type
@@ -442,9 +444,50 @@ def _exact(value: Any, kind: Any) -> Any:
             _check_types(value, allowed)
         elif _is_nested(inner):
             return [_exact(v, inner) for v in value]
-    else:
+        elif (step := _python_step(inner)) is not None:
+            _check_steps(value, inner, step)
+    elif _is_nested(kind):  # (its types hash slowly: none looked up per value here)
         return _in_fields(value, kind, _exact)
+    elif (allowed := _takes(kind)) is not None:
+        _check_types((value,), allowed)
+    elif (step := _python_step(kind)) is not None:
+        _check_steps((value,), kind, step)
     return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _python_step(kind: Any) -> int | None:
+    """The microseconds of which a Python datetime's or time's time of day, or a
+    timedelta, must be a multiple for temporal type ``kind`` to hold it (Arrow truncates
+    it to the type's unit without a word: 12:00:00.5 to 12:00:00, noon to a date); None
+    where every one is held."""
+    t = pa.types
+    if t.is_date(kind):
+        return 86_400_000_000
+    if t.is_timestamp(kind) or t.is_duration(kind) or t.is_time(kind):
+        return {"s": 1_000_000, "ms": 1_000}.get(kind.unit)
+    return None
+
+
+def _check_steps(values: Iterable[Any], kind: Any, step: int) -> None:
+    """A ValueError naming the first Python datetime, time or timedelta of ``values``
+    that is no multiple of ``step`` microseconds (see :func:`_python_step`).
+
+    Example:
+        >>> _check_steps([dt.timedelta(seconds=1.5)], pa.duration("s"), 1_000_000)
+        Traceback (most recent call last):
+        ...
+        ValueError: datetime.timedelta(seconds=1, microseconds=500000) is not a duration[s] value
+    """
+    for v in values:
+        if isinstance(v, dt.timedelta):
+            us = v // dt.timedelta(microseconds=1)
+        elif isinstance(v, (dt.datetime, dt.time)):
+            us = ((v.hour * 60 + v.minute) * 60 + v.second) * 1_000_000 + v.microsecond
+        else:
+            continue
+        if us % step:
+            raise ValueError(f"{v!r} is not a {kind} value")
 
 
 def _is_nested(kind: Any) -> bool:
