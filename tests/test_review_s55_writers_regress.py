@@ -41,3 +41,27 @@ def test_nested_binary_leaf_takes_bytes_like_values(tmp_path, kind, value, back)
         {"v": back},
         {"v": None},
     ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="pandas Timestamp/Timedelta nanoseconds are truncated by a coarser temporal column",
+)
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [
+        (pa.timestamp("us"), "2020-01-01 00:00:00.000000001"),
+        (pa.timestamp("ms"), "2020-01-01 00:00:00.000000001"),
+        (pa.duration("us"), 1),
+    ],
+    ids=["timestamp_us", "timestamp_ms", "duration_us"],
+)
+def test_pandas_nanoseconds_refused_by_coarser_temporal_column(kind, value):
+    """A pandas Timestamp or Timedelta (a datetime or timedelta that holds nanoseconds)
+    in a timestamp[us]/[ms] or duration[us] column was written without its nanoseconds
+    (00:00:00.000000001 as 00:00:00, 1 ns as 0), as a Python datetime's microseconds in a
+    timestamp[s] column were before they were refused; it is a TypeError naming the key."""
+    pd = pytest.importorskip("pandas")
+    v = pd.Timedelta(value) if pa.types.is_duration(kind) else pd.Timestamp(value)
+    with pytest.raises(TypeError, match="'x'"):
+        records_to_table([{"x": v}], pa.schema({"x": kind}))
