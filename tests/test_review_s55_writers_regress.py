@@ -18,10 +18,6 @@ def _round_trip(tmp_path, records, schema):
     return pq.read_table(path).to_pylist()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nested binary leaves refuse bytearray/memoryview, which Arrow writes as their bytes",
-)
 @pytest.mark.parametrize(
     ("kind", "value", "back"),
     [
@@ -43,10 +39,6 @@ def test_nested_binary_leaf_takes_bytes_like_values(tmp_path, kind, value, back)
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pandas Timestamp/Timedelta nanoseconds are truncated by a coarser temporal column",
-)
 @pytest.mark.parametrize(
     ("kind", "value"),
     [

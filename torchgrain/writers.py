@@ -379,7 +379,10 @@ def _takes(kind: Any) -> tuple[type, ...] | None:
         (t.is_integer(kind), (int, np.integer)),
         (t.is_floating(kind), (float, int, np.floating, np.integer)),
         (t.is_string(kind) or t.is_large_string(kind), (str,)),
-        (t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind), (bytes,)),
+        (
+            t.is_binary(kind) or t.is_large_binary(kind) or t.is_fixed_size_binary(kind),
+            (bytes, bytearray, memoryview),
+        ),
         (t.is_boolean(kind), (bool, np.bool_)),
     )
     return next((types for match, types in table if match), None)
@@ -457,36 +460,38 @@ def _exact(value: Any, kind: Any) -> Any:
 
 @functools.lru_cache(maxsize=1024)
 def _python_step(kind: Any) -> int | None:
-    """The microseconds of which a Python datetime's or time's time of day, or a
+    """The nanoseconds of which a Python datetime's or time's time of day, or a
     timedelta, must be a multiple for temporal type ``kind`` to hold it (Arrow truncates
-    it to the type's unit without a word: 12:00:00.5 to 12:00:00, noon to a date); None
-    where every one is held."""
+    it to the type's unit without a word: 12:00:00.5 to 12:00:00, noon to a date, a
+    pandas Timestamp's nanoseconds to microseconds); None where every one is held."""
     t = pa.types
     if t.is_date(kind):
-        return 86_400_000_000
+        return 86_400_000_000_000
     if t.is_timestamp(kind) or t.is_duration(kind) or t.is_time(kind):
-        return {"s": 1_000_000, "ms": 1_000}.get(kind.unit)
+        return {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000}.get(kind.unit)
     return None
 
 
 def _check_steps(values: Iterable[Any], kind: Any, step: int) -> None:
     """A ValueError naming the first Python datetime, time or timedelta of ``values``
-    that is no multiple of ``step`` microseconds (see :func:`_python_step`).
+    that is no multiple of ``step`` nanoseconds (see :func:`_python_step`; pandas'
+    Timestamp and Timedelta, their subclasses, count their nanoseconds too).
 
     Example:
-        >>> _check_steps([dt.timedelta(seconds=1.5)], pa.duration("s"), 1_000_000)
+        >>> _check_steps([dt.timedelta(seconds=1.5)], pa.duration("s"), 1_000_000_000)
         Traceback (most recent call last):
         ...
         ValueError: datetime.timedelta(seconds=1, microseconds=500000) is not a duration[s] value
     """
     for v in values:
         if isinstance(v, dt.timedelta):
-            us = v // dt.timedelta(microseconds=1)
+            ns = v // dt.timedelta(microseconds=1) * 1_000 + getattr(v, "nanoseconds", 0)
         elif isinstance(v, (dt.datetime, dt.time)):
             us = ((v.hour * 60 + v.minute) * 60 + v.second) * 1_000_000 + v.microsecond
+            ns = us * 1_000 + getattr(v, "nanosecond", 0)
         else:
             continue
-        if us % step:
+        if ns % step:
             raise ValueError(f"{v!r} is not a {kind} value")
 
 
