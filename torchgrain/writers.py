@@ -581,9 +581,9 @@ def _in_units(value: Any, kind: Any) -> Any:
             whole = (got.astype(np.int64) % _DAY_MS == 0) | np.isnat(got)
             if not whole.all():
                 raise ValueError(f"{got.flat[int(np.argmin(whole))]!r} is not a {kind} value")
-        if isinstance(value, np.ndarray):
+        if isinstance(value, np.ndarray) and value.ndim:
             return got
-        if np.isnat(got):
+        if np.isnat(got):  # (a scalar, or a 0-d array as msgpack decodes one in a list)
             return None  # a null (Arrow refuses a NaT date scalar)
         return int(got.astype(np.int64)) if pa.types.is_date(kind) else got[()]
     if _is_list(kind) and isinstance(value, (list, tuple, np.ndarray)):
@@ -719,17 +719,36 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
         return out
     try:
         built = pa.array(values)
-    except (OverflowError, pa.ArrowInvalid, pa.ArrowTypeError) as e:  # ('a' first: a TypeError)
+    except (OverflowError, TypeError, pa.ArrowInvalid) as e:  # ('a' first: a TypeError)
         # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
         kind = _uint64_type(values, first)
-        if kind is None:
+        if kind is not None:
+            built = pa.array(values, kind)
+        elif (kind := _temporal_inferred(values)) is not None:
+            built = _typed_column(values, kind)
+        else:
             raise TypeError(f"{e} ({_clash(values, first)})") from e
-        built = pa.array(values, kind)
     try:
         _check_inferred(values, built.type)
     except TypeError as e:
         raise TypeError(f"{e} ({_clash(values, first)})") from e
     return built
+
+
+def _temporal_inferred(values: list[Any]) -> Any:
+    """The type Arrow infers for ``values`` where it holds a date, timestamp or duration
+    (Arrow infers ``list<date32>`` for lists of numpy dates beside a null, then fails to
+    build it: :func:`_typed_column` builds it), else None.
+
+    Example:
+        >>> _temporal_inferred([[np.datetime64("2020-01-01"), None]])
+        ListType(list<item: date32[day]>)
+    """
+    try:
+        kind = pa.infer_type(values)
+    except (OverflowError, TypeError, pa.ArrowInvalid):
+        return None
+    return kind if _first(kind, lambda t: _temporal_unit(t) is not None) is not None else None
 
 
 def _merged(kind: Any) -> tuple[type, ...] | None:
