@@ -1,0 +1,160 @@
+"""Values that reach the user changed without an error: each test asserts the exact value
+(or an error naming the key), and is a strict xfail while the change remains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import torchgrain as tg
+
+pd = pytest.importorskip("pandas")
+
+
+def _parquet_round_trip(tmp_path, values):
+    """Write ``{"v": value}`` records with write_parquet and read them back (or raise)."""
+    out = tmp_path / "out"
+    tg.write_parquet([{"v": v} for v in values], out)
+    src = tg.ParquetSource(str(out))
+    return [src[i]["v"] for i in range(len(src))]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a pandas Timestamp with nanoseconds in an inferred column is written as "
+    "timestamp[us], its nanoseconds dropped",
+)
+def test_pandas_timestamp_nanoseconds_in_an_inferred_column_are_kept_or_refused(tmp_path):
+    """A pandas Timestamp holding nanoseconds, alone in its column (typed by inference),
+    was written as ``timestamp[us]`` and read back one nanosecond earlier, with no error.
+    It must read back exactly (as ``datetime64[ns]``) or be refused naming the key."""
+    ts = pd.Timestamp("2020-01-01T00:00:00.000000001")
+    try:
+        got = _parquet_round_trip(tmp_path, [ts, pd.Timestamp("2020-01-02")])
+    except TypeError as e:
+        assert "'v'" in str(e)
+        return
+    assert got[0] == np.datetime64("2020-01-01T00:00:00.000000001", "ns")
+    assert got[0].dtype == np.dtype("datetime64[ns]")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a pandas Timedelta of nanoseconds in an inferred column (here a struct field) is "
+    "written as duration[us]: 1 ns reads back as 0",
+)
+def test_pandas_timedelta_nanoseconds_in_an_inferred_column_are_kept_or_refused(tmp_path):
+    """``pd.Timedelta(1, "ns")`` in a struct field typed by inference was written as
+    ``duration[us]`` and read back as 0 with no error. It must read back as one
+    nanosecond or be refused naming the key."""
+    try:
+        got = _parquet_round_trip(tmp_path, [{"d": pd.Timedelta(1, "ns")}])
+    except TypeError as e:
+        assert "'v'" in str(e)
+        return
+    assert got[0]["d"] == np.timedelta64(1, "ns")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="datetime64[s] values written to Parquet read back as datetime64[ms] (unit changed)",
+)
+def test_datetime64_seconds_written_to_parquet_keep_their_unit_or_are_refused(tmp_path):
+    """Parquet stores no seconds unit: pyarrow writes ``timestamp[s]`` as milliseconds, so
+    a ``datetime64[s]`` array (or scalar) written with write_parquet read back as
+    ``datetime64[ms]`` with no error, though the docs promise "same unit". It must read
+    back in seconds or be refused naming the key."""
+    arr = np.array(["2020-01-01T00:00:01", "1999-12-31T23:59:59"], "datetime64[s]")
+    try:
+        got = _parquet_round_trip(tmp_path, [arr, arr[:1]])
+    except TypeError as e:
+        assert "'v'" in str(e)
+        return
+    assert got[0].dtype == np.dtype("datetime64[s]")
+    assert got[0].tolist() == arr.tolist()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a Python set is written to Parquet as a list in iteration order (ArrayRecord "
+    "refuses it)",
+)
+def test_a_set_is_refused_by_write_parquet(tmp_path):
+    """A set has no order: write_parquet wrote it as a list in whatever order the set
+    iterates (for str, one that changes with PYTHONHASHSEED), so the same data gave
+    different files; write_array_record refuses it. It must be a TypeError naming the key."""
+    with pytest.raises(TypeError, match="'v'"):
+        tg.write_parquet([{"v": {"b", "a", "c"}}], tmp_path / "out")
+
+
+def _ns_timestamps(tmp_path):
+    d = tmp_path / "pq"
+    d.mkdir()
+    stamps = pa.array([1, 2], pa.int64()).cast(pa.timestamp("ns"))
+    pq.write_table(pa.table({"t": stamps, "x": [1, 2]}), str(d / "a.parquet"))
+    return str(d)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with batch_format='columns', a map after a map_batch sees a timestamp[ns] "
+    "column's values as ints, and the batch holds int64",
+)
+def test_columns_map_after_map_batch_sees_timestamps_as_records_hold_them(tmp_path):
+    """``ColumnBatch.records()`` turns a datetime64[ns] column's rows into Python ints
+    (``.item()``), so a ``map`` after a ``map_batch`` got ``1`` where the record holds
+    ``datetime64('...00.000000001')``, and the batch came back as an int64 column. The map
+    must see what ``src[i]`` gives, and the batch keep ``datetime64[ns]``."""
+    src = tg.ParquetSource(_ns_timestamps(tmp_path))
+    seen = []
+
+    def keep(record):
+        seen.append(record["t"])
+        return record
+
+    ds = tg.Dataset(src, batch_format="columns").map_batch(lambda b: b).map(keep)
+    batch = ds.__getitems__([0, 1])[0]
+    assert [type(v) for v in seen] == [type(src[0]["t"])] * 2
+    assert seen == [src[0]["t"], src[1]["t"]]
+    assert batch["t"].dtype == np.dtype("datetime64[ns]")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ArrayRecord read_columns(...).records() gives numpy scalars (0-d arrays per record) "
+    "as Python scalars: a timedelta64[ns] becomes an int, a float16 a float",
+)
+def test_array_record_column_records_match_per_record_values(tmp_path):
+    """A numpy scalar written to ArrayRecord reads back per record as a 0-d array of its
+    dtype, but the column path's ``records()`` (what per-record transforms see with
+    ``batch_format="columns"`` after a ``map_batch``) gave ``1`` for ``timedelta64(1, 'ns')``
+    and a Python float for a float16. Both paths must give the same value and dtype."""
+    out = tmp_path / "ar"
+    recs = [{"d": np.timedelta64(i + 1, "ns"), "h": np.float16(0.5 * i)} for i in range(2)]
+    tg.write_array_record(recs, out)
+    src = tg.ArrayRecordSource(str(out))
+    rows = src.read_columns([0, 1]).records()
+    for i, row in enumerate(rows):
+        for key in ("d", "h"):
+            want = src[i][key]
+            assert np.asarray(row[key]).dtype == want.dtype, key
+            assert row[key] == want, key
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a hive partition directory 'x=-0' is read as the int 0 (not canonical: '-0' "
+    "is not how 0 is written)",
+)
+def test_hive_minus_zero_stays_a_string(tmp_path):
+    """Hive keys are ints only when every value is a canonical decimal integer ('007' and
+    '+3' stay strings), but ``x=-0`` matched ``-?(0|[1-9][0-9]*)`` and read back as ``0``:
+    written back, it names another directory (``x=0``). It must stay the string '-0'."""
+    for v in ("-0", "1"):
+        part = tmp_path / f"x={v}"
+        part.mkdir()
+        pq.write_table(pa.table({"a": [1]}), str(part / "p.parquet"))
+    src = tg.ParquetSource(str(tmp_path))
+    assert sorted(src[i]["x"] for i in range(len(src))) == ["-0", "1"]
