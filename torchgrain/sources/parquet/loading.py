@@ -37,14 +37,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, UnsafePathError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    UnsafePathError,
+)
 from torchgrain.formats.parquet_pages import ColumnChunk, chunk_pages, chunk_range, footer_chunks
 from torchgrain.io import changes, remote
 from torchgrain.io.fs import default_cache_dir
 from torchgrain.sources.base import ShardedSource
 from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key, on_network_filesystem
 from torchgrain.sources.parquet.footers import NOT_THE_BYTES, bounded_footer, local_version
-from torchgrain.sources.parquet.values import RowGroup
+from torchgrain.sources.parquet.values import RowGroup, holds_time_ns, inexact_time
 
 __all__ = ["ParquetReader", "RowGroupLoader", "StagedInput", "decoded_cache_for"]
 
@@ -204,8 +209,11 @@ class RowGroupLoader(ShardedSource):
             name=f"row group {local} of {self.paths[shard]!r}",
         )
         charge = max(_MAPPED_BYTES, self.cache_bytes // _MAX_MAPS)
-        # (path None: not stored (too large, disk full), decoded here)
-        return RowGroup(table, None if path is None else (charge, path, pin))
+        if path is None:  # not stored (too large, disk full): decoded here, checked
+            return RowGroup(table)
+        # (an entry another version of torchgrain stored was not checked when decoded)
+        self._check_times(table, group)
+        return RowGroup(table, (charge, path, pin))
 
     def _drop_changed(self, entries: list[RowGroup | None]) -> None:
         """Set to None the cached row groups mapped from decoded-cache files that were
@@ -301,6 +309,7 @@ class RowGroupLoader(ShardedSource):
                     f"cannot decode {self._where(shard, local)}, column {name!r}: {e} "
                     f"(record index {index})"
                 ) from None
+        self._check_times(table, group)  # (before a cast to the merged type could fail)
         if table.schema.equals(self._file_schema):
             return table  # the common case: this file has every column with its type
         arrays = [
@@ -308,6 +317,29 @@ class RowGroupLoader(ShardedSource):
             for f, p in zip(self._file_fields, present)
         ]
         return pa.Table.from_arrays(arrays, schema=self._file_schema)
+
+    def _check_times(self, table: pa.Table, group: int) -> None:
+        """Refuse a row group holding a time64[ns] value (at any depth) that is not a
+        whole number of microseconds: ``datetime.time`` would hold it truncated, another
+        time (pyarrow's ``to_pylist`` drops the nanoseconds silently). One vectorised
+        pass over each time64[ns] leaf; columns of other types cost a cached type test."""
+        for name, col in zip(table.column_names, table.columns):
+            if not holds_time_ns(col.type):
+                continue
+            found = inexact_time(col)
+            if found is None:
+                continue
+            row, ns = found
+            shard, local = int(self._rg_shard[group]), int(self._rg_local[group])
+            record = int(self._rg_offsets[group]) + row
+            raise RecordDecodeError(
+                f"{self._where(shard, local)}, column {name!r}: record index {record} holds "
+                f"the time64[ns] time of day {_clock(ns)} ({ns} ns after midnight), whose "
+                "nanoseconds datetime.time cannot hold (it keeps microseconds: the value "
+                "would read as another time). Write the column as time64[us] (rounded as "
+                "you choose) or as int64 nanoseconds, or read the dataset with columns= "
+                "leaving it out"
+            )
 
     def _read_checked(
         self, reader: ParquetReader, shard: int, local: int, names: list[str], index: int
@@ -458,6 +490,19 @@ class RowGroupLoader(ShardedSource):
             except Exception:  # any failure names the column
                 return f", column {name!r}"
         return ""
+
+
+def _clock(ns: int) -> str:
+    """A time64[ns] value as ``HH:MM:SS.nnnnnnnnn``.
+
+    Example:
+        >>> _clock(36_000_000_000_001)
+        '10:00:00.000000001'
+    """
+    seconds, frac = divmod(ns, 1_000_000_000)
+    minutes, sec = divmod(seconds, 60)
+    hours, minute = divmod(minutes, 60)
+    return f"{hours:02d}:{minute:02d}:{sec:02d}.{frac:09d}"
 
 
 def decoded_cache_for(

@@ -14,6 +14,7 @@ Arrow's buffers: ``Array.to_numpy`` imports pandas (about 0.3 s per DataLoader w
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import time
@@ -39,6 +40,8 @@ __all__ = [
     "converted_bytes",
     "copy_records",
     "gather",
+    "holds_time_ns",
+    "inexact_time",
     "int64_array",
     "take_rows",
     "views_bytes",
@@ -196,6 +199,121 @@ def _rows_with_null_items(
     if mask is not None:
         flags &= ~mask
     return flags if flags.any() else None
+
+
+# ------------------------------------------------------------- times of day
+# ``datetime.time`` holds microseconds: a time64[ns] value with nanoseconds beyond them
+# would read as another time (pyarrow's ``to_pylist`` drops them silently). The decode
+# refuses such a value (:func:`inexact_time`, per column of a type that holds time64[ns]
+# anywhere: :func:`holds_time_ns`); other columns cost nothing.
+def holds_time_ns(t: pa.DataType) -> bool:
+    """Whether values of type ``t`` hold a time64[ns] at any depth (list items, struct
+    fields, map keys and values, dictionary values).
+
+    Example:
+        >>> holds_time_ns(pa.list_(pa.struct({"t": pa.time64("ns")}))), holds_time_ns(pa.time64("us"))
+        (True, False)
+    """
+    if t.num_fields == 0 and t.id != _DICTIONARY_ID:  # (no hash: it formats the name)
+        return t.id == _TIME64_ID and t.unit == "ns"
+    return _nested_holds_time_ns(t)
+
+
+_TIME64_ID, _DICTIONARY_ID = pa.time64("ns").id, pa.dictionary(pa.int32(), pa.string()).id
+
+
+@functools.lru_cache(maxsize=256)
+def _nested_holds_time_ns(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        return holds_time_ns(t.value_type)
+    if pa.types.is_map(t):
+        return holds_time_ns(t.key_type) or holds_time_ns(t.item_type)
+    if is_list_type(t):
+        return holds_time_ns(t.value_type)
+    if pa.types.is_struct(t):
+        return any(holds_time_ns(f.type) for f in t)
+    return False
+
+
+def inexact_time(col: pa.ChunkedArray | pa.Array) -> tuple[int, int] | None:
+    """``(row, nanoseconds)`` of the first row of ``col`` holding a time64[ns] value
+    (at any depth) that is not a whole number of microseconds, which ``datetime.time``
+    cannot hold; None if every one is (one vectorised pass over each time64[ns] leaf).
+
+    Example:
+        >>> inexact_time(pa.array([[0], None, [1_000, 2_000_000_001]], pa.list_(pa.time64("ns"))))
+        (2, 2000000001)
+        >>> inexact_time(pa.array([1_000, None], pa.time64("ns"))) is None
+        True
+    """
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    start = 0
+    for chunk in chunks:
+        found = _inexact(chunk)
+        if found is not None:
+            rows, values = found
+            return start + int(rows[0]), int(values[0])
+        start += len(chunk)
+    return None
+
+
+def _inexact(arr: pa.Array) -> tuple[np.ndarray, np.ndarray] | None:
+    """The rows of ``arr`` (ascending) holding a time64[ns] value with sub-microsecond
+    nanoseconds, and such a value of each; None if none does."""
+    t = arr.type
+    n = len(arr)
+    if n == 0 or not holds_time_ns(t):
+        return None
+    if pa.types.is_time64(t):
+        buf = arr.buffers()[1]
+        if buf is None:
+            return None
+        ns = np.frombuffer(buf, dtype=np.int64, count=arr.offset + n)[arr.offset :]
+        bad = ns % 1_000 != 0
+        if not bad.any():  # (the common case: one pass, nothing more)
+            return None
+        mask = _null_mask(arr)
+        if mask is not None:
+            bad &= ~mask
+        rows = np.flatnonzero(bad)
+        return (rows, ns[rows]) if len(rows) else None
+    if pa.types.is_dictionary(t):
+        found = _inexact(arr.dictionary)
+        if found is None:
+            return None
+        indices = _primitive_numpy(arr.indices.cast(pa.int64()))
+        mask = _null_mask(arr)
+        hit = np.flatnonzero(np.isin(indices, found[0]) & (True if mask is None else ~mask))
+        if not len(hit):
+            return None
+        entry = dict(zip(found[0].tolist(), found[1].tolist()))
+        return hit, np.array([entry[i] for i in indices[hit].tolist()], np.int64)
+    if pa.types.is_struct(t):
+        parts = [p for p in map(_inexact, arr.flatten()) if p is not None]
+        if not parts:
+            return None
+        rows = np.concatenate([p[0] for p in parts])
+        values = np.concatenate([p[1] for p in parts])
+        mask = _null_mask(arr)
+        keep = np.ones(len(rows), bool) if mask is None else ~mask[rows]
+        rows, values = rows[keep], values[keep]
+        order = np.argsort(rows, kind="stable")
+        return (rows[order], values[order]) if len(rows) else None
+    if is_list_type(t) or pa.types.is_map(t):
+        outer, child = _list_offsets(arr)
+        found = _inexact(child)
+        if found is None:
+            return None
+        items, values = found
+        inside = (items >= outer[0]) & (items < outer[-1])
+        items, values = items[inside], values[inside]
+        rows = np.searchsorted(outer, items, side="right") - 1
+        mask = _null_mask(arr)
+        if mask is not None:
+            keep = ~mask[rows]
+            rows, values = rows[keep], values[keep]
+        return (rows, values) if len(rows) else None
+    return None
 
 
 # ------------------------------------------------------------- whole-column conversion
