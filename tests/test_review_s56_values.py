@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -158,3 +160,43 @@ def test_hive_minus_zero_stays_a_string(tmp_path):
         pq.write_table(pa.table({"a": [1]}), str(part / "p.parquet"))
     src = tg.ParquetSource(str(tmp_path))
     assert sorted(src[i]["x"] for i in range(len(src))) == ["-0", "1"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a datetime beside dates in an inferred column is written as date32: its time of "
+    "day is dropped",
+)
+@pytest.mark.parametrize("nested", [False, True], ids=["top", "in-list"])
+def test_a_datetime_beside_dates_is_kept_or_refused(tmp_path, nested):
+    """``datetime`` is a subclass of ``date``: a column inferred from a ``date`` first
+    (``date32``) took a later ``datetime(2020, 1, 1, 23, 59)`` as the date 2020-01-01,
+    with no error (a column typed ``date32`` from a Parquet source refuses it, and the
+    other order is refused). It must be refused naming the key, or read back exactly."""
+    values = [dt.date(2020, 1, 1), dt.datetime(2020, 1, 1, 23, 59)]
+    values = [values] if nested else values
+    try:
+        got = _parquet_round_trip(tmp_path, values)
+    except TypeError as e:
+        assert "'v'" in str(e)
+        return
+    last = got[0][1] if nested else got[1]
+    assert last == np.datetime64("2020-01-01T23:59")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a datetime.time with a tzinfo is written as a naive time64: its UTC offset is dropped",
+)
+def test_a_time_with_a_utc_offset_is_refused_or_kept(tmp_path):
+    """``time(1, 2, 3, tzinfo=+05:00)`` was written as ``time64[us]`` and read back as the
+    naive ``time(1, 2, 3)``, the offset lost without an error (Parquet's time holds no
+    zone; an aware datetime, by contrast, is stored as its UTC instant). It must be
+    refused naming the key, or read back with its offset."""
+    tz = dt.timezone(dt.timedelta(hours=5))
+    try:
+        got = _parquet_round_trip(tmp_path, [dt.time(1, 2, 3, tzinfo=tz)])
+    except TypeError as e:
+        assert "'v'" in str(e)
+        return
+    assert got[0].utcoffset() == dt.timedelta(hours=5)
