@@ -200,3 +200,29 @@ def test_a_time_with_a_utc_offset_is_refused_or_kept(tmp_path):
         assert "'v'" in str(e)
         return
     assert got[0].utcoffset() == dt.timedelta(hours=5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ColumnBatch.from_records stacks datetime64 scalars of different units into the "
+    "finest one, wrapping around int64: 3000-01-01 becomes 1830-11-23",
+)
+def test_column_batch_of_datetimes_in_two_units_keeps_every_value(tmp_path):
+    """``column_of`` stacked numpy scalars of one Python type with ``np.array(values)``:
+    ``datetime64[ns]`` beside ``datetime64[s]`` became one ``datetime64[ns]`` array, and a
+    date past 2262 wrapped around (year 3000 read 1830-11-23), no error. With
+    ``batch_format="columns"``, a ``map`` returning such values reaches the batch this way.
+    Every value must come out as it went in (a list, or each in its own unit)."""
+    src = tg.ParquetSource(_ns_timestamps(tmp_path))
+    far = np.datetime64("3000-01-01", "s")
+
+    def later(record):
+        if record["x"] == 2:
+            record["t"] = far
+        return record
+
+    batch = tg.Dataset(src, batch_format="columns").map(later).__getitems__([0, 1])[0]
+    # (compared in seconds: numpy compares in the finer unit, where ``far`` wraps alike)
+    assert np.datetime64(batch["t"][1], "s") == far
+    column = tg.columns.ColumnBatch.from_records([{"t": src[0]["t"]}, {"t": far}])["t"]
+    assert np.datetime64(column[1], "s") == far
