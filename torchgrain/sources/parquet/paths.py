@@ -17,7 +17,7 @@ from torchgrain.io.fs import canonical_local_path, expand_paths, get_filesystem,
 
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
-_INT_RE = re.compile(r"-?(0|[1-9][0-9]*)")
+_INT_RE = re.compile(r"0|-?[1-9][0-9]*")
 
 
 def resolve(
