@@ -12,8 +12,6 @@ import pytest
 
 import torchgrain as tg
 
-pd = pytest.importorskip("pandas")
-
 
 def _parquet_round_trip(tmp_path, values):
     """Write ``{"v": value}`` records with write_parquet and read them back (or raise)."""
@@ -32,6 +30,7 @@ def test_pandas_timestamp_nanoseconds_in_an_inferred_column_are_kept_or_refused(
     """A pandas Timestamp holding nanoseconds, alone in its column (typed by inference),
     was written as ``timestamp[us]`` and read back one nanosecond earlier, with no error.
     It must read back exactly (as ``datetime64[ns]``) or be refused naming the key."""
+    pd = pytest.importorskip("pandas")
     ts = pd.Timestamp("2020-01-01T00:00:00.000000001")
     try:
         got = _parquet_round_trip(tmp_path, [ts, pd.Timestamp("2020-01-02")])
@@ -51,6 +50,7 @@ def test_pandas_timedelta_nanoseconds_in_an_inferred_column_are_kept_or_refused(
     """``pd.Timedelta(1, "ns")`` in a struct field typed by inference was written as
     ``duration[us]`` and read back as 0 with no error. It must read back as one
     nanosecond or be refused naming the key."""
+    pd = pytest.importorskip("pandas")
     try:
         got = _parquet_round_trip(tmp_path, [{"d": pd.Timedelta(1, "ns")}])
     except TypeError as e:
