@@ -278,9 +278,16 @@ class ColumnBatch(dict):
         return cls({k: column_of([r.get(k) for r in records]) for k in keys}, num_rows=len(records))
 
     def records(self) -> list[dict[str, Any]]:
-        """The rows as dicts (array rows are views into the columns)."""
-        cols = list(dict.items(self))
-        return [{k: row_of(col, i) for k, col in cols} for i in range(self.num_rows)]
+        """The rows as dicts, values as :func:`row_of` gives them (array rows are views
+        into the columns)."""
+        n = self.num_rows
+        if not dict.__len__(self):
+            return [{} for _ in range(n)]
+        keys = list(dict.keys(self))
+        out = [dict(zip(keys, row)) for row in zip(*map(_rows, dict.values(self)))]
+        if len(out) < n:
+            raise IndexError(f"a column of a batch of {n} rows has {len(out)}")
+        return out[:n] if len(out) > n else out
 
     def take(self, rows: Sequence[int] | np.ndarray) -> ColumnBatch:
         """The batch's ``rows``, in that order."""
@@ -354,22 +361,43 @@ def column_of(values: list[Any]) -> Any:
     return list(values)
 
 
+def _python_scalars(dtype: np.dtype) -> bool:
+    """Whether a 1-D array of ``dtype`` holds what records hold as Python scalars: int64,
+    float64 and bool (msgpack's ints, floats and bools). Records hold any other dtype as
+    a numpy value of it (a numpy scalar reads back from msgpack as a 0-d array of its
+    dtype; a Parquet timestamp as a ``datetime64`` of its unit): ``.item()`` would turn a
+    ``datetime64[ns]`` into an int and a ``float16`` into a float."""
+    return dtype.kind == "b" or (dtype.kind in "if" and dtype.itemsize == 8)
+
+
 def row_of(col: Any, i: int) -> Any:
     """Row ``i`` of a column (see :func:`column_of`) as a record holds it: a Python
-    scalar for a 1-D array or tensor, a row otherwise.
+    scalar for a 1-D int64, float64 or bool array or a 1-D tensor, a numpy scalar for a
+    1-D array of another dtype, a row otherwise.
 
     Example:
         >>> row_of(np.array([3, 4]), 1), row_of(Ragged.from_values([b"ab", b"c"]), 1)
         (4, b'c')
+        >>> row_of(np.array([1, 2], "datetime64[ns]"), 0)
+        np.datetime64('1970-01-01T00:00:00.000000001')
     """
     if isinstance(col, Ragged):
         return col[i]
     if isinstance(col, np.ndarray):
-        return col[i] if col.ndim > 1 else col[i].item()
+        return col[i].item() if col.ndim == 1 and _python_scalars(col.dtype) else col[i]
     if hasattr(col, "numpy"):  # a tensor after collation
         value = col[i]
         return value if value.ndim else value.item()
     return col[i]
+
+
+def _rows(col: Any) -> Any:
+    """Every row of a column, each as :func:`row_of` gives it, in one step per column."""
+    if isinstance(col, np.ndarray):
+        return col.tolist() if col.ndim == 1 and _python_scalars(col.dtype) else list(col)
+    if hasattr(col, "numpy"):  # a tensor after collation
+        return col.tolist() if col.ndim == 1 else list(col)
+    return col
 
 
 def _take(col: Any, idx: np.ndarray) -> Any:
