@@ -754,9 +754,11 @@ def _temporal_inferred(values: list[Any]) -> Any:
 def _merged(kind: Any) -> tuple[type, ...] | None:
     """The Python (and numpy) types that Arrow's inference writes as a leaf of type
     ``kind`` beside its own values, changing them: a str as binary beside bytes (and
-    bytes as a string), a bool as a number, a numpy float16 as an int; None for none."""
+    bytes as a string), a bool as a number, a numpy float16 as an int, a datetime (a
+    subclass of date) as a date, its time of day dropped; None for none."""
     t = pa.types
     table = (
+        (t.is_date(kind), (dt.datetime,)),
         (t.is_string(kind), (bytes,)),
         (t.is_binary(kind), (str,)),
         (t.is_integer(kind), (bool, np.bool_, np.floating)),
