@@ -423,8 +423,9 @@ def _exact(value: Any, kind: Any) -> Any:
     more dimensions a list of 1-D arrays where ``kind`` has a list of lists, each array
     checked against its place (:func:`_check_array`) and each value in a leaf of a type
     :func:`_takes` knows of a type it takes (an int in an integer leaf, bytes in a binary
-    one), at any depth; else a TypeError (a ValueError for a Python datetime, time or
-    timedelta its temporal leaf would truncate, see :func:`_python_step`).
+    one), at any depth; else a TypeError (a set too, see :func:`_unordered`; a ValueError
+    for a Python datetime, time or timedelta its temporal leaf would truncate, see
+    :func:`_python_step`).
 
     Example:
         >>> import pyarrow as pa
@@ -440,6 +441,8 @@ def _exact(value: Any, kind: Any) -> Any:
         if value.ndim > 1 and _is_matrix(kind):
             inner = kind.value_type
             return [_exact(v, inner) for v in value] if _is_matrix(inner) else list(value)
+    elif isinstance(value, (set, frozenset)):
+        _unordered((value,))
     elif isinstance(value, (list, tuple)) and _is_list(kind):
         inner = kind.value_type
         allowed = _takes(inner)
@@ -769,7 +772,8 @@ def _merged(kind: Any) -> tuple[type, ...] | None:
 
 def _check_inferred(values: Iterable[Any], kind: Any) -> None:
     """A TypeError where Arrow inferred type ``kind`` for Python ``values`` by changing
-    some of their leaves to another type (see :func:`_merged`), at any depth.
+    some of their leaves to another type (see :func:`_merged`), or a set to a list (in
+    its iteration order, see :func:`_unordered`), at any depth.
 
     Example:
         >>> _check_inferred([["a"], [b"b"]], pa.list_(pa.string()))
@@ -778,6 +782,8 @@ def _check_inferred(values: Iterable[Any], kind: Any) -> None:
         TypeError: it holds bytes beside string values
     """
     if _is_list(kind):
+        values = values if isinstance(values, list) else list(values)
+        _unordered(values)
         lists = (v for v in values if isinstance(v, (list, tuple)))
         _check_inferred(itertools.chain.from_iterable(lists), kind.value_type)
     elif pa.types.is_struct(kind):
@@ -788,6 +794,15 @@ def _check_inferred(values: Iterable[Any], kind: Any) -> None:
         for typ in set(map(type, values)):
             if issubclass(typ, banned):
                 raise TypeError(f"it holds {typ.__name__} beside {kind} values")
+
+
+def _unordered(values: Iterable[Any]) -> None:
+    """A TypeError where one of ``values`` is a set (or frozenset): Arrow writes it as a list
+    in its iteration order (for str, one that changes with ``PYTHONHASHSEED``), so the
+    same records would give different files; :func:`write_array_record` refuses it too."""
+    for typ in set(map(type, values)):
+        if issubclass(typ, (set, frozenset)):
+            raise TypeError(f"it holds a {typ.__name__}, which has no order: write a sorted list")
 
 
 def _check_shape(a: np.ndarray, fixed: tuple[int, ...] = ()) -> None:
