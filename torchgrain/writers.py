@@ -263,9 +263,11 @@ def records_to_table(
         TypeError: a column holds arrays of different dtypes or ranks, a value beside
             arrays that their dtype does not hold exactly or of another shape (the message
             names the record), an int past int64 beside a negative one, past 2**64 or
-            beside floats (the message names the record), a str beside bytes or a bool
-            (or numpy float16) beside numbers that inference would write as the others'
-            type (the message names the records), or a value its ``schema`` type does not
+            beside floats (the message names the record), a str beside bytes, a bool
+            (or numpy float16) beside numbers or a datetime beside dates that inference
+            would write as the others' type, a pandas Timestamp or Timedelta with
+            nanoseconds (inferred as microseconds), a time with a UTC offset or a set
+            (the message names the records), or a value its ``schema`` type does not
             (the message names the column).
 
     Example:
@@ -466,19 +468,22 @@ def _python_step(kind: Any) -> int | None:
     """The nanoseconds of which a Python datetime's or time's time of day, or a
     timedelta, must be a multiple for temporal type ``kind`` to hold it (Arrow truncates
     it to the type's unit without a word: 12:00:00.5 to 12:00:00, noon to a date, a
-    pandas Timestamp's nanoseconds to microseconds); None where every one is held."""
+    pandas Timestamp's nanoseconds to microseconds); None where every one is held (1 for
+    time64[ns]: a time with a UTC offset is not, see :func:`_check_steps`)."""
     t = pa.types
     if t.is_date(kind):
         return 86_400_000_000_000
     if t.is_timestamp(kind) or t.is_duration(kind) or t.is_time(kind):
-        return {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000}.get(kind.unit)
+        step = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000}.get(kind.unit)
+        return 1 if step is None and t.is_time(kind) else step
     return None
 
 
 def _check_steps(values: Iterable[Any], kind: Any, step: int) -> None:
     """A ValueError naming the first Python datetime, time or timedelta of ``values``
     that is no multiple of ``step`` nanoseconds (see :func:`_python_step`; pandas'
-    Timestamp and Timedelta, their subclasses, count their nanoseconds too).
+    Timestamp and Timedelta, their subclasses, count their nanoseconds too), or time
+    with a UTC offset (Arrow writes it as the naive time, the offset dropped).
 
     Example:
         >>> _check_steps([dt.timedelta(seconds=1.5)], pa.duration("s"), 1_000_000_000)
@@ -490,6 +495,8 @@ def _check_steps(values: Iterable[Any], kind: Any, step: int) -> None:
         if isinstance(v, dt.timedelta):
             ns = v // dt.timedelta(microseconds=1) * 1_000 + getattr(v, "nanoseconds", 0)
         elif isinstance(v, (dt.datetime, dt.time)):
+            if isinstance(v, dt.time) and v.utcoffset() is not None:
+                raise ValueError(f"{v!r} has a UTC offset, which a {kind} value does not hold")
             us = ((v.hour * 60 + v.minute) * 60 + v.second) * 1_000_000 + v.microsecond
             ns = us * 1_000 + getattr(v, "nanosecond", 0)
         else:
@@ -794,6 +801,22 @@ def _check_inferred(values: Iterable[Any], kind: Any) -> None:
         for typ in set(map(type, values)):
             if issubclass(typ, banned):
                 raise TypeError(f"it holds {typ.__name__} beside {kind} values")
+    elif (step := _python_step(kind)) is not None:
+        # Arrow infers microseconds for pandas' Timestamp and Timedelta, dropping their
+        # nanoseconds; and a time's UTC offset (Parquet's time holds no zone).
+        values = values if isinstance(values, list) else list(values)
+        if pa.types.is_time(kind) or not set(map(type, values)) <= _EXACT_TEMPORAL:
+            try:
+                _check_steps(values, kind, step)
+            except ValueError as e:
+                why = str(e)
+                if not pa.types.is_time(kind):
+                    why += " (write numpy datetime64 or timedelta64 values of the unit needed)"
+                raise TypeError(why) from None
+
+
+# The types of values Arrow's inference holds exactly in the temporal type it infers.
+_EXACT_TEMPORAL = {type(None), dt.date, dt.datetime, dt.timedelta, np.datetime64, np.timedelta64}
 
 
 def _unordered(values: Iterable[Any]) -> None:
