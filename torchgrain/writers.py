@@ -244,8 +244,9 @@ def records_to_table(
     """Build a ``pyarrow.Table`` from record dicts (the Parquet writer of :func:`convert`).
 
     numpy arrays become (nested) lists of their dtype, so :class:`~torchgrain.ParquetSource`
-    reads 1-D arrays back as arrays of the same dtype; numpy scalars keep their dtype;
-    ``None`` is a null. Lists beside arrays in a column (Python scalars beside numpy
+    reads 1-D arrays back as arrays of the same dtype; numpy scalars keep their dtype (but
+    ``datetime64[s]``: Parquet stores it in milliseconds, exactly, read back as
+    ``datetime64[ms]``); ``None`` is a null. Lists beside arrays in a column (Python scalars beside numpy
     scalars) are written with the arrays' dtype, nulls kept, each item held exactly (not
     1.5 or ``True`` for int16, nor 300 for int8). Other values go through
     ``pyarrow.array``'s inference, except Python ints past int64 (at any depth: in lists,
