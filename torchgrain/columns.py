@@ -356,7 +356,8 @@ def column_of(values: list[Any]) -> Any:
                 return Ragged.from_values(values)
             except UnicodeEncodeError:  # a str UTF-8 cannot hold (os.fsdecode's surrogates)
                 return list(values)
-        if issubclass(kind, np.generic):
+        if issubclass(kind, np.generic) and len({v.dtype for v in values}) == 1:
+            # (datetime64 of two units would be cast to the finer, where a far date wraps)
             return np.array(values)
     return list(values)
 
