@@ -289,7 +289,10 @@ def records_to_table(
     fields += dict.fromkeys(k for r in records for k in r if k not in typed)
     arrays = []
     for i, f in enumerate(fields):
-        k = f if isinstance(f, str) else f.name
+        k = f.name if isinstance(f, pa.Field) else f
+        if not isinstance(k, str):
+            at = next(j for j, r in enumerate(records, first) if k in r)
+            raise TypeError(f"record keys must be str, got {k!r} (record {at})")
         values = [r.get(k) for r in records]
         try:
             arrays.append(
