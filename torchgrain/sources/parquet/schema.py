@@ -24,7 +24,8 @@ def _value_type(t: pa.DataType) -> pa.DataType:
 
 def _decoded(t: pa.DataType) -> pa.DataType:
     """``t`` with each dictionary type in it (at any depth: list items, struct fields,
-    map keys and items) its value type, as :func:`arrow_type_name` names it.
+    map keys and items) its value type, as :func:`arrow_type_name` names it, and each
+    string or binary view type the large string or binary type.
 
     Example:
         >>> import pyarrow as pa
@@ -33,6 +34,8 @@ def _decoded(t: pa.DataType) -> pa.DataType:
     """
     if pa.types.is_dictionary(t):
         return _decoded(t.value_type)
+    if t.id in _VIEWS:  # (Arrow has no take of a view type: read as the large type)
+        return _VIEWS[t.id]
     if is_list_type(t):
         field = t.value_field.with_type(_decoded(t.value_type))
         if pa.types.is_large_list(t):
@@ -47,6 +50,16 @@ def _decoded(t: pa.DataType) -> pa.DataType:
             keys_sorted=t.keys_sorted,
         )
     return t
+
+
+_VIEWS = {
+    view().id: large()
+    for view, large in (
+        (getattr(pa, "string_view", None), pa.large_string),
+        (getattr(pa, "binary_view", None), pa.large_binary),
+    )
+    if view is not None  # (pyarrow 16+)
+}
 
 
 def merge_types(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
