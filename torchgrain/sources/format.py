@@ -34,7 +34,15 @@ from torchgrain.sources.base import ShardedSource, iter_in_blocks
 from torchgrain.sources.cache_fit import listed_sizes
 from torchgrain.sources.options import ReadOptions
 
-__all__ = ["FormatSource", "ReadsByteRanges", "ShardFile", "ShardFormat", "ShardReader"]
+__all__ = [
+    "FormatSource",
+    "IndexesShards",
+    "ReadsByteRanges",
+    "ShardCounts",
+    "ShardFile",
+    "ShardFormat",
+    "ShardReader",
+]
 
 T = TypeVar("T")
 
@@ -222,6 +230,29 @@ class ShardFormat(Protocol):
         ...
 
 
+@runtime_checkable
+class ShardCounts(Protocol):
+    """What :meth:`IndexesShards.index_shards` gives: each shard's record count and size in
+    bytes (int64 arrays, one entry per shard, in dataset order)."""
+
+    counts: np.ndarray
+    sizes: np.ndarray
+
+
+@runtime_checkable
+class IndexesShards(Protocol):
+    """What a :class:`ShardFormat` adds when it counts and sizes all its shards at once,
+    without opening each (an index built once per machine, a manifest): a dataset of
+    10,000 files then opens a shard only to read it, and a reader's count that differs
+    from the index's is a :class:`~torchgrain.CorruptDataError` (the file changed)."""
+
+    def index_shards(
+        self, files: Sequence[str], filesystem: fsspec.AbstractFileSystem, options: ReadOptions
+    ) -> ShardCounts:
+        """The counts and sizes of ``files`` (on ``filesystem``, read as ``options`` say)."""
+        ...
+
+
 class _Shard:
     """A format's reader of one shard, the file it reads and its record count. Closed once
     no read uses it: the reader LRU may let it go while another thread reads it."""
@@ -323,13 +354,21 @@ class FormatSource(ShardedSource):
         if fmt is None:
             raise TypeError("FormatSource needs a format= (or a subclass's format attribute)")
         self.format = fmt  # type: ignore[misc]
+        self._schema: dict[str, str] | None = None
         opts = ReadOptions.build(options, read_options)
         retry = opts.retry_policy
         fs, files = opts._expand(paths, fmt.suffixes, fmt.name)
         where = None if is_local(fs) else fs
+        if isinstance(fmt, IndexesShards):  # counted and sized without opening a shard
+            with using(retry):
+                got = fmt.index_shards(files, fs, opts)
+            sizes = dict(enumerate(np.asarray(got.sizes).tolist()))
+            self._init_shards(
+                filesystem=fs, paths=files, counts=got.counts, options=opts, sizes=sizes
+            )
+            return
         with using(retry):  # the open-time requests keep to its deadlines
             listed = listed_sizes(fs, files) if where is not None else {}
-        self._schema: dict[str, str] | None = None
         # The readers opened to count are kept for the reads, as many as the reader LRU
         # holds (none when a remote shard is read through its cached copy).
         limit = (

@@ -69,7 +69,14 @@ from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
 from torchgrain.sources.options import ReadOptions, check_dir_option
 
-__all__ = ["TFRECORD_SUFFIXES", "TFRecordSource", "tfrecord_codec"]
+__all__ = [
+    "TFRECORD_SUFFIXES",
+    "TFRecordFormat",
+    "TFRecordReader",
+    "TFRecordShards",
+    "TFRecordSource",
+    "tfrecord_codec",
+]
 
 TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords")
 # Block-shuffle blocks: runs of consecutive records of about this many bytes.
@@ -124,27 +131,23 @@ class TFRecordSource(EncodedSource):
         **read_options: Any,
     ) -> None:
         opts = ReadOptions.build(options, read_options)
-        index_dir = check_dir_option("index_dir", index_dir)
-        self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
-        retry = opts.retry_policy
+        fmt = self.format = TFRecordFormat(
+            codec,
+            index_dir=index_dir,
+            max_record_bytes=max_record_bytes,
+            verify=opts.verify_or(True),
+        )
+        self.max_record_bytes, self._verify = fmt.max_record_bytes, fmt.verify
         fs, files = opts._expand(paths, TFRECORD_SUFFIXES, "TFRecord")
-        if index_dir is ...:
-            index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
-        self._verify = opts.verify_or(True)
-        self._compressed = np.array([resolve_compression(f, None) != "" for f in files])
-        self._compressed.setflags(write=False)
-        with using(retry):
-            self._tfindex, infos, self._ctimes = _dataset_index(
-                fs,
-                files,
-                index_dir,
-                retry,
-                self._compressed,
-                max_record_bytes,
-                lock_wait=None if opts.retry is None else opts.retry.deadline,
-            )
+        with using(opts.retry_policy):
+            shards = fmt.index_shards(files, fs, opts)
+        self._tfindex, self._ctimes, self._compressed = (
+            shards.index,
+            shards.ctimes,
+            shards.compressed,
+        )
         # What tells each remote file's version apart, as the index was built from it.
-        self._versions = None if is_local(fs) else infos
+        self._versions = None if is_local(fs) else shards.infos
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # A local reader is a memory map, which holds a file descriptor; remote
@@ -153,20 +156,14 @@ class TFRecordSource(EncodedSource):
         self._init_shards(
             filesystem=fs,
             paths=files,
-            counts=self._tfindex.counts,
+            counts=shards.counts,
             options=opts,
             cache_bytes=0,  # nothing to decompress: a record is a byte range
             max_open_files=max_open_files,
             # The index holds each file's size: a pass's cache-fit check asks for none.
-            sizes=dict(enumerate(self._tfindex.file_size.tolist())),
+            sizes=dict(enumerate(shards.sizes.tolist())),
         )
-        with using(retry):
-            if isinstance(codec, str) and codec == "auto":
-                codec = tfrecord_codec(files, fs, max_record_bytes)
-            elif isinstance(codec, str) and codec == "tf_example":
-                # TFDS output: decode per its features.json (images, shapes, scalars).
-                codec = tfds_codec_for(files, fs) or codec
-            self.codec: Codec = get_codec(codec)
+        self.codec: Codec = fmt.codec  # type: ignore[assignment]
 
     # ------------------------------------------------------------ the contract
     def _node_index(self) -> Any:
@@ -188,12 +185,7 @@ class TFRecordSource(EncodedSource):
         return None if self._versions is None else tuple(self._versions[shard])
 
     def _check_readable(self, shard: int, index: int) -> None:
-        if self._compressed[shard]:
-            raise CorruptDataError(
-                f"TFRecord shard {shard} {self._paths[shard]!r} is compressed and can only be "
-                f"read in order, not by index (record index {index}); decompress it, or "
-                "convert the dataset: torchgrain convert SRC DST"
-            )
+        self.format.check_readable(shard, self._paths[shard], index)
 
     def block_offsets(self) -> np.ndarray:
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
@@ -284,33 +276,7 @@ class TFRecordSource(EncodedSource):
         return region or None
 
     def _frames(self, shard: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> tuple[Any, Any]:
-        """Where the records at ``rows`` of ``shard`` lie in their files (``first``,
-        ``last``), checked against the files' sizes and ``max_record_bytes`` (offsets
-        come from an index file: untrusted)."""
-        entry = self._tfindex.base[shard] + rows
-        first, last = self._tfindex.offsets[entry], self._tfindex.offsets[entry + 1]
-        size = self._tfindex.file_size[shard]
-        # A frame is >= 16 bytes: every byte read below lies inside its file.
-        bad = (first < 0) | (last - first < 16) | (last > size)
-        if bad.any():
-            k = int(np.flatnonzero(bad)[0])
-            s, where = int(shard[k]), self._tfindex.path
-            raise CorruptDataError(
-                f"TFRecord shard {s} {self._paths[s]!r}: the dataset's index "
-                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
-                f"[{int(first[k])}, {int(last[k])}) of a {int(size[k])}-byte file (record "
-                f"index {int(idx[k])}); the index is damaged (delete it to have it rebuilt)"
-            )
-        lengths = last - first - 16
-        if int(lengths.max()) > self.max_record_bytes:
-            k = int(np.argmax(lengths))
-            raise CorruptDataError(
-                f"TFRecord shard {int(shard[k])} {self._paths[int(shard[k])]!r}: record "
-                f"{int(rows[k])} is {int(lengths[k])} bytes long, more than max_record_bytes="
-                f"{self.max_record_bytes} allows (record index {int(idx[k])}; a larger "
-                "max_record_bytes reads it, if the file is trusted)"
-            )
-        return first, last
+        return self.format.frames(shard, rows, idx, self._paths)
 
     def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
         # Local files: one gather over one map of every file for the batch's headers and
@@ -415,15 +381,180 @@ class TFRecordSource(EncodedSource):
             return [view[s:e] for s, e in zip(starts, ends)]
 
         frames = self._io(read, shard, f"range read of shard {shard} (record index {index})")
-        return [
-            parse_frame(f, name=name, offset=s, verify=self._verify) for f, s in zip(frames, starts)
-        ]
+        return self.format.parse(frames, starts, name)
 
     def __repr__(self) -> str:
         return (
             f"TFRecordSource(num_records={len(self)}, num_shards={self.num_shards}, "
             f"codec={self.codec.name!r})"
         )
+
+
+class TFRecordShards:
+    """The files of a TFRecord dataset as :meth:`TFRecordFormat.index_shards` found them
+    (a :class:`~torchgrain.sources.format.ShardCounts`): the node-shared offsets
+    ``index``, each file's ``(size, version stamp)`` (``infos``), each local file's change
+    time (``ctimes``, None for remote files) and which are gzip/zlib streams
+    (``compressed``)."""
+
+    def __init__(self, index: TFRecordIndex, infos: list, ctimes: Any, compressed: Any) -> None:
+        self.index, self.infos, self.ctimes, self.compressed = index, infos, ctimes, compressed
+
+    counts = property(lambda self: self.index.counts, doc="Records per file (int64).")
+    sizes = property(lambda self: self.index.file_size, doc="Bytes per file (int64).")
+
+
+class TFRecordFormat:
+    """The TFRecord format (a :class:`~torchgrain.sources.ShardFormat`): all its files
+    counted and sized at once from the dataset's offsets index, built once per machine
+    (:class:`~torchgrain.sources.format.IndexesShards`), and each record one byte range
+    of its file (its readers are :class:`~torchgrain.sources.ReadsByteRanges`): a remote
+    batch is fetched across its files at once. ``codec``, ``index_dir`` and
+    ``max_record_bytes`` are :class:`TFRecordSource`'s; ``verify`` checks both CRCs of
+    every record read. :class:`TFRecordSource` is the source over it with a faster local
+    path (every local file in one map).
+
+    Example:
+        >>> import os, tempfile, torchgrain as tg
+        >>> from torchgrain.formats.tfrecord import write_tfrecord
+        >>> d = tempfile.mkdtemp()
+        >>> _ = write_tfrecord([b"a", b"bc", b"d"], os.path.join(d, "x.tfrecord"))
+        >>> src = tg.FormatSource(d, format=TFRecordFormat("raw", index_dir=None))
+        >>> len(src), src.__getitems__([2, 0])
+        (3, [{'bytes': b'd'}, {'bytes': b'a'}])
+    """
+
+    name = "TFRecord"
+    suffixes = TFRECORD_SUFFIXES
+
+    def __init__(
+        self,
+        codec: str | Codec = "auto",
+        *,
+        index_dir: str | os.PathLike | type[Ellipsis] | None = ...,
+        max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+        verify: bool = True,
+    ) -> None:
+        index_dir = check_dir_option("index_dir", index_dir)
+        self.max_record_bytes = check_ceiling("max_record_bytes", max_record_bytes, 0)
+        if index_dir is ...:
+            index_dir = os.path.join(default_cache_dir(), "tfrecord-index")
+        self.index_dir, self.verify = index_dir, verify
+        #: The codec (a name until :meth:`index_shards` resolves it).
+        self.codec: str | Codec = codec
+        self.shards: TFRecordShards | None = None
+
+    def index_shards(
+        self, files: Sequence[str], filesystem: fsspec.AbstractFileSystem, options: ReadOptions
+    ) -> TFRecordShards:
+        """The dataset's offsets index of ``files`` (mapped from ``index_dir`` when this
+        machine built it for these very files, else built), and the codec resolved."""
+        files = list(files)
+        compressed = np.array([resolve_compression(f, None) != "" for f in files])
+        compressed.setflags(write=False)
+        index, infos, ctimes = _dataset_index(
+            filesystem,
+            files,
+            self.index_dir,
+            options.retry_policy,
+            compressed,
+            self.max_record_bytes,
+            lock_wait=None if options.retry is None else options.retry.deadline,
+        )
+        self.shards = TFRecordShards(index, infos, ctimes, compressed)
+        codec = self.codec
+        if isinstance(codec, str) and codec == "auto":
+            codec = tfrecord_codec(files, filesystem, self.max_record_bytes)
+        elif isinstance(codec, str) and codec == "tf_example":
+            # TFDS output: decode per its features.json (images, shapes, scalars).
+            codec = tfds_codec_for(files, filesystem) or codec
+        self.codec = get_codec(codec)
+        return self.shards
+
+    def open(self, file: ShardFile) -> TFRecordReader:
+        return TFRecordReader(self, file)
+
+    def check_readable(self, shard: int, path: str, index: int) -> None:
+        """Refuse random access to a compressed file (record ``index`` asked of it)."""
+        if self.shards is not None and self.shards.compressed[shard]:
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {path!r} is compressed and can only be read in "
+                f"order, not by index (record index {index}); decompress it, or convert the "
+                "dataset: torchgrain convert SRC DST"
+            )
+
+    def frames(
+        self, shard: np.ndarray, rows: np.ndarray, idx: np.ndarray, paths: Sequence[str]
+    ) -> tuple[Any, Any]:
+        """Where the records at ``rows`` of ``shard`` (global indices ``idx``; files
+        ``paths``) lie in their files (``first``, ``last``), checked against the files'
+        sizes and ``max_record_bytes`` (offsets come from an index file: untrusted)."""
+        ix = self.shards.index  # type: ignore[union-attr]
+        entry = ix.base[shard] + rows
+        first, last = ix.offsets[entry], ix.offsets[entry + 1]
+        size = ix.file_size[shard]
+        # A frame is >= 16 bytes: every byte read below lies inside its file.
+        bad = (first < 0) | (last - first < 16) | (last > size)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            s, where = int(shard[k]), ix.path
+            raise CorruptDataError(
+                f"TFRecord shard {s} {paths[s]!r}: the dataset's index "
+                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
+                f"[{int(first[k])}, {int(last[k])}) of a {int(size[k])}-byte file (record "
+                f"index {int(idx[k])}); the index is damaged (delete it to have it rebuilt)"
+            )
+        lengths = last - first - 16
+        if int(lengths.max()) > self.max_record_bytes:
+            k = int(np.argmax(lengths))
+            raise CorruptDataError(
+                f"TFRecord shard {int(shard[k])} {paths[int(shard[k])]!r}: record "
+                f"{int(rows[k])} is {int(lengths[k])} bytes long, more than max_record_bytes="
+                f"{self.max_record_bytes} allows (record index {int(idx[k])}; a larger "
+                "max_record_bytes reads it, if the file is trusted)"
+            )
+        return first, last
+
+    def parse(self, frames: Iterable[Any], starts: Iterable[int], path: str) -> list[bytes]:
+        """The records of ``frames`` (read from byte ``starts`` of ``path``), CRCs checked."""
+        return [
+            parse_frame(f, name=path, offset=s, verify=self.verify) for f, s in zip(frames, starts)
+        ]
+
+
+class TFRecordReader:
+    """One TFRecord file opened by :class:`TFRecordFormat`: a
+    :class:`~torchgrain.sources.ShardReader` whose records are byte ranges
+    (:class:`~torchgrain.sources.ReadsByteRanges`) found in the dataset's index."""
+
+    def __init__(self, fmt: TFRecordFormat, file: ShardFile) -> None:
+        self.format, self.file, self.shard = fmt, file, file.shard
+        self.count = int(fmt.shards.counts[file.shard])  # type: ignore[union-attr]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _frames(self, rows: np.ndarray) -> tuple[Any, Any]:
+        k, ix = self.shard, self.format.shards.index  # type: ignore[union-attr]
+        index = int(ix.rec_base[k]) + rows
+        self.format.check_readable(k, self.file.path, int(index[0]) if len(rows) else 0)
+        return self.format.frames(np.full(len(rows), k), rows, index, {k: self.file.path})
+
+    def byte_ranges(self, rows: np.ndarray) -> list[tuple[int, int]]:
+        first, last = self._frames(rows)
+        return list(zip(first.tolist(), last.tolist()))
+
+    def decode(self, rows: np.ndarray, chunks: list[memoryview]) -> list[dict[str, Any]]:
+        starts = self._frames(rows)[0].tolist()
+        codec: Any = self.format.codec
+        return [codec.decode(r) for r in self.format.parse(chunks, starts, self.file.path)]
+
+    def read(self, rows: np.ndarray) -> list[dict[str, Any]]:
+        ranges = self.byte_ranges(rows)
+        return self.decode(rows, self.file.read_ranges(ranges, max_bytes=1 << 62))
+
+    def close(self) -> None:
+        pass
 
 
 def _mask(crcs: np.ndarray) -> np.ndarray:
