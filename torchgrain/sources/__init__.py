@@ -32,7 +32,9 @@ from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.column import read_column
 from torchgrain.sources.format import (
     FormatSource,
+    IndexesShards,
     ReadsByteRanges,
+    ShardCounts,
     ShardFile,
     ShardFormat,
     ShardReader,
@@ -50,21 +52,24 @@ from torchgrain.sources.registry import (
     output_formats,
     register_format,
 )
-from torchgrain.sources.tfrecord import TFRecordSource
+from torchgrain.sources.tfrecord import TFRecordFormat, TFRecordSource
 
 __all__ = [
     "ArrayRecordSource",
     "Format",
     "FormatSource",
+    "IndexesShards",
     "ParquetSource",
     "ReadOptions",
     "ReadsByteRanges",
+    "ShardCounts",
     "ShardFile",
     "ShardFormat",
     "ShardIndex",
     "ShardReader",
     "ShardedSource",
     "Source",
+    "TFRecordFormat",
     "TFRecordSource",
     "detect_format",
     "formats",

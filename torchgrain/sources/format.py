@@ -13,6 +13,7 @@ pinned to its version), never through fsspec itself. docs/sources.md has a compl
 
 from __future__ import annotations
 
+import copy
 import operator
 import os
 import threading
@@ -244,7 +245,8 @@ class IndexesShards(Protocol):
     """What a :class:`ShardFormat` adds when it counts and sizes all its shards at once,
     without opening each (an index built once per machine, a manifest): a dataset of
     10,000 files then opens a shard only to read it, and a reader's count that differs
-    from the index's is a :class:`~torchgrain.CorruptDataError` (the file changed)."""
+    from the index's is a :class:`~torchgrain.CorruptDataError` (the file changed). Each
+    :class:`FormatSource` indexes a copy of the format (what it keeps is that source's)."""
 
     def index_shards(
         self, files: Sequence[str], filesystem: fsspec.AbstractFileSystem, options: ReadOptions
@@ -360,6 +362,8 @@ class FormatSource(ShardedSource):
         fs, files = opts._expand(paths, fmt.suffixes, fmt.name)
         where = None if is_local(fs) else fs
         if isinstance(fmt, IndexesShards):  # counted and sized without opening a shard
+            # (a copy: the index it keeps is this source's, whoever else uses the format)
+            fmt = self.format = copy.copy(fmt)  # type: ignore[misc]
             with using(retry):
                 got = fmt.index_shards(files, fs, opts)
             sizes = dict(enumerate(np.asarray(got.sizes).tolist()))

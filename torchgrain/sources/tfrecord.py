@@ -391,8 +391,8 @@ class TFRecordSource(EncodedSource):
 
 
 class TFRecordShards:
-    """The files of a TFRecord dataset as :meth:`TFRecordFormat.index_shards` found them
-    (a :class:`~torchgrain.sources.format.ShardCounts`): the node-shared offsets
+    """The files of a TFRecord dataset as :meth:`~torchgrain.sources.TFRecordFormat.index_shards` found them
+    (a :class:`~torchgrain.sources.ShardCounts`): the node-shared offsets
     ``index``, each file's ``(size, version stamp)`` (``infos``), each local file's change
     time (``ctimes``, None for remote files) and which are gzip/zlib streams
     (``compressed``)."""
@@ -407,11 +407,11 @@ class TFRecordShards:
 class TFRecordFormat:
     """The TFRecord format (a :class:`~torchgrain.sources.ShardFormat`): all its files
     counted and sized at once from the dataset's offsets index, built once per machine
-    (:class:`~torchgrain.sources.format.IndexesShards`), and each record one byte range
+    (:class:`~torchgrain.sources.IndexesShards`), and each record one byte range
     of its file (its readers are :class:`~torchgrain.sources.ReadsByteRanges`): a remote
     batch is fetched across its files at once. ``codec``, ``index_dir`` and
-    ``max_record_bytes`` are :class:`TFRecordSource`'s; ``verify`` checks both CRCs of
-    every record read. :class:`TFRecordSource` is the source over it with a faster local
+    ``max_record_bytes`` are :class:`~torchgrain.sources.TFRecordSource`'s; ``verify`` checks both CRCs of
+    every record read. :class:`~torchgrain.sources.TFRecordSource` is the source over it with a faster local
     path (every local file in one map).
 
     Example:
@@ -447,27 +447,63 @@ class TFRecordFormat:
     def index_shards(
         self, files: Sequence[str], filesystem: fsspec.AbstractFileSystem, options: ReadOptions
     ) -> TFRecordShards:
-        """The dataset's offsets index of ``files`` (mapped from ``index_dir`` when this
-        machine built it for these very files, else built), and the codec resolved."""
-        files = list(files)
+        """The dataset's offsets index of ``files``, mapped from ``index_dir`` when this
+        machine built it for these very files (sizes and versions), else built from each
+        file's offsets (kept per file in ``index_dir`` when they are there and sound,
+        else walked; a compressed file has no offsets, records of a stream are only
+        counted: what is kept of it is its count); and the codec resolved."""
+        fs, files, index_dir, retry = filesystem, list(files), self.index_dir, options.retry_policy
         compressed = np.array([resolve_compression(f, None) != "" for f in files])
         compressed.setflags(write=False)
-        index, infos, ctimes = _dataset_index(
-            filesystem,
+        remote = not is_local(fs)
+        got = map_files(
+            lambda i: _size_and_stamp(fs, files[i], i, remote),
+            len(files),
+            max_workers=16 if remote else 1,
+        )
+        infos = [(size, stamp) for size, stamp, _ in got]
+        ctimes = None  # each local file's change time, taken with its size
+        if not remote:
+            ctimes = np.array([ctime for _, _, ctime in got], np.int64)
+            ctimes.setflags(write=False)
+
+        def offsets_of(i: int) -> Iterable[np.ndarray]:
+            """File ``i``'s offsets in chunks, or its count (``[n]``) when compressed."""
+            path, (size, stamp), count = files[i], infos[i], bool(compressed[i])
+            stamp += "\0count" if count else ""
+            key, kept = _entry_key(path, size, stamp), _cache_file(index_dir, path, size, stamp)
+            got = _read_kept(kept, size, key, count)
+            if got is not None:
+                return got
+            walked: Iterable[np.ndarray]
+            if count:
+                records = iter_tfrecord(
+                    path, filesystem=fs if remote else None, max_record_bytes=self.max_record_bytes
+                )
+                walked = [np.array([sum(1 for _ in records)], dtype=np.int64)]
+            elif remote:
+                walked = _remote_walk(path, fs, size, retry)
+            else:
+                # The size the index records: a file appended to meanwhile is indexed as
+                # it was when its size was read.
+                walked = iter_tfrecord_offsets(path, size=size)
+            return walked if kept is None else _keeping(kept, key, walked)
+
+        index = tfrecord_index(
             files,
-            self.index_dir,
-            options.retry_policy,
+            infos,
+            offsets_of,
             compressed,
-            self.max_record_bytes,
+            index_dir=None if index_dir is None else os.fspath(index_dir),
             lock_wait=None if options.retry is None else options.retry.deadline,
         )
         self.shards = TFRecordShards(index, infos, ctimes, compressed)
         codec = self.codec
         if isinstance(codec, str) and codec == "auto":
-            codec = tfrecord_codec(files, filesystem, self.max_record_bytes)
+            codec = tfrecord_codec(files, fs, self.max_record_bytes)
         elif isinstance(codec, str) and codec == "tf_example":
             # TFDS output: decode per its features.json (images, shapes, scalars).
-            codec = tfds_codec_for(files, filesystem) or codec
+            codec = tfds_codec_for(files, fs) or codec
         self.codec = get_codec(codec)
         return self.shards
 
@@ -523,7 +559,7 @@ class TFRecordFormat:
 
 
 class TFRecordReader:
-    """One TFRecord file opened by :class:`TFRecordFormat`: a
+    """One TFRecord file opened by :class:`~torchgrain.sources.TFRecordFormat`: a
     :class:`~torchgrain.sources.ShardReader` whose records are byte ranges
     (:class:`~torchgrain.sources.ReadsByteRanges`) found in the dataset's index."""
 
@@ -613,66 +649,6 @@ def tfrecord_codec(
 
 
 # ------------------------------------------------------------------ offset index
-def _dataset_index(
-    fs: fsspec.AbstractFileSystem,
-    files: list[str],
-    index_dir: str | os.PathLike | None,
-    retry: RetryPolicy,
-    compressed: np.ndarray,
-    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
-    lock_wait: float | None = None,
-) -> tuple[TFRecordIndex, list[tuple[int, str]], np.ndarray | None]:
-    """The dataset's index, each file's ``(size, version stamp)`` it was built for, and
-    each local file's change time (``st_ctime_ns``, taken with its size: None for remote
-    files): mapped from ``index_dir`` when this machine has built it for these very
-    files (sizes and versions), else built from each file's offsets (kept per file in
-    ``index_dir`` when they are there and sound, else walked). A compressed file has no
-    offsets (records of a stream are only counted): what is kept of it is its count."""
-    remote = not is_local(fs)
-    got = map_files(
-        lambda i: _size_and_stamp(fs, files[i], i, remote),
-        len(files),
-        max_workers=16 if remote else 1,
-    )
-    infos = [(size, stamp) for size, stamp, _ in got]
-    ctimes = None
-    if not remote:
-        ctimes = np.array([ctime for _, _, ctime in got], np.int64)
-        ctimes.setflags(write=False)
-
-    def offsets_of(i: int) -> Iterable[np.ndarray]:
-        """File ``i``'s offsets in chunks, or its count (``[n]``) when compressed."""
-        path, (size, stamp), count = files[i], infos[i], bool(compressed[i])
-        stamp += "\0count" if count else ""
-        key, kept = _entry_key(path, size, stamp), _cache_file(index_dir, path, size, stamp)
-        got = _read_kept(kept, size, key, count)
-        if got is not None:
-            return got
-        walked: Iterable[np.ndarray]
-        if count:
-            records = iter_tfrecord(
-                path, filesystem=fs if remote else None, max_record_bytes=max_record_bytes
-            )
-            walked = [np.array([sum(1 for _ in records)], dtype=np.int64)]
-        elif remote:
-            walked = _remote_walk(path, fs, size, retry)
-        else:
-            # The size the index records: a file appended to meanwhile is indexed as
-            # it was when its size was read.
-            walked = iter_tfrecord_offsets(path, size=size)
-        return walked if kept is None else _keeping(kept, key, walked)
-
-    index = tfrecord_index(
-        files,
-        infos,
-        offsets_of,
-        compressed,
-        index_dir=None if index_dir is None else os.fspath(index_dir),
-        lock_wait=lock_wait,
-    )
-    return index, infos, ctimes
-
-
 def _size_and_stamp(
     fs: fsspec.AbstractFileSystem, path: str, shard: int, remote: bool
 ) -> tuple[int, str, int]:
