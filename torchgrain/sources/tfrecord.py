@@ -147,7 +147,7 @@ class TFRecordSource(EncodedSource):
             shards.compressed,
         )
         # What tells each remote file's version apart, as the index was built from it.
-        self._versions = None if is_local(fs) else shards.infos
+        self._versions = shards.infos
         max_open_files = opts.max_open_files
         if max_open_files == "auto":
             # A local reader is a memory map, which holds a file descriptor; remote
@@ -391,11 +391,12 @@ class TFRecordSource(EncodedSource):
 
 
 class TFRecordShards:
-    """The files of a TFRecord dataset as :meth:`~torchgrain.sources.TFRecordFormat.index_shards` found them
-    (a :class:`~torchgrain.sources.ShardCounts`): the node-shared offsets
-    ``index``, each file's ``(size, version stamp)`` (``infos``), each local file's change
-    time (``ctimes``, None for remote files) and which are gzip/zlib streams
-    (``compressed``)."""
+    """The files of a TFRecord dataset as
+    :meth:`~torchgrain.sources.TFRecordFormat.index_shards` found them (a
+    :class:`~torchgrain.sources.ShardCounts`): the node-shared offsets ``index``, each
+    remote file's ``(size, version stamp)`` (``infos``, None for local files: a pickle
+    carries nothing per file for them), each local file's change time (``ctimes``, None
+    for remote files) and which are gzip/zlib streams (``compressed``)."""
 
     def __init__(self, index: TFRecordIndex, infos: list, ctimes: Any, compressed: Any) -> None:
         self.index, self.infos, self.ctimes, self.compressed = index, infos, ctimes, compressed
@@ -407,12 +408,12 @@ class TFRecordShards:
 class TFRecordFormat:
     """The TFRecord format (a :class:`~torchgrain.sources.ShardFormat`): all its files
     counted and sized at once from the dataset's offsets index, built once per machine
-    (:class:`~torchgrain.sources.IndexesShards`), and each record one byte range
-    of its file (its readers are :class:`~torchgrain.sources.ReadsByteRanges`): a remote
-    batch is fetched across its files at once. ``codec``, ``index_dir`` and
-    ``max_record_bytes`` are :class:`~torchgrain.sources.TFRecordSource`'s; ``verify`` checks both CRCs of
-    every record read. :class:`~torchgrain.sources.TFRecordSource` is the source over it with a faster local
-    path (every local file in one map).
+    (:class:`~torchgrain.sources.IndexesShards`), and each record one byte range of its
+    file (its readers are :class:`~torchgrain.sources.ReadsByteRanges`): a remote batch
+    is fetched across its files at once. ``codec``, ``index_dir`` and
+    ``max_record_bytes`` are :class:`~torchgrain.sources.TFRecordSource`'s; ``verify``
+    checks both CRCs of every record read. ``TFRecordSource`` is the source over it with
+    a faster local path (every local file in one map).
 
     Example:
         >>> import os, tempfile, torchgrain as tg
@@ -497,7 +498,7 @@ class TFRecordFormat:
             index_dir=None if index_dir is None else os.fspath(index_dir),
             lock_wait=None if options.retry is None else options.retry.deadline,
         )
-        self.shards = TFRecordShards(index, infos, ctimes, compressed)
+        self.shards = TFRecordShards(index, infos if remote else None, ctimes, compressed)
         codec = self.codec
         if isinstance(codec, str) and codec == "auto":
             codec = tfrecord_codec(files, fs, self.max_record_bytes)
