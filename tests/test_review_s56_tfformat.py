@@ -26,8 +26,7 @@ def _replace_same_size(root) -> None:
     sound CRCs, a new change time."""
     before = os.stat(root / "p0.tfrecord")
     time.sleep(0.01)
-    _write_one = [f"X0_{i}".encode() * (1 + i) for i in range(4)]
-    write_tfrecord(_write_one, str(root / "p0.tfrecord"))
+    write_tfrecord([f"X0_{i}".encode() * (1 + i) for i in range(4)], str(root / "p0.tfrecord"))
     after = os.stat(root / "p0.tfrecord")
     assert after.st_size == before.st_size and after.st_ctime_ns != before.st_ctime_ns
 
@@ -63,3 +62,66 @@ def test_format_source_refuses_a_local_file_replaced_after_opening(tmp_path, ind
     _replace_same_size(tmp_path / "d")
     with pytest.raises(CorruptDataError, match=r"shard 0 .*p0\.tfrecord.*changed"):
         src.__getitems__([1])
+
+
+_TRUNCATED_INDEX = r"""
+import glob, os, sys
+import torchgrain as tg
+from torchgrain.sources.tfrecord import TFRecordSource
+
+d, ix, kind, warm = sys.argv[1:5]
+if kind == "format":
+    from torchgrain.sources.tfrecord import TFRecordFormat
+
+    src = tg.FormatSource(d, format=TFRecordFormat("raw", index_dir=ix))
+else:
+    src = TFRecordSource(d, codec="raw", index_dir=ix)
+if warm == "1":
+    src.__getitems__([0, 5, 11])
+(main,) = glob.glob(os.path.join(ix, "tfrecord-*.tgindex"))
+os.truncate(main, 0)
+try:
+    src.__getitems__([1, 6, 10])
+except Exception as e:
+    print("REFUSED", type(e).__name__, e)
+else:
+    print("READ")
+"""
+
+
+def _read_after_truncating_the_index(tmp_path, kind: str, warm: bool):
+    import subprocess
+    import sys
+
+    _write(tmp_path / "d", "r")
+    args = [str(tmp_path / "d"), str(tmp_path / "ix"), kind, "1" if warm else "0"]
+    return subprocess.run(
+        [sys.executable, "-c", _TRUNCATED_INDEX, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_tfrecord_source_refuses_reads_once_its_index_file_is_truncated(tmp_path, warm):
+    """TFRecordSource: the node-shared index file truncated under a running job (its map
+    no longer backed) is refused as changed while open; the process lives on."""
+    got = _read_after_truncating_the_index(tmp_path, "source", warm)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "REFUSED ChangedWhileOpen" in got.stdout and "changed while open" in got.stdout
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FormatSource over TFRecordFormat reads the mapped index without checking it "
+    "unchanged: a truncated index file kills the process with SIGBUS",
+)
+@pytest.mark.parametrize("warm", [False, True])
+def test_format_source_refuses_reads_once_its_index_file_is_truncated(tmp_path, warm):
+    """FormatSource(format=TFRecordFormat()) maps the same node-shared index: truncated
+    under a running job, a read must be refused as TFRecordSource refuses it (changed
+    while open), not kill the process with SIGBUS reading the map."""
+    got = _read_after_truncating_the_index(tmp_path, "format", warm)
+    assert got.returncode == 0, (got.returncode, got.stderr[-2000:])
+    assert "REFUSED ChangedWhileOpen" in got.stdout and "changed while open" in got.stdout
