@@ -125,3 +125,47 @@ def test_format_source_refuses_reads_once_its_index_file_is_truncated(tmp_path, 
     got = _read_after_truncating_the_index(tmp_path, "format", warm)
     assert got.returncode == 0, (got.returncode, got.stderr[-2000:])
     assert "REFUSED ChangedWhileOpen" in got.stdout and "changed while open" in got.stdout
+
+
+def _bad_crc(root) -> None:
+    """A byte of record 4's payload (p1's first record) flipped: its data CRC fails."""
+    _write(root, "r")
+    data = bytearray((root / "p1.tfrecord").read_bytes())
+    data[14] ^= 1
+    (root / "p1.tfrecord").write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_tfrecord_source_verifies_as_verify_checksums_says(tmp_path, verify):
+    """TFRecordSource: verify_checksums=False reads a record whose CRC fails as stored,
+    verify_checksums=True refuses it naming the file."""
+    _bad_crc(tmp_path / "d")
+    src = tg.TFRecordSource(tmp_path / "d", codec="raw", index_dir=None, verify_checksums=verify)
+    if verify:
+        with pytest.raises(CorruptDataError, match=r"p1\.tfrecord: data checksum mismatch"):
+            src.__getitems__([4])
+    else:
+        assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FormatSource over TFRecordFormat ignores the verify_checksums read option: "
+    "True reads a record whose CRC fails, False refuses one",
+)
+@pytest.mark.parametrize("verify", [False, True])
+def test_format_source_verifies_as_verify_checksums_says(tmp_path, verify):
+    """FormatSource(format=TFRecordFormat(), verify_checksums=...): the read option that
+    says whether the format's stored checksums are checked is honoured as TFRecordSource
+    honours it (whatever the format object's own default): True must refuse a record
+    whose data CRC fails, False read it as stored."""
+    from torchgrain.sources.tfrecord import TFRecordFormat
+
+    _bad_crc(tmp_path / "d")
+    fmt = TFRecordFormat("raw", index_dir=None, verify=not verify)
+    src = tg.FormatSource(tmp_path / "d", format=fmt, verify_checksums=verify)
+    if verify:
+        with pytest.raises(CorruptDataError, match=r"p1\.tfrecord: data checksum mismatch"):
+            src.__getitems__([4])
+    else:
+        assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
