@@ -10,7 +10,7 @@ import time
 import pytest
 
 import torchgrain as tg
-from torchgrain.errors import CorruptDataError
+from torchgrain.errors import CorruptDataError, RemoteIOError
 from torchgrain.formats.tfrecord import write_tfrecord
 
 
@@ -169,3 +169,30 @@ def test_format_source_verifies_as_verify_checksums_says(tmp_path, verify):
             src.__getitems__([4])
     else:
         assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="TFRecordSource.iter_shard of a remote file reads the replaced version once a "
+    "later opening in the process pinned it (random access refuses it)",
+)
+def test_remote_in_order_read_refuses_a_file_a_later_opening_saw_replaced(tmp_path):
+    """A remote TFRecord file replaced on the server after a source opened it (same size
+    and record lengths), then opened again by a second source in the same process: the
+    first source refuses to read it, in order (iter_shard) as by index (__getitems__),
+    rather than return the new file's records against the index of the first."""
+    from tests.servers import RangeHTTPServer
+
+    _write(tmp_path / "d", "r")
+    with RangeHTTPServer(tmp_path) as srv:
+        urls = [f"{srv.url}/d/p{f}.tfrecord" for f in range(3)]
+        src = tg.TFRecordSource(urls, codec="raw", index_dir=None)
+        time.sleep(1.1)  # a new Last-Modified (whole seconds), so a new ETag
+        write_tfrecord(
+            [f"X1_{i}".encode() * (1 + i) for i in range(4)], str(tmp_path / "d/p1.tfrecord")
+        )
+        tg.TFRecordSource(urls, codec="raw", index_dir=None)  # the later opening
+        with pytest.raises((RemoteIOError, CorruptDataError), match=r"p1\.tfrecord.*(changed|412)"):
+            src.__getitems__([5])
+        with pytest.raises((RemoteIOError, CorruptDataError), match=r"p1\.tfrecord.*(changed|412)"):
+            list(src.iter_shard(1))
