@@ -196,3 +196,28 @@ def test_remote_in_order_read_refuses_a_file_a_later_opening_saw_replaced(tmp_pa
             src.__getitems__([5])
         with pytest.raises((RemoteIOError, CorruptDataError), match=r"p1\.tfrecord.*(changed|412)"):
             list(src.iter_shard(1))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FormatSource over TFRecordFormat refuses to read a gzip TFRecord file in "
+    "order (iter_shard), which TFRecordSource reads",
+)
+def test_format_source_reads_a_compressed_file_in_order(tmp_path):
+    """A gzip TFRecord file is counted and can be read in order (iter_shard), though not
+    by index: FormatSource(format=TFRecordFormat()) reads in order what TFRecordSource
+    reads, and refuses by index what it refuses."""
+    from torchgrain.sources.tfrecord import TFRecordFormat
+
+    d = tmp_path / "d"
+    d.mkdir()
+    recs = [[f"r{f}_{i}".encode() * (1 + i) for i in range(4)] for f in range(2)]
+    for f in range(2):
+        write_tfrecord(recs[f], str(d / f"p{f}.tfrecord.gz"))
+    tf = tg.TFRecordSource(d, codec="raw", index_dir=None)
+    assert [r["bytes"] for r in tf.iter_shard(1)] == recs[1]
+    src = tg.FormatSource(d, format=TFRecordFormat("raw", index_dir=None))
+    assert len(src) == 8
+    with pytest.raises(CorruptDataError, match=r"compressed and can only be read in order"):
+        src.__getitems__([5])
+    assert [r["bytes"] for r in src.iter_shard(1)] == recs[1]
