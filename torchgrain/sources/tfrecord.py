@@ -412,7 +412,8 @@ class TFRecordFormat:
     file (its readers are :class:`~torchgrain.sources.ReadsByteRanges`): a remote batch
     is fetched across its files at once. ``codec``, ``index_dir`` and
     ``max_record_bytes`` are :class:`~torchgrain.sources.TFRecordSource`'s; ``verify``
-    checks both CRCs of every record read. ``TFRecordSource`` is the source over it with
+    checks both CRCs of every record read (a source's ``verify_checksums``, when given,
+    decides instead). ``TFRecordSource`` is the source over it with
     a faster local path (every local file in one map).
 
     Example:
@@ -452,8 +453,10 @@ class TFRecordFormat:
         machine built it for these very files (sizes and versions), else built from each
         file's offsets (kept per file in ``index_dir`` when they are there and sound,
         else walked; a compressed file has no offsets, records of a stream are only
-        counted: what is kept of it is its count); and the codec resolved."""
+        counted: what is kept of it is its count); the codec resolved, and ``verify``
+        set by ``options.verify_checksums`` when given."""
         fs, files, index_dir, retry = filesystem, list(files), self.index_dir, options.retry_policy
+        self.verify = options.verify_or(self.verify)
         compressed = np.array([resolve_compression(f, None) != "" for f in files])
         compressed.setflags(write=False)
         remote = not is_local(fs)
