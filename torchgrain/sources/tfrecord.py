@@ -56,7 +56,7 @@ from torchgrain.formats.tfrecord import (
 from torchgrain.io import process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
-from torchgrain.io.changes import open_regular
+from torchgrain.io.changes import changed_since_opening, open_regular
 from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile
@@ -512,6 +512,13 @@ class TFRecordFormat:
         return self.shards
 
     def open(self, file: ShardFile) -> TFRecordReader:
+        """A reader of ``file``; a local file whose change time is not the one
+        :meth:`index_shards` took is refused
+        (:func:`~torchgrain.io.changes.changed_since_opening`: the index is another
+        file's): the file is pinned now, a change from then on is the pin's to see."""
+        ctimes = self.shards.ctimes if self.shards is not None else None
+        if ctimes is not None and os.stat(file.path).st_ctime_ns != ctimes[file.shard]:
+            raise changed_since_opening(file.shard, file.path)
         return TFRecordReader(self, file)
 
     def check_readable(self, shard: int, path: str, index: int) -> None:
