@@ -583,6 +583,9 @@ class TFRecordReader:
 
     def _frames(self, rows: np.ndarray) -> tuple[Any, Any]:
         k, ix = self.shard, self.format.shards.index  # type: ignore[union-attr]
+        # A node-shared index file written or truncated since it was mapped is refused
+        # (ChangedWhileOpen) before its arrays are read: a truncated map is a SIGBUS.
+        ix.check_unchanged()
         index = int(ix.rec_base[k]) + rows
         self.format.check_readable(k, self.file.path, int(index[0]) if len(rows) else 0)
         return self.format.frames(np.full(len(rows), k), rows, index, {k: self.file.path})
