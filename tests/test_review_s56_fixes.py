@@ -7,7 +7,6 @@ import json
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import pytest
 
 import torchgrain as tg
 
@@ -26,11 +25,6 @@ def _numbers(tmp_path):
     return str(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a map after a map_batch on Parquet int8/int32/uint8/float32 columns sees numpy "
-    "scalars, where the records hold Python numbers (int8 arithmetic wraps, json refuses)",
-)
 def test_map_after_map_batch_sees_the_parquet_records_numbers(tmp_path):
     """A Parquet record holds an int8, int32, uint8 or float32 column's value as a Python
     int or float, with or without batch_format="columns", and a map placed after a
@@ -73,11 +67,6 @@ def _times(tmp_path):
     return str(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a pushdown filter on a time64[ns] column with sub-microsecond values that the "
-    "source does not read is refused, though Arrow compares its values exactly",
-)
 def test_pushdown_filter_on_a_time64ns_column_left_out_of_the_records(tmp_path):
     """A filter expression on a time64[ns] column is evaluated by Arrow on its nanoseconds,
     exactly; with columns= leaving that column out no datetime.time is made of it, so its
@@ -92,11 +81,6 @@ def test_pushdown_filter_on_a_time64ns_column_left_out_of_the_records(tmp_path):
     assert [src[i]["a"] for i in range(len(src))] == [2, 3, 4, 5]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a Dataset filter on an exact column is refused for another time64[ns] column "
-    "that is neither read nor filtered (its name is a substring of the expression)",
-)
 def test_dataset_filter_unaffected_by_an_unread_time64ns_column(tmp_path):
     """Dataset.filter with an expression on column ``tok`` (whole microseconds) over a
     source reading column ``a`` only keeps the matching rows; column ``t``, whose

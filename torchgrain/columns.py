@@ -363,18 +363,18 @@ def column_of(values: list[Any]) -> Any:
 
 
 def _python_scalars(dtype: np.dtype) -> bool:
-    """Whether a 1-D array of ``dtype`` holds what records hold as Python scalars: int64,
-    float64 and bool (msgpack's ints, floats and bools). Records hold any other dtype as
-    a numpy value of it (a numpy scalar reads back from msgpack as a 0-d array of its
-    dtype; a Parquet timestamp as a ``datetime64`` of its unit): ``.item()`` would turn a
-    ``datetime64[ns]`` into an int and a ``float16`` into a float."""
-    return dtype.kind == "b" or (dtype.kind in "if" and dtype.itemsize == 8)
+    """Whether a 1-D array of ``dtype`` holds what records hold as Python scalars: bools,
+    ints and floats of any width (a Parquet record holds an ``int8`` or ``float32`` value as
+    a Python number, so a map sees no numpy scalar that wraps: ``np.int8(3) * 100`` is 44).
+    Records hold a ``datetime64``/``timedelta64`` as a numpy value of its unit: ``.item()``
+    would turn a ``datetime64[ns]`` into an int."""
+    return dtype.kind in "biuf"
 
 
 def row_of(col: Any, i: int) -> Any:
     """Row ``i`` of a column (see :func:`column_of`) as a record holds it: a Python
-    scalar for a 1-D int64, float64 or bool array or a 1-D tensor, a numpy scalar for a
-    1-D array of another dtype, a row otherwise.
+    scalar for a 1-D array of numbers or bools or a 1-D tensor, a numpy scalar for a 1-D
+    array of another dtype (``datetime64``...), a row otherwise.
 
     Example:
         >>> row_of(np.array([3, 4]), 1), row_of(Ragged.from_values([b"ab", b"c"]), 1)

@@ -256,7 +256,7 @@ class RowGroupLoader(ShardedSource):
                 "owner or links changed): open it again"
             )
 
-    def _decode(self, group: int, index: int) -> pa.Table:
+    def _decode(self, group: int, index: int, *, check_times: bool = True) -> pa.Table:
         shard = int(self._rg_shard[group])
         local = int(self._rg_local[group])
         num_rows = int(self._rg_offsets[group + 1] - self._rg_offsets[group])
@@ -309,7 +309,8 @@ class RowGroupLoader(ShardedSource):
                     f"cannot decode {self._where(shard, local)}, column {name!r}: {e} "
                     f"(record index {index})"
                 ) from None
-        self._check_times(table, group)  # (before a cast to the merged type could fail)
+        if check_times:  # (before a cast to the merged type could fail)
+            self._check_times(table, group)
         if table.schema.equals(self._file_schema):
             return table  # the common case: this file has every column with its type
         arrays = [
@@ -323,10 +324,10 @@ class RowGroupLoader(ShardedSource):
         whole number of microseconds: ``datetime.time`` would hold it truncated, another
         time (pyarrow's ``to_pylist`` drops the nanoseconds silently). One vectorised
         pass over each time64[ns] leaf; columns of other types cost a cached type test."""
-        for name, col in zip(table.column_names, table.columns):
-            if not holds_time_ns(col.type):
+        for i, (name, kind) in enumerate(zip(table.column_names, table.schema.types)):
+            if not holds_time_ns(kind):
                 continue
-            found = inexact_time(col)
+            found = inexact_time(table.column(i))
             if found is None:
                 continue
             row, ns = found
