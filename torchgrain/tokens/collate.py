@@ -569,6 +569,8 @@ def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
             if exact is None:
                 raise
             out[key] = collate(exact, collate_fn_map=collate_fn_map)
+        if _mixed(values):
+            out[key] = _exact_or_refused(key, values, out[key])
     if type(elem) is dict:
         return out
     try:  # a dict subclass keeps its type, as torch's default collate keeps it
@@ -577,6 +579,67 @@ def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
         return clone
     except TypeError:
         return out
+
+
+def _mixed(values: list[Any]) -> bool:
+    """Whether ``values`` are of several types, or arrays of several dtypes (torch then
+    stacks them in one dtype, which may not hold them all)."""
+    kinds = set(map(type, values))
+    return len(kinds) > 1 or (kinds == {np.ndarray} and len({v.dtype for v in values}) > 1)
+
+
+def _exact_or_refused(key: str, values: list[Any], out: Any) -> Any:
+    """``out``, torch's stack of ``values`` of several types or dtypes, where it holds each
+    value exactly, else a TypeError naming the key and entry. Numbers of several types with
+    a float among them are stacked as float64 whatever the first one is (torch stacks by
+    the first value's type: ``[1, 0.1]`` as float32, ``[0.1, 1]`` as float64), so a key's
+    dtype does not change from batch to batch; a ``uint64`` past 2**53 beside a float is
+    refused (no dtype holds both).
+
+    Example:
+        >>> _exact_or_refused("x", [1, 0.1], torch.tensor([1, 0.1])).dtype
+        torch.float64
+        >>> _exact_or_refused("x", [2**60 + 1, 0.5], torch.tensor([2**60 + 1, 0.5]))
+        Traceback (most recent call last):
+        ...
+        TypeError: cannot collate key 'x': entry 0 holds 1152921504606846977, which a float64 batch would change (its values are of several types: make them one type in a map)
+    """
+    if not isinstance(out, torch.Tensor):
+        return out
+    wanted = [np.asarray(v) for v in values]
+    if all(w.ndim == 0 and w.dtype.kind in "biuf" for w in wanted) and any(
+        w.dtype.kind == "f" for w in wanted
+    ):
+        out = torch.from_numpy(np.array([w.item() for w in wanted], dtype=np.float64))
+    bad = _changed(wanted, out)
+    if bad is None:
+        return out
+    raise TypeError(
+        f"cannot collate key {key!r}: entry {bad} holds {values[bad]!r}, which a "
+        f"{str(out.dtype).removeprefix('torch.')} batch would change (its values are of "
+        "several types: make them one type in a map)"
+    )
+
+
+def _changed(wanted: list[np.ndarray], out: torch.Tensor) -> int | None:
+    """The first entry of ``wanted`` that row ``i`` of ``out`` does not hold exactly."""
+    rows = out.numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        for i, (w, row) in enumerate(zip(wanted, rows)):
+            if w.dtype.kind not in "biufc" or w.shape != row.shape:
+                continue  # (not numbers: torch's own conversion)
+            back = row.astype(w.dtype)  # (and back again: no value rounded either way)
+            if not (_equal(back, w) and _equal(back.astype(row.dtype), row)):
+                return i
+    return None
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` hold the same values, NaN equal to NaN."""
+    same = a == b
+    if a.dtype.kind in "fc":
+        same |= np.isnan(a) & np.isnan(b)
+    return bool(np.all(same))
 
 
 def _as_uint64(key: str, values: list[Any]) -> list[torch.Tensor] | None:
