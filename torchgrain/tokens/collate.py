@@ -569,7 +569,7 @@ def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
             if exact is None:
                 raise
             out[key] = collate(exact, collate_fn_map=collate_fn_map)
-        if _mixed(values):
+        if _maybe_mixed(values, out[key]):
             out[key] = _exact_or_refused(key, values, out[key])
     if type(elem) is dict:
         return out
@@ -579,6 +579,21 @@ def collate_records(batch: Sequence[Any], *, collate_fn_map: Any = None) -> Any:
         return clone
     except TypeError:
         return out
+
+
+def _maybe_mixed(values: list[Any], out: Any) -> bool:
+    """Whether ``values`` may be of several types or dtypes that torch's stack ``out`` may
+    not hold exactly: judged from ``out`` for Python ints and floats (a float beside ints
+    makes it float32; beside floats, only an int past 2**53 changes in float64), else
+    from their types (:func:`_mixed`). Tensors are stacked by torch's own rules."""
+    if not isinstance(out, torch.Tensor) or any(isinstance(v, torch.Tensor) for v in values[:1]):
+        return False
+    first = type(values[0])
+    if first is int or first is bool:
+        return out.is_floating_point()
+    if first is float:
+        return out.numel() > 0 and bool(out.abs().max() >= 2**53)
+    return _mixed(values)
 
 
 def _mixed(values: list[Any]) -> bool:
@@ -604,14 +619,19 @@ def _exact_or_refused(key: str, values: list[Any], out: Any) -> Any:
         ...
         TypeError: cannot collate key 'x': entry 0 holds 1152921504606846977, which a float64 batch would change (its values are of several types: make them one type in a map)
     """
-    if not isinstance(out, torch.Tensor):
-        return out
+    if not isinstance(out, torch.Tensor) or any(isinstance(v, torch.Tensor) for v in values):
+        return out  # (tensors: stacked by torch's own rules)
     wanted = [np.asarray(v) for v in values]
     if all(w.ndim == 0 and w.dtype.kind in "biuf" for w in wanted) and any(
         w.dtype.kind == "f" for w in wanted
     ):
         out = torch.from_numpy(np.array([w.item() for w in wanted], dtype=np.float64))
     bad = _changed(wanted, out)
+    if bad is not None and len({w.shape for w in wanted}) == 1:
+        # (in a worker, torch stacks into a buffer of the first value's dtype: numpy's
+        # common dtype may hold them all, float64 beside float32)
+        out = torch.from_numpy(np.stack(wanted))
+        bad = _changed(wanted, out)
     if bad is None:
         return out
     raise TypeError(
