@@ -24,7 +24,9 @@ def test_ints_beside_floats_are_float64_whatever_comes_first(values):
 def test_an_int_float64_would_round_is_refused_naming_the_key_and_entry():
     with pytest.raises(TypeError, match=r"key 'x': entry 1 holds 9007199254740993"):
         _batch([0.5, 2**53 + 1])
-    with pytest.raises(TypeError, match=r"key 'x': entry 0 holds np.uint64\(9223372036854775809\)"):
+    with pytest.raises(
+        TypeError, match=r"key 'x': entry 0 holds (np.uint64\()?9223372036854775809"
+    ):
         _batch([np.uint64(2**63 + 1), 1.5])
 
 

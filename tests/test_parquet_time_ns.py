@@ -108,7 +108,9 @@ def test_decoded_disk_cache_entry_stored_unchecked_is_refused(tmp_path, monkeypa
     with monkeypatch.context() as m:
         m.setattr(RowGroupLoader, "_check_times", lambda self, table, group: None)
         src = tg.ParquetSource(d, decoded_cache=cache, cache_bytes=0)
-        assert src[_BAD_ROW]["t"] == datetime.time(10, 0, 0, 13_500)  # (truncated)
+        # (another record of the bad one's row group: stored whole, read without its
+        # value, which older pyarrow refuses to convert while newer truncates it)
+        assert src[8]["t"] == datetime.time(10, 0, 0, 12_000)
         assert src.io_stats["decoded_builds"] >= 1
     again = tg.ParquetSource(d, decoded_cache=cache, cache_bytes=0)
     with pytest.raises(RecordDecodeError) as err:
