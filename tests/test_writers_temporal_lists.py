@@ -23,7 +23,10 @@ def test_numpy_dates_with_a_null_nested_in_a_struct_keep_their_values():
     kind = t.schema.field("s").type
     assert kind == pa.struct([("a", pa.list_(pa.timestamp("s")))])
     assert t.column("s").to_pylist()[0]["a"][1] is None
-    assert t.column("s").combine_chunks().field("a").flatten().cast(pa.int64()).to_pylist()[0] == 1577836801
+    assert (
+        t.column("s").combine_chunks().field("a").flatten().cast(pa.int64()).to_pylist()[0]
+        == 1577836801
+    )
 
 
 def test_durations_with_a_null_keep_their_unit():
