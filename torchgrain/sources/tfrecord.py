@@ -217,8 +217,6 @@ class TFRecordSource(EncodedSource):
             verify=self._verify,
             offset=int(ix.offsets[ix.base[shard] + start]) if plain else 0,
             max_record_bytes=self.max_record_bytes,
-            # (the version the dataset's opening read: one a later opening pinned is refused)
-            seen=self._held_version(shard),
         )
         skip, want = 0 if plain else start, stop - start
         got = 0
