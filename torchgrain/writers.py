@@ -27,6 +27,7 @@ import abc
 import bisect
 import contextlib
 import datetime as dt
+import decimal
 import functools
 import itertools
 import math
@@ -265,8 +266,10 @@ def records_to_table(
             arrays that their dtype does not hold exactly or of another shape (the message
             names the record), an int past int64 beside a negative one, past 2**64 or
             beside floats (the message names the record), a str beside bytes, a bool
-            (or numpy float16) beside numbers or a datetime beside dates that inference
-            would write as the others' type, a pandas Timestamp or Timedelta with
+            (or numpy float16) beside numbers, a datetime beside dates or a number
+            beside dates, datetimes, durations or times that inference would write as
+            the others' type, numpy datetime64 scalars beside numpy numbers (which
+            pyarrow's inference cannot take: it crashes), a pandas Timestamp or Timedelta with
             nanoseconds (inferred as microseconds), a time with a UTC offset or a set
             (the message names the records), or a value its ``schema`` type does not
             (the message names the column).
@@ -448,7 +451,7 @@ def _exact(value: Any, kind: Any) -> Any:
             inner = kind.value_type
             return [_exact(v, inner) for v in value] if _is_matrix(inner) else list(value)
     elif isinstance(value, (set, frozenset)):
-        _unordered((value,))
+        _unordered((type(value),))
     elif isinstance(value, (list, tuple)) and _is_list(kind):
         inner = kind.value_type
         allowed = _takes(inner)
@@ -732,6 +735,18 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
             out = pa.ListArray.from_arrays(pa.array(offsets), out, mask=nulls)
         return out
     try:
+        places = _Place(values)
+    except TypeError as e:  # (the shortest prefix that fails names the record)
+        lo, hi = 1, len(values)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                _Place(values[:mid])
+                lo = mid + 1
+            except TypeError:
+                hi = mid
+        raise TypeError(f"{e} (record {first + lo - 1})") from None
+    try:
         built = pa.array(values)
     except (OverflowError, TypeError, pa.ArrowInvalid) as e:  # ('a' first: a TypeError)
         # Python ints past int64, at any depth: uint64 (msgpack keeps both ranges).
@@ -743,10 +758,63 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
         else:
             raise TypeError(f"{e} ({_clash(values, first)})") from e
     try:
-        _check_inferred(values, built.type)
+        _check_inferred(values, built.type, places)
     except TypeError as e:
         raise TypeError(f"{e} ({_clash(values, first)})") from e
     return built
+
+
+class _Place:
+    """The Python types of the values at one place of a column (its values, a list's
+    items, a dict key's values, at any depth: ``types``) and of the places inside them
+    (``items``, ``fields``): one walk over a column's values, before pyarrow sees them
+    (a TypeError where numpy datetime64 scalars share a place with numpy numbers:
+    pyarrow's inference of those kills the process with SIGSEGV, pyarrow 26) and for
+    :func:`_check_inferred` after.
+
+    Example:
+        >>> _Place([[1, 2], None, [3]]).items.types == {int}
+        True
+        >>> _Place([[np.datetime64(1, "s")], [np.int16(3)]])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: it holds numpy datetime64 beside numpy int16 values ...
+    """
+
+    __slots__ = ("fields", "items", "types")
+
+    def __init__(self, values: list[Any], types: set[type] | None = None) -> None:
+        self.types = set(map(type, values)) if types is None else types
+        self.items: _Place | None = None
+        self.fields: dict[Any, _Place] = {}
+        if np.datetime64 in self.types:
+            number = next(
+                (
+                    t
+                    for t in self.types
+                    if issubclass(t, _NUMPY_NUMBERS) and t is not np.timedelta64
+                ),
+                None,
+            )
+            if number is not None:
+                raise TypeError(
+                    f"it holds numpy datetime64 beside numpy {number.__name__} values (as "
+                    "items of lists or values of a dict key), which pyarrow cannot take together"
+                )
+        if any(issubclass(t, _LISTS) for t in self.types):
+            lists = [v for v in values if isinstance(v, _LISTS)]
+            inner = set(map(type, itertools.chain.from_iterable(lists)))  # (no list built)
+            deeper = np.datetime64 in inner or any(issubclass(t, _NESTED) for t in inner)
+            self.items = _Place(list(itertools.chain.from_iterable(lists)) if deeper else [], inner)
+        if any(issubclass(t, dict) for t in self.types):
+            dicts = [v for v in values if isinstance(v, dict)]
+            for key in dict.fromkeys(k for d in dicts for k in d):
+                self.fields[key] = _Place([d.get(key) for d in dicts])
+
+
+_LISTS = (list, tuple, set, frozenset)  # (pyarrow infers a list of a set's items)
+_NESTED = (*_LISTS, dict)
+_NUMPY_NUMBERS = (np.number, np.bool_)
 
 
 def _temporal_inferred(values: list[Any]) -> Any:
@@ -769,10 +837,13 @@ def _merged(kind: Any) -> tuple[type, ...] | None:
     """The Python (and numpy) types that Arrow's inference writes as a leaf of type
     ``kind`` beside its own values, changing them: a str as binary beside bytes (and
     bytes as a string), a bool as a number, a numpy float16 as an int, a datetime (a
-    subclass of date) as a date, its time of day dropped; None for none."""
+    subclass of date) as a date, its time of day dropped, a number as a count of a
+    temporal type's unit (5 beside dates as 1970-01-06); None for none."""
     t = pa.types
+    temporal = t.is_timestamp(kind) or t.is_duration(kind) or t.is_time(kind)
     table = (
-        (t.is_date(kind), (dt.datetime,)),
+        (t.is_date(kind), (dt.datetime, *_NUMBERS)),
+        (temporal, _NUMBERS),
         (t.is_string(kind), (bytes,)),
         (t.is_binary(kind), (str,)),
         (t.is_integer(kind), (bool, np.bool_, np.floating)),
@@ -781,10 +852,11 @@ def _merged(kind: Any) -> tuple[type, ...] | None:
     return next((types for match, types in table if match), None)
 
 
-def _check_inferred(values: Iterable[Any], kind: Any) -> None:
+def _check_inferred(values: Iterable[Any], kind: Any, place: _Place | None = None) -> None:
     """A TypeError where Arrow inferred type ``kind`` for Python ``values`` by changing
     some of their leaves to another type (see :func:`_merged`), or a set to a list (in
-    its iteration order, see :func:`_unordered`), at any depth.
+    its iteration order, see :func:`_unordered`), at any depth; ``place``: their types,
+    when known.
 
     Example:
         >>> _check_inferred([["a"], [b"b"]], pa.list_(pa.string()))
@@ -792,42 +864,57 @@ def _check_inferred(values: Iterable[Any], kind: Any) -> None:
         ...
         TypeError: it holds bytes beside string values
     """
-    if _is_list(kind):
+    if place is None:
         values = values if isinstance(values, list) else list(values)
-        _unordered(values)
+        place = _Place(values)
+    if _is_list(kind):
+        _unordered(place.types)
         lists = (v for v in values if isinstance(v, (list, tuple)))
-        _check_inferred(itertools.chain.from_iterable(lists), kind.value_type)
+        inner = place.items or _Place([])
+        _check_inferred(itertools.chain.from_iterable(lists), kind.value_type, inner)
     elif pa.types.is_struct(kind):
         dicts = [v for v in values if isinstance(v, dict)]
         for f in kind:
-            _check_inferred([d.get(f.name) for d in dicts], f.type)
-    elif (banned := _merged(kind)) is not None:
-        for typ in set(map(type, values)):
-            if issubclass(typ, banned):
-                raise TypeError(f"it holds {typ.__name__} beside {kind} values")
-    elif (step := _python_step(kind)) is not None:
-        # Arrow infers microseconds for pandas' Timestamp and Timedelta, dropping their
-        # nanoseconds; and a time's UTC offset (Parquet's time holds no zone).
-        values = values if isinstance(values, list) else list(values)
-        if pa.types.is_time(kind) or not set(map(type, values)) <= _EXACT_TEMPORAL:
-            try:
-                _check_steps(values, kind, step)
-            except ValueError as e:
-                why = str(e)
-                if not pa.types.is_time(kind):
-                    why += " (write numpy datetime64 or timedelta64 values of the unit needed)"
-                raise TypeError(why) from None
+            inner = place.fields.get(f.name) or _Place([])
+            _check_inferred([d.get(f.name) for d in dicts], f.type, inner)
+    else:
+        _check_leaves(values, kind, place.types)
 
+
+def _check_leaves(values: Iterable[Any], kind: Any, types: set[type]) -> None:
+    """:func:`_check_inferred` of the leaves ``values`` (of Python ``types``) of type
+    ``kind`` (not nested)."""
+    if (banned := _merged(kind)) is not None:
+        for typ in types:
+            if issubclass(typ, banned) and not issubclass(typ, np.timedelta64):
+                raise TypeError(f"it holds {typ.__name__} beside {kind} values")
+    # Arrow infers microseconds for pandas' Timestamp and Timedelta, dropping their
+    # nanoseconds; and a time's UTC offset (Parquet's time holds no zone).
+    step = _python_step(kind)
+    if step is not None and (pa.types.is_time(kind) or not types <= _EXACT_TEMPORAL):
+        try:
+            _check_steps(values, kind, step)
+        except ValueError as e:
+            why = str(e)
+            if not pa.types.is_time(kind):
+                why += " (write numpy datetime64 or timedelta64 values of the unit needed)"
+            raise TypeError(why) from None
+
+
+# Numbers, which Arrow's inference writes beside temporal values as counts of their unit
+# (np.timedelta64, a numpy integer, is not one of them).
+_NUMBERS = (int, float, decimal.Decimal, np.number, np.bool_)
 
 # The types of values Arrow's inference holds exactly in the temporal type it infers.
 _EXACT_TEMPORAL = {type(None), dt.date, dt.datetime, dt.timedelta, np.datetime64, np.timedelta64}
 
 
-def _unordered(values: Iterable[Any]) -> None:
-    """A TypeError where one of ``values`` is a set (or frozenset): Arrow writes it as a list
-    in its iteration order (for str, one that changes with ``PYTHONHASHSEED``), so the
-    same records would give different files; :func:`write_array_record` refuses it too."""
-    for typ in set(map(type, values)):
+def _unordered(types: Iterable[type]) -> None:
+    """A TypeError where one of ``types`` (of values) is a set (or frozenset): Arrow writes
+    it as a list in its iteration order (for str, one that changes with ``PYTHONHASHSEED``),
+    so the same records would give different files; :func:`write_array_record` refuses it
+    too."""
+    for typ in types:
         if issubclass(typ, (set, frozenset)):
             raise TypeError(f"it holds a {typ.__name__}, which has no order: write a sorted list")
 
