@@ -156,12 +156,6 @@ def test_format_source_verifies_as_verify_checksums_says(tmp_path, verify):
         assert src.__getitems__([4]) == [{"bytes": b"r1^0"}]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TFRecordSource's in-order read of a remote file reads the version the server has "
-    "now (pinning it to the opened version refuses a stale source's schema read, which "
-    "tg.concat needs at construction)",
-)
 def test_remote_in_order_read_refuses_a_file_a_later_opening_saw_replaced(tmp_path):
     """A remote TFRecord file replaced on the server after a source opened it (same size
     and record lengths), then opened again by a second source in the same process: the
@@ -203,3 +197,28 @@ def test_format_source_refuses_a_compressed_file_which_tfrecord_source_reads_in_
         src.__getitems__([5])
     with pytest.raises(CorruptDataError, match=r"p1\.tfrecord\.gz.*compressed and can only"):
         list(src.iter_shard(1))
+
+
+def test_a_stale_sources_schema_is_the_opened_versions_or_refused(tmp_path):
+    """The schema of a source whose remote file a later opening saw replaced: known from
+    its opening when that read the first record (``codec="auto"``), so a concat of it
+    builds (its reads refuse); else read in order from the version opened, which is
+    refused (naming the file), never taken from the new file."""
+    from tests.servers import RangeHTTPServer
+
+    _write(tmp_path / "d", "r")
+    with RangeHTTPServer(tmp_path) as srv:
+        urls = [f"{srv.url}/d/p{f}.tfrecord" for f in range(3)]
+        auto = tg.TFRecordSource(urls, index_dir=None)
+        raw = tg.TFRecordSource(urls, codec="raw", index_dir=None)
+        time.sleep(1.1)  # a new Last-Modified (whole seconds), so a new ETag
+        for f in range(3):
+            write_tfrecord([b"\x00" * 7] * 4, str(tmp_path / f"d/p{f}.tfrecord"))
+        new = tg.TFRecordSource(urls, codec="raw", index_dir=None)  # the later opening
+        assert auto.schema == {"bytes": "bytes"} and auto.codec.name == "raw"
+        both = tg.concat([new, auto])
+        assert both[0] == {"bytes": b"\x00" * 7}
+        with pytest.raises(RemoteIOError, match=r"p0\.tfrecord"):
+            both[len(new)]
+        with pytest.raises(RemoteIOError, match=r"p0\.tfrecord"):
+            _ = raw.schema

@@ -47,10 +47,11 @@ import fsspec
 import numpy as np
 from google_crc32c import value as crc32c_bytes  # C (SSE4.2 / ARMv8 CRC): ~10 GB/s
 
-from torchgrain.errors import CorruptDataError, TorchgrainError
+from torchgrain.errors import CorruptDataError, RemoteIOError, TorchgrainError
 from torchgrain.io import remote
 from torchgrain.io.atomic import publish, temp_name
 from torchgrain.io.fs import PathLike, get_filesystem, is_local
+from torchgrain.io.responses import RangeAnswerError
 
 __all__ = [
     "DEFAULT_MAX_RECORD_BYTES",
@@ -225,6 +226,7 @@ def iter_tfrecord(
     compression: str | None = None,
     offset: int = 0,
     max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+    seen: tuple | None = None,
 ) -> Iterator[bytes]:
     """Yield the records of one TFRecord file, in order.
 
@@ -238,12 +240,16 @@ def iter_tfrecord(
             :func:`index_tfrecord`; uncompressed files only).
         max_record_bytes: the longest record accepted (default 1 GiB): a longer length
             field is an error before any of the record is read.
+        seen: a remote file's ``(size, ETag, Last-Modified)`` as a source's opening read
+            it (:func:`torchgrain.io.remote.open_input`): a version this process pinned
+            since is refused, not read.
 
     Raises:
         CorruptDataError: checksum mismatch, truncated record, a length field larger
             than the rest of the file or than ``max_record_bytes``; the message names
             the file and byte offset (an offset in the decompressed stream for
             compressed files).
+        RemoteIOError: ``seen`` is not the version of the file this process has pinned.
 
     Example:
         >>> import os, tempfile
@@ -260,7 +266,10 @@ def iter_tfrecord(
     size = _file_size(fs, p) if comp == "" else None
     if offset and comp != "":
         raise ValueError(f"{name}: cannot start a compressed TFRecord file at an offset")
-    raw = remote.open_input(fs, p)  # remote reads with deadlines and checked lengths
+    try:  # remote reads with deadlines and checked lengths
+        raw = remote.open_input(fs, p, seen=seen)
+    except RangeAnswerError as e:  # (another version pinned since: no retry reads this one)
+        raise RemoteIOError(f"{name}: {e}") from e
     wrap = {"gzip": _GzipStream, "zlib": _ZlibStream}.get(comp)
     stream = wrap(raw, p) if wrap else raw
     try:

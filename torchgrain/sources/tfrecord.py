@@ -40,7 +40,7 @@ from torchgrain.errors import (
     check_ceiling,
     warn_once,
 )
-from torchgrain.formats.codecs import Codec, get_codec
+from torchgrain.formats.codecs import Codec, describe_value, get_codec
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.formats.tfrecord import (
@@ -164,6 +164,9 @@ class TFRecordSource(EncodedSource):
             sizes=dict(enumerate(shards.sizes.tolist())),
         )
         self.codec: Codec = fmt.codec  # type: ignore[assignment]
+        # Known from the opening where it read the first record (the version opened: a
+        # source whose file a later opening saw replaced keeps its schema).
+        self._schema = fmt.schema
 
     # ------------------------------------------------------------ the contract
     def _node_index(self) -> Any:
@@ -217,6 +220,8 @@ class TFRecordSource(EncodedSource):
             verify=self._verify,
             offset=int(ix.offsets[ix.base[shard] + start]) if plain else 0,
             max_record_bytes=self.max_record_bytes,
+            # (the version the dataset's opening read: one a later opening pinned is refused)
+            seen=self._held_version(shard),
         )
         skip, want = 0 if plain else start, stop - start
         got = 0
@@ -444,6 +449,9 @@ class TFRecordFormat:
         self.index_dir, self.verify = index_dir, verify
         #: The codec (a name until :meth:`index_shards` resolves it).
         self.codec: str | Codec = codec
+        #: The first record's keys and types, where :meth:`index_shards` read that record
+        #: to choose the codec (``codec="auto"``), else None.
+        self.schema: dict[str, str] | None = None
         self.shards: TFRecordShards | None = None
 
     def index_shards(
@@ -502,13 +510,15 @@ class TFRecordFormat:
             lock_wait=None if options.retry is None else options.retry.deadline,
         )
         self.shards = TFRecordShards(index, infos if remote else None, ctimes, compressed)
-        codec = self.codec
+        codec, first = self.codec, None
         if isinstance(codec, str) and codec == "auto":
-            codec = tfrecord_codec(files, fs, self.max_record_bytes)
+            codec, first = _codec_and_first(files, fs, self.max_record_bytes)
         elif isinstance(codec, str) and codec == "tf_example":
             # TFDS output: decode per its features.json (images, shapes, scalars).
             codec = tfds_codec_for(files, fs) or codec
         self.codec = get_codec(codec)
+        if first is not None:  # (the first record, of the version opened: the schema's)
+            self.schema = {k: describe_value(v) for k, v in self.codec.decode(first).items()}
         return self.shards
 
     def open(self, file: ShardFile) -> TFRecordReader:
@@ -646,20 +656,28 @@ def tfrecord_codec(
 ) -> Codec:
     """The codec of TFRecord files: TFDS's feature specs when present, else ``tf_example``
     when the first record parses as a ``tf.train.Example``, else ``raw``."""
+    return _codec_and_first(files, fs, max_record_bytes)[0]
+
+
+def _codec_and_first(
+    files: list[str], fs: fsspec.AbstractFileSystem, max_record_bytes: int
+) -> tuple[Codec, bytes | None]:
+    """:func:`tfrecord_codec`, and the first record it read to choose (None where it
+    read none: TFDS output, or no record)."""
     from torchgrain.formats.tf_example import decode_tf_example
 
     tfds = tfds_codec_for(files, fs)
     if tfds is not None:
-        return tfds
+        return tfds, None
     filesystem = None if is_local(fs) else fs
     for path in files:
         for rec in iter_tfrecord(path, filesystem=filesystem, max_record_bytes=max_record_bytes):
             try:
                 decode_tf_example(rec)
             except RecordDecodeError:
-                return get_codec("raw")
-            return get_codec("tf_example")
-    return get_codec("tf_example")
+                return get_codec("raw"), rec
+            return get_codec("tf_example"), rec
+    return get_codec("tf_example"), None
 
 
 # ------------------------------------------------------------------ offset index
