@@ -183,7 +183,9 @@ def filter_dataset(
         if keys is not None:
             mode += f" of {keys}"
     dtype = "<u4" if n < 2**32 else "<u8"
-    key = "filter-" + hash_parts(dataset_fingerprint(ds), mode, ident, dtype)
+    # ("pushdown 2": selections an older pruning built may lack rows of nested columns)
+    kind = "pushdown 2" if mode == "pushdown" else mode
+    key = "filter-" + hash_parts(dataset_fingerprint(ds), kind, ident, dtype)
     label = f"filter predicate {what}"
 
     def fill(sink: Any) -> dict[str, Any]:

@@ -208,6 +208,10 @@ def _states(src: Any, sub: Any, g: int, field: pa.Field) -> list[pc.Expression |
     if name in src._part_values:
         value = src._part_values[name][shard : shard + 1].tolist()[0]
         return [ref.is_null() if value is None else ref == pa.scalar(value, typ)]
+    if pa.types.is_nested(typ):
+        # A list's or struct's one leaf is not the column: a row group whose leaf is all
+        # null holds empty lists and structs of null fields, which are not null.
+        return [None]
     pos = [f.name for f in sub._file_fields].index(name)
     if not sub._present[shard, pos]:
         return [ref.is_null()]  # a column the file lacks reads as nulls
@@ -217,7 +221,7 @@ def _states(src: Any, sub: Any, g: int, field: pa.Field) -> list[pc.Expression |
             return [None]  # widened across files: its statistics are of another type
         leaves = reader.leaves((name,))
         if len(leaves) != 1:
-            return [None]  # a nested column
+            return [None]  # (a nested column)
         chunk = reader.footer()[int(src._rg_local[g])][leaves[0][0]]
     except (CorruptDataError, IndexError, KeyError):
         return [None]  # its decode says what is wrong with the file
