@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 import torchgrain as tg
@@ -39,6 +40,37 @@ def test_a_number_beside_temporal_values_is_refused(kind, number, shape):
     }[shape]
     with pytest.raises(TypeError, match=r"cannot store key 'x' in Parquet.*record"):
         records_to_table(records)
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [{"x": [dt.date(2020, 1, 2), np.array(5)]}],
+        [{"x": {"a": np.array([dt.date(2020, 1, 2), 5], dtype=object)}}],
+        [{"x": np.array([dt.datetime(2020, 1, 2), 5], dtype=object)}],
+    ],
+)
+def test_a_number_in_an_array_beside_temporal_values_is_refused(records):
+    with pytest.raises(TypeError, match=r"cannot store key 'x' in Parquet.*beside"):
+        records_to_table(records)
+
+
+@pytest.mark.parametrize("kind", sorted(TEMPORAL))
+@pytest.mark.parametrize("number", [5, 5.0, np.int16(3)], ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize("nesting", ["flat", "list", "struct"])
+def test_a_number_in_a_typed_temporal_column_is_refused(kind, number, nesting):
+    """With a schema (a Parquet source's columns, as tg.convert writes them), a number is
+    not a count of a temporal column's unit either."""
+    leaf = pa.array([TEMPORAL[kind]]).type
+    typ, value = {
+        "flat": (leaf, number),
+        "list": (pa.list_(leaf), [TEMPORAL[kind], number]),
+        "struct": (pa.struct([("a", leaf)]), {"a": number}),
+    }[nesting]
+    with pytest.raises(TypeError, match=r"cannot store key 'x' in Parquet as its source's"):
+        records_to_table([{"x": value}], pa.schema({"x": typ}))
+    ok = {"flat": TEMPORAL[kind], "list": [TEMPORAL[kind], None], "struct": {"a": None}}
+    assert records_to_table([{"x": ok[nesting]}], pa.schema({"x": typ})).num_rows == 1
 
 
 @pytest.mark.parametrize(
@@ -86,6 +118,12 @@ def _run(code: str) -> subprocess.CompletedProcess:
         "[{'x': {'a': [np.datetime64(1, 'ns')]}}, {'x': {'a': [np.uint8(1)]}}]",
         "[{'x': [{'k': np.datetime64(1, 's')}, {'k': np.int64(2)}]}]",
         "[{'y': 1}, {'x': [np.datetime64(1, 's'), 1]}, {'x': [np.complex64(1)]}]",
+        "[{'x': [np.datetime64(1, 'ns'), np.void(b'ab')]}]",
+        "[{'x': [np.array(np.datetime64(1, 'ns')), np.array(3, np.int16)]}]",
+        "[{'x': {'a': np.array([np.datetime64(1, 'ns')])}}, {'x': {'a': [np.int16(3)]}}]",
+        "[{'x': [[np.datetime64(1, 'ns')], np.array([3], np.int16)]}]",
+        "[{'x': {'a': np.array([np.datetime64(1, 'ns'), np.int16(3)], dtype=object)}}]",
+        "[{'x': np.array([np.datetime64(1, 'ns'), np.int16(3)], dtype=object)}]",
     ],
 )
 def test_numpy_datetimes_beside_numpy_numbers_are_refused_without_a_crash(records):

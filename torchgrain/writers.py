@@ -256,7 +256,8 @@ def records_to_table(
     With ``schema`` (a ``pyarrow.Schema``: a Parquet source's columns), its columns come
     first, each of its type (a column no record has: nulls), then the records' other keys
     as above; a value that its column's type does not hold exactly (an int past the
-    type's range, a float it would round, a string in a binary column) is an error.
+    type's range, a float it would round, a string in a binary column, a number in a
+    date, time or duration column) is an error.
 
     Errors number the records from ``first`` (the index of ``records[0]`` in a longer
     input written a batch at a time).
@@ -311,12 +312,7 @@ def records_to_table(
 def _typed_column(values: list[Any], kind: Any) -> Any:
     """``values`` as an Arrow array of type ``kind``, each value held exactly (else a
     ValueError or TypeError)."""
-    allowed = _takes(kind)
-    if allowed is not None:
-        _check_types(values, allowed)
-    step = _python_step(kind)
-    if step is not None:
-        _check_steps(values, kind, step)
+    _check_leaf(values, kind)
     if pa.types.is_float16(kind) or pa.types.is_float32(kind):
         # Arrow rounds a Python float to the narrower type without a word.
         mask = np.fromiter((v is None for v in values), bool, len(values))
@@ -393,6 +389,11 @@ def _takes(kind: Any) -> tuple[type, ...] | None:
             (bytes, bytearray, memoryview),
         ),
         (t.is_boolean(kind), (bool, np.bool_)),
+        # (a number would be a count of the unit: 5 as 1970-01-06)
+        (t.is_date(kind), (dt.date, np.datetime64)),
+        (t.is_timestamp(kind), (dt.datetime, np.datetime64)),
+        (t.is_duration(kind), (dt.timedelta, np.timedelta64)),
+        (t.is_time(kind), (dt.time,)),
     )
     return next((types for match, types in table if match), None)
 
@@ -454,20 +455,24 @@ def _exact(value: Any, kind: Any) -> Any:
         _unordered((type(value),))
     elif isinstance(value, (list, tuple)) and _is_list(kind):
         inner = kind.value_type
-        allowed = _takes(inner)
-        if allowed is not None:
-            _check_types(value, allowed)
-        elif _is_nested(inner):
+        if _is_nested(inner):
             return [_exact(v, inner) for v in value]
-        elif (step := _python_step(inner)) is not None:
-            _check_steps(value, inner, step)
+        _check_leaf(value, inner)
     elif _is_nested(kind):  # (its types hash slowly: none looked up per value here)
         return _in_fields(value, kind, _exact)
-    elif (allowed := _takes(kind)) is not None:
-        _check_types((value,), allowed)
-    elif (step := _python_step(kind)) is not None:
-        _check_steps((value,), kind, step)
+    else:
+        _check_leaf((value,), kind)
     return value
+
+
+def _check_leaf(values: Sequence[Any], kind: Any) -> None:
+    """A TypeError or ValueError where leaf type ``kind`` does not hold ``values`` as
+    they are: one of a type it does not take (see :func:`_takes`), or a time finer than
+    its unit (see :func:`_python_step`)."""
+    if (allowed := _takes(kind)) is not None:
+        _check_types(values, allowed)
+    if (step := _python_step(kind)) is not None:
+        _check_steps(values, kind, step)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -519,11 +524,31 @@ def _is_nested(kind: Any) -> bool:
 
 def _check_types(values: Sequence[Any], allowed: tuple[type, ...]) -> None:
     """A TypeError naming the first of ``values`` (None aside) of a type that is none of
-    ``allowed`` (see :func:`_foreign`)."""
+    ``allowed`` (see :func:`_foreign`; a 0-d numpy datetime64 or timedelta64 array, as
+    msgpack gives such scalars back, is its scalar).
+
+    Example:
+        >>> _check_types([np.array(np.datetime64(1, "D")), None], (dt.date, np.datetime64))
+        >>> _check_types([dt.date(2020, 1, 2), 5], (dt.date, np.datetime64))
+        Traceback (most recent call last):
+        ...
+        TypeError: it holds 5 (int)
+    """
     for typ in set(map(type, values)):
-        if typ is not type(None) and _foreign(typ, allowed):
-            v = next(v for v in values if type(v) is typ)
-            raise TypeError(f"it holds {v!r} ({typ.__name__})")
+        if typ is type(None) or not _foreign(typ, allowed):
+            continue
+        v = next(v for v in values if type(v) is typ)
+        if issubclass(typ, np.ndarray):
+            v = next((v for v in values if type(v) is typ and not _temporal_0d(v, allowed)), None)
+            if v is None:
+                continue
+        raise TypeError(f"it holds {v!r} ({typ.__name__})")
+
+
+def _temporal_0d(value: np.ndarray, allowed: tuple[type, ...]) -> bool:
+    """Whether ``value`` is a 0-d datetime64 or timedelta64 array of a type ``allowed``."""
+    kind = value.dtype.type
+    return not value.ndim and kind in (np.datetime64, np.timedelta64) and kind in allowed
 
 
 def _in_fields(value: Any, kind: Any, fn: Any) -> Any:
@@ -696,8 +721,15 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
     """``values`` as an Arrow array, errors numbering them from ``first``; ``fixed``: the
     sizes of the innermost dimensions of its arrays that their column's type records
     (its fixed-size lists, see :func:`_fixed_sizes`)."""
-    present = [v for v in values if v is not None]
     numpy = [isinstance(v, (np.ndarray, np.generic)) for v in values]
+    if any(numpy) and any(isinstance(v, np.ndarray) and v.dtype == object for v in values):
+        # Arrays of objects: their items, as lists (pyarrow infers them as it infers lists).
+        values = [
+            _as_inferred(v) if isinstance(v, np.ndarray) and v.dtype == object else v
+            for v in values
+        ]
+        numpy = [isinstance(v, (np.ndarray, np.generic)) for v in values]
+    present = [v for v in values if v is not None]
     if any(numpy) and len(present) != sum(numpy):
         return _beside_arrays(values, numpy, first)
     if any(numpy):  # (every value a numpy array or scalar, or None)
@@ -784,37 +816,52 @@ class _Place:
     __slots__ = ("fields", "items", "types")
 
     def __init__(self, values: list[Any], types: set[type] | None = None) -> None:
-        self.types = set(map(type, values)) if types is None else types
+        if types is None:
+            types = set(map(type, values))
+            if any(issubclass(t, np.ndarray) for t in types):
+                values = [_as_inferred(v) if isinstance(v, np.ndarray) else v for v in values]
+                types = set(map(type, values))
+        self.types = types
         self.items: _Place | None = None
         self.fields: dict[Any, _Place] = {}
-        if np.datetime64 in self.types:
-            number = next(
-                (
-                    t
-                    for t in self.types
-                    if issubclass(t, _NUMPY_NUMBERS) and t is not np.timedelta64
-                ),
-                None,
+        if np.datetime64 in types:
+            other = next(
+                (t for t in types if issubclass(t, np.generic) and t is not np.datetime64), None
             )
-            if number is not None:
+            if other is not None:
                 raise TypeError(
-                    f"it holds numpy datetime64 beside numpy {number.__name__} values (as "
-                    "items of lists or values of a dict key), which pyarrow cannot take together"
+                    f"it holds numpy datetime64 beside numpy {other.__name__} values (as items "
+                    "of lists or arrays, or values of a dict key), which pyarrow cannot take "
+                    "together"
                 )
-        if any(issubclass(t, _LISTS) for t in self.types):
+        if any(issubclass(t, _LISTS) for t in types):
             lists = [v for v in values if isinstance(v, _LISTS)]
             inner = set(map(type, itertools.chain.from_iterable(lists)))  # (no list built)
-            deeper = np.datetime64 in inner or any(issubclass(t, _NESTED) for t in inner)
-            self.items = _Place(list(itertools.chain.from_iterable(lists)) if deeper else [], inner)
-        if any(issubclass(t, dict) for t in self.types):
+            deeper = any(issubclass(t, _NESTED) for t in inner)
+            items = list(itertools.chain.from_iterable(lists)) if deeper else []
+            self.items = _Place(items) if deeper else _Place([], inner)
+        if any(issubclass(t, dict) for t in types):
             dicts = [v for v in values if isinstance(v, dict)]
             for key in dict.fromkeys(k for d in dicts for k in d):
                 self.fields[key] = _Place([d.get(key) for d in dicts])
 
 
+def _as_inferred(a: np.ndarray) -> Any:
+    """What pyarrow's inference sees of array ``a`` inside a column's values: a 0-d array
+    its one item, an array of objects a list of its items, any other a list of one item
+    of its dtype (as deep as the array: its types, not its values, which may be many)."""
+    if a.dtype == object:
+        return a.tolist() if a.ndim else a[()]
+    return _nest(np.zeros((1,) * a.ndim, a.dtype)) if a.ndim else a[()]
+
+
+def _nest(a: np.ndarray) -> Any:
+    """Array ``a`` (of one item) as nested lists of its numpy scalar."""
+    return [_nest(a[0])] if a.ndim > 1 else [a[0]]
+
+
 _LISTS = (list, tuple, set, frozenset)  # (pyarrow infers a list of a set's items)
-_NESTED = (*_LISTS, dict)
-_NUMPY_NUMBERS = (np.number, np.bool_)
+_NESTED = (*_LISTS, dict, np.ndarray)
 
 
 def _temporal_inferred(values: list[Any]) -> Any:
