@@ -768,7 +768,7 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
         return out
     try:
         places = _Place(values)
-    except TypeError as e:  # (the shortest prefix that fails names the record)
+    except TypeError as whole:  # (the shortest prefix that fails names the record)
         lo, hi = 1, len(values)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -777,7 +777,11 @@ def _column(values: list[Any], first: int = 0, fixed: tuple[int, ...] = ()) -> A
                 lo = mid + 1
             except TypeError:
                 hi = mid
-        raise TypeError(f"{e} (record {first + lo - 1})") from None
+        try:  # (the message of what the values up to that record hold)
+            _Place(values[:lo])
+        except TypeError as e:
+            raise TypeError(f"{e} (record {first + lo - 1})") from None
+        raise TypeError(f"{whole} (record {first + lo - 1})") from None
     try:
         built = pa.array(values)
     except (OverflowError, TypeError, pa.ArrowInvalid) as e:  # ('a' first: a TypeError)
@@ -825,9 +829,8 @@ class _Place:
         self.items: _Place | None = None
         self.fields: dict[Any, _Place] = {}
         if np.datetime64 in types:
-            other = next(
-                (t for t in types if issubclass(t, np.generic) and t is not np.datetime64), None
-            )
+            others = [t for t in types if issubclass(t, np.generic) and t is not np.datetime64]
+            other = min(others, key=lambda t: t.__name__, default=None)
             if other is not None:
                 raise TypeError(
                     f"it holds numpy datetime64 beside numpy {other.__name__} values (as items "
