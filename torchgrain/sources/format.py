@@ -512,7 +512,7 @@ class FormatSource(ShardedSource):
             if not isinstance(s.reader, ReadsByteRanges):
                 return None  # each shard's read fetches its own
             ranges = self._in_shard(
-                lambda r: s.file._checked(self._ranges(s, r), MAX_FILE_BYTES), k, rows
+                lambda r: s.file._checked(_unique(self._ranges(s, r))[0], _ceiling(s)), k, rows
             )
             return (s.file._rpath, s.file.path, ranges)
 
@@ -529,7 +529,9 @@ class FormatSource(ShardedSource):
         def read(s: _Shard, rows: np.ndarray) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             if isinstance(s.reader, ReadsByteRanges):
-                chunks = s.file.read_ranges(self._ranges(s, rows))
+                unique, where = _unique(self._ranges(s, rows))
+                got = s.file.read_ranges(unique, max_bytes=_ceiling(s))
+                chunks = [got[j] for j in where]
                 t1 = time.perf_counter()
                 count_read(t1 - t0, 0)  # (ShardFile counts the bytes)
                 records = s.reader.decode(rows, chunks)
@@ -596,6 +598,26 @@ class FormatSource(ShardedSource):
         if isinstance(e, (TorchgrainError, OSError)):
             return None
         return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)
+
+
+def _unique(ranges: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+    """The distinct ``ranges`` (a batch may ask a record twice), and where each of
+    ``ranges`` is among them.
+
+    Example:
+        >>> _unique([(5, 9), (0, 2), (5, 9)])
+        ([(5, 9), (0, 2)], [0, 1, 0])
+    """
+    first: dict[tuple[int, int], int] = {}
+    where = [first.setdefault(tuple(r), len(first)) for r in ranges]  # type: ignore[misc]
+    return list(first), where
+
+
+def _ceiling(s: _Shard) -> int:
+    """The most bytes one read of shard ``s``'s distinct ranges may take: its file's
+    size where that is more than :data:`MAX_FILE_BYTES` (the records of a batch, however
+    large, lie within their file; ranges outside it are refused)."""
+    return max(MAX_FILE_BYTES, s.file.size)
 
 
 def _mark(e: Exception, index: int | None) -> Exception:
