@@ -534,15 +534,11 @@ def _check_types(values: Sequence[Any], allowed: tuple[type, ...]) -> None:
         ...
         TypeError: it holds 5 (int)
     """
-    for typ in set(map(type, values)):
-        if typ is type(None) or not _foreign(typ, allowed):
-            continue
-        v = next(v for v in values if type(v) is typ)
-        if issubclass(typ, np.ndarray):
-            v = next((v for v in values if type(v) is typ and not _temporal_0d(v, allowed)), None)
-            if v is None:
-                continue
-        raise TypeError(f"it holds {v!r} ({typ.__name__})")
+    bad = {t for t in set(map(type, values)) if t is not type(None) and _foreign(t, allowed)}
+    if bad:  # (the first such value, whatever order a set of types iterates in)
+        for v in values:
+            if type(v) in bad and not (isinstance(v, np.ndarray) and _temporal_0d(v, allowed)):
+                raise TypeError(f"it holds {v!r} ({type(v).__name__})")
 
 
 def _temporal_0d(value: np.ndarray, allowed: tuple[type, ...]) -> bool:
@@ -804,8 +800,8 @@ class _Place:
     """The Python types of the values at one place of a column (its values, a list's
     items, a dict key's values, at any depth: ``types``) and of the places inside them
     (``items``, ``fields``): one walk over a column's values, before pyarrow sees them
-    (a TypeError where numpy datetime64 scalars share a place with numpy numbers:
-    pyarrow's inference of those kills the process with SIGSEGV, pyarrow 26) and for
+    (a TypeError where numpy datetime64 scalars share a place with any other numpy
+    scalar: pyarrow's inference of those kills the process with SIGSEGV, pyarrow 26) and for
     :func:`_check_inferred` after.
 
     Example:
