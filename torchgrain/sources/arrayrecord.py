@@ -122,6 +122,8 @@ class ArrayRecordSource(EncodedSource):
     # every attribute lookup of every read slower; so is the shards' change times').
     _manifest: Manifest | None = None
 
+    format_name = "ArrayRecord"
+
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],

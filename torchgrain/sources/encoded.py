@@ -7,7 +7,7 @@ record index, reading a shard in order (``iter_shard``, ``iter_shard_bytes``), a
 schema from the first record. A format adds ``_read_rows`` (the raw records at some rows
 of one shard) and ``iter_shard_bytes``, and may add ``_read_batch`` and ``_read_single``
 (a faster path for the records it covers). Errors that a read raises get the shard and
-record index from one helper, :meth:`EncodedSource._named`.
+record index from one helper, :func:`~torchgrain.sources.format.name_error`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.io import changes
 from torchgrain.io.region import ShardRegion
 from torchgrain.sources.base import ShardedSource, shard_rows
+from torchgrain.sources.format import name_error, shard_where
 
 __all__ = ["EncodedSource"]
 
@@ -35,6 +36,8 @@ class EncodedSource(ShardedSource):
     """Base of sharded sources of encoded records (see the module docstring)."""
 
     codec: Codec
+    #: The format's name in errors ("ArrayRecord", "TFRecord").
+    format_name: str
     _schema: dict[str, str] | None = None
     _mapped: Any = None  # the format's map of the shards in this process (not pickled)
     # Each local shard's change time (st_ctime_ns) at the dataset's opening (8 bytes a
@@ -222,13 +225,14 @@ class EncodedSource(ShardedSource):
         except CorruptDataError as e:
             raise self._named(e, shard, index) from e
 
+    def _shard_where(self, shard: int) -> str:
+        return shard_where(self.format_name, shard, self.num_shards, self._paths[shard])
+
     def _named(self, e: CorruptDataError, shard: int, index: int) -> CorruptDataError:
-        """``e`` with the shard and the record index it was reading (when not yet said):
-        the one wording, ``(shard s of n, reading record index i)``, of every record read
-        (the formats' own fast paths too)."""
-        if f"shard {shard} of" in str(e):
-            return e
-        return type(e)(f"{e} (shard {shard} of {self.num_shards}, reading record index {index})")
+        """``e`` naming the shard, file and record index it was reading (when not yet
+        said), as every read of every format does (:func:`name_error`), the formats' own
+        fast paths too."""
+        return name_error(e, self._shard_where(shard), index) or e  # type: ignore[return-value]
 
     def _decode_blobs(
         self, blobs: list[bytes], t0: float, where: Callable[[], tuple[list, list, list]]
@@ -270,7 +274,7 @@ class EncodedSource(ShardedSource):
         except Exception as e:
             detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
             raise RecordDecodeError(
-                f"cannot decode record {index} (shard {shard} {self._paths[shard]!r}, row {row}) "
+                f"cannot decode record {index} ({self._shard_where(shard)}, row {row}) "
                 f"with codec {self.codec.name!r}: {detail}"
             ) from (None if isinstance(e, RecordDecodeError) else e)
 

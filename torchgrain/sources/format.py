@@ -360,6 +360,7 @@ class FormatSource(ShardedSource):
         opts = ReadOptions.build(options, read_options)
         retry = opts.retry_policy
         fs, files = opts._expand(paths, fmt.suffixes, fmt.name)
+        self._num_files = len(files)  # (for errors of the opening, before the index)
         where = None if is_local(fs) else fs
         if isinstance(fmt, IndexesShards):  # counted and sized without opening a shard
             # (a copy: the index it keeps is this source's, whoever else uses the format)
@@ -574,30 +575,53 @@ class FormatSource(ShardedSource):
             raise named from e
 
     def _where(self, shard: int, path: str) -> str:
-        return f"{self.format.name} shard {shard} {path!r}"
+        return shard_where(self.format.name, shard, self._num_files, path)
 
     def _named(self, e: Exception, shard: int, path: str, index: int | None) -> Exception | None:
-        """``e`` as a torchgrain error naming the format, shard, file and record index (a
-        missing file a DatasetNotFoundError, bad bytes a CorruptDataError: see the class
-        docstring), or None to raise it as it is."""
-        at = "" if index is None else f"record index {index}"
-        if _is_named(e):  # named without its record (by the shard's open): add it
-            if not at or e._torchgrain_at is not None or isinstance(e, BUGS):  # type: ignore[attr-defined]
-                return None
-            return _mark(type(e)(f"{e} ({at})"), index)
-        where = self._where(shard, path) + (f", {at}" if at else "")
-        if isinstance(e, BUGS):
-            if hasattr(e, "add_note"):  # (Python 3.11+)
-                e.add_note(f"raised by the {self.format.name} format reading {where}")
-            _mark(e, None)
+        return name_error(e, self._where(shard, path), index)
+
+
+def shard_where(name: str, shard: int, num_shards: int, path: str) -> str:
+    """The one way an error names a shard: its format, number and file.
+
+    Example:
+        >>> shard_where("TFRecord", 2, 8, "/d/b.tfrecord")
+        "TFRecord shard 2 of 8 '/d/b.tfrecord'"
+    """
+    return f"{name} shard {shard} of {num_shards} {path!r}"
+
+
+def name_error(e: Exception, where: str, index: int | None) -> Exception | None:
+    """``e`` as a torchgrain error that ends with ``(<where>, record index <index>)``, the
+    one wording of every shard's read (``where`` from :func:`shard_where`; ``index``
+    None for a shard's open), or None to raise ``e`` as it is: a torchgrain error or
+    ``OSError`` stays what it is; a missing file is a DatasetNotFoundError; a bug
+    (:data:`BUGS`) gets a note; anything else is bad bytes, a CorruptDataError. An
+    error named once is named again only to add the record its open lacked.
+
+    Example:
+        >>> e = name_error(CorruptDataError("bad frame"), "TFRecord shard 2 of 8 'b'", 17)
+        >>> str(e), name_error(e, "TFRecord shard 2 of 8 'b'", 17) is None
+        ("bad frame (TFRecord shard 2 of 8 'b', record index 17)", True)
+    """
+    at = "" if index is None else f"record index {index}"
+    if _is_named(e):  # named without its record (by the shard's open): add it
+        if not at or e._torchgrain_at is not None or isinstance(e, BUGS):  # type: ignore[attr-defined]
             return None
-        if isinstance(e, CorruptDataError):
-            return _mark(type(e)(f"{e} ({where})"), index)
-        if isinstance(e, FileNotFoundError) and not isinstance(e, TorchgrainError):
-            return _mark(DatasetNotFoundError(f"{where} does not exist: {e}"), index)
-        if isinstance(e, (TorchgrainError, OSError)):
-            return None
-        return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)
+        return _mark(type(e)(f"{e} ({at})"), index)
+    where = where + (f", {at}" if at else "")
+    if isinstance(e, BUGS):
+        if hasattr(e, "add_note"):  # (Python 3.11+)
+            e.add_note(f"raised reading {where}")
+        _mark(e, None)
+        return None
+    if isinstance(e, CorruptDataError):
+        return _mark(type(e)(f"{e} ({where})"), index)
+    if isinstance(e, FileNotFoundError) and not isinstance(e, TorchgrainError):
+        return _mark(DatasetNotFoundError(f"{where} does not exist: {e}"), index)
+    if isinstance(e, (TorchgrainError, OSError)):
+        return None
+    return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)
 
 
 def _unique(ranges: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:

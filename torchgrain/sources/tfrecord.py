@@ -120,6 +120,8 @@ class TFRecordSource(EncodedSource):
         (5, {'label': 'int64[1]'}, [4, 0, 2])
     """
 
+    format_name = "TFRecord"
+
     def __init__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
