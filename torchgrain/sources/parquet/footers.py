@@ -63,12 +63,12 @@ def read_footers(
     local = is_local(fs)
     opening = uuid.uuid4().hex
 
-    def footer(f: Any, size: int) -> tuple[pq.FileMetaData, pa.Schema]:
+    def footer(f: Any, size: int) -> tuple[pq.FileMetaData, pa.Schema, Any]:
         source = bounded_footer(f, size)
         with pq.ParquetFile(source, coerce_int96_timestamp_unit=int96_timestamp_unit) as pf:
-            return pf.metadata, pf.schema_arrow
+            return pf.metadata, pf.schema_arrow, footer_bytes(source, pf.metadata)
 
-    def metadata(shard: int) -> tuple[pq.FileMetaData, pa.Schema, tuple[Any, ...]]:
+    def metadata(shard: int) -> tuple[pq.FileMetaData, pa.Schema, Any, tuple[Any, ...]]:
         path = files[shard]
         try:
             if local:
@@ -79,11 +79,12 @@ def read_footers(
             # An opening reads the file as it is now (not against what an earlier
             # opening in this process pinned of it: a file re-uploaded since).
             with remote.open_input(fs, path, fresh=True) as f:
-                md, schema = footer(f, f.seek(0, io.SEEK_END))
+                md, schema, raw = footer(f, f.seek(0, io.SEEK_END))
             size, version = remote.size_and_version(fs, path, url=path)
             # Nothing tells two versions of this file apart: its entries are this
             # opening's own (shared by its workers, never by a later opening).
-            return md, schema, (size, version if version is not None else ("unversioned", opening))
+            unversioned = ("unversioned", opening)
+            return md, schema, raw, (size, version if version is not None else unversioned)
         except FileNotFoundError as e:
             raise DatasetNotFoundError(f"Parquet shard {path!r} does not exist") from e
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -98,9 +99,9 @@ def read_footers(
 
     def one(shard: int) -> tuple[np.ndarray, pa.Schema, np.ndarray, tuple[Any, ...]]:
         if local:
-            md, schema, version = metadata(shard)
+            md, schema, footer, version = metadata(shard)
         else:
-            md, schema, version = retry_call(
+            md, schema, footer, version = retry_call(
                 metadata, shard, url=files[shard], policy=retry, what="footer read"
             )
         groups = [md.row_group(i) for i in range(md.num_row_groups)]
@@ -111,7 +112,6 @@ def read_footers(
                 f"the Parquet footer of {files[shard]!r} (shard {shard} of {len(files)}) "
                 f"says {md.num_rows} rows but its row groups hold {counts.tolist()[:8]}"
             )
-        footer = md.__reduce__()[1][0]  # the serialized footer
         if columns is None:
             nbytes = [g.total_byte_size for g in groups]
         else:
@@ -167,6 +167,28 @@ def bounded_footer(f: Any, size: int) -> Any:
         f.seek(size - 8 - n)
         tail = _read_exactly(f, n + 8 - take) + tail
     return pa.BufferReader(b"PAR1" + tail[-8 - n :])
+
+
+def footer_bytes(source: Any, md: pq.FileMetaData) -> Any:
+    """The serialized footer that :func:`bounded_footer` gave pyarrow as ``source``: the
+    file's own bytes (what identifies its content), not serialized again by pyarrow,
+    which kills the process (SIGSEGV) on some footers it reads without complaint (a
+    column order cut short, pyarrow 26); a ``source`` that is the file itself (a footer
+    pyarrow read by its own means) is serialized by pyarrow.
+
+    Example:
+        >>> import io, pyarrow as pa, pyarrow.parquet as pq
+        >>> buf = io.BytesIO(); pq.write_table(pa.table({"x": [1, 2]}), buf)
+        >>> data = buf.getvalue()
+        >>> source = bounded_footer(io.BytesIO(data), len(data))
+        >>> n = int.from_bytes(data[-8:-4], "little")
+        >>> bytes(footer_bytes(source, pq.ParquetFile(source).metadata)) == data[-8 - n : -8]
+        True
+    """
+    if isinstance(source, pa.BufferReader):
+        source.seek(0)
+        return source.read_buffer()[4:-8]
+    return md.__reduce__()[1][0]
 
 
 def _read_exactly(f: Any, n: int) -> bytes:

@@ -48,7 +48,12 @@ from torchgrain.io import changes, remote
 from torchgrain.io.fs import default_cache_dir
 from torchgrain.sources.base import ShardedSource
 from torchgrain.sources.parquet.decoded_cache import DecodedCache, entry_key, on_network_filesystem
-from torchgrain.sources.parquet.footers import NOT_THE_BYTES, bounded_footer, local_version
+from torchgrain.sources.parquet.footers import (
+    NOT_THE_BYTES,
+    bounded_footer,
+    footer_bytes,
+    local_version,
+)
 from torchgrain.sources.parquet.values import RowGroup, holds_time_ns, inexact_time
 
 __all__ = ["ParquetReader", "RowGroupLoader", "StagedInput", "decoded_cache_for"]
@@ -168,14 +173,8 @@ class RowGroupLoader(ShardedSource):
         source = bounded_footer(f, size)
         with pq.ParquetFile(source) as pf:
             md = pf.metadata
-        digest = self._identities[shard][2]  # (of the footer as pyarrow serializes it)
-        if isinstance(source, pa.BufferReader):
-            source.seek(0)
-            footer = source.read_buffer()[4:-8]
-            if hashlib.sha256(footer).hexdigest() == digest:
-                return md, footer.to_pybytes()  # (the common case: no serializing)
-        footer = md.__reduce__()[1][0]
-        if hashlib.sha256(footer).hexdigest() != digest:
+        footer = footer_bytes(source, md)
+        if hashlib.sha256(footer).hexdigest() != self._identities[shard][2]:
             raise CorruptDataError(
                 "it changed since the dataset was opened (its footer differs): open it again"
             )
