@@ -310,6 +310,11 @@ class ShardedSource(Source):
         return list(self._paths)
 
     @property
+    def filesystem(self) -> fsspec.AbstractFileSystem:
+        """The fsspec filesystem its files are read from (with its storage options)."""
+        return self._fs
+
+    @property
     def shard_counts(self) -> np.ndarray:
         return self.index.counts
 

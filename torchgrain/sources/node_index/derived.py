@@ -41,8 +41,9 @@ from typing import Any
 import numpy as np
 
 from torchgrain.formats.index_file import INDEX_SUFFIX
+from torchgrain.io import remote
 from torchgrain.protocols import Fingerprinted
-from torchgrain.sources.base import Source
+from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.node_index.store import (
     IndexArrays,
     NodeIndex,
@@ -380,6 +381,22 @@ def _file_identity(path: str, version: Callable[[], tuple | None]) -> tuple[Any,
     return (path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
+def _remote_version(src: ShardedSource, shard: int, path: str) -> tuple[Any, ...]:
+    """What tells the version of remote ``shard`` of ``src`` apart: the version its
+    opening pinned and the checksum its dataset records (a manifest's); where it has
+    neither yet (a manifest without checksums, before the shard's first read), the
+    version the store gives now (one request)."""
+    version, checksum = src.shard_version(shard), src.shard_integrity(shard)[1]
+    if checksum is None and (version is None or not any(version[1:])):
+        fs = src.filesystem
+        return (version, remote.size_and_version(fs, fs._strip_protocol(path), url=path))
+    return (version, checksum)
+
+
+def _none() -> None:
+    return None
+
+
 def dataset_fingerprint(ds: Any) -> str:
     """A hex digest that changes when the data under ``ds`` changes.
 
@@ -387,8 +404,10 @@ def dataset_fingerprint(ds: Any) -> str:
     that states its own (:class:`~torchgrain.protocols.Fingerprinted`: the composed
     datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, keys
     and schema, and each local file's size, modification and change times and inode; a remote
-    file's name and the version its opening read: ``shard_version``, size, ETag and
-    Last-Modified as the server gave them), or a plain sequence (its type and length: give a
+    file's name, the version its opening read, ``shard_version``: size, ETag and
+    Last-Modified as the server gave them, and the checksum its manifest records; a remote
+    file known by neither, the version its store gives now), or a plain sequence (its type
+    and length: give a
     filter a ``name`` that says what it holds).
 
     Example:
@@ -412,8 +431,11 @@ def dataset_fingerprint(ds: Any) -> str:
     if isinstance(ds, Fingerprinted):
         return hash_parts("stated", type(ds).__qualname__, ds.fingerprint())
     if isinstance(ds, Source):
-        held = getattr(ds, "shard_version", lambda shard: None)
-        files = [_file_identity(p, functools.partial(held, k)) for k, p in enumerate(ds.paths)]
+        sharded = isinstance(ds, ShardedSource)
+        files = [
+            _file_identity(p, functools.partial(_remote_version, ds, k, p) if sharded else _none)
+            for k, p in enumerate(ds.paths)
+        ]
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another
         # codec) are other records, and a predicate may see the difference.
