@@ -46,7 +46,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -56,6 +56,7 @@ __all__ = [
     "RequestTimeout",
     "RetryPolicy",
     "current_policy",
+    "each_under",
     "error_chain",
     "http_status",
     "in_operation",
@@ -272,6 +273,31 @@ def using(policy: RetryPolicy | None) -> Iterator[None]:
         yield
     finally:
         _POLICY.reset(token)
+
+
+def each_under(policy: RetryPolicy | None, steps: Generator[T, None, None]) -> Iterator[T]:
+    """The items of generator ``steps``, each of its steps run under ``policy``
+    (:func:`using` set around each ``next``: a generator runs in its caller's context,
+    not in the one it was made in); closing this closes ``steps``.
+
+    Example:
+        >>> def policies():
+        ...     yield current_policy().read_timeout
+        >>> list(each_under(RetryPolicy(read_timeout=5), policies()))
+        [5]
+    """
+    try:
+        while True:
+            with using(policy):
+                item = next(steps, _END)
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        steps.close()
+
+
+_END: Any = object()
 
 
 def in_operation() -> bool:

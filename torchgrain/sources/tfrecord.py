@@ -61,7 +61,7 @@ from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.ranges import MappedFile
 from torchgrain.io.region import RegionUnavailable, ShardRegion
-from torchgrain.io.retry import RetryPolicy, using
+from torchgrain.io.retry import RetryPolicy, each_under, using
 from torchgrain.sources.base import shard_rows
 from torchgrain.sources.encoded import EncodedSource, acquired
 from torchgrain.sources.format import ShardFile
@@ -216,7 +216,7 @@ class TFRecordSource(EncodedSource):
         self._check_opened(shard)  # (read through a file of its own: not pinned)
         ix, plain = self._tfindex, not self._compressed[shard]
         # (a compressed stream is read from its start, its first records skipped)
-        it = iter_tfrecord(
+        records = iter_tfrecord(
             self._paths[shard],
             filesystem=self._fs if self._remote else None,
             verify=self._verify,
@@ -225,6 +225,7 @@ class TFRecordSource(EncodedSource):
             # (the version the dataset's opening read: one a later opening pinned is refused)
             seen=self._held_version(shard),
         )
+        it = each_under(self._retry, records)  # (each read under the source's policy)
         skip, want = 0 if plain else start, stop - start
         got = 0
         try:
@@ -244,6 +245,7 @@ class TFRecordSource(EncodedSource):
                 )
         finally:
             it.close()
+            records.close()  # (one never started is not closed by its wrapper)
 
     # ---------------------------------------------------------------- reading
     def _open_reader(
@@ -705,13 +707,7 @@ def _remote_walk(
     """A remote file's offsets a chunk at a time, as a local walk's (a file of any size in
     bounded memory: walked whole, its offsets took 8 bytes a record at once), each ranged
     read retried under the dataset's policy."""
-    walk = iter_tfrecord_offsets(path, filesystem=fs, size=size)
-    while True:
-        with using(retry):  # (set around each step: the generator runs in its caller's context)
-            part = next(walk, None)
-        if part is None:
-            return
-        yield part
+    return each_under(retry, iter_tfrecord_offsets(path, filesystem=fs, size=size))
 
 
 # A file's kept offsets: the digest of its key (:func:`_entry_key`: its URL, size and
