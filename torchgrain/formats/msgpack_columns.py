@@ -241,7 +241,7 @@ def _ndarrays(
         return None
     try:
         dtype = np.dtype(buf[first + 1 : ndim_at].tobytes().decode("ascii"))
-    except (TypeError, ValueError, UnicodeDecodeError):
+    except (TypeError, ValueError, SyntaxError, UnicodeDecodeError):  # ("i4,(": a SyntaxError)
         return None
     # A subarray dtype ("(2,)<i4") would add dimensions of its own: the records decide.
     if dtype.hasobject or dtype.names is not None or dtype.shape or dtype.itemsize == 0:

@@ -145,7 +145,15 @@ def tfds_codec_for(
     check_single_split(files, info)
     try:
         return TFDSCodec(features, decode_images=decode_images)
-    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as e:
+    except (
+        AttributeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        OverflowError,
+        SyntaxError,
+        RecursionError,
+    ) as e:  # (numpy parses some dtype strings as Python: a SyntaxError)
         raise CorruptDataError(
             f"TFDS features of {directory} ({FEATURES_JSON}) are not a feature spec "
             f"torchgrain can read: {type(e).__name__}: {e}"
@@ -323,7 +331,7 @@ def _list_kind(node: tuple[Any, ...]) -> str | None:
         return "bytes_list"
     try:
         return _NUMBER_LIST.get(np.dtype(node[1]).kind)
-    except TypeError:  # a dtype numpy does not know: decoding the feature says so
+    except (TypeError, SyntaxError):  # a dtype numpy does not know: decoding says so
         return None
 
 
@@ -402,5 +410,10 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
     else:
         arr = np.asarray(value)
         if arr.dtype != dt:  # (not asarray(value, dt): its errors name no value)
+            if arr.size * dt.itemsize > _MAX_ZLIB_BYTES:  # (a dtype of any width: "S1000000000")
+                raise ValueError(
+                    f"{arr.size} values of dtype {dt} are more than the {_MAX_ZLIB_BYTES} "
+                    "bytes a tensor may decode to"
+                )
             arr = arr.astype(dt)
     return _reshape(np.ascontiguousarray(arr), shape)

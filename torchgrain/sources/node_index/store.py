@@ -748,7 +748,12 @@ def open_trusted(path: str, cls: Any, index_dir: str | None, expect: str | None 
     if stamp is not None and _stamped(stamp):
         return ix
     if expect is not None:
-        verify_file_hash(path, expect, name=f"index file {path!r}")
+        try:
+            verify_file_hash(path, expect, name=f"index file {path!r}")
+        except CorruptDataError:
+            raise
+        except ValueError as e:  # (an unknown algorithm: the manifest's word)
+            raise CorruptDataError(f"index file {path!r}: the manifest's checksum: {e}") from None
     elif not f.verify():
         raise CorruptDataError(
             f"index file {path!r} is damaged: its contents do not match its checksum"
