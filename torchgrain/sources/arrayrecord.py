@@ -70,7 +70,11 @@ class ArrayRecordSource(EncodedSource):
             so that a block-local order decompresses each chunk once.
             ``verify_checksums`` (Riegeli's chunk hashes) is off by default: the hash
             is computed in pure Python (a few MB/s) and turns off the mapped batch
-            reads; a damaged compressed chunk still fails to decompress.
+            reads. Without it a damaged chunk can decode to other values without an
+            error (zstd and snappy frames carry no checksum of their content; a
+            damaged frame header or length still fails); the manifest's file
+            checksums check a downloaded copy whole (``cache_dir``); read data you
+            did not write once with it on.
             ``max_open_files`` defaults to every shard when the open-files limit
             allows (raising the soft limit toward the hard one where that makes room),
             else what a quarter of the limit holds; local batches are read through one
