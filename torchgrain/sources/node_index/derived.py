@@ -42,6 +42,7 @@ import numpy as np
 
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io import remote
+from torchgrain.io.fs import map_files
 from torchgrain.protocols import Fingerprinted
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.node_index.store import (
@@ -431,11 +432,13 @@ def dataset_fingerprint(ds: Any) -> str:
     if isinstance(ds, Fingerprinted):
         return hash_parts("stated", type(ds).__qualname__, ds.fingerprint())
     if isinstance(ds, Source):
-        sharded = isinstance(ds, ShardedSource)
-        files = [
-            _file_identity(p, functools.partial(_remote_version, ds, k, p) if sharded else _none)
-            for k, p in enumerate(ds.paths)
-        ]
+        paths, sharded = ds.paths, isinstance(ds, ShardedSource)
+
+        def identity(k: int) -> tuple[Any, ...]:
+            version = functools.partial(_remote_version, ds, k, paths[k]) if sharded else _none
+            return _file_identity(paths[k], version)
+
+        files = map_files(identity, len(paths))  # (remote stores asked concurrently)
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another
         # codec) are other records, and a predicate may see the difference.
