@@ -42,7 +42,7 @@ import numpy as np
 
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io import remote
-from torchgrain.io.fs import map_files
+from torchgrain.io.fs import is_local, map_files
 from torchgrain.protocols import Fingerprinted
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.node_index.store import (
@@ -367,13 +367,14 @@ def _element_key(x: Any) -> bytes:
     return pickle.dumps(x, protocol=4) if type(x) in _ATOMIC else _value(x).encode()
 
 
-def _file_identity(path: str, version: Callable[[], tuple | None]) -> tuple[Any, ...]:
+def _file_identity(path: str, version: tuple | None) -> tuple[Any, ...]:
     """A local file's size, modification and change times and inode; a remote one's name
-    and ``version()``, the version its source's opening read (size, ETag, ...). (The change
-    time, which no user can set, moves when a file is rewritten in place with its
-    modification time restored: ``rsync --inplace -t``.)"""
+    and ``version`` (what tells apart the version its source reads: size, ETag, checksum,
+    see :func:`_remote_version`). (The change time, which no user can set, moves when a
+    file is rewritten in place with its modification time restored: ``rsync --inplace
+    -t``.)"""
     if "://" in path and not path.startswith("file://"):
-        return (path, version())
+        return (path, version)
     local = path[len("file://") :] if path.startswith("file://") else path
     try:
         st = os.stat(local)
@@ -392,10 +393,6 @@ def _remote_version(src: ShardedSource, shard: int, path: str) -> tuple[Any, ...
         fs = src.filesystem
         return (version, remote.size_and_version(fs, fs._strip_protocol(path), url=path))
     return (version, checksum)
-
-
-def _none() -> None:
-    return None
 
 
 def dataset_fingerprint(ds: Any) -> str:
@@ -432,13 +429,12 @@ def dataset_fingerprint(ds: Any) -> str:
     if isinstance(ds, Fingerprinted):
         return hash_parts("stated", type(ds).__qualname__, ds.fingerprint())
     if isinstance(ds, Source):
-        paths, sharded = ds.paths, isinstance(ds, ShardedSource)
-
-        def identity(k: int) -> tuple[Any, ...]:
-            version = functools.partial(_remote_version, ds, k, paths[k]) if sharded else _none
-            return _file_identity(paths[k], version)
-
-        files = map_files(identity, len(paths))  # (remote stores asked concurrently)
+        paths = ds.paths
+        versions: list[Any] = [None] * len(paths)
+        if isinstance(ds, ShardedSource) and not is_local(ds.filesystem):
+            # (a store asked for versions it has not given: once per file, on threads)
+            versions = map_files(lambda k: _remote_version(ds, k, paths[k]), len(paths))
+        files = [_file_identity(p, v) for p, v in zip(paths, versions)]
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another
         # codec) are other records, and a predicate may see the difference.
