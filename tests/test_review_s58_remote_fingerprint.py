@@ -67,3 +67,22 @@ def test_a_remote_dataset_uploaded_again_is_not_read_through_the_old_selection(t
         time.sleep(1.1)  # (a new Last-Modified)
         assert _write(str(root), 1, checksums) == sizes  # the same names and sizes
         assert job() == list(range(2, 41, 2))
+
+
+def test_a_remote_dataset_keeps_its_selection_key_after_its_shards_are_read(tmp_path):
+    root = tmp_path / "www"
+    _write(str(root), 0, True)
+    calls = []
+
+    def even(r):
+        calls.append(1)
+        return int(r["v"][0]) % 2 == 0
+
+    with RangeHTTPServer(str(root)) as srv:
+        src = tg.ArrayRecordSource(srv.url + "/ds", index_dir=None)
+        ds = tg.Dataset(src)
+        first = ds.filter(even, name="even", index_dir=str(tmp_path / "ix"), progress=False)
+        assert len(calls) == 40 and len(first) == 20
+        src[0]  # (every shard was read: its version pinned)
+        again = ds.filter(even, name="even", index_dir=str(tmp_path / "ix"), progress=False)
+        assert len(calls) == 40 and len(again) == 20  # the saved selection, not built again

@@ -43,6 +43,7 @@ import numpy as np
 from torchgrain.formats.index_file import INDEX_SUFFIX
 from torchgrain.io import remote
 from torchgrain.io.fs import is_local, map_files
+from torchgrain.io.retry import using
 from torchgrain.protocols import Fingerprinted
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.node_index.store import (
@@ -384,15 +385,20 @@ def _file_identity(path: str, version: tuple | None) -> tuple[Any, ...]:
 
 
 def _remote_version(src: ShardedSource, shard: int, path: str) -> tuple[Any, ...]:
-    """What tells the version of remote ``shard`` of ``src`` apart: the version its
-    opening pinned and the checksum its dataset records (a manifest's); where it has
-    neither yet (a manifest without checksums, before the shard's first read), the
-    version the store gives now (one request)."""
-    version, checksum = src.shard_version(shard), src.shard_integrity(shard)[1]
-    if checksum is None and (version is None or not any(version[1:])):
-        fs = src.filesystem
-        return (version, remote.size_and_version(fs, fs._strip_protocol(path), url=path))
-    return (version, checksum)
+    """What tells the version of remote ``shard`` of ``src`` apart, the same before and
+    after the source reads it: the checksum its dataset records (a manifest's), else the
+    version its opening pinned (size, ETag, Last-Modified), else (a manifest without
+    checksums: the shard's version is pinned at its first read) the version its store
+    gives now, asked under the source's retry policy."""
+    checksum = src.shard_integrity(shard)[1]
+    if checksum is not None:
+        return ("checksum", checksum)
+    version = src.shard_version(shard)
+    if version is not None and any(version[1:]):
+        return ("pinned", version)
+    fs = src.filesystem
+    with using(src.options.retry_policy):
+        return ("asked", remote.size_and_version(fs, fs._strip_protocol(path), url=path))
 
 
 def dataset_fingerprint(ds: Any) -> str:
