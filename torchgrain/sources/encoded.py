@@ -148,10 +148,7 @@ class EncodedSource(ShardedSource):
         t0 = time.perf_counter()
         blobs = self._read_batch(idx)
         if blobs is None:
-            blobs = self._read_groups(
-                idx,
-                lambda shard, rows, ix, reader: self._read_named(shard, rows, int(ix[0]), reader),
-            )
+            blobs = self._read_groups(idx, self._read_named)
         lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
         ends = np.cumsum(lengths)
         buf = _joined(blobs, ends)
@@ -202,17 +199,27 @@ class EncodedSource(ShardedSource):
     ) -> list[dict[str, Any]]:
         """Read rows of one shard (one call) and decode them; errors name file and index."""
         t0 = time.perf_counter()
-        blobs = self._read_named(shard, rows, int(indices[0]), reader)
+        blobs = self._read_named(shard, rows, indices, reader)
         return self._decode_blobs(
             blobs, t0, lambda: ([shard] * len(blobs), rows.tolist(), indices.tolist())
         )
 
-    def _read_named(self, shard: int, rows: np.ndarray, first: int, reader: Any) -> list[bytes]:
-        """:meth:`_read_rows`, its errors naming the shard and the first record's index."""
+    def _read_named(
+        self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any
+    ) -> list[bytes]:
+        """:meth:`_read_rows`, its errors naming the shard and the record: of bad data in
+        several rows, the first row that fails alone (read again one by one)."""
         try:
-            return self._read_rows(shard, rows, first, reader)
+            return self._read_rows(shard, rows, int(indices[0]), reader)
         except CorruptDataError as e:
-            raise self._named(e, shard, first) from e
+            at = int(indices[0])
+            for j in range(len(rows) if len(rows) > 1 else 0):
+                try:
+                    self._read_rows(shard, rows[j : j + 1], int(indices[j]), reader)
+                except CorruptDataError:
+                    at = int(indices[j])
+                    break
+            raise self._named(e, shard, at) from e
 
     def _in_order(self, shard: int, start: int, records: Iterable[bytes]) -> Iterator[bytes]:
         """``records`` of ``shard`` from row ``start`` on (a format's read in order), a

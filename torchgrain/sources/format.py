@@ -605,12 +605,14 @@ def name_error(e: Exception, where: str, index: int | None) -> Exception | None:
         ("bad frame (TFRecord shard 2 of 8 'b', record index 17)", True)
     """
     at = "" if index is None else f"record index {index}"
+    # (bad bytes that are also a NotImplementedError, TransposedChunkError, are bad bytes)
+    bug = isinstance(e, BUGS) and not isinstance(e, CorruptDataError)
     if _is_named(e):  # named without its record (by the shard's open): add it
-        if not at or e._torchgrain_at is not None or isinstance(e, BUGS):  # type: ignore[attr-defined]
+        if not at or e._torchgrain_at is not None or bug:  # type: ignore[attr-defined]
             return None
         return _mark(type(e)(f"{e} ({at})"), index)
     where = where + (f", {at}" if at else "")
-    if isinstance(e, BUGS):
+    if bug:
         if hasattr(e, "add_note"):  # (Python 3.11+)
             e.add_note(f"raised reading {where}")
         _mark(e, None)
