@@ -369,8 +369,9 @@ def _reshape(arr: np.ndarray, shape: tuple[int, ...]) -> Any:
     return arr.reshape(shape)
 
 
-#: The most bytes a zlib-encoded tensor may inflate to (less when its spec's shape says so).
-_MAX_ZLIB_BYTES = 1 << 30
+#: The most bytes one tensor may decode to: a zlib-encoded one inflate to (less when its
+#: spec's shape says so), a list of values widened to its dtype (any width: "S1000000000").
+_MAX_TENSOR_BYTES = 1 << 30
 
 
 def _inflate(blobs: list[bytes], limit: int) -> list[bytes]:
@@ -401,7 +402,7 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
         blobs = value if isinstance(value, list) else [value]
         if encoding == "zlib":
             # All the blobs of one tensor together hold at most its shape's bytes.
-            limit = _MAX_ZLIB_BYTES
+            limit = _MAX_TENSOR_BYTES
             if all(d >= 0 for d in shape):
                 limit = min(limit, math.prod(shape) * dt.itemsize)
             blobs = _inflate(blobs, limit)
@@ -410,9 +411,9 @@ def _tensor(value: Any, dtype: str, shape: tuple[int, ...], encoding: str | None
     else:
         arr = np.asarray(value)
         if arr.dtype != dt:  # (not asarray(value, dt): its errors name no value)
-            if arr.size * dt.itemsize > _MAX_ZLIB_BYTES:  # (a dtype of any width: "S1000000000")
+            if arr.size * dt.itemsize > _MAX_TENSOR_BYTES:
                 raise ValueError(
-                    f"{arr.size} values of dtype {dt} are more than the {_MAX_ZLIB_BYTES} "
+                    f"{arr.size} values of dtype {dt} are more than the {_MAX_TENSOR_BYTES} "
                     "bytes a tensor may decode to"
                 )
             arr = arr.astype(dt)
