@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import mmap
 import os
 import struct
@@ -160,7 +161,7 @@ class IndexFile:
                 raise _bad(path, f"header of {hlen} bytes does not fit the file")
             try:
                 header = json.loads(bytes(mm[_PREAMBLE.size : _PREAMBLE.size + hlen]))
-            except (ValueError, UnicodeDecodeError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
                 raise _bad(path, f"unreadable header: {e}") from None
             if not isinstance(header, dict) or header.get("kind") != kind:
                 got = header.get("kind") if isinstance(header, dict) else None
@@ -197,7 +198,7 @@ def _arrays(
         name, dtype, shape, offset = entry
         if not isinstance(name, str) or name in out:
             raise _bad(path, f"bad or repeated array name {name!r:.40}")
-        if dtype not in _DTYPES:
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise _bad(path, f"array {name!r} has unsupported dtype {dtype!r:.20}")
         if (
             not isinstance(shape, list)
@@ -206,7 +207,7 @@ def _arrays(
         ):
             raise _bad(path, f"array {name!r} has a bad shape {shape!r:.40}")
         dt = _DTYPES[dtype]
-        count = int(np.prod(shape))
+        count = math.prod(shape)  # (exact: numpy's product wraps around past 2**63)
         nbytes = count * dt.itemsize
         if type(offset) is not int or offset < start or offset % _ALIGN or offset + nbytes > size:
             raise _bad(

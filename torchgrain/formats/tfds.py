@@ -186,7 +186,10 @@ def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
         return ("sequence", _parse(spec["sequence"].get("feature", {})))
     if "image" in spec:
         im = spec["image"]
-        return ("image", np.dtype(im.get("dtype", "uint8")), _dims(im.get("shape")))
+        dtype = np.dtype(im.get("dtype", "uint8"))
+        if dtype.kind not in "uf" or dtype.itemsize > 8:  # (TFDS: uint8, uint16, float32)
+            raise ValueError(f"an image's dtype must be a number, not {dtype}")
+        return ("image", dtype, _dims(im.get("shape")))
     if "tensor" in spec:
         t = spec["tensor"]
         return ("tensor", t.get("dtype", "float32"), _dims(t.get("shape")), t.get("encoding"))
@@ -313,6 +316,10 @@ class TFDSCodec(BaseCodec):
         arr = self._decoder(data)
         if arr.ndim == 2 and len(shape) == 3:
             arr = arr[:, :, None]
+        if shape and (
+            arr.ndim != len(shape) or any(0 <= d != n for d, n in zip(shape, arr.shape))
+        ):  # (as tfds.load: an image of another shape than its spec's is refused)
+            raise ValueError(f"an image of shape {arr.shape} where the spec says {shape}")
         return np.ascontiguousarray(arr, dtype=dtype)
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
+    TorchgrainError,
     check_ceiling,
 )
 from torchgrain.formats.arrayrecord import (
@@ -37,6 +38,7 @@ from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_
 from torchgrain.sources.base import shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.encoded import EncodedSource, acquired
+from torchgrain.sources.format import name_error
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 from torchgrain.sources.node_index.arrayrecord import stat_shards
@@ -74,7 +76,8 @@ class ArrayRecordSource(EncodedSource):
             error (zstd and snappy frames carry no checksum of their content; a
             damaged frame header or length still fails); the manifest's file
             checksums check a downloaded copy whole (``cache_dir``); read data you
-            did not write once with it on.
+            did not write once with it on (it also places chunks by the shards' own
+            footers, not by the index file the dataset ships).
             ``max_open_files`` defaults to every shard when the open-files limit
             allows (raising the soft limit toward the hard one where that makes room),
             else what a quarter of the limit holds; local batches are read through one
@@ -185,7 +188,9 @@ class ArrayRecordSource(EncodedSource):
                 shard_paths,
                 index_dir=None if index_dir is None else os.fspath(index_dir),
                 counts=counts,
-                beside=index_entry,
+                # (verifying: the shards' own footers, not an index the dataset ships,
+                # whose offsets only the manifest's checksum vouches for)
+                beside=None if self._verify else index_entry,
                 max_chunk_bytes=max_chunk_bytes,
                 lock_wait=None if opts.retry is None else opts.retry.deadline,
                 stats=stats,
@@ -225,6 +230,13 @@ class ArrayRecordSource(EncodedSource):
             options=opts,
             max_open_files=max_open_files,
         )
+        if has_manifest:  # a shard the manifest gives no records is never read: its file
+            # must hold none (a count too low elsewhere is refused when the shard is read)
+            for k in np.flatnonzero(np.asarray(counts) == 0).tolist():
+                try:
+                    self._counted_file(k, shard_paths[k], None if local else fs).close()
+                except CorruptDataError as e:
+                    raise name_error(e, self._shard_where(k), None) or e from None
         if fresh and self._held is not None:
             # The footer reads found each file's size: a pass's cache-fit check asks for none.
             self.cache_fit.sizes = {k: p.size for k, p in enumerate(self._held) if p and p.size}
@@ -273,7 +285,7 @@ class ArrayRecordSource(EncodedSource):
                 f._local_view()
             except CorruptDataError as e:
                 raise self._shard_changed(shard, str(e)) from None
-            except FileNotFoundError as e:
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
                 raise _missing(shard, path, e) from e
             self._check_opened(shard)  # (pinned: a change from now on is the pin's)
         except BaseException:
@@ -300,11 +312,8 @@ class ArrayRecordSource(EncodedSource):
             self._check_count(shard, f)
         except BaseException as e:
             f.close()
-            if isinstance(e, (IsADirectoryError, NotADirectoryError)):
-                raise CorruptDataError(
-                    f"shard {shard} {path!r} of this dataset is a directory, not an ArrayRecord file"
-                ) from e
-            if isinstance(e, FileNotFoundError) and not isinstance(e, DatasetNotFoundError):
+            not_file = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+            if isinstance(e, not_file) and not isinstance(e, DatasetNotFoundError):
                 raise _missing(shard, path, e) from e
             raise
         return f
@@ -321,8 +330,7 @@ class ArrayRecordSource(EncodedSource):
             finally:
                 f.close()
         return CorruptDataError(
-            f"shard {shard} {self._paths[shard]!r} is not the file the dataset's index "
-            f"describes ({why}); "
+            f"the file is not the one the dataset's index describes ({why}); "
             + (
                 "it was replaced after the dataset was written: rewrite the dataset"
                 if self._manifest_dir is not None
@@ -366,8 +374,8 @@ class ArrayRecordSource(EncodedSource):
         n = f.num_records
         if n != expected:  # (the callers close f)
             raise CorruptDataError(
-                f"shard {shard} {self._paths[shard]!r} holds {n} records but the dataset's "
-                f"manifest lists {expected}: the shard was replaced after the manifest was "
+                f"the file holds {n} records but the dataset's manifest lists {expected}: "
+                "the shard was replaced after the manifest was "
                 "written (rewrite the dataset, or delete torchgrain.json to count records "
                 "from the shards' footers)"
             )
@@ -678,8 +686,14 @@ class ArrayRecordSource(EncodedSource):
         )
 
 
-def _missing(shard: int, path: str, e: OSError) -> DatasetNotFoundError:
-    return DatasetNotFoundError(f"shard {shard} {path!r} of this dataset does not exist ({e})")
+def _missing(shard: int, path: str, e: OSError) -> TorchgrainError:
+    """The error for a shard that is not a file: missing, or a directory."""
+    if isinstance(e, FileNotFoundError):
+        return DatasetNotFoundError(f"shard {shard} {path!r} of this dataset does not exist ({e})")
+    what = "a directory" if isinstance(e, IsADirectoryError) else "not a file"
+    return CorruptDataError(
+        f"shard {shard} {path!r} of this dataset is {what}, not an ArrayRecord file"
+    )
 
 
 def _old_cache_budget(keywords: dict[str, Any]) -> dict[str, Any]:
