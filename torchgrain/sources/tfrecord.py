@@ -64,7 +64,7 @@ from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import RetryPolicy, each_under, using
 from torchgrain.sources.base import shard_rows
 from torchgrain.sources.encoded import EncodedSource, acquired
-from torchgrain.sources.format import ShardFile
+from torchgrain.sources.format import ShardFile, name_error, shard_where
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
 from torchgrain.sources.options import ReadOptions, check_dir_option
@@ -384,8 +384,7 @@ class TFRecordSource(EncodedSource):
             if ends and max(ends) > len(view):
                 expected = int(self._tfindex.file_size[shard])  # (its last offset)
                 raise CorruptDataError(
-                    f"TFRecord shard {shard} {name!r} is truncated: {len(view)} bytes where "
-                    f"its index expects {expected} (record index {index})"
+                    f"the file is truncated: {len(view)} bytes where its index expects {expected}"
                 )
             return [view[s:e] for s, e in zip(starts, ends)]
 
@@ -538,10 +537,12 @@ class TFRecordFormat:
     def check_readable(self, shard: int, path: str, index: int) -> None:
         """Refuse random access to a compressed file (record ``index`` asked of it)."""
         if self.shards is not None and self.shards.compressed[shard]:
-            raise CorruptDataError(
-                f"TFRecord shard {shard} {path!r} is compressed and can only be read in "
-                f"order, not by index (record index {index}); decompress it, or convert the "
-                "dataset: torchgrain convert SRC DST"
+            raise self._corrupt(
+                f"{path!r} is compressed and can only be read in order, not by index; "
+                "decompress it, or convert the dataset: torchgrain convert SRC DST",
+                shard,
+                path,
+                index,
             )
 
     def frames(
@@ -559,22 +560,33 @@ class TFRecordFormat:
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
             s, where = int(shard[k]), ix.path
-            raise CorruptDataError(
-                f"TFRecord shard {s} {paths[s]!r}: the dataset's index "
-                f"{'file ' + repr(where) if where else ''} puts row {int(rows[k])} at bytes "
-                f"[{int(first[k])}, {int(last[k])}) of a {int(size[k])}-byte file (record "
-                f"index {int(idx[k])}); the index is damaged (delete it to have it rebuilt)"
+            raise self._corrupt(
+                f"the dataset's index {'file ' + repr(where) if where else ''} puts row "
+                f"{int(rows[k])} at bytes [{int(first[k])}, {int(last[k])}) of a "
+                f"{int(size[k])}-byte file; the index is damaged (delete it to have it rebuilt)",
+                s,
+                paths[s],
+                int(idx[k]),
             )
         lengths = last - first - 16
         if int(lengths.max()) > self.max_record_bytes:
             k = int(np.argmax(lengths))
-            raise CorruptDataError(
-                f"TFRecord shard {int(shard[k])} {paths[int(shard[k])]!r}: record "
-                f"{int(rows[k])} is {int(lengths[k])} bytes long, more than max_record_bytes="
-                f"{self.max_record_bytes} allows (record index {int(idx[k])}; a larger "
-                "max_record_bytes reads it, if the file is trusted)"
+            raise self._corrupt(
+                f"{paths[int(shard[k])]!r}: row {int(rows[k])} is {int(lengths[k])} bytes long, more than "
+                f"max_record_bytes={self.max_record_bytes} allows (a larger max_record_bytes "
+                "reads it, if the file is trusted)",
+                int(shard[k]),
+                paths[int(shard[k])],
+                int(idx[k]),
             )
         return first, last
+
+    def _corrupt(self, message: str, shard: int, path: str, index: int) -> CorruptDataError:
+        """A CorruptDataError of ``message`` naming the shard, file and record index as
+        every read does (:func:`~torchgrain.sources.format.name_error`)."""
+        num = len(self.shards.counts) if self.shards is not None else shard + 1
+        where = shard_where(self.name, shard, num, path)
+        return name_error(CorruptDataError(message), where, index)  # type: ignore[return-value]
 
     def parse(self, frames: Iterable[Any], starts: Iterable[int], path: str) -> list[bytes]:
         """The records of ``frames`` (read from byte ``starts`` of ``path``), CRCs checked."""
