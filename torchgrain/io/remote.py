@@ -1,45 +1,14 @@
 """Every request torchgrain makes to remote storage: with deadlines, checked, and confined.
 
-A remote server may be slow, broken or hostile. It may stop sending in the middle of a
-body and keep the socket open (without a deadline a read then waits ~300 s, and again on
-every retry), trickle one byte at a time, answer a range request with the whole file, send
-fewer bytes than it promised, or redirect the client to another host. This module is the
-one place where torchgrain talks to fsspec about remote files, so that:
-
-* **every request has a deadline.** The transport gets connect and between-bytes timeouts
-  (:func:`storage_options_with_deadlines`, applied by
-  :func:`~torchgrain.io.fs.get_filesystem` to ``http(s)://`` and ``s3://`` unless the user
-  set them), and every call into an async fsspec filesystem (s3fs, gcsfs, HTTP, ...) is
-  cancelled after the request's own time limit, cut to what the retried operation has
-  left (:func:`~torchgrain.io.retry.remaining_seconds`). A timed-out request is a
-  transient failure: the operation retries it and ends in
-  :class:`~torchgrain.RemoteIOError` naming the URL. Requests made outside an operation
-  are retried on their own (:func:`call`).
-* **every body has the length asked for, and is never buffered past it.** A range that
-  comes back longer (a server that ignores ``Range`` and sends the whole file, or an endless
-  body) or shorter than asked, while the file is long enough, is a transient failure, never
-  bytes from the wrong offset; a file really shorter than the range is
-  :class:`~torchgrain.CorruptDataError`. On HTTP(S) and S3 a body is read in pieces and
-  given up as soon as it holds more than was asked for (a response to a request without a
-  range, such as a directory listing page, more than :data:`MAX_PAGE_BYTES`); a download
-  stops at its expected size, and fails when it falls behind ``min_rate``.
-* **a range answer is the range asked, of the file opened.** Its ``Content-Range`` must
-  name the bytes asked for, of a file of the size pinned when the file was opened
-  (:func:`pin`: from the dataset's index, manifest or footer read, so that a worker
-  opening it later checks against the same size), with the ``ETag`` and ``Last-Modified``
-  of the first answer (sent back as ``If-Match``). A file replaced on the server while it
-  is read ends in :class:`~torchgrain.RemoteIOError` naming the URL (after one retry),
-  never in the new file's bytes at the old file's offsets
-  (:func:`~torchgrain.io.responses.check_range_answer`).
-* **redirects stay put.** On HTTP(S), a redirect is followed only from a directory's URL to
-  the same URL with a trailing slash; any other is refused
-  (:class:`~torchgrain.UnsafePathError`) before a request is made to where it points,
-  unless the dataset was opened with ``allow_external_paths=True``.
-* **a forked child leaves the parent's connections alone** (:mod:`torchgrain.io.loops`):
-  a DataLoader worker freeing the parent's filesystems no longer silences the parent's
-  pooled connections.
-* **files are read through the same checks.** :func:`open_input` gives Parquet and TFRecord
-  readers a file object whose reads are range requests made here.
+A remote server may be slow, broken or hostile; this module is the one place where
+torchgrain talks to fsspec about remote files, so that every request has a deadline
+(:func:`storage_options_with_deadlines`, and a cancel after the request's own time limit),
+every body has the length asked for and is never buffered past it, a range answer is the
+range asked of the file opened (:func:`pin`,
+:func:`~torchgrain.io.responses.check_range_answer`), redirects stay put, and a forked
+child leaves the parent's connections alone (:mod:`torchgrain.io.loops`).
+:func:`open_input` gives Parquet and TFRecord readers a file object whose reads are range
+requests made here. Design notes: docs/design-notes.md#io-remote.
 
 Local and in-memory filesystems are called directly: none of this costs them anything.
 The checks on what a server sends back are in :mod:`torchgrain.io.responses`.

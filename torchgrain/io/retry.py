@@ -1,14 +1,10 @@
 """Retries with exponential backoff and jitter for reads from object storage.
 
-Object stores fail transiently all the time at scale: a 503 ``SlowDown``, a reset
-connection, a read timeout. A training job must ride through those without losing its
-place, yet must stop at once on errors that no retry can fix (404, 403): retrying a
-missing object only hides a typo in a path for minutes.
-
-:func:`is_transient` decides by walking the whole exception chain (``__cause__`` and
-``__context__``), because fsspec often wraps the transport error: the HTTP filesystem
-reports a 503 on ``info()`` as ``FileNotFoundError`` *caused by* the 503, and readers wrap
-failed range reads in their own errors.
+A training job must ride through an object store's transient failures (a 503, a reset
+connection, a timeout) and stop at once on errors no retry can fix (404, 403).
+:func:`is_transient` decides by walking the whole exception chain; every operation ends
+within its :class:`RetryPolicy`'s deadlines, kept for the operation in a context variable
+(:func:`using`, :func:`current_policy`). Design notes: docs/design-notes.md#io-retry.
 
 Example:
     >>> calls = []
@@ -21,20 +17,6 @@ Example:
     'ok'
     >>> len(calls)
     3
-
-Deadlines. Every remote request has a finite time (see :class:`RetryPolicy`): the transport
-gives up on a connection that does not open within ``connect_timeout`` or a response that
-sends nothing for ``read_timeout``; torchgrain cancels a request that has not completed
-within ``request_timeout`` (plus the time its bytes take at ``min_rate``); and one
-operation, all its attempts and waits included, ends within ``deadline`` seconds, plus the
-time at ``min_rate`` of the bytes its requests *brought*. A request in flight may use the
-time of its own bytes too, but a failed one earns nothing: retrying a stalled request does
-not push the deadline back, so no attempt starts after ``deadline`` seconds without
-progress. A timed-out request is a transient failure, retried like
-any other, and the operation ends in :class:`~torchgrain.RemoteIOError` naming the URL.
-The policy of the operation in progress is kept in a context variable, so the requests it
-makes deep inside a reader (footer reads, range reads) keep to its deadline without the
-policy being passed down by hand; see :func:`using` and :func:`current_policy`.
 """
 
 from __future__ import annotations
