@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import torchgrain as tg
+from tests.servers import RangeHTTPServer
 from torchgrain.formats.index_file import IndexFile, IndexFileWriter
 from torchgrain.formats.tf_example import encode_tf_example
 from torchgrain.formats.tfrecord import write_tfrecord
@@ -77,16 +78,31 @@ def test_a_shard_the_manifest_gives_no_records_must_hold_none(tmp_path):
     for index_dir in (str(tmp_path / "index"), None):
         with pytest.raises(
             tg.CorruptDataError,
-            match=r"holds 5 records but the dataset's manifest lists 0: .*ArrayRecord shard 0 of 2",
+            match=r"shard 0 .*holds 5 records but the dataset's manifest lists 0",
         ):
             tg.ArrayRecordSource(d, index_dir=index_dir)
 
 
 def test_empty_shards_of_a_manifest_still_open(tmp_path):
-    d = str(tmp_path / "ds")
-    tg.write_array_record([{"i": i} for i in range(2)], d, num_shards=4)
-    src = tg.ArrayRecordSource(d)
-    assert [r["i"] for r in src.__getitems__([1, 0])] == [1, 0]
+    d = tmp_path / "ds"
+    tg.write_array_record([{"i": i} for i in range(2)], str(d), num_shards=4)
+    assert [r["i"] for r in tg.ArrayRecordSource(str(d)).__getitems__([1, 0])] == [1, 0]
+    with RangeHTTPServer(str(tmp_path)) as srv:
+        src = tg.ArrayRecordSource(f"{srv.url}/ds")
+        assert [r["i"] for r in src.__getitems__([1, 0])] == [1, 0]
+
+
+def test_a_remote_shard_the_manifest_gives_no_records_must_hold_none(tmp_path):
+    d = tmp_path / "ds"
+    tg.write_array_record([{"i": i} for i in range(10)], str(d), num_shards=2)
+    doc = _manifest(str(d))
+    doc["shards"][1]["num_records"], doc["num_records"] = 0, 5
+    _save_manifest(str(d), doc)
+    with (
+        RangeHTTPServer(str(tmp_path)) as srv,
+        pytest.raises(tg.CorruptDataError, match=r"shard 1 .*manifest lists 0"),
+    ):
+        tg.ArrayRecordSource(f"{srv.url}/ds")
 
 
 def test_verify_checksums_reads_the_shards_footers_not_a_shipped_index(tmp_path):
@@ -149,3 +165,6 @@ def test_a_tfds_image_of_another_shape_than_its_spec_is_refused(tmp_path):
         tg.TFRecordSource(d, index_dir=None)[0]
     d2 = _tfds(tmp_path / "ok", {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8"})
     assert tg.TFRecordSource(d2, index_dir=None)[0]["im"].shape == (64, 64, 3)
+    # (channels are left as decoded: a grayscale image under an RGB spec still reads)
+    d3 = _tfds(tmp_path / "gray", {"shape": {"dimensions": ["64", "64", "3"]}}, shape=(64, 64))
+    assert tg.TFRecordSource(d3, index_dir=None)[0]["im"].shape == (64, 64, 1)

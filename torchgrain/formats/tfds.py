@@ -187,7 +187,7 @@ def _parse(spec: dict[str, Any]) -> tuple[Any, ...]:
     if "image" in spec:
         im = spec["image"]
         dtype = np.dtype(im.get("dtype", "uint8"))
-        if dtype.kind not in "uf" or dtype.itemsize > 8:  # (TFDS: uint8, uint16, float32)
+        if dtype.kind not in "biuf" or dtype.itemsize > 8:  # (TFDS: uint8, uint16, float32)
             raise ValueError(f"an image's dtype must be a number, not {dtype}")
         return ("image", dtype, _dims(im.get("shape")))
     if "tensor" in spec:
@@ -316,9 +316,9 @@ class TFDSCodec(BaseCodec):
         arr = self._decoder(data)
         if arr.ndim == 2 and len(shape) == 3:
             arr = arr[:, :, None]
-        if shape and (
-            arr.ndim != len(shape) or any(0 <= d != n for d, n in zip(shape, arr.shape))
-        ):  # (as tfds.load: an image of another shape than its spec's is refused)
+        # As tfds.load: an image of another height or width than its spec's is refused
+        # (its channels are left as decoded: tfds.load converts them to the spec's).
+        if len(shape) == 3 and any(0 <= d != n for d, n in zip(shape[:2], arr.shape[:2])):
             raise ValueError(f"an image of shape {arr.shape} where the spec says {shape}")
         return np.ascontiguousarray(arr, dtype=dtype)
 

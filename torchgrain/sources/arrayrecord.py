@@ -30,7 +30,7 @@ from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io import remote
-from torchgrain.io.fs import ShardPaths, is_local
+from torchgrain.io.fs import ShardPaths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion
 from torchgrain.io.retry import retry_call, using
@@ -38,7 +38,6 @@ from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_
 from torchgrain.sources.base import shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.encoded import EncodedSource, acquired
-from torchgrain.sources.format import name_error
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 from torchgrain.sources.node_index.arrayrecord import stat_shards
@@ -231,12 +230,20 @@ class ArrayRecordSource(EncodedSource):
             max_open_files=max_open_files,
         )
         if has_manifest:  # a shard the manifest gives no records is never read: its file
-            # must hold none (a count too low elsewhere is refused when the shard is read)
-            for k in np.flatnonzero(np.asarray(counts) == 0).tolist():
-                try:
-                    self._counted_file(k, shard_paths[k], None if local else fs).close()
-                except CorruptDataError as e:
-                    raise name_error(e, self._shard_where(k), None) or e from None
+            # must hold none (a count too low elsewhere is refused when the shard is read):
+            # local ones by the index's counts, remote ones by their footers, concurrently
+            empty = np.flatnonzero(np.asarray(counts) == 0)
+            if self._count_bad is not None:
+                empty = empty[self._count_bad[empty]]
+            elif local:
+                empty = empty[:0]
+            map_files(
+                lambda j: self._counted_file(
+                    int(empty[j]), shard_paths[int(empty[j])], None if local else fs
+                ).close(),
+                len(empty),
+                max_workers=1 if local else opts.io_threads,
+            )
         if fresh and self._held is not None:
             # The footer reads found each file's size: a pass's cache-fit check asks for none.
             self.cache_fit.sizes = {k: p.size for k, p in enumerate(self._held) if p and p.size}
@@ -330,7 +337,8 @@ class ArrayRecordSource(EncodedSource):
             finally:
                 f.close()
         return CorruptDataError(
-            f"the file is not the one the dataset's index describes ({why}); "
+            f"shard {shard} {self._paths[shard]!r} is not the file the dataset's index "
+            f"describes ({why}); "
             + (
                 "it was replaced after the dataset was written: rewrite the dataset"
                 if self._manifest_dir is not None
@@ -374,8 +382,8 @@ class ArrayRecordSource(EncodedSource):
         n = f.num_records
         if n != expected:  # (the callers close f)
             raise CorruptDataError(
-                f"the file holds {n} records but the dataset's manifest lists {expected}: "
-                "the shard was replaced after the manifest was "
+                f"shard {shard} {self._paths[shard]!r} holds {n} records but the dataset's "
+                f"manifest lists {expected}: the shard was replaced after the manifest was "
                 "written (rewrite the dataset, or delete torchgrain.json to count records "
                 "from the shards' footers)"
             )
