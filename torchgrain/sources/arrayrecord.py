@@ -336,14 +336,17 @@ class ArrayRecordSource(EncodedSource):
                 return e
             finally:
                 f.close()
-        return CorruptDataError(
-            f"shard {shard} {self._paths[shard]!r} is not the file the dataset's index "
-            f"describes ({why}); "
-            + (
-                "it was replaced after the dataset was written: rewrite the dataset"
-                if self._manifest_dir is not None
-                else "it changed after the dataset was opened: open it again"
-            )
+        return self._named(
+            CorruptDataError(
+                f"the file is not the one the dataset's index describes ({why}); "
+                + (
+                    "it was replaced after the dataset was written: rewrite the dataset"
+                    if self._manifest_dir is not None
+                    else "it changed after the dataset was opened: open it again"
+                )
+            ),
+            shard,
+            None,
         )
 
     def _check_counts(self, shards: np.ndarray) -> None:
@@ -381,11 +384,15 @@ class ArrayRecordSource(EncodedSource):
         expected = int(self.index.counts[shard])
         n = f.num_records
         if n != expected:  # (the callers close f)
-            raise CorruptDataError(
-                f"shard {shard} {self._paths[shard]!r} holds {n} records but the dataset's "
-                f"manifest lists {expected}: the shard was replaced after the manifest was "
-                "written (rewrite the dataset, or delete torchgrain.json to count records "
-                "from the shards' footers)"
+            raise self._named(
+                CorruptDataError(
+                    f"the file holds {n} records but the dataset's manifest lists {expected}: "
+                    "the shard was replaced after the manifest was written (rewrite the "
+                    "dataset, or delete torchgrain.json to count records from the shards' "
+                    "footers)"
+                ),
+                shard,
+                None,
             )
 
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:

@@ -235,10 +235,10 @@ class EncodedSource(ShardedSource):
     def _shard_where(self, shard: int) -> str:
         return shard_where(self.format_name, shard, self.num_shards, self._paths[shard])
 
-    def _named(self, e: CorruptDataError, shard: int, index: int) -> CorruptDataError:
+    def _named(self, e: CorruptDataError, shard: int, index: int | None) -> CorruptDataError:
         """``e`` naming the shard, file and record index it was reading (when not yet
-        said), as every read of every format does (:func:`name_error`), the formats' own
-        fast paths too."""
+        said; ``index`` None: the shard alone, a later read adds its record), as every
+        read of every format does (:func:`name_error`), the formats' own fast paths too."""
         return name_error(e, self._shard_where(shard), index) or e  # type: ignore[return-value]
 
     def _decode_blobs(
