@@ -170,3 +170,83 @@ def test_a_tfds_image_of_another_shape_than_its_spec_is_refused(tmp_path):
     # (channels are left as decoded: a grayscale image under an RGB spec still reads)
     d3 = _tfds(tmp_path / "gray", {"shape": {"dimensions": ["64", "64", "3"]}}, shape=(64, 64))
     assert tg.TFRecordSource(d3, index_dir=None)[0]["im"].shape == (64, 64, 1)
+
+
+def _forge(path, kind, edit, *, in_place):
+    """Rewrite index file ``path`` with ``edit(arrays, meta)`` applied, its checksum
+    recomputed: in place (same inode and size) or replaced."""
+    f = IndexFile.open(path, kind)
+    arrays, meta = {k: np.array(v) for k, v in f.arrays.items()}, dict(f.meta)
+    del f
+    edit(arrays, meta)
+    tmp = path + ".forged"
+    w = IndexFileWriter(tmp, kind, {k: (v.dtype.str, v.shape[1:]) for k, v in arrays.items()})
+    for k, v in arrays.items():
+        w.append(k, v)
+    w.publish(meta)
+    if not in_place:
+        os.replace(tmp, path)
+        return
+    with open(tmp, "rb") as src:
+        data = src.read()
+    os.unlink(tmp)
+    assert len(data) == os.path.getsize(path)
+    with open(path, "r+b") as out:
+        out.write(data)
+
+
+def _tenth(r):
+    return r["x"] % 10 == 0
+
+
+def test_a_filter_selection_rewritten_in_place_is_refused_by_spawned_workers(tmp_path):
+    """Same inode and size, checksum recomputed: a spawned worker maps it by name and
+    checked only (device, inode, size), so it served [0] * 10 for [0, 10, ..., 90]."""
+    import torch
+
+    data, idx = str(tmp_path / "data"), str(tmp_path / "idx")
+    tg.write_parquet(({"x": i} for i in range(100)), data)
+    f = tg.Dataset(tg.ParquetSource(data)).filter(
+        _tenth, index_dir=idx, progress=False, num_workers=0
+    )
+    assert len(f) == 10
+    (path,) = [os.path.join(idx, p) for p in os.listdir(idx) if p.endswith(".tgindex")]
+
+    def dup(arrays, meta):
+        arrays["selection"][:] = 0
+
+    _forge(path, "filter", dup, in_place=True)
+    loader = torch.utils.data.DataLoader(
+        f, batch_size=5, num_workers=1, multiprocessing_context="spawn", collate_fn=list
+    )
+    with pytest.raises(tg.CorruptDataError, match=r"index file .* was replaced"):
+        [r["x"] for batch in loader for r in batch]
+
+
+@pytest.mark.parametrize("truncated", [None, "lots", [1], 99])
+def test_a_pack_index_whose_truncated_count_lies_is_rebuilt(tmp_path, truncated):
+    """A KeyError, a ValueError later, a TypeError, or 99 truncated documents reported."""
+    data, idx = str(tmp_path / "data"), str(tmp_path / "idx")
+    tg.write_parquet(({"tokens": np.arange(n, dtype=np.int64)} for n in [3, 7, 2, 4, 12]), data)
+
+    def windows():
+        return tg.Dataset(tg.ParquetSource(data)).windows(
+            "tokens", 8, mode="pack", index_dir=idx, progress=False, num_workers=0
+        )
+
+    with pytest.warns(UserWarning, match="truncated"):
+        assert windows().truncated_documents == 1
+    (path,) = [
+        os.path.join(idx, p)
+        for p in os.listdir(idx)
+        if p.endswith(".tgindex") and "bins" in IndexFile.open(os.path.join(idx, p), "windows")
+    ]
+
+    def lie(arrays, meta):
+        meta.pop("truncated")
+        if truncated is not None:
+            meta["truncated"] = truncated
+
+    _forge(path, "windows", lie, in_place=False)
+    with pytest.warns(UserWarning, match="rebuilding"):
+        assert windows().truncated_documents == 1

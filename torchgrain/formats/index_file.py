@@ -51,6 +51,7 @@ import numpy as np
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import changes
 from torchgrain.io.atomic import publish
+from torchgrain.io.cache_records import file_identity
 
 __all__ = ["INDEX_SUFFIX", "IndexFile", "IndexFileWriter"]
 
@@ -68,8 +69,9 @@ class IndexFile:
     """A validated, read-only, memory-mapped index file.
 
     Arrays are numpy views of one map of the file (no copy; pages are shared with every
-    other process mapping it). ``identity`` is ``(device, inode, size)`` of the
-    file opened. The file is pinned when opened: :meth:`check` says whether it changed
+    other process mapping it). ``identity`` is the file's
+    :func:`~torchgrain.io.cache_records.file_identity` when opened (device, inode, size,
+    modification and change times: a rewrite in place changes it). The file is pinned when opened: :meth:`check` says whether it changed
     since (call it before reading the arrays again).
     """
 
@@ -77,7 +79,7 @@ class IndexFile:
     kind: str
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray]
-    identity: tuple[int, int, int]
+    identity: tuple[int, int, int, int, int]
     _mm: mmap.mmap | None = None
     _body: int = 0
     checksum: str | None = None
@@ -175,7 +177,7 @@ class IndexFile:
             with contextlib.suppress(BufferError):
                 mm.close()
             raise
-        identity = (st.st_dev, st.st_ino, st.st_size)
+        identity = file_identity(st)
         body = _PREAMBLE.size + hlen
         return cls(path, kind, meta, arrays, identity, mm, body, header.get("checksum"), pin)
 

@@ -379,11 +379,14 @@ def _check_bins(ix: DerivedIndex, offsets: np.ndarray, seq_len: int, special: in
     # to check), or no windows and no tokens at all.
     if len(docs) != n and (len(bins) > 1 or offsets[-1] > 0):
         return "it leaves out documents"
-    lens = np.minimum(offsets[docs + 1] - offsets[docs], seq_len)
+    full = offsets[docs + 1] - offsets[docs]
+    lens = np.minimum(full, seq_len)
     if len(docs) and (np.add.reduceat(lens, bins[:-1]) > seq_len).any():
         return f"a window holds more than {seq_len} tokens"
     if int(lens.sum()) != ix.meta.get("tokens"):
         return "its token count is wrong"
+    if int(np.count_nonzero(full > seq_len)) != ix.meta.get("truncated"):
+        return "its count of truncated documents is wrong"
     return None
 
 

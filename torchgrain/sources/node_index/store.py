@@ -704,7 +704,7 @@ def _stamp(f: IndexFile, index_dir: str | None, expect: str | None) -> str | Non
     if index_dir is None:
         return None
     st = os.stat(f.path)
-    if (st.st_dev, st.st_ino, st.st_size) != f.identity:
+    if file_identity(st) != f.identity:
         return None  # replaced since it was opened: verify what was opened, stamp nothing
     # (identity: device, inode, size, modification and change times)
     item = (os.path.abspath(f.path), *file_identity(st), expect or f.checksum)
@@ -897,7 +897,7 @@ def _file_in_place(f: IndexFile, index_dir: str, cls: Any) -> IndexFile:
     """
     with contextlib.suppress(OSError):
         st = os.stat(f.path)
-        if (st.st_dev, st.st_ino, st.st_size) == f.identity:
+        if file_identity(st) == f.identity:  # (a rewrite in place is another file)
             return f
 
     def same(ix: Any) -> None:
