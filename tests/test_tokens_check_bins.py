@@ -10,7 +10,8 @@ from torchgrain.tokens.windows import _check_bins
 
 def _index(docs: list[int], bins: list[int], tokens: int) -> SimpleNamespace:
     arrays = {"docs": np.array(docs, np.int64), "bins": np.array(bins, np.int64)}
-    return SimpleNamespace(arrays=arrays, meta={"tokens": tokens})
+    # (none of these documents is longer than seq_len=8: none truncated)
+    return SimpleNamespace(arrays=arrays, meta={"tokens": tokens, "truncated": 0})
 
 
 @pytest.mark.parametrize(
