@@ -250,3 +250,33 @@ def test_a_pack_index_whose_truncated_count_lies_is_rebuilt(tmp_path, truncated)
     _forge(path, "windows", lie, in_place=False)
     with pytest.warns(UserWarning, match="rebuilding"):
         assert windows().truncated_documents == 1
+
+
+def test_a_dataset_index_touched_or_rewritten_before_spawned_workers(tmp_path):
+    """A touch or chmod of the index beside a dataset is not a rewrite: spawned workers
+    still read it (they refused it once its full identity was pickled); a rewrite in
+    place, checksum recomputed, is refused in the parent, where the DataLoader says so."""
+    import torch
+
+    d = str(tmp_path / "ds")
+    tg.write_array_record([{"i": i} for i in range(20)], d, num_shards=2, group_size=1)
+    path = os.path.join(d, "torchgrain.tgindex")
+    src = tg.ArrayRecordSource(d, index_dir=None)
+    os.utime(path)
+    os.chmod(path, 0o444)
+
+    def load():
+        loader = torch.utils.data.DataLoader(
+            src, batch_size=5, num_workers=1, multiprocessing_context="spawn", collate_fn=list
+        )
+        return [r["i"] for batch in loader for r in batch]
+
+    assert load() == list(range(20))
+    os.chmod(path, 0o644)
+
+    def shift(arrays, meta):
+        arrays["offsets"][0:10] = arrays["offsets"][1:11].copy()
+
+    _forge(path, "array_record", shift, in_place=True)
+    with pytest.raises(tg.CorruptDataError, match=r"torchgrain\.tgindex"):
+        load()

@@ -159,8 +159,18 @@ class IndexArrays:
     def __getstate__(self) -> dict[str, Any]:
         if self.file is None:
             return {"kind": self.kind, "arrays": self.arrays, "meta": self.meta}
-        f = self.file if self.placed is None else _file_in_place(self.file, *self.placed)
-        return {"kind": self.kind, "path": f.path, "identity": f.identity}
+        if self.placed is not None:
+            f = _file_in_place(self.file, *self.placed)
+            return {"kind": self.kind, "path": f.path, "identity": f.identity}
+        # (an index beside a dataset): not written since it was mapped, else raised here;
+        # then its times now, not a rewrite (a touch, chmod or hard link moves them)
+        f = self.file
+        f.check()
+        identity = f.identity
+        with contextlib.suppress(OSError):
+            now = file_identity(os.stat(f.path))
+            identity = now if now[:3] == identity[:3] else identity
+        return {"kind": self.kind, "path": f.path, "identity": identity}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.kind = state["kind"]
