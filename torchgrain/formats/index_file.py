@@ -71,8 +71,9 @@ class IndexFile:
     Arrays are numpy views of one map of the file (no copy; pages are shared with every
     other process mapping it). ``identity`` is the file's
     :func:`~torchgrain.io.cache_records.file_identity` when opened (device, inode, size,
-    modification and change times: a rewrite in place changes it). The file is pinned when opened: :meth:`check` says whether it changed
-    since (call it before reading the arrays again).
+    modification and change times: a rewrite in place changes it). The file is pinned
+    when opened: :meth:`check` says whether it changed since (call it before reading the
+    arrays again).
     """
 
     path: str

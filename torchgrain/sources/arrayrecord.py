@@ -233,10 +233,9 @@ class ArrayRecordSource(EncodedSource):
             # must hold none (a count too low elsewhere is refused when the shard is read):
             # local ones by the index's counts, remote ones by their footers, concurrently
             empty = np.flatnonzero(np.asarray(counts) == 0)
-            if self._count_bad is not None:
-                empty = empty[self._count_bad[empty]]
-            elif local:
-                empty = empty[:0]
+            if local:  # (its counts agree with the manifest's where _count_bad is None)
+                bad = self._count_bad
+                empty = empty[bad[empty]] if bad is not None else np.zeros(0, np.int64)
             map_files(
                 lambda j: self._counted_file(
                     int(empty[j]), shard_paths[int(empty[j])], None if local else fs
