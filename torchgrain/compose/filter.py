@@ -39,7 +39,7 @@ from torchgrain.columns import ColumnBatch
 from torchgrain.compose.view import Composed, View, adapt, read_columns_of, short_repr
 from torchgrain.dataset import Dataset, describe_fn
 from torchgrain.errors import CorruptDataError, TorchgrainError
-from torchgrain.protocols import HasBlockOffsets
+from torchgrain.protocols import Fingerprinted, HasBlockOffsets
 from torchgrain.sources.base import Source
 from torchgrain.sources.node_index.derived import (
     DEFAULT,
@@ -265,9 +265,11 @@ def changes_with_epoch(ds: Any, transforms: bool = True) -> str | None:
 
 
 def identified(ds: Any) -> bool:
-    """Whether every source under ``ds`` reads files (so that its fingerprint changes
-    with its records), not records held in memory: an index derived from ``ds`` may go
-    to the shared cache only then.
+    """Whether every source under ``ds`` reads the files it lists in ``paths`` (so that
+    its fingerprint changes with its records) or states its own fingerprint
+    (:class:`~torchgrain.protocols.Fingerprinted`), not records held in memory or a
+    source that lists no files: an index derived from ``ds`` may go to the shared cache
+    only then.
 
     Example:
         >>> import tempfile, torchgrain as tg
@@ -283,7 +285,11 @@ def identified(ds: Any) -> bool:
         return identified(ds._source)
     if isinstance(ds, Composed):
         return all(identified(c) for c in ds.children)
-    return isinstance(ds, Source) and not isinstance(ds, SequenceSource)
+    if isinstance(ds, Fingerprinted):  # (it states what tells its data apart)
+        return True
+    # A source is known by its files: one that lists none (records made in memory or
+    # fetched otherwise) is known by its type and length only, as a list is.
+    return isinstance(ds, Source) and not isinstance(ds, SequenceSource) and len(ds.paths) > 0
 
 
 def _expression_key(expr: Any) -> str:

@@ -748,7 +748,9 @@ def take_rows(columns: list[Any], plan: GatherPlan) -> pa.Array:
     """
     pieces = []
     for col, r in zip(columns, plan.rows):
-        part = col.slice(int(r[0]), 1) if len(r) == 1 else col.take(int64_array(r))
+        # (a take, never a slice: pyarrow 26's take of a sliced fixed-size list of
+        # fixed-size lists ignores the slice's offset, and the batch is taken again)
+        part = col.take(int64_array(r))
         pieces += part.chunks if isinstance(part, pa.ChunkedArray) else [part]
     return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
 
@@ -968,9 +970,11 @@ def gather(groups: list[GroupViews], plan: GatherPlan) -> dict[int, Any]:
 
 def _gather_values(
     data: list[memoryview], pairs: np.ndarray, plan: GatherPlan, dtype: np.dtype, kind: str
-) -> Ragged:
+) -> Ragged | np.ndarray:
     """The values of a variable-length column; ``pairs`` holds each row's (start,
-    length, in items of ``dtype``) in its group's ``data`` (bytes), in staged order."""
+    length, in items of ``dtype``) in its group's ``data`` (bytes), in staged order.
+    Lists of numbers whose rows have one length are a matrix, as :func:`arrow_column`
+    gives them."""
     n = plan.n
     item = dtype.itemsize
     starts = (pairs[:, 0] * item).tolist()
@@ -989,4 +993,6 @@ def _gather_values(
     values = empty((int(offsets[-1]),), dtype)
     if len(values):
         values.view(np.uint8)[:] = np.frombuffer(b"".join(parts), np.uint8)
+    if kind == _RAGGED[_ARRAY] and n and (lengths == lengths[0]).all():
+        return values.reshape(n, int(lengths[0]))
     return Ragged(values, offsets, kind)
