@@ -595,7 +595,8 @@ def name_error(e: Exception, where: str, index: int | None) -> Exception | None:
     """``e`` as a torchgrain error that ends with ``(<where>, record index <index>)``, the
     one wording of every shard's read (``where`` from :func:`shard_where`; ``index``
     None for a shard's open), or None to raise ``e`` as it is: a torchgrain error or
-    ``OSError`` stays what it is; a missing file is a DatasetNotFoundError; a bug
+    ``OSError`` stays what it is; a missing file is a DatasetNotFoundError, a directory
+    in a shard's place a CorruptDataError; a bug
     (:data:`BUGS`) gets a note; anything else is bad bytes, a CorruptDataError. An
     error named once is named again only to add the record its open lacked.
 
@@ -621,6 +622,8 @@ def name_error(e: Exception, where: str, index: int | None) -> Exception | None:
         return _mark(type(e)(f"{e} ({where})"), index)
     if isinstance(e, FileNotFoundError) and not isinstance(e, TorchgrainError):
         return _mark(DatasetNotFoundError(f"{where} does not exist: {e}"), index)
+    if isinstance(e, IsADirectoryError) and not isinstance(e, TorchgrainError):
+        return _mark(CorruptDataError(f"{e.filename!r} is not a regular file ({where})"), index)
     if isinstance(e, (TorchgrainError, OSError)):
         return None
     return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)

@@ -262,6 +262,9 @@ class TFRecordSource(EncodedSource):
         try:
             f.view()  # mapped and pinned now: a change from now on is the pin's to see
             self._check_opened(shard)
+        except IsADirectoryError:
+            f.close()
+            raise CorruptDataError(f"{path!r} is not a regular file (a directory)") from None
         except BaseException:
             f.close()
             raise
