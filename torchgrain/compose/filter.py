@@ -285,11 +285,13 @@ def identified(ds: Any) -> bool:
         return identified(ds._source)
     if isinstance(ds, Composed):
         return all(identified(c) for c in ds.children)
+    if isinstance(ds, SequenceSource):  # (a map-style dataset tg.Dataset wraps)
+        ds = ds.items
     if isinstance(ds, Fingerprinted):  # (it states what tells its data apart)
         return True
     # A source is known by its files: one that lists none (records made in memory or
     # fetched otherwise) is known by its type and length only, as a list is.
-    return isinstance(ds, Source) and not isinstance(ds, SequenceSource) and len(ds.paths) > 0
+    return isinstance(ds, Source) and len(ds.paths) > 0
 
 
 def _expression_key(expr: Any) -> str:

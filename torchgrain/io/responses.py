@@ -585,57 +585,22 @@ async def _http_get_file(
     through ``callback`` (which stops a body too long or too slow; the caller checks the
     size of what arrived)."""
     kw = dict(fs.kwargs)
-    kw["headers"] = {**(kw.get("headers") or {}), "Accept-Encoding": "identity"}
     tag = if_match(rpath)
-    if tag is not None:
-        kw["headers"]["If-Match"] = tag
+    if tag is not None:  # (a compressed body, as the server may send it, is decoded)
+        kw["headers"] = {**(kw.get("headers") or {}), "If-Match": tag}
     session = await fs.set_session()
     async with session.get(fs.encode_url(rpath), **kw) as r:
         if r.status == 412 and tag is not None:
             raise changed_error(rpath, tag)
         fs._raise_not_found_for_status(r, rpath)
         check_file_answer(rpath, None, r.headers.get("ETag"), r.headers.get("Last-Modified"))
-        await _write_body(r.content.read, lpath, r.content_length, callback)
-
-
-async def _s3_get_file(
-    fs: Any, rpath: str, lpath: str, callback: Any = None, *, page_limit: int, **kwargs: Any
-) -> None:
-    """One S3 GET of the whole object, ``IfMatch`` the pinned ETag, its answer checked
-    against the pin before its body is streamed to ``lpath`` (as :func:`_http_get_file`)."""
-    bucket, key, version = fs.split_path(rpath)
-    extra: dict[str, Any] = {"VersionId": version} if version else {}
-    tag = if_match(rpath)
-    if tag is not None:
-        extra["IfMatch"] = tag
-    try:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, **extra)
-    except Exception as e:
-        if tag is None or not _precondition_failed(e):
-            raise
-        raise changed_error(rpath, tag) from None
-    body = resp["Body"]
-    try:
-        modified = resp.get("LastModified")
-        size = resp.get("ContentLength")
-        check_file_answer(
-            rpath, None, resp.get("ETag"), None if modified is None else str(modified)
-        )
-        await _write_body(body.read, lpath, size, callback)
-    finally:
-        body.close()
-
-
-async def _write_body(
-    read: Callable[[int], Awaitable[bytes]], lpath: str, size: int | None, callback: Any
-) -> None:
-    if callback is not None:
-        callback.set_size(size)
-    with open(lpath, "wb") as f:
-        while chunk := await read(1 << 20):
-            f.write(chunk)
-            if callback is not None:
-                callback.relative_update(len(chunk))
+        if callback is not None:
+            callback.set_size(r.content_length)
+        with open(lpath, "wb") as f:
+            while chunk := await r.content.read(1 << 20):
+                f.write(chunk)
+                if callback is not None:
+                    callback.relative_update(len(chunk))
 
 
 def _precondition_failed(exc: BaseException) -> bool:
@@ -847,7 +812,6 @@ async def _http_isdir(fs: Any, path: str, *, page_limit: int) -> bool:
 _S3_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "cat_file": _s3_cat_file,
     "cat_ranges": functools.partial(_cat_ranges, _s3_cat_file),
-    "get_file": _s3_get_file,
 }
 _HTTP_READS: dict[str, Callable[..., Awaitable[Any]]] = {
     "head": _http_head,

@@ -419,9 +419,13 @@ def _all_sequences(values: list[Any]) -> bool:
 
 
 def _is_column_sequence(col: Any) -> bool:
-    """A column pad_collate pads unless told: Ragged arrays, or a list of sequences."""
+    """A column pad_collate pads unless told: Ragged arrays, a list of sequences, or a
+    ``[B, k]`` array (1-D values that happen to share a length in this batch, padded as
+    their records would be: a batch's shape does not depend on its content)."""
     if isinstance(col, list):
         return _all_sequences(col)
+    if isinstance(col, np.ndarray):
+        return col.ndim == 2 and col.dtype != object
     return isinstance(col, Ragged) and col.kind == "array"
 
 

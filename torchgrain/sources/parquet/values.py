@@ -747,12 +747,29 @@ def take_rows(columns: list[Any], plan: GatherPlan) -> pa.Array:
         [2, 3]
     """
     pieces = []
+    # (one row: a slice, but of fixed-size lists: pyarrow 26's take of a sliced
+    # fixed-size list of fixed-size lists ignores the slice's offset, and the batch is
+    # taken again; the row groups' pieces of a column have one type)
+    sliced = bool(columns) and not _has_fixed_size_list(columns[0].type)
     for col, r in zip(columns, plan.rows):
-        # (a take, never a slice: pyarrow 26's take of a sliced fixed-size list of
-        # fixed-size lists ignores the slice's offset, and the batch is taken again)
-        part = col.take(int64_array(r))
+        if len(r) == 1 and sliced:
+            part = col.slice(int(r[0]), 1)
+        else:
+            part = col.take(int64_array(r))
         pieces += part.chunks if isinstance(part, pa.ChunkedArray) else [part]
     return pieces[0] if len(pieces) == 1 else pa.concat_arrays(pieces)
+
+
+def _has_fixed_size_list(t: pa.DataType) -> bool:
+    """Whether type ``t`` is or holds a fixed-size list.
+
+    Example:
+        >>> _has_fixed_size_list(pa.struct([("a", pa.list_(pa.int8(), 2))]))
+        True
+    """
+    return pa.types.is_fixed_size_list(t) or any(
+        _has_fixed_size_list(t.field(i).type) for i in range(t.num_fields)
+    )
 
 
 class RowTemplates:
