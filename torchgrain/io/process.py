@@ -253,6 +253,18 @@ class ForkSafeThreadPool(Executor):
             done.set_exception(e)
         return done
 
+    def stop_threads(self) -> None:
+        """Let this pool's threads end once their tasks are done, without waiting; a
+        later task starts new ones (unlike :meth:`shutdown`, after which it is refused).
+
+        Example:
+            >>> pool = ForkSafeThreadPool(1, "doc")
+            >>> pool.stop_threads()
+            >>> pool.submit(abs, -2).result()
+            2
+        """
+        self._stop_threads_for_fork(wait=False)
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._closed = True
         self._stop_threads_for_fork(wait, cancel_futures)

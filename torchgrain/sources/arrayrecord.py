@@ -519,14 +519,15 @@ class ArrayRecordSource(EncodedSource):
     def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
         # One record without the batch's numpy steps (they would double its cost).
         ix = self._dindex
-        if ix is None or not ix.single or self._region() is None:
+        mapped = None if ix is None or not ix.single else self._region()
+        if mapped is None:
             return None
-        region = self._mapped[0]
+        region = mapped[0]
         at = acquired(region, shard)
         if at is None:
             return None
         try:  # one record per chunk: the row is the chunk
-            return self._mapped_record(at, shard, row, index)
+            return self._mapped_record(mapped, at, shard, row, index)
         finally:
             region.release()
 
@@ -536,7 +537,8 @@ class ArrayRecordSource(EncodedSource):
         :meth:`_read_single`, cheaper than the plan's fixed cost (~0.2 ms of numpy
         steps)."""
         ix = self._dindex
-        if ix is None or self._region() is None:
+        mapped = None if ix is None else self._region()
+        if mapped is None:
             return None
         if len(idx) <= _SINGLES and ix.single:
             out = [self._read_single(s, r, i) for s, r, i in zip(*self._where(idx))]
@@ -545,7 +547,7 @@ class ArrayRecordSource(EncodedSource):
         recs = ix.record_offsets
         if not (ix.single or bool((recs[entry + 1] - recs[entry] == 1).all())):
             return None
-        region, decoder, _ = self._mapped
+        region, decoder, _ = mapped
         base = acquired(region, shard)
         if base is None:
             return None
@@ -567,18 +569,19 @@ class ArrayRecordSource(EncodedSource):
                 ix.decoded[chunk],
                 decoder=decoder,
                 careful=lambda k: self._mapped_record(
-                    int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
+                    mapped, int(base[k]), int(shard[k]), int(c[k]), int(idx[k])
                 ),
                 words=region.words,
             )
         finally:
             region.release()
 
-    def _mapped_record(self, at: int, shard: int, chunk: int, index: int) -> bytes:
+    def _mapped_record(self, mapped: tuple, at: int, shard: int, chunk: int, index: int) -> bytes:
         """The record of one-record chunk ``chunk`` of ``shard``, mapped at ``at`` of the
-        region, by the careful path (no reader per shard: no descriptor, map or context);
-        its bounds checked against the index, errors naming the shard and record."""
-        region, decoder, footers = self._mapped
+        region of ``mapped`` (:meth:`_region`), by the careful path (no reader per shard:
+        no descriptor, map or context); its bounds checked against the index, errors
+        naming the shard and record."""
+        region, decoder, footers = mapped
         got = footers.get(shard)
         if got is None:
             if len(footers) >= _FOOTERS:
@@ -607,17 +610,25 @@ class ArrayRecordSource(EncodedSource):
             f"the file's chunks (record index {index})",
         )
 
-    def _region(self) -> ShardRegion | None:
+    def _region(self) -> tuple[ShardRegion, ArrayRecordFile, dict] | None:
         """This process's map of the dataset's local shards (inherited through fork:
-        the maps stay valid; kept in ``_mapped`` with a decoder and the index views of
-        the shards records were read from one by one, a few); None where every read
-        takes the reader path (its readers name a shard whose count disagrees with the
-        manifest)."""
+        the maps stay valid), with a decoder and the index views of the shards records
+        were read from one by one (a few): one per process, made once (threads that
+        read at once share it; a read uses the one it took throughout); None where
+        every read takes the reader path (its readers name a shard whose count
+        disagrees with the manifest)."""
         mapped = self._mapped
         if mapped is None:
             off = self._remote or self._verify or self.max_mapped_shards == 0
             if off or self._dindex is None or self._count_bad is not None:
                 return None
+            with self._proc().lock:
+                return self._new_region()
+        return mapped or None
+
+    def _new_region(self) -> tuple[ShardRegion, ArrayRecordFile, dict] | None:
+        mapped = self._mapped
+        if mapped is None:  # (not made by another thread meanwhile)
             try:
                 region = ShardRegion(
                     self._paths,
@@ -635,7 +646,7 @@ class ArrayRecordSource(EncodedSource):
                 ArrayRecordFile(self._paths[0], max_chunk_bytes=self.max_chunk_bytes),
                 {},
             )
-        return mapped[0] if mapped else None
+        return mapped or None
 
     def _check_mapped(self, shard: int, st: os.stat_result, view: memoryview) -> None:
         assert self._dindex is not None

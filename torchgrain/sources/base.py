@@ -353,8 +353,8 @@ class ShardedSource(Source):
             pool, st.pool = st.pool, None
         for r in readers:
             r.close()
-        if pool is not None:
-            pool.shutdown(wait=False)
+        if pool is not None:  # (a read in another thread may still submit to it)
+            pool.stop_threads()
         st.blocks.clear()
 
     def read_ahead(

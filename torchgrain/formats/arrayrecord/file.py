@@ -209,28 +209,16 @@ class ArrayRecordFile(OneRecordBatches):
         self.close()
 
     def close(self) -> None:
-        """Release this process's file handles; the object can still be used (it reopens).
+        """Let go of this process's file handles; the object can still be used (it
+        reopens). They close as the last read holding them ends: a read in progress in
+        another thread (a reader the reader limit evicts, a source's ``close``) goes on
+        with the descriptor and map it took, never with a descriptor number reused by
+        another file (handles inherited through fork are the parent's: only forgotten).
 
         Example:
             >>> ArrayRecordFile("/nonexistent.array_record").close()
         """
-        if self._token != process.token():
-            # Handles inherited through fork belong to the parent; just forget them.
-            self._reset_handles()
-            return
-        view, mm, fh, pin = self._view, self._mm, self._file, self._pin
         self._reset_handles()
-        if pin is not None:
-            pin.release()
-        if view is not None:
-            view.release()
-        if mm is not None:
-            # A view still held elsewhere keeps the map alive; it is unmapped when
-            # the last view is released.
-            with contextlib.suppress(BufferError):
-                mm.close()
-        if fh is not None:
-            fh.close()
 
     def _local_view(self) -> memoryview:
         """The whole local file as a memoryview over an mmap, opened once per process;
@@ -576,7 +564,11 @@ class ArrayRecordFile(OneRecordBatches):
     def _pread_chunks(self, chunks: list[int], f: Footer, size: int) -> list[tuple[Any, Any]]:
         """Local chunks read with ``pread`` (see :meth:`_read_chunks`), each decoded by
         :meth:`_local_chunk`."""
-        fd = self._file.fileno()
+        fh = self._file  # (held: the descriptor stays this file's while it is read)
+        while fh is None:  # closed meanwhile by another thread: opened again
+            self._local_view()
+            fh = self._file
+        fd = fh.fileno()
         fast = self._fast or self._fast_index(f)
         offs, ends = fast[0], fast[1]
         out = []
