@@ -252,3 +252,168 @@ def test_a_tfrecord_shard_replaced_by_a_directory_is_named(tmp_path):
     for read in (lambda: src[7], lambda: src.__getitems__([0, 7])):
         with pytest.raises(tg.CorruptDataError, match=r"not a regular file.*shard 1 .*index 7"):
             read()
+
+
+def test_pad_collate_pads_a_columns_batch_of_one_length_as_its_records():
+    """A ``[B, k]`` column (1-D values that share a length in this batch) is padded,
+    with its mask, as the same records are: a batch's shape does not depend on its
+    content."""
+    records = [{"ids": np.array([1, 2, 3]), "y": 1}, {"ids": np.array([4, 5, 6]), "y": 2}]
+    columns = ColumnBatch.from_records(records)
+    assert columns["ids"].shape == (2, 3)
+    want = tg.pad_collate(records, multiple_of=8)
+    got = tg.pad_collate(columns, multiple_of=8)
+    assert sorted(got) == sorted(want) == ["attention_mask", "ids", "y"]
+    for key in want:
+        assert got[key].shape == want[key].shape and torch.equal(got[key], want[key]), key
+
+
+def test_a_map_style_dataset_stating_its_fingerprint_is_identified():
+    class Stated:
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: int) -> dict:
+            return {"x": i}
+
+        def fingerprint(self) -> str:
+            return "three"
+
+    assert identified(tg.Dataset(Stated()))
+
+
+# ------------------------------------------------- one source shared by threads
+def _arrayrecord_shards(directory, shards: int, per: int, options: str) -> None:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    directory.mkdir(exist_ok=True)
+    for s in range(shards):
+        w = ArrayRecordWriter(str(directory / f"part-{s:05d}.array_record"), options)
+        for i in range(per):
+            w.write(b"rec%08d" % (s * per + i))
+        w.close()
+
+
+def _threads(target, n: int, seconds: float) -> list:
+    import threading
+    import time
+
+    errors: list = []
+    stop = time.monotonic() + seconds
+
+    def run(t: int) -> None:
+        import random
+
+        rng = random.Random(t)
+        while time.monotonic() < stop and not errors:
+            try:
+                target(rng)
+            except Exception as e:  # every error on a valid dataset is one too many
+                errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_an_arrayrecord_reader_evicted_while_another_thread_reads_it_reads_its_own_file(
+    tmp_path,
+):
+    """The reader limit closed a reader's file while another thread read it by ``pread``:
+    the descriptor's number, reused by the next shard opened, read that shard's bytes
+    (a valid-looking wrong record), or the read failed on a released map."""
+    shards, per = 40, 4
+    _arrayrecord_shards(tmp_path / "d", shards, per, "group_size:2,uncompressed")
+    src = tg.ArrayRecordSource(tmp_path / "d", index_dir=None, max_open_files=1, cache_bytes=1024)
+
+    def read(rng) -> None:
+        s = rng.randrange(shards)
+        idx = list(range(s * per, s * per + per))
+        got = [r["bytes"] for r in src.__getitems__(idx)]
+        assert got == [b"rec%08d" % i for i in idx], (idx, got)
+        if rng.random() < 0.1:
+            assert [r["bytes"] for r in src.iter_shard(s)] == got
+        if rng.random() < 0.02:
+            src.close()
+
+    errors = _threads(read, 6, 4)
+    assert not errors, errors[:3]
+
+
+@pytest.mark.timeout(120)
+def test_threads_that_read_a_fresh_arrayrecord_source_at_once_share_one_map(tmp_path):
+    """The first reads raced to map the shards: a read placed in one map read another,
+    at its offset (a segfault, or another shard's bytes): run in a child process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    _arrayrecord_shards(tmp_path / "d", 16, 8, "group_size:1")
+    child = textwrap.dedent(
+        f"""
+        import threading, torchgrain as tg
+        bad = []
+        for rep in range(30):
+            src = tg.ArrayRecordSource({str(tmp_path / "d")!r}, index_dir=None,
+                                       max_mapped_shards=4)
+            gate = threading.Barrier(8)
+            def read(t):
+                gate.wait()
+                for i in range(t, 128, 8):
+                    if src[i]["bytes"] != b"rec%08d" % i:
+                        bad.append(i)
+            ts = [threading.Thread(target=read, args=(t,)) for t in range(8)]
+            [t.start() for t in ts]; [t.join() for t in ts]
+            src.close()
+        print("wrong", bad[:5])
+        """
+    )
+    got = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=100)
+    assert got.returncode == 0 and "wrong []" in got.stdout, (got.returncode, got.stderr[-2000:])
+
+
+@pytest.mark.timeout(120)
+def test_a_close_in_one_thread_never_fails_a_remote_read_in_another(tmp_path):
+    from tests.servers import RangeHTTPServer
+
+    tg.write_parquet(({"i": i} for i in range(240)), tmp_path / "ds", num_shards=12)
+    server = RangeHTTPServer(str(tmp_path))
+    try:
+        src = tg.ParquetSource(f"{server.url}/ds/", io_threads=4)
+
+        def read(rng) -> None:
+            idx = [rng.randrange(240) for _ in range(16)]
+            assert [r["i"] for r in src.__getitems__(idx)] == idx
+            if rng.random() < 0.3:
+                src.close()
+
+        errors = _threads(read, 4, 4)
+        assert not errors, errors[:3]
+    finally:
+        server.close()
+
+
+def test_an_index_directory_under_its_budget_is_not_scanned_at_each_publish(tmp_path, monkeypatch):
+    """Each file's kept offsets were published with a scan of the whole directory for
+    reservations: opening thousands of TFRecord files grew with the entries there."""
+    from torchgrain.formats.tfrecord import write_tfrecord
+    from torchgrain.sources.node_index.store import IndexDir
+
+    for k in range(2):
+        d = tmp_path / f"d{k}"
+        d.mkdir()
+        for s in range(20):
+            write_tfrecord([b"x%d" % s] * 3, d / f"s{s:03d}.tfrecord")
+    tg.TFRecordSource(tmp_path / "d0", codec="raw", index_dir=tmp_path / "ix")
+    scans = []
+    reserved = IndexDir._reserved
+    monkeypatch.setattr(
+        IndexDir, "_reserved", lambda self, *a: scans.append(1) or reserved(self, *a)
+    )
+    src = tg.TFRecordSource(tmp_path / "d1", codec="raw", index_dir=tmp_path / "ix")
+    assert len(src) == 60 and src[59] == {"bytes": b"x19"}
+    assert scans == []
