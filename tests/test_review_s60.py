@@ -417,3 +417,50 @@ def test_an_index_directory_under_its_budget_is_not_scanned_at_each_publish(tmp_
     src = tg.TFRecordSource(tmp_path / "d1", codec="raw", index_dir=tmp_path / "ix")
     assert len(src) == 60 and src[59] == {"bytes": b"x19"}
     assert scans == []
+
+
+# ------------------------------------------------- the review of the second round
+def test_arrayrecord_readers_closed_or_evicted_leave_no_unclosed_file(tmp_path):
+    import gc
+    import warnings
+
+    _arrayrecord_shards(tmp_path / "d", 6, 4, "group_size:2")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", ResourceWarning)
+        src = tg.ArrayRecordSource(tmp_path / "d", index_dir=None, max_open_files=1)
+        for s in range(6):
+            assert next(iter(src.iter_shard(s)))["bytes"] == b"rec%08d" % (4 * s)
+        src.close()
+        del src
+        gc.collect()
+    assert [w for w in seen if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_an_index_directory_keeps_its_budget_whoever_publishes(tmp_path, monkeypatch):
+    """Each process (here: each store object, as each process has its own) publishes
+    against the running total all of them keep, not a count of its own."""
+    from torchgrain.sources.node_index import store as node_store
+
+    monkeypatch.setattr(node_store, "INDEX_DIR_BYTES", 1000)
+    d = tmp_path / "ix"
+    d.mkdir()
+    stores = [node_store.IndexDir(str(d)) for _ in range(4)]
+    most = 0
+    for k in range(8):
+        for j, s in enumerate(stores):
+            w = s.writer(f"e{j}-{k}.tgindex")
+            w.write(b"x" * 100)
+            w.publish()
+            most = max(most, sum(p.stat().st_size for p in d.glob("*.tgindex")))
+    assert most <= 1000, most
+
+
+def test_pad_collate_leaves_a_columns_batch_of_other_values_as_its_records():
+    records = [
+        {"phase": np.array([1 + 2j, 3j], np.complex64), "ids": np.arange(n + 2)} for n in range(3)
+    ]
+    want = tg.pad_collate(records, multiple_of=8)
+    got = tg.pad_collate(ColumnBatch.from_records(records), multiple_of=8)
+    assert got["phase"].shape == want["phase"].shape == (3, 2)
+    assert torch.equal(got["attention_mask"], want["attention_mask"])
+    assert got["attention_mask"].sum(1).tolist() == [2, 3, 4]

@@ -263,7 +263,7 @@ class PadCollate:
         return self._finish(batch.keys(), out, padded)
 
     def _pad_column(self, key: str, col: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(col, np.ndarray) and col.ndim == 2 and col.dtype != object:
+        if isinstance(col, np.ndarray) and col.ndim == 2 and col.dtype.kind in "biuf":
             # Equal lengths in this batch: stacked already.
             col = Ragged(col.reshape(-1), np.arange(n + 1, dtype=np.int64) * col.shape[1], "array")
         if isinstance(col, list):  # values a column could not hold as one array
@@ -424,8 +424,8 @@ def _is_column_sequence(col: Any) -> bool:
     their records would be: a batch's shape does not depend on its content)."""
     if isinstance(col, list):
         return _all_sequences(col)
-    if isinstance(col, np.ndarray):
-        return col.ndim == 2 and col.dtype != object
+    if isinstance(col, np.ndarray):  # (numbers, as :func:`_is_sequence` takes them)
+        return col.ndim == 2 and col.dtype.kind in "biuf"
     return isinstance(col, Ragged) and col.kind == "array"
 
 

@@ -73,6 +73,30 @@ _OVER = dict.fromkeys(("_file", "_mm", "_pin", "_u8", "_u8_view", "_raw_chunks",
 _OVER.update(_layout_misses=0, _local=True, _verify=False)
 
 
+class _Descriptor:
+    """An open file descriptor, closed by :meth:`close` or when the last reader holding
+    it lets go (a reader closed while another thread reads through it: the read keeps
+    its file, never a number the system gave to another file meanwhile)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self, _close: Any = os.close) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:  # noqa: SIM105 (``_close`` bound now: at the interpreter's exit ``os``
+                _close(fd)  # and ``contextlib`` may be gone)
+            except OSError:
+                pass
+
+    __del__ = close
+
+
 class ArrayRecordFile(OneRecordBatches):
     """Reads one ArrayRecord file (local path or fsspec URL) without the C++ library.
 
@@ -235,7 +259,7 @@ class ArrayRecordFile(OneRecordBatches):
         with self._lock:
             if self._view is None:
                 try:
-                    fh = os.fdopen(changes.open_regular(self._path), "rb")  # kept with the map
+                    fh = _Descriptor(changes.open_regular(self._path))  # kept with the map
                 except FileNotFoundError as e:
                     raise FileNotFoundError(f"{self._where()} does not exist") from e
                 with contextlib.ExitStack() as undo:  # on an error: all closed, last first
@@ -564,7 +588,7 @@ class ArrayRecordFile(OneRecordBatches):
     def _pread_chunks(self, chunks: list[int], f: Footer, size: int) -> list[tuple[Any, Any]]:
         """Local chunks read with ``pread`` (see :meth:`_read_chunks`), each decoded by
         :meth:`_local_chunk`."""
-        fh = self._file  # (held: the descriptor stays this file's while it is read)
+        fh = self._file  # (held: the descriptor stays open while it is read)
         while fh is None:  # closed meanwhile by another thread: opened again
             self._local_view()
             fh = self._file

@@ -573,26 +573,24 @@ class IndexDir(NodeStore):
     _ENTRIES = "[!.]*" + INDEX_SUFFIX
     max_bytes = property(lambda self: INDEX_DIR_BYTES)  # (looked up when used)
 
+    # The running total of the entries' bytes, kept by every process that publishes, in
+    # the eviction lock's file (its 8 bytes; the lock itself is a flock on the file, and
+    # a file of its own would show in the directory's listing).
+    _USAGE = "evict.lock"
+
     def __init__(self, directory: str) -> None:
         self.directory, self.min_free_bytes = directory, 0
-        # The entries' bytes as this process last counted them, plus what it published
-        # since, and how many publishes ago it counted (see _settle).
-        self._counted: tuple[int, int] | None = None
 
     def _settle(self, size: int, exclude: str = "") -> int:
         # A scan of the directory per publish made opening thousands of TFRecord files
         # (one kept-offsets entry each) quadratic in the entries there. Its writes
-        # reserve no bytes (an index's size is known once built): well under the budget
-        # by this process's count, the directory is counted again only every 256th
-        # publish (other processes' entries are then seen; temp files of killed
-        # builders go at those counts, or when their index is built again).
-        got = self._counted
-        if got is not None and got[1] < 256 and got[0] + size <= 0.9 * self.max_bytes:
-            self._counted = (got[0] + size, got[1] + 1)
-            return got[0]
-        held = super()._settle(size, exclude)
-        self._counted = (held + size, 0)
-        return held
+        # reserve no bytes (an index's size is known once built): under the budget by
+        # the running total, the directory is not scanned (temp files of killed builders
+        # go when it is over budget, or when their index is built again).
+        held = self._read_usage()
+        if held is not None and held + size <= self.max_bytes:
+            return held
+        return super()._settle(size, exclude)
 
     def _remedy(self) -> str:
         return (
