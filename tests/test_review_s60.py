@@ -397,9 +397,12 @@ def test_a_close_in_one_thread_never_fails_a_remote_read_in_another(tmp_path):
         server.close()
 
 
-def test_an_index_directory_under_its_budget_is_not_scanned_at_each_publish(tmp_path, monkeypatch):
-    """Each file's kept offsets were published with a scan of the whole directory for
-    reservations: opening thousands of TFRecord files grew with the entries there."""
+def test_an_index_directory_under_its_budget_does_not_count_its_entries_at_each_publish(
+    tmp_path, monkeypatch
+):
+    """Each file's kept offsets were published with a count of every entry's size:
+    opening thousands of TFRecord files grew with the entries there. The running total
+    is kept instead (its killed writers' temp files are still swept at each publish)."""
     from torchgrain.formats.tfrecord import write_tfrecord
     from torchgrain.sources.node_index.store import IndexDir
 
@@ -409,14 +412,12 @@ def test_an_index_directory_under_its_budget_is_not_scanned_at_each_publish(tmp_
         for s in range(20):
             write_tfrecord([b"x%d" % s] * 3, d / f"s{s:03d}.tfrecord")
     tg.TFRecordSource(tmp_path / "d0", codec="raw", index_dir=tmp_path / "ix")
-    scans = []
-    reserved = IndexDir._reserved
-    monkeypatch.setattr(
-        IndexDir, "_reserved", lambda self, *a: scans.append(1) or reserved(self, *a)
-    )
+    counts = []
+    entries = IndexDir._entries
+    monkeypatch.setattr(IndexDir, "_entries", lambda self: counts.append(1) or entries(self))
     src = tg.TFRecordSource(tmp_path / "d1", codec="raw", index_dir=tmp_path / "ix")
     assert len(src) == 60 and src[59] == {"bytes": b"x19"}
-    assert scans == []
+    assert counts == []
 
 
 # ------------------------------------------------- the review of the second round

@@ -575,22 +575,13 @@ class IndexDir(NodeStore):
 
     # The running total of the entries' bytes, kept by every process that publishes, in
     # the eviction lock's file (its 8 bytes; the lock itself is a flock on the file, and
-    # a file of its own would show in the directory's listing).
+    # a file of its own would show in the directory's listing): a publish under the
+    # budget lists the directory for reservations only (sweeping killed writers' temp
+    # files), not every entry's size as well.
     _USAGE = "evict.lock"
 
     def __init__(self, directory: str) -> None:
         self.directory, self.min_free_bytes = directory, 0
-
-    def _settle(self, size: int, exclude: str = "") -> int:
-        # A scan of the directory per publish made opening thousands of TFRecord files
-        # (one kept-offsets entry each) quadratic in the entries there. Its writes
-        # reserve no bytes (an index's size is known once built): under the budget by
-        # the running total, the directory is not scanned (temp files of killed builders
-        # go when it is over budget, or when their index is built again).
-        held = self._read_usage()
-        if held is not None and held + size <= self.max_bytes:
-            return held
-        return super()._settle(size, exclude)
 
     def _remedy(self) -> str:
         return (
