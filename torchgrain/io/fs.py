@@ -201,8 +201,9 @@ def expand_paths(
 
     A directory is searched recursively for files whose name contains one of
     ``suffixes`` (so ``.array_record`` also finds ``x.array_record-00000-of-00008``).
-    Files starting with ``_`` or ``.``, and files in directories starting with ``.``
-    (an ``index_dir`` kept inside the data directory), are skipped.
+    Files starting with ``_`` or ``.``, and files in directories starting with ``.`` or
+    ``_`` (an ``index_dir`` kept inside the data directory, Spark's ``_temporary``), are
+    skipped.
 
     What a listing or glob finds stays inside the directory (or the glob's fixed prefix):
     a data file listed outside it, or under a name with dot segments, backslashes or
@@ -901,17 +902,21 @@ def _looks_like_data(path: str, suffixes: tuple[str, ...]) -> bool:
 
 
 def _hidden(root: str, path: str) -> bool:
-    """Whether ``path`` lies in a hidden directory below ``root`` (``root/.index/x``): not
-    the dataset's (an index or cache kept beside it, a ``.git``), as users expect.
+    """Whether ``path`` lies in a directory below ``root`` whose name starts with ``.`` or
+    ``_`` (``root/.index/x``, ``root/_temporary/0/x``, ``root/_delta_log/x``): not the
+    dataset's (an index or cache kept beside it, a ``.git``, a job's uncommitted attempts,
+    a table log), as pyarrow, Spark and Hive skip them.
 
     Example:
-        >>> _hidden("/d", "/d/.index/a.tfrecord"), _hidden("/home/.cache/d", "/home/.cache/d/a")
-        (True, False)
+        >>> _hidden("/d", "/d/.index/a.tfrecord"), _hidden("/d", "/d/_temporary/0/a.parquet")
+        (True, True)
+        >>> _hidden("/home/.cache/d", "/home/.cache/d/a")
+        False
     """
     base = root.rstrip("/") + "/"
     if not path.startswith(base):
         return False  # (outside: the listing's confinement decides)
-    return any(s.startswith(".") for s in path[len(base) :].split("/")[:-1])
+    return any(s.startswith((".", "_")) for s in path[len(base) :].split("/")[:-1])
 
 
 def _is_data_file(path: str, suffixes: tuple[str, ...]) -> bool:
