@@ -183,8 +183,9 @@ def filter_dataset(
         if keys is not None:
             mode += f" of {keys}"
     dtype = "<u4" if n < 2**32 else "<u8"
-    # ("pushdown 2": selections an older pruning built may lack rows of nested columns)
-    kind = "pushdown 2" if mode == "pushdown" else mode
+    # ("pushdown 3": selections an older pruning built may lack rows of nested columns, or
+    # rows of an expression with a cast)
+    kind = "pushdown 3" if mode == "pushdown" else mode
     key = "filter-" + hash_parts(dataset_fingerprint(ds), kind, ident, dtype)
     label = f"filter predicate {what}"
 

@@ -155,6 +155,21 @@ class Source(abc.ABC):
         base = int(counts[:shard].sum())
         yield from iter_in_blocks(self, base + start, base + stop)
 
+    def record_settings(self) -> tuple:
+        """What decides its records besides its files, keys and schema: the settings under
+        which the same files give other values (:class:`~torchgrain.ParquetSource`'s
+        ``partitioning``), part of what identifies its records to the indexes shared on
+        disk (a filter's selection, token windows). Empty by default.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": 1}], d)
+            >>> tg.ArrayRecordSource(d).record_settings()
+            ()
+        """
+        return ()
+
     @property
     def io_stats(self) -> dict[str, int]:
         """This process's I/O counters (remote reads, retries, shard-cache traffic)."""

@@ -406,8 +406,8 @@ def dataset_fingerprint(ds: Any) -> str:
 
     ``ds`` is a :class:`~torchgrain.Dataset` (its source and its transforms), an object
     that states its own (:class:`~torchgrain.protocols.Fingerprinted`: the composed
-    datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, keys
-    and schema, and each local file's size, modification and change times and inode; a remote
+    datasets), a :class:`~torchgrain.Source` (its type, length, records per shard, keys,
+    schema and :meth:`~torchgrain.Source.record_settings`, and each local file's size, modification and change times and inode; a remote
     file's name, the version its opening read, ``shard_version``: size, ETag and
     Last-Modified as the server gave them, and the checksum its manifest records; a remote
     file known by neither, the version its store gives now), or a plain sequence (its type
@@ -444,7 +444,7 @@ def dataset_fingerprint(ds: Any) -> str:
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another
         # codec) are other records, and a predicate may see the difference.
-        records = (list(ds.keys), sorted(ds.schema.items()))
+        records = (list(ds.keys), sorted(ds.schema.items()), ds.record_settings())
         return hash_parts(
             "source", type(ds).__module__, type(ds).__qualname__, len(ds), counts, files, records
         )

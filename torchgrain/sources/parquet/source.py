@@ -195,6 +195,7 @@ class ParquetSource(RowGroupLoader):
         self.int96_timestamp_unit = int96_timestamp_unit
         if partitioning not in ("hive", None):
             raise ValueError(f"partitioning must be 'hive' or None, got {partitioning!r}")
+        self.partitioning = partitioning
         if isinstance(columns, str):
             raise TypeError("columns must be a sequence of column names, not a string")
         if columns is not None:
@@ -380,6 +381,21 @@ class ParquetSource(RowGroupLoader):
         count_decode(time.perf_counter() - t_start - read_seconds)
         trimmer().settle()  # the decode buffers this read freed go back to the system
         return ColumnBatch(columns, num_rows=len(idx))
+
+    def record_settings(self) -> tuple:
+        """``partitioning``, ``int96_timestamp_unit`` and the files' whole schema (a
+        filter's expression may name columns it does not read): what the same files
+        give other values under (see :meth:`Source.record_settings
+        <torchgrain.Source.record_settings>`).
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_parquet([{"x": 1}], d)
+            >>> tg.ParquetSource(d).record_settings()[:2]
+            ('hive', 'ns')
+        """
+        return (self.partitioning, self.int96_timestamp_unit, self._schema_bytes)
 
     @property
     def io_stats(self) -> dict[str, int]:
