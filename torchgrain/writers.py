@@ -40,14 +40,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from torchgrain.errors import CorruptDataError, SchemaMismatchError, TorchgrainError
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    SchemaMismatchError,
+    TorchgrainError,
+)
 from torchgrain.formats.checksums import RecordHasher, file_checksum, verify_file, verify_shard
 from torchgrain.formats.codecs import MsgpackCodec, get_codec, merge_schema, schema_sampled
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_manifest
 from torchgrain.io.atomic import atomic_path, atomic_write_text, publish, temp_name
-from torchgrain.io.fs import get_filesystem, is_local
+from torchgrain.io.fs import expand_paths, get_filesystem, is_local
 from torchgrain.io.paths import local_file_in
 from torchgrain.sources.node_index import INDEX_NAME, write_dataset_index
+from torchgrain.sources.parquet.paths import PARQUET_SUFFIXES
 from torchgrain.sources.parquet.schema import arrow_type_name, common_type
 
 __all__ = [
@@ -128,7 +134,9 @@ def write_array_record(
         codec: record codec name (``"msgpack"`` by default).
         compression: ``zstd[:LEVEL]``, ``snappy``, ``brotli`` or ``uncompressed``.
         prefix: shard file name prefix.
-        overwrite: replace an existing torchgrain dataset in ``directory``.
+        overwrite: replace an existing torchgrain dataset in ``directory``, or files of
+            the names this write gives its shards (without it, either is a
+            ``FileExistsError``).
 
     Returns:
         The shard paths, in dataset order.
@@ -159,6 +167,13 @@ def write_array_record(
         raise FileExistsError(
             f"{root} already holds a torchgrain dataset ({MANIFEST_NAME}); pass overwrite=True"
         )
+    names = [shard_name(i, num_shards, prefix) for i in range(num_shards)]
+    taken = [n for n in names if os.path.lexists(os.path.join(root, n))]
+    if taken and not overwrite:  # (files of another writer: no manifest lists them)
+        raise FileExistsError(
+            f"{root} already holds {taken[0]!r}, a shard this write would replace; pass "
+            "overwrite=True"
+        )
     try:
         old = read_manifest(fs, root)
     except CorruptDataError:
@@ -168,7 +183,6 @@ def write_array_record(
         raise ValueError(f"codec {codec!r} cannot encode records")
     options = array_record_options(group_size, compression)
 
-    names = [shard_name(i, num_shards, prefix) for i in range(num_shards)]
     finals = [os.path.join(root, n) for n in names]
     temps = [temp_name(f) for f in finals]
     counts = [0] * num_shards
@@ -1205,12 +1219,17 @@ def write_parquet(
     row_group_size: int = 10_000,
     prefix: str = "data",
     compression: str = "zstd",
+    overwrite: bool = False,
 ) -> list[str]:
     """Write records as ``num_shards`` Parquet files (contiguous slices, in order).
 
     Values map to Arrow as :func:`records_to_table` describes, typed from all the records
     at once (every shard of one schema); each file is written under a hidden temporary
     name and renamed when complete.
+
+    A directory that already holds Parquet files (any that ``tg.ParquetSource(directory)``
+    would read) is a ``FileExistsError``: they would be read with the new ones, or be
+    replaced. ``overwrite=True`` removes them first, then writes.
 
     Example:
         >>> import tempfile, numpy as np, torchgrain as tg
@@ -1227,6 +1246,19 @@ def write_parquet(
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     table = records_to_table(records)  # (one type for every shard: they are in memory)
+    try:
+        _, existing = expand_paths(directory, suffixes=PARQUET_SUFFIXES, kind="Parquet")
+    except DatasetNotFoundError:
+        existing = []
+    if existing and not overwrite:
+        more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
+        raise FileExistsError(
+            f"{directory!r} already holds Parquet files ({existing[0]!r}{more}): they would "
+            "be read with the new ones; write to an empty directory, or pass overwrite=True "
+            "to replace them"
+        )
+    for old in existing:  # (first: a crash leaves an incomplete -of-N set, refused)
+        os.unlink(old)
     paths = []
     n = len(records)
     for i in range(num_shards):
