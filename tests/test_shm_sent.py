@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(not _shm.ENABLED, reason="slots need Linux memfd
 
 @pytest.fixture(scope="module")
 def records():
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(5)  # (images of a batch of 8: 24 KiB, kept in its slot)
     return [
-        {"image": rng.integers(0, 255, (4, 4, 3), dtype=np.uint8), "label": i} for i in range(64)
+        {"image": rng.integers(0, 255, (32, 32, 3), dtype=np.uint8), "label": i} for i in range(64)
     ]
 
 

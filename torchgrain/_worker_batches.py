@@ -103,6 +103,7 @@ class _Arena:
 
 
 _arena: _Arena | None = None
+_small_bytes = 0  # (see _shared_empty: an eighth of the batch before, 1 MiB at most)
 _slot_pool: shm.SlotPool | None = None
 
 
@@ -135,6 +136,10 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
     except TypeError:  # a dtype torch does not have
         return None
+    if arena.base is None and nbytes <= _small_bytes:
+        # Not into a torch segment's arena (no slot): a loop that keeps a small column
+        # (labels) would keep the whole batch's segment; it goes in a segment of its own.
+        return None
     size = -(-max(nbytes, 1) // _ARENA_ALIGN) * _ARENA_ALIGN
     arena.wanted += size
     if arena.used + size > arena.capacity:
@@ -154,7 +159,7 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
 def start_columns_batch(max_slots: int) -> None:
     """At the start of a columns batch: in a worker, a fresh arena for its columns (in
     one of up to ``max_slots`` reusable shared-memory slots)."""
-    global _worker_checked, _in_worker, _arena
+    global _worker_checked, _in_worker, _arena, _small_bytes
     _shared.clear()  # columns of a batch that was never collated
     if not _worker_checked:
         _worker_checked = True
@@ -166,6 +171,7 @@ def start_columns_batch(max_slots: int) -> None:
         wanted = last.wanted if last is not None else 0
         # Sized by the batch before (batches of one dataset are alike), with room to grow.
         capacity = max(_ARENA_MIN_BYTES, wanted + wanted // 4)
+        _small_bytes = min(1 << 20, wanted // 8)
         if last is not None and last.used == 0 and not last.sent and last.capacity >= capacity:
             last.wanted = 0  # never handed out: reuse it
         else:

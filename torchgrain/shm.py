@@ -13,9 +13,13 @@ Here a worker instead keeps a few anonymous shared-memory files ("slots", from
 writes each columns batch into a free one. A slot's file descriptor crosses to the main
 process with the first batch it carries; after that only the slot's id and, per column,
 an offset, a dtype and a shape. The main process maps each slot once, builds the batch's
-tensors as views of the mapping, and marks the slot free when the last of those tensors
-is garbage collected. A slot is written again only after that, so a batch the training
-loop keeps stays intact. When every slot is busy (a loop that keeps many batches) or no
+tensors as views of the mapping (each with a storage of its own bytes: pickled or saved,
+a column carries itself, not the slot), and marks the slot free when the last of those
+tensors is garbage collected. A slot is written again only after that, so a batch the
+training loop keeps stays intact. Small columns (labels, ids, lengths: at most an eighth
+of the batch's bytes, and 1 MiB) are copied out of the slot as the batch is rebuilt, into
+one buffer of the batch's own: a loop that keeps every batch's labels keeps those few
+KiB, not every batch's slot. When every slot is busy (a loop that keeps many batches) or no
 slot can be made, the batch takes torch's own path: slower, never wrong.
 
 A slot is written again only when both sides are done with it: the worker's own
@@ -33,7 +37,6 @@ it again).
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
 import math
 import mmap
@@ -49,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_storage as _torch_reduce_storage
+from torch.multiprocessing.reductions import reduce_tensor as _torch_reduce_tensor
 
 from torchgrain.columns import Ragged
 from torchgrain.io import process
@@ -229,7 +233,7 @@ class SlotBatch(dict):
 
 # ------------------------------------------------------------------ main side
 class _Mapped:
-    __slots__ = ("address", "copies", "end", "header", "live", "mm", "pid")
+    __slots__ = ("address", "end", "header", "live", "mm", "pid")
 
     def __init__(self, mm: mmap.mmap, pid: int) -> None:
         self.mm = mm
@@ -240,12 +244,11 @@ class _Mapped:
         # Batches rebuilt from this slot that are still alive here (counted, not weakly
         # referenced: a dying batch's finalizer runs before a weak reference to it clears).
         self.live = 0
-        # Storages of its batch sent to another process: (address, bytes) -> the copy sent
-        # (one copy a storage, however many of its tensors are sent; gone at the release).
-        self.copies: dict[tuple[int, int], torch.UntypedStorage] = {}
 
 
 _mapped: dict[str, _Mapped] = {}
+_small: dict[int, int] = {}  # buffers of batches' small columns: address -> end
+_SMALL_MAX = 1 << 20
 _lock = threading.RLock()
 
 
@@ -267,23 +270,35 @@ def _pin_before_fork() -> None:
 os.register_at_fork(before=_pin_before_fork, after_in_child=_forget_after_fork)
 
 
-def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+def _ours(address: int) -> bool:
+    """Whether ``address`` lies in a slot mapped here or a buffer of a batch's small
+    columns."""
+    with _lock:
+        return any(e.address <= address < e.end for e in _mapped.values()) or any(
+            a <= address < e for a, e in _small.items()
+        )
+
+
+def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
     # torch's pickler moves a storage it sends into new shared memory in place: one of a
     # slot would leave the slot (freed, then rewritten by its worker) under any numpy
-    # view of it. Such a storage is sent as a copy; the slot's stays as it is.
-    if _mapped and storage.device.type == "cpu":
-        address, key = storage.data_ptr(), (storage.data_ptr(), storage.nbytes())
-        with _lock:
-            entry = next((e for e in _mapped.values() if e.address <= address < e.end), None)
-            if entry is not None:
-                copy = entry.copies.get(key)
-                if copy is None:
-                    copy = entry.copies[key] = storage.clone()
-                storage = copy
+    # view of it. A tensor of a slot (or of a batch's small columns) is sent as a copy of
+    # its own elements, made now: what it holds now, however many of its rows are sent
+    # one by one; the slot stays as it is.
+    if tensor.device.type == "cpu" and (_mapped or _small) and _ours(tensor.data_ptr()):
+        tensor = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+    return _torch_reduce_tensor(tensor)
+
+
+def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    # (a storage pickled by itself: sent as a copy, as a tensor is)
+    if storage.device.type == "cpu" and (_mapped or _small) and _ours(storage.data_ptr()):
+        storage = storage.clone()
     return _torch_reduce_storage(storage)
 
 
 reduction.ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+reduction.ForkingPickler.register(torch.Tensor, _reduce_tensor)
 
 
 def _alive(pid: int) -> bool:
@@ -332,7 +347,6 @@ def _release(entry: _Mapped, owner: tuple[int, int]) -> None:
         return
     with _lock:
         entry.live -= 1
-        entry.copies.clear()  # (before the worker may write the slot's next batch)
     entry.header[_BUSY] = 0
     if entry.header[_RETIRED]:  # its worker is done: unmap what no batch uses any more
         _sweep()
@@ -347,20 +361,52 @@ def _sweep() -> None:
                 del _mapped[key]
 
 
-def _materialize(desc: tuple[Any, ...], typed: Callable[[str], torch.Tensor]) -> Any:
+def _materialize(desc: tuple[Any, ...], column: Callable[[int, str, tuple], torch.Tensor]) -> Any:
     tag = desc[0]
     if tag == _IN_SLOT:
-        _, offset, dtype, shape = desc
-        flat = typed(dtype)  # the batch's memory as this dtype (offsets are aligned)
-        return flat.narrow(0, offset // flat.element_size(), math.prod(shape)).view(shape)
+        return column(*desc[1:])
     if tag == _RAGGED:
-        return Ragged(_materialize(desc[2], typed), _materialize(desc[3], typed), desc[1])
+        return Ragged(_materialize(desc[2], column), _materialize(desc[3], column), desc[1])
     return desc[1]
 
 
-def _typed(flat: torch.Tensor) -> Callable[[str], torch.Tensor]:
-    """The batch's uint8 tensor viewed as each dtype a column asks for, made on demand."""
-    return functools.cache(lambda dtype: flat.view(_DTYPES[dtype]))
+def _sizes(desc: tuple[Any, ...]) -> list[int]:
+    """The bytes of each column in the slot that ``desc`` describes."""
+    if desc[0] == _IN_SLOT:
+        return [math.prod(desc[3]) * _DTYPES[desc[2]].itemsize]
+    return _sizes(desc[2]) + _sizes(desc[3]) if desc[0] == _RAGGED else []
+
+
+def _columns(memory: np.ndarray, items: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The batch's columns from its slot's ``memory``: each a tensor with a storage of its
+    own bytes, the small ones copied into one buffer of the batch's own."""
+    sizes = [n for _, desc in items for n in _sizes(desc)]
+    small = min(_SMALL_MAX, sum(sizes) // 8)
+    aligned = [-(-n // 64) * 64 for n in sizes if n <= small]
+    buffer = _small_buffer(sum(aligned)) if aligned else None
+    at = 0
+
+    def column(offset: int, dtype: str, shape: tuple) -> torch.Tensor:
+        nonlocal at
+        nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+        view = torch.from_numpy(memory[offset : offset + nbytes])
+        if buffer is not None and nbytes <= small:
+            view = buffer[at : at + nbytes].copy_(view)
+            at += -(-nbytes // 64) * 64
+        return view.view(_DTYPES[dtype]).view(shape)
+
+    return {k: _materialize(desc, column) for k, desc in items}
+
+
+def _small_buffer(nbytes: int) -> torch.Tensor:
+    """A buffer of ``nbytes`` for a batch's small columns, known to :func:`_ours` while
+    any of them lives."""
+    array = np.empty(nbytes, np.uint8)
+    address = array.ctypes.data
+    with _lock:
+        _small[address] = address + nbytes
+    weakref.finalize(array, _small.pop, address, None).atexit = False
+    return torch.from_numpy(array)
 
 
 def _rebuild(
@@ -373,17 +419,15 @@ def _rebuild(
     # (and the slot freed for the worker) only once no tensor of this batch is left.
     batch_base = np.frombuffer(entry.mm, np.uint8, count=size - _HEADER, offset=_HEADER)
     weakref.finalize(batch_base, _release, entry, process.token()).atexit = False
-    typed = _typed(torch.from_numpy(batch_base))
-    return {k: _materialize(desc, typed) for k, desc in items}
+    return _columns(batch_base, items)
 
 
 def _copy_out(name: str, fd: Any, items: list[tuple[str, Any]]) -> dict[str, Any]:
     if fd is not None:
         os.close(fd.detach())
     slot = _own[name]
-    data = torch.from_numpy(np.frombuffer(slot.mm, np.uint8, count=slot.capacity, offset=_HEADER))
-    typed = _typed(data)
-    return {k: _clone(_materialize(desc, typed)) for k, desc in items}
+    data = np.frombuffer(slot.mm, np.uint8, count=slot.capacity, offset=_HEADER)
+    return {k: _clone(v) for k, v in _columns(data, items).items()}
 
 
 def _clone(value: Any) -> Any:
