@@ -137,7 +137,9 @@ class ResumableLoader:
     :meth:`load_state_dict` continues from there in a new process, on the same or a
     different number of ranks: no batch repeated or skipped, in the same order, with
     the same ``random_map`` draws (they depend on (seed, epoch, index) only). Loading
-    costs the same at any position; nothing skipped is drawn again.
+    costs the same at any position; nothing skipped is drawn again. A batch the loader
+    fails to make raises its error in the loop and counts as taken: the pass goes on
+    after it, as a ``DataLoader``'s does, and a state saved later resumes after it.
 
     Each complete pass moves the sampler on to the next epoch (calling ``set_epoch``
     yourself with the same numbers is harmless), so epochs differ without it. Every
@@ -198,19 +200,15 @@ class ResumableLoader:
 
     # -- iteration ------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        return _Pass(self)
+
+    def _ended(self, counts: int | None) -> None:
+        """A complete pass (``counts``: its sampler iteration, None when no batch came)."""
         self._taken = 0
-        self._tell_dataset()
-        counts = None  # the pass's sampler iteration, read once the loader has started it
-        for batch in self.loader:
-            if counts is None:
-                counts = self._counts = self.sampler._iteration
-            self._taken += 1
-            yield batch
-        self._taken = 0
-        # A complete pass, also one with no batch (a resume saved at the last batch of an
-        # epoch whose partial batch the DataLoader drops): the next one is the next epoch,
-        # unless a load or another epoch came during the pass (where the next one starts).
-        # The wrapped loader is told too: Accelerate's counts only passes that yield, and
+        # Also one with no batch (a resume saved at the last batch of an epoch whose
+        # partial batch the DataLoader drops): the next one is the next epoch, unless a
+        # load or another epoch came during the pass (where the next one starts). The
+        # wrapped loader is told too: Accelerate's counts only passes that yield, and
         # adds one as a pass ends even after a load or a set_epoch during it (its next
         # pass would set that epoch, dropping the loaded position): it is told the epoch
         # in effect, which keeps the position.
@@ -329,3 +327,53 @@ class ResumableLoader:
 
     def __repr__(self) -> str:
         return f"ResumableLoader({self.loader!r}, epoch={self.epoch})"
+
+
+class _Pass(Iterator[Any]):
+    """One pass of a :class:`ResumableLoader`: the wrapped loader's batches, counted. A
+    batch the loader fails to make (its error raised here) counts as taken, and the pass
+    goes on after it, as a ``DataLoader``'s does: a loop that skips it and saves later
+    resumes after it, as the run it saved went on."""
+
+    def __init__(self, owner: ResumableLoader) -> None:
+        self.owner = owner
+        self.it: Iterator[Any] | None = None  # iter(loader) at the first next(), as a for loop
+        self.counts: int | None = None  # the pass's sampler iteration, once it has started
+        self.done = self.failed = False
+
+    def __next__(self) -> Any:
+        owner = self.owner
+        if self.done:
+            raise StopIteration
+        if self.it is None:  # (the pass starts at its first next(), as a generator's)
+            owner._taken = 0
+            owner._tell_dataset()
+            self.it = iter(owner.loader)
+        try:
+            batch = next(self.it)
+        except StopIteration:
+            self.done = True
+            if not (self.failed and owner._taken < _length(owner.loader)):
+                owner._ended(self.counts)
+            # (else a wrapper that cannot go on after an error ended the pass early: its
+            # position stays where the loop got to, as a pass the loop left does)
+            raise
+        except Exception:
+            self.failed = True
+            self._took()
+            raise
+        self._took()
+        return batch
+
+    def _took(self) -> None:
+        if self.counts is None:
+            self.counts = self.owner._counts = self.owner.sampler._iteration
+        self.owner._taken += 1
+
+
+def _length(loader: Any) -> int:
+    """``len(loader)``, or 0 when it has none."""
+    try:
+        return len(loader)
+    except TypeError:
+        return 0

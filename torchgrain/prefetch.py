@@ -44,6 +44,7 @@ __all__ = ["CudaPrefetcher"]
 _BATCH = 0
 _DONE = 1
 _ERROR = 2
+_FAILED = 3  # one batch failed (the loader or the transform raised): the pass goes on
 
 
 def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
@@ -125,7 +126,6 @@ class _PassState:
         self.pending: collections.deque[tuple[Any, Any]] = collections.deque()
         self.produced = 0
         self.start_event = start_event
-        self.error_note = ""
 
 
 @dataclasses.dataclass
@@ -196,24 +196,28 @@ def _produce(state: _PassState, transfer: _Transfer) -> None:
             except StopIteration:
                 q.put((_DONE, None, None))
                 return
-            except BaseException:
-                state.error_note = f"while fetching batch {index} from the loader"
-                raise
-            del source
+            except Exception as exc:
+                # One batch failed: the consumer gets its error there, and this thread
+                # ends; a next() after it goes on with the pass in a new one, as a
+                # DataLoader's pass goes on (a loop that skips a bad batch).
+                state.produced += 1
+                q.put((_FAILED, exc, f"while fetching batch {index} from the loader"))
+                return
+            finally:
+                del source
             state.produced += 1
             if state.stop.is_set():
                 return
             try:
                 batch, ready = transfer(state, host_batch)
-            except BaseException as exc:
-                state.error_note = f"while moving batch {index} to {transfer.device}"
+            except Exception as exc:
                 if isinstance(exc, StopIteration):
                     # It must not end the consumer's loop silently (as in PEP 479).
-                    raise RuntimeError(
-                        "CudaPrefetcher: the transform raised StopIteration"
-                    ) from exc
-                raise
-            del host_batch
+                    exc = RuntimeError("CudaPrefetcher: the transform raised StopIteration")
+                q.put((_FAILED, exc, f"while moving batch {index} to {transfer.device}"))
+                return
+            finally:
+                del host_batch
             q.put((_BATCH, batch, ready))
             del batch, ready
     except BaseException as exc:
@@ -238,9 +242,13 @@ class _PrefetchIterator(Iterator[Any]):
         # processes and installs its signal handlers from the main thread, as it expects.
         source = iter(owner.loader)
         self._state = _PassState(source, owner.depth, start_event)
+        self._transfer = transfer
+        self._start()
+
+    def _start(self) -> None:
         self._thread = threading.Thread(
             target=_produce,
-            args=(self._state, transfer),
+            args=(self._state, self._transfer),
             name="torchgrain-prefetch",
             daemon=True,
         )
@@ -253,8 +261,22 @@ class _PrefetchIterator(Iterator[Any]):
         state = self._state
         if state is None:
             raise StopIteration
+        if self._thread is None:  # the pass goes on after a batch that failed
+            self._start()
         kind, payload, ready = state.queue.get()
         state.slots.release()
+        if kind == _FAILED:
+            # Its thread has ended (after it, nothing was fetched): gone before the error
+            # reaches the loop, which may leave it, or call next() to go on.
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            if hasattr(payload, "add_note"):
+                payload.add_note(f"(raised in the CudaPrefetcher thread {ready})")
+            # Re-raise the loader's own exception object: its type is unchanged for callers'
+            # ``except`` clauses and its traceback still holds the frames where it was
+            # raised (in the loader, or the transform), below the consumer's frame.
+            raise payload
         if kind == _BATCH:
             if ready is not None:
                 consumer = torch.cuda.current_stream(self._device)
@@ -269,13 +291,7 @@ class _PrefetchIterator(Iterator[Any]):
         self.close()
         if kind == _DONE:
             raise StopIteration
-        exc: BaseException = payload
-        if state.error_note and hasattr(exc, "add_note"):
-            exc.add_note(f"(raised in the CudaPrefetcher thread {state.error_note})")
-        # Re-raise the loader's own exception object: its type is unchanged for callers'
-        # ``except`` clauses and its traceback still holds the frames where it was raised
-        # (in the loader, or the transform), below the consumer's frame.
-        raise exc
+        raise payload  # (the thread itself failed: the pass ends)
 
     def close(self) -> None:
         """Stop the producer thread, wait for it, and release every prefetched batch."""
@@ -342,9 +358,11 @@ class CudaPrefetcher(Iterable[Any]):
 
     ``len(prefetcher)`` is ``len(loader)``, and the loader's other attributes are the
     prefetcher's: to resume, wrap it in :class:`~torchgrain.ResumableLoader` (which counts
-    the batches the loop took), not the other way round (a ``TypeError``). An exception raised by the loader (or the
-    transform) is re-raised in the consumer at the position of the failed batch, with
-    its original type and traceback. Leaving the loop early, closing the iterator,
+    the batches the loop took), not the other way round (a ``TypeError``). An exception
+    raised by the loader (or the transform) is re-raised in the consumer at the position
+    of the failed batch, with its original type and traceback; the pass goes on after it,
+    as a ``DataLoader``'s does (a loop that catches it and calls ``next`` again gets the
+    following batches). Leaving the loop early, closing the iterator,
     deleting it or letting it be garbage collected stops and joins the thread and frees
     the prefetched batches. Each ``for`` loop starts a fresh pass over the loader (and
     closes a pass still open on this prefetcher), so one prefetcher serves every epoch.
