@@ -301,13 +301,13 @@ def test_columns_through_the_dataloader(arrayrecord_dir, image_records, workers,
             assert batch["image"].dtype == torch.uint8 and batch["image"].shape[1:] == (8, 8, 3)
             if workers:  # moved from the worker through shared memory, not pickled bytes
                 assert in_shared_memory(batch["image"])
-                # ... all columns in one segment, and the small ones (label, blob) in a
-                # second of their own: kept, they keep no slot (the first batch sizes both)
-                storages = {
-                    t.untyped_storage().data_ptr()
+                # ... through one segment, each column a storage of its own bytes (the
+                # small ones, label and blob, copied out of it: kept, they keep no slot;
+                # the first batch sizes the slot)
+                one_segment += all(
+                    t.untyped_storage().nbytes() == t.numel() * t.element_size()
                     for t in (batch["image"], batch["label"], batch["blob"].values)
-                }
-                one_segment += len(storages) <= 2
+                )
             labels = batch["label"].tolist()
             for j, label in enumerate(labels):
                 rec = image_records[label]

@@ -3,6 +3,7 @@ test fails on the code before its fix."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -263,3 +264,74 @@ def test_a_wrapper_that_cannot_go_on_after_an_error_does_not_end_the_epoch():
     assert (got, errors) == (list(range(8)), 1)
     state = loader.state_dict()
     assert (state["epoch"], state["sampler"]["position"]) == (0, 12)
+
+
+def test_a_resumed_pass_with_a_failed_batch_still_ends_its_epoch():
+    data = list(range(20))
+
+    def failing(i):
+        if i == 13:
+            raise ValueError("bad 13")
+        return i
+
+    class Failing(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(data)
+
+        def __getitem__(self, i):
+            return failing(data[i])
+
+    def loader() -> tg.ResumableLoader:
+        sampler = tg.GlobalShuffleSampler(Failing(), seed=1, num_replicas=1, rank=0)
+        return tg.ResumableLoader(
+            torch.utils.data.DataLoader(Failing(), batch_size=2, sampler=sampler)
+        )
+
+    first = loader()
+    it = iter(first)
+    for _ in range(3):
+        with contextlib.suppress(ValueError):
+            next(it)
+    state = first.state_dict()
+    del it
+    second = loader()
+    second.load_state_dict(state)
+    _skip_errors_plain(iter(second))
+    assert second.epoch == 1  # (the resumed pass ended its epoch, error or not)
+
+
+def _skip_errors_plain(iterator) -> int:
+    n = 0
+    while True:
+        try:
+            next(iterator)
+        except StopIteration:
+            return n
+        except ValueError:
+            pass
+        n += 1
+
+
+def test_small_columns_have_storages_of_their_own_and_sparse_tensors_still_pickle(
+    batches_data,
+):
+    ds = tg.Dataset(tg.ArrayRecordSource(batches_data), batch_format="columns")
+    loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=1)
+    batches = iter(loader)
+    next(batches)  # (the first batch sizes the worker's slots)
+    batch = next(batches)
+    for key in ("label", "f"):  # (small: copied out of the slot, each in its own buffer)
+        t = batch[key]
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    sparse = torch.eye(3).to_sparse()
+    assert torch.equal(pickle.loads(ForkingPickler.dumps(sparse)).to_dense(), torch.eye(3))
+
+
+def test_a_transform_raising_stop_iteration_keeps_it_as_the_cause():
+    def stop(batch):
+        raise StopIteration("from the transform")
+
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    with pytest.raises(RuntimeError, match="raised StopIteration") as info:
+        next(iter(tg.CudaPrefetcher(loader, device="cpu", transform=stop)))
+    assert isinstance(info.value.__cause__, StopIteration)

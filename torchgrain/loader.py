@@ -279,6 +279,15 @@ class ResumableLoader:
         epoch = state["epoch"] + int(sampler._finished(state))
         return {"version": _STATE_VERSION, "epoch": epoch, "sampler": state}
 
+    def _at_end(self) -> bool:
+        """Whether the batches taken reach the end of the sampler's pass (a loader that
+        cannot say how many samples a batch takes: taken as there)."""
+        try:
+            state = self.state_dict()["sampler"]
+        except TypeError:
+            return True
+        return bool(self.sampler._finished(state))
+
     def _positions_per_step(self) -> int:
         """Positions of the sampler's order one batch taken from the loader uses."""
         sampler, binding = self.sampler, self._binding
@@ -353,7 +362,7 @@ class _Pass(Iterator[Any]):
             batch = next(self.it)
         except StopIteration:
             self.done = True
-            if not (self.failed and owner._taken < _length(owner.loader)):
+            if not self.failed or owner._at_end():
                 owner._ended(self.counts)
             # (else a wrapper that cannot go on after an error ended the pass early: its
             # position stays where the loop got to, as a pass the loop left does)
@@ -369,11 +378,3 @@ class _Pass(Iterator[Any]):
         if self.counts is None:
             self.counts = self.owner._counts = self.owner.sampler._iteration
         self.owner._taken += 1
-
-
-def _length(loader: Any) -> int:
-    """``len(loader)``, or 0 when it has none."""
-    try:
-        return len(loader)
-    except TypeError:
-        return 0

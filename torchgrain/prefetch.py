@@ -213,7 +213,8 @@ def _produce(state: _PassState, transfer: _Transfer) -> None:
             except Exception as exc:
                 if isinstance(exc, StopIteration):
                     # It must not end the consumer's loop silently (as in PEP 479).
-                    exc = RuntimeError("CudaPrefetcher: the transform raised StopIteration")
+                    error = RuntimeError("CudaPrefetcher: the transform raised StopIteration")
+                    error.__cause__, exc = exc, error
                 q.put((_FAILED, exc, f"while moving batch {index} to {transfer.device}"))
                 return
             finally:

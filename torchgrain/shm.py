@@ -17,8 +17,8 @@ tensors as views of the mapping (each with a storage of its own bytes: pickled o
 a column carries itself, not the slot), and marks the slot free when the last of those
 tensors is garbage collected. A slot is written again only after that, so a batch the
 training loop keeps stays intact. Small columns (labels, ids, lengths: at most an eighth
-of the batch's bytes, and 1 MiB) are copied out of the slot as the batch is rebuilt, into
-one buffer of the batch's own: a loop that keeps every batch's labels keeps those few
+of the batch's bytes, and 1 MiB) are copied out of the slot as the batch is rebuilt, each
+into memory of its own: a loop that keeps every batch's labels keeps those few
 KiB, not every batch's slot. When every slot is busy (a loop that keeps many batches) or no
 slot can be made, the batch takes torch's own path: slower, never wrong.
 
@@ -247,7 +247,9 @@ class _Mapped:
 
 
 _mapped: dict[str, _Mapped] = {}
-_small: dict[int, int] = {}  # buffers of batches' small columns: address -> end
+# Small columns copied out of slots, alive here: address -> end; and those that died
+_small: dict[int, int] = {}
+_small_dead: list[int] = []
 _SMALL_MAX = 1 << 20
 _lock = threading.RLock()
 
@@ -271,28 +273,37 @@ os.register_at_fork(before=_pin_before_fork, after_in_child=_forget_after_fork)
 
 
 def _ours(address: int) -> bool:
-    """Whether ``address`` lies in a slot mapped here or a buffer of a batch's small
-    columns."""
+    """Whether ``address`` lies in a slot mapped here or in a small column copied out of
+    one."""
     with _lock:
-        return any(e.address <= address < e.end for e in _mapped.values()) or any(
-            a <= address < e for a, e in _small.items()
-        )
+        _purge_small()
+        slots, small = tuple(_mapped.values()), list(_small.items())
+    return any(e.address <= address < e.end for e in slots) or any(
+        a <= address < e for a, e in small
+    )
 
 
 def _reduce_tensor(tensor: torch.Tensor) -> tuple[Any, ...]:
     # torch's pickler moves a storage it sends into new shared memory in place: one of a
     # slot would leave the slot (freed, then rewritten by its worker) under any numpy
-    # view of it. A tensor of a slot (or of a batch's small columns) is sent as a copy of
-    # its own elements, made now: what it holds now, however many of its rows are sent
-    # one by one; the slot stays as it is.
-    if tensor.device.type == "cpu" and (_mapped or _small) and _ours(tensor.data_ptr()):
+    # view of it. A tensor of a slot (or a small column copied out of one) is sent as a
+    # copy of its own elements, made now: what it holds now, however many of its rows
+    # are sent one by one; the slot stays as it is. (Other layouts, and what torch
+    # refuses to send, are torch's.)
+    if (
+        (_mapped or _small)
+        and tensor.device.type == "cpu"
+        and tensor.layout == torch.strided
+        and (tensor.is_leaf or not tensor.requires_grad)
+        and _ours(tensor.data_ptr())
+    ):
         tensor = tensor.detach().clone().requires_grad_(tensor.requires_grad)
     return _torch_reduce_tensor(tensor)
 
 
 def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
     # (a storage pickled by itself: sent as a copy, as a tensor is)
-    if storage.device.type == "cpu" and (_mapped or _small) and _ours(storage.data_ptr()):
+    if (_mapped or _small) and storage.device.type == "cpu" and _ours(storage.data_ptr()):
         storage = storage.clone()
     return _torch_reduce_storage(storage)
 
@@ -378,35 +389,37 @@ def _sizes(desc: tuple[Any, ...]) -> list[int]:
 
 
 def _columns(memory: np.ndarray, items: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The batch's columns from its slot's ``memory``: each a tensor with a storage of its
-    own bytes, the small ones copied into one buffer of the batch's own."""
-    sizes = [n for _, desc in items for n in _sizes(desc)]
-    small = min(_SMALL_MAX, sum(sizes) // 8)
-    aligned = [-(-n // 64) * 64 for n in sizes if n <= small]
-    buffer = _small_buffer(sum(aligned)) if aligned else None
-    at = 0
+    """The batch's columns from its slot's ``memory``, each a tensor with a storage of its
+    own bytes: the small ones (at most an eighth of the batch and 1 MiB) copied out."""
+    small = min(_SMALL_MAX, sum(n for _, desc in items for n in _sizes(desc)) // 8)
 
     def column(offset: int, dtype: str, shape: tuple) -> torch.Tensor:
-        nonlocal at
         nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
         view = torch.from_numpy(memory[offset : offset + nbytes])
-        if buffer is not None and nbytes <= small:
-            view = buffer[at : at + nbytes].copy_(view)
-            at += -(-nbytes // 64) * 64
+        if nbytes <= small:
+            view = _small_copy(view)
         return view.view(_DTYPES[dtype]).view(shape)
 
     return {k: _materialize(desc, column) for k, desc in items}
 
 
-def _small_buffer(nbytes: int) -> torch.Tensor:
-    """A buffer of ``nbytes`` for a batch's small columns, known to :func:`_ours` while
-    any of them lives."""
-    array = np.empty(nbytes, np.uint8)
+def _small_copy(column: torch.Tensor) -> torch.Tensor:
+    """A copy of ``column`` (uint8) in a buffer of its own, known to :func:`_ours` while
+    it lives."""
+    array = np.empty(len(column), np.uint8)
     address = array.ctypes.data
     with _lock:
-        _small[address] = address + nbytes
-    weakref.finalize(array, _small.pop, address, None).atexit = False
-    return torch.from_numpy(array)
+        _purge_small()  # (before: a new buffer may lie where a dead one did)
+        _small[address] = address + len(column)
+    # (a finalizer may run amid any code, an iteration of _small included: it only notes)
+    weakref.finalize(array, _small_dead.append, address).atexit = False
+    return torch.from_numpy(array).copy_(column)
+
+
+def _purge_small() -> None:
+    """Forget the small columns that died (under ``_lock``)."""
+    while _small_dead:
+        _small.pop(_small_dead.pop(), None)
 
 
 def _rebuild(
