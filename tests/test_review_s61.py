@@ -335,3 +335,19 @@ def test_a_transform_raising_stop_iteration_keeps_it_as_the_cause():
     with pytest.raises(RuntimeError, match="raised StopIteration") as info:
         next(iter(tg.CudaPrefetcher(loader, device="cpu", transform=stop)))
     assert isinstance(info.value.__cause__, StopIteration)
+
+
+def _big_endian_ids(batch):
+    batch["be"] = np.asarray(batch["label"]).astype(">i4")
+    return batch
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_big_endian_column_arrives_with_its_values(batches_data, num_workers):
+    # (the collate raised ValueError: torch takes native byte order only)
+    ds = tg.Dataset(tg.ArrayRecordSource(batches_data), batch_format="columns")
+    ds = ds.map_batch(_big_endian_ids)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=num_workers)
+    batch = next(iter(loader))
+    assert batch["be"].dtype == torch.int32
+    assert batch["be"].tolist() == batch["label"].tolist()

@@ -134,7 +134,7 @@ def _shared_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
         return None
     try:
         torch_dtype = torch.from_numpy(np.empty(0, dtype)).dtype
-    except TypeError:  # a dtype torch does not have
+    except (TypeError, ValueError):  # a dtype torch does not have (or byte order)
         return None
     if arena.base is None and nbytes <= _small_bytes:
         # Not into a torch segment's arena (no slot): a loop that keeps a small column
@@ -180,6 +180,8 @@ def start_columns_batch(max_slots: int) -> None:
 
 def _as_tensor(value: Any) -> Any:
     if isinstance(value, np.ndarray):
+        if not value.dtype.isnative:  # (a map_batch's ">i4": the same values, native)
+            value = value.astype(value.dtype.newbyteorder("="))
         # The very array the allocator handed out (a view of it, e.g. transposed, is
         # not: its strides or dtype differ).
         made = _shared.pop(value.ctypes.data, None) if value.size else None
