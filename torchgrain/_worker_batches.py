@@ -103,7 +103,7 @@ class _Arena:
 
 
 _arena: _Arena | None = None
-_small_bytes = 0  # (see _shared_empty: an eighth of the batch before, 1 MiB at most)
+_small_bytes = 0  # shm.small_column_bytes of the batch before (see _shared_empty)
 _slot_pool: shm.SlotPool | None = None
 
 
@@ -171,7 +171,7 @@ def start_columns_batch(max_slots: int) -> None:
         wanted = last.wanted if last is not None else 0
         # Sized by the batch before (batches of one dataset are alike), with room to grow.
         capacity = max(_ARENA_MIN_BYTES, wanted + wanted // 4)
-        _small_bytes = min(1 << 20, wanted // 8)
+        _small_bytes = shm.small_column_bytes(wanted)
         if last is not None and last.used == 0 and not last.sent and last.capacity >= capacity:
             last.wanted = 0  # never handed out: reuse it
         else:

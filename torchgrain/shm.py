@@ -250,7 +250,6 @@ _mapped: dict[str, _Mapped] = {}
 # Small columns copied out of slots, alive here: address -> end; and those that died
 _small: dict[int, int] = {}
 _small_dead: list[int] = []
-_SMALL_MAX = 1 << 20
 _lock = threading.RLock()
 
 
@@ -310,6 +309,13 @@ def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
 
 reduction.ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
 reduction.ForkingPickler.register(torch.Tensor, _reduce_tensor)
+
+
+def small_column_bytes(batch_bytes: int) -> int:
+    """The most bytes a column of a batch of ``batch_bytes`` may hold and be small (an
+    eighth of the batch, 1 MiB at most): kept apart from the batch's shared memory, so
+    that a loop keeping it keeps no more than it."""
+    return min(1 << 20, batch_bytes // 8)
 
 
 def _alive(pid: int) -> bool:
@@ -391,7 +397,7 @@ def _sizes(desc: tuple[Any, ...]) -> list[int]:
 def _columns(memory: np.ndarray, items: list[tuple[str, Any]]) -> dict[str, Any]:
     """The batch's columns from its slot's ``memory``, each a tensor with a storage of its
     own bytes: the small ones (at most an eighth of the batch and 1 MiB) copied out."""
-    small = min(_SMALL_MAX, sum(n for _, desc in items for n in _sizes(desc)) // 8)
+    small = small_column_bytes(sum(n for _, desc in items for n in _sizes(desc)))
 
     def column(offset: int, dtype: str, shape: tuple) -> torch.Tensor:
         nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
