@@ -171,7 +171,7 @@ def test_index_file_truncated(tmp_path, kind):
             from torchgrain.formats.tfrecord import write_tfrecord
             write_tfrecord([b"r" * 100] * 400, os.path.join(d, "t.tfrecord"))
             src = tg.TFRecordSource(os.path.join(d, "t.tfrecord"), index_dir=ix, codec="raw")
-            index_path = src._tfindex.path
+            index_path = src.format.shards.index.path
         assert index_path is not None
         src.__getitems__([0, 1, 2, 399])
         os.truncate(index_path, 64)

@@ -5,6 +5,7 @@ once, the shard cache, forked workers, pickles, and hostile readers."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import runpy
 
@@ -13,7 +14,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import torchgrain as tg
-from docs.snippets.fixed_format import FixedReader, FixedSource, write_fixed
+from docs.snippets.fixed_format import FixedFormat, FixedReader, FixedSource, write_fixed
 from tests.servers import RangeHTTPServer
 from torchgrain.io.ranges import range_store
 from torchgrain.sources import registry
@@ -190,3 +191,69 @@ def test_opening_sizes_shards_from_the_listing_and_keeps_their_readers(data, mon
         batch = list(range(0, N, N // SHARDS))
         assert [r["id"] for r in remote_src.__getitems__(batch)] == batch
         assert srv.gets() == SHARDS  # the records' ranges only: no shard opened again
+
+
+class EncodedReader(FixedReader):
+    """The example's reader giving each record's bytes (its format has a codec)."""
+
+    def decode(self, rows, chunks):
+        lengths = [int.from_bytes(c[:4], "little") for c in chunks]
+        if max(lengths, default=0) > self.width - 4:
+            raise tg.CorruptDataError(f"{self.file.path!r}: a record overflows its slot")
+        return [bytes(c[4 : 4 + n]) for c, n in zip(chunks, lengths)]
+
+
+class EncodedFixed(FixedFormat):
+    """The example format as an EncodedFormat (the source decodes the records' bytes) and
+    ReadsBatches (a batch of more than one record read by the format at once)."""
+
+    codec = tg.sources.get_codec("msgpack")
+
+    def __init__(self) -> None:
+        self.batches, self.closed = 0, 0
+
+    def open(self, file):
+        r = super().open(file)
+        return EncodedReader(r.file, r.width, r.count)
+
+    def read_batch(self, paths, shards, rows, indices):
+        if len(rows) == 1:
+            return None  # read through the readers
+        self.batches += 1
+        out = []
+        for k, r in zip(shards.tolist(), rows.tolist()):
+            with tg.sources.ShardFile(k, paths[k]) as f:
+                out += self.open(f).read(np.array([r]))
+        return out
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_an_encoded_format_that_reads_batches_is_decoded_and_named_by_the_source(data):
+    fmt = EncodedFixed()
+    assert isinstance(fmt, tg.sources.EncodedFormat) and isinstance(fmt, tg.sources.ReadsBatches)
+    src = tg.FormatSource(str(data), format=fmt)
+    truth = records()
+    for batch in shuffled(src):
+        assert all(same(r, truth[i]) for r, i in zip(src.__getitems__(batch), batch, strict=True))
+        cols = src.read_columns(batch)  # msgpack's column form
+        assert cols["id"].tolist() == batch
+    assert same(src[77], truth[77])  # one record: through its shard's reader
+    assert src.format.batches == 2 * len(shuffled(src))
+    src.close()
+    assert src.format.closed == 1
+    # A record that does not decode is named: its index, shard, file and row.
+    path = str(data / "data-00002-of-00008.fixed")
+    width = (os.path.getsize(path) - 16) // 30
+    with open(path, "r+b") as f:
+        f.seek(16 + 5 * width + 4)
+        f.write(bytes([0xC1]))  # (msgpack's one unused byte)
+    src = tg.FormatSource(str(data), format=EncodedFixed())
+    with pytest.raises(
+        tg.RecordDecodeError,
+        match=r"cannot decode record 65 \(fixed shard 2 of 8 .*data-00002-of-00008\.fixed', row 5\) with codec 'msgpack'",
+    ):
+        src.__getitems__([3, 65, 100])
+    with pytest.raises(tg.RecordDecodeError, match="record 65 "):
+        src.read_columns([3, 65, 100])

@@ -121,8 +121,8 @@ _OPEN_AND_COUNT = """
     src = cls(path, codec="raw", index_dir=index_dir)
     n = len(src)
     got = [r["bytes"].hex() for r in src.__getitems__(list(range(n - 1, -1, -7)))]
-    print(json.dumps({"counters": COUNTERS, "records": got, "index": src.__dict__.get(
-        "_dindex", getattr(src, "_tfindex", None)).path}))
+    print(json.dumps({"counters": COUNTERS, "records": got, "index": (src.__dict__.get(
+        "_dindex") if kind == "ar" else src.format.shards.index).path}))
 """
 
 

@@ -113,7 +113,11 @@ def _source(data, reading: str) -> tg.ShardedSource:
     kind, root, index_dir, _, _ = data
     src = _open(kind, root, index_dir)
     if reading == "readers":
-        src._mapped = False  # every read through a reader of its shard
+        # every read through a reader of its shard
+        if isinstance(src, tg.TFRecordSource):
+            src.format._region = False
+        else:
+            src._mapped = False
     return src
 
 

@@ -38,7 +38,7 @@ def test_counted_from_the_index_without_opening_a_file(tmp_path):
     assert len(src) == len(recs) and src.shard_counts.tolist() == [PER_FILE] * FILES
     idx = np.random.default_rng(0).permutation(len(recs)).tolist()
     assert [r["bytes"] for r in src.__getitems__(idx)] == [recs[i] for i in idx]
-    reader = src._proc().readers[0].reader
+    reader = src._reader(0).reader  # (local batches read from one map of the files)
     assert isinstance(reader, ReadsByteRanges) and len(reader) == PER_FILE
     again = pickle.loads(pickle.dumps(src))
     assert [r["bytes"] for r in again.__getitems__([5, 0, 41])] == [recs[i] for i in (5, 0, 41)]

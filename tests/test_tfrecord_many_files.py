@@ -64,9 +64,9 @@ def test_ten_thousand_files_read_with_no_open_or_step_per_file(tmp_path, monkeyp
 
     monkeypatch.setattr(builtins, "open", lambda *a, **k: count(real_open, *a, **k))
     monkeypatch.setattr(os, "open", lambda *a, **k: count(real_os_open, *a, **k))
-    read_rows = type(src)._read_rows
+    read_group = type(src)._read_group
     monkeypatch.setattr(
-        type(src), "_read_rows", lambda self, *a: per_file.append(a[0]) or read_rows(self, *a)
+        type(src), "_read_group", lambda self, *a: per_file.append(a[0]) or read_group(self, *a)
     )
     epoch()
     # The second pass opens no file and takes no Python step per file: its batches touch

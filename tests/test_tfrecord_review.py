@@ -53,7 +53,7 @@ _HELD = textwrap.dedent(
         open(os.path.join(d, f"p{f}.tfrecord"), "wb").write(frames)
     src = tg.TFRecordSource(d, codec="raw", index_dir=None)
     src.__getitems__([0, 7, 9])  # every file mapped
-    region = src._region()
+    region = src.format._mapped(src.paths)
     if not region._watched[region.slot_of[1]]:
         sys.exit(print("unwatched"))  # no inotify: each read stats its files again
     region.acquire(np.array([0]))  # a read in progress in another thread
@@ -195,7 +195,7 @@ def test_offsets_kept_per_file_rebuild_the_dataset_index_without_a_walk(
     monkeypatch.setattr(source, "iter_tfrecord_offsets", no_walk)
     src = _reopen(d, ix)
     assert len(src) == records
-    assert src._tfindex.offsets[[0, 1, records - 1, records]].tolist() == [
+    assert src.format.shards.index.offsets[[0, 1, records - 1, records]].tolist() == [
         0,
         16,
         16 * (records - 1),

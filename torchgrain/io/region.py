@@ -46,7 +46,7 @@ from torchgrain.io import changes, process
 from torchgrain.io.libc import libc
 from torchgrain.io.limits import free_maps
 
-__all__ = ["SLOT_ALIGN", "RegionUnavailable", "ShardRegion", "supported"]
+__all__ = ["SLOT_ALIGN", "RegionUnavailable", "ShardRegion", "acquired", "supported"]
 
 SLOT_ALIGN = 1 << 16
 _MAP_FIXED = 0x10  # the same on every Linux architecture :func:`supported` accepts
@@ -398,3 +398,19 @@ class ShardRegion:
             f"ShardRegion(shards={len(self.slot_of)}, slots={self.num_slots}, "
             f"slot_size={self.slot_size}, mapped={self.mapped})"
         )
+
+
+def acquired(region: ShardRegion, shards: int | np.ndarray) -> Any:
+    """Where ``shards`` (one, or a batch's array) are mapped in ``region`` (release it
+    after reading), or None to read them through their readers: a shard that cannot be
+    mapped now (its reader names the error), or more than may be mapped at once. A file
+    changed while open raises: a reader may not see a same-size rewrite. The caller has
+    just called :func:`torchgrain.io.changes.poll`."""
+    try:
+        if isinstance(shards, int):
+            return region.acquire_one(shards, polled=True)
+        return region.acquire(shards, polled=True)
+    except changes.ChangedWhileOpen:
+        raise
+    except (CorruptDataError, FileNotFoundError):
+        return None

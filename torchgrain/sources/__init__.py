@@ -6,7 +6,8 @@ per-process readers, retry, parallel extraction, counters), read as one
 :class:`ReadOptions` says, and find records through a :class:`ShardIndex`. The registry
 finds a format by name or file names: :func:`open` opens any registered format, and a
 new format is a :class:`ShardFormat` (open a :class:`ShardFile`, read rows with a
-:class:`ShardReader`, optionally :class:`ReadsByteRanges`) that :class:`FormatSource`
+:class:`ShardReader`, optionally :class:`ReadsByteRanges`, :class:`IndexesShards`,
+:class:`ReadsBatches` and :class:`EncodedFormat`) that :class:`FormatSource`
 reads with all of the above, plus a :func:`register_format` call with its :class:`Format`
 (``torchgrain inspect``, ``bench`` and ``convert`` then know it). Codecs turn an
 encoded record's bytes into a dict; :func:`get_codec` finds one by name and
@@ -31,8 +32,10 @@ from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import ShardedSource, Source
 from torchgrain.sources.column import read_column
 from torchgrain.sources.format import (
+    EncodedFormat,
     FormatSource,
     IndexesShards,
+    ReadsBatches,
     ReadsByteRanges,
     ShardCounts,
     ShardFile,
@@ -56,11 +59,13 @@ from torchgrain.sources.tfrecord import TFRecordFormat, TFRecordSource
 
 __all__ = [
     "ArrayRecordSource",
+    "EncodedFormat",
     "Format",
     "FormatSource",
     "IndexesShards",
     "ParquetSource",
     "ReadOptions",
+    "ReadsBatches",
     "ReadsByteRanges",
     "ShardCounts",
     "ShardFile",

@@ -32,12 +32,12 @@ from torchgrain.formats.tfds import tfds_codec_for
 from torchgrain.io import remote
 from torchgrain.io.fs import ShardPaths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
-from torchgrain.io.region import RegionUnavailable, ShardRegion
+from torchgrain.io.region import RegionUnavailable, ShardRegion, acquired
 from torchgrain.io.retry import retry_call, using
 from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
 from torchgrain.sources.base import shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
-from torchgrain.sources.encoded import EncodedSource, acquired
+from torchgrain.sources.encoded import EncodedSource
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 from torchgrain.sources.node_index.arrayrecord import stat_shards
@@ -505,7 +505,7 @@ class ArrayRecordSource(EncodedSource):
     # verify_checksums, chunks of several records (the chunk cache), datasets whose files
     # disagree with the manifest, shards that cannot be mapped (their reader names the
     # error), and batches of more shards than may be mapped at once (see
-    # :func:`~torchgrain.sources.encoded.acquired`).
+    # :func:`~torchgrain.io.region.acquired`).
     def _read_rows(
         self, shard: int, rows: np.ndarray, index: int, reader: ArrayRecordFile | None
     ) -> list[bytes]:

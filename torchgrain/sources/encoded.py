@@ -20,14 +20,19 @@ from typing import Any
 
 import numpy as np
 
-from torchgrain.columns import ColumnBatch, scratch
+from torchgrain.columns import ColumnBatch
 from torchgrain.diagnostics import count_decode, count_read
-from torchgrain.errors import CorruptDataError, RecordDecodeError
+from torchgrain.errors import CorruptDataError
 from torchgrain.formats.codecs import Codec, describe_value
 from torchgrain.io import changes
-from torchgrain.io.region import ShardRegion
 from torchgrain.sources.base import ShardedSource, shard_rows
-from torchgrain.sources.format import name_error, shard_where
+from torchgrain.sources.format import (
+    decode_columns,
+    decode_record,
+    decode_records,
+    name_error,
+    shard_where,
+)
 
 __all__ = ["EncodedSource"]
 
@@ -149,17 +154,11 @@ class EncodedSource(ShardedSource):
         blobs = self._read_batch(idx)
         if blobs is None:
             blobs = self._read_groups(idx, self._read_named)
-        lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
-        ends = np.cumsum(lengths)
-        buf = _joined(blobs, ends)
         t1 = time.perf_counter()
-        count_read(t1 - t0, int(ends[-1]))
-        try:
-            batch = self.codec.decode_columns(buf, ends - lengths, ends)
-        except Exception:  # a batch decoder that fails: the records one by one name the culprit
-            batch = None
-        if batch is None:  # no column form, or not a uniform batch: from the records
-            batch = ColumnBatch.from_records(self._decode_all(blobs, lambda: self._where(idx)))
+        count_read(t1 - t0, sum(map(len, blobs)))
+        batch = decode_columns(
+            self.codec, blobs, lambda: self._decode_all(blobs, lambda: self._where(idx))
+        )
         count_decode(time.perf_counter() - t1)
         return batch
 
@@ -257,56 +256,14 @@ class EncodedSource(ShardedSource):
     def _decode_all(
         self, blobs: list[bytes], where: Callable[[], tuple[list, list, list]]
     ) -> list[dict[str, Any]]:
-        """Decode ``blobs`` in one call (the codec's ``decode_batch``); on a failure
-        again one by one, so that the error names the record (``where()`` gives each
-        blob's shard, row and index)."""
-        try:
-            out = self.codec.decode_batch(blobs)
-        except Exception:
-            out = None  # one by one below, to name the record
-        if out is None:
-            decode = self.codec.decode
-            try:
-                out = [decode(b) for b in blobs]
-            except Exception:
-                # Find the culprit (the calls above do not track positions).
-                for b, shard, row, index in zip(blobs, *where()):
-                    self._decode(b, shard, row, index)
-                raise
-        return out
+        """Decode ``blobs`` (:func:`decode_records`; ``where()`` gives each blob's shard,
+        row and index)."""
+
+        def named() -> Iterator[tuple[str, int, int]]:
+            for shard, row, index in zip(*where()):
+                yield self._shard_where(shard), row, index
+
+        return decode_records(self.codec, blobs, named)
 
     def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
-        try:
-            return self.codec.decode(data)
-        except Exception as e:
-            detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
-            raise RecordDecodeError(
-                f"cannot decode record {index} ({self._shard_where(shard)}, row {row}) "
-                f"with codec {self.codec.name!r}: {detail}"
-            ) from (None if isinstance(e, RecordDecodeError) else e)
-
-
-def acquired(region: ShardRegion, shards: int | np.ndarray) -> Any:
-    """Where ``shards`` (one, or a batch's array) are mapped in ``region`` (release it
-    after reading), or None for the reader path: a shard that cannot be mapped now (its
-    reader names the error), or more than may be mapped at once. A file changed while
-    open raises: the reader path may not see a same-size rewrite."""
-    try:
-        if isinstance(shards, int):
-            return region.acquire_one(shards, polled=True)  # (_check_index polled)
-        return region.acquire(shards, polled=True)
-    except changes.ChangedWhileOpen:
-        raise
-    except (CorruptDataError, FileNotFoundError):
-        return None
-
-
-def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:
-    """The blobs one after the other in one buffer (recycled when large)."""
-    total = int(ends[-1]) if len(ends) else 0
-    buf = scratch(total)
-    if total < (1 << 20):
-        buf[:] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
-        return buf
-    # (large: one copy, not a joined bytes copied again)
-    return np.concatenate([np.frombuffer(b, dtype=np.uint8) for b in blobs], out=buf)
+        return decode_record(self.codec, data, self._shard_where(shard), row, index)

@@ -18,15 +18,21 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 import fsspec
 import numpy as np
 
+from torchgrain.columns import ColumnBatch, scratch
 from torchgrain.diagnostics import count_decode, count_read
-from torchgrain.errors import CorruptDataError, DatasetNotFoundError, TorchgrainError
-from torchgrain.formats.codecs import SCHEMA_SAMPLE_FIRST, merge_schema
+from torchgrain.errors import (
+    CorruptDataError,
+    DatasetNotFoundError,
+    RecordDecodeError,
+    TorchgrainError,
+)
+from torchgrain.formats.codecs import SCHEMA_SAMPLE_FIRST, Codec, merge_schema
 from torchgrain.io import changes, remote
 from torchgrain.io.fs import is_local, map_files
 from torchgrain.io.ranges import fetch_ranges
@@ -36,13 +42,18 @@ from torchgrain.sources.cache_fit import listed_sizes
 from torchgrain.sources.options import ReadOptions
 
 __all__ = [
+    "EncodedFormat",
     "FormatSource",
     "IndexesShards",
+    "ReadsBatches",
     "ReadsByteRanges",
     "ShardCounts",
     "ShardFile",
     "ShardFormat",
     "ShardReader",
+    "decode_columns",
+    "decode_record",
+    "decode_records",
 ]
 
 T = TypeVar("T")
@@ -255,6 +266,41 @@ class IndexesShards(Protocol):
         ...
 
 
+@runtime_checkable
+class EncodedFormat(Protocol):
+    """What a :class:`ShardFormat` adds when its records are encoded bytes that one codec
+    decodes (TFRecord, ArrayRecord): its readers' ``read`` and ``decode`` (and
+    :meth:`ReadsBatches.read_batch`) give each record's bytes, and the source decodes
+    them: a batch in one call where the codec can (``decode_batch``), straight into
+    columns for :meth:`FormatSource.read_columns` (``decode_columns``), and a record
+    that does not decode is a :class:`~torchgrain.RecordDecodeError` naming its shard,
+    row and record index. ``codec`` is read once the format has indexed its shards."""
+
+    codec: Codec
+
+
+@runtime_checkable
+class ReadsBatches(Protocol):
+    """What a :class:`ShardFormat` adds when it reads a whole batch across its shards at
+    once, faster than shard by shard (TFRecord maps every local file in one address
+    range and plans a batch with numpy, with no Python step per file). The format holds
+    what it reads with, per process (dropped when pickled, given up by :meth:`close`);
+    its errors name the shard, file and record
+    (:func:`name_error`)."""
+
+    def read_batch(
+        self, paths: Sequence[str], shards: np.ndarray, rows: np.ndarray, indices: np.ndarray
+    ) -> list[Any] | None:
+        """The records at ``rows`` of ``shards`` (global ``indices``, all checked; the
+        dataset's files are ``paths``), in that order, or None to have them read shard by
+        shard through the readers."""
+        ...
+
+    def close(self) -> None:
+        """Give up what this process reads batches with (it is made again when needed)."""
+        ...
+
+
 class _Shard:
     """A format's reader of one shard, the file it reads and its record count. Closed once
     no read uses it: the reader LRU may let it go while another thread reads it."""
@@ -357,6 +403,9 @@ class FormatSource(ShardedSource):
             raise TypeError("FormatSource needs a format= (or a subclass's format attribute)")
         self.format = fmt  # type: ignore[misc]
         self._schema: dict[str, str] | None = None
+        # (the format's capabilities, asked once: a batch asks them again otherwise)
+        self._encoded = isinstance(fmt, EncodedFormat)
+        self._batches = isinstance(fmt, ReadsBatches)
         opts = ReadOptions.build(options, read_options)
         retry = opts.retry_policy
         fs, files = opts._expand(paths, fmt.suffixes, fmt.name)
@@ -369,7 +418,12 @@ class FormatSource(ShardedSource):
                 got = fmt.index_shards(files, fs, opts)
             sizes = dict(enumerate(np.asarray(got.sizes).tolist()))
             self._init_shards(
-                filesystem=fs, paths=files, counts=got.counts, options=opts, sizes=sizes
+                filesystem=fs,
+                paths=files,
+                counts=got.counts,
+                options=opts,
+                cache_bytes=0,  # (a format's reader keeps what it decodes, if anything)
+                sizes=sizes,
             )
             return
         with using(retry):  # the open-time requests keep to its deadlines
@@ -398,7 +452,9 @@ class FormatSource(ShardedSource):
             for shard in opened.values():
                 shard.close()
             raise
-        self._init_shards(filesystem=fs, paths=files, counts=counts, options=opts, sizes=sizes)
+        self._init_shards(
+            filesystem=fs, paths=files, counts=counts, options=opts, cache_bytes=0, sizes=sizes
+        )
         self._proc().readers.update(sorted(opened.items()))
 
     # ---------------------------------------------------------------- contract
@@ -419,13 +475,39 @@ class FormatSource(ShardedSource):
         return self.cache_fit.sizes.get(shard), None
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """The records at ``indices``: each shard read once, remote ones concurrently (or
-        fetched together), in request order."""
+        """The records at ``indices``: the whole batch at once where the format reads
+        batches (:class:`ReadsBatches`), else each shard read once, remote ones
+        concurrently (or fetched together), in request order."""
         idx = self.index.check(indices)
-        groups = self.index.split(idx)
-        return self._read_shard_groups(
-            groups, len(idx), lambda g, reader=None: self._read_group(g[0], g[1], reader)
-        )
+        records = self._records(idx)
+        if not self._encoded:
+            return records
+        t0 = time.perf_counter()
+        out = self._decode_all(records, idx)
+        count_decode(time.perf_counter() - t0)
+        return out
+
+    def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        """The records at ``indices`` as columns: for a format of encoded records
+        (:class:`EncodedFormat`), decoded for the whole batch at once where the codec has
+        a column form (``decode_columns``: msgpack, raw); else built from the records."""
+        if not self._encoded:
+            return super().read_columns(indices)
+        idx = self.index.check(indices)
+        if len(idx) == 0:
+            return ColumnBatch.from_records([])
+        blobs = self._records(idx)
+        t0 = time.perf_counter()
+        codec = self.format.codec  # type: ignore[attr-defined]
+        batch = decode_columns(codec, blobs, lambda: self._decode_all(blobs, idx))
+        count_decode(time.perf_counter() - t0)
+        return batch
+
+    def close(self) -> None:
+        """Close this process's readers (and what the format reads batches with)."""
+        super().close()
+        if self._batches:
+            self.format.close()  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return (
@@ -434,6 +516,37 @@ class FormatSource(ShardedSource):
         )
 
     # ---------------------------------------------------------------- reading
+    def _records(self, idx: np.ndarray) -> list[Any]:
+        """The records (an encoded format's: their bytes) at checked indices ``idx``, in
+        request order: the format's batch read where it has one, else shard by shard."""
+        if self._batches and len(idx):
+            t0 = time.perf_counter()
+            shards, rows = self.index.locate(idx, checked=True)
+            got = self.format.read_batch(self._paths, shards, rows, idx)  # type: ignore[attr-defined]
+            if got is not None:
+                count_read(time.perf_counter() - t0, sum(map(len, got)) if self._encoded else 0)
+                return got
+        return self._read_shard_groups(
+            self.index.split(idx),
+            len(idx),
+            lambda g, reader=None: self._read_group(g[0], g[1], reader),
+        )
+
+    def _decode_all(self, blobs: list[Any], idx: np.ndarray) -> list[dict[str, Any]]:
+        """The records ``blobs`` at indices ``idx`` decoded (:func:`decode_records`)."""
+
+        def where() -> Iterator[tuple[str, int, int]]:
+            shards, rows = self.index.locate(idx, checked=True)
+            for k, row, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
+                yield self._where(k, self._paths[k]), row, i
+
+        return decode_records(self.format.codec, blobs, where)  # type: ignore[attr-defined]
+
+    def _decode(self, data: Any, shard: int, row: int, index: int) -> dict[str, Any]:
+        """Record ``index`` (``row`` of ``shard``) decoded (:func:`decode_record`)."""
+        where = self._where(shard, self._paths[shard])
+        return decode_record(self.format.codec, data, where, row, index)  # type: ignore[attr-defined]
+
     def _open(
         self,
         shard: int,
@@ -627,6 +740,90 @@ def name_error(e: Exception, where: str, index: int | None) -> Exception | None:
     if isinstance(e, (TorchgrainError, OSError)):
         return None
     return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)
+
+
+def decode_record(codec: Codec, data: Any, where: str, row: int, index: int) -> dict[str, Any]:
+    """Record ``index`` (``row`` of the shard ``where`` names, :func:`shard_where`) decoded
+    from ``data``; a :class:`~torchgrain.RecordDecodeError` naming it when it does not
+    decode.
+
+    Example:
+        >>> from torchgrain.formats.codecs import get_codec
+        >>> decode_record(get_codec("msgpack"), bytes([0xC1]), "ArrayRecord shard 0 of 1 'a'", 4, 9)
+        Traceback (most recent call last):
+        ...
+        torchgrain.errors.RecordDecodeError: cannot decode record 9 (ArrayRecord shard 0 of 1 'a', row 4) with codec 'msgpack': ...
+    """
+    try:
+        return codec.decode(data)
+    except Exception as e:
+        detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
+        raise RecordDecodeError(
+            f"cannot decode record {index} ({where}, row {row}) with codec {codec.name!r}: {detail}"
+        ) from (None if isinstance(e, RecordDecodeError) else e)
+
+
+def decode_records(
+    codec: Codec, blobs: list[Any], where: Callable[[], Iterable[tuple[str, int, int]]]
+) -> list[dict[str, Any]]:
+    """``blobs`` decoded in one call where the codec can (``decode_batch``), else one by
+    one; of a failure, the first record that does not decode is named
+    (:func:`decode_record`; ``where()`` gives each blob's shard, row and index, asked only
+    then).
+
+    Example:
+        >>> from torchgrain.formats.codecs import get_codec
+        >>> decode_records(get_codec("raw"), [b"a", b"b"], lambda: [])
+        [{'bytes': b'a'}, {'bytes': b'b'}]
+    """
+    try:
+        out = codec.decode_batch(blobs)
+    except Exception:
+        out = None  # one by one below, to name the record
+    if out is None:
+        decode = codec.decode
+        try:
+            out = [decode(b) for b in blobs]
+        except Exception:
+            # Find the culprit (the calls above do not track positions).
+            for b, (at, row, index) in zip(blobs, where()):
+                decode_record(codec, b, at, row, index)
+            raise
+    return out
+
+
+def decode_columns(
+    codec: Codec, blobs: list[Any], records: Callable[[], list[dict[str, Any]]]
+) -> ColumnBatch:
+    """``blobs`` as columns, decoded for the whole batch at once where the codec has a
+    column form (``decode_columns``: msgpack, raw), else built from ``records()`` (also
+    where the batch decoder fails: the records one by one name the culprit).
+
+    Example:
+        >>> from torchgrain.formats.codecs import get_codec
+        >>> decode_columns(get_codec("raw"), [b"ab", b"c"], lambda: []).records()
+        [{'bytes': b'ab'}, {'bytes': b'c'}]
+    """
+    lengths = np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs))
+    ends = np.cumsum(lengths)
+    try:
+        batch = codec.decode_columns(_joined(blobs, ends), ends - lengths, ends)
+    except Exception:
+        batch = None
+    if batch is None:  # no column form, or not a uniform batch: from the records
+        batch = ColumnBatch.from_records(records())
+    return batch
+
+
+def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:
+    """The blobs one after the other in one buffer (recycled when large)."""
+    total = int(ends[-1]) if len(ends) else 0
+    buf = scratch(total)
+    if total < (1 << 20):
+        buf[:] = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        return buf
+    # (large: one copy, not a joined bytes copied again)
+    return np.concatenate([np.frombuffer(b, dtype=np.uint8) for b in blobs], out=buf)
 
 
 def _unique(ranges: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:

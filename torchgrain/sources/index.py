@@ -114,9 +114,12 @@ class ShardIndex:
             raise IndexError(f"record index {bad_i} out of range for a dataset of {n} records")
         return arr
 
-    def locate(self, indices: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Return ``(shard_ids, local_rows)`` for valid global indices (vectorised)."""
-        return self._locate(self.check(indices))
+    def locate(
+        self, indices: Sequence[int] | np.ndarray, *, checked: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``(shard_ids, local_rows)`` for valid global indices (vectorised);
+        ``checked``: ``indices`` come from :meth:`check` (not checked again)."""
+        return self._locate(indices if checked else self.check(indices))  # type: ignore[arg-type]
 
     def _locate(self, arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if len(self.offsets) == 2:  # one shard: rows are the indices

@@ -53,18 +53,15 @@ from torchgrain.formats.tfrecord import (
     parse_frame,
     resolve_compression,
 )
-from torchgrain.io import process
+from torchgrain.io import changes, process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
 from torchgrain.io.changes import changed_since_opening, open_regular
 from torchgrain.io.fs import default_cache_dir, is_local, map_files
-from torchgrain.io.limits import default_max_open_files
-from torchgrain.io.ranges import MappedFile
-from torchgrain.io.region import RegionUnavailable, ShardRegion
-from torchgrain.io.retry import RetryPolicy, each_under, using
+from torchgrain.io.region import RegionUnavailable, ShardRegion, acquired
+from torchgrain.io.retry import RetryPolicy, each_under
 from torchgrain.sources.base import shard_rows
-from torchgrain.sources.encoded import EncodedSource, acquired
-from torchgrain.sources.format import ShardFile, name_error, shard_where
+from torchgrain.sources.format import FormatSource, ShardFile, name_error, shard_where
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
 from torchgrain.sources.options import ReadOptions, check_dir_option
@@ -83,8 +80,9 @@ TFRECORD_SUFFIXES = (".tfrecord", ".tfrecords")
 _BLOCK_BYTES = 1 << 20
 
 
-class TFRecordSource(EncodedSource):
-    """Random-access, key-value view of TFRecord files (``tf.train.Example`` or raw bytes).
+class TFRecordSource(FormatSource):
+    """Random-access, key-value view of TFRecord files (``tf.train.Example`` or raw bytes):
+    the :class:`~torchgrain.FormatSource` of :class:`TFRecordFormat`.
 
     Args:
         paths: a directory, glob, file, list of these, or fsspec URLs of ``.tfrecord``
@@ -120,7 +118,7 @@ class TFRecordSource(EncodedSource):
         (5, {'label': 'int64[1]'}, [4, 0, 2])
     """
 
-    format_name = "TFRecord"
+    format: TFRecordFormat
 
     def __init__(
         self,
@@ -133,46 +131,28 @@ class TFRecordSource(EncodedSource):
         **read_options: Any,
     ) -> None:
         opts = ReadOptions.build(options, read_options)
-        fmt = self.format = TFRecordFormat(
+        fmt = TFRecordFormat(
             codec,
             index_dir=index_dir,
             max_record_bytes=max_record_bytes,
             verify=opts.verify_or(True),
         )
+        super().__init__(paths, format=fmt, options=opts)
+        fmt = self.format  # (the copy this source indexed)
         self.max_record_bytes, self._verify = fmt.max_record_bytes, fmt.verify
-        fs, files = opts._expand(paths, TFRECORD_SUFFIXES, "TFRecord")
-        with using(opts.retry_policy):
-            shards = fmt.index_shards(files, fs, opts)
-        self._tfindex, self._ctimes, self._compressed = (
-            shards.index,
-            shards.ctimes,
-            shards.compressed,
-        )
-        # What tells each remote file's version apart, as the index was built from it.
-        self._versions = shards.infos
-        max_open_files = opts.max_open_files
-        if max_open_files == "auto":
-            # A local reader is a memory map, which holds a file descriptor; remote
-            # readers hold nothing.
-            max_open_files = default_max_open_files(len(files), 1) if is_local(fs) else None
-        self._init_shards(
-            filesystem=fs,
-            paths=files,
-            counts=shards.counts,
-            options=opts,
-            cache_bytes=0,  # nothing to decompress: a record is a byte range
-            max_open_files=max_open_files,
-            # The index holds each file's size: a pass's cache-fit check asks for none.
-            sizes=dict(enumerate(shards.sizes.tolist())),
-        )
         self.codec: Codec = fmt.codec  # type: ignore[assignment]
         # Known from the opening where it read the first record (the version opened: a
         # source whose file a later opening saw replaced keeps its schema).
         self._schema = fmt.schema
 
-    # ------------------------------------------------------------ the contract
-    def _node_index(self) -> Any:
-        return self._tfindex
+    @property
+    def schema(self) -> dict[str, str]:
+        """Record key -> type description, from the first record."""
+        if self._schema is None:
+            nonempty = np.flatnonzero(self.shard_counts)
+            first = next(self.iter_shard(int(nonempty[0]), 0, 1), None) if len(nonempty) else None
+            self._schema = {} if first is None else {k: describe_value(v) for k, v in first.items()}
+        return dict(self._schema)
 
     def shard_version(self, shard: int) -> tuple | None:
         """The version of remote ``shard`` this source indexed: its size and what its
@@ -187,23 +167,32 @@ class TFRecordSource(EncodedSource):
             >>> tg.TFRecordSource(d, index_dir=None).shard_version(0) is None  # (local)
             True
         """
-        return None if self._versions is None else tuple(self._versions[shard])
-
-    def _check_readable(self, shard: int, index: int) -> None:
-        self.format.check_readable(shard, self._paths[shard], index)
+        infos = self.format.shards.infos  # type: ignore[union-attr]
+        return None if infos is None else tuple(infos[shard])
 
     def block_offsets(self) -> np.ndarray:
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
+        shards = self.format.shards
+        assert shards is not None
         parts = [np.zeros(1, dtype=np.int64)]
         for s in range(self.num_shards):
-            b = self._tfindex.base[s]
+            b = shards.index.base[s]
             n = int(self.index.counts[s])
             cuts = np.zeros(0, np.int64)
-            if not self._compressed[s]:  # (read in order only: one block)
-                starts = self._tfindex.offsets[b : b + n + 1]
+            if not shards.compressed[s]:  # (read in order only: one block)
+                starts = shards.index.offsets[b : b + n + 1]
                 cuts = np.searchsorted(starts, np.arange(0, starts[-1], _BLOCK_BYTES))
             parts.append(np.append(cuts[(cuts > 0) & (cuts < n)], n) + self.index.offsets[s])
         return np.unique(np.concatenate(parts))
+
+    def iter_shard(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Records ``[start, stop)`` of one shard, in order (compressed files too)."""
+        start, stop = shard_rows(self.index.counts, shard, start, stop)
+        base = int(self.index.offsets[shard])
+        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
+            yield self._decode(data, shard, row, base + row)
 
     def iter_shard_bytes(
         self, shard: int, start: int = 0, stop: int | None = None
@@ -213,13 +202,14 @@ class TFRecordSource(EncodedSource):
         n = int(self.index.counts[shard])
         if start >= stop:
             return
-        self._check_opened(shard)  # (read through a file of its own: not pinned)
-        ix, plain = self._tfindex, not self._compressed[shard]
+        path, fmt = self._paths[shard], self.format
+        fmt.check_opened(shard, path)  # (read through a file of its own: not pinned)
+        ix, plain = fmt.shards.index, not fmt.shards.compressed[shard]  # type: ignore[union-attr]
         # (a compressed stream is read from its start, its first records skipped)
         records = iter_tfrecord(
-            self._paths[shard],
+            path,
             filesystem=self._fs if self._remote else None,
-            verify=self._verify,
+            verify=fmt.verify,
             offset=int(ix.offsets[ix.base[shard] + start]) if plain else 0,
             max_record_bytes=self.max_record_bytes,
             # (the version the dataset's opening read: one a later opening pinned is refused)
@@ -227,172 +217,26 @@ class TFRecordSource(EncodedSource):
         )
         it = each_under(self._retry, records)  # (each read under the source's policy)
         skip, want = 0 if plain else start, stop - start
-        got = 0
+        at = int(self.index.offsets[shard]) + start  # (the record read now, for errors)
         try:
-            for data in self._in_order(shard, start, itertools.islice(it, skip, skip + want)):
+            for data in itertools.islice(it, skip, skip + want):
                 yield data
-                got += 1
+                at += 1
             # The count comes from an index file (untrusted): a stream that ends before
             # it, or goes on after it, is not the one counted.
-            more = not plain and stop == n and next(self._in_order(shard, n, it), None) is not None
-            if got < want or more:
-                raise CorruptDataError(
-                    f"TFRecord shard {shard} {self._paths[shard]!r} holds "
-                    f"{'more' if more else 'fewer'} records than the {n} its index counts "
-                    f"(record index {int(self.index.offsets[shard]) + start + got}); the "
-                    "file changed since it was indexed, or the index is damaged (delete it "
-                    "to have it rebuilt)"
-                )
+            more = not plain and stop == n and next(it, None) is not None
+        except CorruptDataError as e:
+            raise self._named(e, shard, path, at) or e from e
         finally:
             it.close()
             records.close()  # (one never started is not closed by its wrapper)
-
-    # ---------------------------------------------------------------- reading
-    def _open_reader(
-        self, shard: int, path: str, filesystem: fsspec.AbstractFileSystem | None
-    ) -> Any:
-        if filesystem is not None:  # (pinned to the size indexed; records counted as read)
-            size = int(self._tfindex.file_size[shard])
-            # The version the dataset's opening read: one a later opening pinned is refused.
-            seen = self._held_version(shard)
-            return ShardFile(shard, path, filesystem, size, count=False, seen=seen)
-        if not os.path.exists(path):
-            raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist")
-        f = MappedFile(path)
-        try:
-            f.view()  # mapped and pinned now: a change from now on is the pin's to see
-            self._check_opened(shard)
-        except IsADirectoryError:
-            f.close()
-            raise CorruptDataError(f"{path!r} is not a regular file (a directory)") from None
-        except BaseException:
-            f.close()
-            raise
-        return f
-
-    def _touch(self, reader: Any) -> None:
-        reader.view()
-
-    def _region(self) -> ShardRegion | None:
-        """This process's map of every local file in one address range (inherited
-        through fork: the maps stay valid); None where batches are read file by file."""
-        region = self._mapped
-        if region is None:
-            if self._remote or not self.num_shards or bool(self._compressed.all()):
-                return None
-            try:
-                region = ShardRegion(self._paths, self._tfindex.file_size, ctimes=self._ctimes)
-            except RegionUnavailable:
-                region = False
-            self._mapped = region
-        return region or None
-
-    def _frames(self, shard: np.ndarray, rows: np.ndarray, idx: np.ndarray) -> tuple[Any, Any]:
-        return self.format.frames(shard, rows, idx, self._paths)
-
-    def _read_batch(self, idx: np.ndarray) -> list[bytes] | None:
-        # Local files: one gather over one map of every file for the batch's headers and
-        # footers, one Python step per record (its bytes and data CRC), none per file.
-        region = self._region()
-        if region is None:
-            return None
-        shard, rows = self.index._locate(idx)
-        if bool(self._compressed[shard].any()):
-            return None  # file by file: the error says to convert it
-        first, last = self._frames(shard, rows, idx)
-        base = acquired(region, shard)
-        if base is None:
-            return None  # file by file
-        try:
-            at = base + first
-            lengths = last - first - 16
-            words = region.words
-            # The length field must say what the index does; its CRC and the data's are
-            # the low half of the word after it and the high half of the frame's last.
-            ok = words[at] == lengths.astype(np.uint64)
-            view = region.view
-            starts = (at + 12).tolist()
-            data = [bytes(view[a : a + n]) for a, n in zip(starts, lengths.tolist())]
-            if self._verify:
-                ok &= (words[at + 8] & 0xFFFFFFFF) == _length_crcs(lengths)
-                crcs = np.fromiter(map(crc32c_bytes, data), np.uint64, len(data))
-                ok &= words[at + lengths + 8] >> np.uint64(32) == _mask(crcs)
-            if not ok.all():
-                k = int(np.flatnonzero(~ok)[0])
-                s, a, f = int(shard[k]), int(at[k]), int(first[k])
-                name = self._paths[s]
-                try:  # (it raises: the frame failed the same checks)
-                    parse_frame(view[a : a + int(lengths[k]) + 16], name=name, offset=f)
-                    raise CorruptDataError(f"{name!r}: bad record at byte offset {f}")
-                except CorruptDataError as e:
-                    raise self._named(e, s, int(idx[k])) from e
-            return data
-        finally:
-            region.release()
-
-    def _read_single(self, shard: int, row: int, index: int) -> bytes | None:
-        region = self._region()
-        if region is None:
-            return None
-        e = int(self._tfindex.base[shard]) + row
-        first, last = int(self._tfindex.offsets[e]), int(self._tfindex.offsets[e + 1])
-        size = self._tfindex.file_size[shard]
-        if not (first >= 0 and 16 <= last - first <= self.max_record_bytes + 16 and last <= size):
-            return None  # the batch path names the damage
-        at = acquired(region, shard)
-        if at is None:
-            return None
-        try:
-            return parse_frame(
-                region.view[at + first : at + last],
-                name=self._paths[shard],
-                offset=first,
-                verify=self._verify,
+        if at - int(self.index.offsets[shard]) < stop or more:
+            raise CorruptDataError(
+                f"TFRecord shard {shard} {path!r} holds "
+                f"{'more' if more else 'fewer'} records than the {n} its index counts "
+                f"(record index {at}); the file changed since it was indexed, or the "
+                "index is damaged (delete it to have it rebuilt)"
             )
-        except CorruptDataError as e:
-            raise self._named(e, shard, index) from e
-        finally:
-            region.release()
-
-    def close(self) -> None:
-        super().close()
-        if self._mapped:
-            self._mapped.close()
-
-    def _batch_ranges(
-        self, groups: Sequence[tuple[int, np.ndarray, np.ndarray]]
-    ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
-        # The frames _read_rows asks for (it checks them against the file's size).
-        out, ix = [], self._tfindex
-        for shard, rows, _ in groups:
-            b = ix.base[shard] + rows
-            url, size = self._paths[shard], int(ix.file_size[shard])
-            starts, ends = ix.offsets[b].tolist(), ix.offsets[b + 1].tolist()
-            ranges = [(s, e) for s, e in zip(starts, ends) if 0 <= s < e <= size]
-            path = self._fs._strip_protocol(url)
-            io_remote.pin(self._fs, path, size)  # answers must be of the file indexed
-            out.append((path, url, ranges))
-        return out
-
-    def _read_rows(self, shard: int, rows: np.ndarray, index: int, reader: Any) -> list[bytes]:
-        name = self._paths[shard]
-        first, last = self._frames(np.full(len(rows), shard), rows, np.full(len(rows), index))
-        starts, ends = first.tolist(), last.tolist()
-
-        def read() -> list[Any]:
-            r = reader or self._reader(shard)
-            if not isinstance(r, MappedFile):  # (frames checked: within a record's ceiling)
-                return r.read_ranges(list(zip(starts, ends)), max_bytes=1 << 62)
-            view = r.view(polled=True)  # (_check_index polled for this read)
-            if ends and max(ends) > len(view):
-                expected = int(self._tfindex.file_size[shard])  # (its last offset)
-                raise CorruptDataError(
-                    f"the file is truncated: {len(view)} bytes where its index expects {expected}"
-                )
-            return [view[s:e] for s, e in zip(starts, ends)]
-
-        frames = self._io(read, shard, f"range read of shard {shard} (record index {index})")
-        return self.format.parse(frames, starts, name)
 
     def __repr__(self) -> str:
         return (
@@ -419,13 +263,14 @@ class TFRecordShards:
 class TFRecordFormat:
     """The TFRecord format (a :class:`~torchgrain.sources.ShardFormat`): all its files
     counted and sized at once from the dataset's offsets index, built once per machine
-    (:class:`~torchgrain.sources.IndexesShards`), and each record one byte range of its
-    file (its readers are :class:`~torchgrain.sources.ReadsByteRanges`): a remote batch
-    is fetched across its files at once. ``codec``, ``index_dir`` and
+    (:class:`~torchgrain.sources.IndexesShards`), each record one byte range of its file
+    (its readers are :class:`~torchgrain.sources.ReadsByteRanges`: a remote batch is
+    fetched across its files at once), a batch of local files read from one map of every
+    file (:class:`~torchgrain.sources.ReadsBatches`), its records decoded by ``codec``
+    (:class:`~torchgrain.sources.EncodedFormat`). ``codec``, ``index_dir`` and
     ``max_record_bytes`` are :class:`~torchgrain.sources.TFRecordSource`'s; ``verify``
     checks both CRCs of every record read (a source's ``verify_checksums``, when given,
-    decides instead). ``TFRecordSource`` is the source over it with
-    a faster local path (every local file in one map).
+    decides instead).
 
     Example:
         >>> import os, tempfile, torchgrain as tg
@@ -459,6 +304,12 @@ class TFRecordFormat:
         #: to choose the codec (``codec="auto"``), else None.
         self.schema: dict[str, str] | None = None
         self.shards: TFRecordShards | None = None
+        # This process's map of every local file (False: none can be made), made by the
+        # first batch; inherited through fork (the maps stay valid), never pickled.
+        self._region: ShardRegion | bool | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_region": None}
 
     def index_shards(
         self, files: Sequence[str], filesystem: fsspec.AbstractFileSystem, options: ReadOptions
@@ -532,10 +383,15 @@ class TFRecordFormat:
         :meth:`index_shards` took is refused
         (:func:`~torchgrain.io.changes.changed_since_opening`: the index is another
         file's): the file is pinned now, a change from then on is the pin's to see."""
-        ctimes = self.shards.ctimes if self.shards is not None else None
-        if ctimes is not None and os.stat(file.path).st_ctime_ns != ctimes[file.shard]:
-            raise changed_since_opening(file.shard, file.path)
+        self.check_opened(file.shard, file.path)
         return TFRecordReader(self, file)
+
+    def check_opened(self, shard: int, path: str) -> None:
+        """Raise if local ``shard`` at ``path`` is not the file :meth:`index_shards` saw
+        (its change time differs)."""
+        ctimes = self.shards.ctimes if self.shards is not None else None
+        if ctimes is not None and os.stat(path).st_ctime_ns != ctimes[shard]:
+            raise changed_since_opening(shard, path)
 
     def check_readable(self, shard: int, path: str, index: int) -> None:
         """Refuse random access to a compressed file (record ``index`` asked of it)."""
@@ -549,7 +405,7 @@ class TFRecordFormat:
             )
 
     def frames(
-        self, shard: np.ndarray, rows: np.ndarray, idx: np.ndarray, paths: Sequence[str]
+        self, shard: np.ndarray, rows: np.ndarray, idx: np.ndarray, paths: Sequence[str] | dict
     ) -> tuple[Any, Any]:
         """Where the records at ``rows`` of ``shard`` (global indices ``idx``; files
         ``paths``) lie in their files (``first``, ``last``), checked against the files'
@@ -584,6 +440,76 @@ class TFRecordFormat:
             )
         return first, last
 
+    def read_batch(
+        self, paths: Sequence[str], shards: np.ndarray, rows: np.ndarray, indices: np.ndarray
+    ) -> list[bytes] | None:
+        """The records of a batch of local files from one map of every file: one gather
+        for the batch's headers and footers, one Python step per record (its bytes and
+        data CRC), none per file; None for remote or compressed files, or shards that
+        cannot be mapped now (read through their readers)."""
+        if self._region is False or bool(self.shards.compressed[shards].any()):  # type: ignore[union-attr]
+            return None  # file by file (a compressed one: the error says to convert it)
+        changes.poll()  # (once for the batch: the region's checks use it)
+        # A node-shared index file written or truncated since it was mapped is refused
+        # before its arrays are read: a truncated map is a SIGBUS.
+        self.shards.index.check_unchanged(polled=True)  # type: ignore[union-attr]
+        region = self._mapped(paths)
+        if region is None:
+            return None
+        files = paths
+        first, last = self.frames(shards, rows, indices, files)
+        base = acquired(region, shards)
+        if base is None:
+            return None  # file by file
+        try:
+            at = base + first
+            lengths = last - first - 16
+            words = region.words
+            # The length field must say what the index does; its CRC and the data's are
+            # the low half of the word after it and the high half of the frame's last.
+            ok = words[at] == lengths.astype(np.uint64)
+            view = region.view
+            starts = (at + 12).tolist()
+            data = [bytes(view[a : a + n]) for a, n in zip(starts, lengths.tolist())]
+            if self.verify:
+                ok &= (words[at + 8] & 0xFFFFFFFF) == _length_crcs(lengths)
+                crcs = np.fromiter(map(crc32c_bytes, data), np.uint64, len(data))
+                ok &= words[at + lengths + 8] >> np.uint64(32) == _mask(crcs)
+            if not ok.all():
+                k = int(np.flatnonzero(~ok)[0])
+                s, a, f = int(shards[k]), int(at[k]), int(first[k])
+                try:  # (it raises: the frame failed the same checks)
+                    parse_frame(view[a : a + int(lengths[k]) + 16], name=files[s], offset=f)
+                    raise CorruptDataError(f"{files[s]!r}: bad record at byte offset {f}")
+                except CorruptDataError as e:
+                    where = shard_where(self.name, s, len(files), files[s])
+                    raise name_error(e, where, int(indices[k])) or e from e
+            return data
+        finally:
+            region.release()
+
+    def _mapped(self, paths: Sequence[str]) -> ShardRegion | None:
+        """This process's map of every local file (``paths``) in one address range, or
+        None."""
+        region = self._region
+        if region is None:
+            shards = self.shards
+            if shards is None or shards.ctimes is None or bool(shards.compressed.all()):
+                region = False  # (remote files, or none to map)
+            else:
+                try:
+                    region = ShardRegion(paths, shards.index.file_size, ctimes=shards.ctimes)
+                except RegionUnavailable:
+                    region = False
+            self._region = region
+        return region or None
+
+    def close(self) -> None:
+        """Unmap this process's map of the files (a later batch maps them again)."""
+        region, self._region = self._region, None
+        if region:
+            region.close()
+
     def _corrupt(self, message: str, shard: int, path: str, index: int) -> CorruptDataError:
         """A CorruptDataError of ``message`` naming the shard, file and record index as
         every read does (:func:`~torchgrain.sources.format.name_error`)."""
@@ -601,7 +527,8 @@ class TFRecordFormat:
 class TFRecordReader:
     """One TFRecord file opened by :class:`~torchgrain.sources.TFRecordFormat`: a
     :class:`~torchgrain.sources.ShardReader` whose records are byte ranges
-    (:class:`~torchgrain.sources.ReadsByteRanges`) found in the dataset's index."""
+    (:class:`~torchgrain.sources.ReadsByteRanges`) found in the dataset's index, read as
+    their bytes (the format's codec decodes them)."""
 
     def __init__(self, fmt: TFRecordFormat, file: ShardFile) -> None:
         self.format, self.file, self.shard = fmt, file, file.shard
@@ -623,12 +550,11 @@ class TFRecordReader:
         first, last = self._frames(rows)
         return list(zip(first.tolist(), last.tolist()))
 
-    def decode(self, rows: np.ndarray, chunks: list[memoryview]) -> list[dict[str, Any]]:
+    def decode(self, rows: np.ndarray, chunks: list[memoryview]) -> list[bytes]:
         starts = self._frames(rows)[0].tolist()
-        codec: Any = self.format.codec
-        return [codec.decode(r) for r in self.format.parse(chunks, starts, self.file.path)]
+        return self.format.parse(chunks, starts, self.file.path)
 
-    def read(self, rows: np.ndarray) -> list[dict[str, Any]]:
+    def read(self, rows: np.ndarray) -> list[bytes]:
         ranges = self.byte_ranges(rows)
         return self.decode(rows, self.file.read_ranges(ranges, max_bytes=1 << 62))
 
