@@ -1,9 +1,8 @@
-"""Byte ranges of files: coalesced remote reads, and a per-process memory map.
+"""Byte ranges of remote files: coalesced reads, fetched across a batch's files at once.
 
-Random access reads a few byte ranges per file per batch. Remotely, ranges that touch
-or nearly touch are merged and all fetched in one ``cat_ranges`` call (requests in
-flight together, latency paid once); locally, a memory map serves slices without a
-system call per record. How near is near depends on the store (:func:`coalescing`): one
+Random access reads a few byte ranges per file per batch. Ranges that touch or nearly
+touch are merged and all fetched in one ``cat_ranges`` call (requests in flight
+together, latency paid once). How near is near depends on the store (:func:`coalescing`): one
 that answers several ranges in one request (an HTTP file server) gets them so, and
 nearby ranges merged across a hole only on stores that answer one range per request
 (S3, GCS, servers without multi-range support), where a request costs ~150 us of CPU.
@@ -24,9 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +31,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 
 from torchgrain.errors import CorruptDataError
-from torchgrain.io import changes, inflight, process, remote
+from torchgrain.io import inflight, process, remote
 from torchgrain.io.paths import is_http
 from torchgrain.io.retry import (
     http_status,
@@ -46,7 +42,6 @@ from torchgrain.io.retry import (
 )
 
 __all__ = [
-    "MappedFile",
     "RangeStore",
     "coalesce",
     "coalescing",
@@ -489,81 +484,3 @@ def fetch_ranges(
     except FileNotFoundError as e:
         raise FileNotFoundError(f"{label} does not exist") from e
     return _slices(ranges, order, merged, blobs)
-
-
-class MappedFile:
-    """A local file as a read-only memoryview, mapped once per process (remapped after fork).
-
-    :meth:`view` checks, at each call, that the file has not changed since it was mapped
-    (:mod:`torchgrain.io.changes`): a file truncated under its map would kill the process
-    with SIGBUS when read; a changed one raises
-    :class:`~torchgrain.io.changes.ChangedWhileOpen` instead. Take a view for each read
-    and do not keep it: the check covers the reads made before the next call.
-
-    Example:
-        >>> import os, tempfile
-        >>> p = os.path.join(tempfile.mkdtemp(), "m")
-        >>> _ = open(p, "wb").write(b"abcdef")
-        >>> m = MappedFile(p)
-        >>> bytes(m.view()[2:4]), len(m)
-        (b'cd', 6)
-        >>> m.close()
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._token: tuple[int, int] | None = None
-        self._mm: mmap.mmap | None = None
-        self._view: memoryview | None = None
-        self._pin: changes.Pin | None = None
-
-    def view(self, *, polled: bool = False) -> memoryview:
-        """The whole file (empty files give an empty view). ``polled``: the caller has
-        just called :func:`torchgrain.io.changes.poll` (saves a system call).
-
-        Raises:
-            ChangedWhileOpen: the file was written or truncated since it was mapped.
-        """
-        view = self._view
-        if view is not None and self._token == process.token():
-            pin = self._pin
-            if pin is not None:
-                changes.check(pin, f"file {self.path!r}", polled=polled)
-            return view
-        with self._lock:
-            if self._view is None or self._token != process.token():
-                # After a fork the parent's map is inherited but not ours to close.
-                self._mm = None
-                with os.fdopen(changes.open_regular(self.path), "rb") as f:
-                    pin = changes.Pin(f.fileno(), self.path)
-                    if pin.size:
-                        self._mm = mmap.mmap(f.fileno(), pin.size, access=mmap.ACCESS_READ)
-                self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
-                self._pin = pin
-                self._token = process.token()
-            return self._view
-
-    def __len__(self) -> int:
-        return len(self.view())
-
-    def close(self) -> None:
-        """Release this process's map (views handed out keep it alive until released)."""
-        with self._lock:
-            view, mm, token, pin = self._view, self._mm, self._token, self._pin
-            self._view = self._mm = self._token = self._pin = None
-        if token != process.token():
-            return  # inherited through fork: the parent's to close
-        if pin is not None:
-            pin.release()
-        if view is not None:
-            view.release()
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
-
-    def __getstate__(self) -> dict[str, str]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, str]) -> None:
-        self.__init__(state["path"])  # type: ignore[misc]

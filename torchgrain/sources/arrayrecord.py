@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import fsspec
 import numpy as np
 
+from torchgrain.columns import ColumnBatch
+from torchgrain.diagnostics import count_decode, count_read
 from torchgrain.errors import (
     CorruptDataError,
     DatasetNotFoundError,
@@ -29,15 +32,21 @@ from torchgrain.formats.checksums import verify_file
 from torchgrain.formats.codecs import Codec, get_codec, sniff_codec
 from torchgrain.formats.manifest import MANIFEST_NAME, Manifest, read_manifest
 from torchgrain.formats.tfds import tfds_codec_for
-from torchgrain.io import remote
+from torchgrain.io import changes, remote
 from torchgrain.io.fs import ShardPaths, is_local, map_files
 from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion, acquired
 from torchgrain.io.retry import retry_call, using
 from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
-from torchgrain.sources.base import shard_rows
+from torchgrain.sources.base import ShardedSource, first_record_schema, shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
-from torchgrain.sources.encoded import EncodedSource
+from torchgrain.sources.format import (
+    decode_columns,
+    decode_record,
+    decode_records,
+    name_error,
+    shard_where,
+)
 from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.node_index import ArrayRecordIndex, arrayrecord_index, default_index_dir
 from torchgrain.sources.node_index.arrayrecord import stat_shards
@@ -50,7 +59,7 @@ _FOOTERS = 256  # shards whose index views a process keeps for single-record rea
 _SINGLES = 8  # batches of up to this many records are read record by record
 
 
-class ArrayRecordSource(EncodedSource):
+class ArrayRecordSource(ShardedSource):
     """Random-access, key-value view of one or many ArrayRecord shards.
 
     Args:
@@ -127,8 +136,12 @@ class ArrayRecordSource(EncodedSource):
     # (a class default: one attribute more on every source would leave its dict unshared,
     # every attribute lookup of every read slower; so is the shards' change times').
     _manifest: Manifest | None = None
-
-    format_name = "ArrayRecord"
+    codec: Codec
+    _schema: dict[str, str] | None = None
+    _mapped: Any = None  # this process's map of the shards (:meth:`_region`; not pickled)
+    # Each local shard's change time (st_ctime_ns) at the dataset's opening (8 bytes a
+    # shard, pickled with the source); None for remote shards.
+    _ctimes: np.ndarray | None = None
 
     def __init__(
         self,
@@ -262,13 +275,152 @@ class ArrayRecordSource(EncodedSource):
         self._schema: dict[str, str] | None = schema
         self._share_index()
 
-    def _node_index(self) -> Any:
-        return self._dindex
+    # ------------------------------------------------------------ the contract
+    @property
+    def schema(self) -> dict[str, str]:
+        """Record key -> type description, from the manifest or else the first record."""
+        if self._schema is None:
+            self._schema = first_record_schema(self)
+        return dict(self._schema)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        self._check_index()
+        shard, row = self.index.locate_one(index)
+        t0, index = time.perf_counter(), int(index)
+        data = self._read_single(shard, row, index)
+        if data is None:
+            data = self._read_named(shard, np.array([row]), np.array([index]), None)[0]
+        t1 = time.perf_counter()
+        count_read(t1 - t0, len(data))
+        out = self._decode(data, shard, row, index)
+        count_decode(time.perf_counter() - t1)
+        return out
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Read a batch: each shard once, the remote ones concurrently; request order."""
+        return self._records(self.index.check(indices), decode=True)
+
+    def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
+        """The records at ``indices`` as columns, decoded for the whole batch at once when
+        the codec has a column form (``decode_columns``: msgpack, raw), else built from
+        the decoded records."""
+        idx = self.index.check(indices)
+        if len(idx) == 0:
+            return ColumnBatch.from_records([])
+        blobs = self._records(idx)
+        t0 = time.perf_counter()
+        batch = decode_columns(self.codec, blobs, lambda: self._decode_all(blobs, idx))
+        count_decode(time.perf_counter() - t0)
+        return batch
+
+    def iter_shard(
+        self, shard: int, start: int = 0, stop: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Records ``[start, stop)`` of one shard, in order."""
+        start, stop = shard_rows(self.index.counts, shard, start, stop)
+        base = int(self.index.offsets[shard])
+        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
+            yield self._decode(data, shard, row, base + row)
 
     def _share_index(self) -> None:
         """Record offsets per shard from the mapped index, not a private copy."""
         if self._dindex is not None and self._count_bad is None:
             self.index = ShardIndex.from_offsets(self._dindex.rec_base)
+
+    # ---------------------------------------------------------------- decoding
+    def _records(self, idx: np.ndarray, *, decode: bool = False) -> list[Any]:
+        """The records at checked indices ``idx``, in request order, as their bytes unless
+        ``decode``: the mapped path where it covers the batch, else the reader path (each
+        shard once, remote ones concurrently, each decoded as soon as it is read)."""
+        self._check_index()
+        t0 = time.perf_counter()
+        blobs = self._read_batch(idx) if len(idx) else None
+        if blobs is not None:
+            count_read(time.perf_counter() - t0, sum(map(len, blobs)))
+            return self._decode_all(blobs, idx) if decode else blobs
+
+        def group(g: tuple[int, np.ndarray, Any], reader: Any = None) -> list[Any]:
+            t0, at = time.perf_counter(), idx if g[2] is None else idx[g[2]]
+            got = self._read_named(g[0], g[1], at, reader)
+            count_read(time.perf_counter() - t0, sum(map(len, got)))
+            return self._decode_all(got, at) if decode else got
+
+        return self._read_shard_groups(self.index.split(idx), len(idx), group)
+
+    def _decode_all(self, blobs: list[bytes], idx: np.ndarray) -> list[dict[str, Any]]:
+        """The records ``blobs`` at checked indices ``idx`` decoded (:func:`decode_records`:
+        an error names the record)."""
+
+        def where() -> Iterator[tuple[str, int, int]]:
+            shards, rows = self.index.locate(idx, checked=True)
+            for k, row, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
+                yield self._shard_where(k), row, i
+
+        t0 = time.perf_counter()
+        out = decode_records(self.codec, blobs, where)
+        count_decode(time.perf_counter() - t0)
+        return out
+
+    def _decode(self, data: bytes, shard: int, row: int, index: int) -> dict[str, Any]:
+        return decode_record(self.codec, data, lambda: self._shard_where(shard), row, index)
+
+    def _read_named(
+        self, shard: int, rows: np.ndarray, indices: np.ndarray, reader: Any
+    ) -> list[bytes]:
+        """:meth:`_read_rows`, its errors naming the shard and the record: of bad data in
+        several rows, the first row that fails alone (read again one by one)."""
+        try:
+            return self._read_rows(shard, rows, int(indices[0]), reader)
+        except CorruptDataError as e:
+            at = int(indices[0])
+            for j in range(len(rows) if len(rows) > 1 else 0):
+                try:
+                    self._read_rows(shard, rows[j : j + 1], int(indices[j]), reader)
+                except CorruptDataError:
+                    at = int(indices[j])
+                    break
+            raise self._named(e, shard, at) from e
+
+    def _in_order(self, shard: int, start: int, records: Iterable[bytes]) -> Iterator[bytes]:
+        """``records`` of ``shard`` from row ``start`` on (a read in order), a read error
+        naming the shard and the index of the record read from."""
+        index = int(self.index.offsets[shard]) + max(start, 0)
+        try:
+            for data in records:
+                yield data
+                index += 1
+        except CorruptDataError as e:
+            raise self._named(e, shard, index) from e
+
+    def _shard_where(self, shard: int) -> str:
+        return shard_where("ArrayRecord", shard, self.num_shards, self._paths[shard])
+
+    def _named(self, e: CorruptDataError, shard: int, index: int | None) -> CorruptDataError:
+        """``e`` naming the shard, file and record index it was reading (when not yet
+        said; ``index`` None: the shard alone, a later read adds its record), as every
+        read of every format does (:func:`name_error`), the mapped path too."""
+        return name_error(e, self._shard_where(shard), index) or e  # type: ignore[return-value]
+
+    def _check_index(self) -> None:
+        """Read this process's file events once for the operation
+        (:func:`torchgrain.io.changes.poll`: the reads that follow check their maps
+        against it), and raise if the node-shared index file the source maps changed
+        since it was opened (reading its arrays could kill the process with SIGBUS)."""
+        changes.poll()
+        if self._dindex is not None:
+            self._dindex.check_unchanged(polled=True)
+
+    def _check_opened(self, shard: int) -> None:
+        """Raise if local ``shard`` is not the file the dataset's opening saw (its change
+        time differs: :func:`~torchgrain.io.changes.changed_since_opening`). Called once
+        a process's reader has pinned the file (a change from then on is the pin's to
+        see), not per read."""
+        ctimes = self._ctimes
+        if ctimes is None:
+            return
+        path = self._paths[shard]
+        if os.stat(path).st_ctime_ns != ctimes[shard]:
+            raise changes.changed_since_opening(shard, path)
 
     # ----------------------------------------------------------------- readers
     def _open_reader(
@@ -541,7 +693,9 @@ class ArrayRecordSource(EncodedSource):
         if mapped is None:
             return None
         if len(idx) <= _SINGLES and ix.single:
-            out = [self._read_single(s, r, i) for s, r, i in zip(*self._where(idx))]
+            shards, rows = self.index.locate(idx, checked=True)
+            where = zip(shards.tolist(), rows.tolist(), idx.tolist())
+            out = [self._read_single(s, r, i) for s, r, i in where]
             return None if None in out else out  # (a shard not mapped now: the reader path)
         shard, _, entry, chunk = ix.chunks(idx, self.index.offsets)
         recs = ix.record_offsets
@@ -665,6 +819,7 @@ class ArrayRecordSource(EncodedSource):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
+        state["_mapped"] = None  # maps belong to one process
         if self._dindex is not None:  # local: the index holds what reading needs
             state.pop("_manifest", None)
             if self._count_bad is None:

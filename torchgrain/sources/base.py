@@ -32,6 +32,7 @@ import numpy as np
 
 from torchgrain.columns import ColumnBatch
 from torchgrain.errors import warn_empty
+from torchgrain.formats.codecs import describe_value
 from torchgrain.io import process, remote
 from torchgrain.io.fs import ShardPaths, filesystem_for_this_process, is_local
 from torchgrain.io.readahead import RangeReadAhead, ShardReadAhead
@@ -44,7 +45,13 @@ from torchgrain.sources.fetch_ahead import BatchRanges, Files, Groups, count_io,
 from torchgrain.sources.index import ShardIndex, in_request_order
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, DEFAULT_CACHE_DIR_BYTES, ReadOptions
 
-__all__ = ["DEFAULT_CACHE_DIR_BYTES", "RecordBytesSource", "ShardedSource", "Source"]
+__all__ = [
+    "DEFAULT_CACHE_DIR_BYTES",
+    "RecordBytesSource",
+    "ShardedSource",
+    "Source",
+    "first_record_schema",
+]
 
 T = TypeVar("T")
 
@@ -738,6 +745,22 @@ def shard_rows(counts: np.ndarray, shard: int, start: int, stop: int | None) -> 
         raise IndexError(f"shard {shard} out of range [0, {len(counts)})")
     n = int(counts[shard])
     return max(start, 0), n if stop is None else min(stop, n)
+
+
+def first_record_schema(src: Source) -> dict[str, str]:
+    """Key -> type description of ``src``'s first record (``{}`` without records): the
+    schema of a format whose records are not read to find it.
+
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": 1, "y": b"ab"}], d)
+        >>> first_record_schema(tg.ArrayRecordSource(d))
+        {'x': 'int', 'y': 'bytes'}
+    """
+    nonempty = np.flatnonzero(src.shard_counts)
+    first = next(src.iter_shard(int(nonempty[0]), 0, 1), None) if len(nonempty) else None
+    return {} if first is None else {k: describe_value(v) for k, v in first.items()}
 
 
 def iter_in_blocks(

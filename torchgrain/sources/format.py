@@ -296,6 +296,11 @@ class ReadsBatches(Protocol):
         shard through the readers."""
         ...
 
+    def read_one(self, paths: Sequence[str], shard: int, row: int, index: int) -> Any | None:
+        """The record at ``row`` of ``shard`` (global ``index``) for ``source[index]``,
+        cheaper than a batch of one, or None to read it as one."""
+        ...
+
     def close(self) -> None:
         """Give up what this process reads batches with (it is made again when needed)."""
         ...
@@ -305,10 +310,11 @@ class _Shard:
     """A format's reader of one shard, the file it reads and its record count. Closed once
     no read uses it: the reader LRU may let it go while another thread reads it."""
 
-    __slots__ = ("closed", "count", "file", "lock", "reader", "users")
+    __slots__ = ("closed", "count", "file", "lock", "ranged", "reader", "users")
 
     def __init__(self, file: ShardFile, reader: ShardReader, count: int) -> None:
         self.file, self.reader, self.count = file, reader, count
+        self.ranged = isinstance(reader, ReadsByteRanges)  # (asked once: ~10 us a time)
         self.lock = threading.Lock()
         self.users, self.closed = 0, False
 
@@ -474,18 +480,27 @@ class FormatSource(ShardedSource):
         copy of another size is not served; a download of another size fails)."""
         return self.cache_fit.sizes.get(shard), None
 
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self._batches:
+            shard, row = self.index.locate_one(index)
+            t0 = time.perf_counter()
+            got = self.format.read_one(self._paths, shard, row, int(index))  # type: ignore[attr-defined]
+            if got is not None:
+                if not self._encoded:
+                    count_read(time.perf_counter() - t0, 0)
+                    return got
+                t1 = time.perf_counter()
+                count_read(t1 - t0, len(got))
+                got = self._decode(got, shard, row, int(index))
+                count_decode(time.perf_counter() - t1)
+                return got
+        return self.__getitems__([index])[0]
+
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """The records at ``indices``: the whole batch at once where the format reads
         batches (:class:`ReadsBatches`), else each shard read once, remote ones
         concurrently (or fetched together), in request order."""
-        idx = self.index.check(indices)
-        records = self._records(idx)
-        if not self._encoded:
-            return records
-        t0 = time.perf_counter()
-        out = self._decode_all(records, idx)
-        count_decode(time.perf_counter() - t0)
-        return out
+        return self._records(self.index.check(indices), decode=self._encoded)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns: for a format of encoded records
@@ -499,7 +514,9 @@ class FormatSource(ShardedSource):
         blobs = self._records(idx)
         t0 = time.perf_counter()
         codec = self.format.codec  # type: ignore[attr-defined]
-        batch = decode_columns(codec, blobs, lambda: self._decode_all(blobs, idx))
+        batch = decode_columns(
+            codec, blobs, lambda: decode_records(codec, blobs, self._named_rows(idx))
+        )
         count_decode(time.perf_counter() - t0)
         return batch
 
@@ -516,35 +533,47 @@ class FormatSource(ShardedSource):
         )
 
     # ---------------------------------------------------------------- reading
-    def _records(self, idx: np.ndarray) -> list[Any]:
-        """The records (an encoded format's: their bytes) at checked indices ``idx``, in
-        request order: the format's batch read where it has one, else shard by shard."""
+    def _records(self, idx: np.ndarray, *, decode: bool = False) -> list[Any]:
+        """The records at checked indices ``idx``, in request order (an encoded format's
+        as their bytes, unless ``decode``): the format's batch read where it has one, else
+        shard by shard (each shard's decoded as soon as it is read, while the rest
+        arrive)."""
         if self._batches and len(idx):
             t0 = time.perf_counter()
             shards, rows = self.index.locate(idx, checked=True)
             got = self.format.read_batch(self._paths, shards, rows, idx)  # type: ignore[attr-defined]
             if got is not None:
                 count_read(time.perf_counter() - t0, sum(map(len, got)) if self._encoded else 0)
-                return got
-        return self._read_shard_groups(
-            self.index.split(idx),
-            len(idx),
-            lambda g, reader=None: self._read_group(g[0], g[1], reader),
-        )
+                return self._decode_all(got, idx) if decode else got
+
+        def group(g: tuple[int, np.ndarray, Any], reader: _Shard | None = None) -> list[Any]:
+            got = self._read_group(g[0], g[1], reader)
+            return self._decode_all(got, idx if g[2] is None else idx[g[2]]) if decode else got
+
+        return self._read_shard_groups(self.index.split(idx), len(idx), group)
 
     def _decode_all(self, blobs: list[Any], idx: np.ndarray) -> list[dict[str, Any]]:
         """The records ``blobs`` at indices ``idx`` decoded (:func:`decode_records`)."""
+        t0 = time.perf_counter()
+        codec = self.format.codec  # type: ignore[attr-defined]
+        out = decode_records(codec, blobs, self._named_rows(idx))
+        count_decode(time.perf_counter() - t0)
+        return out
+
+    def _named_rows(self, idx: np.ndarray) -> Callable[[], Iterator[tuple[str, int, int]]]:
+        """What names each of checked indices ``idx`` in an error: its shard, row and
+        index (:func:`decode_records`'s ``where``)."""
 
         def where() -> Iterator[tuple[str, int, int]]:
             shards, rows = self.index.locate(idx, checked=True)
             for k, row, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
                 yield self._where(k, self._paths[k]), row, i
 
-        return decode_records(self.format.codec, blobs, where)  # type: ignore[attr-defined]
+        return where
 
     def _decode(self, data: Any, shard: int, row: int, index: int) -> dict[str, Any]:
         """Record ``index`` (``row`` of ``shard``) decoded (:func:`decode_record`)."""
-        where = self._where(shard, self._paths[shard])
+        where = lambda: self._where(shard, self._paths[shard])  # noqa: E731
         return decode_record(self.format.codec, data, where, row, index)  # type: ignore[attr-defined]
 
     def _open(
@@ -623,16 +652,18 @@ class FormatSource(ShardedSource):
         self, groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]]
     ) -> list[tuple[str, str, list[tuple[int, int]]]] | None:
         def planned(s: _Shard, k: int, rows: np.ndarray) -> tuple[str, str, list] | None:
-            if not isinstance(s.reader, ReadsByteRanges):
+            if not s.ranged:
                 return None  # each shard's read fetches its own
             ranges = self._in_shard(
                 lambda r: s.file._checked(_unique(self._ranges(s, r))[0], _ceiling(s)), k, rows
             )
             return (s.file._rpath, s.file.path, ranges)
 
-        files = list(
-            self._map(lambda g: self._using(g[0], None, lambda s: planned(s, *g[:2])), groups)
-        )
+        # The shards not open in this process are opened concurrently (a remote open may
+        # ask the file's size); planning on threads costs more than it saves.
+        readers = self._proc().readers
+        list(self._map(self._reader, [g[0] for g in groups if g[0] not in readers]))
+        files = [self._using(g[0], None, lambda s, g=g: planned(s, *g[:2])) for g in groups]
         return None if None in files else files  # type: ignore[return-value]
 
     def _read_group(
@@ -642,7 +673,7 @@ class FormatSource(ShardedSource):
 
         def read(s: _Shard, rows: np.ndarray) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
-            if isinstance(s.reader, ReadsByteRanges):
+            if s.ranged:
                 unique, where = _unique(self._ranges(s, rows))
                 got = s.file.read_ranges(unique, max_bytes=_ceiling(s))
                 chunks = [got[j] for j in where]
@@ -742,24 +773,27 @@ def name_error(e: Exception, where: str, index: int | None) -> Exception | None:
     return _mark(CorruptDataError(f"{where}: {type(e).__name__}: {e}"), index)
 
 
-def decode_record(codec: Codec, data: Any, where: str, row: int, index: int) -> dict[str, Any]:
-    """Record ``index`` (``row`` of the shard ``where`` names, :func:`shard_where`) decoded
-    from ``data``; a :class:`~torchgrain.RecordDecodeError` naming it when it does not
-    decode.
+def decode_record(
+    codec: Codec, data: Any, where: Callable[[], str], row: int, index: int
+) -> dict[str, Any]:
+    """Record ``index`` (``row`` of the shard ``where()`` names, :func:`shard_where`, asked
+    only on a failure) decoded from ``data``; a :class:`~torchgrain.RecordDecodeError`
+    naming it when it does not decode.
 
     Example:
         >>> from torchgrain.formats.codecs import get_codec
-        >>> decode_record(get_codec("msgpack"), bytes([0xC1]), "ArrayRecord shard 0 of 1 'a'", 4, 9)
+        >>> decode_record(get_codec("msgpack"), bytes([0xC1]), lambda: "shard 0 'a'", 4, 9)
         Traceback (most recent call last):
         ...
-        torchgrain.errors.RecordDecodeError: cannot decode record 9 (ArrayRecord shard 0 of 1 'a', row 4) with codec 'msgpack': ...
+        torchgrain.errors.RecordDecodeError: cannot decode record 9 (shard 0 'a', row 4) with codec 'msgpack': ...
     """
     try:
         return codec.decode(data)
     except Exception as e:
         detail = str(e) if isinstance(e, RecordDecodeError) else f"{type(e).__name__}: {e}"
         raise RecordDecodeError(
-            f"cannot decode record {index} ({where}, row {row}) with codec {codec.name!r}: {detail}"
+            f"cannot decode record {index} ({where()}, row {row}) with codec "
+            f"{codec.name!r}: {detail}"
         ) from (None if isinstance(e, RecordDecodeError) else e)
 
 
@@ -787,7 +821,7 @@ def decode_records(
         except Exception:
             # Find the culprit (the calls above do not track positions).
             for b, (at, row, index) in zip(blobs, where()):
-                decode_record(codec, b, at, row, index)
+                decode_record(codec, b, lambda at=at: at, row, index)
             raise
     return out
 

@@ -60,7 +60,7 @@ from torchgrain.io.changes import changed_since_opening, open_regular
 from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion, acquired
 from torchgrain.io.retry import RetryPolicy, each_under
-from torchgrain.sources.base import shard_rows
+from torchgrain.sources.base import first_record_schema, shard_rows
 from torchgrain.sources.format import FormatSource, ShardFile, name_error, shard_where
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
@@ -149,9 +149,7 @@ class TFRecordSource(FormatSource):
     def schema(self) -> dict[str, str]:
         """Record key -> type description, from the first record."""
         if self._schema is None:
-            nonempty = np.flatnonzero(self.shard_counts)
-            first = next(self.iter_shard(int(nonempty[0]), 0, 1), None) if len(nonempty) else None
-            self._schema = {} if first is None else {k: describe_value(v) for k, v in first.items()}
+            self._schema = first_record_schema(self)
         return dict(self._schema)
 
     def shard_version(self, shard: int) -> tuple | None:
@@ -447,15 +445,9 @@ class TFRecordFormat:
         for the batch's headers and footers, one Python step per record (its bytes and
         data CRC), none per file; None for remote or compressed files, or shards that
         cannot be mapped now (read through their readers)."""
-        if self._region is False or bool(self.shards.compressed[shards].any()):  # type: ignore[union-attr]
-            return None  # file by file (a compressed one: the error says to convert it)
-        changes.poll()  # (once for the batch: the region's checks use it)
-        # A node-shared index file written or truncated since it was mapped is refused
-        # before its arrays are read: a truncated map is a SIGBUS.
-        self.shards.index.check_unchanged(polled=True)  # type: ignore[union-attr]
-        region = self._mapped(paths)
+        region = self._ready(paths, bool(self.shards.compressed[shards].any()))  # type: ignore[union-attr]
         if region is None:
-            return None
+            return None  # file by file (a compressed one: the error says to convert it)
         files = paths
         first, last = self.frames(shards, rows, indices, files)
         base = acquired(region, shards)
@@ -487,6 +479,43 @@ class TFRecordFormat:
             return data
         finally:
             region.release()
+
+    def read_one(self, paths: Sequence[str], shard: int, row: int, index: int) -> bytes | None:
+        """The record at ``row`` of local ``shard`` (global ``index``) from the map of
+        every file, without a batch's numpy steps (they would cost it 4x); None where
+        :meth:`read_batch` would give None, or its frame looks damaged (the reader names
+        the damage)."""
+        region = self._ready(paths, bool(self.shards.compressed[shard]))  # type: ignore[union-attr]
+        if region is None:
+            return None
+        ix = self.shards.index  # type: ignore[union-attr]
+        e = int(ix.base[shard]) + row
+        first, last = int(ix.offsets[e]), int(ix.offsets[e + 1])
+        size = ix.file_size[shard]
+        if not (first >= 0 and 16 <= last - first <= self.max_record_bytes + 16 and last <= size):
+            return None
+        at = acquired(region, shard)
+        if at is None:
+            return None
+        try:
+            view = region.view[at + first : at + last]
+            return parse_frame(view, name=paths[shard], offset=first, verify=self.verify)
+        except CorruptDataError as e:
+            where = shard_where(self.name, shard, len(paths), paths[shard])
+            raise name_error(e, where, index) or e from e
+        finally:
+            region.release()
+
+    def _ready(self, paths: Sequence[str], compressed: bool) -> ShardRegion | None:
+        """The map of every file for a read, this process's file events read once for it;
+        None for remote files or a read of ``compressed`` ones."""
+        if self._region is False or compressed:
+            return None
+        changes.poll()  # (once for the read: the region's checks use it)
+        # A node-shared index file written or truncated since it was mapped is refused
+        # before its arrays are read: a truncated map is a SIGBUS.
+        self.shards.index.check_unchanged(polled=True)  # type: ignore[union-attr]
+        return self._mapped(paths)
 
     def _mapped(self, paths: Sequence[str]) -> ShardRegion | None:
         """This process's map of every local file (``paths``) in one address range, or
@@ -551,7 +580,10 @@ class TFRecordReader:
         return list(zip(first.tolist(), last.tolist()))
 
     def decode(self, rows: np.ndarray, chunks: list[memoryview]) -> list[bytes]:
-        starts = self._frames(rows)[0].tolist()
+        # The frames of byte_ranges (checked there): their starts only name a bad record.
+        ix = self.format.shards.index  # type: ignore[union-attr]
+        ix.check_unchanged()  # (before its map is read: a truncated map is a SIGBUS)
+        starts = ix.offsets[ix.base[self.shard] + rows].tolist()
         return self.format.parse(chunks, starts, self.file.path)
 
     def read(self, rows: np.ndarray) -> list[bytes]:
