@@ -38,7 +38,7 @@ from torchgrain.io.limits import default_max_open_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion, acquired
 from torchgrain.io.retry import retry_call, using
 from torchgrain.sources.arrayrecord_paths import ARRAY_RECORD_SUFFIXES, resolve_dataset
-from torchgrain.sources.base import ShardedSource, first_record_schema, shard_rows
+from torchgrain.sources.base import ShardedSource, decode_in_order, first_record_schema, shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.format import (
     decode_columns,
@@ -317,10 +317,7 @@ class ArrayRecordSource(ShardedSource):
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[dict[str, Any]]:
         """Records ``[start, stop)`` of one shard, in order."""
-        start, stop = shard_rows(self.index.counts, shard, start, stop)
-        base = int(self.index.offsets[shard])
-        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
-            yield self._decode(data, shard, row, base + row)
+        return decode_in_order(self, shard, start, stop, self._decode)
 
     def _share_index(self) -> None:
         """Record offsets per shard from the mapped index, not a private copy."""

@@ -50,6 +50,7 @@ __all__ = [
     "RecordBytesSource",
     "ShardedSource",
     "Source",
+    "decode_in_order",
     "first_record_schema",
 ]
 
@@ -745,6 +746,19 @@ def shard_rows(counts: np.ndarray, shard: int, start: int, stop: int | None) -> 
         raise IndexError(f"shard {shard} out of range [0, {len(counts)})")
     n = int(counts[shard])
     return max(start, 0), n if stop is None else min(stop, n)
+
+
+def decode_in_order(
+    src: Any, shard: int, start: int, stop: int | None, decode: Callable[..., dict[str, Any]]
+) -> Iterator[dict[str, Any]]:
+    """Records ``[start, stop)`` of one shard of ``src``, a :class:`ShardedSource` of
+    encoded records (a :class:`RecordBytesSource`), in order: its
+    :meth:`~RecordBytesSource.iter_shard_bytes`, each record decoded by
+    ``decode(data, shard, row, index)``."""
+    start, stop = shard_rows(src.index.counts, shard, start, stop)
+    base = int(src.index.offsets[shard])
+    for row, data in enumerate(src.iter_shard_bytes(shard, start, stop), start):
+        yield decode(data, shard, row, base + row)
 
 
 def first_record_schema(src: Source) -> dict[str, str]:

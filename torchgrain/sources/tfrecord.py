@@ -60,7 +60,7 @@ from torchgrain.io.changes import changed_since_opening, open_regular
 from torchgrain.io.fs import default_cache_dir, is_local, map_files
 from torchgrain.io.region import RegionUnavailable, ShardRegion, acquired
 from torchgrain.io.retry import RetryPolicy, each_under
-from torchgrain.sources.base import first_record_schema, shard_rows
+from torchgrain.sources.base import decode_in_order, first_record_schema, shard_rows
 from torchgrain.sources.format import FormatSource, ShardFile, name_error, shard_where
 from torchgrain.sources.node_index import TFRecordIndex, tfrecord_index
 from torchgrain.sources.node_index.store import EntryWriter, index_store
@@ -187,10 +187,7 @@ class TFRecordSource(FormatSource):
         self, shard: int, start: int = 0, stop: int | None = None
     ) -> Iterator[dict[str, Any]]:
         """Records ``[start, stop)`` of one shard, in order (compressed files too)."""
-        start, stop = shard_rows(self.index.counts, shard, start, stop)
-        base = int(self.index.offsets[shard])
-        for row, data in enumerate(self.iter_shard_bytes(shard, start, stop), start):
-            yield self._decode(data, shard, row, base + row)
+        return decode_in_order(self, shard, start, stop, self._decode)
 
     def iter_shard_bytes(
         self, shard: int, start: int = 0, stop: int | None = None
