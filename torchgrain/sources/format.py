@@ -3,7 +3,9 @@
 A format says how to open one shard file (:class:`ShardFormat`) and how to read records
 of an open shard (:class:`ShardReader`); a reader that can also say where its records'
 bytes lie (:class:`ReadsByteRanges`) lets a remote batch be fetched across all its shards
-at once. :class:`FormatSource` is the rest, the same as for the built-in formats: file
+at once; a format may also count its shards at once (:class:`IndexesShards`), read a
+whole batch itself (:class:`ReadsBatches`) and leave decoding its records' bytes to a
+codec (:class:`EncodedFormat`). :class:`FormatSource` is the rest, the same as for the built-in formats: file
 listing, per-process readers that survive ``fork``, the open-file LRU, retries,
 ``io_threads``, the shard cache (``cache_dir``), read-ahead, cache-fit checks, the
 ``tg.stats`` counters, small pickles and errors that name the shard, file and record.
@@ -354,8 +356,11 @@ class FormatSource(ShardedSource):
     on ``io_threads``, sized from the directory listing where it has sizes), and its
     reader kept for the reads (up to ``max_open_files``). A batch reads each of its shards
     once (remote ones concurrently, or fetched across all shards at once when the readers
-    give :class:`ReadsByteRanges`), in request order. ``keys`` and ``schema`` come from the
-    first 1,000 records (:func:`~torchgrain.sources.merge_schema`).
+    give :class:`ReadsByteRanges`), in request order, unless the format reads it whole
+    (:class:`ReadsBatches`); a format of encoded records (:class:`EncodedFormat`) has
+    them decoded here. ``keys`` and ``schema`` come from the first 1,000 records
+    (:func:`~torchgrain.sources.merge_schema`). Design notes:
+    docs/design-notes.md#sources-format.
 
     What the format raises: a torchgrain error or an ``OSError`` stays what it is; a bug
     of its code (``TypeError``, ``AttributeError``, ``NameError``, ``AssertionError``,
