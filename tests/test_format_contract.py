@@ -207,7 +207,7 @@ class EncodedFixed(FixedFormat):
     """The example format as an EncodedFormat (the source decodes the records' bytes) and
     ReadsBatches (a batch of more than one record read by the format at once)."""
 
-    codec = tg.sources.get_codec("msgpack")
+    record_codec = tg.sources.get_codec("msgpack")
 
     def __init__(self) -> None:
         self.batches, self.closed = 0, 0
@@ -263,3 +263,27 @@ def test_an_encoded_format_that_reads_batches_is_decoded_and_named_by_the_source
         src.__getitems__([3, 65, 100])
     with pytest.raises(tg.RecordDecodeError, match="record 65 "):
         src.read_columns([3, 65, 100])
+
+
+class DecodingFixed(FixedFormat):
+    """The example format with a ``codec`` of its own that its readers use: not an
+    EncodedFormat, its records are not decoded again."""
+
+    codec = tg.sources.get_codec("msgpack")
+
+
+class ShortBatches(EncodedFixed):
+    def read_batch(self, paths, shards, rows, indices):
+        got = super().read_batch(paths, shards, rows, indices)
+        return None if got is None else got[:-1]
+
+
+def test_a_format_is_encoded_only_by_its_record_codec_and_a_short_batch_is_refused(data):
+    assert not isinstance(DecodingFixed(), tg.sources.EncodedFormat)
+    src = tg.FormatSource(str(data), format=DecodingFixed())
+    truth = records()
+    assert all(same(r, truth[i]) for r, i in zip(src.__getitems__([3, 9]), [3, 9], strict=True))
+    assert same(src[5], truth[5]) and src.read_columns([1, 2])["id"].tolist() == [1, 2]
+    short = tg.FormatSource(str(data), format=ShortBatches())
+    with pytest.raises(tg.CorruptDataError, match="read_batch returned 2 records for 3 indices"):
+        short.__getitems__([3, 9, 40])

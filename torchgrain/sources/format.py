@@ -276,9 +276,10 @@ class EncodedFormat(Protocol):
     them: a batch in one call where the codec can (``decode_batch``), straight into
     columns for :meth:`FormatSource.read_columns` (``decode_columns``), and a record
     that does not decode is a :class:`~torchgrain.RecordDecodeError` naming its shard,
-    row and record index. ``codec`` is read once the format has indexed its shards."""
+    row and record index. ``record_codec`` is read once the format has indexed its shards
+    (a name of its own: a format with a ``codec`` whose readers decode is not one)."""
 
-    codec: Codec
+    record_codec: Codec
 
 
 @runtime_checkable
@@ -518,7 +519,7 @@ class FormatSource(ShardedSource):
             return ColumnBatch.from_records([])
         blobs = self._records(idx)
         t0 = time.perf_counter()
-        codec = self.format.codec  # type: ignore[attr-defined]
+        codec = self.format.record_codec  # type: ignore[attr-defined]
         batch = decode_columns(
             codec, blobs, lambda: decode_records(codec, blobs, self._named_rows(idx))
         )
@@ -548,6 +549,11 @@ class FormatSource(ShardedSource):
             shards, rows = self.index.locate(idx, checked=True)
             got = self.format.read_batch(self._paths, shards, rows, idx)  # type: ignore[attr-defined]
             if got is not None:
+                if len(got) != len(idx):
+                    raise CorruptDataError(
+                        f"the {self.format.name} format's read_batch returned {len(got)} "
+                        f"records for {len(idx)} indices"
+                    )
                 count_read(time.perf_counter() - t0, sum(map(len, got)) if self._encoded else 0)
                 return self._decode_all(got, idx) if decode else got
 
@@ -560,7 +566,7 @@ class FormatSource(ShardedSource):
     def _decode_all(self, blobs: list[Any], idx: np.ndarray) -> list[dict[str, Any]]:
         """The records ``blobs`` at indices ``idx`` decoded (:func:`decode_records`)."""
         t0 = time.perf_counter()
-        codec = self.format.codec  # type: ignore[attr-defined]
+        codec = self.format.record_codec  # type: ignore[attr-defined]
         out = decode_records(codec, blobs, self._named_rows(idx))
         count_decode(time.perf_counter() - t0)
         return out
@@ -579,7 +585,7 @@ class FormatSource(ShardedSource):
     def _decode(self, data: Any, shard: int, row: int, index: int) -> dict[str, Any]:
         """Record ``index`` (``row`` of ``shard``) decoded (:func:`decode_record`)."""
         where = lambda: self._where(shard, self._paths[shard])  # noqa: E731
-        return decode_record(self.format.codec, data, where, row, index)  # type: ignore[attr-defined]
+        return decode_record(self.format.record_codec, data, where, row, index)  # type: ignore[attr-defined]
 
     def _open(
         self,

@@ -172,6 +172,7 @@ class TFRecordSource(FormatSource):
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
         shards = self.format.shards
         assert shards is not None
+        shards.index.check_unchanged()  # (before its map is read: a truncated map is a SIGBUS)
         parts = [np.zeros(1, dtype=np.int64)]
         for s in range(self.num_shards):
             b = shards.index.base[s]
@@ -200,6 +201,7 @@ class TFRecordSource(FormatSource):
         path, fmt = self._paths[shard], self.format
         fmt.check_opened(shard, path)  # (read through a file of its own: not pinned)
         ix, plain = fmt.shards.index, not fmt.shards.compressed[shard]  # type: ignore[union-attr]
+        ix.check_unchanged()  # (before its map is read: a truncated map is a SIGBUS)
         # (a compressed stream is read from its start, its first records skipped)
         records = iter_tfrecord(
             path,
@@ -305,6 +307,12 @@ class TFRecordFormat:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_region": None}
+
+    @property
+    def record_codec(self) -> Codec:
+        """What decodes the records' bytes (as an
+        :class:`~torchgrain.sources.EncodedFormat`): :attr:`codec`, once resolved."""
+        return self.codec  # type: ignore[return-value]
 
     def index_shards(
         self, files: Sequence[str], filesystem: fsspec.AbstractFileSystem, options: ReadOptions
