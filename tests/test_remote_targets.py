@@ -103,18 +103,18 @@ def test_a_batch_decodes_each_shard_as_its_ranges_arrive(tmp_path):
         hold = threading.Event()
         srv._count = held
         src = tg.ArrayRecordSource(f"{srv.url}/ds", max_inflight=16)
-        decode = src._read_decode
+        decode = src._decode_all
 
-        def told(shard, rows, indices, reader=None):
-            out = decode(shard, rows, indices, reader)
-            events.append(("decoded", int(shard)))
+        def told(blobs, idx):  # (each shard's records decoded as a group)
+            out = decode(blobs, idx)
+            events.append(("decoded", int(idx[0]) // 16))
             if {e for e in events if e[0] == "decoded"} >= {("decoded", s) for s in (1, 2, 3)}:
                 release.set()
             return out
 
         try:
             _ = [src[i] for i in (0, 16, 32, 48)]  # footers read, before the hold
-            src._read_decode = told
+            src._decode_all = told
             events.clear()
             hold.set()
             indices = [5, 21, 37, 53, 6, 22, 38, 54]

@@ -45,6 +45,7 @@ from torchgrain.sources.format import (
     decode_record,
     decode_records,
     name_error,
+    named_rows,
     shard_where,
 )
 from torchgrain.sources.index import ShardIndex
@@ -298,18 +299,21 @@ class ArrayRecordSource(ShardedSource):
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Read a batch: each shard once, the remote ones concurrently; request order."""
+        self._check_index()  # (before the index is read: a truncated map is a SIGBUS)
         return self._records(self.index.check(indices), decode=True)
 
     def read_columns(self, indices: Sequence[int]) -> ColumnBatch:
         """The records at ``indices`` as columns, decoded for the whole batch at once when
         the codec has a column form (``decode_columns``: msgpack, raw), else built from
         the decoded records."""
+        self._check_index()  # (before the index is read: a truncated map is a SIGBUS)
         idx = self.index.check(indices)
         if len(idx) == 0:
             return ColumnBatch.from_records([])
         blobs = self._records(idx)
         t0 = time.perf_counter()
-        batch = decode_columns(self.codec, blobs, lambda: self._decode_all(blobs, idx))
+        where = named_rows(self.index, idx, self._shard_where)
+        batch = decode_columns(self.codec, blobs, lambda: decode_records(self.codec, blobs, where))
         count_decode(time.perf_counter() - t0)
         return batch
 
@@ -328,8 +332,8 @@ class ArrayRecordSource(ShardedSource):
     def _records(self, idx: np.ndarray, *, decode: bool = False) -> list[Any]:
         """The records at checked indices ``idx``, in request order, as their bytes unless
         ``decode``: the mapped path where it covers the batch, else the reader path (each
-        shard once, remote ones concurrently, each decoded as soon as it is read)."""
-        self._check_index()
+        shard once, remote ones concurrently, each decoded as soon as it is read). The
+        caller has checked the index (:meth:`_check_index`)."""
         t0 = time.perf_counter()
         blobs = self._read_batch(idx) if len(idx) else None
         if blobs is not None:
@@ -347,14 +351,8 @@ class ArrayRecordSource(ShardedSource):
     def _decode_all(self, blobs: list[bytes], idx: np.ndarray) -> list[dict[str, Any]]:
         """The records ``blobs`` at checked indices ``idx`` decoded (:func:`decode_records`:
         an error names the record)."""
-
-        def where() -> Iterator[tuple[str, int, int]]:
-            shards, rows = self.index.locate(idx, checked=True)
-            for k, row, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
-                yield self._shard_where(k), row, i
-
         t0 = time.perf_counter()
-        out = decode_records(self.codec, blobs, where)
+        out = decode_records(self.codec, blobs, named_rows(self.index, idx, self._shard_where))
         count_decode(time.perf_counter() - t0)
         return out
 

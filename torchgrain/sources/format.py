@@ -41,6 +41,7 @@ from torchgrain.io.ranges import fetch_ranges
 from torchgrain.io.retry import RetryPolicy, retry_call, using
 from torchgrain.sources.base import ShardedSource, iter_in_blocks
 from torchgrain.sources.cache_fit import listed_sizes
+from torchgrain.sources.index import ShardIndex
 from torchgrain.sources.options import ReadOptions
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "decode_columns",
     "decode_record",
     "decode_records",
+    "named_rows",
 ]
 
 T = TypeVar("T")
@@ -521,7 +523,9 @@ class FormatSource(ShardedSource):
         t0 = time.perf_counter()
         codec = self.format.record_codec  # type: ignore[attr-defined]
         batch = decode_columns(
-            codec, blobs, lambda: decode_records(codec, blobs, self._named_rows(idx))
+            codec,
+            blobs,
+            lambda: decode_records(codec, blobs, named_rows(self.index, idx, self._describe)),
         )
         count_decode(time.perf_counter() - t0)
         return batch
@@ -567,24 +571,16 @@ class FormatSource(ShardedSource):
         """The records ``blobs`` at indices ``idx`` decoded (:func:`decode_records`)."""
         t0 = time.perf_counter()
         codec = self.format.record_codec  # type: ignore[attr-defined]
-        out = decode_records(codec, blobs, self._named_rows(idx))
+        out = decode_records(codec, blobs, named_rows(self.index, idx, self._describe))
         count_decode(time.perf_counter() - t0)
         return out
 
-    def _named_rows(self, idx: np.ndarray) -> Callable[[], Iterator[tuple[str, int, int]]]:
-        """What names each of checked indices ``idx`` in an error: its shard, row and
-        index (:func:`decode_records`'s ``where``)."""
-
-        def where() -> Iterator[tuple[str, int, int]]:
-            shards, rows = self.index.locate(idx, checked=True)
-            for k, row, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
-                yield self._where(k, self._paths[k]), row, i
-
-        return where
+    def _describe(self, shard: int) -> str:
+        return self._where(shard, self._paths[shard])
 
     def _decode(self, data: Any, shard: int, row: int, index: int) -> dict[str, Any]:
         """Record ``index`` (``row`` of ``shard``) decoded (:func:`decode_record`)."""
-        where = lambda: self._where(shard, self._paths[shard])  # noqa: E731
+        where = lambda: self._describe(shard)  # noqa: E731
         return decode_record(self.format.record_codec, data, where, row, index)  # type: ignore[attr-defined]
 
     def _open(
@@ -806,6 +802,26 @@ def decode_record(
             f"cannot decode record {index} ({where()}, row {row}) with codec "
             f"{codec.name!r}: {detail}"
         ) from (None if isinstance(e, RecordDecodeError) else e)
+
+
+def named_rows(
+    index: ShardIndex, idx: np.ndarray, describe: Callable[[int], str]
+) -> Callable[[], Iterator[tuple[str, int, int]]]:
+    """:func:`decode_records`'s ``where`` for checked indices ``idx`` of ``index``: each
+    one's shard (as ``describe(shard)`` names it, :func:`shard_where`), row and index.
+
+    Example:
+        >>> from torchgrain.sources.index import ShardIndex
+        >>> list(named_rows(ShardIndex([2, 3]), np.array([4, 0]), lambda k: f"shard {k}")())
+        [('shard 1', 2, 4), ('shard 0', 0, 0)]
+    """
+
+    def where() -> Iterator[tuple[str, int, int]]:
+        shards, rows = index.locate(idx, checked=True)
+        for k, row, i in zip(shards.tolist(), rows.tolist(), idx.tolist()):
+            yield describe(k), row, i
+
+    return where
 
 
 def decode_records(
