@@ -321,6 +321,16 @@ def test_trainer_under_dispatch_batches_resumes_mid_epoch_exactly(data, tmp_path
 # ---------------------------------------------------------------------------- Ray Train
 
 
+def _ray_processes() -> list[_procs.Proc]:
+    """The Ray processes below this one (its actors, raylet, GCS)."""
+    out = []
+    for p in _procs.descendants(os.getpid()):
+        cmd = _procs.describe(p.pid).split(": ", 1)[-1]
+        if cmd.startswith("ray::") or "/ray/" in cmd:
+            out.append(p)
+    return out
+
+
 def test_ray_train_covers_each_epoch_and_resumes_from_its_checkpoint(
     data, tmp_path_factory, monkeypatch
 ):
@@ -366,6 +376,9 @@ def test_ray_train_covers_each_epoch_and_resumes_from_its_checkpoint(
         resumed, _ = fit("resumed", resume=result.checkpoint)
     finally:
         ray.shutdown()
+        # Its actors (ray::TrainController...) exit after shutdown returns, in their own
+        # time (over 20 s on a busy machine): the cluster this test made goes with it.
+        _procs.kill(_procs.wait_gone(_ray_processes, 30.0))
     assert reference[0]["world"] == 2
     assert_disjoint_cover_per_epoch(reference)
     for ref, res in zip(reference, resumed):
