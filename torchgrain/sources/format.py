@@ -547,7 +547,10 @@ class FormatSource(ShardedSource):
         """The records at checked indices ``idx``, in request order (an encoded format's
         as their bytes, unless ``decode``): the format's batch read where it has one, else
         shard by shard (each shard's decoded as soon as it is read, while the rest
-        arrive)."""
+        arrive). This process's file events are read once for it
+        (:func:`torchgrain.io.changes.poll`): a reader's :meth:`ReadsByteRanges.decode`
+        may check its maps with ``polled=True``."""
+        changes.poll()
         if self._batches and len(idx):
             t0 = time.perf_counter()
             shards, rows = self.index.locate(idx, checked=True)
@@ -683,7 +686,7 @@ class FormatSource(ShardedSource):
             if s.ranged:
                 unique, where = _unique(self._ranges(s, rows))
                 got = s.file.read_ranges(unique, max_bytes=_ceiling(s))
-                chunks = [got[j] for j in where]
+                chunks = got if isinstance(where, range) else [got[j] for j in where]
                 t1 = time.perf_counter()
                 count_read(t1 - t0, 0)  # (ShardFile counts the bytes)
                 records = s.reader.decode(rows, chunks)
@@ -887,14 +890,24 @@ def _joined(blobs: list[Any], ends: np.ndarray) -> np.ndarray:
     return np.concatenate([np.frombuffer(b, dtype=np.uint8) for b in blobs], out=buf)
 
 
-def _unique(ranges: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+def _unique(
+    ranges: Sequence[tuple[int, int]],
+) -> tuple[list[tuple[int, int]], Sequence[int]]:
     """The distinct ``ranges`` (a batch may ask a record twice), and where each of
-    ``ranges`` is among them.
+    ``ranges`` is among them (a ``range`` when they are all distinct: one set, no Python
+    step per range).
 
     Example:
         >>> _unique([(5, 9), (0, 2), (5, 9)])
         ([(5, 9), (0, 2)], [0, 1, 0])
+        >>> _unique([(5, 9), (0, 2)])
+        ([(5, 9), (0, 2)], range(0, 2))
     """
+    try:
+        if len(set(ranges)) == len(ranges):
+            return list(ranges), range(len(ranges))
+    except TypeError:  # (unhashable pairs: lists)
+        pass
     first: dict[tuple[int, int], int] = {}
     where = [first.setdefault(tuple(r), len(first)) for r in ranges]  # type: ignore[misc]
     return list(first), where

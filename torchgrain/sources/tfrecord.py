@@ -587,7 +587,9 @@ class TFRecordReader:
     def decode(self, rows: np.ndarray, chunks: list[memoryview]) -> list[bytes]:
         # The frames of byte_ranges (checked there): their starts only name a bad record.
         ix = self.format.shards.index  # type: ignore[union-attr]
-        ix.check_unchanged()  # (before its map is read: a truncated map is a SIGBUS)
+        # Before its map is read (a truncated map is a SIGBUS), with the file events the
+        # source read for this batch (FormatSource polls once per batch).
+        ix.check_unchanged(polled=True)
         starts = ix.offsets[ix.base[self.shard] + rows].tolist()
         return self.format.parse(chunks, starts, self.file.path)
 
