@@ -298,7 +298,8 @@ class ReadsBatches(Protocol):
     ) -> list[Any] | None:
         """The records at ``rows`` of ``shards`` (global ``indices``, all checked; the
         dataset's files are ``paths``), in that order, or None to have them read shard by
-        shard through the readers."""
+        shard through the readers. The source has just read this process's file events
+        (:func:`torchgrain.io.changes.poll`): checks of maps may pass ``polled=True``."""
         ...
 
     def read_one(self, paths: Sequence[str], shard: int, row: int, index: int) -> Any | None:
@@ -491,6 +492,7 @@ class FormatSource(ShardedSource):
     def __getitem__(self, index: int) -> dict[str, Any]:
         if self._batches:
             shard, row = self.index.locate_one(index)
+            changes.poll()  # (read_one checks its maps with polled=True, as read_batch)
             t0 = time.perf_counter()
             got = self.format.read_one(self._paths, shard, row, int(index))  # type: ignore[attr-defined]
             if got is not None:
@@ -548,8 +550,9 @@ class FormatSource(ShardedSource):
         as their bytes, unless ``decode``): the format's batch read where it has one, else
         shard by shard (each shard's decoded as soon as it is read, while the rest
         arrive). This process's file events are read once for it
-        (:func:`torchgrain.io.changes.poll`): a reader's :meth:`ReadsByteRanges.decode`
-        may check its maps with ``polled=True``."""
+        (:func:`torchgrain.io.changes.poll`): :meth:`ReadsBatches.read_batch` and a
+        reader's :meth:`ReadsByteRanges.decode` may check their maps with
+        ``polled=True``."""
         changes.poll()
         if self._batches and len(idx):
             t0 = time.perf_counter()

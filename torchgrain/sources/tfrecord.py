@@ -53,7 +53,7 @@ from torchgrain.formats.tfrecord import (
     parse_frame,
     resolve_compression,
 )
-from torchgrain.io import changes, process
+from torchgrain.io import process
 from torchgrain.io import remote as io_remote
 from torchgrain.io.atomic import disk_full_errno, disk_full_error
 from torchgrain.io.changes import changed_since_opening, open_regular
@@ -512,11 +512,11 @@ class TFRecordFormat:
             region.release()
 
     def _ready(self, paths: Sequence[str], compressed: bool) -> ShardRegion | None:
-        """The map of every file for a read, this process's file events read once for it;
-        None for remote files or a read of ``compressed`` ones."""
+        """The map of every file for a read (the source has just read this process's file
+        events: the region's checks use them); None for remote files or a read of
+        ``compressed`` ones."""
         if self._region is False or compressed:
             return None
-        changes.poll()  # (once for the read: the region's checks use it)
         # A node-shared index file written or truncated since it was mapped is refused
         # before its arrays are read: a truncated map is a SIGBUS.
         self.shards.index.check_unchanged(polled=True)  # type: ignore[union-attr]
