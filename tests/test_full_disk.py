@@ -138,10 +138,15 @@ def _child(script: str, *args: object, limit: int = 0, prefix: tuple[str, ...] =
 
 
 def _files(directory) -> list[str]:
-    """Every file under ``directory`` that is not a lock (empty, kept by design)."""
+    """Every file under ``directory`` that is not a lock (kept by design: empty, or the
+    eviction lock's running total of the entries' bytes)."""
     out = []
     for d, _, names in os.walk(directory):
-        out += [os.path.join(d, n) for n in names if os.path.getsize(os.path.join(d, n)) > 0]
+        out += [
+            os.path.join(d, n)
+            for n in names
+            if not n.endswith(".lock") and os.path.getsize(os.path.join(d, n)) > 0
+        ]
     return sorted(out)
 
 
@@ -234,7 +239,8 @@ def test_the_shard_cache_names_a_full_disk(tmp_path, monkeypatch, code):
     message = str(e)
     assert os.strerror(code) in message
     assert repr(cache.directory) in message and e.directory == cache.directory
-    assert e.path.startswith(os.path.join(cache.directory, ".tmp-")) and repr(e.path) in message
+    assert e.path.startswith(os.path.join(cache.directory, ".tmp", ".tmp-"))
+    assert repr(e.path) in message
     assert "memory://full-disk/shard-0" in message
     assert "cache_dir_bytes" in message and "1,000 bytes" in message and "cache_dir=" in message
     assert cache.disk_full
@@ -544,7 +550,8 @@ def test_the_tfrecord_offset_cache_names_a_full_disk_once(tmp_path, monkeypatch)
     assert len(said) == 1, said
     assert os.strerror(errno.EDQUOT) in said[0] and repr(index_dir) in said[0]
     assert ".offsets.tgindex'" in said[0] and "index_dir=" in said[0]  # the file, the remedy
-    assert not [f for f in os.listdir(index_dir) if f.endswith(".offsets.tgindex") or ".tmp" in f]
+    assert not [f for f in os.listdir(index_dir) if f.endswith(".offsets.tgindex") or ".tmp-" in f]
+    assert not os.listdir(os.path.join(index_dir, ".tmp"))  # (the temp files' folder)
 
 
 # ------------------------------------------------------ an error from a worker process

@@ -142,14 +142,17 @@ def test_an_index_being_built_or_opened_under_its_lock_is_not_evicted(tmp_path, 
 def test_a_killed_builders_temp_files_are_deleted_and_a_live_ones_kept(tmp_path):
     idx = tmp_path / "idx"
     idx.mkdir()
-    dead = [  # this release's (a reserved file, its writer's), and an earlier release's
-        ".derived-x.tgindex-0-1-0a1b2c3d",
-        "..derived-x.tgindex-0-1-0a1b2c3d.kept.tmp-1-0a1b2c3d",
+    (idx / ".tmp").mkdir()
+    dead = [  # this release's (a reserved file, its writer's), and earlier releases'
+        ".tmp/.derived-x.tgindex-0-1-0a1b2c3d",
+        ".tmp/..derived-x.tgindex-0-1-0a1b2c3d.kept.tmp-1-0a1b2c3d",
+        ".derived-w.tgindex-0-1-0a1b2c3d",
+        "..derived-w.tgindex-0-1-0a1b2c3d.kept.tmp-1-0a1b2c3d",
         ".derived-y.tgindex.tmp-1-0a1b2c3d",
         ".derived-y.tgindex.kept.tmp-1-0a1b2c3d",
     ]
-    live = ".derived-z.tgindex-0-1-0a1b2c3d"
-    for name in [*dead, live]:
+    live = [".tmp/.derived-z.tgindex-0-1-0a1b2c3d", ".derived-z.tgindex-0-1-0a1b2c3e"]
+    for name in [*dead, *live]:
         (idx / name).write_bytes(b"x" * 100)
     fill = lambda sink: sink.append("kept", np.arange(3)) or {}  # noqa: E731
     fd = os.open(idx / "derived-z.tgindex.lock", os.O_RDWR | os.O_CREAT)
@@ -159,7 +162,9 @@ def test_a_killed_builders_temp_files_are_deleted_and_a_live_ones_kept(tmp_path)
     finally:
         os.close(fd)
     assert ix.arrays["kept"].tolist() == [0, 1, 2]
-    assert [n for n in os.listdir(idx) if n.startswith(".")] == [live]
+    left = [n for n in os.listdir(idx) if n.startswith(".")]
+    left += [f".tmp/{n}" for n in os.listdir(idx / ".tmp")]
+    assert sorted(left) == sorted([".tmp", *live])
 
 
 @pytest.mark.skipif(not os.path.isdir(BASE), reason="no checkout of the starting release")

@@ -282,8 +282,9 @@ def test_cached_download_fails_clearly_and_leaves_nothing(http, tmp_path):
     with pytest.raises(tg.RemoteIOError, match=r"download of .*ds/.*4 attempts"):
         src[0]
     srv.fail_next(0)
-    leftovers = [f for f in os.listdir(tmp_path / "c") if f not in (".locks", ".sums")]
+    leftovers = [f for f in os.listdir(tmp_path / "c") if f not in (".locks", ".sums", ".tmp")]
     assert leftovers == [] and os.listdir(tmp_path / "c" / ".sums") == []
+    assert os.listdir(tmp_path / "c" / ".tmp") == []
 
 
 def test_not_found_and_forbidden_are_not_retried(http, tmp_path):
@@ -416,12 +417,9 @@ def test_killed_download_leaves_no_complete_looking_file(http, tmp_path):
     deadline = time.time() + 30
     tmp = []
     while time.time() < deadline:
-        tmp = (
-            [f for f in os.listdir(cache_dir) if f.startswith(".tmp-")]
-            if cache_dir.exists()
-            else []
-        )
-        if tmp and os.path.getsize(cache_dir / tmp[0]) > 0:
+        temps = cache_dir / ".tmp"  # (the temp files' folder)
+        tmp = [f for f in os.listdir(temps) if f.startswith(".tmp-")] if temps.exists() else []
+        if tmp and os.path.getsize(temps / tmp[0]) > 0:
             break
         time.sleep(0.01)
     os.kill(p.pid, signal.SIGKILL)

@@ -475,8 +475,9 @@ def test_a_download_killed_mid_transfer_is_cleaned_up_and_never_served(served, t
         deadline = time.monotonic() + 120
         tmp: list[str] = []
         while time.monotonic() < deadline and child.poll() is None:
-            tmp = [f for f in os.listdir(cache) if f.startswith(".tmp-")]
-            if tmp and os.path.getsize(cache / tmp[0]) > 0:
+            temps = cache / ".tmp"  # (the temp files' folder)
+            tmp = [f for f in os.listdir(temps) if f.startswith(".tmp-")] if temps.exists() else []
+            if tmp and os.path.getsize(temps / tmp[0]) > 0:
                 break
             time.sleep(0.01)  # polling the file system, not synchronising on time
         assert tmp, "the download never started"

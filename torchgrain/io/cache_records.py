@@ -9,9 +9,10 @@
 * The next-use hints of ``eviction="belady"``, ``DIR/.next-use``: one ``"<copy name>
   <position>"`` line per copy, the position in the sampler's order of its next use.
 
-Both are replaced atomically (:func:`~torchgrain.io.atomic.atomic_write_text`); a record's
-temp file left by a killed writer goes at the copy's next download
-(:func:`remove_record_temps`). They are the cache's own files, but anyone who can write to the directory can change them:
+Both are replaced atomically: a record through a temp file of one name per copy
+(``.<copy name>.tmp``, written under the copy's lock), so a killed writer's goes at the
+copy's next download without a listing of the records; the hints through
+:func:`~torchgrain.io.atomic.atomic_write_text`. They are the cache's own files, but anyone who can write to the directory can change them:
 a malformed record reads as none (the copy is downloaded again), a malformed hint as
 no hint (hints only order evictions).
 
@@ -35,7 +36,7 @@ import contextlib
 import os
 import zlib
 
-from torchgrain.io.atomic import atomic_write_text
+from torchgrain.io.atomic import atomic_write_text, publish
 from torchgrain.io.changes import open_regular
 
 __all__ = [
@@ -44,7 +45,6 @@ __all__ = [
     "file_identity",
     "read_hints",
     "read_record",
-    "remove_record_temps",
     "write_hints",
     "write_record",
 ]
@@ -102,8 +102,21 @@ def file_crc(path: str) -> tuple[str, Identity]:
 
 def write_record(record: str, crc: str, size: int, version: str | None = None) -> None:
     """Record at ``record`` the CRC and size of a copy that passed its download's checks,
-    and the version of the remote file it is (one word; None: none known)."""
-    atomic_write_text(record, f"{crc} {size}{f' {version}' if version else ''}\n", durable=False)
+    and the version of the remote file it is (one word; None: none known). The caller
+    holds the copy's lock: the temp file has one name per record, and a killed writer's
+    is replaced (a link put there is not followed: an ``OSError``)."""
+    tmp = os.path.join(os.path.dirname(record), f".{os.path.basename(record)}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(tmp, flags, 0o666), "w") as f:
+            f.write(f"{crc} {size}{f' {version}' if version else ''}\n")
+        publish(tmp, record, durable=False)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read_record(record: str, version: str | None = None) -> tuple[str, int] | None:
@@ -128,18 +141,6 @@ def read_record(record: str, version: str | None = None) -> tuple[str, int] | No
         return crc, int(size)
     except (OSError, ValueError):  # (a CorruptDataError is a ValueError)
         return None
-
-
-def remove_record_temps(record: str) -> None:
-    """Delete the temp files of ``record`` left by killed writers (the copy's lock held)."""
-    # .<name>.tmp-<pid>-<random> (atomic.temp_name), or <name>.tmp-... (earlier releases).
-    # One that cannot be deleted is left: it is never read.
-    prefix = f"{os.path.basename(record)}.tmp-"
-    with contextlib.suppress(OSError), os.scandir(os.path.dirname(record)) as it:
-        for e in it:
-            if e.name.removeprefix(".").startswith(prefix):
-                with contextlib.suppress(OSError):
-                    os.unlink(e.path)
 
 
 def write_hints(path: str, hints: dict[str, int]) -> None:

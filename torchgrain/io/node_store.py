@@ -72,12 +72,18 @@ class NodeStore:
     """
 
     _WHAT = "the node store"  # what it is, in messages
-    _TMP_DIR, _TMP_PREFIX = "", ".tmp-"  # where temp files go, and how their names start
+    # Where temp files go (a folder of their own: a write lists the writes in flight, not
+    # every entry), and how their names start.
+    _TMP_DIR, _TMP_PREFIX = ".tmp", ".tmp-"
+    # Where an earlier release put them (None: nowhere else), swept once per process.
+    _OLD_TMP_DIR: str | None = None
     _LOCK_DIR = ".locks"  # where the lock files go
     _DIRS: tuple[str, ...] = ()  # more subdirectories to make with the store's own
     _ENTRIES = "[!.]*"  # the entries' paths in the directory (a glob per level: a/b)
     _STRIPES: int | None = None  # hash entry names to this many lock files, not one each
-    _USAGE: str | None = None  # file of a running total of the entries' bytes
+    # The file of a running total of the entries' bytes (a publish under the budget lists
+    # no entry): 8 bytes of the eviction lock's file (a file of its own would be listed).
+    _USAGE: str | None = os.path.join(".locks", "evict.lock")
     _EVICT_TO = 1.0  # an eviction frees room down to this share of max_bytes
     # (per process: a pickled store starts with these)
     _full_in: tuple[int, int] | None = None  # the process whose write found no room
@@ -86,6 +92,8 @@ class NodeStore:
     _full_until: tuple[tuple[int, int] | None, float] = (None, 0.0)
     # _evict_lock: the process that waited for it in vain tries it once until then
     _evict_stuck: tuple[tuple[int, int] | None, float] = (None, 0.0)
+    _old_swept: tuple[int, int] | None = None  # the process that ran _sweep_old
+    _counted: tuple[int, int] | None = None  # the process that counted the entries
 
     def __init__(self, directory: str, *, max_bytes: int, min_free_bytes: int = 0) -> None:
         self.directory, self.max_bytes, self.min_free_bytes = directory, max_bytes, min_free_bytes
@@ -286,10 +294,22 @@ class NodeStore:
 
     # ------------------------------------------------------------------- temps
     def _temps(self) -> list[tuple[str, str, int]]:
-        """``(path, entry name, reserved bytes)`` of the temp files."""
+        """``(path, entry name, reserved bytes)`` of the temp files (what killed writers
+        of an earlier release left where it put them is swept first: once a process)."""
+        if self._old_swept != process.token():
+            self._old_swept = process.token()
+            self._sweep_old()
+        return self._listed_temps(self._TMP_DIR)
+
+    def _sweep_old(self) -> None:
+        """Delete the temp files of killed writers of an earlier release (whose entry's
+        lock is free) where it put them (:attr:`_OLD_TMP_DIR`)."""
+        if self._OLD_TMP_DIR is not None:
+            self._sweep(self._listed_temps(self._OLD_TMP_DIR))
+
+    def _listed_temps(self, folder: str) -> list[tuple[str, str, int]]:
         out = []
-        tmp_dir = os.path.join(self.directory, self._TMP_DIR)
-        with contextlib.suppress(OSError), os.scandir(tmp_dir) as it:
+        with contextlib.suppress(OSError), os.scandir(os.path.join(self.directory, folder)) as it:
             for e in it:
                 if e.name.startswith(self._TMP_PREFIX):
                     of = self._temp_of(e.name[len(self._TMP_PREFIX) :])
@@ -306,17 +326,22 @@ class NodeStore:
     def _reserved(self, exclude: str = "") -> int:
         """Bytes reserved by writes in flight (but ``exclude``); deletes the temp files
         of writers that are gone (their entry's lock is free)."""
-        total = 0
-        for path, name, size in self._temps():
-            if path == exclude:
-                continue
+        return sum(
+            size for _, _, size in self._sweep([t for t in self._temps() if t[0] != exclude])
+        )
+
+    def _sweep(self, temps: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+        """Delete the ``temps`` of writers that are gone (their entry's lock is free);
+        the others."""
+        out = []
+        for path, name, size in temps:
             # (a writer's own lock goes too: its name is never used again)
             with self._lock(name, wait=0, drop=self._own_lock(name)) as free:
                 if free:
                     unlink_quietly(path)
                     continue
-            total += size
-        return total
+            out.append((path, name, size))
+        return out
 
     def _reserve(self, name: str, size: int, what: str = "", *, evict: bool = True) -> str:
         """A new temp file for entry ``name`` (its lock held) reserving ``size`` bytes; its
@@ -327,6 +352,7 @@ class NodeStore:
             self._TMP_DIR,
             f"{self._TMP_PREFIX}{name}-{size}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
         )
+        self._make_dirs()  # (its folder made again if deleted; one that is a link refused)
         with self._writing(tmp, what):
             open(tmp, "wb").close()
         if evict:
@@ -388,7 +414,9 @@ class NodeStore:
     def _settle(self, size: int, exclude: str = "") -> int:
         """The entries' bytes, once ``size`` more fit with the reservations (evicting if
         need be; the eviction lock held)."""
-        held = self._read_usage()
+        # (counted once per process: a process of an earlier release adds entries without
+        # adding them to the total, and so does a copy put there by hand)
+        held = self._read_usage() if self._counted == process.token() else None
         if held is None or held + size + self._reserved(exclude) > self.max_bytes:
             held = self._make_room(size, exclude=exclude)
         return held
@@ -439,6 +467,7 @@ class NodeStore:
             held -= size
             self._count(evictions=1, bytes_evicted=size)
         self._write_usage(held)
+        self._counted = process.token()
         return held
 
     def _unlink(self, path: str) -> bool:
@@ -499,15 +528,17 @@ class NodeStore:
 
     def _write_usage(self, held: int) -> None:
         if self._USAGE is not None:
-            try:
-                fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
-            except OSError:  # not a regular file: replaced by one
-                unlink_quietly(os.path.join(self.directory, self._USAGE))
-                fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
-            try:
-                os.pwrite(fd, _TOTAL.pack(max(0, held)), 0)
-            finally:
-                os.close(fd)
+            path = os.path.join(self.directory, self._USAGE)
+            with self._writing(path, " (the running total of its entries)"):
+                try:
+                    fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
+                except OSError:  # not a regular file: replaced by one
+                    unlink_quietly(path)
+                    fd = self._usage_fd(os.O_WRONLY | os.O_CREAT)
+                try:
+                    os.pwrite(fd, _TOTAL.pack(max(0, held)), 0)
+                finally:
+                    os.close(fd)
 
 
 def _unlink_if(path: str, fd: int) -> None:

@@ -49,7 +49,6 @@ from torchgrain.io.cache_records import (
     file_identity,
     read_hints,
     read_record,
-    remove_record_temps,
     write_hints,
     write_record,
 )
@@ -147,6 +146,7 @@ class ShardCache(NodeStore):
 
     _WHAT = "the shard cache"
     _DIRS = (SUM_DIR,)
+    _OLD_TMP_DIR = ""
 
     def __init__(
         self,
@@ -399,7 +399,6 @@ class ShardCache(NodeStore):
                 self._checks().pop(path, None)
                 self._count(rejected=1)
             self._remove_temps(name)
-            remove_record_temps(self._sum_path(path))
             retrying = self._retrying(url)
             if (size is None or size < 0) and version:  # (its lookup pinned the size)
                 size = remote.unchanged_since(fs, rpath, None)[0]  # type: ignore[index]
@@ -733,6 +732,22 @@ class ShardCache(NodeStore):
                 f"copy in {self.directory}, of another version, is kept for the sources opened "
                 "since. Open the source again to read the new file."
             ) from None
+
+    def _sweep_old(self) -> None:
+        super()._sweep_old()
+        # A record's temp file of an earlier release: .<name>.tmp-<pid>-<random> (or
+        # <name>.tmp-...), deleted where the copy's lock is free (its writer is gone).
+        old: list[tuple[str, str]] = []
+        with contextlib.suppress(OSError), os.scandir(os.path.join(self.directory, SUM_DIR)) as it:
+            old = [
+                (e.path, e.name.removeprefix(".").split(".tmp-")[0])
+                for e in it
+                if ".tmp-" in e.name
+            ]
+        for path, name in old:
+            with self._lock(name, wait=0) as free:
+                if free:
+                    unlink_quietly(path)
 
     def _sum_path(self, path: str) -> str:
         return os.path.join(self.directory, SUM_DIR, os.path.basename(path))

@@ -569,7 +569,7 @@ class IndexDir(NodeStore):
     """
 
     _WHAT = "the dataset index"
-    _LOCK_DIR, _TMP_PREFIX = "", "."
+    _LOCK_DIR, _TMP_PREFIX, _OLD_TMP_DIR = "", ".", ""
     _ENTRIES = "[!.]*" + INDEX_SUFFIX
     max_bytes = property(lambda self: INDEX_DIR_BYTES)  # (looked up when used)
 
@@ -806,7 +806,7 @@ def cached_index(
         >>> d = tempfile.mkdtemp()
         >>> ix = cached_index(d, "k.tgindex", Demo, build, lambda ix: None)
         >>> ix._a.path == os.path.join(d, "k.tgindex"), sorted(os.listdir(d))
-        (True, ['evict.lock', 'k.tgindex', 'k.tgindex.lock', 'verified'])
+        (True, ['.tmp', 'evict.lock', 'k.tgindex', 'k.tgindex.lock', 'verified'])
     """
     path = os.path.join(index_dir, name)
 
