@@ -22,6 +22,7 @@ from torchgrain.io.ranges import (
     RangeStore,
     coalescing,
     fetch_batch,
+    version_of,
 )
 from torchgrain.io.remote import storage_options_with_deadlines
 
@@ -47,7 +48,7 @@ def _fetch(fs, url: str, ranges: list[tuple[int, int]], *, one_range: bool = Tru
     """One batch's ranges of ``url`` fetched, and every one checked against the file."""
     store = RangeStore()
     fetch_batch(fs, [(url, url, ranges)], store=store, owner=None, gap=4 << 10)
-    got = store.take(url, ranges)
+    got = store.take(url, ranges, version_of(fs, url))  # (of the version fetched)
     assert [bytes(v) for v in got] == [BLOB[s:e] for s, e in ranges]
     if one_range:  # a kept range owns its bytes, not a view of a request with holes
         assert all(len(v.obj) == len(v) for v in got)
@@ -125,7 +126,8 @@ def test_a_multi_range_server_still_gets_the_ranges_together(tmp_path):
         srv.reset_counts()
         store = RangeStore()
         fetch_batch(fs, [(url, url, ranges)], store=store, owner=None, gap=4096, multi_range=False)
-        assert [bytes(v) for v in store.take(url, ranges)] == [BLOB[s:e] for s, e in ranges]
+        got = store.take(url, ranges, version_of(fs, url))
+        assert [bytes(v) for v in got] == [BLOB[s:e] for s, e in ranges]
         assert srv.gets() == 6 and all(r and "," not in r for r in srv.range_log)
 
 

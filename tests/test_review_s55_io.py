@@ -17,7 +17,7 @@ import torchgrain as tg
 from tests.servers import FaultProxy, RangeHTTPServer
 from torchgrain.io import fs as tfs
 from torchgrain.io import inflight
-from torchgrain.io.ranges import RangeStore, fetch_batch
+from torchgrain.io.ranges import RangeStore, fetch_batch, version_of
 from torchgrain.io.remote import storage_options_with_deadlines
 from torchgrain.io.responses import RangeAnswerError
 from torchgrain.io.retry import RetryPolicy, using
@@ -51,7 +51,8 @@ def _held(store: RangeStore, url: str, ranges, *, put: bool, after: float) -> th
     def end() -> None:
         time.sleep(after)
         if put:
-            store.put(url, ranges, [memoryview(BLOB[s:e]) for s, e in ranges], None)
+            views = [memoryview(BLOB[s:e]) for s, e in ranges]
+            store.put(url, ranges, views, None, version_of(_http(), url))  # (what it fetched)
         store.release(url, mine)
 
     t = threading.Thread(target=end)
@@ -61,7 +62,8 @@ def _held(store: RangeStore, url: str, ranges, *, put: bool, after: float) -> th
 
 def _check(store: RangeStore, files) -> None:
     for _, url, ranges in files:
-        assert [bytes(v) for v in store.take(url, ranges)] == [BLOB[s:e] for s, e in ranges]
+        got = store.take(url, ranges, version_of(_http(), url))  # (of the version fetched)
+        assert [bytes(v) for v in got] == [BLOB[s:e] for s, e in ranges]
 
 
 @pytest.mark.parametrize("multirange", ["parts", "ignore"])

@@ -33,6 +33,7 @@ from fsspec.asyn import AsyncFileSystem
 from torchgrain.errors import CorruptDataError
 from torchgrain.io import inflight, process, remote
 from torchgrain.io.paths import is_http
+from torchgrain.io.responses import pinned
 from torchgrain.io.retry import (
     http_status,
     is_transient,
@@ -48,6 +49,7 @@ __all__ = [
     "fetch_batch",
     "fetch_ranges",
     "range_store",
+    "version_of",
 ]
 
 #: Ranges closer than this are fetched as one request (the bytes between come along).
@@ -185,7 +187,8 @@ class RangeStore:
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = int(max_bytes)
         self._lock = threading.Lock()
-        self._ranges: dict[tuple[str, int, int], tuple[memoryview, object]] = {}
+        # (url, start, end) -> (its bytes, who put them, the version they are of)
+        self._ranges: dict[tuple[str, int, int], tuple[memoryview, object, object]] = {}
         # Ranges being fetched now -> set when their fetch ends (whether or not it worked).
         self._pending: dict[tuple[str, int, int], threading.Event] = {}
         self.nbytes = 0
@@ -201,12 +204,15 @@ class RangeStore:
         ranges: Sequence[tuple[int, int]],
         views: Sequence[memoryview],
         owner: object,
+        version: object = None,
     ) -> None:
+        """Store ``views``, the bytes of ``ranges`` of ``url`` of ``version`` (this
+        process's pin of the file when they were asked for: :func:`version_of`)."""
         with self._lock:
             for (s, e), v in zip(ranges, views):
                 key = (url, s, e)
                 if key not in self._ranges:
-                    self._ranges[key] = (v, owner)
+                    self._ranges[key] = (v, owner, version)
                     self.nbytes += e - s
                     self.stats["put"] += 1
 
@@ -238,22 +244,30 @@ class RangeStore:
             if event is not None:
                 event.set()
 
-    def take(self, url: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview | None]:
-        """The stored bytes of each range (removed from the store), None where absent."""
+    def take(
+        self, url: str, ranges: Sequence[tuple[int, int]], version: object = None
+    ) -> list[memoryview | None]:
+        """The stored bytes of each range of ``version`` of ``url`` (removed from the
+        store), None where absent; bytes of another version (the file was opened again
+        since, re-uploaded: they were fetched before) are dropped, never served."""
         out: list[memoryview | None] = []
         with self._lock:
             for s, e in ranges:
                 got = self._ranges.pop((url, s, e), None)
                 if got is not None:
                     self.nbytes -= e - s
-                    self.stats["served"] += 1
+                    if got[2] is not version:
+                        self.stats["dropped"] += 1
+                        got = None
+                    else:
+                        self.stats["served"] += 1
                 out.append(None if got is None else got[0])
         return out
 
     def drop(self, owner: object) -> None:
         """Forget every range ``owner`` put (a cancelled read-ahead's)."""
         with self._lock:
-            gone = [k for k, (_, o) in self._ranges.items() if o is owner]
+            gone = [k for k, (_, o, _) in self._ranges.items() if o is owner]
             for k in gone:
                 del self._ranges[k]
                 self.nbytes -= k[2] - k[1]
@@ -382,7 +396,7 @@ def fetch_batch(
             order, merged = coalesce(need, *coalescing(fs, path, gap, multi_range=multi_range))
             plan_of.extend([len(plans)] * len(merged))
             left.append(len(merged))
-            plans.append((k, url, need, order, merged, len(asked)))
+            plans.append((k, url, need, order, merged, len(asked), version_of(fs, path)))
             asked += [(path, url, s, e) for s, e in merged]
         if not asked:
             return 0
@@ -391,7 +405,7 @@ def fetch_batch(
 
         def settle(plan: tuple, results: list) -> bool:
             """Put what arrived of one file's requests in the store; True if all of it did."""
-            _k, url, need, order, merged, at = plan
+            k, url, need, order, merged, at, before = plan
             got = results[at : at + len(merged)]
             ok = [j for j, b in enumerate(got) if not isinstance(b, BaseException)]
             bad = len(ok) < len(merged)
@@ -405,8 +419,11 @@ def fetch_batch(
                 order = [
                     i for i in order if any(m[0] <= need[i][0] and need[i][1] <= m[1] for m in fine)
                 ]
+            version = version_of(fs, files[k][0])
+            if before is not None and version is not before:
+                return False  # (opened again meanwhile, re-uploaded: its reader fetches)
             views = _slices(need, order, [merged[j] for j in ok], [got[j] for j in ok], own=True)
-            store.put(url, [need[i] for i in order], [views[i] for i in order], owner)
+            store.put(url, [need[i] for i in order], [views[i] for i in order], owner, version)
             return not bad
 
         # Each file is put in the store, and its reader told, as soon as its last request is
@@ -449,6 +466,18 @@ def fetch_batch(
     return made
 
 
+def version_of(fs: fsspec.AbstractFileSystem, path: str) -> object:
+    """This process's pin of remote file ``path`` (of ``fs``) now: the version its range
+    answers are checked against, an object that a later opening which pins the file anew
+    (re-uploaded since) replaces. None for a local or in-memory file, or one not pinned.
+
+    Example:
+        >>> version_of(fsspec.filesystem("memory"), "/c/p") is None
+        True
+    """
+    return pinned(path) if isinstance(fs, AsyncFileSystem) else None
+
+
 def fetch_ranges(
     fs: fsspec.AbstractFileSystem,
     path: str,
@@ -469,7 +498,7 @@ def fetch_ranges(
     store = range_store()
     if store.nbytes:
         # Fetched ahead by this batch's fetch_batch, or by read-ahead.
-        have = store.take(label, ranges)
+        have = store.take(label, ranges, version_of(fs, path))
         if any(v is not None for v in have):
             missing = [r for r, v in zip(ranges, have) if v is None]
             rest = iter(fetch_ranges(fs, path, missing, gap=gap, name=name) if missing else [])
