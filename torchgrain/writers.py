@@ -1246,10 +1246,7 @@ def write_parquet(
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     table = records_to_table(records)  # (one type for every shard: they are in memory)
-    try:
-        _, existing = expand_paths(directory, suffixes=PARQUET_SUFFIXES, kind="Parquet")
-    except DatasetNotFoundError:
-        existing = []
+    existing = parquet_files(directory)
     if existing and not overwrite:
         more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
         raise FileExistsError(
@@ -1271,6 +1268,20 @@ def write_parquet(
             raise OSError(e.errno, f"cannot write Parquet file: {e.strerror or e}", final) from e
         paths.append(final)
     return paths
+
+
+def parquet_files(directory: str) -> list[str]:
+    """The Parquet files ``tg.ParquetSource(directory)`` would read (none: ``[]``).
+
+    Example:
+        >>> import tempfile
+        >>> parquet_files(tempfile.mkdtemp())
+        []
+    """
+    try:
+        return expand_paths(directory, suffixes=PARQUET_SUFFIXES, kind="Parquet")[1]
+    except DatasetNotFoundError:
+        return []
 
 
 # ---------------------------------------------------------------- output formats
@@ -1377,6 +1388,12 @@ class OutputFormat(abc.ABC):
         """Complete the conversion's manifest (before it is written) with what this
         format records (the default: nothing)."""
         return None
+
+    def read_with(self, root: str, names: set[str]) -> list[str]:
+        """The files in ``root``, besides the conversion's shards ``names``, that the
+        format's source would read with them (the default: none, a source that reads the
+        shards its manifest names)."""
+        return []
 
 
 class ArrayRecordOut(ShardWriter):
@@ -1649,6 +1666,10 @@ class ParquetOutput(OutputFormat):
 
     def verify(self, path: str, num_records: int, checksum: str) -> None:
         verify_shard(path, num_records, checksum)
+
+    def read_with(self, root: str, names: set[str]) -> list[str]:
+        """Every other Parquet file there: ``tg.ParquetSource(root)`` reads them all."""
+        return [p for p in parquet_files(root) if os.path.relpath(p, root) not in names]
 
     def finish(self, root: str, manifest: Manifest, group_size: int) -> None:
         """Check that the shards, each typed from its own records, open as one dataset.

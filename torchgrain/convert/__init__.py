@@ -243,6 +243,17 @@ def convert(
             )
         )
         plan = journal.load_plan()
+        # Files its source would read with the conversion's shards (Parquet: every other
+        # Parquet file) and not written by a conversion into it: never removed.
+        ours = {t.name for t in tasks} | {t["name"] for t in (plan or {}).get("tasks", [])}
+        others = output.read_with(root, ours)
+        if others:
+            more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+            raise FileExistsError(
+                f"{root} already holds {others[0]!r}{more}, not written by a conversion into "
+                "it, which would be read with the conversion's shards: remove it, or write "
+                "to another directory"
+            )
         if plan is not None and plan["fingerprint"] == stamp and not overwrite:
             check_plan(journal, plan, fresh)
         elif plan is not None and plan != fresh:

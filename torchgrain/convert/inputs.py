@@ -18,11 +18,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from torchgrain.errors import RecordDecodeError
+from torchgrain.errors import CorruptDataError, RecordDecodeError
+from torchgrain.formats.checksums import RecordHasher
 from torchgrain.formats.codecs import Codec, MsgpackCodec, get_codec
 from torchgrain.io.fs import get_filesystem
 from torchgrain.io.retry import RetryPolicy, current_policy, using
 from torchgrain.sources import registry
+from torchgrain.sources.arrayrecord import ArrayRecordSource
 from torchgrain.sources.base import RecordBytesSource, Source
 from torchgrain.sources.parquet import ParquetSource
 
@@ -106,6 +108,9 @@ class ConvertInput:
                 yield rec, 0
             return
         raw = src.iter_shard_bytes(shard, start, stop)
+        checksum = self._records_checksum(src, shard, start, stop)
+        if checksum is not None:
+            raw = _matching(raw, checksum, f"input shard {shard} ({self.paths[shard]!r})")
         if self.passthrough and bytes_ok:
             for data in raw:
                 yield data, len(data)
@@ -120,6 +125,22 @@ class ConvertInput:
                     f"cannot decode record {k} of {path!r} with codec {src.codec.name!r}: {e}"
                 ) from e
             yield rec, len(data)
+
+    def _records_checksum(
+        self, src: Source, shard: int, start: int, stop: int | None
+    ) -> str | None:
+        """The checksum of the records of ``shard`` that its manifest records, where the
+        read covers them all (an ArrayRecord dataset's): what is converted is checked
+        against it as it is read, at no read more (records copied as they are would
+        otherwise carry a damaged input's bytes into an output whose checksum vouches
+        for them)."""
+        if not isinstance(src, ArrayRecordSource) or start > 0:
+            return None
+        if stop is not None and stop < self.counts[shard]:
+            return None
+        manifest = src.manifest
+        checksum = manifest.shards[shard].checksum if manifest is not None else None
+        return checksum if checksum and checksum.startswith(RecordHasher.prefix) else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -159,3 +180,23 @@ def open_input(
         keep = None
     source = registry.open(src, format=fmt.name, **options)
     return ConvertInput(fmt.name, src, options, source, keep)
+
+
+def _matching(records: Iterator[bytes], checksum: str, where: str) -> Iterator[bytes]:
+    """``records``, checked once all are read against the manifest's ``checksum`` of them
+    (:class:`~torchgrain.formats.checksums.RecordHasher`).
+
+    Raises:
+        CorruptDataError: they do not match (damaged, or replaced since the manifest
+            was written), naming ``where``.
+    """
+    hasher = RecordHasher()
+    for data in records:
+        hasher.update(data)
+        yield data
+    got = hasher.hexdigest()
+    if got != checksum.lower():
+        raise CorruptDataError(
+            f"{where}: its records' checksum {got} does not match its manifest's {checksum}: "
+            "the shard is damaged, or was replaced after the manifest was written"
+        )

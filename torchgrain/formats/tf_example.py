@@ -398,6 +398,12 @@ def decode_tf_example(
                 sub_end, pos = _length(buf, pos, end)
                 _parse_features(buf, pos, sub_end, feats, keys, squeeze)
                 pos = sub_end
+            elif tag == 0x12:  # (an Example has no field 2: skipping it loses data)
+                raise _err(
+                    "field 2, a tf.train.SequenceExample's feature_lists, which an Example "
+                    "decode would drop: read these records with codec='raw'",
+                    pos,
+                )
             else:
                 pos = _skip(buf, pos, end, tag, 1)
     except IndexError:  # pragma: no cover - every read is bounds-checked first

@@ -219,6 +219,8 @@ class TFRecordSource(FormatSource):
             for data in itertools.islice(it, skip, skip + want):
                 yield data
                 at += 1
+            # (a file rewritten while it was read: what it gave may mix two versions)
+            fmt.check_opened(shard, path)
             # The count comes from an index file (untrusted): a stream that ends before
             # it, or goes on after it, is not the one counted.
             more = not plain and stop == n and next(it, None) is not None
