@@ -358,10 +358,12 @@ def call(
     def attempt() -> Any:
         try:
             out = getattr(fs, method)(*args, **kwargs) if direct else request()
-        except FileNotFoundError as e:  # (a chain's layers, simplecache::http, are direct)
-            refusal = redirect_refusal(e)
+        except Exception as e:  # (a chain's layers, simplecache::http, are direct)
+            refusal = redirect_refusal(e) if isinstance(e, FileNotFoundError) else None
             if refusal is not None:
                 raise refusal from e
+            if _redirects_loop(e):  # (fsspec says "not found", or aiohttp's own error)
+                raise RemoteIOError(f"{what} of {label}: the server's redirects go round") from e
             raise
         if check is not None:
             check(out)
@@ -513,6 +515,18 @@ def _lookup(fs: fsspec.AbstractFileSystem, method: str, path: str, label: str, w
         if refusal is not None:
             raise refusal from e
         raise
+
+
+def _redirects_loop(exc: BaseException) -> bool:
+    """Whether aiohttp's ``TooManyRedirects`` is behind ``exc`` (raised from it)."""
+    try:
+        from aiohttp import TooManyRedirects
+    except ImportError:  # (no HTTP client: nothing redirected)
+        return False
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, TooManyRedirects):
+        cause = cause.__cause__ or cause.__context__
+    return cause is not None
 
 
 def _checked_size(got: Any, label: str) -> int:
