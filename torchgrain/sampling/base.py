@@ -72,6 +72,9 @@ def identity_order(q: np.ndarray) -> np.ndarray:
     return q
 
 
+_UNSET = object()
+
+
 class ResumableSampler(DistributedSampler):
     """The base of every torchgrain sampler: world, split, padding, iteration, state
     and (elastic) resume. A subclass gives the order (:meth:`epoch_order`) and, when it
@@ -146,6 +149,7 @@ class ResumableSampler(DistributedSampler):
         self.pad = bool(pad)
         self.epoch = 0
         self._n = n
+        self._files: object = _UNSET  # (_fingerprints: taken when first needed)
         # A loaded state, made into a layout and start position when the next pass starts
         # (when its world size and the loader that drives it are known).
         self._loaded: dict[str, Any] | None = None
@@ -590,6 +594,9 @@ class ResumableSampler(DistributedSampler):
         }
         if world[0] == 1 and self._pad_to() > 1:
             state["pad_to"] = self._pad_to()
+        for key, value in zip(("dataset_files", "dataset_checksums"), self._fingerprints()):
+            if value is not None:
+                state[key] = value
         state.update(self.order_state())
         state.update(self.split().state())
         return state
@@ -624,6 +631,24 @@ class ResumableSampler(DistributedSampler):
             return
         self._apply_state(checked)
 
+    def _fingerprints(self) -> tuple[str | None, str | None]:
+        """The dataset's :func:`~torchgrain.sources.node_index.derived.layout_fingerprint`,
+        of its files and of their checksums (taken once: a state is saved at every batch
+        under some loaders)."""
+        if self._files is _UNSET:
+            from torchgrain.sources.node_index.derived import layout_fingerprint
+
+            ds = self.dataset
+            self._files = (
+                (None, None)
+                if ds is None
+                else (
+                    layout_fingerprint(ds),
+                    layout_fingerprint(ds, checksums=True),
+                )
+            )
+        return self._files  # type: ignore[return-value]
+
     def _checked_state(self, state: Any) -> dict[str, Any]:
         """``state`` checked field by field (``ValueError`` for anything
         :meth:`state_dict` would not have saved), as :meth:`_apply_state` takes it;
@@ -656,6 +681,19 @@ class ResumableSampler(DistributedSampler):
                 f"state was saved for a dataset of {state['dataset_len']} records; "
                 f"this sampler's dataset has {self._n}"
             )
+        # (states of earlier releases have neither; a side that has no checksum of
+        # every shard, its manifest not read, compares the files only)
+        for key, now in zip(("dataset_files", "dataset_checksums"), self._fingerprints()):
+            saved = state.get(key)
+            if saved is not None and not isinstance(saved, str):
+                raise ValueError(f"sampler state field {key!r} must be a str, got {saved!r}")
+            if saved is not None and now is not None and now != saved:
+                raise ValueError(
+                    "state was saved for other data: this dataset's files (their names, "
+                    "record counts or checksums) are not those it was saved with, so its "
+                    "indices name other records; resume with the data it was saved with "
+                    f"(or delete the state's {key!r} to resume anyway)"
+                )
         layout = _checked_layout(state.get("layout"), self._n)
         pos = operator.index(state["position"])
         old_count = self._saved_shares(state, layout_length(layout)).count(0)

@@ -55,7 +55,13 @@ from torchgrain.sources.node_index.store import (
 )
 from torchgrain.sources.options import check_dir_option
 
-__all__ = ["DerivedIndex", "callable_fingerprint", "dataset_fingerprint", "derived_index"]
+__all__ = [
+    "DerivedIndex",
+    "callable_fingerprint",
+    "dataset_fingerprint",
+    "derived_index",
+    "layout_fingerprint",
+]
 
 
 class _Default:
@@ -399,6 +405,57 @@ def _remote_version(src: ShardedSource, shard: int, path: str) -> tuple[Any, ...
     fs = src.filesystem
     with using(src.options.retry_policy):
         return ("asked", remote.size_and_version(fs, fs._strip_protocol(path), url=path))
+
+
+def layout_fingerprint(ds: Any, *, checksums: bool = False) -> str | None:
+    """A hex digest of which records a dataset's indices name, the same on every machine
+    that reads a copy of it (what a sampler's saved state is checked against when it is
+    loaded: a dataset re-converted or with a shard swapped since, of the same length,
+    would otherwise resume at other records). None where nothing under ``ds`` is a
+    sharded source.
+
+    Per shard of each sharded source under ``ds`` (through a
+    :class:`~torchgrain.Dataset` and composed datasets' ``children``): its file's name
+    and record count, with the composition's types and lengths; with ``checksums``, also
+    the checksum its manifest records (None where a shard has none: the same files
+    opened without their manifest, by a list of files, have none). Nothing a copy
+    changes (paths, times, inodes), and nothing one process may know and another not.
+
+    Example:
+        >>> import tempfile, torchgrain as tg
+        >>> d = tempfile.mkdtemp()
+        >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d)
+        >>> a = layout_fingerprint(tg.ArrayRecordSource(d), checksums=True)
+        >>> a == layout_fingerprint(tg.Dataset(tg.ArrayRecordSource(d)), checksums=True)
+        True
+        >>> _ = tg.write_array_record([{"x": -i} for i in range(4)], d, overwrite=True)
+        >>> a == layout_fingerprint(tg.ArrayRecordSource(d), checksums=True)
+        False
+        >>> layout_fingerprint(tg.ArrayRecordSource(d)) is not None, layout_fingerprint([1])
+        (True, None)
+    """
+    from torchgrain.compose.view import Composed
+    from torchgrain.dataset import Dataset
+
+    if isinstance(ds, Dataset):
+        return layout_fingerprint(ds.source, checksums=checksums)
+    if isinstance(ds, ShardedSource):
+        shards = []
+        for k, path in enumerate(ds.paths):
+            shard = (os.path.basename(path.rstrip("/")), int(ds.shard_counts[k]))
+            if checksums:
+                checksum = ds.shard_integrity(k)[1]
+                if checksum is None:
+                    return None
+                shard += (checksum,)
+            shards.append(shard)
+        return hash_parts("shards", type(ds).__qualname__, shards)
+    if isinstance(ds, Composed):
+        children = [layout_fingerprint(c, checksums=checksums) for c in ds.children]
+        if any(c is None for c in children) if checksums else all(c is None for c in children):
+            return None
+        return hash_parts("composed", type(ds).__qualname__, len(ds), children)
+    return None
 
 
 def dataset_fingerprint(ds: Any) -> str:
