@@ -737,17 +737,14 @@ class ShardCache(NodeStore):
         super()._sweep_old()
         # A record's temp file of an earlier release: .<name>.tmp-<pid>-<random> (or
         # <name>.tmp-...), deleted where the copy's lock is free (its writer is gone).
-        old: list[tuple[str, str]] = []
+        old: list[tuple[str, str, int]] = []
         with contextlib.suppress(OSError), os.scandir(os.path.join(self.directory, SUM_DIR)) as it:
             old = [
-                (e.path, e.name.removeprefix(".").split(".tmp-")[0])
+                (e.path, e.name.removeprefix(".").split(".tmp-")[0], 0)
                 for e in it
                 if ".tmp-" in e.name
             ]
-        for path, name in old:
-            with self._lock(name, wait=0) as free:
-                if free:
-                    unlink_quietly(path)
+        self._sweep(old)
 
     def _sum_path(self, path: str) -> str:
         return os.path.join(self.directory, SUM_DIR, os.path.basename(path))
