@@ -130,7 +130,7 @@ class Concat(View):
             parts.append(blocks[1:] + self._index.offsets[k])
         return np.unique(np.concatenate(parts))
 
-    def _identity(self) -> Any:
+    def identity(self) -> Any:
         return (self.source_field, self._labels)
 
     def __repr__(self) -> str:

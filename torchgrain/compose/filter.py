@@ -374,6 +374,10 @@ class FilterView(View):
         out[-1] = len(self)
         return np.unique(np.r_[0, out])
 
+    def identity(self) -> Any:
+        """The selection's :attr:`~torchgrain.sources.node_index.derived.DerivedIndex.digest`."""
+        return ("selection", self.index.digest)
+
     def fingerprint(self) -> str:
         """The parent's identity and the selection's key."""
         return hash_parts(dataset_fingerprint(self.children[0]), self.index.meta.get("key"))

@@ -432,7 +432,7 @@ class Mix(View):
         source, record = self._resolve(indices)
         return np.zeros(len(indices), dtype=np.int64), self.sources.offsets[source] + record
 
-    def _identity(self) -> Any:
+    def identity(self) -> Any:
         return (self.seed, self.counts.tolist(), [str(w) for w in self.weights])
 
     def __repr__(self) -> str:

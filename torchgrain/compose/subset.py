@@ -78,7 +78,7 @@ class _ArrayRows:
 
     def identity(self) -> Any:
         if self.index is not None:
-            return self.index.meta.get("key")
+            return ("rows", self.index.digest)
         return hash_parts(self.rows.dtype.str, np.ascontiguousarray(self.rows).tobytes())
 
 
@@ -121,7 +121,7 @@ class Subset(View):
     def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(len(indices), np.int64), self.rows.take(indices)
 
-    def _identity(self) -> Any:
+    def identity(self) -> Any:
         return self.rows.identity()
 
     def __repr__(self) -> str:

@@ -374,6 +374,14 @@ class Composed(Source):
             elif isinstance(child, Composed) and mine.any():
                 child._place(target, local[mine], rows[mine], found)
 
+    def identity(self) -> Any:
+        """What else than its children decides which of their records its indices read
+        (its options: a mixture's seed and weights, a filter's selection), as a value
+        with a stable ``repr``, the same on every machine that reads a copy of the data:
+        a sampler's saved state is checked against it. A subclass with options
+        overrides it."""
+        return ()
+
     def offers(self, capability: type) -> bool:
         """``read_ahead`` when something under it reads ahead; the others always
         (:class:`~torchgrain.protocols.DeclaresCapabilities`)."""
@@ -499,7 +507,7 @@ class View(Composed):
         return all(isinstance(c, Dataset) or c.reports_stats for c in self.children)
 
     def fingerprint(self) -> str:
-        """A digest of the data the view reads: its type, :meth:`_identity` and its
+        """A digest of the data the view reads: its type, :meth:`identity` and its
         children's :func:`~torchgrain.sources.node_index.derived.dataset_fingerprint`
         (what keys an index derived from the view, a filter's selection say)."""
         from torchgrain.sources.node_index.derived import dataset_fingerprint
@@ -507,13 +515,8 @@ class View(Composed):
         h = hashlib.blake2b(digest_size=16)
         for part in (type(self).__qualname__, *map(dataset_fingerprint, self.children)):
             h.update(part.encode() + b"\0")
-        h.update(repr(self._identity()).encode())
+        h.update(repr(self.identity()).encode())
         return h.hexdigest()
-
-    def _identity(self) -> Any:
-        """What else than its children the view's records depend on (its options), as
-        a value with a stable ``repr``; a subclass with options overrides it."""
-        return ()
 
     def describe_child(self, k: int) -> str:
         """How errors name child ``k``: its name and what it is."""

@@ -74,6 +74,10 @@ def identity_order(q: np.ndarray) -> np.ndarray:
 
 _UNSET = object()
 
+#: The digests of its dataset a state holds, compared when it is loaded (see
+#: :meth:`ResumableSampler._fingerprints`).
+_DIGESTS = ("dataset_files", "dataset_checksums", "dataset_compositions")
+
 
 class ResumableSampler(DistributedSampler):
     """The base of every torchgrain sampler: world, split, padding, iteration, state
@@ -594,7 +598,7 @@ class ResumableSampler(DistributedSampler):
         }
         if world[0] == 1 and self._pad_to() > 1:
             state["pad_to"] = self._pad_to()
-        for key, value in zip(("dataset_files", "dataset_checksums"), self._fingerprints()):
+        for key, value in zip(_DIGESTS, self._fingerprints()):
             if value is not None:
                 state[key] = value
         state.update(self.order_state())
@@ -631,20 +635,26 @@ class ResumableSampler(DistributedSampler):
             return
         self._apply_state(checked)
 
-    def _fingerprints(self) -> tuple[str | None, str | None]:
-        """The dataset's :func:`~torchgrain.sources.node_index.derived.layout_fingerprint`,
-        of its files and of their checksums (taken once: a state is saved at every batch
-        under some loaders)."""
+    def _fingerprints(self) -> tuple[str | None, ...]:
+        """The dataset's digests (:data:`_DIGESTS`): its files'
+        (:func:`~torchgrain.sources.node_index.derived.layout_fingerprint`), their
+        checksums' and its compositions'
+        (:func:`~torchgrain.sources.node_index.derived.composition_fingerprint`). Taken
+        once: a state is saved at every batch under some loaders."""
         if self._files is _UNSET:
-            from torchgrain.sources.node_index.derived import layout_fingerprint
+            from torchgrain.sources.node_index.derived import (
+                composition_fingerprint,
+                layout_fingerprint,
+            )
 
             ds = self.dataset
             self._files = (
-                (None, None)
+                (None, None, None)
                 if ds is None
                 else (
                     layout_fingerprint(ds),
                     layout_fingerprint(ds, checksums=True),
+                    composition_fingerprint(ds),
                 )
             )
         return self._files  # type: ignore[return-value]
@@ -681,18 +691,19 @@ class ResumableSampler(DistributedSampler):
                 f"state was saved for a dataset of {state['dataset_len']} records; "
                 f"this sampler's dataset has {self._n}"
             )
-        # (states of earlier releases have neither; a side that has no checksum of
+        # (states of earlier releases lack some or all; a side that has no checksum of
         # every shard, its manifest not read, compares the files only)
-        for key, now in zip(("dataset_files", "dataset_checksums"), self._fingerprints()):
+        for key, now in zip(_DIGESTS, self._fingerprints()):
             saved = state.get(key)
             if saved is not None and not isinstance(saved, str):
                 raise ValueError(f"sampler state field {key!r} must be a str, got {saved!r}")
             if saved is not None and now is not None and now != saved:
                 raise ValueError(
                     "state was saved for other data: this dataset's files (their names, "
-                    "record counts or checksums) are not those it was saved with, so its "
-                    "indices name other records; resume with the data it was saved with "
-                    f"(or delete the state's {key!r} to resume anyway)"
+                    "record counts or checksums) or its compositions (a mixture's weights "
+                    "or seed, a split, a filter's selection) are not those it was saved "
+                    "with, so its indices name other records; resume with the data it was "
+                    f"saved with (or delete the state's {key!r} to resume anyway)"
                 )
         layout = _checked_layout(state.get("layout"), self._n)
         pos = operator.index(state["position"])

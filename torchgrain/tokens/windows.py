@@ -711,6 +711,12 @@ class TokenWindows(Composed):
         keep = np.sort(np.unique(docs, return_index=True)[1])
         return rows[keep], np.zeros(len(keep), np.int64), docs[keep]
 
+    def identity(self) -> Any:
+        """The digests of the document index and the bins, the mode, the window length,
+        ``pad_id``, ``bos`` and ``eos``."""
+        bins = self._bins.digest if self._bins is not None else None
+        return (self._index.digest, bins, self.mode, self.seq_len, self.pad_id, self.bos, self.eos)
+
     def fingerprint(self) -> str:
         """What the windows hold: the index's key, the mode and the window length."""
         bins = self._bins.meta["key"] if self._bins is not None else None

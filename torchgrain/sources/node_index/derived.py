@@ -58,6 +58,7 @@ from torchgrain.sources.options import check_dir_option
 __all__ = [
     "DerivedIndex",
     "callable_fingerprint",
+    "composition_fingerprint",
     "dataset_fingerprint",
     "derived_index",
     "layout_fingerprint",
@@ -96,13 +97,47 @@ class DerivedIndex(NodeIndex):
 
     @property
     def meta(self) -> dict[str, Any]:
-        """The metadata ``fill`` returned, plus ``key``."""
+        """The metadata ``fill`` returned, plus ``key`` and ``digest``."""
         return self._a.meta
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A hex digest of the arrays' contents (names, dtypes, shapes, values), the same
+        on every machine that derives them from a copy of the data (the key is not: it
+        names the files' local versions). Taken as the index is built; an index of an
+        earlier release, without it, is read whole once."""
+        saved = self.meta.get("digest")
+        if isinstance(saved, str):
+            return saved
+        sink = _Digests({name: arr.dtype for name, arr in self.arrays.items()})
+        for name, arr in self.arrays.items():
+            for a in range(0, len(arr), 1 << 20):
+                sink.append(name, arr[a : a + (1 << 20)])
+        return sink.hexdigest()
 
     def __repr__(self) -> str:
         where = self.path or "(in memory)"
         shapes = {k: v.shape for k, v in self.arrays.items()}
         return f"DerivedIndex({self.kind!r}, {where!r}, {shapes})"
+
+
+class _Digests:
+    """A sink that digests each column's rows as the index stores them and passes them
+    on (to ``sink``, when one is given)."""
+
+    def __init__(self, dtypes: dict[str, np.dtype], sink: Any = None) -> None:
+        self.sink, self.dtypes = sink, dtypes
+        self.hashes = {name: hashlib.blake2b(digest_size=16) for name in dtypes}
+
+    def append(self, name: str, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, dtype=self.dtypes[name])
+        self.hashes[name].update(rows.tobytes())
+        if self.sink is not None:
+            self.sink.append(name, rows)
+
+    def hexdigest(self) -> str:
+        parts = [(n, self.dtypes[n].str, h.hexdigest()) for n, h in sorted(self.hashes.items())]
+        return hash_parts("arrays", parts)
 
 
 class _Maker:
@@ -152,7 +187,9 @@ def derived_index(
     maker = _Maker(kind)
 
     def fill_keyed(sink: Any) -> dict[str, Any]:
-        return {**dict(fill(sink)), "key": key, "version": 1}
+        digests = _Digests({name: np.dtype(c[0]) for name, c in columns.items()}, sink)
+        meta = dict(fill(digests))
+        return {**meta, "key": key, "version": 1, "digest": digests.hexdigest()}
 
     def build(path: str | None) -> DerivedIndex:
         return build_index(maker, path, columns, fill_keyed)
@@ -456,6 +493,40 @@ def layout_fingerprint(ds: Any, *, checksums: bool = False) -> str | None:
             return None
         return hash_parts("composed", type(ds).__qualname__, len(ds), children)
     return None
+
+
+def composition_fingerprint(ds: Any) -> str | None:
+    """A hex digest of the compositions under ``ds``: each one's type, length and
+    :meth:`~torchgrain.compose.view.Composed.identity` (a mixture's seed and weights, a
+    split's seed and fractions, a filter's selection), in the order of a walk through
+    ``children``; None where nothing is composed. With :func:`layout_fingerprint`, what
+    a sampler's saved state is checked against: a mixture of the same files with other
+    weights has the same length and files, and its indices name other records.
+
+    Example:
+        >>> import torchgrain as tg
+        >>> a, b = tg.Dataset(list(range(5))), tg.Dataset(list(range(9)))
+        >>> mixed = tg.mix([a, b], [0.5, 0.5], seed=0)
+        >>> composition_fingerprint(mixed) == composition_fingerprint(tg.mix([a, b], [0.5, 0.5], seed=0))
+        True
+        >>> composition_fingerprint(mixed) == composition_fingerprint(tg.mix([a, b], [0.5, 0.5], seed=1))
+        False
+        >>> composition_fingerprint(a) is None
+        True
+    """
+    from torchgrain.compose.view import Composed
+    from torchgrain.dataset import Dataset
+
+    parts: list[Any] = []
+    todo = [ds]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, Dataset):
+            todo.append(d.source)
+        elif isinstance(d, Composed):
+            parts.append((type(d).__qualname__, len(d), repr(d.identity())))
+            todo.extend(reversed(d.children))
+    return hash_parts("compositions", parts) if parts else None
 
 
 def dataset_fingerprint(ds: Any) -> str:
