@@ -122,3 +122,54 @@ def test_a_derived_index_digest_is_its_arrays_whether_built_mapped_or_in_memory(
     del memory.__dict__["digest"]
     assert memory.digest == mapped.digest
     assert composition_fingerprint(tg.Dataset(list(range(3)))) is None
+
+
+def test_where_each_dataset_sits_in_a_composition_is_in_the_digest():
+    # Two filters of lists in memory (no files to tell them apart) in swapped places.
+    a = tg.Dataset([{"x": i} for i in range(20)])
+    c = tg.Dataset([{"x": 1000 + i} for i in range(5)])
+    kept = a.filter(lambda r: r["x"] < 5, index_dir=None)
+    _refused(tg.concat([kept, c]), tg.concat([c, kept]))
+
+
+def test_mixture_weights_that_give_the_same_counts_resume():
+    a = tg.Dataset([{"x": i} for i in range(70)])
+    b = tg.Dataset([{"x": -i} for i in range(30)])
+    one = tg.mix([a, b], [0.7, 0.3], length=100, seed=0)
+    other = tg.mix([a, b], [0.701, 0.299], length=100, seed=0)
+    assert one.source.counts.tolist() == other.source.counts.tolist()
+    state = tg.GlobalShuffleSampler(one, seed=3).state_dict()
+    tg.GlobalShuffleSampler(other, seed=3).load_state_dict(state)
+
+
+def test_windows_of_another_column_of_the_same_lengths_are_refused():
+    docs = tg.Dataset([{"t": np.arange(n), "u": np.arange(n) + 9} for n in (5, 3, 8, 2)])
+    _refused(docs.windows("t", 4, index_dir=None), docs.windows("u", 4, index_dir=None))
+
+
+def test_a_view_overriding_the_old_identity_hook_is_warned_and_honoured(tmp_path):
+    from torchgrain.compose.view import View
+
+    with pytest.warns(DeprecationWarning, match="_identity"):
+
+        class Shifted(View):  # item i is item (i + k) % n of its one child
+            def __init__(self, child, k):
+                super().__init__([child])
+                self.k = k
+
+            def __len__(self):
+                return len(self.children[0])
+
+            def _locate(self, idx):
+                return np.zeros(len(idx), np.int64), (idx + self.k) % len(self)
+
+            def _identity(self):
+                return self.k
+
+    a, _ = _data(tmp_path)
+    first, second = tg.Dataset(Shifted(a, 0)), tg.Dataset(Shifted(a, 5))
+    kept = [first.filter(lambda r: r["x"] < 10, index_dir=tmp_path / "ix") for _ in range(2)]
+    again = second.filter(lambda r: r["x"] < 10, index_dir=tmp_path / "ix")
+    assert [r["x"] for r in again] == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    assert [r["x"] for r in kept[1]] == list(range(10))
+    _refused(first, second)

@@ -433,7 +433,9 @@ class Mix(View):
         return np.zeros(len(indices), dtype=np.int64), self.sources.offsets[source] + record
 
     def identity(self) -> Any:
-        return (self.seed, self.counts.tolist(), [str(w) for w in self.weights])
+        # (the weights decide nothing beyond the counts: weights that round to the same
+        # counts mix the same records in the same order)
+        return (self.seed, self.counts.tolist())
 
     def __repr__(self) -> str:
         inner = ", ".join(repr(c) for c in self.sources.children)

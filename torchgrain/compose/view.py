@@ -32,6 +32,7 @@ import copy
 import hashlib
 import itertools
 import reprlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -428,6 +429,19 @@ class View(Composed):
             checked here, at once); False: keys and schema are not compared, and the view
             describes its records only where all children say the same.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        legacy = cls.__dict__.get("_identity")
+        if legacy is not None and "identity" not in cls.__dict__:
+            # (the hook's earlier name: still honoured, for the derived-index keys too)
+            warnings.warn(
+                f"{cls.__qualname__} overrides View._identity, whose name is now identity: "
+                "rename it (the old name stops being read in a later release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls.identity = legacy  # type: ignore[method-assign]
 
     def __init__(
         self,

@@ -700,7 +700,7 @@ class ResumableSampler(DistributedSampler):
             if saved is not None and now is not None and now != saved:
                 raise ValueError(
                     "state was saved for other data: this dataset's files (their names, "
-                    "record counts or checksums) or its compositions (a mixture's weights "
+                    "record counts or checksums) or its compositions (a mixture's counts "
                     "or seed, a split, a filter's selection) are not those it was saved "
                     "with, so its indices name other records; resume with the data it was "
                     f"saved with (or delete the state's {key!r} to resume anyway)"

@@ -712,10 +712,19 @@ class TokenWindows(Composed):
         return rows[keep], np.zeros(len(keep), np.int64), docs[keep]
 
     def identity(self) -> Any:
-        """The digests of the document index and the bins, the mode, the window length,
-        ``pad_id``, ``bos`` and ``eos``."""
-        bins = self._bins.digest if self._bins is not None else None
-        return (self._index.digest, bins, self.mode, self.seq_len, self.pad_id, self.bos, self.eos)
+        """The documents' column, the digests of the document index and the bins, the
+        mode, the window length, ``bos``, ``eos`` and (pack mode) ``pad_id``."""
+        if self._bins is None:
+            return (self._docs.column, self._index.digest, self.seq_len, self.bos, self.eos)
+        return (
+            self._docs.column,
+            self._index.digest,
+            self._bins.digest,
+            self.seq_len,
+            self.bos,
+            self.eos,
+            self.pad_id,
+        )
 
     def fingerprint(self) -> str:
         """What the windows hold: the index's key, the mode and the window length."""

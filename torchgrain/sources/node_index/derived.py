@@ -498,8 +498,8 @@ def layout_fingerprint(ds: Any, *, checksums: bool = False) -> str | None:
 def composition_fingerprint(ds: Any) -> str | None:
     """A hex digest of the compositions under ``ds``: each one's type, length and
     :meth:`~torchgrain.compose.view.Composed.identity` (a mixture's seed and weights, a
-    split's seed and fractions, a filter's selection), in the order of a walk through
-    ``children``; None where nothing is composed. With :func:`layout_fingerprint`, what
+    split's seed and counts, a filter's selection) and where each child sits (the
+    length of each that is not composed); None where nothing is composed. With :func:`layout_fingerprint`, what
     a sampler's saved state is checked against: a mixture of the same files with other
     weights has the same length and files, and its indices name other records.
 
@@ -517,16 +517,19 @@ def composition_fingerprint(ds: Any) -> str | None:
     from torchgrain.compose.view import Composed
     from torchgrain.dataset import Dataset
 
-    parts: list[Any] = []
-    todo = [ds]
-    while todo:
-        d = todo.pop()
+    composed = False
+
+    def tree(d: Any) -> Any:  # (where each composition and each other dataset sits)
+        nonlocal composed
         if isinstance(d, Dataset):
-            todo.append(d.source)
-        elif isinstance(d, Composed):
-            parts.append((type(d).__qualname__, len(d), repr(d.identity())))
-            todo.extend(reversed(d.children))
-    return hash_parts("compositions", parts) if parts else None
+            return tree(d.source)
+        if not isinstance(d, Composed):
+            return ("data", len(d))
+        composed = True
+        return (type(d).__qualname__, len(d), repr(d.identity()), [tree(c) for c in d.children])
+
+    parts = tree(ds)
+    return hash_parts("compositions", parts) if composed else None
 
 
 def dataset_fingerprint(ds: Any) -> str:
