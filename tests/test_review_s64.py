@@ -173,3 +173,69 @@ def test_a_view_overriding_the_old_identity_hook_is_warned_and_honoured(tmp_path
     assert [r["x"] for r in again] == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
     assert [r["x"] for r in kept[1]] == list(range(10))
     _refused(first, second)
+
+
+# ---------------------------------------------------------------- token windows
+@pytest.mark.parametrize("mode", ["concat", "pack"])
+@pytest.mark.parametrize("where", ["arrayrecord", "memory"])
+def test_a_document_without_the_token_column_is_an_error_not_an_empty_document(
+    tmp_path, mode, where
+):
+    # Read as columns, the record lacking the column was None among the others' values,
+    # which counts as an empty document: its windows came out without it, no error.
+    recs = [{"tokens": np.array([1, 2, 3])}, {"text": "no tokens"}, {"tokens": np.array([4, 5, 6])}]
+    if where == "arrayrecord":
+        tg.write_array_record(recs, tmp_path / "d")
+        ds = tg.Dataset(tg.ArrayRecordSource(tmp_path / "d", index_dir=None))
+    else:
+        ds = tg.Dataset(recs)
+    with pytest.raises(tg.CorruptDataError, match=r"record 1 .*no column 'tokens'"):
+        ds.windows("tokens", 3, mode=mode, eos=9, index_dir=None, progress=False)
+
+
+def test_tf_example_token_counts_of_one_element_lists_are_read(tmp_path):
+    from torchgrain.formats.tf_example import encode_tf_example
+    from torchgrain.formats.tfrecord import write_tfrecord
+
+    docs = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    path = str(tmp_path / "a.tfrecord")
+    write_tfrecord(
+        [encode_tf_example({"tokens": np.array(t, np.int64), "num_tokens": len(t)}) for t in docs],
+        path,
+    )
+    ds = tg.Dataset(tg.TFRecordSource(path, index_dir=None))
+    counted = ds.windows("tokens", 3, eos=1, index_dir=None, progress=False)
+    measured = ds.windows("tokens", 3, eos=1, index_dir=None, progress=False, lengths=None)
+    assert len(counted) == len(measured) == 3  # 12 tokens with the eos
+    for a, b in zip(counted, measured):
+        assert a["input_ids"].tolist() == b["input_ids"].tolist()
+    # A count that lies is still refused when its document is read.
+    write_tfrecord(
+        [encode_tf_example({"tokens": np.array(t, np.int64), "num_tokens": 2}) for t in docs],
+        path,
+    )
+    lying = tg.Dataset(tg.TFRecordSource(path, index_dir=None)).windows(
+        "tokens", 3, eos=1, index_dir=None, progress=False
+    )
+    with pytest.raises(tg.CorruptDataError, match="tokens"):
+        lying.__getitems__(list(range(len(lying))))
+
+
+@pytest.mark.parametrize("mode", ["concat", "pack"])
+def test_collate_windows_takes_a_columns_batch(mode):
+    import torch
+
+    from torchgrain.tokens.windows import collate_windows
+
+    docs = [{"t": np.arange(n) + 1} for n in (3, 2, 4, 1)]
+    as_records = tg.Dataset(docs).windows("t", 3, mode=mode, eos=0, index_dir=None)
+    as_columns = tg.Dataset(docs, batch_format="columns").windows(
+        "t", 3, mode=mode, eos=0, index_dir=None
+    )
+    want = collate_windows([as_records[0], as_records[1]])
+    got = next(
+        iter(torch.utils.data.DataLoader(as_columns, batch_size=2, collate_fn=collate_windows))
+    )
+    assert got.keys() == want.keys()
+    for k in want:
+        assert (got[k] == want[k]).all() if isinstance(want[k], torch.Tensor) else got[k] == want[k]

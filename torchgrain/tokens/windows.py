@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from torchgrain.columns import Ragged
+from torchgrain.columns import ColumnBatch, Ragged
 from torchgrain.compose.filter import as_is, changes_with_epoch, identified
 from torchgrain.compose.view import Composed, as_records
 from torchgrain.dataset import Dataset
@@ -108,6 +108,11 @@ class _Documents:
                 self._check_range(col, docs)
                 return list(col)
             values = list(col)
+            nulls = [k for k, v in enumerate(values) if v is None]
+            if nulls:  # (a record without the column reads as None in a column batch)
+                records = self.ds.__getitems__(docs[nulls].tolist())
+                for k, record in zip(nulls, records):
+                    values[k] = self._field(record, int(docs[k]))
         else:
             values = [self._field(r, d) for r, d in zip(self.ds.__getitems__(docs.tolist()), docs)]
         if self.tokenizer is not None:
@@ -197,8 +202,10 @@ class _LengthChunks(torch.utils.data.Dataset):
         else:
             values = [r[name] for r in docs.ds.__getitems__(ids.tolist())]
         for j, (v, d) in enumerate(zip(values, ids.tolist())):
-            if isinstance(v, np.ndarray) and v.ndim == 0:  # a scalar as msgpack records hold it
-                values[j] = v = v[()]
+            # A scalar as msgpack records hold it, or as a tf.train.Example does (a list
+            # of one): checked against the tokens at every read.
+            if isinstance(v, np.ndarray) and v.shape in ((), (1,)):
+                values[j] = v = v.reshape(())[()]
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < 2**63:
                 raise CorruptDataError(
                     f"record {d} of {docs.name}: its token count {name!r} is {v!r}, not an int "
@@ -600,7 +607,9 @@ class TokenWindows(Composed):
                 f"({self._index.path or 'in memory'}) says {int(expect[k])}: the data "
                 "changed since the index was built, or a transform before the windows (a "
                 "random_map, say) changes token counts from epoch to epoch, which cannot "
-                "be under windows: apply it to the windows instead"
+                "be under windows: apply it to the windows instead; or such a transform's "
+                "code changed in what it calls (a helper, a global), which the index's key "
+                "does not see: delete the index file, or pass another index_dir"
             )
         return read
 
@@ -762,13 +771,15 @@ _INT64_MAX = np.uint64(np.iinfo(np.int64).max)
 _CU_LIMIT = 2**31  # cu_seqlens are int32, as variable-length attention kernels take them
 
 
-def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def collate_windows(batch: Sequence[dict[str, Any]] | Sequence[ColumnBatch]) -> dict[str, Any]:
     """A DataLoader ``collate_fn`` for windows: ``input_ids``, ``labels``,
     ``position_ids`` and ``document_ids`` stacked into ``[B, seq_len]`` int64 tensors,
     and the batch as variable-length attention kernels take it flattened to ``B *
     seq_len`` tokens: ``cu_seqlens`` (int32, every window's boundaries shifted to its
     place, from 0 to ``B * seq_len``) and ``max_seqlen`` (an int). Other fields (a
-    ``map``'s loss mask) go through torch's default collate. Picklable.
+    ``map``'s loss mask) go through torch's default collate. Takes window records, or
+    the ``[ColumnBatch]`` a DataLoader passes for a ``batch_format="columns"`` dataset.
+    Picklable.
 
     Example:
         >>> import numpy as np
@@ -777,6 +788,8 @@ def collate_windows(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
         >>> b["input_ids"].shape, b["cu_seqlens"].tolist(), b["max_seqlen"]
         (torch.Size([2, 4]), [0, 4, 5, 8], 4)
     """
+    if len(batch) == 1 and isinstance(batch[0], ColumnBatch):  # (a columns dataset's)
+        batch = batch[0].records()
     if not batch:
         raise ValueError("collate_windows needs at least one window")
     L = len(batch[0]["input_ids"])
