@@ -239,3 +239,107 @@ def test_collate_windows_takes_a_columns_batch(mode):
     assert got.keys() == want.keys()
     for k in want:
         assert (got[k] == want[k]).all() if isinstance(want[k], torch.Tensor) else got[k] == want[k]
+
+
+# ------------------------------------------------- filters of a source whose files changed
+def _rewrite(kind, d, offset):
+    recs = [{"x": offset + i} for i in range(100)]
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"x": [r["x"] for r in recs]}), d / "a.parquet", row_group_size=50)
+    elif kind == "arrayrecord":
+        tg.write_array_record(recs, d, group_size=10, overwrite=True)
+    else:
+        from torchgrain.formats.tf_example import encode_tf_example
+        from torchgrain.formats.tfrecord import write_tfrecord
+
+        write_tfrecord([encode_tf_example(r) for r in recs], str(d / "a.tfrecord"))
+
+
+def _open(kind, d, ix):
+    if kind == "parquet":
+        return tg.ParquetSource(d)
+    if kind == "arrayrecord":
+        return tg.ArrayRecordSource(d, index_dir=ix)
+    return tg.TFRecordSource(d, index_dir=ix)
+
+
+def _x(record) -> int:
+    return int(np.asarray(record["x"]).reshape(-1)[0])
+
+
+def _below_10(record) -> bool:
+    return _x(record) < 10
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrayrecord", "tfrecord"])
+def test_a_filter_of_a_source_whose_files_changed_since_it_opened_is_refused(tmp_path, kind):
+    # The source still reads the version it opened (row groups in its cache, a map of
+    # the old file): a selection computed from those reads was keyed by the files'
+    # version now, and a fresh process opening the new files was handed it: rows that
+    # do not match the predicate, with no error.
+    d, ix = tmp_path / "d", tmp_path / "ix"
+    d.mkdir()
+    _rewrite(kind, d, 0)
+    stale = _open(kind, d, ix)
+    stale.__getitems__(list(range(100)))
+    _rewrite(kind, d, 1000)
+    with pytest.raises(tg.CorruptDataError, match="changed since"):
+        tg.Dataset(stale).filter(_below_10, index_dir=ix, num_workers=0)
+    if kind == "parquet":
+        import pyarrow.compute as pc
+
+        with pytest.raises(tg.CorruptDataError, match="changed since"):
+            tg.Dataset(stale).filter(pc.field("x") < 10, index_dir=ix)
+        from torchgrain.sources.column import read_column
+
+        with pytest.raises(tg.CorruptDataError, match="changed since"):
+            read_column(stale, "x")  # (the files opened again for one column)
+    fresh = tg.Dataset(_open(kind, d, ix)).filter(
+        lambda r: _x(r) < 1010, index_dir=ix, num_workers=0
+    )
+    assert [_x(r) for r in fresh] == list(range(1000, 1010))
+
+
+def test_files_whose_nested_fields_differ_only_in_nullability_are_read_as_one(tmp_path):
+    # Spark writes list items non-nullable (containsNull=false); another writer does not.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    required = pa.list_(pa.field("element", pa.float32(), nullable=False))
+    struct = pa.struct([pa.field("a", pa.int64(), nullable=False)])
+    pq.write_table(
+        pa.table({"c": pa.array([[1.0]], required), "s": pa.array([{"a": 1}], struct)}),
+        tmp_path / "a.parquet",
+    )
+    pq.write_table(
+        pa.table({"c": pa.array([[2.0], None], pa.list_(pa.float32())), "s": [{"a": 2}, None]}),
+        tmp_path / "b.parquet",
+    )
+    src = tg.ParquetSource(tmp_path)
+    got = src.__getitems__([0, 1, 2])
+    assert [None if r["c"] is None else r["c"].tolist() for r in got] == [[1.0], [2.0], None]
+    assert [r["s"] for r in got] == [{"a": 1}, {"a": 2}, None]
+    assert src.read_columns([2, 0])["s"] == [None, {"a": 1}]
+
+
+def test_a_nested_date_python_cannot_hold_is_an_error_naming_its_record(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    events = pa.list_(pa.struct([("t", pa.timestamp("us"))]))
+    year_11476 = 300_000_000_000_000_000
+    pq.write_table(
+        pa.table({"ev": pa.array([[{"t": 1}], [], [{"t": year_11476}]], events), "n": [0, 1, 2]}),
+        tmp_path / "a.parquet",
+    )
+    src = tg.ParquetSource(tmp_path)
+    for read in (lambda: src[2], lambda: src.read_columns([0, 2]), lambda: list(src.iter_shard(0))):
+        with pytest.raises(
+            tg.RecordDecodeError, match=r"record index 2 \(row group 0 of .*a\.parquet"
+        ):
+            read()
+    assert src.__getitems__([1, 0])[0] == {"ev": [], "n": 1}
+    assert tg.ParquetSource(tmp_path, columns=["n"])[2] == {"n": 2}

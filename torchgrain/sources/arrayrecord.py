@@ -405,7 +405,7 @@ class ArrayRecordSource(ShardedSource):
         if self._dindex is not None:
             self._dindex.check_unchanged(polled=True)
 
-    def _check_opened(self, shard: int) -> None:
+    def check_unchanged(self, shard: int) -> None:
         """Raise if local ``shard`` is not the file the dataset's opening saw (its change
         time differs: :func:`~torchgrain.io.changes.changed_since_opening`). Called once
         a process's reader has pinned the file (a change from then on is the pin's to
@@ -440,7 +440,7 @@ class ArrayRecordSource(ShardedSource):
                 raise self._shard_changed(shard, str(e)) from None
             except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
                 raise _missing(shard, path, e) from e
-            self._check_opened(shard)  # (pinned: a change from now on is the pin's)
+            self.check_unchanged(shard)  # (pinned: a change from now on is the pin's)
         except BaseException:
             f.close()
             raise

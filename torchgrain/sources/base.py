@@ -577,6 +577,27 @@ class ShardedSource(Source):
         """
         return self._held_version(shard)
 
+    def check_unchanged(self, shard: int) -> None:
+        """Raise :class:`~torchgrain.CorruptDataError`, naming the shard and its file,
+        where local ``shard``'s file is no longer the version this source opened, as far
+        as the source keeps what it opened (a remote shard's version is pinned and
+        checked by its reads). What a selection computed from the source's reads (which
+        may still be of that version: mapped, cached) is checked with before it is keyed
+        by the file's version now.
+
+        Example:
+            >>> import tempfile, torchgrain as tg
+            >>> d = tempfile.mkdtemp()
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d)
+            >>> src = tg.ArrayRecordSource(d)
+            >>> src.check_unchanged(0)
+            >>> _ = tg.write_array_record([{"x": i} for i in range(4)], d, overwrite=True)
+            >>> src.check_unchanged(0)
+            Traceback (most recent call last):
+            ...
+            torchgrain.errors.ChangedWhileOpen: ...
+        """
+
     def shard_integrity(self, shard: int) -> tuple[int | None, str | None]:
         """``(size in bytes, checksum)`` of a shard, where the dataset records them (a
         torchgrain manifest does); ``(None, None)`` otherwise."""

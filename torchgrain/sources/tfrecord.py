@@ -168,6 +168,12 @@ class TFRecordSource(FormatSource):
         infos = self.format.shards.infos  # type: ignore[union-attr]
         return None if infos is None else tuple(infos[shard])
 
+    def check_unchanged(self, shard: int) -> None:
+        """Raise if local ``shard`` is not the file the dataset's opening indexed (its
+        change time differs)."""
+        if not self._remote:
+            self.format.check_opened(shard, self.paths[shard])
+
     def block_offsets(self) -> np.ndarray:
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""
         shards = self.format.shards

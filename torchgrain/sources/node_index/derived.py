@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -571,6 +572,12 @@ def dataset_fingerprint(ds: Any) -> str:
         if isinstance(ds, ShardedSource) and not is_local(ds.filesystem):
             # (a store asked for versions it has not given: once per file, on threads)
             versions = map_files(lambda k: _remote_version(ds, k, paths[k]), len(paths))
+        elif isinstance(ds, ShardedSource):
+            # What the source reads may be the version it opened (mapped, cached), not the
+            # file's now: a selection computed from it must not be keyed by the new one.
+            for k in range(len(paths)):
+                with contextlib.suppress(FileNotFoundError):  # ("missing", below)
+                    ds.check_unchanged(k)
         files = [_file_identity(p, v) for p, v in zip(paths, versions)]
         counts = np.asarray(ds.shard_counts, np.int64).tobytes()
         # What its records hold: the same files read with other columns (or another

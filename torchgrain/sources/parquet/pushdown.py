@@ -129,12 +129,21 @@ def column_source(src: Any, columns: list[str], **options: Any) -> Any:
         int96_timestamp_unit=src.int96_timestamp_unit,
         **options,
     )
-    if not np.array_equal(sub._rg_offsets, src._rg_offsets):
+    # (the versions too: rows of the same row groups, rewritten, are other rows; a remote
+    # file its store gives no version of is told by its row groups alone)
+    same = [_same_version(a[1], b[1]) for a, b in zip(sub._identities, src._identities)]
+    if not np.array_equal(sub._rg_offsets, src._rg_offsets) or not all(same):
+        changed = src.paths[same.index(False)] if not all(same) else "their row groups"
+        sub.close()
         raise CorruptDataError(
-            f"the Parquet files of {src!r} changed since it was opened (their row groups "
-            "differ): open it again"
+            f"the Parquet files of {src!r} changed since it was opened ({changed}): open it again"
         )
     return sub
+
+
+def _same_version(a: tuple, b: tuple) -> bool:
+    unversioned = any(isinstance(v, tuple) and v[:1] == ("unversioned",) for v in (*a, *b))
+    return a == b or unversioned
 
 
 def _named_columns(src: Any, expression: pc.Expression) -> tuple[list[str], Any]:

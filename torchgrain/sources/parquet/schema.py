@@ -91,6 +91,11 @@ def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
         return pa.null()
     if all(t.equals(values[0]) for t in values):
         return values[0]
+    # (nested fields that differ only in nullability: Spark writes list items
+    # non-nullable where another writer does not; the values are the same)
+    relaxed = [_nullable(t) for t in values]
+    if all(t.equals(relaxed[0]) for t in relaxed):
+        return relaxed[0]
     if all(pa.types.is_integer(t) for t in values):
         signed = [t for t in values if pa.types.is_signed_integer(t)]
         unsigned = [t for t in values if not pa.types.is_signed_integer(t)]
@@ -105,6 +110,25 @@ def common_type(types: Sequence[pa.DataType]) -> pa.DataType | None:
         if names == {str(small), str(large)}:
             return large
     return None
+
+
+def _nullable(t: pa.DataType) -> pa.DataType:
+    """``t`` with every nested field nullable (a map's keys stay required)."""
+
+    def field(f: pa.Field) -> pa.Field:
+        return pa.field(f.name, _nullable(f.type), True, f.metadata)
+
+    if pa.types.is_list(t):
+        return pa.list_(field(t.value_field))
+    if pa.types.is_large_list(t):
+        return pa.large_list(field(t.value_field))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(field(t.value_field), t.list_size)
+    if pa.types.is_map(t):
+        return pa.map_(t.key_field, field(t.item_field), t.keys_sorted)
+    if pa.types.is_struct(t):
+        return pa.struct([field(t.field(i)) for i in range(t.num_fields)])
+    return t
 
 
 def merge_file_schemas(

@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from torchgrain.columns import ColumnBatch, column_of
 from torchgrain.diagnostics import COUNTER, count_decode, count_read, local_counters
-from torchgrain.errors import check_ceiling
+from torchgrain.errors import RecordDecodeError, check_ceiling
+from torchgrain.io import changes
 from torchgrain.io.retry import using
 from torchgrain.sources.base import shard_rows
 from torchgrain.sources.block_cache import CacheBlocks
 from torchgrain.sources.options import DEFAULT_CACHE_BYTES, ReadOptions
 from torchgrain.sources.parquet.decoded_cache import DecodedCache
-from torchgrain.sources.parquet.footers import read_footers
+from torchgrain.sources.parquet.footers import local_version, read_footers
 from torchgrain.sources.parquet.loading import RowGroupLoader, decoded_cache_for
 from torchgrain.sources.parquet.paths import (
     check_partition_keys,
@@ -77,6 +78,10 @@ __all__ = ["DEFAULT_MAX_ROW_GROUP_BYTES", "ParquetSource"]
 DEFAULT_MAX_ROW_GROUP_BYTES = 16 << 30
 
 _SEQUENTIAL_ROWS = 1 << 16  # most rows per read when reading a file in order
+# What pyarrow's conversion of a decoded value to Python raises for one Python cannot
+# hold (decoding errors are CorruptDataErrors before this).
+_UNCONVERTIBLE = (OverflowError, pa.ArrowInvalid)
+T = TypeVar("T")
 # A mapped entry's access time (its LRU position in the disk cache) is refreshed at most
 # this often while a process uses it.
 _TOUCH_SECONDS = 60.0
@@ -323,6 +328,9 @@ class ParquetSource(RowGroupLoader):
         idx = self.index.check(indices)
         if len(idx) == 0:
             return []
+        return self._converted(self._records, idx)
+
+    def _records(self, idx: np.ndarray) -> list[dict[str, Any]]:
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         distinct, first, which = np.unique(groups, return_index=True, return_inverse=True)
         t_start = time.perf_counter()
@@ -360,6 +368,9 @@ class ParquetSource(RowGroupLoader):
         idx = self.index.check(indices)
         if len(idx) == 0:
             return ColumnBatch({key: [] for key in self._keys}, num_rows=0)
+        return self._converted(self._columns, idx)
+
+    def _columns(self, idx: np.ndarray) -> ColumnBatch:
         groups = self._rg_offsets.searchsorted(idx, side="right") - 1
         plan = GatherPlan(groups, idx - self._rg_offsets[groups])
         distinct = plan.groups.tolist()
@@ -381,6 +392,38 @@ class ParquetSource(RowGroupLoader):
         count_decode(time.perf_counter() - t_start - read_seconds)
         trimmer().settle()  # the decode buffers this read freed go back to the system
         return ColumnBatch(columns, num_rows=len(idx))
+
+    def check_unchanged(self, shard: int) -> None:
+        """Raise if local ``shard``'s file is not the version the opening read (its size,
+        modification time, inode or change time differs): its row groups in this
+        process's caches are of that version."""
+        if not self._remote:
+            path = self.paths[shard]
+            if local_version(os.stat(path)) != tuple(self._identities[shard][1]):
+                raise changes.changed_since_opening(shard, path)
+
+    def _converted(self, read: Callable[[np.ndarray], T], idx: np.ndarray) -> T:
+        """``read(idx)``, a value Python cannot hold (a nested date past year 9999, a
+        timestamp of an unknown time zone: pyarrow's conversion raises) an error naming
+        the first record of ``idx`` that holds one, its file and row group."""
+        try:
+            return read(idx)
+        except _UNCONVERTIBLE as e:
+            error = e
+        for i in idx.tolist():
+            try:
+                read(np.array([i], np.int64))
+            except _UNCONVERTIBLE as e:
+                bad, error = i, e
+                break
+        else:
+            bad = int(idx[0])
+        g = int(self._rg_offsets.searchsorted(bad, side="right")) - 1
+        where = self._where(int(self._rg_shard[g]), int(self._rg_local[g]))
+        raise RecordDecodeError(
+            f"record index {bad} ({where}) holds a value Python cannot hold: {error} "
+            "(read the dataset with columns= leaving that column out, or rewrite it)"
+        ) from error
 
     def record_settings(self) -> tuple:
         """``partitioning``, ``int96_timestamp_unit`` and the files' whole schema (a
@@ -486,9 +529,12 @@ class ParquetSource(RowGroupLoader):
                 rows = np.arange(c - first, d - first, dtype=np.int64)
                 which = np.zeros(len(rows), dtype=np.int64)
                 constants = self._constants(np.full(len(rows), shard))
-                yield from build_records(
-                    self._keys, self._file_pos, [views], which, rows, constants
-                )
+                try:
+                    out = build_records(self._keys, self._file_pos, [views], which, rows, constants)
+                except _UNCONVERTIBLE:
+                    self._converted(self._records, np.arange(c, d))  # (names the record)
+                    raise
+                yield from out
             a = min(end, last)
 
     # ---------------------------------------------------------------- reading
