@@ -343,3 +343,53 @@ def test_a_nested_date_python_cannot_hold_is_an_error_naming_its_record(tmp_path
             read()
     assert src.__getitems__([1, 0])[0] == {"ev": [], "n": 1}
     assert tg.ParquetSource(tmp_path, columns=["n"])[2] == {"n": 2}
+
+
+def test_the_record_python_cannot_hold_is_found_in_a_few_reads(tmp_path):
+    # Read one at a time, a row group larger than the cache was decoded again for each
+    # row before the bad one: quadratic.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 4000
+    days = [[{"d": i}] for i in range(n - 1)] + [[{"d": -800_000}]]  # before year 1
+    pq.write_table(
+        pa.table({"e": pa.array(days, pa.list_(pa.struct([("d", pa.date32())])))}),
+        tmp_path / "a.parquet",
+    )
+    src = tg.ParquetSource(tmp_path, cache_bytes=1 << 10)
+    reads = []
+    records = src._records
+    src._records = lambda idx: reads.append(len(idx)) or records(idx)
+    with pytest.raises(tg.RecordDecodeError, match=f"record index {n - 1} "):
+        src.__getitems__(np.arange(n))
+    assert len(reads) <= 2 + 2 * int(np.ceil(np.log2(n)))
+
+
+def test_a_filter_of_a_remote_parquet_file_rewritten_since_it_opened_is_not_shared(tmp_path):
+    # A store whose answers carry no ETag (memory://): the selection was keyed by the
+    # version the store gives now, while the source still read its cached old rows.
+    import io
+
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    fs = fsspec.filesystem("memory")
+
+    def put(values):
+        b = io.BytesIO()
+        pq.write_table(pa.table({"x": np.asarray(values, np.int64)}), b, row_group_size=50)
+        fs.pipe("/s64/a.parquet", b.getvalue())
+
+    put(np.arange(100))
+    try:
+        old = tg.ParquetSource("memory://s64/a.parquet")
+        old.__getitems__(list(range(100)))  # its row groups in its cache
+        put(np.arange(100) + 1000)
+        kept = tg.Dataset(old).filter(_below_10, index_dir=tmp_path, num_workers=0)
+        assert len(kept) == 10  # (its own version's records)
+        fresh = tg.Dataset(tg.ParquetSource("memory://s64/a.parquet"))
+        assert len(fresh.filter(_below_10, index_dir=tmp_path, num_workers=0)) == 0
+    finally:
+        fs.rm("/s64", recursive=True)

@@ -108,8 +108,12 @@ class _Documents:
                 self._check_range(col, docs)
                 return list(col)
             values = list(col)
+            # A record without the column reads as None in a column batch (of records
+            # that hold it): read alone, it is named. (A Parquet null is an empty document.)
             nulls = [k for k, v in enumerate(values) if v is None]
-            if nulls:  # (a record without the column reads as None in a column batch)
+            if nulls and _is_parquet(self.columns):
+                nulls = []
+            if nulls:
                 records = self.ds.__getitems__(docs[nulls].tolist())
                 for k, record in zip(nulls, records):
                     values[k] = self._field(record, int(docs[k]))

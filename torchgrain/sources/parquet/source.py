@@ -405,25 +405,52 @@ class ParquetSource(RowGroupLoader):
     def _converted(self, read: Callable[[np.ndarray], T], idx: np.ndarray) -> T:
         """``read(idx)``, a value Python cannot hold (a nested date past year 9999, a
         timestamp of an unknown time zone: pyarrow's conversion raises) an error naming
-        the first record of ``idx`` that holds one, its file and row group."""
+        a record of ``idx`` that holds one (found by halving: a few reads), its file and
+        row group."""
         try:
             return read(idx)
         except _UNCONVERTIBLE as e:
             error = e
-        for i in idx.tolist():
+        part = idx
+        while len(part) > 1:
+            half = part[: len(part) // 2]
             try:
-                read(np.array([i], np.int64))
+                read(half)
             except _UNCONVERTIBLE as e:
-                bad, error = i, e
-                break
-        else:
-            bad = int(idx[0])
-        g = int(self._rg_offsets.searchsorted(bad, side="right")) - 1
+                part, error = half, e
+            else:
+                part = part[len(half) :]
+        try:
+            read(part)
+            what = f"one of records {idx[:8].tolist()}{' ...' if len(idx) > 8 else ''}"
+        except _UNCONVERTIBLE as e:
+            error, what = e, f"record index {int(part[0])}"
+        g = int(self._rg_offsets.searchsorted(int(part[0]), side="right")) - 1
         where = self._where(int(self._rg_shard[g]), int(self._rg_local[g]))
         raise RecordDecodeError(
-            f"record index {bad} ({where}) holds a value Python cannot hold: {error} "
+            f"{what} ({where}) holds a value Python cannot hold: {error} "
             "(read the dataset with columns= leaving that column out, or rewrite it)"
         ) from error
+
+    def shard_version(self, shard: int) -> tuple | None:
+        """The version of remote ``shard`` this source's opening read: as pinned, else
+        (a store whose answers carry no ETag or Last-Modified) the version its footer
+        read found (``(size, version, None)``; a file of a store that gives none is
+        this opening's own: no other opening shares what is derived from it); None for
+        a local file (see :meth:`check_unchanged`).
+
+        Example:
+            >>> import io, fsspec, pyarrow as pa, pyarrow.parquet as pq, torchgrain as tg
+            >>> b = io.BytesIO(); pq.write_table(pa.table({"x": [1]}), b)
+            >>> fsspec.filesystem("memory").pipe("/v/a.parquet", b.getvalue())
+            >>> tg.ParquetSource("memory://v/a.parquet").shard_version(0)[0] == len(b.getvalue())
+            True
+        """
+        held = super().shard_version(shard)
+        if not self._remote or (held is not None and any(held[1:])):
+            return held
+        size, version = self._identities[shard][1]
+        return (size, version, None)
 
     def record_settings(self) -> tuple:
         """``partitioning``, ``int96_timestamp_unit`` and the files' whole schema (a
