@@ -377,7 +377,7 @@ class Composed(Source):
 
     def identity(self) -> Any:
         """What else than its children decides which of their records its indices read
-        (its options: a mixture's seed and weights, a filter's selection), as a value
+        (its options: a mixture's seed and counts, a filter's selection), as a value
         with a stable ``repr``, the same on every machine that reads a copy of the data:
         a sampler's saved state is checked against it. A subclass with options
         overrides it."""
