@@ -172,7 +172,7 @@ class TFRecordSource(FormatSource):
         """Raise if local ``shard`` is not the file the dataset's opening indexed (its
         change time differs)."""
         if not self._remote:
-            self.format.check_opened(shard, self.paths[shard])
+            self.format.check_opened(shard, self._paths[shard])
 
     def block_offsets(self) -> np.ndarray:
         """Runs of consecutive records of about 1 MiB within each file (no I/O)."""

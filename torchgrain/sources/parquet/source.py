@@ -398,7 +398,7 @@ class ParquetSource(RowGroupLoader):
         modification time, inode or change time differs): its row groups in this
         process's caches are of that version."""
         if not self._remote:
-            path = self.paths[shard]
+            path = self._paths[shard]
             if local_version(os.stat(path)) != tuple(self._identities[shard][1]):
                 raise changes.changed_since_opening(shard, path)
 
