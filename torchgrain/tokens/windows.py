@@ -613,7 +613,8 @@ class TokenWindows(Composed):
                 "random_map, say) changes token counts from epoch to epoch, which cannot "
                 "be under windows: apply it to the windows instead; or such a transform's "
                 "code changed in what it calls (a helper, a global), which the index's key "
-                "does not see: delete the index file, or pass another index_dir"
+                "does not see: delete the index file, or pass another index_dir or a new "
+                "name="
             )
         return read
 
@@ -842,6 +843,7 @@ def windows(
     index_dir: str | os.PathLike | None = DEFAULT,
     num_workers: int | None = None,
     progress: bool = True,
+    name: str | None = None,
 ) -> WindowDataset:
     """Fixed-length token windows over the documents of ``column`` (``Dataset.windows``).
 
@@ -886,6 +888,10 @@ def windows(
         num_workers: processes of the pass that measures document lengths (default: up
             to 8 for large datasets, none for small ones).
         progress: show a progress bar during that pass.
+        name: a word the index's key adds to the documents' fingerprint (their files
+            and the code of their transforms and ``tokenizer``). That fingerprint does
+            not see what such code calls (a helper, a global, a vocabulary file): name
+            that state here and change the name when it changes, as a filter's ``name``.
 
     Example:
         >>> import numpy as np, tempfile, torchgrain as tg
@@ -936,7 +942,11 @@ def windows(
     special = (bos is not None) + (eos is not None)
     n = len(ds)
     tokenized = callable_fingerprint(tokenizer) if tokenizer is not None else None
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {type(name).__name__}")
     key = hash_parts("documents", dataset_fingerprint(ds), column, bos, eos, tokenized, lengths)
+    if name is not None:  # (None: the key of earlier releases, their index files found)
+        key = hash_parts(key, "named", name)
 
     # Documents a count column says are empty, with no bos/eos: no window reads them in
     # pack mode, so their tokens are checked here, once per machine (lost unread else).
