@@ -54,12 +54,16 @@ def test_killed_worker_surfaces_and_resume_loses_nothing(small_dataset, monkeypa
     reference = [b.tolist() for b in loader]
 
     monkeypatch.setenv("TG_KILL", "1")
-    got, state = [], None
+    # Each batch and the state after it are kept in one step: the DataLoader reports the
+    # killed worker from its SIGCHLD handler, which runs between any two bytecodes of
+    # this loop (between keeping a batch and taking the state after it, say).
+    steps: list[tuple[list, dict]] = []
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         for step, batch in enumerate(loader, start=1):
-            got.append(batch.tolist())
-            state = sampler.state_dict(consumed=step * 4)
+            steps.append((batch.tolist(), sampler.state_dict(consumed=step * 4)))
     monkeypatch.delenv("TG_KILL")
+    got = [b for b, _ in steps]
+    state = steps[-1][1] if steps else None
     # restart from the last checkpoint in a new loader: exactly the rest of the epoch
     fresh = tg.GlobalShuffleSampler(ds, seed=1)
     if state is not None:
