@@ -219,11 +219,13 @@ def _stored_gzip(path, records) -> None:
 
 @pytest.mark.parametrize("counted, now", [(100, 50), (50, 100)], ids=["fewer", "more"])
 def test_a_compressed_stream_other_than_counted_is_an_error_not_fewer_records(
-    tmp_path, counted, now
+    tmp_path, monkeypatch, counted, now
 ):
-    """A stream rewritten in place with its size and modification time kept (its index
-    reused): reading it in order ends at the count indexed, or short of it, never
-    silently; it is a named CorruptDataError."""
+    """A stream rewritten in place with its size and modification time kept is counted
+    anew (its change time keys the index). Where its index is reused all the same (a
+    filesystem whose change times and inodes say nothing, simulated here), reading it
+    in order ends at the count indexed, or short of it, never silently; it is a named
+    CorruptDataError."""
     d = tmp_path / "data"
     d.mkdir()
     path = d / "d-0.tfrecord.gz"
@@ -235,6 +237,17 @@ def test_a_compressed_stream_other_than_counted_is_an_error_not_fewer_records(
     _stored_gzip(path, records[now])
     assert os.path.getsize(path) == st.st_size
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
+    assert len(src) == len(list(src.iter_shard(0))) == now  # (counted anew)
+    from torchgrain.sources import tfrecord
+
+    stamp = tfrecord._size_and_stamp
+
+    def old_stamp(*args):
+        size, _, ctime = stamp(*args)
+        return size, f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", ctime
+
+    monkeypatch.setattr(tfrecord, "_size_and_stamp", old_stamp)
     src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))
     assert len(src) == counted  # (the index of the file as it was)
     said = "more" if now > counted else "fewer"

@@ -676,13 +676,15 @@ def _codec_and_first(
 def _size_and_stamp(
     fs: fsspec.AbstractFileSystem, path: str, shard: int, remote: bool
 ) -> tuple[int, str, int]:
-    """A file's size, what tells its versions apart (its modification time, or the
-    store's version or ETag; "" where a server gives none) and a local file's change
-    time (0 for a remote one)."""
+    """A file's size, what tells its versions apart (its modification and change times
+    and inode: a file rewritten in place with its size and modification time put back,
+    as ``rsync --inplace -t`` does, has another change time; or the store's version or
+    ETag, "" where a server gives none) and a local file's change time (0 for a remote
+    one)."""
     try:
         if not remote:
             st = os.stat(path)
-            return st.st_size, str(st.st_mtime_ns), st.st_ctime_ns
+            return st.st_size, f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", st.st_ctime_ns
         size, version = io_remote.size_and_version(fs, fs._strip_protocol(path), url=path)
     except FileNotFoundError:
         raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist") from None

@@ -527,9 +527,14 @@ def arrayrecord_index(
         found.append(st)
     mtimes = [st.st_mtime_ns for st in found]
 
+    # (the change time and inode too: a shard rewritten in place with its size and
+    # modification time put back, as ``rsync --inplace -t`` does, is indexed anew)
     key = index_key(
         "array_record",
-        [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in zip(paths, found)],
+        [
+            (os.path.abspath(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+            for p, st in zip(paths, found)
+        ],
     )
 
     def build(out: str | None) -> ArrayRecordIndex:

@@ -87,7 +87,7 @@ def tfrecord_index(
     lock_wait: float | None = None,
 ) -> TFRecordIndex:
     """The index of TFRecord files ``paths``: ``infos[i]`` is file ``i``'s ``(size,
-    version stamp)`` (its modification time or ETag), ``offsets_of(i)`` walks (or reads
+    version stamp)`` (its modification and change times and inode, or ETag), ``offsets_of(i)`` walks (or reads
     from a per-file cache) its record offsets, as int64 arrays in order (a chunked walk:
     :func:`~torchgrain.formats.tfrecord.iter_tfrecord_offsets`); a compressed file's
     gives its record count, ``[n]``. Built once per machine into ``index_dir`` (in
