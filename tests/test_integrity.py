@@ -130,7 +130,7 @@ def test_a_tfrecord_length_with_a_bad_checksum_is_refused_at_open(tmp_path):
         tg.TFRecordSource(d, codec="raw", index_dir=None)
 
 
-def test_a_tfrecord_changed_after_its_index_was_cached_is_refused(tmp_path):
+def test_a_tfrecord_changed_after_its_index_was_cached_is_refused(tmp_path, monkeypatch):
     """The offset index is cached: a record that later claims another length (with a
     right length CRC: a rewrite, not bit rot) must not be read past its frame."""
     d, recs = tfrecord_dir(tmp_path)
@@ -145,7 +145,21 @@ def test_a_tfrecord_changed_after_its_index_was_cached_is_refused(tmp_path):
     n = struct.pack("<Q", len(recs[0]) - 4)
     data[0:12] = n + struct.pack("<I", masked_crc32c(n))
     Path(file).write_bytes(bytes(data))
-    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the cache key stays
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # Its change time keys the index: the file is walked again, and the frame refused.
+    with pytest.raises(CorruptDataError, match=r"a\.tfrecord.*checksum mismatch"):
+        tg.TFRecordSource(d, codec="raw", index_dir=index)
+    # Where the cached index is used all the same (a filesystem whose change times and
+    # inodes say nothing, simulated here), the read is refused.
+    from torchgrain.sources import tfrecord
+
+    stamp = tfrecord._size_and_stamp
+
+    def old_stamp(*args):
+        size, _, ctime = stamp(*args)
+        return size, f"{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}", ctime
+
+    monkeypatch.setattr(tfrecord, "_size_and_stamp", old_stamp)
     src = tg.TFRecordSource(d, codec="raw", index_dir=index)
     with pytest.raises(CorruptDataError, match=r"a\.tfrecord.*says it holds"):
         src[0]

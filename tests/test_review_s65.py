@@ -4,7 +4,11 @@ another helper is found stale when read; naming the state builds the index anew.
 
 A shard rewritten in place between runs with its size and modification time put back
 (``rsync --inplace -t``) is indexed anew on this machine (the node-shared TFRecord and
-ArrayRecord indexes are keyed by change time and inode too), not refused for good."""
+ArrayRecord indexes are keyed by change time and inode too), not refused for good.
+
+An answer of a remote file that carries none of the validators its version was pinned
+by (a proxy that drops them, a server that names versions otherwise) is refused: it
+could be of a replaced file."""
 
 from __future__ import annotations
 
@@ -12,9 +16,12 @@ import os
 import shutil
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
+from torchgrain.io.retry import RetryPolicy
 from torchgrain.formats.tfrecord import write_tfrecord
 
 _REPEAT = [1]
@@ -90,3 +97,57 @@ def test_arrayrecord_rewritten_in_place_between_runs_is_indexed_anew(tmp_path):
     new = tg.ArrayRecordSource(tmp_path / "ar", index_dir=ix)
     assert [new[i]["x"] for i in range(len(new))] == ["b" * 3] * 11
     assert [r["x"] for r in new.__getitems__(list(range(11)))] == ["b" * 3] * 11
+
+
+def test_an_answer_without_the_pinned_validators_is_refused():
+    """Once a file's answers named its version (an ETag, a Last-Modified), one that names
+    none of those validators, or only one the pin lacks, may be of another version."""
+    from torchgrain.io import responses
+
+    path = "h://s65/switch"
+    responses.pin(path, 10, fresh=True)
+    responses.check_file_answer(path, 10, '"v1"', None)
+    for etag, modified in ((None, None), (None, "Mon, 01 Jan 2024 00:00:00 GMT")):
+        with pytest.raises(responses.RangeAnswerError, match="none of the validators"):
+            responses.check_file_answer(path, 10, etag, modified)
+    # One it has, the same: a validator it lacked is taken with it, and checked from then on.
+    responses.check_file_answer(path, 10, 'W/"v1"', "Tue, 02 Jan 2024 00:00:00 GMT")
+    with pytest.raises(responses.RangeAnswerError, match="Last-Modified"):
+        responses.check_file_answer(path, 10, '"v1"', "Wed, 03 Jan 2024 00:00:00 GMT")
+    # A listing's headers may leave a validator out: checked where given.
+    responses.check_file_answer(path, 10, None, None, complete=False)
+    with pytest.raises(responses.RangeAnswerError, match="ETag"):
+        responses.check_file_answer(path, 10, '"v2"', None, complete=False)
+    # A file whose first answers named no version takes the first validators given.
+    bare = "h://s65/bare"
+    responses.pin(bare, 10, fresh=True)
+    responses.check_file_answer(bare, 10, None, None)
+    responses.check_file_answer(bare, 10, '"v1"', None)
+    assert responses.pinned(bare).etag == '"v1"'
+
+
+def test_a_file_replaced_behind_a_proxy_that_drops_its_validators_is_refused(tmp_path):
+    """A file read over HTTP, replaced by one of its size (one value changed), and served
+    from then on without ``ETag``/``Last-Modified`` (a proxy that drops them): the next
+    read is refused, not given the new version's bytes."""
+    from servers import RangeHTTPServer
+
+    (tmp_path / "www").mkdir()
+    path = tmp_path / "www" / "a.parquet"
+    values = [bytes([i]) * (1 << 20) for i in range(20)]  # (row 10 is not read with row 0)
+    pq.write_table(
+        pa.table({"x": np.arange(20), "b": values}), path, row_group_size=7, compression="none"
+    )
+    data = path.read_bytes()
+    quick = RetryPolicy(attempts=2, base_delay=0.01, max_delay=0.05, deadline=10)
+    with RangeHTTPServer(tmp_path / "www") as srv:
+        src = tg.ParquetSource(
+            f"{srv.url}/a.parquet", retry=quick, decoded_cache=False, cache_bytes=0
+        )
+        assert src[0]["b"] == values[0]
+        at = data.index(values[10])
+        path.write_bytes(data[:at] + b"\xaa" * 4096 + data[at + 4096 :])
+        assert len(path.read_bytes()) == len(data)
+        srv.etags = False
+        with pytest.raises(tg.RemoteIOError, match="a.parquet.*none of the validators"):
+            src[10]

@@ -187,13 +187,27 @@ def _same_tag(a: str, b: str) -> bool:
     return a.removeprefix("W/") == b.removeprefix("W/")
 
 
-def check_file_answer(path: str, size: int | None, etag: str | None, modified: str | None) -> None:
+def check_file_answer(
+    path: str,
+    size: int | None,
+    etag: str | None,
+    modified: str | None,
+    *,
+    complete: bool = True,
+) -> None:
     """Check that an answer (a multi-range one, whose parts agree with each other) is of
     the file pinned for ``path``: its size, ``ETag`` and ``Last-Modified`` (see
-    :func:`pin`; the first answer of a file with no pin pins it).
+    :func:`pin`; the first answer of a file with no pin pins it). Once a validator is
+    pinned, an answer must carry one the pin has, and the same: one that carries none of
+    them (a proxy that drops them, a server that names the version otherwise now) could
+    be of any version, and a validator the pin lacks is taken only from an answer that
+    also matched one it has. ``complete=False``: the headers are what a listing gave (a
+    filesystem's ``info``, which may leave a validator out), checked where they are
+    given.
 
     Raises:
-        RangeAnswerError: another size or validator than pinned.
+        RangeAnswerError: another size or validator than pinned, or none of the pinned
+            validators.
 
     Example:
         >>> pin("h://x/m", 9)
@@ -215,17 +229,29 @@ def check_file_answer(path: str, size: int | None, etag: str | None, modified: s
                 f"{path}: the answer names a file of {size} bytes, not the {got.size} pinned "
                 "when it was opened (the file changed on the server?)"
             )
-    for name, attr, new in (("ETag", "etag", etag), ("Last-Modified", "modified", modified)):
-        if not new:
+    etag, modified = etag or None, modified or None
+    matched = False
+    for name, have, new in (("ETag", got.etag, etag), ("Last-Modified", got.modified, modified)):
+        if have is None or new is None:
             continue
-        have = getattr(got, attr)
-        if have is None:
-            setattr(got, attr, new)
-        elif not (_same_tag(have, new) if name == "ETag" else have == new):
+        if not (_same_tag(have, new) if name == "ETag" else have == new):
             raise RangeAnswerError(
                 f"{path}: the answer's {name} is {new[:80]!r}, not {have[:80]!r} as when it "
                 "was first read: the file changed on the server while it was being read"
             )
+        matched = True
+    if not matched and (got.etag or got.modified) is not None:
+        if complete:
+            raise RangeAnswerError(
+                f"{path}: the answer carries none of the validators the file was first read "
+                f"with (ETag {got.etag!r}, Last-Modified {got.modified!r}; this answer's: "
+                f"{etag!r}, {modified!r}): it may be of another version of the file (a "
+                "server or proxy that drops or changes them on some answers cannot be read "
+                "safely)"
+            )
+        return  # (a listing's: nothing of it to pin)
+    got.etag = got.etag or etag
+    got.modified = got.modified or modified
     got.restored = False  # (an answer of this version)
 
 
@@ -257,7 +283,7 @@ def restore(path: str, version: tuple) -> Pin:
         if now == (None, None, None) or differ(now, version):
             _PINS[path] = got = Pin(restored=True)
             return got
-    check_file_answer(path, *version)
+    check_file_answer(path, *version, complete=False)  # (a pickle's: it may know fewer)
     if got is None or got.restored:
         _PINS[path].restored = True  # (no answer of it yet)
     return _PINS[path]

@@ -700,6 +700,7 @@ class ShardCache(NodeStore):
             size if isinstance(size, int) and not isinstance(size, bool) else None,
             str(etag) if etag else None,
             str(modified) if modified else None,
+            complete=False,  # (a listing may leave a validator out)
         )
 
     def _of_another_version(self, path: str, version: str) -> bool:
