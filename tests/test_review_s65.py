@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import torchgrain as tg
-from torchgrain.io.retry import RetryPolicy
 from torchgrain.formats.tfrecord import write_tfrecord
+from torchgrain.io.retry import RetryPolicy
 
 _REPEAT = [1]
 
@@ -149,5 +149,5 @@ def test_a_file_replaced_behind_a_proxy_that_drops_its_validators_is_refused(tmp
         path.write_bytes(data[:at] + b"\xaa" * 4096 + data[at + 4096 :])
         assert len(path.read_bytes()) == len(data)
         srv.etags = False
-        with pytest.raises(tg.RemoteIOError, match="a.parquet.*none of the validators"):
+        with pytest.raises(tg.RemoteIOError, match=r"a\.parquet.*none of the validators"):
             src[10]
