@@ -8,7 +8,10 @@ ArrayRecord indexes are keyed by change time and inode too), not refused for goo
 
 An answer of a remote file that carries none of the validators its version was pinned
 by (a proxy that drops them, a server that names versions otherwise) is refused: it
-could be of a replaced file."""
+could be of a replaced file.
+
+A sampler's pass tells the dataset its epoch when it starts: a mixture another sampler
+moved to a later epoch is read at the pass's own."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import torchgrain as tg
 from torchgrain.formats.tfrecord import write_tfrecord
@@ -151,3 +155,44 @@ def test_a_file_replaced_behind_a_proxy_that_drops_its_validators_is_refused(tmp
         srv.etags = False
         with pytest.raises(tg.RemoteIOError, match=r"a\.parquet.*none of the validators"):
             src[10]
+
+
+def _mixture() -> tg.Dataset:
+    a = tg.Dataset([{"id": i} for i in range(10)])
+    b = tg.Dataset([{"id": 100 + i} for i in range(7)])
+    return tg.mix([a, b], [0.5, 0.5], seed=0, stopping="all_exhausted")
+
+
+def _ids(records: list) -> list:
+    return [r["id"] for r in records]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_pass_reads_the_mixture_at_its_own_epoch(workers):
+    """A sampler's pass tells the dataset its epoch when it starts: a new sampler (or a
+    new ResumableLoader) over a mixture another one moved to a later epoch reads epoch
+    0 as a fresh process does, and its saved state resumes to the same records."""
+
+    def loader(ds):
+        sampler = tg.GlobalShuffleSampler(ds, seed=0, num_replicas=1, rank=0)
+        return tg.ResumableLoader(
+            torch.utils.data.DataLoader(
+                ds, batch_size=5, sampler=sampler, num_workers=workers, collate_fn=_ids
+            )
+        )
+
+    fresh = list(loader(_mixture()))
+    ds = _mixture()
+    moved = tg.GlobalShuffleSampler(ds, seed=0, num_replicas=1, rank=0)
+    moved.set_epoch(3)
+    [ds[i] for i in moved]
+    assert list(loader(ds)) == fresh  # (a sampler made before this one moved it)
+    assert list(loader(ds)) == fresh  # (the last pass's ResumableLoader set epoch 1)
+    first = loader(ds)
+    it = iter(first)
+    head = [next(it), next(it)]
+    state = first.state_dict()
+    del it
+    again = loader(_mixture())
+    again.load_state_dict(state)
+    assert head + list(again) == fresh

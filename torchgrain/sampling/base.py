@@ -463,6 +463,12 @@ class ResumableSampler(DistributedSampler):
         # loading state) do not consume a pending resume position.
         self._note_driver(pass_start=True)
         self._check_pass_start()
+        if isinstance(self.dataset, SetsEpoch):
+            # The pass states its epoch: the dataset's may be another's (a sampler made
+            # before this one, a finished pass's next epoch), and a mixture reads its
+            # positions at the dataset's (shared with the workers: set before any of the
+            # pass's indices reach them).
+            self.dataset.set_epoch(self.epoch)
         world = self._world()
         if self._loaded is not None:
             layout, start = self._resume_layout(self._loaded, world)
