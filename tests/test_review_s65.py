@@ -196,3 +196,17 @@ def test_a_pass_reads_the_mixture_at_its_own_epoch(workers):
     again = loader(_mixture())
     again.load_state_dict(state)
     assert head + list(again) == fresh
+
+
+def test_stats_of_a_loader_read_through_timed_has_the_loop_time(tmp_path):
+    """``tg.stats(loader)`` after ``for batch in tg.timed(loader)`` (as the performance
+    page writes it) says the wait's share of the loop, as ``tg.stats`` of the iterator."""
+    tg.write_array_record([{"x": np.full(64, i, np.uint8)} for i in range(256)], tmp_path / "d")
+    ds = tg.Dataset(tg.ArrayRecordSource(tmp_path / "d"))
+    loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=2)
+    timed = tg.timed(loader)
+    assert sum(len(b["x"]) for b in timed) == 256
+    for report in (tg.stats(loader), tg.stats(timed), tg.stats(ds)):
+        assert report.consumer["batches"] == 8
+        assert report.wait_fraction is not None and 0 < report.wait_fraction <= 1
+        assert "% of loop time)" in str(report)

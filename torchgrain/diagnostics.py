@@ -75,6 +75,7 @@ COUNTERS = (
     "cache_hits",
     "cache_misses",
     "wait_seconds",
+    "loop_seconds",
 )
 #: Where each counter is in a row: ``local_counters()[COUNTER["bytes_read"]]``.
 COUNTER = {name: i for i, name in enumerate(COUNTERS)}
@@ -357,12 +358,16 @@ class PipelineStats:
             block = self._loader_block(_dataloader.loader_iterator(skip=2, depth=_MAIN_DEPTH))
         self._table()[block, place[2]] += delta
 
-    def add_wait(self, seconds: float, batches: int = 1, loader: Any = None) -> None:
-        """Count the consumer's wait for ``batches`` batches of ``loader`` (a batch sampler)."""
+    def add_wait(
+        self, seconds: float, batches: int = 1, loader: Any = None, *, loop: float = 0.0
+    ) -> None:
+        """Count the consumer's wait for ``batches`` batches of ``loader`` (a batch sampler)
+        and ``loop`` seconds of the loop that took them (:func:`timed`)."""
         block = _OTHER if loader is None else self._claim(loader)
         row = self._table()[block, _CONSUMER_ROW]
         row[COUNTER["wait_seconds"]] += seconds
         row[COUNTER["batches"]] += batches
+        row[COUNTER["loop_seconds"]] += loop
 
     # ---------------------------------------------------------------- reading
     def snapshot(self, loader: Any = None) -> np.ndarray:
@@ -539,7 +544,7 @@ def stats(obj: Any, *, reset: bool = False) -> StatsReport:
     }
     total = dict(zip(COUNTERS, table[:_ROWS].sum(axis=0).tolist()))
     consumer = dict(zip(COUNTERS, table[_CONSUMER_ROW].tolist()))
-    consumer["wall_seconds"] = getattr(obj, "wall_seconds", 0.0)
+    consumer["wall_seconds"] = consumer["loop_seconds"]  # (the timed loops', as before)
     if reset:
         st.reset(loader)
     return StatsReport(workers, total, consumer, list(st.cache_fit))
@@ -555,7 +560,17 @@ class timed(Iterable[Any]):
 
     The wait is the time spent inside ``next()``: zero when the pipeline keeps up. It
     counts for ``loader`` alone (:func:`stats` of this iterator or of the loader
-    reports it), or for the Dataset when ``loader`` is not a DataLoader.
+    reports it, with the loop's time: ``wait_fraction``), or for the Dataset when
+    ``loader`` is not a DataLoader.
+
+    Example:
+        >>> import torch, torchgrain as tg
+        >>> loader = torch.utils.data.DataLoader(tg.Dataset(list(range(8))), batch_size=4)
+        >>> for batch in tg.timed(loader):
+        ...     pass
+        >>> report = tg.stats(loader)
+        >>> report.consumer["batches"], report.wait_fraction is not None
+        (2.0, True)
     """
 
     def __init__(self, loader: Iterable[Any], *, log_every: int | None = None) -> None:
@@ -583,7 +598,7 @@ class timed(Iterable[Any]):
                 self._stats.add_wait(time.perf_counter() - t0, loader=loader)
                 n += 1
                 if self.log_every and n % self.log_every == 0:
-                    self.wall_seconds += time.perf_counter() - start
+                    self._loop(time.perf_counter() - start, loader)
                     start = time.perf_counter()
                     rep = stats(self)
                     logger.info(
@@ -595,4 +610,9 @@ class timed(Iterable[Any]):
                 yield batch
         finally:
             # Also when the loop stops early (break, exception): its waits are counted.
-            self.wall_seconds += time.perf_counter() - start
+            self._loop(time.perf_counter() - start, loader)
+
+    def _loop(self, seconds: float, loader: Any) -> None:
+        """Count ``seconds`` of the loop, here and for :func:`stats` of the loader."""
+        self.wall_seconds += seconds
+        self._stats.add_wait(0.0, 0, loader=loader, loop=seconds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import multiprocessing
 import os
 import stat
 from collections.abc import Iterator
@@ -237,8 +238,16 @@ def locked(journal: Journal) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            why = ""
+            if multiprocessing.parent_process() is not None:  # (this is a started process)
+                why = (
+                    "; this process was started by another: a script that calls convert "
+                    'with workers outside `if __name__ == "__main__":` runs again in each '
+                    "worker, which then converts too"
+                )
             raise TorchgrainError(
-                f"another conversion is writing to {journal.root} (lock held on {journal.dir}/lock)"
+                f"another conversion is writing to {journal.root} (lock held on "
+                f"{journal.dir}/lock){why}"
             ) from None
         yield
     finally:
