@@ -111,7 +111,8 @@ class ResumableSampler(DistributedSampler):
 
     Args:
         dataset_or_length: a sized dataset, or its length as an int. A dataset that
-            is :class:`~torchgrain.protocols.SetsEpoch` is told the epoch; one that
+            is :class:`~torchgrain.protocols.SetsEpoch` is told the epoch (at
+            ``set_epoch``, a load, and again as each pass starts); one that
             :class:`~torchgrain.protocols.ReadsAhead` gets each pass's order.
         num_replicas, rank, shuffle, seed, drop_last, pad: as for
             :class:`~torchgrain.GlobalShuffleSampler`; ``shuffle=False`` replaces the
