@@ -210,3 +210,27 @@ def test_stats_of_a_loader_read_through_timed_has_the_loop_time(tmp_path):
         assert report.consumer["batches"] == 8
         assert report.wait_fraction is not None and 0 < report.wait_fraction <= 1
         assert "% of loop time)" in str(report)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_epoch_set_on_the_dataset_by_hand_stays(workers):
+    """``ds.set_epoch(e)`` (transforms.md: the random_map epoch is the sampler's or the
+    dataset's) is not undone by a pass of a sampler that told the dataset nothing since."""
+    ds = tg.Dataset([{"x": i} for i in range(8)]).random_map(
+        lambda r, rng: {"noise": int(rng.integers(1 << 30))}, seed=1
+    )
+    sampler = tg.GlobalShuffleSampler(ds, shuffle=False, num_replicas=1, rank=0)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=8,
+        sampler=sampler,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        collate_fn=lambda b: tuple(r["noise"] for r in b),
+    )
+    seen = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        seen.append(next(iter(loader)))
+        assert ds.epoch == epoch
+    assert len(set(seen)) == 3
