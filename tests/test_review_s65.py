@@ -210,6 +210,12 @@ def test_stats_of_a_loader_read_through_timed_has_the_loop_time(tmp_path):
         assert report.consumer["batches"] == 8
         assert report.wait_fraction is not None and 0 < report.wait_fraction <= 1
         assert "% of loop time)" in str(report)
+    # Taken in the middle of the next loop, before and after a reset: the waits and the
+    # loop's time are of the same stretch.
+    for k, _ in enumerate(timed):
+        if k in (2, 5):
+            fraction = tg.stats(loader, reset=k == 2).wait_fraction
+            assert fraction is not None and 0 < fraction <= 1
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -595,11 +595,14 @@ class timed(Iterable[Any]):
                     batch = next(it)
                 except StopIteration:
                     return
-                self._stats.add_wait(time.perf_counter() - t0, loader=loader)
+                # The wait and the loop's time up to it, counted together: a report
+                # taken at any point has both over the same stretch (a share <= 1).
+                now = time.perf_counter()
+                self.wall_seconds += now - start
+                self._stats.add_wait(now - t0, loader=loader, loop=now - start)
+                start = now
                 n += 1
                 if self.log_every and n % self.log_every == 0:
-                    self._loop(time.perf_counter() - start, loader)
-                    start = time.perf_counter()
                     rep = stats(self)
                     logger.info(
                         "torchgrain: %d batches, %.0f records read, consumer wait %.1f%%",
@@ -609,10 +612,7 @@ class timed(Iterable[Any]):
                     )
                 yield batch
         finally:
-            # Also when the loop stops early (break, exception): its waits are counted.
-            self._loop(time.perf_counter() - start, loader)
-
-    def _loop(self, seconds: float, loader: Any) -> None:
-        """Count ``seconds`` of the loop, here and for :func:`stats` of the loader."""
-        self.wall_seconds += seconds
-        self._stats.add_wait(0.0, 0, loader=loader, loop=seconds)
+            # Also when the loop stops early (break, exception): its time is counted.
+            seconds = time.perf_counter() - start
+            self.wall_seconds += seconds
+            self._stats.add_wait(0.0, 0, loader=loader, loop=seconds)
