@@ -342,6 +342,12 @@ class TFRecordFormat:
             max_workers=16 if remote else 1,
         )
         infos = [(size, stamp) for size, stamp, _ in got]
+        if remote:
+            # An opening reads the files as they are now: what an earlier opening in this
+            # process pinned of them (a dataset re-uploaded since, its index found on
+            # this machine, so not walked again) is taken anew, at the size just asked.
+            for path, (size, _) in zip(files, infos):
+                io_remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
         ctimes = None  # each local file's change time, taken with its size
         if not remote:
             ctimes = np.array([ctime for _, _, ctime in got], np.int64)
