@@ -265,3 +265,26 @@ def test_s3_tfrecord_reuploaded_and_reopened_reads_the_new_version(tmp_path, mot
     first, second, again = upload_and_read(0), upload_and_read(1), upload_and_read(0)
     assert first == again == [f"0000{i:04d}".encode() for i in range(20)]
     assert second == [f"0001{i:04d}".encode() for i in range(20)]
+
+
+def test_s3_parquet_reuploaded_and_reopened_reads_the_new_version(tmp_path, moto_s3):
+    """A Parquet file on S3 read through a shard cache, re-uploaded, and opened again
+    without one: every pin of the file has one key (its path without ``s3://``). The
+    opening pinned the new version under the URL while the source took the old one
+    from the path, and refused the file as changed since it was read from."""
+    client, endpoint = moto_s3
+    client.create_bucket(Bucket="s65-parquet")
+    url = "s3://s65-parquet/p.parquet"
+    options = {"storage_options": {"endpoint_url": endpoint}}
+
+    def upload(gen: int) -> None:
+        path = tmp_path / f"{gen}.parquet"
+        pq.write_table(pa.table({"id": np.arange(40) + 1000 * gen}), path, row_group_size=8)
+        client.upload_file(str(path), "s65-parquet", "p.parquet")
+
+    upload(0)
+    cached = tg.ParquetSource(url, cache_dir=tmp_path / "cache", **options)
+    assert [r["id"] for r in cached.__getitems__([0, 39])] == [0, 39]
+    upload(1)
+    src = tg.ParquetSource(url, **options)
+    assert [r["id"] for r in src.__getitems__([0, 11, 39])] == [1000, 1011, 1039]

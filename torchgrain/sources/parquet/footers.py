@@ -78,9 +78,11 @@ def read_footers(
                     return *footer(f, st.st_size), local_version(st)
             # An opening reads the file as it is now (not against what an earlier
             # opening in this process pinned of it: a file re-uploaded since).
-            with remote.open_input(fs, path, fresh=True) as f:
+            # (keyed as every pin of the file is: the path without its protocol)
+            rpath = fs._strip_protocol(path)
+            with remote.open_input(fs, rpath, url=path, fresh=True) as f:
                 md, schema, raw = footer(f, f.seek(0, io.SEEK_END))
-            size, version = remote.size_and_version(fs, path, url=path)
+            size, version = remote.size_and_version(fs, rpath, url=path)
             # Nothing tells two versions of this file apart: its entries are this
             # opening's own (shared by its workers, never by a later opening).
             unversioned = ("unversioned", opening)

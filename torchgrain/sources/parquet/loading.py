@@ -127,9 +127,12 @@ class RowGroupLoader(ShardedSource):
                 # file are refused), and no size lookup here.
                 # Of the version the dataset's opening read: one a later opening pinned is
                 # refused, not read at the old footer's offsets.
+                # (keyed as every pin of the file is: the path without its protocol)
+                rpath = filesystem._strip_protocol(path)
                 handle = remote.open_input(
                     filesystem,
-                    path,
+                    rpath,
+                    url=path,
                     size=self._identities[shard][1][0],
                     seen=self._held_version(shard),
                 )
@@ -137,7 +140,7 @@ class RowGroupLoader(ShardedSource):
                 if isinstance(raw, remote.RemoteFile):
                     # Column chunks are fetched once, their page headers checked, and
                     # Arrow decodes from the same bytes (StagedInput).
-                    staged = StagedInput(handle, filesystem, path)
+                    staged = StagedInput(handle, filesystem, rpath)
                 source = staged or handle
                 footer = self._checked_footer(shard, source)
             # Arrow reads no footer of its own: the one the dataset's opening read.
