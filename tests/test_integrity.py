@@ -156,8 +156,8 @@ def test_a_tfrecord_changed_after_its_index_was_cached_is_refused(tmp_path, monk
     stamp = tfrecord._size_and_stamp
 
     def old_stamp(*args):
-        size, _, ctime = stamp(*args)
-        return size, f"{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}", ctime
+        size, _, ctime, etag = stamp(*args)
+        return size, f"{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}", ctime, etag
 
     monkeypatch.setattr(tfrecord, "_size_and_stamp", old_stamp)
     src = tg.TFRecordSource(d, codec="raw", index_dir=index)

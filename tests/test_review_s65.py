@@ -10,8 +10,8 @@ An answer of a remote file that carries none of the validators its version was p
 by (a proxy that drops them, a server that names versions otherwise) is refused: it
 could be of a replaced file.
 
-A sampler's pass tells the dataset its epoch when it starts: a mixture another sampler
-moved to a later epoch is read at the pass's own."""
+A ResumableLoader's pass tells the dataset its epoch when it starts: a mixture another
+sampler moved to a later epoch is read at the pass's own."""
 
 from __future__ import annotations
 
@@ -163,15 +163,20 @@ def _mixture() -> tg.Dataset:
     return tg.mix([a, b], [0.5, 0.5], seed=0, stopping="all_exhausted")
 
 
+def _same(record: dict) -> dict:
+    return record
+
+
 def _ids(records: list) -> list:
     return [r["id"] for r in records]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_pass_reads_the_mixture_at_its_own_epoch(workers):
-    """A sampler's pass tells the dataset its epoch when it starts: a new sampler (or a
-    new ResumableLoader) over a mixture another one moved to a later epoch reads epoch
-    0 as a fresh process does, and its saved state resumes to the same records."""
+def test_a_loader_pass_reads_the_mixture_at_its_own_epoch(workers):
+    """A ResumableLoader tells the dataset its epoch as each pass starts: a new one over
+    a mixture another sampler (or the last loader's end of pass) moved to a later epoch,
+    through the same object or another view of it, reads epoch 0 as a fresh process
+    does, and its saved state resumes to the same records."""
 
     def loader(ds):
         sampler = tg.GlobalShuffleSampler(ds, seed=0, num_replicas=1, rank=0)
@@ -188,6 +193,8 @@ def test_a_pass_reads_the_mixture_at_its_own_epoch(workers):
     [ds[i] for i in moved]
     assert list(loader(ds)) == fresh  # (a sampler made before this one moved it)
     assert list(loader(ds)) == fresh  # (the last pass's ResumableLoader set epoch 1)
+    moved.set_epoch(5)
+    assert list(loader(ds.map(_same))) == fresh  # (another view of the mixture)
     first = loader(ds)
     it = iter(first)
     head = [next(it), next(it)]
@@ -288,3 +295,29 @@ def test_s3_parquet_reuploaded_and_reopened_reads_the_new_version(tmp_path, moto
     upload(1)
     src = tg.ParquetSource(url, **options)
     assert [r["id"] for r in src.__getitems__([0, 11, 39])] == [1000, 1011, 1039]
+
+
+def test_an_s3_tfrecord_source_opened_before_a_reupload_refuses_the_new_file(tmp_path, moto_s3):
+    """A source opened (its index found on this machine) but not read before the file is
+    replaced by one of its size and frames refuses it, as one that read before does:
+    its opening pinned the ETag its index describes, not the size alone."""
+    client, endpoint = moto_s3
+    client.create_bucket(Bucket="s65-opened")
+    url = "s3://s65-opened/t.tfrecord"
+    kw = {"storage_options": {"endpoint_url": endpoint}, "index_dir": tmp_path / "ix"}
+
+    def upload(gen: int) -> None:
+        path = tmp_path / f"{gen}.tfrecord"
+        write_tfrecord([f"{gen:04d}{i:04d}".encode() for i in range(20)], str(path))
+        client.upload_file(str(path), "s65-opened", "t.tfrecord")
+
+    upload(0)
+    read = tg.TFRecordSource(url, codec="raw", **kw)
+    assert read[0]["bytes"] == b"00000000"
+    opened = tg.TFRecordSource(url, codec="raw", **kw)  # (its index found: nothing read)
+    upload(1)
+    new = tg.TFRecordSource(url, codec="raw", **kw)
+    for old in (opened, read):
+        with pytest.raises(tg.RemoteIOError, match=r"t\.tfrecord"):
+            old.__getitems__([0, 2])
+    assert [r["bytes"] for r in new.__getitems__([0, 2])] == [b"00010000", b"00010002"]

@@ -244,8 +244,8 @@ def test_a_compressed_stream_other_than_counted_is_an_error_not_fewer_records(
     stamp = tfrecord._size_and_stamp
 
     def old_stamp(*args):
-        size, _, ctime = stamp(*args)
-        return size, f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", ctime
+        size, _, ctime, etag = stamp(*args)
+        return size, f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", ctime, etag
 
     monkeypatch.setattr(tfrecord, "_size_and_stamp", old_stamp)
     src = tg.TFRecordSource(str(d), codec="raw", index_dir=str(ix))

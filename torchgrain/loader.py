@@ -255,11 +255,16 @@ class ResumableLoader:
         if loader.num_workers > 0:
             iterator._shutdown_workers()
 
-    def _tell_dataset(self) -> None:
-        """The sampler's epoch to the loader's dataset, when the sampler does not tell it."""
+    def _tell_dataset(self, *, pass_start: bool = False) -> None:
+        """The sampler's epoch to the loader's dataset, when the sampler does not tell it;
+        as a pass starts, to the sampler's dataset too: the pass reads at the loader's
+        epoch, not at one another sampler over the same data (or another loader's last
+        pass, which moves it to the next epoch) left it at."""
         dataset = getattr(self.loader, "dataset", None)
         if dataset is not self.sampler.dataset and isinstance(dataset, SetsEpoch):
             dataset.set_epoch(self.sampler.epoch)
+        if pass_start and isinstance(self.sampler.dataset, SetsEpoch):
+            self.sampler.dataset.set_epoch(self.sampler.epoch)
 
     # -- state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -356,7 +361,7 @@ class _Pass(Iterator[Any]):
             raise StopIteration
         if self.it is None:  # (the pass starts at its first next(), as a generator's)
             owner._taken = 0
-            owner._tell_dataset()
+            owner._tell_dataset(pass_start=True)
             self.it = iter(owner.loader)
         try:
             batch = next(self.it)

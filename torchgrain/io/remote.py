@@ -48,6 +48,7 @@ from torchgrain.io.responses import (
     Pin,
     RangeAnswerError,
     ResponseSizeError,
+    check_file_answer,
     differ,
     pinned,
     read_capped,
@@ -570,10 +571,29 @@ def size_and_version(
         >>> size, version is not None
         (3, True)
     """
+    size, version, _ = size_version_and_etag(fs, path, url=url)
+    return size, version
+
+
+def size_version_and_etag(
+    fs: fsspec.AbstractFileSystem, path: str, *, url: str | None = None
+) -> tuple[int, str | None, str | None]:
+    """:func:`size_and_version`, and the ``ETag`` the store gives (None: none), from the
+    same ``info`` request.
+
+    Example:
+        >>> import fsspec
+        >>> fs = fsspec.filesystem("memory")
+        >>> fs.pipe("/c/e", b"abc")
+        >>> size_version_and_etag(fs, "/c/e")[0]
+        3
+    """
     label = url or path
     info = _lookup(fs, "info", path, label, "size and version lookup")
     size = _checked_size(info.get("size"), label)
-    return size, next((str(info[k]) for k in _VERSION_KEYS if info.get(k)), None)
+    version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k)), None)
+    etag = info.get("ETag") or info.get("etag")
+    return size, version, str(etag) if etag else None
 
 
 # What names a version of a remote file in fsspec's info, the most specific first
@@ -595,6 +615,24 @@ def pin(fs: fsspec.AbstractFileSystem, path: str, size: int | None, *, fresh: bo
     """
     if isinstance(fs, AsyncFileSystem):
         _pin(path, size, fresh=fresh)
+
+
+def pin_opened(
+    fs: fsspec.AbstractFileSystem, path: str, size: int, etag: str | None = None
+) -> None:
+    """Pin remote ``path`` anew as a dataset's opening found it now (see :func:`pin`):
+    its size and, where the store gave one, its ``ETag``, so that a reader of what the
+    opening indexed refuses an answer of a file replaced since, even one of its size.
+    Local and in-memory files are left alone.
+
+    Example:
+        >>> import fsspec
+        >>> pin_opened(fsspec.filesystem("memory"), "/c/o", 3, '"v1"')
+    """
+    if isinstance(fs, AsyncFileSystem):
+        _pin(path, size, fresh=True)
+        if etag:
+            check_file_answer(path, size, etag, None, complete=False)
 
 
 def unchanged_since(fs: fsspec.AbstractFileSystem, path: str, seen: tuple | None) -> tuple | None:

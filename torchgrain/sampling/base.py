@@ -27,12 +27,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import operator
 import reprlib
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -81,10 +79,6 @@ _UNSET = object()
 _DIGESTS = ("dataset_files", "dataset_checksums", "dataset_compositions")
 
 
-# The sampler that last told each dataset its epoch (a weak reference).
-_TELLERS: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
-
-
 class ResumableSampler(DistributedSampler):
     """The base of every torchgrain sampler: world, split, padding, iteration, state
     and (elastic) resume. A subclass gives the order (:meth:`epoch_order`) and, when it
@@ -117,9 +111,7 @@ class ResumableSampler(DistributedSampler):
 
     Args:
         dataset_or_length: a sized dataset, or its length as an int. A dataset that
-            is :class:`~torchgrain.protocols.SetsEpoch` is told the epoch (at
-            ``set_epoch``, a load, and as a pass starts when another sampler told it
-            since); one that
+            is :class:`~torchgrain.protocols.SetsEpoch` is told the epoch; one that
             :class:`~torchgrain.protocols.ReadsAhead` gets each pass's order.
         num_replicas, rank, shuffle, seed, drop_last, pad: as for
             :class:`~torchgrain.GlobalShuffleSampler`; ``shuffle=False`` replaces the
@@ -457,15 +449,8 @@ class ResumableSampler(DistributedSampler):
         """The epoch, said out loud (the same one again too: no warning of a repeated
         pass), reaches the dataset."""
         self._pass_key = None
-        self._tell_epoch()
-
-    def _tell_epoch(self) -> None:
-        """Tell the dataset this sampler's epoch, and that this sampler told it."""
-        ds = self.dataset
-        if isinstance(ds, SetsEpoch):
-            ds.set_epoch(self.epoch)
-            with contextlib.suppress(TypeError):  # (a dataset no weak key can name)
-                _TELLERS[ds] = weakref.ref(self)
+        if isinstance(self.dataset, SetsEpoch):
+            self.dataset.set_epoch(self.epoch)
 
     def __iter__(self) -> Iterator[int]:
         # chain() hands out the ints of each chunk's list iterator at C speed; the
@@ -478,18 +463,6 @@ class ResumableSampler(DistributedSampler):
         # loading state) do not consume a pending resume position.
         self._note_driver(pass_start=True)
         self._check_pass_start()
-        if isinstance(self.dataset, SetsEpoch):
-            # A dataset another sampler told its epoch since this one did (a sampler made
-            # before this one, a finished pass's next epoch) is told this pass's: a
-            # mixture reads its positions at the dataset's epoch (shared with the
-            # workers: set before any of the pass's indices reach them). One set by
-            # hand (ds.set_epoch) is left as set.
-            try:
-                told = _TELLERS.get(self.dataset)
-            except TypeError:
-                told = None
-            if told is not None and told() is not self:
-                self._tell_epoch()
         world = self._world()
         if self._loaded is not None:
             layout, start = self._resume_layout(self._loaded, world)

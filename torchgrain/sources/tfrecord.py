@@ -341,16 +341,17 @@ class TFRecordFormat:
             len(files),
             max_workers=16 if remote else 1,
         )
-        infos = [(size, stamp) for size, stamp, _ in got]
+        infos = [(size, stamp) for size, stamp, _, _ in got]
         if remote:
             # An opening reads the files as they are now: what an earlier opening in this
             # process pinned of them (a dataset re-uploaded since, its index found on
-            # this machine, so not walked again) is taken anew, at the size just asked.
-            for path, (size, _) in zip(files, infos):
-                io_remote.pin(fs, fs._strip_protocol(path), size, fresh=True)
+            # this machine, so not walked again) is taken anew, at the size and ETag just
+            # asked (what its index describes: a reader refuses another version).
+            for path, (size, _, _, etag) in zip(files, got):
+                io_remote.pin_opened(fs, fs._strip_protocol(path), size, etag)
         ctimes = None  # each local file's change time, taken with its size
         if not remote:
-            ctimes = np.array([ctime for _, _, ctime in got], np.int64)
+            ctimes = np.array([ctime for _, _, ctime, _ in got], np.int64)
             ctimes.setflags(write=False)
 
         def offsets_of(i: int) -> Iterable[np.ndarray]:
@@ -681,20 +682,23 @@ def _codec_and_first(
 # ------------------------------------------------------------------ offset index
 def _size_and_stamp(
     fs: fsspec.AbstractFileSystem, path: str, shard: int, remote: bool
-) -> tuple[int, str, int]:
+) -> tuple[int, str, int, str | None]:
     """A file's size, what tells its versions apart (its modification and change times
     and inode: a file rewritten in place with its size and modification time put back,
     as ``rsync --inplace -t`` does, has another change time; or the store's version or
     ETag, "" where a server gives none) and a local file's change time (0 for a remote
-    one)."""
+    one) and a remote one's ETag (None where the store gives none)."""
     try:
         if not remote:
             st = os.stat(path)
-            return st.st_size, f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}", st.st_ctime_ns
-        size, version = io_remote.size_and_version(fs, fs._strip_protocol(path), url=path)
+            stamp = f"{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}"
+            return st.st_size, stamp, st.st_ctime_ns, None
+        size, version, etag = io_remote.size_version_and_etag(
+            fs, fs._strip_protocol(path), url=path
+        )
     except FileNotFoundError:
         raise DatasetNotFoundError(f"TFRecord shard {shard} {path!r} does not exist") from None
-    return size, version or "", 0
+    return size, version or "", 0, etag
 
 
 def _remote_walk(
